@@ -1,0 +1,3 @@
+from dtrain.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,409 @@
+"""The public collectives: torch.distributed-like functions that run our own algorithms.
+
+Every call checks its arguments on this rank before a byte is sent, lays the tensors out as the schedule's
+flat work buffer (see :mod:`dtrain.comm.schedule`), runs the schedule through the torch.distributed
+point-to-point transport, and copies the result back where it belongs. ``algorithm="native"`` hands the call
+to torch.distributed; ``algorithm="auto"`` asks the cost model for the fastest of ours.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from dtrain.comm import algorithms as registry
+from dtrain.comm import native
+from dtrain.comm.runtime import REDUCE_OPS, run_schedule
+from dtrain.comm.schedule import Collective
+from dtrain.comm.transport import TorchP2PTransport
+
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "scan",
+    "barrier",
+    "algorithms",
+    "set_local_size",
+    "SUPPORTED_DTYPES",
+    "OPS",
+]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+OPS = tuple(REDUCE_OPS)
+_REDUCING = {Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER, Collective.SCAN}
+_LOCAL_SIZES: dict[object, int] = {}
+
+
+def algorithms(collective: str) -> list[str]:
+    """Names ``algorithm=`` accepts for ``collective``: "auto", "native", then ours."""
+    return registry.accepted(collective)
+
+
+def set_local_size(local_size: int | None, group: dist.ProcessGroup | None = None) -> None:
+    """Declare how many consecutive ranks of ``group`` share a node (for hierarchical algorithms).
+
+    For the world group it defaults to torchrun's ``LOCAL_WORLD_SIZE``; ``None`` forgets the setting.
+    """
+    if local_size is not None and (not isinstance(local_size, int) or local_size < 1):
+        raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
+    key = _group_key(group)
+    if local_size is None:
+        _LOCAL_SIZES.pop(key, None)
+    else:
+        _LOCAL_SIZES[key] = local_size
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _group_key(group: dist.ProcessGroup | None) -> object:
+    return None if group is None or group is dist.group.WORLD else group
+
+
+def _group_info(group: dist.ProcessGroup | None, what: str) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise ValueError(f"{what}: torch.distributed is not initialized (call init_process_group first)")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of the group")
+    return rank, dist.get_world_size(group)
+
+
+def _check_tensor(t: object, name: str, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        known = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise ValueError(f"{what}: {name} has dtype {t.dtype}; supported: {known}")
+    return t
+
+
+def _check_op(op: str, dtype: torch.dtype, what: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{what}: unknown op {op!r}; known: {', '.join(OPS)}")
+    if op == "avg" and not dtype.is_floating_point:
+        raise ValueError(f"{what}: op 'avg' needs a floating dtype, got {dtype}")
+
+
+def _check_root(root: int, world: int, name: str, what: str) -> None:
+    if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < world:
+        raise ValueError(f"{what}: {name}={root!r} is outside the group's ranks 0..{world - 1}")
+
+
+def _check_pair(out: torch.Tensor, inp: torch.Tensor, out_numel: int, what: str) -> None:
+    if out.dtype != inp.dtype:
+        raise ValueError(f"{what}: output dtype {out.dtype} differs from input dtype {inp.dtype}")
+    if out.device != inp.device:
+        raise ValueError(f"{what}: output is on {out.device} but input is on {inp.device}")
+    if out.numel() != out_numel:
+        raise ValueError(f"{what}: output has {out.numel()} elements, expected {out_numel}")
+
+
+def _check_algorithm(coll: Collective, algorithm: str, world: int, group, what: str) -> int | None:
+    known = algorithms(coll.value)
+    if algorithm not in known:
+        raise ValueError(f"{what}: unknown algorithm {algorithm!r}; known: {', '.join(known)}")
+    local_size = _local_size(group, world)
+    if registry.needs_local_size(algorithm) and (local_size is None or world % local_size):
+        raise ValueError(
+            f"{what}: algorithm {algorithm!r} needs the node size: set LOCAL_WORLD_SIZE (torchrun does) "
+            f"or call comm.set_local_size(n, group) with n dividing the group size {world}; got {local_size}"
+        )
+    return local_size
+
+
+def _local_size(group, world: int) -> int | None:
+    key = _group_key(group)
+    if key in _LOCAL_SIZES:
+        return _LOCAL_SIZES[key]
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if key is None and env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+
+def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device, local_size):
+    if algorithm != "auto":
+        return algorithm
+    from dtrain.comm import cost
+
+    params = _params(device.type)
+    usable = local_size if local_size and world % local_size == 0 and 1 < local_size < world else None
+    candidates = [a for a in registry.names(coll) if usable or not registry.needs_local_size(a)]
+    return cost.choose(coll, nbytes, world, params, candidates=candidates, local_size=usable)
+
+
+@lru_cache(maxsize=4)
+def _params(device_type: str):
+    from dtrain.comm import cost
+
+    return cost.load_params(device=device_type) or cost.default_params(device_type)
+
+
+def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device) -> int:
+    """Pieces for a pipelined chain: sqrt((p-2) n beta / alpha) minimises (P + p - 2)(alpha + n beta / P)."""
+    if algorithm != "ring" or coll not in (Collective.BROADCAST, Collective.REDUCE) or world < 3:
+        return 1
+    link = _params(device.type).intra
+    best = math.sqrt((world - 2) * nbytes * link.beta_s_per_byte / max(link.alpha_s, 1e-12))
+    return int(min(64, max(1, round(best))))
+
+
+def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> None:
+    world = dist.get_world_size(group)
+    nbytes = work.numel() * work.element_size()
+    pipeline = _pipeline(coll, algorithm, world, nbytes, work.device)
+    schedule = registry.build(
+        coll,
+        algorithm,
+        world,
+        root=root,
+        pipeline=pipeline,
+        local_size=local_size if registry.needs_local_size(algorithm) else None,
+    )
+    transport = TorchP2PTransport(group)
+    run_schedule(schedule, work, transport, op, global_rank=transport.global_rank)
+
+
+def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A flat contiguous view of ``t``, or a copy when there is none; the flag says it is a copy."""
+    if t.is_contiguous():
+        return t.view(-1), False
+    return t.contiguous().view(-1), True
+
+
+def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: torch.Tensor, what: str):
+    rank, world = _group_info(group, what)
+    local_size = _check_algorithm(coll, algorithm, world, group, what)
+    chosen = _resolve(coll, algorithm, world, work_numel * like.element_size(), like.device, local_size)
+    return rank, world, chosen, local_size
+
+
+# ---------------------------------------------------------------------------------------------- the API
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
+    """Reduce ``tensor`` over the group; every rank ends with the result, in place."""
+    what = "all_reduce"
+    _check_tensor(tensor, "tensor", what)
+    _check_op(op, tensor.dtype, what)
+    rank, world, chosen, local = _prepare(
+        Collective.ALL_REDUCE, algorithm, group, tensor.numel(), tensor, what
+    )
+    if chosen == "native":
+        return native.all_reduce(tensor, op, group)
+    work, copied = _flat_work(tensor)
+    _run(Collective.ALL_REDUCE, chosen, work, group, op, local_size=local)
+    if op == "avg":
+        work.div_(world)
+    if copied:
+        tensor.copy_(work.view(tensor.shape))
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto") -> torch.Tensor:
+    """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank, in place."""
+    what = "broadcast"
+    _check_tensor(tensor, "tensor", what)
+    rank, world, chosen, local = _prepare(
+        Collective.BROADCAST, algorithm, group, tensor.numel(), tensor, what
+    )
+    _check_root(src, world, "src", what)
+    if chosen == "native":
+        return native.broadcast(tensor, src, group)
+    work, copied = _flat_work(tensor)
+    _run(Collective.BROADCAST, chosen, work, group, root=src, local_size=local)
+    if copied:
+        tensor.copy_(work.view(tensor.shape))
+    return tensor
+
+
+def reduce(
+    tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorithm: str = "auto"
+) -> torch.Tensor:
+    """Reduce ``tensor`` over the group into ``tensor`` of rank ``dst``; other ranks' tensors are untouched."""
+    what = "reduce"
+    _check_tensor(tensor, "tensor", what)
+    _check_op(op, tensor.dtype, what)
+    rank, world, chosen, local = _prepare(Collective.REDUCE, algorithm, group, tensor.numel(), tensor, what)
+    _check_root(dst, world, "dst", what)
+    if chosen == "native":
+        return native.reduce(tensor, dst, op, group)
+    if rank == dst:
+        work, copied = _flat_work(tensor)
+    else:  # partial sums pass through non-root ranks: keep the caller's tensor intact
+        work, copied = tensor.reshape(-1).clone(), False
+    _run(Collective.REDUCE, chosen, work, group, op, root=dst, local_size=local)
+    if rank == dst:
+        if op == "avg":
+            work.div_(world)
+        if copied:
+            tensor.copy_(work.view(tensor.shape))
+    return tensor
+
+
+def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
+    """Inclusive prefix reduction over ranks: rank r ends with op(x_0, ..., x_r), in place.
+
+    ``avg`` gives the mean of the prefix, op(x_0..x_r) / (r + 1).
+    """
+    what = "scan"
+    _check_tensor(tensor, "tensor", what)
+    _check_op(op, tensor.dtype, what)
+    rank, world, chosen, local = _prepare(Collective.SCAN, algorithm, group, tensor.numel(), tensor, what)
+    if chosen == "native":
+        return native.scan(tensor, op, group)
+    work, copied = _flat_work(tensor)
+    _run(Collective.SCAN, chosen, work, group, op, local_size=local)
+    if op == "avg":
+        work.div_(rank + 1)
+    if copied:
+        tensor.copy_(work.view(tensor.shape))
+    return tensor
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto"
+) -> torch.Tensor:
+    """Every rank's ``input`` concatenated rank-major into every rank's ``output``."""
+    what = "all_gather"
+    _check_tensor(input, "input", what)
+    _check_tensor(output, "output", what)
+    rank, world = _group_info(group, what)
+    _check_pair(output, input, world * input.numel(), what)
+    rank, world, chosen, local = _prepare(
+        Collective.ALL_GATHER, algorithm, group, output.numel(), output, what
+    )
+    if chosen == "native":
+        return native.all_gather(output, input, group)
+    work, copied = _flat_work(output)
+    m = input.numel()
+    work[rank * m : (rank + 1) * m].copy_(input.reshape(-1))
+    _run(Collective.ALL_GATHER, chosen, work, group, local_size=local)
+    if copied:
+        output.copy_(work.view(output.shape))
+    return output
+
+
+def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=None, algorithm: str = "auto"):
+    """Every rank's ``input`` concatenated rank-major into ``output`` of rank ``dst`` (None elsewhere)."""
+    what = "gather"
+    _check_tensor(input, "input", what)
+    rank, world = _group_info(group, what)
+    _check_root(dst, world, "dst", what)
+    if rank == dst:
+        _check_tensor(output, "output", what)
+        _check_pair(output, input, world * input.numel(), what)
+    rank, world, chosen, local = _prepare(
+        Collective.GATHER, algorithm, group, world * input.numel(), input, what
+    )
+    if chosen == "native":
+        return native.gather(output, input, dst, group)
+    m = input.numel()
+    if rank == dst:
+        work, copied = _flat_work(output)
+    else:
+        work, copied = torch.empty(world * m, dtype=input.dtype, device=input.device), False
+    work[rank * m : (rank + 1) * m].copy_(input.reshape(-1))
+    _run(Collective.GATHER, chosen, work, group, root=dst, local_size=local)
+    if copied:
+        output.copy_(work.view(output.shape))
+    return output
+
+
+def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group=None, algorithm: str = "auto"):
+    """Block r of ``input`` on rank ``src`` (rank-major, ``world`` equal blocks) into ``output`` of rank r."""
+    what = "scatter"
+    _check_tensor(output, "output", what)
+    rank, world = _group_info(group, what)
+    _check_root(src, world, "src", what)
+    if rank == src:
+        _check_tensor(input, "input", what)
+        _check_pair(input, output, world * output.numel(), what)
+    m = output.numel()
+    rank, world, chosen, local = _prepare(Collective.SCATTER, algorithm, group, world * m, output, what)
+    if chosen == "native":
+        return native.scatter(output, input, src, group)
+    if rank == src:
+        work = input.reshape(-1).clone()
+    else:
+        work = torch.empty(world * m, dtype=output.dtype, device=output.device)
+    _run(Collective.SCATTER, chosen, work, group, root=src, local_size=local)
+    output.copy_(work[rank * m : (rank + 1) * m].view(output.shape))
+    return output
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None, algorithm: str = "auto"
+) -> torch.Tensor:
+    """Reduce ``input`` over the group; rank r keeps block r of the result in ``output``."""
+    what = "reduce_scatter"
+    _check_tensor(input, "input", what)
+    _check_tensor(output, "output", what)
+    _check_op(op, input.dtype, what)
+    rank, world = _group_info(group, what)
+    _check_pair(input, output, world * output.numel(), what)
+    coll = Collective.REDUCE_SCATTER
+    rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
+    if chosen == "native":
+        return native.reduce_scatter(output, input, op, group)
+    work = input.reshape(-1).clone()
+    _run(coll, chosen, work, group, op, local_size=local)
+    m = output.numel()
+    mine = work[rank * m : (rank + 1) * m]
+    if op == "avg":
+        mine.div_(world)
+    output.copy_(mine.view(output.shape))
+    return output
+
+
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto"
+) -> torch.Tensor:
+    """Block j of rank i's ``input`` lands in block i of rank j's ``output`` (equal blocks, rank-major)."""
+    what = "all_to_all"
+    _check_tensor(input, "input", what)
+    _check_tensor(output, "output", what)
+    rank, world = _group_info(group, what)
+    _check_pair(output, input, input.numel(), what)
+    if input.numel() % world:
+        raise ValueError(
+            f"all_to_all: input has {input.numel()} elements, not a multiple of the group size {world}"
+        )
+    coll = Collective.ALL_TO_ALL
+    rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
+    if chosen == "native":
+        return native.all_to_all(output, input, group)
+    work = input.reshape(-1).clone()
+    _run(coll, chosen, work, group, local_size=local)
+    output.copy_(work.view(output.shape))
+    return output
+
+
+def barrier(group=None) -> None:
+    """Return only once every rank of the group has entered the barrier (dissemination algorithm)."""
+    rank, world = _group_info(group, "barrier")
+    token = torch.ones(1, dtype=torch.int32, device=_barrier_device(group))
+    _run(Collective.BARRIER, "dissemination", token, group, "max")
+    if token.is_cuda:
+        torch.cuda.current_stream().synchronize()
+
+
+def _barrier_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,128 @@
+"""``algorithm="native"``: the same collectives handed to torch.distributed (NCCL, Gloo, MPI).
+
+torch.distributed has no scan and Gloo has no ``avg``: those are built here from what the backend has
+(an all-gather then a local prefix; a sum then a division), so "native" accepts every call the API does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "scan",
+]
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def _in_place(tensor: torch.Tensor, fn) -> torch.Tensor:
+    """Run ``fn`` on a contiguous stand-in for ``tensor`` and copy back if one was needed."""
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    fn(work)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def all_reduce(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
+    def run(t: torch.Tensor) -> None:
+        dist.all_reduce(t, _OPS[op], group=group)
+        if op == "avg":
+            t.div_(dist.get_world_size(group))
+
+    return _in_place(tensor, run)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
+    return _in_place(tensor, lambda t: dist.broadcast(t, _global(group, src), group=group))
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: str, group) -> torch.Tensor:
+    rank = dist.get_rank(group)
+    work = tensor.contiguous().clone() if rank != dst else tensor
+
+    def run(t: torch.Tensor) -> None:
+        dist.reduce(t, _global(group, dst), _OPS[op], group=group)
+        if op == "avg" and rank == dst:
+            t.div_(dist.get_world_size(group))
+
+    _in_place(work, run)
+    return tensor
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
+    return _in_place(
+        output, lambda o: dist.all_gather_into_tensor(o.view(-1), input.contiguous().view(-1), group=group)
+    )
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group) -> torch.Tensor:
+    def run(o: torch.Tensor) -> None:
+        dist.reduce_scatter_tensor(o.view(-1), input.contiguous().view(-1), _OPS[op], group=group)
+        if op == "avg":
+            o.div_(dist.get_world_size(group))
+
+    return _in_place(output, run)
+
+
+def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flat = input.contiguous().view(-1)
+    parts = [torch.empty_like(flat) for _ in range(world)] if rank == dst else None
+    dist.gather(flat, parts, dst=_global(group, dst), group=group)
+    if rank == dst:
+        output.copy_(torch.cat(parts).view(output.shape))
+    return output
+
+
+def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group) -> torch.Tensor:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = list(input.contiguous().view(-1).chunk(world)) if rank == src else None
+    return _in_place(output, lambda o: dist.scatter(o.view(-1), parts, src=_global(group, src), group=group))
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
+    return _in_place(
+        output, lambda o: dist.all_to_all_single(o.view(-1), input.contiguous().view(-1), group=group)
+    )
+
+
+def scan(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flat = tensor.contiguous().view(-1)
+    everyone = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+    dist.all_gather_into_tensor(everyone, flat, group=group)
+    rows = everyone.view(world, -1)[: rank + 1]
+    if op in ("sum", "avg"):
+        result = rows.sum(0, dtype=flat.dtype)
+    elif op == "prod":
+        result = rows.prod(0, dtype=flat.dtype)
+    elif op == "max":
+        result = rows.amax(0)
+    else:
+        result = rows.amin(0)
+    if op == "avg":
+        result = result / (rank + 1)
+    tensor.copy_(result.view(tensor.shape))
+    return tensor
+
+
+def _global(group, group_rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)

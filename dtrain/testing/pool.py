@@ -1,0 +1,155 @@
+"""A pool of real Gloo processes, started once and given many jobs: the way multi-process tests stay quick.
+
+Starting a process that imports torch and joins a process group costs seconds; a test suite that did it per
+test would spend its time there. The pool starts ``world_size`` processes once, each joins the Gloo group
+and builds subgroups of the first 2, 3, ... ranks, then runs jobs (``"module:function"`` plus arguments) on
+the ranks a caller names and hands back each rank's result or traceback.
+
+The jobs travel over multiprocessing pipes between processes of this one test run on one machine; nothing
+here listens on a network beyond the loopback rendezvous of torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ProcessPool", "JobError", "group_of", "world_group_size"]
+
+_GROUPS: dict[int, object] = {}
+
+
+def group_of(size: int):
+    """Inside a worker: the process group of ranks 0..size-1 (the world group for the full size)."""
+    return _GROUPS[size]
+
+
+def world_group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+class JobError(RuntimeError):
+    """A job raised on one or more ranks; the message holds their tracebacks."""
+
+
+@dataclass(frozen=True)
+class _Job:
+    job_id: int
+    target: str
+    args: tuple
+    kwargs: dict
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, sizes: Sequence[int], jobs, results, timeout_s: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    for size in sizes:  # every rank takes part in building every subgroup, in the same order
+        _GROUPS[size] = dist.group.WORLD if size == world else dist.new_group(list(range(size)))
+    results.put(("ready", rank, None))
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        try:
+            module, name = job.target.split(":")
+            fn = getattr(importlib.import_module(module), name)
+            results.put((job.job_id, rank, ("ok", fn(*job.args, **job.kwargs))))
+        except BaseException:  # noqa: BLE001  (a job's failure is reported, the worker lives on)
+            results.put((job.job_id, rank, ("error", traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class ProcessPool:
+    """``world_size`` spawned processes in one Gloo group, running jobs on demand."""
+
+    def __init__(self, world_size: int, *, sizes: Sequence[int] = (), timeout_s: float = 60.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._next_id = 0
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = _free_port()
+        all_sizes = sorted({*sizes, world_size})
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, all_sizes, self._jobs[r], self._results, timeout_s),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        ready = set()
+        while len(ready) < world_size:
+            tag, rank, _ = self._get(timeout_s * 2, "start-up")
+            if tag == "ready":
+                ready.add(rank)
+
+    def _get(self, timeout_s: float, what: str):
+        try:
+            return self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            raise JobError(f"{what}: no answer within {timeout_s:.0f} s (dead workers: {dead})") from None
+
+    def run(self, target: str, *args, ranks: int | Sequence[int] | None = None, **kwargs) -> list:
+        """Run ``target`` ("module:function") on ``ranks`` (a count n means 0..n-1); results by rank."""
+        if ranks is None:
+            ranks = range(self.world_size)
+        elif isinstance(ranks, int):
+            ranks = range(ranks)
+        ranks = list(ranks)
+        self._next_id += 1
+        job = _Job(self._next_id, target, args, kwargs)
+        for r in ranks:
+            self._jobs[r].put(job)
+        answers: dict[int, tuple] = {}
+        while len(answers) < len(ranks):
+            job_id, rank, answer = self._get(self.timeout_s, target)
+            if job_id == job.job_id:
+                answers[rank] = answer
+        errors = [f"--- rank {r} ---\n{a[1]}" for r, a in sorted(answers.items()) if a[0] == "error"]
+        if errors:
+            raise JobError(f"{target} failed:\n" + "\n".join(errors))
+        return [answers[r][1] for r in ranks]
+
+    def close(self) -> None:
+        for q in self._jobs:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def __enter__(self) -> ProcessPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

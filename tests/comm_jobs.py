@@ -1,0 +1,231 @@
+"""Jobs the process pool runs for the collective tests: call dtrain.comm, compare with a reference.
+
+Each rank makes every rank's input from a seed, so it can compute the expected result by itself in float64
+(the single-process reference); for float32 data the same call through torch.distributed is compared too.
+Inputs are small integers, so sums, products, maxima and minima are exact in every dtype, float16 and
+bfloat16 included, and results must match exactly; ``avg`` and random float data compare with a tolerance.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from dtrain import comm
+from dtrain.testing.pool import group_of
+
+ALL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+REDUCING = ("all_reduce", "reduce", "reduce_scatter", "scan")
+BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all")
+
+
+def _input(rank: int, numel: int, dtype: torch.dtype, seed: int, op: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    if op == "prod":  # keep products small and exact: factors in {-1, 1, 2}
+        values = torch.tensor([-1, 1, 2])[torch.randint(0, 3, (numel,), generator=g)]
+    else:
+        values = torch.randint(-4, 5, (numel,), generator=g)
+    return values.to(dtype)
+
+
+def _combine(rows: torch.Tensor, op: str) -> torch.Tensor:
+    if op in ("sum", "avg"):
+        out = rows.sum(0)
+        return out / rows.shape[0] if op == "avg" else out
+    if op == "prod":
+        return rows.prod(0)
+    return rows.amax(0) if op == "max" else rows.amin(0)
+
+
+def _strided(values: torch.Tensor, contiguous: bool) -> torch.Tensor:
+    """``values`` itself, or an equal non-contiguous view (every other element of a bigger tensor)."""
+    if contiguous:
+        return values.clone()
+    holder = torch.zeros(values.numel(), 2, dtype=values.dtype)
+    holder[:, 0] = values
+    return holder[:, 0]
+
+
+def _expected(coll: str, inputs: list[torch.Tensor], rank: int, op: str, root: int) -> torch.Tensor | None:
+    world = len(inputs)
+    rows = torch.stack([x.double() for x in inputs])  # (world, numel)
+    if coll == "all_reduce" or (coll == "reduce" and rank == root):
+        return _combine(rows, op)
+    if coll == "reduce":
+        return inputs[rank].double()  # other ranks' tensors stay as they were
+    if coll == "broadcast":
+        return rows[root]
+    if coll == "scan":
+        return _combine(rows[: rank + 1], op)
+    if coll == "all_gather" or (coll == "gather" and rank == root):
+        return rows.reshape(-1)
+    if coll == "reduce_scatter":
+        return _combine(rows, op).reshape(world, -1)[rank]
+    if coll == "scatter":
+        return rows[root].reshape(world, -1)[rank]
+    if coll == "all_to_all":
+        return rows.reshape(world, world, -1)[:, rank].reshape(-1)
+    return None
+
+
+def _call(coll: str, inp: torch.Tensor, rank: int, world: int, op: str, root: int, group, algorithm: str):
+    """Run one collective; return the tensor that holds this rank's result."""
+    m = inp.numel()
+    if coll in ("all_reduce", "scan"):
+        getattr(comm, coll)(inp, op=op, group=group, algorithm=algorithm)
+        return inp
+    if coll == "reduce":
+        comm.reduce(inp, root, op=op, group=group, algorithm=algorithm)
+        return inp
+    if coll == "broadcast":
+        comm.broadcast(inp, root, group=group, algorithm=algorithm)
+        return inp
+    if coll == "all_gather":
+        out = torch.full((world * m,), -7, dtype=inp.dtype)
+        comm.all_gather(out, inp, group=group, algorithm=algorithm)
+        return out
+    if coll == "gather":
+        out = torch.full((world * m,), -7, dtype=inp.dtype) if rank == root else None
+        comm.gather(out, inp, root, group=group, algorithm=algorithm)
+        return out
+    if coll == "reduce_scatter":
+        out = torch.full((m // world,), -7, dtype=inp.dtype)
+        comm.reduce_scatter(out, inp, op=op, group=group, algorithm=algorithm)
+        return out
+    if coll == "scatter":
+        out = torch.full((m // world,), -7, dtype=inp.dtype)
+        comm.scatter(out, inp if rank == root else None, root, group=group, algorithm=algorithm)
+        return out
+    if coll == "all_to_all":
+        out = torch.full((m,), -7, dtype=inp.dtype)
+        comm.all_to_all(out, inp, group=group, algorithm=algorithm)
+        return out
+    raise ValueError(coll)
+
+
+def _cases(coll: str, world: int):
+    """(dtype, op, contiguous, root) to try: every dtype with one op, every op with float32 and int64."""
+    ops = ("sum", "avg", "prod", "max", "min") if coll in REDUCING else ("sum",)
+    roots = sorted({0, world - 1}) if coll in ("broadcast", "reduce", "gather", "scatter") else [0]
+    cases = [(dtype, "sum", True, roots[-1]) for dtype in ALL_DTYPES]
+    cases += [(dtype, op, True, roots[0]) for op in ops[1:] for dtype in (torch.float32, torch.int64)]
+    cases += [(torch.float32, ops[-1], False, root) for root in roots]
+    return [c for c in cases if not (c[1] == "avg" and not c[0].is_floating_point)]
+
+
+def check_collective(
+    coll: str, algorithm: str, world: int, sizes: list[int], seed: int = 0, local_size: int | None = None
+) -> list[str]:
+    """Every case of ``coll`` with ``algorithm`` on the group of ranks 0..world-1; returns the mismatches.
+
+    ``local_size`` declares that many consecutive ranks a node (for hierarchical algorithms).
+    """
+    group = group_of(world)
+    comm.set_local_size(local_size, group)
+    rank = dist.get_rank(group)
+    problems = []
+    for size in sizes:
+        numel = size * world if coll in BLOCKED else size
+        for dtype, op, contiguous, root in _cases(coll, world):
+            seed += 1
+            inputs = [_input(r, numel, dtype, seed, op) for r in range(world)]
+            mine = _strided(inputs[rank], contiguous)
+            got = _call(coll, mine, rank, world, op, root, group, algorithm)
+            want = _expected(coll, inputs, rank, op, root)
+            if want is None:
+                continue
+            tol = 1e-2 if op == "avg" and dtype in (torch.float16, torch.bfloat16) else 1e-6
+            if not torch.allclose(got.double().reshape(-1), want.reshape(-1), rtol=tol, atol=tol):
+                bad = (got.double().reshape(-1) - want.reshape(-1)).abs().argmax().item()
+                problems.append(
+                    f"{coll}/{algorithm} world={world} size={size} {dtype} op={op} contiguous={contiguous} "
+                    f"root={root}: element {bad} is {got.reshape(-1)[bad].item()} "
+                    f"not {want.reshape(-1)[bad].item()}"
+                )
+    return problems
+
+
+def check_against_native(coll: str, algorithm: str, world: int, size: int, seed: int = 1) -> float:
+    """Ours against torch.distributed on random float32 data; returns the largest relative difference."""
+    group = group_of(world)
+    rank = dist.get_rank(group)
+    numel = size * world if coll in BLOCKED else size
+    g = torch.Generator().manual_seed(seed * 31 + rank)
+    data = torch.randn(numel, generator=g)
+    results = [_call(coll, data.clone(), rank, world, "sum", 0, group, a) for a in (algorithm, "native")]
+    if results[0] is None:
+        return 0.0
+    scale = results[1].abs().max().item() if results[1].numel() else 1.0
+    return (results[0] - results[1]).abs().max().item() / max(scale, 1e-30) if results[0].numel() else 0.0
+
+
+def run_barrier(world: int, late_rank: int, delay_s: float) -> float:
+    """Rank ``late_rank`` enters the barrier ``delay_s`` late; returns when this rank got out."""
+    group = group_of(world)
+    if dist.get_rank(group) == late_rank:
+        time.sleep(delay_s)
+    start = time.monotonic()
+    comm.barrier(group=group)
+    return time.monotonic() - start
+
+
+def missing_peer(coll: str, algorithm: str, timeout_s: float) -> str:
+    """Ranks 0 and 1 form a fresh group with a short timeout; rank 1 never calls the collective."""
+    rank = dist.get_rank()
+    group = dist.new_group(
+        [0, 1], timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True
+    )
+    if rank == 1:
+        return ""
+    t = torch.ones(8)
+    start = time.monotonic()
+    try:
+        if coll == "broadcast":
+            comm.broadcast(t, 1, group=group, algorithm=algorithm)
+        else:
+            comm.all_reduce(t, group=group, algorithm=algorithm)
+    except comm.CommTimeoutError as err:
+        return f"{time.monotonic() - start:.1f}|{err}"
+    return "no error"
+
+
+def bad_input(case: str) -> str:
+    """Call with bad local input on one rank alone (nothing may be sent); return the error text."""
+    group = group_of(2)
+    calls = {
+        "op": lambda: comm.all_reduce(torch.ones(4), op="mean", group=group),
+        "avg_int": lambda: comm.all_reduce(torch.ones(4, dtype=torch.int32), op="avg", group=group),
+        "algorithm": lambda: comm.all_reduce(torch.ones(4), group=group, algorithm="butterfly"),
+        "src": lambda: comm.broadcast(torch.ones(4), 5, group=group),
+        "dst": lambda: comm.reduce(torch.ones(4), -1, group=group),
+        "all_gather_size": lambda: comm.all_gather(torch.empty(7), torch.ones(4), group=group),
+        "dtype_mismatch": lambda: comm.all_gather(
+            torch.empty(8, dtype=torch.float64), torch.ones(4), group=group
+        ),
+        "reduce_scatter_size": lambda: comm.reduce_scatter(torch.empty(3), torch.ones(4), group=group),
+        "all_to_all_size": lambda: comm.all_to_all(torch.empty(3), torch.ones(3), group=group),
+        "dtype": lambda: comm.all_reduce(torch.ones(4, dtype=torch.complex64), group=group),
+        "not_tensor": lambda: comm.all_reduce([1.0, 2.0], group=group),
+        "hierarchical_no_nodes": lambda: comm.all_reduce(
+            torch.ones(4), group=group, algorithm="hierarchical"
+        ),
+        "scatter_input": lambda: comm.scatter(torch.empty(2), torch.ones(5), 0, group=group),
+    }
+    before = torch.ones(4)
+    try:
+        calls[case]()
+    except ValueError as err:
+        assert torch.equal(before, torch.ones(4))
+        return str(err)
+    return "no error"
+
+
+def after_bad_input_still_works() -> float:
+    """The group still runs a correct all-reduce after the bad calls above sent nothing."""
+    group = group_of(2)
+    t = torch.full((5,), float(dist.get_rank(group) + 1))
+    comm.all_reduce(t, group=group, algorithm="ring")
+    return t[0].item()
