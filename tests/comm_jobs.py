@@ -175,9 +175,7 @@ def run_barrier(world: int, late_rank: int, delay_s: float) -> float:
 def missing_peer(coll: str, algorithm: str, timeout_s: float) -> str:
     """Ranks 0 and 1 form a fresh group with a short timeout; rank 1 never calls the collective."""
     rank = dist.get_rank()
-    group = dist.new_group(
-        [0, 1], timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True
-    )
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
     if rank == 1:
         return ""
     t = torch.ones(8)
@@ -202,16 +200,12 @@ def bad_input(case: str) -> str:
         "src": lambda: comm.broadcast(torch.ones(4), 5, group=group),
         "dst": lambda: comm.reduce(torch.ones(4), -1, group=group),
         "all_gather_size": lambda: comm.all_gather(torch.empty(7), torch.ones(4), group=group),
-        "dtype_mismatch": lambda: comm.all_gather(
-            torch.empty(8, dtype=torch.float64), torch.ones(4), group=group
-        ),
+        "dtype_mismatch": lambda: comm.all_gather(torch.empty(8, dtype=torch.float64), torch.ones(4), group=group),
         "reduce_scatter_size": lambda: comm.reduce_scatter(torch.empty(3), torch.ones(4), group=group),
         "all_to_all_size": lambda: comm.all_to_all(torch.empty(3), torch.ones(3), group=group),
         "dtype": lambda: comm.all_reduce(torch.ones(4, dtype=torch.complex64), group=group),
         "not_tensor": lambda: comm.all_reduce([1.0, 2.0], group=group),
-        "hierarchical_no_nodes": lambda: comm.all_reduce(
-            torch.ones(4), group=group, algorithm="hierarchical"
-        ),
+        "hierarchical_no_nodes": lambda: comm.all_reduce(torch.ones(4), group=group, algorithm="hierarchical"),
         "scatter_input": lambda: comm.scatter(torch.empty(2), torch.ones(5), 0, group=group),
     }
     before = torch.ones(4)

@@ -154,9 +154,7 @@ def test_checker_catches_read_of_undefined_chunk():
 
 
 def test_checker_catches_copy_and_reduce_into_one_chunk():
-    bad = make_schedule(
-        Collective.ALL_REDUCE, "broken", 3, [[Transfer(1, 0, 0, 0), Transfer(2, 0, 0, 0, reduce=True)]]
-    )
+    bad = make_schedule(Collective.ALL_REDUCE, "broken", 3, [[Transfer(1, 0, 0, 0), Transfer(2, 0, 0, 0, reduce=True)]])
     with pytest.raises(ScheduleError, match="copy together"):
         check(bad)
 

@@ -8,7 +8,6 @@ to torch.distributed; ``algorithm="auto"`` asks the cost model for the fastest o
 
 from __future__ import annotations
 
-import math
 import os
 from functools import lru_cache
 
@@ -148,18 +147,19 @@ def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: 
 
 @lru_cache(maxsize=4)
 def _params(device_type: str):
+    """The calibrated cost parameters for this device type, or the defaults (read once per process)."""
     from dtrain.comm import cost
 
-    return cost.load_params(device=device_type) or cost.default_params(device_type)
+    return cost.load_params(device=device_type)
 
 
 def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device) -> int:
-    """Pieces for a pipelined chain: sqrt((p-2) n beta / alpha) minimises (P + p - 2)(alpha + n beta / P)."""
-    if algorithm != "ring" or coll not in (Collective.BROADCAST, Collective.REDUCE) or world < 3:
+    """Pieces for a pipelined chain (ring broadcast and reduce), from the cost model's optimum."""
+    if algorithm != "ring" or coll not in (Collective.BROADCAST, Collective.REDUCE):
         return 1
-    link = _params(device.type).intra
-    best = math.sqrt((world - 2) * nbytes * link.beta_s_per_byte / max(link.alpha_s, 1e-12))
-    return int(min(64, max(1, round(best))))
+    from dtrain.comm import cost
+
+    return cost.optimal_pipeline(nbytes, world, _params(device.type).intra)
 
 
 def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> None:
@@ -200,9 +200,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
     what = "all_reduce"
     _check_tensor(tensor, "tensor", what)
     _check_op(op, tensor.dtype, what)
-    rank, world, chosen, local = _prepare(
-        Collective.ALL_REDUCE, algorithm, group, tensor.numel(), tensor, what
-    )
+    rank, world, chosen, local = _prepare(Collective.ALL_REDUCE, algorithm, group, tensor.numel(), tensor, what)
     if chosen == "native":
         return native.all_reduce(tensor, op, group)
     work, copied = _flat_work(tensor)
@@ -218,9 +216,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
     """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank, in place."""
     what = "broadcast"
     _check_tensor(tensor, "tensor", what)
-    rank, world, chosen, local = _prepare(
-        Collective.BROADCAST, algorithm, group, tensor.numel(), tensor, what
-    )
+    rank, world, chosen, local = _prepare(Collective.BROADCAST, algorithm, group, tensor.numel(), tensor, what)
     _check_root(src, world, "src", what)
     if chosen == "native":
         return native.broadcast(tensor, src, group)
@@ -231,9 +227,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
     return tensor
 
 
-def reduce(
-    tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorithm: str = "auto"
-) -> torch.Tensor:
+def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` over the group into ``tensor`` of rank ``dst``; other ranks' tensors are untouched."""
     what = "reduce"
     _check_tensor(tensor, "tensor", what)
@@ -275,18 +269,14 @@ def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "au
     return tensor
 
 
-def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto"
-) -> torch.Tensor:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Every rank's ``input`` concatenated rank-major into every rank's ``output``."""
     what = "all_gather"
     _check_tensor(input, "input", what)
     _check_tensor(output, "output", what)
     rank, world = _group_info(group, what)
     _check_pair(output, input, world * input.numel(), what)
-    rank, world, chosen, local = _prepare(
-        Collective.ALL_GATHER, algorithm, group, output.numel(), output, what
-    )
+    rank, world, chosen, local = _prepare(Collective.ALL_GATHER, algorithm, group, output.numel(), output, what)
     if chosen == "native":
         return native.all_gather(output, input, group)
     work, copied = _flat_work(output)
@@ -307,9 +297,7 @@ def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=Non
     if rank == dst:
         _check_tensor(output, "output", what)
         _check_pair(output, input, world * input.numel(), what)
-    rank, world, chosen, local = _prepare(
-        Collective.GATHER, algorithm, group, world * input.numel(), input, what
-    )
+    rank, world, chosen, local = _prepare(Collective.GATHER, algorithm, group, world * input.numel(), input, what)
     if chosen == "native":
         return native.gather(output, input, dst, group)
     m = input.numel()
@@ -370,9 +358,7 @@ def reduce_scatter(
     return output
 
 
-def all_to_all(
-    output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto"
-) -> torch.Tensor:
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Block j of rank i's ``input`` lands in block i of rank j's ``output`` (equal blocks, rank-major)."""
     what = "all_to_all"
     _check_tensor(input, "input", what)
@@ -380,9 +366,7 @@ def all_to_all(
     rank, world = _group_info(group, what)
     _check_pair(output, input, input.numel(), what)
     if input.numel() % world:
-        raise ValueError(
-            f"all_to_all: input has {input.numel()} elements, not a multiple of the group size {world}"
-        )
+        raise ValueError(f"all_to_all: input has {input.numel()} elements, not a multiple of the group size {world}")
     coll = Collective.ALL_TO_ALL
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
     if chosen == "native":

@@ -160,8 +160,4 @@ def _show(term: Term | str) -> str:
     if term is None or isinstance(term, str):
         return str(term)
     counts = Counter(term)
-    return (
-        "{"
-        + ", ".join(f"r{r}c{c}" + (f"x{n}" if n > 1 else "") for (r, c), n in sorted(counts.items()))
-        + "}"
-    )
+    return "{" + ", ".join(f"r{r}c{c}" + (f"x{n}" if n > 1 else "") for (r, c), n in sorted(counts.items())) + "}"

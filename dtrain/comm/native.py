@@ -97,9 +97,7 @@ def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group) -
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
-    return _in_place(
-        output, lambda o: dist.all_to_all_single(o.view(-1), input.contiguous().view(-1), group=group)
-    )
+    return _in_place(output, lambda o: dist.all_to_all_single(o.view(-1), input.contiguous().view(-1), group=group))
 
 
 def scan(tensor: torch.Tensor, op: str, group) -> torch.Tensor:

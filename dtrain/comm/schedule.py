@@ -59,9 +59,7 @@ BLOCK_COLLECTIVES = frozenset(
 )
 
 #: Collectives with a root rank (``src`` or ``dst`` in the API).
-ROOTED_COLLECTIVES = frozenset(
-    {Collective.BROADCAST, Collective.REDUCE, Collective.GATHER, Collective.SCATTER}
-)
+ROOTED_COLLECTIVES = frozenset({Collective.BROADCAST, Collective.REDUCE, Collective.GATHER, Collective.SCATTER})
 
 
 class ScheduleError(ValueError):

@@ -35,9 +35,7 @@ class Transport(Protocol):
     rank: int
     world_size: int
 
-    def start(
-        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
-    ) -> list[Pending]: ...
+    def start(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list[Pending]: ...
 
 
 class TorchP2PTransport:
@@ -58,9 +56,7 @@ class TorchP2PTransport:
     def global_rank(self, group_rank: int) -> int:
         return self._global[group_rank]
 
-    def start(
-        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
-    ) -> list[Pending]:
+    def start(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list[Pending]:
         ops = [dist.P2POp(dist.isend, t, self._global[p], self.group) for p, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group) for p, t in recvs]
         if not ops:

@@ -22,18 +22,14 @@ __all__ = ["Builder", "register", "build", "names", "accepted", "needs_local_siz
 
 
 class Builder(Protocol):
-    def __call__(
-        self, world_size: int, *, root: int | None, pipeline: int, local_size: int | None
-    ) -> Schedule: ...
+    def __call__(self, world_size: int, *, root: int | None, pipeline: int, local_size: int | None) -> Schedule: ...
 
 
 _REGISTRY: dict[tuple[Collective, str], Builder] = {}
 _NEEDS_LOCAL_SIZE: set[str] = set()
 
 
-def register(
-    collective: Collective, name: str, *, needs_local_size: bool = False
-) -> Callable[[Builder], Builder]:
+def register(collective: Collective, name: str, *, needs_local_size: bool = False) -> Callable[[Builder], Builder]:
     """Decorator: record ``fn`` as the ``name`` algorithm for ``collective``."""
 
     def wrap(fn: Builder) -> Builder:

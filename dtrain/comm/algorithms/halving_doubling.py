@@ -53,9 +53,7 @@ def _doubling_rounds(p2: int, owned: Owned) -> list[list[Transfer]]:
     """Active rank v, holding the range [v - v % d, + d), copies it to partner v ^ d."""
     rounds = []
     for d in reversed(_descending_distances(p2)):
-        rounds.append(
-            [Transfer(v, v ^ d, c, c) for v in range(p2) for c in _range_chunks(v - v % d, d, owned)]
-        )
+        rounds.append([Transfer(v, v ^ d, c, c) for v in range(p2) for c in _range_chunks(v - v % d, d, owned)])
     return rounds
 
 

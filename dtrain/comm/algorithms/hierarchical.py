@@ -41,11 +41,7 @@ def _ring_reduce_scatter(group: Sequence[int], pieces: Sequence[Sequence[int]]) 
     """After len(group) - 1 rounds ``group[i]`` holds the chunks ``pieces[i]`` summed over the group."""
     n = len(group)
     return [
-        [
-            Transfer(group[i], group[(i + 1) % n], c, c, reduce=True)
-            for i in range(n)
-            for c in pieces[(i - s - 1) % n]
-        ]
+        [Transfer(group[i], group[(i + 1) % n], c, c, reduce=True) for i in range(n) for c in pieces[(i - s - 1) % n]]
         for s in range(n - 1)
     ]
 
@@ -91,9 +87,7 @@ def hierarchical_all_reduce(
         + _side_by_side(across)
         + _side_by_side([_ring_all_gather(node, pieces) for node in nodes])
     )
-    return make_schedule(
-        Collective.ALL_REDUCE, "hierarchical", world_size, rounds, chunks_per_block=world_size
-    )
+    return make_schedule(Collective.ALL_REDUCE, "hierarchical", world_size, rounds, chunks_per_block=world_size)
 
 
 @register(Collective.REDUCE_SCATTER, "hierarchical", needs_local_size=True)
@@ -151,7 +145,5 @@ def hierarchical_reduce(
     """The broadcast reversed: a binomial reduce in every node to its leader, then over the leaders."""
     root = 0 if root is None else root
     leaders, nodes = _root_trees(world_size, root, local_size)
-    rounds = _side_by_side([binomial_reduce_rounds(node, [0]) for node in nodes]) + binomial_reduce_rounds(
-        leaders, [0]
-    )
+    rounds = _side_by_side([binomial_reduce_rounds(node, [0]) for node in nodes]) + binomial_reduce_rounds(leaders, [0])
     return make_schedule(Collective.REDUCE, "hierarchical", world_size, rounds, root=root)

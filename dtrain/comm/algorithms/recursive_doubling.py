@@ -52,9 +52,7 @@ def recursive_doubling_all_gather(
     rounds = [[Transfer(r, r - p2, r, r) for r in extras]]
     d = 1
     while d < p2:
-        rounds.append(
-            [Transfer(v, v ^ d, b, b) for v in range(p2) for b in _known_blocks(v, d, p2, world_size)]
-        )
+        rounds.append([Transfer(v, v ^ d, b, b) for v in range(p2) for b in _known_blocks(v, d, p2, world_size)])
         d *= 2
     rounds.append([Transfer(r - p2, r, b, b) for r in extras for b in range(world_size) if b != r])
     return make_schedule(Collective.ALL_GATHER, "recursive_doubling", world_size, rounds)

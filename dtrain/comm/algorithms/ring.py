@@ -23,10 +23,7 @@ __all__ = [
 def _reduce_scatter_rounds(world: int) -> list[list[Transfer]]:
     """After these W-1 rounds, rank r holds the fully reduced chunk r."""
     return [
-        [
-            Transfer(r, (r + 1) % world, (r - s - 1) % world, (r - s - 1) % world, reduce=True)
-            for r in range(world)
-        ]
+        [Transfer(r, (r + 1) % world, (r - s - 1) % world, (r - s - 1) % world, reduce=True) for r in range(world)]
         for s in range(world - 1)
     ]
 
@@ -34,8 +31,7 @@ def _reduce_scatter_rounds(world: int) -> list[list[Transfer]]:
 def _all_gather_rounds(world: int) -> list[list[Transfer]]:
     """With rank r holding chunk r, after these W-1 rounds every rank holds every chunk."""
     return [
-        [Transfer(r, (r + 1) % world, (r - s) % world, (r - s) % world) for r in range(world)]
-        for s in range(world - 1)
+        [Transfer(r, (r + 1) % world, (r - s) % world, (r - s) % world) for r in range(world)] for s in range(world - 1)
     ]
 
 
@@ -61,11 +57,7 @@ def _chain_rounds(chain: list[int], pieces: int, reduce: bool) -> list[list[Tran
     rounds = []
     for t in range(pieces + hops - 1):
         rounds.append(
-            [
-                Transfer(chain[i], chain[i + 1], t - i, t - i, reduce=reduce)
-                for i in range(hops)
-                if 0 <= t - i < pieces
-            ]
+            [Transfer(chain[i], chain[i + 1], t - i, t - i, reduce=reduce) for i in range(hops) if 0 <= t - i < pieces]
         )
     return rounds
 
@@ -75,9 +67,7 @@ def chain_broadcast(world_size: int, *, root: int | None = 0, pipeline: int = 1,
     root = 0 if root is None else root
     chain = [(root + i) % world_size for i in range(world_size)]
     rounds = _chain_rounds(chain, pipeline, reduce=False)
-    return make_schedule(
-        Collective.BROADCAST, "ring", world_size, rounds, chunks_per_block=pipeline, root=root
-    )
+    return make_schedule(Collective.BROADCAST, "ring", world_size, rounds, chunks_per_block=pipeline, root=root)
 
 
 @register(Collective.REDUCE, "ring")

@@ -28,10 +28,7 @@ def _powers_below(world: int) -> list[int]:
 def recursive_doubling_scan(
     world_size: int, *, root: int | None = None, pipeline: int = 1, local_size: int | None = None
 ) -> Schedule:
-    rounds = [
-        [Transfer(r - d, r, 0, 0, reduce=True) for r in range(d, world_size)]
-        for d in _powers_below(world_size)
-    ]
+    rounds = [[Transfer(r - d, r, 0, 0, reduce=True) for r in range(d, world_size)] for d in _powers_below(world_size)]
     return make_schedule(Collective.SCAN, "recursive_doubling", world_size, rounds)
 
 

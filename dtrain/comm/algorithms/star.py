@@ -61,23 +61,15 @@ def star_broadcast(
 
 
 @register(Collective.REDUCE, "star")
-def star_reduce(
-    world_size: int, *, root: int | None = 0, pipeline: int = 1, local_size: int | None = None
-) -> Schedule:
+def star_reduce(world_size: int, *, root: int | None = 0, pipeline: int = 1, local_size: int | None = None) -> Schedule:
     root = _hub(world_size, root)
-    return make_schedule(
-        Collective.REDUCE, "star", world_size, [_to_hub(world_size, root, False, True)], root=root
-    )
+    return make_schedule(Collective.REDUCE, "star", world_size, [_to_hub(world_size, root, False, True)], root=root)
 
 
 @register(Collective.GATHER, "star")
-def star_gather(
-    world_size: int, *, root: int | None = 0, pipeline: int = 1, local_size: int | None = None
-) -> Schedule:
+def star_gather(world_size: int, *, root: int | None = 0, pipeline: int = 1, local_size: int | None = None) -> Schedule:
     root = _hub(world_size, root)
-    return make_schedule(
-        Collective.GATHER, "star", world_size, [_to_hub(world_size, root, True, False)], root=root
-    )
+    return make_schedule(Collective.GATHER, "star", world_size, [_to_hub(world_size, root, True, False)], root=root)
 
 
 @register(Collective.SCATTER, "star")

@@ -89,18 +89,14 @@ def tree_broadcast(
 
 
 @register(Collective.REDUCE, "tree")
-def tree_reduce(
-    world_size: int, *, root: int | None = 0, pipeline: int = 1, local_size: int | None = None
-) -> Schedule:
+def tree_reduce(world_size: int, *, root: int | None = 0, pipeline: int = 1, local_size: int | None = None) -> Schedule:
     root = 0 if root is None else root
     rounds = binomial_reduce_rounds(_relabelled(world_size, root), [0])
     return make_schedule(Collective.REDUCE, "tree", world_size, rounds, root=root)
 
 
 @register(Collective.GATHER, "tree")
-def tree_gather(
-    world_size: int, *, root: int | None = 0, pipeline: int = 1, local_size: int | None = None
-) -> Schedule:
+def tree_gather(world_size: int, *, root: int | None = 0, pipeline: int = 1, local_size: int | None = None) -> Schedule:
     root = 0 if root is None else root
     rounds = _gather_rounds(_relabelled(world_size, root))
     return make_schedule(Collective.GATHER, "tree", world_size, rounds, root=root)

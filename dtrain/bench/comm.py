@@ -1,0 +1,225 @@
+"""``dtrain bench comm``: time every collective algorithm over a size sweep, next to the cost model.
+
+For each collective, message size and algorithm ("auto" and "native" included): ``warmup`` untimed calls,
+then ``iters`` timed ones, each between barriers (CUDA synchronized on GPU); a rank's time is its median, the
+reported time the largest over ranks. Bandwidths follow nccl-tests (doc/PERFORMANCE.md): ``algbw = size /
+time`` and ``busbw = algbw * factor`` with the factor of :data:`BUS_FACTORS`; ``size`` is the work buffer of
+:mod:`dtrain.comm.cost` (all-gather: output, reduce-scatter / gather / scatter / all-to-all: the full W-block
+buffer). Rank 0 prints a table, writes one JSON line a measurement to ``out`` (replacing the file) and draws
+busbw against size next to it (same name, ``.png``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dtrain.bench.launch import rank_device, run_ranks
+from dtrain.comm import algorithms as registry
+from dtrain.comm import cost
+from dtrain.comm.schedule import BLOCK_COLLECTIVES, Collective
+
+__all__ = ["BUS_FACTORS", "BenchConfig", "run", "bench_on_rank", "bus_factor"]
+
+#: busbw / algbw per collective (nccl-tests); scan, like broadcast, moves each byte over one link.
+BUS_FACTORS: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda w: 2 * (w - 1) / w,
+    "all_gather": lambda w: (w - 1) / w,
+    "reduce_scatter": lambda w: (w - 1) / w,
+    "all_to_all": lambda w: (w - 1) / w,
+    "gather": lambda w: (w - 1) / w,
+    "scatter": lambda w: (w - 1) / w,
+    "broadcast": lambda w: 1.0,
+    "reduce": lambda w: 1.0,
+    "scan": lambda w: 1.0,
+}
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    return BUS_FACTORS[collective](world_size)
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What to measure. Sizes are bytes of the work buffer; ``None`` picks the device's default sweep
+    (CPU 1 KiB .. 64 MiB, GPU 8 KiB .. 1 GiB)."""
+
+    collectives: list[str] = field(default_factory=lambda: ["all_reduce"])
+    algorithms: list[str] | None = None  # None: every name comm.algorithms() lists
+    min_bytes: int | None = None
+    max_bytes: int | None = None
+    factor: int = 4
+    warmup: int = 2
+    iters: int = 10
+    out: str = "runs/bench-comm.jsonl"
+    nproc: int = 2
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.collectives if c not in BUS_FACTORS and c != "barrier"]
+        if unknown:
+            raise ValueError(f"unknown collectives {unknown}; known: {', '.join([*BUS_FACTORS, 'barrier'])}")
+        if self.factor < 2:
+            raise ValueError(f"factor must be >= 2, got {self.factor}")
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError(f"need iters >= 1 and warmup >= 0, got {self.iters} and {self.warmup}")
+        if self.min_bytes is not None and self.max_bytes is not None and self.min_bytes > self.max_bytes:
+            raise ValueError(f"min_bytes {self.min_bytes} is above max_bytes {self.max_bytes}")
+
+    def sizes(self, device_type: str) -> list[int]:
+        lo = self.min_bytes if self.min_bytes is not None else (1 << 10 if device_type == "cpu" else 8 << 10)
+        hi = self.max_bytes if self.max_bytes is not None else (64 << 20 if device_type == "cpu" else 1 << 30)
+        lo = min(lo, hi)
+        out = []
+        while lo <= hi:
+            out.append(lo)
+            lo *= self.factor
+        return out
+
+
+def run(config: BenchConfig) -> list[dict]:
+    """Measure on ``config.nproc`` local ranks (or the torchrun job this process is in); the records."""
+    return run_ranks(bench_on_rank, config.nproc, config)
+
+
+def _operation(coll: str, nbytes: int, world: int, rank: int, device) -> tuple[Callable[[str], None], int]:
+    """A call of ``coll`` on fresh float32 buffers of about ``nbytes``, and the bytes it really moves."""
+    from dtrain import comm
+
+    per_block = Collective(coll) in BLOCK_COLLECTIVES
+    numel = max(world, nbytes // 4 // world * world) if per_block else max(1, nbytes // 4)
+    full = torch.ones(numel, device=device)
+    part = torch.ones(numel // world, device=device)
+    calls: dict[str, Callable[[str], object]] = {
+        "all_reduce": lambda a: comm.all_reduce(full, algorithm=a),
+        "broadcast": lambda a: comm.broadcast(full, 0, algorithm=a),
+        "reduce": lambda a: comm.reduce(full, 0, algorithm=a),
+        "scan": lambda a: comm.scan(full, algorithm=a),
+        "all_gather": lambda a: comm.all_gather(full, part, algorithm=a),
+        "reduce_scatter": lambda a: comm.reduce_scatter(part, full, algorithm=a),
+        "gather": lambda a: comm.gather(full if rank == 0 else None, part, 0, algorithm=a),
+        "scatter": lambda a: comm.scatter(part, full if rank == 0 else None, 0, algorithm=a),
+        "all_to_all": lambda a: comm.all_to_all(torch.empty_like(full), full, algorithm=a),
+        "barrier": lambda a: comm.barrier(),
+    }
+    return calls[coll], (0 if coll == "barrier" else numel * 4)
+
+
+def _time_us(call: Callable[[str], None], algorithm: str, config: BenchConfig, device) -> float:
+    """Largest over ranks of each rank's median time of one call, in microseconds."""
+    times = []
+    for i in range(config.warmup + config.iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call(algorithm)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= config.warmup:
+            times.append(time.perf_counter() - start)
+    worst = torch.tensor([statistics.median(times) * 1e6], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst.item())
+
+
+def _predicted_us(coll: str, algorithm: str, nbytes: int, world: int, params, local_size) -> tuple[float | None, str]:
+    """The model's time for ``algorithm`` (for "auto", for what it chooses) and the algorithm priced."""
+    collective = Collective(coll)
+    ours = registry.names(collective)
+    if algorithm == "auto":
+        if not ours:
+            return None, algorithm
+        algorithm = cost.choose(collective, nbytes, world, params, candidates=ours, local_size=local_size)
+    if algorithm not in ours:
+        return None, algorithm
+    if registry.needs_local_size(algorithm) and local_size is None:
+        return None, algorithm
+    pipeline = cost.optimal_pipeline(nbytes, world, params.intra)
+    seconds = cost.predict(collective, algorithm, nbytes, world, params, local_size=local_size, pipeline=pipeline)
+    return seconds * 1e6, algorithm
+
+
+def _record(coll, algorithm, nbytes, world, time_us, predicted, resolved, config, machine) -> dict:
+    algbw = nbytes / (time_us * 1e-6) / 1e9 if time_us > 0 else 0.0
+    factor = bus_factor(coll, world) if coll in BUS_FACTORS else 0.0
+    return {
+        "collective": coll,
+        "algorithm": algorithm,
+        "resolved_algorithm": resolved,
+        "nbytes": nbytes,
+        "world_size": world,
+        "time_us": time_us,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * factor,
+        "predicted_us": predicted,
+        "predicted_over_measured": None if predicted is None or time_us <= 0 else predicted / time_us,
+        "warmup": config.warmup,
+        "iters": config.iters,
+        "dtype": "float32",
+        **machine,
+    }
+
+
+def _machine(device) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {
+        "hostname": platform.node(),
+        "torch_version": torch.__version__,
+        "device": device.type,
+        "device_name": name,
+        "backend": dist.get_backend(),
+    }
+
+
+def _cases(config: BenchConfig, device) -> list[tuple[str, int, str]]:
+    from dtrain import comm
+
+    cases = []
+    for coll in config.collectives:
+        names = ["auto"] if coll == "barrier" else comm.algorithms(coll)
+        names = [a for a in names if config.algorithms is None or a in config.algorithms]
+        sizes = [0] if coll == "barrier" else config.sizes(device.type)
+        cases += [(coll, size, a) for size in sizes for a in names]
+    return cases
+
+
+def bench_on_rank(config: BenchConfig) -> list[dict]:
+    """Every rank runs this; rank 0 reports and returns the records (the others return ``[]``)."""
+    from dtrain.bench.report import Progress, print_table, write_outputs
+
+    device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
+    params = cost.load_params(device=device.type)
+    local_size = _local_size(world)
+    machine = _machine(device)
+    records = []
+    cases = _cases(config, device)
+    with Progress(len(cases), enabled=rank == 0) as progress:
+        for coll, size, algorithm in cases:
+            call, nbytes = _operation(coll, size, world, rank, device)
+            progress.step(f"{coll} {nbytes} B {algorithm}")
+            try:
+                time_us = _time_us(call, algorithm, config, device)
+            except ValueError as exc:  # e.g. an algorithm that needs a node size it was not given
+                progress.note(f"skipped {coll}/{algorithm}: {exc}")
+                continue
+            predicted, resolved = _predicted_us(coll, algorithm, nbytes, world, params, local_size)
+            records.append(_record(coll, algorithm, nbytes, world, time_us, predicted, resolved, config, machine))
+    if rank != 0:
+        return []
+    print_table(records)
+    write_outputs(records, Path(config.out))
+    return records
+
+
+def _local_size(world: int) -> int | None:
+    """Ranks per node, as the launcher tells it (LOCAL_WORLD_SIZE), if it divides the world."""
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(env) if env.isdigit() and int(env) > 0 and world % int(env) == 0 else None

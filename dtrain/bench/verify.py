@@ -1,0 +1,98 @@
+"""``dtrain bench verify``: every (collective, algorithm) on the group it runs on, against torch.distributed.
+
+The check a person runs first on a new cluster or backend (NCCL on GPUs, say), where the test suite's Gloo
+pool does not reach: for several sizes (0, 1, a prime, one large), random float32 data, every algorithm is
+compared with ``algorithm="native"`` on the same input. Rank 0 prints one line per pair and the worst
+relative difference; the return value is the number of failures.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from dtrain import comm
+from dtrain.comm.schedule import BLOCK_COLLECTIVES, Collective
+
+__all__ = ["verify_on_rank"]
+
+_TOLERANCE = 1e-5
+
+
+def _call(coll: Collective, data: torch.Tensor, algorithm: str, world: int, rank: int) -> torch.Tensor | None:
+    """Run ``coll`` on a copy of ``data`` (the rank's whole work buffer) and return what this rank holds."""
+    x = data.clone()
+    m = x.numel() // world if coll in BLOCK_COLLECTIVES else x.numel()
+    root = world - 1
+    if coll in (Collective.ALL_REDUCE, Collective.SCAN):
+        getattr(comm, coll.value)(x, algorithm=algorithm)
+        return x
+    if coll == Collective.BROADCAST:
+        return comm.broadcast(x, root, algorithm=algorithm)
+    if coll == Collective.REDUCE:
+        comm.reduce(x, root, algorithm=algorithm)
+        return x if rank == root else None
+    if coll == Collective.ALL_GATHER:
+        out = torch.empty_like(x)
+        return comm.all_gather(out, x[:m], algorithm=algorithm)
+    if coll == Collective.GATHER:
+        out = torch.empty_like(x) if rank == root else None
+        return comm.gather(out, x[:m], root, algorithm=algorithm)
+    out = torch.empty(m, dtype=x.dtype, device=x.device)
+    if coll == Collective.REDUCE_SCATTER:
+        return comm.reduce_scatter(out, x, algorithm=algorithm)
+    if coll == Collective.SCATTER:
+        return comm.scatter(out, x if rank == root else None, root, algorithm=algorithm)
+    out = torch.empty_like(x)
+    return comm.all_to_all(out, x, algorithm=algorithm)
+
+
+def _worst(coll: Collective, algorithm: str, sizes: list[int], device: torch.device) -> float:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    worst = 0.0
+    for size in sizes:
+        numel = size * world if coll in BLOCK_COLLECTIVES else size
+        g = torch.Generator().manual_seed(1000 * size + rank)
+        data = torch.randn(numel, generator=g).to(device)
+        ours = _call(coll, data, algorithm, world, rank)
+        theirs = _call(coll, data, "native", world, rank)
+        if ours is None or ours.numel() == 0:
+            continue
+        scale = max(theirs.abs().max().item(), 1e-30)
+        worst = max(worst, (ours - theirs).abs().max().item() / scale)
+    verdict = torch.tensor([worst], dtype=torch.float64, device=device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    return verdict.item()
+
+
+def verify_on_rank(device: torch.device, sizes: list[int] | None = None) -> int:
+    """Compare every algorithm of every collective with native on this group; returns the failure count."""
+    sizes = sizes or [0, 1, 1031, 1 << 20]
+    failures = 0
+    for coll in Collective:
+        if coll == Collective.BARRIER:
+            continue
+        for algorithm in comm.algorithms(coll.value):
+            if algorithm == "native":
+                continue
+            if algorithm == "hierarchical" and not _has_nodes():
+                # One node: check the two-level code path by declaring nodes of 2 ranks.
+                if dist.get_world_size() % 2 or dist.get_world_size() < 4:
+                    continue
+                comm.set_local_size(2)
+            worst = _worst(coll, algorithm, sizes, device)
+            comm.set_local_size(None)
+            ok = worst < _TOLERANCE
+            failures += not ok
+            if dist.get_rank() == 0:
+                print(f"{'ok  ' if ok else 'FAIL'} {coll.value:15s} {algorithm:19s} worst rel diff {worst:.2e}")
+    comm.barrier()
+    return failures
+
+
+def _has_nodes() -> bool:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    world = dist.get_world_size()
+    return 1 < local < world and world % local == 0

@@ -1,0 +1,128 @@
+"""The ``dtrain`` command: ``dtrain check``, ``dtrain bench comm|calibrate|verify``.
+
+Multi-rank commands take ``--nproc N`` and start N local ranks through torch's launcher API; under torchrun
+(``torchrun --nproc-per-node 4 -m dtrain bench comm``) they join the job torchrun started instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser", "parse_bytes"]
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20}
+_UNITS |= {"MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"4096"``, ``"64K"``, ``"1MiB"``, ``"1G"`` -> bytes (binary units: K is 1024)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 4096, 64K, 1MiB, 1G)")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _add_bench_comm(sub) -> None:
+    p = sub.add_parser("comm", help="time every collective algorithm over a size sweep, next to the cost model")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
+    p.add_argument(
+        "--collectives",
+        type=_names,
+        default=["all_reduce"],
+        help="comma-separated, e.g. all_reduce,all_gather",
+    )
+    p.add_argument(
+        "--algorithms",
+        type=_names,
+        default=None,
+        help="comma-separated subset (default: all, auto and native too)",
+    )
+    p.add_argument("--min-bytes", type=parse_bytes, default=None, help="default 1K on CPU, 8K on GPU")
+    p.add_argument("--max-bytes", type=parse_bytes, default=None, help="default 64M on CPU, 1G on GPU")
+    p.add_argument("--factor", type=int, default=4, help="size step (2 or 4)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default="runs/bench-comm.jsonl", help="JSON lines; the plot goes beside it as .png")
+
+
+def _add_bench_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure alpha, beta, gamma and save them for algorithm='auto'")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
+    p.add_argument(
+        "--out", default=None, help="default $DTRAIN_CALIBRATION or ~/.cache/dtrain/calibration-<device>.json"
+    )
+    p.add_argument("--repeats", type=int, default=10)
+
+
+def _add_bench_verify(sub) -> None:
+    p = sub.add_parser("verify", help="check every collective algorithm against torch.distributed on this group")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dtrain", description="distributed training, from the collectives up")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="prove every registered algorithm on symbolic chunks")
+    check.add_argument("--max-world", type=int, default=8)
+    check.add_argument("--pipeline", type=int, default=1, help="pieces for the pipelined algorithms")
+    bench = commands.add_parser("bench", help="measure the machine")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    _add_bench_comm(bench_commands)
+    _add_bench_calibrate(bench_commands)
+    _add_bench_verify(bench_commands)
+    return parser
+
+
+def _bench_comm(args: argparse.Namespace) -> int:
+    from dtrain.bench import comm as bench_comm
+
+    config = bench_comm.BenchConfig(
+        collectives=args.collectives,
+        algorithms=args.algorithms,
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes,
+        factor=args.factor,
+        warmup=args.warmup,
+        iters=args.iters,
+        out=args.out,
+        nproc=args.nproc,
+    )
+    bench_comm.run(config)
+    return 0
+
+
+def _verify_rank() -> int:
+    from dtrain.bench.launch import rank_device
+    from dtrain.bench.verify import verify_on_rank
+
+    return verify_on_rank(rank_device())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``dtrain`` command line; the process exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "check":
+            from dtrain.cli.check import check_all
+
+            return 0 if check_all(args.max_world, args.pipeline) else 1
+        if args.bench_command == "comm":
+            return _bench_comm(args)
+        if args.bench_command == "verify":
+            from dtrain.bench.launch import run_ranks
+
+            failures = run_ranks(_verify_rank, args.nproc)
+            return 0 if failures == 0 else 1
+        from dtrain.bench import calibrate as bench_calibrate
+
+        bench_calibrate.run(args.nproc, args.out, args.repeats)
+        return 0
+    except ValueError as exc:
+        print(f"dtrain: error: {exc}")
+        return 2

@@ -1,0 +1,73 @@
+"""The ``dtrain`` command: the checker table, argument errors, and a real two-rank benchmark."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtrain.cli.main import main, parse_bytes
+from dtrain.comm.cost import load_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_check_proves_every_algorithm_up_to_eight_ranks(capsys):
+    assert main(["check", "--max-world", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ring" in out and "W=8" in out and "FAIL" not in out
+
+
+def test_check_with_pipelined_schedules(capsys):
+    assert main(["check", "--max-world", "5", "--pipeline", "3"]) == 0
+
+
+@pytest.mark.parametrize(("text", "nbytes"), [("4096", 4096), ("64K", 65536), ("1MiB", 1 << 20), ("1g", 1 << 30)])
+def test_parse_bytes_reads_binary_units(text, nbytes):
+    assert parse_bytes(text) == nbytes
+
+
+def test_bench_rejects_an_unknown_collective_before_starting_ranks(capsys):
+    assert main(["bench", "comm", "--collectives", "all_reduce,nope"]) == 2
+    assert "nope" in capsys.readouterr().out
+
+
+def test_bench_rejects_a_bad_size():
+    with pytest.raises(SystemExit):
+        main(["bench", "comm", "--max-bytes", "lots"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("dtrain.comm.api") is None, reason="dtrain.comm.api not written yet")
+def test_bench_comm_runs_two_ranks_and_writes_json_lines_and_a_plot(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    command = [sys.executable, "-m", "dtrain", "bench", "comm", "--nproc", "2", "--min-bytes", "4096"]
+    command += ["--max-bytes", "4096", "--iters", "2", "--warmup", "1", "--out", str(out)]
+    env = {**os.environ, "DTRAIN_CALIBRATION": str(tmp_path / "none.json")}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {"auto", "native", "ring"} <= {r["algorithm"] for r in records}
+    for r in records:
+        assert r["collective"] == "all_reduce" and r["world_size"] == 2 and r["nbytes"] == 4096
+        assert r["time_us"] > 0 and r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(n-1)/n = 1 at n=2
+        assert r["backend"] == "gloo" and r["torch_version"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_calibrate_saves_parameters_the_cost_model_loads(tmp_path):
+    out = tmp_path / "cal.json"
+    command = [sys.executable, "-m", "dtrain", "bench", "calibrate", "--nproc", "2", "--repeats", "2"]
+    command += ["--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    params = load_params(out)
+    assert params.intra.beta_s_per_byte > 0
+    assert json.loads(out.read_text())["meta"]["world_size"] == 2

@@ -1,0 +1,185 @@
+"""The alpha-beta-gamma model: closed forms agree with round-by-round pricing, choices follow the model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtrain.comm import algorithms as registry
+from dtrain.comm import cost
+from dtrain.comm.cost import CostParams, LinkCost, choose, predict, predict_schedule
+from dtrain.comm.cost_forms import CLOSED_FORMS
+from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
+
+# Distinct, not round, values so that a term counted with the wrong coefficient cannot cancel out.
+PARAMS = CostParams(
+    intra=LinkCost(alpha_s=1.0, beta_s_per_byte=1e-3, gamma_s_per_byte=3e-4),
+    inter=LinkCost(alpha_s=7.0, beta_s_per_byte=5e-3, gamma_s_per_byte=2e-4),
+)
+CPU = cost.default_params("cpu")
+
+REGISTERED = [(c, a) for c in Collective for a in registry.names(c)]
+WITH_FORMS = [(c, a) for c, a in REGISTERED if (c, a) in CLOSED_FORMS]
+
+
+def _local_sizes(algorithm: str, world: int) -> list[int | None]:
+    if not registry.needs_local_size(algorithm):
+        return [None]
+    return [d for d in range(1, world + 1) if world % d == 0]
+
+
+def _schedule(collective: Collective, algorithm: str, world: int, pipeline: int, local_size: int | None):
+    root = 0 if collective in ROOTED_COLLECTIVES else None
+    return registry.build(collective, algorithm, world, root=root, pipeline=pipeline, local_size=local_size)
+
+
+def test_every_registered_algorithm_has_a_closed_form_or_a_schedule_price():
+    for collective, algorithm in REGISTERED:
+        assert predict(collective, algorithm, 1 << 16, 4, PARAMS, local_size=2) > 0
+
+
+@pytest.mark.parametrize(("collective", "algorithm"), WITH_FORMS, ids=lambda x: getattr(x, "value", x))
+@pytest.mark.parametrize("world", range(1, 10))
+def test_closed_form_equals_round_by_round_price(collective, algorithm, world):
+    """Exact where the chunk sizes divide evenly: both follow the same model."""
+    for local_size in _local_sizes(algorithm, world):
+        for pipeline in (1, 3):
+            schedule = _schedule(collective, algorithm, world, pipeline, local_size)
+            nbytes = 0 if collective == Collective.BARRIER else 4 * schedule.nchunks * 5 * 64
+            by_rounds = predict_schedule(schedule, nbytes, PARAMS, local_size=local_size)
+            closed = predict(collective, algorithm, nbytes, world, PARAMS, local_size=local_size, pipeline=pipeline)
+            assert closed == pytest.approx(by_rounds, rel=1e-12, abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    case=st.sampled_from([(c, a) for c, a in WITH_FORMS if c != Collective.BARRIER]),
+    world=st.integers(2, 12),
+    nbytes=st.integers(0, 1 << 22),
+)
+def test_closed_form_is_within_uneven_chunk_rounding_of_the_schedule(case, world, nbytes):
+    """With uneven chunks (every chunk non-empty) the two differ by at most a byte a chunk a round."""
+    collective, algorithm = case
+    local_size = 2 if registry.needs_local_size(algorithm) and world % 2 == 0 else None
+    if registry.needs_local_size(algorithm) and local_size is None:
+        local_size = world
+    schedule = _schedule(collective, algorithm, world, 1, local_size)
+    nbytes = max(nbytes, schedule.nchunks)
+    nbytes -= nbytes % schedule.nblocks
+    by_rounds = predict_schedule(schedule, nbytes, PARAMS, local_size=local_size, itemsize=1)
+    closed = predict(collective, algorithm, nbytes, world, PARAMS, local_size=local_size)
+    slack = schedule.num_rounds * schedule.nchunks * (5e-3 + 3e-4) + 1e-9
+    assert abs(by_rounds - closed) <= slack
+
+
+@pytest.mark.parametrize("local_size", [2, 4])
+def test_flat_ring_across_nodes_is_priced_at_the_inter_link(local_size):
+    schedule = registry.build(Collective.ALL_REDUCE, "ring", 8)
+    by_rounds = predict_schedule(schedule, 4 * 8 * 64, PARAMS, local_size=local_size)
+    assert predict("all_reduce", "ring", 4 * 8 * 64, 8, PARAMS, local_size=local_size) == pytest.approx(by_rounds)
+
+
+def test_flat_algorithms_across_nodes_cost_at_most_their_closed_form():
+    for collective, algorithm in WITH_FORMS:
+        if registry.needs_local_size(algorithm):
+            continue
+        schedule = _schedule(collective, algorithm, 8, 2, None)
+        nbytes = 0 if collective == Collective.BARRIER else 4 * schedule.nchunks * 64
+        closed = predict(collective, algorithm, nbytes, 8, PARAMS, local_size=4, pipeline=2)
+        assert predict_schedule(schedule, nbytes, PARAMS, local_size=4) <= closed + 1e-9
+
+
+def test_one_rank_costs_nothing():
+    for collective, algorithm in WITH_FORMS:
+        assert predict(collective, algorithm, 1 << 20, 1, PARAMS, local_size=1) == 0.0
+
+
+def test_ring_all_reduce_is_the_textbook_formula():
+    a, b, g = 1.0, 1e-3, 3e-4
+    p, n = 8, 8 * 1024
+    want = 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g
+    assert predict("all_reduce", "ring", n, p, PARAMS) == pytest.approx(want)
+
+
+def test_hierarchical_prices_the_cross_node_steps_on_the_inter_link():
+    same = CostParams(intra=PARAMS.intra)
+    slow_between = predict("all_reduce", "hierarchical", 1 << 20, 8, PARAMS, local_size=4)
+    assert slow_between > predict("all_reduce", "hierarchical", 1 << 20, 8, same, local_size=4)
+
+
+def test_choose_picks_ring_for_large_messages_on_cpu_defaults():
+    candidates = ["tree", "recursive_doubling", "halving_doubling", "ring"]
+    assert choose("all_reduce", 64 << 20, 6, CPU, candidates=candidates) == "ring"
+
+
+@pytest.mark.parametrize("world", [4, 6, 8])
+def test_choose_picks_a_log_round_algorithm_for_small_messages_on_cpu_defaults(world):
+    candidates = ["ring", "tree", "recursive_doubling", "halving_doubling"]
+    assert choose("all_reduce", 1024, world, CPU, candidates=candidates) == "recursive_doubling"
+
+
+def test_choose_skips_auto_native_and_hierarchical_without_nodes():
+    picked = choose("all_reduce", 1 << 20, 8, CPU, candidates=["auto", "native", "hierarchical", "ring"])
+    assert picked == "ring"
+    with pytest.raises(ValueError, match="no candidate"):
+        choose("all_reduce", 1 << 20, 8, CPU, candidates=["hierarchical"], local_size=8)
+
+
+def test_choose_takes_hierarchical_when_the_inter_link_is_slow():
+    params = CostParams(intra=CPU.intra, inter=LinkCost(alpha_s=1e-4, beta_s_per_byte=1e-8, gamma_s_per_byte=0))
+    picked = choose("all_reduce", 64 << 20, 8, params, candidates=["ring", "hierarchical"], local_size=4)
+    assert picked == "hierarchical"
+
+
+def test_optimal_pipeline_minimises_the_chain_broadcast():
+    n, p = 64 << 20, 8
+    k = cost.optimal_pipeline(n, p, CPU.intra)
+    times = {j: predict("broadcast", "ring", n, p, CPU, pipeline=j) for j in range(1, 65)}
+    assert times[k] == pytest.approx(min(times.values()), rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: predict("all_reduce", "ring", -1, 4, PARAMS), "nbytes"),
+        (lambda: predict("all_reduce", "ring", 1024, 0, PARAMS), "world_size"),
+        (lambda: predict("all_reduce", "bogus", 1024, 4, PARAMS), "bogus"),
+        (lambda: predict("all_reduce", "ring", 1024, 4, PARAMS, pipeline=0), "pipeline"),
+        (lambda: predict("all_reduce", "hierarchical", 1024, 4, PARAMS), "local_size"),
+        (lambda: predict("all_reduce", "hierarchical", 1024, 6, PARAMS, local_size=4), "local_size"),
+        (lambda: predict("no_such_collective", "ring", 1024, 4, PARAMS), "no_such_collective"),
+        (lambda: LinkCost(alpha_s=-1.0, beta_s_per_byte=0, gamma_s_per_byte=0), "alpha_s"),
+        (lambda: LinkCost(alpha_s=math.nan, beta_s_per_byte=0, gamma_s_per_byte=0), "alpha_s"),
+        (lambda: cost.default_params("tpu"), "tpu"),
+        (lambda: CostParams.from_dict({"intra": {"alpha": 1}}), "CostParams"),
+        (lambda: predict_schedule(registry.build(Collective.ALL_GATHER, "ring", 4), 6, PARAMS), "element"),
+    ],
+)
+def test_bad_input_raises_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_params_round_trip_through_json(tmp_path):
+    path = cost.save_params(PARAMS, tmp_path / "cal.json", {"host": "test"})
+    assert cost.load_params(path) == PARAMS
+    assert CostParams.from_dict(PARAMS.to_dict()) == PARAMS
+
+
+def test_load_params_falls_back_to_defaults_without_a_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTRAIN_CALIBRATION", str(tmp_path / "missing.json"))
+    assert cost.load_params(device="cuda") == cost.default_params("cuda")
+    with pytest.raises(FileNotFoundError):
+        cost.load_params(tmp_path / "missing.json")
+
+
+@settings(max_examples=30, deadline=None)
+@given(alpha=st.floats(0, 1e-3), beta=st.floats(0, 1e-8))
+def test_fit_line_recovers_alpha_and_beta_from_exact_timings(alpha, beta):
+    from dtrain.comm.calibrate import DEFAULT_SIZES, fit_line
+
+    fitted = fit_line(DEFAULT_SIZES, [alpha + beta * n for n in DEFAULT_SIZES])
+    assert fitted == pytest.approx((alpha, beta), rel=1e-6, abs=1e-15)
