@@ -1,8 +1,9 @@
 """``dtrain bench comm``: time every collective algorithm over a size sweep, next to the cost model.
 
 For each collective, message size and algorithm ("auto" and "native" included): ``warmup`` untimed calls,
-then ``iters`` timed ones, each between barriers (CUDA synchronized on GPU); a rank's time is its median, the
-reported time the largest over ranks. Bandwidths follow nccl-tests (doc/PERFORMANCE.md): ``algbw = size /
+then ``trials`` runs of ``iters`` calls back to back between two synchronizations (as nccl-tests times);
+a rank's time is its median run divided by ``iters``, the reported time the largest over ranks.
+Bandwidths follow nccl-tests (doc/PERFORMANCE.md): ``algbw = size /
 time`` and ``busbw = algbw * factor`` with the factor of :data:`BUS_FACTORS`; ``size`` is the work buffer of
 :mod:`dtrain.comm.cost` (all-gather: output, reduce-scatter / gather / scatter / all-to-all: the full W-block
 buffer). Rank 0 prints a table, writes one JSON line a measurement to ``out`` (replacing the file) and draws
@@ -54,11 +55,13 @@ class BenchConfig:
 
     collectives: list[str] = field(default_factory=lambda: ["all_reduce"])
     algorithms: list[str] | None = None  # None: every name comm.algorithms() lists
+    graphs: bool = False  # on GPUs, also time each algorithm captured as a CUDA graph ("ring+graph")
     min_bytes: int | None = None
     max_bytes: int | None = None
     factor: int = 4
     warmup: int = 2
     iters: int = 10
+    trials: int = 3
     out: str = "runs/bench-comm.jsonl"
     nproc: int = 2
 
@@ -68,8 +71,10 @@ class BenchConfig:
             raise ValueError(f"unknown collectives {unknown}; known: {', '.join([*BUS_FACTORS, 'barrier'])}")
         if self.factor < 2:
             raise ValueError(f"factor must be >= 2, got {self.factor}")
-        if self.iters < 1 or self.warmup < 0:
-            raise ValueError(f"need iters >= 1 and warmup >= 0, got {self.iters} and {self.warmup}")
+        if self.iters < 1 or self.warmup < 0 or self.trials < 1:
+            raise ValueError(
+                f"need iters >= 1, trials >= 1, warmup >= 0; got {self.iters}, {self.trials}, {self.warmup}"
+            )
         if self.min_bytes is not None and self.max_bytes is not None and self.min_bytes > self.max_bytes:
             raise ValueError(f"min_bytes {self.min_bytes} is above max_bytes {self.max_bytes}")
 
@@ -113,21 +118,37 @@ def _operation(coll: str, nbytes: int, world: int, rank: int, device) -> tuple[C
 
 
 def _time_us(call: Callable[[str], None], algorithm: str, config: BenchConfig, device) -> float:
-    """Largest over ranks of each rank's median time of one call, in microseconds."""
-    times = []
-    for i in range(config.warmup + config.iters):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+    """Time of one call in microseconds, as nccl-tests measures it: ``iters`` calls back to back between
+    two synchronizations, divided by ``iters``; the median of ``trials`` such runs on each rank, then the
+    largest over ranks."""
+    for _ in range(config.warmup):
         call(algorithm)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= config.warmup:
-            times.append(time.perf_counter() - start)
-    worst = torch.tensor([statistics.median(times) * 1e6], dtype=torch.float64, device=device)
+    runs = []
+    for _ in range(config.trials):
+        _sync(device)
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(config.iters):
+            call(algorithm)
+        _sync(device)
+        runs.append((time.perf_counter() - start) / config.iters)
+    worst = torch.tensor([statistics.median(runs) * 1e6], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst.item())
+
+
+def _captured(call: Callable[[str], None], algorithm: str) -> Callable[[str], None]:
+    """``call`` recorded once as a CUDA graph (:func:`dtrain.comm.capture`); the timed calls replay it."""
+    from dtrain import comm
+
+    replay = comm.capture(lambda: call(algorithm))
+    return lambda _algorithm: replay()
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _predicted_us(coll: str, algorithm: str, nbytes: int, world: int, params, local_size) -> tuple[float | None, str]:
@@ -186,6 +207,8 @@ def _cases(config: BenchConfig, device) -> list[tuple[str, int, str]]:
     for coll in config.collectives:
         names = ["auto"] if coll == "barrier" else comm.algorithms(coll)
         names = [a for a in names if config.algorithms is None or a in config.algorithms]
+        if config.graphs and device.type == "cuda" and coll != "barrier":
+            names += [f"{a}+graph" for a in names if a != "auto"]
         sizes = [0] if coll == "barrier" else config.sizes(device.type)
         cases += [(coll, size, a) for size in sizes for a in names]
     return cases
@@ -204,13 +227,17 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
     with Progress(len(cases), enabled=rank == 0) as progress:
         for coll, size, algorithm in cases:
             call, nbytes = _operation(coll, size, world, rank, device)
+            if algorithm.endswith("+graph"):
+                call = _captured(call, algorithm.removesuffix("+graph"))
             progress.step(f"{coll} {nbytes} B {algorithm}")
             try:
                 time_us = _time_us(call, algorithm, config, device)
             except ValueError as exc:  # e.g. an algorithm that needs a node size it was not given
                 progress.note(f"skipped {coll}/{algorithm}: {exc}")
                 continue
-            predicted, resolved = _predicted_us(coll, algorithm, nbytes, world, params, local_size)
+            predicted, resolved = _predicted_us(
+                coll, algorithm.removesuffix("+graph"), nbytes, world, params, local_size
+            )
             records.append(_record(coll, algorithm, nbytes, world, time_us, predicted, resolved, config, machine))
     if rank != 0:
         return []

@@ -47,7 +47,9 @@ def _add_bench_comm(sub) -> None:
     p.add_argument("--max-bytes", type=parse_bytes, default=None, help="default 64M on CPU, 1G on GPU")
     p.add_argument("--factor", type=int, default=4, help="size step (2 or 4)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="calls back to back per timed run")
+    p.add_argument("--trials", type=int, default=3, help="timed runs; the median counts")
+    p.add_argument("--graphs", action="store_true", help="on GPUs, also time each algorithm as a CUDA graph")
     p.add_argument("--out", default="runs/bench-comm.jsonl", help="JSON lines; the plot goes beside it as .png")
 
 
@@ -90,6 +92,8 @@ def _bench_comm(args: argparse.Namespace) -> int:
         factor=args.factor,
         warmup=args.warmup,
         iters=args.iters,
+        trials=args.trials,
+        graphs=args.graphs,
         out=args.out,
         nproc=args.nproc,
     )

@@ -28,12 +28,14 @@ _API = (
     "set_local_size",
 )
 
-__all__ = [*_API, "CommTimeoutError", "Collective", "Schedule", "ScheduleError", "Transfer"]
+__all__ = [*_API, "capture", "CommTimeoutError", "Collective", "Schedule", "ScheduleError", "Transfer"]
 
 
 def __getattr__(name: str):
     if name in _API:
         return getattr(importlib.import_module("dtrain.comm.api"), name)
+    if name == "capture":
+        return importlib.import_module("dtrain.comm.graph").capture
     if name == "CommTimeoutError":
         return importlib.import_module("dtrain.comm.runtime").CommTimeoutError
     raise AttributeError(f"module 'dtrain.comm' has no attribute {name!r}")

@@ -18,7 +18,7 @@ from dtrain.comm import algorithms as registry
 from dtrain.comm import native
 from dtrain.comm.runtime import REDUCE_OPS, run_schedule
 from dtrain.comm.schedule import Collective
-from dtrain.comm.transport import TorchP2PTransport
+from dtrain.comm.transport import transport_for
 
 __all__ = [
     "all_reduce",
@@ -174,8 +174,7 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> 
         pipeline=pipeline,
         local_size=local_size if registry.needs_local_size(algorithm) else None,
     )
-    transport = TorchP2PTransport(group)
-    run_schedule(schedule, work, transport, op, global_rank=transport.global_rank)
+    run_schedule(schedule, work, transport_for(group), op)
 
 
 def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -118,6 +118,24 @@ class Schedule:
         if self.root is not None and not 0 <= self.root < self.world_size:
             raise ScheduleError(f"root {self.root} is outside world of size {self.world_size}")
 
+    def __hash__(self) -> int:
+        # Hashed on every runtime call (plan cache): compute once, the schedule is immutable.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(
+                (
+                    self.collective,
+                    self.algorithm,
+                    self.world_size,
+                    self.rounds,
+                    self.nblocks,
+                    self.chunks_per_block,
+                    self.root,
+                )
+            )
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def nchunks(self) -> int:
         return self.nblocks * self.chunks_per_block

@@ -3,6 +3,11 @@
 A transport takes one round's messages for this rank (tensors to send, tensors to receive into), starts them
 all at once and hands back one pending handle per message, so the runtime can tell which peer a failed or
 late message belongs to.
+
+On a backend that coalesces (NCCL), a round is one NCCL group (``ncclGroupStart`` ... ``ncclGroupEnd``): the
+same thing ``torch.distributed.batch_isend_irecv`` does, called on the process group directly because the
+Python wrapper costs more host time per round than the GPU needs to move a few MiB (measured in
+docs/benchmarks.md). Other backends (Gloo) get one request per message.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["Pending", "Transport", "TorchP2PTransport"]
+__all__ = ["Pending", "Transport", "TorchP2PTransport", "transport_for"]
+
+_TAG = 0
 
 
 @dataclass
@@ -37,36 +44,66 @@ class Transport(Protocol):
 
     def start(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list[Pending]: ...
 
+    def global_rank(self, group_rank: int) -> int: ...
+
 
 class TorchP2PTransport:
-    """torch.distributed ``batch_isend_irecv`` over a process group (the world when ``group`` is None).
+    """Point-to-point over a torch.distributed process group (the world when ``group`` is None).
 
-    Ranks given to :meth:`start` are group ranks; they are translated to global ranks here once.
+    Ranks given to :meth:`start` are group ranks.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
+        self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         if group is None or group is dist.group.WORLD:
             self._global = list(range(self.world_size))
         else:
             self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self._coalesces: dict[torch.device, bool] = {}
 
     def global_rank(self, group_rank: int) -> int:
         return self._global[group_rank]
 
+    def _coalescing(self, device: torch.device) -> bool:
+        known = self._coalesces.get(device)
+        if known is None:
+            pg = self.group
+            known = hasattr(pg, "_start_coalescing") and pg._get_backend(device).supports_coalescing
+            self._coalesces[device] = known
+        return known
+
     def start(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list[Pending]:
-        ops = [dist.P2POp(dist.isend, t, self._global[p], self.group) for p, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group) for p, t in recvs]
-        if not ops:
+        if not sends and not recvs:
             return []
-        works = dist.batch_isend_irecv(ops)
+        pg = self.group
+        device = (sends or recvs)[0][1].device
+        if self._coalescing(device):
+            pg._start_coalescing(device)
+            for peer, t in sends:
+                pg.send([t], peer, _TAG)
+            for peer, t in recvs:
+                pg.recv([t], peer, _TAG)
+            work = pg._end_coalescing(device)
+            works = [work] * (len(sends) + len(recvs))
+        else:
+            works = [pg.send([t], peer, _TAG) for peer, t in sends]
+            works += [pg.recv([t], peer, _TAG) for peer, t in recvs]
         messages = [(p, True, t) for p, t in sends] + [(p, False, t) for p, t in recvs]
-        if len(works) != len(messages):
-            # NCCL coalesces a batch into one work: every message then shares it.
-            works = [works[-1]] * len(messages)
         return [
             Pending(peer=p, is_send=is_send, nbytes=t.numel() * t.element_size(), work=w)
             for (p, is_send, t), w in zip(messages, works, strict=True)
         ]
+
+
+_TRANSPORTS: dict[object, TorchP2PTransport] = {}
+
+
+def transport_for(group: dist.ProcessGroup | None) -> TorchP2PTransport:
+    """One transport per process group, reused across calls."""
+    key = None if group is None or group is dist.group.WORLD else group
+    transport = _TRANSPORTS.get(key)
+    if transport is None or (key is None and transport.group is not dist.group.WORLD):
+        transport = _TRANSPORTS[key] = TorchP2PTransport(group)
+    return transport
