@@ -19,6 +19,12 @@ PARAMS = CostParams(
     intra=LinkCost(alpha_s=1.0, beta_s_per_byte=1e-3, gamma_s_per_byte=3e-4),
     inter=LinkCost(alpha_s=7.0, beta_s_per_byte=5e-3, gamma_s_per_byte=2e-4),
 )
+# The same links with a round's further peers starting cheaper than its first (messages posted together).
+MULTI_PORT = CostParams(
+    intra=LinkCost(alpha_s=1.0, beta_s_per_byte=1e-3, gamma_s_per_byte=3e-4, alpha_peer_s=0.37),
+    inter=LinkCost(alpha_s=7.0, beta_s_per_byte=5e-3, gamma_s_per_byte=2e-4, alpha_peer_s=2.9),
+)
+BOTH_PORT_MODELS = pytest.mark.parametrize("params", [PARAMS, MULTI_PORT], ids=["single_port", "multi_port"])
 CPU = cost.default_params("cpu")
 
 REGISTERED = [(c, a) for c in Collective for a in registry.names(c)]
@@ -43,14 +49,15 @@ def test_every_registered_algorithm_has_a_closed_form_or_a_schedule_price():
 
 @pytest.mark.parametrize(("collective", "algorithm"), WITH_FORMS, ids=lambda x: getattr(x, "value", x))
 @pytest.mark.parametrize("world", range(1, 10))
-def test_closed_form_equals_round_by_round_price(collective, algorithm, world):
+@BOTH_PORT_MODELS
+def test_closed_form_equals_round_by_round_price(collective, algorithm, world, params):
     """Exact where the chunk sizes divide evenly: both follow the same model."""
     for local_size in _local_sizes(algorithm, world):
         for pipeline in (1, 3):
             schedule = _schedule(collective, algorithm, world, pipeline, local_size)
             nbytes = 0 if collective == Collective.BARRIER else 4 * schedule.nchunks * 5 * 64
-            by_rounds = predict_schedule(schedule, nbytes, PARAMS, local_size=local_size)
-            closed = predict(collective, algorithm, nbytes, world, PARAMS, local_size=local_size, pipeline=pipeline)
+            by_rounds = predict_schedule(schedule, nbytes, params, local_size=local_size)
+            closed = predict(collective, algorithm, nbytes, world, params, local_size=local_size, pipeline=pipeline)
             assert closed == pytest.approx(by_rounds, rel=1e-12, abs=1e-12)
 
 
@@ -59,8 +66,9 @@ def test_closed_form_equals_round_by_round_price(collective, algorithm, world):
     case=st.sampled_from([(c, a) for c, a in WITH_FORMS if c != Collective.BARRIER]),
     world=st.integers(2, 12),
     nbytes=st.integers(0, 1 << 22),
+    params=st.sampled_from([PARAMS, MULTI_PORT]),
 )
-def test_closed_form_is_within_uneven_chunk_rounding_of_the_schedule(case, world, nbytes):
+def test_closed_form_is_within_uneven_chunk_rounding_of_the_schedule(case, world, nbytes, params):
     """With uneven chunks (every chunk non-empty) the two differ by at most a byte a chunk a round."""
     collective, algorithm = case
     local_size = 2 if registry.needs_local_size(algorithm) and world % 2 == 0 else None
@@ -69,8 +77,8 @@ def test_closed_form_is_within_uneven_chunk_rounding_of_the_schedule(case, world
     schedule = _schedule(collective, algorithm, world, 1, local_size)
     nbytes = max(nbytes, schedule.nchunks)
     nbytes -= nbytes % schedule.nblocks
-    by_rounds = predict_schedule(schedule, nbytes, PARAMS, local_size=local_size, itemsize=1)
-    closed = predict(collective, algorithm, nbytes, world, PARAMS, local_size=local_size)
+    by_rounds = predict_schedule(schedule, nbytes, params, local_size=local_size, itemsize=1)
+    closed = predict(collective, algorithm, nbytes, world, params, local_size=local_size)
     slack = schedule.num_rounds * schedule.nchunks * (5e-3 + 3e-4) + 1e-9
     assert abs(by_rounds - closed) <= slack
 
@@ -82,14 +90,15 @@ def test_flat_ring_across_nodes_is_priced_at_the_inter_link(local_size):
     assert predict("all_reduce", "ring", 4 * 8 * 64, 8, PARAMS, local_size=local_size) == pytest.approx(by_rounds)
 
 
-def test_flat_algorithms_across_nodes_cost_at_most_their_closed_form():
+@BOTH_PORT_MODELS
+def test_flat_algorithms_across_nodes_cost_at_most_their_closed_form(params):
     for collective, algorithm in WITH_FORMS:
         if registry.needs_local_size(algorithm):
             continue
         schedule = _schedule(collective, algorithm, 8, 2, None)
         nbytes = 0 if collective == Collective.BARRIER else 4 * schedule.nchunks * 64
-        closed = predict(collective, algorithm, nbytes, 8, PARAMS, local_size=4, pipeline=2)
-        assert predict_schedule(schedule, nbytes, PARAMS, local_size=4) <= closed + 1e-9
+        closed = predict(collective, algorithm, nbytes, 8, params, local_size=4, pipeline=2)
+        assert predict_schedule(schedule, nbytes, params, local_size=4) <= closed + 1e-9
 
 
 def test_one_rank_costs_nothing():
@@ -128,6 +137,34 @@ def test_choose_skips_auto_native_and_hierarchical_without_nodes():
         choose("all_reduce", 1 << 20, 8, CPU, candidates=["hierarchical"], local_size=8)
 
 
+# Measured on 4 H200s over NCCL: a round with one peer starts in ~55 us, with all three ~95 us.
+def _h200(alpha_peer_s: float | None) -> CostParams:
+    link = LinkCost(alpha_s=55e-6, beta_s_per_byte=1 / 150e9, gamma_s_per_byte=1 / 1e12, alpha_peer_s=alpha_peer_s)
+    return CostParams(intra=link)
+
+
+@pytest.mark.parametrize("collective", [Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER])
+@pytest.mark.parametrize("nbytes", [64 << 20, 256 << 20])
+def test_choose_picks_direct_for_large_messages_at_four_ranks_when_further_peers_start_cheaply(collective, nbytes):
+    candidates = registry.names(collective)
+    assert {"ring", "direct"} < set(candidates)
+    assert choose(collective, nbytes, 4, _h200(20e-6), candidates=candidates) == "direct"
+
+
+@pytest.mark.parametrize(
+    ("collective", "picked"),
+    [
+        (Collective.ALL_REDUCE, "halving_doubling"),
+        (Collective.ALL_GATHER, "recursive_doubling"),
+        (Collective.REDUCE_SCATTER, "halving_doubling"),
+    ],
+)
+def test_choose_keeps_the_single_port_choices_when_alpha_peer_equals_alpha(collective, picked):
+    candidates = registry.names(collective)
+    assert choose(collective, 64 << 20, 4, _h200(55e-6), candidates=candidates) == picked
+    assert choose(collective, 64 << 20, 4, _h200(None), candidates=candidates) == picked
+
+
 def test_choose_takes_hierarchical_when_the_inter_link_is_slow():
     params = CostParams(intra=CPU.intra, inter=LinkCost(alpha_s=1e-4, beta_s_per_byte=1e-8, gamma_s_per_byte=0))
     picked = choose("all_reduce", 64 << 20, 8, params, candidates=["ring", "hierarchical"], local_size=4)
@@ -153,6 +190,8 @@ def test_optimal_pipeline_minimises_the_chain_broadcast():
         (lambda: predict("no_such_collective", "ring", 1024, 4, PARAMS), "no_such_collective"),
         (lambda: LinkCost(alpha_s=-1.0, beta_s_per_byte=0, gamma_s_per_byte=0), "alpha_s"),
         (lambda: LinkCost(alpha_s=math.nan, beta_s_per_byte=0, gamma_s_per_byte=0), "alpha_s"),
+        (lambda: LinkCost(alpha_s=1.0, beta_s_per_byte=0, gamma_s_per_byte=0, alpha_peer_s=-1e-6), "alpha_peer_s"),
+        (lambda: LinkCost(alpha_s=1.0, beta_s_per_byte=0, gamma_s_per_byte=0, alpha_peer_s=math.inf), "alpha_peer"),
         (lambda: cost.default_params("tpu"), "tpu"),
         (lambda: CostParams.from_dict({"intra": {"alpha": 1}}), "CostParams"),
         (lambda: predict_schedule(registry.build(Collective.ALL_GATHER, "ring", 4), 6, PARAMS), "element"),
@@ -163,10 +202,41 @@ def test_bad_input_raises_value_error(call, match):
         call()
 
 
-def test_params_round_trip_through_json(tmp_path):
-    path = cost.save_params(PARAMS, tmp_path / "cal.json", {"host": "test"})
-    assert cost.load_params(path) == PARAMS
-    assert CostParams.from_dict(PARAMS.to_dict()) == PARAMS
+@BOTH_PORT_MODELS
+def test_params_round_trip_through_json(tmp_path, params):
+    path = cost.save_params(params, tmp_path / "cal.json", {"host": "test"})
+    assert cost.load_params(path) == params
+    assert CostParams.from_dict(params.to_dict()) == params
+
+
+def test_a_calibration_file_without_alpha_peer_reads_as_single_port():
+    data = {"intra": {"alpha_s": 1.0, "beta_s_per_byte": 1e-3, "gamma_s_per_byte": 3e-4}, "inter": None}
+    link = CostParams.from_dict(data).intra
+    assert link.alpha_peer_s is None
+    assert link.per_peer_s == link.alpha_s == 1.0
+
+
+def test_alpha_peer_equal_to_alpha_prices_like_the_single_port_default():
+    explicit = CostParams(
+        intra=LinkCost(alpha_s=1.0, beta_s_per_byte=1e-3, gamma_s_per_byte=3e-4, alpha_peer_s=1.0),
+        inter=LinkCost(alpha_s=7.0, beta_s_per_byte=5e-3, gamma_s_per_byte=2e-4, alpha_peer_s=7.0),
+    )
+    for collective, algorithm in REGISTERED:
+        for world in (2, 6, 8):
+            local_size = 2 if registry.needs_local_size(algorithm) else None
+            single = predict(collective, algorithm, 1 << 16, world, PARAMS, local_size=local_size)
+            same = predict(collective, algorithm, 1 << 16, world, explicit, local_size=local_size)
+            assert same == pytest.approx(single, rel=1e-12)
+
+
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_direct_all_to_all_pays_one_start_up_and_alpha_peer_per_further_peer(world):
+    n = world * 1024
+    want = 1.0 + (world - 2) * 0.37 + (world - 1) / world * n * 1e-3
+    assert predict("all_to_all", "direct", n, world, MULTI_PORT) == pytest.approx(want)
+    assert predict_schedule(registry.build(Collective.ALL_TO_ALL, "direct", world), n, MULTI_PORT) == pytest.approx(
+        want
+    )
 
 
 def test_load_params_falls_back_to_defaults_without_a_calibration(tmp_path, monkeypatch):

@@ -15,17 +15,17 @@ from rich.table import Table
 
 from dtrain.bench.launch import rank_device, run_ranks
 from dtrain.comm import cost
-from dtrain.comm.calibrate import DEFAULT_SIZES, calibrate
+from dtrain.comm.calibrate import calibrate
 
 __all__ = ["run", "calibrate_on_rank"]
 
 
-def run(nproc: int, out: str | None = None, repeats: int = 10, sizes: tuple[int, ...] = DEFAULT_SIZES) -> dict:
+def run(nproc: int, out: str | None = None, repeats: int = 10, sizes: tuple[int, ...] | None = None) -> dict:
     """Calibrate on ``nproc`` local ranks (or the torchrun job this process is in); the saved params."""
     return run_ranks(calibrate_on_rank, nproc, out, repeats, sizes)
 
 
-def calibrate_on_rank(out: str | None, repeats: int, sizes: tuple[int, ...]) -> dict:
+def calibrate_on_rank(out: str | None, repeats: int, sizes: tuple[int, ...] | None) -> dict:
     """Every rank measures; rank 0 writes the JSON file, prints the parameters and returns them as a dict."""
     device = rank_device()
     env = os.environ.get("LOCAL_WORLD_SIZE", "")
@@ -41,7 +41,7 @@ def calibrate_on_rank(out: str | None, repeats: int, sizes: tuple[int, ...]) -> 
         "backend": dist.get_backend(),
         "world_size": dist.get_world_size(),
         "local_size": local_size,
-        "sizes": list(sizes),
+        "sizes": list(sizes) if sizes else "default for the device",
         "repeats": repeats,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -56,12 +56,23 @@ def _device_name(device: torch.device) -> str:
 
 def _show(params: cost.CostParams, path: Path) -> None:
     table = Table(title=f"cost model parameters (saved to {path})")
-    for name in ("link", "alpha (us)", "bandwidth (GB/s)", "reduce (GB/s)"):
+    for name in ("link", "alpha (us)", "alpha_peer (us)", "bandwidth (GB/s)", "reduce (GB/s)"):
         table.add_column(name, justify="left" if name == "link" else "right")
     for name, link in (("intra", params.intra), ("inter", params.inter)):
         if link is not None:
-            table.add_row(name, f"{link.alpha_s * 1e6:.2f}", _rate(link.beta_s_per_byte), _rate(link.gamma_s_per_byte))
+            table.add_row(
+                name,
+                f"{link.alpha_s * 1e6:.2f}",
+                _per_peer(link),
+                _rate(link.beta_s_per_byte),
+                _rate(link.gamma_s_per_byte),
+            )
     Console().print(table)
+
+
+def _per_peer(link: cost.LinkCost) -> str:
+    """alpha_peer in us, or "= alpha" where it was not measured (the single-port model)."""
+    return "= alpha" if link.alpha_peer_s is None else f"{link.alpha_peer_s * 1e6:.2f}"
 
 
 def _rate(seconds_per_byte: float) -> str:

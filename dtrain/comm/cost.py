@@ -14,10 +14,16 @@ the same):
 
 - ``nbytes`` is the rank's whole work buffer: the tensor for all-reduce, broadcast, reduce and scan; all W
   blocks for all-gather (output), reduce-scatter, gather, scatter and all-to-all (input).
-- Within a round a rank's messages to one peer are packed into one. A rank pays ``alpha`` once per peer it
-  sends to or receives from in a round (start-ups serialize at the rank, as in the paper's pairwise-exchange
-  all-to-all, ``(p-1) alpha``), and ``beta`` on the larger of the bytes it sends and receives (links are full
-  duplex). The round takes as long as its slowest rank.
+- Within a round a rank's messages to one peer are packed into one. The runtime posts all of a round's
+  messages at once (one NCCL group; every Gloo request together), so a rank that talks to ``k`` peers in a
+  round pays ``alpha + (k - 1) alpha_peer`` of start-up: the first message's full start-up, then
+  ``alpha_peer`` for each further peer (``k`` is the larger of the peers it sends to and receives from). With
+  ``alpha_peer = alpha`` this is the paper's single-port model, where start-ups serialize at the rank (its
+  pairwise-exchange all-to-all costs ``(p-1) alpha``); a smaller ``alpha_peer`` generalises it to a
+  multi-port one in which posted messages overlap, as in the LogGP model's gap per message (Alexandrov et
+  al., SPAA 1995) and the k-port models of collective algorithms (Bruck et al., IEEE TPDS 8(11), 1997). A
+  rank pays ``beta`` on the larger of the bytes it sends and receives (links are full duplex), and the round
+  takes as long as its slowest rank.
 - With ``local_size`` (ranks per node), a message between nodes is priced with ``params.inter``; a round
   that mixes both kinds of message takes the longer of the two, and a reduction is priced with the gamma of
   the link its data came over. The closed forms of flat (not hierarchical) algorithms price every round at
@@ -54,16 +60,29 @@ __all__ = [
 @dataclass(frozen=True, kw_only=True)
 class LinkCost:
     """Cost of one kind of link: start-up ``alpha_s``, ``beta_s_per_byte`` on the wire, ``gamma_s_per_byte``
-    to reduce a received byte into the buffer."""
+    to reduce a received byte into the buffer, and ``alpha_peer_s``, the start-up each further peer adds to a
+    round whose messages are posted together (``None``: equal to ``alpha_s``, the single-port model)."""
 
     alpha_s: float
     beta_s_per_byte: float
     gamma_s_per_byte: float
+    alpha_peer_s: float | None = None
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
+            if value is None and name == "alpha_peer_s":
+                continue
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"LinkCost.{name} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def per_peer_s(self) -> float:
+        """The start-up of each further peer in a round: ``alpha_peer_s``, or ``alpha_s`` when that is None."""
+        return self.alpha_s if self.alpha_peer_s is None else self.alpha_peer_s
+
+    def round_start_s(self, peers: int) -> float:
+        """Start-up of a round in which the busiest rank talks to ``peers`` peers (none: free)."""
+        return self.alpha_s + (peers - 1) * self.per_peer_s if peers > 0 else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +101,8 @@ class CostParams:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> CostParams:
-        """Inverse of :meth:`to_dict`; unknown or missing fields raise ``ValueError``."""
+        """Inverse of :meth:`to_dict`; unknown or missing fields raise ``ValueError``, except ``alpha_peer_s``,
+        which files written before it existed lack (read as None: the single-port model)."""
         try:
             intra = LinkCost(**data["intra"])
             inter = None if data.get("inter") is None else LinkCost(**data["inter"])
@@ -165,8 +185,9 @@ def predict_schedule(
     """Seconds to run ``schedule`` on a ``nbytes`` work buffer of ``itemsize``-byte elements, round by round.
 
     Chunk sizes come from :func:`chunk_bounds`, so they are the runtime's to the element. Each round costs,
-    for each kind of link used, ``alpha * (most peers one rank talks to) + beta * (most bytes one rank sends
-    or receives) + gamma * (most bytes one rank reduces)``, and the round takes the longest kind. Empty
+    for each kind of link used, ``alpha + (k - 1) alpha_peer + beta * (most bytes one rank sends or receives)
+    + gamma * (most bytes one rank reduces)``, ``k`` the most peers one rank sends to or receives from, and
+    the round takes the longest kind. Empty
     messages are free (the runtime skips them) except in barrier, whose messages are all tokens.
     """
     _validate(schedule.world_size, nbytes, local_size)
@@ -208,7 +229,7 @@ def _kind_seconds(pairs: dict[tuple[int, int], int], reduced: dict[int, int], li
             peers[key] = peers.get(key, 0) + 1
             volume[key] = volume.get(key, 0) + nbytes
     return (
-        link.alpha_s * max(peers.values())
+        link.round_start_s(max(peers.values()))
         + link.beta_s_per_byte * max(volume.values())
         + link.gamma_s_per_byte * max(reduced.values(), default=0)
     )

@@ -3,7 +3,9 @@
 Notation of Thakur, Rabenseifner and Gropp (2005): ``p`` ranks, ``n`` bytes of work buffer (see
 :mod:`dtrain.comm.cost` for what that is per collective), ``lg = ceil(log2 p)``; ``p'`` the largest power of
 two ``<= p``. A term ``k (alpha + m beta + r gamma)`` is k rounds, each sending ``m`` and reducing ``r``
-bytes. Every form assumes ``p >= 2`` (one rank costs nothing).
+bytes. A round in which the busiest rank talks to ``q > 1`` peers starts in ``alpha + (q-1) alpha_peer``
+(all its messages posted at once; see :mod:`dtrain.comm.cost`), which is the paper's ``q alpha`` when
+``alpha_peer = alpha``. Every form assumes ``p >= 2`` (one rank costs nothing).
 
 Where an algorithm runs on a power of two only, the others are folded (MPICH's recursive doubling and
 Rabenseifner's reduce-scatter / all-gather): the first ``2(p - p')`` ranks pair up, one of each pair hands its
@@ -38,9 +40,10 @@ class Form:
     needs_local_size: bool = False
 
 
-def _r(link: LinkCost, rounds: float, sent: float, reduced: float = 0.0) -> float:
-    """``rounds`` rounds, each sending ``sent`` and reducing ``reduced`` bytes on the busiest rank."""
-    return rounds * (link.alpha_s + sent * link.beta_s_per_byte + reduced * link.gamma_s_per_byte)
+def _r(link: LinkCost, rounds: float, sent: float, reduced: float = 0.0, peers: int = 1) -> float:
+    """``rounds`` rounds, each sending ``sent`` and reducing ``reduced`` bytes on the busiest rank, which talks
+    to ``peers`` peers."""
+    return rounds * (link.round_start_s(peers) + sent * link.beta_s_per_byte + reduced * link.gamma_s_per_byte)
 
 
 def _lg(p: int) -> int:
@@ -162,41 +165,45 @@ def hd_reduce_scatter(n, p, P, L, k):
 
 
 def direct_exchange(n, p, P, L, k):
-    """One round, every rank sending a block to each of the others: ``(p-1) alpha + (p-1)/p n beta``
-    (section 4.7's pairwise exchange, its start-ups serialized at the rank)."""
-    return _r(P.intra, p - 1, n / p)
+    """One round, every rank sending a block to each of the others (star gather and scatter: the root
+    receiving from or sending to each): ``alpha + (p-2) alpha_peer + (p-1)/p n beta``. Section 4.7's pairwise
+    exchange, ``(p-1) alpha + (p-1)/p n beta``, when ``alpha_peer = alpha``."""
+    return _r(P.intra, 1, (p - 1) / p * n, peers=p - 1)
 
 
 def direct_reduce_scatter(n, p, P, L, k):
-    """``(p-1) alpha + (p-1)/p n (beta + gamma)``."""
-    return _r(P.intra, p - 1, n / p, n / p)
+    """``alpha + (p-2) alpha_peer + (p-1)/p n (beta + gamma)``."""
+    return _r(P.intra, 1, (p - 1) / p * n, (p - 1) / p * n, peers=p - 1)
 
 
 def direct_all_reduce(n, p, P, L, k):
-    """Direct reduce-scatter then direct all-gather: ``2(p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma``."""
+    """Direct reduce-scatter then direct all-gather: ``2 (alpha + (p-2) alpha_peer) + 2 (p-1)/p n beta +
+    (p-1)/p n gamma``."""
     return direct_reduce_scatter(n, p, P, L, k) + direct_exchange(n, p, P, L, k)
 
 
 def star_broadcast(n, p, P, L, k):
-    """The root sends the whole buffer to each rank: ``(p-1)(alpha + n beta)``."""
-    return _r(P.intra, p - 1, n)
+    """The root sends the whole buffer to each rank in one round: ``alpha + (p-2) alpha_peer + (p-1) n
+    beta``."""
+    return _r(P.intra, 1, (p - 1) * n, peers=p - 1)
 
 
 def star_reduce(n, p, P, L, k):
-    """The root takes and reduces every rank's buffer: ``(p-1)(alpha + n beta + n gamma)``."""
-    return _r(P.intra, p - 1, n, n)
+    """The root takes and reduces every rank's buffer in one round: ``alpha + (p-2) alpha_peer + (p-1) n
+    (beta + gamma)``."""
+    return _r(P.intra, 1, (p - 1) * n, (p - 1) * n, peers=p - 1)
 
 
 def star_all_gather(n, p, P, L, k):
     """Gather to the hub, then the hub sends each rank the ``p - 1`` blocks it lacks:
-    ``2(p-1) alpha + (p-1)/p n beta + (p-1)^2/p n beta``."""
-    return _r(P.intra, p - 1, n / p) + _r(P.intra, p - 1, (p - 1) / p * n)
+    ``2 (alpha + (p-2) alpha_peer) + (p-1)/p n beta + (p-1)^2/p n beta``."""
+    return direct_exchange(n, p, P, L, k) + _r(P.intra, 1, (p - 1) ** 2 / p * n, peers=p - 1)
 
 
 def star_reduce_scatter(n, p, P, L, k):
     """Every rank reduces its whole buffer into the hub, which hands each rank its block:
-    ``(p-1)(alpha + n beta + n gamma) + (p-1)(alpha + n/p beta)``."""
-    return _r(P.intra, p - 1, n, n) + _r(P.intra, p - 1, n / p)
+    ``2 (alpha + (p-2) alpha_peer) + (p-1) n (beta + gamma) + (p-1)/p n beta``."""
+    return star_reduce(n, p, P, L, k) + direct_exchange(n, p, P, L, k)
 
 
 def star_all_reduce(n, p, P, L, k):
