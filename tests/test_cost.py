@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -25,6 +27,24 @@ MULTI_PORT = CostParams(
     inter=LinkCost(alpha_s=7.0, beta_s_per_byte=5e-3, gamma_s_per_byte=2e-4, alpha_peer_s=2.9),
 )
 BOTH_PORT_MODELS = pytest.mark.parametrize("params", [PARAMS, MULTI_PORT], ids=["single_port", "multi_port"])
+
+
+def _with_beta_peer(params: CostParams, intra: float | None, inter: float | None) -> CostParams:
+    return CostParams(
+        intra=dataclasses.replace(params.intra, beta_peer_s_per_byte=intra),
+        inter=dataclasses.replace(params.inter, beta_peer_s_per_byte=inter),
+    )
+
+
+# One pair slower than a rank's total (4.3x: direct rounds are pair-bound up to 5 ranks, rank-bound above).
+PAIR_SLOW = _with_beta_peer(MULTI_PORT, 4.3e-3, 1.3e-2)
+# One pair faster than the rank's total: the per-pair limit never binds.
+PAIR_FAST = _with_beta_peer(MULTI_PORT, 0.6e-3, 2.1e-3)
+ALL_MODELS = pytest.mark.parametrize(
+    "params",
+    [PARAMS, MULTI_PORT, PAIR_SLOW, PAIR_FAST],
+    ids=["single_port", "multi_port", "pair_slower", "pair_faster"],
+)
 CPU = cost.default_params("cpu")
 
 REGISTERED = [(c, a) for c in Collective for a in registry.names(c)]
@@ -49,7 +69,7 @@ def test_every_registered_algorithm_has_a_closed_form_or_a_schedule_price():
 
 @pytest.mark.parametrize(("collective", "algorithm"), WITH_FORMS, ids=lambda x: getattr(x, "value", x))
 @pytest.mark.parametrize("world", range(1, 10))
-@BOTH_PORT_MODELS
+@ALL_MODELS
 def test_closed_form_equals_round_by_round_price(collective, algorithm, world, params):
     """Exact where the chunk sizes divide evenly: both follow the same model."""
     for local_size in _local_sizes(algorithm, world):
@@ -66,7 +86,7 @@ def test_closed_form_equals_round_by_round_price(collective, algorithm, world, p
     case=st.sampled_from([(c, a) for c, a in WITH_FORMS if c != Collective.BARRIER]),
     world=st.integers(2, 12),
     nbytes=st.integers(0, 1 << 22),
-    params=st.sampled_from([PARAMS, MULTI_PORT]),
+    params=st.sampled_from([PARAMS, MULTI_PORT, PAIR_SLOW, PAIR_FAST]),
 )
 def test_closed_form_is_within_uneven_chunk_rounding_of_the_schedule(case, world, nbytes, params):
     """With uneven chunks (every chunk non-empty) the two differ by at most a byte a chunk a round."""
@@ -79,7 +99,9 @@ def test_closed_form_is_within_uneven_chunk_rounding_of_the_schedule(case, world
     nbytes -= nbytes % schedule.nblocks
     by_rounds = predict_schedule(schedule, nbytes, params, local_size=local_size, itemsize=1)
     closed = predict(collective, algorithm, nbytes, world, params, local_size=local_size)
-    slack = schedule.num_rounds * schedule.nchunks * (5e-3 + 3e-4) + 1e-9
+    links = (params.intra, params.inter_link)
+    per_byte = max(link.one_peer_s_per_byte for link in links) + max(link.gamma_s_per_byte for link in links)
+    slack = schedule.num_rounds * schedule.nchunks * per_byte + 1e-9
     assert abs(by_rounds - closed) <= slack
 
 
@@ -90,7 +112,7 @@ def test_flat_ring_across_nodes_is_priced_at_the_inter_link(local_size):
     assert predict("all_reduce", "ring", 4 * 8 * 64, 8, PARAMS, local_size=local_size) == pytest.approx(by_rounds)
 
 
-@BOTH_PORT_MODELS
+@ALL_MODELS
 def test_flat_algorithms_across_nodes_cost_at_most_their_closed_form(params):
     for collective, algorithm in WITH_FORMS:
         if registry.needs_local_size(algorithm):
@@ -165,6 +187,48 @@ def test_choose_keeps_the_single_port_choices_when_alpha_peer_equals_alpha(colle
     assert choose(collective, 64 << 20, 4, _h200(None), candidates=candidates) == picked
 
 
+# Measured on 4 H200s over NCCL point to point: one pair moves 16-64 MiB at ~150-190 GB/s, a rank sending to
+# its three peers at once ~305-330 GB/s in total; at 64 MiB all-reduce busbw is direct 197, halving_doubling
+# 144, ring 99 GB/s.
+H200_PAIRS = CostParams(
+    intra=LinkCost(
+        alpha_s=47e-6,
+        alpha_peer_s=31e-6,
+        beta_s_per_byte=1 / 330e9,
+        beta_peer_s_per_byte=1 / 190e9,
+        gamma_s_per_byte=1 / 1.4e12,
+    )
+)
+
+
+def _pairs_half_as_fast(alpha_peer_s: float) -> CostParams:
+    link = LinkCost(
+        alpha_s=47e-6,
+        alpha_peer_s=alpha_peer_s,
+        beta_s_per_byte=1 / 330e9,
+        beta_peer_s_per_byte=2 / 330e9,
+        gamma_s_per_byte=1 / 1.4e12,
+    )
+    return CostParams(intra=link)
+
+
+@pytest.mark.parametrize("params", [_pairs_half_as_fast(5e-6), H200_PAIRS], ids=["half_rate_pairs", "h200"])
+def test_choose_picks_direct_for_64_mib_all_reduce_when_pairs_are_slower_than_the_rank(params):
+    candidates = registry.names(Collective.ALL_REDUCE)
+    assert {"direct", "halving_doubling", "ring"} <= set(candidates)
+    assert choose("all_reduce", 64 << 20, 4, params, candidates=candidates) == "direct"
+
+
+def test_choose_picks_recursive_doubling_for_8_kib_all_reduce_when_further_peers_start_dearly():
+    candidates = registry.names(Collective.ALL_REDUCE)
+    assert choose("all_reduce", 8 << 10, 4, H200_PAIRS, candidates=candidates) == "recursive_doubling"
+
+
+def test_the_model_orders_64_mib_all_reduce_at_four_ranks_as_measured_on_h200():
+    times = {a: predict("all_reduce", a, 64 << 20, 4, H200_PAIRS) for a in ("direct", "halving_doubling", "ring")}
+    assert times["direct"] < times["halving_doubling"] < times["ring"]
+
+
 def test_choose_takes_hierarchical_when_the_inter_link_is_slow():
     params = CostParams(intra=CPU.intra, inter=LinkCost(alpha_s=1e-4, beta_s_per_byte=1e-8, gamma_s_per_byte=0))
     picked = choose("all_reduce", 64 << 20, 8, params, candidates=["ring", "hierarchical"], local_size=4)
@@ -192,6 +256,9 @@ def test_optimal_pipeline_minimises_the_chain_broadcast():
         (lambda: LinkCost(alpha_s=math.nan, beta_s_per_byte=0, gamma_s_per_byte=0), "alpha_s"),
         (lambda: LinkCost(alpha_s=1.0, beta_s_per_byte=0, gamma_s_per_byte=0, alpha_peer_s=-1e-6), "alpha_peer_s"),
         (lambda: LinkCost(alpha_s=1.0, beta_s_per_byte=0, gamma_s_per_byte=0, alpha_peer_s=math.inf), "alpha_peer"),
+        (lambda: dataclasses.replace(PARAMS.intra, beta_peer_s_per_byte=-1e-9), "beta_peer_s_per_byte"),
+        (lambda: dataclasses.replace(PARAMS.intra, beta_peer_s_per_byte=math.nan), "beta_peer_s_per_byte"),
+        (lambda: dataclasses.replace(PARAMS.intra, beta_peer_s_per_byte="1"), "beta_peer_s_per_byte"),
         (lambda: cost.default_params("tpu"), "tpu"),
         (lambda: CostParams.from_dict({"intra": {"alpha": 1}}), "CostParams"),
         (lambda: predict_schedule(registry.build(Collective.ALL_GATHER, "ring", 4), 6, PARAMS), "element"),
@@ -202,7 +269,7 @@ def test_bad_input_raises_value_error(call, match):
         call()
 
 
-@BOTH_PORT_MODELS
+@ALL_MODELS
 def test_params_round_trip_through_json(tmp_path, params):
     path = cost.save_params(params, tmp_path / "cal.json", {"host": "test"})
     assert cost.load_params(path) == params
@@ -216,6 +283,31 @@ def test_a_calibration_file_without_alpha_peer_reads_as_single_port():
     assert link.per_peer_s == link.alpha_s == 1.0
 
 
+def test_a_calibration_file_without_beta_peer_reads_as_no_per_pair_limit():
+    data = {"intra": {"alpha_s": 1.0, "beta_s_per_byte": 1e-3, "gamma_s_per_byte": 3e-4, "alpha_peer_s": 0.5}}
+    link = CostParams.from_dict(data).intra
+    assert link.beta_peer_s_per_byte is None
+    assert link.pair_s_per_byte == link.one_peer_s_per_byte == link.beta_s_per_byte == 1e-3
+
+
+def test_beta_peer_is_saved_in_the_json_file(tmp_path):
+    path = cost.save_params(PAIR_SLOW, tmp_path / "cal.json")
+    data = json.loads(path.read_text())
+    assert data["intra"]["beta_peer_s_per_byte"] == 4.3e-3 and data["inter"]["beta_peer_s_per_byte"] == 1.3e-2
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
+def test_no_per_pair_limit_prices_every_algorithm_on_the_rank_total_alone(world):
+    """None, 0 (pairs infinitely fast) and beta itself (a pair as fast as the rank) all price alike: one
+    pair's bytes never exceed its rank's, so only the rank's total counts, as before beta_peer existed."""
+    no_limit, as_fast_as_the_rank = _with_beta_peer(MULTI_PORT, 0.0, 0.0), _with_beta_peer(MULTI_PORT, 1e-3, 5e-3)
+    for collective, algorithm in REGISTERED:
+        local_size = (2 if world % 2 == 0 else world) if registry.needs_local_size(algorithm) else None
+        want = predict(collective, algorithm, 3 << 14, world, MULTI_PORT, local_size=local_size)
+        for params in (no_limit, as_fast_as_the_rank):
+            assert predict(collective, algorithm, 3 << 14, world, params, local_size=local_size) == want, algorithm
+
+
 def test_alpha_peer_equal_to_alpha_prices_like_the_single_port_default():
     explicit = CostParams(
         intra=LinkCost(alpha_s=1.0, beta_s_per_byte=1e-3, gamma_s_per_byte=3e-4, alpha_peer_s=1.0),
@@ -227,6 +319,22 @@ def test_alpha_peer_equal_to_alpha_prices_like_the_single_port_default():
             single = predict(collective, algorithm, 1 << 16, world, PARAMS, local_size=local_size)
             same = predict(collective, algorithm, 1 << 16, world, explicit, local_size=local_size)
             assert same == pytest.approx(single, rel=1e-12)
+
+
+def test_a_pair_slower_than_its_rank_slows_single_peer_rounds_to_the_pair_rate():
+    a, b_pair, g = 1.0, 4.3e-3, 3e-4
+    p, n = 8, 8 * 1024
+    want = 2 * (p - 1) * a + 2 * (p - 1) / p * n * b_pair + (p - 1) / p * n * g
+    assert predict("all_reduce", "ring", n, p, PAIR_SLOW) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(("world", "bound"), [(3, "pair"), (4, "pair"), (5, "pair"), (6, "rank"), (8, "rank")])
+def test_direct_all_to_all_pays_the_slower_of_the_rank_total_and_one_pair(world, bound):
+    """Each of ``p - 1`` messages is ``n/p``: the pair moves ``n/p`` at 4.3e-3, the rank ``(p-1)/p n`` at 1e-3."""
+    n = world * 1024
+    wire = n / world * 4.3e-3 if bound == "pair" else (world - 1) / world * n * 1e-3
+    want = 1.0 + (world - 2) * 0.37 + wire
+    assert predict("all_to_all", "direct", n, world, PAIR_SLOW) == pytest.approx(want)
 
 
 @pytest.mark.parametrize("world", [3, 4, 8])

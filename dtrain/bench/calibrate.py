@@ -56,7 +56,8 @@ def _device_name(device: torch.device) -> str:
 
 def _show(params: cost.CostParams, path: Path) -> None:
     table = Table(title=f"cost model parameters (saved to {path})")
-    for name in ("link", "alpha (us)", "alpha_peer (us)", "bandwidth (GB/s)", "reduce (GB/s)"):
+    columns = ("link", "alpha (us)", "alpha_peer (us)", "bandwidth (GB/s)", "per pair (GB/s)", "reduce (GB/s)")
+    for name in columns:
         table.add_column(name, justify="left" if name == "link" else "right")
     for name, link in (("intra", params.intra), ("inter", params.inter)):
         if link is not None:
@@ -65,6 +66,7 @@ def _show(params: cost.CostParams, path: Path) -> None:
                 f"{link.alpha_s * 1e6:.2f}",
                 _per_peer(link),
                 _rate(link.beta_s_per_byte),
+                _per_pair(link),
                 _rate(link.gamma_s_per_byte),
             )
     Console().print(table)
@@ -73,6 +75,11 @@ def _show(params: cost.CostParams, path: Path) -> None:
 def _per_peer(link: cost.LinkCost) -> str:
     """alpha_peer in us, or "= alpha" where it was not measured (the single-port model)."""
     return "= alpha" if link.alpha_peer_s is None else f"{link.alpha_peer_s * 1e6:.2f}"
+
+
+def _per_pair(link: cost.LinkCost) -> str:
+    """One pair's bandwidth in GB/s, or "= total" where it is not limited beyond the rank's total."""
+    return "= total" if link.beta_peer_s_per_byte is None else _rate(link.beta_peer_s_per_byte)
 
 
 def _rate(seconds_per_byte: float) -> str:

@@ -21,9 +21,16 @@ the same):
   ``alpha_peer = alpha`` this is the paper's single-port model, where start-ups serialize at the rank (its
   pairwise-exchange all-to-all costs ``(p-1) alpha``); a smaller ``alpha_peer`` generalises it to a
   multi-port one in which posted messages overlap, as in the LogGP model's gap per message (Alexandrov et
-  al., SPAA 1995) and the k-port models of collective algorithms (Bruck et al., IEEE TPDS 8(11), 1997). A
-  rank pays ``beta`` on the larger of the bytes it sends and receives (links are full duplex), and the round
-  takes as long as its slowest rank.
+  al., SPAA 1995) and the k-port models of collective algorithms (Bruck et al., IEEE TPDS 8(11), 1997).
+- Bandwidth is limited twice, as in that multi-port model with per-link and injection limits: per rank,
+  ``beta`` on the most bytes one rank sends or receives to and from all its peers together (links are full
+  duplex; the injection bandwidth), and per pair, ``beta_peer`` on the most bytes between one pair of ranks in
+  one direction (the per-link bandwidth). A round's wire time is the larger, ``max(beta * rank bytes,
+  beta_peer * pair bytes)``: ``max(beta, beta_peer) * m`` when each rank talks to one peer, and for a direct
+  round of ``q`` messages of ``m`` bytes ``max(beta q m, beta_peer m)``, so a rank reaches its total bandwidth
+  only by talking to several peers at once. ``beta_peer = None`` is no per-pair limit beyond ``beta`` (one
+  pair's bytes never exceed the rank's, so the term is ``beta * rank bytes``). The round takes as long as
+  its slowest rank.
 - With ``local_size`` (ranks per node), a message between nodes is priced with ``params.inter``; a round
   that mixes both kinds of message takes the longer of the two, and a reduction is priced with the gamma of
   the link its data came over. The closed forms of flat (not hierarchical) algorithms price every round at
@@ -57,20 +64,31 @@ __all__ = [
 ]
 
 
+#: LinkCost fields that may be None (see its docstring for what None means).
+_OPTIONAL = ("alpha_peer_s", "beta_peer_s_per_byte")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LinkCost:
-    """Cost of one kind of link: start-up ``alpha_s``, ``beta_s_per_byte`` on the wire, ``gamma_s_per_byte``
-    to reduce a received byte into the buffer, and ``alpha_peer_s``, the start-up each further peer adds to a
-    round whose messages are posted together (``None``: equal to ``alpha_s``, the single-port model)."""
+    """Cost of one kind of link in the multi-port model with per-link and injection bandwidth limits.
+
+    ``alpha_s``: a round's start-up; ``alpha_peer_s``: the start-up each further peer adds to a round whose
+    messages are posted together (``None``: equal to ``alpha_s``, the single-port model).
+    ``beta_s_per_byte``: seconds per byte a rank sends or receives, all peers together (injection bandwidth);
+    ``beta_peer_s_per_byte``: seconds per byte between one pair of ranks in one direction (link bandwidth;
+    ``None``: no per-pair limit beyond ``beta_s_per_byte``). ``gamma_s_per_byte``: seconds to reduce a
+    received byte into the buffer.
+    """
 
     alpha_s: float
     beta_s_per_byte: float
     gamma_s_per_byte: float
     alpha_peer_s: float | None = None
+    beta_peer_s_per_byte: float | None = None
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if value is None and name == "alpha_peer_s":
+            if value is None and name in _OPTIONAL:
                 continue
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"LinkCost.{name} must be a finite number >= 0, got {value!r}")
@@ -83,6 +101,22 @@ class LinkCost:
     def round_start_s(self, peers: int) -> float:
         """Start-up of a round in which the busiest rank talks to ``peers`` peers (none: free)."""
         return self.alpha_s + (peers - 1) * self.per_peer_s if peers > 0 else 0.0
+
+    @property
+    def pair_s_per_byte(self) -> float:
+        """Seconds per byte between one pair of ranks: ``beta_peer_s_per_byte``, or ``beta_s_per_byte`` when
+        that is None (the rank's limit, which already bounds any one pair)."""
+        return self.beta_s_per_byte if self.beta_peer_s_per_byte is None else self.beta_peer_s_per_byte
+
+    @property
+    def one_peer_s_per_byte(self) -> float:
+        """Seconds per byte when each rank talks to one peer: the slower of the rank's and the pair's."""
+        return max(self.beta_s_per_byte, self.pair_s_per_byte)
+
+    def wire_s(self, rank_nbytes: float, pair_nbytes: float) -> float:
+        """Wire time of a round whose busiest rank moves ``rank_nbytes`` (all peers, one direction) and whose
+        busiest pair ``pair_nbytes`` (one direction): ``max(beta * rank_nbytes, beta_peer * pair_nbytes)``."""
+        return max(self.beta_s_per_byte * rank_nbytes, self.pair_s_per_byte * pair_nbytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,8 +135,9 @@ class CostParams:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> CostParams:
-        """Inverse of :meth:`to_dict`; unknown or missing fields raise ``ValueError``, except ``alpha_peer_s``,
-        which files written before it existed lack (read as None: the single-port model)."""
+        """Inverse of :meth:`to_dict`; unknown or missing fields raise ``ValueError``, except ``alpha_peer_s``
+        and ``beta_peer_s_per_byte``, which files written before them lack (read as None: the single-port
+        model, no per-pair bandwidth limit)."""
         try:
             intra = LinkCost(**data["intra"])
             inter = None if data.get("inter") is None else LinkCost(**data["inter"])
@@ -185,10 +220,11 @@ def predict_schedule(
     """Seconds to run ``schedule`` on a ``nbytes`` work buffer of ``itemsize``-byte elements, round by round.
 
     Chunk sizes come from :func:`chunk_bounds`, so they are the runtime's to the element. Each round costs,
-    for each kind of link used, ``alpha + (k - 1) alpha_peer + beta * (most bytes one rank sends or receives)
-    + gamma * (most bytes one rank reduces)``, ``k`` the most peers one rank sends to or receives from, and
-    the round takes the longest kind. Empty
-    messages are free (the runtime skips them) except in barrier, whose messages are all tokens.
+    for each kind of link used, ``alpha + (k - 1) alpha_peer + max(beta * (most bytes one rank sends or
+    receives, all peers together), beta_peer * (most bytes between one pair in one direction)) + gamma *
+    (most bytes one rank reduces)``, ``k`` the most peers one rank sends to or receives from, and the round
+    takes the longest kind. Empty messages are free (the runtime skips them) except in barrier, whose
+    messages are all tokens.
     """
     _validate(schedule.world_size, nbytes, local_size)
     if itemsize < 1 or nbytes % itemsize:
@@ -230,7 +266,7 @@ def _kind_seconds(pairs: dict[tuple[int, int], int], reduced: dict[int, int], li
             volume[key] = volume.get(key, 0) + nbytes
     return (
         link.round_start_s(max(peers.values()))
-        + link.beta_s_per_byte * max(volume.values())
+        + link.wire_s(max(volume.values()), max(pairs.values()))
         + link.gamma_s_per_byte * max(reduced.values(), default=0)
     )
 
@@ -286,10 +322,11 @@ def _pipeline_for(collective: Collective, algorithm: str, nbytes: int, world_siz
 
 def optimal_pipeline(nbytes: int, world_size: int, link: LinkCost, *, limit: int = 64) -> int:
     """Pieces that minimise the chain's ``(p + k - 2)(alpha + n/k beta)``: ``k* = sqrt((p-2) n beta / alpha)``
-    (set the derivative in k to zero), clamped to ``[1, limit]``; 1 for two ranks or fewer."""
+    (set the derivative in k to zero), clamped to ``[1, limit]``; 1 for two ranks or fewer. A chain's rounds
+    have one peer each, so ``beta`` is the slower of the rank's and the pair's."""
     if world_size <= 2:
         return 1
-    best = math.sqrt((world_size - 2) * nbytes * link.beta_s_per_byte / max(link.alpha_s, 1e-12))
+    best = math.sqrt((world_size - 2) * nbytes * link.one_peer_s_per_byte / max(link.alpha_s, 1e-12))
     return max(1, min(limit, round(best)))
 
 

@@ -7,6 +7,12 @@ bytes. A round in which the busiest rank talks to ``q > 1`` peers starts in ``al
 (all its messages posted at once; see :mod:`dtrain.comm.cost`), which is the paper's ``q alpha`` when
 ``alpha_peer = alpha``. Every form assumes ``p >= 2`` (one rank costs nothing).
 
+Bandwidth follows the multi-port model with per-link and injection limits (LogGP family; Bruck et al.'s
+k-port model): a round's wire time is ``max(beta * m, beta_peer * m_pair)``, ``m`` the busiest rank's bytes
+to or from all its peers and ``m_pair`` the busiest pair's. Where each rank talks to one peer (ring, tree,
+doubling and halving rounds) that is ``max(beta, beta_peer) m``, written ``beta`` in the formulas below; the
+direct and star rounds, of ``q`` messages of ``m/q`` bytes, cost ``max(beta m, beta_peer m/q)``.
+
 Where an algorithm runs on a power of two only, the others are folded (MPICH's recursive doubling and
 Rabenseifner's reduce-scatter / all-gather): the first ``2(p - p')`` ranks pair up, one of each pair hands its
 buffer to the other (``alpha + n beta + n gamma``), ``p'`` ranks run the algorithm, and the result goes back
@@ -40,10 +46,13 @@ class Form:
     needs_local_size: bool = False
 
 
-def _r(link: LinkCost, rounds: float, sent: float, reduced: float = 0.0, peers: int = 1) -> float:
+def _r(
+    link: LinkCost, rounds: float, sent: float, reduced: float = 0.0, peers: int = 1, pair: float | None = None
+) -> float:
     """``rounds`` rounds, each sending ``sent`` and reducing ``reduced`` bytes on the busiest rank, which talks
-    to ``peers`` peers."""
-    return rounds * (link.round_start_s(peers) + sent * link.beta_s_per_byte + reduced * link.gamma_s_per_byte)
+    to ``peers`` peers, at most ``pair`` bytes to one of them (default: all of ``sent``, one peer)."""
+    wire = link.wire_s(sent, sent if pair is None else pair)
+    return rounds * (link.round_start_s(peers) + wire + reduced * link.gamma_s_per_byte)
 
 
 def _lg(p: int) -> int:
@@ -110,7 +119,7 @@ def tree_all_reduce(n, p, P, L, k):
 
 def tree_gather(n, p, P, L, k):
     """Subtrees forwarded whole: ``lg alpha + (p-1)/p n beta`` (section 4.6); scatter mirrors it."""
-    return _lg(p) * P.intra.alpha_s + (p - 1) / p * n * P.intra.beta_s_per_byte
+    return _lg(p) * P.intra.alpha_s + (p - 1) / p * n * P.intra.one_peer_s_per_byte
 
 
 # -------------------------------------------------------------------- recursive doubling / halving
@@ -134,19 +143,21 @@ def rd_all_gather(n, p, P, L, k):
     beta``."""
     q, link = _pof2(p), P.intra
     if q == p:
-        return _lg(p) * link.alpha_s + (p - 1) / p * n * link.beta_s_per_byte
+        return _lg(p) * link.alpha_s + (p - 1) / p * n * link.one_peer_s_per_byte
     blocks = 1 + (q - 1) + _extra_blocks(q, p - q) + (p - 1)
-    return (_lg(q) + 2) * link.alpha_s + blocks * n / p * link.beta_s_per_byte
+    return (_lg(q) + 2) * link.alpha_s + blocks * n / p * link.one_peer_s_per_byte
 
 
 def hd_all_reduce(n, p, P, L, k):
     """Rabenseifner: ``2 log p' alpha + 2 (p'-1)/p' n beta + (p'-1)/p' n gamma`` after the fold
     (section 4.5)."""
 
-    def core(q: int) -> float:
-        return 2 * _lg(q) * P.intra.alpha_s + (q - 1) / q * n * (2 * P.intra.beta_s_per_byte + P.intra.gamma_s_per_byte)
+    link = P.intra
 
-    return _folded(n, p, P.intra, core)
+    def core(q: int) -> float:
+        return 2 * _lg(q) * link.alpha_s + (q - 1) / q * n * (2 * link.one_peer_s_per_byte + link.gamma_s_per_byte)
+
+    return _folded(n, p, link, core)
 
 
 def hd_reduce_scatter(n, p, P, L, k):
@@ -155,7 +166,7 @@ def hd_reduce_scatter(n, p, P, L, k):
     ``min(d, r)`` extra blocks at distance ``d``, and each extra is sent its block (``alpha + n/p beta``)."""
     q, link = _pof2(p), P.intra
     halving = (q - 1 + _extra_blocks(q, p - q)) * n / p
-    seconds = _lg(q) * link.alpha_s + halving * (link.beta_s_per_byte + link.gamma_s_per_byte)
+    seconds = _lg(q) * link.alpha_s + halving * (link.one_peer_s_per_byte + link.gamma_s_per_byte)
     if q == p:
         return seconds
     return _r(link, 1, n, n) + seconds + _r(link, 1, n / p)
@@ -166,43 +177,46 @@ def hd_reduce_scatter(n, p, P, L, k):
 
 def direct_exchange(n, p, P, L, k):
     """One round, every rank sending a block to each of the others (star gather and scatter: the root
-    receiving from or sending to each): ``alpha + (p-2) alpha_peer + (p-1)/p n beta``. Section 4.7's pairwise
-    exchange, ``(p-1) alpha + (p-1)/p n beta``, when ``alpha_peer = alpha``."""
-    return _r(P.intra, 1, (p - 1) / p * n, peers=p - 1)
+    receiving from or sending to each): ``alpha + (p-2) alpha_peer + max((p-1)/p n beta, n/p beta_peer)``.
+    Section 4.7's pairwise exchange, ``(p-1) alpha + (p-1)/p n beta``, when ``alpha_peer = alpha`` and
+    ``beta_peer`` is None."""
+    return _r(P.intra, 1, (p - 1) / p * n, peers=p - 1, pair=n / p)
 
 
 def direct_reduce_scatter(n, p, P, L, k):
-    """``alpha + (p-2) alpha_peer + (p-1)/p n (beta + gamma)``."""
-    return _r(P.intra, 1, (p - 1) / p * n, (p - 1) / p * n, peers=p - 1)
+    """``alpha + (p-2) alpha_peer + max((p-1)/p n beta, n/p beta_peer) + (p-1)/p n gamma``."""
+    return _r(P.intra, 1, (p - 1) / p * n, (p - 1) / p * n, peers=p - 1, pair=n / p)
 
 
 def direct_all_reduce(n, p, P, L, k):
-    """Direct reduce-scatter then direct all-gather: ``2 (alpha + (p-2) alpha_peer) + 2 (p-1)/p n beta +
-    (p-1)/p n gamma``."""
+    """Direct reduce-scatter then direct all-gather: ``2 (alpha + (p-2) alpha_peer) + 2 max((p-1)/p n beta,
+    n/p beta_peer) + (p-1)/p n gamma``."""
     return direct_reduce_scatter(n, p, P, L, k) + direct_exchange(n, p, P, L, k)
 
 
 def star_broadcast(n, p, P, L, k):
-    """The root sends the whole buffer to each rank in one round: ``alpha + (p-2) alpha_peer + (p-1) n
-    beta``."""
-    return _r(P.intra, 1, (p - 1) * n, peers=p - 1)
+    """The root sends the whole buffer to each rank in one round: ``alpha + (p-2) alpha_peer + max((p-1) n
+    beta, n beta_peer)``."""
+    return _r(P.intra, 1, (p - 1) * n, peers=p - 1, pair=n)
 
 
 def star_reduce(n, p, P, L, k):
-    """The root takes and reduces every rank's buffer in one round: ``alpha + (p-2) alpha_peer + (p-1) n
-    (beta + gamma)``."""
-    return _r(P.intra, 1, (p - 1) * n, (p - 1) * n, peers=p - 1)
+    """The root takes and reduces every rank's buffer in one round: ``alpha + (p-2) alpha_peer + max((p-1) n
+    beta, n beta_peer) + (p-1) n gamma``."""
+    return _r(P.intra, 1, (p - 1) * n, (p - 1) * n, peers=p - 1, pair=n)
 
 
 def star_all_gather(n, p, P, L, k):
     """Gather to the hub, then the hub sends each rank the ``p - 1`` blocks it lacks:
-    ``2 (alpha + (p-2) alpha_peer) + (p-1)/p n beta + (p-1)^2/p n beta``."""
-    return direct_exchange(n, p, P, L, k) + _r(P.intra, 1, (p - 1) ** 2 / p * n, peers=p - 1)
+    ``2 (alpha + (p-2) alpha_peer) + max((p-1)/p n beta, n/p beta_peer) + max((p-1)^2/p n beta, (p-1)/p n
+    beta_peer)``."""
+    second = _r(P.intra, 1, (p - 1) ** 2 / p * n, peers=p - 1, pair=(p - 1) / p * n)
+    return direct_exchange(n, p, P, L, k) + second
 
 
 def star_reduce_scatter(n, p, P, L, k):
-    """Every rank reduces its whole buffer into the hub, which hands each rank its block:
-    ``2 (alpha + (p-2) alpha_peer) + (p-1) n (beta + gamma) + (p-1)/p n beta``."""
+    """Every rank reduces its whole buffer into the hub, which hands each rank its block: star reduce then
+    direct exchange."""
     return star_reduce(n, p, P, L, k) + direct_exchange(n, p, P, L, k)
 
 
