@@ -41,7 +41,7 @@ def busbw_table(rows: list[dict], collective: str, algorithms: list[str]) -> str
             bw = at[a]["busbw_gbps"]
             picked = f" ({at[a]['resolved_algorithm']})" if a == "auto" else ""
             ratio = f" ({bw / native:.2f}x)" if native and a != "native" else ""
-            cells.append(f"{bw:.1f}{ratio}{picked}")
+            cells.append(f"{bw:.3g}{ratio}{picked}")
         lines.append(f"| {_size(nbytes)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -112,12 +112,24 @@ def plot_busbw(records: Sequence[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     collectives = sorted({r["collective"] for r in records if r["nbytes"] > 0})
-    fig, axes = plt.subplots(1, max(1, len(collectives)), figsize=(6 * max(1, len(collectives)), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(collectives)), figsize=(8.5 * max(1, len(collectives)), 5), squeeze=False)
     for ax, coll in zip(axes[0], collectives, strict=False):
         rows = [r for r in records if r["collective"] == coll]
+        # One colour an algorithm; its CUDA-graph replay ("ring+graph") in the same colour, dashed.
+        bases = list(dict.fromkeys(r["algorithm"].removesuffix("+graph") for r in rows))
+        colours = {a: plt.get_cmap("tab10")(i % 10) for i, a in enumerate(bases)}
         for algorithm in dict.fromkeys(r["algorithm"] for r in rows):
             line = sorted((r["nbytes"], r["busbw_gbps"]) for r in rows if r["algorithm"] == algorithm)
-            ax.plot([x for x, _ in line], [y for _, y in line], marker="o", label=algorithm)
+            graph = algorithm.endswith("+graph")
+            ax.plot(
+                [x for x, _ in line],
+                [y for _, y in line],
+                marker="x" if graph else "o",
+                linestyle="--" if graph else "-",
+                color=colours[algorithm.removesuffix("+graph")],
+                linewidth=2.5 if algorithm.removesuffix("+graph") == "native" else 1.5,
+                label=algorithm,
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("size (bytes)")
@@ -125,7 +137,7 @@ def plot_busbw(records: Sequence[dict], path: Path) -> None:
         world = rows[0]["world_size"] if rows else "?"
         ax.set_title(f"{coll}, {world} ranks")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
