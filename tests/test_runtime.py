@@ -54,7 +54,7 @@ class ThreadTransport:
         return out
 
 
-def _run_threads(schedule, works: list[torch.Tensor], op: str) -> None:
+def _run_threads(schedule, works: list[torch.Tensor], op: str, lanes: int = 1) -> None:
     world = schedule.world_size
     boxes = {(a, b): queue.Queue() for a in range(world) for b in range(world) if a != b}
     errors = []
@@ -63,7 +63,7 @@ def _run_threads(schedule, works: list[torch.Tensor], op: str) -> None:
         try:
             transport = ThreadTransport(r, boxes)
             transport.world_size = world
-            run_schedule(schedule, works[r], transport, op)
+            run_schedule(schedule, works[r], transport, op, lanes=lanes)
         except Exception as err:  # noqa: BLE001  (reported below)
             errors.append(err)
 
@@ -118,6 +118,16 @@ def _cases():
 @pytest.mark.parametrize(("coll", "algorithm", "world", "local_size"), list(_cases()))
 @pytest.mark.parametrize("block", [0, 1, 7, 33])
 def test_every_plan_computes_its_collective(coll, algorithm, world, local_size, block):
+    _check_plan(coll, algorithm, world, local_size, block, lanes=1)
+
+
+@pytest.mark.parametrize(("coll", "algorithm", "world", "local_size"), [c for c in _cases() if c[2] in (5, 8)])
+@pytest.mark.parametrize(("block", "lanes"), [(7, 2), (33, 3), (2, 4)])
+def test_every_plan_computes_its_collective_in_lanes(coll, algorithm, world, local_size, block, lanes):
+    _check_plan(coll, algorithm, world, local_size, block, lanes)
+
+
+def _check_plan(coll, algorithm, world, local_size, block, lanes):
     rooted = (Collective.BROADCAST, Collective.REDUCE, Collective.GATHER, Collective.SCATTER)
     root = world - 1 if coll in rooted else None
     schedule = build(coll, algorithm, world, root=root, pipeline=3, local_size=local_size)
@@ -132,7 +142,7 @@ def test_every_plan_computes_its_collective(coll, algorithm, world, local_size, 
         gathered = torch.cat(own) if numel else torch.empty(0, dtype=torch.int64)
     else:
         works = [inputs[r].clone() for r in range(world)]
-    _run_threads(schedule, works, "max" if coll == Collective.BARRIER else "sum")
+    _run_threads(schedule, works, "max" if coll == Collective.BARRIER else "sum", lanes)
     for r in range(world):
         if coll in (Collective.ALL_GATHER, Collective.GATHER):
             want = gathered if coll == Collective.ALL_GATHER or r == root else None
@@ -152,3 +162,11 @@ def test_ring_all_gather_receives_in_place():
     plan = compile_plan(build(Collective.ALL_GATHER, "ring", 4), 1, 4 * 8)
     assert all(r.target is not None for rp in plan.rounds for r in rp.recvs)
     assert plan.scratch == 0
+
+
+def test_lanes_slice_every_chunk_and_keep_their_own_scratch():
+    plan = compile_plan(build(Collective.REDUCE_SCATTER, "direct", 4), 0, 4 * 10, 2)
+    assert [rp.lane for rp in plan.rounds] == [0, 1]
+    first, second = (rp.applies[0] for rp in plan.rounds)
+    assert (first.offset, first.length, second.offset, second.length) == (0, 5, 5, 5)
+    assert second.scratch >= first.scratch + first.count * first.length

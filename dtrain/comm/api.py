@@ -174,7 +174,24 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> 
         pipeline=pipeline,
         local_size=local_size if registry.needs_local_size(algorithm) else None,
     )
-    run_schedule(schedule, work, transport_for(group), op)
+    run_schedule(schedule, work, transport_for(group), op, lanes=_lanes(schedule, work))
+
+
+#: Bytes of a chunk per lane below which a second lane costs more host time than its overlap saves
+#: (a round costs ~0.1 ms of host time eagerly; docs/benchmarks.md).
+LANE_BYTES = 32 << 20
+MAX_LANES = 4
+
+
+def _lanes(schedule, work: torch.Tensor) -> int:
+    """How many lanes to cut a CUDA schedule with reductions into (``DTRAIN_COMM_LANES`` overrides)."""
+    override = os.environ.get("DTRAIN_COMM_LANES", "")
+    if override.isdigit() and int(override) > 0:
+        return int(override)
+    if not work.is_cuda or not schedule.reduces:
+        return 1
+    chunk_bytes = work.numel() * work.element_size() // max(schedule.nchunks, 1)
+    return max(1, min(MAX_LANES, chunk_bytes // LANE_BYTES))
 
 
 def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

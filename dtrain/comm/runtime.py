@@ -1,157 +1,29 @@
 """Run a schedule on real tensors through a transport.
 
-The schedule is compiled once per (schedule, rank, numel) into a per-rank *plan*: for each round, which
-element ranges go to which peer and which come back from which, with neighbouring ranges merged, every
-pair's messages of a round packed into one, and the scratch layout fixed. Received data that must be
-reduced, or that would overwrite a range this rank still sends in the same round, lands in a reused scratch
-buffer first; everything else is received in place. Reductions run on the tensor's own device, and the
-reduces a round makes into one range (direct reduce-scatter's W-1 incoming blocks, say) run as one
-reduction over the stacked blocks rather than W-1 separate passes.
+The schedule is compiled once per (schedule, rank, numel, lanes) into this rank's plan
+(:mod:`dtrain.comm.plan`); each round starts its messages through the transport, waits for them and applies
+what arrived (copies, reductions) on the tensor's own device, in a scratch buffer reused across calls.
+
+On CUDA with several lanes, a round's reductions run on a side stream: lane k's reduction overlaps lane
+k+1's transfer, and a lane's next round waits only for its own reduction (an event), never for the others.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
-from dtrain.comm.schedule import Schedule, chunk_bounds
+from dtrain.comm.plan import RoundPlan, compile_plan
+from dtrain.comm.schedule import Schedule
 from dtrain.comm.transport import Pending, Transport
 
-__all__ = ["CommTimeoutError", "RankPlan", "compile_plan", "run_schedule", "REDUCE_OPS"]
-
-Range = tuple[int, int]  # (offset, length) in elements
+__all__ = ["CommTimeoutError", "compile_plan", "run_schedule", "REDUCE_OPS"]
 
 
 class CommTimeoutError(TimeoutError):
     """A peer did not send or receive in time: names the collective, the round and the peer."""
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    peer: int
-    ranges: tuple[Range, ...]  # packed in this order
-    scratch: int | None  # where the packed message sits in scratch; None: one range, sent in place
-
-
-@dataclass(frozen=True)
-class Incoming:
-    peer: int
-    length: int
-    target: int | None  # in-place receive: the work offset it lands at; None: into scratch at ``scratch``
-    scratch: int
-
-
-@dataclass(frozen=True)
-class Apply:
-    """After the round: combine ``count`` equal scratch pieces at ``scratch`` (stride ``length``) into
-    ``work[offset:offset+length]``, by copy (count is 1) or by the reduction."""
-
-    offset: int
-    length: int
-    scratch: int
-    count: int
-    reduce: bool
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    index: int  # the schedule's round number
-    sends: tuple[Outgoing, ...]
-    recvs: tuple[Incoming, ...]
-    applies: tuple[Apply, ...]
-    scratch: int  # elements of scratch this round needs
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    rounds: tuple[RoundPlan, ...]
-    scratch: int
-
-
-def _merge(ranges: list[Range]) -> tuple[Range, ...]:
-    """Drop empty ranges and merge ranges that follow each other in memory, keeping order."""
-    merged: list[Range] = []
-    for off, n in ranges:
-        if n == 0:
-            continue
-        if merged and merged[-1][0] + merged[-1][1] == off:
-            merged[-1] = (merged[-1][0], merged[-1][1] + n)
-        else:
-            merged.append((off, n))
-    return tuple(merged)
-
-
-def _overlaps(a: Range, ranges: list[Range]) -> bool:
-    return any(a[0] < off + n and off < a[0] + a[1] for off, n in ranges)
-
-
-def _group_applies(pieces: list[tuple[int, int, int, bool]]) -> tuple[Apply, ...]:
-    """Fold reduces into one range that sit back to back in scratch into one :class:`Apply`."""
-    applies: list[Apply] = []
-    for off, n, at, is_reduce in pieces:
-        last = applies[-1] if applies else None
-        if (
-            is_reduce
-            and last is not None
-            and last.reduce
-            and (last.offset, last.length) == (off, n)
-            and last.scratch + last.count * n == at
-        ):
-            applies[-1] = Apply(off, n, last.scratch, last.count + 1, True)
-        else:
-            applies.append(Apply(off, n, at, 1, is_reduce))
-    return tuple(applies)
-
-
-def _plan_round(index: int, transfers, rank: int, bounds: list[Range]) -> RoundPlan:
-    out: dict[int, list[Range]] = {}
-    inc: dict[int, list[tuple[int, int, bool]]] = {}
-    for t in transfers:  # schedule order fixes the packing order on both ends
-        if t.src == rank:
-            out.setdefault(t.dst, []).append(bounds[t.src_chunk])
-        if t.dst == rank:
-            off, n = bounds[t.dst_chunk]
-            inc.setdefault(t.src, []).append((off, n, t.reduce))
-    cursor = 0
-    sends = []
-    for peer in sorted(out):
-        ranges = _merge(out[peer])
-        if not ranges:
-            continue
-        at = None
-        if len(ranges) > 1:
-            at, cursor = cursor, cursor + sum(n for _, n in ranges)
-        sends.append(Outgoing(peer, ranges, at))
-    sent_ranges = [r for s in sends for r in s.ranges]
-    recvs, staged = [], []
-    # Reduces into the same range are laid out by target, so they end up back to back in scratch.
-    for peer in sorted(inc, key=lambda p: (inc[p][0][:2], p)):
-        pieces = [p for p in inc[peer] if p[1] > 0]
-        if not pieces:
-            continue
-        length = sum(n for _, n, _ in pieces)
-        if len(pieces) == 1 and not pieces[0][2] and not _overlaps(pieces[0][:2], sent_ranges):
-            recvs.append(Incoming(peer, length, pieces[0][0], 0))
-            continue
-        recvs.append(Incoming(peer, length, None, cursor))
-        for off, n, is_reduce in pieces:
-            staged.append((off, n, cursor, is_reduce))
-            cursor += n
-    staged.sort(key=lambda p: (p[0], p[2]))
-    return RoundPlan(index, tuple(sends), tuple(recvs), _group_applies(staged), cursor)
-
-
-@lru_cache(maxsize=1024)
-def compile_plan(schedule: Schedule, rank: int, numel: int) -> RankPlan:
-    """This rank's part of ``schedule`` on a work buffer of ``numel`` elements."""
-    bounds = chunk_bounds(numel, schedule.nblocks, schedule.chunks_per_block)
-    plans = (_plan_round(i, r, rank, bounds) for i, r in enumerate(schedule.rounds))
-    rounds = tuple(p for p in plans if p.sends or p.recvs)
-    return RankPlan(rounds=rounds, scratch=max((r.scratch for r in rounds), default=0))
 
 
 def _combine_many(stacked: torch.Tensor, op: str) -> torch.Tensor:
@@ -264,13 +136,56 @@ def _describe(p: Pending, schedule: Schedule, index: int, transport: Transport) 
     )
 
 
-def run_schedule(schedule: Schedule, work: torch.Tensor, transport: Transport, op: str = "sum") -> torch.Tensor:
-    """Execute ``schedule`` on this rank's flat contiguous ``work`` buffer, in place; return it."""
+def run_schedule(
+    schedule: Schedule, work: torch.Tensor, transport: Transport, op: str = "sum", lanes: int = 1
+) -> torch.Tensor:
+    """Execute ``schedule`` on this rank's flat contiguous ``work`` buffer, in place; return it.
+
+    ``lanes`` > 1 cuts every chunk into that many slices run as independent copies of the schedule, so on
+    CUDA one lane's reductions overlap another's transfers; every rank must pass the same ``lanes``.
+    """
     if work.dim() != 1 or not work.is_contiguous():
         raise ValueError("the work buffer must be flat and contiguous")
-    plan = compile_plan(schedule, transport.rank, work.numel())
+    plan = compile_plan(schedule, transport.rank, work.numel(), lanes)
     scratch = _SCRATCH.get(plan.scratch, work)
+    if lanes > 1 and work.is_cuda:
+        _run_lanes(plan.rounds, schedule, work, scratch, transport, op, lanes)
+        return work
     for rp in plan.rounds:
         _wait(_start_round(rp, work, scratch, transport), schedule, rp.index, transport)
         _apply(rp, work, scratch, op)
     return work
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def _run_lanes(rounds, schedule: Schedule, work, scratch, transport: Transport, op: str, lanes: int) -> None:
+    current = torch.cuda.current_stream(work.device)
+    side = _side_stream(work.device)
+    done: list[torch.cuda.Event | None] = [None] * lanes  # each lane's last reduction
+    for rp in rounds:
+        if done[rp.lane] is not None:  # this lane's data (and scratch) are only ready once it is reduced
+            current.wait_event(done[rp.lane])
+            done[rp.lane] = None
+        pending = _start_round(rp, work, scratch, transport)
+        if not rp.applies:
+            _wait(pending, schedule, rp.index, transport)
+            continue
+        side.wait_stream(current)  # the packing and earlier copies this round's reduction reads
+        with torch.cuda.stream(side):
+            _wait(pending, schedule, rp.index, transport)
+            _apply(rp, work, scratch, op)
+            event = torch.cuda.Event()
+            event.record(side)
+        done[rp.lane] = event
+    for event in done:
+        if event is not None:
+            current.wait_event(event)

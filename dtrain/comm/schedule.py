@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
 __all__ = [
     "Collective",
@@ -135,6 +136,11 @@ class Schedule:
             )
             object.__setattr__(self, "_hash", cached)
         return cached
+
+    @cached_property
+    def reduces(self) -> bool:
+        """Whether any transfer reduces (so the runtime has reductions to overlap)."""
+        return any(t.reduce for t in self.transfers())
 
     @property
     def nchunks(self) -> int:
