@@ -138,12 +138,16 @@ def _time_us(call: Callable[[str], None], algorithm: str, config: BenchConfig, d
     return float(worst.item())
 
 
-def _captured(call: Callable[[str], None], algorithm: str) -> Callable[[str], None]:
-    """``call`` recorded once as a CUDA graph (:func:`dtrain.comm.capture`); the timed calls replay it."""
-    from dtrain import comm
+class _Captured:
+    """``call`` recorded once as a CUDA graph (:func:`dtrain.comm.capture`); calling it replays the graph."""
 
-    replay = comm.capture(lambda: call(algorithm))
-    return lambda _algorithm: replay()
+    def __init__(self, call: Callable[[str], None], algorithm: str) -> None:
+        from dtrain import comm
+
+        self.replay = comm.capture(lambda: call(algorithm))
+
+    def __call__(self, _algorithm: str) -> None:
+        self.replay()
 
 
 def _sync(device) -> None:
@@ -228,13 +232,16 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
         for coll, size, algorithm in cases:
             call, nbytes = _operation(coll, size, world, rank, device)
             if algorithm.endswith("+graph"):
-                call = _captured(call, algorithm.removesuffix("+graph"))
+                call = _Captured(call, algorithm.removesuffix("+graph"))
             progress.step(f"{coll} {nbytes} B {algorithm}")
             try:
                 time_us = _time_us(call, algorithm, config, device)
             except ValueError as exc:  # e.g. an algorithm that needs a node size it was not given
                 progress.note(f"skipped {coll}/{algorithm}: {exc}")
                 continue
+            finally:
+                if isinstance(call, _Captured):  # no graph may outlive the process group (see comm.graph)
+                    call.replay.release()
             predicted, resolved = _predicted_us(
                 coll, algorithm.removesuffix("+graph"), nbytes, world, params, local_size
             )

@@ -9,6 +9,7 @@ launcher.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import uuid
@@ -59,6 +60,7 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     finally:
         if created:
+            gc.collect()  # CUDA graphs still holding NCCL kernels would stall the teardown
             dist.destroy_process_group()
 
 

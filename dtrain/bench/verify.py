@@ -111,6 +111,7 @@ def _verify_captured(device: torch.device) -> int:
             want = data.clone()
             dist.all_reduce(want)
             worst = max(worst, ((x - want).abs().max() / want.abs().max()).item())
+        replay.release()
         verdict = torch.tensor([worst], dtype=torch.float64, device=device)
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
         ok = verdict.item() < _TOLERANCE

@@ -177,21 +177,18 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> 
     run_schedule(schedule, work, transport_for(group), op, lanes=_lanes(schedule, work))
 
 
-#: Bytes of a chunk per lane below which a second lane costs more host time than its overlap saves
-#: (a round costs ~0.1 ms of host time eagerly; docs/benchmarks.md).
-LANE_BYTES = 32 << 20
-MAX_LANES = 4
-
-
 def _lanes(schedule, work: torch.Tensor) -> int:
-    """How many lanes to cut a CUDA schedule with reductions into (``DTRAIN_COMM_LANES`` overrides)."""
+    """Lanes to cut a schedule into: ``DTRAIN_COMM_LANES``, else 1.
+
+    Lanes overlap one lane's reductions with the next lane's transfers, but halve every message. On 4 H200s
+    over NCCL the smaller messages fall into NCCL's slower point-to-point regime and lose more than the
+    overlap wins (direct all-reduce of 1 GiB: 0.86x NCCL with one lane, 0.80x with two; docs/benchmarks.md),
+    so they are off unless asked for, for links where reductions weigh more.
+    """
     override = os.environ.get("DTRAIN_COMM_LANES", "")
-    if override.isdigit() and int(override) > 0:
+    if override.isdigit() and int(override) > 0 and schedule.reduces:
         return int(override)
-    if not work.is_cuda or not schedule.reduces:
-        return 1
-    chunk_bytes = work.numel() * work.element_size() // max(schedule.nchunks, 1)
-    return max(1, min(MAX_LANES, chunk_bytes // LANE_BYTES))
+    return 1
 
 
 def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -8,7 +8,9 @@ This is MPI-4's persistent collective (``MPI_Allreduce_init`` then ``MPI_Start``
 Rules, as for any CUDA graph: the call is replayed on the same tensors (write new data into them, do not
 rebind them), every rank of the group captures the same call in the same order, and the capture happens
 once the process group has run at least one collective. On CPU tensors there is nothing to capture and
-:func:`capture` raises ``ValueError``.
+:func:`capture` raises ``ValueError``. Release captured collectives (:meth:`CapturedCollective.release`, or
+drop every reference) before ``destroy_process_group``: a live graph that holds NCCL kernels can keep
+``ncclCommDestroy`` waiting (pytorch/pytorch#115388).
 """
 
 from __future__ import annotations
@@ -27,10 +29,19 @@ class CapturedCollective:
         self._graph = graph
         self._stream = stream
 
+    def release(self) -> None:
+        """Free the graph and its memory; the object cannot be replayed afterwards."""
+        if self._graph is not None:
+            torch.cuda.synchronize()
+            self._graph.reset()
+            self._graph = None
+
     def __call__(self) -> None:
         """Replay on the current stream's timeline (it waits for earlier work and later work waits for it)."""
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)
+        if self._graph is None:
+            raise ValueError("this captured collective was released")
         with torch.cuda.stream(self._stream):
             self._graph.replay()
         current.wait_stream(self._stream)
