@@ -1,0 +1,1 @@
+"""Parallel training strategies on dtrain.comm: the rank grid, data, tensor and pipeline parallelism."""

@@ -1,0 +1,119 @@
+"""The rank grid: ``dp x pp x tp`` over a world of ranks, validated once, holding every group a rank is in.
+
+Ranks are laid out with tensor parallelism innermost, then pipeline, then data: global rank
+``((dp_rank * pp) + pp_rank) * tp + tp_rank``. Consecutive ranks share a server, so the chattiest groups
+(tensor parallel, a collective in every layer) stay on the fastest links, pipeline neighbours next, and data
+parallel (one gradient all-reduce a step) spans the slowest (after torchtitan's ParallelDims and Megatron's
+rank order). A :class:`RankGrid` is built once and passed to each strategy: there are no process-group
+globals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+__all__ = ["ParallelDims", "RankGrid"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Degrees of data (``dp``), pipeline (``pp``) and tensor (``tp``) parallelism over ``world_size`` ranks."""
+
+    world_size: int
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "dp", "pp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.dp * self.pp * self.tp != self.world_size:
+            raise ValueError(
+                f"dp x pp x tp = {self.dp} x {self.pp} x {self.tp} = {self.dp * self.pp * self.tp}, "
+                f"but the world has {self.world_size} ranks; the degrees must multiply to the world size"
+            )
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of grid rank ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the grid of {self.world_size} ranks")
+        rest, tp_rank = divmod(rank, self.tp)
+        dp_rank, pp_rank = divmod(rest, self.pp)
+        return dp_rank, pp_rank, tp_rank
+
+    def rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        """Grid rank at the given coordinates."""
+        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+
+    def group_ranks(self, axis: str, rank: int) -> list[int]:
+        """Grid ranks that share every coordinate of ``rank`` but ``axis`` ("dp", "pp" or "tp"), in axis order."""
+        dp_rank, pp_rank, tp_rank = self.coords(rank)
+        if axis == "dp":
+            return [self.rank(d, pp_rank, tp_rank) for d in range(self.dp)]
+        if axis == "pp":
+            return [self.rank(dp_rank, p, tp_rank) for p in range(self.pp)]
+        if axis == "tp":
+            return [self.rank(dp_rank, pp_rank, t) for t in range(self.tp)]
+        raise ValueError(f"axis must be 'dp', 'pp' or 'tp', got {axis!r}")
+
+
+@dataclass
+class RankGrid:
+    """This rank's place in the grid and the process groups of its three axes.
+
+    ``base_ranks`` are the global ranks that make up the grid's world (all of them by default), so a grid
+    can live on a subgroup. Build it with :meth:`build` on every rank of the grid.
+    """
+
+    dims: ParallelDims
+    rank: int  # grid rank of this process
+    base_ranks: tuple[int, ...]
+    dp_group: object = field(repr=False)
+    pp_group: object = field(repr=False)
+    tp_group: object = field(repr=False)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.coords(self.rank)[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.dims.coords(self.rank)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.dims.coords(self.rank)[2]
+
+    def global_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's ``axis`` group, in axis order."""
+        return [self.base_ranks[r] for r in self.dims.group_ranks(axis, self.rank)]
+
+    @classmethod
+    def build(cls, dims: ParallelDims, base_ranks: Sequence[int] | None = None) -> RankGrid:
+        """Create this rank's dp, pp and tp groups (only the members of a group take part in making it)."""
+        if not dist.is_initialized():
+            raise ValueError("RankGrid.build: torch.distributed is not initialized")
+        base = tuple(base_ranks) if base_ranks is not None else tuple(range(dist.get_world_size()))
+        if len(base) != dims.world_size:
+            raise ValueError(f"the grid has {dims.world_size} ranks but {len(base)} base ranks were given")
+        me = dist.get_rank()
+        if me not in base:
+            raise ValueError(f"global rank {me} is not among the grid's ranks {list(base)}")
+        rank = base.index(me)
+        groups = {}
+        for axis in ("dp", "pp", "tp"):
+            members = [base[r] for r in dims.group_ranks(axis, rank)]
+            groups[axis] = dist.new_group(members, use_local_synchronization=True)
+        return cls(
+            dims=dims,
+            rank=rank,
+            base_ranks=base,
+            dp_group=groups["dp"],
+            pp_group=groups["pp"],
+            tp_group=groups["tp"],
+        )
