@@ -8,10 +8,12 @@ import torch.distributed as dist
 from dtrain.parallel.grid import ParallelDims, RankGrid
 
 
-def grid_sizes(dp: int, pp: int, tp: int) -> list[int]:
-    """Build a grid on ranks 0..dp*pp*tp-1 and sum each group's size through its own group."""
+def grid_sizes(dp: int, pp: int, tp: int) -> list[int] | None:
+    """Build a grid on ranks 0..dp*pp*tp-1 (every process takes part) and sum each group's size through it."""
     dims = ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp)
     grid = RankGrid.build(dims, range(dims.world_size))
+    if grid is None:
+        return None
     sizes = []
     for group in (grid.dp_group, grid.pp_group, grid.tp_group):
         one = torch.ones(1)

@@ -67,7 +67,7 @@ class RankGrid:
     """This rank's place in the grid and the process groups of its three axes.
 
     ``base_ranks`` are the global ranks that make up the grid's world (all of them by default), so a grid
-    can live on a subgroup. Build it with :meth:`build` on every rank of the grid.
+    can live on part of the world. Build it with :meth:`build` on every process.
     """
 
     dims: ParallelDims
@@ -94,26 +94,39 @@ class RankGrid:
         return [self.base_ranks[r] for r in self.dims.group_ranks(axis, self.rank)]
 
     @classmethod
-    def build(cls, dims: ParallelDims, base_ranks: Sequence[int] | None = None) -> RankGrid:
-        """Create this rank's dp, pp and tp groups (only the members of a group take part in making it)."""
+    def build(cls, dims: ParallelDims, base_ranks: Sequence[int] | None = None) -> RankGrid | None:
+        """Create every dp, pp and tp group of the grid; returns this rank's grid, or None off the grid.
+
+        Every process of the default group must call it with the same arguments (torch.distributed creates a
+        group with all processes taking part), including processes that are not among ``base_ranks``.
+        """
         if not dist.is_initialized():
             raise ValueError("RankGrid.build: torch.distributed is not initialized")
         base = tuple(base_ranks) if base_ranks is not None else tuple(range(dist.get_world_size()))
         if len(base) != dims.world_size:
             raise ValueError(f"the grid has {dims.world_size} ranks but {len(base)} base ranks were given")
         me = dist.get_rank()
-        if me not in base:
-            raise ValueError(f"global rank {me} is not among the grid's ranks {list(base)}")
-        rank = base.index(me)
-        groups = {}
+        mine: dict[str, object] = {}
         for axis in ("dp", "pp", "tp"):
-            members = [base[r] for r in dims.group_ranks(axis, rank)]
-            groups[axis] = dist.new_group(members, use_local_synchronization=True)
+            for members in _axis_groups(dims, axis):
+                group = dist.new_group([base[r] for r in members])
+                if me in (base[r] for r in members):
+                    mine[axis] = group
+        if me not in base:
+            return None
         return cls(
             dims=dims,
-            rank=rank,
+            rank=base.index(me),
             base_ranks=base,
-            dp_group=groups["dp"],
-            pp_group=groups["pp"],
-            tp_group=groups["tp"],
+            dp_group=mine["dp"],
+            pp_group=mine["pp"],
+            tp_group=mine["tp"],
         )
+
+
+def _axis_groups(dims: ParallelDims, axis: str) -> list[list[int]]:
+    """Every group of ``axis``, each as its grid ranks, in a fixed order (the same on every process)."""
+    seen: dict[tuple[int, ...], None] = {}
+    for rank in range(dims.world_size):
+        seen.setdefault(tuple(dims.group_ranks(axis, rank)), None)
+    return [list(g) for g in seen]
