@@ -56,3 +56,10 @@ def test_hierarchical_matches_reference(pool, coll, world, local_size):
 def test_auto_uses_the_node_map(pool, world):
     problems = pool.run(f"{JOBS}:check_collective", "all_reduce", "auto", world, SIZES, local_size=2, ranks=world)
     assert [p for per_rank in problems for p in per_rank] == []
+
+
+@pytest.mark.parametrize(("coll", "algorithm"), [p for p in _pairs() if p[1] not in ("native", "auto")])
+def test_matches_torch_distributed_on_a_large_buffer(pool, coll, algorithm):
+    # 2^17 + 3 elements a block: uneven chunks everywhere, and more than any scratch seen so far.
+    worst = pool.run(f"{JOBS}:check_against_native", coll, algorithm, 4, (1 << 17) + 3, ranks=4)
+    assert max(worst) < 1e-5
