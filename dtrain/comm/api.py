@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm import algorithms as registry
-from dtrain.comm import native
-from dtrain.comm.runtime import REDUCE_OPS, run_schedule
+from dtrain.comm import arguments, native
+from dtrain.comm.arguments import check_algorithm, check_op, check_pair, check_root, check_tensor, group_info
+from dtrain.comm.runtime import run_schedule
 from dtrain.comm.schedule import Collective
 from dtrain.comm.transport import transport_for
 
@@ -37,98 +38,14 @@ __all__ = [
     "OPS",
 ]
 
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
-OPS = tuple(REDUCE_OPS)
-_REDUCING = {Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER, Collective.SCAN}
-_LOCAL_SIZES: dict[object, int] = {}
+OPS = arguments.OPS
+SUPPORTED_DTYPES = arguments.SUPPORTED_DTYPES
+set_local_size = arguments.set_local_size
 
 
 def algorithms(collective: str) -> list[str]:
     """Names ``algorithm=`` accepts for ``collective``: "auto", "native", then ours."""
     return registry.accepted(collective)
-
-
-def set_local_size(local_size: int | None, group: dist.ProcessGroup | None = None) -> None:
-    """Declare how many consecutive ranks of ``group`` share a node (for hierarchical algorithms).
-
-    For the world group it defaults to torchrun's ``LOCAL_WORLD_SIZE``; ``None`` forgets the setting.
-    """
-    if local_size is not None and (not isinstance(local_size, int) or local_size < 1):
-        raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
-    key = _group_key(group)
-    if local_size is None:
-        _LOCAL_SIZES.pop(key, None)
-    else:
-        _LOCAL_SIZES[key] = local_size
-
-
-# ---------------------------------------------------------------------------------------------- checks
-
-
-def _group_key(group: dist.ProcessGroup | None) -> object:
-    return None if group is None or group is dist.group.WORLD else group
-
-
-def _group_info(group: dist.ProcessGroup | None, what: str) -> tuple[int, int]:
-    if not dist.is_initialized():
-        raise ValueError(f"{what}: torch.distributed is not initialized (call init_process_group first)")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of the group")
-    return rank, dist.get_world_size(group)
-
-
-def _check_tensor(t: object, name: str, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        known = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-        raise ValueError(f"{what}: {name} has dtype {t.dtype}; supported: {known}")
-    return t
-
-
-def _check_op(op: str, dtype: torch.dtype, what: str) -> None:
-    if op not in REDUCE_OPS:
-        raise ValueError(f"{what}: unknown op {op!r}; known: {', '.join(OPS)}")
-    if op == "avg" and not dtype.is_floating_point:
-        raise ValueError(f"{what}: op 'avg' needs a floating dtype, got {dtype}")
-
-
-def _check_root(root: int, world: int, name: str, what: str) -> None:
-    if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < world:
-        raise ValueError(f"{what}: {name}={root!r} is outside the group's ranks 0..{world - 1}")
-
-
-def _check_pair(out: torch.Tensor, inp: torch.Tensor, out_numel: int, what: str) -> None:
-    if out.dtype != inp.dtype:
-        raise ValueError(f"{what}: output dtype {out.dtype} differs from input dtype {inp.dtype}")
-    if out.device != inp.device:
-        raise ValueError(f"{what}: output is on {out.device} but input is on {inp.device}")
-    if out.numel() != out_numel:
-        raise ValueError(f"{what}: output has {out.numel()} elements, expected {out_numel}")
-
-
-def _check_algorithm(coll: Collective, algorithm: str, world: int, group, what: str) -> int | None:
-    known = algorithms(coll.value)
-    if algorithm not in known:
-        raise ValueError(f"{what}: unknown algorithm {algorithm!r}; known: {', '.join(known)}")
-    local_size = _local_size(group, world)
-    if registry.needs_local_size(algorithm) and (local_size is None or world % local_size):
-        raise ValueError(
-            f"{what}: algorithm {algorithm!r} needs the node size: set LOCAL_WORLD_SIZE (torchrun does) "
-            f"or call comm.set_local_size(n, group) with n dividing the group size {world}; got {local_size}"
-        )
-    return local_size
-
-
-def _local_size(group, world: int) -> int | None:
-    key = _group_key(group)
-    if key in _LOCAL_SIZES:
-        return _LOCAL_SIZES[key]
-    env = os.environ.get("LOCAL_WORLD_SIZE")
-    if key is None and env and env.isdigit() and int(env) > 0:
-        return int(env)
-    return None
 
 
 # ----------------------------------------------------------------------------------------------- running
@@ -199,8 +116,8 @@ def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: torch.Tensor, what: str):
-    rank, world = _group_info(group, what)
-    local_size = _check_algorithm(coll, algorithm, world, group, what)
+    rank, world = group_info(group, what)
+    local_size = check_algorithm(coll, algorithm, world, group, what)
     chosen = _resolve(coll, algorithm, world, work_numel * like.element_size(), like.device, local_size)
     return rank, world, chosen, local_size
 
@@ -211,8 +128,8 @@ def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: tor
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` over the group; every rank ends with the result, in place."""
     what = "all_reduce"
-    _check_tensor(tensor, "tensor", what)
-    _check_op(op, tensor.dtype, what)
+    check_tensor(tensor, "tensor", what)
+    check_op(op, tensor.dtype, what)
     rank, world, chosen, local = _prepare(Collective.ALL_REDUCE, algorithm, group, tensor.numel(), tensor, what)
     if chosen == "native":
         return native.all_reduce(tensor, op, group)
@@ -228,9 +145,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
 def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank, in place."""
     what = "broadcast"
-    _check_tensor(tensor, "tensor", what)
+    check_tensor(tensor, "tensor", what)
     rank, world, chosen, local = _prepare(Collective.BROADCAST, algorithm, group, tensor.numel(), tensor, what)
-    _check_root(src, world, "src", what)
+    check_root(src, world, "src", what)
     if chosen == "native":
         return native.broadcast(tensor, src, group)
     work, copied = _flat_work(tensor)
@@ -243,10 +160,10 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
 def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` over the group into ``tensor`` of rank ``dst``; other ranks' tensors are untouched."""
     what = "reduce"
-    _check_tensor(tensor, "tensor", what)
-    _check_op(op, tensor.dtype, what)
+    check_tensor(tensor, "tensor", what)
+    check_op(op, tensor.dtype, what)
     rank, world, chosen, local = _prepare(Collective.REDUCE, algorithm, group, tensor.numel(), tensor, what)
-    _check_root(dst, world, "dst", what)
+    check_root(dst, world, "dst", what)
     if chosen == "native":
         return native.reduce(tensor, dst, op, group)
     if rank == dst:
@@ -268,8 +185,8 @@ def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "au
     ``avg`` gives the mean of the prefix, op(x_0..x_r) / (r + 1).
     """
     what = "scan"
-    _check_tensor(tensor, "tensor", what)
-    _check_op(op, tensor.dtype, what)
+    check_tensor(tensor, "tensor", what)
+    check_op(op, tensor.dtype, what)
     rank, world, chosen, local = _prepare(Collective.SCAN, algorithm, group, tensor.numel(), tensor, what)
     if chosen == "native":
         return native.scan(tensor, op, group)
@@ -285,10 +202,10 @@ def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "au
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Every rank's ``input`` concatenated rank-major into every rank's ``output``."""
     what = "all_gather"
-    _check_tensor(input, "input", what)
-    _check_tensor(output, "output", what)
-    rank, world = _group_info(group, what)
-    _check_pair(output, input, world * input.numel(), what)
+    check_tensor(input, "input", what)
+    check_tensor(output, "output", what)
+    rank, world = group_info(group, what)
+    check_pair(output, input, world * input.numel(), what)
     rank, world, chosen, local = _prepare(Collective.ALL_GATHER, algorithm, group, output.numel(), output, what)
     if chosen == "native":
         return native.all_gather(output, input, group)
@@ -304,12 +221,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
 def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=None, algorithm: str = "auto"):
     """Every rank's ``input`` concatenated rank-major into ``output`` of rank ``dst`` (None elsewhere)."""
     what = "gather"
-    _check_tensor(input, "input", what)
-    rank, world = _group_info(group, what)
-    _check_root(dst, world, "dst", what)
+    check_tensor(input, "input", what)
+    rank, world = group_info(group, what)
+    check_root(dst, world, "dst", what)
     if rank == dst:
-        _check_tensor(output, "output", what)
-        _check_pair(output, input, world * input.numel(), what)
+        check_tensor(output, "output", what)
+        check_pair(output, input, world * input.numel(), what)
     rank, world, chosen, local = _prepare(Collective.GATHER, algorithm, group, world * input.numel(), input, what)
     if chosen == "native":
         return native.gather(output, input, dst, group)
@@ -328,12 +245,12 @@ def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=Non
 def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group=None, algorithm: str = "auto"):
     """Block r of ``input`` on rank ``src`` (rank-major, ``world`` equal blocks) into ``output`` of rank r."""
     what = "scatter"
-    _check_tensor(output, "output", what)
-    rank, world = _group_info(group, what)
-    _check_root(src, world, "src", what)
+    check_tensor(output, "output", what)
+    rank, world = group_info(group, what)
+    check_root(src, world, "src", what)
     if rank == src:
-        _check_tensor(input, "input", what)
-        _check_pair(input, output, world * output.numel(), what)
+        check_tensor(input, "input", what)
+        check_pair(input, output, world * output.numel(), what)
     m = output.numel()
     rank, world, chosen, local = _prepare(Collective.SCATTER, algorithm, group, world * m, output, what)
     if chosen == "native":
@@ -352,11 +269,11 @@ def reduce_scatter(
 ) -> torch.Tensor:
     """Reduce ``input`` over the group; rank r keeps block r of the result in ``output``."""
     what = "reduce_scatter"
-    _check_tensor(input, "input", what)
-    _check_tensor(output, "output", what)
-    _check_op(op, input.dtype, what)
-    rank, world = _group_info(group, what)
-    _check_pair(input, output, world * output.numel(), what)
+    check_tensor(input, "input", what)
+    check_tensor(output, "output", what)
+    check_op(op, input.dtype, what)
+    rank, world = group_info(group, what)
+    check_pair(input, output, world * output.numel(), what)
     coll = Collective.REDUCE_SCATTER
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
     if chosen == "native":
@@ -374,10 +291,10 @@ def reduce_scatter(
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Block j of rank i's ``input`` lands in block i of rank j's ``output`` (equal blocks, rank-major)."""
     what = "all_to_all"
-    _check_tensor(input, "input", what)
-    _check_tensor(output, "output", what)
-    rank, world = _group_info(group, what)
-    _check_pair(output, input, input.numel(), what)
+    check_tensor(input, "input", what)
+    check_tensor(output, "output", what)
+    rank, world = group_info(group, what)
+    check_pair(output, input, input.numel(), what)
     if input.numel() % world:
         raise ValueError(f"all_to_all: input has {input.numel()} elements, not a multiple of the group size {world}")
     coll = Collective.ALL_TO_ALL
@@ -392,7 +309,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
 
 def barrier(group=None) -> None:
     """Return only once every rank of the group has entered the barrier (dissemination algorithm)."""
-    rank, world = _group_info(group, "barrier")
+    rank, world = group_info(group, "barrier")
     token = torch.ones(1, dtype=torch.int32, device=_barrier_device(group))
     _run(Collective.BARRIER, "dissemination", token, group, "max")
     if token.is_cuda:

@@ -1,0 +1,111 @@
+"""Checks every public collective makes on this rank before a byte is sent, and the node size per group.
+
+Each check raises ``ValueError`` that names the call, the argument, the value and what would be right.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from dtrain.comm import algorithms as registry
+from dtrain.comm.runtime import REDUCE_OPS
+from dtrain.comm.schedule import Collective
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "OPS",
+    "set_local_size",
+    "group_info",
+    "check_tensor",
+    "check_op",
+    "check_root",
+    "check_pair",
+    "check_algorithm",
+]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+OPS = tuple(REDUCE_OPS)
+_LOCAL_SIZES: dict[object, int] = {}
+
+
+def set_local_size(local_size: int | None, group: dist.ProcessGroup | None = None) -> None:
+    """Declare how many consecutive ranks of ``group`` share a node (for hierarchical algorithms).
+
+    For the world group it defaults to torchrun's ``LOCAL_WORLD_SIZE``; ``None`` forgets the setting.
+    """
+    if local_size is not None and (not isinstance(local_size, int) or local_size < 1):
+        raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
+    key = _group_key(group)
+    if local_size is None:
+        _LOCAL_SIZES.pop(key, None)
+    else:
+        _LOCAL_SIZES[key] = local_size
+
+
+def _group_key(group: dist.ProcessGroup | None) -> object:
+    return None if group is None or group is dist.group.WORLD else group
+
+
+def group_info(group: dist.ProcessGroup | None, what: str) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise ValueError(f"{what}: torch.distributed is not initialized (call init_process_group first)")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of the group")
+    return rank, dist.get_world_size(group)
+
+
+def check_tensor(t: object, name: str, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        known = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise ValueError(f"{what}: {name} has dtype {t.dtype}; supported: {known}")
+    return t
+
+
+def check_op(op: str, dtype: torch.dtype, what: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{what}: unknown op {op!r}; known: {', '.join(OPS)}")
+    if op == "avg" and not dtype.is_floating_point:
+        raise ValueError(f"{what}: op 'avg' needs a floating dtype, got {dtype}")
+
+
+def check_root(root: int, world: int, name: str, what: str) -> None:
+    if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < world:
+        raise ValueError(f"{what}: {name}={root!r} is outside the group's ranks 0..{world - 1}")
+
+
+def check_pair(out: torch.Tensor, inp: torch.Tensor, out_numel: int, what: str) -> None:
+    if out.dtype != inp.dtype:
+        raise ValueError(f"{what}: output dtype {out.dtype} differs from input dtype {inp.dtype}")
+    if out.device != inp.device:
+        raise ValueError(f"{what}: output is on {out.device} but input is on {inp.device}")
+    if out.numel() != out_numel:
+        raise ValueError(f"{what}: output has {out.numel()} elements, expected {out_numel}")
+
+
+def check_algorithm(coll: Collective, algorithm: str, world: int, group, what: str) -> int | None:
+    known = registry.accepted(coll)
+    if algorithm not in known:
+        raise ValueError(f"{what}: unknown algorithm {algorithm!r}; known: {', '.join(known)}")
+    local_size = _local_size(group, world)
+    if registry.needs_local_size(algorithm) and (local_size is None or world % local_size):
+        raise ValueError(
+            f"{what}: algorithm {algorithm!r} needs the node size: set LOCAL_WORLD_SIZE (torchrun does) "
+            f"or call comm.set_local_size(n, group) with n dividing the group size {world}; got {local_size}"
+        )
+    return local_size
+
+
+def _local_size(group, world: int) -> int | None:
+    key = _group_key(group)
+    if key in _LOCAL_SIZES:
+        return _LOCAL_SIZES[key]
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if key is None and env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return None
