@@ -9,6 +9,7 @@ bfloat16 included, and results must match exactly; ``avg`` and random float data
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import torch
@@ -172,12 +173,17 @@ def run_barrier(world: int, late_rank: int, delay_s: float) -> float:
     return time.monotonic() - start
 
 
-def missing_peer(coll: str, algorithm: str, timeout_s: float) -> str:
-    """Ranks 0 and 1 form a fresh group with a short timeout; rank 1 never calls the collective."""
+def missing_peer(coll: str, algorithm: str, timeout_s: float, round_timeout_s: float = 0.0) -> str:
+    """Ranks 0 and 1 form a fresh group with a ``timeout_s`` timeout; rank 1 never calls the collective.
+
+    ``round_timeout_s`` > 0 sets DTRAIN_COMM_TIMEOUT for the call instead (the group's timeout stays long).
+    """
     rank = dist.get_rank()
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
     if rank == 1:
         return ""
+    if round_timeout_s:
+        os.environ["DTRAIN_COMM_TIMEOUT"] = str(round_timeout_s)
     t = torch.ones(8)
     start = time.monotonic()
     try:
@@ -187,6 +193,8 @@ def missing_peer(coll: str, algorithm: str, timeout_s: float) -> str:
             comm.all_reduce(t, group=group, algorithm=algorithm)
     except comm.CommTimeoutError as err:
         return f"{time.monotonic() - start:.1f}|{err}"
+    finally:
+        os.environ.pop("DTRAIN_COMM_TIMEOUT", None)
     return "no error"
 
 

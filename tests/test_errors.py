@@ -49,3 +49,10 @@ def test_barrier_waits_for_the_last_rank(pool):
     waited = pool.run(f"{JOBS}:run_barrier", 4, 3, 0.5, ranks=4)
     assert min(waited[:3]) > 0.4
     assert waited[3] < 0.4
+
+
+def test_a_round_timeout_overrides_a_long_group_timeout(pool):
+    answer, _ = pool.run(f"{JOBS}:missing_peer", "all_reduce", "direct", 120.0, 1.0, ranks=2)
+    seconds, message = answer.split("|", 1)
+    assert float(seconds) < 10
+    assert "all_reduce/direct" in message and "rank 1 (global 1)" in message

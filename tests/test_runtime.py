@@ -21,7 +21,7 @@ class _Message:
     def __init__(self, box: queue.Queue, target: torch.Tensor | None) -> None:
         self.box, self.target = box, target
 
-    def wait(self) -> None:
+    def wait(self, timeout=None) -> None:
         if self.target is not None:
             self.target.copy_(self.box.get(timeout=10))
 
@@ -30,7 +30,7 @@ class _Pending:
     def __init__(self, peer: int, is_send: bool, work: _Message, nbytes: int) -> None:
         self.peer, self.is_send, self.work, self.nbytes = peer, is_send, work, nbytes
 
-    def wait(self) -> None:
+    def wait(self, timeout=None) -> None:
         self.work.wait()
 
 

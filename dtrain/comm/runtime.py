@@ -10,8 +10,10 @@ k+1's transfer, and a lane's next round waits only for its own reduction (an eve
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 
@@ -110,15 +112,32 @@ def _apply(rp: RoundPlan, work: torch.Tensor, scratch: torch.Tensor, op: str) ->
         combine(target, _combine_many(stacked, op))
 
 
+def round_timeout() -> timedelta | None:
+    """``DTRAIN_COMM_TIMEOUT`` seconds, the most any round may wait, or None (the group's own timeout).
+
+    Gloo already raises within the group's timeout; on NCCL waiting is asynchronous and a missing peer is
+    only caught by NCCL's watchdog, which does not know our rounds. Setting it makes every round wait on the
+    host for its messages, so a stall is reported with the collective, the round and the peer: a debugging
+    aid on GPUs (each round then costs a host-device synchronisation).
+    """
+    text = os.environ.get("DTRAIN_COMM_TIMEOUT", "")
+    try:
+        seconds = float(text) if text else 0.0
+    except ValueError:
+        raise ValueError(f"DTRAIN_COMM_TIMEOUT must be a number of seconds, got {text!r}") from None
+    return timedelta(seconds=seconds) if seconds > 0 else None
+
+
 def _wait(pending: list[Pending], schedule: Schedule, index: int, transport: Transport) -> None:
     # Receives first: a missing peer shows up as the receive that never completes.
+    timeout = round_timeout()
     seen: set[int] = set()
     for p in sorted(pending, key=lambda p: p.is_send):
         if id(p.work) in seen:  # a coalesced round shares one request
             continue
         seen.add(id(p.work))
         try:
-            p.wait()
+            p.wait(timeout)
         except RuntimeError as err:
             text = str(err)
             if "imed out" not in text and "timeout" not in text.lower():

@@ -13,6 +13,7 @@ docs/benchmarks.md). Other backends (Gloo) get one request per message.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -32,8 +33,12 @@ class Pending:
     nbytes: int
     work: object
 
-    def wait(self) -> None:
-        self.work.wait()
+    def wait(self, timeout: timedelta | None = None) -> None:
+        """Wait for the message; with ``timeout``, at most that long (blocking the host, also on GPUs)."""
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout)
 
 
 class Transport(Protocol):
