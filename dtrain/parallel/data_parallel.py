@@ -1,0 +1,234 @@
+"""Data parallelism: every rank holds the whole model, trains on its shard of the global batch, averages gradients.
+
+Two front ends over the same bucketed averaging all-reduce (:mod:`dtrain.parallel.data_parallel_communications`):
+
+- :class:`DataParallel`, a module wrapper after PyTorch DDP (Li et al. 2020, "PyTorch Distributed:
+  Experiences on Accelerating Data Parallel Training", VLDB): parameters and buffers broadcast from group rank 0
+  at construction, gradients averaged bucket by bucket from autograd hooks while backward runs, ``no_sync()``
+  for gradient accumulation without communication;
+- :class:`DistributedOptimizer`, an optimizer wrapper after Horovod (Sergeev and Del Balso 2018, "Horovod: fast
+  and easy distributed deep learning in TensorFlow"): gradients averaged before the wrapped optimizer's step,
+  every ``backward_passes_per_step`` backward passes, with :func:`broadcast_parameters` and
+  :func:`broadcast_optimizer_state` to start every rank from the same state.
+
+Either is equivalent to one process training on the global batch when each rank feeds an equal shard
+(:func:`split_batch`: a global batch of 64 on 2 ranks is 32 rows each) and the loss is a mean over the batch:
+the average of equal shards' mean gradients is the global batch's mean gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.parallel.data_parallel_communications import (
+    GradientReducer,
+    broadcast_optimizer_state,
+    broadcast_tensors,
+    group_size,
+)
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DataParallel",
+    "DistributedOptimizer",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "split_batch",
+]
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb=25 (Li et al. 2020, section 5.2)
+
+Batch = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` so that backward leaves in ``param.grad`` the gradient averaged over ``group``.
+
+    At construction every parameter and buffer is overwritten with group rank 0's (so ranks start equal);
+    nothing is checked against the other ranks beyond that. ``algorithm`` is passed to every collective
+    (``"auto"``, ``"native"``, ``"ring"``, ... see :func:`dtrain.comm.algorithms`). Buckets follow the reverse
+    registration order and are not rebuilt from the observed order as DDP does after its first iteration.
+    """
+
+    def __init__(
+        self, module: nn.Module, group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, algorithm: str = "auto"
+    ) -> None:
+        super().__init__()
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(
+                f"DataParallel: {type(module).__name__} has no parameter that requires a gradient; "
+                "there is nothing to average, run it without the wrapper"
+            )
+        self.module = module
+        self.group = group
+        self.algorithm = algorithm
+        self.reducer = GradientReducer(params, group, bucket_bytes=bucket_bytes, algorithm=algorithm)
+        broadcast_tensors([*module.parameters(), *module.buffers()], 0, group, algorithm=algorithm)
+        self._sync_enabled = True
+        self._sync_this_backward = True
+        self._finish_queued = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # As in DDP, whether the coming backward communicates is decided when the forward runs.
+        self._sync_this_backward = self._sync_enabled
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forward passes run inside accumulate gradients locally; the next synced backward averages the sum.
+
+        For the mean gradient of k micro-batches, scale each micro-batch's loss by 1/k.
+        """
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    @property
+    def bucket_count(self) -> int:
+        return len(self.reducer.buckets)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._sync_this_backward:
+            return
+        if not self._finish_queued:  # buckets left (unused parameters) go out when the whole backward is done
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self.reducer.mark_ready(param)
+
+    def _finish_backward(self) -> None:
+        self._finish_queued = False
+        self.reducer.finish()
+
+
+class DistributedOptimizer:
+    """Horovod's ``DistributedOptimizer``: average gradients over ``group``, then step ``optimizer``.
+
+    ``params`` names the parameters to average (``model.named_parameters()``, plain parameters, or None for
+    every parameter of ``optimizer``). A parameter's gradient joins its bucket once ``backward_passes_per_step``
+    backward passes have accumulated into it, and a bucket is all-reduced as soon as it is complete (Horovod's
+    hook-driven tensor fusion); :meth:`step` reduces whatever is left and then runs the wrapped step. The
+    accumulated gradient is the sum over the passes, as in Horovod: scale the loss by 1/passes for a mean.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Iterable[torch.nn.Parameter] | Iterable[tuple[str, torch.nn.Parameter]] | None,
+        group,
+        *,
+        algorithm: str = "auto",
+        backward_passes_per_step: int = 1,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        owned = [p for g in optimizer.param_groups for p in g["params"]]
+        chosen = _parameters(params, owned)
+        group_size(group)
+        self.optimizer = optimizer
+        self.group = group
+        self.backward_passes_per_step = backward_passes_per_step
+        self.reducer = GradientReducer(chosen, group, bucket_bytes=bucket_bytes, algorithm=algorithm)
+        self._passes = {id(p): 0 for p in chosen}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in chosen]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._passes[id(param)] += 1
+        if self._passes[id(param)] > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"a gradient was accumulated {self._passes[id(param)]} times before step(), but "
+                f"backward_passes_per_step={self.backward_passes_per_step}; call step() or raise the setting"
+            )
+        if self._passes[id(param)] == self.backward_passes_per_step:
+            self.reducer.mark_ready(param)
+
+    def synchronize(self) -> None:
+        """Average every gradient not averaged yet (buckets in order) and start counting passes again."""
+        self.reducer.finish()
+        self._passes = dict.fromkeys(self._passes, 0)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        self.synchronize()
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+def _parameters(params, owned: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    if params is None:
+        chosen = owned
+    else:
+        items = list(params)
+        names = [item[0] for item in items if isinstance(item, tuple)]
+        if len(set(names)) != len(names):
+            duplicated = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"DistributedOptimizer: parameter names appear more than once: {duplicated}")
+        chosen = [item[1] if isinstance(item, tuple) else item for item in items]
+    chosen = [p for p in dict.fromkeys(chosen) if p.requires_grad]  # keep order, drop repeats of a tied weight
+    owned_ids = {id(p) for p in owned}
+    foreign = [i for i, p in enumerate(chosen) if id(p) not in owned_ids]
+    if foreign:
+        raise ValueError(f"DistributedOptimizer: parameters at positions {foreign} are not in the wrapped optimizer")
+    if not chosen:
+        raise ValueError("DistributedOptimizer: no parameter that requires a gradient to average")
+    return chosen
+
+
+def broadcast_parameters(
+    params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    root: int,
+    group,
+    *,
+    algorithm: str = "auto",
+) -> None:
+    """Overwrite ``params`` (a state_dict, named parameters or tensors) in place with group rank ``root``'s."""
+    if isinstance(params, Mapping):
+        tensors = list(params.values())
+    else:
+        tensors = [item[1] if isinstance(item, tuple) else item for item in params]
+    broadcast_tensors(tensors, root, group, algorithm=algorithm)
+
+
+def split_batch(batch: Batch, group) -> Batch:
+    """This rank's rows of the global ``batch`` (a tensor or a tuple/list of tensors), split evenly along dim 0.
+
+    Equal shards make data parallel equal to one process on the whole batch; an uneven split raises.
+    """
+    world = group_size(group)
+    rank = dist.get_rank(group)
+    tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch)
+    for t in tensors:
+        if t.shape[0] % world:
+            raise ValueError(
+                f"split_batch: the global batch has {t.shape[0]} rows, not a multiple of the group size {world}"
+            )
+    shards = [t.chunk(world, dim=0)[rank] for t in tensors]
+    if isinstance(batch, torch.Tensor):
+        return shards[0]
+    return type(batch)(shards)

@@ -1,0 +1,201 @@
+"""Where data parallelism talks to the network: gradient buckets, their averaging all-reduce, broadcasts.
+
+Gradients are packed into **buckets** (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
+Parallel Training", VLDB, section 3.2.3): parameters are taken in reverse registration order, the order in
+which backward roughly produces their gradients, and cut into buckets of about ``bucket_bytes`` each. A
+bucket owns one flat contiguous buffer; when every gradient of a bucket has been accumulated, the gradients
+are copied into the buffer and one ``comm.all_reduce(op="avg")`` runs on it while backward goes on computing
+earlier layers' gradients (section 3.2.3's overlap). Buckets are launched strictly in index order, so every
+rank issues the same collectives in the same order (section 3.2.3, "all-reduce order must be the same").
+
+On CPU Gloo our collectives are synchronous, so "launch" runs the all-reduce inside the autograd hook: the
+structure (when a bucket goes out, in what order, one flat message per bucket) is DDP's, and on a transport
+with asynchronous collectives the same launch points would overlap communication with backward compute.
+Horovod's tensor fusion (Sergeev and Del Balso 2018, "Horovod: fast and easy distributed deep learning in
+TensorFlow", section 4) is the same idea, reused here by :class:`~dtrain.parallel.data_parallel.DistributedOptimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dtrain import comm
+
+__all__ = [
+    "Bucket",
+    "GradientReducer",
+    "build_buckets",
+    "broadcast_tensors",
+    "broadcast_optimizer_state",
+    "group_size",
+]
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters whose gradients travel together, and the flat buffer they travel in.
+
+    ``offsets[i]`` is where ``params[i]``'s gradient starts in ``buffer``; ``pending`` holds the parameters
+    whose gradient has not been accumulated yet in this backward pass.
+    """
+
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor = field(repr=False)  # (numel,) one dtype, one device
+    pending: set[int] = field(default_factory=set, repr=False)  # id() of parameters not ready yet
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def reset(self) -> None:
+        self.pending = {id(p) for p in self.params}
+
+
+def build_buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
+    """Cut ``params`` (taken in reverse order) into buckets of at most ``bucket_bytes``, one dtype and device each.
+
+    A parameter larger than ``bucket_bytes`` gets a bucket of its own (Li et al. 2020, section 3.2.3).
+    """
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
+    buckets: list[Bucket] = []
+    current: list[torch.nn.Parameter] = []
+    current_bytes = 0
+    for p in reversed([p for p in params if p.requires_grad]):
+        nbytes = p.numel() * p.element_size()
+        same_kind = not current or (current[0].dtype == p.dtype and current[0].device == p.device)
+        if current and (current_bytes + nbytes > bucket_bytes or not same_kind):
+            buckets.append(_make_bucket(current))
+            current, current_bytes = [], 0
+        current.append(p)
+        current_bytes += nbytes
+    if current:
+        buckets.append(_make_bucket(current))
+    return buckets
+
+
+def _make_bucket(params: list[torch.nn.Parameter]) -> Bucket:
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+    bucket = Bucket(params=params, offsets=offsets, buffer=buffer)
+    bucket.reset()
+    return bucket
+
+
+class GradientReducer:
+    """Averages gradients over ``group`` bucket by bucket, each bucket as soon as all its gradients are ready.
+
+    Call :meth:`mark_ready` from a parameter's post-accumulate-grad hook and :meth:`finish` once the pass is
+    over (at the end of backward, or before the optimizer step); ``finish`` reduces buckets still waiting (a
+    parameter that got no gradient counts as a zero gradient, as on the ranks that did use it) and rearms.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], group, *, bucket_bytes: int, algorithm: str) -> None:
+        self.group = group
+        self.algorithm = algorithm
+        self.buckets = build_buckets(params, bucket_bytes)
+        self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        self._next_launch = 0  # buckets go out in index order on every rank
+        self.launches = 0  # all-reduces issued so far (tests and benchmarks read it)
+
+    def mark_ready(self, param: torch.nn.Parameter) -> None:
+        """``param.grad`` holds this pass's gradient: launch every bucket that is now complete, in order."""
+        b = self._bucket_of.get(id(param))
+        if b is None or b < self._next_launch:
+            return
+        self.buckets[b].pending.discard(id(param))
+        while self._next_launch < len(self.buckets) and not self.buckets[self._next_launch].pending:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def finish(self) -> None:
+        """Reduce every bucket not yet launched (in order), then rearm all buckets for the next pass."""
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_launch = 0
+
+    def _launch(self, bucket: Bucket) -> None:
+        with torch.no_grad():
+            for p, start in zip(bucket.params, bucket.offsets, strict=True):
+                view = bucket.buffer[start : start + p.numel()]
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad.reshape(-1))
+            comm.all_reduce(bucket.buffer, op="avg", group=self.group, algorithm=self.algorithm)
+            for p, start in zip(bucket.params, bucket.offsets, strict=True):
+                averaged = bucket.buffer[start : start + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = averaged.clone()
+                else:
+                    p.grad.copy_(averaged)
+        self.launches += 1
+
+
+def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int, group, *, algorithm: str = "auto") -> None:
+    """Overwrite ``tensors`` in place with group rank ``src``'s values: one flat broadcast per dtype and device."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for (dtype, device), same in by_kind.items():
+            flat = torch.cat([t.detach().reshape(-1) for t in same]).to(dtype=dtype, device=device)
+            comm.broadcast(flat, src, group=group, algorithm=algorithm)
+            start = 0
+            for t in same:
+                t.copy_(flat[start : start + t.numel()].view_as(t))
+                start += t.numel()
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int, group, *, algorithm: str = "auto") -> None:
+    """Copy group rank ``src``'s optimizer state tensors and numeric hyperparameters to every rank.
+
+    Horovod's ``broadcast_optimizer_state`` (Sergeev and Del Balso 2018). The state must already have the same
+    structure everywhere (for lazily built state such as Adam's, broadcast after the first step on all ranks);
+    a rank whose state differs from the others' raises ``ValueError`` on every rank, before any state moves.
+    """
+    tensors = []
+    for gi, group_ in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group_["params"]):
+            state = optimizer.state.get(p, {})
+            for key in sorted(state):
+                value = state[key]
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"optimizer state [{gi}][{pi}][{key!r}] is a {type(value).__name__}, not a tensor")
+                tensors.append(value)
+    shape = torch.tensor([len(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64)
+    low, high = shape.clone(), shape.clone()
+    comm.all_reduce(low, op="min", group=group, algorithm=algorithm)
+    comm.all_reduce(high, op="max", group=group, algorithm=algorithm)
+    if not torch.equal(low, high):
+        raise ValueError(
+            f"broadcast_optimizer_state: ranks hold different optimizer state (tensors, elements) from "
+            f"{low.tolist()} to {high.tolist()}; take one step on every rank first so the state exists everywhere"
+        )
+    numeric = [(g, k) for g in optimizer.param_groups for k in sorted(g) if _is_number(g[k])]
+    hyper = torch.tensor([float(g[k]) for g, k in numeric], dtype=torch.float64)
+    broadcast_tensors([*tensors, hyper], src, group, algorithm=algorithm)
+    for (g, k), value in zip(numeric, hyper.tolist(), strict=True):
+        g[k] = type(g[k])(value)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def group_size(group) -> int:
+    """Number of ranks in ``group`` (the world when None)."""
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialized (call init_process_group first)")
+    return dist.get_world_size(group)

@@ -1,0 +1,214 @@
+"""Inter-operator and pipeline parallelism: an ``nn.Sequential`` cut into stages, one stage per rank of a group.
+
+Inter-operator parallelism places consecutive layers on different devices; pipelining splits each batch into
+``m`` micro-batches so the stages work at once (GPipe, Huang et al. 2019; 1F1B / PipeDream-Flush, Narayanan et
+al. 2019 and 2021). The schedules are data (:mod:`dtrain.parallel.pipeline_schedules`); the runner here executes
+one, talking to its neighbours through :mod:`dtrain.parallel.pipeline_parallel_communications`.
+
+The loss of each micro-batch is divided by ``m`` and the gradients of all micro-batches accumulate in ``.grad``,
+so one :meth:`PipelineParallel.train_step` gives the gradients of one step on the whole batch (for a loss that
+averages over the batch, such as ``mse_loss`` or ``cross_entropy`` with their default reduction).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain import comm
+from dtrain.parallel.pipeline_parallel_communications import StageLink
+from dtrain.parallel.pipeline_schedules import SCHEDULES, Action, Timeline, TimelineEvent
+
+__all__ = ["PipelineParallel", "PipelineStage", "partition_layers"]
+
+Balance = Literal["layers", "params"]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def partition_layers(sequential: nn.Sequential, num_stages: int, *, balance: Balance = "layers") -> list[range]:
+    """Cut ``sequential``'s layers into ``num_stages`` contiguous, non-empty ranges.
+
+    ``balance="layers"``: layer counts differ by at most one (the first stages take the extra ones).
+    ``balance="params"``: the largest stage's parameter count is as small as possible (ties broken by the
+    largest layer count), the contiguous min-max partition GPipe's partitioner approximates.
+    """
+    n = len(sequential)
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+    if num_stages > n:
+        raise ValueError(f"cannot cut {n} layers into {num_stages} pipeline stages: more stages than layers")
+    if balance == "layers":
+        base, extra = divmod(n, num_stages)
+        sizes = [base + (s < extra) for s in range(num_stages)]
+    elif balance == "params":
+        sizes = _balance_by_cost([sum(p.numel() for p in layer.parameters()) for layer in sequential], num_stages)
+    else:
+        raise ValueError(f"balance must be 'layers' or 'params', got {balance!r}")
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _balance_by_cost(costs: list[int], num_stages: int) -> list[int]:
+    """Stage sizes minimising the (largest cost, largest layer count) over contiguous partitions (dynamic program)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: (worst stage, cut) for the first i layers in k stages
+    best: list[dict[int, tuple[tuple[int, int], int]]] = [{0: ((0, 0), 0)}]
+    for k in range(1, num_stages + 1):
+        row = {}
+        for i in range(k, n - (num_stages - k) + 1):
+            row[i] = min(
+                (max(best[k - 1][j][0], (prefix[i] - prefix[j], i - j)), j) for j in range(k - 1, i) if j in best[k - 1]
+            )
+        best.append(row)
+    sizes, i = [], n
+    for k in range(num_stages, 0, -1):
+        j = best[k][i][1]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+class PipelineStage(nn.Module):
+    """The layers of one pipeline stage: stage ``stage_index`` (this rank's rank in ``group`` by default) of
+    ``group``'s size, cut from ``sequential`` by :func:`partition_layers`. The layers are shared, not copied."""
+
+    def __init__(
+        self,
+        sequential: nn.Sequential,
+        group: dist.ProcessGroup,
+        *,
+        stage_index: int | None = None,
+        balance: Balance = "layers",
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.num_stages = dist.get_world_size(group)
+        self.stage_index = dist.get_rank(group) if stage_index is None else stage_index
+        if not 0 <= self.stage_index < self.num_stages:
+            raise ValueError(f"stage_index {self.stage_index} is outside 0..{self.num_stages - 1}")
+        self.layer_range = partition_layers(sequential, self.num_stages, balance=balance)[self.stage_index]
+        self.layers = sequential[self.layer_range.start : self.layer_range.stop]
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class PipelineParallel:
+    """Trains ``sequential`` as a pipeline over ``group``: this rank runs its :class:`PipelineStage`.
+
+    ``schedule`` is "gpipe" or "1f1b" (:data:`~dtrain.parallel.pipeline_schedules.SCHEDULES`). After each
+    :meth:`train_step`, :attr:`timeline` holds what this rank did, for
+    :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`.
+    """
+
+    def __init__(
+        self,
+        sequential: nn.Sequential,
+        group: dist.ProcessGroup,
+        *,
+        num_microbatches: int,
+        schedule: str = "1f1b",
+        balance: Balance = "layers",
+    ) -> None:
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        self.stage = PipelineStage(sequential, group, balance=balance)
+        self.num_microbatches = num_microbatches
+        self.schedule_name = schedule
+        s, p = self.stage.stage_index, self.stage.num_stages
+        self.actions: list[Action] = SCHEDULES[schedule](p, num_microbatches, s)
+        device = next((q.device for q in self.stage.parameters()), torch.device("cpu"))
+        self.link = StageLink(group, s, p, device)
+        self.timeline: Timeline | None = None
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.stage.parameters()
+
+    def train_step(self, batch: torch.Tensor | None, targets: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
+        """One pipelined forward and backward of ``batch``; gradients accumulate into this stage's ``.grad``.
+
+        ``batch`` is needed on the first stage and ``targets`` on the last (others may pass None); both are split
+        along dim 0 into ``num_microbatches`` equal micro-batches. Returns the batch's mean loss (the sum of the
+        micro-batch losses / m) on every stage of the group. The caller steps and zeroes the optimizer.
+        """
+        m, stage = self.num_microbatches, self.stage
+        inputs = _split(batch, m, "batch") if batch is not None else None
+        labels = _split(targets, m, "targets") if targets is not None else None
+        if stage.is_first and inputs is None:
+            raise ValueError("the first pipeline stage needs the batch")
+        if stage.is_last and labels is None:
+            raise ValueError("the last pipeline stage needs the targets")
+        timeline = Timeline(stage=stage.stage_index, num_stages=stage.num_stages, num_microbatches=m)
+        timeline.start_s = time.perf_counter()
+        self.link.begin_step(timeline)
+        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (stage input, stage output or loss)
+        loss = torch.zeros((), device=self.link.device)
+        for kind, mb in self.actions:
+            self.link.poll_sends()
+            if kind == "F":
+                x = inputs[mb] if stage.is_first else self._recv_input(mb)
+                start = time.perf_counter()
+                y = stage(x)
+                if stage.is_last:
+                    y = loss_fn(y, labels[mb]) / m
+                    loss += y.detach()
+                timeline.events.append(TimelineEvent("F", mb, start, time.perf_counter()))
+                held[mb] = (x, y)
+                timeline.peak_activations = max(timeline.peak_activations, len(held))
+                if not stage.is_last:
+                    self.link.send_forward(y, mb)
+            else:
+                self._backward(mb, *held.pop(mb), timeline)
+        self.link.wait_sends()
+        timeline.end_s = time.perf_counter()
+        self.link.begin_step(None)
+        self.timeline = timeline
+        comm.broadcast(loss, stage.num_stages - 1, group=stage.group)
+        return loss
+
+    def _recv_input(self, mb: int) -> torch.Tensor:
+        x = self.link.recv_forward(mb)
+        return x.requires_grad_() if x.is_floating_point() else x
+
+    def _backward(self, mb: int, x: torch.Tensor, y: torch.Tensor, timeline: Timeline) -> None:
+        # a stage receives a gradient for every floating output it sent, and sends one for every floating input
+        # it received, so both ends agree on the messages whether or not autograd needs them
+        grad = None
+        if not self.stage.is_last and y.is_floating_point():
+            grad = self.link.recv_backward(mb)
+        start = time.perf_counter()
+        if y.requires_grad:
+            torch.autograd.backward(y, grad)
+        timeline.events.append(TimelineEvent("B", mb, start, time.perf_counter()))
+        if not self.stage.is_first and x.is_floating_point():
+            self.link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x), mb)
+
+
+def _split(tensor: torch.Tensor, num_microbatches: int, name: str) -> tuple[torch.Tensor, ...]:
+    size = tensor.shape[0] if tensor.dim() else 0
+    if size == 0 or size % num_microbatches:
+        raise ValueError(
+            f"{name} of {size} samples cannot be split into {num_microbatches} equal micro-batches; "
+            f"use a batch size that is a multiple of {num_microbatches}"
+        )
+    return tensor.chunk(num_microbatches)

@@ -1,0 +1,162 @@
+"""Where pipeline parallelism talks to the network: activations forward, gradients backward, to the neighbours.
+
+Point to point over the pipeline group with ``torch.distributed.isend`` / ``irecv`` (Gloo on CPU, NCCL on GPU),
+peers translated from group ranks with ``dist.get_global_rank``. The receiver never needs the shape by hand:
+the first message of each direction in a step is preceded by a fixed-size int64 header (ndim, dtype code,
+dims, padding), never a pickle; the other micro-batches of the step reuse it (all micro-batches of a step have
+one shape), so the steady state sends payload only, as Megatron-LM's ``p2p_communication`` does with its
+shape exchange.
+
+Sends are non-blocking and only waited on at the end of a step (their buffers are kept alive until then);
+receives block. With sends that never block, the GPipe and 1F1B schedules cannot deadlock (Narayanan et al.
+2021 rely on the same property).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from dtrain.parallel.pipeline_schedules import Timeline, TimelineEvent
+
+__all__ = ["HEADER_NUMEL", "MAX_NDIM", "StageLink", "decode_header", "encode_header"]
+
+MAX_NDIM = 8
+HEADER_NUMEL = 2 + MAX_NDIM  # ndim, dtype code, dims padded with -1
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+def encode_header(tensor: torch.Tensor) -> torch.Tensor:
+    """The (HEADER_NUMEL,) int64 header that tells a receiver ``tensor``'s shape and dtype."""
+    if tensor.dim() > MAX_NDIM:
+        raise ValueError(f"a pipeline activation may have at most {MAX_NDIM} dims, got shape {tuple(tensor.shape)}")
+    if tensor.dtype not in _CODES:
+        raise ValueError(f"dtype {tensor.dtype} cannot cross a pipeline stage; supported: {list(_CODES)}")
+    header = torch.full((HEADER_NUMEL,), -1, dtype=torch.int64)
+    header[0] = tensor.dim()
+    header[1] = _CODES[tensor.dtype]
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header
+
+
+def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) from a header made by :func:`encode_header`."""
+    values = header.tolist()
+    ndim, code = values[0], values[1]
+    if not 0 <= ndim <= MAX_NDIM or not 0 <= code < len(_DTYPES):
+        raise ValueError(f"corrupt pipeline header {values}")
+    return tuple(values[2 : 2 + ndim]), _DTYPES[code]
+
+
+class StageLink:
+    """This stage's two links: to stage - 1 (activations in, gradients out) and stage + 1 (the reverse).
+
+    ``group`` is the pipeline group, its rank ``i`` is stage ``i``. Each message is recorded in the current
+    :class:`Timeline` when one is set with :meth:`begin_step`. Received tensors land on ``device`` (a GPU for
+    NCCL).
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup, stage: int, num_stages: int, device: torch.device | None = None
+    ) -> None:
+        self.group = group
+        self.device = device if device is not None else torch.device("cpu")
+        self.stage = stage
+        self.num_stages = num_stages
+        self.prev = dist.get_global_rank(group, stage - 1) if stage > 0 else None
+        self.next = dist.get_global_rank(group, stage + 1) if stage < num_stages - 1 else None
+        self._pending: list[tuple[object, list[torch.Tensor], TimelineEvent]] = []
+        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.timeline: Timeline | None = None
+
+    def begin_step(self, timeline: Timeline | None) -> None:
+        """Forget the shapes of the last step (the batch may have changed) and record into ``timeline``."""
+        self._shapes.clear()
+        self.timeline = timeline
+
+    def send_forward(self, activation: torch.Tensor, microbatch: int) -> None:
+        self._send(activation, self.next, "send_forward", microbatch)
+
+    def recv_forward(self, microbatch: int) -> torch.Tensor:
+        return self._recv(self.prev, "recv_forward", microbatch)
+
+    def send_backward(self, grad: torch.Tensor, microbatch: int) -> None:
+        self._send(grad, self.prev, "send_backward", microbatch)
+
+    def recv_backward(self, microbatch: int) -> torch.Tensor:
+        return self._recv(self.next, "recv_backward", microbatch)
+
+    def _send(self, tensor: torch.Tensor, peer: int | None, kind: str, microbatch: int) -> None:
+        if peer is None:
+            raise ValueError(f"stage {self.stage} of {self.num_stages} has no peer to {kind}")
+        start = time.perf_counter()
+        payload = tensor.detach().contiguous()
+        buffers = [payload]
+        known = self._shapes.get(kind)
+        if known is None:
+            header = encode_header(payload).to(payload.device)
+            self._shapes[kind] = (tuple(payload.shape), payload.dtype)
+            works = [dist.isend(header, peer, group=self.group)]
+            buffers.append(header)
+        else:
+            if known != (tuple(payload.shape), payload.dtype):
+                raise ValueError(
+                    f"stage {self.stage}: micro-batch {microbatch} would {kind} {tuple(payload.shape)} "
+                    f"{payload.dtype}, but this step's micro-batches had {known[0]} {known[1]}"
+                )
+            works = []
+        works.append(dist.isend(payload, peer, group=self.group))
+        event = self._record(kind, microbatch, start)
+        self._pending += [(w, buffers, event) for w in works]
+
+    def _recv(self, peer: int | None, kind: str, microbatch: int) -> torch.Tensor:
+        if peer is None:
+            raise ValueError(f"stage {self.stage} of {self.num_stages} has no peer to {kind}")
+        start = time.perf_counter()
+        known = self._shapes.get(kind)
+        if known is None:
+            header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
+            dist.irecv(header, peer, group=self.group).wait()
+            known = self._shapes[kind] = decode_header(header)
+        shape, dtype = known
+        payload = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.irecv(payload, peer, group=self.group).wait()
+        self._record(kind, microbatch, start).end_s = time.perf_counter()
+        return payload
+
+    def _record(self, kind: str, microbatch: int, start: float) -> TimelineEvent:
+        event = TimelineEvent(kind, microbatch, start, start)
+        if self.timeline is not None:
+            self.timeline.events.append(event)
+        return event
+
+    def poll_sends(self) -> None:
+        """Stamp and release the sends that have completed (cheap; called between actions)."""
+        still = []
+        for work, buffers, event in self._pending:
+            if work.is_completed():
+                event.end_s = max(event.end_s, time.perf_counter())
+            else:
+                still.append((work, buffers, event))
+        self._pending = still
+
+    def wait_sends(self) -> None:
+        """Block until every send of the step is done; their buffers may be reused after this."""
+        for work, _, event in self._pending:
+            work.wait()
+            event.end_s = max(event.end_s, time.perf_counter())
+        self._pending = []

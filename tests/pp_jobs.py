@@ -1,0 +1,143 @@
+"""Jobs for tests/test_pipeline_parallel.py: pipelined training against the unsplit model on one process.
+
+Every rank builds the same model from a seed and keeps an untouched copy as the reference: the whole batch
+through the whole model on this one process, plain autograd, plain SGD. The pipelined stage must end up with
+the same loss, gradients and parameters as the reference's layers it holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtrain.parallel.pipeline_parallel import PipelineParallel, PipelineStage
+from dtrain.parallel.pipeline_schedules import Timeline
+from dtrain.testing.pool import group_of
+
+BATCH = 16
+LR = 0.1
+
+
+def _mlp(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 5), nn.Tanh(),
+        nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 7), nn.Tanh(), nn.Linear(7, 3),
+    )  # fmt: skip
+
+
+def _reshaping(seed: int) -> nn.Sequential:
+    """Stages that change width and rank: (B, 4, 3) -> (B, 4, 10) -> (B, 40) -> (B, 7) -> (B, 2)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(3, 10), nn.GELU(), nn.Flatten(), nn.Linear(40, 7), nn.Tanh(), nn.Linear(7, 2),
+    )  # fmt: skip
+
+
+MODELS = {"mlp": (_mlp, (6,), 3), "reshaping": (_reshaping, (4, 3), 2)}
+
+
+def _data(model: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _, in_shape, out_width = MODELS[model]
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, *in_shape, generator=g), torch.randn(BATCH, out_width, generator=g)
+
+
+def _sgd_step(params: list[torch.Tensor]) -> None:
+    """Plain SGD, then zero the gradients (torch.optim refuses a stage without parameters)."""
+    with torch.no_grad():
+        for q in params:
+            q -= LR * q.grad
+            q.grad = None
+
+
+def _reference_steps(model: nn.Sequential, name: str, steps: int) -> tuple[list[float], list[list[torch.Tensor]]]:
+    """Losses and, per step, every parameter's gradient of full-batch SGD on one process."""
+    losses, grads = [], []
+    for step in range(steps):
+        batch, targets = _data(name, step)
+        loss = F.mse_loss(model(batch), targets)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        _sgd_step(list(model.parameters()))
+    return losses, grads
+
+
+def _pipeline_steps(pipe: PipelineParallel, name: str, steps: int) -> tuple[list[float], list[list[torch.Tensor]]]:
+    losses, grads = [], []
+    for step in range(steps):
+        batch, targets = _data(name, step)
+        losses.append(pipe.train_step(batch, targets, F.mse_loss).item())
+        grads.append([p.grad.clone() for p in pipe.parameters()])
+        _sgd_step(list(pipe.parameters()))
+    return losses, grads
+
+
+def _max_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Largest |got - want| beyond the float32 tolerance rtol 1e-5, atol 1e-6 (0 when all are within it)."""
+    worst = 0.0
+    for a, b in zip(got, want, strict=True):
+        excess = (a - b).abs() - (1e-6 + 1e-5 * b.abs())
+        worst = max(worst, excess.max().item() if excess.numel() else 0.0)
+    return max(worst, 0.0)
+
+
+def equivalence(p: int, m: int, model: str = "mlp", steps: int = 3, balance: str = "layers") -> dict:
+    """GPipe and 1F1B against the unsplit reference and each other; returns the worst errors on this rank."""
+    group = group_of(p)
+    build = MODELS[model][0]
+    reference = build(seed=7)
+    ref_losses, ref_grads = _reference_steps(reference, model, steps)
+    out: dict = {}
+    runs = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = PipelineParallel(build(seed=7), group, num_microbatches=m, schedule=schedule, balance=balance)
+        losses, grads = _pipeline_steps(pipe, model, steps)
+        held = pipe.stage.layer_range
+        ref_params = [q.detach() for q in reference[held.start : held.stop].parameters()]
+        out[f"{schedule}_loss"] = _max_error([torch.tensor(losses)], [torch.tensor(ref_losses)])
+        ref_stage_grads = [g for s in range(steps) for g in _stage_slice(reference, held, ref_grads[s])]
+        out[f"{schedule}_grad"] = _max_error([g for s in grads for g in s], ref_stage_grads)
+        out[f"{schedule}_param"] = _max_error(list(pipe.parameters()), ref_params)
+        runs[schedule] = [q.detach().clone() for q in pipe.parameters()]
+    out["schedules_agree"] = _max_error(runs["1f1b"], runs["gpipe"])
+    return out
+
+
+def _stage_slice(model: nn.Sequential, held: range, all_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The entries of ``all_grads`` (one per parameter of ``model``, in order) that belong to layers ``held``."""
+    owners = [i for i, layer in enumerate(model) for _ in layer.parameters()]
+    return [g for owner, g in zip(owners, all_grads, strict=True) if owner in held]
+
+
+def too_many_stages() -> str:
+    """A 3-layer model on a 4-stage group; returns the error text (nothing is sent)."""
+    try:
+        PipelineStage(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)), group_of(4))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def indivisible_batch() -> str:
+    """A batch of 10 into 4 micro-batches on 2 stages raises on every rank; the pipeline still trains after."""
+    pipe = PipelineParallel(_mlp(seed=1), group_of(2), num_microbatches=4)
+    try:
+        pipe.train_step(torch.randn(10, 6), torch.randn(10, 3), F.mse_loss)
+    except ValueError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    loss = pipe.train_step(torch.randn(8, 6), torch.randn(8, 3), F.mse_loss)
+    return f"{message}|{torch.isfinite(loss).item()}"
+
+
+def timeline(p: int, m: int, schedule: str) -> Timeline:
+    """This rank's timeline of a measured step (after a warm-up step, whose first-call costs are no bubble)."""
+    pipe = PipelineParallel(_mlp(seed=3), group_of(p), num_microbatches=m, schedule=schedule)
+    batch, targets = _data("mlp", 0)
+    for _ in range(2):
+        pipe.train_step(batch, targets, F.mse_loss)
+    return pipe.timeline
