@@ -1,0 +1,117 @@
+"""Jobs for tests/test_hybrid.py: hybrid-parallel training against the unsplit model on one process.
+
+Every rank of the pool builds the same four MLP blocks from a seed and trains an untouched copy itself as the
+reference: the whole global batch through the whole model, plain autograd, the same optimizer. The hybrid run
+must give the same losses, and each rank's parameters must equal its slice (tensor parallel) of its stage's
+blocks (pipeline) of the reference, whichever replica (data parallel) it is in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtrain.parallel.grid import ParallelDims, RankGrid
+from dtrain.parallel.hybrid import HybridParallel
+
+WIDTH, HIDDEN, BLOCKS = 16, 32, 4  # the last block's 16 outputs are the logits of 16 classes
+GLOBAL_BATCH = 16
+STEPS = 5
+RTOL, ATOL = 1e-5, 1e-6
+
+LAYOUTS = {  # name -> (dp, pp, tp); the grid lives on global ranks 0..dp*pp*tp-1
+    "dp2xpp2": (2, 2, 1),
+    "dp2xtp2": (2, 1, 2),
+    "tp2xpp2": (1, 2, 2),
+    "dp2xpp2xtp2": (2, 2, 2),
+}
+
+_GRIDS: dict[str, RankGrid | None] = {}  # building groups is slow and collective: once per layout per session
+
+
+def _grid(layout: str) -> RankGrid | None:
+    if layout not in _GRIDS:
+        dp, pp, tp = LAYOUTS[layout]
+        dims = ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp)
+        _GRIDS[layout] = RankGrid.build(dims, range(dims.world_size))
+    return _GRIDS[layout]
+
+
+def _blocks(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH)) for _ in range(BLOCKS))
+    )
+
+
+def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, WIDTH, generator=g)  # (B, WIDTH)
+    y = torch.randint(0, WIDTH, (GLOBAL_BATCH,), generator=g)  # (B,) class labels
+    return x, y
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _reference(steps: int) -> tuple[list[float], nn.Sequential]:
+    model = _blocks(seed=0)
+    opt = _sgd(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = _global_batch(step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+def _expected_shards(block: nn.Sequential, tp: int, tp_rank: int) -> list[torch.Tensor]:
+    """A reference block's parameters as ParallelMLP rank ``tp_rank`` holds them (fc_in.{weight,bias},
+    fc_out.{weight,bias}): the first linear split by output rows, the second by input columns, its bias whole."""
+    fc_in, fc_out = block[0], block[2]
+    return [
+        fc_in.weight.chunk(tp, 0)[tp_rank],
+        fc_in.bias.chunk(tp, 0)[tp_rank],
+        fc_out.weight.chunk(tp, 1)[tp_rank],
+        fc_out.bias,
+    ]
+
+
+def _excess(got: torch.Tensor, want: torch.Tensor) -> float:
+    """How far ``got`` lies beyond rtol 1e-5, atol 1e-6 of ``want`` (0 within it; inf on a shape mismatch)."""
+    if got.shape != want.shape:
+        return float("inf")
+    return max(((got - want).abs() - (ATOL + RTOL * want.abs())).max().item(), 0.0)
+
+
+def equivalence(layout: str, schedule: str, num_microbatches: int) -> dict | None:
+    """Train ``STEPS`` steps on ``layout``; this rank's worst loss and parameter errors, or None off the grid."""
+    grid = _grid(layout)
+    if grid is None:
+        return None
+    ref_losses, reference = _reference(STEPS)
+    hybrid = HybridParallel(grid, _blocks(seed=0), _sgd, num_microbatches=num_microbatches, schedule=schedule)
+    losses = [hybrid.train_step(*_global_batch(step), F.cross_entropy).item() for step in range(STEPS)]
+    tp = grid.dims.tp
+    want = [w for i in hybrid.block_range for w in _expected_shards(reference[i], tp, grid.tp_rank)]
+    got = list(hybrid.parameters())
+    return {
+        "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank),
+        "blocks": list(hybrid.block_range),
+        "loss": _excess(torch.tensor(losses), torch.tensor(ref_losses)),
+        "params": max(_excess(g.detach(), w.detach()) for g, w in zip(got, want, strict=True)),
+        "param_count": len(got),
+        "moved": max((g.detach() - w.detach()).abs().max().item() for g, w in zip(got, _initial(hybrid), strict=True)),
+    }
+
+
+def _initial(hybrid: HybridParallel) -> list[torch.Tensor]:
+    """This rank's shards of the untrained blocks: training must have moved them, or the comparison proves little."""
+    start = _blocks(seed=0)
+    grid = hybrid.grid
+    return [w for i in hybrid.block_range for w in _expected_shards(start[i], grid.dims.tp, grid.tp_rank)]
