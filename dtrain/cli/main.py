@@ -1,4 +1,4 @@
-"""The ``dtrain`` command: ``dtrain check``, ``dtrain bench comm|calibrate|verify``.
+"""The ``dtrain`` command: ``dtrain check``, ``dtrain bench comm|calibrate|verify``, ``dtrain train``.
 
 Multi-rank commands take ``--nproc N`` and start N local ranks through torch's launcher API; under torchrun
 (``torchrun --nproc-per-node 4 -m dtrain bench comm``) they join the job torchrun started instead.
@@ -67,6 +67,26 @@ def _add_bench_verify(sub) -> None:
     p.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
 
 
+def _add_train(commands) -> None:
+    p = commands.add_parser("train", help="train a model data and/or pipeline parallel (see dtrain.train.loop)")
+    p.add_argument("--nproc", type=int, default=1, help="local ranks to start (ignored under torchrun)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only 1 for now)")
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
+    p.add_argument("--preset", default="debug", help="model size: debug (laptop CPU, a minute) or small (gpt)")
+    p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="pipeline schedule")
+    p.add_argument("--microbatches", type=int, default=1, help="micro-batches per pipeline step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
+    p.add_argument("--algorithm", default="auto", help="all-reduce algorithm for the gradients")
+    p.add_argument("--out", default="runs/train", help="metrics.jsonl, checkpoints/, pipeline trace and Gantt PNG")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dtrain", description="distributed training, from the collectives up")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_comm(bench_commands)
     _add_bench_calibrate(bench_commands)
     _add_bench_verify(bench_commands)
+    _add_train(commands)
     return parser
 
 
@@ -101,6 +122,18 @@ def _bench_comm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from dtrain.train.loop import TrainConfig, train
+
+    fields = ("model", "preset", "steps", "batch_size", "seed", "dp", "pp", "tp", "schedule", "microbatches", "lr")
+    fields += ("checkpoint_every", "resume", "algorithm", "out")
+    config = TrainConfig(**{name: getattr(args, name) for name in fields})
+    records = train(config, args.nproc)
+    if records:
+        print(f"dtrain train: {len(records)} steps, final loss {records[-1]['loss']:.4f}, metrics in {args.out}")
+    return 0
+
+
 def _verify_rank() -> int:
     from dtrain.bench.launch import rank_device
     from dtrain.bench.verify import verify_on_rank
@@ -116,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dtrain.cli.check import check_all
 
             return 0 if check_all(args.max_world, args.pipeline) else 1
+        if args.command == "train":
+            return _train(args)
         if args.bench_command == "comm":
             return _bench_comm(args)
         if args.bench_command == "verify":
