@@ -136,7 +136,7 @@ def test_resume_from_a_checkpoint_continues_as_if_never_stopped(tmp_path, one_ra
         (["--nproc", "2", "--dp", "2", "--batch-size", "15"], "batch size 15 is not divisible by dp=2"),
         (["--nproc", "2", "--pp", "2", "--microbatches", "3"], "not divisible by 3 micro-batches"),
         (["--nproc", "8", "--pp", "8"], "pp=8 stages but model 'gpt' (debug) has only 4 layers"),
-        (["--nproc", "2", "--tp", "2"], "not yet supported in dtrain train"),
+        (["--nproc", "4", "--tp", "4"], "which does not divide by tp"),
         (["--resume"], "no complete checkpoint"),
     ],
 )

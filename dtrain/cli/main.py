@@ -68,11 +68,11 @@ def _add_bench_verify(sub) -> None:
 
 
 def _add_train(commands) -> None:
-    p = commands.add_parser("train", help="train a model data and/or pipeline parallel (see dtrain.train.loop)")
+    p = commands.add_parser("train", help="train a model data, pipeline and/or tensor parallel (see dtrain.train.loop)")
     p.add_argument("--nproc", type=int, default=1, help="local ranks to start (ignored under torchrun)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only 1 for now)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (gpt only; divides its heads)")
     p.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
     p.add_argument("--preset", default="debug", help="model size: debug (laptop CPU, a minute) or small (gpt)")
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")

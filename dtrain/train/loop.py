@@ -1,12 +1,15 @@
-"""The training loop of ``dtrain train``: a model from :mod:`dtrain.train.models` trained data and/or pipeline
-parallel over a :class:`~dtrain.parallel.grid.RankGrid`, with AdamW, JSON-lines metrics and checkpoints.
+"""The training loop of ``dtrain train``: a model from :mod:`dtrain.train.models` trained data, pipeline and/or
+tensor parallel over a :class:`~dtrain.parallel.grid.RankGrid`, with AdamW, JSON-lines metrics and checkpoints.
 
 Layouts: ``pp == 1`` wraps the model in :class:`~dtrain.parallel.data_parallel.DataParallel` over the dp group
 (gradients averaged while backward runs); ``pp > 1`` runs :class:`~dtrain.parallel.pipeline_parallel.
 PipelineParallel` over the pp group and then averages each stage's gradients over its dp group with one
 all-reduce of the flattened gradients. Every rank draws the same global batch from ``(seed, step)`` and takes
-its dp shard; the reported loss is the dp average, i.e. the loss of the whole global batch. ``tp > 1`` is not
-supported yet. Checkpoints and resume: :mod:`dtrain.train.checkpoint`; pipeline traces: :mod:`dtrain.train.trace`.
+its dp shard; the reported loss is the dp average, i.e. the loss of the whole global batch. ``tp > 1`` (GPT only)
+first turns every block into its tensor-parallel twin over the tp group (:mod:`dtrain.train.tensor_parallel_gpt`);
+the model stays an ``nn.Sequential`` whose outputs are whole on every tp rank, so pipeline and data parallelism
+wrap it unchanged and the dp average runs over the dp group only (each tp rank averages its own shards).
+Checkpoints and resume: :mod:`dtrain.train.checkpoint`; pipeline traces: :mod:`dtrain.train.trace`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dtrain.parallel.pipeline_schedules import SCHEDULES, bubble_fraction, theor
 from dtrain.train.checkpoint import checkpoint_path, latest_complete_step, load_checkpoint, save_checkpoint
 from dtrain.train.data import ClassificationBatches, TextBatches
 from dtrain.train.models import build_model, model_config, num_layers
+from dtrain.train.tensor_parallel_gpt import tensor_parallel_gpt
 from dtrain.train.trace import write_chrome_trace, write_gantt
 
 __all__ = ["TrainConfig", "train", "train_rank", "validate_layout"]
@@ -72,9 +76,9 @@ class TrainConfig:
 
 def validate_layout(config: TrainConfig, world_size: int) -> ParallelDims:
     """Check the layout against the world, the batch and the model before any rank does work."""
-    if config.tp > 1:
-        raise ValueError(f"tp={config.tp}: tensor parallelism is not yet supported in dtrain train; use --tp 1")
     dims = ParallelDims(world_size=world_size, dp=config.dp, pp=config.pp, tp=config.tp)
+    if config.tp > 1:
+        _validate_tensor_parallel(config)
     if config.batch_size % config.dp:
         raise ValueError(f"batch size {config.batch_size} is not divisible by dp={config.dp}")
     local = config.batch_size // config.dp
@@ -89,6 +93,18 @@ def validate_layout(config: TrainConfig, world_size: int) -> ParallelDims:
     if config.resume and latest_complete_step(config.out, world_size) is None:
         raise ValueError(f"--resume: no complete checkpoint of {world_size} ranks under {config.out}/checkpoints")
     return dims
+
+
+def _validate_tensor_parallel(config: TrainConfig) -> None:
+    if config.model != "gpt":
+        raise ValueError(f"tp={config.tp}: tensor parallelism supports model 'gpt' only, not {config.model!r}")
+    cfg = model_config("gpt", config.preset)
+    for name in ("n_head", "n_embd"):
+        if getattr(cfg, name) % config.tp:
+            raise ValueError(
+                f"tp={config.tp}: gpt ({config.preset}) has {name}={getattr(cfg, name)}, which does not divide by "
+                f"tp; choose a tp that divides n_head={cfg.n_head} and n_embd={cfg.n_embd}"
+            )
 
 
 def train(config: TrainConfig, nproc: int) -> list[dict[str, Any]]:
@@ -122,6 +138,8 @@ class _Trainer:
         self.data, self.tokenizer, overrides = _data(config)
         torch.manual_seed(config.seed)  # every rank builds the same full model, then keeps its stage
         model = build_model(config.model, config=model_config(config.model, config.preset, **overrides))
+        if config.tp > 1:
+            model = tensor_parallel_gpt(model, grid.tp_group, algorithm=config.algorithm)
         model = model.to(self.device)
         if config.pp > 1:
             self.pipeline = PipelineParallel(
