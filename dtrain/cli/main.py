@@ -99,7 +99,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_calibrate(bench_commands)
     _add_bench_verify(bench_commands)
     _add_train(commands)
+    for module in _feature_modules():
+        module.register(commands)
     return parser
+
+
+def _feature_modules() -> list:
+    """Feature areas that own their subcommands: each has ``register(commands)``, setting ``handler`` on its
+    parsers (``handler(args) -> int``)."""
+    import importlib
+
+    modules = []
+    for name in _FEATURE_COMMANDS:
+        try:
+            modules.append(importlib.import_module(f"dtrain.cli.{name}"))
+        except ModuleNotFoundError as exc:
+            if exc.name != f"dtrain.cli.{name}":
+                raise
+    return modules
+
+
+# dtrain.cli.<name> modules: ps (the parameter server), cluster (calc, simulate, plan), emulate.
+_FEATURE_COMMANDS = ("ps", "cluster", "emulate")
 
 
 def _bench_comm(args: argparse.Namespace) -> int:
@@ -145,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dtrain`` command line; the process exit status."""
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "handler", None) is not None:
+            return args.handler(args)
         if args.command == "check":
             from dtrain.cli.check import check_all
 
