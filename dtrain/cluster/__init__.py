@@ -1,0 +1,1 @@
+"""Hardware as data: devices, links, topologies and routing (no torch; DESIGN.md layers)."""

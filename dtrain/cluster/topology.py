@@ -1,0 +1,252 @@
+"""A cluster as a directed graph of devices, hosts, NICs and switches joined by rated links.
+
+Contract shared by the cluster builders, the simulator and the emulator (see the project's TOPOLOGY contract):
+every :class:`Link` is one direction with its own full rate (a duplex cable is two links), rates are bytes per
+second and latencies seconds. Routing is what a data-centre fabric does: fewest hops, then lowest latency, and
+among the equal-cost paths that remain (ECMP, e.g. across the spines of a leaf-spine fabric) a stable hash of the
+flow picks one, so one flow always takes one path and many flows spread over all of them.
+
+Seed text: the chapter on the machine-learning cluster (servers with NVLink/PCIe inside, racks under a
+top-of-rack switch, spines above). No torch here (DESIGN.md layers).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+
+__all__ = ["Device", "Link", "Topology", "NODE_KINDS", "SWITCH_KINDS"]
+
+#: What a node of the graph may be.
+NODE_KINDS = frozenset({"gpu", "cpu", "nic", "switch", "nvswitch", "pcie-switch", "host"})
+#: The node kinds that only forward traffic.
+SWITCH_KINDS = frozenset({"switch", "nvswitch", "pcie-switch"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """An accelerator a rank runs on.
+
+    ``peak_flops`` is dense FLOP/s at the training precision; ``memory_bytes_per_s`` the HBM bandwidth.
+    """
+
+    name: str
+    server: str
+    rack: str | None = None
+    peak_flops: float
+    memory_bytes: int
+    memory_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("Device.name must be a non-empty string")
+        for field_name in ("peak_flops", "memory_bytes", "memory_bytes_per_s"):
+            if not getattr(self, field_name) > 0:
+                raise ValueError(f"device {self.name!r}: {field_name} must be > 0, got {getattr(self, field_name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One direction of a physical (or aggregated) link: ``src`` to ``dst`` at ``bytes_per_s``."""
+
+    src: str
+    dst: str
+    bytes_per_s: float
+    latency_s: float
+    kind: str
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_s > 0:
+            raise ValueError(f"link {self.src}->{self.dst}: bytes_per_s must be > 0, got {self.bytes_per_s!r}")
+        if not self.latency_s >= 0:
+            raise ValueError(f"link {self.src}->{self.dst}: latency_s must be >= 0, got {self.latency_s!r}")
+
+    @property
+    def name(self) -> str:
+        """``"src->dst"``, how reports name the link."""
+        return f"{self.src}->{self.dst}"
+
+
+def _natural_key(name: str) -> list[Any]:
+    """Sort ``gpu2`` before ``gpu10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+class Topology:
+    """A named cluster graph.
+
+    ``graph`` node attrs: ``kind`` (one of :data:`NODE_KINDS`), ``server``, ``rack``, ``layer`` (a switch's tier:
+    "tor", "spine", "core", ...); edge attr ``link``: the :class:`Link`.
+    """
+
+    def __init__(self, name: str = "topology") -> None:
+        self.name = name
+        self.graph: nx.DiGraph = nx.DiGraph()
+        self._devices: dict[str, Device] = {}
+        self._paths: dict[tuple[str, str], list[list[str]]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"Topology({self.name!r}: {len(self._devices)} devices, {self.graph.number_of_nodes()} nodes, "
+            f"{self.graph.number_of_edges()} links)"
+        )
+
+    # -- building ---------------------------------------------------------------------------------------------
+
+    def add_node(
+        self,
+        name: str,
+        *,
+        kind: str,
+        server: str | None = None,
+        rack: str | None = None,
+        layer: str | None = None,
+    ) -> None:
+        """Add a node; ``kind`` is one of :data:`NODE_KINDS`, ``layer`` names a switch's tier ("tor", "spine")."""
+        if not name:
+            raise ValueError("node name must be a non-empty string")
+        if name in self.graph:
+            raise ValueError(f"duplicate node name {name!r} in topology {self.name!r}")
+        if kind not in NODE_KINDS:
+            raise ValueError(f"node {name!r}: unknown kind {kind!r}; expected one of {sorted(NODE_KINDS)}")
+        self.graph.add_node(name, kind=kind, server=server, rack=rack, layer=layer)
+        self._paths.clear()
+
+    def add_device(self, device: Device) -> None:
+        """Add an accelerator as a ``"gpu"`` node that ranks can be placed on."""
+        self.add_node(device.name, kind="gpu", server=device.server, rack=device.rack)
+        self._devices[device.name] = device
+
+    def add_link(self, a: str, b: str, *, bytes_per_s: float, latency_s: float, kind: str, duplex: bool = True) -> None:
+        """Join ``a`` to ``b``; ``duplex`` adds ``b`` to ``a`` too, each direction at the full rate."""
+        pairs = [(a, b), (b, a)] if duplex else [(a, b)]
+        for src, dst in pairs:
+            for end in (src, dst):
+                if end not in self.graph:
+                    raise ValueError(f"link {src}->{dst}: unknown node {end!r}; add it before linking it")
+            if src == dst:
+                raise ValueError(f"link {src}->{dst}: a link must join two different nodes")
+            if self.graph.has_edge(src, dst):
+                raise ValueError(f"duplicate link {src}->{dst} in topology {self.name!r}")
+        for src, dst in pairs:
+            link = Link(src=src, dst=dst, bytes_per_s=float(bytes_per_s), latency_s=float(latency_s), kind=kind)
+            self.graph.add_edge(src, dst, link=link)
+        self._paths.clear()
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    def devices(self) -> list[Device]:
+        """The accelerators in placement order: server by server (in the order servers appeared), then by index."""
+        servers = self.servers()
+        return sorted(self._devices.values(), key=lambda d: (servers.index(d.server), _natural_key(d.name)))
+
+    def device(self, name: str) -> Device:
+        """The device called ``name``."""
+        try:
+            return self._devices[name]
+        except KeyError:
+            raise ValueError(f"{name!r} is not a device of topology {self.name!r}") from None
+
+    def servers(self) -> list[str]:
+        """Server names in the order they first appeared."""
+        return self._attr_values("server")
+
+    def racks(self) -> list[str]:
+        """Rack names in the order they first appeared."""
+        return self._attr_values("rack")
+
+    def switches(self) -> list[str]:
+        """Nodes that only forward (switch, nvswitch, pcie-switch), in insertion order."""
+        return [n for n, kind in self.graph.nodes(data="kind") if kind in SWITCH_KINDS]
+
+    def link(self, src: str, dst: str) -> Link:
+        """The link from ``src`` to ``dst``."""
+        data = self.graph.get_edge_data(src, dst)
+        if data is None:
+            raise ValueError(f"no link {src}->{dst} in topology {self.name!r}")
+        return data["link"]
+
+    def links(self) -> list[Link]:
+        """Every directed link, in insertion order."""
+        return [link for _, _, link in self.graph.edges(data="link")]
+
+    def _attr_values(self, attr: str) -> list[str]:
+        seen: dict[str, None] = {}
+        for _, value in self.graph.nodes(data=attr):
+            if value is not None:
+                seen.setdefault(value, None)
+        return list(seen)
+
+    # -- routing ----------------------------------------------------------------------------------------------
+
+    def route(self, src: str, dst: str, flow: int = 0) -> list[Link]:
+        """The links a flow from ``src`` to ``dst`` crosses: fewest hops, then lowest latency, then ECMP by hash."""
+        if src == dst:
+            if src not in self.graph:
+                raise ValueError(f"route: unknown node {src!r} in topology {self.name!r}")
+            return []
+        paths = self.equal_cost_paths(src, dst)
+        path = paths[zlib.crc32(f"{src}|{dst}|{flow}".encode()) % len(paths)] if len(paths) > 1 else paths[0]
+        return [self.graph.edges[u, v]["link"] for u, v in zip(path, path[1:], strict=False)]
+
+    def equal_cost_paths(self, src: str, dst: str) -> list[list[str]]:
+        """Every fewest-hop, lowest-latency node path from ``src`` to ``dst``, in a stable order (cached)."""
+        key = (src, dst)
+        if key not in self._paths:
+            self._paths[key] = self._find_paths(src, dst)
+        return self._paths[key]
+
+    def _find_paths(self, src: str, dst: str) -> list[list[str]]:
+        for end in (src, dst):
+            if end not in self.graph:
+                raise ValueError(f"route {src}->{dst}: unknown node {end!r} in topology {self.name!r}")
+        try:
+            paths = list(nx.all_shortest_paths(self.graph, src, dst))
+        except nx.NetworkXNoPath:
+            raise ValueError(f"no route from {src!r} to {dst!r} in topology {self.name!r}") from None
+
+        def latency(path: list[str]) -> float:
+            return sum(self.graph.edges[u, v]["link"].latency_s for u, v in zip(path, path[1:], strict=False))
+
+        best = min(latency(p) for p in paths)
+        # Relative tolerance: latencies that differ only by float rounding are the same cost.
+        tied = [p for p in paths if latency(p) <= best * (1 + 1e-9) + 1e-15]
+        return sorted(tied, key=lambda p: [_natural_key(n) for n in p])
+
+    # -- checking ---------------------------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the offending node or link if the topology is inconsistent."""
+        for u, v, link in self.graph.edges(data="link"):
+            if not isinstance(link, Link):
+                raise ValueError(f"link {u}->{v}: edge has no Link attribute")
+            if (link.src, link.dst) != (u, v):
+                raise ValueError(f"link {u}->{v}: its Link says {link.src}->{link.dst}")
+            if not link.bytes_per_s > 0:
+                raise ValueError(f"link {u}->{v}: bytes_per_s must be > 0, got {link.bytes_per_s!r}")
+            if not link.latency_s >= 0:
+                raise ValueError(f"link {u}->{v}: latency_s must be >= 0, got {link.latency_s!r}")
+        for name, kind in self.graph.nodes(data="kind"):
+            if kind not in NODE_KINDS:
+                raise ValueError(f"node {name!r}: unknown kind {kind!r}; expected one of {sorted(NODE_KINDS)}")
+        for name in self._devices:
+            if self.graph.nodes.get(name, {}).get("kind") != "gpu":
+                raise ValueError(f"device {name!r} is not a gpu node of the graph")
+        self._check_devices_connected()
+
+    def _check_devices_connected(self) -> None:
+        names = [d.name for d in self.devices()]
+        if len(names) < 2:
+            return
+        first = names[0]
+        reachable = nx.descendants(self.graph, first)
+        reaching = nx.ancestors(self.graph, first)
+        for name in names[1:]:
+            if name not in reachable:
+                raise ValueError(f"device {name!r} cannot be reached from device {first!r}")
+            if name not in reaching:
+                raise ValueError(f"device {name!r} cannot reach device {first!r}")
