@@ -1,0 +1,194 @@
+"""Replay a ``dtrain.comm`` schedule on a topology: time, link utilisation and the bottleneck link.
+
+What is replayed is what :mod:`dtrain.comm.runtime` does, rank by rank (its plan, :mod:`dtrain.comm.plan`):
+each rank walks the rounds it takes part in, in order; in a round it posts every message at once (a rank's
+messages to one peer in one round are packed into one), waits for all of them, then reduces what it received
+into its buffer, and only then enters its next round. There is no barrier between rounds: a rank runs ahead
+as far as its own messages allow. A message flows once both its sender and its receiver have posted the round
+(NCCL's and Gloo's point-to-point calls both rendezvous), along the route of the ranks' devices, sharing links
+max-min fairly with every other message then in flight (:mod:`dtrain.sim.flows`).
+
+Software costs follow :mod:`dtrain.comm.cost`: posting a round with ``k`` peers takes ``alpha + (k-1)
+alpha_peer`` of host time on the rank, and reducing ``r`` bytes takes ``r x 3 / memory_bytes_per_s`` (read two
+operands, write one) on its device unless a ``gamma_s_per_byte`` is given. On a uniform network these give the
+closed forms of :mod:`dtrain.comm.cost_forms` (tests/test_sim_collective.py checks ring, tree and
+halving-doubling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dtrain.cluster.topology import Topology
+from dtrain.comm.schedule import Schedule, chunk_bounds
+from dtrain.sim.flows import FlowNetwork, LinkUsage
+
+__all__ = ["SoftwareCost", "RankRound", "CollectiveResult", "rank_rounds", "replay", "check_placement"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SoftwareCost:
+    """Host and device time outside the network.
+
+    ``alpha_s``: posting a round's first message; ``alpha_peer_s``: each further peer of that round (None:
+    ``alpha_s``); ``gamma_s_per_byte``: reducing a received byte (None: ``3 / memory_bytes_per_s`` of the device);
+    ``flow_cap_bytes_per_s``: the most one message reaches on its own (one connection's limit; None: links only).
+    """
+
+    alpha_s: float = 0.0
+    alpha_peer_s: float | None = None
+    gamma_s_per_byte: float | None = None
+    flow_cap_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("alpha_s", "alpha_peer_s", "gamma_s_per_byte"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"SoftwareCost.{name} must be >= 0, got {value!r}")
+        if self.flow_cap_bytes_per_s is not None and not self.flow_cap_bytes_per_s > 0:
+            raise ValueError(f"SoftwareCost.flow_cap_bytes_per_s must be > 0, got {self.flow_cap_bytes_per_s!r}")
+
+    def start_s(self, peers: int) -> float:
+        """Host time to post a round with ``peers`` peers (the busier of sends and receives)."""
+        per_peer = self.alpha_s if self.alpha_peer_s is None else self.alpha_peer_s
+        return self.alpha_s + (peers - 1) * per_peer if peers > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RankRound:
+    """One rank's part of one round: bytes to and from each peer (packed), and bytes it reduces."""
+
+    index: int
+    sends: dict[int, int]
+    recvs: dict[int, int]
+    reduce_bytes: int
+
+    @property
+    def peers(self) -> int:
+        return max(len(self.sends), len(self.recvs))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveResult:
+    """A replayed schedule: ``time_s`` (last rank done), each rank's finish, and each link's usage."""
+
+    time_s: float
+    rank_finish_s: list[float]
+    links: list[LinkUsage] = field(repr=False)
+
+    @property
+    def bottleneck(self) -> LinkUsage | None:
+        """The link with the highest utilisation (None when no byte crossed a link)."""
+        return self.links[0] if self.links else None
+
+
+def rank_rounds(schedule: Schedule, nbytes: int, itemsize: int = 4) -> list[list[RankRound]]:
+    """Each rank's rounds (those it sends or receives in) for a ``nbytes`` work buffer, as the runtime plans."""
+    if itemsize < 1 or nbytes < 0 or nbytes % itemsize:
+        raise ValueError(f"nbytes {nbytes} is not a whole number of {itemsize}-byte elements")
+    numel = nbytes // itemsize
+    if numel % schedule.nblocks:
+        raise ValueError(f"{numel} elements do not split into the schedule's {schedule.nblocks} equal blocks")
+    sizes = [n * itemsize for _, n in chunk_bounds(numel, schedule.nblocks, schedule.chunks_per_block)]
+    per_rank: list[list[RankRound]] = [[] for _ in range(schedule.world_size)]
+    for index, transfers in enumerate(schedule.rounds):
+        sends: list[dict[int, int]] = [{} for _ in range(schedule.world_size)]
+        recvs: list[dict[int, int]] = [{} for _ in range(schedule.world_size)]
+        reduced = [0] * schedule.world_size
+        for t in transfers:
+            size = sizes[t.src_chunk]
+            if size == 0:  # the runtime skips empty ranges
+                continue
+            sends[t.src][t.dst] = sends[t.src].get(t.dst, 0) + size
+            recvs[t.dst][t.src] = recvs[t.dst].get(t.src, 0) + size
+            if t.reduce:
+                reduced[t.dst] += size
+        for rank in range(schedule.world_size):
+            if sends[rank] or recvs[rank]:
+                per_rank[rank].append(RankRound(index, sends[rank], recvs[rank], reduced[rank]))
+    return per_rank
+
+
+def check_placement(topology: Topology, placement: Sequence[str], world_size: int) -> list[str]:
+    """``placement`` as a list, checked: one device of ``topology`` per rank."""
+    placement = list(placement)
+    if len(placement) != world_size:
+        raise ValueError(f"placement names {len(placement)} devices for {world_size} ranks; give one per rank")
+    for name in placement:
+        topology.device(name)
+    return placement
+
+
+class _Replay:
+    """The event-driven state of one replay: where each rank is, and which messages are waiting for a peer."""
+
+    def __init__(self, net: FlowNetwork, rounds, placement, cost: SoftwareCost, gammas, start_s) -> None:
+        self.net, self.rounds, self.placement, self.cost, self.gammas = net, rounds, placement, cost, gammas
+        self.position = [0] * len(rounds)
+        self.posted: set[tuple[int, int]] = set()  # (rank, round index) posted and not finished
+        self.pending = [0] * len(rounds)  # messages of the current round not yet done, per rank
+        self.finish = list(start_s)
+
+    def start(self) -> None:
+        for rank, t in enumerate(self.finish):
+            self.net.at(t, lambda r=rank: self._enter(r))
+
+    def _enter(self, rank: int) -> None:
+        if self.position[rank] == len(self.rounds[rank]):
+            self.finish[rank] = self.net.now
+            return
+        rr = self.rounds[rank][self.position[rank]]
+        self.pending[rank] = len(rr.sends) + len(rr.recvs)
+        self.net.at(self.net.now + self.cost.start_s(rr.peers), lambda: self._post(rank, rr))
+
+    def _post(self, rank: int, rr: RankRound) -> None:
+        self.posted.add((rank, rr.index))
+        # A message goes when both ends have posted: the later of the two starts it.
+        for peer, nbytes in rr.sends.items():
+            if (peer, rr.index) in self.posted:
+                self._start(rank, peer, rr.index, nbytes)
+        for peer in rr.recvs:
+            if (peer, rr.index) in self.posted:
+                # the peer has posted this round and cannot have left it: the message is still to come
+                self._start(peer, rank, rr.index, self.rounds[peer][self.position[peer]].sends[rank])
+
+    def _start(self, src: int, dst: int, index: int, nbytes: int) -> None:
+        flow_id = hash((src, dst, index)) & 0x7FFFFFFF
+        done = lambda _t: (self._done(src, index), self._done(dst, index))  # noqa: E731
+        self.net.send(self.placement[src], self.placement[dst], nbytes, flow_id=flow_id, on_done=done)
+
+    def _done(self, rank: int, index: int) -> None:
+        self.pending[rank] -= 1
+        if self.pending[rank]:
+            return
+        rr = self.rounds[rank][self.position[rank]]
+        self.posted.discard((rank, index))
+        self.position[rank] += 1
+        self.net.at(self.net.now + rr.reduce_bytes * self.gammas[rank], lambda: self._enter(rank))
+
+
+def replay(
+    schedule: Schedule,
+    nbytes: int,
+    topology: Topology,
+    placement: Sequence[str] | None = None,
+    *,
+    cost: SoftwareCost | None = None,
+    itemsize: int = 4,
+) -> CollectiveResult:
+    """Simulate ``schedule`` on a ``nbytes`` work buffer (see :mod:`dtrain.comm.cost` for what that is per
+    collective), rank ``i`` on device ``placement[i]`` (default: :meth:`Topology.devices` in order)."""
+    cost = cost or SoftwareCost()
+    if placement is None:
+        placement = [d.name for d in topology.devices()][: schedule.world_size]
+    placement = check_placement(topology, placement, schedule.world_size)
+    net = FlowNetwork(topology, flow_cap_bytes_per_s=cost.flow_cap_bytes_per_s)
+    gammas = [
+        cost.gamma_s_per_byte if cost.gamma_s_per_byte is not None else 3 / topology.device(d).memory_bytes_per_s
+        for d in placement
+    ]
+    state = _Replay(net, rank_rounds(schedule, nbytes, itemsize), placement, cost, gammas, [0.0] * len(placement))
+    state.start()
+    end = net.run()
+    return CollectiveResult(time_s=max(state.finish, default=0.0), rank_finish_s=state.finish, links=net.usage(end))

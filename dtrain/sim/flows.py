@@ -1,0 +1,221 @@
+"""Flow-level network simulation: concurrent flows share every directed link max-min fairly.
+
+A flow moves ``nbytes`` from one node to another along its routed path (:meth:`Topology.route`, the flow's id
+spreading flows over equal-cost paths). While flows are active, each gets its max-min fair rate: progressive
+filling raises every unfrozen flow's rate together until a link is full (or a flow reaches its own cap), freezes
+the flows on it, and repeats (Bertsekas and Gallager, *Data Networks*, 2nd ed., section 6.5.2). Rates are
+recomputed whenever a flow starts or finishes, so the simulation is event-driven and exact for this model.
+A flow's last byte arrives the path's latency after it leaves the first link (store-and-forward per message
+is not modelled; flow-level simulators such as SimGrid's LV08 model make the same simplification).
+
+No torch here (DESIGN.md layers).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dtrain.cluster.topology import Link, Topology
+
+__all__ = ["FlowSpec", "LinkUsage", "FlowNetwork", "max_min_rates", "simulate_flows"]
+
+#: A flow whose remaining bytes fall below this fraction of its size (float rounding) is done.
+_DONE = 1e-9
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlowSpec:
+    """A flow for :func:`simulate_flows`: ``nbytes`` from ``src`` to ``dst``, starting at ``start_s``."""
+
+    src: str
+    dst: str
+    nbytes: float
+    start_s: float = 0.0
+    flow_id: int = 0
+    cap_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.nbytes >= 0:
+            raise ValueError(f"flow {self.src}->{self.dst}: nbytes must be >= 0, got {self.nbytes!r}")
+        if not self.start_s >= 0:
+            raise ValueError(f"flow {self.src}->{self.dst}: start_s must be >= 0, got {self.start_s!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkUsage:
+    """What one link carried: ``nbytes`` in ``busy_s`` seconds of a ``total_s``-second run."""
+
+    link: Link
+    nbytes: float
+    busy_s: float
+    total_s: float
+
+    @property
+    def utilisation(self) -> float:
+        """Busy bytes over what the link could have carried in the whole run: ``nbytes / (total_s x rate)``."""
+        return self.nbytes / (self.total_s * self.link.bytes_per_s) if self.total_s > 0 else 0.0
+
+
+def max_min_rates(paths: Sequence[Sequence[Link]], caps: Sequence[float | None] | None = None) -> list[float]:
+    """Max-min fair rates (bytes/s) of flows crossing ``paths``, each also held under its own cap (None: none).
+
+    Progressive filling: every link shares what is left of it equally among its unfrozen flows; the tightest
+    link (or flow cap) fixes its flows' rate, they are frozen, and the rest carry on. A flow on no link and
+    with no cap is unconstrained (``inf``).
+    """
+    caps = list(caps) if caps is not None else [None] * len(paths)
+    rates = [math.inf] * len(paths)
+    left: dict[tuple[str, str], float] = {}
+    users: dict[tuple[str, str], set[int]] = {}
+    for i, path in enumerate(paths):
+        for link in path:
+            key = (link.src, link.dst)
+            left[key] = link.bytes_per_s
+            users.setdefault(key, set()).add(i)
+    active = {i for i, path in enumerate(paths) if path or caps[i] is not None}
+    while active:
+        shares = {key: left[key] / len(flows & active) for key, flows in users.items() if flows & active}
+        capped = {i: caps[i] for i in active if caps[i] is not None}
+        share = min([*shares.values(), *capped.values()])
+        frozen = {i for key, s in shares.items() if s <= share * (1 + 1e-12) for i in users[key] & active}
+        frozen |= {i for i, c in capped.items() if c <= share * (1 + 1e-12)}
+        for i in frozen:
+            rates[i] = share
+            for link in paths[i]:
+                key = (link.src, link.dst)
+                left[key] = max(0.0, left[key] - share)
+        active -= frozen
+    return rates
+
+
+@dataclass
+class _Flow:
+    path: list[Link]
+    nbytes: float
+    remaining: float
+    latency_s: float
+    cap: float | None
+    on_done: Callable[[float], None] | None
+    rate: float = 0.0
+
+
+@dataclass
+class _LinkStats:
+    nbytes: float = 0.0
+    busy_s: float = 0.0
+
+
+class FlowNetwork:
+    """An event-driven network on a topology: start flows and timers, then :meth:`run` to completion.
+
+    ``flow_cap_bytes_per_s`` caps every flow's rate (one connection's limit, e.g. the NCCL channels of one
+    peer-to-peer transfer); ``None`` leaves flows limited by links only.
+    """
+
+    def __init__(self, topology: Topology, *, flow_cap_bytes_per_s: float | None = None) -> None:
+        if flow_cap_bytes_per_s is not None and not flow_cap_bytes_per_s > 0:
+            raise ValueError(f"flow_cap_bytes_per_s must be > 0 or None, got {flow_cap_bytes_per_s!r}")
+        self.topology = topology
+        self.flow_cap_bytes_per_s = flow_cap_bytes_per_s
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self._flows: dict[int, _Flow] = {}
+        self._ids = itertools.count()
+        self._stats: dict[tuple[str, str], _LinkStats] = {}
+
+    def at(self, time_s: float, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` at ``time_s`` (not before now)."""
+        heapq.heappush(self._events, (max(time_s, self.now), next(self._order), callback))
+
+    def send(
+        self, src: str, dst: str, nbytes: float, *, flow_id: int = 0, on_done: Callable[[float], None] | None = None
+    ) -> None:
+        """Start a flow now; ``on_done(t)`` is called when its last byte has arrived at ``dst``."""
+        path = self.topology.route(src, dst, flow_id)
+        latency = sum(link.latency_s for link in path)
+        if nbytes <= 0 or not path:
+            # nothing to move, or a copy within a node: only the latency
+            self.at(self.now + latency, lambda: on_done and on_done(self.now))
+            return
+        self._flows[next(self._ids)] = _Flow(path, nbytes, float(nbytes), latency, self.flow_cap_bytes_per_s, on_done)
+        for link in path:
+            self._stats.setdefault((link.src, link.dst), _LinkStats()).nbytes += nbytes
+        self._reallocate()
+
+    def run(self) -> float:
+        """Advance until no flow or event is left; return the time of the last event."""
+        while self._events or self._flows:
+            next_event = self._events[0][0] if self._events else math.inf
+            next_drain = min((self.now + f.remaining / f.rate for f in self._flows.values()), default=math.inf)
+            step_to = min(next_event, next_drain)
+            self._advance(step_to)
+            if next_drain <= next_event:
+                self._finish_drained()
+            while self._events and self._events[0][0] <= self.now:
+                _, _, callback = heapq.heappop(self._events)
+                callback()
+        return self.now
+
+    def usage(self, total_s: float | None = None) -> list[LinkUsage]:
+        """Every link that carried bytes, busiest (by utilisation) first."""
+        total = self.now if total_s is None else total_s
+        rows = [
+            LinkUsage(link=self.topology.link(*key), nbytes=s.nbytes, busy_s=s.busy_s, total_s=total)
+            for key, s in self._stats.items()
+        ]
+        return sorted(rows, key=lambda u: (-u.utilisation, u.link.name))
+
+    def _advance(self, time_s: float) -> None:
+        dt = time_s - self.now
+        if dt > 0 and self._flows:
+            busy = set()
+            for f in self._flows.values():
+                f.remaining -= f.rate * dt
+                busy.update((link.src, link.dst) for link in f.path)
+            for key in busy:
+                self._stats[key].busy_s += dt
+        self.now = time_s
+
+    def _finish_drained(self) -> None:
+        # done: drained to rounding, or so close that the clock cannot advance by its remaining time
+        done = [
+            i
+            for i, f in self._flows.items()
+            if f.remaining <= _DONE * f.nbytes or self.now + f.remaining / f.rate <= self.now
+        ]
+        for i in done:
+            flow = self._flows.pop(i)
+            if flow.on_done is not None:
+                callback = flow.on_done
+                self.at(self.now + flow.latency_s, lambda cb=callback: cb(self.now))
+        self._reallocate()
+
+    def _reallocate(self) -> None:
+        flows = list(self._flows.values())
+        rates = max_min_rates([f.path for f in flows], [f.cap for f in flows])
+        for flow, rate in zip(flows, rates, strict=True):
+            flow.rate = rate
+
+
+def simulate_flows(
+    topology: Topology, flows: Sequence[FlowSpec], *, flow_cap_bytes_per_s: float | None = None
+) -> tuple[list[float], list[LinkUsage]]:
+    """Run a fixed set of flows; return each flow's finish time (in the given order) and the links' usage."""
+    net = FlowNetwork(topology, flow_cap_bytes_per_s=flow_cap_bytes_per_s)
+    finish = [math.nan] * len(flows)
+
+    def starter(i: int, spec: FlowSpec) -> Callable[[], None]:
+        def record(t: float) -> None:
+            finish[i] = t
+
+        return lambda: net.send(spec.src, spec.dst, spec.nbytes, flow_id=spec.flow_id, on_done=record)
+
+    for i, spec in enumerate(flows):
+        net.at(spec.start_s, starter(i, spec))
+    end = net.run()
+    return finish, net.usage(end)

@@ -1,0 +1,87 @@
+"""dtrain.sim.collective: schedules replayed on a uniform star equal their closed forms (dtrain.comm.cost)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.comm import algorithms
+from dtrain.comm.cost import CostParams, LinkCost, predict
+from dtrain.comm.schedule import Collective
+from dtrain.sim.collective import SoftwareCost, rank_rounds, replay
+from tests.test_sim_topologies import GB, star
+
+RATE = 10 * GB
+HOP_S = 1e-6
+ALPHA_S = 20e-6
+MEMORY_BYTES_PER_S = 1.5e12
+
+
+def closed_form(collective: str, algorithm: str, nbytes: int, world: int) -> float:
+    # the closed forms' alpha is a round's whole start-up: host time plus the two hops' latency
+    link = LinkCost(alpha_s=ALPHA_S + 2 * HOP_S, beta_s_per_byte=1 / RATE, gamma_s_per_byte=3 / MEMORY_BYTES_PER_S)
+    return predict(collective, algorithm, nbytes, world, CostParams(intra=link))
+
+
+def simulated(collective: str, algorithm: str, nbytes: int, world: int) -> float:
+    topo = star(world, bytes_per_s=RATE, latency_s=HOP_S, memory_bytes_per_s=MEMORY_BYTES_PER_S)
+    schedule = algorithms.build(Collective(collective), algorithm, world)
+    return replay(schedule, nbytes, topo, cost=SoftwareCost(alpha_s=ALPHA_S), itemsize=1).time_s
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling", "recursive_doubling"])
+@pytest.mark.parametrize("nbytes", [8 * 2**10, 64 * 2**20])
+def test_all_reduce_on_a_uniform_star_matches_its_closed_form(algorithm: str, world: int, nbytes: int) -> None:
+    expected = closed_form("all_reduce", algorithm, nbytes, world)
+    assert simulated("all_reduce", algorithm, nbytes, world) == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("collective", "algorithm"),
+    [("all_gather", "ring"), ("reduce_scatter", "ring"), ("broadcast", "tree"), ("reduce", "tree")],
+)
+def test_other_collectives_on_a_uniform_star_match_their_closed_forms(collective: str, algorithm: str) -> None:
+    nbytes = 8 * 2**20
+    expected = closed_form(collective, algorithm, nbytes, 8)
+    assert simulated(collective, algorithm, nbytes, 8) == pytest.approx(expected, rel=1e-3)
+
+
+def test_ring_on_a_star_is_bottlenecked_by_no_link_more_than_another() -> None:
+    topo = star(4, bytes_per_s=RATE)
+    result = replay(algorithms.build(Collective.ALL_REDUCE, "ring", 4), 2**24, topo, itemsize=1)
+    utilisations = {round(u.utilisation, 6) for u in result.links}
+    assert len(result.links) == 8 and len(utilisations) == 1
+
+
+def test_star_all_reduce_is_bottlenecked_at_the_hub() -> None:
+    topo = star(4, bytes_per_s=RATE)
+    result = replay(algorithms.build(Collective.ALL_REDUCE, "star", 4), 2**24, topo, itemsize=1)
+    assert result.bottleneck is not None and "g0" in result.bottleneck.link.name
+
+
+def test_a_slow_link_slows_the_ring_to_its_rate() -> None:
+    topo = star(4, bytes_per_s=RATE)
+    slow = star(4, bytes_per_s=RATE)
+    slow.graph.edges["g2", "sw"]["link"] = slow.link("g2", "sw").__class__(
+        src="g2", dst="sw", bytes_per_s=RATE / 2, latency_s=0.0, kind="test"
+    )
+    schedule = algorithms.build(Collective.ALL_REDUCE, "ring", 4)
+    fast_s = replay(schedule, 2**26, topo, itemsize=1).time_s
+    slow_result = replay(schedule, 2**26, slow, itemsize=1)
+    assert slow_result.time_s == pytest.approx(2 * fast_s, rel=0.02)
+    assert slow_result.bottleneck.link.name == "g2->sw"
+
+
+def test_rank_rounds_pack_one_message_per_peer_and_skip_idle_rounds() -> None:
+    schedule = algorithms.build(Collective.BROADCAST, "tree", 4, root=0)
+    rounds = rank_rounds(schedule, 4096, itemsize=4)
+    assert [len(r) for r in rounds] == [2, 1, 2, 1]  # root sends to 2 then 1; rank 2 receives then sends to 3
+    assert rounds[0][0].sends and not rounds[0][0].recvs
+
+
+def test_placement_must_name_one_device_per_rank() -> None:
+    schedule = algorithms.build(Collective.ALL_REDUCE, "ring", 4)
+    with pytest.raises(ValueError, match="3 devices for 4 ranks"):
+        replay(schedule, 1024, star(4), ["g0", "g1", "g2"])
+    with pytest.raises(ValueError, match="'gx'"):
+        replay(schedule, 1024, star(4), ["g0", "g1", "g2", "gx"])
