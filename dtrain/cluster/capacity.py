@@ -1,0 +1,55 @@
+"""Capacities read back from a built topology: a switch's downlink and uplink, and their ratio.
+
+Seed 000's oversubscription: two servers each sending at 10 Gb/s through one ToR whose single uplink carries
+10 Gb/s need twice what the uplink gives (1:2); real clusters sit between 1:4 and 1:16. Reading the ratio off
+the graph (rather than the builder's arguments) checks the builders and works for hand-written topology files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtrain.cluster.topology import Topology
+
+__all__ = ["LAYERS", "SwitchCapacity", "switch_capacity", "oversubscription"]
+
+#: Switch tiers from the bottom up; a neighbour on a higher tier is an uplink.
+LAYERS = ("tor", "leaf", "spine", "aggregation", "core")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwitchCapacity:
+    """One direction of all of a switch's links down (to servers or lower tiers) and up."""
+
+    switch: str
+    down_bytes_per_s: float
+    up_bytes_per_s: float
+
+    @property
+    def oversubscription(self) -> float:
+        """Downlink over uplink capacity (4.0 is 1:4); infinite for a switch with no uplink."""
+        return self.down_bytes_per_s / self.up_bytes_per_s if self.up_bytes_per_s else float("inf")
+
+
+def _tier(topology: Topology, node: str) -> int:
+    layer = topology.graph.nodes[node].get("layer")
+    return LAYERS.index(layer) if layer in LAYERS else -1
+
+
+def switch_capacity(topology: Topology, switch: str) -> SwitchCapacity:
+    """Sum the rates of ``switch``'s outgoing links, split by whether they go up a tier or down."""
+    if switch not in topology.graph or topology.graph.nodes[switch].get("layer") not in LAYERS:
+        raise ValueError(f"{switch!r} is not a switch with a layer in {LAYERS} in topology {topology.name!r}")
+    tier = _tier(topology, switch)
+    down = up = 0.0
+    for _, neighbour, link in topology.graph.out_edges(switch, data="link"):
+        if _tier(topology, neighbour) > tier:
+            up += link.bytes_per_s
+        else:
+            down += link.bytes_per_s
+    return SwitchCapacity(switch=switch, down_bytes_per_s=down, up_bytes_per_s=up)
+
+
+def oversubscription(topology: Topology, switch: str) -> float:
+    """``switch``'s downlink:uplink ratio as one number (4.0 for 1:4)."""
+    return switch_capacity(topology, switch).oversubscription

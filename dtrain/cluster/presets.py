@@ -1,0 +1,77 @@
+"""Named clusters: plain functions of their parameters, as torchtitan's presets are (STYLE.md).
+
+- ``dgx-a100``: 8 A100 SXM on an NVSwitch fabric (12 NVLink 3 links each, 300 GB/s a direction), four PCIe 4.0
+  switches each holding 2 GPUs and 2 HDR NICs (8 x 200 Gb/s), two CPUs. The real DGX A100 has AMD EPYC CPUs
+  on Infinity Fabric, which the catalogue lacks; UPI stands in (it carries no GPU traffic here).
+- ``h100-node``: 8 H100 SXM on NVSwitch gen 3 (18 NVLink 4 links each, 450 GB/s a direction), PCIe 5.0, 8 NDR
+  NICs (400 Gb/s), two CPUs on UPI 2.0: the DGX/HGX H100 layout.
+- ``h200-4gpu``: 4 H200 joined all-to-all by NVLink 4 (18 links each, 6 to each peer: the HGX 4-GPU board),
+  one PCIe 5.0 switch a GPU, one 100 Gb/s Ethernet NIC: a node like the project's 4 x H200 test machine. Its
+  NVLink wiring is the board's published one, not read off the machine.
+- ``4-rack``: 4 racks of 4 ``dgx-a100`` servers under 2 spines at 1:4 oversubscription (seed 000's figure;
+  the low end of its 1:4 to 1:16).
+
+Every preset takes the parameters of :class:`ClusterSpec` and :class:`ServerSpec` as overrides
+(``gpus_per_server`` is ``gpus``): ``preset("4-rack", racks=2, oversubscription=16)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from dtrain.cluster.builders import ClusterSpec, ServerSpec, build
+from dtrain.cluster.topology import Topology
+
+__all__ = ["PRESETS", "preset", "preset_spec", "preset_names", "PARAMETERS"]
+
+DGX_A100 = ServerSpec(gpus=8, device="a100-sxm", intra="nvswitch", gpus_per_pcie_switch=2, cpus=2, cpu_link="upi",
+                      nics=8, nic="ib-hdr")  # fmt: skip
+H100_NODE = ServerSpec(gpus=8, device="h100-sxm", intra="nvswitch", gpus_per_pcie_switch=2, cpus=2, cpu_link="upi2",
+                       nics=8, nic="ib-ndr")  # fmt: skip
+H200_4GPU = ServerSpec(gpus=4, device="h200-sxm", intra="nvlink-mesh", gpus_per_pcie_switch=1, cpus=2,
+                       cpu_link="upi2", nics=1, nic="ethernet100")  # fmt: skip
+
+#: name -> (one-line description, the cluster it builds before overrides)
+PRESETS: dict[str, tuple[str, Callable[[], ClusterSpec]]] = {
+    "dgx-a100": ("8 A100 on NVSwitch, PCIe 4.0, 8 x HDR 200 Gb/s NICs", lambda: ClusterSpec(server=DGX_A100)),
+    "h100-node": ("8 H100 on NVSwitch (NVLink 4), PCIe 5.0, 8 x NDR 400 Gb/s NICs",
+                  lambda: ClusterSpec(server=H100_NODE)),
+    "h200-4gpu": ("4 H200 on all-to-all NVLink 4, one 100 GbE NIC", lambda: ClusterSpec(server=H200_4GPU)),
+    "4-rack": ("4 racks x 4 dgx-a100 servers, 2 spines, 1:4 oversubscribed",
+               lambda: ClusterSpec(server=DGX_A100, racks=4, servers_per_rack=4, spines=2, oversubscription=4)),
+}  # fmt: skip
+
+_SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerSpec)}
+_CLUSTER_FIELDS = {f.name for f in dataclasses.fields(ClusterSpec)} - {"server"}
+_ALIASES = {"gpus_per_server": "gpus"}
+#: Every parameter a preset (or a builder spec in a topology file) accepts.
+PARAMETERS = tuple(sorted(_SERVER_FIELDS | _CLUSTER_FIELDS | set(_ALIASES)))
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def preset_spec(name: str, **overrides: Any) -> ClusterSpec:
+    """The :class:`ClusterSpec` of preset ``name`` with ``overrides`` applied (server or cluster fields)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    spec = PRESETS[name][1]()
+    server_changes, cluster_changes = {}, {}
+    for key, value in overrides.items():
+        field = _ALIASES.get(key, key)
+        if field in _SERVER_FIELDS:
+            server_changes[field] = value
+        elif field in _CLUSTER_FIELDS:
+            cluster_changes[field] = value
+        else:
+            raise ValueError(f"preset {name!r}: unknown parameter {key!r}; known: {', '.join(PARAMETERS)}")
+    server = dataclasses.replace(spec.server, **server_changes)
+    return dataclasses.replace(spec, server=server, **cluster_changes)
+
+
+def preset(name: str, **overrides: Any) -> Topology:
+    """Build preset ``name`` (see the module docstring) with ``overrides``."""
+    return build(preset_spec(name, **overrides), name=name)
