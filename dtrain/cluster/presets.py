@@ -24,7 +24,7 @@ from typing import Any
 from dtrain.cluster.builders import ClusterSpec, ServerSpec, build
 from dtrain.cluster.topology import Topology
 
-__all__ = ["PRESETS", "preset", "preset_spec", "preset_names", "PARAMETERS"]
+__all__ = ["PRESETS", "preset", "preset_spec", "preset_names", "with_overrides", "PARAMETERS"]
 
 DGX_A100 = ServerSpec(gpus=8, device="a100-sxm", intra="nvswitch", gpus_per_pcie_switch=2, cpus=2, cpu_link="upi",
                       nics=8, nic="ib-hdr")  # fmt: skip
@@ -58,7 +58,11 @@ def preset_spec(name: str, **overrides: Any) -> ClusterSpec:
     """The :class:`ClusterSpec` of preset ``name`` with ``overrides`` applied (server or cluster fields)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    spec = PRESETS[name][1]()
+    return with_overrides(PRESETS[name][1](), what=f"preset {name!r}", **overrides)
+
+
+def with_overrides(spec: ClusterSpec, *, what: str = "cluster", **overrides: Any) -> ClusterSpec:
+    """``spec`` with server or cluster fields replaced (``gpus_per_server`` is ``gpus``)."""
     server_changes, cluster_changes = {}, {}
     for key, value in overrides.items():
         field = _ALIASES.get(key, key)
@@ -67,7 +71,7 @@ def preset_spec(name: str, **overrides: Any) -> ClusterSpec:
         elif field in _CLUSTER_FIELDS:
             cluster_changes[field] = value
         else:
-            raise ValueError(f"preset {name!r}: unknown parameter {key!r}; known: {', '.join(PARAMETERS)}")
+            raise ValueError(f"{what}: unknown parameter {key!r}; known: {', '.join(PARAMETERS)}")
     server = dataclasses.replace(spec.server, **server_changes)
     return dataclasses.replace(spec, server=server, **cluster_changes)
 
