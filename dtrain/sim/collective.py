@@ -31,18 +31,21 @@ __all__ = ["SoftwareCost", "RankRound", "CollectiveResult", "rank_rounds", "repl
 class SoftwareCost:
     """Host and device time outside the network.
 
-    ``alpha_s``: posting a round's first message; ``alpha_peer_s``: each further peer of that round (None:
-    ``alpha_s``); ``gamma_s_per_byte``: reducing a received byte (None: ``3 / memory_bytes_per_s`` of the device);
-    ``flow_cap_bytes_per_s``: the most one message reaches on its own (one connection's limit; None: links only).
+    ``call_s``: a call's fixed start-up before its first round (argument checks, plan look-up, the copies
+    into and out of the work buffer); ``alpha_s``: posting a round's first message; ``alpha_peer_s``: each
+    further peer of that round (None: ``alpha_s``); ``gamma_s_per_byte``: reducing a received byte (None:
+    ``3 / memory_bytes_per_s`` of the device); ``flow_cap_bytes_per_s``: the most one message reaches on its
+    own (one connection's limit; None: links only).
     """
 
+    call_s: float = 0.0
     alpha_s: float = 0.0
     alpha_peer_s: float | None = None
     gamma_s_per_byte: float | None = None
     flow_cap_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("alpha_s", "alpha_peer_s", "gamma_s_per_byte"):
+        for name in ("call_s", "alpha_s", "alpha_peer_s", "gamma_s_per_byte"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"SoftwareCost.{name} must be >= 0, got {value!r}")
@@ -188,7 +191,9 @@ def replay(
         cost.gamma_s_per_byte if cost.gamma_s_per_byte is not None else 3 / topology.device(d).memory_bytes_per_s
         for d in placement
     ]
-    state = _Replay(net, rank_rounds(schedule, nbytes, itemsize), placement, cost, gammas, [0.0] * len(placement))
+    state = _Replay(
+        net, rank_rounds(schedule, nbytes, itemsize), placement, cost, gammas, [cost.call_s] * len(placement)
+    )
     state.start()
     end = net.run()
     return CollectiveResult(time_s=max(state.finish, default=0.0), rank_finish_s=state.finish, links=net.usage(end))

@@ -1,0 +1,227 @@
+"""Validate the simulator against collectives measured on 4 x NVIDIA H200 (one node, NCCL).
+
+The node is built as data: four H200s, each joined to an NVSwitch by one link per direction whose rate is the
+calibrated injection bandwidth (``1 / beta``); the calibrated per-round start-up (``alpha``, ``alpha_peer``),
+reduction cost (``gamma``) and per-pair limit (``1 / beta_peer``, a cap on each message's rate) are the
+simulator's software costs. Every measured point of dtrain's own algorithms (eager runs, not CUDA-graph
+replays, which the calibration does not describe) is replayed with the schedule the runtime ran, and the
+relative error ``simulated / measured - 1`` is reported per algorithm: median and worst.
+
+Two variants: ``calibrated`` takes every figure from the calibration file as it is; ``fitted`` fits the
+simulator's own software costs (a call's start-up, a round's, each further peer's) on the small messages and
+the link rate on the large messages of ONE run (gpu-h200x4-all_reduce.jsonl, the run the calibration came
+from) with :mod:`dtrain.sim.fit`, and is then tested on the two other runs (held out: another day's
+all-reduce sweep, and the other collectives).
+
+    python benchmarks/sim_validate.py [--data docs/data] [--out docs/data/sim-h200x4-validation.jsonl]
+
+No GPU is needed: the measurements are read from the JSON lines the GPU benchmark wrote
+(docs/data/gpu-h200x4-*.jsonl) and the calibration it used (docs/data/gpu-h200x4-calibration.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from dtrain.cluster.topology import Device, Topology
+from dtrain.comm.cost import CostParams, load_params, optimal_pipeline
+from dtrain.comm.schedule import Collective
+from dtrain.sim.collective import SoftwareCost
+from dtrain.sim.fit import Measurement, fit_flow_cap, fit_link_rate, fit_software, simulate_measurement
+
+FIT_RUN = "gpu-h200x4-all_reduce.jsonl"
+MEASUREMENTS = (FIT_RUN, "gpu-h200x4-all_reduce-full.jsonl", "gpu-h200x4-collectives.jsonl")
+WORLD = 4
+SMALL_BYTES = 1 << 20  # fit the software costs here: the wire time is a few per cent at most
+LARGE_BYTES = 64 << 20  # fit the link rate here: the software costs are a few per cent at most
+
+
+def h200_node(link_bytes_per_s: float) -> Topology:
+    """Four H200s on one NVSwitch, every GPU's link at ``link_bytes_per_s`` in both directions."""
+    topo = Topology("h200x4")
+    topo.add_node("n0/nvswitch", kind="nvswitch", server="n0")
+    for i in range(WORLD):
+        topo.add_device(
+            Device(
+                name=f"n0/gpu{i}",
+                server="n0",
+                peak_flops=989e12,  # H200 dense BF16 (NVIDIA H200 datasheet)
+                memory_bytes=141 * 10**9,
+                memory_bytes_per_s=4.8e12,
+            )
+        )
+        # the calibrated alpha already holds the hop latency: the links add none
+        topo.add_link(
+            f"n0/gpu{i}", "n0/nvswitch", bytes_per_s=link_bytes_per_s, latency_s=0.0, kind="nvlink4-calibrated"
+        )
+    return topo
+
+
+def calibrated_cost(params: CostParams) -> SoftwareCost:
+    """The calibration's figures as the simulator's: alpha, alpha_peer, gamma, and beta_peer as a message cap."""
+    link = params.intra
+    return SoftwareCost(
+        alpha_s=link.alpha_s,
+        alpha_peer_s=link.alpha_peer_s,
+        gamma_s_per_byte=link.gamma_s_per_byte,
+        flow_cap_bytes_per_s=1 / link.beta_peer_s_per_byte if link.beta_peer_s_per_byte else None,
+    )
+
+
+def to_measurement(row: dict, params: CostParams) -> Measurement:
+    """A measured row as the call the runtime made: ring broadcast and reduce pipelined as dtrain.comm.api does,
+    hierarchical algorithms with LOCAL_WORLD_SIZE=4 (one node)."""
+    collective = Collective(row["collective"])
+    pipeline = 1
+    if row["algorithm"] == "ring" and collective in (Collective.BROADCAST, Collective.REDUCE):
+        pipeline = optimal_pipeline(row["nbytes"], WORLD, params.intra)
+    return Measurement(
+        collective=row["collective"],
+        algorithm=row["algorithm"],
+        nbytes=row["nbytes"],
+        world_size=WORLD,
+        seconds=row["time_us"] * 1e-6,
+        pipeline=pipeline,
+        local_size=WORLD,
+    )
+
+
+def measured_rows(data: Path, name: str, *, graphs: bool = False) -> list[dict]:
+    """dtrain's own algorithms (not NCCL's: nothing to replay; not "auto"), eager or CUDA-graph replays."""
+    rows = [json.loads(line) for line in (data / name).read_text().splitlines()]
+    rows = [r for r in rows if r["algorithm"] not in ("auto", "native", "native+graph")]
+    return [
+        {**r, "algorithm": r["algorithm"].removesuffix("+graph")}
+        for r in rows
+        if r["algorithm"].endswith("+graph") == graphs
+    ]
+
+
+def fitted(data: Path, params: CostParams, *, graphs: bool, rate: float | None = None) -> tuple[float, SoftwareCost]:
+    """Software costs fitted on the fit run's small messages, then (unless given) the link rate and the
+    per-message cap on its large ones."""
+    rows = [to_measurement(r, params) for r in measured_rows(data, FIT_RUN, graphs=graphs)]
+    base = SoftwareCost(gamma_s_per_byte=params.intra.gamma_s_per_byte)
+    first_rate = rate or 1 / params.intra.beta_s_per_byte
+    cost = fit_software([m for m in rows if m.nbytes <= SMALL_BYTES], h200_node(first_rate), base)
+    if rate is None:
+        large = [m for m in rows if m.nbytes >= LARGE_BYTES]
+        rate = fit_link_rate(large, h200_node, cost)
+        cost = replace(cost, flow_cap_bytes_per_s=fit_flow_cap(large, h200_node(rate), cost, high=rate))
+    return rate, cost
+
+
+def _record(variant: str, name: str, row: dict, simulated_s: float) -> dict:
+    return {
+        "variant": variant,
+        "source": name,
+        "held_out": variant == "calibrated" or name != FIT_RUN,
+        "collective": row["collective"],
+        "algorithm": row["algorithm"],
+        "nbytes": row["nbytes"],
+        "world_size": WORLD,
+        "measured_us": row["time_us"],
+        "simulated_us": simulated_s * 1e6,
+        "relative_error": simulated_s * 1e6 / row["time_us"] - 1,
+        "device_name": row["device_name"],
+    }
+
+
+def validate(data: Path, calibration: Path) -> tuple[list[dict], dict]:
+    """Every measured point under each variant; and the fitted figures."""
+    params = load_params(calibration)
+    rate, eager = fitted(data, params, graphs=False)
+    _, graph = fitted(data, params, graphs=True, rate=rate)  # same wires, the host's share fitted anew
+    variants = {
+        "calibrated": (False, h200_node(1 / params.intra.beta_s_per_byte), calibrated_cost(params)),
+        "fitted": (False, h200_node(rate), eager),
+        "fitted-graph": (True, h200_node(rate), graph),
+    }
+    records = []
+    for variant, (graphs, topo, software) in variants.items():
+        for name in MEASUREMENTS:
+            for row in measured_rows(data, name, graphs=graphs):
+                records.append(
+                    _record(variant, name, row, simulate_measurement(to_measurement(row, params), topo, software))
+                )
+    fit = {"link_bytes_per_s": rate, "eager": _figures(eager), "graph": _figures(graph)}
+    return records, fit
+
+
+def _figures(cost: SoftwareCost) -> dict:
+    return {k: v for k, v in vars(cost).items() if v is not None}
+
+
+def _run_name(source: str) -> str:
+    return source.removeprefix("gpu-h200x4-").removesuffix(".jsonl")
+
+
+def _stats(errors: list[float]) -> dict:
+    return {"points": len(errors), "median_error": statistics.median(errors), "worst_error": max(errors)}
+
+
+def summarise(records: list[dict]) -> list[dict]:
+    """Median and worst |relative error| per (variant, run, collective, algorithm), for all sizes and for
+    large messages (>= 64 MiB) alone, and the same per (variant, run)."""
+    groups: dict[tuple[str, str, str, str, str], list[float]] = defaultdict(list)
+    for r in records:
+        bands = ["all sizes"] + (["large"] if r["nbytes"] >= LARGE_BYTES else [])
+        for band in bands:
+            for coll, alg in ((r["collective"], r["algorithm"]), ("all", "all")):
+                groups[(r["variant"], _run_name(r["source"]), band, coll, alg)].append(abs(r["relative_error"]))
+    return [
+        {
+            "variant": v,
+            "run": run,
+            "held_out": v == "calibrated" or run != _run_name(FIT_RUN),
+            "sizes": band,
+            "collective": c,
+            "algorithm": a,
+            **_stats(errs),
+        }
+        for (v, run, band, c, a), errs in sorted(groups.items())
+    ]
+
+
+def print_summary(summary: list[dict]) -> None:
+    table = Table(title="simulated vs measured on 4 x H200: |simulated / measured - 1| (all sizes | >= 64 MiB)")
+    for column in ("variant", "run", "collective", "algorithm", "points", "median", "worst", "median L", "worst L"):
+        table.add_column(column, justify="left" if column in ("variant", "run", "collective", "algorithm") else "right")
+    large = {(s["variant"], s["run"], s["collective"], s["algorithm"]): s for s in summary if s["sizes"] == "large"}
+    for s in summary:
+        if s["sizes"] != "all sizes":
+            continue
+        big = large.get((s["variant"], s["run"], s["collective"], s["algorithm"]))
+        run = s["run"] + ("" if s["held_out"] else " (fit)")
+        cells = [s["variant"], run, s["collective"], s["algorithm"], str(s["points"])]
+        cells += [f"{s['median_error']:.0%}", f"{s['worst_error']:.0%}"]
+        cells += [f"{big['median_error']:.0%}", f"{big['worst_error']:.0%}"] if big else ["", ""]
+        table.add_row(*cells, end_section=s["collective"] == "all")
+    Console(width=140).print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=Path("docs/data"))
+    parser.add_argument("--calibration", type=Path, default=Path("docs/data/gpu-h200x4-calibration.json"))
+    parser.add_argument("--out", type=Path, default=Path("docs/data/sim-h200x4-validation.jsonl"))
+    parser.add_argument("--summary", type=Path, default=Path("docs/data/sim-h200x4-summary.jsonl"))
+    args = parser.parse_args()
+    records, fit = validate(args.data, args.calibration)
+    summary = summarise(records)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args.summary.write_text("".join(json.dumps(s) + "\n" for s in [{"fit": fit}, *summary]))
+    print_summary(summary)
+    Console().print(f"fitted on {FIT_RUN}: {json.dumps(fit)}")
+
+
+if __name__ == "__main__":
+    main()

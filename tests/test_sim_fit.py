@@ -1,0 +1,46 @@
+"""dtrain.sim.fit: the fits recover known software costs and link rates from timings made with them."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.sim.collective import SoftwareCost
+from dtrain.sim.fit import Measurement, fit_link_rate, fit_software, simulate_measurement
+from tests.test_sim_topologies import GB, star
+
+TRUE = SoftwareCost(call_s=15e-6, alpha_s=60e-6, alpha_peer_s=20e-6, gamma_s_per_byte=1e-12)
+CASES = [("all_reduce", a) for a in ("ring", "tree", "direct", "halving_doubling")] + [("all_to_all", "direct")]
+
+
+def timed(nbytes: int, rate: float, cost: SoftwareCost) -> list[Measurement]:
+    """Measurements whose times come from the given truth (a synthetic machine)."""
+    shape = [Measurement(collective=c, algorithm=a, nbytes=nbytes, world_size=4, seconds=1.0) for c, a in CASES]
+    topo = star(4, bytes_per_s=rate)
+    return [
+        Measurement(
+            collective=m.collective,
+            algorithm=m.algorithm,
+            nbytes=nbytes,
+            world_size=4,
+            seconds=simulate_measurement(m, topo, cost),
+        )
+        for m in shape
+    ]
+
+
+def test_fit_software_recovers_the_start_up_costs_from_small_messages() -> None:
+    small = timed(4096, 100 * GB, TRUE)
+    fitted = fit_software(small, star(4, bytes_per_s=100 * GB), SoftwareCost(gamma_s_per_byte=1e-12))
+    assert fitted.call_s == pytest.approx(TRUE.call_s, rel=0.05, abs=1e-6)
+    assert fitted.alpha_s == pytest.approx(TRUE.alpha_s, rel=0.02)
+    assert fitted.alpha_peer_s == pytest.approx(TRUE.alpha_peer_s, rel=0.05)
+
+
+def test_fit_link_rate_recovers_the_rate_from_large_messages() -> None:
+    large = timed(256 * 2**20, 40 * GB, TRUE)
+    assert fit_link_rate(large, lambda rate: star(4, bytes_per_s=rate), TRUE) == pytest.approx(40 * GB, rel=1e-3)
+
+
+def test_a_measurement_needs_a_positive_time() -> None:
+    with pytest.raises(ValueError, match="seconds must be > 0"):
+        Measurement(collective="all_reduce", algorithm="ring", nbytes=4, world_size=2, seconds=0.0)
