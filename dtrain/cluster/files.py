@@ -46,7 +46,7 @@ from dtrain.cluster.presets import _ALIASES, PARAMETERS, PRESETS, preset_spec, w
 from dtrain.cluster.toml_writer import dumps, dumps_build, save  # writing has its own module; re-exported here
 from dtrain.cluster.topology import NODE_KINDS, Device, Topology
 
-__all__ = ["TopologyFileError", "load", "loads", "save", "dumps", "dumps_build"]
+__all__ = ["TopologyFileError", "load", "loads", "resolve", "save", "dumps", "dumps_build"]
 
 _NODE_KEYS = {"name", "kind", "server", "rack", "layer", "device", "precision", "peak_flops", "memory_bytes",
               "memory_bytes_per_s"}  # fmt: skip
@@ -69,6 +69,19 @@ def load(path: str | Path) -> Topology:
     except OSError as exc:
         raise TopologyFileError(f"{path}: cannot read topology file ({exc.strerror})") from None
     return loads(text, source=str(path), default_name=path.stem)
+
+
+def resolve(name_or_path: str, **overrides: Any) -> Topology:
+    """A preset by name (with ``overrides``), else the topology file at that path (no overrides)."""
+    if name_or_path in PRESETS:
+        from dtrain.cluster.presets import preset
+
+        return preset(name_or_path, **overrides)
+    if overrides:
+        raise ValueError(f"parameters {sorted(overrides)} apply to presets only, not to file {name_or_path!r}")
+    if not Path(name_or_path).exists():
+        raise TopologyFileError(f"{name_or_path}: neither a preset ({', '.join(PRESETS)}) nor an existing file")
+    return load(name_or_path)
 
 
 def loads(text: str, *, source: str = "<string>", default_name: str = "topology") -> Topology:

@@ -1,0 +1,227 @@
+"""``dtrain calc`` (the seed texts' worked examples, any variant) and ``dtrain topology`` (show, draw, save).
+
+Also registers ``dtrain simulate`` and ``dtrain plan`` when the simulator's CLI module is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+from typing import Any
+
+__all__ = ["register", "parse_quantity"]
+
+_DECIMAL = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_BINARY = {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40, "PI": 2**50}
+
+
+def parse_quantity(text: str) -> float:
+    """``"175e9"``, ``"700GB"``, ``"1TB"``, ``"1.5T"``, ``"64KiB"`` -> a number (decimal prefixes as the seed
+    texts write sizes; ``Ki``/``Mi``/... binary). A trailing ``B`` (bytes) is ignored."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?\d+)?)\s*([kKmMgGtTpP][iI]?)?[bB]?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a quantity: {text!r} (try 175e9, 700GB, 1TB, 64KiB)")
+    prefix = (match.group(2) or "").upper()
+    return float(match.group(1)) * (_BINARY[prefix] if prefix in _BINARY else _DECIMAL[prefix])
+
+
+def _add_link_args(p: argparse.ArgumentParser, prefix: str = "", what: str = "the link") -> None:
+    """``--link KIND [--link-count N]`` or ``--gbit-per-s``/``--gbyte-per-s``, and ``--latency-s``; with
+    ``prefix="uplink"`` the flags are ``--uplink-link`` and so on."""
+    flag, dest = (f"--{prefix}-", f"{prefix}_") if prefix else ("--", "")
+    p.add_argument(f"{flag}link", dest=f"{dest}link", help=f"{what}: a catalogue kind (dtrain calc links)")
+    p.add_argument(f"{flag}link-count", dest=f"{dest}link_count", type=int, default=1,
+                   help="links of that kind used together (e.g. 12 NVLink 3 links of an A100)")  # fmt: skip
+    p.add_argument(f"{flag}gbit-per-s", dest=f"{dest}gbit_per_s", type=float, help=f"{what}'s rate in Gb/s (bits)")
+    p.add_argument(f"{flag}gbyte-per-s", dest=f"{dest}gbyte_per_s", type=float, help=f"{what}'s rate in GB/s")
+    p.add_argument(f"{flag}latency-s", dest=f"{dest}latency_s", type=float, help="per-message latency (alpha)")
+
+
+def _link(args: argparse.Namespace, prefix: str = ""):
+    from dtrain.cluster.calc import rate
+
+    flag, dest = (f"--{prefix}-", f"{prefix}_") if prefix else ("--", "")
+
+    def get(name: str) -> Any:
+        return getattr(args, f"{dest}{name}")
+
+    if get("link") is None and get("gbit_per_s") is None and get("gbyte_per_s") is None:
+        raise ValueError(f"give {flag}link KIND, {flag}gbit-per-s or {flag}gbyte-per-s")
+    return rate(get("link"), count=get("link_count"), gbit_per_s=get("gbit_per_s"), gbyte_per_s=get("gbyte_per_s"),
+                latency_s=get("latency_s"))  # fmt: skip
+
+
+def register(commands) -> None:
+    """Add ``calc`` and ``topology`` (and the simulator's commands, if present) to ``dtrain``."""
+    _register_calc(commands)
+    _register_topology(commands)
+    try:
+        sim = importlib.import_module("dtrain.cli.sim")
+    except ModuleNotFoundError as exc:
+        if exc.name != "dtrain.cli.sim":
+            raise
+    else:
+        sim.register(commands)
+
+
+def _register_calc(commands) -> None:
+    calc = commands.add_parser("calc", help="the seed texts' bandwidth arithmetic: gradients, transfers, ratios")
+    sub = calc.add_subparsers(dest="calc_command", required=True)
+
+    p = sub.add_parser("gradients", help="gradient bytes per replica and what averaging N replicas moves")
+    p.add_argument("--params", type=parse_quantity, required=True, help="model parameters, e.g. 175e9")
+    p.add_argument("--bytes-per-param", type=float, default=4, help="4 for fp32 gradients, 2 for bf16")
+    p.add_argument("--replicas", type=int, default=3, help="data-parallel replicas to average")
+    _add_link_args(p, what="the link each replica has")
+    p.set_defaults(handler=_gradients)
+
+    p = sub.add_parser("transfer", help="time to move a number of bytes over a link")
+    p.add_argument("--bytes", type=parse_quantity, required=True, help="e.g. 1TB, 700GB, 1e12")
+    _add_link_args(p)
+    p.set_defaults(handler=_transfer)
+
+    p = sub.add_parser("oversubscription", help="a ToR's downlink over uplink capacity")
+    p.add_argument("--servers", type=int, help="servers under the ToR")
+    p.add_argument("--nics", type=int, default=1, help="NICs a server")
+    _add_link_args(p, what="each NIC")
+    p.add_argument("--uplinks", type=int, default=1, help="the ToR's uplinks")
+    _add_link_args(p, prefix="uplink", what="each uplink")
+    p.add_argument("--topology", help="instead: a preset name or a topology file; every ToR's ratio")
+    p.set_defaults(handler=_oversubscription)
+
+    p = sub.add_parser("allreduce", help="each all-reduce algorithm's time from its alpha-beta closed form")
+    p.add_argument("--bytes", type=parse_quantity, help="bytes to all-reduce (or --params x --bytes-per-param)")
+    p.add_argument("--params", type=parse_quantity)
+    p.add_argument("--bytes-per-param", type=float, default=4)
+    p.add_argument("--ranks", "--replicas", dest="ranks", type=int, required=True)
+    _add_link_args(p, what="the link between ranks (between nodes with --local-size)")
+    p.add_argument("--local-size", type=int, help="ranks a node, for the hierarchical algorithm")
+    _add_link_args(p, prefix="intra", what="the link inside a node")
+    p.add_argument("--reduce-gbyte-per-s", type=float, help="reduction rate (gamma); default: free")
+    p.set_defaults(handler=_allreduce)
+
+    p = sub.add_parser("links", help="the link catalogue, with sources")
+    p.set_defaults(handler=_links)
+    for parser in sub.choices.values():
+        parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _emit(args: argparse.Namespace, data: dict, render) -> int:
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        from rich.console import Console
+
+        render(Console(), data)
+    return 0
+
+
+def _gradients(args: argparse.Namespace) -> int:
+    from dtrain.cluster.calc import averaging, gradient_bytes
+    from dtrain.cluster.report import render_gradients
+
+    link = _link(args)
+    nbytes = gradient_bytes(args.params, args.bytes_per_param)
+    methods = [vars(a) for a in averaging(nbytes, args.replicas, link)]
+    data = {"params": args.params, "bytes_per_param": args.bytes_per_param, "gradient_bytes": nbytes,
+            "replicas": args.replicas, "link": link.to_dict(), "averaging": methods}  # fmt: skip
+    return _emit(args, data, render_gradients)
+
+
+def _transfer(args: argparse.Namespace) -> int:
+    from dtrain.cluster.calc import transfer_seconds
+    from dtrain.cluster.report import render_transfer
+
+    link = _link(args)
+    data = {"bytes": args.bytes, "link": link.to_dict(), "seconds": transfer_seconds(args.bytes, link)}
+    return _emit(args, data, render_transfer)
+
+
+def _oversubscription(args: argparse.Namespace) -> int:
+    from dtrain.cluster.calc import oversubscription_ratio
+    from dtrain.cluster.report import render_oversubscription
+
+    if args.topology:
+        from dtrain.cluster.capacity import switch_capacity
+        from dtrain.cluster.files import resolve
+
+        topology = resolve(args.topology)
+        tors = [n for n, layer in topology.graph.nodes(data="layer") if layer == "tor"]
+        if not tors:
+            raise ValueError(f"topology {topology.name!r} has no top-of-rack switch")
+        rows = [switch_capacity(topology, tor) for tor in tors]
+        data = {"topology": topology.name, "switches": [vars(c) | {"ratio": c.oversubscription} for c in rows]}
+        return _emit(args, data, render_oversubscription)
+    if args.servers is None:
+        raise ValueError("give --servers with --link and --uplink-link (or rates), or --topology")
+    nic, uplink = _link(args), _link(args, "uplink")
+    down, up = args.servers * args.nics * nic.bytes_per_s, args.uplinks * uplink.bytes_per_s
+    ratio = oversubscription_ratio(args.servers, args.nics * nic.bytes_per_s, up)
+    data = {"switches": [{"switch": "tor", "down_bytes_per_s": down, "up_bytes_per_s": up, "ratio": ratio}],
+            "nic": nic.to_dict(), "uplink": uplink.to_dict(), "servers": args.servers, "nics": args.nics,
+            "uplinks": args.uplinks}  # fmt: skip
+    return _emit(args, data, render_oversubscription)
+
+
+def _allreduce(args: argparse.Namespace) -> int:
+    from dtrain.cluster.calc import all_reduce_times, gradient_bytes
+    from dtrain.cluster.report import render_allreduce
+
+    if (args.bytes is None) == (args.params is None):
+        raise ValueError("give exactly one of --bytes or --params")
+    nbytes = args.bytes if args.bytes is not None else gradient_bytes(args.params, args.bytes_per_param)
+    link = _link(args)
+    intra = _link(args, "intra") if args.local_size is not None else None
+    reduce_rate = None if args.reduce_gbyte_per_s is None else args.reduce_gbyte_per_s * 1e9
+    times = all_reduce_times(nbytes, args.ranks, link, reduce_bytes_per_s=reduce_rate, local_size=args.local_size,
+                             intra=intra)  # fmt: skip
+    data = {"bytes": nbytes, "ranks": args.ranks, "local_size": args.local_size, "link": link.to_dict(),
+            "intra": None if intra is None else intra.to_dict(), "algorithms": [vars(t) for t in times]}  # fmt: skip
+    return _emit(args, data, render_allreduce)
+
+
+def _links(args: argparse.Namespace) -> int:
+    from dtrain.cluster.catalogue import LINKS
+    from dtrain.cluster.report import render_links
+
+    data = {"links": [vars(spec) | {"gbit_per_s": spec.bytes_per_s * 8 / 1e9} for spec in LINKS.values()]}
+    return _emit(args, data, render_links)
+
+
+def _register_topology(commands) -> None:
+    p = commands.add_parser("topology", help="summarise a preset or topology file; draw it, save it as TOML")
+    p.add_argument("topology", help="a preset (dgx-a100, h100-node, h200-4gpu, 4-rack) or a .toml file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="preset parameter, e.g. --set racks=2 --set oversubscription=8")  # fmt: skip
+    p.add_argument("--draw", metavar="PNG", help="write a drawing of the topology")
+    p.add_argument("--save", metavar="TOML", help="write the topology as explicit nodes and links")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=_topology)
+
+
+def _parse_setting(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise ValueError(f"--set wants KEY=VALUE, got {text!r}")
+    for convert in (int, float):
+        try:
+            return key.strip(), convert(value)
+        except ValueError:
+            pass
+    return key.strip(), value.strip()
+
+
+def _topology(args: argparse.Namespace) -> int:
+    from dtrain.cluster.files import resolve, save
+    from dtrain.cluster.report import render_topology, topology_summary
+
+    topology = resolve(args.topology, **dict(_parse_setting(s) for s in args.set))
+    if args.draw:
+        from dtrain.cluster.draw import draw
+
+        draw(topology, args.draw)
+    if args.save:
+        save(topology, args.save)
+    return _emit(args, topology_summary(topology), render_topology)

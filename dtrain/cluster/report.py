@@ -1,0 +1,114 @@
+"""Readable output for ``dtrain calc`` and ``dtrain topology``: rich tables over the commands' JSON data.
+
+Each ``render_*`` takes the same dict the command prints with ``--json``, so the table and the JSON never
+disagree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dtrain.cluster.capacity import switch_capacity
+from dtrain.cluster.topology import Topology
+from dtrain.cluster.units import format_bytes, format_rate, format_seconds
+
+__all__ = [
+    "render_gradients",
+    "render_transfer",
+    "render_oversubscription",
+    "render_allreduce",
+    "render_links",
+    "render_topology",
+    "topology_summary",
+    "ratio_text",
+]
+
+
+def ratio_text(ratio: float) -> str:
+    """``4.0`` -> ``"1:4"`` (the seed's way of writing available:peak bandwidth)."""
+    return f"1:{ratio:.3g}"
+
+
+def _link_text(link: dict) -> str:
+    return f"{link['label']} at {format_rate(link['bytes_per_s'])}"
+
+
+def render_gradients(console: Console, data: dict) -> None:
+    console.print(
+        f"gradients per replica: {data['params']:.4g} parameters x {data['bytes_per_param']:g} bytes = "
+        f"[bold]{format_bytes(data['gradient_bytes'])}[/bold]"
+    )
+    console.print(f"averaging {data['replicas']} replicas, each on {_link_text(data['link'])}")
+    table = Table("method", "on the wire, total", "busiest replica, one way", "time")
+    for row in data["averaging"]:
+        busiest = format_bytes(row["busiest_replica_bytes"])
+        if row["method"] == "gather-broadcast":
+            busiest = f"{busiest} in, then {busiest} out"
+        table.add_row(row["method"], format_bytes(row["total_bytes"]), busiest, format_seconds(row["seconds"]))
+    console.print(table)
+
+
+def render_transfer(console: Console, data: dict) -> None:
+    console.print(
+        f"{format_bytes(data['bytes'])} over {_link_text(data['link'])}: [bold]{format_seconds(data['seconds'])}[/bold]"
+    )
+
+
+def render_oversubscription(console: Console, data: dict) -> None:
+    table = Table("switch", "down (servers)", "up (spines)", "oversubscription")
+    for row in data["switches"]:
+        table.add_row(row["switch"], format_rate(row["down_bytes_per_s"]), format_rate(row["up_bytes_per_s"]),
+                      ratio_text(row["ratio"]))  # fmt: skip
+    console.print(table)
+
+
+def render_allreduce(console: Console, data: dict) -> None:
+    where = f"{data['ranks']} ranks on {_link_text(data['link'])}"
+    if data.get("intra"):
+        where += f"; {data['local_size']} a node on {_link_text(data['intra'])}"
+    console.print(f"all-reduce of {format_bytes(data['bytes'])}, {where}")
+    table = Table("algorithm", "time", "closed form")
+    for row in data["algorithms"]:
+        table.add_row(row["algorithm"], format_seconds(row["seconds"]), row["formula"])
+    console.print(table)
+
+
+def render_links(console: Console, data: dict) -> None:
+    table = Table("kind", "name", "per direction", "quoted", "source")
+    for row in data["links"]:
+        table.add_row(row["key"], row["name"], format_rate(row["bytes_per_s"]), row["quoted"], row["source"])
+    console.print(table)
+
+
+def topology_summary(topology: Topology) -> dict[str, Any]:
+    """Counts of nodes by kind and links by kind, and every ToR's oversubscription."""
+    tors = [n for n, layer in topology.graph.nodes(data="layer") if layer == "tor"]
+    capacities = [switch_capacity(topology, tor) for tor in tors]
+    return {
+        "name": topology.name,
+        "devices": len(topology.devices()),
+        "servers": len(topology.servers()),
+        "racks": len(topology.racks()),
+        "nodes": dict(Counter(kind for _, kind in topology.graph.nodes(data="kind"))),
+        "links": dict(Counter(link.kind for link in topology.links())),
+        "tors": [vars(c) | {"ratio": c.oversubscription} for c in capacities],
+    }
+
+
+def render_topology(console: Console, data: dict) -> None:
+    console.print(
+        f"[bold]{data['name']}[/bold]: {data['devices']} devices, {data['servers']} servers, {data['racks']} racks"
+    )
+    table = Table("nodes", "count", "links (one direction each)", "count")
+    nodes, links = list(data["nodes"].items()), list(data["links"].items())
+    for i in range(max(len(nodes), len(links))):
+        node = nodes[i] if i < len(nodes) else ("", "")
+        link = links[i] if i < len(links) else ("", "")
+        table.add_row(node[0], str(node[1]), link[0], str(link[1]))
+    console.print(table)
+    if data["tors"]:
+        render_oversubscription(console, {"switches": data["tors"]})
