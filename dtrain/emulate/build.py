@@ -1,0 +1,109 @@
+"""Build an :class:`~dtrain.emulate.plan.EmulationPlan` on this host and tear it down, also on failure.
+
+:class:`Emulation` is a context manager: entering builds the namespaces, bridges, veths and token buckets;
+leaving (normally, on an exception, on Ctrl-C or on SIGTERM, which it turns into an exception while it is
+active) stops what still runs in its namespaces and deletes them, which removes every veth and bridge inside.
+:func:`teardown_leftovers` is ``dtrain emulate down``: it removes every namespace whose name starts with the
+prefix, for what a killed process left behind.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import types
+
+from dtrain.emulate import links, netns
+from dtrain.emulate.plan import PREFIX, EmulationPlan
+
+__all__ = ["Emulation", "build", "teardown", "teardown_leftovers", "SERVER_INTERFACE", "SUBNET_BITS"]
+
+#: The interface every server namespace talks through (GLOO_SOCKET_IFNAME).
+SERVER_INTERFACE = f"{PREFIX}eth"
+#: All servers share one L2 segment (bridges joined by veths), hence one subnet.
+SUBNET_BITS = 16
+
+
+def build(plan: EmulationPlan) -> None:
+    """Create everything ``plan`` names. On a failure half-way the caller tears down (see :class:`Emulation`)."""
+    netns.require_root()
+    clash = [n for n in plan.namespaces if netns.exists(n)]
+    if clash:
+        raise netns.EmulationError(f"namespaces {clash} exist already; run `dtrain emulate down` first")
+    netns.create(plan.fabric)
+    for bridge in plan.bridges:
+        links.add_bridge(plan.fabric, bridge)
+    for link in plan.switch_links:
+        links.add_veth(plan.fabric, link.a_end, plan.fabric, link.b_end)
+        links.attach(plan.fabric, link.a_end, link.a)
+        links.attach(plan.fabric, link.b_end, link.b)
+        links.limit_rate(plan.fabric, link.a_end, link.a_to_b_bit_per_s)
+        links.limit_rate(plan.fabric, link.b_end, link.b_to_a_bit_per_s)
+    for server in plan.servers:
+        netns.create(server.namespace)
+        links.add_veth(server.namespace, SERVER_INTERFACE, plan.fabric, server.port)
+        links.attach(plan.fabric, server.port, server.bridge)
+        links.set_address(server.namespace, SERVER_INTERFACE, f"{server.ip}/{SUBNET_BITS}")
+        links.limit_rate(server.namespace, SERVER_INTERFACE, server.up_bit_per_s)
+        links.limit_rate(plan.fabric, server.port, server.down_bit_per_s)
+
+
+def teardown(plan: EmulationPlan) -> None:
+    """Remove the plan's namespaces (servers first, then the fabric); missing ones are fine."""
+    for namespace in reversed(plan.namespaces):
+        netns.delete(namespace)
+
+
+def teardown_leftovers(prefix: str = PREFIX) -> list[str]:
+    """Remove every namespace whose name starts with ``prefix`` (which must start with ``dte-``); their names."""
+    if not prefix.startswith(PREFIX):
+        raise ValueError(f"prefix must start with {PREFIX!r} (the emulator's own names), got {prefix!r}")
+    netns.require_root()
+    names = netns.list_namespaces(prefix)
+    for name in sorted(names, key=lambda n: n.endswith("-fab")):  # servers before fabrics
+        netns.delete(name)
+    return names
+
+
+class _Terminated(BaseException):
+    """SIGTERM while an emulation is up: unwinds like Ctrl-C so the teardown runs."""
+
+
+class Emulation:
+    """``with Emulation(plan) as plan: ...``: the plan built on entry, removed on any exit."""
+
+    def __init__(self, plan: EmulationPlan) -> None:
+        self.plan = plan
+        self._previous: object = None
+
+    def __enter__(self) -> EmulationPlan:
+        netns.require_root()
+        if _main_thread():  # signal handlers can only be set there
+            self._previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        try:
+            build(self.plan)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self.plan
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: types.TracebackType | None) -> None:
+        if not _main_thread():
+            teardown(self.plan)
+            return
+        # Ctrl-C during the teardown must not leave half of it behind: ignore it until done.
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            teardown(self.plan)
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
+            if self._previous is not None:
+                signal.signal(signal.SIGTERM, self._previous)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_terminated(signum: int, frame: types.FrameType | None) -> None:
+    raise _Terminated(f"signal {signum}")

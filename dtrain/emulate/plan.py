@@ -1,0 +1,241 @@
+"""What to build for a :class:`~dtrain.cluster.topology.Topology`: namespaces, bridges, veths and their rates.
+
+Pure data (no root, no ``ip``): :func:`plan_emulation` reads the topology's network part and returns an
+:class:`EmulationPlan` that :mod:`dtrain.emulate.build` carries out. The mapping:
+
+- every server is a network namespace with one interface (``dte-eth``); the rates of all links from the
+  server's nodes (host, NICs, GPUs) to its top-of-rack switch add up to that interface's rate, each direction
+  on its own (a server with two 100 Gb/s NICs to one ToR is one 200 Gb/s interface);
+- every network switch (kind ``"switch"``, no ``server``) is a Linux bridge, all in one "fabric" namespace;
+- every switch-to-switch link is a veth pair between two bridges, rate-limited in each direction.
+
+A Linux bridge mesh with a loop (every ToR joined to several spines) would flood forever, and L2 has no ECMP.
+So when the switch graph is not a tree but a two-tier leaf-spine (every link joins a ToR to a non-ToR switch),
+the spine tier becomes ONE bridge and each ToR's uplinks become one veth whose rate is the sum of its links to
+all spines: the oversubscription (ToR downlink over uplink capacity) is exact, while ECMP's hash collisions
+are not modelled (the emulated fabric sprays perfectly). Other loops (three tiers with several paths) raise.
+
+Rates are scaled by ``scale`` (a 100 Gb/s link at 1e-3 is emulated at 100 Mb/s) so one small host can drive
+them; latencies are not emulated (tc netem is not available), the veths add some tens of microseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from dtrain.cluster.topology import Topology
+
+__all__ = ["PREFIX", "ServerPort", "SwitchLink", "EmulationPlan", "plan_emulation", "server_ip", "MIN_BIT_PER_S"]
+
+#: Every namespace and interface the emulator creates starts with this; ``dtrain emulate down`` removes them.
+PREFIX = "dte-"
+#: The lowest rate tc can hold steadily with our burst sizes (bits per second).
+MIN_BIT_PER_S = 100_000.0
+SPINE_BRIDGE = "spines"
+
+
+def server_ip(index: int) -> str:
+    """The address of the ``index``-th server (in rank order). Every octet has three digits, so the string
+    order of the addresses is the rank order: torch's c10d rendezvous numbers the nodes by sorting their
+    addresses as strings (``dynamic_rendezvous._assign_ranks``), and this keeps its numbering ours."""
+    if not 0 <= index < 15_600:
+        raise ValueError(f"server index must be in [0, 15600), got {index}")
+    return f"10.177.{100 + index // 100}.{100 + index % 100}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerPort:
+    """One server: its namespace, its interface's address, the bridge it plugs into and its rates (bit/s)."""
+
+    server: str
+    namespace: str
+    ip: str
+    bridge: str
+    up_bit_per_s: float  # server -> switch
+    down_bit_per_s: float  # switch -> server
+    port: str  # the fabric-side veth end
+    devices: int  # accelerators the topology gives this server
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwitchLink:
+    """A veth pair between bridges ``a`` and ``b``; ``a_to_b_bit_per_s`` limits the ``a`` end's egress."""
+
+    a: str
+    b: str
+    a_end: str
+    b_end: str
+    a_to_b_bit_per_s: float
+    b_to_a_bit_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmulationPlan:
+    """Everything :func:`dtrain.emulate.build.build` creates, named, with the scale that produced it."""
+
+    topology: str
+    tag: str
+    scale: float
+    fabric: str  # the namespace holding every bridge
+    bridges: dict[str, str]  # bridge interface name -> the switch(es) it emulates
+    servers: list[ServerPort]
+    switch_links: list[SwitchLink]
+    spines_merged: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.fabric, *(s.namespace for s in self.servers)]
+
+    def describe(self) -> dict:
+        """A JSON-ready summary (rates in Mbit/s), written beside every emulated run."""
+        return {
+            "topology": self.topology,
+            "tag": self.tag,
+            "scale": self.scale,
+            "spines_merged": self.spines_merged,
+            "servers": [
+                {"server": s.server, "namespace": s.namespace, "ip": s.ip, "bridge": s.bridge,
+                 "up_mbit_per_s": s.up_bit_per_s / 1e6, "down_mbit_per_s": s.down_bit_per_s / 1e6}
+                for s in self.servers
+            ],
+            "switch_links": [
+                {"a": link.a, "b": link.b, "a_to_b_mbit_per_s": link.a_to_b_bit_per_s / 1e6,
+                 "b_to_a_mbit_per_s": link.b_to_a_bit_per_s / 1e6}
+                for link in self.switch_links
+            ],
+            "notes": self.notes,
+        }  # fmt: skip
+
+
+def _network_switches(topology: Topology) -> list[str]:
+    return [n for n, a in topology.graph.nodes(data=True) if a["kind"] == "switch" and a.get("server") is None]
+
+
+def _server_uplinks(topology: Topology, server: str, switches: set[str]) -> tuple[str, float, float]:
+    """The one switch ``server`` hangs from and its summed up / down rates in bytes per second."""
+    graph = topology.graph
+    up: dict[str, float] = {}
+    down: dict[str, float] = {}
+    for node, attrs in graph.nodes(data=True):
+        if attrs.get("server") != server:
+            continue
+        for _, switch, data in graph.out_edges(node, data=True):
+            if switch in switches:
+                up[switch] = up.get(switch, 0.0) + data["link"].bytes_per_s
+                down[switch] = down.get(switch, 0.0) + graph.edges[switch, node]["link"].bytes_per_s
+    if len(up) != 1:
+        found = sorted(up) or "none"
+        raise ValueError(f"server {server!r} must connect to exactly one network switch to be emulated, found {found}")
+    (switch,) = up
+    return switch, up[switch], down[switch]
+
+
+def _switch_graph(topology: Topology, switches: list[str]) -> nx.Graph:
+    graph = nx.Graph()
+    graph.add_nodes_from(switches)
+    for a, b in topology.graph.edges():
+        if a in graph and b in graph:
+            graph.add_edge(a, b)
+    return graph
+
+
+def _rate(topology: Topology, a: str, b: str) -> float:
+    return topology.link(a, b).bytes_per_s
+
+
+def plan_emulation(topology: Topology, *, scale: float, tag: str, placement: list[str] | None = None) -> EmulationPlan:
+    """The plan for ``topology`` at ``scale`` (emulated bit/s = topology bytes/s x 8 x scale).
+
+    ``placement`` orders the servers (server i gets node rank i); the default is ``topology.servers()``.
+    ``tag`` (a few letters or digits) names this emulation's namespaces, so two can coexist.
+    """
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0 (e.g. 1e-3 turns 100 Gb/s into 100 Mb/s), got {scale!r}")
+    if not tag or not tag.isalnum() or len(tag) > 8:
+        raise ValueError(f"tag must be 1-8 letters or digits, got {tag!r}")
+    servers = _ordered_servers(topology, placement)
+    switches = _network_switches(topology)
+    if not switches:
+        raise ValueError(f"topology {topology.name!r} has no network switch (kind 'switch'); nothing to emulate")
+    attach = {s: _server_uplinks(topology, s, set(switches)) for s in servers}
+    tors = sorted({switch for switch, _, _ in attach.values()}, key=switches.index)
+    graph = _switch_graph(topology, switches)
+    bridge_of, links, merged, notes = _switch_plan(topology, graph, tors, 8 * scale)
+    ports = []
+    for i, server in enumerate(servers):
+        switch, up, down = attach[server]
+        ports.append(
+            ServerPort(
+                server=server, namespace=f"{PREFIX}{tag}-s{i}", ip=server_ip(i), bridge=bridge_of[switch],
+                up_bit_per_s=up * 8 * scale, down_bit_per_s=down * 8 * scale, port=f"{PREFIX}h{i}",
+                devices=sum(1 for d in topology.devices() if d.server == server),
+            )
+        )  # fmt: skip
+    bridges: dict[str, str] = {}
+    for switch, bridge in bridge_of.items():
+        bridges[bridge] = f"{bridges[bridge]},{switch}" if bridge in bridges else switch
+    plan = EmulationPlan(
+        topology=topology.name, tag=tag, scale=scale, fabric=f"{PREFIX}{tag}-fab", bridges=bridges,
+        servers=ports, switch_links=links, spines_merged=merged, notes=notes,
+    )  # fmt: skip
+    _check_rates(plan)
+    return plan
+
+
+def _ordered_servers(topology: Topology, placement: list[str] | None) -> list[str]:
+    known = topology.servers()
+    if placement is None:
+        return known
+    unknown = [s for s in placement if s not in known]
+    if unknown or len(set(placement)) != len(placement):
+        raise ValueError(f"placement must list distinct servers of {known}, got {placement}")
+    return list(placement)
+
+
+def _switch_plan(topology: Topology, graph: nx.Graph, tors: list[str], bits: float):
+    """Bridges and bridge-to-bridge links (``bits``: bit/s per topology byte/s): the switch graph itself if it
+    is a forest, else a merged spine."""
+    if nx.is_forest(graph):
+        bridge_of = {s: f"{PREFIX}br{i}" for i, s in enumerate(graph.nodes)}
+        links = [_link(k, bridge_of[a], bridge_of[b], bits * _rate(topology, a, b), bits * _rate(topology, b, a))
+                 for k, (a, b) in enumerate(graph.edges)]  # fmt: skip
+        return bridge_of, links, False, []
+    upper = [s for s in graph.nodes if s not in tors]
+    if any(not ((a in tors) ^ (b in tors)) for a, b in graph.edges):
+        raise ValueError(
+            f"topology {topology.name!r}: its switches form loops that are not a two-tier leaf-spine (some link "
+            f"joins two ToRs or two upper switches); only trees and leaf-spine fabrics can be emulated on bridges"
+        )
+    bridge_of = {s: f"{PREFIX}br{i}" for i, s in enumerate(tors)} | {s: f"{PREFIX}{SPINE_BRIDGE}" for s in upper}
+    links = []
+    for k, tor in enumerate(tors):
+        spines = list(graph.neighbors(tor))
+        up = sum(_rate(topology, tor, s) for s in spines)
+        down = sum(_rate(topology, s, tor) for s in spines)
+        links.append(_link(k, bridge_of[tor], f"{PREFIX}{SPINE_BRIDGE}", bits * up, bits * down))
+    note = (
+        f"{len(upper)} spine switches merged into one bridge; each ToR's uplinks summed into one veth "
+        f"(capacity and oversubscription exact, ECMP hash collisions not modelled)"
+    )
+    return bridge_of, links, True, [note]
+
+
+def _link(k: int, a: str, b: str, a_to_b: float, b_to_a: float) -> SwitchLink:
+    return SwitchLink(
+        a=a, b=b, a_end=f"{PREFIX}l{k}a", b_end=f"{PREFIX}l{k}b", a_to_b_bit_per_s=a_to_b, b_to_a_bit_per_s=b_to_a
+    )
+
+
+def _check_rates(plan: EmulationPlan) -> None:
+    """Refuse rates tc cannot hold steadily."""
+    rates = [(s.server, r) for s in plan.servers for r in (s.up_bit_per_s, s.down_bit_per_s)]
+    rates += [(f"{x.a}-{x.b}", r) for x in plan.switch_links for r in (x.a_to_b_bit_per_s, x.b_to_a_bit_per_s)]
+    for where, rate in rates:
+        if rate < MIN_BIT_PER_S:
+            raise ValueError(
+                f"{where}: scaled rate {rate:.0f} bit/s is below {MIN_BIT_PER_S:.0f} bit/s; raise --scale "
+                f"(now {plan.scale})"
+            )

@@ -1,0 +1,92 @@
+"""The emulator on this host: it builds a small topology from namespaces, bridges and shaped veths, the links
+hold their rates, and everything is gone afterwards, also after a failure. Needs root and iproute2."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from dtrain.emulate import netns
+from dtrain.emulate.build import Emulation, teardown_leftovers
+from dtrain.emulate.plan import plan_emulation
+from dtrain.emulate.probe import ping, throughput_bit_per_s
+from tests.test_emulate_plan import _tree
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None, reason="needs iproute2 (ip, tc)"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces, bridges and tc qdiscs"),
+]
+
+# NIC 80 Mb/s, ToR uplink 40 Mb/s (scale 1e-3 of 80 / 40 Gb/s): the path between the racks is the uplink.
+UPLINK_BIT_PER_S = 40e6
+
+
+def _plan(tag: str):
+    return plan_emulation(_tree(server_gbit=80, uplink_gbit=40), scale=1e-3, tag=tag)
+
+
+def _tag(word: str) -> str:
+    return f"{word}{os.getpid() % 10000}"
+
+
+def _bridges(fabric: str) -> set[str]:
+    out = netns.ip("-o", "link", "show", "type", "bridge", namespace=fabric)
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+
+
+@pytest.fixture(scope="module")
+def built():
+    plan = _plan(_tag("up"))
+    with Emulation(plan):
+        yield plan
+    assert not netns.list_namespaces(f"dte-{plan.tag}-")
+
+
+def test_every_server_and_the_fabric_are_namespaces(built):
+    assert set(netns.list_namespaces(f"dte-{built.tag}-")) == set(built.namespaces)
+
+
+def test_every_switch_is_a_bridge_in_the_fabric(built):
+    assert _bridges(built.fabric) == set(built.bridges)
+
+
+def test_servers_in_different_racks_reach_each_other(built):
+    a, b = built.servers
+    assert len(ping(a.namespace, b.namespace, b.ip)) == 3
+
+
+def test_a_rate_limited_path_holds_its_rate_within_15_percent(built):
+    a, b = built.servers
+    measured = throughput_bit_per_s(a.namespace, b.namespace, b.ip)
+    assert measured == pytest.approx(UPLINK_BIT_PER_S, rel=0.15)
+
+
+def test_leaving_removes_every_namespace_and_bridge():
+    plan = _plan(_tag("rm"))
+    with Emulation(plan):
+        assert set(netns.list_namespaces(f"dte-{plan.tag}-")) == set(plan.namespaces)
+    assert netns.list_namespaces(f"dte-{plan.tag}-") == []
+
+
+def test_an_error_inside_still_tears_down():
+    plan = _plan(_tag("er"))
+    with pytest.raises(RuntimeError, match="boom"), Emulation(plan):
+        raise RuntimeError("boom")
+    assert netns.list_namespaces(f"dte-{plan.tag}-") == []
+
+
+def test_down_removes_leftovers_by_prefix():
+    plan = _plan(_tag("lo"))
+    from dtrain.emulate.build import build
+
+    build(plan)  # as a killed process would leave it
+    removed = teardown_leftovers(f"dte-{plan.tag}-")
+    assert sorted(removed) == sorted(plan.namespaces)
+    assert netns.list_namespaces(f"dte-{plan.tag}-") == []
+
+
+def test_down_refuses_a_prefix_that_is_not_the_emulators():
+    with pytest.raises(ValueError, match="must start with 'dte-'"):
+        teardown_leftovers("eth")

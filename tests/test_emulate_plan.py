@@ -1,0 +1,91 @@
+"""The emulation plan: what a topology becomes (namespaces, bridges, rates), without root."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.cluster.presets import preset
+from dtrain.cluster.topology import Device, Topology
+from dtrain.emulate.plan import plan_emulation, server_ip
+
+
+def _tree(server_gbit: float = 100.0, uplink_gbit: float = 50.0) -> Topology:
+    """Two racks of one server each under one spine: a tree, each bridge one switch."""
+    t = Topology("tree")
+    t.add_node("spine", kind="switch", layer="spine")
+    for r in range(2):
+        t.add_node(f"r{r}/tor", kind="switch", rack=f"r{r}", layer="tor")
+        t.add_node(f"s{r}/nic0", kind="nic", server=f"s{r}", rack=f"r{r}")
+        t.add_device(Device(name=f"s{r}/gpu0", server=f"s{r}", rack=f"r{r}", peak_flops=1e12, memory_bytes=1 << 30,
+                            memory_bytes_per_s=1e11))  # fmt: skip
+        t.add_link(f"s{r}/gpu0", f"s{r}/nic0", bytes_per_s=32e9, latency_s=1e-6, kind="pcie4x16")
+        t.add_link(f"s{r}/nic0", f"r{r}/tor", bytes_per_s=server_gbit * 1e9 / 8, latency_s=1e-6, kind="ethernet100")
+        t.add_link(f"r{r}/tor", "spine", bytes_per_s=uplink_gbit * 1e9 / 8, latency_s=1e-6, kind="ethernet100")
+    return t
+
+
+def test_every_server_gets_a_namespace_and_scaled_nic_rate():
+    plan = plan_emulation(_tree(), scale=1e-3, tag="t")
+    assert [s.namespace for s in plan.servers] == ["dte-t-s0", "dte-t-s1"]
+    assert [s.up_bit_per_s for s in plan.servers] == pytest.approx([100e6, 100e6])
+    assert [s.down_bit_per_s for s in plan.servers] == pytest.approx([100e6, 100e6])
+
+
+def test_a_tree_keeps_one_bridge_per_switch_and_one_veth_per_link():
+    plan = plan_emulation(_tree(), scale=1e-3, tag="t")
+    assert sorted(plan.bridges.values()) == ["r0/tor", "r1/tor", "spine"]
+    assert not plan.spines_merged
+    assert [(x.a_to_b_bit_per_s, x.b_to_a_bit_per_s) for x in plan.switch_links] == pytest.approx(
+        [(50e6, 50e6), (50e6, 50e6)]
+    )
+
+
+def test_leaf_spine_merges_spines_and_sums_each_tors_uplinks():
+    # 2 racks x 2 servers, 100 Gb/s NICs, 1:4: each ToR has 200/4 = 50 Gb/s up, split over 2 spines.
+    topology = preset("4-rack", racks=2, servers_per_rack=2, gpus=1, nics=1, nic="ethernet100", oversubscription=4)
+    plan = plan_emulation(topology, scale=1e-3, tag="t")
+    assert plan.spines_merged and len(plan.bridges) == 3
+    assert [x.a_to_b_bit_per_s for x in plan.switch_links] == pytest.approx([50e6, 50e6])
+    assert [s.bridge for s in plan.servers] == ["dte-br0", "dte-br0", "dte-br1", "dte-br1"]
+
+
+def test_several_nics_to_one_tor_add_up():
+    topology = preset("4-rack", racks=2, servers_per_rack=1, gpus=2, nics=2, nic="ethernet100")
+    plan = plan_emulation(topology, scale=1e-3, tag="t")
+    assert [s.up_bit_per_s for s in plan.servers] == pytest.approx([200e6, 200e6])
+    assert [s.devices for s in plan.servers] == [2, 2]
+
+
+def test_placement_orders_servers_and_addresses_sort_in_rank_order():
+    plan = plan_emulation(_tree(), scale=1e-3, tag="t", placement=["s1", "s0"])
+    assert [s.server for s in plan.servers] == ["s1", "s0"]
+    addresses = [server_ip(i) for i in range(250)]
+    assert sorted(addresses) == addresses
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"scale": 0}, "scale must be > 0"),
+        ({"scale": 1e-3, "tag": "a-b"}, "tag must be"),
+        ({"scale": 1e-9}, "below"),
+        ({"scale": 1e-3, "placement": ["s0", "s0"]}, "distinct servers"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_emulation(_tree(), **{"tag": "t", **kwargs})
+
+
+def test_a_server_on_two_switches_is_refused():
+    t = _tree()
+    t.add_link("s0/nic0", "r1/tor", bytes_per_s=1e9, latency_s=1e-6, kind="ethernet100")
+    with pytest.raises(ValueError, match="s0.*exactly one network switch"):
+        plan_emulation(t, scale=1e-3, tag="t")
+
+
+def test_loops_that_are_not_leaf_spine_are_refused():
+    t = _tree()
+    t.add_link("r0/tor", "r1/tor", bytes_per_s=1e9, latency_s=1e-6, kind="ethernet100")
+    with pytest.raises(ValueError, match="not a two-tier leaf-spine"):
+        plan_emulation(t, scale=1e-3, tag="t")
