@@ -61,6 +61,18 @@ def test_gpus_under_different_cpus_cross_the_upi_link():
     assert "upi" in [link.kind for link in t.route("s0/gpu0", "s0/gpu3")]
 
 
+def test_with_gpudirect_rdma_traffic_between_servers_skips_the_cpus():
+    t = build(ClusterSpec(server=ServerSpec(gpus=2, nics=1), servers_per_rack=2))
+    nodes = [link.dst for link in t.route("s0/gpu0", "s1/gpu1")]
+    assert nodes == ["s0/pcie0", "s0/nic0", "r0/tor", "s1/nic0", "s1/pcie0", "s1/gpu1"]
+
+
+def test_without_gpudirect_rdma_traffic_between_servers_passes_a_cpu():
+    t = build(ClusterSpec(server=ServerSpec(gpus=2, nics=1, gpudirect_rdma=False), servers_per_rack=2))
+    kinds = [t.graph.nodes[link.dst]["kind"] for link in t.route("s0/gpu0", "s1/gpu1")]
+    assert kinds.count("cpu") == 2
+
+
 def test_a_rack_puts_every_nic_under_one_tor():
     t = build(ClusterSpec(server=ServerSpec(nics=2, gpus=2), servers_per_rack=3))
     assert t.switches().count("r0/tor") == 1 and len(t.servers()) == 3

@@ -44,6 +44,7 @@ class ServerSpec:
     cpu_link: str = "upi"
     nics: int = 8
     nic: str = "ib-hdr"
+    gpudirect_rdma: bool = True  # NICs beside the GPUs under their PCIe switches; False: NICs on the CPUs
 
     def __post_init__(self) -> None:
         spec = device_spec(self.device)
@@ -157,10 +158,13 @@ def add_server(topology: Topology, spec: ServerSpec, name: str, rack: str | None
         topology.add_device(make_device(spec.device, name=gpu, server=name, rack=rack, precision=spec.precision))
         _link(topology, gpu, switches[g // spec.gpus_per_pcie_switch], spec.pcie_kind)
     _add_nvlink(topology, spec, name, gpus, rack)
+    # GPUDirect RDMA needs the NIC and the GPU under one PCIe root (seed 003); without it a NIC hangs off a CPU
+    # and every byte between servers passes through the host.
     nics = [f"{name}/nic{k}" for k in range(spec.nics)]
     for k, nic in enumerate(nics):
         topology.add_node(nic, kind="nic", server=name, rack=rack)
-        _link(topology, nic, switches[k * len(switches) // spec.nics], spec.pcie_kind)
+        parent = switches[k * len(switches) // spec.nics] if spec.gpudirect_rdma else f"{name}/cpu{k % spec.cpus}"
+        _link(topology, nic, parent, spec.pcie_kind)
     return nics
 
 

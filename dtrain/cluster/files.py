@@ -157,6 +157,10 @@ class _Reader:
             self.fail(where, value, "must be a ratio >= 1 (1 is 1:1, 4 is 1:4)")
         if field in ("nic", "uplink", "pcie", "nvlink", "cpu_link") and value not in LINKS:
             self.fail(where, value, f"unknown link kind; known: {', '.join(LINKS)}")
+        if field in ("device", "intra", "precision") and not isinstance(value, str):
+            self.fail(where, value, "must be a string")
+        if field == "gpudirect_rdma" and not isinstance(value, bool):
+            self.fail(where, value, "must be true or false")
 
     def node(self, topology: Topology, node: dict, where: str) -> None:
         self._keys(node, _NODE_KEYS, where)
