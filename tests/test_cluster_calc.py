@@ -141,3 +141,16 @@ def test_cli_topology_saves_a_file_that_loads_again(capsys, tmp_path):
     assert (summary["racks"], summary["devices"]) == (2, 64)
     assert main(["topology", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["links"] == summary["links"]
+
+
+def test_cli_paths_shows_gpudirect_skipping_host_memory(capsys):
+    rows = {row["path"]: row for row in _json(capsys, "paths", "--bytes", "1GB", "--network", "ethernet100")["paths"]}
+    assert not rows["gpudirect-rdma"]["through_host_memory"] and rows["tcp"]["host_copies"] == 2
+    assert rows["gpudirect-rdma"]["seconds"] < rows["rdma"]["seconds"] < rows["tcp"]["seconds"]
+    assert rows["tcp"]["protocol"] == "tcp-ip"
+
+
+def test_cli_topology_draws_a_png(capsys, tmp_path):
+    path = tmp_path / "rack.png"
+    assert main(["topology", "dgx-a100", "--draw", str(path), "--json"]) == 0
+    assert path.read_bytes()[:4] == b"\x89PNG"

@@ -102,6 +102,14 @@ def _register_calc(commands) -> None:
     p.add_argument("--reduce-gbyte-per-s", type=float, help="reduction rate (gamma); default: free")
     p.set_defaults(handler=_allreduce)
 
+    p = sub.add_parser("paths", help="GPU-to-GPU paths with and without host memory (GPUDirect P2P and RDMA)")
+    p.add_argument("--bytes", type=parse_quantity, default=1e9, help="message size (default 1GB)")
+    p.add_argument("--pcie", default="pcie4x16", help="the GPUs' and NICs' PCIe kind")
+    p.add_argument("--nvlink", default="nvlink3", help="the GPUs' NVLink kind")
+    p.add_argument("--nvlinks", type=int, default=12, help="NVLink links a GPU")
+    p.add_argument("--network", default="ib-hdr", help="the NIC's link kind")
+    p.set_defaults(handler=_paths)
+
     p = sub.add_parser("links", help="the link catalogue, with sources")
     p.set_defaults(handler=_links)
     for parser in sub.choices.values():
@@ -225,3 +233,15 @@ def _topology(args: argparse.Namespace) -> int:
     if args.save:
         save(topology, args.save)
     return _emit(args, topology_summary(topology), render_topology)
+
+
+def _paths(args: argparse.Namespace) -> int:
+    from dtrain.cluster.paths import gpu_paths
+    from dtrain.cluster.report import render_paths
+
+    paths = gpu_paths(pcie=args.pcie, nvlink=args.nvlink, nvlinks=args.nvlinks, network=args.network)
+    rows = [{"path": p.name, "through_host_memory": p.through_host_memory, "host_copies": p.host_copies,
+             "hops": [hop.kind if hop.count == 1 else f"{hop.count} x {hop.kind}" for hop in p.hops],
+             "protocol": p.protocol, "bottleneck_bytes_per_s": p.bottleneck_bytes_per_s,
+             "seconds": p.transfer_s(args.bytes), "source": p.source} for p in paths.values()]  # fmt: skip
+    return _emit(args, {"bytes": args.bytes, "paths": rows}, render_paths)

@@ -22,6 +22,7 @@ __all__ = [
     "render_oversubscription",
     "render_allreduce",
     "render_links",
+    "render_paths",
     "render_topology",
     "topology_summary",
     "ratio_text",
@@ -81,6 +82,16 @@ def render_links(console: Console, data: dict) -> None:
     table = Table("kind", "name", "per direction", "quoted", "source")
     for row in data["links"]:
         table.add_row(row["key"], row["name"], format_rate(row["bytes_per_s"]), row["quoted"], row["source"])
+    console.print(table)
+
+
+def render_paths(console: Console, data: dict) -> None:
+    console.print(f"moving {format_bytes(data['bytes'])} from one GPU's memory to another's")
+    table = Table("path", "host memory", "host copies", "hops", "protocol", "bottleneck", "time")
+    for row in data["paths"]:
+        table.add_row(row["path"], "through" if row["through_host_memory"] else "skipped", str(row["host_copies"]),
+                      " > ".join(row["hops"]), row["protocol"] or "", format_rate(row["bottleneck_bytes_per_s"]),
+                      format_seconds(row["seconds"]))  # fmt: skip
     console.print(table)
 
 
