@@ -27,7 +27,10 @@ import networkx as nx
 
 from dtrain.cluster.topology import Topology
 
-__all__ = ["PREFIX", "ServerPort", "SwitchLink", "EmulationPlan", "plan_emulation", "server_ip", "MIN_BIT_PER_S"]
+__all__ = [
+    "PREFIX", "ServerPort", "SwitchLink", "EmulationPlan", "plan_emulation", "server_ip", "MIN_BIT_PER_S",
+    "path_bit_per_s",
+]  # fmt: skip
 
 #: Every namespace and interface the emulator creates starts with this; ``dtrain emulate down`` removes them.
 PREFIX = "dte-"
@@ -239,3 +242,18 @@ def _check_rates(plan: EmulationPlan) -> None:
                 f"{where}: scaled rate {rate:.0f} bit/s is below {MIN_BIT_PER_S:.0f} bit/s; raise --scale "
                 f"(now {plan.scale})"
             )
+
+
+def path_bit_per_s(plan: EmulationPlan, src: int, dst: int) -> float:
+    """The configured bottleneck rate from server ``src`` to server ``dst`` (indices into ``plan.servers``):
+    the smallest shaped rate along the one bridge path between them."""
+    a, b = plan.servers[src], plan.servers[dst]
+    bridges = nx.DiGraph()
+    for x in plan.switch_links:
+        bridges.add_edge(x.a, x.b, rate=x.a_to_b_bit_per_s)
+        bridges.add_edge(x.b, x.a, rate=x.b_to_a_bit_per_s)
+    rates = [a.up_bit_per_s, b.down_bit_per_s]
+    if a.bridge != b.bridge:
+        hops = nx.shortest_path(bridges, a.bridge, b.bridge)
+        rates += [bridges.edges[u, v]["rate"] for u, v in zip(hops, hops[1:], strict=False)]
+    return min(rates)

@@ -1,0 +1,164 @@
+"""``dtrain emulate run|up|down``: a cluster topology emulated on this host (namespaces, bridges, tc).
+
+``run`` builds the topology, optionally checks it, runs one dtrain command across it (one torchrun per
+server namespace, c10d rendezvous, Gloo over the shaped veths), writes ``<out>/emulation.json`` (the plan with
+its scale and the check's figures) and tears everything down, also on a failure or Ctrl-C. ``up`` builds and
+checks and leaves it up; ``down`` removes every namespace named ``dte-...`` (or of one ``--tag``). All need
+root: without it they say so and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+from pathlib import Path
+
+__all__ = ["register", "parse_setting"]
+
+_EPILOG = """examples (as root):
+  dtrain emulate run --topology 4-rack --set racks=2 --set servers_per_rack=2 --set nic=ethernet100 \\
+      --set nics=1 --set gpus=1 --scale 1e-3 -- bench comm --collectives all_reduce --max-bytes 4M
+  dtrain emulate up --topology my-cluster.toml --scale 1e-3 --tag demo
+  dtrain emulate down
+Rates: emulated bit/s = topology bit/s x --scale (1e-3: 100 Gb/s -> 100 Mb/s). Latencies are not emulated."""
+
+
+def parse_setting(text: str) -> tuple[str, int | float | str]:
+    """``"racks=2"`` -> ``("racks", 2)``; numbers become int or float, the rest stays a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected key=value (e.g. racks=2), got {text!r}")
+    for kind in (int, float):
+        try:
+            return key.strip(), kind(value)
+        except ValueError:
+            pass
+    return key.strip(), value.strip()
+
+
+def _add_topology_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topology", required=True, help="a preset name (see dtrain.cluster.presets) or a TOML file")
+    p.add_argument("--set", dest="settings", type=parse_setting, action="append", default=[], metavar="KEY=VALUE",
+                   help="override a preset parameter, e.g. --set racks=2 --set oversubscription=4")  # fmt: skip
+    p.add_argument("--scale", type=float, default=1e-3, help="emulated rate / topology rate (default 1e-3)")
+    p.add_argument(
+        "--placement",
+        default="packed",
+        help="packed (rack by rack), interleaved (racks dealt in turn) or s0,s2,... (node-rank order)",
+    )
+    p.add_argument("--tag", default=None, help="1-8 letters/digits naming the namespaces (default: random)")
+
+
+def register(commands) -> None:
+    """Add ``dtrain emulate`` and its ``run``, ``up`` and ``down`` subcommands."""
+    emulate = commands.add_parser("emulate", help="run dtrain on a cluster emulated on this host (needs root)",
+                                  epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = emulate.add_subparsers(dest="emulate_command", required=True)
+    run = sub.add_parser("run", help="build, run a dtrain command on every server, tear down",
+                         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    _add_topology_args(run)
+    run.add_argument("--gpus-per-server", type=int, default=1, help="ranks (processes) per server namespace")
+    run.add_argument(
+        "--hierarchy",
+        choices=["server", "rack"],
+        default="server",
+        help="what 'node' means to hierarchical algorithms (rack: all ranks under one ToR)",
+    )
+    run.add_argument("--check", action="store_true", help="ping every server and measure one path first")
+    run.add_argument("--port", type=int, default=29500, help="rendezvous port on node 0")
+    run.add_argument("--timeout", type=float, default=900.0, help="seconds before the job is stopped")
+    run.add_argument("--out", default="runs/emulate", help="emulation.json and the other nodes' logs")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the dtrain command, e.g. -- bench comm")
+    run.set_defaults(handler=_guarded(_run))
+    up = sub.add_parser("up", help="build and check the emulated cluster and leave it up (see: down)")
+    _add_topology_args(up)
+    up.set_defaults(handler=_guarded(_up))
+    down = sub.add_parser("down", help="remove every dte-* namespace (with its veths, bridges and processes)")
+    down.add_argument("--tag", default=None, help="only this emulation's namespaces")
+    down.set_defaults(handler=_guarded(_down))
+
+
+def _guarded(handler):
+    """Not root / no iproute2 / a failed ip or tc command: one clear line and exit status 2."""
+
+    def guarded(args: argparse.Namespace) -> int:
+        from dtrain.emulate.netns import EmulationError
+
+        try:
+            return handler(args)
+        except (PermissionError, EmulationError) as exc:
+            print(f"dtrain emulate: error: {exc}", file=sys.stderr)
+            return 2
+
+    return guarded
+
+
+def _plan(args: argparse.Namespace):
+    from dtrain.cluster.files import resolve
+    from dtrain.emulate.placement import placement_order
+    from dtrain.emulate.plan import plan_emulation
+
+    topology = resolve(args.topology, **dict(args.settings))
+    tag = args.tag or secrets.token_hex(3)
+    return plan_emulation(topology, scale=args.scale, tag=tag, placement=placement_order(topology, args.placement))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dtrain.emulate.build import Emulation
+    from dtrain.emulate.netns import require_root
+    from dtrain.emulate.placement import ranks_per_rack
+    from dtrain.emulate.run import JobConfig, run_job
+    from dtrain.emulate.verify import verify
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    plan = _plan(args)
+    local_size = ranks_per_rack(plan, args.gpus_per_server) if args.hierarchy == "rack" else None
+    out = Path(args.out)
+    job = JobConfig(command=command, procs_per_server=args.gpus_per_server, local_size=local_size, port=args.port,
+                    timeout_s=args.timeout, log_dir=out)  # fmt: skip
+    require_root()
+    record = {**plan.describe(), "command": command, "gpus_per_server": args.gpus_per_server,
+              "hierarchy": args.hierarchy, "local_size": local_size}  # fmt: skip
+    with Emulation(plan):
+        if args.check:
+            record["check"] = verify(plan)
+            print(f"dtrain emulate: check {json.dumps(record['check'])}")
+        _write(out, record)
+        record["exit_status"] = run_job(plan, job)
+    _write(out, record)
+    return record["exit_status"]
+
+
+def _write(out: Path, record: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "emulation.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _up(args: argparse.Namespace) -> int:
+    from dtrain.emulate.build import build, teardown
+    from dtrain.emulate.netns import require_root
+    from dtrain.emulate.verify import verify
+
+    plan = _plan(args)
+    require_root()
+    try:
+        build(plan)
+        check = verify(plan)
+    except BaseException:
+        teardown(plan)
+        raise
+    print(json.dumps({**plan.describe(), "check": check}, indent=1))
+    print(f"up: run commands with `ip netns exec {plan.servers[0].namespace} ...`; remove with "
+          f"`dtrain emulate down --tag {plan.tag}`")  # fmt: skip
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from dtrain.emulate.build import teardown_leftovers
+    from dtrain.emulate.plan import PREFIX
+
+    removed = teardown_leftovers(f"{PREFIX}{args.tag}-" if args.tag else PREFIX)
+    print(f"removed {len(removed)} namespaces{': ' + ', '.join(removed) if removed else ''}")
+    return 0

@@ -1,0 +1,71 @@
+"""``dtrain emulate``: its command line, and the clear refusal without root (no root needed to test)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from dtrain.cli.emulate import parse_setting
+from dtrain.cli.main import build_parser, main
+
+RUN = ["emulate", "run", "--topology", "4-rack", "--set", "racks=2", "--set", "oversubscription=4", "--scale", "2e-3"]
+
+
+def test_run_takes_the_dtrain_command_after_the_double_dash():
+    args = build_parser().parse_args([*RUN, "--gpus-per-server", "2", "--", "bench", "comm", "--max-bytes", "4M"])
+    assert args.command == ["--", "bench", "comm", "--max-bytes", "4M"]
+    assert args.settings == [("racks", 2), ("oversubscription", 4)]
+    assert (args.scale, args.gpus_per_server, args.placement) == (2e-3, 2, "packed")
+
+
+@pytest.mark.parametrize(("text", "pair"), [("racks=2", ("racks", 2)), ("scale=0.5", ("scale", 0.5)),
+                                            ("nic=ethernet100", ("nic", "ethernet100"))])  # fmt: skip
+def test_settings_become_numbers_where_they_are_numbers(text, pair):
+    assert parse_setting(text) == pair
+
+
+def test_a_setting_without_equals_is_refused():
+    with pytest.raises(argparse.ArgumentTypeError, match="key=value"):
+        parse_setting("racks")
+
+
+@pytest.fixture
+def not_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*RUN, "--", "bench", "comm"],
+        ["emulate", "up", "--topology", "4-rack", "--set", "racks=2"],
+        ["emulate", "down"],
+    ],
+)
+def test_without_root_it_says_so_and_exits_2(not_root, capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "needs root" in err and "uid 1000" in err
+
+
+def test_without_iproute2_it_says_so_and_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr("shutil.which", lambda tool: None)
+    assert main(["emulate", "down"]) == 2
+    assert "needs iproute2" in capsys.readouterr().err
+
+
+def test_a_bad_placement_is_an_error_before_anything_is_built(capsys):
+    assert main([*RUN, "--placement", "s0,s9", "--", "bench", "comm"]) == 2
+    assert "placement must be" in capsys.readouterr().out
+
+
+def test_a_run_without_a_command_is_an_error(capsys):
+    assert main([*RUN]) == 2
+    assert "no dtrain command" in capsys.readouterr().out
+
+
+def test_a_rack_hierarchy_needs_racks_kept_together(capsys):
+    assert main([*RUN, "--placement", "interleaved", "--hierarchy", "rack", "--", "bench", "comm"]) == 2
+    assert "rack-level hierarchy" in capsys.readouterr().out
