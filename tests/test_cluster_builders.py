@@ -38,13 +38,18 @@ def test_h100_node_uses_nvlink4_pcie5_and_ndr():
     assert t.devices()[0].memory_bytes == 80e9
 
 
-def test_h200_4gpu_joins_every_pair_with_6_nvlink4_links():
+def test_h200_4gpu_puts_4_gpus_on_an_nvswitch_at_450_gbyte_per_s():
     t = preset("h200-4gpu")
     assert len(t.devices()) == 4
+    assert {t.link(f"s0/gpu{g}", "s0/nvswitch").bytes_per_s for g in range(4)} == {18 * 25e9}
+
+
+def test_an_nvlink_mesh_splits_each_gpus_links_over_its_peers():
+    t = build_server(ServerSpec(gpus=4, device="h100-sxm", intra="nvlink-mesh", nics=0))
     for a in range(4):
         for b in range(4):
             if a != b:
-                assert t.link(f"s0/gpu{a}", f"s0/gpu{b}").bytes_per_s == 6 * 25e9
+                assert t.link(f"s0/gpu{a}", f"s0/gpu{b}").bytes_per_s == 6 * 25e9  # 18 links / 3 peers
 
 
 def test_a_pcie_server_shares_one_switch_uplink_among_its_gpus():

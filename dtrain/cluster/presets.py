@@ -5,9 +5,11 @@
   on Infinity Fabric, which the catalogue lacks; UPI stands in (it carries no GPU traffic here).
 - ``h100-node``: 8 H100 SXM on NVSwitch gen 3 (18 NVLink 4 links each, 450 GB/s a direction), PCIe 5.0, 8 NDR
   NICs (400 Gb/s), two CPUs on UPI 2.0: the DGX/HGX H100 layout.
-- ``h200-4gpu``: 4 H200 joined all-to-all by NVLink 4 (18 links each, 6 to each peer: the HGX 4-GPU board),
-  one PCIe 5.0 switch a GPU, one 100 Gb/s Ethernet NIC: a node like the project's 4 x H200 test machine. Its
-  NVLink wiring is the board's published one, not read off the machine.
+- ``h200-4gpu``: 4 H200 on an NVSwitch fabric (18 NVLink 4 links each, 450 GB/s a direction), one PCIe 5.0
+  switch a GPU, one 100 Gb/s Ethernet NIC: a node like the project's 4 x H200 test machine. NVSwitch, not the
+  HGX 4-GPU board's direct NVLink (6 links, 150 GB/s a direction, to each peer): that machine moved 256 MiB to
+  one peer at about 300 GB/s (docs/data/gpu-h200x4-probe.txt, "pg coalesced ring step"), twice what a
+  6-link pair can carry. Its NIC is a placeholder (inter-node traffic was never measured there).
 - ``4-rack``: 4 racks of 4 ``dgx-a100`` servers under 2 spines at 1:4 oversubscription (seed 000's figure;
   the low end of its 1:4 to 1:16).
 
@@ -30,7 +32,7 @@ DGX_A100 = ServerSpec(gpus=8, device="a100-sxm", intra="nvswitch", gpus_per_pcie
                       nics=8, nic="ib-hdr")  # fmt: skip
 H100_NODE = ServerSpec(gpus=8, device="h100-sxm", intra="nvswitch", gpus_per_pcie_switch=2, cpus=2, cpu_link="upi2",
                        nics=8, nic="ib-ndr")  # fmt: skip
-H200_4GPU = ServerSpec(gpus=4, device="h200-sxm", intra="nvlink-mesh", gpus_per_pcie_switch=1, cpus=2,
+H200_4GPU = ServerSpec(gpus=4, device="h200-sxm", intra="nvswitch", gpus_per_pcie_switch=1, cpus=2,
                        cpu_link="upi2", nics=1, nic="ethernet100")  # fmt: skip
 
 #: name -> (one-line description, the cluster it builds before overrides)
@@ -38,7 +40,7 @@ PRESETS: dict[str, tuple[str, Callable[[], ClusterSpec]]] = {
     "dgx-a100": ("8 A100 on NVSwitch, PCIe 4.0, 8 x HDR 200 Gb/s NICs", lambda: ClusterSpec(server=DGX_A100)),
     "h100-node": ("8 H100 on NVSwitch (NVLink 4), PCIe 5.0, 8 x NDR 400 Gb/s NICs",
                   lambda: ClusterSpec(server=H100_NODE)),
-    "h200-4gpu": ("4 H200 on all-to-all NVLink 4, one 100 GbE NIC", lambda: ClusterSpec(server=H200_4GPU)),
+    "h200-4gpu": ("4 H200 on NVSwitch (NVLink 4), one 100 GbE NIC", lambda: ClusterSpec(server=H200_4GPU)),
     "4-rack": ("4 racks x 4 dgx-a100 servers, 2 spines, 1:4 oversubscribed",
                lambda: ClusterSpec(server=DGX_A100, racks=4, servers_per_rack=4, spines=2, oversubscription=4)),
 }  # fmt: skip
