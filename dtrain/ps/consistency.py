@@ -1,0 +1,130 @@
+"""Consistency policies: when a shard's head turns pushes into an optimizer step, and when it answers a pull.
+
+- ``sync`` (bulk synchronous): round ``r`` closes once every worker pushed for ``r``; the step uses the mean
+  of their gradients; a pull for round ``r`` waits until the shard reached it.
+- ``quorum``: round ``r`` closes with the first ``k`` pushes (seed 001: aggregate once e.g. 90% of workers
+  reported, so a straggler does not hold everyone back). A push for a closed round is *late*: dropped, or
+  folded into the open round's mean, as the job says; each is counted.
+- ``async``: every push is a step on its own; pulls never wait (Hogwild-style staleness, Recht et al. 2011).
+- ``ssp``: every push is a step on its own; a worker at clock ``c`` gets its pull answered only once every
+  worker has pushed ``c - s`` times (Ho et al., NIPS 2013, the stale synchronous parallel model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtrain.ps.config import JobConfig
+from dtrain.ps.shard import ShardState
+
+__all__ = ["Push", "Step", "Policy"]
+
+
+@dataclass
+class Push:
+    """One worker's gradient for some rows of a shard; ``reply`` is where its acknowledgement goes."""
+
+    worker: int
+    push_id: int
+    clock: int
+    keys: np.ndarray
+    grads: np.ndarray
+    reply: tuple
+
+
+@dataclass
+class Step:
+    """Pushes turned into one optimizer step: gradients for ``keys`` and the shard's round after it."""
+
+    keys: np.ndarray
+    grads: np.ndarray
+    pushes: list[Push]
+    round: int
+
+
+def combine(pushes: list[Push], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean over pushes of their gradients, rows missing from a push counting as zero; summed in the given
+    order so that every run (and every replica) gets the same bits."""
+    if not pushes:
+        return np.zeros(0, np.int64), np.zeros((0, width), np.float32)
+    n = np.float32(len(pushes))
+    first = pushes[0].keys
+    if all(p.keys.shape == first.shape and np.array_equal(p.keys, first) for p in pushes):
+        total = pushes[0].grads.astype(np.float32, copy=True)
+        for p in pushes[1:]:
+            total += p.grads
+        order = np.argsort(first, kind="stable")
+        if np.unique(first).size == first.size:
+            return first[order], total[order] / n
+        pushes = [Push(0, 0, 0, first, total, ())]  # repeated keys inside the push: fall through and sum them
+    keys = np.concatenate([p.keys for p in pushes])
+    unique, inverse = np.unique(keys, return_inverse=True)
+    sums = np.zeros((unique.size, width), np.float32)
+    np.add.at(sums, inverse, np.concatenate([p.grads for p in pushes]))
+    return unique, sums / n
+
+
+class Policy:
+    """The head's rules for one shard under ``config.mode``; counts what it dropped and folded."""
+
+    def __init__(self, config: JobConfig, state: ShardState) -> None:
+        self.config, self.state = config, state
+        self.pending: dict[int, dict[int, Push]] = {}  # round -> worker -> push (sync, quorum)
+        self.folded: list[Push] = []
+        self.last_clock = np.full(config.num_workers, -1, np.int64)
+        self.dropped = 0
+        self.folded_total = 0
+        self.staleness_log: list[tuple[int, int, int]] = []  # ssp: (worker, clock, slowest clock) per answer
+
+    @property
+    def rounds_mode(self) -> bool:
+        return self.config.mode in ("sync", "quorum")
+
+    def offer(self, push: Push) -> tuple[list[Step], bool]:
+        """Take a push; the steps it completes and whether it was dropped (then acknowledge it at once)."""
+        if not self.rounds_mode:
+            return [Step(*self._mean([push]), [push], self.state.round + 1)], False
+        self.last_clock[push.worker] = max(self.last_clock[push.worker], push.clock)
+        if push.clock < self.state.round:
+            if self.config.mode == "quorum" and self.config.late == "fold":
+                self.folded.append(push)
+                self.folded_total += 1
+                return self._close_ready(), False
+            self.dropped += 1
+            return self._close_ready(), True
+        self.pending.setdefault(push.clock, {})[push.worker] = push
+        return self._close_ready(), False
+
+    def _mean(self, pushes: list[Push]) -> tuple[np.ndarray, np.ndarray]:
+        return combine(pushes, self.config.width)
+
+    def _closable(self, r: int) -> bool:
+        got = self.pending.get(r, {})
+        if len(got) >= self.config.round_size:
+            return True
+        # A worker that already pushed for a later round will never push for this one (it saw this round
+        # closed by a leader that then died without passing it on): do not wait for it.
+        return all(w in got or self.last_clock[w] > r for w in range(self.config.num_workers))
+
+    def _close_ready(self) -> list[Step]:
+        steps, r = [], self.state.round
+        while self._closable(r):
+            got = self.pending.pop(r, {})
+            pushes = [got[w] for w in sorted(got)] + self.folded
+            self.folded = []
+            steps.append(Step(*self._mean(pushes), pushes, r + 1))
+            r += 1
+        return steps
+
+    def pull_ready(self, worker: int, clock: int) -> bool:
+        """Whether a pull by ``worker`` at ``clock`` may be answered now (and, for ssp, log the staleness)."""
+        if self.rounds_mode:
+            return self.state.round >= clock
+        if self.config.mode == "ssp":
+            slowest = int(self.state.clocks.min())
+            if slowest < clock - self.config.staleness:
+                return False
+            self.staleness_log.append((worker, clock, slowest))
+        return True

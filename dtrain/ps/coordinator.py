@@ -1,0 +1,131 @@
+"""The coordinator role: registers servers and workers, hands out the job and its layout, watches heartbeats.
+
+ps-lite's scheduler, with failover added: the layout says, for each shard, its chain of servers (head first,
+``replicas`` long, shard ``i`` on servers ``i, i+1, ...``). A server silent for ``dead_after_s`` is declared
+dead: it is removed from every chain, so the next server of a chain it led becomes the head (the follower is
+promoted), and the new layout, with a higher epoch, goes to every live server and worker. Workers resend what
+the dead server had not answered to the new heads; training goes on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from dtrain.ps import wire
+from dtrain.ps.config import JobConfig
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    """Coordinator state and event loop; :attr:`endpoint` is the address servers and workers register at."""
+
+    def __init__(self, config: JobConfig, secret: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.config, self.secret = config, secret
+        self.ctx = zmq.Context()
+        self.router = wire.configure_socket(self.ctx.socket(zmq.ROUTER))
+        self.router.bind(f"tcp://{host}:{port}")
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        s, r = config.num_servers, config.replicas
+        self.chains = [[(i + j) % s for j in range(r)] for i in range(s)]
+        self.servers: dict[int, dict] = {}
+        self.workers: dict[int, bytes] = {}
+        self.dead: set[int] = set()
+        self.epoch = 0
+        self.events: list[dict] = []
+        self.rejected = 0
+        self.running = True
+
+    @property
+    def ready(self) -> bool:
+        return len(self.servers) == self.config.num_servers
+
+    def layout(self) -> dict:
+        endpoints = [None] * self.config.num_servers
+        for rank, info in self.servers.items():
+            if rank not in self.dead:
+                endpoints[rank] = info["endpoint"]
+        return {"epoch": self.epoch, "chains": self.chains, "endpoints": endpoints}
+
+    def _send(self, ident: bytes, header: dict, tensors: list = ()) -> None:
+        self.router.send_multipart([ident, *wire.encode(self.secret, header, tensors)])
+
+    def _welcome(self, ident: bytes, role: str, rank: int) -> None:
+        self._send(ident, {"op": "welcome", "role": role, "rank": rank, "config": self.config.to_dict(),
+                           "layout": self.layout()})  # fmt: skip
+
+    def _register(self, ident: bytes, h: dict) -> None:
+        role, rank = h.get("role"), h.get("rank")
+        limit = self.config.num_servers if role == "server" else self.config.num_workers
+        if role not in ("server", "worker") or not isinstance(rank, int) or not 0 <= rank < limit:
+            raise ValueError(f"bad registration: role {role!r} rank {rank!r} (ranks of {role} are 0..{limit - 1})")
+        if role == "worker":
+            self.workers[rank] = ident
+            if self.ready:
+                self._welcome(ident, role, rank)
+            return
+        self.servers[rank] = {"ident": ident, "endpoint": h["endpoint"], "last": time.monotonic()}
+        if self.ready:
+            for r, info in self.servers.items():
+                self._welcome(info["ident"], "server", r)
+            for r, w in self.workers.items():
+                self._welcome(w, "worker", r)
+
+    def handle(self, ident: bytes, msg: wire.Message) -> None:
+        h = msg.header
+        if msg.op == "hb":
+            if h.get("rank") in self.servers and h["rank"] not in self.dead:
+                self.servers[h["rank"]]["last"] = time.monotonic()
+        elif msg.op == "register":
+            self._register(ident, h)
+        elif msg.op in ("layout?", "events", "stop"):
+            body = {"layout": self.layout()} if msg.op == "layout?" else {"events": self.events}
+            self._send(ident, {"op": "reply", "req": h.get("req", 0), "status": "ok", **body})
+            if msg.op == "stop":
+                self.stop()
+
+    def check_heartbeats(self) -> None:
+        """Declare silent servers dead; promote followers; tell every live process the new layout."""
+        if not self.ready:
+            return
+        now = time.monotonic()
+        newly = [r for r, info in self.servers.items()
+                 if r not in self.dead and now - info["last"] > self.config.dead_after_s]  # fmt: skip
+        if not newly:
+            return
+        self.dead.update(newly)
+        self.chains = [[s for s in chain if s not in self.dead] for chain in self.chains]
+        self.epoch += 1
+        lost = [i for i, chain in enumerate(self.chains) if not chain]
+        self.events.append({"event": "failover", "dead": newly, "epoch": self.epoch, "chains": self.chains,
+                            "lost_shards": lost, "t": time.time()})  # fmt: skip
+        for r, info in self.servers.items():
+            if r not in self.dead:
+                self._send(info["ident"], {"op": "layout", "layout": self.layout()})
+        for w in self.workers.values():
+            self._send(w, {"op": "layout", "layout": self.layout()})
+
+    def stop(self) -> None:
+        for r, info in self.servers.items():
+            if r not in self.dead:
+                self._send(info["ident"], {"op": "stop"})
+        self.running = False
+
+    def serve(self) -> None:
+        poll_ms = max(1, int(self.config.heartbeat_s * 1000))
+        while self.running:
+            if self.router.poll(timeout=poll_ms):
+                while True:
+                    try:
+                        frames = self.router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self.handle(frames[0], wire.decode(self.secret, frames[1:]))
+                    except (wire.WireError, ValueError, KeyError, TypeError):
+                        self.rejected += 1
+            self.check_heartbeats()
+        time.sleep(0.05)  # let the stop messages leave before the context goes
+        self.ctx.destroy(linger=0)

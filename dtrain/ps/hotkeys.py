@@ -1,0 +1,131 @@
+"""Hot keys: count accesses, copy a shard's hottest rows to other servers, spread pulls over the copies.
+
+Seed 001 (the parameter server's hot-spot problem): under a power-law key distribution a few rows take most
+requests, so the server that owns them is the bottleneck; copying those rows to several servers spreads the
+reads. Here the owner counts rows pulled; once its shard reached round ``hot_after`` it picks its
+``hot_keys`` most-pulled rows and installs copies on the next ``hot_replicas`` servers. Pushes still go to the
+owner only, which combines them as usual and sends the new values of the hot rows to every copy after each step,
+with the round they belong to, so a copy answers a pull under the same consistency rule as the owner. Workers
+learn the hot rows and their servers from the owner's pull replies and send pulls of hot rows round-robin
+over owner and copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from dtrain.ps.config import JobConfig
+from dtrain.ps.keys import KeyRange
+from dtrain.ps.replication import Replica
+
+__all__ = ["HotCopies", "HotRouter"]
+
+
+class HotCopies:
+    """One server's side of hot keys: counters and choices for the shards it owns, copies of others' rows."""
+
+    def __init__(self, config: JobConfig, rank: int, ranges: list[KeyRange], send: Callable) -> None:
+        self.config, self.rank, self.ranges, self.send = config, rank, ranges, send
+        self.enabled = config.hot_keys > 0
+        self.counts: dict[int, np.ndarray] = {}
+        self.chosen: dict[int, tuple[np.ndarray, list[int]]] = {}  # owned shard -> (hot keys, copy servers)
+        self.copies: dict[int, dict] = {}  # other's shard -> {"keys", "rows", "round", "slowest"}
+        self.waiting: dict[int, list[tuple]] = {}
+
+    # owner -----------------------------------------------------------------------------------------------
+    def count(self, replica: Replica, keys: np.ndarray) -> None:
+        if self.enabled:
+            rows = len(self.ranges[replica.index])
+            counts = self.counts.setdefault(replica.index, np.zeros(rows, np.int64))
+            counts += np.bincount(keys - self.ranges[replica.index].lo, minlength=rows)
+
+    def after_update(self, replica: Replica) -> None:
+        """After a push at the owner: pick the hot rows once, then keep every copy current."""
+        shard = replica.index
+        if not self.enabled or not replica.is_head:
+            return
+        if shard not in self.chosen and replica.state.round >= self.config.hot_after and shard in self.counts:
+            top = np.argsort(-self.counts[shard], kind="stable")[: self.config.hot_keys]
+            servers = [(self.rank + 1 + j) % self.config.num_servers for j in range(self.config.hot_replicas)]
+            self.chosen[shard] = (np.sort(top + self.ranges[shard].lo).astype(np.int64), servers)
+        if shard in self.chosen:
+            keys, servers = self.chosen[shard]
+            header = {"op": "hot_update", "shard": shard, "round": replica.state.round,
+                      "slowest": int(replica.state.clocks.min())}  # fmt: skip
+            for server in servers:
+                self.send(server, header, [keys, replica.state.rows(keys)])
+
+    def advertise(self, shard: int, seen: int) -> tuple[dict, list]:
+        """What an owner's pull reply adds for a worker that has seen ``seen`` hot sets of ``shard``."""
+        if shard not in self.chosen or seen >= 1:
+            return {}, []
+        keys, servers = self.chosen[shard]
+        return {"hot_version": 1, "hot_servers": servers}, [keys]
+
+    # copy holder -----------------------------------------------------------------------------------------
+    def holds(self, shard: int) -> bool:
+        return shard in self.copies
+
+    def handle(self, op: str, header: dict, tensors: list, serve: Callable) -> None:
+        """``hot_update`` from an owner: new rows (and the round they belong to); answer pulls now ready."""
+        if op != "hot_update" or len(tensors) != 2:
+            raise ValueError(f"unknown hot-key message {op!r}")
+        keys, rows = tensors
+        self.copies[header["shard"]] = {"keys": keys, "rows": rows, "round": header["round"],
+                                        "slowest": header["slowest"]}  # fmt: skip
+        self.serve(header["shard"], serve)
+
+    def pull(self, shard: int, request: tuple, serve: Callable) -> None:
+        """A pull of rows copied here; ``request`` is ``(reply, worker, clock, keys)``."""
+        keys = request[3]
+        if not np.isin(keys, self.copies[shard]["keys"]).all():
+            raise ValueError(f"server {self.rank} holds copies of shard {shard}'s hot rows only")
+        self.waiting.setdefault(shard, []).append(request)
+        self.serve(shard, serve)
+
+    def serve(self, shard: int, serve: Callable) -> None:
+        copy, still = self.copies[shard], []
+        for reply, worker, clock, keys in self.waiting.get(shard, []):
+            if self._ready(copy, clock):
+                serve(reply, copy["round"], copy["rows"][np.searchsorted(copy["keys"], keys)], keys.size)
+            else:
+                still.append((reply, worker, clock, keys))
+        self.waiting[shard] = still
+
+    def _ready(self, copy: dict, clock: int) -> bool:
+        if self.config.mode in ("sync", "quorum"):
+            return copy["round"] >= clock
+        if self.config.mode == "ssp":
+            return copy["slowest"] >= clock - self.config.staleness
+        return True
+
+    def stats(self) -> dict:
+        return {"owned_hot": {str(s): len(k) for s, (k, _) in self.chosen.items()}, "copies": len(self.copies)}
+
+
+class HotRouter:
+    """A worker's side: which rows are hot and where their copies are; picks a server for each pull."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.hot: dict[int, tuple[np.ndarray, list[int]]] = {}
+        self.turn = start  # workers start at different servers, so their pulls spread from the first one
+
+    def seen(self, shard: int) -> int:
+        return 1 if shard in self.hot else 0
+
+    def learn(self, shard: int, header: dict, tensors: list) -> None:
+        if "hot_version" in header and len(tensors) > 1:
+            self.hot[shard] = (np.array(tensors[1], dtype=np.int64), list(header["hot_servers"]))
+
+    def split(self, shard: int, keys: np.ndarray) -> tuple[np.ndarray, int | None]:
+        """Mask of ``keys`` to pull from a copy, and which server holds it (``None``: all go to the owner)."""
+        if shard not in self.hot:
+            return np.zeros(keys.size, bool), None
+        hot_keys, servers = self.hot[shard]
+        self.turn += 1
+        pick = self.turn % (len(servers) + 1)
+        if pick == 0:
+            return np.zeros(keys.size, bool), None
+        return np.isin(keys, hot_keys), servers[pick - 1]

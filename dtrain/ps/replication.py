@@ -1,0 +1,161 @@
+"""A shard's replica on one server, and how replicas keep each other up to date.
+
+Each shard lives on the servers of its *chain*, head first (seed 001: leader-follower and chain replication).
+
+- ``chain`` (van Renesse and Schneider, OSDI 2004): the head turns pushes into log entries, applies each and
+  sends it down the chain; every node applies in order and forwards; the tail, having applied an entry, tells
+  every member, who then forget it; only then does the head acknowledge the pushes in it. An acknowledged push
+  is therefore on every live replica and survives any failure that leaves one. When the chain changes, each node
+  resends to its (new) successor every entry not yet known to be at the tail; replicas skip entries they have.
+- ``primary_backup``: the head applies and acknowledges at once and ships entries to its followers every
+  ``propagate_interval_s``; a leader's death loses what it had not shipped, which workers count.
+
+Pushes are numbered per worker and shard, so a push resent to a new head after a failover is recognised as one
+that an entry already holds and is acknowledged, not applied twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from dtrain.ps.config import JobConfig
+from dtrain.ps.consistency import Policy, Push, Step
+from dtrain.ps.keys import KeyRange
+from dtrain.ps.shard import Entry, ShardState
+
+__all__ = ["Replica"]
+
+# send(server_rank, header, tensors) to a peer server; ack(reply, header) to a worker
+SendPeer = Callable[[int, dict, list], None]
+AckWorker = Callable[[tuple, dict], None]
+
+
+class Replica:
+    """One server's copy of one shard, with its role in the shard's chain."""
+
+    def __init__(self, config: JobConfig, index: int, key_range: KeyRange, me: int, send: SendPeer,
+                 ack: AckWorker) -> None:  # fmt: skip
+        self.config, self.index, self.me = config, index, me
+        self.state = ShardState(config, index, key_range)
+        self.send, self.ack = send, ack
+        self.chain: list[int] = []
+        self.policy: Policy | None = None
+        self.log: list[Entry] = []  # chain: entries not yet known to be at the tail
+        self.waiting: dict[int, list[Push]] = {}  # head, chain: seq -> pushes acknowledged once it is durable
+        self.outbox: list[Entry] = []  # head, primary_backup: entries not yet shipped
+
+    # roles -------------------------------------------------------------------------------------------------
+    @property
+    def is_head(self) -> bool:
+        return bool(self.chain) and self.chain[0] == self.me
+
+    @property
+    def chain_mode(self) -> bool:
+        return self.config.replication == "chain"
+
+    def _successor(self) -> int | None:
+        i = self.chain.index(self.me)
+        return self.chain[i + 1] if i + 1 < len(self.chain) else None
+
+    def set_chain(self, chain: list[int]) -> None:
+        """A new membership for this shard (from the coordinator): take up the role it gives."""
+        old_successor = self._successor() if self.me in self.chain else None
+        self.chain = list(chain)
+        if self.me not in self.chain:  # declared dead while alive (a long pause): stop acting for the shard
+            self.policy, self.log, self.waiting, self.outbox = None, [], {}, []
+            return
+        if self.is_head and self.policy is None:
+            self.policy = Policy(self.config, self.state)
+        successor = self._successor()
+        if not self.chain_mode:
+            return
+        if successor is None:
+            self._durable(self.state.seq)
+        elif successor != old_successor:
+            for entry in self.log:
+                self._forward(successor, entry)
+
+    # head: pushes and init ---------------------------------------------------------------------------------
+    def init(self, values: np.ndarray, push: Push) -> None:
+        """The initial values of every row, from worker 0."""
+        entry = Entry(self.state.seq + 1, "init", 0, np.zeros(0, np.int64), values, [])
+        self._commit(entry, [push])
+
+    def push(self, push: Push) -> None:
+        """A worker's gradient: let the consistency policy decide; apply, replicate and acknowledge."""
+        if push.push_id <= self.state.last_push[push.worker]:
+            self._ack_when_durable(push)  # a resend after failover of a push some entry already holds
+            return
+        steps, dropped = self.policy.offer(push)
+        if dropped:
+            self.state.last_push[push.worker] = max(self.state.last_push[push.worker], push.push_id)
+            self.ack(push.reply, {"status": "dropped"})
+        for step in steps:
+            self._commit(self._entry(step), step.pushes)
+
+    def _entry(self, step: Step) -> Entry:
+        pushes = [[p.worker, p.push_id, p.clock] for p in step.pushes]
+        return Entry(self.state.seq + 1, "step", step.round, step.keys, step.grads, pushes)
+
+    def _commit(self, entry: Entry, pushes: list[Push]) -> None:
+        self.state.apply(entry)
+        successor = self._successor()
+        if successor is None:
+            for p in pushes:
+                self.ack(p.reply, {"status": "applied"})
+        elif self.chain_mode:
+            self.log.append(entry)
+            self.waiting[entry.seq] = pushes
+            self._forward(successor, entry)
+        else:
+            self.outbox.append(entry)
+            for p in pushes:
+                self.ack(p.reply, {"status": "applied"})
+
+    def _ack_when_durable(self, push: Push) -> None:
+        if self.chain_mode and self.log and self._successor() is not None:
+            self.waiting.setdefault(self.log[-1].seq, []).append(push)
+        else:
+            self.ack(push.reply, {"status": "applied"})
+
+    def ship(self) -> None:
+        """primary_backup: send the entries applied since the last call to every follower."""
+        if not self.outbox:
+            return
+        for follower in self.chain[1:]:
+            for entry in self.outbox:
+                self.send(follower, entry.header(self.index), [entry.keys, entry.values])
+        self.outbox = []
+
+    # followers ---------------------------------------------------------------------------------------------
+    def receive(self, entry: Entry) -> None:
+        """An entry from the predecessor (chain) or the leader (primary_backup)."""
+        if not self.state.apply(entry):
+            return
+        if not self.chain_mode or self.me not in self.chain:
+            return
+        successor = self._successor()
+        if successor is None:
+            self._durable(entry.seq)
+        else:
+            self.log.append(entry)
+            self._forward(successor, entry)
+
+    def _forward(self, successor: int, entry: Entry) -> None:
+        self.send(successor, entry.header(self.index), [entry.keys, entry.values])
+
+    def _durable(self, seq: int) -> None:
+        """This node is the tail and has applied everything up to ``seq``: tell the others, and itself."""
+        for member in self.chain:
+            if member != self.me:
+                self.send(member, {"op": "chain_ack", "shard": self.index, "seq": seq}, [])
+        self.chain_ack(seq)
+
+    def chain_ack(self, seq: int) -> None:
+        """Entries up to ``seq`` are at the tail: forget them and acknowledge their pushes."""
+        self.log = [e for e in self.log if e.seq > seq]
+        for s in sorted(k for k in self.waiting if k <= seq):
+            for p in self.waiting.pop(s):
+                self.ack(p.reply, {"status": "applied"})

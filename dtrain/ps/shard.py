@@ -1,0 +1,87 @@
+"""One shard's state on one server, changed only by applying numbered log entries.
+
+Every replica of a shard applies the same entries in the same order (entry ``seq`` after ``seq - 1``), so
+replicas that applied the same prefix hold bit-identical weights and optimizer state: the state-machine
+approach of chain replication (van Renesse and Schneider, "Chain Replication for Supporting High Throughput
+and Availability", OSDI 2004). An entry is either the initial values or one optimizer step on some rows,
+together with the pushes it accounts for, so each replica also knows which pushes it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dtrain.ps.config import JobConfig
+from dtrain.ps.keys import KeyRange
+from dtrain.ps.optimizers import make_optimizer
+
+__all__ = ["Entry", "ShardState"]
+
+
+@dataclass
+class Entry:
+    """A log entry: ``kind`` is ``"init"`` (``values`` are all rows) or ``"step"`` (``values`` are the
+    gradients of ``keys``). ``pushes`` lists ``[worker, push_id, clock]`` of every push it accounts for;
+    ``round`` is the shard's round after it."""
+
+    seq: int
+    kind: str
+    round: int
+    keys: np.ndarray
+    values: np.ndarray
+    pushes: list[list[int]] = field(default_factory=list)
+
+    def header(self, shard: int) -> dict:
+        return {"op": "rep", "shard": shard, "seq": self.seq, "kind": self.kind, "round": self.round,
+                "pushes": self.pushes}  # fmt: skip
+
+
+class ShardState:
+    """Weights ``(rows, width)`` of keys ``key_range``, the optimizer's state and what has been applied."""
+
+    def __init__(self, config: JobConfig, index: int, key_range: KeyRange) -> None:
+        self.config, self.index, self.key_range = config, index, key_range
+        self.weights: np.ndarray | None = None
+        self.optimizer = make_optimizer(config, len(key_range), config.width)
+        self.seq = 0  # last applied entry
+        self.round = 0
+        workers = config.num_workers
+        self.clocks = np.zeros(workers, np.int64)  # per worker: pushes applied so far (its SSP clock)
+        self.applied = np.zeros(workers, np.int64)  # per worker: pushes folded into the weights
+        self.last_push = np.full(workers, -1, np.int64)  # per worker: highest push id accounted for
+
+    @property
+    def weights_shape(self) -> tuple[int, int]:
+        return (len(self.key_range), self.config.width)
+
+    @property
+    def ready(self) -> bool:
+        return self.weights is not None
+
+    def apply(self, entry: Entry) -> bool:
+        """Apply ``entry`` if it is the next one; ``False`` (and nothing changes) if it is old or out of order."""
+        if entry.seq != self.seq + 1:
+            return False
+        if entry.kind == "init":
+            self.weights = np.array(entry.values, dtype=np.float32, copy=True)
+        elif entry.keys.size:
+            local = entry.keys - self.key_range.lo
+            self.optimizer.step(self.weights, local, entry.values)
+        for worker, push_id, clock in entry.pushes:
+            self.applied[worker] += 1
+            self.last_push[worker] = max(self.last_push[worker], push_id)
+            self.clocks[worker] = max(self.clocks[worker], clock + 1)
+        self.seq, self.round = entry.seq, entry.round
+        return True
+
+    def rows(self, keys: np.ndarray) -> np.ndarray:
+        """The current values of ``keys`` (all in range), ``(len(keys), width)``."""
+        return self.weights[keys - self.key_range.lo]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Everything a replica holds, for comparing replicas."""
+        out = {"weights": self.weights, "applied": self.applied, "clocks": self.clocks}
+        out.update({f"opt.{k}": v for k, v in self.optimizer.arrays().items()})
+        return out

@@ -1,0 +1,166 @@
+"""The parameter server's wire format: a msgpack header, raw tensor frames and an HMAC, over ZeroMQ.
+
+A message is a ZeroMQ multipart message ``[header, tensor_0, ..., tensor_{n-1}, mac]``:
+
+- ``header`` is a msgpack map with at least ``"op"`` (str) and ``"t"``, the list of ``[dtype, shape]`` of the
+  tensor frames that follow (msgpack, like ps-lite's small meta header beside its raw ``SArray`` data);
+- each tensor frame is the tensor's raw little-endian bytes, nothing else: it is turned into a NumPy array with
+  ``np.frombuffer`` and never unpickled;
+- ``mac`` is HMAC-SHA256 (RFC 2104) over every frame, each prefixed by its length, keyed by the job's shared
+  secret (:func:`local_secret` for one machine, ``DTRAIN_PS_SECRET`` on a cluster).
+
+:func:`decode` checks, in this order and before any payload is interpreted: the frame count, the header and
+total sizes, the MAC, the header's schema (op name, dtype names from a fixed list, shapes of non-negative
+ints), and that each frame holds exactly ``prod(shape) * itemsize`` bytes. Any failure is a :class:`WireError`;
+a server drops that message and goes on serving. Sockets also carry ZeroMQ's ``MAXMSGSIZE``, so a peer that
+sends more than the limit is disconnected by the transport before the bytes reach Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+__all__ = [
+    "DTYPES",
+    "Limits",
+    "Message",
+    "WireError",
+    "decode",
+    "encode",
+    "local_secret",
+    "secret_from_env",
+    "configure_socket",
+]
+
+# The only dtypes a message may carry: what keys, values and counters need; no object dtype, ever.
+DTYPES = {"f4": np.float32, "f8": np.float64, "i8": np.int64, "i4": np.int32, "u8": np.uint64, "f2": np.float16}
+_NAMES = {np.dtype(t): name for name, t in DTYPES.items()}
+MAC_BYTES = hashlib.sha256().digest_size
+SECRET_ENV = "DTRAIN_PS_SECRET"
+
+
+class WireError(ValueError):
+    """A message that is malformed, too large, truncated or not authenticated by the shared secret."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a receiver accepts. The defaults allow a 256 MiB message of at most 16 tensors."""
+
+    max_message_bytes: int = 256 << 20
+    max_header_bytes: int = 64 << 10
+    max_tensors: int = 16
+    max_ndim: int = 4
+
+
+@dataclass
+class Message:
+    """A decoded message: its header (a dict, ``"t"`` removed) and its tensors (read-only NumPy views)."""
+
+    header: dict[str, Any]
+    tensors: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def op(self) -> str:
+        return self.header["op"]
+
+
+def local_secret() -> bytes:
+    """A fresh 32-byte secret for a job on one machine (its processes get it through the environment)."""
+    return secrets.token_bytes(32)
+
+
+def secret_from_env() -> bytes:
+    """The job's secret from ``DTRAIN_PS_SECRET`` (hex); a clear error when it is missing or short."""
+    text = os.environ.get(SECRET_ENV, "")
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{SECRET_ENV} must be hex, got {len(text)} characters that are not") from None
+    if len(secret) < 16:
+        raise ValueError(f"{SECRET_ENV} must hold at least 16 bytes of hex (32 hex digits), got {len(secret)} bytes")
+    return secret
+
+
+def configure_socket(sock: zmq.Socket, limits: Limits = Limits()) -> zmq.Socket:
+    """Bound what ZeroMQ accepts on ``sock`` and never block at close on unsent messages."""
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + limits.max_header_bytes + 4096)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    return sock
+
+
+def _mac(secret: bytes, frames: Sequence[bytes | memoryview]) -> bytes:
+    h = hmac.new(secret, digestmod=hashlib.sha256)
+    for frame in frames:
+        h.update(len(frame).to_bytes(8, "little"))
+        h.update(frame)
+    return h.digest()
+
+
+def encode(secret: bytes, header: dict[str, Any], tensors: Sequence[np.ndarray] = ()) -> list:
+    """The frames of one message. Tensors are sent as their raw bytes (made contiguous if they are not)."""
+    if "op" not in header or not isinstance(header["op"], str):
+        raise ValueError(f"a message header needs a str 'op', got {header.get('op')!r}")
+    arrays = [np.require(t, requirements="C") for t in tensors]  # (ascontiguousarray makes 0-d into 1-d)
+    meta = []
+    for a in arrays:
+        if a.dtype not in _NAMES:
+            raise ValueError(f"dtype {a.dtype} cannot go on the wire; use one of {sorted(DTYPES)}")
+        meta.append([_NAMES[a.dtype], list(a.shape)])
+    head = msgpack.packb({**header, "t": meta}, use_bin_type=True)
+    frames = [head, *(memoryview(a.reshape(-1)).cast("B") if a.size else b"" for a in arrays)]
+    return [*frames, _mac(secret, frames)]
+
+
+def _check_meta(meta: Any, payload: Sequence[memoryview], limits: Limits) -> list[tuple[np.dtype, tuple]]:
+    if not isinstance(meta, list) or len(meta) != len(payload):
+        raise WireError(f"header lists {len(meta) if isinstance(meta, list) else meta!r} tensors, got {len(payload)}")
+    out = []
+    for i, (entry, frame) in enumerate(zip(meta, payload, strict=True)):
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in DTYPES and isinstance(entry[1], list)):
+            raise WireError(f"tensor {i}: bad [dtype, shape] entry {entry!r}")
+        shape = entry[1]
+        if len(shape) > limits.max_ndim or not all(type(d) is int and d >= 0 for d in shape):
+            raise WireError(f"tensor {i}: bad shape {shape!r} (at most {limits.max_ndim} non-negative ints)")
+        dtype = np.dtype(DTYPES[entry[0]])
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
+        if expected != len(frame):
+            raise WireError(f"tensor {i}: {entry[0]}{shape} needs {expected} bytes, the frame holds {len(frame)}")
+        out.append((dtype, tuple(shape)))
+    return out
+
+
+def decode(secret: bytes, frames: Sequence, limits: Limits = Limits()) -> Message:
+    """Check and decode a received multipart message (bytes or ``zmq.Frame`` parts); :class:`WireError` if bad."""
+    views = [f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames]
+    if not 2 <= len(views) <= limits.max_tensors + 2:
+        raise WireError(f"a message has 2 to {limits.max_tensors + 2} frames, got {len(views)}")
+    if len(views[0]) > limits.max_header_bytes:
+        raise WireError(f"header of {len(views[0])} bytes is over the limit of {limits.max_header_bytes}")
+    total = sum(len(v) for v in views)
+    if total > limits.max_message_bytes:
+        raise WireError(f"message of {total} bytes is over the limit of {limits.max_message_bytes}")
+    if not hmac.compare_digest(bytes(views[-1]), _mac(secret, views[:-1])):
+        raise WireError("message not authenticated: its HMAC does not match the job's secret")
+    try:
+        header = msgpack.unpackb(views[0], raw=False, strict_map_key=True)  # size already bounded above
+    except Exception as exc:  # msgpack raises several types on bad input; all mean the same here
+        raise WireError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+        raise WireError(f"header must be a map with a str 'op', got {type(header).__name__}")
+    payload = views[1:-1]
+    meta = _check_meta(header.pop("t", None), payload, limits)
+    tensors = [np.frombuffer(v, dtype=d).reshape(s) for v, (d, s) in zip(payload, meta, strict=True)]
+    return Message(header=header, tensors=tensors)

@@ -1,0 +1,176 @@
+"""The parameter server's wire: what decode accepts and rejects, and a live server that keeps serving
+through malformed, oversized, truncated, unauthenticated and random messages."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dtrain.ps import wire
+from dtrain.ps.config import JobConfig
+from dtrain.ps.launch import LocalCluster
+
+SECRET = b"k" * 32
+DTYPES = sorted(wire.DTYPES)
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    count=st.integers(0, 3),
+)
+def test_round_trip_keeps_dtype_shape_and_bytes(dtype, shape, count):
+    rng = np.random.default_rng(0)
+    arrays = [(rng.standard_normal(shape) * 100).astype(wire.DTYPES[dtype]) for _ in range(count)]
+    msg = wire.decode(SECRET, wire.encode(SECRET, {"op": "x", "n": 3}, arrays))
+    assert msg.op == "x" and msg.header["n"] == 3
+    for got, want in zip(msg.tensors, arrays, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+
+
+def _frames() -> list[bytes]:
+    keys = np.arange(4, dtype=np.int64)
+    return [bytes(f) for f in wire.encode(SECRET, {"op": "pull"}, [keys])]
+
+
+def test_wrong_secret_is_rejected():
+    with pytest.raises(wire.WireError, match="not authenticated"):
+        wire.decode(b"x" * 32, _frames())
+
+
+@given(position=st.integers(0, 10_000), bit=st.integers(0, 7))
+def test_any_flipped_bit_is_rejected(position, bit):
+    frames = _frames()
+    part = position % len(frames)
+    data = bytearray(frames[part])
+    data[position % len(data)] ^= 1 << bit
+    frames[part] = bytes(data)
+    with pytest.raises(wire.WireError):
+        wire.decode(SECRET, frames)
+
+
+def test_truncated_payload_is_rejected_before_it_is_read():
+    frames = _frames()
+    frames[1] = frames[1][:-8]
+    frames[-1] = wire._mac(SECRET, frames[:-1])  # even correctly signed, the size must match the header
+    with pytest.raises(wire.WireError, match="needs 32 bytes, the frame holds 24"):
+        wire.decode(SECRET, frames)
+
+
+def test_missing_frames_are_rejected():
+    with pytest.raises(wire.WireError, match="2 to"):
+        wire.decode(SECRET, _frames()[:1])
+
+
+def test_oversized_message_is_rejected():
+    big = [bytes(f) for f in wire.encode(SECRET, {"op": "push"}, [np.zeros(1000, np.float32)])]
+    with pytest.raises(wire.WireError, match="over the limit"):
+        wire.decode(SECRET, big, wire.Limits(max_message_bytes=1000))
+
+
+def test_dtypes_outside_the_list_are_refused_both_ways():
+    with pytest.raises(ValueError, match="cannot go on the wire"):
+        wire.encode(SECRET, {"op": "x"}, [np.array(["a"], dtype=object)])
+    head = wire.msgpack.packb({"op": "x", "t": [["O", [1]]]})
+    frames = [head, b"\0" * 8]
+    with pytest.raises(wire.WireError, match="bad \\[dtype, shape\\]"):
+        wire.decode(SECRET, [*frames, wire._mac(SECRET, frames)])
+
+
+def test_secret_from_env_names_the_problem(monkeypatch):
+    monkeypatch.setenv(wire.SECRET_ENV, "abcd")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        wire.secret_from_env()
+
+
+# --- a live server --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = JobConfig(num_keys=8, width=2, num_servers=1, num_workers=1, mode="async")
+    with LocalCluster(config) as cluster:
+        ctx = zmq.Context()
+        sock = wire.configure_socket(ctx.socket(zmq.DEALER))
+        sock.connect(cluster.server_address(0))
+        init = wire.encode(cluster.secret, {"op": "init", "shard": 0, "req": 1}, [np.ones((8, 2), np.float32)])
+        sock.send_multipart(init)
+        assert sock.poll(10_000)
+        sock.recv_multipart()
+        yield cluster, sock
+        ctx.destroy(linger=0)
+
+
+def _pull_works(cluster, sock) -> None:
+    sock.send_multipart(wire.encode(cluster.secret, {"op": "pull", "shard": 0, "worker": 0, "clock": 0, "req": 7},
+                                    [np.array([1, 3], np.int64)]))  # fmt: skip
+    assert sock.poll(10_000), "the server stopped answering"
+    reply = wire.decode(cluster.secret, sock.recv_multipart())
+    assert reply.header["req"] == 7 and reply.tensors[0].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def _rejected(cluster) -> int:
+    return cluster.ask_server(0, {"op": "stats"}).header["stats"]["rejected"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=st.lists(st.binary(max_size=200), min_size=1, max_size=5))
+def test_random_bytes_are_dropped_and_the_server_keeps_serving(server, frames):
+    cluster, sock = server
+    before = _rejected(cluster)
+    sock.send_multipart(frames)
+    _pull_works(cluster, sock)
+    assert _rejected(cluster) == before + 1
+
+
+def test_unauthenticated_request_gets_no_answer(server):
+    cluster, sock = server
+    sock.send_multipart(wire.encode(b"w" * 32, {"op": "pull", "shard": 0, "worker": 0, "clock": 0, "req": 9},
+                                    [np.array([1], np.int64)]))  # fmt: skip
+    _pull_works(cluster, sock)  # the next answer is to the good request, not to the forged one
+
+
+@pytest.mark.parametrize(
+    ("header", "tensors", "reason"),
+    [
+        ({"op": "pull", "shard": 0, "worker": 0, "clock": 0}, [np.array([8], np.int64)], "outside shard 0's range"),
+        ({"op": "pull", "shard": 0, "worker": 0, "clock": 0}, [np.array([1.0], np.float32)], "int64 keys"),
+        ({"op": "push", "shard": 0, "worker": 0, "push_id": 0, "clock": 0},
+         [np.array([1], np.int64), np.zeros((1, 3), np.float32)], "values must be float32 \\(1, 2\\)"),
+        ({"op": "push", "shard": 0, "worker": 5, "push_id": 0, "clock": 0},
+         [np.array([1], np.int64), np.zeros((1, 2), np.float32)], "worker must be in"),
+        ({"op": "pull", "shard": 3, "worker": 0, "clock": 0}, [np.array([1], np.int64)], "does not lead shard 3"),
+        ({"op": "launch"}, [], "unknown op"),
+    ],
+)  # fmt: skip
+def test_malformed_requests_get_an_error_naming_the_problem(server, header, tensors, reason):
+    cluster, sock = server
+    sock.send_multipart(wire.encode(cluster.secret, {**header, "req": 11}, tensors))
+    assert sock.poll(10_000)
+    reply = wire.decode(cluster.secret, sock.recv_multipart())
+    assert reply.header["status"] == "error"
+    assert reply.header["req"] == 11
+    import re
+
+    assert re.search(reason, reply.header["error"]), reply.header["error"]
+    _pull_works(cluster, sock)
+
+
+def test_oversized_message_is_cut_off_by_the_transport(server):
+    cluster, _ = server
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(cluster.server_address(0))
+        sock.send_multipart([b"x" * (300 << 20)])  # over the server's MAXMSGSIZE: it drops the connection
+        time.sleep(0.5)
+    finally:
+        ctx.destroy(linger=0)
+    _pull_works(*server)
