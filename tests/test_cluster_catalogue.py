@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -148,3 +149,9 @@ def test_gpudirect_rdma_is_bound_by_the_network_not_pcie():
 def test_a_path_that_skips_host_memory_cannot_copy_in_it():
     with pytest.raises(ValueError, match="host copies on a path that skips host memory"):
         DataPath(name="bad", segments=((Hop(kind="pcie4x16"),),), host_copies=1)
+
+
+def test_the_docs_catalogue_table_has_every_link_with_its_rate():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "cluster.md").read_text()
+    for spec in LINKS.values():
+        assert f"| `{spec.key}` | {spec.name} | {spec.bytes_per_s / 1e9:.4g} |" in docs, spec.key

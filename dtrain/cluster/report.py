@@ -35,7 +35,8 @@ def ratio_text(ratio: float) -> str:
 
 
 def _link_text(link: dict) -> str:
-    return f"{link['label']} at {format_rate(link['bytes_per_s'])}"
+    rate = format_rate(link["bytes_per_s"])
+    return rate if link["label"] in rate else f"{link['label']} at {rate}"
 
 
 def render_gradients(console: Console, data: dict) -> None:
