@@ -69,7 +69,16 @@ def register(commands) -> None:
 def _register_calc(commands) -> None:
     calc = commands.add_parser("calc", help="the seed texts' bandwidth arithmetic: gradients, transfers, ratios")
     sub = calc.add_subparsers(dest="calc_command", required=True)
+    _add_calc_seed_examples(sub)
+    _add_calc_models(sub)
+    p = sub.add_parser("links", help="the link catalogue, with sources")
+    p.set_defaults(handler=_links)
+    for parser in sub.choices.values():
+        parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+
+def _add_calc_seed_examples(sub) -> None:
+    """The seed's own worked examples: gradients, a transfer, a ToR's oversubscription."""
     p = sub.add_parser("gradients", help="gradient bytes per replica and what averaging N replicas moves")
     p.add_argument("--params", type=parse_quantity, required=True, help="model parameters, e.g. 175e9")
     p.add_argument("--bytes-per-param", type=float, default=4, help="4 for fp32 gradients, 2 for bf16")
@@ -91,6 +100,9 @@ def _register_calc(commands) -> None:
     p.add_argument("--topology", help="instead: a preset name or a topology file; every ToR's ratio")
     p.set_defaults(handler=_oversubscription)
 
+
+def _add_calc_models(sub) -> None:
+    """Costs from the models: each all-reduce's closed form, each GPU-to-GPU data path."""
     p = sub.add_parser("allreduce", help="each all-reduce algorithm's time from its alpha-beta closed form")
     p.add_argument("--bytes", type=parse_quantity, help="bytes to all-reduce (or --params x --bytes-per-param)")
     p.add_argument("--params", type=parse_quantity)
@@ -109,11 +121,6 @@ def _register_calc(commands) -> None:
     p.add_argument("--nvlinks", type=int, default=12, help="NVLink links a GPU")
     p.add_argument("--network", default="ib-hdr", help="the NIC's link kind")
     p.set_defaults(handler=_paths)
-
-    p = sub.add_parser("links", help="the link catalogue, with sources")
-    p.set_defaults(handler=_links)
-    for parser in sub.choices.values():
-        parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _emit(args: argparse.Namespace, data: dict, render) -> int:
