@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from dtrain.cli.cluster import parse_count, parse_quantity
 from dtrain.cli.main import main
 from dtrain.cluster.calc import (
     all_reduce_times,
@@ -154,3 +158,22 @@ def test_cli_topology_draws_a_png(capsys, tmp_path):
     path = tmp_path / "rack.png"
     assert main(["topology", "dgx-a100", "--draw", str(path), "--json"]) == 0
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(("text", "value"), [("175e9", 175e9), ("700GB", 700e9), ("1TB", 1e12), ("1.5T", 1.5e12),
+                                             ("64KiB", 65536), ("1GiB", 2**30), ("4096", 4096)])  # fmt: skip
+def test_quantities_use_decimal_prefixes_and_binary_ones_when_asked(text, value):
+    assert parse_quantity(text) == value
+
+
+def test_a_parameter_count_ending_in_b_is_refused_as_ambiguous():
+    assert parse_count("175G") == 175e9
+    with pytest.raises(argparse.ArgumentTypeError, match="ambiguous"):
+        parse_count("175B")
+
+
+@given(replicas=st.integers(2, 4096), gradient=st.floats(1.0, 1e13))
+def test_the_ring_never_loads_one_replica_more_than_gathering_does(replicas, gradient):
+    gather, ring = averaging(gradient, replicas, rate(gbit_per_s=100))
+    assert ring.busiest_replica_bytes <= gather.busiest_replica_bytes * (1 + 1e-12)
+    assert ring.total_bytes == pytest.approx(gather.total_bytes)  # the same bytes, spread out

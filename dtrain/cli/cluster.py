@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-__all__ = ["register", "parse_quantity"]
+__all__ = ["register", "parse_quantity", "parse_count"]
 
 _DECIMAL = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _BINARY = {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40, "PI": 2**50}
@@ -25,6 +25,14 @@ def parse_quantity(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a quantity: {text!r} (try 175e9, 700GB, 1TB, 64KiB)")
     prefix = (match.group(2) or "").upper()
     return float(match.group(1)) * (_BINARY[prefix] if prefix in _BINARY else _DECIMAL[prefix])
+
+
+def parse_count(text: str) -> float:
+    """A count such as a number of parameters: ``"175e9"``, ``"175G"``, ``"1.3T"``. A trailing ``B`` is refused:
+    it could mean bytes or billions."""
+    if text.strip().upper().endswith("B"):
+        raise argparse.ArgumentTypeError(f"{text!r} is ambiguous (bytes or billions?): write 175e9 or 175G")
+    return parse_quantity(text)
 
 
 def _add_link_args(p: argparse.ArgumentParser, prefix: str = "", what: str = "the link") -> None:
@@ -80,7 +88,7 @@ def _register_calc(commands) -> None:
 def _add_calc_seed_examples(sub) -> None:
     """The seed's own worked examples: gradients, a transfer, a ToR's oversubscription."""
     p = sub.add_parser("gradients", help="gradient bytes per replica and what averaging N replicas moves")
-    p.add_argument("--params", type=parse_quantity, required=True, help="model parameters, e.g. 175e9")
+    p.add_argument("--params", type=parse_count, required=True, help="model parameters, e.g. 175e9 or 175G")
     p.add_argument("--bytes-per-param", type=float, default=4, help="4 for fp32 gradients, 2 for bf16")
     p.add_argument("--replicas", type=int, default=3, help="data-parallel replicas to average")
     _add_link_args(p, what="the link each replica has")
@@ -105,7 +113,7 @@ def _add_calc_models(sub) -> None:
     """Costs from the models: each all-reduce's closed form, each GPU-to-GPU data path."""
     p = sub.add_parser("allreduce", help="each all-reduce algorithm's time from its alpha-beta closed form")
     p.add_argument("--bytes", type=parse_quantity, help="bytes to all-reduce (or --params x --bytes-per-param)")
-    p.add_argument("--params", type=parse_quantity)
+    p.add_argument("--params", type=parse_count, help="model parameters, e.g. 175e9 or 175G")
     p.add_argument("--bytes-per-param", type=float, default=4)
     p.add_argument("--ranks", "--replicas", dest="ranks", type=int, required=True)
     _add_link_args(p, what="the link between ranks (between nodes with --local-size)")
