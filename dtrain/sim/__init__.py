@@ -2,18 +2,36 @@
 
 - :mod:`dtrain.sim.flows`: flow-level network, max-min fair sharing of links, event-driven;
 - :mod:`dtrain.sim.collective`: a ``dtrain.comm`` schedule replayed rank by rank on a placement;
+- :mod:`dtrain.sim.fit`: the simulator's software costs and link rate fitted to measurements;
+- :mod:`dtrain.sim.model`: a transformer's FLOPs and memory per device under a ``dp x tp x pp`` layout;
+- :mod:`dtrain.sim.placement`: topology-aware and oblivious rank placements;
+- :mod:`dtrain.sim.pipeline`: a pipeline step's timing from its GPipe / 1F1B order;
+- :mod:`dtrain.sim.step`: a whole training step (compute, each strategy's communication, stragglers).
 """
 
-from dtrain.sim.collective import CollectiveResult, SoftwareCost, replay
+from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, replay, replay_concurrent
 from dtrain.sim.flows import FlowNetwork, FlowSpec, LinkUsage, max_min_rates, simulate_flows
+from dtrain.sim.model import MODELS, Layout, ModelSpec, memory_per_device
+from dtrain.sim.placement import place
+from dtrain.sim.step import StepConfig, StepResult, simulate_step
 
 __all__ = [
     "CollectiveResult",
     "FlowNetwork",
     "FlowSpec",
+    "Job",
+    "Layout",
     "LinkUsage",
+    "MODELS",
+    "ModelSpec",
     "SoftwareCost",
+    "StepConfig",
+    "StepResult",
     "max_min_rates",
+    "memory_per_device",
+    "place",
     "replay",
+    "replay_concurrent",
     "simulate_flows",
+    "simulate_step",
 ]

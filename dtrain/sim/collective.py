@@ -24,7 +24,16 @@ from dtrain.cluster.topology import Topology
 from dtrain.comm.schedule import Schedule, chunk_bounds
 from dtrain.sim.flows import FlowNetwork, LinkUsage
 
-__all__ = ["SoftwareCost", "RankRound", "CollectiveResult", "rank_rounds", "replay", "check_placement"]
+__all__ = [
+    "SoftwareCost",
+    "RankRound",
+    "CollectiveResult",
+    "Job",
+    "rank_rounds",
+    "replay",
+    "replay_concurrent",
+    "check_placement",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,8 +135,9 @@ def check_placement(topology: Topology, placement: Sequence[str], world_size: in
 class _Replay:
     """The event-driven state of one replay: where each rank is, and which messages are waiting for a peer."""
 
-    def __init__(self, net: FlowNetwork, rounds, placement, cost: SoftwareCost, gammas, start_s) -> None:
+    def __init__(self, net: FlowNetwork, rounds, placement, cost: SoftwareCost, gammas, start_s, tag: int = 0) -> None:
         self.net, self.rounds, self.placement, self.cost, self.gammas = net, rounds, placement, cost, gammas
+        self.tag = tag  # tells concurrent replays' flows apart for ECMP
         self.position = [0] * len(rounds)
         self.posted: set[tuple[int, int]] = set()  # (rank, round index) posted and not finished
         self.pending = [0] * len(rounds)  # messages of the current round not yet done, per rank
@@ -157,7 +167,7 @@ class _Replay:
                 self._start(peer, rank, rr.index, self.rounds[peer][self.position[peer]].sends[rank])
 
     def _start(self, src: int, dst: int, index: int, nbytes: int) -> None:
-        flow_id = hash((src, dst, index)) & 0x7FFFFFFF
+        flow_id = hash((self.tag, src, dst, index)) & 0x7FFFFFFF
         done = lambda _t: (self._done(src, index), self._done(dst, index))  # noqa: E731
         self.net.send(self.placement[src], self.placement[dst], nbytes, flow_id=flow_id, on_done=done)
 
@@ -171,6 +181,16 @@ class _Replay:
         self.net.at(self.net.now + rr.reduce_bytes * self.gammas[rank], lambda: self._enter(rank))
 
 
+@dataclass(frozen=True)
+class Job:
+    """One collective call among several that run at the same time: ``schedule`` on ``nbytes`` of work buffer,
+    rank ``i`` on device ``placement[i]``."""
+
+    schedule: Schedule
+    nbytes: int
+    placement: tuple[str, ...]
+
+
 def replay(
     schedule: Schedule,
     nbytes: int,
@@ -182,18 +202,29 @@ def replay(
 ) -> CollectiveResult:
     """Simulate ``schedule`` on a ``nbytes`` work buffer (see :mod:`dtrain.comm.cost` for what that is per
     collective), rank ``i`` on device ``placement[i]`` (default: :meth:`Topology.devices` in order)."""
-    cost = cost or SoftwareCost()
     if placement is None:
         placement = [d.name for d in topology.devices()][: schedule.world_size]
     placement = check_placement(topology, placement, schedule.world_size)
+    return replay_concurrent([Job(schedule, nbytes, tuple(placement))], topology, cost=cost, itemsize=itemsize)
+
+
+def replay_concurrent(
+    jobs: Sequence[Job], topology: Topology, *, cost: SoftwareCost | None = None, itemsize: int = 4
+) -> CollectiveResult:
+    """Simulate several collectives started together (every tensor-parallel group's all-reduce of a layer, say),
+    sharing the network; ``rank_finish_s`` lists the ranks of each job in turn."""
+    cost = cost or SoftwareCost()
     net = FlowNetwork(topology, flow_cap_bytes_per_s=cost.flow_cap_bytes_per_s)
-    gammas = [
-        cost.gamma_s_per_byte if cost.gamma_s_per_byte is not None else 3 / topology.device(d).memory_bytes_per_s
-        for d in placement
-    ]
-    state = _Replay(
-        net, rank_rounds(schedule, nbytes, itemsize), placement, cost, gammas, [cost.call_s] * len(placement)
-    )
-    state.start()
+    states = []
+    for tag, job in enumerate(jobs):
+        placement = check_placement(topology, job.placement, job.schedule.world_size)
+        gammas = [
+            cost.gamma_s_per_byte if cost.gamma_s_per_byte is not None else 3 / topology.device(d).memory_bytes_per_s
+            for d in placement
+        ]
+        rounds = rank_rounds(job.schedule, job.nbytes, itemsize)
+        states.append(_Replay(net, rounds, placement, cost, gammas, [cost.call_s] * len(placement), tag))
+        states[-1].start()
     end = net.run()
-    return CollectiveResult(time_s=max(state.finish, default=0.0), rank_finish_s=state.finish, links=net.usage(end))
+    finish = [t for state in states for t in state.finish]
+    return CollectiveResult(time_s=max(finish, default=0.0), rank_finish_s=finish, links=net.usage(end))

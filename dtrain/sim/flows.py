@@ -67,46 +67,58 @@ def max_min_rates(paths: Sequence[Sequence[Link]], caps: Sequence[float | None] 
     link (or flow cap) fixes its flows' rate, they are frozen, and the rest carry on. A flow on no link and
     with no cap is unconstrained (``inf``).
     """
-    caps = list(caps) if caps is not None else [None] * len(paths)
-    rates = [math.inf] * len(paths)
-    left: dict[tuple[str, str], float] = {}
-    users: dict[tuple[str, str], set[int]] = {}
-    for i, path in enumerate(paths):
+    index: dict[tuple[str, str], int] = {}
+    capacity: list[float] = []
+    flow_links = []
+    for path in paths:
+        ids = []
         for link in path:
             key = (link.src, link.dst)
-            left[key] = link.bytes_per_s
-            users.setdefault(key, set()).add(i)
-    active = {i for i, path in enumerate(paths) if path or caps[i] is not None}
+            if key not in index:
+                index[key] = len(capacity)
+                capacity.append(link.bytes_per_s)
+            ids.append(index[key])
+        flow_links.append(ids)
+    return _fair_share(flow_links, capacity, list(caps) if caps is not None else [None] * len(paths))
+
+
+def _fair_share(flow_links: list[list[int]], capacity: list[float], caps: list[float | None]) -> list[float]:
+    """:func:`max_min_rates` on link indices: ``flow_links[i]`` the links of flow i, ``capacity[k]`` link k's."""
+    rates = [math.inf] * len(flow_links)
+    users: dict[int, list[int]] = {}
+    for i, ids in enumerate(flow_links):
+        for k in ids:
+            users.setdefault(k, []).append(i)
+    left = {k: capacity[k] for k in users}
+    count = {k: len(u) for k, u in users.items()}  # unfrozen flows on each link
+    live = list(users)  # links that still carry an unfrozen flow
+    active = {i for i, ids in enumerate(flow_links) if ids or caps[i] is not None}
+    capped = [i for i in active if caps[i] is not None]
     while active:
-        shares = {key: left[key] / len(flows & active) for key, flows in users.items() if flows & active}
-        capped = {i: caps[i] for i in active if caps[i] is not None}
-        share = min([*shares.values(), *capped.values()])
-        frozen = {i for key, s in shares.items() if s <= share * (1 + 1e-12) for i in users[key] & active}
-        frozen |= {i for i, c in capped.items() if c <= share * (1 + 1e-12)}
+        live = [k for k in live if count[k]]
+        shares = [left[k] / count[k] for k in live]
+        share = min([*shares, *(caps[i] for i in capped if i in active)], default=math.inf)
+        limit = share * (1 + 1e-12)
+        frozen = {i for k, sk in zip(live, shares, strict=True) if sk <= limit for i in users[k] if i in active}
+        frozen |= {i for i in capped if i in active and caps[i] <= limit}
         for i in frozen:
             rates[i] = share
-            for link in paths[i]:
-                key = (link.src, link.dst)
-                left[key] = max(0.0, left[key] - share)
+            for k in flow_links[i]:
+                left[k] = max(0.0, left[k] - share)
+                count[k] -= 1
         active -= frozen
     return rates
 
 
 @dataclass
 class _Flow:
-    path: list[Link]
+    links: list[int]
     nbytes: float
     remaining: float
     latency_s: float
     cap: float | None
     on_done: Callable[[float], None] | None
     rate: float = 0.0
-
-
-@dataclass
-class _LinkStats:
-    nbytes: float = 0.0
-    busy_s: float = 0.0
 
 
 class FlowNetwork:
@@ -126,7 +138,14 @@ class FlowNetwork:
         self._order = itertools.count()
         self._flows: dict[int, _Flow] = {}
         self._ids = itertools.count()
-        self._stats: dict[tuple[str, str], _LinkStats] = {}
+        # links by index, as they are first used: the link, its rate, bytes carried, busy time, flows on it
+        self._index: dict[tuple[str, str], int] = {}
+        self._links: list[Link] = []
+        self._capacity: list[float] = []
+        self._bytes: list[float] = []
+        self._busy_s: list[float] = []
+        self._on_link: dict[int, int] = {}
+        self._dirty = False  # flows started since the last allocation: rates are recomputed once per instant
 
     def at(self, time_s: float, callback: Callable[[], None]) -> None:
         """Call ``callback()`` at ``time_s`` (not before now)."""
@@ -142,14 +161,29 @@ class FlowNetwork:
             # nothing to move, or a copy within a node: only the latency
             self.at(self.now + latency, lambda: on_done and on_done(self.now))
             return
-        self._flows[next(self._ids)] = _Flow(path, nbytes, float(nbytes), latency, self.flow_cap_bytes_per_s, on_done)
-        for link in path:
-            self._stats.setdefault((link.src, link.dst), _LinkStats()).nbytes += nbytes
-        self._reallocate()
+        links = [self._link_id(link) for link in path]
+        self._flows[next(self._ids)] = _Flow(links, nbytes, float(nbytes), latency, self.flow_cap_bytes_per_s, on_done)
+        for k in links:
+            self._bytes[k] += nbytes
+            self._on_link[k] = self._on_link.get(k, 0) + 1
+        self._dirty = True
+
+    def _link_id(self, link: Link) -> int:
+        key = (link.src, link.dst)
+        k = self._index.get(key)
+        if k is None:
+            k = self._index[key] = len(self._links)
+            self._links.append(link)
+            self._capacity.append(link.bytes_per_s)
+            self._bytes.append(0.0)
+            self._busy_s.append(0.0)
+        return k
 
     def run(self) -> float:
         """Advance until no flow or event is left; return the time of the last event."""
         while self._events or self._flows:
+            if self._dirty:
+                self._reallocate()
             next_event = self._events[0][0] if self._events else math.inf
             next_drain = min((self.now + f.remaining / f.rate for f in self._flows.values()), default=math.inf)
             step_to = min(next_event, next_drain)
@@ -165,20 +199,19 @@ class FlowNetwork:
         """Every link that carried bytes, busiest (by utilisation) first."""
         total = self.now if total_s is None else total_s
         rows = [
-            LinkUsage(link=self.topology.link(*key), nbytes=s.nbytes, busy_s=s.busy_s, total_s=total)
-            for key, s in self._stats.items()
+            LinkUsage(link=link, nbytes=self._bytes[k], busy_s=self._busy_s[k], total_s=total)
+            for k, link in enumerate(self._links)
         ]
         return sorted(rows, key=lambda u: (-u.utilisation, u.link.name))
 
     def _advance(self, time_s: float) -> None:
         dt = time_s - self.now
         if dt > 0 and self._flows:
-            busy = set()
             for f in self._flows.values():
                 f.remaining -= f.rate * dt
-                busy.update((link.src, link.dst) for link in f.path)
-            for key in busy:
-                self._stats[key].busy_s += dt
+            for k, n in self._on_link.items():
+                if n:
+                    self._busy_s[k] += dt
         self.now = time_s
 
     def _finish_drained(self) -> None:
@@ -190,14 +223,17 @@ class FlowNetwork:
         ]
         for i in done:
             flow = self._flows.pop(i)
+            for k in flow.links:
+                self._on_link[k] -= 1
             if flow.on_done is not None:
                 callback = flow.on_done
                 self.at(self.now + flow.latency_s, lambda cb=callback: cb(self.now))
         self._reallocate()
 
     def _reallocate(self) -> None:
+        self._dirty = False
         flows = list(self._flows.values())
-        rates = max_min_rates([f.path for f in flows], [f.cap for f in flows])
+        rates = _fair_share([f.links for f in flows], self._capacity, [f.cap for f in flows])
         for flow, rate in zip(flows, rates, strict=True):
             flow.rate = rate
 

@@ -1,0 +1,137 @@
+"""A transformer training job as numbers: its size, its parallel layout, its FLOPs and its memory per device.
+
+FLOPs: a dense decoder of ``P`` parameters trains at ``6 P`` FLOPs a token (forward 2, backward 4; Kaplan et al.
+2020, "Scaling Laws for Neural Language Models", section 2.1), plus the attention scores and values, ``12 L h s``
+a token over forward and backward (ibid., and Narayanan et al. 2021, "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", appendix, without the LM head's share).
+
+Memory per device, mixed-precision Adam (Rajbhandari et al. 2020, "ZeRO", section 3.1): ``2 P`` bytes of 16-bit
+weights, ``2 P`` of 16-bit gradients and ``12 P`` of optimizer state (32-bit master weights, momentum and
+variance), each cut by ``tp x pp``; ZeRO stage 1 cuts the optimizer state by ``dp``, stage 2 the gradients
+too, stage 3 the weights too. Activations of one transformer layer and one micro-batch, without recomputation
+and without sequence parallelism: ``s b h (10 + 24 / t + 5 a s / (h t))`` bytes (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", section 4.2.2, equation 2); a 1F1B stage holds
+at most ``pp`` micro-batches in flight (GPipe holds all ``m``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ModelSpec", "Layout", "MemoryUse", "memory_per_device", "flops_per_microbatch", "MODELS"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer: ``parameters`` in all, ``layers`` blocks of width ``hidden`` with ``heads``
+    attention heads, trained on sequences of ``sequence`` tokens."""
+
+    name: str = "model"
+    parameters: float
+    layers: int
+    hidden: int
+    heads: int
+    sequence: int
+    bytes_per_value: int = 2  # 16-bit weights, gradients and activations on the wire
+
+    def __post_init__(self) -> None:
+        for field_name in ("parameters", "layers", "hidden", "heads", "sequence", "bytes_per_value"):
+            value = getattr(self, field_name)
+            if not value > 0:
+                raise ValueError(f"ModelSpec.{field_name} must be > 0, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
+
+
+#: Models people plan for (sizes from the papers that introduced them).
+MODELS: dict[str, ModelSpec] = {
+    "gpt2-xl": ModelSpec(name="gpt2-xl", parameters=1.5e9, layers=48, hidden=1600, heads=25, sequence=1024),
+    "llama-7b": ModelSpec(name="llama-7b", parameters=6.7e9, layers=32, hidden=4096, heads=32, sequence=4096),
+    "llama-13b": ModelSpec(name="llama-13b", parameters=13e9, layers=40, hidden=5120, heads=40, sequence=4096),
+    "gpt3-175b": ModelSpec(name="gpt3-175b", parameters=175e9, layers=96, hidden=12288, heads=96, sequence=2048),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How a step is spread: ``dp x tp x pp`` ranks, ``micro_batch`` sequences a micro-batch and
+    ``global_batch`` sequences a step (so ``global_batch / (dp x micro_batch)`` micro-batches a replica)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    zero_stage: int = 0
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        for field_name in ("dp", "tp", "pp", "micro_batch", "global_batch"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Layout.{field_name} must be a positive int, got {value!r}")
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ValueError(
+                f"global_batch {self.global_batch} is not a multiple of dp x micro_batch = "
+                f"{self.dp} x {self.micro_batch}; each replica needs a whole number of micro-batches"
+            )
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches each replica runs a step (``m``)."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def check(self, model: ModelSpec) -> None:
+        """Raise ``ValueError`` if the layout cannot cut ``model``: layers over stages, heads over tp ranks."""
+        if model.layers % self.pp:
+            raise ValueError(f"{model.layers} layers do not split into pp={self.pp} equal stages")
+        if model.heads % self.tp:
+            raise ValueError(f"{model.heads} heads do not split over tp={self.tp} ranks")
+
+    def describe(self) -> str:
+        zero = f" zero{self.zero_stage}" if self.zero_stage else ""
+        return f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}x{self.microbatches}{zero}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryUse:
+    """Bytes one device holds at the peak of a step."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def memory_per_device(model: ModelSpec, layout: Layout) -> MemoryUse:
+    """Peak bytes per device of ``model`` trained with ``layout`` (see the module docstring for the sources)."""
+    shard = model.parameters / (layout.tp * layout.pp)
+    stage = layout.zero_stage
+    weights = 2 * shard / (layout.dp if stage >= 3 else 1)
+    gradients = 2 * shard / (layout.dp if stage >= 2 else 1)
+    optimizer = 12 * shard / (layout.dp if stage >= 1 else 1)
+    s, b, h, a, t = model.sequence, layout.micro_batch, model.hidden, model.heads, layout.tp
+    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    in_flight = layout.microbatches if layout.schedule == "gpipe" else min(layout.pp, layout.microbatches)
+    activations = per_layer * (model.layers / layout.pp) * in_flight
+    return MemoryUse(weights=weights, gradients=gradients, optimizer=optimizer, activations=activations)
+
+
+def flops_per_microbatch(model: ModelSpec, layout: Layout) -> float:
+    """Training FLOPs (forward and backward) of one micro-batch on one device: ``(6 P + 12 L h s)`` a token,
+    shared by the ``tp x pp`` devices of a replica."""
+    tokens = layout.micro_batch * model.sequence
+    per_token = 6 * model.parameters + 12 * model.layers * model.hidden * model.sequence
+    return per_token * tokens / (layout.tp * layout.pp)

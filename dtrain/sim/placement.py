@@ -1,0 +1,59 @@
+"""Rank placements for a ``dp x pp x tp`` layout: which device each grid rank runs on.
+
+Grid ranks follow :class:`dtrain.parallel.grid.ParallelDims`: ``((dp_rank * pp) + pp_rank) * tp + tp_rank``,
+tensor parallel innermost. The topology-aware placement puts consecutive grid ranks on consecutive devices of
+:meth:`Topology.devices` (server by server), so a tensor-parallel group shares a server's NVLink, pipeline
+neighbours come next and data-parallel replicas span servers and racks (Megatron-LM's rank order, Narayanan
+et al. 2021, section 3.2). The oblivious one deals the ranks round-robin over the servers, as a scheduler that
+knows nothing of the job would, so neighbours in every group land on different servers.
+"""
+
+from __future__ import annotations
+
+from dtrain.cluster.topology import Topology
+from dtrain.sim.model import Layout
+
+__all__ = ["PLACEMENTS", "place", "grid_rank", "group"]
+
+PLACEMENTS = ("aware", "oblivious")
+
+
+def grid_rank(layout: Layout, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+    """The grid rank at these coordinates (``ParallelDims.rank``'s order)."""
+    return (dp_rank * layout.pp + pp_rank) * layout.tp + tp_rank
+
+
+def group(layout: Layout, axis: str, dp_rank: int, pp_rank: int, tp_rank: int) -> list[int]:
+    """Grid ranks sharing every coordinate but ``axis`` ("dp", "pp" or "tp"), in axis order."""
+    if axis == "dp":
+        return [grid_rank(layout, d, pp_rank, tp_rank) for d in range(layout.dp)]
+    if axis == "pp":
+        return [grid_rank(layout, dp_rank, p, tp_rank) for p in range(layout.pp)]
+    if axis == "tp":
+        return [grid_rank(layout, dp_rank, pp_rank, t) for t in range(layout.tp)]
+    raise ValueError(f"axis must be 'dp', 'pp' or 'tp', got {axis!r}")
+
+
+def place(topology: Topology, layout: Layout, how: str = "aware") -> list[str]:
+    """The device of each grid rank under placement ``how`` ("aware" or "oblivious")."""
+    devices = topology.devices()
+    if layout.world_size > len(devices):
+        raise ValueError(
+            f"layout {layout.describe()} needs {layout.world_size} devices; topology {topology.name!r} has "
+            f"{len(devices)}"
+        )
+    if how == "aware":
+        return [d.name for d in devices[: layout.world_size]]
+    if how == "oblivious":
+        by_server: dict[str, list[str]] = {}
+        for d in devices:
+            by_server.setdefault(d.server, []).append(d.name)
+        dealt = [name for row in _interleave(list(by_server.values())) for name in row]
+        return dealt[: layout.world_size]
+    raise ValueError(f"unknown placement {how!r}; known: {', '.join(PLACEMENTS)}")
+
+
+def _interleave(columns: list[list[str]]) -> list[list[str]]:
+    """Rows of one device from each server in turn: server 0's first, server 1's first, ..."""
+    depth = max(len(c) for c in columns)
+    return [[c[i] for c in columns if i < len(c)] for i in range(depth)]

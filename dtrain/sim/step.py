@@ -1,0 +1,275 @@
+"""One training step of a ``dp x tp x pp`` layout simulated on a topology.
+
+What each strategy sends mirrors :mod:`dtrain.parallel`:
+
+- tensor parallel (Megatron-LM's ``f`` and ``g``, tensor_parallel_communications.py): two all-reduces of the
+  layer's activation ``b s h`` in every layer's forward and two in its backward, in every tensor-parallel
+  group; all groups at once, sharing the network;
+- pipeline parallel (pipeline_parallel_communications.py): one activation forward and one gradient backward
+  per micro-batch across each stage boundary, point to point between ranks of equal ``tp_rank``; the stages
+  run the GPipe or 1F1B order of pipeline_schedules.py (:mod:`dtrain.sim.pipeline`);
+- data parallel (hybrid.py's DistributedOptimizer: after the ``m`` micro-batches, not overlapped): an
+  all-reduce of the stage's gradients in every data-parallel group; with ZeRO (zero.py) stage 1 all-reduces
+  and all-gathers the updated shards, stage 2 reduce-scatters and all-gathers, stage 3 (not built in
+  dtrain.parallel; the ZeRO paper's 1.5x volume) reduce-scatters and all-gathers the weights twice.
+
+Every collective is a ``dtrain.comm`` schedule replayed on the placement (:mod:`dtrain.sim.collective`).
+Compute is FLOPs over each device's peak times an efficiency; a straggler multiplies a rank's compute. The
+step is synchronous: a tensor-parallel group runs at its slowest member, a pipeline at its stages' pace, and
+the data-parallel all-reduce waits for the slowest replica.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dtrain.cluster.topology import Topology
+from dtrain.comm import algorithms
+from dtrain.comm.schedule import Collective, Transfer, make_schedule
+from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, replay_concurrent
+from dtrain.sim.flows import LinkUsage
+from dtrain.sim.model import Layout, MemoryUse, ModelSpec, flops_per_microbatch, memory_per_device
+from dtrain.sim.pipeline import pipeline_makespan
+from dtrain.sim.placement import grid_rank, group
+
+__all__ = ["StepConfig", "StepResult", "simulate_step"]
+
+#: Bytes an Adam step reads and writes per parameter it owns: 32-bit master weight, momentum and variance read
+#: and written (24), the 16-bit gradient read and the 16-bit weight written (4).
+ADAM_BYTES_PER_PARAMETER = 28
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """How to simulate: ``efficiency`` of the compute kernels (achieved / peak FLOP/s), the algorithms of the
+    tensor- and data-parallel collectives, software costs, the usable share of device memory, and stragglers:
+    ``slowdown`` fixes a factor on chosen ranks, ``straggler_sigma`` draws every rank's factor from a lognormal
+    (median 1) each of ``samples`` steps."""
+
+    efficiency: float = 0.5
+    tp_algorithm: str = "ring"
+    dp_algorithm: str = "ring"
+    cost: SoftwareCost = field(default_factory=SoftwareCost)
+    memory_fraction: float = 0.9
+    slowdown: dict[int, float] = field(default_factory=dict)
+    straggler_sigma: float = 0.0
+    samples: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if any(not f >= 1 for f in self.slowdown.values()):
+            raise ValueError(f"slowdown factors must be >= 1 (a slower rank), got {self.slowdown!r}")
+        if self.straggler_sigma < 0 or self.samples < 1:
+            raise ValueError(
+                f"straggler_sigma must be >= 0 and samples >= 1, got {self.straggler_sigma}, {self.samples}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """A simulated step: its time (the median over straggler samples, with the 95th percentile), the parts
+    of it, memory per device, and each link's load over the step."""
+
+    step_s: float
+    step_p95_s: float
+    pipeline_s: float
+    compute_s: float
+    tp_s: float
+    pp_s: float
+    dp_s: float
+    optimizer_s: float
+    bubble: float
+    memory: MemoryUse
+    memory_limit: float
+    tokens_per_s: float
+    links: list[LinkUsage] = field(repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory_limit
+
+    @property
+    def bottleneck(self) -> LinkUsage | None:
+        return self.links[0] if self.links else None
+
+
+def _p2p() -> object:
+    """One message from rank 0 to rank 1: a two-rank broadcast is exactly a point-to-point send."""
+    return make_schedule(Collective.BROADCAST, "p2p", 2, [[Transfer(0, 1, 0, 0)]], root=0)
+
+
+def _build(collective: Collective, algorithm: str, ranks: Sequence[int], placement: Sequence[str], topo: Topology):
+    local = None
+    if algorithms.needs_local_size(algorithm):
+        local = _local_size([topo.device(placement[r]).server for r in ranks])
+    return algorithms.build(collective, algorithm, len(ranks), local_size=local)
+
+
+def _local_size(servers: list[str]) -> int:
+    """Ranks per server of a group laid out server by server; ValueError if it is not evenly so."""
+    run = next((i for i, s in enumerate(servers) if s != servers[0]), len(servers))
+    runs = [servers[i : i + run] for i in range(0, len(servers), run)]
+    if len(servers) % run or any(len(set(r)) != 1 for r in runs) or len({r[0] for r in runs}) != len(runs):
+        raise ValueError(f"a hierarchical algorithm needs groups of equal runs of ranks per server, got {servers}")
+    return run
+
+
+def _padded(nbytes: float, itemsize: int, ranks: int) -> int:
+    unit = itemsize * ranks
+    return int(math.ceil(nbytes / unit)) * unit
+
+
+def _groups(layout: Layout, axis: str) -> list[list[int]]:
+    seen, out = set(), []
+    for d in range(layout.dp):
+        for p in range(layout.pp):
+            for t in range(layout.tp):
+                g = tuple(group(layout, axis, d, p, t))
+                if g not in seen:
+                    seen.add(g)
+                    out.append(list(g))
+    return out
+
+
+def _collectives(model: ModelSpec, layout: Layout, topo: Topology, placement: list[str], config: StepConfig):
+    """(tp all-reduce, pp message, dp phases) simulated once each, all groups of a kind at the same time."""
+    item = model.bytes_per_value
+    activation = layout.micro_batch * model.sequence * model.hidden * item
+
+    def run(collective: Collective, algorithm: str, groups: list[list[int]], nbytes: float) -> CollectiveResult:
+        jobs = [
+            Job(_build(collective, algorithm, g, placement, topo), _padded(nbytes, item, len(g)),
+                tuple(placement[r] for r in g))
+            for g in groups
+        ]  # fmt: skip
+        return replay_concurrent(jobs, topo, cost=config.cost, itemsize=item)
+
+    tp = run(Collective.ALL_REDUCE, config.tp_algorithm, _groups(layout, "tp"), activation) if layout.tp > 1 else None
+    pp = None
+    if layout.pp > 1:
+        pairs = [
+            (grid_rank(layout, d, p, t), grid_rank(layout, d, p + 1, t))
+            for d in range(layout.dp) for p in range(layout.pp - 1) for t in range(layout.tp)
+        ]  # fmt: skip
+        jobs = [Job(_p2p(), _padded(activation, item, 1), (placement[a], placement[b])) for a, b in pairs]
+        pp = replay_concurrent(jobs, topo, cost=config.cost, itemsize=item)
+    dp: list[CollectiveResult] = []
+    if layout.dp > 1:
+        grads = model.parameters / (layout.tp * layout.pp) * item
+        groups = _groups(layout, "dp")
+        phases = {
+            0: [Collective.ALL_REDUCE],
+            1: [Collective.ALL_REDUCE, Collective.ALL_GATHER],
+            2: [Collective.REDUCE_SCATTER, Collective.ALL_GATHER],
+            3: [Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.ALL_GATHER],
+        }[layout.zero_stage]
+        dp = [run(c, config.dp_algorithm, groups, grads) for c in phases]
+    return tp, pp, dp
+
+
+def _stage_times(
+    model: ModelSpec,
+    layout: Layout,
+    topo: Topology,
+    placement: list[str],
+    factors: Sequence[float],
+    config: StepConfig,
+    tp_s: float,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Per replica and stage, forward and backward seconds of one micro-batch: compute at the stage's slowest
+    tensor-parallel rank (FLOPs split 1:2 between forward and backward), plus two tp all-reduces a layer each way."""
+    flops = flops_per_microbatch(model, layout) / config.efficiency
+    layers = model.layers // layout.pp
+    forward, backward = [], []
+    for d in range(layout.dp):
+        fw, bw = [], []
+        for p in range(layout.pp):
+            ranks = group(layout, "tp", d, p, 0)
+            compute = flops * max(factors[r] / topo.device(placement[r]).peak_flops for r in ranks)
+            fw.append(compute / 3 + 2 * layers * tp_s)
+            bw.append(2 * compute / 3 + 2 * layers * tp_s)
+        forward.append(fw)
+        backward.append(bw)
+    return forward, backward
+
+
+def _factors(layout: Layout, config: StepConfig) -> list[list[float]]:
+    """Per sampled step, every rank's slowdown factor."""
+    fixed = [config.slowdown.get(r, 1.0) for r in range(layout.world_size)]
+    if config.straggler_sigma == 0:
+        return [fixed]
+    rng = np.random.default_rng(config.seed)
+    draws = rng.lognormal(0.0, config.straggler_sigma, size=(config.samples, layout.world_size))
+    return [[f * x for f, x in zip(fixed, row, strict=True)] for row in draws]
+
+
+def _step_links(parts: list[tuple[CollectiveResult | None, float]], step_s: float) -> list[LinkUsage]:
+    """Each link's bytes over the step (each collective's bytes times its calls a step), busiest first."""
+    totals: dict[str, tuple[object, float]] = {}
+    for result, calls in parts:
+        if result is None:
+            continue
+        for u in result.links:
+            link, nbytes = totals.get(u.link.name, (u.link, 0.0))
+            totals[u.link.name] = (link, nbytes + u.nbytes * calls)
+    rows = [LinkUsage(link=link, nbytes=n, busy_s=0.0, total_s=step_s) for link, n in totals.values()]
+    return sorted(rows, key=lambda u: (-u.utilisation, u.link.name))
+
+
+def simulate_step(
+    model: ModelSpec,
+    layout: Layout,
+    topology: Topology,
+    placement: Sequence[str],
+    config: StepConfig | None = None,
+) -> StepResult:
+    """Simulate one synchronous training step of ``model`` under ``layout``, grid rank ``r`` on ``placement[r]``."""
+    config = config or StepConfig()
+    layout.check(model)
+    placement = list(placement)
+    if len(placement) != layout.world_size:
+        raise ValueError(f"placement names {len(placement)} devices for a layout of {layout.world_size} ranks")
+    if any(r >= layout.world_size for r in config.slowdown):
+        raise ValueError(f"slowdown names ranks {sorted(config.slowdown)} outside the {layout.world_size} ranks")
+    tp, pp, dp = _collectives(model, layout, topology, placement, config)
+    tp_s = tp.time_s if tp else 0.0
+    pp_s = pp.time_s if pp else 0.0
+    dp_s = sum(r.time_s for r in dp)
+    memory = memory_per_device(model, layout)
+    owned = model.parameters / (layout.tp * layout.pp) / (layout.dp if layout.zero_stage else 1)
+    optimizer_s = max(owned * ADAM_BYTES_PER_PARAMETER / topology.device(d).memory_bytes_per_s for d in placement)
+    m = layout.microbatches
+    steps, pipelines = [], []
+    for factors in _factors(layout, config):
+        forward, backward = _stage_times(model, layout, topology, placement, factors, config, tp_s)
+        slowest = max(pipeline_makespan(f, b, pp_s, m, layout.schedule) for f, b in zip(forward, backward, strict=True))
+        pipelines.append(slowest)
+        steps.append(slowest + dp_s + optimizer_s)
+    step_s = float(np.median(steps))
+    ideal_f, ideal_b = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
+    compute_s = m * max(f + b for f, b in zip(ideal_f[0], ideal_b[0], strict=True))
+    layers = model.layers // layout.pp
+    parts = [(tp, 4 * layers * m), (pp, 2 * m)] + [(r, 1) for r in dp]
+    return StepResult(
+        step_s=step_s,
+        step_p95_s=float(np.percentile(steps, 95)),
+        pipeline_s=float(np.median(pipelines)),
+        compute_s=compute_s,
+        tp_s=4 * layers * m * tp_s,
+        pp_s=pp_s,
+        dp_s=dp_s,
+        optimizer_s=optimizer_s,
+        bubble=(layout.pp - 1) / (m + layout.pp - 1),
+        memory=memory,
+        memory_limit=config.memory_fraction * min(topology.device(d).memory_bytes for d in placement),
+        tokens_per_s=layout.global_batch * model.sequence / step_s,
+        links=_step_links(parts, step_s),
+    )
