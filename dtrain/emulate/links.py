@@ -3,8 +3,10 @@
 A veth pair is a cable; tc shapes what a veth end *sends*, so a duplex link gets a token bucket on each end,
 each at its direction's rate (tc-tbf(8)). The bucket (``burst``) holds a few milliseconds of traffic, at least
 64 KiB: veths hand the qdisc segments of up to 64 KiB (GSO), and a bucket smaller than a segment makes tbf
-split or drop it. The queue (``latency``) holds 50 ms: enough for TCP to keep the link busy, small enough that
-a collective's round does not sit behind seconds of queue.
+split or drop it. The queue (``latency``) holds 10 ms beyond the bucket: at these rates that is far more than a
+bandwidth-delay product (TCP keeps the link busy), and shallow, as data-centre switch buffers are, so the ACKs
+and Gloo's small control messages that share a direction with bulk data wait milliseconds, not a deep
+queue's tens of them. (No fq_codel/sfq on these kernels: only tbf, htb and fifos, so no per-flow queues.)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ __all__ = ["add_bridge", "add_veth", "attach", "set_address", "limit_rate", "tbf
 
 _MIN_BURST_BYTES = 64 * 1024
 _BURST_SECONDS = 0.004
-_QUEUE_LATENCY_MS = 50
+_QUEUE_LATENCY_MS = 10
 
 
 def add_bridge(namespace: str, name: str) -> None:
