@@ -111,7 +111,7 @@ def layered_positions(graph: nx.Graph) -> dict[str, tuple[float, float]]:
             if graph.nodes[name]["kind"] == "cpu":
                 span = width + 1.6
                 positions[name] = (x0 - 0.8 + (span * i / (len(cpus) - 1) if len(cpus) > 1 else 0.0), _ROW["cpu"])
-        x0 += width + 3.0
+        x0 += width + (3.0 if len(names) > 1 else 0.6)  # room for the CPUs beside a detailed server
     _place_switches(graph, positions, x0)
     return positions
 
@@ -163,12 +163,24 @@ def draw(topology: Topology, path: str | Path, *, collapse: bool | None = None, 
     handles = _legend(edges)
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=min(4, len(handles)), fontsize=7,
               frameon=False)  # fmt: skip
-    ax.set_title(title or f"{topology.name}: {len(topology.devices())} devices", fontsize=10)
+    ax.set_title(title or _title(topology), fontsize=10)
     ax.axis("off")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=130, bbox_inches="tight")
     return path
+
+
+def _title(topology: Topology) -> str:
+    """Name, size and the ToRs' oversubscription (the figure the seed's cluster is about)."""
+    from dtrain.cluster.capacity import switch_capacity
+
+    text = f"{topology.name}: {len(topology.devices())} GPUs in {len(topology.servers())} servers"
+    tors = [n for n, layer in topology.graph.nodes(data="layer") if layer == "tor"]
+    ratios = sorted({round(switch_capacity(topology, tor).oversubscription, 3) for tor in tors})
+    if ratios and all(math.isfinite(r) for r in ratios):
+        text += ", ToR oversubscription " + ", ".join(f"1:{r:g}" for r in ratios)
+    return text
 
 
 def _label_servers(ax, graph: nx.Graph, positions: dict) -> None:
