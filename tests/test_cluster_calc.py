@@ -177,3 +177,17 @@ def test_the_ring_never_loads_one_replica_more_than_gathering_does(replicas, gra
     gather, ring = averaging(gradient, replicas, rate(gbit_per_s=100))
     assert ring.busiest_replica_bytes <= gather.busiest_replica_bytes * (1 + 1e-12)
     assert ring.total_bytes == pytest.approx(gather.total_bytes)  # the same bytes, spread out
+
+
+def test_cli_topology_route_lists_one_path_per_spine(capsys):
+    assert main(["topology", "4-rack", "--set", "spines=3", "--route", "r0/tor", "r2/tor", "--json"]) == 0
+    paths = json.loads(capsys.readouterr().out)["route"]["paths"]
+    assert [p["nodes"][1] for p in paths] == ["spine0", "spine1", "spine2"]
+    assert {p["bottleneck_bytes_per_s"] for p in paths} == {800e9 / 4 / 3}
+
+
+def test_cli_topology_set_reads_booleans(capsys):
+    assert main(["topology", "4-rack", "--set", "gpudirect_rdma=false", "--route", "s0/gpu0", "s4/gpu0",
+                 "--json"]) == 0  # fmt: skip
+    nodes = json.loads(capsys.readouterr().out)["route"]["paths"][0]["nodes"]
+    assert "s0/cpu0" in nodes or "s0/cpu1" in nodes

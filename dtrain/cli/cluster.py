@@ -220,6 +220,7 @@ def _register_topology(commands) -> None:
                    help="preset parameter, e.g. --set racks=2 --set oversubscription=8")  # fmt: skip
     p.add_argument("--draw", metavar="PNG", help="write a drawing of the topology")
     p.add_argument("--save", metavar="TOML", help="write the topology as explicit nodes and links")
+    p.add_argument("--route", nargs=2, metavar=("SRC", "DST"), help="the equal-cost paths between two nodes")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=_topology)
 
@@ -228,6 +229,8 @@ def _parse_setting(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep:
         raise ValueError(f"--set wants KEY=VALUE, got {text!r}")
+    if value.strip().lower() in ("true", "false"):
+        return key.strip(), value.strip().lower() == "true"
     for convert in (int, float):
         try:
             return key.strip(), convert(value)
@@ -238,7 +241,7 @@ def _parse_setting(text: str) -> tuple[str, Any]:
 
 def _topology(args: argparse.Namespace) -> int:
     from dtrain.cluster.files import resolve, save
-    from dtrain.cluster.report import render_topology, topology_summary
+    from dtrain.cluster.report import render_topology, route_summary, topology_summary
 
     topology = resolve(args.topology, **dict(_parse_setting(s) for s in args.set))
     if args.draw:
@@ -247,7 +250,10 @@ def _topology(args: argparse.Namespace) -> int:
         draw(topology, args.draw)
     if args.save:
         save(topology, args.save)
-    return _emit(args, topology_summary(topology), render_topology)
+    data = topology_summary(topology)
+    if args.route:
+        data["route"] = route_summary(topology, *args.route)
+    return _emit(args, data, render_topology)
 
 
 def _paths(args: argparse.Namespace) -> int:

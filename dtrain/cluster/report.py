@@ -25,6 +25,7 @@ __all__ = [
     "render_paths",
     "render_topology",
     "topology_summary",
+    "route_summary",
     "ratio_text",
 ]
 
@@ -111,6 +112,27 @@ def topology_summary(topology: Topology) -> dict[str, Any]:
     }
 
 
+def route_summary(topology: Topology, src: str, dst: str) -> dict[str, Any]:
+    """Every equal-cost path from ``src`` to ``dst`` (ECMP picks one a flow), each with its slowest link."""
+    paths = []
+    for nodes in topology.equal_cost_paths(src, dst):
+        links = [topology.link(a, b) for a, b in zip(nodes, nodes[1:], strict=False)]
+        slowest = min(links, key=lambda link: link.bytes_per_s)
+        paths.append({"nodes": nodes, "kinds": [link.kind for link in links], "bottleneck": slowest.name,
+                      "bottleneck_bytes_per_s": slowest.bytes_per_s,
+                      "latency_s": sum(link.latency_s for link in links)})  # fmt: skip
+    return {"src": src, "dst": dst, "paths": paths}
+
+
+def render_route(console: Console, data: dict) -> None:
+    console.print(f"{len(data['paths'])} equal-cost path(s) from {data['src']} to {data['dst']}")
+    table = Table("path", "bottleneck link", "its rate", "latency")
+    for row in data["paths"]:
+        table.add_row(" > ".join(row["nodes"]), row["bottleneck"], format_rate(row["bottleneck_bytes_per_s"]),
+                      format_seconds(row["latency_s"]))  # fmt: skip
+    console.print(table)
+
+
 def render_topology(console: Console, data: dict) -> None:
     console.print(
         f"[bold]{data['name']}[/bold]: {data['devices']} devices, {data['servers']} servers, {data['racks']} racks"
@@ -124,3 +146,5 @@ def render_topology(console: Console, data: dict) -> None:
     console.print(table)
     if data["tors"]:
         render_oversubscription(console, {"switches": data["tors"]})
+    if data.get("route"):
+        render_route(console, data["route"])
