@@ -35,7 +35,7 @@ class SGD(RowOptimizer):
     def __init__(self, config: JobConfig, rows: int, width: int) -> None:
         super().__init__(config, rows, width)
         if config.momentum:
-            self.state = {"buf": np.zeros((rows, width), np.float32), "started": np.zeros(rows, bool)}
+            self.state = {"buf": np.zeros((rows, width), np.float32), "started": np.zeros(rows, np.int64)}
 
     def step(self, weights: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> None:
         c = self.config
@@ -43,9 +43,9 @@ class SGD(RowOptimizer):
         if c.momentum:
             buf, started = self.state["buf"], self.state["started"]
             old = buf[rows]
-            new = np.where(started[rows, None], np.float32(c.momentum) * old + g, g)
+            new = np.where(started[rows, None] != 0, np.float32(c.momentum) * old + g, g)
             buf[rows] = new
-            started[rows] = True
+            started[rows] = 1
             g = new
         weights[rows] -= np.float32(c.lr) * g
 

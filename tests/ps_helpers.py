@@ -1,0 +1,50 @@
+"""Helpers for the parameter-server tests: run a job on a local cluster, read back shards and metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dtrain.ps.config import JobConfig
+from dtrain.ps.keys import partition
+from dtrain.ps.launch import LocalCluster
+from dtrain.ps.train import TaskConfig
+
+
+def dump(cluster: LocalCluster, server: int, shard: int) -> dict[str, np.ndarray]:
+    """Every array of ``shard``'s replica on ``server``."""
+    msg = cluster.ask_server(server, {"op": "dump", "shard": shard})
+    return {name: np.array(t) for name, t in zip(msg.header["names"], msg.tensors, strict=True)}
+
+
+def gather_weights(cluster: LocalCluster) -> np.ndarray:
+    """The full ``(num_keys, width)`` weights, each shard read from its current head."""
+    chains = cluster.layout()["chains"]
+    shards = range(len(partition(cluster.config.num_keys, cluster.config.num_servers)))
+    return np.concatenate([dump(cluster, chains[s][0], s)["weights"] for s in shards])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def run_job(job: JobConfig, task: TaskConfig, out: Path, timeout_s: float = 60.0, during=None):
+    """Start a cluster and ``job.num_workers`` workers on ``task``; ``during(cluster)`` runs while they train.
+    Returns (weights at the end, per-worker metric records, the cluster's server stats, coordinator events)."""
+    task_map = {**task.to_dict(), "out": str(out)}
+    with LocalCluster(job) as cluster:
+        for rank in range(job.num_workers):
+            cluster.start_worker(rank, task_map)
+        if during is not None:
+            during(cluster)
+        statuses = cluster.wait_workers(timeout_s)
+        assert statuses == dict.fromkeys(range(job.num_workers), 0), f"worker exit statuses {statuses}"
+        weights = gather_weights(cluster)
+        layout = cluster.layout()
+        stats = {r: cluster.ask_server(r, {"op": "stats"}).header["stats"]
+                 for r, ep in enumerate(layout["endpoints"]) if ep}  # fmt: skip
+        events = cluster.events()
+    records = {r: read_jsonl(out / f"worker-{r}.jsonl") for r in range(job.num_workers)}
+    return weights, records, stats, events

@@ -1,0 +1,73 @@
+"""The servers' row optimizers match torch.optim step for step, and touch only the rows they are given."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtrain.ps.config import JobConfig
+from dtrain.ps.keys import KeyRange, dense_slots, partition, split_by_range
+from dtrain.ps.optimizers import make_optimizer
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "torch_opt"),
+    [
+        ("sgd", {"lr": 0.1}, lambda p: torch.optim.SGD(p, lr=0.1)),
+        ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+         lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01)),
+        ("adam", {"lr": 0.01}, lambda p: torch.optim.Adam(p, lr=0.01)),
+    ],
+)  # fmt: skip
+def test_dense_steps_match_torch_optim(name, kwargs, torch_opt):
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((5, 3)).astype(np.float32)
+    param = torch.nn.Parameter(torch.from_numpy(weights.copy()))
+    opt = torch_opt([param])
+    ours = make_optimizer(JobConfig(num_keys=5, width=3, optimizer=name, **kwargs), 5, 3)
+    rows = np.arange(5)
+    for _ in range(5):
+        grad = rng.standard_normal((5, 3)).astype(np.float32)
+        param.grad = torch.from_numpy(grad.copy())
+        opt.step()
+        ours.step(weights, rows, grad)
+    np.testing.assert_allclose(weights, param.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_rows_without_a_gradient_do_not_move(name):
+    weights = np.ones((4, 2), np.float32)
+    opt = make_optimizer(JobConfig(num_keys=4, width=2, optimizer=name, momentum=0.5), 4, 2)
+    opt.step(weights, np.array([1, 3]), np.ones((2, 2), np.float32))
+    assert (weights[[0, 2]] == 1).all() and (weights[[1, 3]] < 1).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(num_keys=st.integers(1, 200), parts=st.integers(1, 9), seed=st.integers(0, 1000))
+def test_key_ranges_cover_every_key_once_and_split_finds_its_owner(num_keys, parts, seed):
+    if parts > num_keys:
+        with pytest.raises(ValueError, match="non-empty ranges"):
+            partition(num_keys, parts)
+        return
+    ranges = partition(num_keys, parts)
+    assert ranges[0].lo == 0 and ranges[-1].hi == num_keys
+    assert all(a.hi == b.lo for a, b in zip(ranges, ranges[1:], strict=False))
+    assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+    keys = np.random.default_rng(seed).integers(0, num_keys, size=50)
+    groups = split_by_range(keys, ranges)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(50))
+    for r, pos in zip(ranges, groups, strict=True):
+        assert r.holds(keys[pos])
+
+
+def test_dense_slots_pad_the_last_row_and_round_trip():
+    slots = dense_slots([("w", (3, 5)), ("b", (5,))], width=4)
+    assert [(s.first, s.rows) for s in slots] == [(0, 4), (4, 2)]
+    values = np.arange(15, dtype=np.float32)
+    rows = slots[0].to_rows(values, 4)
+    assert rows.shape == (4, 4) and rows[-1].tolist() == [12, 13, 14, 0]
+    np.testing.assert_array_equal(slots[0].from_rows(rows), values.reshape(3, 5))
+    assert KeyRange(4, 6).holds(np.array([4, 5])) and not KeyRange(4, 6).holds(np.array([6]))
