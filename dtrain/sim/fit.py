@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dtrain.cluster.topology import Topology
-from dtrain.comm import algorithms
+from dtrain.comm.algorithms import build as build_schedule
+from dtrain.comm.algorithms import needs_local_size
 from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective, Schedule
 from dtrain.sim.collective import SoftwareCost, replay
 
@@ -51,13 +52,13 @@ class Measurement:
 
     def schedule(self) -> Schedule:
         collective = Collective(self.collective)
-        return algorithms.build(
+        return build_schedule(
             collective,
             self.algorithm,
             self.world_size,
             root=0 if collective in ROOTED_COLLECTIVES else None,
             pipeline=self.pipeline,
-            local_size=self.local_size if algorithms.needs_local_size(self.algorithm) else None,
+            local_size=self.local_size if needs_local_size(self.algorithm) else None,
         )
 
 

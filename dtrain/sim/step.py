@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dtrain.cluster.topology import Topology
-from dtrain.comm import algorithms
+from dtrain.comm.algorithms import build as build_schedule
+from dtrain.comm.algorithms import needs_local_size
 from dtrain.comm.schedule import Collective, Transfer, make_schedule
 from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, replay_concurrent
 from dtrain.sim.flows import LinkUsage
@@ -108,9 +109,9 @@ def _p2p() -> object:
 
 def _build(collective: Collective, algorithm: str, ranks: Sequence[int], placement: Sequence[str], topo: Topology):
     local = None
-    if algorithms.needs_local_size(algorithm):
+    if needs_local_size(algorithm):
         local = _local_size([topo.device(placement[r]).server for r in ranks])
-    return algorithms.build(collective, algorithm, len(ranks), local_size=local)
+    return build_schedule(collective, algorithm, len(ranks), local_size=local)
 
 
 def _local_size(servers: list[str]) -> int:
