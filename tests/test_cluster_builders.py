@@ -92,6 +92,12 @@ def test_tor_uplink_is_downlink_over_the_oversubscription_ratio(ratio):
     assert oversubscription(t, "r2/tor") == pytest.approx(ratio)
 
 
+def test_at_1_to_4_a_server_gets_a_quarter_of_its_nics_across_racks():
+    capacity = switch_capacity(preset("4-rack", oversubscription=4), "r1/tor")
+    assert capacity.servers == 4
+    assert capacity.server_share_bytes_per_s == pytest.approx(8 * 25e9 / 4)
+
+
 def test_uplink_capacity_is_spread_evenly_over_the_spines():
     t = preset("4-rack", spines=4, oversubscription=4)
     rates = {t.link("r0/tor", f"spine{k}").bytes_per_s for k in range(4)}

@@ -108,6 +108,8 @@ def test_cli_oversubscription_from_rates(capsys):
     data = _json(capsys, "oversubscription", "--servers", "16", "--link", "ethernet25", "--uplinks", "4",
                  "--uplink-link", "ethernet25")  # fmt: skip
     assert data["switches"][0]["ratio"] == 4.0
+    # at 1:4, each 25 Gb/s server gets a quarter of its rate across racks when all send at once
+    assert data["switches"][0]["server_share_bytes_per_s"] == pytest.approx(25e9 / 8 / 4)
 
 
 def test_cli_allreduce_lists_every_algorithm_fastest_first(capsys):

@@ -162,8 +162,14 @@ def _transfer(args: argparse.Namespace) -> int:
     return _emit(args, data, render_transfer)
 
 
+def _capacity_row(capacity) -> dict:
+    row = vars(capacity) | {"ratio": capacity.oversubscription}
+    return row | {"server_share_bytes_per_s": capacity.server_share_bytes_per_s if capacity.servers else None}
+
+
 def _oversubscription(args: argparse.Namespace) -> int:
     from dtrain.cluster.calc import oversubscription_ratio
+    from dtrain.cluster.capacity import SwitchCapacity
     from dtrain.cluster.report import render_oversubscription
 
     if args.topology:
@@ -175,16 +181,16 @@ def _oversubscription(args: argparse.Namespace) -> int:
         if not tors:
             raise ValueError(f"topology {topology.name!r} has no top-of-rack switch")
         rows = [switch_capacity(topology, tor) for tor in tors]
-        data = {"topology": topology.name, "switches": [vars(c) | {"ratio": c.oversubscription} for c in rows]}
+        data = {"topology": topology.name, "switches": [_capacity_row(c) for c in rows]}
         return _emit(args, data, render_oversubscription)
     if args.servers is None:
         raise ValueError("give --servers with --link and --uplink-link (or rates), or --topology")
     nic, uplink = _link(args), _link(args, "uplink")
     down, up = args.servers * args.nics * nic.bytes_per_s, args.uplinks * uplink.bytes_per_s
     ratio = oversubscription_ratio(args.servers, args.nics * nic.bytes_per_s, up)
-    data = {"switches": [{"switch": "tor", "down_bytes_per_s": down, "up_bytes_per_s": up, "ratio": ratio}],
-            "nic": nic.to_dict(), "uplink": uplink.to_dict(), "servers": args.servers, "nics": args.nics,
-            "uplinks": args.uplinks}  # fmt: skip
+    tor = SwitchCapacity(switch="tor", down_bytes_per_s=down, up_bytes_per_s=up, servers=args.servers)
+    data = {"switches": [_capacity_row(tor) | {"ratio": ratio}], "nic": nic.to_dict(), "uplink": uplink.to_dict(),
+            "servers": args.servers, "nics": args.nics, "uplinks": args.uplinks}  # fmt: skip
     return _emit(args, data, render_oversubscription)
 
 

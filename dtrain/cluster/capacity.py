@@ -24,6 +24,15 @@ class SwitchCapacity:
     switch: str
     down_bytes_per_s: float
     up_bytes_per_s: float
+    servers: int = 0  # distinct servers directly below
+
+    @property
+    def server_share_bytes_per_s(self) -> float:
+        """What each server below can send up at once when all of them do (equal servers, fair sharing):
+        its own rate, or its share of the uplinks when they are oversubscribed."""
+        if not self.servers:
+            raise ValueError(f"switch {self.switch!r} has no servers directly below it")
+        return min(self.down_bytes_per_s, self.up_bytes_per_s) / self.servers
 
     @property
     def oversubscription(self) -> float:
@@ -42,12 +51,15 @@ def switch_capacity(topology: Topology, switch: str) -> SwitchCapacity:
         raise ValueError(f"{switch!r} is not a switch with a layer in {LAYERS} in topology {topology.name!r}")
     tier = _tier(topology, switch)
     down = up = 0.0
+    servers = set()
     for _, neighbour, link in topology.graph.out_edges(switch, data="link"):
         if _tier(topology, neighbour) > tier:
             up += link.bytes_per_s
         else:
             down += link.bytes_per_s
-    return SwitchCapacity(switch=switch, down_bytes_per_s=down, up_bytes_per_s=up)
+            servers.add(topology.graph.nodes[neighbour].get("server"))
+    servers.discard(None)
+    return SwitchCapacity(switch=switch, down_bytes_per_s=down, up_bytes_per_s=up, servers=len(servers))
 
 
 def oversubscription(topology: Topology, switch: str) -> float:

@@ -62,10 +62,11 @@ def render_transfer(console: Console, data: dict) -> None:
 
 
 def render_oversubscription(console: Console, data: dict) -> None:
-    table = Table("switch", "down (servers)", "up (spines)", "oversubscription")
+    table = Table("switch", "down (servers)", "up (spines)", "oversubscription", "a server's share, all sending up")
     for row in data["switches"]:
+        share = row.get("server_share_bytes_per_s")
         table.add_row(row["switch"], format_rate(row["down_bytes_per_s"]), format_rate(row["up_bytes_per_s"]),
-                      ratio_text(row["ratio"]))  # fmt: skip
+                      ratio_text(row["ratio"]), format_rate(share) if share else "")  # fmt: skip
     console.print(table)
 
 
@@ -108,7 +109,11 @@ def topology_summary(topology: Topology) -> dict[str, Any]:
         "racks": len(topology.racks()),
         "nodes": dict(Counter(kind for _, kind in topology.graph.nodes(data="kind"))),
         "links": dict(Counter(link.kind for link in topology.links())),
-        "tors": [vars(c) | {"ratio": c.oversubscription} for c in capacities],
+        "tors": [
+            vars(c) | {"ratio": c.oversubscription, "server_share_bytes_per_s": c.server_share_bytes_per_s}
+            for c in capacities
+            if c.servers
+        ],  # fmt: skip
     }
 
 
