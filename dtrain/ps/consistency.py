@@ -74,6 +74,7 @@ class Policy:
         self.pending: dict[int, dict[int, Push]] = {}  # round -> worker -> push (sync, quorum)
         self.folded: list[Push] = []
         self.last_clock = np.full(config.num_workers, -1, np.int64)
+        self.left: set[int] = set()  # workers that finished: rounds no longer wait for them
         self.dropped = 0
         self.folded_total = 0
         self.staleness_log: list[tuple[int, int, int]] = []  # ssp: (worker, clock, slowest clock) per answer
@@ -82,20 +83,21 @@ class Policy:
     def rounds_mode(self) -> bool:
         return self.config.mode in ("sync", "quorum")
 
-    def offer(self, push: Push) -> tuple[list[Step], bool]:
-        """Take a push; the steps it completes and whether it was dropped (then acknowledge it at once)."""
+    def offer(self, push: Push) -> tuple[list[Step], str]:
+        """Take a push; the steps it completes and, for a late push, ``"dropped"`` or ``"folded"`` (it is then
+        acknowledged at once; a folded one is applied when the open round closes)."""
         if not self.rounds_mode:
-            return [Step(*self._mean([push]), [push], self.state.round + 1)], False
+            return [Step(*self._mean([push]), [push], self.state.round + 1)], ""
         self.last_clock[push.worker] = max(self.last_clock[push.worker], push.clock)
         if push.clock < self.state.round:
             if self.config.mode == "quorum" and self.config.late == "fold":
                 self.folded.append(push)
                 self.folded_total += 1
-                return self._close_ready(), False
+                return self._close_ready(), "folded"
             self.dropped += 1
-            return self._close_ready(), True
+            return self._close_ready(), "dropped"
         self.pending.setdefault(push.clock, {})[push.worker] = push
-        return self._close_ready(), False
+        return self._close_ready(), ""
 
     def _mean(self, pushes: list[Push]) -> tuple[np.ndarray, np.ndarray]:
         return combine(pushes, self.config.width)
@@ -106,7 +108,14 @@ class Policy:
             return True
         # A worker that already pushed for a later round will never push for this one (it saw this round
         # closed by a leader that then died without passing it on): do not wait for it.
-        return all(w in got or self.last_clock[w] > r for w in range(self.config.num_workers))
+        if not got and not self.folded and len(self.left) == self.config.num_workers:
+            return False  # everyone left: no round to close
+        return all(w in got or self.last_clock[w] > r or w in self.left for w in range(self.config.num_workers))
+
+    def leave(self, worker: int) -> list[Step]:
+        """``worker`` finished training: close the rounds that were waiting only for it."""
+        self.left.add(worker)
+        return self._close_ready() if self.rounds_mode else []
 
     def _close_ready(self) -> list[Step]:
         steps, r = [], self.state.round

@@ -88,11 +88,17 @@ class Replica:
         if push.push_id <= self.state.last_push[push.worker]:
             self._ack_when_durable(push)  # a resend after failover of a push some entry already holds
             return
-        steps, dropped = self.policy.offer(push)
-        if dropped:
+        steps, late = self.policy.offer(push)
+        if late:  # dropped, or folded into the open round (which may close only after this worker stopped)
             self.state.last_push[push.worker] = max(self.state.last_push[push.worker], push.push_id)
-            self.ack(push.reply, {"status": "dropped"})
+            self.ack(push.reply, {"status": late})
+            push.reply = ()  # a folded push is in a later step's entry; it is not acknowledged twice
         for step in steps:
+            self._commit(self._entry(step), step.pushes)
+
+    def leave(self, worker: int) -> None:
+        """``worker`` finished: rounds stop waiting for it."""
+        for step in self.policy.leave(worker):
             self._commit(self._entry(step), step.pushes)
 
     def _entry(self, step: Step) -> Entry:

@@ -144,8 +144,8 @@ class Server:
         if op == "stop":
             self.running = False
             return self._reply(reply, {"status": "ok"})
-        if op not in ("pull", "push", "init"):
-            raise RequestError(f"unknown op {op!r}; a server answers pull, push, init, stats, dump and stop")
+        if op not in ("pull", "push", "init", "leave"):
+            raise RequestError(f"unknown op {op!r}; a server answers pull, push, init, leave, stats, dump and stop")
         if op == "pull" and self.hot.holds(h.get("shard")) and not self._leads(h.get("shard")):
             keys = tensors[0] if len(tensors) == 1 and tensors[0].dtype == np.int64 and tensors[0].ndim == 1 else None
             if keys is None:
@@ -164,6 +164,10 @@ class Server:
             return self._serve_deferred(replica.index)
         if not replica.is_head:
             raise RequestError(f"server {self.rank} does not lead shard {replica.index} (pushes go to the leader)")
+        if op == "leave":
+            replica.leave(self._worker(h))
+            self._reply(reply, {"status": "ok"})
+            return self._serve_deferred(replica.index)
         if op == "init":
             if replica.state.ready or len(tensors) != 1 or tensors[0].shape != replica.state.weights_shape:
                 raise RequestError(f"init of shard {replica.index}: once, float32 {replica.state.weights_shape}")

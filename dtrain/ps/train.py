@@ -122,7 +122,7 @@ def _torch_steps(worker: Worker, task: TaskConfig):
             ids = {"emb.weight": x.reshape(-1)}
         start = time.perf_counter()
         loss, statuses = ps.step(loss_fn, ids, after_backward=lambda start=start: _straggle(task, worker.rank, start))
-        yield loss, statuses, time.perf_counter() - start
+        yield loss, statuses, time.perf_counter() - start, {}
 
 
 def _straggle(task: TaskConfig, rank: int, start: float) -> None:
@@ -144,12 +144,15 @@ def _synthetic_steps(worker: Worker, task: TaskConfig):
         else:
             keys = np.arange(c.num_keys, dtype=np.int64)
         start = time.perf_counter()
+        clock = worker.clock
         rows = worker.wait(worker.pull(keys))
-        compute = task.compute_s * (task.straggler_factor if worker.rank == task.straggler else 1.0)
-        time.sleep(compute)
+        pulled_at = time.monotonic()
+        time.sleep(task.compute_s * (task.straggler_factor if worker.rank == task.straggler else 1.0))
+        pushed_at = time.monotonic()
         statuses = worker.wait(worker.push(keys, np.full_like(rows, 1e-3)))
         worker.tick()
-        yield float(rows.mean()) if rows.size else 0.0, statuses, time.perf_counter() - start
+        trace = {"step_clock": clock, "pulled_at": pulled_at, "pushed_at": pushed_at}
+        yield float(rows.mean()) if rows.size else 0.0, statuses, time.perf_counter() - start, trace
 
 
 def run_task(coordinator: str, secret: bytes, rank: int, task: TaskConfig) -> int:
@@ -162,16 +165,18 @@ def run_task(coordinator: str, secret: bytes, rank: int, task: TaskConfig) -> in
     steps = _synthetic_steps(worker, task) if task.task == "synthetic" else _torch_steps(worker, task)
     begin = time.time()
     try:
-        for step, (loss, statuses, step_s) in enumerate(steps):
+        for step, (loss, statuses, step_s, trace) in enumerate(steps):
             record = {"worker": rank, "step": step, "loss": loss, "step_s": step_s, "t": time.time(),
                       "mono": time.monotonic(), "clock": worker.clock, "rounds": worker.round_of,
-                      "dropped": statuses.count("dropped"), "failovers": worker.failovers}  # fmt: skip
+                      "dropped": statuses.count("dropped"), "folded": statuses.count("folded"),
+                      "failovers": worker.failovers, **trace}  # fmt: skip
             if out:
                 out.write(json.dumps(record) + "\n")
                 out.flush()
+        worker.leave()
         if out:
-            final = {"worker": rank, "final": True, "wall_s": time.time() - begin, "acked": worker.acked.tolist(),
-                     "dropped_total": worker.dropped.tolist(), "failovers": worker.failovers}  # fmt: skip
+            final = {"worker": rank, "final": True, "wall_s": time.time() - begin, "failovers": worker.failovers,
+                     **{status: counts.tolist() for status, counts in worker.acks.items()}}  # fmt: skip
             out.write(json.dumps(final) + "\n")
     finally:
         if out:

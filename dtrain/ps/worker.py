@@ -74,8 +74,8 @@ class Worker:
         self.pushed = [False] * shards
         self.clock = 0
         self.hot = HotRouter(start=rank)
-        self.acked = np.zeros(shards, np.int64)  # pushes acknowledged as applied, per shard
-        self.dropped = np.zeros(shards, np.int64)
+        # pushes acknowledged per status ("applied", "dropped", "folded"), per shard
+        self.acks = {status: np.zeros(shards, np.int64) for status in ("applied", "dropped", "folded")}
         self.failovers = 0
 
     # the API ---------------------------------------------------------------------------------------------
@@ -139,6 +139,14 @@ class Worker:
             self._progress()
         done = self.handles.pop(handle)
         return done.result if done.kind == "pull" else done.statuses
+
+    def leave(self) -> None:
+        """Tell every shard this worker is done, so rounds stop waiting for it (call once, at the end)."""
+        handle = self._handle("leave", self.config.num_servers)
+        for shard in range(self.config.num_servers):
+            self._send(_Request(handle, shard, self._head(shard), {"op": "leave", "shard": shard,
+                                                                   "worker": self.rank}, [], None))  # fmt: skip
+        self.wait(handle)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -206,7 +214,7 @@ class Worker:
         elif req.header["op"] == "push":
             status = h["status"]
             handle.statuses.append(status)
-            (self.acked if status == "applied" else self.dropped)[req.shard] += 1
+            self.acks[status][req.shard] += 1
         handle.left -= 1
 
     def _relayout(self, layout: dict) -> None:
