@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dtrain.cluster import files
 from dtrain.cluster.capacity import oversubscription
 from dtrain.cluster.files import TopologyFileError
 from dtrain.cluster.presets import preset
+from dtrain.cluster.toml_writer import toml_value
 
 PAIR = """
 name = "pair"
@@ -136,3 +141,22 @@ def test_devices_that_cannot_reach_each_other_are_inconsistent():
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(TopologyFileError, match="missing.toml: cannot read topology file"):
         files.load(tmp_path / "missing.toml")
+
+
+@given(st.text(max_size=40))
+def test_any_string_survives_the_hand_written_toml(text):
+    assert tomllib.loads(f"x = {toml_value(text)}")["x"] == text
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False) | st.integers(-(2**63), 2**63 - 1) | st.booleans())
+def test_any_number_survives_the_hand_written_toml(value):
+    assert tomllib.loads(f"x = {toml_value(value)}")["x"] == value
+
+
+@settings(max_examples=15, deadline=None)
+@given(racks=st.integers(1, 3), servers=st.integers(1, 2), gpus=st.integers(1, 3), spines=st.integers(1, 3),
+       intra=st.sampled_from(["nvswitch", "nvlink-mesh", "pcie"]), ratio=st.sampled_from([1, 2.5, 4, 16]))  # fmt: skip
+def test_every_built_cluster_round_trips_through_a_file(racks, servers, gpus, spines, intra, ratio):
+    original = preset("4-rack", racks=racks, servers_per_rack=servers, gpus=gpus, nics=1, spines=spines, intra=intra,
+                      oversubscription=ratio)  # fmt: skip
+    assert _snapshot(files.loads(files.dumps(original))) == _snapshot(original)

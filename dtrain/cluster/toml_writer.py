@@ -28,7 +28,8 @@ def toml_value(value: Any) -> str:
             raise ValueError(f"cannot write {value!r} to a topology file")
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
+        # JSON escapes every control character TOML forbids except DEL, which TOML forbids too
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     raise ValueError(f"cannot write {type(value).__name__} {value!r} as a TOML value")
 
 
