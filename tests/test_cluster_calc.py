@@ -158,7 +158,7 @@ def test_cli_paths_shows_gpudirect_skipping_host_memory(capsys):
 
 def test_cli_topology_draws_a_png(capsys, tmp_path):
     path = tmp_path / "rack.png"
-    assert main(["topology", "dgx-a100", "--draw", str(path), "--json"]) == 0
+    assert main(["topology", "dgx-a100", "--set", "gpus=2", "--set", "nics=1", "--draw", str(path), "--json"]) == 0
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
