@@ -107,7 +107,7 @@ BAD = [
     (PAIR + '[[link]]\na = "s0/gpu0"\nb = "s0/gpu1"\nkind = "pcie4x16"\n', r"link\[1\] = .*duplicate link"),
     ("[build]\noversubscription = 0.5\n", r"build\.oversubscription = 0\.5: must be a ratio >= 1"),
     ("[build]\nracks = -2\n", r"build\.racks = -2: must be a whole number >= 0"),
-    ("[build]\nracks = 0\n", r"\[build\]: cluster racks must be >= 1"),
+    ("[build]\nracks = 0\n", r"\[build\]: cluster racks must be a whole number >= 1, got 0"),
     ("[build]\nnic = \"ethernet300\"\n", r"build\.nic = 'ethernet300': unknown link kind"),
     ("[build]\npreset = \"8-rack\"\n", r"build\.preset = '8-rack': unknown preset; known: dgx-a100"),
     ("[build]\nwings = 2\n", r"build\.wings = 2: unknown parameter"),

@@ -26,11 +26,21 @@ __all__ = ["ServerSpec", "ClusterSpec", "INTRA_KINDS", "add_server", "build", "b
 
 #: How a server's GPUs talk to each other: an NVSwitch fabric, NVLink between every pair, or only PCIe.
 INTRA_KINDS = ("nvswitch", "nvlink-mesh", "pcie")
+#: Link families a NIC or a switch uplink may be.
+NETWORK_FAMILIES = ("ethernet", "infiniband")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServerSpec:
-    """One server. ``nvlink``/``nvlinks_per_gpu``/``pcie`` default to the device's own (catalogue)."""
+    """One server.
+
+    ``gpus`` accelerators of catalogue ``device``, their ``peak_flops`` taken at ``precision``; ``intra`` how
+    they reach each other (:data:`INTRA_KINDS`; an NVLink mesh splits a GPU's links evenly over its peers, any
+    remainder unused), over ``nvlinks_per_gpu`` links of kind ``nvlink`` (both default to the device's own);
+    ``gpus_per_pcie_switch`` GPUs under each PCIe switch of kind ``pcie`` (default: the device's), whose one
+    uplink to a CPU they share; ``cpus`` joined in a chain by ``cpu_link``; ``nics`` NICs of kind ``nic``, under
+    the GPUs' PCIe switches when ``gpudirect_rdma`` (the NIC reads GPU memory directly) and on the CPUs when not.
+    """
 
     gpus: int = 8
     device: str = "a100-sxm"
@@ -44,23 +54,20 @@ class ServerSpec:
     cpu_link: str = "upi"
     nics: int = 8
     nic: str = "ib-hdr"
-    gpudirect_rdma: bool = True  # NICs beside the GPUs under their PCIe switches; False: NICs on the CPUs
+    gpudirect_rdma: bool = True
 
     def __post_init__(self) -> None:
-        spec = device_spec(self.device)
-        spec.flops(self.precision)
-        if self.gpus < 1 or self.cpus < 1 or self.nics < 0 or self.gpus_per_pcie_switch < 1:
-            raise ValueError(
-                f"server needs gpus >= 1, cpus >= 1, nics >= 0, gpus_per_pcie_switch >= 1; got gpus={self.gpus}, "
-                f"cpus={self.cpus}, nics={self.nics}, gpus_per_pcie_switch={self.gpus_per_pcie_switch}"
-            )
+        device_spec(self.device).flops(self.precision)
+        for name, least in (("gpus", 1), ("cpus", 1), ("nics", 0), ("gpus_per_pcie_switch", 1)):
+            _whole(f"server {name}", getattr(self, name), least)
+        if self.nvlinks_per_gpu is not None:
+            _whole("server nvlinks_per_gpu", self.nvlinks_per_gpu, 1)
         if self.intra not in INTRA_KINDS:
             raise ValueError(f"server intra {self.intra!r} is not one of {INTRA_KINDS}")
-        _expect_family("nvlink", self.nvlink_kind, "nvlink")
-        _expect_family("pcie", self.pcie_kind, "pcie")
-        _expect_family("cpu_link", self.cpu_link, "cpu-interconnect")
-        if LINKS[self.nic].family not in ("ethernet", "infiniband"):
-            raise ValueError(f"nic {self.nic!r} is not an Ethernet or InfiniBand link kind")
+        _expect_family("nvlink", self.nvlink_kind, ("nvlink",))
+        _expect_family("pcie", self.pcie_kind, ("pcie",))
+        _expect_family("cpu_link", self.cpu_link, ("cpu-interconnect",))
+        _expect_family("nic", self.nic, NETWORK_FAMILIES)
         if self.intra == "nvlink-mesh" and self.gpus > 1 and self.links_per_gpu < self.gpus - 1:
             raise ValueError(f"nvlink-mesh of {self.gpus} GPUs needs >= {self.gpus - 1} NVLinks a GPU")
 
@@ -86,9 +93,14 @@ class ServerSpec:
         return self.nics * LINKS[self.nic].bytes_per_s
 
 
-def _expect_family(what: str, key: str, family: str) -> None:
-    if link_spec(key).family != family:
-        raise ValueError(f"{what} {key!r} is a {LINKS[key].family} link, expected a {family} one")
+def _expect_family(what: str, key: str, families: tuple[str, ...]) -> None:
+    if link_spec(key).family not in families:
+        raise ValueError(f"{what} {key!r} is a {LINKS[key].family} link, expected {' or '.join(families)}")
+
+
+def _whole(what: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what} must be a whole number >= {least}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,8 +121,7 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         for name in ("racks", "servers_per_rack", "spines", "pods", "cores"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"cluster {name} must be >= 1, got {getattr(self, name)!r}")
+            _whole(f"cluster {name}", getattr(self, name), 1)
         for name in ("oversubscription", "pod_oversubscription"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 1):
@@ -119,8 +130,7 @@ class ClusterSpec:
             raise ValueError(f"{self.racks} racks do not split into {self.pods} equal pods")
         if self.server.nics == 0 and self.racks * self.servers_per_rack > 1:
             raise ValueError("servers with no NICs cannot be joined into a rack; set server nics >= 1")
-        if LINKS[self.uplink_kind].family not in ("ethernet", "infiniband"):
-            raise ValueError(f"uplink {self.uplink_kind!r} is not an Ethernet or InfiniBand link kind")
+        _expect_family("uplink", self.uplink_kind, NETWORK_FAMILIES)
 
     @property
     def uplink_kind(self) -> str:
