@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dtrain.cluster import units
 from dtrain.cluster.builders import ClusterSpec, build
@@ -50,6 +50,7 @@ __all__ = ["TopologyFileError", "load", "loads", "resolve", "save", "dumps", "du
 
 _NODE_KEYS = {"name", "kind", "server", "rack", "layer", "device", "precision", "peak_flops", "memory_bytes",
               "memory_bytes_per_s"}  # fmt: skip
+_GPU_KEYS = {"device", "precision", "peak_flops", "memory_bytes", "memory_bytes_per_s"}
 _LINK_KEYS = {"a", "b", "kind", "count", "gbit_per_s", "gbyte_per_s", "bytes_per_s", "latency_s", "duplex"}
 _RATE_KEYS = ("gbit_per_s", "gbyte_per_s", "bytes_per_s")
 _INT_PARAMS = {"gpus", "gpus_per_server", "gpus_per_pcie_switch", "cpus", "nics", "racks", "servers_per_rack",
@@ -122,7 +123,7 @@ class _Reader:
     def __init__(self, source: str) -> None:
         self.source = source
 
-    def fail(self, key: str, value: Any, problem: str) -> None:
+    def fail(self, key: str, value: Any, problem: str) -> NoReturn:
         raise TopologyFileError(f"{self.source}: {key} = {value!r}: {problem}")
 
     def tables(self, data: dict, key: str) -> list[dict]:
@@ -172,7 +173,12 @@ class _Reader:
         if kind not in NODE_KINDS:
             self.fail(f"{where}.kind", kind, f"unknown node kind; expected one of {', '.join(sorted(NODE_KINDS))}")
         server, rack, layer = node.get("server"), node.get("rack"), node.get("layer")
+        for key in ("server", "rack", "layer"):
+            if node.get(key) is not None and not isinstance(node[key], str):
+                self.fail(f"{where}.{key}", node[key], "must be a string")
         if kind != "gpu":
+            for key in sorted(set(node) & _GPU_KEYS):
+                self.fail(f"{where}.{key}", node[key], f"only a gpu node has a {key}; this node is a {kind}")
             topology.add_node(name, kind=kind, server=server, rack=rack, layer=layer)
             return
         if not isinstance(server, str):
