@@ -140,7 +140,22 @@ def _groups(layout: Layout, axis: str) -> list[list[int]]:
     return out
 
 
-def _collectives(model: ModelSpec, layout: Layout, topo: Topology, placement: list[str], config: StepConfig):
+#: Replays already made, by (topology, jobs, software costs, item size): what a planner's layouts share.
+Cache = dict[tuple, CollectiveResult]
+
+
+def _replay(jobs: list[Job], topo: Topology, config: StepConfig, item: int, cache: Cache | None) -> CollectiveResult:
+    if cache is None:
+        return replay_concurrent(jobs, topo, cost=config.cost, itemsize=item)
+    key = (id(topo), tuple(jobs), config.cost, item)
+    if key not in cache:
+        cache[key] = replay_concurrent(jobs, topo, cost=config.cost, itemsize=item)
+    return cache[key]
+
+
+def _collectives(
+    model: ModelSpec, layout: Layout, topo: Topology, placement: list[str], config: StepConfig, cache: Cache | None
+):
     """(tp all-reduce, pp message, dp phases) simulated once each, all groups of a kind at the same time."""
     item = model.bytes_per_value
     activation = layout.micro_batch * model.sequence * model.hidden * item
@@ -151,7 +166,7 @@ def _collectives(model: ModelSpec, layout: Layout, topo: Topology, placement: li
                 tuple(placement[r] for r in g))
             for g in groups
         ]  # fmt: skip
-        return replay_concurrent(jobs, topo, cost=config.cost, itemsize=item)
+        return _replay(jobs, topo, config, item, cache)
 
     tp = run(Collective.ALL_REDUCE, config.tp_algorithm, _groups(layout, "tp"), activation) if layout.tp > 1 else None
     pp = None
@@ -161,7 +176,7 @@ def _collectives(model: ModelSpec, layout: Layout, topo: Topology, placement: li
             for d in range(layout.dp) for p in range(layout.pp - 1) for t in range(layout.tp)
         ]  # fmt: skip
         jobs = [Job(_p2p(), _padded(activation, item, 1), (placement[a], placement[b])) for a, b in pairs]
-        pp = replay_concurrent(jobs, topo, cost=config.cost, itemsize=item)
+        pp = _replay(jobs, topo, config, item, cache)
     dp: list[CollectiveResult] = []
     if layout.dp > 1:
         grads = model.parameters / (layout.tp * layout.pp) * item
@@ -231,8 +246,13 @@ def simulate_step(
     topology: Topology,
     placement: Sequence[str],
     config: StepConfig | None = None,
+    *,
+    cache: Cache | None = None,
 ) -> StepResult:
-    """Simulate one synchronous training step of ``model`` under ``layout``, grid rank ``r`` on ``placement[r]``."""
+    """Simulate one synchronous training step of ``model`` under ``layout``, grid rank ``r`` on ``placement[r]``.
+
+    ``cache`` (a dict kept by the caller) reuses collective replays between calls on the same, unchanged
+    topology, as a planner's layouts share many of them."""
     config = config or StepConfig()
     layout.check(model)
     placement = list(placement)
@@ -240,7 +260,7 @@ def simulate_step(
         raise ValueError(f"placement names {len(placement)} devices for a layout of {layout.world_size} ranks")
     if any(r >= layout.world_size for r in config.slowdown):
         raise ValueError(f"slowdown names ranks {sorted(config.slowdown)} outside the {layout.world_size} ranks")
-    tp, pp, dp = _collectives(model, layout, topology, placement, config)
+    tp, pp, dp = _collectives(model, layout, topology, placement, config, cache)
     tp_s = tp.time_s if tp else 0.0
     pp_s = pp.time_s if pp else 0.0
     dp_s = sum(r.time_s for r in dp)

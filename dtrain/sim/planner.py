@@ -1,0 +1,115 @@
+"""The planner: every ``dp x tp x pp x micro-batch`` layout and rank placement of a model on a cluster,
+those that fit device memory, ranked by simulated step time.
+
+Layouts follow the rules the strategies impose (:mod:`dtrain.parallel`): the degrees multiply to the number
+of devices used, tensor parallelism divides the attention heads, pipeline parallelism the layers, and every
+replica runs a whole number of micro-batches. Each layout is tried under each placement
+(:mod:`dtrain.sim.placement`) and each ZeRO stage asked for; memory is checked first (it costs nothing), then
+the step is simulated (:mod:`dtrain.sim.step`). The search is exhaustive over these small sets, as in
+Megatron-LM's own sweeps (Narayanan et al. 2021, section 3) rather than a cost-model search like Alpa's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dtrain.cluster.topology import Topology
+from dtrain.sim.model import Layout, ModelSpec, flops_per_microbatch, memory_per_device
+from dtrain.sim.placement import PLACEMENTS, place
+from dtrain.sim.step import StepConfig, StepResult, simulate_step
+
+__all__ = ["Plan", "candidate_layouts", "plan"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A layout under a placement and what the simulator says of it."""
+
+    layout: Layout
+    placement: str
+    result: StepResult
+    model_flops_per_step: float
+    peak_flops: float
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: the step's useful FLOPs over what the devices could do in the step."""
+        return self.model_flops_per_step / (self.result.step_s * self.peak_flops)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(
+    model: ModelSpec,
+    devices: int,
+    global_batch: int,
+    *,
+    micro_batches: Sequence[int] = (1, 2, 4, 8),
+    zero_stages: Sequence[int] = (0, 1),
+    max_tp: int | None = None,
+    schedule: str = "1f1b",
+) -> list[Layout]:
+    """Every valid layout on ``devices`` devices: tp divides the heads (and is at most ``max_tp``), pp the
+    layers, and ``global_batch`` splits into whole micro-batches per replica."""
+    layouts = []
+    for tp in _divisors(devices):
+        if model.heads % tp or (max_tp is not None and tp > max_tp):
+            continue
+        for pp in _divisors(devices // tp):
+            dp = devices // (tp * pp)
+            if model.layers % pp:
+                continue
+            for mb in micro_batches:
+                if global_batch % (dp * mb):
+                    continue
+                for zero in zero_stages:
+                    if zero and dp == 1:
+                        continue  # nothing to shard over
+                    layouts.append(
+                        Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch, zero_stage=zero,
+                               schedule=schedule)
+                    )  # fmt: skip
+    return layouts
+
+
+def plan(
+    model: ModelSpec,
+    topology: Topology,
+    *,
+    global_batch: int,
+    devices: int | None = None,
+    placements: Sequence[str] = PLACEMENTS,
+    config: StepConfig | None = None,
+    micro_batches: Sequence[int] = (1, 2, 4, 8),
+    zero_stages: Sequence[int] = (0, 1),
+    max_tp: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[Plan], int]:
+    """Plans that fit, fastest first, and how many layouts were left out for memory."""
+    config = config or StepConfig()
+    devices = devices or len(topology.devices())
+    layouts = candidate_layouts(
+        model, devices, global_batch, micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp
+    )
+    if not layouts:
+        raise ValueError(
+            f"no layout of {model.name} fits the rules on {devices} devices with global batch {global_batch}: "
+            f"check that the batch is a multiple of the data-parallel degrees and micro-batch sizes"
+        )
+    limit = config.memory_fraction * min(d.memory_bytes for d in topology.devices())
+    fitting = [lay for lay in layouts if memory_per_device(model, lay).total <= limit]
+    plans: list[Plan] = []
+    cache: dict = {}
+    work = [(lay, how) for lay in fitting for how in placements]
+    for i, (lay, how) in enumerate(work):
+        result = simulate_step(model, lay, topology, place(topology, lay, how), config, cache=cache)
+        flops = flops_per_microbatch(model, lay) * lay.tp * lay.pp * lay.microbatches * lay.dp
+        peak = sum(topology.device(d).peak_flops for d in place(topology, lay, how))
+        plans.append(Plan(layout=lay, placement=how, result=result, model_flops_per_step=flops, peak_flops=peak))
+        if progress is not None:
+            progress(i + 1, len(work))
+    plans.sort(key=lambda p: (p.result.step_s, p.layout.describe(), p.placement))
+    return plans, len(layouts) - len(fitting)
