@@ -6,11 +6,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from dtrain.ps.config import JobConfig
 from dtrain.ps.keys import partition
 from dtrain.ps.launch import LocalCluster
-from dtrain.ps.train import TaskConfig
+from dtrain.ps.module import key_space
+from dtrain.ps.train import TaskConfig, build_task_model
+from dtrain.train.data import ClassificationBatches
 
 
 def dump(cluster: LocalCluster, server: int, shard: int) -> dict[str, np.ndarray]:
@@ -48,3 +52,22 @@ def run_job(job: JobConfig, task: TaskConfig, out: Path, timeout_s: float = 60.0
         events = cluster.events()
     records = {r: read_jsonl(out / f"worker-{r}.jsonl") for r in range(job.num_workers)}
     return weights, records, stats, events
+
+
+def reference_rows(task: TaskConfig, optimizer: str, lr: float) -> np.ndarray:
+    """Single-process torch training on the global batch, laid out as the parameter server's rows."""
+    model, _ = build_task_model(task)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) if optimizer == "sgd" else torch.optim.Adam(
+        model.parameters(), lr=lr)  # fmt: skip
+    batches = ClassificationBatches(in_features=16, num_classes=4, batch_size=task.batch_size, seed=task.seed)
+    for step in range(task.steps):
+        x, y = batches.batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    slots, _, num_keys = key_space(model, task.width)
+    rows = np.zeros((num_keys, task.width), np.float32)
+    params = dict(model.named_parameters())
+    for s in slots:
+        rows[s.first : s.first + s.rows] = s.to_rows(params[s.name].detach().numpy(), task.width)
+    return rows

@@ -138,13 +138,14 @@ class Replica:
     # followers ---------------------------------------------------------------------------------------------
     def receive(self, entry: Entry) -> None:
         """An entry from the predecessor (chain) or the leader (primary_backup)."""
-        if not self.state.apply(entry):
-            return
+        applied = self.state.apply(entry)
         if not self.chain_mode or self.me not in self.chain:
             return
         successor = self._successor()
-        if successor is None:
-            self._durable(entry.seq)
+        if successor is None:  # the tail: a resent entry it already holds is acknowledged again
+            self._durable(self.state.seq)
+        elif not applied:
+            return
         else:
             self.log.append(entry)
             self._forward(successor, entry)

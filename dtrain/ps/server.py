@@ -24,11 +24,15 @@ from dtrain.ps.replication import Replica
 from dtrain.ps.shard import Entry
 from dtrain.ps.transport import Endpoint, await_message
 
-__all__ = ["Server", "RequestError"]
+__all__ = ["Server", "RequestError", "NotLeaderError"]
 
 
 class RequestError(ValueError):
     """A well-formed, authenticated request that asks for something this server cannot do."""
+
+
+class NotLeaderError(RequestError):
+    """A request for a shard this server does not lead (now): the worker may hold an older layout, or a newer."""
 
 
 class Server:
@@ -88,7 +92,7 @@ class Server:
         shard = header.get("shard")
         replica = self.replicas.get(shard) if isinstance(shard, int) else None
         if replica is None or (head and not replica.is_head):
-            raise RequestError(f"server {self.rank} does not lead shard {shard!r}")
+            raise NotLeaderError(f"server {self.rank} does not lead shard {shard!r}")
         return replica
 
     def _keys(self, replica: Replica, tensors: list, values: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -132,7 +136,8 @@ class Server:
             self._request(op, h, msg.tensors, reply)
         except RequestError as exc:
             self.counts["errors"] += 1
-            self._reply(reply, {"status": "error", "error": str(exc)})
+            code = "not_leader" if isinstance(exc, NotLeaderError) else "bad_request"
+            self._reply(reply, {"status": "error", "code": code, "error": str(exc)})
 
     def _request(self, op: str, h: dict, tensors: list, reply: tuple) -> None:
         if op == "stats":
@@ -163,7 +168,7 @@ class Server:
             self.deferred.setdefault(replica.index, []).append(request)
             return self._serve_deferred(replica.index)
         if not replica.is_head:
-            raise RequestError(f"server {self.rank} does not lead shard {replica.index} (pushes go to the leader)")
+            raise NotLeaderError(f"server {self.rank} does not lead shard {replica.index} (pushes go to the leader)")
         if op == "leave":
             replica.leave(self._worker(h))
             self._reply(reply, {"status": "ok"})

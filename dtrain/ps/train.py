@@ -34,7 +34,7 @@ class TaskConfig:
     out: str = ""  # directory for worker-<rank>.jsonl ("" : no file)
     straggler: int = -1  # rank of the slow worker (-1: none)
     straggler_factor: float = 1.0
-    compute_s: float = 0.0  # synthetic: simulated compute per step
+    compute_s: float = 0.0  # simulated compute added to each step (synthetic: all of its compute)
     keys_per_step: int = 0  # synthetic: keys pulled and pushed per step (0: every key)
     zipf: float = 0.0  # synthetic: Zipf exponent of the keys (0: uniform)
     width: int = 16  # floats per key
@@ -126,6 +126,8 @@ def _torch_steps(worker: Worker, task: TaskConfig):
 
 
 def _straggle(task: TaskConfig, rank: int, start: float) -> None:
+    """Simulated extra compute (``compute_s``), then the straggler's slowdown of the whole compute."""
+    time.sleep(task.compute_s)
     if rank == task.straggler:
         time.sleep((task.straggler_factor - 1) * (time.perf_counter() - start))
 

@@ -42,6 +42,8 @@ class _Request:
     positions: np.ndarray | None  # pull: where its rows go in the handle's result
     copy: bool = False  # pull from a hot-row copy rather than the shard's head
     sent_at: float = 0.0
+    first_sent: float = 0.0
+    retry_at: float = 0.0
 
 
 @dataclass
@@ -77,6 +79,7 @@ class Worker:
         # pushes acknowledged per status ("applied", "dropped", "folded"), per shard
         self.acks = {status: np.zeros(shards, np.int64) for status in ("applied", "dropped", "folded")}
         self.failovers = 0
+        self.retries: list[_Request] = []
 
     # the API ---------------------------------------------------------------------------------------------
     def init(self, values: np.ndarray) -> int:
@@ -177,6 +180,7 @@ class Worker:
         req_id = next(self._ids)
         req.header["req"] = req_id
         req.sent_at = time.monotonic()
+        req.first_sent = req.first_sent or req.sent_at
         self.requests[req_id] = req
         if req.server not in self.servers:
             address = self.layout["endpoints"][req.server]
@@ -204,6 +208,9 @@ class Worker:
         if req is None:
             return  # an answer to a request already resent elsewhere
         handle, h = self.handles[req.handle], msg.header
+        if h.get("status") == "error" and h.get("code") == "not_leader":
+            self._retry(req)  # layouts reach servers and workers in either order: ask again shortly
+            return
         if h.get("status") == "error":
             raise PSError(f"server {req.server} refused {req.header['op']} of shard {req.shard}: {h.get('error')}")
         if req.header["op"] == "pull":
@@ -216,6 +223,12 @@ class Worker:
             handle.statuses.append(status)
             self.acks[status][req.shard] += 1
         handle.left -= 1
+
+    def _retry(self, req: _Request) -> None:
+        if time.monotonic() - req.first_sent > self.config.timeout_s:
+            raise PSError(f"server {req.server} does not lead shard {req.shard} after {self.config.timeout_s} s")
+        req.retry_at = time.monotonic() + 0.02
+        self.retries.append(req)
 
     def _relayout(self, layout: dict) -> None:
         """A new layout: resend every unanswered request whose server is gone to the shard's new head."""
@@ -231,6 +244,11 @@ class Worker:
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
+        due = [r for r in self.retries if r.retry_at <= now]
+        self.retries = [r for r in self.retries if r.retry_at > now]
+        for req in due:
+            req.server, req.copy = self._head(req.shard), False
+            self._send(req)
         for req in self.requests.values():
             if now - req.sent_at > self.config.timeout_s:
                 address = self.layout["endpoints"][req.server]
