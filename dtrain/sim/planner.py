@@ -103,11 +103,18 @@ def plan(
     fitting = [lay for lay in layouts if memory_per_device(model, lay).total <= limit]
     plans: list[Plan] = []
     cache: dict = {}
-    work = [(lay, how) for lay in fitting for how in placements]
-    for i, (lay, how) in enumerate(work):
-        result = simulate_step(model, lay, topology, place(topology, lay, how), config, cache=cache)
+    work = []
+    for lay in fitting:
+        seen: set[tuple[str, ...]] = set()
+        for how in placements:
+            devices_used = tuple(place(topology, lay, how))
+            if devices_used not in seen:  # on one server every placement is the same: simulate it once
+                seen.add(devices_used)
+                work.append((lay, how, devices_used))
+    for i, (lay, how, devices_used) in enumerate(work):
+        result = simulate_step(model, lay, topology, devices_used, config, cache=cache)
         flops = flops_per_microbatch(model, lay) * lay.tp * lay.pp * lay.microbatches * lay.dp
-        peak = sum(topology.device(d).peak_flops for d in place(topology, lay, how))
+        peak = sum(topology.device(d).peak_flops for d in devices_used)
         plans.append(Plan(layout=lay, placement=how, result=result, model_flops_per_step=flops, peak_flops=peak))
         if progress is not None:
             progress(i + 1, len(work))

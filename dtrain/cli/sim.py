@@ -1,0 +1,300 @@
+"""``dtrain simulate collective|train`` and ``dtrain plan``: the simulator on a preset or a topology file.
+
+Registered by :mod:`dtrain.cli.cluster` (``register(commands)``). Readable rich tables, or ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["register"]
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in _names(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+
+
+def _slow_rank(text: str) -> tuple[int, float]:
+    try:
+        rank, factor = text.split(":")
+        return int(rank), float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--slow-rank takes RANK:FACTOR, e.g. 3:1.5; got {text!r}") from None
+
+
+def register(commands) -> None:
+    """Add ``simulate`` (``collective``, ``train``) and ``plan`` to ``dtrain``."""
+    from dtrain.cli.main import parse_bytes
+
+    sim = commands.add_parser("simulate", help="simulate a collective or a training step on a cluster topology")
+    sub = sim.add_subparsers(dest="simulate_command", required=True)
+    p = sub.add_parser("collective", help="replay a dtrain.comm schedule: time, link utilisation, bottleneck")
+    _add_topology(p)
+    p.add_argument("--collective", default="all_reduce", help="all_reduce, all_gather, broadcast, ...")
+    p.add_argument("--algorithm", default="ring", help="a dtrain.comm algorithm (dtrain check lists them)")
+    p.add_argument("--bytes", type=parse_bytes, required=True, help="work buffer per rank, e.g. 1G (binary units)")
+    p.add_argument("--ranks", type=int, help="ranks (default: every device of the topology)")
+    p.add_argument("--placement", default="aware", help="aware, oblivious, or comma-separated device names")
+    p.add_argument("--local-size", type=int, help="ranks a node for hierarchical algorithms (default: per server)")
+    p.add_argument("--pipeline", type=int, default=1, help="pieces a chain algorithm cuts the buffer into")
+    _add_software(p)
+    p.add_argument("--links", type=int, default=8, help="busiest links to show")
+    p.set_defaults(handler=_simulate_collective)
+
+    p = sub.add_parser("train", help="one training step of a dp x tp x pp layout")
+    _add_topology(p)
+    _add_model(p)
+    for axis in ("dp", "tp", "pp"):
+        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences a micro-batch")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences a step")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--placement", default="aware", help="aware or oblivious")
+    _add_step_config(p)
+    p.add_argument("--slow-rank", type=_slow_rank, action="append", default=[], help="RANK:FACTOR, a straggler")
+    p.add_argument("--straggler-sigma", type=float, default=0.0, help="lognormal sigma of every rank's slowdown")
+    p.add_argument("--links", type=int, default=8, help="busiest links to show")
+    p.set_defaults(handler=_simulate_train)
+
+    p = commands.add_parser("plan", help="rank dp/tp/pp/micro-batch layouts and placements by simulated step time")
+    _add_topology(p)
+    _add_model(p)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences a step")
+    p.add_argument("--devices", type=int, help="devices to use (default: all)")
+    p.add_argument("--micro-batches", type=_ints, default=[1, 2, 4], help="micro-batch sizes to try, e.g. 1,2,4")
+    p.add_argument("--zero", type=_ints, default=[0, 1], help="ZeRO stages to try, e.g. 0,1,2")
+    p.add_argument("--placements", type=_names, default=["aware", "oblivious"], help="aware,oblivious")
+    p.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to try")
+    _add_step_config(p)
+    p.add_argument("--top", type=int, default=10, help="plans to show")
+    p.set_defaults(handler=_plan)
+
+    for parser in [*sub.choices.values(), p]:
+        parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _add_topology(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topology", required=True, help="a preset (dtrain topology show --help lists them) or a file")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    from dtrain.sim.model import MODELS
+
+    p.add_argument("--model", default="llama-7b", help=f"one of {', '.join(MODELS)}, changed by the flags below")
+    p.add_argument("--params", type=float, help="parameters, e.g. 7e9")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--seq", type=int, help="sequence length in tokens")
+
+
+def _add_software(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--alpha-us", type=float, default=0.0, help="host time to post a round (us)")
+    p.add_argument("--alpha-peer-us", type=float, help="each further peer of a round (us; default: alpha)")
+    p.add_argument("--flow-cap-gbyte-per-s", type=float, help="most one message reaches alone (GB/s)")
+
+
+def _add_step_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--efficiency", type=float, default=0.5, help="achieved / peak FLOP/s of the kernels")
+    p.add_argument("--tp-algorithm", default="ring")
+    p.add_argument("--dp-algorithm", default="ring", help="e.g. ring, halving_doubling, hierarchical")
+    _add_software(p)
+
+
+def _software(args: argparse.Namespace):
+    from dtrain.sim.collective import SoftwareCost
+
+    cap = args.flow_cap_gbyte_per_s
+    return SoftwareCost(
+        alpha_s=args.alpha_us * 1e-6,
+        alpha_peer_s=None if args.alpha_peer_us is None else args.alpha_peer_us * 1e-6,
+        flow_cap_bytes_per_s=None if cap is None else cap * 1e9,
+    )
+
+
+def _model(args: argparse.Namespace):
+    from dtrain.sim.model import MODELS
+
+    if args.model not in MODELS:
+        raise ValueError(f"unknown model {args.model!r}; known: {', '.join(MODELS)} (or change one with --params ...)")
+    changes = {"parameters": args.params, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+               "sequence": args.seq}  # fmt: skip
+    changes = {k: v for k, v in changes.items() if v is not None}
+    model = MODELS[args.model]
+    return replace(model, name=f"{model.name} (changed)", **changes) if changes else model
+
+
+def _topology(args: argparse.Namespace):
+    from dtrain.cluster.files import resolve
+
+    topo = resolve(args.topology)
+    topo.validate()
+    return topo
+
+
+def _link_rows(links, count: int) -> list[dict]:
+    return [
+        {"link": u.link.name, "kind": u.link.kind, "gbyte_per_s": u.link.bytes_per_s / 1e9, "bytes": u.nbytes,
+         "utilisation": u.utilisation}
+        for u in links[:count]
+    ]  # fmt: skip
+
+
+def _link_table(rows: list[dict], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("link", "kind", "GB/s", "bytes", "utilisation"):
+        table.add_column(column, justify="left" if column in ("link", "kind") else "right")
+    for r in rows:
+        table.add_row(r["link"], r["kind"], f"{r['gbyte_per_s']:.1f}", f"{r['bytes']:.3g}", f"{r['utilisation']:.1%}")
+    return table
+
+
+def _simulate_collective(args: argparse.Namespace) -> int:
+    from dtrain.comm.algorithms import build, needs_local_size
+    from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
+    from dtrain.sim.collective import replay
+
+    topo = _topology(args)
+    devices = [d.name for d in topo.devices()]
+    placement = _collective_placement(args, topo, devices)
+    collective = Collective(args.collective)
+    local = None
+    if needs_local_size(args.algorithm):
+        local = args.local_size or sum(topo.device(d).server == topo.device(placement[0]).server for d in placement)
+    schedule = build(collective, args.algorithm, len(placement), root=0 if collective in ROOTED_COLLECTIVES else None,
+                     pipeline=args.pipeline, local_size=local)  # fmt: skip
+    unit = schedule.nblocks
+    nbytes = -(-args.bytes // unit) * unit
+    result = replay(schedule, nbytes, topo, placement, cost=_software(args), itemsize=1)
+    data = {
+        "topology": topo.name, "collective": collective.value, "algorithm": args.algorithm, "ranks": len(placement),
+        "bytes": nbytes, "time_s": result.time_s, "algbw_gbyte_per_s": nbytes / result.time_s / 1e9,
+        "bottleneck": result.bottleneck.link.name if result.bottleneck else None,
+        "links": _link_rows(result.links, args.links),
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    console = Console()
+    console.print(
+        f"{collective.value}/{args.algorithm} of {nbytes:,} bytes on {len(placement)} ranks of {topo.name}: "
+        f"[bold]{result.time_s * 1e3:.3f} ms[/bold] ({data['algbw_gbyte_per_s']:.1f} GB/s algorithm bandwidth); "
+        f"bottleneck {data['bottleneck']}"
+    )
+    console.print(_link_table(data["links"], "busiest links"))
+    return 0
+
+
+def _collective_placement(args: argparse.Namespace, topo, devices: list[str]) -> list[str]:
+    ranks = args.ranks or len(devices)
+    if args.placement in ("aware", "oblivious"):
+        from dtrain.sim.model import Layout
+        from dtrain.sim.placement import place
+
+        return place(topo, Layout(dp=ranks, global_batch=ranks), args.placement)
+    placement = _names(args.placement)
+    if args.ranks and len(placement) != args.ranks:
+        raise ValueError(f"--placement names {len(placement)} devices but --ranks is {args.ranks}")
+    return placement
+
+
+def _step_config(args: argparse.Namespace, **extra):
+    from dtrain.sim.step import StepConfig
+
+    return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm, dp_algorithm=args.dp_algorithm,
+                      cost=_software(args), **extra)  # fmt: skip
+
+
+def _simulate_train(args: argparse.Namespace) -> int:
+    from dtrain.sim.model import Layout
+    from dtrain.sim.placement import place
+    from dtrain.sim.step import simulate_step
+
+    topo, model = _topology(args), _model(args)
+    layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,
+                    zero_stage=args.zero, schedule=args.schedule)  # fmt: skip
+    config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma)
+    result = simulate_step(model, layout, topo, place(topo, layout, args.placement), config)
+    data = {"topology": topo.name, "model": asdict(model), "layout": asdict(layout), "placement": args.placement,
+            **_step_data(result), "links": _link_rows(result.links, args.links)}  # fmt: skip
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    console = Console()
+    console.print(f"{model.name} on {topo.name}, {layout.describe()}, {args.placement} placement")
+    table = Table(title="one training step")
+    table.add_column("part")
+    table.add_column("value", justify="right")
+    for key, value in _step_data(result).items():
+        table.add_row(key, _format(key, value))
+    console.print(table)
+    console.print(_link_table(data["links"], "links over the step"))
+    return 0
+
+
+def _step_data(r) -> dict:
+    return {
+        "step_s": r.step_s, "step_p95_s": r.step_p95_s, "tokens_per_s": r.tokens_per_s, "compute_s": r.compute_s,
+        "tp_comm_s": r.tp_s, "pp_message_s": r.pp_s, "dp_comm_s": r.dp_s, "optimizer_s": r.optimizer_s,
+        "bubble": r.bubble, "memory_gb": r.memory.total / 1e9, "memory_limit_gb": r.memory_limit / 1e9,
+        "fits": r.fits, "bottleneck": r.bottleneck.link.name if r.bottleneck else None,
+    }  # fmt: skip
+
+
+def _format(key: str, value) -> str:
+    if isinstance(value, float) and key.endswith("_s") and not key.endswith("per_s"):
+        return f"{value * 1e3:.3f} ms" if value < 1 else f"{value:.3f} s"
+    if key == "bubble":
+        return f"{value:.1%}"
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    return str(value)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from dtrain.sim.planner import plan
+
+    topo, model = _topology(args), _model(args)
+    with Progress(transient=True, disable=args.json) as progress:
+        task = progress.add_task("simulating layouts", total=None)
+        plans, dropped = plan(
+            model, topo, global_batch=args.global_batch, devices=args.devices, placements=args.placements,
+            config=_step_config(args), micro_batches=args.micro_batches, zero_stages=args.zero, max_tp=args.max_tp,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )  # fmt: skip
+    rows = [
+        {"layout": p.layout.describe(), "placement": p.placement, "mfu": p.mfu, **_step_data(p.result),
+         "bottleneck_utilisation": p.result.bottleneck.utilisation if p.result.bottleneck else None}
+        for p in plans[: args.top]
+    ]  # fmt: skip
+    if args.json:
+        print(json.dumps({"topology": topo.name, "model": asdict(model), "plans": rows, "too_big": dropped}, indent=2))
+        return 0
+    console = Console(width=max(Console().width, 110))
+    table = Table(title=f"{model.name} on {topo.name}: fastest of {len(plans)} plans ({dropped} layouts too big)")
+    for column in ("#", "layout", "placement", "step", "tokens/s", "MFU", "GB", "bottleneck", "busy"):
+        right = column in ("#", "step", "tokens/s", "MFU", "GB", "busy")
+        table.add_column(column, justify="right" if right else "left", no_wrap=column != "bottleneck")
+    for i, r in enumerate(rows, 1):
+        busy = "" if r["bottleneck_utilisation"] is None else f"{r['bottleneck_utilisation']:.0%}"
+        table.add_row(str(i), r["layout"], r["placement"], _format("step_s", r["step_s"]), f"{r['tokens_per_s']:,.0f}",
+                      f"{r['mfu']:.0%}", f"{r['memory_gb']:.1f}", r["bottleneck"] or "-", busy)  # fmt: skip
+    console.print(table)
+    if not plans:
+        console.print("no layout fits device memory: try more devices, ZeRO (--zero 0,1,2,3) or a smaller model")
+    return 0
