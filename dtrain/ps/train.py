@@ -137,12 +137,12 @@ def _synthetic_steps(worker: Worker, task: TaskConfig):
     rng = np.random.default_rng(task.seed * 1000 + worker.rank)
     if worker.rank == 0:
         worker.wait(worker.init(np.zeros((c.num_keys, c.width), np.float32)))
-    permutation = np.random.default_rng(task.seed).permutation(c.num_keys)
     weights = np.arange(1, c.num_keys + 1, dtype=np.float64) ** -task.zipf
     weights /= weights.sum()
     for _ in range(task.steps):
         if task.keys_per_step:
-            keys = np.unique(permutation[rng.choice(c.num_keys, size=task.keys_per_step, p=weights)])
+            # Zipf rank k is key k: ids handed out in order of first appearance put the popular ones first
+            keys = np.unique(rng.choice(c.num_keys, size=task.keys_per_step, p=weights)).astype(np.int64)
         else:
             keys = np.arange(c.num_keys, dtype=np.int64)
         start = time.perf_counter()
@@ -151,7 +151,8 @@ def _synthetic_steps(worker: Worker, task: TaskConfig):
         pulled_at = time.monotonic()
         time.sleep(task.compute_s * (task.straggler_factor if worker.rank == task.straggler else 1.0))
         pushed_at = time.monotonic()
-        statuses = worker.wait(worker.push(keys, np.full_like(rows, 1e-3)))
+        # the gradient depends on the values pulled, so a stale or wrong copy changes the result
+        statuses = worker.wait(worker.push(keys, np.float32(1e-3) * (1 + rows)))
         worker.tick()
         trace = {"step_clock": clock, "pulled_at": pulled_at, "pushed_at": pushed_at}
         yield float(rows.mean()) if rows.size else 0.0, statuses, time.perf_counter() - start, trace
