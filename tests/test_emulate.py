@@ -3,6 +3,7 @@ hold their rates, and everything is gone afterwards, also after a failure. Needs
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -12,6 +13,7 @@ from dtrain.emulate import netns
 from dtrain.emulate.build import Emulation, teardown_leftovers
 from dtrain.emulate.plan import plan_emulation
 from dtrain.emulate.probe import ping, throughput_bit_per_s
+from dtrain.emulate.run import JobConfig, run_job
 from tests.test_emulate_plan import _tree
 
 pytestmark = [
@@ -90,3 +92,19 @@ def test_down_removes_leftovers_by_prefix():
 def test_down_refuses_a_prefix_that_is_not_the_emulators():
     with pytest.raises(ValueError, match="must start with 'dte-'"):
         teardown_leftovers("eth")
+
+
+def test_a_dtrain_command_runs_across_the_servers(built, tmp_path):
+    out = tmp_path / "bench.jsonl"
+    command = ["bench", "comm", "--collectives", "all_reduce", "--algorithms", "native", "--min-bytes", "4K",
+               "--max-bytes", "4K", "--warmup", "0", "--iters", "1", "--trials", "1", "--out", str(out)]  # fmt: skip
+    assert run_job(built, JobConfig(command=command, log_dir=tmp_path, timeout_s=120, port=29561)) == 0
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (record["world_size"], record["backend"]) == (2, "gloo")
+
+
+def test_a_failing_node_stops_the_job_with_its_status(built, tmp_path, capsys):
+    job = JobConfig(command=["bench", "comm", "--factor", "1"], log_dir=tmp_path, timeout_s=120, port=29562)
+    assert run_job(built, job) != 0  # every rank refuses --factor 1; torchrun reports its workers' failure
+    assert "dtrain emulate: node" in capsys.readouterr().err
+    assert all(netns.ip("netns", "pids", s.namespace).split() == [] for s in built.servers)

@@ -31,6 +31,7 @@ class JobConfig:
     """A dtrain command line (``command``, the words after ``dtrain``) and how to spread it over the servers."""
 
     command: list[str]
+    script: str | None = None  # a Python file to run instead of dtrain (``command`` are then its arguments)
     procs_per_server: int = 1
     local_size: int | None = None  # ranks per hierarchy "node" for hierarchical algorithms (None: one server)
     port: int = 29500
@@ -41,7 +42,7 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("no dtrain command to run; give one after --, e.g. -- bench comm --collectives all_reduce")
-        if self.command[0] in ("dtrain", "-m"):
+        if self.script is None and self.command[0] in ("dtrain", "-m"):
             raise ValueError(f"give the words after 'dtrain' (e.g. 'bench comm ...'), got {self.command[:2]}")
         if self.procs_per_server < 1:
             raise ValueError(f"procs_per_server must be >= 1, got {self.procs_per_server}")
@@ -63,7 +64,7 @@ def torchrun_argv(plan: EmulationPlan, job: JobConfig, node: int) -> list[str]:
         "--rdzv-id", f"dtrain-emulate-{plan.tag}",
         "--rdzv-conf", f"join_timeout={int(job.join_timeout_s)},is_host={int(node == 0)}",
         "--local-addr", server.ip, "--max-restarts", "0", "--monitor-interval", "0.2",
-        "-m", "dtrain.emulate.rank", *job.command,
+        *(["-m", "dtrain.emulate.rank"] if job.script is None else [job.script]), *job.command,
     ]  # fmt: skip
 
 
