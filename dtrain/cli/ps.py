@@ -1,0 +1,79 @@
+"""``dtrain ps``: train through the parameter server, every role a local process (see :mod:`dtrain.ps`).
+
+On a cluster, start each process with ``python -m dtrain.ps`` and its role, rank, the coordinator's address and
+the shared secret in the environment (:mod:`dtrain.ps.launch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register"]
+
+
+def _pair(text: str) -> tuple[int, float]:
+    try:
+        a, b = text.split(":")
+        return int(a), float(b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I:X, e.g. 1:5 or 2:10, got {text!r}") from None
+
+
+def register(commands) -> None:
+    """Add ``dtrain ps`` to the ``dtrain`` command's subparsers."""
+    p = commands.add_parser("ps", help="train through the parameter server (coordinator, servers, workers)")
+    p.add_argument("--model", choices=["mlp", "ctr", "synthetic"], default="mlp",
+                   help="mlp: dense MLP; ctr: embeddings on power-law click data; synthetic: no torch")  # fmt: skip
+    p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch, split over the workers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=["sync", "quorum", "async", "ssp"], default="sync")
+    p.add_argument("--quorum", type=int, default=0, help="quorum mode: pushes that close a round (0: all)")
+    p.add_argument("--late", choices=["drop", "fold"], default="drop", help="quorum mode: what a late push becomes")
+    p.add_argument("--staleness", type=int, default=2, help="ssp mode: clocks a worker may run ahead")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--lr", type=float, default=None, help="default 0.1 (sgd) or 0.01 (adam)")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--replicas", type=int, default=1, help="servers holding each shard")
+    p.add_argument("--replication", choices=["chain", "primary_backup"], default="chain")
+    p.add_argument("--hot-keys", type=int, default=0, help="hottest rows per server copied to other servers")
+    p.add_argument("--hot-replicas", type=int, default=1, help="servers each hot row is copied to")
+    p.add_argument("--straggler", type=_pair, default=None, metavar="I:F", help="slow worker I by factor F")
+    p.add_argument("--fault", type=_pair, default=None, metavar="J:N", help="kill -9 server J after step N")
+    p.add_argument("--dead-after-s", type=float, default=1.0, help="heartbeat silence that declares a server dead")
+    p.add_argument("--compute-s", type=float, default=0.0, help="simulated compute added to each step")
+    p.add_argument("--width", type=int, default=16, help="floats per key (the embedding width for ctr)")
+    p.add_argument("--out", default="runs/ps", help="worker-<rank>.jsonl and metrics.jsonl")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dtrain.ps.config import JobConfig
+    from dtrain.ps.run import Fault, run_job
+    from dtrain.ps.train import TaskConfig, job_keys
+
+    straggler, factor = args.straggler if args.straggler else (-1, 1.0)
+    if args.straggler and not 0 <= straggler < args.workers:
+        raise ValueError(f"--straggler names worker {straggler}; workers are 0..{args.workers - 1}")
+    task = TaskConfig(task=args.model, steps=args.steps, batch_size=args.batch_size, seed=args.seed, width=args.width,
+                      straggler=straggler, straggler_factor=factor, compute_s=args.compute_s,
+                      keys_per_step=64 if args.model == "synthetic" else 0, zipf=1.1)  # fmt: skip
+    lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 0.01)
+    job = JobConfig(num_keys=job_keys(task, synthetic_keys=4096), width=args.width, num_servers=args.servers,
+                    num_workers=args.workers, mode=args.mode, quorum=args.quorum, late=args.late,
+                    staleness=args.staleness, optimizer=args.optimizer, lr=lr, momentum=args.momentum,
+                    replicas=args.replicas, replication=args.replication, hot_keys=args.hot_keys,
+                    hot_replicas=args.hot_replicas, dead_after_s=args.dead_after_s)  # fmt: skip
+    fault = Fault(server=int(args.fault[0]), step=int(args.fault[1])) if args.fault else None
+    s = run_job(job, task, args.out, fault=fault, progress=not args.no_progress)
+    print(f"dtrain ps: {args.mode}, {args.workers} workers, {args.servers} servers: loss {s['first_loss']:.4f} -> "
+          f"{s['final_loss']:.4f}, {s['iteration_s'] * 1e3:.1f} ms/iteration, dropped {s['dropped']}, folded "
+          f"{s['folded']}, lost acknowledged updates {s['lost_acknowledged_updates']}, load max/mean "
+          f"{s['load_max_over_mean']:.2f}; metrics in {args.out}/metrics.jsonl")  # fmt: skip
+    if fault:
+        print(f"dtrain ps: server {fault.server} killed after step {fault.step}; training went on after "
+              f"{s.get('recovery_s') or float('nan'):.2f} s")  # fmt: skip
+    return 0 if all(v == 0 for v in s["worker_exit"].values()) else 1
