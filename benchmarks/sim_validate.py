@@ -208,6 +208,45 @@ def print_summary(summary: list[dict]) -> None:
     Console(width=140).print(table)
 
 
+def run_to_run(data: Path) -> dict:
+    """How far the two all-reduce runs disagree with each other on the points both measured (the noise floor
+    no model can get under): median and worst |t2 / t1 - 1|, small (<= 1 MiB) and large (>= 64 MiB)."""
+    first = {(r["algorithm"], r["nbytes"]): r["time_us"] for r in measured_rows(data, FIT_RUN)}
+    second = {(r["algorithm"], r["nbytes"]): r["time_us"] for r in measured_rows(data, MEASUREMENTS[1])}
+    out = {}
+    for band, keep in (("small", lambda n: n <= SMALL_BYTES), ("large", lambda n: n >= LARGE_BYTES)):
+        diffs = [abs(second[k] / first[k] - 1) for k in first if k in second and keep(k[1])]
+        out[band] = {"points": len(diffs), "median": statistics.median(diffs), "worst": max(diffs)}
+    return out
+
+
+def plot(records: list[dict], path: Path) -> None:
+    """Simulated against measured, one panel per variant, log-log, with the 1:1 line and +-10%."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = sorted({r["variant"] for r in records})
+    fig, axes = plt.subplots(1, len(variants), figsize=(5 * len(variants), 4.6), sharey=True)
+    for ax, variant in zip(axes, variants, strict=True):
+        rows = [r for r in records if r["variant"] == variant]
+        for source, marker in zip(MEASUREMENTS, "o^s", strict=True):
+            pts = [r for r in rows if r["source"] == source]
+            ax.scatter([r["measured_us"] for r in pts], [r["simulated_us"] for r in pts], s=12, marker=marker,
+                       alpha=0.6, label=_run_name(source) + ("" if variant == "calibrated" or source != FIT_RUN
+                                                             else " (fit)"))  # fmt: skip
+        lo, hi = 50, 3e4
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+        ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="grey", alpha=0.2)
+        ax.set(xscale="log", yscale="log", xlabel="measured (us)", title=variant)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("simulated (us)")
+    fig.suptitle("dtrain.sim against dtrain's collectives on 4 x H200 (NCCL point-to-point)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=Path("docs/data"))
@@ -217,10 +256,13 @@ def main() -> None:
     args = parser.parse_args()
     records, fit = validate(args.data, args.calibration)
     summary = summarise(records)
+    noise = run_to_run(args.data)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
-    args.summary.write_text("".join(json.dumps(s) + "\n" for s in [{"fit": fit}, *summary]))
+    args.summary.write_text("".join(json.dumps(s) + "\n" for s in [{"fit": fit, "run_to_run": noise}, *summary]))
+    plot(records, args.out.with_suffix(".png"))
     print_summary(summary)
     Console().print(f"fitted on {FIT_RUN}: {json.dumps(fit)}")
+    Console().print(f"run to run (same points, two runs): {json.dumps(noise)}")
 
 
 if __name__ == "__main__":
