@@ -6,6 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +25,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces, bridges and tc qdiscs"),
 ]
 
+ROOT = Path(__file__).resolve().parents[1]
 # NIC 80 Mb/s, ToR uplink 40 Mb/s (scale 1e-3 of 80 / 40 Gb/s): the path between the racks is the uplink.
 UPLINK_BIT_PER_S = 40e6
 
@@ -108,3 +113,30 @@ def test_a_failing_node_stops_the_job_with_its_status(built, tmp_path, capsys):
     assert run_job(built, job) != 0  # every rank refuses --factor 1; torchrun reports its workers' failure
     assert "dtrain emulate: node" in capsys.readouterr().err
     assert all(netns.ip("netns", "pids", s.namespace).split() == [] for s in built.servers)
+
+
+def test_sigterm_tears_down_before_the_process_exits(tmp_path):
+    tag = _tag("tm")
+    script = (
+        "import sys, time\n"
+        "from dtrain.emulate.build import Emulation\n"
+        "from dtrain.emulate.plan import plan_emulation\n"
+        "from tests.test_emulate_plan import _tree\n"
+        f"with Emulation(plan_emulation(_tree(), scale=1e-3, tag={tag!r})):\n"
+        "    print('up', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        assert len(netns.list_namespaces(f"dte-{tag}-")) == 3
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=30)
+        left = netns.list_namespaces(f"dte-{tag}-")  # before the safety net below removes anything
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        teardown_leftovers(f"dte-{tag}-")
+    assert child.returncode != 0
+    assert left == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -81,9 +82,11 @@ def register(commands) -> None:
 
 
 def _guarded(handler):
-    """Not root / no iproute2 / a failed ip or tc command: one clear line and exit status 2."""
+    """Not root / no iproute2 / a failed ip or tc command: one clear line and exit status 2. Ctrl-C or SIGTERM
+    (after the emulation has torn itself down): one line and the shell's 128 + signal."""
 
     def guarded(args: argparse.Namespace) -> int:
+        from dtrain.emulate.build import Terminated
         from dtrain.emulate.netns import EmulationError
 
         try:
@@ -91,6 +94,11 @@ def _guarded(handler):
         except (PermissionError, EmulationError) as exc:
             print(f"dtrain emulate: error: {exc}", file=sys.stderr)
             return 2
+        except (KeyboardInterrupt, Terminated) as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            print(f"dtrain emulate: stopped by signal {signum}; namespaces, bridges and processes removed",
+                  file=sys.stderr)  # fmt: skip
+            return 128 + signum
 
     return guarded
 

@@ -16,7 +16,7 @@ import types
 from dtrain.emulate import links, netns
 from dtrain.emulate.plan import PREFIX, EmulationPlan
 
-__all__ = ["Emulation", "build", "teardown", "teardown_leftovers", "SERVER_INTERFACE", "SUBNET_BITS"]
+__all__ = ["Emulation", "Terminated", "build", "teardown", "teardown_leftovers", "SERVER_INTERFACE", "SUBNET_BITS"]
 
 #: The interface every server namespace talks through (GLOO_SOCKET_IFNAME).
 SERVER_INTERFACE = f"{PREFIX}eth"
@@ -65,8 +65,12 @@ def teardown_leftovers(prefix: str = PREFIX) -> list[str]:
     return names
 
 
-class _Terminated(BaseException):
-    """SIGTERM while an emulation is up: unwinds like Ctrl-C so the teardown runs."""
+class Terminated(BaseException):
+    """SIGTERM while an emulation is up: unwinds like Ctrl-C so the teardown runs; ``signum`` is the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
 
 
 class Emulation:
@@ -106,4 +110,4 @@ def _main_thread() -> bool:
 
 
 def _raise_terminated(signum: int, frame: types.FrameType | None) -> None:
-    raise _Terminated(f"signal {signum}")
+    raise Terminated(signum)
