@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from dtrain.cluster.topology import Topology
 from dtrain.comm import algorithms
 from dtrain.comm.cost import CostParams, LinkCost, predict
 from dtrain.comm.schedule import Collective
-from dtrain.sim.collective import SoftwareCost, rank_rounds, replay
-from tests.test_sim_topologies import GB, star
+from dtrain.sim.collective import Job, SoftwareCost, rank_rounds, replay, replay_concurrent
+from tests.test_sim_topologies import GB, device, star
 
 RATE = 10 * GB
 HOP_S = 1e-6
@@ -85,3 +86,25 @@ def test_placement_must_name_one_device_per_rank() -> None:
         replay(schedule, 1024, star(4), ["g0", "g1", "g2"])
     with pytest.raises(ValueError, match="'gx'"):
         replay(schedule, 1024, star(4), ["g0", "g1", "g2", "gx"])
+
+
+def test_concurrent_collectives_share_the_links_they_both_cross() -> None:
+    # two 2-rank rings whose every message crosses the single sw0-sw1 link: together they take twice as long
+    topo = Topology("dumbbell")
+    for s in (0, 1):
+        topo.add_node(f"sw{s}", kind="switch")
+        for g in (0, 1):
+            topo.add_device(device(f"s{s}/g{g}", f"s{s}"))
+            topo.add_link(f"s{s}/g{g}", f"sw{s}", bytes_per_s=RATE, latency_s=0.0, kind="nvlink")
+    topo.add_link("sw0", "sw1", bytes_per_s=RATE, latency_s=0.0, kind="ethernet")
+    schedule = algorithms.build(Collective.ALL_REDUCE, "ring", 2)
+    gamma_free = SoftwareCost(gamma_s_per_byte=0.0)
+    alone = replay_concurrent([Job(schedule, 2**24, ("s0/g0", "s1/g0"))], topo, cost=gamma_free, itemsize=1)
+    both = replay_concurrent(
+        [Job(schedule, 2**24, ("s0/g0", "s1/g0")), Job(schedule, 2**24, ("s0/g1", "s1/g1"))],
+        topo,
+        cost=gamma_free,
+        itemsize=1,
+    )
+    assert both.time_s == pytest.approx(2 * alone.time_s)
+    assert both.bottleneck is not None and both.bottleneck.link.kind == "ethernet"
