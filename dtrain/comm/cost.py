@@ -333,13 +333,23 @@ def optimal_pipeline(nbytes: int, world_size: int, link: LinkCost, *, limit: int
 def default_params(device_type: str) -> CostParams:
     """Defaults until ``dtrain bench calibrate`` measures the machine (its file replaces them).
 
-    "cpu": Gloo over loopback, about 50 us a message, 1.5 GB/s, reductions at 5 GB/s. "cuda": NVLink-class,
-    about 20 us a Python-driven round, 150 GB/s, reductions at 1 TB/s.
+    "cpu": Gloo over loopback, about 50 us a message, 1.5 GB/s, reductions at 5 GB/s. "cuda": an NVLink node,
+    rounded from ``dtrain bench calibrate`` on 4 H200s (docs/data/gpu-h200x4-calibration.json): 90 us a round
+    and 45 us more for each further peer in it (the host cost of an NCCL group), 330 GB/s out of a rank, 270 GB/s
+    to one peer, reductions at 1.4 TB/s. The per-peer terms matter: without them the model cannot see that
+    sending to every peer at once (``direct``) beats halving-doubling on such a node.
     """
     if device_type == "cpu":
         return CostParams(intra=LinkCost(alpha_s=50e-6, beta_s_per_byte=1 / 1.5e9, gamma_s_per_byte=1 / 5e9))
     if device_type == "cuda":
-        return CostParams(intra=LinkCost(alpha_s=20e-6, beta_s_per_byte=1 / 150e9, gamma_s_per_byte=1 / 1e12))
+        nvlink = LinkCost(
+            alpha_s=90e-6,
+            beta_s_per_byte=1 / 330e9,
+            gamma_s_per_byte=1 / 1.4e12,
+            alpha_peer_s=45e-6,
+            beta_peer_s_per_byte=1 / 270e9,
+        )
+        return CostParams(intra=nvlink)
     raise ValueError(f"no default cost parameters for device type {device_type!r}; use 'cpu' or 'cuda'")
 
 
