@@ -121,6 +121,32 @@ def _placement_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], exchange: list[dict], path: Path) -> None:
+    """Predicted against measured, one marker per algorithm; hollow: the receives-first transport."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.2))
+    for algorithm in sorted({r["algorithm"] for r in rows}):
+        mine = [r for r in rows if r["algorithm"] == algorithm]
+        ax.scatter([r["measured_s"] for r in mine], [r["predicted_s"] for r in mine], label=algorithm, s=22)
+    first = [r for r in exchange if r["order"] == "receives-first"]
+    if first:
+        ax.scatter([r["seconds"] for r in first], [r["predicted_s"] for r in first], facecolors="none",
+                   edgecolors="black", s=40, label="receives posted first (1:4)")  # fmt: skip
+    low, high = 0.02, 5.0
+    for factor, style in ((1.0, "-"), (1.1, ":"), (1 / 1.1, ":")):
+        ax.plot([low, high], [low * factor, high * factor], style, color="grey", linewidth=0.8)
+    ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured (s)",
+           ylabel="simulated (s)", title="all-reduce on the emulated 2x2 leaf-spine (dotted: +-10%)")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default="docs/data")
@@ -140,7 +166,10 @@ def main() -> None:
     train_rows = _train_predictions(train)
     out = data / "emulate-validation.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows + train_rows))
-    print(f"wrote {len(rows) + len(train_rows)} records to {out}\n")
+    exchange_path = data / "emulate-exchange.jsonl"
+    exchange = [json.loads(x) for x in exchange_path.read_text().splitlines()] if exchange_path.exists() else []
+    plot(rows, exchange, data / "emulate-validation.png")
+    print(f"wrote {len(rows) + len(train_rows)} records to {out} and the plot beside it\n")
     print("all-reduce, fitted software costs, by algorithm:\n" + _summary(rows, "algorithm") + "\n")
     print("all-reduce, fitted, by case:\n" + _summary(rows, "case") + "\n")
     net = [{**r, "error": r["error_network"]} for r in rows]
