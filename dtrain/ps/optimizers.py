@@ -31,6 +31,13 @@ class RowOptimizer:
         return self.state
 
 
+def rows_index(rows: np.ndarray) -> np.ndarray | slice:
+    """``rows`` (sorted, unique) as a slice when they are contiguous: whole-shard steps then work in place."""
+    if rows.size and int(rows[-1]) - int(rows[0]) + 1 == rows.size:
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows
+
+
 class SGD(RowOptimizer):
     def __init__(self, config: JobConfig, rows: int, width: int) -> None:
         super().__init__(config, rows, width)
@@ -39,11 +46,12 @@ class SGD(RowOptimizer):
 
     def step(self, weights: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> None:
         c = self.config
+        rows = rows_index(rows)
         g = grads + np.float32(c.weight_decay) * weights[rows] if c.weight_decay else grads
         if c.momentum:
             buf, started = self.state["buf"], self.state["started"]
             old = buf[rows]
-            new = np.where(started[rows, None] != 0, np.float32(c.momentum) * old + g, g)
+            new = np.where((started[rows] != 0)[:, None], np.float32(c.momentum) * old + g, g)
             buf[rows] = new
             started[rows] = 1
             g = new
@@ -61,6 +69,7 @@ class Adam(RowOptimizer):
 
     def step(self, weights: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> None:
         c = self.config
+        rows = rows_index(rows)
         g = grads + np.float32(c.weight_decay) * weights[rows] if c.weight_decay else grads
         m, v, t = self.state["m"], self.state["v"], self.state["t"]
         t[rows] += 1

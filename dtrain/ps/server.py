@@ -235,7 +235,7 @@ class Server:
         while self.running:
             events = dict(poller.poll(timeout=tick * 1000))
             if self.router in events:
-                self._drain_router()
+                self._drain_router(tick)
             if self.coord.sock in events:
                 self._drain_coordinator()
             now = time.monotonic()
@@ -246,8 +246,10 @@ class Server:
                 next_tick = now + tick
         self.ctx.destroy(linger=0)
 
-    def _drain_router(self) -> None:
-        for _ in range(1000):
+    def _drain_router(self, budget_s: float) -> None:
+        """Handle waiting messages for at most ``budget_s``, so heartbeats go out even under a flood."""
+        deadline = time.monotonic() + budget_s
+        while time.monotonic() < deadline:
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:

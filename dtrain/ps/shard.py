@@ -15,7 +15,7 @@ import numpy as np
 
 from dtrain.ps.config import JobConfig
 from dtrain.ps.keys import KeyRange
-from dtrain.ps.optimizers import make_optimizer
+from dtrain.ps.optimizers import make_optimizer, rows_index
 
 __all__ = ["Entry", "ShardState"]
 
@@ -78,7 +78,7 @@ class ShardState:
 
     def rows(self, keys: np.ndarray) -> np.ndarray:
         """The current values of ``keys`` (all in range), ``(len(keys), width)``."""
-        return self.weights[keys - self.key_range.lo]
+        return self.weights[rows_index(keys - self.key_range.lo)].copy()  # a copy: replies are sent later
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Everything a replica holds, for comparing replicas."""

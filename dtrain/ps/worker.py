@@ -23,6 +23,7 @@ import zmq
 from dtrain.ps.config import JobConfig
 from dtrain.ps.hotkeys import HotRouter
 from dtrain.ps.keys import partition, split_by_range
+from dtrain.ps.optimizers import rows_index
 from dtrain.ps.transport import Endpoint, PSTimeoutError, await_message
 
 __all__ = ["Worker", "PSError", "PSTimeoutError"]
@@ -214,7 +215,7 @@ class Worker:
         if h.get("status") == "error":
             raise PSError(f"server {req.server} refused {req.header['op']} of shard {req.shard}: {h.get('error')}")
         if req.header["op"] == "pull":
-            handle.result[req.positions] = msg.tensors[0]
+            handle.result[rows_index(req.positions)] = msg.tensors[0]
             self.round_of[req.shard] = max(self.round_of[req.shard], h["round"])
             if not req.copy:
                 self.hot.learn(req.shard, h, msg.tensors)
