@@ -109,8 +109,9 @@ def test_a_dtrain_command_runs_across_the_servers(built, tmp_path):
 
 
 def test_a_failing_node_stops_the_job_with_its_status(built, tmp_path, capsys):
-    job = JobConfig(command=["bench", "comm", "--factor", "1"], log_dir=tmp_path, timeout_s=120, port=29562)
-    assert run_job(built, job) != 0  # every rank refuses --factor 1; torchrun reports its workers' failure
+    missing = str(tmp_path / "no-such-script.py")  # every worker fails at once, before importing anything
+    job = JobConfig(command=[], script=missing, log_dir=tmp_path, timeout_s=120, port=29562)
+    assert run_job(built, job) != 0
     assert "dtrain emulate: node" in capsys.readouterr().err
     assert all(netns.ip("netns", "pids", s.namespace).split() == [] for s in built.servers)
 

@@ -40,7 +40,7 @@ class JobConfig:
     log_dir: Path = field(default_factory=lambda: Path("runs/emulate"))
 
     def __post_init__(self) -> None:
-        if not self.command:
+        if not self.command and self.script is None:
             raise ValueError("no dtrain command to run; give one after --, e.g. -- bench comm --collectives all_reduce")
         if self.script is None and self.command[0] in ("dtrain", "-m"):
             raise ValueError(f"give the words after 'dtrain' (e.g. 'bench comm ...'), got {self.command[:2]}")
