@@ -18,6 +18,7 @@ from dtrain.emulate.build import Emulation, teardown_leftovers
 from dtrain.emulate.plan import plan_emulation
 from dtrain.emulate.probe import ping, throughput_bit_per_s
 from dtrain.emulate.run import JobConfig, run_job
+from dtrain.emulate.verify import verify
 from tests.test_emulate_plan import _tree
 
 pytestmark = [
@@ -141,3 +142,9 @@ def test_sigterm_tears_down_before_the_process_exits(tmp_path):
         teardown_leftovers(f"dte-{tag}-")
     assert child.returncode != 0
     assert left == []
+
+
+def test_the_check_reports_every_servers_rtt_and_the_cross_rack_rate(built):
+    report = verify(built, tolerance=0.15)
+    assert set(report["median_rtt_s"]) == {"s1"}
+    assert report["configured_bit_per_s"] == pytest.approx(UPLINK_BIT_PER_S)

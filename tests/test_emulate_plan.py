@@ -1,12 +1,18 @@
-"""The emulation plan: what a topology becomes (namespaces, bridges, rates), without root."""
+"""The emulation plan: what a topology becomes (namespaces, bridges, rates), placements, and the network the
+simulator is given for it; no root needed."""
 
 from __future__ import annotations
 
 import pytest
 
+from dtrain.cluster.files import resolve
 from dtrain.cluster.presets import preset
 from dtrain.cluster.topology import Device, Topology
-from dtrain.emulate.plan import plan_emulation, server_ip
+from dtrain.comm.schedule import Collective, Transfer, make_schedule
+from dtrain.emulate.model import emulated_topology
+from dtrain.emulate.placement import placement_order, ranks_per_rack
+from dtrain.emulate.plan import path_bit_per_s, plan_emulation, server_ip
+from dtrain.sim.collective import replay
 
 
 def _tree(server_gbit: float = 100.0, uplink_gbit: float = 50.0) -> Topology:
@@ -89,3 +95,48 @@ def test_loops_that_are_not_leaf_spine_are_refused():
     t.add_link("r0/tor", "r1/tor", bytes_per_s=1e9, latency_s=1e-6, kind="ethernet100")
     with pytest.raises(ValueError, match="not a two-tier leaf-spine"):
         plan_emulation(t, scale=1e-3, tag="t")
+
+
+def _leaf_spine(oversubscription: float = 4):
+    return preset("4-rack", racks=2, servers_per_rack=2, gpus=1, nics=1, nic="ethernet100",
+                  oversubscription=oversubscription)  # fmt: skip
+
+
+def test_a_topology_file_plans_like_its_preset(tmp_path):
+    path = tmp_path / "two-racks.toml"
+    path.write_text('name = "two-racks"\n[build]\npreset = "4-rack"\nracks = 2\nservers_per_rack = 2\ngpus = 1\n'
+                    'nics = 1\nnic = "ethernet100"\noversubscription = 4\n')  # fmt: skip
+    from_file = plan_emulation(resolve(str(path)), scale=1e-3, tag="t")
+    from_preset = plan_emulation(_leaf_spine(), scale=1e-3, tag="t")
+    assert from_file.describe() | {"topology": ""} == from_preset.describe() | {"topology": ""}
+
+
+def test_the_configured_path_rate_is_the_smallest_shaped_rate_on_it():
+    plan = plan_emulation(_leaf_spine(), scale=1e-3, tag="t")
+    assert path_bit_per_s(plan, 0, 1) == pytest.approx(100e6)  # same rack: NIC to NIC
+    assert path_bit_per_s(plan, 0, 3) == pytest.approx(50e6)  # across: the ToR's 1:4 uplink
+
+
+def test_interleaved_placement_deals_racks_in_turn():
+    assert placement_order(_leaf_spine(), "interleaved") == ["s0", "s2", "s1", "s3"]
+    assert placement_order(_leaf_spine(), "packed") == ["s0", "s1", "s2", "s3"]
+
+
+def test_a_rack_holds_its_servers_ranks_when_packed():
+    topology = _leaf_spine()
+    plan = plan_emulation(topology, scale=1e-3, tag="t", placement=placement_order(topology, "packed"))
+    assert ranks_per_rack(plan, procs_per_server=3) == 6
+
+
+def test_the_simulators_network_is_the_shaped_one():
+    # One message across the racks of the 1:4 cluster: the simulator must move it at the ToR uplink's payload
+    # rate, 50 Mb/s x 1448/1514, as the emulation delivers it.
+    topology = _leaf_spine()
+    plan = plan_emulation(topology, scale=1e-3, tag="t")
+    network = emulated_topology(topology, plan)
+    nbytes = 1 << 20
+    result = replay(make_schedule(Collective.BROADCAST, "p2p", 2, [[Transfer(0, 1, 0, 0)]], root=0), nbytes,
+                    network, ["s0/gpu0", "s3/gpu0"])  # fmt: skip
+    expected = nbytes / (50e6 / 8 * 1448 / 1514)
+    assert result.time_s == pytest.approx(expected, rel=1e-3)
+    assert "spines" in network.graph and "spine0" not in network.graph
