@@ -204,3 +204,82 @@ def uneven_split(world: int) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+class _OutOfOrder(nn.Module):
+    """Registered head first and stem last, so reverse registration order is the opposite of backward's.
+
+    ``swap`` changes which branch forward builds last, hence whose gradients become ready first; the sum is
+    the same either way (addition of two floats commutes exactly).
+    """
+
+    def __init__(self, seed: int, swap: bool) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.head, self.left, self.right, self.stem = (
+            nn.Linear(16, 4),
+            nn.Linear(16, 16),
+            nn.Linear(16, 16),
+            nn.Linear(8, 16),
+        )
+        self.swap = swap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))  # (B, 16)
+        first, second = (self.right, self.left) if self.swap else (self.left, self.right)
+        return self.head(torch.tanh(first(h) + second(h)))  # (B, 4)
+
+
+def rebuild(world: int, set_to_none: bool, steps: int = 4) -> dict:
+    """DataParallel on :class:`_OutOfOrder` (rank 0 unswapped, the others swapped) against one process."""
+    group = group_of(world)
+    rank = dist.get_rank(group)
+    model = _OutOfOrder(rank * 7 + 3 if rank else 0, swap=rank != 0)
+    dp = DataParallel(model, group, bucket_bytes=BUCKET_BYTES, algorithm="native")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    layer_of = {id(p): name.split(".")[0] for name, p in model.named_parameters()}
+    launched_mid_backward, bucket_layers, launches_before = [], [], [0]
+
+    def spy(grad: torch.Tensor) -> None:  # the stem's output gradient: every later layer's is done
+        launched_mid_backward.append(dp.reducer.launches - launches_before[0])
+
+    def watch(module, inputs, output) -> None:
+        output.register_hook(spy)
+
+    model.stem.register_forward_hook(watch)
+    losses = []
+    for step in range(steps):
+        x, y = split_batch(_global_batch(step), group)
+        bucket_layers.append([[layer_of[id(p)] for p in b.params] for b in dp.reducer.buckets])
+        launches_before[0] = dp.reducer.launches
+        loss = F.mse_loss(dp(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        total = loss.detach().clone()
+        comm.all_reduce(total, op="avg", group=group, algorithm="native")
+        losses.append(total.item())
+    views = all(
+        p.grad is not None and p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+        for b in dp.reducer.buckets
+        for p in b.params
+    )
+    ref = _OutOfOrder(0, swap=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_losses = []
+    for step in range(steps):
+        x, y = _global_batch(step)
+        loss = F.mse_loss(ref(x), y)
+        ref_opt.zero_grad()
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    return {
+        "losses": losses,
+        "params": _flat(model),
+        "ref_losses": ref_losses,
+        "ref_params": _flat(ref),
+        "bucket_layers": bucket_layers,
+        "launched_mid_backward": launched_mid_backward,
+        "grads_are_bucket_views": views and not set_to_none,
+    }

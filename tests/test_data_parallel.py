@@ -129,3 +129,36 @@ def test_distributed_optimizer_needs_a_positive_pass_count():
     model = _mlp()
     with pytest.raises(ValueError, match="backward_passes_per_step must be an int >= 1, got 0"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, None, backward_passes_per_step=0)
+
+
+@pytest.fixture(scope="module")
+def rebuilt(pool):
+    """Two ranks whose backward orders differ (see tests/dp_jobs.py:_OutOfOrder), gradients zeroed in place."""
+    return pool.run(f"{JOBS}:rebuild", 2, False, ranks=2)
+
+
+def _layers(bucket_layers: list[list[str]]) -> list[str]:
+    return list(dict.fromkeys(name for bucket in bucket_layers for name in bucket))
+
+
+def test_buckets_are_rebuilt_after_the_first_backward_in_rank_0s_ready_order(rebuilt):
+    for r in rebuilt:
+        assert _layers(r["bucket_layers"][0]) == ["stem", "right", "left", "head"]  # reverse registration
+        # Rank 0 builds the right branch last, so its gradients come before the left's; rank 1 follows rank 0.
+        assert all(_layers(b) == ["head", "right", "left", "stem"] for b in r["bucket_layers"][1:])
+    assert rebuilt[0]["bucket_layers"] == rebuilt[1]["bucket_layers"]
+
+
+def test_rebuilt_buckets_go_out_while_backward_still_runs(rebuilt):
+    for r in rebuilt:
+        assert r["launched_mid_backward"][0] == 0  # the stem's bucket came first and held everything back
+        assert all(n >= 3 for n in r["launched_mid_backward"][1:])  # head, right and left are out before the stem
+
+
+def test_rebuilt_buckets_and_gradient_views_keep_training_equal_to_one_process(rebuilt):
+    _assert_matches_reference(rebuilt)
+    assert all(r["grads_are_bucket_views"] for r in rebuilt)  # zeroed in place, backward accumulates in the bucket
+
+
+def test_gradients_set_to_none_are_copied_into_the_rebuilt_buckets(pool):
+    _assert_matches_reference(pool.run(f"{JOBS}:rebuild", 2, True, ranks=2))

@@ -53,11 +53,20 @@ class DataParallel(nn.Module):
     At construction every parameter and buffer is overwritten with group rank 0's (so ranks start equal);
     nothing is checked against the other ranks beyond that. ``algorithm`` is passed to every collective
     (``"auto"``, ``"native"``, ``"ring"``, ... see :func:`dtrain.comm.algorithms`). Buckets follow the reverse
-    registration order and are not rebuilt from the observed order as DDP does after its first iteration.
+    registration order in the first synced backward, then are rebuilt in the order gradients became ready on
+    group rank 0, as DDP does after its first iteration; with ``gradient_as_bucket_view`` (the default) each
+    ``param.grad`` is then a view into its bucket (see
+    :class:`~dtrain.parallel.data_parallel_communications.GradientReducer`).
     """
 
     def __init__(
-        self, module: nn.Module, group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, algorithm: str = "auto"
+        self,
+        module: nn.Module,
+        group,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        algorithm: str = "auto",
+        gradient_as_bucket_view: bool = True,
     ) -> None:
         super().__init__()
         params = [p for p in module.parameters() if p.requires_grad]
@@ -69,7 +78,13 @@ class DataParallel(nn.Module):
         self.module = module
         self.group = group
         self.algorithm = algorithm
-        self.reducer = GradientReducer(params, group, bucket_bytes=bucket_bytes, algorithm=algorithm)
+        self.reducer = GradientReducer(
+            params,
+            group,
+            bucket_bytes=bucket_bytes,
+            algorithm=algorithm,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
         broadcast_tensors([*module.parameters(), *module.buffers()], 0, group, algorithm=algorithm)
         self._sync_enabled = True
         self._sync_this_backward = True

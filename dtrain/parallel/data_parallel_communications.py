@@ -7,6 +7,8 @@ bucket owns one flat contiguous buffer; when every gradient of a bucket has been
 are copied into the buffer and one ``comm.all_reduce(op="avg")`` runs on it while backward goes on computing
 earlier layers' gradients (section 3.2.3's overlap). Buckets are launched strictly in index order, so every
 rank issues the same collectives in the same order (section 3.2.3, "all-reduce order must be the same").
+After the first pass the buckets are cut again in the order gradients were observed to become ready (rank 0's
+order, broadcast), and gradients become views into the buckets, as DDP does (:class:`GradientReducer`).
 
 On CPU Gloo our collectives are synchronous, so "launch" runs the all-reduce inside the autograd hook: the
 structure (when a bucket goes out, in what order, one flat message per bucket) is DDP's, and on a transport
@@ -30,6 +32,7 @@ __all__ = [
     "GradientReducer",
     "build_buckets",
     "broadcast_tensors",
+    "cut_buckets",
     "broadcast_optimizer_state",
     "group_size",
 ]
@@ -39,13 +42,13 @@ __all__ = [
 class Bucket:
     """Parameters whose gradients travel together, and the flat buffer they travel in.
 
-    ``offsets[i]`` is where ``params[i]``'s gradient starts in ``buffer``; ``pending`` holds the parameters
-    whose gradient has not been accumulated yet in this backward pass.
+    ``views[i]`` is ``params[i]``'s slice of ``buffer``, shaped like the parameter; ``pending`` holds the
+    parameters whose gradient has not been accumulated yet in this backward pass.
     """
 
     params: list[torch.nn.Parameter]
-    offsets: list[int]
     buffer: torch.Tensor = field(repr=False)  # (numel,) one dtype, one device
+    views: list[torch.Tensor] = field(repr=False)  # views[i]: buffer slice shaped like params[i]
     pending: set[int] = field(default_factory=set, repr=False)  # id() of parameters not ready yet
 
     @property
@@ -59,6 +62,15 @@ class Bucket:
 def build_buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
     """Cut ``params`` (taken in reverse order) into buckets of at most ``bucket_bytes``, one dtype and device each.
 
+    Reverse registration order is the first guess at the order backward produces gradients (Li et al. 2020,
+    section 3.2.3); :class:`GradientReducer` replaces it with the observed order after the first pass.
+    """
+    return cut_buckets(list(reversed([p for p in params if p.requires_grad])), bucket_bytes)
+
+
+def cut_buckets(ordered: list[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
+    """Cut ``ordered`` as given into consecutive buckets of at most ``bucket_bytes``, one dtype and device each.
+
     A parameter larger than ``bucket_bytes`` gets a bucket of its own (Li et al. 2020, section 3.2.3).
     """
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
@@ -66,7 +78,7 @@ def build_buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> li
     buckets: list[Bucket] = []
     current: list[torch.nn.Parameter] = []
     current_bytes = 0
-    for p in reversed([p for p in params if p.requires_grad]):
+    for p in ordered:
         nbytes = p.numel() * p.element_size()
         same_kind = not current or (current[0].dtype == p.dtype and current[0].device == p.device)
         if current and (current_bytes + nbytes > bucket_bytes or not same_kind):
@@ -80,14 +92,18 @@ def build_buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> li
 
 
 def _make_bucket(params: list[torch.nn.Parameter]) -> Bucket:
-    offsets, total = [], 0
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    views, start = [], 0
     for p in params:
-        offsets.append(total)
-        total += p.numel()
-    buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-    bucket = Bucket(params=params, offsets=offsets, buffer=buffer)
+        views.append(buffer[start : start + p.numel()].view_as(p))
+        start += p.numel()
+    bucket = Bucket(params=params, buffer=buffer, views=views)
     bucket.reset()
     return bucket
+
+
+def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
 
 
 class GradientReducer:
@@ -96,20 +112,56 @@ class GradientReducer:
     Call :meth:`mark_ready` from a parameter's post-accumulate-grad hook and :meth:`finish` once the pass is
     over (at the end of backward, or before the optimizer step); ``finish`` reduces buckets still waiting (a
     parameter that got no gradient counts as a zero gradient, as on the ranks that did use it) and rearms.
+
+    Two of DDP's refinements (Li et al. 2020, sections 3.2.3 and 4.2):
+
+    - **bucket rebuild**: the first pass records the order in which gradients became ready; at its end the
+      buckets are cut again in group rank 0's order (broadcast, so every rank holds the same buckets), so the
+      first bucket fills, and goes out, as early as backward allows;
+    - **gradients as bucket views** (``gradient_as_bucket_view``, DDP's option of that name): after a bucket is
+      averaged each ``param.grad`` *is* its slice of the bucket, so the next backward accumulates straight
+      into the bucket (no copy in) when gradients are zeroed rather than set to None, and nothing is copied
+      back out; a gradient autograd created anew is copied in with one fused ``_foreach_copy_``.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], group, *, bucket_bytes: int, algorithm: str) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        group,
+        *,
+        bucket_bytes: int,
+        algorithm: str,
+        gradient_as_bucket_view: bool = True,
+        rebuild_buckets: bool = True,
+    ) -> None:
         self.group = group
         self.algorithm = algorithm
+        self.bucket_bytes = bucket_bytes
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.buckets = build_buckets(params, bucket_bytes)
-        self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        self._params = [p for b in reversed(self.buckets) for p in reversed(b.params)]  # registration order
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._bucket_of = self._locate()
         self._next_launch = 0  # buckets go out in index order on every rank
+        self._ready_order: list[int] | None = [] if rebuild_buckets else None  # recorded until the rebuild
         self.launches = 0  # all-reduces issued so far (tests and benchmarks read it)
+
+    def _locate(self) -> dict[int, int]:
+        return {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the buckets follow the observed gradient order (after the first full pass)."""
+        return self._ready_order is None
 
     def mark_ready(self, param: torch.nn.Parameter) -> None:
         """``param.grad`` holds this pass's gradient: launch every bucket that is now complete, in order."""
         b = self._bucket_of.get(id(param))
-        if b is None or b < self._next_launch:
+        if b is None:
+            return
+        if self._ready_order is not None:
+            self._ready_order.append(self._index[id(param)])
+        if b < self._next_launch:
             return
         self.buckets[b].pending.discard(id(param))
         while self._next_launch < len(self.buckets) and not self.buckets[self._next_launch].pending:
@@ -121,25 +173,52 @@ class GradientReducer:
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
+        if self._ready_order is not None:
+            self._rebuild(self._ready_order)
+            self._ready_order = None
         for bucket in self.buckets:
             bucket.reset()
         self._next_launch = 0
 
+    def _rebuild(self, observed: list[int]) -> None:
+        """Cut the buckets again in group rank 0's observed order; parameters never seen keep their old place."""
+        seen = list(dict.fromkeys(observed))
+        unseen = [i for i in (self._index[id(p)] for b in self.buckets for p in b.params) if i not in set(observed)]
+        order = torch.tensor(seen + unseen, dtype=torch.int64)  # the same length on every rank
+        comm.broadcast(order, 0, group=self.group, algorithm="native")
+        old_views = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
+        self.buckets = cut_buckets([self._params[i] for i in order.tolist()], self.bucket_bytes)
+        self._bucket_of = self._locate()
+        if not self.gradient_as_bucket_view:
+            return
+        with torch.no_grad():  # move gradients that were views of the old buckets into the new ones
+            for bucket in self.buckets:
+                for p, view in zip(bucket.params, bucket.views, strict=True):
+                    if p.grad is not None and _is_view(p.grad, old_views[id(p)]):
+                        view.copy_(p.grad)
+                        p.grad = view
+
     def _launch(self, bucket: Bucket) -> None:
         with torch.no_grad():
-            for p, start in zip(bucket.params, bucket.offsets, strict=True):
-                view = bucket.buffer[start : start + p.numel()]
+            targets, sources, missing = [], [], []
+            for p, view in zip(bucket.params, bucket.views, strict=True):
                 if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad.reshape(-1))
+                    missing.append(view)
+                elif not _is_view(p.grad, view):
+                    targets.append(view)
+                    sources.append(p.grad)
+            if targets:
+                torch._foreach_copy_(targets, sources)
+            if missing:
+                torch._foreach_zero_(missing)
             comm.all_reduce(bucket.buffer, op="avg", group=self.group, algorithm=self.algorithm)
-            for p, start in zip(bucket.params, bucket.offsets, strict=True):
-                averaged = bucket.buffer[start : start + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = averaged.clone()
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                if self.gradient_as_bucket_view:
+                    p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
                 else:
-                    p.grad.copy_(averaged)
+                    p.grad.copy_(view)
         self.launches += 1
 
 
