@@ -140,3 +140,9 @@ def test_the_simulators_network_is_the_shaped_one():
     expected = nbytes / (50e6 / 8 * 1448 / 1514)
     assert result.time_s == pytest.approx(expected, rel=1e-3)
     assert "spines" in network.graph and "spine0" not in network.graph
+
+
+def test_a_subset_of_servers_keeps_every_tor_a_tor():
+    plan = plan_emulation(_leaf_spine(), scale=1e-3, tag="t", placement=["s0", "s1"])
+    assert [s.server for s in plan.servers] == ["s0", "s1"]
+    assert sorted(plan.bridges.values()) == ["r0/tor", "r1/tor", "spine0,spine1"]

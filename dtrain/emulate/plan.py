@@ -163,7 +163,8 @@ def plan_emulation(topology: Topology, *, scale: float, tag: str, placement: lis
     switches = _network_switches(topology)
     if not switches:
         raise ValueError(f"topology {topology.name!r} has no network switch (kind 'switch'); nothing to emulate")
-    attach = {s: _server_uplinks(topology, s, set(switches)) for s in servers}
+    # every server's ToR, placed or not: a ToR is a ToR even when this run leaves its rack empty
+    attach = {s: _server_uplinks(topology, s, set(switches)) for s in topology.servers()}
     tors = sorted({switch for switch, _, _ in attach.values()}, key=switches.index)
     graph = _switch_graph(topology, switches)
     bridge_of, links, merged, notes = _switch_plan(topology, graph, tors, 8 * scale)
