@@ -148,3 +148,9 @@ def test_the_check_reports_every_servers_rtt_and_the_cross_rack_rate(built):
     report = verify(built, tolerance=0.15)
     assert set(report["median_rtt_s"]) == {"s1"}
     assert report["configured_bit_per_s"] == pytest.approx(UPLINK_BIT_PER_S)
+
+
+def test_a_second_emulation_with_the_same_tag_is_refused_and_leaves_the_first_alone(built):
+    with pytest.raises(netns.EmulationError, match="exist already"), Emulation(built):
+        pass
+    assert set(netns.list_namespaces(f"dte-{built.tag}-")) == set(built.namespaces)

@@ -27,9 +27,7 @@ SUBNET_BITS = 16
 def build(plan: EmulationPlan) -> None:
     """Create everything ``plan`` names. On a failure half-way the caller tears down (see :class:`Emulation`)."""
     netns.require_root()
-    clash = [n for n in plan.namespaces if netns.exists(n)]
-    if clash:
-        raise netns.EmulationError(f"namespaces {clash} exist already; run `dtrain emulate down` first")
+    _refuse_clash(plan)
     netns.create(plan.fabric)
     for bridge in plan.bridges:
         links.add_bridge(plan.fabric, bridge)
@@ -46,6 +44,15 @@ def build(plan: EmulationPlan) -> None:
         links.set_address(server.namespace, SERVER_INTERFACE, f"{server.ip}/{SUBNET_BITS}")
         links.limit_rate(server.namespace, SERVER_INTERFACE, server.up_bit_per_s)
         links.limit_rate(plan.fabric, server.port, server.down_bit_per_s)
+
+
+def _refuse_clash(plan: EmulationPlan) -> None:
+    clash = [n for n in plan.namespaces if netns.exists(n)]
+    if clash:
+        raise netns.EmulationError(
+            f"namespaces {clash} exist already (another emulation with tag {plan.tag!r}?); pick another tag or "
+            f"remove them with `dtrain emulate down --tag {plan.tag}`"
+        )
 
 
 def teardown(plan: EmulationPlan) -> None:
@@ -82,6 +89,7 @@ class Emulation:
 
     def __enter__(self) -> EmulationPlan:
         netns.require_root()
+        _refuse_clash(plan=self.plan)  # before anything is ours to tear down: those namespaces belong to another
         if _main_thread():  # signal handlers can only be set there
             self._previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
