@@ -144,7 +144,8 @@ class FlowNetwork:
         self._capacity: list[float] = []
         self._bytes: list[float] = []
         self._busy_s: list[float] = []
-        self._on_link: dict[int, int] = {}
+        self._on_link: dict[int, int] = {}  # flows on each link now
+        self._busy_since: dict[int, float] = {}  # when each link that carries a flow now became busy
         self._dirty = False  # flows started since the last allocation: rates are recomputed once per instant
 
     def at(self, time_s: float, callback: Callable[[], None]) -> None:
@@ -166,6 +167,8 @@ class FlowNetwork:
         for k in links:
             self._bytes[k] += nbytes
             self._on_link[k] = self._on_link.get(k, 0) + 1
+            if self._on_link[k] == 1:
+                self._busy_since[k] = self.now
         self._dirty = True
 
     def _link_id(self, link: Link) -> int:
@@ -209,9 +212,6 @@ class FlowNetwork:
         if dt > 0 and self._flows:
             for f in self._flows.values():
                 f.remaining -= f.rate * dt
-            for k, n in self._on_link.items():
-                if n:
-                    self._busy_s[k] += dt
         self.now = time_s
 
     def _finish_drained(self) -> None:
@@ -225,6 +225,8 @@ class FlowNetwork:
             flow = self._flows.pop(i)
             for k in flow.links:
                 self._on_link[k] -= 1
+                if self._on_link[k] == 0:
+                    self._busy_s[k] += self.now - self._busy_since.pop(k)
             if flow.on_done is not None:
                 callback = flow.on_done
                 self.at(self.now + flow.latency_s, lambda cb=callback: cb(self.now))
