@@ -117,10 +117,12 @@ def test_a_failing_node_stops_the_job_with_its_status(built, tmp_path, capsys):
     assert all(netns.ip("netns", "pids", s.namespace).split() == [] for s in built.servers)
 
 
-def test_sigterm_tears_down_before_the_process_exits(tmp_path):
-    tag = _tag("tm")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_tears_down_before_the_process_exits(signum):
+    tag = _tag("sg")
     script = (
-        "import sys, time\n"
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a test's shell ignores it)\n"
         "from dtrain.emulate.build import Emulation\n"
         "from dtrain.emulate.plan import plan_emulation\n"
         "from tests.test_emulate_plan import _tree\n"
@@ -132,7 +134,7 @@ def test_sigterm_tears_down_before_the_process_exits(tmp_path):
     try:
         assert child.stdout.readline().strip() == "up"
         assert len(netns.list_namespaces(f"dte-{tag}-")) == 3
-        child.send_signal(signal.SIGTERM)
+        child.send_signal(signum)
         child.wait(timeout=30)
         left = netns.list_namespaces(f"dte-{tag}-")  # before the safety net below removes anything
     finally:
