@@ -64,3 +64,20 @@ def test_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_simulator_imports_no_torch() -> None:
     code = "import sys, dtrain.sim, dtrain.sim.planner, dtrain.sim.fit; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_algorithm_all_compares_every_algorithm_fastest_first(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, "simulate", "collective", "--topology", "h100-node", "--bytes", "64M", "--algorithm", "all")
+    names = [r["algorithm"] for r in data["algorithms"]]
+    assert {"ring", "tree", "halving_doubling", "direct", "star"} <= set(names)
+    assert [r["time_s"] for r in data["algorithms"]] == sorted(r["time_s"] for r in data["algorithms"])
+
+
+def test_a_calibration_file_sets_the_software_costs(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    calibration = tmp_path / "calibration.json"
+    link = {"alpha_s": 1e-3, "beta_s_per_byte": 1e-12, "gamma_s_per_byte": 0.0}
+    calibration.write_text(json.dumps({"intra": link, "inter": None}))
+    common = ["simulate", "collective", "--topology", "h100-node", "--bytes", "8K", "--algorithm", "ring"]
+    free = run_json(capsys, *common)
+    slow = run_json(capsys, *common, "--calibration", str(calibration))
+    assert slow["time_s"] - free["time_s"] == pytest.approx(14 * 1e-3, rel=0.01)  # 2 (p - 1) rounds of alpha

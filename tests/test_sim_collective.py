@@ -108,3 +108,19 @@ def test_concurrent_collectives_share_the_links_they_both_cross() -> None:
     )
     assert both.time_s == pytest.approx(2 * alone.time_s)
     assert both.bottleneck is not None and both.bottleneck.link.kind == "ethernet"
+
+
+def test_simulate_collective_reads_the_node_size_off_the_placement() -> None:
+    from dtrain.sim.api import ranks_per_server, simulate_collective
+
+    topo = Topology("two-nodes")
+    for s in (0, 1):
+        topo.add_node(f"sw{s}", kind="switch")
+        for g in range(4):
+            topo.add_device(device(f"s{s}/g{g}", f"s{s}"))
+            topo.add_link(f"s{s}/g{g}", f"sw{s}", bytes_per_s=RATE, latency_s=0.0, kind="nvlink")
+    topo.add_link("sw0", "sw1", bytes_per_s=RATE / 10, latency_s=0.0, kind="ethernet")
+    assert ranks_per_server(topo, [d.name for d in topo.devices()]) == 4
+    hierarchical = simulate_collective(topo, "all_reduce", "hierarchical", 2**24)
+    ring = simulate_collective(topo, "all_reduce", "ring", 2**24)
+    assert hierarchical.time_s < ring.time_s  # a quarter of the bytes cross the slow link

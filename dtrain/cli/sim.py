@@ -43,7 +43,7 @@ def register(commands) -> None:
     p = sub.add_parser("collective", help="replay a dtrain.comm schedule: time, link utilisation, bottleneck")
     _add_topology(p)
     p.add_argument("--collective", default="all_reduce", help="all_reduce, all_gather, broadcast, ...")
-    p.add_argument("--algorithm", default="ring", help="a dtrain.comm algorithm (dtrain check lists them)")
+    p.add_argument("--algorithm", default="ring", help="a dtrain.comm algorithm, or 'all' to compare every one")
     p.add_argument("--bytes", type=parse_bytes, required=True, help="work buffer per rank, e.g. 1G (binary units)")
     p.add_argument("--ranks", type=int, help="ranks (default: every device of the topology)")
     p.add_argument("--placement", default="aware", help="aware, oblivious, or comma-separated device names")
@@ -102,6 +102,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _add_software(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calibration", help="a `dtrain bench calibrate` JSON file: its alpha, alpha_peer and gamma")
     p.add_argument("--alpha-us", type=float, default=0.0, help="host time to post a round (us)")
     p.add_argument("--alpha-peer-us", type=float, help="each further peer of a round (us; default: alpha)")
     p.add_argument("--flow-cap-gbyte-per-s", type=float, help="most one message reaches alone (GB/s)")
@@ -118,6 +119,11 @@ def _software(args: argparse.Namespace):
     from dtrain.sim.collective import SoftwareCost
 
     cap = args.flow_cap_gbyte_per_s
+    if args.calibration:
+        from dtrain.sim.api import software_cost_from_calibration
+
+        cost = software_cost_from_calibration(args.calibration)
+        return replace(cost, flow_cap_bytes_per_s=None if cap is None else cap * 1e9)
     return SoftwareCost(
         alpha_s=args.alpha_us * 1e-6,
         alpha_peer_s=None if args.alpha_peer_us is None else args.alpha_peer_us * 1e-6,
@@ -163,38 +169,44 @@ def _link_table(rows: list[dict], title: str) -> Table:
 
 
 def _simulate_collective(args: argparse.Namespace) -> int:
-    from dtrain.comm.algorithms import build, needs_local_size
-    from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
-    from dtrain.sim.collective import replay
+    from dtrain.sim.api import algorithms_for, simulate_collective
 
     topo = _topology(args)
-    devices = [d.name for d in topo.devices()]
-    placement = _collective_placement(args, topo, devices)
-    collective = Collective(args.collective)
-    local = None
-    if needs_local_size(args.algorithm):
-        local = args.local_size or sum(topo.device(d).server == topo.device(placement[0]).server for d in placement)
-    schedule = build(collective, args.algorithm, len(placement), root=0 if collective in ROOTED_COLLECTIVES else None,
-                     pipeline=args.pipeline, local_size=local)  # fmt: skip
-    unit = schedule.nblocks
-    nbytes = -(-args.bytes // unit) * unit
-    result = replay(schedule, nbytes, topo, placement, cost=_software(args), itemsize=1)
-    data = {
-        "topology": topo.name, "collective": collective.value, "algorithm": args.algorithm, "ranks": len(placement),
-        "bytes": nbytes, "time_s": result.time_s, "algbw_gbyte_per_s": nbytes / result.time_s / 1e9,
-        "bottleneck": result.bottleneck.link.name if result.bottleneck else None,
-        "links": _link_rows(result.links, args.links),
-    }  # fmt: skip
+    placement = _collective_placement(args, topo, [d.name for d in topo.devices()])
+    chosen = algorithms_for(args.collective) if args.algorithm == "all" else [args.algorithm]
+    runs = []
+    for algorithm in chosen:
+        result = simulate_collective(
+            topo, args.collective, algorithm, args.bytes, placement=placement, cost=_software(args),
+            pipeline=args.pipeline, local_size=args.local_size,
+        )  # fmt: skip
+        runs.append({
+            "algorithm": algorithm, "time_s": result.time_s, "algbw_gbyte_per_s": args.bytes / result.time_s / 1e9,
+            "bottleneck": result.bottleneck.link.name if result.bottleneck else None,
+            "links": _link_rows(result.links, args.links),
+        })  # fmt: skip
+    runs.sort(key=lambda r: r["time_s"])
+    head = {"topology": topo.name, "collective": args.collective, "ranks": len(placement), "bytes": args.bytes}
     if args.json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps({**head, **runs[0]} if len(runs) == 1 else {**head, "algorithms": runs}, indent=2))
         return 0
     console = Console()
+    if len(runs) > 1:
+        table = Table(title=f"{args.collective} of {args.bytes:,} bytes on {len(placement)} ranks of {topo.name}")
+        for column in ("algorithm", "time", "GB/s", "bottleneck"):
+            table.add_column(column, justify="right" if column in ("time", "GB/s") else "left")
+        for r in runs:
+            table.add_row(r["algorithm"], _format("time_s", r["time_s"]), f"{r['algbw_gbyte_per_s']:.1f}",
+                          r["bottleneck"] or "-")  # fmt: skip
+        console.print(table)
+        return 0
+    r = runs[0]
     console.print(
-        f"{collective.value}/{args.algorithm} of {nbytes:,} bytes on {len(placement)} ranks of {topo.name}: "
-        f"[bold]{result.time_s * 1e3:.3f} ms[/bold] ({data['algbw_gbyte_per_s']:.1f} GB/s algorithm bandwidth); "
-        f"bottleneck {data['bottleneck']}"
+        f"{args.collective}/{r['algorithm']} of {args.bytes:,} bytes on {len(placement)} ranks of {topo.name}: "
+        f"[bold]{r['time_s'] * 1e3:.3f} ms[/bold] ({r['algbw_gbyte_per_s']:.1f} GB/s algorithm bandwidth); "
+        f"bottleneck {r['bottleneck']}"
     )
-    console.print(_link_table(data["links"], "busiest links"))
+    console.print(_link_table(r["links"], "busiest links"))
     return 0
 
 

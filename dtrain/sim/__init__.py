@@ -2,6 +2,7 @@
 
 - :mod:`dtrain.sim.flows`: flow-level network, max-min fair sharing of links, event-driven;
 - :mod:`dtrain.sim.collective`: a ``dtrain.comm`` schedule replayed rank by rank on a placement;
+- :mod:`dtrain.sim.api`: one call from (topology, collective, algorithm, bytes) to time and bottleneck;
 - :mod:`dtrain.sim.fit`: the simulator's software costs and link rate fitted to measurements;
 - :mod:`dtrain.sim.model`: a transformer's FLOPs and memory per device under a ``dp x tp x pp`` layout;
 - :mod:`dtrain.sim.placement`: topology-aware and oblivious rank placements;
@@ -9,6 +10,7 @@
 - :mod:`dtrain.sim.step`: a whole training step (compute, each strategy's communication, stragglers).
 """
 
+from dtrain.sim.api import simulate_collective
 from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, replay, replay_concurrent
 from dtrain.sim.flows import FlowNetwork, FlowSpec, LinkUsage, max_min_rates, simulate_flows
 from dtrain.sim.model import MODELS, Layout, ModelSpec, memory_per_device
@@ -32,6 +34,7 @@ __all__ = [
     "place",
     "replay",
     "replay_concurrent",
+    "simulate_collective",
     "simulate_flows",
     "simulate_step",
 ]

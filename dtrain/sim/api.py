@@ -1,0 +1,64 @@
+"""One call for the common question: how long does this collective take on this cluster, and where does it
+wait? Builds the schedule the runtime would run (root 0 for rooted collectives; for hierarchical algorithms
+the node size read off the placement) and replays it (:mod:`dtrain.sim.collective`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from dtrain.cluster.topology import Topology
+from dtrain.comm.algorithms import build, names, needs_local_size
+from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
+from dtrain.sim.collective import CollectiveResult, SoftwareCost, replay
+
+__all__ = ["simulate_collective", "algorithms_for", "software_cost_from_calibration", "ranks_per_server"]
+
+
+def ranks_per_server(topology: Topology, placement: Sequence[str]) -> int:
+    """Ranks on the first rank's server: the node size a hierarchical algorithm is built for."""
+    first = topology.device(placement[0]).server
+    return sum(topology.device(d).server == first for d in placement)
+
+
+def algorithms_for(collective: str | Collective) -> list[str]:
+    """Every dtrain algorithm registered for ``collective``."""
+    return names(Collective(collective))
+
+
+def simulate_collective(
+    topology: Topology,
+    collective: str | Collective,
+    algorithm: str,
+    nbytes: int,
+    *,
+    placement: Sequence[str] | None = None,
+    cost: SoftwareCost | None = None,
+    itemsize: int = 1,
+    pipeline: int = 1,
+    local_size: int | None = None,
+) -> CollectiveResult:
+    """Replay ``algorithm`` for ``collective`` on a work buffer of ``nbytes`` (rounded up to whole blocks),
+    rank ``i`` on ``placement[i]`` (default: every device of ``topology``, in order)."""
+    collective = Collective(collective)
+    placement = list(placement) if placement is not None else [d.name for d in topology.devices()]
+    if not placement:
+        raise ValueError(f"topology {topology.name!r} has no device to place a rank on")
+    if needs_local_size(algorithm) and local_size is None:
+        local_size = ranks_per_server(topology, placement)
+    root = 0 if collective in ROOTED_COLLECTIVES else None
+    schedule = build(collective, algorithm, len(placement), root=root, pipeline=pipeline, local_size=local_size)
+    unit = schedule.nblocks * itemsize
+    padded = -(-nbytes // unit) * unit
+    return replay(schedule, padded, topology, placement, cost=cost, itemsize=itemsize)
+
+
+def software_cost_from_calibration(path: str | Path) -> SoftwareCost:
+    """The software costs of a ``dtrain bench calibrate`` file (its intra-node link): ``alpha``, ``alpha_peer``
+    and ``gamma``; its bandwidths describe links, which the topology holds."""
+    from dtrain.comm.cost import CostParams
+
+    data = json.loads(Path(path).read_text())
+    link = CostParams.from_dict(data).intra
+    return SoftwareCost(alpha_s=link.alpha_s, alpha_peer_s=link.alpha_peer_s, gamma_s_per_byte=link.gamma_s_per_byte)
