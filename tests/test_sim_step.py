@@ -9,7 +9,7 @@ from dtrain.comm.cost import CostParams, LinkCost, predict
 from dtrain.sim.model import Layout, ModelSpec, flops_per_microbatch, memory_per_device
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import place
-from dtrain.sim.step import StepConfig, simulate_step
+from dtrain.sim.step import StepConfig, exposed_bucket_s, simulate_step
 from tests.test_sim_topologies import GB, device, star
 
 MODEL = ModelSpec(parameters=1e9, layers=8, hidden=1024, heads=16, sequence=512)
@@ -93,18 +93,34 @@ def test_a_single_device_step_is_its_compute_and_optimizer() -> None:
 def test_data_parallel_adds_the_ring_all_reduce_of_the_gradients() -> None:
     topo = star(4, bytes_per_s=10 * GB, memory_bytes_per_s=1e12)
     layout = Layout(dp=4, global_batch=4)
-    result = simulate_step(MODEL, layout, topo, place(topo, layout))
+    result = simulate_step(MODEL, layout, topo, place(topo, layout), StepConfig(overlap_dp=False))
     link = LinkCost(alpha_s=0.0, beta_s_per_byte=1 / (10 * GB), gamma_s_per_byte=3 / 1e12)
     expected = predict("all_reduce", "ring", int(2e9), 4, CostParams(intra=link))
     assert result.dp_s == pytest.approx(expected, rel=1e-3)
     assert result.step_s == pytest.approx(result.compute_s + expected + result.optimizer_s, rel=1e-6)
 
 
+@pytest.mark.parametrize(("all_reduce_s", "exposed_s"), [(4.0, 1.0), (16.0, 10.0)])
+def test_bucketed_all_reduce_hides_behind_backward_but_its_last_bucket(all_reduce_s: float, exposed_s: float) -> None:
+    # 4 buckets ready at 2, 4, 6, 8 s of an 8 s backward, each taking a quarter of the all-reduce, in order
+    assert exposed_bucket_s(all_reduce_s, 8.0, 100e6, 25 * 10**6) == pytest.approx(exposed_s)
+
+
+def test_data_parallel_overlaps_backward_without_a_pipeline_only() -> None:
+    topo = star(4, bytes_per_s=10 * GB)
+    flat = simulate_step(MODEL, Layout(dp=4, global_batch=8), topo, place(topo, Layout(dp=4, global_batch=8)))
+    assert flat.dp_exposed_s < flat.dp_s
+    assert flat.step_s == pytest.approx(flat.compute_s + flat.dp_exposed_s + flat.optimizer_s)
+    two_stage = Layout(dp=2, pp=2, global_batch=8)
+    piped = simulate_step(MODEL, two_stage, topo, place(topo, two_stage))
+    assert piped.dp_exposed_s == piped.dp_s
+
+
 def test_a_straggler_slows_the_whole_synchronous_step() -> None:
     topo = star(2)
     layout = Layout(dp=2, global_batch=2)
-    base = simulate_step(MODEL, layout, topo, place(topo, layout))
-    slow = simulate_step(MODEL, layout, topo, place(topo, layout), StepConfig(slowdown={1: 1.5}))
+    base = simulate_step(MODEL, layout, topo, place(topo, layout), StepConfig(overlap_dp=False))
+    slow = simulate_step(MODEL, layout, topo, place(topo, layout), StepConfig(overlap_dp=False, slowdown={1: 1.5}))
     assert slow.step_s - base.step_s == pytest.approx(0.5 * base.compute_s)
 
 

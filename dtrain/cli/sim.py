@@ -112,6 +112,7 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--efficiency", type=float, default=0.5, help="achieved / peak FLOP/s of the kernels")
     p.add_argument("--tp-algorithm", default="ring")
     p.add_argument("--dp-algorithm", default="ring", help="e.g. ring, halving_doubling, hierarchical")
+    p.add_argument("--no-overlap", action="store_true", help="never overlap the dp all-reduce with backward")
     _add_software(p)
 
 
@@ -227,7 +228,7 @@ def _step_config(args: argparse.Namespace, **extra):
     from dtrain.sim.step import StepConfig
 
     return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm, dp_algorithm=args.dp_algorithm,
-                      cost=_software(args), **extra)  # fmt: skip
+                      overlap_dp=not args.no_overlap, cost=_software(args), **extra)  # fmt: skip
 
 
 def _simulate_train(args: argparse.Namespace) -> int:
@@ -260,7 +261,8 @@ def _simulate_train(args: argparse.Namespace) -> int:
 def _step_data(r) -> dict:
     return {
         "step_s": r.step_s, "step_p95_s": r.step_p95_s, "tokens_per_s": r.tokens_per_s, "compute_s": r.compute_s,
-        "tp_comm_s": r.tp_s, "pp_message_s": r.pp_s, "dp_comm_s": r.dp_s, "optimizer_s": r.optimizer_s,
+        "tp_comm_s": r.tp_s, "pp_message_s": r.pp_s, "dp_comm_s": r.dp_s,
+        "dp_exposed_s": r.dp_exposed_s, "optimizer_s": r.optimizer_s,
         "bubble": r.bubble, "memory_gb": r.memory.total / 1e9, "memory_limit_gb": r.memory_limit / 1e9,
         "fits": r.fits, "bottleneck": r.bottleneck.link.name if r.bottleneck else None,
     }  # fmt: skip

@@ -8,8 +8,11 @@ What each strategy sends mirrors :mod:`dtrain.parallel`:
 - pipeline parallel (pipeline_parallel_communications.py): one activation forward and one gradient backward
   per micro-batch across each stage boundary, point to point between ranks of equal ``tp_rank``; the stages
   run the GPipe or 1F1B order of pipeline_schedules.py (:mod:`dtrain.sim.pipeline`);
-- data parallel (hybrid.py's DistributedOptimizer: after the ``m`` micro-batches, not overlapped): an
-  all-reduce of the stage's gradients in every data-parallel group; with ZeRO (zero.py) stage 1 all-reduces
+- data parallel: an all-reduce of the stage's gradients in every data-parallel group. Without a pipeline
+  (``pp == 1``, dtrain.train's DataParallel) it is bucketed and launched from backward hooks, so the buckets
+  of the last micro-batch's backward overlap it (DDP's overlap, Li et al. 2020, section 3.2.3); with a
+  pipeline (the hybrid's one all-reduce after the ``m`` micro-batches) it is not. With ZeRO (zero.py, which
+  flattens the gradients at the step, so never overlapped) stage 1 all-reduces
   and all-gathers the updated shards, stage 2 reduce-scatters and all-gathers, stage 3 (not built in
   dtrain.parallel; the ZeRO paper's 1.5x volume) reduce-scatters and all-gathers the weights twice.
 
@@ -37,7 +40,7 @@ from dtrain.sim.model import Layout, MemoryUse, ModelSpec, flops_per_microbatch,
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import grid_rank, group
 
-__all__ = ["StepConfig", "StepResult", "simulate_step"]
+__all__ = ["StepConfig", "StepResult", "simulate_step", "exposed_bucket_s"]
 
 #: Bytes an Adam step reads and writes per parameter it owns: 32-bit master weight, momentum and variance read
 #: and written (24), the 16-bit gradient read and the 16-bit weight written (4).
@@ -47,7 +50,9 @@ ADAM_BYTES_PER_PARAMETER = 28
 @dataclass(frozen=True, kw_only=True)
 class StepConfig:
     """How to simulate: ``efficiency`` of the compute kernels (achieved / peak FLOP/s), the algorithms of the
-    tensor- and data-parallel collectives, software costs, the usable share of device memory, and stragglers:
+    tensor- and data-parallel collectives, software costs, the usable share of device memory, whether the
+    data-parallel all-reduce overlaps backward where dtrain overlaps it (``overlap_dp``, in buckets of
+    ``bucket_bytes``), and stragglers:
     ``slowdown`` fixes a factor on chosen ranks, ``straggler_sigma`` draws every rank's factor from a lognormal
     (median 1) each of ``samples`` steps."""
 
@@ -56,6 +61,8 @@ class StepConfig:
     dp_algorithm: str = "ring"
     cost: SoftwareCost = field(default_factory=SoftwareCost)
     memory_fraction: float = 0.9
+    overlap_dp: bool = True
+    bucket_bytes: int = 25 * 2**20  # DataParallel's (DDP's) default bucket
     slowdown: dict[int, float] = field(default_factory=dict)
     straggler_sigma: float = 0.0
     samples: int = 16
@@ -86,6 +93,7 @@ class StepResult:
     tp_s: float
     pp_s: float
     dp_s: float
+    dp_exposed_s: float
     optimizer_s: float
     bubble: float
     memory: MemoryUse
@@ -217,6 +225,17 @@ def _stage_times(
     return forward, backward
 
 
+def exposed_bucket_s(all_reduce_s: float, backward_s: float, gradient_bytes: float, bucket_bytes: int) -> float:
+    """Seconds of a bucketed all-reduce left after backward ends: ``B`` equal buckets, bucket ``i`` ready
+    ``(i + 1) / B`` of the way through backward, each all-reduced in ``all_reduce_s / B``, one after another
+    in order (DataParallel launches them strictly in index order)."""
+    buckets = max(1, math.ceil(gradient_bytes / bucket_bytes))
+    done = 0.0
+    for i in range(buckets):
+        done = max(done, (i + 1) / buckets * backward_s) + all_reduce_s / buckets
+    return max(0.0, done - backward_s)
+
+
 def _factors(layout: Layout, config: StepConfig) -> list[list[float]]:
     """Per sampled step, every rank's slowdown factor."""
     fixed = [config.slowdown.get(r, 1.0) for r in range(layout.world_size)]
@@ -268,12 +287,17 @@ def simulate_step(
     owned = model.parameters / (layout.tp * layout.pp) / (layout.dp if layout.zero_stage else 1)
     optimizer_s = max(owned * ADAM_BYTES_PER_PARAMETER / topology.device(d).memory_bytes_per_s for d in placement)
     m = layout.microbatches
-    steps, pipelines = [], []
+    steps, pipelines, exposed_dp = [], [], []
     for factors in _factors(layout, config):
         forward, backward = _stage_times(model, layout, topology, placement, factors, config, tp_s)
         slowest = max(pipeline_makespan(f, b, pp_s, m, layout.schedule) for f, b in zip(forward, backward, strict=True))
         pipelines.append(slowest)
-        steps.append(slowest + dp_s + optimizer_s)
+        exposed = dp_s
+        if config.overlap_dp and layout.pp == 1 and layout.zero_stage == 0 and dp_s > 0:
+            grads = model.parameters / layout.tp * model.bytes_per_value
+            exposed = exposed_bucket_s(dp_s, max(b[0] for b in backward), grads, config.bucket_bytes)
+        exposed_dp.append(exposed)
+        steps.append(slowest + exposed + optimizer_s)
     step_s = float(np.median(steps))
     ideal_f, ideal_b = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
     compute_s = m * max(f + b for f, b in zip(ideal_f[0], ideal_b[0], strict=True))
@@ -287,6 +311,7 @@ def simulate_step(
         tp_s=4 * layers * m * tp_s,
         pp_s=pp_s,
         dp_s=dp_s,
+        dp_exposed_s=float(np.median(exposed_dp)),
         optimizer_s=optimizer_s,
         bubble=(layout.pp - 1) / (m + layout.pp - 1),
         memory=memory,
