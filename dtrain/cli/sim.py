@@ -254,6 +254,11 @@ def _simulate_train(args: argparse.Namespace) -> int:
     for key, value in _step_data(result).items():
         table.add_row(key, _format(key, value))
     console.print(table)
+    if not result.fits:
+        console.print(
+            f"[red]does not fit: {result.memory.total / 1e9:.1f} GB a device against {result.memory_limit / 1e9:.1f} "
+            "GB usable[/red] (try ZeRO with --zero, more tp or pp, or a smaller micro-batch)"
+        )
     console.print(_link_table(data["links"], "links over the step"))
     return 0
 
