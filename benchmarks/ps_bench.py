@@ -157,7 +157,7 @@ def stragglers(tmp: Path) -> list[dict]:
 def hot_keys(tmp: Path) -> list[dict]:
     rows = []
     for zipf in (1.0, 1.2):
-        for hot in (0, 64, 256):
+        for hot in (0, 64, 256, 1024):
             job = JobConfig(num_keys=8192, width=16, num_servers=4, num_workers=4, mode="async", hot_keys=hot,
                             hot_replicas=3)  # fmt: skip
             task = TaskConfig(task="synthetic", steps=40, keys_per_step=256, zipf=zipf, width=16)
