@@ -7,7 +7,9 @@
 - :mod:`dtrain.sim.model`: a transformer's FLOPs and memory per device under a ``dp x tp x pp`` layout;
 - :mod:`dtrain.sim.placement`: topology-aware and oblivious rank placements;
 - :mod:`dtrain.sim.pipeline`: a pipeline step's timing from its GPipe / 1F1B order;
-- :mod:`dtrain.sim.step`: a whole training step (compute, each strategy's communication, stragglers).
+- :mod:`dtrain.sim.traffic`: each strategy's collectives on the placement, every group at once;
+- :mod:`dtrain.sim.step`: a whole training step (compute, each strategy's communication, stragglers);
+- :mod:`dtrain.sim.planner`: layouts and placements ranked by simulated step time.
 """
 
 from dtrain.sim.api import simulate_collective

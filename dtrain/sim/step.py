@@ -12,11 +12,11 @@ What each strategy sends mirrors :mod:`dtrain.parallel`:
   (``pp == 1``, dtrain.train's DataParallel) it is bucketed and launched from backward hooks, so the buckets
   of the last micro-batch's backward overlap it (DDP's overlap, Li et al. 2020, section 3.2.3); with a
   pipeline (the hybrid's one all-reduce after the ``m`` micro-batches) it is not. With ZeRO (zero.py, which
-  flattens the gradients at the step, so never overlapped) stage 1 all-reduces
-  and all-gathers the updated shards, stage 2 reduce-scatters and all-gathers, stage 3 (not built in
-  dtrain.parallel; the ZeRO paper's 1.5x volume) reduce-scatters and all-gathers the weights twice.
+  flattens the gradients at the step, so never overlapped) stage 1 all-reduces and all-gathers the updated
+  shards, stage 2 reduce-scatters and all-gathers, stage 3 (not built in dtrain.parallel; the ZeRO paper's
+  1.5x volume) reduce-scatters and all-gathers the weights twice.
 
-Every collective is a ``dtrain.comm`` schedule replayed on the placement (:mod:`dtrain.sim.collective`).
+Every collective is a ``dtrain.comm`` schedule replayed on the placement (:mod:`dtrain.sim.traffic`).
 Compute is FLOPs over each device's peak times an efficiency; a straggler multiplies a rank's compute. The
 step is synchronous: a tensor-parallel group runs at its slowest member, a pipeline at its stages' pace, and
 the data-parallel all-reduce waits for the slowest replica.
@@ -31,14 +31,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dtrain.cluster.topology import Topology
-from dtrain.comm.algorithms import build as build_schedule
-from dtrain.comm.algorithms import needs_local_size
-from dtrain.comm.schedule import Collective, Transfer, make_schedule
-from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, replay_concurrent
+from dtrain.sim.collective import CollectiveResult, SoftwareCost
 from dtrain.sim.flows import LinkUsage
 from dtrain.sim.model import Layout, MemoryUse, ModelSpec, flops_per_microbatch, memory_per_device
 from dtrain.sim.pipeline import pipeline_makespan
-from dtrain.sim.placement import grid_rank, group
+from dtrain.sim.placement import group
+from dtrain.sim.traffic import Cache, simulate_traffic
 
 __all__ = ["StepConfig", "StepResult", "simulate_step", "exposed_bucket_s"]
 
@@ -108,95 +106,6 @@ class StepResult:
     @property
     def bottleneck(self) -> LinkUsage | None:
         return self.links[0] if self.links else None
-
-
-def _p2p() -> object:
-    """One message from rank 0 to rank 1: a two-rank broadcast is exactly a point-to-point send."""
-    return make_schedule(Collective.BROADCAST, "p2p", 2, [[Transfer(0, 1, 0, 0)]], root=0)
-
-
-def _build(collective: Collective, algorithm: str, ranks: Sequence[int], placement: Sequence[str], topo: Topology):
-    local = None
-    if needs_local_size(algorithm):
-        local = _local_size([topo.device(placement[r]).server for r in ranks])
-    return build_schedule(collective, algorithm, len(ranks), local_size=local)
-
-
-def _local_size(servers: list[str]) -> int:
-    """Ranks per server of a group laid out server by server; ValueError if it is not evenly so."""
-    run = next((i for i, s in enumerate(servers) if s != servers[0]), len(servers))
-    runs = [servers[i : i + run] for i in range(0, len(servers), run)]
-    if len(servers) % run or any(len(set(r)) != 1 for r in runs) or len({r[0] for r in runs}) != len(runs):
-        raise ValueError(f"a hierarchical algorithm needs groups of equal runs of ranks per server, got {servers}")
-    return run
-
-
-def _padded(nbytes: float, itemsize: int, ranks: int) -> int:
-    unit = itemsize * ranks
-    return int(math.ceil(nbytes / unit)) * unit
-
-
-def _groups(layout: Layout, axis: str) -> list[list[int]]:
-    seen, out = set(), []
-    for d in range(layout.dp):
-        for p in range(layout.pp):
-            for t in range(layout.tp):
-                g = tuple(group(layout, axis, d, p, t))
-                if g not in seen:
-                    seen.add(g)
-                    out.append(list(g))
-    return out
-
-
-#: Replays already made, by (topology, jobs, software costs, item size): what a planner's layouts share.
-Cache = dict[tuple, CollectiveResult]
-
-
-def _replay(jobs: list[Job], topo: Topology, config: StepConfig, item: int, cache: Cache | None) -> CollectiveResult:
-    if cache is None:
-        return replay_concurrent(jobs, topo, cost=config.cost, itemsize=item)
-    key = (id(topo), tuple(jobs), config.cost, item)
-    if key not in cache:
-        cache[key] = replay_concurrent(jobs, topo, cost=config.cost, itemsize=item)
-    return cache[key]
-
-
-def _collectives(
-    model: ModelSpec, layout: Layout, topo: Topology, placement: list[str], config: StepConfig, cache: Cache | None
-):
-    """(tp all-reduce, pp message, dp phases) simulated once each, all groups of a kind at the same time."""
-    item = model.bytes_per_value
-    activation = layout.micro_batch * model.sequence * model.hidden * item
-
-    def run(collective: Collective, algorithm: str, groups: list[list[int]], nbytes: float) -> CollectiveResult:
-        jobs = [
-            Job(_build(collective, algorithm, g, placement, topo), _padded(nbytes, item, len(g)),
-                tuple(placement[r] for r in g))
-            for g in groups
-        ]  # fmt: skip
-        return _replay(jobs, topo, config, item, cache)
-
-    tp = run(Collective.ALL_REDUCE, config.tp_algorithm, _groups(layout, "tp"), activation) if layout.tp > 1 else None
-    pp = None
-    if layout.pp > 1:
-        pairs = [
-            (grid_rank(layout, d, p, t), grid_rank(layout, d, p + 1, t))
-            for d in range(layout.dp) for p in range(layout.pp - 1) for t in range(layout.tp)
-        ]  # fmt: skip
-        jobs = [Job(_p2p(), _padded(activation, item, 1), (placement[a], placement[b])) for a, b in pairs]
-        pp = _replay(jobs, topo, config, item, cache)
-    dp: list[CollectiveResult] = []
-    if layout.dp > 1:
-        grads = model.parameters / (layout.tp * layout.pp) * item
-        groups = _groups(layout, "dp")
-        phases = {
-            0: [Collective.ALL_REDUCE],
-            1: [Collective.ALL_REDUCE, Collective.ALL_GATHER],
-            2: [Collective.REDUCE_SCATTER, Collective.ALL_GATHER],
-            3: [Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.ALL_GATHER],
-        }[layout.zero_stage]
-        dp = [run(c, config.dp_algorithm, groups, grads) for c in phases]
-    return tp, pp, dp
 
 
 def _stage_times(
@@ -279,7 +188,11 @@ def simulate_step(
         raise ValueError(f"placement names {len(placement)} devices for a layout of {layout.world_size} ranks")
     if any(r >= layout.world_size for r in config.slowdown):
         raise ValueError(f"slowdown names ranks {sorted(config.slowdown)} outside the {layout.world_size} ranks")
-    tp, pp, dp = _collectives(model, layout, topology, placement, config, cache)
+    traffic = simulate_traffic(
+        model, layout, topology, placement, tp_algorithm=config.tp_algorithm, dp_algorithm=config.dp_algorithm,
+        cost=config.cost, cache=cache,
+    )  # fmt: skip
+    tp, pp, dp = traffic.tp, traffic.pp, traffic.dp
     tp_s = tp.time_s if tp else 0.0
     pp_s = pp.time_s if pp else 0.0
     dp_s = sum(r.time_s for r in dp)

@@ -1,0 +1,139 @@
+"""Where each parallel strategy talks to the network, simulated: one step's kinds of traffic, each replayed as
+the ``dtrain.comm`` schedules :mod:`dtrain.parallel` would run, every group of a kind at once.
+
+As picotron keeps each strategy's communication in a ``*_communications`` file, this module is the simulator's
+side of :mod:`dtrain.parallel.tensor_parallel_communications` (an all-reduce of the activation ``b s h`` in
+every tensor-parallel group), :mod:`dtrain.parallel.pipeline_parallel_communications` (one activation from
+stage to stage, between ranks of equal ``tp_rank``) and the data-parallel gradient exchange
+(:mod:`dtrain.parallel.data_parallel_communications`, :mod:`dtrain.parallel.zero`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dtrain.cluster.topology import Topology
+from dtrain.comm.algorithms import build as build_schedule
+from dtrain.comm.algorithms import needs_local_size
+from dtrain.comm.schedule import Collective, Schedule, Transfer, make_schedule
+from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, replay_concurrent
+from dtrain.sim.model import Layout, ModelSpec
+from dtrain.sim.placement import grid_rank, group
+
+__all__ = ["Traffic", "Cache", "ZERO_PHASES", "simulate_traffic"]
+
+#: The data-parallel collectives of a step by ZeRO stage, as dtrain.parallel.zero runs them (stage 1 all-reduces
+#: and all-gathers the updated shards; stage 2 reduce-scatters instead); stage 3, not built there, adds the
+#: ZeRO paper's second all-gather of the weights (forward and backward).
+ZERO_PHASES = {
+    0: (Collective.ALL_REDUCE,),
+    1: (Collective.ALL_REDUCE, Collective.ALL_GATHER),
+    2: (Collective.REDUCE_SCATTER, Collective.ALL_GATHER),
+    3: (Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.ALL_GATHER),
+}
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One call of each kind, simulated: the tp all-reduce of one layer's activation (None without tp), the
+    pp message of one micro-batch (None without pp), and the dp phases of the step."""
+
+    tp: CollectiveResult | None
+    pp: CollectiveResult | None
+    dp: list[CollectiveResult]
+
+
+def _p2p() -> Schedule:
+    """One message from rank 0 to rank 1: a two-rank broadcast is exactly a point-to-point send."""
+    return make_schedule(Collective.BROADCAST, "p2p", 2, [[Transfer(0, 1, 0, 0)]], root=0)
+
+
+def _build(collective: Collective, algorithm: str, ranks: Sequence[int], placement: Sequence[str], topo: Topology):
+    local = None
+    if needs_local_size(algorithm):
+        local = _local_size([topo.device(placement[r]).server for r in ranks])
+    return build_schedule(collective, algorithm, len(ranks), local_size=local)
+
+
+def _local_size(servers: list[str]) -> int:
+    """Ranks per server of a group laid out server by server; ValueError if it is not evenly so."""
+    run = next((i for i, s in enumerate(servers) if s != servers[0]), len(servers))
+    runs = [servers[i : i + run] for i in range(0, len(servers), run)]
+    if len(servers) % run or any(len(set(r)) != 1 for r in runs) or len({r[0] for r in runs}) != len(runs):
+        raise ValueError(f"a hierarchical algorithm needs groups of equal runs of ranks per server, got {servers}")
+    return run
+
+
+def _padded(nbytes: float, itemsize: int, ranks: int) -> int:
+    unit = itemsize * ranks
+    return int(math.ceil(nbytes / unit)) * unit
+
+
+def _groups(layout: Layout, axis: str) -> list[list[int]]:
+    seen, out = set(), []
+    for d in range(layout.dp):
+        for p in range(layout.pp):
+            for t in range(layout.tp):
+                g = tuple(group(layout, axis, d, p, t))
+                if g not in seen:
+                    seen.add(g)
+                    out.append(list(g))
+    return out
+
+
+#: Replays already made, by (topology, jobs, software costs, item size): what a planner's layouts share.
+Cache = dict[tuple, CollectiveResult]
+
+
+def _replay(jobs: list[Job], topo: Topology, cost: SoftwareCost, item: int, cache: Cache | None) -> CollectiveResult:
+    if cache is None:
+        return replay_concurrent(jobs, topo, cost=cost, itemsize=item)
+    key = (id(topo), tuple(jobs), cost, item)
+    if key not in cache:
+        cache[key] = replay_concurrent(jobs, topo, cost=cost, itemsize=item)
+    return cache[key]
+
+
+def simulate_traffic(
+    model: ModelSpec,
+    layout: Layout,
+    topo: Topology,
+    placement: Sequence[str],
+    *,
+    tp_algorithm: str = "ring",
+    dp_algorithm: str = "ring",
+    cost: SoftwareCost | None = None,
+    cache: Cache | None = None,
+) -> Traffic:
+    """Each strategy's collective simulated once, every group of a kind at the same time on the network.
+
+    ``cache`` (a dict the caller keeps) reuses replays between calls on the same, unchanged topology."""
+    cost = cost or SoftwareCost()
+    item = model.bytes_per_value
+    activation = layout.micro_batch * model.sequence * model.hidden * item
+
+    def run(collective: Collective, algorithm: str, groups: list[list[int]], nbytes: float) -> CollectiveResult:
+        jobs = [
+            Job(_build(collective, algorithm, g, placement, topo), _padded(nbytes, item, len(g)),
+                tuple(placement[r] for r in g))
+            for g in groups
+        ]  # fmt: skip
+        return _replay(jobs, topo, cost, item, cache)
+
+    tp = run(Collective.ALL_REDUCE, tp_algorithm, _groups(layout, "tp"), activation) if layout.tp > 1 else None
+    pp = None
+    if layout.pp > 1:
+        pairs = [
+            (grid_rank(layout, d, p, t), grid_rank(layout, d, p + 1, t))
+            for d in range(layout.dp) for p in range(layout.pp - 1) for t in range(layout.tp)
+        ]  # fmt: skip
+        jobs = [Job(_p2p(), _padded(activation, item, 1), (placement[a], placement[b])) for a, b in pairs]
+        pp = _replay(jobs, topo, cost, item, cache)
+    dp: list[CollectiveResult] = []
+    if layout.dp > 1:
+        grads = model.parameters / (layout.tp * layout.pp) * item
+        groups = _groups(layout, "dp")
+        dp = [run(c, dp_algorithm, groups, grads) for c in ZERO_PHASES[layout.zero_stage]]
+    return Traffic(tp=tp, pp=pp, dp=dp)
