@@ -35,7 +35,14 @@ from dtrain.cluster.topology import Device, Topology
 from dtrain.comm.cost import CostParams, load_params, optimal_pipeline
 from dtrain.comm.schedule import Collective
 from dtrain.sim.collective import SoftwareCost
-from dtrain.sim.fit import Measurement, fit_flow_cap, fit_link_rate, fit_software, simulate_measurement
+from dtrain.sim.fit import (
+    Measurement,
+    fit_flow_cap,
+    fit_link_rate,
+    fit_message_cap,
+    fit_software,
+    simulate_measurement,
+)
 
 FIT_RUN = "gpu-h200x4-all_reduce.jsonl"
 MEASUREMENTS = (FIT_RUN, "gpu-h200x4-all_reduce-full.jsonl", "gpu-h200x4-collectives.jsonl")
@@ -105,17 +112,33 @@ def measured_rows(data: Path, name: str, *, graphs: bool = False) -> list[dict]:
     ]
 
 
-def fitted(data: Path, params: CostParams, *, graphs: bool, rate: float | None = None) -> tuple[float, SoftwareCost]:
-    """Software costs fitted on the fit run's small messages, then (unless given) the link rate and the
-    per-message cap on its large ones."""
+def fitted(
+    data: Path,
+    params: CostParams,
+    *,
+    graphs: bool,
+    network: tuple[float, SoftwareCost] | None = None,
+    by_size: bool = False,
+) -> tuple[float, SoftwareCost]:
+    """Software costs fitted on the fit run's small messages; then, unless ``network`` gives them (link rate and
+    the caps of a cost), the link rate and the message cap on its large ones (``by_size``: a cap for messages
+    up to a fitted size, larger ones free), alternating twice."""
     rows = [to_measurement(r, params) for r in measured_rows(data, FIT_RUN, graphs=graphs)]
     base = SoftwareCost(gamma_s_per_byte=params.intra.gamma_s_per_byte)
-    first_rate = rate or 1 / params.intra.beta_s_per_byte
-    cost = fit_software([m for m in rows if m.nbytes <= SMALL_BYTES], h200_node(first_rate), base)
-    if rate is None:
-        large = [m for m in rows if m.nbytes >= LARGE_BYTES]
+    if network is not None:
+        rate, caps = network
+        base = replace(base, flow_cap_bytes_per_s=caps.flow_cap_bytes_per_s, message_caps=caps.message_caps)
+        return rate, fit_software([m for m in rows if m.nbytes <= SMALL_BYTES], h200_node(rate), base)
+    cost = fit_software([m for m in rows if m.nbytes <= SMALL_BYTES], h200_node(1 / params.intra.beta_s_per_byte), base)
+    large = [m for m in rows if m.nbytes >= LARGE_BYTES]
+    rate = fit_link_rate(large, h200_node, cost)
+    for _ in range(2):
+        if by_size:
+            threshold, cap = fit_message_cap(large, h200_node(rate), cost)
+            cost = replace(cost, message_caps=((threshold, cap),))
+        else:
+            cost = replace(cost, flow_cap_bytes_per_s=fit_flow_cap(large, h200_node(rate), cost, high=rate))
         rate = fit_link_rate(large, h200_node, cost)
-        cost = replace(cost, flow_cap_bytes_per_s=fit_flow_cap(large, h200_node(rate), cost, high=rate))
     return rate, cost
 
 
@@ -139,11 +162,14 @@ def validate(data: Path, calibration: Path) -> tuple[list[dict], dict]:
     """Every measured point under each variant; and the fitted figures."""
     params = load_params(calibration)
     rate, eager = fitted(data, params, graphs=False)
-    _, graph = fitted(data, params, graphs=True, rate=rate)  # same wires, the host's share fitted anew
+    size_rate, by_size = fitted(data, params, graphs=False, by_size=True)
+    # the graph replays run on the same wires: the network figures carry over, the host's share is fitted anew
+    _, graph = fitted(data, params, graphs=True, network=(size_rate, by_size))
     variants = {
         "calibrated": (False, h200_node(1 / params.intra.beta_s_per_byte), calibrated_cost(params)),
         "fitted": (False, h200_node(rate), eager),
-        "fitted-graph": (True, h200_node(rate), graph),
+        "fitted-by-size": (False, h200_node(size_rate), by_size),
+        "fitted-graph": (True, h200_node(size_rate), graph),
     }
     records = []
     for variant, (graphs, topo, software) in variants.items():
@@ -152,7 +178,11 @@ def validate(data: Path, calibration: Path) -> tuple[list[dict], dict]:
                 records.append(
                     _record(variant, name, row, simulate_measurement(to_measurement(row, params), topo, software))
                 )
-    fit = {"link_bytes_per_s": rate, "eager": _figures(eager), "graph": _figures(graph)}
+    fit = {
+        "fitted": {"link_bytes_per_s": rate, **_figures(eager)},
+        "fitted-by-size": {"link_bytes_per_s": size_rate, **_figures(by_size)},
+        "fitted-graph": {"link_bytes_per_s": size_rate, **_figures(graph)},
+    }
     return records, fit
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtrain.sim.collective import SoftwareCost
-from dtrain.sim.fit import Measurement, fit_link_rate, fit_software, simulate_measurement
+from dtrain.sim.fit import Measurement, fit_link_rate, fit_message_cap, fit_software, simulate_measurement
 from tests.test_sim_topologies import GB, star
 
 TRUE = SoftwareCost(call_s=15e-6, alpha_s=60e-6, alpha_peer_s=20e-6, gamma_s_per_byte=1e-12)
@@ -44,3 +44,21 @@ def test_fit_link_rate_recovers_the_rate_from_large_messages() -> None:
 def test_a_measurement_needs_a_positive_time() -> None:
     with pytest.raises(ValueError, match="seconds must be > 0"):
         Measurement(collective="all_reduce", algorithm="ring", nbytes=4, world_size=2, seconds=0.0)
+
+
+def test_fit_message_cap_finds_the_size_where_messages_speed_up() -> None:
+    truth = SoftwareCost(message_caps=((2.0**24, 10 * GB),))  # messages up to 16 MiB at 10 GB/s, larger free
+    measured = [m for n in (2**24, 2**26) for m in timed(n, 40 * GB, truth)]
+    candidates = [2.0**k for k in (22, 24, 26)]
+    threshold, cap = fit_message_cap(measured, star(4, bytes_per_s=40 * GB), SoftwareCost(), thresholds=candidates)
+    # the buffers' messages run from 4 MiB (ring, direct on 16 MiB) to 64 MiB (tree on 64 MiB): only a
+    # threshold of 16 MiB caps exactly the messages the truth caps
+    assert threshold == 2**24
+    assert cap == pytest.approx(10 * GB, rel=1e-3)
+
+
+def test_a_message_takes_the_first_cap_it_fits() -> None:
+    cost = SoftwareCost(flow_cap_bytes_per_s=5.0, message_caps=((10.0, 1.0), (100.0, 2.0)))
+    assert [cost.cap_for(n) for n in (1, 10, 11, 100, 1000)] == [1.0, 1.0, 2.0, 2.0, 5.0]
+    with pytest.raises(ValueError, match="ascending"):
+        SoftwareCost(message_caps=((100.0, 1.0), (10.0, 2.0)))

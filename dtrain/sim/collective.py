@@ -44,7 +44,9 @@ class SoftwareCost:
     into and out of the work buffer); ``alpha_s``: posting a round's first message; ``alpha_peer_s``: each
     further peer of that round (None: ``alpha_s``); ``gamma_s_per_byte``: reducing a received byte (None:
     ``3 / memory_bytes_per_s`` of the device); ``flow_cap_bytes_per_s``: the most one message reaches on its
-    own (one connection's limit; None: links only).
+    own (one connection's limit; None: links only); ``message_caps``: ``(max_bytes, cap)`` pairs, ascending,
+    that cap a message of at most ``max_bytes`` at ``cap`` instead (a transport whose point-to-point rate
+    depends on the message size, as NCCL's does with the channels it gives one peer).
     """
 
     call_s: float = 0.0
@@ -52,14 +54,27 @@ class SoftwareCost:
     alpha_peer_s: float | None = None
     gamma_s_per_byte: float | None = None
     flow_cap_bytes_per_s: float | None = None
+    message_caps: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        sizes = [m for m, _ in self.message_caps]
+        if sizes != sorted(sizes) or any(not (m > 0 and c > 0) for m, c in self.message_caps):
+            raise ValueError(
+                f"SoftwareCost.message_caps must be ascending (max_bytes, cap) pairs > 0, got {self.message_caps!r}"
+            )
         for name in ("call_s", "alpha_s", "alpha_peer_s", "gamma_s_per_byte"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"SoftwareCost.{name} must be >= 0, got {value!r}")
         if self.flow_cap_bytes_per_s is not None and not self.flow_cap_bytes_per_s > 0:
             raise ValueError(f"SoftwareCost.flow_cap_bytes_per_s must be > 0, got {self.flow_cap_bytes_per_s!r}")
+
+    def cap_for(self, nbytes: float) -> float | None:
+        """The rate cap of one message of ``nbytes``: the first ``message_caps`` entry it fits, else the flow cap."""
+        for max_bytes, cap in self.message_caps:
+            if nbytes <= max_bytes:
+                return cap
+        return self.flow_cap_bytes_per_s
 
     def start_s(self, peers: int) -> float:
         """Host time to post a round with ``peers`` peers (the busier of sends and receives)."""
@@ -169,7 +184,10 @@ class _Replay:
     def _start(self, src: int, dst: int, index: int, nbytes: int) -> None:
         flow_id = hash((self.tag, src, dst, index)) & 0x7FFFFFFF
         done = lambda _t: (self._done(src, index), self._done(dst, index))  # noqa: E731
-        self.net.send(self.placement[src], self.placement[dst], nbytes, flow_id=flow_id, on_done=done)
+        cap = self.cost.cap_for(nbytes)
+        self.net.send(
+            self.placement[src], self.placement[dst], nbytes, flow_id=flow_id, on_done=done, cap_bytes_per_s=cap
+        )
 
     def _done(self, rank: int, index: int) -> None:
         self.pending[rank] -= 1

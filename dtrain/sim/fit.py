@@ -9,8 +9,9 @@ squares), but through the simulator itself, so contention and rank skew stay in 
    ``call_s + alpha_s x (rounds on the critical path) + alpha_peer_s x (extra peers on it)``; the two counts
    are measured by replaying with unit costs, and the three costs are fitted by non-negative least squares
    on relative error;
-2. on large messages the link rate, then the per-message rate cap, are the ones that minimise the squared
-   log error (golden-section search, one at a time).
+2. on large messages the link rate, then the per-message rate cap (one for all messages, or one for the
+   messages up to a size threshold), are the ones that minimise the squared log error (golden-section
+   search, one at a time).
 
 Fit on one measurement, test on another (benchmarks/sim_validate.py does).
 """
@@ -30,7 +31,14 @@ from dtrain.comm.algorithms import needs_local_size
 from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective, Schedule
 from dtrain.sim.collective import SoftwareCost, replay
 
-__all__ = ["Measurement", "fit_software", "fit_link_rate", "fit_flow_cap", "simulate_measurement"]
+__all__ = [
+    "Measurement",
+    "fit_software",
+    "fit_link_rate",
+    "fit_flow_cap",
+    "fit_message_cap",
+    "simulate_measurement",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,3 +160,32 @@ def fit_flow_cap(
     return _golden(
         lambda cap: _log_loss(measurements, topology, replace(cost, flow_cap_bytes_per_s=cap)), low, high, steps
     )
+
+
+def fit_message_cap(
+    measurements: Sequence[Measurement],
+    topology: Topology,
+    cost: SoftwareCost,
+    *,
+    thresholds: Sequence[float] = tuple(2.0**k for k in range(20, 31)),
+    low: float = 1e9,
+    high: float = 5e12,
+    steps: int = 30,
+) -> tuple[float, float]:
+    """``(max_bytes, cap)``: the size threshold (from ``thresholds``) and the cap of the messages up to it that
+    minimise the squared log error, larger messages keeping ``cost``'s own cap. For a transport whose
+    point-to-point rate steps up with the message size (NCCL gives a peer more channels for large messages)."""
+    if not measurements:
+        raise ValueError("fit_message_cap needs at least one measurement")
+    best: tuple[float, float, float] | None = None
+    for threshold in thresholds:
+
+        def loss(cap: float, threshold: float = threshold) -> float:
+            return _log_loss(measurements, topology, replace(cost, message_caps=((threshold, cap),)))
+
+        cap = _golden(loss, low, high, steps)
+        value = loss(cap)
+        if best is None or value < best[0]:
+            best = (value, threshold, cap)
+    assert best is not None
+    return best[1], best[2]

@@ -153,9 +153,17 @@ class FlowNetwork:
         heapq.heappush(self._events, (max(time_s, self.now), next(self._order), callback))
 
     def send(
-        self, src: str, dst: str, nbytes: float, *, flow_id: int = 0, on_done: Callable[[float], None] | None = None
+        self,
+        src: str,
+        dst: str,
+        nbytes: float,
+        *,
+        flow_id: int = 0,
+        on_done: Callable[[float], None] | None = None,
+        cap_bytes_per_s: float | None = None,
     ) -> None:
-        """Start a flow now; ``on_done(t)`` is called when its last byte has arrived at ``dst``."""
+        """Start a flow now; ``on_done(t)`` is called when its last byte has arrived at ``dst``. The flow's rate
+        is capped at ``cap_bytes_per_s`` if given, else at the network's ``flow_cap_bytes_per_s``."""
         path = self.topology.route(src, dst, flow_id)
         latency = sum(link.latency_s for link in path)
         if nbytes <= 0 or not path:
@@ -163,7 +171,8 @@ class FlowNetwork:
             self.at(self.now + latency, lambda: on_done and on_done(self.now))
             return
         links = [self._link_id(link) for link in path]
-        self._flows[next(self._ids)] = _Flow(links, nbytes, float(nbytes), latency, self.flow_cap_bytes_per_s, on_done)
+        cap = cap_bytes_per_s if cap_bytes_per_s is not None else self.flow_cap_bytes_per_s
+        self._flows[next(self._ids)] = _Flow(links, nbytes, float(nbytes), latency, cap, on_done)
         for k in links:
             self._bytes[k] += nbytes
             self._on_link[k] = self._on_link.get(k, 0) + 1
