@@ -30,7 +30,7 @@ from dtrain.testing.pool import group_of
 GLOBAL_BATCH = 16
 BUCKET_BYTES = 512  # the MLP's 484 float32 parameters (1936 bytes) fall into 4 buckets
 STEPS = 12
-LEARNING_RATES = {"sgd": 0.1, "adam": 0.01}
+LEARNING_RATES = {"sgd": 0.1, "adam": 0.01, "adamw": 0.01}
 
 
 def _model(seed: int) -> nn.Module:
@@ -48,6 +48,8 @@ def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _optimizer(name: str, params) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=LEARNING_RATES["sgd"], momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=LEARNING_RATES["adamw"], weight_decay=0.1)
     return torch.optim.Adam(params, lr=LEARNING_RATES["adam"])
 
 
