@@ -105,7 +105,14 @@ def _local_size(group, world: int) -> int | None:
     key = _group_key(group)
     if key in _LOCAL_SIZES:
         return _LOCAL_SIZES[key]
+    if key is not None and _spans_world_in_order(group, world):
+        # A group of every rank in world order (a data-parallel group of a 1-D layout) has the world's nodes.
+        return _local_size(None, world)
     env = os.environ.get("LOCAL_WORLD_SIZE")
     if key is None and env and env.isdigit() and int(env) > 0:
         return int(env)
     return None
+
+
+def _spans_world_in_order(group, world: int) -> bool:
+    return world == dist.get_world_size() and dist.get_process_group_ranks(group) == list(range(world))
