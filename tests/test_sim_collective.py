@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dtrain.cluster.topology import Topology
 from dtrain.comm import algorithms
 from dtrain.comm.cost import CostParams, LinkCost, predict
-from dtrain.comm.schedule import Collective
+from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
 from dtrain.sim.collective import Job, SoftwareCost, rank_rounds, replay, replay_concurrent
 from tests.test_sim_topologies import GB, device, star
 
@@ -124,3 +126,26 @@ def test_simulate_collective_reads_the_node_size_off_the_placement() -> None:
     hierarchical = simulate_collective(topo, "all_reduce", "hierarchical", 2**24)
     ring = simulate_collective(topo, "all_reduce", "ring", 2**24)
     assert hierarchical.time_s < ring.time_s  # a quarter of the bytes cross the slow link
+
+
+_ALGORITHMS = sorted(
+    (c.value, a)
+    for c in Collective
+    if c != Collective.BARRIER
+    for a in algorithms.names(c)
+    if not algorithms.needs_local_size(a)
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(_ALGORITHMS), st.integers(2, 9), st.integers(1, 4096))
+def test_every_schedule_moves_its_bytes_and_no_faster_than_its_busiest_link(case, world: int, units: int) -> None:
+    collective, algorithm = case
+    coll = Collective(collective)
+    schedule = algorithms.build(coll, algorithm, world, root=0 if coll in ROOTED_COLLECTIVES else None)
+    nbytes = units * schedule.nblocks * 64
+    result = replay(schedule, nbytes, star(world, bytes_per_s=RATE), itemsize=1)
+    sent = [sum(sum(r.sends.values()) for r in rank) for rank in rank_rounds(schedule, nbytes, itemsize=1)]
+    # on a star every message crosses two links: its sender's uplink and its receiver's downlink
+    assert sum(u.nbytes for u in result.links) == pytest.approx(2 * sum(sent))
+    assert result.time_s >= max(sent) / RATE * (1 - 1e-9)
