@@ -231,3 +231,16 @@ def after_bad_input_still_works() -> float:
     t = torch.full((5,), float(dist.get_rank(group) + 1))
     comm.all_reduce(t, group=group, algorithm="ring")
     return t[0].item()
+
+
+def world_copy_takes_world_node_size() -> float:
+    """On a new group of every rank in world order, hierarchical all-reduce uses the world's node size."""
+    copy = dist.new_group(list(range(dist.get_world_size())))  # every rank creates it, in the same order
+    comm.set_local_size(2, None)
+    try:
+        x = torch.full((5,), float(dist.get_rank() + 1))
+        comm.all_reduce(x, group=copy, algorithm="hierarchical")
+        world = dist.get_world_size()
+        return (x - world * (world + 1) / 2).abs().max().item()
+    finally:
+        comm.set_local_size(None, None)

@@ -63,3 +63,8 @@ def test_matches_torch_distributed_on_a_large_buffer(pool, coll, algorithm):
     # 2^17 + 3 elements a block: uneven chunks everywhere, and more than any scratch seen so far.
     worst = pool.run(f"{JOBS}:check_against_native", coll, algorithm, 4, (1 << 17) + 3, ranks=4)
     assert max(worst) < 1e-5
+
+
+def test_a_group_of_the_whole_world_in_order_takes_the_world_node_size(pool):
+    # dtrain train's data-parallel group of a 1-D layout is such a group: --algorithm hierarchical must work there
+    assert max(pool.run(f"{JOBS}:world_copy_takes_world_node_size")) == 0.0
