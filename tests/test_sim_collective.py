@@ -149,3 +149,9 @@ def test_every_schedule_moves_its_bytes_and_no_faster_than_its_busiest_link(case
     # on a star every message crosses two links: its sender's uplink and its receiver's downlink
     assert sum(u.nbytes for u in result.links) == pytest.approx(2 * sum(sent))
     assert result.time_s >= max(sent) / RATE * (1 - 1e-9)
+
+
+def test_a_barrier_costs_its_rounds_of_tokens() -> None:
+    schedule = algorithms.build(Collective.BARRIER, "dissemination", 8)
+    result = replay(schedule, 0, star(8), cost=SoftwareCost(alpha_s=ALPHA_S), itemsize=1)
+    assert result.time_s == pytest.approx(3 * ALPHA_S, rel=0.01)  # lg 8 rounds, one token each way

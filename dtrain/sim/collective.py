@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dtrain.cluster.topology import Topology
-from dtrain.comm.schedule import Schedule, chunk_bounds
+from dtrain.comm.schedule import Collective, Schedule, chunk_bounds
 from dtrain.sim.flows import FlowNetwork, LinkUsage
 
 __all__ = [
@@ -119,12 +119,13 @@ def rank_rounds(schedule: Schedule, nbytes: int, itemsize: int = 4) -> list[list
         raise ValueError(f"{numel} elements do not split into the schedule's {schedule.nblocks} equal blocks")
     sizes = [n * itemsize for _, n in chunk_bounds(numel, schedule.nblocks, schedule.chunks_per_block)]
     per_rank: list[list[RankRound]] = [[] for _ in range(schedule.world_size)]
+    tokens = schedule.collective == Collective.BARRIER  # a barrier's messages are one-byte tokens
     for index, transfers in enumerate(schedule.rounds):
         sends: list[dict[int, int]] = [{} for _ in range(schedule.world_size)]
         recvs: list[dict[int, int]] = [{} for _ in range(schedule.world_size)]
         reduced = [0] * schedule.world_size
         for t in transfers:
-            size = sizes[t.src_chunk]
+            size = max(sizes[t.src_chunk], 1) if tokens else sizes[t.src_chunk]
             if size == 0:  # the runtime skips empty ranges
                 continue
             sends[t.src][t.dst] = sends[t.src].get(t.dst, 0) + size
