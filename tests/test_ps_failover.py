@@ -27,14 +27,14 @@ def _kill_at_step(name: str, step: int, out, killed: dict):
 
 
 def test_kill_9_under_chain_replication_loses_no_acknowledged_update(tmp_path):
-    task = TaskConfig(task="mlp", steps=24, batch_size=16, seed=5, width=8, compute_s=0.03)
+    task = TaskConfig(task="mlp", steps=18, batch_size=16, seed=5, width=8, compute_s=0.03)
     job = JobConfig(num_keys=job_keys(task), width=8, num_servers=3, num_workers=2, mode="sync", lr=0.1,
                     momentum=0.9, replicas=3, replication="chain", dead_after_s=1.0)  # fmt: skip
     killed: dict = {}
     replicas: dict = {}
 
     def during(cluster):
-        _kill_at_step("server1", 8, tmp_path, killed)(cluster)
+        _kill_at_step("server1", 6, tmp_path, killed)(cluster)
         cluster.wait_workers(60)
         chains = cluster.layout()["chains"]
         for shard, chain in enumerate(chains):

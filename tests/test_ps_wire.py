@@ -119,7 +119,7 @@ def _rejected(cluster) -> int:
     return cluster.ask_server(0, {"op": "stats"}).header["stats"]["rejected"]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(frames=st.lists(st.binary(max_size=200), min_size=1, max_size=5))
 def test_random_bytes_are_dropped_and_the_server_keeps_serving(server, frames):
     cluster, sock = server

@@ -36,6 +36,7 @@ class Coordinator:
         self.epoch = 0
         self.events: list[dict] = []
         self.rejected = 0
+        self.started = False  # workers were welcomed
         self.running = True
 
     @property
@@ -63,15 +64,21 @@ class Coordinator:
             raise ValueError(f"bad registration: role {role!r} rank {rank!r} (ranks of {role} are 0..{limit - 1})")
         if role == "worker":
             self.workers[rank] = ident
+        else:
+            self.servers[rank] = {"ident": ident, "endpoint": h["endpoint"], "last": time.monotonic()}
             if self.ready:
-                self._welcome(ident, role, rank)
+                for r, info in self.servers.items():
+                    self._welcome(info["ident"], "server", r)
+        # Workers start together (a start barrier, like ps-lite's scheduler): once every server and every
+        # worker is there; a worker that registers again later (a restart) is welcomed at once.
+        if not self.ready or len(self.workers) < self.config.num_workers:
             return
-        self.servers[rank] = {"ident": ident, "endpoint": h["endpoint"], "last": time.monotonic()}
-        if self.ready:
-            for r, info in self.servers.items():
-                self._welcome(info["ident"], "server", r)
+        if not self.started:
             for r, w in self.workers.items():
                 self._welcome(w, "worker", r)
+            self.started = True
+        elif role == "worker":
+            self._welcome(ident, "worker", rank)
 
     def handle(self, ident: bytes, msg: wire.Message) -> None:
         h = msg.header

@@ -32,6 +32,17 @@ from dtrain.ps.transport import Endpoint, await_message
 __all__ = ["LocalCluster", "main", "request"]
 
 
+def _die_with_parent() -> None:
+    """In a child, before exec: ask Linux to SIGKILL it when the process that started it dies, so roles never
+    outlive a launcher that was itself killed (a test runner hitting its timeout, say)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: close() still kills every process group
+
+
 def _env(name: str) -> str:
     value = os.environ.get(name)
     if not value:
@@ -92,7 +103,8 @@ class LocalCluster:
     def _spawn(self, name: str, role: str, extra: dict[str, str], stdout: Any = None) -> subprocess.Popen:
         env = {**os.environ, "DTRAIN_PS_ROLE": role, "DTRAIN_PS_SECRET": self.secret.hex(), **extra}
         env.setdefault("OMP_NUM_THREADS", "1")
-        proc = subprocess.Popen([sys.executable, "-m", "dtrain.ps"], env=env, stdout=stdout, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "dtrain.ps"], env=env, stdout=stdout, start_new_session=True,
+                                preexec_fn=_die_with_parent)  # fmt: skip
         self.procs[name] = proc
         return proc
 
