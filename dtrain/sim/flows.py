@@ -144,9 +144,12 @@ class FlowNetwork:
         self._capacity: list[float] = []
         self._bytes: list[float] = []
         self._busy_s: list[float] = []
-        self._on_link: dict[int, int] = {}  # flows on each link now
+        self._users: dict[int, set[int]] = {}  # the flows on each link now
         self._busy_since: dict[int, float] = {}  # when each link that carries a flow now became busy
-        self._dirty = False  # flows started since the last allocation: rates are recomputed once per instant
+        # links whose flows changed since the last allocation: rates are recomputed once per instant, and only
+        # for the flows that share links with these, directly or through others (max-min fair shares of flows
+        # that share no link, even indirectly, are independent)
+        self._touched: set[int] = set()
 
     def at(self, time_s: float, callback: Callable[[], None]) -> None:
         """Call ``callback()`` at ``time_s`` (not before now)."""
@@ -172,13 +175,15 @@ class FlowNetwork:
             return
         links = [self._link_id(link) for link in path]
         cap = cap_bytes_per_s if cap_bytes_per_s is not None else self.flow_cap_bytes_per_s
-        self._flows[next(self._ids)] = _Flow(links, nbytes, float(nbytes), latency, cap, on_done)
+        flow_id = next(self._ids)
+        self._flows[flow_id] = _Flow(links, nbytes, float(nbytes), latency, cap, on_done)
         for k in links:
             self._bytes[k] += nbytes
-            self._on_link[k] = self._on_link.get(k, 0) + 1
-            if self._on_link[k] == 1:
+            users = self._users.setdefault(k, set())
+            if not users:
                 self._busy_since[k] = self.now
-        self._dirty = True
+            users.add(flow_id)
+        self._touched.update(links)
 
     def _link_id(self, link: Link) -> int:
         key = (link.src, link.dst)
@@ -194,7 +199,7 @@ class FlowNetwork:
     def run(self) -> float:
         """Advance until no flow or event is left; return the time of the last event."""
         while self._events or self._flows:
-            if self._dirty:
+            if self._touched:
                 self._reallocate()
             next_event = self._events[0][0] if self._events else math.inf
             next_drain = min((self.now + f.remaining / f.rate for f in self._flows.values()), default=math.inf)
@@ -233,20 +238,37 @@ class FlowNetwork:
         for i in done:
             flow = self._flows.pop(i)
             for k in flow.links:
-                self._on_link[k] -= 1
-                if self._on_link[k] == 0:
+                self._users[k].discard(i)
+                if not self._users[k]:
                     self._busy_s[k] += self.now - self._busy_since.pop(k)
+            self._touched.update(flow.links)
             if flow.on_done is not None:
                 callback = flow.on_done
                 self.at(self.now + flow.latency_s, lambda cb=callback: cb(self.now))
         self._reallocate()
 
     def _reallocate(self) -> None:
-        self._dirty = False
-        flows = list(self._flows.values())
+        ids = self._affected()
+        flows = [self._flows[i] for i in ids]
         rates = _fair_share([f.links for f in flows], self._capacity, [f.cap for f in flows])
         for flow, rate in zip(flows, rates, strict=True):
             flow.rate = rate
+
+    def _affected(self) -> list[int]:
+        """The flows connected to the touched links through shared links (breadth-first); clears the touched."""
+        seen_links, seen_flows = set(self._touched), set()
+        frontier = list(self._touched)
+        self._touched.clear()
+        while frontier:
+            k = frontier.pop()
+            for i in self._users.get(k, ()):
+                if i not in seen_flows:
+                    seen_flows.add(i)
+                    for other in self._flows[i].links:
+                        if other not in seen_links:
+                            seen_links.add(other)
+                            frontier.append(other)
+        return sorted(seen_flows)
 
 
 def simulate_flows(
