@@ -174,3 +174,24 @@ def test_oversized_message_is_cut_off_by_the_transport(server):
     finally:
         ctx.destroy(linger=0)
     _pull_works(*server)
+
+
+def test_a_replayed_message_is_dropped_and_the_server_keeps_serving(server):
+    cluster, sock = server
+    before = _rejected(cluster)
+    frames = [bytes(f) for f in wire.encode(cluster.secret, {"op": "pull", "shard": 0, "worker": 0, "clock": 0,
+                                                             "req": 21}, [np.array([2], np.int64)])]  # fmt: skip
+    sock.send_multipart(frames)
+    assert sock.poll(10_000) and wire.decode(cluster.secret, sock.recv_multipart()).header["req"] == 21
+    sock.send_multipart(frames)  # the same bytes again, correctly signed
+    _pull_works(cluster, sock)
+    assert _rejected(cluster) == before + 1
+
+
+def test_stale_messages_are_refused_by_the_replay_guard():
+    guard = wire.ReplayGuard(window_s=5.0)
+    with pytest.raises(wire.WireError, match="outside the 5.0 s replay window"):
+        guard.check({"ts": time.time() - 60.0, "nonce": 1})
+    guard.check({"ts": time.time(), "nonce": 2})
+    with pytest.raises(wire.WireError, match="replayed"):
+        guard.check({"ts": time.time(), "nonce": 2})

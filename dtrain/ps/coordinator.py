@@ -36,6 +36,7 @@ class Coordinator:
         self.epoch = 0
         self.events: list[dict] = []
         self.rejected = 0
+        self.guard = wire.ReplayGuard()
         self.started = False  # workers were welcomed
         self.running = True
 
@@ -130,7 +131,7 @@ class Coordinator:
                     except zmq.Again:
                         break
                     try:
-                        self.handle(frames[0], wire.decode(self.secret, frames[1:]))
+                        self.handle(frames[0], wire.decode(self.secret, frames[1:], guard=self.guard))
                     except (wire.WireError, ValueError, KeyError, TypeError):
                         self.rejected += 1
             self.check_heartbeats()

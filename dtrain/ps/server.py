@@ -55,6 +55,7 @@ class Server:
         self.deferred: dict[int, list[tuple]] = {}
         self.hot = HotCopies(self.config, rank, self.ranges, self._send_peer)
         self.counts = {"rejected": 0, "errors": 0, "pulls": 0, "rows_served": 0, "pushes": 0}
+        self.guard = wire.ReplayGuard()
         self.running = True
         self._layout(welcome.header["layout"])
 
@@ -146,11 +147,8 @@ class Server:
             replica = self._replica(h, head=False)
             names, arrays = zip(*replica.state.arrays().items(), strict=True)
             return self._reply(reply, {"status": "ok", "names": list(names), "seq": replica.state.seq}, arrays)
-        if op == "stop":
-            self.running = False
-            return self._reply(reply, {"status": "ok"})
         if op not in ("pull", "push", "init", "leave"):
-            raise RequestError(f"unknown op {op!r}; a server answers pull, push, init, leave, stats, dump and stop")
+            raise RequestError(f"unknown op {op!r}; a server answers pull, push, init, leave, stats and dump")
         if op == "pull" and self.hot.holds(h.get("shard")) and not self._leads(h.get("shard")):
             keys = tensors[0] if len(tensors) == 1 and tensors[0].dtype == np.int64 and tensors[0].ndim == 1 else None
             if keys is None:
@@ -255,7 +253,7 @@ class Server:
             except zmq.Again:
                 return
             try:
-                msg = wire.decode(self.secret, frames[1:])
+                msg = wire.decode(self.secret, frames[1:], guard=self.guard)
             except wire.WireError:
                 self.counts["rejected"] += 1
                 continue

@@ -29,6 +29,7 @@ class Endpoint:
         self.sock = wire.configure_socket(ctx.socket(zmq.DEALER))
         self.sock.connect(address)
         self.rejected = 0
+        self.guard = wire.ReplayGuard()
 
     def send(self, header: dict, tensors: Sequence[np.ndarray] = ()) -> None:
         self.sock.send_multipart(wire.encode(self.secret, header, tensors), copy=False)
@@ -41,7 +42,7 @@ class Endpoint:
             except zmq.Again:
                 return None
             try:
-                return wire.decode(self.secret, frames)
+                return wire.decode(self.secret, frames, guard=self.guard)
             except wire.WireError:
                 self.rejected += 1
 

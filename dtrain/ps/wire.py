@@ -9,6 +9,10 @@ A message is a ZeroMQ multipart message ``[header, tensor_0, ..., tensor_{n-1}, 
 - ``mac`` is HMAC-SHA256 (RFC 2104) over every frame, each prefixed by its length, keyed by the job's shared
   secret (:func:`local_secret` for one machine, ``DTRAIN_PS_SECRET`` on a cluster).
 
+Every header also carries a send time ``"ts"`` and a random ``"nonce"``; a receiver with a :class:`ReplayGuard`
+refuses a message whose time is more than ``window_s`` off its own clock or whose nonce it has already seen in
+that window, so a captured message cannot be played again (hosts' clocks must agree to well within the window).
+
 :func:`decode` checks, in this order and before any payload is interpreted: the frame count, the header and
 total sizes, the MAC, the header's schema (op name, dtype names from a fixed list, shapes of non-negative
 ints), and that each frame holds exactly ``prod(shape) * itemsize`` bytes. Any failure is a :class:`WireError`;
@@ -22,6 +26,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +39,7 @@ __all__ = [
     "DTYPES",
     "Limits",
     "Message",
+    "ReplayGuard",
     "WireError",
     "decode",
     "encode",
@@ -73,6 +79,28 @@ class Message:
     @property
     def op(self) -> str:
         return self.header["op"]
+
+
+class ReplayGuard:
+    """Remembers the nonces of the last ``window_s`` seconds; :meth:`check` refuses stale or repeated ones."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self.seen: dict[int, float] = {}
+        self._next_prune = 0.0
+
+    def check(self, header: dict[str, Any]) -> None:
+        ts, nonce, now = header.get("ts"), header.get("nonce"), time.time()
+        if not isinstance(ts, float) or not isinstance(nonce, int):
+            raise WireError("header lacks its send time 'ts' (float) and 'nonce' (int)")
+        if abs(now - ts) > self.window_s:
+            raise WireError(f"message sent {now - ts:.1f} s from now, outside the {self.window_s} s replay window")
+        if nonce in self.seen:
+            raise WireError("message replayed: its nonce was already seen")
+        self.seen[nonce] = ts
+        if now >= self._next_prune:
+            self.seen = {n: t for n, t in self.seen.items() if now - t <= self.window_s}
+            self._next_prune = now + self.window_s / 4
 
 
 def local_secret() -> bytes:
@@ -119,7 +147,8 @@ def encode(secret: bytes, header: dict[str, Any], tensors: Sequence[np.ndarray] 
         if a.dtype not in _NAMES:
             raise ValueError(f"dtype {a.dtype} cannot go on the wire; use one of {sorted(DTYPES)}")
         meta.append([_NAMES[a.dtype], list(a.shape)])
-    head = msgpack.packb({**header, "t": meta}, use_bin_type=True)
+    stamp = {"ts": time.time(), "nonce": secrets.randbits(63)}
+    head = msgpack.packb({**header, **stamp, "t": meta}, use_bin_type=True)
     frames = [head, *(memoryview(a.reshape(-1)).cast("B") if a.size else b"" for a in arrays)]
     return [*frames, _mac(secret, frames)]
 
@@ -142,8 +171,9 @@ def _check_meta(meta: Any, payload: Sequence[memoryview], limits: Limits) -> lis
     return out
 
 
-def decode(secret: bytes, frames: Sequence, limits: Limits = Limits()) -> Message:
-    """Check and decode a received multipart message (bytes or ``zmq.Frame`` parts); :class:`WireError` if bad."""
+def decode(secret: bytes, frames: Sequence, limits: Limits = Limits(), guard: ReplayGuard | None = None) -> Message:
+    """Check and decode a received multipart message (bytes or ``zmq.Frame`` parts); :class:`WireError` if bad
+    (with ``guard``, also if it is stale or a replay)."""
     views = [f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames]
     if not 2 <= len(views) <= limits.max_tensors + 2:
         raise WireError(f"a message has 2 to {limits.max_tensors + 2} frames, got {len(views)}")
@@ -160,6 +190,8 @@ def decode(secret: bytes, frames: Sequence, limits: Limits = Limits()) -> Messag
         raise WireError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise WireError(f"header must be a map with a str 'op', got {type(header).__name__}")
+    if guard is not None:
+        guard.check(header)
     payload = views[1:-1]
     meta = _check_meta(header.pop("t", None), payload, limits)
     tensors = [np.frombuffer(v, dtype=d).reshape(s) for v, (d, s) in zip(payload, meta, strict=True)]
