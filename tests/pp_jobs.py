@@ -8,11 +8,12 @@ the same loss, gradients and parameters as the reference's layers it holds.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from dtrain.parallel.pipeline_parallel import PipelineParallel, PipelineStage
-from dtrain.parallel.pipeline_schedules import Timeline
+from dtrain.parallel.pipeline_schedules import Timeline, interleaved_one_f_one_b, validate_schedule
 from dtrain.testing.pool import group_of
 
 BATCH = 16
@@ -141,3 +142,28 @@ def timeline(p: int, m: int, schedule: str) -> Timeline:
     for _ in range(2):
         pipe.train_step(batch, targets, F.mse_loss)
     return pipe.timeline
+
+
+def interleaved(p: int, m: int, v: int, steps: int = 3) -> dict:
+    """Interleaved 1F1B with ``v`` chunks a rank against the unsplit reference; the worst errors on this rank."""
+    group = group_of(p)
+    reference = _mlp(seed=7)
+    ref_losses, ref_grads = _reference_steps(reference, "mlp", steps)
+    pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule="interleaved-1f1b", virtual_stages=v)
+    losses, grads = _pipeline_steps(pipe, "mlp", steps)
+    held = [i for chunk in pipe.chunks for i in chunk.layer_range]
+    ref_params = [q.detach() for i in held for q in reference[i].parameters()]
+    ref_stage_grads = [g for s in range(steps) for g in _stage_slice(reference, held, ref_grads[s])]
+    return {
+        "loss": _max_error([torch.tensor(losses)], [torch.tensor(ref_losses)]),
+        "grad": _max_error([g for s in grads for g in s], ref_stage_grads),
+        "param": _max_error(list(pipe.parameters()), ref_params),
+        "chunks": float(len(pipe.chunks) != v),  # 0.0 when this rank holds v chunks
+        "peak_activations": float(pipe.timeline.peak_activations != validate_peak(p, m, v)),
+    }
+
+
+def validate_peak(p: int, m: int, v: int) -> int:
+    """This rank's schedule's own count of (chunk, micro-batch) activations held at its peak."""
+    stage = dist.get_rank(group_of(p))
+    return validate_schedule(interleaved_one_f_one_b(p, m, stage, v), m, v)

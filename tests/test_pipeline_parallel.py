@@ -12,6 +12,7 @@ from dtrain.parallel.pipeline_schedules import (
     bubble_fraction,
     draw_schedule,
     gpipe,
+    interleaved_one_f_one_b,
     one_f_one_b,
     simulate,
     theoretical_bubble,
@@ -140,3 +141,48 @@ def test_timeline_reports_a_bubble_and_1f1b_holds_fewer_activations(pool, p, m):
     assert report["1f1b"][1] == [min(p - s, m) for s in range(p)]
     assert report["gpipe"][1] == [m] * p
     assert all(a <= b for a, b in zip(report["1f1b"][1], report["gpipe"][1], strict=True))
+
+
+def test_interleaved_1f1b_is_groups_of_p_through_the_chunks_forward_and_back_in_reverse():
+    got = [(kind, chunk, mb) for kind, mb, chunk in interleaved_one_f_one_b(2, 4, 1, virtual_stages=2)]
+    # (kind, chunk, micro-batch); warm-up 2 (p - 1 - s) + (v - 1) p = 2 forwards, then 1F1B, then 2 backwards
+    assert got == [
+        ("F", 0, 0), ("F", 0, 1),
+        ("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 0, 2), ("B", 0, 0), ("F", 0, 3), ("B", 0, 1),
+        ("F", 1, 2), ("B", 1, 2), ("F", 1, 3), ("B", 1, 3),
+        ("B", 0, 2), ("B", 0, 3),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("v", (1, 2, 3))
+@pytest.mark.parametrize("groups", (1, 2, 4))
+def test_interleaved_1f1b_is_valid_and_its_simulated_bubble_is_p_minus_1_over_vm_plus_p_minus_1(p, v, groups):
+    m = groups * p
+    schedules = [interleaved_one_f_one_b(p, m, s, v) for s in range(p)]
+    for s in range(p):
+        validate_schedule(schedules[s], m, virtual_stages=v)
+    times = simulate(schedules, forward_cost=1, backward_cost=2)  # costs of one chunk
+    total = max(end for stage in times for _, end in stage)
+    idle = p * total - p * v * m * 3
+    assert idle / (p * total) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert theoretical_bubble(p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert theoretical_bubble(p, m, v) <= theoretical_bubble(p, m)
+
+
+def test_interleaved_1f1b_needs_microbatches_in_groups_of_p():
+    with pytest.raises(ValueError, match="6 micro-batches is not a multiple of 4"):
+        interleaved_one_f_one_b(4, 6, 0, 2)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2)])
+def test_interleaved_1f1b_trains_like_the_unsplit_model(pool, p, m, v):
+    _assert_equivalent(pool.run("tests.pp_jobs:interleaved", p, m, v, ranks=p))
+
+
+def test_interleaved_timeline_records_each_chunk_and_a_bubble(pool):
+    timelines = pool.run("tests.pp_jobs:timeline", 4, 8, "interleaved-1f1b", ranks=4)
+    assert 0.0 < bubble_fraction(timelines) < 1.0
+    for t in timelines:
+        assert t.virtual_stages == 2
+        assert {(e.kind, e.chunk) for e in t.events if e.kind in ("F", "B")} == {(k, c) for k in "FB" for c in (0, 1)}

@@ -2,8 +2,10 @@
 
 Inter-operator parallelism places consecutive layers on different devices; pipelining splits each batch into
 ``m`` micro-batches so the stages work at once (GPipe, Huang et al. 2019; 1F1B / PipeDream-Flush, Narayanan et
-al. 2019 and 2021). The schedules are data (:mod:`dtrain.parallel.pipeline_schedules`); the runner here executes
-one, talking to its neighbours through :mod:`dtrain.parallel.pipeline_parallel_communications`.
+al. 2019 and 2021; interleaved 1F1B, Narayanan et al. 2021 section 2.2.2, where each rank holds ``v`` chunks
+of the model and the bubble shrinks ``v`` times). The schedules are data
+(:mod:`dtrain.parallel.pipeline_schedules`); the runner here executes one, talking to its neighbours through
+:mod:`dtrain.parallel.pipeline_parallel_communications`.
 
 The loss of each micro-batch is divided by ``m`` and the gradients of all micro-batches accumulate in ``.grad``,
 so one :meth:`PipelineParallel.train_step` gives the gradients of one step on the whole batch (for a loss that
@@ -22,7 +24,7 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.parallel.pipeline_parallel_communications import StageLink
-from dtrain.parallel.pipeline_schedules import SCHEDULES, Action, Timeline, TimelineEvent
+from dtrain.parallel.pipeline_schedules import SCHEDULES, Timeline, TimelineEvent, chunk_of
 
 __all__ = ["PipelineParallel", "PipelineStage", "partition_layers"]
 
@@ -80,7 +82,8 @@ def _balance_by_cost(costs: list[int], num_stages: int) -> list[int]:
 
 class PipelineStage(nn.Module):
     """The layers of one pipeline stage: stage ``stage_index`` (this rank's rank in ``group`` by default) of
-    ``group``'s size, cut from ``sequential`` by :func:`partition_layers`. The layers are shared, not copied."""
+    ``num_stages`` (``group``'s size by default; ``v`` times it for the chunks of interleaved 1F1B), cut from
+    ``sequential`` by :func:`partition_layers`. The layers are shared, not copied."""
 
     def __init__(
         self,
@@ -88,11 +91,12 @@ class PipelineStage(nn.Module):
         group: dist.ProcessGroup,
         *,
         stage_index: int | None = None,
+        num_stages: int | None = None,
         balance: Balance = "layers",
     ) -> None:
         super().__init__()
         self.group = group
-        self.num_stages = dist.get_world_size(group)
+        self.num_stages = dist.get_world_size(group) if num_stages is None else num_stages
         self.stage_index = dist.get_rank(group) if stage_index is None else stage_index
         if not 0 <= self.stage_index < self.num_stages:
             raise ValueError(f"stage_index {self.stage_index} is outside 0..{self.num_stages - 1}")
@@ -112,11 +116,14 @@ class PipelineStage(nn.Module):
 
 
 class PipelineParallel:
-    """Trains ``sequential`` as a pipeline over ``group``: this rank runs its :class:`PipelineStage`.
+    """Trains ``sequential`` as a pipeline over ``group``: this rank runs its :class:`PipelineStage` (or chunks).
 
-    ``schedule`` is "gpipe" or "1f1b" (:data:`~dtrain.parallel.pipeline_schedules.SCHEDULES`). After each
-    :meth:`train_step`, :attr:`timeline` holds what this rank did, for
-    :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`.
+    ``schedule`` is "gpipe", "1f1b" or "interleaved-1f1b"
+    (:data:`~dtrain.parallel.pipeline_schedules.SCHEDULES`). Interleaved 1F1B cuts the model into
+    ``virtual_stages * p`` chunks (default ``virtual_stages=2``) and this rank holds chunks ``s, s + p, ...``:
+    :attr:`chunks` lists them and :attr:`stage` is an ``nn.ModuleList`` of them (the :class:`PipelineStage`
+    itself for the other schedules). After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
+    for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`.
     """
 
     def __init__(
@@ -127,18 +134,34 @@ class PipelineParallel:
         num_microbatches: int,
         schedule: str = "1f1b",
         balance: Balance = "layers",
+        virtual_stages: int | None = None,
     ) -> None:
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-        self.stage = PipelineStage(sequential, group, balance=balance)
+        interleaved = schedule == "interleaved-1f1b"
+        v = virtual_stages if virtual_stages is not None else (2 if interleaved else 1)
+        if not isinstance(v, int) or v < 1 or (v > 1 and not interleaved):
+            raise ValueError(
+                f"virtual_stages={virtual_stages!r}: more than one model chunk per stage needs "
+                f"schedule='interleaved-1f1b' (got {schedule!r}), and it must be a positive int"
+            )
+        s, p = dist.get_rank(group), dist.get_world_size(group)
+        self.num_stages, self.stage_index, self.virtual_stages = p, s, v
         self.num_microbatches = num_microbatches
         self.schedule_name = schedule
-        s, p = self.stage.stage_index, self.stage.num_stages
-        self.actions: list[Action] = SCHEDULES[schedule](p, num_microbatches, s)
+        self.actions = (
+            SCHEDULES[schedule](p, num_microbatches, s, v)
+            if interleaved
+            else SCHEDULES[schedule](p, num_microbatches, s)
+        )
+        self.chunks = [
+            PipelineStage(sequential, group, stage_index=c * p + s, num_stages=v * p, balance=balance) for c in range(v)
+        ]
+        self.stage: nn.Module = nn.ModuleList(self.chunks) if interleaved else self.chunks[0]
         device = next((q.device for q in self.stage.parameters()), torch.device("cpu"))
-        self.link = StageLink(group, s, p, device)
+        self.link = StageLink(group, s, p, device, virtual_stages=v)
         self.timeline: Timeline | None = None
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -151,57 +174,63 @@ class PipelineParallel:
         along dim 0 into ``num_microbatches`` equal micro-batches. Returns the batch's mean loss (the sum of the
         micro-batch losses / m) on every stage of the group. The caller steps and zeroes the optimizer.
         """
-        m, stage = self.num_microbatches, self.stage
+        m, first, last = self.num_microbatches, self.chunks[0], self.chunks[-1]
         inputs = _split(batch, m, "batch") if batch is not None else None
         labels = _split(targets, m, "targets") if targets is not None else None
-        if stage.is_first and inputs is None:
+        if first.is_first and inputs is None:
             raise ValueError("the first pipeline stage needs the batch")
-        if stage.is_last and labels is None:
+        if last.is_last and labels is None:
             raise ValueError("the last pipeline stage needs the targets")
-        timeline = Timeline(stage=stage.stage_index, num_stages=stage.num_stages, num_microbatches=m)
+        timeline = Timeline(
+            stage=self.stage_index, num_stages=self.num_stages, num_microbatches=m, virtual_stages=self.virtual_stages
+        )
         timeline.start_s = time.perf_counter()
         self.link.begin_step(timeline)
-        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (stage input, stage output or loss)
+        held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output or loss)
         loss = torch.zeros((), device=self.link.device)
-        for kind, mb in self.actions:
+        for action in self.actions:
+            kind, mb, chunk = action[0], action[1], chunk_of(action)
+            stage = self.chunks[chunk]
             self.link.poll_sends()
             if kind == "F":
-                x = inputs[mb] if stage.is_first else self._recv_input(mb)
+                x = inputs[mb] if stage.is_first else self._recv_input(mb, chunk)
                 start = time.perf_counter()
                 y = stage(x)
                 if stage.is_last:
                     y = loss_fn(y, labels[mb]) / m
                     loss += y.detach()
-                timeline.events.append(TimelineEvent("F", mb, start, time.perf_counter()))
-                held[mb] = (x, y)
+                timeline.events.append(TimelineEvent("F", mb, start, time.perf_counter(), chunk=chunk))
+                held[chunk, mb] = (x, y)
                 timeline.peak_activations = max(timeline.peak_activations, len(held))
                 if not stage.is_last:
-                    self.link.send_forward(y, mb)
+                    self.link.send_forward(y, mb, chunk)
             else:
-                self._backward(mb, *held.pop(mb), timeline)
+                self._backward(stage, chunk, mb, *held.pop((chunk, mb)), timeline)
         self.link.wait_sends()
         timeline.end_s = time.perf_counter()
         self.link.begin_step(None)
         self.timeline = timeline
-        comm.broadcast(loss, stage.num_stages - 1, group=stage.group)
+        comm.broadcast(loss, self.num_stages - 1, group=first.group)
         return loss
 
-    def _recv_input(self, mb: int) -> torch.Tensor:
-        x = self.link.recv_forward(mb)
+    def _recv_input(self, mb: int, chunk: int) -> torch.Tensor:
+        x = self.link.recv_forward(mb, chunk)
         return x.requires_grad_() if x.is_floating_point() else x
 
-    def _backward(self, mb: int, x: torch.Tensor, y: torch.Tensor, timeline: Timeline) -> None:
+    def _backward(
+        self, stage: PipelineStage, chunk: int, mb: int, x: torch.Tensor, y: torch.Tensor, timeline: Timeline
+    ) -> None:
         # a stage receives a gradient for every floating output it sent, and sends one for every floating input
         # it received, so both ends agree on the messages whether or not autograd needs them
         grad = None
-        if not self.stage.is_last and y.is_floating_point():
-            grad = self.link.recv_backward(mb)
+        if not stage.is_last and y.is_floating_point():
+            grad = self.link.recv_backward(mb, chunk)
         start = time.perf_counter()
         if y.requires_grad:
             torch.autograd.backward(y, grad)
-        timeline.events.append(TimelineEvent("B", mb, start, time.perf_counter()))
-        if not self.stage.is_first and x.is_floating_point():
-            self.link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x), mb)
+        timeline.events.append(TimelineEvent("B", mb, start, time.perf_counter(), chunk=chunk))
+        if not stage.is_first and x.is_floating_point():
+            self.link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x), mb, chunk)
 
 
 def _split(tensor: torch.Tensor, num_microbatches: int, name: str) -> tuple[torch.Tensor, ...]:

@@ -10,6 +10,13 @@ shape exchange.
 Sends are non-blocking and only waited on at the end of a step (their buffers are kept alive until then);
 receives block. With sends that never block, the GPipe and 1F1B schedules cannot deadlock (Narayanan et al.
 2021 rely on the same property).
+
+With interleaved 1F1B each rank holds ``v`` model chunks, chunk ``c`` of rank ``s`` being virtual stage
+``u = c p + s``: activations go from ``u`` to ``u + 1`` (rank ``s + 1``, or rank 0's next chunk after the last
+rank), so the links form a ring. Every message carries the tag ``2 u' + direction`` of the virtual stage ``u'``
+that receives it: on 2 ranks both directions join the same pair of processes, and a receive must not take a
+message meant for another chunk or direction (Gloo matches by peer and tag, in order within a tag; NCCL ignores
+tags, so there the receives of a pair must be issued in the order of its sends).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ _DTYPES = (
     torch.bool,
 )
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_FORWARD, _BACKWARD = 0, 1  # the direction bit of a message's tag
 
 
 def encode_header(tensor: torch.Tensor) -> torch.Tensor:
@@ -63,24 +71,30 @@ def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
 
 
 class StageLink:
-    """This stage's two links: to stage - 1 (activations in, gradients out) and stage + 1 (the reverse).
+    """This rank's links to the neighbouring (virtual) stages: activations in and out, gradients out and in.
 
-    ``group`` is the pipeline group, its rank ``i`` is stage ``i``. Each message is recorded in the current
+    ``group`` is the pipeline group, its rank ``i`` is stage ``i``; with ``virtual_stages`` chunks per rank,
+    chunk ``c`` is virtual stage ``c * num_stages + stage``. Each message is recorded in the current
     :class:`Timeline` when one is set with :meth:`begin_step`. Received tensors land on ``device`` (a GPU for
     NCCL).
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, stage: int, num_stages: int, device: torch.device | None = None
+        self,
+        group: dist.ProcessGroup,
+        stage: int,
+        num_stages: int,
+        device: torch.device | None = None,
+        *,
+        virtual_stages: int = 1,
     ) -> None:
         self.group = group
         self.device = device if device is not None else torch.device("cpu")
         self.stage = stage
         self.num_stages = num_stages
-        self.prev = dist.get_global_rank(group, stage - 1) if stage > 0 else None
-        self.next = dist.get_global_rank(group, stage + 1) if stage < num_stages - 1 else None
+        self.virtual_stages = virtual_stages
         self._pending: list[tuple[object, list[torch.Tensor], TimelineEvent]] = []
-        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._shapes: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] = {}
         self.timeline: Timeline | None = None
 
     def begin_step(self, timeline: Timeline | None) -> None:
@@ -88,29 +102,39 @@ class StageLink:
         self._shapes.clear()
         self.timeline = timeline
 
-    def send_forward(self, activation: torch.Tensor, microbatch: int) -> None:
-        self._send(activation, self.next, "send_forward", microbatch)
+    def send_forward(self, activation: torch.Tensor, microbatch: int, chunk: int = 0) -> None:
+        self._send(activation, self._virtual(chunk) + 1, _FORWARD, "send_forward", microbatch, chunk)
 
-    def recv_forward(self, microbatch: int) -> torch.Tensor:
-        return self._recv(self.prev, "recv_forward", microbatch)
+    def recv_forward(self, microbatch: int, chunk: int = 0) -> torch.Tensor:
+        return self._recv(self._virtual(chunk) - 1, _FORWARD, "recv_forward", microbatch, chunk)
 
-    def send_backward(self, grad: torch.Tensor, microbatch: int) -> None:
-        self._send(grad, self.prev, "send_backward", microbatch)
+    def send_backward(self, grad: torch.Tensor, microbatch: int, chunk: int = 0) -> None:
+        self._send(grad, self._virtual(chunk) - 1, _BACKWARD, "send_backward", microbatch, chunk)
 
-    def recv_backward(self, microbatch: int) -> torch.Tensor:
-        return self._recv(self.next, "recv_backward", microbatch)
+    def recv_backward(self, microbatch: int, chunk: int = 0) -> torch.Tensor:
+        return self._recv(self._virtual(chunk) + 1, _BACKWARD, "recv_backward", microbatch, chunk)
 
-    def _send(self, tensor: torch.Tensor, peer: int | None, kind: str, microbatch: int) -> None:
-        if peer is None:
-            raise ValueError(f"stage {self.stage} of {self.num_stages} has no peer to {kind}")
+    def _virtual(self, chunk: int) -> int:
+        return chunk * self.num_stages + self.stage
+
+    def _peer(self, virtual: int, kind: str) -> int:
+        if not 0 <= virtual < self.num_stages * self.virtual_stages:
+            raise ValueError(
+                f"stage {self.stage} of {self.num_stages} has no peer to {kind} (virtual stage {virtual} of "
+                f"{self.num_stages * self.virtual_stages})"
+            )
+        return dist.get_global_rank(self.group, virtual % self.num_stages)
+
+    def _send(self, tensor: torch.Tensor, to: int, direction: int, kind: str, microbatch: int, chunk: int) -> None:
+        peer, tag = self._peer(to, kind), 2 * to + direction
         start = time.perf_counter()
         payload = tensor.detach().contiguous()
         buffers = [payload]
-        known = self._shapes.get(kind)
+        known = self._shapes.get((kind, chunk))
         if known is None:
             header = encode_header(payload).to(payload.device)
-            self._shapes[kind] = (tuple(payload.shape), payload.dtype)
-            works = [dist.isend(header, peer, group=self.group)]
+            self._shapes[kind, chunk] = (tuple(payload.shape), payload.dtype)
+            works = [dist.isend(header, peer, group=self.group, tag=tag)]
             buffers.append(header)
         else:
             if known != (tuple(payload.shape), payload.dtype):
@@ -119,27 +143,26 @@ class StageLink:
                     f"{payload.dtype}, but this step's micro-batches had {known[0]} {known[1]}"
                 )
             works = []
-        works.append(dist.isend(payload, peer, group=self.group))
-        event = self._record(kind, microbatch, start)
+        works.append(dist.isend(payload, peer, group=self.group, tag=tag))
+        event = self._record(kind, microbatch, chunk, start)
         self._pending += [(w, buffers, event) for w in works]
 
-    def _recv(self, peer: int | None, kind: str, microbatch: int) -> torch.Tensor:
-        if peer is None:
-            raise ValueError(f"stage {self.stage} of {self.num_stages} has no peer to {kind}")
+    def _recv(self, source: int, direction: int, kind: str, microbatch: int, chunk: int) -> torch.Tensor:
+        peer, tag = self._peer(source, kind), 2 * self._virtual(chunk) + direction
         start = time.perf_counter()
-        known = self._shapes.get(kind)
+        known = self._shapes.get((kind, chunk))
         if known is None:
             header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
-            dist.irecv(header, peer, group=self.group).wait()
-            known = self._shapes[kind] = decode_header(header)
+            dist.irecv(header, peer, group=self.group, tag=tag).wait()
+            known = self._shapes[kind, chunk] = decode_header(header)
         shape, dtype = known
         payload = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.irecv(payload, peer, group=self.group).wait()
-        self._record(kind, microbatch, start).end_s = time.perf_counter()
+        dist.irecv(payload, peer, group=self.group, tag=tag).wait()
+        self._record(kind, microbatch, chunk, start).end_s = time.perf_counter()
         return payload
 
-    def _record(self, kind: str, microbatch: int, start: float) -> TimelineEvent:
-        event = TimelineEvent(kind, microbatch, start, start)
+    def _record(self, kind: str, microbatch: int, chunk: int, start: float) -> TimelineEvent:
+        event = TimelineEvent(kind, microbatch, start, start, chunk=chunk)
         if self.timeline is not None:
             self.timeline.events.append(event)
         return event

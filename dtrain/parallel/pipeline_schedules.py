@@ -11,9 +11,15 @@ Two schedules, both synchronous (one optimizer step per batch, gradients exact):
   of ``p`` warms up with ``min(p - 1 - s, m)`` forwards, then alternates one forward and one backward, then
   cools down with the remaining backwards. Same bubble as GPipe, but at most ``p - s`` micro-batches in flight.
 
-Both have the bubble fraction ``(p - 1) / (m + p - 1)`` of idle over total time (GPipe paper section 2.3,
-Megatron-LM equation 1 in its ``(p-1)/m`` form relative to ideal). :func:`simulate` replays schedules with
-unit costs and :func:`draw_schedule` draws them; :func:`bubble_fraction` measures a recorded
+- **Interleaved 1F1B** (Megatron-LM paper, section 2.2.2): the model is cut into ``v * p`` chunks (virtual
+  stages) and rank ``s`` holds chunks ``s, s + p, ..., s + (v - 1) p``; its actions carry the chunk
+  (:class:`ChunkAction`). Forwards go through the chunks in groups of ``p`` micro-batches, backwards through
+  the chunks in reverse; the warm-up is ``2 (p - 1 - s) + (v - 1) p`` forwards.
+
+GPipe and 1F1B have the bubble fraction ``(p - 1) / (m + p - 1)`` of idle over total time (GPipe paper section
+2.3, Megatron-LM equation 1 in its ``(p-1)/m`` form relative to ideal); interleaving divides the bubble by ``v``:
+``(p - 1) / (v m)`` relative to ideal, ``(p - 1) / (v m + p - 1)`` of the total. :func:`simulate` replays
+schedules with unit costs and :func:`draw_schedule` draws them; :func:`bubble_fraction` measures a recorded
 :class:`Timeline`. Pure Python: no torch, no processes.
 """
 
@@ -25,6 +31,7 @@ from typing import NamedTuple
 
 __all__ = [
     "Action",
+    "ChunkAction",
     "ScheduleFn",
     "SCHEDULES",
     "Timeline",
@@ -32,6 +39,7 @@ __all__ = [
     "bubble_fraction",
     "draw_schedule",
     "gpipe",
+    "interleaved_one_f_one_b",
     "one_f_one_b",
     "simulate",
     "theoretical_bubble",
@@ -49,7 +57,23 @@ class Action(NamedTuple):
     microbatch: int
 
 
-ScheduleFn = Callable[[int, int, int], list[Action]]
+class ChunkAction(NamedTuple):
+    """An action of an interleaved schedule: ``kind`` "F" or "B" of ``microbatch`` on this rank's model ``chunk``.
+
+    Chunk ``c`` of rank ``s`` of ``p`` is virtual stage ``c * p + s``.
+    """
+
+    kind: str
+    microbatch: int
+    chunk: int
+
+
+ScheduleFn = Callable[[int, int, int], list[Action] | list[ChunkAction]]
+
+
+def chunk_of(action: tuple) -> int:
+    """The model chunk an action runs on (0 for the two-field actions of non-interleaved schedules)."""
+    return action[2] if len(action) > 2 else 0
 
 
 def _check_sizes(num_stages: int, num_microbatches: int, stage: int) -> None:
@@ -78,44 +102,91 @@ def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Acti
     return actions
 
 
-SCHEDULES: dict[str, ScheduleFn] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved_one_f_one_b(
+    num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 2
+) -> list[ChunkAction]:
+    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2) with ``virtual_stages`` chunks per rank.
+
+    The k-th forward of every rank is micro-batch ``(k // (p v)) p + k % p`` on chunk ``(k // p) % v``; the k-th
+    backward the same micro-batch on chunk ``v - 1 - (k // p) % v``. Rank ``s`` warms up with
+    ``min(2 (p - 1 - s) + (v - 1) p, m v)`` forwards, then alternates, then cools down. ``m`` must be a multiple
+    of ``p`` (as in Megatron-LM): micro-batches enter in groups of ``p``.
+    """
+    _check_sizes(num_stages, num_microbatches, stage)
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"virtual_stages must be a positive int, got {v!r}")
+    if m % p:
+        raise ValueError(
+            f"interleaved 1F1B takes micro-batches in groups of the {p} pipeline stages; "
+            f"{m} micro-batches is not a multiple of {p}"
+        )
+
+    def at(k: int, kind: str) -> ChunkAction:
+        group, i = divmod(k, p * v)
+        chunk = i // p
+        return ChunkAction(kind, group * p + i % p, chunk if kind == "F" else v - 1 - chunk)
+
+    total = m * v
+    warmup = min(2 * (p - 1 - stage) + (v - 1) * p, total)
+    actions = [at(k, "F") for k in range(warmup)]
+    for i in range(total - warmup):
+        actions += [at(warmup + i, "F"), at(i, "B")]
+    actions += [at(k, "B") for k in range(total - warmup, total)]
+    return actions
 
 
-def validate_schedule(actions: Sequence[tuple[str, int]], num_microbatches: int) -> int:
+SCHEDULES: dict[str, ScheduleFn] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_one_f_one_b,
+}
+
+
+def validate_schedule(actions: Sequence[tuple], num_microbatches: int, virtual_stages: int = 1) -> int:
     """Check one stage's actions; return its peak number of micro-batches in flight (forwarded, not yet backward).
 
-    Every micro-batch is forwarded exactly once and backward exactly once, its forward first. Raises ValueError
-    naming the first offending action.
+    Every micro-batch is forwarded exactly once and backward exactly once on each of the stage's
+    ``virtual_stages`` chunks, its forward first (a micro-batch on two chunks counts twice in flight). Raises
+    ValueError naming the first offending action.
     """
-    forwarded: set[int] = set()
-    done: set[int] = set()
+    forwarded: set[tuple[int, int]] = set()
+    done: set[tuple[int, int]] = set()
     peak = 0
-    for i, (kind, mb) in enumerate(actions):
-        if not 0 <= mb < num_microbatches or kind not in ("F", "B"):
-            raise ValueError(f"action {i} {(kind, mb)} is not F/B of a micro-batch in 0..{num_microbatches - 1}")
+    for i, action in enumerate(actions):
+        kind, mb, chunk = action[0], action[1], chunk_of(action)
+        if not 0 <= mb < num_microbatches or kind not in ("F", "B") or not 0 <= chunk < virtual_stages:
+            raise ValueError(
+                f"action {i} {tuple(action)} is not F/B of a micro-batch in 0..{num_microbatches - 1} "
+                f"on a chunk in 0..{virtual_stages - 1}"
+            )
         if kind == "F":
-            if mb in forwarded:
+            if (chunk, mb) in forwarded:
                 raise ValueError(f"action {i}: micro-batch {mb} forwarded twice")
-            forwarded.add(mb)
+            forwarded.add((chunk, mb))
         else:
-            if mb not in forwarded or mb in done:
+            if (chunk, mb) not in forwarded or (chunk, mb) in done:
                 raise ValueError(f"action {i}: backward of micro-batch {mb} before its forward, or twice")
-            done.add(mb)
+            done.add((chunk, mb))
         peak = max(peak, len(forwarded) - len(done))
-    if len(done) != num_microbatches:
-        raise ValueError(f"only {len(done)} of {num_microbatches} micro-batches went forward and backward")
+    if len(done) != num_microbatches * virtual_stages:
+        raise ValueError(
+            f"only {len(done)} of {num_microbatches * virtual_stages} micro-batches went forward and backward"
+        )
     return peak
 
 
 def simulate(
-    schedules: Sequence[Sequence[tuple[str, int]]], *, forward_cost: int = 1, backward_cost: int = 2
+    schedules: Sequence[Sequence[tuple]], *, forward_cost: int = 1, backward_cost: int = 2
 ) -> list[list[tuple[int, int]]]:
-    """Replay one schedule per stage with fixed action costs and free communication.
+    """Replay one schedule per stage with fixed action costs (per chunk) and free communication.
 
-    F(s, mb) waits for F(s-1, mb); B(s, mb) waits for B(s+1, mb) (the last stage's B follows its own F).
-    Returns, per stage, the (start, end) of each action in schedule order. Raises ValueError on a deadlock.
+    On virtual stage ``u = chunk * p + s`` of ``V = v * p``: F(u, mb) waits for F(u - 1, mb); B(u, mb) waits for
+    B(u + 1, mb) (the last virtual stage's B follows its own F). Returns, per stage, the (start, end) of each
+    action in schedule order. Raises ValueError on a deadlock.
     """
     p = len(schedules)
+    last = p * (1 + max((chunk_of(a) for stage in schedules for a in stage), default=0)) - 1
     ends: dict[tuple[str, int, int], int] = {}
     times: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     free = [0] * p
@@ -124,15 +195,16 @@ def simulate(
         progress = False
         for s in range(p):
             while len(times[s]) < len(schedules[s]):
-                kind, mb = schedules[s][len(times[s])]
-                dep = ("F", s - 1, mb) if kind == "F" else ("B", s + 1, mb)
-                if (kind == "F" and s == 0) or (kind == "B" and s == p - 1):
+                action = schedules[s][len(times[s])]
+                kind, mb, u = action[0], action[1], chunk_of(action) * p + s
+                dep = ("F", u - 1, mb) if kind == "F" else ("B", u + 1, mb)
+                if (kind == "F" and u == 0) or (kind == "B" and u == last):
                     dep = None
                 if dep is not None and dep not in ends:
                     break
                 start = max(free[s], ends[dep] if dep is not None else 0)
                 end = start + (forward_cost if kind == "F" else backward_cost)
-                ends[(kind, s, mb)] = free[s] = end
+                ends[(kind, u, mb)] = free[s] = end
                 times[s].append((start, end))
                 progress = True
     stuck = [s for s in range(p) if len(times[s]) < len(schedules[s])]
@@ -144,9 +216,13 @@ def simulate(
     return times
 
 
-def theoretical_bubble(num_stages: int, num_microbatches: int) -> float:
-    """The pipeline bubble (p - 1) / (m + p - 1) of GPipe and 1F1B (Huang et al. 2019, section 2.3)."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def theoretical_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """The pipeline bubble as a fraction of the step: (p - 1) / (v m + p - 1).
+
+    With ``v = 1`` it is GPipe's and 1F1B's (p - 1) / (m + p - 1) (Huang et al. 2019, section 2.3); interleaved
+    1F1B divides the bubble time by ``v`` (Narayanan et al. 2021, section 2.2.2: (p - 1) / (v m) of the ideal).
+    """
+    return (num_stages - 1) / (virtual_stages * num_microbatches + num_stages - 1)
 
 
 def draw_schedule(schedules: Sequence[Sequence[tuple[str, int]]], *, backward_cost: int = 2) -> str:
@@ -175,6 +251,7 @@ class TimelineEvent:
     microbatch: int
     start_s: float
     end_s: float
+    chunk: int = 0  # the model chunk (interleaved 1F1B; 0 otherwise)
 
 
 @dataclass
@@ -184,6 +261,7 @@ class Timeline:
     stage: int
     num_stages: int
     num_microbatches: int
+    virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B)
     start_s: float = 0.0
     end_s: float = 0.0
     peak_activations: int = 0  # most micro-batches whose activations were held at once
@@ -199,6 +277,7 @@ class Timeline:
                 "stage": self.stage,
                 "kind": e.kind,
                 "microbatch": e.microbatch,
+                "chunk": e.chunk,
                 "start_s": e.start_s - self.start_s,
                 "end_s": e.end_s - self.start_s,
             }
