@@ -118,6 +118,7 @@ class _Flow:
     latency_s: float
     cap: float | None
     on_done: Callable[[float], None] | None
+    on_sent: Callable[[float], None] | None = None
     rate: float = 0.0
 
 
@@ -164,19 +165,23 @@ class FlowNetwork:
         flow_id: int = 0,
         on_done: Callable[[float], None] | None = None,
         cap_bytes_per_s: float | None = None,
+        on_sent: Callable[[float], None] | None = None,
     ) -> None:
-        """Start a flow now; ``on_done(t)`` is called when its last byte has arrived at ``dst``. The flow's rate
-        is capped at ``cap_bytes_per_s`` if given, else at the network's ``flow_cap_bytes_per_s``."""
+        """Start a flow now; ``on_done(t)`` is called when its last byte has arrived at ``dst``, ``on_sent(t)``
+        when it has left ``src`` (the path's latency earlier: the sender may start its next message then). The
+        flow's rate is capped at ``cap_bytes_per_s`` if given, else at the network's ``flow_cap_bytes_per_s``."""
         path = self.topology.route(src, dst, flow_id)
         latency = sum(link.latency_s for link in path)
         if nbytes <= 0 or not path:
             # nothing to move, or a copy within a node: only the latency
+            if on_sent is not None:
+                self.at(self.now, lambda: on_sent(self.now))
             self.at(self.now + latency, lambda: on_done and on_done(self.now))
             return
         links = [self._link_id(link) for link in path]
         cap = cap_bytes_per_s if cap_bytes_per_s is not None else self.flow_cap_bytes_per_s
         flow_id = next(self._ids)
-        self._flows[flow_id] = _Flow(links, nbytes, float(nbytes), latency, cap, on_done)
+        self._flows[flow_id] = _Flow(links, nbytes, float(nbytes), latency, cap, on_done, on_sent)
         for k in links:
             self._bytes[k] += nbytes
             users = self._users.setdefault(k, set())
@@ -242,6 +247,9 @@ class FlowNetwork:
                 if not self._users[k]:
                     self._busy_s[k] += self.now - self._busy_since.pop(k)
             self._touched.update(flow.links)
+            if flow.on_sent is not None:
+                sent = flow.on_sent
+                self.at(self.now, lambda cb=sent: cb(self.now))
             if flow.on_done is not None:
                 callback = flow.on_done
                 self.at(self.now + flow.latency_s, lambda cb=callback: cb(self.now))

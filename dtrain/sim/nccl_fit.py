@@ -1,0 +1,91 @@
+"""Fit the NCCL model's few figures (:mod:`dtrain.sim.nccl`) to measured calls, through the simulator itself.
+
+Two regimes, as in :mod:`dtrain.sim.fit`:
+
+1. small calls (``host_max_bytes`` and below) are host-bound: back-to-back calls cost ``max(host, kernel)`` and
+   the kernel is the shorter, so ``host_s`` is their median time (a median, because one call in a run is
+   often an outlier: the first size pays the communicator's set-up);
+2. larger calls are kernel-bound: one connection's rate (all channels together), the kernel's launch and a
+   step's latency are fitted by coordinate descent, each by golden-section search of the squared log error.
+
+Fit on one run, test on others (benchmarks/sim_validate_transports.py).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from dtrain.cluster.topology import Topology
+from dtrain.sim.fit import _golden
+from dtrain.sim.nccl import NcclParams, simulate_nccl
+
+__all__ = ["NcclPoint", "fit_nccl", "coordinate_fit"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NcclPoint:
+    """One measured NCCL call: ``seconds`` for ``collective`` on a ``nbytes`` work buffer."""
+
+    collective: str
+    nbytes: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not self.seconds > 0 or self.nbytes < 0:
+            raise ValueError(f"NcclPoint({self.collective}, {self.nbytes} B): seconds must be > 0, got {self.seconds}")
+
+
+def coordinate_fit(
+    loss: Callable[[dict[str, float]], float],
+    start: dict[str, float],
+    bounds: dict[str, tuple[float, float]],
+    *,
+    sweeps: int = 2,
+    steps: int = 24,
+) -> dict[str, float]:
+    """Minimise ``loss`` over the named figures, one at a time in log space within ``bounds``, ``sweeps`` times."""
+    values = dict(start)
+    for _ in range(sweeps):
+        for name, (low, high) in bounds.items():
+            values[name] = _golden(lambda v, name=name: loss({**values, name: v}), low, high, steps)
+    return values
+
+
+def _log_loss(points: Sequence[NcclPoint], topology: Topology, params: NcclParams) -> float:
+    return sum(math.log(simulate_nccl(topology, p.collective, p.nbytes, params=params).time_s / p.seconds) ** 2
+               for p in points)  # fmt: skip
+
+
+def fit_nccl(
+    points: Sequence[NcclPoint],
+    topology: Topology,
+    *,
+    base: NcclParams | None = None,
+    host_max_bytes: int = 1 << 20,
+    kernel_min_bytes: int = 4 << 20,
+) -> NcclParams:
+    """``base`` with ``host_s``, ``channel_bytes_per_s``, ``launch_s`` and ``step_latency_s`` fitted to
+    ``points`` (see the module docstring)."""
+    base = base or NcclParams()
+    small = [p.seconds for p in points if p.nbytes <= host_max_bytes]
+    large = [p for p in points if p.nbytes >= kernel_min_bytes]
+    if not small or not large:
+        raise ValueError(
+            f"fit_nccl needs calls of at most {host_max_bytes} B and of at least {kernel_min_bytes} B; "
+            f"got sizes {sorted({p.nbytes for p in points})}"
+        )
+    params = replace(base, host_s=statistics.median(small))
+
+    def with_figures(v: dict[str, float]) -> NcclParams:
+        return replace(params, channel_bytes_per_s=v["connection"] / params.channels, launch_s=v["launch"],
+                       step_latency_s=v["step"])  # fmt: skip
+
+    figures = coordinate_fit(
+        lambda v: _log_loss(large, topology, with_figures(v)),
+        {"connection": 300e9, "launch": 10e-6, "step": 2e-6},
+        {"connection": (1e9, 2e12), "launch": (1e-7, 2e-4), "step": (1e-8, 5e-5)},
+    )
+    return with_figures(figures)
