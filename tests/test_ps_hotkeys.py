@@ -23,6 +23,7 @@ def test_hot_key_copies_spread_a_zipf_load_without_changing_the_result(tmp_path)
     (w_plain, imbalance_plain, _), (w_hot, imbalance_hot, stats) = runs[0], runs[64]
     assert imbalance_plain > 2.5  # Zipf ids in key ranges: server 0 holds the popular rows
     assert imbalance_hot < 0.75 * imbalance_plain
-    assert all(stats[r]["hot"]["copies"] == 3 for r in stats)  # each server holds copies of 3 others' rows
+    assert stats[0]["hot"]["owned_hot"]["0"] > 0  # server 0 owns the popular rows and copied some
+    assert all(stats[r]["hot"]["copies"] >= 1 for r in (1, 2, 3))  # to each of the 3 others
     # in sync mode a copy answers a pull for round r with the owner's round-r rows, so nothing changes
     np.testing.assert_array_equal(w_hot, w_plain)

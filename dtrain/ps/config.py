@@ -44,7 +44,8 @@ class JobConfig:
     propagate_interval_s: float = 0.02  # primary_backup: the leader ships updates to followers this often
     hot_keys: int = 0  # per server: the hottest rows copied to other servers (0: off)
     hot_replicas: int = 1  # other servers each hot row is copied to
-    hot_after: int = 3  # rounds of counting before a server picks its hot rows
+    hot_after: int = 10  # rounds of counting before a server picks its hot rows
+    hot_min_share: float = 0.01  # a hot row is in at least this share of the pulls its owner answered
     heartbeat_s: float = 0.05
     dead_after_s: float = 1.0  # a server silent this long is declared dead
     timeout_s: float = 30.0  # a request with no answer this long is an error naming the server
@@ -72,6 +73,8 @@ class JobConfig:
                 f"hot-key copies need replicas=1 and hot_replicas < num_servers; got replicas={self.replicas}, "
                 f"hot_replicas={self.hot_replicas}, num_servers={self.num_servers}"
             )
+        if not 0.0 <= self.hot_min_share <= 1.0:
+            raise ValueError(f"JobConfig.hot_min_share must be in [0, 1], got {self.hot_min_share}")
         for name in ("lr", "heartbeat_s", "dead_after_s", "timeout_s", "propagate_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"JobConfig.{name} must be > 0, got {getattr(self, name)}")

@@ -2,12 +2,13 @@
 
 Seed 001 (the parameter server's hot-spot problem): under a power-law key distribution a few rows take most
 requests, so the server that owns them is the bottleneck; copying those rows to several servers spreads the
-reads. Here the owner counts rows pulled; once its shard reached round ``hot_after`` it picks its
-``hot_keys`` most-pulled rows and installs copies on the next ``hot_replicas`` servers. Pushes still go to the
+reads. Here the owner counts rows pulled; once its shard reached round ``hot_after`` it picks its (at most)
+``hot_keys`` most-pulled rows among those in at least ``hot_min_share`` of its pulls and installs copies on the
+next ``hot_replicas`` servers. Pushes still go to the
 owner only, which combines them as usual and sends the new values of the hot rows to every copy after each step,
 with the round they belong to, so a copy answers a pull under the same consistency rule as the owner. Workers
 learn the hot rows and their servers from the owner's pull replies and send pulls of hot rows round-robin
-over owner and copies.
+over the copies, leaving the owner its pushes and its other rows.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class HotCopies:
     def __init__(self, config: JobConfig, rank: int, ranges: list[KeyRange], send: Callable) -> None:
         self.config, self.rank, self.ranges, self.send = config, rank, ranges, send
         self.enabled = config.hot_keys > 0
-        self.counts: dict[int, np.ndarray] = {}
+        self.counts: dict[int, np.ndarray] = {}  # owned shard -> pulls of each row
+        self.pulls: dict[int, int] = {}  # owned shard -> pulls answered
         self.chosen: dict[int, tuple[np.ndarray, list[int]]] = {}  # owned shard -> (hot keys, copy servers)
         self.copies: dict[int, dict] = {}  # other's shard -> {"keys", "rows", "round", "slowest"}
         self.waiting: dict[int, list[tuple]] = {}
@@ -40,6 +42,7 @@ class HotCopies:
             rows = len(self.ranges[replica.index])
             counts = self.counts.setdefault(replica.index, np.zeros(rows, np.int64))
             counts += np.bincount(keys - self.ranges[replica.index].lo, minlength=rows)
+            self.pulls[replica.index] = self.pulls.get(replica.index, 0) + 1
 
     def after_update(self, replica: Replica) -> None:
         """After a push at the owner: pick the hot rows once, then keep every copy current."""
@@ -47,9 +50,12 @@ class HotCopies:
         if not self.enabled or not replica.is_head:
             return
         if shard not in self.chosen and replica.state.round >= self.config.hot_after and shard in self.counts:
-            top = np.argsort(-self.counts[shard], kind="stable")[: self.config.hot_keys]
+            counts = self.counts[shard]
+            top = np.argsort(-counts, kind="stable")[: self.config.hot_keys]
+            # only rows that are hot in absolute terms: a cold shard's "top" rows are not worth copying
+            top = top[counts[top] >= self.config.hot_min_share * self.pulls[shard]]
             servers = [(self.rank + 1 + j) % self.config.num_servers for j in range(self.config.hot_replicas)]
-            self.chosen[shard] = (np.sort(top + self.ranges[shard].lo).astype(np.int64), servers)
+            self.chosen[shard] = (np.sort(top + self.ranges[shard].lo).astype(np.int64), servers if top.size else [])
         if shard in self.chosen:
             keys, servers = self.chosen[shard]
             header = {"op": "hot_update", "shard": shard, "round": replica.state.round,
@@ -124,8 +130,8 @@ class HotRouter:
         if shard not in self.hot:
             return np.zeros(keys.size, bool), None
         hot_keys, servers = self.hot[shard]
-        self.turn += 1
-        pick = self.turn % (len(servers) + 1)
-        if pick == 0:
+        if not servers:
             return np.zeros(keys.size, bool), None
-        return np.isin(keys, hot_keys), servers[pick - 1]
+        # the copies take every pull of a hot row, in turn; the owner keeps the pushes and the other rows
+        self.turn += 1
+        return np.isin(keys, hot_keys), servers[self.turn % len(servers)]
