@@ -38,7 +38,9 @@ from dtrain.train.models import build_model, model_config, num_layers
 from dtrain.train.tensor_parallel_gpt import tensor_parallel_gpt
 from dtrain.train.trace import write_chrome_trace, write_gantt
 
-__all__ = ["TrainConfig", "train", "train_rank", "validate_layout"]
+__all__ = ["INTERLEAVED_CHUNKS", "TrainConfig", "train", "train_rank", "validate_layout"]
+
+INTERLEAVED_CHUNKS = 2  # model chunks a pipeline stage holds under --schedule interleaved-1f1b
 
 
 @dataclass(kw_only=True)
@@ -53,7 +55,7 @@ class TrainConfig:
     dp: int = 1
     pp: int = 1
     tp: int = 1
-    schedule: str = "1f1b"  # pipeline schedule, "gpipe" or "1f1b"
+    schedule: str = "1f1b"  # pipeline schedule, "gpipe", "1f1b" or "interleaved-1f1b" (2 model chunks a stage)
     microbatches: int = 1  # per pipeline step (pp > 1 only)
     lr: float = 3e-3
     weight_decay: float = 0.01
@@ -90,9 +92,24 @@ def validate_layout(config: TrainConfig, world_size: int) -> ParallelDims:
     layers = num_layers(config.model, model_config(config.model, config.preset))
     if config.pp > layers:
         raise ValueError(f"pp={config.pp} stages but model {config.model!r} ({config.preset}) has only {layers} layers")
+    if config.pp > 1 and config.schedule == "interleaved-1f1b":
+        _validate_interleaved(config, layers)
     if config.resume and latest_complete_step(config.out, world_size) is None:
         raise ValueError(f"--resume: no complete checkpoint of {world_size} ranks under {config.out}/checkpoints")
     return dims
+
+
+def _validate_interleaved(config: TrainConfig, layers: int) -> None:
+    chunks = INTERLEAVED_CHUNKS * config.pp
+    if chunks > layers:
+        raise ValueError(
+            f"interleaved-1f1b cuts the model into {INTERLEAVED_CHUNKS} x pp={config.pp} = {chunks} chunks, but "
+            f"model {config.model!r} ({config.preset}) has only {layers} layers; use 1f1b or a smaller pp"
+        )
+    if config.microbatches % config.pp:
+        raise ValueError(
+            f"interleaved-1f1b takes micro-batches in groups of pp={config.pp}; {config.microbatches} is not a multiple"
+        )
 
 
 def _validate_tensor_parallel(config: TrainConfig) -> None:
@@ -142,8 +159,13 @@ class _Trainer:
             model = tensor_parallel_gpt(model, grid.tp_group, algorithm=config.algorithm)
         model = model.to(self.device)
         if config.pp > 1:
+            interleaved = config.schedule == "interleaved-1f1b"
             self.pipeline = PipelineParallel(
-                model, grid.pp_group, num_microbatches=config.microbatches, schedule=config.schedule
+                model,
+                grid.pp_group,
+                num_microbatches=config.microbatches,
+                schedule=config.schedule,
+                virtual_stages=INTERLEAVED_CHUNKS if interleaved else 1,
             )
             self.module = self.pipeline.stage
         else:
@@ -231,7 +253,7 @@ def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
     timelines: list[Any] = [None] * cfg.pp
     dist.all_gather_object(timelines, trainer.pipeline.timeline, group=grid.pp_group)
     record["bubble_measured"] = bubble_fraction(timelines)
-    record["bubble_theory"] = theoretical_bubble(cfg.pp, cfg.microbatches)
+    record["bubble_theory"] = theoretical_bubble(cfg.pp, cfg.microbatches, trainer.pipeline.virtual_stages)
     if grid.dp_rank == 0 and grid.pp_rank == 0:
         out = Path(cfg.out)
         write_chrome_trace(out / "pipeline-trace.json", timelines, grid.global_ranks("pp"))
