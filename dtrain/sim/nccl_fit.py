@@ -13,6 +13,7 @@ Fit on one run, test on others (benchmarks/sim_validate_transports.py).
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -45,9 +46,23 @@ def coordinate_fit(
     *,
     sweeps: int = 2,
     steps: int = 24,
+    grid: int = 0,
 ) -> dict[str, float]:
-    """Minimise ``loss`` over the named figures, one at a time in log space within ``bounds``, ``sweeps`` times."""
+    """Minimise ``loss`` over the named figures, one at a time in log space within ``bounds``, ``sweeps`` times;
+    with ``grid > 1``, first take the best point of a log-spaced ``grid ** len(bounds)`` grid and search only
+    one grid step around it (where a figure stops binding the loss goes flat, and golden-section search,
+    which assumes one valley, then walks off to a bound)."""
     values = dict(start)
+    if grid > 1:
+        axes = {
+            name: [low * (high / low) ** (i / (grid - 1)) for i in range(grid)] for name, (low, high) in bounds.items()
+        }
+        candidates = [{**values, **dict(zip(axes, point, strict=True))} for point in itertools.product(*axes.values())]
+        values = min(candidates, key=loss)
+        # golden-section search needs one valley: search one grid step either side of the best point only
+        step = {name: (high / low) ** (1 / (grid - 1)) for name, (low, high) in bounds.items()}
+        bounds = {name: (max(low, values[name] / step[name]), min(high, values[name] * step[name]))
+                  for name, (low, high) in bounds.items()}  # fmt: skip
     for _ in range(sweeps):
         for name, (low, high) in bounds.items():
             values[name] = _golden(lambda v, name=name: loss({**values, name: v}), low, high, steps)

@@ -44,13 +44,17 @@ _H200 = {"peak_flops": 989e12, "memory_bytes": 141 * 10**9, "memory_bytes_per_s"
 class Transport:
     """One transport's figures: ``nvlink_bytes_per_s`` a GPU's NVLink rate (default 18 NVLink 4 links),
     ``pcie`` the GPU's slot, ``memory_bytes_per_s`` host DRAM (default DDR5-4800 x 8), and
-    ``connection_bytes_per_s`` the most one GPU-to-GPU connection moves (None: the links only)."""
+    ``connection_bytes_per_s`` the most one point-to-point connection moves (dtrain's messages: NCCL send /
+    recv), ``kernel_connection_bytes_per_s`` the most one connection of NCCL's own collective kernel moves, all
+    its channels together (None: as a point-to-point one). NCCL gives the two different numbers of channels,
+    hence of sockets or of SMs polling host memory."""
 
     name: str
     nvlink_bytes_per_s: float = 18 * LINKS["nvlink4"].bytes_per_s
     pcie: str = "pcie5x16"
     memory_bytes_per_s: float = LINKS["ddr5-4800x8"].bytes_per_s
     connection_bytes_per_s: float | None = None
+    kernel_connection_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in TRANSPORTS:
@@ -60,10 +64,17 @@ class Transport:
         for field in ("nvlink_bytes_per_s", "memory_bytes_per_s"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"transport {self.name!r}: {field} must be > 0, got {getattr(self, field)!r}")
-        if self.connection_bytes_per_s is not None and not self.connection_bytes_per_s > 0:
-            raise ValueError(
-                f"transport {self.name!r}: connection_bytes_per_s must be > 0 or None, got {self.connection_bytes_per_s!r}"
-            )
+        for field in ("connection_bytes_per_s", "kernel_connection_bytes_per_s"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError(f"transport {self.name!r}: {field} must be > 0 or None, got {value!r}")
+
+    @property
+    def kernel_cap(self) -> float | None:
+        """One connection's cap in NCCL's collective kernels."""
+        if self.kernel_connection_bytes_per_s is not None:
+            return self.kernel_connection_bytes_per_s
+        return self.connection_bytes_per_s
 
     @property
     def host_bytes_per_s(self) -> float | None:

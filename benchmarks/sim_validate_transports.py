@@ -1,0 +1,285 @@
+"""Validate the NCCL model and the transport topologies against collectives measured on 4 x NVIDIA H200.
+
+Two questions, both answered from JSON lines that ``dtrain bench comm`` wrote on the GPU machine (no GPU here):
+
+1. **NCCL's own collectives** (``algorithm="native"``) against :mod:`dtrain.sim.nccl`: the model's four
+   figures (host time per call, one ring connection's rate, the kernel's launch, a step's latency) are fitted
+   on ONE run, ``gpu-h200x4-all_reduce.jsonl`` (eager calls), through the simulator; every other native point
+   is held out: the second all-reduce sweep, the other collectives, the CUDA-graph replays, and today's
+   NVLink transport run.
+2. **The seed text's hardware comparison**: NVLink against host shared memory (``NCCL_P2P_DISABLE=1``)
+   against sockets (``NCCL_SHM_DISABLE=1`` as well), measured in one session
+   (``gpu-h200x4-transport-{nvlink,shm,socket}.jsonl``: native, ring and direct all-reduce). Each transport is a
+   topology (:mod:`dtrain.sim.transports`); native is the NCCL model above, ring and direct are dtrain's
+   schedules replayed with the eager runtime's host costs fitted in ``benchmarks/sim_validate.py`` (read from
+   ``sim-h200x4-summary.jsonl``). NVLink gets no new figure. Shared memory and sockets get two each, fitted on
+   every other size (1, 16, 256 MiB) and tested on the rest (4, 64, 1024 MiB):
+   - shm: what host DRAM really delivers, and one connection's rate;
+   - socket: one point-to-point connection's rate and one NCCL-kernel connection's rate (DRAM is far from
+     full at socket rates, so a memory figure could not be fitted).
+   A ``catalogue`` variant uses no fitted transport figure at all: what the data sheets alone predict.
+
+    python benchmarks/sim_validate_transports.py [--data docs/data] [--out-prefix docs/data/sim-transports]
+
+Writes ``<prefix>-points.jsonl`` (every point), ``<prefix>-summary.jsonl`` (fits, medians, worst errors,
+orderings) and ``<prefix>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from dtrain.sim.api import simulate_collective
+from dtrain.sim.collective import SoftwareCost
+from dtrain.sim.nccl import NcclParams, simulate_nccl
+from dtrain.sim.nccl_fit import NcclPoint, coordinate_fit, fit_nccl
+from dtrain.sim.transports import Transport
+
+FIT_RUN = "gpu-h200x4-all_reduce.jsonl"
+NATIVE_RUNS = (FIT_RUN, "gpu-h200x4-all_reduce-full.jsonl", "gpu-h200x4-collectives.jsonl",
+               "gpu-h200x4-transport-nvlink.jsonl")  # fmt: skip
+TRANSPORT_ALGORITHMS = ("native", "ring", "direct")
+KERNEL_BYTES = 16 << 20  # from here up the native kernel outlasts the host's call (measured: time > host time)
+FIT_SIZES = {1 << 20, 16 << 20, 256 << 20}  # the transports' fit half; 4, 64 and 1024 MiB are held out
+WORLD = 4
+
+
+def rows(data: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (data / name).read_text().splitlines() if line.strip()]
+
+
+def _record(part: str, variant: str, source: str, row: dict, algorithm: str, simulated_s: float, held_out: bool):
+    return {
+        "part": part,
+        "variant": variant,
+        "source": source,
+        "held_out": held_out,
+        "collective": row["collective"],
+        "algorithm": algorithm,
+        "nbytes": row["nbytes"],
+        "measured_us": row["time_us"],
+        "simulated_us": simulated_s * 1e6,
+        "relative_error": simulated_s * 1e6 / row["time_us"] - 1,
+        "device_name": row["device_name"],
+    }
+
+
+# ------------------------------------------------------------------------------------- 1: NCCL on NVLink
+
+
+def fit_native(data: Path) -> NcclParams:
+    points = [NcclPoint(collective=r["collective"], nbytes=r["nbytes"], seconds=r["time_us"] * 1e-6)
+              for r in rows(data, FIT_RUN) if r["algorithm"] == "native"]  # fmt: skip
+    return fit_nccl(points, Transport(name="nvlink").topology(WORLD))
+
+
+def validate_native(data: Path, params: NcclParams) -> list[dict]:
+    """Every native point (eager and CUDA-graph) of every run, simulated with the fitted figures."""
+    topo = Transport(name="nvlink").topology(WORLD)
+    out = []
+    for name in NATIVE_RUNS:
+        for r in rows(data, name):
+            if r["algorithm"] not in ("native", "native+graph"):
+                continue
+            sim = simulate_nccl(topo, r["collective"], r["nbytes"], params=params).time_s
+            held = name != FIT_RUN or r["algorithm"] != "native"
+            out.append(_record("nccl", "fitted", name, r, r["algorithm"], sim, held))
+    return out
+
+
+# ------------------------------------------------------------------------------------- 2: the transports
+
+
+def eager_figures(data: Path) -> tuple[float, SoftwareCost]:
+    """The NVLink link rate and the eager runtime's software costs fitted by benchmarks/sim_validate.py."""
+    fit = json.loads((data / "sim-h200x4-summary.jsonl").read_text().splitlines()[0])["fit"]["fitted-by-size"]
+    caps = tuple(tuple(pair) for pair in fit["message_caps"])
+    cost = SoftwareCost(call_s=fit["call_s"], alpha_s=fit["alpha_s"], alpha_peer_s=fit["alpha_peer_s"],
+                        gamma_s_per_byte=fit["gamma_s_per_byte"], message_caps=caps)  # fmt: skip
+    return fit["link_bytes_per_s"], cost
+
+
+def simulate_point(transport: Transport, algorithm: str, nbytes: int, native: NcclParams, eager: SoftwareCost):
+    """One all-reduce on ``transport``: NCCL's kernel (native) or a dtrain schedule replayed (ring, direct)."""
+    topo = transport.topology(WORLD)
+    if algorithm == "native":
+        if transport.kernel_cap is not None:
+            native = replace(native, channel_bytes_per_s=transport.kernel_cap / native.channels)
+        return simulate_nccl(topo, "all_reduce", nbytes, params=native).time_s
+    if transport.name != "nvlink":  # NVLink's size-dependent caps are NCCL's P2P channels, not this transport's
+        eager = replace(eager, message_caps=(), flow_cap_bytes_per_s=transport.connection_bytes_per_s)
+    return simulate_collective(topo, "all_reduce", algorithm, nbytes, cost=eager, itemsize=4).time_s
+
+
+def transport_rows(data: Path, name: str) -> list[dict]:
+    return [r for r in rows(data, f"gpu-h200x4-transport-{name}.jsonl") if r["algorithm"] in TRANSPORT_ALGORITHMS]
+
+
+def fit_transport(data: Path, name: str, native: NcclParams, eager: SoftwareCost) -> Transport:
+    """Two figures of ``name`` fitted on the fit half of its sizes, every algorithm together."""
+    fit_rows = [r for r in transport_rows(data, name) if r["nbytes"] in FIT_SIZES]
+    fields = {"shm": ("memory_bytes_per_s", "connection_bytes_per_s"),
+              "socket": ("connection_bytes_per_s", "kernel_connection_bytes_per_s")}[name]  # fmt: skip
+
+    def loss(values: dict[str, float]) -> float:
+        transport = Transport(name=name, **values)
+        errors = [simulate_point(transport, r["algorithm"], r["nbytes"], native, eager) / (r["time_us"] * 1e-6)
+                  for r in fit_rows]  # fmt: skip
+        return sum(math.log(e) ** 2 for e in errors)
+
+    values = coordinate_fit(loss, {f: 30e9 for f in fields}, {f: (1e9, 1e12) for f in fields}, grid=10)
+    return Transport(name=name, **values)
+
+
+def validate_transports(data: Path, native: NcclParams) -> tuple[list[dict], dict[str, dict[str, Transport]]]:
+    link_rate, eager = eager_figures(data)
+    models = {
+        "nvlink": {"catalogue": Transport(name="nvlink"),
+                   "fitted": Transport(name="nvlink", nvlink_bytes_per_s=link_rate)},
+        "shm": {"catalogue": Transport(name="shm"), "fitted": fit_transport(data, "shm", native, eager)},
+        "socket": {"catalogue": Transport(name="socket"), "fitted": fit_transport(data, "socket", native, eager)},
+    }  # fmt: skip
+    uncapped = replace(native, channel_bytes_per_s=None)
+    out = []
+    for name, variants in models.items():
+        for variant, transport in variants.items():
+            for r in transport_rows(data, name):
+                # NVLink: the native figures were fitted on another run; catalogue: links only
+                nccl = uncapped if variant == "catalogue" else native
+                sim = simulate_point(transport, r["algorithm"], r["nbytes"], nccl, eager)
+                held = name == "nvlink" or r["nbytes"] not in FIT_SIZES
+                out.append(_record(f"transport-{name}", variant, name, r, r["algorithm"], sim, held))
+    return out, models
+
+
+# ------------------------------------------------------------------------------------- summaries
+
+
+def _stats(errors: list[float]) -> dict:
+    errors = [abs(e) for e in errors]
+    return {"points": len(errors), "median_error": statistics.median(errors), "worst_error": max(errors)}
+
+
+def summarise(records: list[dict]) -> list[dict]:
+    """Median and worst |error| per (part, variant, source, collective, algorithm, band, fit/held)."""
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for r in records:
+        bands = ["all sizes"] + ([f">= {KERNEL_BYTES >> 20} MiB"] if r["nbytes"] >= KERNEL_BYTES else [])
+        for band in bands:
+            for alg in (r["algorithm"], "all"):
+                key = (r["part"], r["variant"], r["source"], r["collective"], alg, band, r["held_out"])
+                groups[key].append(r["relative_error"])
+    keys = ("part", "variant", "source", "collective", "algorithm", "sizes", "held_out")
+    return [{**dict(zip(keys, k, strict=True)), **_stats(v)} for k, v in sorted(groups.items(), key=str)]
+
+
+def orderings(records: list[dict]) -> list[dict]:
+    """For each size and algorithm measured on every transport: the transports fastest first, measured and
+    simulated (fitted); and for each transport and size, the algorithms fastest first."""
+    fitted = [r for r in records if r["part"].startswith("transport-") and r["variant"] == "fitted"]
+    by_point = {(r["source"], r["algorithm"], r["nbytes"]): r for r in fitted}
+    out = []
+    for alg in TRANSPORT_ALGORITHMS:
+        for nbytes in sorted({k[2] for k in by_point}):
+            pts = [by_point[(t, alg, nbytes)] for t in ("nvlink", "shm", "socket") if (t, alg, nbytes) in by_point]
+            if len(pts) > 1:
+                out.append(_order("transports", alg, nbytes, pts, "source"))
+    for transport in ("nvlink", "shm", "socket"):
+        for nbytes in sorted({k[2] for k in by_point}):
+            pts = [by_point[(transport, a, nbytes)] for a in TRANSPORT_ALGORITHMS if (transport, a, nbytes) in by_point]
+            if len(pts) > 1:
+                out.append(_order("algorithms", transport, nbytes, pts, "algorithm"))
+    return out
+
+
+def _order(kind: str, of: str, nbytes: int, pts: list[dict], field: str) -> dict:
+    measured = [p[field] for p in sorted(pts, key=lambda p: p["measured_us"])]
+    simulated = [p[field] for p in sorted(pts, key=lambda p: p["simulated_us"])]
+    return {"order": kind, "of": of, "nbytes": nbytes, "measured": measured, "simulated": simulated,
+            "same": measured == simulated}  # fmt: skip
+
+
+def figures(native: NcclParams, models: dict[str, dict[str, Transport]]) -> dict:
+    out = {"native": {k: v for k, v in vars(native).items() if v is not None}}
+    out["native"]["connection_bytes_per_s"] = native.connection_cap
+    for name, variants in models.items():
+        for variant, t in variants.items():
+            out[f"{name}/{variant}"] = {**{k: v for k, v in vars(t).items() if v is not None},
+                                        "host_hop_bytes_per_s": t.host_bytes_per_s}  # fmt: skip
+    return out
+
+
+def print_summary(summary: list[dict], console: Console) -> None:
+    table = Table(title="simulated vs measured, 4 x H200: |simulated / measured - 1|")
+    for column in ("part", "variant", "run", "collective", "algorithm", "sizes", "held out", "n", "median", "worst"):
+        table.add_column(column)
+    for s in summary:
+        run = s["source"].removeprefix("gpu-h200x4-").removesuffix(".jsonl")
+        table.add_row(s["part"], s["variant"], run, s["collective"], s["algorithm"], s["sizes"], str(s["held_out"]),
+                      str(s["points"]), f"{s['median_error']:.1%}", f"{s['worst_error']:.0%}")  # fmt: skip
+    console.print(table)
+
+
+def plot(records: list[dict], path: Path) -> None:
+    """Bus bandwidth against size per transport: measured points, simulated (fitted) lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    for ax, transport in zip(axes, ("nvlink", "shm", "socket"), strict=True):
+        for alg, colour in zip(TRANSPORT_ALGORITHMS, ("C0", "C1", "C2"), strict=True):
+            pts = sorted((r for r in records if r["part"] == f"transport-{transport}" and r["variant"] == "fitted"
+                          and r["algorithm"] == alg), key=lambda r: r["nbytes"])  # fmt: skip
+            if not pts:
+                continue
+            sizes = [r["nbytes"] for r in pts]
+            bus = [1.5 * n / 1e9 for n in sizes]  # all-reduce busbw factor 2(n-1)/n on 4 ranks, in GB
+            ax.plot(sizes, [b / (r["measured_us"] * 1e-6) for b, r in zip(bus, pts, strict=True)], "o", color=colour,
+                    label=f"{alg} measured")  # fmt: skip
+            ax.plot(sizes, [b / (r["simulated_us"] * 1e-6) for b, r in zip(bus, pts, strict=True)], "-", color=colour,
+                    label=f"{alg} simulated")  # fmt: skip
+        ax.set(xscale="log", yscale="log", xlabel="all-reduce bytes", title=transport)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("bus bandwidth (GB/s)")
+    fig.suptitle("4 x H200 all-reduce by transport: measured (points) and dtrain.sim (lines)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=Path("docs/data"))
+    parser.add_argument("--out-prefix", default="docs/data/sim-transports")
+    args = parser.parse_args()
+    console = Console(width=160)
+    native = fit_native(args.data)
+    records = validate_native(args.data, native)
+    transport_records, models = validate_transports(args.data, native)
+    records += transport_records
+    summary = summarise(records)
+    order = orderings(records)
+    fit = figures(native, models)
+    Path(f"{args.out_prefix}-points.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = [{"fit": fit}, *summary, *order]
+    Path(f"{args.out_prefix}-summary.jsonl").write_text("".join(json.dumps(s) + "\n" for s in lines))
+    plot(records, Path(f"{args.out_prefix}.png"))
+    print_summary(summary, console)
+    console.print(json.dumps(fit, indent=1))
+    for o in order:
+        console.print(f"{o['order']} for {o['of']} at {o['nbytes'] >> 20} MiB: measured {o['measured']}, "
+                      f"simulated {o['simulated']}{'' if o['same'] else '  <- differs'}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The NCCL model (dtrain.sim.nccl) against hand-worked pipelines, and the transport topologies against what
+their data paths and the 4 x H200 measurements say."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from dtrain.cluster.topology import Device, Topology
+from dtrain.sim.nccl import NcclParams, ring_closed_form, simulate_nccl
+from dtrain.sim.nccl_fit import NcclPoint, coordinate_fit, fit_nccl
+from dtrain.sim.transports import Transport
+
+MB = 10**6
+DATA = Path(__file__).resolve().parent.parent / "docs" / "data"
+
+
+def star(n: int, bytes_per_s: float, hop_latency_s: float = 0.0) -> Topology:
+    """``n`` GPUs, each one duplex link to a switch: every rank-to-rank path is two hops."""
+    topo = Topology("star")
+    topo.add_node("sw", kind="nvswitch", server="s")
+    for i in range(n):
+        topo.add_device(Device(name=f"g{i}", server="s", peak_flops=1e12, memory_bytes=10**9, memory_bytes_per_s=1e12))
+        topo.add_link(f"g{i}", "sw", bytes_per_s=bytes_per_s, latency_s=hop_latency_s, kind="nvlink4")
+    return topo
+
+
+def one_channel(**kw) -> NcclParams:
+    return NcclParams(channels=1, slice_bytes=MB, **kw)
+
+
+def test_two_pieces_on_two_ranks_keep_the_link_busy():
+    # 2 ranks, 4 MB: a 2 MB block in 2 pieces of 1 MB, 1 ms each at 1 GB/s; two steps (reduce-scatter, all-gather)
+    # on the same connection: 4 pieces back to back, 4 ms
+    result = simulate_nccl(star(2, 1e9), "all_reduce", 4 * MB, params=one_channel(step_latency_s=0.0))
+    assert result.pieces == 2
+    assert result.time_s == pytest.approx(4e-3, rel=1e-9)
+
+
+def test_a_step_latency_longer_than_a_step_stalls_the_ring():
+    # as above with a 3 ms handshake: piece 0 of step 1 is ready at 1 + 3 = 4 ms, piece 1 at 5 ms: done at 6 ms
+    result = simulate_nccl(star(2, 1e9), "all_reduce", 4 * MB, params=one_channel(step_latency_s=3e-3))
+    assert result.time_s == pytest.approx(6e-3, rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("nbytes", [64 << 10, 4 << 20, 256 << 20])
+@pytest.mark.parametrize("step_latency_s", [0.0, 5e-6])
+def test_ring_all_reduce_on_a_uniform_star_is_the_pipelined_ring_closed_form(n, nbytes, step_latency_s):
+    params = NcclParams(launch_s=3e-6, step_latency_s=step_latency_s, channels=4, slice_bytes=256 << 10)
+    rate, hop = 100e9, 0.5e-6
+    steps = 2 * (n - 1)
+    pieces = max(1, min(params.max_pieces, math.ceil(nbytes / n / (4 * (256 << 10)))))
+    t = nbytes / n / pieces / rate
+    expected = 3e-6 + (steps - 1) * max(pieces * t, t + 2 * hop + step_latency_s) + pieces * t + 2 * hop
+    simulated = simulate_nccl(star(n, rate, hop), "all_reduce", nbytes, params=params).time_s
+    assert simulated == pytest.approx(expected, rel=1e-9)
+    assert ring_closed_form("all_reduce", nbytes, n, link_bytes_per_s=rate, path_latency_s=2 * hop,
+                            params=params) == pytest.approx(expected, rel=1e-9)  # fmt: skip
+
+
+def test_large_all_reduce_moves_the_ring_bytes_at_the_link_rate():
+    # 2 (n-1)/n x 1 GiB over 100 GB/s links: the bandwidth term alone, once the pipeline is full
+    result = simulate_nccl(star(4, 100e9), "all_reduce", 1 << 30, params=NcclParams(step_latency_s=0.0))
+    assert result.time_s == pytest.approx(1.5 * (1 << 30) / 100e9, rel=1e-9)
+
+
+def test_chain_broadcast_overlaps_its_hops():
+    # 4 ranks, 2 pieces of 1 MB, 1 ms each, 1 ms handshake: piece 1 leaves the root at 1 ms, each hop adds
+    # 1 + 1 ms, so it arrives at rank 3 at 1 + 2 x 2 + 1 = 6 ms
+    params = one_channel(step_latency_s=1e-3)
+    assert simulate_nccl(star(4, 1e9), "broadcast", 2 * MB, params=params).time_s == pytest.approx(6e-3, rel=1e-9)
+
+
+def test_all_to_all_shares_each_rank_uplink_among_its_peers():
+    # each rank sends 3 blocks of 1 MB over its one 1 GB/s uplink: 3 ms
+    result = simulate_nccl(star(4, 1e9), "all_to_all", 4 * MB, params=one_channel())
+    assert result.time_s == pytest.approx(3e-3, rel=1e-9)
+    assert result.bottleneck.utilisation == pytest.approx(1.0)
+
+
+def test_connection_cap_is_channels_times_one_channel():
+    params = NcclParams(channels=8, channel_bytes_per_s=5e9, step_latency_s=0.0)
+    assert params.connection_cap == 40e9
+    result = simulate_nccl(star(4, 100e9), "all_reduce", 1 << 30, params=params)
+    assert result.time_s == pytest.approx(1.5 * (1 << 30) / 40e9, rel=1e-9)
+
+
+def test_a_host_slower_than_the_kernel_sets_the_time():
+    params = NcclParams(host_s=1e-3)
+    result = simulate_nccl(star(4, 100e9), "all_reduce", 1 << 20, params=params)
+    assert result.time_s == 1e-3 and result.kernel_s < 1e-4
+
+
+@pytest.mark.parametrize("bad", [{"channels": 0}, {"step_latency_s": -1.0}, {"channel_bytes_per_s": 0.0}])
+def test_bad_parameters_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        NcclParams(**bad)
+
+
+def test_unknown_collective_and_lone_rank_are_refused():
+    with pytest.raises(ValueError, match="unknown collective 'scan'"):
+        simulate_nccl(star(2, 1e9), "scan", MB)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        simulate_nccl(star(2, 1e9), "all_reduce", MB, placement=["g0"])
+
+
+def test_fit_recovers_the_figures_that_made_the_timings():
+    truth = NcclParams(host_s=40e-6, launch_s=8e-6, step_latency_s=3e-6, channel_bytes_per_s=300e9 / 16)
+    topo = Transport(name="nvlink").topology(4)
+
+    def timing(n: int, params: NcclParams) -> float:
+        return simulate_nccl(topo, "all_reduce", n, params=params).time_s
+
+    sizes = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
+    fitted = fit_nccl([NcclPoint(collective="all_reduce", nbytes=n, seconds=timing(n, truth)) for n in sizes], topo)
+    assert fitted.host_s == pytest.approx(40e-6)
+    assert fitted.connection_cap == pytest.approx(300e9, rel=0.02)
+    # launch and step latency trade off where pieces are few; what they give together is what was timed
+    for n in sizes:
+        assert timing(n, fitted) == pytest.approx(timing(n, truth), rel=0.02)
+
+
+def test_coordinate_fit_with_a_grid_finds_a_minimum_beside_a_flat_region():
+    # the loss stops depending on x above 10 (a cap that no longer binds): golden search alone walks to the bound
+    def loss(v):
+        return (math.log(min(v["x"], 10.0) / 2.0)) ** 2 + (math.log(v["y"] / 50.0)) ** 2
+
+    found = coordinate_fit(loss, {"x": 5.0, "y": 5.0}, {"x": (1.0, 1e3), "y": (1.0, 1e3)}, grid=8)
+    assert found["x"] == pytest.approx(2.0, rel=1e-3) and found["y"] == pytest.approx(50.0, rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ transports
+
+
+def _links(transport: str, src: str = "n0/gpu0", dst: str = "n0/gpu1") -> list[str]:
+    return [link.kind for link in Transport(name=transport).topology(4).route(src, dst)]
+
+
+def test_nvlink_skips_host_memory_and_shm_crosses_it_between_two_pcie_hops():
+    assert _links("nvlink") == ["nvlink4", "nvlink4"]
+    assert _links("shm") == ["pcie5x16", "ddr5-4800x8", "pcie5x16"]
+
+
+def test_host_memory_hop_is_dram_over_its_passes():
+    # DDR5-4800 x 8 channels: 307.2 GB/s; shm writes and reads each byte once, sockets six times
+    assert Transport(name="shm").host_bytes_per_s == pytest.approx(153.6e9)
+    assert Transport(name="socket").host_bytes_per_s == pytest.approx(51.2e9)
+    assert Transport(name="nvlink").host_bytes_per_s is None
+
+
+def test_all_gpus_share_the_host_memory_hop():
+    # a ring all-reduce on shm: four connections through one 153.6 GB/s hop, 38.4 GB/s each
+    result = simulate_nccl(Transport(name="shm").topology(4), "all_reduce", 1 << 30, params=NcclParams())
+    assert result.bottleneck.link.kind == "ddr5-4800x8"
+    assert 1.5 * (1 << 30) / result.time_s == pytest.approx(38.4e9, rel=0.01)
+
+
+def test_socket_hop_carries_tcp_overhead_both_ends():
+    topo = Transport(name="socket").topology(4)
+    assert sum(link.latency_s for link in topo.route("n0/gpu0", "n0/gpu1")) == pytest.approx(2e-6 + 0.1e-6 + 20e-6)
+
+
+def test_unknown_transport_is_refused():
+    with pytest.raises(ValueError, match="unknown transport 'ib'"):
+        Transport(name="ib")
+
+
+def _fitted(name: str) -> Transport:
+    fit = json.loads((DATA / "sim-transports-summary.jsonl").read_text().splitlines()[0])["fit"]
+    figures = {k: v for k, v in fit[f"{name}/fitted"].items() if k != "host_hop_bytes_per_s"}
+    return Transport(**figures)
+
+
+def test_fitted_transports_preserve_the_measured_order_of_native_all_reduce():
+    fit = json.loads((DATA / "sim-transports-summary.jsonl").read_text().splitlines()[0])["fit"]["native"]
+    native = NcclParams(**{k: v for k, v in fit.items() if k != "connection_bytes_per_s"})
+    for nbytes in (4 << 20, 64 << 20):
+        measured, simulated = {}, {}
+        for name in ("nvlink", "shm", "socket"):
+            rows = (json.loads(line) for line in (DATA / f"gpu-h200x4-transport-{name}.jsonl").read_text().splitlines())
+            measured[name] = next(r["time_us"] for r in rows if r["algorithm"] == "native" and r["nbytes"] == nbytes)
+            transport = _fitted(name)
+            params = native
+            if transport.kernel_cap is not None:
+                params = NcclParams(**{**vars(native), "channel_bytes_per_s": transport.kernel_cap / native.channels})
+            simulated[name] = simulate_nccl(transport.topology(4), "all_reduce", nbytes, params=params).time_s
+        assert sorted(measured, key=measured.get) == sorted(simulated, key=simulated.get) == ["nvlink", "shm", "socket"]
