@@ -172,8 +172,9 @@ class Server:
             self._reply(reply, {"status": "ok"})
             return self._serve_deferred(replica.index)
         if op == "init":
-            if replica.state.ready or len(tensors) != 1 or tensors[0].shape != replica.state.weights_shape:
-                raise RequestError(f"init of shard {replica.index}: once, float32 {replica.state.weights_shape}")
+            shape = replica.state.weights_shape
+            if replica.state.ready or len(tensors) != 1 or tensors[0].shape != shape or tensors[0].dtype != np.float32:
+                raise RequestError(f"init of shard {replica.index}: once, float32 {shape}")
             replica.init(np.array(tensors[0], dtype=np.float32), Push(0, -1, -1, None, None, reply))
             return self._serve_deferred(replica.index)
         if op == "push":
