@@ -35,6 +35,7 @@ __all__ = [
     "cut_buckets",
     "broadcast_optimizer_state",
     "group_size",
+    "comm_device_copy",
 ]
 
 
@@ -185,6 +186,7 @@ class GradientReducer:
         seen = list(dict.fromkeys(observed))
         unseen = [i for i in (self._index[id(p)] for b in self.buckets for p in b.params) if i not in set(observed)]
         order = torch.tensor(seen + unseen, dtype=torch.int64)  # the same length on every rank
+        order = comm_device_copy(order, self.group)  # NCCL carries device tensors only
         comm.broadcast(order, 0, group=self.group, algorithm="native")
         old_views = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
         self.buckets = cut_buckets([self._params[i] for i in order.tolist()], self.bucket_bytes)
@@ -230,6 +232,7 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int, group, *, algor
     with torch.no_grad():
         for (dtype, device), same in by_kind.items():
             flat = torch.cat([t.detach().reshape(-1) for t in same]).to(dtype=dtype, device=device)
+            flat = comm_device_copy(flat, group)  # e.g. Adam's step counts live on the CPU, NCCL wants the GPU
             comm.broadcast(flat, src, group=group, algorithm=algorithm)
             start = 0
             for t in same:
@@ -254,6 +257,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int, group,
                     raise ValueError(f"optimizer state [{gi}][{pi}][{key!r}] is a {type(value).__name__}, not a tensor")
                 tensors.append(value)
     shape = torch.tensor([len(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64)
+    shape = comm_device_copy(shape, group)
     low, high = shape.clone(), shape.clone()
     comm.all_reduce(low, op="min", group=group, algorithm=algorithm)
     comm.all_reduce(high, op="max", group=group, algorithm=algorithm)
@@ -271,6 +275,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int, group,
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def comm_device_copy(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``tensor``, or a copy of it on this rank's GPU when ``group`` runs on NCCL (which carries no CPU tensors)."""
+    if tensor.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    return tensor
 
 
 def group_size(group) -> int:
