@@ -4,6 +4,9 @@
 - :mod:`dtrain.sim.collective`: a ``dtrain.comm`` schedule replayed rank by rank on a placement;
 - :mod:`dtrain.sim.api`: one call from (topology, collective, algorithm, bytes) to time and bottleneck;
 - :mod:`dtrain.sim.fit`: the simulator's software costs and link rate fitted to measurements;
+- :mod:`dtrain.sim.nccl`: NCCL's own collectives (``native``): one kernel, a pipelined ring over channels;
+- :mod:`dtrain.sim.nccl_fit`: that model's figures fitted to measured calls;
+- :mod:`dtrain.sim.transports`: NVLink, host shared memory and sockets between a server's GPUs, as topologies;
 - :mod:`dtrain.sim.model`: a transformer's FLOPs and memory per device under a ``dp x tp x pp`` layout;
 - :mod:`dtrain.sim.placement`: topology-aware and oblivious rank placements;
 - :mod:`dtrain.sim.pipeline`: a pipeline step's timing from its GPipe / 1F1B order;
@@ -16,8 +19,10 @@ from dtrain.sim.api import simulate_collective
 from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, replay, replay_concurrent
 from dtrain.sim.flows import FlowNetwork, FlowSpec, LinkUsage, max_min_rates, simulate_flows
 from dtrain.sim.model import MODELS, Layout, ModelSpec, memory_per_device
+from dtrain.sim.nccl import NcclParams, NcclResult, simulate_nccl
 from dtrain.sim.placement import place
 from dtrain.sim.step import StepConfig, StepResult, simulate_step
+from dtrain.sim.transports import Transport
 
 __all__ = [
     "CollectiveResult",
@@ -28,9 +33,12 @@ __all__ = [
     "LinkUsage",
     "MODELS",
     "ModelSpec",
+    "NcclParams",
+    "NcclResult",
     "SoftwareCost",
     "StepConfig",
     "StepResult",
+    "Transport",
     "max_min_rates",
     "memory_per_device",
     "place",
@@ -38,5 +46,6 @@ __all__ = [
     "replay_concurrent",
     "simulate_collective",
     "simulate_flows",
+    "simulate_nccl",
     "simulate_step",
 ]
