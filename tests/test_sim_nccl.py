@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.cluster.topology import Device, Topology
+from dtrain.sim.flows import FlowNetwork
 from dtrain.sim.nccl import NcclParams, ring_closed_form, simulate_nccl
 from dtrain.sim.nccl_fit import NcclPoint, coordinate_fit, fit_nccl
 from dtrain.sim.transports import Transport
@@ -24,6 +25,14 @@ def star(n: int, bytes_per_s: float, hop_latency_s: float = 0.0) -> Topology:
         topo.add_device(Device(name=f"g{i}", server="s", peak_flops=1e12, memory_bytes=10**9, memory_bytes_per_s=1e12))
         topo.add_link(f"g{i}", "sw", bytes_per_s=bytes_per_s, latency_s=hop_latency_s, kind="nvlink4")
     return topo
+
+
+def test_a_message_has_left_its_sender_one_path_latency_before_it_arrives():
+    # 1 MB over two 1 GB/s hops of 0.5 ms: the last byte leaves at 1 ms and lands at 2 ms
+    net, seen = FlowNetwork(star(2, 1e9, hop_latency_s=0.5e-3)), {}
+    net.send("g0", "g1", MB, on_sent=lambda t: seen.setdefault("sent", t), on_done=lambda t: seen.setdefault("done", t))
+    net.run()
+    assert seen == pytest.approx({"sent": 1e-3, "done": 2e-3})
 
 
 def one_channel(**kw) -> NcclParams:
