@@ -196,3 +196,12 @@ def test_fitted_transports_preserve_the_measured_order_of_native_all_reduce():
                 params = NcclParams(**{**vars(native), "channel_bytes_per_s": transport.kernel_cap / native.channels})
             simulated[name] = simulate_nccl(transport.topology(4), "all_reduce", nbytes, params=params).time_s
         assert sorted(measured, key=measured.get) == sorted(simulated, key=simulated.get) == ["nvlink", "shm", "socket"]
+
+
+def test_simulate_collective_hands_native_to_the_nccl_model():
+    from dtrain.sim.api import simulate_collective
+
+    params = NcclParams(launch_s=5e-6)
+    result = simulate_collective(star(4, 100e9), "all_gather", "native", 64 << 20, nccl=params)
+    assert result.time_s == simulate_nccl(star(4, 100e9), "all_gather", 64 << 20, params=params).time_s
+    assert result.bottleneck.link.kind == "nvlink4"

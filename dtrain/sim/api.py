@@ -12,6 +12,7 @@ from dtrain.cluster.topology import Topology
 from dtrain.comm.algorithms import build, names, needs_local_size
 from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
 from dtrain.sim.collective import CollectiveResult, SoftwareCost, replay
+from dtrain.sim.nccl import NcclParams, simulate_nccl
 
 __all__ = ["simulate_collective", "algorithms_for", "software_cost_from_calibration", "ranks_per_server"]
 
@@ -38,13 +39,19 @@ def simulate_collective(
     itemsize: int = 1,
     pipeline: int = 1,
     local_size: int | None = None,
+    nccl: NcclParams | None = None,
 ) -> CollectiveResult:
     """Replay ``algorithm`` for ``collective`` on a work buffer of ``nbytes`` (rounded up to whole blocks),
-    rank ``i`` on ``placement[i]`` (default: every device of ``topology``, in order)."""
+    rank ``i`` on ``placement[i]`` (default: every device of ``topology``, in order). ``algorithm="native"``
+    is NCCL's own kernel (:mod:`dtrain.sim.nccl`, with ``nccl``'s figures), not a dtrain schedule."""
     collective = Collective(collective)
     placement = list(placement) if placement is not None else [d.name for d in topology.devices()]
     if not placement:
         raise ValueError(f"topology {topology.name!r} has no device to place a rank on")
+    if algorithm == "native":
+        result = simulate_nccl(topology, collective.value, nbytes, placement, params=nccl)
+        return CollectiveResult(time_s=result.time_s, rank_finish_s=[result.time_s] * len(placement),
+                                links=result.links)  # fmt: skip
     if needs_local_size(algorithm) and local_size is None:
         local_size = ranks_per_server(topology, placement)
     root = 0 if collective in ROOTED_COLLECTIVES else None
