@@ -11,7 +11,8 @@ The model, per rank ``r`` and connection ``r -> r+1`` of the ring (channels aggr
 links in lockstep, so under max-min sharing ``C`` flows capped at ``c`` each move as one flow capped at ``C c``):
 
 - the rank's block (``nbytes / n``; broadcast: the whole buffer) is cut into ``P`` pieces of at most
-  ``channels x slice_bytes`` (``P`` at most ``max_pieces``: beyond that the fill time is below 1/64 of a step);
+  ``channels x slice_bytes`` (``P`` at most ``max_pieces``, to bound the events simulated: once a step's
+  ``P`` pieces outlast one piece's trip to the next rank, the ring's time no longer depends on ``P``);
 - piece ``p`` of step ``s`` may leave rank ``r`` once piece ``p`` of step ``s-1`` has arrived there plus
   ``step_latency_s`` (data dependency: what it forwards, it must have received), and the connection has
   sent its previous piece (one FIFO per connection, pieces in the order they became ready);
