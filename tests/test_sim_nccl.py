@@ -205,3 +205,8 @@ def test_simulate_collective_hands_native_to_the_nccl_model():
     result = simulate_collective(star(4, 100e9), "all_gather", "native", 64 << 20, nccl=params)
     assert result.time_s == simulate_nccl(star(4, 100e9), "all_gather", 64 << 20, params=params).time_s
     assert result.bottleneck.link.kind == "nvlink4"
+
+
+@pytest.mark.parametrize("name", ["nvlink", "shm", "socket"])
+def test_every_transport_node_is_a_valid_topology_with_every_gpu_reachable(name):
+    Transport(name=name).topology(4).validate()
