@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from dtrain.cli.main import main
 from dtrain.train.data import TextBatches
 from dtrain.train.models import build_model, model_config
-from dtrain.train.tensor_parallel_gpt import TensorParallelBlock, tensor_parallel_gpt
+from dtrain.train.tensor_parallel_gpt import TensorParallelBlock, padded_vocab_size, tensor_parallel_gpt
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = "tests.test_train_tp_jobs"
@@ -58,8 +58,19 @@ def test_tensor_parallel_block_matches_the_single_device_block_forward_and_backw
     assert pool.run(f"{JOBS}:block_equivalence", 2, ranks=2) == [[], []]
 
 
-def test_tensor_parallel_gpt_matches_the_single_device_gpt_with_whole_replicated_gradients(pool):
-    assert pool.run(f"{JOBS}:gpt_equivalence", 2, ranks=2) == [[], []]
+@pytest.mark.parametrize(
+    ("tp", "vocab", "gather_logits"),
+    [(2, 40, True), (2, 40, False), (2, 41, False), (4, 41, True), (4, 42, False)],
+)
+def test_vocab_parallel_gpt_matches_the_single_device_gpt(pool, tp, vocab, gather_logits):
+    # 41 and 42 do not divide by the group: the vocabulary is padded, the padding never seen or updated
+    assert pool.run(f"{JOBS}:gpt_equivalence", tp, vocab, gather_logits, ranks=tp) == [[]] * tp
+
+
+def test_a_vocabulary_that_would_leave_a_rank_only_padding_is_refused():
+    assert padded_vocab_size(103, 2) == 104
+    with pytest.raises(ValueError, match="a vocabulary of 5 over tp=4 ranks would leave a rank with padding only"):
+        padded_vocab_size(5, 4)
 
 
 def test_tp2_run_matches_one_rank_on_the_global_batch(tmp_path, one_rank_losses):

@@ -11,11 +11,13 @@ import copy
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
+from dtrain.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from dtrain.testing.pool import group_of
 from dtrain.train.models import build_model
-from dtrain.train.tensor_parallel_gpt import TensorParallelBlock, tensor_parallel_gpt
+from dtrain.train.tensor_parallel_gpt import TensorParallelBlock, padded_vocab_size, tensor_parallel_gpt
 
 RTOL, ATOL = 1e-5, 1e-6
 VOCAB, BLOCK, HEADS, WIDTH = 40, 16, 4, 32
@@ -28,9 +30,9 @@ def _compare(problems: list[str], name: str, got: torch.Tensor, want: torch.Tens
         problems.append(f"{name}: max abs error {(got - want).abs().max().item():.3g}")
 
 
-def _gpt() -> nn.Sequential:
+def _gpt(vocab: int = VOCAB) -> nn.Sequential:
     torch.manual_seed(0)
-    return build_model("gpt", vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=HEADS, n_embd=WIDTH)
+    return build_model("gpt", vocab_size=vocab, block_size=BLOCK, n_layer=2, n_head=HEADS, n_embd=WIDTH)
 
 
 def _block_shards(block: nn.Module, tp: int, rank: int) -> dict[str, torch.Tensor]:
@@ -78,28 +80,48 @@ def block_equivalence(tp: int) -> list[str]:
     return problems
 
 
-def gpt_equivalence(tp: int) -> list[str]:
-    """A whole GPT and its tensor-parallel twin: the logits, the loss and the replicated embedding's and head's
-    gradients (whole on every rank)."""
+def gpt_equivalence(tp: int, vocab: int = VOCAB, gather_logits: bool = True) -> list[str]:
+    """A whole GPT of ``vocab`` tokens and its tensor-parallel twin: logits, loss (``F.cross_entropy`` on gathered
+    logits, or :func:`vocab_parallel_cross_entropy` on the slices), and the gradients of the embedding and head:
+    the vocabulary-split tables against this rank's rows of the reference's, the rest whole."""
     group = group_of(tp)
-    model = _gpt()
-    parallel = tensor_parallel_gpt(copy.deepcopy(model), group)
+    rank = dist.get_rank(group)
+    model = _gpt(vocab)
+    parallel = tensor_parallel_gpt(copy.deepcopy(model), group, gather_logits=gather_logits)
     torch.manual_seed(1)
-    idx = torch.randint(0, VOCAB, (2, BLOCK))  # (B, T)
-    targets = torch.randint(0, VOCAB, (2, BLOCK))
+    idx = torch.randint(0, vocab, (2, BLOCK))  # (B, T)
+    targets = torch.randint(0, vocab, (2, BLOCK))
+    logits = model(idx)  # (B, T, V)
+    loss = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+    loss.backward()
+    tp_logits = parallel(idx)  # (B, T, V) or (B, T, V_padded / tp)
+    if gather_logits:
+        tp_loss = F.cross_entropy(tp_logits.reshape(-1, vocab), targets.reshape(-1))
+    else:
+        tp_loss = vocab_parallel_cross_entropy(tp_logits, targets, group)
+    tp_loss.backward()
     problems: list[str] = []
-    losses = []
-    for m in (model, parallel):
-        logits = m(idx)  # (B, T, V)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-        loss.backward()
-        losses.append((logits, loss))
-    _compare(problems, "logits", losses[1][0], losses[0][0])
-    _compare(problems, "loss", losses[1][1], losses[0][1])
-    for index in (0, -1):
-        replicated = dict(parallel[index].named_parameters())
-        for name, p in model[index].named_parameters():
-            _compare(problems, f"layer {index} {name} grad", replicated[name].grad, p.grad)
+    rows = padded_vocab_size(vocab, tp) // tp
+    mine = slice(rank * rows, min((rank + 1) * rows, vocab))
+    if gather_logits:
+        _compare(problems, "logits", tp_logits, logits)
+    else:
+        real = mine.stop - mine.start
+        _compare(problems, "logits slice", tp_logits[..., :real], logits[..., mine])
+        if not torch.isneginf(tp_logits[..., real:]).all():
+            problems.append("padding logits are not -inf")
+    _compare(problems, "loss", tp_loss, loss)
+    embedding, head = parallel[0], parallel[-1]
+    for name, got, full in (
+        ("token embedding grad", embedding.token.weight.grad, model[0].token.weight.grad),
+        ("lm_head grad", head.lm_head.weight.grad, model[-1].lm_head.weight.grad),
+    ):
+        _compare(problems, name, got[: mine.stop - mine.start], full[mine])
+        if got[mine.stop - mine.start :].count_nonzero():
+            problems.append(f"{name}: padding rows got a gradient")
+    _compare(problems, "position embedding grad", embedding.position.weight.grad, model[0].position.weight.grad)
+    for name in ("weight", "bias"):
+        _compare(problems, f"ln_f.{name} grad", getattr(head.ln_f, name).grad, getattr(model[-1].ln_f, name).grad)
     if len(parallel) != len(model):
         problems.append(f"{len(parallel)} layers, expected {len(model)}")
     return problems
