@@ -69,6 +69,8 @@ class Coordinator:
             self.servers[rank] = {"ident": ident, "endpoint": h["endpoint"], "last": time.monotonic()}
             if self.ready:
                 for r, info in self.servers.items():
+                    # servers heartbeat only once welcomed: the silence clock starts now, not at registration
+                    info["last"] = time.monotonic()
                     self._welcome(info["ident"], "server", r)
         # Workers start together (a start barrier, like ps-lite's scheduler): once every server and every
         # worker is there; a worker that registers again later (a restart) is welcomed at once.
