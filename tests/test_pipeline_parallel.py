@@ -186,3 +186,31 @@ def test_interleaved_timeline_records_each_chunk_and_a_bubble(pool):
     for t in timelines:
         assert t.virtual_stages == 2
         assert {(e.kind, e.chunk) for e in t.events if e.kind in ("F", "B")} == {(k, c) for k in "FB" for c in (0, 1)}
+
+
+def _messages(schedules, p: int, v: int) -> tuple[dict, dict]:
+    """Per ordered pair of ranks, the (kind, receiving virtual stage, micro-batch) sent and received, in order."""
+    last = v * p - 1
+    sent: dict = {}
+    received: dict = {}
+    for s, actions in enumerate(schedules):
+        for kind, mb, chunk in actions:
+            u = chunk * p + s
+            if kind == "F" and u < last:
+                sent.setdefault((s, (u + 1) % p), []).append(("act", u + 1, mb))
+            if kind == "F" and u > 0:
+                received.setdefault(((u - 1) % p, s), []).append(("act", u, mb))
+            if kind == "B" and u > 0:
+                sent.setdefault((s, (u - 1) % p), []).append(("grad", u - 1, mb))
+            if kind == "B" and u < last:
+                received.setdefault(((u + 1) % p, s), []).append(("grad", u, mb))
+    return sent, received
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("v", (2, 3))
+def test_interleaved_messages_arrive_in_the_order_they_are_sent_on_every_pair_of_ranks(p, v):
+    # so a transport that ignores tags (NCCL) matches every receive with the right send
+    for m in (p, 2 * p, 4 * p):
+        sent, received = _messages([interleaved_one_f_one_b(p, m, s, v) for s in range(p)], p, v)
+        assert sent == received

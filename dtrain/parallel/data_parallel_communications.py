@@ -184,7 +184,8 @@ class GradientReducer:
     def _rebuild(self, observed: list[int]) -> None:
         """Cut the buckets again in group rank 0's observed order; parameters never seen keep their old place."""
         seen = list(dict.fromkeys(observed))
-        unseen = [i for i in (self._index[id(p)] for b in self.buckets for p in b.params) if i not in set(observed)]
+        seen_set = set(seen)
+        unseen = [i for i in (self._index[id(p)] for b in self.buckets for p in b.params) if i not in seen_set]
         order = torch.tensor(seen + unseen, dtype=torch.int64)  # the same length on every rank
         order = comm_device_copy(order, self.group)  # NCCL carries device tensors only
         comm.broadcast(order, 0, group=self.group, algorithm="native")

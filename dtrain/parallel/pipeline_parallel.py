@@ -167,6 +167,16 @@ class PipelineParallel:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.stage.parameters()
 
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the model's first layers (and so needs the batch)."""
+        return self.chunks[0].is_first
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the model's last layers (and so needs the targets and computes the loss)."""
+        return self.chunks[-1].is_last
+
     def train_step(self, batch: torch.Tensor | None, targets: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
         """One pipelined forward and backward of ``batch``; gradients accumulate into this stage's ``.grad``.
 
@@ -174,12 +184,12 @@ class PipelineParallel:
         along dim 0 into ``num_microbatches`` equal micro-batches. Returns the batch's mean loss (the sum of the
         micro-batch losses / m) on every stage of the group. The caller steps and zeroes the optimizer.
         """
-        m, first, last = self.num_microbatches, self.chunks[0], self.chunks[-1]
+        m = self.num_microbatches
         inputs = _split(batch, m, "batch") if batch is not None else None
         labels = _split(targets, m, "targets") if targets is not None else None
-        if first.is_first and inputs is None:
+        if self.is_first and inputs is None:
             raise ValueError("the first pipeline stage needs the batch")
-        if last.is_last and labels is None:
+        if self.is_last and labels is None:
             raise ValueError("the last pipeline stage needs the targets")
         timeline = Timeline(
             stage=self.stage_index, num_stages=self.num_stages, num_microbatches=m, virtual_stages=self.virtual_stages
@@ -210,7 +220,7 @@ class PipelineParallel:
         timeline.end_s = time.perf_counter()
         self.link.begin_step(None)
         self.timeline = timeline
-        comm.broadcast(loss, self.num_stages - 1, group=first.group)
+        comm.broadcast(loss, self.num_stages - 1, group=self.chunks[0].group)
         return loss
 
     def _recv_input(self, mb: int, chunk: int) -> torch.Tensor:
