@@ -103,7 +103,10 @@ class Coordinator:
         now = time.monotonic()
         newly = [r for r, info in self.servers.items()
                  if r not in self.dead and now - info["last"] > self.config.dead_after_s]  # fmt: skip
-        if not newly:
+        alive = [r for r in self.servers if r not in self.dead and r not in newly]
+        if not newly or not alive:
+            # every server silent at once: far likelier that this process was starved of CPU than that all
+            # died together (and with none left there is nobody to fail over to): wait to hear from them
             return
         self.dead.update(newly)
         self.chains = [[s for s in chain if s not in self.dead] for chain in self.chains]
@@ -125,7 +128,13 @@ class Coordinator:
 
     def serve(self) -> None:
         poll_ms = max(1, int(self.config.heartbeat_s * 1000))
+        last_loop = time.monotonic()
         while self.running:
+            now = time.monotonic()
+            if now - last_loop > 4 * self.config.heartbeat_s:  # this process was not running: not their silence
+                for info in self.servers.values():
+                    info["last"] += now - last_loop
+            last_loop = now
             if self.router.poll(timeout=poll_ms):
                 while True:
                     try:

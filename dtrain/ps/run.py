@@ -92,6 +92,11 @@ def run_job(job: JobConfig, task: TaskConfig, out: str | Path, fault: Fault | No
     return summary
 
 
+def _mean_loss(steps: dict[int, list[dict]], part: slice) -> float | None:
+    losses = [x["loss"] for recs in steps.values() for x in recs[part]]
+    return float(np.mean(losses)) if losses else None
+
+
 def summarize(job: JobConfig, records: dict, stats: dict, layout: dict, events: list, killed_at: float | None) -> dict:
     """Numbers of a finished job (see the module docstring)."""
     steps = {r: [x for x in recs if "step" in x] for r, recs in records.items()}
@@ -104,8 +109,9 @@ def summarize(job: JobConfig, records: dict, stats: dict, layout: dict, events: 
                 lost += max(0, acked - heads[shard]["applied"][r])
     step_s = [x["step_s"] for recs in steps.values() for x in recs[1:]]
     out = {
-        "final_loss": steps[0][-1]["loss"] if steps.get(0) else None,
-        "first_loss": steps[0][0]["loss"] if steps.get(0) else None,
+        # mean over every worker's first / last five steps: one local batch's loss is noisy
+        "first_loss": _mean_loss(steps, slice(0, 5)),
+        "final_loss": _mean_loss(steps, slice(-5, None)),
         "iteration_s": float(np.median(step_s)) if step_s else None,
         "iteration_s_per_worker": {
             r: float(np.median([x["step_s"] for x in recs[1:]])) for r, recs in steps.items() if len(recs) > 1
