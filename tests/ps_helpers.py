@@ -71,3 +71,26 @@ def reference_rows(task: TaskConfig, optimizer: str, lr: float) -> np.ndarray:
     for s in slots:
         rows[s.first : s.first + s.rows] = s.to_rows(params[s.name].detach().numpy(), task.width)
     return rows
+
+
+def reference_ctr_rows(task: TaskConfig, lr: float) -> np.ndarray:
+    """Single-process torch training of the ctr embedding model on the global batch, as the server's rows."""
+    from dtrain.ps.data import ClickData
+
+    model, sparse = build_task_model(task)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    data = ClickData(seed=task.seed)
+    for step in range(task.steps):
+        ids, labels = (torch.from_numpy(a) for a in data.batch(step, task.batch_size))
+        opt.zero_grad()
+        logits = model["mlp"](model["emb"](ids).flatten(1)).squeeze(1)
+        F.binary_cross_entropy_with_logits(logits, labels).backward()
+        opt.step()
+    slots, tables, num_keys = key_space(model, task.width, sparse)
+    rows = np.zeros((num_keys, task.width), np.float32)
+    params = dict(model.named_parameters())
+    for s in slots:
+        rows[s.first : s.first + s.rows] = s.to_rows(params[s.name].detach().numpy(), task.width)
+    for name, first in tables.items():
+        rows[first : first + params[name].shape[0]] = params[name].detach().numpy()
+    return rows
