@@ -6,9 +6,11 @@ new layout arrives from the coordinator (a server died, a follower was promoted)
 heads with the same push ids, so a server recognises pushes it already holds. A request with no answer within
 the job's ``timeout_s`` raises :class:`PSTimeoutError` naming the server, its address, the op and the shard.
 
-Clocks: in ``sync`` and ``quorum`` mode every push and pull goes to every shard (empty when no key of it is
-involved), a push carries the round of the values its gradient was computed from and a pull asks for the round
-after the last push; in ``ssp`` mode they carry the worker's clock, advanced by :meth:`Worker.tick`.
+Clocks: in every mode but ``async`` each push and pull goes to every shard (empty when no key of it is
+involved), so every shard sees every worker's progress. In ``sync`` and ``quorum`` mode a push carries the round
+of the values its gradient was computed from and a pull asks for the round after the last push; in ``ssp``
+mode both carry the worker's clock, advanced by :meth:`Worker.tick`. A server's ``not_leader`` answer (the
+layout reached it before or after this worker) is retried every 20 ms until ``timeout_s``.
 """
 
 from __future__ import annotations
