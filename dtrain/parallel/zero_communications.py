@@ -125,15 +125,21 @@ class ShardedGradientReducer:
     @torch.no_grad()
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        work = torch.zeros(bucket.numel, dtype=self.grad_shards[b].dtype, device=self.grad_shards[b].device)
-        views, grads = [], []
+        work = torch.empty(bucket.numel, dtype=self.grad_shards[b].dtype, device=self.grad_shards[b].device)
+        views, grads, missing = [], [], []
         for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-            if p.grad is not None:
-                views.append(work[offset : offset + p.numel()].view_as(p))
+            view = work[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                missing.append(view)  # a parameter this pass did not use counts as a zero gradient
+            else:
+                views.append(view)
                 grads.append(p.grad)
         if grads:
             torch._foreach_copy_(views, grads)
-        del views
+        if missing:
+            torch._foreach_zero_(missing)
+        work[bucket.offsets[-1] + bucket.params[-1].numel() :].zero_()  # the padding to a multiple of N
+        del views, missing
         for p in bucket.params:
             p.grad = None  # stage 2 keeps only the shard: the full gradients go as soon as they are packed
         target = self.grad_shards[b] if b not in self._written else torch.empty_like(self.grad_shards[b])
