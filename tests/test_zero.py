@@ -56,3 +56,8 @@ def test_stage_2_holds_a_gradient_shard_not_the_full_gradient(allocated):
 
 def test_stage_2_allocates_no_full_size_gradient_buffer_at_the_step(allocated):
     assert allocated[2]["largest_step_allocation"] < allocated[2]["flat_nbytes"] // 2
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_without_a_gradient_counts_as_a_zero_gradient(pool, stage):
+    _assert_matches_reference(pool.run(f"{JOBS}:unused_parameters", 4, stage, ranks=4))

@@ -94,3 +94,43 @@ def allocations(world: int, stage: int) -> dict:
 
 def _launches(opt: ZeroOptimizer) -> int:
     return opt.reducer.launches if opt.stage == 2 else 0
+
+
+def _skipping_forward(model: torch.nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
+    """Odd steps skip the middle Linear(16, 16) and its Tanh: their parameters get no gradient."""
+    layers = list(model) if step % 2 == 0 else [model[0], model[1], model[4]]
+    for layer in layers:
+        x = layer(x)
+    return x  # (B, 4)
+
+
+def unused_parameters(world: int, stage: int, steps: int = 6) -> dict:
+    """A layer unused in some steps counts as a zero gradient (as under DDP); the reference zero-fills it too."""
+    model, opt = _zero(world, stage, "sgd", "auto")
+    group = group_of(world)
+    losses = []
+    for step in range(steps):
+        x, y = split_batch(_global_batch(step), group)
+        loss = F.mse_loss(_skipping_forward(model, x, step), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        losses.append(total.item() / world)
+    ref = _model(0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LEARNING_RATES["sgd"], momentum=0.9)
+    ref_losses = []
+    for step in range(steps):
+        x, y = _global_batch(step)
+        loss = F.mse_loss(_skipping_forward(ref, x, step), y)
+        loss.backward()
+        for p in ref.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref_flat = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    return {"losses": losses, "ref_losses": ref_losses, "params": flat, "ref_params": ref_flat, "buckets": 4}
