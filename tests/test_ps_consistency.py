@@ -30,15 +30,15 @@ def test_quorum_under_a_5x_straggler_handles_late_pushes_as_configured(tmp_path,
     server_count = sum(s["dropped" if late == "drop" else "folded"] for s in shards)
     worker_counts = {w: sum(_final(recs)[late_status]) for w, recs in records.items()}
     assert server_count == sum(worker_counts.values())  # what the servers counted is what the workers were told
-    assert worker_counts[3] >= 2  # late on at least one step on each shard while the fast workers ran
-    assert worker_counts[0] == worker_counts[1] == worker_counts[2] == 0
+    # quorum takes the first 3 pushes of a round: the straggler is nearly always the one left out (a fast
+    # worker can be, when the straggler happens to be on time, so theirs are only bounded, not zero)
+    assert worker_counts[3] >= 2 and worker_counts[3] > max(worker_counts[w] for w in range(3))
     other = "folded" if late == "drop" else "dropped"
     assert sum(s[other] for s in shards) == 0
-    for shard, s in enumerate(shards):  # every push of the fast workers is in the weights
-        assert s["applied"][:3] == [STEPS] * 3
-        # the straggler's pushes: in the weights unless dropped (a folded one joins the next round)
-        dropped_here = _final(records[3])["dropped"][shard]
-        assert s["applied"][3] == STEPS - dropped_here
+    for shard, s in enumerate(shards):  # every push is in the weights unless it was dropped
+        for w in range(4):
+            dropped_here = _final(records[w])["dropped"][shard]
+            assert s["applied"][w] == STEPS - dropped_here, (shard, w)
 
 
 def test_ssp_never_exceeds_its_staleness_bound(tmp_path):
