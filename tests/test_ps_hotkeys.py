@@ -13,7 +13,7 @@ def test_hot_key_copies_spread_a_zipf_load_without_changing_the_result(tmp_path)
     task = TaskConfig(task="synthetic", steps=25, keys_per_step=64, zipf=1.2, width=4)
     runs = {}
     for hot in (0, 64):
-        job = JobConfig(num_keys=4000, width=4, num_servers=4, num_workers=2, mode="sync", hot_keys=hot,
+        job = JobConfig(num_keys=4000, width=4, num_servers=4, num_workers=2, mode="sync", hot_keys=hot, hot_after=3,
                         hot_replicas=3)  # fmt: skip
         out = tmp_path / f"hot{hot}"
         out.mkdir()
