@@ -56,7 +56,7 @@ def _measure(args: argparse.Namespace, schedule: str, m: int) -> dict | None:
     for step in range(args.warmup + args.steps):
         dist.barrier()
         start = time.perf_counter()
-        pipe.train_step(x if pipe.stage.is_first else None, y if pipe.stage.is_last else None, F.mse_loss)
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, F.mse_loss)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -78,7 +78,12 @@ def _add_train(commands) -> None:
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="global batch size")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b", help="pipeline schedule")
+    p.add_argument(
+        "--schedule",
+        choices=["gpipe", "1f1b", "interleaved-1f1b"],
+        default="1f1b",
+        help="pipeline schedule (interleaved-1f1b: 2 model chunks a stage, micro-batches a multiple of --pp)",
+    )
     p.add_argument("--microbatches", type=int, default=1, help="micro-batches per pipeline step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")

@@ -14,6 +14,7 @@ Checkpoints and resume: :mod:`dtrain.train.checkpoint`; pipeline traces: :mod:`d
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -32,6 +33,7 @@ from dtrain.parallel.data_parallel import DataParallel, split_batch
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.pipeline_parallel import PipelineParallel
 from dtrain.parallel.pipeline_schedules import SCHEDULES, bubble_fraction, theoretical_bubble
+from dtrain.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from dtrain.train.checkpoint import checkpoint_path, latest_complete_step, load_checkpoint, save_checkpoint
 from dtrain.train.data import ClassificationBatches, TextBatches
 from dtrain.train.models import build_model, model_config, num_layers
@@ -147,6 +149,10 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def _vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, *, group, algorithm: str) -> torch.Tensor:
+    return vocab_parallel_cross_entropy(logits, targets, group, algorithm=algorithm)  # (B, T, V/tp) against (B, T)
+
+
 class _Trainer:
     """One rank's model, optimizer and step; built from a config and the rank grid."""
 
@@ -155,8 +161,11 @@ class _Trainer:
         self.data, self.tokenizer, overrides = _data(config)
         torch.manual_seed(config.seed)  # every rank builds the same full model, then keeps its stage
         model = build_model(config.model, config=model_config(config.model, config.preset, **overrides))
+        self.loss_fn = _loss
         if config.tp > 1:
-            model = tensor_parallel_gpt(model, grid.tp_group, algorithm=config.algorithm)
+            # logits stay split over the vocabulary: the head's classes never sit whole on one device
+            model = tensor_parallel_gpt(model, grid.tp_group, algorithm=config.algorithm, gather_logits=False)
+            self.loss_fn = functools.partial(_vocab_parallel_loss, group=grid.tp_group, algorithm=config.algorithm)
         model = model.to(self.device)
         if config.pp > 1:
             interleaved = config.schedule == "interleaved-1f1b"
@@ -184,9 +193,9 @@ class _Trainer:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipeline is not None:
-            loss = self.pipeline.train_step(x, y, _loss)
+            loss = self.pipeline.train_step(x, y, self.loss_fn)
         else:
-            loss = _loss(self.forward(x), y)
+            loss = self.loss_fn(self.forward(x), y)
             loss.backward()  # DataParallel averages over dp here, overlapped with backward
         computed = time.perf_counter()
         loss = loss.detach().clone()

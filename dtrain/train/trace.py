@@ -52,7 +52,7 @@ def write_gantt(path: str | Path, timelines: Sequence[Timeline], schedule: str) 
     import matplotlib.pyplot as plt
 
     measured = bubble_fraction(timelines)
-    p, m = timelines[0].num_stages, timelines[0].num_microbatches
+    p, m, v = timelines[0].num_stages, timelines[0].num_microbatches, timelines[0].virtual_stages
     origin = min(t.start_s for t in timelines)
     fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * p))
     for t in timelines:
@@ -62,13 +62,17 @@ def write_gantt(path: str | Path, timelines: Sequence[Timeline], schedule: str) 
             start_ms, width_ms = (e.start_s - origin) * 1e3, (e.end_s - e.start_s) * 1e3
             color = "tab:blue" if e.kind == "F" else "tab:orange"
             ax.broken_barh([(start_ms, width_ms)], (t.stage - 0.4, 0.8), facecolors=color, edgecolor="white")
-            ax.text(start_ms + width_ms / 2, t.stage, f"{e.kind}{e.microbatch}", ha="center", va="center", fontsize=7)
+            label = f"{e.kind}{e.microbatch}" + (f".{e.chunk}" if v > 1 else "")
+            ax.text(start_ms + width_ms / 2, t.stage, label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step began")
     ax.set_title(
-        f"{schedule}, p={p}, m={m}: measured bubble {measured:.1%}, theory (p-1)/(m+p-1) = "
-        f"{theoretical_bubble(p, m):.1%}"
+        f"{schedule}, p={p}, m={m}"
+        + (f", v={v}" if v > 1 else "")
+        + f": measured bubble {measured:.1%}, theory "
+        + ("(p-1)/(vm+p-1)" if v > 1 else "(p-1)/(m+p-1)")
+        + f" = {theoretical_bubble(p, m, v):.1%}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
