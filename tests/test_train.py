@@ -138,6 +138,22 @@ def test_resume_from_a_checkpoint_continues_as_if_never_stopped(tmp_path, one_ra
         (["--nproc", "8", "--pp", "8"], "pp=8 stages but model 'gpt' (debug) has only 4 layers"),
         (["--nproc", "4", "--tp", "4"], "which does not divide by tp"),
         (["--resume"], "no complete checkpoint"),
+        (
+            [
+                "--nproc",
+                "2",
+                "--pp",
+                "2",
+                "--microbatches",
+                "3",
+                "--batch-size",
+                "18",
+                "--schedule",
+                "interleaved-1f1b",
+            ],
+            "is not a multiple",
+        ),
+        (["--nproc", "4", "--pp", "4", "--microbatches", "4", "--schedule", "interleaved-1f1b"], "has only 4 layers"),
     ],
 )
 def test_bad_layouts_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
