@@ -1,0 +1,309 @@
+"""One parameter-server step on a topology: pushes, the servers' applies, chain forwarding, hot-row copies, pulls.
+
+What is simulated is what :mod:`dtrain.ps` does (docs/ps.md; seed 001's parameter server, after Li et al.,
+OSDI 2014), as flows on :class:`dtrain.sim.flows.FlowNetwork`:
+
+- **Keys.** Dense parameters (``dense_bytes``) are cut evenly over the ``S`` servers by key range. Embedding
+  rows: each worker draws ``rows_per_worker`` ids from a Zipf law over ``key_space`` (rank ``k`` with
+  probability proportional to ``k^-zipf``) and pushes and pulls each distinct row once. Rank ``k`` is key
+  ``k`` (ids handed out in order of first appearance, as dtrain.ps's synthetic task does), or, with
+  ``permute``, a seeded permutation of it (hashed ids, as ``dtrain.ps.data``). Key ``k`` belongs to server
+  ``k S // key_space``.
+- **Sync.** Every worker pushes to every shard's head (shard ``i`` lives on servers ``i, i+1, ...``, the
+  coordinator's layout). Once all ``W`` pushes are in, the head applies one entry (dense shard plus the union
+  of pushed rows) at ``apply_s_per_byte``; each further replica of the chain receives the entry, applies it and
+  forwards it (van Renesse and Schneider 2004); the tail's acknowledgement releases the workers, which then
+  pull. A server applies one entry at a time.
+- **Async.** No barrier: each push is its own entry, applied and forwarded on arrival and acknowledged to its
+  worker alone. The report gives each worker's push+pull time.
+- **Hot rows.** The ``hot_keys`` rows of each server that most workers pull this step are also held by the
+  ``hot_replicas`` next servers. Pulls of such a row are dealt round-robin over owner and copies; pushes stay
+  at the owner, which sends the new rows to its copies once its shard is committed. In sync mode a copy answers
+  pulls only after that refresh (a copy serves round ``r`` with the owner's round-``r`` rows, as in dtrain.ps).
+
+Requests are latency-only messages (their key lists are not counted). No torch here (DESIGN.md layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dtrain.cluster.topology import Topology
+from dtrain.sim.flows import FlowNetwork, LinkUsage
+
+__all__ = ["PSStep", "ServerLoad", "PSResult", "ps_traffic", "simulate_ps"]
+
+MODES = ("sync", "async")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PSStep:
+    """One parameter-server step: who runs where (topology node names), what moves, and how it is kept."""
+
+    workers: Sequence[str]
+    servers: Sequence[str]
+    dense_bytes: float = 0.0
+    rows_per_worker: int = 0
+    key_space: int = 0
+    row_bytes: int = 0
+    zipf: float = 1.1
+    permute: bool = False
+    seed: int = 0
+    mode: str = "sync"
+    replicas: int = 1
+    hot_keys: int = 0
+    hot_replicas: int = 0
+    apply_s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", tuple(self.workers))
+        object.__setattr__(self, "servers", tuple(self.servers))
+        for role in ("workers", "servers"):
+            names = getattr(self, role)
+            if not names:
+                raise ValueError(f"PSStep.{role} is empty; give at least one topology node")
+            if len(set(names)) != len(names):
+                raise ValueError(f"PSStep.{role} names a node twice: {list(names)}")
+        for name in ("dense_bytes", "rows_per_worker", "key_space", "row_bytes", "zipf", "hot_keys",
+                     "apply_s_per_byte"):  # fmt: skip
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"PSStep.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.rows_per_worker and not (self.key_space >= 1 and self.row_bytes > 0):
+            raise ValueError(
+                f"PSStep: rows_per_worker={self.rows_per_worker} needs key_space >= 1 and row_bytes > 0, "
+                f"got key_space={self.key_space}, row_bytes={self.row_bytes}"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"PSStep.mode must be one of {MODES}, got {self.mode!r}")
+        servers = len(self.servers)
+        if not 1 <= self.replicas <= servers:
+            raise ValueError(f"PSStep.replicas must be in 1..{servers} (the servers), got {self.replicas!r}")
+        if not 0 <= self.hot_replicas < servers:
+            raise ValueError(
+                f"PSStep.hot_replicas must be in 0..{servers - 1} (other servers), got {self.hot_replicas!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerLoad:
+    """What one server handled in the step: bytes from and to workers, requests, and server-to-server bytes."""
+
+    node: str
+    push_bytes: float
+    pull_bytes: float
+    requests: int
+    replication_bytes: float
+
+    @property
+    def nbytes(self) -> float:
+        """Bytes exchanged with workers (pushes in, pull replies out): the load that hot copies spread."""
+        return self.push_bytes + self.pull_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class PSResult:
+    """A simulated step: ``time_s`` (last worker done), each worker's finish, the servers' loads, the links."""
+
+    mode: str
+    time_s: float
+    worker_s: list[float]
+    servers: list[ServerLoad]
+    links: list[LinkUsage] = field(repr=False)
+
+    @property
+    def bottleneck(self) -> LinkUsage | None:
+        """The link with the highest utilisation (None when no byte crossed a link)."""
+        return self.links[0] if self.links else None
+
+    @property
+    def byte_imbalance(self) -> float:
+        """Max over mean of the servers' worker-facing bytes (1.0: even; 1.0 when nothing moved)."""
+        return _imbalance([s.nbytes for s in self.servers])
+
+    @property
+    def pull_imbalance(self) -> float:
+        """Max over mean of the bytes each server sent back to pulls (the load hot copies move)."""
+        return _imbalance([s.pull_bytes for s in self.servers])
+
+    @property
+    def request_imbalance(self) -> float:
+        """Max over mean of the requests each server received."""
+        return _imbalance([float(s.requests) for s in self.servers])
+
+
+def _imbalance(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class _Traffic:
+    push: dict[tuple[int, int], float]  # (worker, shard) -> bytes to the shard's head
+    pull: dict[tuple[int, int], float]  # (worker, server) -> bytes that server sends back
+    entry: list[float]  # per shard: a sync step's entry (the dense shard plus the union of pushed rows)
+    hot: dict[tuple[int, int], float]  # (owner, copy) -> bytes of the owner's hot rows refreshed on the copy
+
+
+def ps_traffic(step: PSStep) -> _Traffic:
+    """The step's bytes: each push, each pull reply, each shard's entry and each hot-row refresh."""
+    n_w, n_s = len(step.workers), len(step.servers)
+    shard = step.dense_bytes / n_s
+    push = {(w, i): shard for w in range(n_w) for i in range(n_s)}
+    pull = {(w, i): shard for w in range(n_w) for i in range(n_s) if shard > 0}
+    entry, hot = [shard] * n_s, {}
+    if not step.rows_per_worker:
+        return _Traffic(push, pull, entry, hot)
+    rng = np.random.default_rng(step.seed)
+    permutation = rng.permutation(step.key_space) if step.permute else np.arange(step.key_space)
+    weights = np.arange(1, step.key_space + 1, dtype=np.float64) ** -step.zipf
+    rows = [np.unique(permutation[rng.choice(step.key_space, size=step.rows_per_worker, p=weights / weights.sum())])
+            for _ in range(n_w)]  # fmt: skip
+    pullers: dict[int, list[int]] = {}  # key -> the workers that pull it, in order
+    for w, keys in enumerate(rows):
+        for k in keys.tolist():
+            pullers.setdefault(k, []).append(w)
+    owner = {k: k * n_s // step.key_space for k in pullers}
+    for k, ws in pullers.items():
+        i = owner[k]
+        entry[i] += step.row_bytes
+        for w in ws:
+            push[w, i] += step.row_bytes
+    for i in range(n_s):
+        mine = sorted((k for k in pullers if owner[k] == i), key=lambda k: (-len(pullers[k]), k))
+        hot_rows = set(mine[: step.hot_keys]) if step.hot_replicas else set()
+        holders = [i] + [(i + j) % n_s for j in range(1, step.hot_replicas + 1)]
+        for k in mine:
+            for turn, w in enumerate(pullers[k]):
+                j = holders[(turn + k) % len(holders)] if k in hot_rows else i
+                pull[w, j] = pull.get((w, j), 0.0) + step.row_bytes
+        for j in holders[1:]:
+            if hot_rows:
+                hot[i, j] = len(hot_rows) * step.row_bytes
+    return _Traffic(push, pull, entry, hot)
+
+
+def simulate_ps(topology: Topology, step: PSStep) -> PSResult:
+    """Simulate ``step`` on ``topology``; see the module docstring for what happens in which order."""
+    for role in ("workers", "servers"):
+        for name in getattr(step, role):
+            if name not in topology.graph:
+                raise ValueError(f"PSStep.{role}: {name!r} is not a node of topology {topology.name!r}")
+    traffic = ps_traffic(step)
+    return _Run(topology, step, traffic).run()
+
+
+class _Run:
+    """The event-driven state of one step: acknowledgements awaited, servers' apply queues, pulls waiting."""
+
+    def __init__(self, topology: Topology, step: PSStep, traffic: _Traffic) -> None:
+        self.net, self.step, self.t = FlowNetwork(topology), step, traffic
+        n_w, n_s = len(step.workers), len(step.servers)
+        self.sync = step.mode == "sync"
+        # sync: every worker pushes every shard (the barrier needs them all); async: only what it has
+        self.pushes = [[i for i in range(n_s) if self.sync or traffic.push[w, i] > 0] for w in range(n_w)]
+        self.acks = [len(p) for p in self.pushes]
+        self.arrived = [0] * n_s
+        self.entries_left = [sum(i in p for p in self.pushes) if not self.sync else 1 for i in range(n_s)]
+        self.busy_until = [0.0] * n_s
+        self.refresh_left = [sum(1 for (_, j) in traffic.hot if j == c) for c in range(n_s)]
+        self.waiting: list[list[int]] = [[] for _ in range(n_s)]  # pull requests held for a refresh
+        self.pulls_left = [0] * n_w
+        self.finish = [0.0] * n_w
+        self.requests = [0] * n_s
+        self.replication = [0.0] * n_s
+
+    def run(self) -> PSResult:
+        for w, shards in enumerate(self.pushes):
+            for i in shards:
+                self.requests[i] += 1
+                nbytes = self.t.push[w, i]
+                self._send_worker(w, i, nbytes, lambda _t, w=w, i=i, b=nbytes: self._pushed(w, i, b), up=True)
+            if not shards:
+                self._pull(w)
+        end = self.net.run()
+        loads = [
+            ServerLoad(node=node, push_bytes=sum(b for (_, i), b in self.t.push.items() if i == s),
+                       pull_bytes=sum(b for (_, i), b in self.t.pull.items() if i == s),
+                       requests=self.requests[s], replication_bytes=self.replication[s])
+            for s, node in enumerate(self.step.servers)
+        ]  # fmt: skip
+        return PSResult(mode=self.step.mode, time_s=max(self.finish), worker_s=self.finish, servers=loads,
+                        links=self.net.usage(end))  # fmt: skip
+
+    def _send_worker(self, w: int, s: int, nbytes: float, on_done, *, up: bool) -> None:
+        a, b = self.step.workers[w], self.step.servers[s]
+        self.net.send(*((a, b) if up else (b, a)), nbytes, flow_id=w * 7919 + s, on_done=on_done)
+
+    def _apply(self, s: int, nbytes: float, then) -> None:
+        start = max(self.net.now, self.busy_until[s])
+        self.busy_until[s] = start + nbytes * self.step.apply_s_per_byte
+        self.net.at(self.busy_until[s], then)
+
+    def _pushed(self, w: int, i: int, nbytes: float) -> None:
+        self.arrived[i] += 1
+        if not self.sync:
+            self._apply(i, nbytes, lambda: self._forward(i, 1, nbytes, [w]))
+        elif self.arrived[i] == len(self.step.workers):
+            workers = list(range(len(self.step.workers)))
+            self._apply(i, self.t.entry[i], lambda: self._forward(i, 1, self.t.entry[i], workers))
+
+    def _forward(self, i: int, hop: int, nbytes: float, workers: list[int]) -> None:
+        """Shard ``i``'s entry has been applied at chain member ``hop - 1``: pass it on, or commit at the tail."""
+        n_s = len(self.step.servers)
+        if hop == self.step.replicas:
+            return self._committed(i, (i + hop - 1) % n_s, workers)
+        src, dst = (i + hop - 1) % n_s, (i + hop) % n_s
+        self.replication[src] += nbytes
+        self.replication[dst] += nbytes
+        arrived = lambda _t: self._apply(dst, nbytes, lambda: self._forward(i, hop + 1, nbytes, workers))  # noqa: E731
+        self.net.send(self.step.servers[src], self.step.servers[dst], nbytes, flow_id=i, on_done=arrived)
+
+    def _committed(self, i: int, tail: int, workers: list[int]) -> None:
+        for w in workers:  # the tail's acknowledgement (a latency-only message)
+            self._send_worker(w, tail, 0, lambda _t, w=w: self._acked(w), up=False)
+        self.entries_left[i] -= 1
+        if self.entries_left[i] == 0:  # the shard's step is in: refresh its hot rows on their copies
+            for (owner, copy), nbytes in self.t.hot.items():
+                if owner == i:
+                    self.replication[owner] += nbytes
+                    self.replication[copy] += nbytes
+                    self.net.send(self.step.servers[owner], self.step.servers[copy], nbytes, flow_id=copy,
+                                  on_done=lambda _t, c=copy: self._refreshed(c))  # fmt: skip
+
+    def _refreshed(self, copy: int) -> None:
+        self.refresh_left[copy] -= 1
+        if self.refresh_left[copy] == 0:
+            for w in self.waiting[copy]:
+                self._reply(w, copy)
+            self.waiting[copy].clear()
+
+    def _acked(self, w: int) -> None:
+        self.acks[w] -= 1
+        if self.acks[w] == 0:
+            self._pull(w)
+
+    def _pull(self, w: int) -> None:
+        targets = [s for (v, s) in self.t.pull if v == w]
+        self.pulls_left[w] = len(targets)
+        if not targets:
+            self.finish[w] = self.net.now
+        for s in targets:
+            self.requests[s] += 1
+            self._send_worker(w, s, 0, lambda _t, s=s: self._requested(w, s), up=True)
+
+    def _requested(self, w: int, s: int) -> None:
+        if self.sync and self.refresh_left[s]:
+            self.waiting[s].append(w)
+        else:
+            self._reply(w, s)
+
+    def _reply(self, w: int, s: int) -> None:
+        self._send_worker(w, s, self.t.pull[w, s], lambda _t: self._pulled(w), up=False)
+
+    def _pulled(self, w: int) -> None:
+        self.pulls_left[w] -= 1
+        if self.pulls_left[w] == 0:
+            self.finish[w] = self.net.now
