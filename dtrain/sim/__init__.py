@@ -11,6 +11,7 @@
 - :mod:`dtrain.sim.placement`: topology-aware and oblivious rank placements;
 - :mod:`dtrain.sim.pipeline`: a pipeline step's timing from its GPipe / 1F1B order;
 - :mod:`dtrain.sim.traffic`: each strategy's collectives on the placement, every group at once;
+- :mod:`dtrain.sim.ps`: one parameter-server step (pushes, chain replication, hot-row copies, pulls);
 - :mod:`dtrain.sim.step`: a whole training step (compute, each strategy's communication, stragglers);
 - :mod:`dtrain.sim.planner`: layouts and placements ranked by simulated step time.
 """
@@ -21,6 +22,7 @@ from dtrain.sim.flows import FlowNetwork, FlowSpec, LinkUsage, max_min_rates, si
 from dtrain.sim.model import MODELS, Layout, ModelSpec, memory_per_device
 from dtrain.sim.nccl import NcclParams, NcclResult, simulate_nccl
 from dtrain.sim.placement import place
+from dtrain.sim.ps import PSResult, PSStep, ServerLoad, simulate_ps
 from dtrain.sim.step import StepConfig, StepResult, simulate_step
 from dtrain.sim.transports import Transport
 
@@ -35,6 +37,9 @@ __all__ = [
     "ModelSpec",
     "NcclParams",
     "NcclResult",
+    "PSResult",
+    "PSStep",
+    "ServerLoad",
     "SoftwareCost",
     "StepConfig",
     "StepResult",
@@ -47,5 +52,6 @@ __all__ = [
     "simulate_collective",
     "simulate_flows",
     "simulate_nccl",
+    "simulate_ps",
     "simulate_step",
 ]

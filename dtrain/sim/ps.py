@@ -3,24 +3,21 @@
 What is simulated is what :mod:`dtrain.ps` does (docs/ps.md; seed 001's parameter server, after Li et al.,
 OSDI 2014), as flows on :class:`dtrain.sim.flows.FlowNetwork`:
 
-- **Keys.** Dense parameters (``dense_bytes``) are cut evenly over the ``S`` servers by key range. Embedding
-  rows: each worker draws ``rows_per_worker`` ids from a Zipf law over ``key_space`` (rank ``k`` with
-  probability proportional to ``k^-zipf``) and pushes and pulls each distinct row once. Rank ``k`` is key
-  ``k`` (ids handed out in order of first appearance, as dtrain.ps's synthetic task does), or, with
-  ``permute``, a seeded permutation of it (hashed ids, as ``dtrain.ps.data``). Key ``k`` belongs to server
-  ``k S // key_space``.
+- **Keys.** Dense parameters are cut evenly over the ``S`` servers; embedding key ``k`` is on server
+  ``k S // key_space``. Each worker draws ``rows_per_worker`` Zipf ids (rank ``k`` with probability ~
+  ``k^-zipf``; rank is key, as dtrain.ps's synthetic task hands ids out, or a seeded permutation of it with
+  ``permute``, as ``dtrain.ps.data`` hashes ids) and pushes and pulls each distinct row once.
 - **Sync.** Every worker pushes to every shard's head (shard ``i`` lives on servers ``i, i+1, ...``, the
   coordinator's layout). Once all ``W`` pushes are in, the head applies one entry (dense shard plus the union
   of pushed rows) at ``apply_s_per_byte``; each further replica of the chain receives the entry, applies it and
   forwards it (van Renesse and Schneider 2004); the tail's acknowledgement releases the workers, which then
   pull. A server applies one entry at a time.
-- **Async.** No barrier: each push is its own entry, applied and forwarded on arrival and acknowledged to its
-  worker alone. The report gives each worker's push+pull time.
+- **Async.** No barrier: each push is its own entry, applied, forwarded and acknowledged alone (each worker's
+  push+pull time is reported).
 - **Hot rows.** The ``hot_keys`` rows of each server that most workers pull this step are also held by the
   ``hot_replicas`` next servers. Pulls of such a row are dealt round-robin over owner and copies; pushes stay
   at the owner, which sends the new rows to its copies once its shard is committed. In sync mode a copy answers
   pulls only after that refresh (a copy serves round ``r`` with the owner's round-``r`` rows, as in dtrain.ps).
-
 Requests are latency-only messages (their key lists are not counted). No torch here (DESIGN.md layers).
 """
 
@@ -34,14 +31,17 @@ import numpy as np
 from dtrain.cluster.topology import Topology
 from dtrain.sim.flows import FlowNetwork, LinkUsage
 
-__all__ = ["PSStep", "ServerLoad", "PSResult", "ps_traffic", "simulate_ps"]
+__all__ = ["PSStep", "ServerLoad", "PSResult", "PSTraffic", "ps_traffic", "simulate_ps"]
 
 MODES = ("sync", "async")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PSStep:
-    """One parameter-server step: who runs where (topology node names), what moves, and how it is kept."""
+    """One step: ``workers`` and ``servers`` (topology node names), ``dense_bytes`` of parameters, embedding rows
+    (``rows_per_worker`` Zipf draws over ``key_space`` keys of ``row_bytes``), ``mode`` ("sync" or "async"),
+    ``replicas`` per chain, ``hot_keys`` rows per server copied to ``hot_replicas`` others, the servers'
+    optimizer at ``apply_s_per_byte``."""
 
     workers: Sequence[str]
     servers: Sequence[str]
@@ -82,9 +82,7 @@ class PSStep:
         if not 1 <= self.replicas <= servers:
             raise ValueError(f"PSStep.replicas must be in 1..{servers} (the servers), got {self.replicas!r}")
         if not 0 <= self.hot_replicas < servers:
-            raise ValueError(
-                f"PSStep.hot_replicas must be in 0..{servers - 1} (other servers), got {self.hot_replicas!r}"
-            )
+            raise ValueError(f"PSStep.hot_replicas must be in 0..{servers - 1} (others), got {self.hot_replicas!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,8 +96,7 @@ class ServerLoad:
     replication_bytes: float
 
     @property
-    def nbytes(self) -> float:
-        """Bytes exchanged with workers (pushes in, pull replies out): the load that hot copies spread."""
+    def nbytes(self) -> float:  # exchanged with workers: pushes in, pull replies out
         return self.push_bytes + self.pull_bytes
 
 
@@ -135,19 +132,20 @@ class PSResult:
 
 
 def _imbalance(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return max(values) / mean if mean > 0 else 1.0
+    return max(values) * len(values) / sum(values) if sum(values) > 0 else 1.0
 
 
 @dataclass(frozen=True)
-class _Traffic:
+class PSTraffic:
+    """The bytes of a step, by server index (shard ``i``'s head is server ``i``)."""
+
     push: dict[tuple[int, int], float]  # (worker, shard) -> bytes to the shard's head
     pull: dict[tuple[int, int], float]  # (worker, server) -> bytes that server sends back
     entry: list[float]  # per shard: a sync step's entry (the dense shard plus the union of pushed rows)
     hot: dict[tuple[int, int], float]  # (owner, copy) -> bytes of the owner's hot rows refreshed on the copy
 
 
-def ps_traffic(step: PSStep) -> _Traffic:
+def ps_traffic(step: PSStep) -> PSTraffic:
     """The step's bytes: each push, each pull reply, each shard's entry and each hot-row refresh."""
     n_w, n_s = len(step.workers), len(step.servers)
     shard = step.dense_bytes / n_s
@@ -155,16 +153,15 @@ def ps_traffic(step: PSStep) -> _Traffic:
     pull = {(w, i): shard for w in range(n_w) for i in range(n_s) if shard > 0}
     entry, hot = [shard] * n_s, {}
     if not step.rows_per_worker:
-        return _Traffic(push, pull, entry, hot)
+        return PSTraffic(push, pull, entry, hot)
     rng = np.random.default_rng(step.seed)
     permutation = rng.permutation(step.key_space) if step.permute else np.arange(step.key_space)
     weights = np.arange(1, step.key_space + 1, dtype=np.float64) ** -step.zipf
     rows = [np.unique(permutation[rng.choice(step.key_space, size=step.rows_per_worker, p=weights / weights.sum())])
             for _ in range(n_w)]  # fmt: skip
     pullers: dict[int, list[int]] = {}  # key -> the workers that pull it, in order
-    for w, keys in enumerate(rows):
-        for k in keys.tolist():
-            pullers.setdefault(k, []).append(w)
+    for w, k in ((w, k) for w, keys in enumerate(rows) for k in keys.tolist()):
+        pullers.setdefault(k, []).append(w)
     owner = {k: k * n_s // step.key_space for k in pullers}
     for k, ws in pullers.items():
         i = owner[k]
@@ -179,10 +176,8 @@ def ps_traffic(step: PSStep) -> _Traffic:
             for turn, w in enumerate(pullers[k]):
                 j = holders[(turn + k) % len(holders)] if k in hot_rows else i
                 pull[w, j] = pull.get((w, j), 0.0) + step.row_bytes
-        for j in holders[1:]:
-            if hot_rows:
-                hot[i, j] = len(hot_rows) * step.row_bytes
-    return _Traffic(push, pull, entry, hot)
+        hot.update({(i, j): len(hot_rows) * step.row_bytes for j in holders[1:] if hot_rows})
+    return PSTraffic(push, pull, entry, hot)
 
 
 def simulate_ps(topology: Topology, step: PSStep) -> PSResult:
@@ -191,29 +186,24 @@ def simulate_ps(topology: Topology, step: PSStep) -> PSResult:
         for name in getattr(step, role):
             if name not in topology.graph:
                 raise ValueError(f"PSStep.{role}: {name!r} is not a node of topology {topology.name!r}")
-    traffic = ps_traffic(step)
-    return _Run(topology, step, traffic).run()
+    return _Run(topology, step, ps_traffic(step)).run()
 
 
 class _Run:
     """The event-driven state of one step: acknowledgements awaited, servers' apply queues, pulls waiting."""
 
-    def __init__(self, topology: Topology, step: PSStep, traffic: _Traffic) -> None:
+    def __init__(self, topology: Topology, step: PSStep, traffic: PSTraffic) -> None:
         self.net, self.step, self.t = FlowNetwork(topology), step, traffic
-        n_w, n_s = len(step.workers), len(step.servers)
-        self.sync = step.mode == "sync"
+        n_w, n_s, self.sync = len(step.workers), len(step.servers), step.mode == "sync"
         # sync: every worker pushes every shard (the barrier needs them all); async: only what it has
         self.pushes = [[i for i in range(n_s) if self.sync or traffic.push[w, i] > 0] for w in range(n_w)]
         self.acks = [len(p) for p in self.pushes]
-        self.arrived = [0] * n_s
+        self.arrived, self.busy_until = [0] * n_s, [0.0] * n_s
         self.entries_left = [sum(i in p for p in self.pushes) if not self.sync else 1 for i in range(n_s)]
-        self.busy_until = [0.0] * n_s
         self.refresh_left = [sum(1 for (_, j) in traffic.hot if j == c) for c in range(n_s)]
         self.waiting: list[list[int]] = [[] for _ in range(n_s)]  # pull requests held for a refresh
-        self.pulls_left = [0] * n_w
-        self.finish = [0.0] * n_w
-        self.requests = [0] * n_s
-        self.replication = [0.0] * n_s
+        self.pulls_left, self.finish = [0] * n_w, [0.0] * n_w
+        self.requests, self.replication = [0] * n_s, [0.0] * n_s
 
     def run(self) -> PSResult:
         for w, shards in enumerate(self.pushes):
@@ -280,11 +270,6 @@ class _Run:
                 self._reply(w, copy)
             self.waiting[copy].clear()
 
-    def _acked(self, w: int) -> None:
-        self.acks[w] -= 1
-        if self.acks[w] == 0:
-            self._pull(w)
-
     def _pull(self, w: int) -> None:
         targets = [s for (v, s) in self.t.pull if v == w]
         self.pulls_left[w] = len(targets)
@@ -302,6 +287,11 @@ class _Run:
 
     def _reply(self, w: int, s: int) -> None:
         self._send_worker(w, s, self.t.pull[w, s], lambda _t: self._pulled(w), up=False)
+
+    def _acked(self, w: int) -> None:
+        self.acks[w] -= 1
+        if self.acks[w] == 0:
+            self._pull(w)
 
     def _pulled(self, w: int) -> None:
         self.pulls_left[w] -= 1
