@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dtrain.sim.ps import PSStep, ps_traffic, simulate_ps
 from tests.test_sim_topologies import GB, star
@@ -115,3 +117,28 @@ def test_bad_steps_are_refused_naming_the_field(kwargs: dict, named: str) -> Non
 def test_a_node_outside_the_topology_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'gx' is not a node"):
         simulate_ps(star(W + S), PSStep(workers=[*WORKERS[:-1], "gx"], servers=SERVERS))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    workers=st.integers(1, 5),
+    servers=st.integers(1, 4),
+    hot_keys=st.integers(0, 50),
+    hot_replicas=st.integers(0, 3),
+    zipf=st.floats(0.0, 2.0),
+    seed=st.integers(0, 10),
+)
+def test_hot_copies_only_move_pulls_between_servers(workers, servers, hot_keys, hot_replicas, zipf, seed) -> None:
+    hot_replicas = min(hot_replicas, servers - 1)
+    names = dict(workers=[f"w{i}" for i in range(workers)], servers=[f"s{i}" for i in range(servers)])
+    rows = dict(rows_per_worker=200, key_space=1000, row_bytes=8, zipf=zipf, seed=seed, dense_bytes=80.0)
+    plain = ps_traffic(PSStep(**names, **rows))
+    hot = ps_traffic(PSStep(**names, **rows, hot_keys=hot_keys, hot_replicas=hot_replicas))
+    assert hot.push == plain.push and hot.entry == plain.entry
+    # each worker pulls back exactly what it pushed (its distinct rows and the dense shards), wherever from
+    for w in range(workers):
+        pushed = sum(b for (v, _), b in plain.push.items() if v == w)
+        assert sum(b for (v, _), b in hot.pull.items() if v == w) == pytest.approx(pushed)
+    # a copy holds at most hot_keys rows of each owner, and only the next hot_replicas servers are copies
+    for (owner, copy), nbytes in hot.hot.items():
+        assert nbytes <= hot_keys * 8 and 0 < (copy - owner) % servers <= hot_replicas
