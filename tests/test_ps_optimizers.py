@@ -71,3 +71,16 @@ def test_dense_slots_pad_the_last_row_and_round_trip():
     assert rows.shape == (4, 4) and rows[-1].tolist() == [12, 13, 14, 0]
     np.testing.assert_array_equal(slots[0].from_rows(rows), values.reshape(3, 5))
     assert KeyRange(4, 6).holds(np.array([4, 5])) and not KeyRange(4, 6).holds(np.array([6]))
+
+
+@settings(max_examples=50, deadline=None)
+@given(order=st.permutations(list(range(8))), held=st.integers(0, 8))
+def test_a_shard_knows_which_pushes_it_holds_whatever_order_they_came_in(order, held):
+    # a retried push can arrive after a later one; it must not pass for a duplicate of an id already seen
+    from dtrain.ps.shard import ShardState
+
+    config = JobConfig(num_keys=4, width=2, num_servers=1, num_workers=1, mode="async")
+    state = ShardState(config, 0, partition(config.num_keys, 1)[0])
+    for push_id in order[:held]:
+        state.record_push(0, push_id)
+    assert [state.holds_push(0, i) for i in range(8)] == [i in order[:held] for i in range(8)]

@@ -195,3 +195,29 @@ def test_stale_messages_are_refused_by_the_replay_guard():
     guard.check({"ts": time.time(), "nonce": 2})
     with pytest.raises(wire.WireError, match="replayed"):
         guard.check({"ts": time.time(), "nonce": 2})
+
+
+def test_a_shape_whose_size_overflows_int64_is_rejected_not_wrapped():
+    # 2**62 x 4 float32 elements wrap to 0 bytes in int64 arithmetic: the empty frame must not match it
+    head = wire.msgpack.packb({"op": "x", "ts": time.time(), "nonce": 1, "t": [["f4", [2**62, 4]]]})
+    frames = [head, b""]
+    with pytest.raises(wire.WireError, match="needs"):
+        wire.decode(SECRET, [*frames, wire._mac(SECRET, frames)])
+
+
+@pytest.mark.parametrize(
+    ("header", "tensors"),
+    [
+        ({"kind": "step", "round": 1, "pushes": None}, [np.array([1], np.int64), np.zeros((1, 2), np.float32)]),
+        ({"kind": "step", "round": 1, "pushes": [[0, 1, 0]]}, [np.array([99], np.int64), np.zeros((1, 2), np.float32)]),
+        ({"kind": "drop", "round": 1, "pushes": []}, [np.zeros(0, np.int64), np.zeros((0, 2), np.float32)]),
+        ({"kind": "init", "round": 0, "pushes": []}, [np.zeros(0, np.int64), np.zeros((3, 2), np.float32)]),
+    ],
+)  # fmt: skip
+def test_a_malformed_replication_entry_changes_nothing_and_the_server_keeps_serving(server, header, tensors):
+    cluster, sock = server
+    before = cluster.ask_server(0, {"op": "stats"}).header["stats"]
+    sock.send_multipart(wire.encode(cluster.secret, {"op": "rep", "shard": 0, "seq": 2, **header}, tensors))
+    _pull_works(cluster, sock)  # still serving, and the weights are still the initial ones
+    after = cluster.ask_server(0, {"op": "stats"}).header["stats"]
+    assert after["errors"] == before["errors"] + 1

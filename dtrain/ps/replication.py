@@ -85,12 +85,12 @@ class Replica:
 
     def push(self, push: Push) -> None:
         """A worker's gradient: let the consistency policy decide; apply, replicate and acknowledge."""
-        if push.push_id <= self.state.last_push[push.worker]:
+        if self.state.holds_push(push.worker, push.push_id):
             self._ack_when_durable(push)  # a resend after failover of a push some entry already holds
             return
         steps, late = self.policy.offer(push)
         if late:  # dropped, or folded into the open round (which may close only after this worker stopped)
-            self.state.last_push[push.worker] = max(self.state.last_push[push.worker], push.push_id)
+            self.state.record_push(push.worker, push.push_id)
             self.ack(push.reply, {"status": late})
             push.reply = ()  # a folded push is in a later step's entry; it is not acknowledged twice
         for step in steps:

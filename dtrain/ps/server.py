@@ -120,12 +120,30 @@ class Server:
             raise RequestError(f"{name} must be a non-negative int, got {value!r}")
         return value
 
+    def _entry(self, h: dict, tensors: list) -> Entry:
+        """A replication entry from a peer, checked as a push is before anything is applied."""
+        replica = self._replica(h, head=False)
+        kind, pushes = h.get("kind"), h.get("pushes")
+        if kind not in ("init", "step"):
+            raise RequestError(f"replication entry kind must be 'init' or 'step', got {kind!r}")
+        if not (isinstance(pushes, list) and all(_is_push(p) for p in pushes)):
+            raise RequestError(f"replication entry pushes must be [worker, push_id, clock] ints, got {pushes!r}")
+        if any(p[0] >= self.config.num_workers for p in pushes):
+            raise RequestError(f"replication entry names a worker beyond {self.config.num_workers}: {pushes!r}")
+        if kind == "step":
+            keys, values = self._keys(replica, tensors, values=True)
+        else:
+            shape = replica.state.weights_shape
+            if len(tensors) != 2 or tensors[1].dtype != np.float32 or tensors[1].shape != shape:
+                raise RequestError(f"an init entry carries float32 rows {shape}")
+            keys, values = tensors
+        return Entry(self._int(h, "seq"), kind, self._int(h, "round"), keys, values, pushes)
+
     def handle(self, ident: bytes, msg: wire.Message) -> None:
         """Dispatch one authenticated message from a worker or a peer."""
         op, h = msg.op, msg.header
         if op == "rep":
-            keys, values = msg.tensors if len(msg.tensors) == 2 else (None, None)
-            entry = Entry(self._int(h, "seq"), h.get("kind"), self._int(h, "round"), keys, values, h.get("pushes"))
+            entry = self._entry(h, msg.tensors)
             self._replica(h, head=False).receive(entry)
             return self._serve_deferred(h["shard"])
         if op == "chain_ack":
@@ -260,9 +278,9 @@ class Server:
                 continue
             try:
                 self.handle(frames[0].bytes, msg)
-            except (RequestError, KeyError, TypeError, ValueError) as exc:
+            except Exception as exc:  # an authenticated but malformed message must not end the server
                 self.counts["errors"] += 1
-                print(f"server {self.rank}: bad {msg.op!r} message: {exc}", file=sys.stderr)
+                print(f"server {self.rank}: bad {msg.op!r} message: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def _drain_coordinator(self) -> None:
         while (msg := self.coord.try_recv()) is not None:
@@ -270,3 +288,7 @@ class Server:
                 self._layout(msg.header["layout"])
             elif msg.op == "stop":
                 self.running = False
+
+
+def _is_push(push: object) -> bool:
+    return isinstance(push, list) and len(push) == 3 and all(type(v) is int and v >= 0 for v in push)

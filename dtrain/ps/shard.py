@@ -50,7 +50,10 @@ class ShardState:
         workers = config.num_workers
         self.clocks = np.zeros(workers, np.int64)  # per worker: pushes applied so far (its SSP clock)
         self.applied = np.zeros(workers, np.int64)  # per worker: pushes folded into the weights
-        self.last_push = np.full(workers, -1, np.int64)  # per worker: highest push id accounted for
+        # per worker: every push id up to last_push is accounted for, and these ids above it too (a retried push
+        # may arrive after a later one, so the highest id seen would not say which are held)
+        self.last_push = np.full(workers, -1, np.int64)
+        self.pushes_above: list[set[int]] = [set() for _ in range(workers)]
 
     @property
     def weights_shape(self) -> tuple[int, int]:
@@ -71,7 +74,7 @@ class ShardState:
             self.optimizer.step(self.weights, local, entry.values)
         for worker, push_id, clock in entry.pushes:
             self.applied[worker] += 1
-            self.last_push[worker] = max(self.last_push[worker], push_id)
+            self.record_push(worker, push_id)
             self.clocks[worker] = max(self.clocks[worker], clock + 1)
         self.seq, self.round = entry.seq, entry.round
         return True
@@ -79,6 +82,17 @@ class ShardState:
     def rows(self, keys: np.ndarray) -> np.ndarray:
         """The current values of ``keys`` (all in range), ``(len(keys), width)``."""
         return self.weights[rows_index(keys - self.key_range.lo)].copy()  # a copy: replies are sent later
+
+    def holds_push(self, worker: int, push_id: int) -> bool:
+        """Whether push ``push_id`` of ``worker`` (ids count 0, 1, ... per worker and shard) is accounted for."""
+        return push_id <= self.last_push[worker] or push_id in self.pushes_above[worker]
+
+    def record_push(self, worker: int, push_id: int) -> None:
+        above = self.pushes_above[worker]
+        above.add(push_id)
+        while self.last_push[worker] + 1 in above:
+            above.discard(int(self.last_push[worker]) + 1)
+            self.last_push[worker] += 1
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Everything a replica holds, for comparing replicas."""

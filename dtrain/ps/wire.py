@@ -16,14 +16,20 @@ that window, so a captured message cannot be played again (hosts' clocks must ag
 :func:`decode` checks, in this order and before any payload is interpreted: the frame count, the header and
 total sizes, the MAC, the header's schema (op name, dtype names from a fixed list, shapes of non-negative
 ints), and that each frame holds exactly ``prod(shape) * itemsize`` bytes. Any failure is a :class:`WireError`;
-a server drops that message and goes on serving. Sockets also carry ZeroMQ's ``MAXMSGSIZE``, so a peer that
-sends more than the limit is disconnected by the transport before the bytes reach Python.
+a server drops that message and goes on serving. Sockets also carry ZeroMQ's ``MAXMSGSIZE``, which bounds each
+*frame*: a peer that sends a larger frame is disconnected by the transport before the bytes reach Python. The
+number of frames is checked only once ZeroMQ has received the whole multipart message, and the receive queue
+holds at most ``RCVHWM`` messages a peer, so a process that can reach the port but lacks the secret can still
+make a server buffer up to ``RCVHWM x frames x MAXMSGSIZE`` bytes before the MAC rejects them. Keep the servers
+on loopback or a private network (the default binds loopback); ZeroMQ's CURVE would authenticate connections
+before any message is buffered, and is not used here.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import time
@@ -120,12 +126,17 @@ def secret_from_env() -> bytes:
     return secret
 
 
+_RECEIVE_QUEUE_MESSAGES = 1000
+
+
 def configure_socket(sock: zmq.Socket, limits: Limits = Limits()) -> zmq.Socket:
     """Bound what ZeroMQ accepts on ``sock`` and never block at close on unsent messages."""
-    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + limits.max_header_bytes + 4096)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + limits.max_header_bytes + 4096)  # a frame's bound
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
-    sock.setsockopt(zmq.RCVHWM, 100_000)
+    # What a peer can make us buffer before decode() sees it is RCVHWM whole messages (see the module docstring);
+    # a sender past it blocks, nothing is lost.
+    sock.setsockopt(zmq.RCVHWM, _RECEIVE_QUEUE_MESSAGES)
     return sock
 
 
@@ -164,7 +175,7 @@ def _check_meta(meta: Any, payload: Sequence[memoryview], limits: Limits) -> lis
         if len(shape) > limits.max_ndim or not all(type(d) is int and d >= 0 for d in shape):
             raise WireError(f"tensor {i}: bad shape {shape!r} (at most {limits.max_ndim} non-negative ints)")
         dtype = np.dtype(DTYPES[entry[0]])
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
+        expected = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot wrap around to a match
         if expected != len(frame):
             raise WireError(f"tensor {i}: {entry[0]}{shape} needs {expected} bytes, the frame holds {len(frame)}")
         out.append((dtype, tuple(shape)))
@@ -194,5 +205,8 @@ def decode(secret: bytes, frames: Sequence, limits: Limits = Limits(), guard: Re
         guard.check(header)
     payload = views[1:-1]
     meta = _check_meta(header.pop("t", None), payload, limits)
-    tensors = [np.frombuffer(v, dtype=d).reshape(s) for v, (d, s) in zip(payload, meta, strict=True)]
+    try:
+        tensors = [np.frombuffer(v, dtype=d).reshape(s) for v, (d, s) in zip(payload, meta, strict=True)]
+    except ValueError as exc:  # sizes were checked above; anything numpy still refuses is a bad message too
+        raise WireError(f"tensor frames do not match their header: {exc}") from None
     return Message(header=header, tensors=tensors)

@@ -170,6 +170,8 @@ class FlowNetwork:
         """Start a flow now; ``on_done(t)`` is called when its last byte has arrived at ``dst``, ``on_sent(t)``
         when it has left ``src`` (the path's latency earlier: the sender may start its next message then). The
         flow's rate is capped at ``cap_bytes_per_s`` if given, else at the network's ``flow_cap_bytes_per_s``."""
+        if cap_bytes_per_s is not None and not cap_bytes_per_s > 0:
+            raise ValueError(f"a flow's rate cap must be > 0 bytes/s, got {cap_bytes_per_s!r} ({src} -> {dst})")
         path = self.topology.route(src, dst, flow_id)
         latency = sum(link.latency_s for link in path)
         if nbytes <= 0 or not path:
