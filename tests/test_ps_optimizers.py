@@ -84,3 +84,32 @@ def test_a_shard_knows_which_pushes_it_holds_whatever_order_they_came_in(order, 
     for push_id in order[:held]:
         state.record_push(0, push_id)
     assert [state.holds_push(0, i) for i in range(8)] == [i in order[:held] for i in range(8)]
+
+
+def test_a_folded_late_push_is_acknowledged_only_once_its_round_is_at_the_chain_tail():
+    # acknowledged at folding time, it would live only in the head's memory and die with it
+    from dtrain.ps.consistency import Push
+    from dtrain.ps.replication import Replica
+
+    config = JobConfig(num_keys=4, width=2, num_servers=2, num_workers=2, mode="quorum", quorum=1, late="fold",
+                       replicas=2, replication="chain")  # fmt: skip
+    sent, acks = [], []
+    head = Replica(
+        config, 0, partition(config.num_keys, 1)[0], 0, lambda *m: sent.append(m), lambda r, h: acks.append((r, h))
+    )
+    head.set_chain([0, 1])
+    head.init(np.zeros((4, 2), np.float32), Push(0, -1, -1, None, None, ("init",)))
+    head.chain_ack(head.state.seq)
+
+    def push(worker, push_id, clock):
+        return Push(
+            worker, push_id, clock, np.array([1], np.int64), np.ones((1, 2), np.float32), (f"w{worker}", push_id)
+        )
+
+    head.push(push(0, 0, 0))  # closes round 0 on its own (quorum 1)
+    head.push(push(1, 0, 0))  # late for round 0: folded into round 1
+    assert ("w1", 0) not in [r for r, _ in acks]
+    head.push(push(0, 1, 1))  # closes round 1, with the folded push
+    assert ("w1", 0) not in [r for r, _ in acks]  # applied at the head, not yet at the tail
+    head.chain_ack(head.state.seq)  # the tail has it
+    assert (("w1", 0), {"status": "folded"}) in acks

@@ -32,6 +32,7 @@ class Push:
     keys: np.ndarray
     grads: np.ndarray
     reply: tuple
+    late: str = ""  # "folded" once folded into a later round: its acknowledgement, when durable, says so
 
 
 @dataclass
@@ -90,13 +91,14 @@ class Policy:
         return self.config.mode in ("sync", "quorum")
 
     def offer(self, push: Push) -> tuple[list[Step], str]:
-        """Take a push; the steps it completes and, for a late push, ``"dropped"`` or ``"folded"`` (it is then
-        acknowledged at once; a folded one is applied when the open round closes)."""
+        """Take a push; the steps it completes and, for a late push, ``"dropped"`` or ``"folded"`` (a dropped
+        push is acknowledged at once; a folded one when the open round it joined is applied and durable)."""
         if not self.rounds_mode:
             return [Step(*self._mean([push]), [push], self.state.round + 1)], ""
         self.last_clock[push.worker] = max(self.last_clock[push.worker], push.clock)
         if push.clock < self.state.round:
             if self.config.mode == "quorum" and self.config.late == "fold":
+                push.late = "folded"
                 self.folded.append(push)
                 self.folded_total += 1
                 return self._close_ready(), "folded"
@@ -116,7 +118,12 @@ class Policy:
         # closed by a leader that then died without passing it on): do not wait for it.
         if not got and not self.folded and len(self.left) == self.config.num_workers:
             return False  # everyone left: no round to close
-        return all(w in got or self.last_clock[w] > r or w in self.left for w in range(self.config.num_workers))
+        # A worker whose late push is folded into this round has given it what it will give (it may be waiting
+        # for that push's acknowledgement before it goes on).
+        folded = {p.worker for p in self.folded}
+        return all(
+            w in got or self.last_clock[w] > r or w in self.left or w in folded for w in range(self.config.num_workers)
+        )
 
     def leave(self, worker: int) -> list[Step]:
         """``worker`` finished training: close the rounds that were waiting only for it."""

@@ -89,10 +89,12 @@ class Replica:
             self._ack_when_durable(push)  # a resend after failover of a push some entry already holds
             return
         steps, late = self.policy.offer(push)
-        if late:  # dropped, or folded into the open round (which may close only after this worker stopped)
+        if late:
             self.state.record_push(push.worker, push.push_id)
-            self.ack(push.reply, {"status": late})
-            push.reply = ()  # a folded push is in a later step's entry; it is not acknowledged twice
+            if late == "dropped":
+                self.ack(push.reply, {"status": late})
+            # a folded push is acknowledged with the entry of the round it joined, once that entry is durable:
+            # acknowledged earlier, it would be lost with this head
         for step in steps:
             self._commit(self._entry(step), step.pushes)
 
@@ -110,7 +112,7 @@ class Replica:
         successor = self._successor()
         if successor is None:
             for p in pushes:
-                self.ack(p.reply, {"status": "applied"})
+                self.ack(p.reply, {"status": p.late or "applied"})
         elif self.chain_mode:
             self.log.append(entry)
             self.waiting[entry.seq] = pushes
@@ -118,7 +120,7 @@ class Replica:
         else:
             self.outbox.append(entry)
             for p in pushes:
-                self.ack(p.reply, {"status": "applied"})
+                self.ack(p.reply, {"status": p.late or "applied"})
 
     def _ack_when_durable(self, push: Push) -> None:
         if self.chain_mode and self.log and self._successor() is not None:
@@ -165,4 +167,4 @@ class Replica:
         self.log = [e for e in self.log if e.seq > seq]
         for s in sorted(k for k in self.waiting if k <= seq):
             for p in self.waiting.pop(s):
-                self.ack(p.reply, {"status": "applied"})
+                self.ack(p.reply, {"status": p.late or "applied"})
