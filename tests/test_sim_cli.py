@@ -81,3 +81,93 @@ def test_a_calibration_file_sets_the_software_costs(capsys: pytest.CaptureFixtur
     free = run_json(capsys, *common)
     slow = run_json(capsys, *common, "--calibration", str(calibration))
     assert slow["time_s"] - free["time_s"] == pytest.approx(14 * 1e-3, rel=0.01)  # 2 (p - 1) rounds of alpha
+
+
+# -- dtrain simulate ps ------------------------------------------------------------------------------------------
+
+STAR = """
+name = "ps-star"
+{nodes}
+[[node]]
+name = "sw"
+kind = "switch"
+{links}
+"""
+
+
+def ps_star(tmp_path, gbyte_per_s: float = 1.0) -> str:
+    """Two machines with a GPU (workers) and two with a CPU (servers) on one switch, every link alike, no
+    latency: the uniform network of the closed forms."""
+    nodes, links = [], []
+    for name, kind, server in [("a/gpu0", "gpu", "a"), ("b/gpu0", "gpu", "b"), ("c/cpu0", "cpu", "c"),
+                               ("d/cpu0", "cpu", "d")]:  # fmt: skip
+        device = 'device = "h100-sxm"\n' if kind == "gpu" else ""
+        nodes.append(f'[[node]]\nname = "{name}"\nkind = "{kind}"\nserver = "{server}"\n{device}')
+        links.append(f'[[link]]\na = "{name}"\nb = "sw"\nkind = "ethernet100"\ngbyte_per_s = {gbyte_per_s}\n'
+                     "latency_s = 0.0\n")  # fmt: skip
+    path = tmp_path / "star.toml"
+    path.write_text(STAR.format(nodes="\n".join(nodes), links="\n".join(links)))
+    return str(path)
+
+
+def test_simulate_ps_of_a_dense_model_equals_the_closed_form(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    data = run_json(capsys, "simulate", "ps", "--topology", ps_star(tmp_path), "--servers", "2",
+                    "--server-placement", "apart", "--dense-bytes", "8M")  # fmt: skip
+    assert data["workers"] == ["a/gpu0", "b/gpu0"] and data["servers"] == ["c/cpu0", "d/cpu0"]
+    # each worker pushes 8 MiB (half to each server) up its link, then pulls it back: two phases of P / B
+    assert data["time_s"] == pytest.approx(2 * 8 * 2**20 / 1e9, rel=1e-6)
+    assert [s["push_bytes"] for s in data["server_loads"]] == [8 * 2**20, 8 * 2**20]
+    assert data["imbalance"] == {"bytes": 1.0, "pulls": 1.0, "requests": 1.0}
+
+
+def test_simulate_ps_counts_params_and_the_optimizer(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    argv = ["simulate", "ps", "--topology", ps_star(tmp_path), "--workers", "a/gpu0", "--servers", "c/cpu0"]
+    free = run_json(capsys, *argv, "--params", "1e6")
+    slow = run_json(capsys, *argv, "--params", "1e6", "--apply-gbyte-per-s", "2")
+    assert free["dense_bytes"] == 4e6 and free["time_s"] == pytest.approx(2 * 4e6 / 1e9)
+    assert slow["time_s"] - free["time_s"] == pytest.approx(4e6 / 2e9)  # one apply of the 4 MB shard
+
+
+def test_simulate_ps_places_servers_beside_or_apart_from_the_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["simulate", "ps", "--topology", "4-rack", "--set", "racks=1", "--workers", "16", "--dense-bytes", "1M"]
+    beside = run_json(capsys, *common, "--servers", "2")
+    apart = run_json(capsys, *common, "--servers", "3", "--server-placement", "apart")
+    assert beside["servers"] == ["s0/cpu0", "s1/cpu0"]  # the workers are on s0 and s1's GPUs
+    assert apart["servers"] == ["s2/cpu0", "s2/cpu1", "s3/cpu0"]
+
+
+def test_simulate_ps_table_shows_step_servers_and_bottleneck(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    argv = ["simulate", "ps", "--topology", ps_star(tmp_path), "--servers", "c/cpu0,d/cpu0", "--batch", "64",
+            "--ids-per-example", "4", "--key-space", "1000", "--zipf", "1.2", "--hot-keys", "8",
+            "--hot-replicas", "1"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "parameter-server step on ps-star: 2 workers, 2 servers, sync" in out
+    assert "128 Zipf(1.2) ids a worker" in out  # 64 examples over 2 workers, 4 ids each
+    assert "servers" in out and "c/cpu0" in out and "busiest links" in out and "bottleneck" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--dense-bytes", "1M", "--workers", "999"], "--workers 999: topology"),
+        (["--dense-bytes", "1M", "--servers", "99", "--server-placement", "apart"], "--servers 99: only 30 CPUs"),
+        (["--dense-bytes", "1M", "--servers", "nowhere"], "'nowhere' is not a node"),
+        (["--workers", "4"], "nothing to move"),
+        (["--rows-per-worker", "100"], "need --key-space"),
+        (["--dense-bytes", "1M", "--replicas", "3"], "replicas must be in 1..1"),
+        (["--dense-bytes", "1M", "--apply-gbyte-per-s", "0"], "--apply-gbyte-per-s must be > 0"),
+        (["--dense-bytes", "1M", "--set", "racks=0"], "racks"),
+    ],
+)
+def test_simulate_ps_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str], extra, message: str) -> None:
+    assert main(["simulate", "ps", "--topology", "4-rack", "--workers", "8", *extra]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.out + captured.err
+
+
+def test_simulate_ps_rejects_bad_flags_at_parse_time() -> None:
+    for bad in (["--mode", "quorum"], ["--dense-bytes", "lots"], ["--dense-bytes", "1M", "--params", "5"]):
+        done = subprocess.run([sys.executable, "-m", "dtrain", "simulate", "ps", "--topology", "4-rack", *bad],
+                              capture_output=True, text=True, cwd=".")  # fmt: skip
+        assert done.returncode == 2 and "error" in done.stderr

@@ -1,4 +1,4 @@
-"""``dtrain simulate collective|train`` and ``dtrain plan``: the simulator on a preset or a topology file.
+"""``dtrain simulate collective|train|ps`` and ``dtrain plan``: the simulator on a preset or a topology file.
 
 Registered by :mod:`dtrain.cli.cluster` (``register(commands)``). Readable rich tables, or ``--json``.
 """
@@ -35,10 +35,11 @@ def _slow_rank(text: str) -> tuple[int, float]:
 
 
 def register(commands) -> None:
-    """Add ``simulate`` (``collective``, ``train``) and ``plan`` to ``dtrain``."""
+    """Add ``simulate`` (``collective``, ``train``, ``ps``) and ``plan`` to ``dtrain``."""
     from dtrain.cli.main import parse_bytes
+    from dtrain.cli.sim_ps import add_ps_parser
 
-    sim = commands.add_parser("simulate", help="simulate a collective or a training step on a cluster topology")
+    sim = commands.add_parser("simulate", help="simulate a collective, a training step or a parameter-server step")
     sub = sim.add_subparsers(dest="simulate_command", required=True)
     p = sub.add_parser("collective", help="replay a dtrain.comm schedule: time, link utilisation, bottleneck")
     _add_topology(p)
@@ -68,6 +69,7 @@ def register(commands) -> None:
     p.add_argument("--straggler-sigma", type=float, default=0.0, help="lognormal sigma of every rank's slowdown")
     p.add_argument("--links", type=int, default=8, help="busiest links to show")
     p.set_defaults(handler=_simulate_train)
+    add_ps_parser(sub, parse_bytes)
 
     p = commands.add_parser("plan", help="rank dp/tp/pp/micro-batch layouts and placements by simulated step time")
     _add_topology(p)

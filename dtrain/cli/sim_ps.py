@@ -1,0 +1,196 @@
+"""``dtrain simulate ps``: one parameter-server step (:func:`dtrain.sim.ps.simulate_ps`) on a preset or a file.
+
+Added to ``dtrain simulate`` by :mod:`dtrain.cli.sim`. Workers and servers are topology nodes, named or
+counted: ``--workers 56`` takes the first 56 accelerators; ``--servers 8`` puts 8 servers on CPUs, either
+``beside`` the workers (CPU 0 of machines spread evenly over the workers' machines, as in ps-lite deployments
+where every machine runs a server) or ``apart`` (the CPUs of machines that hold no worker, a server rack).
+What a step moves is a dense model (``--dense-bytes`` or ``--params``) and embedding rows drawn from a Zipf
+law (``--rows-per-worker``, or ``--batch`` examples of ``--ids-per-example`` ids a step). Prints the step time,
+each server's load, the busiest links and the bottleneck, or ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["add_ps_parser", "place_ps"]
+
+PLACEMENTS = ("beside", "apart")
+
+
+def add_ps_parser(sub, parse_bytes) -> argparse.ArgumentParser:
+    """The ``ps`` sub-mode of ``dtrain simulate`` (its handler set); ``parse_bytes`` reads "20M"."""
+    p = sub.add_parser("ps", help="one parameter-server step: push, apply, pull; per-server load, bottleneck")
+    p.add_argument("--topology", required=True, help="a preset (dtrain topology --help lists them) or a file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="preset parameter, e.g. racks=2")
+    p.add_argument("--workers", help="a count (the first N accelerators) or comma-separated nodes (default: all)")
+    p.add_argument("--servers", default="1", help="a count (placed by --server-placement) or comma-separated nodes")
+    p.add_argument("--server-placement", choices=PLACEMENTS, default="beside",
+                   help="beside: CPU 0 of machines spread over the workers'; apart: free machines")  # fmt: skip
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--dense-bytes", type=parse_bytes, default=0, help="dense parameters a step, e.g. 20M")
+    size.add_argument("--params", type=float, help="dense parameters, e.g. 5e6 (times --bytes-per-param)")
+    p.add_argument("--bytes-per-param", type=int, default=4, help="4 for float32 (the default), 2 for bf16")
+    rows = p.add_mutually_exclusive_group()
+    rows.add_argument("--rows-per-worker", type=int, help="embedding ids each worker draws a step")
+    rows.add_argument("--batch", type=int, help="examples a step over all workers (with --ids-per-example)")
+    p.add_argument("--ids-per-example", type=int, default=1, help="embedding ids an example looks up")
+    p.add_argument("--key-space", type=int, default=0, help="embedding rows in the table")
+    p.add_argument("--row-bytes", type=int, default=256, help="bytes a row (64 float32: 256)")
+    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids (0: uniform)")
+    p.add_argument("--permute", action="store_true", help="hash ids over the key space (else popular ids first)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=["sync", "async"], default="sync")
+    p.add_argument("--replicas", type=int, default=1, help="servers in each shard's chain")
+    p.add_argument("--hot-keys", type=int, default=0, help="most-pulled rows of each server to copy")
+    p.add_argument("--hot-replicas", type=int, default=0, help="other servers each hot row is copied to")
+    p.add_argument("--apply-gbyte-per-s", type=float, help="a server's optimizer speed, GB/s (default: free)")
+    p.add_argument("--links", type=int, default=8, help="busiest links to show")
+    p.set_defaults(handler=simulate_ps_command)
+    return p
+
+
+def _parse_nodes(text: str | None) -> int | list[str] | None:
+    if text is None:
+        return None
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"expected a count or comma-separated node names, got {text!r}")
+    return names
+
+
+def _cpus(topology, machine: str) -> list[str]:
+    return [n for n, a in topology.graph.nodes(data=True) if a["kind"] == "cpu" and a.get("server") == machine]
+
+
+def place_ps(topology, workers: int | list[str] | None, servers: int | list[str], placement: str
+             ) -> tuple[list[str], list[str]]:  # fmt: skip
+    """Worker and server nodes: names are kept, counts are placed (see the module docstring)."""
+    devices = [d.name for d in topology.devices()]
+    if workers is None:
+        workers = devices
+    elif isinstance(workers, int):
+        if not 1 <= workers <= len(devices):
+            raise ValueError(f"--workers {workers}: topology {topology.name!r} has {len(devices)} accelerators")
+        workers = devices[:workers]
+    if isinstance(servers, list):
+        return workers, servers
+    if servers < 1:
+        raise ValueError(f"--servers must be at least 1, got {servers}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"server placement must be one of {PLACEMENTS}, got {placement!r}")
+    used = {topology.graph.nodes[w].get("server") for w in workers if w in topology.graph}
+    machines = [m for m in topology.servers() if (m in used) == (placement == "beside")]
+    if placement == "beside":  # evenly spaced machines, then their second CPUs, ...
+        order = [machines[i * len(machines) // min(servers, len(machines))] for i in range(min(servers, len(machines)))]
+        order += [m for m in machines if m not in order]
+        slots = [cpus[k] for k in range(8) for m in order if k < len(cpus := _cpus(topology, m))]
+    else:  # a server rack: every CPU of each free machine, machine by machine
+        slots = [cpu for m in machines for cpu in _cpus(topology, m)]
+    if len(slots) < servers:
+        where = "the workers' machines" if placement == "beside" else "machines without workers"
+        other = "apart" if placement == "beside" else "beside"
+        raise ValueError(f"--servers {servers}: only {len(slots)} CPUs on {where} of {topology.name!r}; name the "
+                         f"server nodes, or use fewer servers or --server-placement {other}")  # fmt: skip
+    return workers, slots[:servers]
+
+
+def _step(args: argparse.Namespace, topology):
+    from dtrain.sim.ps import PSStep
+
+    workers, servers = place_ps(topology, _parse_nodes(args.workers), _parse_nodes(args.servers),
+                                args.server_placement)  # fmt: skip
+    if args.params is not None and not args.params >= 0:
+        raise ValueError(f"--params must be >= 0, got {args.params}")
+    dense = args.params * args.bytes_per_param if args.params is not None else float(args.dense_bytes)
+    rows = args.rows_per_worker or 0
+    if args.batch is not None:
+        if args.batch < len(workers) or args.ids_per_example < 1:
+            raise ValueError(f"--batch {args.batch} x --ids-per-example {args.ids_per_example}: need at least one "
+                             f"example for each of the {len(workers)} workers and one id an example")  # fmt: skip
+        rows = args.batch // len(workers) * args.ids_per_example
+    if rows and not args.key_space:
+        raise ValueError(f"{rows} embedding ids a worker need --key-space (rows in the embedding table)")
+    if not dense and not rows:
+        raise ValueError("nothing to move: give --dense-bytes / --params, or embedding ids (--rows-per-worker or "
+                         "--batch with --key-space)")  # fmt: skip
+    if args.apply_gbyte_per_s is not None and not args.apply_gbyte_per_s > 0:
+        raise ValueError(f"--apply-gbyte-per-s must be > 0, got {args.apply_gbyte_per_s}")
+    return PSStep(
+        workers=workers, servers=servers, dense_bytes=dense, rows_per_worker=rows, key_space=args.key_space,
+        row_bytes=args.row_bytes, zipf=args.zipf, permute=args.permute, seed=args.seed, mode=args.mode,
+        replicas=args.replicas, hot_keys=args.hot_keys, hot_replicas=args.hot_replicas,
+        apply_s_per_byte=1 / (args.apply_gbyte_per_s * 1e9) if args.apply_gbyte_per_s else 0.0,
+    )  # fmt: skip
+
+
+def simulate_ps_command(args: argparse.Namespace) -> int:
+    """``dtrain simulate ps``: the step, its servers' loads and its busiest links."""
+    from dtrain.cli.cluster import _parse_setting
+    from dtrain.cli.sim import _link_rows
+    from dtrain.cluster.files import resolve
+    from dtrain.sim.ps import simulate_ps
+
+    topology = resolve(args.topology, **dict(_parse_setting(s) for s in args.set))
+    topology.validate()
+    step = _step(args, topology)
+    result = simulate_ps(topology, step)
+    data = {
+        "topology": topology.name, "mode": step.mode, "workers": list(step.workers), "servers": list(step.servers),
+        "dense_bytes": step.dense_bytes, "rows_per_worker": step.rows_per_worker, "key_space": step.key_space,
+        "row_bytes": step.row_bytes, "zipf": step.zipf, "replicas": step.replicas, "hot_keys": step.hot_keys,
+        "hot_replicas": step.hot_replicas, "time_s": result.time_s,
+        "worker_s": {"min": min(result.worker_s), "median": statistics.median(result.worker_s),
+                     "max": max(result.worker_s)},
+        "imbalance": {"bytes": result.byte_imbalance, "pulls": result.pull_imbalance,
+                      "requests": result.request_imbalance},
+        "server_loads": [{"node": s.node, "push_bytes": s.push_bytes, "pull_bytes": s.pull_bytes,
+                          "requests": s.requests, "replication_bytes": s.replication_bytes} for s in result.servers],
+        "bottleneck": result.bottleneck.link.name if result.bottleneck else None,
+        "links": _link_rows(result.links, args.links),
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    _print(data)
+    return 0
+
+
+def _print(data: dict) -> None:
+    from dtrain.cli.sim import _link_table
+
+    console = Console()
+    moved = []
+    if data["dense_bytes"]:
+        moved.append(f"{data['dense_bytes'] / 1e6:,.1f} MB dense")
+    if data["rows_per_worker"]:
+        moved.append(f"{data['rows_per_worker']:,} Zipf({data['zipf']:g}) ids a worker over {data['key_space']:,} "
+                     f"rows of {data['row_bytes']} B")  # fmt: skip
+    w = data["worker_s"]
+    console.print(
+        f"parameter-server step on {data['topology']}: {len(data['workers'])} workers, {len(data['servers'])} "
+        f"servers, {data['mode']}, {' + '.join(moved)}\n"
+        f"step [bold]{w['max'] * 1e3:.3f} ms[/bold] (last worker); median worker {w['median'] * 1e3:.3f} ms, "
+        f"first {w['min'] * 1e3:.3f} ms; bottleneck {data['bottleneck'] or '-'}\n"
+        f"load max/mean: bytes {data['imbalance']['bytes']:.2f}, pulls {data['imbalance']['pulls']:.2f}, "
+        f"requests {data['imbalance']['requests']:.2f}",
+        soft_wrap=True,
+    )
+    table = Table(title="servers")
+    for column in ("server", "push MB", "pull MB", "requests", "replication MB", "share of bytes"):
+        table.add_column(column, justify="left" if column == "server" else "right")
+    total = sum(s["push_bytes"] + s["pull_bytes"] for s in data["server_loads"]) or 1.0
+    for s in data["server_loads"]:
+        share = (s["push_bytes"] + s["pull_bytes"]) / total
+        table.add_row(s["node"], f"{s['push_bytes'] / 1e6:,.2f}", f"{s['pull_bytes'] / 1e6:,.2f}", str(s["requests"]),
+                      f"{s['replication_bytes'] / 1e6:,.2f}", f"{share:.1%}")  # fmt: skip
+    console.print(table)
+    console.print(_link_table(data["links"], "busiest links"))
