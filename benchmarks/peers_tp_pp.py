@@ -8,11 +8,17 @@
 call; at k = 1 also the plain ``nn.Sequential``; at the full world also torch's ``parallelize_module`` with
 ``ColwiseParallel`` / ``RowwiseParallel`` on a 1-D device mesh. Parameter bytes a rank and peak memory.
 
-**Pipeline**: ``--pp-layers`` x (Linear(W, W) + GeLU) cut into one stage a rank, ``--pp-batch`` rows a step,
-for each micro-batch count of ``--microbatches``: our :class:`PipelineParallel` (GPipe, 1F1B) against
-``torch.distributed.pipelining`` (``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B``) on the same
-stages, timed in rotating turns. Both must give the same gradients from the same weights: checked once
-(``max_abs_grad_diff_vs_torch``), and every tensor-parallel output is checked against one device's.
+**Pipeline**: ``--pp-layers`` x (Linear(W, W) + GeLU) cut into one stage a rank (two chunks a rank for
+interleaved 1F1B), ``--pp-batch`` rows a step, SGD. For each schedule family and micro-batch count ``m``, our
+:class:`PipelineParallel` against ``torch.distributed.pipelining`` on the same cut of the same weights:
+``ScheduleGPipe``, ``Schedule1F1B``, and ``ScheduleInterleaved1F1B`` over ``PipelineStage`` s, p + s (Narayanan
+et al. 2021, section 2.2.2). Each pair: the gradients of one step from the same weights
+(``max_abs_grad_diff_vs_torch``, the largest over the stages), the peak memory of one step, then the step time,
+timed in rotating turns (:func:`peer_timing.time_variants`) with ``--pp-trials`` trials of at most
+``--pp-iters`` steps, fewer if they would not fit ``--pp-budget-s``. The most telling pairs run first (GPipe
+and 1F1B at the first two ``--microbatches``, then interleaved there, then the rest), and rank 0 prints each
+row as a JSON line and appends it to ``--out`` as soon as it is measured, so a run cut short keeps what it
+finished; ``--stall-s`` is re-armed for each pair, and a pair that stalls dumps every stack and ends the run.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from __future__ import annotations
 import argparse
 import copy
 import faulthandler
+import gc
 import json
-import os
+import time
 from pathlib import Path
 
 import peer_timing as pt
@@ -30,12 +37,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtrain.bench.launch import run_ranks
 from dtrain.parallel.pipeline_parallel import PipelineParallel, partition_layers
 from dtrain.parallel.tensor_parallel import ParallelMLP
+
+PP_FAMILIES = ["gpipe", "1f1b", "interleaved"]
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def _train_step(model: nn.Module, optimizer, x: torch.Tensor):
@@ -47,7 +57,7 @@ def _train_step(model: nn.Module, optimizer, x: torch.Tensor):
     return step
 
 
-def _tensor_parallel(args, groups) -> list[dict]:
+def _tensor_parallel(args, groups, emit) -> None:
     dev, rank, world = pt.device(), dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = nn.Sequential(
@@ -56,7 +66,6 @@ def _tensor_parallel(args, groups) -> list[dict]:
     reference = reference.to(dev)
     x = torch.randn(args.tp_tokens, args.tp_dim, generator=torch.Generator().manual_seed(1)).to(dev)  # (N, D)
     expected = reference(x).detach()
-    records = []
     for k, group in groups.items():
         dist.barrier()
         if rank >= k:
@@ -74,32 +83,42 @@ def _tensor_parallel(args, groups) -> list[dict]:
         seconds = pt.time_variants(steps, warmup=args.warmup, iters=args.iters, trials=args.trials, group=group)
         for name, m in models.items():
             local = [p.to_local() if hasattr(p, "to_local") else p for p in m.parameters()]
-            records.append(
+            emit(
                 {
                     "section": "tp",
                     "variant": name,
                     "ranks": k,
                     "step_s": seconds[name],
+                    "ratio_vs_torch": seconds["torch-tp"] / seconds[name] if "torch-tp" in seconds else None,
                     "parameter_nbytes_per_rank": sum(p.numel() * p.element_size() for p in local),
                     "peak_memory_bytes": pt.peak_memory(steps[name]),
                     "max_abs_error_vs_single": errors[name],
                 }
             )
-    return records
 
 
-def _pipeline_model(args) -> nn.Sequential:
+def _pipeline_template(args) -> nn.Sequential:
+    """The full model, built once a rank on its device from one seed (the same on every rank); each variant
+    deep-copies it, so all start from the same weights without re-initializing 16 layers on the host."""
     torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(args.pp_width, args.pp_width), nn.GELU()) for _ in range(args.pp_layers)]
-    return nn.Sequential(*layers).to(pt.device())
+    with pt.device():
+        return nn.Sequential(
+            *(nn.Sequential(nn.Linear(args.pp_width, args.pp_width), nn.GELU()) for _ in range(args.pp_layers))
+        )
 
 
-def _torch_pipeline(model: nn.Sequential, schedule_cls, m: int):
+def _torch_pipeline(model: nn.Sequential, family: str, m: int, v: int):
+    """torch.distributed.pipelining on the same cut as ours: rank s holds stages s, s + p, ... of v p."""
     p, rank = dist.get_world_size(), dist.get_rank()
-    stage_range = partition_layers(model, p)[rank]
-    submodule = model[stage_range.start : stage_range.stop]
-    stage = PipelineStage(submodule, rank, p, pt.device())
-    return submodule, schedule_cls(stage, n_microbatches=m, loss_fn=F.mse_loss)
+    chunks = v if family == "interleaved" else 1
+    ranges = partition_layers(model, chunks * p)
+    submodules = [model[ranges[c * p + rank].start : ranges[c * p + rank].stop] for c in range(chunks)]
+    stages = [PipelineStage(sub, c * p + rank, chunks * p, pt.device()) for c, sub in enumerate(submodules)]
+    if family == "interleaved":
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=F.mse_loss)
+    else:
+        schedule = TORCH_SCHEDULES[family](stages[0], n_microbatches=m, loss_fn=F.mse_loss)
+    return nn.ModuleList(submodules), schedule
 
 
 def _pipeline_step(kind: str, runner, params, x, y):
@@ -121,67 +140,122 @@ def _pipeline_step(kind: str, runner, params, x, y):
     return step
 
 
-def _pipeline(args) -> list[dict]:
+def _pipeline_order(args) -> list[tuple[str, int]]:
+    """(family, m) in the order of what matters most: GPipe and 1F1B at the first two micro-batch counts,
+    interleaved 1F1B at those, then the same for the remaining counts. Interleaved only where ``m`` is a
+    multiple of the stages (Megatron-LM's rule, ours too) and the layers give every chunk one."""
+    p, families = dist.get_world_size(), args.pp_variants
+    fits = args.pp_layers >= args.pp_virtual_stages * p
+    order = []
+    for ms in (args.microbatches[:2], args.microbatches[2:]):
+        order += [(f, m) for m in ms for f in ("gpipe", "1f1b") if f in families]
+        order += [("interleaved", m) for m in ms if "interleaved" in families and fits and m % p == 0]
+    return order
+
+
+def _pipeline_item(args, template: nn.Sequential, family: str, m: int, x, y) -> list[dict]:
+    """Ours against torch's schedule of ``family`` at ``m`` micro-batches: the gradients of one step from the
+    same weights, the peak memory of a step, then the step time in rotating turns within the time budget."""
+    v = args.pp_virtual_stages if family == "interleaved" else 1
+    schedule = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b"}[family]
+    extra = {"virtual_stages": v} if family == "interleaved" else {}
+    ours = PipelineParallel(copy.deepcopy(template), dist.group.WORLD, num_microbatches=m, schedule=schedule, **extra)
+    theirs_params, theirs = _torch_pipeline(copy.deepcopy(template), family, m, v)
+    params = {f"ours-{family}": list(ours.parameters()), f"torch-{family}": list(theirs_params.parameters())}
+    steps = {
+        f"ours-{family}": _pipeline_step("ours", ours, params[f"ours-{family}"], x, y),
+        f"torch-{family}": _pipeline_step("torch", theirs, params[f"torch-{family}"], x, y),
+    }
+    grads = {}
+    for name, step in steps.items():  # the first step of each, from the same weights
+        step()
+        grads[name] = [q.grad.detach().clone() for q in params[name]]
+    diff = max((a - b).abs().max().item() for a, b in zip(*grads.values(), strict=True))
+    diff = pt.slowest(diff)  # the largest over the stages
+    del grads
+    peaks = {name: pt.peak_memory(step) for name, step in steps.items()}
+    iters, seconds = _timed_within_budget(args, steps)
+    rows = []
+    for name, s in seconds.items():
+        rows.append(
+            {
+                "section": "pp",
+                "variant": name,
+                "schedule": schedule,
+                "virtual_stages": v,
+                "ranks": dist.get_world_size(),
+                "microbatches": m,
+                "step_s": s,
+                "ratio_vs_torch": seconds[f"torch-{family}"] / s,
+                "peak_memory_bytes": peaks[name],
+                "max_abs_grad_diff_vs_torch": diff,
+                "warmup": args.pp_warmup,
+                "iters": iters,
+                "trials": args.pp_trials,
+            }
+        )
+    return rows
+
+
+def _timed_within_budget(args, steps: dict) -> tuple[int, dict[str, float]]:
+    """Warm up, then time with as many calls a trial (up to ``--pp-iters``) as fit ``--pp-budget-s``."""
+    start = time.perf_counter()
+    for step in steps.values():
+        for _ in range(args.pp_warmup):
+            step()
+    pt.sync()
+    per_step = pt.slowest((time.perf_counter() - start) / max(1, args.pp_warmup * len(steps)))
+    fit = int(args.pp_budget_s / (per_step * args.pp_trials * len(steps)))
+    iters = max(1, min(args.pp_iters, fit))
+    return iters, pt.time_variants(steps, warmup=0, iters=iters, trials=args.pp_trials)
+
+
+def _pipeline(args, emit) -> None:
+    """Every (family, m) of :func:`_pipeline_order`, each row emitted as soon as it is measured. With
+    ``--stall-s``, each item gets that long before every stack is dumped and the run ends."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(args.pp_batch, args.pp_width, generator=gen).to(pt.device())  # (B, W)
     y = torch.randn(args.pp_batch, args.pp_width, generator=gen).to(pt.device())  # (B, W)
-    records = []
-    for m in args.microbatches:
-        steps, grads = {}, {}
-        for name, schedule_cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-            ours = PipelineParallel(_pipeline_model(args), dist.group.WORLD, num_microbatches=m, schedule=name)
-            submodule, theirs = _torch_pipeline(_pipeline_model(args), schedule_cls, m)
-            steps[f"ours-{name}"] = _pipeline_step("ours", ours, list(ours.parameters()), x, y)
-            steps[f"torch-{name}"] = _pipeline_step("torch", theirs, list(submodule.parameters()), x, y)
-            if name == "1f1b":  # one step from the same weights: the gradients must agree
-                for key, params in ((f"ours-{name}", ours.parameters()), (f"torch-{name}", submodule.parameters())):
-                    params = list(params)
-                    steps[key]()
-                    grads[key] = [p.grad.detach().clone() for p in params]
-        if m % dist.get_world_size() == 0:  # interleaved 1F1B, 2 chunks a stage; torch's needs several stages a rank
-            model, world = _pipeline_model(args), dist.group.WORLD
-            kind = {"schedule": "interleaved-1f1b", "virtual_stages": 2}
-            interleaved = PipelineParallel(model, world, num_microbatches=m, **kind)
-            steps["ours-interleaved"] = _pipeline_step("ours", interleaved, list(interleaved.parameters()), x, y)
-        diff = max((a - b).abs().max().item() for a, b in zip(grads["ours-1f1b"], grads["torch-1f1b"], strict=True))
-        seconds = pt.time_variants(steps, warmup=args.warmup, iters=args.iters, trials=args.trials)
-        for name, s in seconds.items():
-            records.append(
-                {
-                    "section": "pp",
-                    "variant": name,
-                    "ranks": dist.get_world_size(),
-                    "microbatches": m,
-                    "step_s": s,
-                    "max_abs_grad_diff_vs_torch": diff,
-                }
-            )
-    return records
+    template = _pipeline_template(args)
+    for family, m in _pipeline_order(args):
+        if args.stall_s:
+            faulthandler.dump_traceback_later(args.stall_s, exit=True)
+        for row in _pipeline_item(args, template, family, m, x, y):
+            emit(row)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
-def _rank_main(args) -> list[dict]:
+def _emitter(args):
+    """Rank 0 prints each record as one JSON line the moment it exists and appends it (with the machine) to
+    ``--out``, so a run cut short by its time limit keeps every finished row; the other ranks drop them."""
+    machine = pt.machine()
+    if dist.get_rank() == 0 and args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("")
+
+    def emit(record: dict) -> None:
+        if dist.get_rank():
+            return
+        print(json.dumps(record), flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps(record | machine) + "\n")
+
+    return emit
+
+
+def _rank_main(args) -> None:
     if args.stall_s:  # a run that stalls prints every thread's stack and ends, rather than hanging silently
         faulthandler.dump_traceback_later(args.stall_s, exit=True)
     torch.backends.cuda.matmul.allow_tf32 = True
-    records = []
+    emit = _emitter(args)
     if "tp" in args.sections:
-        records += _tensor_parallel(args, pt.subgroups(tuple(args.sizes)))
+        _tensor_parallel(args, pt.subgroups(tuple(args.sizes)), emit)
     if "pp" in args.sections:
-        records += _pipeline(args)
-    torch_tp = next((r["step_s"] for r in records if r["variant"] == "torch-tp"), None)
-    torch_pp = {
-        (r["microbatches"], r["variant"][6:]): r["step_s"]
-        for r in records
-        if r["section"] == "pp" and r["variant"].startswith("torch-")
-    }
-    for r in records:
-        if r["section"] == "tp":
-            base = torch_tp if r["ranks"] == dist.get_world_size() else None
-        else:
-            base = torch_pp.get((r["microbatches"], r["variant"].split("-")[1].replace("interleaved", "1f1b")))
-        r["ratio_vs_torch"] = base / r["step_s"] if base else None
-        r |= pt.machine()
-    return records
+        _pipeline(args, emit)
+    faulthandler.cancel_dump_traceback_later()
 
 
 def main() -> None:
@@ -191,24 +265,29 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--tp-dim", type=int, default=4096)
     p.add_argument("--tp-tokens", type=int, default=8192)
+    p.add_argument("--warmup", type=int, default=2, help="tensor parallel: untimed calls")
+    p.add_argument("--iters", type=int, default=3, help="tensor parallel: calls a trial")
+    p.add_argument("--trials", type=int, default=5, help="tensor parallel: trials (the median is reported)")
     p.add_argument("--pp-width", type=int, default=4096)
     p.add_argument("--pp-layers", type=int, default=16)
     p.add_argument("--pp-batch", type=int, default=1024)
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--pp-variants", nargs="+", choices=["gpipe", "1f1b", "interleaved"], default=PP_FAMILIES)
+    p.add_argument("--pp-virtual-stages", type=int, default=2, help="model chunks a rank for interleaved 1F1B")
+    p.add_argument("--pp-warmup", type=int, default=2, help="pipeline: untimed steps of each variant")
+    p.add_argument("--pp-iters", type=int, default=3, help="pipeline: most steps a trial")
+    p.add_argument("--pp-trials", type=int, default=3, help="pipeline: trials (the median is reported)")
+    p.add_argument(
+        "--pp-budget-s", type=float, default=5.0, help="pipeline: seconds of timed steps a (schedule, m), at most"
+    )
     p.add_argument("--stall-s", type=float, default=0, help="dump every stack and exit after this long (0: never)")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="JSON lines, appended as rows are measured")
     args = p.parse_args()
-    records = run_ranks(_rank_main, args.nproc, args)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank returns the records; rank 0 reports
-        return
-    for r in records:
-        print(json.dumps({k: v for k, v in r.items() if k != "hostname"}))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    if args.pp_warmup < 1 or min(args.pp_iters, args.pp_trials, args.pp_virtual_stages) < 1:
+        p.error("--pp-warmup, --pp-iters, --pp-trials and --pp-virtual-stages must be at least 1")
+    if "pp" in args.sections and any(args.pp_batch % m for m in args.microbatches):
+        p.error(f"--pp-batch {args.pp_batch} must be a multiple of every --microbatches value {args.microbatches}")
+    run_ranks(_rank_main, args.nproc, args)
 
 
 if __name__ == "__main__":
