@@ -22,8 +22,14 @@ for part in $parts; do
     dp) tr benchmarks/peers_dp_zero.py --out "$out/dp-zero.jsonl" | cut -c1-220 ;;
     tp) LIMIT=120 tr benchmarks/peers_tp_pp.py --sections tp --stall-s 100 --tp-dim 8192 --tp-tokens 16384 --out "$out/tp.jsonl" \
           | cut -c1-200 ;;
-    pp) LIMIT=120 tr benchmarks/peers_tp_pp.py --sections pp --pp-width 4096 --pp-batch 8192 --microbatches 4 8 16 32 \
-          --out "$out/pp.jsonl" | cut -c1-200 ;;
+    pp) LIMIT=150 tr benchmarks/peers_tp_pp.py --sections pp --pp-width 4096 --pp-batch 8192 --microbatches 4 8 16 32 \
+          --pp-warmup 2 --pp-iters 3 --pp-trials 3 --pp-budget-s 3 --stall-s 45 --out "$out/pp.jsonl" ;;
+    bubble) # p = 2 on GPUs 0-1, then p = 4: 32 x Linear(4096, 4096) fp32/TF32, 8192 rows a step
+      for p in 2 4; do
+        timeout 120 torchrun --nproc-per-node $p benchmarks/pipeline_bubble.py --layers 32 --width 4096 --batch 8192 \
+          --stall-s 45 --out "$out/bubble-p$p.jsonl" 2>&1 | grep --line-buffered -v -iE "warn|^\s*$"
+      done
+      python3 benchmarks/pipeline_bubble.py --report "$out"/bubble-p2.jsonl "$out"/bubble-p4.jsonl --plot "$out/bubble.png" ;;
     graphs) LIMIT=60 tr -m dtrain bench comm --algorithms ring,native --graphs --min-bytes 1M --max-bytes 4M \
           --out "$out/graphs.jsonl" | tail -3 ;;
     train)

@@ -140,11 +140,11 @@ def _pipeline_step(kind: str, runner, params, x, y):
     return step
 
 
-def _pipeline_order(args) -> list[tuple[str, int]]:
+def _pipeline_order(args, p: int) -> list[tuple[str, int]]:
     """(family, m) in the order of what matters most: GPipe and 1F1B at the first two micro-batch counts,
     interleaved 1F1B at those, then the same for the remaining counts. Interleaved only where ``m`` is a
-    multiple of the stages (Megatron-LM's rule, ours too) and the layers give every chunk one."""
-    p, families = dist.get_world_size(), args.pp_variants
+    multiple of the ``p`` stages (Megatron-LM's rule, ours too) and the layers give every chunk one."""
+    families = args.pp_variants
     fits = args.pp_layers >= args.pp_virtual_stages * p
     order = []
     for ms in (args.microbatches[:2], args.microbatches[2:]):
@@ -217,7 +217,7 @@ def _pipeline(args, emit) -> None:
     x = torch.randn(args.pp_batch, args.pp_width, generator=gen).to(pt.device())  # (B, W)
     y = torch.randn(args.pp_batch, args.pp_width, generator=gen).to(pt.device())  # (B, W)
     template = _pipeline_template(args)
-    for family, m in _pipeline_order(args):
+    for family, m in _pipeline_order(args, dist.get_world_size()):
         if args.stall_s:
             faulthandler.dump_traceback_later(args.stall_s, exit=True)
         for row in _pipeline_item(args, template, family, m, x, y):

@@ -297,7 +297,8 @@ def _plot(records: list[dict], path: Path) -> None:
 
 
 def _report(paths: list[Path], plot: Path | None) -> None:
-    records = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    found = [path for path in paths if path.exists()]  # a launch cut short may have left none
+    records = [json.loads(line) for path in found for line in path.read_text().splitlines() if line.strip()]
     if not records:
         raise SystemExit(f"no records in {', '.join(map(str, paths))}")
     first = records[0]
