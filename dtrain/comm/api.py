@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm import algorithms as registry
-from dtrain.comm import arguments, native
+from dtrain.comm import arguments, native, peer
 from dtrain.comm.arguments import check_algorithm, check_op, check_pair, check_root, check_tensor, group_info
-from dtrain.comm.runtime import run_schedule
+from dtrain.comm.runtime import round_timeout, run_schedule
 from dtrain.comm.schedule import Collective
 from dtrain.comm.transport import transport_for
 
@@ -51,12 +51,12 @@ def algorithms(collective: str) -> list[str]:
 # ----------------------------------------------------------------------------------------------- running
 
 
-def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device, local_size):
+def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device, local_size, group):
     if algorithm != "auto":
         return algorithm
     from dtrain.comm import cost
 
-    params = _params(device.type)
+    params = _params(device.type + ("-peer" if transport_name(group, device) == "peer" else ""))
     usable = local_size if local_size and world % local_size == 0 and 1 < local_size < world else None
     candidates = [a for a in registry.names(coll) if usable or not registry.needs_local_size(a)]
     return cost.choose(coll, nbytes, world, params, candidates=candidates, local_size=usable)
@@ -91,7 +91,28 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> 
         pipeline=pipeline,
         local_size=local_size if registry.needs_local_size(algorithm) else None,
     )
+    if transport_name(group, work.device) == "peer":
+        window = peer.window_for(group, work.device, work.numel() * work.element_size())
+        peer.run_pull(schedule, work, window, op, timeout=round_timeout())
+        return
     run_schedule(schedule, work, transport_for(group), op, lanes=_lanes(schedule, work))
+
+
+def transport_name(group, device: torch.device) -> str:
+    """The transport our algorithms run on for ``group`` on ``device``: ``DTRAIN_COMM_TRANSPORT``, or "auto".
+
+    "p2p": torch.distributed point-to-point messages (Gloo, NCCL), for any placement. "peer": ranks read
+    each other's memory (:mod:`dtrain.comm.peer`), for a group whose ranks share one host. "auto" takes
+    "peer" for CUDA tensors when every rank of the group is on this host, and "p2p" otherwise (Gloo's
+    messages are the tested default on the CPU; shared memory there is opt-in). A collective decision:
+    every rank of the group reaches the same answer.
+    """
+    name = os.environ.get("DTRAIN_COMM_TRANSPORT", "auto") or "auto"
+    if name not in ("auto", "p2p", "peer"):
+        raise ValueError(f"DTRAIN_COMM_TRANSPORT must be auto, p2p or peer, got {name!r}")
+    if name == "auto":
+        return "peer" if device.type == "cuda" and peer.peer_available(group, device) else "p2p"
+    return name
 
 
 def _lanes(schedule, work: torch.Tensor) -> int:
@@ -118,7 +139,7 @@ def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: torch.Tensor, what: str):
     rank, world = group_info(group, what)
     local_size = check_algorithm(coll, algorithm, world, group, what)
-    chosen = _resolve(coll, algorithm, world, work_numel * like.element_size(), like.device, local_size)
+    chosen = _resolve(coll, algorithm, world, work_numel * like.element_size(), like.device, local_size, group)
     return rank, world, chosen, local_size
 
 

@@ -65,7 +65,7 @@ __all__ = [
 
 
 #: LinkCost fields that may be None (see its docstring for what None means).
-_OPTIONAL = ("alpha_peer_s", "beta_peer_s_per_byte")
+_OPTIONAL = ("alpha_peer_s", "beta_peer_s_per_byte", "beta_many_s_per_byte")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +77,9 @@ class LinkCost:
     ``beta_s_per_byte``: seconds per byte a rank sends or receives, all peers together (injection bandwidth);
     ``beta_peer_s_per_byte``: seconds per byte between one pair of ranks in one direction (link bandwidth;
     ``None``: no per-pair limit beyond ``beta_s_per_byte``). ``gamma_s_per_byte``: seconds to reduce a
-    received byte into the buffer.
+    received byte into the buffer. ``beta_many_s_per_byte``: seconds per byte of a rank that talks to
+    several peers in one round, where that is slower than one peer (peer-memory reads from every peer at
+    once contend; ``None``: no such penalty).
     """
 
     alpha_s: float
@@ -85,6 +87,7 @@ class LinkCost:
     gamma_s_per_byte: float
     alpha_peer_s: float | None = None
     beta_peer_s_per_byte: float | None = None
+    beta_many_s_per_byte: float | None = None
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -115,8 +118,12 @@ class LinkCost:
 
     def wire_s(self, rank_nbytes: float, pair_nbytes: float) -> float:
         """Wire time of a round whose busiest rank moves ``rank_nbytes`` (all peers, one direction) and whose
-        busiest pair ``pair_nbytes`` (one direction): ``max(beta * rank_nbytes, beta_peer * pair_nbytes)``."""
-        return max(self.beta_s_per_byte * rank_nbytes, self.pair_s_per_byte * pair_nbytes)
+        busiest pair ``pair_nbytes`` (one direction): ``max(beta * rank_nbytes, beta_peer * pair_nbytes)``,
+        and at least ``beta_many * rank_nbytes`` when the rank talks to several peers."""
+        wire = max(self.beta_s_per_byte * rank_nbytes, self.pair_s_per_byte * pair_nbytes)
+        if self.beta_many_s_per_byte is not None and rank_nbytes > pair_nbytes:
+            wire = max(wire, self.beta_many_s_per_byte * rank_nbytes)
+        return wire
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,7 +357,24 @@ def default_params(device_type: str) -> CostParams:
             beta_peer_s_per_byte=1 / 270e9,
         )
         return CostParams(intra=nvlink)
-    raise ValueError(f"no default cost parameters for device type {device_type!r}; use 'cpu' or 'cuda'")
+    if device_type == "cuda-peer":
+        # the peer-memory transport (dtrain.comm.peer) on 4 H200s (benchmarks/symm_probe.py and
+        # peer_host_probe.py): a round is a device barrier and a kernel, ~15 us of host time to enqueue; one
+        # peer is read at ~310 GB/s, but all ranks reading all peers at once get only ~215 GB/s into each
+        # rank, so one-peer algorithms win at large sizes
+        peer_link = LinkCost(
+            alpha_s=15e-6,
+            beta_s_per_byte=1 / 310e9,
+            gamma_s_per_byte=0.0,
+            alpha_peer_s=2e-6,
+            beta_many_s_per_byte=1 / 215e9,
+        )
+        return CostParams(intra=peer_link)
+    if device_type == "cpu-peer":
+        return CostParams(intra=LinkCost(alpha_s=150e-6, beta_s_per_byte=1 / 4e9, gamma_s_per_byte=0.0))
+    raise ValueError(
+        f"no default cost parameters for device type {device_type!r}; use 'cpu', 'cuda', 'cpu-peer' or 'cuda-peer'"
+    )
 
 
 def params_path(device: str = "cpu") -> Path:

@@ -1,0 +1,152 @@
+"""The peer-memory transport: its pull plans are race-free and compute every schedule, and every
+(collective, algorithm) run through it on real Gloo processes (windows in /dev/shm) matches the reference."""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+
+from dtrain.comm import Collective, algorithms
+from dtrain.comm import algorithms as registry
+from dtrain.comm.peer_plan import PullPlan, _compile_all, races
+from dtrain.comm.schedule import ROOTED_COLLECTIVES, Schedule, chunk_bounds
+
+JOBS = "tests.peer_jobs"
+SIZES = [0, 1, 13, 4099]
+
+
+def _schedules():
+    for coll in Collective:
+        for algorithm in registry.names(coll):
+            for world in range(1, 10):
+                local = None
+                if registry.needs_local_size(algorithm):
+                    if world < 4 or world % 2:
+                        continue
+                    local = 2
+                root = world - 1 if coll in ROOTED_COLLECTIVES else None
+                pipeline = 3 if algorithm == "ring" and coll in (Collective.BROADCAST, Collective.REDUCE) else 1
+                yield registry.build(coll, algorithm, world, root=root, pipeline=pipeline, local_size=local)
+
+
+def _reference(schedule: Schedule, start: list[list[int]], bounds) -> list[list[int]]:
+    """The schedule's own semantics: every round reads the state at its start."""
+    bufs = [list(b) for b in start]
+    for rnd in schedule.rounds:
+        snap = [list(b) for b in bufs]
+        for t in rnd:
+            (so, n), (do, _) = bounds[t.src_chunk], bounds[t.dst_chunk]
+            for i in range(n):
+                value = snap[t.src][so + i]
+                bufs[t.dst][do + i] = bufs[t.dst][do + i] + value if t.reduce else value
+    return bufs
+
+
+def _execute(plans: tuple[PullPlan, ...], start: list[list[int]], order: list[int]) -> list[list[int]]:
+    """Run every rank's plan phase by phase, ranks in ``order`` within a phase, reading peers' windows live."""
+    x = [list(b) for b in start]
+    w = [[-(10**9)] * len(b) for b in start]  # garbage until written
+    nrounds = len(plans[0].rounds)
+
+    def copy(dst, src, ranges):
+        for off, n in ranges:
+            dst[off : off + n] = src[off : off + n]
+
+    for r in order:
+        copy(w[r], x[r], plans[r].rounds[0].copy_in if nrounds else ())
+    for k in range(nrounds):
+        for r in order:
+            rnd = plans[r].rounds[k]
+            for op in rnd.ops:
+                for i in range(op.length):
+                    acc = 0 if op.base is None else (x if op.base == "x" else w)[r][op.offset + i]
+                    for peer, off in op.reads:
+                        acc += w[peer][off + i]
+                    if op.to_x:
+                        x[r][op.offset + i] = acc
+                    if op.to_w:
+                        w[r][op.offset + i] = acc
+            if not rnd.second_barrier and k + 1 < nrounds:
+                copy(w[r], x[r], plans[r].rounds[k + 1].copy_in)
+        for r in order:
+            rnd = plans[r].rounds[k]
+            if rnd.second_barrier:
+                copy(w[r], x[r], rnd.deferred)
+                if k + 1 < nrounds:
+                    copy(w[r], x[r], plans[r].rounds[k + 1].copy_in)
+    for r in order:
+        copy(x[r], w[r], plans[r].copy_out)
+    return x
+
+
+@pytest.mark.parametrize(
+    "schedule", list(_schedules()), ids=lambda s: f"{s.collective.value}-{s.algorithm}-{s.world_size}"
+)
+def test_a_pull_plan_computes_its_schedule_whatever_order_ranks_run_in(schedule):
+    numel = schedule.nblocks * (2 * schedule.chunks_per_block + 1)  # uneven chunks
+    bounds = chunk_bounds(numel, schedule.nblocks, schedule.chunks_per_block)
+    plans = _compile_all(schedule, numel)
+    assert races(plans) == []
+    start = [[1000 * r + i for i in range(numel)] for r in range(schedule.world_size)]
+    want = _reference(schedule, start, bounds)
+    ranks = list(range(schedule.world_size))
+    assert _execute(plans, start, ranks) == want
+    assert _execute(plans, start, ranks[::-1]) == want
+
+
+def test_recursive_doubling_defers_its_window_writes_behind_a_second_barrier():
+    # both partners read and write the same chunk every round: the new value may reach the window only
+    # once the partner has read the old one
+    schedule = registry.build(Collective.ALL_REDUCE, "recursive_doubling", 4)
+    plan = _compile_all(schedule, 8)[0]
+    assert all(r.second_barrier for r in plan.rounds[:-1])
+    assert not plan.rounds[-1].deferred  # nobody reads the final value: no copy into the window
+
+
+def test_the_ring_copies_in_one_chunk_and_writes_its_results_straight_into_the_callers_tensor():
+    schedule = registry.build(Collective.ALL_REDUCE, "ring", 4)
+    plan = _compile_all(schedule, 16)[1]
+    assert sum(n for r in plan.rounds for _, n in r.copy_in) == 4
+    assert plan.copy_out == ()
+    assert not any(r.second_barrier for r in plan.rounds)
+
+
+def _pairs():
+    for coll in Collective:
+        if coll == Collective.BARRIER:
+            continue
+        for algorithm in algorithms(coll.value):
+            if algorithm not in ("hierarchical", "native"):
+                yield coll.value, algorithm
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize(("coll", "algorithm"), list(_pairs()))
+def test_every_collective_through_peer_memory_matches_the_reference(pool, coll, algorithm, world):
+    problems = pool.run(f"{JOBS}:check_collective", coll, algorithm, world, SIZES, ranks=world)
+    assert [p for per_rank in problems for p in per_rank] == []
+
+
+@pytest.mark.parametrize(("coll", "algorithm"), [p for p in _pairs() if p[1] != "auto"])
+def test_peer_memory_matches_torch_distributed_on_a_large_buffer(pool, coll, algorithm):
+    worst = pool.run(f"{JOBS}:check_against_native", coll, algorithm, 4, (1 << 15) + 3, ranks=4)
+    assert max(worst) < 1e-5
+
+
+def test_hierarchical_through_peer_memory(pool):
+    problems = pool.run(f"{JOBS}:check_collective", "all_reduce", "hierarchical", 4, SIZES, local_size=2, ranks=4)
+    assert [p for per_rank in problems for p in per_rank] == []
+
+
+def test_a_missing_peer_times_out_at_a_named_barrier(pool):
+    answer, _ = pool.run(f"{JOBS}:missing_peer", "all_reduce", "ring", 2.0, ranks=2)
+    seconds, message = answer.split("|", 1)
+    assert float(seconds) < 15
+    assert "all_reduce/ring" in message or "peer transport set-up" in message
+    assert "rank 0 (global 0)" in message
+
+
+def test_no_window_file_outlives_its_mapping(pool):
+    pool.run(f"{JOBS}:check_collective", "all_reduce", "ring", 2, [5], ranks=2)
+    assert glob.glob("/dev/shm/dtrain-*") == []
