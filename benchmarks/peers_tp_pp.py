@@ -18,14 +18,14 @@ timed in rotating turns (:func:`peer_timing.time_variants`) with ``--pp-trials``
 ``--pp-iters`` steps, fewer if they would not fit ``--pp-budget-s``. The most telling pairs run first (GPipe
 and 1F1B at the first two ``--microbatches``, then interleaved there, then the rest), and rank 0 prints each
 row as a JSON line and appends it to ``--out`` as soon as it is measured, so a run cut short keeps what it
-finished; ``--stall-s`` is re-armed for each pair, and a pair that stalls dumps every stack and ends the run.
+finished. ``--stall-s`` is re-armed for each pair (:class:`pipeline_bubble.StallGuard`): a pair that stalls leaves a
+row saying so (``stalled_after_s``), dumps every stack and ends the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import faulthandler
 import gc
 import json
 import time
@@ -35,6 +35,7 @@ import peer_timing as pt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from pipeline_bubble import StallGuard
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -210,16 +211,16 @@ def _timed_within_budget(args, steps: dict) -> tuple[int, dict[str, float]]:
     return iters, pt.time_variants(steps, warmup=0, iters=iters, trials=args.pp_trials)
 
 
-def _pipeline(args, emit) -> None:
+def _pipeline(args, emit, guard: StallGuard) -> None:
     """Every (family, m) of :func:`_pipeline_order`, each row emitted as soon as it is measured. With
-    ``--stall-s``, each item gets that long before every stack is dumped and the run ends."""
+    ``--stall-s``, each pair gets that long before a stalled row is written, every stack dumped, and the run
+    ends."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(args.pp_batch, args.pp_width, generator=gen).to(pt.device())  # (B, W)
     y = torch.randn(args.pp_batch, args.pp_width, generator=gen).to(pt.device())  # (B, W)
     template = _pipeline_template(args)
     for family, m in _pipeline_order(args, dist.get_world_size()):
-        if args.stall_s:
-            faulthandler.dump_traceback_later(args.stall_s, exit=True)
+        guard.arm({"section": "pp", "family": family, "ranks": dist.get_world_size(), "microbatches": m})
         for row in _pipeline_item(args, template, family, m, x, y):
             emit(row)
         gc.collect()
@@ -247,15 +248,16 @@ def _emitter(args):
 
 
 def _rank_main(args) -> None:
-    if args.stall_s:  # a run that stalls prints every thread's stack and ends, rather than hanging silently
-        faulthandler.dump_traceback_later(args.stall_s, exit=True)
     torch.backends.cuda.matmul.allow_tf32 = True
     emit = _emitter(args)
+    # a run that stalls prints a row saying where, every thread's stack, and ends, rather than hanging silently
+    guard = StallGuard(args.stall_s, args.out, dist.get_rank())
     if "tp" in args.sections:
+        guard.arm({"section": "tp"})
         _tensor_parallel(args, pt.subgroups(tuple(args.sizes)), emit)
     if "pp" in args.sections:
-        _pipeline(args, emit)
-    faulthandler.cancel_dump_traceback_later()
+        _pipeline(args, emit, guard)
+    guard.cancel()
 
 
 def main() -> None:

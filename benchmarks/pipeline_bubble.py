@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +53,44 @@ from dtrain.parallel.pipeline_parallel import PipelineParallel
 from dtrain.parallel.pipeline_schedules import theoretical_bubble
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+class StallGuard:
+    """A deadline for each configuration of a sweep, re-armed by :meth:`arm`.
+
+    At 90% of ``seconds`` rank 0 prints and appends to ``out`` a row naming the configuration with
+    ``"stalled_after_s"`` (from a Python thread: best effort, it needs the interpreter lock); at ``seconds``
+    :mod:`faulthandler` prints every thread's stack and ends the process, which needs no lock. An NCCL exchange
+    that deadlocks never returns, so ending the process is the only way out; the rows measured before stay.
+    """
+
+    def __init__(self, seconds: float, out: Path | None, rank: int) -> None:
+        self.seconds, self.out, self.rank = seconds, out, rank
+        self._timer: threading.Timer | None = None
+
+    def arm(self, what: dict) -> None:
+        self.cancel()
+        if not self.seconds:
+            return
+        faulthandler.dump_traceback_later(self.seconds, exit=True)
+        self._timer = threading.Timer(0.9 * self.seconds, self._report, [what])
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cancel(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _report(self, what: dict) -> None:
+        if self.rank:
+            return
+        row = what | {"stalled_after_s": round(0.9 * self.seconds, 1)}
+        print(json.dumps(row), flush=True)
+        if self.out:
+            with self.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 def _model(layers: int, width: int, device: torch.device) -> nn.Sequential:
@@ -222,20 +261,20 @@ def _rank_main(args: argparse.Namespace) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     p = dist.get_world_size()
     machine = _machine(device)
-    for m in args.microbatches:
-        for schedule in SCHEDULES:
+    guard = StallGuard(args.stall_s, args.out, dist.get_rank())
+    for schedule in args.schedules:  # a schedule at a time: one that deadlocks leaves the others' rows
+        for m in args.microbatches:
             v = args.virtual_stages if schedule == "interleaved-1f1b" else 1
             if v > 1 and (m % p or args.layers < v * p):
                 continue  # interleaved takes micro-batches in groups of p, and needs a layer a chunk
-            if args.stall_s:  # a configuration that stalls dumps every stack and ends the run
-                faulthandler.dump_traceback_later(args.stall_s, exit=True)
+            guard.arm({"schedule": schedule, "stages": p, "microbatches": m, "virtual_stages": v} | machine)
             record = _measure(args, schedule, m, device)
             if record is not None:
                 print(json.dumps(_brief(record)), flush=True)
                 if args.out:
                     with args.out.open("a") as f:
                         f.write(json.dumps(record | machine) + "\n")
-    faulthandler.cancel_dump_traceback_later()
+    guard.cancel()
 
 
 def _brief(record: dict) -> dict:
@@ -298,7 +337,11 @@ def _plot(records: list[dict], path: Path) -> None:
 
 def _report(paths: list[Path], plot: Path | None) -> None:
     found = [path for path in paths if path.exists()]  # a launch cut short may have left none
-    records = [json.loads(line) for path in found for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for path in found for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in rows if "stalled_after_s" not in r]
+    for r in rows:
+        if "stalled_after_s" in r:
+            print(f"STALLED: {r['schedule']} p={r['stages']} m={r['microbatches']} after {r['stalled_after_s']} s")
     if not records:
         raise SystemExit(f"no records in {', '.join(map(str, paths))}")
     first = records[0]
@@ -314,6 +357,7 @@ def _report(paths: list[Path], plot: Path | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="CPU: p of each launch (torchrun: ranks)")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES), help="in this order")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
@@ -321,7 +365,12 @@ def main() -> None:
     parser.add_argument("--virtual-stages", type=int, default=2, help="model chunks a rank for interleaved 1F1B")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--stall-s", type=float, default=0, help="dump every stack and exit after this long (0: never)")
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        default=0,
+        help="a configuration running longer: a stalled row, every stack, exit (0: never)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON lines file, appended row by row")
     parser.add_argument("--report", type=Path, nargs="+", default=None, help="print the table of these files, plot")
     parser.add_argument("--plot", type=Path, default=None, help="with --report: write the bubble plot here")
