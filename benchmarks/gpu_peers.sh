@@ -23,13 +23,14 @@ for part in $parts; do
     tp) LIMIT=120 tr benchmarks/peers_tp_pp.py --sections tp --stall-s 100 --tp-dim 8192 --tp-tokens 16384 --out "$out/tp.jsonl" \
           | cut -c1-200 ;;
     pp) LIMIT=150 tr benchmarks/peers_tp_pp.py --sections pp --pp-width 4096 --pp-batch 8192 --microbatches 4 8 16 32 \
-          --pp-warmup 2 --pp-iters 3 --pp-trials 3 --pp-budget-s 3 --stall-s 45 --out "$out/pp.jsonl" ;;
-    bubble) # p = 2 on GPUs 0-1, then p = 4: 32 x Linear(4096, 4096) fp32/TF32, 8192 rows a step
-      for p in 2 4; do
-        timeout 120 torchrun --nproc-per-node $p benchmarks/pipeline_bubble.py --layers 32 --width 4096 --batch 8192 \
-          --stall-s 45 --out "$out/bubble-p$p.jsonl" 2>&1 | grep --line-buffered -v -iE "warn|^\s*$"
-      done
-      python3 benchmarks/pipeline_bubble.py --report "$out"/bubble-p2.jsonl "$out"/bubble-p4.jsonl --plot "$out/bubble.png" ;;
+          --pp-warmup 2 --pp-iters 3 --pp-trials 3 --pp-budget-s 3 --stall-s 40 --out "$out/pp.jsonl" ;;
+    bubble) # p = 2 on GPUs 0-1, then p = 4; at p = 4 interleaved apart: our 1F1B can deadlock on NCCL (docs/pipeline-gpu.md)
+      bub() { timeout "$1" torchrun --nproc-per-node "$2" benchmarks/pipeline_bubble.py --layers 32 --width 4096 \
+          --batch 8192 --stall-s 40 "${@:3}" 2>&1 | grep --line-buffered -v -iE "warn|^\s*$|^Thread 0x|no Python frame"; }
+      bub 100 2 --out "$out/bubble-p2.jsonl"
+      bub 100 4 --schedules gpipe 1f1b --microbatches 16 8 4 2 1 --out "$out/bubble-p4.jsonl"
+      bub 80 4 --schedules interleaved-1f1b --microbatches 16 8 4 --out "$out/bubble-p4-interleaved.jsonl"
+      python3 benchmarks/pipeline_bubble.py --report "$out"/bubble-p*.jsonl --plot "$out/bubble.png" ;;
     graphs) LIMIT=60 tr -m dtrain bench comm --algorithms ring,native --graphs --min-bytes 1M --max-bytes 4M \
           --out "$out/graphs.jsonl" | tail -3 ;;
     train)

@@ -15,8 +15,8 @@ interleaved 1F1B), ``--pp-batch`` rows a step, SGD. For each schedule family and
 et al. 2021, section 2.2.2). Each pair: the gradients of one step from the same weights
 (``max_abs_grad_diff_vs_torch``, the largest over the stages), the peak memory of one step, then the step time,
 timed in rotating turns (:func:`peer_timing.time_variants`) with ``--pp-trials`` trials of at most
-``--pp-iters`` steps, fewer if they would not fit ``--pp-budget-s``. The most telling pairs run first (GPipe
-and 1F1B at the first two ``--microbatches``, then interleaved there, then the rest), and rank 0 prints each
+``--pp-iters`` steps, fewer if they would not fit ``--pp-budget-s``. GPipe and 1F1B run first, in the order of
+``--microbatches``, then interleaved (which can deadlock on NCCL, docs/pipeline-gpu.md), and rank 0 prints each
 row as a JSON line and appends it to ``--out`` as soon as it is measured, so a run cut short keeps what it
 finished. ``--stall-s`` is re-armed for each pair (:class:`pipeline_bubble.StallGuard`): a pair that stalls leaves a
 row saying so (``stalled_after_s``), dumps every stack and ends the run.
@@ -142,15 +142,14 @@ def _pipeline_step(kind: str, runner, params, x, y):
 
 
 def _pipeline_order(args, p: int) -> list[tuple[str, int]]:
-    """(family, m) in the order of what matters most: GPipe and 1F1B at the first two micro-batch counts,
-    interleaved 1F1B at those, then the same for the remaining counts. Interleaved only where ``m`` is a
-    multiple of the ``p`` stages (Megatron-LM's rule, ours too) and the layers give every chunk one."""
+    """(family, m) in the order of what matters most: GPipe and 1F1B in the order of ``--microbatches``, then
+    interleaved 1F1B (last: on NCCL ours can deadlock, and a deadlock ends the run; see
+    docs/pipeline-gpu.md). Interleaved only where ``m`` is a multiple of the ``p`` stages (Megatron-LM's rule,
+    ours too) and the layers give every chunk one."""
     families = args.pp_variants
     fits = args.pp_layers >= args.pp_virtual_stages * p
-    order = []
-    for ms in (args.microbatches[:2], args.microbatches[2:]):
-        order += [(f, m) for m in ms for f in ("gpipe", "1f1b") if f in families]
-        order += [("interleaved", m) for m in ms if "interleaved" in families and fits and m % p == 0]
+    order = [(f, m) for m in args.microbatches for f in ("gpipe", "1f1b") if f in families]
+    order += [("interleaved", m) for m in args.microbatches if "interleaved" in families and fits and m % p == 0]
     return order
 
 
