@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.cluster.presets import preset
-from dtrain.emulate.build import Emulation
+from dtrain.emulate.build import SERVER_INTERFACE, Emulation
+from dtrain.emulate.links import tbf_args
 from dtrain.emulate.model import emulated_topology
-from dtrain.emulate.netns import in_ns
+from dtrain.emulate.netns import in_ns, run_tool
 from dtrain.emulate.plan import EmulationPlan, plan_emulation
 from dtrain.emulate.verify import verify
 from dtrain.ps import wire
@@ -109,6 +110,17 @@ def tcp_counters(plan: EmulationPlan) -> dict[str, int]:
                 if name in total:
                     total[name] += int(value)
     return total
+
+
+def set_queues(plan: EmulationPlan, queue_ms: float) -> None:
+    """Give every machine's shaped links (both directions) a ``queue_ms`` queue instead of the emulator's 10 ms:
+    the experiment that tells incast losses (flows converging on one shaped port) from the model's own error."""
+    for s in plan.servers:
+        for namespace, device, rate in ((s.namespace, SERVER_INTERFACE, s.up_bit_per_s),
+                                        (plan.fabric, s.port, s.down_bit_per_s)):  # fmt: skip
+            args = tbf_args(rate)
+            args[args.index("latency") + 1] = f"{queue_ms:g}ms"
+            run_tool(["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", *args])
 
 
 class Processes:
@@ -196,6 +208,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     cases = [c for c in CASES if not args.only or c.name in args.only.split(",")]
     rows = []
     with Emulation(plan), tempfile.TemporaryDirectory() as tmp:
+        if args.queue_ms:
+            set_queues(plan, args.queue_ms)
         check = verify(plan)
         print(f"emulated at {args.mbit} Mbit/s; path check {check['measured_bit_per_s'] / 1e6:.1f} Mbit/s "
               f"(configured {check['configured_bit_per_s'] / 1e6:.1f})", flush=True)  # fmt: skip
@@ -209,6 +223,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 loopback = run_loopback(case, args.model_bytes, args.steps, args.warmup, run_dir / "lo")
                 row = {"bench": "ps_step", "case": case.name, "servers": case.servers, "workers": case.workers,
                        "packed": case.packed, "repeat": repeat, "mbit_per_s": args.mbit,
+                       "queue_ms": args.queue_ms or 10,
                        "model_bytes": args.model_bytes, "measured_step_s": statistics.median(emulated),
                        "steps_s": emulated, "pull_stagger_s": statistics.median(stagger), "tcp": tcp,
                        "loopback_step_s": statistics.median(loopback),
@@ -227,7 +242,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         runs = [r for r in rows if r["case"] == name]
         measured = statistics.median(r["measured_step_s"] for r in runs)
         spread = (max(r["measured_step_s"] for r in runs) - min(r["measured_step_s"] for r in runs)) / measured
-        out.append({"bench": "ps_summary", "case": name, "mbit_per_s": runs[0]["mbit_per_s"], "repeats": len(runs),
+        out.append({"bench": "ps_summary", "case": name, "mbit_per_s": runs[0]["mbit_per_s"],
+                    "queue_ms": runs[0]["queue_ms"], "repeats": len(runs),
                     "measured_step_s": measured, "spread": spread, "predicted_step_s": runs[0]["predicted_step_s"],
                     "error": runs[0]["predicted_step_s"] / measured - 1,
                     "loopback_step_s": statistics.median(r["loopback_step_s"] for r in runs),
@@ -243,6 +259,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out (worker 0's init, connections)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--queue-ms", type=float, default=0, help="shaped queue depth (default: the emulator's)")
     parser.add_argument("--only", default="", help="comma-separated case names, e.g. '1s x 1w,2s x 2w packed'")
     args = parser.parse_args()
     rows = measure(args)
@@ -255,7 +272,9 @@ def main() -> None:
               f"{s['loopback_step_s'] * 1e3:.0f} ms |")  # fmt: skip
     errors = sorted(abs(s["error"]) for s in summary)
     print(f"\nmedian |error| {statistics.median(errors):.1%}, worst {errors[-1]:.1%} ({MACHINE})")
-    path = Path(args.out) / f"sim-ps-validation{'' if args.mbit == 100 else f'-{args.mbit:g}mbit'}.jsonl"
+    suffix = "" if args.mbit == 100 else f"-{args.mbit:g}mbit"
+    suffix += f"-queue{args.queue_ms:g}ms" if args.queue_ms else ""
+    path = Path(args.out) / f"sim-ps-validation{suffix}.jsonl"
     with open(path, "w") as f:
         for row in rows + summary:
             f.write(json.dumps(row) + "\n")
