@@ -13,7 +13,7 @@ optimizer, process switching on 2 cores), the part the network model leaves out.
 Every namespace is removed when the script ends, also on an error or Ctrl-C (:class:`dtrain.emulate.Emulation`);
 every process it starts runs in its own session and is killed with it.
 
-    python benchmarks/sim_ps_validate.py --out docs/data        # ~6 minutes here, writes sim-ps-validation.jsonl
+    python benchmarks/sim_ps_validate.py --out docs/data        # ~5 minutes here, writes sim-ps-validation.jsonl
 """
 
 from __future__ import annotations
