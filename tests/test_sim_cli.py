@@ -126,6 +126,9 @@ def test_simulate_ps_counts_params_and_the_optimizer(capsys: pytest.CaptureFixtu
     slow = run_json(capsys, *argv, "--params", "1e6", "--apply-gbyte-per-s", "2")
     assert free["dense_bytes"] == 4e6 and free["time_s"] == pytest.approx(2 * 4e6 / 1e9)
     assert slow["time_s"] - free["time_s"] == pytest.approx(4e6 / 2e9)  # one apply of the 4 MB shard
+    hosted = run_json(capsys, *argv, "--params", "1e6", "--host-gbyte-per-s", "4")
+    # push and pull reply: each worked on by its sender and its receiver, 4 MB at 4 GB/s each time
+    assert hosted["time_s"] - free["time_s"] == pytest.approx(4 * 4e6 / 4e9)
 
 
 def test_simulate_ps_places_servers_beside_or_apart_from_the_workers(capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,6 +160,7 @@ def test_simulate_ps_table_shows_step_servers_and_bottleneck(capsys: pytest.Capt
         (["--rows-per-worker", "100"], "need --key-space"),
         (["--dense-bytes", "1M", "--replicas", "3"], "replicas must be in 1..1"),
         (["--dense-bytes", "1M", "--apply-gbyte-per-s", "0"], "--apply-gbyte-per-s must be > 0"),
+        (["--dense-bytes", "1M", "--host-gbyte-per-s", "-1"], "--host-gbyte-per-s must be > 0"),
         (["--dense-bytes", "1M", "--set", "racks=0"], "racks"),
     ],
 )

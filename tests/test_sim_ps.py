@@ -95,6 +95,22 @@ def test_without_hot_copies_the_load_is_unchanged(extra: dict) -> None:
     assert none.servers == plain.servers and none.time_s == pytest.approx(plain.time_s)
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_host_work_is_paid_by_sender_and_receiver_one_message_at_a_time(workers: int) -> None:
+    """One server, ``W`` workers, host cost ``h`` a byte. Pushes: each worker works ``hP``, the ``W`` flows share
+    the server's downlink (``W P / B``) and end together; the server then checks them one by one (``W hP``).
+    Pulls: the server prepares the replies one by one, each ``hP`` after the last; the first starts at once and
+    the link is never idle after it (``hP < P/B``), so the last lands ``hP + W P / B`` after the ack; that worker
+    then works ``hP``. In all, ``2 W P / B + (W + 3) hP``."""
+    host = 1e-10  # 10 GB/s a process: hP = 0.1 P/B on this 1 GB/s network
+    topo = star(workers + 1, bytes_per_s=RATE)
+    names = dict(workers=[f"g{i}" for i in range(workers)], servers=[f"g{workers}"])
+    plain = simulate_ps(topo, PSStep(**names, dense_bytes=P))
+    costly = simulate_ps(topo, PSStep(**names, dense_bytes=P, host_s_per_byte=host))
+    assert plain.time_s == pytest.approx(2 * workers * P / RATE, rel=1e-9)
+    assert costly.time_s == pytest.approx(2 * workers * P / RATE + (workers + 3) * host * P, rel=1e-9)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
@@ -107,6 +123,7 @@ def test_without_hot_copies_the_load_is_unchanged(extra: dict) -> None:
         (dict(workers=WORKERS, servers=SERVERS, mode="bsp"), "mode"),
         (dict(workers=WORKERS, servers=SERVERS, replicas=4), "replicas"),
         (dict(workers=WORKERS, servers=SERVERS, hot_replicas=3), "hot_replicas"),
+        (dict(workers=WORKERS, servers=SERVERS, host_s_per_byte=-1e-9), "host_s_per_byte"),
     ],
 )
 def test_bad_steps_are_refused_naming_the_field(kwargs: dict, named: str) -> None:

@@ -50,6 +50,9 @@ def add_ps_parser(sub, parse_bytes) -> argparse.ArgumentParser:
     p.add_argument("--hot-keys", type=int, default=0, help="most-pulled rows of each server to copy")
     p.add_argument("--hot-replicas", type=int, default=0, help="other servers each hot row is copied to")
     p.add_argument("--apply-gbyte-per-s", type=float, help="a server's optimizer speed, GB/s (default: free)")
+    p.add_argument("--host-gbyte-per-s", type=float,
+                   help="a process's speed at sending or receiving a message (serialise, authenticate, copy), GB/s "
+                        "(default: free)")  # fmt: skip
     p.add_argument("--links", type=int, default=8, help="busiest links to show")
     p.set_defaults(handler=simulate_ps_command)
     return p
@@ -122,13 +125,15 @@ def _step(args: argparse.Namespace, topology):
     if not dense and not rows:
         raise ValueError("nothing to move: give --dense-bytes / --params, or embedding ids (--rows-per-worker or "
                          "--batch with --key-space)")  # fmt: skip
-    if args.apply_gbyte_per_s is not None and not args.apply_gbyte_per_s > 0:
-        raise ValueError(f"--apply-gbyte-per-s must be > 0, got {args.apply_gbyte_per_s}")
+    for flag in ("apply_gbyte_per_s", "host_gbyte_per_s"):
+        if getattr(args, flag) is not None and not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     return PSStep(
         workers=workers, servers=servers, dense_bytes=dense, rows_per_worker=rows, key_space=args.key_space,
         row_bytes=args.row_bytes, zipf=args.zipf, permute=args.permute, seed=args.seed, mode=args.mode,
         replicas=args.replicas, hot_keys=args.hot_keys, hot_replicas=args.hot_replicas,
         apply_s_per_byte=1 / (args.apply_gbyte_per_s * 1e9) if args.apply_gbyte_per_s else 0.0,
+        host_s_per_byte=1 / (args.host_gbyte_per_s * 1e9) if args.host_gbyte_per_s else 0.0,
     )  # fmt: skip
 
 
@@ -147,7 +152,8 @@ def simulate_ps_command(args: argparse.Namespace) -> int:
         "topology": topology.name, "mode": step.mode, "workers": list(step.workers), "servers": list(step.servers),
         "dense_bytes": step.dense_bytes, "rows_per_worker": step.rows_per_worker, "key_space": step.key_space,
         "row_bytes": step.row_bytes, "zipf": step.zipf, "replicas": step.replicas, "hot_keys": step.hot_keys,
-        "hot_replicas": step.hot_replicas, "time_s": result.time_s,
+        "hot_replicas": step.hot_replicas, "apply_s_per_byte": step.apply_s_per_byte,
+        "host_s_per_byte": step.host_s_per_byte, "time_s": result.time_s,
         "worker_s": {"min": min(result.worker_s), "median": statistics.median(result.worker_s),
                      "max": max(result.worker_s)},
         "imbalance": {"bytes": result.byte_imbalance, "pulls": result.pull_imbalance,

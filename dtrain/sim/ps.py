@@ -18,71 +18,21 @@ OSDI 2014), as flows on :class:`dtrain.sim.flows.FlowNetwork`:
   ``hot_replicas`` next servers. Pulls of such a row are dealt round-robin over owner and copies; pushes stay
   at the owner, which sends the new rows to its copies once its shard is committed. In sync mode a copy answers
   pulls only after that refresh (a copy serves round ``r`` with the owner's round-``r`` rows, as in dtrain.ps).
+- **Host work.** With ``host_s_per_byte``, a message costs its sender that much time per byte before it
+  leaves and its receiver as much once it is in (dtrain.ps serialises and HMAC-SHA256s every byte at both
+  ends, docs/ps.md). A node's work (this, and a server's applies) is done one piece at a time.
 Requests are latency-only messages (their key lists are not counted). No torch here (DESIGN.md layers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from dtrain.cluster.topology import Topology
 from dtrain.sim.flows import FlowNetwork, LinkUsage
+from dtrain.sim.ps_traffic import PSStep, PSTraffic, ps_traffic
 
 __all__ = ["PSStep", "ServerLoad", "PSResult", "PSTraffic", "ps_traffic", "simulate_ps"]
-
-MODES = ("sync", "async")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PSStep:
-    """One step: ``workers`` and ``servers`` (topology node names), ``dense_bytes`` of parameters, embedding rows
-    (``rows_per_worker`` Zipf draws over ``key_space`` keys of ``row_bytes``), ``mode`` ("sync" or "async"),
-    ``replicas`` per chain, ``hot_keys`` rows per server copied to ``hot_replicas`` others, the servers'
-    optimizer at ``apply_s_per_byte``."""
-
-    workers: Sequence[str]
-    servers: Sequence[str]
-    dense_bytes: float = 0.0
-    rows_per_worker: int = 0
-    key_space: int = 0
-    row_bytes: int = 0
-    zipf: float = 1.1
-    permute: bool = False
-    seed: int = 0
-    mode: str = "sync"
-    replicas: int = 1
-    hot_keys: int = 0
-    hot_replicas: int = 0
-    apply_s_per_byte: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "workers", tuple(self.workers))
-        object.__setattr__(self, "servers", tuple(self.servers))
-        for role in ("workers", "servers"):
-            names = getattr(self, role)
-            if not names:
-                raise ValueError(f"PSStep.{role} is empty; give at least one topology node")
-            if len(set(names)) != len(names):
-                raise ValueError(f"PSStep.{role} names a node twice: {list(names)}")
-        for name in ("dense_bytes", "rows_per_worker", "key_space", "row_bytes", "zipf", "hot_keys",
-                     "apply_s_per_byte"):  # fmt: skip
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"PSStep.{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.rows_per_worker and not (self.key_space >= 1 and self.row_bytes > 0):
-            raise ValueError(
-                f"PSStep: rows_per_worker={self.rows_per_worker} needs key_space >= 1 and row_bytes > 0, "
-                f"got key_space={self.key_space}, row_bytes={self.row_bytes}"
-            )
-        if self.mode not in MODES:
-            raise ValueError(f"PSStep.mode must be one of {MODES}, got {self.mode!r}")
-        servers = len(self.servers)
-        if not 1 <= self.replicas <= servers:
-            raise ValueError(f"PSStep.replicas must be in 1..{servers} (the servers), got {self.replicas!r}")
-        if not 0 <= self.hot_replicas < servers:
-            raise ValueError(f"PSStep.hot_replicas must be in 0..{servers - 1} (others), got {self.hot_replicas!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,51 +85,6 @@ def _imbalance(values: list[float]) -> float:
     return max(values) * len(values) / sum(values) if sum(values) > 0 else 1.0
 
 
-@dataclass(frozen=True)
-class PSTraffic:
-    """The bytes of a step, by server index (shard ``i``'s head is server ``i``)."""
-
-    push: dict[tuple[int, int], float]  # (worker, shard) -> bytes to the shard's head
-    pull: dict[tuple[int, int], float]  # (worker, server) -> bytes that server sends back
-    entry: list[float]  # per shard: a sync step's entry (the dense shard plus the union of pushed rows)
-    hot: dict[tuple[int, int], float]  # (owner, copy) -> bytes of the owner's hot rows refreshed on the copy
-
-
-def ps_traffic(step: PSStep) -> PSTraffic:
-    """The step's bytes: each push, each pull reply, each shard's entry and each hot-row refresh."""
-    n_w, n_s = len(step.workers), len(step.servers)
-    shard = step.dense_bytes / n_s
-    push = {(w, i): shard for w in range(n_w) for i in range(n_s)}
-    pull = {(w, i): shard for w in range(n_w) for i in range(n_s) if shard > 0}
-    entry, hot = [shard] * n_s, {}
-    if not step.rows_per_worker:
-        return PSTraffic(push, pull, entry, hot)
-    rng = np.random.default_rng(step.seed)
-    permutation = rng.permutation(step.key_space) if step.permute else np.arange(step.key_space)
-    weights = np.arange(1, step.key_space + 1, dtype=np.float64) ** -step.zipf
-    rows = [np.unique(permutation[rng.choice(step.key_space, size=step.rows_per_worker, p=weights / weights.sum())])
-            for _ in range(n_w)]  # fmt: skip
-    pullers: dict[int, list[int]] = {}  # key -> the workers that pull it, in order
-    for w, k in ((w, k) for w, keys in enumerate(rows) for k in keys.tolist()):
-        pullers.setdefault(k, []).append(w)
-    owner = {k: k * n_s // step.key_space for k in pullers}
-    for k, ws in pullers.items():
-        i = owner[k]
-        entry[i] += step.row_bytes
-        for w in ws:
-            push[w, i] += step.row_bytes
-    for i in range(n_s):
-        mine = sorted((k for k in pullers if owner[k] == i), key=lambda k: (-len(pullers[k]), k))
-        hot_rows = set(mine[: step.hot_keys]) if step.hot_replicas else set()
-        holders = [i] + [(i + j) % n_s for j in range(1, step.hot_replicas + 1)]
-        for k in mine:
-            for turn, w in enumerate(pullers[k]):
-                j = holders[(turn + k) % len(holders)] if k in hot_rows else i
-                pull[w, j] = pull.get((w, j), 0.0) + step.row_bytes
-        hot.update({(i, j): len(hot_rows) * step.row_bytes for j in holders[1:] if hot_rows})
-    return PSTraffic(push, pull, entry, hot)
-
-
 def simulate_ps(topology: Topology, step: PSStep) -> PSResult:
     """Simulate ``step`` on ``topology``; see the module docstring for what happens in which order."""
     for role in ("workers", "servers"):
@@ -198,7 +103,7 @@ class _Run:
         # sync: every worker pushes every shard (the barrier needs them all); async: only what it has
         self.pushes = [[i for i in range(n_s) if self.sync or traffic.push[w, i] > 0] for w in range(n_w)]
         self.acks = [len(p) for p in self.pushes]
-        self.arrived, self.busy_until = [0] * n_s, [0.0] * n_s
+        self.arrived, self.busy_until = [0] * n_s, {}  # node -> when its process is free
         self.entries_left = [sum(i in p for p in self.pushes) if not self.sync else 1 for i in range(n_s)]
         self.refresh_left = [sum(1 for (_, j) in traffic.hot if j == c) for c in range(n_s)]
         self.waiting: list[list[int]] = [[] for _ in range(n_s)]  # pull requests held for a refresh
@@ -225,12 +130,23 @@ class _Run:
 
     def _send_worker(self, w: int, s: int, nbytes: float, on_done, *, up: bool) -> None:
         a, b = self.step.workers[w], self.step.servers[s]
-        self.net.send(*((a, b) if up else (b, a)), nbytes, flow_id=w * 7919 + s, on_done=on_done)
+        self._transfer(*((a, b) if up else (b, a)), nbytes, w * 7919 + s, on_done)
+
+    def _transfer(self, src: str, dst: str, nbytes: float, flow_id: int, on_done) -> None:
+        """A message: the sender's work on its bytes, the flow, the receiver's work, then ``on_done(t)``."""
+        cost = nbytes * self.step.host_s_per_byte
+        if not cost:
+            return self.net.send(src, dst, nbytes, flow_id=flow_id, on_done=on_done)
+        received = lambda _t: self.net.at(self._work(dst, cost), lambda: on_done(self.net.now))  # noqa: E731
+        self.net.at(self._work(src, cost), lambda: self.net.send(src, dst, nbytes, flow_id=flow_id, on_done=received))
+
+    def _work(self, node: str, seconds: float) -> float:
+        """Queue ``seconds`` of work on ``node``'s process (one piece at a time); when it is done."""
+        self.busy_until[node] = max(self.net.now, self.busy_until.get(node, 0.0)) + seconds
+        return self.busy_until[node]
 
     def _apply(self, s: int, nbytes: float, then) -> None:
-        start = max(self.net.now, self.busy_until[s])
-        self.busy_until[s] = start + nbytes * self.step.apply_s_per_byte
-        self.net.at(self.busy_until[s], then)
+        self.net.at(self._work(self.step.servers[s], nbytes * self.step.apply_s_per_byte), then)
 
     def _pushed(self, w: int, i: int, nbytes: float) -> None:
         self.arrived[i] += 1
@@ -249,7 +165,7 @@ class _Run:
         self.replication[src] += nbytes
         self.replication[dst] += nbytes
         arrived = lambda _t: self._apply(dst, nbytes, lambda: self._forward(i, hop + 1, nbytes, workers))  # noqa: E731
-        self.net.send(self.step.servers[src], self.step.servers[dst], nbytes, flow_id=i, on_done=arrived)
+        self._transfer(self.step.servers[src], self.step.servers[dst], nbytes, i, arrived)
 
     def _committed(self, i: int, tail: int, workers: list[int]) -> None:
         for w in workers:  # the tail's acknowledgement (a latency-only message)
@@ -260,8 +176,8 @@ class _Run:
                 if owner == i:
                     self.replication[owner] += nbytes
                     self.replication[copy] += nbytes
-                    self.net.send(self.step.servers[owner], self.step.servers[copy], nbytes, flow_id=copy,
-                                  on_done=lambda _t, c=copy: self._refreshed(c))  # fmt: skip
+                    self._transfer(self.step.servers[owner], self.step.servers[copy], nbytes, copy,
+                                   lambda _t, c=copy: self._refreshed(c))  # fmt: skip
 
     def _refreshed(self, copy: int) -> None:
         self.refresh_left[copy] -= 1
