@@ -8,7 +8,10 @@ the case where the simulator's prediction is a closed form of link rates, so a m
 (CPU, protocol, TCP) and not a modelling choice. Each case runs ``--repeats`` times; a run's step time is the
 median over its steps (after ``--warmup``) of the time between two consecutive steps' last worker finishing.
 The same jobs also run on loopback (no shaping): that step time is the host's own cost (HMAC, copies,
-optimizer, process switching on 2 cores), the part the network model leaves out.
+optimizer, process switching on 2 cores). Two predictions: the network alone, and the network plus each
+process's work on its messages (``PSStep.host_s_per_byte``), fitted once on the loopback 1 x 1 step, where
+the network is nearly free and a step is four pieces of such work on the whole model (the worker sends its
+push, the server receives it, sends the pull reply, the worker receives it): h = step / (4 x model bytes).
 
 Every namespace is removed when the script ends, also on an error or Ctrl-C (:class:`dtrain.emulate.Emulation`);
 every process it starts runs in its own session and is killed with it.
@@ -194,12 +197,22 @@ def run_loopback(case: Case, model_bytes: int, steps: int, warmup: int, tmp: Pat
     return step_times(tmp, case.workers, warmup)[0]
 
 
-def predict(plan: EmulationPlan, case: Case, model_bytes: int):
+def predict(plan: EmulationPlan, case: Case, model_bytes: int, host_s_per_byte: float = 0.0):
     """The simulator on the network the emulation built (payload rates, the same nodes)."""
     topology = emulated_topology(cluster_topology(), plan)
     step = PSStep(workers=case.worker_nodes(), servers=case.server_nodes(), dense_bytes=float(model_bytes),
-                  mode="sync")  # fmt: skip
+                  mode="sync", host_s_per_byte=host_s_per_byte)  # fmt: skip
     return simulate_ps(topology, step)
+
+
+def calibrate_host(model_bytes: int, steps: int, warmup: int, tmp: Path, runs: int = 3) -> float:
+    """Seconds a process spends per byte of a message it sends or receives, from loopback 1 x 1 steps (the
+    module docstring says why a step is four such pieces of work)."""
+    step_s = statistics.median(
+        statistics.median(run_loopback(Case(1, 1), model_bytes, steps, warmup, tmp / f"calibrate{i}"))
+        for i in range(runs)
+    )
+    return step_s / (4 * model_bytes)
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
@@ -207,6 +220,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
     plan = plan_emulation(cluster_topology(), scale=scale, tag="psval")
     cases = [c for c in CASES if not args.only or c.name in args.only.split(",")]
     rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        host = calibrate_host(args.model_bytes, args.steps, args.warmup, Path(tmp))
+    print(f"host work: {host * 1e9:.2f} ns a byte ({1 / host / 1e9:.2f} GB/s) from loopback 1 x 1 steps", flush=True)
     with Emulation(plan), tempfile.TemporaryDirectory() as tmp:
         if args.queue_ms:
             set_queues(plan, args.queue_ms)
@@ -215,6 +231,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
               f"(configured {check['configured_bit_per_s'] / 1e6:.1f})", flush=True)  # fmt: skip
         for case in cases:
             result = predict(plan, case, args.model_bytes)
+            hosted = predict(plan, case, args.model_bytes, host).time_s
             for repeat in range(args.repeats):
                 run_dir = Path(tmp) / f"{case.name.replace(' ', '_')}-{repeat}"
                 before = tcp_counters(plan)
@@ -228,8 +245,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
                        "steps_s": emulated, "pull_stagger_s": statistics.median(stagger), "tcp": tcp,
                        "loopback_step_s": statistics.median(loopback),
                        "predicted_step_s": result.time_s, "bottleneck": result.bottleneck.link.name,
+                       "host_s_per_byte": host, "predicted_host_step_s": hosted,
                        "path_check_bit_per_s": check["measured_bit_per_s"], "machine": MACHINE}  # fmt: skip
                 row["error"] = row["predicted_step_s"] / row["measured_step_s"] - 1
+                row["error_host"] = hosted / row["measured_step_s"] - 1
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "steps_s"}), flush=True)
     return rows
@@ -246,6 +265,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "queue_ms": runs[0]["queue_ms"], "repeats": len(runs),
                     "measured_step_s": measured, "spread": spread, "predicted_step_s": runs[0]["predicted_step_s"],
                     "error": runs[0]["predicted_step_s"] / measured - 1,
+                    "predicted_host_step_s": runs[0]["predicted_host_step_s"],
+                    "error_host": runs[0]["predicted_host_step_s"] / measured - 1,
                     "loopback_step_s": statistics.median(r["loopback_step_s"] for r in runs),
                     "bottleneck": runs[0]["bottleneck"], "machine": MACHINE})  # fmt: skip
     return out
@@ -264,14 +285,16 @@ def main() -> None:
     args = parser.parse_args()
     rows = measure(args)
     summary = summarize(rows)
-    print("\n| case | measured step (median of runs) | run-to-run spread | predicted | error | loopback step |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| case | measured step (median of runs) | run-to-run spread | network alone | error "
+          "| network + host | error | loopback step |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for s in summary:
         print(f"| {s['case']} | {s['measured_step_s'] * 1e3:.0f} ms | {s['spread']:.1%} | "
-              f"{s['predicted_step_s'] * 1e3:.0f} ms | {s['error']:+.1%} | "
-              f"{s['loopback_step_s'] * 1e3:.0f} ms |")  # fmt: skip
-    errors = sorted(abs(s["error"]) for s in summary)
-    print(f"\nmedian |error| {statistics.median(errors):.1%}, worst {errors[-1]:.1%} ({MACHINE})")
+              f"{s['predicted_step_s'] * 1e3:.0f} ms | {s['error']:+.1%} | {s['predicted_host_step_s'] * 1e3:.0f} ms "
+              f"| {s['error_host']:+.1%} | {s['loopback_step_s'] * 1e3:.0f} ms |")  # fmt: skip
+    for key, label in (("error", "network alone"), ("error_host", "network + host")):
+        errors = sorted(abs(s[key]) for s in summary)
+        print(f"{label}: median |error| {statistics.median(errors):.1%}, worst {errors[-1]:.1%} ({MACHINE})")
     suffix = "" if args.mbit == 100 else f"-{args.mbit:g}mbit"
     suffix += f"-queue{args.queue_ms:g}ms" if args.queue_ms else ""
     path = Path(args.out) / f"sim-ps-validation{suffix}.jsonl"
