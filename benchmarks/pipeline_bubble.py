@@ -324,6 +324,9 @@ def _plot(records: list[dict], path: Path) -> None:
         rows = [r for r in records if r["stages"] == p]
         ms = sorted({r["microbatches"] for r in rows})
         ax.plot(ms, [theoretical_bubble(p, m) for m in ms], "k--", label="(p-1)/(m+p-1)")
+        vs = sorted({r["virtual_stages"] for r in rows if r["virtual_stages"] > 1})
+        for v in vs:
+            ax.plot(ms, [theoretical_bubble(p, m, v) for m in ms], "k:", label=f"(p-1)/({v}m+p-1)")
         for schedule, marker in zip(SCHEDULES, "os^", strict=True):
             pts = sorted((r["microbatches"], r["bubble_measured"]) for r in rows if r["schedule"] == schedule)
             if pts:
