@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (every closure here is timed at once, inside its loop iteration)
 """Probe: what moving a round through peer memory (torch symmetric memory) costs on this GPU host.
 
 Run under torchrun on every GPU of one host. Prints, per size: NCCL's all-reduce, a device-side barrier, a
@@ -97,7 +98,7 @@ def main() -> None:
 
         def par_copy():
             cur = torch.cuda.current_stream()
-            for s, p in zip(side, others):
+            for s, p in zip(side, others, strict=True):
                 s.wait_stream(cur)
                 with torch.cuda.stream(s):
                     ws[ch[p]].copy_(peers[p][ch[p]])

@@ -221,14 +221,15 @@ def _cases(config: BenchConfig, device) -> list[tuple[str, int, str]]:
 def bench_on_rank(config: BenchConfig) -> list[dict]:
     """Every rank runs this; rank 0 reports and returns the records (the others return ``[]``)."""
     from dtrain.bench.report import Progress, print_table, write_outputs
-
     from dtrain.comm.api import transport_name
 
     device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
     transport = transport_name(None, device)  # our algorithms' transport, priced by its own parameters
     params = cost.load_params(device=device.type + ("-peer" if transport == "peer" else ""))
     local_size = _local_size(world)
-    machine = {**_machine(device), "transport": transport}
+    from dtrain.comm import persistent
+
+    machine = {**_machine(device), "transport": transport, "persistent": persistent.enabled()}
     records = []
     cases = _cases(config, device)
     with Progress(len(cases), enabled=rank == 0) as progress:

@@ -60,6 +60,9 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     finally:
         if created:
+            from dtrain.comm import peer
+
+            peer.close_windows()  # the peer transport's windows and the graphs recorded on them go first
             gc.collect()  # CUDA graphs still holding NCCL kernels would stall the teardown
             dist.destroy_process_group()
 

@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dtrain.comm import peer_kernels
+from dtrain.comm import peer_kernels, persistent
 from dtrain.comm.peer_plan import compile_pull
 from dtrain.comm.runtime import CommTimeoutError
 from dtrain.comm.schedule import Schedule
@@ -158,12 +158,14 @@ def window_for(group, device: torch.device, nbytes: int) -> PeerWindow:
             )
         size = nbytes if window is None else max(nbytes, 2 * window.nbytes)
         _PREPARED.clear()  # they hold slices of the old window: let it go
+        persistent.release_all()  # and so do the graphs recorded on it
         window = _WINDOWS[key] = _setting_up(lambda: PeerWindow(group, device, size), group, "mapping windows")
     return window
 
 
 def close_windows() -> None:
     """Forget every window (before the process group is destroyed)."""
+    persistent.release_all()
     _PREPARED.clear()
     _WINDOWS.clear()
     _AVAILABLE.clear()

@@ -1,0 +1,91 @@
+"""Persistent collectives: a call repeated on the same CUDA buffer is recorded once as a graph, then replayed.
+
+A peer-memory round is a barrier and a kernel or two on the device, but ~15 us of Python and launches on the
+host (docs/benchmarks.md), so below some MiB the host, not the GPUs, sets the pace. Training calls the same
+collectives on the same buffers every step (gradient buckets, sharded optimizer state). The second time a
+call is seen with the same schedule, buffer address, size, dtype, op and window, it is captured as a CUDA graph
+of all its rounds (capturing runs nothing), and that call and every later one replays the graph. This is
+MPI-4's persistent collective (``MPI_Allreduce_init`` then ``MPI_Start``), made implicit.
+
+Why it is safe across ranks: a replay launches exactly the kernels and barriers the eager call would, so a
+rank that replays and a rank that runs eagerly still meet at every barrier; ranks need not capture together.
+A graph is dropped when the window it reads is replaced (it would read freed memory), when more than
+:data:`MAX_GRAPHS` are held (least recently used first), and by :func:`release_all`. Nothing is captured
+while a per-round timeout is set (a graph cannot report which barrier stalled) or inside another capture.
+
+Off unless ``DTRAIN_COMM_PERSISTENT=1``: replayed graphs of the peer transport pass ``bench verify`` on 4
+H200s and time at 0.91x NCCL for a 64 MiB ring all-reduce, but a full all-reduce size sweep with it on ended
+in a segmentation fault there that is not yet explained (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import torch
+
+__all__ = ["MAX_GRAPHS", "run", "release_all", "enabled", "held"]
+
+#: The most graphs kept at once; the least recently replayed goes first.
+MAX_GRAPHS = 64
+
+_SEEN: OrderedDict[Hashable, int] = OrderedDict()
+_GRAPHS: OrderedDict[Hashable, object] = OrderedDict()
+
+
+def enabled() -> bool:
+    """Whether calls may be captured: ``DTRAIN_COMM_PERSISTENT=1`` (off by default: see the module notes)."""
+    return os.environ.get("DTRAIN_COMM_PERSISTENT", "0") == "1"
+
+
+def held() -> int:
+    """How many graphs are held now."""
+    return len(_GRAPHS)
+
+
+def _capture(call: Callable[[], object], device: torch.device):
+    from dtrain.comm.graph import CapturedCollective
+
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    # thread-local: a training step's other threads (the autograd engine's) may touch CUDA meanwhile
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        call()
+    return CapturedCollective(graph, stream)
+
+
+def run(key: Hashable, call: Callable[[], object], device: torch.device, *, capture=_capture) -> None:
+    """Run ``call`` (a collective on CUDA tensors): eagerly the first time ``key`` is seen, from then on as a
+    graph captured on the second sighting. ``capture`` is the recorder (tests pass a fake one)."""
+    graph = _GRAPHS.get(key)
+    if graph is not None:
+        _GRAPHS.move_to_end(key)
+        graph()
+        return
+    if not enabled() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        call()
+        return
+    seen = _SEEN.pop(key, 0) + 1
+    _SEEN[key] = seen
+    while len(_SEEN) > 4 * MAX_GRAPHS:
+        _SEEN.popitem(last=False)
+    if seen < 2:
+        call()
+        return
+    graph = capture(call, device)
+    _GRAPHS[key] = graph
+    while len(_GRAPHS) > MAX_GRAPHS:
+        _, old = _GRAPHS.popitem(last=False)
+        old.release()
+    graph()
+
+
+def release_all() -> None:
+    """Drop every graph and every sighting (the windows they read are going away)."""
+    for graph in _GRAPHS.values():
+        graph.release()
+    _GRAPHS.clear()
+    _SEEN.clear()

@@ -1,0 +1,96 @@
+"""Persistent collectives: eager the first time, captured on the second sighting, replayed after; bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtrain.comm import persistent
+
+CPU = torch.device("cpu")
+
+
+class FakeGraph:
+    """Stands in for a captured CUDA graph: replaying it runs the recorded call."""
+
+    def __init__(self, call, log):
+        self.call, self.log, self.released = call, log, False
+        log.append("capture")
+
+    def __call__(self):
+        assert not self.released
+        self.log.append("replay")
+        self.call()
+
+    def release(self):
+        self.released = True
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.setenv("DTRAIN_COMM_PERSISTENT", "1")
+    persistent.release_all()
+    yield
+    persistent.release_all()
+
+
+def _runner(log):
+    def capture(call, device):
+        return FakeGraph(call, log)
+
+    return lambda key: persistent.run(key, lambda: log.append(f"eager {key}"), CPU, capture=capture)
+
+
+def test_the_first_call_runs_eagerly_the_second_is_captured_and_replayed_and_later_ones_replay():
+    log = []
+    run = _runner(log)
+    run("a")
+    run("a")
+    run("a")
+    assert log == ["eager a", "capture", "replay", "eager a", "replay", "eager a"]
+    assert persistent.held() == 1
+
+
+def test_a_capture_runs_the_call_exactly_once_per_call():
+    # capturing records without running: every call still runs the collective once, so ranks that capture
+    # at different calls meet at the same barriers
+    log = []
+    run = _runner(log)
+    for _ in range(5):
+        run("k")
+    assert log.count("eager k") == 5
+
+
+def test_nothing_is_captured_unless_turned_on(monkeypatch):
+    monkeypatch.delenv("DTRAIN_COMM_PERSISTENT")
+    log = []
+    run = _runner(log)
+    for _ in range(3):
+        run("a")
+    assert log == ["eager a"] * 3 and persistent.held() == 0
+
+
+def test_the_least_recently_replayed_graph_goes_when_too_many_are_held(monkeypatch):
+    monkeypatch.setattr(persistent, "MAX_GRAPHS", 2)
+    graphs = []
+
+    def capture(call, device):
+        graphs.append(FakeGraph(call, []))
+        return graphs[-1]
+
+    for key in ("a", "b", "a", "c"):
+        persistent.run(key, lambda: None, CPU, capture=capture)
+        persistent.run(key, lambda: None, CPU, capture=capture)
+    assert persistent.held() == 2
+    assert [g.released for g in graphs] == [False, True, False]  # a (replayed last) stays, b goes
+
+
+def test_release_all_drops_every_graph_and_sighting():
+    log = []
+    run = _runner(log)
+    run("a")
+    run("a")
+    persistent.release_all()
+    assert persistent.held() == 0
+    run("a")  # seen afresh: eager again
+    assert log[-1] == "eager a"
