@@ -28,7 +28,7 @@ for part in $parts; do
       bub() { timeout "$1" torchrun --nproc-per-node "$2" benchmarks/pipeline_bubble.py --layers 32 --width 4096 \
           --batch 8192 --stall-s 40 "${@:3}" 2>&1 | grep --line-buffered -v -iE "warn|^\s*$|^Thread 0x|no Python frame"; }
       bub 100 2 --out "$out/bubble-p2.jsonl"
-      bub 100 4 --schedules gpipe 1f1b --microbatches 16 8 4 2 1 --out "$out/bubble-p4.jsonl"
+      bub 100 4 --schedules gpipe 1f1b --microbatches 16 8 4 1 2 --out "$out/bubble-p4.jsonl"
       bub 80 4 --schedules interleaved-1f1b --microbatches 16 8 4 --out "$out/bubble-p4-interleaved.jsonl"
       python3 benchmarks/pipeline_bubble.py --report "$out"/bubble-p*.jsonl --plot "$out/bubble.png" ;;
     graphs) LIMIT=60 tr -m dtrain bench comm --algorithms ring,native --graphs --min-bytes 1M --max-bytes 4M \

@@ -259,7 +259,8 @@ def _rank_main(args) -> None:
     guard.cancel()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: counts at least 1, the batch splits into every micro-batch count."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4, help="local ranks (ignored under torchrun)")
     p.add_argument("--sections", nargs="+", choices=["tp", "pp"], default=["tp", "pp"])
@@ -283,11 +284,16 @@ def main() -> None:
     )
     p.add_argument("--stall-s", type=float, default=0, help="dump every stack and exit after this long (0: never)")
     p.add_argument("--out", type=Path, default=None, help="JSON lines, appended as rows are measured")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.pp_warmup < 1 or min(args.pp_iters, args.pp_trials, args.pp_virtual_stages) < 1:
         p.error("--pp-warmup, --pp-iters, --pp-trials and --pp-virtual-stages must be at least 1")
     if "pp" in args.sections and any(args.pp_batch % m for m in args.microbatches):
         p.error(f"--pp-batch {args.pp_batch} must be a multiple of every --microbatches value {args.microbatches}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     run_ranks(_rank_main, args.nproc, args)
 
 

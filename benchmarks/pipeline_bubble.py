@@ -357,7 +357,8 @@ def _report(paths: list[Path], plot: Path | None) -> None:
         _plot(records, plot)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: every micro-batch count divides the batch, counts are at least 1."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="CPU: p of each launch (torchrun: ranks)")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES), help="in this order")
@@ -377,15 +378,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON lines file, appended row by row")
     parser.add_argument("--report", type=Path, nargs="+", default=None, help="print the table of these files, plot")
     parser.add_argument("--plot", type=Path, default=None, help="with --report: write the bubble plot here")
-    args = parser.parse_args()
-    if args.report:
-        _report(args.report, args.plot)
-        return
+    args = parser.parse_args(argv)
     if any(args.batch % m for m in args.microbatches) or min(args.warmup, args.steps, args.virtual_stages) < 1:
         parser.error(
             f"--batch {args.batch} must split into each of {args.microbatches} micro-batches, and "
             "--warmup, --steps and --virtual-stages must be at least 1"
         )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.report:
+        _report(args.report, args.plot)
+        return
     if args.out and int(os.environ.get("RANK", "0")) == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,42 +13,41 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dtrain.bench.launch import run_ranks
 from dtrain.parallel.pipeline_schedules import SCHEDULES, theoretical_bubble, validate_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import peers_tp_pp  # noqa: E402
+import pipeline_bubble  # noqa: E402
 from peers_tp_pp import PP_FAMILIES, _pipeline_order  # noqa: E402
 from pipeline_bubble import expected_peak  # noqa: E402
 
 
-def _start(script: str, *args: str, out: Path) -> subprocess.Popen:
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args, "--stall-s", "60", "--out", str(out)]
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _both_benchmarks(bubble_args, pp_args) -> None:
+    """What each of the 2 ranks runs: the bubble sweep, then the pipeline pairs (one launch for both)."""
+    pipeline_bubble._rank_main(bubble_args)
+    peers_tp_pp._rank_main(pp_args)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """Both benchmarks at once on 2 ranks each (each launch costs seconds of start-up)."""
+    """Both benchmarks on 2 Gloo ranks, tiny sizes, in one launch (each launch costs seconds of start-up)."""
     out = tmp_path_factory.mktemp("bench")
-    bubble = ["--stages", "2", "--microbatches", "1", "2", "--layers", "4", "--width", "8", "--batch", "8"]
-    pp = ["--nproc", "2", "--sections", "pp", "--pp-width", "8", "--pp-layers", "4", "--pp-batch", "8"]
-    procs = {
-        "bubble": _start("pipeline_bubble.py", *bubble, "--warmup", "1", "--steps", "1", out=out / "bubble.jsonl"),
-        "pp": _start(
-            "peers_tp_pp.py", *pp, "--microbatches", "2", "--pp-iters", "1", "--pp-trials", "1", out=out / "pp.jsonl"
-        ),
+    bubble = pipeline_bubble.parse_args(
+        ["--microbatches", "1", "2", "--layers", "4", "--width", "8", "--batch", "8", "--warmup", "1", "--steps", "1"]
+        + ["--stall-s", "60", "--out", str(out / "bubble.jsonl")]
+    )
+    pp = peers_tp_pp.parse_args(
+        ["--sections", "pp", "--pp-width", "8", "--pp-layers", "4", "--pp-batch", "8", "--microbatches", "2"]
+        + ["--pp-iters", "1", "--pp-trials", "1", "--stall-s", "60", "--out", str(out / "pp.jsonl")]
+    )
+    run_ranks(_both_benchmarks, 2, bubble, pp)
+    return {
+        name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        for name in ("bubble", "pp")
     }
-    try:
-        for name, proc in procs.items():
-            _, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, f"{name} failed: {err.decode()[-2000:]}"
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait()
-    return {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()] for name in procs}
 
 
 @pytest.fixture(scope="module")
