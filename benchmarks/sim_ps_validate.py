@@ -246,7 +246,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
                        "loopback_step_s": statistics.median(loopback),
                        "predicted_step_s": result.time_s, "bottleneck": result.bottleneck.link.name,
                        "host_s_per_byte": host, "predicted_host_step_s": hosted,
-                       "path_check_bit_per_s": check["measured_bit_per_s"], "machine": MACHINE}  # fmt: skip
+                       "path_check_bit_per_s": check["measured_bit_per_s"], "load_average": os.getloadavg()[0],
+                       "machine": MACHINE}  # fmt: skip
                 row["error"] = row["predicted_step_s"] / row["measured_step_s"] - 1
                 row["error_host"] = hosted / row["measured_step_s"] - 1
                 rows.append(row)
