@@ -44,8 +44,9 @@ def add_ps_parser(sub, parse_bytes) -> argparse.ArgumentParser:
     p.add_argument("--row-bytes", type=int, default=256, help="bytes a row (64 float32: 256)")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids (0: uniform)")
     p.add_argument("--permute", action="store_true", help="hash ids over the key space (else popular ids first)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", choices=["sync", "async"], default="sync")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Zipf draws")
+    p.add_argument("--mode", choices=["sync", "async"], default="sync",
+                   help="sync: one step of every worker's push; async: each push a step of its own")  # fmt: skip
     p.add_argument("--replicas", type=int, default=1, help="servers in each shard's chain")
     p.add_argument("--hot-keys", type=int, default=0, help="most-pulled rows of each server to copy")
     p.add_argument("--hot-replicas", type=int, default=0, help="other servers each hot row is copied to")
