@@ -26,3 +26,8 @@ def test_tensor_parallel_is_innermost_then_pipeline_then_data():
 def test_grid_groups_on_real_processes(pool):
     got = pool.run("tests.grid_jobs:grid_sizes", 2, 1, 2)  # every process builds the groups
     assert got == [[2, 1, 2, r] for r in range(4)] + [None] * 4
+
+
+def test_pipeline_gradients_travel_on_a_second_group_of_the_same_ranks(pool):
+    # on NCCL, one group for both directions lets a large send wait behind the opposite send (docs/pipeline-gpu.md)
+    assert all(pool.run("tests.grid_jobs:gradients_on_their_own_group", 2, 2))

@@ -76,6 +76,9 @@ class RankGrid:
     dp_group: object = field(repr=False)
     pp_group: object = field(repr=False)
     tp_group: object = field(repr=False)
+    #: the pipeline group's ranks again, for gradients: on NCCL each direction between two stages then has its
+    #: own communicator and stream (see dtrain.parallel.pipeline_parallel_communications)
+    pp_grad_group: object = field(default=None, repr=False)
 
     @property
     def dp_rank(self) -> int:
@@ -107,8 +110,8 @@ class RankGrid:
             raise ValueError(f"the grid has {dims.world_size} ranks but {len(base)} base ranks were given")
         me = dist.get_rank()
         mine: dict[str, object] = {}
-        for axis in ("dp", "pp", "tp"):
-            for members in _axis_groups(dims, axis):
+        for axis in ("dp", "pp", "tp", "pp_grad"):
+            for members in _axis_groups(dims, axis.removesuffix("_grad")):
                 group = dist.new_group([base[r] for r in members])
                 if me in (base[r] for r in members):
                     mine[axis] = group
@@ -121,6 +124,7 @@ class RankGrid:
             dp_group=mine["dp"],
             pp_group=mine["pp"],
             tp_group=mine["tp"],
+            pp_grad_group=mine["pp_grad"],
         )
 
 

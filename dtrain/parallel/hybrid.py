@@ -95,7 +95,9 @@ class HybridParallel:
     ) -> None:
         self.grid = grid
         model = tensor_parallel_blocks(blocks, grid.tp_group, algorithm=algorithm)
-        self.pipeline = PipelineParallel(model, grid.pp_group, num_microbatches=num_microbatches, schedule=schedule)
+        self.pipeline = PipelineParallel(
+            model, grid.pp_group, num_microbatches=num_microbatches, schedule=schedule, grad_group=grid.pp_grad_group
+        )
         params = list(self.pipeline.parameters())
         self.optimizer: torch.optim.Optimizer | DistributedOptimizer = optimizer(params)
         if grid.dims.dp > 1:  # one replica has nothing to average

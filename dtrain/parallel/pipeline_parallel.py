@@ -123,7 +123,10 @@ class PipelineParallel:
     ``virtual_stages * p`` chunks (default ``virtual_stages=2``) and this rank holds chunks ``s, s + p, ...``:
     :attr:`chunks` lists them and :attr:`stage` is an ``nn.ModuleList`` of them (the :class:`PipelineStage`
     itself for the other schedules). After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
-    for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`.
+    for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`. ``grad_group`` (the same ranks as
+    ``group``, another process group) carries the gradients, so that on NCCL the two directions between two
+    stages do not queue behind each other (:mod:`~dtrain.parallel.pipeline_parallel_communications`); the rank
+    grid makes one (``pp_grad_group``).
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class PipelineParallel:
         schedule: str = "1f1b",
         balance: Balance = "layers",
         virtual_stages: int | None = None,
+        grad_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
@@ -161,7 +165,7 @@ class PipelineParallel:
         ]
         self.stage: nn.Module = nn.ModuleList(self.chunks) if interleaved else self.chunks[0]
         device = next((q.device for q in self.stage.parameters()), torch.device("cpu"))
-        self.link = StageLink(group, s, p, device, virtual_stages=v)
+        self.link = StageLink(group, s, p, device, virtual_stages=v, grad_group=grad_group)
         self.timeline: Timeline | None = None
 
     def parameters(self) -> Iterator[nn.Parameter]:

@@ -9,7 +9,14 @@ shape exchange.
 
 Sends are non-blocking and only waited on at the end of a step (their buffers are kept alive until then);
 receives block. With sends that never block, the GPipe and 1F1B schedules cannot deadlock (Narayanan et al.
-2021 rely on the same property).
+2021 rely on the same property). On NCCL that holds for the host but not for the GPU: ProcessGroupNCCL runs a
+pair's unbatched sends and receives on one stream, both directions, in the order posted, and a large send
+waits for its receive. In 1F1B's steady state stage s posts send_forward before recv_backward while stage
+s + 1 posts send_backward before recv_forward, and each send then waits behind the other rank's send (seen
+on 4 H200s with 32-64 MiB activations, docs/pipeline-gpu.md). So gradients travel on a second process group
+over the same ranks (``grad_group``; :func:`backward_group` for the whole world, the rank grid's
+``pp_grad_group`` otherwise): each direction of a pair has its own communicator and stream, and within one
+direction the receives come in the order of the sends.
 
 With interleaved 1F1B each rank holds ``v`` model chunks, chunk ``c`` of rank ``s`` being virtual stage
 ``u = c p + s``: activations go from ``u`` to ``u + 1`` (rank ``s + 1``, or rank 0's next chunk after the last
@@ -71,6 +78,25 @@ def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(values[2 : 2 + ndim]), _DTYPES[code]
 
 
+_BACKWARD_GROUPS: dict[object, dist.ProcessGroup] = {}
+
+
+def backward_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The default group for ``group``'s gradient messages when none is given.
+
+    For a group of the whole world, a second group over the same ranks, made once (every rank is a member, so
+    every rank makes it, as torch.distributed requires). For a smaller group, the group itself: a new group
+    would need every process of the world to take part, which only the caller can arrange, so pass
+    ``grad_group`` (:class:`~dtrain.parallel.grid.RankGrid` makes one for each pipeline group).
+    """
+    if dist.get_world_size(group) == 1 or dist.get_world_size(group) != dist.get_world_size():
+        return group
+    made = _BACKWARD_GROUPS.get(group)
+    if made is None:
+        made = _BACKWARD_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group))
+    return made
+
+
 class StageLink:
     """This rank's links to the neighbouring (virtual) stages: activations in and out, gradients out and in.
 
@@ -88,8 +114,10 @@ class StageLink:
         device: torch.device | None = None,
         *,
         virtual_stages: int = 1,
+        grad_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
+        self.grad_group = grad_group if grad_group is not None else backward_group(group)
         self.device = device if device is not None else torch.device("cpu")
         self.stage = stage
         self.num_stages = num_stages
@@ -128,6 +156,7 @@ class StageLink:
 
     def _send(self, tensor: torch.Tensor, to: int, direction: int, kind: str, microbatch: int, chunk: int) -> None:
         peer, tag = self._peer(to, kind), 2 * to + direction
+        group = self.grad_group if direction == _BACKWARD else self.group
         start = time.perf_counter()
         payload = tensor.detach().contiguous()
         buffers = [payload]
@@ -135,7 +164,7 @@ class StageLink:
         if known is None:
             header = encode_header(payload).to(payload.device)
             self._shapes[kind, chunk] = (tuple(payload.shape), payload.dtype)
-            works = [dist.isend(header, peer, group=self.group, tag=tag)]
+            works = [dist.isend(header, peer, group=group, tag=tag)]
             buffers.append(header)
         else:
             if known != (tuple(payload.shape), payload.dtype):
@@ -144,21 +173,22 @@ class StageLink:
                     f"{payload.dtype}, but this step's micro-batches had {known[0]} {known[1]}"
                 )
             works = []
-        works.append(dist.isend(payload, peer, group=self.group, tag=tag))
+        works.append(dist.isend(payload, peer, group=group, tag=tag))
         event = self._record(kind, microbatch, chunk, start)
         self._pending += [(w, buffers, event) for w in works]
 
     def _recv(self, source: int, direction: int, kind: str, microbatch: int, chunk: int) -> torch.Tensor:
         peer, tag = self._peer(source, kind), 2 * self._virtual(chunk) + direction
+        group = self.grad_group if direction == _BACKWARD else self.group
         start = time.perf_counter()
         known = self._shapes.get((kind, chunk))
         if known is None:
             header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
-            dist.irecv(header, peer, group=self.group, tag=tag).wait()
+            dist.irecv(header, peer, group=group, tag=tag).wait()
             known = self._shapes[kind, chunk] = decode_header(header)
         shape, dtype = known
         payload = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.irecv(payload, peer, group=self.group, tag=tag).wait()
+        dist.irecv(payload, peer, group=group, tag=tag).wait()
         self._record(kind, microbatch, chunk, start).end_s = time.perf_counter()
         return payload
 

@@ -175,6 +175,7 @@ class _Trainer:
                 num_microbatches=config.microbatches,
                 schedule=config.schedule,
                 virtual_stages=INTERLEAVED_CHUNKS if interleaved else 1,
+                grad_group=grid.pp_grad_group,
             )
             self.module = self.pipeline.stage
         else:
