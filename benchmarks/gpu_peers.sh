@@ -5,7 +5,8 @@
 #   3. dtrain train end to end on NCCL: dp2 x pp2 and dp2 x tp2
 #   4. all-reduce 1 MiB - 1 GiB, native NCCL and our algorithms, over NVLink, then with NCCL_P2P_DISABLE=1
 #      (host shared memory), then with NCCL_SHM_DISABLE=1 as well (sockets): the seed text's comparison.
-# Usage: benchmarks/gpu_peers.sh OUTDIR [parts...]   parts: dp tp pp comm train graphs (default: all)
+#   5. the pipeline bubble and activation memory, p = 2 and 4 (pipeline_bubble.py)
+# Usage: benchmarks/gpu_peers.sh OUTDIR [parts...]   parts: dp tp pp bubble comm train graphs (default: dp tp pp comm train)
 set -uo pipefail
 out=${1:-runs/gpu-peers}; shift || true
 parts=${*:-dp tp pp comm train}
