@@ -150,3 +150,11 @@ def test_a_missing_peer_times_out_at_a_named_barrier(pool):
 def test_no_window_file_outlives_its_mapping(pool):
     pool.run(f"{JOBS}:check_collective", "all_reduce", "ring", 2, [5], ranks=2)
     assert glob.glob("/dev/shm/dtrain-*") == []
+
+
+def test_in_a_direct_round_each_rank_reads_a_different_peer_first():
+    # all-gather by direct copies: rank r takes peer r+1's block first, so no peer serves every rank at once
+    schedule = registry.build(Collective.ALL_GATHER, "direct", 4)
+    plans = _compile_all(schedule, 16)
+    firsts = [plans[r].rounds[0].ops[0].reads[0][0] for r in range(4)]
+    assert firsts == [1, 2, 3, 0]

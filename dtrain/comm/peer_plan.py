@@ -17,6 +17,9 @@ current value lives and which copies, reads and barriers keep every read race-fr
   must also reach ``w`` for a later round, a second barrier after the round lets it copy ``x`` into ``w``
   once every peer has finished reading (a *deferred* window write; recursive doubling needs it every round).
 - One more barrier at the end keeps the next call's copy-in off windows a slow peer may still be reading.
+- Within a round, rank ``r`` takes its passes in the order of their peers counted from ``r`` (``r + 1``
+  first): in a direct round every rank would otherwise read the same peer first, and that peer's links would
+  serve all of them while the others idle.
 
 :func:`races` checks a compiled plan: within every phase between two barriers, no rank writes window bytes
 that another rank reads. After NCCL's P2P transport and Wang et al., "Blink" (MLSys 2020), which read peers'
@@ -138,6 +141,8 @@ def _compile_all(schedule: Schedule, numel: int) -> tuple[PullPlan, ...]:
             # after the round (and its deferred copies): x if written there, w if written or copied there
             updates[(r, d)] = ({"x"} if to_x else set()) | ({"w"} if read_later else set())
         where.update(updates)
+        for r in range(world):  # rank r reads peer r+1 first, then r+2, ...: no peer serves every rank at once
+            ops[r].sort(key=lambda op, r=r: (min((p - r) % world for p, _ in op.reads), op.offset))
         second = any(deferred)
         for r in range(world):
             rounds[r].append(

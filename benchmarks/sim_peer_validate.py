@@ -1,0 +1,153 @@
+"""Validate the peer-transport model (dtrain.sim.peer_model) against 4 x H200 measurements.
+
+    python benchmarks/sim_peer_validate.py --out docs/data/sim-peer-validation.jsonl
+
+Fit run: the eager all-reduce sweep on the peer transport (docs/data/gpu-h200x4-peer-all_reduce.jsonl: ring,
+halving-doubling, direct and auto, 16 KiB-1 GiB); every figure of the model is fitted there
+(:func:`fit_peer_cost`; the local copy rate is fixed at the probe's 64 MiB copy, 1.83 TB/s). Held out: the
+other four collectives with graph-replayed calls (``gpu-h200x4-peer-collectives.jsonl``: all-gather,
+reduce-scatter, broadcast, all-to-all, 1-256 MiB, no host time), and the all-reduce graph replays of
+``benchmarks/peer_host_probe.py`` (16 KiB and 64 MiB, copied below from its output in docs/benchmarks.md).
+Prints the median and worst relative error, |predicted / measured - 1|, per set and per algorithm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from dtrain.comm import algorithms as registry
+from dtrain.comm import cost as comm_cost
+from dtrain.comm.schedule import Collective
+from dtrain.sim.peer_model import PeerCost, fit_peer_cost, peer_time
+
+DATA = Path(__file__).resolve().parent.parent / "docs" / "data"
+ROOTED = {"broadcast": 0, "reduce": 0, "gather": 0, "scatter": 0}
+# peer_host_probe.py, 4 x H200, graph replays: (algorithm, bytes, GPU microseconds per call)
+PROBE_GRAPHS = [
+    ("ring", 16 << 10, 34.6),
+    ("halving_doubling", 16 << 10, 29.4),
+    ("direct", 16 << 10, 24.9),
+    ("recursive_doubling", 16 << 10, 24.4),
+    ("ring", 64 << 20, 352.4),
+    ("halving_doubling", 64 << 20, 352.3),
+    ("direct", 64 << 20, 569.8),
+    ("recursive_doubling", 64 << 20, 487.1),
+]
+
+
+def _schedule(coll: str, algorithm: str, world: int, nbytes: int):
+    pipeline = 1
+    if algorithm == "ring" and coll in ("broadcast", "reduce"):  # the runtime's choice (api._pipeline)
+        pipeline = comm_cost.optimal_pipeline(nbytes, world, comm_cost.default_params("cuda").intra)
+    return registry.build(Collective(coll), algorithm, world, root=ROOTED.get(coll), pipeline=pipeline)
+
+
+def _points(path: Path, replayed: bool) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for r in rows:
+        if r["algorithm"] in ("native", "auto"):  # auto repeats one of the others
+            continue
+        schedule = _schedule(r["collective"], r["resolved_algorithm"], r["world_size"], r["nbytes"])
+        out.append({**r, "schedule": schedule, "seconds": r["time_us"] * 1e-6, "replayed": replayed})
+    return out
+
+
+def _errors(points: list[dict], cost: PeerCost) -> list[dict]:
+    rows = []
+    for p in points:
+        pred = peer_time(p["schedule"], p["nbytes"], cost, replayed=p["replayed"])
+        rows.append(
+            {
+                "collective": p["collective"],
+                "algorithm": p["resolved_algorithm"],
+                "nbytes": p["nbytes"],
+                "replayed": p["replayed"],
+                "measured_us": p["seconds"] * 1e6,
+                "predicted_us": pred.time_s * 1e6,
+                "gpu_us": pred.gpu_s * 1e6,
+                "host_us": pred.host_s * 1e6,
+                "error": pred.time_s / p["seconds"] - 1,
+            }
+        )
+    return rows
+
+
+def _summary(name: str, rows: list[dict]) -> str:
+    errs = [abs(r["error"]) for r in rows]
+    return f"| {name} | {len(rows)} | {statistics.median(errs):.1%} | {max(errs):.1%} |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    fit_set = _points(DATA / "gpu-h200x4-peer-all_reduce.jsonl", replayed=False)
+    held = _points(DATA / "gpu-h200x4-peer-collectives.jsonl", replayed=True)
+    probe = [
+        {
+            "collective": "all_reduce",
+            "resolved_algorithm": a,
+            "nbytes": n,
+            "schedule": _schedule("all_reduce", a, 4, n),
+            "seconds": us * 1e-6,
+            "replayed": True,
+        }
+        for a, n, us in PROBE_GRAPHS
+    ]
+    # calibrated: every figure from the micro-benchmarks (symm_probe.py, peer_host_probe.py), none from these runs
+    calibrated = PeerCost(
+        pair_bytes_per_s=307e9,  # a 16 MiB pull-add from one peer, 54.7 us
+        fanin_bytes_per_s=216e9,  # 3 x 16 MiB read from all peers at once, 233 us
+        local_bytes_per_s=1.83e12,  # a 64 MiB copy, 36.7 us
+        barrier_s=6e-6,  # 5.0-7.0 us measured
+        host_call_s=25e-6,  # a call's checks and plan look-up (NCCL's own call: 25 us)
+        host_barrier_s=4.8e-6,
+        host_launch_s=5.6e-6,  # a torch operation (a Triton launch is 18 us, used for >= 1 MiB passes only)
+    )
+    # host-fitted: the same GPU figures, the three host terms fitted on the eager points of at most 1 MiB
+    small = [(p["schedule"], p["nbytes"], p["seconds"], False) for p in fit_set if p["nbytes"] <= 1 << 20]
+    fitted = fit_peer_cost(small, calibrated, gpu=False)
+    sets: dict[str, list[dict]] = {}
+    print("| variant | set | points | median error | worst |\n| --- | --- | --- | --- | --- |")
+    for variant, cost in (("calibrated", calibrated), ("host-fitted", fitted)):
+        rows = {
+            "all-reduce eager, all sizes": _errors(fit_set, cost),
+            "other collectives, replayed": _errors(held, cost),
+            "all-reduce replayed (probe)": _errors(probe, cost),
+        }
+        eager = rows["all-reduce eager, all sizes"]
+        rows["all-reduce eager, >= 64 MiB"] = [r for r in eager if r["nbytes"] >= 64 << 20]
+        rows["all-reduce eager, <= 1 MiB"] = [r for r in eager if r["nbytes"] <= 1 << 20]
+        replayed = rows["other collectives, replayed"]
+        rows["other collectives, replayed, >= 64 MiB"] = [r for r in replayed if r["nbytes"] >= 64 << 20]
+        rows["... the same without direct"] = [
+            r for r in rows["other collectives, replayed, >= 64 MiB"] if r["algorithm"] != "direct"
+        ]
+        for name, sub in rows.items():
+            print(_summary(f"{variant} | {name}", sub))
+            sets[f"{variant}: {name}"] = sub
+        if variant == "calibrated":
+            held_rows = rows["other collectives, replayed"]
+            for coll in sorted({r["collective"] for r in held_rows}):
+                for algo in sorted({r["algorithm"] for r in held_rows if r["collective"] == coll}):
+                    sub = [r for r in held_rows if r["collective"] == coll and r["algorithm"] == algo]
+                    print(_summary(f"calibrated | replayed {coll} {algo}", sub))
+    print(
+        f"host-fitted: {fitted.host_call_s * 1e6:.1f} us a call + {fitted.host_barrier_s * 1e6:.1f} us a barrier + "
+        f"{fitted.host_launch_s * 1e6:.1f} us a launch"
+    )
+    if args.out:
+        with args.out.open("w") as f:
+            f.write(json.dumps({"calibrated": calibrated.__dict__, "host_fitted": fitted.__dict__}) + "\n")
+            for name, rows in sets.items():
+                for r in rows:
+                    f.write(json.dumps({"set": name, **r}) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The peer-transport model: a schedule's pull plan priced pass by pass, host against GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.comm import algorithms as registry
+from dtrain.comm.schedule import Collective
+from dtrain.sim.peer_model import PeerCost, fit_peer_cost, peer_time
+
+COST = PeerCost(
+    pair_bytes_per_s=300e9,
+    fanin_bytes_per_s=200e9,
+    local_bytes_per_s=2e12,
+    barrier_s=6e-6,
+    host_call_s=25e-6,
+    host_barrier_s=5e-6,
+    host_launch_s=6e-6,
+)
+
+
+def test_a_ring_all_reduce_costs_its_barriers_its_one_peer_passes_and_one_chunk_copied_in():
+    n = 64 << 20
+    t = peer_time(registry.build(Collective.ALL_REDUCE, "ring", 4), n, COST)
+    want = 7 * COST.barrier_s + 6 * (n / 4) / COST.pair_bytes_per_s + (n / 4) / COST.local_bytes_per_s
+    assert t.gpu_s == pytest.approx(want)
+    assert t.time_s == t.gpu_s  # 64 MiB: the GPU, not the host, sets the pace
+
+
+def test_a_pass_reading_several_peers_goes_at_the_fan_in_rate():
+    n = 64 << 20
+    direct = peer_time(registry.build(Collective.REDUCE_SCATTER, "direct", 4), n, COST)
+    # one pass reads 3 peers' blocks of n/4 at once, then the last barrier; the own block is copied in first
+    want = 2 * COST.barrier_s + 3 * (n / 4) / COST.fanin_bytes_per_s + 3 * (n / 4) / COST.local_bytes_per_s
+    assert direct.gpu_s == pytest.approx(want)
+
+
+def test_small_calls_are_host_bound_and_a_replayed_call_has_no_host_time():
+    schedule = registry.build(Collective.ALL_REDUCE, "ring", 4)
+    eager = peer_time(schedule, 16 << 10, COST)
+    assert eager.time_s == eager.host_s > eager.gpu_s
+    assert eager.host_s == pytest.approx(
+        COST.host_call_s + eager.barriers * COST.host_barrier_s + eager.launches * COST.host_launch_s
+    )
+    replayed = peer_time(schedule, 16 << 10, COST, replayed=True)
+    assert replayed.host_s == 0 and replayed.time_s == replayed.gpu_s
+
+
+def test_recursive_doubling_pays_a_second_barrier_a_round():
+    t = peer_time(registry.build(Collective.ALL_REDUCE, "recursive_doubling", 4), 1 << 20, COST)
+    assert t.barriers == 4  # before round 0, after it, before round 1, at the end
+
+
+def test_the_host_terms_are_recovered_from_points_the_model_made():
+    truth = COST
+    base = PeerCost(pair_bytes_per_s=300e9, fanin_bytes_per_s=200e9, local_bytes_per_s=2e12, barrier_s=6e-6)
+    points = []
+    for algorithm in ("ring", "halving_doubling", "direct", "recursive_doubling"):
+        schedule = registry.build(Collective.ALL_REDUCE, algorithm, 4)
+        for n in (16 << 10, 256 << 10):
+            points.append((schedule, n, peer_time(schedule, n, truth).time_s, False))
+    fitted = fit_peer_cost(points, base, gpu=False)
+    assert fitted.host_call_s == pytest.approx(truth.host_call_s, rel=1e-6)
+    assert fitted.host_barrier_s == pytest.approx(truth.host_barrier_s, rel=1e-6)
+    assert fitted.host_launch_s == pytest.approx(truth.host_launch_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("field", ["pair_bytes_per_s", "fanin_bytes_per_s", "local_bytes_per_s"])
+def test_a_rate_that_is_not_positive_is_refused(field):
+    kwargs = {"pair_bytes_per_s": 1.0, "fanin_bytes_per_s": 1.0, "local_bytes_per_s": 1.0, "barrier_s": 0.0}
+    with pytest.raises(ValueError, match=field):
+        PeerCost(**{**kwargs, field: 0.0})
