@@ -26,3 +26,30 @@ def check_against_native(*args, **kwargs):
 
 def missing_peer(*args, **kwargs):
     return _with_peer(comm_jobs.missing_peer, *args, **kwargs)
+
+
+def private_shm() -> str:
+    """Rank 1 behaves as if it did not share /dev/shm with rank 0 (containers with one host name but private
+    IPC); every rank must get a ValueError, and no window file may stay behind."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from dtrain import comm
+    from dtrain.comm import peer
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30), use_local_synchronization=True)
+    real = peer._has_size
+    if rank == 1:
+        peer._has_size = lambda path, nbytes: path.endswith(f"-{rank}") and real(path, nbytes)
+    os.environ["DTRAIN_COMM_TRANSPORT"] = "peer"
+    try:
+        comm.all_reduce(torch.ones(8), group=group, algorithm="ring")
+    except ValueError as err:
+        return str(err)
+    finally:
+        peer._has_size = real
+        os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    return "no error"

@@ -158,3 +158,22 @@ def test_in_a_direct_round_each_rank_reads_a_different_peer_first():
     plans = _compile_all(schedule, 16)
     firsts = [plans[r].rounds[0].ops[0].reads[0][0] for r in range(4)]
     assert firsts == [1, 2, 3, 0]
+
+
+def test_a_transfer_between_chunks_of_different_lengths_has_no_pull_form():
+    from dtrain.comm.schedule import Collective as C
+    from dtrain.comm.schedule import Schedule as S
+    from dtrain.comm.schedule import ScheduleError, Transfer
+
+    odd = S(
+        collective=C.ALL_REDUCE, algorithm="odd", world_size=2, rounds=((Transfer(0, 1, 0, 1),),), chunks_per_block=2
+    )
+    with pytest.raises(ScheduleError, match="equal lengths"):
+        _compile_all(odd, 3)  # chunks of 2 and 1 elements
+
+
+def test_a_rank_that_cannot_see_its_peers_windows_fails_everywhere_with_a_clear_error(pool):
+    answers = pool.run(f"{JOBS}:private_shm", ranks=2)
+    assert "not in this rank's /dev/shm" in answers[1]
+    assert "failed on some rank" in answers[0]
+    assert glob.glob("/dev/shm/dtrain-*") == []

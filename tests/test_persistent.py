@@ -94,3 +94,22 @@ def test_release_all_drops_every_graph_and_sighting():
     assert persistent.held() == 0
     run("a")  # seen afresh: eager again
     assert log[-1] == "eager a"
+
+
+def test_inside_another_capture_a_held_graph_is_not_replayed_the_call_is_recorded_plainly(monkeypatch):
+    log = []
+    gpu = torch.device("cuda")
+
+    def capture(call, device):
+        return FakeGraph(call, log)
+
+    def run():
+        persistent.run("k", lambda: log.append("eager"), gpu, capture=capture)
+
+    monkeypatch.setattr(persistent.torch.cuda, "is_current_stream_capturing", lambda: False)
+    run()
+    run()  # captured and replayed: a graph is held now
+    monkeypatch.setattr(persistent.torch.cuda, "is_current_stream_capturing", lambda: True)
+    log.clear()
+    run()
+    assert log == ["eager"]

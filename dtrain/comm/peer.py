@@ -7,6 +7,13 @@ file in /dev/shm that each rank maps (barriers through the group's own backend).
 that reads the peers' windows and combines them with the rank's own value (on CUDA one fused Triton kernel,
 :mod:`dtrain.comm.peer_kernels`, where Triton is present; else torch operations).
 
+Limits. On CUDA a barrier waits on the device: a peer that never comes hangs it unless ``DTRAIN_COMM_TIMEOUT``
+is set, and then the symmetric-memory barrier gives up with a device-side error (the CUDA context is lost),
+not a :class:`CommTimeoutError` naming the round; on the CPU the monitored barrier names the missing ranks.
+After a timeout the window is dropped (ranks then stand at different barriers). The CPU windows are files
+in /dev/shm, reserved in full before use and unlinked once every rank has mapped them; a rank killed between
+the two leaves its file behind (named ``dtrain-<pid of rank 0>-...``).
+
 Nothing crosses a network: this transport only exists for ranks of one host, and it refuses others. What it
 saves against point-to-point messages is the host work of a message (an NCCL group a round, measured at
 55-110 us on 4 H200s) and the separate reduction pass over received data: a round is one kernel and a barrier.
@@ -36,7 +43,19 @@ _GENERATIONS = itertools.count()
 
 
 def _group_key(group) -> object:
-    return None if group is None or group is dist.group.WORLD else group
+    # the group object itself, the world's too: after destroy_process_group and a new init, the new world is
+    # another object and must not find the old world's windows
+    return dist.group.WORLD if group is None else group
+
+
+def _agree(ok: bool, problem: str, group, what: str) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless every rank is ``ok`` (a collective check, so one
+    rank's failure cannot leave the others waiting at the next step)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if not flag.item():
+        mine = f": on this rank, {problem}" if problem else " (this rank was fine)"
+        raise ValueError(f"peer transport set-up failed on some rank while {what}{mine}")
 
 
 def _same_host(group, device: torch.device) -> bool:
@@ -84,16 +103,33 @@ class PeerWindow:
         dist.broadcast(tag, dist.get_global_rank(self.group, 0), group=self.group)
         stem = bytes(tag.tolist()).rstrip(b"\0").decode()
         path = f"/dev/shm/{stem}-{{}}"
-        mine = torch.from_file(path.format(self.rank), shared=True, size=self.nbytes, dtype=torch.uint8)
+        own = path.format(self.rank)
+        problem = ""
+        try:  # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS at the first write
+            fd = os.open(own, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            problem = f"cannot make a {self.nbytes}-byte window in /dev/shm ({err}; see `df /dev/shm`)"
         try:
-            dist.barrier(group=self.group)
+            _agree(not problem, problem, self.group, "making windows")
+            mine = torch.from_file(own, shared=True, size=self.nbytes, dtype=torch.uint8)
+            # a peer's file must already exist with its size: if it does not, this rank does not share the
+            # peers' /dev/shm (containers with one host name but private IPC), and from_file would make an
+            # empty file of its own and read zeros
+            missing = [p for p in range(self.world_size) if not _has_size(path.format(p), self.nbytes)]
+            problem = f"the windows of ranks {missing} are not in this rank's /dev/shm" if missing else ""
+            _agree(not missing, problem, self.group, "mapping the peers' windows")
             buffers = [
                 mine if p == self.rank else torch.from_file(path.format(p), True, self.nbytes, dtype=torch.uint8)
                 for p in range(self.world_size)
             ]
             dist.barrier(group=self.group)  # every rank has mapped every file: the names can go
         finally:
-            os.unlink(path.format(self.rank))
+            if os.path.exists(own):
+                os.unlink(own)
         return [b.view(torch.uint8) for b in buffers]
 
     def view(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -122,6 +158,13 @@ def _setting_up(step, group, what: str):
 
 def _world(group):
     return group if group is not None else dist.group.WORLD
+
+
+def _has_size(path: str, nbytes: int) -> bool:
+    try:
+        return os.stat(path).st_size == nbytes
+    except FileNotFoundError:
+        return False
 
 
 _WINDOWS: dict[tuple[object, torch.device], PeerWindow] = {}
@@ -161,6 +204,14 @@ def window_for(group, device: torch.device, nbytes: int) -> PeerWindow:
         persistent.release_all()  # and so do the graphs recorded on it
         window = _WINDOWS[key] = _setting_up(lambda: PeerWindow(group, device, size), group, "mapping windows")
     return window
+
+
+def _forget(window: PeerWindow) -> None:
+    for key, held in list(_WINDOWS.items()):
+        if held is window:
+            del _WINDOWS[key]
+    _PREPARED.clear()
+    persistent.release_all()
 
 
 def close_windows() -> None:
@@ -243,6 +294,7 @@ def run_pull(
             try:
                 window.barrier(timeout)
             except RuntimeError as err:
+                _forget(window)  # ranks now stand at different barriers: this window cannot be trusted again
                 raise CommTimeoutError(
                     f"{schedule.collective.value}/{schedule.algorithm}: rank {window.rank} (global "
                     f"{dist.get_global_rank(window.group, window.rank)}) timed out at the peer transport's "

@@ -123,6 +123,12 @@ def _compile_all(schedule: Schedule, numel: int) -> tuple[PullPlan, ...]:
         deferred: list[list[Range]] = [[] for _ in range(world)]
         updates: dict[tuple[int, int], set[str]] = {}
         for (r, d), ts in sorted(incoming.items()):
+            for t in ts:  # a pass reads the destination's length at the source's offset
+                if bounds[t.src_chunk][1] != bounds[t.dst_chunk][1]:
+                    raise ScheduleError(
+                        f"{schedule.algorithm}: {t} moves a chunk of {bounds[t.src_chunk][1]} elements into one "
+                        f"of {bounds[t.dst_chunk][1]}; the peer transport needs equal lengths"
+                    )
             reduce = ts[0].reduce
             held = where.setdefault((r, d), {"x"})
             nxt_write = _next(writes[(r, d)], k)
@@ -169,9 +175,11 @@ def races(plans: tuple[PullPlan, ...] | list[PullPlan]) -> list[str]:
     """Every window conflict of a compiled plan: bytes one rank writes in its window while another rank
     may read them, i.e. in the same phase between two barriers. Empty for a correct plan.
 
-    Phases of round k: [copy-in of k] then barrier, [ops of k, deferred copies of k-1 ... ] and so on; the
-    copy-in of round k+1 shares a phase with the ops of round k (no barrier between them), and so do the
-    deferred copies of round k with the copy-in of round k+1.
+    Phases: [copy-in of round 0] barrier [ops of round 0 (+ copy-in of round 1)] barrier ...; a round with a
+    second barrier ends its ops there, and its deferred copies share the next phase with the copy-in of the
+    following round (a phase with no reads). The copy-out reads only the rank's own window, before the last
+    barrier. So the phases with reads are the ops of each round, with the next copy-in when no second barrier
+    comes between.
     """
     found: list[str] = []
     nrounds = len(plans[0].rounds) if plans else 0

@@ -60,12 +60,15 @@ def _capture(call: Callable[[], object], device: torch.device):
 def run(key: Hashable, call: Callable[[], object], device: torch.device, *, capture=_capture) -> None:
     """Run ``call`` (a collective on CUDA tensors): eagerly the first time ``key`` is seen, from then on as a
     graph captured on the second sighting. ``capture`` is the recorder (tests pass a fake one)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        call()  # inside someone else's capture (comm.capture): record the plain call, never a nested replay
+        return
     graph = _GRAPHS.get(key)
-    if graph is not None:
+    if graph is not None and enabled():
         _GRAPHS.move_to_end(key)
         graph()
         return
-    if not enabled() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if not enabled():
         call()
         return
     seen = _SEEN.pop(key, 0) + 1
