@@ -260,3 +260,19 @@ def test_any_schedule_pulled_with_ranks_interleaved_element_by_element_computes_
     assert races(plans) == []
     start = [[1000 * r + i + 1 for i in range(numel)] for r in range(schedule.world_size)]
     assert _interleaved(plans, start, rnd) == _reference(schedule, start, bounds)
+
+
+@pytest.mark.parametrize(("text", "want"), [("", 0), ("4096", 4096), ("64M", 64 << 20), ("2GiB", 2 << 30)])
+def test_windows_can_be_made_at_a_least_size_given_in_bytes(monkeypatch, text, want):
+    from dtrain.comm import peer
+
+    monkeypatch.setenv("DTRAIN_COMM_PEER_WINDOW_BYTES", text)
+    assert peer._presize() == want
+
+
+def test_a_window_size_that_is_not_a_size_is_refused(monkeypatch):
+    from dtrain.comm import peer
+
+    monkeypatch.setenv("DTRAIN_COMM_PEER_WINDOW_BYTES", "lots")
+    with pytest.raises(ValueError, match="DTRAIN_COMM_PEER_WINDOW_BYTES"):
+        peer._presize()

@@ -160,6 +160,25 @@ def _world(group):
     return group if group is not None else dist.group.WORLD
 
 
+def _presize() -> int:
+    """``DTRAIN_COMM_PEER_WINDOW_BYTES``: the least size a window is made with (bytes, or with K, M, G), so that
+    a run whose buffers grow (a size sweep) maps its windows once instead of at every new size."""
+    text = os.environ.get(_PRESIZE, "").strip().upper().removesuffix("IB").removesuffix("B")
+    if not text:
+        return 0
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    scale = units.get(text[-1], 1)
+    digits = text[:-1] if text[-1] in units else text
+    if not digits.isdigit():
+        raise ValueError(
+            f"DTRAIN_COMM_PEER_WINDOW_BYTES must be a size such as 4096, 64M or 2G, got {os.environ[_PRESIZE]!r}"
+        )
+    return int(digits) * scale
+
+
+_PRESIZE = "DTRAIN_COMM_PEER_WINDOW_BYTES"
+
+
 def _has_size(path: str, nbytes: int) -> bool:
     try:
         return os.stat(path).st_size == nbytes
@@ -195,6 +214,7 @@ def window_for(group, device: torch.device, nbytes: int) -> PeerWindow:
     key = (_group_key(group), device)
     window = _WINDOWS.get(key)
     if window is None or window.nbytes < nbytes:
+        nbytes = max(nbytes, _presize())
         if not peer_available(group, device):
             raise ValueError(
                 "the peer transport needs every rank of the group on one host; use DTRAIN_COMM_TRANSPORT=p2p"
