@@ -98,7 +98,7 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> 
             peer.run_pull(schedule, work, window, op, timeout=timeout)
             return
         key = (schedule, work.data_ptr(), work.numel(), work.dtype, op, window.generation)
-        persistent.run(key, lambda: peer.run_pull(schedule, work, window, op), work.device)
+        persistent.run(key, lambda: peer.run_pull(schedule, work, window, op), work.device, owner=work)
         return
     run_schedule(schedule, work, transport_for(group), op, lanes=_lanes(schedule, work))
 

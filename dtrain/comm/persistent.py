@@ -13,9 +13,13 @@ A graph is dropped when the window it reads is replaced (it would read freed mem
 :data:`MAX_GRAPHS` are held (least recently used first), and by :func:`release_all`. Nothing is captured
 while a per-round timeout is set (a graph cannot report which barrier stalled) or inside another capture.
 
-Off unless ``DTRAIN_COMM_PERSISTENT=1``: replayed graphs of the peer transport pass ``bench verify`` on 4
-H200s and time at 0.91x NCCL for a 64 MiB ring all-reduce, but a full all-reduce size sweep with it on ended
-in a segmentation fault there that is not yet explained (docs/benchmarks.md).
+A graph belongs to the *storage* it was captured on, not to an address: the caller passes the tensor as
+``owner`` and a graph is replayed only for that same storage, alive (the key holds a weak reference to it).
+Keyed by address alone, a buffer freed and another of the same size made at the same address replayed the
+old graph, and on 4 H200s that faulted on the device ("unspecified launch failure") and then crashed the
+host in ``CUDAGraph.replay`` (``bench comm``'s sweep makes fresh buffers for every case;
+``benchmarks/persistent_diag.py`` isolated it: keeping every buffer alive, or never replaying, ran clean).
+A graph whose storage has died is released at the next capture.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef  # torch's weak handle on a storage
 
 __all__ = ["MAX_GRAPHS", "run", "release_all", "enabled", "held"]
 
@@ -33,6 +38,7 @@ MAX_GRAPHS = 64
 
 _SEEN: OrderedDict[Hashable, int] = OrderedDict()
 _GRAPHS: OrderedDict[Hashable, object] = OrderedDict()
+_OWNERS: dict[Hashable, StorageWeakRef] = {}  # key -> its storage, for keys of _SEEN and _GRAPHS with an owner
 
 
 def enabled() -> bool:
@@ -57,12 +63,24 @@ def _capture(call: Callable[[], object], device: torch.device):
     return CapturedCollective(graph, stream)
 
 
-def run(key: Hashable, call: Callable[[], object], device: torch.device, *, capture=_capture) -> None:
+def run(
+    key: Hashable,
+    call: Callable[[], object],
+    device: torch.device,
+    *,
+    owner: torch.Tensor | None = None,
+    capture=_capture,
+) -> None:
     """Run ``call`` (a collective on CUDA tensors): eagerly the first time ``key`` is seen, from then on as a
-    graph captured on the second sighting. ``capture`` is the recorder (tests pass a fake one)."""
+    graph captured on the second sighting. ``owner``: the tensor the call works on; its graph is replayed only
+    for that same storage (see the module notes). ``capture`` is the recorder (tests pass a fake one)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         call()  # inside someone else's capture (comm.capture): record the plain call, never a nested replay
         return
+    if owner is not None:
+        # a weak reference held in _OWNERS keeps this storage's identity from being reused by another one, so
+        # an equal identity here means the very storage the graph was captured on, and it is alive
+        key = (key, owner.untyped_storage()._cdata)
     graph = _GRAPHS.get(key)
     if graph is not None and enabled():
         _GRAPHS.move_to_end(key)
@@ -73,17 +91,39 @@ def run(key: Hashable, call: Callable[[], object], device: torch.device, *, capt
         return
     seen = _SEEN.pop(key, 0) + 1
     _SEEN[key] = seen
+    if owner is not None and key not in _OWNERS:
+        _OWNERS[key] = StorageWeakRef(owner.untyped_storage())
     while len(_SEEN) > 4 * MAX_GRAPHS:
-        _SEEN.popitem(last=False)
+        _drop(_SEEN.popitem(last=False)[0], graph=False)
     if seen < 2:
         call()
         return
+    _drop_dead()
     graph = capture(call, device)
     _GRAPHS[key] = graph
     while len(_GRAPHS) > MAX_GRAPHS:
-        _, old = _GRAPHS.popitem(last=False)
-        old.release()
+        old, held_graph = _GRAPHS.popitem(last=False)
+        held_graph.release()
+        if old not in _SEEN:
+            _OWNERS.pop(old, None)
     graph()
+
+
+def _drop(key: Hashable, graph: bool = True) -> None:
+    """Forget ``key``'s sighting (and its graph, if ``graph``); its storage reference goes with the last."""
+    if graph:
+        _SEEN.pop(key, None)
+        held_graph = _GRAPHS.pop(key, None)
+        if held_graph is not None:
+            held_graph.release()
+    if key not in _GRAPHS and key not in _SEEN:
+        _OWNERS.pop(key, None)
+
+
+def _drop_dead() -> None:
+    """Release the graphs and sightings of storages that have been freed (they can never be replayed)."""
+    for key in [k for k, ref in _OWNERS.items() if ref.expired()]:
+        _drop(key)
 
 
 def release_all() -> None:
@@ -92,3 +132,4 @@ def release_all() -> None:
         graph.release()
     _GRAPHS.clear()
     _SEEN.clear()
+    _OWNERS.clear()
