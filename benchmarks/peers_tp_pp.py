@@ -160,23 +160,29 @@ def _pipeline_item(args, template: nn.Sequential, family: str, m: int, x, y) -> 
     schedule = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved-1f1b"}[family]
     extra = {"virtual_stages": v} if family == "interleaved" else {}
     ours = PipelineParallel(copy.deepcopy(template), dist.group.WORLD, num_microbatches=m, schedule=schedule, **extra)
-    theirs_params, theirs = _torch_pipeline(copy.deepcopy(template), family, m, v)
-    params = {f"ours-{family}": list(ours.parameters()), f"torch-{family}": list(theirs_params.parameters())}
-    steps = {
-        f"ours-{family}": _pipeline_step("ours", ours, params[f"ours-{family}"], x, y),
-        f"torch-{family}": _pipeline_step("torch", theirs, params[f"torch-{family}"], x, y),
-    }
+    params = {f"ours-{family}": list(ours.parameters())}
+    steps = {f"ours-{family}": _pipeline_step("ours", ours, params[f"ours-{family}"], x, y)}
+    refused = None
+    try:
+        theirs_params, theirs = _torch_pipeline(copy.deepcopy(template), family, m, v)
+    except ValueError as err:  # e.g. torch's 1F1B wants at least as many micro-batches as stages; ours does not
+        refused = str(err)
+    else:
+        params[f"torch-{family}"] = list(theirs_params.parameters())
+        steps[f"torch-{family}"] = _pipeline_step("torch", theirs, params[f"torch-{family}"], x, y)
     grads = {}
     for name, step in steps.items():  # the first step of each, from the same weights
         step()
         grads[name] = [q.grad.detach().clone() for q in params[name]]
-    diff = max((a - b).abs().max().item() for a, b in zip(*grads.values(), strict=True))
-    diff = pt.slowest(diff)  # the largest over the stages
+    diff = None
+    if len(grads) == 2:
+        diff = pt.slowest(max((a - b).abs().max().item() for a, b in zip(*grads.values(), strict=True)))
     del grads
     peaks = {name: pt.peak_memory(step) for name, step in steps.items()}
     iters, seconds = _timed_within_budget(args, steps)
     rows = []
     for name, s in seconds.items():
+        torch_s = seconds.get(f"torch-{family}")
         rows.append(
             {
                 "section": "pp",
@@ -186,7 +192,8 @@ def _pipeline_item(args, template: nn.Sequential, family: str, m: int, x, y) -> 
                 "ranks": dist.get_world_size(),
                 "microbatches": m,
                 "step_s": s,
-                "ratio_vs_torch": seconds[f"torch-{family}"] / s,
+                "ratio_vs_torch": None if torch_s is None else torch_s / s,
+                "torch_refused": refused,
                 "peak_memory_bytes": peaks[name],
                 "max_abs_grad_diff_vs_torch": diff,
                 "warmup": args.pp_warmup,
