@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import gc
 import json
 import os
@@ -98,6 +99,7 @@ def _scaling(args, groups) -> list[dict]:
             continue
         base, batch = _model(args), _batch(args, rank)
         variants = ("single",) if k == 1 else ("ours-auto", "ours-native", "ddp")
+        _arm(args, f"scaling on {k} ranks")
         built = {v: _wrap(v, base, group) for v in variants}
         steps = {v: _step_fn(*built[v], batch) for v in variants}
         seconds = pt.time_variants(steps, warmup=args.warmup, iters=args.iters, trials=args.trials, group=group)
@@ -124,6 +126,7 @@ def _zero(args) -> list[dict]:
     base, batch = _model(args), _batch(args, rank)
     records, reference = [], None
     for v in ("ddp", "ours-auto", "zero1-ours", "zero2-ours", "ddp+zero-torch"):
+        _arm(args, f"zero section, {v}")
         model, optimizer = _wrap(v, base, group)
         step = _step_fn(model, optimizer, batch)
         seconds = pt.time_variants({v: step}, warmup=args.warmup, iters=args.iters, trials=args.trials)[v]
@@ -152,10 +155,22 @@ def _zero(args) -> list[dict]:
     return records
 
 
+def _arm(args, what: str) -> None:
+    """With ``--stall-s``: say what runs now, and if it is still running that long from now, print every
+    thread's stack and end the process (a deadlocked collective never returns)."""
+    if not args.stall_s:
+        return
+    if dist.get_rank() == 0:
+        print(f"running: {what}", flush=True)
+    faulthandler.dump_traceback_later(args.stall_s, exit=True)
+
+
 def _rank_main(args) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = True
     groups = pt.subgroups(tuple(args.sizes))
-    records = _scaling(args, groups) + _zero(args)
+    records = _scaling(args, groups) if "dp" in args.sections else []
+    records += _zero(args) if "zero" in args.sections else []
+    faulthandler.cancel_dump_traceback_later()
     params = sum(p.numel() for p in _model(args).parameters())
     one = {r["section"]: r["tokens_per_s"] for r in records if r["ranks"] == 1}
     ddp = {(r["section"], r["ranks"]): r["step_s"] for r in records if r["variant"] == "ddp"}
@@ -181,6 +196,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--sections", nargs="+", choices=["dp", "zero"], default=["dp", "zero"])
+    p.add_argument("--stall-s", type=float, default=0, help="dump every stack and exit after this long (0: never)")
     args = p.parse_args()
     records = run_ranks(_rank_main, args.nproc, args)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank returns the records; rank 0 reports

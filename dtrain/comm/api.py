@@ -54,12 +54,19 @@ def algorithms(collective: str) -> list[str]:
 def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device, local_size, group):
     if algorithm != "auto":
         return algorithm
+    usable = local_size if local_size and world % local_size == 0 and 1 < local_size < world else None
+    kind = device.type + ("-peer" if transport_name(group, device) == "peer" else "")
+    return _auto(coll, nbytes, world, kind, usable)
+
+
+@lru_cache(maxsize=4096)
+def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int | None) -> str:
+    """The cost model's choice, kept: pricing every candidate costs tens of microseconds of host time a call,
+    as much as a small collective itself on a GPU (the parameters are read once per process anyway)."""
     from dtrain.comm import cost
 
-    params = _params(device.type + ("-peer" if transport_name(group, device) == "peer" else ""))
-    usable = local_size if local_size and world % local_size == 0 and 1 < local_size < world else None
-    candidates = [a for a in registry.names(coll) if usable or not registry.needs_local_size(a)]
-    return cost.choose(coll, nbytes, world, params, candidates=candidates, local_size=usable)
+    candidates = [a for a in registry.names(coll) if local_size or not registry.needs_local_size(a)]
+    return cost.choose(coll, nbytes, world, _params(kind), candidates=candidates, local_size=local_size)
 
 
 @lru_cache(maxsize=4)
