@@ -93,7 +93,9 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def _scaling(args, groups) -> list[dict]:
     records = []
     rank = dist.get_rank()
-    for k, group in groups.items():
+    # the largest group first: with the peer transport its window is then made before any subgroup's, so
+    # every rank has made as many windows when it is (pytorch/pytorch#196082, see dtrain.comm.peer)
+    for k, group in sorted(groups.items(), key=lambda kv: -kv[0]):
         dist.barrier()
         if rank >= k:
             continue

@@ -53,3 +53,24 @@ def private_shm() -> str:
         peer._has_size = real
         os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
     return "no error"
+
+
+def rendezvous_counts_differ() -> str:
+    """Rank 0 has made one more window than the others (a subgroup's): the check that stands in front of
+    torch's CUDA rendezvous must refuse on every rank instead of letting it hang."""
+    import torch
+    import torch.distributed as dist
+
+    from dtrain.comm import peer
+    from dtrain.testing.pool import group_of
+
+    saved = peer._RENDEZVOUS[0]
+    if dist.get_rank() == 0:
+        peer._RENDEZVOUS[0] += 1
+    try:
+        peer._same_rendezvous_count(group_of(3), torch.device("cpu"))
+    except ValueError as err:
+        return str(err)
+    finally:
+        peer._RENDEZVOUS[0] = saved
+    return "no error"

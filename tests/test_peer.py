@@ -149,6 +149,12 @@ def test_a_missing_peer_times_out_at_a_named_barrier(pool):
     assert "rank 0 (global 0)" in message
 
 
+def test_ranks_that_made_different_numbers_of_windows_are_refused_alike_before_a_rendezvous(pool):
+    # torch's CUDA rendezvous would hang there (pytorch/pytorch#196082): every rank must get the error
+    answers = pool.run(f"{JOBS}:rendezvous_counts_differ", ranks=3)
+    assert all("[1, 0, 0]" in a and "#196082" in a for a in answers), answers
+
+
 def test_no_window_file_outlives_its_mapping(pool):
     pool.run(f"{JOBS}:check_collective", "all_reduce", "ring", 2, [5], ranks=2)
     assert glob.glob("/dev/shm/dtrain-*") == []

@@ -67,6 +67,31 @@ def _same_host(group, device: torch.device) -> bool:
     return all(int(t) == int(mine) for t in every)
 
 
+_RENDEZVOUS = [0]  # symmetric-memory rendezvous this process has made for its windows
+
+
+def _same_rendezvous_count(group, device: torch.device) -> None:
+    """Refuse, on every rank of ``group`` alike, a window that torch's rendezvous would hang on.
+
+    torch's CUDA symmetric memory names the store keys of a rendezvous by how many rendezvous the *process*
+    has made, not the group (pytorch/pytorch#196082, fixed by #196350; torch 2.11 has it). After a window
+    for a subgroup that not every rank of ``group`` belongs to, the members of ``group`` count differently
+    and the next rendezvous on ``group`` waits forever on keys nobody writes. Groups that partition the world
+    (the data-parallel groups of a grid) always count alike. Only this module's rendezvous are counted."""
+    mine = torch.tensor([_RENDEZVOUS[0]], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    counts = [int(t) for t in every]
+    if len(set(counts)) > 1:
+        raise ValueError(
+            "peer transport: the ranks of this group have made different numbers of symmetric-memory windows "
+            f"({counts}, by group rank), because an earlier window belonged to a group that not all of them "
+            "are in; torch's rendezvous would hang on that (pytorch/pytorch#196082). Make windows for groups "
+            "that partition the world, make this group's window first (call a collective on it before the "
+            "subgroup's), or use DTRAIN_COMM_TRANSPORT=p2p for this job"
+        )
+
+
 class PeerWindow:
     """This rank's window and its peers', ``nbytes`` each, for one process group and device."""
 
@@ -86,11 +111,13 @@ class PeerWindow:
     def _map_cuda(self) -> list[torch.Tensor]:
         import torch.distributed._symmetric_memory as symm_mem
 
+        _same_rendezvous_count(self.group, self.device)
         name = self.group.group_name
         if not symm_mem.is_symm_mem_enabled_for_group(name):
             symm_mem.enable_symm_mem_for_group(name)
         mine = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._handle = symm_mem.rendezvous(mine, name)
+        _RENDEZVOUS[0] += 1
         self._mine = mine
         return [self._handle.get_buffer(p, (self.nbytes,), torch.uint8) for p in range(self.world_size)]
 
