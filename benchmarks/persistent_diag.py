@@ -38,8 +38,8 @@ def main() -> None:
     from dtrain.comm import persistent
 
     def describe(key) -> str:
-        schedule, ptr, numel, dtype, op, generation = key
-        return f"{schedule.algorithm} ptr={ptr:#x} numel={numel} gen={generation}"
+        schedule, push, ptr, numel, dtype, op, generation = key
+        return f"{schedule.algorithm}{' push' if push else ''} ptr={ptr:#x} numel={numel} gen={generation}"
 
     original_run = persistent.run
     state = {"calls": 0}

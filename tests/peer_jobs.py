@@ -20,6 +20,14 @@ def check_collective(*args, **kwargs):
     return _with_peer(comm_jobs.check_collective, *args, **kwargs)
 
 
+def check_collective_push(*args, **kwargs):
+    os.environ["DTRAIN_COMM_PEER_MODE"] = "push"
+    try:
+        return _with_peer(comm_jobs.check_collective, *args, **kwargs)
+    finally:
+        os.environ.pop("DTRAIN_COMM_PEER_MODE", None)
+
+
 def check_against_native(*args, **kwargs):
     return _with_peer(comm_jobs.check_against_native, *args, **kwargs)
 

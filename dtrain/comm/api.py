@@ -99,13 +99,15 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> 
         local_size=local_size if registry.needs_local_size(algorithm) else None,
     )
     if transport_name(group, work.device) == "peer":
-        window = peer.window_for(group, work.device, work.numel() * work.element_size())
+        push = peer.push_mode(schedule)  # push form: two banks of the buffer's size in every window
+        run = peer.run_push if push else peer.run_pull
+        window = peer.window_for(group, work.device, work.numel() * work.element_size() * (2 if push else 1))
         timeout = round_timeout()
         if not work.is_cuda or timeout is not None:
-            peer.run_pull(schedule, work, window, op, timeout=timeout)
+            run(schedule, work, window, op, timeout=timeout)
             return
-        key = (schedule, work.data_ptr(), work.numel(), work.dtype, op, window.generation)
-        persistent.run(key, lambda: peer.run_pull(schedule, work, window, op), work.device, owner=work)
+        key = (schedule, push, work.data_ptr(), work.numel(), work.dtype, op, window.generation)
+        persistent.run(key, lambda: run(schedule, work, window, op), work.device, owner=work)
         return
     run_schedule(schedule, work, transport_for(group), op, lanes=_lanes(schedule, work))
 

@@ -33,10 +33,11 @@ import torch.distributed as dist
 
 from dtrain.comm import peer_kernels, persistent
 from dtrain.comm.peer_plan import compile_pull
+from dtrain.comm.peer_push import compile_push, has_push_form
 from dtrain.comm.runtime import CommTimeoutError
 from dtrain.comm.schedule import Schedule
 
-__all__ = ["PeerWindow", "window_for", "run_pull", "peer_available", "close_windows"]
+__all__ = ["PeerWindow", "window_for", "run_pull", "run_push", "push_mode", "peer_available", "close_windows"]
 
 _COUNTER = itertools.count()
 _GENERATIONS = itertools.count()
@@ -351,4 +352,84 @@ def run_pull(
             step.mine.copy_(work[step.offset : step.offset + step.length])
         else:
             work[step.offset : step.offset + step.length].copy_(step.mine)
+    return work
+
+
+# ------------------------------------------------------------------------------------------------- push
+
+
+def push_mode(schedule: Schedule) -> bool:
+    """Whether ``schedule`` runs in the push form (:mod:`dtrain.comm.peer_push`): ``DTRAIN_COMM_PEER_MODE=push``
+    (or ``auto``) and the schedule has one; else the pull form. The same answer on every rank."""
+    mode = os.environ.get("DTRAIN_COMM_PEER_MODE", "pull") or "pull"
+    if mode not in ("pull", "push", "auto"):
+        raise ValueError(f"DTRAIN_COMM_PEER_MODE must be pull, push or auto, got {mode!r}")
+    return mode != "pull" and has_push_form(schedule)
+
+
+@dataclass(frozen=True)
+class _PushStep:
+    kind: str  # "barrier" | "op"
+    offset: int = 0
+    length: int = 0
+    base_x: bool = False
+    banks: tuple[torch.Tensor, ...] = ()  # this rank's bank slices it reads
+    remote: torch.Tensor | None = None  # the peer's bank slice it stores into
+    to_x: bool = False
+    where: str = ""
+
+
+def _prepare_push(plan, window: PeerWindow, dtype: torch.dtype, numel: int) -> tuple[_PushStep, ...]:
+    banks = [window.view(p, dtype, 2 * numel) for p in range(window.world_size)]
+    mine = banks[window.rank]
+
+    def op_step(op) -> _PushStep:
+        remote = None
+        if op.dst is not None:
+            start = op.dst_bank * numel + op.dst_offset
+            remote = banks[op.dst][start : start + op.length]
+        reads = tuple(mine[b * numel + op.offset : b * numel + op.offset + op.length] for b in op.banks)
+        return _PushStep("op", op.offset, op.length, op.base_x, reads, remote, op.to_x)
+
+    steps: list[_PushStep] = []
+    for rnd in plan.rounds:
+        steps.append(_PushStep("barrier", where=f"before round {rnd.index}"))
+        steps += [op_step(op) for op in rnd.ops]
+    steps.append(_PushStep("barrier", where="after the last round"))
+    steps += [op_step(op) for op in plan.final]
+    return tuple(steps)
+
+
+def run_push(
+    schedule: Schedule, work: torch.Tensor, window: PeerWindow, op: str, timeout: timedelta | None = None
+) -> torch.Tensor:
+    """Execute ``schedule`` on this rank's flat contiguous ``work`` in the push form, in place; return it. The
+    window must hold two banks of ``work``'s size (``window_for(..., 2 * nbytes)``)."""
+    numel = work.numel()
+    key = ("push", schedule, window.rank, numel, work.dtype, window.generation)
+    steps = _PREPARED.get(key)
+    if steps is None:
+        if len(_PREPARED) >= 256:
+            _PREPARED.clear()
+        plan = compile_push(schedule, window.rank, numel)
+        steps = _PREPARED[key] = _prepare_push(plan, window, work.dtype, numel)
+    combine = peer_kernels.combine
+    for step in steps:
+        if step.kind == "barrier":
+            try:
+                window.barrier(timeout)
+            except RuntimeError as err:
+                _forget(window)
+                raise CommTimeoutError(
+                    f"{schedule.collective.value}/{schedule.algorithm}: rank {window.rank} (global "
+                    f"{dist.get_global_rank(window.group, window.rank)}) timed out at the peer transport's "
+                    f"barrier {step.where} of {schedule.num_rounds}: {err}"
+                ) from err
+            continue
+        x = work[step.offset : step.offset + step.length]
+        # the local store first: where torch does the pass it computes into x and copies x to the peer
+        outs = [x] if step.remote is None else [x, step.remote] if step.to_x else [step.remote]
+        operands = ((x,) if step.base_x else ()) + step.banks
+        base, sources = (None, operands) if len(operands) == 1 else (operands[0], operands[1:])
+        combine(outs, base, sources, op, remote=step.remote is not None)
     return work

@@ -79,13 +79,17 @@ def _torch_combine(outs, base, sources, op: str) -> None:
         other.copy_(target)
 
 
-def combine(outs: list[torch.Tensor], base: torch.Tensor | None, sources: Sequence[torch.Tensor], op: str) -> None:
-    """Write ``base (op) sources...`` (or the one source, for a copy) into every tensor of ``outs``."""
+def combine(
+    outs: list[torch.Tensor], base: torch.Tensor | None, sources: Sequence[torch.Tensor], op: str, remote: bool = False
+) -> None:
+    """Write ``base (op) sources...`` (or the one source, for a copy) into every tensor of ``outs``. ``remote``:
+    an output is a peer's memory (a push), where the kernel's one pass is what was measured to be fast."""
     if not outs or not sources:
         return
     # The kernel saves passes over the data, torch saves host time (a Triton launch costs ~18 us of Python
     # against ~6 us for a torch operation, on 4 H200s): fuse only where a pass is worth more than that.
-    saves_a_pass = len(sources) > 1 or (len(outs) > 1 and outs[0].numel() * outs[0].element_size() >= _FUSE_BYTES)
+    big = outs[0].numel() * outs[0].element_size() >= _FUSE_BYTES
+    saves_a_pass = len(sources) > 1 or (len(outs) > 1 and big) or (remote and big and base is not None)
     fused = saves_a_pass and outs[0].is_cuda and outs[0].dtype in _KERNEL_DTYPES and triton_ready()
     if fused:
         try:

@@ -1,0 +1,132 @@
+"""The push form of the peer-memory transport: its plans are race-free and compute every schedule that has one,
+whatever order ranks run in and however their element-sized steps interleave; on real Gloo processes (windows
+in /dev/shm) every (collective, algorithm) run with DTRAIN_COMM_PEER_MODE=push matches the reference."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtrain.comm import Collective
+from dtrain.comm import algorithms as registry
+from dtrain.comm.peer_push import PushPlan, _compile_all, has_push_form, races
+from dtrain.comm.schedule import ScheduleError, chunk_bounds
+from tests.test_peer import _random_schedules, _reference, _schedules
+
+JOBS = "tests.peer_jobs"
+GARBAGE = None  # a window element nobody stored
+
+
+def _steps(plan: PushPlan):
+    """The plan as phases: the ops of each round (after its barrier), then the final folds."""
+    return [list(rnd.ops) for rnd in plan.rounds] + [list(plan.final)]
+
+
+def _apply(op, r: int, j: int, x, w, numel: int) -> str | None:
+    """Element ``j`` of ``op`` on rank ``r``: combine its operands, store them; an error text if it read garbage."""
+    operands = [x[r][op.offset + j]] if op.base_x else []
+    for b in op.banks:
+        value = w[r][b * numel + op.offset + j]
+        if value is GARBAGE:
+            return f"rank {r} read bank {b} at {op.offset + j} before anything was stored there"
+        operands.append(value)
+    value = sum(operands)
+    if op.dst is not None:
+        w[op.dst][op.dst_bank * numel + op.dst_offset + j] = value
+    if op.to_x:
+        x[r][op.offset + j] = value
+    return None
+
+
+def _run(plans, start, numel: int, pick) -> list[list[int]] | str:
+    """Every phase with the ranks' element-sized steps taken in the order ``pick`` chooses among them."""
+    x = [list(b) for b in start]
+    w = [[GARBAGE] * (2 * numel) for _ in start]
+    phases = [_steps(p) for p in plans]
+    for i in range(len(phases[0])):
+        queues = [[(op, j) for op in phases[r][i] for j in range(op.length)] for r in range(len(plans))]
+        while any(queues):
+            r = pick([q for q, steps in enumerate(queues) if steps])
+            op, j = queues[r].pop(0)
+            problem = _apply(op, r, j, x, w, numel)
+            if problem:
+                return problem
+    return x
+
+
+def _name(s) -> str:
+    return f"{s.collective.value}-{s.algorithm}-{s.world_size}"
+
+
+@pytest.mark.parametrize("schedule", [s for s in _schedules() if has_push_form(s)], ids=_name)
+def test_a_push_plan_computes_its_schedule_whatever_order_ranks_run_in(schedule):
+    numel = schedule.nblocks * (2 * schedule.chunks_per_block + 1)  # uneven chunks
+    bounds = chunk_bounds(numel, schedule.nblocks, schedule.chunks_per_block)
+    plans = _compile_all(schedule, numel)
+    assert races(plans) == []
+    start = [[1000 * r + i for i in range(numel)] for r in range(schedule.world_size)]
+    want = _reference(schedule, start, bounds)
+    assert _run(plans, start, numel, lambda ready: ready[0]) == want  # rank by rank, lowest first
+    assert _run(plans, start, numel, lambda ready: ready[-1]) == want  # highest first
+
+
+def test_the_algorithms_that_matter_on_gpus_have_a_push_form_and_direct_reductions_do_not():
+    for algorithm in ("ring", "halving_doubling", "recursive_doubling", "tree"):
+        assert has_push_form(registry.build(Collective.ALL_REDUCE, algorithm, 4)), algorithm
+    assert not has_push_form(registry.build(Collective.REDUCE_SCATTER, "direct", 4))
+    with pytest.raises(ScheduleError, match="no push form"):
+        _compile_all(registry.build(Collective.REDUCE_SCATTER, "direct", 4), 16)
+
+
+def test_the_ring_reduces_at_the_sender_in_one_pass_that_stores_locally_and_remotely():
+    schedule = registry.build(Collective.ALL_REDUCE, "ring", 4)
+    plan = _compile_all(schedule, 16)[0]
+    assert all(len(rnd.ops) == 1 for rnd in plan.rounds)  # one pass a round, no separate fold
+    first, second = plan.rounds[0].ops[0], plan.rounds[1].ops[0]
+    assert (first.base_x, first.banks, first.dst, first.to_x) == (True, (), 1, False)  # round 0 reads x itself
+    assert (second.base_x, len(second.banks), second.dst, second.to_x) == (True, 1, 1, True)  # x + arrival
+    assert len(plan.final) == 1 and plan.final[0].dst is None  # the chunk that arrived last, folded into x
+
+
+def test_a_chunk_receiving_twice_in_a_row_folds_the_older_contribution_first():
+    from dtrain.comm.schedule import Transfer, make_schedule
+
+    # rank 0 receives chunk 0 from rank 1 in rounds 0, 1 and 2 and never sends it: bank 0 is reused in round 2
+    rounds = [[Transfer(1, 0, 0, 0, True)], [Transfer(2, 0, 0, 0, True)], [Transfer(1, 0, 0, 0, True)]]
+    schedule = make_schedule(Collective.ALL_REDUCE, "again", 3, rounds, chunks_per_block=1)
+    plans = _compile_all(schedule, 4)
+    assert races(plans) == []
+    folds = [op for op in plans[0].rounds[1].ops if op.dst is None]
+    assert len(folds) == 1 and folds[0].banks == (0,)
+    start = [[10 * r + i for i in range(4)] for r in range(3)]
+    assert _run(plans, start, 4, lambda ready: ready[0]) == _reference(schedule, start, chunk_bounds(4, 1, 1))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_random_schedules(), st.randoms(use_true_random=False))
+def test_any_schedule_with_a_push_form_computes_its_rounds_with_steps_interleaved_at_random(case, rnd):
+    schedule, numel = case
+    if not has_push_form(schedule):
+        return
+    bounds = chunk_bounds(numel, schedule.nblocks, schedule.chunks_per_block)
+    plans = _compile_all(schedule, numel)
+    assert races(plans) == []
+    start = [[1000 * r + i + 1 for i in range(numel)] for r in range(schedule.world_size)]
+    assert _run(plans, start, numel, rnd.choice) == _reference(schedule, start, bounds)
+
+
+def _pairs():
+    for coll in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"):
+        for algorithm in registry.names(Collective(coll)):
+            if registry.needs_local_size(algorithm):
+                continue
+            root = 0 if coll in ("broadcast", "reduce") else None
+            if has_push_form(registry.build(Collective(coll), algorithm, 3, root=root)):
+                yield coll, algorithm
+
+
+@pytest.mark.parametrize(("coll", "algorithm"), list(_pairs()))
+def test_every_collective_pushed_through_peer_memory_matches_the_reference(pool, coll, algorithm):
+    problems = pool.run(f"{JOBS}:check_collective_push", coll, algorithm, 3, [0, 1, 13, 4099], ranks=3)
+    assert [p for per_rank in problems for p in per_rank] == []
