@@ -130,3 +130,20 @@ def _pairs():
 def test_every_collective_pushed_through_peer_memory_matches_the_reference(pool, coll, algorithm):
     problems = pool.run(f"{JOBS}:check_collective_push", coll, algorithm, 3, [0, 1, 13, 4099], ranks=3)
     assert [p for per_rank in problems for p in per_rank] == []
+
+
+def test_the_push_form_is_taken_from_its_size_threshold_where_the_schedule_has_one(monkeypatch):
+    from dtrain.comm import peer
+
+    ring = registry.build(Collective.ALL_REDUCE, "ring", 4)
+    direct = registry.build(Collective.REDUCE_SCATTER, "direct", 4)
+    big, small = peer.PUSH_FROM_BYTES, peer.PUSH_FROM_BYTES - 4
+    monkeypatch.delenv("DTRAIN_COMM_PEER_MODE", raising=False)  # auto
+    assert peer.push_mode(ring, big) and not peer.push_mode(ring, small) and not peer.push_mode(direct, big)
+    monkeypatch.setenv("DTRAIN_COMM_PEER_MODE", "push")
+    assert peer.push_mode(ring, 4) and not peer.push_mode(direct, 4)
+    monkeypatch.setenv("DTRAIN_COMM_PEER_MODE", "pull")
+    assert not peer.push_mode(ring, big)
+    monkeypatch.setenv("DTRAIN_COMM_PEER_MODE", "sideways")
+    with pytest.raises(ValueError, match="pull, push or auto"):
+        peer.push_mode(ring, big)

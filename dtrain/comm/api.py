@@ -99,9 +99,9 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> 
         local_size=local_size if registry.needs_local_size(algorithm) else None,
     )
     if transport_name(group, work.device) == "peer":
-        push = peer.push_mode(schedule)  # push form: two banks of the buffer's size in every window
+        push = peer.push_mode(schedule, nbytes)  # push form: two banks of the buffer's size in every window
         run = peer.run_push if push else peer.run_pull
-        window = peer.window_for(group, work.device, work.numel() * work.element_size() * (2 if push else 1))
+        window = peer.window_for(group, work.device, nbytes * (2 if push else 1))
         timeout = round_timeout()
         if not work.is_cuda or timeout is not None:
             run(schedule, work, window, op, timeout=timeout)

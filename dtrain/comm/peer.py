@@ -358,13 +358,21 @@ def run_pull(
 # ------------------------------------------------------------------------------------------------- push
 
 
-def push_mode(schedule: Schedule) -> bool:
-    """Whether ``schedule`` runs in the push form (:mod:`dtrain.comm.peer_push`): ``DTRAIN_COMM_PEER_MODE=push``
-    (or ``auto``) and the schedule has one; else the pull form. The same answer on every rank."""
-    mode = os.environ.get("DTRAIN_COMM_PEER_MODE", "pull") or "pull"
+#: From this many bytes ``DTRAIN_COMM_PEER_MODE=auto`` pushes. On 4 H200s the push form's all-reduce is faster
+#: from 64 MiB, eager or replayed (ring 0.97x NCCL at 256 MiB against the pull's 0.93x); below, an eager push
+#: round's fused kernel costs more host time than the pull's torch operation and loses (docs/benchmarks.md).
+PUSH_FROM_BYTES = 64 << 20
+
+
+def push_mode(schedule: Schedule, nbytes: int) -> bool:
+    """Whether ``schedule`` on a buffer of ``nbytes`` runs in the push form (:mod:`dtrain.comm.peer_push`):
+    ``DTRAIN_COMM_PEER_MODE`` is "push", or "auto" (the default) and the buffer has at least
+    :data:`PUSH_FROM_BYTES`, and the schedule has a push form; else the pull form. Every rank answers alike."""
+    mode = os.environ.get("DTRAIN_COMM_PEER_MODE", "auto") or "auto"
     if mode not in ("pull", "push", "auto"):
         raise ValueError(f"DTRAIN_COMM_PEER_MODE must be pull, push or auto, got {mode!r}")
-    return mode != "pull" and has_push_form(schedule)
+    wanted = mode == "push" or (mode == "auto" and nbytes >= PUSH_FROM_BYTES)
+    return wanted and has_push_form(schedule)
 
 
 @dataclass(frozen=True)
