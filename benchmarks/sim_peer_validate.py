@@ -9,6 +9,11 @@ other four collectives with graph-replayed calls (``gpu-h200x4-peer-collectives.
 reduce-scatter, broadcast, all-to-all, 1-256 MiB, no host time), and the all-reduce graph replays of
 ``benchmarks/peer_host_probe.py`` (16 KiB and 64 MiB, copied below from its output in docs/benchmarks.md).
 Prints the median and worst relative error, |predicted / measured - 1|, per set and per algorithm.
+
+Session 4 (held out, none of it fitted): the pull and push forms of the all-reduce, eager and replayed, from
+``benchmarks/gpu_push.sh`` (``gpu-h200x4-s4-ar-{pull,push}-graphs{0,1}.jsonl``, 1 MiB-1 GiB, ring and
+halving-doubling) and the repeated eager sweeps (``gpu-h200x4-s4-repeat-{pull,push}.jsonl``), priced with the
+same figures plus the push rate of ``benchmarks/pull_kernel_probe.py`` (333 GB/s, a 16 MiB push).
 """
 
 from __future__ import annotations
@@ -45,27 +50,28 @@ def _schedule(coll: str, algorithm: str, world: int, nbytes: int):
     return registry.build(Collective(coll), algorithm, world, root=ROOTED.get(coll), pipeline=pipeline)
 
 
-def _points(path: Path, replayed: bool) -> list[dict]:
+def _points(path: Path, replayed: bool, push: bool = False) -> list[dict]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out = []
     for r in rows:
         if r["algorithm"] in ("native", "auto"):  # auto repeats one of the others
             continue
         schedule = _schedule(r["collective"], r["resolved_algorithm"], r["world_size"], r["nbytes"])
-        out.append({**r, "schedule": schedule, "seconds": r["time_us"] * 1e-6, "replayed": replayed})
+        out.append({**r, "schedule": schedule, "seconds": r["time_us"] * 1e-6, "replayed": replayed, "push": push})
     return out
 
 
 def _errors(points: list[dict], cost: PeerCost) -> list[dict]:
     rows = []
     for p in points:
-        pred = peer_time(p["schedule"], p["nbytes"], cost, replayed=p["replayed"])
+        pred = peer_time(p["schedule"], p["nbytes"], cost, replayed=p["replayed"], push=p.get("push", False))
         rows.append(
             {
                 "collective": p["collective"],
                 "algorithm": p["resolved_algorithm"],
                 "nbytes": p["nbytes"],
                 "replayed": p["replayed"],
+                "push": p.get("push", False),
                 "measured_us": p["seconds"] * 1e6,
                 "predicted_us": pred.time_s * 1e6,
                 "gpu_us": pred.gpu_s * 1e6,
@@ -106,7 +112,8 @@ def main() -> None:
         barrier_s=6e-6,  # 5.0-7.0 us measured
         host_call_s=25e-6,  # a call's checks and plan look-up (NCCL's own call: 25 us)
         host_barrier_s=4.8e-6,
-        host_launch_s=5.6e-6,  # a torch operation (a Triton launch is 18 us, used for >= 1 MiB passes only)
+        host_launch_s=5.6e-6,  # a torch operation
+        host_kernel_s=18e-6,  # a launch of the fused Triton kernel (peer_kernels.wants_kernel says where)
     )
     # host-fitted: the same GPU figures, the three host terms fitted on the eager points of at most 1 MiB
     small = [(p["schedule"], p["nbytes"], p["seconds"], False) for p in fit_set if p["nbytes"] <= 1 << 20]
@@ -136,6 +143,26 @@ def main() -> None:
                 for algo in sorted({r["algorithm"] for r in held_rows if r["collective"] == coll}):
                     sub = [r for r in held_rows if r["collective"] == coll and r["algorithm"] == algo]
                     print(_summary(f"calibrated | replayed {coll} {algo}", sub))
+    # session 4: the pull and push forms, eager and replayed, all held out
+    session4 = {}
+    for form in ("pull", "push"):
+        for graphs in (0, 1):
+            path = DATA / f"gpu-h200x4-s4-ar-{form}-graphs{graphs}.jsonl"
+            session4[f"{form}, {'replayed' if graphs else 'eager'}"] = _points(path, bool(graphs), form == "push")
+        repeat = DATA / f"gpu-h200x4-s4-repeat-{form}.jsonl"
+        session4[f"{form}, eager (repeat)"] = _points(repeat, False, form == "push")
+    for variant, cost in (("calibrated", calibrated), ("host-fitted", fitted)):
+        cost = PeerCost(**{**cost.__dict__, "push_bytes_per_s": 333e9})  # a 16 MiB push, pull_kernel_probe.py
+        for name, points in session4.items():
+            rows = _errors(points, cost)
+            for label, sub in (
+                ("all sizes", rows),
+                (">= 64 MiB", [r for r in rows if r["nbytes"] >= 64 << 20]),
+                ("16 MiB and up", [r for r in rows if r["nbytes"] >= 16 << 20]),
+            ):
+                if sub:
+                    print(_summary(f"{variant} | session 4, {name}, {label}", sub))
+                    sets[f"{variant}: session 4, {name}, {label}"] = sub
     print(
         f"host-fitted: {fitted.host_call_s * 1e6:.1f} us a call + {fitted.host_barrier_s * 1e6:.1f} us a barrier + "
         f"{fitted.host_launch_s * 1e6:.1f} us a launch"

@@ -27,6 +27,18 @@ def test_a_ring_all_reduce_costs_its_barriers_its_one_peer_passes_and_one_chunk_
     assert t.time_s == t.gpu_s  # 64 MiB: the GPU, not the host, sets the pace
 
 
+def test_a_pushed_ring_all_reduce_costs_a_barrier_a_round_and_one_more_its_pushes_and_a_final_fold():
+    n = 64 << 20
+    cost = PeerCost(**{**COST.__dict__, "push_bytes_per_s": 350e9})
+    t = peer_time(registry.build(Collective.ALL_REDUCE, "ring", 4), n, cost, push=True)
+    # no copy-in; 6 pushes of a quarter; the chunk that arrived last is folded into x after the last barrier
+    want = 7 * COST.barrier_s + 6 * (n / 4) / 350e9 + (n / 4) / COST.local_bytes_per_s
+    assert t.gpu_s == pytest.approx(want) and t.barriers == 7
+    assert peer_time(registry.build(Collective.ALL_REDUCE, "ring", 4), n, COST, push=True).gpu_s == pytest.approx(
+        7 * COST.barrier_s + 6 * (n / 4) / COST.pair_bytes_per_s + (n / 4) / COST.local_bytes_per_s
+    )  # no push rate given: the pair rate
+
+
 def test_a_pass_reading_several_peers_goes_at_the_fan_in_rate():
     n = 64 << 20
     direct = peer_time(registry.build(Collective.REDUCE_SCATTER, "direct", 4), n, COST)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["combine", "triton_ready"]
+__all__ = ["combine", "triton_ready", "wants_kernel"]
 
 _OPS = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
@@ -79,6 +79,15 @@ def _torch_combine(outs, base, sources, op: str) -> None:
         other.copy_(target)
 
 
+def wants_kernel(nouts: int, nsources: int, nbytes: int, *, has_base: bool, remote: bool = False) -> bool:
+    """Whether a pass goes to the fused kernel (where Triton is there): it saves a pass over the data (several
+    sources; two stores of at least 1 MiB) or is a reducing push of at least 1 MiB. The kernel saves passes,
+    torch saves host time (a Triton launch costs ~18 us of Python against ~6 us for a torch operation on 4
+    H200s), so only where a pass is worth more than that. :mod:`dtrain.sim.peer_model` prices the same rule."""
+    big = nbytes >= _FUSE_BYTES
+    return nsources > 1 or (nouts > 1 and big) or (remote and big and has_base)
+
+
 def combine(
     outs: list[torch.Tensor], base: torch.Tensor | None, sources: Sequence[torch.Tensor], op: str, remote: bool = False
 ) -> None:
@@ -86,11 +95,9 @@ def combine(
     an output is a peer's memory (a push), where the kernel's one pass is what was measured to be fast."""
     if not outs or not sources:
         return
-    # The kernel saves passes over the data, torch saves host time (a Triton launch costs ~18 us of Python
-    # against ~6 us for a torch operation, on 4 H200s): fuse only where a pass is worth more than that.
-    big = outs[0].numel() * outs[0].element_size() >= _FUSE_BYTES
-    saves_a_pass = len(sources) > 1 or (len(outs) > 1 and big) or (remote and big and base is not None)
-    fused = saves_a_pass and outs[0].is_cuda and outs[0].dtype in _KERNEL_DTYPES and triton_ready()
+    nbytes = outs[0].numel() * outs[0].element_size()
+    wanted = wants_kernel(len(outs), len(sources), nbytes, has_base=base is not None, remote=remote)
+    fused = wanted and outs[0].is_cuda and outs[0].dtype in _KERNEL_DTYPES and triton_ready()
     if fused:
         try:
             first = sources[:_MAX_SOURCES] if len(sources) > _MAX_SOURCES else sources

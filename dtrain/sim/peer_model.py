@@ -9,11 +9,17 @@ plan the runtime itself runs (:func:`dtrain.comm.peer_plan.compile_pull`), per r
   rate, a pass reading several peers at once at the fan-in rate (what one rank reads in all; on 4 H200s all
   ranks reading all peers contend, so this is *lower* than one pair's), plus a second barrier and its local
   copies where the plan defers window writes; at the end the copies out and the last barrier.
-- **Host time**: a fixed cost a call, and a cost for each barrier and each kernel or copy it enqueues.
+- **Host time**: a fixed cost a call, and a cost for each barrier, each torch operation (a copy, a small
+  pass) and each launch of the fused Triton kernel it enqueues (the runtime's own rule,
+  :func:`dtrain.comm.peer_kernels.wants_kernel`, says which passes are fused).
 
 A call takes the larger of the two: the host runs ahead of the GPU until the GPU catches up with it (small
 messages are host-bound, large ones GPU-bound). Graph-replayed calls (``DTRAIN_COMM_PERSISTENT=1``) have no
 host time. Figures are fitted to ``dtrain bench comm`` runs (:func:`fit_peer_cost`).
+
+``push=True`` prices the push form instead (:func:`dtrain.comm.peer_push.compile_push`): a barrier before every
+round and one after the last; a round's sends one after another at the push rate (a pass that reads local
+buffers and stores into a peer), its local folds at the local rate; after the last barrier, the final folds.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from dtrain.comm.peer_kernels import wants_kernel
 from dtrain.comm.peer_plan import compile_pull
+from dtrain.comm.peer_push import compile_push
 from dtrain.comm.schedule import Schedule
 
 __all__ = ["PeerCost", "PeerTime", "peer_time", "fit_peer_cost"]
@@ -35,7 +43,9 @@ class PeerCost:
 
     ``pair_bytes_per_s``: a pass reading one peer; ``fanin_bytes_per_s``: all a rank reads in a pass that reads
     several peers; ``local_bytes_per_s``: a copy within the GPU's memory; ``barrier_s``: a device barrier;
-    ``host_call_s``, ``host_barrier_s``, ``host_launch_s``: host time a call, a barrier, a kernel or copy.
+    ``host_call_s``, ``host_barrier_s``, ``host_launch_s``: host time a call, a barrier, a kernel or copy;
+    ``push_bytes_per_s``: a push pass (reads local buffers, stores into a peer; None: the pair rate);
+    ``host_kernel_s``: host time of a fused-kernel launch (None: ``host_launch_s``).
     """
 
     pair_bytes_per_s: float
@@ -45,8 +55,14 @@ class PeerCost:
     host_call_s: float = 0.0
     host_barrier_s: float = 0.0
     host_launch_s: float = 0.0
+    push_bytes_per_s: float | None = None
+    host_kernel_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.host_kernel_s is not None and not self.host_kernel_s >= 0:
+            raise ValueError(f"PeerCost.host_kernel_s must be >= 0 or None, got {self.host_kernel_s!r}")
+        if self.push_bytes_per_s is not None and not self.push_bytes_per_s > 0:
+            raise ValueError(f"PeerCost.push_bytes_per_s must be > 0 or None, got {self.push_bytes_per_s!r}")
         for name in ("pair_bytes_per_s", "fanin_bytes_per_s", "local_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PeerCost.{name} must be > 0, got {getattr(self, name)!r}")
@@ -63,7 +79,8 @@ class PeerTime:
     gpu_s: float
     host_s: float
     barriers: int
-    launches: int
+    launches: int  # torch operations and fused-kernel launches, on the rank with the most host work
+    kernels: int = 0  # of which fused-kernel launches
 
 
 def _phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[tuple[float, list[tuple[float, int]]]]]:
@@ -90,16 +107,39 @@ def _phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[tuple[fl
     return out
 
 
+def _push_phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[tuple[float, list[tuple[float, int]]]]]:
+    """The push plan as :func:`_phases` gives the pull plan: per rank, (local bytes, passes) between barriers,
+    a pass being (bytes stored into a peer, 1); local folds count as local bytes. The last stretch (the final
+    folds) ends at no barrier."""
+    out = []
+    for r in range(schedule.world_size):
+        plan = compile_push(schedule, r, numel)
+        phases: list[tuple[float, list[tuple[float, int]]]] = [(0.0, [])]  # ends at the barrier before round 0
+        for rnd in plan.rounds:
+            local = sum(op.length for op in rnd.ops if op.dst is None) * itemsize
+            phases.append((local, [(op.length * itemsize, 1) for op in rnd.ops if op.dst is not None]))
+        phases.append((sum(op.length for op in plan.final) * itemsize, []))
+        out.append(phases)
+    return out
+
+
 def peer_time(
-    schedule: Schedule, nbytes: int, cost: PeerCost, *, itemsize: int = 4, replayed: bool = False
+    schedule: Schedule,
+    nbytes: int,
+    cost: PeerCost,
+    *,
+    itemsize: int = 4,
+    replayed: bool = False,
+    push: bool = False,
 ) -> PeerTime:
     """Predicted time of ``schedule`` on a ``nbytes`` work buffer through the peer transport.
 
-    ``replayed``: the call is a CUDA-graph replay, so it costs no host time.
+    ``replayed``: the call is a CUDA-graph replay, so it costs no host time. ``push``: the push form.
     """
     numel = max(nbytes // itemsize, 0)
-    ranks = _phases(schedule, numel, itemsize)
+    ranks = (_push_phases if push else _phases)(schedule, numel, itemsize)
     nphases = len(ranks[0])
+    pair = (cost.push_bytes_per_s or cost.pair_bytes_per_s) if push else cost.pair_bytes_per_s
     gpu = 0.0
     launches = 0
     for k in range(nphases):  # every phase ends at a barrier all ranks take, so the slowest rank sets it
@@ -108,13 +148,50 @@ def peer_time(
             local, passes = phases[k]
             t = local / cost.local_bytes_per_s
             for read, peers in passes:
-                t += read / (cost.pair_bytes_per_s if peers == 1 else cost.fanin_bytes_per_s)
+                t += read / (pair if peers == 1 else cost.fanin_bytes_per_s)
             slowest = max(slowest, t)
-        gpu += slowest + cost.barrier_s
-    barriers = nphases
-    launches = max(sum(len(passes) + (1 if local else 0) for local, passes in phases) for phases in ranks)
-    host = 0.0 if replayed else cost.host_call_s + barriers * cost.host_barrier_s + launches * cost.host_launch_s
-    return PeerTime(time_s=max(gpu, host), gpu_s=gpu, host_s=host, barriers=barriers, launches=launches)
+        gpu += slowest + (cost.barrier_s if not push or k + 1 < nphases else 0.0)
+    barriers = nphases - 1 if push else nphases
+    torch_ops, kernels = _launches(schedule, numel, itemsize, push)
+    kernel_s = cost.host_launch_s if cost.host_kernel_s is None else cost.host_kernel_s
+    host = 0.0
+    if not replayed:
+        host = cost.host_call_s + barriers * cost.host_barrier_s + torch_ops * cost.host_launch_s + kernels * kernel_s
+    launches = torch_ops + kernels
+    return PeerTime(
+        time_s=max(gpu, host), gpu_s=gpu, host_s=host, barriers=barriers, launches=launches, kernels=kernels
+    )
+
+
+def _launches(schedule: Schedule, numel: int, itemsize: int, push: bool) -> tuple[int, int]:
+    """(torch operations, fused-kernel launches) of the rank that enqueues the most (then the most kernels):
+    chosen by counts alone, so fitting the host terms sees the same rank whatever the figures."""
+    best = (0, 0)
+    for r in range(schedule.world_size):
+        torch_ops = kernels = 0
+        if push:
+            plan = compile_push(schedule, r, numel)
+            for op in [o for rnd in plan.rounds for o in rnd.ops] + list(plan.final):
+                operands = int(op.base_x) + len(op.banks)
+                nouts = int(op.dst is not None) + int(op.to_x)
+                fused = wants_kernel(
+                    nouts, max(operands - 1, 1), op.length * itemsize, has_base=operands > 1, remote=op.dst is not None
+                )
+                kernels += fused
+                torch_ops += (not fused) * (1 if operands <= 2 else operands - 1) + (not fused and nouts > 1)
+        else:
+            plan = compile_pull(schedule, r, numel)
+            for rnd in plan.rounds:
+                torch_ops += len(rnd.copy_in) + len(rnd.deferred)
+                for op in rnd.ops:
+                    nouts = int(op.to_x) + int(op.to_w)
+                    fused = wants_kernel(nouts, len(op.reads), op.length * itemsize, has_base=op.base is not None)
+                    kernels += fused
+                    torch_ops += (not fused) * (len(op.reads) + (nouts > 1))
+            torch_ops += len(plan.copy_out)
+        if (torch_ops + kernels, kernels) > (sum(best), best[1]):
+            best = (torch_ops, kernels)
+    return best
 
 
 def fit_peer_cost(
@@ -127,8 +204,9 @@ def fit_peer_cost(
     """Fit ``base``'s figures to measured ``(schedule, nbytes, seconds, replayed)`` points.
 
     The host terms by non-negative least squares on the eager points of at most ``host_below_bytes`` (where a
-    call is host-bound); then, with ``gpu``, the pair rate, the fan-in rate and the barrier, each by a
-    golden-section search on the mean squared log error of every point, in turn, three times.
+    call is host-bound; a fused-kernel launch keeps ``base.host_kernel_s`` when that is given); then, with
+    ``gpu``, the pair rate, the fan-in rate and the barrier, each by a golden-section search on the mean
+    squared log error of every point, in turn, three times.
     """
     small = [(s, n, t) for s, n, t, rep in points if not rep and n <= host_below_bytes]
     cost = base
@@ -136,8 +214,12 @@ def fit_peer_cost(
         rows, rhs = [], []
         for s, n, t in small:
             pt = peer_time(s, n, cost)
-            rows.append([1.0, pt.barriers, pt.launches])
-            rhs.append(t)
+            if cost.host_kernel_s is None:  # every launch at one price
+                rows.append([1.0, pt.barriers, pt.launches])
+                rhs.append(t)
+            else:  # kernel launches at their given price, the torch operations' price fitted
+                rows.append([1.0, pt.barriers, pt.launches - pt.kernels])
+                rhs.append(t - pt.kernels * cost.host_kernel_s)
         coef = _nnls(np.array(rows), np.array(rhs))
         cost = replace(cost, host_call_s=coef[0], host_barrier_s=coef[1], host_launch_s=coef[2])
 
