@@ -117,11 +117,11 @@ def transport_name(group, device: torch.device) -> str:
 
     "p2p": torch.distributed point-to-point messages (Gloo, NCCL), for any placement. "peer": ranks read
     each other's memory (:mod:`dtrain.comm.peer`), for a group whose ranks share one host. "auto" is "p2p"
-    for now: the peer transport is the faster one on 4 H200s and trains there, but on CUDA a missing peer
-    stalls its device barrier unless ``DTRAIN_COMM_TIMEOUT`` is set, and torch 2.11 cannot rendezvous a
-    group's window after a window of a subgroup that leaves some of its ranks out (:mod:`dtrain.comm.peer`
-    refuses that), so it is asked for by name. A collective decision: every rank of the group must reach
-    the same answer (set the variable alike on every rank).
+    for now: the peer transport is the faster one on 4 H200s and trains there, but on CUDA a missing peer is
+    only reported by its device barrier giving up, with an error that cannot name the round, and torch 2.11
+    cannot rendezvous a group's window after a window of a subgroup that leaves some of its ranks out
+    (:mod:`dtrain.comm.peer` refuses that), so it is asked for by name. A collective decision: every rank of
+    the group must reach the same answer (set the variable alike on every rank).
     """
     name = os.environ.get("DTRAIN_COMM_TRANSPORT", "auto") or "auto"
     if name not in ("auto", "p2p", "peer"):

@@ -7,9 +7,10 @@ file in /dev/shm that each rank maps (barriers through the group's own backend).
 that reads the peers' windows and combines them with the rank's own value (on CUDA one fused Triton kernel,
 :mod:`dtrain.comm.peer_kernels`, where Triton is present; else torch operations).
 
-Limits. On CUDA a barrier waits on the device: a peer that never comes hangs it unless ``DTRAIN_COMM_TIMEOUT``
-is set, and then the symmetric-memory barrier gives up with a device-side error (the CUDA context is lost),
-not a :class:`CommTimeoutError` naming the round; on the CPU the monitored barrier names the missing ranks.
+Limits. On CUDA a barrier waits on the device: for a peer that never comes it gives up after
+``DTRAIN_COMM_TIMEOUT`` seconds, or :data:`DEVICE_BARRIER_TIMEOUT` (NCCL's watchdog default, 10 minutes), with a
+device-side error (the CUDA context is lost), not a :class:`CommTimeoutError` naming the round; on the CPU the
+monitored barrier names the missing ranks.
 After a timeout the window is dropped (ranks then stand at different barriers). The CPU windows are files
 in /dev/shm, reserved in full before use and unlinked once every rank has mapped them; a rank killed between
 the two leaves its file behind (named ``dtrain-<pid of rank 0>-...``).
@@ -67,6 +68,12 @@ def _same_host(group, device: torch.device) -> bool:
     dist.all_gather(every, mine, group=group)
     return all(int(t) == int(mine) for t in every)
 
+
+#: How long a CUDA device barrier waits for a missing peer when ``DTRAIN_COMM_TIMEOUT`` is not set: NCCL's own
+#: watchdog default. Then the barrier kernel stops with a device-side error (the CUDA context is lost and the
+#: process fails on its next CUDA call) instead of spinning forever; it cannot name the round, which
+#: ``DTRAIN_COMM_TIMEOUT`` can (it checks each barrier from the host).
+DEVICE_BARRIER_TIMEOUT = timedelta(minutes=10)
 
 _RENDEZVOUS = [0]  # symmetric-memory rendezvous this process has made for its windows
 
@@ -167,7 +174,8 @@ class PeerWindow:
     def barrier(self, timeout: timedelta | None = None) -> None:
         """Every rank of the group has reached this point, and its earlier writes are visible to all."""
         if self._handle is not None:
-            self._handle.barrier(channel=0, timeout_ms=int(timeout.total_seconds() * 1000) if timeout else 0)
+            limit = timeout if timeout is not None else DEVICE_BARRIER_TIMEOUT
+            self._handle.barrier(channel=0, timeout_ms=int(limit.total_seconds() * 1000))
         else:  # Gloo's monitored barrier names the ranks that did not arrive
             dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
 
