@@ -322,6 +322,19 @@ def _prepare(plan, window: PeerWindow, dtype: torch.dtype, numel: int) -> tuple[
     return tuple(steps)
 
 
+def _barrier(window: PeerWindow, timeout: timedelta | None, schedule: Schedule, where: str) -> None:
+    """A round's barrier; one that times out becomes a CommTimeoutError naming the collective and the barrier."""
+    try:
+        window.barrier(timeout)
+    except RuntimeError as err:
+        _forget(window)  # ranks now stand at different barriers: this window cannot be trusted again
+        raise CommTimeoutError(
+            f"{schedule.collective.value}/{schedule.algorithm}: rank {window.rank} (global "
+            f"{dist.get_global_rank(window.group, window.rank)}) timed out at the peer transport's "
+            f"barrier {where} of {schedule.num_rounds}: {err}"
+        ) from err
+
+
 def run_pull(
     schedule: Schedule, work: torch.Tensor, window: PeerWindow, op: str, timeout: timedelta | None = None
 ) -> torch.Tensor:
@@ -347,15 +360,7 @@ def run_pull(
             base = None if step.base is None else x if step.base == "x" else step.mine
             combine(outs, base, step.sources, op)
         elif kind == "barrier":
-            try:
-                window.barrier(timeout)
-            except RuntimeError as err:
-                _forget(window)  # ranks now stand at different barriers: this window cannot be trusted again
-                raise CommTimeoutError(
-                    f"{schedule.collective.value}/{schedule.algorithm}: rank {window.rank} (global "
-                    f"{dist.get_global_rank(window.group, window.rank)}) timed out at the peer transport's "
-                    f"barrier {step.where} of {schedule.num_rounds}: {err}"
-                ) from err
+            _barrier(window, timeout, schedule, step.where)
         elif kind == "copy_in":
             step.mine.copy_(work[step.offset : step.offset + step.length])
         else:
@@ -432,15 +437,7 @@ def run_push(
     combine = peer_kernels.combine
     for step in steps:
         if step.kind == "barrier":
-            try:
-                window.barrier(timeout)
-            except RuntimeError as err:
-                _forget(window)
-                raise CommTimeoutError(
-                    f"{schedule.collective.value}/{schedule.algorithm}: rank {window.rank} (global "
-                    f"{dist.get_global_rank(window.group, window.rank)}) timed out at the peer transport's "
-                    f"barrier {step.where} of {schedule.num_rounds}: {err}"
-                ) from err
+            _barrier(window, timeout, schedule, step.where)
             continue
         x = work[step.offset : step.offset + step.length]
         # the local store first: where torch does the pass it computes into x and copies x to the peer
