@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU runs the next session owes (docs/benchmarks.md, "The peer-memory transport"; docs/pipeline-gpu.md),
-# on every GPU of one host, each part under its own time limit:
+# The GPU runs session 3 left for session 4 (run there; results in docs/benchmarks.md, "The peer-memory
+# transport", and docs/pipeline-gpu.md), on every GPU of one host, each part under its own time limit:
 #   replay  the persistent all-reduce sweep that segfaulted, twice: with the peer window made at 2 GiB up front
 #           (DTRAIN_COMM_PEER_WINDOW_BYTES, so it never re-rendezvouses), then as before; the first run that
 #           dies says which it was

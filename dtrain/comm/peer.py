@@ -5,7 +5,10 @@ symmetric-memory allocation (CUDA peer memory over NVLink or PCIe, with device-s
 file in /dev/shm that each rank maps (barriers through the group's own backend). A schedule then runs as
 :mod:`dtrain.comm.peer_plan` compiles it: per round, the copy-in, a barrier, and one pass per destination range
 that reads the peers' windows and combines them with the rank's own value (on CUDA one fused Triton kernel,
-:mod:`dtrain.comm.peer_kernels`, where Triton is present; else torch operations).
+:mod:`dtrain.comm.peer_kernels`, where Triton is present; else torch operations). From
+:data:`PUSH_FROM_BYTES` (``DTRAIN_COMM_PEER_MODE``) a schedule runs in the push form instead
+(:mod:`dtrain.comm.peer_push`): the sender reduces and stores into the receiver's window, the faster direction
+over NVLink.
 
 Limits. On CUDA a barrier waits on the device: for a peer that never comes it gives up after
 ``DTRAIN_COMM_TIMEOUT`` seconds, or :data:`DEVICE_BARRIER_TIMEOUT` (NCCL's watchdog default, 10 minutes), with a
