@@ -163,6 +163,26 @@ def main() -> None:
                 if sub:
                     print(_summary(f"{variant} | session 4, {name}, {label}", sub))
                     sets[f"{variant}: session 4, {name}, {label}"] = sub
+    # replays of every size: the host time of a replayed call fitted on the small replays of one sweep (the
+    # presized-window sweep, <= 1 MiB), tested on the others (window grown, pull and push forms, final code)
+    presized = _points(DATA / "gpu-h200x4-s4-replay-presized.jsonl", True)
+    fit_small = [(p["schedule"], p["nbytes"], p["seconds"], True) for p in presized if p["nbytes"] <= 1 << 20]
+    replay_cost = PeerCost(**{**fitted.__dict__, "push_bytes_per_s": 333e9})
+    replay_cost = fit_peer_cost(fit_small, replay_cost, gpu=False)
+    held_replays = {
+        "window grown (pull)": _points(DATA / "gpu-h200x4-s4-replay-growing.jsonl", True),
+        "pull form": _points(DATA / "gpu-h200x4-s4-ar-pull-graphs1.jsonl", True),
+        "push form": _points(DATA / "gpu-h200x4-s4-ar-push-graphs1.jsonl", True, push=True),
+        "final code (push from 64 MiB)": [
+            {**p, "push": p["nbytes"] >= 64 << 20}
+            for p in _points(DATA / "gpu-h200x4-s4-final-ar-peer-graphs.jsonl", True)
+        ],
+    }
+    for name, points in held_replays.items():
+        rows = _errors(points, replay_cost)
+        print(_summary(f"replay-fitted | session 4 replays, {name}, all sizes", rows))
+        sets[f"replay-fitted: session 4 replays, {name}, all sizes"] = rows
+    print(f"replay-fitted: {replay_cost.host_replay_s * 1e6:.1f} us of host time a replayed call")
     print(
         f"host-fitted: {fitted.host_call_s * 1e6:.1f} us a call + {fitted.host_barrier_s * 1e6:.1f} us a barrier + "
         f"{fitted.host_launch_s * 1e6:.1f} us a launch"

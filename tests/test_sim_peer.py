@@ -82,3 +82,15 @@ def test_a_rate_that_is_not_positive_is_refused(field):
     kwargs = {"pair_bytes_per_s": 1.0, "fanin_bytes_per_s": 1.0, "local_bytes_per_s": 1.0, "barrier_s": 0.0}
     with pytest.raises(ValueError, match=field):
         PeerCost(**{**kwargs, field: 0.0})
+
+
+def test_a_replayed_call_costs_its_host_replay_time_and_the_fit_takes_it_from_small_replays():
+    schedule = registry.build(Collective.ALL_REDUCE, "ring", 4)
+    cost = PeerCost(**{**COST.__dict__, "host_replay_s": 30e-6})
+    small = peer_time(schedule, 16 << 10, cost, replayed=True)
+    assert small.host_s == 30e-6 and small.time_s == max(small.gpu_s, 30e-6)
+    big = peer_time(schedule, 1 << 30, cost, replayed=True)
+    assert big.time_s == big.gpu_s  # a large replay is the GPU's
+    points = [(schedule, n, t, True) for n, t in ((16 << 10, 28e-6), (64 << 10, 30e-6), (256 << 10, 33e-6))]
+    fitted = fit_peer_cost(points, COST, gpu=False)
+    assert fitted.host_replay_s == pytest.approx(30e-6)

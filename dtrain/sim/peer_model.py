@@ -45,7 +45,8 @@ class PeerCost:
     several peers; ``local_bytes_per_s``: a copy within the GPU's memory; ``barrier_s``: a device barrier;
     ``host_call_s``, ``host_barrier_s``, ``host_launch_s``: host time a call, a barrier, a kernel or copy;
     ``push_bytes_per_s``: a push pass (reads local buffers, stores into a peer; None: the pair rate);
-    ``host_kernel_s``: host time of a fused-kernel launch (None: ``host_launch_s``).
+    ``host_kernel_s``: host time of a fused-kernel launch (None: ``host_launch_s``); ``host_replay_s``: host
+    time of a graph-replayed call (the API's checks, the plan and graph look-up, the graph launch).
     """
 
     pair_bytes_per_s: float
@@ -57,6 +58,7 @@ class PeerCost:
     host_launch_s: float = 0.0
     push_bytes_per_s: float | None = None
     host_kernel_s: float | None = None
+    host_replay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.host_kernel_s is not None and not self.host_kernel_s >= 0:
@@ -66,7 +68,7 @@ class PeerCost:
         for name in ("pair_bytes_per_s", "fanin_bytes_per_s", "local_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PeerCost.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("barrier_s", "host_call_s", "host_barrier_s", "host_launch_s"):
+        for name in ("barrier_s", "host_call_s", "host_barrier_s", "host_launch_s", "host_replay_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PeerCost.{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -134,7 +136,8 @@ def peer_time(
 ) -> PeerTime:
     """Predicted time of ``schedule`` on a ``nbytes`` work buffer through the peer transport.
 
-    ``replayed``: the call is a CUDA-graph replay, so it costs no host time. ``push``: the push form.
+    ``replayed``: the call is a CUDA-graph replay, so its host time is ``host_replay_s`` alone. ``push``: the
+    push form.
     """
     numel = max(nbytes // itemsize, 0)
     ranks = (_push_phases if push else _phases)(schedule, numel, itemsize)
@@ -154,7 +157,7 @@ def peer_time(
     barriers = nphases - 1 if push else nphases
     torch_ops, kernels = _launches(schedule, numel, itemsize, push)
     kernel_s = cost.host_launch_s if cost.host_kernel_s is None else cost.host_kernel_s
-    host = 0.0
+    host = cost.host_replay_s
     if not replayed:
         host = cost.host_call_s + barriers * cost.host_barrier_s + torch_ops * cost.host_launch_s + kernels * kernel_s
     launches = torch_ops + kernels
@@ -204,10 +207,14 @@ def fit_peer_cost(
     """Fit ``base``'s figures to measured ``(schedule, nbytes, seconds, replayed)`` points.
 
     The host terms by non-negative least squares on the eager points of at most ``host_below_bytes`` (where a
-    call is host-bound; a fused-kernel launch keeps ``base.host_kernel_s`` when that is given); then, with
+    call is host-bound; a fused-kernel launch keeps ``base.host_kernel_s`` when that is given), and the host
+    time of a replay as the median of the replayed points up to that size; then, with
     ``gpu``, the pair rate, the fan-in rate and the barrier, each by a golden-section search on the mean
     squared log error of every point, in turn, three times.
     """
+    replays = [t for s, n, t, rep in points if rep and n <= host_below_bytes]
+    if replays:  # small replayed calls are host-bound: their host time is what they take
+        base = replace(base, host_replay_s=float(np.median(replays)))
     small = [(s, n, t) for s, n, t, rep in points if not rep and n <= host_below_bytes]
     cost = base
     if small:
