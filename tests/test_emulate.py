@@ -191,8 +191,9 @@ def test_routers_forward_and_hash_on_the_l4_five_tuple(routed):
 
 
 def test_a_tor_spreads_tcp_connections_over_every_spine(routed):
-    # The kernel's own forwarding decision for 16 connections that differ only in source port: both spines get
-    # some (all 16 on one spine has probability 2**-15 under a uniform hash).
+    # The kernel's forwarding decision for 16 TCP 5-tuples that differ only in source port (`ip route get`, the
+    # L4 hash of a packet that carries none of its own): both spines get some (all 16 on one spine has
+    # probability 2**-15 under a uniform hash).
     tor = routed.routers[0]
     a, b = routed.servers
     devices = set()
