@@ -216,3 +216,18 @@ def test_down_removes_a_routed_fabrics_routers_and_servers():
     removed = teardown_leftovers(f"dte-{plan.tag}-")
     assert sorted(removed) == sorted(plan.namespaces)
     assert netns.list_namespaces(f"dte-{plan.tag}-") == []
+
+
+def test_a_failure_half_way_through_a_routed_build_removes_every_router_and_server(monkeypatch):
+    plan = _routed_plan(_tag("rf"))
+    real_ip = netns.ip
+
+    def failing_routes(*args, **kwargs):
+        if args[:2] == ("route", "add"):
+            raise netns.EmulationError("ip route add failed (injected)")
+        return real_ip(*args, **kwargs)
+
+    monkeypatch.setattr(netns, "ip", failing_routes)
+    with pytest.raises(netns.EmulationError, match="injected"), Emulation(plan):
+        pass
+    assert netns.list_namespaces(f"dte-{plan.tag}-") == []
