@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PREFIX", "ServerPort", "SwitchLink", "EmulationPlan", "plan_emulation", "server_ip", "MIN_BIT_PER_S",
-    "path_bit_per_s", "FABRICS", "SERVER_INTERFACE",
+    "path_bit_per_s", "FABRICS", "SERVER_INTERFACE", "server_port",
 ]  # fmt: skip
 
 #: Every namespace and interface the emulator creates starts with this; ``dtrain emulate down`` removes them.
@@ -130,16 +130,21 @@ class EmulationPlan:
                  "b_to_a_mbit_per_s": link.b_to_a_bit_per_s / 1e6}
                 for link in self.switch_links
             ],
-            **({"routers": {r.namespace: r.switch for r in self.routers},
-                "router_links": [
-                    {"tor": x.tor, "spine": x.spine, "up_mbit_per_s": x.up_bit_per_s / 1e6,
-                     "down_mbit_per_s": x.down_bit_per_s / 1e6}
-                    for x in self.router_links
-                ],
-                "routes": [f"{r.namespace}: {' '.join(r.ip_args())}" for r in self.routes]}
-               if self.fabric_kind == "routed" else {}),
+            **(_describe_routers(self) if self.fabric_kind == "routed" else {}),
             "notes": self.notes,
         }  # fmt: skip
+
+
+def _describe_routers(plan: EmulationPlan) -> dict:
+    return {
+        "routers": {r.namespace: r.switch for r in plan.routers},
+        "router_links": [
+            {"tor": x.tor, "spine": x.spine, "up_mbit_per_s": x.up_bit_per_s / 1e6,
+             "down_mbit_per_s": x.down_bit_per_s / 1e6}
+            for x in plan.router_links
+        ],
+        "routes": [f"{r.namespace}: {' '.join(r.ip_args())}" for r in plan.routes],
+    }  # fmt: skip
 
 
 def _network_switches(topology: Topology) -> list[str]:
@@ -203,14 +208,18 @@ def plan_emulation(
     tors = sorted({switch for switch, _, _ in attach.values()}, key=switches.index)
     graph = _switch_graph(topology, switches)
     if fabric == "routed":
-        plan = _routed_plan(topology, graph, tors, servers, attach, scale, tag)
+        from dtrain.emulate.routed import plan_routed
+
+        plan = plan_routed(topology, graph, tors, servers, attach, scale, tag)
     else:
         plan = _bridged_plan(topology, graph, tors, servers, attach, scale, tag)
     _check_rates(plan)
     return plan
 
 
-def _port(topology: Topology, server: str, i: int, attach: dict, scale: float, **where) -> ServerPort:
+def server_port(topology: Topology, server: str, i: int, attach: dict, scale: float, **where) -> ServerPort:
+    """The ``i``-th server's port: its address, scaled rates (``attach``: server -> (ToR, up, down bytes/s))
+    and devices; ``where`` names its namespace, bridge and the namespace that holds that bridge."""
     _, up, down = attach[server]
     return ServerPort(
         server=server, ip=server_ip(i), up_bit_per_s=up * 8 * scale, down_bit_per_s=down * 8 * scale,
@@ -221,7 +230,7 @@ def _port(topology: Topology, server: str, i: int, attach: dict, scale: float, *
 def _bridged_plan(topology, graph, tors, servers, attach, scale, tag) -> EmulationPlan:
     fabric = f"{PREFIX}{tag}-fab"
     bridge_of, links, merged, notes = _switch_plan(topology, graph, tors, 8 * scale)
-    ports = [_port(topology, server, i, attach, scale, namespace=f"{PREFIX}{tag}-s{i}",
+    ports = [server_port(topology, server, i, attach, scale, namespace=f"{PREFIX}{tag}-s{i}",
                    bridge=bridge_of[attach[server][0]], switch_namespace=fabric)
              for i, server in enumerate(servers)]  # fmt: skip
     bridges: dict[str, str] = {}
@@ -230,30 +239,6 @@ def _bridged_plan(topology, graph, tors, servers, attach, scale, tag) -> Emulati
     return EmulationPlan(
         topology=topology.name, tag=tag, scale=scale, fabric=fabric, bridges=bridges,
         servers=ports, switch_links=links, spines_merged=merged, notes=notes,
-    )  # fmt: skip
-
-
-def _routed_plan(topology, graph, tors, servers, attach, scale, tag) -> EmulationPlan:
-    from dtrain.emulate.routed import plan_fabric, plan_routes
-
-    routers, links = plan_fabric(topology, graph, tors, 8 * scale, tag)
-    tor_router = {r.switch: r for r in routers if r.role == "tor"}
-    ports = []
-    for i, server in enumerate(servers):
-        router = tor_router[attach[server][0]]
-        ports.append(_port(topology, server, i, attach, scale, namespace=f"{PREFIX}{tag}-s{i}",
-                           bridge=router.bridge, switch_namespace=router.namespace, address_bits=32))  # fmt: skip
-    routes = plan_routes(routers, links, [(p.namespace, p.ip, attach[p.server][0]) for p in ports])
-    spines = sum(r.role == "spine" for r in routers)
-    note = (
-        f"routed leaf-spine: {len(tor_router)} ToR and {spines} spine routers, {len(links)} ToR-spine links each "
-        f"shaped on its own, per-flow ECMP (L4 hash) over the spines"
-    )
-    bridges = {r.bridge: r.switch for r in tor_router.values()}
-    return EmulationPlan(
-        topology=topology.name, tag=tag, scale=scale, fabric=None, bridges=bridges,
-        servers=ports, switch_links=[], notes=[note], fabric_kind="routed", routers=routers, router_links=links,
-        routes=routes,
     )  # fmt: skip
 
 

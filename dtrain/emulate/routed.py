@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import networkx as nx
 
 from dtrain.cluster.topology import Topology
-from dtrain.emulate.plan import PREFIX, SERVER_INTERFACE
+from dtrain.emulate.plan import PREFIX, SERVER_INTERFACE, EmulationPlan, server_port
 
 __all__ = [
-    "Router", "RouterLink", "Nexthop", "Route", "ROUTER_SYSCTLS", "SERVER_NETWORK", "plan_fabric", "tor_bridge",
-    "gateway_ip",
+    "Router", "RouterLink", "Nexthop", "Route", "ROUTER_SYSCTLS", "SERVER_NETWORK", "plan_routed", "plan_fabric",
+    "plan_routes", "tor_bridge", "gateway_ip",
 ]  # fmt: skip
 
 #: Every router namespace gets these (see the module docstring for why each).
@@ -119,6 +119,32 @@ def gateway_ip(tor_index: int) -> str:
 
 def _link_ips(tor_index: int, spine_index: int) -> tuple[str, str]:
     return f"10.178.{tor_index}.{2 * spine_index + 2}", f"10.178.{tor_index}.{2 * spine_index + 3}"
+
+
+def plan_routed(
+    topology: Topology, graph: nx.Graph, tors: list[str], servers: list[str], attach: dict, scale: float, tag: str
+) -> EmulationPlan:
+    """The routed plan of ``topology`` (see :func:`dtrain.emulate.plan.plan_emulation`, which checks the
+    arguments and calls this): ``servers`` in rank order, ``attach`` each server's ToR and rates."""
+    routers, links = plan_fabric(topology, graph, tors, 8 * scale, tag)
+    tor_router = {r.switch: r for r in routers if r.role == "tor"}
+    ports = []
+    for i, server in enumerate(servers):
+        router = tor_router[attach[server][0]]
+        ports.append(server_port(topology, server, i, attach, scale, namespace=f"{PREFIX}{tag}-s{i}",
+                                 bridge=router.bridge, switch_namespace=router.namespace, address_bits=32))  # fmt: skip
+    routes = plan_routes(routers, links, [(p.namespace, p.ip, attach[p.server][0]) for p in ports])
+    spines = sum(r.role == "spine" for r in routers)
+    note = (
+        f"routed leaf-spine: {len(tor_router)} ToR and {spines} spine routers, {len(links)} ToR-spine links each "
+        f"shaped on its own, per-flow ECMP (L4 hash) over the spines"
+    )
+    bridges = {r.bridge: r.switch for r in tor_router.values()}
+    return EmulationPlan(
+        topology=topology.name, tag=tag, scale=scale, fabric=None, bridges=bridges,
+        servers=ports, switch_links=[], notes=[note], fabric_kind="routed", routers=routers, router_links=links,
+        routes=routes,
+    )  # fmt: skip
 
 
 def plan_fabric(
