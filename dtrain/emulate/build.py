@@ -1,9 +1,9 @@
 """Build an :class:`~dtrain.emulate.plan.EmulationPlan` on this host and tear it down, also on failure.
 
 :class:`Emulation` is a context manager: entering builds the namespaces (routers' too, on a routed fabric),
-bridges, veths, token buckets and routes;
-leaving (normally, on an exception, on Ctrl-C or on SIGTERM, which it turns into an exception while it is
-active) stops what still runs in its namespaces and deletes them, which removes every veth and bridge inside.
+bridges, veths, token buckets and routes; leaving (normally, on an exception, on Ctrl-C or on SIGTERM, which it
+turns into an exception while it is active) stops what still runs in its namespaces and deletes them, which
+removes every veth and bridge inside.
 :func:`teardown_leftovers` is ``dtrain emulate down``: it removes every namespace whose name starts with the
 prefix, for what a killed process left behind.
 """
