@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.cluster.presets import preset
 from dtrain.emulate import netns
-from dtrain.emulate.build import Emulation, teardown_leftovers
+from dtrain.emulate.build import Emulation, build, teardown_leftovers
 from dtrain.emulate.plan import plan_emulation
 from dtrain.emulate.probe import ping, throughput_bit_per_s
 from dtrain.emulate.run import JobConfig, run_job
@@ -87,8 +88,6 @@ def test_an_error_inside_still_tears_down():
 
 def test_down_removes_leftovers_by_prefix():
     plan = _plan(_tag("lo"))
-    from dtrain.emulate.build import build
-
     build(plan)  # as a killed process would leave it
     removed = teardown_leftovers(f"dte-{plan.tag}-")
     assert sorted(removed) == sorted(plan.namespaces)
@@ -156,3 +155,79 @@ def test_a_second_emulation_with_the_same_tag_is_refused_and_leaves_the_first_al
     with pytest.raises(netns.EmulationError, match="exist already"), Emulation(built):
         pass
     assert set(netns.list_namespaces(f"dte-{built.tag}-")) == set(built.namespaces)
+
+
+# The routed leaf-spine: 2 racks x 1 server, 100 Gb/s NICs, 2 spines, 1:1, at 1e-3: each ToR-spine link is
+# 50 Mb/s, so one flow between the racks (one spine) gets 50 Mb/s, not the ToR's summed 100 Mb/s.
+SPINE_LINK_BIT_PER_S = 50e6
+
+
+def _routed_plan(tag: str):
+    topology = preset("4-rack", racks=2, servers_per_rack=1, gpus=1, nics=1, nic="ethernet100", oversubscription=1)
+    return plan_emulation(topology, scale=1e-3, tag=tag, fabric="routed")
+
+
+@pytest.fixture(scope="module")
+def routed():
+    plan = _routed_plan(_tag("ro"))
+    with Emulation(plan):
+        yield plan
+    assert not netns.list_namespaces(f"dte-{plan.tag}-")
+
+
+def _sysctl(namespace: str, key: str) -> str:
+    return netns.run_tool(netns.in_ns(namespace, ["sysctl", "-n", key])).strip()
+
+
+def test_a_routed_fabric_is_a_namespace_per_router_and_server(routed):
+    assert set(netns.list_namespaces(f"dte-{routed.tag}-")) == set(routed.namespaces)
+    assert len(routed.namespaces) == 6  # 2 ToRs, 2 spines, 2 servers
+
+
+def test_routers_forward_and_hash_on_the_l4_five_tuple(routed):
+    for router in routed.routers:
+        assert _sysctl(router.namespace, "net.ipv4.ip_forward") == "1"
+        assert _sysctl(router.namespace, "net.ipv4.fib_multipath_hash_policy") == "1"
+
+
+def test_a_tor_spreads_tcp_connections_over_every_spine(routed):
+    # The kernel's forwarding decision for 16 TCP 5-tuples that differ only in source port (`ip route get`, the
+    # L4 hash of a packet that carries none of its own): both spines get some (all 16 on one spine has
+    # probability 2**-15 under a uniform hash).
+    tor = routed.routers[0]
+    a, b = routed.servers
+    devices = set()
+    for sport in range(40000, 40016):
+        out = netns.ip("route", "get", b.ip, "from", a.ip, "iif", tor.bridge, "ipproto", "tcp", "sport", str(sport),
+                       "dport", "5201", namespace=tor.namespace)  # fmt: skip
+        devices.add(out.split(" dev ")[1].split()[0])
+    assert devices == {"dte-u0", "dte-u1"}
+
+
+def test_the_check_pings_every_pair_and_one_flow_gets_one_spine_links_rate(routed):
+    report = verify(routed, tolerance=0.15)
+    assert set(report["median_rtt_s"]) == {"s0->s1", "s1->s0"}
+    assert report["configured_bit_per_s"] == pytest.approx(SPINE_LINK_BIT_PER_S)
+
+
+def test_down_removes_a_routed_fabrics_routers_and_servers():
+    plan = _routed_plan(_tag("rl"))
+    build(plan)  # as a killed process would leave it
+    removed = teardown_leftovers(f"dte-{plan.tag}-")
+    assert sorted(removed) == sorted(plan.namespaces)
+    assert netns.list_namespaces(f"dte-{plan.tag}-") == []
+
+
+def test_a_failure_half_way_through_a_routed_build_removes_every_router_and_server(monkeypatch):
+    plan = _routed_plan(_tag("rf"))
+    real_ip = netns.ip
+
+    def failing_routes(*args, **kwargs):
+        if args[:2] == ("route", "add"):
+            raise netns.EmulationError("ip route add failed (injected)")
+        return real_ip(*args, **kwargs)
+
+    monkeypatch.setattr(netns, "ip", failing_routes)
+    with pytest.raises(netns.EmulationError, match="injected"), Emulation(plan):
+        pass
+    assert netns.list_namespaces(f"dte-{plan.tag}-") == []

@@ -20,6 +20,18 @@ def test_run_takes_the_dtrain_command_after_the_double_dash():
     assert (args.scale, args.gpus_per_server, args.placement) == (2e-3, 2, "packed")
 
 
+def test_the_fabric_is_bridged_unless_routed_is_asked_for():
+    assert build_parser().parse_args([*RUN, "--", "bench", "comm"]).fabric == "bridged"
+    up = build_parser().parse_args(["emulate", "up", "--topology", "4-rack", "--fabric", "routed"])
+    assert up.fabric == "routed"
+
+
+def test_an_unknown_fabric_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*RUN, "--fabric", "ecmp", "--", "bench", "comm"])
+    assert "invalid choice: 'ecmp'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("text", "pair"), [("racks=2", ("racks", 2)), ("scale=0.5", ("scale", 0.5)),
                                             ("nic=ethernet100", ("nic", "ethernet100"))])  # fmt: skip
 def test_settings_become_numbers_where_they_are_numbers(text, pair):

@@ -22,6 +22,7 @@ _EPILOG = """examples (as root):
   dtrain emulate run --topology 4-rack --set racks=2 --set servers_per_rack=2 --set nic=ethernet100 \\
       --set nics=1 --set gpus=1 --scale 1e-3 -- bench comm --collectives all_reduce --max-bytes 4M
   dtrain emulate up --topology my-cluster.toml --scale 1e-3 --tag demo
+  dtrain emulate up --topology 4-rack --set racks=2 --set servers_per_rack=2 --fabric routed --tag ecmp
   dtrain emulate down
 Rates: emulated bit/s = topology bit/s x --scale (1e-3: 100 Gb/s -> 100 Mb/s). Latencies are not emulated."""
 
@@ -50,6 +51,13 @@ def _add_topology_args(p: argparse.ArgumentParser) -> None:
         help="packed (rack by rack), interleaved (racks dealt in turn) or s0,s2,... (node-rank order)",
     )
     p.add_argument("--tag", default=None, help="1-8 letters/digits naming the namespaces (default: random)")
+    p.add_argument(
+        "--fabric",
+        choices=["bridged", "routed"],
+        default="bridged",
+        help="bridged: switches as bridges, a leaf-spine's spines merged into one (exact capacity, no ECMP "
+        "collisions); routed: ToRs and spines as routers hashing each flow onto one spine (per-flow ECMP)",
+    )
 
 
 def register(commands) -> None:
@@ -110,7 +118,8 @@ def _plan(args: argparse.Namespace):
 
     topology = resolve(args.topology, **dict(args.settings))
     tag = args.tag or secrets.token_hex(3)
-    return plan_emulation(topology, scale=args.scale, tag=tag, placement=placement_order(topology, args.placement))
+    return plan_emulation(topology, scale=args.scale, tag=tag, placement=placement_order(topology, args.placement),
+                          fabric=args.fabric)  # fmt: skip
 
 
 def _run(args: argparse.Namespace) -> int:

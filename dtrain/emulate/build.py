@@ -1,8 +1,9 @@
 """Build an :class:`~dtrain.emulate.plan.EmulationPlan` on this host and tear it down, also on failure.
 
-:class:`Emulation` is a context manager: entering builds the namespaces, bridges, veths and token buckets;
-leaving (normally, on an exception, on Ctrl-C or on SIGTERM, which it turns into an exception while it is
-active) stops what still runs in its namespaces and deletes them, which removes every veth and bridge inside.
+:class:`Emulation` is a context manager: entering builds the namespaces (routers' too, on a routed fabric),
+bridges, veths, token buckets and routes; leaving (normally, on an exception, on Ctrl-C or on SIGTERM, which it
+turns into an exception while it is active) stops what still runs in its namespaces and deletes them, which
+removes every veth and bridge inside.
 :func:`teardown_leftovers` is ``dtrain emulate down``: it removes every namespace whose name starts with the
 prefix, for what a killed process left behind.
 """
@@ -14,20 +15,32 @@ import threading
 import types
 
 from dtrain.emulate import links, netns
-from dtrain.emulate.plan import PREFIX, EmulationPlan
+from dtrain.emulate.plan import PREFIX, SERVER_INTERFACE, EmulationPlan
 
-__all__ = ["Emulation", "Terminated", "build", "teardown", "teardown_leftovers", "SERVER_INTERFACE", "SUBNET_BITS"]
-
-#: The interface every server namespace talks through (GLOO_SOCKET_IFNAME).
-SERVER_INTERFACE = f"{PREFIX}eth"
-#: All servers share one L2 segment (bridges joined by veths), hence one subnet.
-SUBNET_BITS = 16
+__all__ = ["Emulation", "Terminated", "build", "teardown", "teardown_leftovers", "SERVER_INTERFACE"]
 
 
 def build(plan: EmulationPlan) -> None:
     """Create everything ``plan`` names. On a failure half-way the caller tears down (see :class:`Emulation`)."""
     netns.require_root()
     _refuse_clash(plan)
+    if plan.fabric_kind == "routed":
+        _build_routers(plan)
+    else:
+        _build_bridges(plan)
+    for server in plan.servers:
+        netns.create(server.namespace)
+        links.add_veth(server.namespace, SERVER_INTERFACE, server.switch_namespace, server.port)
+        links.attach(server.switch_namespace, server.port, server.bridge)
+        links.set_address(server.namespace, SERVER_INTERFACE, f"{server.ip}/{server.address_bits}")
+        links.limit_rate(server.namespace, SERVER_INTERFACE, server.up_bit_per_s)
+        links.limit_rate(server.switch_namespace, server.port, server.down_bit_per_s)
+    for route in plan.routes:  # after every address and link is up: a nexthop must be reachable when added
+        netns.ip("route", "add", *route.ip_args(), namespace=route.namespace)
+
+
+def _build_bridges(plan: EmulationPlan) -> None:
+    """One fabric namespace holding a bridge per (merged) switch, joined by shaped veths."""
     netns.create(plan.fabric)
     for bridge in plan.bridges:
         links.add_bridge(plan.fabric, bridge)
@@ -37,13 +50,24 @@ def build(plan: EmulationPlan) -> None:
         links.attach(plan.fabric, link.b_end, link.b)
         links.limit_rate(plan.fabric, link.a_end, link.a_to_b_bit_per_s)
         links.limit_rate(plan.fabric, link.b_end, link.b_to_a_bit_per_s)
-    for server in plan.servers:
-        netns.create(server.namespace)
-        links.add_veth(server.namespace, SERVER_INTERFACE, plan.fabric, server.port)
-        links.attach(plan.fabric, server.port, server.bridge)
-        links.set_address(server.namespace, SERVER_INTERFACE, f"{server.ip}/{SUBNET_BITS}")
-        links.limit_rate(server.namespace, SERVER_INTERFACE, server.up_bit_per_s)
-        links.limit_rate(plan.fabric, server.port, server.down_bit_per_s)
+
+
+def _build_routers(plan: EmulationPlan) -> None:
+    """A namespace per ToR and spine, forwarding with the plan's sysctls (set before any interface exists, so
+    every interface inherits the defaults), each ToR with its servers' bridge; a shaped veth per ToR-spine link."""
+    for router in plan.routers:
+        netns.create(router.namespace)
+        for key, value in router.sysctls.items():
+            netns.set_sysctl(router.namespace, key, value)
+        if router.bridge is not None:
+            links.add_bridge(router.namespace, router.bridge)
+            links.set_address(router.namespace, router.bridge, f"{router.gateway}/32")
+    for link in plan.router_links:
+        links.add_veth(link.tor_namespace, link.tor_end, link.spine_namespace, link.spine_end)
+        links.set_address(link.tor_namespace, link.tor_end, f"{link.tor_ip}/31")
+        links.set_address(link.spine_namespace, link.spine_end, f"{link.spine_ip}/31")
+        links.limit_rate(link.tor_namespace, link.tor_end, link.up_bit_per_s)
+        links.limit_rate(link.spine_namespace, link.spine_end, link.down_bit_per_s)
 
 
 def _refuse_clash(plan: EmulationPlan) -> None:
@@ -67,9 +91,13 @@ def teardown_leftovers(prefix: str = PREFIX) -> list[str]:
         raise ValueError(f"prefix must start with {PREFIX!r} (the emulator's own names), got {prefix!r}")
     netns.require_root()
     names = netns.list_namespaces(prefix)
-    for name in sorted(names, key=lambda n: n.endswith("-fab")):  # servers before fabrics
+    for name in sorted(names, key=lambda n: not _is_server(n)):  # servers before fabrics and routers
         netns.delete(name)
     return names
+
+
+def _is_server(namespace: str) -> bool:
+    return namespace.rsplit("-", 1)[-1].startswith("s")
 
 
 class Terminated(BaseException):

@@ -9,6 +9,8 @@ the plan built rather than the one asked for:
   of goodput through a 50 Mb/s shaper, 1448/1514 of it;
 - with its spines merged (:mod:`dtrain.emulate.plan`), one switch ``spines`` whose link to each ToR has the
   sum of that ToR's spine links, so the simulator sprays cross-rack flows as the emulated bridge does;
+- on a routed fabric (:mod:`dtrain.emulate.routed`), every spine and ToR-spine link as it is, so the simulator
+  hashes each flow onto one spine (``Topology.route``) as the emulated ToRs do;
 - links inside a server are kept: inside a namespace ranks meet over loopback, far faster than the shaped
   links, as NVLink and PCIe are faster than the NICs.
 """

@@ -14,7 +14,9 @@ import signal
 import subprocess
 import time
 
-__all__ = ["EmulationError", "require_root", "ip", "create", "delete", "exists", "list_namespaces", "in_ns"]
+__all__ = [
+    "EmulationError", "require_root", "ip", "create", "delete", "exists", "list_namespaces", "in_ns", "set_sysctl",
+]  # fmt: skip
 
 
 class EmulationError(RuntimeError):
@@ -54,6 +56,17 @@ def create(namespace: str) -> None:
     """A fresh namespace with its loopback up."""
     ip("netns", "add", namespace)
     ip("link", "set", "lo", "up", namespace=namespace)
+
+
+def set_sysctl(namespace: str, key: str, value: str) -> None:
+    """``sysctl -w key=value`` inside ``namespace`` (for the per-namespace keys under ``net.``), read back to
+    make sure the kernel took it: a kernel without the key fails here, not later as a silently wrong fabric."""
+    if shutil.which("sysctl") is None:
+        raise EmulationError(f"setting {key} in {namespace} needs the sysctl tool (procps), not found on PATH")
+    run_tool(in_ns(namespace, ["sysctl", "-qw", f"{key}={value}"]))
+    got = run_tool(in_ns(namespace, ["sysctl", "-n", key])).strip()
+    if got != value:
+        raise EmulationError(f"{key} in {namespace} reads {got!r} after setting it to {value!r}")
 
 
 def exists(namespace: str) -> bool:

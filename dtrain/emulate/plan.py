@@ -14,6 +14,9 @@ So when the switch graph is not a tree but a two-tier leaf-spine (every link joi
 the spine tier becomes ONE bridge and each ToR's uplinks become one veth whose rate is the sum of its links to
 all spines: the oversubscription (ToR downlink over uplink capacity) is exact, while ECMP's hash collisions
 are not modelled (the emulated fabric sprays perfectly). Other loops (three tiers with several paths) raise.
+That is the default, ``fabric="bridged"``. ``fabric="routed"`` builds a leaf-spine as routers instead, every
+ToR-spine link its own shaped veth and every ToR hashing each flow onto one spine, so ECMP collisions happen
+as on a real fabric (:mod:`dtrain.emulate.routed`).
 
 Rates are scaled by ``scale`` (a 100 Gb/s link at 1e-3 is emulated at 100 Mb/s) so one small host can drive
 them; latencies are not emulated (tc netem is not available), the veths add some tens of microseconds.
@@ -22,14 +25,18 @@ them; latencies are not emulated (tc netem is not available), the veths add some
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import networkx as nx
 
 from dtrain.cluster.topology import Topology
 
+if TYPE_CHECKING:
+    from dtrain.emulate.routed import Route, Router, RouterLink
+
 __all__ = [
     "PREFIX", "ServerPort", "SwitchLink", "EmulationPlan", "plan_emulation", "server_ip", "MIN_BIT_PER_S",
-    "path_bit_per_s",
+    "path_bit_per_s", "FABRICS", "SERVER_INTERFACE", "server_port",
 ]  # fmt: skip
 
 #: Every namespace and interface the emulator creates starts with this; ``dtrain emulate down`` removes them.
@@ -37,6 +44,11 @@ PREFIX = "dte-"
 #: The lowest rate tc can hold steadily with our burst sizes (bits per second).
 MIN_BIT_PER_S = 100_000.0
 SPINE_BRIDGE = "spines"
+#: The interface every server namespace talks through (GLOO_SOCKET_IFNAME).
+SERVER_INTERFACE = f"{PREFIX}eth"
+#: How switches are emulated: ``bridged`` (the default; spines merged into one bridge) or ``routed`` (routers
+#: with per-flow ECMP over every spine).
+FABRICS = ("bridged", "routed")
 
 
 def server_ip(index: int) -> str:
@@ -56,6 +68,8 @@ class ServerPort:
     namespace: str
     ip: str
     bridge: str
+    switch_namespace: str  # the namespace holding ``bridge`` and ``port``: the fabric, or the server's ToR
+    address_bits: int = 16  # prefix length of ``ip``: one subnet when bridged, a /32 behind its ToR when routed
     up_bit_per_s: float  # server -> switch
     down_bit_per_s: float  # switch -> server
     port: str  # the fabric-side veth end
@@ -81,16 +95,22 @@ class EmulationPlan:
     topology: str
     tag: str
     scale: float
-    fabric: str  # the namespace holding every bridge
+    fabric: str | None  # the namespace holding every bridge (None when routed: each ToR holds its own)
     bridges: dict[str, str]  # bridge interface name -> the switch(es) it emulates
     servers: list[ServerPort]
     switch_links: list[SwitchLink]
     spines_merged: bool = False
     notes: list[str] = field(default_factory=list)
+    fabric_kind: str = "bridged"  # one of FABRICS
+    routers: list[Router] = field(default_factory=list)  # routed only: ToRs and spines
+    router_links: list[RouterLink] = field(default_factory=list)  # routed only: every ToR-spine link
+    routes: list[Route] = field(default_factory=list)  # routed only: every route, servers' and routers'
 
     @property
     def namespaces(self) -> list[str]:
-        return [self.fabric, *(s.namespace for s in self.servers)]
+        """Routers (or the fabric) first, servers last: the teardown goes in reverse."""
+        switches = [self.fabric] if self.fabric else [r.namespace for r in self.routers]
+        return [*switches, *(s.namespace for s in self.servers)]
 
     def describe(self) -> dict:
         """A JSON-ready summary (rates in Mbit/s), written beside every emulated run."""
@@ -98,6 +118,7 @@ class EmulationPlan:
             "topology": self.topology,
             "tag": self.tag,
             "scale": self.scale,
+            "fabric": self.fabric_kind,
             "spines_merged": self.spines_merged,
             "servers": [
                 {"server": s.server, "namespace": s.namespace, "ip": s.ip, "bridge": s.bridge,
@@ -109,8 +130,21 @@ class EmulationPlan:
                  "b_to_a_mbit_per_s": link.b_to_a_bit_per_s / 1e6}
                 for link in self.switch_links
             ],
+            **(_describe_routers(self) if self.fabric_kind == "routed" else {}),
             "notes": self.notes,
         }  # fmt: skip
+
+
+def _describe_routers(plan: EmulationPlan) -> dict:
+    return {
+        "routers": {r.namespace: r.switch for r in plan.routers},
+        "router_links": [
+            {"tor": x.tor, "spine": x.spine, "up_mbit_per_s": x.up_bit_per_s / 1e6,
+             "down_mbit_per_s": x.down_bit_per_s / 1e6}
+            for x in plan.router_links
+        ],
+        "routes": [f"{r.namespace}: {' '.join(r.ip_args())}" for r in plan.routes],
+    }  # fmt: skip
 
 
 def _network_switches(topology: Topology) -> list[str]:
@@ -149,16 +183,22 @@ def _rate(topology: Topology, a: str, b: str) -> float:
     return topology.link(a, b).bytes_per_s
 
 
-def plan_emulation(topology: Topology, *, scale: float, tag: str, placement: list[str] | None = None) -> EmulationPlan:
+def plan_emulation(
+    topology: Topology, *, scale: float, tag: str, placement: list[str] | None = None, fabric: str = "bridged"
+) -> EmulationPlan:
     """The plan for ``topology`` at ``scale`` (emulated bit/s = topology bytes/s x 8 x scale).
 
     ``placement`` orders the servers (server i gets node rank i); the default is ``topology.servers()``.
-    ``tag`` (a few letters or digits) names this emulation's namespaces, so two can coexist.
+    ``tag`` (a few letters or digits) names this emulation's namespaces, so two can coexist. ``fabric`` is
+    ``"bridged"`` (switches as bridges, a leaf-spine's spines merged) or ``"routed"`` (a leaf-spine as routers
+    with per-flow ECMP; see :mod:`dtrain.emulate.routed`).
     """
     if not scale > 0:
         raise ValueError(f"scale must be > 0 (e.g. 1e-3 turns 100 Gb/s into 100 Mb/s), got {scale!r}")
     if not tag or not tag.isalnum() or len(tag) > 8:
         raise ValueError(f"tag must be 1-8 letters or digits, got {tag!r}")
+    if fabric not in FABRICS:
+        raise ValueError(f"fabric must be one of {FABRICS}, got {fabric!r}")
     servers = _ordered_servers(topology, placement)
     switches = _network_switches(topology)
     if not switches:
@@ -167,26 +207,39 @@ def plan_emulation(topology: Topology, *, scale: float, tag: str, placement: lis
     attach = {s: _server_uplinks(topology, s, set(switches)) for s in topology.servers()}
     tors = sorted({switch for switch, _, _ in attach.values()}, key=switches.index)
     graph = _switch_graph(topology, switches)
+    if fabric == "routed":
+        from dtrain.emulate.routed import plan_routed
+
+        plan = plan_routed(topology, graph, tors, servers, attach, scale, tag)
+    else:
+        plan = _bridged_plan(topology, graph, tors, servers, attach, scale, tag)
+    _check_rates(plan)
+    return plan
+
+
+def server_port(topology: Topology, server: str, i: int, attach: dict, scale: float, **where) -> ServerPort:
+    """The ``i``-th server's port: its address, scaled rates (``attach``: server -> (ToR, up, down bytes/s))
+    and devices; ``where`` names its namespace, bridge and the namespace that holds that bridge."""
+    _, up, down = attach[server]
+    return ServerPort(
+        server=server, ip=server_ip(i), up_bit_per_s=up * 8 * scale, down_bit_per_s=down * 8 * scale,
+        port=f"{PREFIX}h{i}", devices=sum(1 for d in topology.devices() if d.server == server), **where,
+    )  # fmt: skip
+
+
+def _bridged_plan(topology, graph, tors, servers, attach, scale, tag) -> EmulationPlan:
+    fabric = f"{PREFIX}{tag}-fab"
     bridge_of, links, merged, notes = _switch_plan(topology, graph, tors, 8 * scale)
-    ports = []
-    for i, server in enumerate(servers):
-        switch, up, down = attach[server]
-        ports.append(
-            ServerPort(
-                server=server, namespace=f"{PREFIX}{tag}-s{i}", ip=server_ip(i), bridge=bridge_of[switch],
-                up_bit_per_s=up * 8 * scale, down_bit_per_s=down * 8 * scale, port=f"{PREFIX}h{i}",
-                devices=sum(1 for d in topology.devices() if d.server == server),
-            )
-        )  # fmt: skip
+    ports = [server_port(topology, server, i, attach, scale, namespace=f"{PREFIX}{tag}-s{i}",
+                   bridge=bridge_of[attach[server][0]], switch_namespace=fabric)
+             for i, server in enumerate(servers)]  # fmt: skip
     bridges: dict[str, str] = {}
     for switch, bridge in bridge_of.items():
         bridges[bridge] = f"{bridges[bridge]},{switch}" if bridge in bridges else switch
-    plan = EmulationPlan(
-        topology=topology.name, tag=tag, scale=scale, fabric=f"{PREFIX}{tag}-fab", bridges=bridges,
+    return EmulationPlan(
+        topology=topology.name, tag=tag, scale=scale, fabric=fabric, bridges=bridges,
         servers=ports, switch_links=links, spines_merged=merged, notes=notes,
     )  # fmt: skip
-    _check_rates(plan)
-    return plan
 
 
 def _ordered_servers(topology: Topology, placement: list[str] | None) -> list[str]:
@@ -237,6 +290,7 @@ def _check_rates(plan: EmulationPlan) -> None:
     """Refuse rates tc cannot hold steadily."""
     rates = [(s.server, r) for s in plan.servers for r in (s.up_bit_per_s, s.down_bit_per_s)]
     rates += [(f"{x.a}-{x.b}", r) for x in plan.switch_links for r in (x.a_to_b_bit_per_s, x.b_to_a_bit_per_s)]
+    rates += [(f"{x.tor}-{x.spine}", r) for x in plan.router_links for r in (x.up_bit_per_s, x.down_bit_per_s)]
     for where, rate in rates:
         if rate < MIN_BIT_PER_S:
             raise ValueError(
@@ -247,14 +301,21 @@ def _check_rates(plan: EmulationPlan) -> None:
 
 def path_bit_per_s(plan: EmulationPlan, src: int, dst: int) -> float:
     """The configured bottleneck rate from server ``src`` to server ``dst`` (indices into ``plan.servers``):
-    the smallest shaped rate along the one bridge path between them."""
+    the smallest shaped rate along the one bridge path between them or, routed, along the slowest of the
+    equal-cost paths (one per shared spine; one flow takes one of them, all equal in the cluster builders')."""
     a, b = plan.servers[src], plan.servers[dst]
+    rates = [a.up_bit_per_s, b.down_bit_per_s]
+    if a.bridge == b.bridge:
+        return min(rates)
+    if plan.fabric_kind == "routed":
+        tor_a, tor_b = plan.bridges[a.bridge], plan.bridges[b.bridge]
+        up = {x.spine: x.up_bit_per_s for x in plan.router_links if x.tor == tor_a}
+        down = {x.spine: x.down_bit_per_s for x in plan.router_links if x.tor == tor_b}
+        return min(rates + [min(min(up[s], down[s]) for s in up.keys() & down.keys())])
     bridges = nx.DiGraph()
     for x in plan.switch_links:
         bridges.add_edge(x.a, x.b, rate=x.a_to_b_bit_per_s)
         bridges.add_edge(x.b, x.a, rate=x.b_to_a_bit_per_s)
-    rates = [a.up_bit_per_s, b.down_bit_per_s]
-    if a.bridge != b.bridge:
-        hops = nx.shortest_path(bridges, a.bridge, b.bridge)
-        rates += [bridges.edges[u, v]["rate"] for u, v in zip(hops, hops[1:], strict=False)]
+    hops = nx.shortest_path(bridges, a.bridge, b.bridge)
+    rates += [bridges.edges[u, v]["rate"] for u, v in zip(hops, hops[1:], strict=False)]
     return min(rates)

@@ -1,5 +1,6 @@
-"""Check a built emulation before trusting it: every server reaches server 0, and one path between the first
-and the last rack carries its configured rate (the smallest shaped rate along it) within a tolerance."""
+"""Check a built emulation before trusting it: every server reaches server 0 (on a routed fabric every server
+reaches every other, since each pair has routes of its own in several namespaces), and one path between the
+first and the last rack carries its configured rate (the smallest shaped rate along it) within a tolerance."""
 
 from __future__ import annotations
 
@@ -13,12 +14,19 @@ __all__ = ["verify"]
 
 
 def verify(plan: EmulationPlan, *, tolerance: float = 0.15, seconds: float = 1.5) -> dict:
-    """Ping every server from server 0 and measure the path from server 0 to the last server; the results.
+    """Ping every server from server 0 (routed: every server from every other) and measure the path from server 0
+    to the last server; the results (round-trip times keyed by the destination, or routed by ``"src->dst"``).
     Raises :class:`EmulationError` if a server is unreachable or the rate is off by more than ``tolerance``."""
     first = plan.servers[0]
     rtts = {}
-    for server in plan.servers[1:]:
-        rtts[server.server] = statistics.median(ping(first.namespace, server.namespace, server.ip))
+    if plan.fabric_kind == "routed":
+        for a in plan.servers:
+            for b in plan.servers:
+                if a is not b:
+                    rtts[f"{a.server}->{b.server}"] = statistics.median(ping(a.namespace, b.namespace, b.ip))
+    else:
+        for server in plan.servers[1:]:
+            rtts[server.server] = statistics.median(ping(first.namespace, server.namespace, server.ip))
     last = len(plan.servers) - 1
     result = {"median_rtt_s": rtts, "path": f"{first.server}->{plan.servers[last].server}"}
     if last > 0:
