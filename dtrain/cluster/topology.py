@@ -12,8 +12,8 @@ top-of-rack switch, spines above). No torch here (DESIGN.md layers).
 
 from __future__ import annotations
 
+import hashlib
 import re
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,7 +190,7 @@ class Topology:
                 raise ValueError(f"route: unknown node {src!r} in topology {self.name!r}")
             return []
         paths = self.equal_cost_paths(src, dst)
-        path = paths[zlib.crc32(f"{src}|{dst}|{flow}".encode()) % len(paths)] if len(paths) > 1 else paths[0]
+        path = paths[_flow_hash(f"{src}|{dst}|{flow}") % len(paths)] if len(paths) > 1 else paths[0]
         return [self.graph.edges[u, v]["link"] for u, v in zip(path, path[1:], strict=False)]
 
     def equal_cost_paths(self, src: str, dst: str) -> list[list[str]]:
@@ -250,3 +250,10 @@ class Topology:
                 raise ValueError(f"device {name!r} cannot be reached from device {first!r}")
             if name not in reaching:
                 raise ValueError(f"device {name!r} cannot reach device {first!r}")
+
+
+def _flow_hash(key: str) -> int:
+    """A stable, well-mixed hash of a flow (as a switch's ECMP hash is meant to be). CRC-32, used before, is
+    linear in its input: flow ids differing in a fixed pattern got correlated paths (ids 2j and 2j + 1 shared
+    a spine 45% of the time instead of 50%), which the emulated routed fabric's measurements exposed."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
