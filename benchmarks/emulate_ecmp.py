@@ -190,9 +190,9 @@ def collided(record: dict) -> bool:
 
 def simulated(plan, topology, trials: int) -> list[list[float]]:
     """The simulator's per-flow rates (bit/s) on the network ``plan`` builds. Flow ids are made as the collective
-    replay makes them (``dtrain.sim.collective``: a Python hash of the flow's identity, well mixed): ``Topology.route``
-    picks a path by CRC-32, which is affine over GF(2), so ids that differ in a fixed pattern (2j and 2j + 1) give
-    correlated paths (45% of such pairs collide here, not 50%)."""
+    replay makes them (``dtrain.sim.collective``: a Python hash of the flow's identity). ``Topology.route`` hashed
+    with CRC-32 when this was first run, which correlated patterned ids (2j and 2j + 1 collided 45% of the time);
+    it now hashes with BLAKE2b."""
     from dtrain.emulate.model import emulated_topology
     from dtrain.sim.flows import max_min_rates
 
