@@ -178,6 +178,7 @@ def main() -> None:
             for p in _points(DATA / "gpu-h200x4-s4-final-ar-peer-graphs.jsonl", True)
         ],
     }
+    held_replays["session 3's other collectives (pull)"] = held
     for name, points in held_replays.items():
         rows = _errors(points, replay_cost)
         print(_summary(f"replay-fitted | session 4 replays, {name}, all sizes", rows))
