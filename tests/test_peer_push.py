@@ -147,3 +147,14 @@ def test_the_push_form_is_taken_from_its_size_threshold_where_the_schedule_has_o
     monkeypatch.setenv("DTRAIN_COMM_PEER_MODE", "sideways")
     with pytest.raises(ValueError, match="pull, push or auto"):
         peer.push_mode(ring, big)
+
+
+def test_the_race_check_catches_a_read_of_a_bank_nothing_in_this_call_stored():
+    from dataclasses import replace
+
+    schedule = registry.build(Collective.ALL_REDUCE, "ring", 3)
+    plans = list(_compile_all(schedule, 9))
+    first = plans[0].rounds[0]
+    stale = replace(first.ops[0], banks=(1,))  # round 0 reading bank 1: only a previous call wrote it
+    plans[0] = replace(plans[0], rounds=(replace(first, ops=(stale,)), *plans[0].rounds[1:]))
+    assert any("no earlier round stored" in problem for problem in races(plans))

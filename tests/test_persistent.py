@@ -159,3 +159,19 @@ def test_a_live_buffer_of_the_same_size_elsewhere_gets_its_own_graph():
     for buf in (a, a, b, b):
         run("k", buf)
     assert log.count("capture") == 2 and persistent.held() == 2
+
+
+def test_a_loop_that_only_replays_still_releases_the_graphs_of_freed_buffers(monkeypatch):
+    monkeypatch.setattr(persistent, "SWEEP_EVERY", 4)
+    log = []
+    run = _owned_runner(log)
+    gone, kept = torch.zeros(16), torch.zeros(16)
+    run("a", gone)
+    run("a", gone)
+    run("b", kept)
+    run("b", kept)
+    assert persistent.held() == 2
+    del gone
+    for _ in range(4):  # replays of "b" only: nothing new is captured
+        run("b", kept)
+    assert persistent.held() == 1

@@ -62,7 +62,10 @@ def test_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_simulator_imports_no_torch() -> None:
-    code = "import sys, dtrain.sim, dtrain.sim.planner, dtrain.sim.fit; print('torch' in sys.modules)"
+    code = (
+        "import sys, dtrain.sim, dtrain.sim.planner, dtrain.sim.fit, dtrain.sim.peer_model; "
+        "print('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 

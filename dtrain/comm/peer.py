@@ -11,9 +11,9 @@ that reads the peers' windows and combines them with the rank's own value (on CU
 over NVLink.
 
 Limits. On CUDA a barrier waits on the device: for a peer that never comes it gives up after
-``DTRAIN_COMM_TIMEOUT`` seconds, or :data:`DEVICE_BARRIER_TIMEOUT` (NCCL's watchdog default, 10 minutes), with a
-device-side error (the CUDA context is lost), not a :class:`CommTimeoutError` naming the round; on the CPU the
-monitored barrier names the missing ranks.
+``DTRAIN_COMM_TIMEOUT`` seconds, else the process group's own timeout (:data:`DEVICE_BARRIER_TIMEOUT` where torch
+does not expose it), with a device-side error (the CUDA context is lost), not a :class:`CommTimeoutError` naming
+the round; on the CPU the monitored barrier names the missing ranks.
 After a timeout the window is dropped (ranks then stand at different barriers). The CPU windows are files
 in /dev/shm, reserved in full before use and unlinked once every rank has mapped them; a rank killed between
 the two leaves its file behind (named ``dtrain-<pid of rank 0>-...``).
@@ -72,11 +72,22 @@ def _same_host(group, device: torch.device) -> bool:
     return all(int(t) == int(mine) for t in every)
 
 
-#: How long a CUDA device barrier waits for a missing peer when ``DTRAIN_COMM_TIMEOUT`` is not set: NCCL's own
-#: watchdog default. Then the barrier kernel stops with a device-side error (the CUDA context is lost and the
-#: process fails on its next CUDA call) instead of spinning forever; it cannot name the round, which
-#: ``DTRAIN_COMM_TIMEOUT`` can (it checks each barrier from the host).
+#: How long a CUDA device barrier waits for a missing peer when neither ``DTRAIN_COMM_TIMEOUT`` nor the process
+#: group's own timeout can be read: NCCL's watchdog default. Past it the barrier kernel stops with a device-side
+#: error (the CUDA context is lost and the process fails at its next CUDA call) instead of spinning forever. The
+#: error cannot name the round: the barrier runs on the device, so the host learns of it only at a later sync.
 DEVICE_BARRIER_TIMEOUT = timedelta(minutes=10)
+
+
+def _group_timeout(group, device: torch.device) -> timedelta:
+    """The process group's own timeout (``init_process_group(timeout=...)`` / ``new_group(timeout=...)``), which
+    NCCL's watchdog also keeps; :data:`DEVICE_BARRIER_TIMEOUT` where this torch does not expose it."""
+    try:  # private in torch: any failure to read it falls back to the default
+        value = group._get_backend(device).options._timeout
+    except Exception:
+        return DEVICE_BARRIER_TIMEOUT
+    return value if isinstance(value, timedelta) and value.total_seconds() > 0 else DEVICE_BARRIER_TIMEOUT
+
 
 _RENDEZVOUS = [0]  # symmetric-memory rendezvous this process has made for its windows
 
@@ -129,6 +140,7 @@ class PeerWindow:
         mine = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self._handle = symm_mem.rendezvous(mine, name)
         _RENDEZVOUS[0] += 1
+        self._device_timeout = _group_timeout(self.group, self.device)
         self._mine = mine
         return [self._handle.get_buffer(p, (self.nbytes,), torch.uint8) for p in range(self.world_size)]
 
@@ -177,8 +189,9 @@ class PeerWindow:
     def barrier(self, timeout: timedelta | None = None) -> None:
         """Every rank of the group has reached this point, and its earlier writes are visible to all."""
         if self._handle is not None:
-            limit = timeout if timeout is not None else DEVICE_BARRIER_TIMEOUT
-            self._handle.barrier(channel=0, timeout_ms=int(limit.total_seconds() * 1000))
+            limit = timeout if timeout is not None else self._device_timeout
+            # at least 1 ms: 0 would mean no limit at all
+            self._handle.barrier(channel=0, timeout_ms=max(1, int(limit.total_seconds() * 1000)))
         else:  # Gloo's monitored barrier names the ranks that did not arrive
             dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
 
@@ -433,6 +446,11 @@ def run_push(
     key = ("push", schedule, window.rank, numel, work.dtype, window.generation)
     steps = _PREPARED.get(key)
     if steps is None:
+        if window.nbytes < 2 * numel * work.element_size():
+            raise ValueError(
+                f"run_push needs a window of two banks of {numel * work.element_size()} bytes, got {window.nbytes} "
+                "(window_for(group, device, 2 * nbytes))"
+            )
         if len(_PREPARED) >= 256:
             _PREPARED.clear()
         plan = compile_push(schedule, window.rank, numel)

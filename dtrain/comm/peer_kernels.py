@@ -15,13 +15,14 @@ from collections.abc import Sequence
 
 import torch
 
+from dtrain.comm.peer_plan import wants_kernel
+
 __all__ = ["combine", "triton_ready", "wants_kernel"]
 
 _OPS = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
 _MAX_SOURCES = 3
 _BLOCK = 4096
-_FUSE_BYTES = 1 << 20
 _state: dict[str, object] = {}
 
 
@@ -77,15 +78,6 @@ def _torch_combine(outs, base, sources, op: str) -> None:
             REDUCE_OPS[op](target, s)
     for other in outs[1:]:
         other.copy_(target)
-
-
-def wants_kernel(nouts: int, nsources: int, nbytes: int, *, has_base: bool, remote: bool = False) -> bool:
-    """Whether a pass goes to the fused kernel (where Triton is there): it saves a pass over the data (several
-    sources; two stores of at least 1 MiB) or is a reducing push of at least 1 MiB. The kernel saves passes,
-    torch saves host time (a Triton launch costs ~18 us of Python against ~6 us for a torch operation on 4
-    H200s), so only where a pass is worth more than that. :mod:`dtrain.sim.peer_model` prices the same rule."""
-    big = nbytes >= _FUSE_BYTES
-    return nsources > 1 or (nouts > 1 and big) or (remote and big and has_base)
 
 
 def combine(

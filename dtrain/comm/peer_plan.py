@@ -33,7 +33,21 @@ from functools import lru_cache
 
 from dtrain.comm.schedule import Schedule, ScheduleError, chunk_bounds
 
-__all__ = ["PullOp", "PullRound", "PullPlan", "compile_pull", "races"]
+__all__ = ["PullOp", "PullRound", "PullPlan", "compile_pull", "races", "wants_kernel", "FUSE_BYTES"]
+
+#: From this many bytes a pass with two stores (or a reducing push) goes to the fused kernel (see wants_kernel).
+FUSE_BYTES = 1 << 20
+
+
+def wants_kernel(nouts: int, nsources: int, nbytes: int, *, has_base: bool, remote: bool = False) -> bool:
+    """Whether a pass goes to the fused kernel (:mod:`dtrain.comm.peer_kernels`, where Triton is there): it saves
+    a pass over the data (several sources; two stores of at least :data:`FUSE_BYTES`) or is a reducing push of at
+    least that size. The kernel saves passes, torch saves host time (a Triton launch costs ~18 us of Python
+    against ~6 us for a torch operation on 4 H200s), so only where a pass is worth more than that. Here, with no
+    torch, so that :mod:`dtrain.sim.peer_model` prices the runtime's own rule."""
+    big = nbytes >= FUSE_BYTES
+    return nsources > 1 or (nouts > 1 and big) or (remote and big and has_base)
+
 
 Range = tuple[int, int]  # (offset, length) in elements
 

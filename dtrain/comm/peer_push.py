@@ -152,10 +152,14 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 def races(plans: tuple[PushPlan, ...] | list[PushPlan]) -> list[str]:
     """Every conflict of a compiled push plan: within one phase (the ops of a round, between its barrier and
-    the next), a store into bytes of a rank's window that the rank reads, or two stores into the same bytes.
-    The final folds run after the last barrier, when nobody stores. Empty for a correct plan."""
+    the next), a store into bytes of a rank's window that the rank reads, or two stores into the same bytes;
+    and any read of a bank range that no earlier round of the same call stored into (it would read what a
+    previous call left). The final folds run after the last barrier, when nobody stores. Empty for a plan free
+    of these; whether the plan computes its schedule (no contribution overwritten before it is folded) is the
+    compiler's own guard and the tests' element-by-element simulation, not this check."""
     found: list[str] = []
     nrounds = len(plans[0].rounds) if plans else 0
+    stored: set[tuple[int, int, int, int]] = set()  # (rank, bank, offset, length) stored by an earlier round
     for k in range(nrounds):
         stores: dict[tuple[int, int], list[tuple[int, tuple[int, int]]]] = {}  # (rank, bank) -> (writer, range)
         for r, plan in enumerate(plans):
@@ -170,7 +174,15 @@ def races(plans: tuple[PushPlan, ...] | list[PushPlan]) -> list[str]:
         for r, plan in enumerate(plans):
             for op in plan.rounds[k].ops:
                 for b in op.banks:
+                    if (r, b, op.offset, op.length) not in stored:
+                        found.append(f"round {k}: rank {r} reads its bank {b} where no earlier round stored")
                     for w, rng in stores.get((r, b), []):
                         if _overlap((op.offset, op.length), rng):
                             found.append(f"round {k}: rank {w} stores into rank {r}'s bank {b} while it reads it")
+        stored |= {(q, b, off, n) for (q, b), items in stores.items() for _, (off, n) in items}
+    for r, plan in enumerate(plans):
+        for op in plan.final:
+            for b in op.banks:
+                if (r, b, op.offset, op.length) not in stored:
+                    found.append(f"final: rank {r} folds its bank {b} where no round stored")
     return found

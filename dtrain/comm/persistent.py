@@ -19,7 +19,7 @@ Keyed by address alone, a buffer freed and another of the same size made at the 
 old graph, and on 4 H200s that faulted on the device ("unspecified launch failure") and then crashed the
 host in ``CUDAGraph.replay`` (``bench comm``'s sweep makes fresh buffers for every case;
 ``benchmarks/persistent_diag.py`` isolated it: keeping every buffer alive, or never replaying, ran clean).
-A graph whose storage has died is released at the next capture.
+A graph whose storage has died is released at the next capture, or within :data:`SWEEP_EVERY` calls.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ MAX_GRAPHS = 64
 
 _SEEN: OrderedDict[Hashable, int] = OrderedDict()
 _GRAPHS: OrderedDict[Hashable, object] = OrderedDict()
+_CALLS = [0]
+#: Every this many calls, graphs and sightings of freed storages are released (also at every capture).
+SWEEP_EVERY = 256
 _OWNERS: dict[Hashable, StorageWeakRef] = {}  # key -> its storage, for keys of _SEEN and _GRAPHS with an owner
 
 
@@ -81,6 +84,9 @@ def run(
         # a weak reference held in _OWNERS keeps this storage's identity from being reused by another one, so
         # an equal identity here means the very storage the graph was captured on, and it is alive
         key = (key, owner.untyped_storage()._cdata)
+    _CALLS[0] += 1
+    if _CALLS[0] % SWEEP_EVERY == 0:  # a loop that only replays captures nothing new: free dead graphs anyway
+        _drop_dead()
     graph = _GRAPHS.get(key)
     if graph is not None and enabled():
         _GRAPHS.move_to_end(key)

@@ -14,8 +14,9 @@ plan the runtime itself runs (:func:`dtrain.comm.peer_plan.compile_pull`), per r
   :func:`dtrain.comm.peer_kernels.wants_kernel`, says which passes are fused).
 
 A call takes the larger of the two: the host runs ahead of the GPU until the GPU catches up with it (small
-messages are host-bound, large ones GPU-bound). Graph-replayed calls (``DTRAIN_COMM_PERSISTENT=1``) have no
-host time. Figures are fitted to ``dtrain bench comm`` runs (:func:`fit_peer_cost`).
+messages are host-bound, large ones GPU-bound). A graph-replayed call (``DTRAIN_COMM_PERSISTENT=1``) costs
+only ``host_replay_s`` on the host (the API's checks, the look-ups, the graph launch). Figures are fitted to
+``dtrain bench comm`` runs (:func:`fit_peer_cost`).
 
 ``push=True`` prices the push form instead (:func:`dtrain.comm.peer_push.compile_push`): a barrier before every
 round and one after the last; a round's sends one after another at the push rate (a pass that reads local
@@ -29,8 +30,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dtrain.comm.peer_kernels import wants_kernel
-from dtrain.comm.peer_plan import compile_pull
+from dtrain.comm.peer_plan import compile_pull, wants_kernel
 from dtrain.comm.peer_push import compile_push
 from dtrain.comm.schedule import Schedule
 
@@ -198,29 +198,31 @@ def _launches(schedule: Schedule, numel: int, itemsize: int, push: bool) -> tupl
 
 
 def fit_peer_cost(
-    points: Sequence[tuple[Schedule, int, float, bool]],
+    points: Sequence[tuple],
     base: PeerCost,
     *,
     host_below_bytes: int = 1 << 20,
     gpu: bool = True,
 ) -> PeerCost:
-    """Fit ``base``'s figures to measured ``(schedule, nbytes, seconds, replayed)`` points.
+    """Fit ``base``'s figures to measured ``(schedule, nbytes, seconds, replayed[, push])`` points.
 
     The host terms by non-negative least squares on the eager points of at most ``host_below_bytes`` (where a
     call is host-bound; a fused-kernel launch keeps ``base.host_kernel_s`` when that is given), and the host
     time of a replay as the median of the replayed points up to that size; then, with
     ``gpu``, the pair rate, the fan-in rate and the barrier, each by a golden-section search on the mean
-    squared log error of every point, in turn, three times.
+    squared log error of every point, in turn, three times. A point may carry a fifth element, True for a call
+    in the push form.
     """
-    replays = [t for s, n, t, rep in points if rep and n <= host_below_bytes]
+    pts = [(p[0], p[1], p[2], p[3], bool(p[4]) if len(p) > 4 else False) for p in points]
+    replays = [t for s, n, t, rep, push in pts if rep and n <= host_below_bytes]
     if replays:  # small replayed calls are host-bound: their host time is what they take
         base = replace(base, host_replay_s=float(np.median(replays)))
-    small = [(s, n, t) for s, n, t, rep in points if not rep and n <= host_below_bytes]
+    small = [(s, n, t, push) for s, n, t, rep, push in pts if not rep and n <= host_below_bytes]
     cost = base
     if small:
         rows, rhs = [], []
-        for s, n, t in small:
-            pt = peer_time(s, n, cost)
+        for s, n, t, push in small:
+            pt = peer_time(s, n, cost, push=push)
             if cost.host_kernel_s is None:  # every launch at one price
                 rows.append([1.0, pt.barriers, pt.launches])
                 rhs.append(t)
@@ -231,7 +233,7 @@ def fit_peer_cost(
         cost = replace(cost, host_call_s=coef[0], host_barrier_s=coef[1], host_launch_s=coef[2])
 
     def loss(c: PeerCost) -> float:
-        errs = [np.log(peer_time(s, n, c, replayed=rep).time_s / t) for s, n, t, rep in points]
+        errs = [np.log(peer_time(s, n, c, replayed=rep, push=push).time_s / t) for s, n, t, rep, push in pts]
         return float(np.mean(np.square(errs)))
 
     for _ in range(3 if gpu else 0):
