@@ -14,6 +14,10 @@ Session 4 (held out, none of it fitted): the pull and push forms of the all-redu
 ``benchmarks/gpu_push.sh`` (``gpu-h200x4-s4-ar-{pull,push}-graphs{0,1}.jsonl``, 1 MiB-1 GiB, ring and
 halving-doubling) and the repeated eager sweeps (``gpu-h200x4-s4-repeat-{pull,push}.jsonl``), priced with the
 same figures plus the push rate of ``benchmarks/pull_kernel_probe.py`` (333 GB/s, a 16 MiB push).
+
+Every call is priced with the public API's own operations around its schedule (:mod:`dtrain.sim.api_passes`:
+reduce-scatter's and all-to-all's clone and copy out, all-gather's copy in), at the local copy rate and the host
+launch term of each variant; ``--schedule-only`` prices the schedules alone, as this script did before.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 from dtrain.comm import algorithms as registry
 from dtrain.comm import cost as comm_cost
 from dtrain.comm.schedule import Collective
+from dtrain.sim.api_passes import api_passes
 from dtrain.sim.peer_model import PeerCost, fit_peer_cost, peer_time
 
 DATA = Path(__file__).resolve().parent.parent / "docs" / "data"
@@ -50,21 +55,26 @@ def _schedule(coll: str, algorithm: str, world: int, nbytes: int):
     return registry.build(Collective(coll), algorithm, world, root=ROOTED.get(coll), pipeline=pipeline)
 
 
-def _points(path: Path, replayed: bool, push: bool = False) -> list[dict]:
+def _points(path: Path, replayed: bool, push: bool = False, *, api: bool = True) -> list[dict]:
+    """The measured calls of ``path`` (not native, not auto), each with its schedule and, with ``api``, its
+    API operations (the bench passes contiguous tensors and op "sum")."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out = []
     for r in rows:
         if r["algorithm"] in ("native", "auto"):  # auto repeats one of the others
             continue
         schedule = _schedule(r["collective"], r["resolved_algorithm"], r["world_size"], r["nbytes"])
-        out.append({**r, "schedule": schedule, "seconds": r["time_us"] * 1e-6, "replayed": replayed, "push": push})
+        passes = api_passes(schedule, r["nbytes"]) if api else None
+        point = {"schedule": schedule, "seconds": r["time_us"] * 1e-6, "replayed": replayed, "push": push}
+        out.append({**r, **point, "api": passes})
     return out
 
 
 def _errors(points: list[dict], cost: PeerCost) -> list[dict]:
     rows = []
     for p in points:
-        pred = peer_time(p["schedule"], p["nbytes"], cost, replayed=p["replayed"], push=p.get("push", False))
+        push = p.get("push", False)
+        pred = peer_time(p["schedule"], p["nbytes"], cost, replayed=p["replayed"], push=push, api=p.get("api"))
         rows.append(
             {
                 "collective": p["collective"],
@@ -76,6 +86,7 @@ def _errors(points: list[dict], cost: PeerCost) -> list[dict]:
                 "predicted_us": pred.time_s * 1e6,
                 "gpu_us": pred.gpu_s * 1e6,
                 "host_us": pred.host_s * 1e6,
+                "api_launches": pred.api_launches,
                 "error": pred.time_s / p["seconds"] - 1,
             }
         )
@@ -87,12 +98,43 @@ def _summary(name: str, rows: list[dict]) -> str:
     return f"| {name} | {len(rows)} | {statistics.median(errs):.1%} | {max(errs):.1%} |"
 
 
+def _by_collective(label: str, rows: list[dict]) -> None:
+    """Median and worst per collective, all sizes and from 64 MiB, then per (collective, algorithm)."""
+    for coll in sorted({r["collective"] for r in rows}):
+        sub = [r for r in rows if r["collective"] == coll]
+        print(_summary(f"{label} | {coll}, all sizes", sub))
+        print(_summary(f"{label} | {coll}, >= 64 MiB", [r for r in sub if r["nbytes"] >= 64 << 20]))
+        for algo in sorted({r["algorithm"] for r in sub}):
+            print(_summary(f"{label} | {coll} {algo}, all sizes", [r for r in sub if r["algorithm"] == algo]))
+
+
+def _ring_broadcast_pieces(points: list[dict]) -> str:
+    """The ring broadcast's pieces at each measured size, from the defaults the peer run had (no calibration
+    was made or named in benchmarks/gpu_peer.sh) and from the recorded calibration: where they agree, which
+    calibration the runtime read does not matter."""
+    calibration = comm_cost.load_params(DATA / "gpu-h200x4-calibration.json").intra
+    defaults = comm_cost.default_params("cuda").intra
+    sizes = sorted(
+        {p["nbytes"] for p in points if p["collective"] == "broadcast" and p["resolved_algorithm"] == "ring"}
+    )
+    pieces = {
+        n >> 20: (comm_cost.optimal_pipeline(n, 4, defaults), comm_cost.optimal_pipeline(n, 4, calibration))
+        for n in sizes
+    }
+    same = all(a == b for a, b in pieces.values())
+    return (
+        f"ring broadcast pieces k by MiB (defaults, calibration file): {pieces}; {'the same' if same else 'DIFFERENT'}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--schedule-only", action="store_true", help="price the schedules without the API's operations")
     args = ap.parse_args()
-    fit_set = _points(DATA / "gpu-h200x4-peer-all_reduce.jsonl", replayed=False)
-    held = _points(DATA / "gpu-h200x4-peer-collectives.jsonl", replayed=True)
+    api = not args.schedule_only
+    fit_set = _points(DATA / "gpu-h200x4-peer-all_reduce.jsonl", replayed=False, api=api)
+    held = _points(DATA / "gpu-h200x4-peer-collectives.jsonl", replayed=True, api=api)
     probe = [
         {
             "collective": "all_reduce",
@@ -101,6 +143,7 @@ def main() -> None:
             "schedule": _schedule("all_reduce", a, 4, n),
             "seconds": us * 1e-6,
             "replayed": True,
+            "api": None,  # the probe times the replayed graph alone, with no API call around it
         }
         for a, n, us in PROBE_GRAPHS
     ]
@@ -116,7 +159,9 @@ def main() -> None:
         host_kernel_s=18e-6,  # a launch of the fused Triton kernel (peer_kernels.wants_kernel says where)
     )
     # host-fitted: the same GPU figures, the three host terms fitted on the eager points of at most 1 MiB
-    small = [(p["schedule"], p["nbytes"], p["seconds"], False) for p in fit_set if p["nbytes"] <= 1 << 20]
+    small = [
+        (p["schedule"], p["nbytes"], p["seconds"], False, False, p["api"]) for p in fit_set if p["nbytes"] <= 1 << 20
+    ]
     fitted = fit_peer_cost(small, calibrated, gpu=False)
     sets: dict[str, list[dict]] = {}
     print("| variant | set | points | median error | worst |\n| --- | --- | --- | --- | --- |")
@@ -148,9 +193,11 @@ def main() -> None:
     for form in ("pull", "push"):
         for graphs in (0, 1):
             path = DATA / f"gpu-h200x4-s4-ar-{form}-graphs{graphs}.jsonl"
-            session4[f"{form}, {'replayed' if graphs else 'eager'}"] = _points(path, bool(graphs), form == "push")
+            session4[f"{form}, {'replayed' if graphs else 'eager'}"] = _points(
+                path, bool(graphs), form == "push", api=api
+            )
         repeat = DATA / f"gpu-h200x4-s4-repeat-{form}.jsonl"
-        session4[f"{form}, eager (repeat)"] = _points(repeat, False, form == "push")
+        session4[f"{form}, eager (repeat)"] = _points(repeat, False, form == "push", api=api)
     for variant, cost in (("calibrated", calibrated), ("host-fitted", fitted)):
         cost = PeerCost(**{**cost.__dict__, "push_bytes_per_s": 333e9})  # a 16 MiB push, pull_kernel_probe.py
         for name, points in session4.items():
@@ -163,19 +210,36 @@ def main() -> None:
                 if sub:
                     print(_summary(f"{variant} | session 4, {name}, {label}", sub))
                     sets[f"{variant}: session 4, {name}, {label}"] = sub
+    # session 4, eager, before the push form existed (held out): all-gather and all-to-all with the direct
+    # algorithm's passes rotated, as the plan now runs them, beside all-reduce
+    rotated = _points(DATA / "gpu-h200x4-s4-direct-rotated.jsonl", False, api=api)
+    for variant, cost in (("calibrated", calibrated), ("host-fitted", fitted)):
+        rows = _errors(rotated, cost)
+        others = [r for r in rows if r["collective"] != "all_reduce"]
+        for label, sub in (
+            ("all-gather and all-to-all, all sizes", others),
+            ("all-gather and all-to-all, >= 64 MiB", [r for r in others if r["nbytes"] >= 64 << 20]),
+            ("all-reduce, all sizes", [r for r in rows if r["collective"] == "all_reduce"]),
+        ):
+            print(_summary(f"{variant} | session 4, eager, direct rotated, {label}", sub))
+            sets[f"{variant}: session 4, eager, direct rotated, {label}"] = sub
+        if variant == "host-fitted":
+            _by_collective("host-fitted | session 4, eager, direct rotated", others)
     # replays of every size: the host time of a replayed call fitted on the small replays of one sweep (the
     # presized-window sweep, <= 1 MiB), tested on the others (window grown, pull and push forms, final code)
-    presized = _points(DATA / "gpu-h200x4-s4-replay-presized.jsonl", True)
-    fit_small = [(p["schedule"], p["nbytes"], p["seconds"], True) for p in presized if p["nbytes"] <= 1 << 20]
+    presized = _points(DATA / "gpu-h200x4-s4-replay-presized.jsonl", True, api=api)
+    fit_small = [
+        (p["schedule"], p["nbytes"], p["seconds"], True, False, p["api"]) for p in presized if p["nbytes"] <= 1 << 20
+    ]
     replay_cost = PeerCost(**{**fitted.__dict__, "push_bytes_per_s": 333e9})
     replay_cost = fit_peer_cost(fit_small, replay_cost, gpu=False)
     held_replays = {
-        "window grown (pull)": _points(DATA / "gpu-h200x4-s4-replay-growing.jsonl", True),
-        "pull form": _points(DATA / "gpu-h200x4-s4-ar-pull-graphs1.jsonl", True),
-        "push form": _points(DATA / "gpu-h200x4-s4-ar-push-graphs1.jsonl", True, push=True),
+        "window grown (pull)": _points(DATA / "gpu-h200x4-s4-replay-growing.jsonl", True, api=api),
+        "pull form": _points(DATA / "gpu-h200x4-s4-ar-pull-graphs1.jsonl", True, api=api),
+        "push form": _points(DATA / "gpu-h200x4-s4-ar-push-graphs1.jsonl", True, push=True, api=api),
         "final code (push from 64 MiB)": [
             {**p, "push": p["nbytes"] >= 64 << 20}
-            for p in _points(DATA / "gpu-h200x4-s4-final-ar-peer-graphs.jsonl", True)
+            for p in _points(DATA / "gpu-h200x4-s4-final-ar-peer-graphs.jsonl", True, api=api)
         ],
     }
     held_replays["session 3's other collectives (pull)"] = held
@@ -183,6 +247,15 @@ def main() -> None:
         rows = _errors(points, replay_cost)
         print(_summary(f"replay-fitted | session 4 replays, {name}, all sizes", rows))
         sets[f"replay-fitted: session 4 replays, {name}, all sizes"] = rows
+    held_rows = sets["replay-fitted: session 4 replays, session 3's other collectives (pull), all sizes"]
+    print(
+        _summary(
+            "replay-fitted | session 3's other collectives, >= 64 MiB",
+            [r for r in held_rows if r["nbytes"] >= 64 << 20],
+        )
+    )
+    _by_collective("replay-fitted | session 3's other collectives", held_rows)
+    print(_ring_broadcast_pieces(held))
     print(f"replay-fitted: {replay_cost.host_replay_s * 1e6:.1f} us of host time a replayed call")
     print(
         f"host-fitted: {fitted.host_call_s * 1e6:.1f} us a call + {fitted.host_barrier_s * 1e6:.1f} us a barrier + "

@@ -13,6 +13,12 @@ the link rate on the large messages of ONE run (gpu-h200x4-all_reduce.jsonl, the
 from) with :mod:`dtrain.sim.fit`, and is then tested on the two other runs (held out: another day's
 all-reduce sweep, and the other collectives).
 
+Every variant prices each call with the public API's own operations around its schedule
+(:mod:`dtrain.sim.api_passes`: reduce-scatter's and all-to-all's clone and copy out, all-gather's copy in), none
+of it fitted here: a torch operation costs ``TORCH_OP_S`` of host time (benchmarks/peer_host_probe.py) and a
+local copy goes at ``LOCAL_COPY_BYTES_PER_S`` (benchmarks/symm_probe.py), the figures the peer-transport model
+(benchmarks/sim_peer_validate.py) uses. ``--schedule-only`` prices the schedules alone, as before.
+
     python benchmarks/sim_validate.py [--data docs/data] [--out docs/data/sim-h200x4-validation.jsonl]
 
 No GPU is needed: the measurements are read from the JSON lines the GPU benchmark wrote
@@ -49,6 +55,8 @@ MEASUREMENTS = (FIT_RUN, "gpu-h200x4-all_reduce-full.jsonl", "gpu-h200x4-collect
 WORLD = 4
 SMALL_BYTES = 1 << 20  # fit the software costs here: the wire time is a few per cent at most
 LARGE_BYTES = 64 << 20  # fit the link rate here: the software costs are a few per cent at most
+TORCH_OP_S = 5.6e-6  # host time of one torch operation on 4 H200s (peer_host_probe.py)
+LOCAL_COPY_BYTES_PER_S = 1.83e12  # a 64 MiB device-to-device copy on an H200, 36.7 us (symm_probe.py)
 
 
 def h200_node(link_bytes_per_s: float) -> Topology:
@@ -72,14 +80,23 @@ def h200_node(link_bytes_per_s: float) -> Topology:
     return topo
 
 
-def calibrated_cost(params: CostParams) -> SoftwareCost:
-    """The calibration's figures as the simulator's: alpha, alpha_peer, gamma, and beta_peer as a message cap."""
+def api_cost(api: bool) -> dict:
+    """The API's own operations' figures (:class:`SoftwareCost` fields): the probes', or free."""
+    if not api:
+        return {"launch_s": 0.0, "copy_s_per_byte": 0.0}
+    return {"launch_s": TORCH_OP_S, "copy_s_per_byte": 1 / LOCAL_COPY_BYTES_PER_S}
+
+
+def calibrated_cost(params: CostParams, *, api: bool = True) -> SoftwareCost:
+    """The calibration's figures as the simulator's: alpha, alpha_peer, gamma, and beta_peer as a message cap;
+    with ``api``, the API's own operations at the probes' figures."""
     link = params.intra
     return SoftwareCost(
         alpha_s=link.alpha_s,
         alpha_peer_s=link.alpha_peer_s,
         gamma_s_per_byte=link.gamma_s_per_byte,
         flow_cap_bytes_per_s=1 / link.beta_peer_s_per_byte if link.beta_peer_s_per_byte else None,
+        **api_cost(api),
     )
 
 
@@ -119,12 +136,14 @@ def fitted(
     graphs: bool,
     network: tuple[float, SoftwareCost] | None = None,
     by_size: bool = False,
+    api: bool = True,
 ) -> tuple[float, SoftwareCost]:
     """Software costs fitted on the fit run's small messages; then, unless ``network`` gives them (link rate and
     the caps of a cost), the link rate and the message cap on its large ones (``by_size``: a cap for messages
-    up to a fitted size, larger ones free), alternating twice."""
+    up to a fitted size, larger ones free), alternating twice. ``api``: the API's own operations at the probes'
+    figures (the fit run's all-reduces have none, so they change no fitted figure)."""
     rows = [to_measurement(r, params) for r in measured_rows(data, FIT_RUN, graphs=graphs)]
-    base = SoftwareCost(gamma_s_per_byte=params.intra.gamma_s_per_byte)
+    base = SoftwareCost(gamma_s_per_byte=params.intra.gamma_s_per_byte, **api_cost(api))
     if network is not None:
         rate, caps = network
         base = replace(base, flow_cap_bytes_per_s=caps.flow_cap_bytes_per_s, message_caps=caps.message_caps)
@@ -158,15 +177,15 @@ def _record(variant: str, name: str, row: dict, simulated_s: float) -> dict:
     }
 
 
-def validate(data: Path, calibration: Path) -> tuple[list[dict], dict]:
-    """Every measured point under each variant; and the fitted figures."""
+def validate(data: Path, calibration: Path, *, api: bool = True) -> tuple[list[dict], dict]:
+    """Every measured point under each variant; and the fitted figures. ``api``: price the API's own operations."""
     params = load_params(calibration)
-    rate, eager = fitted(data, params, graphs=False)
-    size_rate, by_size = fitted(data, params, graphs=False, by_size=True)
+    rate, eager = fitted(data, params, graphs=False, api=api)
+    size_rate, by_size = fitted(data, params, graphs=False, by_size=True, api=api)
     # the graph replays run on the same wires: the network figures carry over, the host's share is fitted anew
-    _, graph = fitted(data, params, graphs=True, network=(size_rate, by_size))
+    _, graph = fitted(data, params, graphs=True, network=(size_rate, by_size), api=api)
     variants = {
-        "calibrated": (False, h200_node(1 / params.intra.beta_s_per_byte), calibrated_cost(params)),
+        "calibrated": (False, h200_node(1 / params.intra.beta_s_per_byte), calibrated_cost(params, api=api)),
         "fitted": (False, h200_node(rate), eager),
         "fitted-by-size": (False, h200_node(size_rate), by_size),
         "fitted-graph": (True, h200_node(size_rate), graph),
@@ -283,8 +302,9 @@ def main() -> None:
     parser.add_argument("--calibration", type=Path, default=Path("docs/data/gpu-h200x4-calibration.json"))
     parser.add_argument("--out", type=Path, default=Path("docs/data/sim-h200x4-validation.jsonl"))
     parser.add_argument("--summary", type=Path, default=Path("docs/data/sim-h200x4-summary.jsonl"))
+    parser.add_argument("--schedule-only", action="store_true", help="price the schedules without the API's operations")
     args = parser.parse_args()
-    records, fit = validate(args.data, args.calibration)
+    records, fit = validate(args.data, args.calibration, api=not args.schedule_only)
     summary = summarise(records)
     noise = run_to_run(args.data)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -82,3 +82,45 @@ def rendezvous_counts_differ() -> str:
     finally:
         peer._RENDEZVOUS[0] = saved
     return "no error"
+
+
+def auto_falls_back_when_a_window_is_refused() -> dict:
+    """``DTRAIN_COMM_TRANSPORT=auto`` on a group the peer transport would serve (the CUDA rule stood in for on
+    the CPU), whose window is refused on every rank alike, as torch's rendezvous check refuses it: the call
+    must still be right, over point-to-point, with a warning, and the group must stay there."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from dtrain import comm
+    from dtrain.comm import api, peer
+    from dtrain.testing.pool import group_of
+
+    group = group_of(3)
+    real_default, real_map = peer.peer_default, peer.PeerWindow._map_shared_files
+    peer.peer_default = lambda g, d: peer.peer_available(g, d)  # as on CUDA
+
+    def refused(self):
+        peer._same_rendezvous_count(self.group, self.device)  # every rank counts alike here: passes
+        raise peer.PeerUnavailable("refused for the test")
+
+    peer.PeerWindow._map_shared_files = refused
+    peer.close_windows()  # an earlier test's window for this group would be found instead of made
+    os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    try:
+        chose = api.transport_name(group, torch.device("cpu"))
+        x = torch.full((10,), float(dist.get_rank() + 1))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            comm.all_reduce(x, group=group, algorithm="ring")
+        after = api.transport_name(group, torch.device("cpu"))
+        return {
+            "before": chose,
+            "after": after,
+            "right": bool((x == 6).all()),
+            "warned": any("point-to-point transport from now on" in str(w.message) for w in caught),
+        }
+    finally:
+        peer.peer_default, peer.PeerWindow._map_shared_files = real_default, real_map
+        api._FELL_BACK.pop(group, None)

@@ -13,6 +13,7 @@ import pytest
 
 from dtrain.cli.main import main, parse_bytes
 from dtrain.comm.cost import load_params
+from dtrain.comm.rules import load_rules
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,8 +47,9 @@ def test_bench_rejects_a_bad_size():
 def test_bench_comm_runs_two_ranks_and_writes_json_lines_and_a_plot(tmp_path):
     out = tmp_path / "bench.jsonl"
     command = [sys.executable, "-m", "dtrain", "bench", "comm", "--nproc", "2", "--min-bytes", "4096"]
-    command += ["--max-bytes", "4096", "--iters", "2", "--warmup", "1", "--out", str(out)]
+    command += ["--max-bytes", "4096", "--iters", "2", "--warmup", "1", "--out", str(out), "--rules-out"]
     env = {**os.environ, "DTRAIN_CALIBRATION": str(tmp_path / "none.json")}
+    env["DTRAIN_COMM_RULES"] = str(tmp_path / "rules.json")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -59,6 +61,10 @@ def test_bench_comm_runs_two_ranks_and_writes_json_lines_and_a_plot(tmp_path):
         assert r["time_us"] > 0 and r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(n-1)/n = 1 at n=2
         assert r["backend"] == "gloo" and r["torch_version"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the rules name the fastest of our algorithms measured at the one size, for auto to follow
+    ours = {r["algorithm"]: r["time_us"] for r in records if r["algorithm"] not in ("auto", "native")}
+    made = load_rules("cpu", tmp_path / "rules.json")
+    assert made.covers("cpu", 2, None) and made.pick("all_reduce", 4096) == min(ours, key=ours.get)
 
 
 def test_bench_calibrate_saves_parameters_the_cost_model_loads(tmp_path):

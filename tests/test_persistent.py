@@ -61,8 +61,8 @@ def test_a_capture_runs_the_call_exactly_once_per_call():
     assert log.count("eager k") == 5
 
 
-def test_nothing_is_captured_unless_turned_on(monkeypatch):
-    monkeypatch.delenv("DTRAIN_COMM_PERSISTENT")
+def test_nothing_is_captured_when_turned_off(monkeypatch):
+    monkeypatch.setenv("DTRAIN_COMM_PERSISTENT", "0")
     log = []
     run = _runner(log)
     for _ in range(3):
@@ -175,3 +175,11 @@ def test_a_loop_that_only_replays_still_releases_the_graphs_of_freed_buffers(mon
     for _ in range(4):  # replays of "b" only: nothing new is captured
         run("b", kept)
     assert persistent.held() == 1
+
+
+def test_replays_are_on_by_default_and_a_bad_setting_is_refused(monkeypatch):
+    monkeypatch.delenv("DTRAIN_COMM_PERSISTENT")
+    assert persistent.enabled()
+    monkeypatch.setenv("DTRAIN_COMM_PERSISTENT", "yes")
+    with pytest.raises(ValueError, match="DTRAIN_COMM_PERSISTENT"):
+        persistent.enabled()

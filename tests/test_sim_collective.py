@@ -10,6 +10,7 @@ from dtrain.cluster.topology import Topology
 from dtrain.comm import algorithms
 from dtrain.comm.cost import CostParams, LinkCost, predict
 from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
+from dtrain.sim.api_passes import api_passes
 from dtrain.sim.collective import Job, SoftwareCost, rank_rounds, replay, replay_concurrent
 from tests.test_sim_topologies import GB, device, star
 
@@ -155,3 +156,23 @@ def test_a_barrier_costs_its_rounds_of_tokens() -> None:
     schedule = algorithms.build(Collective.BARRIER, "dissemination", 8)
     result = replay(schedule, 0, star(8), cost=SoftwareCost(alpha_s=ALPHA_S), itemsize=1)
     assert result.time_s == pytest.approx(3 * ALPHA_S, rel=0.01)  # lg 8 rounds, one token each way
+
+
+def test_the_api_s_operations_run_before_a_rank_s_first_round_and_after_its_last() -> None:
+    n = 1 << 20
+    topo = star(4, bytes_per_s=RATE, latency_s=HOP_S, memory_bytes_per_s=MEMORY_BYTES_PER_S)
+    schedule = algorithms.build(Collective.ALL_TO_ALL, "direct", 4)
+    cost = SoftwareCost(alpha_s=ALPHA_S, launch_s=5e-6, copy_s_per_byte=1e-12)
+    alone = replay(schedule, n, topo, cost=cost, itemsize=1).time_s
+    call = replay(schedule, n, topo, cost=cost, itemsize=1, api=api_passes(schedule, n)).time_s
+    # a clone of n before, a copy of n after: two launches and 2 n bytes copied, in series with the rounds
+    assert call == pytest.approx(alone + 2 * 5e-6 + 2 * n * 1e-12)
+
+
+def test_the_api_s_copies_default_to_a_read_and_a_write_of_device_memory() -> None:
+    n = 1 << 20
+    topo = star(4, bytes_per_s=RATE, memory_bytes_per_s=MEMORY_BYTES_PER_S)
+    schedule = algorithms.build(Collective.ALL_GATHER, "ring", 4)
+    alone = replay(schedule, n, topo, itemsize=1).time_s
+    call = replay(schedule, n, topo, itemsize=1, api=api_passes(schedule, n)).time_s
+    assert call == pytest.approx(alone + (n / 4) * 2 / MEMORY_BYTES_PER_S)  # the own block copied in

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.sim.collective import SoftwareCost
+from dtrain.sim.collective import SoftwareCost, replay
 from dtrain.sim.fit import Measurement, fit_link_rate, fit_message_cap, fit_software, simulate_measurement
 from tests.test_sim_topologies import GB, star
 
@@ -62,3 +62,12 @@ def test_a_message_takes_the_first_cap_it_fits() -> None:
     assert [cost.cap_for(n) for n in (1, 10, 11, 100, 1000)] == [1.0, 1.0, 2.0, 2.0, 5.0]
     with pytest.raises(ValueError, match="ascending"):
         SoftwareCost(message_caps=((100.0, 1.0), (10.0, 2.0)))
+
+
+def test_a_measured_call_is_simulated_with_the_api_s_operations_around_its_schedule() -> None:
+    m = Measurement(collective="reduce_scatter", algorithm="ring", nbytes=1 << 20, world_size=4, seconds=1.0)
+    topo = star(4, bytes_per_s=10e9)
+    cost = SoftwareCost(alpha_s=20e-6, launch_s=5e-6, copy_s_per_byte=1e-12)
+    alone = replay(m.schedule(), m.nbytes, topo, cost=cost).time_s
+    # the input cloned before, the rank's block copied out after
+    assert simulate_measurement(m, topo, cost) == pytest.approx(alone + 2 * 5e-6 + (1 + 1 / 4) * (1 << 20) * 1e-12)

@@ -6,6 +6,7 @@ import pytest
 
 from dtrain.comm import algorithms as registry
 from dtrain.comm.schedule import Collective
+from dtrain.sim.api_passes import api_passes
 from dtrain.sim.peer_model import PeerCost, fit_peer_cost, peer_time
 
 COST = PeerCost(
@@ -94,3 +95,45 @@ def test_a_replayed_call_costs_its_host_replay_time_and_the_fit_takes_it_from_sm
     points = [(schedule, n, t, True) for n, t in ((16 << 10, 28e-6), (64 << 10, 30e-6), (256 << 10, 33e-6))]
     fitted = fit_peer_cost(points, COST, gpu=False)
     assert fitted.host_replay_s == pytest.approx(30e-6)
+
+
+def test_the_api_s_clone_and_copy_out_are_local_passes_and_launches_around_a_reduce_scatter():
+    n = 64 << 20
+    schedule = registry.build(Collective.REDUCE_SCATTER, "ring", 4)
+    alone = peer_time(schedule, n, COST)
+    call = peer_time(schedule, n, COST, api=api_passes(schedule, n))
+    # every rank clones the n-byte input before the first barrier and copies its n/4 block out after the last
+    assert call.gpu_s == pytest.approx(alone.gpu_s + (n + n / 4) / COST.local_bytes_per_s)
+    assert call.host_s == pytest.approx(alone.host_s + 2 * COST.host_launch_s)
+    assert (call.api_launches, call.launches) == (2, alone.launches + 2)
+
+
+def test_a_replayed_call_still_launches_the_api_s_own_operations():
+    schedule = registry.build(Collective.ALL_TO_ALL, "direct", 4)
+    cost = PeerCost(**{**COST.__dict__, "host_replay_s": 30e-6})
+    t = peer_time(schedule, 16 << 10, cost, replayed=True, api=api_passes(schedule, 16 << 10))
+    assert t.host_s == pytest.approx(30e-6 + 2 * COST.host_launch_s)  # the clone in, the copy out
+    assert t.time_s == t.host_s
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_an_averaging_all_reduce_pays_one_division_over_the_buffer_after_its_schedule(push):
+    n = 64 << 20
+    schedule = registry.build(Collective.ALL_REDUCE, "ring", 4)
+    alone = peer_time(schedule, n, COST, push=push)
+    call = peer_time(schedule, n, COST, push=push, api=api_passes(schedule, n, op="avg"))
+    assert call.gpu_s == pytest.approx(alone.gpu_s + n / COST.local_bytes_per_s)
+    assert peer_time(schedule, n, COST, push=push, api=api_passes(schedule, n)).gpu_s == alone.gpu_s  # sum: none
+
+
+def test_api_passes_for_another_world_are_refused():
+    schedule = registry.build(Collective.ALL_GATHER, "ring", 4)
+    with pytest.raises(ValueError, match="2 ranks' passes for a schedule of 4"):
+        peer_time(schedule, 1 << 20, COST, api=api_passes(registry.build(Collective.ALL_GATHER, "ring", 2), 1 << 20))
+
+
+def test_the_replay_host_time_is_fitted_net_of_the_api_s_launches():
+    schedule = registry.build(Collective.REDUCE_SCATTER, "ring", 4)
+    api = api_passes(schedule, 16 << 10)
+    points = [(schedule, 16 << 10, 30e-6 + 2 * COST.host_launch_s, True, False, api)]
+    assert fit_peer_cost(points, COST, gpu=False).host_replay_s == pytest.approx(30e-6)

@@ -64,6 +64,7 @@ class BenchConfig:
     trials: int = 3
     out: str = "runs/bench-comm.jsonl"
     nproc: int = 2
+    rules_out: str | None = None  # write measured rules for ``auto`` here ("" : the default rules path)
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.collectives if c not in BUS_FACTORS and c != "barrier"]
@@ -155,14 +156,20 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _predicted_us(coll: str, algorithm: str, nbytes: int, world: int, params, local_size) -> tuple[float | None, str]:
-    """The model's time for ``algorithm`` (for "auto", for what it chooses) and the algorithm priced."""
+def _predicted_us(
+    coll: str, algorithm: str, nbytes: int, world: int, params, local_size, kind: str
+) -> tuple[float | None, str]:
+    """The model's time for ``algorithm`` (for "auto", for what the API chooses: a measured rule or the model's
+    pick) and the algorithm priced."""
+    from dtrain.comm.api import _auto
+
     collective = Collective(coll)
     ours = registry.names(collective)
     if algorithm == "auto":
         if not ours:
             return None, algorithm
-        algorithm = cost.choose(collective, nbytes, world, params, candidates=ours, local_size=local_size)
+        usable = local_size if local_size and 1 < local_size < world else None
+        algorithm = _auto(collective, nbytes, world, kind, usable)
     if algorithm not in ours:
         return None, algorithm
     if registry.needs_local_size(algorithm) and local_size is None:
@@ -225,7 +232,8 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
 
     device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
     transport = transport_name(None, device)  # our algorithms' transport, priced by its own parameters
-    params = cost.load_params(device=device.type + ("-peer" if transport == "peer" else ""))
+    kind = device.type + ("-peer" if transport == "peer" else "")
+    params = cost.load_params(device=kind)
     local_size = _local_size(world)
     from dtrain.comm import persistent
 
@@ -247,7 +255,7 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
                 if isinstance(call, _Captured):  # no graph may outlive the process group (see comm.graph)
                     call.replay.release()
             predicted, resolved = _predicted_us(
-                coll, algorithm.removesuffix("+graph"), nbytes, world, params, local_size
+                coll, algorithm.removesuffix("+graph"), nbytes, world, params, local_size, kind
             )
             if algorithm.endswith("+graph"):  # the model prices eager rounds (host start-up included)
                 predicted = None
@@ -256,7 +264,25 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
         return []
     print_table(records)
     write_outputs(records, Path(config.out))
+    if config.rules_out is not None:
+        _write_rules(records, config, kind, local_size, machine)
     return records
+
+
+def _write_rules(records: list[dict], config: BenchConfig, kind: str, local_size: int | None, machine) -> None:
+    """Rules for ``auto`` from this sweep's winners (:mod:`dtrain.comm.rules`), where the API will look."""
+    from dtrain.comm import rules
+
+    world = records[0]["world_size"] if records else 1
+    usable = local_size if local_size and 1 < local_size < world else None
+    meta = {k: machine[k] for k in ("hostname", "device_name", "torch_version", "persistent")}
+    try:
+        made = rules.from_records(records, kind=kind, local_size=usable, meta={**meta, "from": config.out})
+    except ValueError as err:
+        print(f"no rules written: {err}")
+        return
+    path = rules.save_rules(made, config.rules_out or None)
+    print(f"rules for algorithm='auto' ({kind}, {world} ranks) written to {path}")
 
 
 def _local_size(world: int) -> int | None:

@@ -51,6 +51,14 @@ def _add_bench_comm(sub) -> None:
     p.add_argument("--trials", type=int, default=3, help="timed runs; the median counts")
     p.add_argument("--graphs", action="store_true", help="on GPUs, also time each algorithm as a CUDA graph")
     p.add_argument("--out", default="runs/bench-comm.jsonl", help="JSON lines; the plot goes beside it as .png")
+    p.add_argument(
+        "--rules-out",
+        nargs="?",
+        const="",
+        default=None,
+        help="also write the measured winners as rules for algorithm='auto' (default path: $DTRAIN_COMM_RULES "
+        "or ~/.cache/dtrain/rules-<device>[-peer].json)",
+    )
 
 
 def _add_bench_calibrate(sub) -> None:
@@ -143,6 +151,7 @@ def _bench_comm(args: argparse.Namespace) -> int:
         graphs=args.graphs,
         out=args.out,
         nproc=args.nproc,
+        rules_out=args.rules_out,
     )
     bench_comm.run(config)
     return 0

@@ -8,14 +8,17 @@ to torch.distributed; ``algorithm="auto"`` asks the cost model for the fastest o
 
 from __future__ import annotations
 
+import hashlib
 import os
+import warnings
+import weakref
 from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
 from dtrain.comm import algorithms as registry
-from dtrain.comm import arguments, native, peer, persistent
+from dtrain.comm import arguments, native, peer, persistent, watchdog
 from dtrain.comm.arguments import check_algorithm, check_op, check_pair, check_root, check_tensor, group_info
 from dtrain.comm.runtime import round_timeout, run_schedule
 from dtrain.comm.schedule import Collective
@@ -56,16 +59,31 @@ def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: 
         return algorithm
     usable = local_size if local_size and world % local_size == 0 and 1 < local_size < world else None
     kind = device.type + ("-peer" if transport_name(group, device) == "peer" else "")
+    key = dist.group.WORLD if group is None else group
+    agreed = _AGREED.get(key)
+    if agreed is None or kind not in agreed:
+        _agree_on_choices(key, kind, device)
     return _auto(coll, nbytes, world, kind, usable)
 
 
 @lru_cache(maxsize=4096)
 def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int | None) -> str:
-    """The cost model's choice, kept: pricing every candidate costs tens of microseconds of host time a call,
-    as much as a small collective itself on a GPU (the parameters are read once per process anyway)."""
+    """The choice for ``auto``, kept: a measured rule (:mod:`dtrain.comm.rules`: the rules file, else the built-in
+    rules) where one covers the call, else the cost model's least predicted time. Pricing every candidate costs
+    tens of microseconds of host time a call, as much as a small collective itself on a GPU (the parameters are
+    read once per process anyway)."""
     from dtrain.comm import cost
 
     candidates = [a for a in registry.names(coll) if local_size or not registry.needs_local_size(a)]
+    from dtrain.comm import rules
+
+    measured = _rules(kind)
+    if measured is None or not measured.covers(kind, world, local_size):
+        measured = rules.built_in(kind, world, local_size)
+    if measured is not None:
+        picked = measured.pick(coll.value, nbytes)
+        if picked in candidates:
+            return picked
     return cost.choose(coll, nbytes, world, _params(kind), candidates=candidates, local_size=local_size)
 
 
@@ -75,6 +93,50 @@ def _params(device_type: str):
     from dtrain.comm import cost
 
     return cost.load_params(device=device_type)
+
+
+@lru_cache(maxsize=4)
+def _rules(kind: str):
+    """The measured rules for this kind of group (``dtrain bench comm --rules-out``), or None (read once)."""
+    from dtrain.comm import rules
+
+    return rules.load_rules(kind)
+
+
+# group -> the kinds whose choices its ranks have checked alike (weak: a destroyed group's entry goes with it)
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@lru_cache(maxsize=4)
+def _choice_digest(kind: str) -> int:
+    """A digest of what ``auto`` chooses from on this rank: the calibration and rules files (or their absence)."""
+    from dtrain.comm import cost, rules
+
+    digest = hashlib.sha256(kind.encode())
+    for path in (cost.params_path(kind), rules.rules_path(kind)):
+        digest.update(path.read_bytes() if path.exists() else b"<none>")
+    return int.from_bytes(digest.digest()[:8], "little", signed=True)
+
+
+def _agree_on_choices(group, kind: str, device: torch.device) -> None:
+    """Once per group and kind: check that every rank chooses from the same calibration and rules. Ranks that
+    read different files would pick different algorithms for one call and wait for each other forever, so
+    the first ``auto`` call on a group compares digests (one all-gather) and raises ``ValueError`` on every
+    rank alike if they differ."""
+    mine = torch.tensor([_choice_digest(kind)], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    differ = sorted({r for r, t in enumerate(every) if int(t) != int(every[0])})
+    if differ:
+        from dtrain.comm import cost, rules
+
+        raise ValueError(
+            f"algorithm='auto': the ranks of this group choose from different calibration or rules files "
+            f"(group ranks {differ} differ from rank 0; this rank reads {cost.params_path(kind)} and "
+            f"{rules.rules_path(kind)}); give every rank the same files (DTRAIN_CALIBRATION, DTRAIN_COMM_RULES) "
+            "or name the algorithm"
+        )
+    _AGREED.setdefault(group, set()).add(kind)
 
 
 def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device) -> int:
@@ -101,32 +163,79 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> 
     if transport_name(group, work.device) == "peer":
         push = peer.push_mode(schedule, nbytes)  # push form: two banks of the buffer's size in every window
         run = peer.run_push if push else peer.run_pull
-        window = peer.window_for(group, work.device, nbytes * (2 if push else 1))
+        try:
+            window = peer.window_for(group, work.device, nbytes * (2 if push else 1))
+        except peer.PeerUnavailable as err:  # raised on every rank of the group alike
+            if _transport_setting() != "auto":
+                raise
+            _fall_back(group, err)
+            run_schedule(schedule, work, transport_for(group), op, lanes=_lanes(schedule, work))
+            return
         timeout = round_timeout()
-        if not work.is_cuda or timeout is not None:
+        if not work.is_cuda:
             run(schedule, work, window, op, timeout=timeout)
             return
-        key = (schedule, push, work.data_ptr(), work.numel(), work.dtype, op, window.generation)
-        persistent.run(key, lambda: run(schedule, work, window, op), work.device, owner=work)
+        window.calls += 1
+        if timeout is not None:
+            run(schedule, work, window, op, timeout=timeout)
+        else:
+            key = (schedule, push, work.data_ptr(), work.numel(), work.dtype, op, window.generation)
+            persistent.run(key, lambda: run(schedule, work, window, op), work.device, owner=work)
+        if not torch.cuda.is_current_stream_capturing():
+            watchdog.watch(work.device, window.stall_limit(timeout), _label(schedule, work, window, window.calls))
         return
     run_schedule(schedule, work, transport_for(group), op, lanes=_lanes(schedule, work))
+
+
+def _label(schedule, work: torch.Tensor, window, call: int):
+    """The watchdog's description of a call, made only if it reports."""
+
+    def text() -> str:
+        rank = window.rank
+        return (
+            f"{schedule.collective.value}/{schedule.algorithm} of {work.numel() * work.element_size()} bytes "
+            f"({str(work.dtype).removeprefix('torch.')}) on the peer transport, call {call} of a group of "
+            f"{window.world_size} (rank {rank}, global {dist.get_global_rank(window.group, rank)}, {work.device})"
+        )
+
+    return text
+
+
+# groups that ``DTRAIN_COMM_TRANSPORT=auto`` moved back to point-to-point (their peer window was refused)
+_FELL_BACK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fall_back(group, err: Exception) -> None:
+    _FELL_BACK[dist.group.WORLD if group is None else group] = True
+    warnings.warn(f"dtrain.comm: this group uses the point-to-point transport from now on: {err}", stacklevel=3)
+
+
+def _transport_setting() -> str:
+    name = os.environ.get("DTRAIN_COMM_TRANSPORT", "auto") or "auto"
+    if name not in ("auto", "p2p", "peer"):
+        raise ValueError(f"DTRAIN_COMM_TRANSPORT must be auto, p2p or peer, got {name!r}")
+    return name
 
 
 def transport_name(group, device: torch.device) -> str:
     """The transport our algorithms run on for ``group`` on ``device``: ``DTRAIN_COMM_TRANSPORT``, or "auto".
 
-    "p2p": torch.distributed point-to-point messages (Gloo, NCCL), for any placement. "peer": ranks read
-    each other's memory (:mod:`dtrain.comm.peer`), for a group whose ranks share one host. "auto" is "p2p"
-    for now: the peer transport is the faster one on 4 H200s and trains there, but on CUDA a missing peer is
-    only reported by its device barrier giving up, with an error that cannot name the round, and torch 2.11
-    cannot rendezvous a group's window after a window of a subgroup that leaves some of its ranks out
-    (:mod:`dtrain.comm.peer` refuses that), so it is asked for by name. A collective decision: every rank of
-    the group must reach the same answer (set the variable alike on every rank).
+    "p2p": torch.distributed point-to-point messages (Gloo, NCCL), for any placement. "peer": ranks read and
+    write each other's memory (:mod:`dtrain.comm.peer`), for a group whose ranks share one host. "auto" (the
+    default) is "peer" for CUDA groups where :func:`dtrain.comm.peer.peer_default` holds (one host, torch's
+    CUDA symmetric memory, a torch this transport was measured on), and "p2p" everywhere else: on the CPU,
+    across hosts, for a group whose window torch cannot make (:class:`dtrain.comm.peer.PeerUnavailable`, after
+    which the group stays on "p2p"), and while ``DTRAIN_COMM_TIMEOUT`` is set (the debugging mode in which
+    every round waits on the host and a stall raises ``CommTimeoutError`` naming the round and the peer). A
+    collective decision: every rank of the group reaches the same answer (set the variables alike on every
+    rank).
     """
-    name = os.environ.get("DTRAIN_COMM_TRANSPORT", "auto") or "auto"
-    if name not in ("auto", "p2p", "peer"):
-        raise ValueError(f"DTRAIN_COMM_TRANSPORT must be auto, p2p or peer, got {name!r}")
-    return "p2p" if name == "auto" else name
+    name = _transport_setting()
+    if name != "auto":
+        return name
+    if round_timeout() is not None or (dist.group.WORLD if group is None else group) in _FELL_BACK:
+        return "p2p"
+    return "peer" if peer.peer_default(group, device) else "p2p"
 
 
 def _lanes(schedule, work: torch.Tensor) -> int:
@@ -143,6 +252,36 @@ def _lanes(schedule, work: torch.Tensor) -> int:
     return 1
 
 
+#: Work buffers kept for calls that cannot work in the caller's tensor (see :func:`_scratch`), most recent last.
+SCRATCH_KEPT = 16
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(group, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+    """A flat work buffer of ``numel`` elements of ``like``'s dtype (``like``'s own numel and a copy of it when
+    ``numel`` is None), for the collectives that cannot work in the caller's tensor (reduce-scatter, all-to-all,
+    scatter, a non-root reduce or gather).
+
+    On CUDA the buffer is kept per group, device, dtype, size and stream and reused by the next such call, so a
+    call repeated on new inputs runs on the same storage and finds the graph :mod:`dtrain.comm.persistent`
+    recorded for it (graphs belong to a storage); calls are ordered on their stream, so reuse is safe. At most
+    :data:`SCRATCH_KEPT` are kept. Elsewhere it is a fresh tensor."""
+    size = like.numel() if numel is None else numel
+    if not like.is_cuda:
+        return like.reshape(-1).clone() if numel is None else torch.empty(size, dtype=like.dtype, device=like.device)
+    stream = torch.cuda.current_stream(like.device).cuda_stream
+    key = (id(dist.group.WORLD if group is None else group), like.device, like.dtype, size, stream)
+    work = _SCRATCH.pop(key, None)
+    if work is None:
+        work = torch.empty(size, dtype=like.dtype, device=like.device)
+        while len(_SCRATCH) >= SCRATCH_KEPT:
+            _SCRATCH.pop(next(iter(_SCRATCH)))
+    _SCRATCH[key] = work  # most recently used last
+    if numel is None:
+        work.copy_(like.reshape(-1))
+    return work
+
+
 def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A flat contiguous view of ``t``, or a copy when there is none; the flag says it is a copy."""
     if t.is_contiguous():
@@ -151,6 +290,7 @@ def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: torch.Tensor, what: str):
+    # after every local check of the call: resolving "auto" may talk to the group (once per group)
     rank, world = group_info(group, what)
     local_size = check_algorithm(coll, algorithm, world, group, what)
     chosen = _resolve(coll, algorithm, world, work_numel * like.element_size(), like.device, local_size, group)
@@ -181,8 +321,8 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
     """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank, in place."""
     what = "broadcast"
     check_tensor(tensor, "tensor", what)
+    check_root(src, group_info(group, what)[1], "src", what)
     rank, world, chosen, local = _prepare(Collective.BROADCAST, algorithm, group, tensor.numel(), tensor, what)
-    check_root(src, world, "src", what)
     if chosen == "native":
         return native.broadcast(tensor, src, group)
     work, copied = _flat_work(tensor)
@@ -197,14 +337,14 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorith
     what = "reduce"
     check_tensor(tensor, "tensor", what)
     check_op(op, tensor.dtype, what)
+    check_root(dst, group_info(group, what)[1], "dst", what)
     rank, world, chosen, local = _prepare(Collective.REDUCE, algorithm, group, tensor.numel(), tensor, what)
-    check_root(dst, world, "dst", what)
     if chosen == "native":
         return native.reduce(tensor, dst, op, group)
     if rank == dst:
         work, copied = _flat_work(tensor)
     else:  # partial sums pass through non-root ranks: keep the caller's tensor intact
-        work, copied = tensor.reshape(-1).clone(), False
+        work, copied = _scratch(group, tensor), False
     _run(Collective.REDUCE, chosen, work, group, op, root=dst, local_size=local)
     if rank == dst:
         if op == "avg":
@@ -269,7 +409,7 @@ def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=Non
     if rank == dst:
         work, copied = _flat_work(output)
     else:
-        work, copied = torch.empty(world * m, dtype=input.dtype, device=input.device), False
+        work, copied = _scratch(group, input, world * m), False
     work[rank * m : (rank + 1) * m].copy_(input.reshape(-1))
     _run(Collective.GATHER, chosen, work, group, root=dst, local_size=local)
     if copied:
@@ -290,10 +430,7 @@ def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group=No
     rank, world, chosen, local = _prepare(Collective.SCATTER, algorithm, group, world * m, output, what)
     if chosen == "native":
         return native.scatter(output, input, src, group)
-    if rank == src:
-        work = input.reshape(-1).clone()
-    else:
-        work = torch.empty(world * m, dtype=output.dtype, device=output.device)
+    work = _scratch(group, input) if rank == src else _scratch(group, output, world * m)
     _run(Collective.SCATTER, chosen, work, group, root=src, local_size=local)
     output.copy_(work[rank * m : (rank + 1) * m].view(output.shape))
     return output
@@ -313,7 +450,7 @@ def reduce_scatter(
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
     if chosen == "native":
         return native.reduce_scatter(output, input, op, group)
-    work = input.reshape(-1).clone()
+    work = _scratch(group, input)
     _run(coll, chosen, work, group, op, local_size=local)
     m = output.numel()
     mine = work[rank * m : (rank + 1) * m]
@@ -336,7 +473,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
     if chosen == "native":
         return native.all_to_all(output, input, group)
-    work = input.reshape(-1).clone()
+    work = _scratch(group, input)
     _run(coll, chosen, work, group, local_size=local)
     output.copy_(work.view(output.shape))
     return output

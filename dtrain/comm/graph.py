@@ -37,14 +37,11 @@ class CapturedCollective:
             self._graph = None
 
     def __call__(self) -> None:
-        """Replay on the current stream's timeline (it waits for earlier work and later work waits for it)."""
-        current = torch.cuda.current_stream()
-        self._stream.wait_stream(current)
+        """Replay on the current stream (it waits for earlier work and later work waits for it). A graph runs on
+        whichever stream launches it, whatever stream it was captured on: no stream switch, no events."""
         if self._graph is None:
             raise ValueError("this captured collective was released")
-        with torch.cuda.stream(self._stream):
-            self._graph.replay()
-        current.wait_stream(self._stream)
+        self._graph.replay()
 
 
 def capture(call: Callable[[], object], device: torch.device | int | None = None, warmup: int = 1):

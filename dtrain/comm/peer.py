@@ -10,10 +10,15 @@ that reads the peers' windows and combines them with the rank's own value (on CU
 (:mod:`dtrain.comm.peer_push`): the sender reduces and stores into the receiver's window, the faster direction
 over NVLink.
 
-Limits. On CUDA a barrier waits on the device: for a peer that never comes it gives up after
-``DTRAIN_COMM_TIMEOUT`` seconds, else the process group's own timeout (:data:`DEVICE_BARRIER_TIMEOUT` where torch
-does not expose it), with a device-side error (the CUDA context is lost), not a :class:`CommTimeoutError` naming
-the round; on the CPU the monitored barrier names the missing ranks.
+Limits. On CUDA a barrier waits on the device. For a peer that never comes, the host's watchdog
+(:mod:`dtrain.comm.watchdog`) reports the call after ``DTRAIN_COMM_TIMEOUT`` seconds, else the process group's own
+timeout (:data:`DEVICE_BARRIER_TIMEOUT` where torch does not expose it); the barrier gives up
+:data:`dtrain.comm.watchdog.GRACE` later, printing the peer it waited for and its channel (the k-th barrier of
+a call waits on channel k), with a device-side error (the CUDA context is lost), not a
+:class:`CommTimeoutError`. On the CPU the monitored barrier names the missing ranks.
+``DTRAIN_COMM_TRANSPORT=auto`` (the default) uses this transport for CUDA groups of one host
+(:func:`peer_default`); a group whose window torch would hang on is refused on every rank alike
+(:class:`PeerUnavailable`) and the API moves it to point-to-point.
 After a timeout the window is dropped (ranks then stand at different barriers). The CPU windows are files
 in /dev/shm, reserved in full before use and unlinked once every rank has mapped them; a rank killed between
 the two leaves its file behind (named ``dtrain-<pid of rank 0>-...``).
@@ -35,13 +40,23 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dtrain.comm import peer_kernels, persistent
+from dtrain.comm import peer_kernels, persistent, watchdog
 from dtrain.comm.peer_plan import compile_pull
 from dtrain.comm.peer_push import compile_push, has_push_form
 from dtrain.comm.runtime import CommTimeoutError
 from dtrain.comm.schedule import Schedule
 
-__all__ = ["PeerWindow", "window_for", "run_pull", "run_push", "push_mode", "peer_available", "close_windows"]
+__all__ = [
+    "PeerWindow",
+    "PeerUnavailable",
+    "window_for",
+    "run_pull",
+    "run_push",
+    "push_mode",
+    "peer_available",
+    "peer_default",
+    "close_windows",
+]
 
 _COUNTER = itertools.count()
 _GENERATIONS = itertools.count()
@@ -91,6 +106,14 @@ def _group_timeout(group, device: torch.device) -> timedelta:
 
 _RENDEZVOUS = [0]  # symmetric-memory rendezvous this process has made for its windows
 
+#: The size of torch's symmetric-memory signal pad (its default); a barrier channel takes ``4 * world_size`` bytes.
+SIGNAL_PAD_BYTES = 2048
+
+
+class PeerUnavailable(ValueError):
+    """This group cannot have a peer window now; raised on every rank of the group alike, so that all of them
+    may fall back to the point-to-point transport together."""
+
 
 def _same_rendezvous_count(group, device: torch.device) -> None:
     """Refuse, on every rank of ``group`` alike, a window that torch's rendezvous would hang on.
@@ -105,7 +128,7 @@ def _same_rendezvous_count(group, device: torch.device) -> None:
     dist.all_gather(every, mine, group=group)
     counts = [int(t) for t in every]
     if len(set(counts)) > 1:
-        raise ValueError(
+        raise PeerUnavailable(
             "peer transport: the ranks of this group have made different numbers of symmetric-memory windows "
             f"({counts}, by group rank), because an earlier window belonged to a group that not all of them "
             "are in; torch's rendezvous would hang on that (pytorch/pytorch#196082). Make windows for groups "
@@ -124,7 +147,10 @@ class PeerWindow:
         self.world_size = dist.get_world_size(self.group)
         self.nbytes = max(int(nbytes), 64)
         self.generation = next(_GENERATIONS)  # prepared plans hold slices of one window: key them by it
+        # barrier channels in torch's signal pad (2048 bytes of uint32 slots, world_size a channel)
+        self.channels = max(1, SIGNAL_PAD_BYTES // (4 * self.world_size))
         self._handle = None
+        self.calls = 0  # collective calls made through this window (the watchdog's reports number them)
         if device.type == "cuda":
             self.buffers = self._map_cuda()
         else:
@@ -186,12 +212,22 @@ class PeerWindow:
         """Rank ``rank``'s window as ``numel`` elements of ``dtype``."""
         return self.buffers[rank][: numel * dtype.itemsize].view(dtype)
 
-    def barrier(self, timeout: timedelta | None = None) -> None:
-        """Every rank of the group has reached this point, and its earlier writes are visible to all."""
+    def stall_limit(self, timeout: timedelta | None) -> timedelta:
+        """How long a CUDA call may run before the watchdog reports it: ``timeout`` or the group's own."""
+        return timeout if timeout is not None else self._device_timeout
+
+    def barrier(self, timeout: timedelta | None = None, channel: int = 0) -> None:
+        """Every rank of the group has reached this point, and its earlier writes are visible to all.
+
+        On CUDA, ``channel`` picks the barrier's slots in the window's signal pad (every rank must pass the same
+        sequence of channels, as every rank runs the same plan); a barrier that gives up prints
+        ``[FATAL] CUDASymmetricMemory::barrier: rank R failed to receive signal from rank P on channel C`` from
+        the device, so the channel tells which barrier of the call stalled."""
         if self._handle is not None:
-            limit = timeout if timeout is not None else self._device_timeout
-            # at least 1 ms: 0 would mean no limit at all
-            self._handle.barrier(channel=0, timeout_ms=max(1, int(limit.total_seconds() * 1000)))
+            # the host's watchdog reports a stalled call at the limit, then the device barrier gives up
+            limit = self.stall_limit(timeout) + watchdog.GRACE
+            ms = max(1, int(limit.total_seconds() * 1000))  # at least 1 ms: 0 would mean no limit at all
+            self._handle.barrier(channel=channel % self.channels, timeout_ms=ms)
         else:  # Gloo's monitored barrier names the ranks that did not arrive
             dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
 
@@ -260,6 +296,27 @@ def peer_available(group, device: torch.device) -> bool:
     return known
 
 
+#: The oldest torch whose CUDA symmetric memory this transport was run and measured on (4 H200s, torch 2.11);
+#: ``DTRAIN_COMM_TRANSPORT=auto`` uses the peer transport from this version on, ``peer`` on any.
+PEER_DEFAULT_FROM = (2, 11)
+
+
+def _torch_version() -> tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def peer_default(group, device: torch.device) -> bool:
+    """Whether ``DTRAIN_COMM_TRANSPORT=auto`` picks this transport for ``group`` on ``device``: a CUDA device, a
+    torch from :data:`PEER_DEFAULT_FROM` on, and :func:`peer_available` (a collective call, answered once)."""
+    if device.type != "cuda" or _torch_version() < PEER_DEFAULT_FROM:
+        return False
+    return peer_available(group, device)
+
+
 def window_for(group, device: torch.device, nbytes: int) -> PeerWindow:
     """The group's window on ``device``, grown to at least ``nbytes`` (growing is collective: every rank
     calls with the same size, as every collective here does)."""
@@ -299,7 +356,7 @@ class _Step:
     """One prepared step of a pull plan: window slices made once, the caller's tensor sliced per call."""
 
     kind: str  # "copy_in" (also a deferred copy) | "barrier" | "op" | "copy_out"
-    offset: int = 0
+    offset: int = 0  # for a barrier: its channel
     length: int = 0
     mine: torch.Tensor | None = None  # this rank's window slice (written by copy_in/op, read by copy_out)
     sources: tuple[torch.Tensor, ...] = ()
@@ -313,9 +370,10 @@ def _prepare(plan, window: PeerWindow, dtype: torch.dtype, numel: int) -> tuple[
     mine = window.view(window.rank, dtype, numel)
     peers = [window.view(p, dtype, numel) for p in range(window.world_size)]
     steps: list[_Step] = []
+    channel = itertools.count()  # the k-th barrier of a call waits on channel k (see PeerWindow.barrier)
     for rnd in plan.rounds:
         steps += [_Step(kind="copy_in", offset=o, length=n, mine=mine[o : o + n]) for o, n in rnd.copy_in]
-        steps.append(_Step(kind="barrier", where=f"before round {rnd.index}"))
+        steps.append(_Step(kind="barrier", offset=next(channel), where=f"before round {rnd.index}"))
         for op in rnd.ops:
             end = op.offset + op.length
             steps.append(
@@ -331,17 +389,17 @@ def _prepare(plan, window: PeerWindow, dtype: torch.dtype, numel: int) -> tuple[
                 )
             )
         if rnd.second_barrier:
-            steps.append(_Step(kind="barrier", where=f"after round {rnd.index}"))
+            steps.append(_Step(kind="barrier", offset=next(channel), where=f"after round {rnd.index}"))
             steps += [_Step(kind="copy_in", offset=o, length=n, mine=mine[o : o + n]) for o, n in rnd.deferred]
     steps += [_Step(kind="copy_out", offset=o, length=n, mine=mine[o : o + n]) for o, n in plan.copy_out]
-    steps.append(_Step(kind="barrier", where="after the last round"))
+    steps.append(_Step(kind="barrier", offset=next(channel), where="after the last round"))
     return tuple(steps)
 
 
-def _barrier(window: PeerWindow, timeout: timedelta | None, schedule: Schedule, where: str) -> None:
+def _barrier(window: PeerWindow, timeout: timedelta | None, schedule: Schedule, where: str, channel: int) -> None:
     """A round's barrier; one that times out becomes a CommTimeoutError naming the collective and the barrier."""
     try:
-        window.barrier(timeout)
+        window.barrier(timeout, channel)
     except RuntimeError as err:
         _forget(window)  # ranks now stand at different barriers: this window cannot be trusted again
         raise CommTimeoutError(
@@ -376,7 +434,7 @@ def run_pull(
             base = None if step.base is None else x if step.base == "x" else step.mine
             combine(outs, base, step.sources, op)
         elif kind == "barrier":
-            _barrier(window, timeout, schedule, step.where)
+            _barrier(window, timeout, schedule, step.where, step.offset)
         elif kind == "copy_in":
             step.mine.copy_(work[step.offset : step.offset + step.length])
         else:
@@ -407,7 +465,7 @@ def push_mode(schedule: Schedule, nbytes: int) -> bool:
 @dataclass(frozen=True)
 class _PushStep:
     kind: str  # "barrier" | "op"
-    offset: int = 0
+    offset: int = 0  # for a barrier: its channel
     length: int = 0
     base_x: bool = False
     banks: tuple[torch.Tensor, ...] = ()  # this rank's bank slices it reads
@@ -429,10 +487,10 @@ def _prepare_push(plan, window: PeerWindow, dtype: torch.dtype, numel: int) -> t
         return _PushStep("op", op.offset, op.length, op.base_x, reads, remote, op.to_x)
 
     steps: list[_PushStep] = []
-    for rnd in plan.rounds:
-        steps.append(_PushStep("barrier", where=f"before round {rnd.index}"))
+    for k, rnd in enumerate(plan.rounds):
+        steps.append(_PushStep("barrier", k, where=f"before round {rnd.index}"))
         steps += [op_step(op) for op in rnd.ops]
-    steps.append(_PushStep("barrier", where="after the last round"))
+    steps.append(_PushStep("barrier", len(plan.rounds), where="after the last round"))
     steps += [op_step(op) for op in plan.final]
     return tuple(steps)
 
@@ -458,7 +516,7 @@ def run_push(
     combine = peer_kernels.combine
     for step in steps:
         if step.kind == "barrier":
-            _barrier(window, timeout, schedule, step.where)
+            _barrier(window, timeout, schedule, step.where, step.offset)
             continue
         x = work[step.offset : step.offset + step.length]
         # the local store first: where torch does the pass it computes into x and copies x to the peer

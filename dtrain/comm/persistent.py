@@ -5,7 +5,8 @@ host (docs/benchmarks.md), so below some MiB the host, not the GPUs, sets the pa
 collectives on the same buffers every step (gradient buckets, sharded optimizer state). The second time a
 call is seen with the same schedule, buffer address, size, dtype, op and window, it is captured as a CUDA graph
 of all its rounds (capturing runs nothing), and that call and every later one replays the graph. This is
-MPI-4's persistent collective (``MPI_Allreduce_init`` then ``MPI_Start``), made implicit.
+MPI-4's persistent collective (``MPI_Allreduce_init`` then ``MPI_Start``), made implicit. On by default
+(``DTRAIN_COMM_PERSISTENT=auto``; ``0`` turns it off): only the peer transport's CUDA calls come here.
 
 Why it is safe across ranks: a replay launches exactly the kernels and barriers the eager call would, so a
 rank that replays and a rank that runs eagerly still meet at every barrier; ranks need not capture together.
@@ -45,8 +46,12 @@ _OWNERS: dict[Hashable, StorageWeakRef] = {}  # key -> its storage, for keys of 
 
 
 def enabled() -> bool:
-    """Whether calls may be captured: ``DTRAIN_COMM_PERSISTENT=1`` (off by default: see the module notes)."""
-    return os.environ.get("DTRAIN_COMM_PERSISTENT", "0") == "1"
+    """Whether calls may be captured: ``DTRAIN_COMM_PERSISTENT`` "1" or "auto" (the default; only the peer
+    transport's CUDA calls come here), not "0"."""
+    value = os.environ.get("DTRAIN_COMM_PERSISTENT", "auto") or "auto"
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"DTRAIN_COMM_PERSISTENT must be 0, 1 or auto, got {value!r}")
+    return value != "0"
 
 
 def held() -> int:

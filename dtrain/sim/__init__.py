@@ -2,6 +2,8 @@
 
 - :mod:`dtrain.sim.flows`: flow-level network, max-min fair sharing of links, event-driven;
 - :mod:`dtrain.sim.collective`: a ``dtrain.comm`` schedule replayed rank by rank on a placement;
+- :mod:`dtrain.sim.api_passes`: the public API's own copies and clones around a schedule, per collective;
+- :mod:`dtrain.sim.peer_model`: a schedule on the peer-memory transport, priced from its compiled plan;
 - :mod:`dtrain.sim.api`: one call from (topology, collective, algorithm, bytes) to time and bottleneck;
 - :mod:`dtrain.sim.fit`: the simulator's software costs and link rate fitted to measurements;
 - :mod:`dtrain.sim.nccl`: NCCL's own collectives (``native``): one kernel, a pipelined ring over channels;

@@ -13,6 +13,10 @@ alpha_peer`` of host time on the rank, and reducing ``r`` bytes takes ``r x 3 / 
 operands, write one) on its device unless a ``gamma_s_per_byte`` is given. On a uniform network these give the
 closed forms of :mod:`dtrain.comm.cost_forms` (tests/test_sim_collective.py checks ring, tree and
 halving-doubling).
+
+A job may carry the public API's own operations around its schedule (:mod:`dtrain.sim.api_passes`): a rank
+runs those before its first round and those after its last, each ``launch_s`` of host time and its bytes at the
+device's copy rate, one after the other like everything else on the rank.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 
 from dtrain.cluster.topology import Topology
 from dtrain.comm.schedule import Collective, Schedule, chunk_bounds
+from dtrain.sim.api_passes import RankPasses
 from dtrain.sim.flows import FlowNetwork, LinkUsage
 
 __all__ = [
@@ -46,7 +51,9 @@ class SoftwareCost:
     ``3 / memory_bytes_per_s`` of the device); ``flow_cap_bytes_per_s``: the most one message reaches on its
     own (one connection's limit; None: links only); ``message_caps``: ``(max_bytes, cap)`` pairs, ascending,
     that cap a message of at most ``max_bytes`` at ``cap`` instead (a transport whose point-to-point rate
-    depends on the message size, as NCCL's does with the channels it gives one peer).
+    depends on the message size, as NCCL's does with the channels it gives one peer). For the API's own
+    operations (a job's ``api``): ``launch_s``, host time of one torch operation; ``copy_s_per_byte``, a byte
+    written by a local copy (None: ``2 / memory_bytes_per_s`` of the device, one read and one write).
     """
 
     call_s: float = 0.0
@@ -55,6 +62,8 @@ class SoftwareCost:
     gamma_s_per_byte: float | None = None
     flow_cap_bytes_per_s: float | None = None
     message_caps: tuple[tuple[float, float], ...] = ()
+    launch_s: float = 0.0
+    copy_s_per_byte: float | None = None
 
     def __post_init__(self) -> None:
         sizes = [m for m, _ in self.message_caps]
@@ -62,7 +71,7 @@ class SoftwareCost:
             raise ValueError(
                 f"SoftwareCost.message_caps must be ascending (max_bytes, cap) pairs > 0, got {self.message_caps!r}"
             )
-        for name in ("call_s", "alpha_s", "alpha_peer_s", "gamma_s_per_byte"):
+        for name in ("call_s", "alpha_s", "alpha_peer_s", "gamma_s_per_byte", "launch_s", "copy_s_per_byte"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"SoftwareCost.{name} must be >= 0, got {value!r}")
@@ -151,21 +160,25 @@ def check_placement(topology: Topology, placement: Sequence[str], world_size: in
 class _Replay:
     """The event-driven state of one replay: where each rank is, and which messages are waiting for a peer."""
 
-    def __init__(self, net: FlowNetwork, rounds, placement, cost: SoftwareCost, gammas, start_s, tag: int = 0) -> None:
+    def __init__(
+        self, net: FlowNetwork, rounds, placement, cost: SoftwareCost, gammas, start_s, end_s, tag: int = 0
+    ) -> None:
         self.net, self.rounds, self.placement, self.cost, self.gammas = net, rounds, placement, cost, gammas
+        self.end_s = end_s  # each rank's work after its last round (the API's copies out)
         self.tag = tag  # tells concurrent replays' flows apart for ECMP
         self.position = [0] * len(rounds)
         self.posted: set[tuple[int, int]] = set()  # (rank, round index) posted and not finished
         self.pending = [0] * len(rounds)  # messages of the current round not yet done, per rank
-        self.finish = list(start_s)
+        self.start_s = list(start_s)
+        self.finish = [t + end for t, end in zip(start_s, end_s, strict=True)]  # a rank with no rounds
 
     def start(self) -> None:
-        for rank, t in enumerate(self.finish):
+        for rank, t in enumerate(self.start_s):
             self.net.at(t, lambda r=rank: self._enter(r))
 
     def _enter(self, rank: int) -> None:
         if self.position[rank] == len(self.rounds[rank]):
-            self.finish[rank] = self.net.now
+            self.finish[rank] = self.net.now + self.end_s[rank]
             return
         rr = self.rounds[rank][self.position[rank]]
         self.pending[rank] = len(rr.sends) + len(rr.recvs)
@@ -203,11 +216,12 @@ class _Replay:
 @dataclass(frozen=True)
 class Job:
     """One collective call among several that run at the same time: ``schedule`` on ``nbytes`` of work buffer,
-    rank ``i`` on device ``placement[i]``."""
+    rank ``i`` on device ``placement[i]``; ``api``: each rank's API operations around it (None: none)."""
 
     schedule: Schedule
     nbytes: int
     placement: tuple[str, ...]
+    api: tuple[RankPasses, ...] | None = None
 
 
 def replay(
@@ -218,13 +232,17 @@ def replay(
     *,
     cost: SoftwareCost | None = None,
     itemsize: int = 4,
+    api: Sequence[RankPasses] | None = None,
 ) -> CollectiveResult:
     """Simulate ``schedule`` on a ``nbytes`` work buffer (see :mod:`dtrain.comm.cost` for what that is per
-    collective), rank ``i`` on device ``placement[i]`` (default: :meth:`Topology.devices` in order)."""
+    collective), rank ``i`` on device ``placement[i]`` (default: :meth:`Topology.devices` in order); ``api``:
+    each rank's API operations around the schedule (:func:`dtrain.sim.api_passes.api_passes`; None: the schedule
+    alone)."""
     if placement is None:
         placement = [d.name for d in topology.devices()][: schedule.world_size]
     placement = check_placement(topology, placement, schedule.world_size)
-    return replay_concurrent([Job(schedule, nbytes, tuple(placement))], topology, cost=cost, itemsize=itemsize)
+    job = Job(schedule, nbytes, tuple(placement), tuple(api) if api is not None else None)
+    return replay_concurrent([job], topology, cost=cost, itemsize=itemsize)
 
 
 def replay_concurrent(
@@ -242,8 +260,27 @@ def replay_concurrent(
             for d in placement
         ]
         rounds = rank_rounds(job.schedule, job.nbytes, itemsize)
-        states.append(_Replay(net, rounds, placement, cost, gammas, [cost.call_s] * len(placement), tag))
+        start, end = _api_times(job, topology, placement, cost)
+        states.append(_Replay(net, rounds, placement, cost, gammas, start, end, tag))
         states[-1].start()
     end = net.run()
     finish = [t for state in states for t in state.finish]
     return CollectiveResult(time_s=max(finish, default=0.0), rank_finish_s=finish, links=net.usage(end))
+
+
+def _api_times(
+    job: Job, topology: Topology, placement: list[str], cost: SoftwareCost
+) -> tuple[list[float], list[float]]:
+    """Each rank's time before its first round (the call's start-up and the API's operations before the
+    schedule) and after its last (the API's operations after it)."""
+    api = job.api if job.api is not None else (RankPasses(),) * len(placement)
+    if len(api) != len(placement):
+        raise ValueError(f"the job's api gives {len(api)} ranks' passes for {len(placement)} ranks")
+    start, end = [], []
+    for passes, device in zip(api, placement, strict=True):
+        copy = (
+            cost.copy_s_per_byte if cost.copy_s_per_byte is not None else 2 / topology.device(device).memory_bytes_per_s
+        )
+        start.append(cost.call_s + len(passes.before) * cost.launch_s + passes.before_bytes * copy)
+        end.append(len(passes.after) * cost.launch_s + passes.after_bytes * copy)
+    return start, end

@@ -29,6 +29,7 @@ from dtrain.cluster.topology import Topology
 from dtrain.comm.algorithms import build as build_schedule
 from dtrain.comm.algorithms import needs_local_size
 from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective, Schedule
+from dtrain.sim.api_passes import api_passes
 from dtrain.sim.collective import SoftwareCost, replay
 
 __all__ = [
@@ -71,8 +72,12 @@ class Measurement:
 
 
 def simulate_measurement(m: Measurement, topology: Topology, cost: SoftwareCost) -> float:
-    """Simulated seconds of the call ``m`` describes (default placement)."""
-    return replay(m.schedule(), m.nbytes, topology, cost=cost, itemsize=m.itemsize).time_s
+    """Simulated seconds of the call ``m`` describes (default placement): the public API's call, its own
+    operations around the schedule included (:mod:`dtrain.sim.api_passes`, priced by ``cost.launch_s`` and
+    ``cost.copy_s_per_byte``)."""
+    schedule = m.schedule()
+    api = api_passes(schedule, m.nbytes)
+    return replay(schedule, m.nbytes, topology, cost=cost, itemsize=m.itemsize, api=api).time_s
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -91,11 +96,15 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit_software(measurements: Sequence[Measurement], topology: Topology, base: SoftwareCost) -> SoftwareCost:
-    """``base`` with ``call_s``, ``alpha_s`` and ``alpha_peer_s`` fitted to small-message ``measurements``."""
+    """``base`` with ``call_s``, ``alpha_s`` and ``alpha_peer_s`` fitted to small-message ``measurements``.
+
+    The measured times are taken as all software: fit on calls without API operations of their own (an
+    all-reduce), or the operations' time lands in the fitted costs."""
     if not measurements:
         raise ValueError("fit_software needs at least one measurement")
-    unit = replace(base, call_s=0.0, alpha_s=1.0, alpha_peer_s=0.0)
-    peer = replace(base, call_s=0.0, alpha_s=0.0, alpha_peer_s=1.0)
+    counts = replace(base, launch_s=0.0, copy_s_per_byte=0.0)  # replays that count rounds and peers, nothing else
+    unit = replace(counts, call_s=0.0, alpha_s=1.0, alpha_peer_s=0.0)
+    peer = replace(counts, call_s=0.0, alpha_s=0.0, alpha_peer_s=1.0)
     rows, rhs = [], []
     for m in measurements:
         rounds = simulate_measurement(m, topology, unit)

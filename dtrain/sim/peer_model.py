@@ -15,8 +15,13 @@ plan the runtime itself runs (:func:`dtrain.comm.peer_plan.compile_pull`), per r
 
 A call takes the larger of the two: the host runs ahead of the GPU until the GPU catches up with it (small
 messages are host-bound, large ones GPU-bound). A graph-replayed call (``DTRAIN_COMM_PERSISTENT=1``) costs
-only ``host_replay_s`` on the host (the API's checks, the look-ups, the graph launch). Figures are fitted to
+``host_replay_s`` on the host (the API's checks, the look-ups, the graph launch). Figures are fitted to
 ``dtrain bench comm`` runs (:func:`fit_peer_cost`).
+
+``api`` adds the public API's own operations around the schedule (:mod:`dtrain.sim.api_passes`: the clones and
+copies of reduce-scatter, all-gather, all-to-all, ...), replayed or not: each is a torch operation on the host
+(``host_launch_s``) and a local pass on the GPU, those before the schedule ahead of its first barrier, those
+after it behind its last.
 
 ``push=True`` prices the push form instead (:func:`dtrain.comm.peer_push.compile_push`): a barrier before every
 round and one after the last; a round's sends one after another at the push rate (a pass that reads local
@@ -33,6 +38,7 @@ import numpy as np
 from dtrain.comm.peer_plan import compile_pull, wants_kernel
 from dtrain.comm.peer_push import compile_push
 from dtrain.comm.schedule import Schedule
+from dtrain.sim.api_passes import RankPasses
 
 __all__ = ["PeerCost", "PeerTime", "peer_time", "fit_peer_cost"]
 
@@ -83,6 +89,7 @@ class PeerTime:
     barriers: int
     launches: int  # torch operations and fused-kernel launches, on the rank with the most host work
     kernels: int = 0  # of which fused-kernel launches
+    api_launches: int = 0  # of which the API's own operations (``api``), on the rank with the most
 
 
 def _phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[tuple[float, list[tuple[float, int]]]]]:
@@ -133,18 +140,50 @@ def peer_time(
     itemsize: int = 4,
     replayed: bool = False,
     push: bool = False,
+    api: Sequence[RankPasses] | None = None,
 ) -> PeerTime:
     """Predicted time of ``schedule`` on a ``nbytes`` work buffer through the peer transport.
 
-    ``replayed``: the call is a CUDA-graph replay, so its host time is ``host_replay_s`` alone. ``push``: the
-    push form.
+    ``replayed``: the call is a CUDA-graph replay, so its host time is ``host_replay_s`` and the API's own
+    operations. ``push``: the push form. ``api``: each rank's API operations around the schedule
+    (:func:`dtrain.sim.api_passes.api_passes`); None: the schedule alone.
     """
     numel = max(nbytes // itemsize, 0)
     ranks = (_push_phases if push else _phases)(schedule, numel, itemsize)
+    api = list(api) if api is not None else [RankPasses()] * schedule.world_size
+    if len(api) != schedule.world_size:
+        raise ValueError(f"api gives {len(api)} ranks' passes for a schedule of {schedule.world_size} ranks")
+    gpu = _gpu_s(ranks, api, cost, push)
+    nphases = len(ranks[0])
+    barriers = nphases - 1 if push else nphases
+    torch_ops, kernels, api_launches = _launches(schedule, numel, itemsize, push, [p.launches for p in api])
+    kernel_s = cost.host_launch_s if cost.host_kernel_s is None else cost.host_kernel_s
+    if replayed:  # the graph holds the schedule's launches; the API's operations are still the host's
+        api_launches = max(p.launches for p in api)
+        host = cost.host_replay_s + api_launches * cost.host_launch_s
+    else:
+        host = cost.host_call_s + barriers * cost.host_barrier_s + torch_ops * cost.host_launch_s + kernels * kernel_s
+    return PeerTime(
+        time_s=max(gpu, host),
+        gpu_s=gpu,
+        host_s=host,
+        barriers=barriers,
+        launches=torch_ops + kernels,
+        kernels=kernels,
+        api_launches=api_launches,
+    )
+
+
+def _gpu_s(ranks: list, api: Sequence[RankPasses], cost: PeerCost, push: bool) -> float:
+    """GPU time of every rank's stretches (:func:`_phases`, :func:`_push_phases`) with the API's passes, those
+    before the schedule ahead of its first barrier and those after it behind its last."""
+    for phases, passes in zip(ranks, api, strict=True):
+        phases[0] = (phases[0][0] + passes.before_bytes, phases[0][1])
+        if push:  # the final folds end at no barrier: the API's copies out follow them
+            phases[-1] = (phases[-1][0] + passes.after_bytes, phases[-1][1])
     nphases = len(ranks[0])
     pair = (cost.push_bytes_per_s or cost.pair_bytes_per_s) if push else cost.pair_bytes_per_s
     gpu = 0.0
-    launches = 0
     for k in range(nphases):  # every phase ends at a barrier all ranks take, so the slowest rank sets it
         slowest = 0.0
         for phases in ranks:
@@ -154,24 +193,20 @@ def peer_time(
                 t += read / (pair if peers == 1 else cost.fanin_bytes_per_s)
             slowest = max(slowest, t)
         gpu += slowest + (cost.barrier_s if not push or k + 1 < nphases else 0.0)
-    barriers = nphases - 1 if push else nphases
-    torch_ops, kernels = _launches(schedule, numel, itemsize, push)
-    kernel_s = cost.host_launch_s if cost.host_kernel_s is None else cost.host_kernel_s
-    host = cost.host_replay_s
-    if not replayed:
-        host = cost.host_call_s + barriers * cost.host_barrier_s + torch_ops * cost.host_launch_s + kernels * kernel_s
-    launches = torch_ops + kernels
-    return PeerTime(
-        time_s=max(gpu, host), gpu_s=gpu, host_s=host, barriers=barriers, launches=launches, kernels=kernels
-    )
+    if not push:
+        gpu += max(p.after_bytes for p in api) / cost.local_bytes_per_s
+    return gpu
 
 
-def _launches(schedule: Schedule, numel: int, itemsize: int, push: bool) -> tuple[int, int]:
-    """(torch operations, fused-kernel launches) of the rank that enqueues the most (then the most kernels):
-    chosen by counts alone, so fitting the host terms sees the same rank whatever the figures."""
-    best = (0, 0)
+def _launches(
+    schedule: Schedule, numel: int, itemsize: int, push: bool, api_launches: Sequence[int]
+) -> tuple[int, int, int]:
+    """(torch operations, fused-kernel launches, of the operations the API's own) of the rank that enqueues
+    the most (then the most kernels): chosen by counts alone, so fitting the host terms sees the same rank
+    whatever the figures. ``api_launches``: each rank's API operations, counted as torch operations."""
+    best = (0, 0, 0)
     for r in range(schedule.world_size):
-        torch_ops = kernels = 0
+        torch_ops, kernels = api_launches[r], 0
         if push:
             plan = compile_push(schedule, r, numel)
             for op in [o for rnd in plan.rounds for o in rnd.ops] + list(plan.final):
@@ -192,8 +227,8 @@ def _launches(schedule: Schedule, numel: int, itemsize: int, push: bool) -> tupl
                     kernels += fused
                     torch_ops += (not fused) * (len(op.reads) + (nouts > 1))
             torch_ops += len(plan.copy_out)
-        if (torch_ops + kernels, kernels) > (sum(best), best[1]):
-            best = (torch_ops, kernels)
+        if (torch_ops + kernels, kernels) > (best[0] + best[1], best[1]):
+            best = (torch_ops, kernels, api_launches[r])
     return best
 
 
@@ -204,25 +239,30 @@ def fit_peer_cost(
     host_below_bytes: int = 1 << 20,
     gpu: bool = True,
 ) -> PeerCost:
-    """Fit ``base``'s figures to measured ``(schedule, nbytes, seconds, replayed[, push])`` points.
+    """Fit ``base``'s figures to measured ``(schedule, nbytes, seconds, replayed[, push[, api]])`` points.
 
     The host terms by non-negative least squares on the eager points of at most ``host_below_bytes`` (where a
     call is host-bound; a fused-kernel launch keeps ``base.host_kernel_s`` when that is given), and the host
-    time of a replay as the median of the replayed points up to that size; then, with
-    ``gpu``, the pair rate, the fan-in rate and the barrier, each by a golden-section search on the mean
-    squared log error of every point, in turn, three times. A point may carry a fifth element, True for a call
-    in the push form.
+    time of a replay as the median of the replayed points up to that size, less their API operations at
+    ``base.host_launch_s``; then, with ``gpu``, the pair rate, the fan-in rate and the barrier, each by a
+    golden-section search on the mean squared log error of every point, in turn, three times. A point may carry
+    a fifth element, True for a call in the push form, and a sixth, the API's passes (:func:`peer_time`'s
+    ``api``).
     """
-    pts = [(p[0], p[1], p[2], p[3], bool(p[4]) if len(p) > 4 else False) for p in points]
-    replays = [t for s, n, t, rep, push in pts if rep and n <= host_below_bytes]
+    pts = [(p[0], p[1], p[2], p[3], bool(p[4]) if len(p) > 4 else False, p[5] if len(p) > 5 else None) for p in points]
+    replays = [
+        t - peer_time(s, n, base, replayed=True, push=push, api=api).api_launches * base.host_launch_s
+        for s, n, t, rep, push, api in pts
+        if rep and n <= host_below_bytes
+    ]
     if replays:  # small replayed calls are host-bound: their host time is what they take
         base = replace(base, host_replay_s=float(np.median(replays)))
-    small = [(s, n, t, push) for s, n, t, rep, push in pts if not rep and n <= host_below_bytes]
+    small = [(s, n, t, push, api) for s, n, t, rep, push, api in pts if not rep and n <= host_below_bytes]
     cost = base
     if small:
         rows, rhs = [], []
-        for s, n, t, push in small:
-            pt = peer_time(s, n, cost, push=push)
+        for s, n, t, push, api in small:
+            pt = peer_time(s, n, cost, push=push, api=api)
             if cost.host_kernel_s is None:  # every launch at one price
                 rows.append([1.0, pt.barriers, pt.launches])
                 rhs.append(t)
@@ -233,7 +273,9 @@ def fit_peer_cost(
         cost = replace(cost, host_call_s=coef[0], host_barrier_s=coef[1], host_launch_s=coef[2])
 
     def loss(c: PeerCost) -> float:
-        errs = [np.log(peer_time(s, n, c, replayed=rep, push=push).time_s / t) for s, n, t, rep, push in pts]
+        errs = [
+            np.log(peer_time(s, n, c, replayed=rep, push=push, api=api).time_s / t) for s, n, t, rep, push, api in pts
+        ]
         return float(np.mean(np.square(errs)))
 
     for _ in range(3 if gpu else 0):

@@ -1,0 +1,39 @@
+"""Jobs for the measured-rules tests: ``auto`` follows a rules file, and ranks with different files refuse alike."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from dtrain import comm
+from dtrain.comm import api
+from dtrain.testing.pool import group_of
+
+
+def _forget_choices() -> None:
+    for cached in (api._rules, api._params, api._choice_digest, api._auto):
+        cached.cache_clear()
+    api._AGREED.clear()
+
+
+def auto_with_rules(world: int, paths: list[str | None], numel: int) -> dict:
+    """Every rank reads ``paths[rank]`` as its rules file (None: no file), then calls an ``auto`` all-reduce;
+    reports what auto chose, whether the sum was right, or the error it raised."""
+    rank = dist.get_rank()
+    group = group_of(world)
+    path = paths[rank]
+    os.environ["DTRAIN_COMM_RULES"] = path if path is not None else os.devnull + ".missing"
+    _forget_choices()
+    try:
+        x = torch.full((numel,), float(rank + 1))
+        try:
+            comm.all_reduce(x, group=group, algorithm="auto")
+        except ValueError as err:
+            return {"error": str(err)}
+        chosen = api._resolve(comm.Collective.ALL_REDUCE, "auto", world, numel * 4, x.device, None, group)
+        return {"chosen": chosen, "right": bool((x == world * (world + 1) / 2).all())}
+    finally:
+        os.environ.pop("DTRAIN_COMM_RULES", None)
+        _forget_choices()
