@@ -107,7 +107,7 @@ def auto_falls_back_when_a_window_is_refused() -> dict:
 
     peer.PeerWindow._map_shared_files = refused
     peer.close_windows()  # an earlier test's window for this group would be found instead of made
-    os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    saved = os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
     try:
         chose = api.transport_name(group, torch.device("cpu"))
         x = torch.full((10,), float(dist.get_rank() + 1))
@@ -124,3 +124,37 @@ def auto_falls_back_when_a_window_is_refused() -> dict:
     finally:
         peer.peer_default, peer.PeerWindow._map_shared_files = real_default, real_map
         api._FELL_BACK.pop(group, None)
+        if saved is not None:
+            os.environ["DTRAIN_COMM_TRANSPORT"] = saved
+
+
+def reduce_scatter_without_a_copy(algorithm: str) -> dict:
+    """A pushed reduce-scatter on 3 ranks: whether it ran out of place (the input read, the result written
+    straight into the output), and whether the result is right and the input untouched."""
+    import torch
+    import torch.distributed as dist
+
+    from dtrain import comm
+    from dtrain.comm import peer
+    from dtrain.testing.pool import group_of
+
+    group, rank = group_of(3), dist.get_rank()
+    seen = []
+    real = peer.run_push
+
+    def spy(*args, **kwargs):
+        seen.append("out" in kwargs)
+        return real(*args, **kwargs)
+
+    peer.run_push = spy
+    os.environ["DTRAIN_COMM_PEER_MODE"] = "push"
+    try:
+        x = torch.arange(12, dtype=torch.float32) * (rank + 1)
+        before = x.clone()
+        out = torch.empty(4)
+        _with_peer(comm.reduce_scatter, out, x, group=group, algorithm=algorithm)
+        want = (torch.arange(12, dtype=torch.float32) * 6)[rank * 4 : rank * 4 + 4]
+        return {"out_of_place": seen == [True], "right": torch.equal(out, want), "input": torch.equal(x, before)}
+    finally:
+        peer.run_push = real
+        os.environ.pop("DTRAIN_COMM_PEER_MODE", None)

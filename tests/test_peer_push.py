@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dtrain.comm import Collective
 from dtrain.comm import algorithms as registry
-from dtrain.comm.peer_push import PushPlan, _compile_all, has_push_form, races
+from dtrain.comm.peer_push import PushPlan, _compile_all, has_push_form, races, writes_own_block_only
 from dtrain.comm.schedule import ScheduleError, chunk_bounds
 from tests.test_peer import _random_schedules, _reference, _schedules
 
@@ -69,6 +69,37 @@ def test_a_push_plan_computes_its_schedule_whatever_order_ranks_run_in(schedule)
     want = _reference(schedule, start, bounds)
     assert _run(plans, start, numel, lambda ready: ready[0]) == want  # rank by rank, lowest first
     assert _run(plans, start, numel, lambda ready: ready[-1]) == want  # highest first
+
+
+_OUT_OF_PLACE = [s for s in _schedules() if s.collective == Collective.REDUCE_SCATTER and has_push_form(s)]
+
+
+@pytest.mark.parametrize("schedule", _OUT_OF_PLACE, ids=_name)
+def test_a_reduce_scatter_plan_for_its_own_block_leaves_the_input_alone_and_computes_that_block(schedule):
+    numel = schedule.nblocks * (2 * schedule.chunks_per_block + 1)  # uneven chunks
+    if not writes_own_block_only(schedule, numel):
+        pytest.skip("stores outside its own block: the runtime copies the input instead")
+    bounds = chunk_bounds(numel, schedule.nblocks, schedule.chunks_per_block)
+    plans = _compile_all(schedule, numel, True)
+    assert races(plans) == []
+    start = [[1000 * r + i for i in range(numel)] for r in range(schedule.world_size)]
+    want = _reference(schedule, start, bounds)
+    per = schedule.chunks_per_block
+    for pick in (lambda ready: ready[0], lambda ready: ready[-1]):
+        got = _run(plans, start, numel, pick)
+        assert not isinstance(got, str), got
+        for r in range(schedule.world_size):
+            lo, hi = bounds[r * per][0], bounds[(r + 1) * per - 1][0] + bounds[(r + 1) * per - 1][1]
+            assert got[r][lo:hi] == want[r][lo:hi]  # the result
+            assert got[r][:lo] + got[r][hi:] == start[r][:lo] + start[r][hi:]  # the input elsewhere, untouched
+
+
+def test_the_ring_and_halving_doubling_reduce_scatters_run_without_copying_their_input():
+    for world in (2, 3, 4, 8):
+        ring = registry.build(Collective.REDUCE_SCATTER, "ring", world)
+        assert writes_own_block_only(ring, world << 10)
+    assert writes_own_block_only(registry.build(Collective.REDUCE_SCATTER, "halving_doubling", 4), 1 << 20)
+    assert not writes_own_block_only(registry.build(Collective.ALL_REDUCE, "ring", 4), 1 << 20)
 
 
 def test_the_algorithms_that_matter_on_gpus_have_a_push_form_and_direct_reductions_do_not():
@@ -158,3 +189,11 @@ def test_the_race_check_catches_a_read_of_a_bank_nothing_in_this_call_stored():
     stale = replace(first.ops[0], banks=(1,))  # round 0 reading bank 1: only a previous call wrote it
     plans[0] = replace(plans[0], rounds=(replace(first, ops=(stale,)), *plans[0].rounds[1:]))
     assert any("no earlier round stored" in problem for problem in races(plans))
+
+
+def test_a_pushed_ring_reduce_scatter_reads_the_input_and_writes_the_output_with_no_copy(pool):
+    answers = pool.run(f"{JOBS}:reduce_scatter_without_a_copy", "ring", ranks=3)
+    assert answers == [{"out_of_place": True, "right": True, "input": True}] * 3
+    # direct has no push form: the pull form reduces in a copy of the input, and is right as well
+    answers = pool.run(f"{JOBS}:reduce_scatter_without_a_copy", "direct", ranks=3)
+    assert answers == [{"out_of_place": False, "right": True, "input": True}] * 3

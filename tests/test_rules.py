@@ -87,9 +87,14 @@ def test_ranks_that_read_different_rules_all_refuse_instead_of_hanging(pool, tmp
     assert all("different calibration or rules files" in r.get("error", "") for r in out), out
 
 
-def test_built_in_rules_cover_only_what_was_measured_and_defer_to_the_model_elsewhere():
+def test_built_in_rules_cover_only_what_was_measured_and_defer_to_the_model_elsewhere(monkeypatch, tmp_path):
     from dtrain.comm import api
     from dtrain.comm.schedule import Collective
+
+    monkeypatch.setenv("DTRAIN_COMM_RULES", str(tmp_path / "none.json"))  # this machine's own files stay out
+    monkeypatch.setenv("DTRAIN_CALIBRATION", str(tmp_path / "none-cal.json"))
+    for cached in (api._rules, api._params):
+        cached.cache_clear()
 
     peer4 = rules.built_in("cuda-peer", 4, None)
     assert peer4 is not None and peer4.pick("all_reduce", 64 << 20) == "ring"
@@ -101,4 +106,23 @@ def test_built_in_rules_cover_only_what_was_measured_and_defer_to_the_model_else
         small = api._auto(Collective.ALL_REDUCE, 1 << 20, 4, "cuda-peer", None)
         assert small != rules.MODEL and small in api.algorithms("all_reduce")
     finally:
-        api._auto.cache_clear()
+        for cached in (api._auto, api._rules, api._params):
+            cached.cache_clear()
+
+
+def test_a_rules_file_without_a_rule_for_a_collective_leaves_the_built_in_rule_in_force(monkeypatch, tmp_path):
+    from dtrain.comm import api
+    from dtrain.comm.schedule import Collective
+
+    path = tmp_path / "rules.json"
+    rules.save_rules(Rules(kind="cuda-peer", world_size=4, table={"all_gather": ((0, "direct"),)}), path)
+    monkeypatch.setenv("DTRAIN_COMM_RULES", str(path))
+    monkeypatch.setenv("DTRAIN_CALIBRATION", str(tmp_path / "none-cal.json"))
+    for cached in (api._auto, api._rules, api._params):
+        cached.cache_clear()
+    try:
+        assert api._auto(Collective.ALL_GATHER, 64 << 20, 4, "cuda-peer", None) == "direct"  # the file's
+        assert api._auto(Collective.ALL_REDUCE, 64 << 20, 4, "cuda-peer", None) == "ring"  # built in
+    finally:
+        for cached in (api._auto, api._rules, api._params):
+            cached.cache_clear()

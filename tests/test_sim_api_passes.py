@@ -107,3 +107,23 @@ def test_only_the_ranks_that_hold_no_result_clone_a_reduce():
 def test_a_rank_outside_the_group_is_refused():
     with pytest.raises(ValueError, match="outside a group of 4"):
         rank_passes(Collective.ALL_GATHER, 1024, 4, 4)
+
+
+def test_a_reduce_scatter_run_out_of_place_has_no_copy_and_the_api_takes_that_path_only_where_the_plan_allows(
+    monkeypatch,
+):
+    from dtrain.sim.api_passes import rank_passes
+
+    assert rank_passes(Collective.REDUCE_SCATTER, NBYTES, WORLD, 1, out_of_place=True) == RankPasses()
+    assert rank_passes(Collective.REDUCE_SCATTER, NBYTES, WORLD, 1, op="avg", out_of_place=True) == RankPasses(
+        after=(Pass("div", NBYTES // WORLD),)
+    )
+    # recorded: with the out-of-place path open, the API makes no clone and no copy
+    recorder = _Recorder()
+    monkeypatch.setattr(api, "group_info", lambda group, what: (1, WORLD))
+    monkeypatch.setattr(api, "_out_of_place", lambda *args: True)
+    monkeypatch.setattr(api, "_run", lambda *args, **kwargs: recorder.ops.append(SCHEDULE))
+    output, input = torch.empty(NUMEL // WORLD), torch.ones(NUMEL)
+    with recorder:
+        api.reduce_scatter(output, input, algorithm="ring")
+    assert recorder.ops == [SCHEDULE]

@@ -137,3 +137,41 @@ def test_the_replay_host_time_is_fitted_net_of_the_api_s_launches():
     api = api_passes(schedule, 16 << 10)
     points = [(schedule, 16 << 10, 30e-6 + 2 * COST.host_launch_s, True, False, api)]
     assert fit_peer_cost(points, COST, gpu=False).host_replay_s == pytest.approx(30e-6)
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_every_operation_costs_gpu_op_s_of_gpu_time_besides_its_bytes(push):
+    n = 64 << 20
+    schedule = registry.build(Collective.ALL_REDUCE, "ring", 4)
+    cost = PeerCost(**{**COST.__dict__, "gpu_op_s": 5e-6})
+    alone, with_ops = peer_time(schedule, n, COST, push=push), peer_time(schedule, n, cost, push=push)
+    # the ring's ranks are alike, so every operation a rank launches is on the critical path once
+    assert with_ops.gpu_s == pytest.approx(alone.gpu_s + with_ops.launches * 5e-6)
+    assert with_ops.host_s == alone.host_s
+
+
+def test_the_api_s_operations_cost_gpu_op_s_each_too():
+    n = 64 << 20
+    schedule = registry.build(Collective.REDUCE_SCATTER, "ring", 4)
+    cost = PeerCost(**{**COST.__dict__, "gpu_op_s": 5e-6})
+    api = api_passes(schedule, n)
+    alone, call = peer_time(schedule, n, cost), peer_time(schedule, n, cost, api=api)
+    # the copy into the work buffer before the first barrier, the block copied out after the last
+    assert call.gpu_s == pytest.approx(alone.gpu_s + (n + n / 4) / COST.local_bytes_per_s + 2 * 5e-6)
+
+
+def test_a_negative_gpu_op_s_is_refused():
+    with pytest.raises(ValueError, match="gpu_op_s"):
+        PeerCost(**{**COST.__dict__, "gpu_op_s": -1e-6})
+
+
+def test_a_small_replay_its_gpu_time_explains_does_not_raise_the_replay_host_time():
+    ring = registry.build(Collective.ALL_REDUCE, "ring", 4)
+    doubling = registry.build(Collective.ALL_REDUCE, "recursive_doubling", 4)
+    n = 16 << 10
+    ring_gpu = peer_time(ring, n, COST, replayed=True).gpu_s  # 7 barriers: 42 us
+    assert peer_time(doubling, n, COST, replayed=True).gpu_s < 28e-6 < ring_gpu
+    # two ring replays a little slower than their GPU time, one doubling replay held up by the host at 28 us:
+    # the median of the three (44 us) would price the doubling at 44 us; 28 us explains all three best
+    points = [(ring, n, ring_gpu * 1.05, True), (ring, n, ring_gpu * 1.05, True), (doubling, n, 28e-6, True)]
+    assert fit_peer_cost(points, COST, gpu=False).host_replay_s == pytest.approx(28e-6)

@@ -85,6 +85,15 @@ def test_a_call_with_no_spare_event_goes_unwatched_and_the_next_watched_one_says
     assert "d (or one of the 1 calls enqueued just before it" in dog.check()
 
 
+def test_no_event_is_queried_while_a_graph_is_captured():
+    dog, clock, reports, _ = _dog()
+    _watch(dog, "a", 1.0)
+    clock.now = 5.0
+    with watchdog.capturing():  # a query now would invalidate a global-mode capture
+        assert dog.check() is None and reports == []
+    assert "a" in dog.check()
+
+
 def test_at_most_max_pending_calls_are_watched(monkeypatch):
     monkeypatch.setattr(watchdog, "MAX_PENDING", 2)
     dog, _, _, _ = _dog(reserve=5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import warnings
 import weakref
 from functools import lru_cache
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm import algorithms as registry
-from dtrain.comm import arguments, native, peer, persistent, watchdog
+from dtrain.comm import arguments, native, peer, peer_push, persistent, watchdog
 from dtrain.comm.arguments import check_algorithm, check_op, check_pair, check_root, check_tensor, group_info
 from dtrain.comm.runtime import round_timeout, run_schedule
 from dtrain.comm.schedule import Collective
@@ -77,13 +78,13 @@ def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int 
     candidates = [a for a in registry.names(coll) if local_size or not registry.needs_local_size(a)]
     from dtrain.comm import rules
 
-    measured = _rules(kind)
-    if measured is None or not measured.covers(kind, world, local_size):
-        measured = rules.built_in(kind, world, local_size)
-    if measured is not None:
-        picked = measured.pick(coll.value, nbytes)
-        if picked in candidates:
-            return picked
+    for measured in (_rules(kind), rules.built_in(kind, world, local_size)):  # the file first, then built in
+        if measured is not None and measured.covers(kind, world, local_size):
+            picked = measured.pick(coll.value, nbytes)
+            if picked in candidates:
+                return picked
+            if picked == rules.MODEL:
+                break
     return cost.choose(coll, nbytes, world, _params(kind), candidates=candidates, local_size=local_size)
 
 
@@ -109,13 +110,12 @@ _AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @lru_cache(maxsize=4)
 def _choice_digest(kind: str) -> int:
-    """A digest of what ``auto`` chooses from on this rank: the calibration and rules files (or their absence)."""
-    from dtrain.comm import cost, rules
-
-    digest = hashlib.sha256(kind.encode())
-    for path in (cost.params_path(kind), rules.rules_path(kind)):
-        digest.update(path.read_bytes() if path.exists() else b"<none>")
-    return int.from_bytes(digest.digest()[:8], "little", signed=True)
+    """A digest of what ``auto`` and the pipelining choose from on this rank: the cost parameters of this kind
+    and of its device type, and the measured rules, as loaded (what the choices will use)."""
+    device_type = kind.removesuffix("-peer")
+    measured = _rules(kind)
+    seen = (kind, repr(_params(kind)), repr(_params(device_type)), repr(measured.to_dict() if measured else None))
+    return int.from_bytes(hashlib.sha256(repr(seen).encode()).digest()[:8], "little", signed=True)
 
 
 def _agree_on_choices(group, kind: str, device: torch.device) -> None:
@@ -148,7 +148,12 @@ def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device:
     return cost.optimal_pipeline(nbytes, world, _params(device.type).intra)
 
 
-def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> None:
+def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out=None) -> None:
+    """Run ``algorithm`` for ``coll`` on the flat ``work`` buffer, in place.
+
+    ``out`` (a reduce-scatter where :func:`_out_of_place` holds): ``work`` is the caller's input and stays as it
+    was; this rank's block of the result goes into ``out``, with no copy of the input. Should the group's window
+    be refused after all (and the group move to point-to-point), the input is copied into a work buffer."""
     world = dist.get_world_size(group)
     nbytes = work.numel() * work.element_size()
     pipeline = _pipeline(coll, algorithm, world, nbytes, work.device)
@@ -161,41 +166,58 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None) -> 
         local_size=local_size if registry.needs_local_size(algorithm) else None,
     )
     if transport_name(group, work.device) == "peer":
+        own = out is not None and peer_push.writes_own_block_only(schedule, work.numel())
         push = peer.push_mode(schedule, nbytes)  # push form: two banks of the buffer's size in every window
-        run = peer.run_push if push else peer.run_pull
         try:
             window = peer.window_for(group, work.device, nbytes * (2 if push else 1))
         except peer.PeerUnavailable as err:  # raised on every rank of the group alike
             if _transport_setting() != "auto":
                 raise
             _fall_back(group, err)
-            run_schedule(schedule, work, transport_for(group), op, lanes=_lanes(schedule, work))
-            return
-        timeout = round_timeout()
-        if not work.is_cuda:
-            run(schedule, work, window, op, timeout=timeout)
-            return
-        window.calls += 1
-        if timeout is not None:
-            run(schedule, work, window, op, timeout=timeout)
         else:
-            key = (schedule, push, work.data_ptr(), work.numel(), work.dtype, op, window.generation)
-            persistent.run(key, lambda: run(schedule, work, window, op), work.device, owner=work)
-        if not torch.cuda.is_current_stream_capturing():
-            watchdog.watch(work.device, window.stall_limit(timeout), _label(schedule, work, window, window.calls))
+            if out is None or (push and own):
+                _run_peer(schedule, work, window, op, push, out)
+                return
+    if out is not None:  # the schedule reduces in place: a copy of the input to work in
+        work = _scratch(group, work)
+        _run(coll, algorithm, work, group, op, root, local_size)
+        rank, m = dist.get_rank(group), out.numel()
+        out.copy_(work[rank * m : (rank + 1) * m])
         return
     run_schedule(schedule, work, transport_for(group), op, lanes=_lanes(schedule, work))
 
 
-def _label(schedule, work: torch.Tensor, window, call: int):
-    """The watchdog's description of a call, made only if it reports."""
+def _run_peer(schedule, work: torch.Tensor, window, op: str, push: bool, out: torch.Tensor | None) -> None:
+    run = peer.run_push if push else peer.run_pull
+    extra = {} if out is None else {"out": out}
+    timeout = round_timeout()
+    if not work.is_cuda:
+        run(schedule, work, window, op, timeout=timeout, **extra)
+        return
+    window.calls += 1
+    if timeout is not None:
+        run(schedule, work, window, op, timeout=timeout, **extra)
+    else:
+        key = (schedule, push, work.data_ptr(), work.numel(), work.dtype, op, window.generation)
+        owner = work
+        if out is not None:  # the graph writes into out too: it belongs to both storages
+            key, owner = (*key, out.data_ptr(), out.numel()), (work, out)
+        persistent.run(key, lambda: run(schedule, work, window, op, **extra), work.device, owner=owner)
+    if not torch.cuda.is_current_stream_capturing():
+        what = (schedule.collective.value, schedule.algorithm, work.numel() * work.element_size(), str(work.dtype))
+        place = (window.world_size, window.rank, dist.get_global_rank(window.group, window.rank), str(work.device))
+        watchdog.watch(work.device, window.stall_limit(timeout), _label(what, place, window.calls))
+
+
+def _label(what: tuple, place: tuple, call: int):
+    """The watchdog's description of a call, made only if it reports (plain values: it keeps nothing alive)."""
 
     def text() -> str:
-        rank = window.rank
+        coll, algorithm, nbytes, dtype = what
+        world, rank, global_rank, device = place
         return (
-            f"{schedule.collective.value}/{schedule.algorithm} of {work.numel() * work.element_size()} bytes "
-            f"({str(work.dtype).removeprefix('torch.')}) on the peer transport, call {call} of a group of "
-            f"{window.world_size} (rank {rank}, global {dist.get_global_rank(window.group, rank)}, {work.device})"
+            f"{coll}/{algorithm} of {nbytes} bytes ({dtype.removeprefix('torch.')}) on the peer transport, call "
+            f"{call} of a group of {world} (rank {rank}, global {global_rank}, {device})"
         )
 
     return text
@@ -254,28 +276,38 @@ def _lanes(schedule, work: torch.Tensor) -> int:
 
 #: Work buffers kept for calls that cannot work in the caller's tensor (see :func:`_scratch`), most recent last.
 SCRATCH_KEPT = 16
-_SCRATCH: dict[tuple, torch.Tensor] = {}
+_SCRATCH = persistent.SCRATCH  # released with the graphs (persistent.release_all, peer.close_windows)
 
 
 def _scratch(group, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
     """A flat work buffer of ``numel`` elements of ``like``'s dtype (``like``'s own numel and a copy of it when
-    ``numel`` is None), for the collectives that cannot work in the caller's tensor (reduce-scatter, all-to-all,
-    scatter, a non-root reduce or gather).
+    ``numel`` is None), for the collectives that cannot work in the caller's tensor (reduce-scatter below the
+    push form, all-to-all, scatter, a non-root reduce or gather).
 
-    On CUDA the buffer is kept per group, device, dtype, size and stream and reused by the next such call, so a
-    call repeated on new inputs runs on the same storage and finds the graph :mod:`dtrain.comm.persistent`
-    recorded for it (graphs belong to a storage); calls are ordered on their stream, so reuse is safe. At most
-    :data:`SCRATCH_KEPT` are kept. Elsewhere it is a fresh tensor."""
+    Where calls are replayed (CUDA, the peer transport, :mod:`dtrain.comm.persistent` on) the buffer is kept per
+    group, device, dtype, size, stream and thread and reused by the next such call, so a call repeated on new
+    inputs runs on the same storage and finds the graph recorded for it (graphs belong to a storage); calls
+    of one thread on one stream are ordered, so reuse is safe. At most :data:`SCRATCH_KEPT` are kept;
+    :func:`dtrain.comm.persistent.release_all` (and so :func:`dtrain.comm.peer.close_windows`) drops them.
+    Inside a CUDA-graph capture, and everywhere else, it is a fresh tensor (a captured graph must own its
+    memory)."""
     size = like.numel() if numel is None else numel
-    if not like.is_cuda:
+    keep = (
+        like.is_cuda
+        and not torch.cuda.is_current_stream_capturing()
+        and persistent.enabled()
+        and transport_name(group, like.device) == "peer"
+    )
+    if not keep:
         return like.reshape(-1).clone() if numel is None else torch.empty(size, dtype=like.dtype, device=like.device)
     stream = torch.cuda.current_stream(like.device).cuda_stream
-    key = (id(dist.group.WORLD if group is None else group), like.device, like.dtype, size, stream)
+    owner = id(dist.group.WORLD if group is None else group)
+    key = (owner, like.device, like.dtype, size, stream, threading.get_ident())
     work = _SCRATCH.pop(key, None)
     if work is None:
         work = torch.empty(size, dtype=like.dtype, device=like.device)
         while len(_SCRATCH) >= SCRATCH_KEPT:
-            _SCRATCH.pop(next(iter(_SCRATCH)))
+            _SCRATCH.pop(next(iter(_SCRATCH)), None)
     _SCRATCH[key] = work  # most recently used last
     if numel is None:
         work.copy_(like.reshape(-1))
@@ -450,14 +482,32 @@ def reduce_scatter(
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
     if chosen == "native":
         return native.reduce_scatter(output, input, op, group)
-    work = _scratch(group, input)
-    _run(coll, chosen, work, group, op, local_size=local)
     m = output.numel()
-    mine = work[rank * m : (rank + 1) * m]
+    if input.is_contiguous() and output.is_contiguous() and _out_of_place(coll, chosen, group, input, local):
+        mine = output.view(-1)
+        _run(coll, chosen, input.view(-1), group, op, local_size=local, out=mine)  # reads input, writes mine
+    else:
+        work = _scratch(group, input)  # the schedule reduces in place: a copy of the input
+        _run(coll, chosen, work, group, op, local_size=local)
+        mine = work[rank * m : (rank + 1) * m]
     if op == "avg":
         mine.div_(world)
-    output.copy_(mine.view(output.shape))
+    if mine.data_ptr() != output.data_ptr():
+        output.copy_(mine.view(output.shape))
     return output
+
+
+def _out_of_place(coll: Collective, algorithm: str, group, input: torch.Tensor, local_size) -> bool:
+    """Whether a reduce-scatter can read the caller's input and write its block straight into the output: the
+    peer transport's push form, with a plan that stores only into the rank's own block
+    (:func:`dtrain.comm.peer_push.writes_own_block_only`). Every rank answers alike (one schedule, one size)."""
+    if transport_name(group, input.device) != "peer":
+        return False
+    world = dist.get_world_size(group)
+    local = local_size if registry.needs_local_size(algorithm) else None
+    schedule = registry.build(coll, algorithm, world, local_size=local)
+    nbytes = input.numel() * input.element_size()
+    return peer.push_mode(schedule, nbytes) and peer_push.writes_own_block_only(schedule, input.numel())
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto") -> torch.Tensor:

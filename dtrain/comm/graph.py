@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from dtrain.comm import watchdog
+
 __all__ = ["CapturedCollective", "capture"]
 
 
@@ -65,7 +67,8 @@ def capture(call: Callable[[], object], device: torch.device | int | None = None
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    # thread-local: other threads (the autograd engine's, dtrain's watchdog) may touch CUDA meanwhile
+    with watchdog.capturing(), torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         call()
     torch.cuda.synchronize(device)
     return CapturedCollective(graph, stream)

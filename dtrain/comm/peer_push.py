@@ -32,7 +32,7 @@ from functools import lru_cache
 
 from dtrain.comm.schedule import Schedule, ScheduleError, chunk_bounds
 
-__all__ = ["PushOp", "PushRound", "PushPlan", "compile_push", "has_push_form", "races"]
+__all__ = ["PushOp", "PushRound", "PushPlan", "compile_push", "has_push_form", "races", "writes_own_block_only"]
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,33 @@ def has_push_form(schedule: Schedule) -> bool:
 
 
 @lru_cache(maxsize=256)
-def compile_push(schedule: Schedule, rank: int, numel: int) -> PushPlan:
-    """Rank ``rank``'s push plan for ``schedule`` on ``numel`` elements (every rank calls it alike)."""
-    return _compile_all(schedule, numel)[rank]
+def compile_push(schedule: Schedule, rank: int, numel: int, own_block_only: bool = False) -> PushPlan:
+    """Rank ``rank``'s push plan for ``schedule`` on ``numel`` elements (every rank calls it alike).
+
+    ``own_block_only``: only block ``rank`` of the buffer must end with its value (a reduce-scatter's result),
+    so a chunk of another block is stored into ``x`` only where the rank sends it again later. Where that
+    leaves ``x`` written in the rank's own block alone (:func:`writes_own_block_only`), the runtime can read
+    the caller's input and write the result straight into the output, with no copy of the input."""
+    return _compile_all(schedule, numel, own_block_only)[rank]
+
+
+def writes_own_block_only(schedule: Schedule, numel: int) -> bool:
+    """Whether every rank's ``own_block_only`` plan stores into ``x`` only inside its own block."""
+    if not has_push_form(schedule) or schedule.nblocks != schedule.world_size or numel % schedule.nblocks:
+        return False
+    bounds = chunk_bounds(numel, schedule.nblocks, schedule.chunks_per_block)
+    per_block = schedule.chunks_per_block
+    for r, plan in enumerate(_compile_all(schedule, numel, True)):
+        lo = bounds[r * per_block][0]
+        hi = bounds[(r + 1) * per_block - 1][0] + bounds[(r + 1) * per_block - 1][1]
+        for op in [op for rnd in plan.rounds for op in rnd.ops] + list(plan.final):
+            if op.to_x and op.length and not (lo <= op.offset and op.offset + op.length <= hi):
+                return False
+    return True
 
 
 @lru_cache(maxsize=64)
-def _compile_all(schedule: Schedule, numel: int) -> tuple[PushPlan, ...]:
+def _compile_all(schedule: Schedule, numel: int, own_block_only: bool = False) -> tuple[PushPlan, ...]:
     if not has_push_form(schedule):
         raise ScheduleError(
             f"{schedule.collective.value}/{schedule.algorithm}: a chunk receives from two ranks in one round "
@@ -101,6 +121,17 @@ def _compile_all(schedule: Schedule, numel: int) -> tuple[PushPlan, ...]:
                     f"of {bounds[t.dst_chunk][1]}; the peer transport needs equal lengths"
                 )
             incoming_rounds.setdefault((t.dst, t.dst_chunk), []).append(k)
+    sends_at: dict[tuple[int, int], list[int]] = {}  # (rank, chunk) -> rounds in which the rank sends it
+    for k, rnd in enumerate(rounds_of):
+        for t in rnd:
+            sends_at.setdefault((t.src, t.src_chunk), []).append(k)
+
+    def needed(rank: int, chunk: int, after: int) -> bool:
+        """Whether the rank's value of the chunk is used after round ``after``: sent again, or its own result."""
+        if not own_block_only or chunk // schedule.chunks_per_block == rank:
+            return True
+        return any(k > after for k in sends_at.get((rank, chunk), ()))
+
     rounds: list[list[PushRound]] = [[] for _ in range(world)]
     for k, rnd in enumerate(rounds_of):
         bank = k % 2
@@ -110,9 +141,10 @@ def _compile_all(schedule: Schedule, numel: int) -> tuple[PushPlan, ...]:
             base_x, banks = state.get((t.src, t.src_chunk), (True, ()))
             off, n = bounds[t.src_chunk]
             materialize = bool(banks)  # fold while sending: later sends of this chunk read x alone
+            keep = materialize and needed(t.src, t.src_chunk, k)
             if n:
-                ops[t.src].append(PushOp(off, n, base_x, banks, t.dst, bounds[t.dst_chunk][0], bank, to_x=materialize))
-            if materialize:
+                ops[t.src].append(PushOp(off, n, base_x, banks, t.dst, bounds[t.dst_chunk][0], bank, to_x=keep))
+            if materialize:  # folded, or (not kept) never read again
                 state[(t.src, t.src_chunk)] = (True, ())
         # folds: a chunk receiving next round into a bank that still holds a contribution folds it now
         incoming_now = {(t.dst, t.dst_chunk): t.reduce for t in rnd}
@@ -123,9 +155,9 @@ def _compile_all(schedule: Schedule, numel: int) -> tuple[PushPlan, ...]:
                 if 1 - bank not in banks or incoming_now.get(key) is False:
                     continue  # nothing to fold, or a copy this round replaces the value anyway
                 off, n = bounds[t.dst_chunk]
-                if n:
+                if n and needed(t.dst, t.dst_chunk, k):
                     ops[t.dst].append(PushOp(off, n, base_x, banks, None, 0, 0, to_x=True))
-                state[key] = (True, ())
+                state[key] = (True, ())  # folded, or (not needed) dropped
         # arrivals of this round, in bank k % 2
         for t in rnd:
             key = (t.dst, t.dst_chunk)
@@ -140,7 +172,7 @@ def _compile_all(schedule: Schedule, numel: int) -> tuple[PushPlan, ...]:
         final = []
         for (q, c), (base_x, banks) in sorted(state.items()):
             off, n = bounds[c]
-            if q == r and banks and n:
+            if q == r and banks and n and needed(q, c, len(rounds_of)):
                 final.append(PushOp(off, n, base_x, banks, None, 0, 0, to_x=True))
         plans.append(PushPlan(rounds=tuple(rounds[r]), final=tuple(final)))
     return tuple(plans)

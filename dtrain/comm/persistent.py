@@ -32,6 +32,8 @@ from collections.abc import Callable, Hashable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef  # torch's weak handle on a storage
 
+from dtrain.comm import watchdog
+
 __all__ = ["MAX_GRAPHS", "run", "release_all", "enabled", "held"]
 
 #: The most graphs kept at once; the least recently replayed goes first.
@@ -42,7 +44,10 @@ _GRAPHS: OrderedDict[Hashable, object] = OrderedDict()
 _CALLS = [0]
 #: Every this many calls, graphs and sightings of freed storages are released (also at every capture).
 SWEEP_EVERY = 256
-_OWNERS: dict[Hashable, StorageWeakRef] = {}  # key -> its storage, for keys of _SEEN and _GRAPHS with an owner
+_OWNERS: dict[Hashable, tuple[StorageWeakRef, ...]] = {}  # key -> its storages (keys of _SEEN, _GRAPHS with owners)
+#: Work buffers the API keeps so that calls on fresh inputs replay (``dtrain.comm.api._scratch``); released
+#: with the graphs.
+SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
 def enabled() -> bool:
@@ -66,7 +71,7 @@ def _capture(call: Callable[[], object], device: torch.device):
     stream.wait_stream(torch.cuda.current_stream(device))
     graph = torch.cuda.CUDAGraph()
     # thread-local: a training step's other threads (the autograd engine's) may touch CUDA meanwhile
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+    with watchdog.capturing(), torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         call()
     return CapturedCollective(graph, stream)
 
@@ -76,19 +81,21 @@ def run(
     call: Callable[[], object],
     device: torch.device,
     *,
-    owner: torch.Tensor | None = None,
+    owner: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
     capture=_capture,
 ) -> None:
     """Run ``call`` (a collective on CUDA tensors): eagerly the first time ``key`` is seen, from then on as a
-    graph captured on the second sighting. ``owner``: the tensor the call works on; its graph is replayed only
-    for that same storage (see the module notes). ``capture`` is the recorder (tests pass a fake one)."""
+    graph captured on the second sighting. ``owner``: the tensor (or tensors) the call works on; its graph is
+    replayed only for those same storages, all alive (see the module notes). ``capture`` is the recorder (tests
+    pass a fake one)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         call()  # inside someone else's capture (comm.capture): record the plain call, never a nested replay
         return
-    if owner is not None:
+    owners = () if owner is None else (owner,) if isinstance(owner, torch.Tensor) else tuple(owner)
+    if owners:
         # a weak reference held in _OWNERS keeps this storage's identity from being reused by another one, so
         # an equal identity here means the very storage the graph was captured on, and it is alive
-        key = (key, owner.untyped_storage()._cdata)
+        key = (key, tuple(t.untyped_storage()._cdata for t in owners))
     _CALLS[0] += 1
     if _CALLS[0] % SWEEP_EVERY == 0:  # a loop that only replays captures nothing new: free dead graphs anyway
         _drop_dead()
@@ -102,8 +109,8 @@ def run(
         return
     seen = _SEEN.pop(key, 0) + 1
     _SEEN[key] = seen
-    if owner is not None and key not in _OWNERS:
-        _OWNERS[key] = StorageWeakRef(owner.untyped_storage())
+    if owners and key not in _OWNERS:
+        _OWNERS[key] = tuple(StorageWeakRef(t.untyped_storage()) for t in owners)
     while len(_SEEN) > 4 * MAX_GRAPHS:
         _drop(_SEEN.popitem(last=False)[0], graph=False)
     if seen < 2:
@@ -133,7 +140,7 @@ def _drop(key: Hashable, graph: bool = True) -> None:
 
 def _drop_dead() -> None:
     """Release the graphs and sightings of storages that have been freed (they can never be replayed)."""
-    for key in [k for k, ref in _OWNERS.items() if ref.expired()]:
+    for key in [k for k, refs in _OWNERS.items() if any(ref.expired() for ref in refs)]:
         _drop(key)
 
 
@@ -144,3 +151,4 @@ def release_all() -> None:
     _GRAPHS.clear()
     _SEEN.clear()
     _OWNERS.clear()
+    SCRATCH.clear()

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 
-__all__ = ["GRACE", "MAX_PENDING", "RESERVE", "Watchdog", "watch"]
+__all__ = ["GRACE", "MAX_PENDING", "RESERVE", "Watchdog", "capturing", "watch"]
 
 #: How much longer the device barrier waits than the watchdog, so the host's report comes first.
 GRACE = timedelta(seconds=5)
@@ -81,7 +81,11 @@ class Watchdog:
             self._free.append(self._make_event())
 
     def check(self) -> str | None:
-        """Drop finished calls; report the oldest unfinished one once it is older than its limit (once)."""
+        """Drop finished calls; report the oldest unfinished one once it is older than its limit (once). Does
+        nothing while a CUDA graph is being captured in this process (:func:`capturing`): querying an event
+        then would invalidate a capture made in CUDA's global mode, as torch's own NCCL watchdog found."""
+        if _CAPTURES[0]:
+            return None
         with self._lock:
             while self._pending and self._pending[0][0].query():
                 self._free.append(self._pending.popleft()[0])
@@ -125,6 +129,24 @@ def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+_CAPTURES = [0]  # CUDA-graph captures in progress in this process (dtrain's own; see capturing())
+
+
+class capturing:  # noqa: N801  (used as a context manager, like torch.cuda.graph)
+    """Around a CUDA-graph capture: the watchdog's thread queries no event meanwhile. dtrain's own captures use
+    it; a capture of your own in CUDA's global mode while dtrain's collectives are watched should too (or use
+    ``capture_error_mode="thread_local"``)."""
+
+    def __enter__(self) -> capturing:
+        with _LOCK:
+            _CAPTURES[0] += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _LOCK:
+            _CAPTURES[0] -= 1
+
+
 _DOGS: dict[object, tuple[Watchdog, Callable[[object], None]]] = {}
 _LOCK = threading.Lock()
 POLL_S = 0.5
@@ -134,13 +156,22 @@ def _poll(dog: Watchdog, device) -> None:
     import torch
 
     torch.cuda.set_device(device)
+    failures = 0
     while True:
         time.sleep(POLL_S)
         try:
             dog.check()
-        except Exception as err:  # the CUDA context is gone (the device barrier gave up): nothing left to watch
-            _to_stderr(f"dtrain.comm watchdog on {device} stops: {err}")
-            return
+            failures = 0
+        except Exception as err:  # a query that failed once is retried; the CUDA context may be gone
+            failures += 1
+            if failures >= 3:
+                _to_stderr(f"dtrain.comm watchdog on {device} stops: {err}")
+                with _LOCK:  # a later call starts a new one; nothing is kept alive meanwhile
+                    if _DOGS.get(device, (None,))[0] is dog:
+                        del _DOGS[device]
+                    dog._pending.clear()
+                    dog._free.clear()
+                return
 
 
 def _event_maker(device):

@@ -13,10 +13,15 @@ the schedule is replayed from a CUDA graph (:mod:`dtrain.comm.persistent`). Per 
 | reduce | other ranks than ``dst``: clone ``n`` (keep the caller's tensor) | ``dst``, ``avg``: divide ``n`` |
 | all-gather, gather | copy the input's ``n / world`` into the work buffer | |
 | reduce-scatter | clone ``n`` (the input is left intact) | ``avg``: divide ``n / world``; copy ``n / world`` out |
+| reduce-scatter, out of place | (the push form reads the input, writes the output) | ``avg``: divide ``n / world`` |
 | scatter | ``src``: clone ``n`` | copy ``n / world`` out |
 | all-to-all | clone ``n`` | copy ``n`` out |
 | barrier | fill a one-element token | (a stream synchronisation, no pass) |
 
+"Out of place" is the peer transport's push form where the plan stores only into the rank's own block
+(``api._out_of_place``; from session 5, after the session-5 GPU sweeps were measured). Where the table says
+clone, a CUDA call copies into a work buffer the API keeps for the next call of that
+group, size and dtype (``api._scratch``, since session 5, so that the call replays): the same pass and launch.
 The table is for contiguous tensors, as training and ``dtrain bench comm`` pass them; a tensor that is not
 contiguous adds a copy into a contiguous buffer (and, for one that receives the result, a copy back), which is
 not priced. Allocations (``torch.empty``) launch nothing and are not listed.
@@ -72,10 +77,11 @@ def rank_passes(
     *,
     root: int | None = None,
     op: str = "sum",
+    out_of_place: bool = False,
 ) -> RankPasses:
     """Rank ``rank``'s API operations for a call of ``collective`` on a ``nbytes`` work buffer of contiguous
     tensors (the module's table). ``root``: the rooted collectives' ``src`` or ``dst``; ``op``: the reduction
-    ("avg" adds a division)."""
+    ("avg" adds a division); ``out_of_place``: a reduce-scatter run without a copy of its input."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a group of {world} ranks")
     block = nbytes // world
@@ -91,6 +97,8 @@ def rank_passes(
         return RankPasses(before=(Pass("copy", block),))
     if collective == Collective.REDUCE_SCATTER:
         mine = (Pass("div", block),) if op == "avg" else ()
+        if out_of_place:
+            return RankPasses(after=mine)
         return RankPasses(before=(Pass("clone", nbytes),), after=(*mine, Pass("copy", block)))
     if collective == Collective.SCATTER:
         return RankPasses(before=(Pass("clone", nbytes),) if is_root else (), after=(Pass("copy", block),))
@@ -101,7 +109,12 @@ def rank_passes(
     raise ValueError(f"no API passes known for collective {collective!r}")
 
 
-def api_passes(schedule: Schedule, nbytes: int, *, op: str = "sum") -> tuple[RankPasses, ...]:
+def api_passes(
+    schedule: Schedule, nbytes: int, *, op: str = "sum", out_of_place: bool = False
+) -> tuple[RankPasses, ...]:
     """Every rank's API operations for a call that runs ``schedule`` on a ``nbytes`` work buffer."""
     world = schedule.world_size
-    return tuple(rank_passes(schedule.collective, nbytes, world, r, root=schedule.root, op=op) for r in range(world))
+    return tuple(
+        rank_passes(schedule.collective, nbytes, world, r, root=schedule.root, op=op, out_of_place=out_of_place)
+        for r in range(world)
+    )

@@ -8,15 +8,17 @@ plan the runtime itself runs (:func:`dtrain.comm.peer_plan.compile_pull`), per r
   window at the local copy rate, then the pull passes one after another: a pass reading one peer at the pair
   rate, a pass reading several peers at once at the fan-in rate (what one rank reads in all; on 4 H200s all
   ranks reading all peers contend, so this is *lower* than one pair's), plus a second barrier and its local
-  copies where the plan defers window writes; at the end the copies out and the last barrier.
+  copies where the plan defers window writes; at the end the copies out and the last barrier. Every kernel
+  or torch operation also costs ``gpu_op_s`` besides its bytes (the gap between kernels and the ramp to full
+  rate: on 4 H100s a 16 MiB read takes 4.4 us more than its bytes at the rate of a 256 MiB one).
 - **Host time**: a fixed cost a call, and a cost for each barrier, each torch operation (a copy, a small
   pass) and each launch of the fused Triton kernel it enqueues (the runtime's own rule,
   :func:`dtrain.comm.peer_kernels.wants_kernel`, says which passes are fused).
 
 A call takes the larger of the two: the host runs ahead of the GPU until the GPU catches up with it (small
 messages are host-bound, large ones GPU-bound). A graph-replayed call (``DTRAIN_COMM_PERSISTENT=1``) costs
-``host_replay_s`` on the host (the API's checks, the look-ups, the graph launch). Figures are fitted to
-``dtrain bench comm`` runs (:func:`fit_peer_cost`).
+``host_replay_s`` on the host (the API's checks, the look-ups, the graph launch). Figures come from the
+micro-benchmarks or are fitted to ``dtrain bench comm`` runs (:func:`fit_peer_cost`).
 
 ``api`` adds the public API's own operations around the schedule (:mod:`dtrain.sim.api_passes`: the clones and
 copies of reduce-scatter, all-gather, all-to-all, ...), replayed or not: each is a torch operation on the host
@@ -35,8 +37,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dtrain.comm.peer_plan import compile_pull, wants_kernel
-from dtrain.comm.peer_push import compile_push
+from dtrain.comm.peer_plan import PullOp, compile_pull, wants_kernel
+from dtrain.comm.peer_push import PushOp, compile_push
 from dtrain.comm.schedule import Schedule
 from dtrain.sim.api_passes import RankPasses
 
@@ -52,7 +54,10 @@ class PeerCost:
     ``host_call_s``, ``host_barrier_s``, ``host_launch_s``: host time a call, a barrier, a kernel or copy;
     ``push_bytes_per_s``: a push pass (reads local buffers, stores into a peer; None: the pair rate);
     ``host_kernel_s``: host time of a fused-kernel launch (None: ``host_launch_s``); ``host_replay_s``: host
-    time of a graph-replayed call (the API's checks, the plan and graph look-up, the graph launch).
+    time of a graph-replayed call (the API's checks, the plan and graph look-up, the graph launch);
+    ``gpu_op_s``: GPU time of each kernel or torch operation besides its bytes (the gap between two kernels and
+    the ramp to full rate), so that a pass of ``b`` bytes takes ``gpu_op_s + b / rate``; with it, the rates are
+    those a pass reaches when large (0: the rates carry it, as measured at one size).
     """
 
     pair_bytes_per_s: float
@@ -65,6 +70,7 @@ class PeerCost:
     push_bytes_per_s: float | None = None
     host_kernel_s: float | None = None
     host_replay_s: float = 0.0
+    gpu_op_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.host_kernel_s is not None and not self.host_kernel_s >= 0:
@@ -74,7 +80,7 @@ class PeerCost:
         for name in ("pair_bytes_per_s", "fanin_bytes_per_s", "local_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PeerCost.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("barrier_s", "host_call_s", "host_barrier_s", "host_launch_s", "host_replay_s"):
+        for name in ("barrier_s", "host_call_s", "host_barrier_s", "host_launch_s", "host_replay_s", "gpu_op_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PeerCost.{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -92,42 +98,69 @@ class PeerTime:
     api_launches: int = 0  # of which the API's own operations (``api``), on the rank with the most
 
 
-def _phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[tuple[float, list[tuple[float, int]]]]]:
-    """Per rank, the stretches of work between two barriers, in order: (local bytes copied, passes), a pass
-    being (bytes read, peers read). The runtime's order: copy-in, barrier; the round's passes (then a second
-    barrier and the deferred copies), the next round's copy-in, barrier; ...; the copy-out, barrier."""
+Stretch = tuple[float, list[tuple[float, int]], int]  # (local bytes, passes, operations) between two barriers
+
+
+def _pull_op_launches(op: PullOp, itemsize: int) -> tuple[int, int]:
+    """(torch operations, fused-kernel launches) of one pull pass, by the runtime's rule (``wants_kernel``)."""
+    nouts = int(op.to_x) + int(op.to_w)
+    if wants_kernel(nouts, len(op.reads), op.length * itemsize, has_base=op.base is not None):
+        return 0, 1
+    return len(op.reads) + (nouts > 1), 0
+
+
+def _push_op_launches(op: PushOp, itemsize: int) -> tuple[int, int]:
+    """(torch operations, fused-kernel launches) of one push pass or local fold."""
+    operands = int(op.base_x) + len(op.banks)
+    nouts = int(op.dst is not None) + int(op.to_x)
+    remote = op.dst is not None
+    if wants_kernel(nouts, max(operands - 1, 1), op.length * itemsize, has_base=operands > 1, remote=remote):
+        return 0, 1
+    return (1 if operands <= 2 else operands - 1) + (nouts > 1), 0
+
+
+def _phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[Stretch]]:
+    """Per rank, the stretches of work between two barriers, in order: (local bytes copied, passes,
+    operations launched), a pass being (bytes read, peers read). The runtime's order: copy-in, barrier; the
+    round's passes (then a second barrier and the deferred copies), the next round's copy-in, barrier; ...;
+    the copy-out, barrier."""
     out = []
     for r in range(schedule.world_size):
         plan = compile_pull(schedule, r, numel)
-        phases: list[tuple[float, list[tuple[float, int]]]] = []
-        local = sum(n for _, n in plan.rounds[0].copy_in) * itemsize if plan.rounds else 0.0
+        phases: list[Stretch] = []
+        first = plan.rounds[0].copy_in if plan.rounds else ()
+        local, ops = sum(n for _, n in first) * itemsize, len(first)
         passes: list[tuple[float, int]] = []
         for k, rnd in enumerate(plan.rounds):
-            phases.append((local, passes))  # ends at the barrier before round k
-            local, passes = 0.0, [(op.length * itemsize * len(op.reads), len(op.reads)) for op in rnd.ops]
+            phases.append((local, passes, ops))  # ends at the barrier before round k
+            passes = [(op.length * itemsize * len(op.reads), len(op.reads)) for op in rnd.ops]
+            local, ops = 0.0, sum(sum(_pull_op_launches(op, itemsize)) for op in rnd.ops)
             if rnd.second_barrier:
-                phases.append((local, passes))
-                local, passes = sum(n for _, n in rnd.deferred) * itemsize, []
+                phases.append((local, passes, ops))
+                local, passes, ops = sum(n for _, n in rnd.deferred) * itemsize, [], len(rnd.deferred)
             if k + 1 < len(plan.rounds):
                 local += sum(n for _, n in plan.rounds[k + 1].copy_in) * itemsize
+                ops += len(plan.rounds[k + 1].copy_in)
         local += sum(n for _, n in plan.copy_out) * itemsize
-        phases.append((local, passes))  # ends at the last barrier
+        phases.append((local, passes, ops + len(plan.copy_out)))  # ends at the last barrier
         out.append(phases)
     return out
 
 
-def _push_phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[tuple[float, list[tuple[float, int]]]]]:
-    """The push plan as :func:`_phases` gives the pull plan: per rank, (local bytes, passes) between barriers,
-    a pass being (bytes stored into a peer, 1); local folds count as local bytes. The last stretch (the final
-    folds) ends at no barrier."""
+def _push_phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[Stretch]]:
+    """The push plan as :func:`_phases` gives the pull plan: per rank, (local bytes, passes, operations)
+    between barriers, a pass being (bytes stored into a peer, 1); local folds count as local bytes. The last
+    stretch (the final folds) ends at no barrier."""
     out = []
     for r in range(schedule.world_size):
         plan = compile_push(schedule, r, numel)
-        phases: list[tuple[float, list[tuple[float, int]]]] = [(0.0, [])]  # ends at the barrier before round 0
+        phases: list[Stretch] = [(0.0, [], 0)]  # ends at the barrier before round 0
         for rnd in plan.rounds:
             local = sum(op.length for op in rnd.ops if op.dst is None) * itemsize
-            phases.append((local, [(op.length * itemsize, 1) for op in rnd.ops if op.dst is not None]))
-        phases.append((sum(op.length for op in plan.final) * itemsize, []))
+            passes = [(op.length * itemsize, 1) for op in rnd.ops if op.dst is not None]
+            phases.append((local, passes, sum(sum(_push_op_launches(op, itemsize)) for op in rnd.ops)))
+        folds = sum(sum(_push_op_launches(op, itemsize)) for op in plan.final)
+        phases.append((sum(op.length for op in plan.final) * itemsize, [], folds))
         out.append(phases)
     return out
 
@@ -174,27 +207,30 @@ def peer_time(
     )
 
 
-def _gpu_s(ranks: list, api: Sequence[RankPasses], cost: PeerCost, push: bool) -> float:
+def _gpu_s(ranks: list[list[Stretch]], api: Sequence[RankPasses], cost: PeerCost, push: bool) -> float:
     """GPU time of every rank's stretches (:func:`_phases`, :func:`_push_phases`) with the API's passes, those
-    before the schedule ahead of its first barrier and those after it behind its last."""
+    before the schedule ahead of its first barrier and those after it behind its last; every operation costs
+    ``gpu_op_s`` besides its bytes."""
     for phases, passes in zip(ranks, api, strict=True):
-        phases[0] = (phases[0][0] + passes.before_bytes, phases[0][1])
+        local, reads, ops = phases[0]
+        phases[0] = (local + passes.before_bytes, reads, ops + len(passes.before))
         if push:  # the final folds end at no barrier: the API's copies out follow them
-            phases[-1] = (phases[-1][0] + passes.after_bytes, phases[-1][1])
+            local, reads, ops = phases[-1]
+            phases[-1] = (local + passes.after_bytes, reads, ops + len(passes.after))
     nphases = len(ranks[0])
     pair = (cost.push_bytes_per_s or cost.pair_bytes_per_s) if push else cost.pair_bytes_per_s
     gpu = 0.0
     for k in range(nphases):  # every phase ends at a barrier all ranks take, so the slowest rank sets it
         slowest = 0.0
         for phases in ranks:
-            local, passes = phases[k]
-            t = local / cost.local_bytes_per_s
+            local, passes, ops = phases[k]
+            t = local / cost.local_bytes_per_s + ops * cost.gpu_op_s
             for read, peers in passes:
                 t += read / (pair if peers == 1 else cost.fanin_bytes_per_s)
             slowest = max(slowest, t)
         gpu += slowest + (cost.barrier_s if not push or k + 1 < nphases else 0.0)
     if not push:
-        gpu += max(p.after_bytes for p in api) / cost.local_bytes_per_s
+        gpu += max(p.after_bytes / cost.local_bytes_per_s + len(p.after) * cost.gpu_op_s for p in api)
     return gpu
 
 
@@ -209,24 +245,14 @@ def _launches(
         torch_ops, kernels = api_launches[r], 0
         if push:
             plan = compile_push(schedule, r, numel)
-            for op in [o for rnd in plan.rounds for o in rnd.ops] + list(plan.final):
-                operands = int(op.base_x) + len(op.banks)
-                nouts = int(op.dst is not None) + int(op.to_x)
-                fused = wants_kernel(
-                    nouts, max(operands - 1, 1), op.length * itemsize, has_base=operands > 1, remote=op.dst is not None
-                )
-                kernels += fused
-                torch_ops += (not fused) * (1 if operands <= 2 else operands - 1) + (not fused and nouts > 1)
+            counts = [_push_op_launches(op, itemsize) for rnd in plan.rounds for op in rnd.ops]
+            counts += [_push_op_launches(op, itemsize) for op in plan.final]
         else:
             plan = compile_pull(schedule, r, numel)
-            for rnd in plan.rounds:
-                torch_ops += len(rnd.copy_in) + len(rnd.deferred)
-                for op in rnd.ops:
-                    nouts = int(op.to_x) + int(op.to_w)
-                    fused = wants_kernel(nouts, len(op.reads), op.length * itemsize, has_base=op.base is not None)
-                    kernels += fused
-                    torch_ops += (not fused) * (len(op.reads) + (nouts > 1))
-            torch_ops += len(plan.copy_out)
+            counts = [_pull_op_launches(op, itemsize) for rnd in plan.rounds for op in rnd.ops]
+            torch_ops += sum(len(rnd.copy_in) + len(rnd.deferred) for rnd in plan.rounds) + len(plan.copy_out)
+        torch_ops += sum(c[0] for c in counts)
+        kernels += sum(c[1] for c in counts)
         if (torch_ops + kernels, kernels) > (best[0] + best[1], best[1]):
             best = (torch_ops, kernels, api_launches[r])
     return best
@@ -243,20 +269,16 @@ def fit_peer_cost(
 
     The host terms by non-negative least squares on the eager points of at most ``host_below_bytes`` (where a
     call is host-bound; a fused-kernel launch keeps ``base.host_kernel_s`` when that is given), and the host
-    time of a replay as the median of the replayed points up to that size, less their API operations at
-    ``base.host_launch_s``; then, with ``gpu``, the pair rate, the fan-in rate and the barrier, each by a
+    time of a replay from the replayed points up to that size (:func:`_fit_replay_host`); then, with ``gpu``,
+    the pair rate, the fan-in rate and the barrier, each by a
     golden-section search on the mean squared log error of every point, in turn, three times. A point may carry
     a fifth element, True for a call in the push form, and a sixth, the API's passes (:func:`peer_time`'s
     ``api``).
     """
     pts = [(p[0], p[1], p[2], p[3], bool(p[4]) if len(p) > 4 else False, p[5] if len(p) > 5 else None) for p in points]
-    replays = [
-        t - peer_time(s, n, base, replayed=True, push=push, api=api).api_launches * base.host_launch_s
-        for s, n, t, rep, push, api in pts
-        if rep and n <= host_below_bytes
-    ]
-    if replays:  # small replayed calls are host-bound: their host time is what they take
-        base = replace(base, host_replay_s=float(np.median(replays)))
+    replays = [(s, n, t, push, api) for s, n, t, rep, push, api in pts if rep and n <= host_below_bytes]
+    if replays:
+        base = replace(base, host_replay_s=_fit_replay_host(replays, base))
     small = [(s, n, t, push, api) for s, n, t, rep, push, api in pts if not rep and n <= host_below_bytes]
     cost = base
     if small:
@@ -287,6 +309,31 @@ def fit_peer_cost(
             best = _golden(lambda v, n=name, c=cost: loss(replace(c, **{n: v})), low, high)
             cost = replace(cost, **{name: best})
     return cost
+
+
+def _fit_replay_host(replays: Sequence[tuple], cost: PeerCost) -> float:
+    """The host time of a replayed call that best explains ``(schedule, nbytes, seconds, push, api)`` replays:
+    the value, of those the points themselves imply (``seconds`` less their API operations at
+    ``cost.host_launch_s``), with the least absolute log error of ``max(GPU, host)`` summed over the points, the
+    GPU time priced with ``cost``; the median of the values tied for it.
+
+    A small replay is not always host-bound: on 4 H100s a replayed ring all-reduce of 1 MiB waits 70-87 us on
+    its barriers and kernels against ~34 us of host time (``benchmarks/replay_host_probe.py``). Where every
+    point is host-bound this is the median of what they imply (as this fit was before); a point its GPU time
+    explains no longer pulls the host time up to its own.
+    """
+    points = []
+    for s, n, t, push, api in replays:
+        pt = peer_time(s, n, cost, replayed=True, push=push, api=api)
+        points.append((t, pt.gpu_s, pt.api_launches * cost.host_launch_s))
+    candidates = sorted(max(t - api_s, 0.0) for t, _, api_s in points)
+
+    def loss(host: float) -> float:
+        return sum(abs(np.log(max(gpu, host + api_s) / t)) for t, gpu, api_s in points)
+
+    losses = [loss(h) for h in candidates]
+    best = min(losses) * (1 + 1e-9) + 1e-15  # ties: equal up to rounding
+    return float(np.median([h for h, v in zip(candidates, losses, strict=True) if v <= best]))
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
