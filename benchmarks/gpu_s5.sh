@@ -11,13 +11,9 @@
 set -uo pipefail
 out=${1:-runs/gpu-s5}
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset DTRAIN_COMM_TRANSPORT DTRAIN_COMM_PERSISTENT DTRAIN_COMM_PEER_MODE DTRAIN_COMM_TIMEOUT
+. benchmarks/gpu_env.sh
 export DTRAIN_COMM_RULES="$out/rules-cuda-peer.json"
 rm -f "$DTRAIN_COMM_RULES"
-n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-tr() { timeout "${LIMIT:-120}" torchrun --nproc-per-node "${NP:-$n}" "$@" 2>&1 | grep --line-buffered -v -iE "warn|^\s*$"; }
 nvidia-smi -L | head -4; python3 -c 'import torch; print(torch.__version__, torch.cuda.nccl.version())'
 start=$SECONDS
 LIMIT=150 tr -m dtrain bench verify >"$out/verify.txt"

@@ -10,11 +10,7 @@ set -uo pipefail
 out=${1:-runs/gpu-s5b}; shift || true
 parts=${*:-rules verify probe colls dp}
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset DTRAIN_COMM_TRANSPORT DTRAIN_COMM_PERSISTENT DTRAIN_COMM_PEER_MODE DTRAIN_COMM_TIMEOUT
-n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-tr() { timeout "${LIMIT:-120}" torchrun --nproc-per-node "$n" "$@" 2>&1 | grep --line-buffered -v -iE "warn|^\s*$"; }
+. benchmarks/gpu_env.sh
 nvidia-smi -L | head -1
 sweep="--collectives all_reduce --algorithms native,ring,halving_doubling,auto --min-bytes 1M --max-bytes 1G --factor 4"
 for part in $parts; do

@@ -11,11 +11,7 @@ set -uo pipefail
 out=${1:-runs/gpu-s5c}; shift || true
 parts=${*:-rules probe train tp zero dp}
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset DTRAIN_COMM_TRANSPORT DTRAIN_COMM_PERSISTENT DTRAIN_COMM_PEER_MODE DTRAIN_COMM_TIMEOUT
-n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-tr() { timeout "${LIMIT:-120}" torchrun --nproc-per-node "$n" "$@" 2>&1 | grep --line-buffered -v -iE "warn|^\s*$"; }
+. benchmarks/gpu_env.sh
 nvidia-smi -L | head -1
 for part in $parts; do
   start=$SECONDS
@@ -50,13 +46,7 @@ for part in $parts; do
         LIMIT=120 tr benchmarks/peers_dp_zero.py --sections dp --sizes 4 1 --batch-per-rank $b --stall-s 110 \
           --out "$out/dp-b$b-$SECONDS.jsonl" | grep "^timed" | paste -sd' '; echo " (b=$b)"
       done
-      python3 - "$out" <<'PY'
-import glob, json, sys
-for path in sorted(glob.glob(sys.argv[1] + "/dp-b*.jsonl")):
-    rows = [json.loads(l) for l in open(path)]
-    one = [r for r in rows if r["ranks"] == 1][0]["tokens_per_s"]
-    print(path.split("/")[-1], " ".join(f"{r['variant']} {r['ratio_vs_ddp'] or 0:.3f}x {r['tokens_per_s'] / r['ranks'] / one:.3f}" for r in rows if r["ranks"] == 4))
-PY
+      python3 benchmarks/dp_summary.py "$out"
       ;;
   esac
   echo "part $part: $((SECONDS - start)) s"

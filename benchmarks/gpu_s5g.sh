@@ -5,10 +5,7 @@
 set -uo pipefail
 out=${1:-runs/gpu-s5g}
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset DTRAIN_COMM_TRANSPORT DTRAIN_COMM_PERSISTENT DTRAIN_COMM_PEER_MODE DTRAIN_COMM_TIMEOUT DTRAIN_COMM_RULES
-tr() { timeout "${LIMIT:-120}" torchrun --nproc-per-node 4 "$@" 2>&1 | grep --line-buffered -v -iE "warn|^\s*$"; }
+. benchmarks/gpu_env.sh
 nvidia-smi -L | head -1
 LIMIT=150 tr -m dtrain bench verify >"$out/verify.txt"
 echo "verify: $(grep -c '^ok' "$out/verify.txt") ok, $(grep -ciE '^(fail|mismatch)|error' "$out/verify.txt") failed"

@@ -10,8 +10,8 @@ the replay as ``comm.capture`` did it before session 5 (on a side stream, two st
 from __future__ import annotations
 
 import os
-import time
 
+import peer_host_probe  # benchmarks/, the script's own folder (torchrun puts it on sys.path)
 import torch
 import torch.distributed as dist
 
@@ -20,19 +20,7 @@ from dtrain.comm import api, watchdog
 
 
 def host_and_gpu(fn, iters):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(iters):
-        fn()
-    host = (time.perf_counter() - t0) / iters * 1e6
-    end.record()
-    torch.cuda.synchronize()
-    return host, start.elapsed_time(end) / iters * 1e3
+    return peer_host_probe.host_and_gpu(fn, iters, warmup=3)
 
 
 def _probe(numel: int, dev: torch.device, say) -> None:
