@@ -24,9 +24,15 @@ Fitted: only the host time of a replayed call (``host_replay_s``), on the <= 1 M
 final code's (``gpu-h100x4-s5-final-ar-final.jsonl``: 3 all-reduces of 1 MiB). Held out: every other point
 of the eight sweeps (all-reduce, all-gather, reduce-scatter, all-to-all, 1 MiB-1 GiB, replayed, and one eager
 all-reduce sweep), each priced as the runtime ran it, with the API's own operations (dtrain.sim.api_passes).
-``auto`` rows are priced as the algorithm they resolved to and reported apart. NCCL's own (``native``) points
-are priced with dtrain.sim.nccl, fitted (as ``sim_validate_transports.py`` does) on the final sweep's native
-all-reduce and tested on every other native point.
+``auto`` rows are priced as the algorithm they resolved to and reported apart.
+
+NCCL's own (``native``) points, those of the eight sweeps and of five runs that timed reduce-scatter and
+all-reduce at 4-64 MiB (``NATIVE_ONLY``), are priced with dtrain.sim.nccl: its four figures fitted with
+``fit_nccl`` on ONE run, run 3's first launch (``NCCL_FIT_SWEEP``: all-reduce, all-gather and reduce-scatter,
+1 MiB-1 GiB), the local copy at ``LOCAL_OVER_CONNECTION`` times the connection rate. Two variants show what
+each change does: the same fit without the copy, and the previous fit (no copy, on the final sweep's
+all-reduce; with today's code, so today's all-to-all). All three are tested on the native points that neither
+fit run holds.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from dtrain.comm.peer import PUSH_FROM_BYTES
 from dtrain.comm.peer_push import has_push_form
 from dtrain.comm.schedule import Collective
 from dtrain.sim.api_passes import api_passes
-from dtrain.sim.nccl import NcclParams, simulate_nccl
+from dtrain.sim.nccl import LOCAL_OVER_CONNECTION, NcclParams, simulate_nccl
 from dtrain.sim.nccl_fit import NcclPoint, fit_nccl
 from dtrain.sim.peer_model import PeerCost, fit_peer_cost, peer_time
 from dtrain.sim.transports import Transport
@@ -63,6 +69,9 @@ SWEEPS = {  # file: what it is (docs/benchmarks.md, "Session 5")
     FIT_SWEEP: "final code, all-reduce, built-in rule",
     "gpu-h100x4-s5-ar-eager.jsonl": "run 1, all-reduce, eager (PERSISTENT=0)",
 }
+NCCL_FIT_SWEEP = "gpu-h100x4-s5-c-colls-1.jsonl"
+NATIVE_ONLY = ("gpu-h100x4-s5-e-rs-ar.jsonl", "gpu-h100x4-s5-g-rs-1.jsonl", "gpu-h100x4-s5-g-rs-2.jsonl",
+               "gpu-h100x4-s5-f-thr-pull.jsonl", "gpu-h100x4-s5-f-thr-push.jsonl")  # fmt: skip
 ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "direct")
 BANDS = (("< 16 MiB", 0, 16 * MIB), (">= 16 MiB", 16 * MIB, 1 << 62), (">= 64 MiB", 64 * MIB, 1 << 62))
 
@@ -228,20 +237,28 @@ def _probe_rows(cost: PeerCost) -> list[dict]:
     return rows
 
 
-def _native(sweeps: list[str]) -> tuple[NcclParams, list[dict]]:
-    """NCCL's own calls: the model fitted on the final sweep's native all-reduce, priced on every native point."""
+def _native(sweeps: list[str]) -> tuple[dict[str, NcclParams], list[dict]]:
+    """NCCL's own calls, priced by three fits of the NCCL model (module docstring); ``fit`` marks the points of
+    either fit set, which no variant is tested on."""
     topo = Transport(name="nvlink").topology(4)  # NVLink 4 through NVSwitch, 450 GB/s a direction: H100 and H200
     rows = [{**json.loads(line), "sweep": name} for name in sweeps for line in (DATA / name).read_text().splitlines()]
     rows = [r for r in rows if r["algorithm"] == "native"]
-    fit_set = [r for r in rows if r["sweep"] == FIT_SWEEP and r["collective"] == "all_reduce"]
-    params = fit_nccl([NcclPoint(collective="all_reduce", nbytes=r["nbytes"], seconds=r["time_us"] * 1e-6)
-                       for r in fit_set], topo)  # fmt: skip
-    out = []
-    for r in rows:
-        pred = simulate_nccl(topo, r["collective"], r["nbytes"], params=params).time_s * 1e6
-        out.append({"sweep": r["sweep"], "collective": r["collective"], "algorithm": "native", "resolved": "native",
-                    "nbytes": r["nbytes"], "replayed": False, "push": False, "measured_us": r["time_us"],
-                    "fit": r in fit_set, "predicted_us": pred, "error": pred / r["time_us"] - 1})  # fmt: skip
+    colls = [r for r in rows if r["sweep"] == NCCL_FIT_SWEEP]
+    final = [r for r in rows if r["sweep"] == FIT_SWEEP and r["collective"] == "all_reduce"]
+    fits = {"copy, fitted on run 3 launch 1": (colls, LOCAL_OVER_CONNECTION),
+            "no copy, fitted on run 3 launch 1": (colls, None),
+            "no copy, fitted on the final sweep's all-reduce (before)": (final, None)}  # fmt: skip
+    params, out = {}, []
+    for variant, (fit_set, local) in fits.items():
+        points = [NcclPoint(collective=r["collective"], nbytes=r["nbytes"], seconds=r["time_us"] * 1e-6)
+                  for r in fit_set]  # fmt: skip
+        params[variant] = fit_nccl(points, topo, local_per_connection=local)
+        for r in rows:
+            pred = simulate_nccl(topo, r["collective"], r["nbytes"], params=params[variant]).time_s * 1e6
+            out.append({"variant": variant, "sweep": r["sweep"], "collective": r["collective"],
+                        "algorithm": "native", "resolved": "native", "nbytes": r["nbytes"], "replayed": False,
+                        "push": False, "measured_us": r["time_us"], "fit": r in colls or r in final,
+                        "predicted_us": pred, "error": pred / r["time_us"] - 1})  # fmt: skip
     return params, out
 
 
@@ -287,13 +304,19 @@ def main() -> None:
     print("\npeer_host_probe.py 64 MiB replays (held out): " + ", ".join(
         f"{r['algorithm']} {r['measured_us']:.0f} us {r['error']:+.1%}" for r in probe))  # fmt: skip
     _worst(rows["two sizes"])
-    params, native = _native(list(SWEEPS))
-    print(f"\nNCCL model fitted on {FIT_SWEEP}'s native all-reduce: {params}")
-    _table("NCCL (native), held out, per collective", [r for r in native if not r["fit"]], lambda r: r["collective"],
-           ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])  # fmt: skip
+    params, native = _native(list(SWEEPS) + list(NATIVE_ONLY))
+    for variant, p in params.items():
+        local = "none" if p.local_bytes_per_s is None else f"{p.local_bytes_per_s / 1e9:.1f} GB/s"
+        print(f"\nNCCL model, {variant}: connection {p.connection_cap / 1e9:.1f} GB/s, launch "
+              f"{p.launch_s * 1e6:.1f} us, step {p.step_latency_s * 1e6:.2f} us, host {p.host_s * 1e6:.1f} us, "
+              f"local copy {local}")  # fmt: skip
+        _table(f"NCCL (native), {variant}, held out from both fits, per collective",
+               [r for r in native if r["variant"] == variant and not r["fit"]], lambda r: r["collective"],
+               ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])  # fmt: skip
     if args.out:
         with args.out.open("w") as f:
-            f.write(json.dumps({k: c.__dict__ for k, c in costs.items()} | {"nccl": params.__dict__}) + "\n")
+            nccl = {"nccl": {k: p.__dict__ for k, p in params.items()}}
+            f.write(json.dumps({k: c.__dict__ for k, c in costs.items()} | nccl) + "\n")
             for r in rows["two sizes"] + rows["one size"] + probe + native:
                 f.write(json.dumps({"model": "nccl" if r["algorithm"] == "native" else "peer", **r}) + "\n")
         print(f"wrote {args.out}")

@@ -6,10 +6,12 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dtrain.cluster.topology import Device, Topology
 from dtrain.sim.flows import FlowNetwork
-from dtrain.sim.nccl import NcclParams, ring_closed_form, simulate_nccl
+from dtrain.sim.nccl import LOCAL_OVER_CONNECTION, NcclParams, ring_closed_form, simulate_nccl
 from dtrain.sim.nccl_fit import NcclPoint, coordinate_fit, fit_nccl
 from dtrain.sim.transports import Transport
 
@@ -102,7 +104,90 @@ def test_a_host_slower_than_the_kernel_sets_the_time():
     assert result.time_s == 1e-3 and result.kernel_s < 1e-4
 
 
-@pytest.mark.parametrize("bad", [{"channels": 0}, {"step_latency_s": -1.0}, {"channel_bytes_per_s": 0.0}])
+# ------------------------------------------------------------------ the kernel's local copies, all-to-all
+
+
+def test_a_ranks_last_received_piece_is_copied_out_before_the_call_ends():
+    # 2 ranks, all-gather of 2 MB: each sends its 1 MB block in 1 ms, then copies the block it received out of
+    # its receive buffer at 0.5 GB/s, 2 ms: 3 ms
+    params = one_channel(step_latency_s=0.0, local_bytes_per_s=0.5e9)
+    assert simulate_nccl(star(2, 1e9), "all_gather", 2 * MB, params=params).time_s == pytest.approx(3e-3, rel=1e-9)
+
+
+def test_copies_wait_for_the_ranks_sends():
+    # 2 ranks, all-reduce of 4 MB in 2 pieces of 1 MB (1 ms each at 1 GB/s): the connection sends step 0's pieces
+    # at 0-1 and 1-2 ms, step 1's at 2-3 and 3-4 ms. Piece 0 of step 1 lands at 3 ms but the rank's kernel is
+    # sending until 4 ms; then two copies of 0.5 ms at 2 GB/s: 5 ms
+    params = one_channel(step_latency_s=0.0, local_bytes_per_s=2e9)
+    assert simulate_nccl(star(2, 1e9), "all_reduce", 4 * MB, params=params).time_s == pytest.approx(5e-3, rel=1e-9)
+
+
+def test_chain_broadcast_copies_at_the_last_rank_only():
+    # as test_chain_broadcast_overlaps_its_hops: pieces reach rank 3 at 5 and 6 ms; each is then copied in 1 ms
+    params = one_channel(step_latency_s=1e-3, local_bytes_per_s=1e9)
+    assert simulate_nccl(star(4, 1e9), "broadcast", 2 * MB, params=params).time_s == pytest.approx(7e-3, rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_steps_and_copy_cost_what_nccls_memory_accesses_add_up_to(n):
+    # a step counted as 3 accesses a byte, the copy (1.5 times as fast) as 2: one piece, no latency, the
+    # all-reduce costs 6n-4 and the all-gather and reduce-scatter 3n-1 (n = 4: 20 and 11)
+    params = NcclParams(step_latency_s=0.0, channels=1, slice_bytes=1 << 30, channel_bytes_per_s=1e9,
+                        local_bytes_per_s=LOCAL_OVER_CONNECTION * 1e9)  # fmt: skip
+    topo, nbytes = star(n, 100e9), n * MB
+    per_access = MB / 1e9 / 3
+    assert simulate_nccl(topo, "all_reduce", nbytes, params=params).time_s == pytest.approx((6 * n - 4) * per_access)
+    for collective in ("all_gather", "reduce_scatter"):
+        assert simulate_nccl(topo, collective, nbytes, params=params).time_s == pytest.approx((3 * n - 1) * per_access)
+
+
+def test_all_to_all_peers_share_the_ranks_connection_then_it_copies_its_own_block():
+    # 4 ranks, 4 MB: each rank's 3 blocks of 1 MB leave at once, 1 GB/s each under its 3 GB/s connection (the
+    # 100 GB/s links do not bind): 1 ms; then its own 1 MB block copied at 1 GB/s: 2 ms
+    params = NcclParams(step_latency_s=0.0, channels=1, slice_bytes=MB, channel_bytes_per_s=3e9, local_bytes_per_s=1e9)
+    assert simulate_nccl(star(4, 100e9), "all_to_all", 4 * MB, params=params).time_s == pytest.approx(2e-3, rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    collective=st.sampled_from(["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]),
+    n=st.integers(2, 8),
+    nbytes=st.integers(1 << 10, 64 << 20),
+    local_bytes_per_s=st.sampled_from([None, 20e9, 150e9, 2e12]),
+    connection_bytes_per_s=st.sampled_from([None, 60e9]),
+    step_latency_s=st.sampled_from([0.0, 0.2e-6]),
+)
+def test_replay_on_a_uniform_star_is_the_closed_form(
+    collective, n, nbytes, local_bytes_per_s, connection_bytes_per_s, step_latency_s
+):
+    # the closed form holds where a piece outlasts the step latency or is alone: here P >= 2 pieces are at least
+    # 0.5 MiB (5 us at 100 GB/s), against a 0.2 us step
+    channel = None if connection_bytes_per_s is None else connection_bytes_per_s / 4
+    params = NcclParams(launch_s=3e-6, step_latency_s=step_latency_s, channels=4, slice_bytes=256 << 10,
+                        channel_bytes_per_s=channel, local_bytes_per_s=local_bytes_per_s)  # fmt: skip
+    rate, hop = 100e9, 0.5e-6
+    simulated = simulate_nccl(star(n, rate, hop), collective, nbytes, params=params).time_s
+    expected = ring_closed_form(collective, nbytes, n, link_bytes_per_s=rate, path_latency_s=2 * hop, params=params)
+    assert simulated == pytest.approx(expected, rel=1e-9)
+
+
+def test_fit_ties_the_local_copy_to_the_connection_rate():
+    truth = NcclParams(host_s=40e-6, launch_s=20e-6, step_latency_s=1e-6, channel_bytes_per_s=380e9 / 16,
+                       local_bytes_per_s=LOCAL_OVER_CONNECTION * 380e9)  # fmt: skip
+    topo = Transport(name="nvlink").topology(4)
+    points = [NcclPoint(collective=c, nbytes=n, seconds=simulate_nccl(topo, c, n, params=truth).time_s)
+              for c in ("all_reduce", "all_gather") for n in (1 << 20, 16 << 20, 64 << 20)]  # fmt: skip
+    fitted = fit_nccl(points, topo, local_per_connection=LOCAL_OVER_CONNECTION)
+    assert fitted.connection_cap == pytest.approx(380e9, rel=0.02)
+    assert fitted.local_bytes_per_s == pytest.approx(LOCAL_OVER_CONNECTION * fitted.connection_cap)
+    assert fitted.launch_s == pytest.approx(20e-6, rel=0.1)
+    with pytest.raises(ValueError, match="local_per_connection must be > 0"):
+        fit_nccl(points, topo, local_per_connection=0.0)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"channels": 0}, {"step_latency_s": -1.0}, {"channel_bytes_per_s": 0.0}, {"local_bytes_per_s": -1.0}]
+)
 def test_bad_parameters_are_refused_by_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         NcclParams(**bad)

@@ -7,26 +7,39 @@ costs a flag handshake of a few microseconds, not a Python round (Jeaugey, "NCCL
 ``src/device/all_reduce.h`` ``runRing`` and its tuning model, ``src/graph/tuning.cc``, whose time is
 ``base latency + steps x hop latency + bytes / bus bandwidth``).
 
-The model, per rank ``r`` and connection ``r -> r+1`` of the ring (channels aggregated: they cross the same
-links in lockstep, so under max-min sharing ``C`` flows capped at ``c`` each move as one flow capped at ``C c``):
+The model, per rank ``r`` (channels aggregated: they cross the same links in lockstep, so under max-min
+sharing ``C`` flows capped at ``c`` each move as one flow capped at ``C c``):
 
 - the rank's block (``nbytes / n``; broadcast: the whole buffer) is cut into ``P`` pieces of at most
   ``channels x slice_bytes`` (``P`` at most ``max_pieces``, to bound the events simulated: once a step's
   ``P`` pieces outlast one piece's trip to the next rank, the ring's time no longer depends on ``P``);
 - piece ``p`` of step ``s`` may leave rank ``r`` once piece ``p`` of step ``s-1`` has arrived there plus
-  ``step_latency_s`` (data dependency: what it forwards, it must have received), and the connection has
-  sent its previous piece (one FIFO per connection, pieces in the order they became ready);
-- each piece is a flow on the topology, sharing links max-min fairly (:mod:`dtrain.sim.flows`), capped at
-  ``channels x channel_bytes_per_s`` if given;
-- the kernel starts ``launch_s`` after the call and ends at the last arrival. Back-to-back calls (how
-  ``dtrain bench comm`` and nccl-tests time) overlap the host's enqueue with the previous kernel, so a call
-  costs ``max(host_s, kernel)``.
+  ``step_latency_s`` (data dependency: what it forwards, it must have received);
+- a rank's kernel does one thing at a time, in the order things became ready: NCCL's channels each run the
+  collective's steps as one sequential program (``src/device/prims_simple.h``: wait, copy, post, slice after
+  slice). Its things are sends, each a flow on the topology sharing links max-min fairly and capped at
+  ``channels x channel_bytes_per_s`` if given, and local copies at ``local_bytes_per_s``;
+- a ring's last step ends in a local copy: the rank that receives piece ``p`` of the last step copies it
+  out of its receive buffer (NCCL's final ``directRecv``; a reduction into the output for reduce-scatter)
+  before its kernel moves on, so for ``P`` pieces every rank spends ``block / local_bytes_per_s`` sending
+  nothing. An all-reduce pays it once per ``2(n-1)`` sends, an all-gather or reduce-scatter once per ``n-1``,
+  which is why NCCL's all-gather moves fewer bus bytes per second than its all-reduce. At
+  :data:`LOCAL_OVER_CONNECTION` times the connection rate the two add up as NCCL's memory accesses do
+  (docs/sim.md, "Why a copy");
+- all-to-all is NCCL's grouped point-to-point (``ncclSend``/``ncclRecv`` to every peer in one group, one
+  kernel whose channels are split among the peers, ``src/enqueue.cc`` ``scheduleP2pTasksToPlan``): a rank
+  sends piece ``p`` to its ``n-1`` peers at once, the flows sharing its kernel's rate (each capped at
+  ``channels x channel_bytes_per_s / (n-1)``), then copies piece ``p`` of the block it keeps for itself;
+- the kernel starts ``launch_s`` after the call and ends at the last arrival or copy. Back-to-back calls
+  (how ``dtrain bench comm`` and nccl-tests time) overlap the host's enqueue with the previous kernel, so a
+  call costs ``max(host_s, kernel)``.
 
 Collectives: all-reduce (``2(n-1)`` ring steps), all-gather and reduce-scatter (``n-1``), broadcast (a chain
-from rank 0: step ``s`` is rank ``s`` to ``s+1``, pipelined), all-to-all (every pair at once, one step).
-On a uniform star the replay equals :func:`ring_closed_form` (tests/test_sim_nccl.py). Not modelled: NCCL's
-tree and NVLS (NVLink SHARP) algorithms, its LL/LL128 protocols for small messages, and its choice of fewer
-channels for small messages; the fitted figures absorb them (docs/sim.md says where that shows).
+from rank 0: step ``s`` is rank ``s`` to ``s+1``, pipelined; the last rank copies each piece out),
+all-to-all (every pair at once, one step). On a uniform star the replay equals :func:`ring_closed_form`
+(tests/test_sim_nccl.py). Not modelled: NCCL's tree and NVLS (NVLink SHARP) algorithms, its LL/LL128 protocols
+for small messages, and its choice of fewer channels for small messages; the fitted figures absorb them
+(docs/sim.md says where that shows).
 """
 
 from __future__ import annotations
@@ -40,10 +53,28 @@ from dtrain.cluster.topology import Topology
 from dtrain.sim.collective import check_placement
 from dtrain.sim.flows import FlowNetwork, LinkUsage
 
-__all__ = ["NCCL_COLLECTIVES", "NcclParams", "NcclResult", "ring_steps", "pieces", "simulate_nccl", "ring_closed_form"]
+__all__ = [
+    "NCCL_COLLECTIVES",
+    "LOCAL_OVER_CONNECTION",
+    "NcclParams",
+    "NcclResult",
+    "ring_steps",
+    "pieces",
+    "simulate_nccl",
+    "ring_closed_form",
+]
 
 #: Collectives the model knows, and how many sequential steps each has on ``n`` ranks.
 NCCL_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+#: How much faster the kernel copies a piece within its GPU than it moves it one ring step, from the memory
+#: accesses per byte of NCCL's ring programs (``src/device/all_reduce.h``, ``all_gather.h``, ``reduce_scatter.h``;
+#: a send writes the next GPU's buffer, a receive reads one's own). All-reduce: send 2 (read the input, write
+#: the next GPU), ``n-2`` x receive-reduce-send 3, receive-reduce-copy-send 4, ``n-2`` x receive-copy-send 3,
+#: receive 2: ``6n-4``. All-gather: copy-send 3, ``n-2`` x receive-copy-send 3, receive 2: ``3n-1``.
+#: Reduce-scatter: send 2, ``n-2`` x receive-reduce-send 3, receive-reduce-copy 3: ``3n-1``. A step at the
+#: connection rate counted as 3 and the last step's copy at 1.5 times that rate as 2 give these sums exactly.
+LOCAL_OVER_CONNECTION = 1.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +85,9 @@ class NcclParams:
     kernel's first step on the device; ``step_latency_s``: a step's handshake after its data arrived (NCCL's
     per-hop latency, on top of the links' own); ``channels`` and ``slice_bytes``: the pipelining grain (NCCL:
     16 or more channels on NVLink, 512 KiB slots, ``NCCL_BUFFSIZE / NCCL_STEPS``); ``channel_bytes_per_s``:
-    the most one channel moves (None: links only); ``max_pieces``: a bound on the simulated pieces.
+    the most one channel moves (None: links only); ``local_bytes_per_s``: what a rank's kernel (all channels)
+    copies per second within its own GPU, the last step's copy out of the receive buffer and an all-to-all's
+    own block (None: such copies are free); ``max_pieces``: a bound on the simulated pieces.
     """
 
     host_s: float = 0.0
@@ -63,6 +96,7 @@ class NcclParams:
     channels: int = 16
     slice_bytes: int = 512 << 10
     channel_bytes_per_s: float | None = None
+    local_bytes_per_s: float | None = None
     max_pieces: int = 64
 
     def __post_init__(self) -> None:
@@ -74,8 +108,9 @@ class NcclParams:
                 f"NcclParams needs channels, slice_bytes and max_pieces >= 1; got {self.channels}, "
                 f"{self.slice_bytes}, {self.max_pieces}"
             )
-        if self.channel_bytes_per_s is not None and not self.channel_bytes_per_s > 0:
-            raise ValueError(f"NcclParams.channel_bytes_per_s must be > 0 or None, got {self.channel_bytes_per_s!r}")
+        for name in ("channel_bytes_per_s", "local_bytes_per_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"NcclParams.{name} must be > 0 bytes/s or None, got {getattr(self, name)!r}")
 
     @property
     def connection_cap(self) -> float | None:
@@ -145,75 +180,113 @@ def simulate_nccl(
     count = pieces(collective, nbytes, n, params)
     piece = _block_bytes(collective, nbytes, n) / count
     net = FlowNetwork(topology)
-    _Pipeline(net, placement, steps, count, piece, params).start(params.launch_s)
+    _Pipeline(net, placement, steps, count, piece, params, collective == "all_to_all").start(params.launch_s)
     kernel = net.run()
     return NcclResult(time_s=max(params.host_s, kernel), kernel_s=kernel, pieces=count, links=net.usage(kernel))
 
 
 class _Pipeline:
-    """The event-driven pieces: a FIFO of ready pieces per connection, one piece in flight on each."""
+    """The event-driven pieces: each rank's kernel works through a FIFO of ready things (a send of a piece to
+    one or more peers, or a local copy of a piece), one at a time."""
 
-    def __init__(self, net: FlowNetwork, placement, steps, count: int, piece: float, params: NcclParams) -> None:
+    def __init__(self, net: FlowNetwork, placement, steps, count: int, piece: float, params: NcclParams,
+                 all_to_all: bool) -> None:  # fmt: skip
         self.net, self.placement, self.steps, self.count, self.piece = net, placement, steps, count, piece
-        self.params = params
-        # the step in which each rank sends, by the step in which it received (the dependency)
-        self.sends_of = [{src: (src, dst) for src, dst in step} for step in steps]
-        self.queue: dict[tuple[int, int], deque[tuple[int, int]]] = {}
-        self.busy: set[tuple[int, int]] = set()
+        self.params, self.all_to_all = params, all_to_all
+        # the peers each rank sends to in each step (one in a ring or chain, every other rank in an all-to-all)
+        self.sends_of: list[dict[int, list[int]]] = []
+        for step in steps:
+            dsts: dict[int, list[int]] = {}
+            for src, dst in step:
+                dsts.setdefault(src, []).append(dst)
+            self.sends_of.append(dsts)
+        self.queue: dict[int, deque[tuple[str, int, int]]] = {}
+        self.busy: set[int] = set()
 
     def start(self, at_s: float) -> None:
         def first() -> None:
             for p in range(self.count):
-                for conn in self.steps[0]:
-                    self._ready(conn, 0, p)
+                for rank in self.sends_of[0]:
+                    self._ready(rank, ("send", 0, p))
+                    if self.all_to_all and self.params.local_bytes_per_s is not None:
+                        self._ready(rank, ("copy", 0, p))  # the block it keeps for itself
 
         self.net.at(at_s, first)
 
-    def _ready(self, conn: tuple[int, int], step: int, p: int) -> None:
-        self.queue.setdefault(conn, deque()).append((step, p))
-        self._pump(conn)
+    def _ready(self, rank: int, work: tuple[str, int, int]) -> None:
+        self.queue.setdefault(rank, deque()).append(work)
+        self._pump(rank)
 
-    def _pump(self, conn: tuple[int, int]) -> None:
-        if conn in self.busy or not self.queue.get(conn):
+    def _pump(self, rank: int) -> None:
+        if rank in self.busy or not self.queue.get(rank):
             return
-        step, p = self.queue[conn].popleft()
-        self.busy.add(conn)
-        src, dst = conn
+        kind, step, p = self.queue[rank].popleft()
+        self.busy.add(rank)
+
+        def free(_t: float | None = None) -> None:
+            self.busy.discard(rank)
+            self._pump(rank)
+
+        if kind == "copy":
+            self.net.at(self.net.now + self.piece / self.params.local_bytes_per_s, free)
+            return
+        dsts = self.sends_of[step][rank]
+        cap = self.params.connection_cap
+        cap = None if cap is None else cap / len(dsts)  # the peers of one send share the rank's kernel
+        left = [len(dsts)]
 
         def sent(_t: float) -> None:
-            self.busy.discard(conn)
-            self._pump(conn)
+            left[0] -= 1
+            if not left[0]:
+                free()
 
-        def arrived(_t: float) -> None:
-            if step + 1 < len(self.steps) and dst in self.sends_of[step + 1]:
-                nxt = self.sends_of[step + 1][dst]
-                self.net.at(self.net.now + self.params.step_latency_s, lambda: self._ready(nxt, step + 1, p))
+        for dst in dsts:
+            flow_id = hash((rank, dst, step, p)) & 0x7FFFFFFF
+            self.net.send(self.placement[rank], self.placement[dst], self.piece, flow_id=flow_id,
+                          on_done=lambda _t, dst=dst: self._arrived(dst, step, p), on_sent=sent,
+                          cap_bytes_per_s=cap)  # fmt: skip
 
-        flow_id = hash((src, dst, step, p)) & 0x7FFFFFFF
-        self.net.send(self.placement[src], self.placement[dst], self.piece, flow_id=flow_id, on_done=arrived,
-                      on_sent=sent, cap_bytes_per_s=self.params.connection_cap)  # fmt: skip
+    def _arrived(self, dst: int, step: int, p: int) -> None:
+        if step + 1 < len(self.steps) and dst in self.sends_of[step + 1]:
+            after = self.net.now + self.params.step_latency_s
+            self.net.at(after, lambda: self._ready(dst, ("send", step + 1, p)))
+        elif step + 1 == len(self.steps) and not self.all_to_all and self.params.local_bytes_per_s is not None:
+            self._ready(dst, ("copy", step, p))  # the last step's copy out of the receive buffer
 
 
 def ring_closed_form(
     collective: str, nbytes: int, n: int, *, link_bytes_per_s: float, path_latency_s: float, params: NcclParams
 ) -> float:
     """The model's time on a uniform star (each rank one link each way at ``link_bytes_per_s``, a rank-to-rank
-    path of ``path_latency_s``), for the ring collectives and the chain broadcast.
+    path of ``path_latency_s``), for the ring collectives, the chain broadcast and all-to-all.
 
-    With ``S`` steps, ``P`` pieces of ``c`` bytes, ``t = c / rate`` and ``d = t + latency + step latency`` (a
-    piece's time from leaving one rank to leaving the next): a ring connection carries every step, so a step's
-    P pieces take ``max(P t, d)``; a chain connection carries one step, so the steps overlap and cost ``d``::
+    With ``S`` steps, ``P`` pieces of ``c`` bytes, ``t = c / rate``, ``d = t + latency + step latency`` (a
+    piece's time from leaving one rank to leaving the next) and ``l = c / local_bytes_per_s`` (0 if None): a
+    ring connection carries every step, so a step's P pieces take ``max(P t, d)``; a chain connection carries
+    one step, so the steps overlap and cost ``d``. The last step's piece ``p`` arrives at
+    ``E + (p+1) t + latency``, with ``E = launch + (S-1) cycle``, and is then copied out; a ring rank copies only
+    once its sends are done (``E + P t``), and copies take turns::
 
-        ring:  launch + (S-1) max(P t, d) + P t + latency
-        chain: launch + (S-1) d           + P t + latency
+        ring:  E + max(P (t + l), latency + max(P t + l, t + P l)),   cycle = max(P t, d)
+        chain: E +                latency + max(P t + l, t + P l),    cycle = d
+
+    (``l = 0``: ``E + P t + latency``). All-to-all: each rank sends a piece to its ``n-1`` peers at once, at
+    ``rate / (n-1)`` each (so ``t = (n-1) c / rate``), then copies its own piece: ``launch + P (t + l) + max(0,
+    latency - l)``.
     """
-    if collective == "all_to_all":
-        raise ValueError("ring_closed_form covers the ring collectives and the chain broadcast, not all_to_all")
-    steps = len(ring_steps(collective, n))
     count = pieces(collective, nbytes, n, params)
     rate = link_bytes_per_s if params.connection_cap is None else min(link_bytes_per_s, params.connection_cap)
-    t = _block_bytes(collective, nbytes, n) / count / rate
+    piece = _block_bytes(collective, nbytes, n) / count
+    copy = 0.0 if params.local_bytes_per_s is None else piece / params.local_bytes_per_s
+    if collective == "all_to_all":
+        t = (n - 1) * piece / rate
+        return max(params.host_s, params.launch_s + count * (t + copy) + max(0.0, path_latency_s - copy))
+    steps = len(ring_steps(collective, n))
+    t = piece / rate
     d = t + path_latency_s + params.step_latency_s
-    cycle = d if collective == "broadcast" else max(count * t, d)
-    kernel = params.launch_s + (steps - 1) * cycle + count * t + path_latency_s
-    return max(params.host_s, kernel)
+    chain = collective == "broadcast"
+    cycle = d if chain else max(count * t, d)
+    copies = path_latency_s + max(count * t + copy, t + count * copy)
+    if not chain:
+        copies = max(count * (t + copy), copies)
+    return max(params.host_s, params.launch_s + (steps - 1) * cycle + copies)

@@ -8,6 +8,10 @@ Two regimes, as in :mod:`dtrain.sim.fit`:
 2. larger calls are kernel-bound: one connection's rate (all channels together), the kernel's launch and a
    step's latency are fitted by coordinate descent, each by golden-section search of the squared log error.
 
+The rate of the kernel's local copies is not fitted: given ``local_per_connection`` it is that multiple of the
+connection rate (:data:`dtrain.sim.nccl.LOCAL_OVER_CONNECTION` from NCCL's memory accesses). Fitted freely it
+trades off against the connection rate and the launch, and the fit wanders along that valley (docs/sim.md).
+
 Fit on one run, test on others (benchmarks/sim_validate_transports.py).
 """
 
@@ -81,9 +85,11 @@ def fit_nccl(
     base: NcclParams | None = None,
     host_max_bytes: int = 1 << 20,
     kernel_min_bytes: int = 4 << 20,
+    local_per_connection: float | None = None,
 ) -> NcclParams:
     """``base`` with ``host_s``, ``channel_bytes_per_s``, ``launch_s`` and ``step_latency_s`` fitted to
-    ``points`` (see the module docstring)."""
+    ``points`` (see the module docstring); with ``local_per_connection``, ``local_bytes_per_s`` is that multiple
+    of the fitted connection rate."""
     base = base or NcclParams()
     small = [p.seconds for p in points if p.nbytes <= host_max_bytes]
     large = [p for p in points if p.nbytes >= kernel_min_bytes]
@@ -92,15 +98,19 @@ def fit_nccl(
             f"fit_nccl needs calls of at most {host_max_bytes} B and of at least {kernel_min_bytes} B; "
             f"got sizes {sorted({p.nbytes for p in points})}"
         )
+    if local_per_connection is not None and not local_per_connection > 0:
+        raise ValueError(f"local_per_connection must be > 0 or None, got {local_per_connection!r}")
     params = replace(base, host_s=statistics.median(small))
 
     def with_figures(v: dict[str, float]) -> NcclParams:
+        local = params.local_bytes_per_s if local_per_connection is None else local_per_connection * v["connection"]
         return replace(params, channel_bytes_per_s=v["connection"] / params.channels, launch_s=v["launch"],
-                       step_latency_s=v["step"])  # fmt: skip
+                       step_latency_s=v["step"], local_bytes_per_s=local)  # fmt: skip
 
     figures = coordinate_fit(
         lambda v: _log_loss(large, topology, with_figures(v)),
         {"connection": 300e9, "launch": 10e-6, "step": 2e-6},
         {"connection": (1e9, 2e12), "launch": (1e-7, 2e-4), "step": (1e-8, 5e-5)},
+        sweeps=8,  # the connection rate and the launch trade off along a narrow valley: 2 sweeps stop short
     )
     return with_figures(figures)
