@@ -48,6 +48,7 @@ def test_bench_comm_runs_two_ranks_and_writes_json_lines_and_a_plot(tmp_path):
     out = tmp_path / "bench.jsonl"
     command = [sys.executable, "-m", "dtrain", "bench", "comm", "--nproc", "2", "--min-bytes", "4096"]
     command += ["--max-bytes", "4096", "--iters", "2", "--warmup", "1", "--out", str(out), "--rules-out"]
+    command += ["--warm-s", "0.2"]  # the GPU warm-up, asked for on the CPU: ranks must stay in step through it
     env = {**os.environ, "DTRAIN_CALIBRATION": str(tmp_path / "none.json")}
     env["DTRAIN_COMM_RULES"] = str(tmp_path / "rules.json")
     env.pop("RANK", None)
@@ -58,6 +59,7 @@ def test_bench_comm_runs_two_ranks_and_writes_json_lines_and_a_plot(tmp_path):
     assert {"auto", "native", "ring"} <= {r["algorithm"] for r in records}
     for r in records:
         assert r["collective"] == "all_reduce" and r["world_size"] == 2 and r["nbytes"] == 4096
+        assert 0 < r["host_us"] <= r["time_us"]  # issuing the calls is part of the timed loop
         assert r["time_us"] > 0 and r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(n-1)/n = 1 at n=2
         assert r["backend"] == "gloo" and r["torch_version"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

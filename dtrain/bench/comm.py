@@ -2,7 +2,12 @@
 
 For each collective, message size and algorithm ("auto" and "native" included): ``warmup`` untimed calls,
 then ``trials`` runs of ``iters`` calls back to back between two synchronizations (as nccl-tests times);
-a rank's time is its median run divided by ``iters``, the reported time the largest over ranks.
+a rank's time is its median run divided by ``iters``, the reported time the largest over ranks. Each record also
+carries ``host_us``: the host's time to issue one call (the same loop, up to its last call's return, before the
+synchronization), median over runs, largest over ranks; where it is close to ``time_us`` the call is bound by the
+host, not the devices. On GPUs the sweep starts with ``warm_s`` seconds (default 1) of its first case, untimed,
+so that the first sizes are not timed on idle clocks and cold caches (session 5 timed its first size 1.5-2.5x
+slow on 4 H100s).
 Bandwidths follow nccl-tests (doc/PERFORMANCE.md): ``algbw = size /
 time`` and ``busbw = algbw * factor`` with the factor of :data:`BUS_FACTORS`; ``size`` is the work buffer of
 :mod:`dtrain.comm.cost` (all-gather: output, reduce-scatter / gather / scatter / all-to-all: the full W-block
@@ -60,6 +65,7 @@ class BenchConfig:
     max_bytes: int | None = None
     factor: int = 4
     warmup: int = 2
+    warm_s: float | None = None  # untimed calls of the first case for this long first (None: 1 s on GPUs, else 0)
     iters: int = 10
     trials: int = 3
     out: str = "runs/bench-comm.jsonl"
@@ -72,9 +78,10 @@ class BenchConfig:
             raise ValueError(f"unknown collectives {unknown}; known: {', '.join([*BUS_FACTORS, 'barrier'])}")
         if self.factor < 2:
             raise ValueError(f"factor must be >= 2, got {self.factor}")
-        if self.iters < 1 or self.warmup < 0 or self.trials < 1:
+        if self.iters < 1 or self.warmup < 0 or self.trials < 1 or not (self.warm_s is None or self.warm_s >= 0):
             raise ValueError(
-                f"need iters >= 1, trials >= 1, warmup >= 0; got {self.iters}, {self.trials}, {self.warmup}"
+                f"need iters >= 1, trials >= 1, warmup >= 0, warm_s >= 0; got {self.iters}, {self.trials}, "
+                f"{self.warmup}, {self.warm_s}"
             )
         if self.min_bytes is not None and self.max_bytes is not None and self.min_bytes > self.max_bytes:
             raise ValueError(f"min_bytes {self.min_bytes} is above max_bytes {self.max_bytes}")
@@ -118,13 +125,14 @@ def _operation(coll: str, nbytes: int, world: int, rank: int, device) -> tuple[C
     return calls[coll], (0 if coll == "barrier" else numel * 4)
 
 
-def _time_us(call: Callable[[str], None], algorithm: str, config: BenchConfig, device) -> float:
+def _time_us(call: Callable[[str], None], algorithm: str, config: BenchConfig, device) -> tuple[float, float]:
     """Time of one call in microseconds, as nccl-tests measures it: ``iters`` calls back to back between
     two synchronizations, divided by ``iters``; the median of ``trials`` such runs on each rank, then the
-    largest over ranks."""
+    largest over ranks. Also the host's time to issue one call (the loop without its closing synchronization),
+    median and largest alike."""
     for _ in range(config.warmup):
         call(algorithm)
-    runs = []
+    runs, issued = [], []
     for _ in range(config.trials):
         _sync(device)
         dist.barrier()
@@ -132,11 +140,29 @@ def _time_us(call: Callable[[str], None], algorithm: str, config: BenchConfig, d
         start = time.perf_counter()
         for _ in range(config.iters):
             call(algorithm)
+        issued.append((time.perf_counter() - start) / config.iters)
         _sync(device)
         runs.append((time.perf_counter() - start) / config.iters)
-    worst = torch.tensor([statistics.median(runs) * 1e6], dtype=torch.float64, device=device)
+    worst = torch.tensor(
+        [statistics.median(runs) * 1e6, statistics.median(issued) * 1e6], dtype=torch.float64, device=device
+    )
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst.item())
+    return float(worst[0].item()), float(worst[1].item())
+
+
+def _warm(call: Callable[[str], None], algorithm: str, seconds: float | None, device) -> None:
+    """Untimed calls for about ``seconds`` (None: 1 s on GPUs, none elsewhere), ten at a time until rank 0's clock
+    says enough (it tells the others, so every rank makes the same calls)."""
+    seconds = (1.0 if device.type == "cuda" else 0.0) if seconds is None else seconds
+    if seconds <= 0:
+        return
+    go = torch.ones(1, dtype=torch.int32, device=device)
+    start = time.perf_counter()
+    while int(go.item()):
+        for _ in range(10):
+            call(algorithm)
+        go.fill_(int(time.perf_counter() - start < seconds))
+        dist.broadcast(go, 0)
 
 
 class _Captured:
@@ -247,7 +273,9 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
                 call = _Captured(call, algorithm.removesuffix("+graph"))
             progress.step(f"{coll} {nbytes} B {algorithm}")
             try:
-                time_us = _time_us(call, algorithm, config, device)
+                if not records:  # the sweep's first case: warm the devices first
+                    _warm(call, algorithm.removesuffix("+graph"), config.warm_s, device)
+                time_us, host_us = _time_us(call, algorithm, config, device)
             except ValueError as exc:  # e.g. an algorithm that needs a node size it was not given
                 progress.note(f"skipped {coll}/{algorithm}: {exc}")
                 continue
@@ -260,6 +288,7 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
             if algorithm.endswith("+graph"):  # the model prices eager rounds (host start-up included)
                 predicted = None
             records.append(_record(coll, algorithm, nbytes, world, time_us, predicted, resolved, config, machine))
+            records[-1]["host_us"] = host_us
     if rank != 0:
         return []
     print_table(records)

@@ -47,6 +47,7 @@ def _add_bench_comm(sub) -> None:
     p.add_argument("--max-bytes", type=parse_bytes, default=None, help="default 64M on CPU, 1G on GPU")
     p.add_argument("--factor", type=int, default=4, help="size step (2 or 4)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warm-s", type=float, default=None, help="seconds of untimed calls first (default: 1 on GPUs)")
     p.add_argument("--iters", type=int, default=10, help="calls back to back per timed run")
     p.add_argument("--trials", type=int, default=3, help="timed runs; the median counts")
     p.add_argument("--graphs", action="store_true", help="on GPUs, also time each algorithm as a CUDA graph")
@@ -146,6 +147,7 @@ def _bench_comm(args: argparse.Namespace) -> int:
         max_bytes=args.max_bytes,
         factor=args.factor,
         warmup=args.warmup,
+        warm_s=args.warm_s,
         iters=args.iters,
         trials=args.trials,
         graphs=args.graphs,

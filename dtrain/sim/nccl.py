@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dtrain.cluster.topology import Topology
 from dtrain.sim.collective import check_placement
@@ -56,6 +56,7 @@ from dtrain.sim.flows import FlowNetwork, LinkUsage
 __all__ = [
     "NCCL_COLLECTIVES",
     "LOCAL_OVER_CONNECTION",
+    "PROTOCOL_EFFICIENCY",
     "NcclParams",
     "NcclResult",
     "ring_steps",
@@ -87,7 +88,10 @@ class NcclParams:
     16 or more channels on NVLink, 512 KiB slots, ``NCCL_BUFFSIZE / NCCL_STEPS``); ``channel_bytes_per_s``:
     the most one channel moves (None: links only); ``local_bytes_per_s``: what a rank's kernel (all channels)
     copies per second within its own GPU, the last step's copy out of the receive buffer and an all-to-all's
-    own block (None: such copies are free); ``max_pieces``: a bound on the simulated pieces.
+    own block (None: such copies are free); ``max_pieces``: a bound on the simulated pieces;
+    ``ll_launch_s``, ``ll128_launch_s``: ``launch_s`` for calls in NCCL's LL and LL128 protocols (None: the same);
+    ``chunk_depth``: smaller calls get smaller slices until each send has ``chunk_depth x n`` pieces (0: never;
+    :func:`pieces`).
     """
 
     host_s: float = 0.0
@@ -98,10 +102,16 @@ class NcclParams:
     channel_bytes_per_s: float | None = None
     local_bytes_per_s: float | None = None
     max_pieces: int = 64
+    ll_launch_s: float | None = None
+    ll128_launch_s: float | None = None
+    chunk_depth: int = 0
 
     def __post_init__(self) -> None:
         for name in ("host_s", "launch_s", "step_latency_s"):
             if not getattr(self, name) >= 0:
+                raise ValueError(f"NcclParams.{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+        for name in ("ll_launch_s", "ll128_launch_s"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 raise ValueError(f"NcclParams.{name} must be >= 0 seconds, got {getattr(self, name)!r}")
         if self.channels < 1 or self.slice_bytes < 1 or self.max_pieces < 1:
             raise ValueError(
@@ -152,9 +162,19 @@ def _block_bytes(collective: str, nbytes: int, n: int) -> float:
 
 
 def pieces(collective: str, nbytes: int, n: int, params: NcclParams) -> int:
-    """How many pieces each send is cut into."""
-    grain = params.channels * params.slice_bytes
-    return max(1, min(params.max_pieces, math.ceil(_block_bytes(collective, nbytes, n) / grain)))
+    """How many pieces each send is cut into: the block over ``channels x slice_bytes``, the slice halved (down
+    to 64 KiB a channel) while that leaves fewer than ``chunk_depth x n`` pieces, as NCCL shrinks its chunk for
+    smaller calls to keep its pipeline deep (``src/enqueue.cc``, the Simple protocol's chunk size)."""
+    block = _block_bytes(collective, nbytes, n)
+    slice_bytes = params.slice_bytes
+    while block / (params.channels * slice_bytes) < params.chunk_depth * n and slice_bytes > 64 << 10:
+        slice_bytes //= 2
+    return max(1, min(params.max_pieces, math.ceil(block / (params.channels * slice_bytes))))
+
+
+#: NCCL's protocols: the share of each line that is data (LL: 4 bytes of data and a 4-byte flag in every 8;
+#: LL128: 120 of 128 bytes; Simple: all, with a flag per slice), from NCCL's ``src/include/device.h``
+PROTOCOL_EFFICIENCY = {"simple": 1.0, "ll128": 120 / 128, "ll": 0.5}
 
 
 def simulate_nccl(
@@ -164,13 +184,24 @@ def simulate_nccl(
     placement: Sequence[str] | None = None,
     *,
     params: NcclParams | None = None,
+    protocol: str = "simple",
 ) -> NcclResult:
     """Simulate NCCL's ``collective`` on a ``nbytes`` work buffer (``dtrain.comm.cost``'s meaning: the output
     of an all-gather, the input of a reduce-scatter), ring order = ``placement`` order (default: every device
-    of ``topology``)."""
+    of ``topology``).
+
+    ``protocol``: the one NCCL runs the call in ("simple", "ll128" or "ll"; NCCL picks by size, and
+    ``NCCL_DEBUG_SUBSYS=TUNING`` prints its pick). LL and LL128 carry flags in every line, so every send moves
+    ``1 / PROTOCOL_EFFICIENCY`` times its data, and they pipeline line by line, so a block goes in
+    ``max_pieces`` pieces; their kernel starts ``ll_launch_s`` / ``ll128_launch_s`` after the call."""
     params = params or NcclParams()
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+    if protocol not in PROTOCOL_EFFICIENCY:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOL_EFFICIENCY)}; got {protocol!r}")
+    if protocol != "simple":
+        launch = {"ll": params.ll_launch_s, "ll128": params.ll128_launch_s}[protocol]
+        params = replace(params, slice_bytes=1, launch_s=params.launch_s if launch is None else launch)
     placement = list(placement) if placement is not None else [d.name for d in topology.devices()]
     n = len(placement)
     if n < 2:
@@ -178,7 +209,7 @@ def simulate_nccl(
     placement = check_placement(topology, placement, n)
     steps = ring_steps(collective, n)
     count = pieces(collective, nbytes, n, params)
-    piece = _block_bytes(collective, nbytes, n) / count
+    piece = _block_bytes(collective, nbytes, n) / count / PROTOCOL_EFFICIENCY[protocol]
     net = FlowNetwork(topology)
     _Pipeline(net, placement, steps, count, piece, params, collective == "all_to_all").start(params.launch_s)
     kernel = net.run()

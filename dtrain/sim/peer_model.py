@@ -57,7 +57,9 @@ class PeerCost:
     time of a graph-replayed call (the API's checks, the plan and graph look-up, the graph launch);
     ``gpu_op_s``: GPU time of each kernel or torch operation besides its bytes (the gap between two kernels and
     the ramp to full rate), so that a pass of ``b`` bytes takes ``gpu_op_s + b / rate``; with it, the rates are
-    those a pass reaches when large (0: the rates carry it, as measured at one size).
+    those a pass reaches when large (0: the rates carry it, as measured at one size); ``gpu_peer_copy_s``: the
+    same for a plain ``copy_`` out of or into a peer's memory, which CUDA runs on a copy engine, not on the SMs
+    (None: ``gpu_op_s``); ``peer_copy_bytes_per_s``: the rate of such a copy (None: the pair or push rate).
     """
 
     pair_bytes_per_s: float
@@ -71,10 +73,16 @@ class PeerCost:
     host_kernel_s: float | None = None
     host_replay_s: float = 0.0
     gpu_op_s: float = 0.0
+    gpu_peer_copy_s: float | None = None
+    peer_copy_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.host_kernel_s is not None and not self.host_kernel_s >= 0:
             raise ValueError(f"PeerCost.host_kernel_s must be >= 0 or None, got {self.host_kernel_s!r}")
+        if self.gpu_peer_copy_s is not None and not self.gpu_peer_copy_s >= 0:
+            raise ValueError(f"PeerCost.gpu_peer_copy_s must be >= 0 or None, got {self.gpu_peer_copy_s!r}")
+        if self.peer_copy_bytes_per_s is not None and not self.peer_copy_bytes_per_s > 0:
+            raise ValueError(f"PeerCost.peer_copy_bytes_per_s must be > 0 or None, got {self.peer_copy_bytes_per_s!r}")
         if self.push_bytes_per_s is not None and not self.push_bytes_per_s > 0:
             raise ValueError(f"PeerCost.push_bytes_per_s must be > 0 or None, got {self.push_bytes_per_s!r}")
         for name in ("pair_bytes_per_s", "fanin_bytes_per_s", "local_bytes_per_s"):
@@ -98,7 +106,8 @@ class PeerTime:
     api_launches: int = 0  # of which the API's own operations (``api``), on the rank with the most
 
 
-Stretch = tuple[float, list[tuple[float, int]], int]  # (local bytes, passes, operations) between two barriers
+# (local bytes, passes, operations, of which copies from or into a peer's memory) between two barriers
+Stretch = tuple[float, list[tuple[float, int, bool]], int, int]  # a pass: (bytes, peers read, a plain copy)
 
 
 def _pull_op_launches(op: PullOp, itemsize: int) -> tuple[int, int]:
@@ -107,6 +116,25 @@ def _pull_op_launches(op: PullOp, itemsize: int) -> tuple[int, int]:
     if wants_kernel(nouts, len(op.reads), op.length * itemsize, has_base=op.base is not None):
         return 0, 1
     return len(op.reads) + (nouts > 1), 0
+
+
+def _pull_peer_copies(op: PullOp, itemsize: int) -> int:
+    """1 if the pass is a plain ``copy_`` out of one peer's memory (no reduction, no fused kernel), else 0."""
+    nouts = int(op.to_x) + int(op.to_w)
+    if wants_kernel(nouts, len(op.reads), op.length * itemsize, has_base=op.base is not None):
+        return 0
+    return int(op.base is None and len(op.reads) == 1)
+
+
+def _push_peer_copies(op: PushOp, itemsize: int) -> int:
+    """1 if the pass is a plain ``copy_`` into a peer's memory, else 0."""
+    operands = int(op.base_x) + len(op.banks)
+    if op.dst is None:
+        return 0
+    nouts = 1 + int(op.to_x)
+    if wants_kernel(nouts, max(operands - 1, 1), op.length * itemsize, has_base=operands > 1, remote=True):
+        return 0
+    return int(operands == 1)
 
 
 def _push_op_launches(op: PushOp, itemsize: int) -> tuple[int, int]:
@@ -129,20 +157,24 @@ def _phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[Stretch]
         plan = compile_pull(schedule, r, numel)
         phases: list[Stretch] = []
         first = plan.rounds[0].copy_in if plan.rounds else ()
-        local, ops = sum(n for _, n in first) * itemsize, len(first)
+        local, ops, peer = sum(n for _, n in first) * itemsize, len(first), 0
         passes: list[tuple[float, int]] = []
         for k, rnd in enumerate(plan.rounds):
-            phases.append((local, passes, ops))  # ends at the barrier before round k
-            passes = [(op.length * itemsize * len(op.reads), len(op.reads)) for op in rnd.ops]
+            phases.append((local, passes, ops, peer))  # ends at the barrier before round k
+            passes = [
+                (op.length * itemsize * len(op.reads), len(op.reads), bool(_pull_peer_copies(op, itemsize)))
+                for op in rnd.ops
+            ]
             local, ops = 0.0, sum(sum(_pull_op_launches(op, itemsize)) for op in rnd.ops)
+            peer = sum(_pull_peer_copies(op, itemsize) for op in rnd.ops)
             if rnd.second_barrier:
-                phases.append((local, passes, ops))
-                local, passes, ops = sum(n for _, n in rnd.deferred) * itemsize, [], len(rnd.deferred)
+                phases.append((local, passes, ops, peer))
+                local, passes, ops, peer = sum(n for _, n in rnd.deferred) * itemsize, [], len(rnd.deferred), 0
             if k + 1 < len(plan.rounds):
                 local += sum(n for _, n in plan.rounds[k + 1].copy_in) * itemsize
                 ops += len(plan.rounds[k + 1].copy_in)
         local += sum(n for _, n in plan.copy_out) * itemsize
-        phases.append((local, passes, ops + len(plan.copy_out)))  # ends at the last barrier
+        phases.append((local, passes, ops + len(plan.copy_out), peer))  # ends at the last barrier
         out.append(phases)
     return out
 
@@ -154,13 +186,16 @@ def _push_phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[Str
     out = []
     for r in range(schedule.world_size):
         plan = compile_push(schedule, r, numel)
-        phases: list[Stretch] = [(0.0, [], 0)]  # ends at the barrier before round 0
+        phases: list[Stretch] = [(0.0, [], 0, 0)]  # ends at the barrier before round 0
         for rnd in plan.rounds:
             local = sum(op.length for op in rnd.ops if op.dst is None) * itemsize
-            passes = [(op.length * itemsize, 1) for op in rnd.ops if op.dst is not None]
-            phases.append((local, passes, sum(sum(_push_op_launches(op, itemsize)) for op in rnd.ops)))
+            passes = [
+                (op.length * itemsize, 1, bool(_push_peer_copies(op, itemsize))) for op in rnd.ops if op.dst is not None
+            ]
+            ops = sum(sum(_push_op_launches(op, itemsize)) for op in rnd.ops)
+            phases.append((local, passes, ops, sum(_push_peer_copies(op, itemsize) for op in rnd.ops)))
         folds = sum(sum(_push_op_launches(op, itemsize)) for op in plan.final)
-        phases.append((sum(op.length for op in plan.final) * itemsize, [], folds))
+        phases.append((sum(op.length for op in plan.final) * itemsize, [], folds, 0))
         out.append(phases)
     return out
 
@@ -212,21 +247,24 @@ def _gpu_s(ranks: list[list[Stretch]], api: Sequence[RankPasses], cost: PeerCost
     before the schedule ahead of its first barrier and those after it behind its last; every operation costs
     ``gpu_op_s`` besides its bytes."""
     for phases, passes in zip(ranks, api, strict=True):
-        local, reads, ops = phases[0]
-        phases[0] = (local + passes.before_bytes, reads, ops + len(passes.before))
+        local, reads, ops, peer = phases[0]
+        phases[0] = (local + passes.before_bytes, reads, ops + len(passes.before), peer)
         if push:  # the final folds end at no barrier: the API's copies out follow them
-            local, reads, ops = phases[-1]
-            phases[-1] = (local + passes.after_bytes, reads, ops + len(passes.after))
+            local, reads, ops, peer = phases[-1]
+            phases[-1] = (local + passes.after_bytes, reads, ops + len(passes.after), peer)
     nphases = len(ranks[0])
+    copy_s = cost.gpu_op_s if cost.gpu_peer_copy_s is None else cost.gpu_peer_copy_s
     pair = (cost.push_bytes_per_s or cost.pair_bytes_per_s) if push else cost.pair_bytes_per_s
+    copy_rate = cost.peer_copy_bytes_per_s or pair
     gpu = 0.0
     for k in range(nphases):  # every phase ends at a barrier all ranks take, so the slowest rank sets it
         slowest = 0.0
         for phases in ranks:
-            local, passes, ops = phases[k]
-            t = local / cost.local_bytes_per_s + ops * cost.gpu_op_s
-            for read, peers in passes:
-                t += read / (pair if peers == 1 else cost.fanin_bytes_per_s)
+            local, passes, ops, peer = phases[k]
+            t = local / cost.local_bytes_per_s + (ops - peer) * cost.gpu_op_s + peer * copy_s
+            for read, peers, plain_copy in passes:
+                rate = cost.fanin_bytes_per_s if peers > 1 else copy_rate if plain_copy else pair
+                t += read / rate
             slowest = max(slowest, t)
         gpu += slowest + (cost.barrier_s if not push or k + 1 < nphases else 0.0)
     if not push:
