@@ -37,9 +37,10 @@ sharing ``C`` flows capped at ``c`` each move as one flow capped at ``C c``):
 Collectives: all-reduce (``2(n-1)`` ring steps), all-gather and reduce-scatter (``n-1``), broadcast (a chain
 from rank 0: step ``s`` is rank ``s`` to ``s+1``, pipelined; the last rank copies each piece out),
 all-to-all (every pair at once, one step). On a uniform star the replay equals :func:`ring_closed_form`
-(tests/test_sim_nccl.py). Not modelled: NCCL's tree and NVLS (NVLink SHARP) algorithms, its LL/LL128 protocols
-for small messages, and its choice of fewer channels for small messages; the fitted figures absorb them
-(docs/sim.md says where that shows).
+(tests/test_sim_nccl.py). The LL and LL128 protocols NCCL picks for smaller calls are a ``protocol`` of
+:func:`simulate_nccl` (their flags cost bytes, and they start sooner), and ``chunk_depth`` cuts a smaller call
+into smaller pieces. Not modelled: NCCL's tree and NVLS (NVLink SHARP) algorithms and its choice of fewer
+channels below 1 MiB; the fitted figures absorb them (docs/sim.md says where that shows).
 """
 
 from __future__ import annotations
