@@ -150,21 +150,33 @@ def test_all_to_all_peers_share_the_ranks_connection_then_it_copies_its_own_bloc
 
 @settings(max_examples=60, deadline=None)
 @given(
-    collective=st.sampled_from(["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]),
+    collective=st.sampled_from(
+        ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter"]
+    ),
     n=st.integers(2, 8),
     nbytes=st.integers(1 << 10, 64 << 20),
     local_bytes_per_s=st.sampled_from([None, 20e9, 150e9, 2e12]),
     connection_bytes_per_s=st.sampled_from([None, 60e9]),
     step_latency_s=st.sampled_from([0.0, 0.2e-6]),
+    self_copy_bytes_per_s=st.sampled_from([None, 500e9]),
+    reduce_efficiency=st.sampled_from([1.0, 0.8]),
 )
 def test_replay_on_a_uniform_star_is_the_closed_form(
-    collective, n, nbytes, local_bytes_per_s, connection_bytes_per_s, step_latency_s
+    collective,
+    n,
+    nbytes,
+    local_bytes_per_s,
+    connection_bytes_per_s,
+    step_latency_s,
+    self_copy_bytes_per_s,
+    reduce_efficiency,
 ):
     # the closed form holds where a piece outlasts the step latency or is alone: here P >= 2 pieces are at least
     # 0.5 MiB (5 us at 100 GB/s), against a 0.2 us step
     channel = None if connection_bytes_per_s is None else connection_bytes_per_s / 4
     params = NcclParams(launch_s=3e-6, step_latency_s=step_latency_s, channels=4, slice_bytes=256 << 10,
-                        channel_bytes_per_s=channel, local_bytes_per_s=local_bytes_per_s)  # fmt: skip
+                        channel_bytes_per_s=channel, local_bytes_per_s=local_bytes_per_s,
+                        self_copy_bytes_per_s=self_copy_bytes_per_s, reduce_efficiency=reduce_efficiency)  # fmt: skip
     rate, hop = 100e9, 0.5e-6
     simulated = simulate_nccl(star(n, rate, hop), collective, nbytes, params=params).time_s
     expected = ring_closed_form(collective, nbytes, n, link_bytes_per_s=rate, path_latency_s=2 * hop, params=params)

@@ -35,11 +35,16 @@ sharing ``C`` flows capped at ``c`` each move as one flow capped at ``C c``):
   call costs ``max(host_s, kernel)``.
 
 Collectives: all-reduce (``2(n-1)`` ring steps), all-gather and reduce-scatter (``n-1``), broadcast (a chain
-from rank 0: step ``s`` is rank ``s`` to ``s+1``, pipelined; the last rank copies each piece out),
-all-to-all (every pair at once, one step). On a uniform star the replay equals :func:`ring_closed_form`
-(tests/test_sim_nccl.py). The LL and LL128 protocols NCCL picks for smaller calls are a ``protocol`` of
-:func:`simulate_nccl` (their flags cost bytes, and they start sooner), and ``chunk_depth`` cuts a smaller call
-into smaller pieces. Not modelled: NCCL's tree and NVLS (NVLink SHARP) algorithms and its choice of fewer
+from the root: step ``s`` is the ring's ``s``-th rank after the root to the next, pipelined; the last rank copies
+each piece out), reduce (the same chain ending at the root, which reduces each piece into its output: NCCL's
+ring reduce, ``src/device/reduce.h``), all-to-all (every pair at once, one step), and gather and scatter (what
+torch runs for them on NCCL: grouped point-to-point between the root and every other rank, one step; the root
+copies its own block). In a grouped step the kernel's rate is split among the peers on both sides: a flow is
+capped at the connection rate over the larger of its sender's peers and its receiver's (a gather's root
+receives from ``n-1`` ranks as a scatter's root sends to them). On a uniform star the replay equals
+:func:`ring_closed_form` (tests/test_sim_nccl.py). The LL and LL128 protocols NCCL picks for smaller calls are a
+``protocol`` of :func:`simulate_nccl` (their flags cost bytes, and they start sooner), and ``chunk_depth`` cuts a
+smaller call into smaller pieces. Not modelled: NCCL's tree and NVLS (NVLink SHARP) algorithms and its choice of fewer
 channels below 1 MiB; the fitted figures absorb them (docs/sim.md says where that shows).
 """
 
@@ -67,7 +72,10 @@ __all__ = [
 ]
 
 #: Collectives the model knows, and how many sequential steps each has on ``n`` ranks.
-NCCL_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+NCCL_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
+                    "scatter")  # fmt: skip
+#: those NCCL (through torch) runs as grouped point-to-point: one step, every block at once
+GROUPED = ("all_to_all", "gather", "scatter")
 
 #: How much faster the kernel copies a piece within its GPU than it moves it one ring step, from the memory
 #: accesses per byte of NCCL's ring programs (``src/device/all_reduce.h``, ``all_gather.h``, ``reduce_scatter.h``;
@@ -92,7 +100,14 @@ class NcclParams:
     own block (None: such copies are free); ``max_pieces``: a bound on the simulated pieces;
     ``ll_launch_s``, ``ll128_launch_s``: ``launch_s`` for calls in NCCL's LL and LL128 protocols (None: the same);
     ``chunk_depth``: smaller calls get smaller slices until each send has ``chunk_depth x n`` pieces (0: never;
-    :func:`pieces`).
+    :func:`pieces`); ``self_copy_bytes_per_s``: torch's gather and scatter copy the root's own block with a
+    ``copy_`` enqueued before NCCL's kernel (``torch/csrc/cuda/nccl.cpp``), at this device-to-device rate (None:
+    the kernel copies it, at ``local_bytes_per_s``); ``reduce_efficiency``: the share of its link rate a reduce
+    chain's send reaches (each piece counts ``1 / reduce_efficiency`` of its bytes, as a protocol's flags do;
+    NCCL's ring reduce moves fewer bytes a second than its broadcast over the same chain); ``ll_efficiency``: the
+    share of a line that is data in LL as measured (None: its format's 0.5; LL's 8-byte stores and the
+    receiver's polling reach less); ``p2p_launch_s``: ``launch_s`` of the grouped point-to-point kernels
+    (all-to-all, gather, scatter) in Simple (None: the same).
     """
 
     host_s: float = 0.0
@@ -106,8 +121,18 @@ class NcclParams:
     ll_launch_s: float | None = None
     ll128_launch_s: float | None = None
     chunk_depth: int = 0
+    self_copy_bytes_per_s: float | None = None
+    reduce_efficiency: float = 1.0
+    ll_efficiency: float | None = None
+    p2p_launch_s: float | None = None
 
     def __post_init__(self) -> None:
+        if not 0 < self.reduce_efficiency <= 1:
+            raise ValueError(f"NcclParams.reduce_efficiency must be in (0, 1], got {self.reduce_efficiency!r}")
+        if self.ll_efficiency is not None and not 0 < self.ll_efficiency <= 1:
+            raise ValueError(f"NcclParams.ll_efficiency must be in (0, 1] or None, got {self.ll_efficiency!r}")
+        if self.p2p_launch_s is not None and not self.p2p_launch_s >= 0:
+            raise ValueError(f"NcclParams.p2p_launch_s must be >= 0 seconds or None, got {self.p2p_launch_s!r}")
         for name in ("host_s", "launch_s", "step_latency_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"NcclParams.{name} must be >= 0 seconds, got {getattr(self, name)!r}")
@@ -119,7 +144,7 @@ class NcclParams:
                 f"NcclParams needs channels, slice_bytes and max_pieces >= 1; got {self.channels}, "
                 f"{self.slice_bytes}, {self.max_pieces}"
             )
-        for name in ("channel_bytes_per_s", "local_bytes_per_s"):
+        for name in ("channel_bytes_per_s", "local_bytes_per_s", "self_copy_bytes_per_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"NcclParams.{name} must be > 0 bytes/s or None, got {getattr(self, name)!r}")
 
@@ -143,23 +168,29 @@ class NcclResult:
         return self.links[0] if self.links else None
 
 
-def ring_steps(collective: str, n: int) -> list[list[tuple[int, int]]]:
-    """The ``(src, dst)`` sends of each step, on ranks ``0..n-1``."""
+def ring_steps(collective: str, n: int, root: int = 0) -> list[list[tuple[int, int]]]:
+    """The ``(src, dst)`` sends of each step, on ranks ``0..n-1`` (``root``: a rooted collective's)."""
     ring = [(r, (r + 1) % n) for r in range(n)]
     if collective == "all_reduce":
         return [ring] * (2 * (n - 1))
     if collective in ("all_gather", "reduce_scatter"):
         return [ring] * (n - 1)
-    if collective == "broadcast":
-        return [[(s, s + 1)] for s in range(n - 1)]
+    if collective == "broadcast":  # root, root+1, ..., root-1
+        return [[((root + s) % n, (root + s + 1) % n)] for s in range(n - 1)]
+    if collective == "reduce":  # root+1, ..., root-1, root
+        return [[((root + 1 + s) % n, (root + 2 + s) % n)] for s in range(n - 1)]
     if collective == "all_to_all":
         return [[(a, b) for a in range(n) for b in range(n) if a != b]]
+    if collective == "scatter":
+        return [[(root, b) for b in range(n) if b != root]]
+    if collective == "gather":
+        return [[(a, root) for a in range(n) if a != root]]
     raise ValueError(f"NCCL model: unknown collective {collective!r}; known: {', '.join(NCCL_COLLECTIVES)}")
 
 
 def _block_bytes(collective: str, nbytes: int, n: int) -> float:
-    """Bytes one send carries over a whole call: a rank's block (the buffer for broadcast)."""
-    return float(nbytes) if collective == "broadcast" else nbytes / n
+    """Bytes one send carries over a whole call: a rank's block (the buffer for broadcast and reduce)."""
+    return float(nbytes) if collective in ("broadcast", "reduce") else nbytes / n
 
 
 def pieces(collective: str, nbytes: int, n: int, params: NcclParams) -> int:
@@ -186,6 +217,7 @@ def simulate_nccl(
     *,
     params: NcclParams | None = None,
     protocol: str = "simple",
+    root: int = 0,
 ) -> NcclResult:
     """Simulate NCCL's ``collective`` on a ``nbytes`` work buffer (``dtrain.comm.cost``'s meaning: the output
     of an all-gather, the input of a reduce-scatter), ring order = ``placement`` order (default: every device
@@ -194,25 +226,39 @@ def simulate_nccl(
     ``protocol``: the one NCCL runs the call in ("simple", "ll128" or "ll"; NCCL picks by size, and
     ``NCCL_DEBUG_SUBSYS=TUNING`` prints its pick). LL and LL128 carry flags in every line, so every send moves
     ``1 / PROTOCOL_EFFICIENCY`` times its data, and they pipeline line by line, so a block goes in
-    ``max_pieces`` pieces; their kernel starts ``ll_launch_s`` / ``ll128_launch_s`` after the call."""
+    ``max_pieces`` pieces; their kernel starts ``ll_launch_s`` / ``ll128_launch_s`` after the call. ``root``:
+    the rank (an index into ``placement``) of a broadcast, reduce, gather or scatter."""
     params = params or NcclParams()
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
     if protocol not in PROTOCOL_EFFICIENCY:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOL_EFFICIENCY)}; got {protocol!r}")
+    efficiency = PROTOCOL_EFFICIENCY[protocol]
+    if protocol == "ll" and params.ll_efficiency is not None:
+        efficiency = params.ll_efficiency
     if protocol != "simple":
         launch = {"ll": params.ll_launch_s, "ll128": params.ll128_launch_s}[protocol]
         params = replace(params, slice_bytes=1, launch_s=params.launch_s if launch is None else launch)
+    elif collective in GROUPED and params.p2p_launch_s is not None:
+        params = replace(params, launch_s=params.p2p_launch_s)
     placement = list(placement) if placement is not None else [d.name for d in topology.devices()]
     n = len(placement)
     if n < 2:
         raise ValueError(f"an NCCL collective needs at least 2 ranks, got placement {placement!r}")
     placement = check_placement(topology, placement, n)
-    steps = ring_steps(collective, n)
+    if not 0 <= root < n:
+        raise ValueError(f"root must be a rank of the {n} placed, got {root!r}")
+    steps = ring_steps(collective, n, root)
     count = pieces(collective, nbytes, n, params)
-    piece = _block_bytes(collective, nbytes, n) / count / PROTOCOL_EFFICIENCY[protocol]
+    piece = _block_bytes(collective, nbytes, n) / count / efficiency
+    if collective == "reduce":
+        piece /= params.reduce_efficiency
     net = FlowNetwork(topology)
-    _Pipeline(net, placement, steps, count, piece, params, collective == "all_to_all").start(params.launch_s)
+    keeps = list(range(n)) if collective == "all_to_all" else [root] if collective in GROUPED else []
+    start = params.launch_s
+    if collective in ("gather", "scatter") and params.self_copy_bytes_per_s is not None:
+        keeps, start = [], start + nbytes / n / params.self_copy_bytes_per_s  # torch's copy_, then the kernel
+    _Pipeline(net, placement, steps, count, piece, params, collective in GROUPED, keeps).start(start)
     kernel = net.run()
     return NcclResult(time_s=max(params.host_s, kernel), kernel_s=kernel, pieces=count, links=net.usage(kernel))
 
@@ -222,16 +268,21 @@ class _Pipeline:
     one or more peers, or a local copy of a piece), one at a time."""
 
     def __init__(self, net: FlowNetwork, placement, steps, count: int, piece: float, params: NcclParams,
-                 all_to_all: bool) -> None:  # fmt: skip
+                 grouped: bool, keeps: list[int]) -> None:  # fmt: skip
         self.net, self.placement, self.steps, self.count, self.piece = net, placement, steps, count, piece
-        self.params, self.all_to_all = params, all_to_all
-        # the peers each rank sends to in each step (one in a ring or chain, every other rank in an all-to-all)
+        self.params, self.grouped, self.keeps = params, grouped, keeps
+        # the peers each rank sends to in each step (one in a ring or chain, every other rank in an all-to-all),
+        # and how many each rank receives from
         self.sends_of: list[dict[int, list[int]]] = []
+        self.fan_in: list[dict[int, int]] = []
         for step in steps:
             dsts: dict[int, list[int]] = {}
+            srcs: dict[int, int] = {}
             for src, dst in step:
                 dsts.setdefault(src, []).append(dst)
+                srcs[dst] = srcs.get(dst, 0) + 1
             self.sends_of.append(dsts)
+            self.fan_in.append(srcs)
         self.queue: dict[int, deque[tuple[str, int, int]]] = {}
         self.busy: set[int] = set()
 
@@ -240,7 +291,8 @@ class _Pipeline:
             for p in range(self.count):
                 for rank in self.sends_of[0]:
                     self._ready(rank, ("send", 0, p))
-                    if self.all_to_all and self.params.local_bytes_per_s is not None:
+                if self.params.local_bytes_per_s is not None:
+                    for rank in self.keeps:
                         self._ready(rank, ("copy", 0, p))  # the block it keeps for itself
 
         self.net.at(at_s, first)
@@ -264,7 +316,6 @@ class _Pipeline:
             return
         dsts = self.sends_of[step][rank]
         cap = self.params.connection_cap
-        cap = None if cap is None else cap / len(dsts)  # the peers of one send share the rank's kernel
         left = [len(dsts)]
 
         def sent(_t: float) -> None:
@@ -274,15 +325,17 @@ class _Pipeline:
 
         for dst in dsts:
             flow_id = hash((rank, dst, step, p)) & 0x7FFFFFFF
+            # the peers of one send share the sender's kernel, the senders into one rank its receiving kernel
+            share = None if cap is None else cap / max(len(dsts), self.fan_in[step][dst])
             self.net.send(self.placement[rank], self.placement[dst], self.piece, flow_id=flow_id,
                           on_done=lambda _t, dst=dst: self._arrived(dst, step, p), on_sent=sent,
-                          cap_bytes_per_s=cap)  # fmt: skip
+                          cap_bytes_per_s=share)  # fmt: skip
 
     def _arrived(self, dst: int, step: int, p: int) -> None:
         if step + 1 < len(self.steps) and dst in self.sends_of[step + 1]:
             after = self.net.now + self.params.step_latency_s
             self.net.at(after, lambda: self._ready(dst, ("send", step + 1, p)))
-        elif step + 1 == len(self.steps) and not self.all_to_all and self.params.local_bytes_per_s is not None:
+        elif step + 1 == len(self.steps) and not self.grouped and self.params.local_bytes_per_s is not None:
             self._ready(dst, ("copy", step, p))  # the last step's copy out of the receive buffer
 
 
@@ -290,7 +343,8 @@ def ring_closed_form(
     collective: str, nbytes: int, n: int, *, link_bytes_per_s: float, path_latency_s: float, params: NcclParams
 ) -> float:
     """The model's time on a uniform star (each rank one link each way at ``link_bytes_per_s``, a rank-to-rank
-    path of ``path_latency_s``), for the ring collectives, the chain broadcast and all-to-all.
+    path of ``path_latency_s``), for the ring collectives, the chain broadcast and reduce, and the grouped
+    all-to-all, gather and scatter.
 
     With ``S`` steps, ``P`` pieces of ``c`` bytes, ``t = c / rate``, ``d = t + latency + step latency`` (a
     piece's time from leaving one rank to leaving the next) and ``l = c / local_bytes_per_s`` (0 if None): a
@@ -302,21 +356,33 @@ def ring_closed_form(
         ring:  E + max(P (t + l), latency + max(P t + l, t + P l)),   cycle = max(P t, d)
         chain: E +                latency + max(P t + l, t + P l),    cycle = d
 
-    (``l = 0``: ``E + P t + latency``). All-to-all: each rank sends a piece to its ``n-1`` peers at once, at
-    ``rate / (n-1)`` each (so ``t = (n-1) c / rate``), then copies its own piece: ``launch + P (t + l) + max(0,
-    latency - l)``.
+    (``l = 0``: ``E + P t + latency``). All-to-all and scatter: each sender sends a piece to its ``n-1`` peers at
+    once, at ``rate / (n-1)`` each (so ``t = (n-1) c / rate``), then copies its own piece: ``launch + P (t + l) +
+    max(0, latency - l)``. Gather: the ``n-1`` senders share the root's link (or its receiving kernel), so again
+    ``t = (n-1) c / rate``, while the root copies its own pieces meanwhile: ``launch + max(P t + latency, P l)``.
+    With ``self_copy_bytes_per_s`` the root's block is copied before the kernel instead: both are ``launch +
+    block / self_copy_bytes_per_s + P t + latency``. A reduce is the chain with ``c`` over ``reduce_efficiency``.
     """
     count = pieces(collective, nbytes, n, params)
     rate = link_bytes_per_s if params.connection_cap is None else min(link_bytes_per_s, params.connection_cap)
     piece = _block_bytes(collective, nbytes, n) / count
+    if collective == "reduce":
+        piece /= params.reduce_efficiency
     copy = 0.0 if params.local_bytes_per_s is None else piece / params.local_bytes_per_s
-    if collective == "all_to_all":
+    if collective in ("gather", "scatter") and params.self_copy_bytes_per_s is not None:
+        t = (n - 1) * piece / rate
+        before = nbytes / n / params.self_copy_bytes_per_s
+        return max(params.host_s, params.launch_s + before + count * t + path_latency_s)
+    if collective in ("all_to_all", "scatter"):
         t = (n - 1) * piece / rate
         return max(params.host_s, params.launch_s + count * (t + copy) + max(0.0, path_latency_s - copy))
+    if collective == "gather":
+        t = (n - 1) * piece / rate
+        return max(params.host_s, params.launch_s + max(count * t + path_latency_s, count * copy))
     steps = len(ring_steps(collective, n))
     t = piece / rate
     d = t + path_latency_s + params.step_latency_s
-    chain = collective == "broadcast"
+    chain = collective in ("broadcast", "reduce")
     cycle = d if chain else max(count * t, d)
     copies = path_latency_s + max(count * t + copy, t + count * copy)
     if not chain:

@@ -10,7 +10,10 @@ plan the runtime itself runs (:func:`dtrain.comm.peer_plan.compile_pull`), per r
   ranks reading all peers contend, so this is *lower* than one pair's), plus a second barrier and its local
   copies where the plan defers window writes; at the end the copies out and the last barrier. Every kernel
   or torch operation also costs ``gpu_op_s`` besides its bytes (the gap between kernels and the ramp to full
-  rate: on 4 H100s a 16 MiB read takes 4.4 us more than its bytes at the rate of a 256 MiB one).
+  rate: on 4 H100s a 16 MiB read takes 4.4 us more than its bytes at the rate of a 256 MiB one). Ranks' passes
+  between two barriers run at once, so with ``port_bytes_per_s`` the transfers out of and into one GPU share
+  its port (a star's three readers of the root, three pushes into it), and a pass reading several peers while
+  nobody reads its rank runs at the lone fan-in rate (one direction of the port loaded, not both).
 - **Host time**: a fixed cost a call, and a cost for each barrier, each torch operation (a copy, a small
   pass) and each launch of the fused Triton kernel it enqueues (the runtime's own rule,
   :func:`dtrain.comm.peer_kernels.wants_kernel`, says which passes are fused).
@@ -60,6 +63,17 @@ class PeerCost:
     those a pass reaches when large (0: the rates carry it, as measured at one size); ``gpu_peer_copy_s``: the
     same for a plain ``copy_`` out of or into a peer's memory, which CUDA runs on a copy engine, not on the SMs
     (None: ``gpu_op_s``); ``peer_copy_bytes_per_s``: the rate of such a copy (None: the pair or push rate).
+
+    ``port_bytes_per_s``: what one GPU's port to the others (its NVLinks, one direction) carries in all. Every
+    pass between two barriers runs at once with the other ranks' passes, so the transfers out of one GPU (the
+    reads of its memory, its pushes) and into it (its reads, the pushes into it) share that port: a pass takes
+    at least the time the busiest port it crosses needs for all of that stretch's bytes (a star broadcast's
+    three readers share the root's port; None: ports are not shared). ``lone_fanin_bytes_per_s``: a pass
+    reading several peers while no rank reads this one's memory (a star reduce's root: one direction of its
+    port only; None: the port rate if given, else ``fanin_bytes_per_s``); ``fanin_curve``: the fan-in rate by
+    the bytes a pass reads, ``((bytes, rate), ...)`` from a micro-benchmark, interpolated in log bytes and held
+    beyond its ends (every rank reading every peer at once reaches more of the port the more it reads; empty:
+    ``fanin_bytes_per_s`` at every size).
     """
 
     pair_bytes_per_s: float
@@ -75,8 +89,20 @@ class PeerCost:
     gpu_op_s: float = 0.0
     gpu_peer_copy_s: float | None = None
     peer_copy_bytes_per_s: float | None = None
+    port_bytes_per_s: float | None = None
+    lone_fanin_bytes_per_s: float | None = None
+    fanin_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("port_bytes_per_s", "lone_fanin_bytes_per_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"PeerCost.{name} must be > 0 or None, got {getattr(self, name)!r}")
+        curve = tuple(tuple(point) for point in self.fanin_curve)
+        if any(len(point) != 2 or not (point[0] > 0 and point[1] > 0) for point in curve):
+            raise ValueError(f"PeerCost.fanin_curve must be (bytes > 0, rate > 0) pairs, got {self.fanin_curve!r}")
+        if any(b[0] <= a[0] for a, b in zip(curve, curve[1:], strict=False)):
+            raise ValueError(f"PeerCost.fanin_curve must be in increasing bytes, got {self.fanin_curve!r}")
+        object.__setattr__(self, "fanin_curve", curve)
         if self.host_kernel_s is not None and not self.host_kernel_s >= 0:
             raise ValueError(f"PeerCost.host_kernel_s must be >= 0 or None, got {self.host_kernel_s!r}")
         if self.gpu_peer_copy_s is not None and not self.gpu_peer_copy_s >= 0:
@@ -106,8 +132,10 @@ class PeerTime:
     api_launches: int = 0  # of which the API's own operations (``api``), on the rank with the most
 
 
+# a pass: (bytes, peers read, a plain copy, its flows: (peer, bytes) read from the peer's memory or pushed into it)
+Pass = tuple[float, int, bool, tuple[tuple[int, float], ...]]
 # (local bytes, passes, operations, of which copies from or into a peer's memory) between two barriers
-Stretch = tuple[float, list[tuple[float, int, bool]], int, int]  # a pass: (bytes, peers read, a plain copy)
+Stretch = tuple[float, list[Pass], int, int]
 
 
 def _pull_op_launches(op: PullOp, itemsize: int) -> tuple[int, int]:
@@ -162,7 +190,12 @@ def _phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[Stretch]
         for k, rnd in enumerate(plan.rounds):
             phases.append((local, passes, ops, peer))  # ends at the barrier before round k
             passes = [
-                (op.length * itemsize * len(op.reads), len(op.reads), bool(_pull_peer_copies(op, itemsize)))
+                (
+                    op.length * itemsize * len(op.reads),
+                    len(op.reads),
+                    bool(_pull_peer_copies(op, itemsize)),
+                    tuple((peer, op.length * itemsize) for peer, _ in op.reads),
+                )
                 for op in rnd.ops
             ]
             local, ops = 0.0, sum(sum(_pull_op_launches(op, itemsize)) for op in rnd.ops)
@@ -190,7 +223,9 @@ def _push_phases(schedule: Schedule, numel: int, itemsize: int) -> list[list[Str
         for rnd in plan.rounds:
             local = sum(op.length for op in rnd.ops if op.dst is None) * itemsize
             passes = [
-                (op.length * itemsize, 1, bool(_push_peer_copies(op, itemsize))) for op in rnd.ops if op.dst is not None
+                (op.length * itemsize, 1, bool(_push_peer_copies(op, itemsize)), ((op.dst, op.length * itemsize),))
+                for op in rnd.ops
+                if op.dst is not None
             ]
             ops = sum(sum(_push_op_launches(op, itemsize)) for op in rnd.ops)
             phases.append((local, passes, ops, sum(_push_peer_copies(op, itemsize) for op in rnd.ops)))
@@ -258,18 +293,60 @@ def _gpu_s(ranks: list[list[Stretch]], api: Sequence[RankPasses], cost: PeerCost
     copy_rate = cost.peer_copy_bytes_per_s or pair
     gpu = 0.0
     for k in range(nphases):  # every phase ends at a barrier all ranks take, so the slowest rank sets it
+        out_load, in_load = _port_loads([phases[k][1] for phases in ranks], push)
         slowest = 0.0
-        for phases in ranks:
+        for r, phases in enumerate(ranks):
             local, passes, ops, peer = phases[k]
             t = local / cost.local_bytes_per_s + (ops - peer) * cost.gpu_op_s + peer * copy_s
-            for read, peers, plain_copy in passes:
-                rate = cost.fanin_bytes_per_s if peers > 1 else copy_rate if plain_copy else pair
-                t += read / rate
-            slowest = max(slowest, t)
+            moving, busiest = 0.0, 0.0
+            for read, peers, plain_copy, flows in passes:
+                if peers > 1:
+                    rate = _fanin_rate(cost, read, lone=out_load[r] == 0)
+                else:
+                    rate = copy_rate if plain_copy else pair
+                moving += read / rate
+                for p, _ in flows:  # the ports this pass crosses: its own and its peer's
+                    mine, theirs = (out_load[r], in_load[p]) if push else (in_load[r], out_load[p])
+                    busiest = max(busiest, mine, theirs)
+            if cost.port_bytes_per_s is not None:
+                moving = max(moving, busiest / cost.port_bytes_per_s)
+            slowest = max(slowest, t + moving)
         gpu += slowest + (cost.barrier_s if not push or k + 1 < nphases else 0.0)
     if not push:
         gpu += max(p.after_bytes / cost.local_bytes_per_s + len(p.after) * cost.gpu_op_s for p in api)
     return gpu
+
+
+def _port_loads(passes: Sequence[Sequence[Pass]], push: bool) -> tuple[list[float], list[float]]:
+    """Bytes out of and into each GPU's port in one stretch, every rank's passes (``passes[r]``) together: a
+    pull moves bytes out of the peer read and into the reader, a push out of the pusher and into the peer."""
+    out_load, in_load = [0.0] * len(passes), [0.0] * len(passes)
+    for r, rank_passes in enumerate(passes):
+        for *_, flows in rank_passes:
+            for p, nbytes in flows:
+                src, dst = (r, p) if push else (p, r)
+                out_load[src] += nbytes
+                in_load[dst] += nbytes
+    return out_load, in_load
+
+
+def _fanin_rate(cost: PeerCost, nbytes: float, *, lone: bool) -> float:
+    """The rate of a pass reading ``nbytes`` from several peers: alone (no rank reads this one's memory
+    meanwhile) at the lone fan-in rate, else by the fan-in curve (or the one fan-in rate)."""
+    if lone:
+        if cost.lone_fanin_bytes_per_s is not None:
+            return cost.lone_fanin_bytes_per_s
+        if cost.port_bytes_per_s is not None:
+            return cost.port_bytes_per_s
+    curve = cost.fanin_curve
+    if not curve:
+        return cost.fanin_bytes_per_s
+    if nbytes <= curve[0][0]:
+        return curve[0][1]
+    if nbytes >= curve[-1][0]:
+        return curve[-1][1]
+    xs = np.log([b for b, _ in curve])
+    return float(np.interp(np.log(nbytes), xs, [rate for _, rate in curve]))
 
 
 def _launches(
