@@ -12,28 +12,13 @@ import os
 
 import torch
 import torch.distributed as dist
+from symm_probe import timed  # benchmarks/ is the script's folder: on sys.path under torchrun
 
 from dtrain.comm import algorithms as registry
 from dtrain.comm import peer
 from dtrain.comm.schedule import Collective
 
 MIB = 1 << 20
-
-
-def timed(fn, iters: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    t = torch.tensor([start.elapsed_time(end) / iters * 1e3], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def main() -> None:
@@ -47,7 +32,7 @@ def main() -> None:
         n = mib * MIB
         x = torch.full((n // 4,), float(rank + 1), device=dev)
         ref = torch.ones_like(x)
-        nccl = timed(lambda: dist.broadcast(x, 0))
+        nccl = timed(lambda: dist.broadcast(x, 0), iters=10, warmup=2)
         if rank == 0:
             print(f"{mib:5d} MiB  nccl              {nccl:9.1f} us", flush=True)
         for push in (False, True):
@@ -56,7 +41,7 @@ def main() -> None:
             for pieces in (1, 2, 3, 5, 9, 21, 41):
                 schedule = registry.build(Collective.BROADCAST, "ring", 4, root=0, pipeline=pieces)
                 x.fill_(float(rank + 1))
-                us = timed(lambda s=schedule: run(s, x, window, "sum"))
+                us = timed(lambda s=schedule: run(s, x, window, "sum"), iters=10, warmup=2)
                 ok = bool(torch.equal(x, ref))
                 if rank == 0:
                     form = "push" if push else "pull"

@@ -14,6 +14,9 @@ port. The passes are the runtime's own: a plain ``copy_`` out of or into a peer'
 - ``sum 3 lone``: rank 0 sums the block of three peers (one pass); the others idle (a star reduce).
 - ``sum 3 all``: every rank sums three peers' blocks at once (a direct all-reduce's first round).
 - ``copy 3 lone``: rank 0 copies three peers' blocks one after another (a star gather, pulled).
+- ``chain read``: ranks 1-3 each copy the block of the rank before them at once (a pipelined chain's round).
+- ``chain read 2 outs``: the same pass storing to two outputs, as the runtime's chain does (window and buffer).
+- ``read 1 ring 2 outs``: ``read 1 ring`` storing to two outputs.
 
 Prints one line a pattern and size, and with ``--out`` a JSON line each (docs/sim.md, "Session 7").
 """
@@ -37,6 +40,7 @@ MIB = 1 << 20
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", default="1,4,16,64,256", help="bytes of one flow, MiB")
+    ap.add_argument("--patterns", default=None, help="comma-separated patterns (default: all)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -76,11 +80,17 @@ def main() -> None:
             else None,
             "sum 3 all": lambda: combine([out[:n]], None, [block(peers[p], rank, n) for p in others], "sum"),
             "copy 3 lone": (lambda: [out[:n].copy_(block(peers[p], 0, n)) for p in (1, 2, 3)]) if rank == 0 else None,
+            "chain read": (lambda: out[:n].copy_(block(peers[rank - 1], rank, n))) if rank else None,
+            "chain read 2 outs": (lambda: combine([out[:n], mine[:n]], None, [block(peers[rank - 1], rank, n)], "sum"))
+            if rank
+            else None,
+            "read 1 ring 2 outs": lambda: combine([out[:n], mine[:n]], None, [block(peers[nxt], rank, n)], "sum"),
         }
 
     # bytes through the busiest port per flow: fan-out/fan-in/sum/copy 3 move three flows through one port
     flows = {"read 1 lone": 1, "read 1 ring": 1, "fan-out read": 3, "fan-in push": 3, "push 1 lone": 1,
-             "sum 3 lone": 3, "sum 3 all": 3, "copy 3 lone": 3}  # fmt: skip
+             "sum 3 lone": 3, "sum 3 all": 3, "copy 3 lone": 3, "chain read": 1, "chain read 2 outs": 1,
+             "read 1 ring 2 outs": 1}  # fmt: skip
 
     def timed(fn) -> float:
         def body() -> None:
@@ -108,7 +118,10 @@ def main() -> None:
         print(f"{name} x{world}: barrier round {bare:.2f} us", flush=True)
     for mib in sizes:
         n = mib * MIB // 4
+        wanted = args.patterns.split(",") if args.patterns else None
         for label, fn in patterns(n).items():
+            if wanted is not None and label not in wanted:
+                continue
             us = max(timed(fn) - bare, 1e-3)
             port = flows[label] * mib * MIB / (us * 1e-6) / 1e9
             rec = {"pattern": label, "flow_bytes": mib * MIB, "flows_through_port": flows[label], "time_us": us,

@@ -203,8 +203,9 @@ def main() -> None:
     print(f"\nNCCL model fitted on {s6.FIT_PROCESS}'s native+graph calls: connection "
           f"{params.connection_cap / 1e9:.1f} GB/s, launch {params.launch_s * 1e6:.1f} us, step "
           f"{params.step_latency_s * 1e6:.2f} us, floor {params.host_s * 1e6:.1f} us, LL launch "
-          f"{params.ll_launch_s * 1e6:.1f} us, LL128 launch {params.ll128_launch_s * 1e6:.1f} us, reduce efficiency "
-          f"{params.reduce_efficiency:.2f}")  # fmt: skip
+          f"{params.ll_launch_s * 1e6:.1f} us, LL efficiency {params.ll_efficiency:.2f}, LL128 launch "
+          f"{params.ll128_launch_s * 1e6:.1f} us, point-to-point launch {params.p2p_launch_s * 1e6:.1f} us, reduce "
+          f"efficiency {params.reduce_efficiency:.2f}")  # fmt: skip
     held_native = [r for r in native if r["process"] != s6.FIT_PROCESS]
     s6._table("NCCL, native+graph, 4 x H200, the three held-out processes, per collective", held_native,
               lambda r: r["collective"], NCCL_PRICED)  # fmt: skip

@@ -137,3 +137,13 @@ def test_nccl_ll_efficiency_and_the_p2p_launch_are_their_own_terms():
         simulate_nccl(topo, "all_gather", n, params=sooner).time_s
         == simulate_nccl(topo, "all_gather", n, params=base).time_s
     )
+
+
+def test_the_simulator_prices_nccls_rooted_collectives_through_its_public_entry():
+    from dtrain.sim import simulate_collective
+
+    topo = Transport(name="nvlink").topology(4)
+    for coll in ("gather", "scatter", "reduce"):
+        got = simulate_collective(topo, coll, "native", 64 * MIB).time_s
+        assert got == simulate_nccl(topo, coll, 64 * MIB).time_s
+        assert got > 0
