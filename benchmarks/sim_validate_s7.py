@@ -87,7 +87,8 @@ def with_ports(cost: PeerCost, curve: tuple[tuple[float, float], ...]) -> PeerCo
 
 
 def nccl_rows(records: list[dict], runs: dict[str, str], fit_process: str | None, copy_bytes_per_s: float,
-              params: NcclParams | None = None) -> tuple[NcclParams, list[dict]]:  # fmt: skip
+              params: NcclParams | None = None, base: NcclParams | None = None,
+              ) -> tuple[NcclParams, list[dict]]:  # fmt: skip
     """NCCL's own calls captured as graphs (``native+graph``), every collective priced by dtrain.sim.nccl in the
     protocol NCCL chose (its tuning log; gather and scatter, point-to-point, in Simple from 1 MiB). ``params``:
     given, priced with them; else fitted as session 6 did on ``fit_process``'s calls, and then the reduce's
@@ -109,7 +110,7 @@ def nccl_rows(records: list[dict], runs: dict[str, str], fit_process: str | None
         simple = [NcclPoint(collective=r["collective"], nbytes=r["nbytes"], seconds=r["time_us"] * 1e-6)
                   for r in fitting
                   if r["collective"] in ring and (r["protocol"] == "simple" or r["nbytes"] <= 64 << 10)]  # fmt: skip
-        params = fit_nccl(simple, topo, base=NcclParams(chunk_depth=4), host_max_bytes=64 << 10,
+        params = fit_nccl(simple, topo, base=base or NcclParams(chunk_depth=4), host_max_bytes=64 << 10,
                           local_per_connection=LOCAL_OVER_CONNECTION)  # fmt: skip
         params = replace(params, self_copy_bytes_per_s=copy_bytes_per_s)
         for proto, field in (("ll", "ll_launch_s"), ("ll128", "ll128_launch_s")):
