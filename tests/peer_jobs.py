@@ -45,7 +45,7 @@ def private_shm() -> str:
     import torch.distributed as dist
 
     from dtrain import comm
-    from dtrain.comm import peer
+    from dtrain.comm.peer import window as peer
 
     rank = dist.get_rank()
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30), use_local_synchronization=True)
@@ -69,7 +69,7 @@ def rendezvous_counts_differ() -> str:
     import torch
     import torch.distributed as dist
 
-    from dtrain.comm import peer
+    from dtrain.comm.peer import window as peer
     from dtrain.testing.pool import group_of
 
     saved = peer._RENDEZVOUS[0]
@@ -94,7 +94,8 @@ def auto_falls_back_when_a_window_is_refused() -> dict:
     import torch.distributed as dist
 
     from dtrain import comm
-    from dtrain.comm import api, peer
+    from dtrain.comm import api
+    from dtrain.comm.peer import window as peer
     from dtrain.testing.pool import group_of
 
     group = group_of(3)
@@ -135,7 +136,7 @@ def reduce_scatter_without_a_copy(algorithm: str) -> dict:
     import torch.distributed as dist
 
     from dtrain import comm
-    from dtrain.comm import peer
+    from dtrain.comm.peer import window as peer
     from dtrain.testing.pool import group_of
 
     group, rank = group_of(3), dist.get_rank()

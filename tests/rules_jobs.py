@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from dtrain import comm
-from dtrain.comm import algorithms as registry
 from dtrain.comm import api
+from dtrain.comm.ir import algorithms as registry
 from dtrain.testing.pool import group_of
 
 

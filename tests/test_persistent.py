@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtrain.comm import persistent
+from dtrain.comm.peer import graphs as persistent
 
 CPU = torch.device("cpu")
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtrain.comm import api, peer, watchdog
-from dtrain.comm.watchdog import Watchdog
+from dtrain.comm import api
+from dtrain.comm.peer import watchdog
+from dtrain.comm.peer import window as peer
+from dtrain.comm.peer.watchdog import Watchdog
 
 JOBS = "tests.peer_jobs"
 

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dtrain.bench.launch import rank_device, run_ranks
-from dtrain.comm import cost
-from dtrain.comm.calibrate import calibrate
+from dtrain.comm.cost import model as cost
+from dtrain.comm.cost.calibrate import calibrate
 
 __all__ = ["run", "calibrate_on_rank"]
 

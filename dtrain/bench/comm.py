@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from dtrain.bench.launch import rank_device, run_ranks
-from dtrain.comm import algorithms as registry
-from dtrain.comm import cost
-from dtrain.comm.schedule import BLOCK_COLLECTIVES, Collective
+from dtrain.comm.cost import model as cost
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import BLOCK_COLLECTIVES, Collective
 
 __all__ = ["BUS_FACTORS", "BenchConfig", "run", "bench_on_rank", "bus_factor"]
 
@@ -261,7 +261,7 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
     kind = device.type + ("-peer" if transport == "peer" else "")
     params = cost.load_params(device=kind)
     local_size = _local_size(world)
-    from dtrain.comm import persistent
+    from dtrain.comm.peer import graphs as persistent
 
     machine = {**_machine(device), "transport": transport, "persistent": persistent.enabled()}
     records = []
@@ -300,7 +300,7 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
 
 def _write_rules(records: list[dict], config: BenchConfig, kind: str, local_size: int | None, machine) -> None:
     """Rules for ``auto`` from this sweep's winners (:mod:`dtrain.comm.rules`), where the API will look."""
-    from dtrain.comm import rules
+    from dtrain.comm.cost import rules
 
     world = records[0]["world_size"] if records else 1
     usable = local_size if local_size and 1 < local_size < world else None

@@ -18,12 +18,16 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm import arguments, native, peer, peer_push, persistent, watchdog
+from dtrain.comm import arguments, native
 from dtrain.comm.arguments import check_algorithm, check_op, check_pair, check_root, check_tensor, group_info
-from dtrain.comm.runtime import round_timeout, run_schedule
-from dtrain.comm.schedule import Collective
-from dtrain.comm.transport import transport_for
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.p2p.runtime import round_timeout, run_schedule
+from dtrain.comm.p2p.transport import transport_for
+from dtrain.comm.peer import graphs as persistent
+from dtrain.comm.peer import push as peer_push
+from dtrain.comm.peer import watchdog
+from dtrain.comm.peer import window as peer
 
 __all__ = [
     "all_reduce",
@@ -73,10 +77,10 @@ def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int 
     rules) where one covers the call, else the cost model's least predicted time. Pricing every candidate costs
     tens of microseconds of host time a call, as much as a small collective itself on a GPU (the parameters are
     read once per process anyway)."""
-    from dtrain.comm import cost
+    from dtrain.comm.cost import model as cost
 
     candidates = [a for a in registry.names(coll) if local_size or not registry.needs_local_size(a)]
-    from dtrain.comm import rules
+    from dtrain.comm.cost import rules
 
     for measured in (_rules(kind), rules.built_in(kind, world, local_size)):  # the file first, then built in
         if measured is not None and measured.covers(kind, world, local_size):
@@ -91,7 +95,7 @@ def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int 
 @lru_cache(maxsize=4)
 def _params(device_type: str):
     """The calibrated cost parameters for this device type, or the defaults (read once per process)."""
-    from dtrain.comm import cost
+    from dtrain.comm.cost import model as cost
 
     return cost.load_params(device=device_type)
 
@@ -99,7 +103,7 @@ def _params(device_type: str):
 @lru_cache(maxsize=4)
 def _rules(kind: str):
     """The measured rules for this kind of group (``dtrain bench comm --rules-out``), or None (read once)."""
-    from dtrain.comm import rules
+    from dtrain.comm.cost import rules
 
     return rules.load_rules(kind)
 
@@ -128,7 +132,8 @@ def _agree_on_choices(group, kind: str, device: torch.device) -> None:
     dist.all_gather(every, mine, group=group)
     differ = sorted({r for r, t in enumerate(every) if int(t) != int(every[0])})
     if differ:
-        from dtrain.comm import cost, rules
+        from dtrain.comm.cost import model as cost
+        from dtrain.comm.cost import rules
 
         raise ValueError(
             f"algorithm='auto': the ranks of this group choose from different calibration or rules files "
@@ -143,7 +148,7 @@ def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device:
     """Pieces for a pipelined chain (ring broadcast and reduce), from the cost model's optimum."""
     if algorithm != "ring" or coll not in (Collective.BROADCAST, Collective.REDUCE):
         return 1
-    from dtrain.comm import cost
+    from dtrain.comm.cost import model as cost
 
     return cost.optimal_pipeline(nbytes, world, _params(device.type).intra)
 

@@ -10,9 +10,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm.runtime import REDUCE_OPS
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.p2p.runtime import REDUCE_OPS
 
 __all__ = [
     "SUPPORTED_DTYPES",

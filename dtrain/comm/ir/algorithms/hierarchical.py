@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dtrain.comm.algorithms import register
-from dtrain.comm.algorithms.tree import binomial_broadcast_rounds, binomial_reduce_rounds
-from dtrain.comm.schedule import Collective, Schedule, Transfer, make_schedule
+from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.algorithms.tree import binomial_broadcast_rounds, binomial_reduce_rounds
+from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = [
     "hierarchical_all_reduce",

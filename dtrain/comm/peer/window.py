@@ -40,11 +40,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dtrain.comm import peer_kernels, persistent, watchdog
-from dtrain.comm.peer_plan import compile_pull
-from dtrain.comm.peer_push import compile_push, has_push_form, writes_own_block_only
-from dtrain.comm.runtime import CommTimeoutError
-from dtrain.comm.schedule import Schedule
+from dtrain.comm.ir.schedule import Schedule
+from dtrain.comm.p2p.runtime import CommTimeoutError
+from dtrain.comm.peer import graphs as persistent
+from dtrain.comm.peer import kernels as peer_kernels
+from dtrain.comm.peer import watchdog
+from dtrain.comm.peer.pull import compile_pull
+from dtrain.comm.peer.push import compile_push, has_push_form, writes_own_block_only
 
 __all__ = [
     "PeerWindow",

@@ -3,20 +3,16 @@
 ``build(collective, algorithm, world_size, ...)`` looks a builder up in the registry that the family
 modules fill with :func:`register`; ``names(collective)`` lists what is there.
 
-The public API also has a *function* ``dtrain.comm.algorithms(collective)``, and Python binds a package's
-attribute to its subpackage once that is imported; so this module is made callable and answers that call
-itself (:func:`accepted`), whichever of the two a caller reaches.
+The public function ``dtrain.comm.algorithms(collective)`` answers with :func:`accepted`.
 """
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Protocol
 
-from dtrain.comm.schedule import Collective, Schedule
+from dtrain.comm.ir.schedule import Collective, Schedule
 
 __all__ = ["Builder", "register", "build", "names", "accepted", "needs_local_size"]
 
@@ -91,7 +87,7 @@ def build(
 
 
 def _load_families() -> None:
-    from dtrain.comm.algorithms import (  # noqa: F401  (each module registers its builders on import)
+    from dtrain.comm.ir.algorithms import (  # noqa: F401  (each module registers its builders on import)
         direct,
         halving_doubling,
         hierarchical,
@@ -104,11 +100,3 @@ def _load_families() -> None:
 
 
 _load_families()
-
-
-class _CallableModule(types.ModuleType):
-    def __call__(self, collective: str) -> list[str]:
-        return accepted(collective)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -8,8 +8,8 @@ link): the message is cut into ``pipeline`` pieces that follow each other down t
 
 from __future__ import annotations
 
-from dtrain.comm.algorithms import register
-from dtrain.comm.schedule import Collective, Schedule, Transfer, make_schedule
+from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = [
     "ring_all_reduce",

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from dtrain.comm.schedule import Schedule, ScheduleError, chunk_bounds
+from dtrain.comm.ir.schedule import Schedule, ScheduleError, chunk_bounds
 
 __all__ = ["PullOp", "PullRound", "PullPlan", "compile_pull", "races", "wants_kernel", "FUSE_BYTES"]
 

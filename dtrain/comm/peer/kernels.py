@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dtrain.comm.peer_plan import wants_kernel
+from dtrain.comm.peer.pull import wants_kernel
 
 __all__ = ["combine", "triton_ready", "wants_kernel"]
 
@@ -29,7 +29,7 @@ _state: dict[str, object] = {}
 def _build():
     import triton
 
-    from dtrain.comm import peer_triton  # Triton resolves a kernel's helpers from its module's globals
+    from dtrain.comm.peer import triton as peer_triton  # Triton resolves a kernel's helpers from its module's globals
 
     return triton, peer_triton.pull_kernel
 
@@ -61,7 +61,7 @@ def _launch(outs, base, sources, op: str) -> None:
 
 
 def _torch_combine(outs, base, sources, op: str) -> None:
-    from dtrain.comm.runtime import REDUCE_OPS
+    from dtrain.comm.p2p.runtime import REDUCE_OPS
 
     target = outs[0]
     if base is None:  # a copy: exactly one source

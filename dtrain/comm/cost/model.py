@@ -47,8 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dtrain.comm.cost_forms import CLOSED_FORMS, Form
-from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective, Schedule, chunk_bounds
+from dtrain.comm.cost.forms import CLOSED_FORMS, Form
+from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Collective, Schedule, chunk_bounds
 
 __all__ = [
     "LinkCost",
@@ -204,7 +204,7 @@ def _predict_from_schedule(
     local_size: int | None,
     pipeline: int,
 ) -> float:
-    from dtrain.comm import algorithms  # deferred: the registry imports every family
+    from dtrain.comm.ir import algorithms  # deferred: the registry imports every family
 
     if algorithm not in algorithms.names(collective):
         known = sorted({a for (c, a) in CLOSED_FORMS if c == collective} | set(algorithms.names(collective)))

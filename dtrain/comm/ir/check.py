@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dtrain.comm.schedule import Collective, Schedule, ScheduleError, Transfer
+from dtrain.comm.ir.schedule import Collective, Schedule, ScheduleError, Transfer
 
 __all__ = ["check", "CheckReport", "initial_state", "expected_state"]
 

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir.schedule import Collective
 
 if TYPE_CHECKING:
-    from dtrain.comm.cost import CostParams, LinkCost
+    from dtrain.comm.cost.model import CostParams, LinkCost
 
 __all__ = ["Form", "CLOSED_FORMS"]
 

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from dtrain.comm.schedule import Schedule, chunk_bounds
+from dtrain.comm.ir.schedule import Schedule, chunk_bounds
 
 __all__ = ["Outgoing", "Incoming", "Apply", "RoundPlan", "RankPlan", "compile_plan", "lane_bounds"]
 

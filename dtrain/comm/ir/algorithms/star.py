@@ -7,8 +7,8 @@ the hub; the others use the ``root`` argument if one is given, else rank 0 (thei
 
 from __future__ import annotations
 
-from dtrain.comm.algorithms import register
-from dtrain.comm.schedule import Collective, Schedule, Transfer, make_schedule
+from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = [
     "star_all_reduce",

@@ -10,8 +10,8 @@ MPICH" (2005), sections 4.1 and 4.4. log2 W rounds when W is a power of two, flo
 
 from __future__ import annotations
 
-from dtrain.comm.algorithms import register
-from dtrain.comm.schedule import Collective, Schedule, Transfer, make_schedule
+from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = ["largest_power_of_two", "recursive_doubling_all_reduce", "recursive_doubling_all_gather"]
 

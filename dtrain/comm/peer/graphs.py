@@ -1,7 +1,23 @@
-"""Persistent collectives: a call repeated on the same CUDA buffer is recorded once as a graph, then replayed.
+"""CUDA graphs of collective calls: captured on request (:func:`capture`) or implicitly (:func:`run`).
+
+Captured collectives: record a collective call once as a CUDA graph, then replay it for a few microseconds.
+
+A schedule of R rounds costs R trips through torch.distributed's NCCL process group on the host, each tens
+of microseconds (docs/results.md); below a few MiB that host time, not the GPUs, sets the
+pace. Replaying a CUDA graph of the whole call launches every round's NCCL kernels and reductions at once.
+This is MPI-4's persistent collective (``MPI_Allreduce_init`` then ``MPI_Start``) on CUDA graphs.
+
+Rules, as for any CUDA graph: the call is replayed on the same tensors (write new data into them, do not
+rebind them), every rank of the group captures the same call in the same order, and the capture happens
+once the process group has run at least one collective. On CPU tensors there is nothing to capture and
+:func:`capture` raises ``ValueError``. Release captured collectives (:meth:`CapturedCollective.release`, or
+drop every reference) before ``destroy_process_group``: a live graph that holds NCCL kernels can keep
+``ncclCommDestroy`` waiting (pytorch/pytorch#115388).
+
+Persistent collectives: a call repeated on the same CUDA buffer is recorded once as a graph, then replayed.
 
 A peer-memory round is a barrier and a kernel or two on the device, but ~15 us of Python and launches on the
-host (docs/benchmarks.md), so below some MiB the host, not the GPUs, sets the pace. Training calls the same
+host (docs/results.md), so below some MiB the host, not the GPUs, sets the pace. Training calls the same
 collectives on the same buffers every step (gradient buckets, sharded optimizer state). The second time a
 call is seen with the same schedule, buffer address, size, dtype, op and window, it is captured as a CUDA graph
 of all its rounds (capturing runs nothing), and that call and every later one replays the graph. This is
@@ -32,9 +48,60 @@ from collections.abc import Callable, Hashable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef  # torch's weak handle on a storage
 
-from dtrain.comm import watchdog
+from dtrain.comm.peer.window import watchdog
 
-__all__ = ["MAX_GRAPHS", "run", "release_all", "enabled", "held"]
+__all__ = ["MAX_GRAPHS", "CapturedCollective", "capture", "run", "release_all", "enabled", "held"]
+
+
+class CapturedCollective:
+    """A collective call recorded as a CUDA graph; call the object to run it again."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
+        self._graph = graph
+        self._stream = stream
+
+    def release(self) -> None:
+        """Free the graph and its memory; the object cannot be replayed afterwards."""
+        if self._graph is not None:
+            torch.cuda.synchronize()
+            self._graph.reset()
+            self._graph = None
+
+    def __call__(self) -> None:
+        """Replay on the current stream (it waits for earlier work and later work waits for it). A graph runs on
+        whichever stream launches it, whatever stream it was captured on: no stream switch, no events."""
+        if self._graph is None:
+            raise ValueError("this captured collective was released")
+        self._graph.replay()
+
+
+def capture(call: Callable[[], object], device: torch.device | int | None = None, warmup: int = 1):
+    """Run ``call`` ``warmup`` times eagerly, then record it as a graph; returns a :class:`CapturedCollective`.
+
+    ``call`` is a closure over the tensors, e.g. ``lambda: comm.all_reduce(x, algorithm="ring")``.
+    """
+    if not torch.cuda.is_available():
+        raise ValueError("capture needs CUDA tensors and a CUDA device; none is available here")
+    if warmup < 1:
+        raise ValueError(f"warmup must be >= 1 (plans and scratch buffers are made on the first call), got {warmup}")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif isinstance(device, int):
+        device = torch.device("cuda", device)
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            call()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    # thread-local: other threads (the autograd engine's, dtrain's watchdog) may touch CUDA meanwhile
+    with watchdog.capturing(), torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        call()
+    torch.cuda.synchronize(device)
+    return CapturedCollective(graph, stream)
+
 
 #: The most graphs kept at once; the least recently replayed goes first.
 MAX_GRAPHS = 64
@@ -65,8 +132,6 @@ def held() -> int:
 
 
 def _capture(call: Callable[[], object], device: torch.device):
-    from dtrain.comm.graph import CapturedCollective
-
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     graph = torch.cuda.CUDAGraph()

@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from dtrain.comm.cost import CostParams, LinkCost
-from dtrain.comm.transport import transport_for
+from dtrain.comm.cost.model import CostParams, LinkCost
+from dtrain.comm.p2p.transport import transport_for
 
 __all__ = [
     "DEFAULT_SIZES",

@@ -17,9 +17,9 @@ from datetime import timedelta
 
 import torch
 
-from dtrain.comm.plan import RoundPlan, compile_plan
-from dtrain.comm.schedule import Schedule
-from dtrain.comm.transport import Pending, Transport
+from dtrain.comm.ir.plan import RoundPlan, compile_plan
+from dtrain.comm.ir.schedule import Schedule
+from dtrain.comm.p2p.transport import Pending, Transport
 
 __all__ = ["CommTimeoutError", "compile_plan", "run_schedule", "REDUCE_OPS"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dtrain.comm.algorithms import register
-from dtrain.comm.schedule import Collective, Schedule, Transfer, make_schedule
+from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = [
     "binomial_broadcast_rounds",

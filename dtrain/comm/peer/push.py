@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from dtrain.comm.schedule import Schedule, ScheduleError, chunk_bounds
+from dtrain.comm.ir.schedule import Schedule, ScheduleError, chunk_bounds
 
 __all__ = ["PushOp", "PushRound", "PushPlan", "compile_push", "has_push_form", "races", "writes_own_block_only"]
 
