@@ -9,7 +9,6 @@ to torch.distributed; ``algorithm="auto"`` asks the cost model for the fastest o
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import warnings
 import weakref
@@ -28,6 +27,7 @@ from dtrain.comm.peer import graphs as persistent
 from dtrain.comm.peer import push as peer_push
 from dtrain.comm.peer import watchdog
 from dtrain.comm.peer import window as peer
+from dtrain.env import comm_env
 
 __all__ = [
     "all_reduce",
@@ -238,10 +238,7 @@ def _fall_back(group, err: Exception) -> None:
 
 
 def _transport_setting() -> str:
-    name = os.environ.get("DTRAIN_COMM_TRANSPORT", "auto") or "auto"
-    if name not in ("auto", "p2p", "peer"):
-        raise ValueError(f"DTRAIN_COMM_TRANSPORT must be auto, p2p or peer, got {name!r}")
-    return name
+    return comm_env().transport
 
 
 def transport_name(group, device: torch.device) -> str:
@@ -273,10 +270,8 @@ def _lanes(schedule, work: torch.Tensor) -> int:
     overlap wins (direct all-reduce of 1 GiB: 0.86x NCCL with one lane, 0.80x with two; docs/benchmarks.md),
     so they are off unless asked for, for links where reductions weigh more.
     """
-    override = os.environ.get("DTRAIN_COMM_LANES", "")
-    if override.isdigit() and int(override) > 0 and schedule.reduces:
-        return int(override)
-    return 1
+    lanes = comm_env().lanes
+    return lanes if schedule.reduces else 1
 
 
 #: Work buffers kept for calls that cannot work in the caller's tensor (see :func:`_scratch`), most recent last.

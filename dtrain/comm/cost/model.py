@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dtrain.comm.cost.forms import CLOSED_FORMS, Form
 from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Collective, Schedule, chunk_bounds
+from dtrain.env import comm_env
 
 __all__ = [
     "LinkCost",
@@ -379,9 +379,9 @@ def default_params(device_type: str) -> CostParams:
 
 def params_path(device: str = "cpu") -> Path:
     """``$DTRAIN_CALIBRATION`` if set, else ``~/.cache/dtrain/calibration-{device}.json``."""
-    env = os.environ.get("DTRAIN_CALIBRATION")
-    if env:
-        return Path(env)
+    env = comm_env().calibration
+    if env is not None:
+        return env
     return Path.home() / ".cache" / "dtrain" / f"calibration-{device}.json"
 
 

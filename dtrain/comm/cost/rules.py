@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dtrain.env import comm_env
 
 __all__ = ["MODEL", "BUILT_IN", "Rules", "built_in", "from_records", "rules_path", "load_rules", "save_rules"]
 
@@ -161,9 +162,9 @@ def from_records(
 
 def rules_path(kind: str) -> Path:
     """``$DTRAIN_COMM_RULES`` if set, else ``~/.cache/dtrain/rules-{kind}.json``."""
-    env = os.environ.get("DTRAIN_COMM_RULES")
-    if env:
-        return Path(env)
+    env = comm_env().rules
+    if env is not None:
+        return env
     return Path.home() / ".cache" / "dtrain" / f"rules-{kind}.json"
 
 

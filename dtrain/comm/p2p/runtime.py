@@ -10,7 +10,6 @@ k+1's transfer, and a lane's next round waits only for its own reduction (an eve
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,6 +19,7 @@ import torch
 from dtrain.comm.ir.plan import RoundPlan, compile_plan
 from dtrain.comm.ir.schedule import Schedule
 from dtrain.comm.p2p.transport import Pending, Transport
+from dtrain.env import comm_env
 
 __all__ = ["CommTimeoutError", "compile_plan", "run_schedule", "REDUCE_OPS"]
 
@@ -120,12 +120,8 @@ def round_timeout() -> timedelta | None:
     host for its messages, so a stall is reported with the collective, the round and the peer: a debugging
     aid on GPUs (each round then costs a host-device synchronisation).
     """
-    text = os.environ.get("DTRAIN_COMM_TIMEOUT", "")
-    try:
-        seconds = float(text) if text else 0.0
-    except ValueError:
-        raise ValueError(f"DTRAIN_COMM_TIMEOUT must be a number of seconds, got {text!r}") from None
-    return timedelta(seconds=seconds) if seconds > 0 else None
+    seconds = comm_env().timeout_s
+    return timedelta(seconds=seconds) if seconds is not None else None
 
 
 def _wait(pending: list[Pending], schedule: Schedule, index: int, transport: Transport) -> None:

@@ -41,14 +41,14 @@ A graph whose storage has died is released at the next capture, or within :data:
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef  # torch's weak handle on a storage
 
-from dtrain.comm.peer.window import watchdog
+from dtrain.comm.peer import watchdog
+from dtrain.env import comm_env
 
 __all__ = ["MAX_GRAPHS", "CapturedCollective", "capture", "run", "release_all", "enabled", "held"]
 
@@ -120,10 +120,7 @@ SCRATCH: dict[tuple, torch.Tensor] = {}
 def enabled() -> bool:
     """Whether calls may be captured: ``DTRAIN_COMM_PERSISTENT`` "1" or "auto" (the default; only the peer
     transport's CUDA calls come here), not "0"."""
-    value = os.environ.get("DTRAIN_COMM_PERSISTENT", "auto") or "auto"
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"DTRAIN_COMM_PERSISTENT must be 0, 1 or auto, got {value!r}")
-    return value != "0"
+    return comm_env().persistent != "0"
 
 
 def held() -> int:

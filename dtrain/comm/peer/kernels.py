@@ -10,12 +10,12 @@ a few passes. The choice is this rank's alone: both compute the same values, so 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
 from dtrain.comm.peer.pull import wants_kernel
+from dtrain.env import comm_env
 
 __all__ = ["combine", "triton_ready", "wants_kernel"]
 
@@ -37,7 +37,7 @@ def _build():
 def triton_ready() -> bool:
     """Whether the fused kernel is usable in this process (Triton importable and not turned off)."""
     if "kernel" not in _state:
-        if os.environ.get("DTRAIN_COMM_TRITON", "1") == "0":
+        if not comm_env().triton:
             _state["kernel"] = None
         else:
             try:

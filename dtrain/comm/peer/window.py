@@ -47,6 +47,7 @@ from dtrain.comm.peer import kernels as peer_kernels
 from dtrain.comm.peer import watchdog
 from dtrain.comm.peer.pull import compile_pull
 from dtrain.comm.peer.push import compile_push, has_push_form, writes_own_block_only
+from dtrain.env import comm_env
 
 __all__ = [
     "PeerWindow",
@@ -257,20 +258,7 @@ def _world(group):
 def _presize() -> int:
     """``DTRAIN_COMM_PEER_WINDOW_BYTES``: the least size a window is made with (bytes, or with K, M, G), so that
     a run whose buffers grow (a size sweep) maps its windows once instead of at every new size."""
-    text = os.environ.get(_PRESIZE, "").strip().upper().removesuffix("IB").removesuffix("B")
-    if not text:
-        return 0
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    scale = units.get(text[-1], 1)
-    digits = text[:-1] if text[-1] in units else text
-    if not digits.isdigit():
-        raise ValueError(
-            f"DTRAIN_COMM_PEER_WINDOW_BYTES must be a size such as 4096, 64M or 2G, got {os.environ[_PRESIZE]!r}"
-        )
-    return int(digits) * scale
-
-
-_PRESIZE = "DTRAIN_COMM_PEER_WINDOW_BYTES"
+    return comm_env().peer_window_bytes
 
 
 def _has_size(path: str, nbytes: int) -> bool:
@@ -463,9 +451,7 @@ def push_mode(schedule: Schedule, nbytes: int) -> bool:
     :data:`PUSH_FROM_BYTES`, and the schedule has a push form; else the pull form. Every rank answers alike.
     (Pushing an out-of-place reduce-scatter from 16 MiB was tried on 4 H100s and not kept: 0.79-0.81x NCCL
     against the pull form's 0.65-0.74x at 16-32 MiB in one launch, 0.49-0.77x in the next.)"""
-    mode = os.environ.get("DTRAIN_COMM_PEER_MODE", "auto") or "auto"
-    if mode not in ("pull", "push", "auto"):
-        raise ValueError(f"DTRAIN_COMM_PEER_MODE must be pull, push or auto, got {mode!r}")
+    mode = comm_env().peer_mode
     wanted = mode == "push" or (mode == "auto" and nbytes >= PUSH_FROM_BYTES)
     return wanted and has_push_form(schedule)
 
