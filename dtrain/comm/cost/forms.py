@@ -1,10 +1,10 @@
 """Closed-form costs of the registered collective algorithms, in the alpha-beta-gamma model.
 
 Notation of Thakur, Rabenseifner and Gropp (2005): ``p`` ranks, ``n`` bytes of work buffer (see
-:mod:`dtrain.comm.cost` for what that is per collective), ``lg = ceil(log2 p)``; ``p'`` the largest power of
+:mod:`dtrain.comm.cost.model` for what that is per collective), ``lg = ceil(log2 p)``; ``p'`` the largest power of
 two ``<= p``. A term ``k (alpha + m beta + r gamma)`` is k rounds, each sending ``m`` and reducing ``r``
 bytes. A round in which the busiest rank talks to ``q > 1`` peers starts in ``alpha + (q-1) alpha_peer``
-(all its messages posted at once; see :mod:`dtrain.comm.cost`), which is the paper's ``q alpha`` when
+(all its messages posted at once; see :mod:`dtrain.comm.cost.model`), which is the paper's ``q alpha`` when
 ``alpha_peer = alpha``. Every form assumes ``p >= 2`` (one rank costs nothing).
 
 Bandwidth follows the multi-port model with per-link and injection limits (LogGP family; Bruck et al.'s
@@ -23,17 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from dtrain.comm.cost.params import CostParams, LinkCost
 from dtrain.comm.ir.schedule import Collective
-
-if TYPE_CHECKING:
-    from dtrain.comm.cost.model import CostParams, LinkCost
 
 __all__ = ["Form", "CLOSED_FORMS"]
 
 C = Collective
-Seconds = Callable[[float, int, "CostParams", int, int], float]
+Seconds = Callable[[float, int, CostParams, int, int], float]
 
 
 @dataclass(frozen=True)

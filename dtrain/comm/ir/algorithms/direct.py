@@ -9,7 +9,7 @@ per rank per round, the "pairwise"/"linear" algorithms of MPI libraries (Thakur,
 
 from __future__ import annotations
 
-from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.algorithms.registry import register
 from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = ["direct_all_to_all", "direct_reduce_scatter", "direct_all_gather", "direct_all_reduce"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dtrain.comm.ir.algorithms import register
 from dtrain.comm.ir.algorithms.recursive_doubling import largest_power_of_two
+from dtrain.comm.ir.algorithms.registry import register
 from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = ["halving_doubling_reduce_scatter", "halving_doubling_all_reduce"]

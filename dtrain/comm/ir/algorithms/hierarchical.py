@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.algorithms.registry import register
 from dtrain.comm.ir.algorithms.tree import binomial_broadcast_rounds, binomial_reduce_rounds
 from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 

@@ -10,7 +10,7 @@ MPICH" (2005), sections 4.1 and 4.4. log2 W rounds when W is a power of two, flo
 
 from __future__ import annotations
 
-from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.algorithms.registry import register
 from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = ["largest_power_of_two", "recursive_doubling_all_reduce", "recursive_doubling_all_gather"]

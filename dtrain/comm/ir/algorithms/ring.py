@@ -8,7 +8,7 @@ link): the message is cut into ``pipeline`` pieces that follow each other down t
 
 from __future__ import annotations
 
-from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.algorithms.registry import register
 from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = [

@@ -10,7 +10,7 @@ after ceil(log2 W) rounds every rank has heard, directly or not, from every othe
 
 from __future__ import annotations
 
-from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.algorithms.registry import register
 from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = ["recursive_doubling_scan", "linear_scan", "dissemination_barrier"]

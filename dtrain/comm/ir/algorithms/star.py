@@ -7,7 +7,7 @@ the hub; the others use the ``root`` argument if one is given, else rank 0 (thei
 
 from __future__ import annotations
 
-from dtrain.comm.ir.algorithms import register
+from dtrain.comm.ir.algorithms.registry import register
 from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
 __all__ = [
