@@ -96,6 +96,7 @@ def auto_falls_back_when_a_window_is_refused() -> dict:
     from dtrain import comm
     from dtrain.comm import api
     from dtrain.comm.peer import window as peer
+    from dtrain.comm.state import group_state
     from dtrain.testing.pool import group_of
 
     group = group_of(3)
@@ -124,7 +125,7 @@ def auto_falls_back_when_a_window_is_refused() -> dict:
         }
     finally:
         peer.peer_default, peer.PeerWindow._map_shared_files = real_default, real_map
-        api._FELL_BACK.pop(group, None)
+        group_state(group).fell_back = False
         if saved is not None:
             os.environ["DTRAIN_COMM_TRANSPORT"] = saved
 

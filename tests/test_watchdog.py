@@ -10,6 +10,7 @@ from dtrain.comm import api
 from dtrain.comm.peer import watchdog
 from dtrain.comm.peer import window as peer
 from dtrain.comm.peer.watchdog import Watchdog
+from dtrain.comm.state import group_state
 
 JOBS = "tests.peer_jobs"
 
@@ -122,7 +123,7 @@ def test_auto_puts_cuda_groups_on_the_peer_transport_unless_the_timeout_or_a_fal
     monkeypatch.setenv("DTRAIN_COMM_TIMEOUT", "5")
     assert api.transport_name(group, cuda) == "p2p"  # the debugging mode: rounds wait on the host
     monkeypatch.delenv("DTRAIN_COMM_TIMEOUT")
-    api._FELL_BACK[group] = True
+    group_state(group).fell_back = True
     assert api.transport_name(group, cuda) == "p2p"
     monkeypatch.setenv("DTRAIN_COMM_TRANSPORT", "peer")
     assert api.transport_name(group, cuda) == "peer"  # asked for by name

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import threading
 import warnings
-import weakref
 from functools import lru_cache
 
 import torch
@@ -27,6 +26,7 @@ from dtrain.comm.peer import graphs as persistent
 from dtrain.comm.peer import push as peer_push
 from dtrain.comm.peer import watchdog
 from dtrain.comm.peer import window as peer
+from dtrain.comm.state import group_state
 from dtrain.env import comm_env
 
 __all__ = [
@@ -65,8 +65,7 @@ def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: 
     usable = local_size if local_size and world % local_size == 0 and 1 < local_size < world else None
     kind = device.type + ("-peer" if transport_name(group, device) == "peer" else "")
     key = dist.group.WORLD if group is None else group
-    agreed = _AGREED.get(key)
-    if agreed is None or kind not in agreed:
+    if kind not in group_state(key).agreed:
         _agree_on_choices(key, kind, device)
     return _auto(coll, nbytes, world, kind, usable)
 
@@ -108,10 +107,6 @@ def _rules(kind: str):
     return rules.load_rules(kind)
 
 
-# group -> the kinds whose choices its ranks have checked alike (weak: a destroyed group's entry goes with it)
-_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 @lru_cache(maxsize=4)
 def _choice_digest(kind: str) -> int:
     """A digest of what ``auto`` and the pipelining choose from on this rank: the cost parameters of this kind
@@ -141,7 +136,7 @@ def _agree_on_choices(group, kind: str, device: torch.device) -> None:
             f"{rules.rules_path(kind)}); give every rank the same files (DTRAIN_CALIBRATION, DTRAIN_COMM_RULES) "
             "or name the algorithm"
         )
-    _AGREED.setdefault(group, set()).add(kind)
+    group_state(group).agreed.add(kind)
 
 
 def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device) -> int:
@@ -207,7 +202,7 @@ def _run_peer(schedule, work: torch.Tensor, window, op: str, push: bool, out: to
         owner = work
         if out is not None:  # the graph writes into out too: it belongs to both storages
             key, owner = (*key, out.data_ptr(), out.numel()), (work, out)
-        persistent.run(key, lambda: run(schedule, work, window, op, **extra), work.device, owner=owner)
+        persistent.run(window.group, key, lambda: run(schedule, work, window, op, **extra), work.device, owner=owner)
     if not torch.cuda.is_current_stream_capturing():
         what = (schedule.collective.value, schedule.algorithm, work.numel() * work.element_size(), str(work.dtype))
         place = (window.world_size, window.rank, dist.get_global_rank(window.group, window.rank), str(work.device))
@@ -228,12 +223,9 @@ def _label(what: tuple, place: tuple, call: int):
     return text
 
 
-# groups that ``DTRAIN_COMM_TRANSPORT=auto`` moved back to point-to-point (their peer window was refused)
-_FELL_BACK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _fall_back(group, err: Exception) -> None:
-    _FELL_BACK[dist.group.WORLD if group is None else group] = True
+    """Move ``group`` to the point-to-point transport for good (its peer window was refused)."""
+    group_state(group).fell_back = True
     warnings.warn(f"dtrain.comm: this group uses the point-to-point transport from now on: {err}", stacklevel=3)
 
 
@@ -257,7 +249,7 @@ def transport_name(group, device: torch.device) -> str:
     name = _transport_setting()
     if name != "auto":
         return name
-    if round_timeout() is not None or (dist.group.WORLD if group is None else group) in _FELL_BACK:
+    if round_timeout() is not None or group_state(group).fell_back:
         return "p2p"
     return "peer" if peer.peer_default(group, device) else "p2p"
 
@@ -276,7 +268,6 @@ def _lanes(schedule, work: torch.Tensor) -> int:
 
 #: Work buffers kept for calls that cannot work in the caller's tensor (see :func:`_scratch`), most recent last.
 SCRATCH_KEPT = 16
-_SCRATCH = persistent.SCRATCH  # released with the graphs (persistent.release_all, peer.close_windows)
 
 
 def _scratch(group, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
@@ -284,11 +275,12 @@ def _scratch(group, like: torch.Tensor, numel: int | None = None) -> torch.Tenso
     ``numel`` is None), for the collectives that cannot work in the caller's tensor (reduce-scatter below the
     push form, all-to-all, scatter, a non-root reduce or gather).
 
-    Where calls are replayed (CUDA, the peer transport, :mod:`dtrain.comm.persistent` on) the buffer is kept per
+    Where calls are replayed (CUDA, the peer transport, :mod:`dtrain.comm.peer.graphs` on) the buffer is kept per
     group, device, dtype, size, stream and thread and reused by the next such call, so a call repeated on new
     inputs runs on the same storage and finds the graph recorded for it (graphs belong to a storage); calls
-    of one thread on one stream are ordered, so reuse is safe. At most :data:`SCRATCH_KEPT` are kept;
-    :func:`dtrain.comm.persistent.release_all` (and so :func:`dtrain.comm.peer.close_windows`) drops them.
+    of one thread on one stream are ordered, so reuse is safe. At most :data:`SCRATCH_KEPT` are kept per group,
+    in its :class:`~dtrain.comm.state.GroupState`; they go with the group's graphs (a window replaced,
+    :func:`dtrain.comm.peer.window.close_windows`).
     Inside a CUDA-graph capture, and everywhere else, it is a fresh tensor (a captured graph must own its
     memory)."""
     size = like.numel() if numel is None else numel
@@ -301,14 +293,14 @@ def _scratch(group, like: torch.Tensor, numel: int | None = None) -> torch.Tenso
     if not keep:
         return like.reshape(-1).clone() if numel is None else torch.empty(size, dtype=like.dtype, device=like.device)
     stream = torch.cuda.current_stream(like.device).cuda_stream
-    owner = id(dist.group.WORLD if group is None else group)
-    key = (owner, like.device, like.dtype, size, stream, threading.get_ident())
-    work = _SCRATCH.pop(key, None)
+    kept = group_state(group).scratch  # released with the group's graphs
+    key = (like.device, like.dtype, size, stream, threading.get_ident())
+    work = kept.pop(key, None)
     if work is None:
         work = torch.empty(size, dtype=like.dtype, device=like.device)
-        while len(_SCRATCH) >= SCRATCH_KEPT:
-            _SCRATCH.pop(next(iter(_SCRATCH)), None)
-    _SCRATCH[key] = work  # most recently used last
+        while len(kept) >= SCRATCH_KEPT:
+            kept.pop(next(iter(kept)), None)
+    kept[key] = work  # most recently used last
     if numel is None:
         work.copy_(like.reshape(-1))
     return work

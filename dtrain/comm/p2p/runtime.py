@@ -74,6 +74,8 @@ class _Scratch(threading.local):
         return buf
 
 
+# Process-wide, not per group: a thread's calls run one at a time, whatever their group, so one buffer per
+# thread, device and dtype serves them all.
 _SCRATCH = _Scratch()
 
 
@@ -172,6 +174,8 @@ def run_schedule(
     return work
 
 
+# device -> the stream lanes reduce on. Process-wide, not per group: a stream belongs to a device, and calls
+# on it are ordered against the current stream, whatever their group.
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 

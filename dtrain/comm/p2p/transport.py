@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from dtrain.comm.state import group_state
+
 __all__ = ["Pending", "Transport", "TorchP2PTransport", "transport_for"]
 
 _TAG = 0
@@ -106,13 +108,10 @@ class TorchP2PTransport:
         ]
 
 
-_TRANSPORTS: dict[object, TorchP2PTransport] = {}
-
-
 def transport_for(group: dist.ProcessGroup | None) -> TorchP2PTransport:
-    """One transport per process group, reused across calls."""
-    key = None if group is None or group is dist.group.WORLD else group
-    transport = _TRANSPORTS.get(key)
-    if transport is None or (key is None and transport.group is not dist.group.WORLD):
-        transport = _TRANSPORTS[key] = TorchP2PTransport(group)
-    return transport
+    """One transport per process group, reused across calls (kept in the group's
+    :class:`~dtrain.comm.state.GroupState`; a new default group after a re-init gets a new one)."""
+    state = group_state(group)
+    if state.transport is None:
+        state.transport = TorchP2PTransport(group)
+    return state.transport

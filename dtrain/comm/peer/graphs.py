@@ -27,8 +27,9 @@ MPI-4's persistent collective (``MPI_Allreduce_init`` then ``MPI_Start``), made 
 Why it is safe across ranks: a replay launches exactly the kernels and barriers the eager call would, so a
 rank that replays and a rank that runs eagerly still meet at every barrier; ranks need not capture together.
 A graph is dropped when the window it reads is replaced (it would read freed memory), when more than
-:data:`MAX_GRAPHS` are held (least recently used first), and by :func:`release_all`. Nothing is captured
-while a per-round timeout is set (a graph cannot report which barrier stalled) or inside another capture.
+:data:`MAX_GRAPHS` are held by one group (least recently used first), and by :func:`release_all`. Each
+process group keeps its own graphs (:class:`GraphCache`). Nothing is captured while a per-round timeout is
+set (a graph cannot report which barrier stalled) or inside another capture.
 
 A graph belongs to the *storage* it was captured on, not to an address: the caller passes the tensor as
 ``owner`` and a graph is replayed only for that same storage, alive (the key holds a weak reference to it).
@@ -48,9 +49,20 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef  # torch's weak handle on a storage
 
 from dtrain.comm.peer import watchdog
+from dtrain.comm.state import GroupState, group_state, states
 from dtrain.env import comm_env
 
-__all__ = ["MAX_GRAPHS", "CapturedCollective", "capture", "run", "release_all", "enabled", "held"]
+__all__ = [
+    "MAX_GRAPHS",
+    "CapturedCollective",
+    "GraphCache",
+    "capture",
+    "cache_for",
+    "run",
+    "release_all",
+    "enabled",
+    "held",
+]
 
 
 class CapturedCollective:
@@ -103,29 +115,16 @@ def capture(call: Callable[[], object], device: torch.device | int | None = None
     return CapturedCollective(graph, stream)
 
 
-#: The most graphs kept at once; the least recently replayed goes first.
+#: The most graphs a group keeps at once; the least recently replayed goes first.
 MAX_GRAPHS = 64
-
-_SEEN: OrderedDict[Hashable, int] = OrderedDict()
-_GRAPHS: OrderedDict[Hashable, object] = OrderedDict()
-_CALLS = [0]
 #: Every this many calls, graphs and sightings of freed storages are released (also at every capture).
 SWEEP_EVERY = 256
-_OWNERS: dict[Hashable, tuple[StorageWeakRef, ...]] = {}  # key -> its storages (keys of _SEEN, _GRAPHS with owners)
-#: Work buffers the API keeps so that calls on fresh inputs replay (``dtrain.comm.api._scratch``); released
-#: with the graphs.
-SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
 def enabled() -> bool:
     """Whether calls may be captured: ``DTRAIN_COMM_PERSISTENT`` "1" or "auto" (the default; only the peer
     transport's CUDA calls come here), not "0"."""
     return comm_env().persistent != "0"
-
-
-def held() -> int:
-    """How many graphs are held now."""
-    return len(_GRAPHS)
 
 
 def _capture(call: Callable[[], object], device: torch.device):
@@ -138,79 +137,114 @@ def _capture(call: Callable[[], object], device: torch.device):
     return CapturedCollective(graph, stream)
 
 
-def run(
-    key: Hashable,
-    call: Callable[[], object],
-    device: torch.device,
-    *,
-    owner: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
-    capture=_capture,
-) -> None:
-    """Run ``call`` (a collective on CUDA tensors): eagerly the first time ``key`` is seen, from then on as a
-    graph captured on the second sighting. ``owner``: the tensor (or tensors) the call works on; its graph is
-    replayed only for those same storages, all alive (see the module notes). ``capture`` is the recorder (tests
-    pass a fake one)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        call()  # inside someone else's capture (comm.capture): record the plain call, never a nested replay
-        return
-    owners = () if owner is None else (owner,) if isinstance(owner, torch.Tensor) else tuple(owner)
-    if owners:
-        # a weak reference held in _OWNERS keeps this storage's identity from being reused by another one, so
-        # an equal identity here means the very storage the graph was captured on, and it is alive
-        key = (key, tuple(t.untyped_storage()._cdata for t in owners))
-    _CALLS[0] += 1
-    if _CALLS[0] % SWEEP_EVERY == 0:  # a loop that only replays captures nothing new: free dead graphs anyway
-        _drop_dead()
-    graph = _GRAPHS.get(key)
-    if graph is not None and enabled():
-        _GRAPHS.move_to_end(key)
-        graph()
-        return
-    if not enabled():
-        call()
-        return
-    seen = _SEEN.pop(key, 0) + 1
-    _SEEN[key] = seen
-    if owners and key not in _OWNERS:
-        _OWNERS[key] = tuple(StorageWeakRef(t.untyped_storage()) for t in owners)
-    while len(_SEEN) > 4 * MAX_GRAPHS:
-        _drop(_SEEN.popitem(last=False)[0], graph=False)
-    if seen < 2:
-        call()
-        return
-    _drop_dead()
-    graph = capture(call, device)
-    _GRAPHS[key] = graph
-    while len(_GRAPHS) > MAX_GRAPHS:
-        old, held_graph = _GRAPHS.popitem(last=False)
-        held_graph.release()
-        if old not in _SEEN:
-            _OWNERS.pop(old, None)
-    graph()
+class GraphCache:
+    """One group's persistent collectives: the calls seen, their graphs (at most :data:`MAX_GRAPHS`, least
+    recently replayed dropped first) and the storages they belong to. Held by the group's
+    :class:`~dtrain.comm.state.GroupState` (:func:`cache_for`)."""
 
+    def __init__(self) -> None:
+        self.seen: OrderedDict[Hashable, int] = OrderedDict()
+        self.graphs: OrderedDict[Hashable, object] = OrderedDict()
+        self.owners: dict[Hashable, tuple[StorageWeakRef, ...]] = {}  # key -> its storages (keys of seen, graphs)
+        self.calls = 0
 
-def _drop(key: Hashable, graph: bool = True) -> None:
-    """Forget ``key``'s sighting (and its graph, if ``graph``); its storage reference goes with the last."""
-    if graph:
-        _SEEN.pop(key, None)
-        held_graph = _GRAPHS.pop(key, None)
-        if held_graph is not None:
+    def held(self) -> int:
+        """How many graphs are held now."""
+        return len(self.graphs)
+
+    def run(
+        self,
+        key: Hashable,
+        call: Callable[[], object],
+        device: torch.device,
+        *,
+        owner: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+        capture=_capture,
+    ) -> None:
+        """Run ``call`` (a collective on CUDA tensors): eagerly the first time ``key`` is seen, from then on as
+        a graph captured on the second sighting. ``owner``: the tensor (or tensors) the call works on; its graph
+        is replayed only for those same storages, all alive (see the module notes). ``capture`` is the recorder
+        (tests pass a fake one)."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            call()  # inside someone else's capture (comm.capture): record the plain call, never a nested replay
+            return
+        owners = () if owner is None else (owner,) if isinstance(owner, torch.Tensor) else tuple(owner)
+        if owners:
+            # a weak reference held in owners keeps this storage's identity from being reused by another one, so
+            # an equal identity here means the very storage the graph was captured on, and it is alive
+            key = (key, tuple(t.untyped_storage()._cdata for t in owners))
+        self.calls += 1
+        if self.calls % SWEEP_EVERY == 0:  # a loop that only replays captures nothing new: free dead graphs anyway
+            self._drop_dead()
+        graph = self.graphs.get(key)
+        if graph is not None and enabled():
+            self.graphs.move_to_end(key)
+            graph()
+            return
+        if not enabled():
+            call()
+            return
+        seen = self.seen.pop(key, 0) + 1
+        self.seen[key] = seen
+        if owners and key not in self.owners:
+            self.owners[key] = tuple(StorageWeakRef(t.untyped_storage()) for t in owners)
+        while len(self.seen) > 4 * MAX_GRAPHS:
+            self._drop(self.seen.popitem(last=False)[0], graph=False)
+        if seen < 2:
+            call()
+            return
+        self._drop_dead()
+        graph = capture(call, device)
+        self.graphs[key] = graph
+        while len(self.graphs) > MAX_GRAPHS:
+            old, held_graph = self.graphs.popitem(last=False)
             held_graph.release()
-    if key not in _GRAPHS and key not in _SEEN:
-        _OWNERS.pop(key, None)
+            if old not in self.seen:
+                self.owners.pop(old, None)
+        graph()
+
+    def _drop(self, key: Hashable, graph: bool = True) -> None:
+        """Forget ``key``'s sighting (and its graph, if ``graph``); its storage reference goes with the last."""
+        if graph:
+            self.seen.pop(key, None)
+            held_graph = self.graphs.pop(key, None)
+            if held_graph is not None:
+                held_graph.release()
+        if key not in self.graphs and key not in self.seen:
+            self.owners.pop(key, None)
+
+    def _drop_dead(self) -> None:
+        """Release the graphs and sightings of storages that have been freed (they can never be replayed)."""
+        for key in [k for k, refs in self.owners.items() if any(ref.expired() for ref in refs)]:
+            self._drop(key)
+
+    def release_all(self) -> None:
+        """Drop every graph and every sighting (the windows they read are going away)."""
+        for graph in self.graphs.values():
+            graph.release()
+        self.graphs.clear()
+        self.seen.clear()
+        self.owners.clear()
 
 
-def _drop_dead() -> None:
-    """Release the graphs and sightings of storages that have been freed (they can never be replayed)."""
-    for key in [k for k, refs in _OWNERS.items() if any(ref.expired() for ref in refs)]:
-        _drop(key)
+def cache_for(state: GroupState) -> GraphCache:
+    """The graph cache of a group's state, made on first use."""
+    if state.graphs is None:
+        state.graphs = GraphCache()
+    return state.graphs
+
+
+def run(group, key: Hashable, call: Callable[[], object], device: torch.device, **kwargs) -> None:
+    """:meth:`GraphCache.run` in ``group``'s cache (None: the default group)."""
+    cache_for(group_state(group)).run(key, call, device, **kwargs)
+
+
+def held() -> int:
+    """How many graphs every group holds together."""
+    return sum(s.graphs.held() for s in states() if s.graphs is not None)
 
 
 def release_all() -> None:
-    """Drop every graph and every sighting (the windows they read are going away)."""
-    for graph in _GRAPHS.values():
-        graph.release()
-    _GRAPHS.clear()
-    _SEEN.clear()
-    _OWNERS.clear()
-    SCRATCH.clear()
+    """Drop every group's graphs, sightings and kept work buffers."""
+    for state in states():
+        state.release_derived()

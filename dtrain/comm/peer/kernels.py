@@ -23,7 +23,7 @@ _OPS = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
 _MAX_SOURCES = 3
 _BLOCK = 4096
-_state: dict[str, object] = {}
+_state: dict[str, object] = {}  # the compiled kernel: process-wide, one per process whatever the group
 
 
 def _build():

@@ -147,6 +147,8 @@ class capturing:  # noqa: N801  (used as a context manager, like torch.cuda.grap
             _CAPTURES[0] -= 1
 
 
+# device -> its watchdog and event recorder. Process-wide, not per group: one polling thread per device watches
+# the calls of every group on it (events of one stream complete in order, whatever group made the call).
 _DOGS: dict[object, tuple[Watchdog, Callable[[object], None]]] = {}
 _LOCK = threading.Lock()
 POLL_S = 0.5

@@ -42,11 +42,11 @@ import torch.distributed as dist
 
 from dtrain.comm.ir.schedule import Schedule
 from dtrain.comm.p2p.runtime import CommTimeoutError
-from dtrain.comm.peer import graphs as persistent
 from dtrain.comm.peer import kernels as peer_kernels
 from dtrain.comm.peer import watchdog
 from dtrain.comm.peer.pull import compile_pull
 from dtrain.comm.peer.push import compile_push, has_push_form, writes_own_block_only
+from dtrain.comm.state import group_state, states
 from dtrain.env import comm_env
 
 __all__ = [
@@ -107,7 +107,9 @@ def _group_timeout(group, device: torch.device) -> timedelta:
     return value if isinstance(value, timedelta) and value.total_seconds() > 0 else DEVICE_BARRIER_TIMEOUT
 
 
-_RENDEZVOUS = [0]  # symmetric-memory rendezvous this process has made for its windows
+# symmetric-memory rendezvous this process has made for its windows: process-wide, as torch counts them per
+# process, not per group (see _same_rendezvous_count)
+_RENDEZVOUS = [0]
 
 #: The size of torch's symmetric-memory signal pad where torch does not tell it (torch 2.11's default); a barrier
 #: channel takes ``4 * world_size`` bytes of it.
@@ -268,17 +270,12 @@ def _has_size(path: str, nbytes: int) -> bool:
         return False
 
 
-_WINDOWS: dict[tuple[object, torch.device], PeerWindow] = {}
-_PREPARED: dict[tuple, tuple] = {}  # (schedule, rank, numel, dtype, window generation) -> steps
-_AVAILABLE: dict[tuple[object, torch.device], bool] = {}
-
-
 def peer_available(group, device: torch.device) -> bool:
     """Whether the peer transport can serve ``group`` on ``device``: every rank on this host, and on CUDA
     symmetric memory in this torch. A collective call (every rank of the group must make it); the answer
     is kept per group."""
-    key = (_group_key(group), device)
-    known = _AVAILABLE.get(key)
+    available = group_state(_group_key(group)).available
+    known = available.get(device)
     if known is None:
         known = _setting_up(lambda: _same_host(group, device), group, "exchanging host names")
         if known and device.type == "cuda":
@@ -286,7 +283,7 @@ def peer_available(group, device: torch.device) -> bool:
                 import torch.distributed._symmetric_memory  # noqa: F401
             except ImportError:
                 known = False
-        _AVAILABLE[key] = known
+        available[device] = known
     return known
 
 
@@ -314,8 +311,8 @@ def peer_default(group, device: torch.device) -> bool:
 def window_for(group, device: torch.device, nbytes: int) -> PeerWindow:
     """The group's window on ``device``, grown to at least ``nbytes`` (growing is collective: every rank
     calls with the same size, as every collective here does)."""
-    key = (_group_key(group), device)
-    window = _WINDOWS.get(key)
+    state = group_state(_group_key(group))
+    window = state.windows.get(device)
     if window is None or window.nbytes < nbytes:
         nbytes = max(nbytes, _presize())
         if not peer_available(group, device):
@@ -323,26 +320,25 @@ def window_for(group, device: torch.device, nbytes: int) -> PeerWindow:
                 "the peer transport needs every rank of the group on one host; use DTRAIN_COMM_TRANSPORT=p2p"
             )
         size = nbytes if window is None else max(nbytes, 2 * window.nbytes)
-        _PREPARED.clear()  # they hold slices of the old window: let it go
-        persistent.release_all()  # and so do the graphs recorded on it
-        window = _WINDOWS[key] = _setting_up(lambda: PeerWindow(group, device, size), group, "mapping windows")
+        state.release_derived()  # prepared steps, graphs and kept buffers hold the old window: let it go
+        window = state.windows[device] = _setting_up(lambda: PeerWindow(group, device, size), group, "mapping windows")
     return window
 
 
 def _forget(window: PeerWindow) -> None:
-    for key, held in list(_WINDOWS.items()):
+    state = group_state(window.group)
+    for device, held in list(state.windows.items()):
         if held is window:
-            del _WINDOWS[key]
-    _PREPARED.clear()
-    persistent.release_all()
+            del state.windows[device]
+    state.release_derived()
 
 
 def close_windows() -> None:
-    """Forget every window (before the process group is destroyed)."""
-    persistent.release_all()
-    _PREPARED.clear()
-    _WINDOWS.clear()
-    _AVAILABLE.clear()
+    """Forget every group's windows (before the process group is destroyed)."""
+    for state in states():
+        state.release_derived()
+        state.windows.clear()
+        state.available.clear()
 
 
 @dataclass(frozen=True)
@@ -414,11 +410,12 @@ def run_pull(
     """
     numel = work.numel()
     key = (schedule, window.rank, numel, work.dtype, window.generation)
-    steps = _PREPARED.get(key)
+    prepared = group_state(window.group).prepared
+    steps = prepared.get(key)
     if steps is None:
-        if len(_PREPARED) >= 256:
-            _PREPARED.clear()
-        steps = _PREPARED[key] = _prepare(compile_pull(schedule, window.rank, numel), window, work.dtype, numel)
+        if len(prepared) >= 256:
+            prepared.clear()
+        steps = prepared[key] = _prepare(compile_pull(schedule, window.rank, numel), window, work.dtype, numel)
     combine = peer_kernels.combine
     for step in steps:
         kind = step.kind
@@ -505,7 +502,8 @@ def run_push(
     numel = work.numel()
     own = out is not None
     key = ("push", schedule, window.rank, numel, work.dtype, window.generation, own)
-    steps = _PREPARED.get(key)
+    prepared = group_state(window.group).prepared
+    steps = prepared.get(key)
     if steps is None:
         if window.nbytes < 2 * numel * work.element_size():
             raise ValueError(
@@ -517,10 +515,10 @@ def run_push(
                 f"run_push(out=...): {schedule.collective.value}/{schedule.algorithm} on {numel} elements does not "
                 f"write its own block alone, or out has {out.numel()} elements, not one block"
             )
-        if len(_PREPARED) >= 256:
-            _PREPARED.clear()
+        if len(prepared) >= 256:
+            prepared.clear()
         plan = compile_push(schedule, window.rank, numel, own)
-        steps = _PREPARED[key] = _prepare_push(plan, window, work.dtype, numel)
+        steps = prepared[key] = _prepare_push(plan, window, work.dtype, numel)
     start = window.rank * (numel // schedule.nblocks) if own else 0  # where out's block starts in work
     combine = peer_kernels.combine
     for step in steps:
