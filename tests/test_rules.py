@@ -1,4 +1,4 @@
-"""Measured rules for ``algorithm="auto"`` (dtrain.comm.rules): built from bench records, read by the API."""
+"""Measured rules for ``algorithm="auto"`` (dtrain.comm.cost.rules): built from bench records, read by the API."""
 
 from __future__ import annotations
 

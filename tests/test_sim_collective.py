@@ -1,4 +1,4 @@
-"""dtrain.sim.collective: schedules replayed on a uniform star equal their closed forms (dtrain.comm.cost)."""
+"""dtrain.sim.collective: schedules replayed on a uniform star equal their closed forms (dtrain.comm.cost.model)."""
 
 from __future__ import annotations
 

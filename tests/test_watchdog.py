@@ -1,4 +1,4 @@
-"""The host watchdog of CUDA collectives (dtrain.comm.watchdog), driven with fake events and a fake clock, and
+"""The host watchdog of CUDA collectives (dtrain.comm.peer.watchdog), driven with fake events and a fake clock, and
 the choice of transport that puts CUDA groups on the peer transport by default."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``dtrain bench calibrate``: measure the cost model's parameters and save them where ``algorithm="auto"``
-looks (:func:`dtrain.comm.cost.params_path`, or ``out``)."""
+looks (:func:`dtrain.comm.cost.model.params_path`, or ``out``)."""
 
 from __future__ import annotations
 

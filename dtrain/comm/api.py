@@ -1,7 +1,7 @@
 """The public collectives: torch.distributed-like functions that run our own algorithms.
 
 Every call checks its arguments on this rank before a byte is sent, lays the tensors out as the schedule's
-flat work buffer (see :mod:`dtrain.comm.schedule`), runs the schedule through the torch.distributed
+flat work buffer (see :mod:`dtrain.comm.ir.schedule`), runs the schedule through the torch.distributed
 point-to-point transport, and copies the result back where it belongs. ``algorithm="native"`` hands the call
 to torch.distributed; ``algorithm="auto"`` asks the cost model for the fastest of ours.
 """
@@ -72,7 +72,7 @@ def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: 
 
 @lru_cache(maxsize=4096)
 def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int | None) -> str:
-    """The choice for ``auto``, kept: a measured rule (:mod:`dtrain.comm.rules`: the rules file, else the built-in
+    """The choice for ``auto``, kept: a measured rule (:mod:`dtrain.comm.cost.rules`: the rules file, else the built-in
     rules) where one covers the call, else the cost model's least predicted time. Pricing every candidate costs
     tens of microseconds of host time a call, as much as a small collective itself on a GPU (the parameters are
     read once per process anyway)."""
@@ -237,10 +237,10 @@ def transport_name(group, device: torch.device) -> str:
     """The transport our algorithms run on for ``group`` on ``device``: ``DTRAIN_COMM_TRANSPORT``, or "auto".
 
     "p2p": torch.distributed point-to-point messages (Gloo, NCCL), for any placement. "peer": ranks read and
-    write each other's memory (:mod:`dtrain.comm.peer`), for a group whose ranks share one host. "auto" (the
-    default) is "peer" for CUDA groups where :func:`dtrain.comm.peer.peer_default` holds (one host, torch's
+    write each other's memory (:mod:`dtrain.comm.peer.window`), for a group whose ranks share one host. "auto" (the
+    default) is "peer" for CUDA groups where :func:`dtrain.comm.peer.window.peer_default` holds (one host, torch's
     CUDA symmetric memory, a torch this transport was measured on), and "p2p" everywhere else: on the CPU,
-    across hosts, for a group whose window torch cannot make (:class:`dtrain.comm.peer.PeerUnavailable`, after
+    across hosts, for a group whose window torch cannot make (:class:`dtrain.comm.peer.window.PeerUnavailable`, after
     which the group stays on "p2p"), and while ``DTRAIN_COMM_TIMEOUT`` is set (the debugging mode in which
     every round waits on the host and a stall raises ``CommTimeoutError`` naming the round and the peer). A
     collective decision: every rank of the group reaches the same answer (set the variables alike on every
@@ -259,7 +259,7 @@ def _lanes(schedule, work: torch.Tensor) -> int:
 
     Lanes overlap one lane's reductions with the next lane's transfers, but halve every message. On 4 H200s
     over NCCL the smaller messages fall into NCCL's slower point-to-point regime and lose more than the
-    overlap wins (direct all-reduce of 1 GiB: 0.86x NCCL with one lane, 0.80x with two; docs/benchmarks.md),
+    overlap wins (direct all-reduce of 1 GiB: 0.86x NCCL with one lane, 0.80x with two; docs/results.md),
     so they are off unless asked for, for links where reductions weigh more.
     """
     lanes = comm_env().lanes
@@ -492,7 +492,7 @@ def reduce_scatter(
 def _out_of_place(coll: Collective, algorithm: str, group, input: torch.Tensor, local_size) -> bool:
     """Whether a reduce-scatter can read the caller's input and write its block straight into the output: the
     peer transport's push form, with a plan that stores only into the rank's own block
-    (:func:`dtrain.comm.peer_push.writes_own_block_only`). Every rank answers alike (one schedule, one size)."""
+    (:func:`dtrain.comm.peer.push.writes_own_block_only`). Every rank answers alike (one schedule, one size)."""
     if transport_name(group, input.device) != "peer":
         return False
     world = dist.get_world_size(group)

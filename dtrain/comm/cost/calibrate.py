@@ -14,7 +14,7 @@ time to add ``n`` bytes into a buffer on the device (``torch.add_``). Ranks 0 an
 link; with ``local_size`` given and more than one node, ranks 0 and ``local_size`` measure the inter-node
 link (its ping-pong slope is its ``beta``; it keeps no per-pair limit and the single-port model).
 
-alpha_peer, the start-up each further peer adds to a round (see :mod:`dtrain.comm.cost`), comes from two
+alpha_peer, the start-up each further peer adds to a round (see :mod:`dtrain.comm.cost.model`), comes from two
 rounds of the smallest size through the runtime's own transport (all of a round's messages started at once):
 ``t_all``, every rank of the first node exchanging with every other at once, and ``t_one``, ranks paired
 ``r <-> r ^ 1`` (an odd one out idles). In the model ``t_one = alpha + wire(n, n)`` and ``t_all = alpha +

@@ -84,7 +84,7 @@ def predict(
     pipeline: int = 1,
 ) -> float:
     """Predicted seconds of ``algorithm`` for ``collective`` on a ``nbytes`` work buffer and ``world_size``
-    ranks, from its closed form (see :mod:`dtrain.comm.cost_forms`).
+    ranks, from its closed form (see :mod:`dtrain.comm.cost.forms`).
 
     An algorithm with no closed form but a registered schedule is priced with :func:`predict_schedule`.
     ``pipeline`` is the number of pieces the chain algorithms cut the message into.
@@ -252,7 +252,7 @@ def default_params(device_type: str) -> CostParams:
     """Defaults until ``dtrain bench calibrate`` measures the machine (its file replaces them).
 
     "cpu": Gloo over loopback, about 50 us a message, 1.5 GB/s, reductions at 5 GB/s. "cuda": an NVLink node,
-    rounded from ``dtrain bench calibrate`` on 4 H200s (docs/data/gpu-h200x4-calibration.json): 90 us a round
+    rounded from ``dtrain bench calibrate`` on 4 H200s (benchmarks/results/): 90 us a round
     and 45 us more for each further peer in it (the host cost of an NCCL group), 330 GB/s out of a rank, 270 GB/s
     to one peer, reductions at 1.4 TB/s. The per-peer terms matter: without them the model cannot see that
     sending to every peer at once (``direct``) beats halving-doubling on such a node.
@@ -269,7 +269,7 @@ def default_params(device_type: str) -> CostParams:
         )
         return CostParams(intra=nvlink)
     if device_type == "cuda-peer":
-        # the peer-memory transport (dtrain.comm.peer) on 4 H200s (benchmarks/symm_probe.py and
+        # the peer-memory transport (dtrain.comm.peer.window) on 4 H200s (benchmarks/symm_probe.py and
         # peer_host_probe.py): a round is a device barrier and a kernel, ~15 us of host time to enqueue; one
         # peer is read at ~310 GB/s, but all ranks reading all peers at once get only ~215 GB/s into each
         # rank, so one-peer algorithms win at large sizes

@@ -2,11 +2,11 @@
 
 The cost model prices algorithms from a few calibrated figures. Where two algorithms price alike it cannot
 tell them apart, and the machine may still prefer one: on 4 H200s over the peer transport the model prices
-halving-doubling and the ring as equal at 64 MiB, and the ring measured 3% faster (docs/benchmarks.md). A
+halving-doubling and the ring as equal at 64 MiB, and the ring measured 3% faster (docs/results.md). A
 rules file records what a sweep measured instead, as Open MPI's tuned collectives read a dynamic rules file
 (``coll_tuned_dynamic_rules_filename``): for each collective, from which buffer size on which algorithm was
 fastest. ``dtrain bench comm --rules-out`` writes one from its sweep; ``auto`` reads it first, then the
-built-in rules (:data:`BUILT_IN`, measured on the machines docs/benchmarks.md names), and asks the cost model
+built-in rules (:data:`BUILT_IN`, measured on the machines docs/results.md names), and asks the cost model
 for anything neither covers (another collective, group size, node size or transport, or a rule naming
 :data:`MODEL`).
 
@@ -111,15 +111,15 @@ MODEL = "model"
 
 #: Built-in rules, used where no rules file covers a group: measured winners that the cost model does not see.
 #: The peer transport's all-reduce on 4 GPUs of one NVSwitch node: the ring beat halving-doubling (the model's
-#: pick) by 3-6% from 64 MiB in every sweep, eager or replayed, on 4 H200s (session 4, two launches) and 4
-#: H100s (session 5, four launches); both sweeps' own rules switch to the ring above the geometric midpoint
-#: of 16 and 64 MiB (docs/benchmarks.md). Below that the cost model chooses.
+#: pick) by 3-6% from 64 MiB in every sweep, eager or replayed, on 4 H200s (two launches) and 4
+#: H100s (four launches); both sweeps' own rules switch to the ring above the geometric midpoint
+#: of 16 and 64 MiB (docs/results.md). Below that the cost model chooses.
 BUILT_IN: tuple[Rules, ...] = (
     Rules(
         kind="cuda-peer",
         world_size=4,
         table={"all_reduce": ((0, MODEL), ((32 << 20) + 1, "ring"))},
-        meta={"from": "docs/data/gpu-h100x4-s5-*.jsonl, gpu-h200x4-s4-ar-push-*.jsonl"},
+        meta={"from": "all-reduce sweeps of the peer transport on 4 H100s and 4 H200s (benchmarks/results/)"},
     ),
 )
 

@@ -1,7 +1,7 @@
 """Run a schedule on real tensors through a transport.
 
 The schedule is compiled once per (schedule, rank, numel, lanes) into this rank's plan
-(:mod:`dtrain.comm.plan`); each round starts its messages through the transport, waits for them and applies
+(:mod:`dtrain.comm.ir.plan`); each round starts its messages through the transport, waits for them and applies
 what arrived (copies, reductions) on the tensor's own device, in a scratch buffer reused across calls.
 
 On CUDA with several lanes, a round's reductions run on a side stream: lane k's reduction overlaps lane

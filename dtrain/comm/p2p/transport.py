@@ -7,7 +7,7 @@ late message belongs to.
 On a backend that coalesces (NCCL), a round is one NCCL group (``ncclGroupStart`` ... ``ncclGroupEnd``): the
 same thing ``torch.distributed.batch_isend_irecv`` does, called on the process group directly because the
 Python wrapper costs more host time per round than the GPU needs to move a few MiB (measured in
-docs/benchmarks.md). Other backends (Gloo) get one request per message.
+docs/results.md). Other backends (Gloo) get one request per message.
 """
 
 from __future__ import annotations

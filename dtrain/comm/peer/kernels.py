@@ -29,7 +29,8 @@ _state: dict[str, object] = {}  # the compiled kernel: process-wide, one per pro
 def _build():
     import triton
 
-    from dtrain.comm.peer import triton as peer_triton  # Triton resolves a kernel's helpers from its module's globals
+    # Triton resolves the functions a kernel calls from the globals of the kernel's own module
+    from dtrain.comm.peer import triton as peer_triton
 
     return triton, peer_triton.pull_kernel
 

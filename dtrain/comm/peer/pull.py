@@ -12,7 +12,7 @@ current value lives and which copies, reads and barriers keep every read race-fr
   caller's tensor with no copy at the end; chunks read by a peer before this rank ever writes them are copied
   into ``w`` first (the *copy-in*, before the round's barrier).
 - Round ``k``: copy-in, barrier, then every rank computes ``dst = base + sum(peer windows)`` (or copies) into
-  ``x`` and/or ``w``. The round semantics of :mod:`dtrain.comm.schedule` say reads see the start of the round.
+  ``x`` and/or ``w``. The round semantics of :mod:`dtrain.comm.ir.schedule` say reads see the start of the round.
   A rank writing a chunk that a peer reads in the same round therefore writes ``x`` only; when that value
   must also reach ``w`` for a later round, a second barrier after the round lets it copy ``x`` into ``w``
   once every peer has finished reading (a *deferred* window write; recursive doubling needs it every round).
@@ -40,7 +40,7 @@ FUSE_BYTES = 1 << 20
 
 
 def wants_kernel(nouts: int, nsources: int, nbytes: int, *, has_base: bool, remote: bool = False) -> bool:
-    """Whether a pass goes to the fused kernel (:mod:`dtrain.comm.peer_kernels`, where Triton is there): it saves
+    """Whether a pass goes to the fused kernel (:mod:`dtrain.comm.peer.kernels`, where Triton is there): it saves
     a pass over the data (several sources; two stores of at least :data:`FUSE_BYTES`) or is a reducing push of at
     least that size. The kernel saves passes, torch saves host time (a Triton launch costs ~18 us of Python
     against ~6 us for a torch operation on 4 H200s), so only where a pass is worth more than that. Here, with no

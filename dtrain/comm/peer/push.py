@@ -1,6 +1,6 @@
 """Compile a schedule into push steps for the peer-memory transport: every rank writes into its peers' windows.
 
-The pull form (:mod:`dtrain.comm.peer_plan`) has the destination read the source's chunk and reduce it into its
+The pull form (:mod:`dtrain.comm.peer.pull`) has the destination read the source's chunk and reduce it into its
 own. Reading over NVLink is the slower direction: on 4 H200s a pass that reads a peer and adds runs at
 310-335 GB/s, one that reads two local buffers, adds and stores into a peer at 333-365 GB/s
 (``benchmarks/pull_kernel_probe.py``). The push form moves the reduction to the *sender*:

@@ -1,4 +1,4 @@
-"""The Triton kernel of :mod:`dtrain.comm.peer_kernels` (imported only where Triton is installed)."""
+"""The Triton kernel of :mod:`dtrain.comm.peer.kernels` (imported only where Triton is installed)."""
 
 from __future__ import annotations
 

@@ -3,17 +3,17 @@
 Every rank of a group owns a *window*, a buffer every other rank of the group has mapped: on CUDA a torch
 symmetric-memory allocation (CUDA peer memory over NVLink or PCIe, with device-side barriers), on the CPU a
 file in /dev/shm that each rank maps (barriers through the group's own backend). A schedule then runs as
-:mod:`dtrain.comm.peer_plan` compiles it: per round, the copy-in, a barrier, and one pass per destination range
+:mod:`dtrain.comm.peer.pull` compiles it: per round, the copy-in, a barrier, and one pass per destination range
 that reads the peers' windows and combines them with the rank's own value (on CUDA one fused Triton kernel,
-:mod:`dtrain.comm.peer_kernels`, where Triton is present; else torch operations). From
+:mod:`dtrain.comm.peer.kernels`, where Triton is present; else torch operations). From
 :data:`PUSH_FROM_BYTES` (``DTRAIN_COMM_PEER_MODE``) a schedule runs in the push form instead
-(:mod:`dtrain.comm.peer_push`): the sender reduces and stores into the receiver's window, the faster direction
+(:mod:`dtrain.comm.peer.push`): the sender reduces and stores into the receiver's window, the faster direction
 over NVLink.
 
 Limits. On CUDA a barrier waits on the device. For a peer that never comes, the host's watchdog
-(:mod:`dtrain.comm.watchdog`) reports the call after ``DTRAIN_COMM_TIMEOUT`` seconds, else the process group's own
+(:mod:`dtrain.comm.peer.watchdog`) reports the call after ``DTRAIN_COMM_TIMEOUT`` seconds, else the process group's own
 timeout (:data:`DEVICE_BARRIER_TIMEOUT` where torch does not expose it); the barrier gives up
-:data:`dtrain.comm.watchdog.GRACE` later, printing the peer it waited for and its channel (the k-th barrier of
+:data:`dtrain.comm.peer.watchdog.GRACE` later, printing the peer it waited for and its channel (the k-th barrier of
 a call waits on channel k), with a device-side error (the CUDA context is lost), not a
 :class:`CommTimeoutError`. On the CPU the monitored barrier names the missing ranks.
 ``DTRAIN_COMM_TRANSPORT=auto`` (the default) uses this transport for CUDA groups of one host
@@ -438,12 +438,12 @@ def run_pull(
 
 #: From this many bytes ``DTRAIN_COMM_PEER_MODE=auto`` pushes. On 4 H200s the push form's all-reduce is faster
 #: from 64 MiB, eager or replayed (ring 0.97x NCCL at 256 MiB against the pull's 0.93x); below, an eager push
-#: round's fused kernel costs more host time than the pull's torch operation and loses (docs/benchmarks.md).
+#: round's fused kernel costs more host time than the pull's torch operation and loses (docs/results.md).
 PUSH_FROM_BYTES = 64 << 20
 
 
 def push_mode(schedule: Schedule, nbytes: int) -> bool:
-    """Whether ``schedule`` on a buffer of ``nbytes`` runs in the push form (:mod:`dtrain.comm.peer_push`):
+    """Whether ``schedule`` on a buffer of ``nbytes`` runs in the push form (:mod:`dtrain.comm.peer.push`):
     ``DTRAIN_COMM_PEER_MODE`` is "push", or "auto" (the default) and the buffer has at least
     :data:`PUSH_FROM_BYTES`, and the schedule has a push form; else the pull form. Every rank answers alike.
     (Pushing an out-of-place reduce-scatter from 16 MiB was tried on 4 H100s and not kept: 0.79-0.81x NCCL
@@ -497,7 +497,7 @@ def run_push(
     """Execute ``schedule`` on this rank's flat contiguous ``work`` in the push form, in place; return it. The
     window must hold two banks of ``work``'s size (``window_for(..., 2 * nbytes)``).
 
-    ``out`` (a reduce-scatter whose plan :func:`dtrain.comm.peer_push.writes_own_block_only`): ``work`` is only
+    ``out`` (a reduce-scatter whose plan :func:`dtrain.comm.peer.push.writes_own_block_only`): ``work`` is only
     read, and this rank's block of the result is written into ``out`` (flat, one block long) instead."""
     numel = work.numel()
     own = out is not None

@@ -1,9 +1,10 @@
 """Ring algorithms: every rank talks only to its two neighbours.
 
-All-reduce is a reduce-scatter followed by an all-gather, each W-1 steps round the ring: the seed text's
-Allreduce (002: the gradient cut into M partitions, M-1 reduce steps, then M-1 broadcast steps), and
-Patarasuk and Yuan (2009), bandwidth-optimal. Broadcast and reduce are a pipelined chain (a ring less one
-link): the message is cut into ``pipeline`` pieces that follow each other down the chain.
+All-reduce is a reduce-scatter followed by an all-gather, each W-1 steps round the ring: the buffer cut into
+W partitions, W-1 reduce steps, then W-1 gather steps (Patarasuk and Yuan, "Bandwidth optimal all-reduce
+algorithms for clusters of workstations", JPDC 69(2), 2009; the ring of NCCL's all-reduce). Broadcast and
+reduce are a pipelined chain (a ring less one link): the message is cut into ``pipeline`` pieces that follow
+each other down the chain.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Star algorithms: every byte passes through one rank, the hub.
 
-The baseline the seed text's ring replaces ("gather to one device, add, broadcast back"): the hub's links
-carry everything, so its time grows with W while the ring's does not. Rooted collectives use their root as
+The baseline the ring improves on (gather to one rank, reduce, broadcast back): the hub's links carry
+everything, so its time grows with W while the ring's does not. Rooted collectives use their root as
 the hub; the others use the ``root`` argument if one is given, else rank 0 (their schedule has no root).
 """
 
