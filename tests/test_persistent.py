@@ -211,3 +211,23 @@ def test_each_group_keeps_its_own_graphs_and_releasing_a_group_drops_only_its_ow
     assert log[-2:] == ["replay", "eager"]
     state.release(b)
     assert made[1].released
+
+
+def test_a_group_state_is_made_on_first_use_found_after_and_gone_once_released():
+    group = _Group()
+    assert state.find_state(group) is None
+    held = group_state(group)
+    held.fell_back, held.local_size = True, 4
+    assert state.find_state(group) is held and group_state(group) is held
+    state.release(group)
+    assert state.find_state(group) is None and not group_state(group).fell_back
+
+
+def test_without_a_default_group_questions_find_no_state_and_nothing_is_made(monkeypatch):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this process")
+    assert state.find_state(None) is None
+    with pytest.raises(ValueError, match="init_process_group"):
+        group_state(None)

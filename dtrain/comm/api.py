@@ -26,7 +26,7 @@ from dtrain.comm.peer import graphs as persistent
 from dtrain.comm.peer import push as peer_push
 from dtrain.comm.peer import watchdog
 from dtrain.comm.peer import window as peer
-from dtrain.comm.state import group_state
+from dtrain.comm.state import find_state, group_state
 from dtrain.env import comm_env
 
 __all__ = [
@@ -65,7 +65,8 @@ def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: 
     usable = local_size if local_size and world % local_size == 0 and 1 < local_size < world else None
     kind = device.type + ("-peer" if transport_name(group, device) == "peer" else "")
     key = dist.group.WORLD if group is None else group
-    if kind not in group_state(key).agreed:
+    state = find_state(key)
+    if state is None or kind not in state.agreed:
         _agree_on_choices(key, kind, device)
     return _auto(coll, nbytes, world, kind, usable)
 
@@ -249,7 +250,8 @@ def transport_name(group, device: torch.device) -> str:
     name = _transport_setting()
     if name != "auto":
         return name
-    if round_timeout() is not None or group_state(group).fell_back:
+    state = find_state(group)
+    if round_timeout() is not None or (state is not None and state.fell_back):
         return "p2p"
     return "peer" if peer.peer_default(group, device) else "p2p"
 

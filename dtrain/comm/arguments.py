@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import Collective
 from dtrain.comm.p2p.runtime import REDUCE_OPS
-from dtrain.comm.state import DEFAULT_LOCAL_SIZE, group_state
+from dtrain.comm.state import DEFAULT_LOCAL_SIZE, find_state, group_state
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -103,7 +103,8 @@ def check_algorithm(coll: Collective, algorithm: str, world: int, group, what: s
 
 def _local_size(group, world: int) -> int | None:
     key = _group_key(group)
-    declared = DEFAULT_LOCAL_SIZE[0] if key is None else group_state(key).local_size
+    state = None if key is None else find_state(key)
+    declared = DEFAULT_LOCAL_SIZE[0] if key is None else state.local_size if state is not None else None
     if declared is not None:
         return declared
     if key is not None and _spans_world_in_order(group, world):

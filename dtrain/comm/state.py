@@ -22,7 +22,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 
-__all__ = ["GroupState", "group_state", "states", "release", "release_all", "DEFAULT_LOCAL_SIZE"]
+__all__ = ["GroupState", "group_state", "find_state", "states", "release", "release_all", "DEFAULT_LOCAL_SIZE"]
 
 #: The node size declared for the default group (``set_local_size(n)`` without a group). Process-wide: a
 #: launcher declares it before ``init_process_group`` makes the group, and it holds for every default group of
@@ -86,10 +86,21 @@ def _key(group):
 def group_state(group) -> GroupState:
     """The state of ``group`` (None: the default group), made on first use."""
     key = _key(group)
+    if key is None:
+        raise ValueError("dtrain.comm: no default process group; call torch.distributed.init_process_group first")
     state = _STATES.get(key)
     if state is None:
         state = _STATES[key] = GroupState()
     return state
+
+
+def find_state(group) -> GroupState | None:
+    """The state of ``group`` (None: the default group) if it has one; makes nothing (a question asked before
+    any call, or with no default group, has the answers of a fresh group)."""
+    try:
+        return _STATES.get(_key(group))
+    except TypeError:  # no default group (None), or an object that cannot be weakly referenced
+        return None
 
 
 def states() -> Iterator[GroupState]:
