@@ -177,8 +177,9 @@ def test_no_import_cycles_in_dtrain(deferred):
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-PURE = ["dtrain.env", "dtrain.comm.ir", "dtrain.comm.cost.model", "dtrain.comm.cost.model", "dtrain.comm.cost.forms"]
-PURE += ["dtrain.comm.cost.rules", "dtrain.comm.peer.window", "dtrain.comm.peer.pull", "dtrain.comm.peer.push"]
+PURE = ["dtrain.env", "dtrain.comm.ir", "dtrain.comm.cost", "dtrain.comm.cost.model", "dtrain.comm.cost.forms"]
+PURE += ["dtrain.comm.cost.params", "dtrain.comm.cost.rules", "dtrain.comm.peer", "dtrain.comm.peer.pull"]
+PURE += ["dtrain.comm.peer.push"]
 PURE += ["dtrain.comm.ir.schedule", "dtrain.comm.ir.check", "dtrain.comm.ir.plan", "dtrain.comm.ir.algorithms"]
 
 
