@@ -45,7 +45,7 @@ def private_shm() -> str:
     import torch.distributed as dist
 
     from dtrain import comm
-    from dtrain.comm import peer
+    from dtrain.comm.peer import window as peer
 
     rank = dist.get_rank()
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30), use_local_synchronization=True)
@@ -69,7 +69,7 @@ def rendezvous_counts_differ() -> str:
     import torch
     import torch.distributed as dist
 
-    from dtrain.comm import peer
+    from dtrain.comm.peer import window as peer
     from dtrain.testing.pool import group_of
 
     saved = peer._RENDEZVOUS[0]
@@ -94,7 +94,9 @@ def auto_falls_back_when_a_window_is_refused() -> dict:
     import torch.distributed as dist
 
     from dtrain import comm
-    from dtrain.comm import api, peer
+    from dtrain.comm import api
+    from dtrain.comm.peer import window as peer
+    from dtrain.comm.state import group_state
     from dtrain.testing.pool import group_of
 
     group = group_of(3)
@@ -123,7 +125,7 @@ def auto_falls_back_when_a_window_is_refused() -> dict:
         }
     finally:
         peer.peer_default, peer.PeerWindow._map_shared_files = real_default, real_map
-        api._FELL_BACK.pop(group, None)
+        group_state(group).fell_back = False
         if saved is not None:
             os.environ["DTRAIN_COMM_TRANSPORT"] = saved
 
@@ -135,7 +137,7 @@ def reduce_scatter_without_a_copy(algorithm: str) -> dict:
     import torch.distributed as dist
 
     from dtrain import comm
-    from dtrain.comm import peer
+    from dtrain.comm.peer import window as peer
     from dtrain.testing.pool import group_of
 
     group, rank = group_of(3), dist.get_rank()

@@ -8,15 +8,16 @@ import torch
 import torch.distributed as dist
 
 from dtrain import comm
-from dtrain.comm import algorithms as registry
-from dtrain.comm import api
+from dtrain.comm import api, state
+from dtrain.comm.ir import algorithms as registry
 from dtrain.testing.pool import group_of
 
 
 def _forget_choices() -> None:
     for cached in (api._rules, api._params, api._choice_digest, api._auto):
         cached.cache_clear()
-    api._AGREED.clear()
+    for held in state.states():
+        held.agreed.clear()
 
 
 def auto_with_rules(world: int, paths: list[str | None], numel: int) -> dict:

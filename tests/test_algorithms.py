@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtrain.comm.algorithms import build, names, needs_local_size
-from dtrain.comm.check import check
-from dtrain.comm.schedule import (
+from dtrain.comm.ir.algorithms import build, names, needs_local_size
+from dtrain.comm.ir.check import check
+from dtrain.comm.ir.schedule import (
     ROOTED_COLLECTIVES,
     Collective,
     Schedule,

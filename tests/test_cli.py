@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dtrain.cli.main import main, parse_bytes
-from dtrain.comm.cost import load_params
-from dtrain.comm.rules import load_rules
+from dtrain.comm.cost.model import load_params
+from dtrain.comm.cost.rules import load_rules
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm import cost
-from dtrain.comm.cost import CostParams, LinkCost, choose, predict, predict_schedule
-from dtrain.comm.cost_forms import CLOSED_FORMS
-from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
+from dtrain.comm.cost import model as cost
+from dtrain.comm.cost.forms import CLOSED_FORMS
+from dtrain.comm.cost.model import CostParams, LinkCost, choose, predict, predict_schedule
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Collective
 
 # Distinct, not round, values so that a term counted with the wrong coefficient cannot cancel out.
 PARAMS = CostParams(
@@ -357,7 +357,7 @@ def test_load_params_falls_back_to_defaults_without_a_calibration(tmp_path, monk
 @settings(max_examples=30, deadline=None)
 @given(alpha=st.floats(0, 1e-3), beta=st.floats(0, 1e-8))
 def test_fit_line_recovers_alpha_and_beta_from_exact_timings(alpha, beta):
-    from dtrain.comm.calibrate import DEFAULT_SIZES, fit_line
+    from dtrain.comm.cost.calibrate import DEFAULT_SIZES, fit_line
 
     fitted = fit_line(DEFAULT_SIZES, [alpha + beta * n for n in DEFAULT_SIZES])
     assert fitted == pytest.approx((alpha, beta), rel=1e-6, abs=1e-15)

@@ -8,7 +8,7 @@ import pytest
 from dtrain.cluster.files import resolve
 from dtrain.cluster.presets import preset
 from dtrain.cluster.topology import Device, Topology
-from dtrain.comm.schedule import Collective, Transfer, make_schedule
+from dtrain.comm.ir.schedule import Collective, Transfer, make_schedule
 from dtrain.emulate.model import emulated_topology
 from dtrain.emulate.placement import placement_order, ranks_per_rack
 from dtrain.emulate.plan import path_bit_per_s, plan_emulation, server_ip

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtrain.comm import Collective, algorithms
-from dtrain.comm import algorithms as registry
-from dtrain.comm.peer_plan import PullPlan, _compile_all, races
-from dtrain.comm.schedule import ROOTED_COLLECTIVES, Schedule, chunk_bounds
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Schedule, chunk_bounds
+from dtrain.comm.peer.pull import PullPlan, _compile_all, races
 
 JOBS = "tests.peer_jobs"
 SIZES = [0, 1, 13, 4099]
@@ -169,9 +169,9 @@ def test_in_a_direct_round_each_rank_reads_a_different_peer_first():
 
 
 def test_a_transfer_between_chunks_of_different_lengths_has_no_pull_form():
-    from dtrain.comm.schedule import Collective as C
-    from dtrain.comm.schedule import Schedule as S
-    from dtrain.comm.schedule import ScheduleError, Transfer
+    from dtrain.comm.ir.schedule import Collective as C
+    from dtrain.comm.ir.schedule import Schedule as S
+    from dtrain.comm.ir.schedule import ScheduleError, Transfer
 
     odd = S(
         collective=C.ALL_REDUCE, algorithm="odd", world_size=2, rounds=((Transfer(0, 1, 0, 1),),), chunks_per_block=2
@@ -237,7 +237,7 @@ def _interleaved(plans, start, rnd) -> list[list[int]] | str:
 
 @st.composite
 def _random_schedules(draw):
-    from dtrain.comm.schedule import Transfer, make_schedule
+    from dtrain.comm.ir.schedule import Transfer, make_schedule
 
     world, nchunks, nrounds = draw(st.integers(2, 5)), draw(st.integers(1, 4)), draw(st.integers(1, 4))
     rounds = []
@@ -270,14 +270,14 @@ def test_any_schedule_pulled_with_ranks_interleaved_element_by_element_computes_
 
 @pytest.mark.parametrize(("text", "want"), [("", 0), ("4096", 4096), ("64M", 64 << 20), ("2GiB", 2 << 30)])
 def test_windows_can_be_made_at_a_least_size_given_in_bytes(monkeypatch, text, want):
-    from dtrain.comm import peer
+    from dtrain.comm.peer import window as peer
 
     monkeypatch.setenv("DTRAIN_COMM_PEER_WINDOW_BYTES", text)
     assert peer._presize() == want
 
 
 def test_a_window_size_that_is_not_a_size_is_refused(monkeypatch):
-    from dtrain.comm import peer
+    from dtrain.comm.peer import window as peer
 
     monkeypatch.setenv("DTRAIN_COMM_PEER_WINDOW_BYTES", "lots")
     with pytest.raises(ValueError, match="DTRAIN_COMM_PEER_WINDOW_BYTES"):

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtrain.comm import Collective
-from dtrain.comm import algorithms as registry
-from dtrain.comm.peer_push import PushPlan, _compile_all, has_push_form, races, writes_own_block_only
-from dtrain.comm.schedule import ScheduleError, chunk_bounds
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import ScheduleError, chunk_bounds
+from dtrain.comm.peer.push import PushPlan, _compile_all, has_push_form, races, writes_own_block_only
 from tests.test_peer import _random_schedules, _reference, _schedules
 
 JOBS = "tests.peer_jobs"
@@ -126,7 +126,7 @@ def test_the_ring_reduces_at_the_sender_in_one_pass_that_stores_locally_and_remo
 
 
 def test_a_chunk_receiving_twice_in_a_row_folds_the_older_contribution_first():
-    from dtrain.comm.schedule import Transfer, make_schedule
+    from dtrain.comm.ir.schedule import Transfer, make_schedule
 
     # rank 0 receives chunk 0 from rank 1 in rounds 0, 1 and 2 and never sends it: bank 0 is reused in round 2
     rounds = [[Transfer(1, 0, 0, 0, True)], [Transfer(2, 0, 0, 0, True)], [Transfer(1, 0, 0, 0, True)]]
@@ -169,7 +169,7 @@ def test_every_collective_pushed_through_peer_memory_matches_the_reference(pool,
 
 
 def test_the_push_form_is_taken_from_its_size_threshold_where_the_schedule_has_one(monkeypatch):
-    from dtrain.comm import peer
+    from dtrain.comm.peer import window as peer
 
     ring = registry.build(Collective.ALL_REDUCE, "ring", 4)
     direct = registry.build(Collective.REDUCE_SCATTER, "direct", 4)

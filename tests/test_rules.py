@@ -1,4 +1,4 @@
-"""Measured rules for ``algorithm="auto"`` (dtrain.comm.rules): built from bench records, read by the API."""
+"""Measured rules for ``algorithm="auto"`` (dtrain.comm.cost.rules): built from bench records, read by the API."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from dtrain.comm import rules
-from dtrain.comm.rules import Rules
+from dtrain.comm.cost import rules
+from dtrain.comm.cost.rules import Rules
 
 JOBS = "tests.rules_jobs"
 
@@ -89,7 +89,7 @@ def test_ranks_that_read_different_rules_all_refuse_instead_of_hanging(pool, tmp
 
 def test_built_in_rules_cover_only_what_was_measured_and_defer_to_the_model_elsewhere(monkeypatch, tmp_path):
     from dtrain.comm import api
-    from dtrain.comm.schedule import Collective
+    from dtrain.comm.ir.schedule import Collective
 
     monkeypatch.setenv("DTRAIN_COMM_RULES", str(tmp_path / "none.json"))  # this machine's own files stay out
     monkeypatch.setenv("DTRAIN_CALIBRATION", str(tmp_path / "none-cal.json"))
@@ -112,7 +112,7 @@ def test_built_in_rules_cover_only_what_was_measured_and_defer_to_the_model_else
 
 def test_a_rules_file_without_a_rule_for_a_collective_leaves_the_built_in_rule_in_force(monkeypatch, tmp_path):
     from dtrain.comm import api
-    from dtrain.comm.schedule import Collective
+    from dtrain.comm.ir.schedule import Collective
 
     path = tmp_path / "rules.json"
     rules.save_rules(Rules(kind="cuda-peer", world_size=4, table={"all_gather": ((0, "direct"),)}), path)

@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
-from dtrain.comm.algorithms import build, names
-from dtrain.comm.runtime import compile_plan, run_schedule
-from dtrain.comm.schedule import BLOCK_COLLECTIVES, Collective
+from dtrain.comm.ir.algorithms import build, names
+from dtrain.comm.ir.schedule import BLOCK_COLLECTIVES, Collective
+from dtrain.comm.p2p.runtime import compile_plan, run_schedule
 
 
 class _Message:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtrain.comm import algorithms as registry
 from dtrain.comm import api
-from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Collective
 from dtrain.sim.api_passes import Pass, RankPasses, api_passes, rank_passes
 
 WORLD = 4

@@ -1,4 +1,4 @@
-"""dtrain.sim.collective: schedules replayed on a uniform star equal their closed forms (dtrain.comm.cost)."""
+"""dtrain.sim.collective: schedules replayed on a uniform star equal their closed forms (dtrain.comm.cost.model)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtrain.cluster.topology import Topology
-from dtrain.comm import algorithms
-from dtrain.comm.cost import CostParams, LinkCost, predict
-from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
+from dtrain.comm.cost.model import CostParams, LinkCost, predict
+from dtrain.comm.ir import algorithms
+from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Collective
 from dtrain.sim.api_passes import api_passes
 from dtrain.sim.collective import Job, SoftwareCost, rank_rounds, replay, replay_concurrent
 from tests.test_sim_topologies import GB, device, star

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
 from dtrain.sim.api_passes import api_passes
 from dtrain.sim.peer_model import PeerCost, fit_peer_cost, peer_time
 

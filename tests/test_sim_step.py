@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtrain.cluster.topology import Topology
-from dtrain.comm.cost import CostParams, LinkCost, predict
+from dtrain.comm.cost.model import CostParams, LinkCost, predict
 from dtrain.sim.model import Layout, ModelSpec, flops_per_microbatch, memory_per_device
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import place

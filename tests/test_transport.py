@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtrain.comm.transport import TorchP2PTransport
+from dtrain.comm.p2p.transport import TorchP2PTransport
 
 
 class _Work:

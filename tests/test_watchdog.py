@@ -1,4 +1,4 @@
-"""The host watchdog of CUDA collectives (dtrain.comm.watchdog), driven with fake events and a fake clock, and
+"""The host watchdog of CUDA collectives (dtrain.comm.peer.watchdog), driven with fake events and a fake clock, and
 the choice of transport that puts CUDA groups on the peer transport by default."""
 
 from __future__ import annotations
@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtrain.comm import api, peer, watchdog
-from dtrain.comm.watchdog import Watchdog
+from dtrain.comm import api
+from dtrain.comm.peer import watchdog
+from dtrain.comm.peer import window as peer
+from dtrain.comm.peer.watchdog import Watchdog
+from dtrain.comm.state import group_state
 
 JOBS = "tests.peer_jobs"
 
@@ -120,7 +123,7 @@ def test_auto_puts_cuda_groups_on_the_peer_transport_unless_the_timeout_or_a_fal
     monkeypatch.setenv("DTRAIN_COMM_TIMEOUT", "5")
     assert api.transport_name(group, cuda) == "p2p"  # the debugging mode: rounds wait on the host
     monkeypatch.delenv("DTRAIN_COMM_TIMEOUT")
-    api._FELL_BACK[group] = True
+    group_state(group).fell_back = True
     assert api.transport_name(group, cuda) == "p2p"
     monkeypatch.setenv("DTRAIN_COMM_TRANSPORT", "peer")
     assert api.transport_name(group, cuda) == "peer"  # asked for by name

@@ -1,5 +1,5 @@
 """``dtrain bench calibrate``: measure the cost model's parameters and save them where ``algorithm="auto"``
-looks (:func:`dtrain.comm.cost.params_path`, or ``out``)."""
+looks (:func:`dtrain.comm.cost.model.params_path`, or ``out``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dtrain.bench.launch import rank_device, run_ranks
-from dtrain.comm import cost
-from dtrain.comm.calibrate import calibrate
+from dtrain.comm.cost import model as cost
+from dtrain.comm.cost.calibrate import calibrate
 
 __all__ = ["run", "calibrate_on_rank"]
 

@@ -6,11 +6,11 @@ a rank's time is its median run divided by ``iters``, the reported time the larg
 carries ``host_us``: the host's time to issue one call (the same loop, up to its last call's return, before the
 synchronization), median over runs, largest over ranks; where it is close to ``time_us`` the call is bound by the
 host, not the devices. On GPUs the sweep starts with ``warm_s`` seconds (default 1) of its first case, untimed,
-so that the first sizes are not timed on idle clocks and cold caches (session 5 timed its first size 1.5-2.5x
+so that the first sizes are not timed on idle clocks and cold caches (without it the first size timed 1.5-2.5x
 slow on 4 H100s).
 Bandwidths follow nccl-tests (doc/PERFORMANCE.md): ``algbw = size /
 time`` and ``busbw = algbw * factor`` with the factor of :data:`BUS_FACTORS`; ``size`` is the work buffer of
-:mod:`dtrain.comm.cost` (all-gather: output, reduce-scatter / gather / scatter / all-to-all: the full W-block
+:mod:`dtrain.comm.cost.model` (all-gather: output, reduce-scatter / gather / scatter / all-to-all: the full W-block
 buffer). Rank 0 prints a table, writes one JSON line a measurement to ``out`` (replacing the file) and draws
 busbw against size next to it (same name, ``.png``).
 """
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from dtrain.bench.launch import rank_device, run_ranks
-from dtrain.comm import algorithms as registry
-from dtrain.comm import cost
-from dtrain.comm.schedule import BLOCK_COLLECTIVES, Collective
+from dtrain.comm.cost import model as cost
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import BLOCK_COLLECTIVES, Collective
 
 __all__ = ["BUS_FACTORS", "BenchConfig", "run", "bench_on_rank", "bus_factor"]
 
@@ -261,7 +261,7 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
     kind = device.type + ("-peer" if transport == "peer" else "")
     params = cost.load_params(device=kind)
     local_size = _local_size(world)
-    from dtrain.comm import persistent
+    from dtrain.comm.peer import graphs as persistent
 
     machine = {**_machine(device), "transport": transport, "persistent": persistent.enabled()}
     records = []
@@ -299,8 +299,8 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
 
 
 def _write_rules(records: list[dict], config: BenchConfig, kind: str, local_size: int | None, machine) -> None:
-    """Rules for ``auto`` from this sweep's winners (:mod:`dtrain.comm.rules`), where the API will look."""
-    from dtrain.comm import rules
+    """Rules for ``auto`` from this sweep's winners (:mod:`dtrain.comm.cost.rules`), where the API will look."""
+    from dtrain.comm.cost import rules
 
     world = records[0]["world_size"] if records else 1
     usable = local_size if local_size and 1 < local_size < world else None

@@ -60,7 +60,7 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     finally:
         if created:
-            from dtrain.comm import peer
+            from dtrain.comm.peer import window as peer
 
             peer.close_windows()  # the peer transport's windows and the graphs recorded on them go first
             gc.collect()  # CUDA graphs still holding NCCL kernels would stall the teardown

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain import comm
-from dtrain.comm.schedule import BLOCK_COLLECTIVES, Collective
+from dtrain.comm.ir.schedule import BLOCK_COLLECTIVES, Collective
 
 __all__ = ["verify_on_rank"]
 

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from dtrain.bench.report import wide_console
-from dtrain.comm import algorithms as registry
-from dtrain.comm.check import check
-from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective, ScheduleError
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.check import check
+from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Collective, ScheduleError
 
 __all__ = ["check_all", "Cell"]
 

@@ -10,6 +10,8 @@ import argparse
 import re
 from collections.abc import Sequence
 
+from dtrain.env import CommEnv
+
 __all__ = ["main", "build_parser", "parse_bytes"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20}
@@ -182,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dtrain`` command line; the process exit status."""
     args = build_parser().parse_args(argv)
     try:
+        CommEnv.from_env()  # a bad DTRAIN_COMM_* value stops here, before any rank starts
         if getattr(args, "handler", None) is not None:
             return args.handler(args)
         if args.command == "check":

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 
 from dtrain.cluster import units
 from dtrain.cluster.catalogue import link_spec
-from dtrain.comm.cost import CostParams, LinkCost, predict
-from dtrain.comm.cost_forms import CLOSED_FORMS
-from dtrain.comm.schedule import Collective
+from dtrain.comm.cost.forms import CLOSED_FORMS
+from dtrain.comm.cost.model import CostParams, LinkCost, predict
+from dtrain.comm.ir.schedule import Collective
 
 __all__ = [
     "Rate",

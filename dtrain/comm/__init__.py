@@ -1,15 +1,16 @@
 """Collective communication: our own algorithms, checked symbolically, priced by a cost model, run for real.
 
-The public functions mirror torch.distributed (see DESIGN.md); each takes ``algorithm=`` ("auto", "native"
-or one of :func:`algorithms`). The torch-facing names load on first use, so the pure parts (``schedule``,
-``algorithms``, ``check``, ``cost``) import without torch.
+The public functions mirror torch.distributed; each takes ``algorithm=`` ("auto", "native"
+or one of :func:`algorithms`). The torch-facing names load on first use, so the pure layers
+(:mod:`dtrain.comm.ir`: schedules, algorithms, the checker; :mod:`dtrain.comm.cost`: the cost model and rules)
+import without torch.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from dtrain.comm.schedule import Collective, Schedule, ScheduleError, Transfer
+from dtrain.comm.ir.schedule import Collective, Schedule, ScheduleError, Transfer
 
 _API = (
     "OPS",
@@ -35,7 +36,7 @@ def __getattr__(name: str):
     if name in _API:
         return getattr(importlib.import_module("dtrain.comm.api"), name)
     if name == "capture":
-        return importlib.import_module("dtrain.comm.graph").capture
+        return importlib.import_module("dtrain.comm.peer.graphs").capture
     if name == "CommTimeoutError":
-        return importlib.import_module("dtrain.comm.runtime").CommTimeoutError
+        return importlib.import_module("dtrain.comm.p2p.runtime").CommTimeoutError
     raise AttributeError(f"module 'dtrain.comm' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The public collectives: torch.distributed-like functions that run our own algorithms.
 
 Every call checks its arguments on this rank before a byte is sent, lays the tensors out as the schedule's
-flat work buffer (see :mod:`dtrain.comm.schedule`), runs the schedule through the torch.distributed
+flat work buffer (see :mod:`dtrain.comm.ir.schedule`), runs the schedule through the torch.distributed
 point-to-point transport, and copies the result back where it belongs. ``algorithm="native"`` hands the call
 to torch.distributed; ``algorithm="auto"`` asks the cost model for the fastest of ours.
 """
@@ -9,21 +9,25 @@ to torch.distributed; ``algorithm="auto"`` asks the cost model for the fastest o
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import warnings
-import weakref
 from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm import arguments, native, peer, peer_push, persistent, watchdog
+from dtrain.comm import arguments, native
 from dtrain.comm.arguments import check_algorithm, check_op, check_pair, check_root, check_tensor, group_info
-from dtrain.comm.runtime import round_timeout, run_schedule
-from dtrain.comm.schedule import Collective
-from dtrain.comm.transport import transport_for
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.p2p.runtime import round_timeout, run_schedule
+from dtrain.comm.p2p.transport import transport_for
+from dtrain.comm.peer import graphs as persistent
+from dtrain.comm.peer import push as peer_push
+from dtrain.comm.peer import watchdog
+from dtrain.comm.peer import window as peer
+from dtrain.comm.state import find_state, group_state
+from dtrain.env import comm_env
 
 __all__ = [
     "all_reduce",
@@ -61,22 +65,22 @@ def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: 
     usable = local_size if local_size and world % local_size == 0 and 1 < local_size < world else None
     kind = device.type + ("-peer" if transport_name(group, device) == "peer" else "")
     key = dist.group.WORLD if group is None else group
-    agreed = _AGREED.get(key)
-    if agreed is None or kind not in agreed:
+    state = find_state(key)
+    if state is None or kind not in state.agreed:
         _agree_on_choices(key, kind, device)
     return _auto(coll, nbytes, world, kind, usable)
 
 
 @lru_cache(maxsize=4096)
 def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int | None) -> str:
-    """The choice for ``auto``, kept: a measured rule (:mod:`dtrain.comm.rules`: the rules file, else the built-in
+    """The choice for ``auto``, kept: a measured rule (:mod:`dtrain.comm.cost.rules`: the rules file, else the built-in
     rules) where one covers the call, else the cost model's least predicted time. Pricing every candidate costs
     tens of microseconds of host time a call, as much as a small collective itself on a GPU (the parameters are
     read once per process anyway)."""
-    from dtrain.comm import cost
+    from dtrain.comm.cost import model as cost
 
     candidates = [a for a in registry.names(coll) if local_size or not registry.needs_local_size(a)]
-    from dtrain.comm import rules
+    from dtrain.comm.cost import rules
 
     for measured in (_rules(kind), rules.built_in(kind, world, local_size)):  # the file first, then built in
         if measured is not None and measured.covers(kind, world, local_size):
@@ -91,7 +95,7 @@ def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int 
 @lru_cache(maxsize=4)
 def _params(device_type: str):
     """The calibrated cost parameters for this device type, or the defaults (read once per process)."""
-    from dtrain.comm import cost
+    from dtrain.comm.cost import model as cost
 
     return cost.load_params(device=device_type)
 
@@ -99,13 +103,9 @@ def _params(device_type: str):
 @lru_cache(maxsize=4)
 def _rules(kind: str):
     """The measured rules for this kind of group (``dtrain bench comm --rules-out``), or None (read once)."""
-    from dtrain.comm import rules
+    from dtrain.comm.cost import rules
 
     return rules.load_rules(kind)
-
-
-# group -> the kinds whose choices its ranks have checked alike (weak: a destroyed group's entry goes with it)
-_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @lru_cache(maxsize=4)
@@ -128,7 +128,8 @@ def _agree_on_choices(group, kind: str, device: torch.device) -> None:
     dist.all_gather(every, mine, group=group)
     differ = sorted({r for r, t in enumerate(every) if int(t) != int(every[0])})
     if differ:
-        from dtrain.comm import cost, rules
+        from dtrain.comm.cost import model as cost
+        from dtrain.comm.cost import rules
 
         raise ValueError(
             f"algorithm='auto': the ranks of this group choose from different calibration or rules files "
@@ -136,14 +137,14 @@ def _agree_on_choices(group, kind: str, device: torch.device) -> None:
             f"{rules.rules_path(kind)}); give every rank the same files (DTRAIN_CALIBRATION, DTRAIN_COMM_RULES) "
             "or name the algorithm"
         )
-    _AGREED.setdefault(group, set()).add(kind)
+    group_state(group).agreed.add(kind)
 
 
 def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device) -> int:
     """Pieces for a pipelined chain (ring broadcast and reduce), from the cost model's optimum."""
     if algorithm != "ring" or coll not in (Collective.BROADCAST, Collective.REDUCE):
         return 1
-    from dtrain.comm import cost
+    from dtrain.comm.cost import model as cost
 
     return cost.optimal_pipeline(nbytes, world, _params(device.type).intra)
 
@@ -202,7 +203,7 @@ def _run_peer(schedule, work: torch.Tensor, window, op: str, push: bool, out: to
         owner = work
         if out is not None:  # the graph writes into out too: it belongs to both storages
             key, owner = (*key, out.data_ptr(), out.numel()), (work, out)
-        persistent.run(key, lambda: run(schedule, work, window, op, **extra), work.device, owner=owner)
+        persistent.run(window.group, key, lambda: run(schedule, work, window, op, **extra), work.device, owner=owner)
     if not torch.cuda.is_current_stream_capturing():
         what = (schedule.collective.value, schedule.algorithm, work.numel() * work.element_size(), str(work.dtype))
         place = (window.world_size, window.rank, dist.get_global_rank(window.group, window.rank), str(work.device))
@@ -223,30 +224,24 @@ def _label(what: tuple, place: tuple, call: int):
     return text
 
 
-# groups that ``DTRAIN_COMM_TRANSPORT=auto`` moved back to point-to-point (their peer window was refused)
-_FELL_BACK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _fall_back(group, err: Exception) -> None:
-    _FELL_BACK[dist.group.WORLD if group is None else group] = True
+    """Move ``group`` to the point-to-point transport for good (its peer window was refused)."""
+    group_state(group).fell_back = True
     warnings.warn(f"dtrain.comm: this group uses the point-to-point transport from now on: {err}", stacklevel=3)
 
 
 def _transport_setting() -> str:
-    name = os.environ.get("DTRAIN_COMM_TRANSPORT", "auto") or "auto"
-    if name not in ("auto", "p2p", "peer"):
-        raise ValueError(f"DTRAIN_COMM_TRANSPORT must be auto, p2p or peer, got {name!r}")
-    return name
+    return comm_env().transport
 
 
 def transport_name(group, device: torch.device) -> str:
     """The transport our algorithms run on for ``group`` on ``device``: ``DTRAIN_COMM_TRANSPORT``, or "auto".
 
     "p2p": torch.distributed point-to-point messages (Gloo, NCCL), for any placement. "peer": ranks read and
-    write each other's memory (:mod:`dtrain.comm.peer`), for a group whose ranks share one host. "auto" (the
-    default) is "peer" for CUDA groups where :func:`dtrain.comm.peer.peer_default` holds (one host, torch's
+    write each other's memory (:mod:`dtrain.comm.peer.window`), for a group whose ranks share one host. "auto" (the
+    default) is "peer" for CUDA groups where :func:`dtrain.comm.peer.window.peer_default` holds (one host, torch's
     CUDA symmetric memory, a torch this transport was measured on), and "p2p" everywhere else: on the CPU,
-    across hosts, for a group whose window torch cannot make (:class:`dtrain.comm.peer.PeerUnavailable`, after
+    across hosts, for a group whose window torch cannot make (:class:`dtrain.comm.peer.window.PeerUnavailable`, after
     which the group stays on "p2p"), and while ``DTRAIN_COMM_TIMEOUT`` is set (the debugging mode in which
     every round waits on the host and a stall raises ``CommTimeoutError`` naming the round and the peer). A
     collective decision: every rank of the group reaches the same answer (set the variables alike on every
@@ -255,7 +250,8 @@ def transport_name(group, device: torch.device) -> str:
     name = _transport_setting()
     if name != "auto":
         return name
-    if round_timeout() is not None or (dist.group.WORLD if group is None else group) in _FELL_BACK:
+    state = find_state(group)
+    if round_timeout() is not None or (state is not None and state.fell_back):
         return "p2p"
     return "peer" if peer.peer_default(group, device) else "p2p"
 
@@ -265,18 +261,15 @@ def _lanes(schedule, work: torch.Tensor) -> int:
 
     Lanes overlap one lane's reductions with the next lane's transfers, but halve every message. On 4 H200s
     over NCCL the smaller messages fall into NCCL's slower point-to-point regime and lose more than the
-    overlap wins (direct all-reduce of 1 GiB: 0.86x NCCL with one lane, 0.80x with two; docs/benchmarks.md),
+    overlap wins (direct all-reduce of 1 GiB: 0.86x NCCL with one lane, 0.80x with two; docs/results.md),
     so they are off unless asked for, for links where reductions weigh more.
     """
-    override = os.environ.get("DTRAIN_COMM_LANES", "")
-    if override.isdigit() and int(override) > 0 and schedule.reduces:
-        return int(override)
-    return 1
+    lanes = comm_env().lanes
+    return lanes if schedule.reduces else 1
 
 
 #: Work buffers kept for calls that cannot work in the caller's tensor (see :func:`_scratch`), most recent last.
 SCRATCH_KEPT = 16
-_SCRATCH = persistent.SCRATCH  # released with the graphs (persistent.release_all, peer.close_windows)
 
 
 def _scratch(group, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
@@ -284,11 +277,12 @@ def _scratch(group, like: torch.Tensor, numel: int | None = None) -> torch.Tenso
     ``numel`` is None), for the collectives that cannot work in the caller's tensor (reduce-scatter below the
     push form, all-to-all, scatter, a non-root reduce or gather).
 
-    Where calls are replayed (CUDA, the peer transport, :mod:`dtrain.comm.persistent` on) the buffer is kept per
+    Where calls are replayed (CUDA, the peer transport, :mod:`dtrain.comm.peer.graphs` on) the buffer is kept per
     group, device, dtype, size, stream and thread and reused by the next such call, so a call repeated on new
     inputs runs on the same storage and finds the graph recorded for it (graphs belong to a storage); calls
-    of one thread on one stream are ordered, so reuse is safe. At most :data:`SCRATCH_KEPT` are kept;
-    :func:`dtrain.comm.persistent.release_all` (and so :func:`dtrain.comm.peer.close_windows`) drops them.
+    of one thread on one stream are ordered, so reuse is safe. At most :data:`SCRATCH_KEPT` are kept per group,
+    in its :class:`~dtrain.comm.state.GroupState`; they go with the group's graphs (a window replaced,
+    :func:`dtrain.comm.peer.window.close_windows`).
     Inside a CUDA-graph capture, and everywhere else, it is a fresh tensor (a captured graph must own its
     memory)."""
     size = like.numel() if numel is None else numel
@@ -301,14 +295,14 @@ def _scratch(group, like: torch.Tensor, numel: int | None = None) -> torch.Tenso
     if not keep:
         return like.reshape(-1).clone() if numel is None else torch.empty(size, dtype=like.dtype, device=like.device)
     stream = torch.cuda.current_stream(like.device).cuda_stream
-    owner = id(dist.group.WORLD if group is None else group)
-    key = (owner, like.device, like.dtype, size, stream, threading.get_ident())
-    work = _SCRATCH.pop(key, None)
+    kept = group_state(group).scratch  # released with the group's graphs
+    key = (like.device, like.dtype, size, stream, threading.get_ident())
+    work = kept.pop(key, None)
     if work is None:
         work = torch.empty(size, dtype=like.dtype, device=like.device)
-        while len(_SCRATCH) >= SCRATCH_KEPT:
-            _SCRATCH.pop(next(iter(_SCRATCH)), None)
-    _SCRATCH[key] = work  # most recently used last
+        while len(kept) >= SCRATCH_KEPT:
+            kept.pop(next(iter(kept)), None)
+    kept[key] = work  # most recently used last
     if numel is None:
         work.copy_(like.reshape(-1))
     return work
@@ -500,7 +494,7 @@ def reduce_scatter(
 def _out_of_place(coll: Collective, algorithm: str, group, input: torch.Tensor, local_size) -> bool:
     """Whether a reduce-scatter can read the caller's input and write its block straight into the output: the
     peer transport's push form, with a plan that stores only into the rank's own block
-    (:func:`dtrain.comm.peer_push.writes_own_block_only`). Every rank answers alike (one schedule, one size)."""
+    (:func:`dtrain.comm.peer.push.writes_own_block_only`). Every rank answers alike (one schedule, one size)."""
     if transport_name(group, input.device) != "peer":
         return False
     world = dist.get_world_size(group)

@@ -10,9 +10,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm.runtime import REDUCE_OPS
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.p2p.runtime import REDUCE_OPS
+from dtrain.comm.state import DEFAULT_LOCAL_SIZE, find_state, group_state
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -28,7 +29,6 @@ __all__ = [
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 OPS = tuple(REDUCE_OPS)
-_LOCAL_SIZES: dict[object, int] = {}
 
 
 def set_local_size(local_size: int | None, group: dist.ProcessGroup | None = None) -> None:
@@ -39,10 +39,10 @@ def set_local_size(local_size: int | None, group: dist.ProcessGroup | None = Non
     if local_size is not None and (not isinstance(local_size, int) or local_size < 1):
         raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
     key = _group_key(group)
-    if local_size is None:
-        _LOCAL_SIZES.pop(key, None)
+    if key is None:  # the default group, which may not exist yet: a process-wide setting
+        DEFAULT_LOCAL_SIZE[0] = local_size
     else:
-        _LOCAL_SIZES[key] = local_size
+        group_state(key).local_size = local_size
 
 
 def _group_key(group: dist.ProcessGroup | None) -> object:
@@ -103,8 +103,10 @@ def check_algorithm(coll: Collective, algorithm: str, world: int, group, what: s
 
 def _local_size(group, world: int) -> int | None:
     key = _group_key(group)
-    if key in _LOCAL_SIZES:
-        return _LOCAL_SIZES[key]
+    state = None if key is None else find_state(key)
+    declared = DEFAULT_LOCAL_SIZE[0] if key is None else state.local_size if state is not None else None
+    if declared is not None:
+        return declared
     if key is not None and _spans_world_in_order(group, world):
         # A group of every rank in world order (a data-parallel group of a 1-D layout) has the world's nodes.
         return _local_size(None, world)

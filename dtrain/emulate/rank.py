@@ -11,25 +11,28 @@ from __future__ import annotations
 import os
 import sys
 
+from dtrain.env import EMULATE_LOCAL_SIZE, EMULATE_NODE_RANK, EmulateEnv
+
 __all__ = ["main", "NODE_RANK_ENV", "LOCAL_SIZE_ENV"]
 
 #: The node rank the plan gave this namespace's server.
-NODE_RANK_ENV = "DTRAIN_EMULATE_NODE_RANK"
+NODE_RANK_ENV = EMULATE_NODE_RANK
 #: Ranks per hierarchy level for comm.set_local_size (unset: torchrun's LOCAL_WORLD_SIZE, one server).
-LOCAL_SIZE_ENV = "DTRAIN_EMULATE_LOCAL_SIZE"
+LOCAL_SIZE_ENV = EMULATE_LOCAL_SIZE
 
 
 def main(argv: list[str]) -> int:
-    expected, got = os.environ.get(NODE_RANK_ENV), os.environ.get("GROUP_RANK")
-    if expected is not None and got != expected:
+    emulated = EmulateEnv.from_env()
+    expected, got = emulated.node_rank, os.environ.get("GROUP_RANK")
+    if expected is not None and got != str(expected):
         raise RuntimeError(
             f"torch's rendezvous made this server node {got}, the emulation placed it at node {expected}; the "
             f"measured placement would not be the planned one"
         )
-    if os.environ.get(LOCAL_SIZE_ENV):
+    if emulated.local_size is not None:
         from dtrain import comm
 
-        comm.set_local_size(int(os.environ[LOCAL_SIZE_ENV]))
+        comm.set_local_size(emulated.local_size)
     from dtrain.cli.main import main as dtrain_main
 
     return dtrain_main(argv)

@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from dtrain.env import PS_COORDINATOR, PS_JOB, PS_RANK, PS_ROLE, PS_SECRET, PS_TASK, PsEnv
 from dtrain.ps import wire
 from dtrain.ps.config import JobConfig
 from dtrain.ps.transport import Endpoint, await_message
@@ -43,36 +44,28 @@ def _die_with_parent() -> None:
         pass  # not Linux: close() still kills every process group
 
 
-def _env(name: str) -> str:
-    value = os.environ.get(name)
-    if not value:
-        raise ValueError(f"{name} is not set; a parameter-server role needs it (see dtrain.ps.launch)")
-    return value
-
-
 def main() -> int:
     """Run the role the environment names; the exit status."""
-    role, secret = _env("DTRAIN_PS_ROLE"), wire.secret_from_env()
+    ps = PsEnv.from_env()
+    role, secret = ps.need("role"), ps.need("secret")
     if role == "coordinator":
         from dtrain.ps.coordinator import Coordinator
 
-        address = os.environ.get("DTRAIN_PS_COORDINATOR", "tcp://127.0.0.1:0")
+        address = ps.coordinator or "tcp://127.0.0.1:0"
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
-        coordinator = Coordinator(JobConfig.from_dict(json.loads(_env("DTRAIN_PS_JOB"))), secret, host, int(port))
-        print(f"DTRAIN_PS_COORDINATOR={coordinator.endpoint}", flush=True)
+        coordinator = Coordinator(JobConfig.from_dict(json.loads(ps.need("job"))), secret, host, int(port))
+        print(f"{PS_COORDINATOR}={coordinator.endpoint}", flush=True)
         coordinator.serve()
         return 0
-    rank, coordinator_address = int(_env("DTRAIN_PS_RANK")), _env("DTRAIN_PS_COORDINATOR")
+    rank, coordinator_address = ps.need("rank"), ps.need("coordinator")
     if role == "server":
         from dtrain.ps.server import Server
 
-        Server(coordinator_address, secret, rank, os.environ.get("DTRAIN_PS_HOST", "127.0.0.1")).serve()
+        Server(coordinator_address, secret, rank, ps.host).serve()
         return 0
-    if role == "worker":
-        from dtrain.ps.train import TaskConfig, run_task
+    from dtrain.ps.train import TaskConfig, run_task  # the one role left: PsEnv accepts no other
 
-        return run_task(coordinator_address, secret, rank, TaskConfig.from_dict(json.loads(_env("DTRAIN_PS_TASK"))))
-    raise ValueError(f"DTRAIN_PS_ROLE must be coordinator, server or worker, got {role!r}")
+    return run_task(coordinator_address, secret, rank, TaskConfig.from_dict(json.loads(ps.need("task"))))
 
 
 def request(address: str, secret: bytes, header: dict, timeout_s: float = 10.0, name: str = "peer") -> wire.Message:
@@ -101,7 +94,7 @@ class LocalCluster:
         self.coordinator = ""
 
     def _spawn(self, name: str, role: str, extra: dict[str, str], stdout: Any = None) -> subprocess.Popen:
-        env = {**os.environ, "DTRAIN_PS_ROLE": role, "DTRAIN_PS_SECRET": self.secret.hex(), **extra}
+        env = {**os.environ, PS_ROLE: role, PS_SECRET: self.secret.hex(), **extra}
         env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.Popen([sys.executable, "-m", "dtrain.ps"], env=env, stdout=stdout, start_new_session=True,
                                 preexec_fn=_die_with_parent)  # fmt: skip
@@ -110,24 +103,22 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         job = json.dumps(self.config.to_dict())
-        proc = self._spawn("coordinator", "coordinator", {"DTRAIN_PS_JOB": job}, stdout=subprocess.PIPE)
+        proc = self._spawn("coordinator", "coordinator", {PS_JOB: job}, stdout=subprocess.PIPE)
         line = proc.stdout.readline().decode().strip()
-        if not line.startswith("DTRAIN_PS_COORDINATOR="):
+        if not line.startswith(f"{PS_COORDINATOR}="):
             self.close()
             raise RuntimeError(f"the coordinator did not start (printed {line!r}, exit status {proc.poll()})")
         self.coordinator = line.split("=", 1)[1]
         for rank in range(self.config.num_servers):
-            self._spawn(
-                f"server{rank}", "server", {"DTRAIN_PS_RANK": str(rank), "DTRAIN_PS_COORDINATOR": self.coordinator}
-            )
+            self._spawn(f"server{rank}", "server", {PS_RANK: str(rank), PS_COORDINATOR: self.coordinator})
         return self
 
     def start_worker(self, rank: int, task: dict, stdout: Any = None) -> subprocess.Popen:
         """A worker process running the training task ``task`` (a :class:`~dtrain.ps.train.TaskConfig` map)."""
         extra = {
-            "DTRAIN_PS_RANK": str(rank),
-            "DTRAIN_PS_COORDINATOR": self.coordinator,
-            "DTRAIN_PS_TASK": json.dumps(task),
+            PS_RANK: str(rank),
+            PS_COORDINATOR: self.coordinator,
+            PS_TASK: json.dumps(task),
         }
         return self._spawn(f"worker{rank}", "worker", extra, stdout=stdout)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import os
 import secrets
 import time
 from collections.abc import Sequence
@@ -40,6 +39,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import zmq
+
+from dtrain.env import PS_SECRET, PsEnv
 
 __all__ = [
     "DTYPES",
@@ -58,7 +59,7 @@ __all__ = [
 DTYPES = {"f4": np.float32, "f8": np.float64, "i8": np.int64, "i4": np.int32, "u8": np.uint64, "f2": np.float16}
 _NAMES = {np.dtype(t): name for name, t in DTYPES.items()}
 MAC_BYTES = hashlib.sha256().digest_size
-SECRET_ENV = "DTRAIN_PS_SECRET"
+SECRET_ENV = PS_SECRET
 
 
 class WireError(ValueError):
@@ -116,14 +117,7 @@ def local_secret() -> bytes:
 
 def secret_from_env() -> bytes:
     """The job's secret from ``DTRAIN_PS_SECRET`` (hex); a clear error when it is missing or short."""
-    text = os.environ.get(SECRET_ENV, "")
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError:
-        raise ValueError(f"{SECRET_ENV} must be hex, got {len(text)} characters that are not") from None
-    if len(secret) < 16:
-        raise ValueError(f"{SECRET_ENV} must hold at least 16 bytes of hex (32 hex digits), got {len(secret)} bytes")
-    return secret
+    return PsEnv.from_env().need("secret")
 
 
 _RECEIVE_QUEUE_MESSAGES = 1000

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dtrain.cluster.topology import Topology
-from dtrain.comm.algorithms import build, names, needs_local_size
-from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective
+from dtrain.comm.ir.algorithms import build, names, needs_local_size
+from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Collective
 from dtrain.sim.collective import CollectiveResult, SoftwareCost, replay
 from dtrain.sim.nccl import NcclParams, simulate_nccl
 
@@ -64,7 +64,7 @@ def simulate_collective(
 def software_cost_from_calibration(path: str | Path) -> SoftwareCost:
     """The software costs of a ``dtrain bench calibrate`` file (its intra-node link): ``alpha``, ``alpha_peer``
     and ``gamma``; its bandwidths describe links, which the topology holds."""
-    from dtrain.comm.cost import CostParams
+    from dtrain.comm.cost.model import CostParams
 
     data = json.loads(Path(path).read_text())
     link = CostParams.from_dict(data).intra

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dtrain.comm.schedule import Collective, Schedule
+from dtrain.comm.ir.schedule import Collective, Schedule
 
 __all__ = ["Pass", "RankPasses", "rank_passes", "api_passes"]
 

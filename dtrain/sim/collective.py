@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dtrain.cluster.topology import Topology
-from dtrain.comm.schedule import Collective, Schedule, chunk_bounds
+from dtrain.comm.ir.schedule import Collective, Schedule, chunk_bounds
 from dtrain.sim.api_passes import RankPasses
 from dtrain.sim.flows import FlowNetwork, LinkUsage
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dtrain.cluster.topology import Topology
-from dtrain.comm.algorithms import build as build_schedule
-from dtrain.comm.algorithms import needs_local_size
-from dtrain.comm.schedule import ROOTED_COLLECTIVES, Collective, Schedule
+from dtrain.comm.ir.algorithms import build as build_schedule
+from dtrain.comm.ir.algorithms import needs_local_size
+from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Collective, Schedule
 from dtrain.sim.api_passes import api_passes
 from dtrain.sim.collective import SoftwareCost, replay
 

@@ -40,9 +40,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dtrain.comm.peer_plan import PullOp, compile_pull, wants_kernel
-from dtrain.comm.peer_push import PushOp, compile_push
-from dtrain.comm.schedule import Schedule
+from dtrain.comm.ir.schedule import Schedule
+from dtrain.comm.peer.pull import PullOp, compile_pull, wants_kernel
+from dtrain.comm.peer.push import PushOp, compile_push
 from dtrain.sim.api_passes import RankPasses
 
 __all__ = ["PeerCost", "PeerTime", "peer_time", "fit_peer_cost"]

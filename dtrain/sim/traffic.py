@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dtrain.cluster.topology import Topology
-from dtrain.comm.algorithms import build as build_schedule
-from dtrain.comm.algorithms import needs_local_size
-from dtrain.comm.schedule import Collective, Schedule, Transfer, make_schedule
+from dtrain.comm.ir.algorithms import build as build_schedule
+from dtrain.comm.ir.algorithms import needs_local_size
+from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, replay_concurrent
 from dtrain.sim.model import Layout, ModelSpec
 from dtrain.sim.placement import grid_rank, group

@@ -1,0 +1,60 @@
+"""Direct algorithms: one round in which every rank talks to every other rank at once.
+
+All-to-all sends rank r's block j straight to block r of rank j; reduce-scatter sends block j to rank j as a
+reduce; all-gather sends each rank's block to everyone; all-reduce is a direct reduce-scatter then a direct
+all-gather over W chunks of the one block. Latency-optimal (one or two rounds) at the price of W - 1 messages
+per rank per round, the "pairwise"/"linear" algorithms of MPI libraries (Thakur, Rabenseifner and Gropp,
+"Optimization of Collective Communication Operations in MPICH", 2005).
+"""
+
+from __future__ import annotations
+
+from dtrain.comm.ir.algorithms.registry import register
+from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
+
+__all__ = ["direct_all_to_all", "direct_reduce_scatter", "direct_all_gather", "direct_all_reduce"]
+
+
+def _pairs(world: int) -> list[tuple[int, int]]:
+    return [(src, dst) for src in range(world) for dst in range(world) if src != dst]
+
+
+def _reduce_scatter_round(world: int) -> list[Transfer]:
+    """Chunk j of every rank is summed into chunk j of rank j."""
+    return [Transfer(src, dst, dst, dst, reduce=True) for src, dst in _pairs(world)]
+
+
+def _all_gather_round(world: int) -> list[Transfer]:
+    """Chunk r of rank r is copied to every other rank."""
+    return [Transfer(src, dst, src, src) for src, dst in _pairs(world)]
+
+
+@register(Collective.ALL_TO_ALL, "direct")
+def direct_all_to_all(
+    world_size: int, *, root: int | None = None, pipeline: int = 1, local_size: int | None = None
+) -> Schedule:
+    rounds = [[Transfer(src, dst, dst, src) for src, dst in _pairs(world_size)]]
+    return make_schedule(Collective.ALL_TO_ALL, "direct", world_size, rounds)
+
+
+@register(Collective.REDUCE_SCATTER, "direct")
+def direct_reduce_scatter(
+    world_size: int, *, root: int | None = None, pipeline: int = 1, local_size: int | None = None
+) -> Schedule:
+    return make_schedule(Collective.REDUCE_SCATTER, "direct", world_size, [_reduce_scatter_round(world_size)])
+
+
+@register(Collective.ALL_GATHER, "direct")
+def direct_all_gather(
+    world_size: int, *, root: int | None = None, pipeline: int = 1, local_size: int | None = None
+) -> Schedule:
+    return make_schedule(Collective.ALL_GATHER, "direct", world_size, [_all_gather_round(world_size)])
+
+
+@register(Collective.ALL_REDUCE, "direct")
+def direct_all_reduce(
+    world_size: int, *, root: int | None = None, pipeline: int = 1, local_size: int | None = None
+) -> Schedule:
+    """Two rounds over W chunks: rank j sums chunk j from everyone, then hands it to everyone."""
+    rounds = [_reduce_scatter_round(world_size), _all_gather_round(world_size)]
+    return make_schedule(Collective.ALL_REDUCE, "direct", world_size, rounds, chunks_per_block=world_size)

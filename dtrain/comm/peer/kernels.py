@@ -1,0 +1,106 @@
+"""One pass of a pull round: ``outs[:] = base (op) sources[0] (op) sources[1] ...``.
+
+On CUDA with Triton, one kernel reads the base and up to three peer windows, combines them in registers
+(half types in float32) and stores to one or two outputs, so a round's transfer, its reduction and the
+second store cost one pass over the data. Elsewhere, or for more sources, torch operations do the same in
+a few passes. The choice is this rank's alone: both compute the same values, so ranks may differ.
+
+``DTRAIN_COMM_TRITON=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dtrain.comm.peer.pull import wants_kernel
+from dtrain.env import comm_env
+
+__all__ = ["combine", "triton_ready", "wants_kernel"]
+
+_OPS = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
+_MAX_SOURCES = 3
+_BLOCK = 4096
+_state: dict[str, object] = {}  # the compiled kernel: process-wide, one per process whatever the group
+
+
+def _build():
+    import triton
+
+    # Triton resolves the functions a kernel calls from the globals of the kernel's own module
+    from dtrain.comm.peer import triton as peer_triton
+
+    return triton, peer_triton.pull_kernel
+
+
+def triton_ready() -> bool:
+    """Whether the fused kernel is usable in this process (Triton importable and not turned off)."""
+    if "kernel" not in _state:
+        if not comm_env().triton:
+            _state["kernel"] = None
+        else:
+            try:
+                _state["kernel"] = _build()
+            except Exception:  # no Triton (CPU builds of torch): torch operations do the work
+                _state["kernel"] = None
+    return _state["kernel"] is not None
+
+
+def _launch(outs, base, sources, op: str) -> None:
+    triton, kernel = _state["kernel"]
+    out0 = outs[0]
+    n = out0.numel()
+    upcast = out0.dtype in (torch.float16, torch.bfloat16)
+    pad = list(sources) + [sources[0]] * (_MAX_SOURCES - len(sources))
+    kernel[(triton.cdiv(n, _BLOCK),)](
+        out0, outs[1] if len(outs) > 1 else out0, base if base is not None else out0, *pad, n,
+        HAS_OUT1=len(outs) > 1, HAS_BASE=base is not None, NSRC=len(sources), OP=_OPS[op],
+        UPCAST=upcast, BLOCK=_BLOCK,
+    )  # fmt: skip
+
+
+def _torch_combine(outs, base, sources, op: str) -> None:
+    from dtrain.comm.p2p.runtime import REDUCE_OPS
+
+    target = outs[0]
+    if base is None:  # a copy: exactly one source
+        target.copy_(sources[0])
+    else:
+        if op in ("sum", "avg") and base.data_ptr() != target.data_ptr():
+            torch.add(base, sources[0], out=target)
+            rest = sources[1:]
+        else:
+            if base.data_ptr() != target.data_ptr():
+                target.copy_(base)
+            rest = sources
+        for s in rest:
+            REDUCE_OPS[op](target, s)
+    for other in outs[1:]:
+        other.copy_(target)
+
+
+def combine(
+    outs: list[torch.Tensor], base: torch.Tensor | None, sources: Sequence[torch.Tensor], op: str, remote: bool = False
+) -> None:
+    """Write ``base (op) sources...`` (or the one source, for a copy) into every tensor of ``outs``. ``remote``:
+    an output is a peer's memory (a push), where the kernel's one pass is what was measured to be fast."""
+    if not outs or not sources:
+        return
+    nbytes = outs[0].numel() * outs[0].element_size()
+    wanted = wants_kernel(len(outs), len(sources), nbytes, has_base=base is not None, remote=remote)
+    fused = wanted and outs[0].is_cuda and outs[0].dtype in _KERNEL_DTYPES and triton_ready()
+    if fused:
+        try:
+            first = sources[:_MAX_SOURCES] if len(sources) > _MAX_SOURCES else sources
+            _launch(outs[:1] if len(first) < len(sources) else outs, base, first, op)
+        except Exception:  # a Triton that cannot compile here (the first launch): nothing was written
+            _state["kernel"] = None
+        else:
+            rest = sources[len(first) :]
+            while rest:  # more peers than one kernel reads: fold them in, three at a time
+                step, rest = rest[:_MAX_SOURCES], rest[_MAX_SOURCES:]
+                _launch(outs if not rest else outs[:1], outs[0], step, op)
+            return
+    _torch_combine(outs, base, sources, op)

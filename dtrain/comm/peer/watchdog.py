@@ -1,0 +1,230 @@
+"""A host watchdog for collectives that run on the GPU without the host waiting for them.
+
+On CUDA the peer transport's rounds wait on each other with device barriers: the host enqueues a call and
+returns, so a peer that never comes stalls the GPU, not the host, and no Python exception can say which call
+it was. This is NCCL's problem too, and ours is solved as torch's ProcessGroupNCCL solves it: after every
+call the host records a CUDA event, and a daemon thread checks the oldest unfinished one. When a call has
+not finished ``limit`` after it was enqueued, the thread writes one report to stderr naming the collective,
+the algorithm, the size, the group's rank and the call's number, and how its barriers map to the device's
+own message. The device barrier gives up :data:`GRACE` later and prints
+``[FATAL] CUDASymmetricMemory::barrier: rank R failed to receive signal from rank P on channel C``: the peer
+``P`` it waited on, and the barrier ``C`` of the call (channel k is the call's k-th barrier; torch's message
+says microseconds but prints milliseconds). The process then fails at its next CUDA call (the context is
+lost), as it does after NCCL's watchdog fires.
+
+The bookkeeping is plain Python over anything with ``query()``, so the CPU tests drive it with fake events.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+
+__all__ = ["GRACE", "MAX_PENDING", "RESERVE", "Watchdog", "capturing", "watch"]
+
+#: How much longer the device barrier waits than the watchdog, so the host's report comes first.
+GRACE = timedelta(seconds=5)
+#: Calls watched at once; later calls go unwatched until older ones finish (the oldest is the one that stalls).
+MAX_PENDING = 1024
+#: Spare events kept made: a call takes one (recording costs a few microseconds, making one ~10 us).
+RESERVE = 256
+
+
+class Watchdog:
+    """Watches calls in the order they were enqueued; :meth:`check` reports the oldest one past its limit."""
+
+    def __init__(
+        self,
+        make_event: Callable[[], object],
+        report: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        reserve: int = RESERVE,
+    ) -> None:
+        self.reserve = reserve
+        self._make_event = make_event
+        self._report = report or _to_stderr
+        self._clock = clock
+        self._pending: deque = deque()  # (event, label, limit in s, enqueued at)
+        self._free: list = []  # spare events (made ahead by top_up, and finished ones back)
+        self._lock = threading.Lock()  # both threads take finished calls off the front
+        self._reported: set[int] = set()
+        self.reports = 0
+        self.skipped = 0  # calls since the last watched one that went unwatched
+
+    def watch(self, label: str | Callable[[], str], limit_s: float, record: Callable[[object], None]) -> bool:
+        """Record a new event with ``record(event)`` after a call described by ``label`` (a string, or a function
+        called only for a report); False if too many are pending (the call goes unwatched: an older one is
+        still running, and that is the one a stall would hold)."""
+        pending = self._pending
+        if len(pending) >= MAX_PENDING:
+            self.skipped += 1
+            return False
+        try:
+            event = self._free.pop()
+        except IndexError:  # none spare: the thread makes more (making a CUDA event costs ~10 us)
+            self.skipped += 1
+            return False
+        record(event)
+        if self.skipped:  # a stall in an unwatched call holds every later one: say which were not watched
+            label = _after_skips(label, self.skipped)
+            self.skipped = 0
+        pending.append((event, label, limit_s, self._clock()))
+        return True
+
+    def top_up(self) -> None:
+        """Make spare events up to the reserve (the thread calls it, off the caller's path)."""
+        while len(self._free) < self.reserve:
+            self._free.append(self._make_event())
+
+    def check(self) -> str | None:
+        """Drop finished calls; report the oldest unfinished one once it is older than its limit (once). Does
+        nothing while a CUDA graph is being captured in this process (:func:`capturing`): querying an event
+        then would invalidate a capture made in CUDA's global mode, as torch's own NCCL watchdog found."""
+        if _CAPTURES[0]:
+            return None
+        with self._lock:
+            while self._pending and self._pending[0][0].query():
+                self._free.append(self._pending.popleft()[0])
+        self.top_up()
+        with self._lock:
+            if not self._pending:
+                self._reported.clear()
+                return None
+            event, label, limit_s, since = self._pending[0]
+        waited = self._clock() - since
+        key = id(event) ^ hash(since)
+        if waited < limit_s or key in self._reported:
+            return None
+        self._reported.add(key)
+        self.reports += 1
+        label = label if isinstance(label, str) else label()
+        message = (
+            f"dtrain.comm watchdog: {label} has not finished on the GPU {waited:.0f} s after it was enqueued "
+            f"(limit {limit_s:.0f} s). A peer never reached one of its barriers: the device's "
+            "'[FATAL] CUDASymmetricMemory::barrier: rank R failed to receive signal from rank P on channel C' "
+            "line names the rank P waited on and the barrier (channel k is the call's k-th barrier). The "
+            f"device barrier gives up {GRACE.total_seconds():.0f} s after this; the process then fails at its "
+            "next CUDA call."
+        )
+        self._report(message)
+        return message
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+
+def _after_skips(label: str | Callable[[], str], skipped: int) -> Callable[[], str]:
+    def text() -> str:
+        first = label if isinstance(label, str) else label()
+        return f"{first} (or one of the {skipped} calls enqueued just before it, which were not watched)"
+
+    return text
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+_CAPTURES = [0]  # CUDA-graph captures in progress in this process (dtrain's own; see capturing())
+
+
+class capturing:  # noqa: N801  (used as a context manager, like torch.cuda.graph)
+    """Around a CUDA-graph capture: the watchdog's thread queries no event meanwhile. dtrain's own captures use
+    it; a capture of your own in CUDA's global mode while dtrain's collectives are watched should too (or use
+    ``capture_error_mode="thread_local"``)."""
+
+    def __enter__(self) -> capturing:
+        with _LOCK:
+            _CAPTURES[0] += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _LOCK:
+            _CAPTURES[0] -= 1
+
+
+# device -> its watchdog and event recorder. Process-wide, not per group: one polling thread per device watches
+# the calls of every group on it (events of one stream complete in order, whatever group made the call).
+_DOGS: dict[object, tuple[Watchdog, Callable[[object], None]]] = {}
+_LOCK = threading.Lock()
+POLL_S = 0.5
+
+
+def _poll(dog: Watchdog, device) -> None:
+    import torch
+
+    torch.cuda.set_device(device)
+    failures = 0
+    while True:
+        time.sleep(POLL_S)
+        try:
+            dog.check()
+            failures = 0
+        except Exception as err:  # a query that failed once is retried; the CUDA context may be gone
+            failures += 1
+            if failures >= 3:
+                _to_stderr(f"dtrain.comm watchdog on {device} stops: {err}")
+                with _LOCK:  # a later call starts a new one; nothing is kept alive meanwhile
+                    if _DOGS.get(device, (None,))[0] is dog:
+                        del _DOGS[device]
+                    dog._pending.clear()
+                    dog._free.clear()
+                return
+
+
+def _event_maker(device):
+    """Events made ready to record: torch makes a CUDA event at its first record (~5-10 us), so each is
+    recorded once on a stream of its own when made, which the watchdog's thread does ahead of need."""
+    import torch
+
+    side = torch.cuda.Stream(device)
+
+    def make():
+        event = torch.cuda.Event()
+        event.record(side)
+        return event
+
+    return make
+
+
+def _recorder(device):
+    """Record an event on ``device``'s current stream. ``torch.cuda.current_stream()`` makes a new Python object
+    each time (~4 us on an H100 host) and ``Event.record`` looks it up again; keeping one stream object per raw
+    stream and recording through the base class costs under 1 us (benchmarks/watchdog_probe.py)."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    base_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)
+    if raw_stream is None or base_record is None:  # another torch: the plain way
+        return lambda event: event.record(torch.cuda.current_stream(device))
+    streams: dict[int, object] = {}
+
+    def record(event) -> None:
+        raw = raw_stream(index)
+        stream = streams.get(raw)
+        if stream is None:
+            stream = streams[raw] = torch.cuda.current_stream(device)
+        base_record(event, stream)
+
+    return record
+
+
+def watch(device, limit: timedelta, label: Callable[[], str]) -> None:
+    """After a CUDA collective call on ``device``'s current stream: watch it (one daemon thread per device).
+    ``label`` is called only for a report, to keep the common path cheap."""
+    entry = _DOGS.get(device)
+    if entry is None:
+        with _LOCK:
+            entry = _DOGS.get(device)
+            if entry is None:
+                dog = Watchdog(_event_maker(device))
+                dog.top_up()
+                entry = _DOGS[device] = (dog, _recorder(device))
+                threading.Thread(target=_poll, args=(dog, device), name="dtrain-comm-watchdog", daemon=True).start()
+    dog, record = entry
+    dog.watch(label, limit.total_seconds(), record)

@@ -1,0 +1,202 @@
+"""The package's import structure: no import cycles anywhere in dtrain, and the pure layers load no torch.
+
+The import graph is read from the source (an AST scan, nothing is imported): an edge for every module-level
+import, ``if TYPE_CHECKING:`` blocks left out; imports inside functions are counted separately and only
+reported.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dtrain"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module, module: str, is_package: bool, *, deferred: bool) -> list[tuple[str, str | None]]:
+    """The import statements of ``tree`` as (module, name) pairs, name None for ``import module``: those run
+    when the module loads (``deferred`` False) or those inside functions (True)."""
+    found: list[tuple[str, str | None]] = []
+    package = module if is_package else module.rpartition(".")[0]
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    visit_one(sub, in_function)
+                continue
+            visit_one(child, in_function)
+
+    def visit_one(node: ast.AST, in_function: bool) -> None:
+        if isinstance(node, ast.Import) and in_function == deferred:
+            found.extend((alias.name, None) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and in_function == deferred:
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module or ""
+            found.extend((source, alias.name) for alias in node.names)
+        inner = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        visit(node, inner)
+
+    visit(tree, False)
+    return found
+
+
+def _targets(pairs: list[tuple[str, str | None]], modules: dict[str, Path]) -> set[str]:
+    """The modules the pairs load: ``from p import n`` loads ``p.n`` where that is a module, else ``p``."""
+    targets = set()
+    for source, name in pairs:
+        targets.add(f"{source}.{name}" if name is not None and f"{source}.{name}" in modules else source)
+    return targets
+
+
+def import_graph(*, deferred: bool = True) -> dict[str, set[str]]:
+    """Module -> the dtrain modules it imports: module-level imports, and with ``deferred`` those inside
+    functions too."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        pairs = _imports(tree, name, path.name == "__init__.py", deferred=False)
+        if deferred:
+            pairs += _imports(tree, name, path.name == "__init__.py", deferred=True)
+        graph[name] = {n for n in _targets(pairs, modules) if n in modules and n != name}
+    return graph
+
+
+def external_imports(module: str) -> set[str]:
+    """Top-level names of the non-dtrain packages ``module`` imports at module level."""
+    path = _modules()[module]
+    pairs = _imports(ast.parse(path.read_text()), module, path.name == "__init__.py", deferred=False)
+    return {source.split(".")[0] for source, _ in pairs if source and not source.startswith("dtrain")}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a path back to its start) for every strongly connected component with more than one module
+    (or a module importing itself); Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    counter = [0]
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return [_a_cycle(graph, set(c), c[0]) for c in components]
+
+
+def _a_cycle(graph: dict[str, set[str]], members: set[str], start: str) -> list[str]:
+    """A shortest path from ``start`` back to itself inside one component (breadth first)."""
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for v in frontier:
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [*reversed(path), start]
+                if w not in previous:
+                    previous[w] = v
+                    following.append(w)
+        frontier = following
+    raise AssertionError(f"{start} is in a component but on no cycle")
+
+
+def test_the_scan_finds_a_cycle_and_ignores_type_checking_imports():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x.y\nimport x.z\n"
+    tree = ast.parse(source + "def f():\n    import x.w\n")
+    assert _imports(tree, "m", False, deferred=False) == [("typing", "TYPE_CHECKING"), ("x.z", None)]
+    assert _imports(tree, "m", False, deferred=True) == [("x.w", None)]
+
+
+def test_relative_imports_resolve_against_the_package():
+    tree = ast.parse("from . import a\nfrom ..b import c\n")
+    assert _imports(tree, "p.q.m", False, deferred=False) == [("p.q", "a"), ("p.b", "c")]
+    assert _imports(tree, "p.q", True, deferred=False) == [("p.q", "a"), ("p.b", "c")]
+    modules = dict.fromkeys(["p.q", "p.q.a", "p.b"], Path())
+    assert _targets([("p.q", "a"), ("p.b", "c")], modules) == {"p.q.a", "p.b"}
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["module-level", "with-function-level"])
+def test_no_import_cycles_in_dtrain(deferred):
+    found = cycles(import_graph(deferred=deferred))
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+PURE = ["dtrain.env", "dtrain.comm.ir", "dtrain.comm.cost", "dtrain.comm.cost.model", "dtrain.comm.cost.forms"]
+PURE += ["dtrain.comm.cost.params", "dtrain.comm.cost.rules", "dtrain.comm.peer", "dtrain.comm.peer.pull"]
+PURE += ["dtrain.comm.peer.push"]
+PURE += ["dtrain.comm.ir.schedule", "dtrain.comm.ir.check", "dtrain.comm.ir.plan", "dtrain.comm.ir.algorithms"]
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_the_pure_layers_import_no_torch_at_module_level(module):
+    graph = import_graph(deferred=False)
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph[m])
+    heavy = {m: external_imports(m) & {"torch", "triton"} for m in seen}
+    assert not {m: h for m, h in heavy.items() if h}, f"{module} reaches torch through {heavy}"
+
+
+def test_the_pure_layers_import_no_torch_when_loaded():
+    code = f"import sys; import {', '.join(PURE)}; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert result.stdout == "[]\n"
