@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtrain.bench.launch import rank_device, run_ranks
 from dtrain.comm import algorithms as registry
 from dtrain.comm import cost
 from dtrain.comm.schedule import BLOCK_COLLECTIVES, Collective
+from dtrain.launch import rank_device, run_ranks
 
 __all__ = ["BUS_FACTORS", "BenchConfig", "run", "bench_on_rank", "bus_factor"]
 

@@ -172,8 +172,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _verify_rank() -> int:
-    from dtrain.bench.launch import rank_device
     from dtrain.bench.verify import verify_on_rank
+    from dtrain.launch import rank_device
 
     return verify_on_rank(rank_device())
 
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.bench_command == "comm":
             return _bench_comm(args)
         if args.bench_command == "verify":
-            from dtrain.bench.launch import run_ranks
+            from dtrain.launch import run_ranks
 
             failures = run_ranks(_verify_rank, args.nproc)
             return 0 if failures == 0 else 1

@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtrain import comm
-from dtrain.bench.launch import rank_device, run_ranks, under_torchrun
 from dtrain.bench.report import Progress
+from dtrain.launch import rank_device, run_ranks, under_torchrun
 from dtrain.parallel.data_parallel import DataParallel, split_batch
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.pipeline_parallel import PipelineParallel
