@@ -183,9 +183,8 @@ def _interrupted(exc: BaseException) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dtrain`` command line; the process exit status."""
-    args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        return _run(build_parser().parse_args(argv))
     except ValueError as exc:
         print(f"dtrain: error: {exc}")
         return 2

@@ -34,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as RichProgress
 
 from dtrain import comm
+from dtrain.comm import algorithms as comm_registry
 from dtrain.launch import rank_device, run_ranks, under_torchrun
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
@@ -73,6 +74,11 @@ def validate_layout(config: TrainConfig, world_size: int) -> ParallelDims:
     dims = ParallelDims(world_size=world_size, dp=config.dp, pp=config.pp, tp=config.tp)
     if config.tp > 1:
         _validate_tensor_parallel(config)
+    if comm_registry.needs_local_size(config.algorithm) and config.dp != world_size:
+        raise ValueError(
+            f"--algorithm {config.algorithm}: needs the node size, known only for a dp group of every rank; "
+            f"use --dp {world_size} (pp = tp = 1) or another algorithm"
+        )
     if config.batch_size % config.dp:
         raise ValueError(f"batch size {config.batch_size} is not divisible by dp={config.dp}")
     local = config.batch_size // config.dp
