@@ -88,9 +88,7 @@ class DataParallel(nn.Module):
             algorithm=algorithm,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
-        broadcast_tensors(
-            [*module.parameters(), *module.buffers()], 0, group, algorithm=broadcast_algorithm(algorithm)
-        )
+        broadcast_tensors([*module.parameters(), *module.buffers()], 0, group, algorithm=broadcast_algorithm(algorithm))
         self._sync_enabled = True
         self._sync_this_backward = True
         self._finish_queued = False

@@ -211,7 +211,7 @@ def train(config: TrainConfig, nproc: int, *, announce: Callable[[str], None] | 
     """Check (:func:`check_run`), then run :func:`train_rank` on ``nproc`` local ranks (or this torchrun job);
     rank 0's metrics ([] when a resumed run is already complete). ``announce`` gets one line saying what starts."""
     start = check_run(config, nproc)
-    if announce is not None:
+    if announce is not None and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
         announce(describe(config, start))
     if start.done:
         return []
