@@ -1,4 +1,5 @@
-"""Jobs for tests/test_hybrid.py: hybrid-parallel training against the unsplit model on one process.
+"""Jobs for tests/test_hybrid.py: :class:`~dtrain.parallel.hybrid.HybridParallel` (the composition ``dtrain train``
+runs) against the unsplit model on one process.
 
 Every rank of the pool builds the same four MLP blocks from a seed and trains an untouched copy itself as the
 reference: the whole global batch through the whole model, plain autograd, the same optimizer. The hybrid run
@@ -8,12 +9,16 @@ blocks (pipeline) of the reference, whichever replica (data parallel) it is in.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain import comm
+from dtrain.comm import algorithms as registry
 from dtrain.parallel.grid import ParallelDims, RankGrid
-from dtrain.parallel.hybrid import HybridParallel
+from dtrain.parallel.hybrid import HybridParallel, tensor_parallel_blocks
 
 WIDTH, HIDDEN, BLOCKS = 16, 32, 4  # the last block's 16 outputs are the logits of 16 classes
 GLOBAL_BATCH = 16
@@ -21,13 +26,14 @@ STEPS = 5
 RTOL, ATOL = 1e-5, 1e-6
 
 LAYOUTS = {  # name -> (dp, pp, tp); the grid lives on global ranks 0..dp*pp*tp-1
+    "dp2": (2, 1, 1),
     "dp2xpp2": (2, 2, 1),
     "dp2xtp2": (2, 1, 2),
     "tp2xpp2": (1, 2, 2),
     "dp2xpp2xtp2": (2, 2, 2),
 }
 
-_GRIDS: dict[str, RankGrid | None] = {}  # building groups is slow and collective: once per layout per session
+_GRIDS: dict[str, RankGrid | None] = {}  # building groups is slow and collective: once per layout per pool
 
 
 def _grid(layout: str) -> RankGrid | None:
@@ -89,20 +95,33 @@ def _excess(got: torch.Tensor, want: torch.Tensor) -> float:
     return max(((got - want).abs() - (ATOL + RTOL * want.abs())).max().item(), 0.0)
 
 
-def equivalence(layout: str, schedule: str, num_microbatches: int) -> dict | None:
-    """Train ``STEPS`` steps on ``layout``; this rank's worst loss and parameter errors, or None off the grid."""
+def equivalence(layout: str, schedule: str, num_microbatches: int, algorithm: str = "auto") -> dict | None:
+    """Train ``STEPS`` steps on ``layout``; this rank's worst loss and parameter errors, or None off the grid.
+
+    ``algorithm`` is the gradient all-reduce's; for one that needs the node size, the dp group is one node.
+    """
     grid = _grid(layout)
     if grid is None:
         return None
+    if registry.needs_local_size(algorithm):
+        comm.set_local_size(grid.dims.dp, grid.dp_group)
     ref_losses, reference = _reference(STEPS)
-    hybrid = HybridParallel(grid, _blocks(seed=0), _sgd, num_microbatches=num_microbatches, schedule=schedule)
+    hybrid = HybridParallel(
+        _blocks(seed=0),
+        grid,
+        _sgd,
+        tensor_parallel=functools.partial(tensor_parallel_blocks, algorithm="auto"),
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        algorithm=algorithm,
+    )
     losses = [hybrid.train_step(*_global_batch(step), F.cross_entropy).item() for step in range(STEPS)]
     tp = grid.dims.tp
-    want = [w for i in hybrid.block_range for w in _expected_shards(reference[i], tp, grid.tp_rank)]
+    want = [w for i in hybrid.layer_indices for w in _expected_shards(reference[i], tp, grid.tp_rank)]
     got = list(hybrid.parameters())
     return {
         "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank),
-        "blocks": list(hybrid.block_range),
+        "blocks": hybrid.layer_indices,
         "loss": _excess(torch.tensor(losses), torch.tensor(ref_losses)),
         "params": max(_excess(g.detach(), w.detach()) for g, w in zip(got, want, strict=True)),
         "param_count": len(got),
@@ -114,4 +133,4 @@ def _initial(hybrid: HybridParallel) -> list[torch.Tensor]:
     """This rank's shards of the untrained blocks: training must have moved them, or the comparison proves little."""
     start = _blocks(seed=0)
     grid = hybrid.grid
-    return [w for i in hybrid.block_range for w in _expected_shards(start[i], grid.dims.tp, grid.tp_rank)]
+    return [w for i in hybrid.layer_indices for w in _expected_shards(start[i], grid.dims.tp, grid.tp_rank)]

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dtrain.bench.launch import run_ranks
+from dtrain.launch import run_ranks
 from dtrain.parallel.pipeline_schedules import SCHEDULES, theoretical_bubble, validate_schedule
 
 ROOT = Path(__file__).resolve().parent.parent

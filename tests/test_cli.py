@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from dtrain.cli.check import check_all
 from dtrain.cli.main import main, parse_bytes
 from dtrain.comm.cost.model import load_params
 from dtrain.comm.cost.rules import load_rules
@@ -22,6 +26,20 @@ def test_check_proves_every_algorithm_up_to_eight_ranks(capsys):
     assert main(["check", "--max-world", "8"]) == 0
     out = capsys.readouterr().out
     assert "ring" in out and "W=8" in out and "FAIL" not in out
+
+
+def test_check_ends_with_a_summary_line(capsys):
+    assert main(["check", "--max-world", "3"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"dtrain check: \d+ checks passed, 0 failed", last), last
+
+
+def test_check_table_keeps_its_headers_and_names_whole_on_a_narrow_console():
+    console = Console(width=80, record=True, file=io.StringIO())
+    assert check_all(8, console=console)
+    text = console.export_text()
+    assert "collective" in text and "algorithm" in text and "W=8" in text and "recursive_doubling" in text
+    assert "…" not in text  # rich's ellipsis marks a cut cell
 
 
 def test_check_with_pipelined_schedules(capsys):

@@ -7,17 +7,23 @@ parallel), one uninterrupted run (for resume).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from dtrain.cli.main import main
+from dtrain.cli.main import build_parser, main
+from dtrain.train import loop
+from dtrain.train.checkpoint import checkpoint_path, save_checkpoint
+from dtrain.train.config import TrainConfig, flag_name
 from dtrain.train.data import CharTokenizer, ClassificationBatches, TextBatches, load_corpus
 from dtrain.train.models import GPTConfig, build_model, model_config
 
@@ -30,7 +36,32 @@ def _run(out: Path, *flags: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
+    # what starts is said first, and the bar is the training's
+    assert done.stdout.startswith("dtrain train: training "), done.stdout
+    assert "train: step" in done.stdout and "bench" not in done.stdout, done.stdout
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def _fake_checkpoint(out: Path, step: int, world: int, **layout) -> None:
+    """Checkpoint files of ``world`` ranks at ``step`` that hold only the step and the layout (all the launching
+    process reads)."""
+    full = {"model": "gpt", "preset": "debug", "dp": 1, "pp": 1, "tp": 1, "seed": 0, "batch_size": 16, **layout}
+    for rank in range(world):
+        save_checkpoint(checkpoint_path(out, step, rank), {"step": step, "layout": full})
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Fail the test if any rank would start."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(loop, "run_ranks", refuse)
 
 
 def _final_params(out: Path, step: int) -> dict[str, torch.Tensor]:
@@ -166,3 +197,105 @@ def test_the_command_exits_nonzero_on_a_bad_layout():
     command = [sys.executable, "-m", "dtrain", "train", "--nproc", "3", "--dp", "2"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "dp x pp x tp" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--algorithm", "bogus"], "--algorithm: unknown all-reduce algorithm 'bogus'; known: auto, native"),
+        (["--nproc", "0"], "--nproc: must be a positive int, got 0"),
+        (["--steps", "0"], "--steps: must be a positive int, got 0"),
+        (["--out", "/proc/forbidden/run"], "--out /proc/forbidden/run: cannot create or write the output directory"),
+        (["--nproc", "4", "--dp", "2", "--pp", "2", "--algorithm", "hierarchical"], "--algorithm hierarchical: needs"),
+    ],
+)
+def test_bad_options_name_their_flag_before_any_rank_starts(tmp_path, capsys, no_ranks, flags, message):
+    out = ["--out", str(tmp_path / "run")] if "--out" not in flags else []
+    assert main(["train", *out, *flags]) == 2
+    printed = capsys.readouterr().out
+    assert message in printed and printed.count("\n") == 1, printed
+    assert "broadcast" not in printed
+
+
+@pytest.mark.parametrize(
+    ("written", "flags", "message"),
+    [
+        (
+            {"dp": 2, "pp": 2},
+            ["--nproc", "4", "--dp", "4"],
+            "was written with dp=2 pp=2; this run has dp=4 pp=1",
+        ),
+        ({}, ["--model", "mlp"], "was written with model=gpt; this run has model=mlp"),
+    ],
+)
+def test_resume_from_another_layout_or_model_fails_before_any_rank_starts(
+    tmp_path, capsys, no_ranks, written, flags, message
+):
+    _fake_checkpoint(tmp_path, 4, 4 if written else 1, **written)
+    assert main(["train", "--out", str(tmp_path), "--steps", "8", "--resume", *flags]) == 2
+    printed = capsys.readouterr().out
+    assert f"dtrain: error: --resume: the checkpoint under {tmp_path}/checkpoints {message}" in printed
+    assert printed.count("\n") == 1
+
+
+def test_resume_from_an_incomplete_checkpoint_of_another_layout_names_the_layout(tmp_path, capsys, no_ranks):
+    _fake_checkpoint(tmp_path, 4, 2, dp=2)  # written by 2 ranks; 4 ranks find it incomplete
+    assert main(["train", "--out", str(tmp_path), "--nproc", "4", "--dp", "4", "--resume"]) == 2
+    assert "was written with dp=2; this run has dp=4" in capsys.readouterr().out
+
+
+def test_resume_when_the_steps_are_done_says_so_without_starting_ranks(tmp_path, capsys, no_ranks):
+    _fake_checkpoint(tmp_path, 4, 1)
+    assert main(["train", "--out", str(tmp_path), "--steps", "4", "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        printed
+        == f"dtrain train: nothing to do: the checkpoint under {tmp_path}/checkpoints is at step 4, --steps is 4\n"
+    )
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--algorithm", "bogus"], ["--nproc", "0"], ["--out", "/proc/forbidden"]],
+)
+def test_the_command_prints_one_line_and_no_traceback_on_bad_input(flags):
+    command = [sys.executable, "-m", "dtrain", "train", "--steps", "1", *flags]
+    done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert len((done.stdout + done.stderr).splitlines()) == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and flags[0] in done.stdout
+
+
+def test_every_config_key_is_a_flag_with_its_default():
+    train_parser = build_parser()._subparsers._group_actions[0].choices["train"]
+    flags = {a.dest: a for a in train_parser._actions if a.option_strings}
+    for f in dataclasses.fields(TrainConfig):
+        assert flag_name(f.name) in flags[f.name].option_strings and flags[f.name].default == f.default, f.name
+        assert flags[f.name].help, f.name
+    assert set(flags) == {"help", "nproc", *(f.name for f in dataclasses.fields(TrainConfig))}
+    args = build_parser().parse_args(["train", "--batch-size", "8", "--resume", "--weight-decay", "0.1"])
+    assert args.batch_size == 8 and args.resume is True and args.weight_decay == 0.1 and args.nproc == 1
+
+
+def test_an_all_reduce_only_algorithm_trains_through_the_command(tmp_path, one_rank):
+    # the initial parameter broadcast has no recursive_doubling; it pairs with a broadcast algorithm
+    records = _run(tmp_path, "--nproc", "2", "--dp", "2", "--steps", "2", "--algorithm", "recursive_doubling")
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in one_rank[1][:2]], rel=1e-5)
+
+
+def test_ctrl_c_stops_the_ranks_and_exits_130_in_one_line(tmp_path):
+    command = [sys.executable, "-m", "dtrain", "train", "--nproc", "2", "--dp", "2", "--model", "mlp"]
+    command += ["--steps", "1000000", "--out", str(tmp_path)]
+    run = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # some steps in
+        run.send_signal(signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 130, stdout + stderr
+    assert stderr.splitlines() == ["dtrain: interrupted (signal 2); the ranks were stopped"], stderr

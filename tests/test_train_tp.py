@@ -1,7 +1,7 @@
 """``dtrain train --tp``: the GPT's tensor-parallel blocks against the single-device ones, and real runs through
 the command against one process training the unsplit model on the same global batches.
 
-The block and whole-model checks run on Gloo processes of the session pool (jobs in
+The block and whole-model checks run on Gloo processes of the test pool (jobs in
 ``tests/test_train_tp_jobs.py``); the runs are subprocesses of ``python -m dtrain train`` with the debug preset.
 """
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from dtrain.bench.launch import rank_device, run_ranks
 from dtrain.comm.cost import model as cost
 from dtrain.comm.cost.calibrate import calibrate
+from dtrain.launch import rank_device, run_ranks
 
 __all__ = ["run", "calibrate_on_rank"]
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtrain.bench.launch import rank_device, run_ranks
 from dtrain.comm.cost import model as cost
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import BLOCK_COLLECTIVES, Collective
+from dtrain.launch import rank_device, run_ranks
 
 __all__ = ["BUS_FACTORS", "BenchConfig", "run", "bench_on_rank", "bus_factor"]
 

@@ -7,6 +7,7 @@ the table shows rounds/transfers for root 0 and the smallest node size that make
 from __future__ import annotations
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from dtrain.bench.report import wide_console
@@ -52,10 +53,10 @@ def check_all(max_world: int, pipeline: int = 1, console: Console | None = None)
     if max_world < 1:
         raise ValueError(f"max_world must be >= 1, got {max_world}")
     table = Table(title=f"dtrain check: rounds/transfers, worlds 1..{max_world}, pipeline={pipeline}")
-    table.add_column("collective")
-    table.add_column("algorithm")
+    table.add_column("collective", no_wrap=True)
+    table.add_column("algorithm", no_wrap=True)
     for world in range(1, max_world + 1):
-        table.add_column(f"W={world}", justify="right")
+        table.add_column(f"W={world}", justify="right", no_wrap=True)
     failures = []
     for collective in Collective:
         for algorithm in registry.names(collective):
@@ -64,7 +65,18 @@ def check_all(max_world: int, pipeline: int = 1, console: Console | None = None)
             row = [text if ok else "[red]FAIL[/red]" for text, ok in cells]
             table.add_row(collective.value, algorithm, *row)
     console = console or wide_console()
-    console.print(table)
+    # the table's natural width, even where the terminal is narrower: names and headers are never cut
+    needed = Measurement.get(console, console.options.update_width(1 << 14), table).maximum
+    width = console.width
+    console.width = max(width, needed)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
     for text in failures:
         console.print(f"[red]{text}[/red]")
+    checked = sum(len(registry.names(c)) for c in Collective) * max_world
+    passed = checked - len(failures)
+    colour = "red" if failures else "green"
+    console.print(f"[{colour}]dtrain check: {passed} checks passed, {len(failures)} failed[/{colour}]")
     return not failures

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Sequence
 
 from dtrain.env import CommEnv
@@ -79,32 +80,22 @@ def _add_bench_verify(sub) -> None:
 
 
 def _add_train(commands) -> None:
+    from dtrain.train.config import add_arguments
+
     p = commands.add_parser("train", help="train a model data, pipeline and/or tensor parallel (see dtrain.train.loop)")
-    p.add_argument("--nproc", type=int, default=1, help="local ranks to start (ignored under torchrun)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (gpt only; divides its heads)")
-    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
-    p.add_argument("--preset", default="debug", help="model size: debug (laptop CPU, a minute) or small (gpt)")
-    p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch size")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--schedule",
-        choices=["gpipe", "1f1b", "interleaved-1f1b"],
-        default="1f1b",
-        help="pipeline schedule (interleaved-1f1b: 2 model chunks a stage, micro-batches a multiple of --pp)",
-    )
-    p.add_argument("--microbatches", type=int, default=1, help="micro-batches per pipeline step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
-    p.add_argument("--algorithm", default="auto", help="all-reduce algorithm for the gradients")
-    p.add_argument("--out", default="runs/train", help="metrics.jsonl, checkpoints/, pipeline trace and Gantt PNG")
+    p.add_argument("--nproc", type=int, default=1, help="local ranks to start (ignored under torchrun) (default: 1)")
+    add_arguments(p)  # one flag per dtrain.train.config.TrainConfig field
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dtrain", description="distributed training, from the collectives up")
+    parser = _Parser(prog="dtrain", description="distributed training, from the collectives up")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="prove every registered algorithm on symbolic chunks")
     check.add_argument("--max-world", type=int, default=8)
@@ -162,48 +153,69 @@ def _bench_comm(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dtrain.train.loop import TrainConfig, train
+    from dtrain.train.config import from_arguments
+    from dtrain.train.loop import train
 
-    fields = ("model", "preset", "steps", "batch_size", "seed", "dp", "pp", "tp", "schedule", "microbatches", "lr")
-    fields += ("checkpoint_every", "resume", "algorithm", "out")
-    config = TrainConfig(**{name: getattr(args, name) for name in fields})
-    records = train(config, args.nproc)
+    config = from_arguments(args)
+    records = train(config, args.nproc, announce=lambda line: print(f"dtrain train: {line}", flush=True))
     if records:
         print(f"dtrain train: {len(records)} steps, final loss {records[-1]['loss']:.4f}, metrics in {args.out}")
     return 0
 
 
 def _verify_rank() -> int:
-    from dtrain.bench.launch import rank_device
     from dtrain.bench.verify import verify_on_rank
+    from dtrain.launch import rank_device
 
     return verify_on_rank(rank_device())
 
 
+def _interrupted(exc: BaseException) -> int | None:
+    """The exit status for a Ctrl-C or a termination signal (128 + its number), None for anything else.
+
+    torch's elastic launcher turns SIGINT/SIGTERM in the launching process into ``SignalException`` after
+    stopping the ranks; a process without it gets ``KeyboardInterrupt``.
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    if type(exc).__name__ == "SignalException" and hasattr(exc, "sigval"):
+        return 128 + int(exc.sigval)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dtrain`` command line; the process exit status."""
-    args = build_parser().parse_args(argv)
     try:
         CommEnv.from_env()  # a bad DTRAIN_COMM_* value stops here, before any rank starts
-        if getattr(args, "handler", None) is not None:
-            return args.handler(args)
-        if args.command == "check":
-            from dtrain.cli.check import check_all
-
-            return 0 if check_all(args.max_world, args.pipeline) else 1
-        if args.command == "train":
-            return _train(args)
-        if args.bench_command == "comm":
-            return _bench_comm(args)
-        if args.bench_command == "verify":
-            from dtrain.bench.launch import run_ranks
-
-            failures = run_ranks(_verify_rank, args.nproc)
-            return 0 if failures == 0 else 1
-        from dtrain.bench import calibrate as bench_calibrate
-
-        bench_calibrate.run(args.nproc, args.out, args.repeats)
-        return 0
+        return _run(build_parser().parse_args(argv))
     except ValueError as exc:
         print(f"dtrain: error: {exc}")
         return 2
+    except BaseException as exc:
+        status = _interrupted(exc)
+        if status is None:
+            raise
+        print(f"dtrain: interrupted (signal {status - 128}); the ranks were stopped", file=sys.stderr)
+        return status
+
+
+def _run(args: argparse.Namespace) -> int:
+    if getattr(args, "handler", None) is not None:
+        return args.handler(args)
+    if args.command == "check":
+        from dtrain.cli.check import check_all
+
+        return 0 if check_all(args.max_world, args.pipeline) else 1
+    if args.command == "train":
+        return _train(args)
+    if args.bench_command == "comm":
+        return _bench_comm(args)
+    if args.bench_command == "verify":
+        from dtrain.launch import run_ranks
+
+        failures = run_ranks(_verify_rank, args.nproc)
+        return 0 if failures == 0 else 1
+    from dtrain.bench import calibrate as bench_calibrate
+
+    bench_calibrate.run(args.nproc, args.out, args.repeats)
+    return 0

@@ -28,6 +28,7 @@ from torch import nn
 
 from dtrain.parallel.data_parallel_communications import (
     GradientReducer,
+    broadcast_algorithm,
     broadcast_optimizer_state,
     broadcast_tensors,
     group_size,
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DataParallel",
     "DistributedOptimizer",
+    "broadcast_algorithm",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "split_batch",
@@ -51,8 +53,9 @@ class DataParallel(nn.Module):
     """Wrap ``module`` so that backward leaves in ``param.grad`` the gradient averaged over ``group``.
 
     At construction every parameter and buffer is overwritten with group rank 0's (so ranks start equal);
-    nothing is checked against the other ranks beyond that. ``algorithm`` is passed to every collective
-    (``"auto"``, ``"native"``, ``"ring"``, ... see :func:`dtrain.comm.algorithms`). Buckets follow the reverse
+    nothing is checked against the other ranks beyond that. ``algorithm`` is the gradient all-reduce's
+    (``"auto"``, ``"native"``, ``"ring"``, ... see :func:`dtrain.comm.algorithms`); the initial broadcast uses
+    the same name where broadcast has it, else ``"auto"`` (:func:`broadcast_algorithm`). Buckets follow the reverse
     registration order in the first synced backward, then are rebuilt in the order gradients became ready on
     group rank 0, as DDP does after its first iteration; with ``gradient_as_bucket_view`` (the default) each
     ``param.grad`` is then a view into its bucket (see
@@ -85,7 +88,7 @@ class DataParallel(nn.Module):
             algorithm=algorithm,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
-        broadcast_tensors([*module.parameters(), *module.buffers()], 0, group, algorithm=algorithm)
+        broadcast_tensors([*module.parameters(), *module.buffers()], 0, group, algorithm=broadcast_algorithm(algorithm))
         self._sync_enabled = True
         self._sync_this_backward = True
         self._finish_queued = False

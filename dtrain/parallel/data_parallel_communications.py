@@ -31,6 +31,7 @@ __all__ = [
     "Bucket",
     "GradientReducer",
     "build_buckets",
+    "broadcast_algorithm",
     "broadcast_tensors",
     "cut_buckets",
     "broadcast_optimizer_state",
@@ -225,6 +226,16 @@ class GradientReducer:
         self.launches += 1
 
 
+def broadcast_algorithm(algorithm: str) -> str:
+    """The broadcast algorithm to pair with the all-reduce ``algorithm``: the same name where broadcast has it
+    (``ring``, ``tree``, ``native``, ...), else ``"auto"`` (``direct``, ``recursive_doubling`` and
+    ``halving_doubling`` are all-reduce algorithms only). Names no collective has pass through, to be refused
+    by the broadcast itself."""
+    if algorithm in comm.algorithms("broadcast") or algorithm not in comm.algorithms("all_reduce"):
+        return algorithm
+    return "auto"
+
+
 def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int, group, *, algorithm: str = "auto") -> None:
     """Overwrite ``tensors`` in place with group rank ``src``'s values: one flat broadcast per dtype and device."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -269,7 +280,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int, group,
         )
     numeric = [(g, k) for g in optimizer.param_groups for k in sorted(g) if _is_number(g[k])]
     hyper = torch.tensor([float(g[k]) for g, k in numeric], dtype=torch.float64)
-    broadcast_tensors([*tensors, hyper], src, group, algorithm=algorithm)
+    broadcast_tensors([*tensors, hyper], src, group, algorithm=broadcast_algorithm(algorithm))
     for (g, k), value in zip(numeric, hyper.tolist(), strict=True):
         g[k] = type(g[k])(value)
 

@@ -1,41 +1,48 @@
-"""Hybrid (3-D) parallelism: tensor parallel inside a block, pipeline over blocks, data parallel over replicas.
+"""Hybrid (3-D) parallelism: tensor parallel inside a layer, pipeline over layers, data parallel over replicas.
 
 The composition of Megatron-LM's PTD-P (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
-on GPU Clusters Using Megatron-LM", section 2.3; the seed text's example is two devices per replica split by
-operators, two replicas). On a :class:`~dtrain.parallel.grid.RankGrid`:
+on GPU Clusters Using Megatron-LM", section 2.3), and the one ``dtrain train`` runs. On a
+:class:`~dtrain.parallel.grid.RankGrid`:
 
-- every block is a :class:`~dtrain.parallel.tensor_parallel.ParallelMLP` over ``grid.tp_group``, initialised
-  from its single-device ``Linear -> GELU -> Linear`` block; its output is whole (the row-parallel all-reduce),
-  so the activation a stage sends is the same on every tensor-parallel rank of the stage;
-- the blocks are cut into stages over ``grid.pp_group`` by :class:`~dtrain.parallel.pipeline_parallel.
-  PipelineParallel` (GPipe or 1F1B, ``m`` micro-batches); pipeline groups join ranks of equal ``tp_rank``, so
-  tensor-parallel rank ``t`` of stage ``s`` talks to tensor-parallel rank ``t`` of stage ``s + 1``;
-- each replica (``grid.dp_group``) trains on its equal shard of the global batch, and
-  :class:`~dtrain.parallel.data_parallel.DistributedOptimizer` averages the gradients over the replicas once
-  the ``m`` micro-batches' backward passes have accumulated (``backward_passes_per_step=m``), before the step.
+- ``tp > 1``: the single-device ``nn.Sequential`` is turned into its tensor-parallel twin over ``grid.tp_group``
+  by the ``tensor_parallel`` function the caller passes (:func:`tensor_parallel_blocks` for a stack of MLP
+  blocks, :func:`dtrain.train.tensor_parallel_gpt.tensor_parallel_gpt` for the GPT; Megatron-LM, Shoeybi et
+  al. 2019). Its layers' outputs are whole on every tensor-parallel rank (the row-parallel all-reduce), so it
+  is still an ``nn.Sequential`` that the pipeline cuts and data parallelism wraps unchanged;
+- ``pp > 1``: the layers are cut into stages over ``grid.pp_group`` by :class:`~dtrain.parallel.
+  pipeline_parallel.PipelineParallel` (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2019; interleaved
+  1F1B, Narayanan et al. 2021), ``m`` micro-batches a step; pipeline groups join ranks of equal ``tp_rank``,
+  so tensor-parallel rank ``t`` of stage ``s`` talks to tensor-parallel rank ``t`` of stage ``s + 1``. After
+  the pipelined backward, each stage's gradients are averaged over ``grid.dp_group`` with one all-reduce of
+  the flattened gradients;
+- ``pp == 1``: the model is wrapped in :class:`~dtrain.parallel.data_parallel.DataParallel` over
+  ``grid.dp_group`` (gradients averaged bucket by bucket while backward runs);
+- each replica (``grid.dp_group``) trains on its equal shard of the global batch (:func:`~dtrain.parallel.
+  data_parallel.split_batch`), and the reported loss is the replicas' mean losses averaged: the loss of the
+  whole global batch.
 
-No adapter is needed: tensor-parallel layers are ``nn.Module`` s, so an ``nn.Sequential`` of them is what the
-pipeline cuts, and the pipeline's per-micro-batch backward passes are exactly the "passes" the Horovod-style
-optimizer counts. With equal shards and a loss that averages over the batch, one step equals one process
-training the unsplit blocks on the whole global batch.
+With equal shards and a loss that averages over the batch, one step equals one process training the unsplit
+model on the whole global batch (``tests/test_hybrid.py`` checks every layout against that, float32).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from dtrain import comm
-from dtrain.parallel.data_parallel import DistributedOptimizer, broadcast_parameters, split_batch
+from dtrain.parallel.data_parallel import DataParallel, broadcast_algorithm, broadcast_parameters, split_batch
 from dtrain.parallel.grid import RankGrid
 from dtrain.parallel.pipeline_parallel import LossFn, PipelineParallel
 from dtrain.parallel.tensor_parallel import ParallelMLP
 
-__all__ = ["HybridParallel", "tensor_parallel_blocks"]
+__all__ = ["HybridParallel", "OptimizerFactory", "TensorParallelize", "tensor_parallel_blocks"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+TensorParallelize = Callable[[nn.Sequential, object], nn.Sequential]  # (single-device model, tp_group) -> twin
 
 
 def _mlp_pair(block: nn.Module, index: int) -> tuple[nn.Linear, nn.Linear]:
@@ -75,63 +82,122 @@ def tensor_parallel_blocks(blocks: Sequence[nn.Module], tp_group, *, algorithm: 
 
 
 class HybridParallel:
-    """Trains a stack of MLP blocks with ``grid.dims.dp`` x ``pp`` x ``tp`` parallelism; this rank holds its shard
-    (``tp``) of its stage's blocks (``pp``) of one replica (``dp``).
+    """Trains ``model`` (an ``nn.Sequential``) with ``grid.dims.dp`` x ``pp`` x ``tp`` parallelism; this rank
+    holds its shard (``tp``) of its stage's layers (``pp``) of one replica (``dp``).
 
-    ``optimizer`` builds the optimizer from this rank's parameters. ``blocks`` are the single-device blocks,
-    identical on every rank (their shards are copied, the modules are not kept). Replicas start from dp rank 0's
-    parameters, as after :func:`~dtrain.parallel.data_parallel.broadcast_parameters` in Horovod.
+    ``model`` is the single-device model, identical on every rank (built from one seed); ``tensor_parallel``
+    turns it into its tensor-parallel twin over ``grid.tp_group`` and is needed when ``tp > 1``. ``optimizer``
+    builds the optimizer from this rank's parameters. ``device`` (optional) is where the model and each batch
+    go. ``schedule``, ``num_microbatches`` and ``virtual_stages`` are the pipeline's (``pp > 1`` only).
+    ``algorithm`` is the gradient all-reduce's (``dtrain.comm.algorithms("all_reduce")``); the initial
+    parameter broadcast uses the same name where broadcast has it, else ``"auto"``. Replicas start from dp
+    rank 0's parameters.
+
+    After each :meth:`train_step`, :attr:`timings` holds its phases in seconds: ``compute_s`` (forward and
+    backward; for ``pp == 1`` with the overlapped gradient all-reduce), ``comm_s`` (the gradient average for
+    ``pp > 1`` and the loss average) and ``optimizer_s``.
     """
 
     def __init__(
         self,
+        model: nn.Sequential,
         grid: RankGrid,
-        blocks: Sequence[nn.Module],
         optimizer: OptimizerFactory,
         *,
-        num_microbatches: int,
+        tensor_parallel: TensorParallelize | None = None,
+        num_microbatches: int = 1,
         schedule: str = "1f1b",
+        virtual_stages: int = 1,
         algorithm: str = "auto",
+        device: torch.device | None = None,
     ) -> None:
-        self.grid = grid
-        model = tensor_parallel_blocks(blocks, grid.tp_group, algorithm=algorithm)
-        self.pipeline = PipelineParallel(
-            model, grid.pp_group, num_microbatches=num_microbatches, schedule=schedule, grad_group=grid.pp_grad_group
-        )
-        params = list(self.pipeline.parameters())
-        self.optimizer: torch.optim.Optimizer | DistributedOptimizer = optimizer(params)
-        if grid.dims.dp > 1:  # one replica has nothing to average
-            broadcast_parameters(params, 0, grid.dp_group, algorithm=algorithm)
-            self.optimizer = DistributedOptimizer(
-                self.optimizer, params, grid.dp_group, algorithm=algorithm, backward_passes_per_step=num_microbatches
+        self.grid, self.algorithm, self.device = grid, algorithm, device
+        dims = grid.dims
+        if dims.tp > 1:
+            if tensor_parallel is None:
+                raise ValueError(
+                    f"HybridParallel: tp={dims.tp} needs tensor_parallel, the model's tensor-parallel form"
+                )
+            model = tensor_parallel(model, grid.tp_group)
+        if device is not None:
+            model = model.to(device)
+        self.pipeline: PipelineParallel | None = None
+        if dims.pp > 1:
+            self.pipeline = PipelineParallel(
+                model,
+                grid.pp_group,
+                num_microbatches=num_microbatches,
+                schedule=schedule,
+                virtual_stages=virtual_stages,
+                grad_group=grid.pp_grad_group,
             )
-        self.algorithm = algorithm
+            self.module: nn.Module = self.pipeline.stage
+            self._forward: nn.Module | None = None
+            if dims.dp > 1:  # DataParallel does the same for pp == 1
+                broadcast_parameters(
+                    [*self.module.parameters(), *self.module.buffers()],
+                    0,
+                    grid.dp_group,
+                    algorithm=broadcast_algorithm(algorithm),
+                )
+        else:
+            self.module = model
+            self._forward = DataParallel(model, grid.dp_group, algorithm=algorithm) if dims.dp > 1 else model
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = optimizer(self.params)
+        self.timings: dict[str, float] = {}
 
     @property
-    def block_range(self) -> range:
-        """Indices of the blocks this rank's pipeline stage holds."""
-        return self.pipeline.stage.layer_range
-
-    @property
-    def blocks(self) -> nn.Sequential:
-        """This rank's tensor-parallel shards of the blocks in :attr:`block_range`."""
-        return self.pipeline.stage.layers
+    def layer_indices(self) -> list[int]:
+        """Indices (in the whole model) of the layers this rank holds: its stage's, or all of them."""
+        if self.pipeline is None:
+            return list(range(len(self.module)))
+        return [i for chunk in self.pipeline.chunks for i in chunk.layer_range]
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        return self.pipeline.parameters()
+        """This rank's parameters: its tensor-parallel shards of its stage's layers."""
+        return self.module.parameters()
 
     def train_step(self, batch: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         """One optimizer step on the global ``batch`` and ``targets`` (the same on every rank of the grid).
 
         This replica takes its equal share of the rows; the pipeline splits that into micro-batches. Returns the
-        loss of the whole global batch (the replicas' mean losses averaged), on every rank of the grid.
+        loss of the whole global batch (the replicas' mean losses averaged), detached, on every rank.
         """
-        dp_group = self.grid.dp_group
-        if self.grid.dims.dp > 1:
-            batch, targets = split_batch((batch, targets), dp_group)  # (B / dp, ...) each
-        self.optimizer.zero_grad()
-        loss = self.pipeline.train_step(batch, targets, loss_fn)
+        dp = self.grid.dims.dp
+        if dp > 1:
+            batch, targets = split_batch((batch, targets), self.grid.dp_group)  # (B / dp, ...) each
+        if self.device is not None:
+            batch, targets = batch.to(self.device), targets.to(self.device)
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(batch, targets, loss_fn)
+        else:
+            loss = loss_fn(self._forward(batch), targets)
+            loss.backward()  # DataParallel averages over dp here, overlapped with backward
+        computed = time.perf_counter()
+        loss = loss.detach().clone()
+        if dp > 1:
+            if self.pipeline is not None:
+                self._average_gradients()
+            comm.all_reduce(loss, op="avg", group=self.grid.dp_group, algorithm=self.algorithm)
+        communicated = time.perf_counter()
         self.optimizer.step()
-        if self.grid.dims.dp > 1:
-            comm.all_reduce(loss, op="avg", group=dp_group, algorithm=self.algorithm)
+        end = time.perf_counter()
+        self.timings = {
+            "compute_s": computed - start,
+            "comm_s": communicated - computed,
+            "optimizer_s": end - communicated,
+        }
         return loss
+
+    def _average_gradients(self) -> None:
+        """One all-reduce of this stage's flattened gradients over its dp group (pp > 1)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, op="avg", group=self.grid.dp_group, algorithm=self.algorithm)
+        offset = 0
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()

@@ -5,8 +5,8 @@ A linear layer ``Y = X A`` is split either by the columns of ``A`` (each rank co
 partial ``X_i A_i`` and the partials are summed: a :class:`RowParallelLinear`). Column then row gives an MLP
 with one all-reduce forward and one backward (Megatron eq. 3-4, figure 3a); attention heads split the same way
 (figure 3b). The embedding table and the output classifier split by vocabulary (section 3, "input embedding"
-and the fused parallel cross-entropy): the seed text's classification layer whose parameters do not fit one
-device. The communication lives in :mod:`dtrain.parallel.tensor_parallel_communications`.
+and the fused parallel cross-entropy), for an output layer over a vocabulary or set of classes too large for
+one device. The communication lives in :mod:`dtrain.parallel.tensor_parallel_communications`.
 
 Weights are stored as in :class:`torch.nn.Linear`, (out_features, in_features): a column split of ``A`` is a
 split of the weight's rows. ``init_from=`` copies this rank's shard of a full single-device module.

@@ -1,4 +1,4 @@
-"""`python -m dtrain.train ...` (and `torchrun -m dtrain.train ...`, as DESIGN.md writes it): `dtrain train`."""
+"""``python -m dtrain.train ...`` and ``torchrun --nproc-per-node N -m dtrain.train ...``: ``dtrain train``."""
 
 import sys
 

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["checkpoint_path", "latest_complete_step", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "checkpoint_path",
+    "latest_complete_step",
+    "latest_step",
+    "load_checkpoint",
+    "load_layout",
+    "save_checkpoint",
+]
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -41,11 +48,20 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         os.close(dir_fd)
 
 
+def _steps(out: str | Path) -> list[int]:
+    """The steps with a checkpoint directory under ``out``, largest first."""
+    root = Path(out) / "checkpoints"
+    return sorted((int(m.group(1)) for d in root.glob("step-*") if (m := _STEP_DIR.fullmatch(d.name))), reverse=True)
+
+
+def latest_step(out: str | Path) -> int | None:
+    """The largest step with rank 0's file (complete or not), or None."""
+    return next((step for step in _steps(out) if checkpoint_path(out, step, 0).exists()), None)
+
+
 def latest_complete_step(out: str | Path, world_size: int) -> int | None:
     """The largest step whose checkpoint has a file for each of ``world_size`` ranks, or None."""
-    root = Path(out) / "checkpoints"
-    steps = sorted((int(m.group(1)) for d in root.glob("step-*") if (m := _STEP_DIR.fullmatch(d.name))), reverse=True)
-    for step in steps:
+    for step in _steps(out):
         if all(checkpoint_path(out, step, r).exists() for r in range(world_size)):
             return step
     return None
@@ -54,3 +70,11 @@ def latest_complete_step(out: str | Path, world_size: int) -> int | None:
 def load_checkpoint(path: Path) -> dict[str, Any]:
     # weights_only: a checkpoint is tensors and plain containers, nothing that runs code when loaded
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_layout(path: Path) -> dict[str, Any] | None:
+    """The layout a checkpoint file was written with (memory-mapped: the tensors are not read), or None if
+    ``path`` is missing."""
+    if not path.exists():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("layout")

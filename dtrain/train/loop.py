@@ -1,15 +1,19 @@
 """The training loop of ``dtrain train``: a model from :mod:`dtrain.train.models` trained data, pipeline and/or
 tensor parallel over a :class:`~dtrain.parallel.grid.RankGrid`, with AdamW, JSON-lines metrics and checkpoints.
 
-Layouts: ``pp == 1`` wraps the model in :class:`~dtrain.parallel.data_parallel.DataParallel` over the dp group
+The parallel composition is :class:`~dtrain.parallel.hybrid.HybridParallel`: ``tp > 1`` (GPT only) turns every
+layer into its tensor-parallel twin over the tp group (:mod:`dtrain.train.tensor_parallel_gpt`, the logits left
+split over the vocabulary for :func:`~dtrain.parallel.tensor_parallel.vocab_parallel_cross_entropy`);
+``pp == 1`` wraps the model in :class:`~dtrain.parallel.data_parallel.DataParallel` over the dp group
 (gradients averaged while backward runs); ``pp > 1`` runs :class:`~dtrain.parallel.pipeline_parallel.
 PipelineParallel` over the pp group and then averages each stage's gradients over its dp group with one
 all-reduce of the flattened gradients. Every rank draws the same global batch from ``(seed, step)`` and takes
-its dp shard; the reported loss is the dp average, i.e. the loss of the whole global batch. ``tp > 1`` (GPT only)
-first turns every block into its tensor-parallel twin over the tp group (:mod:`dtrain.train.tensor_parallel_gpt`);
-the model stays an ``nn.Sequential`` whose outputs are whole on every tp rank, so pipeline and data parallelism
-wrap it unchanged and the dp average runs over the dp group only (each tp rank averages its own shards).
-Checkpoints and resume: :mod:`dtrain.train.checkpoint`; pipeline traces: :mod:`dtrain.train.trace`.
+its dp shard; the reported loss is the dp average, i.e. the loss of the whole global batch.
+
+Everything a user can get wrong is checked in the launching process before any rank starts
+(:func:`check_run`): the layout against the world, the batch and the model, the checkpoint to resume from (its
+layout and model), and the output directory. Checkpoints and resume: :mod:`dtrain.train.checkpoint`; pipeline
+traces: :mod:`dtrain.train.trace`; the options: :mod:`dtrain.train.config`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
+import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,57 +30,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
 
 from dtrain import comm
-from dtrain.bench.launch import rank_device, run_ranks, under_torchrun
-from dtrain.bench.report import Progress
-from dtrain.parallel.data_parallel import DataParallel, split_batch
+from dtrain.comm import algorithms as comm_registry
+from dtrain.launch import rank_device, run_ranks, under_torchrun
 from dtrain.parallel.grid import ParallelDims, RankGrid
-from dtrain.parallel.pipeline_parallel import PipelineParallel
-from dtrain.parallel.pipeline_schedules import SCHEDULES, bubble_fraction, theoretical_bubble
+from dtrain.parallel.hybrid import HybridParallel
+from dtrain.parallel.pipeline_schedules import bubble_fraction, theoretical_bubble
 from dtrain.parallel.tensor_parallel import vocab_parallel_cross_entropy
-from dtrain.train.checkpoint import checkpoint_path, latest_complete_step, load_checkpoint, save_checkpoint
+from dtrain.train.checkpoint import (
+    checkpoint_path,
+    latest_complete_step,
+    latest_step,
+    load_checkpoint,
+    load_layout,
+    save_checkpoint,
+)
+from dtrain.train.config import TrainConfig
 from dtrain.train.data import ClassificationBatches, TextBatches
 from dtrain.train.models import build_model, model_config, num_layers
 from dtrain.train.tensor_parallel_gpt import tensor_parallel_gpt
 from dtrain.train.trace import write_chrome_trace, write_gantt
 
-__all__ = ["INTERLEAVED_CHUNKS", "TrainConfig", "train", "train_rank", "validate_layout"]
+__all__ = [
+    "INTERLEAVED_CHUNKS",
+    "RunStart",
+    "TrainConfig",
+    "check_run",
+    "run_world",
+    "train",
+    "train_rank",
+    "validate_layout",
+]
 
 INTERLEAVED_CHUNKS = 2  # model chunks a pipeline stage holds under --schedule interleaved-1f1b
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """One training run; the fields are ``dtrain train``'s flags."""
-
-    model: str = "gpt"  # "gpt" (on pydoc_data text) or "mlp" (on synthetic classification)
-    preset: str = "debug"  # see dtrain.train.models.PRESETS
-    steps: int = 20  # total optimizer steps (a resumed run continues up to this count)
-    batch_size: int = 16  # global batch, split over dp ranks, then into micro-batches
-    seed: int = 0  # model initialisation and data order
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    schedule: str = "1f1b"  # pipeline schedule, "gpipe", "1f1b" or "interleaved-1f1b" (2 model chunks a stage)
-    microbatches: int = 1  # per pipeline step (pp > 1 only)
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    out: str = "runs/train"  # metrics.jsonl, checkpoints/, pipeline trace and Gantt chart
-    checkpoint_every: int = 0  # steps between checkpoints; 0: only after the last step
-    resume: bool = False  # continue from the last complete checkpoint in out
-    algorithm: str = "auto"  # collective algorithm for the gradient all-reduce
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "dp", "pp", "tp", "microbatches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}")
-        model_config(self.model, self.preset)  # raises on an unknown model or preset
+LAYOUT_KEYS = ("model", "preset", "dp", "pp", "tp", "seed", "batch_size")  # what a checkpoint must match
 
 
 def validate_layout(config: TrainConfig, world_size: int) -> ParallelDims:
@@ -83,6 +74,11 @@ def validate_layout(config: TrainConfig, world_size: int) -> ParallelDims:
     dims = ParallelDims(world_size=world_size, dp=config.dp, pp=config.pp, tp=config.tp)
     if config.tp > 1:
         _validate_tensor_parallel(config)
+    if comm_registry.needs_local_size(config.algorithm) and config.dp != world_size:
+        raise ValueError(
+            f"--algorithm {config.algorithm}: needs the node size, known only for a dp group of every rank; "
+            f"use --dp {world_size} (pp = tp = 1) or another algorithm"
+        )
     if config.batch_size % config.dp:
         raise ValueError(f"batch size {config.batch_size} is not divisible by dp={config.dp}")
     local = config.batch_size // config.dp
@@ -96,8 +92,6 @@ def validate_layout(config: TrainConfig, world_size: int) -> ParallelDims:
         raise ValueError(f"pp={config.pp} stages but model {config.model!r} ({config.preset}) has only {layers} layers")
     if config.pp > 1 and config.schedule == "interleaved-1f1b":
         _validate_interleaved(config, layers)
-    if config.resume and latest_complete_step(config.out, world_size) is None:
-        raise ValueError(f"--resume: no complete checkpoint of {world_size} ranks under {config.out}/checkpoints")
     return dims
 
 
@@ -126,10 +120,101 @@ def _validate_tensor_parallel(config: TrainConfig) -> None:
             )
 
 
-def train(config: TrainConfig, nproc: int) -> list[dict[str, Any]]:
-    """Validate, then run :func:`train_rank` on ``nproc`` local ranks (or this torchrun job); rank 0's metrics."""
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
-    validate_layout(config, world)
+def layout(config: TrainConfig) -> dict[str, Any]:
+    """The options a checkpoint records and a resumed run must match."""
+    return {k: getattr(config, k) for k in LAYOUT_KEYS}
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """Where a checked run starts: its world and layout, and the step it continues from."""
+
+    world_size: int
+    dims: ParallelDims
+    first_step: int
+    steps: int
+
+    @property
+    def done(self) -> bool:
+        """True when a resumed run has nothing left to do (its checkpoint is at ``--steps`` already)."""
+        return self.first_step >= self.steps
+
+
+def run_world(nproc: int) -> int:
+    """The number of ranks a run has: torchrun's ``WORLD_SIZE`` under torchrun, else ``nproc`` (checked)."""
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"--nproc: must be a positive int, got {nproc!r}")
+    return nproc
+
+
+def _check_resume(config: TrainConfig, world_size: int) -> int:
+    """The step a resumed run continues from; ValueError if the checkpoint is missing or another layout's."""
+    where = f"{config.out}/checkpoints"
+    step = latest_complete_step(config.out, world_size)
+    probe = step if step is not None else latest_step(config.out)  # an incomplete one still tells the layout
+    written = load_layout(checkpoint_path(config.out, probe, 0)) if probe is not None else None
+    if written is not None and written != layout(config):
+        keys = [k for k in LAYOUT_KEYS if written.get(k) != getattr(config, k)]
+        was = " ".join(f"{k}={written.get(k)}" for k in keys)
+        now = " ".join(f"{k}={getattr(config, k)}" for k in keys)
+        raise ValueError(f"--resume: the checkpoint under {where} was written with {was}; this run has {now}")
+    if step is None:
+        raise ValueError(f"--resume: no complete checkpoint of {world_size} ranks under {where}")
+    return step
+
+
+def _check_out(out: str) -> None:
+    """Create ``out`` (and its parents) and check a file can be written there; ValueError naming --out if not."""
+    path = Path(out)
+    probe = path / f".dtrain-write-check-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(f"--out {out}: cannot create or write the output directory ({reason})") from None
+
+
+def check_run(config: TrainConfig, nproc: int) -> RunStart:
+    """Everything checked in the launching process before any rank starts: the world, the layout, the checkpoint
+    to resume from and the output directory (created). ValueError with one line naming the flag otherwise."""
+    world = run_world(nproc)
+    dims = validate_layout(config, world)
+    first = _check_resume(config, world) if config.resume else 0
+    start = RunStart(world_size=world, dims=dims, first_step=first, steps=config.steps)
+    if not start.done:
+        _check_out(config.out)
+    return start
+
+
+def describe(config: TrainConfig, start: RunStart) -> str:
+    """One line saying what a run is about to do."""
+    if start.done:
+        return (
+            f"nothing to do: the checkpoint under {config.out}/checkpoints is at step {start.first_step}, "
+            f"--steps is {config.steps}"
+        )
+    steps = config.steps - start.first_step
+    resumed = f" from step {start.first_step}" if start.first_step else ""
+    pipeline = f", {config.schedule} x {config.microbatches} micro-batches" if config.pp > 1 else ""
+    return (
+        f"training {config.model} ({config.preset}) on {start.world_size} processes, dp={config.dp} x "
+        f"pp={config.pp} x tp={config.tp}{pipeline}: {steps} steps{resumed}, batch {config.batch_size}, "
+        f"output in {config.out}"
+    )
+
+
+def train(config: TrainConfig, nproc: int, *, announce: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Check (:func:`check_run`), then run :func:`train_rank` on ``nproc`` local ranks (or this torchrun job);
+    rank 0's metrics ([] when a resumed run is already complete). ``announce`` gets one line saying what starts."""
+    start = check_run(config, nproc)
+    if announce is not None and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
+        announce(describe(config, start))
+    if start.done:
+        return []
     return run_ranks(train_rank, nproc, config)
 
 
@@ -157,84 +242,46 @@ class _Trainer:
     """One rank's model, optimizer and step; built from a config and the rank grid."""
 
     def __init__(self, config: TrainConfig, grid: RankGrid) -> None:
-        self.config, self.grid, self.device = config, grid, rank_device()
+        self.config, self.grid = config, grid
         self.data, self.tokenizer, overrides = _data(config)
-        torch.manual_seed(config.seed)  # every rank builds the same full model, then keeps its stage
+        torch.manual_seed(config.seed)  # every rank builds the same full model, then keeps its part
         model = build_model(config.model, config=model_config(config.model, config.preset, **overrides))
         self.loss_fn = _loss
         if config.tp > 1:
             # logits stay split over the vocabulary: the head's classes never sit whole on one device
-            model = tensor_parallel_gpt(model, grid.tp_group, algorithm=config.algorithm, gather_logits=False)
             self.loss_fn = functools.partial(_vocab_parallel_loss, group=grid.tp_group, algorithm=config.algorithm)
-        model = model.to(self.device)
-        if config.pp > 1:
-            interleaved = config.schedule == "interleaved-1f1b"
-            self.pipeline = PipelineParallel(
-                model,
-                grid.pp_group,
-                num_microbatches=config.microbatches,
-                schedule=config.schedule,
-                virtual_stages=INTERLEAVED_CHUNKS if interleaved else 1,
-                grad_group=grid.pp_grad_group,
-            )
-            self.module = self.pipeline.stage
-        else:
-            self.pipeline = None
-            self.module = model
-            self.forward = DataParallel(model, grid.dp_group, algorithm=config.algorithm) if config.dp > 1 else model
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        self.hybrid = HybridParallel(
+            model,
+            grid,
+            functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay),
+            tensor_parallel=functools.partial(tensor_parallel_gpt, algorithm=config.algorithm, gather_logits=False),
+            num_microbatches=config.microbatches,
+            schedule=config.schedule,
+            virtual_stages=INTERLEAVED_CHUNKS if config.schedule == "interleaved-1f1b" else 1,
+            algorithm=config.algorithm,
+            device=rank_device(),
+        )
+        self.pipeline, self.module, self.optimizer = self.hybrid.pipeline, self.hybrid.module, self.hybrid.optimizer
 
     def step(self, step: int) -> dict[str, Any]:
-        cfg, grid = self.config, self.grid
-        x, y = self.data.batch(step)
-        if cfg.dp > 1:
-            x, y = split_batch((x, y), grid.dp_group)
-        x, y = x.to(self.device), y.to(self.device)
-        start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.pipeline is not None:
-            loss = self.pipeline.train_step(x, y, self.loss_fn)
-        else:
-            loss = self.loss_fn(self.forward(x), y)
-            loss.backward()  # DataParallel averages over dp here, overlapped with backward
-        computed = time.perf_counter()
-        loss = loss.detach().clone()
-        if cfg.dp > 1:
-            if self.pipeline is not None:
-                self._average_gradients()
-            comm.all_reduce(loss, op="avg", group=grid.dp_group, algorithm=cfg.algorithm)
-        communicated = time.perf_counter()
-        self.optimizer.step()
-        end = time.perf_counter()
-        tokens = x.numel() * cfg.dp if cfg.model == "gpt" else x.shape[0] * cfg.dp
+        cfg = self.config
+        x, y = self.data.batch(step)  # the global batch; HybridParallel takes this replica's shard
+        loss = self.hybrid.train_step(x, y, self.loss_fn)
+        timings = self.hybrid.timings
+        elapsed = sum(timings.values())
+        tokens = x.numel() if cfg.model == "gpt" else x.shape[0]
         return {
             "step": step + 1,
             "loss": loss.item(),
-            "tokens_per_s" if cfg.model == "gpt" else "samples_per_s": tokens / (end - start),
-            "step_s": end - start,
-            "compute_s": computed - start,
-            "comm_s": communicated - computed,
-            "optimizer_s": end - communicated,
+            "tokens_per_s" if cfg.model == "gpt" else "samples_per_s": tokens / elapsed,
+            "step_s": elapsed,
+            **timings,
         }
-
-    def _average_gradients(self) -> None:
-        """One all-reduce of this stage's flattened gradients over its dp group (pp > 1)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, op="avg", group=self.grid.dp_group, algorithm=self.config.algorithm)
-        offset = 0
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = flat[offset : offset + g.numel()].view_as(g)
-            offset += g.numel()
-
-    def layout(self) -> dict[str, Any]:
-        return {k: getattr(self.config, k) for k in ("model", "preset", "dp", "pp", "tp", "seed", "batch_size")}
 
     def save(self, step: int) -> None:
         state = {
             "step": step,
-            "layout": self.layout(),
+            "layout": layout(self.config),
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "torch_rng": torch.get_rng_state(),
@@ -249,12 +296,41 @@ class _Trainer:
         if agreed.item() < 0:
             raise ValueError(f"--resume: no complete checkpoint under {self.config.out}/checkpoints")
         state = load_checkpoint(checkpoint_path(self.config.out, int(agreed.item()), dist.get_rank()))
-        if state["layout"] != self.layout():
-            raise ValueError(f"--resume: the checkpoint was written by {state['layout']}, not {self.layout()}")
+        if state["layout"] != layout(self.config):
+            raise ValueError(f"--resume: the checkpoint was written by {state['layout']}, not {layout(self.config)}")
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         return int(state["step"])
+
+
+class _Progress:
+    """Rank 0's progress bar over a run's steps (nothing on other ranks), shown from before the model is built."""
+
+    def __init__(self, total: int, *, enabled: bool) -> None:
+        self._enabled, self._total = enabled, total
+        self._bar = RichProgress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+        )
+        self._task: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self._enabled:
+            self._bar.start()
+            self._task = self._bar.add_task("train: building the model", total=self._total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._enabled:
+            self._bar.stop()
+
+    def describe(self, text: str) -> None:
+        if self._enabled:
+            self._bar.update(self._task, description=f"train: {text}")
+
+    def step(self, text: str) -> None:
+        if self._enabled:
+            self._bar.update(self._task, advance=1, description=f"train: {text}")
 
 
 def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
@@ -273,30 +349,34 @@ def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
 def train_rank(config: TrainConfig) -> list[dict[str, Any]]:
     """Train on this rank (the default process group must be up); the metrics records (rank 0 writes them)."""
     dims = validate_layout(config, dist.get_world_size())
-    grid = RankGrid.build(dims)
-    trainer = _Trainer(config, grid)
-    first = trainer.restore() if config.resume else 0
     is_main = dist.get_rank() == 0
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if is_main:
-        (out / "config.json").write_text(json.dumps(asdict(config), indent=2))
-        if trainer.tokenizer is not None:
-            trainer.tokenizer.save(out / "vocab.json")
-    records = []
-    with (
-        open(out / "metrics.jsonl", "a" if config.resume else "w") if is_main else open(os.devnull, "w") as metrics,
-        Progress(config.steps - first, enabled=is_main) as progress,
-    ):
-        for step in range(first, config.steps):
-            record = trainer.step(step)
-            done = step + 1
-            if trainer.pipeline is not None and done == config.steps:
-                _write_pipeline_trace(trainer, record)
-            if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
-                trainer.save(done)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            records.append(record)
-            progress.step(f"step {done}/{config.steps} loss {record['loss']:.4f}")
+    first = (latest_complete_step(config.out, dims.world_size) or 0) if config.resume else 0  # for the bar's total
+    with _Progress(config.steps - first, enabled=is_main) as progress:
+        grid = RankGrid.build(dims)
+        trainer = _Trainer(config, grid)
+        if config.resume:
+            progress.describe("loading the checkpoint")
+            first = trainer.restore()
+        out = Path(config.out)
+        out.mkdir(parents=True, exist_ok=True)
+        if is_main:
+            (out / "config.json").write_text(json.dumps(asdict(config), indent=2))
+            if trainer.tokenizer is not None:
+                trainer.tokenizer.save(out / "vocab.json")
+        progress.describe(f"step {first}/{config.steps}")
+        records = []
+        with (
+            open(out / "metrics.jsonl", "a" if config.resume else "w") if is_main else open(os.devnull, "w") as metrics
+        ):
+            for step in range(first, config.steps):
+                record = trainer.step(step)
+                done = step + 1
+                if trainer.pipeline is not None and done == config.steps:
+                    _write_pipeline_trace(trainer, record)
+                if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
+                    trainer.save(done)
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                records.append(record)
+                progress.step(f"step {done}/{config.steps} loss {record['loss']:.4f}")
     return records

@@ -9,7 +9,7 @@ the LayerNorms are copied whole. Both parallel layers end in a row-parallel all-
 whole and the same on every tensor-parallel rank.
 
 The token embedding and the LM head are split over the vocabulary (Megatron section 3, "input embedding" and
-the output layer; the seed text's classification layer too large for one device): a
+the output layer, so that an output layer too large for one device never sits whole on one): a
 :class:`~dtrain.parallel.tensor_parallel.VocabParallelEmbedding` looks up the ids a rank owns and sums over the
 group, and the head is a column-parallel linear whose output is this rank's slice of the logits. A vocabulary
 that does not divide by the group size is padded with rows that no token uses and whose logits are ``-inf``

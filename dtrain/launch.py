@@ -10,6 +10,7 @@ launcher.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import socket
 import uuid
@@ -92,5 +93,9 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
         monitor_interval=0.1,
         local_addr="127.0.0.1",
     )
+    # the agent's warnings (workers shut down on Ctrl-C, ...) repeat what the caller reports in one line
+    for name in list(logging.root.manager.loggerDict):  # each module's logger has its own level set
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     results = elastic_launch(config, _rank_main)(fn, *args)
     return results[0]
