@@ -50,8 +50,9 @@ def _strictly_increasing(keys: np.ndarray) -> bool:
 
 
 def combine(pushes: list[Push], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Mean over pushes of their gradients, rows missing from a push counting as zero; summed in the given
-    order so that every run (and every replica) gets the same bits."""
+    """Mean over pushes of their gradients, rows missing from a push counting as zero and a key repeated within a
+    push counting with the sum of its gradients; the keys come out sorted and distinct; summed in the given order
+    so that every run (and every replica) gets the same bits."""
     if not pushes:
         return np.zeros(0, np.int64), np.zeros((0, width), np.float32)
     if len(pushes) == 1 and _strictly_increasing(pushes[0].keys):

@@ -97,7 +97,9 @@ class Worker:
         return handle
 
     def push(self, keys: np.ndarray, values: np.ndarray) -> int:
-        """Send gradients ``values`` ``(n, width)`` float32 of ``keys`` ``(n,)`` int64; a handle to wait on."""
+        """Send gradients ``values`` ``(n, width)`` float32 of ``keys`` ``(n,)`` int64 (any order); a handle to wait
+        on. A key given more than once has its gradients summed, as an embedding's gradient sums over repeated
+        ids; across workers the step then takes the mean of these sums."""
         keys, values = self._check(keys), np.ascontiguousarray(values, dtype=np.float32)
         if values.shape != (keys.size, self.config.width):
             raise ValueError(f"push of {keys.size} keys needs values ({keys.size}, {self.config.width}), "
@@ -114,7 +116,8 @@ class Worker:
         return handle
 
     def pull(self, keys: np.ndarray) -> int:
-        """Ask for the rows of ``keys``; ``wait`` returns them ``(n, width)`` in the order of ``keys``."""
+        """Ask for the rows of ``keys`` (any order, repeats allowed); ``wait`` returns them ``(n, width)`` in the
+        order of ``keys``, a repeated key's row at each of its places."""
         keys = self._check(keys)
         parts = self._parts(keys, every_shard=self.config.mode != "async")
         handle = self._handle("pull", 0)
