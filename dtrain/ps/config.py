@@ -110,6 +110,11 @@ class JobConfig:
         """Pushes that close a round: all workers in sync mode, ``quorum`` in quorum mode."""
         return self.quorum if self.mode == "quorum" and self.quorum else self.num_workers
 
+    def hot_copy_servers(self, shard: int) -> list[int]:
+        """The servers that hold copies of ``shard``'s hot rows: the ``hot_replicas`` servers after its owner
+        (server ``shard``, as hot-key copies need ``replicas=1``)."""
+        return [(shard + 1 + j) % self.num_servers for j in range(self.hot_replicas)]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
