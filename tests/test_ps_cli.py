@@ -54,6 +54,18 @@ def test_a_fault_without_replication_is_refused_before_any_process_starts(monkey
     assert "--fault" in line and "--replicas" in line
 
 
+def test_run_job_refuses_a_fault_without_replication_before_any_process_starts(monkeypatch, tmp_path):
+    from dtrain.ps.config import JobConfig
+    from dtrain.ps.launch import LocalCluster
+    from dtrain.ps.run import Fault, run_job
+    from dtrain.ps.train import TaskConfig
+
+    monkeypatch.setattr(LocalCluster, "start", lambda self: pytest.fail("a process was started"))
+    job = JobConfig(num_keys=64, width=4, num_servers=2, num_workers=1)
+    with pytest.raises(ValueError, match="without replication"):
+        run_job(job, TaskConfig(task="synthetic"), tmp_path, fault=Fault(server=1, step=5))
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
