@@ -1,4 +1,4 @@
-"""Helpers for the parameter-server tests: run a job on a local cluster, read back shards and metrics."""
+"""Shared code of the parameter-server tests: run a job on a local cluster, read back shards and metrics."""
 
 from __future__ import annotations
 

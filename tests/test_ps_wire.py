@@ -140,12 +140,12 @@ def test_unauthenticated_request_gets_no_answer(server):
     ("header", "tensors", "reason"),
     [
         ({"op": "pull", "shard": 0, "worker": 0, "clock": 0}, [np.array([8], np.int64)], "outside shard 0's range"),
-        ({"op": "pull", "shard": 0, "worker": 0, "clock": 0}, [np.array([1.0], np.float32)], "int64 keys"),
+        ({"op": "pull", "shard": 0, "worker": 0, "clock": 0}, [np.array([1.0], np.float32)], "keys must be int64"),
         ({"op": "push", "shard": 0, "worker": 0, "push_id": 0, "clock": 0},
          [np.array([1], np.int64), np.zeros((1, 3), np.float32)], "values must be float32 \\(1, 2\\)"),
         ({"op": "push", "shard": 0, "worker": 5, "push_id": 0, "clock": 0},
          [np.array([1], np.int64), np.zeros((1, 2), np.float32)], "worker must be in"),
-        ({"op": "pull", "shard": 3, "worker": 0, "clock": 0}, [np.array([1], np.int64)], "does not lead shard 3"),
+        ({"op": "pull", "shard": 3, "worker": 0, "clock": 0}, [np.array([1], np.int64)], r"shard must be in \[0, 1\)"),
         ({"op": "launch"}, [], "unknown op"),
     ],
 )  # fmt: skip

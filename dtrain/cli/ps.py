@@ -7,6 +7,7 @@ the shared secret in the environment (:mod:`dtrain.ps.launch`).
 from __future__ import annotations
 
 import argparse
+import sys
 
 __all__ = ["register"]
 
@@ -50,30 +51,87 @@ def register(commands) -> None:
     p.set_defaults(handler=_run)
 
 
+# JobConfig's fields as the flags that set them, for error messages
+FLAGS = {"num_keys": "the model's key count (--model)", "width": "--width", "num_servers": "--servers",
+         "num_workers": "--workers", "mode": "--mode", "quorum": "--quorum", "late": "--late",
+         "staleness": "--staleness", "optimizer": "--optimizer", "lr": "--lr", "momentum": "--momentum",
+         "replicas": "--replicas", "replication": "--replication", "hot_keys": "--hot-keys",
+         "hot_replicas": "--hot-replicas", "dead_after_s": "--dead-after-s"}  # fmt: skip
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags the job's own validation cannot name, refused before any process starts."""
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--width", args.width)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.workers >= 1 and args.model != "synthetic" and args.batch_size % args.workers:
+        raise ValueError(f"--batch-size {args.batch_size} does not split evenly over --workers {args.workers}")
+    if args.compute_s < 0:
+        raise ValueError(f"--compute-s must be >= 0, got {args.compute_s}")
+    if args.straggler:
+        worker, factor = args.straggler
+        if not 0 <= worker < args.workers:
+            raise ValueError(f"--straggler names worker {worker}; workers are 0..{args.workers - 1}")
+        if factor < 1:
+            raise ValueError(f"--straggler {worker}:{factor}: the slowdown factor must be at least 1")
+    if args.fault:
+        server, step = args.fault
+        if not 0 <= server < args.servers:
+            raise ValueError(f"--fault names server {server}; servers are 0..{args.servers - 1}")
+        if step != int(step) or not 0 <= step < args.steps:
+            raise ValueError(f"--fault {server}:{step}: the step must be a whole number in 0..{args.steps - 1}")
+        if args.replicas < 2:
+            raise ValueError(f"--fault kills a server, and with --replicas {args.replicas} its shard dies with it: "
+                             "add --replicas 2 (or more) to run with a fault")  # fmt: skip
+
+
 def _run(args: argparse.Namespace) -> int:
-    from dtrain.ps.config import JobConfig
+    try:
+        return _train(args)
+    except KeyboardInterrupt:
+        print("dtrain ps: interrupted; every process it started is stopped", file=sys.stderr)
+        return 130
+
+
+def _loss(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None else "n/a"
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dtrain.ps.config import JobConfig, JobConfigError
     from dtrain.ps.run import Fault, run_job
     from dtrain.ps.train import TaskConfig, job_keys
 
+    _check_flags(args)
     straggler, factor = args.straggler if args.straggler else (-1, 1.0)
-    if args.straggler and not 0 <= straggler < args.workers:
-        raise ValueError(f"--straggler names worker {straggler}; workers are 0..{args.workers - 1}")
     task = TaskConfig(task=args.model, steps=args.steps, batch_size=args.batch_size, seed=args.seed, width=args.width,
                       straggler=straggler, straggler_factor=factor, compute_s=args.compute_s,
                       keys_per_step=64 if args.model == "synthetic" else 0, zipf=1.1)  # fmt: skip
     lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 0.01)
-    job = JobConfig(num_keys=job_keys(task, synthetic_keys=4096), width=args.width, num_servers=args.servers,
-                    num_workers=args.workers, mode=args.mode, quorum=args.quorum, late=args.late,
-                    staleness=args.staleness, optimizer=args.optimizer, lr=lr, momentum=args.momentum,
-                    replicas=args.replicas, replication=args.replication, hot_keys=args.hot_keys,
-                    hot_replicas=args.hot_replicas, dead_after_s=args.dead_after_s)  # fmt: skip
+    try:
+        job = JobConfig(num_keys=job_keys(task, synthetic_keys=4096), width=args.width, num_servers=args.servers,
+                        num_workers=args.workers, mode=args.mode, quorum=args.quorum, late=args.late,
+                        staleness=args.staleness, optimizer=args.optimizer, lr=lr, momentum=args.momentum,
+                        replicas=args.replicas, replication=args.replication, hot_keys=args.hot_keys,
+                        hot_replicas=args.hot_replicas, dead_after_s=args.dead_after_s)  # fmt: skip
+    except JobConfigError as exc:
+        raise ValueError(exc.worded(FLAGS)) from None
     fault = Fault(server=int(args.fault[0]), step=int(args.fault[1])) if args.fault else None
     s = run_job(job, task, args.out, fault=fault, progress=not args.no_progress)
-    print(f"dtrain ps: {args.mode}, {args.workers} workers, {args.servers} servers: loss {s['first_loss']:.4f} -> "
-          f"{s['final_loss']:.4f}, {s['iteration_s'] * 1e3:.1f} ms/iteration, dropped {s['dropped']}, folded "
-          f"{s['folded']}, lost acknowledged updates {s['lost_acknowledged_updates']}, load max/mean "
-          f"{s['load_max_over_mean']:.2f}; metrics in {args.out}/metrics.jsonl")  # fmt: skip
+    ok = all(v == 0 for v in s["worker_exit"].values())
+    iteration = f"{s['iteration_s'] * 1e3:.1f} ms/iteration" if s["iteration_s"] is not None else "no full iteration"
+    load = f"{s['load_max_over_mean']:.2f}" if s["load_max_over_mean"] is not None else "n/a"
+    losses = f"loss {_loss(s['first_loss'])} -> {_loss(s['final_loss'])}"
+    print(f"dtrain ps: {args.mode}, {args.workers} workers, {args.servers} servers: {losses}, {iteration}, dropped "
+          f"{s['dropped']}, folded {s['folded']}, lost acknowledged updates {s['lost_acknowledged_updates']}, "
+          f"load max/mean {load}; metrics in {args.out}/metrics.jsonl")  # fmt: skip
     if fault:
-        print(f"dtrain ps: server {fault.server} killed after step {fault.step}; training went on after "
-              f"{s.get('recovery_s') or float('nan'):.2f} s")  # fmt: skip
-    return 0 if all(v == 0 for v in s["worker_exit"].values()) else 1
+        if s.get("recovery_s") is not None:
+            went_on = f"training went on after {s['recovery_s']:.2f} s"
+        else:
+            went_on = "training did not go on after it"
+        print(f"dtrain ps: server {fault.server} killed after step {fault.step}; {went_on}")
+    if not ok:
+        failed = sorted(r for r, v in s["worker_exit"].items() if v != 0)
+        print(f"dtrain ps: workers {failed} failed (exit statuses {s['worker_exit']})")
+    return 0 if ok else 1

@@ -1,7 +1,12 @@
 """The parameter server: sharded keys, push / pull / wait, sync / quorum / async / SSP, hot-key copies,
-chain and primary-backup replication with failover (DESIGN.md; seed 001's parameter-server section).
+chain and primary-backup replication with failover.
 
-Modules: :mod:`~dtrain.ps.wire` (message format and checks), :mod:`~dtrain.ps.keys` (key ranges),
+The architecture is ps-lite's (Li et al., "Scaling Distributed Machine Learning with the Parameter Server",
+OSDI 2014): servers hold key ranges, workers push gradients and pull values; SSP is Ho et al.'s (NIPS 2013);
+chain replication is van Renesse and Schneider's (OSDI 2004).
+
+Modules: :mod:`~dtrain.ps.wire` (message format and envelope checks), :mod:`~dtrain.ps.messages` (every message
+kind's schema, checked against the job), :mod:`~dtrain.ps.keys` (key ranges),
 :mod:`~dtrain.ps.optimizers`, :mod:`~dtrain.ps.shard`, :mod:`~dtrain.ps.consistency`,
 :mod:`~dtrain.ps.replication`, :mod:`~dtrain.ps.hotkeys`, :mod:`~dtrain.ps.server`,
 :mod:`~dtrain.ps.coordinator`, :mod:`~dtrain.ps.worker`, :mod:`~dtrain.ps.launch` (roles as processes),

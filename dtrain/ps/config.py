@@ -1,23 +1,41 @@
 """The one validated description of a parameter-server job, shared by every role.
 
 The coordinator holds it and hands it to each server and worker as a msgpack map when they register, so a
-cluster is configured in one place. Modes follow the seed text's parameter-server section (seed 001):
-``sync`` (every worker's gradient, then one averaged step), ``quorum`` (the first ``quorum`` of N workers, the
-straggler mitigation of "e.g. 90%"), ``async`` (each push applied at once) and ``ssp`` (bounded staleness:
-Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter Server", NIPS 2013).
+cluster is configured in one place. Modes: ``sync`` (bulk synchronous: every worker's gradient, then one averaged
+step), ``quorum`` (the first ``quorum`` of N workers close a round, so a straggler does not hold the others back;
+the backup-worker idea of Chen et al., "Revisiting Distributed Synchronous SGD", 2016), ``async`` (each push
+applied at once, as in Li et al., "Scaling Distributed Machine Learning with the Parameter Server", OSDI 2014)
+and ``ssp`` (bounded staleness: Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel
+Parameter Server", NIPS 2013).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["JobConfig", "MODES", "OPTIMIZERS", "REPLICATION"]
+__all__ = ["JobConfig", "JobConfigError", "MODES", "OPTIMIZERS", "REPLICATION"]
 
 MODES = ("sync", "quorum", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam")
 REPLICATION = ("chain", "primary_backup")
 LATE = ("drop", "fold")
+
+
+class JobConfigError(ValueError):
+    """A bad :class:`JobConfig` field. The message names fields as ``<name>`` in :attr:`template`; ``str()`` shows
+    them as ``JobConfig``'s field names, :meth:`worded` as whatever the caller's user typed (a command's flags)."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__("JobConfig: " + self.worded({}))
+
+    def worded(self, names: Mapping[str, str]) -> str:
+        """The message with each field ``<f>`` shown as ``names.get(f, f)``."""
+        known = {f.name for f in fields(JobConfig)}
+        return re.sub(r"<(\w+)>", lambda m: names.get(m[1], m[1]) if m[1] in known else m[0], self.template)
 
 
 @dataclass(kw_only=True)
@@ -54,35 +72,48 @@ class JobConfig:
         for name in ("num_keys", "width", "num_servers", "num_workers", "replicas", "hot_replicas", "hot_after"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"JobConfig.{name} must be a positive int, got {value!r}")
-        for name, allowed in (("mode", MODES), ("optimizer", OPTIMIZERS), ("replication", REPLICATION)):
+                raise JobConfigError(f"<{name}> must be a positive int, got {value!r}")
+        for name, allowed in (("mode", MODES), ("optimizer", OPTIMIZERS), ("replication", REPLICATION), ("late", LATE)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"JobConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.late not in LATE:
-            raise ValueError(f"JobConfig.late must be one of {LATE}, got {self.late!r}")
-        if not 0 <= self.quorum <= self.num_workers:
-            raise ValueError(f"JobConfig.quorum must be in [0, num_workers={self.num_workers}], got {self.quorum}")
-        if self.staleness < 0 or self.hot_keys < 0:
-            raise ValueError(f"staleness and hot_keys must be >= 0, got {self.staleness}, {self.hot_keys}")
+                raise JobConfigError(f"<{name}> must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("quorum", "staleness", "hot_keys"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise JobConfigError(f"<{name}> must be an int >= 0, got {value!r}")
+        if self.quorum > self.num_workers:
+            raise JobConfigError(f"<quorum> must be in [0, <num_workers>={self.num_workers}], got {self.quorum}")
         if self.num_keys < self.num_servers:
-            raise ValueError(f"num_keys={self.num_keys} must be at least num_servers={self.num_servers}")
+            raise JobConfigError(f"<num_keys>={self.num_keys} must be at least <num_servers>={self.num_servers}")
         if self.replicas > self.num_servers:
-            raise ValueError(f"replicas={self.replicas} needs at least that many servers, got {self.num_servers}")
+            raise JobConfigError(
+                f"<replicas>={self.replicas} needs at least that many servers, got <num_servers>={self.num_servers}"
+            )
         if self.hot_keys and (self.replicas > 1 or self.hot_replicas >= self.num_servers):
-            raise ValueError(
-                f"hot-key copies need replicas=1 and hot_replicas < num_servers; got replicas={self.replicas}, "
-                f"hot_replicas={self.hot_replicas}, num_servers={self.num_servers}"
+            raise JobConfigError(
+                f"<hot_keys> needs <replicas>=1 and <hot_replicas> < <num_servers>; got <replicas>={self.replicas}, "
+                f"<hot_replicas>={self.hot_replicas}, <num_servers>={self.num_servers}"
             )
         if not 0.0 <= self.hot_min_share <= 1.0:
-            raise ValueError(f"JobConfig.hot_min_share must be in [0, 1], got {self.hot_min_share}")
-        for name in ("lr", "heartbeat_s", "dead_after_s", "timeout_s", "propagate_interval_s"):
+            raise JobConfigError(f"<hot_min_share> must be in [0, 1], got {self.hot_min_share}")
+        for name in ("lr", "eps", "heartbeat_s", "dead_after_s", "timeout_s", "propagate_interval_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"JobConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise JobConfigError(f"<{name}> must be > 0, got {getattr(self, name)}")
+        for name in ("momentum", "weight_decay"):
+            if not getattr(self, name) >= 0:
+                raise JobConfigError(f"<{name}> must be >= 0, got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise JobConfigError(f"<{name}> must be in [0, 1), got {getattr(self, name)}")
 
     @property
     def round_size(self) -> int:
         """Pushes that close a round: all workers in sync mode, ``quorum`` in quorum mode."""
         return self.quorum if self.mode == "quorum" and self.quorum else self.num_workers
+
+    def hot_copy_servers(self, shard: int) -> list[int]:
+        """The servers that hold copies of ``shard``'s hot rows: the ``hot_replicas`` servers after its owner
+        (server ``shard``, as hot-key copies need ``replicas=1``)."""
+        return [(shard + 1 + j) % self.num_servers for j in range(self.hot_replicas)]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -2,9 +2,9 @@
 
 - ``sync`` (bulk synchronous): round ``r`` closes once every worker pushed for ``r``; the step uses the mean
   of their gradients; a pull for round ``r`` waits until the shard reached it.
-- ``quorum``: round ``r`` closes with the first ``k`` pushes (seed 001: aggregate once e.g. 90% of workers
-  reported, so a straggler does not hold everyone back). A push for a closed round is *late*: dropped, or
-  folded into the open round's mean, as the job says; each is counted.
+- ``quorum``: round ``r`` closes with the first ``k`` pushes, so a straggler does not hold everyone back (the
+  backup workers of Chen et al., "Revisiting Distributed Synchronous SGD", 2016). A push for a closed round is
+  *late*: dropped, or folded into the open round's mean, as the job says; each is counted.
 - ``async``: every push is a step on its own; pulls never wait (Hogwild-style staleness, Recht et al. 2011).
 - ``ssp``: every push is a step on its own; a worker at clock ``c`` gets its pull answered only once every
   worker has pushed ``c - s`` times (Ho et al., NIPS 2013, the stale synchronous parallel model).
@@ -50,8 +50,9 @@ def _strictly_increasing(keys: np.ndarray) -> bool:
 
 
 def combine(pushes: list[Push], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Mean over pushes of their gradients, rows missing from a push counting as zero; summed in the given
-    order so that every run (and every replica) gets the same bits."""
+    """Mean over pushes of their gradients, rows missing from a push counting as zero and a key repeated within a
+    push counting with the sum of its gradients; the keys come out sorted and distinct; summed in the given order
+    so that every run (and every replica) gets the same bits."""
     if not pushes:
         return np.zeros(0, np.int64), np.zeros((0, width), np.float32)
     if len(pushes) == 1 and _strictly_increasing(pushes[0].keys):

@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from dtrain.ps import wire
+from dtrain.ps import messages, wire
 from dtrain.ps.config import JobConfig
 
 __all__ = ["Coordinator"]
@@ -59,10 +59,7 @@ class Coordinator:
                            "layout": self.layout()})  # fmt: skip
 
     def _register(self, ident: bytes, h: dict) -> None:
-        role, rank = h.get("role"), h.get("rank")
-        limit = self.config.num_servers if role == "server" else self.config.num_workers
-        if role not in ("server", "worker") or not isinstance(rank, int) or not 0 <= rank < limit:
-            raise ValueError(f"bad registration: role {role!r} rank {rank!r} (ranks of {role} are 0..{limit - 1})")
+        role, rank = h["role"], h["rank"]
         if role == "worker":
             self.workers[rank] = ident
         else:
@@ -84,9 +81,11 @@ class Coordinator:
             self._welcome(ident, "worker", rank)
 
     def handle(self, ident: bytes, msg: wire.Message) -> None:
+        """Act on one authenticated message, once it passed its schema (:data:`dtrain.ps.messages.COORDINATOR`)."""
         h = msg.header
+        messages.check(messages.COORDINATOR, msg.op, h, msg.tensors, self.config)
         if msg.op == "hb":
-            if h.get("rank") in self.servers and h["rank"] not in self.dead:
+            if h["rank"] in self.servers and h["rank"] not in self.dead:
                 self.servers[h["rank"]]["last"] = time.monotonic()
         elif msg.op == "register":
             self._register(ident, h)

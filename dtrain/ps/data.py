@@ -3,8 +3,8 @@
 Each example has ``len(vocab_sizes)`` categorical fields (think user, item, category); field ``f``'s ids follow
 a Zipf law with exponent ``zipf`` over its vocabulary (id rank ``k`` drawn with probability proportional to
 ``k^-zipf``, then mapped through a fixed random permutation, as hashing ids would), which is what makes some
-embedding rows hot (seed 001's hot-spot problem). The click label is drawn from a logistic teacher: a hidden
-weight per id plus a bias, so the task is learnable and its loss falls.
+embedding rows hot (the load that hot-key copies, :mod:`dtrain.ps.hotkeys`, spread over servers). The click label
+is drawn from a logistic teacher: a hidden weight per id plus a bias, so the task is learnable and its loss falls.
 """
 
 from __future__ import annotations

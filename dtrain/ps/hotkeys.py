@@ -1,14 +1,15 @@
 """Hot keys: count accesses, copy a shard's hottest rows to other servers, spread pulls over the copies.
 
-Seed 001 (the parameter server's hot-spot problem): under a power-law key distribution a few rows take most
-requests, so the server that owns them is the bottleneck; copying those rows to several servers spreads the
-reads. Here the owner counts rows pulled; once its shard reached round ``hot_after`` it picks its (at most)
-``hot_keys`` most-pulled rows among those in at least ``hot_min_share`` of its pulls and installs copies on the
-next ``hot_replicas`` servers. Pushes still go to the
-owner only, which combines them as usual and sends the new values of the hot rows to every copy after each step,
-with the round they belong to, so a copy answers a pull under the same consistency rule as the owner. Workers
-learn the hot rows and their servers from the owner's pull replies and send pulls of hot rows round-robin
-over the copies, leaving the owner its pushes and its other rows.
+Under a power-law key distribution (as in the sparse, high-dimensional data of Li et al., "Scaling Distributed
+Machine Learning with the Parameter Server", OSDI 2014) a few rows take most requests, so the server that owns
+them is the bottleneck; copying those rows to several servers spreads the reads. Here the owner counts rows
+pulled; once its shard reached round ``hot_after`` it picks its (at most) ``hot_keys`` most-pulled rows among
+those in at least ``hot_min_share`` of its pulls and installs copies on the next ``hot_replicas`` servers
+(:meth:`~dtrain.ps.config.JobConfig.hot_copy_servers`). Pushes still go to the owner only, which combines them
+as usual and sends the new values of the hot rows to every copy after each step, with the round they belong to,
+so a copy answers a pull under the same consistency rule as the owner. Workers learn the hot rows and their
+servers from the owner's pull replies and send pulls of hot rows round-robin over the copies, leaving the owner
+its pushes and its other rows.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class HotCopies:
             top = np.argsort(-counts, kind="stable")[: self.config.hot_keys]
             # only rows that are hot in absolute terms: a cold shard's "top" rows are not worth copying
             top = top[counts[top] >= self.config.hot_min_share * self.pulls[shard]]
-            servers = [(self.rank + 1 + j) % self.config.num_servers for j in range(self.config.hot_replicas)]
+            servers = self.config.hot_copy_servers(shard)
             self.chosen[shard] = (np.sort(top + self.ranges[shard].lo).astype(np.int64), servers if top.size else [])
         if shard in self.chosen:
             keys, servers = self.chosen[shard]
@@ -74,14 +75,15 @@ class HotCopies:
     def holds(self, shard: int) -> bool:
         return shard in self.copies
 
-    def handle(self, op: str, header: dict, tensors: list, serve: Callable) -> None:
-        """``hot_update`` from an owner: new rows (and the round they belong to); answer pulls now ready."""
-        if op != "hot_update" or len(tensors) != 2:
-            raise ValueError(f"unknown hot-key message {op!r}")
-        keys, rows = tensors
-        self.copies[header["shard"]] = {"keys": keys, "rows": rows, "round": header["round"],
-                                        "slowest": header["slowest"]}  # fmt: skip
-        self.serve(header["shard"], serve)
+    def update(
+        self, shard: int, round_: int, slowest: int, keys: np.ndarray, rows: np.ndarray, serve: Callable
+    ) -> None:
+        """``hot_update`` from ``shard``'s owner: its hot ``keys`` (sorted) and their ``rows`` as of ``round_`` (and
+        the slowest worker's clock); answer the pulls that are now ready. The message was checked against its
+        schema and the job (:data:`dtrain.ps.messages.SERVER`): hot keys are on, this server is one of the
+        shard's copy holders, the keys lie in the shard, the rows are ``width`` wide."""
+        self.copies[shard] = {"keys": keys, "rows": rows, "round": round_, "slowest": slowest}
+        self.serve(shard, serve)
 
     def pull(self, shard: int, request: tuple, serve: Callable) -> None:
         """A pull of rows copied here; ``request`` is ``(reply, worker, clock, keys)``."""

@@ -160,17 +160,22 @@ class LocalCluster:
         return statuses
 
     def close(self) -> None:
-        if self.coordinator and self.procs["coordinator"].poll() is None:
-            with contextlib.suppress(TimeoutError, OSError):
-                request(self.coordinator, self.secret, {"op": "stop"}, timeout_s=2.0, name="coordinator")
-        for name, proc in self.procs.items():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=2.0 if name != "coordinator" else 0.5)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            if proc.stdout:
-                proc.stdout.close()
+        """Stop the coordinator (which stops the servers), give every process a moment, then kill what is left;
+        also when interrupted (a second Ctrl-C) while waiting."""
+        try:
+            if self.coordinator and self.procs["coordinator"].poll() is None:
+                with contextlib.suppress(TimeoutError, OSError):
+                    request(self.coordinator, self.secret, {"op": "stop"}, timeout_s=2.0, name="coordinator")
+            for name, proc in self.procs.items():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=2.0 if name != "coordinator" else 0.5)
+        finally:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                if proc.stdout:
+                    proc.stdout.close()
 
     def __enter__(self) -> LocalCluster:
         return self.start()

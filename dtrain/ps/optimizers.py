@@ -24,6 +24,9 @@ class RowOptimizer:
         self.state: dict[str, np.ndarray] = {}
 
     def step(self, weights: np.ndarray, rows: np.ndarray, grads: np.ndarray) -> None:
+        """Update ``weights[rows]`` by ``grads`` ``(len(rows), width)``. ``rows`` may come in any order but must be
+        distinct: a server combines a step's pushes first (:func:`dtrain.ps.consistency.combine` sums the
+        gradients of a repeated key), so a step never names a row twice."""
         raise NotImplementedError
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -32,8 +35,10 @@ class RowOptimizer:
 
 
 def rows_index(rows: np.ndarray) -> np.ndarray | slice:
-    """``rows`` (sorted, unique) as a slice when they are contiguous: whole-shard steps then work in place."""
-    if rows.size and int(rows[-1]) - int(rows[0]) + 1 == rows.size:
+    """``rows`` as an index: a slice when they are one contiguous increasing run ``a, a+1, ..., b`` (whole-shard
+    steps then work in place), else the array itself, so rows in any order, or repeated, keep their order."""
+    n = rows.size
+    if n and int(rows[-1]) - int(rows[0]) + 1 == n and (n < 3 or bool((np.diff(rows) == 1).all())):
         return slice(int(rows[0]), int(rows[-1]) + 1)
     return rows
 

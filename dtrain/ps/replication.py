@@ -1,12 +1,13 @@
 """A shard's replica on one server, and how replicas keep each other up to date.
 
-Each shard lives on the servers of its *chain*, head first (seed 001: leader-follower and chain replication).
+Each shard lives on the servers of its *chain*, head first, replicated in one of two ways:
 
-- ``chain`` (van Renesse and Schneider, OSDI 2004): the head turns pushes into log entries, applies each and
-  sends it down the chain; every node applies in order and forwards; the tail, having applied an entry, tells
-  every member, who then forget it; only then does the head acknowledge the pushes in it. An acknowledged push
-  is therefore on every live replica and survives any failure that leaves one. When the chain changes, each node
-  resends to its (new) successor every entry not yet known to be at the tail; replicas skip entries they have.
+- ``chain`` (van Renesse and Schneider, "Chain Replication for Supporting High Throughput and Availability",
+  OSDI 2004): the head turns pushes into log entries, applies each and sends it down the chain; every node
+  applies in order and forwards; the tail, having applied an entry, tells every member, who then forget it; only
+  then does the head acknowledge the pushes in it. An acknowledged push is therefore on every live replica and
+  survives any failure that leaves one. When the chain changes, each node resends to its (new) successor every
+  entry not yet known to be at the tail; replicas skip entries they have.
 - ``primary_backup``: the head applies and acknowledges at once and ships entries to its followers every
   ``propagate_interval_s``; a leader's death loses what it had not shipped, which workers count.
 

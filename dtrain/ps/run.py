@@ -69,6 +69,8 @@ def run_job(job: JobConfig, task: TaskConfig, out: str | Path, fault: Fault | No
         old.unlink()
     if fault and not 0 <= fault.server < job.num_servers:
         raise ValueError(f"fault: server {fault.server} does not exist (servers 0..{job.num_servers - 1})")
+    if fault and job.replicas < 2:
+        raise ValueError(f"fault: killing server {fault.server} loses its shard without replication (replicas=1)")
     task_map = {**task.to_dict(), "out": str(out)}
     began = time.time()
     with LocalCluster(job) as cluster:

@@ -2,9 +2,12 @@
 
 One thread, one ZeroMQ ROUTER socket that workers and peer servers send to, one DEALER to the coordinator
 (registration, heartbeats, membership changes) and one DEALER per peer it replicates to. Every message is
-checked by :func:`dtrain.ps.wire.decode` and then against the request's schema (the shard is here and led by
-this server, keys int64 and inside the shard's range, gradients float32 ``(n, width)``): a bad one gets an error
-reply or, when it is not authenticated, is dropped and counted; the server keeps serving either way.
+checked by :func:`dtrain.ps.wire.decode` (envelope, HMAC, freshness), then against its kind's schema and the job's
+configuration (:mod:`dtrain.ps.messages`: shard ids in range, keys int64 inside the shard's range, rows float32
+``(n, width)``, hot-key copies and replication entries only where the job has them), then against this server's
+state (the shard is here and, for pushes and pulls, led by this server). A bad request gets an error reply
+(``not_leader`` or ``bad_request``); any other bad message, or one not authenticated, is dropped and counted;
+the server keeps serving either way.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 import numpy as np
 import zmq
 
-from dtrain.ps import wire
+from dtrain.ps import messages, wire
 from dtrain.ps.config import JobConfig
 from dtrain.ps.consistency import Push
 from dtrain.ps.hotkeys import HotCopies
@@ -48,6 +51,7 @@ class Server:
         self.coord.send({"op": "register", "role": "server", "rank": rank, "endpoint": self.endpoint})
         welcome = await_message(self.coord, "welcome", 60.0)
         self.config = JobConfig.from_dict(welcome.header["config"])
+        messages.check(messages.SERVER_CONTROL, "welcome", welcome.header, welcome.tensors, self.config)
         self.ranges = partition(self.config.num_keys, self.config.num_servers)
         self.replicas: dict[int, Replica] = {}
         self.peers: dict[int, Endpoint] = {}
@@ -90,120 +94,77 @@ class Server:
 
     # requests --------------------------------------------------------------------------------------------
     def _replica(self, header: dict, head: bool = True) -> Replica:
-        shard = header.get("shard")
-        replica = self.replicas.get(shard) if isinstance(shard, int) else None
+        shard = header["shard"]
+        replica = self.replicas.get(shard)
         if replica is None or (head and not replica.is_head):
             raise NotLeaderError(f"server {self.rank} does not lead shard {shard!r}")
         return replica
 
-    def _keys(self, replica: Replica, tensors: list, values: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        if len(tensors) != (2 if values else 1) or tensors[0].dtype != np.int64 or tensors[0].ndim != 1:
-            raise RequestError("expected int64 keys (n,)" + (" and float32 values (n, width)" if values else ""))
-        keys = tensors[0]
-        if not replica.state.key_range.holds(keys):
-            r = replica.state.key_range
-            raise RequestError(f"keys outside shard {replica.index}'s range [{r.lo}, {r.hi})")
-        if values and (tensors[1].dtype != np.float32 or tensors[1].shape != (keys.size, self.config.width)):
-            raise RequestError(f"values must be float32 ({keys.size}, {self.config.width}), got "
-                               f"{tensors[1].dtype} {tensors[1].shape}")  # fmt: skip
-        return keys, tensors[1] if values else None
-
-    def _worker(self, header: dict) -> int:
-        worker = header.get("worker")
-        if not isinstance(worker, int) or not 0 <= worker < self.config.num_workers:
-            raise RequestError(f"worker must be in [0, {self.config.num_workers}), got {worker!r}")
-        return worker
-
-    def _int(self, header: dict, name: str) -> int:
-        value = header.get(name)
-        if not isinstance(value, int) or value < 0:
-            raise RequestError(f"{name} must be a non-negative int, got {value!r}")
-        return value
-
-    def _entry(self, h: dict, tensors: list) -> Entry:
-        """A replication entry from a peer, checked as a push is before anything is applied."""
-        replica = self._replica(h, head=False)
-        kind, pushes = h.get("kind"), h.get("pushes")
-        if kind not in ("init", "step"):
-            raise RequestError(f"replication entry kind must be 'init' or 'step', got {kind!r}")
-        if not (isinstance(pushes, list) and all(_is_push(p) for p in pushes)):
-            raise RequestError(f"replication entry pushes must be [worker, push_id, clock] ints, got {pushes!r}")
-        if any(p[0] >= self.config.num_workers for p in pushes):
-            raise RequestError(f"replication entry names a worker beyond {self.config.num_workers}: {pushes!r}")
-        if kind == "step":
-            keys, values = self._keys(replica, tensors, values=True)
-        else:
-            shape = replica.state.weights_shape
-            if len(tensors) != 2 or tensors[1].dtype != np.float32 or tensors[1].shape != shape:
-                raise RequestError(f"an init entry carries float32 rows {shape}")
-            keys, values = tensors
-        return Entry(self._int(h, "seq"), kind, self._int(h, "round"), keys, values, pushes)
-
     def handle(self, ident: bytes, msg: wire.Message) -> None:
-        """Dispatch one authenticated message from a worker or a peer."""
+        """Check one authenticated message from a worker, a tool or a peer against its schema and the job
+        (:mod:`dtrain.ps.messages`), then act on it. A request that fails gets an error reply; anything else that
+        fails is counted and dropped."""
         op, h = msg.op, msg.header
-        if op == "rep":
-            entry = self._entry(h, msg.tensors)
-            self._replica(h, head=False).receive(entry)
-            return self._serve_deferred(h["shard"])
-        if op == "chain_ack":
-            return self._replica(h, head=False).chain_ack(self._int(h, "seq"))
-        if op.startswith("hot_"):
-            return self.hot.handle(op, h, msg.tensors, self._serve)
-        reply = (ident, self._int(h, "req"))
+        req = h.get("req")
+        reply = (ident, req) if op not in messages.PEER and type(req) is int and req >= 0 else None
         try:
-            self._request(op, h, msg.tensors, reply)
-        except RequestError as exc:
+            messages.check(messages.SERVER, op, h, msg.tensors, self.config, rank=self.rank)
+            self._dispatch(op, h, msg.tensors, reply)
+        except (messages.MessageError, RequestError) as exc:
             self.counts["errors"] += 1
+            if reply is None:
+                print(f"server {self.rank}: dropped a {op!r} message: {exc}", file=sys.stderr)
+                return
             code = "not_leader" if isinstance(exc, NotLeaderError) else "bad_request"
             self._reply(reply, {"status": "error", "code": code, "error": str(exc)})
 
-    def _request(self, op: str, h: dict, tensors: list, reply: tuple) -> None:
+    def _dispatch(self, op: str, h: dict, tensors: list, reply: tuple | None) -> None:
+        """Act on a message that passed its schema: fields, shapes, dtypes and key ranges are as the job says."""
+        if op == "rep":
+            replica = self._replica(h, head=False)
+            keys, values = tensors
+            replica.receive(Entry(h["seq"], h["kind"], h["round"], keys, values, h["pushes"]))
+            return self._serve_deferred(h["shard"])
+        if op == "chain_ack":
+            return self._replica(h, head=False).chain_ack(h["seq"])
+        if op == "hot_update":
+            return self.hot.update(h["shard"], h["round"], h["slowest"], *tensors, self._serve)
         if op == "stats":
             return self._reply(reply, {"status": "ok", "stats": self.stats()})
         if op == "dump":
             replica = self._replica(h, head=False)
             names, arrays = zip(*replica.state.arrays().items(), strict=True)
             return self._reply(reply, {"status": "ok", "names": list(names), "seq": replica.state.seq}, arrays)
-        if op not in ("pull", "push", "init", "leave"):
-            raise RequestError(f"unknown op {op!r}; a server answers pull, push, init, leave, stats and dump")
-        if op == "pull" and self.hot.holds(h.get("shard")) and not self._leads(h.get("shard")):
-            keys = tensors[0] if len(tensors) == 1 and tensors[0].dtype == np.int64 and tensors[0].ndim == 1 else None
-            if keys is None:
-                raise RequestError("expected int64 keys (n,)")
+        if op == "pull" and self.hot.holds(h["shard"]) and not self._leads(h["shard"]):
             try:
-                return self.hot.pull(h["shard"], (reply, self._worker(h), self._int(h, "clock"), keys), self._serve)
+                return self.hot.pull(h["shard"], (reply, h["worker"], h["clock"], tensors[0]), self._serve)
             except ValueError as exc:
                 raise RequestError(str(exc)) from None
         replica = self._replica(h)
         if op == "pull":
-            keys, _ = self._keys(replica, tensors, values=False)
+            keys = tensors[0]
             self.hot.count(replica, keys)
-            seen = h.get("hot_seen", 0)
-            request = (reply, self._worker(h), self._int(h, "clock"), keys, seen if isinstance(seen, int) else 0)
+            request = (reply, h["worker"], h["clock"], keys, h.get("hot_seen", 0))
             self.deferred.setdefault(replica.index, []).append(request)
             return self._serve_deferred(replica.index)
-        if not replica.is_head:
-            raise NotLeaderError(f"server {self.rank} does not lead shard {replica.index} (pushes go to the leader)")
         if op == "leave":
-            replica.leave(self._worker(h))
+            replica.leave(h["worker"])
             self._reply(reply, {"status": "ok"})
             return self._serve_deferred(replica.index)
         if op == "init":
-            shape = replica.state.weights_shape
-            if replica.state.ready or len(tensors) != 1 or tensors[0].shape != shape or tensors[0].dtype != np.float32:
-                raise RequestError(f"init of shard {replica.index}: once, float32 {shape}")
+            if replica.state.ready:
+                raise RequestError(f"init of shard {replica.index}: it is initialised already (init is once)")
             replica.init(np.array(tensors[0], dtype=np.float32), Push(0, -1, -1, None, None, reply))
             return self._serve_deferred(replica.index)
         if op == "push":
-            keys, grads = self._keys(replica, tensors, values=True)
+            keys, grads = tensors
             if not replica.state.ready:
                 raise RequestError(f"shard {replica.index} is not initialised yet")
             self.counts["pushes"] += 1
-            push = Push(self._worker(h), self._int(h, "push_id"), self._int(h, "clock"), keys, grads, reply)
-            replica.push(push)
+            replica.push(Push(h["worker"], h["push_id"], h["clock"], keys, grads, reply))
             self.hot.after_update(replica)
             return self._serve_deferred(replica.index)
+        raise AssertionError(f"a schema in dtrain.ps.messages.SERVER without a handler: {op!r}")
 
     def _leads(self, shard: object) -> bool:
         return isinstance(shard, int) and shard in self.replicas and self.replicas[shard].is_head
@@ -284,11 +245,13 @@ class Server:
 
     def _drain_coordinator(self) -> None:
         while (msg := self.coord.try_recv()) is not None:
+            try:
+                messages.check(messages.SERVER_CONTROL, msg.op, msg.header, msg.tensors, self.config)
+            except messages.MessageError as exc:
+                self.counts["errors"] += 1
+                print(f"server {self.rank}: dropped a message from the coordinator: {exc}", file=sys.stderr)
+                continue
             if msg.op == "layout":
                 self._layout(msg.header["layout"])
             elif msg.op == "stop":
                 self.running = False
-
-
-def _is_push(push: object) -> bool:
-    return isinstance(push, list) and len(push) == 3 and all(type(v) is int and v >= 0 for v in push)

@@ -16,13 +16,14 @@ that window, so a captured message cannot be played again (hosts' clocks must ag
 :func:`decode` checks, in this order and before any payload is interpreted: the frame count, the header and
 total sizes, the MAC, the header's schema (op name, dtype names from a fixed list, shapes of non-negative
 ints), and that each frame holds exactly ``prod(shape) * itemsize`` bytes. Any failure is a :class:`WireError`;
-a server drops that message and goes on serving. Sockets also carry ZeroMQ's ``MAXMSGSIZE``, which bounds each
-*frame*: a peer that sends a larger frame is disconnected by the transport before the bytes reach Python. The
-number of frames is checked only once ZeroMQ has received the whole multipart message, and the receive queue
-holds at most ``RCVHWM`` messages a peer, so a process that can reach the port but lacks the secret can still
-make a server buffer up to ``RCVHWM x frames x MAXMSGSIZE`` bytes before the MAC rejects them. Keep the servers
-on loopback or a private network (the default binds loopback); ZeroMQ's CURVE would authenticate connections
-before any message is buffered, and is not used here.
+a server drops that message and goes on serving. What a decoded message says is checked next, against its kind's
+schema and the job's configuration (:mod:`dtrain.ps.messages`). Sockets also carry ZeroMQ's ``MAXMSGSIZE``,
+which bounds each *frame*: a peer that sends a larger frame is disconnected by the transport before the bytes
+reach Python. The number of frames is checked only once ZeroMQ has received the whole multipart message, and
+the receive queue holds at most ``RCVHWM`` messages a peer, so a process that can reach the port but lacks the
+secret can still make a server buffer up to ``RCVHWM x frames x MAXMSGSIZE`` bytes before the MAC rejects them.
+Keep the servers on loopback or a private network (the default binds loopback); ZeroMQ's CURVE would
+authenticate connections before any message is buffered, and is not used here.
 """
 
 from __future__ import annotations

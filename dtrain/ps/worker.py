@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from dtrain.ps import messages
 from dtrain.ps.config import JobConfig
 from dtrain.ps.hotkeys import HotRouter
 from dtrain.ps.keys import partition, split_by_range
@@ -67,6 +68,7 @@ class Worker:
         self.coord.send({"op": "register", "role": "worker", "rank": rank})
         welcome = await_message(self.coord, "welcome", register_timeout_s)
         self.config = JobConfig.from_dict(welcome.header["config"])
+        messages.check(messages.WORKER_CONTROL, "welcome", welcome.header, welcome.tensors, self.config)
         self.layout = welcome.header["layout"]
         self.ranges = partition(self.config.num_keys, self.config.num_servers)
         self.servers: dict[int, Endpoint] = {}
@@ -97,7 +99,9 @@ class Worker:
         return handle
 
     def push(self, keys: np.ndarray, values: np.ndarray) -> int:
-        """Send gradients ``values`` ``(n, width)`` float32 of ``keys`` ``(n,)`` int64; a handle to wait on."""
+        """Send gradients ``values`` ``(n, width)`` float32 of ``keys`` ``(n,)`` int64 (any order); a handle to wait
+        on. A key given more than once has its gradients summed, as an embedding's gradient sums over repeated
+        ids; across workers the step then takes the mean of these sums."""
         keys, values = self._check(keys), np.ascontiguousarray(values, dtype=np.float32)
         if values.shape != (keys.size, self.config.width):
             raise ValueError(f"push of {keys.size} keys needs values ({keys.size}, {self.config.width}), "
@@ -114,7 +118,8 @@ class Worker:
         return handle
 
     def pull(self, keys: np.ndarray) -> int:
-        """Ask for the rows of ``keys``; ``wait`` returns them ``(n, width)`` in the order of ``keys``."""
+        """Ask for the rows of ``keys`` (any order, repeats allowed); ``wait`` returns them ``(n, width)`` in the
+        order of ``keys``, a repeated key's row at each of its places."""
         keys = self._check(keys)
         parts = self._parts(keys, every_shard=self.config.mode != "async")
         handle = self._handle("pull", 0)
@@ -198,6 +203,10 @@ class Worker:
         events = dict(poller.poll(timeout=50))
         if self.coord.sock in events:
             while (msg := self.coord.try_recv()) is not None:
+                try:
+                    messages.check(messages.WORKER_CONTROL, msg.op, msg.header, msg.tensors, self.config)
+                except messages.MessageError as exc:
+                    raise PSError(f"worker {self.rank}: a malformed message from the coordinator: {exc}") from None
                 if msg.op == "layout":
                     self._relayout(msg.header["layout"])
         for ep in list(self.servers.values()):
@@ -207,10 +216,19 @@ class Worker:
         self._check_timeouts()
 
     def _answer(self, msg) -> None:
-        req = self.requests.pop(msg.header.get("req"), None)
+        req_id = msg.header.get("req")
+        req = self.requests.pop(req_id, None) if type(req_id) is int else None
         if req is None:
             return  # an answer to a request already resent elsewhere
         handle, h = self.handles[req.handle], msg.header
+        try:
+            if msg.op != "reply":
+                raise messages.MessageError(f"a server sends a worker replies only, got {msg.op!r}")
+            n = req.tensors[0].shape[0] if req.header["op"] == "pull" else None
+            messages.check(messages.WORKER_REPLIES, req.header["op"], h, msg.tensors, self.config, shard=req.shard, n=n)
+        except messages.MessageError as exc:
+            raise PSError(f"server {req.server} answered {req.header['op']} of shard {req.shard} with a malformed "
+                          f"reply: {exc}") from None  # fmt: skip
         if h.get("status") == "error" and h.get("code") == "not_leader":
             self._retry(req)  # layouts reach servers and workers in either order: ask again shortly
             return
