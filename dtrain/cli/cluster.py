@@ -8,31 +8,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import re
 from typing import Any
 
+from dtrain.cli.cluster_common import parse_setting
+from dtrain.cli.units import parse_count, parse_quantity
+
 __all__ = ["register", "parse_quantity", "parse_count"]
-
-_DECIMAL = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
-_BINARY = {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40, "PI": 2**50}
-
-
-def parse_quantity(text: str) -> float:
-    """``"175e9"``, ``"700GB"``, ``"1TB"``, ``"1.5T"``, ``"64KiB"`` -> a number (decimal prefixes as the seed
-    texts write sizes; ``Ki``/``Mi``/... binary). A trailing ``B`` (bytes) is ignored."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?\d+)?)\s*([kKmMgGtTpP][iI]?)?[bB]?\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a quantity: {text!r} (try 175e9, 700GB, 1TB, 64KiB)")
-    prefix = (match.group(2) or "").upper()
-    return float(match.group(1)) * (_BINARY[prefix] if prefix in _BINARY else _DECIMAL[prefix])
-
-
-def parse_count(text: str) -> float:
-    """A count such as a number of parameters: ``"175e9"``, ``"175G"``, ``"1.3T"``. A trailing ``B`` is refused:
-    it could mean bytes or billions."""
-    if text.strip().upper().endswith("B"):
-        raise argparse.ArgumentTypeError(f"{text!r} is ambiguous (bytes or billions?): write 175e9 or 175G")
-    return parse_quantity(text)
 
 
 def _add_link_args(p: argparse.ArgumentParser, prefix: str = "", what: str = "the link") -> None:
@@ -231,25 +212,11 @@ def _register_topology(commands) -> None:
     p.set_defaults(handler=_topology)
 
 
-def _parse_setting(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise ValueError(f"--set wants KEY=VALUE, got {text!r}")
-    if value.strip().lower() in ("true", "false"):
-        return key.strip(), value.strip().lower() == "true"
-    for convert in (int, float):
-        try:
-            return key.strip(), convert(value)
-        except ValueError:
-            pass
-    return key.strip(), value.strip()
-
-
 def _topology(args: argparse.Namespace) -> int:
     from dtrain.cluster.files import resolve, save
     from dtrain.cluster.report import render_topology, route_summary, topology_summary
 
-    topology = resolve(args.topology, **dict(_parse_setting(s) for s in args.set))
+    topology = resolve(args.topology, **dict(parse_setting(s) for s in args.set))
     if args.draw:
         from dtrain.cluster.draw import draw
 

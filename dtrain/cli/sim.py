@@ -12,6 +12,9 @@ from dataclasses import asdict, replace
 from rich.console import Console
 from rich.table import Table
 
+from dtrain.cli.cluster_common import link_rows, link_table
+from dtrain.cli.units import parse_bytes, parse_count
+
 __all__ = ["register"]
 
 
@@ -36,7 +39,6 @@ def _slow_rank(text: str) -> tuple[int, float]:
 
 def register(commands) -> None:
     """Add ``simulate`` (``collective``, ``train``, ``ps``) and ``plan`` to ``dtrain``."""
-    from dtrain.cli.main import parse_bytes
     from dtrain.cli.sim_ps import add_ps_parser
 
     sim = commands.add_parser("simulate", help="simulate a collective, a training step or a parameter-server step")
@@ -96,7 +98,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     from dtrain.sim.model import MODELS
 
     p.add_argument("--model", default="llama-7b", help=f"one of {', '.join(MODELS)}, changed by the flags below")
-    p.add_argument("--params", type=float, help="parameters, e.g. 7e9")
+    p.add_argument("--params", type=parse_count, help="parameters, e.g. 7e9 or 7G")
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--heads", type=int)
@@ -154,23 +156,6 @@ def _topology(args: argparse.Namespace):
     return topo
 
 
-def _link_rows(links, count: int) -> list[dict]:
-    return [
-        {"link": u.link.name, "kind": u.link.kind, "gbyte_per_s": u.link.bytes_per_s / 1e9, "bytes": u.nbytes,
-         "utilisation": u.utilisation}
-        for u in links[:count]
-    ]  # fmt: skip
-
-
-def _link_table(rows: list[dict], title: str) -> Table:
-    table = Table(title=title)
-    for column in ("link", "kind", "GB/s", "bytes", "utilisation"):
-        table.add_column(column, justify="left" if column in ("link", "kind") else "right")
-    for r in rows:
-        table.add_row(r["link"], r["kind"], f"{r['gbyte_per_s']:.1f}", f"{r['bytes']:.3g}", f"{r['utilisation']:.1%}")
-    return table
-
-
 def _simulate_collective(args: argparse.Namespace) -> int:
     from dtrain.sim.api import algorithms_for, simulate_collective
 
@@ -186,7 +171,7 @@ def _simulate_collective(args: argparse.Namespace) -> int:
         runs.append({
             "algorithm": algorithm, "time_s": result.time_s, "algbw_gbyte_per_s": args.bytes / result.time_s / 1e9,
             "bottleneck": result.bottleneck.link.name if result.bottleneck else None,
-            "links": _link_rows(result.links, args.links),
+            "links": link_rows(result.links, args.links),
         })  # fmt: skip
     runs.sort(key=lambda r: r["time_s"])
     head = {"topology": topo.name, "collective": args.collective, "ranks": len(placement), "bytes": args.bytes}
@@ -209,7 +194,7 @@ def _simulate_collective(args: argparse.Namespace) -> int:
         f"[bold]{r['time_s'] * 1e3:.3f} ms[/bold] ({r['algbw_gbyte_per_s']:.1f} GB/s algorithm bandwidth); "
         f"bottleneck {r['bottleneck']}"
     )
-    console.print(_link_table(r["links"], "busiest links"))
+    console.print(link_table(r["links"], "busiest links"))
     return 0
 
 
@@ -244,7 +229,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma)
     result = simulate_step(model, layout, topo, place(topo, layout, args.placement), config)
     data = {"topology": topo.name, "model": asdict(model), "layout": asdict(layout), "placement": args.placement,
-            **_step_data(result), "links": _link_rows(result.links, args.links)}  # fmt: skip
+            **_step_data(result), "links": link_rows(result.links, args.links)}  # fmt: skip
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -261,7 +246,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
             f"[red]does not fit: {result.memory.total / 1e9:.1f} GB a device against {result.memory_limit / 1e9:.1f} "
             "GB usable[/red] (try ZeRO with --zero, more tp or pp, or a smaller micro-batch)"
         )
-    console.print(_link_table(data["links"], "links over the step"))
+    console.print(link_table(data["links"], "links over the step"))
     return 0
 
 
