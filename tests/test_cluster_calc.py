@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 from hypothesis import given
@@ -193,3 +194,27 @@ def test_cli_topology_set_reads_booleans(capsys):
                  "--json"]) == 0  # fmt: skip
     nodes = json.loads(capsys.readouterr().out)["route"]["paths"][0]["nodes"]
     assert "s0/cpu0" in nodes or "s0/cpu1" in nodes
+
+
+@pytest.mark.parametrize("text", ["x", "1.2.3", "700GB", "175B", "1e"])
+def test_every_suggestion_of_a_bad_params_value_is_itself_accepted(text, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calc", "gradients", "--params", text, "--gbit-per-s", "200"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "--params" in last
+    suggested = re.findall(r"\b\d[\w.]*", last.replace(repr(text), ""))  # the examples the message gives
+    assert suggested, last
+    for example in suggested:
+        assert parse_count(example) > 0, (example, err)
+
+
+@pytest.mark.parametrize("text", ["x", "1.2.3", "12 parsecs"])
+def test_every_suggestion_of_a_bad_bytes_value_is_itself_accepted(text):
+    with pytest.raises(argparse.ArgumentTypeError) as error:
+        parse_quantity(text)
+    message = str(error.value)
+    for example in re.findall(r"\b\d[\w.]*", message.replace(repr(text), "")):
+        assert parse_quantity(example) > 0, (example, str(error.value))

@@ -178,6 +178,8 @@ def _simulate_collective(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**head, **runs[0]} if len(runs) == 1 else {**head, "algorithms": runs}, indent=2))
         return 0
+    from dtrain.cluster.report import print_table
+
     console = Console()
     if len(runs) > 1:
         table = Table(title=f"{args.collective} of {args.bytes:,} bytes on {len(placement)} ranks of {topo.name}")
@@ -186,7 +188,7 @@ def _simulate_collective(args: argparse.Namespace) -> int:
         for r in runs:
             table.add_row(r["algorithm"], _format("time_s", r["time_s"]), f"{r['algbw_gbyte_per_s']:.1f}",
                           r["bottleneck"] or "-")  # fmt: skip
-        console.print(table)
+        print_table(console, table)
         return 0
     r = runs[0]
     console.print(
@@ -194,7 +196,7 @@ def _simulate_collective(args: argparse.Namespace) -> int:
         f"[bold]{r['time_s'] * 1e3:.3f} ms[/bold] ({r['algbw_gbyte_per_s']:.1f} GB/s algorithm bandwidth); "
         f"bottleneck {r['bottleneck']}"
     )
-    console.print(link_table(r["links"], "busiest links"))
+    print_table(console, link_table(r["links"], "busiest links"))
     return 0
 
 
@@ -233,6 +235,8 @@ def _simulate_train(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
+    from dtrain.cluster.report import print_table
+
     console = Console()
     console.print(f"{model.name} on {topo.name}, {layout.describe()}, {args.placement} placement")
     table = Table(title="one training step")
@@ -240,13 +244,13 @@ def _simulate_train(args: argparse.Namespace) -> int:
     table.add_column("value", justify="right")
     for key, value in _step_data(result).items():
         table.add_row(key, _format(key, value))
-    console.print(table)
+    print_table(console, table)
     if not result.fits:
         console.print(
             f"[red]does not fit: {result.memory.total / 1e9:.1f} GB a device against {result.memory_limit / 1e9:.1f} "
             "GB usable[/red] (try ZeRO with --zero, more tp or pp, or a smaller micro-batch)"
         )
-    console.print(link_table(data["links"], "links over the step"))
+    print_table(console, link_table(data["links"], "links over the step"))
     return 0
 
 
@@ -291,6 +295,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"topology": topo.name, "model": asdict(model), "plans": rows, "too_big": dropped}, indent=2))
         return 0
+    from dtrain.cluster.report import print_table
+
     console = Console(width=max(Console().width, 110))
     table = Table(title=f"{model.name} on {topo.name}: fastest of {len(plans)} plans ({dropped} layouts too big)")
     for column in ("#", "layout", "placement", "step", "tokens/s", "MFU", "GB", "bottleneck", "busy"):
@@ -300,7 +306,7 @@ def _plan(args: argparse.Namespace) -> int:
         busy = "" if r["bottleneck_utilisation"] is None else f"{r['bottleneck_utilisation']:.0%}"
         table.add_row(str(i), r["layout"], r["placement"], _format("step_s", r["step_s"]), f"{r['tokens_per_s']:,.0f}",
                       f"{r['mfu']:.0%}", f"{r['memory_gb']:.1f}", r["bottleneck"] or "-", busy)  # fmt: skip
-    console.print(table)
+    print_table(console, table)
     if not plans:
         console.print("no layout fits device memory: try more devices, ZeRO (--zero 0,1,2,3) or a smaller model")
     return 0

@@ -172,6 +172,8 @@ def simulate_ps_command(args: argparse.Namespace) -> int:
 
 
 def _print(data: dict) -> None:
+    from dtrain.cluster.report import print_table
+
     console = Console()
     moved = []
     if data["dense_bytes"]:
@@ -197,5 +199,5 @@ def _print(data: dict) -> None:
         share = (s["push_bytes"] + s["pull_bytes"]) / total
         table.add_row(s["node"], f"{s['push_bytes'] / 1e6:,.2f}", f"{s['pull_bytes'] / 1e6:,.2f}", str(s["requests"]),
                       f"{s['replication_bytes'] / 1e6:,.2f}", f"{share:.1%}")  # fmt: skip
-    console.print(table)
-    console.print(link_table(data["links"], "busiest links"))
+    print_table(console, table)
+    print_table(console, link_table(data["links"], "busiest links"))
