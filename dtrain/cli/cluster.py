@@ -1,4 +1,5 @@
-"""``dtrain calc`` (the seed texts' worked examples, any variant) and ``dtrain topology`` (show, draw, save).
+"""``dtrain calc`` (bandwidth arithmetic of data-parallel training, any variant) and ``dtrain topology`` (show,
+draw, save).
 
 Also registers ``dtrain simulate`` and ``dtrain plan`` when the simulator's CLI module is installed.
 """
@@ -56,9 +57,9 @@ def register(commands) -> None:
 
 
 def _register_calc(commands) -> None:
-    calc = commands.add_parser("calc", help="the seed texts' bandwidth arithmetic: gradients, transfers, ratios")
+    calc = commands.add_parser("calc", help="bandwidth arithmetic: gradients, transfers, oversubscription, all-reduce")
     sub = calc.add_subparsers(dest="calc_command", required=True)
-    _add_calc_seed_examples(sub)
+    _add_calc_arithmetic(sub)
     _add_calc_models(sub)
     p = sub.add_parser("links", help="the link catalogue, with sources")
     p.set_defaults(handler=_links)
@@ -66,8 +67,8 @@ def _register_calc(commands) -> None:
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _add_calc_seed_examples(sub) -> None:
-    """The seed's own worked examples: gradients, a transfer, a ToR's oversubscription."""
+def _add_calc_arithmetic(sub) -> None:
+    """Arithmetic by first principles: gradients, a transfer, a ToR's oversubscription."""
     p = sub.add_parser("gradients", help="gradient bytes per replica and what averaging N replicas moves")
     p.add_argument("--params", type=parse_count, required=True, help="model parameters, e.g. 175e9 or 175G")
     p.add_argument("--bytes-per-param", type=float, default=4, help="4 for fp32 gradients, 2 for bf16")

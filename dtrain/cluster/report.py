@@ -61,7 +61,7 @@ def print_table(console: Console, table: Table) -> None:
 
 
 def ratio_text(ratio: float) -> str:
-    """``4.0`` -> ``"1:4"`` (the seed's way of writing available:peak bandwidth)."""
+    """``4.0`` -> ``"1:4"`` (available:peak bandwidth, as the ratio is usually written)."""
     return f"1:{ratio:.3g}"
 
 
