@@ -1,9 +1,11 @@
-"""``dtrain calc`` against the seed texts' worked figures, and the CLI's JSON."""
+"""``dtrain calc`` against figures worked by hand (data-parallel gradient traffic, transfers, oversubscription),
+and the CLI's JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 from hypothesis import given
@@ -20,10 +22,11 @@ from dtrain.cluster.calc import (
     transfer_seconds,
 )
 
-GPT3 = 175e9  # seed 000: GPT-3's "nearly 175 billion" parameters
+GPT3 = 175e9  # GPT-3's 175 billion parameters (Brown et al. 2020)
 
 
 def test_a_175b_model_in_fp32_makes_700_gb_of_gradients_per_replica():
+    # one 4-byte gradient per parameter: 175e9 x 4 = 7e11 bytes
     assert gradient_bytes(GPT3, 4) == 700e9
 
 
@@ -40,8 +43,8 @@ def test_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_gradients_per_replica()
     assert ring.seconds == pytest.approx(2 * 2 / 3 * 700e9 / 25e9)
 
 
-def test_one_terabyte_over_200_gbit_per_s_takes_40_seconds_not_25():
-    # seed 000 says at least 40 s; seed 002 misprints 25 s
+def test_one_terabyte_over_200_gbit_per_s_takes_40_seconds():
+    # 200 Gb/s carries 200e9 / 8 = 25e9 bytes a second, so 1e12 bytes take 1e12 / 25e9 = 40 s
     assert transfer_seconds(1e12, rate(gbit_per_s=200)) == 40.0
     assert transfer_seconds(1e12, rate("ib-hdr")) == pytest.approx(40.0, abs=1e-5)
 
@@ -87,7 +90,7 @@ def _json(capsys, *argv):
     return json.loads(capsys.readouterr().out)
 
 
-def test_cli_gradients_reports_the_seed_figures(capsys):
+def test_cli_gradients_reports_700_gb_a_replica_and_1_4_tb_into_the_gatherer(capsys):
     data = _json(capsys, "gradients", "--params", "175e9", "--bytes-per-param", "4", "--replicas", "3",
                  "--link", "ethernet200")  # fmt: skip
     assert data["gradient_bytes"] == 700e9
@@ -193,3 +196,27 @@ def test_cli_topology_set_reads_booleans(capsys):
                  "--json"]) == 0  # fmt: skip
     nodes = json.loads(capsys.readouterr().out)["route"]["paths"][0]["nodes"]
     assert "s0/cpu0" in nodes or "s0/cpu1" in nodes
+
+
+@pytest.mark.parametrize("text", ["x", "1.2.3", "700GB", "175B", "1e"])
+def test_every_suggestion_of_a_bad_params_value_is_itself_accepted(text, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calc", "gradients", "--params", text, "--gbit-per-s", "200"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "--params" in last
+    suggested = re.findall(r"\b\d[\w.]*", last.replace(repr(text), ""))  # the examples the message gives
+    assert suggested, last
+    for example in suggested:
+        assert parse_count(example) > 0, (example, err)
+
+
+@pytest.mark.parametrize("text", ["x", "1.2.3", "12 parsecs"])
+def test_every_suggestion_of_a_bad_bytes_value_is_itself_accepted(text):
+    with pytest.raises(argparse.ArgumentTypeError) as error:
+        parse_quantity(text)
+    message = str(error.value)
+    for example in re.findall(r"\b\d[\w.]*", message.replace(repr(text), "")):
+        assert parse_quantity(example) > 0, (example, str(error.value))

@@ -1,4 +1,5 @@
-"""The catalogue: bits and bytes kept apart, figures as the seed texts give them, GPUDirect paths."""
+"""The catalogue: bits and bytes kept apart, figures as the datasheets and specifications give them, GPUDirect
+paths."""
 
 from __future__ import annotations
 
@@ -57,17 +58,19 @@ def test_nvlink_per_chip_figure_is_links_times_both_directions(row):
     assert 2 * spec.chip_bytes_per_s == row.gbyte_per_s_per_chip * 1e9
 
 
-def test_a100_nvlink_is_600_gbyte_per_s_both_ways_as_seed_000_says():
+def test_a100_nvlink_is_600_gbyte_per_s_both_ways_as_the_a100_datasheet_says():
+    # 12 NVLink 3 links x 25 GB/s a direction x 2 directions
     assert 2 * LINKS["nvlink3"].chip_bytes_per_s == 600e9
 
 
-def test_h100_nvlink_is_seven_times_pcie5_x16_as_seed_004_says():
+def test_h100_nvlink_is_seven_times_pcie5_x16_as_the_h100_datasheet_says():
+    # 900 GB/s of NVLink 4 against 128 GB/s of PCIe 5.0 x16, both counted both ways
     ratio = LINKS["nvlink4"].chip_bytes_per_s / LINKS["pcie5x16"].bytes_per_s
     assert ratio == pytest.approx(900 / 128, rel=0.02)
 
 
 def test_pcie4_x16_is_about_32_gbyte_per_s_each_way_and_64_both():
-    # seed 003 quotes 32 GB/s, seed 000 64 GB/s (both directions); the spec's payload rate is 31.5 GB/s.
+    # 16 GT/s x 16 lanes x 128/130 / 8 bits = 31.5 GB/s a direction, usually rounded to 32 (64 both ways).
     assert LINKS["pcie4x16"].bytes_per_s == pytest.approx(32e9, rel=0.02)
     assert LINKS["pcie4x16"].bidirectional_bytes_per_s == pytest.approx(64e9, rel=0.02)
 
@@ -78,7 +81,8 @@ def test_each_pcie_generation_doubles_the_last_within_encoding_overhead():
         assert fast / slow == pytest.approx(2, rel=0.05)
 
 
-def test_a100_hbm_dwarfs_its_pcie_as_seed_000_says():
+def test_a100_hbm_dwarfs_its_pcie_as_the_a100_datasheet_says():
+    # 1935 GB/s of HBM2e against 31.5 GB/s of PCIe 4.0 x16
     assert LINKS["hbm2e-a100"].bytes_per_s == 1935e9
     assert LINKS["hbm2e-a100"].bytes_per_s > 30 * LINKS["pcie4x16"].bytes_per_s
 

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import types
 
+import pytest
+from rich.console import Console
+from rich.table import Table
+
 from dtrain.cli import cluster
+from dtrain.cli.main import main
+from dtrain.cluster.report import print_table
 
 
 def _commands():
@@ -30,3 +37,39 @@ def test_register_hands_the_commands_to_the_simulators_cli_when_present(monkeypa
     _, commands = _commands()
     cluster.register(commands)
     assert seen == [commands] and "simulate" in commands.choices
+
+
+def _header_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("┃")]
+
+
+@pytest.mark.parametrize(
+    ("argv", "headers"),
+    [
+        (["calc", "oversubscription", "--topology", "4-rack"], ["switch", "oversubscription", "sending"]),
+        (["calc", "paths"], ["path", "copies", "protocol", "bottleneck", "time"]),
+        (["calc", "links"], ["kind", "direction", "quoted", "source"]),
+        (["calc", "allreduce", "--bytes", "1GB", "--ranks", "8", "--link", "ib-hdr"], ["algorithm", "closed"]),
+        (["topology", "4-rack"], ["nodes", "links", "oversubscription"]),
+        (["simulate", "ps", "--topology", "4-rack", "--dense-bytes", "20M"], ["replication", "utilisation"]),
+    ],
+)
+def test_tables_keep_every_header_whole_in_80_columns(argv, headers, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = _header_lines(out)
+    assert lines and not any("…" in line for line in lines), out
+    for word in headers:
+        assert any(word in line for line in lines), (word, out)
+    assert max(len(line) for line in out.splitlines() if line[:1] in "┏┃┡│└") <= 80, out
+
+
+def test_a_table_too_wide_for_the_terminal_gives_way_in_its_widest_columns_first():
+    console = Console(width=50, file=io.StringIO())
+    table = Table("name", "a long description", "utilisation")
+    table.add_row("gpudirect-rdma", "words " * 12, "50.4%")
+    print_table(console, table)
+    out = console.file.getvalue()
+    assert "gpudirect-rdma" in out and "utilisation" in out and "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= 50

@@ -1,4 +1,5 @@
-"""``dtrain calc`` (the seed texts' worked examples, any variant) and ``dtrain topology`` (show, draw, save).
+"""``dtrain calc`` (bandwidth arithmetic of data-parallel training, any variant) and ``dtrain topology`` (show,
+draw, save).
 
 Also registers ``dtrain simulate`` and ``dtrain plan`` when the simulator's CLI module is installed.
 """
@@ -8,31 +9,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import re
 from typing import Any
 
+from dtrain.cli.cluster_common import parse_setting
+from dtrain.cli.units import parse_count, parse_quantity
+
 __all__ = ["register", "parse_quantity", "parse_count"]
-
-_DECIMAL = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
-_BINARY = {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40, "PI": 2**50}
-
-
-def parse_quantity(text: str) -> float:
-    """``"175e9"``, ``"700GB"``, ``"1TB"``, ``"1.5T"``, ``"64KiB"`` -> a number (decimal prefixes as the seed
-    texts write sizes; ``Ki``/``Mi``/... binary). A trailing ``B`` (bytes) is ignored."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?\d+)?)\s*([kKmMgGtTpP][iI]?)?[bB]?\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a quantity: {text!r} (try 175e9, 700GB, 1TB, 64KiB)")
-    prefix = (match.group(2) or "").upper()
-    return float(match.group(1)) * (_BINARY[prefix] if prefix in _BINARY else _DECIMAL[prefix])
-
-
-def parse_count(text: str) -> float:
-    """A count such as a number of parameters: ``"175e9"``, ``"175G"``, ``"1.3T"``. A trailing ``B`` is refused:
-    it could mean bytes or billions."""
-    if text.strip().upper().endswith("B"):
-        raise argparse.ArgumentTypeError(f"{text!r} is ambiguous (bytes or billions?): write 175e9 or 175G")
-    return parse_quantity(text)
 
 
 def _add_link_args(p: argparse.ArgumentParser, prefix: str = "", what: str = "the link") -> None:
@@ -75,9 +57,9 @@ def register(commands) -> None:
 
 
 def _register_calc(commands) -> None:
-    calc = commands.add_parser("calc", help="the seed texts' bandwidth arithmetic: gradients, transfers, ratios")
+    calc = commands.add_parser("calc", help="bandwidth arithmetic: gradients, transfers, oversubscription, all-reduce")
     sub = calc.add_subparsers(dest="calc_command", required=True)
-    _add_calc_seed_examples(sub)
+    _add_calc_arithmetic(sub)
     _add_calc_models(sub)
     p = sub.add_parser("links", help="the link catalogue, with sources")
     p.set_defaults(handler=_links)
@@ -85,8 +67,8 @@ def _register_calc(commands) -> None:
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _add_calc_seed_examples(sub) -> None:
-    """The seed's own worked examples: gradients, a transfer, a ToR's oversubscription."""
+def _add_calc_arithmetic(sub) -> None:
+    """Arithmetic by first principles: gradients, a transfer, a ToR's oversubscription."""
     p = sub.add_parser("gradients", help="gradient bytes per replica and what averaging N replicas moves")
     p.add_argument("--params", type=parse_count, required=True, help="model parameters, e.g. 175e9 or 175G")
     p.add_argument("--bytes-per-param", type=float, default=4, help="4 for fp32 gradients, 2 for bf16")
@@ -231,25 +213,11 @@ def _register_topology(commands) -> None:
     p.set_defaults(handler=_topology)
 
 
-def _parse_setting(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise ValueError(f"--set wants KEY=VALUE, got {text!r}")
-    if value.strip().lower() in ("true", "false"):
-        return key.strip(), value.strip().lower() == "true"
-    for convert in (int, float):
-        try:
-            return key.strip(), convert(value)
-        except ValueError:
-            pass
-    return key.strip(), value.strip()
-
-
 def _topology(args: argparse.Namespace) -> int:
     from dtrain.cluster.files import resolve, save
     from dtrain.cluster.report import render_topology, route_summary, topology_summary
 
-    topology = resolve(args.topology, **dict(_parse_setting(s) for s in args.set))
+    topology = resolve(args.topology, **dict(parse_setting(s) for s in args.set))
     if args.draw:
         from dtrain.cluster.draw import draw
 

@@ -7,24 +7,13 @@ Multi-rank commands take ``--nproc N`` and start N local ranks through torch's l
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Sequence
 
+from dtrain.cli.units import parse_bytes
 from dtrain.env import CommEnv
 
 __all__ = ["main", "build_parser", "parse_bytes"]
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20}
-_UNITS |= {"MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"4096"``, ``"64K"``, ``"1MiB"``, ``"1G"`` -> bytes (binary units: K is 1024)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 4096, 64K, 1MiB, 1G)")
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
 def _names(text: str) -> list[str]:

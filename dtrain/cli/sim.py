@@ -12,6 +12,9 @@ from dataclasses import asdict, replace
 from rich.console import Console
 from rich.table import Table
 
+from dtrain.cli.cluster_common import link_rows, link_table
+from dtrain.cli.units import parse_bytes, parse_count
+
 __all__ = ["register"]
 
 
@@ -36,7 +39,6 @@ def _slow_rank(text: str) -> tuple[int, float]:
 
 def register(commands) -> None:
     """Add ``simulate`` (``collective``, ``train``, ``ps``) and ``plan`` to ``dtrain``."""
-    from dtrain.cli.main import parse_bytes
     from dtrain.cli.sim_ps import add_ps_parser
 
     sim = commands.add_parser("simulate", help="simulate a collective, a training step or a parameter-server step")
@@ -96,7 +98,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     from dtrain.sim.model import MODELS
 
     p.add_argument("--model", default="llama-7b", help=f"one of {', '.join(MODELS)}, changed by the flags below")
-    p.add_argument("--params", type=float, help="parameters, e.g. 7e9")
+    p.add_argument("--params", type=parse_count, help="parameters, e.g. 7e9 or 7G")
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--heads", type=int)
@@ -154,23 +156,6 @@ def _topology(args: argparse.Namespace):
     return topo
 
 
-def _link_rows(links, count: int) -> list[dict]:
-    return [
-        {"link": u.link.name, "kind": u.link.kind, "gbyte_per_s": u.link.bytes_per_s / 1e9, "bytes": u.nbytes,
-         "utilisation": u.utilisation}
-        for u in links[:count]
-    ]  # fmt: skip
-
-
-def _link_table(rows: list[dict], title: str) -> Table:
-    table = Table(title=title)
-    for column in ("link", "kind", "GB/s", "bytes", "utilisation"):
-        table.add_column(column, justify="left" if column in ("link", "kind") else "right")
-    for r in rows:
-        table.add_row(r["link"], r["kind"], f"{r['gbyte_per_s']:.1f}", f"{r['bytes']:.3g}", f"{r['utilisation']:.1%}")
-    return table
-
-
 def _simulate_collective(args: argparse.Namespace) -> int:
     from dtrain.sim.api import algorithms_for, simulate_collective
 
@@ -186,13 +171,15 @@ def _simulate_collective(args: argparse.Namespace) -> int:
         runs.append({
             "algorithm": algorithm, "time_s": result.time_s, "algbw_gbyte_per_s": args.bytes / result.time_s / 1e9,
             "bottleneck": result.bottleneck.link.name if result.bottleneck else None,
-            "links": _link_rows(result.links, args.links),
+            "links": link_rows(result.links, args.links),
         })  # fmt: skip
     runs.sort(key=lambda r: r["time_s"])
     head = {"topology": topo.name, "collective": args.collective, "ranks": len(placement), "bytes": args.bytes}
     if args.json:
         print(json.dumps({**head, **runs[0]} if len(runs) == 1 else {**head, "algorithms": runs}, indent=2))
         return 0
+    from dtrain.cluster.report import print_table
+
     console = Console()
     if len(runs) > 1:
         table = Table(title=f"{args.collective} of {args.bytes:,} bytes on {len(placement)} ranks of {topo.name}")
@@ -201,7 +188,7 @@ def _simulate_collective(args: argparse.Namespace) -> int:
         for r in runs:
             table.add_row(r["algorithm"], _format("time_s", r["time_s"]), f"{r['algbw_gbyte_per_s']:.1f}",
                           r["bottleneck"] or "-")  # fmt: skip
-        console.print(table)
+        print_table(console, table)
         return 0
     r = runs[0]
     console.print(
@@ -209,7 +196,7 @@ def _simulate_collective(args: argparse.Namespace) -> int:
         f"[bold]{r['time_s'] * 1e3:.3f} ms[/bold] ({r['algbw_gbyte_per_s']:.1f} GB/s algorithm bandwidth); "
         f"bottleneck {r['bottleneck']}"
     )
-    console.print(_link_table(r["links"], "busiest links"))
+    print_table(console, link_table(r["links"], "busiest links"))
     return 0
 
 
@@ -244,10 +231,12 @@ def _simulate_train(args: argparse.Namespace) -> int:
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma)
     result = simulate_step(model, layout, topo, place(topo, layout, args.placement), config)
     data = {"topology": topo.name, "model": asdict(model), "layout": asdict(layout), "placement": args.placement,
-            **_step_data(result), "links": _link_rows(result.links, args.links)}  # fmt: skip
+            **_step_data(result), "links": link_rows(result.links, args.links)}  # fmt: skip
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
+    from dtrain.cluster.report import print_table
+
     console = Console()
     console.print(f"{model.name} on {topo.name}, {layout.describe()}, {args.placement} placement")
     table = Table(title="one training step")
@@ -255,13 +244,13 @@ def _simulate_train(args: argparse.Namespace) -> int:
     table.add_column("value", justify="right")
     for key, value in _step_data(result).items():
         table.add_row(key, _format(key, value))
-    console.print(table)
+    print_table(console, table)
     if not result.fits:
         console.print(
             f"[red]does not fit: {result.memory.total / 1e9:.1f} GB a device against {result.memory_limit / 1e9:.1f} "
             "GB usable[/red] (try ZeRO with --zero, more tp or pp, or a smaller micro-batch)"
         )
-    console.print(_link_table(data["links"], "links over the step"))
+    print_table(console, link_table(data["links"], "links over the step"))
     return 0
 
 
@@ -306,6 +295,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"topology": topo.name, "model": asdict(model), "plans": rows, "too_big": dropped}, indent=2))
         return 0
+    from dtrain.cluster.report import print_table
+
     console = Console(width=max(Console().width, 110))
     table = Table(title=f"{model.name} on {topo.name}: fastest of {len(plans)} plans ({dropped} layouts too big)")
     for column in ("#", "layout", "placement", "step", "tokens/s", "MFU", "GB", "bottleneck", "busy"):
@@ -315,7 +306,7 @@ def _plan(args: argparse.Namespace) -> int:
         busy = "" if r["bottleneck_utilisation"] is None else f"{r['bottleneck_utilisation']:.0%}"
         table.add_row(str(i), r["layout"], r["placement"], _format("step_s", r["step_s"]), f"{r['tokens_per_s']:,.0f}",
                       f"{r['mfu']:.0%}", f"{r['memory_gb']:.1f}", r["bottleneck"] or "-", busy)  # fmt: skip
-    console.print(table)
+    print_table(console, table)
     if not plans:
         console.print("no layout fits device memory: try more devices, ZeRO (--zero 0,1,2,3) or a smaller model")
     return 0

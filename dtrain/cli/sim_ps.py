@@ -18,6 +18,8 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
+from dtrain.cli.cluster_common import link_rows, link_table, parse_setting
+
 __all__ = ["add_ps_parser", "place_ps"]
 
 PLACEMENTS = ("beside", "apart")
@@ -140,12 +142,10 @@ def _step(args: argparse.Namespace, topology):
 
 def simulate_ps_command(args: argparse.Namespace) -> int:
     """``dtrain simulate ps``: the step, its servers' loads and its busiest links."""
-    from dtrain.cli.cluster import _parse_setting
-    from dtrain.cli.sim import _link_rows
     from dtrain.cluster.files import resolve
     from dtrain.sim.ps import simulate_ps
 
-    topology = resolve(args.topology, **dict(_parse_setting(s) for s in args.set))
+    topology = resolve(args.topology, **dict(parse_setting(s) for s in args.set))
     topology.validate()
     step = _step(args, topology)
     result = simulate_ps(topology, step)
@@ -162,7 +162,7 @@ def simulate_ps_command(args: argparse.Namespace) -> int:
         "server_loads": [{"node": s.node, "push_bytes": s.push_bytes, "pull_bytes": s.pull_bytes,
                           "requests": s.requests, "replication_bytes": s.replication_bytes} for s in result.servers],
         "bottleneck": result.bottleneck.link.name if result.bottleneck else None,
-        "links": _link_rows(result.links, args.links),
+        "links": link_rows(result.links, args.links),
     }  # fmt: skip
     if args.json:
         print(json.dumps(data, indent=2))
@@ -172,7 +172,7 @@ def simulate_ps_command(args: argparse.Namespace) -> int:
 
 
 def _print(data: dict) -> None:
-    from dtrain.cli.sim import _link_table
+    from dtrain.cluster.report import print_table
 
     console = Console()
     moved = []
@@ -199,5 +199,5 @@ def _print(data: dict) -> None:
         share = (s["push_bytes"] + s["pull_bytes"]) / total
         table.add_row(s["node"], f"{s['push_bytes'] / 1e6:,.2f}", f"{s['pull_bytes'] / 1e6:,.2f}", str(s["requests"]),
                       f"{s['replication_bytes'] / 1e6:,.2f}", f"{share:.1%}")  # fmt: skip
-    console.print(table)
-    console.print(_link_table(data["links"], "busiest links"))
+    print_table(console, table)
+    print_table(console, link_table(data["links"], "busiest links"))

@@ -1,11 +1,11 @@
-"""Hardware as data: devices, links, topologies and routing (no torch; DESIGN.md layers).
+"""Hardware as data: devices, links, topologies and routing (no torch: the simulator and the planner run without it).
 
 - :mod:`~dtrain.cluster.topology`: the graph of devices, hosts, NICs and switches, routing with ECMP;
 - :mod:`~dtrain.cluster.catalogue`, :mod:`~dtrain.cluster.devices`, :mod:`~dtrain.cluster.paths`: the link
   catalogue, accelerator specs and GPUDirect data paths, each figure with its source;
 - :mod:`~dtrain.cluster.builders`, :mod:`~dtrain.cluster.presets`: servers, racks, leaf-spine trees;
 - :mod:`~dtrain.cluster.files`: TOML topology files; :mod:`~dtrain.cluster.draw`: PNG drawings;
-- :mod:`~dtrain.cluster.calc`: the seed texts' bandwidth arithmetic (``dtrain calc``).
+- :mod:`~dtrain.cluster.calc`: back-of-the-envelope bandwidth arithmetic (``dtrain calc``).
 """
 
 from dtrain.cluster.builders import ClusterSpec, ServerSpec, build, build_server

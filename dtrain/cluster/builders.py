@@ -1,9 +1,11 @@
 """Builders: a server, a rack, a leaf-spine or multi-level tree with a chosen oversubscription.
 
-The shapes are seed 000's (figure "机器学习集群架构"): servers of several accelerators, inside each a
+The shapes are those of GPU training clusters such as NVIDIA's DGX SuperPOD (DGX A100 and DGX H100 user
+guides and reference architectures): servers of several accelerators, inside each a
 heterogeneous network (GPUs on NVLink/NVSwitch or only on PCIe, PCIe switches under CPUs joined by QPI/UPI,
 NICs beside the GPUs); servers in a rack under a top-of-rack (ToR) switch; ToRs under spine switches. A ToR's
-uplink capacity is its downlink capacity divided by the oversubscription ratio (the seed's 1:4 to 1:16), spread
+uplink capacity is its downlink capacity divided by the oversubscription ratio (Al-Fares et al., "A Scalable,
+Commodity Data Center Network Architecture", SIGCOMM 2008, section 2.1: typical designs run 2.5:1 to 8:1), spread
 evenly over the spines; every ToR reaches every spine, so cross-rack traffic has one equal-cost path per spine
 for :meth:`Topology.route` to hash flows over (ECMP). A multi-level tree groups racks into pods, each with its
 own spines, under core switches with a second ratio.
@@ -107,7 +109,7 @@ def _whole(what: str, value: object, least: int) -> None:
 class ClusterSpec:
     """Racks of identical servers; ``spines`` above the ToRs when there are several racks (per pod when
     ``pods > 1``, with ``cores`` above the pods). ``oversubscription`` is the ToR's downlink:uplink ratio
-    (4 means the seed's 1:4), ``pod_oversubscription`` the spine's."""
+    (4 means 1:4: a quarter of the servers' rate leaves the rack), ``pod_oversubscription`` the spine's."""
 
     server: ServerSpec = field(default_factory=ServerSpec)
     racks: int = 1
@@ -168,7 +170,8 @@ def add_server(topology: Topology, spec: ServerSpec, name: str, rack: str | None
         topology.add_device(make_device(spec.device, name=gpu, server=name, rack=rack, precision=spec.precision))
         _link(topology, gpu, switches[g // spec.gpus_per_pcie_switch], spec.pcie_kind)
     _add_nvlink(topology, spec, name, gpus, rack)
-    # GPUDirect RDMA needs the NIC and the GPU under one PCIe root (seed 003); without it a NIC hangs off a CPU
+    # GPUDirect RDMA needs the NIC and the GPU under one PCIe root (NVIDIA GPUDirect RDMA documentation); without
+    # it a NIC hangs off a CPU
     # and every byte between servers passes through the host.
     nics = [f"{name}/nic{k}" for k in range(spec.nics)]
     for k, nic in enumerate(nics):

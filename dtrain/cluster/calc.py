@@ -1,11 +1,12 @@
-"""The seed texts' back-of-the-envelope figures, from first principles and for any variant.
+"""Back-of-the-envelope bandwidth figures of data-parallel training, from first principles and for any variant.
 
-Seed 000 ("the machine-learning cluster"): a 175e9-parameter model in 32-bit floats makes 175e9 x 4 bytes =
-700 GB of gradients per data-parallel replica per iteration; averaging 3 replicas moves at least
-700 GB x (3 - 1) = 1.4 TB to one place, and broadcasting the average back another 1.4 TB; 1 TB over a 200 Gb/s
-link takes at least 40 s; a ToR whose servers can send more than its uplink carries is oversubscribed (two
-servers at 10 Gb/s into one 10 Gb/s uplink: 1:2; in practice 1:4 to 1:16). Seed 002 describes the all-reduce
-that spreads that traffic over every replica instead (and misprints the 40 s as 25 s).
+A 175e9-parameter model (GPT-3's size, Brown et al. 2020) in 32-bit floats makes 175e9 x 4 bytes = 700 GB of
+gradients per data-parallel replica per iteration; averaging 3 replicas by gathering them to one place moves
+700 GB x (3 - 1) = 1.4 TB into it, and broadcasting the average back another 1.4 TB out; 1 TB over a 200 Gb/s
+link (25 GB/s) takes at least 1e12 / 25e9 = 40 s. A ring all-reduce (a reduce-scatter then an all-gather,
+Thakur, Rabenseifner and Gropp 2005) spreads that traffic over every replica instead: each sends and receives
+2 (N-1)/N of the gradients. A ToR whose servers can send more than its uplinks carry is oversubscribed (two
+servers at 10 Gb/s into one 10 Gb/s uplink: 1:2; Al-Fares et al., SIGCOMM 2008).
 
 Every time here is ``latency + bytes / rate`` on one link, or for a collective the alpha-beta-gamma closed form
 of :mod:`dtrain.comm.cost_forms` with alpha the link's latency and beta its seconds per byte.
@@ -111,7 +112,7 @@ class Averaging:
 
 
 def averaging(gradient_nbytes: float, replicas: int, link: Rate) -> list[Averaging]:
-    """The seed's two ways to average: ``gather-broadcast`` (the N-1 other replicas send to one, which
+    """Two ways to average: ``gather-broadcast`` (the N-1 other replicas send to one, which
     sends the average back: (N-1) G in and (N-1) G out of its one link) and ``ring all-reduce``
     (reduce-scatter then all-gather: every replica sends and receives 2 (N-1)/N G, the total still 2 (N-1) G)."""
     if replicas < 1:

@@ -1,7 +1,8 @@
 """Capacities read back from a built topology: a switch's downlink and uplink, and their ratio.
 
-Seed 000's oversubscription: two servers each sending at 10 Gb/s through one ToR whose single uplink carries
-10 Gb/s need twice what the uplink gives (1:2); real clusters sit between 1:4 and 1:16. Reading the ratio off
+Oversubscription (Al-Fares et al., "A Scalable, Commodity Data Center Network Architecture", SIGCOMM 2008): two
+servers each sending at 10 Gb/s through one ToR whose single uplink carries 10 Gb/s need twice what the uplink
+gives (1:2); the paper reports typical designs at 2.5:1 to 8:1. Reading the ratio off
 the graph (rather than the builder's arguments) checks the builders and works for hand-written topology files.
 """
 

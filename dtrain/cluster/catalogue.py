@@ -4,10 +4,11 @@
 network links are quoted in Gb/s (bits) and converted with :mod:`dtrain.cluster.units`, never by hand. ``quoted``
 keeps the figure exactly as the source states it, so a reader can check the conversion.
 
-Seed texts: 000 ("the machine-learning cluster": Ethernet 10-25 Gb/s, InfiniBand 100/200 Gb/s, IPoIB, QPI,
-PCIe 4.0 at 64 GB/s, A100 HBM at 1935 GB/s and NVLink at 600 GB/s), 003 (NVLink 300 GB/s against PCIe 4.0
-32 GB/s; GPUDirect P2P and RDMA), 004 ("AI-cluster communication": the NVLink generations table, NVSwitch,
-shared memory, TCP/IP, RDMA as InfiniBand, RoCE and iWARP).
+Sources: NVIDIA's NVLink and NVSwitch specifications and the P100, V100, A100, H100, H200 and B200 datasheets
+(NVLink generations, HBM rates), the DGX A100 and DGX H100 user guides (NVSwitch fabrics), the PCI-SIG base
+specifications (PCIe), IEEE 802.3 (Ethernet), the InfiniBand Trade Association's specifications and roadmap
+(EDR, HDR, NDR; RoCE v2), the IETF RFCs of iWARP and IP over InfiniBand, Intel's Xeon datasheets (QPI, UPI)
+and JEDEC (DDR4, DDR5).
 
 Latencies are one-hop, order-of-magnitude figures (the wire and the port, not the software): NVLink about
 0.5 us and PCIe about 1 us per step as in NCCL's tuning model (src/graph/tuning.cc, ``hwLat``), a
@@ -35,9 +36,7 @@ __all__ = [
     "pcie_x16_bytes_per_s",
 ]
 
-SEED_000 = "seed 000 (machine-learning cluster)"
-SEED_003 = "seed 003 (6.6.1 communication hardware)"
-SEED_004 = "seed 004 (AI-cluster communication)"
+_NVLINK_SPEC = "NVIDIA NVLink and NVSwitch specifications; P100, V100, A100, H100 and B200 datasheets"
 FAMILIES = ("nvlink", "pcie", "cpu-interconnect", "memory", "ethernet", "infiniband")
 
 
@@ -52,7 +51,7 @@ class LinkSpec:
     latency_s: float
     quoted: str  # the rate as the source states it
     source: str
-    links_per_chip: int | None = None  # NVLink: links one GPU has (the seed table's "Links/Chip")
+    links_per_chip: int | None = None  # NVLink: links one GPU has (NVIDIA's "links per GPU")
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -62,7 +61,7 @@ class LinkSpec:
 
     @property
     def bidirectional_bytes_per_s(self) -> float:
-        """Both directions together, as vendors often quote (the seed's "Total Bandwidth/Link")."""
+        """Both directions together, as vendors often quote (NVIDIA's "total bandwidth per link")."""
         return 2 * self.bytes_per_s
 
     @property
@@ -75,7 +74,7 @@ class LinkSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class NVLinkGeneration:
-    """One column of seed 004's NVLink table, in its own units (Gb/s signalling per lane, GB/s)."""
+    """One NVLink generation as NVIDIA specifies it, in its own units (Gb/s signalling per lane, GB/s)."""
 
     generation: int
     signaling_gbit_per_s: float
@@ -87,7 +86,7 @@ class NVLinkGeneration:
     gbyte_per_s_per_chip: float  # both directions, all links: the headline figure (600 GB/s for A100)
 
 
-#: Seed 004's table "几代的 NVLink 性能对比", column by column.
+#: The NVLink generations (NVIDIA's NVLink specification and each GPU's datasheet), one row each.
 NVLINK_TABLE: tuple[NVLinkGeneration, ...] = (
     NVLinkGeneration(generation=1, signaling_gbit_per_s=20, lanes_per_link=8, gbyte_per_s_per_direction_per_link=20,
                      gbyte_per_s_total_per_link=40, links_per_chip=4, chip="P100", gbyte_per_s_per_chip=160),
@@ -111,7 +110,7 @@ def _nvlink(row: NVLinkGeneration) -> LinkSpec:
         latency_s=0.5e-6,
         quoted=f"{row.gbyte_per_s_per_direction_per_link:g} GB/s per direction per link, "
         f"{row.gbyte_per_s_per_chip:g} GB/s per chip",
-        source=f"{SEED_004}, NVLink table",
+        source=_NVLINK_SPEC,
         links_per_chip=row.links_per_chip,
     )
 
@@ -135,8 +134,7 @@ def _pcie(generation: int, gt_per_s: float, efficiency: float) -> LinkSpec:
         bytes_per_s=rate,
         latency_s=1.0e-6,
         quoted=f"{gt_per_s} GT/s per lane x 16 lanes, {efficiency:.4f} line code = {rate / 1e9:.1f} GB/s per direction",
-        source=f"PCI-SIG base specification {generation}.0; {SEED_004}, PCIe; "
-        + ("seed 003 (32 GB/s) and 000 (64 GB/s both ways)" if generation == 4 else "vendor spec"),
+        source=f"PCI-SIG PCI Express base specification {generation}.0",
     )
 
 
@@ -164,19 +162,19 @@ def _fixed(key: str, name: str, family: str, gbyte_per_s: float, latency_s: floa
     )
 
 
-_ETHERNET = "IEEE 802.3; " + SEED_000 + " (commodity 10-25 Gb/s between racks)"
-_IB = "InfiniBand Trade Association roadmap (4x ports); " + SEED_000 + " (100 or 200 Gb/s per link)"
+_ETHERNET = "IEEE 802.3 (10GBASE to 400GBASE)"
+_IB = "InfiniBand Trade Association specification and roadmap (4x ports: EDR 100, HDR 200, NDR 400 Gb/s)"
 
 _LINK_LIST: list[LinkSpec] = [
     *(_nvlink(row) for row in NVLINK_TABLE),
     *(_pcie(*row) for row in _PCIE),
     _fixed("qpi", "Intel QuickPath Interconnect 1.1 (9.6 GT/s x 2 bytes)", "cpu-interconnect", 19.2, 0.1e-6,
-           "Intel Xeon E5 v2-v4 datasheets; " + SEED_000 + " (CPUs joined by QPI)"),
+           "Intel Xeon E5 v2-v4 datasheets"),
     _fixed("upi", "Intel Ultra Path Interconnect (10.4 GT/s)", "cpu-interconnect", 20.8, 0.1e-6,
            "Intel Xeon Scalable (1st-3rd gen) datasheets"),
     _fixed("upi2", "Intel UPI 2.0 (16 GT/s)", "cpu-interconnect", 32.0, 0.1e-6,
            "Intel Xeon Scalable 4th gen datasheets"),
-    _fixed("hbm2e-a100", "A100 80GB PCIe HBM2e", "memory", 1935, 0.0, SEED_000 + " (A100 HBM: 1935 GB/s)"),
+    _fixed("hbm2e-a100", "A100 80GB PCIe HBM2e", "memory", 1935, 0.0, "NVIDIA A100 datasheet (80GB PCIe: 1935 GB/s)"),
     _fixed("hbm2e-a100-sxm", "A100 80GB SXM HBM2e", "memory", 2039, 0.0, "NVIDIA A100 datasheet"),
     _fixed("hbm3-h100", "H100 SXM5 HBM3", "memory", 3350, 0.0, "NVIDIA H100 datasheet (3.35 TB/s)"),
     _fixed("hbm3e-h200", "H200 SXM HBM3e", "memory", 4800, 0.0, "NVIDIA H200 datasheet (4.8 TB/s)"),
@@ -186,7 +184,7 @@ _LINK_LIST: list[LinkSpec] = [
            "JEDEC DDR5-4800: 38.4 GB/s a channel"),
     # A copy through shared memory reads and writes every byte: half the channels' bandwidth.
     _fixed("shm", "host shared memory (a memcpy through DDR4-3200 x 8)", "memory", 102.4, 0.2e-6,
-           SEED_004 + ", shared memory; JEDEC DDR4-3200 (each byte read and written)"),
+           "JEDEC DDR4-3200 (each byte read and written)"),
     *(_network(f"ethernet{g}", f"{g} Gb Ethernet", "ethernet", g, 1.0e-6, _ETHERNET) for g in (10, 25, 100, 200, 400)),
     _network("ib-edr", "InfiniBand EDR (4x 25 Gb/s)", "infiniband", 100, 0.2e-6, _IB),
     _network("ib-hdr", "InfiniBand HDR (4x 50 Gb/s)", "infiniband", 200, 0.2e-6, _IB),
@@ -224,21 +222,21 @@ class NVSwitchSpec:
         return self.links_per_gpu * LINKS[self.nvlink].bytes_per_s
 
 
-#: NVSwitch generations as built into NVIDIA's 8-GPU servers (seed 004, NVSwitch).
+#: NVSwitch generations as built into NVIDIA's 8-GPU servers (the DGX user guides).
 NVSWITCHES: dict[str, NVSwitchSpec] = {
     "nvswitch2": NVSwitchSpec(
         key="nvswitch2", name="NVSwitch gen 2 (DGX A100: 6 switches)", nvlink="nvlink3", switches_per_server=6,
-        gpus=8, links_per_gpu=12, latency_s=0.5e-6, source=SEED_004 + ", NVSwitch; NVIDIA DGX A100 user guide"),
+        gpus=8, links_per_gpu=12, latency_s=0.5e-6, source="NVIDIA DGX A100 user guide; NVIDIA NVSwitch specification"),
     "nvswitch3": NVSwitchSpec(
         key="nvswitch3", name="NVSwitch gen 3 (DGX H100: 4 switches of 64 NVLink4 ports)", nvlink="nvlink4",
         switches_per_server=4, gpus=8, links_per_gpu=18, latency_s=0.5e-6,
-        source=SEED_004 + ", NVSwitch; NVIDIA DGX H100 user guide"),
+        source="NVIDIA DGX H100 user guide; NVIDIA NVSwitch specification"),
 }  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProtocolSpec:
-    """A way to move bytes between servers over a network link (seed 004, "机器间通信")."""
+    """A way to move bytes between servers over a network link: sockets or RDMA."""
 
     key: str
     name: str
@@ -257,24 +255,24 @@ PROTOCOLS: dict[str, ProtocolSpec] = {
     "tcp-ip": ProtocolSpec(
         key="tcp-ip", name="TCP/IP sockets", families=("ethernet",), kernel_bypass=False, zero_copy=False,
         host_copies_per_side=1, routable=True, overhead_s=10e-6, needs="any NIC and switch",
-        source=SEED_004 + ", TCP/IP (several copies and protocol processing; slow next to RDMA)"),
+        source="IETF RFC 9293 (TCP) over the kernel's socket path: copies and protocol processing on the CPU"),
     "ib-rdma": ProtocolSpec(
         key="ib-rdma", name="RDMA over InfiniBand (verbs)", families=("infiniband",), kernel_bypass=True,
         zero_copy=True, host_copies_per_side=0, routable=False, overhead_s=1e-6,
-        needs="InfiniBand NICs and switches", source=SEED_004 + ", RDMA: InfiniBand; " + SEED_000),
+        needs="InfiniBand NICs and switches", source="InfiniBand Architecture Specification, volume 1 (IBTA)"),
     "roce-v2": ProtocolSpec(
         key="roce-v2", name="RoCE v2 (RDMA over UDP/IP on Ethernet)", families=("ethernet",), kernel_bypass=True,
         zero_copy=True, host_copies_per_side=0, routable=True, overhead_s=2e-6,
-        needs="RoCE NICs; ordinary Ethernet switches", source=SEED_004 + ", RDMA: RoCE"),
+        needs="RoCE NICs; ordinary Ethernet switches", source="IBTA InfiniBand specification, annex A17 (RoCEv2)"),
     "iwarp": ProtocolSpec(
         key="iwarp", name="iWARP (RDMA over TCP)", families=("ethernet",), kernel_bypass=True, zero_copy=True,
         host_copies_per_side=0, routable=True, overhead_s=3e-6,
         needs="iWARP NICs; ordinary Ethernet switches; memory for many TCP connections",
-        source=SEED_004 + ", RDMA: iWARP"),
+        source="IETF RFC 5040, 5041 and 5044 (RDMAP, DDP, MPA: iWARP)"),
     "ipoib": ProtocolSpec(
         key="ipoib", name="IP over InfiniBand (sockets on an RDMA fabric)", families=("infiniband",),
         kernel_bypass=False, zero_copy=False, host_copies_per_side=1, routable=True, overhead_s=8e-6,
-        needs="InfiniBand NICs and switches", source=SEED_000 + " (IPoIB keeps legacy socket code working)"),
+        needs="InfiniBand NICs and switches", source="IETF RFC 4391 and 4392 (IP over InfiniBand: sockets unchanged)"),
 }  # fmt: skip
 
 

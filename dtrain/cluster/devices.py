@@ -1,8 +1,8 @@
 """Accelerator specifications: peak dense FLOP/s by precision, memory and its bandwidth, their interconnects.
 
 Figures are NVIDIA's datasheets (dense, no structured sparsity; SXM boards unless named PCIe); memory sizes
-are the datasheets' decimal gigabytes. Seed 004 gives the A100's 312 TFLOPS and 80 GB, seed 000 its HBM's
-1935 GB/s (the 80 GB PCIe board; the SXM board's is 2039 GB/s).
+are the datasheets' decimal gigabytes. The A100: 312 TFLOPS dense bf16, 80 GB, HBM at 1935 GB/s on the 80 GB
+PCIe board and 2039 GB/s on the SXM board (NVIDIA A100 datasheet).
 """
 
 from __future__ import annotations
@@ -59,14 +59,14 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100-sxm": DeviceSpec(
         key="a100-sxm", name="NVIDIA A100 80GB SXM", peak_flops=_flops(312, 156, 19.5), memory_bytes=80 * 10**9,
         hbm="hbm2e-a100-sxm", nvlink="nvlink3", pcie="pcie4x16",
-        source="NVIDIA A100 datasheet; seed 004 (312 TFLOPS, 80 GB)"),
+        source="NVIDIA A100 datasheet (312 TFLOPS bf16, 80 GB)"),
     "a100-pcie": DeviceSpec(
         key="a100-pcie", name="NVIDIA A100 80GB PCIe", peak_flops=_flops(312, 156, 19.5), memory_bytes=80 * 10**9,
         hbm="hbm2e-a100", nvlink="nvlink3", pcie="pcie4x16",
-        source="NVIDIA A100 datasheet; seed 000 (HBM 1935 GB/s, PCIe 4.0)"),
+        source="NVIDIA A100 datasheet (HBM 1935 GB/s, PCIe 4.0)"),
     "h100-sxm": DeviceSpec(
         key="h100-sxm", name="NVIDIA H100 SXM5 80GB", peak_flops=_flops(989.4, 494.7, 66.9), memory_bytes=80 * 10**9,
-        hbm="hbm3-h100", nvlink="nvlink4", pcie="pcie5x16", source="NVIDIA H100 datasheet; seed 004 (NVLink 4)"),
+        hbm="hbm3-h100", nvlink="nvlink4", pcie="pcie5x16", source="NVIDIA H100 datasheet (NVLink 4)"),
     "h200-sxm": DeviceSpec(
         key="h200-sxm", name="NVIDIA H200 SXM 141GB", peak_flops=_flops(989.4, 494.7, 66.9),
         memory_bytes=141 * 10**9, hbm="hbm3e-h200", nvlink="nvlink4", pcie="pcie5x16",

@@ -1,5 +1,5 @@
-"""A drawing of any topology as a PNG: layered like seed 000's cluster figure, spines on top, ToRs, then the
-servers with their NICs, PCIe switches, CPUs, GPUs and NVSwitch.
+"""A drawing of any topology as a PNG, layered as leaf-spine clusters are usually drawn: spines on top, ToRs,
+then the servers with their NICs, PCIe switches, CPUs, GPUs and NVSwitch.
 
 Edge width grows with the logarithm of the link's rate (NVLink and HBM-class links are hundreds of times
 Ethernet's); colour says the link family, and each link kind is labelled once on the drawing and in the
@@ -172,7 +172,7 @@ def draw(topology: Topology, path: str | Path, *, collapse: bool | None = None, 
 
 
 def _title(topology: Topology) -> str:
-    """Name, size and the ToRs' oversubscription (the figure the seed's cluster is about)."""
+    """Name, size and the ToRs' oversubscription."""
     from dtrain.cluster.capacity import switch_capacity
 
     text = f"{topology.name}: {len(topology.devices())} GPUs in {len(topology.servers())} servers"

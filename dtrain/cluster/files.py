@@ -28,7 +28,7 @@ Explicit nodes and links (a GPU names a catalogue device, or gives its three fig
     duplex = true              # default: both directions at the full rate
 
 Every mistake is reported as ``<file>: <key>: <what is wrong>`` before a topology is returned. Reading uses the
-standard library's tomllib; writing formats TOML by hand (DESIGN.md: no extra dependencies).
+standard library's tomllib; writing formats TOML by hand (no extra dependency).
 """
 
 from __future__ import annotations

@@ -1,20 +1,21 @@
 """Data paths between two GPUs: which links the bytes cross and whether they stop in host memory.
 
-Seeds 003 and 004 contrast four ways a GPU's buffer reaches another GPU:
+Four ways a GPU's buffer reaches another GPU (NVIDIA's GPUDirect overview and the CUDA C++ Programming
+Guide, "Peer-to-Peer Memory Access"; NCCL's transports, ``NCCL_P2P_LEVEL`` and ``NCCL_SHM_DISABLE``):
 
 - staged through host memory: the GPU copies to a pinned buffer, the CPU copies it to a second one, the other
-  GPU copies it in (004, "共享内存": Memory 1 -> Memory 2);
-- GPUDirect shared memory: both GPUs use one pinned host buffer, one copy fewer (004);
+  GPU copies it in;
+- GPUDirect shared memory: both GPUs use one pinned host buffer, one copy fewer;
 - GPUDirect P2P: the GPU reads or writes the other's memory over PCIe or NVLink, no host memory at all
-  (003 figures 6-6-6 and 6-6-7, "zero-copy"; needs NVLink or one PCIe root);
+  (zero-copy; needs NVLink or one PCIe root);
 - across servers, TCP/IP copies between the application and the kernel at both ends; RDMA moves host memory
-  without the CPU; GPUDirect RDMA lets the NIC read and write GPU memory directly (003 figure 6-6-8; needs
-  the GPU and the NIC under one PCIe root).
+  without the CPU; GPUDirect RDMA lets the NIC read and write GPU memory directly (NVIDIA's GPUDirect RDMA
+  documentation; needs the GPU and the NIC under one PCIe root).
 
 A :class:`DataPath` is a sequence of segments: within a segment the links stream (cut-through); between two
 segments the whole message lands in host memory (store and forward), and each CPU copy inside host memory is
 one more pass over it. A message costs ``latency + sum(n / segment bottleneck) + copies * n / memcpy rate``:
-the unpipelined bounce buffer the seed texts draw (a pipelined one would hide part of it behind the wire).
+an unpipelined bounce buffer (a pipelined one would hide part of it behind the wire).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class DataPath:
 
 def gpu_paths(*, pcie: str = "pcie4x16", nvlink: str = "nvlink3", nvlinks: int = 12,
               network: str = "ib-hdr") -> dict[str, DataPath]:  # fmt: skip
-    """The seed texts' GPU-to-GPU paths for one server generation (defaults: an A100 server with HDR).
+    """The GPU-to-GPU paths for one server generation (defaults: an A100 server with HDR).
 
     Inside a server: ``staged`` (through host memory with a CPU copy), ``gpudirect-shm`` (one shared host
     buffer), ``p2p-pcie`` (GPUDirect P2P under one PCIe switch), ``p2p-nvlink`` (GPUDirect P2P through an
@@ -106,16 +107,17 @@ def gpu_paths(*, pcie: str = "pcie4x16", nvlink: str = "nvlink3", nvlinks: int =
     family = LINKS[network].family
     sockets = "tcp-ip" if family == "ethernet" else "ipoib"
     rdma = "roce-v2" if family == "ethernet" else "ib-rdma"
-    s3, s4 = "seed 003 (6.6.1)", "seed 004"
+    gd = "NVIDIA GPUDirect"
     paths = [
-        DataPath(name="staged", segments=((up,), (up,)), host_copies=1, source=f"{s4}, 共享内存"),
-        DataPath(name="gpudirect-shm", segments=((up,), (up,)), source=f"{s4}, 共享内存"),
-        DataPath(name="p2p-pcie", segments=((up, up),), source=f"{s3}, GPUDirect P2P"),
-        DataPath(name="p2p-nvlink", segments=((nv, nv),), source=f"{s3}; {s4}, NVSwitch"),
+        DataPath(name="staged", segments=((up,), (up,)), host_copies=1,
+                 source="CUDA C++ Programming Guide, page-locked host memory"),
+        DataPath(name="gpudirect-shm", segments=((up,), (up,)), source=f"{gd}; NCCL's SHM transport"),
+        DataPath(name="p2p-pcie", segments=((up, up),), source=f"{gd} P2P; CUDA peer-to-peer memory access"),
+        DataPath(name="p2p-nvlink", segments=((nv, nv),), source=f"{gd} P2P over NVLink; NVIDIA NVSwitch"),
         DataPath(name="tcp", segments=((up,), (up, wire, up), (up,)), host_copies=2, protocol=sockets,
-                 source=f"{s4}, TCP/IP"),
-        DataPath(name="rdma", segments=((up,), (up, wire, up), (up,)), protocol=rdma, source=f"{s4}, RDMA"),
-        DataPath(name="gpudirect-rdma", segments=((up, wire, up),), protocol=rdma,
-                 source=f"{s3}, GPUDirect RDMA; {s4}"),
+                 source="IETF RFC 9293 (TCP) over sockets"),
+        DataPath(name="rdma", segments=((up,), (up, wire, up), (up,)), protocol=rdma,
+                 source="InfiniBand Architecture Specification (IBTA), RDMA"),
+        DataPath(name="gpudirect-rdma", segments=((up, wire, up),), protocol=rdma, source=f"{gd} RDMA"),
     ]  # fmt: skip
     return {path.name: path for path in paths}

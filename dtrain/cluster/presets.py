@@ -10,8 +10,8 @@
   HGX 4-GPU board's direct NVLink (6 links, 150 GB/s a direction, to each peer): that machine moved 256 MiB to
   one peer at about 300 GB/s (docs/data/gpu-h200x4-probe.txt, "pg coalesced ring step"), twice what a
   6-link pair can carry. Its NIC is a placeholder (inter-node traffic was never measured there).
-- ``4-rack``: 4 racks of 4 ``dgx-a100`` servers under 2 spines at 1:4 oversubscription (seed 000's figure;
-  the low end of its 1:4 to 1:16).
+- ``4-rack``: 4 racks of 4 ``dgx-a100`` servers (128 GPUs) under 2 spines at 1:4 oversubscription (within the
+  2.5:1 to 8:1 that Al-Fares et al., SIGCOMM 2008, report for typical data-centre designs).
 
 Every preset takes the parameters of :class:`ClusterSpec` and :class:`ServerSpec` as overrides
 (``gpus_per_server`` is ``gpus``): ``preset("4-rack", racks=2, oversubscription=16)``.

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from dtrain.cluster.capacity import switch_capacity
@@ -27,11 +28,40 @@ __all__ = [
     "topology_summary",
     "route_summary",
     "ratio_text",
+    "print_table",
 ]
 
 
+def _longest_word(texts) -> int:
+    return max((len(word) for text in texts for word in str(text).split()), default=1)
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` with every header whole. Rich fits a wide table to a narrow terminal by cutting every
+    column alike, headers too ("oversubscript…"). Here the widest columns give way first: down to their longest
+    word (cells wrap between words), then, if still too wide, a cell's long word is cut, but never below the
+    header's longest word nor, in the first column (the rows' names), below its longest word; the console is
+    widened only if those minimums alone do not fit."""
+    columns = table.columns
+    options = console.options
+    widths = [max(Measurement.get(console, options, x).maximum for x in (c.header, *c.cells)) for c in columns]
+    # a no_wrap column keeps its width unless it must give way
+    whole = [w if c.no_wrap else _longest_word([c.header, *c.cells]) for w, c in zip(widths, columns, strict=True)]
+    floors = [whole[0], *(_longest_word([c.header]) for c in columns[1:])]
+    room = console.width - 3 * len(columns) - 1  # one space each side of a cell, a rule between and around
+    for limits in (whole, floors):
+        while sum(widths) > room:
+            shrinkable = [i for i, (w, f) in enumerate(zip(widths, limits, strict=True)) if w > f]
+            if not shrinkable:
+                break
+            widths[max(shrinkable, key=lambda i: widths[i])] -= 1
+    for column, width in zip(columns, widths, strict=True):
+        column.width = width
+    console.print(table, width=max(console.width, sum(widths) + 3 * len(columns) + 1))
+
+
 def ratio_text(ratio: float) -> str:
-    """``4.0`` -> ``"1:4"`` (the seed's way of writing available:peak bandwidth)."""
+    """``4.0`` -> ``"1:4"`` (available:peak bandwidth, as the ratio is usually written)."""
     return f"1:{ratio:.3g}"
 
 
@@ -52,7 +82,7 @@ def render_gradients(console: Console, data: dict) -> None:
         if row["method"] == "gather-broadcast":
             busiest = f"{busiest} in, then {busiest} out"
         table.add_row(row["method"], format_bytes(row["total_bytes"]), busiest, format_seconds(row["seconds"]))
-    console.print(table)
+    print_table(console, table)
 
 
 def render_transfer(console: Console, data: dict) -> None:
@@ -67,7 +97,7 @@ def render_oversubscription(console: Console, data: dict) -> None:
         share = row.get("server_share_bytes_per_s")
         table.add_row(row["switch"], format_rate(row["down_bytes_per_s"]), format_rate(row["up_bytes_per_s"]),
                       ratio_text(row["ratio"]), format_rate(share) if share else "")  # fmt: skip
-    console.print(table)
+    print_table(console, table)
 
 
 def render_allreduce(console: Console, data: dict) -> None:
@@ -78,14 +108,14 @@ def render_allreduce(console: Console, data: dict) -> None:
     table = Table("algorithm", "time", "closed form")
     for row in data["algorithms"]:
         table.add_row(row["algorithm"], format_seconds(row["seconds"]), row["formula"])
-    console.print(table)
+    print_table(console, table)
 
 
 def render_links(console: Console, data: dict) -> None:
     table = Table("kind", "name", "per direction", "quoted", "source")
     for row in data["links"]:
         table.add_row(row["key"], row["name"], format_rate(row["bytes_per_s"]), row["quoted"], row["source"])
-    console.print(table)
+    print_table(console, table)
 
 
 def render_paths(console: Console, data: dict) -> None:
@@ -95,7 +125,7 @@ def render_paths(console: Console, data: dict) -> None:
         table.add_row(row["path"], "through" if row["through_host_memory"] else "skipped", str(row["host_copies"]),
                       " > ".join(row["hops"]), row["protocol"] or "", format_rate(row["bottleneck_bytes_per_s"]),
                       format_seconds(row["seconds"]))  # fmt: skip
-    console.print(table)
+    print_table(console, table)
 
 
 def topology_summary(topology: Topology) -> dict[str, Any]:
@@ -135,7 +165,7 @@ def render_route(console: Console, data: dict) -> None:
     for row in data["paths"]:
         table.add_row(" > ".join(row["nodes"]), row["bottleneck"], format_rate(row["bottleneck_bytes_per_s"]),
                       format_seconds(row["latency_s"]))  # fmt: skip
-    console.print(table)
+    print_table(console, table)
 
 
 def render_topology(console: Console, data: dict) -> None:
@@ -148,7 +178,7 @@ def render_topology(console: Console, data: dict) -> None:
         node = nodes[i] if i < len(nodes) else ("", "")
         link = links[i] if i < len(links) else ("", "")
         table.add_row(node[0], str(node[1]), link[0], str(link[1]))
-    console.print(table)
+    print_table(console, table)
     if data["tors"]:
         render_oversubscription(console, {"switches": data["tors"]})
     if data.get("route"):

@@ -1,13 +1,13 @@
 """A cluster as a directed graph of devices, hosts, NICs and switches joined by rated links.
 
-Contract shared by the cluster builders, the simulator and the emulator (see the project's TOPOLOGY contract):
+The contract shared by the cluster builders, the simulator and the emulator (docs/cluster.md):
 every :class:`Link` is one direction with its own full rate (a duplex cable is two links), rates are bytes per
 second and latencies seconds. Routing is what a data-centre fabric does: fewest hops, then lowest latency, and
 among the equal-cost paths that remain (ECMP, e.g. across the spines of a leaf-spine fabric) a stable hash of the
 flow picks one, so one flow always takes one path and many flows spread over all of them.
 
-Seed text: the chapter on the machine-learning cluster (servers with NVLink/PCIe inside, racks under a
-top-of-rack switch, spines above). No torch here (DESIGN.md layers).
+The shape it is built for: servers with NVLink/PCIe inside, racks under a top-of-rack switch, spines above
+(Al-Fares et al., "A Scalable, Commodity Data Center Network Architecture", SIGCOMM 2008). No torch here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Bits and bytes, kept apart.
 
-Network links are rated in bits per second (Gb/s), memory and GPU interconnects in bytes per second (GB/s); the
-seed text (000, "the machine-learning cluster") warns about exactly this. Inside dtrain every rate is
+Network links are rated in bits per second (Gb/s: IEEE 802.3, InfiniBand), memory and GPU interconnects in bytes
+per second (GB/s: NVIDIA's NVLink and HBM figures, PCIe payload rates), and a factor of 8 is easily lost between
+them. Inside dtrain every rate is
 ``bytes_per_s`` (a float, decimal units); these functions are the only places where Gb/s or GB/s turn into it.
 Decimal prefixes throughout (1 Gb/s = 1e9 bit/s, 1 GB/s = 1e9 B/s), as vendors quote them.
 """
@@ -54,7 +55,7 @@ _BYTE_PREFIXES = ((1e15, "PB"), (1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "k
 
 
 def format_bytes(nbytes: float) -> str:
-    """``7e11`` -> ``"700 GB"`` (decimal, as the seed text writes sizes)."""
+    """``7e11`` -> ``"700 GB"`` (decimal, as datasheets write sizes)."""
     for scale, unit in _BYTE_PREFIXES:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.4g} {unit}"

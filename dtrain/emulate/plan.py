@@ -24,127 +24,27 @@ them; latencies are not emulated (tc netem is not available), the veths add some
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import networkx as nx
 
 from dtrain.cluster.topology import Topology
-
-if TYPE_CHECKING:
-    from dtrain.emulate.routed import Route, Router, RouterLink
+from dtrain.emulate.layout import (
+    FABRICS,
+    MIN_BIT_PER_S,
+    PREFIX,
+    SERVER_INTERFACE,
+    SPINE_BRIDGE,
+    EmulationPlan,
+    ServerPort,
+    SwitchLink,
+    server_ip,
+    server_port,
+)
+from dtrain.emulate.routed import plan_routed
 
 __all__ = [
     "PREFIX", "ServerPort", "SwitchLink", "EmulationPlan", "plan_emulation", "server_ip", "MIN_BIT_PER_S",
     "path_bit_per_s", "FABRICS", "SERVER_INTERFACE", "server_port",
 ]  # fmt: skip
-
-#: Every namespace and interface the emulator creates starts with this; ``dtrain emulate down`` removes them.
-PREFIX = "dte-"
-#: The lowest rate tc can hold steadily with our burst sizes (bits per second).
-MIN_BIT_PER_S = 100_000.0
-SPINE_BRIDGE = "spines"
-#: The interface every server namespace talks through (GLOO_SOCKET_IFNAME).
-SERVER_INTERFACE = f"{PREFIX}eth"
-#: How switches are emulated: ``bridged`` (the default; spines merged into one bridge) or ``routed`` (routers
-#: with per-flow ECMP over every spine).
-FABRICS = ("bridged", "routed")
-
-
-def server_ip(index: int) -> str:
-    """The address of the ``index``-th server (in rank order). Every octet has three digits, so the string
-    order of the addresses is the rank order: torch's c10d rendezvous numbers the nodes by sorting their
-    addresses as strings (``dynamic_rendezvous._assign_ranks``), and this keeps its numbering ours."""
-    if not 0 <= index < 15_600:
-        raise ValueError(f"server index must be in [0, 15600), got {index}")
-    return f"10.177.{100 + index // 100}.{100 + index % 100}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerPort:
-    """One server: its namespace, its interface's address, the bridge it plugs into and its rates (bit/s)."""
-
-    server: str
-    namespace: str
-    ip: str
-    bridge: str
-    switch_namespace: str  # the namespace holding ``bridge`` and ``port``: the fabric, or the server's ToR
-    address_bits: int = 16  # prefix length of ``ip``: one subnet when bridged, a /32 behind its ToR when routed
-    up_bit_per_s: float  # server -> switch
-    down_bit_per_s: float  # switch -> server
-    port: str  # the fabric-side veth end
-    devices: int  # accelerators the topology gives this server
-
-
-@dataclass(frozen=True, kw_only=True)
-class SwitchLink:
-    """A veth pair between bridges ``a`` and ``b``; ``a_to_b_bit_per_s`` limits the ``a`` end's egress."""
-
-    a: str
-    b: str
-    a_end: str
-    b_end: str
-    a_to_b_bit_per_s: float
-    b_to_a_bit_per_s: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class EmulationPlan:
-    """Everything :func:`dtrain.emulate.build.build` creates, named, with the scale that produced it."""
-
-    topology: str
-    tag: str
-    scale: float
-    fabric: str | None  # the namespace holding every bridge (None when routed: each ToR holds its own)
-    bridges: dict[str, str]  # bridge interface name -> the switch(es) it emulates
-    servers: list[ServerPort]
-    switch_links: list[SwitchLink]
-    spines_merged: bool = False
-    notes: list[str] = field(default_factory=list)
-    fabric_kind: str = "bridged"  # one of FABRICS
-    routers: list[Router] = field(default_factory=list)  # routed only: ToRs and spines
-    router_links: list[RouterLink] = field(default_factory=list)  # routed only: every ToR-spine link
-    routes: list[Route] = field(default_factory=list)  # routed only: every route, servers' and routers'
-
-    @property
-    def namespaces(self) -> list[str]:
-        """Routers (or the fabric) first, servers last: the teardown goes in reverse."""
-        switches = [self.fabric] if self.fabric else [r.namespace for r in self.routers]
-        return [*switches, *(s.namespace for s in self.servers)]
-
-    def describe(self) -> dict:
-        """A JSON-ready summary (rates in Mbit/s), written beside every emulated run."""
-        return {
-            "topology": self.topology,
-            "tag": self.tag,
-            "scale": self.scale,
-            "fabric": self.fabric_kind,
-            "spines_merged": self.spines_merged,
-            "servers": [
-                {"server": s.server, "namespace": s.namespace, "ip": s.ip, "bridge": s.bridge,
-                 "up_mbit_per_s": s.up_bit_per_s / 1e6, "down_mbit_per_s": s.down_bit_per_s / 1e6}
-                for s in self.servers
-            ],
-            "switch_links": [
-                {"a": link.a, "b": link.b, "a_to_b_mbit_per_s": link.a_to_b_bit_per_s / 1e6,
-                 "b_to_a_mbit_per_s": link.b_to_a_bit_per_s / 1e6}
-                for link in self.switch_links
-            ],
-            **(_describe_routers(self) if self.fabric_kind == "routed" else {}),
-            "notes": self.notes,
-        }  # fmt: skip
-
-
-def _describe_routers(plan: EmulationPlan) -> dict:
-    return {
-        "routers": {r.namespace: r.switch for r in plan.routers},
-        "router_links": [
-            {"tor": x.tor, "spine": x.spine, "up_mbit_per_s": x.up_bit_per_s / 1e6,
-             "down_mbit_per_s": x.down_bit_per_s / 1e6}
-            for x in plan.router_links
-        ],
-        "routes": [f"{r.namespace}: {' '.join(r.ip_args())}" for r in plan.routes],
-    }  # fmt: skip
 
 
 def _network_switches(topology: Topology) -> list[str]:
@@ -208,23 +108,11 @@ def plan_emulation(
     tors = sorted({switch for switch, _, _ in attach.values()}, key=switches.index)
     graph = _switch_graph(topology, switches)
     if fabric == "routed":
-        from dtrain.emulate.routed import plan_routed
-
         plan = plan_routed(topology, graph, tors, servers, attach, scale, tag)
     else:
         plan = _bridged_plan(topology, graph, tors, servers, attach, scale, tag)
     _check_rates(plan)
     return plan
-
-
-def server_port(topology: Topology, server: str, i: int, attach: dict, scale: float, **where) -> ServerPort:
-    """The ``i``-th server's port: its address, scaled rates (``attach``: server -> (ToR, up, down bytes/s))
-    and devices; ``where`` names its namespace, bridge and the namespace that holds that bridge."""
-    _, up, down = attach[server]
-    return ServerPort(
-        server=server, ip=server_ip(i), up_bit_per_s=up * 8 * scale, down_bit_per_s=down * 8 * scale,
-        port=f"{PREFIX}h{i}", devices=sum(1 for d in topology.devices() if d.server == server), **where,
-    )  # fmt: skip
 
 
 def _bridged_plan(topology, graph, tors, servers, attach, scale, tag) -> EmulationPlan:

@@ -26,87 +26,29 @@ reaches its rack's peers on the bridge and the rest of ``10.177.0.0/16`` through
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import networkx as nx
 
 from dtrain.cluster.topology import Topology
-from dtrain.emulate.plan import PREFIX, SERVER_INTERFACE, EmulationPlan, server_port
+from dtrain.emulate.layout import (
+    PREFIX,
+    ROUTER_SYSCTLS,
+    SERVER_INTERFACE,
+    SERVER_NETWORK,
+    EmulationPlan,
+    Nexthop,
+    Route,
+    Router,
+    RouterLink,
+    server_port,
+)
 
 __all__ = [
     "Router", "RouterLink", "Nexthop", "Route", "ROUTER_SYSCTLS", "SERVER_NETWORK", "plan_routed", "plan_fabric",
     "plan_routes", "tor_bridge", "gateway_ip",
 ]  # fmt: skip
 
-#: Every router namespace gets these (see the module docstring for why each).
-ROUTER_SYSCTLS = {
-    "net.ipv4.ip_forward": "1",
-    "net.ipv4.fib_multipath_hash_policy": "1",
-    "net.ipv4.conf.all.rp_filter": "0",
-    "net.ipv4.conf.default.rp_filter": "0",
-}
-#: Every server address (:func:`dtrain.emulate.plan.server_ip`) is inside this.
-SERVER_NETWORK = "10.177.0.0/16"
 _MAX_TORS = 256
 _MAX_SPINES = 126
-
-
-@dataclass(frozen=True, kw_only=True)
-class Router:
-    """A ToR or spine switch as a router namespace; a ToR also has the bridge its servers plug into."""
-
-    switch: str
-    namespace: str
-    role: str  # "tor" or "spine"
-    bridge: str | None = None
-    gateway: str | None = None  # the ToR's address on its bridge
-
-    @property
-    def sysctls(self) -> dict[str, str]:
-        return dict(ROUTER_SYSCTLS)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RouterLink:
-    """One ToR-spine cable: a veth pair on a /31, each end shaped at its own direction's rate."""
-
-    tor: str
-    spine: str
-    tor_namespace: str
-    spine_namespace: str
-    tor_end: str
-    spine_end: str
-    tor_ip: str
-    spine_ip: str
-    up_bit_per_s: float  # ToR -> spine
-    down_bit_per_s: float  # spine -> ToR
-
-
-@dataclass(frozen=True)
-class Nexthop:
-    """Where a route sends: out of ``dev``, to the router ``via`` (None: the destination is on that link)."""
-
-    dev: str
-    via: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Route:
-    """``ip route add`` of ``prefix`` in ``namespace``; several nexthops make it an ECMP route."""
-
-    namespace: str
-    prefix: str
-    nexthops: tuple[Nexthop, ...]
-
-    def ip_args(self) -> list[str]:
-        """The words after ``ip route add`` (ip-route(8): ``nexthop via A dev X`` once per path)."""
-        if len(self.nexthops) == 1:
-            (hop,) = self.nexthops
-            return [self.prefix, *(["via", hop.via] if hop.via else []), "dev", hop.dev]
-        words = [self.prefix]
-        for hop in self.nexthops:
-            words += ["nexthop", *(["via", hop.via] if hop.via else []), "dev", hop.dev]
-        return words
 
 
 def tor_bridge(index: int) -> str:

@@ -95,8 +95,8 @@ def _log_path(job: JobConfig, plan: EmulationPlan, node: int) -> Path:
 
 
 def _start(plan: EmulationPlan, job: JobConfig, node: int, logs: contextlib.ExitStack) -> subprocess.Popen:
-    """Server ``node``'s torchrun in its namespace, in a session of its own (so it is stopped as a group);
-    node 0 writes to this terminal, the others to their log file."""
+    """Server ``node``'s torchrun in its namespace, in a process session of its own (setsid:
+    stopped as a group); node 0 writes to this terminal, the others to their log file."""
     log = None if node == 0 else logs.enter_context(_log_path(job, plan, node).open("w"))
     argv = in_ns(plan.servers[node].namespace, torchrun_argv(plan, job, node))
     return subprocess.Popen(

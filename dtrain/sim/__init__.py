@@ -1,4 +1,4 @@
-"""Simulation of collectives and training steps on a cluster topology (no torch; DESIGN.md layers).
+"""Simulation of collectives and training steps on a cluster topology (no torch: it runs on any machine).
 
 - :mod:`dtrain.sim.flows`: flow-level network, max-min fair sharing of links, event-driven;
 - :mod:`dtrain.sim.collective`: a ``dtrain.comm`` schedule replayed rank by rank on a placement;

@@ -19,9 +19,9 @@ the schedule is replayed from a CUDA graph (:mod:`dtrain.comm.persistent`). Per 
 | barrier | fill a one-element token | (a stream synchronisation, no pass) |
 
 "Out of place" is the peer transport's push form where the plan stores only into the rank's own block
-(``api._out_of_place``; from session 5, after the session-5 GPU sweeps were measured). Where the table says
-clone, a CUDA call copies into a work buffer the API keeps for the next call of that
-group, size and dtype (``api._scratch``, since session 5, so that the call replays): the same pass and launch.
+(``api._out_of_place``). Where the table says clone, a CUDA call copies into a work buffer the API keeps for
+the next call of that group, size and dtype (``api._scratch``, so that the call replays): the same pass and
+launch.
 The table is for contiguous tensors, as training and ``dtrain bench comm`` pass them; a tensor that is not
 contiguous adds a copy into a contiguous buffer (and, for one that receives the result, a copy back), which is
 not priced. Allocations (``torch.empty``) launch nothing and are not listed.

@@ -8,7 +8,7 @@ recomputed whenever a flow starts or finishes, so the simulation is event-driven
 A flow's last byte arrives the path's latency after it leaves the first link (store-and-forward per message
 is not modelled; flow-level simulators such as SimGrid's LV08 model make the same simplification).
 
-No torch here (DESIGN.md layers).
+No torch here.
 """
 
 from __future__ import annotations

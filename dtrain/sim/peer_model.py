@@ -434,8 +434,8 @@ def _fit_replay_host(replays: Sequence[tuple], cost: PeerCost) -> float:
 
     A small replay is not always host-bound: on 4 H100s a replayed ring all-reduce of 1 MiB waits 70-87 us on
     its barriers and kernels against ~34 us of host time (``benchmarks/replay_host_probe.py``). Where every
-    point is host-bound this is the median of what they imply (as this fit was before); a point its GPU time
-    explains no longer pulls the host time up to its own.
+    point is host-bound this is the median of what they imply; a point its GPU time explains does not pull the
+    host time up to its own.
     """
     points = []
     for s, n, t, push, api in replays:

@@ -1,7 +1,7 @@
 """One parameter-server step on a topology: pushes, the servers' applies, chain forwarding, hot-row copies, pulls.
 
-What is simulated is what :mod:`dtrain.ps` does (docs/ps.md; seed 001's parameter server, after Li et al.,
-OSDI 2014), as flows on :class:`dtrain.sim.flows.FlowNetwork`:
+What is simulated is what :mod:`dtrain.ps` does (docs/ps.md; a parameter server after Li et al., "Scaling
+Distributed Machine Learning with the Parameter Server", OSDI 2014), as flows on :class:`dtrain.sim.flows.FlowNetwork`:
 
 - **Keys.** Dense parameters are cut evenly over the ``S`` servers; embedding key ``k`` is on server
   ``k S // key_space``. Each worker draws ``rows_per_worker`` Zipf ids (rank ``k`` with probability ~
@@ -21,7 +21,7 @@ OSDI 2014), as flows on :class:`dtrain.sim.flows.FlowNetwork`:
 - **Host work.** With ``host_s_per_byte``, a message costs its sender that much time per byte before it
   leaves and its receiver as much once it is in (dtrain.ps serialises and HMAC-SHA256s every byte at both
   ends, docs/ps.md). A node's work (this, and a server's applies) is done one piece at a time.
-Requests are latency-only messages (their key lists are not counted). No torch here (DESIGN.md layers).
+Requests are latency-only messages (their key lists are not counted). No torch here.
 """
 
 from __future__ import annotations

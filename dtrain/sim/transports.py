@@ -1,13 +1,13 @@
 """The three ways NCCL moves bytes between the GPUs of one server, as topologies the simulator runs on.
 
-Seed 004 ("AI-cluster communication") compares NVLink, host shared memory and TCP/IP sockets; NCCL picks
-among them per GPU pair and can be told not to use the faster ones (``NCCL_P2P_DISABLE=1``: no GPU-to-GPU
-copies, so host shared memory; ``NCCL_SHM_DISABLE=1`` as well: the network transport, sockets over the
-loopback). Each is a graph of rated links (:mod:`dtrain.cluster.topology`) with catalogue figures
-(:mod:`dtrain.cluster.catalogue`):
+NCCL's transports inside a server are NVLink (P2P), host shared memory (SHM) and TCP/IP sockets (NET); NCCL
+picks among them per GPU pair and can be told not to use the faster ones (NCCL documentation, environment
+variables: ``NCCL_P2P_DISABLE=1``: no GPU-to-GPU copies, so host shared memory; ``NCCL_SHM_DISABLE=1`` as well:
+the network transport, sockets over the loopback). Each is a graph of rated links
+(:mod:`dtrain.cluster.topology`) with catalogue figures (:mod:`dtrain.cluster.catalogue`):
 
 - ``nvlink``: each GPU joined to an NVSwitch by its NVLink 4 links (18 x 25 GB/s a direction, 0.5 us a hop):
-  GPUDirect P2P, the bytes never touch host memory (seed 003, figures 6-6-6 and 6-6-7);
+  GPUDirect P2P, the bytes never touch host memory (CUDA C++ Programming Guide, peer-to-peer memory access);
 - ``shm``: GPU -> PCIe 5.0 x16 -> host memory -> PCIe 5.0 x16 -> GPU. The sender's kernel writes a buffer
   in pinned host memory and the receiver's reads it (NCCL's SHM transport), so every byte crosses host DRAM
   twice. All four GPUs share that DRAM: one ``host memory`` link at ``memory / 2`` carries every pair's

@@ -178,7 +178,8 @@ _BUILDERS = {"gpt": _gpt, "mlp": _mlp}
 def model_config(name: str, preset: str = "debug", *, vocab_size: int = 256, **overrides) -> GPTConfig | MLPConfig:
     """The config of preset ``preset`` of model ``name`` with ``overrides`` applied (validated again)."""
     if (name, preset) not in PRESETS:
-        raise ValueError(f"no preset {preset!r} for model {name!r}; known: {sorted(PRESETS)}")
+        known = ", ".join(p for m, p in PRESETS if m == name) or f"none (models: {', '.join(_CONFIGS)})"
+        raise ValueError(f"no preset {preset!r} for model {name!r}; known: {known}")
     base = vars(PRESETS[name, preset](vocab_size))
     return _CONFIGS[name](**{**base, **overrides})
 
