@@ -1,0 +1,1 @@
+"""The probes of ``benchmarks/collectives/probe.py``, one module a mode."""
