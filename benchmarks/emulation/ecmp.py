@@ -1,4 +1,6 @@
-"""ECMP hash collisions on the routed emulated leaf-spine, next to the bridged fabric and the simulator (as root).
+"""Usage: sudo python benchmarks/emulation/ecmp.py [--trials 60] [--bridged-trials 12] [--out FILE]
+
+ECMP hash collisions on the routed emulated leaf-spine, next to the bridged fabric and the simulator (as root).
 
 The cluster: the ``4-rack`` preset cut to 2 racks x 2 servers, one 100 Gb/s NIC a server, 2 spines, 1:1, at
 ``--scale`` (default 1e-3): NICs at 100 Mb/s and every ToR-spine link at 100 Mb/s. Each trial opens one TCP

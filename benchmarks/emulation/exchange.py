@@ -1,4 +1,6 @@
-"""Why dtrain's exchange-based all-reduces run at half speed over Gloo, measured on the emulated cluster.
+"""Usage: sudo python benchmarks/emulation/exchange.py [--out benchmarks/results/emulation-exchange.jsonl]
+
+Why dtrain's exchange-based all-reduces run at half speed over Gloo, measured on the emulated cluster.
 
 Gloo sends a message only after the receiver has announced its receive buffer, and that announcement travels
 on the same TCP connection as the receiver's own outgoing data. dtrain's transport (dtrain/comm/transport.py)

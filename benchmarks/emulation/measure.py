@@ -1,4 +1,6 @@
-"""Measure collectives and training steps on an emulated leaf-spine cluster (needs root; a few minutes).
+"""Usage: sudo python benchmarks/emulation/measure.py [--out benchmarks/results] [--scale 1e-3]
+
+Measure collectives and training steps on an emulated leaf-spine cluster (needs root; a few minutes).
 
 The cluster: the ``4-rack`` preset cut to 2 racks x 2 servers, one GPU's worth of ranks and one 100 Gb/s
 Ethernet NIC a server, 2 spines, at 1:1 and 1:4 oversubscription, emulated at ``--scale`` (default 1e-3:

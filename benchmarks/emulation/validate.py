@@ -1,4 +1,6 @@
-"""Compare the simulator with what the emulated leaf-spine cluster measured (benchmarks/emulation/measure.py).
+"""Usage: python benchmarks/emulation/validate.py [--data benchmarks/results]
+
+Compare the simulator with what the emulated leaf-spine cluster measured (benchmarks/emulation/measure.py).
 
 For every measured all-reduce the simulator replays the same schedule (dtrain's algorithms; Gloo's own
 all-reduce as a ring, which is what Gloo runs for it) on the network the emulation built

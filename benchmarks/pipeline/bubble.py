@@ -1,4 +1,6 @@
-"""Pipeline bubble measured against (p - 1) / (v m + p - 1): GPipe, 1F1B and interleaved 1F1B, with the
+"""Usage: python benchmarks/pipeline/bubble.py [--stages 2 4] [--out FILE] | --report FILE... [--plot PNG]
+
+Pipeline bubble measured against (p - 1) / (v m + p - 1): GPipe, 1F1B and interleaved 1F1B, with the
 activations each stage holds.
 
     python benchmarks/pipeline/bubble.py --stages 2 4 --out benchmarks/results/cpu-pipeline-bubble.jsonl    # CPU, Gloo

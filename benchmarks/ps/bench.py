@@ -1,4 +1,6 @@
-"""Parameter-server numbers, all in one run on one machine (docs/ps.md reads them):
+"""Usage: python benchmarks/ps/bench.py [--out benchmarks/results]
+
+Parameter-server numbers, all in one run on one machine (docs/ps.md reads them):
 
 1. push+pull throughput (GB/s) against worker and server counts on loopback, beside a raw ZeroMQ transfer of the
    same bytes in the same pattern (pull: small request, big reply; push: big request, small reply), the ceiling;

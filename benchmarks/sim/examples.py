@@ -1,4 +1,6 @@
-"""What the simulator predicts for the 4-rack preset (128 A100s, 16 DGX-A100-like servers, 2 spines): the
+"""Usage: python benchmarks/sim/examples.py [--out benchmarks/results/sim_examples-4rack.jsonl]
+
+What the simulator predicts for the 4-rack preset (128 A100s, 16 DGX-A100-like servers, 2 spines): the
 all-reduce algorithms and placements at 1:1 and 1:4 oversubscription, and a training step's placements.
 
     python benchmarks/sim/examples.py [--out benchmarks/results/sim_examples-4rack.jsonl]

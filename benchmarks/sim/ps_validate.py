@@ -1,4 +1,6 @@
-"""dtrain.sim.ps against the real parameter server (dtrain.ps) on an emulated cluster (dtrain.emulate); as root.
+"""Usage: sudo python benchmarks/sim/ps_validate.py [--out DIR] [--mbit 100] [--queue-ms MS] [--only CASES]
+
+dtrain.sim.ps against the real parameter server (dtrain.ps) on an emulated cluster (dtrain.emulate); as root.
 
 One rack of six emulated machines (network namespaces on one bridge), one 100 GbE NIC each, scaled by
 ``--mbit`` / 100,000 (default 100 Mbit/s, shaped by tc tbf). Parameter servers run on machines s0 and s1 (the

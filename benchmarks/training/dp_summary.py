@@ -1,4 +1,6 @@
-"""Summarise ``training/dp_zero.py --sections dp --sizes 4 1`` files: per launch, each variant's ratio to DDP and
+"""Usage: python benchmarks/training/dp_summary.py DIR
+
+Summarise ``training/dp_zero.py --sections dp --sizes 4 1`` files: per launch, each variant's ratio to DDP and
 its scaling efficiency from one GPU to four (tokens/s per GPU over the one-GPU step of the same launch).
 
 Usage: python benchmarks/training/dp_summary.py DIR   (every dp-*.jsonl in it)

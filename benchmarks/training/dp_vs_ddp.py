@@ -1,4 +1,6 @@
-"""Data parallel, ours against torch's DistributedDataParallel: same model, global batch and AdamW, one launch.
+"""Usage: python benchmarks/training/dp_vs_ddp.py --nproc 1 2 4 1 [--out FILE]
+
+Data parallel, ours against torch's DistributedDataParallel: same model, global batch and AdamW, one launch.
 
     python benchmarks/training/dp_vs_ddp.py --nproc 1 2 4 1 --out benchmarks/results/dp_vs_ddp-cpu2.jsonl
 

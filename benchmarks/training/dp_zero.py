@@ -1,4 +1,6 @@
-"""Data parallel and ZeRO, ours against torch's DDP and ZeroRedundancyOptimizer, in one launch.
+"""Usage: torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py [--sections dp zero] [--out F]  (CPU: --nproc 4)
+
+Data parallel and ZeRO, ours against torch's DDP and ZeroRedundancyOptimizer, in one launch.
 
     torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py --out runs/peers-dp-zero.jsonl   # GPUs, NCCL
     python benchmarks/training/dp_zero.py --nproc 4 --layers 2 --embd 64 ...                     # CPU, Gloo

@@ -1,4 +1,6 @@
-"""Tensor and pipeline parallel, ours against torch's own (DTensor tensor parallel, torch.distributed.pipelining).
+"""Usage: torchrun --nproc-per-node 4 benchmarks/training/tp_pp.py [--sections tp pp] [--out F]  (CPU: --nproc 4)
+
+Tensor and pipeline parallel, ours against torch's own (DTensor tensor parallel, torch.distributed.pipelining).
 
     torchrun --nproc-per-node 4 benchmarks/training/tp_pp.py --out runs/peers-tp-pp.jsonl   # GPUs, NCCL
     python benchmarks/training/tp_pp.py --nproc 4 --tp-dim 64 --pp-width 64 ...             # CPU, Gloo

@@ -1,4 +1,6 @@
-"""Peak memory of a rank on the CPU: plain data parallel against ZeRO stage 1 and stage 2, AdamW, one GPT.
+"""Usage: python benchmarks/training/zero_memory.py --nproc 2 [--out FILE]
+
+Peak memory of a rank on the CPU: plain data parallel against ZeRO stage 1 and stage 2, AdamW, one GPT.
 
     python benchmarks/training/zero_memory.py --nproc 2 --out benchmarks/results/parallel-zero-memory.jsonl
 

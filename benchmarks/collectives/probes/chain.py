@@ -1,5 +1,7 @@
 # ruff: noqa: B023  (every closure here is timed at once, inside its loop iteration)
-"""Probe: does a pipelined chain broadcast on the peer transport get faster with more pieces?
+"""Usage: torchrun --nproc-per-node 4 benchmarks/collectives/probe.py chain
+
+Probe: does a pipelined chain broadcast on the peer transport get faster with more pieces?
 
 Run under torchrun on 4 GPUs of one host. Times dtrain's ring broadcast schedule (rank 0 -> 1 -> 2 -> 3, cut
 into ``P`` pieces) run directly through the peer transport in the pull and the push form, for several ``P``,

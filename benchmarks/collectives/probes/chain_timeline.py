@@ -1,4 +1,6 @@
-"""Probe: the device timeline of one pipelined chain broadcast on the peer transport (where a round's time goes).
+"""Usage: torchrun --nproc-per-node 4 benchmarks/collectives/probe.py chain-timeline [--mib N] [--pieces P] [--push]
+
+Probe: the device timeline of one pipelined chain broadcast on the peer transport (where a round's time goes).
 
 Run under torchrun on 4 GPUs of one host. Runs dtrain's ring broadcast (``--pieces`` pieces, pull form) of
 ``--mib`` MiB directly through the transport under torch.profiler, and writes each rank's GPU kernels of the

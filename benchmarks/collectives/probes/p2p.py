@@ -1,5 +1,7 @@
 # ruff: noqa: B023, B905  (a probe: closures are called inside the loop iteration that made them)
-"""Where does a Python-driven collective lose time on GPUs? Point-to-point latency, bandwidth and CPU cost.
+"""Usage: torchrun --nproc-per-node 4 benchmarks/collectives/probe.py p2p
+
+Where does a Python-driven collective lose time on GPUs? Point-to-point latency, bandwidth and CPU cost.
 
 Run under torchrun on one host: ``torchrun --nproc-per-node 4 benchmarks/collectives/probe.py p2p``. Times are
 nccl-tests style (iterations back to back, one synchronize at the end, per-iteration mean); "cpu" is the

@@ -1,4 +1,6 @@
-"""Probe: host time per step of the peer transport (torchrun on the GPUs of one host).
+"""Usage: torchrun --nproc-per-node 4 benchmarks/collectives/probe.py peer-host
+
+Probe: host time per step of the peer transport (torchrun on the GPUs of one host).
 
 Prints the host microseconds one call enqueues (no synchronisation inside the loop) and the GPU time per call
 for: a Triton pull-kernel launch, torch.add(out=), copy_, a symmetric-memory barrier, and dtrain's ring

@@ -1,4 +1,6 @@
-"""Probe: how transfers through peer memory share a GPU's NVLink port, as the peer transport's passes do.
+"""Usage: torchrun --nproc-per-node 4 benchmarks/collectives/probe.py port [--sizes-mib 1,4] [--patterns P,..] [--out F]
+
+Probe: how transfers through peer memory share a GPU's NVLink port, as the peer transport's passes do.
 
 Run under torchrun on 4 GPUs of one host. Every pattern is one round: a device barrier, then each taking part
 rank's pass (ranks that take no part only wait at the barrier). Per pattern and per size of one flow, the

@@ -1,5 +1,7 @@
 # ruff: noqa: B023  (every closure here is timed at once, inside its loop iteration)
-"""Probe: how fast one round's pass runs through peer memory, by kernel and launch shape (torchrun, GPUs of one host).
+"""Usage: torchrun --nproc-per-node 4 benchmarks/collectives/probe.py pull-kernel
+
+Probe: how fast one round's pass runs through peer memory, by kernel and launch shape (torchrun, GPUs of one host).
 
 Every rank at once reads the window of rank r+1 (a ring round) and writes locally, or writes into rank r+1's
 window (a push), for chunks of 16 MiB and 256 MiB:

@@ -1,4 +1,6 @@
-"""Probe: where a replayed peer-transport call spends host time (torchrun on the GPUs of one host).
+"""Usage: torchrun --nproc-per-node 4 benchmarks/collectives/probe.py replay-host
+
+Probe: where a replayed peer-transport call spends host time (torchrun on the GPUs of one host).
 
 For dtrain's ring all-reduce on the default transport (peer memory, replays on) at 16 KiB, 1 MiB and 64 MiB it
 prints host microseconds to enqueue one call (no synchronisation inside the loop) and GPU microseconds per call

@@ -1,5 +1,7 @@
 # ruff: noqa: B023  (every closure here is timed at once, inside its loop iteration)
-"""Probe: what moving a round through peer memory (torch symmetric memory) costs on this GPU host.
+"""Usage: torchrun --nproc-per-node 4 benchmarks/collectives/probe.py symm
+
+Probe: what moving a round through peer memory (torch symmetric memory) costs on this GPU host.
 
 Run under torchrun on every GPU of one host. Prints, per size: NCCL's all-reduce, a device-side barrier, a
 pull copy and a pull add from one peer and from all peers at once, and prototype ring and direct

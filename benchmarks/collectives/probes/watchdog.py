@@ -1,4 +1,6 @@
-"""Probe: host microseconds of the watchdog's per-call work on one GPU (no process group needed).
+"""Usage: python benchmarks/collectives/probe.py watchdog
+
+Probe: host microseconds of the watchdog's per-call work on one GPU (no process group needed).
 
 Times, while the GPU is kept busy (torch.cuda._sleep) so recorded events stay pending as in training: the
 current-stream look-up, making a CUDA event object, recording a new event, re-recording an event made and
