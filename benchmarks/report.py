@@ -500,7 +500,7 @@ def section_bubble() -> str:
             setting(
                 CPU,
                 f"torch {cpu[0]['torch_version']}",
-                "python benchmarks/pipeline/bubble.py --stages 2 4 --stall-s 60",
+                "python benchmarks/pipeline/bubble.py --stages 2 4 --schedules gpipe 1f1b",
                 "`bubble-cpu2.jsonl`",
             ),
             table(header, bubble_rows(cpu)),

@@ -12,8 +12,8 @@ Per case (oversubscription x placement) it builds the cluster, checks it (ping, 
 ``dtrain bench comm`` (all-reduce: ring, tree, recursive doubling, hierarchical with a rack as its node, and
 Gloo's own) over 4 KiB .. 4 MiB and ``dtrain train`` (GPT debug, dp=4, ring all-reduce), and tears it down.
 The same training run on 4 local ranks over loopback (no shaping) is the compute-and-CPU baseline the
-prediction starts from. Raw records go to ``<out>/emulate-raw-*.jsonl``; benchmarks/emulation/validate.py
-compares them with the simulator.
+prediction starts from. Raw records go to ``<out>/emulation-{collectives,train,checks}.jsonl``;
+benchmarks/emulation/validate.py compares them with the simulator.
 
     sudo python benchmarks/emulation/measure.py [--out benchmarks/results] [--scale 1e-3]
 """
@@ -124,7 +124,7 @@ def main() -> None:
     train.append({"case": "loopback", "scale": None, **_local_baseline(work)})
     machine = "this 2-core CPU machine, shared with other jobs"
     for label, rows in (("checks", checks), ("collectives", bench), ("train", train)):
-        path = out / f"emulate-raw-{label}.jsonl"
+        path = out / f"emulation-{label}.jsonl"
         path.write_text("".join(json.dumps({**r, "machine": machine}) + "\n" for r in rows))
         print(f"wrote {len(rows)} records to {path}")
 

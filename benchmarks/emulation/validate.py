@@ -1,4 +1,4 @@
-"""Usage: python benchmarks/emulation/validate.py [--data benchmarks/results]
+"""Usage: python benchmarks/emulation/validate.py [--data benchmarks/results] [--out FILE] [--plot PNG]
 
 Compare the simulator with what the emulated leaf-spine cluster measured (benchmarks/emulation/measure.py).
 
@@ -15,7 +15,7 @@ A training step is predicted as the same training on 4 local ranks over loopback
 Gloo's host costs; measured) plus the simulated wire time of its two all-reduces (the gradients, one bucket
 of float32, and the loss). Errors are ``predicted / measured - 1``; the tables give median and worst |error|.
 
-    python benchmarks/emulation/validate.py [--data benchmarks/results]   (no root needed)
+    python benchmarks/emulation/validate.py [--data benchmarks/results] [--out FILE] [--plot PNG]   (no root needed)
 """
 
 from __future__ import annotations
@@ -152,6 +152,8 @@ def plot(rows: list[dict], exchange: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default="benchmarks/results")
+    parser.add_argument("--out", default=None, help="default: DATA/sim_validation-emulation.jsonl")
+    parser.add_argument("--plot", default=None, help="also draw measured against predicted to this PNG")
     args = parser.parse_args()
     data = Path(args.data)
     bench = [json.loads(x) for x in (data / "emulation-collectives.jsonl").read_text().splitlines()]
@@ -166,12 +168,13 @@ def main() -> None:
                      "measured_s": measured, "predicted_s": fitted, "predicted_network_s": network,
                      "error": fitted / measured - 1, "error_network": network / measured - 1})  # fmt: skip
     train_rows = _train_predictions(train)
-    out = data / "sim_validation-emulation.jsonl"
+    out = Path(args.out) if args.out else data / "sim_validation-emulation.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows + train_rows))
     exchange_path = data / "emulation-exchange.jsonl"
     exchange = [json.loads(x) for x in exchange_path.read_text().splitlines()] if exchange_path.exists() else []
-    plot(rows, exchange, data / "emulate-validation.png")
-    print(f"wrote {len(rows) + len(train_rows)} records to {out} and the plot beside it\n")
+    if args.plot:
+        plot(rows, exchange, Path(args.plot))
+    print(f"wrote {len(rows) + len(train_rows)} records to {out}\n")
     print("all-reduce, fitted software costs, by algorithm:\n" + _summary(rows, "algorithm") + "\n")
     print("all-reduce, fitted, by case:\n" + _summary(rows, "case") + "\n")
     net = [{**r, "error": r["error_network"]} for r in rows]

@@ -298,16 +298,18 @@ def table(records: list[dict]) -> str:
     order = {s: i for i, s in enumerate(SCHEDULES)}
     for r in sorted(records, key=lambda r: (r["stages"], r["microbatches"], order[r["schedule"]])):
         held = ",".join(map(str, r["peak_activations_per_stage"]))
-        expected = ",".join(map(str, r["peak_expected_per_stage"]))
-        timeline = "-" if r["bubble_timeline"] is None else f"{r['bubble_timeline']:.2f}"
+        # absent from the records of bubble-cpu2.jsonl
+        expected = ",".join(map(str, r.get("peak_expected_per_stage") or []))
+        held += f" ({expected})" if expected else ""
+        timeline = "-" if r.get("bubble_timeline") is None else f"{r['bubble_timeline']:.2f}"
         mb = (
             "-"
-            if r["peak_step_bytes_per_stage"] is None
+            if r.get("peak_step_bytes_per_stage") is None
             else ",".join(f"{b / 2**20:.0f}" for b in r["peak_step_bytes_per_stage"])
         )
         lines.append(
             f"| {r['stages']} | {r['microbatches']} | {r['schedule']} | {r['bubble_theory']:.2f} "
-            f"| {r['bubble_measured']:.2f} | {timeline} | {r['step_s'] * 1e3:.1f} | {held} ({expected}) | {mb} |"
+            f"| {r['bubble_measured']:.2f} | {timeline} | {r['step_s'] * 1e3:.1f} | {held} | {mb} |"
         )
     return "\n".join(lines)
 
@@ -326,7 +328,7 @@ def _plot(records: list[dict], path: Path) -> None:
         rows = [r for r in records if r["stages"] == p]
         ms = sorted({r["microbatches"] for r in rows})
         ax.plot(ms, [theoretical_bubble(p, m) for m in ms], "k--", label="(p-1)/(m+p-1)")
-        vs = sorted({r["virtual_stages"] for r in rows if r["virtual_stages"] > 1})
+        vs = sorted({r.get("virtual_stages", 1) for r in rows if r.get("virtual_stages", 1) > 1})
         for v in vs:
             ax.plot(ms, [theoretical_bubble(p, m, v) for m in ms], "k:", label=f"(p-1)/({v}m+p-1)")
         for schedule, marker in zip(SCHEDULES, "os^", strict=True):

@@ -1,6 +1,6 @@
 """Usage: (a module: imported by benchmarks/training/dp_zero.py and tp_pp.py)
 
-Timing and memory helpers shared by the training benchmarks (ours against torch's own, in one launch).
+Timing and memory functions shared by the training benchmarks (ours against torch's own, in one launch).
 
 A figure is the median over ``trials`` of the slowest rank's time for ``iters`` calls, after ``warmup`` untimed
 calls; on CUDA each timed run ends with a synchronize, so queued kernels are counted. Variants are timed in

@@ -57,7 +57,7 @@ TUNING_LOG = "nccl_tuning-h200x4.txt"  # NCCL 2.28.9's picks on this node (the H
 PROBE_H200 = "probe-symm-h200x4.txt"  # benchmarks/collectives/probe.py symm, 4 x H200
 PUSH_H200 = "probe-pull-kernel-h200x4.txt"  # benchmarks/collectives/probe.py pull-kernel, 4 x H200
 BANDS = (("1-16 MiB", MIB, 16 * MIB), (">= 16 MiB", 16 * MIB, 1 << 62), ("1 MiB-1 GiB", MIB, 1 << 62))
-#: host time of a bare ``graph.replay()`` (probe.py replay-host, 4 x H100, final code): what a ``+graph`` call
+#: host time of a bare ``graph.replay()`` (probe.py replay-host, 4 x H100): what a ``+graph`` call
 #: costs the host
 BARE_REPLAY_S = 8.6e-6
 #: NCCL's collectives the NCCL model prices, and as what

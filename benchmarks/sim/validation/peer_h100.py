@@ -23,7 +23,7 @@ both, and a 16 MiB pass runs 8-19% below the rate of a 256 MiB one ("two sizes")
 prices with the rates of 16 MiB passes and no ``gpu_op_s``, as ``validate.py peer-h200`` calibrates 4 x H200.
 
 Fitted: only the host time of a replayed call (``host_replay_s``), on the <= 1 MiB replays of ONE sweep, the
-final code's (``all_reduce-h100x4.jsonl``: 3 all-reduces of 1 MiB). Held out: every other point
+default all-reduce's (``all_reduce-h100x4.jsonl``: 3 all-reduces of 1 MiB). Held out: every other point
 of the eight sweeps (all-reduce, all-gather, reduce-scatter, all-to-all, 1 MiB-1 GiB, replayed, and one eager
 all-reduce sweep), each priced as the runtime ran it, with the API's own operations (dtrain.sim.api_passes).
 ``auto`` rows are priced as the algorithm they resolved to and reported apart.
@@ -32,8 +32,8 @@ NCCL's own (``native``) points, those of the eight sweeps and of five runs that 
 all-reduce at 4-64 MiB (``NATIVE_ONLY``), are priced with dtrain.sim.nccl: its four figures fitted with
 ``fit_nccl`` on ONE run, run 3's first launch (``NCCL_FIT_SWEEP``: all-reduce, all-gather and reduce-scatter,
 1 MiB-1 GiB), the local copy at ``LOCAL_OVER_CONNECTION`` times the connection rate. Two variants show what
-each change does: the same fit without the copy, and the previous fit (no copy, on the final sweep's
-all-reduce; with today's code, so today's all-to-all). All three are tested on the native points that neither
+each part does: the same fit without the copy, and a fit without the copy on the fit sweep's
+all-reduce alone. All three are tested on the native points that neither
 fit run holds.
 """
 
@@ -68,7 +68,7 @@ SWEEPS = {  # file: what it is
     "ar_ag_rs-h100x4-run2.jsonl": "run 3, launch 2, three collectives",
     "rs_ag_a2a-h100x4.jsonl": "run 2, reduce-scatter, all-gather, all-to-all",
     "all_reduce-builtin_rule-h100x4.jsonl": "run 4, all-reduce, built-in rule",
-    FIT_SWEEP: "final code, all-reduce, built-in rule",
+    FIT_SWEEP: "all-reduce, built-in rule, the fit sweep",
     "all_reduce-eager-h100x4.jsonl": "run 1, all-reduce, eager (PERSISTENT=0)",
 }
 NCCL_FIT_SWEEP = "ar_ag_rs-h100x4-run1.jsonl"
@@ -249,7 +249,7 @@ def _native(sweeps: list[str]) -> tuple[dict[str, NcclParams], list[dict]]:
     final = [r for r in rows if r["sweep"] == FIT_SWEEP and r["collective"] == "all_reduce"]
     fits = {"copy, fitted on run 3 launch 1": (colls, LOCAL_OVER_CONNECTION),
             "no copy, fitted on run 3 launch 1": (colls, None),
-            "no copy, fitted on the final sweep's all-reduce (before)": (final, None)}  # fmt: skip
+            "no copy, fitted on the fit sweep's all-reduce": (final, None)}  # fmt: skip
     params, out = {}, []
     for variant, (fit_set, local) in fits.items():
         points = [NcclPoint(collective=r["collective"], nbytes=r["nbytes"], seconds=r["time_us"] * 1e-6)

@@ -211,7 +211,7 @@ def main() -> None:
                     print(_summary(f"{variant} | pull and push, {name}, {label}", sub))
                     sets[f"{variant}: pull and push, {name}, {label}"] = sub
     # eager, pull form (held out): all-gather and all-to-all with the direct
-    # algorithm's passes rotated, as the plan now runs them, beside all-reduce
+    # algorithm's passes rotated, as the plan runs them, beside all-reduce
     rotated = _points(DATA / "collectives-direct-h200x4.jsonl", False, api=api)
     for variant, cost in (("calibrated", calibrated), ("host-fitted", fitted)):
         rows = _errors(rotated, cost)
@@ -226,7 +226,7 @@ def main() -> None:
         if variant == "host-fitted":
             _by_collective("host-fitted | eager, direct rotated", others)
     # replays of every size: the host time of a replayed call fitted on the small replays of one sweep (the
-    # presized-window sweep, <= 1 MiB), tested on the others (window grown, pull and push forms, final code)
+    # presized-window sweep, <= 1 MiB), tested on the others (window grown, pull and push forms, push from 64 MiB)
     presized = _points(DATA / "all_reduce-replay-presized-h200x4.jsonl", True, api=api)
     fit_small = [
         (p["schedule"], p["nbytes"], p["seconds"], True, False, p["api"]) for p in presized if p["nbytes"] <= 1 << 20
@@ -237,7 +237,7 @@ def main() -> None:
         "window grown (pull)": _points(DATA / "all_reduce-replay-growing-h200x4.jsonl", True, api=api),
         "pull form": _points(DATA / "all_reduce-pull-graphs-h200x4.jsonl", True, api=api),
         "push form": _points(DATA / "all_reduce-push-graphs-h200x4.jsonl", True, push=True, api=api),
-        "final code (push from 64 MiB)": [
+        "push from 64 MiB": [
             {**p, "push": p["nbytes"] >= 64 << 20}
             for p in _points(DATA / "all_reduce-peer-graphs-h200x4.jsonl", True, api=api)
         ],

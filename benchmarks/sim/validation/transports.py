@@ -10,9 +10,8 @@ Two questions, both answered from JSON lines that ``dtrain bench comm`` wrote on
    ``collectives-direct-h200x4.jsonl`` (all-reduce and all-gather, 1-256 MiB; its all-to-all is
    not fitted on), through the simulator. Every other native point is held out: the all-reduce sweeps (eager
    and CUDA-graph), the other collectives, the all-to-all, and the NVLink transport run.
-   The previous fit (no copy, on ``all_reduce-p2p-h200x4.jsonl``'s eager all-reduce) is priced beside it as
-   variant ``before``, with today's code (so today's all-to-all and fit search); the tables compare both on
-   the points neither fit holds.
+   A fit without the local copy on ``all_reduce-p2p-h200x4.jsonl``'s eager all-reduce is priced beside it as
+   variant ``before``; the tables compare both on the points neither fit holds.
 2. **The hardware comparison**: NVLink against host shared memory (``NCCL_P2P_DISABLE=1``)
    against sockets (``NCCL_SHM_DISABLE=1`` as well), measured in one launch
    (``transport-{nvlink,shm,socket}-h200x4.jsonl``: native, ring and direct all-reduce). Each transport is a
