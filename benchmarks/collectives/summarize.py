@@ -1,6 +1,6 @@
 """Usage: python benchmarks/collectives/summarize.py FILE.jsonl [--collective C] [--algorithms A,B] [--model]
 
-Markdown tables for docs/benchmarks.md from ``dtrain bench comm`` JSON lines.
+Markdown tables from ``dtrain bench comm`` JSON lines.
 
     python benchmarks/collectives/summarize.py runs/gpu/gpu-all_reduce.jsonl --algorithms native,ring,direct,auto
     python benchmarks/collectives/summarize.py runs/gpu/gpu-all_reduce.jsonl --model

@@ -1,6 +1,6 @@
-"""Usage: python benchmarks/ps/bench.py [--out benchmarks/results]
+"""Usage: python benchmarks/ps/bench.py [--out benchmarks/results] [--only NAMES] [--where cpu2] [--plot PNG]
 
-Parameter-server numbers, all in one run on one machine (docs/ps.md reads them):
+Parameter-server numbers, all in one run on one machine (docs/results.md shows them):
 
 1. push+pull throughput (GB/s) against worker and server counts on loopback, beside a raw ZeroMQ transfer of the
    same bytes in the same pattern (pull: small request, big reply; push: big request, small reply), the ceiling;
@@ -9,7 +9,8 @@ Parameter-server numbers, all in one run on one machine (docs/ps.md reads them):
 4. time from a server's death (kill -9) to training going on, chain and primary-backup, with the acknowledged
    updates the weak mode lost.
 
-``python benchmarks/ps/bench.py --out benchmarks/results`` writes ps-*.jsonl and ps-throughput.png there.
+``python benchmarks/ps/bench.py --out benchmarks/results`` writes ps_*-cpu2.jsonl there (``--plot PNG``: the
+throughput plot).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def hmac_gb_s(nbytes: int = 4 << 20, repeats: int = 20) -> float:
     return nbytes * repeats / (time.perf_counter() - start) / 1e9
 
 
-def throughput(out: Path, tmp: Path) -> list[dict]:
+def throughput(plot: Path | None, tmp: Path) -> list[dict]:
     rows = [{"bench": "hmac", "hmac_sha256_gb_s": hmac_gb_s(), "machine": MACHINE}]
     print(rows[0], flush=True)
     shard_bytes, steps = 4 << 20, 15
@@ -131,7 +132,8 @@ def throughput(out: Path, tmp: Path) -> list[dict]:
                "ps_gb_s": ps, "raw_zeromq_gb_s": raw, "ratio": ps / raw, "machine": MACHINE}  # fmt: skip
         print(row, flush=True)
         rows.append(row)
-    _plot(rows[1:], out / "ps-throughput.png")
+    if plot is not None:
+        _plot(rows[1:], plot)
     return rows
 
 
@@ -210,14 +212,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--only", default="throughput,straggler,hot_keys,failover")
+    parser.add_argument("--where", default="cpu2", help="the machine's tag in the file names (ps_NAME-WHERE.jsonl)")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw the throughput to this PNG")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     benches = {"throughput": throughput, "straggler": stragglers, "hot_keys": hot_keys, "failover": failover}
     for name in args.only.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            rows = benches[name](out, Path(tmp)) if name == "throughput" else benches[name](Path(tmp))
-        with open(out / f"ps-{name.replace('_', '-')}.jsonl", "w") as f:
+            rows = benches[name](args.plot, Path(tmp)) if name == "throughput" else benches[name](Path(tmp))
+        with open(out / f"ps_{name}-{args.where}.jsonl", "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
 

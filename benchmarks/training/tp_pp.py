@@ -18,7 +18,7 @@ et al. 2021, section 2.2.2). Each pair: the gradients of one step from the same 
 (``max_abs_grad_diff_vs_torch``, the largest over the stages), the peak memory of one step, then the step time,
 timed in rotating turns (:func:`timing.time_variants`) with ``--pp-trials`` trials of at most
 ``--pp-iters`` steps, fewer if they would not fit ``--pp-budget-s``. GPipe and 1F1B run first, in the order of
-``--microbatches``, then interleaved (which can deadlock on NCCL, docs/pipeline-gpu.md), and rank 0 prints each
+``--microbatches``, then interleaved (the most likely to stall, so last), and rank 0 prints each
 row as a JSON line and appends it to ``--out`` as soon as it is measured, so a run cut short keeps what it
 finished. ``--stall-s`` is re-armed for each pair (:class:`bubble.StallGuard`): a pair that stalls leaves a
 row saying so (``stalled_after_s``), dumps every stack and ends the run.
@@ -148,9 +148,8 @@ def _pipeline_step(kind: str, runner, params, x, y):
 
 def _pipeline_order(args, p: int) -> list[tuple[str, int]]:
     """(family, m) in the order of what matters most: GPipe and 1F1B in the order of ``--microbatches``, then
-    interleaved 1F1B (last: on NCCL ours can deadlock, and a deadlock ends the run; see
-    docs/pipeline-gpu.md). Interleaved only where ``m`` is a multiple of the ``p`` stages (Megatron-LM's rule,
-    ours too) and the layers give every chunk one."""
+    interleaved 1F1B (last: a stall ends the run). Interleaved only where ``m`` is a multiple of the ``p``
+    stages (Megatron-LM's rule, ours too) and the layers give every chunk one."""
     families = args.pp_variants
     fits = args.pp_layers >= args.pp_virtual_stages * p
     order = [(f, m) for m in args.microbatches for f in ("gpipe", "1f1b") if f in families]

@@ -9,7 +9,7 @@ halving-doubling, direct and auto, 16 KiB-1 GiB); every figure of the model is f
 (:func:`fit_peer_cost`; the local copy rate is fixed at the probe's 64 MiB copy, 1.83 TB/s). Held out: the
 other four collectives with graph-replayed calls (``collectives-peer-graphs-h200x4.jsonl``: all-gather,
 reduce-scatter, broadcast, all-to-all, 1-256 MiB, no host time), and the all-reduce graph replays of
-``benchmarks/collectives/probe.py peer-host`` (16 KiB and 64 MiB, copied below from its output in docs/benchmarks.md).
+``benchmarks/collectives/probe.py peer-host`` (16 KiB and 64 MiB, copied below from its output).
 Prints the median and worst relative error, |predicted / measured - 1|, per set and per algorithm.
 
 Also held out, none of it fitted: the pull and push forms of the all-reduce, eager and replayed, from
