@@ -19,6 +19,7 @@ are in benchmarks/results/probe-*.txt and port-*.jsonl.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import sys
 from pathlib import Path
@@ -45,13 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if mode not in MODES:
         print(f"probe.py: unknown MODE {mode!r}; one of: {', '.join(MODES)}", file=sys.stderr)
         return 2
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    module = importlib.import_module(f"probes.{MODES[mode]}")
-    if rest in (["-h"], ["--help"]) and "argparse" not in vars(module):
-        print(module.__doc__)
+    here = Path(__file__).resolve().parent
+    if rest in (["-h"], ["--help"]):  # the probe's docstring, read without importing it (triton, CUDA)
+        print(ast.get_docstring(ast.parse((here / "probes" / f"{MODES[mode]}.py").read_text())))
         return 0
+    if str(here) not in sys.path:
+        sys.path.insert(0, str(here))
+    module = importlib.import_module(f"probes.{MODES[mode]}")
     sys.argv = [f"{sys.argv[0]} {mode}", *rest]
     module.main()
     return 0
