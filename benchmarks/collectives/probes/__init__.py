@@ -1,1 +1,1 @@
-"""The probes of ``benchmarks/collectives/probe.py``, one module a mode."""
+"""Usage: (a package: ``benchmarks/collectives/probe.py MODE`` runs its modules, one a mode)"""

@@ -1,4 +1,6 @@
-"""The shared part of the ``captured`` suite: records, the 4 x H200 calibration, pricing and fitting of the
+"""Usage: (a module: imported by the ``captured`` suite, ``python benchmarks/sim/validate.py captured``)
+
+The shared part of the ``captured`` suite: records, the 4 x H200 calibration, pricing and fitting of the
 captured calls (``benchmarks/sim/validate.py captured`` runs it).
 
 Runs (``benchmarks/gpu/run.sh captured``): on 4 x H200, four processes of two launches that time every
