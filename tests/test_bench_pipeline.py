@@ -1,4 +1,4 @@
-"""The pipeline benchmarks (benchmarks/pipeline_bubble.py, the pp section of benchmarks/peers_tp_pp.py) on 2 Gloo
+"""The pipeline benchmarks (benchmarks/pipeline/bubble.py, the pp section of benchmarks/training/tp_pp.py) on 2 Gloo
 ranks with tiny sizes: every configuration leaves a row in --out, in the promised order, with the schedule's
 memory bound and the same gradients as torch.distributed.pipelining."""
 
@@ -17,12 +17,12 @@ from dtrain.launch import run_ranks
 from dtrain.parallel.pipeline_schedules import SCHEDULES, theoretical_bubble, validate_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "benchmarks" / "pipeline"), str(ROOT / "benchmarks" / "training")]
 
-import peers_tp_pp  # noqa: E402
-import pipeline_bubble  # noqa: E402
-from peers_tp_pp import PP_FAMILIES, _pipeline_order  # noqa: E402
-from pipeline_bubble import expected_peak  # noqa: E402
+import bubble as pipeline_bubble  # noqa: E402
+import tp_pp as peers_tp_pp  # noqa: E402
+from bubble import expected_peak  # noqa: E402
+from tp_pp import PP_FAMILIES, _pipeline_order  # noqa: E402
 
 
 def _both_benchmarks(bubble_args, pp_args) -> None:

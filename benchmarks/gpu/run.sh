@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Usage: benchmarks/gpu/run.sh OUTDIR MODE [MODE...]   (benchmarks/gpu/run.sh --help lists the modes)
+#
+# The GPU measurements behind docs/results.md, on every GPU of one host, with dtrain's defaults (no DTRAIN_COMM_*
+# set unless a mode says so) and NVLink multicast off. Each mode runs under its own time limit (LIMIT seconds
+# overrides it), so one that stalls costs its limit and not the whole call; results go to OUTDIR.
+#
+# Modes, by what they measure:
+#   machine            GPUs, topology, torch/NCCL/Triton versions                          -> machine.txt
+#   verify             bench verify: every (collective, algorithm) against NCCL's result     -> verify.txt
+#   verify-push        the same with every schedule in the push form (DTRAIN_COMM_PEER_MODE=push)
+#   calibrate          the cost model's alpha/beta/gamma                                     -> calibration.json
+#   all-reduce         all-reduce 1 MiB-1 GiB: NCCL, ring, halving-doubling, auto            -> all_reduce.jsonl
+#   all-reduce-eager   the same 16 MiB-1 GiB without graph replays (DTRAIN_COMM_PERSISTENT=0)
+#   pull-push          all-reduce in the pull and the push form, eager and replayed          -> all_reduce-{pull,push}-*.jsonl
+#   rules              all-reduce, all-gather, reduce-scatter writing measured rules, then a launch following them
+#   host               every collective and algorithm at 16 KiB, 100 calls: the host's time per call
+#   sweep-symmetric    all-reduce, all-gather, reduce-scatter, all-to-all, every algorithm, 1 MiB-1 GiB
+#   sweep-rooted       broadcast, reduce, gather, scatter, the same
+#   captured           both sets, 16 KiB-1 GiB, each call also captured whole as a CUDA graph (the devices' time)
+#                      -> captured-symmetric.jsonl, captured-rooted.jsonl
+#   nccl-tuning        NCCL's algorithm and protocol per collective and size (NCCL_DEBUG_SUBSYS=TUNING)
+#   transports         all-reduce over NVLink, host shared memory (NCCL_P2P_DISABLE=1) and sockets (+NCCL_SHM_DISABLE=1)
+#   p2p-channels       NCCL point-to-point with NCCL_MIN_P2P_NCHANNELS=32 and a 2 MiB NVLink chunk, against default
+#   dp                 data parallel against DDP, 1 and 4 GPUs, 32 and 16 sequences a GPU  -> dp_vs_ddp-b{32,16}.jsonl
+#   zero               ZeRO-1/2 against DDP and ZeroRedundancyOptimizer: step time, peak memory -> zero.jsonl
+#   tp                 tensor parallel against DTensor's                                     -> tp.jsonl
+#   pp                 pipeline parallel against torch.distributed.pipelining, p = 4           -> pp.jsonl
+#   bubble             pipeline bubble and activations against (p - 1)/(v m + p - 1), p = 2 and 4
+#   train              dtrain train dp2 x tp2 and dp2 x pp2, 60 steps                       -> train-*.jsonl
+#   probe-port         how transfers share one GPU's NVLink port                           -> port.jsonl
+#   probe-port-chain   the chain broadcast's round patterns through the port               -> port-chain.jsonl
+#   probe-chain        the chain broadcast by piece count                                   -> probe-chain.txt
+#   probe-chain-timeline  the chain broadcast's device timeline, pull and push              -> chain-timeline-*/
+#   probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
+#                      benchmarks/collectives/probe.py MODE                                 -> probe-MODE.txt
+set -uo pipefail
+if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
+  sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  [ $# -ge 1 ] && { [ "$1" = -h ] || [ "$1" = --help ]; } && exit 0
+  exit 2
+fi
+out=$1; shift
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset DTRAIN_COMM_TRANSPORT DTRAIN_COMM_PERSISTENT DTRAIN_COMM_PEER_MODE DTRAIN_COMM_TIMEOUT DTRAIN_COMM_RULES
+n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+# torchrun on every GPU (NP=... for fewer) under LIMIT seconds, warnings filtered
+tr() { timeout "${LIMIT:-150}" torchrun --nproc-per-node "${NP:-$n}" "$@" 2>&1 | grep --line-buffered -v -iE "warn|^\s*$"; }
+summ() { python3 benchmarks/collectives/summarize.py "$@" | tail -n +3; }
+counts() { echo "$1: $(grep -c '^ok' "$2") ok, $(grep -ciE '^(fail|mismatch)|error' "$2") failed"; }
+sym=all_reduce,all_gather,reduce_scatter,all_to_all
+rooted=broadcast,reduce,gather,scatter
+for mode in "$@"; do
+  start=$SECONDS
+  case $mode in
+    machine)
+      { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nvidia-smi topo -m
+        python3 -c 'import torch, triton; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "triton", triton.__version__)'
+      } >"$out/machine.txt" 2>&1; cat "$out/machine.txt" ;;
+    verify) LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify.txt"; counts verify "$out/verify.txt" ;;
+    verify-push)
+      DTRAIN_COMM_PEER_MODE=push LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify-push.txt"
+      counts "verify, pushed" "$out/verify-push.txt" ;;
+    calibrate) tr -m dtrain bench calibrate --out "$out/calibration.json" ;;
+    all-reduce|all-reduce-eager)
+      extra="--min-bytes 1M"; file=all_reduce
+      [ "$mode" = all-reduce-eager ] && { export DTRAIN_COMM_PERSISTENT=0; extra="--min-bytes 16M"; file=all_reduce-eager; }
+      tr -m dtrain bench comm --collectives all_reduce --algorithms native,ring,halving_doubling,auto $extra \
+        --max-bytes 1G --factor 4 --iters 20 --trials 3 --out "$out/$file.jsonl" >/dev/null
+      unset DTRAIN_COMM_PERSISTENT
+      summ "$out/$file.jsonl" --collective all_reduce --algorithms native,ring,halving_doubling,auto ;;
+    pull-push)
+      for form in pull push; do
+        for graphs in 0 1; do
+          name=all_reduce-$form-$([ $graphs = 1 ] && echo graphs || echo eager)
+          DTRAIN_COMM_TRANSPORT=peer DTRAIN_COMM_PEER_MODE=$form DTRAIN_COMM_PERSISTENT=$graphs LIMIT=${LIMIT:-90} \
+            tr -m dtrain bench comm --collectives all_reduce --algorithms native,ring,halving_doubling,auto \
+            --min-bytes 1M --max-bytes 1G --factor 4 --iters 20 --trials 3 --out "$out/$name.jsonl" >/dev/null
+          echo "== $name"; summ "$out/$name.jsonl" --collective all_reduce --algorithms native,ring,halving_doubling,auto
+        done
+      done ;;
+    rules)
+      export DTRAIN_COMM_RULES="$out/rules.json"; rm -f "$DTRAIN_COMM_RULES"
+      for run in 1 2; do
+        extra=""; [ $run = 1 ] && extra="--rules-out"
+        tr -m dtrain bench comm --collectives all_reduce,all_gather,reduce_scatter \
+          --algorithms native,ring,halving_doubling,recursive_doubling,direct,auto --min-bytes 1M --max-bytes 1G \
+          --factor 4 --iters 20 --trials 3 --out "$out/ar_ag_rs-run$run.jsonl" $extra >"$out/ar_ag_rs-run$run.log"
+        for c in all_reduce all_gather reduce_scatter; do
+          summ "$out/ar_ag_rs-run$run.jsonl" --collective $c --algorithms native,ring,auto
+        done
+      done
+      python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['rules'])" "$DTRAIN_COMM_RULES"
+      unset DTRAIN_COMM_RULES ;;
+    host)
+      tr -m dtrain bench comm --collectives $sym,$rooted --min-bytes 16K --max-bytes 16K --iters 100 --trials 3 \
+        --out "$out/host.jsonl" >"$out/host.log"; echo "exit $?" ;;
+    sweep-symmetric|sweep-rooted|captured)
+      parts=$mode; [ "$mode" = captured ] && parts="captured-symmetric captured-rooted"
+      for part in $parts; do
+        set_=$sym; [ "${part#*-}" = rooted ] && set_=$rooted
+        extra="--min-bytes 1M"; [ "${part%-*}" = captured ] && extra="--min-bytes 16K --graphs"
+        LIMIT=${LIMIT:-300} tr -m dtrain bench comm --collectives $set_ $extra --max-bytes 1G --factor 4 --iters 20 \
+          --trials 3 --out "$out/$part.jsonl" >"$out/$part.log"; echo "$part: exit $?"
+      done ;;
+    nccl-tuning)
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING,COLL LIMIT=${LIMIT:-90} tr -m dtrain bench comm --collectives $sym,$rooted \
+        --algorithms native --min-bytes 16K --max-bytes 1G --factor 4 --iters 1 --trials 1 --warmup 0 --warm-s 0 \
+        --out "$out/tuning.jsonl" >"$out/tuning.log"
+      # one line per distinct message, the host/pid prefix and the per-call addresses cut
+      grep "NCCL INFO" "$out/tuning.log" | sed -E 's/^.*NCCL INFO //; s/0x[0-9a-f]+/0x/g; s/opCount [0-9a-f]+/opCount/' \
+        | sort | uniq -c | sort -k2 | head -1500 >"$out/nccl_tuning.txt"; wc -l "$out/nccl_tuning.txt" ;;
+    transports)
+      tr -m dtrain bench comm --algorithms native,ring,tree,recursive_doubling,halving_doubling,direct,auto \
+        --min-bytes 1M --max-bytes 1G --factor 4 --iters 10 --trials 3 --out "$out/transport-nvlink.jsonl" >"$out/transports.log"
+      NCCL_P2P_DISABLE=1 tr -m dtrain bench comm --algorithms native,ring,direct --min-bytes 1M --max-bytes 1G \
+        --factor 4 --iters 5 --trials 3 --out "$out/transport-shm.jsonl" >>"$out/transports.log"
+      NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 tr -m dtrain bench comm --algorithms native,ring --min-bytes 1M \
+        --max-bytes 256M --factor 4 --iters 3 --trials 3 --out "$out/transport-socket.jsonl" >>"$out/transports.log"
+      for t in nvlink shm socket; do echo "== $t"; summ "$out/transport-$t.jsonl" --algorithms native,ring,direct,auto; done ;;
+    p2p-channels)
+      for setting in default 32 32-chunk2m; do
+        env_=(); [ $setting != default ] && env_+=(NCCL_MIN_P2P_NCHANNELS=32)
+        [ $setting = 32-chunk2m ] && env_+=(NCCL_P2P_NVL_CHUNKSIZE=2097152)
+        env "${env_[@]}" DTRAIN_COMM_TRANSPORT=p2p timeout "${LIMIT:-90}" torchrun --nproc-per-node "$n" -m dtrain bench comm \
+          --algorithms native,ring,direct --min-bytes 16M --max-bytes 1G --factor 4 --iters 10 --trials 3 \
+          --out "$out/p2p_channels-$setting.jsonl" >"$out/p2p_channels-$setting.log" 2>&1
+        echo "== $setting"; summ "$out/p2p_channels-$setting.jsonl" --algorithms native,ring,direct
+      done ;;
+    dp)
+      for b in 32 16; do
+        LIMIT=${LIMIT:-120} tr benchmarks/training/dp_zero.py --sections dp --sizes 4 1 --batch-per-rank $b --stall-s 110 \
+          --out "$out/dp_vs_ddp-b$b.jsonl" | grep "^timed" | paste -sd' '
+      done
+      python3 benchmarks/training/dp_summary.py "$out" ;;
+    zero) tr benchmarks/training/dp_zero.py --sections zero --stall-s 140 --out "$out/zero.jsonl" | grep "^timed" | paste -sd' ' ;;
+    tp) LIMIT=${LIMIT:-120} tr benchmarks/training/tp_pp.py --sections tp --sizes 4 1 --stall-s 110 --out "$out/tp.jsonl" | tail -4 ;;
+    pp) tr benchmarks/training/tp_pp.py --sections pp --pp-width 4096 --pp-batch 8192 --microbatches 2 4 8 \
+          --pp-warmup 2 --pp-iters 3 --pp-trials 3 --pp-budget-s 3 --stall-s 45 --out "$out/pp.jsonl" | cut -c1-200 ;;
+    bubble)
+      bub() { timeout "$1" torchrun --nproc-per-node "$2" benchmarks/pipeline/bubble.py --layers 32 --width 4096 \
+          --batch 8192 --stall-s 40 "${@:3}" 2>&1 | grep --line-buffered -v -iE "warn|^\s*$|^Thread 0x|no Python frame"; }
+      bub 100 2 --out "$out/bubble-p2.jsonl"
+      bub 150 4 --microbatches 16 8 4 1 2 --out "$out/bubble-p4.jsonl"
+      python3 benchmarks/pipeline/bubble.py --report "$out"/bubble-p*.jsonl --plot "$out/bubble.png" ;;
+    train)
+      for cfg in "tp 2" "pp 2 --microbatches 4"; do
+        set -- $cfg; name=train-dp2$1$2
+        LIMIT=${LIMIT:-100} tr -m dtrain.train --dp 2 --"$1" "$2" "${@:3}" --preset small --batch-size 64 --steps 60 \
+          --out "$out/$name" | tail -2 | cut -c1-250
+        cp "$out/$name/metrics.jsonl" "$out/$name.jsonl" && rm -rf "${out:?}/$name"
+      done ;;
+    probe-port) LIMIT=${LIMIT:-240} tr benchmarks/collectives/probe.py port --out "$out/port.jsonl" | grep -E "MiB|barrier" ;;
+    probe-port-chain)
+      LIMIT=${LIMIT:-240} tr benchmarks/collectives/probe.py port --patterns "chain read,chain read 2 outs,read 1 ring,read 1 ring 2 outs" \
+        --sizes-mib 16,64,256 --out "$out/port-chain.jsonl" | grep -E "MiB|barrier" ;;
+    probe-chain) tr benchmarks/collectives/probe.py chain | tee "$out/probe-chain.txt" ;;
+    probe-chain-timeline)
+      for form in pull push; do
+        flag=""; [ $form = push ] && flag=--push
+        tr benchmarks/collectives/probe.py chain-timeline $flag --out-dir "$out/chain-timeline-$form" | tail -5
+      done ;;
+    probe-watchdog) python3 benchmarks/collectives/probe.py watchdog 2>&1 | grep " us$" | tee "$out/probe-watchdog.txt" ;;
+    probe-*) tr benchmarks/collectives/probe.py "${mode#probe-}" | tee "$out/$mode.txt" ;;
+    *) echo "run.sh: unknown MODE '$mode' (benchmarks/gpu/run.sh --help lists them)" >&2; exit 2 ;;
+  esac
+  echo "mode $mode: $((SECONDS - start)) s"
+done

@@ -1,0 +1,916 @@
+"""Usage: python benchmarks/report.py [--check] [--no-figures] [--out docs/results.md] [--figures docs/figures]
+
+Writes docs/results.md, the results page, and its plots docs/figures/*.png from the raw measurements in
+benchmarks/results/: every table and figure is computed here from those files, nothing is typed in by hand.
+The page is deterministic (same files, same page); ``--check`` writes nothing and exits 1 if docs/results.md
+differs from what this script would write (the plots are not compared: their bytes depend on matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MIB = 1 << 20
+NCCL = "2.28.9"  # torch 2.11.0+cu130's NCCL, printed by ``benchmarks/gpu/run.sh OUT machine`` on every GPU host
+SIZES = (MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, 1024 * MIB)
+SYMMETRIC = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+NAMES = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+    "halving_doubling": "halving-doubling",
+    "recursive_doubling": "recursive doubling",
+}
+
+
+def load(name: str) -> list[dict]:
+    return [json.loads(line) for line in (RESULTS / name).read_text().splitlines() if line.strip()]
+
+
+def size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def median_abs(values: list[float]) -> float:
+    return statistics.median(abs(v) for v in values)
+
+
+def errors(values: list[float]) -> str:
+    """Median and worst |error|, and the number of points."""
+    if not values:
+        return "-"
+    return f"{median_abs(values):.1%} / {max(abs(v) for v in values):.0%} ({len(values)})"
+
+
+def setting(machine: str, software: str, command: str, data: str) -> str:
+    return f"Machine: {machine}. Software: {software}.\nCommand: `{command}`.\nData: {data}."
+
+
+def gpu_software(records: list[dict]) -> str:
+    torch_version = next((r["torch_version"] for r in records if r.get("torch_version")), "?")
+    nccl = next((r["nccl"] for r in records if r.get("nccl")), NCCL)
+    return f"torch {torch_version}, NCCL {nccl}, NVLink multicast off"
+
+
+def card(records: list[dict]) -> str:
+    name = next(r.get("device_name") or r.get("device") for r in records if r.get("device_name") or r.get("device"))
+    return f"4 x {name}, NVLink through NVSwitch"
+
+
+CPU = "this 2-core CPU machine (no GPU), Gloo, one thread a rank"
+
+
+# ---------------------------------------------------------------------------------------------------- collectives
+
+
+def _by(records: list[dict], *keys: str) -> dict:
+    out: dict = {}
+    for r in records:
+        out[tuple(r[k] for k in keys)] = r
+    return out
+
+
+def captured_table(records: list[dict]) -> str:
+    """NCCL's time over our fastest algorithm's, both captured; and NCCL's eager call over ``auto``'s."""
+    by = _by(records, "collective", "algorithm", "nbytes")
+    rows = []
+    for coll in SYMMETRIC + ROOTED:
+        cells = [NAMES.get(coll, coll)]
+        for n in SIZES:
+            native = by.get((coll, "native+graph", n))
+            ours = [
+                r
+                for r in records
+                if r["collective"] == coll
+                and r["nbytes"] == n
+                and r["algorithm"].endswith("+graph")
+                and not r["algorithm"].startswith(("native", "auto"))
+            ]
+            if not native or not ours:
+                cells.append("-")
+                continue
+            best = min(ours, key=lambda r: (r["time_us"], r["algorithm"]))
+            cell = f"{native['time_us'] / best['time_us']:.2f}x ({best['algorithm'].removesuffix('+graph')})"
+            auto, eager = by.get((coll, "auto", n)), by.get((coll, "native", n))
+            if auto and eager:
+                cell += f" / {eager['time_us'] / auto['time_us']:.2f}x"
+            cells.append(cell)
+        rows.append(cells)
+    return table(["collective", *(size(n) for n in SIZES)], rows)
+
+
+def busbw_table(records: list[dict], algorithms: list[str], collective: str = "all_reduce") -> str:
+    """busbw GB/s per size and algorithm, each with its ratio to ``native`` of the same run."""
+    by = _by([r for r in records if r["collective"] == collective], "algorithm", "nbytes")
+    sizes = sorted({r["nbytes"] for r in records if r["collective"] == collective})
+    rows = []
+    for n in sizes:
+        native = by.get(("native", n))
+        cells = [size(n)]
+        for a in algorithms:
+            r = by.get((a, n))
+            if r is None:
+                cells.append("-")
+            elif a == "native" or native is None:
+                cells.append(f"{r['busbw_gbps']:.3g}")
+            else:
+                extra = f", {r['resolved_algorithm']}" if a == "auto" else ""
+                cells.append(f"{r['busbw_gbps']:.3g} ({r['busbw_gbps'] / native['busbw_gbps']:.2f}x{extra})")
+        rows.append(cells)
+    return table(["size", *(NAMES.get(a, a) for a in algorithms)], rows)
+
+
+def section_collectives() -> str:
+    h100 = load("captured-symmetric-h100x4.jsonl") + load("captured-rooted-h100x4.jsonl")
+    h200 = load("captured-symmetric-h200x4-run3.jsonl") + load("captured-rooted-h200x4-run3.jsonl")
+    ar = load("all_reduce-h100x4.jsonl")
+    cpu = load("all_reduce-cpu2.jsonl")
+    cpu_small = load("all_reduce-small-cpu2.jsonl")
+    parts = [
+        "## Collectives",
+        "Times are nccl-tests style: `iters` calls back to back between two synchronizations, the median of "
+        "`trials` runs, the slowest rank. busbw = size / time x (2(n-1)/n for all-reduce, (n-1)/n for all-gather, "
+        "reduce-scatter and all-to-all, 1 for the rooted collectives); sizes are a rank's whole buffer. Ours and "
+        "NCCL (or Gloo) run in the same command on the same machine.",
+        "### Ours against NCCL, every collective (4 x H100 and 4 x H200)",
+        "Each call captured whole as a CUDA graph and replayed (the devices' time, the API's Python out of the "
+        "loop). A cell is NCCL's time over our fastest algorithm's (which one, in brackets), then NCCL's own call "
+        "over `auto` on the default path (peer-memory transport, graph replays): above 1.00x ours is faster.",
+        "#### 4 x H100",
+        setting(
+            card(h100),
+            gpu_software(h100),
+            "benchmarks/gpu/run.sh OUT captured",
+            "`captured-symmetric-h100x4.jsonl`, `captured-rooted-h100x4.jsonl`",
+        ),
+        captured_table(h100),
+        "#### 4 x H200",
+        setting(
+            card(h200),
+            gpu_software(h200),
+            "benchmarks/gpu/run.sh OUT captured",
+            "`captured-symmetric-h200x4-run3.jsonl`, `captured-rooted-h200x4-run3.jsonl` (runs 1, 2 and 4 are the "
+            "simulator's other processes)",
+        ),
+        captured_table(h200),
+        "![NCCL's time over ours, captured](figures/collectives-captured.png)",
+        "### All-reduce on the defaults (4 x H100)",
+        "busbw GB/s, ratio to NCCL in brackets; `auto` follows the built-in rules (the ring from 32 MiB).",
+        setting(card(ar), gpu_software(ar), "benchmarks/gpu/run.sh OUT all-reduce", "`all_reduce-h100x4.jsonl`"),
+        busbw_table(ar, ["native", "ring", "halving_doubling", "auto"]),
+        "![all-reduce busbw, 4 x H100](figures/all_reduce-h100x4.png)",
+        "### Ours against Gloo on the CPU",
+        "4 Gloo ranks on 2 cores: every figure carries the scheduler's noise (10-30% between runs). busbw GB/s, "
+        "ratio to Gloo (`native`) in brackets.",
+        setting(
+            CPU,
+            f"torch {cpu[0]['torch_version']}",
+            "python -m dtrain bench comm --nproc 4 --collectives all_reduce --min-bytes 1M --max-bytes 64M "
+            "--factor 2 --iters 3 --trials 3",
+            "`all_reduce-cpu2.jsonl`",
+        ),
+        busbw_table(cpu, ["native", "auto", "ring", "halving_doubling", "recursive_doubling", "direct", "tree"]),
+        "Below 1 MiB (`all_reduce-small-cpu2.jsonl`, same command with `--min-bytes 1K --max-bytes 256K --factor 4`):",
+        busbw_table(cpu_small, ["native", "auto", "ring", "recursive_doubling", "direct", "tree"]),
+        "![all-reduce busbw, CPU](figures/all_reduce-cpu2.png)",
+        section_transports(),
+        section_port(),
+    ]
+    return "\n\n".join(parts)
+
+
+def section_transports() -> str:
+    runs = {t: load(f"transport-{t}-h200x4.jsonl") for t in ("nvlink", "shm", "socket")}
+    sizes = sorted({r["nbytes"] for r in runs["nvlink"]})
+    rows = []
+    for n in sizes:
+        cells = [size(n)]
+        for records in runs.values():
+            by = _by(records, "algorithm", "nbytes")
+            for a in ("native", "ring"):
+                r = by.get((a, n))
+                cells.append(f"{r['busbw_gbps']:.3g}" if r else "-")
+        rows.append(cells)
+    header = ["size"] + [f"{t} {a}" for t in runs for a in ("NCCL", "ring")]
+    return "\n\n".join(
+        [
+            "### Transports: NVLink, host shared memory, sockets (4 x H200)",
+            "All-reduce busbw GB/s, NCCL's own and our ring on the point-to-point transport, over NVLink, with "
+            "`NCCL_P2P_DISABLE=1` (host shared memory) and with `NCCL_SHM_DISABLE=1` as well (sockets).",
+            setting(
+                card(runs["nvlink"]),
+                gpu_software(runs["nvlink"]),
+                "benchmarks/gpu/run.sh OUT transports",
+                "`transport-{nvlink,shm,socket}-h200x4.jsonl`",
+            ),
+            table(header, rows),
+        ]
+    )
+
+
+def section_port() -> str:
+    records = load("port-h100x4-run1.jsonl") + load("port-h100x4-run2.jsonl")
+    chain = load("port-chain-h100x4.jsonl")
+    flows = sorted({r["flow_bytes"] for r in records})
+    patterns = list(dict.fromkeys(r["pattern"] for r in records))
+    rows = []
+    for p in patterns:
+        cells = [p]
+        for n in flows:
+            v = sorted(r["port_gbps"] for r in records if r["pattern"] == p and r["flow_bytes"] == n)
+            cells.append("-" if not v else f"{v[0]:.0f}" if v[0] == v[-1] else f"{v[0]:.0f}-{v[-1]:.0f}")
+        rows.append(cells)
+    chain_flows = sorted({r["flow_bytes"] for r in chain})
+    chain_rows = [
+        [p]
+        + [
+            next((f"{r['port_gbps']:.0f}" for r in chain if r["pattern"] == p and r["flow_bytes"] == n), "-")
+            for n in chain_flows
+        ]
+        for p in dict.fromkeys(r["pattern"] for r in chain)
+    ]
+    return "\n\n".join(
+        [
+            "### How transfers share one GPU's NVLink port (4 x H100)",
+            "One round: a device barrier, then each taking part rank's pass through peer memory. GB/s through the "
+            "busiest port, the barrier alone subtracted; the range over two runs of one launch. These are the "
+            "simulator's port and fan-in figures.",
+            setting(
+                card(records),
+                gpu_software(load("captured-symmetric-h100x4.jsonl")),
+                "benchmarks/gpu/run.sh OUT probe-port",
+                "`port-h100x4-run1.jsonl`, `port-h100x4-run2.jsonl`",
+            ),
+            table(["pattern", *(f"{size(n)} flow" for n in flows)], rows),
+            "The chain broadcast's rounds (`benchmarks/gpu/run.sh OUT probe-port-chain`, `port-chain-h100x4.jsonl`):",
+            table(["pattern", *(f"{size(n)} flow" for n in chain_flows)], chain_rows),
+        ]
+    )
+
+
+# ------------------------------------------------------------------------------------------------------- training
+
+
+def section_dp() -> str:
+    parts = [
+        "## Data parallel against DDP",
+        "A GPT of 85.6 M parameters (12 layers, 768 wide, 12 heads, 256-token context), AdamW, weak scaling; ours "
+        "(`DataParallel` with `auto` and with NCCL's own collectives) and DDP in the same launch, timed in rotating "
+        "turns (median over 5 trials of the slowest rank's time for 5 steps). Scaling efficiency: tokens/s per GPU "
+        "over one GPU's tokens/s (the plain module) in the same launch. Every variant ends with DDP's parameters "
+        "(checked).",
+    ]
+    for b in (32, 16):
+        records = load(f"dp_vs_ddp-h100x4-b{b}.jsonl")
+        rows = [
+            [
+                r["variant"],
+                str(r["ranks"]),
+                f"{r['step_s'] * 1e3:.1f}",
+                f"{r['tokens_per_s'] / 1e3:.0f} k",
+                f"{r['ratio_vs_ddp']:.3f}x" if r.get("ratio_vs_ddp") else "-",
+                f"{r['scaling_efficiency']:.0%}" if r.get("scaling_efficiency") is not None else "-",
+            ]
+            for r in sorted(records, key=lambda r: (r["ranks"], r["variant"]))
+        ]
+        parts += [
+            f"### 4 x H100, {b} sequences a GPU",
+            setting(
+                card([{"device_name": records[0]["device"]}]),
+                gpu_software(records),
+                f"torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py --sections dp --sizes 4 1 "
+                f"--batch-per-rank {b} --stall-s 110 (benchmarks/gpu/run.sh OUT dp)",
+                f"`dp_vs_ddp-h100x4-b{b}.jsonl`",
+            ),
+            table(["variant", "GPUs", "step ms", "tokens/s", "throughput / DDP", "scaling eff."], rows),
+        ]
+    cpu = load("dp_vs_ddp-cpu2.jsonl")
+    rows = []
+    for r in cpu:
+        rows.append(
+            [
+                r["model"],
+                str(r["world_size"]) + (" (again)" if r["variant"] == "single" and r["launch"] else ""),
+                r["variant"],
+                f"{r['samples_per_s']:.0f}",
+                f"{r['ratio_vs_ddp']:.2f}x" if r.get("ratio_vs_ddp") else "-",
+                f"{r['scaling_efficiency']:.0%}" if r.get("scaling_efficiency") is not None else "-",
+            ]
+        )
+    parts += [
+        "### CPU",
+        "The GPT `debug` preset (0.12 M parameters, global batch 32 x 64 tokens) and the MLP classifier (4 x 512, "
+        "global batch 256); 9 windows of 4 steps after 3 warm-up steps. 4 ranks on 2 cores can reach at most 50% "
+        "scaling; the 1-rank launch is repeated last to show the machine's drift.",
+        setting(
+            CPU,
+            f"torch {cpu[0]['torch_version']}, Python {cpu[0]['python_version']}",
+            "python benchmarks/training/dp_vs_ddp.py --nproc 1 2 4 1",
+            "`dp_vs_ddp-cpu2.jsonl`",
+        ),
+        table(["model", "ranks", "variant", "samples/s", "ours / DDP", "scaling eff."], rows),
+    ]
+    return "\n\n".join(parts)
+
+
+def section_zero() -> str:
+    gpu = load("zero-h100x4.jsonl")
+    rows = [
+        [
+            r["variant"],
+            f"{r['step_s'] * 1e3:.1f}",
+            f"{r['ratio_vs_ddp']:.3f}x",
+            f"{r['peak_memory_bytes'] / (1 << 30):.2f}",
+            f"{r['max_abs_param_diff_vs_ddp']:.1e}",
+        ]
+        for r in gpu
+    ]
+    parts = [
+        "## ZeRO memory",
+        "### 4 x H100",
+        "The GPT of the data-parallel table, 16 sequences a GPU, on 4 GPUs: plain data parallel (ours, DDP), ZeRO "
+        "stage 1 and 2 (`ZeroOptimizer`) and DDP with torch's `ZeroRedundancyOptimizer`. Peak GPU memory of a step.",
+        setting(
+            card([{"device_name": gpu[0]["device"]}]),
+            gpu_software(gpu),
+            "torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py --sections zero --stall-s 140 "
+            "(benchmarks/gpu/run.sh OUT zero)",
+            "`zero-h100x4.jsonl`",
+        ),
+        table(["variant", "step ms", "step time / DDP", "peak GiB", "max param diff vs DDP"], rows),
+        "### CPU",
+        "Peak resident set of a rank (`ru_maxrss`) and its growth once the model is built (gradients, optimizer "
+        "moments, communication buffers, activations), GPT of 12.9 M parameters, AdamW, each variant in its own "
+        "launch; the final parameters equal plain data parallel's.",
+    ]
+    for name, label, extra in (
+        ("zero_memory-cpu2.jsonl", "2 ranks, 25 MiB buckets", "--nproc 2"),
+        ("zero_memory-bucket4mb-cpu2.jsonl", "2 ranks, 4 MiB buckets", "--nproc 2 --bucket-mb 4"),
+        ("zero_memory-4ranks-cpu2.jsonl", "4 ranks, 25 MiB buckets", "--nproc 4"),
+    ):
+        records = load(name)
+        rows = [
+            [r["variant"], f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_growth_mb']:.0f}", f"{r['step_s_median']:.2f}"]
+            for r in records
+        ]
+        parts += [
+            f"{label}: `python benchmarks/training/zero_memory.py {extra}`, torch {records[0]['torch_version']} "
+            f"(`{name}`)",
+            table(["variant", "peak RSS MB", "growth MB", "step s"], rows),
+        ]
+    return "\n\n".join(parts)
+
+
+def section_tp_pp() -> str:
+    parts = ["## Tensor and pipeline parallel on GPUs"]
+    for name, extra in (
+        ("tp-h100x4.jsonl", "--sections tp --sizes 4 1 --stall-s 110 (benchmarks/gpu/run.sh OUT tp)"),
+        ("tp-h200x4.jsonl", "--sections tp --tp-dim 8192 --tp-tokens 16384"),
+    ):
+        records = load(name)
+        rows = [
+            [
+                r["variant"],
+                str(r["ranks"]),
+                f"{r['step_s'] * 1e3:.2f}",
+                f"{r['ratio_vs_torch']:.3f}x" if r.get("ratio_vs_torch") else "-",
+                f"{r['parameter_nbytes_per_rank'] / (1 << 20):.0f}" if r.get("parameter_nbytes_per_rank") else "-",
+                f"{r['peak_memory_bytes'] / (1 << 30):.2f}" if r.get("peak_memory_bytes") else "-",
+            ]
+            for r in records
+        ]
+        parts += [
+            f"### Tensor parallel against DTensor (4 x {records[0]['device']})",
+            "The Megatron MLP `GeLU(X A) B` as `ParallelMLP`, one training step a call, against torch's "
+            "`parallelize_module` with `ColwiseParallel` / `RowwiseParallel` on the same weights.",
+            setting(
+                card([{"device_name": records[0]["device"]}]),
+                gpu_software(records),
+                f"torchrun --nproc-per-node 4 benchmarks/training/tp_pp.py {extra}",
+                f"`{name}`",
+            ),
+            table(["variant", "GPUs", "step ms", "ours / torch (time)", "parameter MiB a rank", "peak GiB"], rows),
+        ]
+    pp = load("pp-h200x4.jsonl")
+    rows = [
+        [
+            r["variant"],
+            str(r["microbatches"]),
+            f"{r['step_s'] * 1e3:.1f}",
+            f"{r['ratio_vs_torch']:.3f}x" if r.get("ratio_vs_torch") else "-",
+            f"{r['peak_memory_bytes'] / (1 << 30):.2f}" if r.get("peak_memory_bytes") else "-",
+        ]
+        for r in pp
+    ]
+    parts += [
+        "### Pipeline parallel against torch.distributed.pipelining (4 x H200)",
+        "16 x (Linear(4096, 4096) + GeLU), one stage a GPU (two chunks a GPU interleaved), 8192 rows a step, SGD; "
+        "ours (`PipelineParallel`) against `ScheduleGPipe`, `Schedule1F1B` and `ScheduleInterleaved1F1B` on the "
+        "same cut of the same weights; gradients equal torch's.",
+        setting(
+            card([{"device_name": pp[0]["device"]}]),
+            gpu_software(pp),
+            "torchrun --nproc-per-node 4 benchmarks/training/tp_pp.py --sections pp --pp-width 4096 --pp-batch 8192 "
+            "--microbatches 2 4 8 --pp-warmup 2 --pp-iters 3 --pp-trials 3 --pp-budget-s 3 --stall-s 45 "
+            "(benchmarks/gpu/run.sh OUT pp)",
+            "`pp-h200x4.jsonl`",
+        ),
+        table(["variant", "micro-batches", "step ms", "step time / torch", "peak GiB"], rows),
+        "### End to end: `dtrain train` (4 x H100)",
+    ]
+    rows = []
+    for name, shape in (("train-dp2tp2-h100x4.jsonl", "dp2 x tp2"), ("train-dp2pp2-h100x4.jsonl", "dp2 x pp2")):
+        steps = load(name)
+        rows.append([shape, str(len(steps)), f"{steps[0]['loss']:.3f}", f"{steps[-1]['loss']:.3f}"])
+    parts += [
+        "The `small` preset, batch 64, 60 steps, on the defaults (every rank holds peer windows of two kinds of "
+        "subgroup). Command: `benchmarks/gpu/run.sh OUT train`. Data: `train-dp2tp2-h100x4.jsonl`, "
+        "`train-dp2pp2-h100x4.jsonl`.",
+        table(["layout", "steps", "first loss", "final loss"], rows),
+    ]
+    return "\n\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------------- pipeline
+
+
+def bubble_rows(records: list[dict]) -> list[list[str]]:
+    rows = []
+    done = [r for r in records if "bubble_theory" in r]  # a configuration that stalled has no measurement
+    for r in sorted(done, key=lambda r: (r["stages"], r["schedule"], r["microbatches"])):
+        rows.append(
+            [
+                str(r["stages"]),
+                r["schedule"] + (f" (v={r['virtual_stages']})" if r.get("virtual_stages", 1) > 1 else ""),
+                str(r["microbatches"]),
+                f"{r['bubble_theory']:.2f}",
+                f"{r['bubble_measured']:.2f}",
+                "-" if r.get("bubble_timeline") is None else f"{r['bubble_timeline']:.2f}",
+                f"{r['step_s'] * 1e3:.1f}",
+                ",".join(str(a) for a in r["peak_activations_per_stage"]),
+            ]
+        )
+    return rows
+
+
+def section_bubble() -> str:
+    gpu = load("bubble-h200x4.jsonl")
+    gpu4 = load("bubble-p4-h200x4.jsonl")
+    cpu = load("bubble-cpu2.jsonl")
+    header = ["p", "schedule", "m", "theory", "measured", "timeline", "step ms", "peak activations a stage"]
+    return "\n\n".join(
+        [
+            "## Pipeline bubble against theory",
+            "The measured bubble beside (p - 1) / (v m + p - 1) for GPipe, 1F1B and interleaved 1F1B, and the "
+            "micro-batches each stage held at once (GPipe m, 1F1B min(p - s, m): asserted by the script). "
+            "`measured`: 1 - (the stages' busy time) / (p x the step time), the idle share of the step; `timeline`: "
+            "the same from the stages' recorded timelines (CPU runs).",
+            "### 4 x H200",
+            "32 x (Linear(4096, 4096) + GELU), batch 8192, fp32 with TF32, one stage a GPU; median of 5 steps.",
+            setting(
+                card([{"device_name": gpu[0]["device"]}]),
+                gpu_software(gpu),
+                "benchmarks/gpu/run.sh OUT bubble",
+                "`bubble-h200x4.jsonl` (p = 2 and 4), `bubble-p4-h200x4.jsonl` (p = 4, 1F1B and interleaved)",
+            ),
+            table(header, bubble_rows(gpu)),
+            "p = 4, 1F1B and interleaved 1F1B:",
+            table(header, bubble_rows(gpu4)),
+            "### CPU",
+            "8 x (Linear(512, 512) + GELU), batch 128, one Gloo rank a stage. p = 4 puts four stages on two cores, "
+            "so its bubble shows the scheduler, not the pipeline.",
+            setting(
+                CPU,
+                f"torch {cpu[0]['torch_version']}",
+                "python benchmarks/pipeline/bubble.py --stages 2 4 --schedules gpipe 1f1b",
+                "`bubble-cpu2.jsonl`",
+            ),
+            table(header, bubble_rows(cpu)),
+            "![bubble against theory](figures/pipeline-bubble.png)",
+        ]
+    )
+
+
+# -------------------------------------------------------------------------------------------------- parameter server
+
+
+def section_ps() -> str:
+    thr = [r for r in load("ps_throughput-cpu2.jsonl") if r["bench"] == "throughput"]
+    hmac = next(r for r in load("ps_throughput-cpu2.jsonl") if r["bench"] == "hmac")
+    strag = load("ps_straggler-cpu2.jsonl")
+    hot = load("ps_hot_keys-cpu2.jsonl")
+    fail = load("ps_failover-cpu2.jsonl")
+    return "\n\n".join(
+        [
+            "## Parameter server",
+            setting(
+                CPU + ", loopback, shared with other jobs",
+                "Python 3.11, ZeroMQ",
+                "python benchmarks/ps/bench.py",
+                "`ps_throughput-cpu2.jsonl`, `ps_straggler-cpu2.jsonl`, `ps_hot_keys-cpu2.jsonl`, "
+                "`ps_failover-cpu2.jsonl`",
+            ),
+            f"Push+pull throughput against a raw ZeroMQ transfer of the same bytes in the same pattern (the "
+            f"ceiling); 4 MiB a server a pull. HMAC-SHA256 alone runs at {hmac['hmac_sha256_gb_s']:.2f} GB/s here.",
+            table(
+                ["workers", "servers", "PS GB/s", "raw ZeroMQ GB/s", "PS / raw"],
+                [
+                    [
+                        str(r["workers"]),
+                        str(r["servers"]),
+                        f"{r['ps_gb_s']:.3f}",
+                        f"{r['raw_zeromq_gb_s']:.3f}",
+                        f"{r['ratio']:.2f}",
+                    ]
+                    for r in thr
+                ],
+            ),
+            "![parameter-server throughput](figures/ps-throughput.png)",
+            "One worker slowed 5x: iteration time of the fast workers.",
+            table(
+                ["case", "mode", "fast worker s", "vs no straggler", "dropped"],
+                [
+                    [
+                        r["case"],
+                        r["mode"],
+                        f"{r['fast_worker_iteration_s']:.3f}",
+                        f"{r['vs_no_straggler']:.2f}x",
+                        str(r["dropped"]),
+                    ]
+                    for r in strag
+                ],
+            ),
+            "Load imbalance on a Zipf workload (max / mean rows served per server), with and without hot-key copies.",
+            table(
+                ["zipf", "hot keys a server", "rows max / mean", "requests max / mean"],
+                [
+                    [
+                        f"{r['zipf']:g}",
+                        str(r["hot_keys_per_server"]),
+                        f"{r['rows_max_over_mean']:.2f}",
+                        f"{r['requests_max_over_mean']:.2f}",
+                    ]
+                    for r in hot
+                ],
+            ),
+            "A server killed (`kill -9`): time until training goes on, and acknowledged updates lost.",
+            table(
+                ["replication", "recovery s", "lost acknowledged updates", "failovers"],
+                [
+                    [
+                        r["replication"],
+                        f"{r['recovery_s']:.2f}",
+                        str(r["lost_acknowledged_updates"]),
+                        str(r["failovers"]),
+                    ]
+                    for r in fail
+                ],
+            ),
+        ]
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ simulator
+
+
+def section_sim() -> str:
+    records = load("sim_validation-captured.jsonl")
+    fit_process = "launch 1, process 1"
+    mib = [r for r in records if r["nbytes"] >= MIB]
+
+    def ours(r: dict) -> bool:
+        return not r["algorithm"].startswith("native")
+
+    groups = {
+        "4 x H200, ours (3 held-out processes)": [
+            r for r in mib if ours(r) and r["process"] not in (fit_process,) and not r["process"].startswith("H100")
+        ],
+        "4 x H200, NCCL (3 held-out processes)": [
+            r for r in mib if not ours(r) and r["process"] != fit_process and not r["process"].startswith("H100")
+        ],
+        "4 x H100, ours (nothing fitted)": [r for r in mib if ours(r) and r["process"].startswith("H100")],
+        "4 x H100, NCCL (nothing fitted)": [r for r in mib if not ours(r) and r["process"].startswith("H100")],
+    }
+    rows = []
+    for coll in SYMMETRIC + ROOTED + ("all",):
+        cells = [NAMES.get(coll, coll)]
+        for sub in groups.values():
+            errs = [r["error"] for r in sub if coll == "all" or r["collective"] == coll]
+            cells.append(errors(errs))
+        rows.append(cells)
+    trans = load("sim_validation-transports-h200x4.jsonl")
+    trows = []
+    for part in ("nccl", "transport-nvlink", "transport-shm", "transport-socket"):
+        for variant in ("fitted", "catalogue"):
+            sub = [r for r in trans if r["part"] == part and r["variant"] == variant and r.get("held_out", True)]
+            if sub:
+                trows.append([part, variant, errors([r["relative_error"] for r in sub])])
+    ps = [r for r in load("sim_validation-ps-emulated.jsonl") if r["bench"] == "ps_summary"]
+    psrows = [
+        [r["case"], f"{r['measured_step_s']:.3f}", f"{r['error']:+.1%}", f"{r['error_host']:+.1%}", r["bottleneck"]]
+        for r in ps
+    ]
+    return "\n\n".join(
+        [
+            "## Simulator validation",
+            "`predicted / measured - 1` for every measured point the simulator replays; cells give median / worst "
+            "|error| (points). No GPU is needed to reproduce them: each suite reads the measurements in "
+            "benchmarks/results/.",
+            "### Every collective captured (4 x H200, 4 x H100)",
+            "Calls captured whole as CUDA graphs (the devices' time), 1 MiB-1 GiB, every algorithm. The H200's GPU "
+            "fixed times and NCCL's figures are fitted on one process (its calls of 256 KiB or less, its NCCL "
+            "calls); the three other H200 processes are held out, and the H100 is priced with its own "
+            "micro-benchmarks' rates and nothing fitted on it.",
+            "Command: `python benchmarks/sim/validate.py captured --out benchmarks/results/sim_validation-captured"
+            ".jsonl`. Measurements: `captured-*-h200x4-run{1..4}.jsonl`, `captured-*-h100x4.jsonl` "
+            "(`benchmarks/gpu/run.sh OUT captured`, "
+            + gpu_software(load("captured-symmetric-h100x4.jsonl"))
+            + "); rates from `probe-*.txt` and `port-h100x4-run{1,2}.jsonl`.",
+            table(["collective", *groups], rows),
+            "![simulated against measured](figures/sim-validation.png)",
+            "### NCCL's collectives and the three transports (4 x H200)",
+            "The NCCL model fitted on one all-reduce and all-gather run and held out on every other native point; "
+            "NVLink, host shared memory and sockets as topologies, `fitted` on every other size and tested on the "
+            "rest, `catalogue` with data-sheet figures only. Held-out points only.",
+            "Command: `python benchmarks/sim/validate.py transports`. Data: `sim_validation-transports-h200x4.jsonl`.",
+            table(["part", "variant", "median / worst error (points)"], trows),
+            "### The parameter server on an emulated rack",
+            "One rack of six emulated machines at 100 Mbit/s, `dtrain.ps` pulling and pushing a 4 MiB dense model "
+            "each step, against `dtrain.sim.ps` with the network alone and with each process's work per byte "
+            "(fitted once on loopback); 3 runs a case.",
+            "Command: `sudo python benchmarks/sim/ps_validate.py`. Data: `sim_validation-ps-emulated.jsonl`.",
+            table(["case", "measured step s", "error, network", "error, network + host", "bottleneck"], psrows),
+        ]
+    )
+
+
+def section_emulation() -> str:
+    records = load("sim_validation-emulation.jsonl")
+    cases = list(dict.fromkeys(r["case"] for r in records))
+    rows = []
+    for case in cases:
+        ar = [r for r in records if r["case"] == case and r["kind"] == "all_reduce"]
+        train = [r for r in records if r["case"] == case and r["kind"] == "train"]
+        rows.append(
+            [
+                case,
+                errors([r["error_network"] for r in ar]),
+                errors([r["error"] for r in ar]),
+                errors([r["error"] for r in train]),
+            ]
+        )
+    ar = [r for r in records if r["kind"] == "all_reduce"]
+    rows.append(
+        [
+            "all",
+            errors([r["error_network"] for r in ar]),
+            errors([r["error"] for r in ar]),
+            errors([r["error"] for r in records if r["kind"] == "train"]),
+        ]
+    )
+    return "\n\n".join(
+        [
+            "## Emulated cluster against the simulator",
+            "2 racks x 2 servers of the `4-rack` preset, one 100 Gb/s NIC a server, 2 spines, emulated with Linux "
+            "namespaces at 1/1000 of the real rates, at 1:1 and 1:4 oversubscription and two placements. All-reduce "
+            "(ring, tree, recursive doubling, hierarchical, Gloo's own) from 256 KiB, and a GPT training step (dp = "
+            "4). `network`: wire time only; `fitted`: plus software costs fitted on the 4 KiB points of the 1:1 "
+            "packed case. A step is predicted as the same training on loopback plus the simulated all-reduces.",
+            setting(
+                CPU + " (emulation as root)",
+                "torch 2.13.0+cpu, Gloo, Linux tc/netns",
+                "sudo python benchmarks/emulation/measure.py; python benchmarks/emulation/validate.py",
+                "`emulation-{collectives,train,checks}.jsonl`, `sim_validation-emulation.jsonl`",
+            ),
+            table(["case", "all-reduce, network", "all-reduce, fitted", "training step"], rows),
+            "![emulated cluster against the simulator](figures/emulation-validation.png)",
+        ]
+    )
+
+
+# --------------------------------------------------------------------------------------------------------- figures
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 9, "svg.hashsalt": "dtrain"})
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+
+
+def fig_captured(path: Path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, (label, names) in zip(
+        axes,
+        (
+            ("4 x H100", ("captured-symmetric-h100x4.jsonl", "captured-rooted-h100x4.jsonl")),
+            ("4 x H200", ("captured-symmetric-h200x4-run3.jsonl", "captured-rooted-h200x4-run3.jsonl")),
+        ),
+        strict=True,
+    ):
+        records = [r for n in names for r in load(n)]
+        for coll in SYMMETRIC + ROOTED:
+            xs, ys = [], []
+            for n in SIZES:
+                native = [r for r in records if r["collective"] == coll and r["nbytes"] == n
+                          and r["algorithm"] == "native+graph"]  # fmt: skip
+                ours = [r["time_us"] for r in records if r["collective"] == coll and r["nbytes"] == n
+                        and r["algorithm"].endswith("+graph")
+                        and not r["algorithm"].startswith(("native", "auto"))]  # fmt: skip
+                if native and ours:
+                    xs.append(n)
+                    ys.append(native[0]["time_us"] / min(ours))
+            ax.plot(xs, ys, "o-", label=NAMES.get(coll, coll))
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xscale="log", xlabel="bytes a rank", title=label)
+    axes[0].set_ylabel("NCCL time / our best time (captured)")
+    axes[1].legend(fontsize=7)
+    _save(fig, path)
+
+
+def fig_busbw(name: str, algorithms: list[str], title: str, path: Path) -> None:
+    plt = _plt()
+    records = [r for r in load(name) if r["collective"] == "all_reduce"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for a in algorithms:
+        pts = sorted((r["nbytes"], r["busbw_gbps"]) for r in records if r["algorithm"] == a)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=NAMES.get(a, a))
+    ax.set(xscale="log", xlabel="bytes a rank", ylabel="busbw GB/s", title=title)
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def fig_bubble(path: Path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, (label, records) in zip(
+        axes,
+        (("4 x H200", load("bubble-h200x4.jsonl")), ("CPU, Gloo", load("bubble-cpu2.jsonl"))),
+        strict=True,
+    ):
+        records = [r for r in records if "bubble_theory" in r]
+        for (p, sched), marker in zip(
+            sorted({(r["stages"], r["schedule"]) for r in records}), "osd^v<>ph", strict=False
+        ):
+            sub = sorted((r for r in records if r["stages"] == p and r["schedule"] == sched),
+                         key=lambda r: r["microbatches"])  # fmt: skip
+            ax.plot([r["microbatches"] for r in sub], [r["bubble_measured"] for r in sub], marker + "-",
+                    label=f"p={p} {sched}")  # fmt: skip
+            ax.plot([r["microbatches"] for r in sub], [r["bubble_theory"] for r in sub], "k:", lw=0.8)
+        ax.set(xscale="log", xlabel="micro-batches m", title=label + " (dotted: theory)")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("bubble fraction")
+    _save(fig, path)
+
+
+def fig_ps(path: Path) -> None:
+    plt = _plt()
+    thr = [r for r in load("ps_throughput-cpu2.jsonl") if r["bench"] == "throughput"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    labels = [f"{r['workers']}w x {r['servers']}s" for r in thr]
+    xs = range(len(thr))
+    ax.bar([x - 0.2 for x in xs], [r["ps_gb_s"] for r in thr], 0.4, label="parameter server")
+    ax.bar([x + 0.2 for x in xs], [r["raw_zeromq_gb_s"] for r in thr], 0.4, label="raw ZeroMQ")
+    ax.set_xticks(list(xs), labels)
+    ax.set(ylabel="GB/s", title="push+pull throughput, loopback, 2-core CPU")
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def fig_sim(path: Path) -> None:
+    plt = _plt()
+    records = [r for r in load("sim_validation-captured.jsonl") if r["nbytes"] >= MIB]
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for label, pick, marker in (
+        ("H200, ours", lambda r: not r["process"].startswith("H100") and not r["algorithm"].startswith("native"), "o"),
+        ("H200, NCCL", lambda r: not r["process"].startswith("H100") and r["algorithm"].startswith("native"), "s"),
+        ("H100, ours", lambda r: r["process"].startswith("H100") and not r["algorithm"].startswith("native"), "^"),
+        ("H100, NCCL", lambda r: r["process"].startswith("H100") and r["algorithm"].startswith("native"), "v"),
+    ):
+        sub = [r for r in records if pick(r)]
+        ax.plot([r["measured_us"] for r in sub], [r["predicted_us"] for r in sub], marker, ms=3, alpha=0.6,
+                label=label)  # fmt: skip
+    lo, hi = 10, 2e4
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="measured us", ylabel="simulated us",
+           title="captured calls, 1 MiB-1 GiB")  # fmt: skip
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def fig_emulation(path: Path) -> None:
+    plt = _plt()
+    records = [r for r in load("sim_validation-emulation.jsonl") if r["kind"] == "all_reduce"]
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for case, marker in zip(dict.fromkeys(r["case"] for r in records), "os^", strict=False):
+        sub = [r for r in records if r["case"] == case]
+        ax.plot([r["measured_s"] for r in sub], [r["predicted_s"] for r in sub], marker, label=case)
+    xs = [r["measured_s"] for r in records]
+    ax.plot([min(xs), max(xs)], [min(xs), max(xs)], "k-", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="measured s", ylabel="simulated s (fitted)",
+           title="all-reduce on the emulated leaf-spine")  # fmt: skip
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+FIGURES: dict[str, Callable[[Path], None]] = {
+    "collectives-captured.png": fig_captured,
+    "all_reduce-h100x4.png": lambda p: fig_busbw(
+        "all_reduce-h100x4.jsonl", ["native", "ring", "halving_doubling", "auto"], "all-reduce, 4 x H100", p
+    ),
+    "all_reduce-cpu2.png": lambda p: fig_busbw(
+        "all_reduce-cpu2.jsonl", ["native", "auto", "ring", "halving_doubling", "direct"], "all-reduce, 4 Gloo ranks", p
+    ),
+    "pipeline-bubble.png": fig_bubble,
+    "ps-throughput.png": fig_ps,
+    "sim-validation.png": fig_sim,
+    "emulation-validation.png": fig_emulation,
+}
+
+
+# ------------------------------------------------------------------------------------------------------------ page
+
+HEAD = """# Results
+
+The current measured figures of dtrain, each table with its machine, software and the command that produced
+its data. Every table and plot on this page is generated by `python benchmarks/report.py` from the raw
+measurements in `benchmarks/results/` (JSON lines, one record a measured point); edit the script, not this page.
+GPU runs use NVLink multicast off (`NCCL_NVLS_ENABLE=0`) and dtrain's defaults unless a table says otherwise.
+
+- [Collectives](#collectives)
+- [Data parallel against DDP](#data-parallel-against-ddp)
+- [ZeRO memory](#zero-memory)
+- [Tensor and pipeline parallel on GPUs](#tensor-and-pipeline-parallel-on-gpus)
+- [Pipeline bubble against theory](#pipeline-bubble-against-theory)
+- [Parameter server](#parameter-server)
+- [Simulator validation](#simulator-validation)
+- [Emulated cluster against the simulator](#emulated-cluster-against-the-simulator)"""
+
+SECTIONS = (
+    section_collectives,
+    section_dp,
+    section_zero,
+    section_tp_pp,
+    section_bubble,
+    section_ps,
+    section_sim,
+    section_emulation,
+)
+
+
+def render() -> str:
+    return "\n\n".join([HEAD, *(s() for s in SECTIONS)]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1].splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md")
+    ap.add_argument("--figures", type=Path, default=ROOT / "docs" / "figures")
+    ap.add_argument("--check", action="store_true", help="exit 1 if --out differs from what would be written")
+    ap.add_argument("--no-figures", action="store_true", help="write the page only")
+    args = ap.parse_args(argv)
+    page = render()
+    if args.check:
+        current = args.out.read_text() if args.out.exists() else ""
+        if current != page:
+            print(f"report.py: {args.out} is out of date; run python benchmarks/report.py", file=sys.stderr)
+            return 1
+        return 0
+    args.out.write_text(page)
+    if not args.no_figures:
+        args.figures.mkdir(parents=True, exist_ok=True)
+        for name, draw in FIGURES.items():
+            draw(args.figures / name)
+    print(f"wrote {args.out} and {0 if args.no_figures else len(FIGURES)} figures in {args.figures}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

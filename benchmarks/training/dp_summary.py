@@ -1,0 +1,30 @@
+"""Usage: python benchmarks/training/dp_summary.py DIR   (every dp_vs_ddp-*.jsonl in it)
+
+Summarise ``training/dp_zero.py --sections dp --sizes 4 1`` files: per launch, each variant's ratio to DDP and
+its scaling efficiency from one GPU to four (tokens/s per GPU over the one-GPU step of the same launch).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import sys
+
+
+def main() -> None:
+    for path in sorted(glob.glob(sys.argv[1] + "/dp_vs_ddp-*.jsonl")):
+        with open(path) as f:
+            rows = [r for r in map(json.loads, f) if r.get("section") == "dp"]  # dp_zero.py's records only
+        if not any(r["ranks"] == 1 for r in rows):
+            continue
+        one = next(r for r in rows if r["ranks"] == 1)["tokens_per_s"]
+        cells = [
+            f"{r['variant']} {r['ratio_vs_ddp'] or 0:.3f}x {r['tokens_per_s'] / r['ranks'] / one:.3f}"
+            for r in rows
+            if r["ranks"] == 4
+        ]
+        print(path.rsplit("/", 1)[-1], " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
