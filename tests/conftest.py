@@ -1,4 +1,4 @@
-"""One pool of 8 Gloo processes for the whole session; subgroups of 2, 3 and 4 ranks live inside it."""
+"""One pool of 8 Gloo processes for the whole test run; subgroups of 2, 3 and 4 ranks live inside it."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain import comm
-from dtrain.comm import algorithms as registry
+from dtrain.comm.ir import algorithms as registry
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel, tensor_parallel_blocks
 

@@ -29,5 +29,5 @@ def test_grid_groups_on_real_processes(pool):
 
 
 def test_pipeline_gradients_travel_on_a_second_group_of_the_same_ranks(pool):
-    # on NCCL, one group for both directions lets a large send wait behind the opposite send (docs/pipeline-gpu.md)
+    # on NCCL, one group for both directions lets a large send wait behind the opposite send (docs/parallel.md)
     assert all(pool.run("tests.grid_jobs:gradients_on_their_own_group", 2, 2))

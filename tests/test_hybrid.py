@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
 from dtrain.parallel.data_parallel import broadcast_algorithm
 from dtrain.parallel.hybrid import HybridParallel, tensor_parallel_blocks
 

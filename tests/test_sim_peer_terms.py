@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
 from dtrain.sim.peer_model import PeerCost, _fanin_rate, _phases, _port_loads, peer_time
 
 KIB, MIB = 1 << 10, 1 << 20

@@ -33,7 +33,7 @@ ALGORITHMS = ("ring", "recursive_doubling", "hierarchical")
 
 def _receives_first(self, sends, recvs):
     """TorchP2PTransport.start with the receives posted before the sends (Gloo path only)."""
-    from dtrain.comm.transport import _TAG, Pending
+    from dtrain.comm.p2p.transport import _TAG, Pending
 
     recv_works = [self.group.recv([t], peer, _TAG) for peer, t in recvs]
     send_works = [self.group.send([t], peer, _TAG) for peer, t in sends]
@@ -67,7 +67,7 @@ def worker(out: str) -> None:
     import torch.distributed as dist
 
     from dtrain import comm
-    from dtrain.comm.transport import TorchP2PTransport
+    from dtrain.comm.p2p.transport import TorchP2PTransport
 
     dist.init_process_group("gloo")
     comm.set_local_size(2)  # a rack (2 servers of 1 rank) is the hierarchy's node
@@ -87,8 +87,8 @@ def worker(out: str) -> None:
 
 
 def _predict(rows: list[dict], topology, placement) -> None:
-    from dtrain.comm import algorithms
-    from dtrain.comm.schedule import Collective
+    from dtrain.comm.ir import algorithms
+    from dtrain.comm.ir.schedule import Collective
     from dtrain.sim.collective import replay
 
     for r in rows:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from measure import cluster  # the sibling script (this script's folder is on sys.path)
 
-from dtrain.comm import algorithms
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir import algorithms
+from dtrain.comm.ir.schedule import Collective
 from dtrain.emulate.model import emulated_topology
 from dtrain.emulate.plan import plan_emulation
 from dtrain.sim.collective import SoftwareCost, replay

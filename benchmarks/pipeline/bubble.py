@@ -9,7 +9,7 @@ activations each stage holds.
     python benchmarks/pipeline/bubble.py --report runs/bubble-p2.jsonl runs/bubble-p4.jsonl  # table, plot
 
 One launch a pipeline depth ``p``: on the CPU, ``p`` Gloo ranks for each of ``--stages``
-(:func:`dtrain.bench.launch.run_ranks`); under torchrun, ``p`` is the number of ranks, one stage a GPU. An MLP
+(:func:`dtrain.launch.run_ranks`); under torchrun, ``p`` is the number of ranks, one stage a GPU. An MLP
 of ``--layers`` x (Linear(width, width) + GELU), MSE loss, is trained with
 :class:`~dtrain.parallel.pipeline_parallel.PipelineParallel` for every micro-batch count ``m`` and schedule
 (interleaved 1F1B with ``--virtual-stages`` chunks a rank where ``m`` is a multiple of ``p``). Rank 0 prints each
@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.bench.launch import rank_device, run_ranks, under_torchrun
+from dtrain.launch import rank_device, run_ranks, under_torchrun
 from dtrain.parallel.pipeline_parallel import PipelineParallel
 from dtrain.parallel.pipeline_schedules import theoretical_bubble
 

@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dtrain.cluster.presets import preset
-from dtrain.comm.algorithms import build
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir.algorithms import build
+from dtrain.comm.ir.schedule import Collective
 from dtrain.sim.collective import replay
 from dtrain.sim.model import MODELS, Layout
 from dtrain.sim.placement import place

@@ -1,6 +1,6 @@
 """Usage: python benchmarks/sim/ps_examples.py
 
-Parameter-server steps on the 4-rack preset, predicted by dtrain.sim.ps (docs/sim.md, "Parameter-server traffic").
+Parameter-server steps on the 4-rack preset, predicted by dtrain.sim.ps (docs/simulator.md, "Parameter-server steps").
 
 8 servers and 56 workers; a small dense model and Zipf-distributed embedding rows each step (a click-through
 model's shape). Two placements: servers beside their workers (CPU 0 of every other machine, workers on

@@ -16,7 +16,7 @@ the network is nearly free and a step is four pieces of such work on the whole m
 push, the server receives it, sends the pull reply, the worker receives it): h = step / (4 x model bytes).
 
 Every namespace is removed when the script ends, also on an error or Ctrl-C (:class:`dtrain.emulate.Emulation`);
-every process it starts runs in its own session and is killed with it.
+every process it starts runs in its own process session and is killed with it.
 
     sudo python benchmarks/sim/ps_validate.py --out benchmarks/results   # ~5 minutes; sim_validation-ps-emulated.jsonl
 """
@@ -129,7 +129,7 @@ def set_queues(plan: EmulationPlan, queue_ms: float) -> None:
 
 
 class Processes:
-    """Roles started inside namespaces, each in its own session; all killed (SIGTERM, then SIGKILL) on exit."""
+    """Roles started inside namespaces, each in its own process session; all killed (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []

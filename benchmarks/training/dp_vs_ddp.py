@@ -6,7 +6,7 @@ Data parallel, ours against torch's DistributedDataParallel: same model, global 
 
 (the 1-rank launch repeated last shows how far the machine drifted during the run.)
 
-For each world size, one launch (:func:`dtrain.bench.launch.run_ranks`, Gloo on CPU): every rank builds each
+For each world size, one launch (:func:`dtrain.launch.run_ranks`, Gloo on CPU): every rank builds each
 model once, copies it into one replica per variant -- :class:`~dtrain.parallel.data_parallel.DataParallel`
 with ``algorithm="auto"`` and ``"native"``, and ``DistributedDataParallel`` (on 1 rank: the plain module, no
 wrapper) -- each with its own AdamW, warms every replica up, then times them in turns: window after window,
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dtrain.bench.launch import run_ranks
+from dtrain.launch import run_ranks
 from dtrain.parallel.data_parallel import DataParallel, split_batch
 from dtrain.train.data import ClassificationBatches, TextBatches
 from dtrain.train.models import build_model, model_config

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from dtrain.bench.launch import run_ranks
+from dtrain.launch import run_ranks
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.zero import ZeroOptimizer
 from dtrain.train.models import build_model

@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))  # the pipeline benchmarks' folder
 from bubble import StallGuard  # noqa: E402
 
-from dtrain.bench.launch import run_ranks
+from dtrain.launch import run_ranks
 from dtrain.parallel.pipeline_parallel import PipelineParallel, partition_layers
 from dtrain.parallel.tensor_parallel import ParallelMLP
 

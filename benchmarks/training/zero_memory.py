@@ -2,7 +2,7 @@
 
 Peak memory of a rank on the CPU: plain data parallel against ZeRO stage 1 and stage 2, AdamW, one GPT.
 
-    python benchmarks/training/zero_memory.py --nproc 2 --out benchmarks/results/parallel-zero-memory.jsonl
+    python benchmarks/training/zero_memory.py --nproc 2 --out benchmarks/results/zero_memory-cpu2.jsonl
 
 There is no allocator high-water mark for CPU tensors, so each variant runs in its own launch (fresh
 processes) and reports the process's peak resident set (``ru_maxrss``) after a few training steps, and its
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtrain.bench.launch import run_ranks
+from dtrain.launch import run_ranks
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.zero import ZeroOptimizer
 from dtrain.train.models import build_model

@@ -9,7 +9,7 @@ Thakur, Rabenseifner and Gropp 2005) spreads that traffic over every replica ins
 servers at 10 Gb/s into one 10 Gb/s uplink: 1:2; Al-Fares et al., SIGCOMM 2008).
 
 Every time here is ``latency + bytes / rate`` on one link, or for a collective the alpha-beta-gamma closed form
-of :mod:`dtrain.comm.cost_forms` with alpha the link's latency and beta its seconds per byte.
+of :mod:`dtrain.comm.cost.forms` with alpha the link's latency and beta its seconds per byte.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 - ``h200-4gpu``: 4 H200 on an NVSwitch fabric (18 NVLink 4 links each, 450 GB/s a direction), one PCIe 5.0
   switch a GPU, one 100 Gb/s Ethernet NIC: a node like the project's 4 x H200 test machine. NVSwitch, not the
   HGX 4-GPU board's direct NVLink (6 links, 150 GB/s a direction, to each peer): that machine moved 256 MiB to
-  one peer at about 300 GB/s (docs/data/gpu-h200x4-probe.txt, "pg coalesced ring step"), twice what a
+  one peer at about 300 GB/s (benchmarks/results/probe-p2p-h200x4.txt, "pg coalesced ring step"), twice what a
   6-link pair can carry. Its NIC is a placeholder (inter-node traffic was never measured there).
 - ``4-rack``: 4 racks of 4 ``dgx-a100`` servers (128 GPUs) under 2 spines at 1:4 oversubscription (within the
   2.5:1 to 8:1 that Al-Fares et al., SIGCOMM 2008, report for typical data-centre designs).

@@ -1,6 +1,6 @@
 """An emulated cluster on one Linux host: network namespaces as servers, bridges as switches (or, with
 ``fabric="routed"``, router namespaces with per-flow ECMP), tc-shaped veths as links, built from a
-:class:`~dtrain.cluster.topology.Topology` (see docs/emulate.md). Needs root.
+:class:`~dtrain.cluster.topology.Topology` (see docs/emulation.md). Needs root.
 
 Names resolve lazily, so the small processes the emulator starts inside namespaces (``python -m
 dtrain.emulate.probe``, ``-m dtrain.emulate.rank``) do not pay for networkx.

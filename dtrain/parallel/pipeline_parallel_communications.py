@@ -13,7 +13,7 @@ receives block. With sends that never block, the GPipe and 1F1B schedules cannot
 pair's unbatched sends and receives on one stream, both directions, in the order posted, and a large send
 waits for its receive. In 1F1B's steady state stage s posts send_forward before recv_backward while stage
 s + 1 posts send_backward before recv_forward, and each send then waits behind the other rank's send (seen
-on 4 H200s with 32-64 MiB activations, docs/pipeline-gpu.md). So gradients travel on a second process group
+on 4 H200s with 32-64 MiB activations, docs/parallel.md). So gradients travel on a second process group
 over the same ranks (``grad_group``; :func:`backward_group` for the whole world, the rank grid's
 ``pp_grad_group`` otherwise): each direction of a pair has its own communicator and stream, and within one
 direction the receives come in the order of the sends.

@@ -82,7 +82,7 @@ def request(address: str, secret: bytes, header: dict, timeout_s: float = 10.0, 
 class LocalCluster:
     """A coordinator and ``config.num_servers`` servers as processes on this machine (a context manager).
 
-    Each process runs in its own session (process group); :meth:`close` kills every group still alive, so no
+    Each process runs in its own process session (process group); :meth:`close` kills every group still alive, so no
     role outlives the cluster, also when a test fails.
     """
 

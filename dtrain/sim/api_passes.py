@@ -4,7 +4,7 @@ device before the schedule starts and after it ends.
 A collective call is more than its schedule. The API lays the caller's tensors out as the schedule's flat work
 buffer and copies the result back where it belongs, and each of those steps is one torch operation: a launch
 on the host and one pass over local memory on the device. They run on every transport, and eagerly when only
-the schedule is replayed from a CUDA graph (:mod:`dtrain.comm.persistent`). Per collective, as
+the schedule is replayed from a CUDA graph (:mod:`dtrain.comm.peer.graphs`). Per collective, as
 ``dtrain/comm/api.py`` has it (``n``: the work buffer's bytes, ``n / world``: one rank's block):
 
 | collective | before the schedule | after it |

@@ -1,6 +1,6 @@
 """Replay a ``dtrain.comm`` schedule on a topology: time, link utilisation and the bottleneck link.
 
-What is replayed is what :mod:`dtrain.comm.runtime` does, rank by rank (its plan, :mod:`dtrain.comm.plan`):
+What is replayed is what :mod:`dtrain.comm.p2p.runtime` does, rank by rank (its plan, :mod:`dtrain.comm.ir.plan`):
 each rank walks the rounds it takes part in, in order; in a round it posts every message at once (a rank's
 messages to one peer in one round are packed into one), waits for all of them, then reduces what it received
 into its buffer, and only then enters its next round. There is no barrier between rounds: a rank runs ahead
@@ -8,10 +8,10 @@ as far as its own messages allow. A message flows once both its sender and its r
 (NCCL's and Gloo's point-to-point calls both rendezvous), along the route of the ranks' devices, sharing links
 max-min fairly with every other message then in flight (:mod:`dtrain.sim.flows`).
 
-Software costs follow :mod:`dtrain.comm.cost`: posting a round with ``k`` peers takes ``alpha + (k-1)
+Software costs follow :mod:`dtrain.comm.cost.model`: posting a round with ``k`` peers takes ``alpha + (k-1)
 alpha_peer`` of host time on the rank, and reducing ``r`` bytes takes ``r x 3 / memory_bytes_per_s`` (read two
 operands, write one) on its device unless a ``gamma_s_per_byte`` is given. On a uniform network these give the
-closed forms of :mod:`dtrain.comm.cost_forms` (tests/test_sim_collective.py checks ring, tree and
+closed forms of :mod:`dtrain.comm.cost.forms` (tests/test_sim_collective.py checks ring, tree and
 halving-doubling).
 
 A job may carry the public API's own operations around its schedule (:mod:`dtrain.sim.api_passes`): a rank
@@ -234,7 +234,7 @@ def replay(
     itemsize: int = 4,
     api: Sequence[RankPasses] | None = None,
 ) -> CollectiveResult:
-    """Simulate ``schedule`` on a ``nbytes`` work buffer (see :mod:`dtrain.comm.cost` for what that is per
+    """Simulate ``schedule`` on a ``nbytes`` work buffer (see :mod:`dtrain.comm.cost.model` for what that is per
     collective), rank ``i`` on device ``placement[i]`` (default: :meth:`Topology.devices` in order); ``api``:
     each rank's API operations around the schedule (:func:`dtrain.sim.api_passes.api_passes`; None: the schedule
     alone)."""

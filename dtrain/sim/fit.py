@@ -13,7 +13,7 @@ squares), but through the simulator itself, so contention and rank skew stay in 
    messages up to a size threshold), are the ones that minimise the squared log error (golden-section
    search, one at a time).
 
-Fit on one measurement, test on another (benchmarks/sim_validate.py does).
+Fit on one measurement, test on another (benchmarks/sim/validate.py does).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ sharing ``C`` flows capped at ``c`` each move as one flow capped at ``C c``):
   nothing. An all-reduce pays it once per ``2(n-1)`` sends, an all-gather or reduce-scatter once per ``n-1``,
   which is why NCCL's all-gather moves fewer bus bytes per second than its all-reduce. At
   :data:`LOCAL_OVER_CONNECTION` times the connection rate the two add up as NCCL's memory accesses do
-  (docs/sim.md, "Why a copy");
+  (docs/simulator.md, "NCCL's own collectives");
 - all-to-all is NCCL's grouped point-to-point (``ncclSend``/``ncclRecv`` to every peer in one group, one
   kernel whose channels are split among the peers, ``src/enqueue.cc`` ``scheduleP2pTasksToPlan``): a rank
   sends piece ``p`` to its ``n-1`` peers at once, the flows sharing its kernel's rate (each capped at
@@ -45,7 +45,7 @@ receives from ``n-1`` ranks as a scatter's root sends to them). On a uniform sta
 :func:`ring_closed_form` (tests/test_sim_nccl.py). The LL and LL128 protocols NCCL picks for smaller calls are a
 ``protocol`` of :func:`simulate_nccl` (their flags cost bytes, and they start sooner), and ``chunk_depth`` cuts a
 smaller call into smaller pieces. Not modelled: NCCL's tree and NVLS (NVLink SHARP) algorithms and its choice of fewer
-channels below 1 MiB; the fitted figures absorb them (docs/sim.md says where that shows).
+channels below 1 MiB; the fitted figures absorb them (docs/simulator.md says where that shows).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ Two regimes, as in :mod:`dtrain.sim.fit`:
 
 The rate of the kernel's local copies is not fitted: given ``local_per_connection`` it is that multiple of the
 connection rate (:data:`dtrain.sim.nccl.LOCAL_OVER_CONNECTION` from NCCL's memory accesses). Fitted freely it
-trades off against the connection rate and the launch, and the fit wanders along that valley (docs/sim.md).
+trades off against the connection rate and the launch, and the fit wanders along that valley (docs/simulator.md).
 
-Fit on one run, test on others (benchmarks/sim_validate_transports.py).
+Fit on one run, test on others (benchmarks/sim/validate.py transports).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 On that transport nothing is a message: every rank reads its peers' windows with one kernel a destination range,
 between device barriers, and a rank's host enqueues the whole call ahead of its GPU. So the model walks the
-plan the runtime itself runs (:func:`dtrain.comm.peer_plan.compile_pull`), per rank:
+plan the runtime itself runs (:func:`dtrain.comm.peer.pull.compile_pull`), per rank:
 
 - **GPU time**: for each round, a barrier (every rank waits for the slowest to arrive), the copies into the
   window at the local copy rate, then the pull passes one after another: a pass reading one peer at the pair
@@ -16,7 +16,7 @@ plan the runtime itself runs (:func:`dtrain.comm.peer_plan.compile_pull`), per r
   nobody reads its rank runs at the lone fan-in rate (one direction of the port loaded, not both).
 - **Host time**: a fixed cost a call, and a cost for each barrier, each torch operation (a copy, a small
   pass) and each launch of the fused Triton kernel it enqueues (the runtime's own rule,
-  :func:`dtrain.comm.peer_kernels.wants_kernel`, says which passes are fused).
+  :func:`dtrain.comm.peer.kernels.wants_kernel`, says which passes are fused).
 
 A call takes the larger of the two: the host runs ahead of the GPU until the GPU catches up with it (small
 messages are host-bound, large ones GPU-bound). A graph-replayed call (``DTRAIN_COMM_PERSISTENT=1``) costs
@@ -28,7 +28,7 @@ copies of reduce-scatter, all-gather, all-to-all, ...), replayed or not: each is
 (``host_launch_s``) and a local pass on the GPU, those before the schedule ahead of its first barrier, those
 after it behind its last.
 
-``push=True`` prices the push form instead (:func:`dtrain.comm.peer_push.compile_push`): a barrier before every
+``push=True`` prices the push form instead (:func:`dtrain.comm.peer.push.compile_push`): a barrier before every
 round and one after the last; a round's sends one after another at the push rate (a pass that reads local
 buffers and stores into a peer), its local folds at the local rate; after the last barrier, the final folds.
 """
@@ -433,7 +433,7 @@ def _fit_replay_host(replays: Sequence[tuple], cost: PeerCost) -> float:
     GPU time priced with ``cost``; the median of the values tied for it.
 
     A small replay is not always host-bound: on 4 H100s a replayed ring all-reduce of 1 MiB waits 70-87 us on
-    its barriers and kernels against ~34 us of host time (``benchmarks/replay_host_probe.py``). Where every
+    its barriers and kernels against ~34 us of host time (``benchmarks/collectives/probe.py replay-host``). Where every
     point is host-bound this is the median of what they imply; a point its GPU time explains does not pull the
     host time up to its own.
     """

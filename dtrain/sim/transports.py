@@ -20,7 +20,7 @@ the network transport, sockets over the loopback). Each is a graph of rated link
 What the catalogue cannot say is how fast one connection goes: a GPU reading host memory over PCIe, or one
 proxy thread copying through a TCP socket, is limited by outstanding requests and one CPU core, not by the
 wires. That is ``connection_bytes_per_s``, a cap on each flow, fitted to measurements
-(benchmarks/sim_validate_transports.py); ``memory_bytes_per_s`` may be fitted too (what DRAM really delivers).
+(benchmarks/sim/validate.py transports); ``memory_bytes_per_s`` may be fitted too (what DRAM really delivers).
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm import peer
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.peer import window as peer
 from probes.symm import timed
 
 MIB = 1 << 20

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm import peer
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.peer import window as peer
 
 MIB = 1 << 20
 

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import dtrain.comm as comm
-from dtrain.comm import peer, peer_kernels
+from dtrain.comm.peer import kernels as peer_kernels
+from dtrain.comm.peer import window as peer
 
 
 def host_and_gpu(fn, iters=200, warmup=5):

@@ -6,7 +6,7 @@ Run under torchrun on 4 GPUs of one host. Every pattern is one round: a device b
 rank's pass (ranks that take no part only wait at the barrier). Per pattern and per size of one flow, the
 round's time (max over ranks, the barrier alone subtracted) and the bytes per second through the busiest
 port. The passes are the runtime's own: a plain ``copy_`` out of or into a peer's memory, and
-:func:`dtrain.comm.peer_kernels.combine` for a pass that sums three peers.
+:func:`dtrain.comm.peer.kernels.combine` for a pass that sums three peers.
 
 - ``read 1 lone``: rank 1 copies rank 0's block; the others idle.
 - ``read 1 ring``: every rank copies its next rank's block at once (the pair rate's probe: both directions).
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from dtrain.comm.peer_kernels import combine
+from dtrain.comm.peer.kernels import combine
 
 MIB = 1 << 20
 
@@ -52,7 +52,7 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 4:
-        raise SystemExit("port_probe: run on 4 GPUs (torchrun --nproc-per-node 4)")
+        raise SystemExit("probe port: run on 4 GPUs (torchrun --nproc-per-node 4)")
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     numel = max(sizes) * MIB // 4
     group = dist.group.WORLD

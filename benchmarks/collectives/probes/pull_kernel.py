@@ -26,7 +26,7 @@ import torch.distributed._symmetric_memory as symm_mem
 import triton
 import triton.language as tl
 
-from dtrain.comm.peer_triton import pull_kernel
+from dtrain.comm.peer.triton import pull_kernel
 
 
 @triton.jit

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 import dtrain.comm as comm
-from dtrain.comm import api, watchdog
+from dtrain.comm import api
+from dtrain.comm.peer import watchdog
 from probes import peer_host
 
 

@@ -5,7 +5,7 @@ Probe: host microseconds of the watchdog's per-call work on one GPU (no process 
 Times, while the GPU is kept busy (torch.cuda._sleep) so recorded events stay pending as in training: the
 current-stream look-up, making a CUDA event object, recording a new event, re-recording an event made and
 recorded before, recording through a cached stream object, the capture check, and
-``dtrain.comm.watchdog.watch`` itself (with its thread running).
+``dtrain.comm.peer.watchdog.watch`` itself (with its thread running).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import torch
 
-from dtrain.comm import watchdog
+from dtrain.comm.peer import watchdog
 
 
 def per_call_us(fn, n=2000) -> float:

@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peer_h100 as h100  # noqa: E402
 
-from dtrain.comm import algorithms as registry  # noqa: E402
-from dtrain.comm import cost as comm_cost  # noqa: E402
-from dtrain.comm.peer import PUSH_FROM_BYTES  # noqa: E402
-from dtrain.comm.peer_push import has_push_form, writes_own_block_only  # noqa: E402
-from dtrain.comm.schedule import Collective  # noqa: E402
+from dtrain.comm.cost import model as comm_cost  # noqa: E402
+from dtrain.comm.ir import algorithms as registry  # noqa: E402
+from dtrain.comm.ir.schedule import Collective  # noqa: E402
+from dtrain.comm.peer.push import has_push_form, writes_own_block_only  # noqa: E402
+from dtrain.comm.peer.window import PUSH_FROM_BYTES  # noqa: E402
 from dtrain.sim.api_passes import api_passes  # noqa: E402
 from dtrain.sim.nccl import LOCAL_OVER_CONNECTION, NcclParams, simulate_nccl  # noqa: E402
 from dtrain.sim.nccl_fit import NcclPoint, fit_nccl  # noqa: E402

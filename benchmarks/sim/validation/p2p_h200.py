@@ -38,8 +38,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dtrain.cluster.topology import Device, Topology
-from dtrain.comm.cost import CostParams, load_params, optimal_pipeline
-from dtrain.comm.schedule import Collective
+from dtrain.comm.cost.model import CostParams, load_params, optimal_pipeline
+from dtrain.comm.ir.schedule import Collective
 from dtrain.sim.collective import SoftwareCost
 from dtrain.sim.fit import (
     Measurement,

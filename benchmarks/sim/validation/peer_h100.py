@@ -48,10 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm.peer import PUSH_FROM_BYTES
-from dtrain.comm.peer_push import has_push_form
-from dtrain.comm.schedule import Collective
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.peer.push import has_push_form
+from dtrain.comm.peer.window import PUSH_FROM_BYTES
 from dtrain.sim.api_passes import api_passes
 from dtrain.sim.nccl import LOCAL_OVER_CONNECTION, NcclParams, simulate_nccl
 from dtrain.sim.nccl_fit import NcclPoint, fit_nccl

@@ -29,9 +29,9 @@ import json
 import statistics
 from pathlib import Path
 
-from dtrain.comm import algorithms as registry
-from dtrain.comm import cost as comm_cost
-from dtrain.comm.schedule import Collective
+from dtrain.comm.cost import model as comm_cost
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
 from dtrain.sim.api_passes import api_passes
 from dtrain.sim.peer_model import PeerCost, fit_peer_cost, peer_time
 

@@ -269,8 +269,8 @@ def default_params(device_type: str) -> CostParams:
         )
         return CostParams(intra=nvlink)
     if device_type == "cuda-peer":
-        # the peer-memory transport (dtrain.comm.peer.window) on 4 H200s (benchmarks/symm_probe.py and
-        # peer_host_probe.py): a round is a device barrier and a kernel, ~15 us of host time to enqueue; one
+        # the peer-memory transport (dtrain.comm.peer.window) on 4 H200s (benchmarks/collectives/probe.py symm and
+        # peer-host): a round is a device barrier and a kernel, ~15 us of host time to enqueue; one
         # peer is read at ~310 GB/s, but all ranks reading all peers at once get only ~215 GB/s into each
         # rank, so one-peer algorithms win at large sizes
         peer_link = LinkCost(

@@ -98,7 +98,7 @@ class TorchP2PTransport:
             # Receives first: Gloo sends a payload only once the receiver has announced its buffer, and an
             # announcement posted after our own sends queues behind their payload on the same connection, so
             # the two directions of a pairwise exchange would run one after the other (measured on the
-            # emulated cluster: recursive doubling 2719 -> 1953 ms at 4 MiB, docs/emulate.md).
+            # emulated cluster: recursive doubling 2719 -> 1953 ms at 4 MiB, docs/emulation.md).
             recv_works = [pg.recv([t], peer, _TAG) for peer, t in recvs]
             works = [pg.send([t], peer, _TAG) for peer, t in sends] + recv_works
         messages = [(p, True, t) for p, t in sends] + [(p, False, t) for p, t in recvs]

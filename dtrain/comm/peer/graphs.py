@@ -33,10 +33,10 @@ set (a graph cannot report which barrier stalled) or inside another capture.
 
 A graph belongs to the *storage* it was captured on, not to an address: the caller passes the tensor as
 ``owner`` and a graph is replayed only for that same storage, alive (the key holds a weak reference to it).
-Keyed by address alone, a buffer freed and another of the same size made at the same address replayed the
-old graph, and on 4 H200s that faulted on the device ("unspecified launch failure") and then crashed the
-host in ``CUDAGraph.replay`` (``bench comm``'s sweep makes fresh buffers for every case;
-``benchmarks/persistent_diag.py`` isolated it: keeping every buffer alive, or never replaying, ran clean).
+Keyed by address alone, a buffer freed and another of the same size made at the same address would replay
+the old graph over memory it no longer owns: on 4 H200s that faults on the device ("unspecified launch
+failure") and then crashes the host in ``CUDAGraph.replay`` (``bench comm``'s sweep makes fresh buffers for
+every case; keeping every buffer alive, or never replaying, runs clean).
 A graph whose storage has died is released at the next capture, or within :data:`SWEEP_EVERY` calls.
 """
 

@@ -3,7 +3,7 @@
 The pull form (:mod:`dtrain.comm.peer.pull`) has the destination read the source's chunk and reduce it into its
 own. Reading over NVLink is the slower direction: on 4 H200s a pass that reads a peer and adds runs at
 310-335 GB/s, one that reads two local buffers, adds and stores into a peer at 333-365 GB/s
-(``benchmarks/pull_kernel_probe.py``). The push form moves the reduction to the *sender*:
+(``benchmarks/collectives/probe.py pull-kernel``). The push form moves the reduction to the *sender*:
 
 - Every rank's window holds two *banks*, each as long as the buffer. A transfer in round ``k`` stores the
   sender's value of its chunk into the receiver's bank ``k % 2`` at the receiving chunk's offset.

@@ -194,7 +194,7 @@ def _event_maker(device):
 def _recorder(device):
     """Record an event on ``device``'s current stream. ``torch.cuda.current_stream()`` makes a new Python object
     each time (~4 us on an H100 host) and ``Event.record`` looks it up again; keeping one stream object per raw
-    stream and recording through the base class costs under 1 us (benchmarks/watchdog_probe.py)."""
+    stream and recording through the base class costs under 1 us (benchmarks/collectives/probe.py watchdog)."""
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
