@@ -50,7 +50,7 @@ from dtrain.ps.train import TaskConfig
 from dtrain.sim.ps import PSStep, simulate_ps
 
 MACHINE = "this 2-core CPU machine, shared with other jobs"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WIDTH = 1024  # floats a row: the key list a request carries is 8 B a row, 0.2% of the row's 4 KiB
 
 

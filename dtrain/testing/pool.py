@@ -18,10 +18,10 @@ import os
 import queue
 import socket
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ProcessPool", "JobError", "group_of", "world_group_size"]
+__all__ = ["ProcessPool", "JobError", "group_of", "job_target", "world_group_size"]
 
 _GROUPS: dict[int, object] = {}
 
@@ -35,6 +35,14 @@ def world_group_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size()
+
+
+def job_target(job: Callable) -> str:
+    """``"module:function"`` for a module-level function, which a worker process can import again."""
+    module, name = getattr(job, "__module__", None), getattr(job, "__qualname__", "")
+    if not callable(job) or not module or not name or "." in name or "<" in name:
+        raise TypeError(f"a pool job must be a module-level function, got {job!r}")
+    return f"{module}:{name}"
 
 
 class JobError(RuntimeError):
@@ -119,17 +127,22 @@ class ProcessPool:
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
             raise JobError(f"{what}: no answer within {timeout_s:.0f} s (dead workers: {dead})") from None
 
-    def run(self, target: str, *args, ranks: int | Sequence[int] | None = None, **kwargs) -> list:
-        """Run ``target`` ("module:function") on ``ranks`` (a count n means 0..n-1); results by rank."""
+    def run(self, job: Callable, *args, ranks: int | Sequence[int] | None = None, **kwargs) -> list:
+        """Run ``job`` (a module-level function, imported by the caller) on ``ranks`` (a count n means 0..n-1).
+
+        The caller passes the function itself, so a renamed or moved job fails where it is imported; the
+        workers import it again by its module and name. Results come back by rank.
+        """
+        target = job_target(job)
         if ranks is None:
             ranks = range(self.world_size)
         elif isinstance(ranks, int):
             ranks = range(ranks)
         ranks = list(ranks)
         self._next_id += 1
-        job = _Job(self._next_id, target, args, kwargs)
+        message = _Job(self._next_id, target, args, kwargs)
         for r in ranks:
-            self._jobs[r].put(job)
+            self._jobs[r].put(message)
         answers: dict[int, tuple] = {}
         while len(answers) < len(ranks):
             job_id, rank, answer = self._get(self.timeout_s, target)

@@ -1,0 +1,68 @@
+"""Every (collective, algorithm) on real Gloo processes, against a one-process reference and torch.distributed.
+
+World sizes 2, 3, 4 and 8; sizes 0, 1, a prime and a large one; every supported dtype; every op; a
+non-contiguous input; both ends as root.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.comm import Collective, algorithms
+from tests.jobs import comm as jobs
+
+WORLDS = (2, 3, 4, 8)
+SIZES = [0, 1, 13, 4099]
+
+
+def _pairs():
+    for coll in Collective:
+        if coll == Collective.BARRIER:
+            continue
+        for algorithm in algorithms(coll.value):
+            if algorithm != "hierarchical":
+                yield coll.value, algorithm
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(("coll", "algorithm"), list(_pairs()))
+def test_matches_reference(pool, coll, algorithm, world):
+    problems = pool.run(jobs.check_collective, coll, algorithm, world, SIZES, ranks=world)
+    assert [p for per_rank in problems for p in per_rank] == []
+
+
+@pytest.mark.parametrize(("coll", "algorithm"), [p for p in _pairs() if p[1] not in ("native", "auto")])
+def test_matches_torch_distributed_on_random_floats(pool, coll, algorithm):
+    worst = pool.run(jobs.check_against_native, coll, algorithm, 3, 1031, ranks=3)
+    assert max(worst) < 1e-5
+
+
+def _hierarchical():
+    for coll in Collective:
+        if "hierarchical" in algorithms(coll.value):
+            yield coll.value
+
+
+@pytest.mark.parametrize(("world", "local_size"), [(4, 2), (8, 2), (8, 4), (3, 1), (4, 4)])
+@pytest.mark.parametrize("coll", list(_hierarchical()))
+def test_hierarchical_matches_reference(pool, coll, world, local_size):
+    problems = pool.run(jobs.check_collective, coll, "hierarchical", world, SIZES, local_size=local_size, ranks=world)
+    assert [p for per_rank in problems for p in per_rank] == []
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_auto_uses_the_node_map(pool, world):
+    problems = pool.run(jobs.check_collective, "all_reduce", "auto", world, SIZES, local_size=2, ranks=world)
+    assert [p for per_rank in problems for p in per_rank] == []
+
+
+@pytest.mark.parametrize(("coll", "algorithm"), [p for p in _pairs() if p[1] not in ("native", "auto")])
+def test_matches_torch_distributed_on_a_large_buffer(pool, coll, algorithm):
+    # 2^17 + 3 elements a block: uneven chunks everywhere, and more than any scratch seen so far.
+    worst = pool.run(jobs.check_against_native, coll, algorithm, 4, (1 << 17) + 3, ranks=4)
+    assert max(worst) < 1e-5
+
+
+def test_a_group_of_the_whole_world_in_order_takes_the_world_node_size(pool):
+    # dtrain train's data-parallel group of a 1-D layout is such a group: --algorithm hierarchical must work there
+    assert max(pool.run(jobs.world_copy_takes_world_node_size)) == 0.0

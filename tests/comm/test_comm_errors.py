@@ -1,0 +1,58 @@
+"""Bad input fails before a byte is sent; a missing peer fails with a named timeout, never a hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.jobs import comm as jobs
+
+BAD_INPUT = {
+    "op": "unknown op 'mean'",
+    "avg_int": "needs a floating dtype",
+    "algorithm": "unknown algorithm 'butterfly'",
+    "src": "src=5 is outside",
+    "dst": "dst=-1 is outside",
+    "all_gather_size": "output has 7 elements, expected 8",
+    "dtype_mismatch": "differs from input dtype",
+    "reduce_scatter_size": "has 4 elements, expected 6",
+    "all_to_all_size": "not a multiple of the group size 2",
+    "dtype": "complex64",
+    "not_tensor": "must be a torch.Tensor",
+    "hierarchical_no_nodes": "needs the node size",
+    "scatter_input": "has 5 elements, expected 4",
+}
+
+
+@pytest.mark.parametrize(("case", "words"), list(BAD_INPUT.items()))
+def test_bad_input_raises_value_error_naming_the_problem(pool, case, words):
+    # Only rank 0 calls: had anything been sent, the next collective on the group would go wrong.
+    (message,) = pool.run(jobs.bad_input, case, ranks=[0])
+    assert words in message
+
+
+def test_group_still_works_after_bad_input(pool):
+    pool.run(jobs.bad_input, "all_gather_size", ranks=[0])
+    assert pool.run(jobs.after_bad_input_still_works, ranks=2) == [3.0, 3.0]
+
+
+@pytest.mark.parametrize(("coll", "algorithm"), [("all_reduce", "ring"), ("broadcast", "tree")])
+def test_missing_peer_times_out_naming_collective_round_and_peer(pool, coll, algorithm):
+    answer, _ = pool.run(jobs.missing_peer, coll, algorithm, 2.0, ranks=2)
+    seconds, message = answer.split("|", 1)
+    assert float(seconds) < 10
+    assert f"{coll}/{algorithm}" in message
+    assert "round 0" in message
+    assert "rank 1 (global 1)" in message
+
+
+def test_barrier_waits_for_the_last_rank(pool):
+    waited = pool.run(jobs.run_barrier, 4, 3, 0.5, ranks=4)
+    assert min(waited[:3]) > 0.4
+    assert waited[3] < 0.4
+
+
+def test_a_round_timeout_overrides_a_long_group_timeout(pool):
+    answer, _ = pool.run(jobs.missing_peer, "all_reduce", "direct", 120.0, 1.0, ranks=2)
+    seconds, message = answer.split("|", 1)
+    assert float(seconds) < 10
+    assert "all_reduce/direct" in message and "rank 1 (global 1)" in message

@@ -1,0 +1,127 @@
+"""Measured rules for ``algorithm="auto"`` (dtrain.comm.cost.rules): built from bench records, read by the API."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dtrain.comm.cost import rules
+from dtrain.comm.cost.rules import Rules
+from tests.jobs import rules as jobs
+
+
+def _rec(alg: str, nbytes: int, time_us: float, coll: str = "all_reduce", world: int = 4) -> dict:
+    return {"collective": coll, "algorithm": alg, "nbytes": nbytes, "time_us": time_us, "world_size": world}
+
+
+def test_rules_keep_the_fastest_of_ours_and_switch_between_measured_sizes():
+    records = [
+        _rec("ring", 1 << 20, 50.0), _rec("halving_doubling", 1 << 20, 40.0),
+        _rec("ring", 4 << 20, 90.0), _rec("halving_doubling", 4 << 20, 95.0),
+        _rec("ring", 16 << 20, 300.0), _rec("halving_doubling", 16 << 20, 310.0),
+        _rec("native", 16 << 20, 1.0), _rec("auto", 16 << 20, 1.0), _rec("ring+graph", 1 << 20, 1.0),
+    ]  # fmt: skip
+    made = rules.from_records(records, kind="cuda-peer")
+    assert made.table == {"all_reduce": ((0, "halving_doubling"), (2 << 20 | 1, "ring"))}
+    assert made.pick("all_reduce", 1) == "halving_doubling"
+    assert made.pick("all_reduce", 2 << 20) == "halving_doubling"  # up to the geometric midpoint
+    assert made.pick("all_reduce", (2 << 20) + 1) == "ring"
+    assert made.pick("all_reduce", 1 << 40) == "ring"
+    assert made.pick("broadcast", 1 << 20) is None
+    assert made.covers("cuda-peer", 4, None) and not made.covers("cuda", 4, None)
+    assert not made.covers("cuda-peer", 8, None)
+
+
+def test_rules_round_trip_through_a_file(tmp_path):
+    made = Rules(kind="cpu", world_size=2, table={"all_reduce": ((0, "ring"), (100, "direct"))}, meta={"x": 1})
+    path = rules.save_rules(made, tmp_path / "r.json")
+    assert rules.load_rules("cpu", path) == made
+    assert rules.load_rules("cpu", tmp_path / "absent.json") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("not json", "not a dtrain rules file"),
+        (json.dumps({"world_size": 2, "rules": {}}), "malformed"),
+        (json.dumps({"kind": "cpu", "world_size": 0, "rules": {}}), "world_size"),
+        (json.dumps({"kind": "cpu", "world_size": 2, "rules": {"all_reduce": [[5, "ring"]]}}), "start at 0"),
+        (json.dumps({"kind": "cpu", "world_size": 2, "rules": {"all_reduce": [[0, "a"], [0, "b"]]}}), "rise"),
+    ],
+)
+def test_a_bad_rules_file_is_an_error_naming_it(tmp_path, text, problem):
+    path = tmp_path / "rules.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=problem) as err:
+        rules.load_rules("cpu", path)
+    assert str(path) in str(err.value)
+
+
+def test_records_of_several_group_sizes_are_refused():
+    with pytest.raises(ValueError, match="several group sizes"):
+        rules.from_records([_rec("ring", 8, 1.0, world=2), _rec("ring", 8, 1.0, world=4)], kind="cpu")
+    with pytest.raises(ValueError, match="no record"):
+        rules.from_records([_rec("native", 8, 1.0)], kind="cpu")
+
+
+def test_auto_follows_the_rules_file_where_it_covers_the_call(pool, tmp_path):
+    path = tmp_path / "rules.json"
+    table = {"all_reduce": ((0, "star"), (4096, "tree"))}
+    rules.save_rules(Rules(kind="cpu", world_size=4, table=table), path)
+    small = pool.run(jobs.auto_with_rules, 4, [str(path)] * 4, 16, ranks=4)
+    assert small == [{"chosen": "star", "right": True}] * 4
+    big = pool.run(jobs.auto_with_rules, 4, [str(path)] * 4, 4096, ranks=4)
+    assert big == [{"chosen": "tree", "right": True}] * 4
+    # rules for another group size do not apply: the cost model chooses, as with no file
+    other = pool.run(jobs.auto_with_rules, 2, [str(path)] * 2, 16, ranks=2)
+    plain = pool.run(jobs.auto_with_rules, 2, [None] * 2, 16, ranks=2)
+    assert other == plain and other[0]["right"]
+
+
+def test_ranks_that_read_different_rules_all_refuse_instead_of_hanging(pool, tmp_path):
+    path = tmp_path / "rules.json"
+    rules.save_rules(Rules(kind="cpu", world_size=2, table={"all_reduce": ((0, "star"),)}), path)
+    out = pool.run(jobs.auto_with_rules, 2, [str(path), None], 16, ranks=2)
+    assert all("different calibration or rules files" in r.get("error", "") for r in out), out
+
+
+def test_built_in_rules_cover_only_what_was_measured_and_defer_to_the_model_elsewhere(monkeypatch, tmp_path):
+    from dtrain.comm import api
+    from dtrain.comm.ir.schedule import Collective
+
+    monkeypatch.setenv("DTRAIN_COMM_RULES", str(tmp_path / "none.json"))  # this machine's own files stay out
+    monkeypatch.setenv("DTRAIN_CALIBRATION", str(tmp_path / "none-cal.json"))
+    for cached in (api._rules, api._params):
+        cached.cache_clear()
+
+    peer4 = rules.built_in("cuda-peer", 4, None)
+    assert peer4 is not None and peer4.pick("all_reduce", 64 << 20) == "ring"
+    assert peer4.pick("all_reduce", 1 << 20) == rules.MODEL and peer4.pick("all_gather", 64 << 20) is None
+    assert rules.built_in("cuda-peer", 8, None) is None and rules.built_in("cuda", 4, None) is None
+    api._auto.cache_clear()
+    try:
+        assert api._auto(Collective.ALL_REDUCE, 64 << 20, 4, "cuda-peer", None) == "ring"
+        small = api._auto(Collective.ALL_REDUCE, 1 << 20, 4, "cuda-peer", None)
+        assert small != rules.MODEL and small in api.algorithms("all_reduce")
+    finally:
+        for cached in (api._auto, api._rules, api._params):
+            cached.cache_clear()
+
+
+def test_a_rules_file_without_a_rule_for_a_collective_leaves_the_built_in_rule_in_force(monkeypatch, tmp_path):
+    from dtrain.comm import api
+    from dtrain.comm.ir.schedule import Collective
+
+    path = tmp_path / "rules.json"
+    rules.save_rules(Rules(kind="cuda-peer", world_size=4, table={"all_gather": ((0, "direct"),)}), path)
+    monkeypatch.setenv("DTRAIN_COMM_RULES", str(path))
+    monkeypatch.setenv("DTRAIN_CALIBRATION", str(tmp_path / "none-cal.json"))
+    for cached in (api._auto, api._rules, api._params):
+        cached.cache_clear()
+    try:
+        assert api._auto(Collective.ALL_GATHER, 64 << 20, 4, "cuda-peer", None) == "direct"  # the file's
+        assert api._auto(Collective.ALL_REDUCE, 64 << 20, 4, "cuda-peer", None) == "ring"  # built in
+    finally:
+        for cached in (api._auto, api._rules, api._params):
+            cached.cache_clear()

@@ -1,0 +1,162 @@
+"""Jobs for the peer-memory transport tests: the collective checks of tests.jobs.comm, run with
+DTRAIN_COMM_TRANSPORT=peer (windows in /dev/shm, Gloo's monitored barrier between rounds)."""
+
+from __future__ import annotations
+
+import os
+
+from tests.jobs import comm as comm_jobs
+
+
+def _with_peer(fn, *args, **kwargs):
+    os.environ["DTRAIN_COMM_TRANSPORT"] = "peer"
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+
+
+def check_collective(*args, **kwargs):
+    return _with_peer(comm_jobs.check_collective, *args, **kwargs)
+
+
+def check_collective_push(*args, **kwargs):
+    os.environ["DTRAIN_COMM_PEER_MODE"] = "push"
+    try:
+        return _with_peer(comm_jobs.check_collective, *args, **kwargs)
+    finally:
+        os.environ.pop("DTRAIN_COMM_PEER_MODE", None)
+
+
+def check_against_native(*args, **kwargs):
+    return _with_peer(comm_jobs.check_against_native, *args, **kwargs)
+
+
+def missing_peer(*args, **kwargs):
+    return _with_peer(comm_jobs.missing_peer, *args, **kwargs)
+
+
+def private_shm() -> str:
+    """Rank 1 behaves as if it did not share /dev/shm with rank 0 (containers with one host name but private
+    IPC); every rank must get a ValueError, and no window file may stay behind."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from dtrain import comm
+    from dtrain.comm.peer import window as peer
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30), use_local_synchronization=True)
+    real = peer._has_size
+    if rank == 1:
+        peer._has_size = lambda path, nbytes: path.endswith(f"-{rank}") and real(path, nbytes)
+    os.environ["DTRAIN_COMM_TRANSPORT"] = "peer"
+    try:
+        comm.all_reduce(torch.ones(8), group=group, algorithm="ring")
+    except ValueError as err:
+        return str(err)
+    finally:
+        peer._has_size = real
+        os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    return "no error"
+
+
+def rendezvous_counts_differ() -> str:
+    """Rank 0 has made one more window than the others (a subgroup's): the check that stands in front of
+    torch's CUDA rendezvous must refuse on every rank instead of letting it hang."""
+    import torch
+    import torch.distributed as dist
+
+    from dtrain.comm.peer import window as peer
+    from dtrain.testing.pool import group_of
+
+    saved = peer._RENDEZVOUS[0]
+    if dist.get_rank() == 0:
+        peer._RENDEZVOUS[0] += 1
+    try:
+        peer._same_rendezvous_count(group_of(3), torch.device("cpu"))
+    except ValueError as err:
+        return str(err)
+    finally:
+        peer._RENDEZVOUS[0] = saved
+    return "no error"
+
+
+def auto_falls_back_when_a_window_is_refused() -> dict:
+    """``DTRAIN_COMM_TRANSPORT=auto`` on a group the peer transport would serve (the CUDA rule stood in for on
+    the CPU), whose window is refused on every rank alike, as torch's rendezvous check refuses it: the call
+    must still be right, over point-to-point, with a warning, and the group must stay there."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from dtrain import comm
+    from dtrain.comm import api
+    from dtrain.comm.peer import window as peer
+    from dtrain.comm.state import group_state
+    from dtrain.testing.pool import group_of
+
+    group = group_of(3)
+    real_default, real_map = peer.peer_default, peer.PeerWindow._map_shared_files
+    peer.peer_default = lambda g, d: peer.peer_available(g, d)  # as on CUDA
+
+    def refused(self):
+        peer._same_rendezvous_count(self.group, self.device)  # every rank counts alike here: passes
+        raise peer.PeerUnavailable("refused for the test")
+
+    peer.PeerWindow._map_shared_files = refused
+    peer.close_windows()  # an earlier test's window for this group would be found instead of made
+    saved = os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    try:
+        chose = api.transport_name(group, torch.device("cpu"))
+        x = torch.full((10,), float(dist.get_rank() + 1))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            comm.all_reduce(x, group=group, algorithm="ring")
+        after = api.transport_name(group, torch.device("cpu"))
+        return {
+            "before": chose,
+            "after": after,
+            "right": bool((x == 6).all()),
+            "warned": any("point-to-point transport from now on" in str(w.message) for w in caught),
+        }
+    finally:
+        peer.peer_default, peer.PeerWindow._map_shared_files = real_default, real_map
+        group_state(group).fell_back = False
+        if saved is not None:
+            os.environ["DTRAIN_COMM_TRANSPORT"] = saved
+
+
+def reduce_scatter_without_a_copy(algorithm: str) -> dict:
+    """A pushed reduce-scatter on 3 ranks: whether it ran out of place (the input read, the result written
+    straight into the output), and whether the result is right and the input untouched."""
+    import torch
+    import torch.distributed as dist
+
+    from dtrain import comm
+    from dtrain.comm.peer import window as peer
+    from dtrain.testing.pool import group_of
+
+    group, rank = group_of(3), dist.get_rank()
+    seen = []
+    real = peer.run_push
+
+    def spy(*args, **kwargs):
+        seen.append("out" in kwargs)
+        return real(*args, **kwargs)
+
+    peer.run_push = spy
+    os.environ["DTRAIN_COMM_PEER_MODE"] = "push"
+    try:
+        x = torch.arange(12, dtype=torch.float32) * (rank + 1)
+        before = x.clone()
+        out = torch.empty(4)
+        _with_peer(comm.reduce_scatter, out, x, group=group, algorithm=algorithm)
+        want = (torch.arange(12, dtype=torch.float32) * 6)[rank * 4 : rank * 4 + 4]
+        return {"out_of_place": seen == [True], "right": torch.equal(out, want), "input": torch.equal(x, before)}
+    finally:
+        peer.run_push = real
+        os.environ.pop("DTRAIN_COMM_PEER_MODE", None)

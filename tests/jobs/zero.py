@@ -1,0 +1,136 @@
+"""Jobs for tests/test_zero.py: ZeRO with several buckets against one process, and what it allocates.
+
+The model, batches, reference and training loop are tests/jobs/data_parallel.py's: each rank trains its shard of the
+global batch with :class:`ZeroOptimizer` from a rank-dependent seed (rank 0's weights must win) and, on the
+same rank, the one-process reference on the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from dtrain.parallel.data_parallel import split_batch
+from dtrain.parallel.zero import ZeroOptimizer
+from dtrain.testing.pool import group_of
+from tests.jobs.data_parallel import LEARNING_RATES, STEPS, _global_batch, _model, _result, _train
+
+BUCKET_BYTES = 512  # the MLP's 484 float32 parameters fall into 4 buckets
+
+
+def _zero(world: int, stage: int, optimizer: str, algorithm: str) -> tuple[torch.nn.Module, ZeroOptimizer]:
+    group = group_of(world)
+    model = _model(dist.get_rank(group) * 7 + 3 if dist.get_rank(group) else 0)
+    classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    extra = {"sgd": {"momentum": 0.9}, "adam": {}, "adamw": {"weight_decay": 0.1}}[optimizer]
+    opt = ZeroOptimizer(
+        model.parameters(),
+        classes[optimizer],
+        group,
+        stage=stage,
+        algorithm=algorithm,
+        bucket_bytes=BUCKET_BYTES,
+        lr=LEARNING_RATES[optimizer],
+        **extra,
+    )
+    return model, opt
+
+
+def train(world: int, stage: int, optimizer: str, algorithm: str, micro_batches: int = 1) -> dict:
+    """STEPS steps of ``micro_batches`` backward passes each: losses and parameters, with the reference's."""
+    model, opt = _zero(world, stage, optimizer, algorithm)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    losses = _train(step, model, group_of(world), STEPS, micro_batches)
+    return _result(losses, model, optimizer, STEPS, buckets=len(opt.buckets))
+
+
+class _NewStorage(TorchDispatchMode):
+    """Records the bytes of every tensor storage an op creates (outputs that alias no input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.nbytes.append(t.untyped_storage().nbytes())
+        return out
+
+
+def allocations(world: int, stage: int) -> dict:
+    """One step: what backward leaves in param.grad, and the largest buffer allocated during step()."""
+    model, opt = _zero(world, stage, "adamw", "ring")
+    group = group_of(world)
+    x, y = split_batch(_global_batch(0), group)
+    launches_mid_backward = []
+
+    def watch(module, inputs, output) -> None:  # the first layer's output gradient: later layers' are done
+        output.register_hook(lambda grad: launches_mid_backward.append(_launches(opt)))
+
+    model[0].register_forward_hook(watch)
+    F.mse_loss(model(x), y).backward()
+    full_grads_after_backward = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+    with _NewStorage() as probe:
+        opt.step()
+    return {
+        "flat_nbytes": opt.flat.numel() * opt.flat.element_size(),
+        "largest_step_allocation": max(probe.nbytes, default=0),
+        "full_grads_after_backward": full_grads_after_backward,
+        "launches_mid_backward": launches_mid_backward[0],
+        "buckets": len(opt.buckets),
+        "memory": opt.memory_report(),
+    }
+
+
+def _launches(opt: ZeroOptimizer) -> int:
+    return opt.reducer.launches if opt.stage == 2 else 0
+
+
+def _skipping_forward(model: torch.nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
+    """Odd steps skip the middle Linear(16, 16) and its Tanh: their parameters get no gradient."""
+    layers = list(model) if step % 2 == 0 else [model[0], model[1], model[4]]
+    for layer in layers:
+        x = layer(x)
+    return x  # (B, 4)
+
+
+def unused_parameters(world: int, stage: int, steps: int = 6) -> dict:
+    """A layer unused in some steps counts as a zero gradient (as under DDP); the reference zero-fills it too."""
+    model, opt = _zero(world, stage, "sgd", "auto")
+    group = group_of(world)
+    losses = []
+    for step in range(steps):
+        x, y = split_batch(_global_batch(step), group)
+        loss = F.mse_loss(_skipping_forward(model, x, step), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        losses.append(total.item() / world)
+    ref = _model(0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LEARNING_RATES["sgd"], momentum=0.9)
+    ref_losses = []
+    for step in range(steps):
+        x, y = _global_batch(step)
+        loss = F.mse_loss(_skipping_forward(ref, x, step), y)
+        loss.backward()
+        for p in ref.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref_flat = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    return {"losses": losses, "ref_losses": ref_losses, "params": flat, "ref_params": ref_flat, "buckets": 4}

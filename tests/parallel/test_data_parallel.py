@@ -1,0 +1,164 @@
+"""Data parallel, Horovod-style and ZeRO training equal one process training on the whole global batch.
+
+Each job trains a small MLP (484 parameters in 4 buckets of 512 bytes) for 12 steps on 2 or 4 Gloo ranks and,
+on every rank, the one-process reference on the global batch; see tests/jobs/data_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.parallel.data_parallel import DataParallel, DistributedOptimizer
+from dtrain.parallel.data_parallel_communications import build_buckets
+from dtrain.parallel.zero import ZeroOptimizer
+from tests.jobs import data_parallel as jobs
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _assert_matches_reference(results: list[dict]) -> None:
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(r["params"], r["ref_params"], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    ("world", "optimizer", "algorithm"), [(2, "sgd", "auto"), (4, "adam", "ring"), (4, "sgd", "native")]
+)
+def test_data_parallel_equals_one_process_on_the_global_batch(pool, world, optimizer, algorithm):
+    _assert_matches_reference(pool.run(jobs.data_parallel, world, optimizer, algorithm, ranks=world))
+
+
+def test_data_parallel_broadcasts_rank_0_weights_and_overlaps_buckets_with_backward(pool):
+    results = pool.run(jobs.data_parallel, 2, "sgd", "ring", steps=2, ranks=2)
+    assert not torch.equal(results[0]["before"], results[1]["before"])
+    assert torch.equal(results[0]["after"], results[1]["after"])
+    assert torch.equal(results[0]["after"], results[0]["before"])
+    for r in results:
+        assert r["bucket_count"] == 4
+        assert r["launches"] == 2 * r["bucket_count"]
+        # When the first layer's output gradient exists, the later layers' buckets have already gone out.
+        assert 0 < r["launched_mid_backward"] < r["bucket_count"]
+
+
+def test_no_sync_accumulation_equals_one_step_on_the_union(pool):
+    results = pool.run(jobs.data_parallel, 2, "adam", "native", micro_batches=2, ranks=2)
+    _assert_matches_reference(results)
+    assert results[0]["launches"] == results[0]["bucket_count"] * 12  # one reduction per step, not per pass
+
+
+@pytest.mark.parametrize(("world", "optimizer", "algorithm"), [(2, "adam", "auto"), (4, "sgd", "ring")])
+def test_distributed_optimizer_equals_one_process(pool, world, optimizer, algorithm):
+    results = pool.run(jobs.distributed_optimizer, world, optimizer, algorithm, ranks=world)
+    _assert_matches_reference(results)
+    assert all(torch.equal(r["after"], results[0]["after"]) for r in results)
+
+
+def test_distributed_optimizer_accumulates_backward_passes_per_step(pool):
+    _assert_matches_reference(pool.run(jobs.distributed_optimizer, 4, "adam", "native", passes=2, ranks=4))
+
+
+def test_broadcast_optimizer_state_copies_rank_0(pool):
+    results = pool.run(jobs.optimizer_state_broadcast, 2, ranks=2)
+    for r in results:
+        assert r["lr"] == pytest.approx(0.1)
+        torch.testing.assert_close(r["exp_avg"], 0.1 * torch.arange(5.0))  # (1 - beta1) * rank 0's gradient
+        assert r["step"] == 1.0
+
+
+def test_broadcast_optimizer_state_refuses_different_structures_on_every_rank(pool):
+    messages = pool.run(jobs.optimizer_state_mismatch, 2, ranks=2)
+    assert all("different optimizer state" in m for m in messages)
+
+
+@pytest.mark.parametrize(
+    ("world", "stage", "optimizer", "algorithm"),
+    [(2, 1, "adam", "ring"), (4, 1, "sgd", "native"), (2, 2, "sgd", "auto"), (4, 2, "adam", "ring")],
+)
+def test_zero_equals_one_process(pool, world, stage, optimizer, algorithm):
+    results = pool.run(jobs.zero, world, stage, optimizer, algorithm, ranks=world)
+    _assert_matches_reference(results)
+    assert all(torch.equal(r["after"], results[0]["after"]) for r in results)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_holds_a_quarter_of_the_optimizer_state_on_4_ranks(pool, stage):
+    report = pool.run(jobs.zero, 4, stage, "adam", "auto", steps=1, ranks=4)[0]["memory"]
+    dp, zero = report.data_parallel, report.zero
+    assert dp.optimizer_state_nbytes == 2 * 484 * 4 + 4  # exp_avg and exp_avg_sq per element, one step count
+    assert zero.optimizer_state_nbytes == 2 * 121 * 4 + 4  # the same on a 121-element shard
+    assert zero.parameter_nbytes == dp.parameter_nbytes == 484 * 4
+    assert zero.gradient_nbytes == (484 * 4 if stage == 1 else 121 * 4)
+    assert zero.total_nbytes < dp.total_nbytes
+
+
+def test_split_batch_refuses_an_uneven_split(pool):
+    assert all("not a multiple of the group size 2" in m for m in pool.run(jobs.uneven_split, 2, ranks=2))
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def test_buckets_take_parameters_in_reverse_order_and_respect_the_size():
+    model = _mlp()
+    buckets = build_buckets(model.parameters(), bucket_bytes=300)
+    assert [[tuple(p.shape) for p in b.params] for b in buckets] == [[(4,), (4, 16)], [(16,)], [(16, 8)]]
+    assert [b.nbytes for b in buckets] == [272, 64, 512]  # a parameter over the cap gets a bucket of its own
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, -1, 1.5])
+def test_bucket_bytes_must_be_positive(bucket_bytes):
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
+        DataParallel(_mlp(), None, bucket_bytes=bucket_bytes)
+
+
+def test_a_module_without_parameters_is_refused():
+    with pytest.raises(ValueError, match="has no parameter that requires a gradient"):
+        DataParallel(nn.ReLU(), None)
+
+
+def test_zero_stage_3_is_refused():
+    with pytest.raises(ValueError, match="stage must be 1 .* or 2 .*; got 3"):
+        ZeroOptimizer(_mlp().parameters(), torch.optim.SGD, None, stage=3, lr=0.1)
+
+
+def test_distributed_optimizer_needs_a_positive_pass_count():
+    model = _mlp()
+    with pytest.raises(ValueError, match="backward_passes_per_step must be an int >= 1, got 0"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, None, backward_passes_per_step=0)
+
+
+@pytest.fixture(scope="module")
+def rebuilt(pool):
+    """Two ranks whose backward orders differ (tests/jobs/data_parallel.py:_OutOfOrder), gradients zeroed in place."""
+    return pool.run(jobs.rebuild, 2, False, ranks=2)
+
+
+def _layers(bucket_layers: list[list[str]]) -> list[str]:
+    return list(dict.fromkeys(name for bucket in bucket_layers for name in bucket))
+
+
+def test_buckets_are_rebuilt_after_the_first_backward_in_rank_0s_ready_order(rebuilt):
+    for r in rebuilt:
+        assert _layers(r["bucket_layers"][0]) == ["stem", "right", "left", "head"]  # reverse registration
+        # Rank 0 builds the right branch last, so its gradients come before the left's; rank 1 follows rank 0.
+        assert all(_layers(b) == ["head", "right", "left", "stem"] for b in r["bucket_layers"][1:])
+    assert rebuilt[0]["bucket_layers"] == rebuilt[1]["bucket_layers"]
+
+
+def test_rebuilt_buckets_go_out_while_backward_still_runs(rebuilt):
+    for r in rebuilt:
+        assert r["launched_mid_backward"][0] == 0  # the stem's bucket came first and held everything back
+        assert all(n >= 3 for n in r["launched_mid_backward"][1:])  # head, right and left are out before the stem
+
+
+def test_rebuilt_buckets_and_gradient_views_keep_training_equal_to_one_process(rebuilt):
+    _assert_matches_reference(rebuilt)
+    assert all(r["grads_are_bucket_views"] for r in rebuilt)  # zeroed in place, backward accumulates in the bucket
+
+
+def test_gradients_set_to_none_are_copied_into_the_rebuilt_buckets(pool):
+    _assert_matches_reference(pool.run(jobs.rebuild, 2, True, ranks=2))

@@ -1,0 +1,34 @@
+"""The rank grid: degrees validated, tensor parallel innermost, and real groups on the process pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.parallel.grid import ParallelDims
+from tests.jobs import grid as grid_jobs
+
+
+def test_degrees_must_multiply_to_the_world():
+    with pytest.raises(ValueError, match="must multiply to the world size"):
+        ParallelDims(world_size=8, dp=3)
+    with pytest.raises(ValueError, match="tp must be a positive int"):
+        ParallelDims(world_size=8, dp=8, tp=0)
+
+
+def test_tensor_parallel_is_innermost_then_pipeline_then_data():
+    dims = ParallelDims(world_size=8, dp=2, pp=2, tp=2)
+    assert [dims.coords(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert dims.group_ranks("tp", 5) == [4, 5]
+    assert dims.group_ranks("pp", 5) == [5, 7]
+    assert dims.group_ranks("dp", 5) == [1, 5]
+    assert all(dims.rank(*dims.coords(r)) == r for r in range(8))
+
+
+def test_grid_groups_on_real_processes(pool):
+    got = pool.run(grid_jobs.grid_sizes, 2, 1, 2)  # every process builds the groups
+    assert got == [[2, 1, 2, r] for r in range(4)] + [None] * 4
+
+
+def test_pipeline_gradients_travel_on_a_second_group_of_the_same_ranks(pool):
+    # on NCCL, one group for both directions lets a large send wait behind the opposite send (docs/parallel.md)
+    assert all(pool.run(grid_jobs.gradients_on_their_own_group, 2, 2))

@@ -1,0 +1,93 @@
+"""Hybrid parallelism (:class:`~dtrain.parallel.hybrid.HybridParallel`, the composition ``dtrain train`` runs):
+every combination of data, pipeline and tensor parallelism trains like one device.
+
+Each layout runs on real Gloo processes of the test pool (grids are built once per layout, by every process of
+the pool); every rank on the grid trains 5 SGD-with-momentum steps of a 4-block MLP classifier and compares its
+losses and its shard of its stage's parameters with the unsplit model trained on the whole global batch,
+float32 within rtol 1e-5, atol 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.schedule import Collective
+from dtrain.parallel.data_parallel import broadcast_algorithm
+from dtrain.parallel.hybrid import HybridParallel, tensor_parallel_blocks
+from tests.jobs import hybrid as jobs
+
+# layout -> (grid ranks, pipeline stages, blocks per stage, tensor-parallel degree)
+LAYOUTS = {
+    "dp2xpp2": (4, 2, 2, 1),
+    "dp2xtp2": (4, 1, 4, 2),
+    "tp2xpp2": (4, 2, 2, 2),
+    "dp2xpp2xtp2": (8, 2, 2, 2),
+}
+POOL_WORLD = 8
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_trains_like_one_device(pool, layout, schedule):
+    results = pool.run(jobs.equivalence, layout, schedule, 2)  # every process: the grid is collective
+    world, stages, blocks_per_stage, tp = LAYOUTS[layout]
+    assert results[world:] == [None] * (POOL_WORLD - world)
+    for rank, got in enumerate(results[:world]):
+        assert got["loss"] == 0.0, (rank, got)
+        assert got["params"] == 0.0, (rank, got)
+        assert got["moved"] > 1e-4, (rank, got)  # the steps moved the parameters far beyond the tolerance
+        assert len(got["blocks"]) == blocks_per_stage and got["param_count"] == 4 * blocks_per_stage
+    held = {(got["coords"][1], tuple(got["blocks"])) for got in results[:world]}
+    assert held == {(s, tuple(range(s * blocks_per_stage, (s + 1) * blocks_per_stage))) for s in range(stages)}
+
+
+def test_more_microbatches_than_stages_change_nothing_in_three_dimensions(pool):
+    results = pool.run(jobs.equivalence, "dp2xpp2xtp2", "1f1b", 4)  # 2 rows per micro-batch
+    assert [(got["loss"], got["params"]) for got in results] == [(0.0, 0.0)] * POOL_WORLD
+
+
+ALL_REDUCE_ALGORITHMS = ["auto", "native", *registry.names(Collective.ALL_REDUCE)]
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp2xpp2"])
+@pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)
+def test_every_all_reduce_algorithm_trains_like_one_device(pool, layout, algorithm):
+    # pp == 1 goes through DataParallel, pp > 1 through the flat all-reduce; both broadcast the start first
+    world = 2 if layout == "dp2" else 4
+    results = pool.run(jobs.equivalence, layout, "1f1b", 2, algorithm)
+    assert [(got["loss"], got["params"]) for got in results[:world]] == [(0.0, 0.0)] * world
+
+
+def test_the_parameter_broadcast_takes_a_broadcast_algorithm_for_each_all_reduce_one():
+    broadcasts = registry.names(Collective.BROADCAST)
+    for name in ALL_REDUCE_ALGORITHMS:
+        paired = broadcast_algorithm(name)
+        assert paired == (name if name in broadcasts or name in ("auto", "native") else "auto"), name
+    assert broadcast_algorithm("butterfly") == "butterfly"  # a name no collective has is left for comm to refuse
+
+
+def test_tensor_parallelism_needs_the_models_tensor_parallel_form():
+    class _Grid:
+        class dims:  # noqa: N801
+            dp, pp, tp = 1, 1, 2
+
+        tp_group = None
+
+    with pytest.raises(ValueError, match="tp=2 needs tensor_parallel"):
+        HybridParallel(nn.Sequential(nn.Linear(2, 2)), _Grid(), lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_blocks_that_are_not_parallel_mlps_are_refused_before_any_communication():
+    with pytest.raises(ValueError, match=r"block 1 is \['Linear', 'ReLU', 'Linear'\]"):
+        tensor_parallel_blocks(
+            [
+                nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)),
+                nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)),
+            ],
+            tp_group=None,
+        )
+    with pytest.raises(ValueError, match="no blocks given"):
+        tensor_parallel_blocks([], tp_group=None)

@@ -1,0 +1,217 @@
+"""Pipeline parallelism: schedules as data, shapes that travel, and training equal to the unsplit model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.parallel.pipeline_parallel import partition_layers
+from dtrain.parallel.pipeline_parallel_communications import decode_header, encode_header
+from dtrain.parallel.pipeline_schedules import (
+    bubble_fraction,
+    draw_schedule,
+    gpipe,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    simulate,
+    theoretical_bubble,
+    validate_schedule,
+)
+from tests.jobs import pipeline as pipeline_jobs
+
+STAGES = (1, 2, 3, 4, 8)
+MICROBATCHES = (1, 2, 3, 4, 8, 9)
+
+
+@pytest.mark.parametrize("p", STAGES)
+@pytest.mark.parametrize("m", MICROBATCHES)
+def test_every_microbatch_is_forwarded_before_its_backward_on_every_stage(p, m):
+    for build in (gpipe, one_f_one_b):
+        for s in range(p):
+            validate_schedule(build(p, m, s), m)
+
+
+@pytest.mark.parametrize("p", STAGES)
+@pytest.mark.parametrize("m", MICROBATCHES)
+def test_1f1b_holds_at_most_p_minus_stage_microbatches_and_gpipe_holds_all(p, m):
+    for s in range(p):
+        assert validate_schedule(one_f_one_b(p, m, s), m) == min(p - s, m)
+        assert validate_schedule(gpipe(p, m, s), m) == m
+
+
+def test_1f1b_is_warmup_then_one_forward_one_backward_then_cooldown():
+    assert one_f_one_b(4, 6, 1) == [
+        ("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2), ("F", 5), ("B", 3),
+        ("B", 4), ("B", 5),
+    ]  # fmt: skip
+    assert gpipe(2, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("m", (1, 2, 4, 8))
+def test_simulated_bubble_of_both_schedules_is_p_minus_1_over_m_plus_p_minus_1(p, m):
+    for build in (gpipe, one_f_one_b):
+        times = simulate([build(p, m, s) for s in range(p)], forward_cost=1, backward_cost=2)
+        total = max(end for stage in times for _, end in stage)
+        idle = p * total - p * m * 3
+        assert idle / (p * total) == pytest.approx((p - 1) / (m + p - 1))
+    assert theoretical_bubble(p, m) == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_simulate_reports_a_deadlock_instead_of_hanging():
+    backwards_first = [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]]
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate(backwards_first)
+
+
+def test_invalid_schedules_are_rejected():
+    with pytest.raises(ValueError, match="before its forward"):
+        validate_schedule([("B", 0), ("F", 0)], 1)
+    with pytest.raises(ValueError, match="only 1 of 2"):
+        validate_schedule([("F", 0), ("B", 0)], 2)
+
+
+def test_schedule_is_drawn_one_row_per_stage():
+    chart = draw_schedule([one_f_one_b(3, 4, s) for s in range(3)], backward_cost=1)
+    rows = chart.splitlines()
+    assert len(rows) == 3 and rows[0].startswith("stage 0 | F0 F1 ") and rows[2].startswith("stage 2 | .. .. F0 B0")
+
+
+def test_header_carries_shape_and_dtype():
+    for t in (torch.zeros(3, 4, 5), torch.zeros((), dtype=torch.int64), torch.zeros(2, 0, dtype=torch.bfloat16)):
+        assert decode_header(encode_header(t)) == (tuple(t.shape), t.dtype)
+    with pytest.raises(ValueError, match="at most 8 dims"):
+        encode_header(torch.zeros([1] * 9))
+
+
+def test_layers_balance_by_count_and_by_parameters():
+    model = nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.ReLU())
+    assert partition_layers(model, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
+    assert partition_layers(model, 2, balance="params") == [range(0, 1), range(1, 6)]
+    small, big = nn.Linear(2, 2), nn.Linear(10, 10)  # 6 and 110 parameters
+    assert partition_layers(nn.Sequential(small, small, small, big), 2, balance="params") == [range(0, 3), range(3, 4)]
+
+
+def test_more_stages_than_layers_is_a_value_error_naming_both():
+    with pytest.raises(ValueError, match=r"3 layers into 4 pipeline stages"):
+        partition_layers(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)), 4)
+
+
+def _assert_equivalent(results):
+    for rank, r in enumerate(results):
+        for key, value in r.items():
+            assert value == 0.0, f"rank {rank}: {key} off by {value} beyond rtol 1e-5, atol 1e-6 ({r})"
+
+
+@pytest.mark.parametrize("p", (2, 4))
+@pytest.mark.parametrize("m", (1, 2, 4, 8))
+def test_gpipe_and_1f1b_train_like_the_unsplit_model(pool, p, m):
+    _assert_equivalent(pool.run(pipeline_jobs.equivalence, p, m, ranks=p))
+
+
+def test_shapes_travel_between_stages_that_change_width_and_rank(pool):
+    _assert_equivalent(pool.run(pipeline_jobs.equivalence, 4, 4, "reshaping", ranks=4))
+
+
+def test_parameter_balanced_stages_train_like_the_unsplit_model(pool):
+    _assert_equivalent(pool.run(pipeline_jobs.equivalence, 3, 2, "mlp", 2, "params", ranks=3))
+
+
+def test_more_stages_than_layers_raises_on_every_rank(pool):
+    for message in pool.run(pipeline_jobs.too_many_stages, ranks=4):
+        assert "3 layers into 4 pipeline stages" in message
+
+
+def test_indivisible_batch_raises_before_sending_anything(pool):
+    for answer in pool.run(pipeline_jobs.indivisible_batch, ranks=2):
+        message, trained_after = answer.split("|")
+        assert "10 samples cannot be split into 4" in message and trained_after == "True"
+
+
+@pytest.mark.parametrize("p,m", [(4, 8)])
+def test_timeline_reports_a_bubble_and_1f1b_holds_fewer_activations(pool, p, m):
+    report = {}
+    for schedule in ("gpipe", "1f1b"):
+        timelines = pool.run(pipeline_jobs.timeline, p, m, schedule, ranks=p)
+        bubble = bubble_fraction(timelines)
+        assert 0.0 < bubble < 1.0
+        assert {e.kind for e in timelines[1].events} >= {"F", "B", "send_forward", "recv_forward", "recv_backward"}
+        report[schedule] = (bubble, [t.peak_activations for t in timelines])
+    print(f"\np={p} m={m} theory {theoretical_bubble(p, m):.3f}; measured (bubble, peak per stage): {report}")
+    assert report["1f1b"][1] == [min(p - s, m) for s in range(p)]
+    assert report["gpipe"][1] == [m] * p
+    assert all(a <= b for a, b in zip(report["1f1b"][1], report["gpipe"][1], strict=True))
+
+
+def test_interleaved_1f1b_is_groups_of_p_through_the_chunks_forward_and_back_in_reverse():
+    got = [(kind, chunk, mb) for kind, mb, chunk in interleaved_one_f_one_b(2, 4, 1, virtual_stages=2)]
+    # (kind, chunk, micro-batch); warm-up 2 (p - 1 - s) + (v - 1) p = 2 forwards, then 1F1B, then 2 backwards
+    assert got == [
+        ("F", 0, 0), ("F", 0, 1),
+        ("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 0, 2), ("B", 0, 0), ("F", 0, 3), ("B", 0, 1),
+        ("F", 1, 2), ("B", 1, 2), ("F", 1, 3), ("B", 1, 3),
+        ("B", 0, 2), ("B", 0, 3),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("v", (1, 2, 3))
+@pytest.mark.parametrize("groups", (1, 2, 4))
+def test_interleaved_1f1b_is_valid_and_its_simulated_bubble_is_p_minus_1_over_vm_plus_p_minus_1(p, v, groups):
+    m = groups * p
+    schedules = [interleaved_one_f_one_b(p, m, s, v) for s in range(p)]
+    for s in range(p):
+        validate_schedule(schedules[s], m, virtual_stages=v)
+    times = simulate(schedules, forward_cost=1, backward_cost=2)  # costs of one chunk
+    total = max(end for stage in times for _, end in stage)
+    idle = p * total - p * v * m * 3
+    assert idle / (p * total) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert theoretical_bubble(p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert theoretical_bubble(p, m, v) <= theoretical_bubble(p, m)
+
+
+def test_interleaved_1f1b_needs_microbatches_in_groups_of_p():
+    with pytest.raises(ValueError, match="6 micro-batches is not a multiple of 4"):
+        interleaved_one_f_one_b(4, 6, 0, 2)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2)])
+def test_interleaved_1f1b_trains_like_the_unsplit_model(pool, p, m, v):
+    _assert_equivalent(pool.run(pipeline_jobs.interleaved, p, m, v, ranks=p))
+
+
+def test_interleaved_timeline_records_each_chunk_and_a_bubble(pool):
+    timelines = pool.run(pipeline_jobs.timeline, 4, 8, "interleaved-1f1b", ranks=4)
+    assert 0.0 < bubble_fraction(timelines) < 1.0
+    for t in timelines:
+        assert t.virtual_stages == 2
+        assert {(e.kind, e.chunk) for e in t.events if e.kind in ("F", "B")} == {(k, c) for k in "FB" for c in (0, 1)}
+
+
+def _messages(schedules, p: int, v: int) -> tuple[dict, dict]:
+    """Per ordered pair of ranks, the (kind, receiving virtual stage, micro-batch) sent and received, in order."""
+    last = v * p - 1
+    sent: dict = {}
+    received: dict = {}
+    for s, actions in enumerate(schedules):
+        for kind, mb, chunk in actions:
+            u = chunk * p + s
+            if kind == "F" and u < last:
+                sent.setdefault((s, (u + 1) % p), []).append(("act", u + 1, mb))
+            if kind == "F" and u > 0:
+                received.setdefault(((u - 1) % p, s), []).append(("act", u, mb))
+            if kind == "B" and u > 0:
+                sent.setdefault((s, (u - 1) % p), []).append(("grad", u - 1, mb))
+            if kind == "B" and u < last:
+                received.setdefault(((u + 1) % p, s), []).append(("grad", u, mb))
+    return sent, received
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("v", (2, 3))
+def test_interleaved_messages_arrive_in_the_order_they_are_sent_on_every_pair_of_ranks(p, v):
+    # so a transport that ignores tags (NCCL) matches every receive with the right send
+    for m in (p, 2 * p, 4 * p):
+        sent, received = _messages([interleaved_one_f_one_b(p, m, s, v) for s in range(p)], p, v)
+        assert sent == received

@@ -1,0 +1,64 @@
+"""ZeRO stages 1 and 2 with several buckets: equal to one process, and stage 2 reduce-scatters during backward.
+
+Jobs in tests/jobs/zero.py (the MLP of tests/jobs/data_parallel.py, 484 parameters, buckets of 512 bytes: 4 buckets).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.jobs import zero as jobs
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _assert_matches_reference(results: list[dict]) -> None:
+    for r in results:
+        assert r["buckets"] == 4
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(r["params"], r["ref_params"], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    ("world", "stage", "optimizer", "algorithm"),
+    [(2, 2, "adamw", "auto"), (4, 2, "sgd", "ring"), (4, 2, "adamw", "native"), (2, 1, "adamw", "ring")],
+)
+def test_bucketed_zero_equals_one_process(pool, world, stage, optimizer, algorithm):
+    _assert_matches_reference(pool.run(jobs.train, world, stage, optimizer, algorithm, ranks=world))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_backward_passes_before_a_step_accumulate(pool, stage):
+    _assert_matches_reference(pool.run(jobs.train, 2, stage, "adamw", "auto", micro_batches=2, ranks=2))
+
+
+@pytest.fixture(scope="module")
+def allocated(pool):
+    return {stage: pool.run(jobs.allocations, 4, stage, ranks=4)[0] for stage in (1, 2)}
+
+
+def test_stage_2_reduce_scatters_buckets_while_backward_still_runs(allocated):
+    r = allocated[2]
+    # When the first layer's output gradient exists, the later layers' buckets have already gone out.
+    assert 0 < r["launches_mid_backward"] < r["buckets"]
+
+
+def test_stage_2_releases_the_full_gradients_during_backward(allocated):
+    assert allocated[2]["full_grads_after_backward"] == 0
+    assert allocated[1]["full_grads_after_backward"] == 484
+
+
+def test_stage_2_holds_a_gradient_shard_not_the_full_gradient(allocated):
+    one, two = allocated[1]["memory"], allocated[2]["memory"]
+    assert two.zero.gradient_nbytes < one.zero.gradient_nbytes == one.data_parallel.gradient_nbytes
+    assert two.zero.gradient_nbytes * 4 == one.zero.gradient_nbytes  # 4 ranks, buckets padded to 4 elements
+
+
+def test_stage_2_allocates_no_full_size_gradient_buffer_at_the_step(allocated):
+    assert allocated[2]["largest_step_allocation"] < allocated[2]["flat_nbytes"] // 2
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_without_a_gradient_counts_as_a_zero_gradient(pool, stage):
+    _assert_matches_reference(pool.run(jobs.unused_parameters, 4, stage, ranks=4))

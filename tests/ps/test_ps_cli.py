@@ -1,0 +1,120 @@
+"""``dtrain ps`` end to end: roles as processes, a fault injected, metrics as JSON lines; bad flags refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtrain.cli.main import main
+
+
+def test_dtrain_ps_trains_through_a_server_kill_and_writes_json_lines(tmp_path, capsys):
+    status = main(["ps", "--model", "synthetic", "--mode", "async", "--steps", "40", "--servers", "2",
+                   "--replicas", "2", "--fault", "1:10", "--compute-s", "0.01", "--dead-after-s", "0.5",
+                   "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    assert status == 0
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps, summary = [x for x in lines if "step" in x], lines[-1]
+    assert len(steps) == 2 * 40 and summary["summary"]
+    assert [e["dead"] for e in summary["failovers"]] == [[1]]
+    assert summary["lost_acknowledged_updates"] == 0 and summary["recovery_s"] > 0
+    assert "training went on after" in capsys.readouterr().out
+
+
+def test_dtrain_ps_refuses_a_straggler_that_does_not_exist(capsys):
+    assert main(["ps", "--workers", "2", "--straggler", "5:2", "--no-progress"]) == 2
+    assert "workers are 0..1" in capsys.readouterr().out
+
+
+def _refused(monkeypatch, capsys, argv: list[str]) -> str:
+    """Run ``dtrain ps argv``, which must be refused (exit 2) before any role process starts; its output."""
+    from dtrain.ps.launch import LocalCluster
+
+    def no_start(self):
+        raise AssertionError("a process was started for a refused command line")
+
+    monkeypatch.setattr(LocalCluster, "start", no_start)
+    assert main(["ps", *argv, "--no-progress"]) == 2
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    lines = [line for line in out.out.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_fault_without_replication_is_refused_before_any_process_starts(monkeypatch, capsys):
+    line = _refused(monkeypatch, capsys, ["--model", "mlp", "--servers", "2", "--fault", "1:5"])
+    assert "--fault" in line and "--replicas" in line
+
+
+def test_run_job_refuses_a_fault_without_replication_before_any_process_starts(monkeypatch, tmp_path):
+    from dtrain.ps.config import JobConfig
+    from dtrain.ps.launch import LocalCluster
+    from dtrain.ps.run import Fault, run_job
+    from dtrain.ps.train import TaskConfig
+
+    monkeypatch.setattr(LocalCluster, "start", lambda self: pytest.fail("a process was started"))
+    job = JobConfig(num_keys=64, width=4, num_servers=2, num_workers=1)
+    with pytest.raises(ValueError, match="without replication"):
+        run_job(job, TaskConfig(task="synthetic"), tmp_path, fault=Fault(server=1, step=5))
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--mode", "quorum", "--workers", "2", "--quorum", "5"], "--quorum must be in [0, --workers=2], got 5"),
+        (["--servers", "2", "--replicas", "3"], "--replicas=3 needs at least that many servers, got --servers=2"),
+        (["--servers", "0"], "--servers must be a positive int, got 0"),
+        (["--hot-keys", "8", "--servers", "2", "--hot-replicas", "2"], "--hot-keys needs --replicas=1 and "
+                                                                          "--hot-replicas < --servers"),
+        (["--hot-keys", "-1"], "--hot-keys must be an int >= 0"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--momentum", "-0.5"], "--momentum must be >= 0"),
+        (["--staleness", "-1", "--mode", "ssp"], "--staleness must be an int >= 0"),
+        (["--dead-after-s", "0"], "--dead-after-s must be > 0"),
+        (["--model", "mlp", "--workers", "3", "--batch-size", "64"],
+         "--batch-size 64 does not split evenly over --workers 3"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--fault", "2:1", "--replicas", "2"], "--fault names server 2; servers are 0..1"),
+    ],
+)  # fmt: skip
+def test_bad_flags_are_named_as_the_user_typed_them(monkeypatch, capsys, argv, expected):
+    line = _refused(monkeypatch, capsys, ["--model", "synthetic", *argv])
+    assert expected in line, line
+    assert "JobConfig" not in line and "num_" not in line and "_s" not in line.replace("--dead-after-s", "")
+
+
+def test_ctrl_c_stops_every_process_and_exits_130_with_one_line(tmp_path):
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    argv = [sys.executable, "-m", "dtrain", "ps", "--model", "synthetic", "--mode", "async", "--servers", "1",
+            "--workers", "1", "--steps", "100000", "--compute-s", "0.01", "--out", str(tmp_path),
+            "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log, deadline = tmp_path / "worker-0.jsonl", time.monotonic() + 90
+        while not (log.exists() and log.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert len(children) == 3  # coordinator, server, worker
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in out + err
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "dtrain ps: interrupted; every process it started is stopped"
+    ]
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists(), f"process {pid} outlived dtrain ps"

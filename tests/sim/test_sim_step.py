@@ -1,0 +1,153 @@
+"""dtrain.sim.step, model, pipeline and placement: a training step against hand-worked figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.cluster.topology import Topology
+from dtrain.comm.cost.model import CostParams, LinkCost, predict
+from dtrain.sim.model import Layout, ModelSpec, flops_per_microbatch, memory_per_device
+from dtrain.sim.pipeline import pipeline_makespan
+from dtrain.sim.placement import place
+from dtrain.sim.step import StepConfig, exposed_bucket_s, simulate_step
+from tests.sim.test_sim_topologies import GB, device, star
+
+MODEL = ModelSpec(parameters=1e9, layers=8, hidden=1024, heads=16, sequence=512)
+PEAK = 1e15  # the test devices' peak FLOP/s
+
+
+def two_servers(nvlink: float = 100 * GB, network: float = 1 * GB) -> Topology:
+    """Two servers of four devices: a fast switch inside each, one slow link between them."""
+    topo = Topology("two-servers")
+    for s in range(2):
+        topo.add_node(f"s{s}/sw", kind="switch", server=f"s{s}")
+        for g in range(4):
+            topo.add_device(device(f"s{s}/g{g}", f"s{s}"))
+            topo.add_link(f"s{s}/g{g}", f"s{s}/sw", bytes_per_s=nvlink, latency_s=0.0, kind="nvlink")
+    topo.add_link("s0/sw", "s1/sw", bytes_per_s=network, latency_s=0.0, kind="ethernet")
+    return topo
+
+
+def test_flops_are_six_per_parameter_and_token_plus_attention() -> None:
+    layout = Layout(micro_batch=2, global_batch=2)
+    tokens = 2 * 512
+    assert flops_per_microbatch(MODEL, layout) == pytest.approx((6e9 + 12 * 8 * 1024 * 512) * tokens)
+
+
+def test_memory_is_sixteen_bytes_a_parameter_and_zero_cuts_it() -> None:
+    plain = memory_per_device(MODEL, Layout(dp=4, global_batch=4))
+    assert plain.weights + plain.gradients + plain.optimizer == pytest.approx(16e9)
+    zero1 = memory_per_device(MODEL, Layout(dp=4, global_batch=4, zero_stage=1))
+    zero3 = memory_per_device(MODEL, Layout(dp=4, global_batch=4, zero_stage=3))
+    assert zero1.optimizer == pytest.approx(3e9) and zero1.gradients == pytest.approx(2e9)
+    assert zero3.weights + zero3.gradients + zero3.optimizer == pytest.approx(4e9)
+
+
+def test_activations_follow_korthikanti_per_layer_and_in_flight_micro_batches() -> None:
+    s, b, h, a = 512, 1, 1024, 16
+    per_layer = s * b * h * (34 + 5 * a * s / h)  # tp = 1
+    one_f_one_b = memory_per_device(MODEL, Layout(pp=2, micro_batch=1, global_batch=8))
+    gpipe = memory_per_device(MODEL, Layout(pp=2, micro_batch=1, global_batch=8, schedule="gpipe"))
+    assert one_f_one_b.activations == pytest.approx(per_layer * 4 * 2)  # 4 layers a stage, 2 in flight
+    assert gpipe.activations == pytest.approx(per_layer * 4 * 8)  # all 8 micro-batches
+
+
+def test_layout_rejects_a_batch_that_does_not_split() -> None:
+    with pytest.raises(ValueError, match="global_batch 10 is not a multiple of dp x micro_batch"):
+        Layout(dp=4, global_batch=10)
+
+
+def test_layout_rejects_layers_that_do_not_split_into_stages() -> None:
+    with pytest.raises(ValueError, match="8 layers do not split into pp=3"):
+        Layout(pp=3, global_batch=3).check(MODEL)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(1, 4), (2, 4), (4, 8), (4, 1)])
+def test_equal_stages_take_m_plus_p_minus_one_slots(schedule: str, stages: int, microbatches: int) -> None:
+    span = pipeline_makespan([1.0] * stages, [2.0] * stages, 0.0, microbatches, schedule)
+    assert span == pytest.approx((microbatches + stages - 1) * 3.0)
+
+
+def test_gpipe_messages_lengthen_only_the_fill_and_drain() -> None:
+    # the boundary is crossed once on the way in (first forward) and once on the way out (last backward)
+    assert pipeline_makespan([1.0, 1.0], [2.0, 2.0], 0.5, 4, "gpipe") == pytest.approx(5 * 3.0 + 2 * 0.5)
+
+
+def test_1f1b_waits_for_each_gradient_round_trip() -> None:
+    # worked by hand: stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3; each B waits for stage 1's B plus 0.5, and stage
+    # 1's F waits for stage 0's F plus 0.5, so B0 starts at 5, B1 at 8, B2 at 12, B3 at 15 and ends at 17
+    assert pipeline_makespan([1.0, 1.0], [2.0, 2.0], 0.5, 4, "1f1b") == pytest.approx(17.0)
+
+
+def test_a_single_device_step_is_its_compute_and_optimizer() -> None:
+    topo = star(1)
+    layout = Layout(micro_batch=2, global_batch=8)
+    result = simulate_step(MODEL, layout, topo, place(topo, layout), StepConfig(efficiency=0.5))
+    compute = 4 * flops_per_microbatch(MODEL, layout) / (0.5 * PEAK)
+    assert result.compute_s == pytest.approx(compute)
+    assert result.step_s == pytest.approx(compute + result.optimizer_s)
+    assert result.tp_s == result.dp_s == 0.0
+
+
+def test_data_parallel_adds_the_ring_all_reduce_of_the_gradients() -> None:
+    topo = star(4, bytes_per_s=10 * GB, memory_bytes_per_s=1e12)
+    layout = Layout(dp=4, global_batch=4)
+    result = simulate_step(MODEL, layout, topo, place(topo, layout), StepConfig(overlap_dp=False))
+    link = LinkCost(alpha_s=0.0, beta_s_per_byte=1 / (10 * GB), gamma_s_per_byte=3 / 1e12)
+    expected = predict("all_reduce", "ring", int(2e9), 4, CostParams(intra=link))
+    assert result.dp_s == pytest.approx(expected, rel=1e-3)
+    assert result.step_s == pytest.approx(result.compute_s + expected + result.optimizer_s, rel=1e-6)
+
+
+@pytest.mark.parametrize(("all_reduce_s", "exposed_s"), [(4.0, 1.0), (16.0, 10.0)])
+def test_bucketed_all_reduce_hides_behind_backward_but_its_last_bucket(all_reduce_s: float, exposed_s: float) -> None:
+    # 4 buckets ready at 2, 4, 6, 8 s of an 8 s backward, each taking a quarter of the all-reduce, in order
+    assert exposed_bucket_s(all_reduce_s, 8.0, 100e6, 25 * 10**6) == pytest.approx(exposed_s)
+
+
+def test_data_parallel_overlaps_backward_without_a_pipeline_only() -> None:
+    topo = star(4, bytes_per_s=10 * GB)
+    flat = simulate_step(MODEL, Layout(dp=4, global_batch=8), topo, place(topo, Layout(dp=4, global_batch=8)))
+    assert flat.dp_exposed_s < flat.dp_s
+    assert flat.step_s == pytest.approx(flat.compute_s + flat.dp_exposed_s + flat.optimizer_s)
+    two_stage = Layout(dp=2, pp=2, global_batch=8)
+    piped = simulate_step(MODEL, two_stage, topo, place(topo, two_stage))
+    assert piped.dp_exposed_s == piped.dp_s
+
+
+def test_a_straggler_slows_the_whole_synchronous_step() -> None:
+    topo = star(2)
+    layout = Layout(dp=2, global_batch=2)
+    base = simulate_step(MODEL, layout, topo, place(topo, layout), StepConfig(overlap_dp=False))
+    slow = simulate_step(MODEL, layout, topo, place(topo, layout), StepConfig(overlap_dp=False, slowdown={1: 1.5}))
+    assert slow.step_s - base.step_s == pytest.approx(0.5 * base.compute_s)
+
+
+def test_lognormal_stragglers_make_the_tail_slower_than_the_median() -> None:
+    topo = star(4)
+    layout = Layout(dp=4, global_batch=4)
+    result = simulate_step(MODEL, layout, topo, place(topo, layout), StepConfig(straggler_sigma=0.2, samples=32))
+    base = simulate_step(MODEL, layout, topo, place(topo, layout))
+    assert base.step_s < result.step_s < result.step_p95_s  # the max of 4 draws has a median above 1
+
+
+def test_tensor_parallel_inside_a_server_beats_it_across_servers() -> None:
+    topo = two_servers()
+    layout = Layout(dp=2, tp=4, global_batch=2)
+    aware = simulate_step(MODEL, layout, topo, place(topo, layout, "aware"))
+    oblivious = simulate_step(MODEL, layout, topo, place(topo, layout, "oblivious"))
+    assert aware.tp_s < oblivious.tp_s / 10
+    assert oblivious.bottleneck is not None and oblivious.bottleneck.link.kind == "ethernet"
+
+
+def test_oblivious_placement_deals_ranks_round_robin_over_servers() -> None:
+    topo = two_servers()
+    layout = Layout(dp=8, global_batch=8)
+    assert place(topo, layout, "oblivious")[:4] == ["s0/g0", "s1/g0", "s0/g1", "s1/g1"]
+    assert place(topo, layout, "aware")[:4] == ["s0/g0", "s0/g1", "s0/g2", "s0/g3"]
+
+
+def test_a_layout_larger_than_the_cluster_is_rejected() -> None:
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        place(star(4), Layout(dp=16, global_batch=16))
