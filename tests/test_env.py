@@ -57,6 +57,20 @@ def test_the_training_and_job_configuration_keys_are_documented():
         assert missing == [], f"{cls.__name__}: {missing}"
 
 
+def test_every_train_flag_is_documented_with_its_default():
+    from dataclasses import fields
+
+    from dtrain.train.config import TrainConfig, flag_name
+
+    section = DOC.read_text().split("## `dtrain train`", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| `")}
+    for f in fields(TrainConfig):
+        row = rows.get(f"`{f.name}`", "")
+        assert f"`{flag_name(f.name)}`" in row, f"{f.name}: its flag {flag_name(f.name)} is not in its row"
+        if not isinstance(f.default, bool):
+            assert f"`{f.default}`" in row, f"{f.name}: its default {f.default!r} is not in its row"
+
+
 def test_defaults_when_nothing_is_set():
     assert CommEnv.from_env({}) == CommEnv()
     assert CommEnv.from_env({}).captures

@@ -146,7 +146,7 @@ class ProcessPool:
         answers: dict[int, tuple] = {}
         while len(answers) < len(ranks):
             job_id, rank, answer = self._get(self.timeout_s, target)
-            if job_id == job.job_id:
+            if job_id == message.job_id:
                 answers[rank] = answer
         errors = [f"--- rank {r} ---\n{a[1]}" for r, a in sorted(answers.items()) if a[0] == "error"]
         if errors:

@@ -246,3 +246,8 @@ def world_copy_takes_world_node_size() -> float:
         return (x - world * (world + 1) / 2).abs().max().item()
     finally:
         comm.set_local_size(None, None)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This worker's rank and the pool's world size."""
+    return dist.get_rank(), dist.get_world_size()
