@@ -22,7 +22,7 @@ on GPU Clusters Using Megatron-LM", section 2.3), and the one ``dtrain train`` r
   whole global batch.
 
 With equal shards and a loss that averages over the batch, one step equals one process training the unsplit
-model on the whole global batch (``tests/test_hybrid.py`` checks every layout against that, float32).
+model on the whole global batch (``tests/parallel/test_hybrid.py`` checks every layout against that, float32).
 """
 
 from __future__ import annotations

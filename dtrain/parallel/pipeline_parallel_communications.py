@@ -24,7 +24,7 @@ rank), so the links form a ring. Every message carries the tag ``2 u' + directio
 that receives it: on 2 ranks both directions join the same pair of processes, and a receive must not take a
 message meant for another chunk or direction (Gloo matches by peer and tag, in order within a tag). NCCL
 ignores tags; it needs no more, since on every ordered pair of ranks the schedule's receives come in the order
-of the sends (tests/test_pipeline_parallel.py checks it for p = 2 to 4).
+of the sends (tests/parallel/test_pipeline_parallel.py checks it for p = 2 to 4).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ launch.
 The table is for contiguous tensors, as training and ``dtrain bench comm`` pass them; a tensor that is not
 contiguous adds a copy into a contiguous buffer (and, for one that receives the result, a copy back), which is
 not priced. Allocations (``torch.empty``) launch nothing and are not listed.
-``tests/test_sim_api_passes.py`` runs the API's functions on CPU tensors under a recording dispatch mode, with
+``tests/sim/test_sim_api_passes.py`` runs the API's functions on CPU tensors under a recording dispatch mode, with
 the schedule stubbed out, and checks this table against the operations they really make.
 """
 

@@ -11,7 +11,7 @@ max-min fairly with every other message then in flight (:mod:`dtrain.sim.flows`)
 Software costs follow :mod:`dtrain.comm.cost.model`: posting a round with ``k`` peers takes ``alpha + (k-1)
 alpha_peer`` of host time on the rank, and reducing ``r`` bytes takes ``r x 3 / memory_bytes_per_s`` (read two
 operands, write one) on its device unless a ``gamma_s_per_byte`` is given. On a uniform network these give the
-closed forms of :mod:`dtrain.comm.cost.forms` (tests/test_sim_collective.py checks ring, tree and
+closed forms of :mod:`dtrain.comm.cost.forms` (tests/sim/test_sim_collective.py checks ring, tree and
 halving-doubling).
 
 A job may carry the public API's own operations around its schedule (:mod:`dtrain.sim.api_passes`): a rank

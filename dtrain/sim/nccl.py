@@ -42,7 +42,7 @@ torch runs for them on NCCL: grouped point-to-point between the root and every o
 copies its own block). In a grouped step the kernel's rate is split among the peers on both sides: a flow is
 capped at the connection rate over the larger of its sender's peers and its receiver's (a gather's root
 receives from ``n-1`` ranks as a scatter's root sends to them). On a uniform star the replay equals
-:func:`ring_closed_form` (tests/test_sim_nccl.py). The LL and LL128 protocols NCCL picks for smaller calls are a
+:func:`ring_closed_form` (tests/sim/test_sim_nccl.py). The LL and LL128 protocols NCCL picks for smaller calls are a
 ``protocol`` of :func:`simulate_nccl` (their flags cost bytes, and they start sooner), and ``chunk_depth`` cuts a
 smaller call into smaller pieces. Not modelled: NCCL's tree and NVLS (NVLink SHARP) algorithms and its choice of fewer
 channels below 1 MiB; the fitted figures absorb them (docs/simulator.md says where that shows).

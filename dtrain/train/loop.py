@@ -34,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as RichProgress
 
 from dtrain import comm
-from dtrain.comm import algorithms as comm_registry
+from dtrain.comm.ir import algorithms as comm_registry
 from dtrain.launch import rank_device, run_ranks, under_torchrun
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel

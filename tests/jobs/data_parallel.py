@@ -1,4 +1,4 @@
-"""Jobs for tests/test_data_parallel.py: train a small MLP data parallel and, on the same rank, without.
+"""Jobs for tests/parallel/test_data_parallel.py: train a small MLP data parallel and, on the same rank, without.
 
 Every rank trains the reference itself: one process, one model from seed 0, the whole global batch of each
 step, the same optimizer. The distributed run starts each rank from a *different* seed (the wrapper must

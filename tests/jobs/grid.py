@@ -1,4 +1,4 @@
-"""Jobs for tests/test_grid.py."""
+"""Jobs for tests/parallel/test_grid.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Jobs for tests/test_pipeline_parallel.py: pipelined training against the unsplit model on one process.
+"""Jobs for tests/parallel/test_pipeline_parallel.py: pipelined training against the unsplit model on one process.
 
 Every rank builds the same model from a seed and keeps an untouched copy as the reference: the whole batch
 through the whole model on this one process, plain autograd, plain SGD. The pipelined stage must end up with

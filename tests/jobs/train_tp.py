@@ -1,4 +1,4 @@
-"""Jobs for tests/test_train_tp.py: a GPT block and a whole GPT against their tensor-parallel twins.
+"""Jobs for tests/train/test_train_tp.py: a GPT block and a whole GPT against their tensor-parallel twins.
 
 Every rank builds the single-device module from a seed, converts a copy with
 :func:`~dtrain.train.tensor_parallel_gpt.tensor_parallel_gpt`, runs both forward and backward on the same input and

@@ -1,4 +1,4 @@
-"""Jobs for tests/test_zero.py: ZeRO with several buckets against one process, and what it allocates.
+"""Jobs for tests/parallel/test_zero.py: ZeRO with several buckets against one process, and what it allocates.
 
 The model, batches, reference and training loop are tests/jobs/data_parallel.py's: each rank trains its shard of the
 global batch with :class:`ZeroOptimizer` from a rank-dependent seed (rank 0's weights must win) and, on the
