@@ -7,6 +7,7 @@ Multi-rank commands take ``--nproc N`` and start N local ranks through torch's l
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -147,7 +148,7 @@ def _train(args: argparse.Namespace) -> int:
 
     config = from_arguments(args)
     records = train(config, args.nproc, announce=lambda line: print(f"dtrain train: {line}", flush=True))
-    if records:
+    if records and int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns; rank 0 says it
         print(f"dtrain train: {len(records)} steps, final loss {records[-1]['loss']:.4f}, metrics in {args.out}")
     return 0
 
