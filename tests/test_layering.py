@@ -8,6 +8,7 @@ reported.
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
@@ -73,6 +75,7 @@ def _targets(pairs: list[tuple[str, str | None]], modules: dict[str, Path]) -> s
     return targets
 
 
+@functools.cache
 def import_graph(*, deferred: bool = True) -> dict[str, set[str]]:
     """Module -> the dtrain modules it imports: module-level imports, and with ``deferred`` those inside
     functions too."""
@@ -87,6 +90,7 @@ def import_graph(*, deferred: bool = True) -> dict[str, set[str]]:
     return graph
 
 
+@functools.cache
 def external_imports(module: str) -> set[str]:
     """Top-level names of the non-dtrain packages ``module`` imports at module level."""
     path = _modules()[module]
