@@ -1,4 +1,4 @@
-"""Jobs for tests/parallel/test_hybrid.py: :class:`~dtrain.parallel.hybrid.HybridParallel` (the composition ``dtrain train``
+"""Jobs for tests/parallel/test_hybrid.py: :class:`~dtrain.parallel.hybrid.HybridParallel` (what ``dtrain train``
 runs) against the unsplit model on one process.
 
 Every rank of the pool builds the same four MLP blocks from a seed and trains an untouched copy itself as the
