@@ -280,7 +280,7 @@ class CheckpointSection(_Section):
         0, "steps between checkpoints (0: only after the last step)", flag="--checkpoint-every", minimum=0
     )
     resume: bool = _option(False, "continue from the last complete checkpoint in the output directory")
-    export: bool = _option(True, "write a Hugging Face model directory <out>/model/ at the end")
+    export: bool = _option(True, "at the end, write a Hugging Face model directory, model/ in the output directory")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -580,7 +580,6 @@ def markdown_reference() -> str:
             flag = flag_name(f"{section}.{f.name}")
             flags = f"`{flag}`, `--no-{flag[2:]}`" if kind is bool else f"`{flag}`"
             meaning = f.metadata["help"]
-            meaning = meaning[0].upper() + meaning[1:]
             if "choices" in f.metadata:
                 meaning += "; one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"])
             elif kind in (int, float) and ({"minimum", "above", "below", "maximum"} & set(f.metadata)):
