@@ -89,12 +89,10 @@ def _option(
     below: float | None = None,
     maximum: float | None = None,
 ) -> Any:
-    metadata: dict[str, Any] = {"help": help}
-    for name, value in (("flag", flag), ("choices", choices), ("minimum", minimum), ("above", above),
-                        ("below", below), ("maximum", maximum)):  # fmt: skip
-        if value is not None:
-            metadata[name] = tuple(value) if name == "choices" else value
-    return field(default=default, metadata=metadata)
+    """A config field; ``minimum``/``maximum`` are inclusive bounds, ``above``/``below`` exclusive ones."""
+    given = {"flag": flag, "choices": tuple(choices) if choices else None, "minimum": minimum, "above": above}
+    given |= {"below": below, "maximum": maximum}
+    return field(default=default, metadata={"help": help, **{k: v for k, v in given.items() if v is not None}})
 
 
 def _bounds_text(f: dataclasses.Field, kind: type) -> str:
