@@ -45,30 +45,46 @@ def test_no_module_but_env_reads_a_dtrain_variable_from_the_environment():
     assert offenders == []
 
 
-def test_the_training_and_job_configuration_keys_are_documented():
+def test_the_job_configuration_keys_are_documented():
     from dataclasses import fields
 
     from dtrain.ps.config import JobConfig
-    from dtrain.train.loop import TrainConfig
 
     text = DOC.read_text()
-    for cls in (TrainConfig, JobConfig):
-        missing = [f.name for f in fields(cls) if f"`{f.name}`" not in text]
-        assert missing == [], f"{cls.__name__}: {missing}"
+    missing = [f.name for f in fields(JobConfig) if f"`{f.name}`" not in text]
+    assert missing == [], f"JobConfig: {missing}"
 
 
-def test_every_train_flag_is_documented_with_its_default():
-    from dataclasses import fields
+def _train_rows() -> dict[str, dict[str, str]]:
+    """The rows of each ``[section]`` table of the ``dtrain train`` part: {section: {`key`: row}}."""
+    part = DOC.read_text().split("## `dtrain train`", 1)[1].split("\n## ", 1)[0]
+    tables = {}
+    for chunk in part.split("### `[")[1:]:
+        section = chunk.split("]", 1)[0]
+        tables[section] = {line.split("|")[1].strip(): line for line in chunk.splitlines() if line.startswith("| `")}
+    return tables
 
-    from dtrain.train.config import TrainConfig, flag_name
 
-    section = DOC.read_text().split("## `dtrain train`", 1)[1].split("\n## ", 1)[0]
-    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| `")}
-    for f in fields(TrainConfig):
-        row = rows.get(f"`{f.name}`", "")
-        assert f"`{flag_name(f.name)}`" in row, f"{f.name}: its flag {flag_name(f.name)} is not in its row"
-        if not isinstance(f.default, bool):
-            assert f"`{f.default}`" in row, f"{f.name}: its default {f.default!r} is not in its row"
+def test_every_train_key_is_documented_with_its_flag_and_default():
+    from dtrain.train.config import SECTIONS, flag_name, keys
+
+    tables = _train_rows()
+    assert list(tables) == list(SECTIONS)
+    for key, f in keys():
+        section, name = key.split(".")
+        row = tables[section].get(f"`{name}`", "")
+        assert f"`{flag_name(key)}`" in row, f"{key}: its flag {flag_name(key)} is not in its row"
+        default = ("true" if f.default else "false") if isinstance(f.default, bool) else f.default
+        shown = f'"{default}"' if isinstance(default, str) and f.type in ("str", str) else str(default)
+        assert f"`{shown}`" in row, f"{key}: its default {shown} is not in its row"
+    documented = {(s, k.strip("`")) for s, rows in tables.items() for k in rows}
+    assert documented == {tuple(key.split(".")) for key, _ in keys()}
+
+
+def test_the_train_tables_are_the_generated_ones():
+    from dtrain.train.config import markdown_reference
+
+    assert markdown_reference() in DOC.read_text(), "regenerate with dtrain.train.config.markdown_reference()"
 
 
 def test_defaults_when_nothing_is_set():

@@ -149,7 +149,9 @@ def _train(args: argparse.Namespace) -> int:
     config = from_arguments(args)
     records = train(config, args.nproc, announce=lambda line: print(f"dtrain train: {line}", flush=True))
     if records and int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns; rank 0 says it
-        print(f"dtrain train: {len(records)} steps, final loss {records[-1]['loss']:.4f}, metrics in {args.out}")
+        print(
+            f"dtrain train: {len(records)} steps, final loss {records[-1]['loss']:.4f}, metrics in {config.logging.out}"
+        )
     return 0
 
 

@@ -1,109 +1,588 @@
-"""The configuration of one ``dtrain train`` run, and the command-line flags derived from it.
+"""The configuration of one ``dtrain train`` run: a TOML file, ``--set`` overrides and command-line flags.
 
-:class:`TrainConfig` is the single declaration of every option: each field's metadata carries its help text (and
-``choices`` or a ``flag`` name where it has one), and :func:`add_arguments` turns the fields into ``argparse``
-flags (``batch_size`` -> ``--batch-size``; a ``bool`` field is a switch). A new option is one new field. This
-module imports nothing heavy, so building the command's parser stays fast; validation that needs the model
-table or the collectives imports them when a config is made.
+:class:`TrainConfig` is the single declaration of every option, in sections (``[model]``, ``[data]``,
+``[parallel]``, ``[optimizer]``, ``[lr_schedule]``, ``[training]``, ``[checkpoint]``, ``[logging]``). Each section
+is a frozen dataclass; each field's metadata carries its help text, its accepted values (``choices``) or bounds,
+and its flag where that is not ``--<field-name-with-dashes>``. The same fields make the TOML file
+(:meth:`TrainConfig.to_toml`, :meth:`TrainConfig.from_dict`), the ``argparse`` flags (:func:`add_arguments`) and
+the reference table of ``docs/configuration.md`` (:func:`markdown_reference`). A new option is one new field.
+
+Values are layered, later over earlier (:func:`load_config`)::
+
+    the defaults  <  the file (--config FILE)  <  --set section.key=VALUE (in order)  <  explicit flags
+
+A config is validated when it is made. Every error is a :class:`ConfigError`, one line naming where the value
+came from: the file and key (``train.toml: [parallel] tp: must be a positive int, got 0``), the ``--set`` key
+(``--set parallel.tp: ...``) or the flag (``--tp: ...``). Checks that need the world size, the model's shape or
+the tokenizer belong to the training loop.
+
+This module imports nothing heavy at import time, so building the command's parser stays fast; validation
+imports the model presets and the collective registry when a config is made.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
+import os
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "TrainConfig", "add_arguments", "flag_name", "from_arguments"]
+__all__ = [
+    "SECTIONS",
+    "CheckpointSection",
+    "ConfigError",
+    "DataSection",
+    "LoggingSection",
+    "LrScheduleSection",
+    "ModelSection",
+    "OptimizerSection",
+    "ParallelSection",
+    "TrainConfig",
+    "TrainingSection",
+    "add_arguments",
+    "flag_name",
+    "from_arguments",
+    "keys",
+    "load_config",
+    "markdown_reference",
+]
 
-_MODELS = ("gpt", "mlp")
-_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # the keys of dtrain.parallel.pipeline_schedules.SCHEDULES
-
-
-def _option(default: Any, help: str, **metadata: Any) -> Any:
-    return field(default=default, metadata={"help": help, **metadata})
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 class ConfigError(ValueError):
-    """A bad value for one option; the message starts with its flag (``--steps: ...``)."""
+    """A bad configuration value, one line: ``<where>: <message>``.
 
-    def __init__(self, key: str, message: str) -> None:
+    ``key`` is the ``section.field`` it is about (None for a file that cannot be read); ``where`` names where the
+    value came from (``train.toml: [parallel] tp``, ``--set parallel.tp``, ``--tp``); by default the key as
+    ``[section] field``.
+    """
+
+    def __init__(self, key: str | None, message: str, where: str | None = None) -> None:
         self.key = key
-        super().__init__(f"{flag_name(key)}: {message}")
+        self.message = message
+        if where is None and key is not None:
+            where = _plain_where(key)
+        self.where = where
+        super().__init__(f"{where}: {message}" if where else message)
 
 
-@dataclass(kw_only=True)
-class TrainConfig:
-    """One training run; each field is a ``dtrain train`` flag (see :func:`add_arguments`)."""
+def _plain_where(key: str) -> str:
+    section, _, name = key.partition(".")
+    return f"[{section}] {name}" if name else key
 
-    model: str = _option("gpt", "gpt (on pydoc_data text) or mlp (on synthetic classification)", choices=_MODELS)
-    preset: str = _option("debug", "model size: debug (laptop CPU, a minute) or small (gpt)")
-    steps: int = _option(20, "total optimizer steps (a resumed run continues up to this count)")
-    batch_size: int = _option(16, "global batch size, split over dp ranks, then into micro-batches")
-    seed: int = _option(0, "model initialisation and data order")
-    dp: int = _option(1, "data-parallel degree")
-    pp: int = _option(1, "pipeline stages")
-    tp: int = _option(1, "tensor-parallel degree (gpt only; divides its heads)")
-    schedule: str = _option(
-        "1f1b",
-        "pipeline schedule (interleaved-1f1b: 2 model chunks a stage, micro-batches a multiple of --pp)",
-        choices=_SCHEDULES,
-    )
-    microbatches: int = _option(1, "micro-batches per pipeline step (pp > 1 only)")
-    lr: float = _option(3e-3, "AdamW learning rate")
-    weight_decay: float = _option(0.01, "AdamW weight decay")
-    checkpoint_every: int = _option(0, "steps between checkpoints (0: only after the last step)")
-    resume: bool = _option(False, "continue from the last complete checkpoint in --out")
-    algorithm: str = _option("auto", "all-reduce algorithm for the gradients (see dtrain.comm.algorithms)")
-    out: str = _option("runs/train", "metrics.jsonl, checkpoints/, pipeline trace and Gantt PNG")
+
+def _option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    choices: Sequence[Any] | None = None,
+    minimum: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    maximum: float | None = None,
+) -> Any:
+    """A config field; ``minimum``/``maximum`` are inclusive bounds, ``above``/``below`` exclusive ones."""
+    given = {"flag": flag, "choices": tuple(choices) if choices else None, "minimum": minimum, "above": above}
+    given |= {"below": below, "maximum": maximum}
+    return field(default=default, metadata={"help": help, **{k: v for k, v in given.items() if v is not None}})
+
+
+def _bounds_text(f: dataclasses.Field, kind: type) -> str:
+    """What a bounded number must be, e.g. ``a positive int``, ``a number in [0, 1)``."""
+    lo, hi = f.metadata.get("minimum", f.metadata.get("above")), f.metadata.get("maximum", f.metadata.get("below"))
+    noun = "an int" if kind is int else "a number"
+    if kind is int and f.metadata.get("minimum") == 1 and hi is None:
+        return "a positive int"
+    if lo is not None and hi is not None:
+        left = "[" if "minimum" in f.metadata else "("
+        right = "]" if "maximum" in f.metadata else ")"
+        return f"{noun} in {left}{lo:g}, {hi:g}{right}"
+    if lo is not None:
+        return f"{noun} {'>=' if 'minimum' in f.metadata else '>'} {lo:g}"
+    if hi is not None:
+        return f"{noun} {'<=' if 'maximum' in f.metadata else '<'} {hi:g}"
+    return noun
+
+
+def _check_field(section: str, obj: Any, f: dataclasses.Field) -> None:
+    """Type, choices and bounds of one field; an int given for a float field becomes a float."""
+    key = f"{section}.{f.name}"
+    value = getattr(obj, f.name)
+    kind = _TYPES[f.type] if isinstance(f.type, str) else f.type
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+        object.__setattr__(obj, f.name, value)
+    type_ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float and type_ok and not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value!r}")
+    choices = f.metadata.get("choices")
+    if choices is not None:
+        if not type_ok or value not in choices:
+            raise ConfigError(key, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return
+    if not type_ok:
+        noun = {int: "an int", float: "a number", str: "a string", bool: "true or false"}[kind]
+        if kind in (int, float):
+            noun = _bounds_text(f, kind)
+        raise ConfigError(key, f"must be {noun}, got {value!r}")
+    if kind in (int, float):
+        meta = f.metadata
+        bad = (
+            ("minimum" in meta and value < meta["minimum"])
+            or ("above" in meta and value <= meta["above"])
+            or ("maximum" in meta and value > meta["maximum"])
+            or ("below" in meta and value >= meta["below"])
+        )
+        if bad:
+            raise ConfigError(key, f"must be {_bounds_text(f, kind)}, got {value!r}")
+
+
+class _Section:
+    """A section of :class:`TrainConfig`: its fields are checked when it is made."""
+
+    name: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "dp", "pp", "tp", "microbatches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(name, f"must be a positive int, got {value!r}")
-        if self.checkpoint_every < 0:
-            raise ConfigError("checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
         for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ConfigError(f.name, f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
-        from dtrain.comm import algorithms
-        from dtrain.train.models import PRESETS
+            _check_field(self.name, self, f)
 
-        if (self.model, self.preset) not in PRESETS:
-            known = ", ".join(p for m, p in PRESETS if m == self.model)
-            raise ConfigError("preset", f"no preset {self.preset!r} for model {self.model!r}; known: {known}")
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection(_Section):
+    """The model: a named preset, a Hugging Face ``config.json``, or a Hugging Face model directory to start
+    from."""
+
+    name = "model"
+    family: str = _option("llama", "model family", flag="--model", choices=("llama", "gpt2"))
+    preset: str = _option(
+        "tiny",
+        "named shape of the family (dtrain.models.presets): llama tiny, 125m, 1b, 8b; gpt2 tiny, 124m, 355m",
+    )
+    config: str = _option(
+        "", "path to a Hugging Face config.json whose shape replaces the preset's", flag="--model-config"
+    )
+    weights: str = _option(
+        "", "a Hugging Face model directory (config.json + safetensors) to start from; its shape replaces the preset's"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSection(_Section):
+    """The training text, its tokenizer, and evaluation on its validation split."""
+
+    name = "data"
+    dataset: str = _option(
+        "",
+        "a directory made by `dtrain data prepare`; empty: Python's own help texts (pydoc_data) with a BPE "
+        "tokenizer trained on them",
+    )
+    tokenizer_vocab: int = _option(512, "vocabulary of the BPE tokenizer trained for the default dataset", minimum=1)
+    seq_len: int = _option(128, "tokens per training sequence", minimum=1)
+    eval_every: int = _option(0, "steps between validation-loss evaluations (0: never)", minimum=0)
+    eval_batches: int = _option(4, "batches per validation-loss evaluation", minimum=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSection(_Section):
+    """How the ranks split the work: dp x pp x tp must equal the world size."""
+
+    name = "parallel"
+    dp: int = _option(1, "data-parallel degree", minimum=1)
+    pp: int = _option(1, "pipeline stages", minimum=1)
+    tp: int = _option(1, "tensor-parallel degree (divides the attention heads)", minimum=1)
+    schedule: str = _option(
+        "1f1b",
+        "pipeline schedule (interleaved-1f1b: 2 model chunks a stage, micro-batches a multiple of pp)",
+        choices=("gpipe", "1f1b", "interleaved-1f1b"),  # dtrain.parallel.pipeline_schedules.SCHEDULES
+    )
+    microbatches: int = _option(1, "micro-batches per pipeline step (only used when pp > 1)", minimum=1)
+    zero: int = _option(0, "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too", choices=(0, 1, 2))
+    algorithm: str = _option("auto", "all-reduce algorithm for the gradients (see dtrain.comm.algorithms)")
+    balance: str = _option(
+        "layers", "how pipeline stages are cut: equal layer counts or equal FLOPs", choices=("layers", "flops")
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from dtrain.comm import algorithms
+
         known = algorithms("all_reduce")
         if self.algorithm not in known:
-            raise ConfigError(
-                "algorithm", f"unknown all-reduce algorithm {self.algorithm!r}; known: {', '.join(known)}"
-            )
+            raise ConfigError("parallel.algorithm", f"must be one of {', '.join(known)}, got {self.algorithm!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSection(_Section):
+    """AdamW (Loshchilov & Hutter 2019); no weight decay on norms, biases and other 1-d parameters."""
+
+    name = "optimizer"
+    lr: float = _option(3e-3, "peak learning rate", above=0)
+    weight_decay: float = _option(0.1, "AdamW weight decay", minimum=0)
+    beta1: float = _option(0.9, "AdamW first-moment decay", minimum=0, below=1)
+    beta2: float = _option(0.95, "AdamW second-moment decay", minimum=0, below=1)
+    eps: float = _option(1e-8, "AdamW denominator epsilon", above=0)
+    grad_clip: float = _option(1.0, "clip the global gradient norm to this (0: off)", minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LrScheduleSection(_Section):
+    """The learning rate over the steps: linear warmup, then constant, cosine decay, or warmup-stable-decay
+    (Hu et al. 2024, MiniCPM)."""
+
+    name = "lr_schedule"
+    kind: str = _option("cosine", "shape after the warmup", flag="--lr-schedule", choices=("constant", "cosine", "wsd"))
+    warmup_steps: int = _option(0, "steps of linear warmup from 0 to the peak", minimum=0)
+    decay_steps: int = _option(0, "wsd: steps of the final decay (0: 20% of the steps)", minimum=0)
+    min_lr_ratio: float = _option(0.1, "final learning rate as a fraction of the peak", minimum=0, maximum=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSection(_Section):
+    """Steps, batch, seed and numerics."""
+
+    name = "training"
+    steps: int = _option(20, "total optimizer steps (a resumed run continues up to this count)", minimum=1)
+    batch_size: int = _option(
+        16,
+        "global batch in sequences per optimizer step: split over dp ranks, then into accumulation steps, then "
+        "into micro-batches",
+        minimum=1,
+    )
+    accumulation: int = _option(1, "gradient-accumulation steps per optimizer step", minimum=1)
+    seed: int = _option(0, "model initialisation and data order", minimum=0)
+    precision: str = _option(
+        "auto",
+        "compute precision (auto: bf16 on CUDA, float32 on CPU; fp16 uses a dynamic loss scale)",
+        choices=("auto", "float32", "bf16", "fp16"),
+    )
+    grad_reduce_dtype: str = _option(
+        "float32", "dtype the gradients are averaged in over dp", choices=("float32", "bf16")
+    )
+    compile: bool = _option(False, "torch.compile each block")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSection(_Section):
+    """Checkpoints under ``<out>/checkpoints`` and the Hugging Face export."""
+
+    name = "checkpoint"
+    every: int = _option(
+        0, "steps between checkpoints (0: only after the last step)", flag="--checkpoint-every", minimum=0
+    )
+    resume: bool = _option(False, "continue from the last complete checkpoint in the output directory")
+    export: bool = _option(True, "at the end, write a Hugging Face model directory, model/ in the output directory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingSection(_Section):
+    """Where the run writes, and how often."""
+
+    name = "logging"
+    out: str = _option("runs/train", "output directory: metrics.jsonl, checkpoints/, TensorBoard events, traces")
+    tensorboard: bool = _option(True, "also write TensorBoard event files")
+    log_every: int = _option(1, "steps between metric records", minimum=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.out:
+            raise ConfigError("logging.out", "must be a directory path, got ''")
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    cls.name: cls
+    for cls in (
+        ModelSection,
+        DataSection,
+        ParallelSection,
+        OptimizerSection,
+        LrScheduleSection,
+        TrainingSection,
+        CheckpointSection,
+        LoggingSection,
+    )
+}
+
+
+def keys() -> Iterator[tuple[str, dataclasses.Field]]:
+    """Every ``(section.field, field)`` of :class:`TrainConfig`, in declaration order."""
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            yield f"{section}.{f.name}", f
+
+
+def _field(key: str) -> dataclasses.Field:
+    section, _, name = key.partition(".")
+    fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])} if section in SECTIONS else {}
+    if name not in fields:
+        raise KeyError(key)
+    return fields[name]
 
 
 def flag_name(key: str) -> str:
-    """The command-line flag of config key ``key``: ``batch_size`` -> ``--batch-size``."""
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    if key in fields and "flag" in fields[key].metadata:
-        return fields[key].metadata["flag"]
-    return "--" + key.replace("_", "-")
+    """The command-line flag of config key ``section.field``: ``training.batch_size`` -> ``--batch-size``,
+    ``checkpoint.every`` -> ``--checkpoint-every``."""
+    f = _field(key)
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run, in sections; ``TrainConfig()`` is the defaults. Cross-field checks run when it is made."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    lr_schedule: LrScheduleSection = field(default_factory=LrScheduleSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(name, f"must be a {cls.__name__}, got {getattr(self, name)!r}")
+        model, parallel, training = self.model, self.parallel, self.training
+        if model.config and model.weights:
+            raise ConfigError(
+                "model.config", "give model.config or model.weights, not both (the weights' directory has its own)"
+            )
+        if not model.config and not model.weights:
+            from dtrain.models.presets import PRESETS
+
+            if model.preset not in PRESETS[model.family]:
+                known = ", ".join(PRESETS[model.family])
+                raise ConfigError("model.preset", f"no preset {model.preset!r} for {model.family}; known: {known}")
+        if training.batch_size % parallel.dp:
+            raise ConfigError(
+                "training.batch_size", f"{training.batch_size} sequences do not split over dp={parallel.dp} ranks"
+            )
+        local = training.batch_size // parallel.dp
+        if local % training.accumulation:
+            raise ConfigError(
+                "training.accumulation",
+                f"each dp rank's {local} sequences do not split into {training.accumulation} accumulation steps",
+            )
+        if parallel.pp > 1:
+            step = local // training.accumulation
+            if step % parallel.microbatches:
+                raise ConfigError(
+                    "parallel.microbatches",
+                    f"each accumulation step's {step} sequences (batch_size / dp / accumulation) do not split into "
+                    f"{parallel.microbatches} micro-batches",
+                )
+            if parallel.schedule == "interleaved-1f1b" and parallel.microbatches % parallel.pp:
+                raise ConfigError(
+                    "parallel.microbatches",
+                    f"interleaved-1f1b takes micro-batches in groups of pp={parallel.pp}; "
+                    f"{parallel.microbatches} is not a multiple",
+                )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The config as ``{section: {field: value}}`` of plain values."""
+        return dataclasses.asdict(self)
+
+    def to_toml(self, path: str | os.PathLike | None = None) -> str:
+        """The config as a TOML file (every key, in declaration order); written to ``path`` atomically where
+        given. :func:`load_config` reads it back equal."""
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines += [f"[{section}]", *(f"{name} = {_toml_value(value)}" for name, value in values.items()), ""]
+        text = "\n".join(lines)
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str | None = None) -> TrainConfig:
+        """The config of ``{section: {field: value}}`` (missing keys keep their defaults). ``source`` (a file
+        name) starts every error's location: ``train.toml: [parallel] tp: ...``."""
+        flat = _flatten(data, source)
+        where = {key: f"{source}: {_plain_where(key)}" if source else _plain_where(key) for key in flat}
+        return _build(flat, where)
+
+
+def _toml_value(value: Any) -> str:
+    """One TOML value: a basic string (JSON's escapes are TOML's), an integer, a float or a boolean."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _valid_keys(section: str) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
+
+
+def _flatten(data: Mapping[str, Any], source: str | None) -> dict[str, Any]:
+    """``{section: {field: value}}`` as ``{"section.field": value}``; unknown sections and keys are errors."""
+    prefix = f"{source}: " if source else ""
+    flat: dict[str, Any] = {}
+    for section, values in data.items():
+        if section not in SECTIONS:
+            what = f"[{section}]: unknown section" if isinstance(values, Mapping) else f"{section}: not a section"
+            raise ConfigError(None, f"{prefix}{what}; sections: {', '.join(SECTIONS)}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(None, f"{prefix}{section}: must be a table [{section}], got {values!r}")
+        names = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        for name, value in values.items():
+            if name not in names:
+                raise ConfigError(
+                    None, f"{prefix}[{section}] {name}: unknown key; keys of [{section}]: {_valid_keys(section)}"
+                )
+            flat[f"{section}.{name}"] = value
+    return flat
+
+
+def _build(flat: Mapping[str, Any], where: Mapping[str, str]) -> TrainConfig:
+    """A :class:`TrainConfig` of ``section.field`` values; an error names ``where[key]`` for the key at fault."""
+    try:
+        sections = {}
+        for section, cls in SECTIONS.items():
+            values = {k.partition(".")[2]: v for k, v in flat.items() if k.partition(".")[0] == section}
+            sections[section] = cls(**values)
+        return TrainConfig(**sections)
+    except ConfigError as exc:
+        if exc.key in where:
+            raise ConfigError(exc.key, exc.message, where[exc.key]) from None
+        raise
+
+
+def _read_file(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(None, f"{path}: cannot read the config file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(None, f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(None, f"{path}: not valid TOML: {exc}") from None
+
+
+def _parse_set(item: str) -> tuple[str, Any]:
+    """``section.key=VALUE`` as ``(key, value)``: the value in TOML value syntax (``2``, ``3e-4``, ``true``,
+    ``"text"``), else the bare text; a string field takes the bare text unless it is a quoted TOML string."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep:
+        raise ConfigError(None, f"--set {item}: expected section.key=VALUE")
+    section, dot, name = key.partition(".")
+    if not dot:
+        raise ConfigError(None, f"--set {key}: expected section.key=VALUE; sections: {', '.join(SECTIONS)}")
+    if section not in SECTIONS:
+        raise ConfigError(None, f"--set {key}: unknown section [{section}]; sections: {', '.join(SECTIONS)}")
+    try:
+        f = _field(key)
+    except KeyError:
+        raise ConfigError(None, f"--set {key}: unknown key; keys of [{section}]: {_valid_keys(section)}") from None
+    text = text.strip()
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    if f.type in ("str", str) and not isinstance(value, str):
+        value = text
+    return key, value
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    sets: Sequence[str] = (),
+    flags: Mapping[str, Any] | None = None,
+) -> TrainConfig:
+    """The config of the defaults, then the TOML file ``path``, then each ``section.key=VALUE`` of ``sets`` in
+    order, then ``flags`` (``{"section.field": value}``, values already typed); each later layer overrides the
+    earlier ones key by key. Errors name the layer the value at fault came from."""
+    flat: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    if path is not None:
+        layer = _flatten(_read_file(path), str(path))
+        flat |= layer
+        where |= {key: f"{path}: {_plain_where(key)}" for key in layer}
+    for item in sets:
+        key, value = _parse_set(item)
+        flat[key], where[key] = value, f"--set {key}"
+    for key, value in (flags or {}).items():
+        flat[key], where[key] = value, flag_name(key)  # _field raises KeyError for an unknown key
+    return _build(flat, where)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per :class:`TrainConfig` field to ``parser`` (``dest`` is the field name)."""
-    for f in dataclasses.fields(TrainConfig):
-        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
-        if f.type in ("bool", bool):
-            kwargs["action"] = "store_true"
-        else:
-            kwargs["type"] = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            if "choices" in f.metadata:
-                kwargs["choices"] = list(f.metadata["choices"])
-            if kwargs["help"] is not None and not isinstance(f.default, bool):
-                kwargs["help"] += " (default: %(default)s)"
-        parser.add_argument(flag_name(f.name), **kwargs)
+    """Add ``--config FILE``, ``--set KEY=VALUE`` and one flag per config key to ``parser``, one argument group
+    per section. Every default is ``argparse.SUPPRESS``: only the flags given appear in the parsed namespace
+    (``dest`` is the ``section.field`` key), so they override the file and ``--set``."""
+    parser.add_argument(
+        "--config",
+        dest="config_file",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="TOML file of [section] tables (see configs/); flags and --set override it",
+    )
+    parser.add_argument(
+        "--set",
+        dest="config_sets",
+        metavar="SECTION.KEY=VALUE",
+        action="append",
+        default=argparse.SUPPRESS,
+        help="override one key (repeatable), e.g. --set optimizer.lr=3e-4; the value in TOML syntax or bare text",
+    )
+    for section, cls in SECTIONS.items():
+        about = " ".join((cls.__doc__ or "").split()).replace("``", "").replace("%", "%%")
+        group = parser.add_argument_group(f"[{section}]", about)
+        for f in dataclasses.fields(cls):
+            kind = _TYPES[f.type] if isinstance(f.type, str) else f.type
+            text = f"{f.metadata['help']} (default: {_toml_value(f.default)})".replace("%", "%%")
+            kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS, "help": text}
+            if kind is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = kind
+                kwargs["metavar"] = {int: "N", float: "X", str: "TEXT"}[kind]
+                if "choices" in f.metadata:
+                    kwargs["choices"] = list(f.metadata["choices"])
+                    kwargs["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+            group.add_argument(flag_name(f"{section}.{f.name}"), **kwargs)
 
 
 def from_arguments(args: argparse.Namespace) -> TrainConfig:
-    """The :class:`TrainConfig` of parsed flags (:func:`add_arguments`)."""
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    """The :class:`TrainConfig` of flags parsed by a parser given :func:`add_arguments`: the defaults, then
+    ``--config``, then each ``--set`` in order, then the explicit flags."""
+    given = vars(args)
+    flags = {key: given[key] for key, _ in keys() if key in given}
+    return load_config(given.get("config_file"), given.get("config_sets") or (), flags)
+
+
+def markdown_reference() -> str:
+    """The reference tables of ``docs/configuration.md``: one per section, each key's flag, default and meaning."""
+    out: list[str] = []
+    for section, cls in SECTIONS.items():
+        doc = " ".join((cls.__doc__ or "").split()).replace("``", "`")
+        out += [f"### `[{section}]`", "", doc, "", "| Key | Flag | Default | Meaning |", "| --- | --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            kind = _TYPES[f.type] if isinstance(f.type, str) else f.type
+            flag = flag_name(f"{section}.{f.name}")
+            flags = f"`{flag}`, `--no-{flag[2:]}`" if kind is bool else f"`{flag}`"
+            meaning = f.metadata["help"]
+            if "choices" in f.metadata:
+                meaning += "; one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"])
+            elif kind in (int, float) and ({"minimum", "above", "below", "maximum"} & set(f.metadata)):
+                meaning += f"; {_bounds_text(f, kind)}"
+            meaning = meaning.replace("|", "\\|")
+            out.append(f"| `{f.name}` | {flags} | `{_toml_value(f.default)}` | {meaning}. |")
+        out.append("")
+    return "\n".join(out)
