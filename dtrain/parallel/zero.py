@@ -17,14 +17,14 @@ Equal to plain data parallel, hence to one process on the global batch, for any 
 element from that element's own gradient and state (SGD, momentum, Adam, AdamW, ...); optimizers that look
 across elements (LAMB, LARS, gradient-norm clipping inside the step) would see only the shard.
 
-Limits of this version: one dtype and device for all parameters, one parameter group; stage 2's buckets keep
+Limits: one dtype and device for all parameters; stage 2's buckets keep
 reverse registration order (they are not rebuilt from the observed order as DataParallel's are, since the
 optimizer's shards are cut along them); stage 3 (partitioned parameters) is not built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain import comm
-from dtrain.parallel.data_parallel_communications import group_size
+from dtrain.parallel.data_parallel_communications import group_size, reduce_in
 from dtrain.parallel.zero_communications import (
     ShardedBucket,
     ShardedGradientReducer,
@@ -70,25 +70,34 @@ class ZeroMemoryReport:
 
 
 class ZeroOptimizer:
-    """ZeRO stage 1 or 2 over ``group``: ``optimizer_cls(shards, **optimizer_kwargs)`` on this rank's 1/N shard.
+    """ZeRO stage 1 or 2 over ``group``: ``optimizer_cls`` over this rank's 1/N shard of the parameters.
 
-    ``params`` must be the same parameters, in the same order, on every rank; they are overwritten with group
-    rank 0's values at construction. Use it like an optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``
-    with each rank on its shard of the global batch (no gradient averaging wrapper around the model). Several
-    backward passes before a step accumulate (sum) as with plain gradients. Under stage 2 ``param.grad`` is None
-    after backward: the averaged gradient exists only as this rank's shard. ``bucket_bytes`` sets the size of
-    the buckets (and of stage 2's reduce-scatters).
+    ``params`` is an iterable of parameters or torch's list of param-group dicts (``[{"params": [...],
+    "weight_decay": 0.0}, ...]``: each group's hyper-parameters apply to its parameters' elements in every
+    shard); ``optimizer_kwargs`` are the defaults. The parameters must be the same, in the same order, on every
+    rank; they are overwritten with group rank 0's values at construction. Use it like an optimizer:
+    ``loss.backward(); opt.step(); opt.zero_grad()`` with each rank on its shard of the global batch (no
+    gradient averaging wrapper around the model). Several backward passes before a step accumulate (sum) as
+    with plain gradients. Under stage 2 ``param.grad`` is None after backward: the averaged gradient exists only
+    as this rank's shard. ``bucket_bytes`` sets the size of the buckets (and of stage 2's reduce-scatters);
+    ``reduce_dtype`` averages the gradients in another dtype (e.g. bf16 for float32 parameters).
+
+    The optimizer sees one parameter per piece of a model parameter that falls in this rank's chunk of a bucket
+    (a view into the flat buffer), in that parameter's group. Between backward and :meth:`step`,
+    :meth:`grad_square_sum` and :meth:`scale_grads` read and scale this rank's averaged gradient pieces (for a
+    gradient norm over all ranks and clipping, or unscaling a loss-scaled gradient).
     """
 
     def __init__(
         self,
-        params: Iterable[nn.Parameter],
+        params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
         optimizer_cls: type[torch.optim.Optimizer],
         group,
         *,
         stage: int = 1,
         algorithm: str = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        reduce_dtype: torch.dtype | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if stage not in (1, 2):
@@ -96,10 +105,14 @@ class ZeroOptimizer:
                 f"ZeRO stage must be 1 (optimizer state sharded) or 2 (and gradients); got {stage!r} "
                 "(stage 3, partitioned parameters, is not implemented)"
             )
-        self.params = _check_params(params)
+        groups = _param_groups(params)
+        self.params = _check_params([p for g in groups for p in g["params"]])
+        chosen = {id(p) for p in self.params}
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"] if id(p) in chosen}
         self.group = group
         self.stage = stage
         self.algorithm = algorithm
+        self.reduce_dtype = reduce_dtype
         self.world_size = group_size(group)
         self.rank = dist.get_rank(group)
         self.numel = sum(p.numel() for p in self.params)
@@ -109,9 +122,8 @@ class ZeroOptimizer:
         self.flat = torch.zeros(sum(b.numel for b in self.buckets), dtype=like.dtype, device=like.device)
         self._adopt_params()
         comm.broadcast(self.flat, 0, group=group, algorithm=algorithm)
-        # One optimizer parameter a bucket: this rank's chunk, a view, so steps land in self.flat.
-        self.shards = [nn.Parameter(self._mine(self.flat, b)) for b in self.buckets]
-        self.optimizer = optimizer_cls(self.shards, **optimizer_kwargs)
+        # This rank's chunk of each bucket (a view of self.flat): the steps land there, the all-gather sends it.
+        self.shards = [self._mine(self.flat, b) for b in self.buckets]
         # Stage 1 keeps the averaged gradient of every element (laid out like self.flat), stage 2 only its chunks.
         kept = self.flat.numel() if stage == 1 else self.shard_numel
         self._grad = torch.zeros(kept, dtype=like.dtype, device=like.device)
@@ -119,7 +131,27 @@ class ZeroOptimizer:
             self._grad_shards = [self._mine(self._grad, b) for b in self.buckets]
         else:
             self._grad_shards = list(self._grad.split([b.chunk for b in self.buckets]))
-            self.reducer = ShardedGradientReducer(self.buckets, self._grad_shards, group, algorithm=algorithm)
+            self.reducer = ShardedGradientReducer(
+                self.buckets, self._grad_shards, group, algorithm=algorithm, reduce_dtype=reduce_dtype
+            )
+        # One optimizer parameter per (model parameter, this rank's chunk) overlap, in the parameter's group.
+        self.pieces: list[tuple[nn.Parameter, nn.Parameter, torch.Tensor]] = []  # (model param, piece, its grad)
+        per_group: list[list[nn.Parameter]] = [[] for _ in groups]
+        for bucket, shard, grad in zip(self.buckets, self.shards, self._grad_shards, strict=True):
+            begin = self.rank * bucket.chunk  # this rank's chunk, in bucket coordinates
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                lo, hi = max(begin, offset), min(begin + bucket.chunk, offset + p.numel())
+                if lo >= hi:
+                    continue
+                piece = nn.Parameter(shard[lo - begin : hi - begin])
+                self.pieces.append((p, piece, grad[lo - begin : hi - begin]))
+                per_group[group_of[id(p)]].append(piece)
+        torch_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": pieces}
+            for g, pieces in zip(groups, per_group, strict=True)
+        ]
+        self.optimizer = optimizer_cls(torch_groups, **optimizer_kwargs)
+        self._reduced = False
 
     def _mine(self, laid_out: torch.Tensor, bucket: ShardedBucket) -> torch.Tensor:
         begin = bucket.start + self.rank * bucket.chunk
@@ -138,6 +170,10 @@ class ZeroOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
     def _all_reduce_gradients(self) -> None:
         """Stage 1: this rank's gradients laid out like ``self.flat`` (a missing one counts as zero), averaged."""
         self._grad.zero_()
@@ -149,17 +185,47 @@ class ZeroOptimizer:
                     grads.append(p.grad)
         if grads:
             torch._foreach_copy_(views, grads)
-        comm.all_reduce(self._grad, op="avg", group=self.group, algorithm=self.algorithm)
+        reduce_in(self._grad, self.reduce_dtype, group=self.group, algorithm=self.algorithm)
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Average the gradients of the passes since :meth:`zero_grad` (stage 1; stage 2 did it during
+        backward). Called by :meth:`step`, :meth:`grad_square_sum` and :meth:`scale_grads`; once a step."""
+        if self.stage == 1 and not self._reduced:
+            self._all_reduce_gradients()
+        self._reduced = True
+
+    @torch.no_grad()
+    def grad_square_sum(self, weight_of: Callable[[nn.Parameter], float] | None = None) -> torch.Tensor:
+        """Sum over this rank's averaged gradient pieces of ``weight_of(param) * g**2`` (0-d float32), each
+        element weighted by the model parameter it belongs to (default weight 1). Summed over the group, with
+        weights 1, it is the squared norm of the whole averaged gradient."""
+        self.reduce_gradients()
+        total = torch.zeros((), dtype=torch.float32, device=self.flat.device)
+        for p, _, grad in self.pieces:
+            weight = 1.0 if weight_of is None else weight_of(p)
+            if weight:
+                total += weight * grad.float().square().sum()
+        return total
+
+    @torch.no_grad()
+    def scale_grads(self, coef: float | torch.Tensor) -> None:
+        """Multiply this rank's averaged gradient chunks by ``coef`` (clipping, or undoing a loss scale)."""
+        self.reduce_gradients()
+        if isinstance(coef, torch.Tensor):
+            self._grad.mul_(coef.to(self._grad.dtype))
+        else:
+            self._grad.mul_(coef)
 
     @torch.no_grad()
     def step(self) -> None:
         """Average gradients (stage 1 here; stage 2 did it during backward), step the shards, all-gather them."""
-        if self.stage == 1:
-            self._all_reduce_gradients()
-        for shard, grad in zip(self.shards, self._grad_shards, strict=True):
-            shard.grad = grad
+        self.reduce_gradients()
+        for _, piece, grad in self.pieces:
+            piece.grad = grad
         self.optimizer.step()
         all_gather_buckets(self.flat, self.shards, self.buckets, self.group, algorithm=self.algorithm)
+        self._reduced = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -169,6 +235,14 @@ class ZeroOptimizer:
                 p.grad.zero_()
         if self.stage == 2:
             self.reducer.zero()
+        self._reduced = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state (a checkpoint of the same layout loads it back)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
 
     def memory_report(self) -> ZeroMemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank holds, against plain data parallel.
@@ -180,17 +254,19 @@ class ZeroOptimizer:
         """
         element = self.flat.element_size()
         per_element_nbytes, other_nbytes = 0, 0
-        for shard in self.shards:
-            for value in self.optimizer.state.get(shard, {}).values():
+        for _, piece, _ in self.pieces:
+            for value in self.optimizer.state.get(piece, {}).values():
                 if not isinstance(value, torch.Tensor):
                     continue
                 nbytes = value.numel() * value.element_size()
-                if value.dim() > 0 and value.numel() == shard.numel():
+                if value.dim() > 0 and value.numel() == piece.numel():
                     per_element_nbytes += nbytes
                 else:
                     other_nbytes += nbytes  # a step count and the like: the same under plain data parallel
+        held = sum(piece.numel() for _, piece, _ in self.pieces) or 1
+        per_piece_other = other_nbytes / max(1, len(self.pieces))  # one step count a piece, one a parameter in DP
         state_nbytes = per_element_nbytes + other_nbytes
-        dp_state_nbytes = per_element_nbytes * self.numel // self.shard_numel + other_nbytes
+        dp_state_nbytes = per_element_nbytes * self.numel // held + int(per_piece_other * len(self.params))
         zero = MemoryReport(
             parameter_nbytes=self.flat.numel() * element,
             gradient_nbytes=self._grad.numel() * element,
@@ -202,6 +278,22 @@ class ZeroOptimizer:
             optimizer_state_nbytes=dp_state_nbytes,
         )
         return ZeroMemoryReport(stage=self.stage, world_size=self.world_size, zero=zero, data_parallel=data_parallel)
+
+
+def _param_groups(params: Iterable[nn.Parameter] | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``params`` as torch's list of group dicts, each with a list under ``"params"``."""
+    given = list(params)
+    if given and all(isinstance(g, dict) for g in given):
+        groups = []
+        for i, g in enumerate(given):
+            if "params" not in g:
+                raise ValueError(f"ZeroOptimizer: param group {i} has no 'params'")
+            members = g["params"]
+            groups.append({**g, "params": [members] if isinstance(members, torch.Tensor) else list(members)})
+        return groups
+    if any(isinstance(g, dict) for g in given):
+        raise ValueError("ZeroOptimizer: give parameters or param-group dicts, not a mix")
+    return [{"params": given}]
 
 
 def _check_params(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:

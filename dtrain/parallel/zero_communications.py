@@ -78,11 +78,21 @@ class ShardedGradientReducer:
     bucket-sized message, reduce-scattered with ``op="avg"``, this rank's chunk is *added* to ``grad_shards[b]``
     (so several backward passes accumulate, as ``param.grad`` would), and the full per-parameter gradients are
     released (``param.grad = None``). :meth:`finish` (queued at the end of each backward) sends what is left, a
-    missing gradient counting as zero; :meth:`zero` starts a new accumulation.
+    missing gradient counting as zero; :meth:`zero` starts a new accumulation. ``reduce_dtype`` packs the
+    message in that dtype (e.g. bf16 for float32 gradients) and adds the result back in the shard's.
     """
 
-    def __init__(self, buckets: list[ShardedBucket], grad_shards: list[torch.Tensor], group, *, algorithm: str) -> None:
+    def __init__(
+        self,
+        buckets: list[ShardedBucket],
+        grad_shards: list[torch.Tensor],
+        group,
+        *,
+        algorithm: str,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
         self.buckets = buckets
+        self.reduce_dtype = reduce_dtype
         self.grad_shards = grad_shards
         self.group = group
         self.algorithm = algorithm
@@ -142,9 +152,16 @@ class ShardedGradientReducer:
         del views, missing
         for p in bucket.params:
             p.grad = None  # stage 2 keeps only the shard: the full gradients go as soon as they are packed
-        target = self.grad_shards[b] if b not in self._written else torch.empty_like(self.grad_shards[b])
+        shard = self.grad_shards[b]
+        low = self.reduce_dtype is not None and self.reduce_dtype != work.dtype
+        if low:
+            work = work.to(self.reduce_dtype)
+        direct = b not in self._written and not low
+        target = shard if direct else torch.empty(shard.shape, dtype=work.dtype, device=work.device)
         comm.reduce_scatter(target, work, op="avg", group=self.group, algorithm=self.algorithm)
         if b in self._written:
-            self.grad_shards[b].add_(target)
+            shard.add_(target)
+        elif not direct:
+            shard.copy_(target)
         self._written.add(b)
         self.launches += 1
