@@ -1,0 +1,99 @@
+"""Metrics of ``dtrain train``: one JSON line per record, TensorBoard scalars, and model FLOPs utilisation.
+
+MFU (Chowdhery et al. 2022, PaLM, appendix B) is the model FLOPs a second the run achieves over the devices'
+peak: ``tokens_per_s * flops_per_token / (world_size * peak)``, with ``flops_per_token`` from
+:func:`dtrain.models.train_flops_per_token` and the peak the device's dense bf16 tensor rate from its datasheet
+(:data:`PEAK_BF16_FLOPS`). It is undefined on CPUs (no datasheet peak): None.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["PEAK_BF16_FLOPS", "MetricsWriter", "mfu", "peak_flops", "peak_memory_bytes", "reset_peak_memory"]
+
+# Dense (no sparsity) bf16 tensor-core FLOP/s by device name, from NVIDIA's datasheets: H100 SXM5 989.4 T,
+# H100 PCIe 756 T, H100 NVL 835 T, H200 (SXM) 989.4 T, A100 312 T. Matched by substring, most specific first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989.4e12),
+    ("H200", 989.4e12),
+    ("A100", 312e12),
+)
+
+
+def peak_flops(device: torch.device | str) -> float | None:
+    """The dense bf16 peak FLOP/s of ``device`` (None on a CPU or an unlisted GPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, device: torch.device | str) -> float | None:
+    """Model FLOPs utilisation of ``world_size`` devices like ``device`` processing ``tokens_per_s`` in all."""
+    peak = peak_flops(device)
+    if peak is None:
+        return None
+    return tokens_per_s * flops_per_token / (world_size * peak)
+
+
+def peak_memory_bytes(device: torch.device | str) -> int | None:
+    """The most memory torch allocated on ``device`` since the last :func:`reset_peak_memory` (None on a CPU)."""
+    device = torch.device(device)
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class MetricsWriter:
+    """Appends each record to ``<out_dir>/metrics.jsonl`` (flushed per record) and, with ``tensorboard``, writes
+    its numeric fields as TensorBoard scalars under ``<out_dir>/tensorboard/``: ``train/<key>``, and a record's
+    ``eval_loss`` as ``eval/loss``, at ``record["step"]``. ``resume`` appends to an existing metrics file."""
+
+    def __init__(self, out_dir: str | Path, *, tensorboard: bool, resume: bool = False) -> None:
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.out / "metrics.jsonl", "a" if resume else "w")  # noqa: SIM115 (closed in close())
+        self._board = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._board = SummaryWriter(log_dir=str(self.out / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._board is None:
+            return
+        step = int(record.get("step", 0))
+        for key, value in record.items():
+            if key == "step" or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if not math.isfinite(value):
+                continue
+            tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
+            self._board.add_scalar(tag, value, step)
+        self._board.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._board is not None:
+            self._board.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
