@@ -38,13 +38,16 @@ from torch import nn
 
 from dtrain.models.config import CONFIGS, GPT2Config, LlamaConfig, ModelConfig, ModelConfigError, config_fields
 from dtrain.models.decoder import Attention, CausalLM, rope_frequencies
+from dtrain.models.flops import parameter_count
 
 __all__ = [
     "CONFIG_NAME",
     "INDEX_NAME",
     "TOKENIZER_NAME",
     "WEIGHTS_NAME",
+    "dtrain_shapes",
     "from_hf_state_dict",
+    "hf_shapes",
     "load_config",
     "load_pretrained",
     "save_config",
@@ -221,15 +224,44 @@ def save_config(config: ModelConfig, directory: str | os.PathLike) -> Path:
 # Tensor names
 
 
-def _layer_count(config: ModelConfig) -> int:
-    return config.num_layers
-
-
-def _dtrain_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """dtrain's parameter names and shapes for ``config`` (a tied head listed once, as the embedding)."""
-    with torch.device("meta"):
-        model = CausalLM(config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+def dtrain_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of a :class:`CausalLM`'s parameters for ``config`` (a tied head listed once, as the
+    embedding), as ``named_parameters()`` gives them; computed from the config, no model built."""
+    last = config.num_layers + 1
+    if isinstance(config, GPT2Config):
+        dim, inner = config.n_embd, config.n_inner
+        shapes = {
+            "0.embed_tokens.weight": (config.vocab_size, dim),
+            "0.embed_positions.weight": (config.n_positions, dim),
+        }
+        for i in range(config.n_layer):
+            d = f"{i + 1}."
+            for norm in ("attn_norm", "mlp_norm"):
+                shapes[f"{d}{norm}.weight"] = shapes[f"{d}{norm}.bias"] = (dim,)
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                shapes[f"{d}attn.{proj}.weight"], shapes[f"{d}attn.{proj}.bias"] = (dim, dim), (dim,)
+            shapes[f"{d}mlp.up_proj.weight"], shapes[f"{d}mlp.up_proj.bias"] = (inner, dim), (inner,)
+            shapes[f"{d}mlp.down_proj.weight"], shapes[f"{d}mlp.down_proj.bias"] = (dim, inner), (dim,)
+        shapes[f"{last}.norm.weight"] = shapes[f"{last}.norm.bias"] = (dim,)
+        return shapes
+    dim, hidden = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    shapes = {"0.embed_tokens.weight": (config.vocab_size, dim)}
+    for i in range(config.num_hidden_layers):
+        d = f"{i + 1}."
+        shapes[f"{d}attn_norm.weight"] = shapes[f"{d}mlp_norm.weight"] = (dim,)
+        for proj, out, inp in (("q_proj", q, dim), ("k_proj", kv, dim), ("v_proj", kv, dim), ("o_proj", dim, q)):
+            shapes[f"{d}attn.{proj}.weight"] = (out, inp)
+            if config.attention_bias:
+                shapes[f"{d}attn.{proj}.bias"] = (out,)
+        for proj, out, inp in (("gate_proj", hidden, dim), ("up_proj", hidden, dim), ("down_proj", dim, hidden)):
+            shapes[f"{d}mlp.{proj}.weight"] = (out, inp)
+            if config.mlp_bias:
+                shapes[f"{d}mlp.{proj}.bias"] = (out,)
+    shapes[f"{last}.norm.weight"] = (dim,)
+    if not config.tie_word_embeddings:
+        shapes[f"{last}.lm_head.weight"] = (config.vocab_size, dim)
+    return shapes
 
 
 def _llama_pairs(config: LlamaConfig) -> list[tuple[str, str]]:
@@ -262,8 +294,8 @@ def _take(state_dict: Mapping[str, torch.Tensor], name: str, source: str) -> tor
 
 def _dtrain_state(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, source: str) -> dict[str, torch.Tensor]:
     """Check a dtrain-named state dict against ``config``; the tied head folded into the embedding."""
-    expected = _dtrain_names(config)
-    last = _layer_count(config) + 1
+    expected = dtrain_shapes(config)
+    last = config.num_layers + 1
     state = dict(state_dict)
     if config.tie_word_embeddings:
         head = state.pop(f"{last}.lm_head.weight", None)
@@ -325,9 +357,33 @@ def _canonical(name: str, config: ModelConfig) -> str | None:
 
 def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """transformers' tensor names and shapes for ``config`` (a tied head left out)."""
-    with torch.device("meta"):
-        state = {n: torch.empty(s) for n, s in _dtrain_names(config).items()}
-    return {name: tuple(t.shape) for name, t in to_hf_state_dict(state, config).items()}
+    shapes = dtrain_shapes(config)
+    if isinstance(config, LlamaConfig):
+        return {hf: shapes[d] for d, hf in _llama_pairs(config)}
+    dim, inner, last = config.n_embd, config.n_inner, config.n_layer + 1
+    out = {
+        "transformer.wte.weight": shapes["0.embed_tokens.weight"],
+        "transformer.wpe.weight": (config.n_positions, dim),
+    }
+    for i in range(config.n_layer):
+        h = f"transformer.h.{i}."
+        for name, shape in (
+            ("ln_1.weight", (dim,)),
+            ("ln_1.bias", (dim,)),
+            ("attn.c_attn.weight", (dim, 3 * dim)),
+            ("attn.c_attn.bias", (3 * dim,)),
+            ("attn.c_proj.weight", (dim, dim)),
+            ("attn.c_proj.bias", (dim,)),
+            ("ln_2.weight", (dim,)),
+            ("ln_2.bias", (dim,)),
+            ("mlp.c_fc.weight", (dim, inner)),
+            ("mlp.c_fc.bias", (inner,)),
+            ("mlp.c_proj.weight", (inner, dim)),
+            ("mlp.c_proj.bias", (dim,)),
+        ):
+            out[h + name] = shape
+    out["transformer.ln_f.weight"] = out["transformer.ln_f.bias"] = shapes[f"{last}.norm.weight"]
+    return out
 
 
 def from_hf_state_dict(
@@ -467,6 +523,28 @@ def _file_shapes(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], Pat
     return out
 
 
+# Models up to this many parameters are built in place (initialised, then overwritten); larger ones on the meta
+# device first, so that no memory or time goes into weights about to be replaced.
+DIRECT_BUILD_LIMIT = 1 << 26
+
+
+def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """A model of ``config`` on ``device`` in ``dtype`` whose weights are to be loaded (their values arbitrary)."""
+    if parameter_count(config) <= DIRECT_BUILD_LIMIT:
+        with device:
+            model = CausalLM(config).to(dtype=dtype)
+    else:
+        with torch.device("meta"):
+            model = CausalLM(config)
+        model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:  # leaving the meta device makes a Parameter per module: tie them again
+        model[-1].lm_head.weight = model[0].embed_tokens.weight
+    for module in model.modules():  # the rotary frequencies are computed in float32, not stored
+        if isinstance(module, Attention) and module.inv_freq is not None:
+            module.inv_freq = rope_frequencies(config).to(device)
+    return model
+
+
 def load_pretrained(
     directory: str | os.PathLike,
     *,
@@ -503,18 +581,11 @@ def load_pretrained(
             raise ValueError(f"{default_file}: {key}: missing tensor")
     dtype = dtype or torch.float32
     state = from_hf_state_dict(_read_tensors(files, wanted), config, source=str(default_file))
-    with torch.device("meta"):
-        model = CausalLM(config)
-    model = model.to(dtype=dtype).to_empty(device=device or "cpu")
-    if config.tie_word_embeddings:  # leaving the meta device makes a new Parameter per module: tie them again
-        model[-1].lm_head.weight = model[0].embed_tokens.weight
+    model = _empty_model(config, torch.device(device or "cpu"), dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     missing = {n for n, _ in model.named_parameters()} - set(state)
     if missing:  # every parameter comes from the file: a gap here is a mapping fault, not a file's
         raise RuntimeError(f"parameters left unloaded: {sorted(missing)}")
-    for module in model.modules():  # the rotary frequencies are computed, not stored
-        if isinstance(module, Attention) and module.inv_freq is not None:
-            module.inv_freq = rope_frequencies(config).to(module.q_proj.weight.device)
     return model.eval()
 
 
