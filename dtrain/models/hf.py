@@ -126,8 +126,6 @@ def _read_json(file: Path) -> Any:
 def _llama_rope(raw: dict[str, Any], fields: dict[str, Any], file: Path) -> None:
     """transformers 5 writes ``rope_parameters`` (``rope_theta`` and the scaling together); earlier versions
     ``rope_theta`` and ``rope_scaling``. Either becomes ``rope_theta`` + ``rope_scaling``."""
-    if "rope_scaling" in fields and fields["rope_scaling"] is not None and not isinstance(fields["rope_scaling"], dict):
-        raise ValueError(f"{file}: rope_scaling: must be an object or null, got {fields['rope_scaling']!r}")
     params = raw.get("rope_parameters")
     if params is None:
         return
@@ -141,6 +139,36 @@ def _llama_rope(raw: dict[str, Any], fields: dict[str, Any], file: Path) -> None
         fields.setdefault("rope_scaling", None)
     else:
         fields["rope_scaling"] = params
+
+
+def _check_types(kind: type, fields: dict[str, Any], file: Path) -> None:
+    """Each value of the JSON type of its field's default (a number for a float, an int or null for a field
+    whose default is null), so that the config's own checks see values of the right kind."""
+    for field in dataclasses.fields(kind):
+        if field.name not in fields:
+            continue
+        value, default = fields[field.name], field.default
+        if default is None:
+            ok = value is None or (isinstance(value, dict) if field.name == "rope_scaling" else _is_int(value))
+            wanted = "an object or null" if field.name == "rope_scaling" else "an integer or null"
+        elif isinstance(default, bool):
+            ok, wanted = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, wanted = _is_int(value), "an integer"
+        elif isinstance(default, float):
+            ok, wanted = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+        else:
+            ok, wanted = isinstance(value, str), "a string"
+        if not ok:
+            raise ValueError(f"{file}: {field.name}: must be {wanted}, got {value!r}")
+    for key, value in (fields.get("rope_scaling") or {}).items():
+        numeric = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if key in numeric and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise ValueError(f"{file}: rope_scaling: {key} must be a number, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def config_from_dict(raw: Any, file: str | os.PathLike = "config.json") -> ModelConfig:
@@ -169,12 +197,13 @@ def config_from_dict(raw: Any, file: str | os.PathLike = "config.json") -> Model
             raise ValueError(f"{file}: {key}: unknown key for a {model_type} config")
     if model_type == "llama":
         _llama_rope(raw, fields, file)
+    _check_types(kind, fields, file)
     try:
         config = kind(**fields)
     except ModelConfigError as exc:
         raise ValueError(f"{file}: {exc}") from None
-    except (TypeError, AttributeError) as exc:  # a value of the wrong JSON type inside a nested field
-        raise ValueError(f"{file}: {exc}") from None
+    except (TypeError, AttributeError) as exc:  # a value of the wrong JSON type inside rope_scaling
+        raise ValueError(f"{file}: rope_scaling: {' '.join(str(exc).split())}") from None
     if model_type == "gpt2" and "n_ctx" in raw and raw["n_ctx"] != config.n_positions:
         raise ValueError(f"{file}: n_ctx: {raw['n_ctx']!r} must equal n_positions {config.n_positions}")
     return config

@@ -123,6 +123,21 @@ def test_gpt2_config_keys_that_must_keep_their_value(tmp_path):
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling"),
         ({"rope_scaling": "llama3"}, "rope_scaling"),
         ({"hidden_size": "32"}, "hidden_size"),
+        ({"rms_norm_eps": "small"}, "rms_norm_eps"),
+        ({"tie_word_embeddings": 1}, "tie_word_embeddings"),
+        ({"head_dim": 8.0}, "head_dim"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": "x",
+                    "low_freq_factor": 1,
+                    "high_freq_factor": 4,
+                    "original_max_position_embeddings": 8,
+                }
+            },
+            "rope_scaling",
+        ),
     ],
 )
 def test_bad_config_is_one_line_naming_the_file_and_key(changes, key, tmp_path):
