@@ -689,12 +689,14 @@ def save_pretrained(
         source = f"{type(model_or_state_dict).__name__} state dict"
     else:
         state_dict, source = model_or_state_dict, "state dict"
-    config_bytes = (json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n").encode()
     hf = to_hf_state_dict(state_dict, config, source=source)
     tensors = {}
     for name, tensor in hf.items():
         tensor = tensor.detach().to("cpu", dtype=dtype or tensor.dtype)
         tensors[name] = tensor.contiguous()
+    raw = config_to_dict(config)
+    raw["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")  # the weights' (as transformers)
+    config_bytes = (json.dumps(raw, indent=2, sort_keys=True) + "\n").encode()
     parent = directory.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{directory.name}.", suffix=".tmp"))

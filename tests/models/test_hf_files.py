@@ -358,3 +358,12 @@ def test_save_replaces_an_existing_directory_and_copies_the_tokenizer(llama_dir,
     loaded = load_pretrained(out)
     for (name, a), (_, b) in zip(loaded.named_parameters(), model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_save_in_another_dtype_records_it(llama_dir, tmp_path):
+    model = load_pretrained(llama_dir)
+    save_pretrained(model, model.config, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+    loaded = load_pretrained(tmp_path / "bf16")  # float32 unless asked
+    assert torch.equal(loaded[0].embed_tokens.weight, model[0].embed_tokens.weight.bfloat16().float())
