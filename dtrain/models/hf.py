@@ -64,7 +64,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
 # Keys of transformers' config.json files that do not change the computation (metadata, generation and
-# fine-tuning settings).
+# fine-tuning settings); so do the output_* flags (what transformers' forward returns).
 _IGNORED_KEYS = frozenset(
     {
         "architectures",
@@ -80,8 +80,6 @@ _IGNORED_KEYS = frozenset(
         "pretraining_tp",  # a slicing of the matmuls in transformers' forward, the same result
         "_name_or_path",
         "name_or_path",
-        "output_attentions",
-        "output_hidden_states",
         "return_dict",
         "tokenizer_class",
         "prefix",
@@ -193,7 +191,7 @@ def config_from_dict(raw: Any, file: str | os.PathLike = "config.json") -> Model
             continue  # checked against n_positions below
         elif key == "rope_parameters" and model_type == "llama":
             continue  # read by _llama_rope
-        elif key not in _IGNORED_KEYS and key != "model_type":
+        elif key not in _IGNORED_KEYS and key != "model_type" and not key.startswith("output_"):
             raise ValueError(f"{file}: {key}: unknown key for a {model_type} config")
     if model_type == "llama":
         _llama_rope(raw, fields, file)

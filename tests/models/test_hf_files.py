@@ -91,6 +91,7 @@ def test_config_round_trip_and_transformers_metadata(tmp_path):
         bos_token_id=1,
         eos_token_id=[2, 3],
         pretraining_tp=1,
+        output_attentions=False,
     )
     raw = json.loads(file.read_text())
     del raw["rope_theta"], raw["rope_scaling"]
