@@ -1,0 +1,106 @@
+"""``dtrain generate``: continue a prompt with a model from a Hugging Face directory.
+
+The directory is one :func:`dtrain.models.hf.save_pretrained` or ``transformers``' ``save_pretrained`` wrote:
+``config.json``, ``model.safetensors`` (or shards) and a ``tokenizer.json`` (read with the ``tokenizers``
+library). The prompt and its continuation are printed as one text. Generation stops after ``--max-new-tokens``
+tokens or at the config's ``eos_token_id``. Bad input (a missing directory or tokenizer, a bad config or
+weights, an unavailable device) is one line ``dtrain generate: ...`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["add_parser", "register", "run"]
+
+_PREFIX = "dtrain generate"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``generate`` to ``subparsers`` (its handler, ``run``, set as ``handler``); returns the parser."""
+    p = subparsers.add_parser("generate", help="continue a prompt with a model from a Hugging Face directory")
+    p.add_argument("--model", required=True, help="a directory with config.json, model.safetensors, tokenizer.json")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy; default 1.0")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
+    p.add_argument("--seed", type=int, default=None, help="for repeatable sampling")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available, else cpu")
+    p.set_defaults(handler=run)
+    return p
+
+
+def register(commands) -> None:
+    """The feature-module hook of ``dtrain.cli.main``: adds ``generate`` to ``commands``."""
+    add_parser(commands)
+
+
+def _eos_id(config_file: Path) -> int | None:
+    raw = json.loads(config_file.read_text(encoding="utf-8"))
+    eos = raw.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if len(eos) == 1 else None  # several end tokens: generate takes one
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+
+
+def _generate(args: argparse.Namespace) -> str:
+    """The printed text; ValueError for bad input."""
+    directory = Path(args.model)
+    if not directory.is_dir():
+        raise ValueError(f"--model: {directory}: no such directory")
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ValueError(f"{tokenizer_file}: no such file (the tokenizer the model was trained with)")
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens: must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature: must be >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k: must be >= 1, got {args.top_k}")
+
+    import torch
+    from tokenizers import Tokenizer
+
+    from dtrain.models.generate import generate
+    from dtrain.models.hf import load_config, load_pretrained
+
+    config = load_config(directory)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda is not available on this machine (use --device cpu)")
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as exc:  # tokenizers raises its own Exception subclass
+        raise ValueError(f"{tokenizer_file}: not a tokenizers file ({' '.join(str(exc).split())})") from None
+    ids = tokenizer.encode(args.prompt).ids
+    if not ids:
+        raise ValueError("--prompt: encodes to no tokens")
+    if max(ids) >= config.vocab_size:
+        raise ValueError(
+            f"{tokenizer_file}: token id {max(ids)} is outside the model's vocabulary of {config.vocab_size}"
+        )
+    eos_id = _eos_id(directory / "config.json")
+    model = load_pretrained(directory, device=device)
+    out = generate(
+        model,
+        torch.tensor(ids, dtype=torch.long, device=device)[None],
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        eos_id=eos_id if eos_id is not None and eos_id < config.vocab_size else None,
+    )
+    return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dtrain generate``: print the prompt and its continuation; 0, or 2 with one line for bad input."""
+    try:
+        text = _generate(args)
+    except ValueError as exc:
+        print(f"{_PREFIX}: {exc}")
+        return 2
+    print(text)
+    return 0

@@ -1,0 +1,96 @@
+"""Autoregressive sampling from a :class:`~dtrain.models.decoder.CausalLM`.
+
+Each step runs the model on the last ``max_positions`` tokens (the window the model was built for) and picks the
+next token from the final position's logits: the argmax at temperature 0 (greedy decoding, as
+``transformers``' ``generate(do_sample=False)``), else a sample from ``softmax(logits / temperature)``, restricted
+to the ``top_k`` most likely tokens where given (Fan et al. 2018). The whole window is recomputed per token (no
+key-value cache): the cost is ``max_new_tokens`` forward passes over at most ``max_positions`` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["generate", "max_positions"]
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence ``model`` takes (its config's ``max_position_embeddings`` / ``n_positions``)."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        if hasattr(config, name):
+            return int(getattr(config, name))
+    return None
+
+
+def _check(ids: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError("ids: expected an int64 tensor of token ids (T,) or (B, T)")
+    if ids.dim() not in (1, 2) or ids.shape[-1] == 0:
+        raise ValueError(f"ids: expected a non-empty (T,) or (B, T) tensor, got shape {tuple(ids.shape)}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0:
+        raise ValueError(f"temperature: must be a number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k: must be a positive int or None, got {top_k!r}")
+
+
+def _next_token(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1): the k-th largest logit
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def generate(
+    model: nn.Module,
+    ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    eos_id: int | None = None,
+) -> torch.Tensor:
+    """``ids`` followed by up to ``max_new_tokens`` generated tokens, as one LongTensor of ``ids``' rank ((T,) or
+    (B, T)). ``temperature`` 0 is greedy; ``seed`` makes sampling repeatable (a generator of its own, the global
+    RNG untouched). A row that produced ``eos_id`` is padded with it after, and generation stops once every row
+    has. The model runs in eval mode under ``torch.inference_mode`` (its mode is restored after)."""
+    _check(ids, max_new_tokens, temperature, top_k)
+    squeeze = ids.dim() == 1
+    out = (ids.unsqueeze(0) if squeeze else ids).long()
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else out.device
+    out = out.to(device)
+    window = max_positions(model)
+    generator = None
+    if seed is not None and temperature != 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+    done = torch.zeros(out.shape[0], dtype=torch.bool, device=device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for _ in range(max_new_tokens):
+                context = out if window is None else out[:, -window:]
+                token = _next_token(model(context)[:, -1, :], temperature, top_k, generator)  # (B,)
+                if eos_id is not None:
+                    token = torch.where(done, torch.full_like(token, eos_id), token)
+                    done |= token == eos_id
+                out = torch.cat([out, token[:, None]], dim=1)
+                if eos_id is not None and bool(done.all()):
+                    break
+    finally:
+        model.train(training)
+    return out[0] if squeeze else out
