@@ -116,8 +116,9 @@ def _feature_modules() -> list:
     return modules
 
 
-# dtrain.cli.<name> modules: ps (the parameter server), cluster (calc, simulate, plan), emulate.
-_FEATURE_COMMANDS = ("ps", "cluster", "emulate")
+# dtrain.cli.<name> modules: data (prepare), generate, ps (the parameter server), cluster (calc, simulate, plan),
+# emulate.
+_FEATURE_COMMANDS = ("data", "generate", "ps", "cluster", "emulate")
 
 
 def _bench_comm(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """What a worker process runs: a training task on its share of each global batch, with metrics as JSON lines.
 
-Tasks: ``mlp`` (the dense MLP of :mod:`dtrain.train.models` on the linear-teacher classification data),
+Tasks: ``mlp`` (the dense MLP of :mod:`dtrain.ps.classification` on its linear-teacher classification data),
 ``ctr`` (an embedding model on :class:`~dtrain.ps.data.ClickData`, sparse rows pulled and pushed) and
 ``synthetic`` (NumPy only, no torch: pulls and pushes of ``keys_per_step`` keys, uniform or Zipf, with a
 fixed ``compute_s`` of simulated compute: for consistency tests and benchmarks). A straggler multiplies its
@@ -61,12 +61,12 @@ def build_task_model(task: TaskConfig):
     """The task's torch model, seeded, and the names of its sparse tables."""
     import torch
 
+    from dtrain.ps.classification import mlp_classifier
     from dtrain.ps.data import ClickData
-    from dtrain.train.models import build_model
 
     torch.manual_seed(task.seed)
     if task.task == "mlp":
-        return build_model("mlp", in_features=16, hidden=32, num_layers=2, num_classes=4), ()
+        return mlp_classifier(in_features=16, hidden=32, num_layers=2, num_classes=4), ()
     vocab = ClickData(seed=task.seed, examples=1).total_vocab
     model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(vocab, task.width),
                                  "mlp": torch.nn.Sequential(torch.nn.Linear(3 * task.width, 32), torch.nn.ReLU(),
@@ -98,9 +98,9 @@ def _torch_steps(worker: Worker, task: TaskConfig):
     import torch
     import torch.nn.functional as F
 
+    from dtrain.ps.classification import ClassificationBatches
     from dtrain.ps.data import ClickData
     from dtrain.ps.module import PSModule
-    from dtrain.train.data import ClassificationBatches
 
     torch.set_num_threads(1)
     model, sparse = build_task_model(task)

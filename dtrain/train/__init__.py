@@ -1,4 +1,6 @@
-"""Models, data, the training loop, metrics and checkpoints (``dtrain train``).
+"""The training loop of ``dtrain train`` and what it needs: the run configuration, the optimizer and schedules,
+mixed precision, metrics, checkpoints and pipeline traces. Models live in :mod:`dtrain.models`, data in
+:mod:`dtrain.data`.
 
 Names are imported on first use, so that building the command's parser (:mod:`dtrain.train.config`) does not
 import torch.
@@ -9,28 +11,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = [
-    "GPTConfig",
-    "MLPConfig",
-    "TrainConfig",
-    "build_model",
-    "check_run",
-    "model_config",
-    "train",
-    "train_rank",
-    "validate_layout",
-]
+__all__ = ["TrainConfig", "check_run", "load_config", "train", "train_rank"]
 
 _HOMES = {
-    "GPTConfig": "dtrain.train.models",
-    "MLPConfig": "dtrain.train.models",
-    "build_model": "dtrain.train.models",
-    "model_config": "dtrain.train.models",
     "TrainConfig": "dtrain.train.config",
+    "load_config": "dtrain.train.config",
     "check_run": "dtrain.train.loop",
     "train": "dtrain.train.loop",
     "train_rank": "dtrain.train.loop",
-    "validate_layout": "dtrain.train.loop",
 }
 
 

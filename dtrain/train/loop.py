@@ -1,29 +1,32 @@
-"""The training loop of ``dtrain train``: a model from :mod:`dtrain.train.models` trained data, pipeline and/or
-tensor parallel over a :class:`~dtrain.parallel.grid.RankGrid`, with AdamW, JSON-lines metrics and checkpoints.
+"""The training loop of ``dtrain train``: a decoder language model (:mod:`dtrain.models`) trained on packed
+token sequences (:mod:`dtrain.data`) data, pipeline and/or tensor parallel, with ZeRO, mixed precision,
+gradient accumulation and clipping, a learning-rate schedule, evaluation, metrics and checkpoints.
 
-The parallel composition is :class:`~dtrain.parallel.hybrid.HybridParallel`: ``tp > 1`` (GPT only) turns every
-layer into its tensor-parallel twin over the tp group (:mod:`dtrain.train.tensor_parallel_gpt`, the logits left
-split over the vocabulary for :func:`~dtrain.parallel.tensor_parallel.vocab_parallel_cross_entropy`);
-``pp == 1`` wraps the model in :class:`~dtrain.parallel.data_parallel.DataParallel` over the dp group
-(gradients averaged while backward runs); ``pp > 1`` runs :class:`~dtrain.parallel.pipeline_parallel.
-PipelineParallel` over the pp group and then averages each stage's gradients over its dp group with one
-all-reduce of the flattened gradients. Every rank draws the same global batch from ``(seed, step)`` and takes
-its dp shard; the reported loss is the dp average, i.e. the loss of the whole global batch.
+The parallel composition is :class:`~dtrain.parallel.hybrid.HybridParallel` over a
+:class:`~dtrain.parallel.grid.RankGrid`: ``tp > 1`` turns the model into its tensor-parallel form
+(:func:`~dtrain.parallel.parallelize.tensor_parallelize`, the logits left split over the vocabulary for
+:func:`~dtrain.parallel.tensor_parallel.vocab_parallel_cross_entropy`), ``pp > 1`` cuts it into pipeline
+stages, and data parallelism (plain or ZeRO) averages the gradients over the replicas. Each dp rank reads its
+own rows of the global batch of step ``s`` (:class:`~dtrain.data.loader.PackedBatches`); the reported loss is
+the dp average, the loss of the whole global batch.
 
-Everything a user can get wrong is checked in the launching process before any rank starts
-(:func:`check_run`): the layout against the world, the batch and the model, the checkpoint to resume from (its
-layout and model), and the output directory. Checkpoints and resume: :mod:`dtrain.train.checkpoint`; pipeline
-traces: :mod:`dtrain.train.trace`; the options: :mod:`dtrain.train.config`.
+Everything a user can get wrong is checked in the launching process before any rank starts (:func:`check_run`):
+the model's shape (a preset, a ``config.json`` or a model directory), the tokenizer against it, the dataset
+(the default one is prepared there, once), the layout against the world and the model, the precision against
+the device, the checkpoint to resume from, and the output directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import math
 import os
+import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +38,14 @@ from rich.progress import Progress as RichProgress
 
 from dtrain import comm
 from dtrain.comm.ir import algorithms as comm_registry
+from dtrain.data.loader import PackedBatches, TokenDataset
+from dtrain.data.tokenizer import Tokenizer
 from dtrain.launch import rank_device, run_ranks, under_torchrun
+from dtrain.models import ModelConfig, build, preset, train_flops_per_token
+from dtrain.models.decoder import Block
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
+from dtrain.parallel.parallelize import tensor_parallelize, validate_tensor_parallel
 from dtrain.parallel.pipeline_schedules import bubble_fraction, theoretical_bubble
 from dtrain.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from dtrain.train.checkpoint import (
@@ -49,94 +57,32 @@ from dtrain.train.checkpoint import (
     save_checkpoint,
 )
 from dtrain.train.config import TrainConfig
-from dtrain.train.data import ClassificationBatches, TextBatches
-from dtrain.train.models import build_model, model_config, num_layers
-from dtrain.train.tensor_parallel_gpt import tensor_parallel_gpt
+from dtrain.train.metrics import MetricsWriter, mfu, peak_memory_bytes, reset_peak_memory
+from dtrain.train.optim import adamw, lr_schedule, set_lr
+from dtrain.train.precision import DynamicLossScaler, autocast_dtype
 from dtrain.train.trace import write_chrome_trace, write_gantt
 
-__all__ = [
-    "INTERLEAVED_CHUNKS",
-    "RunStart",
-    "TrainConfig",
-    "check_run",
-    "run_world",
-    "train",
-    "train_rank",
-    "validate_layout",
-]
+__all__ = ["INTERLEAVED_CHUNKS", "RunPlan", "check_run", "describe", "run_world", "train", "train_rank"]
 
-INTERLEAVED_CHUNKS = 2  # model chunks a pipeline stage holds under --schedule interleaved-1f1b
-LAYOUT_KEYS = ("model", "preset", "dp", "pp", "tp", "seed", "batch_size")  # what a checkpoint must match
-
-
-def validate_layout(config: TrainConfig, world_size: int) -> ParallelDims:
-    """Check the layout against the world, the batch and the model before any rank does work."""
-    dims = ParallelDims(world_size=world_size, dp=config.dp, pp=config.pp, tp=config.tp)
-    if config.tp > 1:
-        _validate_tensor_parallel(config)
-    if comm_registry.needs_local_size(config.algorithm) and config.dp != world_size:
-        raise ValueError(
-            f"--algorithm {config.algorithm}: needs the node size, known only for a dp group of every rank; "
-            f"use --dp {world_size} (pp = tp = 1) or another algorithm"
-        )
-    if config.batch_size % config.dp:
-        raise ValueError(f"batch size {config.batch_size} is not divisible by dp={config.dp}")
-    local = config.batch_size // config.dp
-    if config.pp > 1 and local % config.microbatches:
-        raise ValueError(
-            f"each dp rank's batch of {local} (batch size {config.batch_size} / dp {config.dp}) is not divisible "
-            f"by {config.microbatches} micro-batches"
-        )
-    layers = num_layers(config.model, model_config(config.model, config.preset))
-    if config.pp > layers:
-        raise ValueError(f"pp={config.pp} stages but model {config.model!r} ({config.preset}) has only {layers} layers")
-    if config.pp > 1 and config.schedule == "interleaved-1f1b":
-        _validate_interleaved(config, layers)
-    return dims
-
-
-def _validate_interleaved(config: TrainConfig, layers: int) -> None:
-    chunks = INTERLEAVED_CHUNKS * config.pp
-    if chunks > layers:
-        raise ValueError(
-            f"interleaved-1f1b cuts the model into {INTERLEAVED_CHUNKS} x pp={config.pp} = {chunks} chunks, but "
-            f"model {config.model!r} ({config.preset}) has only {layers} layers; use 1f1b or a smaller pp"
-        )
-    if config.microbatches % config.pp:
-        raise ValueError(
-            f"interleaved-1f1b takes micro-batches in groups of pp={config.pp}; {config.microbatches} is not a multiple"
-        )
-
-
-def _validate_tensor_parallel(config: TrainConfig) -> None:
-    if config.model != "gpt":
-        raise ValueError(f"tp={config.tp}: tensor parallelism supports model 'gpt' only, not {config.model!r}")
-    cfg = model_config("gpt", config.preset)
-    for name in ("n_head", "n_embd"):
-        if getattr(cfg, name) % config.tp:
-            raise ValueError(
-                f"tp={config.tp}: gpt ({config.preset}) has {name}={getattr(cfg, name)}, which does not divide by "
-                f"tp; choose a tp that divides n_head={cfg.n_head} and n_embd={cfg.n_embd}"
-            )
-
-
-def layout(config: TrainConfig) -> dict[str, Any]:
-    """The options a checkpoint records and a resumed run must match."""
-    return {k: getattr(config, k) for k in LAYOUT_KEYS}
+INTERLEAVED_CHUNKS = 2  # model chunks a pipeline stage holds under schedule interleaved-1f1b
 
 
 @dataclass(frozen=True)
-class RunStart:
-    """Where a checked run starts: its world and layout, and the step it continues from."""
+class RunPlan:
+    """What the launching process resolved: the world and layout, the model's shape, the data, and the step the
+    run continues from. Every rank trains from the same plan."""
 
     world_size: int
     dims: ParallelDims
+    model: ModelConfig
+    dataset: str  # a prepared dataset directory
+    tokenizer: str  # its tokenizer.json
     first_step: int
     steps: int
 
     @property
     def done(self) -> bool:
-        """True when a resumed run has nothing left to do (its checkpoint is at ``--steps`` already)."""
+        """True when a resumed run has nothing left to do (its checkpoint is at the last step already)."""
         return self.first_step >= self.steps
 
 
@@ -149,16 +95,98 @@ def run_world(nproc: int) -> int:
     return nproc
 
 
-def _check_resume(config: TrainConfig, world_size: int) -> int:
+def resolve_data(config: TrainConfig) -> tuple[str, str]:
+    """(dataset directory, tokenizer.json) of the run: ``[data] dataset``, or the default dataset prepared under
+    the output directory (once)."""
+    if config.data.dataset:
+        dataset = TokenDataset(config.data.dataset)  # ValueError naming the directory or file at fault
+        return str(config.data.dataset), str(dataset.tokenizer_path)
+    from dtrain.data.default import default_dataset
+
+    directory, tokenizer = default_dataset(Path(config.logging.out) / "data", config.data.tokenizer_vocab)
+    return str(directory), str(tokenizer)
+
+
+def resolve_model(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The model's shape: the weights' config.json, ``[model] config``, or the preset with the tokenizer's
+    vocabulary; checked against the tokenizer and the sequence length."""
+    from dtrain.models import hf
+
+    m = config.model
+    if m.weights:
+        shape, source = hf.load_config(m.weights), f"--weights {m.weights}"
+    elif m.config:
+        shape, source = hf.load_config(m.config), f"--model-config {m.config}"
+    else:
+        shape, source = preset(m.family, m.preset, vocab_size=tokenizer.vocab_size), f"preset {m.family}/{m.preset}"
+    if tokenizer.vocab_size > shape.vocab_size:
+        raise ValueError(
+            f"{source}: the model's vocabulary of {shape.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size}; use a tokenizer of at most {shape.vocab_size} tokens"
+        )
+    positions = getattr(shape, "n_positions", None) or shape.max_position_embeddings
+    if config.data.seq_len > positions:
+        raise ValueError(f"--seq-len: {config.data.seq_len} is longer than the {positions} positions of {source}")
+    return shape
+
+
+def validate_layout(config: TrainConfig, world_size: int, shape: ModelConfig) -> ParallelDims:
+    """Check the layout against the world and the model before any rank does work."""
+    par = config.parallel
+    dims = ParallelDims(world_size=world_size, dp=par.dp, pp=par.pp, tp=par.tp)
+    if par.tp > 1:
+        validate_tensor_parallel(shape, par.tp)
+    if comm_registry.needs_local_size(par.algorithm) and par.dp != world_size:
+        raise ValueError(
+            f"--algorithm {par.algorithm}: needs the node size, known only for a dp group of every rank; "
+            f"use --dp {world_size} (pp = tp = 1) or another algorithm"
+        )
+    layers = shape.num_layers + 2  # the embedding, the blocks, the head
+    chunks = par.pp * (INTERLEAVED_CHUNKS if par.pp > 1 and par.schedule == "interleaved-1f1b" else 1)
+    if chunks > layers:
+        raise ValueError(
+            f"--pp: {par.pp} stages of {chunks // par.pp} chunk(s) need {chunks} layers, but the model has only "
+            f"{layers} (embedding, {shape.num_layers} blocks, head)"
+        )
+    if par.zero and par.dp == 1:
+        raise ValueError(f"--zero: ZeRO stage {par.zero} shards over the dp ranks, but dp is 1")
+    return dims
+
+
+def _check_precision(config: TrainConfig) -> None:
+    device = rank_device()
+    autocast_dtype(config.training.precision, device)  # ValueError naming the precision where it cannot run
+
+
+def layout(config: TrainConfig, shape: ModelConfig) -> dict[str, Any]:
+    """What a checkpoint records and a resumed run must match: the layout and the model's shape."""
+    par = config.parallel
+    return {
+        "dp": par.dp,
+        "pp": par.pp,
+        "tp": par.tp,
+        "zero": par.zero,
+        "schedule": par.schedule if par.pp > 1 else "",
+        "balance": par.balance if par.pp > 1 else "",
+        "seq_len": config.data.seq_len,
+        "model": {"model_type": shape.model_type, **vars(shape)},
+    }
+
+
+def _check_resume(config: TrainConfig, world_size: int, shape: ModelConfig) -> int:
     """The step a resumed run continues from; ValueError if the checkpoint is missing or another layout's."""
-    where = f"{config.out}/checkpoints"
-    step = latest_complete_step(config.out, world_size)
-    probe = step if step is not None else latest_step(config.out)  # an incomplete one still tells the layout
-    written = load_layout(checkpoint_path(config.out, probe, 0)) if probe is not None else None
-    if written is not None and written != layout(config):
-        keys = [k for k in LAYOUT_KEYS if written.get(k) != getattr(config, k)]
-        was = " ".join(f"{k}={written.get(k)}" for k in keys)
-        now = " ".join(f"{k}={getattr(config, k)}" for k in keys)
+    out = config.logging.out
+    where = f"{out}/checkpoints"
+    step = latest_complete_step(out, world_size)
+    probe = step if step is not None else latest_step(out)  # an incomplete one still tells the layout
+    written = load_layout(checkpoint_path(out, probe, 0)) if probe is not None else None
+    expected = json.loads(json.dumps(layout(config, shape)))
+    if written is not None and written != expected:
+        keys = [k for k in expected if written.get(k) != expected[k]]
+        was = " ".join(f"{k}={written.get(k)}" for k in keys if k != "model")
+        now = " ".join(f"{k}={expected[k]}" for k in keys if k != "model")
+        if "model" in keys:
+            was, now = f"{was} and another model shape".strip(), f"{now} and this model".strip()
         raise ValueError(f"--resume: the checkpoint under {where} was written with {was}; this run has {now}")
     if step is None:
         raise ValueError(f"--resume: no complete checkpoint of {world_size} ranks under {where}")
@@ -178,60 +206,69 @@ def _check_out(out: str) -> None:
         raise ValueError(f"--out {out}: cannot create or write the output directory ({reason})") from None
 
 
-def check_run(config: TrainConfig, nproc: int) -> RunStart:
-    """Everything checked in the launching process before any rank starts: the world, the layout, the checkpoint
-    to resume from and the output directory (created). ValueError with one line naming the flag otherwise."""
+def check_run(config: TrainConfig, nproc: int) -> RunPlan:
+    """Everything checked in the launching process before any rank starts; ValueError with one line naming the
+    flag, key or file otherwise. Prepares the default dataset (once) under the output directory."""
     world = run_world(nproc)
-    dims = validate_layout(config, world)
-    first = _check_resume(config, world) if config.resume else 0
-    start = RunStart(world_size=world, dims=dims, first_step=first, steps=config.steps)
-    if not start.done:
-        _check_out(config.out)
-    return start
+    _check_precision(config)
+    if not config.data.dataset:
+        _check_out(config.logging.out)
+    dataset, tokenizer_path = resolve_data(config)
+    tokenizer = Tokenizer.load(tokenizer_path)
+    shape = resolve_model(config, tokenizer)
+    dims = validate_layout(config, world, shape)
+    data = TokenDataset(dataset)
+    PackedBatches(data, "train", seq_len=config.data.seq_len, batch_size=config.training.batch_size, seed=0)
+    if config.data.eval_every:
+        PackedBatches(data, "val", seq_len=config.data.seq_len, batch_size=config.training.batch_size, seed=0)
+    first = _check_resume(config, world, shape) if config.checkpoint.resume else 0
+    plan = RunPlan(
+        world_size=world,
+        dims=dims,
+        model=shape,
+        dataset=dataset,
+        tokenizer=tokenizer_path,
+        first_step=first,
+        steps=config.training.steps,
+    )
+    if not plan.done:
+        _check_out(config.logging.out)
+    return plan
 
 
-def describe(config: TrainConfig, start: RunStart) -> str:
+def describe(config: TrainConfig, plan: RunPlan) -> str:
     """One line saying what a run is about to do."""
-    if start.done:
-        return (
-            f"nothing to do: the checkpoint under {config.out}/checkpoints is at step {start.first_step}, "
-            f"--steps is {config.steps}"
-        )
-    steps = config.steps - start.first_step
-    resumed = f" from step {start.first_step}" if start.first_step else ""
-    pipeline = f", {config.schedule} x {config.microbatches} micro-batches" if config.pp > 1 else ""
+    out = config.logging.out
+    if plan.done:
+        return f"nothing to do: the checkpoint under {out}/checkpoints is at step {plan.first_step}, --steps is {plan.steps}"
+    par, m = config.parallel, config.model
+    name = m.weights or m.config or f"{m.family} ({m.preset})"
+    from dtrain.models import parameter_count
+
+    size = parameter_count(plan.model)
+    pipeline = f", {par.schedule} x {par.microbatches} micro-batches" if par.pp > 1 else ""
+    zero = f", ZeRO-{par.zero}" if par.zero else ""
+    resumed = f" from step {plan.first_step}" if plan.first_step else ""
     return (
-        f"training {config.model} ({config.preset}) on {start.world_size} processes, dp={config.dp} x "
-        f"pp={config.pp} x tp={config.tp}{pipeline}: {steps} steps{resumed}, batch {config.batch_size}, "
-        f"output in {config.out}"
+        f"training {name}, {size / 1e6:.1f}M parameters, on {plan.world_size} processes, dp={par.dp} x pp={par.pp} "
+        f"x tp={par.tp}{pipeline}{zero}: {plan.steps - plan.first_step} steps{resumed}, batch "
+        f"{config.training.batch_size} x {config.data.seq_len} tokens, output in {out}"
     )
 
 
 def train(config: TrainConfig, nproc: int, *, announce: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Check (:func:`check_run`), then run :func:`train_rank` on ``nproc`` local ranks (or this torchrun job);
     rank 0's metrics ([] when a resumed run is already complete). ``announce`` gets one line saying what starts."""
-    start = check_run(config, nproc)
+    plan = check_run(config, nproc)
     if announce is not None and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
-        announce(describe(config, start))
-    if start.done:
+        announce(describe(config, plan))
+    if plan.done:
         return []
-    return run_ranks(train_rank, nproc, config)
-
-
-def _data(config: TrainConfig):
-    if config.model == "gpt":
-        block = model_config("gpt", config.preset).block_size
-        data, tokenizer = TextBatches.from_corpus(batch_size=config.batch_size, block_size=block, seed=config.seed)
-        return data, tokenizer, {"vocab_size": tokenizer.vocab_size}
-    cfg = model_config("mlp", config.preset)
-    data = ClassificationBatches(
-        in_features=cfg.in_features, num_classes=cfg.num_classes, batch_size=config.batch_size, seed=config.seed
-    )
-    return data, None, {}
+    return run_ranks(train_rank, nproc, config, plan)
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def _vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, *, group, algorithm: str) -> torch.Tensor:
@@ -239,73 +276,162 @@ def _vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, *, group, 
 
 
 class _Trainer:
-    """One rank's model, optimizer and step; built from a config and the rank grid."""
+    """One rank's model, optimizer, data and step; built from a config, its plan and the rank grid."""
 
-    def __init__(self, config: TrainConfig, grid: RankGrid) -> None:
-        self.config, self.grid = config, grid
-        self.data, self.tokenizer, overrides = _data(config)
-        torch.manual_seed(config.seed)  # every rank builds the same full model, then keeps its part
-        model = build_model(config.model, config=model_config(config.model, config.preset, **overrides))
+    def __init__(self, config: TrainConfig, plan: RunPlan, grid: RankGrid) -> None:
+        self.config, self.plan, self.grid = config, plan, grid
+        par, tr, opt = config.parallel, config.training, config.optimizer
+        self.device = rank_device()
+        dataset = TokenDataset(plan.dataset)
+        self.data = PackedBatches(
+            dataset, "train", seq_len=config.data.seq_len, batch_size=tr.batch_size, seed=tr.seed
+        )
+        self.eval_data = (
+            PackedBatches(dataset, "val", seq_len=config.data.seq_len, batch_size=tr.batch_size, seed=tr.seed)
+            if config.data.eval_every
+            else None
+        )
+        torch.manual_seed(tr.seed)  # every rank builds the same full model, then keeps its part
+        if config.model.weights:
+            from dtrain.models import hf
+
+            model = hf.load_pretrained(config.model.weights)
+        else:
+            model = build(plan.model)
         self.loss_fn = _loss
-        if config.tp > 1:
-            # logits stay split over the vocabulary: the head's classes never sit whole on one device
-            self.loss_fn = functools.partial(_vocab_parallel_loss, group=grid.tp_group, algorithm=config.algorithm)
+        if par.tp > 1:  # the logits stay split over the vocabulary: the head never sits whole on one device
+            self.loss_fn = functools.partial(_vocab_parallel_loss, group=grid.tp_group, algorithm=par.algorithm)
+        self.precision = autocast_dtype(tr.precision, self.device)
+        self.scaler = DynamicLossScaler() if self.precision == torch.float16 else None
+        fused = self.device.type == "cuda"
         self.hybrid = HybridParallel(
             model,
             grid,
-            functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay),
-            tensor_parallel=functools.partial(tensor_parallel_gpt, algorithm=config.algorithm, gather_logits=False),
-            num_microbatches=config.microbatches,
-            schedule=config.schedule,
-            virtual_stages=INTERLEAVED_CHUNKS if config.schedule == "interleaved-1f1b" else 1,
-            algorithm=config.algorithm,
-            device=rank_device(),
+            lambda named: adamw(
+                named,
+                lr=opt.lr,
+                weight_decay=opt.weight_decay,
+                betas=(opt.beta1, opt.beta2),
+                eps=opt.eps,
+                fused=fused or None,
+            ),
+            tensor_parallel=functools.partial(tensor_parallelize, algorithm=par.algorithm, loss_parallel=True),
+            num_microbatches=par.microbatches,
+            schedule=par.schedule,
+            virtual_stages=INTERLEAVED_CHUNKS if par.schedule == "interleaved-1f1b" else 1,
+            algorithm=par.algorithm,
+            device=self.device,
+            zero_stage=par.zero,
+            autocast_dtype=self.precision,
+            reduce_dtype=torch.bfloat16 if tr.grad_reduce_dtype == "bf16" else None,
+            accumulation=tr.accumulation,
+            balance=par.balance,
         )
-        self.pipeline, self.module, self.optimizer = self.hybrid.pipeline, self.hybrid.module, self.hybrid.optimizer
+        if tr.compile:
+            for module in self.hybrid.module.modules():
+                if isinstance(module, Block):
+                    module.compile()
+        self.pipeline, self.optimizer = self.hybrid.pipeline, self.hybrid.optimizer
+        sched = config.lr_schedule
+        self.lr = lr_schedule(
+            sched.kind,
+            lr=opt.lr,
+            steps=tr.steps,
+            warmup_steps=sched.warmup_steps,
+            decay_steps=sched.decay_steps or None,
+            min_lr_ratio=sched.min_lr_ratio,
+        )
+        self.flops_per_token = train_flops_per_token(plan.model, config.data.seq_len)
 
     def step(self, step: int) -> dict[str, Any]:
-        cfg = self.config
-        x, y = self.data.batch(step)  # the global batch; HybridParallel takes this replica's shard
-        loss = self.hybrid.train_step(x, y, self.loss_fn)
-        timings = self.hybrid.timings
-        elapsed = sum(timings.values())
-        tokens = x.numel() if cfg.model == "gpt" else x.shape[0]
-        return {
+        cfg, grid = self.config, self.grid
+        lr = self.lr(step)
+        set_lr(self.optimizer, lr)
+        x, y = self.data.batch(step, rank=grid.dp_rank, world=cfg.parallel.dp)
+        reset_peak_memory(self.device)
+        start = time.perf_counter()
+        loss = self.hybrid.train_step(
+            x,
+            y,
+            self.loss_fn,
+            local=True,
+            max_grad_norm=cfg.optimizer.grad_clip or None,
+            loss_scaler=self.scaler,
+        )
+        loss_value = loss.item()  # waits for the device
+        elapsed = time.perf_counter() - start
+        tokens_per_s = cfg.training.batch_size * cfg.data.seq_len / elapsed
+        peak = peak_memory_bytes(self.device)
+        record: dict[str, Any] = {
             "step": step + 1,
-            "loss": loss.item(),
-            "tokens_per_s" if cfg.model == "gpt" else "samples_per_s": tokens / elapsed,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": self.hybrid.last_grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu(tokens_per_s, self.flops_per_token, self.plan.world_size, self.device),
+            "peak_memory_gib": None if peak is None else peak / 2**30,
             "step_s": elapsed,
-            **timings,
+            **self.hybrid.timings,
         }
+        if self.scaler is not None:
+            record["loss_scale"] = self.scaler.scale
+            record["step_skipped"] = self.hybrid.step_skipped
+        return record
 
-    def save(self, step: int) -> None:
+    def evaluate(self) -> float:
+        """The mean loss over the validation split's first ``eval_batches`` batches (the same every time)."""
+        cfg, grid = self.config, self.grid
+        losses = []
+        for x, y in self.eval_data.eval_batches("val", cfg.data.eval_batches, cfg.training.batch_size):
+            rows = x.shape[0] // cfg.parallel.dp
+            mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
+            losses.append(self.hybrid.evaluate(x[mine], y[mine], self.loss_fn, local=True).item())
+        return sum(losses) / len(losses)
+
+    def state(self, step: int) -> dict[str, Any]:
         state = {
             "step": step,
-            "layout": layout(self.config),
-            "model": self.module.state_dict(),
+            "layout": layout(self.config, self.plan.model),
+            "model": self.hybrid.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "data": self.data.state_dict(samples=step * self.config.training.batch_size),
             "torch_rng": torch.get_rng_state(),
         }
-        save_checkpoint(checkpoint_path(self.config.out, step, dist.get_rank()), state)
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
+
+    def save(self, step: int) -> None:
+        save_checkpoint(checkpoint_path(self.config.logging.out, step, dist.get_rank()), self.state(step))
 
     def restore(self) -> int:
         """Load the last checkpoint complete on every rank; the step to continue from."""
-        found = latest_complete_step(self.config.out, dist.get_world_size())
+        out = self.config.logging.out
+        found = latest_complete_step(out, dist.get_world_size())
         agreed = torch.tensor([-1 if found is None else found], dtype=torch.int64)
         comm.all_reduce(agreed, op="min")
         if agreed.item() < 0:
-            raise ValueError(f"--resume: no complete checkpoint under {self.config.out}/checkpoints")
-        state = load_checkpoint(checkpoint_path(self.config.out, int(agreed.item()), dist.get_rank()))
-        if state["layout"] != layout(self.config):
-            raise ValueError(f"--resume: the checkpoint was written by {state['layout']}, not {layout(self.config)}")
-        self.module.load_state_dict(state["model"])
+            raise ValueError(f"--resume: no complete checkpoint under {out}/checkpoints")
+        state = load_checkpoint(checkpoint_path(out, int(agreed.item()), dist.get_rank()))
+        self.hybrid.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.data.load_state_dict(state["data"])
+        if self.scaler is not None and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
         torch.set_rng_state(state["torch_rng"])
         return int(state["step"])
 
+    def export(self) -> None:
+        """The whole model as a Hugging Face directory ``<out>/model`` (gathered onto rank 0, which writes it)."""
+        from dtrain.models import hf
+
+        state = self.hybrid.full_state_dict()
+        if dist.get_rank() == 0:
+            hf.save_pretrained(state, self.plan.model, Path(self.config.logging.out) / "model", tokenizer=self.plan.tokenizer)
+
 
 class _Progress:
-    """Rank 0's progress bar over a run's steps (nothing on other ranks), shown from before the model is built."""
+    """Rank 0's progress line over a run's steps (nothing on other ranks), shown from before the model is built."""
 
     def __init__(self, total: int, *, enabled: bool) -> None:
         self._enabled, self._total = enabled, total
@@ -333,50 +459,63 @@ class _Progress:
             self._bar.update(self._task, advance=1, description=f"train: {text}")
 
 
+def _progress_text(record: dict[str, Any], steps: int) -> str:
+    text = f"step {record['step']}/{steps} loss {record['loss']:.4f} {record['tokens_per_s']:,.0f} tok/s"
+    if record.get("mfu") is not None:
+        text += f" MFU {record['mfu']:.1%}"
+    if record.get("eval_loss") is not None:
+        text += f" eval {record['eval_loss']:.4f}"
+    return text
+
+
 def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
     """Gather the last step's timelines of this pp group; dp rank 0 writes the trace and the Gantt chart."""
-    grid, cfg = trainer.grid, trainer.config
-    timelines: list[Any] = [None] * cfg.pp
+    grid, par = trainer.grid, trainer.config.parallel
+    timelines: list[Any] = [None] * par.pp
     dist.all_gather_object(timelines, trainer.pipeline.timeline, group=grid.pp_group)
     record["bubble_measured"] = bubble_fraction(timelines)
-    record["bubble_theory"] = theoretical_bubble(cfg.pp, cfg.microbatches, trainer.pipeline.virtual_stages)
+    record["bubble_theory"] = theoretical_bubble(par.pp, par.microbatches, trainer.pipeline.virtual_stages)
     if grid.dp_rank == 0 and grid.pp_rank == 0:
-        out = Path(cfg.out)
+        out = Path(trainer.config.logging.out)
         write_chrome_trace(out / "pipeline-trace.json", timelines, grid.global_ranks("pp"))
-        write_gantt(out / "pipeline-gantt.png", timelines, cfg.schedule)
+        write_gantt(out / "pipeline-gantt.png", timelines, par.schedule)
 
 
-def train_rank(config: TrainConfig) -> list[dict[str, Any]]:
+def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
     """Train on this rank (the default process group must be up); the metrics records (rank 0 writes them)."""
-    dims = validate_layout(config, dist.get_world_size())
     is_main = dist.get_rank() == 0
-    first = (latest_complete_step(config.out, dims.world_size) or 0) if config.resume else 0  # for the bar's total
-    with _Progress(config.steps - first, enabled=is_main) as progress:
-        grid = RankGrid.build(dims)
-        trainer = _Trainer(config, grid)
-        if config.resume:
+    tr, log = config.training, config.logging
+    out = Path(log.out)
+    with _Progress(plan.steps - plan.first_step, enabled=is_main) as progress:
+        grid = RankGrid.build(plan.dims)
+        trainer = _Trainer(config, plan, grid)
+        first = 0
+        if config.checkpoint.resume:
             progress.describe("loading the checkpoint")
             first = trainer.restore()
-        out = Path(config.out)
-        out.mkdir(parents=True, exist_ok=True)
         if is_main:
-            (out / "config.json").write_text(json.dumps(asdict(config), indent=2))
-            if trainer.tokenizer is not None:
-                trainer.tokenizer.save(out / "vocab.json")
-        progress.describe(f"step {first}/{config.steps}")
+            out.mkdir(parents=True, exist_ok=True)
+            config.to_toml(out / "config.toml")
+        progress.describe(f"step {first}/{plan.steps}")
         records = []
-        with (
-            open(out / "metrics.jsonl", "a" if config.resume else "w") if is_main else open(os.devnull, "w") as metrics
-        ):
-            for step in range(first, config.steps):
+        writer = MetricsWriter(out, tensorboard=log.tensorboard, resume=config.checkpoint.resume) if is_main else None
+        with writer if writer is not None else contextlib.nullcontext():
+            for step in range(first, plan.steps):
                 record = trainer.step(step)
                 done = step + 1
-                if trainer.pipeline is not None and done == config.steps:
+                if trainer.pipeline is not None and done == plan.steps:
                     _write_pipeline_trace(trainer, record)
-                if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
+                if config.data.eval_every and (done % config.data.eval_every == 0 or done == plan.steps):
+                    record["eval_loss"] = trainer.evaluate()
+                if done == plan.steps or (config.checkpoint.every and done % config.checkpoint.every == 0):
                     trainer.save(done)
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                if writer is not None and (done % log.log_every == 0 or done == plan.steps or "eval_loss" in record):
+                    writer.write(record)
                 records.append(record)
-                progress.step(f"step {done}/{config.steps} loss {record['loss']:.4f}")
+                progress.step(_progress_text(record, plan.steps))
+            if config.checkpoint.export:
+                progress.describe("writing the Hugging Face model directory")
+                trainer.export()
+    if tr.steps and not math.isfinite(records[-1]["loss"] if records else 0.0):
+        raise FloatingPointError(f"the loss is {records[-1]['loss']} at step {records[-1]['step']}")
     return records

@@ -9,12 +9,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dtrain.ps.classification import ClassificationBatches
 from dtrain.ps.config import JobConfig
 from dtrain.ps.keys import partition
 from dtrain.ps.launch import LocalCluster
 from dtrain.ps.module import key_space
 from dtrain.ps.train import TaskConfig, build_task_model
-from dtrain.train.data import ClassificationBatches
 
 
 def dump(cluster: LocalCluster, server: int, shard: int) -> dict[str, np.ndarray]:
