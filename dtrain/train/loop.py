@@ -95,15 +95,18 @@ def run_world(nproc: int) -> int:
     return nproc
 
 
+DEFAULT_DATA_CACHE = Path.home() / ".cache" / "dtrain" / "data"  # where the default dataset is prepared, once
+
+
 def resolve_data(config: TrainConfig) -> tuple[str, str]:
-    """(dataset directory, tokenizer.json) of the run: ``[data] dataset``, or the default dataset prepared under
-    the output directory (once)."""
+    """(dataset directory, tokenizer.json) of the run: ``[data] dataset``, or the default dataset (Python's help
+    texts with a BPE tokenizer trained on them), prepared once under :data:`DEFAULT_DATA_CACHE`."""
     if config.data.dataset:
         dataset = TokenDataset(config.data.dataset)  # ValueError naming the directory or file at fault
         return str(config.data.dataset), str(dataset.tokenizer_path)
     from dtrain.data.default import default_dataset
 
-    directory, tokenizer = default_dataset(Path(config.logging.out) / "data", config.data.tokenizer_vocab)
+    directory, tokenizer = default_dataset(DEFAULT_DATA_CACHE, config.data.tokenizer_vocab)
     return str(directory), str(tokenizer)
 
 
@@ -211,8 +214,6 @@ def check_run(config: TrainConfig, nproc: int) -> RunPlan:
     flag, key or file otherwise. Prepares the default dataset (once) under the output directory."""
     world = run_world(nproc)
     _check_precision(config)
-    if not config.data.dataset:
-        _check_out(config.logging.out)
     dataset, tokenizer_path = resolve_data(config)
     tokenizer = Tokenizer.load(tokenizer_path)
     shape = resolve_model(config, tokenizer)
@@ -240,7 +241,8 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
     """One line saying what a run is about to do."""
     out = config.logging.out
     if plan.done:
-        return f"nothing to do: the checkpoint under {out}/checkpoints is at step {plan.first_step}, --steps is {plan.steps}"
+        where = f"{out}/checkpoints"
+        return f"nothing to do: the checkpoint under {where} is at step {plan.first_step}, --steps is {plan.steps}"
     par, m = config.parallel, config.model
     name = m.weights or m.config or f"{m.family} ({m.preset})"
     from dtrain.models import parameter_count
@@ -283,9 +285,7 @@ class _Trainer:
         par, tr, opt = config.parallel, config.training, config.optimizer
         self.device = rank_device()
         dataset = TokenDataset(plan.dataset)
-        self.data = PackedBatches(
-            dataset, "train", seq_len=config.data.seq_len, batch_size=tr.batch_size, seed=tr.seed
-        )
+        self.data = PackedBatches(dataset, "train", seq_len=config.data.seq_len, batch_size=tr.batch_size, seed=tr.seed)
         self.eval_data = (
             PackedBatches(dataset, "val", seq_len=config.data.seq_len, batch_size=tr.batch_size, seed=tr.seed)
             if config.data.eval_every
@@ -427,7 +427,9 @@ class _Trainer:
 
         state = self.hybrid.full_state_dict()
         if dist.get_rank() == 0:
-            hf.save_pretrained(state, self.plan.model, Path(self.config.logging.out) / "model", tokenizer=self.plan.tokenizer)
+            hf.save_pretrained(
+                state, self.plan.model, Path(self.config.logging.out) / "model", tokenizer=self.plan.tokenizer
+            )
 
 
 class _Progress:
