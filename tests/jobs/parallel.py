@@ -146,11 +146,14 @@ def expected_shard(full: torch.Tensor, param: torch.Tensor, tp: int, tp_rank: in
 
 
 def train(kind: str, layout: dict) -> dict | None:
-    """Train ``STEPS`` steps with ``layout`` (dp, pp, tp and HybridParallel's keywords, ``clip``, ``autocast``);
-    this rank's worst loss, parameter and gradient-norm errors against the reference, or None off the grid."""
+    """Train ``STEPS`` steps with ``layout`` (dp, pp, tp, HybridParallel's keywords, and ``clip``: clip at
+    ``MAX_NORM``; ``autocast``: bf16; ``local``: each replica handed its own rows; ``scaler``: a loss scale, step 1's
+    loss infinite); this rank's worst loss, parameter and gradient-norm errors against the reference, or None off
+    the grid."""
     layout = dict(layout)
     dp, pp, tp = layout.pop("dp", 1), layout.pop("pp", 1), layout.pop("tp", 1)
     clip, autocast = layout.pop("clip", False), layout.pop("autocast", False)
+    local = layout.pop("local", False)  # hand each replica its own rows
     if "reduce_dtype" in layout:
         layout["reduce_dtype"] = getattr(torch, layout["reduce_dtype"])
     grid = _grid(dp, pp, tp)
@@ -171,8 +174,11 @@ def train(kind: str, layout: dict) -> dict | None:
     losses, norms, skipped = [], [], []
     for step in range(STEPS):
         x, y = _global_batch(step)
+        if local:
+            x, y = x.chunk(dp)[grid.dp_rank], y.chunk(dp)[grid.dp_rank]
         fn = (lambda o, t: loss_fn(o, t) * float("inf")) if step == overflow else loss_fn
-        loss = hybrid.train_step(x, y, fn, max_grad_norm=MAX_NORM if clip else None, loss_scaler=scaler).item()
+        loss = hybrid.train_step(x, y, fn, max_grad_norm=MAX_NORM if clip else None, loss_scaler=scaler, local=local)
+        loss = loss.item()
         skipped.append(hybrid.step_skipped)
         if step != overflow:
             losses.append(loss)
