@@ -4,44 +4,59 @@ The composition of Megatron-LM's PTD-P (Narayanan et al. 2021, "Efficient Large-
 on GPU Clusters Using Megatron-LM", section 2.3), and the one ``dtrain train`` runs. On a
 :class:`~dtrain.parallel.grid.RankGrid`:
 
-- ``tp > 1``: the single-device ``nn.Sequential`` is turned into its tensor-parallel twin over ``grid.tp_group``
-  by the ``tensor_parallel`` function the caller passes (:func:`tensor_parallel_blocks` for a stack of MLP
-  blocks, :func:`dtrain.train.tensor_parallel_gpt.tensor_parallel_gpt` for the GPT; Megatron-LM, Shoeybi et
-  al. 2019). Its layers' outputs are whole on every tensor-parallel rank (the row-parallel all-reduce), so it
-  is still an ``nn.Sequential`` that the pipeline cuts and data parallelism wraps unchanged;
+- ``tp > 1``: the single-device ``nn.Sequential`` is turned into its tensor-parallel twin over ``grid.tp_group``:
+  :func:`~dtrain.parallel.parallelize.tensor_parallelize` for a model whose parts declare
+  ``tensor_parallel_plan`` (:mod:`dtrain.models`), or the ``tensor_parallel`` function the caller passes
+  (:func:`tensor_parallel_blocks` for a stack of MLP blocks). Its layers' outputs are whole on every
+  tensor-parallel rank (the row-parallel all-reduce), so it is still an ``nn.Sequential`` that the pipeline cuts
+  and data parallelism wraps unchanged;
 - ``pp > 1``: the layers are cut into stages over ``grid.pp_group`` by :class:`~dtrain.parallel.
   pipeline_parallel.PipelineParallel` (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2019; interleaved
-  1F1B, Narayanan et al. 2021), ``m`` micro-batches a step; pipeline groups join ranks of equal ``tp_rank``,
-  so tensor-parallel rank ``t`` of stage ``s`` talks to tensor-parallel rank ``t`` of stage ``s + 1``. After
-  the pipelined backward, each stage's gradients are averaged over ``grid.dp_group`` with one all-reduce of
-  the flattened gradients;
+  1F1B, Narayanan et al. 2021), ``m`` micro-batches a step; pipeline groups join ranks of equal ``tp_rank``.
+  After the pipelined backward, each stage's gradients are averaged over ``grid.dp_group`` with one all-reduce
+  of the flattened gradients (or ZeRO's reduction). A parameter shared by layers on two stages (a tied
+  embedding: the table on the first stage, the LM head on the last) is kept by both; after backward its two
+  gradients are summed over the ranks of equal (dp, tp) coordinates holding it, Megatron-LM's embedding group,
+  so both copies take the same update;
 - ``pp == 1``: the model is wrapped in :class:`~dtrain.parallel.data_parallel.DataParallel` over
-  ``grid.dp_group`` (gradients averaged bucket by bucket while backward runs);
+  ``grid.dp_group`` (gradients averaged bucket by bucket while backward runs), or its optimizer is a
+  :class:`~dtrain.parallel.zero.ZeroOptimizer` over it (``zero_stage`` 1 or 2; Rajbhandari et al. 2020);
 - each replica (``grid.dp_group``) trains on its equal shard of the global batch (:func:`~dtrain.parallel.
-  data_parallel.split_batch`), and the reported loss is the replicas' mean losses averaged: the loss of the
-  whole global batch.
+  data_parallel.split_batch`), in ``accumulation`` chunks a step, and the reported loss is the replicas' mean
+  losses averaged: the loss of the whole global batch.
 
-With equal shards and a loss that averages over the batch, one step equals one process training the unsplit
-model on the whole global batch (``tests/parallel/test_hybrid.py`` checks every layout against that, float32).
+The gradient norm is that of the whole model (:mod:`dtrain.parallel.gradients`), so clipping and the fp16
+loss-scale overflow check act as on one device. With equal shards and a loss that averages over the batch, one
+step equals one process training the unsplit model on the whole global batch (``tests/parallel/`` checks every
+layout against that, float32).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dtrain import comm
+from dtrain.parallel import gradients
 from dtrain.parallel.data_parallel import DataParallel, broadcast_algorithm, broadcast_parameters, split_batch
 from dtrain.parallel.grid import RankGrid
-from dtrain.parallel.pipeline_parallel import LossFn, PipelineParallel
+from dtrain.parallel.parallelize import tensor_parallelize
+from dtrain.parallel.pipeline_parallel import LossFn, PipelineParallel, partition_layers
 from dtrain.parallel.tensor_parallel import ParallelMLP
+from dtrain.parallel.zero import ZeroOptimizer
 
 __all__ = ["HybridParallel", "OptimizerFactory", "TensorParallelize", "tensor_parallel_blocks"]
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+#: builds the optimizer from this rank's named parameters (names as in the whole model's ``named_parameters``),
+#: so that it can make parameter groups by name and dimension (no weight decay on norms and biases)
+OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 TensorParallelize = Callable[[nn.Sequential, object], nn.Sequential]  # (single-device model, tp_group) -> twin
 
 
@@ -85,17 +100,27 @@ class HybridParallel:
     """Trains ``model`` (an ``nn.Sequential``) with ``grid.dims.dp`` x ``pp`` x ``tp`` parallelism; this rank
     holds its shard (``tp``) of its stage's layers (``pp``) of one replica (``dp``).
 
-    ``model`` is the single-device model, identical on every rank (built from one seed); ``tensor_parallel``
-    turns it into its tensor-parallel twin over ``grid.tp_group`` and is needed when ``tp > 1``. ``optimizer``
-    builds the optimizer from this rank's parameters. ``device`` (optional) is where the model and each batch
-    go. ``schedule``, ``num_microbatches`` and ``virtual_stages`` are the pipeline's (``pp > 1`` only).
-    ``algorithm`` is the gradient all-reduce's (``dtrain.comm.algorithms("all_reduce")``); the initial
-    parameter broadcast uses the same name where broadcast has it, else ``"auto"``. Replicas start from dp
-    rank 0's parameters.
+    ``model`` is the single-device model, identical on every rank (built from one seed). With ``tp > 1`` it is
+    split by ``tensor_parallel(model, grid.tp_group)``, by default :func:`~dtrain.parallel.parallelize.
+    tensor_parallelize` (logits left split by vocabulary: use :func:`~dtrain.parallel.parallelize.causal_lm_loss`).
+    ``optimizer`` builds the optimizer from this rank's ``(name, parameter)`` pairs. ``device`` (optional) is
+    where the model and each batch go. ``schedule``, ``num_microbatches``, ``virtual_stages`` and ``balance``
+    ("layers", "params" or "flops") are the pipeline's (``pp > 1`` only). ``algorithm`` is the gradient
+    all-reduce's (``dtrain.comm.algorithms("all_reduce")``); the initial parameter broadcast uses the same name
+    where broadcast has it, else ``"auto"``. Replicas start from dp rank 0's parameters.
 
-    After each :meth:`train_step`, :attr:`timings` holds its phases in seconds: ``compute_s`` (forward and
-    backward; for ``pp == 1`` with the overlapped gradient all-reduce), ``comm_s`` (the gradient average for
-    ``pp > 1`` and the loss average) and ``optimizer_s``.
+    ``zero_stage`` 1 or 2 shards the optimizer state (and with 2 the gradients) over the dp group
+    (:class:`~dtrain.parallel.zero.ZeroOptimizer`, built from the optimizer the factory returns: its class and
+    param groups). ``autocast_dtype`` runs forward and loss under ``torch.autocast`` on the model's device type;
+    ``reduce_dtype`` is the dtype gradients are averaged in. ``accumulation`` splits each replica's rows into that
+    many chunks, one forward and backward each (the pipeline runs once per chunk), with one gradient reduction
+    and one optimizer step. Where pipeline stages share a parameter (a tied embedding), every process of the
+    world must construct this object (it makes process groups), as :meth:`RankGrid.build` requires.
+
+    After each :meth:`train_step`: :attr:`last_grad_norm` (the whole model's gradient norm before clipping,
+    unscaled), :attr:`step_skipped` (an fp16 overflow skipped the optimizer step) and :attr:`timings`, its phases
+    in seconds: ``compute_s`` (forward and backward; for ``pp == 1`` with the overlapped gradient all-reduce),
+    ``comm_s`` (gradient averaging for ``pp > 1``, the norm and the loss average) and ``optimizer_s``.
     """
 
     def __init__(
@@ -110,19 +135,45 @@ class HybridParallel:
         virtual_stages: int = 1,
         algorithm: str = "auto",
         device: torch.device | None = None,
+        zero_stage: int = 0,
+        autocast_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        accumulation: int = 1,
+        balance: str = "layers",
     ) -> None:
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        if not isinstance(accumulation, int) or isinstance(accumulation, bool) or accumulation < 1:
+            raise ValueError(f"accumulation must be a positive int, got {accumulation!r}")
+        if balance not in ("layers", "params", "flops"):
+            raise ValueError(f"balance must be 'layers', 'params' or 'flops', got {balance!r}")
         self.grid, self.algorithm, self.device = grid, algorithm, device
+        self.zero_stage, self.accumulation, self.reduce_dtype = zero_stage, accumulation, reduce_dtype
         dims = grid.dims
+        # The single-device model's export names (a tied weight once, under its first name), shapes and dtypes.
+        self._export: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        seen: set[int] = set()
+        for name, t in model.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                self._export[name] = (tuple(t.shape), t.dtype)
         if dims.tp > 1:
             if tensor_parallel is None:
-                raise ValueError(
-                    f"HybridParallel: tp={dims.tp} needs tensor_parallel, the model's tensor-parallel form"
-                )
+                if not any(getattr(m, "tensor_parallel_plan", None) for m in model.modules()):
+                    raise ValueError(
+                        f"HybridParallel: tp={dims.tp} needs tensor_parallel, the model's tensor-parallel form, or "
+                        "a model whose parts declare tensor_parallel_plan"
+                    )
+                tensor_parallel = lambda m, g: tensor_parallelize(m, g, algorithm=algorithm)  # noqa: E731
             model = tensor_parallel(model, grid.tp_group)
         if device is not None:
             model = model.to(device)
+        p = dims.pp
+        v = virtual_stages if schedule == "interleaved-1f1b" else 1
+        cuts = partition_layers(model, v * p, balance=balance) if p > 1 else [range(len(model))]
+        self._stage_of_layer = {layer: u % p for u, cut in enumerate(cuts) for layer in cut}
         self.pipeline: PipelineParallel | None = None
-        if dims.pp > 1:
+        if p > 1:
             self.pipeline = PipelineParallel(
                 model,
                 grid.pp_group,
@@ -130,22 +181,94 @@ class HybridParallel:
                 schedule=schedule,
                 virtual_stages=virtual_stages,
                 grad_group=grid.pp_grad_group,
+                balance=balance,
             )
             self.module: nn.Module = self.pipeline.stage
-            self._forward: nn.Module | None = None
-            if dims.dp > 1:  # DataParallel does the same for pp == 1
+        else:
+            self.module = model
+        local = set(self.layer_indices)
+        self._local_state = {
+            name: t for name, t in model.state_dict(keep_vars=True).items() if _layer_of(name) in local
+        }
+        named, seen = [], set()
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if _layer_of(name) in local and param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                named.append((name, param))
+        self.named_params: list[tuple[str, nn.Parameter]] = named
+        self.params = [param for _, param in named]
+        self._tied = self._tie_groups(model)  # (parameter, group) of every copy this rank sums with other stages
+        self._not_counted = {id(param) for param, _, owner in self._tied if not owner}
+        if zero_stage and p > 1 and zero_stage == 2 and self._tied:
+            raise ValueError(
+                "zero_stage=2 with pp>1 and a parameter tied across stages is not supported: ZeRO-2 reduces the "
+                "gradients during backward, before the stages' copies are summed; use zero_stage=1 or untie"
+            )
+        del model
+        self._forward: nn.Module = self.module
+        if zero_stage:
+            self.optimizer = self._zero_optimizer(optimizer(self.named_params))
+        else:
+            if p == 1 and dims.dp > 1:
+                extra = {"reduce_dtype": reduce_dtype} if reduce_dtype is not None else {}
+                self._forward = DataParallel(self.module, grid.dp_group, algorithm=algorithm, **extra)
+            elif dims.dp > 1:  # DataParallel does the same for pp == 1
                 broadcast_parameters(
                     [*self.module.parameters(), *self.module.buffers()],
                     0,
                     grid.dp_group,
                     algorithm=broadcast_algorithm(algorithm),
                 )
-        else:
-            self.module = model
-            self._forward = DataParallel(model, grid.dp_group, algorithm=algorithm) if dims.dp > 1 else model
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = optimizer(self.params)
+            self.optimizer = optimizer(self.named_params)
+        self._autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        if autocast_dtype is not None:
+            kind = next((q.device.type for q in self.params), "cpu") if device is None else torch.device(device).type
+            self._autocast = lambda: torch.autocast(kind, dtype=autocast_dtype)
         self.timings: dict[str, float] = {}
+        self.last_grad_norm: float = float("nan")
+        self.step_skipped = False
+
+    def _zero_optimizer(self, made: torch.optim.Optimizer) -> ZeroOptimizer:
+        """A ZeroOptimizer over the dp group with ``made``'s class and param groups (``made`` is dropped)."""
+        cls = type(made)
+        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        groups = [{k: v for k, v in g.items() if k == "params" or k in accepted} for g in made.param_groups]
+        extra = {"reduce_dtype": self.reduce_dtype} if self.reduce_dtype is not None else {}
+        common = {"stage": self.zero_stage, "algorithm": self.algorithm, **extra}
+        if len(groups) == 1:
+            hyper = {k: v for k, v in groups[0].items() if k != "params"}
+            return ZeroOptimizer(groups[0]["params"], cls, self.grid.dp_group, **common, **hyper)
+        return ZeroOptimizer(groups, cls, self.grid.dp_group, **common)
+
+    def _tie_groups(self, model: nn.Sequential) -> list[tuple[nn.Parameter, object, bool]]:
+        """For every parameter shared by layers on different stages: (this rank's copy, the group of the ranks
+        of this rank's dp and tp coordinates that hold it, whether this rank's copy is the counted one (the
+        first stage's)). Every rank makes every group, in one order (torch.distributed's rule)."""
+        layers_of: dict[int, list[int]] = {}
+        first: dict[int, nn.Parameter] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            layers_of.setdefault(id(param), []).append(_layer_of(name))
+            first.setdefault(id(param), param)
+        dims, grid = self.grid.dims, self.grid
+        mine = []
+        for key, layers in layers_of.items():
+            stages = sorted({self._stage_of_layer[layer] for layer in layers})
+            if len(stages) < 2:
+                continue
+            if len(stages) == dims.pp:
+                group = grid.pp_group
+            else:
+                group = None
+                for d in range(dims.dp):
+                    for t in range(dims.tp):
+                        ranks = [grid.base_ranks[dims.rank(d, s, t)] for s in stages]
+                        made = dist.new_group(ranks)
+                        if (d, t) == (grid.dp_rank, grid.tp_rank):
+                            group = made
+            if grid.pp_rank in stages:
+                owner = self._stage_of_layer[min(layers)] == grid.pp_rank
+                mine.append((first[key], group, owner))
+        return mine
 
     @property
     def layer_indices(self) -> list[int]:
@@ -158,32 +281,75 @@ class HybridParallel:
         """This rank's parameters: its tensor-parallel shards of its stage's layers."""
         return self.module.parameters()
 
-    def train_step(self, batch: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
-        """One optimizer step on the global ``batch`` and ``targets`` (the same on every rank of the grid).
+    def train_step(
+        self,
+        batch: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        *,
+        local: bool = False,
+        max_grad_norm: float | None = None,
+        loss_scaler=None,
+    ) -> torch.Tensor:
+        """One optimizer step on the global ``batch`` and ``targets`` (the same on every rank of the grid), or with
+        ``local`` on this replica's rows (the global batch being the replicas' rows in dp-rank order).
 
-        This replica takes its equal share of the rows; the pipeline splits that into micro-batches. Returns the
-        loss of the whole global batch (the replicas' mean losses averaged), detached, on every rank.
+        The replica's rows are split into ``accumulation`` chunks (the pipeline splits each into micro-batches).
+        ``max_grad_norm`` clips the whole model's gradient norm (as ``torch.nn.utils.clip_grad_norm_``).
+        ``loss_scaler`` (fp16; ``.scale``, ``.update(found_inf)``) scales the loss before backward; a non-finite
+        gradient norm skips the optimizer step. Returns the loss of the whole global batch, detached, on every
+        rank.
         """
-        dp = self.grid.dims.dp
-        if dp > 1:
+        dp, k = self.grid.dims.dp, self.accumulation
+        if dp > 1 and not local:
             batch, targets = split_batch((batch, targets), self.grid.dp_group)  # (B / dp, ...) each
         if self.device is not None:
             batch, targets = batch.to(self.device), targets.to(self.device)
+        if batch.shape[0] % k:
+            raise ValueError(f"accumulation={k} does not divide this replica's {batch.shape[0]} rows")
+        scale = float(loss_scaler.scale) if loss_scaler is not None else 1.0
+        factor = scale / k
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.pipeline is not None:
-            loss = self.pipeline.train_step(batch, targets, loss_fn)
-        else:
-            loss = loss_fn(self._forward(batch), targets)
-            loss.backward()  # DataParallel averages over dp here, overlapped with backward
-        computed = time.perf_counter()
-        loss = loss.detach().clone()
-        if dp > 1:
+        total = torch.zeros((), dtype=torch.float32, device=batch.device)
+        for i, (x, y) in enumerate(zip(batch.chunk(k), targets.chunk(k), strict=True)):
             if self.pipeline is not None:
-                self._average_gradients()
+                scaled = self.pipeline.train_step(
+                    x, y, lambda out, t: loss_fn(out, t) * factor, forward_context=self._autocast
+                )
+                total += scaled.float() / factor
+                continue
+            sync = i == k - 1 or not isinstance(self._forward, DataParallel)
+            with contextlib.nullcontext() if sync else self._forward.no_sync():
+                with self._autocast():
+                    loss = loss_fn(self._forward(x), y)
+                (loss * factor).backward()  # DataParallel averages over dp here, overlapped with backward
+            total += loss.detach().float()
+        computed = time.perf_counter()
+        loss = total / k
+        if self.pipeline is not None and dp > 1 and not self.zero_stage:
+            gradients.average_flat(
+                self.params, self.grid.dp_group, algorithm=self.algorithm, reduce_dtype=self.reduce_dtype
+            )
+        self._sum_tied()
+        norm = self._grad_norm() / scale
+        if dp > 1:
             comm.all_reduce(loss, op="avg", group=self.grid.dp_group, algorithm=self.algorithm)
         communicated = time.perf_counter()
-        self.optimizer.step()
+        self.last_grad_norm = norm
+        self.step_skipped = loss_scaler is not None and not math.isfinite(norm)
+        if self.step_skipped:
+            loss_scaler.update(True)
+        else:
+            coef = gradients.clip_coefficient(norm, max_grad_norm) / scale
+            if coef != 1.0:
+                if self.zero_stage:
+                    self.optimizer.scale_grads(coef)
+                else:
+                    gradients.scale_grads(self.params, coef)
+            self.optimizer.step()
+            if loss_scaler is not None:
+                loss_scaler.update(False)
         end = time.perf_counter()
         self.timings = {
             "compute_s": computed - start,
@@ -192,12 +358,77 @@ class HybridParallel:
         }
         return loss
 
-    def _average_gradients(self) -> None:
-        """One all-reduce of this stage's flattened gradients over its dp group (pp > 1)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, op="avg", group=self.grid.dp_group, algorithm=self.algorithm)
-        offset = 0
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = flat[offset : offset + g.numel()].view_as(g)
-            offset += g.numel()
+    def _sum_tied(self) -> None:
+        """Each tied parameter's gradient summed over the stages holding a copy (Megatron's embedding group)."""
+        for param, group, _ in self._tied:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            comm.all_reduce(param.grad, op="sum", group=group, algorithm=self.algorithm)
+
+    def _weight_of(self, param: nn.Parameter) -> float:
+        """1 / (how many ranks of this replica hold ``param``'s gradient): 1/tp where replicated over tp, 0 for the
+        copy of a tied parameter that another stage counts."""
+        if id(param) in self._not_counted:
+            return 0.0
+        tp = self.grid.dims.tp
+        return 1.0 if tp == 1 or hasattr(param, "tensor_parallel_dim") else 1.0 / tp
+
+    def _grad_norm(self) -> float:
+        """The whole model's gradient norm: this rank's weighted squares, summed over the grid."""
+        dp = self.grid.dims.dp
+        if self.zero_stage:  # each dp rank holds a distinct chunk of the averaged gradient
+            square = self.optimizer.grad_square_sum(self._weight_of).float()
+        else:  # every dp rank holds the same averaged gradient
+            square = gradients.grad_square_sum(self.params, lambda q: self._weight_of(q) / dp)
+        grid = self.grid
+        gradients.sum_over_groups(square, [grid.tp_group, grid.pp_group, grid.dp_group])
+        return math.sqrt(square.item()) if math.isfinite(square.item()) else float("inf")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The single-device model's state dict (its names, vocabulary padding removed, a tied weight once under
+        its first name) on grid rank 0, None elsewhere. Collective: every rank of the grid calls it.
+
+        Tensor-parallel shards are all-gathered along ``tensor_parallel_dim`` on their stage; the owning stage's
+        tp/dp rank 0 sends each tensor to grid rank 0.
+        """
+        grid, dims = self.grid, self.grid.dims
+        root = grid.base_ranks[0]
+        me = dist.get_rank()
+        out: dict[str, torch.Tensor] | None = {} if grid.rank == 0 else None
+        for name, (shape, dtype) in self._export.items():
+            stage = self._stage_of_layer[_layer_of(name)]
+            owner = grid.base_ranks[dims.rank(0, stage, 0)]
+            tensor = None
+            if grid.pp_rank == stage:
+                if name not in self._local_state:
+                    raise ValueError(
+                        f"full_state_dict: {name!r} is not in the parallel model (renamed by tensor_parallel)"
+                    )
+                tensor = self._local_state[name].detach()
+                dim = getattr(self._local_state[name], "tensor_parallel_dim", None)
+                if dim is not None and dims.tp > 1:
+                    tensor = _all_gather_dim(tensor, dim, grid.tp_group).narrow(dim, 0, shape[dim])
+            if owner == root:
+                if me == root:
+                    out[name] = tensor.cpu().clone()
+            elif me == owner:
+                dist.send(tensor.contiguous(), root)
+            elif me == root:
+                received = torch.empty(shape, dtype=dtype, device=self.params[0].device if self.params else None)
+                dist.recv(received, owner)
+                out[name] = received.cpu()
+        return out
+
+
+def _layer_of(name: str) -> int:
+    """The index in the whole ``nn.Sequential`` of the layer a parameter or buffer name belongs to."""
+    return int(name.split(".", 1)[0])
+
+
+def _all_gather_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated rank-major along ``dim``."""
+    world = dist.get_world_size(group)
+    inp = tensor.contiguous()
+    flat = torch.empty(world * inp.numel(), dtype=inp.dtype, device=inp.device)
+    comm.all_gather(flat, inp, group=group)
+    return torch.cat(flat.view(world, *inp.shape).unbind(0), dim=dim)

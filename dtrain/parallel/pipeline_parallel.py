@@ -14,7 +14,9 @@ averages over the batch, such as ``mse_loss`` or ``cross_entropy`` with their de
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -26,9 +28,9 @@ from dtrain import comm
 from dtrain.parallel.pipeline_parallel_communications import StageLink
 from dtrain.parallel.pipeline_schedules import SCHEDULES, Timeline, TimelineEvent, chunk_of
 
-__all__ = ["PipelineParallel", "PipelineStage", "partition_layers"]
+__all__ = ["PipelineParallel", "PipelineStage", "forward_flops_weight", "partition_layers"]
 
-Balance = Literal["layers", "params"]
+Balance = Literal["layers", "params", "flops"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -38,6 +40,8 @@ def partition_layers(sequential: nn.Sequential, num_stages: int, *, balance: Bal
     ``balance="layers"``: layer counts differ by at most one (the first stages take the extra ones).
     ``balance="params"``: the largest stage's parameter count is as small as possible (ties broken by the
     largest layer count), the contiguous min-max partition GPipe's partitioner approximates.
+    ``balance="flops"``: the same partition of each layer's forward FLOPs per token,
+    :func:`forward_flops_weight` (a vocabulary head counts its matmul, an embedding table nothing).
     """
     n = len(sequential)
     if num_stages < 1:
@@ -49,12 +53,28 @@ def partition_layers(sequential: nn.Sequential, num_stages: int, *, balance: Bal
         sizes = [base + (s < extra) for s in range(num_stages)]
     elif balance == "params":
         sizes = _balance_by_cost([sum(p.numel() for p in layer.parameters()) for layer in sequential], num_stages)
+    elif balance == "flops":
+        sizes = _balance_by_cost([forward_flops_weight(layer) for layer in sequential], num_stages)
     else:
-        raise ValueError(f"balance must be 'layers' or 'params', got {balance!r}")
+        raise ValueError(f"balance must be 'layers', 'params' or 'flops', got {balance!r}")
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size)
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def forward_flops_weight(layer: nn.Module) -> int:
+    """A rough forward cost of ``layer`` per token: 2 x the weights of its matrix multiplications (every module
+    with a 2-d ``weight`` that is not an embedding table: ``nn.Linear`` and the tensor-parallel linears and vocabulary
+    head), as in Kaplan et al. 2020's 2N forward FLOPs per token. Lookups (embeddings) and norms count nothing;
+    attention's score FLOPs, which grow with the sequence, are left out (the same for every block)."""
+    total = 0
+    for module in layer.modules():
+        weight = getattr(module, "weight", None)
+        embedding = isinstance(module, nn.Embedding) or type(module).__name__.endswith("Embedding")
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and not embedding:
+            total += 2 * weight.numel()
+    return total
 
 
 def _balance_by_cost(costs: list[int], num_stages: int) -> list[int]:
@@ -101,7 +121,9 @@ class PipelineStage(nn.Module):
         if not 0 <= self.stage_index < self.num_stages:
             raise ValueError(f"stage_index {self.stage_index} is outside 0..{self.num_stages - 1}")
         self.layer_range = partition_layers(sequential, self.num_stages, balance=balance)[self.stage_index]
-        self.layers = sequential[self.layer_range.start : self.layer_range.stop]
+        # a plain Sequential of the layers, keeping their keys (a subclass such as CausalLM may not slice)
+        kept = list(sequential._modules.items())[self.layer_range.start : self.layer_range.stop]
+        self.layers = nn.Sequential(OrderedDict(kept))
 
     @property
     def is_first(self) -> bool:
@@ -181,8 +203,19 @@ class PipelineParallel:
         """Whether this rank holds the model's last layers (and so needs the targets and computes the loss)."""
         return self.chunks[-1].is_last
 
-    def train_step(self, batch: torch.Tensor | None, targets: torch.Tensor | None, loss_fn: LossFn) -> torch.Tensor:
+    def train_step(
+        self,
+        batch: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        loss_fn: LossFn,
+        *,
+        forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> torch.Tensor:
         """One pipelined forward and backward of ``batch``; gradients accumulate into this stage's ``.grad``.
+
+        ``forward_context`` (optional) makes the context each forward (and loss) runs in, e.g. ``torch.autocast``;
+        backward runs outside it. Activations cross stages in the dtype they have (a bf16 tensor as bf16, the
+        fp32 residual stream of an autocast model as fp32): the header of each step carries it.
 
         ``batch`` is needed on the first stage and ``targets`` on the last (others may pass None); both are split
         along dim 0 into ``num_microbatches`` equal micro-batches. Returns the batch's mean loss (the sum of the
@@ -202,6 +235,7 @@ class PipelineParallel:
         self.link.begin_step(timeline)
         held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output or loss)
         loss = torch.zeros((), device=self.link.device)
+        context = forward_context if forward_context is not None else contextlib.nullcontext
         for action in self.actions:
             kind, mb, chunk = action[0], action[1], chunk_of(action)
             stage = self.chunks[chunk]
@@ -209,10 +243,12 @@ class PipelineParallel:
             if kind == "F":
                 x = inputs[mb] if stage.is_first else self._recv_input(mb, chunk)
                 start = time.perf_counter()
-                y = stage(x)
+                with context():
+                    y = stage(x)
+                    if stage.is_last:
+                        y = loss_fn(y, labels[mb]) / m
                 if stage.is_last:
-                    y = loss_fn(y, labels[mb]) / m
-                    loss += y.detach()
+                    loss += y.detach().float()
                 timeline.events.append(TimelineEvent("F", mb, start, time.perf_counter(), chunk=chunk))
                 held[chunk, mb] = (x, y)
                 timeline.peak_activations = max(timeline.peak_activations, len(held))

@@ -9,7 +9,10 @@ and the fused parallel cross-entropy), for an output layer over a vocabulary or 
 one device. The communication lives in :mod:`dtrain.parallel.tensor_parallel_communications`.
 
 Weights are stored as in :class:`torch.nn.Linear`, (out_features, in_features): a column split of ``A`` is a
-split of the weight's rows. ``init_from=`` copies this rank's shard of a full single-device module.
+split of the weight's rows. ``init_from=`` copies this rank's shard of a full single-device module (its dtype and
+device too). Every sharded parameter carries the attribute ``tensor_parallel_dim`` (the dim it is split on);
+a parameter without it is replicated over the group. A vocabulary that does not divide by the group size is
+padded (:func:`padded_vocab_size`) with rows no token uses, as Megatron-LM's ``make_vocab_size_divisible_by``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from dtrain.parallel import tensor_parallel_communications as tpc
 
 __all__ = [
     "ColumnParallelLinear",
+    "VocabParallelLMHead",
+    "padded_vocab_size",
     "RowParallelLinear",
     "ParallelMLP",
     "ParallelSelfAttention",
@@ -39,6 +44,30 @@ def _divide(size: int, world: int, what: str) -> int:
     return size // world
 
 
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The vocabulary rounded up to a multiple of ``tp_size``; refused where a rank would hold only padding."""
+    padded = -(-vocab_size // tp_size) * tp_size
+    if padded - vocab_size >= padded // tp_size:
+        raise ValueError(
+            f"vocab_size={vocab_size} over tp={tp_size} ranks would leave a rank with padding only; "
+            f"use a tp of at most {max(1, int(vocab_size**0.5))} or a larger vocabulary"
+        )
+    return padded
+
+
+def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
+    """``param`` tagged as split over the tensor-parallel group along ``dim``."""
+    param.tensor_parallel_dim = dim
+    return param
+
+
+def _like(module: nn.Module | None) -> dict:
+    """dtype and device of ``module``'s weight (empty: the defaults), for the shard built from it."""
+    if module is None:
+        return {}
+    return {"dtype": module.weight.dtype, "device": module.weight.device}
+
+
 def _check_shape(full: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
     if tuple(full.shape) != shape:
         raise ValueError(f"init_from: {what} has shape {tuple(full.shape)}, expected {shape}")
@@ -47,7 +76,9 @@ def _check_shape(full: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
 class _ParallelLinear(nn.Module):
     """Shared state of the two linear layers: the group, the shard and its initialisation."""
 
-    def __init__(self, in_features: int, out_features: int, group, algorithm: str, dim: int) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, group, algorithm: str, dim: int, init_from: nn.Linear | None
+    ) -> None:
         super().__init__()
         self.group, self.algorithm = group, algorithm
         self.tp_size, self.tp_rank = dist.get_world_size(group), dist.get_rank(group)
@@ -58,7 +89,7 @@ class _ParallelLinear(nn.Module):
         # The full layer's nn.Linear bound, so a shard is distributed like its part of a full layer; Megatron
         # starts every bias at zero.
         bound = 1.0 / math.sqrt(in_features)
-        self.weight = nn.Parameter(torch.empty(shape).uniform_(-bound, bound))
+        self.weight = _mark(nn.Parameter(torch.empty(shape, **_like(init_from)).uniform_(-bound, bound)), dim)
 
     def _load(self, full: nn.Linear, bias: nn.Parameter | None) -> None:
         _check_shape(full.weight, (self.out_features, self.in_features), "weight")
@@ -90,9 +121,9 @@ class ColumnParallelLinear(_ParallelLinear):
         algorithm: str = "auto",
         init_from: nn.Linear | None = None,
     ) -> None:
-        super().__init__(in_features, out_features, group, algorithm, dim=0)
+        super().__init__(in_features, out_features, group, algorithm, 0, init_from)
         self.gather_output = gather_output
-        self.bias = nn.Parameter(torch.zeros(self.weight.shape[0])) if bias else None
+        self.bias = _mark(nn.Parameter(torch.zeros(self.weight.shape[0], **_like(init_from))), 0) if bias else None
         if init_from is not None:
             self._load(init_from, self.bias)
 
@@ -122,9 +153,9 @@ class RowParallelLinear(_ParallelLinear):
         algorithm: str = "auto",
         init_from: nn.Linear | None = None,
     ) -> None:
-        super().__init__(in_features, out_features, group, algorithm, dim=1)
+        super().__init__(in_features, out_features, group, algorithm, 1, init_from)
         self.input_is_parallel = input_is_parallel
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(out_features, **_like(init_from))) if bias else None
         if init_from is not None:
             self._load(init_from, self.bias)
 
@@ -218,7 +249,8 @@ class VocabParallelEmbedding(nn.Module):
     """An embedding table split by vocabulary range: rank r holds rows [r V / tp, (r + 1) V / tp).
 
     Each rank looks up the tokens it owns, writes zeros for the others, and ``g`` sums the ranks' outputs
-    (Megatron section 3, input embedding).
+    (Megatron section 3, input embedding). ``init_from`` may have fewer rows than ``num_embeddings`` (a padded
+    vocabulary): the rows past its end start at zero, and no token looks them up.
     """
 
     def __init__(
@@ -235,17 +267,73 @@ class VocabParallelEmbedding(nn.Module):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         rows = _divide(num_embeddings, world, "num_embeddings")
         self.vocab_start, self.vocab_end = rank * rows, (rank + 1) * rows
-        self.weight = nn.Parameter(torch.randn(rows, embedding_dim))
+        self.weight = _mark(nn.Parameter(torch.randn(rows, embedding_dim, **_like(init_from))), 0)
         if init_from is not None:
-            _check_shape(init_from.weight, (num_embeddings, embedding_dim), "embedding weight")
-            with torch.no_grad():
-                self.weight.copy_(init_from.weight[self.vocab_start : self.vocab_end])
+            _copy_vocab_rows(self.weight, init_from.weight, num_embeddings, self.vocab_start, "embedding weight")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         foreign = (tokens < self.vocab_start) | (tokens >= self.vocab_end)  # (...)
         local = (tokens - self.vocab_start).masked_fill(foreign, 0)
         out = F.embedding(local, self.weight).masked_fill(foreign.unsqueeze(-1), 0.0)  # (..., E)
         return tpc.reduce_from_tensor_parallel_region(out, self.group, self.algorithm)
+
+
+def _copy_vocab_rows(shard: torch.Tensor, full: torch.Tensor, padded: int, start: int, what: str) -> None:
+    """This rank's rows [start, start + rows) of ``full`` (V, C) into ``shard``; rows at or past V are zero."""
+    vocab, dim = full.shape
+    if vocab > padded or dim != shard.shape[1] or padded - vocab >= shard.shape[0]:
+        raise ValueError(f"init_from: {what} has shape {tuple(full.shape)}, expected ({padded}, {shard.shape[1]})")
+    with torch.no_grad():
+        shard.zero_()
+        real = max(0, min(shard.shape[0], vocab - start))
+        shard[:real].copy_(full[start : start + real])
+
+
+class VocabParallelLMHead(nn.Module):
+    """The output layer ``logits = X W^T`` with ``W`` (V, C) split by vocabulary over ``group``: rank r computes
+    the logits of classes [r V_pad / tp, (r + 1) V_pad / tp) (column parallel, Megatron section 3).
+
+    ``vocab_size`` real classes, padded to ``num_embeddings`` (a multiple of the group size). With
+    ``gather_output`` the output is the whole (..., vocab_size) logits; else this rank's (..., V_pad / tp) slice,
+    padding classes at ``-inf`` (no probability, no gradient), for :func:`vocab_parallel_cross_entropy`.
+    ``weight`` has the layout of :class:`VocabParallelEmbedding`'s, so a tied embedding's shard can be it.
+    """
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        vocab_size: int,
+        num_embeddings: int,
+        group=None,
+        *,
+        gather_output: bool = False,
+        algorithm: str = "auto",
+        init_from: nn.Linear | None = None,
+    ) -> None:
+        super().__init__()
+        if init_from is not None and init_from.bias is not None:
+            raise ValueError("VocabParallelLMHead: init_from has a bias; an LM head has none")
+        self.group, self.algorithm, self.gather_output = group, algorithm, gather_output
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        rows = _divide(num_embeddings, world, "num_embeddings")
+        self.vocab_size, self.vocab_start = vocab_size, rank * rows
+        self.padding_here = rows - max(0, min(rows, vocab_size - rank * rows))  # the padding is the last ranks' tail
+        bound = 1.0 / math.sqrt(embedding_dim)
+        weight = torch.empty(rows, embedding_dim, **_like(init_from)).uniform_(-bound, bound)
+        self.weight = _mark(nn.Parameter(weight), 0)
+        if init_from is not None:
+            _copy_vocab_rows(self.weight, init_from.weight, num_embeddings, self.vocab_start, "LM head weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = tpc.copy_to_tensor_parallel_region(x, self.group, self.algorithm)
+        logits = F.linear(x, self.weight)  # (..., V_pad / tp)
+        if self.gather_output:
+            whole = tpc.gather_from_tensor_parallel_region(logits, self.group, self.algorithm)
+            return whole[..., : self.vocab_size]  # (..., V)
+        if not self.padding_here:
+            return logits
+        real = logits.shape[-1] - self.padding_here
+        return F.pad(logits[..., :real], (0, self.padding_here), value=float("-inf"))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

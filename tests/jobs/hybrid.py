@@ -58,13 +58,14 @@ def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _sgd(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+def _sgd(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    """The optimizer factory: SGD with momentum over this rank's named parameters."""
+    return torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9)
 
 
 def _reference(steps: int) -> tuple[list[float], nn.Sequential]:
     model = _blocks(seed=0)
-    opt = _sgd(model.parameters())
+    opt = _sgd(list(model.named_parameters()))
     losses = []
     for step in range(steps):
         x, y = _global_batch(step)

@@ -77,7 +77,7 @@ def test_tensor_parallelism_needs_the_models_tensor_parallel_form():
         tp_group = None
 
     with pytest.raises(ValueError, match="tp=2 needs tensor_parallel"):
-        HybridParallel(nn.Sequential(nn.Linear(2, 2)), _Grid(), lambda p: torch.optim.SGD(p, lr=0.1))
+        HybridParallel(nn.Sequential(nn.Linear(2, 2)), _Grid(), lambda named: torch.optim.SGD(named, lr=0.1))
 
 
 def test_blocks_that_are_not_parallel_mlps_are_refused_before_any_communication():

@@ -1,0 +1,322 @@
+"""Jobs for tests/parallel/test_parallelize.py and test_hybrid_models.py: the decoders of :mod:`dtrain.models`
+split by :func:`~dtrain.parallel.parallelize.tensor_parallelize` and trained by
+:class:`~dtrain.parallel.hybrid.HybridParallel`, against the unsplit model on one process.
+
+Every rank builds the same tiny model from a seed and trains an untouched copy itself as the reference: the
+whole global batch through the whole model, plain autograd, AdamW (and ``clip_grad_norm_`` where clipping is
+tested). Each rank's parameters must equal its slice (tensor parallel, vocabulary padding zero) of its stage's
+layers (pipeline) of the reference, whichever replica (data parallel) it is in.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dtrain.models.config import GPT2Config, LlamaConfig
+from dtrain.models.decoder import build
+from dtrain.parallel.grid import ParallelDims, RankGrid
+from dtrain.parallel.hybrid import HybridParallel
+from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize
+from dtrain.testing.pool import group_of
+from tests.jobs import hybrid as hybrid_jobs
+
+RTOL, ATOL = 1e-5, 1e-6
+VOCAB, SEQ, GLOBAL_BATCH, STEPS = 97, 8, 8, 3  # 97 does not divide by 2 or 4: the vocabulary is padded
+LR, WEIGHT_DECAY, EPS, MAX_NORM = 1e-3, 0.1, 1e-5, 1.0
+INIT = 0.2  # wide enough that attention is not uniform: no gradient so small that Adam's rescaling amplifies noise
+
+
+def config(kind: str, vocab: int = VOCAB, init: float = INIT):
+    if kind == "llama":  # grouped-query attention (4 heads, 2 key-value heads), tied embeddings
+        return LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=True,
+            initializer_range=init,
+        )
+    return GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, initializer_range=init)
+
+
+def model(kind: str, vocab: int = VOCAB, init: float = INIT) -> nn.Sequential:
+    """The tiny model from seed 0. GPT-2's key biases are frozen: their gradient is zero in exact arithmetic (a
+    softmax row does not change when all its scores move by q . b_k), so AdamW would turn its rounding noise,
+    which differs with the summation order, into steps of the learning rate's size."""
+    torch.manual_seed(0)
+    net = build(config(kind, vocab, init))
+    for block in list(net)[1:-1]:
+        if block.attn.k_proj.bias is not None:
+            block.attn.k_proj.bias.requires_grad_(False)
+    return net
+
+
+def _global_batch(step: int, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs, (B, T) next tokens
+
+
+def _adamw(named: list[tuple[str, nn.Parameter]], groups: bool = True) -> torch.optim.Optimizer:
+    """AdamW; with ``groups``, no weight decay on 1-d parameters (norms, biases), chosen by dimension.
+
+    ``eps`` 1e-5: a smaller one lets the rounding noise of gradients that nearly cancel (GPT-2's key weights)
+    decide AdamW's first steps."""
+    if not groups:
+        return torch.optim.AdamW([p for _, p in named], lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+    decay = [p for _, p in named if p.dim() >= 2]
+    rest = [p for _, p in named if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}], lr=LR, eps=EPS
+    )
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+_REFERENCES: dict[tuple, tuple[list[float], list[float], dict[str, torch.Tensor]]] = {}
+
+
+def reference(
+    kind: str, clip: bool, autocast: bool = False, groups: bool = True, skip: int | None = None
+) -> tuple[list, list, dict]:
+    """Losses, gradient norms and final state dict of one process training the whole model on the global batch
+    (leaving out step ``skip``)."""
+    key = (kind, clip, autocast, groups, skip)
+    if key not in _REFERENCES:
+        net = model(kind)
+        opt = _adamw([(n, p) for n, p in net.named_parameters() if p.requires_grad], groups)
+        losses, norms = [], []
+        for step in (s for s in range(STEPS) if s != skip):
+            x, y = _global_batch(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = _lm_loss(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM if clip else float("inf"))
+            opt.step()
+            losses.append(loss.item())
+            norms.append(norm.item())
+        _REFERENCES[key] = (losses, norms, {k: v.detach().clone() for k, v in net.state_dict().items()})
+    return _REFERENCES[key]
+
+
+_GRIDS: dict[tuple[int, int, int], RankGrid | None] = {}  # building groups is collective: once per layout per pool
+
+
+def _grid(dp: int, pp: int, tp: int) -> RankGrid | None:
+    shared = {dims: name for name, dims in hybrid_jobs.LAYOUTS.items()}
+    if (dp, pp, tp) in shared:  # the grids of tests/jobs/hybrid.py, built once for both
+        return hybrid_jobs._grid(shared[dp, pp, tp])
+    if (dp, pp, tp) not in _GRIDS:
+        dims = ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp)
+        _GRIDS[dp, pp, tp] = RankGrid.build(dims, range(dims.world_size))
+    return _GRIDS[dp, pp, tp]
+
+
+def _excess(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL, atol: float = ATOL) -> float:
+    """How far ``got`` lies beyond rtol, atol of ``want`` (0 within it; inf on a shape mismatch)."""
+    if got.shape != want.shape:
+        return float("inf")
+    return max(((got.double() - want.double()).abs() - (atol + rtol * want.double().abs())).max().item(), 0.0)
+
+
+def expected_shard(full: torch.Tensor, param: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """This rank's slice of the single-device tensor ``full`` as ``param`` holds it: split along
+    ``tensor_parallel_dim`` after zero padding to the padded size, or whole."""
+    dim = getattr(param, "tensor_parallel_dim", None)
+    if dim is None:
+        return full
+    padded = param.shape[dim] * tp
+    if padded > full.shape[dim]:
+        pad = list(full.shape)
+        pad[dim] = padded - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad)], dim=dim)
+    return full.chunk(tp, dim)[tp_rank]
+
+
+def train(kind: str, layout: dict) -> dict | None:
+    """Train ``STEPS`` steps with ``layout`` (dp, pp, tp, HybridParallel's keywords, and ``clip``: clip at
+    ``MAX_NORM``; ``autocast``: bf16; ``local``: each replica handed its own rows; ``scaler``: a loss scale, step 1's
+    loss infinite); this rank's worst loss, parameter and gradient-norm errors against the reference, or None off
+    the grid."""
+    layout = dict(layout)
+    dp, pp, tp = layout.pop("dp", 1), layout.pop("pp", 1), layout.pop("tp", 1)
+    clip, autocast = layout.pop("clip", False), layout.pop("autocast", False)
+    local = layout.pop("local", False)  # hand each replica its own rows
+    if "reduce_dtype" in layout:
+        layout["reduce_dtype"] = getattr(torch, layout["reduce_dtype"])
+    grid = _grid(dp, pp, tp)
+    if grid is None:
+        return None
+    scaler = _LossScaler() if layout.pop("scaler", False) else None
+    overflow = 1 if scaler is not None else None  # the step whose loss is made infinite
+    groups = not layout.get("zero_stage")  # ZeRO: one parameter group
+    ref_losses, ref_norms, ref_state = reference(kind, clip, autocast, groups, overflow)
+    hybrid = HybridParallel(
+        model(kind),
+        grid,
+        lambda named: _adamw(named, groups),
+        autocast_dtype=torch.bfloat16 if autocast else None,
+        **layout,
+    )
+    loss_fn = causal_lm_loss(grid.tp_group) if tp > 1 else _lm_loss
+    losses, norms, skipped = [], [], []
+    for step in range(STEPS):
+        x, y = _global_batch(step)
+        if local:
+            x, y = x.chunk(dp)[grid.dp_rank], y.chunk(dp)[grid.dp_rank]
+        fn = (lambda o, t: loss_fn(o, t) * float("inf")) if step == overflow else loss_fn
+        loss = hybrid.train_step(x, y, fn, max_grad_norm=MAX_NORM if clip else None, loss_scaler=scaler, local=local)
+        loss = loss.item()
+        skipped.append(hybrid.step_skipped)
+        if step != overflow:
+            losses.append(loss)
+            norms.append(hybrid.last_grad_norm)
+        elif math.isfinite(hybrid.last_grad_norm):
+            norms.append(hybrid.last_grad_norm)  # an overflow that the norm missed: fails the comparison
+    rtol, atol = (1e-3, 1e-4) if autocast else (RTOL, ATOL)
+    params = 0.0
+    for name, param in hybrid.named_params:
+        want = expected_shard(ref_state[name], param, tp, grid.tp_rank)
+        params = max(params, _excess(param.detach(), want, rtol, atol))
+    full = hybrid.full_state_dict()
+    exported = None
+    if full is not None:
+        want = {k: v for k, v in ref_state.items() if k in full}
+        missing = set(ref_state) - set(full)
+        exported = max((_excess(full[k], want[k], rtol, atol) for k in want), default=0.0)
+        exported = exported if sorted(missing) == _tied_duplicates(kind) else float("inf")
+    start = model(kind).state_dict()
+    moved = max((ref_state[k] - start[k]).abs().max().item() for k in start)
+    return {
+        "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank),
+        "loss": _excess(torch.tensor(losses), torch.tensor(ref_losses), rtol, atol),
+        "norm": _excess(torch.tensor(norms), torch.tensor(ref_norms), rtol, atol),
+        "norms": norms,
+        "skipped": skipped,
+        "scaler_updates": scaler.updates if scaler is not None else None,
+        "params": params,
+        "param_count": len(hybrid.named_params),
+        "exported": exported,
+        "moved": moved,
+    }
+
+
+class _LossScaler:
+    """A fixed fp16 loss scale (a power of two, so scaling is exact) that records its updates."""
+
+    scale = 2.0**10
+
+    def __init__(self) -> None:
+        self.updates: list[bool] = []
+
+    def update(self, found_inf: bool) -> None:
+        self.updates.append(found_inf)
+
+
+def _tied_duplicates(kind: str) -> list[str]:
+    """State-dict keys of a tied weight's second name (the head's), which the export leaves out."""
+    net = model(kind)
+    return [f"{len(net) - 1}.lm_head.weight"] if net.tied else []
+
+
+def layouts(kind: str, names: list[str], table: dict[str, dict]) -> dict[str, dict | None]:
+    """:func:`train` for each named layout of ``table`` in turn (every process of the pool runs them all)."""
+    return {name: train(kind, table[name]) for name in names}
+
+
+def _compare(problems: list[str], name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.shape != want.shape:
+        problems.append(f"{name}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+    elif not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+        problems.append(f"{name}: max abs error {(got - want).abs().max().item():.3g}")
+
+
+def model_equivalence(kind: str, tp: int, vocab: int, loss_parallel: bool) -> list[str]:
+    """A whole model and its tensor-parallel twin over the first ``tp`` ranks, forward and backward: logits (the
+    slice with padding at -inf, or gathered), loss, and every parameter's gradient against this rank's slice of
+    the reference's; padding rows get no gradient; the tied table stays one Parameter."""
+    group = group_of(tp)
+    rank = dist.get_rank(group)
+    full = model(kind, vocab, init=0.02)  # Hugging Face's initialisation: logits of order 1
+    parallel = tensor_parallelize(copy.deepcopy(full), group, loss_parallel=loss_parallel)
+    x, y = _global_batch(0, vocab)
+    logits = full(x)
+    loss = _lm_loss(logits, y)
+    loss.backward()
+    tp_logits = parallel(x)
+    tp_loss = causal_lm_loss(group)(tp_logits, y) if loss_parallel else _lm_loss(tp_logits, y)
+    tp_loss.backward()
+    problems: list[str] = []
+    if loss_parallel:
+        rows = tp_logits.shape[-1]
+        real = max(0, min(rows, vocab - rank * rows))
+        _compare(problems, "logits slice", tp_logits[..., :real], logits[..., rank * rows : rank * rows + real])
+        if not torch.isneginf(tp_logits[..., real:]).all():
+            problems.append("padding logits are not -inf")
+    else:
+        _compare(problems, "logits", tp_logits, logits)
+    _compare(problems, "loss", tp_loss, loss)
+    want = dict(full.named_parameters(remove_duplicate=False))
+    for name, param in parallel.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:  # a frozen part stays frozen
+            if want[name].requires_grad or param.grad is not None:
+                problems.append(f"{name}: requires_grad {param.requires_grad}, expected {want[name].requires_grad}")
+            continue
+        _compare(problems, f"{name} grad", param.grad, expected_shard(want[name].grad, param, tp, rank))
+    if parallel.tied != full.tied:
+        problems.append(f"tied is {parallel.tied}, expected {full.tied}")
+    heads = [(b.attn.n_heads, b.attn.n_kv_heads) for b in list(parallel)[1:-1]]
+    config_heads = (full[1].attn.n_heads // tp, full[1].attn.n_kv_heads // tp)
+    if any(h != config_heads for h in heads):
+        problems.append(f"local head counts {heads}, expected {config_heads}")
+    return problems
+
+
+def refused(kind: str, tp: int) -> str:
+    """The message of the ValueError that splitting ``kind`` over the first ``tp`` ranks raises ('' if none)."""
+    try:
+        tensor_parallelize(model(kind), group_of(tp))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def stage_link_dtypes() -> list[str]:
+    """Stage 0 sends a bf16 activation, stage 1 an fp16 gradient back: each arrives in the dtype it was sent."""
+    from dtrain.parallel.pipeline_parallel_communications import StageLink
+
+    group = group_of(2)
+    stage = dist.get_rank(group)
+    link = StageLink(group, stage, 2)
+    activation = torch.arange(6, dtype=torch.float32).view(2, 3).to(torch.bfloat16)
+    grad = torch.linspace(-1, 1, 6).view(2, 3).to(torch.float16)
+    problems = []
+    if stage == 0:
+        link.send_forward(activation, 0)
+        got, want = link.recv_backward(0), grad
+    else:
+        got, want = link.recv_forward(0), activation
+        link.send_backward(grad, 0)
+    link.wait_sends()
+    if got.dtype != want.dtype or not torch.equal(got, want):
+        problems.append(f"stage {stage} received {got.dtype} {got.tolist()}, expected {want.dtype} {want.tolist()}")
+    return problems
+
+
+def tied_after_split() -> bool:
+    """Whether the split Llama's head weight is its embedding shard (one Parameter), marked as split on dim 0."""
+    net = tensor_parallelize(model("llama"), group_of(2))
+    weight = net[0].embed_tokens.weight
+    return net[-1].lm_head.weight is weight and weight.tensor_parallel_dim == 0 and net.tied

@@ -1,0 +1,110 @@
+"""HybridParallel on the decoders of :mod:`dtrain.models` (a tiny Llama with grouped-query attention and tied
+embeddings, a tiny GPT-2): every layout trains like one process on the whole global batch.
+
+Each model runs all its layouts in one pool job (tests/jobs/parallel.py; grids built once per layout): 3 AdamW
+steps in float32, losses, every rank's parameter shards, the gathered state dict and the whole model's
+gradient norm within rtol 1e-5, atol 1e-6 of the reference; with clipping, the reference clips with
+``torch.nn.utils.clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from dtrain.parallel.data_parallel import DataParallel
+from dtrain.parallel.zero import ZeroOptimizer
+from tests.jobs import parallel as jobs
+
+POOL_WORLD = 8
+ZERO = hasattr(ZeroOptimizer, "grad_square_sum") and hasattr(ZeroOptimizer, "scale_grads")
+DP_REDUCE_DTYPE = "reduce_dtype" in inspect.signature(DataParallel).parameters
+
+LAYOUTS = {
+    "dp2": {"dp": 2},
+    "tp2": {"tp": 2},
+    "pp2": {"pp": 2, "num_microbatches": 2},
+    "dp2xtp2": {"dp": 2, "tp": 2},
+    "tp2xpp2": {"pp": 2, "tp": 2, "num_microbatches": 2},
+    "dp2xpp2-gpipe": {"dp": 2, "pp": 2, "num_microbatches": 2, "schedule": "gpipe"},
+    "pp2-interleaved": {"pp": 2, "num_microbatches": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+    "dp2xpp2xtp2": {"dp": 2, "pp": 2, "tp": 2, "num_microbatches": 2},
+    "dp2xpp4-flops": {"dp": 2, "pp": 4, "num_microbatches": 2, "balance": "flops"},
+    "dp2-accumulation2": {"dp": 2, "accumulation": 2},
+    "dp2xpp2xtp2-accumulation2-local": {
+        "dp": 2,
+        "pp": 2,
+        "tp": 2,
+        "num_microbatches": 2,
+        "accumulation": 2,
+        "local": True,
+    },
+    "dp2xpp2-reduce-float64": {"dp": 2, "pp": 2, "num_microbatches": 2, "reduce_dtype": "float64"},
+    "dp2xtp2-clip": {"dp": 2, "tp": 2, "clip": True},
+    "tp2xpp2-clip": {"pp": 2, "tp": 2, "num_microbatches": 2, "clip": True},
+    "dp2xpp4-clip": {"dp": 2, "pp": 4, "num_microbatches": 2, "clip": True},
+    "pp2-autocast-bf16": {"pp": 2, "autocast": True},
+    "tp2xpp2-fp16-loss-scale": {"pp": 2, "tp": 2, "num_microbatches": 2, "clip": True, "scaler": True},
+}
+ZERO_LAYOUTS = {
+    "zero1": {"dp": 2, "zero_stage": 1},
+    "zero2": {"dp": 2, "zero_stage": 2},
+    "zero2-clip": {"dp": 2, "zero_stage": 2, "clip": True},
+    "zero1-dp2xpp2": {"dp": 2, "pp": 2, "num_microbatches": 2, "zero_stage": 1},
+}
+DP_REDUCE_LAYOUTS = {"dp2-reduce-float64": {"dp": 2, "reduce_dtype": "float64"}}
+
+
+def _table() -> dict[str, dict]:
+    table = dict(LAYOUTS)
+    if ZERO:
+        table.update(ZERO_LAYOUTS)
+    if DP_REDUCE_DTYPE:
+        table.update(DP_REDUCE_LAYOUTS)
+    return table
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def trained(request, pool):
+    table = _table()
+    per_rank = pool.run(jobs.layouts, request.param, list(table), table)
+    return {name: [r[name] for r in per_rank] for name in table}
+
+
+def _world(layout: dict) -> int:
+    return layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
+
+
+def _check(results: list, layout: dict) -> None:
+    world = _world(layout)
+    assert results[world:] == [None] * (POOL_WORLD - world)
+    for rank, got in enumerate(results[:world]):
+        assert (got["loss"], got["params"], got["norm"]) == (0.0, 0.0, 0.0), (rank, got)
+        assert got["moved"] > 1e-3, (rank, got)  # training moved the parameters far beyond the tolerance
+        if rank == 0:
+            assert got["exported"] == 0.0, got  # full_state_dict equals the reference's state dict
+        else:
+            assert got["exported"] is None
+        if layout.get("clip"):
+            assert min(got["norms"]) > jobs.MAX_NORM  # clipping was active in every step
+        if layout.get("scaler"):  # the infinite loss of step 1 skipped its optimizer step and backed off the scale
+            assert got["skipped"] == [False, True, False] and got["scaler_updates"] == [False, True, False]
+        else:
+            assert got["skipped"] == [False] * jobs.STEPS
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_trains_like_one_process(trained, name):
+    _check(trained[name], LAYOUTS[name])
+
+
+@pytest.mark.skipif(not ZERO, reason="ZeroOptimizer has no grad_square_sum/scale_grads")
+@pytest.mark.parametrize("name", list(ZERO_LAYOUTS))
+def test_zero_layout_trains_like_one_process(trained, name):
+    _check(trained[name], ZERO_LAYOUTS[name])
+
+
+@pytest.mark.skipif(not DP_REDUCE_DTYPE, reason="DataParallel takes no reduce_dtype")
+def test_data_parallel_reduces_in_the_given_dtype(trained):
+    _check(trained["dp2-reduce-float64"], DP_REDUCE_LAYOUTS["dp2-reduce-float64"])
