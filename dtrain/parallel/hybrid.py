@@ -358,6 +358,28 @@ class HybridParallel:
         }
         return loss
 
+    @torch.no_grad()
+    def evaluate(
+        self, batch: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, *, local: bool = False
+    ) -> torch.Tensor:
+        """The loss of the global ``batch`` without training (as :meth:`train_step` computes it, in the same
+        precision and through the same pipeline, without autograd); ``local`` as in :meth:`train_step`.
+        Returns the loss of the whole global batch on every rank."""
+        dp = self.grid.dims.dp
+        if dp > 1 and not local:
+            batch, targets = split_batch((batch, targets), self.grid.dp_group)
+        if self.device is not None:
+            batch, targets = batch.to(self.device), targets.to(self.device)
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(batch, targets, loss_fn, forward_context=self._autocast, forward_only=True)
+        else:
+            with self._autocast():
+                loss = loss_fn(self.module(batch), targets)
+        loss = loss.detach().float().clone()
+        if dp > 1:
+            comm.all_reduce(loss, op="avg", group=self.grid.dp_group, algorithm=self.algorithm)
+        return loss
+
     def _sum_tied(self) -> None:
         """Each tied parameter's gradient summed over the stages holding a copy (Megatron's embedding group)."""
         for param, group, _ in self._tied:

@@ -210,8 +210,13 @@ class PipelineParallel:
         loss_fn: LossFn,
         *,
         forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        forward_only: bool = False,
     ) -> torch.Tensor:
         """One pipelined forward and backward of ``batch``; gradients accumulate into this stage's ``.grad``.
+
+        ``forward_only`` runs the schedule's forward actions alone, without autograd (evaluation): the same
+        micro-batches cross the same stages, nothing is kept for a backward, and :attr:`timeline` is left as the
+        last training step's.
 
         ``forward_context`` (optional) makes the context each forward (and loss) runs in, e.g. ``torch.autocast``;
         backward runs outside it. Activations cross stages in the dtype they have (a bf16 tensor as bf16, the
@@ -236,8 +241,13 @@ class PipelineParallel:
         held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output or loss)
         loss = torch.zeros((), device=self.link.device)
         context = forward_context if forward_context is not None else contextlib.nullcontext
+        if forward_only:
+            base = context
+            context = lambda: _both(base(), torch.no_grad())  # noqa: E731
         for action in self.actions:
             kind, mb, chunk = action[0], action[1], chunk_of(action)
+            if forward_only and kind != "F":
+                continue
             stage = self.chunks[chunk]
             self.link.poll_sends()
             if kind == "F":
@@ -250,7 +260,8 @@ class PipelineParallel:
                 if stage.is_last:
                     loss += y.detach().float()
                 timeline.events.append(TimelineEvent("F", mb, start, time.perf_counter(), chunk=chunk))
-                held[chunk, mb] = (x, y)
+                if not forward_only:
+                    held[chunk, mb] = (x, y)
                 timeline.peak_activations = max(timeline.peak_activations, len(held))
                 if not stage.is_last:
                     self.link.send_forward(y, mb, chunk)
@@ -259,7 +270,8 @@ class PipelineParallel:
         self.link.wait_sends()
         timeline.end_s = time.perf_counter()
         self.link.begin_step(None)
-        self.timeline = timeline
+        if not forward_only:
+            self.timeline = timeline
         comm.broadcast(loss, self.num_stages - 1, group=self.chunks[0].group)
         return loss
 
@@ -281,6 +293,12 @@ class PipelineParallel:
         timeline.events.append(TimelineEvent("B", mb, start, time.perf_counter(), chunk=chunk))
         if not stage.is_first and x.is_floating_point():
             self.link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x), mb, chunk)
+
+
+@contextlib.contextmanager
+def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def _split(tensor: torch.Tensor, num_microbatches: int, name: str) -> tuple[torch.Tensor, ...]:
