@@ -8,9 +8,11 @@ BPE (:meth:`dtrain.data.tokenizer.Tokenizer.train_bpe`) is trained on them and t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,8 +55,14 @@ def default_dataset(cache_dir: str | os.PathLike, vocab_size: int = 512) -> tupl
         version = ".".join(map(str, sys.version_info[:3]))
         source = Source(f"pydoc_data.topics (Python {version})", sum(len(d.encode()) for d in documents), texts)
         folder, _ = build([source], tokenizer, target.parent, val_fraction=DEFAULT_VAL_FRACTION, seed=0)
-        if target.exists():  # an invalid leftover (a dataset being replaced is never invalid)
-            shutil.rmtree(target, ignore_errors=True)
+        if _valid(target):  # another process finished first
+            shutil.rmtree(folder, ignore_errors=True)
+            return target, target / "tokenizer.json"
+        if target.exists():  # an invalid leftover (an interrupted copy, a damaged file) is moved aside
+            trash = Path(tempfile.mkdtemp(dir=target.parent, prefix=".discard-"))
+            with contextlib.suppress(OSError):
+                os.rename(target, trash / "dataset")
+            shutil.rmtree(trash, ignore_errors=True)
         try:
             os.rename(folder, target)
         except OSError:  # another process renamed its copy first

@@ -126,7 +126,8 @@ class TokenDataset:
     def eval_batches(self, *, seq_len: int, n: int, batch_size: int, split: str = "val"):
         """The first ``n`` batches of ``split`` in order, unshuffled: the same every call (see
         :meth:`PackedBatches.eval_batches`)."""
-        return PackedBatches(self, split, seq_len=seq_len, batch_size=batch_size, seed=0, shuffle=False).eval_batches(n)
+        batches = PackedBatches(self, split, seq_len=seq_len, batch_size=batch_size, shuffle=False)
+        return batches.eval_batches(n, batch_size, split)
 
     def __repr__(self) -> str:
         return (
@@ -240,15 +241,11 @@ class PackedBatches:
         self._order = None
         self.samples = int(state["samples"])
 
-    def eval_batches(self, n: int, batch_size: int | None = None, split: str | None = None):
-        """The first ``n`` batches of ``split`` (default: this one) in window order, no shuffling: the same list
-        every call. A split with fewer than ``n * batch_size`` windows gives fewer batches, the last possibly
-        short."""
+    def eval_batches(self, n: int, batch_size: int | None = None, split: str = "val"):
+        """The first ``n`` batches of ``split`` (default: the validation split) in window order, unshuffled, each
+        ``batch_size`` rows (default: this object's): the same list every call. A split with fewer than
+        ``n * batch_size`` windows gives fewer batches, the last possibly short."""
         batch_size = batch_size or self.batch_size
-        if split is not None and split != self.split:
-            return self.dataset.eval_batches(seq_len=self.seq_len, n=n, batch_size=batch_size, split=split)
-        ordered = self if not self.shuffle else PackedBatches(
-            self.dataset, self.split, seq_len=self.seq_len, batch_size=batch_size, shuffle=False
-        )  # fmt: skip
-        total = min(n * batch_size, self.windows)
+        ordered = PackedBatches(self.dataset, split, seq_len=self.seq_len, batch_size=batch_size, shuffle=False)
+        total = min(n * batch_size, ordered.windows)
         return [ordered.batch_at(s, min(batch_size, total - s)) for s in range(0, total, batch_size)]

@@ -319,8 +319,7 @@ def build(
     parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=parent, prefix=".prepare-"))
     try:
-        digest = hashlib.sha256()
-        writers = {split: _ShardWriter(folder, split, dtype, shard_tokens, digest) for split in SPLITS}
+        writers = {split: _ShardWriter(folder, split, dtype, shard_tokens, hashlib.sha256()) for split in SPLITS}
         index = 0
         eos_array = np.array([eos], dtype=np.int64)
         for texts in _batches(sources):
@@ -342,7 +341,9 @@ def build(
             "eos_id": eos,
             "tokenizer": "tokenizer.json",
             "tokenizer_fingerprint": tokenizer.fingerprint,
-            "fingerprint": hashlib.sha256(f"{tokenizer.fingerprint}:{digest.hexdigest()}".encode()).hexdigest(),
+            "fingerprint": hashlib.sha256(
+                ":".join([tokenizer.fingerprint, *(w.digest.hexdigest() for w in writers.values())]).encode()
+            ).hexdigest(),
             "splits": {
                 split: {"tokens": w.tokens, "documents": w.documents, "shards": w.shards}
                 for split, w in writers.items()
