@@ -111,8 +111,8 @@ def resolve_data(config: TrainConfig) -> tuple[str, str]:
 
 
 def resolve_model(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The model's shape: the weights' config.json, ``[model] config``, or the preset with the tokenizer's
-    vocabulary; checked against the tokenizer and the sequence length."""
+    """The model's shape: the weights' config.json, ``[model] config``, or the preset (its vocabulary grown to
+    the tokenizer's where that is larger); checked against the tokenizer and the sequence length."""
     from dtrain.models import hf
 
     m = config.model
@@ -121,7 +121,9 @@ def resolve_model(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
     elif m.config:
         shape, source = hf.load_config(m.config), f"--model-config {m.config}"
     else:
-        shape, source = preset(m.family, m.preset, vocab_size=tokenizer.vocab_size), f"preset {m.family}/{m.preset}"
+        shape, source = preset(m.family, m.preset), f"preset {m.family}/{m.preset}"
+        if shape.vocab_size < tokenizer.vocab_size:  # a preset trained from scratch takes the tokenizer's size
+            shape = preset(m.family, m.preset, vocab_size=tokenizer.vocab_size)
     if tokenizer.vocab_size > shape.vocab_size:
         raise ValueError(
             f"{source}: the model's vocabulary of {shape.vocab_size} is smaller than the tokenizer's "
@@ -286,11 +288,6 @@ class _Trainer:
         self.device = rank_device()
         dataset = TokenDataset(plan.dataset)
         self.data = PackedBatches(dataset, "train", seq_len=config.data.seq_len, batch_size=tr.batch_size, seed=tr.seed)
-        self.eval_data = (
-            PackedBatches(dataset, "val", seq_len=config.data.seq_len, batch_size=tr.batch_size, seed=tr.seed)
-            if config.data.eval_every
-            else None
-        )
         torch.manual_seed(tr.seed)  # every rank builds the same full model, then keeps its part
         if config.model.weights:
             from dtrain.models import hf
@@ -347,7 +344,7 @@ class _Trainer:
         cfg, grid = self.config, self.grid
         lr = self.lr(step)
         set_lr(self.optimizer, lr)
-        x, y = self.data.batch(step, rank=grid.dp_rank, world=cfg.parallel.dp)
+        x, y = self.data.next_batch(rank=grid.dp_rank, world=cfg.parallel.dp)  # this replica's rows
         reset_peak_memory(self.device)
         start = time.perf_counter()
         loss = self.hybrid.train_step(
@@ -379,14 +376,20 @@ class _Trainer:
         return record
 
     def evaluate(self) -> float:
-        """The mean loss over the validation split's first ``eval_batches`` batches (the same every time)."""
+        """The mean loss over the validation split's first ``eval_batches`` batches (the same every time); each
+        batch is cut to a multiple of the rows every replica and micro-batch needs."""
         cfg, grid = self.config, self.grid
-        losses = []
-        for x, y in self.eval_data.eval_batches("val", cfg.data.eval_batches, cfg.training.batch_size):
-            rows = x.shape[0] // cfg.parallel.dp
+        par = cfg.parallel
+        unit = par.dp * (par.microbatches if par.pp > 1 else 1)
+        losses, weights = [], []
+        for x, y in self.data.eval_batches(cfg.data.eval_batches, cfg.training.batch_size, split="val"):
+            rows = (x.shape[0] // unit) * unit // par.dp
+            if rows == 0:
+                continue
             mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
             losses.append(self.hybrid.evaluate(x[mine], y[mine], self.loss_fn, local=True).item())
-        return sum(losses) / len(losses)
+            weights.append(rows)
+        return sum(w * v for w, v in zip(weights, losses, strict=True)) / sum(weights)
 
     def state(self, step: int) -> dict[str, Any]:
         state = {
@@ -394,7 +397,7 @@ class _Trainer:
             "layout": layout(self.config, self.plan.model),
             "model": self.hybrid.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "data": self.data.state_dict(samples=step * self.config.training.batch_size),
+            "data": self.data.state_dict(),
             "torch_rng": torch.get_rng_state(),
         }
         if self.scaler is not None:
