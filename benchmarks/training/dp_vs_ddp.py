@@ -15,8 +15,11 @@ rotates each window. A window's time is the slowest rank's; the figure is the me
 replica has seen the same batches from the same weights, so ours and DDP must hold the same parameters: the
 script asserts it (``torch.testing.assert_close``), which shows they did the same work.
 
-Models: the GPT ``debug`` preset on the pydoc text (:mod:`dtrain.train.data`) and the MLP classifier (widened
-so that a step has measurable compute). Scaling efficiency is throughput per rank over the 1-rank throughput.
+Models: the GPT-2 ``tiny`` preset (:mod:`dtrain.models`, 512-token vocabulary) on uniform random token ids --
+each global batch one ``(B, 65)`` draw from a seeded ``torch.Generator``, 64 input tokens and their 64 next-token
+targets; a step's speed does not depend on the text -- and the MLP classifier of :mod:`dtrain.ps.classification`
+(widened so that a step has measurable compute) on its synthetic batches. Scaling efficiency is throughput per
+rank over the 1-rank throughput.
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.launch import run_ranks
+from dtrain.models import build, preset
 from dtrain.parallel.data_parallel import DataParallel, split_batch
-from dtrain.train.data import ClassificationBatches, TextBatches
-from dtrain.train.models import build_model, model_config
+from dtrain.ps.classification import ClassificationBatches, mlp_classifier
 
 VARIANTS_MULTI = ("ours-auto", "ours-native", "ddp")
 SEED = 0
+VOCAB = 512  # the GPT-2 tiny preset's vocabulary
+BLOCK = 64  # tokens a sequence
 
 
 @dataclass(kw_only=True)
@@ -61,21 +66,29 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))  # (B*T, V) against (B*T,)
 
 
+def _token_batches(batch_size: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` global batches of uniform random token ids: inputs ``(B, T)`` and their next tokens ``(B, T)``."""
+    gen = torch.Generator().manual_seed(SEED)
+    batches = []
+    for _ in range(steps):
+        tokens = torch.randint(VOCAB, (batch_size, BLOCK + 1), generator=gen)  # (B, T + 1)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
 def _workloads(args: argparse.Namespace, total_steps: int) -> list[Workload]:
     torch.manual_seed(SEED)
-    text, tokenizer = TextBatches.from_corpus(batch_size=args.gpt_batch, block_size=64, seed=SEED)
-    gpt = build_model("gpt", config=model_config("gpt", "debug", vocab_size=tokenizer.vocab_size))
-    mlp_cfg = model_config("mlp", "debug", in_features=64, hidden=args.mlp_hidden, num_layers=4, num_classes=10)
-    mlp = build_model("mlp", config=mlp_cfg)
+    gpt = build(preset("gpt2", "tiny", vocab_size=VOCAB))
+    mlp = mlp_classifier(in_features=64, hidden=args.mlp_hidden, num_layers=4, num_classes=10)
     cls = ClassificationBatches(in_features=64, num_classes=10, batch_size=args.mlp_batch, seed=SEED)
     return [
         Workload(
-            name="gpt-debug",
+            name="gpt2-tiny",
             model=gpt,
-            batches=[text.batch(s) for s in range(total_steps)],
+            batches=_token_batches(args.gpt_batch, total_steps),
             loss_fn=_lm_loss,
             global_batch=args.gpt_batch,
-            tokens_per_sample=64,
+            tokens_per_sample=BLOCK,
         ),
         Workload(
             name=f"mlp-{args.mlp_hidden}x4",
@@ -235,7 +248,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per replica")
     parser.add_argument("--windows", type=int, default=9, help="timed windows per replica (median reported)")
     parser.add_argument("--steps", type=int, default=4, help="steps per timed window")
-    parser.add_argument("--gpt-batch", type=int, default=32, help="global batch of 64-token sequences")
+    parser.add_argument("--gpt-batch", type=int, default=32, help=f"global batch of {BLOCK}-token sequences")
     parser.add_argument("--mlp-batch", type=int, default=256)
     parser.add_argument("--mlp-hidden", type=int, default=512)
     parser.add_argument("--out", type=Path, default=None, help="JSON lines file to write")

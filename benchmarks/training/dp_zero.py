@@ -5,8 +5,13 @@ Data parallel and ZeRO, ours against torch's DDP and ZeroRedundancyOptimizer, in
     torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py --out runs/peers-dp-zero.jsonl   # GPUs, NCCL
     python benchmarks/training/dp_zero.py --nproc 4 --layers 2 --embd 64 ...                     # CPU, Gloo
 
-**Scaling** (``--sizes 1 2 4``): for each k, ranks 0..k-1 train a GPT (``--layers``/``--embd``/``--heads``,
-``--block`` tokens, ``--batch-per-rank`` sequences a rank: weak scaling) with AdamW as :class:`DataParallel`
+The model: a GPT-2 (:mod:`dtrain.models`, the ``tiny`` preset resized by ``--layers``/``--embd``/``--heads``,
+``--block``-token context, 256-token vocabulary); the batches: uniform random token ids from a generator seeded by
+the rank, inputs and next-token targets from one ``(B, block + 1)`` draw (a step's speed does not depend on the
+text).
+
+**Scaling** (``--sizes 1 2 4``): for each k, ranks 0..k-1 train the model (``--block`` tokens, ``--batch-per-rank``
+sequences a rank: weak scaling) with AdamW as :class:`DataParallel`
 (``auto`` and ``native`` collectives) and as ``DistributedDataParallel``, timed in rotating turns
 (:func:`timing.time_variants`). Scaling efficiency: tokens/s per rank over the 1-rank tokens/s.
 
@@ -35,17 +40,17 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.launch import run_ranks
+from dtrain.models import build, preset
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.zero import ZeroOptimizer
-from dtrain.train.models import build_model
 
 VOCAB = 256
 
 
 def _model(args) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = dict(vocab_size=VOCAB, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
-    return build_model("gpt", **cfg).to(pt.device())
+    shape = dict(n_positions=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    return build(preset("gpt2", "tiny", vocab_size=VOCAB, **shape)).to(pt.device())
 
 
 def _batch(args, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

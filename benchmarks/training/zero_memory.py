@@ -1,6 +1,6 @@
 """Usage: python benchmarks/training/zero_memory.py --nproc 2 [--out FILE]
 
-Peak memory of a rank on the CPU: plain data parallel against ZeRO stage 1 and stage 2, AdamW, one GPT.
+Peak memory of a rank on the CPU: plain data parallel against ZeRO stage 1 and stage 2, AdamW, one GPT-2.
 
     python benchmarks/training/zero_memory.py --nproc 2 --out benchmarks/results/zero_memory-cpu2.jsonl
 
@@ -10,7 +10,10 @@ increase over the resident set once the model and optimizer wrapper are built (t
 with the steps: gradients, optimizer moments, communication buffers, activations). Every variant trains the
 same model from the same seed on the same batches; the final parameters of each are compared with the first
 variant's, plain data parallel by default (``max_abs_param_diff_vs_first_variant``), which shows they did the
-same work. The model is sized so that gradients and optimizer state dominate the activations (ZeRO's regime).
+same work. The model is the GPT-2 ``tiny`` preset of :mod:`dtrain.models` resized (``--layers`` blocks of width
+``--embd``, 8 heads, 64-token context, 256-token vocabulary) so that gradients and optimizer state dominate the
+activations (ZeRO's regime); its batches are uniform random token ids, inputs and next-token targets from one
+``(B, 65)`` draw of a generator seeded by step and rank (a step's cost does not depend on the text).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtrain.launch import run_ranks
+from dtrain.models import build, preset
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.zero import ZeroOptimizer
-from dtrain.train.models import build_model
 
 VOCAB = 256
 VARIANTS = ("dp", "zero1", "zero2")
@@ -46,7 +49,8 @@ def _current_rss_mb() -> float:
 
 def _rank_main(args) -> dict:
     torch.manual_seed(0)
-    model = build_model("gpt", vocab_size=VOCAB, block_size=64, n_layer=args.layers, n_head=8, n_embd=args.embd)
+    shape = dict(n_positions=64, n_layer=args.layers, n_head=8, n_embd=args.embd)
+    model = build(preset("gpt2", "tiny", vocab_size=VOCAB, **shape))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.variant == "dp":
         forward = DataParallel(model, None, bucket_bytes=args.bucket_mb * 2**20, algorithm=args.algorithm)
