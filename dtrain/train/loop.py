@@ -519,7 +519,8 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
                 records.append(record)
                 progress.step(_progress_text(record, plan.steps))
             if config.checkpoint.export:
-                progress.describe("writing the Hugging Face model directory")
+                last = _progress_text(records[-1], plan.steps) if records else f"step {first}/{plan.steps}"
+                progress.describe(f"{last}, writing the Hugging Face model directory")
                 trainer.export()
     if tr.steps and not math.isfinite(records[-1]["loss"] if records else 0.0):
         raise FloatingPointError(f"the loss is {records[-1]['loss']} at step {records[-1]['step']}")
