@@ -27,7 +27,8 @@
 #   tp                 tensor parallel against DTensor's                                     -> tp.jsonl
 #   pp                 pipeline parallel against torch.distributed.pipelining, p = 4           -> pp.jsonl
 #   bubble             pipeline bubble and activations against (p - 1)/(v m + p - 1), p = 2 and 4
-#   train              dtrain train dp2 x tp2 and dp2 x pp2, 60 steps                       -> train-*.jsonl
+#   llama              Llama 1B (LLAMA_PRESET) bf16, dp over every GPU: dtrain, DDP, FSDP2  -> llama_1b_dp.jsonl
+#   llama-layouts      dtrain train on it as dp, tp, pp (and dp x tp2 on 4+), 100 steps       -> llama_1b_*.jsonl
 #   probe-port         how transfers share one GPU's NVLink port                           -> port.jsonl
 #   probe-port-chain   the chain broadcast's round patterns through the port               -> port-chain.jsonl
 #   probe-chain        the chain broadcast by piece count                                   -> probe-chain.txt
@@ -145,11 +146,23 @@ for mode in "$@"; do
       bub 100 2 --out "$out/bubble-p2.jsonl"
       bub 150 4 --microbatches 16 8 4 1 2 --out "$out/bubble-p4.jsonl"
       python3 benchmarks/pipeline/bubble.py --report "$out"/bubble-p*.jsonl --plot "$out/bubble.png" ;;
-    train)
-      for cfg in "tp 2" "pp 2 --microbatches 4"; do
-        set -- $cfg; name=train-dp2$1$2
-        LIMIT=${LIMIT:-100} tr -m dtrain.train --dp 2 --"$1" "$2" "${@:3}" --preset small --batch-size 64 --steps 60 \
-          --out "$out/$name" | tail -2 | cut -c1-250
+    llama)
+      # a Llama-family model (LLAMA_PRESET, default 1b) in bf16, dp over every GPU: dtrain against DDP and FSDP2
+      rm -f "$out/llama_${LLAMA_PRESET:-1b}_dp.jsonl"
+      for variant in ddp dtrain fsdp2 dtrain-native dtrain-bf16-reduce; do
+        LIMIT=${LIMIT:-150} tr benchmarks/training/llama.py --preset "${LLAMA_PRESET:-1b}" --seq-len 2048 \
+          --batch-per-gpu "${LLAMA_BATCH:-4}" --steps 20 --warmup 5 --variants $variant \
+          --out "$out/llama_${LLAMA_PRESET:-1b}_dp.jsonl" | grep -E "ms/step|x DDP" | tail -6
+      done ;;
+    llama-layouts)
+      # dtrain train on the same model, global batch and data in each layout over every GPU, 100 steps each
+      layouts=("--dp $n" "--tp $n" "--pp $n --microbatches 4")
+      [ "$n" -ge 4 ] && layouts+=("--dp $((n / 2)) --tp 2")
+      for layout in "${layouts[@]}"; do
+        name=llama_${LLAMA_PRESET:-1b}_$(echo "$layout" | tr -d ' -' | sed 's/microbatches4//')
+        LIMIT=${LIMIT:-300} tr -m dtrain train --preset "${LLAMA_PRESET:-1b}" $layout --seq-len 2048 --batch-size 16 \
+          --steps "${LLAMA_STEPS:-100}" --lr 3e-4 --warmup-steps 10 --set data.tokenizer_vocab=8192 --precision bf16 \
+          --no-export --no-tensorboard --out "$out/$name" | tail -1 | cut -c1-250
         cp "$out/$name/metrics.jsonl" "$out/$name.jsonl" && rm -rf "${out:?}/$name"
       done ;;
     probe-port) LIMIT=${LIMIT:-240} tr benchmarks/collectives/probe.py port --out "$out/port.jsonl" | grep -E "MiB|barrier" ;;

@@ -13,12 +13,16 @@ and AdamW (fused), gradients clipped to global norm 1.0, and bf16 compute:
 
 - ``dtrain``: ``HybridParallel`` with ``dp = N``, ``torch.autocast(bf16)`` around forward and loss, gradients
   averaged in float32 by :class:`~dtrain.parallel.data_parallel.DataParallel` (buckets overlapped with backward);
+- ``dtrain-native``: the same with the gradient all-reduce left to the backend (NCCL) rather than chosen by
+  dtrain's ``auto`` rule;
 - ``dtrain-bf16-reduce``: the same with the gradients averaged in bf16;
 - ``ddp``: ``DistributedDataParallel`` (default 25 MiB buckets) with the same autocast;
 - ``fsdp2``: ``fully_shard`` on each block and on the root, ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=float32)`` (parameters gathered and computed in bf16, gradients reduce-scattered in float32).
 
-The variants run one after another (each frees its memory before the next); each warms up ``--warmup`` steps,
+The variants run one after another, each in its own launch (``--variants`` names one; ``--out`` gathers them:
+each launch appends its record and prints every variant's ratio to DDP found in the file so far); each warms up
+``--warmup`` steps,
 then ``--steps`` steps are timed between CUDA synchronisations, the slowest rank's time counted. Reported per
 variant: step time, tokens/s over all GPUs, model FLOPs utilisation (:func:`dtrain.models.train_flops_per_token`
 over the devices' dense bf16 peak, :func:`dtrain.train.metrics.peak_flops`), peak memory, final loss, and the
@@ -45,7 +49,7 @@ from dtrain.parallel.hybrid import HybridParallel
 from dtrain.train.metrics import peak_flops
 from dtrain.train.optim import adamw
 
-VARIANTS = ("dtrain", "dtrain-bf16-reduce", "ddp", "fsdp2")
+VARIANTS = ("dtrain", "dtrain-native", "dtrain-bf16-reduce", "ddp", "fsdp2")
 SEED = 0
 
 
@@ -78,6 +82,7 @@ class _Variant:
                 device=device,
                 autocast_dtype=bf16,
                 reduce_dtype=bf16 if name == "dtrain-bf16-reduce" else None,
+                algorithm="native" if name == "dtrain-native" else "auto",
             )
             return
         self.hybrid = None
@@ -188,15 +193,16 @@ def main() -> None:
                 f"peak {result['peak_memory_gib']:.1f} GiB  loss {result['loss']:.4f}",
                 flush=True,
             )
-    if rank == 0:
-        base = next((r["tokens_per_s"] for r in records if r["variant"] == "ddp"), None)
-        for r in records:
-            r["vs_ddp"] = r["tokens_per_s"] / base if base else None
+    if rank == 0 and args.out:
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        everything = [json.loads(line) for line in path.read_text().splitlines()]
+        base = next((r["tokens_per_s"] for r in everything if r["variant"] == "ddp"), None)
+        for r in everything:
             if base:
-                print(f"{r['variant']:20s} {r['vs_ddp']:.3f}x DDP")
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in records))
+                print(f"{r['variant']:20s} {r['tokens_per_s'] / base:.3f}x DDP")
     dist.destroy_process_group()
 
 

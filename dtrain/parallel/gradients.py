@@ -19,16 +19,24 @@ from torch import nn
 
 from dtrain import comm
 
-__all__ = ["average_flat", "clip_coefficient", "grad_square_sum", "scale_grads", "sum_over_groups"]
+__all__ = ["average_flat", "grad_square_sum", "scale_grads", "sum_over_groups"]
 
 
 def grad_square_sum(params: Sequence[nn.Parameter], weight_of: Callable[[nn.Parameter], float]) -> torch.Tensor:
-    """The 0-d float32 sum over ``params`` of ``weight_of(p) * (p.grad ** 2).sum()`` (a missing gradient adds 0)."""
+    """The 0-d float32 sum over ``params`` of ``weight_of(p) * (p.grad ** 2).sum()`` (a missing gradient adds 0).
+
+    Parameters of equal weight are taken together by one multi-tensor norm (``torch._foreach_norm``, what
+    ``clip_grad_norm_`` uses), so the sum costs a few kernels however many parameters there are; nothing
+    leaves the device."""
     total = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
+    by_weight: dict[float, list[torch.Tensor]] = {}
     for p in params:
         weight = weight_of(p)
         if p.grad is not None and weight:
-            total += weight * p.grad.detach().float().pow(2).sum()
+            by_weight.setdefault(weight, []).append(p.grad.detach())
+    for weight, grads in by_weight.items():
+        norms = torch._foreach_norm(grads, 2.0)
+        total += weight * torch.stack([n.float() for n in norms]).square().sum()
     return total
 
 
@@ -41,18 +49,13 @@ def sum_over_groups(value: torch.Tensor, groups: Sequence) -> torch.Tensor:
     return value
 
 
-def clip_coefficient(norm: float, max_norm: float | None) -> float:
-    """``min(1, max_norm / (norm + 1e-6))``, ``torch.nn.utils.clip_grad_norm_``'s factor (1 without a maximum)."""
-    if max_norm is None:
-        return 1.0
-    return min(1.0, max_norm / (norm + 1e-6))
-
-
-def scale_grads(params: Sequence[nn.Parameter], coef: float) -> None:
-    """Multiply every existing ``p.grad`` by ``coef`` in place."""
+def scale_grads(params: Sequence[nn.Parameter], coef: float | torch.Tensor) -> None:
+    """Multiply every existing ``p.grad`` by ``coef`` (a number, or a 0-d tensor on the gradients' device, so
+    that nothing waits for the device) in place."""
     grads = [p.grad for p in params if p.grad is not None]
-    if grads and coef != 1.0:
-        torch._foreach_mul_(grads, coef)
+    if not grads or (not isinstance(coef, torch.Tensor) and coef == 1.0):
+        return
+    torch._foreach_mul_(grads, coef.to(grads[0].dtype) if isinstance(coef, torch.Tensor) else coef)
 
 
 def average_flat(

@@ -225,7 +225,7 @@ class HybridParallel:
             kind = next((q.device.type for q in self.params), "cpu") if device is None else torch.device(device).type
             self._autocast = lambda: torch.autocast(kind, dtype=autocast_dtype)
         self.timings: dict[str, float] = {}
-        self.last_grad_norm: float = float("nan")
+        self._last_grad_norm: torch.Tensor | float = float("nan")
         self.step_skipped = False
 
     def _zero_optimizer(self, made: torch.optim.Optimizer) -> ZeroOptimizer:
@@ -332,17 +332,19 @@ class HybridParallel:
                 self.params, self.grid.dp_group, algorithm=self.algorithm, reduce_dtype=self.reduce_dtype
             )
         self._sum_tied()
-        norm = self._grad_norm() / scale
+        norm = self._grad_norm() / scale  # 0-d, on the device: read back only where a decision needs it
         if dp > 1:
             comm.all_reduce(loss, op="avg", group=self.grid.dp_group, algorithm=self.algorithm)
         communicated = time.perf_counter()
-        self.last_grad_norm = norm
-        self.step_skipped = loss_scaler is not None and not math.isfinite(norm)
+        self._last_grad_norm = norm
+        self.step_skipped = loss_scaler is not None and not math.isfinite(norm.item())
         if self.step_skipped:
             loss_scaler.update(True)
         else:
-            coef = gradients.clip_coefficient(norm, max_grad_norm) / scale
-            if coef != 1.0:
+            if max_grad_norm is not None or scale != 1.0:
+                # clip_grad_norm_'s factor, min(1, max / (norm + 1e-6)), kept on the device
+                coef = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0) if max_grad_norm is not None else 1.0
+                coef = coef / scale
                 if self.zero_stage:
                     self.optimizer.scale_grads(coef)
                 else:
@@ -395,8 +397,15 @@ class HybridParallel:
         tp = self.grid.dims.tp
         return 1.0 if tp == 1 or hasattr(param, "tensor_parallel_dim") else 1.0 / tp
 
-    def _grad_norm(self) -> float:
-        """The whole model's gradient norm: this rank's weighted squares, summed over the grid."""
+    @property
+    def last_grad_norm(self) -> float:
+        """The whole model's gradient norm of the last step, before clipping, unscaled (reading it waits for the
+        device)."""
+        return float(self._last_grad_norm)
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The whole model's gradient norm (0-d float32 on the device): this rank's weighted squares, summed over
+        the grid."""
         dp = self.grid.dims.dp
         if self.zero_stage:  # each dp rank holds a distinct chunk of the averaged gradient
             square = self.optimizer.grad_square_sum(self._weight_of).float()
@@ -404,7 +413,7 @@ class HybridParallel:
             square = gradients.grad_square_sum(self.params, lambda q: self._weight_of(q) / dp)
         grid = self.grid
         gradients.sum_over_groups(square, [grid.tp_group, grid.pp_group, grid.dp_group])
-        return math.sqrt(square.item()) if math.isfinite(square.item()) else float("inf")
+        return square.sqrt()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The single-device model's state dict (its names, vocabulary padding removed, a tied weight once under

@@ -255,6 +255,7 @@ class ZeroOptimizer:
         element = self.flat.element_size()
         per_element_nbytes, other_nbytes = 0, 0
         for _, piece, _ in self.pieces:
+            scalars = 0
             for value in self.optimizer.state.get(piece, {}).values():
                 if not isinstance(value, torch.Tensor):
                     continue
@@ -262,11 +263,13 @@ class ZeroOptimizer:
                 if value.dim() > 0 and value.numel() == piece.numel():
                     per_element_nbytes += nbytes
                 else:
-                    other_nbytes += nbytes  # a step count and the like: the same under plain data parallel
+                    scalars += nbytes
+            # a step count and the like: the optimizer's, however many pieces it is cut into (one under plain
+            # data parallel too)
+            other_nbytes = max(other_nbytes, scalars)
         held = sum(piece.numel() for _, piece, _ in self.pieces) or 1
-        per_piece_other = other_nbytes / max(1, len(self.pieces))  # one step count a piece, one a parameter in DP
         state_nbytes = per_element_nbytes + other_nbytes
-        dp_state_nbytes = per_element_nbytes * self.numel // held + int(per_piece_other * len(self.params))
+        dp_state_nbytes = per_element_nbytes * self.numel // held + other_nbytes
         zero = MemoryReport(
             parameter_nbytes=self.flat.numel() * element,
             gradient_nbytes=self._grad.numel() * element,

@@ -205,7 +205,11 @@ class ParallelSection(_Section):
     )
     microbatches: int = _option(1, "micro-batches per pipeline step (only used when pp > 1)", minimum=1)
     zero: int = _option(0, "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too", choices=(0, 1, 2))
-    algorithm: str = _option("auto", "all-reduce algorithm for the gradients (see dtrain.comm.algorithms)")
+    algorithm: str = _option(
+        "native",
+        "all-reduce algorithm for the gradients: native (the backend's own: NCCL, Gloo), auto (dtrain's measured "
+        "choice) or one of dtrain.comm.algorithms",
+    )
     balance: str = _option(
         "layers", "how pipeline stages are cut: equal layer counts or equal FLOPs", choices=("layers", "flops")
     )
