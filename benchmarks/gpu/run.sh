@@ -159,7 +159,7 @@ for mode in "$@"; do
       layouts=("--dp $n" "--tp $n" "--pp $n --microbatches 4")
       [ "$n" -ge 4 ] && layouts+=("--dp $((n / 2)) --tp 2")
       for layout in "${layouts[@]}"; do
-        name=llama_${LLAMA_PRESET:-1b}_$(echo "$layout" | tr -d ' -' | sed 's/microbatches4//')
+        name=${layout//[ -]/}; name=llama_${LLAMA_PRESET:-1b}_${name/microbatches4/}
         LIMIT=${LIMIT:-300} tr -m dtrain train --preset "${LLAMA_PRESET:-1b}" $layout --seq-len 2048 --batch-size 16 \
           --steps "${LLAMA_STEPS:-100}" --lr 3e-4 --warmup-steps 10 --set data.tokenizer_vocab=8192 --precision bf16 \
           --no-export --no-tensorboard --out "$out/$name" | tail -1 | cut -c1-250

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -153,6 +154,7 @@ class GradientReducer:
         self._next_launch = 0  # buckets go out in index order on every rank
         self._ready_order: list[int] | None = [] if rebuild_buckets else None  # recorded until the rebuild
         self.launches = 0  # all-reduces issued so far (tests and benchmarks read it)
+        self._in_flight: list[tuple[Any, Bucket, torch.Tensor]] = []  # native all-reduces not yet waited for
 
     def _locate(self) -> dict[int, int]:
         return {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
@@ -177,10 +179,12 @@ class GradientReducer:
             self._next_launch += 1
 
     def finish(self) -> None:
-        """Reduce every bucket not yet launched (in order), then rearm all buckets for the next pass."""
+        """Reduce every bucket not yet launched (in order), wait for those in flight, then rearm all buckets for
+        the next pass."""
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
+        self._wait_all()
         if self._ready_order is not None:
             self._rebuild(self._ready_order)
             self._ready_order = None
@@ -221,15 +225,41 @@ class GradientReducer:
                 torch._foreach_copy_(targets, sources)
             if missing:
                 torch._foreach_zero_(missing)
-            reduce_in(bucket.buffer, self.reduce_dtype, group=self.group, algorithm=self.algorithm)
-            for p, view in zip(bucket.params, bucket.views, strict=True):
-                if self.gradient_as_bucket_view:
-                    p.grad = view
-                elif p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+            if self.algorithm == "native":
+                # the backend's own all-reduce, asynchronous as DDP's: backward keeps computing on its stream
+                # while the bucket is on the wire, and finish() waits (Li et al. 2020, section 3.2.3)
+                wire = bucket.buffer
+                if self.reduce_dtype is not None and self.reduce_dtype != wire.dtype:
+                    wire = wire.to(self.reduce_dtype)
+                work = dist.all_reduce(wire, dist.ReduceOp.SUM, group=self.group, async_op=True)
+                self._in_flight.append((work, bucket, wire))
+            else:
+                reduce_in(bucket.buffer, self.reduce_dtype, group=self.group, algorithm=self.algorithm)
+                self._assign(bucket)
         self.launches += 1
+
+    def _assign(self, bucket: Bucket) -> None:
+        """Point (or copy) each parameter's gradient at its averaged slice of ``bucket``."""
+        for p, view in zip(bucket.params, bucket.views, strict=True):
+            if self.gradient_as_bucket_view:
+                p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+
+    def _wait_all(self) -> None:
+        """Wait for every native all-reduce in flight (on GPUs the compute stream waits, not the host), divide
+        the sums by the group size (as the synchronous path's ``op="avg"`` does) and hand out the gradients."""
+        in_flight, self._in_flight = self._in_flight, []
+        size = group_size(self.group)
+        with torch.no_grad():
+            for work, bucket, wire in in_flight:
+                work.wait()
+                if wire is not bucket.buffer:
+                    bucket.buffer.copy_(wire)
+                bucket.buffer.div_(size)
+                self._assign(bucket)
 
 
 def reduce_in(buffer: torch.Tensor, dtype: torch.dtype | None, *, group, algorithm: str) -> None:
