@@ -10,7 +10,7 @@ its reductions take milliseconds.
 
 Per case (oversubscription x placement) it builds the cluster, checks it (ping, one path's throughput), runs
 ``dtrain bench comm`` (all-reduce: ring, tree, recursive doubling, hierarchical with a rack as its node, and
-Gloo's own) over 4 KiB .. 4 MiB and ``dtrain train`` (GPT debug, dp=4, ring all-reduce), and tears it down.
+Gloo's own) over 4 KiB .. 4 MiB and ``dtrain train`` (GPT-2 tiny, dp=4, ring all-reduce), and tears it down.
 The same training run on 4 local ranks over loopback (no shaping) is the compute-and-CPU baseline the
 prediction starts from. Raw records go to ``<out>/emulation-{collectives,train,checks}.jsonl``;
 benchmarks/emulation/validate.py compares them with the simulator.
@@ -41,7 +41,16 @@ CASES = [
     ("1to4-packed", 4, "packed", "ring,tree,recursive_doubling,hierarchical,native"),
     ("1to4-interleaved", 4, "interleaved", "ring,recursive_doubling,native"),
 ]
-TRAIN = ["train", "--model", "gpt", "--preset", "debug", "--dp", "4", "--batch-size", "16", "--steps", "8"]
+TRAIN = ["train", "--model", "gpt2", "--preset", "tiny", "--dp", "4", "--batch-size", "16", "--seq-len", "64",
+         "--steps", "8", "--algorithm", "ring", "--precision", "float32", "--no-export",
+         "--no-tensorboard"]  # fmt: skip
+
+
+def _gradient_bytes() -> int:
+    """Float32 gradient bytes of the model TRAIN trains (the default dataset's 512-token vocabulary)."""
+    from dtrain.models import build, preset
+
+    return 4 * sum(p.numel() for p in build(preset("gpt2", "tiny", vocab_size=512)).parameters())
 
 
 def cluster(oversubscription: int):
@@ -74,7 +83,8 @@ def _train(plan, work: Path) -> dict:
     if status:
         raise RuntimeError(f"train failed with status {status}; logs in {work}")
     steps = _train_steps(out / "metrics.jsonl")
-    return {"kind": "train", "algorithm": "ring", "step_s": steps, "median_step_s": statistics.median(steps)}
+    return {"kind": "train", "algorithm": "ring", "step_s": steps, "median_step_s": statistics.median(steps),
+            "gradient_bytes": _gradient_bytes()}  # fmt: skip
 
 
 def _local_baseline(work: Path) -> dict:
@@ -83,7 +93,8 @@ def _local_baseline(work: Path) -> dict:
     command = [sys.executable, "-m", "dtrain", *TRAIN, "--nproc", "4", "--algorithm", "ring", "--out", str(out)]
     subprocess.run(command, check=True, capture_output=True, timeout=600)
     steps = _train_steps(out / "metrics.jsonl")
-    return {"kind": "train-local", "algorithm": "ring", "step_s": steps, "median_step_s": statistics.median(steps)}
+    return {"kind": "train-local", "algorithm": "ring", "step_s": steps, "median_step_s": statistics.median(steps),
+            "gradient_bytes": _gradient_bytes()}  # fmt: skip
 
 
 def measure_case(name: str, oversubscription: int, placement: str, algorithms: str, scale: float, work: Path):

@@ -11,10 +11,10 @@ spines merged as the bridge merges them), with the ranks placed as they ran. Two
 - ``fitted``: plus a call's start-up, a round's and each further peer's, fitted with :mod:`dtrain.sim.fit`
   on the 4 KiB points of ONE case (1:1, packed) and tested on every point of 256 KiB and more of all three.
 
-A training step (the GPT-2 ``tiny`` preset of :mod:`dtrain.models`, 512-token vocabulary, dp=4) is predicted as
-the same training on 4 local ranks over loopback (compute, CPU contention, Gloo's host costs; measured) plus the
-simulated wire time of its two all-reduces (the gradients, one bucket of float32, and the loss); the gradient
-bytes come from the model's parameter count, so the prediction does not depend on the tokens a step trains on.
+A training step (``measure.py``'s ``dtrain train`` run, dp=4) is predicted as the same training on 4 local
+ranks over loopback (compute, CPU contention, Gloo's host costs; measured) plus the simulated wire time of its
+two all-reduces (the gradients, one bucket of float32, and the loss); the gradient bytes are those each row
+records for the model it trained.
 Errors are ``predicted / measured - 1``; the tables give median and worst |error|.
 
     python benchmarks/emulation/validate.py [--data benchmarks/results] [--out FILE] [--plot PNG]   (no root needed)
@@ -74,12 +74,10 @@ def fit(records: list[dict]) -> SoftwareCost:
 
 
 def _train_predictions(train: list[dict]) -> list[dict]:
-    from dtrain.models import build, preset
-
-    grad_bytes = 4 * sum(p.numel() for p in build(preset("gpt2", "tiny")).parameters())  # float32 gradients
     loopback = next(r for r in train if r["case"] == "loopback")["median_step_s"]
     rows = []
     for row in (r for r in train if r["case"] != "loopback"):
+        grad_bytes = row["gradient_bytes"]  # float32 gradients of the model the row trained
         wire = sum(predict({**row, "algorithm": "ring", "nbytes": n, "world_size": 4, "hierarchy_local_size": None},
                            SoftwareCost()) for n in (grad_bytes, 4))  # fmt: skip
         predicted = loopback + wire
