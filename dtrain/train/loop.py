@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import time
 import uuid
@@ -254,7 +253,7 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
     zero = f", ZeRO-{par.zero}" if par.zero else ""
     resumed = f" from step {plan.first_step}" if plan.first_step else ""
     return (
-        f"training {name}, {size / 1e6:.1f}M parameters, on {plan.world_size} processes, dp={par.dp} x pp={par.pp} "
+        f"training {name}, {size / 1e6:.1f}M parameters, on {plan.world_size} process(es), dp={par.dp} x pp={par.pp} "
         f"x tp={par.tp}{pipeline}{zero}: {plan.steps - plan.first_step} steps{resumed}, batch "
         f"{config.training.batch_size} x {config.data.seq_len} tokens, output in {out}"
     )
@@ -288,13 +287,15 @@ class _Trainer:
         self.device = rank_device()
         dataset = TokenDataset(plan.dataset)
         self.data = PackedBatches(dataset, "train", seq_len=config.data.seq_len, batch_size=tr.batch_size, seed=tr.seed)
-        torch.manual_seed(tr.seed)  # every rank builds the same full model, then keeps its part
+        # every rank builds the same full model, on its own device (a GPU's generator is seeded too), then keeps its
+        # part
+        torch.manual_seed(tr.seed)
         if config.model.weights:
             from dtrain.models import hf
 
-            model = hf.load_pretrained(config.model.weights)
+            model = hf.load_pretrained(config.model.weights, device=self.device)
         else:
-            model = build(plan.model)
+            model = build(plan.model, device=self.device)
         self.loss_fn = _loss
         if par.tp > 1:  # the logits stay split over the vocabulary: the head never sits whole on one device
             self.loss_fn = functools.partial(_vocab_parallel_loss, group=grid.tp_group, algorithm=par.algorithm)
@@ -489,7 +490,7 @@ def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
 def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
     """Train on this rank (the default process group must be up); the metrics records (rank 0 writes them)."""
     is_main = dist.get_rank() == 0
-    tr, log = config.training, config.logging
+    log = config.logging
     out = Path(log.out)
     with _Progress(plan.steps - plan.first_step, enabled=is_main) as progress:
         grid = RankGrid.build(plan.dims)
@@ -522,6 +523,4 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
                 last = _progress_text(records[-1], plan.steps) if records else f"step {first}/{plan.steps}"
                 progress.describe(f"{last}, writing the Hugging Face model directory")
                 trainer.export()
-    if tr.steps and not math.isfinite(records[-1]["loss"] if records else 0.0):
-        raise FloatingPointError(f"the loss is {records[-1]['loss']} at step {records[-1]['step']}")
     return records
