@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
@@ -44,9 +43,8 @@ from dtrain.models import ModelConfig, build, preset, train_flops_per_token
 from dtrain.models.decoder import Block
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
-from dtrain.parallel.parallelize import tensor_parallelize, validate_tensor_parallel
+from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize, validate_tensor_parallel
 from dtrain.parallel.pipeline_schedules import bubble_fraction, theoretical_bubble
-from dtrain.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from dtrain.train.checkpoint import (
     checkpoint_path,
     latest_complete_step,
@@ -270,14 +268,6 @@ def train(config: TrainConfig, nproc: int, *, announce: Callable[[str], None] | 
     return run_ranks(train_rank, nproc, config, plan)
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
-def _vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, *, group, algorithm: str) -> torch.Tensor:
-    return vocab_parallel_cross_entropy(logits, targets, group, algorithm=algorithm)  # (B, T, V/tp) against (B, T)
-
-
 class _Trainer:
     """One rank's model, optimizer, data and step; built from a config, its plan and the rank grid."""
 
@@ -296,9 +286,8 @@ class _Trainer:
             model = hf.load_pretrained(config.model.weights, device=self.device)
         else:
             model = build(plan.model, device=self.device)
-        self.loss_fn = _loss
-        if par.tp > 1:  # the logits stay split over the vocabulary: the head never sits whole on one device
-            self.loss_fn = functools.partial(_vocab_parallel_loss, group=grid.tp_group, algorithm=par.algorithm)
+        # with tp > 1 the logits stay split over the vocabulary: the head never sits whole on one device
+        self.loss_fn = causal_lm_loss(grid.tp_group, algorithm=par.algorithm)
         self.precision = autocast_dtype(tr.precision, self.device)
         self.scaler = DynamicLossScaler() if self.precision == torch.float16 else None
         fused = self.device.type == "cuda"
