@@ -89,8 +89,8 @@ class _Variant:
         if name == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            self.model = DistributedDataParallel(model, device_ids=[device.index])
-            self.autocast = torch.autocast("cuda", dtype=bf16)
+            self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            self.autocast = torch.autocast(device.type, dtype=bf16)
         elif name == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -116,20 +116,23 @@ class _Variant:
 
 
 def _time(variant: _Variant, batches, args: argparse.Namespace) -> dict:
+    cuda = batches[0][0].is_cuda
     for x, y in batches[: args.warmup]:
         variant.step(x, y)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     dist.barrier()
-    torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for x, y in batches[args.warmup :]:
         loss = variant.step(x, y)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     elapsed = torch.tensor([time.perf_counter() - start], device=x.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     loss = loss.float().clone()
     dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-    peak = torch.tensor([torch.cuda.max_memory_allocated()], device=x.device, dtype=torch.float64)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() if cuda else 0], device=x.device, dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"step_s": elapsed.item() / args.steps, "loss": loss.item(), "peak_memory_gib": peak.item() / 2**30}
 
@@ -150,9 +153,13 @@ def main() -> None:
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
 
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:  # a CPU check of the script itself (Gloo); its timings mean nothing for GPUs
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = RankGrid.build(ParallelDims(world_size=world, dp=world, pp=1, tp=1))
     config = preset("llama", args.preset)
@@ -171,13 +178,14 @@ def main() -> None:
         result = _time(variant, batches, args)
         del variant
         gc.collect()
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         tokens_per_s = tokens_per_step / result["step_s"]
         record = {
             "variant": name,
             "preset": args.preset,
             "gpus": world,
-            "device": torch.cuda.get_device_name(device),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "seq_len": args.seq_len,
             "batch_per_gpu": args.batch_per_gpu,
