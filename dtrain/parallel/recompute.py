@@ -112,7 +112,23 @@ def parse_layers(text: str) -> int | list[int] | None:
     return [int(p) for p in parts]
 
 
-def _chosen(layers: int | Iterable[int] | None, count: int) -> list[int]:
+def from_text(mode: str, layers: str = "", keep: str = "") -> tuple[str, dict]:
+    """``(mode, keywords)`` of :func:`checkpoint_activations` from the text of ``dtrain train``'s options
+    (``activation_checkpointing``, ``recompute_layers``, ``recompute_keep``): ``layers`` as :func:`parse_layers`
+    reads it, ``keep`` comma-separated op kinds (empty: the whole block recomputed). The layers and kinds count
+    only for ``"selective"``; selective with neither is full recomputation."""
+    if mode != "selective":
+        return mode, {}
+    chosen = parse_layers(layers)
+    kinds = [k.strip() for k in keep.split(",") if k.strip()]
+    if chosen is None and not kinds:
+        return "full", {}
+    return mode, {"layers": chosen, "ops": kinds or None}
+
+
+def chosen_blocks(layers: int | Iterable[int] | None, count: int) -> list[int]:
+    """The indices of the blocks ``layers`` picks out of ``count`` (see :func:`checkpoint_activations`);
+    ValueError for an index out of range."""
     if layers is None:
         return list(range(count))
     if isinstance(layers, bool) or not isinstance(layers, int | Iterable):
@@ -167,7 +183,7 @@ def checkpoint_activations(
             raise ValueError(f"ops {list(ops)!r}: accepted op kinds to keep: {', '.join(OP_KINDS)} (at least one)")
     if mode == "none":
         return model
-    chosen = _chosen(layers, len(blocks))
+    chosen = chosen_blocks(layers, len(blocks))
     keep: frozenset[str] | None = None
     if mode == "selective":
         if ops is not None:

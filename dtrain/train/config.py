@@ -271,6 +271,38 @@ class TrainingSection(_Section):
         "float32", "dtype the gradients are averaged in over dp", choices=("float32", "bf16")
     )
     compile: bool = _option(False, "torch.compile each block")
+    activation_checkpointing: str = _option(
+        "none",
+        "recompute activations in backward instead of keeping them (dtrain.parallel.recompute): full (each block "
+        "keeps only its input) or selective (the blocks of recompute_layers, keeping the op kinds of recompute_keep)",
+        choices=("none", "full", "selective"),
+    )
+    recompute_layers: str = _option(
+        "", "selective: the blocks recomputed: empty for every block, every:K for every K-th, or indices like 0,2,5"
+    )
+    recompute_keep: str = _option(
+        "matmul",
+        "selective: comma-separated op kinds whose outputs the recomputed blocks keep (attention, matmul, norm, "
+        "elementwise); empty recomputes the whole block",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from dtrain.parallel.recompute import OP_KINDS, parse_layers
+
+        try:
+            parse_layers(self.recompute_layers)
+        except ValueError:
+            raise ConfigError(
+                "training.recompute_layers",
+                f"must be empty (every block), every:K or block indices like 0,2,5, got {self.recompute_layers!r}",
+            ) from None
+        kinds = [k.strip() for k in self.recompute_keep.split(",")] if self.recompute_keep.strip() else []
+        if any(k not in OP_KINDS for k in kinds):
+            raise ConfigError(
+                "training.recompute_keep",
+                f"must be comma-separated op kinds of {', '.join(OP_KINDS)} (or empty), got {self.recompute_keep!r}",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,6 +45,7 @@ from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
 from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize, validate_tensor_parallel
 from dtrain.parallel.pipeline_schedules import bubble_fraction, theoretical_bubble
+from dtrain.parallel.recompute import checkpoint_activations, chosen_blocks, from_text
 from dtrain.train.checkpoint import (
     checkpoint_path,
     latest_complete_step,
@@ -152,6 +153,11 @@ def validate_layout(config: TrainConfig, world_size: int, shape: ModelConfig) ->
         )
     if par.zero and par.dp == 1:
         raise ValueError(f"--zero: ZeRO stage {par.zero} shards over the dp ranks, but dp is 1")
+    tr = config.training
+    try:  # the recomputed blocks exist in this model
+        chosen_blocks(from_text(tr.activation_checkpointing, tr.recompute_layers)[1].get("layers"), shape.num_layers)
+    except ValueError as exc:
+        raise ValueError(f"--recompute-layers: {exc}") from None
     return dims
 
 
@@ -286,6 +292,8 @@ class _Trainer:
             model = hf.load_pretrained(config.model.weights, device=self.device)
         else:
             model = build(plan.model, device=self.device)
+        mode, options = from_text(tr.activation_checkpointing, tr.recompute_layers, tr.recompute_keep)
+        checkpoint_activations(model, mode, **options)  # on the plain model's blocks, before it is split
         # with tp > 1 the logits stay split over the vocabulary: the head never sits whole on one device
         self.loss_fn = causal_lm_loss(grid.tp_group, algorithm=par.algorithm)
         self.precision = autocast_dtype(tr.precision, self.device)

@@ -8,7 +8,13 @@ and that are still alive when backward starts (the activations autograd or the c
 from __future__ import annotations
 
 import gc
+import json
+import math
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dtrain.parallel.recompute import checkpoint_activations, checkpointed_blocks, op_kind, parse_layers
+from dtrain.train import loop
 from tests.jobs import recompute as jobs
 
 POOL_WORLD = 8
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _loss(model: torch.nn.Module) -> torch.Tensor:
@@ -181,3 +189,38 @@ def test_same_training_under_parallelism(pool, layout):
         assert got["full-blocks"] == blocks_per_rank, (rank, got)
         assert got["selective-ops-blocks"] == blocks_per_rank, (rank, got)
         assert got["selective-layers-blocks"] == 2 // pp, (rank, got)  # blocks 0 and 2: one on each stage
+
+
+def test_dtrain_train_with_full_checkpointing_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    command = [sys.executable, "-m", "dtrain", "train", "--out", str(tmp_path), "--nproc", "1", "--steps", "2"]
+    command += ["--seq-len", "16", "--batch-size", "2", "--precision", "float32", "--no-tensorboard", "--no-export"]
+    command += ["--activation-checkpointing", "full"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), records
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--recompute-layers", "1-3"], "--recompute-layers: must be empty (every block), every:K"),
+        (["--recompute-keep", "matmul,softmax"], "--recompute-keep: must be comma-separated op kinds"),
+        (
+            ["--activation-checkpointing", "selective", "--recompute-layers", "0,4"],
+            "--recompute-layers: layers: block index 4 is not in [0, 4)",
+        ),
+    ],
+)
+def test_bad_options_fail_before_any_rank_starts(tmp_path, capsys, monkeypatch, flags, message):
+    from dtrain.cli.main import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(loop, "run_ranks", refuse)
+    assert main(["train", "--out", str(tmp_path / "run"), *flags]) == 2
+    printed = capsys.readouterr().out
+    assert message in printed and printed.count("\n") == 1, printed
