@@ -29,6 +29,16 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
 
 
+RECOMPUTE = ("none", "selective", "full")  # dtrain.sim.model.RECOMPUTE, without importing the simulator here
+
+
+def _recompute_modes(text: str) -> list[str]:
+    modes = _names(text)
+    if not modes or any(m not in RECOMPUTE for m in modes):
+        raise argparse.ArgumentTypeError(f"expected comma-separated modes of {', '.join(RECOMPUTE)}, got {text!r}")
+    return modes
+
+
 def _slow_rank(text: str) -> tuple[int, float]:
     try:
         rank, factor = text.split(":")
@@ -65,6 +75,10 @@ def register(commands) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="sequences a step")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument(
+        "--recompute", choices=RECOMPUTE, default="none", help="activation recomputation: none, selective or full"
+    )
+    p.add_argument("--sequence-parallel", action="store_true", help="activations outside tp regions split over tp")
     p.add_argument("--placement", default="aware", help="aware or oblivious")
     _add_step_config(p)
     p.add_argument("--slow-rank", type=_slow_rank, action="append", default=[], help="RANK:FACTOR, a straggler")
@@ -82,6 +96,13 @@ def register(commands) -> None:
     p.add_argument("--zero", type=_ints, default=[0, 1], help="ZeRO stages to try, e.g. 0,1,2")
     p.add_argument("--placements", type=_names, default=["aware", "oblivious"], help="aware,oblivious")
     p.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to try")
+    p.add_argument(
+        "--recompute",
+        type=_recompute_modes,
+        default=list(RECOMPUTE),
+        help="activation recomputation modes to try, cheapest first: each layout takes the first that fits "
+        "(default none,selective,full)",
+    )
     _add_step_config(p)
     p.add_argument("--top", type=int, default=10, help="plans to show")
     p.set_defaults(handler=_plan)
@@ -227,7 +248,8 @@ def _simulate_train(args: argparse.Namespace) -> int:
 
     topo, model = _topology(args), _model(args)
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,
-                    zero_stage=args.zero, schedule=args.schedule)  # fmt: skip
+                    zero_stage=args.zero, schedule=args.schedule, recompute=args.recompute,
+                    sequence_parallel=args.sequence_parallel)  # fmt: skip
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma)
     result = simulate_step(model, layout, topo, place(topo, layout, args.placement), config)
     data = {"topology": topo.name, "model": asdict(model), "layout": asdict(layout), "placement": args.placement,
@@ -248,7 +270,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
     if not result.fits:
         console.print(
             f"[red]does not fit: {result.memory.total / 1e9:.1f} GB a device against {result.memory_limit / 1e9:.1f} "
-            "GB usable[/red] (try ZeRO with --zero, more tp or pp, or a smaller micro-batch)"
+            "GB usable[/red] (try ZeRO with --zero, --recompute, more tp or pp, or a smaller micro-batch)"
         )
     print_table(console, link_table(data["links"], "links over the step"))
     return 0
@@ -285,6 +307,7 @@ def _plan(args: argparse.Namespace) -> int:
         plans, dropped = plan(
             model, topo, global_batch=args.global_batch, devices=args.devices, placements=args.placements,
             config=_step_config(args), micro_batches=args.micro_batches, zero_stages=args.zero, max_tp=args.max_tp,
+            recompute=args.recompute,
             progress=lambda done, total: progress.update(task, completed=done, total=total),
         )  # fmt: skip
     rows = [
@@ -308,5 +331,7 @@ def _plan(args: argparse.Namespace) -> int:
                       f"{r['mfu']:.0%}", f"{r['memory_gb']:.1f}", r["bottleneck"] or "-", busy)  # fmt: skip
     print_table(console, table)
     if not plans:
-        console.print("no layout fits device memory: try more devices, ZeRO (--zero 0,1,2,3) or a smaller model")
+        console.print(
+            "no layout fits device memory: try more devices, ZeRO (--zero 0,1,2,3), --recompute full or a smaller model"
+        )
     return 0

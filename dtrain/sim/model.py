@@ -8,17 +8,45 @@ Training on GPU Clusters Using Megatron-LM", appendix, without the LM head's sha
 Memory per device, mixed-precision Adam (Rajbhandari et al. 2020, "ZeRO", section 3.1): ``2 P`` bytes of 16-bit
 weights, ``2 P`` of 16-bit gradients and ``12 P`` of optimizer state (32-bit master weights, momentum and
 variance), each cut by ``tp x pp``; ZeRO stage 1 cuts the optimizer state by ``dp``, stage 2 the gradients
-too, stage 3 the weights too. Activations of one transformer layer and one micro-batch, without recomputation
-and without sequence parallelism: ``s b h (10 + 24 / t + 5 a s / (h t))`` bytes (Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models", section 4.2.2, equation 2); a 1F1B stage holds
-at most ``pp`` micro-batches in flight (GPipe holds all ``m``).
+too, stage 3 the weights too. Activations of one transformer layer and one micro-batch, in bytes (Korthikanti
+et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", table 2; ``t`` the tensor-parallel
+degree):
+
+- no recomputation: ``s b h (10 + 24 / t + 5 a s / (h t))`` (equation 2; ``s b h (34 + 5 a s / h)`` at
+  ``t = 1``), with sequence parallelism ``s b h / t (34 + 5 a s / h)`` (equation 4);
+- selective recomputation of the attention core (section 5): ``s b h (10 + 24 / t)``, with sequence
+  parallelism ``34 s b h / t``;
+- full recomputation: the layer's input only, ``2 s b h`` (section 4.3), ``2 s b h / t`` with sequence
+  parallelism (the input kept split along the sequence).
+
+With recomputation the backward of one layer of one micro-batch also holds what it recomputes (the whole
+layer, or its attention core ``5 a s^2 b / t``) for a moment; that is added once. A 1F1B stage holds at most
+``pp`` micro-batches in flight (GPipe holds all ``m``).
+
+Recomputation costs FLOPs (:func:`recompute_flops_per_microbatch`): full recomputation runs each layer's
+forward again, ``(2 P + 4 L h s)`` a token, and its two tensor-parallel all-reduces; selective runs the
+attention core's forward again, ``4 L h s`` a token (Korthikanti et al. 2022, section 5), no communication.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ModelSpec", "Layout", "MemoryUse", "memory_per_device", "flops_per_microbatch", "MODELS"]
+__all__ = [
+    "MODELS",
+    "RECOMPUTE",
+    "Layout",
+    "MemoryUse",
+    "ModelSpec",
+    "activation_bytes_per_layer",
+    "flops_per_microbatch",
+    "memory_per_device",
+    "recompute_flops_per_microbatch",
+    "tp_all_reduces_per_layer",
+]
+
+#: Activation recomputation of a layout: none, the attention core of each layer, or each layer's whole forward.
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +83,10 @@ MODELS: dict[str, ModelSpec] = {
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """How a step is spread: ``dp x tp x pp`` ranks, ``micro_batch`` sequences a micro-batch and
-    ``global_batch`` sequences a step (so ``global_batch / (dp x micro_batch)`` micro-batches a replica)."""
+    ``global_batch`` sequences a step (so ``global_batch / (dp x micro_batch)`` micro-batches a replica);
+    ``recompute`` (one of :data:`RECOMPUTE`) and ``sequence_parallel`` (Korthikanti et al. 2022, section 4.2.2:
+    the activations outside the tensor-parallel regions split along the sequence; the same communication volume)
+    change what each layer keeps for backward."""
 
     dp: int = 1
     tp: int = 1
@@ -64,6 +95,8 @@ class Layout:
     global_batch: int = 1
     zero_stage: int = 0
     schedule: str = "1f1b"
+    recompute: str = "none"
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for field_name in ("dp", "tp", "pp", "micro_batch", "global_batch"):
@@ -79,6 +112,10 @@ class Layout:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
 
     @property
     def world_size(self) -> int:
@@ -98,7 +135,9 @@ class Layout:
 
     def describe(self) -> str:
         zero = f" zero{self.zero_stage}" if self.zero_stage else ""
-        return f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}x{self.microbatches}{zero}"
+        sp = " sp" if self.sequence_parallel else ""
+        recompute = f" recompute-{self.recompute}" if self.recompute != "none" else ""
+        return f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}x{self.microbatches}{zero}{sp}{recompute}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,11 +161,40 @@ def memory_per_device(model: ModelSpec, layout: Layout) -> MemoryUse:
     weights = 2 * shard / (layout.dp if stage >= 3 else 1)
     gradients = 2 * shard / (layout.dp if stage >= 2 else 1)
     optimizer = 12 * shard / (layout.dp if stage >= 1 else 1)
-    s, b, h, a, t = model.sequence, layout.micro_batch, model.hidden, model.heads, layout.tp
-    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     in_flight = layout.microbatches if layout.schedule == "gpipe" else min(layout.pp, layout.microbatches)
-    activations = per_layer * (model.layers / layout.pp) * in_flight
+    activations = activation_bytes_per_layer(model, layout) * (model.layers / layout.pp) * in_flight
+    if layout.recompute != "none":  # what one layer's backward recomputes, held while it runs
+        kept = activation_bytes_per_layer(model, layout, "none")
+        activations += kept if layout.recompute == "full" else kept - activation_bytes_per_layer(model, layout)
     return MemoryUse(weights=weights, gradients=gradients, optimizer=optimizer, activations=activations)
+
+
+def activation_bytes_per_layer(model: ModelSpec, layout: Layout, recompute: str | None = None) -> float:
+    """Bytes one transformer layer keeps for backward of one micro-batch on one device, under ``recompute``
+    (default: the layout's) and the layout's sequence parallelism (Korthikanti et al. 2022, table 2)."""
+    recompute = layout.recompute if recompute is None else recompute
+    s, b, h, a, t = model.sequence, layout.micro_batch, model.hidden, model.heads, layout.tp
+    sp = layout.sequence_parallel
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    attention_core = 5 * a * s / (h * t)
+    outside = 34 / t if sp else 10 + 24 / t  # the norms and dropouts are split over t only with sequence parallelism
+    return s * b * h * (outside + (attention_core if recompute == "none" else 0.0))
+
+
+def tp_all_reduces_per_layer(layout: Layout) -> int:
+    """Tensor-parallel all-reduces (or reduce-scatter and all-gather pairs) a layer and micro-batch: two forward,
+    two backward, and two more where full recomputation runs the forward again."""
+    return 6 if layout.recompute == "full" else 4
+
+
+def recompute_flops_per_microbatch(model: ModelSpec, layout: Layout) -> float:
+    """FLOPs of one micro-batch on one device spent recomputing activations in backward: one more forward
+    ``(2 P + 4 L h s)`` a token (full), the attention core's forward ``4 L h s`` a token (selective), or 0."""
+    tokens = layout.micro_batch * model.sequence
+    attention = 4 * model.layers * model.hidden * model.sequence
+    per_token = {"none": 0.0, "selective": attention, "full": 2 * model.parameters + attention}[layout.recompute]
+    return per_token * tokens / (layout.tp * layout.pp)
 
 
 def flops_per_microbatch(model: ModelSpec, layout: Layout) -> float:

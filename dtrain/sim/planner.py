@@ -5,17 +5,21 @@ Layouts follow the rules the strategies impose (:mod:`dtrain.parallel`): the deg
 of devices used, tensor parallelism divides the attention heads, pipeline parallelism the layers, and every
 replica runs a whole number of micro-batches. Each layout is tried under each placement
 (:mod:`dtrain.sim.placement`) and each ZeRO stage asked for; memory is checked first (it costs nothing), then
-the step is simulated (:mod:`dtrain.sim.step`). The search is exhaustive over these small sets, as in
+the step is simulated (:mod:`dtrain.sim.step`). A layout that does not fit without activation recomputation
+takes the cheapest recomputation that makes it fit, in the order asked for (by default none, then selective,
+then full: each keeps less and costs more FLOPs; Korthikanti et al. 2022), so a model that fits only with
+recomputation still gets a plan. The search is exhaustive over these small sets, as in
 Megatron-LM's own sweeps (Narayanan et al. 2021, section 3) rather than a cost-model search like Alpa's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dtrain.cluster.topology import Topology
-from dtrain.sim.model import Layout, ModelSpec, flops_per_microbatch, memory_per_device
+from dtrain.sim.model import RECOMPUTE, Layout, ModelSpec, flops_per_microbatch, memory_per_device
 from dtrain.sim.placement import PLACEMENTS, place
 from dtrain.sim.step import StepConfig, StepResult, simulate_step
 
@@ -86,10 +90,15 @@ def plan(
     micro_batches: Sequence[int] = (1, 2, 4, 8),
     zero_stages: Sequence[int] = (0, 1),
     max_tp: int | None = None,
+    recompute: Sequence[str] = RECOMPUTE,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[Plan], int]:
-    """Plans that fit, fastest first, and how many layouts were left out for memory."""
+    """Plans that fit, fastest first, and how many layouts were left out for memory. Each layout takes the first
+    mode of ``recompute`` (activation recomputation, from :data:`~dtrain.sim.model.RECOMPUTE`) under which it
+    fits."""
     config = config or StepConfig()
+    if not recompute or any(mode not in RECOMPUTE for mode in recompute):
+        raise ValueError(f"recompute modes {list(recompute)!r}: accepted: {', '.join(RECOMPUTE)} (at least one)")
     devices = devices or len(topology.devices())
     layouts = candidate_layouts(
         model, devices, global_batch, micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp
@@ -100,7 +109,13 @@ def plan(
             f"check that the batch is a multiple of the data-parallel degrees and micro-batch sizes"
         )
     limit = config.memory_fraction * min(d.memory_bytes for d in topology.devices())
-    fitting = [lay for lay in layouts if memory_per_device(model, lay).total <= limit]
+    fitting = []
+    for lay in layouts:
+        for mode in recompute:
+            candidate = dataclasses.replace(lay, recompute=mode)
+            if memory_per_device(model, candidate).total <= limit:
+                fitting.append(candidate)
+                break
     plans: list[Plan] = []
     cache: dict = {}
     work = []

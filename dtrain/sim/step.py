@@ -17,6 +17,8 @@ What each strategy sends mirrors :mod:`dtrain.parallel`:
   1.5x volume) reduce-scatters and all-gathers the weights twice.
 
 Every collective is a ``dtrain.comm`` schedule replayed on the placement (:mod:`dtrain.sim.traffic`).
+Activation recomputation (``Layout.recompute``) adds its FLOPs to each backward, and under full recomputation
+the forward's two tensor-parallel all-reduces a layer run again (:mod:`dtrain.sim.model`).
 Compute is FLOPs over each device's peak times an efficiency; a straggler multiplies a rank's compute. The
 step is synchronous: a tensor-parallel group runs at its slowest member, a pipeline at its stages' pace, and
 the data-parallel all-reduce waits for the slowest replica.
@@ -33,7 +35,15 @@ import numpy as np
 from dtrain.cluster.topology import Topology
 from dtrain.sim.collective import CollectiveResult, SoftwareCost
 from dtrain.sim.flows import LinkUsage
-from dtrain.sim.model import Layout, MemoryUse, ModelSpec, flops_per_microbatch, memory_per_device
+from dtrain.sim.model import (
+    Layout,
+    MemoryUse,
+    ModelSpec,
+    flops_per_microbatch,
+    memory_per_device,
+    recompute_flops_per_microbatch,
+    tp_all_reduces_per_layer,
+)
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import group
 from dtrain.sim.traffic import Cache, simulate_traffic
@@ -118,17 +128,21 @@ def _stage_times(
     tp_s: float,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Per replica and stage, forward and backward seconds of one micro-batch: compute at the stage's slowest
-    tensor-parallel rank (FLOPs split 1:2 between forward and backward), plus two tp all-reduces a layer each way."""
+    tensor-parallel rank (FLOPs split 1:2 between forward and backward, the recomputation's FLOPs added to
+    backward), plus two tp all-reduces a layer each way (and two more in backward under full recomputation)."""
     flops = flops_per_microbatch(model, layout) / config.efficiency
+    extra = recompute_flops_per_microbatch(model, layout) / config.efficiency
     layers = model.layers // layout.pp
+    backward_all_reduces = tp_all_reduces_per_layer(layout) - 2
     forward, backward = [], []
     for d in range(layout.dp):
         fw, bw = [], []
         for p in range(layout.pp):
             ranks = group(layout, "tp", d, p, 0)
-            compute = flops * max(factors[r] / topo.device(placement[r]).peak_flops for r in ranks)
+            slowest = max(factors[r] / topo.device(placement[r]).peak_flops for r in ranks)
+            compute = flops * slowest
             fw.append(compute / 3 + 2 * layers * tp_s)
-            bw.append(2 * compute / 3 + 2 * layers * tp_s)
+            bw.append(2 * compute / 3 + extra * slowest + backward_all_reduces * layers * tp_s)
         forward.append(fw)
         backward.append(bw)
     return forward, backward
@@ -214,14 +228,14 @@ def simulate_step(
     step_s = float(np.median(steps))
     ideal_f, ideal_b = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
     compute_s = m * max(f + b for f, b in zip(ideal_f[0], ideal_b[0], strict=True))
-    layers = model.layers // layout.pp
-    parts = [(tp, 4 * layers * m), (pp, 2 * m)] + [(r, 1) for r in dp]
+    tp_count = tp_all_reduces_per_layer(layout) * (model.layers // layout.pp) * m
+    parts = [(tp, tp_count), (pp, 2 * m)] + [(r, 1) for r in dp]
     return StepResult(
         step_s=step_s,
         step_p95_s=float(np.percentile(steps, 95)),
         pipeline_s=float(np.median(pipelines)),
         compute_s=compute_s,
-        tp_s=4 * layers * m * tp_s,
+        tp_s=tp_count * tp_s,
         pp_s=pp_s,
         dp_s=dp_s,
         dp_exposed_s=float(np.median(exposed_dp)),
