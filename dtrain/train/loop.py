@@ -318,6 +318,8 @@ class _Trainer:
             for module in self.hybrid.module.modules():
                 if isinstance(module, Block):
                     module.compile()
+            if par.tp == 1:  # one fused kernel reads the bf16 logits: no float32 copy of (B, T, V)
+                self.loss_fn = torch.compile(self.loss_fn)
         self.pipeline, self.optimizer = self.hybrid.pipeline, self.hybrid.optimizer
         sched = config.lr_schedule
         self.lr = lr_schedule(
