@@ -3,7 +3,8 @@
 Every call checks its arguments on this rank before a byte is sent, lays the tensors out as the schedule's
 flat work buffer (see :mod:`dtrain.comm.ir.schedule`), runs the schedule through the torch.distributed
 point-to-point transport, and copies the result back where it belongs. ``algorithm="native"`` hands the call
-to torch.distributed; ``algorithm="auto"`` asks the cost model for the fastest of ours.
+to torch.distributed; ``algorithm="auto"`` follows what was measured fastest (:mod:`dtrain.comm.cost.rules`), and
+is ``native`` where nothing was measured.
 """
 
 from __future__ import annotations
@@ -74,22 +75,22 @@ def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: 
 @lru_cache(maxsize=4096)
 def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int | None) -> str:
     """The choice for ``auto``, kept: a measured rule (:mod:`dtrain.comm.cost.rules`: the rules file, else the built-in
-    rules) where one covers the call, else the cost model's least predicted time. Pricing every candidate costs
-    tens of microseconds of host time a call, as much as a small collective itself on a GPU (the parameters are
-    read once per process anyway)."""
+    rules) where one covers the call, the cost model's least predicted time among ours where that rule says
+    :data:`~dtrain.comm.cost.rules.MODEL`, else ``native``: the model does not price the backend's own
+    collectives, so without a measurement it cannot show that ours win. Pricing every candidate costs tens of
+    microseconds of host time a call, as much as a small collective itself on a GPU (the choice is kept)."""
     from dtrain.comm.cost import model as cost
-
-    candidates = [a for a in registry.names(coll) if local_size or not registry.needs_local_size(a)]
     from dtrain.comm.cost import rules
 
+    candidates = [a for a in registry.names(coll) if local_size or not registry.needs_local_size(a)]
     for measured in (_rules(kind), rules.built_in(kind, world, local_size)):  # the file first, then built in
         if measured is not None and measured.covers(kind, world, local_size):
             picked = measured.pick(coll.value, nbytes)
-            if picked in candidates:
+            if picked == rules.NATIVE or picked in candidates:
                 return picked
             if picked == rules.MODEL:
-                break
-    return cost.choose(coll, nbytes, world, _params(kind), candidates=candidates, local_size=local_size)
+                return cost.choose(coll, nbytes, world, _params(kind), candidates=candidates, local_size=local_size)
+    return rules.NATIVE
 
 
 @lru_cache(maxsize=4)
