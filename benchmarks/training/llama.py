@@ -61,9 +61,14 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 _compiled_loss = torch.compile(_loss)
 
 
+def _config(args: argparse.Namespace):
+    """The preset, with the head untied from the embedding on request (the shape torchtitan's Llama 3 trains)."""
+    return preset("llama", args.preset, **({"tie_word_embeddings": False} if args.untied else {}))
+
+
 def _model(args: argparse.Namespace, device: torch.device):
     torch.manual_seed(SEED)
-    model = build(preset("llama", args.preset), device=device)
+    model = build(_config(args), device=device)
     if args.compile:  # each block on its own, before any wrapper, as torchtitan applies it
         for module in model.modules():
             if isinstance(module, Block):
@@ -174,6 +179,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--compile", action="store_true", help="torch.compile each block and the loss")
+    parser.add_argument("--untied", action="store_true", help="a head of its own, not the embedding's weight")
     parser.add_argument("--profile", default=None, help="after timing, profile 3 steps; rank 0 writes the table here")
     parser.add_argument("--out", default=None, help="JSON lines, one per variant")
     args = parser.parse_args()
@@ -191,7 +197,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = RankGrid.build(ParallelDims(world_size=world, dp=world, pp=1, tp=1))
-    config = preset("llama", args.preset)
+    config = _config(args)
     gen = torch.Generator().manual_seed(SEED + 1)
     batches = []
     for _ in range(args.warmup + args.steps):
@@ -221,6 +227,7 @@ def main() -> None:
             "seq_len": args.seq_len,
             "batch_per_gpu": args.batch_per_gpu,
             "compile": args.compile,
+            "tied_embeddings": config.tie_word_embeddings,
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * flops / (world * peak) if peak else None,
             **result,
