@@ -512,7 +512,52 @@ def section_llama() -> str:
         ),
         table(["layout", "loss 1", "loss 25", "loss 50", "loss 100", "tokens/s", "MFU", "peak GiB"], rows),
     ]
+    parts += _torchtitan_part()
     return "\n\n".join(parts)
+
+
+def _torchtitan_part() -> list[str]:
+    """torchtitan's Llama 3 trainer beside dtrain, DDP and FSDP2 on the untied 1B shape it trains."""
+    ours = load("llama_1b_untied_dp-h100x4.jsonl")
+    titan = load("torchtitan_1b-h100x4.jsonl")
+    ref = {r["compile"]: r for r in ours if r["variant"] == "dtrain"}
+    rows = []
+    for r in [*ours, *titan]:
+        compiled = r.get("compile", r["variant"].endswith("-compile"))
+        loading = r.get("data_loading_s")
+        rows.append(
+            [
+                r["variant"].removesuffix("-compile"),
+                "yes" if compiled else "no",
+                f"{r['step_s'] * 1e3:.1f}",
+                f"{loading * 1e3:.1f}" if loading is not None else "-",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['mfu']:.1%}",
+                f"{ref[compiled]['tokens_per_s'] / r['tokens_per_s']:.3f}",
+                f"{r['peak_memory_gib']:.1f}",
+            ]
+        )
+    first = titan[0]
+    return [
+        "### Beside torchtitan",
+        f"torchtitan {first['torchtitan']} (the newest release that runs on torch {first['torch']}) trains its "
+        "Llama 3 model in the same 1B shape, with an untied head as its Llama 3 has "
+        f"({first['parameters'] / 1e9:.2f} B parameters): FSDP2 over the 4 GPUs with bf16 parameters and float32 "
+        "gradient reduction, fused AdamW, clipping to norm 1.0, no activation checkpointing, 4 x 2048 tokens a "
+        "GPU; compiled means its model and loss compiled. dtrain, DDP and FSDP2 ran the same untied shape through "
+        "benchmarks/training/llama.py. torchtitan's step includes reading and tokenizing its batch in the training "
+        "process (the `data ms` column, its own figure); the others train on batches already on the GPU. "
+        "`dtrain /` is dtrain's tokens/s over the row's, compiled alike.",
+        setting(
+            f"4 x {first['device']}, NVLink through NVSwitch",
+            f"torch {first['torch']}, NCCL {NCCL}, torchtitan {first['torchtitan']}",
+            "torchrun --nproc-per-node 4 benchmarks/training/torchtitan_llama.py --preset 1b --seq-len 2048 "
+            "--batch-per-gpu 4 --steps 20 --warmup 5 [--compile]; torchrun --nproc-per-node 4 "
+            "benchmarks/training/llama.py --preset 1b --untied --variants V [--compile]",
+            "`torchtitan_1b-h100x4.jsonl`, `llama_1b_untied_dp-h100x4.jsonl`",
+        ),
+        table(["trainer", "compiled", "step ms", "data ms", "tokens/s", "MFU", "dtrain /", "peak GiB"], rows),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------------- pipeline
