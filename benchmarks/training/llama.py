@@ -16,6 +16,8 @@ and AdamW (fused), gradients clipped to global norm 1.0, and bf16 compute:
   (buckets overlapped with backward, the all-reduce the backend's own: NCCL);
 - ``dtrain-auto``: the same with the all-reduce algorithm chosen by dtrain's ``auto`` rule;
 - ``dtrain-bf16-reduce``: ``dtrain`` with the gradients averaged in bf16;
+- ``dtrain-zero1``, ``-zero2``, ``-zero3``: ``dtrain`` with ZeRO stage 1 (optimizer state sharded over the GPUs),
+  2 (and gradients) or 3 (and parameters: each block a unit gathered in bf16 while it computes, float32 shards);
 - ``ddp``: ``DistributedDataParallel`` (default 25 MiB buckets) with the same autocast;
 - ``fsdp2``: ``fully_shard`` on each block and on the root, ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=float32)`` (parameters gathered and computed in bf16, gradients reduce-scattered in float32).
@@ -50,7 +52,16 @@ from dtrain.parallel.hybrid import HybridParallel
 from dtrain.train.metrics import peak_flops
 from dtrain.train.optim import adamw
 
-VARIANTS = ("dtrain", "dtrain-auto", "dtrain-bf16-reduce", "ddp", "fsdp2")
+VARIANTS = (
+    "dtrain",
+    "dtrain-auto",
+    "dtrain-bf16-reduce",
+    "dtrain-zero1",
+    "dtrain-zero2",
+    "dtrain-zero3",
+    "ddp",
+    "fsdp2",
+)
 SEED = 0
 
 
@@ -98,6 +109,7 @@ class _Variant:
                 autocast_dtype=bf16,
                 reduce_dtype=bf16 if name == "dtrain-bf16-reduce" else None,
                 algorithm="auto" if name == "dtrain-auto" else "native",
+                zero_stage=int(name[-1]) if name.startswith("dtrain-zero") else 0,
             )
             return
         self.hybrid = None
