@@ -38,6 +38,8 @@ def _check(coll: str, algorithm: str, group: MPIGroup, sizes: list[int], seed: i
     for size in sizes:
         numel = size * world if coll in BLOCKED else size
         for dtype, op, contiguous, root in _cases(coll, world):
+            if world > 2 and dtype not in (torch.float32, torch.bfloat16, torch.int64):
+                continue  # every dtype runs on 2 ranks
             seed += 1
             inputs = [_input(r, numel, dtype, seed, op) for r in range(world)]
             mine = _strided(inputs[rank], contiguous)
@@ -84,14 +86,17 @@ def collectives() -> int:
         found, n = _check(coll, algorithm, halves, [3], 99)
         problems += found
         calls += n
-    for algorithm in ("native", "dissemination", "auto"):  # a late rank holds every other rank in the barrier
-        if group.rank == group.size - 1:
-            time.sleep(0.2)
-        start = time.monotonic()
+    late = group.size - 1
+    for algorithm in ("native", "dissemination", "auto"):  # no rank may leave before the late rank entered
+        if group.rank == late:
+            time.sleep(0.1)
+        entered = time.time()
         comm.barrier(group=group, algorithm=algorithm)
-        waited = time.monotonic() - start
-        if group.rank != group.size - 1 and waited < 0.15:
-            problems.append(f"barrier/{algorithm}: rank {group.rank} left after {waited:.3f} s, before the late rank")
+        left = time.time()
+        stamp = torch.tensor([entered], dtype=torch.float64)
+        MPI.COMM_WORLD.Bcast([stamp.numpy(), MPI.DOUBLE], root=late)
+        if left < stamp.item():
+            problems.append(f"barrier/{algorithm}: rank {group.rank} left before the late rank entered")
     return _report(group, "collectives", problems, calls)
 
 
@@ -129,7 +134,7 @@ def _missing_peer(coll: str, algorithm: str, how: str) -> list[str]:
             for words in (f"{coll}/{algorithm}", "round 0", "rank 1 (global 1)", "timed out"):
                 if words not in text:
                     problems.append(f"the error does not say {words!r}: {text}")
-            if not 0.9 < took < 5:
+            if not 0.9 < took < 10:
                 problems.append(f"{coll}/{algorithm}: raised after {took:.2f} s, not about 1 s")
         finally:
             os.environ.pop("DTRAIN_COMM_TIMEOUT", None)
