@@ -1,10 +1,11 @@
 """The public collectives: torch.distributed-like functions that run our own algorithms.
 
 Every call checks its arguments on this rank before a byte is sent, lays the tensors out as the schedule's
-flat work buffer (see :mod:`dtrain.comm.ir.schedule`), runs the schedule through the torch.distributed
-point-to-point transport, and copies the result back where it belongs. ``algorithm="native"`` hands the call
-to torch.distributed; ``algorithm="auto"`` follows what was measured fastest (:mod:`dtrain.comm.cost.rules`), and
-is ``native`` where nothing was measured.
+flat work buffer (see :mod:`dtrain.comm.ir.schedule`), runs the schedule through the group's transport
+(torch.distributed point-to-point or peer memory; MPI point-to-point for a :class:`dtrain.comm.mpi.MPIGroup`),
+and copies the result back where it belongs. ``algorithm="native"`` hands the call to torch.distributed (to
+MPI's own collective on an MPI group); ``algorithm="auto"`` follows what was measured fastest
+(:mod:`dtrain.comm.cost.rules`), and is ``native`` where nothing was measured.
 """
 
 from __future__ import annotations
