@@ -46,6 +46,14 @@ def _add_bench_comm(sub) -> None:
     p.add_argument("--graphs", action="store_true", help="on GPUs, also time each algorithm as a CUDA graph")
     p.add_argument("--out", default="runs/bench-comm.jsonl", help="JSON lines; the plot goes beside it as .png")
     p.add_argument(
+        "--transport",
+        choices=("torch", "mpi"),
+        default="torch",
+        help="torch: a torch.distributed group (Gloo/NCCL; our algorithms on DTRAIN_COMM_TRANSPORT's transport); "
+        "mpi: an MPI group, native = MPI's collectives, ours over MPI point-to-point; start it with mpirun "
+        "(mpirun -n 4 dtrain bench comm --transport mpi; --nproc is ignored)",
+    )
+    p.add_argument(
         "--rules-out",
         nargs="?",
         const="",
@@ -138,6 +146,7 @@ def _bench_comm(args: argparse.Namespace) -> int:
         out=args.out,
         nproc=args.nproc,
         rules_out=args.rules_out,
+        transport=args.transport,
     )
     bench_comm.run(config)
     return 0
