@@ -9,7 +9,7 @@
    (links of equal rate and latency in the same pattern, each pair with a single path so no hash picks one)
    give the same times: one is replayed and the others take its result, link by link. The tensor-parallel
    all-reduce of every server of a cluster is one replay.
-3. **Rounds in lock step beyond ``flow_limit``.** A part that would start more than ``flow_limit`` messages is
+3. **Rounds in lock step beyond ``flow_limit``.** When the jobs would start more than ``flow_limit`` messages, each part is
    replayed round by round, every rank waiting for the round's last message before the next (a bulk-synchronous
    approximation; ranks of a real run may run ahead), and rounds that move the same bytes between the same
    ranks are replayed once and counted as often as they occur: a ring all-reduce over ``n`` ranks is two round
@@ -93,6 +93,8 @@ def replay_jobs(
         for job, pairs in zip(jobs, job_pairs, strict=True)
     ]
     parts = _connected(routes)
+    # the limit counts every message to replay: many small parts cost as much as one large one
+    lock_step = flow_limit is not None and sum(job_messages) > flow_limit
     results: dict[int, _Part] = {}  # by part index
     seen: dict[tuple, tuple[int, list[_Key]]] = {}  # signature -> (part replayed, its links in signature order)
     for p, members in enumerate(parts):
@@ -101,9 +103,8 @@ def replay_jobs(
             first, first_order = seen[signature]
             results[p] = _relabel(results[first], first_order, order, topology)
             continue
-        messages = sum(job_messages[j] for j in members)
         sub = [jobs[j] for j in members]
-        if flow_limit is not None and messages > flow_limit:
+        if lock_step:
             results[p] = _lock_step(sub, members, [job_rounds[j] for j in members], topology, cost)
         else:
             results[p] = _exact(sub, members, topology, cost, itemsize)
