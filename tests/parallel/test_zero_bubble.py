@@ -20,6 +20,7 @@ from dtrain.parallel.pipeline_schedules import (
     zb_v,
 )
 from dtrain.parallel.weight_gradients import WeightGradStore
+from dtrain.sim.pipeline import pipeline_bubble, pipeline_makespan
 from tests.jobs import parallel as parallel_jobs
 from tests.jobs import pipeline as pipeline_jobs
 
@@ -123,3 +124,25 @@ def test_zero_bubble_layouts_train_llama_like_one_process(pool):
             assert (got["loss"], got["params"], got["norm"]) == (0.0, 0.0, 0.0), (name, rank, got)
             assert got["moved"] > 1e-3 and got["skipped"] == [False] * parallel_jobs.STEPS, (name, rank, got)
             assert got["exported"] == (0.0 if rank == 0 else None), (name, rank, got)
+
+
+def test_simulator_predicts_the_zero_bubble_schedules_and_what_messages_cost_them():
+    p, m, ones = 4, 8, [1.0] * 4
+    assert pipeline_bubble(ones, ones, 0.0, m, "zb-h1", weight_s=ones) == pytest.approx(
+        theoretical_bubble(p, m, schedule="zb-h1")
+    )
+    assert pipeline_bubble(ones, ones, 0.0, m, "zb-v", weight_s=ones) == pytest.approx(
+        theoretical_bubble(p, m, schedule="zb-v")
+    )
+    # 1F1B with its whole backward (B + W) against ZB-H1: the same work, a shorter step
+    assert pipeline_makespan(ones, [2.0] * 4, 0.0, m, "1f1b") - pipeline_makespan(
+        ones, ones, 0.0, m, "zb-h1", weight_s=ones
+    ) == pytest.approx(2 * (p - 1))
+    # a message costs every hop on the critical path; two chunks a stage halve the compute between hops, so with
+    # slow messages the chunked schedules lose their lead (the interleaved measurements' excess)
+    fast = {s: pipeline_bubble(ones, ones, 0.0, m, s, weight_s=ones) for s in ("1f1b", "interleaved-1f1b", "zb-v")}
+    slow = {s: pipeline_bubble(ones, ones, 0.5, m, s, weight_s=ones) for s in fast}
+    assert fast["zb-v"] < fast["interleaved-1f1b"] < fast["1f1b"]
+    assert slow["interleaved-1f1b"] - fast["interleaved-1f1b"] > slow["1f1b"] - fast["1f1b"]
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb-h2'"):
+        pipeline_makespan(ones, ones, 0.0, m, "zb-h2")
