@@ -3,7 +3,8 @@
 Inter-operator parallelism places consecutive layers on different devices; pipelining splits each batch into
 ``m`` micro-batches so the stages work at once (GPipe, Huang et al. 2019; 1F1B / PipeDream-Flush, Narayanan et
 al. 2019 and 2021; interleaved 1F1B, Narayanan et al. 2021 section 2.2.2, where each rank holds ``v`` chunks
-of the model and the bubble shrinks ``v`` times). The schedules are data
+of the model and the bubble shrinks ``v`` times; ZB-H1 and ZB-V, Qi et al. 2024, which split each backward into
+the input gradient B and the weight gradient W, :mod:`dtrain.parallel.weight_gradients`). The schedules are data
 (:mod:`dtrain.parallel.pipeline_schedules`); the runner here executes one, talking to its neighbours through
 :mod:`dtrain.parallel.pipeline_parallel_communications`.
 
@@ -152,11 +153,13 @@ class PipelineStage(nn.Module):
 class PipelineParallel:
     """Trains ``sequential`` as a pipeline over ``group``: this rank runs its :class:`PipelineStage` (or chunks).
 
-    ``schedule`` is "gpipe", "1f1b" or "interleaved-1f1b"
+    ``schedule`` is "gpipe", "1f1b", "interleaved-1f1b", "zb-h1" or "zb-v"
     (:data:`~dtrain.parallel.pipeline_schedules.SCHEDULES`). Interleaved 1F1B cuts the model into
     ``virtual_stages * p`` chunks (default ``virtual_stages=2``) and this rank holds chunks ``s, s + p, ...``:
     :attr:`chunks` lists them and :attr:`stage` is an ``nn.ModuleList`` of them (the :class:`PipelineStage`
-    itself for the other schedules). After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
+    itself for the other schedules). ZB-V holds 2 chunks, virtual stages ``s`` and ``2p - 1 - s``. Under ZB-H1 and
+    ZB-V, :attr:`weight_grads` defers the linear layers' weight gradients from each B to its W action.
+    After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
     for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`. ``grad_group`` (the same ranks as
     ``group``, another process group) carries the gradients, so that on NCCL the two directions between two
     stages do not queue behind each other (:mod:`~dtrain.parallel.pipeline_parallel_communications`); the rank

@@ -1,30 +1,31 @@
 """Where pipeline parallelism talks to the network: activations forward, gradients backward, to the neighbours.
 
-Point to point over the pipeline group with ``torch.distributed.isend`` / ``irecv`` (Gloo on CPU, NCCL on GPU),
-peers translated from group ranks with ``dist.get_global_rank``. The receiver never needs the shape by hand:
-the first message of each direction in a step is preceded by a fixed-size int64 header (ndim, dtype code,
-dims, padding), never a pickle; the other micro-batches of the step reuse it (all micro-batches of a step have
-one shape), so the steady state sends payload only, as Megatron-LM's ``p2p_communication`` does with its
-shape exchange.
+Point to point with ``torch.distributed.isend`` / ``irecv`` (Gloo on CPU, NCCL on GPU), peers translated from
+group ranks with ``dist.get_global_rank``. The receiver never needs the shape by hand: the first message of
+each (direction, virtual stage) the link ever carries is preceded by a fixed-size int64 header (ndim, dtype
+code, dims, padding), never a pickle; every later message, in this step and the next ones, reuses it, so the
+steady state sends payload only and reads nothing back to the host (Megatron-LM's ``p2p_communication`` exchanges
+shapes the same way, once).
 
-Sends are non-blocking and only waited on at the end of a step (their buffers are kept alive until then);
-receives block. With sends that never block, the GPipe and 1F1B schedules cannot deadlock (Narayanan et al.
-2021 rely on the same property). On NCCL that holds for the host but not for the GPU: ProcessGroupNCCL runs a
-pair's unbatched sends and receives on one stream, both directions, in the order posted, and a large send
-waits for its receive. In 1F1B's steady state stage s posts send_forward before recv_backward while stage
-s + 1 posts send_backward before recv_forward, and each send then waits behind the other rank's send (seen
-on 4 H200s with 32-64 MiB activations, docs/parallel.md). So gradients travel on a second process group
-over the same ranks (``grad_group``; :func:`backward_group` for the whole world, the rank grid's
-``pp_grad_group`` otherwise): each direction of a pair has its own communicator and stream, and within one
-direction the receives come in the order of the sends.
+Every rank knows every stage's actions (:meth:`StageLink.plan`), so it knows, for each peer, the order in which
+that peer will send to it (:func:`messages`). It posts its receives in that order (NCCL ignores tags and matches
+in order), ahead of the action that needs them: :meth:`StageLink.prefetch` after each action posts the receives
+of the next two, so a transfer overlaps the compute before it. Sends are asynchronous, polled between actions
+and waited at the end of the step only.
 
-With interleaved 1F1B each rank holds ``v`` model chunks, chunk ``c`` of rank ``s`` being virtual stage
-``u = c p + s``: activations go from ``u`` to ``u + 1`` (rank ``s + 1``, or rank 0's next chunk after the last
-rank), so the links form a ring. Every message carries the tag ``2 u' + direction`` of the virtual stage ``u'``
-that receives it: on 2 ranks both directions join the same pair of processes, and a receive must not take a
-message meant for another chunk or direction (Gloo matches by peer and tag, in order within a tag). NCCL
-ignores tags; it needs no more, since on every ordered pair of ranks the schedule's receives come in the order
-of the sends (tests/parallel/test_pipeline_parallel.py checks it for p = 2 to 4).
+Messages to a higher stage travel on ``group``, to a lower one on ``grad_group`` (:func:`backward_group` for the
+whole world, the rank grid's ``pp_grad_group`` otherwise). ProcessGroupNCCL runs a pair's sends and receives of
+one communicator on one stream, in the order posted, and a large send waits for its receive; with both
+directions of a pair on one communicator, two stages that each send before they receive wait on each other (seen
+on 4 H200s with 1F1B, docs/parallel.md). With one direction a communicator, each stream carries a one-way flow,
+and no wait can close a cycle, whatever the schedule: GPipe and 1F1B (activations up, gradients down),
+interleaved 1F1B (whose ring sends the last rank's activations down to rank 0) and ZB-V (whose second chunk runs
+down the stages).
+
+Chunk ``c`` of rank ``s`` is virtual stage :func:`~dtrain.parallel.pipeline_schedules.virtual_stage` ``(s, c)``:
+``c p + s`` for interleaved 1F1B, ``s`` and ``2p - 1 - s`` in ZB-V's V, where the turn from virtual stage
+``p - 1`` to ``p`` stays on the last rank and is handed over without a message. Every message carries the tag
+``2 u' + direction`` of the virtual stage ``u'`` that receives it (Gloo matches by peer and tag).
 """
 
 from __future__ import annotations

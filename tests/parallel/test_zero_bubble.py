@@ -4,10 +4,13 @@ with data and tensor parallelism on the decoders of :mod:`dtrain.models`."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
+from dtrain.cli.main import main
 from dtrain.parallel.pipeline_parallel_communications import messages
 from dtrain.parallel.pipeline_schedules import (
     draw_schedule,
@@ -146,3 +149,18 @@ def test_simulator_predicts_the_zero_bubble_schedules_and_what_messages_cost_the
     assert slow["interleaved-1f1b"] - fast["interleaved-1f1b"] > slow["1f1b"] - fast["1f1b"]
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zb-h2'"):
         pipeline_makespan(ones, ones, 0.0, m, "zb-h2")
+
+
+def test_bench_pipeline_prints_measured_beside_theory_and_torchs(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    common = ["bench", "pipeline", "--nproc", "2", "--microbatches", "2", "--layers", "4", "--width", "8"]
+    common += ["--batch", "4", "--warmup", "1", "--steps", "1", "--schedules", "1f1b,zb-h1,zb-v", "--out", str(out)]
+    assert main(common) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("1f1b", 2), ("zb-h1", 2), ("zb-v", 2)]
+    for r in rows:
+        assert r["bubble_theory"] == pytest.approx(theoretical_bubble(2, 2, schedule=r["schedule"]), abs=1e-4)
+        assert r["bubble_measured"] < 1 and r["step_ms"] > 0
+    assert rows[0]["torch_step_ms"] > 0 and rows[1]["torch_step_ms"] is None  # torch has no single-chunk ZB-H1
+    assert main(["bench", "pipeline", "--schedules", "zb-h2"]) == 2
+    assert "--schedules: unknown zb-h2" in capsys.readouterr().out
