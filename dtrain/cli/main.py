@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_comm(bench_commands)
     _add_bench_calibrate(bench_commands)
     _add_bench_verify(bench_commands)
+    from dtrain.cli import bench_pipeline
+
+    bench_pipeline.add_parser(bench_commands)
     _add_train(commands)
     for module in _feature_modules():
         module.register(commands)
@@ -210,6 +213,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if check_all(args.max_world, args.pipeline) else 1
     if args.command == "train":
         return _train(args)
+    if args.bench_command == "pipeline":
+        from dtrain.cli import bench_pipeline
+
+        return bench_pipeline.run(args)
     if args.bench_command == "comm":
         return _bench_comm(args)
     if args.bench_command == "verify":

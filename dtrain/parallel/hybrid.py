@@ -49,6 +49,7 @@ from dtrain.parallel.data_parallel import DataParallel, broadcast_algorithm, bro
 from dtrain.parallel.grid import RankGrid
 from dtrain.parallel.parallelize import tensor_parallelize
 from dtrain.parallel.pipeline_parallel import LossFn, PipelineParallel, partition_layers
+from dtrain.parallel.pipeline_schedules import PLACEMENT, SPLIT_BACKWARD, chunks_per_stage, stage_of_virtual
 from dtrain.parallel.tensor_parallel import ParallelMLP
 from dtrain.parallel.zero import ZeroOptimizer
 
@@ -147,6 +148,8 @@ class HybridParallel:
             raise ValueError(f"accumulation must be a positive int, got {accumulation!r}")
         if balance not in ("layers", "params", "flops"):
             raise ValueError(f"balance must be 'layers', 'params' or 'flops', got {balance!r}")
+        if zero_stage == 2 and grid.dims.pp > 1 and schedule in SPLIT_BACKWARD:
+            raise ValueError(f"zero_stage=2 reduces gradients during backward; schedule {schedule!r} defers them to W")
         self.grid, self.algorithm, self.device = grid, algorithm, device
         self.zero_stage, self.accumulation, self.reduce_dtype = zero_stage, accumulation, reduce_dtype
         dims = grid.dims
@@ -169,9 +172,11 @@ class HybridParallel:
         if device is not None:
             model = model.to(device)
         p = dims.pp
-        v = virtual_stages if schedule == "interleaved-1f1b" else 1
+        v, placement = chunks_per_stage(schedule, virtual_stages), PLACEMENT.get(schedule, "loop")
         cuts = partition_layers(model, v * p, balance=balance) if p > 1 else [range(len(model))]
-        self._stage_of_layer = {layer: u % p for u, cut in enumerate(cuts) for layer in cut}
+        self._stage_of_layer = {
+            layer: stage_of_virtual(u, p, placement)[0] for u, cut in enumerate(cuts) for layer in cut
+        }
         self.pipeline: PipelineParallel | None = None
         if p > 1:
             self.pipeline = PipelineParallel(
