@@ -100,32 +100,36 @@ class _Flat:
         return self.numel * self.full.element_size()
 
 
-def hybrid_shard_groups(grid, shard_size: int) -> tuple[object, object | None]:
-    """(shard group, replicate group) of this rank for hybrid sharding over ``grid.dp_group``: the dp ranks are
-    cut into consecutive blocks of ``shard_size`` (the shard groups, e.g. one node each); the ranks of equal
-    place in their blocks replicate each other. Every process of the default group must call it (it makes
-    process groups). ``shard_size`` equal to dp gives ``(grid.dp_group, None)``."""
-    dims = grid.dims
+def hybrid_shard_groups(dims, shard_size: int, base_ranks: Sequence[int] | None = None) -> tuple[object, object] | None:
+    """(shard group, replicate group) of this rank for hybrid sharding over the dp groups of the rank grid
+    ``dims`` (a :class:`~dtrain.parallel.grid.ParallelDims`) on ``base_ranks`` (default: every rank): each dp group
+    is cut into consecutive blocks of ``shard_size`` dp ranks (the shard groups, e.g. one node each); the ranks of
+    equal place in their blocks replicate each other. None off the grid. Every process of the default group must
+    call it with the same arguments, as :meth:`~dtrain.parallel.grid.RankGrid.build` (it makes process groups)."""
     dp = dims.dp
-    if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1 or dp % shard_size:
-        raise ValueError(f"shard_size must be a positive int dividing dp={dp}, got {shard_size!r}")
-    if shard_size == dp:
-        return grid.dp_group, None
-    blocks = dp // shard_size
+    if not isinstance(shard_size, int) or isinstance(shard_size, bool) or not 1 <= shard_size < dp or dp % shard_size:
+        raise ValueError(f"shard_size must be a divisor of dp={dp} smaller than dp, got {shard_size!r}")
+    base = tuple(base_ranks) if base_ranks is not None else tuple(range(dist.get_world_size()))
+    if len(base) != dims.world_size:
+        raise ValueError(f"the grid has {dims.world_size} ranks but {len(base)} base ranks were given")
+    blocks, me = dp // shard_size, dist.get_rank()
     mine: dict[str, object] = {}
-    me = grid.rank
     for pp_rank in range(dims.pp):
         for tp_rank in range(dims.tp):
-            made = []
-            for b in range(blocks):
-                made.append(("shard", [dims.rank(b * shard_size + j, pp_rank, tp_rank) for j in range(shard_size)]))
-            for j in range(shard_size):
-                made.append(("replicate", [dims.rank(b * shard_size + j, pp_rank, tp_rank) for b in range(blocks)]))
+            made = [
+                ("shard", [dims.rank(b * shard_size + j, pp_rank, tp_rank) for j in range(shard_size)])
+                for b in range(blocks)
+            ]
+            made += [
+                ("replicate", [dims.rank(b * shard_size + j, pp_rank, tp_rank) for b in range(blocks)])
+                for j in range(shard_size)
+            ]
             for kind, ranks in made:
-                group = dist.new_group([grid.base_ranks[r] for r in ranks])
-                if me in ranks:
+                members = [base[r] for r in ranks]
+                group = dist.new_group(members)
+                if me in members:
                     mine[kind] = group
-    return mine["shard"], mine["replicate"]
+    return (mine["shard"], mine["replicate"]) if mine else None
 
 
 class FullyShardedDataParallel:
@@ -310,7 +314,7 @@ class FullyShardedDataParallel:
             source = flat.shard.to(self.param_dtype)
             target = flat.full.data  # its own version counter: the parameters' saved views stay valid
             if self.algorithm == "native":
-                work = dist.all_gather_into_tensor(target, source, group=self.group, async_op=True)
+                work = _all_gather_single(target, source, group=self.group, async_op=True)
                 flat.work = (work, source)
             else:
                 comm.all_gather(target, source, group=self.group, algorithm=self.algorithm)
@@ -426,7 +430,7 @@ class FullyShardedDataParallel:
         self._free(flat)
         out = torch.empty(flat.chunk, dtype=self.reduce_dtype, device=self.device)
         if self.algorithm == "native":
-            handle = dist.reduce_scatter_tensor(out, work, dist.ReduceOp.SUM, group=self.group, async_op=True)
+            handle = _reduce_scatter_single(out, work, dist.ReduceOp.SUM, group=self.group, async_op=True)
             self._in_flight.append((handle, flat, out))
         else:
             comm.reduce_scatter(out, work, op="sum", group=self.group, algorithm=self.algorithm)
@@ -625,6 +629,11 @@ class FullyShardedDataParallel:
             gathered_peak_nbytes=self.gathered_peak_nbytes,
             largest_unit_nbytes=max(sum(f.nbytes for f in fs) for fs in self._flats_of),
         )
+
+
+# torch.distributed's single-tensor collectives (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in older torch)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _alloc(tensor: torch.Tensor) -> None:
