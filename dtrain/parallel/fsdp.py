@@ -263,7 +263,8 @@ class FullyShardedDataParallel:
                     piece = nn.Parameter(flat.shard[lo - low : hi - low])
                     self.pieces.append((p, piece, flat.grad[lo - low : hi - low]))
                     per_group[group_of[id(p)]].append(piece)
-                self._piece_of[id(p)] = (flat, max(lo - offset, 0), max(hi - offset, 0), piece)
+                start = lo - offset if piece is not None else min(max(low - offset, 0), p.numel())
+                self._piece_of[id(p)] = (flat, start, hi - offset if piece is not None else start, piece)
         self._group_of = group_of
         torch_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": pieces}
