@@ -32,7 +32,9 @@ def train(layout: dict) -> dict | None:
     shard_size = layout.get("shard_size")
     if grid is None:
         if shard_size is not None:  # group creation is collective over the whole pool
-            hybrid_shard_groups(ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp), shard_size)
+            hybrid_shard_groups(
+                ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp), shard_size, range(dp * pp * tp)
+            )
         return None
     ref_losses, ref_norms, ref_state = jobs.reference(KIND, clip=True, groups=True)
     hybrid = HybridParallel(jobs.model(KIND), grid, jobs._adamw, zero_stage=3, **layout)
@@ -111,3 +113,17 @@ def memory(dp: int, blocks: int) -> dict | None:
     report = hybrid.optimizer.memory_report()
     resident = [p.untyped_storage().nbytes() for p in hybrid.parameters()]
     return {"report": report, "model_nbytes": model_nbytes, "units": units, "resident_after_step": sum(resident)}
+
+
+def trainer(config, plan, steps: int) -> dict | None:
+    """``steps`` steps of ``dtrain train``'s trainer (its model, data, optimizer and loss from ``config``) on the
+    dp grid of ``plan``; the metrics records, the validation loss and the checkpointed model state, or None off
+    the grid."""
+    from dtrain.train import loop
+
+    grid = jobs._grid(plan.dims.dp, plan.dims.pp, plan.dims.tp)
+    if grid is None:
+        return None
+    run = loop._Trainer(config, plan, grid)
+    records = [run.step(step) for step in range(steps)]
+    return {"records": records, "eval_loss": run.evaluate(), "model": run.state(steps)["model"]}
