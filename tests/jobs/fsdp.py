@@ -28,6 +28,8 @@ def train(layout: dict) -> dict | None:
     clipped at ``jobs.MAX_NORM``; this rank's worst errors against the reference, or None off the grid."""
     layout = dict(layout)
     dp, pp, tp = layout.pop("dp", 1), layout.pop("pp", 1), layout.pop("tp", 1)
+    bf16 = layout.pop("bf16", False)  # gathered and computed in bf16 over the float32 shards
+    rtol, atol = (2e-2, 1e-2) if bf16 else (jobs.RTOL, jobs.ATOL)
     grid = jobs._grid(dp, pp, tp)
     shard_size = layout.get("shard_size")
     if grid is None:
@@ -37,6 +39,8 @@ def train(layout: dict) -> dict | None:
             )
         return None
     ref_losses, ref_norms, ref_state = jobs.reference(KIND, clip=True, groups=True)
+    if bf16:
+        layout["autocast_dtype"] = torch.bfloat16
     hybrid = HybridParallel(jobs.model(KIND), grid, jobs._adamw, zero_stage=3, **layout)
     loss_fn = causal_lm_loss(grid.tp_group) if tp > 1 else jobs._lm_loss
     losses, norms = [], []
@@ -57,7 +61,7 @@ def train(layout: dict) -> dict | None:
             continue
         held += piece.end - piece.start
         if piece.end > piece.start:  # AdamW's moments over the same elements, in the parameter's group
-            shards = max(shards, jobs._excess(piece.shard, want.reshape(-1)[piece.start : piece.end]))
+            shards = max(shards, jobs._excess(piece.shard, want.reshape(-1)[piece.start : piece.end], rtol, atol))
             if piece.optimizer_state["exp_avg"].shape != piece.shard.shape:
                 problems.append(f"{piece.name}: exp_avg {piece.optimizer_state['exp_avg'].shape}")
             decay = fsdp.param_groups[piece.param_group]["weight_decay"]
@@ -67,12 +71,13 @@ def train(layout: dict) -> dict | None:
     exported = None
     if full is not None:
         missing = set(ref_state) - set(full)
-        exported = max(jobs._excess(full[k], ref_state[k]) for k in full)
+        exported = max(jobs._excess(full[k], ref_state[k], rtol, atol) for k in full)
         exported = exported if sorted(missing) == jobs._tied_duplicates(KIND) else float("inf")
     return {
         "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank),
-        "loss": jobs._excess(torch.tensor(losses), torch.tensor(ref_losses)),
-        "norm": jobs._excess(torch.tensor(norms), torch.tensor(ref_norms)),
+        "loss": jobs._excess(torch.tensor(losses), torch.tensor(ref_losses), rtol, atol),
+        "norm": jobs._excess(torch.tensor(norms), torch.tensor(ref_norms), 5 * rtol, atol),
+        "param_dtype": {str(p.dtype) for p in hybrid.parameters()},
         "shards": shards,
         "held": held,
         "local_numel": sum(p.numel() for _, p in hybrid.named_params),

@@ -2,7 +2,8 @@
 layout, sharding that is real, and the trainer of ``dtrain train --zero 3`` against the same run without ZeRO.
 
 Jobs in tests/jobs/fsdp.py: a tiny Llama (tied embeddings), 3 AdamW steps with two param groups, clipping and
-2 accumulation chunks, float32 within rtol 1e-5, atol 1e-6 of one process on the global batch.
+2 accumulation chunks, float32 within rtol 1e-5, atol 1e-6 of one process on the global batch (bf16 compute over
+float32 shards: near it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ LAYOUTS = {  # name -> (grid ranks, layout)
     "tp2xdp2": (4, {"dp": 2, "tp": 2, "algorithm": "native"}),
     "pp2xdp2": (4, {"dp": 2, "pp": 2, "num_microbatches": 2, "algorithm": "native"}),
     "shard2xreplicate2": (4, {"dp": 4, "shard_size": 2, "algorithm": "native"}),
+    "dp2-bf16": (2, {"dp": 2, "bf16": True, "algorithm": "native"}),  # near the float32 reference
 }
 
 
@@ -35,6 +37,7 @@ def test_zero3_trains_like_one_process(pool, layout):
     for rank, got in enumerate(results[:world]):
         assert (got["loss"], got["norm"], got["shards"]) == (0.0, 0.0, 0.0), (rank, got)
         assert got["problems"] == [] and got["launches"] > 0, (rank, got)
+        assert got["param_dtype"] == {"torch.bfloat16" if spec.get("bf16") else "torch.float32"}
         # this rank holds its 1/shard share of its stage's (tp-local) parameters, not all of them
         shard = spec.get("shard_size", dp)
         assert got["local_numel"] // shard <= got["held"] <= got["local_numel"] // shard + 16, (rank, got)
