@@ -205,7 +205,11 @@ class ParallelSection(_Section):
         choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"),  # pipeline_schedules.SCHEDULES
     )
     microbatches: int = _option(1, "micro-batches per pipeline step (only used when pp > 1)", minimum=1)
-    zero: int = _option(0, "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too", choices=(0, 1, 2))
+    zero: int = _option(
+        0,
+        "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too, 3 parameters too (fully sharded)",
+        choices=(0, 1, 2, 3),
+    )
     algorithm: str = _option(
         "native",
         "all-reduce algorithm for the gradients: native (the backend's own: NCCL, Gloo), auto (dtrain's measured "
