@@ -14,7 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dtrain.launch import run_ranks
-from dtrain.parallel.pipeline_schedules import SCHEDULES, theoretical_bubble, validate_schedule
+from dtrain.parallel.pipeline_schedules import (
+    SCHEDULES,
+    chunks_per_stage,
+    make_schedule,
+    theoretical_bubble,
+    validate_schedule,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks" / "pipeline"), str(ROOT / "benchmarks" / "training")]
@@ -64,9 +70,8 @@ def pp_rows(runs) -> list[dict]:
 def test_expected_peak_is_the_schedules_most_microbatches_in_flight(p: int, groups: int, stage: int, v: int) -> None:
     stage, m = stage % p, groups * p
     for name in SCHEDULES:
-        interleaved = name == "interleaved-1f1b"
-        chunks = v if interleaved else 1
-        actions = SCHEDULES[name](p, m, stage, v) if interleaved else SCHEDULES[name](p, m, stage)
+        chunks = chunks_per_stage(name, v)
+        actions = make_schedule(name, p, m, stage, v)
         assert expected_peak(name, p, m, stage, chunks) == validate_schedule(actions, m, chunks)
 
 

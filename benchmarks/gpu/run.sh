@@ -27,7 +27,8 @@
 #   tp                 tensor parallel against DTensor's                                     -> tp.jsonl
 #   pp                 pipeline parallel against torch.distributed.pipelining, p = 4           -> pp.jsonl
 #   bubble             pipeline bubble and activations against (p - 1)/(v m + p - 1), p = 2 and 4
-#   llama              Llama 1B (LLAMA_PRESET) bf16, dp over every GPU: dtrain, DDP, FSDP2  -> llama_1b_dp.jsonl
+#   llama              Llama 1B (LLAMA_PRESET) bf16, dp over every GPU: dtrain, DDP, FSDP2, eager and compiled
+#                      -> llama_1b_dp.jsonl
 #   llama-layouts      dtrain train on it as dp, tp, pp (and dp x tp2 on 4+), 100 steps       -> llama_1b_*.jsonl
 #   probe-port         how transfers share one GPU's NVLink port                           -> port.jsonl
 #   probe-port-chain   the chain broadcast's round patterns through the port               -> port-chain.jsonl
@@ -149,10 +150,15 @@ for mode in "$@"; do
     llama)
       # a Llama-family model (LLAMA_PRESET, default 1b) in bf16, dp over every GPU: dtrain against DDP and FSDP2
       rm -f "$out/llama_${LLAMA_PRESET:-1b}_dp.jsonl"
-      for variant in ddp dtrain fsdp2 dtrain-native dtrain-bf16-reduce; do
-        LIMIT=${LIMIT:-150} tr benchmarks/training/llama.py --preset "${LLAMA_PRESET:-1b}" --seq-len 2048 \
-          --batch-per-gpu "${LLAMA_BATCH:-4}" --steps 20 --warmup 5 --variants $variant \
-          --out "$out/llama_${LLAMA_PRESET:-1b}_dp.jsonl" | grep -E "ms/step|x DDP" | tail -6
+      # each eager and with every block and the loss compiled (LLAMA_VARIANTS, LLAMA_COMPILE narrow it down)
+      for compiled in ${LLAMA_COMPILE:-no yes}; do
+        for variant in ${LLAMA_VARIANTS:-ddp dtrain fsdp2 dtrain-bf16-reduce}; do
+          flags=(); [ "$compiled" = yes ] && flags=(--compile)
+          LIMIT=${LIMIT:-200} tr benchmarks/training/llama.py --preset "${LLAMA_PRESET:-1b}" --seq-len 2048 \
+            --batch-per-gpu "${LLAMA_BATCH:-4}" --steps 20 --warmup 5 --variants $variant "${flags[@]}" \
+            ${LLAMA_PROFILE:+--profile "$out/llama_profile.txt"} \
+            --out "$out/llama_${LLAMA_PRESET:-1b}_dp.jsonl" | grep -E "ms/step|x DDP" | tail -9
+        done
       done ;;
     llama-layouts)
       # dtrain train on the same model, global batch and data in each layout over every GPU, 100 steps each

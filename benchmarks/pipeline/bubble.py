@@ -108,6 +108,10 @@ def expected_peak(schedule: str, p: int, m: int, stage: int, v: int = 1) -> int:
         return m
     if schedule == "1f1b":
         return min(p - stage, m)
+    if schedule == "zb-h1":  # 1F1B's plus the W's held back for the cool-down: p at most (Qi et al. 2024)
+        return min(p, m + stage)
+    if schedule == "zb-v":  # 2 chunks of half a stage each, within 1F1B's p stage-sized micro-batches
+        return min(2 * p, 2 * m)
     return min(2 * (p - 1 - stage) + (v - 1) * p + 1, v * m)
 
 

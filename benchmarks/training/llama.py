@@ -1,5 +1,5 @@
 """Usage: torchrun --nproc-per-node N benchmarks/training/llama.py [--preset 1b] [--seq-len 2048]
-       [--batch-per-gpu 4] [--steps 20] [--variants dtrain,ddp,fsdp2] [--out FILE]
+       [--batch-per-gpu 4] [--steps 20] [--variants dtrain,ddp,fsdp2] [--compile] [--out FILE]
 
 A Llama-family model in bf16 trained data parallel over every GPU: dtrain's
 :class:`~dtrain.parallel.hybrid.HybridParallel` against torch's ``DistributedDataParallel`` and FSDP2
@@ -11,11 +11,13 @@ Every variant starts from the same weights (built on each GPU from one seed) and
 token batches (uniform random ids: the speed of a step does not depend on the text), with float32 master weights
 and AdamW (fused), gradients clipped to global norm 1.0, and bf16 compute:
 
-- ``dtrain``: ``HybridParallel`` with ``dp = N``, ``torch.autocast(bf16)`` around forward and loss, gradients
-  averaged in float32 by :class:`~dtrain.parallel.data_parallel.DataParallel` (buckets overlapped with backward);
-- ``dtrain-native``: the same with the gradient all-reduce left to the backend (NCCL) rather than chosen by
-  dtrain's ``auto`` rule;
-- ``dtrain-bf16-reduce``: the same with the gradients averaged in bf16;
+- ``dtrain``: ``HybridParallel`` with ``dp = N`` as ``dtrain train`` runs it, ``torch.autocast(bf16)`` around
+  forward and loss, gradients averaged in float32 by :class:`~dtrain.parallel.data_parallel.DataParallel`
+  (buckets overlapped with backward, the all-reduce the backend's own: NCCL);
+- ``dtrain-auto``: the same with the all-reduce algorithm chosen by dtrain's ``auto`` rule;
+- ``dtrain-bf16-reduce``: ``dtrain`` with the gradients averaged in bf16;
+- ``dtrain-zero1``, ``-zero2``, ``-zero3``: ``dtrain`` with ZeRO stage 1 (optimizer state sharded over the GPUs),
+  2 (and gradients) or 3 (and parameters: each block a unit gathered in bf16 while it computes, float32 shards);
 - ``ddp``: ``DistributedDataParallel`` (default 25 MiB buckets) with the same autocast;
 - ``fsdp2``: ``fully_shard`` on each block and on the root, ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=float32)`` (parameters gathered and computed in bf16, gradients reduce-scattered in float32).
@@ -44,12 +46,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtrain.models import build, preset, train_flops_per_token
+from dtrain.models.decoder import Block
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
 from dtrain.train.metrics import peak_flops
 from dtrain.train.optim import adamw
 
-VARIANTS = ("dtrain", "dtrain-native", "dtrain-bf16-reduce", "ddp", "fsdp2")
+VARIANTS = (
+    "dtrain",
+    "dtrain-auto",
+    "dtrain-bf16-reduce",
+    "dtrain-zero1",
+    "dtrain-zero2",
+    "dtrain-zero3",
+    "ddp",
+    "fsdp2",
+)
 SEED = 0
 
 
@@ -57,9 +69,22 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+_compiled_loss = torch.compile(_loss)
+
+
+def _config(args: argparse.Namespace):
+    """The preset, with the head untied from the embedding on request (the shape torchtitan's Llama 3 trains)."""
+    return preset("llama", args.preset, **({"tie_word_embeddings": False} if args.untied else {}))
+
+
 def _model(args: argparse.Namespace, device: torch.device):
     torch.manual_seed(SEED)
-    return build(preset("llama", args.preset), device=device)
+    model = build(_config(args), device=device)
+    if args.compile:  # each block on its own, before any wrapper, as torchtitan applies it
+        for module in model.modules():
+            if isinstance(module, Block):
+                module.compile()
+    return model
 
 
 def _optimizer(named, lr: float):
@@ -71,6 +96,7 @@ class _Variant:
 
     def __init__(self, name: str, args: argparse.Namespace, grid: RankGrid, device: torch.device) -> None:
         self.name = name
+        self.loss = _compiled_loss if args.compile else _loss
         model = _model(args, device)
         bf16 = torch.bfloat16
         self.autocast = contextlib.nullcontext()
@@ -82,7 +108,8 @@ class _Variant:
                 device=device,
                 autocast_dtype=bf16,
                 reduce_dtype=bf16 if name == "dtrain-bf16-reduce" else None,
-                algorithm="native" if name == "dtrain-native" else "auto",
+                algorithm="auto" if name == "dtrain-auto" else "native",
+                zero_stage=int(name[-1]) if name.startswith("dtrain-zero") else 0,
             )
             return
         self.hybrid = None
@@ -105,10 +132,10 @@ class _Variant:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.hybrid is not None:
-            return self.hybrid.train_step(x, y, _loss, local=True, max_grad_norm=1.0)
+            return self.hybrid.train_step(x, y, self.loss, local=True, max_grad_norm=1.0)
         self.optimizer.zero_grad(set_to_none=True)
         with self.autocast:
-            loss = _loss(self.model(x), y)
+            loss = self.loss(self.model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
@@ -137,6 +164,23 @@ def _time(variant: _Variant, batches, args: argparse.Namespace) -> dict:
     return {"step_s": elapsed.item() / args.steps, "loss": loss.item(), "peak_memory_gib": peak.item() / 2**30}
 
 
+def _profile(variant: _Variant, batches, path: str, rank: int) -> None:
+    """Three steps under torch.profiler; rank 0 writes the operators and kernels by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if batches[0][0].is_cuda else [])
+    with profile(activities=activities) as prof:
+        for x, y in batches:
+            variant.step(x, y)
+        if batches[0][0].is_cuda:
+            torch.cuda.synchronize()
+    if rank == 0:
+        key = "self_device_time_total" if batches[0][0].is_cuda else "self_cpu_time_total"
+        with open(path, "a") as f:
+            table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+            f.write(f"== {variant.name}{' compiled' if variant.loss is _compiled_loss else ''}\n{table}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="1b", help="a llama preset of dtrain.models.presets (default: 1b)")
@@ -146,6 +190,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block and the loss")
+    parser.add_argument("--untied", action="store_true", help="a head of its own, not the embedding's weight")
+    parser.add_argument("--profile", default=None, help="after timing, profile 3 steps; rank 0 writes the table here")
     parser.add_argument("--out", default=None, help="JSON lines, one per variant")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -162,7 +209,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = RankGrid.build(ParallelDims(world_size=world, dp=world, pp=1, tp=1))
-    config = preset("llama", args.preset)
+    config = _config(args)
     gen = torch.Generator().manual_seed(SEED + 1)
     batches = []
     for _ in range(args.warmup + args.steps):
@@ -176,6 +223,8 @@ def main() -> None:
     for name in variants:
         variant = _Variant(name, args, grid, device)
         result = _time(variant, batches, args)
+        if args.profile:
+            _profile(variant, batches[-3:], args.profile, rank)
         del variant
         gc.collect()
         if device.type == "cuda":
@@ -189,6 +238,8 @@ def main() -> None:
             "torch": torch.__version__,
             "seq_len": args.seq_len,
             "batch_per_gpu": args.batch_per_gpu,
+            "compile": args.compile,
+            "tied_embeddings": config.tie_word_embeddings,
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * flops / (world * peak) if peak else None,
             **result,
@@ -207,10 +258,12 @@ def main() -> None:
         with path.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         everything = [json.loads(line) for line in path.read_text().splitlines()]
-        base = next((r["tokens_per_s"] for r in everything if r["variant"] == "ddp"), None)
-        for r in everything:
-            if base:
-                print(f"{r['variant']:20s} {r['tokens_per_s'] / base:.3f}x DDP")
+        for compiled in (False, True):
+            same = [r for r in everything if r.get("compile", False) == compiled]
+            base = next((r["tokens_per_s"] for r in same if r["variant"] == "ddp"), None)
+            for r in same if base else ():
+                label = r["variant"] + (" compiled" if compiled else "")
+                print(f"{label:28s} {r['tokens_per_s'] / base:.3f}x DDP")
     dist.destroy_process_group()
 
 

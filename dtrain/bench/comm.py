@@ -13,6 +13,11 @@ time`` and ``busbw = algbw * factor`` with the factor of :data:`BUS_FACTORS`; ``
 :mod:`dtrain.comm.cost.model` (all-gather: output, reduce-scatter / gather / scatter / all-to-all: the full W-block
 buffer). Rank 0 prints a table, writes one JSON line a measurement to ``out`` (replacing the file) and draws
 busbw against size next to it (same name, ``.png``).
+
+``transport="mpi"`` (``dtrain bench comm --transport mpi``, started by ``mpirun``) measures on an
+:class:`~dtrain.comm.mpi.MPIGroup` over ``MPI_COMM_WORLD`` instead of a torch.distributed group: "native" is MPI's
+own collective and our algorithms run over MPI point-to-point; each record's ``transport`` and ``backend``
+say so. benchmarks/collectives/mpi_vs_gloo.py puts Gloo and MPI side by side in one job.
 """
 
 from __future__ import annotations
@@ -33,7 +38,20 @@ from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import BLOCK_COLLECTIVES, Collective
 from dtrain.launch import rank_device, run_ranks
 
-__all__ = ["BUS_FACTORS", "BenchConfig", "run", "bench_on_rank", "bus_factor"]
+__all__ = [
+    "BUS_FACTORS",
+    "TRANSPORTS",
+    "BenchConfig",
+    "Sync",
+    "run",
+    "bench_on_rank",
+    "bus_factor",
+    "operation",
+    "time_us",
+]
+
+#: ``BenchConfig.transport``: "torch" (the torch.distributed group, our algorithms on its transport) or "mpi".
+TRANSPORTS = ("torch", "mpi")
 
 #: busbw / algbw per collective (nccl-tests); scan, like broadcast, moves each byte over one link.
 BUS_FACTORS: dict[str, Callable[[int], float]] = {
@@ -71,8 +89,11 @@ class BenchConfig:
     out: str = "runs/bench-comm.jsonl"
     nproc: int = 2
     rules_out: str | None = None  # write measured rules for ``auto`` here ("" : the default rules path)
+    transport: str = "torch"  # "mpi": an MPIGroup over MPI_COMM_WORLD, in a job mpirun started
 
     def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r} is not known; use {' or '.join(TRANSPORTS)}")
         unknown = [c for c in self.collectives if c not in BUS_FACTORS and c != "barrier"]
         if unknown:
             raise ValueError(f"unknown collectives {unknown}; known: {', '.join([*BUS_FACTORS, 'barrier'])}")
@@ -98,44 +119,90 @@ class BenchConfig:
 
 
 def run(config: BenchConfig) -> list[dict]:
-    """Measure on ``config.nproc`` local ranks (or the torchrun job this process is in); the records."""
+    """Measure on ``config.nproc`` local ranks (or the torchrun job this process is in; with
+    ``transport="mpi"``, the mpirun job this process is in); the records."""
+    if config.transport == "mpi":
+        return bench_on_rank(config)
     return run_ranks(bench_on_rank, config.nproc, config)
 
 
-def _operation(coll: str, nbytes: int, world: int, rank: int, device) -> tuple[Callable[[str], None], int]:
-    """A call of ``coll`` on fresh float32 buffers of about ``nbytes``, and the bytes it really moves."""
+class Sync:
+    """The few group calls timing needs (barrier, largest over ranks, rank 0's flag), on a torch.distributed
+    group (None: the default one) or an :class:`~dtrain.comm.mpi.MPIGroup`, outside the calls being timed."""
+
+    def __init__(self, group=None) -> None:
+        from dtrain.comm.mpi import is_mpi_group
+
+        self.group = group
+        self.mpi = is_mpi_group(group)
+        self.rank = group.rank if self.mpi else dist.get_rank(group)
+        self.world = group.size if self.mpi else dist.get_world_size(group)
+
+    def barrier(self) -> None:
+        if self.mpi:
+            self.group.comm.Barrier()
+        else:
+            dist.barrier(group=self.group)
+
+    def largest(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over ranks of a float64 tensor, in place."""
+        if self.mpi:
+            from mpi4py import MPI
+
+            self.group.comm.Allreduce(MPI.IN_PLACE, [values.numpy(), MPI.DOUBLE], op=MPI.MAX)
+        else:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return values
+
+    def from_rank0(self, flag: torch.Tensor) -> None:
+        """Rank 0's int32 ``flag`` into every rank's, in place."""
+        if self.mpi:
+            from mpi4py import MPI
+
+            self.group.comm.Bcast([flag.numpy(), MPI.INT32_T], root=0)
+        else:
+            dist.broadcast(flag, dist.get_global_rank(self.group, 0) if self.group is not None else 0, self.group)
+
+
+def operation(coll: str, nbytes: int, world: int, rank: int, device, group=None) -> tuple[Callable[[str], None], int]:
+    """A call of ``coll`` on ``group`` on fresh float32 buffers of about ``nbytes``, and the bytes it really
+    moves."""
     from dtrain import comm
 
     per_block = Collective(coll) in BLOCK_COLLECTIVES
     numel = max(world, nbytes // 4 // world * world) if per_block else max(1, nbytes // 4)
     full = torch.ones(numel, device=device)
     part = torch.ones(numel // world, device=device)
+    g = group
     calls: dict[str, Callable[[str], object]] = {
-        "all_reduce": lambda a: comm.all_reduce(full, algorithm=a),
-        "broadcast": lambda a: comm.broadcast(full, 0, algorithm=a),
-        "reduce": lambda a: comm.reduce(full, 0, algorithm=a),
-        "scan": lambda a: comm.scan(full, algorithm=a),
-        "all_gather": lambda a: comm.all_gather(full, part, algorithm=a),
-        "reduce_scatter": lambda a: comm.reduce_scatter(part, full, algorithm=a),
-        "gather": lambda a: comm.gather(full if rank == 0 else None, part, 0, algorithm=a),
-        "scatter": lambda a: comm.scatter(part, full if rank == 0 else None, 0, algorithm=a),
-        "all_to_all": lambda a: comm.all_to_all(torch.empty_like(full), full, algorithm=a),
-        "barrier": lambda a: comm.barrier(),
+        "all_reduce": lambda a: comm.all_reduce(full, algorithm=a, group=g),
+        "broadcast": lambda a: comm.broadcast(full, 0, algorithm=a, group=g),
+        "reduce": lambda a: comm.reduce(full, 0, algorithm=a, group=g),
+        "scan": lambda a: comm.scan(full, algorithm=a, group=g),
+        "all_gather": lambda a: comm.all_gather(full, part, algorithm=a, group=g),
+        "reduce_scatter": lambda a: comm.reduce_scatter(part, full, algorithm=a, group=g),
+        "gather": lambda a: comm.gather(full if rank == 0 else None, part, 0, algorithm=a, group=g),
+        "scatter": lambda a: comm.scatter(part, full if rank == 0 else None, 0, algorithm=a, group=g),
+        "all_to_all": lambda a: comm.all_to_all(torch.empty_like(full), full, algorithm=a, group=g),
+        "barrier": lambda a: comm.barrier(group=g, algorithm="dissemination" if a == "auto" else a),
     }
     return calls[coll], (0 if coll == "barrier" else numel * 4)
 
 
-def _time_us(call: Callable[[str], None], algorithm: str, config: BenchConfig, device) -> tuple[float, float]:
+def time_us(
+    call: Callable[[str], None], algorithm: str, config: BenchConfig, device, sync: Sync | None = None
+) -> tuple[float, float]:
     """Time of one call in microseconds, as nccl-tests measures it: ``iters`` calls back to back between
     two synchronizations, divided by ``iters``; the median of ``trials`` such runs on each rank, then the
     largest over ranks. Also the host's time to issue one call (the loop without its closing synchronization),
     median and largest alike."""
+    sync = Sync() if sync is None else sync
     for _ in range(config.warmup):
         call(algorithm)
     runs, issued = [], []
     for _ in range(config.trials):
         _sync(device)
-        dist.barrier()
+        sync.barrier()
         _sync(device)
         start = time.perf_counter()
         for _ in range(config.iters):
@@ -146,11 +213,11 @@ def _time_us(call: Callable[[str], None], algorithm: str, config: BenchConfig, d
     worst = torch.tensor(
         [statistics.median(runs) * 1e6, statistics.median(issued) * 1e6], dtype=torch.float64, device=device
     )
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    sync.largest(worst)
     return float(worst[0].item()), float(worst[1].item())
 
 
-def _warm(call: Callable[[str], None], algorithm: str, seconds: float | None, device) -> None:
+def _warm(call: Callable[[str], None], algorithm: str, seconds: float | None, device, sync: Sync) -> None:
     """Untimed calls for about ``seconds`` (None: 1 s on GPUs, none elsewhere), ten at a time until rank 0's clock
     says enough (it tells the others, so every rank makes the same calls)."""
     seconds = (1.0 if device.type == "cuda" else 0.0) if seconds is None else seconds
@@ -162,7 +229,7 @@ def _warm(call: Callable[[str], None], algorithm: str, seconds: float | None, de
         for _ in range(10):
             call(algorithm)
         go.fill_(int(time.perf_counter() - start < seconds))
-        dist.broadcast(go, 0)
+        sync.from_rank0(go)
 
 
 class _Captured:
@@ -226,23 +293,37 @@ def _record(coll, algorithm, nbytes, world, time_us, predicted, resolved, config
     }
 
 
-def _machine(device) -> dict:
+def _machine(device, backend: str | None = None) -> dict:
+    """Where the records were measured; ``backend`` defaults to the default group's."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {
         "hostname": platform.node(),
         "torch_version": torch.__version__,
         "device": device.type,
         "device_name": name,
-        "backend": dist.get_backend(),
+        "cpu_count": os.cpu_count(),
+        "backend": backend or dist.get_backend(),
     }
 
 
+def mpi_backend() -> str:
+    """The MPI library, e.g. "mpi (Open MPI v5.0.11)"."""
+    from mpi4py import MPI
+
+    return f"mpi ({MPI.Get_library_version().split(',')[0].strip()})"
+
+
 def _cases(config: BenchConfig, device) -> list[tuple[str, int, str]]:
+    """(collective, size, algorithm) to time: every algorithm ``comm.algorithms`` lists ("auto" only for the
+    barrier; with the MPI transport "dissemination" and "native", MPI_Barrier)."""
     from dtrain import comm
 
     cases = []
     for coll in config.collectives:
-        names = ["auto"] if coll == "barrier" else comm.algorithms(coll)
+        if coll == "barrier":
+            names = ["dissemination", "native"] if config.transport == "mpi" else ["auto"]
+        else:
+            names = comm.algorithms(coll)
         names = [a for a in names if config.algorithms is None or a in config.algorithms]
         if config.graphs and device.type == "cuda" and coll != "barrier":
             names += [f"{a}+graph" for a in names if a != "auto"]
@@ -254,28 +335,36 @@ def _cases(config: BenchConfig, device) -> list[tuple[str, int, str]]:
 def bench_on_rank(config: BenchConfig) -> list[dict]:
     """Every rank runs this; rank 0 reports and returns the records (the others return ``[]``)."""
     from dtrain.bench.report import Progress, print_table, write_outputs
-    from dtrain.comm.api import transport_name
+    from dtrain.comm.api import _kind, transport_name
 
-    device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
-    transport = transport_name(None, device)  # our algorithms' transport, priced by its own parameters
-    kind = device.type + ("-peer" if transport == "peer" else "")
+    group = None
+    if config.transport == "mpi":
+        from dtrain.comm.mpi import world as mpi_world
+
+        group = mpi_world()
+    sync = Sync(group)
+    device = torch.device("cpu") if group is not None else rank_device()
+    rank, world = sync.rank, sync.world
+    transport = transport_name(group, device)  # our algorithms' transport, priced by its own parameters
+    kind = _kind(group, device)
     params = cost.load_params(device=kind)
-    local_size = _local_size(world)
+    local_size = group.local_size if group is not None else _local_size(world)
     from dtrain.comm.peer import graphs as persistent
 
-    machine = {**_machine(device), "transport": transport, "persistent": persistent.enabled()}
+    backend = mpi_backend() if group is not None else None
+    machine = {**_machine(device, backend), "transport": transport, "persistent": persistent.enabled()}
     records = []
     cases = _cases(config, device)
     with Progress(len(cases), enabled=rank == 0) as progress:
         for coll, size, algorithm in cases:
-            call, nbytes = _operation(coll, size, world, rank, device)
+            call, nbytes = operation(coll, size, world, rank, device, group)
             if algorithm.endswith("+graph"):
                 call = _Captured(call, algorithm.removesuffix("+graph"))
             progress.step(f"{coll} {nbytes} B {algorithm}")
             try:
                 if not records:  # the sweep's first case: warm the devices first
-                    _warm(call, algorithm.removesuffix("+graph"), config.warm_s, device)
-                time_us, host_us = _time_us(call, algorithm, config, device)
+                    _warm(call, algorithm.removesuffix("+graph"), config.warm_s, device, sync)
+                took_us, host_us = time_us(call, algorithm, config, device, sync)
             except ValueError as exc:  # e.g. an algorithm that needs a node size it was not given
                 progress.note(f"skipped {coll}/{algorithm}: {exc}")
                 continue
@@ -287,7 +376,7 @@ def bench_on_rank(config: BenchConfig) -> list[dict]:
             )
             if algorithm.endswith("+graph"):  # the model prices eager rounds (host start-up included)
                 predicted = None
-            records.append(_record(coll, algorithm, nbytes, world, time_us, predicted, resolved, config, machine))
+            records.append(_record(coll, algorithm, nbytes, world, took_us, predicted, resolved, config, machine))
             records[-1]["host_us"] = host_us
     if rank != 0:
         return []

@@ -46,6 +46,14 @@ def _add_bench_comm(sub) -> None:
     p.add_argument("--graphs", action="store_true", help="on GPUs, also time each algorithm as a CUDA graph")
     p.add_argument("--out", default="runs/bench-comm.jsonl", help="JSON lines; the plot goes beside it as .png")
     p.add_argument(
+        "--transport",
+        choices=("torch", "mpi"),
+        default="torch",
+        help="torch: a torch.distributed group (Gloo/NCCL; our algorithms on DTRAIN_COMM_TRANSPORT's transport); "
+        "mpi: an MPI group, native = MPI's collectives, ours over MPI point-to-point; start it with mpirun "
+        "(mpirun -n 4 dtrain bench comm --transport mpi; --nproc is ignored)",
+    )
+    p.add_argument(
         "--rules-out",
         nargs="?",
         const="",
@@ -95,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_comm(bench_commands)
     _add_bench_calibrate(bench_commands)
     _add_bench_verify(bench_commands)
+    from dtrain.cli import bench_pipeline
+
+    bench_pipeline.add_parser(bench_commands)
     _add_train(commands)
     for module in _feature_modules():
         module.register(commands)
@@ -138,6 +149,7 @@ def _bench_comm(args: argparse.Namespace) -> int:
         out=args.out,
         nproc=args.nproc,
         rules_out=args.rules_out,
+        transport=args.transport,
     )
     bench_comm.run(config)
     return 0
@@ -201,6 +213,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if check_all(args.max_world, args.pipeline) else 1
     if args.command == "train":
         return _train(args)
+    if args.bench_command == "pipeline":
+        from dtrain.cli import bench_pipeline
+
+        return bench_pipeline.run(args)
     if args.bench_command == "comm":
         return _bench_comm(args)
     if args.bench_command == "verify":

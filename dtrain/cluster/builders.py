@@ -22,12 +22,16 @@ from dataclasses import dataclass, field
 
 from dtrain.cluster.catalogue import LINKS, link_spec
 from dtrain.cluster.devices import device_spec, make_device
+from dtrain.cluster.routing import NIC_AFFINITIES
 from dtrain.cluster.topology import Topology
 
-__all__ = ["ServerSpec", "ClusterSpec", "INTRA_KINDS", "add_server", "build", "build_server"]
+__all__ = ["ServerSpec", "ClusterSpec", "INTRA_KINDS", "FABRICS", "add_server", "build", "build_server"]
 
 #: How a server's GPUs talk to each other: an NVSwitch fabric, NVLink between every pair, or only PCIe.
 INTRA_KINDS = ("nvswitch", "nvlink-mesh", "pcie")
+#: How racks are joined: ToRs under spines (and pods under cores), or rail-optimised (one leaf a NIC index
+#: per scalable unit, every leaf under every spine).
+FABRICS = ("leaf-spine", "rail")
 #: Link families a NIC or a switch uplink may be.
 NETWORK_FAMILIES = ("ethernet", "infiniband")
 
@@ -120,8 +124,16 @@ class ClusterSpec:
     pods: int = 1
     cores: int = 2
     pod_oversubscription: float = 1.0
+    fabric: str = "leaf-spine"
+    nic_affinity: str = "ecmp"
 
     def __post_init__(self) -> None:
+        if self.fabric not in FABRICS:
+            raise ValueError(f"cluster fabric {self.fabric!r} is not one of {FABRICS}")
+        if self.nic_affinity not in NIC_AFFINITIES:
+            raise ValueError(f"cluster nic_affinity {self.nic_affinity!r} is not one of {NIC_AFFINITIES}")
+        if self.fabric == "rail" and self.pods > 1:
+            raise ValueError("cluster fabric 'rail' has one tier of spines; set pods = 1")
         for name in ("racks", "servers_per_rack", "spines", "pods", "cores"):
             _whole(f"cluster {name}", getattr(self, name), 1)
         for name in ("oversubscription", "pod_oversubscription"):
@@ -206,13 +218,41 @@ def build_server(spec: ServerSpec | None = None, *, name: str = "server") -> Top
 def build(spec: ClusterSpec, *, name: str = "cluster") -> Topology:
     """The whole cluster: one server alone, one rack under its ToR, or racks under spines (and cores)."""
     topology = Topology(name)
+    topology.nic_affinity = spec.nic_affinity
     if spec.racks * spec.servers_per_rack == 1:
         add_server(topology, spec.server, "s0")
+        return topology
+    if spec.fabric == "rail":
+        _add_rails(topology, spec)
         return topology
     tors = [_add_rack(topology, spec, r) for r in range(spec.racks)]
     if spec.racks > 1:
         _add_spines(topology, spec, tors)
     return topology
+
+
+def _add_rails(topology: Topology, spec: ClusterSpec) -> None:
+    """A rail-optimised fabric (NVIDIA DGX SuperPOD reference architecture): each rack is a scalable unit with one
+    leaf switch per NIC index (rail); NIC ``k`` of every server of the unit is cabled to leaf ``rail{k}``, and
+    every leaf to every spine at the unit's downlink rate over the oversubscription ratio, split over the
+    spines. Traffic between GPUs of equal index stays on their rail's leaf within a unit."""
+    nics = spec.server.nics
+    uplink = LINKS[spec.uplink_kind]
+    per_spine = spec.servers_per_rack * LINKS[spec.server.nic].bytes_per_s / spec.oversubscription / spec.spines
+    spines = [f"spine{k}" for k in range(spec.spines)]
+    for spine in spines:
+        topology.add_node(spine, kind="switch", layer="spine")
+    for r in range(spec.racks):
+        rack = f"r{r}"
+        leaves = [f"{rack}/rail{k}" for k in range(nics)]
+        for leaf in leaves:
+            topology.add_node(leaf, kind="switch", rack=rack, layer="tor")
+            for spine in spines:
+                topology.add_link(leaf, spine, bytes_per_s=per_spine, latency_s=uplink.latency_s, kind=uplink.key)
+        for s in range(spec.servers_per_rack):
+            ports = add_server(topology, spec.server, f"s{r * spec.servers_per_rack + s}", rack)
+            for nic, leaf in zip(ports, leaves, strict=True):
+                _link(topology, nic, leaf, spec.server.nic)
 
 
 def _add_rack(topology: Topology, spec: ClusterSpec, r: int) -> str:

@@ -10,6 +10,9 @@
   HGX 4-GPU board's direct NVLink (6 links, 150 GB/s a direction, to each peer): that machine moved 256 MiB to
   one peer at about 300 GB/s (benchmarks/results/probe-p2p-h200x4.txt, "pg coalesced ring step"), twice what a
   6-link pair can carry. Its NIC is a placeholder (inter-node traffic was never measured there).
+- ``h100-rail``: scalable units (``racks``) of 32 ``h100-node`` servers on a rail-optimised fabric, NIC ``k`` of
+  every server on rail leaf ``k`` of its unit, every leaf under 16 spines, GPU ``k`` sending through NIC ``k``
+  (the DGX SuperPOD H100 compute fabric; grow it with ``racks=``).
 - ``4-rack``: 4 racks of 4 ``dgx-a100`` servers (128 GPUs) under 2 spines at 1:4 oversubscription (within the
   2.5:1 to 8:1 that Al-Fares et al., SIGCOMM 2008, report for typical data-centre designs).
 
@@ -43,6 +46,9 @@ PRESETS: dict[str, tuple[str, Callable[[], ClusterSpec]]] = {
     "h200-4gpu": ("4 H200 on NVSwitch (NVLink 4), one 100 GbE NIC", lambda: ClusterSpec(server=H200_4GPU)),
     "4-rack": ("4 racks x 4 dgx-a100 servers, 2 spines, 1:4 oversubscribed",
                lambda: ClusterSpec(server=DGX_A100, racks=4, servers_per_rack=4, spines=2, oversubscription=4)),
+    "h100-rail": ("2 scalable units x 32 h100-node servers (512 GPUs), rail-optimised, 16 spines, NIC k for GPU k",
+                  lambda: ClusterSpec(server=H100_NODE, racks=2, servers_per_rack=32, spines=16, fabric="rail",
+                                      nic_affinity="rail")),
 }  # fmt: skip
 
 _SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerSpec)}

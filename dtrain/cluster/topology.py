@@ -12,12 +12,15 @@ The shape it is built for: servers with NVLink/PCIe inside, racks under a top-of
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
+
+from dtrain.cluster.routing import NIC_AFFINITIES, TierRouter
 
 __all__ = ["Device", "Link", "Topology", "NODE_KINDS", "SWITCH_KINDS"]
 
@@ -71,9 +74,10 @@ class Link:
         return f"{self.src}->{self.dst}"
 
 
-def _natural_key(name: str) -> list[Any]:
+@functools.lru_cache(maxsize=1 << 18)
+def _natural_key(name: str) -> tuple[Any, ...]:
     """Sort ``gpu2`` before ``gpu10``."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
 class Topology:
@@ -88,6 +92,29 @@ class Topology:
         self.graph: nx.DiGraph = nx.DiGraph()
         self._devices: dict[str, Device] = {}
         self._paths: dict[tuple[str, str], list[list[str]]] = {}
+        self._routes: dict[tuple[str, str], list[list[Link]]] = {}
+        self._link_of: dict[tuple[str, str], Link] = {}
+        self._router: TierRouter | None = None
+        self._nic_affinity = "ecmp"
+
+    @property
+    def nic_affinity(self) -> str:
+        """How a GPU's traffic picks the NIC it leaves by (:data:`dtrain.cluster.routing.NIC_AFFINITIES`):
+        ``"ecmp"``, any NIC on a fewest-hop path, hashed per flow; ``"rail"``, GPU ``k`` uses NIC ``k`` of a
+        server with as many NICs as GPUs."""
+        return self._nic_affinity
+
+    @nic_affinity.setter
+    def nic_affinity(self, value: str) -> None:
+        if value not in NIC_AFFINITIES:
+            raise ValueError(f"nic_affinity {value!r} is not one of {NIC_AFFINITIES}")
+        self._nic_affinity = value
+        self._forget_routes()
+
+    def _forget_routes(self) -> None:
+        self._paths.clear()
+        self._routes.clear()
+        self._router = None
 
     def __repr__(self) -> str:
         return (
@@ -114,7 +141,7 @@ class Topology:
         if kind not in NODE_KINDS:
             raise ValueError(f"node {name!r}: unknown kind {kind!r}; expected one of {sorted(NODE_KINDS)}")
         self.graph.add_node(name, kind=kind, server=server, rack=rack, layer=layer)
-        self._paths.clear()
+        self._forget_routes()
 
     def add_device(self, device: Device) -> None:
         """Add an accelerator as a ``"gpu"`` node that ranks can be placed on."""
@@ -135,14 +162,15 @@ class Topology:
         for src, dst in pairs:
             link = Link(src=src, dst=dst, bytes_per_s=float(bytes_per_s), latency_s=float(latency_s), kind=kind)
             self.graph.add_edge(src, dst, link=link)
-        self._paths.clear()
+            self._link_of[(src, dst)] = link
+        self._forget_routes()
 
     # -- reading ----------------------------------------------------------------------------------------------
 
     def devices(self) -> list[Device]:
         """The accelerators in placement order: server by server (in the order servers appeared), then by index."""
-        servers = self.servers()
-        return sorted(self._devices.values(), key=lambda d: (servers.index(d.server), _natural_key(d.name)))
+        order = {server: i for i, server in enumerate(self.servers())}
+        return sorted(self._devices.values(), key=lambda d: (order[d.server], _natural_key(d.name)))
 
     def device(self, name: str) -> Device:
         """The device called ``name``."""
@@ -189,9 +217,27 @@ class Topology:
             if src not in self.graph:
                 raise ValueError(f"route: unknown node {src!r} in topology {self.name!r}")
             return []
-        paths = self.equal_cost_paths(src, dst)
-        path = paths[_flow_hash(f"{src}|{dst}|{flow}") % len(paths)] if len(paths) > 1 else paths[0]
-        return [self.graph.edges[u, v]["link"] for u, v in zip(path, path[1:], strict=False)]
+        routes = self._routes.get((src, dst))
+        if routes is None:
+            link_of = self._link_of_edge
+            routes = [
+                [link_of(u, v) for u, v in zip(path, path[1:], strict=False)]
+                for path in self.equal_cost_paths(src, dst)
+            ]
+            self._routes[(src, dst)] = routes
+        return routes[_flow_hash(f"{src}|{dst}|{flow}") % len(routes)] if len(routes) > 1 else routes[0]
+
+    def _link_of_edge(self, u: str, v: str) -> Link:
+        link = self._link_of.get((u, v))
+        return link if link is not None else self.graph.edges[u, v]["link"]
+
+    def equal_cost_routes(self, src: str, dst: str) -> list[list[Link]]:
+        """:meth:`equal_cost_paths` as lists of links (cached); ``[[]]`` from a node to itself."""
+        if src == dst:
+            self.route(src, dst)
+            return [[]]
+        self.route(src, dst)
+        return self._routes[(src, dst)]
 
     def equal_cost_paths(self, src: str, dst: str) -> list[list[str]]:
         """Every fewest-hop, lowest-latency node path from ``src`` to ``dst``, in a stable order (cached)."""
@@ -204,17 +250,25 @@ class Topology:
         for end in (src, dst):
             if end not in self.graph:
                 raise ValueError(f"route {src}->{dst}: unknown node {end!r} in topology {self.name!r}")
-        try:
-            paths = list(nx.all_shortest_paths(self.graph, src, dst))
-        except nx.NetworkXNoPath:
-            raise ValueError(f"no route from {src!r} to {dst!r} in topology {self.name!r}") from None
+        if self._router is None:
+            self._router = TierRouter(self.graph, self._nic_affinity)
+        paths = self._router.paths(src, dst)
+        if paths is None:
+            try:
+                paths = list(nx.all_shortest_paths(self.graph, src, dst))
+            except nx.NetworkXNoPath:
+                raise ValueError(f"no route from {src!r} to {dst!r} in topology {self.name!r}") from None
+        if len(paths) == 1:
+            return paths
+        link_of = self._link_of_edge
 
         def latency(path: list[str]) -> float:
-            return sum(self.graph.edges[u, v]["link"].latency_s for u, v in zip(path, path[1:], strict=False))
+            return sum(link_of(u, v).latency_s for u, v in zip(path, path[1:], strict=False))
 
-        best = min(latency(p) for p in paths)
+        latencies = [latency(p) for p in paths]
+        best = min(latencies)
         # Relative tolerance: latencies that differ only by float rounding are the same cost.
-        tied = [p for p in paths if latency(p) <= best * (1 + 1e-9) + 1e-15]
+        tied = [p for p, t in zip(paths, latencies, strict=True) if t <= best * (1 + 1e-9) + 1e-15]
         return sorted(tied, key=lambda p: [_natural_key(n) for n in p])
 
     # -- checking ---------------------------------------------------------------------------------------------

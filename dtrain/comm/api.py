@@ -1,9 +1,11 @@
 """The public collectives: torch.distributed-like functions that run our own algorithms.
 
 Every call checks its arguments on this rank before a byte is sent, lays the tensors out as the schedule's
-flat work buffer (see :mod:`dtrain.comm.ir.schedule`), runs the schedule through the torch.distributed
-point-to-point transport, and copies the result back where it belongs. ``algorithm="native"`` hands the call
-to torch.distributed; ``algorithm="auto"`` asks the cost model for the fastest of ours.
+flat work buffer (see :mod:`dtrain.comm.ir.schedule`), runs the schedule through the group's transport
+(torch.distributed point-to-point or peer memory; MPI point-to-point for a :class:`dtrain.comm.mpi.MPIGroup`),
+and copies the result back where it belongs. ``algorithm="native"`` hands the call to torch.distributed (to
+MPI's own collective on an MPI group); ``algorithm="auto"`` follows what was measured fastest
+(:mod:`dtrain.comm.cost.rules`), and is ``native`` where nothing was measured.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dtrain.comm import arguments, native
 from dtrain.comm.arguments import check_algorithm, check_op, check_pair, check_root, check_tensor, group_info
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.mpi.group import is_mpi_group
 from dtrain.comm.p2p.runtime import round_timeout, run_schedule
 from dtrain.comm.p2p.transport import transport_for
 from dtrain.comm.peer import graphs as persistent
@@ -63,7 +66,7 @@ def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: 
     if algorithm != "auto":
         return algorithm
     usable = local_size if local_size and world % local_size == 0 and 1 < local_size < world else None
-    kind = device.type + ("-peer" if transport_name(group, device) == "peer" else "")
+    kind = _kind(group, device)
     key = dist.group.WORLD if group is None else group
     state = find_state(key)
     if state is None or kind not in state.agreed:
@@ -74,22 +77,22 @@ def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: 
 @lru_cache(maxsize=4096)
 def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int | None) -> str:
     """The choice for ``auto``, kept: a measured rule (:mod:`dtrain.comm.cost.rules`: the rules file, else the built-in
-    rules) where one covers the call, else the cost model's least predicted time. Pricing every candidate costs
-    tens of microseconds of host time a call, as much as a small collective itself on a GPU (the parameters are
-    read once per process anyway)."""
+    rules) where one covers the call, the cost model's least predicted time among ours where that rule says
+    :data:`~dtrain.comm.cost.rules.MODEL`, else ``native``: the model does not price the backend's own
+    collectives, so without a measurement it cannot show that ours win. Pricing every candidate costs tens of
+    microseconds of host time a call, as much as a small collective itself on a GPU (the choice is kept)."""
     from dtrain.comm.cost import model as cost
-
-    candidates = [a for a in registry.names(coll) if local_size or not registry.needs_local_size(a)]
     from dtrain.comm.cost import rules
 
+    candidates = [a for a in registry.names(coll) if local_size or not registry.needs_local_size(a)]
     for measured in (_rules(kind), rules.built_in(kind, world, local_size)):  # the file first, then built in
         if measured is not None and measured.covers(kind, world, local_size):
             picked = measured.pick(coll.value, nbytes)
-            if picked in candidates:
+            if picked == rules.NATIVE or picked in candidates:
                 return picked
             if picked == rules.MODEL:
-                break
-    return cost.choose(coll, nbytes, world, _params(kind), candidates=candidates, local_size=local_size)
+                return cost.choose(coll, nbytes, world, _params(kind), candidates=candidates, local_size=local_size)
+    return rules.NATIVE
 
 
 @lru_cache(maxsize=4)
@@ -112,10 +115,31 @@ def _rules(kind: str):
 def _choice_digest(kind: str) -> int:
     """A digest of what ``auto`` and the pipelining choose from on this rank: the cost parameters of this kind
     and of its device type, and the measured rules, as loaded (what the choices will use)."""
-    device_type = kind.removesuffix("-peer")
+    device_type = kind.removesuffix("-peer").removesuffix("-mpi")
     measured = _rules(kind)
     seen = (kind, repr(_params(kind)), repr(_params(device_type)), repr(measured.to_dict() if measured else None))
     return int.from_bytes(hashlib.sha256(repr(seen).encode()).digest()[:8], "little", signed=True)
+
+
+def _kind(group, device: torch.device) -> str:
+    """The kind of group whose measured rules and cost parameters ``auto`` reads: "cpu", "cuda", "cpu-peer",
+    "cuda-peer" or "cpu-mpi"."""
+    transport = transport_name(group, device)
+    return device.type + (f"-{transport}" if transport in ("peer", "mpi") else "")
+
+
+def _all_gather_int64(group, value: int, device: torch.device) -> list[int]:
+    """Every rank's ``value``, in group rank order (one all-gather on the group's own transport)."""
+    if is_mpi_group(group):
+        from dtrain.comm.mpi import native as mpi_native
+
+        every = torch.empty(group.size, dtype=torch.int64)
+        mpi_native.all_gather(every, torch.tensor([value], dtype=torch.int64), group)
+        return every.tolist()
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [int(t) for t in every]
 
 
 def _agree_on_choices(group, kind: str, device: torch.device) -> None:
@@ -123,10 +147,8 @@ def _agree_on_choices(group, kind: str, device: torch.device) -> None:
     read different files would pick different algorithms for one call and wait for each other forever, so
     the first ``auto`` call on a group compares digests (one all-gather) and raises ``ValueError`` on every
     rank alike if they differ."""
-    mine = torch.tensor([_choice_digest(kind)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    differ = sorted({r for r, t in enumerate(every) if int(t) != int(every[0])})
+    every = _all_gather_int64(group, _choice_digest(kind), device)
+    differ = sorted({r for r, t in enumerate(every) if t != every[0]})
     if differ:
         from dtrain.comm.cost import model as cost
         from dtrain.comm.cost import rules
@@ -155,7 +177,7 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
     ``out`` (a reduce-scatter where :func:`_out_of_place` holds): ``work`` is the caller's input and stays as it
     was; this rank's block of the result goes into ``out``, with no copy of the input. Should the group's window
     be refused after all (and the group move to point-to-point), the input is copied into a work buffer."""
-    world = dist.get_world_size(group)
+    world = group.size if is_mpi_group(group) else dist.get_world_size(group)
     nbytes = work.numel() * work.element_size()
     pipeline = _pipeline(coll, algorithm, world, nbytes, work.device)
     schedule = registry.build(
@@ -182,10 +204,28 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
     if out is not None:  # the schedule reduces in place: a copy of the input to work in
         work = _scratch(group, work)
         _run(coll, algorithm, work, group, op, root, local_size)
-        rank, m = dist.get_rank(group), out.numel()
+        rank, m = group_info(group, "reduce_scatter")[0], out.numel()
         out.copy_(work[rank * m : (rank + 1) * m])
         return
-    run_schedule(schedule, work, transport_for(group), op, lanes=_lanes(schedule, work))
+    run_schedule(schedule, work, _transport(group), op, lanes=_lanes(schedule, work))
+
+
+def _transport(group):
+    """The point-to-point transport of ``group``: MPI messages for an MPI group, else torch.distributed's."""
+    if is_mpi_group(group):
+        from dtrain.comm.mpi.transport import transport_for as mpi_transport_for
+
+        return mpi_transport_for(group)
+    return transport_for(group)
+
+
+def _native(group):
+    """Where ``algorithm="native"`` goes: MPI's collectives for an MPI group, else torch.distributed's."""
+    if is_mpi_group(group):
+        from dtrain.comm.mpi import native as mpi_native
+
+        return mpi_native
+    return native
 
 
 def _run_peer(schedule, work: torch.Tensor, window, op: str, push: bool, out: torch.Tensor | None) -> None:
@@ -235,7 +275,9 @@ def _transport_setting() -> str:
 
 
 def transport_name(group, device: torch.device) -> str:
-    """The transport our algorithms run on for ``group`` on ``device``: ``DTRAIN_COMM_TRANSPORT``, or "auto".
+    """The transport our algorithms run on for ``group`` on ``device``: "mpi" for an
+    :class:`~dtrain.comm.mpi.MPIGroup` (MPI point-to-point, whatever the variable says), else
+    ``DTRAIN_COMM_TRANSPORT``, or "auto".
 
     "p2p": torch.distributed point-to-point messages (Gloo, NCCL), for any placement. "peer": ranks read and
     write each other's memory (:mod:`dtrain.comm.peer.window`), for a group whose ranks share one host. "auto" (the
@@ -247,6 +289,8 @@ def transport_name(group, device: torch.device) -> str:
     collective decision: every rank of the group reaches the same answer (set the variables alike on every
     rank).
     """
+    if is_mpi_group(group):
+        return "mpi"
     name = _transport_setting()
     if name != "auto":
         return name
@@ -318,6 +362,8 @@ def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: torch.Tensor, what: str):
     # after every local check of the call: resolving "auto" may talk to the group (once per group)
     rank, world = group_info(group, what)
+    if is_mpi_group(group) and like.device.type != "cpu":
+        raise ValueError(f"{what}: an MPI group moves CPU tensors only, got one on {like.device}")
     local_size = check_algorithm(coll, algorithm, world, group, what)
     chosen = _resolve(coll, algorithm, world, work_numel * like.element_size(), like.device, local_size, group)
     return rank, world, chosen, local_size
@@ -333,7 +379,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
     check_op(op, tensor.dtype, what)
     rank, world, chosen, local = _prepare(Collective.ALL_REDUCE, algorithm, group, tensor.numel(), tensor, what)
     if chosen == "native":
-        return native.all_reduce(tensor, op, group)
+        return _native(group).all_reduce(tensor, op, group)
     work, copied = _flat_work(tensor)
     _run(Collective.ALL_REDUCE, chosen, work, group, op, local_size=local)
     if op == "avg":
@@ -350,7 +396,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
     check_root(src, group_info(group, what)[1], "src", what)
     rank, world, chosen, local = _prepare(Collective.BROADCAST, algorithm, group, tensor.numel(), tensor, what)
     if chosen == "native":
-        return native.broadcast(tensor, src, group)
+        return _native(group).broadcast(tensor, src, group)
     work, copied = _flat_work(tensor)
     _run(Collective.BROADCAST, chosen, work, group, root=src, local_size=local)
     if copied:
@@ -366,7 +412,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorith
     check_root(dst, group_info(group, what)[1], "dst", what)
     rank, world, chosen, local = _prepare(Collective.REDUCE, algorithm, group, tensor.numel(), tensor, what)
     if chosen == "native":
-        return native.reduce(tensor, dst, op, group)
+        return _native(group).reduce(tensor, dst, op, group)
     if rank == dst:
         work, copied = _flat_work(tensor)
     else:  # partial sums pass through non-root ranks: keep the caller's tensor intact
@@ -390,7 +436,7 @@ def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "au
     check_op(op, tensor.dtype, what)
     rank, world, chosen, local = _prepare(Collective.SCAN, algorithm, group, tensor.numel(), tensor, what)
     if chosen == "native":
-        return native.scan(tensor, op, group)
+        return _native(group).scan(tensor, op, group)
     work, copied = _flat_work(tensor)
     _run(Collective.SCAN, chosen, work, group, op, local_size=local)
     if op == "avg":
@@ -409,7 +455,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     check_pair(output, input, world * input.numel(), what)
     rank, world, chosen, local = _prepare(Collective.ALL_GATHER, algorithm, group, output.numel(), output, what)
     if chosen == "native":
-        return native.all_gather(output, input, group)
+        return _native(group).all_gather(output, input, group)
     work, copied = _flat_work(output)
     m = input.numel()
     work[rank * m : (rank + 1) * m].copy_(input.reshape(-1))
@@ -430,7 +476,7 @@ def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=Non
         check_pair(output, input, world * input.numel(), what)
     rank, world, chosen, local = _prepare(Collective.GATHER, algorithm, group, world * input.numel(), input, what)
     if chosen == "native":
-        return native.gather(output, input, dst, group)
+        return _native(group).gather(output, input, dst, group)
     m = input.numel()
     if rank == dst:
         work, copied = _flat_work(output)
@@ -455,7 +501,7 @@ def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group=No
     m = output.numel()
     rank, world, chosen, local = _prepare(Collective.SCATTER, algorithm, group, world * m, output, what)
     if chosen == "native":
-        return native.scatter(output, input, src, group)
+        return _native(group).scatter(output, input, src, group)
     work = _scratch(group, input) if rank == src else _scratch(group, output, world * m)
     _run(Collective.SCATTER, chosen, work, group, root=src, local_size=local)
     output.copy_(work[rank * m : (rank + 1) * m].view(output.shape))
@@ -475,7 +521,7 @@ def reduce_scatter(
     coll = Collective.REDUCE_SCATTER
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
     if chosen == "native":
-        return native.reduce_scatter(output, input, op, group)
+        return _native(group).reduce_scatter(output, input, op, group)
     m = output.numel()
     if input.is_contiguous() and output.is_contiguous() and _out_of_place(coll, chosen, group, input, local):
         mine = output.view(-1)
@@ -516,16 +562,24 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     coll = Collective.ALL_TO_ALL
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
     if chosen == "native":
-        return native.all_to_all(output, input, group)
+        return _native(group).all_to_all(output, input, group)
     work = _scratch(group, input)
     _run(coll, chosen, work, group, local_size=local)
     output.copy_(work.view(output.shape))
     return output
 
 
-def barrier(group=None) -> None:
-    """Return only once every rank of the group has entered the barrier (dissemination algorithm)."""
+def barrier(group=None, algorithm: str = "dissemination") -> None:
+    """Return only once every rank of the group has entered the barrier: the dissemination algorithm ("auto"
+    too), or the backend's own barrier ("native": torch.distributed's, or MPI_Barrier on an MPI group)."""
     rank, world = group_info(group, "barrier")
+    check_algorithm(Collective.BARRIER, algorithm, world, group, "barrier")
+    if algorithm == "native":
+        if is_mpi_group(group):
+            _native(group).barrier(group)
+        else:
+            dist.barrier(group=group)
+        return
     token = torch.ones(1, dtype=torch.int32, device=_barrier_device(group))
     _run(Collective.BARRIER, "dissemination", token, group, "max")
     if token.is_cuda:
@@ -533,6 +587,8 @@ def barrier(group=None) -> None:
 
 
 def _barrier_device(group) -> torch.device:
+    if is_mpi_group(group):
+        return torch.device("cpu")
     backend = dist.get_backend(group)
     if backend == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

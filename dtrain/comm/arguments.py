@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.mpi.group import is_mpi_group
 from dtrain.comm.p2p.runtime import REDUCE_OPS
 from dtrain.comm.state import DEFAULT_LOCAL_SIZE, find_state, group_state
 
@@ -50,6 +51,12 @@ def _group_key(group: dist.ProcessGroup | None) -> object:
 
 
 def group_info(group: dist.ProcessGroup | None, what: str) -> tuple[int, int]:
+    """This rank's rank in ``group`` and the group's size (a process group, None for the default one, or an
+    :class:`~dtrain.comm.mpi.MPIGroup`)."""
+    if is_mpi_group(group):
+        if group.comm is None:
+            raise ValueError(f"{what}: this MPIGroup was freed")
+        return group.rank, group.size
     if not dist.is_initialized():
         raise ValueError(f"{what}: torch.distributed is not initialized (call init_process_group first)")
     rank = dist.get_rank(group)
@@ -107,6 +114,8 @@ def _local_size(group, world: int) -> int | None:
     declared = DEFAULT_LOCAL_SIZE[0] if key is None else state.local_size if state is not None else None
     if declared is not None:
         return declared
+    if is_mpi_group(key):
+        return key.local_size
     if key is not None and _spans_world_in_order(group, world):
         # A group of every rank in world order (a data-parallel group of a 1-D layout) has the world's nodes.
         return _local_size(None, world)

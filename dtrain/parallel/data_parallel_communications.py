@@ -155,6 +155,9 @@ class GradientReducer:
         self._ready_order: list[int] | None = [] if rebuild_buckets else None  # recorded until the rebuild
         self.launches = 0  # all-reduces issued so far (tests and benchmarks read it)
         self._in_flight: list[tuple[Any, Bucket, torch.Tensor]] = []  # native all-reduces not yet waited for
+        # NCCL averages inside the all-reduce (ncclAvg, NCCL >= 2.10), so no pass over the gradients is left for
+        # after backward; Gloo has no average op and the sums are divided once they are waited for.
+        self._backend_averages = algorithm == "native" and dist.get_backend(group) == "nccl"
 
     def _locate(self) -> dict[int, int]:
         return {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
@@ -231,7 +234,8 @@ class GradientReducer:
                 wire = bucket.buffer
                 if self.reduce_dtype is not None and self.reduce_dtype != wire.dtype:
                     wire = wire.to(self.reduce_dtype)
-                work = dist.all_reduce(wire, dist.ReduceOp.SUM, group=self.group, async_op=True)
+                op = dist.ReduceOp.AVG if self._backend_averages else dist.ReduceOp.SUM
+                work = dist.all_reduce(wire, op, group=self.group, async_op=True)
                 self._in_flight.append((work, bucket, wire))
             else:
                 reduce_in(bucket.buffer, self.reduce_dtype, group=self.group, algorithm=self.algorithm)
@@ -250,7 +254,8 @@ class GradientReducer:
 
     def _wait_all(self) -> None:
         """Wait for every native all-reduce in flight (on GPUs the compute stream waits, not the host), divide
-        the sums by the group size (as the synchronous path's ``op="avg"`` does) and hand out the gradients."""
+        the sums by the group size where the backend summed (as the synchronous path's ``op="avg"`` does) and
+        hand out the gradients."""
         in_flight, self._in_flight = self._in_flight, []
         size = group_size(self.group)
         with torch.no_grad():
@@ -258,7 +263,8 @@ class GradientReducer:
                 work.wait()
                 if wire is not bucket.buffer:
                     bucket.buffer.copy_(wire)
-                bucket.buffer.div_(size)
+                if not self._backend_averages:
+                    bucket.buffer.div_(size)
                 self._assign(bucket)
 
 

@@ -21,6 +21,10 @@ on GPU Clusters Using Megatron-LM", section 2.3), and the one ``dtrain train`` r
 - ``pp == 1``: the model is wrapped in :class:`~dtrain.parallel.data_parallel.DataParallel` over
   ``grid.dp_group`` (gradients averaged bucket by bucket while backward runs), or its optimizer is a
   :class:`~dtrain.parallel.zero.ZeroOptimizer` over it (``zero_stage`` 1 or 2; Rajbhandari et al. 2020);
+- ``zero_stage=3`` (any ``pp``): each layer of this rank's stage is a unit of
+  :class:`~dtrain.parallel.fsdp.FullyShardedDataParallel` over ``grid.dp_group`` (or hybrid sharding within
+  blocks of ``shard_size`` dp ranks), which holds the float32 shards of the tp-local parameters, gathers a layer
+  only while it computes and is the optimizer;
 - each replica (``grid.dp_group``) trains on its equal shard of the global batch (:func:`~dtrain.parallel.
   data_parallel.split_batch`), in ``accumulation`` chunks a step, and the reported loss is the replicas' mean
   losses averaged: the loss of the whole global batch.
@@ -46,9 +50,11 @@ from torch import nn
 from dtrain import comm
 from dtrain.parallel import gradients
 from dtrain.parallel.data_parallel import DataParallel, broadcast_algorithm, broadcast_parameters, split_batch
+from dtrain.parallel.fsdp import FullyShardedDataParallel, hybrid_shard_groups
 from dtrain.parallel.grid import RankGrid
 from dtrain.parallel.parallelize import tensor_parallelize
 from dtrain.parallel.pipeline_parallel import LossFn, PipelineParallel, partition_layers
+from dtrain.parallel.pipeline_schedules import PLACEMENT, SPLIT_BACKWARD, chunks_per_stage, stage_of_virtual
 from dtrain.parallel.tensor_parallel import ParallelMLP
 from dtrain.parallel.zero import ZeroOptimizer
 
@@ -111,7 +117,12 @@ class HybridParallel:
 
     ``zero_stage`` 1 or 2 shards the optimizer state (and with 2 the gradients) over the dp group
     (:class:`~dtrain.parallel.zero.ZeroOptimizer`, built from the optimizer the factory returns: its class and
-    param groups). ``autocast_dtype`` runs forward and loss under ``torch.autocast`` on the model's device type;
+    param groups); 3 the parameters too (:class:`~dtrain.parallel.fsdp.FullyShardedDataParallel`, each layer of
+    the stage a unit, the same optimizer class and groups over the shards; :attr:`optimizer` is it). Under
+    stage 3 ``shard_size`` (a divisor of dp; default dp) shards within blocks of that many dp ranks and
+    replicates across them (hybrid sharding), and a bf16 ``autocast_dtype`` also makes bf16 the dtype the
+    layers are gathered and computed in (float32 shards). ``autocast_dtype`` runs forward and loss under
+    ``torch.autocast`` on the model's device type;
     ``reduce_dtype`` is the dtype gradients are averaged in. ``accumulation`` splits each replica's rows into that
     many chunks, one forward and backward each (the pipeline runs once per chunk), with one gradient reduction
     and one optimizer step. Where pipeline stages share a parameter (a tied embedding), every process of the
@@ -140,15 +151,21 @@ class HybridParallel:
         reduce_dtype: torch.dtype | None = None,
         accumulation: int = 1,
         balance: str = "layers",
+        shard_size: int | None = None,
     ) -> None:
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        if shard_size is not None and zero_stage != 3:
+            raise ValueError(f"shard_size={shard_size!r} shards parameters: it needs zero_stage=3, got {zero_stage}")
         if not isinstance(accumulation, int) or isinstance(accumulation, bool) or accumulation < 1:
             raise ValueError(f"accumulation must be a positive int, got {accumulation!r}")
         if balance not in ("layers", "params", "flops"):
             raise ValueError(f"balance must be 'layers', 'params' or 'flops', got {balance!r}")
+        if zero_stage == 2 and grid.dims.pp > 1 and schedule in SPLIT_BACKWARD:
+            raise ValueError(f"zero_stage=2 reduces gradients during backward; schedule {schedule!r} defers them to W")
         self.grid, self.algorithm, self.device = grid, algorithm, device
         self.zero_stage, self.accumulation, self.reduce_dtype = zero_stage, accumulation, reduce_dtype
+        self.autocast_dtype, self.shard_size = autocast_dtype, shard_size
         dims = grid.dims
         # The single-device model's export names (a tied weight once, under its first name), shapes and dtypes.
         self._export: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -169,9 +186,11 @@ class HybridParallel:
         if device is not None:
             model = model.to(device)
         p = dims.pp
-        v = virtual_stages if schedule == "interleaved-1f1b" else 1
+        v, placement = chunks_per_stage(schedule, virtual_stages), PLACEMENT.get(schedule, "loop")
         cuts = partition_layers(model, v * p, balance=balance) if p > 1 else [range(len(model))]
-        self._stage_of_layer = {layer: u % p for u, cut in enumerate(cuts) for layer in cut}
+        self._stage_of_layer = {
+            layer: stage_of_virtual(u, p, placement)[0] for u, cut in enumerate(cuts) for layer in cut
+        }
         self.pipeline: PipelineParallel | None = None
         if p > 1:
             self.pipeline = PipelineParallel(
@@ -206,7 +225,9 @@ class HybridParallel:
             )
         del model
         self._forward: nn.Module = self.module
-        if zero_stage:
+        if zero_stage == 3:
+            self.optimizer = self._fully_sharded(optimizer(self.named_params))
+        elif zero_stage:
             self.optimizer = self._zero_optimizer(optimizer(self.named_params))
         else:
             if p == 1 and dims.dp > 1:
@@ -239,6 +260,33 @@ class HybridParallel:
             hyper = {k: v for k, v in groups[0].items() if k != "params"}
             return ZeroOptimizer(groups[0]["params"], cls, self.grid.dp_group, **common, **hyper)
         return ZeroOptimizer(groups, cls, self.grid.dp_group, **common)
+
+    def _fully_sharded(self, made: torch.optim.Optimizer) -> FullyShardedDataParallel:
+        """ZeRO-3 of this rank's stage, each of its layers a unit, with ``made``'s class and param groups (``made``
+        is dropped). Where ``shard_size`` cuts the dp group, every process of the default group must construct
+        the HybridParallel (groups are made; off the grid, call :func:`~dtrain.parallel.fsdp.hybrid_shard_groups`)."""
+        grid = self.grid
+        shard, replicate = grid.dp_group, None
+        if self.shard_size is not None and self.shard_size != grid.dims.dp:
+            shard, replicate = hybrid_shard_groups(grid.dims, self.shard_size, grid.base_ranks)
+        cls = type(made)
+        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        groups = [{k: v for k, v in g.items() if k == "params" or k in accepted} for g in made.param_groups]
+        chunks = self.pipeline.chunks if self.pipeline is not None else None
+        units = [layer for chunk in chunks for layer in chunk.layers] if chunks else list(self.module)
+        bf16 = self.autocast_dtype == torch.bfloat16
+        return FullyShardedDataParallel(
+            self.module,
+            units,
+            shard,
+            groups,
+            cls,
+            replicate_group=replicate,
+            separate=[param for param, _, _ in self._tied],
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=self.reduce_dtype,
+            algorithm=self.algorithm,
+        )
 
     def _tie_groups(self, model: nn.Sequential) -> list[tuple[nn.Parameter, object, bool]]:
         """For every parameter shared by layers on different stages: (this rank's copy, the group of the ranks
@@ -385,6 +433,9 @@ class HybridParallel:
     def _sum_tied(self) -> None:
         """Each tied parameter's gradient summed over the stages holding a copy (Megatron's embedding group)."""
         for param, group, _ in self._tied:
+            if self.zero_stage == 3:
+                self.optimizer.all_reduce_gradient(param, group)
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             comm.all_reduce(param.grad, op="sum", group=group, algorithm=self.algorithm)
@@ -420,9 +471,14 @@ class HybridParallel:
         its first name) on grid rank 0, None elsewhere. Collective: every rank of the grid calls it.
 
         Tensor-parallel shards are all-gathered along ``tensor_parallel_dim`` on their stage; the owning stage's
-        tp/dp rank 0 sends each tensor to grid rank 0.
+        tp/dp rank 0 sends each tensor to grid rank 0. Under ``zero_stage=3`` each stage first gathers its
+        float32 shards over dp.
         """
         grid, dims = self.grid, self.grid.dims
+        whole: dict[int, torch.Tensor] = {}  # id(parameter) -> its whole tp-local value (ZeRO-3)
+        if self.zero_stage == 3:
+            gathered = self.optimizer.full_parameters()
+            whole = {id(q): gathered[n] for n, q in self.module.named_parameters() if n in gathered}
         root = grid.base_ranks[0]
         me = dist.get_rank()
         out: dict[str, torch.Tensor] | None = {} if grid.rank == 0 else None
@@ -435,7 +491,7 @@ class HybridParallel:
                     raise ValueError(
                         f"full_state_dict: {name!r} is not in the parallel model (renamed by tensor_parallel)"
                     )
-                tensor = self._local_state[name].detach()
+                tensor = whole.get(id(self._local_state[name]), self._local_state[name]).detach()
                 dim = getattr(self._local_state[name], "tensor_parallel_dim", None)
                 if dim is not None and dims.tp > 1:
                     tensor = _all_gather_dim(tensor, dim, grid.tp_group).narrow(dim, 0, shape[dim])

@@ -3,7 +3,8 @@
 Inter-operator parallelism places consecutive layers on different devices; pipelining splits each batch into
 ``m`` micro-batches so the stages work at once (GPipe, Huang et al. 2019; 1F1B / PipeDream-Flush, Narayanan et
 al. 2019 and 2021; interleaved 1F1B, Narayanan et al. 2021 section 2.2.2, where each rank holds ``v`` chunks
-of the model and the bubble shrinks ``v`` times). The schedules are data
+of the model and the bubble shrinks ``v`` times; ZB-H1 and ZB-V, Qi et al. 2024, which split each backward into
+the input gradient B and the weight gradient W, :mod:`dtrain.parallel.weight_gradients`). The schedules are data
 (:mod:`dtrain.parallel.pipeline_schedules`); the runner here executes one, talking to its neighbours through
 :mod:`dtrain.parallel.pipeline_parallel_communications`.
 
@@ -26,7 +27,19 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.parallel.pipeline_parallel_communications import StageLink
-from dtrain.parallel.pipeline_schedules import SCHEDULES, Timeline, TimelineEvent, chunk_of
+from dtrain.parallel.pipeline_schedules import (
+    PLACEMENT,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    Timeline,
+    TimelineEvent,
+    chunk_of,
+    chunks_per_stage,
+    make_schedule,
+    stage_of_virtual,
+    virtual_stage,
+)
+from dtrain.parallel.weight_gradients import WeightGradStore
 
 __all__ = ["PipelineParallel", "PipelineStage", "forward_flops_weight", "partition_layers"]
 
@@ -140,11 +153,13 @@ class PipelineStage(nn.Module):
 class PipelineParallel:
     """Trains ``sequential`` as a pipeline over ``group``: this rank runs its :class:`PipelineStage` (or chunks).
 
-    ``schedule`` is "gpipe", "1f1b" or "interleaved-1f1b"
+    ``schedule`` is "gpipe", "1f1b", "interleaved-1f1b", "zb-h1" or "zb-v"
     (:data:`~dtrain.parallel.pipeline_schedules.SCHEDULES`). Interleaved 1F1B cuts the model into
     ``virtual_stages * p`` chunks (default ``virtual_stages=2``) and this rank holds chunks ``s, s + p, ...``:
     :attr:`chunks` lists them and :attr:`stage` is an ``nn.ModuleList`` of them (the :class:`PipelineStage`
-    itself for the other schedules). After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
+    itself for the other schedules). ZB-V holds 2 chunks, virtual stages ``s`` and ``2p - 1 - s``. Under ZB-H1 and
+    ZB-V, :attr:`weight_grads` defers the linear layers' weight gradients from each B to its W action.
+    After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
     for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`. ``grad_group`` (the same ranks as
     ``group``, another process group) carries the gradients, so that on NCCL the two directions between two
     stages do not queue behind each other (:mod:`~dtrain.parallel.pipeline_parallel_communications`); the rank
@@ -167,27 +182,41 @@ class PipelineParallel:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
         interleaved = schedule == "interleaved-1f1b"
-        v = virtual_stages if virtual_stages is not None else (2 if interleaved else 1)
-        if not isinstance(v, int) or v < 1 or (v > 1 and not interleaved):
+        v = chunks_per_stage(schedule, 2 if virtual_stages is None else virtual_stages)
+        if not isinstance(v, int) or v < 1 or (not interleaved and virtual_stages not in (None, 1, v)):
             raise ValueError(
-                f"virtual_stages={virtual_stages!r}: more than one model chunk per stage needs "
-                f"schedule='interleaved-1f1b' (got {schedule!r}), and it must be a positive int"
+                f"virtual_stages={virtual_stages!r}: schedule {schedule!r} holds {chunks_per_stage(schedule)} model "
+                "chunk(s) a stage; only interleaved-1f1b takes another count (a positive int)"
             )
         s, p = dist.get_rank(group), dist.get_world_size(group)
         self.num_stages, self.stage_index, self.virtual_stages = p, s, v
         self.num_microbatches = num_microbatches
         self.schedule_name = schedule
-        self.actions = (
-            SCHEDULES[schedule](p, num_microbatches, s, v)
-            if interleaved
-            else SCHEDULES[schedule](p, num_microbatches, s)
-        )
+        self.placement = PLACEMENT.get(schedule, "loop")
+        schedules = [make_schedule(schedule, p, num_microbatches, q, v) for q in range(p)]
+        self.actions = schedules[s]
         self.chunks = [
-            PipelineStage(sequential, group, stage_index=c * p + s, num_stages=v * p, balance=balance) for c in range(v)
+            PipelineStage(
+                sequential,
+                group,
+                stage_index=virtual_stage(s, c, p, self.placement),
+                num_stages=v * p,
+                balance=balance,
+            )
+            for c in range(v)
         ]
-        self.stage: nn.Module = nn.ModuleList(self.chunks) if interleaved else self.chunks[0]
+        self.stage: nn.Module = nn.ModuleList(self.chunks) if v > 1 else self.chunks[0]
+        #: the deferred weight gradients of the schedules that split backward into B and W (else None)
+        self.weight_grads: WeightGradStore | None = None
+        if schedule in SPLIT_BACKWARD:
+            self.weight_grads = WeightGradStore()
+            for chunk in self.chunks:
+                self.weight_grads.attach(chunk)
         device = next((q.device for q in self.stage.parameters()), torch.device("cpu"))
-        self.link = StageLink(group, s, p, device, virtual_stages=v, grad_group=grad_group)
+        self.link = StageLink(group, s, p, device, virtual_stages=v, grad_group=grad_group, placement=self.placement)
+        self.link.plan(schedules)
+        self.group = group
+        self._loss_stage = stage_of_virtual(v * p - 1, p, self.placement)[0]
         self.timeline: Timeline | None = None
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -201,7 +230,7 @@ class PipelineParallel:
     @property
     def is_last(self) -> bool:
         """Whether this rank holds the model's last layers (and so needs the targets and computes the loss)."""
-        return self.chunks[-1].is_last
+        return any(chunk.is_last for chunk in self.chunks)
 
     def train_step(
         self,
@@ -237,42 +266,56 @@ class PipelineParallel:
             stage=self.stage_index, num_stages=self.num_stages, num_microbatches=m, virtual_stages=self.virtual_stages
         )
         timeline.start_s = time.perf_counter()
-        self.link.begin_step(timeline)
+        self.link.begin_step(timeline, forward_only=forward_only)
         held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output or loss)
+        live: set[tuple[int, int]] = set()  # (chunk, mb) whose activations or deferred weight gradients are kept
         loss = torch.zeros((), device=self.link.device)
         context = forward_context if forward_context is not None else contextlib.nullcontext
         if forward_only:
             base = context
             context = lambda: _both(base(), torch.no_grad())  # noqa: E731
-        for action in self.actions:
-            kind, mb, chunk = action[0], action[1], chunk_of(action)
-            if forward_only and kind != "F":
-                continue
-            stage = self.chunks[chunk]
-            self.link.poll_sends()
-            if kind == "F":
-                x = inputs[mb] if stage.is_first else self._recv_input(mb, chunk)
-                start = time.perf_counter()
-                with context():
-                    y = stage(x)
+        actions = [a for a in self.actions if a[0] == "F"] if forward_only else self.actions
+        store = self.weight_grads
+        try:
+            for index, action in enumerate(actions):
+                kind, mb, chunk = action[0], action[1], chunk_of(action)
+                stage = self.chunks[chunk]
+                self.link.poll_sends()
+                if kind == "F":
+                    x = inputs[mb] if stage.is_first else self._recv_input(mb, chunk)
+                    start = time.perf_counter()
+                    with context():
+                        y = stage(x)
+                        if stage.is_last:
+                            y = loss_fn(y, labels[mb]) / m
                     if stage.is_last:
-                        y = loss_fn(y, labels[mb]) / m
-                if stage.is_last:
-                    loss += y.detach().float()
-                timeline.events.append(TimelineEvent("F", mb, start, time.perf_counter(), chunk=chunk))
-                if not forward_only:
-                    held[chunk, mb] = (x, y)
-                timeline.peak_activations = max(timeline.peak_activations, len(held))
-                if not stage.is_last:
-                    self.link.send_forward(y, mb, chunk)
-            else:
-                self._backward(stage, chunk, mb, *held.pop((chunk, mb)), timeline)
-        self.link.wait_sends()
+                        loss += y.detach().float()
+                    timeline.events.append(TimelineEvent("F", mb, start, time.perf_counter(), chunk=chunk))
+                    if not forward_only:
+                        held[chunk, mb] = (x, y)
+                        live.add((chunk, mb))
+                    timeline.peak_activations = max(timeline.peak_activations, len(live))
+                    if not stage.is_last:
+                        self.link.send_forward(y, mb, chunk)
+                elif kind == "B":
+                    self._backward(stage, chunk, mb, *held.pop((chunk, mb)), timeline)
+                    if store is None:
+                        live.discard((chunk, mb))
+                else:
+                    start = time.perf_counter()
+                    store.flush((chunk, mb))
+                    timeline.events.append(TimelineEvent("W", mb, start, time.perf_counter(), chunk=chunk))
+                    live.discard((chunk, mb))
+                self.link.prefetch(index)
+            self.link.wait_sends()
+        finally:
+            if store is not None:
+                store.clear()
         timeline.end_s = time.perf_counter()
         self.link.begin_step(None)
         if not forward_only:
             self.timeline = timeline
-        comm.broadcast(loss, self.num_stages - 1, group=self.chunks[0].group)
+        comm.broadcast(loss, self._loss_stage, group=self.group)
         return loss
 
     def _recv_input(self, mb: int, chunk: int) -> torch.Tensor:
@@ -289,7 +332,9 @@ class PipelineParallel:
             grad = self.link.recv_backward(mb, chunk)
         start = time.perf_counter()
         if y.requires_grad:
-            torch.autograd.backward(y, grad)
+            deferring = self.weight_grads.deferring((chunk, mb)) if self.weight_grads else contextlib.nullcontext()
+            with deferring:
+                torch.autograd.backward(y, grad)
         timeline.events.append(TimelineEvent("B", mb, start, time.perf_counter(), chunk=chunk))
         if not stage.is_first and x.is_floating_point():
             self.link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x), mb, chunk)

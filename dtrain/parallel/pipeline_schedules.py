@@ -25,6 +25,7 @@ schedules with unit costs and :func:`draw_schedule` draws them; :func:`bubble_fr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -32,18 +33,27 @@ from typing import NamedTuple
 __all__ = [
     "Action",
     "ChunkAction",
+    "PLACEMENT",
     "ScheduleFn",
     "SCHEDULES",
+    "SPLIT_BACKWARD",
     "Timeline",
     "TimelineEvent",
     "bubble_fraction",
+    "chunks_per_stage",
     "draw_schedule",
     "gpipe",
     "interleaved_one_f_one_b",
+    "make_schedule",
     "one_f_one_b",
     "simulate",
+    "simulated_bubble",
+    "stage_of_virtual",
     "theoretical_bubble",
     "validate_schedule",
+    "virtual_stage",
+    "zb_h1",
+    "zb_v",
 ]
 
 
@@ -136,74 +146,263 @@ def interleaved_one_f_one_b(
     return actions
 
 
+def zb_h1(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR, section 3.1): 1F1B with each backward
+    split into B (the input gradient, on the critical path) and W (the weight gradient, needed only by the
+    optimizer). Stage ``s`` warms up with ``min(p - 1 - s, m)`` forwards as 1F1B does, then runs F, B and, from its
+    ``s + 1``-th backward on, the W of its oldest micro-batch awaiting one; the ``s`` W's held back run at the
+    end, in the cool-down bubble. At most ``p`` micro-batches are held (forwarded, W not yet run) on any stage,
+    1F1B's own most (on its first stage).
+    """
+    _check_sizes(num_stages, num_microbatches, stage)
+    p, m = num_stages, num_microbatches
+    warmup = min(p - 1 - stage, m)
+    actions = [Action("F", mb) for mb in range(warmup)]
+    waiting = 0  # the next micro-batch whose W is due
+
+    def backward(mb: int) -> list[Action]:
+        nonlocal waiting
+        out = [Action("B", mb)]
+        if mb >= stage:
+            out.append(Action("W", waiting))
+            waiting += 1
+        return out
+
+    for i in range(m - warmup):
+        actions += [Action("F", warmup + i), *backward(i)]
+    for mb in range(m - warmup, m):
+        actions += backward(mb)
+    actions += [Action("W", mb) for mb in range(waiting, m)]
+    return actions
+
+
+def _list_schedule(
+    num_stages: int, num_microbatches: int, limit: int, costs: tuple[float, float, float]
+) -> list[list[ChunkAction]]:
+    """Every stage's actions on the V placement, from a greedy list-scheduling simulation.
+
+    Time runs forward; a stage that falls idle takes, of the actions whose inputs have arrived, a B (the
+    critical path; the oldest micro-batch first), else an F (the chunk nearer the loss first) while fewer than
+    ``limit`` (chunk, micro-batch) pairs are held (forwarded, W not yet run), else the W of its oldest pending B.
+    Each chunk runs its F's, B's and W's in micro-batch order. Communication is free.
+    """
+    p, m = num_stages, num_microbatches
+    cost = {"F": costs[0], "B": costs[1], "W": costs[2]}
+    last = 2 * p - 1
+    next_f, next_b = [0] * (2 * p), [0] * (2 * p)
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (chunk, mb) with B done, W not yet
+    held, free = [0] * p, [0.0] * p
+    done: dict[tuple[str, int, int], float] = {}
+    out: list[list[ChunkAction]] = [[] for _ in range(p)]
+    remaining = [6 * m] * p
+    waiting: set[int] = set()  # stages with nothing to do until another stage acts
+    while any(remaining):
+        active = [s for s in range(p) if remaining[s] and s not in waiting]
+        if not active:
+            raise ValueError(f"zb-v list scheduling is stuck (p={p}, m={m}, limit={limit})")
+        s = min(active, key=lambda s: (free[s], s))
+        t = free[s]
+        chunks = (s, last - s)  # virtual stages of chunks 0 and 1
+        choice = None
+        ready_b = []
+        for c, u in enumerate(chunks):
+            mb = next_b[u]
+            if mb < next_f[u]:
+                dep = ("F", u, mb) if u == last else ("B", u + 1, mb)
+                if dep in done and done[dep] <= t:
+                    ready_b.append((mb, c, u))
+        if ready_b:
+            mb, c, u = min(ready_b)
+            choice = ("B", mb, c, u)
+        elif held[s] < limit:
+            for c in (1, 0):
+                u = chunks[c]
+                mb = next_f[u]
+                if mb < m and (u == 0 or (("F", u - 1, mb) in done and done["F", u - 1, mb] <= t)):
+                    choice = ("F", mb, c, u)
+                    break
+        if choice is None and pending[s]:
+            c, mb = pending[s].pop(0)
+            choice = ("W", mb, c, chunks[c])
+        if choice is None:
+            later = [e for e in done.values() if e > t]
+            if later:
+                free[s] = min(later)
+            else:
+                waiting.add(s)
+            continue
+        waiting.clear()
+        kind, mb, c, u = choice
+        end = t + cost[kind]
+        done[kind, u, mb] = free[s] = end
+        out[s].append(ChunkAction(kind, mb, c))
+        remaining[s] -= 1
+        if kind == "F":
+            next_f[u] += 1
+            held[s] += 1
+        elif kind == "B":
+            next_b[u] += 1
+            pending[s].append((c, mb))
+        else:
+            held[s] -= 1
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _zb_v_all(num_stages: int, num_microbatches: int) -> tuple[tuple[ChunkAction, ...], ...]:
+    return tuple(tuple(a) for a in _list_schedule(num_stages, num_microbatches, 2 * num_stages, (1.0, 1.0, 1.0)))
+
+
+def zb_v(num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 2) -> list[ChunkAction]:
+    """ZB-V (Qi et al. 2024, section 6): two model chunks a stage placed in a V, stage ``s`` holding virtual stages
+    ``s`` and ``2p - 1 - s`` (so the first stage computes the loss, and the turn at the last stage is local), with
+    backward split into B and W as in :func:`zb_h1`.
+
+    The actions come from :func:`_list_schedule` with the paper's equal costs T_F = T_B = T_W a chunk and its
+    activation budget, 1F1B's peak: ``2p`` (chunk, micro-batch) pairs of half a stage each. ``virtual_stages``
+    must be 2 (the V).
+    """
+    _check_sizes(num_stages, num_microbatches, stage)
+    if virtual_stages != 2:
+        raise ValueError(f"zb-v places exactly 2 model chunks on each stage, got virtual_stages={virtual_stages!r}")
+    return list(_zb_v_all(num_stages, num_microbatches)[stage])
+
+
 SCHEDULES: dict[str, ScheduleFn] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_one_f_one_b,
+    "zb-h1": zb_h1,
+    "zb-v": zb_v,
 }
+#: schedules that split each backward into B (input gradient) and W (weight gradient)
+SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v"})
+#: how each schedule places model chunks on stages: "loop" (chunk c of stage s is virtual stage c p + s) or "v"
+PLACEMENT = {"zb-v": "v"}
+
+
+def chunks_per_stage(schedule: str, virtual_stages: int = 2) -> int:
+    """How many model chunks each stage holds under ``schedule``: ``virtual_stages`` for interleaved 1F1B, 2 for
+    ZB-V, else 1."""
+    if schedule == "interleaved-1f1b":
+        return virtual_stages
+    return 2 if schedule == "zb-v" else 1
+
+
+def make_schedule(schedule: str, num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 2) -> list:
+    """Stage ``stage``'s actions under the named schedule (``virtual_stages``: interleaved 1F1B's chunks)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if schedule == "interleaved-1f1b":
+        return interleaved_one_f_one_b(num_stages, num_microbatches, stage, virtual_stages)
+    return SCHEDULES[schedule](num_stages, num_microbatches, stage)
+
+
+def virtual_stage(stage: int, chunk: int, num_stages: int, placement: str = "loop") -> int:
+    """The virtual stage (position in the model) of ``stage``'s ``chunk``: ``chunk p + stage`` on the loop
+    placement; ``stage`` or ``2p - 1 - stage`` on the V."""
+    if placement == "v":
+        return stage if chunk == 0 else 2 * num_stages - 1 - stage
+    return chunk * num_stages + stage
+
+
+def stage_of_virtual(u: int, num_stages: int, placement: str = "loop") -> tuple[int, int]:
+    """(stage, chunk) holding virtual stage ``u``; the inverse of :func:`virtual_stage`."""
+    p = num_stages
+    if placement == "v":
+        return (u, 0) if u < p else (2 * p - 1 - u, 1)
+    return u % p, u // p
 
 
 def validate_schedule(actions: Sequence[tuple], num_microbatches: int, virtual_stages: int = 1) -> int:
-    """Check one stage's actions; return its peak number of micro-batches in flight (forwarded, not yet backward).
+    """Check one stage's actions; return its peak number of micro-batches held (forwarded, backward not complete).
 
     Every micro-batch is forwarded exactly once and backward exactly once on each of the stage's
-    ``virtual_stages`` chunks, its forward first (a micro-batch on two chunks counts twice in flight). Raises
-    ValueError naming the first offending action.
+    ``virtual_stages`` chunks, its forward first (a micro-batch on two chunks counts twice). A schedule with
+    W actions (split backward) has exactly one W for each B, after it, and holds a micro-batch until its W.
+    Raises ValueError naming the first offending action.
     """
+    split = any(a[0] == "W" for a in actions)
     forwarded: set[tuple[int, int]] = set()
+    backward: set[tuple[int, int]] = set()
     done: set[tuple[int, int]] = set()
     peak = 0
     for i, action in enumerate(actions):
         kind, mb, chunk = action[0], action[1], chunk_of(action)
-        if not 0 <= mb < num_microbatches or kind not in ("F", "B") or not 0 <= chunk < virtual_stages:
+        if not 0 <= mb < num_microbatches or kind not in ("F", "B", "W") or not 0 <= chunk < virtual_stages:
             raise ValueError(
-                f"action {i} {tuple(action)} is not F/B of a micro-batch in 0..{num_microbatches - 1} "
+                f"action {i} {tuple(action)} is not F/B/W of a micro-batch in 0..{num_microbatches - 1} "
                 f"on a chunk in 0..{virtual_stages - 1}"
             )
+        key = (chunk, mb)
         if kind == "F":
-            if (chunk, mb) in forwarded:
+            if key in forwarded:
                 raise ValueError(f"action {i}: micro-batch {mb} forwarded twice")
-            forwarded.add((chunk, mb))
-        else:
-            if (chunk, mb) not in forwarded or (chunk, mb) in done:
+            forwarded.add(key)
+        elif kind == "B":
+            if key not in forwarded or key in backward:
                 raise ValueError(f"action {i}: backward of micro-batch {mb} before its forward, or twice")
-            done.add((chunk, mb))
+            backward.add(key)
+            if not split:
+                done.add(key)
+        else:
+            if key not in backward or key in done:
+                raise ValueError(f"action {i}: weight gradient of micro-batch {mb} before its backward, or twice")
+            done.add(key)
         peak = max(peak, len(forwarded) - len(done))
-    if len(done) != num_microbatches * virtual_stages:
+    if len(done) != num_microbatches * virtual_stages or len(backward) != len(done):
         raise ValueError(
             f"only {len(done)} of {num_microbatches * virtual_stages} micro-batches went forward and backward"
+            + (" (each B needs its W)" if split else "")
         )
     return peak
 
 
 def simulate(
-    schedules: Sequence[Sequence[tuple]], *, forward_cost: int = 1, backward_cost: int = 2
-) -> list[list[tuple[int, int]]]:
-    """Replay one schedule per stage with fixed action costs (per chunk) and free communication.
+    schedules: Sequence[Sequence[tuple]],
+    *,
+    forward_cost: float = 1,
+    backward_cost: float = 2,
+    weight_cost: float = 1,
+    p2p_cost: float = 0,
+    placement: str = "loop",
+) -> list[list[tuple[float, float]]]:
+    """Replay one schedule per stage with fixed action costs (per chunk) and a fixed time per message.
 
-    On virtual stage ``u = chunk * p + s`` of ``V = v * p``: F(u, mb) waits for F(u - 1, mb); B(u, mb) waits for
-    B(u + 1, mb) (the last virtual stage's B follows its own F). Returns, per stage, the (start, end) of each
-    action in schedule order. Raises ValueError on a deadlock.
+    On virtual stage ``u`` (:func:`virtual_stage` of the stage and chunk under ``placement``): F(u, mb) waits for
+    F(u - 1, mb); B(u, mb) waits for B(u + 1, mb) (the last virtual stage's B follows its own F); W follows its
+    B in the stage's order. ``backward_cost`` is a B's cost (the whole backward for schedules without W, the
+    input gradient alone for those with), ``weight_cost`` a W's. A dependency on another stage adds ``p2p_cost``
+    (one activation or gradient between stages; none between two chunks of one stage). Returns, per stage, the
+    (start, end) of each action in schedule order. Raises ValueError on a deadlock.
     """
     p = len(schedules)
     last = p * (1 + max((chunk_of(a) for stage in schedules for a in stage), default=0)) - 1
-    ends: dict[tuple[str, int, int], int] = {}
-    times: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    free = [0] * p
+    cost = {"F": forward_cost, "B": backward_cost, "W": weight_cost}
+    ends: dict[tuple[str, int, int], float] = {}
+    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    free = [0.0] * p
     progress = True
     while progress:
         progress = False
         for s in range(p):
             while len(times[s]) < len(schedules[s]):
                 action = schedules[s][len(times[s])]
-                kind, mb, u = action[0], action[1], chunk_of(action) * p + s
-                dep = ("F", u - 1, mb) if kind == "F" else ("B", u + 1, mb)
-                if (kind == "F" and u == 0) or (kind == "B" and u == last):
-                    dep = None
+                kind, mb = action[0], action[1]
+                u = virtual_stage(s, chunk_of(action), p, placement)
+                if kind == "W":
+                    dep, other = None, s
+                elif kind == "F":
+                    dep, other = (None, s) if u == 0 else (("F", u - 1, mb), stage_of_virtual(u - 1, p, placement)[0])
+                else:
+                    dep, other = (("F", u, mb), s) if u == last else (("B", u + 1, mb), None)
+                    if other is None:
+                        other = stage_of_virtual(u + 1, p, placement)[0]
                 if dep is not None and dep not in ends:
                     break
-                start = max(free[s], ends[dep] if dep is not None else 0)
-                end = start + (forward_cost if kind == "F" else backward_cost)
+                ready = ends[dep] + (p2p_cost if other != s else 0) if dep is not None else 0
+                start = max(free[s], ready)
+                end = start + cost[kind]
                 ends[(kind, u, mb)] = free[s] = end
                 times[s].append((start, end))
                 progress = True
@@ -216,33 +415,80 @@ def simulate(
     return times
 
 
-def theoretical_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """The pipeline bubble as a fraction of the step: (p - 1) / (v m + p - 1).
-
-    With ``v = 1`` it is GPipe's and 1F1B's (p - 1) / (m + p - 1) (Huang et al. 2019, section 2.3); interleaved
-    1F1B divides the bubble time by ``v`` (Narayanan et al. 2021, section 2.2.2: (p - 1) / (v m) of the ideal).
-    """
-    return (num_stages - 1) / (virtual_stages * num_microbatches + num_stages - 1)
-
-
-def draw_schedule(schedules: Sequence[Sequence[tuple[str, int]]], *, backward_cost: int = 2) -> str:
-    """ASCII chart of :func:`simulate`'s timing: a row per stage, a cell per time unit, "." where idle."""
-    times = simulate(schedules, backward_cost=backward_cost)
+def simulated_bubble(times: Sequence[Sequence[tuple[float, float]]]) -> float:
+    """Idle over total time of :func:`simulate`'s timing: 1 - busy / (p x makespan)."""
     total = max((end for stage in times for _, end in stage), default=0)
-    width = len(f"B{max((mb for st in schedules for _, mb in st), default=0)}") + 1
+    busy = sum(end - start for stage in times for start, end in stage)
+    return 1.0 - busy / (len(times) * total) if total else 0.0
+
+
+def theoretical_bubble(
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    *,
+    schedule: str | None = None,
+    forward_cost: float = 1.0,
+    backward_cost: float = 1.0,
+    weight_cost: float = 1.0,
+) -> float:
+    """The pipeline bubble as a fraction of the step.
+
+    GPipe, 1F1B, interleaved 1F1B (``schedule`` None or one of them): (p - 1) / (v m + p - 1). With ``v = 1`` it is
+    (p - 1) / (m + p - 1) (Huang et al. 2019, section 2.3); interleaved 1F1B divides the bubble time by ``v``
+    (Narayanan et al. 2021, section 2.2.2: (p - 1) / (v m) of the ideal).
+
+    ZB-H1: Qi et al. 2024, section 3.1: each stage idles (p - 1)(T_F + T_B - T_W) (against 1F1B's
+    (p - 1)(T_F + T_B + T_W)), of a step of m (T_F + T_B + T_W) work, so the fraction is
+    (p - 1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W) + (p - 1)(T_F + T_B - T_W)); with equal costs
+    (p - 1) / (3 m + p - 1). T_F, T_B, T_W are ``forward_cost``, ``backward_cost`` (the input gradient) and
+    ``weight_cost`` of one micro-batch on one stage.
+
+    ZB-V: the idle share of its own schedule replayed by :func:`simulate` with these costs (halved per chunk) and
+    free communication, the makespan the hand construction of the paper (section 6) aims at.
+    """
+    p, m = num_stages, num_microbatches
+    f, b, w = forward_cost, backward_cost, weight_cost
+    if schedule == "zb-h1":
+        idle = (p - 1) * max(f + b - w, 0.0)
+        return idle / (m * (f + b + w) + idle)
+    if schedule == "zb-v":
+        schedules = [zb_v(p, m, s) for s in range(p)]
+        times = simulate(schedules, forward_cost=f / 2, backward_cost=b / 2, weight_cost=w / 2, placement="v")
+        return simulated_bubble(times)
+    return (p - 1) / (virtual_stages * m + p - 1)
+
+
+def draw_schedule(
+    schedules: Sequence[Sequence[tuple]],
+    *,
+    backward_cost: int = 2,
+    weight_cost: int = 1,
+    placement: str = "loop",
+) -> str:
+    """ASCII chart of :func:`simulate`'s timing (unit forwards): a row per stage, a cell per time unit, "." where
+    idle. Cells read kind and micro-batch (``F3``), and the chunk for multi-chunk schedules (``F3b`` chunk 1)."""
+    times = simulate(schedules, backward_cost=backward_cost, weight_cost=weight_cost, placement=placement)
+    total = int(max((end for stage in times for _, end in stage), default=0))
+    chunked = any(len(a) > 2 and a[2] for st in schedules for a in st)
+
+    def label(action: tuple) -> str:
+        return f"{action[0]}{action[1]}" + ("abcdefgh"[chunk_of(action)] if chunked else "")
+
+    width = max((len(label(a)) for st in schedules for a in st), default=1) + 1
     rows = []
     for s, (actions, spans) in enumerate(zip(schedules, times, strict=True)):
         cells = ["." * (width - 1)] * total
-        for (kind, mb), (start, end) in zip(actions, spans, strict=True):
-            for t in range(start, end):
-                cells[t] = f"{kind}{mb}".ljust(width - 1)
+        for action, (start, end) in zip(actions, spans, strict=True):
+            for t in range(int(start), int(end)):
+                cells[t] = label(action).ljust(width - 1)
         rows.append(f"stage {s} | " + " ".join(cells))
     return "\n".join(rows)
 
 
 @dataclass
 class TimelineEvent:
-    """One recorded interval of a rank: an "F"/"B" action or a "send_forward"/"recv_forward"/... message.
+    """One recorded interval of a rank: an "F"/"B"/"W" action or a "send_forward"/"recv_forward"/... message.
 
     Times are ``time.perf_counter()`` seconds; a send's end is when its completion was observed.
     """
@@ -268,7 +514,7 @@ class Timeline:
     events: list[TimelineEvent] = field(default_factory=list)
 
     def busy_s(self) -> float:
-        return sum(e.end_s - e.start_s for e in self.events if e.kind in ("F", "B"))
+        return sum(e.end_s - e.start_s for e in self.events if e.kind in ("F", "B", "W"))
 
     def as_records(self) -> list[dict]:
         """Events as dicts with times relative to the step's start (for JSON lines and plots)."""
@@ -286,7 +532,7 @@ class Timeline:
 
 
 def bubble_fraction(timeline: Timeline | Sequence[Timeline]) -> float:
-    """Idle time over total time: 1 - (time in F/B actions) / (span of the step x number of timelines).
+    """Idle time over total time: 1 - (time in F/B/W actions) / (span of the step x number of timelines).
 
     Given the timelines of all stages (clocks comparable: ranks on one host), the span is common to them all,
     from the earliest start to the latest end, which is what (p - 1) / (m + p - 1) predicts.

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.parallel import tensor_parallel_communications as tpc
+from dtrain.parallel.weight_gradients import linear
 
 __all__ = [
     "ColumnParallelLinear",
@@ -74,7 +75,13 @@ def _check_shape(full: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
 
 
 class _ParallelLinear(nn.Module):
-    """Shared state of the two linear layers: the group, the shard and its initialisation."""
+    """Shared state of the two linear layers: the group, the shard and its initialisation.
+
+    Their weight gradient needs only local tensors: a :class:`~dtrain.parallel.weight_gradients.WeightGradStore`
+    set as ``weight_grad_store`` may defer it (zero-bubble pipeline schedules).
+    """
+
+    weight_grad_store = None
 
     def __init__(
         self, in_features: int, out_features: int, group, algorithm: str, dim: int, init_from: nn.Linear | None
@@ -129,7 +136,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = tpc.copy_to_tensor_parallel_region(x, self.group, self.algorithm)
-        y = F.linear(x, self.weight, self.bias)  # (..., out / tp)
+        y = linear(x, self.weight, self.bias, self.weight_grad_store)  # (..., out / tp)
         if self.gather_output:
             y = tpc.gather_from_tensor_parallel_region(y, self.group, self.algorithm)  # (..., out)
         return y
@@ -162,7 +169,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = tpc.scatter_to_tensor_parallel_region(x, self.group, self.algorithm)  # (..., in / tp)
-        partial = F.linear(x, self.weight)  # (..., out), this rank's share of the sum
+        partial = linear(x, self.weight, None, self.weight_grad_store)  # (..., out), this rank's share of the sum
         y = tpc.reduce_from_tensor_parallel_region(partial, self.group, self.algorithm)
         return y + self.bias if self.bias is not None else y
 
@@ -299,6 +306,8 @@ class VocabParallelLMHead(nn.Module):
     ``weight`` has the layout of :class:`VocabParallelEmbedding`'s, so a tied embedding's shard can be it.
     """
 
+    weight_grad_store = None  # as the linears': the weight gradient may be deferred
+
     def __init__(
         self,
         embedding_dim: int,
@@ -326,7 +335,7 @@ class VocabParallelLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = tpc.copy_to_tensor_parallel_region(x, self.group, self.algorithm)
-        logits = F.linear(x, self.weight)  # (..., V_pad / tp)
+        logits = linear(x, self.weight, None, self.weight_grad_store)  # (..., V_pad / tp)
         if self.gather_output:
             whole = tpc.gather_from_tensor_parallel_region(logits, self.group, self.algorithm)
             return whole[..., : self.vocab_size]  # (..., V)

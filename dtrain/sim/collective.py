@@ -147,6 +147,22 @@ def rank_rounds(schedule: Schedule, nbytes: int, itemsize: int = 4) -> list[list
     return per_rank
 
 
+#: rank_rounds by (schedule identity, bytes, item size); the schedule is kept so its identity is not reused.
+_ROUNDS: dict[tuple[int, int, int], tuple[Schedule, list[list[RankRound]]]] = {}
+
+
+def _rank_rounds_cached(schedule: Schedule, nbytes: int, itemsize: int) -> list[list[RankRound]]:
+    """:func:`rank_rounds`, cached for the schedules the registry hands out (one object per algorithm and size);
+    the result is shared, so callers must not change it."""
+    key = (id(schedule), nbytes, itemsize)
+    found = _ROUNDS.get(key)
+    if found is None or found[0] is not schedule:
+        if len(_ROUNDS) > 4096:
+            _ROUNDS.clear()
+        found = _ROUNDS[key] = (schedule, rank_rounds(schedule, nbytes, itemsize))
+    return found[1]
+
+
 def check_placement(topology: Topology, placement: Sequence[str], world_size: int) -> list[str]:
     """``placement`` as a list, checked: one device of ``topology`` per rank."""
     placement = list(placement)
@@ -251,21 +267,29 @@ def replay_concurrent(
     """Simulate several collectives started together (every tensor-parallel group's all-reduce of a layer, say),
     sharing the network; ``rank_finish_s`` lists the ranks of each job in turn."""
     cost = cost or SoftwareCost()
+    net, states = _start_jobs(jobs, range(len(jobs)), topology, cost, itemsize)
+    end = net.run()
+    finish = [t for state in states for t in state.finish]
+    return CollectiveResult(time_s=max(finish, default=0.0), rank_finish_s=finish, links=net.usage(end))
+
+
+def _start_jobs(
+    jobs: Sequence[Job], tags: Sequence[int], topology: Topology, cost: SoftwareCost, itemsize: int
+) -> tuple[FlowNetwork, list[_Replay]]:
+    """A network with ``jobs`` started on it, job ``i`` hashing its flows over equal-cost paths as ``tags[i]``."""
     net = FlowNetwork(topology, flow_cap_bytes_per_s=cost.flow_cap_bytes_per_s)
     states = []
-    for tag, job in enumerate(jobs):
+    for tag, job in zip(tags, jobs, strict=True):
         placement = check_placement(topology, job.placement, job.schedule.world_size)
         gammas = [
             cost.gamma_s_per_byte if cost.gamma_s_per_byte is not None else 3 / topology.device(d).memory_bytes_per_s
             for d in placement
         ]
-        rounds = rank_rounds(job.schedule, job.nbytes, itemsize)
+        rounds = _rank_rounds_cached(job.schedule, job.nbytes, itemsize)
         start, end = _api_times(job, topology, placement, cost)
         states.append(_Replay(net, rounds, placement, cost, gammas, start, end, tag))
         states[-1].start()
-    end = net.run()
-    finish = [t for state in states for t in state.finish]
-    return CollectiveResult(time_s=max(finish, default=0.0), rank_finish_s=finish, links=net.usage(end))
+    return net, states
 
 
 def _api_times(

@@ -1,48 +1,106 @@
-"""Timing of one pipeline step with real costs: the stages' forward and backward actions in the order that
-:mod:`dtrain.parallel.pipeline_schedules` gives them (GPipe or 1F1B), each waiting for its input from the
-neighbouring stage plus the point-to-point time.
+"""Timing of one pipeline step with real costs: the stages' actions in the order that
+:mod:`dtrain.parallel.pipeline_schedules` gives them (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V), each waiting
+for its input from the neighbouring (virtual) stage plus the point-to-point time.
 
-With equal stages and free messages this is ``(m + p - 1)(f + b)``, the bubble ``(p - 1) / (m + p - 1)`` of
-the GPipe paper (section 2.3); unequal stages (a straggler, a slower device) and message time stretch it.
+With equal stages and free messages GPipe and 1F1B take ``(m + p - 1)(f + b)``, the bubble ``(p - 1) / (m + p - 1)``
+of the GPipe paper (section 2.3); unequal stages (a straggler, a slower device) and message time stretch it.
+The zero-bubble schedules (Qi et al. 2024) split each backward into B (input gradient) and W (weight gradient):
+give ``weight_s`` and ``backward_s`` is B alone; ZB-H1 then idles ``(p - 1)(f + b - w)`` a stage (section 3.1).
+Schedules with several chunks a stage (interleaved 1F1B, ZB-V) split each stage's costs evenly over its chunks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dtrain.parallel.pipeline_schedules import gpipe, one_f_one_b
+from dtrain.parallel.pipeline_schedules import (
+    PLACEMENT,
+    SCHEDULES,
+    chunk_of,
+    chunks_per_stage,
+    make_schedule,
+    stage_of_virtual,
+    virtual_stage,
+)
 
-__all__ = ["pipeline_makespan"]
-
-_SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+__all__ = ["pipeline_bubble", "pipeline_makespan"]
 
 
 def pipeline_makespan(
-    forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: float, microbatches: int, schedule: str = "1f1b"
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    p2p_s: float,
+    microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    weight_s: Sequence[float] | None = None,
+    virtual_stages: int = 2,
 ) -> float:
     """Seconds from the first forward to the last backward; ``forward_s[s]`` / ``backward_s[s]`` are stage
-    ``s``'s time for one micro-batch, ``p2p_s`` the time of one activation (or gradient) between stages."""
+    ``s``'s time for one micro-batch (all its chunks), ``p2p_s`` the time of one activation (or gradient) between
+    stages. For ZB-H1 and ZB-V, ``backward_s`` is the input-gradient pass B and ``weight_s`` the weight-gradient
+    pass W (none given: W costs as much as B, the paper's T_B = T_W).
+    ``virtual_stages``: interleaved 1F1B's chunks a stage."""
+    return _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages)[0]
+
+
+def pipeline_bubble(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    p2p_s: float,
+    microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    weight_s: Sequence[float] | None = None,
+    virtual_stages: int = 2,
+) -> float:
+    """The idle share of the step :func:`pipeline_makespan` times: 1 - work / (p x makespan)."""
+    span, work = _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages)
+    return 1.0 - work / (len(forward_s) * span) if span else 0.0
+
+
+def _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages) -> tuple[float, float]:
     stages = len(forward_s)
-    if stages != len(backward_s) or stages < 1:
+    if stages != len(backward_s) or stages < 1 or (weight_s is not None and len(weight_s) != stages):
         raise ValueError(
-            f"need one forward and one backward time per stage, got {len(forward_s)} and {len(backward_s)}"
+            f"need one forward, one backward (and one weight-gradient) time per stage, got {len(forward_s)}, "
+            f"{len(backward_s)} and {None if weight_s is None else len(weight_s)}"
         )
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(_SCHEDULES)}")
-    actions = [_SCHEDULES[schedule](stages, microbatches, s) for s in range(stages)]
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    weights = list(weight_s) if weight_s is not None else list(backward_s)
+    v = chunks_per_stage(schedule, virtual_stages)
+    placement = PLACEMENT.get(schedule, "loop")
+    actions = [make_schedule(schedule, stages, microbatches, s, v) for s in range(stages)]
+    last = v * stages - 1
+    cost = {"F": forward_s, "B": backward_s, "W": weights}
     done: dict[tuple[str, int, int], float] = {}
     position, free = [0] * stages, [0.0] * stages
     remaining = sum(len(a) for a in actions)
+    work = 0.0
     while remaining:
         progressed = False
         for s in range(stages):
             while position[s] < len(actions[s]):
-                kind, mb = actions[s][position[s]]
-                ready = _ready(kind, s, mb, stages, done, p2p_s)
-                if ready is None:
-                    break
+                action = actions[s][position[s]]
+                kind, mb = action[0], action[1]
+                u = virtual_stage(s, chunk_of(action), stages, placement)
+                ready = 0.0
+                if kind == "F" and u > 0:
+                    dep, other = ("F", u - 1, mb), stage_of_virtual(u - 1, stages, placement)[0]
+                elif kind == "B":
+                    dep, other = (("F", u, mb), s) if u == last else (("B", u + 1, mb), None)
+                    other = stage_of_virtual(u + 1, stages, placement)[0] if other is None else other
+                else:
+                    dep = None
+                if dep is not None:
+                    if dep not in done:
+                        break
+                    ready = done[dep] + (p2p_s if other != s else 0.0)
                 start = max(free[s], ready)
-                free[s] = done[(kind, s, mb)] = start + (forward_s[s] if kind == "F" else backward_s[s])
+                took = cost[kind][s] / v
+                work += took
+                free[s] = done[(kind, u, mb)] = start + took
                 position[s] += 1
                 remaining -= 1
                 progressed = True
@@ -50,17 +108,4 @@ def pipeline_makespan(
             raise ValueError(
                 f"pipeline schedule {schedule!r} deadlocks with {stages} stages and {microbatches} micro-batches"
             )
-    return max(free)
-
-
-def _ready(kind: str, s: int, mb: int, stages: int, done: dict, p2p_s: float) -> float | None:
-    """When action (kind, s, mb) may start as far as its input goes, or None if the input is not computed yet."""
-    if kind == "F":
-        if s == 0:
-            return 0.0
-        dep = done.get(("F", s - 1, mb))
-        return None if dep is None else dep + p2p_s
-    if s == stages - 1:
-        return done.get(("F", s, mb))
-    dep = done.get(("B", s + 1, mb))
-    return None if dep is None else dep + p2p_s
+    return max(free), work

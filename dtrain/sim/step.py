@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dtrain.cluster.topology import Topology
+from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
 from dtrain.sim.collective import CollectiveResult, SoftwareCost
 from dtrain.sim.flows import LinkUsage
 from dtrain.sim.model import (
@@ -62,7 +63,10 @@ class StepConfig:
     data-parallel all-reduce overlaps backward where dtrain overlaps it (``overlap_dp``, in buckets of
     ``bucket_bytes``), and stragglers:
     ``slowdown`` fixes a factor on chosen ranks, ``straggler_sigma`` draws every rank's factor from a lognormal
-    (median 1) each of ``samples`` steps."""
+    (median 1) each of ``samples`` steps. ``split_pipeline``: each tensor-parallel rank sends ``1/tp`` of a
+    stage's activation and the next stage all-gathers it (Megatron-LM's scatter-gather; see
+    :func:`dtrain.sim.traffic.simulate_traffic`); ``flow_limit``: messages a set of concurrent collectives may
+    start before it is replayed in lock-step rounds (:func:`dtrain.sim.classes.replay_jobs`; None: never)."""
 
     efficiency: float = 0.5
     tp_algorithm: str = "ring"
@@ -75,6 +79,8 @@ class StepConfig:
     straggler_sigma: float = 0.0
     samples: int = 16
     seed: int = 0
+    split_pipeline: bool = False
+    flow_limit: int | None = DEFAULT_FLOW_LIMIT
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1:
@@ -204,11 +210,11 @@ def simulate_step(
         raise ValueError(f"slowdown names ranks {sorted(config.slowdown)} outside the {layout.world_size} ranks")
     traffic = simulate_traffic(
         model, layout, topology, placement, tp_algorithm=config.tp_algorithm, dp_algorithm=config.dp_algorithm,
-        cost=config.cost, cache=cache,
+        cost=config.cost, cache=cache, split_pipeline=config.split_pipeline, flow_limit=config.flow_limit,
     )  # fmt: skip
-    tp, pp, dp = traffic.tp, traffic.pp, traffic.dp
+    tp, pp, dp, gather = traffic.tp, traffic.pp, traffic.dp, traffic.pp_gather
     tp_s = tp.time_s if tp else 0.0
-    pp_s = pp.time_s if pp else 0.0
+    pp_s = (pp.time_s if pp else 0.0) + (gather.time_s if gather else 0.0)
     dp_s = sum(r.time_s for r in dp)
     memory = memory_per_device(model, layout)
     owned = model.parameters / (layout.tp * layout.pp) / (layout.dp if layout.zero_stage else 1)
@@ -229,7 +235,7 @@ def simulate_step(
     ideal_f, ideal_b = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
     compute_s = m * max(f + b for f, b in zip(ideal_f[0], ideal_b[0], strict=True))
     tp_count = tp_all_reduces_per_layer(layout) * (model.layers // layout.pp) * m
-    parts = [(tp, tp_count), (pp, 2 * m)] + [(r, 1) for r in dp]
+    parts = [(tp, tp_count), (pp, 2 * m), (gather, 2 * m)] + [(r, 1) for r in dp]
     return StepResult(
         step_s=step_s,
         step_p95_s=float(np.percentile(steps, 95)),

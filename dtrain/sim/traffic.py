@@ -18,7 +18,8 @@ from dtrain.cluster.topology import Topology
 from dtrain.comm.ir.algorithms import build as build_schedule
 from dtrain.comm.ir.algorithms import needs_local_size
 from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
-from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, replay_concurrent
+from dtrain.sim.classes import DEFAULT_FLOW_LIMIT, replay_jobs
+from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost
 from dtrain.sim.model import Layout, ModelSpec
 from dtrain.sim.placement import grid_rank, group
 
@@ -38,11 +39,14 @@ ZERO_PHASES = {
 @dataclass(frozen=True)
 class Traffic:
     """One call of each kind, simulated: the tp all-reduce of one layer's activation (None without tp), the
-    pp message of one micro-batch (None without pp), and the dp phases of the step."""
+    pp message of one micro-batch (None without pp), and the dp phases of the step. With split pipeline sends,
+    ``pp`` is each tensor-parallel rank's ``1/tp`` of the activation and ``pp_gather`` the all-gather that
+    rebuilds it on the receiving stage (None otherwise)."""
 
     tp: CollectiveResult | None
     pp: CollectiveResult | None
     dp: list[CollectiveResult]
+    pp_gather: CollectiveResult | None = None
 
 
 def _p2p() -> Schedule:
@@ -87,12 +91,14 @@ def _groups(layout: Layout, axis: str) -> list[list[int]]:
 Cache = dict[tuple, CollectiveResult]
 
 
-def _replay(jobs: list[Job], topo: Topology, cost: SoftwareCost, item: int, cache: Cache | None) -> CollectiveResult:
+def _replay(
+    jobs: list[Job], topo: Topology, cost: SoftwareCost, item: int, cache: Cache | None, flow_limit: int | None
+) -> CollectiveResult:
     if cache is None:
-        return replay_concurrent(jobs, topo, cost=cost, itemsize=item)
-    key = (id(topo), tuple(jobs), cost, item)
+        return replay_jobs(jobs, topo, cost=cost, itemsize=item, flow_limit=flow_limit)
+    key = (id(topo), topo.nic_affinity, tuple(jobs), cost, item, flow_limit)
     if key not in cache:
-        cache[key] = replay_concurrent(jobs, topo, cost=cost, itemsize=item)
+        cache[key] = replay_jobs(jobs, topo, cost=cost, itemsize=item, flow_limit=flow_limit)
     return cache[key]
 
 
@@ -106,10 +112,16 @@ def simulate_traffic(
     dp_algorithm: str = "ring",
     cost: SoftwareCost | None = None,
     cache: Cache | None = None,
+    split_pipeline: bool = False,
+    flow_limit: int | None = DEFAULT_FLOW_LIMIT,
 ) -> Traffic:
     """Each strategy's collective simulated once, every group of a kind at the same time on the network.
 
-    ``cache`` (a dict the caller keeps) reuses replays between calls on the same, unchanged topology."""
+    ``cache`` (a dict the caller keeps) reuses replays between calls on the same, unchanged topology.
+    ``split_pipeline``: each tensor-parallel rank sends ``1/tp`` of the activation to its peer of the next stage,
+    which all-gathers it over its tensor-parallel group (Megatron-LM's scatter-gather optimisation, Narayanan et
+    al. 2021, section 4.1); otherwise every tensor-parallel rank sends the whole activation. ``flow_limit``: see
+    :func:`dtrain.sim.classes.replay_jobs` (None: every collective replayed message by message)."""
     cost = cost or SoftwareCost()
     item = model.bytes_per_value
     activation = layout.micro_batch * model.sequence * model.hidden * item
@@ -120,20 +132,27 @@ def simulate_traffic(
                 tuple(placement[r] for r in g))
             for g in groups
         ]  # fmt: skip
-        return _replay(jobs, topo, cost, item, cache)
+        return _replay(jobs, topo, cost, item, cache, flow_limit)
 
     tp = run(Collective.ALL_REDUCE, tp_algorithm, _groups(layout, "tp"), activation) if layout.tp > 1 else None
-    pp = None
+    pp = pp_gather = None
     if layout.pp > 1:
         pairs = [
             (grid_rank(layout, d, p, t), grid_rank(layout, d, p + 1, t))
             for d in range(layout.dp) for p in range(layout.pp - 1) for t in range(layout.tp)
         ]  # fmt: skip
-        jobs = [Job(_p2p(), _padded(activation, item, 1), (placement[a], placement[b])) for a, b in pairs]
-        pp = _replay(jobs, topo, cost, item, cache)
+        split = split_pipeline and layout.tp > 1
+        message = _padded(activation, item, layout.tp) // layout.tp if split else _padded(activation, item, 1)
+        jobs = [Job(_p2p(), message, (placement[a], placement[b])) for a, b in pairs]
+        pp = _replay(jobs, topo, cost, item, cache, flow_limit)
+        if split:
+            receivers = [
+                group(layout, "tp", d, p, 0) for d in range(layout.dp) for p in range(1, layout.pp)
+            ]  # fmt: skip
+            pp_gather = run(Collective.ALL_GATHER, tp_algorithm, receivers, activation)
     dp: list[CollectiveResult] = []
     if layout.dp > 1:
         grads = model.parameters / (layout.tp * layout.pp) * item
         groups = _groups(layout, "dp")
         dp = [run(c, dp_algorithm, groups, grads) for c in ZERO_PHASES[layout.zero_stage]]
-    return Traffic(tp=tp, pp=pp, dp=dp)
+    return Traffic(tp=tp, pp=pp, dp=dp, pp_gather=pp_gather)

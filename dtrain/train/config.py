@@ -200,11 +200,16 @@ class ParallelSection(_Section):
     tp: int = _option(1, "tensor-parallel degree (divides the attention heads)", minimum=1)
     schedule: str = _option(
         "1f1b",
-        "pipeline schedule (interleaved-1f1b: 2 model chunks a stage, micro-batches a multiple of pp)",
-        choices=("gpipe", "1f1b", "interleaved-1f1b"),  # dtrain.parallel.pipeline_schedules.SCHEDULES
+        "pipeline schedule (interleaved-1f1b: 2 model chunks a stage, micro-batches a multiple of pp; zb-h1, zb-v: "
+        "zero bubble, backward split into input and weight gradients, zb-v with 2 chunks a stage in a V)",
+        choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"),  # pipeline_schedules.SCHEDULES
     )
     microbatches: int = _option(1, "micro-batches per pipeline step (only used when pp > 1)", minimum=1)
-    zero: int = _option(0, "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too", choices=(0, 1, 2))
+    zero: int = _option(
+        0,
+        "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too, 3 parameters too (fully sharded)",
+        choices=(0, 1, 2, 3),
+    )
     algorithm: str = _option(
         "native",
         "all-reduce algorithm for the gradients: native (the backend's own: NCCL, Gloo), auto (dtrain's measured "
@@ -414,6 +419,12 @@ class TrainConfig:
                     "parallel.microbatches",
                     f"each accumulation step's {step} sequences (batch_size / dp / accumulation) do not split into "
                     f"{parallel.microbatches} micro-batches",
+                )
+            if parallel.schedule in ("zb-h1", "zb-v") and (parallel.zero == 2 or training.compile):
+                raise ConfigError(
+                    "parallel.schedule",
+                    f"{parallel.schedule} defers weight gradients out of autograd; it does not run with zero = 2 or "
+                    "training.compile (use 1f1b or interleaved-1f1b)",
                 )
             if parallel.schedule == "interleaved-1f1b" and parallel.microbatches % parallel.pp:
                 raise ConfigError(

@@ -44,7 +44,7 @@ from dtrain.models.decoder import Block
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
 from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize, validate_tensor_parallel
-from dtrain.parallel.pipeline_schedules import bubble_fraction, theoretical_bubble
+from dtrain.parallel.pipeline_schedules import bubble_fraction, chunks_per_stage, theoretical_bubble
 from dtrain.parallel.recompute import checkpoint_activations, chosen_blocks, from_text
 from dtrain.train.checkpoint import (
     checkpoint_path,
@@ -145,7 +145,7 @@ def validate_layout(config: TrainConfig, world_size: int, shape: ModelConfig) ->
             f"use --dp {world_size} (pp = tp = 1) or another algorithm"
         )
     layers = shape.num_layers + 2  # the embedding, the blocks, the head
-    chunks = par.pp * (INTERLEAVED_CHUNKS if par.pp > 1 and par.schedule == "interleaved-1f1b" else 1)
+    chunks = par.pp * (chunks_per_stage(par.schedule, INTERLEAVED_CHUNKS) if par.pp > 1 else 1)
     if chunks > layers:
         raise ValueError(
             f"--pp: {par.pp} stages of {chunks // par.pp} chunk(s) need {chunks} layers, but the model has only "
@@ -326,6 +326,8 @@ class _Trainer:
             for module in self.hybrid.module.modules():
                 if isinstance(module, Block):
                     module.compile()
+            if par.tp == 1:  # one fused kernel reads the bf16 logits: no float32 copy of (B, T, V)
+                self.loss_fn = torch.compile(self.loss_fn)
         self.pipeline, self.optimizer = self.hybrid.pipeline, self.hybrid.optimizer
         sched = config.lr_schedule
         self.lr = lr_schedule(
@@ -477,7 +479,9 @@ def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
     timelines: list[Any] = [None] * par.pp
     dist.all_gather_object(timelines, trainer.pipeline.timeline, group=grid.pp_group)
     record["bubble_measured"] = bubble_fraction(timelines)
-    record["bubble_theory"] = theoretical_bubble(par.pp, par.microbatches, trainer.pipeline.virtual_stages)
+    record["bubble_theory"] = theoretical_bubble(
+        par.pp, par.microbatches, trainer.pipeline.virtual_stages, schedule=par.schedule
+    )
     if grid.dp_rank == 0 and grid.pp_rank == 0:
         out = Path(trainer.config.logging.out)
         write_chrome_trace(out / "pipeline-trace.json", timelines, grid.global_ranks("pp"))

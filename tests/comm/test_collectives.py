@@ -50,12 +50,6 @@ def test_hierarchical_matches_reference(pool, coll, world, local_size):
     assert [p for per_rank in problems for p in per_rank] == []
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_auto_uses_the_node_map(pool, world):
-    problems = pool.run(jobs.check_collective, "all_reduce", "auto", world, SIZES, local_size=2, ranks=world)
-    assert [p for per_rank in problems for p in per_rank] == []
-
-
 @pytest.mark.parametrize(("coll", "algorithm"), [p for p in _pairs() if p[1] not in ("native", "auto")])
 def test_matches_torch_distributed_on_a_large_buffer(pool, coll, algorithm):
     # 2^17 + 3 elements a block: uneven chunks everywhere, and more than any scratch seen so far.

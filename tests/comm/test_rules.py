@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dtrain.comm import algorithms as api_algorithms
 from dtrain.comm.cost import rules
 from dtrain.comm.cost.rules import Rules
 from tests.jobs import rules as jobs
@@ -15,19 +16,19 @@ def _rec(alg: str, nbytes: int, time_us: float, coll: str = "all_reduce", world:
     return {"collective": coll, "algorithm": alg, "nbytes": nbytes, "time_us": time_us, "world_size": world}
 
 
-def test_rules_keep_the_fastest_of_ours_and_switch_between_measured_sizes():
+def test_rules_keep_the_fastest_path_native_included_and_switch_between_measured_sizes():
     records = [
-        _rec("ring", 1 << 20, 50.0), _rec("halving_doubling", 1 << 20, 40.0),
-        _rec("ring", 4 << 20, 90.0), _rec("halving_doubling", 4 << 20, 95.0),
-        _rec("ring", 16 << 20, 300.0), _rec("halving_doubling", 16 << 20, 310.0),
-        _rec("native", 16 << 20, 1.0), _rec("auto", 16 << 20, 1.0), _rec("ring+graph", 1 << 20, 1.0),
+        _rec("ring", 1 << 20, 50.0), _rec("halving_doubling", 1 << 20, 40.0), _rec("native", 1 << 20, 45.0),
+        _rec("ring", 4 << 20, 90.0), _rec("halving_doubling", 4 << 20, 95.0), _rec("native", 4 << 20, 99.0),
+        _rec("ring", 16 << 20, 300.0), _rec("halving_doubling", 16 << 20, 310.0), _rec("native", 16 << 20, 250.0),
+        _rec("auto", 16 << 20, 1.0), _rec("ring+graph", 1 << 20, 1.0),
     ]  # fmt: skip
     made = rules.from_records(records, kind="cuda-peer")
-    assert made.table == {"all_reduce": ((0, "halving_doubling"), (2 << 20 | 1, "ring"))}
+    assert made.table == {"all_reduce": ((0, "halving_doubling"), (2 << 20 | 1, "ring"), (8 << 20 | 1, "native"))}
     assert made.pick("all_reduce", 1) == "halving_doubling"
     assert made.pick("all_reduce", 2 << 20) == "halving_doubling"  # up to the geometric midpoint
     assert made.pick("all_reduce", (2 << 20) + 1) == "ring"
-    assert made.pick("all_reduce", 1 << 40) == "ring"
+    assert made.pick("all_reduce", 1 << 40) == "native"
     assert made.pick("broadcast", 1 << 20) is None
     assert made.covers("cuda-peer", 4, None) and not made.covers("cuda", 4, None)
     assert not made.covers("cuda-peer", 8, None)
@@ -62,7 +63,7 @@ def test_records_of_several_group_sizes_are_refused():
     with pytest.raises(ValueError, match="several group sizes"):
         rules.from_records([_rec("ring", 8, 1.0, world=2), _rec("ring", 8, 1.0, world=4)], kind="cpu")
     with pytest.raises(ValueError, match="no record"):
-        rules.from_records([_rec("native", 8, 1.0)], kind="cpu")
+        rules.from_records([_rec("auto", 8, 1.0)], kind="cpu")
 
 
 def test_auto_follows_the_rules_file_where_it_covers_the_call(pool, tmp_path):
@@ -73,10 +74,21 @@ def test_auto_follows_the_rules_file_where_it_covers_the_call(pool, tmp_path):
     assert small == [{"chosen": "star", "right": True}] * 4
     big = pool.run(jobs.auto_with_rules, 4, [str(path)] * 4, 4096, ranks=4)
     assert big == [{"chosen": "tree", "right": True}] * 4
-    # rules for another group size do not apply: the cost model chooses, as with no file
+    # rules for another group size do not apply: with nothing measured, auto is the backend's own collective
     other = pool.run(jobs.auto_with_rules, 2, [str(path)] * 2, 16, ranks=2)
     plain = pool.run(jobs.auto_with_rules, 2, [None] * 2, 16, ranks=2)
-    assert other == plain and other[0]["right"]
+    assert other == plain == [{"chosen": "native", "right": True}] * 2
+
+
+def test_a_rule_names_native_or_hands_the_choice_to_the_cost_model(pool, tmp_path):
+    path = tmp_path / "rules.json"
+    table = {"all_reduce": ((0, "native"), (4096, rules.MODEL))}
+    rules.save_rules(Rules(kind="cpu", world_size=4, table=table), path)
+    small = pool.run(jobs.auto_with_rules, 4, [str(path)] * 4, 16, ranks=4)
+    assert small == [{"chosen": "native", "right": True}] * 4
+    big = pool.run(jobs.auto_with_rules, 4, [str(path)] * 4, 4096, ranks=4)
+    ours = set(api_algorithms("all_reduce")) - {"auto", "native"}
+    assert big[0]["chosen"] in ours and big == [big[0]] * 4 and big[0]["right"]
 
 
 def test_ranks_that_read_different_rules_all_refuse_instead_of_hanging(pool, tmp_path):
@@ -86,24 +98,25 @@ def test_ranks_that_read_different_rules_all_refuse_instead_of_hanging(pool, tmp
     assert all("different calibration or rules files" in r.get("error", "") for r in out), out
 
 
-def test_built_in_rules_cover_only_what_was_measured_and_defer_to_the_model_elsewhere(monkeypatch, tmp_path):
+def test_built_in_rules_cover_only_what_was_measured_and_native_runs_elsewhere(monkeypatch, tmp_path):
     from dtrain.comm import api
     from dtrain.comm.ir.schedule import Collective
 
     monkeypatch.setenv("DTRAIN_COMM_RULES", str(tmp_path / "none.json"))  # this machine's own files stay out
     monkeypatch.setenv("DTRAIN_CALIBRATION", str(tmp_path / "none-cal.json"))
-    for cached in (api._rules, api._params):
+    for cached in (api._auto, api._rules, api._params):
         cached.cache_clear()
-
-    peer4 = rules.built_in("cuda-peer", 4, None)
-    assert peer4 is not None and peer4.pick("all_reduce", 64 << 20) == "ring"
-    assert peer4.pick("all_reduce", 1 << 20) == rules.MODEL and peer4.pick("all_gather", 64 << 20) is None
-    assert rules.built_in("cuda-peer", 8, None) is None and rules.built_in("cuda", 4, None) is None
-    api._auto.cache_clear()
+    peer2 = rules.built_in("cuda-peer", 2, None)
+    assert peer2 is not None and peer2.pick("reduce_scatter", 64 << 20) == rules.MODEL
+    assert peer2.pick("reduce_scatter", 1 << 20) == "native" and peer2.pick("all_reduce", 64 << 20) is None
+    assert rules.built_in("cuda-peer", 4, None) is None and rules.built_in("cpu", 2, None) is None
     try:
-        assert api._auto(Collective.ALL_REDUCE, 64 << 20, 4, "cuda-peer", None) == "ring"
-        small = api._auto(Collective.ALL_REDUCE, 1 << 20, 4, "cuda-peer", None)
-        assert small != rules.MODEL and small in api.algorithms("all_reduce")
+        big = api._auto(Collective.REDUCE_SCATTER, 64 << 20, 2, "cuda-peer", None)
+        assert big in set(api.algorithms("reduce_scatter")) - {"auto", "native"}
+        assert api._auto(Collective.REDUCE_SCATTER, 1 << 20, 2, "cuda-peer", None) == "native"
+        for coll in Collective:
+            for kind in ("cuda", "cuda-peer", "cpu", "cpu-peer"):
+                assert api._auto(coll, 64 << 20, 4, kind, None) == "native"
     finally:
         for cached in (api._auto, api._rules, api._params):
             cached.cache_clear()
@@ -114,14 +127,15 @@ def test_a_rules_file_without_a_rule_for_a_collective_leaves_the_built_in_rule_i
     from dtrain.comm.ir.schedule import Collective
 
     path = tmp_path / "rules.json"
-    rules.save_rules(Rules(kind="cuda-peer", world_size=4, table={"all_gather": ((0, "direct"),)}), path)
+    rules.save_rules(Rules(kind="cuda-peer", world_size=2, table={"all_gather": ((0, "direct"),)}), path)
     monkeypatch.setenv("DTRAIN_COMM_RULES", str(path))
     monkeypatch.setenv("DTRAIN_CALIBRATION", str(tmp_path / "none-cal.json"))
     for cached in (api._auto, api._rules, api._params):
         cached.cache_clear()
     try:
-        assert api._auto(Collective.ALL_GATHER, 64 << 20, 4, "cuda-peer", None) == "direct"  # the file's
-        assert api._auto(Collective.ALL_REDUCE, 64 << 20, 4, "cuda-peer", None) == "ring"  # built in
+        assert api._auto(Collective.ALL_GATHER, 64 << 20, 2, "cuda-peer", None) == "direct"  # the file's
+        assert api._auto(Collective.REDUCE_SCATTER, 1 << 20, 2, "cuda-peer", None) == "native"  # built in
+        assert api._auto(Collective.ALL_REDUCE, 64 << 20, 2, "cuda-peer", None) == "native"  # nothing measured
     finally:
         for cached in (api._auto, api._rules, api._params):
             cached.cache_clear()

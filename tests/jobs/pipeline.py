@@ -167,3 +167,36 @@ def validate_peak(p: int, m: int, v: int) -> int:
     """This rank's schedule's own count of (chunk, micro-batch) activations held at its peak."""
     stage = dist.get_rank(group_of(p))
     return validate_schedule(interleaved_one_f_one_b(p, m, stage, v), m, v)
+
+
+def zero_bubble(p: int, m: int, schedule: str, steps: int = 3) -> dict:
+    """A zero-bubble schedule (B and W split) against the unsplit reference; the worst errors on this rank, and
+    whether its W actions ran the deferred weight gradients (none left in the store, every linear's weight among
+    them)."""
+    group = group_of(p)
+    reference = _mlp(seed=7)
+    ref_losses, ref_grads = _reference_steps(reference, "mlp", steps)
+    pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule=schedule)
+    pushed = []
+    store = pipe.weight_grads
+    original = store.push
+    store.push = lambda weight, *rest: pushed.append(weight) or original(weight, *rest)
+    losses, grads = _pipeline_steps(pipe, "mlp", steps)
+    held = [i for chunk in pipe.chunks for i in chunk.layer_range]
+    ref_params = [q.detach() for i in held for q in reference[i].parameters()]
+    ref_stage_grads = [g for s in range(steps) for g in _stage_slice(reference, held, ref_grads[s])]
+    weights = {id(layer.weight) for layer in pipe.stage.modules() if isinstance(layer, nn.Linear)}
+    linears = sum(isinstance(reference[i], nn.Linear) for i in held)
+    stage = dist.get_rank(group)
+    return {
+        "loss": _max_error([torch.tensor(losses)], [torch.tensor(ref_losses)]),
+        "grad": _max_error([g for s in grads for g in s], ref_stage_grads),
+        "param": _max_error(list(pipe.parameters()), ref_params),
+        "left_in_store": float(store.pending()),
+        "deferred_every_linear": float({id(w) for w in pushed} != weights or linears != len(weights)),
+        "w_events": float(sum(e.kind == "W" for e in pipe.timeline.events) != len(pipe.chunks) * m),
+        "peak_activations": float(
+            pipe.timeline.peak_activations != validate_schedule(pipe.actions, m, len(pipe.chunks))
+        ),
+        "stage": float(stage),
+    }

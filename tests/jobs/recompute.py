@@ -3,8 +3,8 @@
 (:func:`~dtrain.parallel.recompute.checkpoint_activations`) applied to the plain model before it is split.
 
 Each rank trains the same layout once per checkpointing variant, from the same seed and batches, with SGD
-(so equal parameters after a step mean equal gradients), and reports how far each variant's losses, gradient
-norms and parameters lie from the run without checkpointing.
+(so equal parameters after a step mean equal gradients), and reports how far each variant's losses and gradient
+norms, and on grid rank 0 the whole model's parameters, lie from the run without checkpointing.
 """
 
 from __future__ import annotations
@@ -48,24 +48,25 @@ def _train(model: torch.nn.Sequential, grid, layout: dict) -> tuple[list[float],
         x, y = batch(step)
         losses.append(hybrid.train_step(x, y, loss_fn).item())
         norms.append(hybrid.last_grad_norm)
-    return losses, norms, [p.detach().clone() for _, p in hybrid.named_params], marked
+    state = hybrid.full_state_dict() or {}  # the whole model on grid rank 0 (ZeRO-3 shards gathered); {} elsewhere
+    return losses, norms, list(state.values()), marked
 
 
 def equivalence(dp: int, pp: int, tp: int, layout: dict) -> dict | None:
-    """Per variant, the largest difference of losses, gradient norms and parameters from the run without
-    checkpointing on this rank, and how many blocks of this rank's stage are still checkpointed after the split
-    (None off the grid)."""
+    """Per variant, the largest difference of losses, gradient norms and (grid rank 0) parameters from the run
+    without checkpointing, how many tensors of the whole model were compared (``params``), and how many blocks of
+    this rank's stage are still checkpointed after the split (None off the grid)."""
     grid = parallel_jobs._grid(dp, pp, tp)  # collective: every process of the pool
     if grid is None:
         return None
     want_losses, want_norms, want_params, _ = _train(tiny_model(), grid, layout)
-    out: dict = {"norm": min(want_norms)}
+    out: dict = {"norm": min(want_norms), "params": len(want_params)}
     for name, (mode, kwargs) in VARIANTS.items():
         losses, norms, params, marked = _train(tiny_model(mode, **kwargs), grid, layout)
         out[f"{name}-blocks"] = marked  # checkpointed blocks on this rank's stage, after the split
         out[name] = max(
             max(abs(a - b) for a, b in zip(losses, want_losses, strict=True)),
             max(abs(a - b) for a, b in zip(norms, want_norms, strict=True)),
-            max((a - b).abs().max().item() for a, b in zip(params, want_params, strict=True)),
+            max((a - b).abs().max().item() for a, b in zip(params, want_params, strict=True)) if params else 0.0,
         )
     return out

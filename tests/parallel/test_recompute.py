@@ -173,6 +173,7 @@ LAYOUTS = {  # name -> (dp, pp, tp, HybridParallel keywords)
     "tp2": (1, 1, 2, {}),
     "dp2xpp2": (2, 2, 1, {"num_microbatches": 2}),
     "dp2-zero2": (2, 1, 1, {"zero_stage": 2}),
+    "dp2-zero3": (2, 1, 1, {"zero_stage": 3}),
 }
 
 
@@ -183,6 +184,7 @@ def test_same_training_under_parallelism(pool, layout):
     world = dp * pp * tp
     assert results[world:] == [None] * (POOL_WORLD - world)
     blocks_per_rank = 4 // pp
+    assert results[0]["params"] > 0  # grid rank 0 compared the whole model
     for rank, got in enumerate(results[:world]):
         assert got["norm"] > 1e-3, (rank, got)
         for name in jobs.VARIANTS:

@@ -65,10 +65,11 @@ def test_star_all_reduce_is_bottlenecked_at_the_hub() -> None:
 
 def test_a_slow_link_slows_the_ring_to_its_rate() -> None:
     topo = star(4, bytes_per_s=RATE)
-    slow = star(4, bytes_per_s=RATE)
-    slow.graph.edges["g2", "sw"]["link"] = slow.link("g2", "sw").__class__(
-        src="g2", dst="sw", bytes_per_s=RATE / 2, latency_s=0.0, kind="test"
-    )
+    slow = Topology("star4-slow")  # star(4), with g2's link to the switch at half the rate
+    slow.add_node("sw", kind="switch")
+    for i in range(4):
+        slow.add_device(device(f"g{i}", f"s{i}"))
+        slow.add_link(f"g{i}", "sw", bytes_per_s=RATE / 2 if i == 2 else RATE, latency_s=0.0, kind="test")
     schedule = algorithms.build(Collective.ALL_REDUCE, "ring", 4)
     fast_s = replay(schedule, 2**26, topo, itemsize=1).time_s
     slow_result = replay(schedule, 2**26, slow, itemsize=1)

@@ -159,7 +159,7 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
         ("[training]\nsteps = 2.0\n", "train.toml: [training] steps: must be a positive int, got 2.0"),
         ("[training]\ncompile = 1\n", "train.toml: [training] compile: must be true or false, got 1"),
         ("[model]\npreset = 3\n", "train.toml: [model] preset: must be a string, got 3"),
-        ("[parallel]\nzero = 3\n", "train.toml: [parallel] zero: must be one of 0, 1, 2, got 3"),
+        ("[parallel]\nzero = 4\n", "train.toml: [parallel] zero: must be one of 0, 1, 2, 3, got 4"),
         ("[optimizer]\nbeta2 = 1.0\n", "train.toml: [optimizer] beta2: must be a number in [0, 1), got 1.0"),
         ("[optimizer]\nlr = 0\n", "train.toml: [optimizer] lr: must be a number > 0, got 0.0"),
         ("[optimizer]\nlr = inf\n", "train.toml: [optimizer] lr: must be a finite number, got inf"),

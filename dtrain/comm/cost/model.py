@@ -283,8 +283,12 @@ def default_params(device_type: str) -> CostParams:
         return CostParams(intra=peer_link)
     if device_type == "cpu-peer":
         return CostParams(intra=LinkCost(alpha_s=150e-6, beta_s_per_byte=1 / 4e9, gamma_s_per_byte=0.0))
+    if device_type == "cpu-mpi":
+        # our schedules over MPI point-to-point (dtrain.comm.mpi), Open MPI's shared memory on one host
+        return CostParams(intra=LinkCost(alpha_s=30e-6, beta_s_per_byte=1 / 3e9, gamma_s_per_byte=1 / 5e9))
     raise ValueError(
-        f"no default cost parameters for device type {device_type!r}; use 'cpu', 'cuda', 'cpu-peer' or 'cuda-peer'"
+        f"no default cost parameters for device type {device_type!r}; use 'cpu', 'cuda', 'cpu-peer', 'cuda-peer' "
+        "or 'cpu-mpi'"
     )
 
 

@@ -1,0 +1,71 @@
+"""How long ``dtrain simulate train``'s step function takes as the cluster grows.
+
+DGX H100 servers (8 GPUs, 8 x 400G NICs) in scalable units of 32 on a rail-optimised fabric (preset
+``h100-rail``), GPT-3 175B with tp 8, pp 8 and dp growing with the GPU count, split pipeline sends. Each size
+builds its topology, places the layout and times :func:`dtrain.sim.step.simulate_step` once (no cache: every
+route and replay is computed). One JSON line per size, written atomically.
+
+    python benchmarks/sim/scale.py --gpus 64,512,2048,4096,10240 --out benchmarks/results/sim_scale-cpu2.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+from dtrain.cluster.presets import preset
+from dtrain.sim.model import MODELS, Layout
+from dtrain.sim.placement import place
+from dtrain.sim.step import StepConfig, simulate_step
+
+SERVERS_PER_UNIT = 32
+
+
+def run(gpus: int, tp: int, pp: int, flow_limit: int | None) -> dict:
+    servers = gpus // 8
+    units = max(1, -(-servers // SERVERS_PER_UNIT))
+    start = time.perf_counter()
+    topology = preset("h100-rail", racks=units, servers_per_rack=min(servers, SERVERS_PER_UNIT))
+    built = time.perf_counter()
+    dp = gpus // (tp * pp)
+    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch=1, global_batch=dp * 16)
+    placement = place(topology, layout)
+    config = StepConfig(split_pipeline=True, flow_limit=flow_limit)
+    t0 = time.perf_counter()
+    result = simulate_step(MODELS["gpt3-175b"], layout, topology, placement, config)
+    seconds = time.perf_counter() - t0
+    return {
+        "gpus": layout.world_size, "layout": layout.describe(), "topology": f"h100-rail x{units} units",
+        "flow_limit": flow_limit, "build_s": round(built - start, 3), "simulate_s": round(seconds, 3),
+        "step_s": result.step_s, "tp_s": result.tp_s, "pp_s": result.pp_s, "dp_s": result.dp_s,
+        "machine": platform.machine(), "cpus": os.cpu_count(),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="64,512,2048,4096,10240", help="comma-separated GPU counts")
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=8)
+    parser.add_argument("--flow-limit", type=int, default=50_000, help="0: replay every message")
+    parser.add_argument("--out", default="benchmarks/results/sim_scale-cpu2.jsonl")
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.gpus.split(",") if x.strip()]
+    if any(n % (8 * args.tp * args.pp) and n % (args.tp * args.pp) for n in sizes):
+        raise ValueError(f"--gpus: each count must be a multiple of tp x pp = {args.tp * args.pp}, got {sizes}")
+    rows = []
+    for gpus in sizes:
+        row = run(gpus, args.tp, args.pp, args.flow_limit or None)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    tmp = f"{args.out}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""``dtrain bench pipeline``: the pipeline bubble of each schedule, measured beside its theory, and
+torch.distributed.pipelining's step time on the same model and micro-batches where it has the schedule.
+
+The model is ``--layers`` x (Linear(width, width) + GELU), MSE loss, one seed on every rank. Per schedule and
+micro-batch count ``m``: ``step_s``, the slowest rank's ``train_step`` (median of ``--steps`` after ``--warmup``);
+``busy_s``, each rank's own forward and backward of its ``m`` micro-batches alone, back to back (on the CPU one
+rank at a time, as ranks share cores); ``bubble`` = 1 - sum(busy_s) / (p x step_s), everything not computing
+(waiting and messages) counting as bubble, as in the theory (:func:`~dtrain.parallel.pipeline_schedules.
+theoretical_bubble`). On the CPU: ``--nproc`` Gloo ranks; under torchrun: one GPU a rank, NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+__all__ = ["add_parser", "run"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+TORCH_SCHEDULES = {  # ours -> torch.distributed.pipelining's class of the same schedule (where torch has one)
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zb-v": "ScheduleZBVZeroBubble",
+}
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("pipeline", help="measure each pipeline schedule's bubble against its theory (and torch's)")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
+    p.add_argument("--schedules", type=lambda t: t.split(","), default=list(SCHEDULES), help="comma-separated")
+    p.add_argument("--microbatches", type=lambda t: [int(x) for x in t.split(",")], default=[4, 8])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    p.add_argument("--out", default=None, help="JSON lines, one row per schedule and m (rank 0 writes)")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    bad = [s for s in args.schedules if s not in SCHEDULES]
+    if bad:
+        raise ValueError(f"--schedules: unknown {', '.join(bad)}; accepted: {', '.join(SCHEDULES)}")
+    if any(m < 1 or args.batch % m for m in args.microbatches):
+        raise ValueError(f"--microbatches {args.microbatches}: each must be positive and divide --batch {args.batch}")
+    if min(args.layers, args.width, args.warmup, args.steps, args.nproc) < 1:
+        raise ValueError("--layers, --width, --warmup, --steps and --nproc must be at least 1")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dtrain.launch import run_ranks, under_torchrun
+
+    _check(args)
+    if args.out and int(os.environ.get("RANK", "0")) == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".tmp", "w"):
+            pass
+        os.replace(args.out + ".tmp", args.out)
+    if under_torchrun():
+        run_ranks(_rank_main, 0, args)
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        run_ranks(_rank_main, args.nproc, args)
+    return 0
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _model(args, device):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    with device:
+        return nn.Sequential(*(nn.Sequential(nn.Linear(args.width, args.width), nn.GELU()) for _ in range(args.layers)))
+
+
+def _time(step, device, args) -> float:
+    """The slowest rank's median seconds of ``step()``."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= args.warmup:
+            times.append(elapsed.item())
+    return statistics.median(times)
+
+
+def _busy(pipe, args, m: int, device) -> float:
+    """This rank's seconds of forward and backward of ``m`` micro-batches through its chunks, alone."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    x = torch.randn(args.batch // m, args.width, device=device)
+
+    def once() -> None:
+        for _ in range(m):
+            for chunk in pipe.chunks:
+                out = chunk(x.detach().requires_grad_())
+                F.mse_loss(out, x).backward() if chunk.is_last else out.backward(x)
+
+    def timed() -> float:
+        once()
+        runs = []
+        for _ in range(args.steps):
+            _sync(device)
+            start = time.perf_counter()
+            once()
+            _sync(device)
+            runs.append(time.perf_counter() - start)
+        return statistics.median(runs)
+
+    if device.type == "cuda":
+        result = timed()
+    else:  # ranks share the cores: one at a time
+        result = 0.0
+        for turn in range(dist.get_world_size()):
+            if dist.get_rank() == turn:
+                result = timed()
+            dist.barrier()
+    for q in pipe.parameters():
+        q.grad = None
+    return result
+
+
+def _torch_step(name: str, model, args, m: int, device, x, y):
+    """A step function of torch.distributed.pipelining's ``name`` schedule on the same cut, or None."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed import pipelining
+
+    from dtrain.parallel.pipeline_parallel import partition_layers
+    from dtrain.parallel.pipeline_schedules import PLACEMENT, chunks_per_stage, virtual_stage
+
+    cls = getattr(pipelining, TORCH_SCHEDULES.get(name, ""), None)
+    if cls is None:
+        return None
+    p, rank = dist.get_world_size(), dist.get_rank()
+    v = chunks_per_stage(name)
+    placement = PLACEMENT.get(name, "loop")
+    cuts = partition_layers(model, v * p)
+    indices = [virtual_stage(rank, c, p, placement) for c in range(v)]
+    stages = [pipelining.PipelineStage(model[cuts[u].start : cuts[u].stop], u, v * p, device) for u in indices]
+    schedule = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=F.mse_loss)
+    first, last = 0 in indices, v * p - 1 in indices
+
+    def step() -> None:
+        kwargs = {"target": y} if last else {}
+        schedule.step(x, **kwargs) if first else schedule.step(**kwargs)
+
+    return step
+
+
+def _rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from dtrain.launch import rank_device
+    from dtrain.parallel.pipeline_parallel import PipelineParallel
+    from dtrain.parallel.pipeline_schedules import chunks_per_stage, theoretical_bubble
+
+    device = rank_device()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    p, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.width, generator=gen).to(device)
+    y = torch.randn(args.batch, args.width, generator=gen).to(device)
+    for name in args.schedules:
+        v = chunks_per_stage(name)
+        for m in args.microbatches:
+            if (name == "interleaved-1f1b" and m % p) or args.layers < v * p:
+                continue  # interleaved takes micro-batches in groups of p; every chunk needs a layer
+            pipe = PipelineParallel(_model(args, device), dist.group.WORLD, num_microbatches=m, schedule=name)
+
+            def step(pipe=pipe) -> None:
+                pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, F.mse_loss)
+                for q in pipe.parameters():
+                    q.grad = None
+
+            step_s = _time(step, device, args)
+            busy = torch.tensor([_busy(pipe, args, m, device)], dtype=torch.float64, device=device)
+            dist.all_reduce(busy)
+            torch_s = None
+            if not args.no_torch:
+                made = _torch_step(name, _model(args, device), args, m, device, x, y)
+                torch_s = _time(made, device, args) if made is not None else None
+            row = {
+                "schedule": name,
+                "stages": p,
+                "microbatches": m,
+                "bubble_theory": round(theoretical_bubble(p, m, v, schedule=name), 4),
+                "bubble_measured": round(1 - busy.item() / (p * step_s), 4),
+                "step_ms": round(step_s * 1e3, 3),
+                "torch_step_ms": None if torch_s is None else round(torch_s * 1e3, 3),
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "layers": args.layers,
+                "width": args.width,
+                "batch": args.batch,
+            }
+            if rank == 0:
+                print(
+                    f"{name:>17} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
+                    f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  torch "
+                    + ("-" if torch_s is None else f"{row['torch_step_ms']:.2f} ms"),
+                    flush=True,
+                )
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(row) + "\n")

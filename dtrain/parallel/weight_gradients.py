@@ -1,0 +1,150 @@
+"""Backward split in two: the input gradient now (B), the linear layers' weight gradients later (W).
+
+Zero-bubble pipeline schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR) run a micro-batch's
+backward as B, which computes only what the previous stage waits for, and W, which computes the weight
+gradients whenever the stage would otherwise idle. The paper's Megatron-LM implementation does it with a
+weight-gradient store, as here: during B each attached linear layer computes ``grad_input = grad_output @ W``
+only and pushes ``(input, grad_output)`` into the store under the current micro-batch; :meth:`WeightGradStore.
+flush` (W) runs the deferred GEMMs ``grad_W = grad_output^T @ input`` (and bias sums) of that micro-batch,
+accumulating into ``.grad``. Every other parameter (norms, embeddings, a row-parallel bias added after its
+all-reduce) gets its gradient in B from autograd as usual.
+
+:meth:`WeightGradStore.attach` routes a module's ``nn.Linear`` layers and its tensor-parallel linears
+(:mod:`dtrain.parallel.tensor_parallel`: column, row, vocabulary head; their weight gradient needs only local
+tensors, so it defers too) through :func:`linear`. Outside :meth:`WeightGradStore.deferring` the layers compute
+their weight gradients at once, as plain autograd does, so the same modules train unchanged in any other step.
+Under ``torch.autocast`` the layer computes in the autocast dtype, as ``F.linear`` would, and its gradients come
+back in the dtypes of the input and the parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Hashable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["WeightGradStore", "linear"]
+
+
+class WeightGradStore:
+    """Deferred weight-gradient GEMMs, grouped by a key (a (chunk, micro-batch) pair of a pipeline stage)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[Hashable, list[tuple[nn.Parameter, nn.Parameter | None, torch.Tensor, torch.Tensor]]] = {}
+        self._key: Hashable | None = None
+
+    def attach(self, module: nn.Module) -> int:
+        """Route ``module``'s linear layers through this store; returns how many were attached.
+
+        ``nn.Linear`` layers get an instance ``forward`` calling :func:`linear`; layers that call :func:`linear`
+        themselves (the tensor-parallel ones) get their ``weight_grad_store`` set.
+        """
+        count = 0
+        for sub in module.modules():
+            if isinstance(sub, nn.Linear):
+                sub.forward = types.MethodType(_linear_forward, sub)
+            elif not hasattr(sub, "weight_grad_store"):
+                continue
+            sub.weight_grad_store = self
+            count += 1
+        return count
+
+    @contextlib.contextmanager
+    def deferring(self, key: Hashable) -> Iterator[None]:
+        """Within it, the backward of attached layers pushes their weight-gradient work under ``key``."""
+        previous, self._key = self._key, key
+        try:
+            yield
+        finally:
+            self._key = previous
+
+    def push(self, weight: nn.Parameter, bias: nn.Parameter | None, inp: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Keep one layer's (input, grad_output) for later; False (nothing kept) outside :meth:`deferring`."""
+        if self._key is None:
+            return False
+        self._pending.setdefault(self._key, []).append((weight, bias, inp, grad))
+        return True
+
+    def pending(self, key: Hashable | None = None) -> int:
+        """How many layers' weight gradients wait (under ``key``, or in all)."""
+        if key is not None:
+            return len(self._pending.get(key, ()))
+        return sum(len(v) for v in self._pending.values())
+
+    def flush(self, key: Hashable) -> None:
+        """W: run the deferred weight-gradient GEMMs (and bias sums) of ``key``, accumulating into ``.grad``."""
+        for weight, bias, inp, grad in self._pending.pop(key, ()):
+            grad_w, grad_b = _weight_grads(inp, grad, bias is not None)
+            _accumulate(weight, grad_w)
+            if bias is not None:
+                _accumulate(bias, grad_b)
+
+    def clear(self) -> None:
+        """Drop every deferred gradient (after a failed step)."""
+        self._pending.clear()
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
+def _weight_grads(inp: torch.Tensor, grad: torch.Tensor, with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = grad.reshape(-1, grad.shape[-1])  # (N, out)
+    x = inp.reshape(-1, inp.shape[-1])  # (N, in)
+    return g.t() @ x, (g.sum(0) if with_bias else None)  # (out, in), (out,)
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """``F.linear`` whose backward defers the weight (and bias) gradient to a store while it defers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):  # noqa: ANN001
+        device = x.device.type
+        xc, wc, bc = x, weight, bias
+        if torch.is_autocast_enabled(device) and x.is_floating_point():
+            dtype = torch.get_autocast_dtype(device)
+            xc, wc = x.to(dtype), weight.to(dtype)
+            bc = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device, enabled=False):
+            y = F.linear(xc, wc, bc)
+        ctx.save_for_backward(xc, wc)
+        ctx.store, ctx.weight, ctx.bias, ctx.x_dtype = store, weight, bias, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001
+        xc, wc = ctx.saved_tensors
+        grad_x = (grad @ wc).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        wants_w, wants_b = ctx.needs_input_grad[1], ctx.bias is not None and ctx.needs_input_grad[2]
+        if not (wants_w or wants_b):
+            return grad_x, None, None, None
+        if wants_w and ctx.store.push(ctx.weight, ctx.bias if wants_b else None, xc, grad):
+            return grad_x, None, None, None
+        grad_w, grad_b = _weight_grads(xc, grad, wants_b)
+        return (
+            grad_x,
+            grad_w.to(ctx.weight.dtype) if wants_w else None,
+            grad_b.to(ctx.bias.dtype) if wants_b else None,
+            None,
+        )
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, store: WeightGradStore | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; with a ``store``, its weight gradient deferrable to it (see the module)."""
+    if store is None or not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    return _DeferrableLinear.apply(x, weight, bias, store)
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias, self.weight_grad_store)

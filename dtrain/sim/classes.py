@@ -1,0 +1,287 @@
+"""Many concurrent collectives replayed at cluster scale: independent parts apart, identical parts once.
+
+:func:`replay_jobs` gives what :func:`dtrain.sim.collective.replay_concurrent` gives, faster:
+
+1. **Independent parts apart.** Jobs whose messages can share no link (over every equal-cost path of every pair
+   of ranks that talk) cannot change each other's max-min fair rates, so each connected part is replayed on its
+   own (exact: the same flows, the same ECMP hashes, the same events).
+2. **Identical parts once.** Parts that run the same schedules on the same bytes over paths of the same shape
+   (links of equal rate and latency in the same pattern, each pair with a single path so no hash picks one)
+   give the same times: one is replayed and the others take its result, link by link. The tensor-parallel
+   all-reduce of every server of a cluster is one replay.
+3. **Rounds in lock step beyond ``flow_limit``.** When the jobs would start more than ``flow_limit`` messages, each part is
+   replayed round by round, every rank waiting for the round's last message before the next (a bulk-synchronous
+   approximation; ranks of a real run may run ahead), and rounds that move the same bytes between the same
+   ranks are replayed once and counted as often as they occur: a ring all-reduce over ``n`` ranks is two round
+   replays (one reduce-scatter round, one all-gather round) instead of ``2 (n - 1)``. Each round's messages
+   still share the links max-min fairly and take their own ECMP paths. This is how flow-level simulators reach
+   tens of thousands of GPUs (SimAI, Wang et al., NSDI 2025, and ASTRA-sim's analytical backend replay a
+   collective's phases rather than its packets).
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from dtrain.cluster.topology import Link, Topology
+from dtrain.sim.collective import (
+    CollectiveResult,
+    Job,
+    RankRound,
+    SoftwareCost,
+    _api_times,
+    _rank_rounds_cached,
+    _start_jobs,
+    check_placement,
+)
+from dtrain.sim.flows import FlowNetwork, LinkUsage
+
+__all__ = ["replay_jobs", "DEFAULT_FLOW_LIMIT"]
+
+#: Messages a part may start before it is replayed round by round (point 3 of the module docstring).
+DEFAULT_FLOW_LIMIT = 50_000
+
+_Key = tuple[str, str]
+
+
+class _Part:
+    """What one replayed part gave: its end, each job's ranks' finish times, each link's bytes and busy time."""
+
+    def __init__(self, end: float, finish: list[list[float]], links: dict[_Key, tuple[Link, float, float]]) -> None:
+        self.end, self.finish, self.links = end, finish, links
+
+
+def _schedule_facts(rounds: list[list[RankRound]]) -> tuple[list[tuple[int, int]], int]:
+    """The (sender, receiver) pairs of a schedule's rounds and how many messages it starts."""
+    pairs, messages = set(), 0
+    for rank, rrs in enumerate(rounds):
+        for rr in rrs:
+            messages += len(rr.sends)
+            pairs.update((rank, peer) for peer in rr.sends)
+    return sorted(pairs), messages
+
+
+def replay_jobs(
+    jobs: Sequence[Job],
+    topology: Topology,
+    *,
+    cost: SoftwareCost | None = None,
+    itemsize: int = 4,
+    flow_limit: int | None = DEFAULT_FLOW_LIMIT,
+) -> CollectiveResult:
+    """:func:`~dtrain.sim.collective.replay_concurrent` of ``jobs``, replaying independent parts apart and
+    identical parts once; a part of more than ``flow_limit`` messages in lock-step rounds (None: never)."""
+    cost = cost or SoftwareCost()
+    if flow_limit is not None and flow_limit < 1:
+        raise ValueError(f"flow_limit must be >= 1 or None, got {flow_limit!r}")
+    facts: dict[tuple[int, int], tuple[list[tuple[int, int]], int]] = {}
+    job_rounds, job_pairs, job_messages = [], [], []
+    for job in jobs:
+        check_placement(topology, job.placement, job.schedule.world_size)
+        rounds = _rank_rounds_cached(job.schedule, job.nbytes, itemsize)
+        key = (id(rounds), 0)
+        if key not in facts:
+            facts[key] = _schedule_facts(rounds)
+        job_rounds.append(rounds)
+        job_pairs.append(facts[key][0])
+        job_messages.append(facts[key][1])
+    routes = [
+        [topology.equal_cost_routes(job.placement[a], job.placement[b]) for a, b in pairs]
+        for job, pairs in zip(jobs, job_pairs, strict=True)
+    ]
+    parts = _connected(routes)
+    # the limit counts every message to replay: many small parts cost as much as one large one
+    lock_step = flow_limit is not None and sum(job_messages) > flow_limit
+    results: dict[int, _Part] = {}  # by part index
+    seen: dict[tuple, tuple[int, list[_Key]]] = {}  # signature -> (part replayed, its links in signature order)
+    for p, members in enumerate(parts):
+        signature, order = _signature(members, jobs, job_pairs, routes, topology, cost)
+        if signature is not None and signature in seen:
+            first, first_order = seen[signature]
+            results[p] = _relabel(results[first], first_order, order, topology)
+            continue
+        sub = [jobs[j] for j in members]
+        if lock_step:
+            results[p] = _lock_step(sub, members, [job_rounds[j] for j in members], topology, cost)
+        else:
+            results[p] = _exact(sub, members, topology, cost, itemsize)
+        if signature is not None:
+            seen[signature] = (p, order)
+    finish_by_job: dict[int, list[float]] = {}
+    for p, members in enumerate(parts):
+        for j, times in zip(members, results[p].finish, strict=True):
+            finish_by_job[j] = times
+    finish = [t for j in range(len(jobs)) for t in finish_by_job[j]]
+    end = max((r.end for r in results.values()), default=0.0)
+    rows = [
+        LinkUsage(link=link, nbytes=nbytes, busy_s=busy, total_s=end)
+        for r in results.values()
+        for link, nbytes, busy in r.links.values()
+    ]
+    rows.sort(key=lambda u: (-u.utilisation, u.link.name))
+    return CollectiveResult(time_s=max(finish, default=0.0), rank_finish_s=finish, links=rows)
+
+
+def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
+    """Jobs grouped into parts that may share a link (union-find over every equal-cost path's links)."""
+    parent = list(range(len(routes)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[_Key, int] = {}
+    for j, job_routes in enumerate(routes):
+        for paths in job_routes:
+            for path in paths:
+                for link in path:
+                    key = (link.src, link.dst)
+                    other = owner.setdefault(key, j)
+                    if other != j:
+                        a, b = find(other), find(j)
+                        if a != b:
+                            parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for j in range(len(routes)):
+        groups.setdefault(find(j), []).append(j)
+    return list(groups.values())
+
+
+def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: SoftwareCost):
+    """A part's shape, equal for parts that replay alike, and its links in the order the shape names them; None
+    (no signature) when some pair has several equal-cost paths, as a hash of the device names picks one."""
+    label: dict[_Key, int] = {}
+    order: list[_Key] = []
+    shape = []
+    for j in members:
+        job = jobs[j]
+        devices = [topology.device(d) for d in job.placement]
+        api_start, api_end = _api_times(job, topology, list(job.placement), cost)
+        paths = []
+        for paths_of_pair in routes[j]:
+            if len(paths_of_pair) != 1:
+                return None, order
+            hops = []
+            for link in paths_of_pair[0]:
+                key = (link.src, link.dst)
+                if key not in label:
+                    label[key] = len(order)
+                    order.append(key)
+                hops.append((label[key], link.bytes_per_s, link.latency_s))
+            paths.append(tuple(hops))
+        memory = tuple(d.memory_bytes_per_s for d in devices)
+        shape.append((id(job.schedule), job.nbytes, tuple(job_pairs[j]), tuple(paths), memory, tuple(api_start),
+                      tuple(api_end)))  # fmt: skip
+    return tuple(shape), order
+
+
+def _relabel(part: _Part, first: list[_Key], other: list[_Key], topology: Topology) -> _Part:
+    mapping = dict(zip(first, other, strict=True))
+    links = {}
+    for key, (_, nbytes, busy) in part.links.items():
+        new = mapping[key]
+        links[new] = (topology.link(*new), nbytes, busy)
+    return _Part(part.end, [list(t) for t in part.finish], links)
+
+
+def _exact(jobs: list[Job], tags: list[int], topology: Topology, cost: SoftwareCost, itemsize: int) -> _Part:
+    net, states = _start_jobs(jobs, tags, topology, cost, itemsize)
+    end = net.run()
+    links = {(u.link.src, u.link.dst): (u.link, u.nbytes, u.busy_s) for u in net.usage(end)}
+    return _Part(end, [state.finish for state in states], links)
+
+
+#: Per schedule's rank rounds (by identity): each round index's traffic pattern as a small integer.
+_PATTERNS: dict[int, tuple[list[list[RankRound]], dict[int, int], dict[int, dict[int, RankRound]]]] = {}
+
+
+def _patterns(rounds: list[list[RankRound]]) -> tuple[dict[int, int], dict[int, dict[int, RankRound]]]:
+    """Round index -> pattern id (rounds moving the same bytes between the same ranks share one), and round
+    index -> {rank: its part of the round}."""
+    found = _PATTERNS.get(id(rounds))
+    if found is None or found[0] is not rounds:
+        by_index: dict[int, dict[int, RankRound]] = {}
+        for rank, rrs in enumerate(rounds):
+            for rr in rrs:
+                by_index.setdefault(rr.index, {})[rank] = rr
+        ids: dict[tuple, int] = {}
+        pattern = {}
+        for index in sorted(by_index):
+            key = tuple(
+                (rank, tuple(rr.sends.items()), tuple(rr.recvs.items()), rr.reduce_bytes)
+                for rank, rr in sorted(by_index[index].items())
+            )
+            pattern[index] = ids.setdefault(key, len(ids))
+        if len(_PATTERNS) > 256:
+            _PATTERNS.clear()
+        found = _PATTERNS[id(rounds)] = (rounds, pattern, by_index)
+    return found[1], found[2]
+
+
+def _lock_step(
+    jobs: list[Job], tags: list[int], rounds: list[list[list[RankRound]]], topology: Topology, cost: SoftwareCost
+) -> _Part:
+    """Point 3 of the module docstring: every round a barrier, each distinct round replayed once."""
+    per_job = [_patterns(r) for r in rounds]
+    indices = sorted({i for pattern, _ in per_job for i in pattern})
+    counts: dict[tuple, list[int]] = {}  # combined pattern -> [first index, occurrences]
+    for index in indices:
+        key = tuple(pattern.get(index, -1) for pattern, _ in per_job)
+        counts.setdefault(key, [index, 0])[1] += 1
+    gammas, starts, ends = [], [], []
+    for job in jobs:
+        placement = list(job.placement)
+        gammas.append([
+            cost.gamma_s_per_byte if cost.gamma_s_per_byte is not None else 3 / topology.device(d).memory_bytes_per_s
+            for d in placement
+        ])  # fmt: skip
+        start, end = _api_times(job, topology, placement, cost)
+        starts.append(start)
+        ends.append(end)
+    total = max((t for s in starts for t in s), default=0.0)
+    links: dict[_Key, list] = {}
+    for index, occurrences in counts.values():
+        round_s, usage = _one_round(jobs, tags, [by_index.get(index, {}) for _, by_index in per_job], gammas,
+                                    index, topology, cost)  # fmt: skip
+        total += occurrences * round_s
+        for u in usage:
+            entry = links.setdefault((u.link.src, u.link.dst), [u.link, 0.0, 0.0])
+            entry[1] += occurrences * u.nbytes
+            entry[2] += occurrences * u.busy_s
+    total += max((t for e in ends for t in e), default=0.0)
+    finish = [[total] * len(job.placement) for job in jobs]
+    return _Part(total, finish, {k: (v[0], v[1], v[2]) for k, v in links.items()})
+
+
+def _one_round(jobs, tags, parts, gammas, index: int, topology: Topology, cost: SoftwareCost):
+    """One round of every job at once from a common start: its length (the last rank to finish its messages
+    and reduction) and the links' usage."""
+    net = FlowNetwork(topology, flow_cap_bytes_per_s=cost.flow_cap_bytes_per_s)
+    done: dict[tuple[int, int], float] = {}
+    for j, job in enumerate(jobs):
+        posted = {rank: cost.start_s(rr.peers) for rank, rr in parts[j].items()}
+        for rank, t in posted.items():
+            done[(j, rank)] = t
+        for rank, rr in parts[j].items():
+            for peer, nbytes in rr.sends.items():
+                flow_id = hash((tags[j], rank, peer, index)) & 0x7FFFFFFF
+
+                def finished(t: float, j=j, a=rank, b=peer) -> None:
+                    done[(j, a)] = max(done[(j, a)], t)
+                    done[(j, b)] = max(done[(j, b)], t)
+
+                src, dst = job.placement[rank], job.placement[peer]
+                start = max(posted[rank], posted.get(peer, 0.0))
+                net.at(start, lambda s=src, d=dst, n=nbytes, f=flow_id, cb=finished: net.send(
+                    s, d, n, flow_id=f, on_done=cb, cap_bytes_per_s=cost.cap_for(n)))  # fmt: skip
+    end = net.run()
+    length = max(
+        (t + parts[j][rank].reduce_bytes * gammas[j][rank] for (j, rank), t in done.items()),
+        default=0.0,
+    )
+    return (length if math.isfinite(length) else end), net.usage(end)

@@ -1,0 +1,166 @@
+"""Zero-bubble pipeline schedules (Qi et al. 2024): the weight-gradient store, ZB-H1 and ZB-V as data (valid, the
+paper's bubble, 1F1B's activation budget), and training like one process on real Gloo processes, alone and
+with data and tensor parallelism on the decoders of :mod:`dtrain.models`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.cli.main import main
+from dtrain.parallel.pipeline_parallel_communications import messages
+from dtrain.parallel.pipeline_schedules import (
+    draw_schedule,
+    one_f_one_b,
+    simulate,
+    simulated_bubble,
+    theoretical_bubble,
+    validate_schedule,
+    zb_h1,
+    zb_v,
+)
+from dtrain.parallel.weight_gradients import WeightGradStore
+from dtrain.sim.pipeline import pipeline_bubble, pipeline_makespan
+from tests.jobs import parallel as parallel_jobs
+from tests.jobs import pipeline as pipeline_jobs
+
+
+def test_store_defers_linear_weight_gradients_until_flushed():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    reference = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    reference.load_state_dict(net.state_dict())
+    store = WeightGradStore()
+    assert store.attach(net) == 2
+    x = torch.randn(5, 2, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    reference(x_ref).square().sum().backward()
+    with store.deferring("mb0"):
+        net(x).square().sum().backward()
+    assert torch.allclose(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)  # B: the input gradient, at once
+    assert net[0].weight.grad is None and net[2].bias.grad is None and store.pending("mb0") == 2
+    assert torch.allclose(net[1].weight.grad, reference[1].weight.grad)  # a norm's gradient comes in B
+    store.flush("mb0")  # W
+    assert store.pending() == 0
+    for got, want in zip(net.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    net.zero_grad(set_to_none=True)
+    net(x).sum().backward()  # outside deferring: plain autograd
+    assert net[0].weight.grad is not None and store.pending() == 0
+
+
+def test_store_keeps_autocast_dtypes():
+    net = nn.Linear(4, 3)
+    WeightGradStore().attach(net)
+    store = net.weight_grad_store
+    x = torch.randn(2, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = net(x)
+    assert y.dtype == torch.bfloat16
+    with store.deferring(0):
+        y.float().sum().backward()
+    store.flush(0)
+    assert x.grad.dtype == torch.float32 and net.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (3, 5), (4, 4), (4, 8), (4, 16)])
+def test_zb_h1_is_valid_holds_at_most_p_and_has_the_papers_bubble(p, m):
+    schedules = [zb_h1(p, m, s) for s in range(p)]
+    assert [validate_schedule(a, m) for a in schedules] == [min(p, m + s) for s in range(p)]
+    for f, b, w in ((1, 1, 1), (1, 1.5, 0.5), (2, 2, 1)):
+        times = simulate(schedules, forward_cost=f, backward_cost=b, weight_cost=w)
+        assert simulated_bubble(times) == pytest.approx(
+            theoretical_bubble(p, m, schedule="zb-h1", forward_cost=f, backward_cost=b, weight_cost=w)
+        )
+    one_f = simulated_bubble(simulate([one_f_one_b(p, m, s) for s in range(p)], forward_cost=1, backward_cost=2))
+    assert theoretical_bubble(p, m, schedule="zb-h1") == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert theoretical_bubble(p, m, schedule="zb-h1") < one_f
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 1), (2, 4), (3, 6), (4, 4), (4, 8), (4, 16)])
+def test_zb_v_is_valid_within_1f1bs_activations_and_beats_zb_h1(p, m):
+    schedules = [zb_v(p, m, s) for s in range(p)]
+    peaks = [validate_schedule(a, m, virtual_stages=2) for a in schedules]
+    assert max(peaks) <= 2 * p  # chunks are half a stage: 2p of them are 1F1B's p stage-sized micro-batches
+    bubble = simulated_bubble(simulate(schedules, forward_cost=1, backward_cost=1, weight_cost=1, placement="v"))
+    assert bubble == pytest.approx(theoretical_bubble(p, m, schedule="zb-v"))
+    if m >= p:
+        assert bubble < theoretical_bubble(p, m, schedule="zb-h1")
+    sent = messages(schedules, "v")
+    assert all(src != dst for src, dst in sent)  # the turn of the V stays on the last stage
+    keys = [k for ks in sent.values() for k in ks]
+    assert len(keys) == len(set(keys)) == 2 * m * (2 * p - 2)  # every hop but the turn, once each way
+
+
+def test_zb_v_is_drawn_with_chunk_letters():
+    chart = draw_schedule([zb_v(2, 2, s) for s in range(2)], backward_cost=1, placement="v")
+    assert chart.splitlines()[0].startswith("stage 0 | F0a F1a ") and "W1b" in chart
+
+
+def _assert_zero(results):
+    for rank, r in enumerate(results):
+        assert all(v == 0.0 for k, v in r.items() if k != "stage"), (rank, r)
+
+
+@pytest.mark.parametrize(("p", "m", "schedule"), [(2, 2, "zb-h1"), (4, 8, "zb-h1"), (3, 4, "zb-v"), (4, 8, "zb-v")])
+def test_zero_bubble_trains_like_the_unsplit_model(pool, p, m, schedule):
+    _assert_zero(pool.run(pipeline_jobs.zero_bubble, p, m, schedule, ranks=p))
+
+
+LAYOUTS = {
+    "pp2-zb-h1": {"pp": 2, "num_microbatches": 2, "schedule": "zb-h1"},
+    "pp2-zb-v": {"pp": 2, "num_microbatches": 4, "schedule": "zb-v"},
+    "dp2xpp2xtp2-zb-v": {"dp": 2, "pp": 2, "tp": 2, "num_microbatches": 2, "schedule": "zb-v"},
+    "tp2xpp2-zb-h1-clip": {"pp": 2, "tp": 2, "num_microbatches": 2, "schedule": "zb-h1", "clip": True},
+}
+
+
+def test_zero_bubble_layouts_train_llama_like_one_process(pool):
+    # a tiny Llama with tied embeddings: under ZB-V the embedding and the head are both on the first stage
+    per_rank = pool.run(parallel_jobs.layouts, "llama", list(LAYOUTS), LAYOUTS)
+    for name, layout in LAYOUTS.items():
+        world = layout.get("dp", 1) * layout["pp"] * layout.get("tp", 1)
+        for rank, got in enumerate(r[name] for r in per_rank[:world]):
+            assert (got["loss"], got["params"], got["norm"]) == (0.0, 0.0, 0.0), (name, rank, got)
+            assert got["moved"] > 1e-3 and got["skipped"] == [False] * parallel_jobs.STEPS, (name, rank, got)
+            assert got["exported"] == (0.0 if rank == 0 else None), (name, rank, got)
+
+
+def test_simulator_predicts_the_zero_bubble_schedules_and_what_messages_cost_them():
+    p, m, ones = 4, 8, [1.0] * 4
+    assert pipeline_bubble(ones, ones, 0.0, m, "zb-h1", weight_s=ones) == pytest.approx(
+        theoretical_bubble(p, m, schedule="zb-h1")
+    )
+    assert pipeline_bubble(ones, ones, 0.0, m, "zb-v", weight_s=ones) == pytest.approx(
+        theoretical_bubble(p, m, schedule="zb-v")
+    )
+    # 1F1B with its whole backward (B + W) against ZB-H1: the same work, a shorter step
+    assert pipeline_makespan(ones, [2.0] * 4, 0.0, m, "1f1b") - pipeline_makespan(
+        ones, ones, 0.0, m, "zb-h1", weight_s=ones
+    ) == pytest.approx(2 * (p - 1))
+    # a message costs every hop on the critical path; two chunks a stage halve the compute between hops, so with
+    # slow messages the chunked schedules lose their lead (the interleaved measurements' excess)
+    fast = {s: pipeline_bubble(ones, ones, 0.0, m, s, weight_s=ones) for s in ("1f1b", "interleaved-1f1b", "zb-v")}
+    slow = {s: pipeline_bubble(ones, ones, 0.5, m, s, weight_s=ones) for s in fast}
+    assert fast["zb-v"] < fast["interleaved-1f1b"] < fast["1f1b"]
+    assert slow["interleaved-1f1b"] - fast["interleaved-1f1b"] > slow["1f1b"] - fast["1f1b"]
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb-h2'"):
+        pipeline_makespan(ones, ones, 0.0, m, "zb-h2")
+
+
+def test_bench_pipeline_prints_measured_beside_theory_and_torchs(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    common = ["bench", "pipeline", "--nproc", "2", "--microbatches", "2", "--layers", "4", "--width", "8"]
+    common += ["--batch", "4", "--warmup", "1", "--steps", "1", "--schedules", "1f1b,zb-h1,zb-v", "--out", str(out)]
+    assert main(common) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("1f1b", 2), ("zb-h1", 2), ("zb-v", 2)]
+    for r in rows:
+        assert r["bubble_theory"] == pytest.approx(theoretical_bubble(2, 2, schedule=r["schedule"]), abs=1e-4)
+        assert r["bubble_measured"] < 1 and r["step_ms"] > 0
+    assert rows[0]["torch_step_ms"] > 0 and rows[1]["torch_step_ms"] is None  # torch has no single-chunk ZB-H1
+    assert main(["bench", "pipeline", "--schedules", "zb-h2"]) == 2
+    assert "--schedules: unknown zb-h2" in capsys.readouterr().out
