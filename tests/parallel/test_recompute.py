@@ -172,6 +172,7 @@ def test_parse_layers():
 LAYOUTS = {  # name -> (dp, pp, tp, HybridParallel keywords)
     "tp2": (1, 1, 2, {}),
     "dp2xpp2": (2, 2, 1, {"num_microbatches": 2}),
+    "tp2xpp2-zb-h1": (1, 2, 2, {"num_microbatches": 2, "schedule": "zb-h1"}),
     "dp2-zero2": (2, 1, 1, {"zero_stage": 2}),
     "dp2-zero3": (2, 1, 1, {"zero_stage": 3}),
 }
