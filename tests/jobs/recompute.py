@@ -17,7 +17,7 @@ from dtrain.parallel.parallelize import causal_lm_loss
 from dtrain.parallel.recompute import checkpoint_activations, checkpointed_blocks
 from tests.jobs import parallel as parallel_jobs
 
-SEQ, GLOBAL_BATCH, STEPS, LR = 8, 4, 2, 0.5
+SEQ, GLOBAL_BATCH, STEPS, LR = 8, 4, 1, 0.5
 
 #: name -> (mode, keywords of checkpoint_activations)
 VARIANTS = {
