@@ -78,7 +78,9 @@ class Piece:
     write: bool = True
 
 
-def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+def flat_range_boxes(
+    shape: tuple[int, ...], start: int, stop: int
+) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
     """The flat range ``[start, stop)`` of a row-major tensor of ``shape`` as rectangles, in flat order:
     ``(flat start, offsets, sizes)`` each, every one contiguous in the flat order."""
     if not 0 <= start <= stop <= _numel(shape):
@@ -301,9 +303,7 @@ def sharded_state_dict(hybrid, *, process_group=None, for_load: bool = False, op
                 start = flat - piece.start
                 # the kept part of a box is a prefix of it in flat order (clipping cuts trailing rows)
                 tensor = view[start : start + count].view(sizes)
-                meta = ShardMetadata(
-                    shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{me}/{tensor.device}"
-                )
+                meta = ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{me}/{tensor.device}")
                 shards.setdefault((path[0], piece.name, *path[1:]), []).append(Shard(tensor, meta))
     for key, local in shards.items():
         first = local[0].tensor

@@ -116,6 +116,22 @@ def _copied(state: Any) -> Any:
     return state
 
 
+class _AlreadyCopied:
+    """DCP's asynchronous stager for a state that :func:`_copied` made private already (DCP's default stager
+    deep-copies ShardedTensors, process group included)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Checkpointer:
     """Saves and loads checkpoints under ``<out>/checkpoints`` (module docstring). Every method is collective
     over ``process_group`` (default: a new Gloo group of the whole world, which every process must create
@@ -149,7 +165,9 @@ class Checkpointer:
         dist.barrier(group=self.group)
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         if self.async_save:
-            future = dcp.async_save(_copied(state), storage_writer=writer, process_group=self.group)
+            future = dcp.async_save(
+                _copied(state), storage_writer=writer, process_group=self.group, async_stager=_AlreadyCopied()
+            )
             self._pending = (future, step, dict(meta))
             return
         dcp.save(state, storage_writer=writer, process_group=self.group)
