@@ -286,7 +286,13 @@ class CheckpointSection(_Section):
     every: int = _option(
         0, "steps between checkpoints (0: only after the last step)", flag="--checkpoint-every", minimum=0
     )
-    resume: bool = _option(False, "continue from the last complete checkpoint in the output directory")
+    resume: bool = _option(
+        False, "continue from the last complete checkpoint in the output directory, at this run's layout"
+    )
+    keep: int = _option(0, "complete checkpoints kept, the newest (0: all)", flag="--checkpoint-keep", minimum=0)
+    async_save: bool = _option(
+        False, "write checkpoints in a background thread while training goes on", flag="--async-checkpoint"
+    )
     export: bool = _option(True, "at the end, write a Hugging Face model directory, model/ in the output directory")
 
 

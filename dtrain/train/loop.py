@@ -46,12 +46,12 @@ from dtrain.parallel.hybrid import HybridParallel
 from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize, validate_tensor_parallel
 from dtrain.parallel.pipeline_schedules import bubble_fraction, chunks_per_stage, theoretical_bubble
 from dtrain.train.checkpoint import (
-    checkpoint_path,
+    Checkpointer,
+    checkpoint_dir,
     latest_complete_step,
-    latest_step,
-    load_checkpoint,
-    load_layout,
-    save_checkpoint,
+    read_meta,
+    restore_training_state,
+    training_state,
 )
 from dtrain.train.config import TrainConfig
 from dtrain.train.metrics import MetricsWriter, mfu, peak_memory_bytes, reset_peak_memory
@@ -161,7 +161,8 @@ def _check_precision(config: TrainConfig) -> None:
 
 
 def layout(config: TrainConfig, shape: ModelConfig) -> dict[str, Any]:
-    """What a checkpoint records and a resumed run must match: the layout and the model's shape."""
+    """The layout a checkpoint was written with and the model's shape (recorded in its meta.json; a resumed run
+    may have another layout)."""
     par = config.parallel
     return {
         "dp": par.dp,
@@ -176,22 +177,22 @@ def layout(config: TrainConfig, shape: ModelConfig) -> dict[str, Any]:
 
 
 def _check_resume(config: TrainConfig, world_size: int, shape: ModelConfig) -> int:
-    """The step a resumed run continues from; ValueError if the checkpoint is missing or another layout's."""
+    """The step a resumed run continues from (at whatever layout this run has); ValueError if there is no
+    complete checkpoint or it is of another model shape or sequence length."""
+    from dtrain.models import hf
+
     out = config.logging.out
     where = f"{out}/checkpoints"
-    step = latest_complete_step(out, world_size)
-    probe = step if step is not None else latest_step(out)  # an incomplete one still tells the layout
-    written = load_layout(checkpoint_path(out, probe, 0)) if probe is not None else None
-    expected = json.loads(json.dumps(layout(config, shape)))
-    if written is not None and written != expected:
-        keys = [k for k in expected if written.get(k) != expected[k]]
-        was = " ".join(f"{k}={written.get(k)}" for k in keys if k != "model")
-        now = " ".join(f"{k}={expected[k]}" for k in keys if k != "model")
-        if "model" in keys:
-            was, now = f"{was} and another model shape".strip(), f"{now} and this model".strip()
-        raise ValueError(f"--resume: the checkpoint under {where} was written with {was}; this run has {now}")
+    step = latest_complete_step(out)
     if step is None:
-        raise ValueError(f"--resume: no complete checkpoint of {world_size} ranks under {where}")
+        raise ValueError(f"--resume: no complete checkpoint under {where}")
+    meta = read_meta(checkpoint_dir(out, step))
+    if meta.get("model") != json.loads(json.dumps(hf.config_to_dict(shape))):
+        raise ValueError(f"--resume: the checkpoint under {where} is of another model shape than this run's")
+    if meta.get("seq_len") != config.data.seq_len:
+        raise ValueError(
+            f"--seq-len: {config.data.seq_len}, but the checkpoint under {where} has {meta.get('seq_len')}"
+        )
     return step
 
 
@@ -331,6 +332,8 @@ class _Trainer:
             min_lr_ratio=sched.min_lr_ratio,
         )
         self.flops_per_token = train_flops_per_token(plan.model, config.data.seq_len)
+        ck = config.checkpoint
+        self.checkpointer = Checkpointer(config.logging.out, async_save=ck.async_save, keep=ck.keep)
 
     def step(self, step: int) -> dict[str, Any]:
         cfg, grid = self.config, self.grid
@@ -383,38 +386,34 @@ class _Trainer:
             weights.append(rows)
         return sum(w * v for w, v in zip(weights, losses, strict=True)) / sum(weights)
 
-    def state(self, step: int) -> dict[str, Any]:
-        state = {
-            "step": step,
+    def meta(self) -> dict[str, Any]:
+        """What a checkpoint's meta.json records: the layout that wrote it, the model, the data shape."""
+        from dtrain.models import hf
+
+        return {
             "layout": layout(self.config, self.plan.model),
-            "model": self.hybrid.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "data": self.data.state_dict(),
-            "torch_rng": torch.get_rng_state(),
+            "model": hf.config_to_dict(self.plan.model),
+            "seq_len": self.config.data.seq_len,
+            "tokenizer": str(Path(self.plan.tokenizer).resolve()),
         }
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-        return state
 
     def save(self, step: int) -> None:
-        save_checkpoint(checkpoint_path(self.config.logging.out, step, dist.get_rank()), self.state(step))
+        group = self.checkpointer.group
+        state = training_state(self.hybrid, step=step, data=self.data, scaler=self.scaler, process_group=group)
+        self.checkpointer.save(step, state, self.meta())
 
     def restore(self) -> int:
-        """Load the last checkpoint complete on every rank; the step to continue from."""
+        """Load the last complete checkpoint, whatever layout wrote it; the step to continue from."""
         out = self.config.logging.out
-        found = latest_complete_step(out, dist.get_world_size())
+        found = latest_complete_step(out)
         agreed = torch.tensor([-1 if found is None else found], dtype=torch.int64)
         comm.all_reduce(agreed, op="min")
         if agreed.item() < 0:
             raise ValueError(f"--resume: no complete checkpoint under {out}/checkpoints")
-        state = load_checkpoint(checkpoint_path(out, int(agreed.item()), dist.get_rank()))
-        self.hybrid.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.data.load_state_dict(state["data"])
-        if self.scaler is not None and "loss_scaler" in state:
-            self.scaler.load_state_dict(state["loss_scaler"])
-        torch.set_rng_state(state["torch_rng"])
-        return int(state["step"])
+        group = self.checkpointer.group
+        state = training_state(self.hybrid, data=self.data, scaler=self.scaler, process_group=group, for_load=True)
+        self.checkpointer.load(int(agreed.item()), state)
+        return restore_training_state(state, data=self.data, scaler=self.scaler)
 
     def export(self) -> None:
         """The whole model as a Hugging Face directory ``<out>/model`` (gathered onto rank 0, which writes it)."""
@@ -512,6 +511,7 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
                     writer.write(record)
                 records.append(record)
                 progress.step(_progress_text(record, plan.steps))
+            trainer.checkpointer.wait()  # an asynchronous save still writing
             if config.checkpoint.export:
                 last = _progress_text(records[-1], plan.steps) if records else f"step {first}/{plan.steps}"
                 progress.describe(f"{last}, writing the Hugging Face model directory")
