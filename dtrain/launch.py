@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import env
+
 __all__ = [
     "KILL_ENV",
     "init_rank",
@@ -45,9 +47,10 @@ __all__ = [
     "under_torchrun",
 ]
 
-#: Fault injection for resilience tests: ``RANK:STEP`` makes that rank kill itself with SIGKILL when
-#: :func:`maybe_kill` is called at that step, in the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0).
-KILL_ENV = "DTRAIN_KILL_AT"
+#: Fault injection for resilience tests (:func:`dtrain.env.kill_at`): ``RANK:STEP`` makes that rank kill itself
+#: with SIGKILL when :func:`maybe_kill` is called at that step, in the first attempt only.
+KILL_ENV = env.KILL_AT
+_RUN_PREFIX = "dtrain-launch-"  # the run id of run_ranks' own launches
 
 
 def under_torchrun() -> bool:
@@ -62,11 +65,10 @@ def restart_count() -> int:
 
 def maybe_kill(step: int) -> None:
     """Kill this process with SIGKILL if :data:`KILL_ENV` names this rank and ``step`` (first attempt only)."""
-    spec = os.environ.get(KILL_ENV)
-    if not spec or restart_count() > 0:
+    target = env.kill_at()
+    if target is None or restart_count() > 0:
         return
-    rank, _, at = spec.partition(":")
-    if int(rank) == dist.get_rank() and int(at) == step:
+    if target == (dist.get_rank(), step):
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -210,7 +212,7 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
 
 def under_torchrun_job() -> bool:
     """True in a process torchrun started (not a worker of :func:`run_ranks`' own launch)."""
-    return os.environ.get("DTRAIN_OWN_LAUNCH") != "1"
+    return not os.environ.get("TORCHELASTIC_RUN_ID", "").startswith(_RUN_PREFIX)
 
 
 def _one_line(record: logging.LogRecord) -> bool:
@@ -248,7 +250,7 @@ def run_ranks(
         nproc_per_node=nproc,
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        run_id=f"dtrain-{uuid.uuid4().hex[:8]}",
+        run_id=f"{_RUN_PREFIX}{uuid.uuid4().hex[:8]}",  # its workers return bad input rather than fail
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         local_addr="127.0.0.1",
@@ -258,11 +260,8 @@ def run_ranks(
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
             logging.getLogger(name).addFilter(_one_line)  # "failed (exitcode: -9) local_rank: 1 (pid: N)"
-    os.environ["DTRAIN_OWN_LAUNCH"] = "1"  # the workers inherit it: they return bad input rather than fail
-    try:
-        results = elastic_launch(config, _rank_main)(fn, *args)
-    finally:
-        os.environ.pop("DTRAIN_OWN_LAUNCH", None)
+    env.kill_at()  # a bad DTRAIN_KILL_AT stops here, before any rank starts
+    results = elastic_launch(config, _rank_main)(fn, *args)
     bad = next((r for _, r in sorted(results.items()) if isinstance(r, _BadInput)), None)
     if bad is not None:
         raise ValueError(bad.message)
