@@ -19,9 +19,11 @@ the device, the checkpoint to resume from, and the output directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -38,7 +40,15 @@ from dtrain import comm
 from dtrain.comm.ir import algorithms as comm_registry
 from dtrain.data.loader import PackedBatches, TokenDataset
 from dtrain.data.tokenizer import Tokenizer
-from dtrain.launch import rank_device, run_ranks, under_torchrun
+from dtrain.launch import (
+    last_saved_step,
+    mark_saved,
+    maybe_kill,
+    rank_device,
+    restart_count,
+    run_ranks,
+    under_torchrun,
+)
 from dtrain.models import ModelConfig, build, preset, train_flops_per_token
 from dtrain.models.decoder import Block
 from dtrain.parallel.grid import ParallelDims, RankGrid
@@ -209,10 +219,29 @@ def _check_out(out: str) -> None:
         raise ValueError(f"--out {out}: cannot create or write the output directory ({reason})") from None
 
 
+def resize(config: TrainConfig, world_size: int) -> TrainConfig:
+    """With ``[elastic] resize`` (``--elastic``): the config at ``world_size`` ranks, tp and pp kept and
+    ``dp = world / (tp * pp)``; the config itself otherwise. ValueError naming --elastic if the world does not
+    split so."""
+    par = config.parallel
+    if not config.elastic.resize or par.dp * par.pp * par.tp == world_size:
+        return config
+    cell = par.pp * par.tp
+    if world_size % cell:
+        raise ValueError(
+            f"--elastic: a world of {world_size} processes is not a multiple of pp x tp = {par.pp} x {par.tp}"
+        )
+    try:
+        return dataclasses.replace(config, parallel=dataclasses.replace(par, dp=world_size // cell))
+    except ValueError as exc:
+        raise ValueError(f"--elastic: at dp={world_size // cell} ({world_size} processes): {exc}") from None
+
+
 def check_run(config: TrainConfig, nproc: int) -> RunPlan:
     """Everything checked in the launching process before any rank starts; ValueError with one line naming the
     flag, key or file otherwise. Prepares the default dataset (once) under the output directory."""
     world = run_world(nproc)
+    config = resize(config, world)
     _check_precision(config)
     dataset, tokenizer_path = resolve_data(config)
     tokenizer = Tokenizer.load(tokenizer_path)
@@ -261,12 +290,16 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
 def train(config: TrainConfig, nproc: int, *, announce: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Check (:func:`check_run`), then run :func:`train_rank` on ``nproc`` local ranks (or this torchrun job);
     rank 0's metrics ([] when a resumed run is already complete). ``announce`` gets one line saying what starts."""
+    config = resize(config, run_world(nproc))
     plan = check_run(config, nproc)
-    if announce is not None and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
+    if announce is not None and int(os.environ.get("RANK", "0")) == 0 and restart_count() == 0:  # once
         announce(describe(config, plan))
     if plan.done:
         return []
-    return run_ranks(train_rank, nproc, config, plan)
+    restarts = config.elastic.restarts(config.checkpoint.every)
+    return run_ranks(
+        train_rank, nproc, config, plan, max_restarts=restarts, monitor_interval=config.elastic.monitor_interval
+    )
 
 
 class _Trainer:
@@ -479,9 +512,32 @@ def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
         write_gantt(out / "pipeline-gantt.png", timelines, par.schedule)
 
 
+def _after_restart(config: TrainConfig) -> TrainConfig:
+    """The config of a rank the elastic agent restarted: resuming from the job's last complete checkpoint where
+    an earlier attempt wrote one (else it starts over)."""
+    if restart_count() == 0 or config.checkpoint.resume or last_saved_step() is None:
+        return config
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True))
+
+
+def _trim_metrics(out: Path, step: int) -> None:
+    """Drop the metrics records past ``step`` (an attempt that died after its last checkpoint wrote them)."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+
+
 def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
-    """Train on this rank (the default process group must be up); the metrics records (rank 0 writes them)."""
+    """Train on this rank (the default process group must be up); the metrics records (rank 0 writes them).
+    After the elastic agent restarted the workers it continues from the job's last complete checkpoint."""
     is_main = dist.get_rank() == 0
+    config = _after_restart(config)
     log = config.logging
     out = Path(log.out)
     with _Progress(plan.steps - plan.first_step, enabled=is_main) as progress:
@@ -491,6 +547,17 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
         if config.checkpoint.resume:
             progress.describe("loading the checkpoint")
             first = trainer.restore()
+        if is_main and restart_count() > 0:
+            par, attempt = config.parallel, restart_count()
+            where = f"the checkpoint of step {first}" if config.checkpoint.resume else "the start"
+            print(
+                f"dtrain train: restart {attempt}: continuing from {where} on {dist.get_world_size()} process(es), "
+                f"dp={par.dp} x pp={par.pp} x tp={par.tp}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if is_main and config.checkpoint.resume:
+            _trim_metrics(out, first)
         if is_main:
             out.mkdir(parents=True, exist_ok=True)
             config.to_toml(out / "config.toml")
@@ -499,6 +566,7 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
         writer = MetricsWriter(out, tensorboard=log.tensorboard, resume=config.checkpoint.resume) if is_main else None
         with writer if writer is not None else contextlib.nullcontext():
             for step in range(first, plan.steps):
+                maybe_kill(step)
                 record = trainer.step(step)
                 done = step + 1
                 if trainer.pipeline is not None and done == plan.steps:
@@ -507,6 +575,7 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
                     record["eval_loss"] = trainer.evaluate()
                 if done == plan.steps or (config.checkpoint.every and done % config.checkpoint.every == 0):
                     trainer.save(done)
+                    mark_saved(done)
                 if writer is not None and (done % log.log_every == 0 or done == plan.steps or "eval_loss" in record):
                     writer.write(record)
                 records.append(record)
