@@ -34,6 +34,8 @@ __all__ = [
     "comm_env",
     "parse_size",
     "ALL_VARIABLES",
+    "KILL_AT",
+    "kill_at",
     "COMM_TRANSPORT",
     "COMM_PERSISTENT",
     "COMM_PEER_MODE",
@@ -72,6 +74,7 @@ PS_JOB = "DTRAIN_PS_JOB"
 PS_TASK = "DTRAIN_PS_TASK"
 EMULATE_NODE_RANK = "DTRAIN_EMULATE_NODE_RANK"
 EMULATE_LOCAL_SIZE = "DTRAIN_EMULATE_LOCAL_SIZE"
+KILL_AT = "DTRAIN_KILL_AT"
 
 _COMM_NAMES = (
     COMM_TRANSPORT,
@@ -87,7 +90,7 @@ _COMM_NAMES = (
 _PS_NAMES = (PS_ROLE, PS_COORDINATOR, PS_SECRET, PS_RANK, PS_HOST, PS_JOB, PS_TASK)
 _EMULATE_NAMES = (EMULATE_NODE_RANK, EMULATE_LOCAL_SIZE)
 #: Every variable dtrain reads.
-ALL_VARIABLES = (*_COMM_NAMES, *_PS_NAMES, *_EMULATE_NAMES)
+ALL_VARIABLES = (*_COMM_NAMES, *_PS_NAMES, *_EMULATE_NAMES, KILL_AT)
 
 
 class EnvError(ValueError):
@@ -286,3 +289,15 @@ class EmulateEnv:
             node_rank=_int(environ, EMULATE_NODE_RANK, least=0, what="a node rank, a whole number >= 0"),
             local_size=_int(environ, EMULATE_LOCAL_SIZE, least=1, what="a whole number of ranks >= 1"),
         )
+
+
+def kill_at(environ: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+    """``DTRAIN_KILL_AT=RANK:STEP`` (fault injection for resilience tests: that rank of ``dtrain train`` kills
+    itself with SIGKILL as step STEP starts, in the first attempt only), or None when unset."""
+    value = _get(environ, KILL_AT)
+    if not value:
+        return None
+    rank, sep, step = value.partition(":")
+    if not sep or not rank.isdigit() or not step.isdigit():
+        raise EnvError(f"{KILL_AT}={value!r}: must be RANK:STEP, two whole numbers >= 0 (e.g. 1:3)")
+    return int(rank), int(step)

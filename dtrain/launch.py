@@ -5,27 +5,73 @@
 torchrun (RANK and WORLD_SIZE set) it runs ``fn`` in this process; otherwise it starts ``nproc`` processes
 with ``torch.distributed.launcher.api.elastic_launch`` and a c10d rendezvous on loopback. No home-made
 launcher.
+
+Failures, as torchelastic defines them (https://pytorch.org/docs/stable/elastic/agent.html): the agent watches
+its workers every ``monitor_interval`` seconds, and when one fails it stops the others and starts them all
+again, up to ``max_restarts`` times; a worker sees ``TORCHELASTIC_RESTART_COUNT`` (:func:`restart_count`), so
+``fn`` can continue from its last checkpoint. While ``fn`` runs, every rank beats in the job's store
+(:class:`dtrain.comm.peer.watchdog.Heartbeat`); a rank whose collective fails because a peer died logs one line
+naming that peer (rank, host and pid). A ``ValueError`` is bad input, which no restart mends: the rank that
+raises it records it in the store, every rank of a later attempt stops with it at once, and the launching
+process raises it (one line) instead of using up the restarts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+import signal
 import socket
+import sys
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["under_torchrun", "run_ranks", "init_rank", "rank_device"]
+from dtrain import env
+
+__all__ = [
+    "KILL_ENV",
+    "init_rank",
+    "last_saved_step",
+    "mark_saved",
+    "maybe_kill",
+    "rank_device",
+    "restart_count",
+    "run_ranks",
+    "under_torchrun",
+]
+
+#: Fault injection for resilience tests (:func:`dtrain.env.kill_at`): ``RANK:STEP`` makes that rank kill itself
+#: with SIGKILL when :func:`maybe_kill` is called at that step, in the first attempt only.
+KILL_ENV = env.KILL_AT
+_RUN_PREFIX = "dtrain-launch-"  # the run id of run_ranks' own launches
 
 
 def under_torchrun() -> bool:
     """True when a launcher already set this process's rank and world size."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def restart_count() -> int:
+    """How many times the elastic agent has restarted this job's workers (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def maybe_kill(step: int) -> None:
+    """Kill this process with SIGKILL if :data:`KILL_ENV` names this rank and ``step`` (first attempt only)."""
+    target = env.kill_at()
+    if target is None or restart_count() > 0:
+        return
+    if target == (dist.get_rank(), step):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def rank_device() -> torch.device:
@@ -40,11 +86,24 @@ def init_rank() -> bool:
     if dist.is_initialized():
         return False
     device = rank_device()
+    kwargs: dict[str, Any] = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The agent's store outlives the workers, and so do the keys a group's setup leaves there: a restarted
+        # worker could read an address its dead predecessor published (pytorch/pytorch#135712). Each attempt
+        # sets its groups up under a prefix of its own.
+        root = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+        )
+        kwargs = {
+            "store": dist.PrefixStore(f"dtrain/attempt-{restart_count()}/", root),
+            "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"]),
+        }
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **kwargs)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **kwargs)
     return True
 
 
@@ -54,12 +113,95 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
-    """What every launched rank runs: set up the group, call ``fn``, tear the group down."""
-    created = init_rank()
+@dataclass(frozen=True)
+class _BadInput:
+    """What a launched rank returns instead of raising a ``ValueError``: the agent then does not restart it."""
+
+    message: str
+
+
+def _root_store():
+    """The job's store without the prefixes torch puts on the default group's (the agent's store under
+    torchelastic: it outlives the workers)."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+_FATAL_KEY = "dtrain/bad-input"
+_SAVED_KEY = "dtrain/saved/"
+
+
+def mark_saved(step: int) -> None:
+    """After this rank's checkpoint of ``step`` is written: count it in the job's store; the last rank to do so
+    records ``step`` as the job's last complete checkpoint, which a restarted attempt reads
+    (:func:`last_saved_step`). Ranks save in step order, so the record only grows."""
+    store = _root_store()
+    if store.add(f"{_SAVED_KEY}{step}", 1) == dist.get_world_size():
+        store.set(f"{_SAVED_KEY}last", str(step))
+
+
+def last_saved_step() -> int | None:
+    """The step of this job's last complete checkpoint (written by any earlier attempt), or None."""
+    store = _root_store()
+    key = f"{_SAVED_KEY}last"
     try:
+        return int(store.get(key).decode()) if store.check([key]) else None
+    except Exception:
+        return None
+
+
+def _recorded_bad_input(store) -> str | None:
+    try:
+        return store.get(_FATAL_KEY).decode() if store.check([_FATAL_KEY]) else None
+    except Exception:
+        return None
+
+
+def _start_heartbeat():
+    """This rank's heartbeat in a namespace of its own for this attempt (rank 0 draws it)."""
+    from dtrain.comm.peer.watchdog import Heartbeat
+
+    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    store = dist.PrefixStore(f"dtrain/heartbeat/{token[0]}/", _root_store())
+    return Heartbeat(store, dist.get_rank(), dist.get_world_size()).start()
+
+
+def _is_collective_failure(err: BaseException) -> bool:
+    """A failure a dead peer can cause: torch.distributed's own errors, or a backend's RuntimeError."""
+    return isinstance(err, dist.DistError | RuntimeError | ConnectionError | TimeoutError)
+
+
+def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
+    """What every launched rank runs: set up the group and the heartbeat, call ``fn``, tear them down. Under our
+    own launcher a ``ValueError`` comes back as :class:`_BadInput`; under torchrun it is raised (recorded)."""
+    created = init_rank()
+    store = _root_store()
+    heartbeat = None
+    try:
+        recorded = _recorded_bad_input(store)
+        if recorded is not None:  # an earlier attempt of this job stopped on bad input: no retry mends it
+            raise ValueError(recorded)
+        if dist.get_world_size() > 1:
+            heartbeat = _start_heartbeat()
         return fn(*args)
+    except ValueError as err:
+        with contextlib.suppress(Exception):  # a store that is gone cannot carry it to a later attempt
+            store.set(_FATAL_KEY, str(err))
+        if not under_torchrun_job():
+            return _BadInput(str(err))
+        raise
+    except Exception as err:
+        if heartbeat is not None and _is_collective_failure(err):
+            line = heartbeat.describe_failure(err)
+            if line is not None:
+                print(line, file=sys.stderr, flush=True)
+        raise
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         if created:
             from dtrain.comm.peer import window as peer
 
@@ -68,12 +210,32 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
-    """Run ``fn(*args)`` on every rank (see the module docstring); rank 0's return value."""
+def under_torchrun_job() -> bool:
+    """True in a process torchrun started (not a worker of :func:`run_ranks`' own launch)."""
+    return not os.environ.get("TORCHELASTIC_RUN_ID", "").startswith(_RUN_PREFIX)
+
+
+def _one_line(record: logging.LogRecord) -> bool:
+    """The agent's report of a failed worker without the traceback of its own bookkeeping that follows it."""
+    record.exc_info = None
+    record.exc_text = None
+    return True
+
+
+def run_ranks(
+    fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0, monitor_interval: float = 0.1
+) -> Any:
+    """Run ``fn(*args)`` on every rank (see the module docstring); rank 0's return value. When a worker fails,
+    the agent restarts all of them up to ``max_restarts`` times (``fn`` reads :func:`restart_count`), checking
+    them every ``monitor_interval`` seconds. A ``ValueError`` on any rank is raised here, once, unrestarted."""
     if under_torchrun():
         return _rank_main(fn, *args)
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if not monitor_interval > 0:
+        raise ValueError(f"monitor_interval must be > 0 seconds, got {monitor_interval}")
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nproc > 1:
@@ -88,14 +250,19 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
         nproc_per_node=nproc,
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        run_id=f"dtrain-{uuid.uuid4().hex[:8]}",
-        max_restarts=0,
-        monitor_interval=0.1,
+        run_id=f"{_RUN_PREFIX}{uuid.uuid4().hex[:8]}",  # its workers return bad input rather than fail
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
         local_addr="127.0.0.1",
     )
     # the agent's warnings (workers shut down on Ctrl-C, ...) repeat what the caller reports in one line
     for name in list(logging.root.manager.loggerDict):  # each module's logger has its own level set
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).addFilter(_one_line)  # "failed (exitcode: -9) local_rank: 1 (pid: N)"
+    env.kill_at()  # a bad DTRAIN_KILL_AT stops here, before any rank starts
     results = elastic_launch(config, _rank_main)(fn, *args)
+    bad = next((r for _, r in sorted(results.items()) if isinstance(r, _BadInput)), None)
+    if bad is not None:
+        raise ValueError(bad.message)
     return results[0]

@@ -129,7 +129,7 @@ def _feature_modules() -> list:
 
 # dtrain.cli.<name> modules: data (prepare), generate, ps (the parameter server), cluster (calc, simulate, plan),
 # emulate.
-_FEATURE_COMMANDS = ("data", "generate", "ps", "cluster", "emulate")
+_FEATURE_COMMANDS = ("data", "generate", "ps", "cluster", "emulate", "export")
 
 
 def _bench_comm(args: argparse.Namespace) -> int:

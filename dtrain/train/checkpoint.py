@@ -1,80 +1,276 @@
-"""Checkpoints: one file per rank per step, each written atomically, and finding the last complete one.
+"""Checkpoints that reshard: the training state in canonical names through ``torch.distributed.checkpoint`` (DCP),
+written at one layout and loaded at any other (dp x tp x pp x ZeRO stage, any world size).
 
-A checkpoint of step ``s`` is the directory ``<out>/checkpoints/step-<s>/`` holding ``rank-<r>.pt`` for every
-rank ``r`` of the world: model (this rank's stage) and optimizer state, the step, the torch RNG state and the
-run's layout. Each file is written to a temporary name, flushed and fsynced, then moved into place with
-``os.replace`` (atomic on POSIX), so a crash leaves either the old file or the new one, never half of one; a
-step directory missing a rank's file is incomplete and resume skips it.
+A checkpoint of step ``s`` is the directory ``<out>/checkpoints/step-<s>/`` (eight digits) holding DCP's files
+(one ``.distcp`` file per writing rank and ``.metadata``) and ``meta.json`` (the step, the layout that wrote it,
+the model's ``config.json`` contents, the sequence length and the tokenizer). The state
+(:func:`training_state`) is the model and the optimizer state sharded in canonical names
+(:func:`dtrain.parallel.state.sharded_state_dict`), the data position, the torch RNG state (rank 0's), the step
+and the fp16 loss scale.
+
+Writing is atomic at the level of the directory: every rank writes into ``.step-<s>.tmp/``; after all ranks
+finished and a barrier, rank 0 writes ``meta.json`` and renames the directory into place (``os.replace``, then
+an fsync of ``checkpoints/``). A crash in between leaves only a temporary directory that resume ignores and the
+next save of that step removes; the previous checkpoints stay whole. With ``async_save`` DCP writes in a
+background thread (``dcp.async_save``) on a process group of its own, after copying the state, so training goes
+on; the rename happens when the next save (or :meth:`Checkpointer.wait`) collects it. ``keep`` > 0 deletes all
+but the newest ``keep`` complete checkpoints after each save.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
-    "checkpoint_path",
+    "Checkpointer",
+    "checkpoint_dir",
+    "complete_steps",
+    "export_checkpoint",
     "latest_complete_step",
-    "latest_step",
-    "load_checkpoint",
-    "load_layout",
-    "save_checkpoint",
+    "load_model_state",
+    "read_meta",
+    "restore_training_state",
+    "training_state",
 ]
 
+META = "meta.json"
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
-def checkpoint_path(out: str | Path, step: int, rank: int) -> Path:
-    return Path(out) / "checkpoints" / f"step-{step:08d}" / f"rank-{rank:05d}.pt"
+def checkpoint_dir(out: str | Path, step: int) -> Path:
+    """``<out>/checkpoints/step-<step>`` (eight digits)."""
+    return Path(out) / "checkpoints" / f"step-{step:08d}"
 
 
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` with ``torch.save`` to ``path`` atomically (temp file, fsync, ``os.replace``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
+def _tmp_dir(out: str | Path, step: int) -> Path:
+    return Path(out) / "checkpoints" / f".step-{step:08d}.tmp"
+
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / ".metadata").is_file() and (directory / META).is_file()
+
+
+def complete_steps(out: str | Path) -> list[int]:
+    """The steps with a complete checkpoint under ``out``, largest first (temporary directories never count)."""
+    root = Path(out) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = (int(m.group(1)) for d in root.iterdir() if (m := _STEP_DIR.fullmatch(d.name)) and _is_complete(d))
+    return sorted(found, reverse=True)
+
+
+def latest_complete_step(out: str | Path) -> int | None:
+    """The largest step with a complete checkpoint under ``out``, or None."""
+    steps = complete_steps(out)
+    return steps[0] if steps else None
+
+
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    """A checkpoint directory's ``meta.json``; ValueError naming the file if it is missing or unreadable."""
+    file = Path(directory) / META
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{file}: not a readable checkpoint description ({type(exc).__name__})") from None
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(file: Path, data: dict) -> None:
+    tmp = file.with_name(f".{file.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power loss
-    finally:
-        os.close(dir_fd)
+    os.replace(tmp, file)
 
 
-def _steps(out: str | Path) -> list[int]:
-    """The steps with a checkpoint directory under ``out``, largest first."""
-    root = Path(out) / "checkpoints"
-    return sorted((int(m.group(1)) for d in root.glob("step-*") if (m := _STEP_DIR.fullmatch(d.name))), reverse=True)
+def _copied(state: Any) -> Any:
+    """``state`` with every tensor (and every ShardedTensor's local shards) copied: what an asynchronous save
+    writes must not change while training goes on."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    from dtrain.parallel.state import _sharded_tensor
+
+    if isinstance(state, dict):
+        return {k: _copied(v) for k, v in state.items()}
+    if isinstance(state, ShardedTensor):
+        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in state.local_shards()]
+        return _sharded_tensor(shards, state.metadata(), state._process_group)
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    return state
 
 
-def latest_step(out: str | Path) -> int | None:
-    """The largest step with rank 0's file (complete or not), or None."""
-    return next((step for step in _steps(out) if checkpoint_path(out, step, 0).exists()), None)
+class _AlreadyCopied:
+    """DCP's asynchronous stager for a state that :func:`_copied` made private already (DCP's default stager
+    deep-copies ShardedTensors, process group included)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
-def latest_complete_step(out: str | Path, world_size: int) -> int | None:
-    """The largest step whose checkpoint has a file for each of ``world_size`` ranks, or None."""
-    for step in _steps(out):
-        if all(checkpoint_path(out, step, r).exists() for r in range(world_size)):
-            return step
-    return None
+class Checkpointer:
+    """Saves and loads checkpoints under ``<out>/checkpoints`` (module docstring). Every method is collective
+    over ``process_group`` (default: a new Gloo group of the whole world, which every process must create
+    together; DCP's own collectives then never interleave with training's, even from a background thread).
+
+    ``async_save``: :meth:`save` returns once the state is copied; the files are written in the background and
+    the checkpoint completed by the next :meth:`save` or :meth:`wait`. ``keep``: how many complete checkpoints
+    to keep (0: all)."""
+
+    def __init__(self, out: str | Path, *, process_group=None, async_save: bool = False, keep: int = 0) -> None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+            raise ValueError(f"checkpoint.keep: must be an int >= 0, got {keep!r}")
+        self.out = Path(out)
+        self.group = process_group if process_group is not None else dist.new_group(backend="gloo")
+        self.async_save = async_save
+        self.keep = keep
+        self._pending: tuple[Any, int, dict] | None = None
+        self._rank = dist.get_rank(self.group)
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Write ``state`` (a DCP state dict, e.g. :func:`training_state`) as the checkpoint of ``step``;
+        ``meta`` (JSON) becomes its ``meta.json``. Waits for the previous asynchronous save first."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        tmp = _tmp_dir(self.out, step)
+        if self._rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # what a crashed save of this step left
+            tmp.mkdir(parents=True)
+        dist.barrier(group=self.group)
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        if self.async_save:
+            future = dcp.async_save(
+                _copied(state), storage_writer=writer, process_group=self.group, async_stager=_AlreadyCopied()
+            )
+            self._pending = (future, step, dict(meta))
+            return
+        dcp.save(state, storage_writer=writer, process_group=self.group)
+        self._complete(step, meta)
+
+    def wait(self) -> None:
+        """Finish the asynchronous save in flight, if any (its rename into place included)."""
+        if self._pending is None:
+            return
+        future, step, meta = self._pending
+        self._pending = None
+        future.result()
+        self._complete(step, meta)
+
+    def _complete(self, step: int, meta: dict[str, Any]) -> None:
+        dist.barrier(group=self.group)  # every rank's files are written
+        if self._rank == 0:
+            tmp, final = _tmp_dir(self.out, step), checkpoint_dir(self.out, step)
+            _write_json(tmp / META, {**meta, "step": step})
+            _fsync_dir(tmp)
+            if final.exists():  # the same step saved again: the new one replaces it
+                old = final.with_name(f".{final.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(final.parent)
+            if self.keep:
+                for old_step in complete_steps(self.out)[self.keep :]:
+                    shutil.rmtree(checkpoint_dir(self.out, old_step))
+        dist.barrier(group=self.group)
+
+    def load(self, step: int, state: dict[str, Any]) -> None:
+        """Fill ``state`` (a DCP state dict for loading, e.g. ``training_state(..., for_load=True)``) from the
+        checkpoint of ``step``, in place; top-level entries the checkpoint lacks are dropped from ``state``."""
+        import torch.distributed.checkpoint as dcp
+
+        directory = checkpoint_dir(self.out, step)
+        if not _is_complete(directory):
+            raise ValueError(f"{directory}: not a complete checkpoint")
+        reader = dcp.FileSystemReader(directory)
+        saved = {fqn.split(".", 1)[0] for fqn in reader.read_metadata().state_dict_metadata}
+        for key in [k for k in state if k not in saved]:
+            del state[key]
+        dcp.load(state, storage_reader=reader, process_group=self.group)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    # weights_only: a checkpoint is tensors and plain containers, nothing that runs code when loaded
-    return torch.load(path, map_location="cpu", weights_only=True)
+def training_state(hybrid, *, step: int = 0, data=None, scaler=None, process_group=None, for_load: bool = False):
+    """The DCP state dict of a training run on ``hybrid`` (a :class:`~dtrain.parallel.hybrid.HybridParallel`):
+    ``model`` and ``optim`` (:func:`~dtrain.parallel.state.sharded_state_dict`), ``step``, ``rng`` (the torch
+    RNG state), ``data`` (a :class:`~dtrain.data.loader.PackedBatches` position) and ``loss_scaler`` where
+    given. ``for_load``: the views a load fills (then pass it to :func:`restore_training_state`)."""
+    from dtrain.parallel.state import sharded_state_dict
+
+    state = sharded_state_dict(hybrid, process_group=process_group, for_load=for_load)
+    state["step"] = step
+    state["rng"] = torch.get_rng_state()
+    if data is not None:
+        state["data"] = data.state_dict()
+    if scaler is not None:
+        state["loss_scaler"] = scaler.state_dict()
+    return state
 
 
-def load_layout(path: Path) -> dict[str, Any] | None:
-    """The layout a checkpoint file was written with (memory-mapped: the tensors are not read), or None if
-    ``path`` is missing."""
-    if not path.exists():
-        return None
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("layout")
+def restore_training_state(state: dict[str, Any], *, data=None, scaler=None) -> int:
+    """Apply the non-tensor parts of a loaded :func:`training_state` (the model and optimizer are filled in
+    place already): the RNG state, the data position, the loss scale. Returns the step."""
+    torch.set_rng_state(state["rng"])
+    if data is not None:
+        data.load_state_dict(state["data"])
+    if scaler is not None and "loss_scaler" in state:
+        scaler.load_state_dict(state["loss_scaler"])
+    return int(state["step"])
+
+
+def load_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model of a checkpoint directory in canonical names (the unparallelized model's state dict, a
+    tied weight once), read in this one process (no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    if not _is_complete(directory):
+        raise ValueError(f"{directory}: not a complete checkpoint (no .metadata or {META})")
+    reader = dcp.FileSystemReader(directory)
+    metadata = reader.read_metadata().state_dict_metadata
+    model = {
+        fqn.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for fqn, m in metadata.items()
+        if fqn.startswith("model.")
+    }
+    dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    return model
+
+
+def export_checkpoint(directory: str | Path, dest: str | Path, *, tokenizer: str | Path | None = None) -> Path:
+    """Write the model of checkpoint ``directory`` as a Hugging Face directory ``dest`` (config.json,
+    safetensors, tokenizer.json: ``tokenizer`` or the one the run trained with, where it still exists)."""
+    from dtrain.models import hf
+
+    meta = read_meta(directory)
+    config = hf.config_from_dict(meta.get("model"), Path(directory) / META)
+    if tokenizer is None and meta.get("tokenizer") and Path(meta["tokenizer"]).is_file():
+        tokenizer = meta["tokenizer"]
+    return hf.save_pretrained(load_model_state(directory), config, dest, tokenizer=tokenizer)

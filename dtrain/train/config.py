@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointSection",
     "ConfigError",
     "DataSection",
+    "ElasticSection",
     "LoggingSection",
     "LrScheduleSection",
     "ModelSection",
@@ -318,7 +319,13 @@ class CheckpointSection(_Section):
     every: int = _option(
         0, "steps between checkpoints (0: only after the last step)", flag="--checkpoint-every", minimum=0
     )
-    resume: bool = _option(False, "continue from the last complete checkpoint in the output directory")
+    resume: bool = _option(
+        False, "continue from the last complete checkpoint in the output directory, at this run's layout"
+    )
+    keep: int = _option(0, "complete checkpoints kept, the newest (0: all)", flag="--checkpoint-keep", minimum=0)
+    async_save: bool = _option(
+        False, "write checkpoints in a background thread while training goes on", flag="--async-checkpoint"
+    )
     export: bool = _option(True, "at the end, write a Hugging Face model directory, model/ in the output directory")
 
 
@@ -337,6 +344,33 @@ class LoggingSection(_Section):
             raise ConfigError("logging.out", "must be a directory path, got ''")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ElasticSection(_Section):
+    """Surviving a dead rank (torchelastic, https://pytorch.org/docs/stable/elastic/run.html): the agent
+    restarts the workers, which continue from the last complete checkpoint; under ``torchrun --nnodes MIN:MAX``
+    the job may come back with fewer processes."""
+
+    name = "elastic"
+    max_restarts: int = _option(
+        -1,
+        "times the workers are restarted after one fails (-1: 3 when [checkpoint] every > 0, else 0)",
+        minimum=-1,
+    )
+    monitor_interval: float = _option(0.1, "seconds between the agent's checks of its workers", above=0)
+    resize: bool = _option(
+        False,
+        "on a world of another size keep tp and pp and take dp = world / (tp * pp), loading the checkpoint at "
+        "the new layout",
+        flag="--elastic",
+    )
+
+    def restarts(self, checkpoint_every: int) -> int:
+        """The restarts a run gets: ``max_restarts``, or for -1 three when checkpoints are written as it goes."""
+        if self.max_restarts >= 0:
+            return self.max_restarts
+        return 3 if checkpoint_every > 0 else 0
+
+
 SECTIONS: dict[str, type[_Section]] = {
     cls.name: cls
     for cls in (
@@ -348,6 +382,7 @@ SECTIONS: dict[str, type[_Section]] = {
         TrainingSection,
         CheckpointSection,
         LoggingSection,
+        ElasticSection,
     )
 }
 
@@ -386,6 +421,7 @@ class TrainConfig:
     training: TrainingSection = field(default_factory=TrainingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    elastic: ElasticSection = field(default_factory=ElasticSection)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():

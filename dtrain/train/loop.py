@@ -19,9 +19,11 @@ the device, the checkpoint to resume from, and the output directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -38,7 +40,15 @@ from dtrain import comm
 from dtrain.comm.ir import algorithms as comm_registry
 from dtrain.data.loader import PackedBatches, TokenDataset
 from dtrain.data.tokenizer import Tokenizer
-from dtrain.launch import rank_device, run_ranks, under_torchrun
+from dtrain.launch import (
+    last_saved_step,
+    mark_saved,
+    maybe_kill,
+    rank_device,
+    restart_count,
+    run_ranks,
+    under_torchrun,
+)
 from dtrain.models import ModelConfig, build, preset, train_flops_per_token
 from dtrain.models.decoder import Block
 from dtrain.parallel.grid import ParallelDims, RankGrid
@@ -47,12 +57,12 @@ from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize, vali
 from dtrain.parallel.pipeline_schedules import bubble_fraction, chunks_per_stage, theoretical_bubble
 from dtrain.parallel.recompute import checkpoint_activations, chosen_blocks, from_text
 from dtrain.train.checkpoint import (
-    checkpoint_path,
+    Checkpointer,
+    checkpoint_dir,
     latest_complete_step,
-    latest_step,
-    load_checkpoint,
-    load_layout,
-    save_checkpoint,
+    read_meta,
+    restore_training_state,
+    training_state,
 )
 from dtrain.train.config import TrainConfig
 from dtrain.train.metrics import MetricsWriter, mfu, peak_memory_bytes, reset_peak_memory
@@ -167,7 +177,8 @@ def _check_precision(config: TrainConfig) -> None:
 
 
 def layout(config: TrainConfig, shape: ModelConfig) -> dict[str, Any]:
-    """What a checkpoint records and a resumed run must match: the layout and the model's shape."""
+    """The layout a checkpoint was written with and the model's shape (recorded in its meta.json; a resumed run
+    may have another layout)."""
     par = config.parallel
     return {
         "dp": par.dp,
@@ -182,22 +193,22 @@ def layout(config: TrainConfig, shape: ModelConfig) -> dict[str, Any]:
 
 
 def _check_resume(config: TrainConfig, world_size: int, shape: ModelConfig) -> int:
-    """The step a resumed run continues from; ValueError if the checkpoint is missing or another layout's."""
+    """The step a resumed run continues from (at whatever layout this run has); ValueError if there is no
+    complete checkpoint or it is of another model shape or sequence length."""
+    from dtrain.models import hf
+
     out = config.logging.out
     where = f"{out}/checkpoints"
-    step = latest_complete_step(out, world_size)
-    probe = step if step is not None else latest_step(out)  # an incomplete one still tells the layout
-    written = load_layout(checkpoint_path(out, probe, 0)) if probe is not None else None
-    expected = json.loads(json.dumps(layout(config, shape)))
-    if written is not None and written != expected:
-        keys = [k for k in expected if written.get(k) != expected[k]]
-        was = " ".join(f"{k}={written.get(k)}" for k in keys if k != "model")
-        now = " ".join(f"{k}={expected[k]}" for k in keys if k != "model")
-        if "model" in keys:
-            was, now = f"{was} and another model shape".strip(), f"{now} and this model".strip()
-        raise ValueError(f"--resume: the checkpoint under {where} was written with {was}; this run has {now}")
+    step = latest_complete_step(out)
     if step is None:
-        raise ValueError(f"--resume: no complete checkpoint of {world_size} ranks under {where}")
+        raise ValueError(f"--resume: no complete checkpoint under {where}")
+    meta = read_meta(checkpoint_dir(out, step))
+    if meta.get("model") != json.loads(json.dumps(hf.config_to_dict(shape))):
+        raise ValueError(f"--resume: the checkpoint under {where} is of another model shape than this run's")
+    if meta.get("seq_len") != config.data.seq_len:
+        raise ValueError(
+            f"--seq-len: {config.data.seq_len}, but the checkpoint under {where} has {meta.get('seq_len')}"
+        )
     return step
 
 
@@ -214,10 +225,29 @@ def _check_out(out: str) -> None:
         raise ValueError(f"--out {out}: cannot create or write the output directory ({reason})") from None
 
 
+def resize(config: TrainConfig, world_size: int) -> TrainConfig:
+    """With ``[elastic] resize`` (``--elastic``): the config at ``world_size`` ranks, tp and pp kept and
+    ``dp = world / (tp * pp)``; the config itself otherwise. ValueError naming --elastic if the world does not
+    split so."""
+    par = config.parallel
+    if not config.elastic.resize or par.dp * par.pp * par.tp == world_size:
+        return config
+    cell = par.pp * par.tp
+    if world_size % cell:
+        raise ValueError(
+            f"--elastic: a world of {world_size} processes is not a multiple of pp x tp = {par.pp} x {par.tp}"
+        )
+    try:
+        return dataclasses.replace(config, parallel=dataclasses.replace(par, dp=world_size // cell))
+    except ValueError as exc:
+        raise ValueError(f"--elastic: at dp={world_size // cell} ({world_size} processes): {exc}") from None
+
+
 def check_run(config: TrainConfig, nproc: int) -> RunPlan:
     """Everything checked in the launching process before any rank starts; ValueError with one line naming the
     flag, key or file otherwise. Prepares the default dataset (once) under the output directory."""
     world = run_world(nproc)
+    config = resize(config, world)
     _check_precision(config)
     dataset, tokenizer_path = resolve_data(config)
     tokenizer = Tokenizer.load(tokenizer_path)
@@ -266,12 +296,16 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
 def train(config: TrainConfig, nproc: int, *, announce: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Check (:func:`check_run`), then run :func:`train_rank` on ``nproc`` local ranks (or this torchrun job);
     rank 0's metrics ([] when a resumed run is already complete). ``announce`` gets one line saying what starts."""
+    config = resize(config, run_world(nproc))
     plan = check_run(config, nproc)
-    if announce is not None and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
+    if announce is not None and int(os.environ.get("RANK", "0")) == 0 and restart_count() == 0:  # once
         announce(describe(config, plan))
     if plan.done:
         return []
-    return run_ranks(train_rank, nproc, config, plan)
+    restarts = config.elastic.restarts(config.checkpoint.every)
+    return run_ranks(
+        train_rank, nproc, config, plan, max_restarts=restarts, monitor_interval=config.elastic.monitor_interval
+    )
 
 
 class _Trainer:
@@ -339,6 +373,8 @@ class _Trainer:
             min_lr_ratio=sched.min_lr_ratio,
         )
         self.flops_per_token = train_flops_per_token(plan.model, config.data.seq_len)
+        ck = config.checkpoint
+        self.checkpointer = Checkpointer(config.logging.out, async_save=ck.async_save, keep=ck.keep)
 
     def step(self, step: int) -> dict[str, Any]:
         cfg, grid = self.config, self.grid
@@ -391,38 +427,34 @@ class _Trainer:
             weights.append(rows)
         return sum(w * v for w, v in zip(weights, losses, strict=True)) / sum(weights)
 
-    def state(self, step: int) -> dict[str, Any]:
-        state = {
-            "step": step,
+    def meta(self) -> dict[str, Any]:
+        """What a checkpoint's meta.json records: the layout that wrote it, the model, the data shape."""
+        from dtrain.models import hf
+
+        return {
             "layout": layout(self.config, self.plan.model),
-            "model": self.hybrid.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "data": self.data.state_dict(),
-            "torch_rng": torch.get_rng_state(),
+            "model": hf.config_to_dict(self.plan.model),
+            "seq_len": self.config.data.seq_len,
+            "tokenizer": str(Path(self.plan.tokenizer).resolve()),
         }
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-        return state
 
     def save(self, step: int) -> None:
-        save_checkpoint(checkpoint_path(self.config.logging.out, step, dist.get_rank()), self.state(step))
+        group = self.checkpointer.group
+        state = training_state(self.hybrid, step=step, data=self.data, scaler=self.scaler, process_group=group)
+        self.checkpointer.save(step, state, self.meta())
 
     def restore(self) -> int:
-        """Load the last checkpoint complete on every rank; the step to continue from."""
+        """Load the last complete checkpoint, whatever layout wrote it; the step to continue from."""
         out = self.config.logging.out
-        found = latest_complete_step(out, dist.get_world_size())
+        found = latest_complete_step(out)
         agreed = torch.tensor([-1 if found is None else found], dtype=torch.int64)
         comm.all_reduce(agreed, op="min")
         if agreed.item() < 0:
             raise ValueError(f"--resume: no complete checkpoint under {out}/checkpoints")
-        state = load_checkpoint(checkpoint_path(out, int(agreed.item()), dist.get_rank()))
-        self.hybrid.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.data.load_state_dict(state["data"])
-        if self.scaler is not None and "loss_scaler" in state:
-            self.scaler.load_state_dict(state["loss_scaler"])
-        torch.set_rng_state(state["torch_rng"])
-        return int(state["step"])
+        group = self.checkpointer.group
+        state = training_state(self.hybrid, data=self.data, scaler=self.scaler, process_group=group, for_load=True)
+        self.checkpointer.load(int(agreed.item()), state)
+        return restore_training_state(state, data=self.data, scaler=self.scaler)
 
     def export(self) -> None:
         """The whole model as a Hugging Face directory ``<out>/model`` (gathered onto rank 0, which writes it)."""
@@ -488,9 +520,32 @@ def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
         write_gantt(out / "pipeline-gantt.png", timelines, par.schedule)
 
 
+def _after_restart(config: TrainConfig) -> TrainConfig:
+    """The config of a rank the elastic agent restarted: resuming from the job's last complete checkpoint where
+    an earlier attempt wrote one (else it starts over)."""
+    if restart_count() == 0 or config.checkpoint.resume or last_saved_step() is None:
+        return config
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True))
+
+
+def _trim_metrics(out: Path, step: int) -> None:
+    """Drop the metrics records past ``step`` (an attempt that died after its last checkpoint wrote them)."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+
+
 def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
-    """Train on this rank (the default process group must be up); the metrics records (rank 0 writes them)."""
+    """Train on this rank (the default process group must be up); the metrics records (rank 0 writes them).
+    After the elastic agent restarted the workers it continues from the job's last complete checkpoint."""
     is_main = dist.get_rank() == 0
+    config = _after_restart(config)
     log = config.logging
     out = Path(log.out)
     with _Progress(plan.steps - plan.first_step, enabled=is_main) as progress:
@@ -500,6 +555,17 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
         if config.checkpoint.resume:
             progress.describe("loading the checkpoint")
             first = trainer.restore()
+        if is_main and restart_count() > 0:
+            par, attempt = config.parallel, restart_count()
+            where = f"the checkpoint of step {first}" if config.checkpoint.resume else "the start"
+            print(
+                f"dtrain train: restart {attempt}: continuing from {where} on {dist.get_world_size()} process(es), "
+                f"dp={par.dp} x pp={par.pp} x tp={par.tp}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if is_main and config.checkpoint.resume:
+            _trim_metrics(out, first)
         if is_main:
             out.mkdir(parents=True, exist_ok=True)
             config.to_toml(out / "config.toml")
@@ -508,6 +574,7 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
         writer = MetricsWriter(out, tensorboard=log.tensorboard, resume=config.checkpoint.resume) if is_main else None
         with writer if writer is not None else contextlib.nullcontext():
             for step in range(first, plan.steps):
+                maybe_kill(step)
                 record = trainer.step(step)
                 done = step + 1
                 if trainer.pipeline is not None and done == plan.steps:
@@ -516,10 +583,12 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
                     record["eval_loss"] = trainer.evaluate()
                 if done == plan.steps or (config.checkpoint.every and done % config.checkpoint.every == 0):
                     trainer.save(done)
+                    mark_saved(done)
                 if writer is not None and (done % log.log_every == 0 or done == plan.steps or "eval_loss" in record):
                     writer.write(record)
                 records.append(record)
                 progress.step(_progress_text(record, plan.steps))
+            trainer.checkpointer.wait()  # an asynchronous save still writing
             if config.checkpoint.export:
                 last = _progress_text(records[-1], plan.steps) if records else f"step {first}/{plan.steps}"
                 progress.describe(f"{last}, writing the Hugging Face model directory")

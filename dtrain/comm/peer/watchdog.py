@@ -13,18 +13,43 @@ says microseconds but prints milliseconds). The process then fails at its next C
 lost), as it does after NCCL's watchdog fires.
 
 The bookkeeping is plain Python over anything with ``query()``, so the CPU tests drive it with fake events.
+
+On the host, :class:`Heartbeat` says which peer is gone when a collective fails because a process died (Gloo
+raises on the closed connection; NCCL's own watchdog times the call out): each rank writes ``host:pid`` into
+the job's c10d store once and bumps a counter there every :data:`HEARTBEAT_S`, from a daemon thread. The
+store is torch's rendezvous store, which the elastic agent keeps when a worker dies. A rank whose collective
+failed asks :meth:`Heartbeat.gone`: a peer of this host whose process no longer runs, or any peer whose counter
+stopped, is named (``rank 1 (host:pid)``); and each rank's thread watches the next rank in a ring, so a peer
+that dies while the others wait in a collective that never fails (NCCL until its timeout) is named within
+:data:`STALE_S` too. The same idea as torch's own NCCL heartbeat monitor (``TORCH_NCCL_ENABLE_MONITORING``),
+kept in the store so every backend gets it.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
-__all__ = ["GRACE", "MAX_PENDING", "RESERVE", "Watchdog", "capturing", "watch"]
+__all__ = [
+    "GRACE",
+    "HEARTBEAT_S",
+    "MAX_PENDING",
+    "RESERVE",
+    "STALE_S",
+    "Heartbeat",
+    "Peer",
+    "Watchdog",
+    "capturing",
+    "process_ended",
+    "watch",
+]
 
 #: How much longer the device barrier waits than the watchdog, so the host's report comes first.
 GRACE = timedelta(seconds=5)
@@ -228,3 +253,154 @@ def watch(device, limit: timedelta, label: Callable[[], str]) -> None:
                 threading.Thread(target=_poll, args=(dog, device), name="dtrain-comm-watchdog", daemon=True).start()
     dog, record = entry
     dog.watch(label, limit.total_seconds(), record)
+
+
+# ----------------------------------------------------------------------------------------- host heartbeats
+
+#: Seconds between a rank's heartbeats in the store.
+HEARTBEAT_S = 0.5
+#: A peer whose counter has not moved for this long is gone (a live process beats from a daemon thread, even
+#: while its main thread waits in a collective).
+STALE_S = 5.0
+_PREFIX = "dtrain/heartbeat/"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A rank of the job and where it ran: ``rank 1 (host:pid)``."""
+
+    rank: int
+    host: str = ""
+    pid: int = 0
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} ({self.host}:{self.pid})" if self.host else f"rank {self.rank}"
+
+
+def process_ended(pid: int) -> bool:
+    """True when process ``pid`` of this host no longer runs: gone, or dead and not yet reaped (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]  # the field after the command's name
+        return state in ("Z", "X", "x")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc here: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+class Heartbeat:
+    """This rank's sign of life in ``store`` (a c10d store: ``set``, ``get``, ``add``, ``check``), and which
+    peers stopped theirs. ``start()`` registers ``host:pid`` and starts the beating thread; ``stop()`` ends it.
+    ``report`` gets the line naming a peer the ring watch found gone (default: stderr)."""
+
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world: int,
+        *,
+        interval: float = HEARTBEAT_S,
+        stale: float = STALE_S,
+        report: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.interval, self.stale = interval, stale
+        self.me = Peer(rank, socket.gethostname(), os.getpid())
+        self._report = report or _to_stderr
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._peers: dict[int, Peer] = {}
+        self.reported: list[Peer] = []
+
+    def start(self) -> Heartbeat:
+        self.store.set(f"{_PREFIX}who/{self.rank}", f"{self.me.host}:{self.me.pid}")
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="dtrain-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval + 1)
+            self._thread = None
+
+    def beat(self) -> None:
+        self.store.add(f"{_PREFIX}beat/{self.rank}", 1)
+
+    def count(self, rank: int) -> int:
+        """``rank``'s heartbeats so far (0 before its first; ``add(key, 0)`` reads without waiting)."""
+        return int(self.store.add(f"{_PREFIX}beat/{rank}", 0))
+
+    def peer(self, rank: int) -> Peer:
+        """Who ``rank`` is (its host and pid where it registered)."""
+        known = self._peers.get(rank)
+        if known is not None:
+            return known
+        key = f"{_PREFIX}who/{rank}"
+        try:
+            if not self.store.check([key]):
+                return Peer(rank)
+            host, _, pid = self.store.get(key).decode().rpartition(":")
+            known = self._peers[rank] = Peer(rank, host, int(pid))
+        except Exception:  # the store itself may be gone with its host: the rank alone still says something
+            return Peer(rank)
+        return known
+
+    def gone(self, wait: float | None = None) -> list[Peer]:
+        """The peers that stopped: a process of this host that ended is named at once; otherwise every peer
+        whose counter does not move over ``wait`` seconds (default three heartbeats)."""
+        peers = [self.peer(r) for r in range(self.world) if r != self.rank]
+        here = [p for p in peers if p.host == self.me.host and p.pid and process_ended(p.pid)]
+        if here:
+            return here
+        try:
+            before = {p.rank: self.count(p.rank) for p in peers}
+            time.sleep(3 * self.interval if wait is None else wait)
+            return [p for p in peers if self.count(p.rank) == before[p.rank]]
+        except Exception:  # no store to ask
+            return []
+
+    def describe_failure(self, err: BaseException, wait: float | None = None) -> str | None:
+        """The line naming the peers gone when ``err`` stopped a collective on this rank; None if every peer
+        still beats (the failure is something else)."""
+        gone = self.gone(wait)
+        if not gone:
+            return None
+        names = ", ".join(map(str, gone))
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        verb = "is" if len(gone) == 1 else "are"
+        return (
+            f"dtrain.comm: a collective on {self.me} failed because {names} {verb} gone (the process ended or "
+            f"stopped its heartbeat): {type(err).__name__}: {first[:300]}"
+        )
+
+    def _run(self) -> None:
+        watched = (self.rank + 1) % self.world  # each rank watches the next one: every rank is watched once
+        last, since = -1, self._clock()
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+                if watched == self.rank or self.reported:
+                    continue
+                now, count = self._clock(), self.count(watched)
+                if count != last:
+                    last, since = count, now
+                elif now - since >= self.stale:
+                    peer = self.peer(watched)
+                    self.reported.append(peer)
+                    self._report(
+                        f"dtrain.comm heartbeat: {peer} has not beaten for {now - since:.0f} s (seen by {self.me}); "
+                        "a collective with it cannot finish"
+                    )
+            except Exception:  # the store went away (its host ended): nothing more to say from here
+                return

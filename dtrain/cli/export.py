@@ -1,0 +1,62 @@
+"""``dtrain export``: a checkpoint's model as a Hugging Face directory (config.json, safetensors, tokenizer.json),
+whatever layout wrote it (see :mod:`dtrain.train.checkpoint`).
+
+    dtrain export runs/tiny-cpu --out runs/tiny-cpu/model-step-100 --step 100
+    dtrain export runs/tiny-cpu/checkpoints/step-00000100 --out model
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_parser", "register", "run"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``dtrain export`` to the ``dtrain`` command's subparsers."""
+    p = subparsers.add_parser(
+        "export",
+        help="write a checkpoint's model as a Hugging Face directory",
+        description="Read the model of a checkpoint (a run's output directory: its last complete checkpoint, or "
+        "--step; or a checkpoints/step-N directory) and write config.json, model.safetensors and tokenizer.json.",
+    )
+    p.add_argument("checkpoint", metavar="PATH", help="a run's output directory or a checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face directory to write")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the last complete one)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: the run's)")
+    p.set_defaults(handler=run)
+    return p
+
+
+register = add_parser  # the name dtrain.cli.main's feature modules use
+
+
+def _export(args: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    from dtrain.train.checkpoint import checkpoint_dir, export_checkpoint, latest_complete_step
+
+    path = Path(args.checkpoint)
+    if (path / ".metadata").is_file():
+        if args.step is not None:
+            raise ValueError(f"--step: {path} is one checkpoint already; give its run directory to choose a step")
+        directory = path
+    else:
+        step = args.step if args.step is not None else latest_complete_step(path)
+        if step is None:
+            raise ValueError(f"{path}: no complete checkpoint under {path / 'checkpoints'}")
+        directory = checkpoint_dir(path, step)
+    written = export_checkpoint(directory, args.out, tokenizer=args.tokenizer)
+    return f"wrote {written} from {directory}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``dtrain export``; bad input is one line on stderr and exit status 2."""
+    try:
+        line = _export(args)
+    except ValueError as exc:
+        print(f"dtrain export: {exc}", file=sys.stderr)
+        return 2
+    print(f"dtrain export: {line}")
+    return 0

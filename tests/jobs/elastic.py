@@ -1,0 +1,21 @@
+"""Jobs of tests/train/test_elastic.py, run through dtrain.launch.run_ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dtrain.launch import restart_count
+
+
+def bad_input_on_rank1(log: str) -> float:
+    """Rank 1 stops on bad input at once; rank 0 waits for it in an all-reduce. Each attempt is logged."""
+    with open(Path(log), "a") as f:
+        f.write(f"attempt {restart_count()} rank {dist.get_rank()}\n")
+    if dist.get_rank() == 1:
+        raise ValueError("--thing: must be 1, got 2")
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    return t.sum().item()

@@ -1,0 +1,156 @@
+"""Training that survives a dead rank: ``dtrain train`` under torch's elastic agent, a worker killed with SIGKILL
+mid-run, the restart from the last complete checkpoint, the log line naming the dead peer, and bad input that
+is not retried. The heartbeat's bookkeeping runs on a fake store; the rest runs real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dtrain.comm.peer.watchdog import Heartbeat, Peer, process_ended
+from dtrain.launch import KILL_ENV, run_ranks
+from dtrain.train.config import load_config
+from dtrain.train.loop import resize
+from tests.jobs import elastic as jobs
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 5
+RUN = [
+    *("--nproc", "2", "--dp", "2", "--steps", str(STEPS), "--checkpoint-every", "2"),
+    *("--seq-len", "32", "--batch-size", "8", "--precision", "float32", "--warmup-steps", "1"),
+    *("--no-tensorboard", "--no-export", "--max-restarts", "2"),
+]
+
+
+def _train(out: Path, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", KILL_ENV)}
+    command = [sys.executable, "-m", "dtrain", "train", "--out", str(out), *RUN]
+    done = subprocess.run(command, cwd=REPO, env=base | env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_killed_rank_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path):
+    _train(tmp_path / "ref")
+    reference = _metrics(tmp_path / "ref")
+    killed = _train(tmp_path / "killed", **{KILL_ENV: "1:3"})  # rank 1 dies as step 4 starts; checkpoint at 2
+    log = killed.stdout + killed.stderr
+    # the survivor's failed collective names the dead peer, with its host and pid
+    assert re.search(r"failed because rank 1 \(\S+:\d+\) is gone", log), log
+    assert "restart 1: continuing from the checkpoint of step 2 on 2 process(es)" in log, log
+    assert f"dtrain train: {STEPS - 2} steps, final loss" in killed.stdout, killed.stdout
+    metrics = _metrics(tmp_path / "killed")
+    # one record a step (the dead attempt's step 3 was dropped and done again), the same numbers as without a kill
+    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in metrics] == [r["loss"] for r in reference]
+    assert [r["grad_norm"] for r in metrics] == [r["grad_norm"] for r in reference]
+
+
+def test_bad_input_on_a_worker_is_raised_once_not_restarted(tmp_path):
+    log = tmp_path / "attempts.txt"
+    with pytest.raises(ValueError, match=r"^--thing: must be 1, got 2$"):
+        run_ranks(jobs.bad_input_on_rank1, 2, str(log), max_restarts=3)
+    attempts = {line.split()[1] for line in log.read_text().splitlines()}
+    # rank 0's failed all-reduce costs one restart at most; the recorded bad input ends the job there
+    assert attempts <= {"0", "1"}, log.read_text()
+
+
+def test_resize_keeps_tp_and_pp_and_takes_dp_from_the_world():
+    config = load_config(sets=["parallel.dp=2", "parallel.pp=2", "elastic.resize=true", "training.batch_size=12"])
+    assert resize(config, 6).parallel.dp == 3 and resize(config, 6).parallel.pp == 2
+    assert resize(config, 4) is config
+    with pytest.raises(ValueError, match=r"^--elastic: a world of 5 processes is not a multiple of pp x tp = 2 x 1$"):
+        resize(config, 5)
+    with pytest.raises(ValueError, match=r"^--elastic: at dp=5 \(10 processes\): .*batch_size.*dp=5"):
+        resize(config, 10)
+    fixed = load_config(sets=["parallel.dp=2"])
+    assert resize(fixed, 3) is fixed  # without --elastic the layout is checked against the world as given
+
+
+class _Store:
+    """The c10d store calls the heartbeat makes, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, object] = {}
+        self.lock = threading.Lock()
+
+    def set(self, key, value):
+        with self.lock:
+            self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def add(self, key, n):
+        with self.lock:
+            self.data[key] = int(self.data.get(key, 0)) + n
+            return self.data[key]
+
+
+def test_heartbeat_names_a_local_process_that_ended_and_a_peer_that_stopped_beating():
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    store = _Store()
+    alive = Heartbeat(store, 0, 3, interval=0.02)
+    alive.start()
+    try:
+        # rank 1 ran here and ended; rank 2 registered on another host and never beats again
+        store.set("dtrain/heartbeat/who/1", f"{alive.me.host}:{ended.pid}")
+        store.set("dtrain/heartbeat/who/2", "elsewhere:4242")
+        assert process_ended(ended.pid) and not process_ended(os.getpid())
+        assert alive.gone() == [Peer(1, alive.me.host, ended.pid)]  # the local check answers at once
+        store.set("dtrain/heartbeat/who/1", f"{alive.me.host}:{os.getpid()}")  # a live process that beats
+        alive._peers.clear()
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.is_set():
+                store.add("dtrain/heartbeat/beat/1", 1)
+                time.sleep(0.005)
+
+        beating = threading.Thread(target=beat)
+        beating.start()
+        try:
+            assert alive.gone(wait=0.3) == [Peer(2, "elsewhere", 4242)]
+        finally:
+            stop.set()
+            beating.join()
+        line = alive.describe_failure(RuntimeError("Connection reset by peer\nmore"), wait=0.05)
+        assert line is not None and "rank 1 (" in line and "rank 2 (elsewhere:4242)" in line
+        assert "are gone" in line and line.endswith("RuntimeError: Connection reset by peer")
+    finally:
+        alive.stop()
+
+
+def test_heartbeat_ring_watch_reports_the_next_rank_once_when_it_stops():
+    store, lines = _Store(), []
+    watcher = Heartbeat(store, 0, 2, interval=0.02, stale=1.0, report=lines.append)
+    peer = Heartbeat(store, 1, 2, interval=0.02, stale=60)
+    peer.start()
+    watcher.start()
+    try:
+        time.sleep(0.2)
+        assert lines == []  # rank 1 beats
+        peer.stop()
+        deadline = time.monotonic() + 15
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert len(lines) == 1 and lines[0].startswith(f"dtrain.comm heartbeat: {peer.me} has not beaten"), lines
+    finally:
+        watcher.stop()
