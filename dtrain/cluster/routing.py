@@ -24,11 +24,13 @@ No torch here.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import re
 from collections import deque
 from typing import Any
 
-__all__ = ["TierRouter", "NIC_AFFINITIES"]
+__all__ = ["TierRouter", "NIC_AFFINITIES", "natural_key"]
 
 #: How a GPU picks the NIC its traffic leaves by: any on a fewest-hop path (hashed per flow), or its own rail's.
 NIC_AFFINITIES = ("ecmp", "rail")
@@ -57,6 +59,12 @@ def _paths_to(preds: dict[str, list[str]], dst: str) -> list[list[str]]:
     if not preds[dst]:
         return [[dst]]
     return [path + [dst] for p in preds[dst] for path in _paths_to(preds, p)]
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def natural_key(name: str) -> tuple[Any, ...]:
+    """Sort ``gpu2`` before ``gpu10``."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
 class TierRouter:
@@ -94,15 +102,13 @@ class TierRouter:
             self.exact = self._no_transit()
 
     def _rail_affinity(self, graph: Any, kinds: dict[str, str]) -> None:
-        from dtrain.cluster.topology import _natural_key
-
         by_server: dict[str, dict[str, list[str]]] = {}
         for name, kind in kinds.items():
             server = self.server[name]
             if server is not None and kind in ("gpu", "nic"):
                 by_server.setdefault(server, {"gpu": [], "nic": []})[kind].append(name)
         for parts in by_server.values():
-            gpus, nics = sorted(parts["gpu"], key=_natural_key), sorted(parts["nic"], key=_natural_key)
+            gpus, nics = sorted(parts["gpu"], key=natural_key), sorted(parts["nic"], key=natural_key)
             if len(gpus) == len(nics):
                 self.affinity.update(zip(gpus, nics, strict=True))
 

@@ -12,15 +12,13 @@ The shape it is built for: servers with NVLink/PCIe inside, racks under a top-of
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import re
 from dataclasses import dataclass
-from typing import Any
 
 import networkx as nx
 
 from dtrain.cluster.routing import NIC_AFFINITIES, TierRouter
+from dtrain.cluster.routing import natural_key as _natural_key
 
 __all__ = ["Device", "Link", "Topology", "NODE_KINDS", "SWITCH_KINDS"]
 
@@ -72,12 +70,6 @@ class Link:
     def name(self) -> str:
         """``"src->dst"``, how reports name the link."""
         return f"{self.src}->{self.dst}"
-
-
-@functools.lru_cache(maxsize=1 << 18)
-def _natural_key(name: str) -> tuple[Any, ...]:
-    """Sort ``gpu2`` before ``gpu10``."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
 class Topology:
