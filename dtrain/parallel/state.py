@@ -228,6 +228,39 @@ def optimizer_pieces(hybrid, names: dict[str, str]) -> list[Piece]:
     return pieces
 
 
+def fully_sharded_pieces(hybrid, names: dict[str, str], *, optimizer: bool = True) -> list[Piece]:
+    """ZeRO-3 (:class:`~dtrain.parallel.fsdp.FullyShardedDataParallel`): the flat range of every parameter this
+    rank's float32 shard holds, with the optimizer state of the same range; every dp rank writes its own (under
+    hybrid sharding, the ranks of the first replica). Tensors outside the shards (buffers) come whole, as
+    :func:`model_pieces` gives them."""
+    grid, fsdp = hybrid.grid, hybrid.optimizer
+    canonical_of = {id(t): names[n] for n, t in hybrid._local_state.items()}
+    first_replica = fsdp.replicate_group is None or dist.get_rank(fsdp.replicate_group) == 0
+    pieces, sharded = [], set()
+    for flat in fsdp.flats:
+        for param in flat.params:
+            sharded.add(id(param))
+            _, start, stop, piece = fsdp._piece_of[id(param)]
+            if piece is None:
+                continue
+            canonical = canonical_of[id(param)]
+            values, scalars = {("model",): piece.data.view(-1)}, {}
+            if optimizer:
+                state, scalars = _state_values(fsdp.optimizer.state.get(piece, {}), piece.numel(), canonical)
+                values.update(state)
+            owner = canonical in hybrid._local_state
+            write = first_replica and (grid.tp_rank == 0 or not _is_unsplit(hybrid, param)) and owner
+            pieces.append(Piece(canonical, start, stop, values, scalars, write=write))
+    unsharded = {names[n] for n, t in hybrid._local_state.items() if id(t) not in sharded}
+    return pieces + [p for p in model_pieces(hybrid, names) if p.name in unsharded]
+
+
+def _sources(hybrid, optimizer: bool) -> list[Callable[[Any, dict[str, str]], list[Piece]]]:
+    if hybrid.zero_stage == 3:
+        return [lambda h, names: fully_sharded_pieces(h, names, optimizer=optimizer)]
+    return SOURCES if optimizer else [model_pieces]
+
+
 #: the sources of a HybridParallel's pieces: (hybrid, canonical names) -> pieces
 SOURCES: list[Callable[[Any, dict[str, str]], list[Piece]]] = [model_pieces, optimizer_pieces]
 
@@ -238,10 +271,11 @@ def init_optimizer_state(hybrid) -> None:
     load has tensors to fill: one step on zero gradients at learning rate 0, its step count reset to 0 (as
     ``torch.distributed.checkpoint.state_dict`` does). Parameters do not move (decoupled weight decay is
     ``lr * wd``)."""
+    from dtrain.parallel.fsdp import FullyShardedDataParallel
     from dtrain.parallel.zero import ZeroOptimizer
 
     opt = hybrid.optimizer
-    inner = opt.optimizer if isinstance(opt, ZeroOptimizer) else opt
+    inner = opt.optimizer if isinstance(opt, ZeroOptimizer | FullyShardedDataParallel) else opt
     params = [p for g in inner.param_groups for p in g["params"]]
     if all(p in inner.state and inner.state[p] for p in params):
         return
@@ -276,7 +310,7 @@ def sharded_state_dict(hybrid, *, process_group=None, for_load: bool = False, op
     where = placements(hybrid, names)
     if optimizer:
         init_optimizer_state(hybrid)
-    sources = SOURCES if optimizer else [model_pieces]
+    sources = _sources(hybrid, optimizer)
     pieces = [p for source in sources for p in source(hybrid, names)]
     me = dist.get_rank()
     shards: dict[tuple[str, ...], list] = {}

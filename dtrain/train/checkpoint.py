@@ -145,11 +145,22 @@ class Checkpointer:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
             raise ValueError(f"checkpoint.keep: must be an int >= 0, got {keep!r}")
         self.out = Path(out)
-        self.group = process_group if process_group is not None else dist.new_group(backend="gloo")
+        self._group = process_group
         self.async_save = async_save
         self.keep = keep
         self._pending: tuple[Any, int, dict] | None = None
-        self._rank = dist.get_rank(self.group)
+
+    @property
+    def group(self):
+        """The group DCP saves and loads over: the one given, else a Gloo group of the world made at the first
+        save or load (every rank of the world saves and loads together, so making it then is collective too)."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    @property
+    def _rank(self) -> int:
+        return dist.get_rank(self.group)
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Write ``state`` (a DCP state dict, e.g. :func:`training_state`) as the checkpoint of ``step``;

@@ -131,4 +131,4 @@ def trainer(config, plan, steps: int) -> dict | None:
         return None
     run = loop._Trainer(config, plan, grid)
     records = [run.step(step) for step in range(steps)]
-    return {"records": records, "eval_loss": run.evaluate(), "model": run.state(steps)["model"]}
+    return {"records": records, "eval_loss": run.evaluate(), "model": run.hybrid.full_state_dict()}
