@@ -80,6 +80,10 @@ def _config(args: argparse.Namespace):
 def _model(args: argparse.Namespace, device: torch.device):
     torch.manual_seed(SEED)
     model = build(_config(args), device=device)
+    if args.activation_checkpointing != "none":
+        from dtrain.parallel.recompute import checkpoint_activations
+
+        model = checkpoint_activations(model, args.activation_checkpointing)
     if args.compile:  # each block on its own, before any wrapper, as torchtitan applies it
         for module in model.modules():
             if isinstance(module, Block):
@@ -192,6 +196,12 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--compile", action="store_true", help="torch.compile each block and the loss")
     parser.add_argument("--untied", action="store_true", help="a head of its own, not the embedding's weight")
+    parser.add_argument(
+        "--activation-checkpointing",
+        default="none",
+        choices=("none", "full", "selective"),
+        help="recompute each block's activations in backward (dtrain.parallel.recompute), for every variant",
+    )
     parser.add_argument("--profile", default=None, help="after timing, profile 3 steps; rank 0 writes the table here")
     parser.add_argument("--out", default=None, help="JSON lines, one per variant")
     args = parser.parse_args()
@@ -240,6 +250,7 @@ def main() -> None:
             "batch_per_gpu": args.batch_per_gpu,
             "compile": args.compile,
             "tied_embeddings": config.tie_word_embeddings,
+            "activation_checkpointing": args.activation_checkpointing,
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * flops / (world * peak) if peak else None,
             **result,
