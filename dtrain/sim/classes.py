@@ -10,8 +10,8 @@
    give the same times: one is replayed and the others take its result, link by link. The tensor-parallel
    all-reduce of every server of a cluster is one replay.
 3. **Rounds in lock step beyond ``flow_limit``.** When the jobs would start more than ``flow_limit`` messages,
-   each part is replayed round by round, every rank waiting for the round's last message before the next (a bulk-synchronous
-   approximation; ranks of a real run may run ahead), and rounds that move the same bytes between the same
+   each part is replayed round by round, every rank waiting for the round's last message before the next (a
+   bulk-synchronous approximation; ranks of a real run may run ahead), and rounds that move the same bytes between the same
    ranks are replayed once and counted as often as they occur: a ring all-reduce over ``n`` ranks is two round
    replays (one reduce-scatter round, one all-gather round) instead of ``2 (n - 1)``. Each round's messages
    still share the links max-min fairly and take their own ECMP paths. This is how flow-level simulators reach
