@@ -9,14 +9,14 @@
    (links of equal rate and latency in the same pattern, each pair with a single path so no hash picks one)
    give the same times: one is replayed and the others take its result, link by link. The tensor-parallel
    all-reduce of every server of a cluster is one replay.
-3. **Rounds in lock step beyond ``flow_limit``.** When the jobs would start more than ``flow_limit`` messages,
-   each part is replayed round by round, every rank waiting for the round's last message before the next (a
-   bulk-synchronous approximation; ranks of a real run may run ahead), and rounds that move the same bytes between the same
-   ranks are replayed once and counted as often as they occur: a ring all-reduce over ``n`` ranks is two round
-   replays (one reduce-scatter round, one all-gather round) instead of ``2 (n - 1)``. Each round's messages
-   still share the links max-min fairly and take their own ECMP paths. This is how flow-level simulators reach
-   tens of thousands of GPUs (SimAI, Wang et al., NSDI 2025, and ASTRA-sim's analytical backend replay a
-   collective's phases rather than its packets).
+3. **Rounds in lock step beyond ``flow_limit``.** When the jobs would start more than ``flow_limit`` messages, each
+   part is replayed round by round, every rank waiting for the round's last message before the next (a bulk-
+   synchronous approximation; ranks of a real run may run ahead), and rounds that move the same bytes between the
+   same ranks are replayed once and counted as often as they occur: a ring all-reduce over ``n`` ranks is two round
+   replays (one reduce-scatter round, one all-gather round) instead of ``2 (n - 1)``. Each round's messages still
+   share the links max-min fairly and take their own ECMP paths. This is how flow-level simulators reach tens of
+   thousands of GPUs (SimAI, Wang et al., NSDI 2025, and ASTRA-sim's analytical backend replay a collective's phases
+   rather than its packets).
 
 No torch here.
 """
