@@ -512,8 +512,44 @@ def section_llama() -> str:
         ),
         table(["layout", "loss 1", "loss 25", "loss 50", "loss 100", "tokens/s", "MFU", "peak GiB"], rows),
     ]
+    parts += _zero_recompute_part(ddp)
     parts += _torchtitan_part()
     return "\n\n".join(parts)
+
+
+def _zero_recompute_part(ddp: dict[bool, dict]) -> list[str]:
+    """dtrain's ZeRO stages, and activation checkpointing, on the same model and batch as the table above."""
+    rows = []
+    for r in load("llama_1b_zero-h100x4.jsonl") + load("llama_1b_recompute-h100x4.jsonl"):
+        rows.append(
+            [
+                r["variant"],
+                "yes" if r.get("compile") else "no",
+                r.get("activation_checkpointing", "none"),
+                f"{r['step_s'] * 1e3:.1f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['tokens_per_s'] / ddp[bool(r.get('compile'))]['tokens_per_s']:.3f}",
+                f"{r['mfu']:.1%}",
+                f"{r['peak_memory_gib']:.1f}",
+            ]
+        )
+    return [
+        "### ZeRO stages and activation checkpointing",
+        "The same model, batch and launches, with dtrain's optimizer state (ZeRO-1), gradients (ZeRO-2) and "
+        "parameters (ZeRO-3, `dtrain.parallel.fsdp`: each block a unit gathered in bf16 while it computes, the next "
+        "one prefetched, gradients reduce-scattered as backward produces them) sharded over the 4 GPUs, and with "
+        "every block's activations recomputed in backward (`full`) or all but its matrix products' outputs "
+        "(`selective`; `dtrain.parallel.recompute`). `/ DDP` against DDP's tokens/s in the table above, compiled "
+        "alike. ZeRO-1 and -2 reduce after backward rather than during it, which their step time shows.",
+        setting(
+            "4 x NVIDIA H100 80GB HBM3, NVLink through NVSwitch",
+            f"torch 2.11.0+cu130, NCCL {NCCL}",
+            "torchrun --nproc-per-node 4 benchmarks/training/llama.py --preset 1b --variants V [--compile] "
+            "[--activation-checkpointing full|selective]",
+            "`llama_1b_zero-h100x4.jsonl`, `llama_1b_recompute-h100x4.jsonl`",
+        ),
+        table(["variant", "compiled", "recompute", "step ms", "tokens/s", "/ DDP", "MFU", "peak GiB"], rows),
+    ]
 
 
 def _torchtitan_part() -> list[str]:
@@ -616,8 +652,44 @@ def section_bubble() -> str:
             ),
             table(header, bubble_rows(cpu)),
             "![bubble against theory](figures/pipeline-bubble.png)",
+            *_zero_bubble_part(),
         ]
     )
+
+
+def _zero_bubble_part() -> list[str]:
+    """`dtrain bench pipeline` on 4 H100s: every schedule, zero-bubble ones included, beside torch's."""
+    records = load("bench_pipeline-h100x4.jsonl")
+    rows = [
+        [
+            r["schedule"],
+            str(r["microbatches"]),
+            f"{r['bubble_theory']:.3f}",
+            f"{r['bubble_measured']:.3f}",
+            f"{r['step_ms']:.2f}",
+            f"{r['torch_step_ms']:.2f}" if r.get("torch_step_ms") else "-",
+        ]
+        for r in records
+    ]
+    first = records[0]
+    return [
+        "### Every schedule on 4 x H100, beside torch.distributed.pipelining",
+        f"{first['layers']} x (Linear({first['width']}, {first['width']}) + GELU) on 4 stages, batch "
+        f"{first['batch']}, float32, one stage a GPU. Theory: (p - 1) / (v m + p - 1) for GPipe and 1F1B (v = 1) "
+        "and interleaved 1F1B (v = 2); for ZB-H1 (p - 1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W) + (p - 1)(T_F + "
+        "T_B - T_W)) with equal pass times (Qi et al. 2024, section 3.1); for ZB-V the idle share of its own "
+        "schedule simulated with free messages. torch: the same model and micro-batches through "
+        "torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and "
+        "ScheduleZBVZeroBubble (it has no single-chunk ZB-H1).",
+        setting(
+            f"4 x {first['device']}, NVLink through NVSwitch",
+            f"torch 2.11.0+cu130, NCCL {NCCL}",
+            f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
+            f"{first['width']} --batch {first['batch']} --microbatches 4,8,16 --warmup 2 --steps 5",
+            "`bench_pipeline-h100x4.jsonl`",
+        ),
+        table(["schedule", "m", "theory", "measured", "step ms", "torch step ms"], rows),
+    ]
 
 
 # -------------------------------------------------------------------------------------------------- parameter server
