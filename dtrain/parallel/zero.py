@@ -19,7 +19,8 @@ across elements (LAMB, LARS, gradient-norm clipping inside the step) would see o
 
 Limits: one dtype and device for all parameters; stage 2's buckets keep
 reverse registration order (they are not rebuilt from the observed order as DataParallel's are, since the
-optimizer's shards are cut along them); stage 3 (partitioned parameters) is not built.
+optimizer's shards are cut along them). Stage 3, the parameters sharded too, is
+:class:`dtrain.parallel.fsdp.FullyShardedDataParallel`.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class ZeroOptimizer:
         if stage not in (1, 2):
             raise ValueError(
                 f"ZeRO stage must be 1 (optimizer state sharded) or 2 (and gradients); got {stage!r} "
-                "(stage 3, partitioned parameters, is not implemented)"
+                "(stage 3, the parameters too, is dtrain.parallel.fsdp.FullyShardedDataParallel)"
             )
         groups = _param_groups(params)
         self.params = _check_params([p for g in groups for p in g["params"]])

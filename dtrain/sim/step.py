@@ -13,8 +13,8 @@ What each strategy sends mirrors :mod:`dtrain.parallel`:
   of the last micro-batch's backward overlap it (DDP's overlap, Li et al. 2020, section 3.2.3); with a
   pipeline (the hybrid's one all-reduce after the ``m`` micro-batches) it is not. With ZeRO (zero.py, which
   flattens the gradients at the step, so never overlapped) stage 1 all-reduces and all-gathers the updated
-  shards, stage 2 reduce-scatters and all-gathers, stage 3 (not built in dtrain.parallel; the ZeRO paper's
-  1.5x volume) reduce-scatters and all-gathers the weights twice.
+  shards, stage 2 reduce-scatters and all-gathers, stage 3 (dtrain.parallel.fsdp; the ZeRO paper's 1.5x
+  volume) reduce-scatters and all-gathers the weights twice.
 
 Every collective is a ``dtrain.comm`` schedule replayed on the placement (:mod:`dtrain.sim.traffic`).
 Activation recomputation (``Layout.recompute``) adds its FLOPs to each backward, and under full recomputation

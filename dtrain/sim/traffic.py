@@ -26,7 +26,7 @@ from dtrain.sim.placement import grid_rank, group
 __all__ = ["Traffic", "Cache", "ZERO_PHASES", "simulate_traffic"]
 
 #: The data-parallel collectives of a step by ZeRO stage, as dtrain.parallel.zero runs them (stage 1 all-reduces
-#: and all-gathers the updated shards; stage 2 reduce-scatters instead); stage 3, not built there, adds the
+#: and all-gathers the updated shards; stage 2 reduce-scatters instead); stage 3 (dtrain.parallel.fsdp) adds the
 #: ZeRO paper's second all-gather of the weights (forward and backward).
 ZERO_PHASES = {
     0: (Collective.ALL_REDUCE,),
