@@ -296,10 +296,13 @@ def refused(kind: str, tp: int) -> str:
 def stage_link_dtypes() -> list[str]:
     """Stage 0 sends a bf16 activation, stage 1 an fp16 gradient back: each arrives in the dtype it was sent."""
     from dtrain.parallel.pipeline_parallel_communications import StageLink
+    from dtrain.parallel.pipeline_schedules import Timeline, one_f_one_b
 
     group = group_of(2)
     stage = dist.get_rank(group)
     link = StageLink(group, stage, 2)
+    link.plan([one_f_one_b(2, 1, s) for s in range(2)])  # one micro-batch: F0 then B0 on each stage
+    link.begin_step(Timeline(stage=stage, num_stages=2, num_microbatches=1))
     activation = torch.arange(6, dtype=torch.float32).view(2, 3).to(torch.bfloat16)
     grad = torch.linspace(-1, 1, 6).view(2, 3).to(torch.float16)
     problems = []
@@ -310,6 +313,7 @@ def stage_link_dtypes() -> list[str]:
         got, want = link.recv_forward(0), activation
         link.send_backward(grad, 0)
     link.wait_sends()
+    link.begin_step(None)
     if got.dtype != want.dtype or not torch.equal(got, want):
         problems.append(f"stage {stage} received {got.dtype} {got.tolist()}, expected {want.dtype} {want.tolist()}")
     return problems

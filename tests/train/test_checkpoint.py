@@ -114,7 +114,7 @@ def _train(out: Path, *flags: str) -> list[dict]:
 def test_dtrain_train_resumes_at_another_layout_as_if_never_stopped(tmp_path):
     uninterrupted = _train(tmp_path, "--nproc", "2", "--dp", "2", "--steps", "4", "--checkpoint-every", "2")
     shutil.rmtree(checkpoint_dir(tmp_path, 4))  # the resumed run starts from step 2
-    resumed = _train(tmp_path, "--nproc", "2", "--pp", "2", "--microbatches", "2", "--steps", "4", "--resume")
+    resumed = _train(tmp_path, "--nproc", "2", "--tp", "2", "--steps", "4", "--resume")
     assert [r["step"] for r in resumed[-2:]] == [3, 4]
     assert [r["loss"] for r in resumed[-2:]] == pytest.approx([r["loss"] for r in uninterrupted[2:]], rel=1e-5)
     assert complete_steps(tmp_path) == [4, 2]
