@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -17,12 +18,13 @@ import pytest
 
 from dtrain.comm.peer.watchdog import Heartbeat, Peer, process_ended
 from dtrain.launch import KILL_ENV, run_ranks
+from dtrain.train.checkpoint import checkpoint_dir, complete_steps
 from dtrain.train.config import load_config
 from dtrain.train.loop import resize
 from tests.jobs import elastic as jobs
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 5
+STEPS = 4
 RUN = [
     *("--nproc", "2", "--dp", "2", "--steps", str(STEPS), "--checkpoint-every", "2"),
     *("--seq-len", "32", "--batch-size", "8", "--precision", "float32", "--warmup-steps", "1"),
@@ -42,9 +44,16 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_killed_rank_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path):
-    _train(tmp_path / "ref")
-    reference = _metrics(tmp_path / "ref")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The run with nothing killed: its output directory (checkpoints at steps 2 and 4, metrics)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _train(out)
+    return out
+
+
+def test_killed_rank_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path, uninterrupted):
+    reference = _metrics(uninterrupted)
     killed = _train(tmp_path / "killed", **{KILL_ENV: "1:3"})  # rank 1 dies as step 4 starts; checkpoint at 2
     log = killed.stdout + killed.stderr
     # the survivor's failed collective names the dead peer, with its host and pid
@@ -56,6 +65,22 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrup
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in metrics] == [r["loss"] for r in reference]
     assert [r["grad_norm"] for r in metrics] == [r["grad_norm"] for r in reference]
+
+
+def test_resume_at_another_layout_continues_as_if_never_stopped(tmp_path, uninterrupted):
+    """``--resume`` with tp 2 from the dp 2 run's checkpoint of step 2: steps 3 and 4 as the dp 2 run had them."""
+    out = tmp_path / "resumed"
+    shutil.copytree(uninterrupted, out)
+    shutil.rmtree(checkpoint_dir(out, STEPS))
+    flags = [f if f != "--dp" else "--tp" for f in RUN]
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", KILL_ENV)}
+    command = [sys.executable, "-m", "dtrain", "train", "--out", str(out), *flags, "--resume"]
+    done = subprocess.run(command, cwd=REPO, env=base, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed, reference = _metrics(out), _metrics(uninterrupted)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in resumed[2:]] == pytest.approx([r["loss"] for r in reference[2:]], rel=1e-5)
+    assert complete_steps(out) == [STEPS, 2]
 
 
 def test_bad_input_on_a_worker_is_raised_once_not_restarted(tmp_path):
