@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtrain.models import build, preset, train_flops_per_token
+from dtrain.models import build, parameter_count, preset, train_flops_per_token
 from dtrain.models.decoder import Block
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
@@ -74,7 +74,10 @@ _compiled_loss = torch.compile(_loss)
 
 def _config(args: argparse.Namespace):
     """The preset, with the head untied from the embedding on request (the shape torchtitan's Llama 3 trains)."""
-    return preset("llama", args.preset, **({"tie_word_embeddings": False} if args.untied else {}))
+    overrides = {"tie_word_embeddings": False} if args.untied else {}
+    if args.layers:
+        overrides["num_hidden_layers"] = args.layers
+    return preset("llama", args.preset, **overrides)
 
 
 def _model(args: argparse.Namespace, device: torch.device):
@@ -195,6 +198,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--compile", action="store_true", help="torch.compile each block and the loss")
+    parser.add_argument("--layers", type=int, default=None, help="the preset's width with this many blocks")
     parser.add_argument("--untied", action="store_true", help="a head of its own, not the embedding's weight")
     parser.add_argument(
         "--activation-checkpointing",
@@ -243,6 +247,8 @@ def main() -> None:
         record = {
             "variant": name,
             "preset": args.preset,
+            "layers": config.num_hidden_layers,
+            "parameters": parameter_count(config),
             "gpus": world,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__,

@@ -61,14 +61,34 @@ class ModelSpec:
     heads: int
     sequence: int
     bytes_per_value: int = 2  # 16-bit weights, gradients and activations on the wire
+    vocab: int = 0  # tokens of the vocabulary; 0: no embedding or logits work is modelled
+    ffn_hidden: int = 0  # width of the MLP's inner layer; 0: 4 x hidden
+    kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
+    gated_mlp: bool = False  # SwiGLU (three MLP matrices) rather than two
 
     def __post_init__(self) -> None:
         for field_name in ("parameters", "layers", "hidden", "heads", "sequence", "bytes_per_value"):
             value = getattr(self, field_name)
             if not value > 0:
                 raise ValueError(f"ModelSpec.{field_name} must be > 0, got {value!r}")
+        for field_name in ("vocab", "ffn_hidden", "kv_heads"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"ModelSpec.{field_name} must be an int >= 0, got {value!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
+        if self.kv_heads and self.heads % self.kv_heads:
+            raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's inner width."""
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def key_value_heads(self) -> int:
+        """Key/value heads: ``kv_heads``, or ``heads`` where it is 0."""
+        return self.kv_heads or self.heads
 
 
 #: Models people plan for (sizes from the papers that introduced them).
