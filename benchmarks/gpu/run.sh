@@ -29,6 +29,9 @@
 #   bubble             pipeline bubble and activations against (p - 1)/(v m + p - 1), p = 2 and 4
 #   llama              Llama 1B (LLAMA_PRESET) bf16, dp over every GPU: dtrain, DDP, FSDP2, eager and compiled
 #                      -> llama_1b_dp.jsonl
+#   largest            the largest Llama (8B width, more blocks) that trains with ZeRO-3 and full activation
+#                      checkpointing, against FSDP2 with the same: blocks grow by LARGEST_STEP until a launch fails
+#                      -> largest.jsonl, largest.log
 #   llama-layouts      dtrain train on it as dp, tp, pp (and dp x tp2 on 4+), 100 steps       -> llama_1b_*.jsonl
 #   probe-port         how transfers share one GPU's NVLink port                           -> port.jsonl
 #   probe-port-chain   the chain broadcast's round patterns through the port               -> port-chain.jsonl
@@ -158,6 +161,23 @@ for mode in "$@"; do
             --batch-per-gpu "${LLAMA_BATCH:-4}" --steps 20 --warmup 5 --variants $variant "${flags[@]}" \
             ${LLAMA_PROFILE:+--profile "$out/llama_profile.txt"} \
             --out "$out/llama_${LLAMA_PRESET:-1b}_dp.jsonl" | grep -E "ms/step|x DDP" | tail -9
+        done
+      done ;;
+    largest)
+      # one launch per (variant, depth); a failed launch (out of memory) ends that variant's climb
+      for variant in ${LARGEST_VARIANTS:-dtrain-zero3 fsdp2}; do
+        layers=${LARGEST_FROM:-64}
+        while [ "$layers" -le "${LARGEST_TO:-120}" ]; do
+          LIMIT=${LIMIT:-150} tr benchmarks/training/llama.py --preset 8b --layers "$layers" --seq-len 2048 \
+            --batch-per-gpu 1 --steps 2 --warmup 1 --activation-checkpointing full --variants $variant \
+            --out "$out/largest.jsonl" >"$out/largest-$variant-$layers.log" 2>&1
+          if grep -q "ms/step" "$out/largest-$variant-$layers.log"; then
+            echo "$variant $layers blocks: $(grep ms/step "$out/largest-$variant-$layers.log" | head -1)"
+          else
+            echo "$variant $layers blocks: failed: $(grep -m1 -oE "OutOfMemoryError|out of memory|Error[^ ]*" "$out/largest-$variant-$layers.log")"
+            break
+          fi
+          layers=$((layers + ${LARGEST_STEP:-8}))
         done
       done ;;
     llama-layouts)

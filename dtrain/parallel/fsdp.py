@@ -88,7 +88,7 @@ class _Flat:
     numel: int
     chunk: int
     full: torch.Tensor  # (numel,) param_dtype; its storage is allocated only while gathered
-    shard: torch.Tensor = field(repr=False)  # (chunk,) float32 view of the rank's flat shard
+    shard: torch.Tensor = field(repr=False)  # (chunk,) float32: this rank's shard
     grad: torch.Tensor = field(repr=False)  # (chunk,) float32 view of the rank's flat gradient shard
     users: list[int] = field(default_factory=list)  # units that compute with it, in order
     gathered: bool = False
@@ -218,10 +218,10 @@ class FullyShardedDataParallel:
         n = self.world_size
         sizes = [-(-sum(p.numel() for p in ps) // n) for ps in layout]
         self.shard_numel = sum(sizes)
-        self.flat_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
-        self.flat_grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        # each unit's shard is taken (and its full parameters freed) before the next unit's is allocated, so a
+        # model built whole on the device never needs its full size and all the shards at once
+        empty = torch.empty(0, dtype=torch.float32, device=self.device)
         self.flats: list[_Flat] = []
-        begin = 0
         for ps, chunk in zip(layout, sizes, strict=True):
             offsets, total = [], 0
             for p in ps:
@@ -234,13 +234,17 @@ class FullyShardedDataParallel:
                 numel=chunk * n,
                 chunk=chunk,
                 full=torch.empty(chunk * n, dtype=self.param_dtype, device=self.device),
-                shard=self.flat_shard[begin : begin + chunk],
-                grad=self.flat_grad[begin : begin + chunk],
+                shard=torch.zeros(chunk, dtype=torch.float32, device=self.device),
+                grad=empty,
                 users=sorted({u for p in ps for u in users[id(p)]}),
             )
-            begin += chunk
             self.flats.append(flat)
             self._adopt(flat)
+        self.flat_grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        begin = 0
+        for flat in self.flats:
+            flat.grad = self.flat_grad[begin : begin + flat.chunk]
+            begin += flat.chunk
         self._flats_of = [[f for f in self.flats if u in f.users] for u in range(len(units))]
         self._numel = sum(p.numel() for f in self.flats for p in f.params)
         # prefetch links: consecutive units of one parent (a pipeline's chunks are separate Sequentials)
@@ -618,7 +622,7 @@ class FullyShardedDataParallel:
             stage=3,
             world_size=self.world_size,
             zero=MemoryReport(
-                parameter_nbytes=self.flat_shard.numel() * 4,
+                parameter_nbytes=self.shard_numel * 4,
                 gradient_nbytes=self.flat_grad.numel() * 4,
                 optimizer_state_nbytes=per_element + other,
             ),
