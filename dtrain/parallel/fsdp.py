@@ -437,6 +437,13 @@ class FullyShardedDataParallel:
         if self.algorithm == "native":
             handle = _reduce_scatter_single(out, work, dist.ReduceOp.SUM, group=self.group, async_op=True)
             self._in_flight.append((handle, flat, out))
+            # a reduce-scatter holds a whole unit's gradients until waited for: keep two in flight, as FSDP2
+            # does (the older one, launched a unit's backward ago, has usually finished; on NCCL the wait only
+            # orders the compute stream after it)
+            while len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
+                older, done, summed = self._in_flight.pop(0)
+                older.wait()
+                self._accumulate(done, summed)
         else:
             comm.reduce_scatter(out, work, op="sum", group=self.group, algorithm=self.algorithm)
             self._accumulate(flat, out)
@@ -639,6 +646,9 @@ class FullyShardedDataParallel:
 # torch.distributed's single-tensor collectives (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in older torch)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+_MAX_REDUCTIONS_IN_FLIGHT = 2
 
 
 def _alloc(tensor: torch.Tensor) -> None:
