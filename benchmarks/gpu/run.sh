@@ -30,7 +30,8 @@
 #   llama              Llama 1B (LLAMA_PRESET) bf16, dp over every GPU: dtrain, DDP, FSDP2, eager and compiled
 #                      -> llama_1b_dp.jsonl
 #   largest            the largest Llama (8B width, more blocks) that trains with ZeRO-3 and full activation
-#                      checkpointing, against FSDP2 with the same: blocks grow by LARGEST_STEP until a launch fails
+#                      checkpointing, against FSDP2 with the same: blocks grow by LARGEST_STEP until a launch fails;
+#                      both under expandable CUDA segments, as dtrain train sets them (LARGEST_ALLOC overrides)
 #                      -> largest.jsonl, largest.log
 #   llama-layouts      dtrain train on it as dp, tp, pp (and dp x tp2 on 4+), 100 steps       -> llama_1b_*.jsonl
 #   probe-port         how transfers share one GPU's NVLink port                           -> port.jsonl
@@ -168,7 +169,8 @@ for mode in "$@"; do
       for variant in ${LARGEST_VARIANTS:-dtrain-zero3 fsdp2}; do
         layers=${LARGEST_FROM:-64}
         while [ "$layers" -le "${LARGEST_TO:-120}" ]; do
-          LIMIT=${LIMIT:-150} tr benchmarks/training/llama.py --preset 8b --layers "$layers" --seq-len 2048 \
+          PYTORCH_CUDA_ALLOC_CONF=${LARGEST_ALLOC-expandable_segments:True} LIMIT=${LIMIT:-150} \
+            tr benchmarks/training/llama.py --preset 8b --layers "$layers" --seq-len 2048 \
             --batch-per-gpu 1 --steps 2 --warmup 1 --activation-checkpointing full --variants $variant \
             --out "$out/largest.jsonl" >"$out/largest-$variant-$layers.log" 2>&1
           if grep -q "ms/step" "$out/largest-$variant-$layers.log"; then

@@ -257,6 +257,7 @@ def main() -> None:
             "compile": args.compile,
             "tied_embeddings": config.tie_word_embeddings,
             "activation_checkpointing": args.activation_checkpointing,
+            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * flops / (world * peak) if peak else None,
             **result,

@@ -160,6 +160,10 @@ def _train(args: argparse.Namespace) -> int:
     from dtrain.train.loop import train
 
     config = from_arguments(args)
+    # CUDA memory in segments that grow rather than fixed blocks: large sharded models otherwise fail on
+    # fragmentation with gigabytes reserved but free (torch's CUDA notes, "Optimizing memory usage"); a value the
+    # user set wins. Read when the first CUDA tensor is made, so it reaches every rank this process starts too.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     records = train(config, args.nproc, announce=lambda line: print(f"dtrain train: {line}", flush=True))
     if records and int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns; rank 0 says it
         print(
