@@ -33,7 +33,8 @@
 #                      checkpointing, against FSDP2 with the same: blocks grow by LARGEST_STEP until a launch fails;
 #                      both under expandable CUDA segments, as dtrain train sets them (LARGEST_ALLOC overrides)
 #                      -> largest.jsonl, largest.log
-#   llama-layouts      dtrain train on it as dp, tp, pp (and dp x tp2 on 4+), 100 steps       -> llama_1b_*.jsonl
+#   llama-layouts      dtrain train on it as dp, tp, pp (and dp x tp2, tp2 x pp, ZeRO-3 with and without activation
+#                      checkpointing on 4+), 100 steps                                      -> llama_1b_*.jsonl
 #   probe-port         how transfers share one GPU's NVLink port                           -> port.jsonl
 #   probe-port-chain   the chain broadcast's round patterns through the port               -> port-chain.jsonl
 #   probe-chain        the chain broadcast by piece count                                   -> probe-chain.txt
@@ -176,7 +177,9 @@ for mode in "$@"; do
           if grep -q "ms/step" "$out/largest-$variant-$layers.log"; then
             echo "$variant $layers blocks: $(grep ms/step "$out/largest-$variant-$layers.log" | head -1)"
           else
-            echo "$variant $layers blocks: failed: $(grep -m1 -oE "OutOfMemoryError|out of memory|Error[^ ]*" "$out/largest-$variant-$layers.log")"
+            why=$(grep -m1 -oE "OutOfMemoryError|Error[A-Za-z]*" "$out/largest-$variant-$layers.log" || echo "no result")
+            echo "$variant $layers blocks: failed: $why"
+            echo "{\"variant\": \"$variant\", \"preset\": \"8b\", \"layers\": $layers, \"failed\": \"$why\"}" >>"$out/largest.jsonl"
             break
           fi
           layers=$((layers + ${LARGEST_STEP:-8}))
@@ -184,10 +187,13 @@ for mode in "$@"; do
       done ;;
     llama-layouts)
       # dtrain train on the same model, global batch and data in each layout over every GPU, 100 steps each
+      # (LLAMA_LAYOUTS=first|more|all: the first four, the rest, or both)
       layouts=("--dp $n" "--tp $n" "--pp $n --microbatches 4")
       [ "$n" -ge 4 ] && layouts+=("--dp $((n / 2)) --tp 2")
+      more=("--tp 2 --pp $((n / 2)) --microbatches 4" "--dp $n --zero 3" "--dp $n --zero 3 --activation-checkpointing full")
+      case ${LLAMA_LAYOUTS:-all} in first) ;; more) layouts=("${more[@]}") ;; *) layouts+=("${more[@]}") ;; esac
       for layout in "${layouts[@]}"; do
-        name=${layout//[ -]/}; name=llama_${LLAMA_PRESET:-1b}_${name/microbatches4/}
+        name=${layout//[ -]/}; name=${name/activationcheckpointingfull/ac}; name=llama_${LLAMA_PRESET:-1b}_${name/microbatches4/}
         LIMIT=${LIMIT:-300} tr -m dtrain train --preset "${LLAMA_PRESET:-1b}" $layout --seq-len 2048 --batch-size 16 \
           --steps "${LLAMA_STEPS:-100}" --lr 3e-4 --warmup-steps 10 --set data.tokenizer_vocab=8192 --precision bf16 \
           --no-export --no-tensorboard --out "$out/$name" | tail -1 | cut -c1-250
