@@ -513,6 +513,7 @@ def section_llama() -> str:
         table(["layout", "loss 1", "loss 25", "loss 50", "loss 100", "tokens/s", "MFU", "peak GiB"], rows),
     ]
     parts += _zero_recompute_part(ddp)
+    parts += _largest_part()
     parts += _torchtitan_part()
     return "\n\n".join(parts)
 
@@ -549,6 +550,55 @@ def _zero_recompute_part(ddp: dict[bool, dict]) -> list[str]:
             "`llama_1b_zero-h100x4.jsonl`, `llama_1b_recompute-h100x4.jsonl`",
         ),
         table(["variant", "compiled", "recompute", "step ms", "tokens/s", "/ DDP", "MFU", "peak GiB"], rows),
+    ]
+
+
+def _largest_part() -> list[str]:
+    """The deepest Llama (8B width) each trainer fits on the 4 GPUs with ZeRO-3 and full activation checkpointing."""
+    records = load("largest_zero3-h100x4.jsonl")
+    if not records:
+        return []
+    rows, largest, failed = [], {}, {}
+    for r in sorted(records, key=lambda r: (r["variant"], r["layers"])):
+        if "failed" in r:
+            failed[r["variant"]] = r
+            rows.append([r["variant"], str(r["layers"]), "", "", "", "", r["failed"]])
+            continue
+        largest[r["variant"]] = r
+        rows.append(
+            [
+                r["variant"],
+                str(r["layers"]),
+                f"{r['parameters'] / 1e9:.2f}",
+                f"{r['step_s'] * 1e3:.0f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['mfu']:.1%}",
+                f"{r['peak_memory_gib']:.1f}",
+            ]
+        )
+    summary = "; ".join(
+        f"{v}: {r['parameters'] / 1e9:.2f} B parameters ({r['layers']} blocks)"
+        + (f", {failed[v]['layers']} blocks out of memory" if v in failed else "")
+        for v, r in largest.items()
+    )
+    first = next(iter(largest.values()))
+    return [
+        "### The largest model ZeRO-3 trains",
+        "Llama 3 8B's width (4096, 14,336-wide SwiGLU, 32 heads, 8 key-value heads, an untied 128,256-token "
+        "vocabulary) with more blocks, until a step runs out of memory on the 4 GPUs: dtrain's ZeRO-3 "
+        "(`dtrain.parallel.fsdp`) against FSDP2, both with every block's activations recomputed, one sequence of "
+        f"{first['seq_len']} tokens a GPU, float32 master weights and AdamW state sharded four ways, bf16 compute, "
+        f"CUDA memory in expandable segments for both (as `dtrain train` sets it). Largest trained: {summary}. MFU "
+        "counts model FLOPs only (not the recomputed forward).",
+        setting(
+            f"4 x {first['device']}, NVLink through NVSwitch",
+            f"torch {first['torch']}, NCCL {NCCL}",
+            "benchmarks/gpu/run.sh OUT largest (torchrun --nproc-per-node 4 benchmarks/training/llama.py --preset 8b "
+            "--layers L --seq-len 2048 --batch-per-gpu 1 --steps 2 --warmup 1 --activation-checkpointing full "
+            "--variants V, L growing by 4)",
+            "`largest_zero3-h100x4.jsonl`",
+        ),
+        table(["variant", "blocks", "B params", "step ms", "tokens/s", "MFU", "peak GiB"], rows),
     ]
 
 

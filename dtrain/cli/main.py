@@ -169,6 +169,10 @@ def _train(args: argparse.Namespace) -> int:
         print(
             f"dtrain train: {len(records)} steps, final loss {records[-1]['loss']:.4f}, metrics in {config.logging.out}"
         )
+        if "plan_measured_step_s" in records[-1]:
+            from dtrain.train.metrics import describe_plan_score
+
+            print(f"dtrain train: {describe_plan_score(records[-1])}")
     return 0
 
 

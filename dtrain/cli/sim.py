@@ -90,10 +90,20 @@ def register(commands) -> None:
     p = commands.add_parser("plan", help="rank dp/tp/pp/micro-batch layouts and placements by simulated step time")
     _add_topology(p)
     _add_model(p)
-    p.add_argument("--global-batch", type=int, required=True, help="sequences a step")
-    p.add_argument("--devices", type=int, help="devices to use (default: all)")
+    p.add_argument(
+        "--config",
+        help="a `dtrain train` config: plan its model, sequence length and global batch (instead of --model and "
+        "--global-batch)",
+    )
+    p.add_argument(
+        "--write",
+        metavar="TOML",
+        help="with --config: write it with the fastest layout dtrain train runs, and the prediction in [plan]",
+    )
+    p.add_argument("--global-batch", type=int, help="sequences a step (with --config: its [training] batch_size)")
+    p.add_argument("--devices", type=int, help="devices to use (default: all; with --config: dp x tp x pp of it)")
     p.add_argument("--micro-batches", type=_ints, default=[1, 2, 4], help="micro-batch sizes to try, e.g. 1,2,4")
-    p.add_argument("--zero", type=_ints, default=[0, 1], help="ZeRO stages to try, e.g. 0,1,2")
+    p.add_argument("--zero", type=_ints, help="ZeRO stages to try, e.g. 0,1,2 (default 0,1; with --config 0,1,2,3)")
     p.add_argument("--placements", type=_names, default=["aware", "oblivious"], help="aware,oblivious")
     p.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to try")
     p.add_argument(
@@ -297,6 +307,14 @@ def _format(key: str, value) -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.write and not args.config:
+        raise ValueError("--write: needs --config, the run config to write the chosen layout into")
+    if args.config:
+        return _plan_run(args)
+    if args.global_batch is None:
+        raise ValueError("--global-batch: required (or --config, a run config that has the batch)")
+    if args.zero is None:
+        args.zero = [0, 1]
     from rich.progress import Progress
 
     from dtrain.sim.planner import plan
@@ -334,4 +352,44 @@ def _plan(args: argparse.Namespace) -> int:
         console.print(
             "no layout fits device memory: try more devices, ZeRO (--zero 0,1,2,3), --recompute full or a smaller model"
         )
+    return 0
+
+
+def _plan_run(args: argparse.Namespace) -> int:
+    """``dtrain plan --config RUN.toml [--write OUT.toml]``: the fastest layout of the run that dtrain train runs."""
+    from dtrain.train.config import load_config
+    from dtrain.train.plan import plan_run
+
+    config = load_config(args.config)
+    par = config.parallel
+    devices = args.devices or par.dp * par.tp * par.pp
+    if args.global_batch is not None and args.global_batch != config.training.batch_size:
+        raise ValueError(
+            f"--global-batch: {args.global_batch} differs from {args.config}'s batch_size "
+            f"{config.training.batch_size}; change the config (or leave --global-batch out)"
+        )
+    topo = _topology(args)
+    if devices > len(topo.devices()):
+        raise ValueError(f"--devices: {devices} but {topo.name} has {len(topo.devices())}")
+    planned = plan_run(
+        config, topo, devices=devices, step_config=_step_config(args), micro_batches=args.micro_batches,
+        zero_stages=args.zero or [0, 1, 2, 3], placements=args.placements, recompute=args.recompute,
+        max_tp=args.max_tp,
+    )  # fmt: skip
+    p, predicted = planned.plan, planned.config.plan
+    if args.write:
+        planned.config.to_toml(args.write)
+    data = {
+        "topology": topo.name, "devices": devices, "layout": p.layout.describe(), "placement": p.placement,
+        "mfu": p.mfu, **_step_data(p.result), "skipped": planned.skipped, "written": args.write,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    where = f"; written to {args.write}" if args.write else ""
+    skipped = f" ({planned.skipped} faster plans dtrain train cannot run)" if planned.skipped else ""
+    print(
+        f"dtrain plan: {predicted.layout} on {devices} device(s) of {topo.name}: {predicted.step_s * 1e3:.4g} ms a "
+        f"step, {predicted.tokens_per_s:,.0f} tokens/s, {predicted.memory_gib:.1f} GiB a device{skipped}{where}"
+    )
     return 0

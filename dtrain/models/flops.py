@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dtrain.models.config import GPT2Config, ModelConfig
 
-__all__ = ["matmul_parameters", "parameter_count", "train_flops_per_token"]
+__all__ = ["matmul_parameters", "parameter_count", "shape_dims", "train_flops_per_token"]
 
 
-def _dims(config: ModelConfig) -> tuple[int, int, int, int, int, int, int]:
+def shape_dims(config: ModelConfig) -> tuple[int, int, int, int, int, int, int]:
     """(dim, layers, heads, kv heads, head size, mlp hidden, vocab)."""
     if isinstance(config, GPT2Config):
         return (
@@ -41,7 +41,7 @@ def _dims(config: ModelConfig) -> tuple[int, int, int, int, int, int, int]:
 
 def matmul_parameters(config: ModelConfig) -> int:
     """Weights that multiply (per token): the blocks' projections and the LM head, biases and norms left out."""
-    dim, layers, heads, kv, q, hidden, vocab = _dims(config)
+    dim, layers, heads, kv, q, hidden, vocab = shape_dims(config)
     attn = dim * heads * q * 2 + dim * kv * q * 2  # q and o; k and v
     mlp = (2 if isinstance(config, GPT2Config) else 3) * dim * hidden
     return layers * (attn + mlp) + dim * vocab
@@ -49,7 +49,7 @@ def matmul_parameters(config: ModelConfig) -> int:
 
 def parameter_count(config: ModelConfig) -> int:
     """Every parameter of the built model (a tied head counted once), as ``sum(p.numel())`` gives."""
-    dim, layers, heads, kv, q, hidden, vocab = _dims(config)
+    dim, layers, heads, kv, q, hidden, vocab = shape_dims(config)
     if isinstance(config, GPT2Config):
         attn = dim * heads * q * 2 + dim * kv * q * 2 + heads * q + 2 * kv * q + dim  # with biases
         block = attn + 2 * dim * hidden + hidden + dim + 4 * dim  # mlp with biases, two LayerNorms
@@ -64,5 +64,5 @@ def parameter_count(config: ModelConfig) -> int:
 
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Model FLOPs of one token's forward and backward at sequence length ``seq_len`` (PaLM's ``6N + 12LHQT``)."""
-    dim, layers, heads, kv, q, hidden, vocab = _dims(config)
+    dim, layers, heads, kv, q, hidden, vocab = shape_dims(config)
     return 6.0 * matmul_parameters(config) + 12.0 * layers * heads * q * seq_len

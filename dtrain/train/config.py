@@ -211,6 +211,12 @@ class ParallelSection(_Section):
         "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too, 3 parameters too (fully sharded)",
         choices=(0, 1, 2, 3),
     )
+    zero_shard_size: int = _option(
+        0,
+        "ZeRO-3 hybrid sharding: shard over blocks of this many dp ranks (a node, say) and replicate across the "
+        "blocks (0: shard over all of dp)",
+        minimum=0,
+    )
     algorithm: str = _option(
         "native",
         "all-reduce algorithm for the gradients: native (the backend's own: NCCL, Gloo), auto (dtrain's measured "
@@ -345,6 +351,21 @@ class LoggingSection(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PlanSection(_Section):
+    """What ``dtrain plan --write`` predicted for this layout (informational: training records it beside what it
+    measures, and does not act on it); 0 and empty mean no prediction."""
+
+    name = "plan"
+    step_s: float = _option(0.0, "predicted seconds a step", minimum=0, flag="--plan-step-s")
+    memory_gib: float = _option(0.0, "predicted peak memory a device, GiB", minimum=0, flag="--plan-memory-gib")
+    tokens_per_s: float = _option(
+        0.0, "predicted tokens a second over all devices", minimum=0, flag="--plan-tokens-per-s"
+    )
+    topology: str = _option("", "the topology the plan was simulated on", flag="--plan-topology")
+    layout: str = _option("", "the layout the plan chose, as the planner describes it", flag="--plan-layout")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ElasticSection(_Section):
     """Surviving a dead rank (torchelastic, https://pytorch.org/docs/stable/elastic/run.html): the agent
     restarts the workers, which continue from the last complete checkpoint; under ``torchrun --nnodes MIN:MAX``
@@ -383,6 +404,7 @@ SECTIONS: dict[str, type[_Section]] = {
         CheckpointSection,
         LoggingSection,
         ElasticSection,
+        PlanSection,
     )
 }
 
@@ -422,6 +444,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     elastic: ElasticSection = field(default_factory=ElasticSection)
+    plan: PlanSection = field(default_factory=PlanSection)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -442,6 +465,17 @@ class TrainConfig:
             raise ConfigError(
                 "training.batch_size", f"{training.batch_size} sequences do not split over dp={parallel.dp} ranks"
             )
+        if parallel.zero_shard_size:
+            if parallel.zero != 3:
+                raise ConfigError(
+                    "parallel.zero_shard_size",
+                    f"shards parameters over part of dp: it needs zero = 3, got {parallel.zero}",
+                )
+            if parallel.dp % parallel.zero_shard_size:
+                raise ConfigError(
+                    "parallel.zero_shard_size",
+                    f"must divide dp={parallel.dp} (blocks of equal size), got {parallel.zero_shard_size}",
+                )
         local = training.batch_size // parallel.dp
         if local % training.accumulation:
             raise ConfigError(

@@ -65,7 +65,7 @@ from dtrain.train.checkpoint import (
     training_state,
 )
 from dtrain.train.config import TrainConfig
-from dtrain.train.metrics import MetricsWriter, mfu, peak_memory_bytes, reset_peak_memory
+from dtrain.train.metrics import MetricsWriter, mfu, peak_memory_bytes, plan_score, reset_peak_memory
 from dtrain.train.optim import adamw, lr_schedule, set_lr
 from dtrain.train.precision import DynamicLossScaler, autocast_dtype
 from dtrain.train.trace import write_chrome_trace, write_gantt
@@ -349,6 +349,7 @@ class _Trainer:
             schedule=par.schedule,
             virtual_stages=INTERLEAVED_CHUNKS if par.schedule == "interleaved-1f1b" else 1,
             algorithm=par.algorithm,
+            shard_size=par.zero_shard_size or None,
             device=self.device,
             zero_stage=par.zero,
             autocast_dtype=self.precision,
@@ -584,6 +585,13 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
                 if done == plan.steps or (config.checkpoint.every and done % config.checkpoint.every == 0):
                     trainer.save(done)
                     mark_saved(done)
+                if config.plan.step_s:  # the plan's prediction beside each step, scored on the last
+                    record["plan_step_s"] = config.plan.step_s
+                    if done == plan.steps:
+                        scored = plan_score([*records, record], config)
+                        record |= scored
+                        if is_main:
+                            (out / "plan_score.json").write_text(json.dumps(scored, indent=2) + "\n")
                 if writer is not None and (done % log.log_every == 0 or done == plan.steps or "eval_loss" in record):
                     writer.write(record)
                 records.append(record)

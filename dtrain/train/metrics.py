@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["PEAK_BF16_FLOPS", "MetricsWriter", "mfu", "peak_flops", "peak_memory_bytes", "reset_peak_memory"]
+__all__ = [
+    "PEAK_BF16_FLOPS",
+    "MetricsWriter",
+    "describe_plan_score",
+    "mfu",
+    "peak_flops",
+    "peak_memory_bytes",
+    "plan_score",
+    "reset_peak_memory",
+]
 
 # Dense (no sparsity) bf16 tensor-core FLOP/s by device name, from NVIDIA's datasheets: H100 SXM5 989.4 T,
 # H100 PCIe 756 T, H100 NVL 835 T, H200 (SXM) 989.4 T, A100 312 T. Matched by substring, most specific first.
@@ -97,3 +108,46 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: steps of a run left out of its measured step time: the first steps compile, allocate and warm the caches
+WARMUP_STEPS = 3
+
+
+def plan_score(records: Sequence[dict[str, Any]], config) -> dict[str, Any] | None:
+    """The plan's prediction (``config.plan`` of a :class:`~dtrain.train.config.TrainConfig`) beside this run's
+    measurement: the median step time over the steps after the first :data:`WARMUP_STEPS` (all of them in a
+    shorter run) and the largest peak device memory (None on a CPU), with their ratios to the prediction
+    (measured / predicted). None without a ``[plan]``."""
+    predicted = config.plan
+    if not predicted.step_s or not records:
+        return None
+    timed = records[WARMUP_STEPS:] if len(records) > WARMUP_STEPS else records
+    measured = statistics.median(r["step_s"] for r in timed)
+    peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
+    memory = max(peaks) if peaks else None
+    return {
+        "plan_layout": predicted.layout,
+        "plan_topology": predicted.topology,
+        "plan_step_s": predicted.step_s,
+        "plan_measured_step_s": measured,
+        "plan_step_ratio": measured / predicted.step_s,
+        "plan_memory_gib": predicted.memory_gib,
+        "plan_measured_memory_gib": memory,
+        "plan_memory_ratio": None if memory is None or not predicted.memory_gib else memory / predicted.memory_gib,
+        "plan_steps_timed": len(timed),
+    }
+
+
+def describe_plan_score(result: dict[str, Any]) -> str:
+    """One line of :func:`plan_score`'s result."""
+    text = (
+        f"plan ({result['plan_layout']} on {result['plan_topology']}): predicted {result['plan_step_s']:.4g} s a "
+        f"step, measured {result['plan_measured_step_s']:.4g} s ({result['plan_step_ratio']:.2f}x)"
+    )
+    if result["plan_measured_memory_gib"] is not None:
+        text += (
+            f"; memory predicted {result['plan_memory_gib']:.1f} GiB, measured "
+            f"{result['plan_measured_memory_gib']:.1f} GiB ({result['plan_memory_ratio']:.2f}x)"
+        )
+    return text

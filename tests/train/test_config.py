@@ -184,6 +184,7 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
         (
             "[parallel]\ntpp = 2\n",
             "train.toml: [parallel] tpp: unknown key; keys of [parallel]: dp, pp, tp, schedule, microbatches, zero, "
+            "zero_shard_size, "
             "algorithm, balance",
         ),
         ("[modle]\nfamily = 1\n", "train.toml: [modle]: unknown section; sections: model, data, parallel, optimizer"),

@@ -82,10 +82,15 @@ def one_rank(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, _run(out, "--nproc", "1", "--steps", str(STEPS), "--eval-every", "2", export=True)
 
 
+PLANNED = ["--plan-step-s", "0.25", "--plan-memory-gib", "2", "--plan-layout", "dp2 tp1 pp1", "--plan-topology", "t"]
+
+
 @pytest.fixture(scope="module")
 def two_ranks_dp(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dp2")
-    return _run(out, "--nproc", "2", "--dp", "2", "--steps", str(STEPS))
+    records = _run(out, "--nproc", "2", "--dp", "2", "--steps", str(STEPS), *PLANNED)
+    assert json.loads((out / "plan_score.json").read_text()) == {k: v for k, v in records[-1].items() if "plan_" in k}
+    return records
 
 
 def _losses(records: list[dict]) -> list[float]:
@@ -99,6 +104,17 @@ def test_data_parallel_run_writes_finite_falling_losses_and_its_metrics(two_rank
     for r in two_ranks_dp:
         assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0
         assert r["mfu"] is None and r["peak_memory_gib"] is None  # on CPUs neither is defined
+
+
+def test_a_planned_run_records_the_prediction_beside_the_measurement(two_ranks_dp):
+    assert all(r["plan_step_s"] == 0.25 for r in two_ranks_dp)
+    last = two_ranks_dp[-1]
+    assert last["plan_layout"] == "dp2 tp1 pp1" and last["plan_topology"] == "t" and last["plan_memory_gib"] == 2
+    timed = sorted(r["step_s"] for r in two_ranks_dp[3:])  # the steps after the first three
+    assert last["plan_measured_step_s"] == timed[len(timed) // 2] and last["plan_steps_timed"] == len(timed)
+    assert last["plan_step_ratio"] == pytest.approx(last["plan_measured_step_s"] / 0.25)
+    assert last["plan_measured_memory_gib"] is None and last["plan_memory_ratio"] is None  # no device memory on CPU
+    assert not any("plan_measured_step_s" in r for r in two_ranks_dp[:-1])
 
 
 def test_data_parallel_on_two_ranks_matches_one_rank_on_the_global_batch(two_ranks_dp, one_rank):

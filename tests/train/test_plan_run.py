@@ -1,0 +1,88 @@
+"""``dtrain plan --config RUN.toml --write OUT.toml``: the simulator's fastest layout of a run, written as a run
+config that ``dtrain train`` accepts, with the prediction in ``[plan]``; and the hybrid-sharding key.
+
+(tests/train/test_train.py trains a config carrying a ``[plan]`` and checks the scored metrics.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dtrain.cli.main import main
+from dtrain.cluster.files import resolve
+from dtrain.sim.model import Layout, memory_per_device
+from dtrain.train import loop
+from dtrain.train.config import ConfigError, TrainConfig, load_config
+from dtrain.train.plan import model_spec, plan_run, run_shape
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny-cpu.toml"
+
+
+def test_plan_writes_the_fastest_runnable_layout_and_its_prediction(tmp_path, capsys):
+    out = tmp_path / "planned.toml"
+    assert main(["plan", "--config", str(TINY), "--topology", "h100-node", "--devices", "4", "--write", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("dtrain plan: dp") and f"written to {out}" in printed
+    original, planned = load_config(TINY), load_config(out)
+    par, tr, predicted = planned.parallel, planned.training, planned.plan
+    assert par.dp * par.tp * par.pp == 4 and predicted.topology == "h100-node"
+    # the [plan] section describes exactly the layout written
+    dp, tp, pp, mb, m = map(int, re.match(r"dp(\d+) tp(\d+) pp(\d+) mb(\d+)x(\d+)", predicted.layout).groups())
+    assert (dp, tp, pp) == (par.dp, par.tp, par.pp)
+    assert (par.microbatches if pp > 1 else tr.accumulation) == m and dp * mb * m == tr.batch_size
+    assert predicted.step_s > 0 and predicted.tokens_per_s == pytest.approx(
+        tr.batch_size * planned.data.seq_len / predicted.step_s
+    )
+    # the run config is otherwise the one given, and the layout passes the launching process's own checks
+    for section in ("model", "data", "optimizer", "lr_schedule", "checkpoint", "logging"):
+        assert getattr(planned, section) == getattr(original, section)
+    loop.validate_layout(planned, 4, run_shape(planned))
+
+
+def test_plan_run_skips_layouts_dtrain_train_cannot_run_and_predicts_the_memory_of_the_one_it_keeps():
+    config = load_config(TINY)
+    shape = run_shape(config)
+    topo = resolve("h100-node")
+    planned = plan_run(config, topo, devices=2, shape=shape, zero_stages=[0], recompute=["none"])
+    layout = planned.plan.layout
+    assert isinstance(layout, Layout) and layout.world_size == 2
+    spec = model_spec(shape, config.data.seq_len)
+    assert spec.vocab == shape.vocab_size and spec.layers == shape.num_hidden_layers and spec.gated_mlp
+    assert planned.config.plan.memory_gib == pytest.approx(memory_per_device(spec, layout).total / 2**30)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--write", "x.toml"], "--write"),
+        (["--config", "/nonexistent/run.toml"], "/nonexistent/run.toml"),
+        (["--config", str(TINY), "--global-batch", "3"], "--global-batch"),
+        (["--config", str(TINY), "--devices", "64"], "--devices"),
+    ],
+)
+def test_plan_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, named):
+    assert main(["plan", "--topology", "h100-node", *argv]) == 2
+    said = capsys.readouterr()
+    assert len(said.out.splitlines()) == 1 and named in said.out and not said.err
+    assert not list(tmp_path.iterdir()) and not Path("x.toml").exists()
+
+
+def test_plan_says_so_when_no_layout_fits(tmp_path, capsys):
+    big = tmp_path / "big.toml"
+    big.write_text(TINY.read_text().replace('preset = "tiny"', 'preset = "8b"'))
+    out = tmp_path / "planned.toml"
+    assert main(["plan", "--config", str(big), "--topology", "h100-node", "--devices", "1", "--write", str(out)]) == 2
+    said = capsys.readouterr().out
+    assert said.startswith("dtrain: error: --config: no layout of the model trains on 1 device(s)") and not out.exists()
+
+
+def test_hybrid_sharding_key_needs_zero_3_and_a_divisor_of_dp():
+    base = {"parallel": {"dp": 4, "zero": 3, "zero_shard_size": 2}, "training": {"batch_size": 8}}
+    assert TrainConfig.from_dict(base).parallel.zero_shard_size == 2
+    with pytest.raises(ConfigError, match=r"\[parallel\] zero_shard_size: shards parameters over part of dp"):
+        TrainConfig.from_dict({**base, "parallel": {**base["parallel"], "zero": 2}})
+    with pytest.raises(ConfigError, match=r"must divide dp=4"):
+        TrainConfig.from_dict({**base, "parallel": {**base["parallel"], "zero_shard_size": 3}})
