@@ -145,6 +145,11 @@ def _add_software(p: argparse.ArgumentParser) -> None:
 
 def _add_step_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--efficiency", type=float, default=0.5, help="achieved / peak FLOP/s of the kernels")
+    p.add_argument(
+        "--compute",
+        help="a `dtrain bench compute` profile (JSON): price each operation at the device's measured rates "
+        "instead of --efficiency",
+    )
     p.add_argument("--tp-algorithm", default="ring")
     p.add_argument("--dp-algorithm", default="ring", help="e.g. ring, halving_doubling, hierarchical")
     p.add_argument("--no-overlap", action="store_true", help="never overlap the dp all-reduce with backward")
@@ -247,8 +252,16 @@ def _collective_placement(args: argparse.Namespace, topo, devices: list[str]) ->
 def _step_config(args: argparse.Namespace, **extra):
     from dtrain.sim.step import StepConfig
 
+    profile = None
+    if args.compute:
+        from dtrain.sim.compute import load_profile
+
+        try:
+            profile = load_profile(args.compute)
+        except ValueError as exc:
+            raise ValueError(f"--compute: {exc}") from None
     return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm, dp_algorithm=args.dp_algorithm,
-                      overlap_dp=not args.no_overlap, cost=_software(args), **extra)  # fmt: skip
+                      overlap_dp=not args.no_overlap, cost=_software(args), compute=profile, **extra)  # fmt: skip
 
 
 def _simulate_train(args: argparse.Namespace) -> int:

@@ -19,7 +19,8 @@ What each strategy sends mirrors :mod:`dtrain.parallel`:
 Every collective is a ``dtrain.comm`` schedule replayed on the placement (:mod:`dtrain.sim.traffic`).
 Activation recomputation (``Layout.recompute``) adds its FLOPs to each backward, and under full recomputation
 the forward's two tensor-parallel all-reduces a layer run again (:mod:`dtrain.sim.model`).
-Compute is FLOPs over each device's peak times an efficiency; a straggler multiplies a rank's compute. The
+Compute is FLOPs over each device's peak times an efficiency, or, given a device's measured rates, the sum of
+its operations (:mod:`dtrain.sim.compute`); a straggler multiplies a rank's compute. The
 step is synchronous: a tensor-parallel group runs at its slowest member, a pipeline at its stages' pace, and
 the data-parallel all-reduce waits for the slowest replica.
 """
@@ -35,6 +36,7 @@ import numpy as np
 from dtrain.cluster.topology import Topology
 from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
 from dtrain.sim.collective import CollectiveResult, SoftwareCost
+from dtrain.sim.compute import ComputeProfile, stage_compute
 from dtrain.sim.flows import LinkUsage
 from dtrain.sim.model import (
     Layout,
@@ -66,7 +68,10 @@ class StepConfig:
     (median 1) each of ``samples`` steps. ``split_pipeline``: each tensor-parallel rank sends ``1/tp`` of a
     stage's activation and the next stage all-gathers it (Megatron-LM's scatter-gather; see
     :func:`dtrain.sim.traffic.simulate_traffic`); ``flow_limit``: messages a set of concurrent collectives may
-    start before it is replayed in lock-step rounds (:func:`dtrain.sim.classes.replay_jobs`; None: never)."""
+    start before it is replayed in lock-step rounds (:func:`dtrain.sim.classes.replay_jobs`; None: never).
+    ``compute``: a device's measured rates (:class:`dtrain.sim.compute.ComputeProfile`); the step's compute is
+    then the sum of its operations priced by them (and the optimizer step by its measured rate) instead of FLOPs
+    at ``efficiency`` of the peak."""
 
     efficiency: float = 0.5
     tp_algorithm: str = "ring"
@@ -81,6 +86,7 @@ class StepConfig:
     seed: int = 0
     split_pipeline: bool = False
     flow_limit: int | None = DEFAULT_FLOW_LIMIT
+    compute: ComputeProfile | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1:
@@ -140,11 +146,19 @@ def _stage_times(
     extra = recompute_flops_per_microbatch(model, layout) / config.efficiency
     layers = model.layers // layout.pp
     backward_all_reduces = tp_all_reduces_per_layer(layout) - 2
+    stages = None
+    if config.compute is not None:
+        stages = [stage_compute(model, layout, config.compute, p) for p in range(layout.pp)]
     forward, backward = [], []
     for d in range(layout.dp):
         fw, bw = [], []
         for p in range(layout.pp):
             ranks = group(layout, "tp", d, p, 0)
+            if stages is not None:  # measured rates of the profile's device, times the slowest rank's factor
+                factor = max(factors[r] for r in ranks)
+                fw.append(stages[p].forward_s * factor + 2 * layers * tp_s)
+                bw.append(stages[p].backward_s * factor + backward_all_reduces * layers * tp_s)
+                continue
             slowest = max(factors[r] / topo.device(placement[r]).peak_flops for r in ranks)
             compute = flops * slowest
             fw.append(compute / 3 + 2 * layers * tp_s)
@@ -218,7 +232,10 @@ def simulate_step(
     dp_s = sum(r.time_s for r in dp)
     memory = memory_per_device(model, layout)
     owned = model.parameters / (layout.tp * layout.pp) / (layout.dp if layout.zero_stage else 1)
-    optimizer_s = max(owned * ADAM_BYTES_PER_PARAMETER / topology.device(d).memory_bytes_per_s for d in placement)
+    if config.compute is not None:
+        optimizer_s = owned / config.compute.adam_params_per_s
+    else:
+        optimizer_s = max(owned * ADAM_BYTES_PER_PARAMETER / topology.device(d).memory_bytes_per_s for d in placement)
     m = layout.microbatches
     steps, pipelines, exposed_dp = [], [], []
     for factors in _factors(layout, config):
