@@ -19,6 +19,9 @@ degree):
 - full recomputation: the layer's input only, ``2 s b h`` (section 4.3), ``2 s b h / t`` with sequence
   parallelism (the input kept split along the sequence).
 
+A model trained with fused (flash) attention (``ModelSpec.flash_attention``) keeps none of the ``5 a s / h``
+terms: the kernel stores the output and the softmax statistics only (Dao et al. 2022).
+
 With recomputation the backward of one layer of one micro-batch also holds what it recomputes (the whole
 layer, or its attention core ``5 a s^2 b / t``) for a moment; that is added once. A 1F1B stage holds at most
 ``pp`` micro-batches in flight (GPipe holds all ``m``).
@@ -65,6 +68,7 @@ class ModelSpec:
     ffn_hidden: int = 0  # width of the MLP's inner layer; 0: 4 x hidden
     kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
     gated_mlp: bool = False  # SwiGLU (three MLP matrices) rather than two
+    flash_attention: bool = False  # a fused attention kernel that keeps no s x s scores for backward
 
     def __post_init__(self) -> None:
         for field_name in ("parameters", "layers", "hidden", "heads", "sequence", "bytes_per_value"):
@@ -197,7 +201,9 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, recompute: str 
     sp = layout.sequence_parallel
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
-    attention_core = 5 * a * s / (h * t)
+    # the s x s scores, softmax and dropout mask, which a fused (flash) attention kernel never keeps (Dao et al.
+    # 2022, "FlashAttention", section 3.1: it saves the output and the softmax statistics only)
+    attention_core = 0.0 if model.flash_attention else 5 * a * s / (h * t)
     outside = 34 / t if sp else 10 + 24 / t  # the norms and dropouts are split over t only with sequence parallelism
     return s * b * h * (outside + (attention_core if recompute == "none" else 0.0))
 

@@ -62,6 +62,7 @@ def model_spec(shape, seq_len: int, name: str = "model"):
         ffn_hidden=ffn,
         kv_heads=kv,
         gated_mlp=not isinstance(shape, GPT2Config),
+        flash_attention=True,  # dtrain.models' attention is torch's scaled_dot_product_attention
     )
 
 
