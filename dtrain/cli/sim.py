@@ -147,8 +147,8 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--efficiency", type=float, default=0.5, help="achieved / peak FLOP/s of the kernels")
     p.add_argument(
         "--compute",
-        help="a `dtrain bench compute` profile (JSON): price each operation at the device's measured rates "
-        "instead of --efficiency",
+        help="a `dtrain bench compute` profile (JSON file), or one shipped with dtrain (h100-sxm): price each "
+        "operation at the device's measured rates instead of --efficiency",
     )
     p.add_argument("--tp-algorithm", default="ring")
     p.add_argument("--dp-algorithm", default="ring", help="e.g. ring, halving_doubling, hierarchical")
@@ -254,7 +254,7 @@ def _step_config(args: argparse.Namespace, **extra):
 
     profile = None
     if args.compute:
-        from dtrain.sim.compute import load_profile
+        from dtrain.sim.compute import profile as load_profile
 
         try:
             profile = load_profile(args.compute)

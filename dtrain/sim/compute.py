@@ -35,7 +35,7 @@ from typing import Any
 
 from dtrain.sim.model import Layout, ModelSpec
 
-__all__ = ["ComputeProfile", "StageCompute", "load_profile", "stage_compute", "packaged_profile"]
+__all__ = ["ComputeProfile", "StageCompute", "load_profile", "packaged_profile", "profile", "stage_compute"]
 
 #: element-wise bytes of one layer's forward, in units of ``b s h`` values: two norms (read, write: 4), two
 #: residual additions (read two, write one: 6), the rotary embedding of queries and keys (read, write: 2 x 2)
@@ -153,6 +153,17 @@ def load_profile(path: str | os.PathLike) -> ComputeProfile:
 
 
 PROFILES = Path(__file__).with_name("profiles")
+
+
+def profile(name_or_path: str | os.PathLike) -> ComputeProfile:
+    """A profile file, or the name of one shipped with dtrain (``h100-sxm``: ``dtrain/sim/profiles/NAME.json``)."""
+    shipped = PROFILES / f"{name_or_path}.json"
+    if not Path(name_or_path).exists() and shipped.exists():
+        return load_profile(shipped)
+    if not Path(name_or_path).exists():
+        names = ", ".join(sorted(p.stem for p in PROFILES.glob("*.json")))
+        raise ValueError(f"{name_or_path}: no such profile file, nor a profile shipped with dtrain ({names})")
+    return load_profile(name_or_path)
 
 
 def packaged_profile(device_name: str) -> ComputeProfile | None:

@@ -119,3 +119,12 @@ def test_a_bad_profile_is_one_line_naming_the_file(tmp_path, capsys):
         said.startswith(f"dtrain: error: --compute: {bad}: not a dtrain bench compute profile")
         and len(said.splitlines()) == 1
     )
+
+
+def test_the_shipped_h100_profile_loads_by_name_and_stays_under_the_datasheet_peak():
+    from dtrain.sim.compute import profile
+
+    h100 = profile("h100-sxm")
+    assert h100.device == "NVIDIA H100 80GB HBM3"
+    assert max(r[3] for r in h100.matmul) < 989.4e12  # dense bf16 peak of the H100 SXM datasheet
+    assert h100.copy_bytes_per_s < 3.35e12  # HBM3 bandwidth of the same datasheet
