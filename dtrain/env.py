@@ -36,6 +36,7 @@ __all__ = [
     "ALL_VARIABLES",
     "KILL_AT",
     "kill_at",
+    "kill_node",
     "COMM_TRANSPORT",
     "COMM_PERSISTENT",
     "COMM_PEER_MODE",
@@ -292,12 +293,21 @@ class EmulateEnv:
 
 
 def kill_at(environ: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
-    """``DTRAIN_KILL_AT=RANK:STEP`` (fault injection for resilience tests: that rank of ``dtrain train`` kills
-    itself with SIGKILL as step STEP starts, in the first attempt only), or None when unset."""
+    """``DTRAIN_KILL_AT=RANK:STEP[:node]`` (fault injection for resilience tests: that rank of ``dtrain train``
+    kills itself with SIGKILL as step STEP starts, in the first attempt only; with ``:node`` it first kills the
+    elastic agent that started it, as a whole node going down), or None when unset."""
     value = _get(environ, KILL_AT)
     if not value:
         return None
-    rank, sep, step = value.partition(":")
-    if not sep or not rank.isdigit() or not step.isdigit():
-        raise EnvError(f"{KILL_AT}={value!r}: must be RANK:STEP, two whole numbers >= 0 (e.g. 1:3)")
+    rank, sep, rest = value.partition(":")
+    step, _, scope = rest.partition(":")
+    if not sep or not rank.isdigit() or not step.isdigit() or scope not in ("", "node") or rest.endswith(":"):
+        raise EnvError(
+            f"{KILL_AT}={value!r}: must be RANK:STEP or RANK:STEP:node, RANK and STEP whole numbers >= 0 (e.g. 1:3)"
+        )
     return int(rank), int(step)
+
+
+def kill_node(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when ``DTRAIN_KILL_AT`` ends in ``:node``: the rank kills its elastic agent before itself."""
+    return kill_at(environ) is not None and _get(environ, KILL_AT).endswith(":node")

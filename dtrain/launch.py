@@ -12,8 +12,9 @@ again, up to ``max_restarts`` times; a worker sees ``TORCHELASTIC_RESTART_COUNT`
 ``fn`` can continue from its last checkpoint. While ``fn`` runs, every rank beats in the job's store
 (:class:`dtrain.comm.peer.watchdog.Heartbeat`); a rank whose collective fails because a peer died logs one line
 naming that peer (rank, host and pid). A ``ValueError`` is bad input, which no restart mends: the rank that
-raises it records it in the store, every rank of a later attempt stops with it at once, and the launching
-process raises it (one line) instead of using up the restarts.
+raises it records it in the store; a rank whose collective fails meanwhile ends with it too (no restart), every
+rank of a later attempt stops with it at once, and the launching process raises it (one line) instead of using
+up the restarts.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ __all__ = [
 ]
 
 #: Fault injection for resilience tests (:func:`dtrain.env.kill_at`): ``RANK:STEP`` makes that rank kill itself
-#: with SIGKILL when :func:`maybe_kill` is called at that step, in the first attempt only.
+#: with SIGKILL when :func:`maybe_kill` is called at that step, in the first attempt only; ``RANK:STEP:node`` kills
+#: the elastic agent that started it first (its parent process: torchrun's agent, or :func:`run_ranks`' launching
+#: process), as a node that goes down with all its workers.
 KILL_ENV = env.KILL_AT
 _RUN_PREFIX = "dtrain-launch-"  # the run id of run_ranks' own launches
 
@@ -64,13 +67,16 @@ def restart_count() -> int:
 
 
 def maybe_kill(step: int) -> None:
-    """Kill this process with SIGKILL if :data:`KILL_ENV` names this rank and ``step`` (first attempt only)."""
+    """Kill this process with SIGKILL if :data:`KILL_ENV` names this rank and ``step`` (first attempt only); with
+    ``:node``, its agent first."""
     target = env.kill_at()
     if target is None or restart_count() > 0:
         return
     if target == (dist.get_rank(), step):
         sys.stdout.flush()
         sys.stderr.flush()
+        if env.kill_node():  # the agent first, so that it cannot restart this node's workers
+            os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -194,6 +200,11 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
             return _BadInput(str(err))
         raise
     except Exception as err:
+        recorded = _recorded_bad_input(store)
+        if recorded is not None:  # a peer stopped on bad input and this rank's collective with it failed
+            if not under_torchrun_job():
+                return _BadInput(recorded)  # no restart: the job ends with that one line
+            raise ValueError(recorded) from None
         if heartbeat is not None and _is_collective_failure(err):
             line = heartbeat.describe_failure(err)
             if line is not None:

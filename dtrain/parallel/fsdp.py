@@ -47,6 +47,11 @@ from dtrain.parallel.zero import MemoryReport, ZeroMemoryReport
 __all__ = ["FullyShardedDataParallel", "ParameterShard", "ShardedMemoryReport", "hybrid_shard_groups"]
 
 
+def _eager(fn: Callable) -> Callable:
+    """``fn`` left out of any torch.compile trace (run as plain Python between the compiled graphs)."""
+    return torch._dynamo.disable(fn, recursive=True)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardedMemoryReport(ZeroMemoryReport):
     """:class:`~dtrain.parallel.zero.ZeroMemoryReport` (``stage`` 3) and how many bytes of full parameters were
@@ -287,8 +292,10 @@ class FullyShardedDataParallel:
         self._hooks = [p.register_post_accumulate_grad_hook(self._mark_ready) for f in self.flats for p in f.params]
         self._flat_of = {id(p): i for i, f in enumerate(self.flats) for p in f.params}
         for u, unit in enumerate(units):
-            self._hooks.append(unit.register_forward_pre_hook(self._pre_forward(u)))
-            self._hooks.append(unit.register_forward_hook(self._post_forward(u)))
+            # the hooks run eagerly around a torch.compile'd unit (Module.compile traces its hooks too): their
+            # collectives and storage resizes are no graph's business, and dynamo skips them without retracing
+            self._hooks.append(unit.register_forward_pre_hook(_eager(self._pre_forward(u))))
+            self._hooks.append(unit.register_forward_hook(_eager(self._post_forward(u))))
         self._hooks.append(module.register_state_dict_post_hook(lambda *a: self._state_dict_hook(*a)))
         self._hooks.append(module.register_load_state_dict_pre_hook(lambda *a: self._load_state_dict_pre_hook(*a)))
         self._hooks.append(module.register_load_state_dict_post_hook(lambda *_: self.reshard()))

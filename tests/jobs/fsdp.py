@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from dtrain.models.config import LlamaConfig
-from dtrain.models.decoder import build
+from dtrain.models.decoder import Block, build
 from dtrain.parallel.fsdp import hybrid_shard_groups
 from dtrain.parallel.grid import ParallelDims
 from dtrain.parallel.hybrid import HybridParallel
 from dtrain.parallel.parallelize import causal_lm_loss
+from dtrain.train.precision import DynamicLossScaler
 from tests.jobs import parallel as jobs
 
 KIND = "llama"  # tied embeddings: one parameter shared by the first and last units (or stages)
@@ -29,7 +30,9 @@ def train(layout: dict) -> dict | None:
     layout = dict(layout)
     dp, pp, tp = layout.pop("dp", 1), layout.pop("pp", 1), layout.pop("tp", 1)
     bf16 = layout.pop("bf16", False)  # gathered and computed in bf16 over the float32 shards
-    rtol, atol = (2e-2, 1e-2) if bf16 else (jobs.RTOL, jobs.ATOL)
+    fp16 = layout.pop("fp16", False)  # computed in fp16 (autocast) over float32 parameters, the loss scaled
+    compiled = layout.pop("compile", False)  # every block torch.compile'd after sharding, as dtrain train does
+    rtol, atol = (2e-2, 1e-2) if bf16 or fp16 else (jobs.RTOL, jobs.ATOL)
     grid = jobs._grid(dp, pp, tp)
     shard_size = layout.get("shard_size")
     if grid is None:
@@ -39,14 +42,21 @@ def train(layout: dict) -> dict | None:
             )
         return None
     ref_losses, ref_norms, ref_state = jobs.reference(KIND, clip=True, groups=True)
-    if bf16:
-        layout["autocast_dtype"] = torch.bfloat16
+    if bf16 or fp16:
+        layout["autocast_dtype"] = torch.bfloat16 if bf16 else torch.float16
     hybrid = HybridParallel(jobs.model(KIND), grid, jobs._adamw, zero_stage=3, **layout)
+    if compiled:
+        for module in hybrid.module.modules():
+            if isinstance(module, Block):
+                module.compile()
+    scaler = DynamicLossScaler() if fp16 else None
     loss_fn = causal_lm_loss(grid.tp_group) if tp > 1 else jobs._lm_loss
-    losses, norms = [], []
+    losses, norms, skipped = [], [], 0
     for step in range(jobs.STEPS):
-        losses.append(hybrid.train_step(*jobs._global_batch(step), loss_fn, max_grad_norm=jobs.MAX_NORM).item())
+        batch = jobs._global_batch(step)
+        losses.append(hybrid.train_step(*batch, loss_fn, max_grad_norm=jobs.MAX_NORM, loss_scaler=scaler).item())
         norms.append(hybrid.last_grad_norm)
+        skipped += hybrid.step_skipped
     fsdp = hybrid.optimizer
     whole_name = {id(p): name for name, p in hybrid.named_params}
     by_stage_name = dict(hybrid.module.named_parameters())
@@ -83,6 +93,8 @@ def train(layout: dict) -> dict | None:
         "local_numel": sum(p.numel() for _, p in hybrid.named_params),
         "exported": exported,
         "launches": fsdp.launches,
+        "loss_scale": None if scaler is None else scaler.scale,
+        "skipped": skipped,
         "problems": problems,
     }
 

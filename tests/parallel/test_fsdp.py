@@ -25,6 +25,19 @@ LAYOUTS = {  # name -> (grid ranks, layout)
     "pp2xdp2": (4, {"dp": 2, "pp": 2, "num_microbatches": 2, "algorithm": "native"}),
     "shard2xreplicate2": (4, {"dp": 4, "shard_size": 2, "algorithm": "native"}),
     "dp2-bf16": (2, {"dp": 2, "bf16": True, "algorithm": "native"}),  # near the float32 reference
+    "pp2xdp2-interleaved": (
+        4,
+        {
+            "dp": 2,
+            "pp": 2,
+            "num_microbatches": 2,
+            "schedule": "interleaved-1f1b",
+            "virtual_stages": 2,
+            "algorithm": "native",
+        },
+    ),
+    "dp2-fp16": (2, {"dp": 2, "fp16": True, "algorithm": "native"}),  # loss-scaled, near the float32 reference
+    "dp2-compiled": (2, {"dp": 2, "compile": True, "algorithm": "native"}),  # torch.compile'd blocks
 }
 
 
@@ -37,6 +50,8 @@ def test_zero3_trains_like_one_process(pool, layout):
     for rank, got in enumerate(results[:world]):
         assert (got["loss"], got["norm"], got["shards"]) == (0.0, 0.0, 0.0), (rank, got)
         assert got["problems"] == [] and got["launches"] > 0, (rank, got)
+        if spec.get("fp16"):  # scaled by the dynamic loss scale, no step skipped
+            assert got["loss_scale"] > 1 and got["skipped"] == 0, (rank, got)
         assert got["param_dtype"] == {"torch.bfloat16" if spec.get("bf16") else "torch.float32"}
         # this rank holds its 1/shard share of its stage's (tp-local) parameters, not all of them
         shard = spec.get("shard_size", dp)
