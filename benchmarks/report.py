@@ -444,7 +444,15 @@ def section_tp_pp() -> str:
 # --------------------------------------------------------------------------------------------------- real models
 
 
-LAYOUTS = (("dp4", "dp 4"), ("tp4", "tp 4"), ("pp4", "pp 4, 1F1B, 4 micro-batches"), ("dp2tp2", "dp 2 x tp 2"))
+LAYOUTS = (
+    ("dp4", "dp 4"),
+    ("tp4", "tp 4"),
+    ("pp4", "pp 4, 1F1B, 4 micro-batches"),
+    ("dp2tp2", "dp 2 x tp 2"),
+    ("tp2pp2", "tp 2 x pp 2, 1F1B, 4 micro-batches"),
+    ("dp4zero3", "dp 4, ZeRO-3"),
+    ("dp4zero3ac", "dp 4, ZeRO-3, full activation checkpointing"),
+)
 
 
 def section_llama() -> str:
@@ -482,7 +490,7 @@ def section_llama() -> str:
             "`llama_1b_dp-h100x4.jsonl`",
         ),
         table(["variant", "compiled", "step ms", "tokens/s", "/ DDP", "MFU", "peak GiB"], rows),
-        "### The same model trained by `dtrain train` in four layouts",
+        "### The same model trained by `dtrain train` in seven layouts",
         "100 steps on Python's help texts (a BPE of 8,192 tokens; the model keeps its 128,256-token vocabulary), "
         "global batch 16 x 2048 tokens, learning rate 3e-4 after 10 warmup steps, cosine decay, bf16; the same seed "
         "and data order in every layout. Losses agree to bf16 rounding early and drift apart slowly as rounding "
@@ -506,7 +514,8 @@ def section_llama() -> str:
             "4 x NVIDIA H100 80GB HBM3, NVLink through NVSwitch",
             f"torch {first['torch']}, NCCL {NCCL}",
             "benchmarks/gpu/run.sh OUT llama-layouts (torchrun --nproc-per-node 4 -m dtrain train --preset 1b "
-            "LAYOUT --seq-len 2048 --batch-size 16 --steps 100 --lr 3e-4 --warmup-steps 10 "
+            "LAYOUT [--zero 3] [--activation-checkpointing full] --seq-len 2048 --batch-size 16 --steps 100 "
+            "--lr 3e-4 --warmup-steps 10 "
             "--set data.tokenizer_vocab=8192 --precision bf16 --no-export --no-tensorboard)",
             ", ".join(f"`llama_1b_train_{n}-h100x4.jsonl`" for n, _ in LAYOUTS),
         ),
@@ -514,6 +523,7 @@ def section_llama() -> str:
     ]
     parts += _zero_recompute_part(ddp)
     parts += _largest_part()
+    parts += _plan_score_part()
     parts += _torchtitan_part()
     return "\n\n".join(parts)
 
@@ -599,6 +609,41 @@ def _largest_part() -> list[str]:
             "`largest_zero3-h100x4.jsonl`",
         ),
         table(["variant", "blocks", "B params", "step ms", "tokens/s", "MFU", "peak GiB"], rows),
+    ]
+
+
+def _plan_score_part() -> list[str]:
+    """`dtrain plan --write` on the Llama 1B config, then `dtrain train` of what it wrote: predicted beside measured."""
+    records = load("plan_score_llama_1b-h100x4.jsonl")
+    if not records:
+        return []
+    r = records[0]
+    other = r["plan_without_profile"]
+    rows = [
+        ["step time", f"{r['plan_step_s'] * 1e3:.1f} ms", f"{r['plan_measured_step_s'] * 1e3:.1f} ms",
+         f"{r['plan_step_ratio']:.3f}"],
+        ["peak memory a GPU", f"{r['plan_memory_gib']:.1f} GiB", f"{r['plan_measured_memory_gib']:.1f} GiB",
+         f"{r['plan_memory_ratio']:.2f}"],
+    ]  # fmt: skip
+    return [
+        "### A planned run, scored",
+        f"`dtrain plan` on `{r['config']}` (Llama 1B, global batch 64 x 2048 tokens, compiled) for {r['devices']} "
+        "GPUs of the `h100-node` topology, each operation priced by the H100 profile `dtrain bench compute` "
+        f"measured (`{r['compute_profile']}`), chose `{r['plan_layout']}` and wrote it as a run config; "
+        f"`dtrain train` of that config measured the median of {r['plan_steps_timed']} steps after three of "
+        f"warm-up. With one constant efficiency instead of the profile the planner predicted "
+        f"{other['step_s'] * 1e3:.0f} ms for `{other['layout']}`. The memory model is the ZeRO paper's "
+        "(16-bit weights and gradients, ZeRO-2 sharding both); dtrain keeps float32 weights and, under ZeRO-2, "
+        "whole float32 gradients until the step, which the measured peak shows.",
+        setting(
+            f"{r['devices']} x {r['device']}, NVLink through NVSwitch",
+            f"torch {r['torch']}, NCCL {NCCL}",
+            "benchmarks/gpu/run.sh OUT plan-score (dtrain bench compute --profile-out P; dtrain plan --config "
+            "configs/llama-1b-gpu.toml --topology h100-node --devices 4 --compute P --write PLAN; torchrun "
+            "--nproc-per-node 4 -m dtrain train --config PLAN --steps 20)",
+            "`plan_score_llama_1b-h100x4.jsonl`, `bench_compute-h100x1.jsonl`",
+        ),
+        table(["", "predicted", "measured", "measured / predicted"], rows),
     ]
 
 
