@@ -16,7 +16,8 @@ appendix, for the FLOP counts):
 - memory-bound work in bytes: two layer norms (read and write ``2 T h`` each), two bias-dropout-residual adds
   (``7 T h``: input, residual, output and a one-byte mask), the activation (``4 T f / t``, ``6 T f / t``
   gated); split over ``t`` only with sequence parallelism (Korthikanti et al. 2022, section 4.2.2), otherwise
-  each rank repeats them; backward moves twice the forward's bytes;
+  each rank repeats them; backward moves twice the forward's bytes; each micro-batch's weight gradients are
+  added into 32-bit gradients (Megatron-LM's ``main_grad``: 8 bytes a weight, read and written);
 - the first stage looks up the embedding (``4 T h`` bytes forward, and backward touches the ``V / t`` rows of
   its gradient); the last stage runs the final norm, the logits ``(T, V / t, h)`` and the vocabulary-parallel
   cross-entropy (10 bytes a logit forward, 6 backward);
@@ -268,6 +269,8 @@ def layer_ops(model: ModelSpec, layout: Layout) -> list[Op]:
         *_memory("residual-adds", 2 * 7 * outside),
         *_memory("activation", (6 if model.gated_mlp else 4) * tokens * f / t),
     ]
+    weights = (h * (h + 2 * kv * d) + h * h + (3 if model.gated_mlp else 2) * h * f) / t
+    ops.append(Op("grad-accumulate", "memory", "W", nbytes=8 * weights))
     heads = b * a // t
     if layout.attention == "flash":
         forward = 4.0 * b * s * s * h / t * 0.5
