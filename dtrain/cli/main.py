@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dtrain.cli import bench_pipeline
 
     bench_pipeline.add_parser(bench_commands)
+    from dtrain.cli import bench_compute
+
+    bench_compute.add_parser(bench_commands)
     _add_train(commands)
     for module in _feature_modules():
         module.register(commands)
