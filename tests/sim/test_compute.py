@@ -1,0 +1,94 @@
+"""dtrain.sim.compute: operations, their prices, the curve file, and dtrain bench compute on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dtrain.sim.compute import DEVICE_COMPUTE, Curve, device_compute, layer_ops, load_curves, price, stage_compute
+from dtrain.sim.model import Layout, ModelSpec
+
+GPT = ModelSpec(parameters=1e9, layers=4, hidden=1024, heads=16, sequence=512, vocab=32000)
+A100 = DEVICE_COMPUTE["a100-sxm"]
+
+
+def test_layer_matmul_flops_are_the_megatron_count() -> None:
+    layout = Layout(tp=2, micro_batch=2, global_batch=2)
+    ops = layer_ops(GPT, layout)
+    products = sum(op.total_flops for op in ops if op.kind == "matmul" and op.name not in ("scores", "context"))
+    tokens, h = 2 * 512, 1024
+    assert products == pytest.approx(3 * 24 * tokens * h * h / 2)  # 24 T h^2 forward, 3x with backward, over tp
+    attention = sum(op.total_flops for op in ops if op.name in ("scores", "context"))
+    assert attention == pytest.approx(3 * 4 * 2 * 512 * 512 * h / 2)
+
+
+def test_grouped_kv_heads_and_gated_mlp_change_the_shapes() -> None:
+    llama = ModelSpec(parameters=1e9, layers=4, hidden=1024, heads=16, sequence=512, kv_heads=4, ffn_hidden=2816,
+                      gated_mlp=True)  # fmt: skip
+    ops = {op.name: op for op in layer_ops(llama, Layout()) if op.phase == "F"}
+    assert ops["qkv"].n == 1024 + 2 * 4 * 64
+    assert ops["mlp-in"].n == 2 * 2816 and ops["mlp-out"].k == 2816
+
+
+def test_recompute_and_sequence_parallel_price_what_they_should() -> None:
+    base = stage_compute(GPT, Layout(tp=2), 0, A100)
+    full = stage_compute(GPT, Layout(tp=2, recompute="full"), 0, A100)
+    selective = stage_compute(GPT, Layout(tp=2, recompute="selective"), 0, A100)
+    layer_forward = sum(price(op, A100) for op in layer_ops(GPT, Layout(tp=2)) if op.phase == "F")
+    assert full.recompute_s == pytest.approx(GPT.layers * layer_forward)
+    assert base.forward_s > GPT.layers * layer_forward  # plus the embedding, final norm, logits, cross-entropy
+    assert 0 < selective.recompute_s < full.recompute_s
+
+    def norm_bytes(layout: Layout) -> float:
+        return sum(op.nbytes for op in layer_ops(GPT, layout) if op.name in ("norms", "residual-adds"))
+
+    assert norm_bytes(Layout(tp=2, sequence_parallel=True)) == pytest.approx(norm_bytes(Layout(tp=2)) / 2)
+    flash = stage_compute(GPT, Layout(tp=2, recompute="selective", attention="flash"), 0, A100)
+    assert flash.recompute_s == 0
+
+
+def test_first_and_last_stages_carry_embedding_and_logits() -> None:
+    layout = Layout(pp=2, global_batch=2)
+    first, last = stage_compute(GPT, layout, 0, A100), stage_compute(GPT, layout, 1, A100)
+    assert "logits" in last.by_name and last.by_name["logits"] > 0 and first.by_name.get("logits", 0) == 0
+    assert last.total_s > first.total_s
+
+
+def test_small_matmuls_run_below_the_ceiling_and_big_ones_near_it() -> None:
+    small, big = A100.matmul_s(128, 128, 128), A100.matmul_s(8192, 8192, 8192)
+    assert 2 * 128**3 / small / A100.peak_flops < 0.1
+    assert 2 * 8192**3 / big / A100.peak_flops == pytest.approx(A100.matmul_efficiency, rel=0.02)
+
+
+def test_curves_load_absent_or_present_and_replace_the_constants(tmp_path) -> None:
+    assert load_curves(tmp_path / "none.json") == {}
+    path = tmp_path / "curves.json"
+    path.write_text(
+        json.dumps({"devices": {"h100-sxm": {"matmul": [[1e9, 0.2], [1e12, 0.4]], "memory": [[1e6, 0.5]]}}})
+    )
+    curves = load_curves(path)
+    h100 = device_compute(989.4e12, 3350e9, curves=curves)
+    assert h100.key == "h100-sxm" and h100.matmul_curve(1e12) == pytest.approx(0.4)
+    assert h100.matmul_curve(10**10.5) == pytest.approx(0.3)  # halfway in log(size)
+    assert device_compute(989.4e12, 3350e9, curves={}).matmul_curve is None
+    assert device_compute(1e15, 3e12, curves={}).key == "generic"
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="compute-curve file"):
+        load_curves(path)
+    with pytest.raises(ValueError, match="increasing"):
+        Curve((2.0, 1.0), (0.5, 0.5))
+
+
+def test_bench_compute_quick_on_the_cpu_writes_rows_and_curves(tmp_path) -> None:
+    pytest.importorskip("torch")
+    from dtrain.cli.main import main
+
+    out, curves = tmp_path / "rows.jsonl", tmp_path / "curves.json"
+    assert main(["bench", "compute", "--quick", "--repeats", "1", "--warmup", "0", "--out", str(out),
+                 "--write-curves", str(curves)]) == 0  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["kind"] for r in rows} == {"matmul", "attention", "memory"}
+    assert all(r["seconds"] > 0 and r["efficiency"] > 0 for r in rows)
+    loaded = load_curves(curves)["cpu"]
+    assert set(loaded) == {"matmul", "attention", "memory"}
