@@ -192,9 +192,10 @@ class Layout:
         schedule = (
             "" if self.schedule == "1f1b" else f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
         )
+        flash = " flash" if self.attention == "flash" else ""
         return (
-            f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}x{self.microbatches}{zero}{sp}{recompute}"
-            f"{schedule}"
+            f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}x{self.microbatches}{schedule}{zero}{flash}{sp}"
+            f"{recompute}"
         )
 
 
