@@ -618,32 +618,34 @@ def _plan_score_part() -> list[str]:
     if not records:
         return []
     r = records[0]
-    other = r["plan_without_profile"]
+    now = r["current"]
+    measured_s, measured_gib = r["plan_measured_step_s"], r["plan_measured_memory_gib"]
     rows = [
-        ["step time", f"{r['plan_step_s'] * 1e3:.1f} ms", f"{r['plan_measured_step_s'] * 1e3:.1f} ms",
-         f"{r['plan_step_ratio']:.3f}"],
-        ["peak memory a GPU", f"{r['plan_memory_gib']:.1f} GiB", f"{r['plan_measured_memory_gib']:.1f} GiB",
-         f"{r['plan_memory_ratio']:.2f}"],
+        ["step time", f"{now['step_s'] * 1e3:.1f} ms", f"{measured_s * 1e3:.1f} ms",
+         f"{measured_s / now['step_s']:.3f}",
+         f"{r['plan_step_s'] * 1e3:.1f} ms ({r['plan_step_ratio']:.3f})"],
+        ["peak memory a GPU", f"{now['memory_gib']:.1f} GiB", f"{measured_gib:.1f} GiB",
+         f"{measured_gib / now['memory_gib']:.2f}", f"{r['plan_memory_gib']:.1f} GiB ({r['plan_memory_ratio']:.2f})"],
     ]  # fmt: skip
     return [
         "### A planned run, scored",
         f"`dtrain plan` on `{r['config']}` (Llama 1B, global batch 64 x 2048 tokens, compiled) for {r['devices']} "
-        "GPUs of the `h100-node` topology, each operation priced by the H100 profile `dtrain bench compute` "
-        f"measured (`{r['compute_profile']}`), chose `{r['plan_layout']}` and wrote it as a run config; "
-        f"`dtrain train` of that config measured the median of {r['plan_steps_timed']} steps after three of "
-        f"warm-up. With one constant efficiency instead of the profile the planner predicted "
-        f"{other['step_s'] * 1e3:.0f} ms for `{other['layout']}`. The memory model is the ZeRO paper's "
-        "(16-bit weights and gradients, ZeRO-2 sharding both); dtrain keeps float32 weights and, under ZeRO-2, "
-        "whole float32 gradients until the step, which the measured peak shows.",
+        f"GPUs of the `h100-node` topology chose `{now['layout']}` and wrote it as a run config; `dtrain train` of "
+        f"that config measured the median of {r['plan_steps_timed']} steps after three of warm-up. The simulator "
+        "prices each operation with the H100 efficiency curves of `dtrain bench compute` "
+        "(`dtrain/sim/compute_curves.json`). `predicted` is its prediction for the layout now; the run itself "
+        "recorded the prediction of the model it was planned with (last column, with its ratio), which chose the "
+        "same layout. dtrain keeps float32 weights and, under ZeRO-2, whole float32 gradients until the step; the "
+        "memory model's ZeRO-2 shards them, which the measured peak shows.",
         setting(
             f"{r['devices']} x {r['device']}, NVLink through NVSwitch",
             f"torch {r['torch']}, NCCL {NCCL}",
-            "benchmarks/gpu/run.sh OUT plan-score (dtrain bench compute --profile-out P; dtrain plan --config "
-            "configs/llama-1b-gpu.toml --topology h100-node --devices 4 --compute P --write PLAN; torchrun "
+            "benchmarks/gpu/run.sh OUT plan-score (dtrain bench compute; dtrain plan --config "
+            "configs/llama-1b-gpu.toml --topology h100-node --devices 4 --write PLAN; torchrun "
             "--nproc-per-node 4 -m dtrain train --config PLAN --steps 20)",
             "`plan_score_llama_1b-h100x4.jsonl`, `bench_compute-h100x1.jsonl`",
         ),
-        table(["", "predicted", "measured", "measured / predicted"], rows),
+        table(["", "predicted", "measured", "measured / predicted", "predicted at the run"], rows),
     ]
 
 

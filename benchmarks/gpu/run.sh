@@ -29,10 +29,9 @@
 #   bubble             pipeline bubble and activations against (p - 1)/(v m + p - 1), p = 2 and 4
 #   llama              Llama 1B (LLAMA_PRESET) bf16, dp over every GPU: dtrain, DDP, FSDP2, eager and compiled
 #                      -> llama_1b_dp.jsonl
-#   plan-score         dtrain bench compute on one GPU (the profile the planner prices with), dtrain plan of the Llama 1B
-#                      config on every GPU with it (and with the constant efficiency), then dtrain train of the written
-#                      config: the plan's predicted step time and memory beside the measured ones
-#                      -> compute-profile.json, bench_compute.jsonl, plan*.toml, plan_run.jsonl, plan_score.json
+#   plan-score         dtrain bench compute on one GPU (the curves the planner prices with), dtrain plan of the Llama 1B
+#                      config on every GPU, then dtrain train of the written config: the plan's predicted step time
+#                      and memory beside the measured ones -> compute_curves.json, bench_compute.jsonl, plan_score.json
 #   largest            the largest Llama (8B width, more blocks) that trains with ZeRO-3 and full activation
 #                      checkpointing, against FSDP2 with the same: blocks grow by LARGEST_STEP until a launch fails;
 #                      both under expandable CUDA segments, as dtrain train sets them (LARGEST_ALLOC overrides)
@@ -170,15 +169,13 @@ for mode in "$@"; do
         done
       done ;;
     plan-score)
-      python3 -m dtrain bench compute --out "$out/bench_compute.jsonl" --profile-out "$out/compute-profile.json" | tail -1
-      for how in compute efficiency; do
-        flags=(); [ $how = compute ] && flags=(--compute "$out/compute-profile.json")
-        python3 -m dtrain plan --config "${PLAN_CONFIG:-configs/llama-1b-gpu.toml}" --topology h100-node --devices "$n" \
-          "${flags[@]}" --write "$out/plan-$how.toml"
-      done
-      LIMIT=${LIMIT:-400} tr -m dtrain train --config "$out/plan-compute.toml" --steps "${PLAN_STEPS:-20}" --warmup-steps 2 \
+      python3 -m dtrain bench compute --out "$out/bench_compute.jsonl" --write-curves dtrain/sim/compute_curves.json | tail -1
+      cp dtrain/sim/compute_curves.json "$out/"
+      python3 -m dtrain plan --config "${PLAN_CONFIG:-configs/llama-1b-gpu.toml}" --topology h100-node --devices "$n" \
+        --write "$out/plan.toml"
+      LIMIT=${LIMIT:-400} tr -m dtrain train --config "$out/plan.toml" --steps "${PLAN_STEPS:-20}" --warmup-steps 2 \
         --eval-every 0 --checkpoint-every 0 --no-export --no-tensorboard --out "$out/planrun" | tail -2 | cut -c1-300
-      cp "$out/planrun/metrics.jsonl" "$out/plan_run.jsonl"; cp "$out/planrun/plan_score.json" "$out/" && rm -rf "${out:?}/planrun"
+      cp "$out/planrun/plan_score.json" "$out/" && rm -rf "${out:?}/planrun"
       cat "$out/plan_score.json" ;;
     largest)
       # one launch per (variant, depth); a failed launch (out of memory) ends that variant's climb

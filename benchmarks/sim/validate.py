@@ -9,6 +9,8 @@ The simulator (dtrain.sim) against measurements in benchmarks/results/; no GPU n
               from 64 MiB), every GPU figure from the H100's micro-benchmarks
   peer-h200   the peer-transport model against 4 x H200 eager and replayed sweeps, pull and push forms
   p2p-h200    the point-to-point transport's calibrated and fitted software costs against 4 x H200 eager runs
+  published   training steps of large GPT runs on DGX A100 clusters against their published iteration
+              times (benchmarks/sim/published.toml; --out, --plan)
   transports  NCCL's own collectives (the NCCL model) and NVLink / host shared memory / sockets on 4 x H200
 
 Each prints its tables (median and worst |predicted / measured - 1|); the figures quoted in docs/results.md
@@ -27,6 +29,7 @@ SUITES = {
     "peer-h200": "peer_h200",
     "p2p-h200": "p2p_h200",
     "transports": "transports",
+    "published": "published",
 }
 
 

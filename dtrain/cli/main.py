@@ -103,15 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_comm(bench_commands)
     _add_bench_calibrate(bench_commands)
     _add_bench_verify(bench_commands)
-    p = bench_commands.add_parser(
-        "compute", help="the device's rates on a transformer step's operations: a profile `dtrain plan --compute` uses"
-    )
-    p.add_argument("--out", default="runs/bench-compute.jsonl", help="JSON lines, one per timed operation")
-    p.add_argument("--profile-out", help="the profile (JSON) for `dtrain plan/simulate train --compute`")
-    p.add_argument("--quick", action="store_true", help="a few small shapes: a check of the tool, not a profile")
     from dtrain.cli import bench_pipeline
 
     bench_pipeline.add_parser(bench_commands)
+    from dtrain.cli import bench_compute
+
+    bench_compute.add_parser(bench_commands)
     _add_train(commands)
     for module in _feature_modules():
         module.register(commands)
@@ -233,11 +230,6 @@ def _run(args: argparse.Namespace) -> int:
         return bench_pipeline.run(args)
     if args.bench_command == "comm":
         return _bench_comm(args)
-    if args.bench_command == "compute":
-        from dtrain.bench import compute as bench_compute
-
-        bench_compute.run(args.out, args.profile_out, quick=args.quick)
-        return 0
     if args.bench_command == "verify":
         from dtrain.launch import run_ranks
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, replace
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -144,11 +145,15 @@ def _add_software(p: argparse.ArgumentParser) -> None:
 
 
 def _add_step_config(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--efficiency", type=float, default=0.5, help="achieved / peak FLOP/s of the kernels")
     p.add_argument(
-        "--compute",
-        help="a `dtrain bench compute` profile (JSON file), or one shipped with dtrain (h100-sxm): price each "
-        "operation at the device's measured rates instead of --efficiency",
+        "--efficiency",
+        type=float,
+        help="price compute as FLOPs at this share of peak (default: each operation priced, dtrain.sim.compute)",
+    )
+    p.add_argument(
+        "--curves",
+        help="a `dtrain bench compute --write-curves` file of measured efficiency curves (default: the one shipped "
+        "with dtrain)",
     )
     p.add_argument("--tp-algorithm", default="ring")
     p.add_argument("--dp-algorithm", default="ring", help="e.g. ring, halving_doubling, hierarchical")
@@ -252,16 +257,15 @@ def _collective_placement(args: argparse.Namespace, topo, devices: list[str]) ->
 def _step_config(args: argparse.Namespace, **extra):
     from dtrain.sim.step import StepConfig
 
-    profile = None
-    if args.compute:
-        from dtrain.sim.compute import profile as load_profile
+    curves = None
+    if args.curves:
+        from dtrain.sim.compute import load_curves
 
-        try:
-            profile = load_profile(args.compute)
-        except ValueError as exc:
-            raise ValueError(f"--compute: {exc}") from None
+        if not Path(args.curves).is_file():
+            raise ValueError(f"--curves: {args.curves}: no such file")
+        curves = load_curves(args.curves)
     return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm, dp_algorithm=args.dp_algorithm,
-                      overlap_dp=not args.no_overlap, cost=_software(args), compute=profile, **extra)  # fmt: skip
+                      overlap_dp=not args.no_overlap, cost=_software(args), curves=curves, **extra)  # fmt: skip
 
 
 def _simulate_train(args: argparse.Namespace) -> int:

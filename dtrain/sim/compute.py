@@ -1,238 +1,376 @@
-"""A training step's compute as the sum of its operations, each priced by what the device measured.
+"""A training step's compute priced operation by operation: the matrix products, the attention core, the
+memory-bound element-wise work, the embedding, the logits and the optimizer, each on a per-device model.
 
-A layer of one micro-batch on one device runs (Narayanan et al. 2021, "Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM", section 3.2 and appendix; Dao 2023, "FlashAttention-2"):
+Operations of one transformer layer and one micro-batch on one tensor-parallel rank (``T = b s`` tokens, ``t``
+ranks, ``d = h / a`` the head width; Megatron-LM's layer, Shoeybi et al. 2019, section 3; Narayanan et al. 2021,
+appendix, for the FLOP counts):
 
-- matrix products: the query/key/value projection (grouped key-value heads), the attention output, and the MLP
-  (two matrices, or three for SwiGLU), split over the tensor-parallel ranks; backward runs each twice over (the
-  input's gradient and the weight's);
-- the attention core as one fused kernel (flash attention): ``2 b s^2 h / t`` FLOPs forward for a causal mask
-  (half the scores computed), ``2.5x`` that backward (the backward recomputes the scores);
-- memory-bound element-wise work: two norms, two residual additions, the rotary embedding, the MLP's
-  activation, each reading and writing ``b s h``-sized tensors (bytes, not FLOPs), about twice that backward;
-- on the first stage the embedding lookup, on the last the logits (a ``b s x h x V / t`` product) and the
-  softmax cross-entropy over them (memory-bound);
-- under mixed precision with float32 master weights, the cast of every local weight to 16 bits once a
-  micro-batch (PyTorch autocast's weight cache);
-- recomputation adds the layer's forward again (full) or the attention core's (selective) to backward.
+- matrix products ``(m, n, k)``, ``2 m n k`` FLOPs: QKV ``(T, (h + 2 kv d) / t, h)`` (grouped key/value heads),
+  the attention output ``(T, h, h / t)``, the MLP ``(T, f / t, h)`` (twice that width when gated, SwiGLU) and
+  ``(T, h, f / t)``; backward runs each twice, the input gradient ``(m, k, n)`` and the weight gradient
+  ``(k, n, m)``;
+- the attention core: flash attention (Dao 2023, "FlashAttention-2") ``4 b s^2 h / t`` FLOPs forward halved
+  for the causal mask, backward 2.5 times the forward (it recomputes the scores); or Megatron's unfused core,
+  two batched products ``(s, s, d)`` and ``(s, d, s)`` over ``b a / t`` heads and the fused
+  scale-mask-softmax and dropout over ``b a s^2 / t`` scores (9 bytes each forward, 11 backward);
+- memory-bound work in bytes: two layer norms (read and write ``2 T h`` each), two bias-dropout-residual adds
+  (``7 T h``: input, residual, output and a one-byte mask), the activation (``4 T f / t``, ``6 T f / t``
+  gated); split over ``t`` only with sequence parallelism (Korthikanti et al. 2022, section 4.2.2), otherwise
+  each rank repeats them; backward moves twice the forward's bytes; each micro-batch's weight gradients are
+  added into 32-bit gradients (Megatron-LM's ``main_grad``: 8 bytes a weight, read and written);
+- the first stage looks up the embedding (``4 T h`` bytes forward, and backward touches the ``V / t`` rows of
+  its gradient); the last stage runs the final norm, the logits ``(T, V / t, h)`` and the vocabulary-parallel
+  cross-entropy (10 bytes a logit forward, 6 backward);
+- recomputation: full runs every layer's forward again before its backward; selective runs the attention core's
+  forward again (nothing with flash attention, whose backward recomputes by design).
 
-Each matrix product is priced at the FLOP rate measured for the nearest measured shape (``dtrain bench
-compute``), the attention at the rate measured for the nearest sequence length and head size, memory-bound work
-at the measured copy bandwidth. The optimizer step is priced at the measured fused-AdamW rate. A
-:class:`ComputeProfile` holds the measurements of one device; where none exists the simulator uses a single
-efficiency (:class:`dtrain.sim.step.StepConfig`).
+Each operation is priced on a :class:`DeviceCompute`: a roofline of peak dense FLOP/s and memory bandwidth with
+efficiencies. A matrix product runs at ``matmul_efficiency`` of peak times its wave efficiency (output tiles of
+128 x 128 or 256 x 128 spread over the streaming multiprocessors, the better of the two, as cuBLAS picks among
+tile shapes; NVIDIA's "Matrix Multiplication Background User's Guide", wave quantization) plus a fixed
+``kernel_s``, and no faster than its bytes allow; a memory-bound operation moves its bytes at
+``bandwidth_efficiency`` of the memory's rate. Where ``dtrain bench compute`` measured the device
+(:func:`load_curves`, the file ``compute_curves.json`` beside this module), the measured efficiency curves replace
+the constants: matrix-product efficiency by FLOPs, attention efficiency by FLOPs, bandwidth efficiency by bytes,
+each interpolated in the logarithm of the size.
+
+Built-in constants (no measurement on file): the matrix-product ceiling is the Maximum Achievable Matmul FLOPS
+of Bekman's table (S. Bekman, "Machine Learning Engineering", compute/accelerator, bf16: A100 SXM 271.2 of 312
+TFLOP/s, H100 SXM 794.5 of 989); H200 SXM takes H100's (same chip and clocks, NVIDIA H200 datasheet). Flash
+attention's efficiency is FlashAttention-2's forward and backward on a causal mask, head width 128 (Dao 2023,
+figures 5-7: about 190 TFLOP/s on A100, 335 on H100). Bandwidth efficiency: 0.85 of the datasheet rate, what
+stream-like copies reach on A100 and H100.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from dtrain.sim.model import Layout, ModelSpec
 
-__all__ = ["ComputeProfile", "StageCompute", "load_profile", "packaged_profile", "profile", "stage_compute"]
+__all__ = [
+    "CURVES_PATH",
+    "DEVICE_COMPUTE",
+    "Curve",
+    "DeviceCompute",
+    "Op",
+    "StageCompute",
+    "device_compute",
+    "layer_ops",
+    "load_curves",
+    "optimizer_seconds",
+    "price",
+    "stage_compute",
+    "stage_ops",
+]
 
-#: element-wise bytes of one layer's forward, in units of ``b s h`` values: two norms (read, write: 4), two
-#: residual additions (read two, write one: 6), the rotary embedding of queries and keys (read, write: 2 x 2)
-ELEMENTWISE_PER_HIDDEN = 14.0
-#: the MLP activation reads its inputs and writes its output: 3 (SwiGLU: gate, up, product) or 2 (GELU) per
-#: ``b s ffn`` value
-ACTIVATION_PER_FFN = {True: 3.0, False: 2.0}
-#: backward of the element-wise work moves about twice the forward's bytes (gradients in and out, inputs again)
-BACKWARD_MEMORY_FACTOR = 2.0
-#: flash attention's backward costs 2.5x its forward (Dao 2023, section 3.1: five matrix products against two)
-ATTENTION_BACKWARD_FACTOR = 2.5
-#: bytes a value of the logits costs in the loss: the 16-bit logits read and the float32 log-softmax written and
-#: read forward, its gradient written and read back in 16 bits backward
-LOSS_BYTES_PER_LOGIT = 16.0
+#: Where ``dtrain bench compute --write-curves`` results live for the simulator to load.
+CURVES_PATH = Path(__file__).with_name("compute_curves.json")
 
 
 @dataclass(frozen=True)
-class ComputeProfile:
-    """What one device measured (``dtrain bench compute``): matrix-product rates by shape, flash-attention rates
-    by sequence length and head size, copy bandwidth, and the fused AdamW rate."""
+class Curve:
+    """Efficiency (achieved / peak) as a function of an operation's size, interpolated in ``log(size)`` between
+    measured points and held at the ends."""
 
-    device: str
-    matmul: tuple[tuple[int, int, int, float], ...]  # (m, n, k, FLOP/s)
-    attention: tuple[tuple[int, int, float, float], ...]  # (seq, head_dim, forward FLOP/s, backward FLOP/s)
-    copy_bytes_per_s: float
-    adam_params_per_s: float
-    dtype: str = "bfloat16"
+    sizes: tuple[float, ...]
+    efficiencies: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        if not self.matmul or not self.attention:
-            raise ValueError(f"compute profile of {self.device!r}: needs matmul and attention measurements")
-        rates = [r[3] for r in self.matmul] + [x for r in self.attention for x in r[2:]]
-        rates += [self.copy_bytes_per_s, self.adam_params_per_s]
-        if not all(isinstance(r, int | float) and math.isfinite(r) and r > 0 for r in rates):
-            raise ValueError(f"compute profile of {self.device!r}: every rate must be a positive number")
+        if not self.sizes or len(self.sizes) != len(self.efficiencies):
+            raise ValueError("a curve needs as many efficiencies as sizes, at least one")
+        if list(self.sizes) != sorted(self.sizes) or any(s <= 0 for s in self.sizes):
+            raise ValueError("curve sizes must be positive and increasing")
+        if any(not 0 < e <= 1.5 for e in self.efficiencies):
+            raise ValueError(f"curve efficiencies must be in (0, 1.5], got {self.efficiencies}")
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], source: str = "compute profile") -> ComputeProfile:
-        try:
-            return cls(
-                device=str(data["device"]),
-                matmul=tuple((int(r["m"]), int(r["n"]), int(r["k"]), float(r["flops_per_s"])) for r in data["matmul"]),
-                attention=tuple(
-                    (
-                        int(r["seq"]),
-                        int(r["head_dim"]),
-                        float(r["forward_flops_per_s"]),
-                        float(r["backward_flops_per_s"]),
-                    )
-                    for r in data["attention"]
-                ),
-                copy_bytes_per_s=float(data["copy_bytes_per_s"]),
-                adam_params_per_s=float(data["adam_params_per_s"]),
-                dtype=str(data.get("dtype", "bfloat16")),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{source}: not a dtrain bench compute profile ({type(exc).__name__}: {exc})") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "dtype": self.dtype,
-            "matmul": [{"m": m, "n": n, "k": k, "flops_per_s": r} for m, n, k, r in self.matmul],
-            "attention": [
-                {"seq": s, "head_dim": d, "forward_flops_per_s": f, "backward_flops_per_s": b}
-                for s, d, f, b in self.attention
-            ],
-            "copy_bytes_per_s": self.copy_bytes_per_s,
-            "adam_params_per_s": self.adam_params_per_s,
-        }
-
-    def matmul_s(self, m: int, n: int, k: int) -> float:
-        """Seconds of an ``(m, k) x (k, n)`` product: its FLOPs at the rate of the measured shapes nearest in log
-        space (the geometric mean of the rates of the nearest few, weighted by inverse distance)."""
-        flops = 2.0 * m * n * k
-        if flops == 0:
-            return 0.0
-        point = (math.log(m), math.log(n), math.log(k))
-        near = sorted(
-            (math.dist(point, (math.log(a), math.log(b), math.log(c))), rate) for a, b, c, rate in self.matmul
-        )
-        return flops / _blend(near[:4])
-
-    def attention_s(self, tokens: int, seq: int, heads: int, head_dim: int, backward: bool) -> float:
-        """Seconds of causal flash attention over ``tokens`` tokens in sequences of ``seq``, ``heads`` heads of
-        ``head_dim``: forward ``2 tokens seq heads head_dim`` FLOPs (half of the scores), backward 2.5x."""
-        flops = 2.0 * tokens * seq * heads * head_dim * (ATTENTION_BACKWARD_FACTOR if backward else 1.0)
-        point = (math.log(seq), math.log(head_dim))
-        near = sorted(
-            (math.dist(point, (math.log(s), math.log(d))), b if backward else f) for s, d, f, b in self.attention
-        )
-        return flops / _blend(near[:2])
+    def __call__(self, size: float) -> float:
+        i = bisect.bisect_left(self.sizes, size)
+        if i == 0:
+            return self.efficiencies[0]
+        if i == len(self.sizes):
+            return self.efficiencies[-1]
+        lo, hi = math.log(self.sizes[i - 1]), math.log(self.sizes[i])
+        w = (math.log(size) - lo) / (hi - lo) if hi > lo else 1.0
+        return self.efficiencies[i - 1] + w * (self.efficiencies[i] - self.efficiencies[i - 1])
 
 
-def _blend(near: list[tuple[float, float]]) -> float:
-    """A rate from ``(distance, rate)`` pairs: exact where one is at distance 0, else inverse-distance weights
-    over log rates."""
-    if near[0][0] < 1e-9:
-        return near[0][1]
-    weights = [1.0 / d for d, _ in near]
-    return math.exp(sum(w * math.log(r) for w, (_, r) in zip(weights, near, strict=True)) / sum(weights))
+@dataclass(frozen=True, kw_only=True)
+class DeviceCompute:
+    """How fast one accelerator runs each kind of operation (see the module docstring)."""
+
+    key: str
+    peak_flops: float
+    memory_bytes_per_s: float
+    matmul_efficiency: float
+    attention_efficiency: float
+    bandwidth_efficiency: float
+    sms: int  # streaming multiprocessors: one output tile each at a time
+    kernel_s: float = 3e-6  # fixed cost of a kernel: launch, fill and drain
+    matmul_curve: Curve | None = None
+    attention_curve: Curve | None = None
+    bandwidth_curve: Curve | None = None
+    source: str = ""
+
+    def matmul_s(self, m: int, n: int, k: int, batch: int = 1, itemsize: int = 2) -> float:
+        """Seconds of ``batch`` products ``(m x k) @ (k x n)``."""
+        flops = 2.0 * m * n * k * batch
+        if self.matmul_curve is not None:
+            eff = self.matmul_curve(flops)
+        else:
+            eff = self.matmul_efficiency * _wave_efficiency(m, n, batch, self.sms)
+        moved = itemsize * batch * (m * k + k * n + m * n)
+        return max(flops / (self.peak_flops * eff), self.memory_s(moved, fixed=False)) + self.kernel_s
+
+    def attention_s(self, flops: float) -> float:
+        """Seconds of a flash-attention kernel of ``flops``."""
+        eff = self.attention_curve(flops) if self.attention_curve is not None else self.attention_efficiency
+        return flops / (self.peak_flops * eff) + self.kernel_s
+
+    def memory_s(self, nbytes: float, *, fixed: bool = True) -> float:
+        """Seconds to move ``nbytes`` through memory (read plus written)."""
+        eff = self.bandwidth_curve(nbytes) if self.bandwidth_curve is not None else self.bandwidth_efficiency
+        return nbytes / (self.memory_bytes_per_s * eff) + (self.kernel_s if fixed else 0.0)
 
 
-def load_profile(path: str | os.PathLike) -> ComputeProfile:
-    """A profile written by ``dtrain bench compute --profile-out``; ValueError naming the file otherwise."""
+def _wave_efficiency(m: int, n: int, batch: int, sms: int) -> float:
+    """Share of the last wave's multiprocessors busy, the better of 128 x 128 and 256 x 128 output tiles."""
+    best = 0.0
+    for tm, tn in ((128, 128), (256, 128), (128, 256)):
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        # a tile smaller than the matrix does useless work where the matrix edge cuts it
+        used = (m * n * batch) / (tiles * tm * tn)
+        waves = math.ceil(tiles / sms)
+        best = max(best, used * tiles / (waves * sms))
+    return best
+
+
+_DATASHEETS = "NVIDIA A100, H100 and H200 datasheets"
+_MAMF = "Bekman, Machine Learning Engineering, Maximum Achievable Matmul FLOPS table (bf16)"
+_FA2 = "Dao 2023, FlashAttention-2, figures 5-7 (causal, head width 128, forward + backward)"
+
+#: Built-in per-device constants, by :data:`dtrain.cluster.devices.DEVICES` key.
+DEVICE_COMPUTE: dict[str, DeviceCompute] = {
+    "a100-sxm": DeviceCompute(key="a100-sxm", peak_flops=312e12, memory_bytes_per_s=2039e9,
+                              matmul_efficiency=271.2 / 312, attention_efficiency=190 / 312,
+                              bandwidth_efficiency=0.85, sms=108, source=f"{_DATASHEETS}; {_MAMF}; {_FA2}"),
+    "a100-40gb": DeviceCompute(key="a100-40gb", peak_flops=312e12, memory_bytes_per_s=1555e9,
+                               matmul_efficiency=271.2 / 312, attention_efficiency=190 / 312,
+                               bandwidth_efficiency=0.85, sms=108, source=f"{_DATASHEETS}; {_MAMF}; {_FA2}"),
+    "a100-pcie": DeviceCompute(key="a100-pcie", peak_flops=312e12, memory_bytes_per_s=1935e9,
+                               matmul_efficiency=252.9 / 312, attention_efficiency=190 / 312,
+                               bandwidth_efficiency=0.85, sms=108, source=f"{_DATASHEETS}; {_MAMF}; {_FA2}"),
+    "h100-sxm": DeviceCompute(key="h100-sxm", peak_flops=989.4e12, memory_bytes_per_s=3350e9,
+                              matmul_efficiency=794.5 / 989, attention_efficiency=335 / 989,
+                              bandwidth_efficiency=0.85, sms=132, source=f"{_DATASHEETS}; {_MAMF}; {_FA2}"),
+    "h200-sxm": DeviceCompute(key="h200-sxm", peak_flops=989.4e12, memory_bytes_per_s=4800e9,
+                              matmul_efficiency=794.5 / 989, attention_efficiency=335 / 989,
+                              bandwidth_efficiency=0.85, sms=132, source=f"{_DATASHEETS}; {_MAMF} (H100's); {_FA2}"),
+}  # fmt: skip
+
+
+def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Curve]]:
+    """Measured efficiency curves by device key (``{"h100-sxm": {"matmul": Curve, ...}}``) from ``path``
+    (default :data:`CURVES_PATH`); an empty dict where the file does not exist."""
+    path = Path(path) if path is not None else CURVES_PATH
+    if not path.exists():
+        return {}
     try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the compute profile: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a dtrain bench compute profile (a JSON object)")
-    return ComputeProfile.from_dict(data, str(path))
+        data = json.loads(path.read_text())
+        out = {}
+        for key, entry in data["devices"].items():
+            out[key] = {
+                kind: Curve(tuple(float(s) for s, _ in entry[kind]), tuple(float(e) for _, e in entry[kind]))
+                for kind in ("matmul", "attention", "memory")
+                if entry.get(kind)
+            }
+        return out
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a compute-curve file ({err}); expected {{'devices': {{KEY: {{...}}}}}}") from err
 
 
-PROFILES = Path(__file__).with_name("profiles")
+_LOADED: dict[str, dict[str, dict[str, Curve]]] = {}
 
 
-def profile(name_or_path: str | os.PathLike) -> ComputeProfile:
-    """A profile file, or the name of one shipped with dtrain (``h100-sxm``: ``dtrain/sim/profiles/NAME.json``)."""
-    shipped = PROFILES / f"{name_or_path}.json"
-    if not Path(name_or_path).exists() and shipped.exists():
-        return load_profile(shipped)
-    if not Path(name_or_path).exists():
-        names = ", ".join(sorted(p.stem for p in PROFILES.glob("*.json")))
-        raise ValueError(f"{name_or_path}: no such profile file, nor a profile shipped with dtrain ({names})")
-    return load_profile(name_or_path)
+def device_compute(
+    peak_flops: float, memory_bytes_per_s: float, *, curves: dict[str, dict[str, Curve]] | None = None
+) -> DeviceCompute:
+    """The compute model of a topology device: the catalogue device of the same peak and memory rate (with its
+    measured curves from :func:`load_curves` where there are some), else an unnamed device with A100's
+    efficiencies at the given peak and rate."""
+    if curves is None:
+        key = str(CURVES_PATH)
+        if key not in _LOADED:
+            _LOADED[key] = load_curves()
+        curves = _LOADED[key]
+    for spec in DEVICE_COMPUTE.values():
+        if math.isclose(spec.peak_flops, peak_flops, rel_tol=0.01) and math.isclose(
+            spec.memory_bytes_per_s, memory_bytes_per_s, rel_tol=0.01
+        ):
+            measured = curves.get(spec.key, {})
+            return replace(
+                spec,
+                matmul_curve=measured.get("matmul"),
+                attention_curve=measured.get("attention"),
+                bandwidth_curve=measured.get("memory"),
+            )
+    base = DEVICE_COMPUTE["a100-sxm"]
+    return replace(base, key="generic", peak_flops=peak_flops, memory_bytes_per_s=memory_bytes_per_s)
 
 
-def packaged_profile(device_name: str) -> ComputeProfile | None:
-    """The profile measured on a device of this name shipped with dtrain (``dtrain/sim/profiles/``), or None."""
-    for path in sorted(PROFILES.glob("*.json")):
-        profile = load_profile(path)
-        if profile.device == device_name:
-            return profile
-    return None
+@dataclass(frozen=True)
+class Op:
+    """One operation: a matrix product ``(m, n, k)`` ``batch`` times, a flash-attention kernel of ``flops``, or
+    memory-bound work of ``nbytes``; ``phase`` is "F" (forward), "B" (input gradient) or "W" (weight gradient)."""
+
+    name: str
+    kind: str  # "matmul", "attention" or "memory"
+    phase: str
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    batch: int = 1
+    flops: float = 0.0
+    nbytes: float = 0.0
+
+    @property
+    def total_flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.batch if self.kind == "matmul" else self.flops
+
+
+def _matmul(name: str, m: int, n: int, k: int, batch: int = 1, *, weight: bool = True) -> list[Op]:
+    """A product's forward and its two backward products (no weight gradient for activations x activations)."""
+    ops = [Op(name, "matmul", "F", m, n, k, batch), Op(name, "matmul", "B", m, k, n, batch)]
+    ops.append(Op(name, "matmul", "W" if weight else "B", k, n, m, batch))
+    return ops
+
+
+def _memory(name: str, forward_bytes: float) -> list[Op]:
+    return [Op(name, "memory", "F", nbytes=forward_bytes), Op(name, "memory", "B", nbytes=2 * forward_bytes)]
+
+
+def layer_ops(model: ModelSpec, layout: Layout) -> list[Op]:
+    """One transformer layer's operations on one tensor-parallel rank for one micro-batch (module docstring)."""
+    b, s, h, a, t = layout.micro_batch, model.sequence, model.hidden, model.heads, layout.tp
+    tokens, d, f = b * s, h // a, model.ffn
+    kv = model.key_value_heads
+    outside = tokens * h / (t if layout.sequence_parallel else 1)
+    ops = [
+        *_matmul("qkv", tokens, (h + 2 * kv * d) // t, h),
+        *_matmul("attention-out", tokens, h, h // t),
+        *_matmul("mlp-in", tokens, (2 if model.gated_mlp else 1) * f // t, h),
+        *_matmul("mlp-out", tokens, h, f // t),
+        *_memory("norms", 2 * 4 * outside),
+        *_memory("residual-adds", 2 * 7 * outside),
+        *_memory("activation", (6 if model.gated_mlp else 4) * tokens * f / t),
+    ]
+    weights = (h * (h + 2 * kv * d) + h * h + (3 if model.gated_mlp else 2) * h * f) / t
+    ops.append(Op("grad-accumulate", "memory", "W", nbytes=8 * weights))
+    heads = b * a // t
+    if layout.attention == "flash":
+        forward = 4.0 * b * s * s * h / t * 0.5
+        ops += [
+            Op("attention", "attention", "F", flops=forward),
+            Op("attention", "attention", "B", flops=2.5 * forward),
+        ]
+    else:
+        ops += _matmul("scores", s, s, d, heads, weight=False) + _matmul("context", s, d, s, heads, weight=False)
+        scores = heads * s * s
+        ops += [Op("softmax-dropout", "memory", "F", nbytes=9 * scores),
+                Op("softmax-dropout", "memory", "B", nbytes=11 * scores)]  # fmt: skip
+    return ops
+
+
+def _recomputed(ops: list[Op], recompute: str, attention: str) -> list[Op]:
+    """The forward operations recomputation runs again in backward."""
+    if recompute == "full":
+        return [op for op in ops if op.phase == "F"]
+    if recompute == "selective" and attention != "flash":
+        return [op for op in ops if op.phase == "F" and op.name in ("scores", "context", "softmax-dropout")]
+    return []
+
+
+def stage_ops(model: ModelSpec, layout: Layout, stage: int) -> dict[str, list[Op]]:
+    """The operations of pipeline stage ``stage`` for one micro-batch, by what they are: ``"layer"`` (one
+    layer's, to be run ``layers`` times), ``"recompute"`` (one layer's recomputed forward), ``"first"``
+    (embedding) and ``"last"`` (final norm, logits, cross-entropy)."""
+    b, s, h, t, v = layout.micro_batch, model.sequence, model.hidden, layout.tp, model.vocab
+    tokens = b * s
+    ops = layer_ops(model, layout)
+    out: dict[str, list[Op]] = {"layer": ops, "recompute": _recomputed(ops, layout.recompute, layout.attention)}
+    out["first"] = _memory("embedding", 4 * tokens * h) if stage == 0 and v else []
+    if stage == 0 and v:
+        out["first"][-1] = Op("embedding", "memory", "B", nbytes=4 * tokens * h + 4 * v * h / t)
+    last = []
+    if stage == layout.pp - 1:
+        last += _memory("final-norm", 4 * tokens * h / (t if layout.sequence_parallel else 1))
+        if v:
+            logits = tokens * v / t
+            last += _matmul("logits", tokens, -(-v // t), h)
+            last += [Op("cross-entropy", "memory", "F", nbytes=10 * logits),
+                     Op("cross-entropy", "memory", "B", nbytes=6 * logits)]  # fmt: skip
+    out["last"] = last
+    return out
+
+
+def price(op: Op, device: DeviceCompute) -> float:
+    """Seconds of ``op`` on ``device``."""
+    if op.kind == "matmul":
+        return device.matmul_s(op.m, op.n, op.k, op.batch)
+    if op.kind == "attention":
+        return device.attention_s(op.flops)
+    return device.memory_s(op.nbytes)
 
 
 @dataclass(frozen=True)
 class StageCompute:
-    """Seconds of one micro-batch's forward and backward on one device of a stage, recomputation included, and
-    its share spent in matrix products, attention and memory-bound work."""
+    """Seconds of one micro-batch on one stage: forward, backward's input gradient (with any recomputation) and
+    its weight gradient, and the share of each spent in the first and last stage's extra work."""
 
     forward_s: float
     backward_s: float
-    matmul_s: float
-    attention_s: float
-    memory_s: float
+    weight_s: float
+    recompute_s: float
+    flops: float  # executed, recomputation included
+    by_name: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s + self.weight_s
 
 
-def _layer(model: ModelSpec, layout: Layout, profile: ComputeProfile) -> tuple[float, float, float, float, float]:
-    """(forward matmul, forward attention, forward memory, backward matmul, backward attention) seconds of one
-    layer; backward memory is the forward's times :data:`BACKWARD_MEMORY_FACTOR`."""
-    t, s, h, tp = layout.micro_batch * model.sequence, model.sequence, model.hidden, layout.tp
-    head_dim = h // model.heads
-    heads, kv = model.heads // tp, max(1, model.key_value_heads // tp)
-    ffn = model.ffn // tp
-    shapes = [(t, (heads + 2 * kv) * head_dim, h), (t, h, heads * head_dim)]  # qkv, attention output
-    shapes += [(t, 2 * ffn, h), (t, h, ffn)] if model.gated_mlp else [(t, ffn, h), (t, h, ffn)]
-    forward = sum(profile.matmul_s(m, n, k) for m, n, k in shapes)
-    # backward: the input's gradient (m x n) x (n x k) and the weight's (k x m) x (m x n)
-    backward = sum(profile.matmul_s(m, k, n) + profile.matmul_s(k, n, m) for m, n, k in shapes)
-    attention = profile.attention_s(t, s, heads, head_dim, backward=False)
-    attention_back = profile.attention_s(t, s, heads, head_dim, backward=True)
-    values = t * h * ELEMENTWISE_PER_HIDDEN / (tp if layout.sequence_parallel else 1)
-    values += t * ffn * ACTIVATION_PER_FFN[model.gated_mlp]
-    memory = values * model.bytes_per_value / profile.copy_bytes_per_s
-    return forward, attention, memory, backward, attention_back
-
-
-def stage_compute(model: ModelSpec, layout: Layout, profile: ComputeProfile, stage: int) -> StageCompute:
-    """One micro-batch of pipeline stage ``stage`` on one of its devices (see the module docstring)."""
-    fm, fa, fmem, bm, ba = _layer(model, layout, profile)
+def stage_compute(model: ModelSpec, layout: Layout, stage: int, device: DeviceCompute) -> StageCompute:
+    """Seconds of one micro-batch of pipeline stage ``stage`` on ``device`` (all its layers; see
+    :func:`stage_ops`)."""
     layers = model.layers // layout.pp
-    recompute = {"none": 0.0, "selective": fa, "full": fm + fa + fmem}[layout.recompute]
-    t, h, tp = layout.micro_batch * model.sequence, model.hidden, layout.tp
-    forward = layers * (fm + fa + fmem)
-    backward = layers * (bm + ba + BACKWARD_MEMORY_FACTOR * fmem + recompute)
-    matmul, attention = layers * (fm + bm), layers * (fa + ba)
-    memory = layers * (1 + BACKWARD_MEMORY_FACTOR) * fmem
-    # the 16-bit copies of the stage's float32 weights, made once a micro-batch's forward
-    local = model.parameters / (tp * layout.pp)
-    cast = local * (4 + model.bytes_per_value) / profile.copy_bytes_per_s
-    forward += cast
-    memory += cast
-    if model.vocab and stage == layout.pp - 1:  # the logits and the loss
-        v = model.vocab // tp
-        logits, logits_back = profile.matmul_s(t, v, h), profile.matmul_s(t, h, v) + profile.matmul_s(h, v, t)
-        loss = t * v * LOSS_BYTES_PER_LOGIT / profile.copy_bytes_per_s
-        forward += logits + loss / 2
-        backward += logits_back + loss / 2
-        matmul += logits + logits_back
-        memory += loss
-    if model.vocab and stage == 0:  # the embedding's lookup forward and its gradient's scatter backward
-        lookup = t * h * model.bytes_per_value / profile.copy_bytes_per_s
-        forward += lookup
-        backward += 2 * lookup
-        memory += 3 * lookup
-    return StageCompute(forward_s=forward, backward_s=backward, matmul_s=matmul, attention_s=attention, memory_s=memory)
+    parts = stage_ops(model, layout, stage)
+    times = {"F": 0.0, "B": 0.0, "W": 0.0}
+    by_name: dict[str, float] = {}
+    flops = 0.0
+    for what, repeat in (("layer", layers), ("first", 1), ("last", 1)):
+        for op in parts[what]:
+            seconds = price(op, device) * repeat
+            times[op.phase] += seconds
+            by_name[op.name] = by_name.get(op.name, 0.0) + seconds
+            flops += op.total_flops * repeat
+    recompute = 0.0
+    for op in parts["recompute"]:
+        recompute += price(op, device) * layers
+        flops += op.total_flops * layers
+    by_name["recompute"] = recompute
+    return StageCompute(times["F"], times["B"] + recompute, times["W"], recompute, flops, by_name)
+
+
+#: Bytes an Adam step reads and writes per parameter it owns: 32-bit master weight, momentum and variance read
+#: and written (24), the 16-bit gradient read and the 16-bit weight written (4).
+ADAM_BYTES_PER_PARAMETER = 28
+
+
+def optimizer_seconds(parameters: float, device: DeviceCompute) -> float:
+    """A fused Adam step over ``parameters`` owned parameters (:data:`ADAM_BYTES_PER_PARAMETER` each)."""
+    return device.memory_s(parameters * ADAM_BYTES_PER_PARAMETER)

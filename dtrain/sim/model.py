@@ -19,8 +19,8 @@ degree):
 - full recomputation: the layer's input only, ``2 s b h`` (section 4.3), ``2 s b h / t`` with sequence
   parallelism (the input kept split along the sequence).
 
-A model trained with fused (flash) attention (``ModelSpec.flash_attention``) keeps none of the ``5 a s / h``
-terms: the kernel stores the output and the softmax statistics only (Dao et al. 2022).
+A layout with fused (flash) attention (``Layout.attention``) keeps none of the ``5 a s / h`` terms: the kernel
+stores the output and the softmax statistics only (Dao et al. 2022).
 
 With recomputation the backward of one layer of one micro-batch also holds what it recomputes (the whole
 layer, or its attention core ``5 a s^2 b / t``) for a moment; that is added once. A 1F1B stage holds at most
@@ -36,20 +36,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "ATTENTION",
     "MODELS",
     "RECOMPUTE",
+    "SCHEDULES",
     "Layout",
     "MemoryUse",
     "ModelSpec",
     "activation_bytes_per_layer",
     "flops_per_microbatch",
+    "layers_in_flight",
     "memory_per_device",
+    "stage_parameters",
     "recompute_flops_per_microbatch",
     "tp_all_reduces_per_layer",
 ]
 
 #: Activation recomputation of a layout: none, the attention core of each layer, or each layer's whole forward.
 RECOMPUTE = ("none", "selective", "full")
+#: Pipeline schedules (:mod:`dtrain.parallel.pipeline_schedules`): interleaved 1F1B takes ``chunks`` >= 2 model
+#: chunks a stage (Narayanan et al. 2021, section 2.2.2), ZB-V exactly 2 (Qi et al. 2024), the others 1.
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v")
+#: The attention core: Megatron-LM's unfused kernels (the ``s x s`` scores kept for backward) or flash attention
+#: (Dao et al. 2022: nothing of size ``s x s`` kept; its backward recomputes the scores).
+ATTENTION = ("unfused", "flash")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +78,6 @@ class ModelSpec:
     ffn_hidden: int = 0  # width of the MLP's inner layer; 0: 4 x hidden
     kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
     gated_mlp: bool = False  # SwiGLU (three MLP matrices) rather than two
-    flash_attention: bool = False  # a fused attention kernel that keeps no s x s scores for backward
 
     def __post_init__(self) -> None:
         for field_name in ("parameters", "layers", "hidden", "heads", "sequence", "bytes_per_value"):
@@ -119,8 +128,10 @@ class Layout:
     global_batch: int = 1
     zero_stage: int = 0
     schedule: str = "1f1b"
+    chunks: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
+    attention: str = "unfused"
 
     def __post_init__(self) -> None:
         for field_name in ("dp", "tp", "pp", "micro_batch", "global_batch"):
@@ -134,8 +145,26 @@ class Layout:
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ValueError(f"Layout.chunks must be a positive int, got {self.chunks!r}")
+        need = {"interleaved-1f1b": "at least 2", "zb-v": "2"}.get(self.schedule, "1")
+        if (
+            (need == "1" and self.chunks != 1)
+            or (need == "2" and self.chunks != 2)
+            or (need != "1" and self.chunks < 2)
+        ):
+            raise ValueError(
+                f"schedule {self.schedule!r} takes chunks = {need} model chunks a stage, got {self.chunks}"
+            )
+        if self.schedule == "interleaved-1f1b" and self.microbatches % self.pp:
+            raise ValueError(
+                f"interleaved-1f1b takes micro-batches in groups of pp={self.pp}; {self.microbatches} micro-batches "
+                f"a replica is not a multiple"
+            )
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if not isinstance(self.sequence_parallel, bool):
@@ -152,8 +181,10 @@ class Layout:
 
     def check(self, model: ModelSpec) -> None:
         """Raise ``ValueError`` if the layout cannot cut ``model``: layers over stages, heads over tp ranks."""
-        if model.layers % self.pp:
-            raise ValueError(f"{model.layers} layers do not split into pp={self.pp} equal stages")
+        if model.layers % (self.pp * self.chunks):
+            raise ValueError(
+                f"{model.layers} layers do not split into pp={self.pp} equal stages of {self.chunks} equal chunks"
+            )
         if model.heads % self.tp:
             raise ValueError(f"{model.heads} heads do not split over tp={self.tp} ranks")
 
@@ -161,7 +192,14 @@ class Layout:
         zero = f" zero{self.zero_stage}" if self.zero_stage else ""
         sp = " sp" if self.sequence_parallel else ""
         recompute = f" recompute-{self.recompute}" if self.recompute != "none" else ""
-        return f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}x{self.microbatches}{zero}{sp}{recompute}"
+        schedule = (
+            "" if self.schedule == "1f1b" else f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
+        )
+        flash = " flash" if self.attention == "flash" else ""
+        return (
+            f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}x{self.microbatches}{schedule}{zero}{flash}{sp}"
+            f"{recompute}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,17 +217,58 @@ class MemoryUse:
 
 
 def memory_per_device(model: ModelSpec, layout: Layout) -> MemoryUse:
-    """Peak bytes per device of ``model`` trained with ``layout`` (see the module docstring for the sources)."""
-    shard = model.parameters / (layout.tp * layout.pp)
-    stage = layout.zero_stage
-    weights = 2 * shard / (layout.dp if stage >= 3 else 1)
-    gradients = 2 * shard / (layout.dp if stage >= 2 else 1)
-    optimizer = 12 * shard / (layout.dp if stage >= 1 else 1)
-    in_flight = layout.microbatches if layout.schedule == "gpipe" else min(layout.pp, layout.microbatches)
-    activations = activation_bytes_per_layer(model, layout) * (model.layers / layout.pp) * in_flight
+    """Peak bytes per device of ``model`` trained with ``layout``: the larger of the first stage's and the last
+    stage's (see the module docstring for the sources)."""
+    first = _stage_memory(model, layout, 0)
+    if layout.pp == 1:
+        return first
+    last = _stage_memory(model, layout, layout.pp - 1)
+    return first if first.total >= last.total else last
+
+
+def stage_parameters(model: ModelSpec, layout: Layout, stage: int) -> float:
+    """Parameters pipeline stage ``stage`` holds, before the tensor-parallel split. With a vocabulary the first
+    stage holds the embedding and the last one the output matrix (Megatron-LM keeps a copy of the tied embedding
+    there, Narayanan et al. 2021), the layers share the rest; without one every stage holds ``P / pp``."""
+    if not model.vocab:
+        return model.parameters / layout.pp
+    embedding = model.vocab * model.hidden
+    per_layer = max(model.parameters - embedding, 0.0) / model.layers
+    held = per_layer * model.layers / layout.pp
+    if stage == 0:
+        held += embedding
+    if stage == layout.pp - 1 and layout.pp > 1:
+        held += embedding
+    return held
+
+
+def layers_in_flight(model: ModelSpec, layout: Layout) -> float:
+    """Layers' activations the first stage holds at its peak, in micro-batch-layers: GPipe all ``m``
+    micro-batches of its ``L / p`` layers; 1F1B, ZB-H1 and ZB-V ``min(p, m)`` (Qi et al. 2024 keep 1F1B's peak);
+    interleaved 1F1B ``min(2 (p - 1) + (v - 1) p + 1, m v)`` chunks of ``L / (p v)`` layers, about
+    ``L (1 + (p - 1) / (p v))`` (Narayanan et al. 2021, section 2.2.2; Korthikanti et al. 2022, section 4.2.3)."""
+    p, m, v = layout.pp, layout.microbatches, layout.chunks
+    per_stage = model.layers / p
+    if layout.schedule == "gpipe":
+        return m * per_stage
+    if layout.schedule == "interleaved-1f1b":
+        return min(2 * (p - 1) + (v - 1) * p + 1, m * v) * per_stage / v
+    return min(p, m) * per_stage
+
+
+def _stage_memory(model: ModelSpec, layout: Layout, stage: int) -> MemoryUse:
+    shard = stage_parameters(model, layout, stage) / layout.tp
+    zero = layout.zero_stage
+    weights = 2 * shard / (layout.dp if zero >= 3 else 1)
+    gradients = 2 * shard / (layout.dp if zero >= 2 else 1)
+    optimizer = 12 * shard / (layout.dp if zero >= 1 else 1)
+    held = layers_in_flight(model, layout) if stage == 0 else min(1, layout.microbatches) * model.layers / layout.pp
+    activations = activation_bytes_per_layer(model, layout) * held
     if layout.recompute != "none":  # what one layer's backward recomputes, held while it runs
         kept = activation_bytes_per_layer(model, layout, "none")
         activations += kept if layout.recompute == "full" else kept - activation_bytes_per_layer(model, layout)
+    if stage == layout.pp - 1 and model.vocab:  # the logits (16-bit) and the cross-entropy's 32-bit softmax
+        activations += 6 * layout.micro_batch * model.sequence * model.vocab / layout.tp
     return MemoryUse(weights=weights, gradients=gradients, optimizer=optimizer, activations=activations)
 
 
@@ -201,9 +280,7 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, recompute: str 
     sp = layout.sequence_parallel
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
-    # the s x s scores, softmax and dropout mask, which a fused (flash) attention kernel never keeps (Dao et al.
-    # 2022, "FlashAttention", section 3.1: it saves the output and the softmax statistics only)
-    attention_core = 0.0 if model.flash_attention else 5 * a * s / (h * t)
+    attention_core = 0.0 if layout.attention == "flash" else 5 * a * s / (h * t)
     outside = 34 / t if sp else 10 + 24 / t  # the norms and dropouts are split over t only with sequence parallelism
     return s * b * h * (outside + (attention_core if recompute == "none" else 0.0))
 

@@ -55,9 +55,21 @@ def candidate_layouts(
     zero_stages: Sequence[int] = (0, 1),
     max_tp: int | None = None,
     schedule: str = "1f1b",
+    schedules: Sequence[tuple[str, int]] | None = None,
+    attention: str = "unfused",
+    sequence_parallel: bool | None = None,
 ) -> list[Layout]:
     """Every valid layout on ``devices`` devices: tp divides the heads (and is at most ``max_tp``), pp the
-    layers, and ``global_batch`` splits into whole micro-batches per replica."""
+    layers, and ``global_batch`` splits into whole micro-batches per replica. ``schedules``: (schedule, chunks)
+    pairs to try where the pipeline has more than one stage (default: ``schedule`` alone); sequence parallelism
+    is on wherever ``tp > 1`` (it moves the same bytes as plain tensor parallelism and keeps and computes less,
+    Korthikanti et al. 2022) unless ``sequence_parallel`` says otherwise; ``attention``: the attention core of
+    every layout (:data:`~dtrain.sim.model.ATTENTION`)."""
+    pairs = (
+        list(schedules)
+        if schedules
+        else [(schedule, 2 if schedule == "zb-v" else (2 if "interleaved" in schedule else 1))]
+    )
     layouts = []
     for tp in _divisors(devices):
         if model.heads % tp or (max_tp is not None and tp > max_tp):
@@ -72,10 +84,15 @@ def candidate_layouts(
                 for zero in zero_stages:
                     if zero and dp == 1:
                         continue  # nothing to shard over
-                    layouts.append(
-                        Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch, zero_stage=zero,
-                               schedule=schedule)
-                    )  # fmt: skip
+                    for name, chunks in pairs if pp > 1 else [("1f1b", 1)]:
+                        m = global_batch // (dp * mb)
+                        if model.layers % (pp * chunks) or (name == "interleaved-1f1b" and m % pp):
+                            continue
+                        sp = tp > 1 and sequence_parallel is not False
+                        layouts.append(
+                            Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch, zero_stage=zero,
+                                   schedule=name, chunks=chunks, attention=attention, sequence_parallel=sp)
+                        )  # fmt: skip
     return layouts
 
 
@@ -92,17 +109,22 @@ def plan(
     max_tp: int | None = None,
     recompute: Sequence[str] = RECOMPUTE,
     progress: Callable[[int, int], None] | None = None,
+    schedules: Sequence[tuple[str, int]] = (("1f1b", 1), ("interleaved-1f1b", 2)),
+    attention: str = "unfused",
+    sequence_parallel: bool | None = None,
 ) -> tuple[list[Plan], int]:
     """Plans that fit, fastest first, and how many layouts were left out for memory. Each layout takes the first
     mode of ``recompute`` (activation recomputation, from :data:`~dtrain.sim.model.RECOMPUTE`) under which it
-    fits."""
+    fits; ``schedules``: the (pipeline schedule, chunks a stage) pairs tried for layouts with a pipeline;
+    ``attention`` and ``sequence_parallel`` as :func:`candidate_layouts` takes them."""
     config = config or StepConfig()
     if not recompute or any(mode not in RECOMPUTE for mode in recompute):
         raise ValueError(f"recompute modes {list(recompute)!r}: accepted: {', '.join(RECOMPUTE)} (at least one)")
     devices = devices or len(topology.devices())
     layouts = candidate_layouts(
-        model, devices, global_batch, micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp
-    )
+        model, devices, global_batch, micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp,
+        schedules=schedules, attention=attention, sequence_parallel=sequence_parallel,
+    )  # fmt: skip
     if not layouts:
         raise ValueError(
             f"no layout of {model.name} fits the rules on {devices} devices with global batch {global_batch}: "

@@ -19,8 +19,7 @@ What each strategy sends mirrors :mod:`dtrain.parallel`:
 Every collective is a ``dtrain.comm`` schedule replayed on the placement (:mod:`dtrain.sim.traffic`).
 Activation recomputation (``Layout.recompute``) adds its FLOPs to each backward, and under full recomputation
 the forward's two tensor-parallel all-reduces a layer run again (:mod:`dtrain.sim.model`).
-Compute is FLOPs over each device's peak times an efficiency, or, given a device's measured rates, the sum of
-its operations (:mod:`dtrain.sim.compute`); a straggler multiplies a rank's compute. The
+Compute is FLOPs over each device's peak times an efficiency; a straggler multiplies a rank's compute. The
 step is synchronous: a tensor-parallel group runs at its slowest member, a pipeline at its stages' pace, and
 the data-parallel all-reduce waits for the slowest replica.
 """
@@ -34,9 +33,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dtrain.cluster.topology import Topology
+from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD
 from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
 from dtrain.sim.collective import CollectiveResult, SoftwareCost
-from dtrain.sim.compute import ComputeProfile, stage_compute
+from dtrain.sim.compute import (
+    ADAM_BYTES_PER_PARAMETER,
+    device_compute,
+    layer_ops,
+    optimizer_seconds,
+    price,
+    stage_compute,
+)
 from dtrain.sim.flows import LinkUsage
 from dtrain.sim.model import (
     Layout,
@@ -45,22 +52,23 @@ from dtrain.sim.model import (
     flops_per_microbatch,
     memory_per_device,
     recompute_flops_per_microbatch,
+    stage_parameters,
     tp_all_reduces_per_layer,
 )
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import group
 from dtrain.sim.traffic import Cache, simulate_traffic
 
-__all__ = ["StepConfig", "StepResult", "simulate_step", "exposed_bucket_s"]
-
-#: Bytes an Adam step reads and writes per parameter it owns: 32-bit master weight, momentum and variance read
-#: and written (24), the 16-bit gradient read and the 16-bit weight written (4).
-ADAM_BYTES_PER_PARAMETER = 28
+__all__ = ["StepConfig", "StepResult", "simulate_step", "stage_seconds", "exposed_bucket_s"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepConfig:
-    """How to simulate: ``efficiency`` of the compute kernels (achieved / peak FLOP/s), the algorithms of the
+    """How to simulate: compute priced per operation (:mod:`dtrain.sim.compute`; ``curves``: measured efficiency
+    curves by device key, default the package's file) or, with ``efficiency`` set, the step's FLOPs at that share
+    of each device's peak; ``overlap_tp_backward``: the input-gradient tensor-parallel collective of each
+    column-parallel product runs under its weight-gradient product (Megatron-LM's asynchronous all-reduce, or
+    reduce-scatter under sequence parallelism); the algorithms of the
     tensor- and data-parallel collectives, software costs, the usable share of device memory, whether the
     data-parallel all-reduce overlaps backward where dtrain overlaps it (``overlap_dp``, in buckets of
     ``bucket_bytes``), and stragglers:
@@ -68,12 +76,9 @@ class StepConfig:
     (median 1) each of ``samples`` steps. ``split_pipeline``: each tensor-parallel rank sends ``1/tp`` of a
     stage's activation and the next stage all-gathers it (Megatron-LM's scatter-gather; see
     :func:`dtrain.sim.traffic.simulate_traffic`); ``flow_limit``: messages a set of concurrent collectives may
-    start before it is replayed in lock-step rounds (:func:`dtrain.sim.classes.replay_jobs`; None: never).
-    ``compute``: a device's measured rates (:class:`dtrain.sim.compute.ComputeProfile`); the step's compute is
-    then the sum of its operations priced by them (and the optimizer step by its measured rate) instead of FLOPs
-    at ``efficiency`` of the peak."""
+    start before it is replayed in lock-step rounds (:func:`dtrain.sim.classes.replay_jobs`; None: never)."""
 
-    efficiency: float = 0.5
+    efficiency: float | None = None
     tp_algorithm: str = "ring"
     dp_algorithm: str = "ring"
     cost: SoftwareCost = field(default_factory=SoftwareCost)
@@ -86,11 +91,12 @@ class StepConfig:
     seed: int = 0
     split_pipeline: bool = False
     flow_limit: int | None = DEFAULT_FLOW_LIMIT
-    compute: ComputeProfile | None = None
+    curves: dict | None = field(default=None, compare=False)
+    overlap_tp_backward: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency!r}")
+        if self.efficiency is not None and not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1] or None (priced per operation), got {self.efficiency!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if any(not f >= 1 for f in self.slowdown.values()):
@@ -138,34 +144,89 @@ def _stage_times(
     factors: Sequence[float],
     config: StepConfig,
     tp_s: float,
-) -> tuple[list[list[float]], list[list[float]]]:
-    """Per replica and stage, forward and backward seconds of one micro-batch: compute at the stage's slowest
-    tensor-parallel rank (FLOPs split 1:2 between forward and backward, the recomputation's FLOPs added to
-    backward), plus two tp all-reduces a layer each way (and two more in backward under full recomputation)."""
-    flops = flops_per_microbatch(model, layout) / config.efficiency
-    extra = recompute_flops_per_microbatch(model, layout) / config.efficiency
-    layers = model.layers // layout.pp
-    backward_all_reduces = tp_all_reduces_per_layer(layout) - 2
-    stages = None
-    if config.compute is not None:
-        stages = [stage_compute(model, layout, config.compute, p) for p in range(layout.pp)]
-    forward, backward = [], []
+) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
+    """Per replica and stage, forward, backward and weight-gradient seconds of one micro-batch at the stage's
+    slowest tensor-parallel rank, its tensor-parallel collectives included (:func:`stage_seconds`). The weight
+    gradient is apart only for the schedules that split backward (ZB-H1, ZB-V); otherwise it is 0 and inside
+    backward."""
+    forward, backward, weight = [], [], []
+    costs: dict[tuple, tuple[float, float, float]] = {}
     for d in range(layout.dp):
-        fw, bw = [], []
+        fw, bw, ww = [], [], []
         for p in range(layout.pp):
             ranks = group(layout, "tp", d, p, 0)
-            if stages is not None:  # measured rates of the profile's device, times the slowest rank's factor
-                factor = max(factors[r] for r in ranks)
-                fw.append(stages[p].forward_s * factor + 2 * layers * tp_s)
-                bw.append(stages[p].backward_s * factor + backward_all_reduces * layers * tp_s)
-                continue
-            slowest = max(factors[r] / topo.device(placement[r]).peak_flops for r in ranks)
-            compute = flops * slowest
-            fw.append(compute / 3 + 2 * layers * tp_s)
-            bw.append(2 * compute / 3 + extra * slowest + backward_all_reduces * layers * tp_s)
+            worst = None
+            for r in ranks:
+                dev = topo.device(placement[r])
+                key = (dev.peak_flops, dev.memory_bytes_per_s, p)
+                if key not in costs:
+                    costs[key] = stage_seconds(model, layout, p, dev.peak_flops, dev.memory_bytes_per_s, config, tp_s)
+                f, b, w = (x * factors[r] for x in costs[key])
+                if worst is None or f + b + w > sum(worst):
+                    worst = (f, b, w)
+            fw.append(worst[0])
+            bw.append(worst[1])
+            ww.append(worst[2])
         forward.append(fw)
         backward.append(bw)
-    return forward, backward
+        weight.append(ww)
+    return forward, backward, weight
+
+
+def stage_seconds(
+    model: ModelSpec,
+    layout: Layout,
+    stage: int,
+    peak_flops: float,
+    memory_bytes_per_s: float,
+    config: StepConfig,
+    tp_s: float,
+) -> tuple[float, float, float]:
+    """Forward, backward and weight-gradient seconds of one micro-batch on ``stage`` of a device of
+    ``peak_flops`` and ``memory_bytes_per_s``, each with its tensor-parallel collectives of ``tp_s`` a call.
+
+    Collectives a layer: two forward (the all-reduces after attention and MLP, or their all-gather and
+    reduce-scatter pairs under sequence parallelism), two backward, two more under full recomputation, one more
+    forward on the first stage (the vocabulary-parallel embedding's all-reduce). They are on the critical path
+    (the next product needs their result), except each backward one where ``overlap_tp_backward``: it runs
+    under the weight gradient of QKV or the MLP's first product and only what is longer shows. With
+    ``config.efficiency`` set, compute is the FLOPs of :func:`flops_per_microbatch` at that share of peak, split
+    1:2 between forward and backward, recomputation's FLOPs added to backward."""
+    layers = model.layers // layout.pp
+    split = layout.schedule in SPLIT_BACKWARD
+    recompute_calls = 2 if layout.recompute == "full" else 0
+    if config.efficiency is not None:
+        flops = flops_per_microbatch(model, layout) / config.efficiency / peak_flops
+        extra = recompute_flops_per_microbatch(model, layout) / config.efficiency / peak_flops
+        tp_backward = (2 + recompute_calls) * layers * tp_s
+        b, w = 2 * flops / 3 + extra, 0.0
+        if split:
+            b, w = flops / 3 + extra, flops / 3
+        return flops / 3 + 2 * layers * tp_s, b + tp_backward, w
+    device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
+    work = stage_compute(model, layout, stage, device)
+    embedding_calls = 1 if stage == 0 and model.vocab and layout.tp > 1 else 0
+    forward = work.forward_s + (2 * layers + embedding_calls) * tp_s
+    exposed = tp_s
+    if config.overlap_tp_backward and not split and tp_s > 0:
+        wgrads = [price(op, device) for op in layer_ops(model, layout) if op.phase == "W" and op.name in _COLUMN]
+        exposed = sum(max(0.0, tp_s - w) for w in wgrads) / max(1, len(wgrads))
+    backward = work.backward_s + (2 * exposed + recompute_calls * tp_s) * layers
+    if split:
+        return forward, backward, work.weight_s
+    return forward, backward + work.weight_s, 0.0
+
+
+#: The column-parallel products whose input gradient's collective can run under their weight gradient.
+_COLUMN = ("qkv", "mlp-in")
+
+
+def _optimizer_s(owned: float, device, config: StepConfig) -> float:
+    """A fused Adam step over ``owned`` parameters: at the memory's full rate under a flat ``efficiency``,
+    else at its bandwidth efficiency (:func:`dtrain.sim.compute.optimizer_seconds`)."""
+    if config.efficiency is not None:
+        return owned * ADAM_BYTES_PER_PARAMETER / device.memory_bytes_per_s
+    return optimizer_seconds(owned, device_compute(device.peak_flops, device.memory_bytes_per_s, curves=config.curves))
 
 
 def exposed_bucket_s(all_reduce_s: float, backward_s: float, gradient_bytes: float, bucket_bytes: int) -> float:
@@ -231,26 +292,33 @@ def simulate_step(
     pp_s = (pp.time_s if pp else 0.0) + (gather.time_s if gather else 0.0)
     dp_s = sum(r.time_s for r in dp)
     memory = memory_per_device(model, layout)
-    owned = model.parameters / (layout.tp * layout.pp) / (layout.dp if layout.zero_stage else 1)
-    if config.compute is not None:
-        optimizer_s = owned / config.compute.adam_params_per_s
-    else:
-        optimizer_s = max(owned * ADAM_BYTES_PER_PARAMETER / topology.device(d).memory_bytes_per_s for d in placement)
+    owned = max(stage_parameters(model, layout, 0), stage_parameters(model, layout, layout.pp - 1)) / layout.tp
+    owned /= layout.dp if layout.zero_stage else 1
+    optimizer_s = max(_optimizer_s(owned, topology.device(d), config) for d in set(placement))
     m = layout.microbatches
+    v = layout.chunks
     steps, pipelines, exposed_dp = [], [], []
+    spans: dict[tuple, float] = {}
     for factors in _factors(layout, config):
-        forward, backward = _stage_times(model, layout, topology, placement, factors, config, tp_s)
-        slowest = max(pipeline_makespan(f, b, pp_s, m, layout.schedule) for f, b in zip(forward, backward, strict=True))
+        forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s)
+        slowest = 0.0
+        for f, b, w in zip(forward, backward, weight, strict=True):
+            key = (tuple(f), tuple(b), tuple(w))
+            if key not in spans:  # replicas of equal stage times run equal pipelines
+                weights = w if layout.schedule in SPLIT_BACKWARD else None
+                spans[key] = pipeline_makespan(f, b, pp_s, m, layout.schedule, weight_s=weights, virtual_stages=v)
+            slowest = max(slowest, spans[key])
         pipelines.append(slowest)
         exposed = dp_s
         if config.overlap_dp and layout.pp == 1 and layout.zero_stage == 0 and dp_s > 0:
             grads = model.parameters / layout.tp * model.bytes_per_value
-            exposed = exposed_bucket_s(dp_s, max(b[0] for b in backward), grads, config.bucket_bytes)
+            exposed = exposed_bucket_s(dp_s, max(b[0] + w[0] for b, w in zip(backward, weight, strict=True)), grads,
+                                       config.bucket_bytes)  # fmt: skip
         exposed_dp.append(exposed)
         steps.append(slowest + exposed + optimizer_s)
     step_s = float(np.median(steps))
-    ideal_f, ideal_b = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
-    compute_s = m * max(f + b for f, b in zip(ideal_f[0], ideal_b[0], strict=True))
+    ideal = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
+    compute_s = m * max(f + b + w for f, b, w in zip(ideal[0][0], ideal[1][0], ideal[2][0], strict=True))
     tp_count = tp_all_reduces_per_layer(layout) * (model.layers // layout.pp) * m
     parts = [(tp, tp_count), (pp, 2 * m), (gather, 2 * m)] + [(r, 1) for r in dp]
     return StepResult(
@@ -263,7 +331,7 @@ def simulate_step(
         dp_s=dp_s,
         dp_exposed_s=float(np.median(exposed_dp)),
         optimizer_s=optimizer_s,
-        bubble=(layout.pp - 1) / (m + layout.pp - 1),
+        bubble=(layout.pp - 1) / (v * m + layout.pp - 1),
         memory=memory,
         memory_limit=config.memory_fraction * min(topology.device(d).memory_bytes for d in placement),
         tokens_per_s=layout.global_batch * model.sequence / step_s,

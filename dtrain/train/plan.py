@@ -24,6 +24,7 @@ from dtrain.train.config import TrainConfig
 
 __all__ = ["PlannedRun", "model_spec", "plan_run", "run_shape"]
 
+
 @dataclasses.dataclass(frozen=True)
 class PlannedRun:
     """The run config to execute, the simulator's plan it came from, and how many plans ranked above it could not
@@ -62,7 +63,6 @@ def model_spec(shape, seq_len: int, name: str = "model"):
         ffn_hidden=ffn,
         kv_heads=kv,
         gated_mlp=not isinstance(shape, GPT2Config),
-        flash_attention=True,  # dtrain.models' attention is torch's scaled_dot_product_attention
     )
 
 
@@ -79,7 +79,7 @@ def _run_config(config: TrainConfig, layout, plan, topology: str) -> TrainConfig
         "zero": layout.zero_stage,
         "zero_shard_size": 0,
         "microbatches": m if pipelined else 1,
-        "schedule": "gpipe" if layout.schedule == "gpipe" else "1f1b",
+        "schedule": layout.schedule if pipelined else "1f1b",
     }
     data["training"] |= {
         "accumulation": 1 if pipelined else m,
@@ -112,7 +112,7 @@ def plan_run(
     ``topology`` that ``dtrain train`` runs, as a run config. ValueError (one line) where no layout fits."""
     from dtrain.sim.model import RECOMPUTE
     from dtrain.sim.planner import plan
-    from dtrain.train.loop import validate_layout
+    from dtrain.train.loop import INTERLEAVED_CHUNKS, validate_layout
 
     shape = run_shape(config) if shape is None else shape
     spec = model_spec(shape, config.data.seq_len, name=config.model.preset if not config.model.config else "model")
@@ -127,6 +127,9 @@ def plan_run(
         zero_stages=zero_stages,
         max_tp=max_tp,
         recompute=recompute or RECOMPUTE,
+        attention="flash",  # dtrain.models' attention is torch's scaled_dot_product_attention
+        sequence_parallel=False,  # dtrain's tensor parallelism keeps whole activations outside its regions
+        schedules=(("1f1b", 1), ("interleaved-1f1b", INTERLEAVED_CHUNKS)),
     )
     skipped, reason = 0, None
     for p in plans:

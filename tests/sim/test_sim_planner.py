@@ -42,7 +42,7 @@ def test_with_long_sequences_tensor_parallel_belongs_inside_a_server() -> None:
     long = ModelSpec(parameters=0.5e9, layers=8, hidden=2048, heads=16, sequence=4096)
     plans, _ = plan(long, two_servers(), global_batch=8, micro_batches=(1,), zero_stages=(0,))
     by_key = {(p.layout.describe(), p.placement): p.result.step_s for p in plans}
-    assert by_key[("dp2 tp4 pp1 mb1x4", "aware")] < by_key[("dp2 tp4 pp1 mb1x4", "oblivious")]
+    assert by_key[("dp2 tp4 pp1 mb1x4 sp", "aware")] < by_key[("dp2 tp4 pp1 mb1x4 sp", "oblivious")]
 
 
 def test_an_impossible_batch_is_a_clear_error() -> None:

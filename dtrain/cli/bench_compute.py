@@ -1,0 +1,49 @@
+"""``dtrain bench compute``: time this device's matrix products, attention and memory-bound operations
+(:mod:`dtrain.bench.compute`) and write the efficiency curves the simulator loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("compute", help="time matmuls, attention and memory-bound ops; write the simulator's curves")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (seconds on a CPU)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each operation (the median is kept)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
+    p.add_argument("--out", default=None, help="JSON lines, one row per operation and shape")
+    p.add_argument("--write-curves", default=None, metavar="PATH",
+                   help="merge this device's efficiency curves into PATH (the simulator's: "
+                        "dtrain/sim/compute_curves.json)")  # fmt: skip
+    p.set_defaults(handler=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from dtrain.bench import compute
+
+    if args.repeats < 1 or args.warmup < 0:
+        raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+    for flag, path in (("--out", args.out), ("--write-curves", args.write_curves)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"{flag} {path}: its directory does not exist")
+    rows = compute.run(device_name=args.device, quick=args.quick, repeats=args.repeats, warmup=args.warmup)
+    for kind in ("matmul", "attention", "memory"):
+        best = max((r for r in rows if r["kind"] == kind), key=lambda r: r["efficiency"])
+        print(f"{kind:9} best {best['op']:14} efficiency {best['efficiency']:.2f}")
+    if args.out:
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(args.out)), delete=False) as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(f.name, args.out)
+    if args.write_curves:
+        import torch
+
+        note = f"dtrain bench compute{' --quick' if args.quick else ''}, torch {torch.__version__}"
+        compute.write_curves(args.write_curves, rows[0]["device"], compute.curves_from_rows(rows), note)
+    return 0
