@@ -11,6 +11,8 @@ The simulator (dtrain.sim) against measurements in benchmarks/results/; no GPU n
   p2p-h200    the point-to-point transport's calibrated and fitted software costs against 4 x H200 eager runs
   published   training steps of large GPT runs on DGX A100 clusters against their published iteration
               times (benchmarks/sim/published.toml; --out, --plan)
+  training-h100  dtrain's own training runs on 4 x H100 (Llama 1B layouts, ZeRO-3, recomputation, the largest
+              ZeRO-3 model): the step simulator with compute priced per operation (--out)
   transports  NCCL's own collectives (the NCCL model) and NVLink / host shared memory / sockets on 4 x H200
 
 Each prints its tables (median and worst |predicted / measured - 1|); the figures quoted in docs/results.md
@@ -30,6 +32,7 @@ SUITES = {
     "p2p-h200": "p2p_h200",
     "transports": "transports",
     "published": "published",
+    "training-h100": "training_h100",
 }
 
 
