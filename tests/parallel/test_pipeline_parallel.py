@@ -215,3 +215,24 @@ def test_interleaved_messages_arrive_in_the_order_they_are_sent_on_every_pair_of
     for m in (p, 2 * p, 4 * p):
         sent, received = _messages([interleaved_one_f_one_b(p, m, s, v) for s in range(p)], p, v)
         assert sent == received
+
+
+def test_weight_gradients_of_two_microbatches_accumulate_in_place_like_autograd():
+    from dtrain.parallel.weight_gradients import WeightGradStore
+
+    torch.manual_seed(0)
+    net, reference = nn.Linear(6, 3), nn.Linear(6, 3)
+    reference.load_state_dict(net.state_dict())
+    store = WeightGradStore()
+    store.attach(net)
+    xs = [torch.randn(5, 6) for _ in range(2)]
+    for mb, x in enumerate(xs):
+        reference(x).square().sum().backward()
+        with store.deferring(mb):
+            net(x.requires_grad_()).square().sum().backward()
+    store.flush(0)
+    first = net.weight.grad
+    store.flush(1)  # into the first micro-batch's gradient: one GEMM with beta = 1, no new tensor
+    assert net.weight.grad is first
+    torch.testing.assert_close(net.weight.grad, reference.weight.grad)
+    torch.testing.assert_close(net.bias.grad, reference.bias.grad)
