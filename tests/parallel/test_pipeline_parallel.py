@@ -182,8 +182,12 @@ def test_interleaved_1f1b_trains_like_the_unsplit_model(pool, p, m, v):
 
 
 def test_interleaved_timeline_records_each_chunk_and_a_bubble(pool):
-    timelines = pool.run(pipeline_jobs.timeline, 4, 8, "interleaved-1f1b", ranks=4)
+    results = pool.run(pipeline_jobs.timeline, 4, 8, "interleaved-1f1b", True, ranks=4)
+    timelines, reports = [t for t, _ in results], [r for _, r in results]
     assert 0.0 < bubble_fraction(timelines) < 1.0
+    # every virtual-stage boundary carries each micro-batch's activation up and its gradient down: 2 m (v p - 1)
+    assert sum(r["sends"] for r in reports) == sum(r["recvs"] for r in reports) == 2 * 8 * (2 * 4 - 1)
+    assert all(r["headers"] == 0 and r["device_wait_s"] is None and r["recv_wait_s"] >= 0 for r in reports)
     for t in timelines:
         assert t.virtual_stages == 2
         assert {(e.kind, e.chunk) for e in t.events if e.kind in ("F", "B")} == {(k, c) for k in "FB" for c in (0, 1)}
