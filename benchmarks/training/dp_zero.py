@@ -1,25 +1,37 @@
-"""Usage: torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py [--sections dp zero] [--out F]  (CPU: --nproc 4)
+"""Usage: torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py [--sections dp zero] [--out F] [--profile DIR]
 
 Data parallel and ZeRO, ours against torch's DDP and ZeroRedundancyOptimizer, in one launch.
 
-    torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py --out runs/peers-dp-zero.jsonl   # GPUs, NCCL
-    python benchmarks/training/dp_zero.py --nproc 4 --layers 2 --embd 64 ...                     # CPU, Gloo
+    torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py --sections dp --batch-per-rank 16 32 \
+        --out benchmarks/results/dp_zero-h100x4.jsonl                                            # GPUs, NCCL
+    python benchmarks/training/dp_zero.py --nproc 2 --layers 2 --embd 64 --heads 2 --vocab 256 --block 32 ...  # CPU
 
-The model: a GPT-2 (:mod:`dtrain.models`, the ``tiny`` preset resized by ``--layers``/``--embd``/``--heads``,
-``--block``-token context, 256-token vocabulary); the batches: uniform random token ids from a generator seeded by
-the rank, inputs and next-token targets from one ``(B, block + 1)`` draw (a step's speed does not depend on the
-text).
+The model (:class:`GPT`): GPT-2 (Radford et al. 2019) as nanoGPT writes it, pre-norm blocks of causal
+self-attention (``scaled_dot_product_attention``) and a 4x GELU MLP, learned positions, and a vocabulary head
+of its own (not tied to the token embedding). The defaults, 12 layers, width 768, 12 heads, a 32768-token
+vocabulary and 512-token context, make 135.8 M parameters (each record's ``parameters``). The forward runs in
+``torch.autocast`` bf16 (``--autocast none``: float32); parameters, gradients and AdamW's state are float32.
+The batches: uniform random token ids from a generator seeded by the rank, inputs and next-token targets from
+one ``(B, block + 1)`` draw (a step's speed does not depend on the text).
 
-**Scaling** (``--sizes 1 2 4``): for each k, ranks 0..k-1 train the model (``--block`` tokens, ``--batch-per-rank``
-sequences a rank: weak scaling) with AdamW as :class:`DataParallel`
-(``auto`` and ``native`` collectives) and as ``DistributedDataParallel``, timed in rotating turns
-(:func:`timing.time_variants`). Scaling efficiency: tokens/s per rank over the 1-rank tokens/s.
+**Scaling** (``--sizes 1 2 4``): for each k and each of ``--batch-per-rank`` (sequences a rank: weak scaling),
+ranks 0..k-1 train the model with AdamW as :class:`DataParallel` with its defaults (``ours-auto``) and with
+``algorithm="native"`` (``ours-native``), as ``DistributedDataParallel`` with its defaults (``ddp``:
+``gradient_as_bucket_view=False``) and with ``gradient_as_bucket_view=True`` (``ddp-view``), timed in rotating
+turns (:func:`timing.time_variants`). Scaling efficiency: tokens/s per rank over the 1-rank tokens/s of the same
+batch; ``ratio_vs_ddp``: DDP's step time (its defaults) over the variant's.
 
-**ZeRO** (every rank): plain data parallel (ours, DDP), ZeRO stage 1 and 2 (:class:`ZeroOptimizer`) and DDP with
-torch's ``ZeroRedundancyOptimizer`` (its stage 1), one after another: step time and peak GPU memory of a step.
+**ZeRO** (every rank, the first ``--batch-per-rank``): plain data parallel (ours, DDP), ZeRO stage 1 and 2
+(:class:`ZeroOptimizer`) and DDP with torch's ``ZeroRedundancyOptimizer`` (its stage 1), one after another:
+step time and peak GPU memory of a step.
 
 Every variant starts from the same weights and sees the same batches, so all must end with the same
 parameters: the script checks each against DDP (``max_abs_param_diff_vs_ddp``).
+
+``--profile DIR``: after the scaling section's timing on all ranks, ``--profile-steps`` steps of ``ours-auto``
+and of ``ddp`` run under ``torch.profiler`` on every rank of the largest size, and rank 0 writes
+``DIR/<variant>-b<batch>.trace.json`` (a Chrome trace: kernels, NCCL and the copy into buckets on their
+streams) and ``DIR/<variant>-b<batch>.txt`` (the operators' table, by device time).
 """
 
 from __future__ import annotations
@@ -30,42 +42,82 @@ import faulthandler
 import gc
 import json
 import os
+import sys
 from pathlib import Path
 
 import timing as pt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.launch import run_ranks
-from dtrain.models import build, preset
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.zero import ZeroOptimizer
 
-VOCAB = 256
+
+class GPT(nn.Module):
+    """GPT-2 with an untied vocabulary head: ``layers`` blocks of width ``embd`` with ``heads`` heads."""
+
+    def __init__(self, vocab: int, block: int, layers: int, embd: int, heads: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, embd)
+        self.wpe = nn.Embedding(block, embd)
+        self.blocks = nn.ModuleList(Block(embd, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(embd)
+        self.head = nn.Linear(embd, vocab, bias=False)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class Block(nn.Module):
+    def __init__(self, embd: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(embd), nn.LayerNorm(embd)
+        self.qkv, self.proj = nn.Linear(embd, 3 * embd), nn.Linear(embd, embd)
+        self.fc, self.out = nn.Linear(embd, 4 * embd), nn.Linear(4 * embd, embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
 
 
 def _model(args) -> torch.nn.Module:
     torch.manual_seed(0)
-    shape = dict(n_positions=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
-    return build(preset("gpt2", "tiny", vocab_size=VOCAB, **shape)).to(pt.device())
+    return GPT(args.vocab, args.block, args.layers, args.embd, args.heads).to(pt.device())
 
 
-def _batch(args, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(args, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + rank)
-    tokens = torch.randint(VOCAB, (args.batch_per_rank, args.block + 1), generator=gen).to(pt.device())
+    tokens = torch.randint(args.vocab, (batch, args.block + 1), generator=gen).to(pt.device())
     return tokens[:, :-1], tokens[:, 1:]  # (B, T) each
 
 
-def _step_fn(model, optimizer, batch):
+def _step_fn(model, optimizer, batch, args):
     x, y = batch
+    dev = pt.device()
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        logits = model(x)  # (B, T, V)
-        F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).backward()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            logits = model(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.reshape(-1, args.vocab).float(), y.reshape(-1))
+        loss.backward()
         optimizer.step()
 
     return step
@@ -79,7 +131,12 @@ def _wrap(variant: str, base, group):
     if variant.startswith("ours-"):
         dp = DataParallel(model, group, algorithm=variant.removeprefix("ours-"))
         return dp, torch.optim.AdamW(dp.parameters(), lr=1e-4)
-    ddp = DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None, process_group=group)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[dev] if dev.type == "cuda" else None,
+        process_group=group,
+        gradient_as_bucket_view=variant == "ddp-view",
+    )
     if variant == "ddp+zero-torch":
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, process_group=group, lr=1e-4)
     if variant in ("zero1-ours", "zero2-ours"):
@@ -103,41 +160,74 @@ def _scaling(args, groups) -> list[dict]:
     # the largest group first: with the peer transport its window is then made before any subgroup's, so
     # every rank has made as many windows when it is (pytorch/pytorch#196082, see dtrain.comm.peer)
     for k, group in sorted(groups.items(), key=lambda kv: -kv[0]):
-        dist.barrier()
-        if rank >= k:
-            continue
-        base, batch = _model(args), _batch(args, rank)
-        variants = ("single",) if k == 1 else ("ours-auto", "ours-native", "ddp")
-        _arm(args, f"scaling on {k} ranks")
-        built = {v: _wrap(v, base, group) for v in variants}
-        steps = {v: _step_fn(*built[v], batch) for v in variants}
-        seconds = pt.time_variants(steps, warmup=args.warmup, iters=args.iters, trials=args.trials, group=group)
-        final = {v: _params(built[v][0]) for v in variants}
-        for v in variants:
-            diff = _max_diff(final[v], final["ddp"]) if k > 1 else None
-            tokens = k * args.batch_per_rank * args.block
-            records.append(
-                {
-                    "section": "dp",
-                    "variant": v,
-                    "ranks": k,
-                    "step_s": seconds[v],
-                    "tokens_per_s": tokens / seconds[v],
-                    "max_abs_param_diff_vs_ddp": diff,
-                }
-            )
-        del built, steps
+        for per_rank in args.batch_per_rank:
+            dist.barrier()
+            if rank >= k:
+                continue
+            base, batch = _model(args), _batch(args, rank, per_rank)
+            variants = ("single",) if k == 1 else ("ours-auto", "ours-native", "ddp", "ddp-view")
+            _arm(args, f"scaling on {k} ranks, {per_rank} sequences a rank")
+            built = {v: _wrap(v, base, group) for v in variants}
+            steps = {v: _step_fn(*built[v], batch, args) for v in variants}
+            seconds = pt.time_variants(steps, warmup=args.warmup, iters=args.iters, trials=args.trials, group=group)
+            final = {v: _params(built[v][0]) for v in variants}
+            if args.profile and k == max(groups) and k > 1:
+                for v in ("ours-auto", "ddp"):
+                    _profile(steps[v], args, f"{v}-b{per_rank}", group)
+            for v in variants:
+                diff = _max_diff(final[v], final["ddp"]) if k > 1 else None
+                tokens = k * per_rank * args.block
+                records.append(
+                    {
+                        "section": "dp",
+                        "variant": v,
+                        "ranks": k,
+                        "batch_per_rank": per_rank,
+                        "step_s": seconds[v],
+                        "tokens_per_s": tokens / seconds[v],
+                        "max_abs_param_diff_vs_ddp": diff,
+                    }
+                )
+            del built, steps, final
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return records
+
+
+def _profile(step, args, name: str, group) -> None:
+    """Run ``--profile-steps`` calls of ``step`` under torch.profiler on every rank of ``group``; rank 0 writes the
+    Chrome trace and the operators' table under ``--profile`` (each file under a temporary name, then renamed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    pt.sync()
+    dist.barrier(group=group)
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile_steps):
+            step()
+        pt.sync()
+    if dist.get_rank() != 0:
+        return
+    args.profile.mkdir(parents=True, exist_ok=True)
+    trace, table = args.profile / f"{name}.trace.json", args.profile / f"{name}.txt"
+    prof.export_chrome_trace(str(trace) + ".tmp")
+    os.replace(str(trace) + ".tmp", trace)
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    text = f"{name}: {args.profile_steps} steps on rank 0\n" + prof.key_averages().table(sort_by=sort, row_limit=40)
+    (args.profile / f"{name}.txt.tmp").write_text(text + "\n")
+    os.replace(args.profile / f"{name}.txt.tmp", table)
+    print(f"profile: {trace} {table}", file=sys.stderr, flush=True)
 
 
 def _zero(args) -> list[dict]:
     group, rank = dist.group.WORLD, dist.get_rank()
-    base, batch = _model(args), _batch(args, rank)
+    base, batch = _model(args), _batch(args, rank, args.batch_per_rank[0])
     records, reference = [], None
     for v in ("ddp", "ours-auto", "zero1-ours", "zero2-ours", "ddp+zero-torch"):
         _arm(args, f"zero section, {v}")
         model, optimizer = _wrap(v, base, group)
-        step = _step_fn(model, optimizer, batch)
+        step = _step_fn(model, optimizer, batch, args)
         seconds = pt.time_variants({v: step}, warmup=args.warmup, iters=args.iters, trials=args.trials)[v]
         peak = pt.peak_memory(step)
         final = _params(model)
@@ -146,6 +236,7 @@ def _zero(args) -> list[dict]:
             "section": "zero",
             "variant": v,
             "ranks": dist.get_world_size(),
+            "batch_per_rank": args.batch_per_rank[0],
             "step_s": seconds,
             "peak_memory_bytes": peak,
             "max_abs_param_diff_vs_ddp": _max_diff(final, reference),
@@ -181,13 +272,14 @@ def _rank_main(args) -> list[dict]:
     records += _zero(args) if "zero" in args.sections else []
     faulthandler.cancel_dump_traceback_later()
     params = sum(p.numel() for p in _model(args).parameters())
-    one = {r["section"]: r["tokens_per_s"] for r in records if r["ranks"] == 1}
-    ddp = {(r["section"], r["ranks"]): r["step_s"] for r in records if r["variant"] == "ddp"}
+    one = {r["batch_per_rank"]: r["tokens_per_s"] for r in records if r["section"] == "dp" and r["ranks"] == 1}
+    ddp = {(r["section"], r["ranks"], r["batch_per_rank"]): r["step_s"] for r in records if r["variant"] == "ddp"}
     for r in records:
-        r["parameters"] = params
-        r["ratio_vs_ddp"] = ddp[r["section"], r["ranks"]] / r["step_s"] if (r["section"], r["ranks"]) in ddp else None
-        if r["section"] == "dp" and "dp" in one:
-            r["scaling_efficiency"] = r["tokens_per_s"] / r["ranks"] / one["dp"]
+        key = (r["section"], r["ranks"], r["batch_per_rank"])
+        r |= {"parameters": params, "vocab": args.vocab, "block": args.block, "autocast": args.autocast}
+        r["ratio_vs_ddp"] = ddp[key] / r["step_s"] if key in ddp else None
+        if r["section"] == "dp" and r["batch_per_rank"] in one:
+            r["scaling_efficiency"] = r["tokens_per_s"] / r["ranks"] / one[r["batch_per_rank"]]
         r |= pt.machine()
     return records
 
@@ -199,15 +291,27 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--embd", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--block", type=int, default=256)
-    p.add_argument("--batch-per-rank", type=int, default=16)
+    p.add_argument("--block", type=int, default=512, help="context (tokens a sequence)")
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--batch-per-rank", type=int, nargs="+", default=[16, 32], help="sequences a rank (each timed)")
+    p.add_argument("--autocast", choices=["bf16", "none"], default="bf16", help="the forward's autocast dtype")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--sections", nargs="+", choices=["dp", "zero"], default=["dp", "zero"])
     p.add_argument("--stall-s", type=float, default=0, help="dump every stack and exit after this long (0: never)")
+    p.add_argument("--profile", type=Path, default=None, help="write torch.profiler traces of ours and DDP here")
+    p.add_argument("--profile-steps", type=int, default=3)
     args = p.parse_args()
+    small = {k: getattr(args, k) for k in ("layers", "embd", "heads", "block", "vocab", "profile_steps")}
+    if min(small.values()) < 1 or min(args.batch_per_rank) < 1 or args.embd % args.heads:
+        p.error(
+            f"--layers/--embd/--heads/--block/--vocab/--batch-per-rank/--profile-steps must be >= 1 and --heads "
+            f"must divide --embd; got {small} and --batch-per-rank {args.batch_per_rank}"
+        )
+    if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
+        p.error(f"--profile {args.profile}: exists and is not a directory")
     records = run_ranks(_rank_main, args.nproc, args)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank returns the records; rank 0 reports
         return
@@ -215,7 +319,9 @@ def main() -> None:
         print(json.dumps({k: v for k, v in r.items() if k not in ("hostname",)}))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, args.out)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ micro-batch count ``m``: ``step_s``, the slowest rank's ``train_step`` (median o
 rank at a time, as ranks share cores); ``bubble`` = 1 - sum(busy_s) / (p x step_s), everything not computing
 (waiting and messages) counting as bubble, as in the theory (:func:`~dtrain.parallel.pipeline_schedules.
 theoretical_bubble`). On the CPU: ``--nproc`` Gloo ranks; under torchrun: one GPU a rank, NCCL.
+
+Where the bubble goes, from one more step with the stage link's clocks on (:meth:`~dtrain.parallel.
+pipeline_parallel_communications.StageLink.step_report`): ``messages_per_step`` (payload messages between
+stages), per stage ``recv_waits_per_stage``, ``recv_wait_ms_per_stage`` (``wait_clock`` "device": how long the
+GPU's compute stream stood waiting for receives, from CUDA events; "host": the CPU's blocking waits),
+``send_post_ms_per_stage`` and ``host_issue_ms_per_stage`` (the host's time to issue the step: near ``step_ms``
+on a GPU, the host sets the pace).
 """
 
 from __future__ import annotations
@@ -143,6 +150,40 @@ def _busy(pipe, args, m: int, device) -> float:
     return result
 
 
+def _comm_report(pipe, step, device) -> dict:
+    """One more step with the link's device clocks on: per stage, the messages it sent and received, how long
+    it waited for receives (on a GPU the compute stream's stall, from CUDA events around each stream wait; on the
+    CPU the host's blocking wait), how long posting its sends took, and how long the host took to issue the whole
+    step (on a GPU: where that nears ``step_ms``, the host, not the device, sets the pace)."""
+    import torch
+    import torch.distributed as dist
+
+    pipe.link.measure_device = True
+    dist.barrier()
+    _sync(device)
+    start = time.perf_counter()
+    step()
+    host_s = time.perf_counter() - start
+    _sync(device)
+    pipe.link.measure_device = False
+    report = pipe.link.step_report()
+    wait = report["device_wait_s"] if report["device_wait_s"] is not None else report["recv_wait_s"]
+    mine = torch.tensor(
+        [report["sends"], report["recvs"], wait, report["send_s"], host_s], dtype=torch.float64, device=device
+    )
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    rows = torch.stack(every).cpu().tolist()
+    return {
+        "messages_per_step": int(sum(r[0] for r in rows)),
+        "wait_clock": "device" if report["device_wait_s"] is not None else "host",
+        "recv_waits_per_stage": [int(r[1]) for r in rows],
+        "recv_wait_ms_per_stage": [round(r[2] * 1e3, 3) for r in rows],
+        "send_post_ms_per_stage": [round(r[3] * 1e3, 3) for r in rows],
+        "host_issue_ms_per_stage": [round(r[4] * 1e3, 3) for r in rows],
+    }
+
+
 def _torch_step(name: str, model, args, m: int, device, x, y):
     """A step function of torch.distributed.pipelining's ``name`` schedule on the same cut, or None."""
     import torch.distributed as dist
@@ -200,6 +241,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     q.grad = None
 
             step_s = _time(step, device, args)
+            comm_row = _comm_report(pipe, step, device)
             busy = torch.tensor([_busy(pipe, args, m, device)], dtype=torch.float64, device=device)
             dist.all_reduce(busy)
             torch_s = None
@@ -214,6 +256,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                 "bubble_measured": round(1 - busy.item() / (p * step_s), 4),
                 "step_ms": round(step_s * 1e3, 3),
                 "torch_step_ms": None if torch_s is None else round(torch_s * 1e3, 3),
+                **comm_row,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "layers": args.layers,
                 "width": args.width,
@@ -223,7 +266,11 @@ def _rank_main(args: argparse.Namespace) -> None:
                 print(
                     f"{name:>17} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
                     f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  torch "
-                    + ("-" if torch_s is None else f"{row['torch_step_ms']:.2f} ms"),
+                    + ("-" if torch_s is None else f"{row['torch_step_ms']:.2f} ms")
+                    + f"  messages {row['messages_per_step']}  {row['wait_clock']} wait ms/stage "
+                    + " ".join(f"{w:.2f}" for w in row["recv_wait_ms_per_stage"])
+                    + "  host issue ms/stage "
+                    + " ".join(f"{h:.2f}" for h in row["host_issue_ms_per_stage"]),
                     flush=True,
                 )
                 if args.out:

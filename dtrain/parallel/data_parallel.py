@@ -36,6 +36,7 @@ from dtrain.parallel.data_parallel_communications import (
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_FIRST_BUCKET_BYTES",
     "DataParallel",
     "DistributedOptimizer",
     "broadcast_algorithm",
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb=25 (Li et al. 2020, section 5.2)
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket cap (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 Batch = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
 
@@ -57,9 +59,13 @@ class DataParallel(nn.Module):
     (``"auto"``, ``"native"``, ``"ring"``, ... see :func:`dtrain.comm.algorithms`); the initial broadcast uses
     the same name where broadcast has it, else ``"auto"`` (:func:`broadcast_algorithm`). Buckets follow the reverse
     registration order in the first synced backward, then are rebuilt in the order gradients became ready on
-    group rank 0, as DDP does after its first iteration; with ``gradient_as_bucket_view`` (the default) each
-    ``param.grad`` is then a view into its bucket (see
-    :class:`~dtrain.parallel.data_parallel_communications.GradientReducer`). ``reduce_dtype`` averages the
+    group rank 0, as DDP does after its first iteration; the first bucket holds at most ``first_bucket_bytes``
+    (DDP's 1 MiB ``first_bucket_bytes_cap``: the gradients ready first go out at once, None: no other cap) and
+    the others ``bucket_bytes``. With ``gradient_as_bucket_view`` (the default) each ``param.grad`` is a view into
+    its bucket from the bucket's first launch on (see
+    :class:`~dtrain.parallel.data_parallel_communications.GradientReducer`). Buckets whose algorithm is (or
+    ``auto`` resolves to) ``native`` are all-reduced asynchronously, overlapping the rest of backward, and waited
+    for (on GPUs by the compute stream, not the host) when backward ends. ``reduce_dtype`` averages the
     gradients in another dtype (``torch.bfloat16``: half the bytes of float32 on the wire), None in the
     parameters' own.
     """
@@ -73,6 +79,7 @@ class DataParallel(nn.Module):
         algorithm: str = "auto",
         gradient_as_bucket_view: bool = True,
         reduce_dtype: torch.dtype | None = None,
+        first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
     ) -> None:
         super().__init__()
         params = [p for p in module.parameters() if p.requires_grad]
@@ -91,6 +98,7 @@ class DataParallel(nn.Module):
             algorithm=algorithm,
             gradient_as_bucket_view=gradient_as_bucket_view,
             reduce_dtype=reduce_dtype,
+            first_bucket_bytes=first_bucket_bytes,
         )
         broadcast_tensors([*module.parameters(), *module.buffers()], 0, group, algorithm=broadcast_algorithm(algorithm))
         self._sync_enabled = True

@@ -4,15 +4,16 @@ Gradients are packed into **buckets** (Li et al. 2020, "PyTorch Distributed: Exp
 Parallel Training", VLDB, section 3.2.3): parameters are taken in reverse registration order, the order in
 which backward roughly produces their gradients, and cut into buckets of about ``bucket_bytes`` each. A
 bucket owns one flat contiguous buffer; when every gradient of a bucket has been accumulated, the gradients
-are copied into the buffer and one ``comm.all_reduce(op="avg")`` runs on it while backward goes on computing
-earlier layers' gradients (section 3.2.3's overlap). Buckets are launched strictly in index order, so every
-rank issues the same collectives in the same order (section 3.2.3, "all-reduce order must be the same").
-After the first pass the buckets are cut again in the order gradients were observed to become ready (rank 0's
-order, broadcast), and gradients become views into the buckets, as DDP does (:class:`GradientReducer`).
+are copied into the buffer and one averaging all-reduce runs on it while backward goes on computing earlier
+layers' gradients (section 3.2.3's overlap): the backend's own, asynchronous, where the algorithm is (or
+``auto`` resolves to) ``native``, with NCCL's average folded into the reduction (``ReduceOp.AVG``). Buckets
+are launched strictly in index order, so every rank issues the same collectives in the same order (section
+3.2.3, "all-reduce order must be the same"). After the first pass the buckets are cut again in the order
+gradients were observed to become ready (rank 0's order, broadcast), the first one small (DDP's
+``first_bucket_bytes_cap``), and gradients become views into the buckets, as DDP does (:class:`GradientReducer`).
 
-On CPU Gloo our collectives are synchronous, so "launch" runs the all-reduce inside the autograd hook: the
-structure (when a bucket goes out, in what order, one flat message per bucket) is DDP's, and on a transport
-with asynchronous collectives the same launch points would overlap communication with backward compute.
+Our own algorithms (``ring``, ...) are synchronous, so for them "launch" runs the all-reduce inside the
+autograd hook: the structure (when a bucket goes out, in what order, one flat message per bucket) is DDP's.
 Horovod's tensor fusion (Sergeev and Del Balso 2018, "Horovod: fast and easy distributed deep learning in
 TensorFlow", section 4) is the same idea, reused here by :class:`~dtrain.parallel.data_parallel.DistributedOptimizer`.
 """
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain import comm
+from dtrain.comm.ir.schedule import Collective
 
 __all__ = [
     "Bucket",
@@ -62,29 +64,41 @@ class Bucket:
         self.pending = {id(p) for p in self.params}
 
 
-def build_buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
-    """Cut ``params`` (taken in reverse order) into buckets of at most ``bucket_bytes``, one dtype and device each.
+def build_buckets(
+    params: Iterable[torch.nn.Parameter], bucket_bytes: int, first_bucket_bytes: int | None = None
+) -> list[Bucket]:
+    """Cut ``params`` (taken in reverse order) into buckets of at most ``bucket_bytes``, one dtype and device each
+    (the first at most ``first_bucket_bytes``, see :func:`cut_buckets`).
 
     Reverse registration order is the first guess at the order backward produces gradients (Li et al. 2020,
     section 3.2.3); :class:`GradientReducer` replaces it with the observed order after the first pass.
     """
-    return cut_buckets(list(reversed([p for p in params if p.requires_grad])), bucket_bytes)
+    return cut_buckets(list(reversed([p for p in params if p.requires_grad])), bucket_bytes, first_bucket_bytes)
 
 
-def cut_buckets(ordered: list[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
+def cut_buckets(
+    ordered: list[torch.nn.Parameter], bucket_bytes: int, first_bucket_bytes: int | None = None
+) -> list[Bucket]:
     """Cut ``ordered`` as given into consecutive buckets of at most ``bucket_bytes``, one dtype and device each.
 
-    A parameter larger than ``bucket_bytes`` gets a bucket of its own (Li et al. 2020, section 3.2.3).
+    A parameter larger than the cap gets a bucket of its own (Li et al. 2020, section 3.2.3). The first bucket is
+    capped at ``first_bucket_bytes`` where that is smaller (None: no other cap): DDP's ``first_bucket_bytes_cap``
+    of 1 MiB, so that the gradients ready first go out without waiting for a whole bucket's worth behind them.
     """
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
+    if first_bucket_bytes is not None and (
+        not isinstance(first_bucket_bytes, int) or isinstance(first_bucket_bytes, bool) or first_bucket_bytes <= 0
+    ):
+        raise ValueError(f"first_bucket_bytes must be a positive int (bytes) or None, got {first_bucket_bytes!r}")
     buckets: list[Bucket] = []
     current: list[torch.nn.Parameter] = []
     current_bytes = 0
     for p in ordered:
         nbytes = p.numel() * p.element_size()
         same_kind = not current or (current[0].dtype == p.dtype and current[0].device == p.device)
-        if current and (current_bytes + nbytes > bucket_bytes or not same_kind):
+        cap = bucket_bytes if buckets or first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
+        if current and (current_bytes + nbytes > cap or not same_kind):
             buckets.append(_make_bucket(current))
             current, current_bytes = [], 0
         current.append(p)
@@ -141,23 +155,43 @@ class GradientReducer:
         gradient_as_bucket_view: bool = True,
         rebuild_buckets: bool = True,
         reduce_dtype: torch.dtype | None = None,
+        first_bucket_bytes: int | None = None,
     ) -> None:
         self.group = group
         self.reduce_dtype = reduce_dtype
         self.algorithm = algorithm
         self.bucket_bytes = bucket_bytes
+        self.first_bucket_bytes = first_bucket_bytes
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.buckets = build_buckets(params, bucket_bytes)
+        self.buckets = build_buckets(params, bucket_bytes, first_bucket_bytes)
         self._params = [p for b in reversed(self.buckets) for p in reversed(b.params)]  # registration order
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._bucket_of = self._locate()
         self._next_launch = 0  # buckets go out in index order on every rank
         self._ready_order: list[int] | None = [] if rebuild_buckets else None  # recorded until the rebuild
         self.launches = 0  # all-reduces issued so far (tests and benchmarks read it)
-        self._in_flight: list[tuple[Any, Bucket, torch.Tensor]] = []  # native all-reduces not yet waited for
-        # NCCL averages inside the all-reduce (ncclAvg, NCCL >= 2.10), so no pass over the gradients is left for
-        # after backward; Gloo has no average op and the sums are divided once they are waited for.
-        self._backend_averages = algorithm == "native" and dist.get_backend(group) == "nccl"
+        self._in_flight: list[tuple[Any, Bucket, torch.Tensor, bool]] = []  # native all-reduces not waited for yet
+        self._nccl = dist.get_backend(group) == "nccl"
+        self._chosen: dict[tuple[int, torch.dtype], str] = {}  # (bytes, dtype on the wire) -> algorithm
+
+    def _choose(self, wire: torch.Tensor) -> str:
+        """The all-reduce algorithm for a bucket on the wire: ``algorithm``, or for "auto" what
+        :func:`dtrain.comm.all_reduce` would pick for that size (kept per size; the same on every rank).
+
+        Where that is ``native``, the bucket goes out asynchronously (``async_op=True``) rather than through
+        ``comm.all_reduce``, which returns only once the result is ready: on NCCL the compute stream would wait
+        for every bucket before backward goes on, and no reduction would overlap backward."""
+        if self.algorithm != "auto":
+            return self.algorithm
+        key = (wire.numel() * wire.element_size(), wire.dtype)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            from dtrain.comm.api import _prepare  # the same resolution (rules, cost model) comm.all_reduce makes
+
+            chosen = self._chosen[key] = _prepare(
+                Collective.ALL_REDUCE, "auto", self.group, wire.numel(), wire, "DataParallel"
+            )[2]
+        return chosen
 
     def _locate(self) -> dict[int, int]:
         return {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
@@ -204,7 +238,9 @@ class GradientReducer:
         order = comm_device_copy(order, self.group)  # NCCL carries device tensors only
         comm.broadcast(order, 0, group=self.group, algorithm="native")
         old_views = {id(p): v for b in self.buckets for p, v in zip(b.params, b.views, strict=True)}
-        self.buckets = cut_buckets([self._params[i] for i in order.tolist()], self.bucket_bytes)
+        self.buckets = cut_buckets(
+            [self._params[i] for i in order.tolist()], self.bucket_bytes, self.first_bucket_bytes
+        )
         self._bucket_of = self._locate()
         if not self.gradient_as_bucket_view:
             return
@@ -228,17 +264,27 @@ class GradientReducer:
                 torch._foreach_copy_(targets, sources)
             if missing:
                 torch._foreach_zero_(missing)
-            if self.algorithm == "native":
+            if self.gradient_as_bucket_view:
+                # the gradients autograd made are copied in: let them go now (the copy is queued ahead of any
+                # reuse of their memory on this stream), the bucket holds the values from here on
+                for p, view in zip(bucket.params, bucket.views, strict=True):
+                    p.grad = view
+            wire = bucket.buffer
+            if self.reduce_dtype is not None and self.reduce_dtype != wire.dtype:
+                wire = wire.to(self.reduce_dtype)
+            algorithm = self._choose(wire)
+            if algorithm == "native":
                 # the backend's own all-reduce, asynchronous as DDP's: backward keeps computing on its stream
-                # while the bucket is on the wire, and finish() waits (Li et al. 2020, section 3.2.3)
-                wire = bucket.buffer
-                if self.reduce_dtype is not None and self.reduce_dtype != wire.dtype:
-                    wire = wire.to(self.reduce_dtype)
-                op = dist.ReduceOp.AVG if self._backend_averages else dist.ReduceOp.SUM
+                # while the bucket is on the wire, and finish() waits (Li et al. 2020, section 3.2.3). NCCL averages
+                # inside the all-reduce (ncclAvg, NCCL >= 2.10), so no pass over the gradients is left for after
+                # backward; Gloo has no average op and the sums are divided once waited for.
+                op = dist.ReduceOp.AVG if self._nccl else dist.ReduceOp.SUM
                 work = dist.all_reduce(wire, op, group=self.group, async_op=True)
-                self._in_flight.append((work, bucket, wire))
+                self._in_flight.append((work, bucket, wire, self._nccl))
             else:
-                reduce_in(bucket.buffer, self.reduce_dtype, group=self.group, algorithm=self.algorithm)
+                comm.all_reduce(wire, op="avg", group=self.group, algorithm=algorithm)
+                if wire is not bucket.buffer:
+                    bucket.buffer.copy_(wire)
                 self._assign(bucket)
         self.launches += 1
 
@@ -259,11 +305,11 @@ class GradientReducer:
         in_flight, self._in_flight = self._in_flight, []
         size = group_size(self.group)
         with torch.no_grad():
-            for work, bucket, wire in in_flight:
+            for work, bucket, wire, averaged in in_flight:
                 work.wait()
                 if wire is not bucket.buffer:
                     bucket.buffer.copy_(wire)
-                if not self._backend_averages:
+                if not averaged:
                     bucket.buffer.div_(size)
                 self._assign(bucket)
 

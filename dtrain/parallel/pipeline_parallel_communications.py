@@ -179,6 +179,10 @@ class StageLink:
         self._headers: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self._header_out: set[Key] = set()
         self._actions: Sequence[tuple] = ()
+        #: record a CUDA event pair around each receive's stream wait (see :meth:`step_report`)
+        self.measure_device = False
+        self._counts = {"sends": 0, "recvs": 0, "headers": 0, "send_s": 0.0, "recv_wait_s": 0.0}
+        self._wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # -- the plan of a step
 
@@ -192,6 +196,9 @@ class StageLink:
         self.timeline = timeline
         if timeline is None:
             return
+        self._counts = dict.fromkeys(self._counts, 0)
+        self._counts["send_s"] = self._counts["recv_wait_s"] = 0.0
+        self._wait_events = []
         if forward_only not in self._plans:
             self._plans[forward_only] = messages(self._schedules, self.placement, forward_only=forward_only)
         channels = self._plans[forward_only]
@@ -276,6 +283,9 @@ class StageLink:
             )
         works.append(dist.isend(payload, peer, group=group, tag=tag))
         event = self._record(kind, microbatch, chunk, start)
+        self._counts["sends"] += 1
+        self._counts["headers"] += len(works) - 1
+        self._counts["send_s"] += time.perf_counter() - start
         self._pending += [(w, buffers, event) for w in works]
 
     # -- receiving
@@ -288,8 +298,19 @@ class StageLink:
         start = time.perf_counter()
         self._post_until(source, key)
         work, payload = self._posted.pop(key)
-        work.wait()
-        self._record(kind, microbatch, chunk, start).end_s = time.perf_counter()
+        measure = self.measure_device and payload.is_cuda
+        if measure:
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+        waited = time.perf_counter()
+        work.wait()  # on NCCL the compute stream waits for the receive, the host does not
+        end = time.perf_counter()
+        if measure:
+            after.record()
+            self._wait_events.append((before, after))
+        self._record(kind, microbatch, chunk, start).end_s = end
+        self._counts["recvs"] += 1
+        self._counts["recv_wait_s"] += end - waited
         return payload
 
     def _post_until(self, source: int, key: Key) -> None:
@@ -337,6 +358,20 @@ class StageLink:
         if self.timeline is not None:
             self.timeline.events.append(event)
         return event
+
+    def step_report(self) -> dict[str, float | int | None]:
+        """What this rank's link did in the step last begun: ``sends`` and ``recvs`` (payload messages),
+        ``headers`` (shape headers sent, the first step only), ``send_s`` (host seconds spent posting sends),
+        ``recv_wait_s`` (host seconds blocked in receive waits: the wait itself on Gloo, next to nothing on
+        NCCL, where the stream waits instead) and ``device_wait_s``: with :attr:`measure_device` on a GPU, the
+        seconds the compute stream stood still waiting for receives (CUDA events recorded around each stream wait;
+        this call waits for the last of them), else None."""
+        report: dict[str, float | int | None] = dict(self._counts)
+        report["device_wait_s"] = None
+        if self._wait_events:
+            self._wait_events[-1][1].synchronize()
+            report["device_wait_s"] = sum(a.elapsed_time(b) for a, b in self._wait_events) / 1e3
+        return report
 
     def poll_sends(self) -> None:
         """Stamp and release the sends that have completed (cheap; called between actions)."""

@@ -78,6 +78,10 @@ class WeightGradStore:
     def flush(self, key: Hashable) -> None:
         """W: run the deferred weight-gradient GEMMs (and bias sums) of ``key``, accumulating into ``.grad``."""
         for weight, bias, inp, grad in self._pending.pop(key, ()):
+            if _fused_accumulate(weight, inp, grad):
+                if bias is not None:
+                    _accumulate(bias, grad.reshape(-1, grad.shape[-1]).sum(0))
+                continue
             grad_w, grad_b = _weight_grads(inp, grad, bias is not None)
             _accumulate(weight, grad_w)
             if bias is not None:
@@ -86,6 +90,17 @@ class WeightGradStore:
     def clear(self) -> None:
         """Drop every deferred gradient (after a failed step)."""
         self._pending.clear()
+
+
+def _fused_accumulate(weight: nn.Parameter, inp: torch.Tensor, grad: torch.Tensor) -> bool:
+    """``weight.grad += grad_output^T @ input`` as one GEMM with beta = 1 (``addmm_``), where ``weight.grad`` exists
+    and every operand has its dtype: no (out, in) temporary and no separate pass to add it, which for a thin
+    micro-batch costs more memory traffic than the GEMM itself. False (nothing done) otherwise."""
+    acc = weight.grad
+    if acc is None or not (acc.dtype == inp.dtype == grad.dtype) or not acc.is_contiguous():
+        return False
+    acc.addmm_(grad.reshape(-1, grad.shape[-1]).t(), inp.reshape(-1, inp.shape[-1]))
+    return True
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:

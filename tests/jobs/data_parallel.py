@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from dtrain import comm
 from dtrain.parallel.data_parallel import (
@@ -29,6 +30,7 @@ from dtrain.testing.pool import group_of
 
 GLOBAL_BATCH = 16
 BUCKET_BYTES = 512  # the MLP's 484 float32 parameters (1936 bytes) fall into 4 buckets
+FIRST_BUCKET_BYTES = 64  # in the rebuild job: the first bucket takes the head's bias (16 bytes) alone
 STEPS = 12
 LEARNING_RATES = {"sgd": 0.1, "adam": 0.01, "adamw": 0.01}
 
@@ -104,9 +106,12 @@ def data_parallel(world: int, optimizer: str, algorithm: str, micro_batches: int
     after = _flat(model)
     seen_mid_backward = []
 
+    in_flight_mid_backward = []
+
     def spy(module, inputs, output):  # runs before the first layer's weight gradients exist
         if output.requires_grad and not seen_mid_backward:
             output.register_hook(lambda grad: seen_mid_backward.append(dp.reducer.launches))
+            output.register_hook(lambda grad: in_flight_mid_backward.append(len(dp.reducer._in_flight)))
 
     handle = model[0].register_forward_hook(spy)
     opt = _optimizer(optimizer, model.parameters())
@@ -127,6 +132,7 @@ def data_parallel(world: int, optimizer: str, algorithm: str, micro_batches: int
         bucket_count=dp.bucket_count,
         launches=dp.reducer.launches,
         launched_mid_backward=seen_mid_backward[0],
+        in_flight_mid_backward=in_flight_mid_backward[0],
     )
 
 
@@ -237,7 +243,12 @@ def rebuild(world: int, set_to_none: bool, steps: int = 4) -> dict:
     group = group_of(world)
     rank = dist.get_rank(group)
     model = _OutOfOrder(rank * 7 + 3 if rank else 0, swap=rank != 0)
-    dp = DataParallel(model, group, bucket_bytes=BUCKET_BYTES, algorithm="native")
+    twin = _OutOfOrder(0, swap=rank != 0)  # DDP's copy, from rank 0's weights
+    ddp = DistributedDataParallel(twin, process_group=group, bucket_cap_mb=BUCKET_BYTES / 2**20)
+    ddp_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    dp = DataParallel(
+        model, group, bucket_bytes=BUCKET_BYTES, first_bucket_bytes=FIRST_BUCKET_BYTES, algorithm="native"
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     layer_of = {id(p): name.split(".")[0] for name, p in model.named_parameters()}
     launched_mid_backward, bucket_layers, launches_before = [], [], [0]
@@ -261,6 +272,9 @@ def rebuild(world: int, set_to_none: bool, steps: int = 4) -> dict:
         total = loss.detach().clone()
         comm.all_reduce(total, op="avg", group=group, algorithm="native")
         losses.append(total.item())
+        F.mse_loss(ddp(x), y).backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad(set_to_none=set_to_none)
     views = all(
         p.grad is not None and p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
         for b in dp.reducer.buckets
@@ -284,4 +298,6 @@ def rebuild(world: int, set_to_none: bool, steps: int = 4) -> dict:
         "bucket_layers": bucket_layers,
         "launched_mid_backward": launched_mid_backward,
         "grads_are_bucket_views": views and not set_to_none,
+        "ddp_params": _flat(twin),
+        "bucket_bytes": [[b.nbytes for b in dp.reducer.buckets]],
     }

@@ -135,13 +135,14 @@ def indivisible_batch() -> str:
     return f"{message}|{torch.isfinite(loss).item()}"
 
 
-def timeline(p: int, m: int, schedule: str) -> Timeline:
-    """This rank's timeline of a measured step (after a warm-up step, whose first-call costs are no bubble)."""
+def timeline(p: int, m: int, schedule: str, link_report: bool = False) -> Timeline | tuple[Timeline, dict]:
+    """This rank's timeline of a measured step (after a warm-up step, whose first-call costs are no bubble), and
+    with ``link_report`` the stage link's :meth:`~StageLink.step_report` of that step."""
     pipe = PipelineParallel(_mlp(seed=3), group_of(p), num_microbatches=m, schedule=schedule)
     batch, targets = _data("mlp", 0)
     for _ in range(2):
         pipe.train_step(batch, targets, F.mse_loss)
-    return pipe.timeline
+    return (pipe.timeline, pipe.link.step_report()) if link_report else pipe.timeline
 
 
 def interleaved(p: int, m: int, v: int, steps: int = 3) -> dict:

@@ -182,8 +182,12 @@ def test_interleaved_1f1b_trains_like_the_unsplit_model(pool, p, m, v):
 
 
 def test_interleaved_timeline_records_each_chunk_and_a_bubble(pool):
-    timelines = pool.run(pipeline_jobs.timeline, 4, 8, "interleaved-1f1b", ranks=4)
+    results = pool.run(pipeline_jobs.timeline, 4, 8, "interleaved-1f1b", True, ranks=4)
+    timelines, reports = [t for t, _ in results], [r for _, r in results]
     assert 0.0 < bubble_fraction(timelines) < 1.0
+    # every virtual-stage boundary carries each micro-batch's activation up and its gradient down: 2 m (v p - 1)
+    assert sum(r["sends"] for r in reports) == sum(r["recvs"] for r in reports) == 2 * 8 * (2 * 4 - 1)
+    assert all(r["headers"] == 0 and r["device_wait_s"] is None and r["recv_wait_s"] >= 0 for r in reports)
     for t in timelines:
         assert t.virtual_stages == 2
         assert {(e.kind, e.chunk) for e in t.events if e.kind in ("F", "B")} == {(k, c) for k in "FB" for c in (0, 1)}
@@ -215,3 +219,24 @@ def test_interleaved_messages_arrive_in_the_order_they_are_sent_on_every_pair_of
     for m in (p, 2 * p, 4 * p):
         sent, received = _messages([interleaved_one_f_one_b(p, m, s, v) for s in range(p)], p, v)
         assert sent == received
+
+
+def test_weight_gradients_of_two_microbatches_accumulate_in_place_like_autograd():
+    from dtrain.parallel.weight_gradients import WeightGradStore
+
+    torch.manual_seed(0)
+    net, reference = nn.Linear(6, 3), nn.Linear(6, 3)
+    reference.load_state_dict(net.state_dict())
+    store = WeightGradStore()
+    store.attach(net)
+    xs = [torch.randn(5, 6) for _ in range(2)]
+    for mb, x in enumerate(xs):
+        reference(x).square().sum().backward()
+        with store.deferring(mb):
+            net(x.requires_grad_()).square().sum().backward()
+    store.flush(0)
+    first = net.weight.grad
+    store.flush(1)  # into the first micro-batch's gradient: one GEMM with beta = 1, no new tensor
+    assert net.weight.grad is first
+    torch.testing.assert_close(net.weight.grad, reference.weight.grad)
+    torch.testing.assert_close(net.bias.grad, reference.bias.grad)
