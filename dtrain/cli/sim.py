@@ -105,7 +105,12 @@ def register(commands) -> None:
     p.add_argument("--devices", type=int, help="devices to use (default: all; with --config: dp x tp x pp of it)")
     p.add_argument("--micro-batches", type=_ints, default=[1, 2, 4], help="micro-batch sizes to try, e.g. 1,2,4")
     p.add_argument("--zero", type=_ints, help="ZeRO stages to try, e.g. 0,1,2 (default 0,1; with --config 0,1,2,3)")
-    p.add_argument("--placements", type=_names, default=["aware", "oblivious"], help="aware,oblivious")
+    p.add_argument(
+        "--placements",
+        type=_names,
+        default=["aware", "oblivious"],
+        help="aware,oblivious (with --config: aware, the order in which dtrain train places its ranks)",
+    )
     p.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to try")
     p.add_argument(
         "--recompute",
@@ -375,7 +380,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_run(args: argparse.Namespace) -> int:
     """``dtrain plan --config RUN.toml [--write OUT.toml]``: the fastest layout of the run that dtrain train runs."""
     from dtrain.train.config import load_config
-    from dtrain.train.plan import plan_run
+    from dtrain.train.plan import RUN_PLACEMENT, plan_run
 
     config = load_config(args.config)
     par = config.parallel
@@ -390,7 +395,7 @@ def _plan_run(args: argparse.Namespace) -> int:
         raise ValueError(f"--devices: {devices} but {topo.name} has {len(topo.devices())}")
     planned = plan_run(
         config, topo, devices=devices, step_config=_step_config(args), micro_batches=args.micro_batches,
-        zero_stages=args.zero or [0, 1, 2, 3], placements=args.placements, recompute=args.recompute,
+        zero_stages=args.zero or [0, 1, 2, 3], placements=[RUN_PLACEMENT], recompute=args.recompute,
         max_tp=args.max_tp,
     )  # fmt: skip
     p, predicted = planned.plan, planned.config.plan

@@ -357,11 +357,17 @@ class PlanSection(_Section):
 
     name = "plan"
     step_s: float = _option(0.0, "predicted seconds a step", minimum=0, flag="--plan-step-s")
-    memory_gib: float = _option(0.0, "predicted peak memory a device, GiB", minimum=0, flag="--plan-memory-gib")
+    memory_gib: float = _option(
+        0.0,
+        "predicted peak memory a device, GiB (scored against the most any rank allocates)",
+        minimum=0,
+        flag="--plan-memory-gib",
+    )
     tokens_per_s: float = _option(
         0.0, "predicted tokens a second over all devices", minimum=0, flag="--plan-tokens-per-s"
     )
     topology: str = _option("", "the topology the plan was simulated on", flag="--plan-topology")
+    devices: int = _option(0, "the devices the plan was simulated on", minimum=0, flag="--plan-devices")
     layout: str = _option("", "the layout the plan chose, as the planner describes it", flag="--plan-layout")
 
 

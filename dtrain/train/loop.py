@@ -521,6 +521,18 @@ def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
         write_gantt(out / "pipeline-gantt.png", timelines, par.schedule)
 
 
+def _peak_over_ranks(records: list[dict[str, Any]], device: torch.device) -> float | None:
+    """The largest ``peak_memory_gib`` of ``records`` over every rank (a collective: every rank calls it); None
+    where no memory is measured (a CPU: every rank alike). Pipeline stages hold different layers and activations,
+    and the plan predicts the fullest device."""
+    peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
+    if not peaks:
+        return None
+    most = torch.tensor([max(peaks)], dtype=torch.float64, device=device)
+    comm.all_reduce(most, op="max", algorithm="native")
+    return most.item()
+
+
 def _after_restart(config: TrainConfig) -> TrainConfig:
     """The config of a rank the elastic agent restarted: resuming from the job's last complete checkpoint where
     an earlier attempt wrote one (else it starts over)."""
@@ -588,10 +600,13 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
                 if config.plan.step_s:  # the plan's prediction beside each step, scored on the last
                     record["plan_step_s"] = config.plan.step_s
                     if done == plan.steps:
-                        scored = plan_score([*records, record], config)
+                        peak = _peak_over_ranks([*records, record], trainer.device)
+                        scored = plan_score([*records, record], config, peak_memory_gib=peak)
                         record |= scored
                         if is_main:
-                            (out / "plan_score.json").write_text(json.dumps(scored, indent=2) + "\n")
+                            tmp = out / "plan_score.json.tmp"
+                            tmp.write_text(json.dumps(scored, indent=2) + "\n")
+                            os.replace(tmp, out / "plan_score.json")
                 if writer is not None and (done % log.log_every == 0 or done == plan.steps or "eval_loss" in record):
                     writer.write(record)
                 records.append(record)

@@ -114,10 +114,13 @@ class MetricsWriter:
 WARMUP_STEPS = 3
 
 
-def plan_score(records: Sequence[dict[str, Any]], config) -> dict[str, Any] | None:
+def plan_score(
+    records: Sequence[dict[str, Any]], config, *, peak_memory_gib: float | None = None
+) -> dict[str, Any] | None:
     """The plan's prediction (``config.plan`` of a :class:`~dtrain.train.config.TrainConfig`) beside this run's
     measurement: the median step time over the steps after the first :data:`WARMUP_STEPS` (all of them in a
-    shorter run) and the largest peak device memory (None on a CPU), with their ratios to the prediction
+    shorter run) and the peak device memory, ``peak_memory_gib`` where given (the training loop gives the most
+    of any rank), else the largest of ``records`` (None on a CPU), with their ratios to the prediction
     (measured / predicted). None without a ``[plan]``."""
     predicted = config.plan
     if not predicted.step_s or not records:
@@ -125,7 +128,7 @@ def plan_score(records: Sequence[dict[str, Any]], config) -> dict[str, Any] | No
     timed = records[WARMUP_STEPS:] if len(records) > WARMUP_STEPS else records
     measured = statistics.median(r["step_s"] for r in timed)
     peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
-    memory = max(peaks) if peaks else None
+    memory = peak_memory_gib if peak_memory_gib is not None else (max(peaks) if peaks else None)
     return {
         "plan_layout": predicted.layout,
         "plan_topology": predicted.topology,

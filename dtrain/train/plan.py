@@ -10,6 +10,12 @@ How a simulated layout maps onto the run config: dp, tp, pp and the ZeRO stage a
 micro-batches become the pipeline's micro-batches where pp > 1 and gradient-accumulation steps where pp = 1
 (both run ``m`` forward and backward passes of ``micro_batch`` sequences); recomputation ``selective`` and
 ``full`` become ``[training] activation_checkpointing`` of the same name.
+
+A layout is kept only where ``dtrain train`` runs it as it was priced (:func:`refusal`): the config expresses it,
+the launching process's checks pass (:func:`dtrain.train.loop.validate_layout`), the ranks can build it
+(:class:`~dtrain.parallel.hybrid.HybridParallel` refuses ZeRO-2 with a parameter tied across pipeline stages, as
+the embedding and head of a tied model are), and its placement is the ``aware`` one: ``dtrain train`` puts
+consecutive grid ranks on consecutive devices (:mod:`dtrain.sim.placement`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from dtrain.models.config import GPT2Config
 from dtrain.models.flops import parameter_count, shape_dims
 from dtrain.train.config import TrainConfig
 
-__all__ = ["PlannedRun", "model_spec", "plan_run", "run_shape"]
+__all__ = ["RUN_PLACEMENT", "PlannedRun", "model_spec", "plan_run", "refusal", "run_shape"]
+
+#: the placement dtrain train's ranks have: grid rank r on the r-th device (dtrain.sim.placement's "aware")
+RUN_PLACEMENT = "aware"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +75,25 @@ def model_spec(shape, seq_len: int, name: str = "model"):
     )
 
 
-def _run_config(config: TrainConfig, layout, plan, topology: str) -> TrainConfig:
+def refusal(run: TrainConfig, shape, placement: str = RUN_PLACEMENT) -> str | None:
+    """Why ``dtrain train`` would not run ``run`` (a config of ``shape``'s model) as the simulator priced it under
+    ``placement``, or None where it would: another placement, a check of the launching process
+    (:func:`~dtrain.train.loop.validate_layout`), or ZeRO-2 across pipeline stages of a tied embedding."""
+    from dtrain.train.loop import validate_layout
+
+    par = run.parallel
+    if placement != RUN_PLACEMENT:
+        return f"the {placement} placement: dtrain train puts grid rank r on the r-th device ({RUN_PLACEMENT})"
+    try:
+        validate_layout(run, par.dp * par.pp * par.tp, shape)
+    except ValueError as exc:
+        return str(exc)
+    if par.zero == 2 and par.pp > 1 and getattr(shape, "tie_word_embeddings", False):
+        return "zero = 2 with pp > 1: ZeRO-2 does not run with the embedding tied to the head across stages"
+    return None
+
+
+def _run_config(config: TrainConfig, layout, plan, topology: str, devices: int) -> TrainConfig:
     """``config`` with ``layout``'s parallel settings and ``plan``'s prediction; ConfigError where the run config
     cannot express it."""
     data = config.to_dict()
@@ -90,6 +117,7 @@ def _run_config(config: TrainConfig, layout, plan, topology: str) -> TrainConfig
         "memory_gib": plan.result.memory.total / 2**30,
         "tokens_per_s": plan.result.tokens_per_s,
         "topology": topology,
+        "devices": devices,
         "layout": f"{layout.describe()} ({plan.placement} placement)",
     }
     return TrainConfig.from_dict(data)
@@ -104,7 +132,7 @@ def plan_run(
     step_config=None,
     micro_batches: Sequence[int] = (1, 2, 4, 8),
     zero_stages: Sequence[int] = (0, 1, 2, 3),
-    placements: Sequence[str] = ("aware",),
+    placements: Sequence[str] = (RUN_PLACEMENT,),
     recompute: Sequence[str] | None = None,
     max_tp: int | None = None,
 ) -> PlannedRun:
@@ -112,7 +140,7 @@ def plan_run(
     ``topology`` that ``dtrain train`` runs, as a run config. ValueError (one line) where no layout fits."""
     from dtrain.sim.model import RECOMPUTE
     from dtrain.sim.planner import plan
-    from dtrain.train.loop import INTERLEAVED_CHUNKS, validate_layout
+    from dtrain.train.loop import INTERLEAVED_CHUNKS
 
     shape = run_shape(config) if shape is None else shape
     spec = model_spec(shape, config.data.seq_len, name=config.model.preset if not config.model.config else "model")
@@ -134,11 +162,13 @@ def plan_run(
     skipped, reason = 0, None
     for p in plans:
         try:
-            run = _run_config(config, p.layout, p, topology.name)
-            validate_layout(run, devices, shape)
+            run = _run_config(config, p.layout, p, topology.name, devices)
+            refused = refusal(run, shape, p.placement)
         except ValueError as exc:  # ConfigError included: a layout the run config cannot express
+            refused = str(exc)
+        if refused is not None:
             skipped += 1
-            reason = reason or f"{p.layout.describe()}: {exc}"
+            reason = reason or f"{p.layout.describe()} ({p.placement}): {refused}"
             continue
         return PlannedRun(config=run, plan=p, skipped=skipped, first_reason=reason)
     why = f"; {len(plans)} fit but none runs (first: {reason})" if plans else f"; {dropped} layouts too big"

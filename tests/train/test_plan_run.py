@@ -5,17 +5,20 @@ config that ``dtrain train`` accepts, with the prediction in ``[plan]``; and the
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from pathlib import Path
 
 import pytest
 
-from dtrain.cli.main import main
+from dtrain.cli.main import build_parser, main
 from dtrain.cluster.files import resolve
 from dtrain.sim.model import Layout, memory_per_device
 from dtrain.train import loop
-from dtrain.train.config import ConfigError, TrainConfig, load_config
-from dtrain.train.plan import model_spec, plan_run, run_shape
+from dtrain.train.config import ConfigError, TrainConfig, from_arguments, load_config
+from dtrain.train.plan import model_spec, plan_run, refusal, run_shape
+from tests.jobs import plan as jobs
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-cpu.toml"
@@ -28,7 +31,7 @@ def test_plan_writes_the_fastest_runnable_layout_and_its_prediction(tmp_path, ca
     assert printed.startswith("dtrain plan: dp") and f"written to {out}" in printed
     original, planned = load_config(TINY), load_config(out)
     par, tr, predicted = planned.parallel, planned.training, planned.plan
-    assert par.dp * par.tp * par.pp == 4 and predicted.topology == "h100-node"
+    assert par.dp * par.tp * par.pp == 4 and (predicted.topology, predicted.devices) == ("h100-node", 4)
     # the [plan] section describes exactly the layout written
     dp, tp, pp, mb, m = map(int, re.match(r"dp(\d+) tp(\d+) pp(\d+) mb(\d+)x(\d+)", predicted.layout).groups())
     assert (dp, tp, pp) == (par.dp, par.tp, par.pp)
@@ -86,3 +89,39 @@ def test_hybrid_sharding_key_needs_zero_3_and_a_divisor_of_dp():
         TrainConfig.from_dict({**base, "parallel": {**base["parallel"], "zero": 2}})
     with pytest.raises(ConfigError, match=r"must divide dp=4"):
         TrainConfig.from_dict({**base, "parallel": {**base["parallel"], "zero_shard_size": 3}})
+
+
+def test_only_layouts_dtrain_train_runs_as_priced_are_kept():
+    config = load_config(TINY)  # the tiny Llama ties its embedding to its head: stage 0 and the last stage share it
+    shape = run_shape(config)
+    staged = dataclasses.replace(config.parallel, dp=2, pp=2, microbatches=2)
+
+    def layout(**changes):
+        return dataclasses.replace(config, parallel=dataclasses.replace(staged, **changes))
+
+    assert refusal(layout(zero=1), shape) is None
+    assert "ZeRO-2 does not run with the embedding tied" in refusal(layout(zero=2), shape)
+    assert "the oblivious placement" in refusal(layout(zero=1), shape, "oblivious")
+    assert "does not divide by tp=4" in refusal(layout(dp=1, pp=1, tp=4, microbatches=1), shape)
+    planned = plan_run(config, resolve("h100-node"), devices=4, shape=shape, zero_stages=[2], recompute=["none"])
+    assert refusal(planned.config, shape) is None and planned.config.parallel.pp == 1
+    assert planned.plan.placement == "aware" and planned.config.plan.devices == 4
+
+
+def test_zero_shard_size_reaches_the_trainer_sharding_within_blocks(pool, tmp_path):
+    """``dtrain train --dp 4 --zero 3 --zero-shard-size 2``'s trainer: parameters sharded over 2 ranks and
+    replicated twice (tests/parallel/test_fsdp.py checks that layout's numerics against one process)."""
+    flags = ["--seq-len", "32", "--batch-size", "8", "--precision", "float32", "--warmup-steps", "1", "--dp", "4"]
+    flags += ["--zero", "3", "--zero-shard-size", "2"]
+    config = from_arguments(build_parser().parse_args(["train", "--out", str(tmp_path), *flags]))
+    got = pool.run(jobs.trainer, config, loop.check_run(config, 4), 2)  # every process: groups are collective
+    assert got[4:] == [None] * 4
+    for rank in got[:4]:
+        assert (rank["shard"], rank["replicas"]) == (2, 2)
+        assert rank["losses"] == pytest.approx(got[0]["losses"], rel=1e-6) and all(map(math.isfinite, rank["norms"]))
+
+
+def test_the_scored_peak_memory_is_the_most_of_any_rank(pool):
+    per_rank = [[1.0, 3.0], [2.0], [0.5, 7.25], [4.0], [1.0], [6.0], [2.0], [3.0]]
+    assert pool.run(jobs.peak_over_ranks, per_rank) == [7.25] * 8
+    assert pool.run(jobs.peak_over_ranks, [[None]] * 8) == [None] * 8  # a CPU measures none: no collective
