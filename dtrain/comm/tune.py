@@ -31,6 +31,7 @@ from dtrain.comm.ir.schedule import BLOCK_COLLECTIVES, Collective
 __all__ = [
     "CALIBRATED",
     "AUTOTUNE_SIZES",
+    "AUTOTUNE_ALGORITHMS",
     "Sync",
     "make_call",
     "candidates",
@@ -46,6 +47,9 @@ CALIBRATED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to
 #: Sizes :func:`autotune` measures (bytes of the work buffer); a rule holds up to the geometric midpoints, the
 #: largest's winner above it.
 AUTOTUNE_SIZES = (4 << 10, 256 << 10, 16 << 20)
+
+#: Our algorithms :func:`autotune` times beside ``native`` (None: every one that applies).
+AUTOTUNE_ALGORITHMS: tuple[str, ...] | None = None
 
 #: Bytes of fresh tensors one rank may hold for a timed run (``fresh``): fewer calls a run where they exceed it.
 FRESH_BYTES = 1 << 30
@@ -293,7 +297,8 @@ def autotune(group, device, kind: str):
 
     group = dist.group.WORLD if group is None else group
     started = time.perf_counter()
-    made, _ = calibrate_rules(group, device, collectives=CALIBRATED, sizes=AUTOTUNE_SIZES)  # read at call time
+    algorithms = None if AUTOTUNE_ALGORITHMS is None else ("native", *AUTOTUNE_ALGORITHMS)
+    made, _ = calibrate_rules(group, device, collectives=CALIBRATED, sizes=AUTOTUNE_SIZES, algorithms=algorithms)
     if made is None:
         return None
     path = rules.save_rules(made, cache_path_for(group, device, kind))
