@@ -132,7 +132,7 @@ def test_a_timeout_of_zero_is_off_and_a_timeout_turns_captures_off():
 @pytest.mark.parametrize(
     ("name", "value", "accepted"),
     [
-        ("DTRAIN_COMM_TRANSPORT", "fast", "auto, p2p or peer"),
+        ("DTRAIN_COMM_TRANSPORT", "fast", "auto, p2p, peer or mpi"),
         ("DTRAIN_COMM_PERSISTENT", "yes", "0, 1 or auto"),
         ("DTRAIN_COMM_PEER_MODE", "sideways", "pull, push or auto"),
         ("DTRAIN_COMM_PEER_WINDOW_BYTES", "lots", "a size such as"),
