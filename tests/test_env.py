@@ -203,7 +203,7 @@ def test_the_cli_stops_on_a_bad_variable_with_one_line(tmp_path):
     assert run.returncode != 0
     lines = (run.stdout + run.stderr).strip().splitlines()
     assert lines == [
-        "dtrain: error: DTRAIN_COMM_TRANSPORT='fast' is not accepted; use auto, p2p or peer (default auto)"
+        "dtrain: error: DTRAIN_COMM_TRANSPORT='fast' is not accepted; use auto, p2p, peer or mpi (default auto)"
     ]
 
 
