@@ -301,31 +301,31 @@ def _usable(call, names: list[str], config: BenchConfig, device, sync: Sync, not
     return kept
 
 
-def bench_on_rank(config: BenchConfig) -> list[dict]:
+def bench_on_rank(config: BenchConfig, group=None) -> list[dict]:
     """Every rank runs this; rank 0 reports and returns the records (the others return ``[]``).
 
     For each collective and size, the algorithms are timed side by side (:func:`dtrain.comm.tune.time_interleaved`:
     ``iters`` calls between two synchronizations, the algorithms alternating in ``trials`` rounds, the slowest
     rank's time, the median round); each record carries ``vs_native``, the backend's own time over its own
-    (above 1: faster than the backend's collective)."""
+    (above 1: faster than the backend's collective). ``group``: a torch.distributed group to measure on (None:
+    the default group, or with ``transport="mpi"`` MPI_COMM_WORLD)."""
     from dtrain.bench.report import Progress, print_table, write_outputs
     from dtrain.comm.api import _kind, transport_name
 
-    group = None
     if config.transport == "mpi":
         from dtrain.comm.mpi import world as mpi_world
 
         group = mpi_world()
     sync = Sync(group)
-    device = torch.device("cpu") if group is not None else rank_device()
+    device = torch.device("cpu") if config.transport == "mpi" else rank_device()
     rank, world = sync.rank, sync.world
     transport = transport_name(group, device)  # our algorithms' transport, priced by its own parameters
     kind = _kind(group, device)
     params = cost.load_params(device=kind)
-    local_size = group.local_size if group is not None else _local_size(world)
+    local_size = group.local_size if config.transport == "mpi" else _local_size(world)
     from dtrain.comm.peer import graphs as persistent
 
-    backend = mpi_backend() if group is not None else None
+    backend = mpi_backend() if config.transport == "mpi" else dist.get_backend(group)
     machine = {**_machine(device, backend), "transport": transport, "persistent": persistent.enabled()}
     records = []
     cases = _cases(config, device)
@@ -400,3 +400,20 @@ def _local_size(world: int) -> int | None:
     """Ranks per node, as the launcher tells it (LOCAL_WORLD_SIZE), if it divides the world."""
     env = os.environ.get("LOCAL_WORLD_SIZE", "")
     return int(env) if env.isdigit() and int(env) > 0 and world % int(env) == 0 else None
+
+
+def add_arguments(parser) -> None:
+    """The ``dtrain bench comm`` flags beyond the sweep's own: ``--fresh`` and ``--sizes-iters``."""
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="new input and output tensors every call (made before the timed loop), beside the same tensors",
+    )
+    parser.add_argument(
+        "--sizes-iters", action="store_true", help="on the CPU, fewer calls a timed run for large sizes (10 .. 1)"
+    )
+
+
+def options(args) -> dict:
+    """The :class:`BenchConfig` fields of :func:`add_arguments`' flags."""
+    return {"fresh": bool(getattr(args, "fresh", False)), "sizes_iters": bool(getattr(args, "sizes_iters", False))}

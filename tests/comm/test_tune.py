@@ -65,12 +65,14 @@ def test_a_named_transport_is_checked_before_anything_is_sent():
         check_algorithm(Collective.ALL_REDUCE, "ring@nvlink", 2, None, "all_reduce")
 
 
-def test_interleaved_timing_with_fresh_tensors_gives_every_candidate_a_record_and_a_ratio(pool):
-    records = pool.run(jobs.fresh_interleaved, 2, ranks=2)
-    for mine in records:
-        names = [r["algorithm"] for r in mine]
-        assert names[:2] == ["native", "ring"] and set(names) == {"native", "ring", "ring@peer"}, names
-        for r in mine:
-            assert r["fresh"] and r["rounds"] == 3 and len(r["runs_us"]) == 3 and r["time_us"] > 0
-            assert r["vs_native"] == pytest.approx(mine[0]["time_us"] / r["time_us"])
-    assert [r["time_us"] for r in records[0]] == [r["time_us"] for r in records[1]]  # the slowest rank's, alike
+def test_bench_comm_times_side_by_side_with_the_same_or_fresh_tensors_and_reports_the_ratio(pool, tmp_path):
+    out = tmp_path / "bench.jsonl"
+    ranks = pool.run(jobs.bench_side_by_side, 2, str(out), ranks=2)
+    assert ranks[1] == [[], []]  # rank 0 reports
+    for fresh, records in zip((False, True), ranks[0], strict=True):
+        assert [r["algorithm"] for r in records] == ["native", "ring", "ring@peer"]
+        for r in records:
+            assert r["fresh"] is fresh and r["rounds"] == 3 and len(r["runs_us"]) == 3 and r["time_us"] > 0
+            assert r["time_us"] == sorted(r["runs_us"])[1]  # the median round of the slowest rank
+            assert r["vs_native"] == pytest.approx(records[0]["time_us"] / r["time_us"])
+    assert len(out.read_text().splitlines()) == 3

@@ -83,12 +83,17 @@ def autotune_then_follow(world: int, cache: str, empty: str, numel: int) -> dict
     return out
 
 
-def fresh_interleaved(world: int) -> list[dict]:
-    """:func:`dtrain.comm.tune.calibrate_rules` with fresh tensors every call: the records (every rank's)."""
+def bench_side_by_side(world: int, out: str) -> list[list[dict]]:
+    """``dtrain bench comm``'s measurement on the group, same tensors then fresh ones: every rank's records."""
+    from dtrain.bench.comm import BenchConfig, bench_on_rank
+
     group = group_of(world)
     comm.set_local_size(None, group)
-    _, records = tune.calibrate_rules(
-        group, torch.device("cpu"), collectives=("all_gather",), sizes=(1 << 10,), algorithms=("native", "ring"),
-        rounds=3, warmup=0, fresh=True,
-    )  # fmt: skip
-    return records
+    every = []
+    for fresh in (False, True):
+        config = BenchConfig(
+            collectives=["all_gather"], algorithms=["native", "ring", "ring@peer"], min_bytes=1 << 10,
+            max_bytes=1 << 10, iters=3, trials=3, warmup=0, out=out, fresh=fresh,
+        )  # fmt: skip
+        every.append(bench_on_rank(config, group))
+    return every
