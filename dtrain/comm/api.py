@@ -300,7 +300,9 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
     )
     if via == "peer":
         own = out is not None and peer_push.writes_own_block_only(schedule, work.numel())
-        push = peer.push_mode(schedule, nbytes)  # push form: two banks of the buffer's size in every window
+        push = peer.push_mode(
+            schedule, nbytes, work.device.type
+        )  # push form: two banks of the buffer's size in every window
         try:
             window = peer.window_for(group, work.device, nbytes * (2 if push else 1))
         except peer.PeerUnavailable as err:  # raised on every rank of the group alike
@@ -693,7 +695,9 @@ def _out_of_place(coll: Collective, algorithm: str, group, input: torch.Tensor, 
     local = local_size if registry.needs_local_size(algorithm) else None
     schedule = registry.build(coll, algorithm, world, local_size=local)
     nbytes = input.numel() * input.element_size()
-    return peer.push_mode(schedule, nbytes) and peer_push.writes_own_block_only(schedule, input.numel())
+    return peer.push_mode(schedule, nbytes, input.device.type) and peer_push.writes_own_block_only(
+        schedule, input.numel()
+    )
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto") -> torch.Tensor:
