@@ -17,7 +17,7 @@ from dtrain.comm.cost import model as cost
 from dtrain.comm.cost.calibrate import calibrate
 from dtrain.launch import rank_device, run_ranks
 
-__all__ = ["run", "calibrate_on_rank", "run_rules", "rules_on_rank", "add_rules_arguments", "run_from_arguments"]
+__all__ = ["run", "calibrate_on_rank", "run_rules", "rules_on_rank", "run_from_arguments"]
 
 
 def run(nproc: int, out: str | None = None, repeats: int = 10, sizes: tuple[int, ...] | None = None) -> dict:
@@ -171,29 +171,6 @@ def rules_on_rank(
         print(f"{coll:15s} " + ", ".join(f"from {n} B: {a}" for n, a in steps))
     print(f"rules for algorithm='auto' ({kind}, {made.world_size} ranks) written to {path}")
     return made.to_dict()
-
-
-def add_rules_arguments(parser) -> None:
-    """The ``dtrain bench calibrate`` flags of the rules calibration (``--rules`` and what it takes)."""
-    from dtrain.cli.units import parse_bytes
-
-    parser.add_argument(
-        "--rules",
-        action="store_true",
-        help="measure auto's candidates (native, ours on Gloo/NCCL messages, ours on peer memory; over MPI with "
-        "--transport mpi) per collective and size and save the winners where algorithm='auto' loads them by "
-        "default ($XDG_CACHE_HOME/dtrain/rules-<host>-<kind>-w<ranks>-<transport>-torch<version>.json, or --out)",
-    )
-    parser.add_argument("--collectives", default=None, help="with --rules: comma-separated (default: 5 collectives)")
-    parser.add_argument("--min-bytes", type=parse_bytes, default=1 << 10, help="with --rules (default 1K)")
-    parser.add_argument("--max-bytes", type=parse_bytes, default=64 << 20, help="with --rules (default 64M)")
-    parser.add_argument("--factor", type=int, default=4, help="with --rules: size step")
-    parser.add_argument("--rounds", type=int, default=3, help="with --rules: interleaved rounds; the median counts")
-    parser.add_argument("--fresh", action="store_true", help="with --rules: new tensors every call")
-    parser.add_argument("--records-out", default=None, help="with --rules: also write the measurements (JSON lines)")
-    parser.add_argument(
-        "--transport", choices=("torch", "mpi"), default="torch", help="with --rules: mpi joins the job mpirun started"
-    )
 
 
 def run_from_arguments(args) -> int:

@@ -402,18 +402,6 @@ def _local_size(world: int) -> int | None:
     return int(env) if env.isdigit() and int(env) > 0 and world % int(env) == 0 else None
 
 
-def add_arguments(parser) -> None:
-    """The ``dtrain bench comm`` flags beyond the sweep's own: ``--fresh`` and ``--sizes-iters``."""
-    parser.add_argument(
-        "--fresh",
-        action="store_true",
-        help="new input and output tensors every call (made before the timed loop), beside the same tensors",
-    )
-    parser.add_argument(
-        "--sizes-iters", action="store_true", help="on the CPU, fewer calls a timed run for large sizes (10 .. 1)"
-    )
-
-
 def options(args) -> dict:
-    """The :class:`BenchConfig` fields of :func:`add_arguments`' flags."""
+    """The :class:`BenchConfig` fields of the ``--fresh`` and ``--sizes-iters`` flags (absent flags: off)."""
     return {"fresh": bool(getattr(args, "fresh", False)), "sizes_iters": bool(getattr(args, "sizes_iters", False))}
