@@ -178,7 +178,8 @@ def run_from_arguments(args) -> int:
     if not getattr(args, "rules", False):
         run(args.nproc, args.out, args.repeats)
         return 0
-    collectives = None if not args.collectives else tuple(c.strip() for c in args.collectives.split(",") if c.strip())
+    names = args.collectives.split(",") if isinstance(args.collectives, str) else args.collectives or []
+    collectives = tuple(c.strip() for c in names if c.strip()) or None
     run_rules(
         args.nproc,
         collectives=collectives,
