@@ -30,6 +30,7 @@ from dtrain.comm.ir.schedule import BLOCK_COLLECTIVES, Collective
 
 __all__ = [
     "CALIBRATED",
+    "NATIVE_MARGIN",
     "AUTOTUNE_SIZES",
     "AUTOTUNE_ALGORITHMS",
     "Sync",
@@ -47,6 +48,11 @@ CALIBRATED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to
 #: Sizes :func:`autotune` measures (bytes of the work buffer); a rule holds up to the geometric midpoints, the
 #: largest's winner above it.
 AUTOTUNE_SIZES = (4 << 10, 256 << 10, 16 << 20)
+
+#: How much faster than ``native`` another path must have been to win a size band (:func:`dtrain.comm.cost.rules.
+#: from_records`): on 4 ranks of a shared 2-core host, the rounds of one path spread by +-50 % at 16 MiB and the
+#: median of 3 by about 10 % (benchmarks/results/cpu_transports-cpu4.jsonl), so a smaller lead is not a win.
+NATIVE_MARGIN = 0.10
 
 #: Our algorithms :func:`autotune` times beside ``native`` (None: every one that applies).
 AUTOTUNE_ALGORITHMS: tuple[str, ...] | None = None
@@ -268,7 +274,9 @@ def calibrate_rules(
 
     local = _local_size(group, sync.world)
     local = local if local is not None and 1 < local < sync.world and sync.world % local == 0 else None
-    made = from_records(records, kind=kind, local_size=local, meta=meta)
+    made = from_records(
+        records, kind=kind, local_size=local, meta={**meta, "margin": NATIVE_MARGIN}, margin=NATIVE_MARGIN
+    )
     assert isinstance(made, rules.Rules)
     return made, records
 

@@ -34,6 +34,16 @@ def test_rules_keep_the_fastest_path_native_included_and_switch_between_measured
     assert not made.covers("cuda-peer", 8, None)
 
 
+def test_a_path_must_beat_native_by_the_margin_to_win_a_size():
+    records = [_rec("native", 1 << 10, 100.0), _rec("ring", 1 << 10, 95.0), _rec("star@peer", 1 << 10, 97.0)]
+    records += [_rec("native", 1 << 20, 100.0), _rec("ring", 1 << 20, 80.0), _rec("star@peer", 1 << 20, 70.0)]
+    assert rules.from_records(records, kind="cpu").table == {"all_reduce": ((0, "ring"), (32769, "star@peer"))}
+    made = rules.from_records(records, kind="cpu", margin=0.1)
+    assert made.table == {"all_reduce": ((0, "native"), (32769, "star@peer"))}
+    with pytest.raises(ValueError, match="margin"):
+        rules.from_records(records, kind="cpu", margin=-1)
+
+
 def test_rules_round_trip_through_a_file(tmp_path):
     made = Rules(kind="cpu", world_size=2, table={"all_reduce": ((0, "ring"), (100, "direct"))}, meta={"x": 1})
     path = rules.save_rules(made, tmp_path / "r.json")

@@ -171,10 +171,19 @@ def built_in(kind: str, world_size: int, local_size: int | None) -> Rules | None
 
 
 def from_records(
-    records: Iterable[Mapping], *, kind: str, local_size: int | None = None, meta: Mapping | None = None
+    records: Iterable[Mapping],
+    *,
+    kind: str,
+    local_size: int | None = None,
+    meta: Mapping | None = None,
+    margin: float = 0.0,
 ) -> Rules:
     """Rules from ``dtrain bench comm`` records: per collective and size, the fastest path, ``native`` or one of
-    our own algorithms (not "auto" nor a "+graph" variant); sizes with one candidate only are skipped."""
+    our own algorithms (not "auto" nor a "+graph" variant); sizes with one candidate only are skipped. Where
+    ``native`` was measured, another path wins only if it was faster by more than ``margin`` (0.1: 10 %), so
+    that a near tie, which the next run may reverse, stays with the backend's own collective."""
+    if margin < 0:
+        raise ValueError(f"rules: margin must be >= 0, got {margin}")
     times: dict[str, dict[int, dict[str, float]]] = {}
     worlds = set()
     for r in records:
@@ -190,7 +199,7 @@ def from_records(
         raise ValueError("rules: no record of a collective's paths to learn from")
     table = {}
     for coll, sizes in times.items():
-        winners = [(n, min(t, key=t.get)) for n, t in sorted(sizes.items()) if len(t) > 1]
+        winners = [(n, _winner(t, margin)) for n, t in sorted(sizes.items()) if len(t) > 1]
         if not winners:
             continue
         steps = [(0, winners[0][1])]
@@ -199,6 +208,14 @@ def from_records(
                 steps.append((math.isqrt(lo * hi) + 1, algorithm))
         table[coll] = tuple(steps)
     return Rules(kind=kind, world_size=worlds.pop(), local_size=local_size, table=table, meta=dict(meta or {}))
+
+
+def _winner(times: Mapping[str, float], margin: float) -> str:
+    best = min(times, key=times.get)
+    native = times.get(NATIVE)
+    if native is not None and best != NATIVE and times[best] * (1 + margin) >= native:
+        return NATIVE
+    return best
 
 
 def rules_path(kind: str) -> Path:
