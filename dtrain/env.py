@@ -45,6 +45,7 @@ __all__ = [
     "COMM_RULES",
     "COMM_LANES",
     "COMM_TRITON",
+    "COMM_AUTOTUNE",
     "CALIBRATION",
     "PS_ROLE",
     "PS_COORDINATOR",
@@ -65,6 +66,7 @@ COMM_TIMEOUT = "DTRAIN_COMM_TIMEOUT"
 COMM_RULES = "DTRAIN_COMM_RULES"
 COMM_LANES = "DTRAIN_COMM_LANES"
 COMM_TRITON = "DTRAIN_COMM_TRITON"
+COMM_AUTOTUNE = "DTRAIN_COMM_AUTOTUNE"
 CALIBRATION = "DTRAIN_CALIBRATION"
 PS_ROLE = "DTRAIN_PS_ROLE"
 PS_COORDINATOR = "DTRAIN_PS_COORDINATOR"
@@ -86,6 +88,7 @@ _COMM_NAMES = (
     COMM_RULES,
     COMM_LANES,
     COMM_TRITON,
+    COMM_AUTOTUNE,
     CALIBRATION,
 )
 _PS_NAMES = (PS_ROLE, PS_COORDINATOR, PS_SECRET, PS_RANK, PS_HOST, PS_JOB, PS_TASK)
@@ -147,7 +150,8 @@ def parse_size(name: str, text: str) -> int:
 class CommEnv:
     """How ``dtrain.comm`` runs collectives; see docs/configuration.md for each field's variable."""
 
-    #: ``DTRAIN_COMM_TRANSPORT``: "auto", "p2p" (torch.distributed messages) or "peer" (peer memory, one host).
+    #: ``DTRAIN_COMM_TRANSPORT``: "auto", "p2p" (torch.distributed messages), "peer" (peer memory, one host) or
+    #: "mpi" (the default group is MPI_COMM_WORLD, in a job mpirun started).
     transport: str = "auto"
     #: ``DTRAIN_COMM_PERSISTENT``: "auto", "1" (capture repeated peer-transport calls as CUDA graphs) or "0".
     persistent: str = "auto"
@@ -165,6 +169,9 @@ class CommEnv:
     lanes: int = 1
     #: ``DTRAIN_COMM_TRITON``: whether the peer transport may use its fused Triton kernel.
     triton: bool = True
+    #: ``DTRAIN_COMM_AUTOTUNE``: "1" makes the first ``auto`` call of a group with no measured rules measure
+    #: them (a short calibration, saved to the per-machine cache); "0" (default) leaves such a group ``native``.
+    autotune: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> CommEnv:
@@ -180,7 +187,7 @@ class CommEnv:
             timeout_s = seconds if seconds > 0 else None
         lanes = _int(environ, COMM_LANES, least=1, what="a whole number of lanes >= 1")
         return cls(
-            transport=_choice(environ, COMM_TRANSPORT, ("auto", "p2p", "peer"), "auto"),
+            transport=_choice(environ, COMM_TRANSPORT, ("auto", "p2p", "peer", "mpi"), "auto"),
             persistent=_choice(environ, COMM_PERSISTENT, ("0", "1", "auto"), "auto"),
             peer_mode=_choice(environ, COMM_PEER_MODE, ("pull", "push", "auto"), "auto"),
             peer_window_bytes=parse_size(COMM_PEER_WINDOW_BYTES, _get(environ, COMM_PEER_WINDOW_BYTES)),
@@ -189,6 +196,7 @@ class CommEnv:
             calibration=_path(environ, CALIBRATION),
             lanes=1 if lanes is None else lanes,
             triton=_choice(environ, COMM_TRITON, ("0", "1"), "1") == "1",
+            autotune=_choice(environ, COMM_AUTOTUNE, ("0", "1"), "0") == "1",
         )
 
     @property

@@ -132,7 +132,7 @@ def test_a_timeout_of_zero_is_off_and_a_timeout_turns_captures_off():
 @pytest.mark.parametrize(
     ("name", "value", "accepted"),
     [
-        ("DTRAIN_COMM_TRANSPORT", "fast", "auto, p2p or peer"),
+        ("DTRAIN_COMM_TRANSPORT", "fast", "auto, p2p, peer or mpi"),
         ("DTRAIN_COMM_PERSISTENT", "yes", "0, 1 or auto"),
         ("DTRAIN_COMM_PEER_MODE", "sideways", "pull, push or auto"),
         ("DTRAIN_COMM_PEER_WINDOW_BYTES", "lots", "a size such as"),
@@ -203,7 +203,7 @@ def test_the_cli_stops_on_a_bad_variable_with_one_line(tmp_path):
     assert run.returncode != 0
     lines = (run.stdout + run.stderr).strip().splitlines()
     assert lines == [
-        "dtrain: error: DTRAIN_COMM_TRANSPORT='fast' is not accepted; use auto, p2p or peer (default auto)"
+        "dtrain: error: DTRAIN_COMM_TRANSPORT='fast' is not accepted; use auto, p2p, peer or mpi (default auto)"
     ]
 
 

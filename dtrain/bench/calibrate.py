@@ -17,7 +17,7 @@ from dtrain.comm.cost import model as cost
 from dtrain.comm.cost.calibrate import calibrate
 from dtrain.launch import rank_device, run_ranks
 
-__all__ = ["run", "calibrate_on_rank"]
+__all__ = ["run", "calibrate_on_rank", "run_rules", "rules_on_rank", "run_from_arguments"]
 
 
 def run(nproc: int, out: str | None = None, repeats: int = 10, sizes: tuple[int, ...] | None = None) -> dict:
@@ -84,3 +84,112 @@ def _per_pair(link: cost.LinkCost) -> str:
 
 def _rate(seconds_per_byte: float) -> str:
     return "inf" if seconds_per_byte == 0 else f"{1 / seconds_per_byte / 1e9:.2f}"
+
+
+def run_rules(
+    nproc: int,
+    *,
+    collectives: tuple[str, ...] | None = None,
+    min_bytes: int = 1 << 10,
+    max_bytes: int = 64 << 20,
+    factor: int = 4,
+    rounds: int = 3,
+    fresh: bool = False,
+    out: str | None = None,
+    records_out: str | None = None,
+    transport: str = "torch",
+) -> dict | None:
+    """``dtrain bench calibrate --rules``: time the candidates of ``auto`` (:func:`dtrain.comm.tune.candidates`:
+    ``native``, ours on the group's transport and, where calls may change transport, on the other one) per
+    collective over the sizes ``min_bytes`` .. ``max_bytes`` (``factor`` apart) and save the winners as rules
+    where ``auto`` loads them by default (:func:`dtrain.comm.cost.rules.cache_path`), or to ``out``; on
+    ``nproc`` local ranks, the torchrun job this process is in, or (``transport="mpi"``) the mpirun job. The
+    rules as a dict (rank 0's)."""
+    from dtrain.comm.tune import CALIBRATED
+
+    collectives = tuple(collectives or CALIBRATED)
+    if transport not in ("torch", "mpi"):
+        raise ValueError(f"--transport {transport!r} is not known; use torch or mpi")
+    if factor < 2 or min_bytes < 1 or min_bytes > max_bytes or rounds < 1:
+        raise ValueError(
+            f"need factor >= 2, 1 <= min_bytes <= max_bytes, rounds >= 1; got {factor}, {min_bytes}, {max_bytes}, "
+            f"{rounds}"
+        )
+    from dtrain.bench.comm import BUS_FACTORS
+
+    unknown = [c for c in collectives if c not in BUS_FACTORS]
+    if unknown:
+        raise ValueError(f"--collectives: unknown {unknown}; known: {', '.join(BUS_FACTORS)}")
+    sizes = []
+    size = min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    args = (collectives, tuple(sizes), rounds, fresh, out, records_out, transport)
+    if transport == "mpi":
+        return rules_on_rank(*args)
+    return run_ranks(rules_on_rank, nproc, *args)
+
+
+def rules_on_rank(
+    collectives: tuple[str, ...],
+    sizes: tuple[int, ...],
+    rounds: int,
+    fresh: bool,
+    out: str | None,
+    records_out: str | None,
+    transport: str,
+) -> dict | None:
+    """Every rank measures; rank 0 saves the rules (and the records, where ``records_out`` names a file)."""
+    import json
+
+    from dtrain.comm.api import _kind
+    from dtrain.comm.cost import rules
+    from dtrain.comm.tune import cache_path_for, calibrate_rules
+
+    group = None
+    if transport == "mpi":
+        from dtrain.comm.mpi import world
+
+        group = world()
+    device = torch.device("cpu") if group is not None else rank_device()
+    key = group if group is not None else dist.group.WORLD
+    kind = _kind(key, device)
+    made, records = calibrate_rules(
+        key, device, collectives=collectives, sizes=sizes, rounds=rounds, fresh=fresh, progress=print
+    )
+    if made is None:
+        return None
+    path = rules.save_rules(made, out or cache_path_for(key, device, kind))
+    if records_out:
+        target = Path(records_out)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(json.dumps({**r, "hostname": platform.node()}) + "\n" for r in records))
+        os.replace(tmp, target)
+    for coll, steps in made.table.items():
+        print(f"{coll:15s} " + ", ".join(f"from {n} B: {a}" for n, a in steps))
+    print(f"rules for algorithm='auto' ({kind}, {made.world_size} ranks) written to {path}")
+    return made.to_dict()
+
+
+def run_from_arguments(args) -> int:
+    """``dtrain bench calibrate``: the rules calibration with ``--rules``, else the cost model's parameters."""
+    if not getattr(args, "rules", False):
+        run(args.nproc, args.out, args.repeats)
+        return 0
+    names = args.collectives.split(",") if isinstance(args.collectives, str) else args.collectives or []
+    collectives = tuple(c.strip() for c in names if c.strip()) or None
+    run_rules(
+        args.nproc,
+        collectives=collectives,
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes,
+        factor=args.factor,
+        rounds=args.rounds,
+        fresh=args.fresh,
+        out=args.out,
+        records_out=args.records_out,
+        transport=args.transport,
+    )
+    return 0

@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from dtrain.comm.cost import model as cost
 from dtrain.comm.ir import algorithms as registry
-from dtrain.comm.ir.schedule import BLOCK_COLLECTIVES, Collective
+from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.tune import Sync, iters_for, make_call, time_interleaved
 from dtrain.launch import rank_device, run_ranks
 
 __all__ = [
@@ -49,6 +50,9 @@ __all__ = [
     "operation",
     "time_us",
 ]
+
+#: Bytes of fresh tensors one rank may hold for a timed run (``fresh``): fewer calls a run where they exceed it.
+FRESH_BYTES = 1 << 30
 
 #: ``BenchConfig.transport``: "torch" (the torch.distributed group, our algorithms on its transport) or "mpi".
 TRANSPORTS = ("torch", "mpi")
@@ -90,6 +94,8 @@ class BenchConfig:
     nproc: int = 2
     rules_out: str | None = None  # write measured rules for ``auto`` here ("" : the default rules path)
     transport: str = "torch"  # "mpi": an MPIGroup over MPI_COMM_WORLD, in a job mpirun started
+    fresh: bool = False  # new input and output tensors every call (made before the timed loop), else the same
+    sizes_iters: bool = False  # fewer calls a run for large sizes (:func:`dtrain.comm.tune.iters_for`)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -126,67 +132,11 @@ def run(config: BenchConfig) -> list[dict]:
     return run_ranks(bench_on_rank, config.nproc, config)
 
 
-class Sync:
-    """The few group calls timing needs (barrier, largest over ranks, rank 0's flag), on a torch.distributed
-    group (None: the default one) or an :class:`~dtrain.comm.mpi.MPIGroup`, outside the calls being timed."""
-
-    def __init__(self, group=None) -> None:
-        from dtrain.comm.mpi import is_mpi_group
-
-        self.group = group
-        self.mpi = is_mpi_group(group)
-        self.rank = group.rank if self.mpi else dist.get_rank(group)
-        self.world = group.size if self.mpi else dist.get_world_size(group)
-
-    def barrier(self) -> None:
-        if self.mpi:
-            self.group.comm.Barrier()
-        else:
-            dist.barrier(group=self.group)
-
-    def largest(self, values: torch.Tensor) -> torch.Tensor:
-        """Element-wise maximum over ranks of a float64 tensor, in place."""
-        if self.mpi:
-            from mpi4py import MPI
-
-            self.group.comm.Allreduce(MPI.IN_PLACE, [values.numpy(), MPI.DOUBLE], op=MPI.MAX)
-        else:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
-        return values
-
-    def from_rank0(self, flag: torch.Tensor) -> None:
-        """Rank 0's int32 ``flag`` into every rank's, in place."""
-        if self.mpi:
-            from mpi4py import MPI
-
-            self.group.comm.Bcast([flag.numpy(), MPI.INT32_T], root=0)
-        else:
-            dist.broadcast(flag, dist.get_global_rank(self.group, 0) if self.group is not None else 0, self.group)
-
-
 def operation(coll: str, nbytes: int, world: int, rank: int, device, group=None) -> tuple[Callable[[str], None], int]:
-    """A call of ``coll`` on ``group`` on fresh float32 buffers of about ``nbytes``, and the bytes it really
-    moves."""
-    from dtrain import comm
-
-    per_block = Collective(coll) in BLOCK_COLLECTIVES
-    numel = max(world, nbytes // 4 // world * world) if per_block else max(1, nbytes // 4)
-    full = torch.ones(numel, device=device)
-    part = torch.ones(numel // world, device=device)
-    g = group
-    calls: dict[str, Callable[[str], object]] = {
-        "all_reduce": lambda a: comm.all_reduce(full, algorithm=a, group=g),
-        "broadcast": lambda a: comm.broadcast(full, 0, algorithm=a, group=g),
-        "reduce": lambda a: comm.reduce(full, 0, algorithm=a, group=g),
-        "scan": lambda a: comm.scan(full, algorithm=a, group=g),
-        "all_gather": lambda a: comm.all_gather(full, part, algorithm=a, group=g),
-        "reduce_scatter": lambda a: comm.reduce_scatter(part, full, algorithm=a, group=g),
-        "gather": lambda a: comm.gather(full if rank == 0 else None, part, 0, algorithm=a, group=g),
-        "scatter": lambda a: comm.scatter(part, full if rank == 0 else None, 0, algorithm=a, group=g),
-        "all_to_all": lambda a: comm.all_to_all(torch.empty_like(full), full, algorithm=a, group=g),
-        "barrier": lambda a: comm.barrier(group=g, algorithm="dissemination" if a == "auto" else a),
-    }
-    return calls[coll], (0 if coll == "barrier" else numel * 4)
+    """A call of ``coll`` on ``group`` on float32 buffers of about ``nbytes`` (the same ones every call), and
+    the bytes it really moves."""
+    call, moved = make_call(coll, nbytes, world, rank, device, group)
+    return (lambda a: call(a, 0)), moved
 
 
 def time_us(
@@ -235,12 +185,12 @@ def _warm(call: Callable[[str], None], algorithm: str, seconds: float | None, de
 class _Captured:
     """``call`` recorded once as a CUDA graph (:func:`dtrain.comm.capture`); calling it replays the graph."""
 
-    def __init__(self, call: Callable[[str], None], algorithm: str) -> None:
+    def __init__(self, call: Callable[[str, int], object], algorithm: str) -> None:
         from dtrain import comm
 
-        self.replay = comm.capture(lambda: call(algorithm))
+        self.replay = comm.capture(lambda: call(algorithm, 0))
 
-    def __call__(self, _algorithm: str) -> None:
+    def __call__(self, _algorithm: str, _k: int = 0) -> None:
         self.replay()
 
 
@@ -254,7 +204,8 @@ def _predicted_us(
 ) -> tuple[float | None, str]:
     """The model's time for ``algorithm`` (for "auto", for what the API chooses: a measured rule or the model's
     pick) and the algorithm priced."""
-    from dtrain.comm.api import _auto
+    from dtrain.comm.api import _choose
+    from dtrain.comm.state import states
 
     collective = Collective(coll)
     ours = registry.names(collective)
@@ -262,7 +213,10 @@ def _predicted_us(
         if not ours:
             return None, algorithm
         usable = local_size if local_size and 1 < local_size < world else None
-        algorithm = _auto(collective, nbytes, world, kind, usable)
+        measured = next((s.rules[kind] for s in states() if s.rules.get(kind) is not None), None)
+        algorithm = _choose(collective, nbytes, world, kind, usable, measured)  # what the group's rules choose
+        if "@" in algorithm:
+            return None, algorithm
     if algorithm not in ours:
         return None, algorithm
     if registry.needs_local_size(algorithm) and local_size is None:
@@ -313,9 +267,9 @@ def mpi_backend() -> str:
     return f"mpi ({MPI.Get_library_version().split(',')[0].strip()})"
 
 
-def _cases(config: BenchConfig, device) -> list[tuple[str, int, str]]:
-    """(collective, size, algorithm) to time: every algorithm ``comm.algorithms`` lists ("auto" only for the
-    barrier; with the MPI transport "dissemination" and "native", MPI_Barrier)."""
+def _cases(config: BenchConfig, device) -> list[tuple[str, int, list[str]]]:
+    """(collective, size, algorithms) to time side by side: every algorithm ``comm.algorithms`` lists ("auto"
+    only for the barrier; with the MPI transport "dissemination" and "native", MPI_Barrier)."""
     from dtrain import comm
 
     cases = []
@@ -324,60 +278,99 @@ def _cases(config: BenchConfig, device) -> list[tuple[str, int, str]]:
             names = ["dissemination", "native"] if config.transport == "mpi" else ["auto"]
         else:
             names = comm.algorithms(coll)
-        names = [a for a in names if config.algorithms is None or a in config.algorithms]
+        if config.algorithms is not None:
+            names = [a for a in config.algorithms if a.partition("@")[0] in names]
         if config.graphs and device.type == "cuda" and coll != "barrier":
             names += [f"{a}+graph" for a in names if a != "auto"]
         sizes = [0] if coll == "barrier" else config.sizes(device.type)
-        cases += [(coll, size, a) for size in sizes for a in names]
+        cases += [(coll, size, names) for size in sizes]
     return cases
 
 
-def bench_on_rank(config: BenchConfig) -> list[dict]:
-    """Every rank runs this; rank 0 reports and returns the records (the others return ``[]``)."""
+def _usable(call, names: list[str], config: BenchConfig, device, sync: Sync, note) -> list[str]:
+    """The names whose first call succeeds on every rank (e.g. not an algorithm that needs a node size it was not
+    given: a ValueError raised alike on every rank, before anything is sent)."""
+    kept = []
+    for name in names:
+        try:
+            call(name.removesuffix("+graph"), 0)
+        except ValueError as exc:
+            note(f"skipped {name}: {exc}")
+            continue
+        kept.append(name)
+    return kept
+
+
+def bench_on_rank(config: BenchConfig, group=None) -> list[dict]:
+    """Every rank runs this; rank 0 reports and returns the records (the others return ``[]``).
+
+    For each collective and size, the algorithms are timed side by side (:func:`dtrain.comm.tune.time_interleaved`:
+    ``iters`` calls between two synchronizations, the algorithms alternating in ``trials`` rounds, the slowest
+    rank's time, the median round); each record carries ``vs_native``, the backend's own time over its own
+    (above 1: faster than the backend's collective). ``group``: a torch.distributed group to measure on (None:
+    the default group, or with ``transport="mpi"`` MPI_COMM_WORLD)."""
     from dtrain.bench.report import Progress, print_table, write_outputs
     from dtrain.comm.api import _kind, transport_name
 
-    group = None
     if config.transport == "mpi":
         from dtrain.comm.mpi import world as mpi_world
 
         group = mpi_world()
     sync = Sync(group)
-    device = torch.device("cpu") if group is not None else rank_device()
+    device = torch.device("cpu") if config.transport == "mpi" else rank_device()
     rank, world = sync.rank, sync.world
     transport = transport_name(group, device)  # our algorithms' transport, priced by its own parameters
     kind = _kind(group, device)
     params = cost.load_params(device=kind)
-    local_size = group.local_size if group is not None else _local_size(world)
+    local_size = group.local_size if config.transport == "mpi" else _local_size(world)
     from dtrain.comm.peer import graphs as persistent
 
-    backend = mpi_backend() if group is not None else None
+    backend = mpi_backend() if config.transport == "mpi" else dist.get_backend(group)
     machine = {**_machine(device, backend), "transport": transport, "persistent": persistent.enabled()}
     records = []
     cases = _cases(config, device)
+    warmed = False
     with Progress(len(cases), enabled=rank == 0) as progress:
-        for coll, size, algorithm in cases:
-            call, nbytes = operation(coll, size, world, rank, device, group)
-            if algorithm.endswith("+graph"):
-                call = _Captured(call, algorithm.removesuffix("+graph"))
-            progress.step(f"{coll} {nbytes} B {algorithm}")
+        for coll, size, names in cases:
+            iters = iters_for(size, device) if config.sizes_iters else config.iters
+            copies = max(1, min(iters, FRESH_BYTES // max(1, 2 * size))) if config.fresh else 1
+            iters = copies if config.fresh else iters
+            call, nbytes = make_call(coll, size, world, rank, device, group, copies=copies)
+            progress.step(f"{coll} {nbytes} B")
+            names = _usable(call, names, config, device, sync, progress.note)
+            captured = {n: _Captured(call, n.removesuffix("+graph")) for n in names if n.endswith("+graph")}
+
+            def run_one(name: str, k: int, call=call, captured=captured) -> object:
+                return captured[name](name, k) if name in captured else call(name, k)
+
             try:
-                if not records:  # the sweep's first case: warm the devices first
-                    _warm(call, algorithm.removesuffix("+graph"), config.warm_s, device, sync)
-                took_us, host_us = time_us(call, algorithm, config, device, sync)
-            except ValueError as exc:  # e.g. an algorithm that needs a node size it was not given
-                progress.note(f"skipped {coll}/{algorithm}: {exc}")
-                continue
+                if not warmed and names:  # the sweep's first case: warm the devices first
+                    _warm(lambda a, run_one=run_one: run_one(a, 0), names[0], config.warm_s, device, sync)
+                    warmed = True
+                timed = time_interleaved(
+                    run_one, names, iters=iters, rounds=config.trials, warmup=config.warmup, device=device, sync=sync
+                )
             finally:
-                if isinstance(call, _Captured):  # no graph may outlive the process group (see comm.graph)
-                    call.replay.release()
-            predicted, resolved = _predicted_us(
-                coll, algorithm.removesuffix("+graph"), nbytes, world, params, local_size, kind
-            )
-            if algorithm.endswith("+graph"):  # the model prices eager rounds (host start-up included)
-                predicted = None
-            records.append(_record(coll, algorithm, nbytes, world, took_us, predicted, resolved, config, machine))
-            records[-1]["host_us"] = host_us
+                for replay in captured.values():  # no graph may outlive the process group (see comm.graph)
+                    replay.replay.release()
+            native = timed.get("native", {}).get("time_us")
+            for name in names:
+                took_us, host_us = timed[name]["time_us"], timed[name]["host_us"]
+                predicted, resolved = _predicted_us(
+                    coll, name.removesuffix("+graph").partition("@")[0], nbytes, world, params, local_size, kind
+                )
+                if name.endswith("+graph") or "@" in name:  # the model prices eager rounds of the group's transport
+                    predicted = None
+                record = _record(coll, name, nbytes, world, took_us, predicted, resolved, config, machine)
+                record.update(
+                    host_us=host_us,
+                    runs_us=timed[name]["runs_us"],
+                    rounds=config.trials,
+                    iters=iters,
+                    fresh=config.fresh,
+                    vs_native=None if not native or not took_us else native / took_us,
+                )
+                records.append(record)
     if rank != 0:
         return []
     print_table(records)
@@ -407,3 +400,8 @@ def _local_size(world: int) -> int | None:
     """Ranks per node, as the launcher tells it (LOCAL_WORLD_SIZE), if it divides the world."""
     env = os.environ.get("LOCAL_WORLD_SIZE", "")
     return int(env) if env.isdigit() and int(env) > 0 and world % int(env) == 0 else None
+
+
+def options(args) -> dict:
+    """The :class:`BenchConfig` fields of the ``--fresh`` and ``--sizes-iters`` flags (absent flags: off)."""
+    return {"fresh": bool(getattr(args, "fresh", False)), "sizes_iters": bool(getattr(args, "sizes_iters", False))}

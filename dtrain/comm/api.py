@@ -70,27 +70,49 @@ def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: 
     key = dist.group.WORLD if group is None else group
     state = find_state(key)
     if state is None or kind not in state.agreed:
-        _agree_on_choices(key, kind, device)
-    return _auto(coll, nbytes, world, kind, usable)
+        _agree_on_choices(key, kind, device, world)
+        state = group_state(key)
+    choice = (coll, nbytes, world, kind, usable)
+    picked = state.choices.get(choice)
+    if picked is None:
+        if len(state.choices) >= 4096:
+            state.choices.clear()
+        picked = state.choices[choice] = _choose(coll, nbytes, world, kind, usable, state.rules.get(kind))
+    return picked
 
 
 @lru_cache(maxsize=4096)
 def _auto(coll: Collective, nbytes: int, world: int, kind: str, local_size: int | None) -> str:
-    """The choice for ``auto``, kept: a measured rule (:mod:`dtrain.comm.cost.rules`: the rules file, else the built-in
-    rules) where one covers the call, the cost model's least predicted time among ours where that rule says
-    :data:`~dtrain.comm.cost.rules.MODEL`, else ``native``: the model does not price the backend's own
-    collectives, so without a measurement it cannot show that ours win. Pricing every candidate costs tens of
-    microseconds of host time a call, as much as a small collective itself on a GPU (the choice is kept)."""
+    """What ``auto`` chooses from this rank's own rules file (:func:`_rules`), kept; a group's calls follow its
+    rank 0's rules instead (:func:`_agree_on_choices`)."""
+    return _choose(coll, nbytes, world, kind, local_size, _rules(kind))
+
+
+def _choose(coll: Collective, nbytes: int, world: int, kind: str, local_size: int | None, measured) -> str:
+    """The choice for ``auto``: a measured rule (``measured``, the group's rules, else the built-in rules of
+    :mod:`dtrain.comm.cost.rules`) where one covers the call, the cost model's least predicted time among ours
+    where that rule says :data:`~dtrain.comm.cost.rules.MODEL`, else ``native``: the model does not price the
+    backend's own collectives, so without a measurement it cannot show that ours win. A rule naming a transport
+    (``"ring@peer"``) holds where the group may change transport per call (``DTRAIN_COMM_TRANSPORT=auto``, not an
+    MPI group); elsewhere only one naming the group's own transport does. Pricing every candidate costs tens of
+    microseconds of host time a call, as much as a small collective itself on a GPU (callers keep the choice)."""
     from dtrain.comm.cost import model as cost
     from dtrain.comm.cost import rules
 
     candidates = [a for a in registry.names(coll) if local_size or not registry.needs_local_size(a)]
-    for measured in (_rules(kind), rules.built_in(kind, world, local_size)):  # the file first, then built in
-        if measured is not None and measured.covers(kind, world, local_size):
-            picked = measured.pick(coll.value, nbytes)
-            if picked == rules.NATIVE or picked in candidates:
-                return picked
-            if picked == rules.MODEL:
+    own = "mpi" if kind.endswith("-mpi") else "peer" if kind.endswith("-peer") else "p2p"
+    switchable = own != "mpi" and _transport_setting() == "auto"
+    for table in (measured, rules.built_in(kind, world, local_size)):  # the file first, then built in
+        if table is not None and table.covers(kind, world, local_size):
+            picked = table.pick(coll.value, nbytes)
+            if picked is None:
+                continue
+            algorithm, via = rules.split(picked)
+            if via is not None and via != own and not (switchable and via in rules.TRANSPORTS):
+                return rules.NATIVE  # measured on a transport this group cannot use
+            if algorithm == rules.NATIVE or algorithm in candidates:
+                return algorithm if via is None or via == own else picked
+            if algorithm == rules.MODEL:
                 return cost.choose(coll, nbytes, world, _params(kind), candidates=candidates, local_size=local_size)
     return rules.NATIVE
 
@@ -105,19 +127,35 @@ def _params(device_type: str):
 
 @lru_cache(maxsize=4)
 def _rules(kind: str):
-    """The measured rules for this kind of group (``dtrain bench comm --rules-out``), or None (read once)."""
+    """This rank's measured rules for this kind of group (``dtrain bench comm --rules-out``), or None (read once)."""
     from dtrain.comm.cost import rules
 
     return rules.load_rules(kind)
 
 
+def _own_rules(kind: str, world: int):
+    """This rank's rules for a group of ``kind`` and ``world`` ranks (:func:`dtrain.comm.cost.rules.lookup_paths`):
+    the first file found; an unusable cache warns in one line and is skipped."""
+    from dtrain.comm.cost import rules
+
+    for path, cached in rules.lookup_paths(kind, world, _transport_setting(), torch.__version__):
+        if not cached:
+            found = rules.load_rules(kind, path)
+        else:
+            found, problem = rules.load_cached(path, kind=kind, world_size=world, torch_version=torch.__version__)
+            if problem is not None:
+                warnings.warn(f"dtrain.comm: algorithm='auto' ignores {problem}", stacklevel=2)
+        if found is not None:
+            return found
+    return None
+
+
 @lru_cache(maxsize=4)
 def _choice_digest(kind: str) -> int:
-    """A digest of what ``auto`` and the pipelining choose from on this rank: the cost parameters of this kind
-    and of its device type, and the measured rules, as loaded (what the choices will use)."""
+    """A digest of the cost parameters ``auto`` and the pipelining choose with on this rank, of this kind and of
+    its device type, as loaded (the rules come from rank 0)."""
     device_type = kind.removesuffix("-peer").removesuffix("-mpi")
-    measured = _rules(kind)
-    seen = (kind, repr(_params(kind)), repr(_params(device_type)), repr(measured.to_dict() if measured else None))
+    seen = (kind, repr(_params(kind)), repr(_params(device_type)))
     return int.from_bytes(hashlib.sha256(repr(seen).encode()).digest()[:8], "little", signed=True)
 
 
@@ -142,24 +180,77 @@ def _all_gather_int64(group, value: int, device: torch.device) -> list[int]:
     return [int(t) for t in every]
 
 
-def _agree_on_choices(group, kind: str, device: torch.device) -> None:
-    """Once per group and kind: check that every rank chooses from the same calibration and rules. Ranks that
-    read different files would pick different algorithms for one call and wait for each other forever, so
-    the first ``auto`` call on a group compares digests (one all-gather) and raises ``ValueError`` on every
-    rank alike if they differ."""
+def _from_rank0(group, data: bytes, device: torch.device) -> bytes:
+    """Rank 0's ``data`` on every rank of ``group`` (its length, then its bytes; nothing is unpickled)."""
+    if is_mpi_group(group):
+        from dtrain.comm.mpi import native as mpi_native
+
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        mpi_native.broadcast(size, 0, group)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if group.rank == 0 else None
+        payload = payload if payload is not None else torch.zeros(int(size), dtype=torch.uint8)
+        if int(size):
+            mpi_native.broadcast(payload, 0, group)
+        return bytes(payload.tolist())
+    root = dist.get_global_rank(group, 0)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, root, group=group)
+    n = int(size.item())
+    if dist.get_rank(group) == 0:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if n else None
+    else:
+        payload = torch.zeros(n, dtype=torch.uint8, device=device)
+    if n:
+        dist.broadcast(payload, root, group=group)
+    return bytes(payload.cpu().tolist()) if n else b""
+
+
+def _group_rank(group) -> int:
+    return group.rank if is_mpi_group(group) else dist.get_rank(group)
+
+
+def _agree_on_choices(group, kind: str, device: torch.device, world: int) -> None:
+    """Once per group and kind: rank 0 decides what ``auto`` follows, and every rank checks it prices alike.
+
+    Rank 0 reads its rules (:func:`_own_rules`; with ``DTRAIN_COMM_AUTOTUNE=1`` and none found, the group first
+    measures them, :mod:`dtrain.comm.tune`) and sends them to every rank: every rank follows rank 0's rules.
+    The cost parameters (for rules naming the model, and for the pipelining) are compared by digest (one
+    all-gather), and ranks that differ raise the same ``ValueError`` on every rank rather than choose apart."""
+    import json
+
+    from dtrain.comm.cost import rules
+
+    mine = None
+    if _group_rank(group) == 0:
+        try:
+            mine = _own_rules(kind, world)
+        except ValueError as err:  # a named file that is not rules: every rank hears of it
+            mine = {"error": str(err)}
+    missing = mine is None and comm_env().autotune
+    text = json.dumps(mine.to_dict() if isinstance(mine, rules.Rules) else mine or {"missing": missing})
+    decided = json.loads(_from_rank0(group, text.encode(), device).decode())
+    if "error" in decided:
+        raise ValueError(f"algorithm='auto' (rank 0's rules): {decided['error']}")
     every = _all_gather_int64(group, _choice_digest(kind), device)
     differ = sorted({r for r, t in enumerate(every) if t != every[0]})
     if differ:
         from dtrain.comm.cost import model as cost
-        from dtrain.comm.cost import rules
 
         raise ValueError(
-            f"algorithm='auto': the ranks of this group choose from different calibration or rules files "
-            f"(group ranks {differ} differ from rank 0; this rank reads {cost.params_path(kind)} and "
-            f"{rules.rules_path(kind)}); give every rank the same files (DTRAIN_CALIBRATION, DTRAIN_COMM_RULES) "
-            "or name the algorithm"
+            f"algorithm='auto': the ranks of this group price with different calibration files (group ranks "
+            f"{differ} differ from rank 0; this rank reads {cost.params_path(kind)}); give every rank the same "
+            "file (DTRAIN_CALIBRATION) or name the algorithm"
         )
-    group_state(group).agreed.add(kind)
+    state = group_state(group)
+    if decided.get("missing"):
+        from dtrain.comm import tune
+
+        made = tune.autotune(group, device, kind)  # collective: rank 0 saves and returns the rules
+        text = json.dumps(made.to_dict() if made is not None else {})
+        decided = json.loads(_from_rank0(group, text.encode(), device).decode())
+    state.rules[kind] = rules.Rules.from_dict(decided) if "kind" in decided else None
+    state.choices.clear()
+    state.agreed.add(kind)
 
 
 def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device) -> int:
@@ -171,12 +262,31 @@ def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device:
     return cost.optimal_pipeline(nbytes, world, _params(device.type).intra)
 
 
+def _via(group, device: torch.device, algorithm: str) -> tuple[str, str]:
+    """(algorithm, transport) of a chosen name: ``"ring@peer"`` runs on the peer transport where the group may
+    change transport per call (``DTRAIN_COMM_TRANSPORT=auto``, and it did not fall back from peer memory);
+    otherwise, and for a plain name, the group's own transport (:func:`transport_name`)."""
+    from dtrain.comm.cost.rules import split
+
+    name, via = split(algorithm)
+    own = transport_name(group, device)
+    if via is None or via == own or own == "mpi" or _transport_setting() != "auto":
+        return name, own
+    state = find_state(group)
+    if via == "peer" and ((state is not None and state.fell_back) or not peer.peer_available(group, device)):
+        return name, "p2p"  # peer_available: a collective question, asked by every rank at the same call
+    return name, via
+
+
 def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out=None) -> None:
     """Run ``algorithm`` for ``coll`` on the flat ``work`` buffer, in place.
 
-    ``out`` (a reduce-scatter where :func:`_out_of_place` holds): ``work`` is the caller's input and stays as it
-    was; this rank's block of the result goes into ``out``, with no copy of the input. Should the group's window
-    be refused after all (and the group move to point-to-point), the input is copied into a work buffer."""
+    ``algorithm`` may name its transport (``"ring@peer"``, see :func:`_via`). ``out`` (a reduce-scatter where
+    :func:`_out_of_place` holds): ``work`` is the caller's input and stays as it was; this rank's block of the
+    result goes into ``out``, with no copy of the input. Should the group's window be refused after all (and the
+    group move to point-to-point), the input is copied into a work buffer."""
+    named = algorithm
+    algorithm, via = _via(group, work.device, algorithm)
     world = group.size if is_mpi_group(group) else dist.get_world_size(group)
     nbytes = work.numel() * work.element_size()
     pipeline = _pipeline(coll, algorithm, world, nbytes, work.device)
@@ -188,9 +298,11 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
         pipeline=pipeline,
         local_size=local_size if registry.needs_local_size(algorithm) else None,
     )
-    if transport_name(group, work.device) == "peer":
+    if via == "peer":
         own = out is not None and peer_push.writes_own_block_only(schedule, work.numel())
-        push = peer.push_mode(schedule, nbytes)  # push form: two banks of the buffer's size in every window
+        push = peer.push_mode(
+            schedule, nbytes, work.device.type
+        )  # push form: two banks of the buffer's size in every window
         try:
             window = peer.window_for(group, work.device, nbytes * (2 if push else 1))
         except peer.PeerUnavailable as err:  # raised on every rank of the group alike
@@ -203,7 +315,7 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
                 return
     if out is not None:  # the schedule reduces in place: a copy of the input to work in
         work = _scratch(group, work)
-        _run(coll, algorithm, work, group, op, root, local_size)
+        _run(coll, named, work, group, op, root, local_size)
         rank, m = group_info(group, "reduce_scatter")[0], out.numel()
         out.copy_(work[rank * m : (rank + 1) * m])
         return
@@ -274,6 +386,31 @@ def _transport_setting() -> str:
     return comm_env().transport
 
 
+#: Variables by which a process knows it was started by an MPI launcher (Open MPI, PMIx, MPICH's PMI).
+MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "PMI_RANK")
+
+
+def default_group(group):
+    """``group``, or for ``None`` under ``DTRAIN_COMM_TRANSPORT=mpi`` the :class:`~dtrain.comm.mpi.MPIGroup` over
+    ``MPI_COMM_WORLD`` (:func:`dtrain.comm.mpi.world`). A one-line ``ValueError`` where the process was not
+    started by mpirun or mpi4py is missing (before mpi4py is imported: a process outside mpirun would make an MPI
+    world of one rank)."""
+    if group is not None or _transport_setting() != "mpi":
+        return group
+    import os
+
+    if not any(os.environ.get(v) for v in MPI_LAUNCHER_VARIABLES):
+        raise ValueError(
+            "DTRAIN_COMM_TRANSPORT=mpi: this process was not started by mpirun (none of "
+            f"{', '.join(MPI_LAUNCHER_VARIABLES)} is set); launch with `mpirun -n N python -m mpi4py ...` or "
+            "unset DTRAIN_COMM_TRANSPORT"
+        )
+    from dtrain.comm.mpi.group import mpi, world
+
+    mpi()  # ValueError saying how to install mpi4py
+    return world()
+
+
 def transport_name(group, device: torch.device) -> str:
     """The transport our algorithms run on for ``group`` on ``device``: "mpi" for an
     :class:`~dtrain.comm.mpi.MPIGroup` (MPI point-to-point, whatever the variable says), else
@@ -292,6 +429,8 @@ def transport_name(group, device: torch.device) -> str:
     if is_mpi_group(group):
         return "mpi"
     name = _transport_setting()
+    if name == "mpi":  # the default group is MPI's (:func:`default_group`); a torch.distributed group keeps p2p
+        return "p2p"
     if name != "auto":
         return name
     state = find_state(group)
@@ -374,6 +513,7 @@ def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: tor
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` over the group; every rank ends with the result, in place."""
+    group = default_group(group)
     what = "all_reduce"
     check_tensor(tensor, "tensor", what)
     check_op(op, tensor.dtype, what)
@@ -391,6 +531,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank, in place."""
+    group = default_group(group)
     what = "broadcast"
     check_tensor(tensor, "tensor", what)
     check_root(src, group_info(group, what)[1], "src", what)
@@ -406,6 +547,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
 
 def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` over the group into ``tensor`` of rank ``dst``; other ranks' tensors are untouched."""
+    group = default_group(group)
     what = "reduce"
     check_tensor(tensor, "tensor", what)
     check_op(op, tensor.dtype, what)
@@ -431,6 +573,7 @@ def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "au
 
     ``avg`` gives the mean of the prefix, op(x_0..x_r) / (r + 1).
     """
+    group = default_group(group)
     what = "scan"
     check_tensor(tensor, "tensor", what)
     check_op(op, tensor.dtype, what)
@@ -448,6 +591,7 @@ def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "au
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Every rank's ``input`` concatenated rank-major into every rank's ``output``."""
+    group = default_group(group)
     what = "all_gather"
     check_tensor(input, "input", what)
     check_tensor(output, "output", what)
@@ -467,6 +611,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
 
 def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=None, algorithm: str = "auto"):
     """Every rank's ``input`` concatenated rank-major into ``output`` of rank ``dst`` (None elsewhere)."""
+    group = default_group(group)
     what = "gather"
     check_tensor(input, "input", what)
     rank, world = group_info(group, what)
@@ -491,6 +636,7 @@ def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=Non
 
 def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group=None, algorithm: str = "auto"):
     """Block r of ``input`` on rank ``src`` (rank-major, ``world`` equal blocks) into ``output`` of rank r."""
+    group = default_group(group)
     what = "scatter"
     check_tensor(output, "output", what)
     rank, world = group_info(group, what)
@@ -512,6 +658,7 @@ def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None, algorithm: str = "auto"
 ) -> torch.Tensor:
     """Reduce ``input`` over the group; rank r keeps block r of the result in ``output``."""
+    group = default_group(group)
     what = "reduce_scatter"
     check_tensor(input, "input", what)
     check_tensor(output, "output", what)
@@ -541,17 +688,21 @@ def _out_of_place(coll: Collective, algorithm: str, group, input: torch.Tensor, 
     """Whether a reduce-scatter can read the caller's input and write its block straight into the output: the
     peer transport's push form, with a plan that stores only into the rank's own block
     (:func:`dtrain.comm.peer.push.writes_own_block_only`). Every rank answers alike (one schedule, one size)."""
-    if transport_name(group, input.device) != "peer":
+    algorithm, via = _via(group, input.device, algorithm)
+    if via != "peer":
         return False
     world = dist.get_world_size(group)
     local = local_size if registry.needs_local_size(algorithm) else None
     schedule = registry.build(coll, algorithm, world, local_size=local)
     nbytes = input.numel() * input.element_size()
-    return peer.push_mode(schedule, nbytes) and peer_push.writes_own_block_only(schedule, input.numel())
+    return peer.push_mode(schedule, nbytes, input.device.type) and peer_push.writes_own_block_only(
+        schedule, input.numel()
+    )
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Block j of rank i's ``input`` lands in block i of rank j's ``output`` (equal blocks, rank-major)."""
+    group = default_group(group)
     what = "all_to_all"
     check_tensor(input, "input", what)
     check_tensor(output, "output", what)
@@ -572,6 +723,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
 def barrier(group=None, algorithm: str = "dissemination") -> None:
     """Return only once every rank of the group has entered the barrier: the dissemination algorithm ("auto"
     too), or the backend's own barrier ("native": torch.distributed's, or MPI_Barrier on an MPI group)."""
+    group = default_group(group)
     rank, world = group_info(group, "barrier")
     check_algorithm(Collective.BARRIER, algorithm, world, group, "barrier")
     if algorithm == "native":

@@ -96,7 +96,15 @@ def check_pair(out: torch.Tensor, inp: torch.Tensor, out_numel: int, what: str) 
 
 
 def check_algorithm(coll: Collective, algorithm: str, world: int, group, what: str) -> int | None:
+    """The group's node size, once ``algorithm`` is known for ``coll`` (one of ours may name its transport:
+    ``"ring@peer"``, ``"ring@p2p"``)."""
     known = registry.accepted(coll)
+    name, at, via = str(algorithm).partition("@")
+    if at and (name in ("auto", "native") or via not in ("p2p", "peer")):
+        raise ValueError(
+            f"{what}: unknown algorithm {algorithm!r}; only ours may name a transport, as ALGORITHM@p2p or @peer"
+        )
+    algorithm = name
     if algorithm not in known:
         raise ValueError(f"{what}: unknown algorithm {algorithm!r}; known: {', '.join(known)}")
     local_size = _local_size(group, world)

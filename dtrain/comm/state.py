@@ -39,6 +39,10 @@ class GroupState:
         self.local_size: int | None = None
         #: the kinds ("cpu", "cuda-peer", ...) whose ``auto`` choices the group's ranks checked alike
         self.agreed: set[str] = set()
+        #: kind -> the measured rules rank 0 sent (``None``: none), which every rank's ``auto`` follows
+        self.rules: dict = {}
+        #: (collective, bytes, world, kind, node size) -> what ``auto`` chose, kept
+        self.choices: dict = {}
         #: ``DTRAIN_COMM_TRANSPORT=auto`` moved the group back to point-to-point (its peer window was refused)
         self.fell_back = False
         #: the point-to-point transport (``dtrain.comm.p2p.transport.transport_for``)
@@ -68,6 +72,8 @@ class GroupState:
         self.windows.clear()
         self.available.clear()
         self.agreed.clear()
+        self.rules.clear()
+        self.choices.clear()
         self.fell_back = False
         self.transport = None
 

@@ -176,8 +176,9 @@ def test_the_push_form_is_taken_from_its_size_threshold_where_the_schedule_has_o
     big, small = peer.PUSH_FROM_BYTES, peer.PUSH_FROM_BYTES - 4
     monkeypatch.delenv("DTRAIN_COMM_PEER_MODE", raising=False)  # auto
     assert peer.push_mode(ring, big) and not peer.push_mode(ring, small) and not peer.push_mode(direct, big)
+    assert not peer.push_mode(ring, big, "cpu")  # on the CPU auto pulls at every size
     monkeypatch.setenv("DTRAIN_COMM_PEER_MODE", "push")
-    assert peer.push_mode(ring, 4) and not peer.push_mode(direct, 4)
+    assert peer.push_mode(ring, 4) and not peer.push_mode(direct, 4) and peer.push_mode(ring, 4, "cpu")
     monkeypatch.setenv("DTRAIN_COMM_PEER_MODE", "pull")
     assert not peer.push_mode(ring, big)
     monkeypatch.setenv("DTRAIN_COMM_PEER_MODE", "sideways")

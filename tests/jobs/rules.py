@@ -18,6 +18,8 @@ def _forget_choices() -> None:
         cached.cache_clear()
     for held in state.states():
         held.agreed.clear()
+        held.rules.clear()
+        held.choices.clear()
 
 
 def auto_with_rules(world: int, paths: list[str | None], numel: int) -> dict:

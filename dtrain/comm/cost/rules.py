@@ -16,8 +16,19 @@ smallest one's winner holds, above the largest the largest's. The file is JSON::
     {"kind": "cuda-peer", "world_size": 4, "local_size": null,
      "rules": {"all_reduce": [[0, "native"], [50331648, "ring"]]}, "meta": {...}}
 
-Every rank of a group must read the same rules (as the same calibration), or ranks would choose different
-algorithms and wait for each other forever; :mod:`dtrain.comm.api` checks that once per group.
+A rule may name an algorithm with the transport to run it on, ``"ring@peer"`` or ``"ring@p2p"``: a group whose
+``DTRAIN_COMM_TRANSPORT`` is ``auto`` then runs that size band on that transport (on the CPU, the /dev/shm peer
+transport where it measured faster than Gloo's messages), whatever the group's default transport.
+
+Where ``auto`` looks (:func:`lookup_paths`): ``$DTRAIN_COMM_RULES`` if set; else the per-machine cache that
+``dtrain bench calibrate --rules`` (or ``DTRAIN_COMM_AUTOTUNE=1``) writes, :func:`cache_path`, keyed by host name,
+kind, group size, transport setting and torch version under ``$XDG_CACHE_HOME/dtrain`` (default
+``~/.cache/dtrain``); else ``~/.cache/dtrain/rules-{kind}.json`` (``dtrain bench comm --rules-out``). A cache file
+that cannot be read, or that was measured for another host, group size or torch, is skipped with a one-line
+warning (:func:`load_cached`): ``auto`` is then ``native``.
+
+Rank 0 of a group decides: :mod:`dtrain.comm.api` sends rank 0's rules to every rank of the group at its first
+``auto`` call, so that every rank chooses alike (ranks choosing differently would wait for each other forever).
 
 Pure Python, no torch.
 """
@@ -26,13 +37,40 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtrain.env import comm_env
 
-__all__ = ["MODEL", "NATIVE", "BUILT_IN", "Rules", "built_in", "from_records", "rules_path", "load_rules", "save_rules"]
+__all__ = [
+    "MODEL",
+    "NATIVE",
+    "BUILT_IN",
+    "TRANSPORTS",
+    "Rules",
+    "built_in",
+    "from_records",
+    "split",
+    "rules_path",
+    "cache_dir",
+    "cache_path",
+    "lookup_paths",
+    "load_rules",
+    "load_cached",
+    "save_rules",
+]
+
+#: Transports a rule may name after an algorithm (``"ring@peer"``).
+TRANSPORTS = ("p2p", "peer")
+
+
+def split(name: str) -> tuple[str, str | None]:
+    """``"ring@peer"`` -> ("ring", "peer"); ``"ring"`` -> ("ring", None)."""
+    algorithm, at, transport = str(name).partition("@")
+    return algorithm, (transport if at else None)
 
 
 @dataclass(frozen=True)
@@ -133,10 +171,19 @@ def built_in(kind: str, world_size: int, local_size: int | None) -> Rules | None
 
 
 def from_records(
-    records: Iterable[Mapping], *, kind: str, local_size: int | None = None, meta: Mapping | None = None
+    records: Iterable[Mapping],
+    *,
+    kind: str,
+    local_size: int | None = None,
+    meta: Mapping | None = None,
+    margin: float = 0.0,
 ) -> Rules:
     """Rules from ``dtrain bench comm`` records: per collective and size, the fastest path, ``native`` or one of
-    our own algorithms (not "auto" nor a "+graph" variant); sizes with one candidate only are skipped."""
+    our own algorithms (not "auto" nor a "+graph" variant); sizes with one candidate only are skipped. Where
+    ``native`` was measured, another path wins only if it was faster by more than ``margin`` (0.1: 10 %), so
+    that a near tie, which the next run may reverse, stays with the backend's own collective."""
+    if margin < 0:
+        raise ValueError(f"rules: margin must be >= 0, got {margin}")
     times: dict[str, dict[int, dict[str, float]]] = {}
     worlds = set()
     for r in records:
@@ -152,7 +199,7 @@ def from_records(
         raise ValueError("rules: no record of a collective's paths to learn from")
     table = {}
     for coll, sizes in times.items():
-        winners = [(n, min(t, key=t.get)) for n, t in sorted(sizes.items()) if len(t) > 1]
+        winners = [(n, _winner(t, margin)) for n, t in sorted(sizes.items()) if len(t) > 1]
         if not winners:
             continue
         steps = [(0, winners[0][1])]
@@ -163,12 +210,68 @@ def from_records(
     return Rules(kind=kind, world_size=worlds.pop(), local_size=local_size, table=table, meta=dict(meta or {}))
 
 
+def _winner(times: Mapping[str, float], margin: float) -> str:
+    best = min(times, key=times.get)
+    native = times.get(NATIVE)
+    if native is not None and best != NATIVE and times[best] * (1 + margin) >= native:
+        return NATIVE
+    return best
+
+
 def rules_path(kind: str) -> Path:
     """``$DTRAIN_COMM_RULES`` if set, else ``~/.cache/dtrain/rules-{kind}.json``."""
     env = comm_env().rules
     if env is not None:
         return env
     return Path.home() / ".cache" / "dtrain" / f"rules-{kind}.json"
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/dtrain``, else ``~/.cache/dtrain``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dtrain"
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in ".-_" else "_" for c in str(text))
+
+
+def cache_path(kind: str, world_size: int, transport: str, torch_version: str, host: str | None = None) -> Path:
+    """The per-machine rules cache: ``rules-{host}-{kind}-w{world_size}-{transport}-torch{version}.json`` in
+    :func:`cache_dir`; ``transport`` is the ``DTRAIN_COMM_TRANSPORT`` setting the rules were measured under."""
+    host = socket.gethostname() if host is None else host
+    name = f"rules-{_safe(host)}-{_safe(kind)}-w{int(world_size)}-{_safe(transport)}-torch{_safe(torch_version)}.json"
+    return cache_dir() / name
+
+
+def lookup_paths(kind: str, world_size: int, transport: str, torch_version: str) -> list[tuple[Path, bool]]:
+    """Where ``auto`` looks, in order, each with whether it is a cache (skipped with a warning when unusable)
+    rather than a file the user named (an error when unusable)."""
+    env = comm_env().rules
+    if env is not None:
+        return [(env, False)]
+    return [(cache_path(kind, world_size, transport, torch_version), True), (rules_path(kind), False)]
+
+
+def load_cached(
+    path: str | Path, *, kind: str, world_size: int, torch_version: str, host: str | None = None
+) -> tuple[Rules | None, str | None]:
+    """The rules cached at ``path`` and None, or None and a one-line reason to skip it: a file that is not
+    valid rules, or one measured for another kind, group size, host or torch (stale)."""
+    path = Path(path)
+    if not path.exists():
+        return None, None
+    try:
+        made = load_rules(kind, path)
+    except (OSError, ValueError) as err:
+        return None, f"{str(err).splitlines()[0]}"
+    host = socket.gethostname() if host is None else host
+    want = {"kind": kind, "world_size": world_size, "hostname": host, "torch_version": torch_version}
+    have = {"kind": made.kind, "world_size": made.world_size, **{k: made.meta.get(k) for k in want if k in made.meta}}
+    stale = [f"{k} {have[k]!r} (this run: {v!r})" for k, v in want.items() if k in have and have[k] != v]
+    if stale:
+        return None, f"{path}: stale rules cache, measured for {', '.join(stale)}"
+    return made, None
 
 
 def load_rules(kind: str, path: str | Path | None = None) -> Rules | None:
@@ -187,7 +290,7 @@ def save_rules(rules: Rules, path: str | Path | None = None) -> Path:
     """Write ``rules`` as JSON, atomically; the path written."""
     path = Path(path) if path is not None else rules_path(rules.kind)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(rules.to_dict(), indent=2) + "\n")
-    tmp.replace(path)
+    os.replace(tmp, path)
     return path
