@@ -243,8 +243,10 @@ def _agree_on_choices(group, kind: str, device: torch.device, world: int) -> Non
         )
     state = group_state(group)
     if decided.get("missing"):
-        from dtrain.comm import tune
+        import importlib
 
+        # dtrain.comm.tune sits above this module (it times collectives through it): loaded by name, on request
+        tune = importlib.import_module("dtrain.comm.tune")
         made = tune.autotune(group, device, kind)  # collective: rank 0 saves and returns the rules
         text = json.dumps(made.to_dict() if made is not None else {})
         decided = json.loads(_from_rank0(group, text.encode(), device).decode())
