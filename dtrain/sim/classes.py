@@ -8,7 +8,10 @@
 2. **Identical parts once.** Parts that run the same schedules on the same bytes over paths of the same shape
    (links of equal rate and latency in the same pattern, each pair with a single path so no hash picks one)
    give the same times: one is replayed and the others take its result, link by link. The tensor-parallel
-   all-reduce of every server of a cluster is one replay.
+   all-reduce of every server of a cluster is one replay. In lock step (point 3) pairs with several equal-cost
+   paths are allowed too: parts whose every pair has the same set of paths in the same pattern (the data-
+   parallel rings of the rails of a rail-optimised fabric, say) are copies up to which spine an ECMP hash of
+   their device names picks for each message, and one stands for all (an approximation, like the lock step).
 3. **Rounds in lock step beyond ``flow_limit``.** When the jobs would start more than ``flow_limit`` messages, each
    part is replayed round by round, every rank waiting for the round's last message before the next (a bulk-
    synchronous approximation; ranks of a real run may run ahead), and rounds that move the same bytes between the
@@ -88,17 +91,22 @@ def replay_jobs(
         job_rounds.append(rounds)
         job_pairs.append(facts[key][0])
         job_messages.append(facts[key][1])
+    # the limit counts every message to replay: many small parts cost as much as one large one
+    lock_step = flow_limit is not None and sum(job_messages) > flow_limit
+    by_server = _on_servers(jobs, topology)
+    if by_server is not None:
+        found = _replay_servers(jobs, by_server, job_pairs, job_rounds, topology, cost, itemsize, lock_step)
+        if found is not None:
+            return _result(jobs, *found)
     routes = [
         [topology.equal_cost_routes(job.placement[a], job.placement[b]) for a, b in pairs]
         for job, pairs in zip(jobs, job_pairs, strict=True)
     ]
     parts = _connected(routes)
-    # the limit counts every message to replay: many small parts cost as much as one large one
-    lock_step = flow_limit is not None and sum(job_messages) > flow_limit
     results: dict[int, _Part] = {}  # by part index
     seen: dict[tuple, tuple[int, list[_Key]]] = {}  # signature -> (part replayed, its links in signature order)
     for p, members in enumerate(parts):
-        signature, order = _signature(members, jobs, job_pairs, routes, topology, cost)
+        signature, order = _signature(members, jobs, job_pairs, routes, topology, cost, ecmp=lock_step)
         if signature is not None and signature in seen:
             first, first_order = seen[signature]
             results[p] = _relabel(results[first], first_order, order, topology)
@@ -110,6 +118,10 @@ def replay_jobs(
             results[p] = _exact(sub, members, topology, cost, itemsize)
         if signature is not None:
             seen[signature] = (p, order)
+    return _result(jobs, parts, results)
+
+
+def _result(jobs: Sequence[Job], parts: list[list[int]], results: dict[int, _Part]) -> CollectiveResult:
     finish_by_job: dict[int, list[float]] = {}
     for p, members in enumerate(parts):
         for j, times in zip(members, results[p].finish, strict=True):
@@ -123,6 +135,81 @@ def replay_jobs(
     ]
     rows.sort(key=lambda u: (-u.utilisation, u.link.name))
     return CollectiveResult(time_s=max(finish, default=0.0), rank_finish_s=finish, links=rows)
+
+
+def _on_servers(jobs: Sequence[Job], topology: Topology) -> list[str] | None:
+    """The one server each job runs on, when every job runs on one server that is a copy of a template (see
+    :meth:`dtrain.cluster.routing.TierRouter.template`) and routing is decided tier by tier; else None."""
+    router = topology.router
+    if not router.exact:
+        return None
+    servers = []
+    for job in jobs:
+        names = {topology.device(d).server for d in job.placement}
+        if len(names) != 1:
+            return None
+        server = names.pop()
+        if not router.template(server)[1]:
+            return None
+        servers.append(server)
+    return servers
+
+
+def _replay_servers(jobs, servers, job_pairs, job_rounds, topology: Topology, cost, itemsize, lock_step):
+    """Jobs that each stay inside one server: the jobs of a server form a part (parts on different servers
+    share no link when their routes stay inside), and parts on servers of one template running the same jobs
+    on the same parts of their servers are copies: one is replayed, the others take its result with the
+    server's name swapped in. None when a replayed part's route leaves its server or, outside lock step, has a
+    choice of paths (a hash of device names would pick one): the general way then decides."""
+    router = topology.router
+    members: dict[str, list[int]] = {}
+    for j, server in enumerate(servers):
+        members.setdefault(server, []).append(j)
+    parts = list(members.values())
+    results: dict[int, _Part] = {}
+    seen: dict[tuple, tuple[int, str]] = {}
+    for p, (server, part) in enumerate(members.items()):
+        template, prefix = router.template(server)
+        cut = len(prefix)
+        signature = (template, *(_job_shape(jobs[j], job_pairs[j], topology, cost, cut) for j in part))
+        if signature in seen:
+            first, first_prefix = seen[signature]
+            results[p] = _swap(results[first], first_prefix, prefix, topology)
+            continue
+        for j in part:
+            job = jobs[j]
+            for a, b in job_pairs[j]:
+                paths = topology.equal_cost_routes(job.placement[a], job.placement[b])
+                if len(paths) != 1 and not lock_step:
+                    return None
+                if any(not (link.src.startswith(prefix) and link.dst.startswith(prefix)) for q in paths for link in q):
+                    return None
+        sub = [jobs[j] for j in part]
+        if lock_step:
+            results[p] = _lock_step(sub, part, [job_rounds[j] for j in part], topology, cost)
+        else:
+            results[p] = _exact(sub, part, topology, cost, itemsize)
+        seen[signature] = (p, prefix)
+    return parts, results
+
+
+def _job_shape(job: Job, pairs, topology: Topology, cost: SoftwareCost, cut: int) -> tuple:
+    """What decides a job's replay on a server, naming its devices by their part of the server."""
+    devices = [topology.device(d) for d in job.placement]
+    times = _api_times(job, topology, list(job.placement), cost) if job.api is not None else None
+    return (id(job.schedule), job.nbytes, tuple(pairs), tuple(d.name[cut:] for d in devices),
+            tuple((d.memory_bytes_per_s, d.peak_flops) for d in devices), times)  # fmt: skip
+
+
+def _swap(part: _Part, first: str, other: str, topology: Topology) -> _Part:
+    """``part``, replayed on the server whose names start ``first``, moved to the server whose names start
+    ``other``."""
+    cut = len(first)
+    links = {}
+    for (src, dst), (_, nbytes, busy) in part.links.items():
+        new = (other + src[cut:], other + dst[cut:])
+        links[new] = (topology.link(*new), nbytes, busy)
+    return _Part(part.end, [list(t) for t in part.finish], links)
 
 
 def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
@@ -152,9 +239,11 @@ def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: SoftwareCost):
-    """A part's shape, equal for parts that replay alike, and its links in the order the shape names them; None
-    (no signature) when some pair has several equal-cost paths, as a hash of the device names picks one."""
+def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: SoftwareCost, *, ecmp: bool = False):
+    """A part's shape, equal for parts that replay alike, and its links in the order the shape names them. A pair
+    with several equal-cost paths is named by all of them when ``ecmp`` (parts alike up to which path a hash of
+    the device names picks: an approximation, point 3 of the module docstring), else the part has no signature
+    (None)."""
     label: dict[_Key, int] = {}
     order: list[_Key] = []
     shape = []
@@ -164,16 +253,18 @@ def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: Softw
         api_start, api_end = _api_times(job, topology, list(job.placement), cost)
         paths = []
         for paths_of_pair in routes[j]:
-            if len(paths_of_pair) != 1:
+            if len(paths_of_pair) != 1 and not ecmp:
                 return None, order
-            hops = []
-            for link in paths_of_pair[0]:
-                key = (link.src, link.dst)
-                if key not in label:
-                    label[key] = len(order)
-                    order.append(key)
-                hops.append((label[key], link.bytes_per_s, link.latency_s))
-            paths.append(tuple(hops))
+            for path in paths_of_pair:
+                hops = []
+                for link in path:
+                    key = (link.src, link.dst)
+                    if key not in label:
+                        label[key] = len(order)
+                        order.append(key)
+                    hops.append((label[key], link.bytes_per_s, link.latency_s))
+                paths.append(tuple(hops))
+            paths.append(len(paths_of_pair))
         memory = tuple(d.memory_bytes_per_s for d in devices)
         shape.append((id(job.schedule), job.nbytes, tuple(job_pairs[j]), tuple(paths), memory, tuple(api_start),
                       tuple(api_end)))  # fmt: skip
