@@ -223,7 +223,11 @@ def simulate_step(
     steps, pipelines, exposed_dp = [], [], []
     for factors in _factors(layout, config):
         forward, backward = _stage_times(model, layout, topology, placement, factors, config, tp_s)
-        slowest = max(pipeline_makespan(f, b, pp_s, m, layout.schedule) for f, b in zip(forward, backward, strict=True))
+        spans: dict[tuple, float] = {}  # replicas of equal stage times (all, without stragglers) share one makespan
+        for f, b in zip(forward, backward, strict=True):
+            if (key := (tuple(f), tuple(b))) not in spans:
+                spans[key] = pipeline_makespan(f, b, pp_s, m, layout.schedule)
+        slowest = max(spans.values())
         pipelines.append(slowest)
         exposed = dp_s
         if config.overlap_dp and layout.pp == 1 and layout.zero_stage == 0 and dp_s > 0:
