@@ -219,7 +219,7 @@ def _replay_servers(jobs, servers, job_pairs, job_rounds, topology: Topology, co
 def _job_shape(job: Job, pairs, topology: Topology, cost: SoftwareCost, cut: int) -> tuple:
     """What decides a job's replay on a server, naming its devices by their part of the server."""
     devices = [topology.device(d) for d in job.placement]
-    times = _api_times(job, topology, list(job.placement), cost) if job.api is not None else None
+    times = tuple(map(tuple, _api_times(job, topology, list(job.placement), cost))) if job.api is not None else None
     return (id(job.schedule), job.nbytes, tuple(pairs), tuple(d.name[cut:] for d in devices),
             tuple((d.memory_bytes_per_s, d.peak_flops) for d in devices), times)  # fmt: skip
 
@@ -273,7 +273,8 @@ def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: Softw
     for j in members:
         job = jobs[j]
         devices = [topology.device(d) for d in job.placement]
-        api_start, api_end = _api_times(job, topology, list(job.placement), cost)
+        # without API operations every rank starts after the call's start-up and ends with its last round
+        api = tuple(map(tuple, _api_times(job, topology, list(job.placement), cost))) if job.api is not None else None
         paths = []
         for paths_of_pair in routes[j]:
             if len(paths_of_pair) != 1 and not ecmp:
@@ -289,8 +290,7 @@ def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: Softw
                 paths.append(tuple(hops))
             paths.append(len(paths_of_pair))
         memory = tuple(d.memory_bytes_per_s for d in devices)
-        shape.append((id(job.schedule), job.nbytes, tuple(job_pairs[j]), tuple(paths), memory, tuple(api_start),
-                      tuple(api_end)))  # fmt: skip
+        shape.append((id(job.schedule), job.nbytes, tuple(job_pairs[j]), tuple(paths), memory, api))
     return tuple(shape), order
 
 

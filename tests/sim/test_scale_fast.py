@@ -15,6 +15,11 @@ from dtrain.cluster.builders import ClusterSpec, ServerSpec, build, fat_tree
 from dtrain.cluster.files import loads
 from dtrain.cluster.presets import PRESETS, preset
 from dtrain.cluster.routing import TierRouter
+from dtrain.comm.ir.algorithms import build as build_schedule
+from dtrain.comm.ir.schedule import Collective
+from dtrain.sim.api_passes import api_passes
+from dtrain.sim.classes import replay_jobs
+from dtrain.sim.collective import Job, SoftwareCost, replay_concurrent
 from dtrain.sim.model import MODELS, Layout
 from dtrain.sim.placement import place
 from dtrain.sim.step import StepConfig, simulate_step
@@ -152,3 +157,17 @@ def test_simulate_train_flags(capsys: pytest.CaptureFixture[str]):
             main([*common, "--flow-limit", bad])
         assert exit_info.value.code == 2
         assert "--flow-limit takes a whole number >= 1 or 'none'" in capsys.readouterr().err
+
+
+def test_copies_of_a_server_with_api_operations_equal_the_full_replay():
+    topology = preset("h100-rail", racks=1, servers_per_rack=4)
+    schedule = build_schedule(Collective.ALL_REDUCE, "ring", 4)
+    nbytes = 2**20
+    api = api_passes(schedule, nbytes, op="avg")
+    cost = SoftwareCost(call_s=2e-6, launch_s=5e-6)
+    jobs = [Job(schedule, nbytes, tuple(f"s{s}/gpu{g + h}" for g in range(4)), api) for s in range(4) for h in (0, 4)]
+    fast = replay_jobs(jobs, topology, cost=cost, itemsize=2, flow_limit=None)
+    full = replay_concurrent(jobs, topology, cost=cost, itemsize=2)
+    assert fast.time_s == pytest.approx(full.time_s, rel=1e-9)
+    assert fast.rank_finish_s == pytest.approx(full.rank_finish_s, rel=1e-9)
+    assert {u.link.name: u.nbytes for u in fast.links} == pytest.approx({u.link.name: u.nbytes for u in full.links})
