@@ -3,7 +3,9 @@
 DGX H100 servers (8 GPUs, 8 x 400G NICs) in scalable units of 32 on a rail-optimised fabric (preset
 ``h100-rail``), GPT-3 175B with tp 8, pp 8 and dp growing with the GPU count, split pipeline sends. Each size
 builds its topology, places the layout and times :func:`dtrain.sim.step.simulate_step` once (no cache: every
-route and replay is computed). One JSON line per size, written atomically.
+route and replay is computed): wall-clock seconds, the process's CPU seconds (what the simulation itself costs on
+a shared machine) and the one-minute load average before and after. One JSON line per size, written
+atomically.
 
     python benchmarks/sim/scale.py --gpus 64,512,2048,4096,10240 --out benchmarks/results/sim_scale-cpu2.jsonl
 """
@@ -34,12 +36,14 @@ def run(gpus: int, tp: int, pp: int, flow_limit: int | None) -> dict:
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch=1, global_batch=dp * 16)
     placement = place(topology, layout)
     config = StepConfig(split_pipeline=True, flow_limit=flow_limit)
-    t0 = time.perf_counter()
+    load = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
     result = simulate_step(MODELS["gpt3-175b"], layout, topology, placement, config)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
         "gpus": layout.world_size, "layout": layout.describe(), "topology": f"h100-rail x{units} units",
         "flow_limit": flow_limit, "build_s": round(built - start, 3), "simulate_s": round(seconds, 3),
+        "simulate_cpu_s": round(cpu, 3), "load_before": load, "load_after": os.getloadavg()[0],
         "step_s": result.step_s, "tp_s": result.tp_s, "pp_s": result.pp_s, "dp_s": result.dp_s,
         "machine": platform.machine(), "cpus": os.cpu_count(),
     }  # fmt: skip

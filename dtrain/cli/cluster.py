@@ -16,6 +16,9 @@ from dtrain.cli.units import parse_count, parse_quantity
 
 __all__ = ["register", "parse_quantity", "parse_count"]
 
+#: dtrain.cluster.presets.PRESETS by name, without importing the cluster model here (a test keeps them equal)
+PRESET_NAMES = ("dgx-a100", "h100-node", "h200-4gpu", "4-rack", "h100-rail", "dgx-a100-superpod", "fat-tree-k8")
+
 
 def _add_link_args(p: argparse.ArgumentParser, prefix: str = "", what: str = "the link") -> None:
     """``--link KIND [--link-count N]`` or ``--gbit-per-s``/``--gbyte-per-s``, and ``--latency-s``; with
@@ -203,7 +206,7 @@ def _links(args: argparse.Namespace) -> int:
 
 def _register_topology(commands) -> None:
     p = commands.add_parser("topology", help="summarise a preset or topology file; draw it, save it as TOML")
-    p.add_argument("topology", help="a preset (dgx-a100, h100-node, h200-4gpu, 4-rack) or a .toml file")
+    p.add_argument("topology", help=f"a preset ({', '.join(PRESET_NAMES)}) or a .toml file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="preset parameter, e.g. --set racks=2 --set oversubscription=8")  # fmt: skip
     p.add_argument("--draw", metavar="PNG", help="write a drawing of the topology")

@@ -48,6 +48,22 @@ def _slow_rank(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"--slow-rank takes RANK:FACTOR, e.g. 3:1.5; got {text!r}") from None
 
 
+#: dtrain.sim.classes.DEFAULT_FLOW_LIMIT, without importing the simulator here
+DEFAULT_FLOW_LIMIT = 50_000
+
+
+def _flow_limit(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--flow-limit takes a whole number >= 1 or 'none', got {text!r}")
+    return value
+
+
 def register(commands) -> None:
     """Add ``simulate`` (``collective``, ``train``, ``ps``) and ``plan`` to ``dtrain``."""
     from dtrain.cli.sim_ps import add_ps_parser
@@ -82,6 +98,18 @@ def register(commands) -> None:
     p.add_argument("--sequence-parallel", action="store_true", help="activations outside tp regions split over tp")
     p.add_argument("--placement", default="aware", help="aware or oblivious")
     _add_step_config(p)
+    p.add_argument(
+        "--split-pipeline",
+        action="store_true",
+        help="each tp rank sends 1/tp of the activation to the next stage, which all-gathers it (Megatron-LM)",
+    )
+    p.add_argument(
+        "--flow-limit",
+        type=_flow_limit,
+        default=DEFAULT_FLOW_LIMIT,
+        help=f"messages a set of concurrent collectives may start before it is replayed in lock-step rounds "
+        f"(faster, approximate); 'none': every message replayed (default {DEFAULT_FLOW_LIMIT})",
+    )
     p.add_argument("--slow-rank", type=_slow_rank, action="append", default=[], help="RANK:FACTOR, a straggler")
     p.add_argument("--straggler-sigma", type=float, default=0.0, help="lognormal sigma of every rank's slowdown")
     p.add_argument("--links", type=int, default=8, help="busiest links to show")
@@ -282,10 +310,12 @@ def _simulate_train(args: argparse.Namespace) -> int:
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,
                     zero_stage=args.zero, schedule=args.schedule, recompute=args.recompute,
                     sequence_parallel=args.sequence_parallel)  # fmt: skip
-    config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma)
+    config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma,
+                          split_pipeline=args.split_pipeline, flow_limit=args.flow_limit)  # fmt: skip
     result = simulate_step(model, layout, topo, place(topo, layout, args.placement), config)
     data = {"topology": topo.name, "model": asdict(model), "layout": asdict(layout), "placement": args.placement,
-            **_step_data(result), "links": link_rows(result.links, args.links)}  # fmt: skip
+            "split_pipeline": args.split_pipeline, "flow_limit": args.flow_limit, **_step_data(result),
+            "links": link_rows(result.links, args.links)}  # fmt: skip
     if args.json:
         print(json.dumps(data, indent=2))
         return 0

@@ -25,13 +25,14 @@ from dtrain.cluster.devices import device_spec, make_device
 from dtrain.cluster.routing import NIC_AFFINITIES
 from dtrain.cluster.topology import Topology
 
-__all__ = ["ServerSpec", "ClusterSpec", "INTRA_KINDS", "FABRICS", "add_server", "build", "build_server"]
+__all__ = ["ServerSpec", "ClusterSpec", "INTRA_KINDS", "FABRICS", "add_server", "build", "build_server", "fat_tree"]
 
 #: How a server's GPUs talk to each other: an NVSwitch fabric, NVLink between every pair, or only PCIe.
 INTRA_KINDS = ("nvswitch", "nvlink-mesh", "pcie")
-#: How racks are joined: ToRs under spines (and pods under cores), or rail-optimised (one leaf a NIC index
-#: per scalable unit, every leaf under every spine).
-FABRICS = ("leaf-spine", "rail")
+#: How racks are joined: ToRs under spines (and pods under cores, every spine to every core), rail-optimised (one
+#: leaf a NIC index per scalable unit, every leaf under every spine), or a fat-tree (a folded Clos of two or
+#: three tiers: leaves under their pod's spines, spine ``j`` of every pod under core group ``j``).
+FABRICS = ("leaf-spine", "rail", "fat-tree")
 #: Link families a NIC or a switch uplink may be.
 NETWORK_FAMILIES = ("ethernet", "infiniband")
 
@@ -113,7 +114,13 @@ def _whole(what: str, value: object, least: int) -> None:
 class ClusterSpec:
     """Racks of identical servers; ``spines`` above the ToRs when there are several racks (per pod when
     ``pods > 1``, with ``cores`` above the pods). ``oversubscription`` is the ToR's downlink:uplink ratio
-    (4 means 1:4: a quarter of the servers' rate leaves the rack), ``pod_oversubscription`` the spine's."""
+    (4 means 1:4: a quarter of the servers' rate leaves the rack), ``pod_oversubscription`` the spine's.
+
+    ``fabric`` (:data:`FABRICS`) wires the tiers; with ``fabric="fat-tree"`` and ``rails`` each rack has one
+    leaf per NIC index (rail-optimised leaves) instead of one ToR, and ``cores`` must be a multiple of
+    ``spines`` (spine ``j`` of each pod reaches cores ``j * cores / spines`` onwards, Al-Fares et al. 2008,
+    section 3.2). ``nic_affinity`` (:data:`dtrain.cluster.routing.NIC_AFFINITIES`): ``"rail"`` sends GPU
+    ``k``'s traffic through NIC ``k`` on servers with one NIC per GPU (others hash over their NICs)."""
 
     server: ServerSpec = field(default_factory=ServerSpec)
     racks: int = 1
@@ -125,7 +132,8 @@ class ClusterSpec:
     cores: int = 2
     pod_oversubscription: float = 1.0
     fabric: str = "leaf-spine"
-    nic_affinity: str = "ecmp"
+    nic_affinity: str = "rail"
+    rails: bool = False
 
     def __post_init__(self) -> None:
         if self.fabric not in FABRICS:
@@ -134,6 +142,12 @@ class ClusterSpec:
             raise ValueError(f"cluster nic_affinity {self.nic_affinity!r} is not one of {NIC_AFFINITIES}")
         if self.fabric == "rail" and self.pods > 1:
             raise ValueError("cluster fabric 'rail' has one tier of spines; set pods = 1")
+        if self.rails and self.fabric != "fat-tree":
+            raise ValueError(
+                f"cluster rails = true needs fabric 'fat-tree' (fabric 'rail' always has them), got {self.fabric!r}"
+            )
+        if not isinstance(self.rails, bool):
+            raise ValueError(f"cluster rails must be true or false, got {self.rails!r}")
         for name in ("racks", "servers_per_rack", "spines", "pods", "cores"):
             _whole(f"cluster {name}", getattr(self, name), 1)
         for name in ("oversubscription", "pod_oversubscription"):
@@ -142,6 +156,11 @@ class ClusterSpec:
                 raise ValueError(f"cluster {name} must be a ratio >= 1 (1 is 1:1, 4 is 1:4), got {value!r}")
         if self.racks % self.pods:
             raise ValueError(f"{self.racks} racks do not split into {self.pods} equal pods")
+        if self.fabric == "fat-tree" and self.pods > 1 and self.cores % self.spines:
+            raise ValueError(
+                f"cluster fabric 'fat-tree': cores ({self.cores}) must be a multiple of spines ({self.spines}), "
+                "one group of cores a spine index"
+            )
         if self.server.nics == 0 and self.racks * self.servers_per_rack > 1:
             raise ValueError("servers with no NICs cannot be joined into a rack; set server nics >= 1")
         _expect_family("uplink", self.uplink_kind, NETWORK_FAMILIES)
@@ -225,6 +244,9 @@ def build(spec: ClusterSpec, *, name: str = "cluster") -> Topology:
     if spec.fabric == "rail":
         _add_rails(topology, spec)
         return topology
+    if spec.fabric == "fat-tree":
+        _add_fat_tree(topology, spec)
+        return topology
     tors = [_add_rack(topology, spec, r) for r in range(spec.racks)]
     if spec.racks > 1:
         _add_spines(topology, spec, tors)
@@ -281,3 +303,57 @@ def _add_spines(topology: Topology, spec: ClusterSpec, tors: list[str]) -> None:
                 topology.add_link(tor, spine, bytes_per_s=tor_to_spine, latency_s=uplink.latency_s, kind=uplink.key)
             for core in cores:
                 topology.add_link(spine, core, bytes_per_s=spine_uplink, latency_s=uplink.latency_s, kind=uplink.key)
+
+
+def _add_fat_tree(topology: Topology, spec: ClusterSpec) -> None:
+    """A folded Clos (fat-tree) of two tiers (``pods == 1``: leaves under spines) or three (leaves under their
+    pod's spines, spines under cores). Each leaf (a rack's ToR, or with ``rails`` one leaf per NIC index of the
+    rack) sends its servers' rate over the oversubscription ratio up, split evenly over its pod's spines; each
+    spine sends what its leaves give it over ``pod_oversubscription`` up, split over its group of
+    ``cores / spines`` cores (Al-Fares et al., SIGCOMM 2008, section 3.2; a k-ary fat-tree is :func:`fat_tree`).
+    Every leaf pair of a pod has ``spines`` equal-cost paths, every pair across pods ``cores``."""
+    server, uplink = spec.server, LINKS[spec.uplink_kind]
+    rails = spec.server.nics if spec.rails else 0
+    per_leaf_down = spec.servers_per_rack * LINKS[server.nic].bytes_per_s * (1 if rails else server.nics)
+    leaf_to_spine = per_leaf_down / spec.oversubscription / spec.spines
+    racks_per_pod = spec.racks // spec.pods
+    leaves_per_pod = racks_per_pod * (rails or 1)
+    group = spec.cores // spec.spines if spec.pods > 1 else 0
+    spine_to_core = leaves_per_pod * leaf_to_spine / spec.pod_oversubscription / group if group else 0.0
+    cores = [f"core{c}" for c in range(spec.cores)] if spec.pods > 1 else []
+    for core in cores:
+        topology.add_node(core, kind="switch", layer="core")
+    for p in range(spec.pods):
+        prefix = f"p{p}/" if spec.pods > 1 else ""
+        spines = [f"{prefix}spine{k}" for k in range(spec.spines)]
+        for k, spine in enumerate(spines):
+            topology.add_node(spine, kind="switch", layer="spine")
+            for core in cores[k * group : (k + 1) * group]:
+                topology.add_link(spine, core, bytes_per_s=spine_to_core, latency_s=uplink.latency_s, kind=uplink.key)
+        for r in range(p * racks_per_pod, (p + 1) * racks_per_pod):
+            rack = f"r{r}"
+            leaves = [f"{rack}/rail{k}" for k in range(rails)] if rails else [f"{rack}/tor"]
+            for leaf in leaves:
+                topology.add_node(leaf, kind="switch", rack=rack, layer="tor")
+                for spine in spines:
+                    topology.add_link(leaf, spine, bytes_per_s=leaf_to_spine, latency_s=uplink.latency_s,
+                                      kind=uplink.key)  # fmt: skip
+            for s in range(spec.servers_per_rack):
+                ports = add_server(topology, server, f"s{r * spec.servers_per_rack + s}", rack)
+                for i, nic in enumerate(ports):
+                    _link(topology, nic, leaves[i if rails else 0], server.nic)
+
+
+def fat_tree(k: int, server: ServerSpec | None = None, **changes: object) -> ClusterSpec:
+    """The k-ary fat-tree of Al-Fares et al. (SIGCOMM 2008, section 3.2): ``k`` pods, each of ``k/2`` edge
+    (leaf) and ``k/2`` aggregation (spine) switches, ``(k/2)^2`` cores, ``k/2`` servers under each edge switch:
+    ``k^3/4`` servers, 1:1 at every tier when each server has one NIC. ``server`` defaults to one A100 with one
+    HDR NIC; ``changes`` are further :class:`ClusterSpec` fields."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 2 or k % 2:
+        raise ValueError(f"fat-tree k must be an even whole number >= 2, got {k!r}")
+    server = server or ServerSpec(gpus=1, gpus_per_pcie_switch=1, cpus=1, nics=1)
+    half = k // 2
+    fields = dict(server=server, racks=k * half, servers_per_rack=half, pods=k, spines=half, cores=half * half,
+                  fabric="fat-tree")  # fmt: skip
+    fields.update(changes)
+    return ClusterSpec(**fields)

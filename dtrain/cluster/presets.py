@@ -15,6 +15,17 @@
   (the DGX SuperPOD H100 compute fabric; grow it with ``racks=``).
 - ``4-rack``: 4 racks of 4 ``dgx-a100`` servers (128 GPUs) under 2 spines at 1:4 oversubscription (within the
   2.5:1 to 8:1 that Al-Fares et al., SIGCOMM 2008, report for typical data-centre designs).
+- ``dgx-a100-superpod``: a DGX A100 SuperPOD-like compute fabric (NVIDIA, "NVIDIA DGX SuperPOD: Scalable
+  Infrastructure for AI Leadership, DGX A100 System Reference Architecture", RA-09950-001, 2020): scalable
+  units (``racks``) of 20 ``dgx-a100`` servers, each server's 8 HDR 200 Gb/s NICs on 8 rail leaves of its unit,
+  three non-blocking tiers (leaf, spine, core) of a fat-tree. 4 units (640 GPUs) in 2 pods of 8 spines under
+  16 cores; the reference architecture's 140-server system is ``racks=7, pods=7``. Its switch counts per tier
+  are this builder's, not the document's cabling plan.
+- ``fat-tree-k8``: the k = 8 fat-tree of Al-Fares et al. (SIGCOMM 2008): 8 pods, 128 single-A100 servers with
+  one HDR NIC each, 32 edge, 32 aggregation and 16 core switches, 1:1.
+
+Every server with one NIC per GPU sends GPU ``k``'s traffic through NIC ``k`` (``nic_affinity="rail"``), as NCCL
+picks the NIC nearest each GPU.
 
 Every preset takes the parameters of :class:`ClusterSpec` and :class:`ServerSpec` as overrides
 (``gpus_per_server`` is ``gpus``): ``preset("4-rack", racks=2, oversubscription=16)``.
@@ -26,7 +37,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from dtrain.cluster.builders import ClusterSpec, ServerSpec, build
+from dtrain.cluster.builders import ClusterSpec, ServerSpec, build, fat_tree
 from dtrain.cluster.topology import Topology
 
 __all__ = ["PRESETS", "preset", "preset_spec", "preset_names", "with_overrides", "PARAMETERS"]
@@ -49,6 +60,11 @@ PRESETS: dict[str, tuple[str, Callable[[], ClusterSpec]]] = {
     "h100-rail": ("2 scalable units x 32 h100-node servers (512 GPUs), rail-optimised, 16 spines, NIC k for GPU k",
                   lambda: ClusterSpec(server=H100_NODE, racks=2, servers_per_rack=32, spines=16, fabric="rail",
                                       nic_affinity="rail")),
+    "dgx-a100-superpod": ("4 units x 20 dgx-a100 (640 GPUs), 8 HDR rails a unit, leaf/spine/core fat-tree, 1:1",
+                          lambda: ClusterSpec(server=DGX_A100, racks=4, servers_per_rack=20, fabric="fat-tree",
+                                              rails=True, pods=2, spines=8, cores=16)),
+    "fat-tree-k8": ("k=8 fat-tree: 8 pods, 128 servers of one A100 and one HDR NIC, 80 switches, 1:1",
+                    lambda: fat_tree(8)),
 }  # fmt: skip
 
 _SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerSpec)}

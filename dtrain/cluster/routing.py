@@ -9,6 +9,11 @@ breadth-first search of the switches per source switch, shared by every server u
 from its ports to the node. That is the hierarchical decomposition routing on a Clos network rests on (Al-Fares
 et al., SIGCOMM 2008, section 3.3: two-level tables, a prefix for the pod and a suffix for the host).
 
+Servers built alike are searched once. A server whose nodes are all named ``<server>/<part>`` is reduced to its
+parts and their links (its template); servers of one template share their inner searches and path pieces,
+named by part and prefixed with the server's name when a path is returned, so a cluster of ten thousand
+identical servers costs the searches of one.
+
 It is exact, not a heuristic, when no fewest-hop path can pass through a third server; :class:`TierRouter`
 checks that once (no link joins two servers, and between any two switches a server's ports attach to, the fabric
 is strictly shorter than the way through the server) and says so with :attr:`TierRouter.exact`; where it is not,
@@ -75,31 +80,77 @@ class TierRouter:
             raise ValueError(f"nic_affinity {nic_affinity!r} is not one of {NIC_AFFINITIES}")
         self.server: dict[str, str | None] = dict(graph.nodes(data="server"))
         kinds = dict(graph.nodes(data="kind"))
-        self._inner: dict[str, dict[str, list[str]]] = {}  # server -> successors inside it
+        inner: dict[str, dict[str, list[str]]] = {}  # server -> successors inside it
         self._fabric: dict[str, list[str]] = {}  # switch -> successor switches
         self.exits: dict[str, list[tuple[str, str]]] = {}  # server -> (port, switch) links leaving it
         self.entries: dict[str, list[tuple[str, str]]] = {}  # server -> (switch, port) links entering it
         self.exact = True
-        for u, v in graph.edges():
+        rates: dict[tuple[str, str], tuple[float, float]] = {}
+        for u, v, link in graph.edges(data="link"):
             su, sv = self.server[u], self.server[v]
             if su is not None and sv is not None:
                 if su != sv:
                     self.exact = False  # a cable between two servers: paths may cross a third
-                self._inner.setdefault(su, {}).setdefault(u, []).append(v)
+                inner.setdefault(su, {}).setdefault(u, []).append(v)
+                if link is not None:
+                    rates[(u, v)] = (link.bytes_per_s, link.latency_s)
             elif su is not None:
                 self.exits.setdefault(su, []).append((u, v))
             elif sv is not None:
                 self.entries.setdefault(sv, []).append((u, v))
             else:
                 self._fabric.setdefault(u, []).append(v)
-        self._inner_search: dict[str, tuple[dict[str, int], dict[str, list[str]]]] = {}
-        self._inner_reverse: dict[str, dict[str, list[str]]] = {}
+        self._templates(inner, kinds, rates)
         self._fabric_search: dict[str, tuple[dict[str, int], dict[str, list[str]]]] = {}
+        self._middles: dict[tuple[str, str], list[list[str]]] = {}
+        self._succ_sets: dict[str, tuple[set[str], list[str]]] = {}
+        self._preds_of: dict[str, set[str]] = {}
+        self._pieces: dict[tuple, Any] = {}  # (template, part, ...) -> path pieces named by part
         self.affinity: dict[str, str] = {}  # gpu -> its NIC
         if nic_affinity == "rail":
             self._rail_affinity(graph, kinds)
         if self.exact:
             self.exact = self._no_transit()
+
+    def _templates(self, inner: dict[str, dict[str, list[str]]], kinds: dict[str, str], rates: dict) -> None:
+        """Each server's template (servers of equal parts, inner links of equal rates and latencies and equal
+        ports share one) and name prefix."""
+        members: dict[str, list[str]] = {}
+        for node, server in self.server.items():
+            if server is not None:
+                members.setdefault(server, []).append(node)
+        self._prefix: dict[str, str] = {}  # server -> what its node names start with
+        self._template: dict[str, int] = {}  # server -> template id
+        self._inner: list[dict[str, list[str]]] = []  # template -> successors inside, by part
+        shapes: dict[tuple, int] = {}
+        for server, nodes in members.items():
+            prefix = f"{server}/"
+            if not all(n.startswith(prefix) for n in nodes):
+                prefix = ""  # names of its own: a template of its own
+            cut = len(prefix)
+            succ = {u[cut:]: [v[cut:] for v in vs] for u, vs in inner.get(server, {}).items()}
+            # in insertion order: servers built alike list their parts alike (others only lose the sharing)
+            shape = (
+                tuple((n[cut:], kinds.get(n)) for n in nodes),
+                tuple(
+                    (u[cut:], tuple((v[cut:], rates.get((u, v))) for v in vs))
+                    for u, vs in inner.get(server, {}).items()
+                ),
+                tuple(u[cut:] for u, _ in self.exits.get(server, [])),
+                tuple(v[cut:] for _, v in self.entries.get(server, [])),
+            )
+            key = shape if prefix else (server, shape)
+            if key not in shapes:
+                shapes[key] = len(self._inner)
+                self._inner.append(succ)
+            self._prefix[server] = prefix
+            self._template[server] = shapes[key]
+        self._inner_search: dict[tuple[int, str], tuple[dict[str, int], dict[str, list[str]]]] = {}
+
+    def template(self, server: str) -> tuple[int, str]:
+        """The template id of ``server`` and the prefix of its node names (``""``: a template of its own). Two
+        servers of one template with a prefix are copies: a node of one is the other's node of the same part."""
+        return self._template[server], self._prefix[server]
 
     def _rail_affinity(self, graph: Any, kinds: dict[str, str]) -> None:
         by_server: dict[str, dict[str, list[str]]] = {}
@@ -114,12 +165,57 @@ class TierRouter:
 
     # -- searches, cached -------------------------------------------------------------------------------------
 
-    def inner(self, node: str) -> tuple[dict[str, int], dict[str, list[str]]]:
-        """Fewest-hop search from ``node`` inside its server."""
-        found = self._inner_search.get(node)
+    def _part(self, node: str) -> tuple[str, int, str, str]:
+        """(server, template, prefix, part name) of a server's node."""
+        server = self.server[node]
+        prefix = self._prefix[server]
+        return server, self._template[server], prefix, node[len(prefix) :]
+
+    def _search(self, template: int, part: str) -> tuple[dict[str, int], dict[str, list[str]]]:
+        """Fewest-hop search from ``part`` inside a server of ``template``, by part names."""
+        found = self._inner_search.get((template, part))
         if found is None:
-            found = self._inner_search[node] = _bfs(self._inner.get(self.server[node], {}), node)
+            found = self._inner_search[(template, part)] = _bfs(self._inner[template], part)
         return found
+
+    def inner(self, node: str) -> tuple[dict[str, int], dict[str, list[str]]]:
+        """Fewest-hop search from ``node`` inside its server, by full node names."""
+        _, template, prefix, part = self._part(node)
+        dist, preds = self._search(template, part)
+        return (
+            {prefix + n: d for n, d in dist.items()},
+            {prefix + n: [prefix + p for p in ps] for n, ps in preds.items()},
+        )
+
+    def distance(self, a: str, b: str) -> int | None:
+        """Fewest hops from switch ``a`` to switch ``b`` over switches only (None: no way). A Clos fabric's
+        common case, two switches one or two hops apart (leaf, spine, leaf), is read off their neighbours
+        without a search of the whole fabric."""
+        if a == b:
+            return 0
+        if a not in self._fabric_search:
+            near = self._near(a)
+            if b in near[0]:
+                return 1
+            if self._via(a, b):
+                return 2
+        return self.fabric(a)[0].get(b)
+
+    def _near(self, a: str) -> tuple[set[str], list[str]]:
+        found = self._succ_sets.get(a)
+        if found is None:
+            succ = self._fabric.get(a, [])
+            found = self._succ_sets[a] = (set(succ), succ)
+        return found
+
+    def _via(self, a: str, b: str) -> list[str]:
+        """The switches one hop from ``a`` with a link to ``b``, in ``a``'s order (as a search would list them)."""
+        if not self._preds_of:
+            for u, vs in self._fabric.items():
+                for v in vs:
+                    self._preds_of.setdefault(v, set()).add(u)
+        preds = self._preds_of.get(b, set())
+        return [m for m in self._near(a)[1] if m in preds and m != b]
 
     def fabric(self, switch: str) -> tuple[dict[str, int], dict[str, list[str]]]:
         """Fewest-hop search from ``switch`` over switches only."""
@@ -131,20 +227,26 @@ class TierRouter:
     def _no_transit(self) -> bool:
         """True when no fewest-hop path between two switches can cross a server: for each server, every switch
         entering it and every switch it leaves to are joined over the fabric in fewer hops than through it."""
+        checked = set()
         for server, entries in self.entries.items():
             exits = self.exits.get(server, [])
+            template, cut = self._template[server], len(self._prefix[server])
+            key = (template, tuple(a for a, _ in entries), tuple(b for _, b in exits)) if cut else None
+            if key is not None:
+                if key in checked:
+                    continue  # a copy of a server already checked, under the same switches
+                checked.add(key)
             for a, p in entries:
-                dist_a = self.fabric(a)[0]
                 inner = None
                 for q, b in exits:
                     if a == b:
                         continue
-                    fabric_hops = dist_a.get(b)
+                    fabric_hops = self.distance(a, b)
                     if fabric_hops is not None and fabric_hops <= 1:
                         continue  # any way through the server is >= 2 hops
                     if inner is None:
-                        inner = self.inner(p)[0]
-                    through = inner.get(q)
+                        inner = self._search(template, p[cut:])[0]
+                    through = inner.get(q[cut:])
                     if through is None:
                         continue
                     if fabric_hops is None or fabric_hops >= through + 2:
@@ -166,51 +268,105 @@ class TierRouter:
         return self._between(src, dst, s_server, d_server)
 
     def _same_server(self, src: str, dst: str, server: str) -> list[list[str]] | None:
-        dist, preds = self.inner(src)
+        _, template, prefix, s_part = self._part(src)
+        d_part = dst[len(prefix) :]
+        key = ("same", template, s_part, d_part)
+        found = self._pieces.get(key, False)
+        if found is False:
+            found = self._pieces[key] = self._same_template(server, template, len(prefix), s_part, d_part)
+        if found is None:
+            return None
+        return [[prefix + n for n in path] for path in found]
+
+    def _same_template(self, server: str, template: int, cut: int, src: str, dst: str) -> list[list[str]] | None:
+        dist, preds = self._search(template, src)
         hops = dist.get(dst)
         if hops is None:
             return None
         # leaving and coming back costs at least: src to a port, out, in, a port to dst
-        out = min((dist[u] + 1 for u, _ in self.exits.get(server, []) if u in dist), default=None)
-        back = [self.inner(v)[0].get(dst) for _, v in self.entries.get(server, [])]
+        out = min((dist[u[cut:]] + 1 for u, _ in self.exits.get(server, []) if u[cut:] in dist), default=None)
+        back = [self._search(template, v[cut:])[0].get(dst) for _, v in self.entries.get(server, [])]
         back = [h + 1 for h in back if h is not None]
         if out is not None and back and hops >= out + min(back):
             return None
         return _paths_to(preds, dst)
 
+    def _heads(self, server: str, node: str) -> list[tuple[str, str, int, list[list[str]]]]:
+        """(port, switch, hops, paths from ``node`` to the port by part names) for each way out of ``node``'s
+        server its affinity allows."""
+        _, template, prefix, part = self._part(node)
+        nic = self.affinity.get(node)
+        key = ("out", template, part, None if nic is None else nic[len(prefix) :])
+        pieces = self._pieces.get(key)
+        if pieces is None:
+            dist, preds = self._search(template, part)
+            cut = len(prefix)
+            pieces = {}
+            for u, _ in self.exits.get(server, []):
+                local = u[cut:]
+                if local in dist and (nic is None or u == nic) and local not in pieces:
+                    pieces[local] = (dist[local], _paths_to(preds, local))
+            self._pieces[key] = pieces
+        return [(u, a, *pieces[u[len(prefix) :]]) for u, a in self.exits.get(server, []) if u[len(prefix) :] in pieces]
+
+    def _tails(self, server: str, node: str) -> list[tuple[str, str, int, list[list[str]]]]:
+        """(switch, port, hops, paths from the port to ``node`` by part names) for each way into its server."""
+        _, template, prefix, part = self._part(node)
+        nic = self.affinity.get(node)
+        key = ("in", template, part, None if nic is None else nic[len(prefix) :])
+        pieces = self._pieces.get(key)
+        if pieces is None:
+            cut = len(prefix)
+            pieces = {}
+            for _, v in self.entries.get(server, []):
+                local = v[cut:]
+                if (nic is not None and v != nic) or local in pieces:
+                    continue
+                dist, preds = self._search(template, local)
+                if part in dist:
+                    pieces[local] = (dist[part], _paths_to(preds, part))
+            self._pieces[key] = pieces
+        return [
+            (b, v, *pieces[v[len(prefix) :]]) for b, v in self.entries.get(server, []) if v[len(prefix) :] in pieces
+        ]
+
     def _between(self, src: str, dst: str, s_server: str, d_server: str) -> list[list[str]] | None:
-        s_dist, s_preds = self.inner(src)
-        s_nic, d_nic = self.affinity.get(src), self.affinity.get(dst)
-        exits = [(u, a) for u, a in self.exits.get(s_server, []) if u in s_dist and (s_nic is None or u == s_nic)]
-        entries = []
-        for b, v in self.entries.get(d_server, []):
-            if d_nic is not None and v != d_nic:
-                continue
-            hops = self.inner(v)[0].get(dst)
-            if hops is not None:
-                entries.append((b, v, hops))
+        exits = self._heads(s_server, src)
+        entries = self._tails(d_server, dst)
         best, combos = None, []
-        for u, a in exits:
-            a_dist = self.fabric(a)[0]
-            for b, v, in_hops in entries:
-                middle = a_dist.get(b)
+        for _u, a, out_hops, heads in exits:
+            for b, _v, in_hops, tails in entries:
+                middle = self.distance(a, b)
                 if middle is None:
                     continue
-                total = s_dist[u] + 1 + middle + 1 + in_hops
+                total = out_hops + 1 + middle + 1 + in_hops
                 if best is None or total < best:
-                    best, combos = total, [(u, a, b, v)]
+                    best, combos = total, [(heads, a, b, tails)]
                 elif total == best:
-                    combos.append((u, a, b, v))
+                    combos.append((heads, a, b, tails))
         if best is None:
             return None
+        s_prefix, d_prefix = self._prefix[s_server], self._prefix[d_server]
         out: list[list[str]] = []
-        for u, a, b, v in combos:
-            heads = _paths_to(s_preds, u)
-            middles = _paths_to(self.fabric(a)[1], b)
-            tails = self._reverse_paths(v, dst)
-            for head, middle, tail in itertools.product(heads, middles, tails):
+        for heads, a, b, tails in combos:
+            middles = self._middle(a, b)
+            full_heads = [[s_prefix + n for n in head] for head in heads]
+            full_tails = [[d_prefix + n for n in tail] for tail in tails]
+            for head, middle, tail in itertools.product(full_heads, middles, full_tails):
                 out.append(head + middle + tail)
         return out
 
-    def _reverse_paths(self, port: str, dst: str) -> list[list[str]]:
-        return _paths_to(self.inner(port)[1], dst)
+    def _middle(self, a: str, b: str) -> list[list[str]]:
+        found = self._middles.get((a, b))
+        if found is None:
+            hops = self.distance(a, b)
+            if hops == 0:
+                found = [[a]]
+            elif hops == 1:
+                found = [[a, b]]
+            elif hops == 2 and a not in self._fabric_search:
+                found = [[a, m, b] for m in self._via(a, b)]
+            else:
+                found = _paths_to(self.fabric(a)[1], b)
+            self._middles[(a, b)] = found
+        return found

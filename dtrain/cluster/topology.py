@@ -12,6 +12,7 @@ The shape it is built for: servers with NVLink/PCIe inside, racks under a top-of
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -66,9 +67,9 @@ class Link:
         if not self.latency_s >= 0:
             raise ValueError(f"link {self.src}->{self.dst}: latency_s must be >= 0, got {self.latency_s!r}")
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
-        """``"src->dst"``, how reports name the link."""
+        """``"src->dst"``, how reports name the link (made once: reports of large clusters sort by it)."""
         return f"{self.src}->{self.dst}"
 
 
@@ -211,13 +212,16 @@ class Topology:
             return []
         routes = self._routes.get((src, dst))
         if routes is None:
-            link_of = self._link_of_edge
-            routes = [
-                [link_of(u, v) for u, v in zip(path, path[1:], strict=False)]
-                for path in self.equal_cost_paths(src, dst)
-            ]
+            routes = [self._path_links(path) for path in self.equal_cost_paths(src, dst)]
             self._routes[(src, dst)] = routes
         return routes[_flow_hash(f"{src}|{dst}|{flow}") % len(routes)] if len(routes) > 1 else routes[0]
+
+    def _path_links(self, path: list[str]) -> list[Link]:
+        links = self._link_of
+        try:
+            return [links[(u, v)] for u, v in zip(path, path[1:], strict=False)]
+        except KeyError:  # an edge put into the graph without add_link
+            return [self._link_of_edge(u, v) for u, v in zip(path, path[1:], strict=False)]
 
     def _link_of_edge(self, u: str, v: str) -> Link:
         link = self._link_of.get((u, v))
@@ -238,13 +242,18 @@ class Topology:
             self._paths[key] = self._find_paths(src, dst)
         return self._paths[key]
 
+    @property
+    def router(self) -> TierRouter:
+        """The tier-by-tier router of this topology as it is now (:mod:`dtrain.cluster.routing`)."""
+        if self._router is None:
+            self._router = TierRouter(self.graph, self._nic_affinity)
+        return self._router
+
     def _find_paths(self, src: str, dst: str) -> list[list[str]]:
         for end in (src, dst):
             if end not in self.graph:
                 raise ValueError(f"route {src}->{dst}: unknown node {end!r} in topology {self.name!r}")
-        if self._router is None:
-            self._router = TierRouter(self.graph, self._nic_affinity)
-        paths = self._router.paths(src, dst)
+        paths = self.router.paths(src, dst)
         if paths is None:
             try:
                 paths = list(nx.all_shortest_paths(self.graph, src, dst))
@@ -252,10 +261,9 @@ class Topology:
                 raise ValueError(f"no route from {src!r} to {dst!r} in topology {self.name!r}") from None
         if len(paths) == 1:
             return paths
-        link_of = self._link_of_edge
 
         def latency(path: list[str]) -> float:
-            return sum(link_of(u, v).latency_s for u, v in zip(path, path[1:], strict=False))
+            return sum(link.latency_s for link in self._path_links(path))
 
         latencies = [latency(p) for p in paths]
         best = min(latencies)

@@ -8,7 +8,10 @@
 2. **Identical parts once.** Parts that run the same schedules on the same bytes over paths of the same shape
    (links of equal rate and latency in the same pattern, each pair with a single path so no hash picks one)
    give the same times: one is replayed and the others take its result, link by link. The tensor-parallel
-   all-reduce of every server of a cluster is one replay.
+   all-reduce of every server of a cluster is one replay. In lock step (point 3) pairs with several equal-cost
+   paths are allowed too: parts whose every pair has the same set of paths in the same pattern (the data-
+   parallel rings of the rails of a rail-optimised fabric, say) are copies up to which spine an ECMP hash of
+   their device names picks for each message, and one stands for all (an approximation, like the lock step).
 3. **Rounds in lock step beyond ``flow_limit``.** When the jobs would start more than ``flow_limit`` messages, each
    part is replayed round by round, every rank waiting for the round's last message before the next (a bulk-
    synchronous approximation; ranks of a real run may run ahead), and rounds that move the same bytes between the
@@ -23,6 +26,8 @@ No torch here.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 from collections.abc import Sequence
 
@@ -74,7 +79,28 @@ def replay_jobs(
 ) -> CollectiveResult:
     """:func:`~dtrain.sim.collective.replay_concurrent` of ``jobs``, replaying independent parts apart and
     identical parts once; a part of more than ``flow_limit`` messages in lock-step rounds (None: never)."""
-    cost = cost or SoftwareCost()
+    with _collector_paused():
+        return _replay_jobs(jobs, topology, cost or SoftwareCost(), itemsize, flow_limit)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off for the replay: a replay at cluster scale allocates millions of
+    short-lived containers, and each full collection walks every route the topology has cached (a third of the
+    time on 10,000 GPUs). Reference counting still frees everything; the few cycles (a network's callbacks)
+    wait for the next collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _replay_jobs(
+    jobs: Sequence[Job], topology: Topology, cost: SoftwareCost, itemsize: int, flow_limit: int | None
+) -> CollectiveResult:
     if flow_limit is not None and flow_limit < 1:
         raise ValueError(f"flow_limit must be >= 1 or None, got {flow_limit!r}")
     facts: dict[tuple[int, int], tuple[list[tuple[int, int]], int]] = {}
@@ -88,17 +114,22 @@ def replay_jobs(
         job_rounds.append(rounds)
         job_pairs.append(facts[key][0])
         job_messages.append(facts[key][1])
+    # the limit counts every message to replay: many small parts cost as much as one large one
+    lock_step = flow_limit is not None and sum(job_messages) > flow_limit
+    by_server = _on_servers(jobs, topology)
+    if by_server is not None:
+        found = _replay_servers(jobs, by_server, job_pairs, job_rounds, topology, cost, itemsize, lock_step)
+        if found is not None:
+            return _result(jobs, *found)
     routes = [
         [topology.equal_cost_routes(job.placement[a], job.placement[b]) for a, b in pairs]
         for job, pairs in zip(jobs, job_pairs, strict=True)
     ]
     parts = _connected(routes)
-    # the limit counts every message to replay: many small parts cost as much as one large one
-    lock_step = flow_limit is not None and sum(job_messages) > flow_limit
     results: dict[int, _Part] = {}  # by part index
     seen: dict[tuple, tuple[int, list[_Key]]] = {}  # signature -> (part replayed, its links in signature order)
     for p, members in enumerate(parts):
-        signature, order = _signature(members, jobs, job_pairs, routes, topology, cost)
+        signature, order = _signature(members, jobs, job_pairs, routes, topology, cost, ecmp=lock_step)
         if signature is not None and signature in seen:
             first, first_order = seen[signature]
             results[p] = _relabel(results[first], first_order, order, topology)
@@ -110,6 +141,10 @@ def replay_jobs(
             results[p] = _exact(sub, members, topology, cost, itemsize)
         if signature is not None:
             seen[signature] = (p, order)
+    return _result(jobs, parts, results)
+
+
+def _result(jobs: Sequence[Job], parts: list[list[int]], results: dict[int, _Part]) -> CollectiveResult:
     finish_by_job: dict[int, list[float]] = {}
     for p, members in enumerate(parts):
         for j, times in zip(members, results[p].finish, strict=True):
@@ -123,6 +158,81 @@ def replay_jobs(
     ]
     rows.sort(key=lambda u: (-u.utilisation, u.link.name))
     return CollectiveResult(time_s=max(finish, default=0.0), rank_finish_s=finish, links=rows)
+
+
+def _on_servers(jobs: Sequence[Job], topology: Topology) -> list[str] | None:
+    """The one server each job runs on, when every job runs on one server that is a copy of a template (see
+    :meth:`dtrain.cluster.routing.TierRouter.template`) and routing is decided tier by tier; else None."""
+    router = topology.router
+    if not router.exact:
+        return None
+    servers = []
+    for job in jobs:
+        names = {topology.device(d).server for d in job.placement}
+        if len(names) != 1:
+            return None
+        server = names.pop()
+        if not router.template(server)[1]:
+            return None
+        servers.append(server)
+    return servers
+
+
+def _replay_servers(jobs, servers, job_pairs, job_rounds, topology: Topology, cost, itemsize, lock_step):
+    """Jobs that each stay inside one server: the jobs of a server form a part (parts on different servers
+    share no link when their routes stay inside), and parts on servers of one template running the same jobs
+    on the same parts of their servers are copies: one is replayed, the others take its result with the
+    server's name swapped in. None when a replayed part's route leaves its server or, outside lock step, has a
+    choice of paths (a hash of device names would pick one): the general way then decides."""
+    router = topology.router
+    members: dict[str, list[int]] = {}
+    for j, server in enumerate(servers):
+        members.setdefault(server, []).append(j)
+    parts = list(members.values())
+    results: dict[int, _Part] = {}
+    seen: dict[tuple, tuple[int, str]] = {}
+    for p, (server, part) in enumerate(members.items()):
+        template, prefix = router.template(server)
+        cut = len(prefix)
+        signature = (template, *(_job_shape(jobs[j], job_pairs[j], topology, cost, cut) for j in part))
+        if signature in seen:
+            first, first_prefix = seen[signature]
+            results[p] = _swap(results[first], first_prefix, prefix, topology)
+            continue
+        for j in part:
+            job = jobs[j]
+            for a, b in job_pairs[j]:
+                paths = topology.equal_cost_routes(job.placement[a], job.placement[b])
+                if len(paths) != 1 and not lock_step:
+                    return None
+                if any(not (link.src.startswith(prefix) and link.dst.startswith(prefix)) for q in paths for link in q):
+                    return None
+        sub = [jobs[j] for j in part]
+        if lock_step:
+            results[p] = _lock_step(sub, part, [job_rounds[j] for j in part], topology, cost)
+        else:
+            results[p] = _exact(sub, part, topology, cost, itemsize)
+        seen[signature] = (p, prefix)
+    return parts, results
+
+
+def _job_shape(job: Job, pairs, topology: Topology, cost: SoftwareCost, cut: int) -> tuple:
+    """What decides a job's replay on a server, naming its devices by their part of the server."""
+    devices = [topology.device(d) for d in job.placement]
+    times = tuple(map(tuple, _api_times(job, topology, list(job.placement), cost))) if job.api is not None else None
+    return (id(job.schedule), job.nbytes, tuple(pairs), tuple(d.name[cut:] for d in devices),
+            tuple((d.memory_bytes_per_s, d.peak_flops) for d in devices), times)  # fmt: skip
+
+
+def _swap(part: _Part, first: str, other: str, topology: Topology) -> _Part:
+    """``part``, replayed on the server whose names start ``first``, moved to the server whose names start
+    ``other``."""
+    cut = len(first)
+    links = {}
+    for (src, dst), (_, nbytes, busy) in part.links.items():
+        new = (other + src[cut:], other + dst[cut:])
+        links[new] = (topology.link(*new), nbytes, busy)
+    return _Part(part.end, [list(t) for t in part.finish], links)
 
 
 def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
@@ -152,31 +262,35 @@ def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: SoftwareCost):
-    """A part's shape, equal for parts that replay alike, and its links in the order the shape names them; None
-    (no signature) when some pair has several equal-cost paths, as a hash of the device names picks one."""
+def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: SoftwareCost, *, ecmp: bool = False):
+    """A part's shape, equal for parts that replay alike, and its links in the order the shape names them. A pair
+    with several equal-cost paths is named by all of them when ``ecmp`` (parts alike up to which path a hash of
+    the device names picks: an approximation, point 3 of the module docstring), else the part has no signature
+    (None)."""
     label: dict[_Key, int] = {}
     order: list[_Key] = []
     shape = []
     for j in members:
         job = jobs[j]
         devices = [topology.device(d) for d in job.placement]
-        api_start, api_end = _api_times(job, topology, list(job.placement), cost)
+        # without API operations every rank starts after the call's start-up and ends with its last round
+        api = tuple(map(tuple, _api_times(job, topology, list(job.placement), cost))) if job.api is not None else None
         paths = []
         for paths_of_pair in routes[j]:
-            if len(paths_of_pair) != 1:
+            if len(paths_of_pair) != 1 and not ecmp:
                 return None, order
-            hops = []
-            for link in paths_of_pair[0]:
-                key = (link.src, link.dst)
-                if key not in label:
-                    label[key] = len(order)
-                    order.append(key)
-                hops.append((label[key], link.bytes_per_s, link.latency_s))
-            paths.append(tuple(hops))
+            for path in paths_of_pair:
+                hops = []
+                for link in path:
+                    key = (link.src, link.dst)
+                    if key not in label:
+                        label[key] = len(order)
+                        order.append(key)
+                    hops.append((label[key], link.bytes_per_s, link.latency_s))
+                paths.append(tuple(hops))
+            paths.append(len(paths_of_pair))
         memory = tuple(d.memory_bytes_per_s for d in devices)
-        shape.append((id(job.schedule), job.nbytes, tuple(job_pairs[j]), tuple(paths), memory, tuple(api_start),
-                      tuple(api_end)))  # fmt: skip
+        shape.append((id(job.schedule), job.nbytes, tuple(job_pairs[j]), tuple(paths), memory, api))
     return tuple(shape), order
 
 
@@ -224,15 +338,20 @@ def _patterns(rounds: list[list[RankRound]]) -> tuple[dict[int, int], dict[int, 
 
 
 def _lock_step(
-    jobs: list[Job], tags: list[int], rounds: list[list[list[RankRound]]], topology: Topology, cost: SoftwareCost
+    jobs: list[Job],
+    tags: list[int],
+    rounds: list[list[list[RankRound]]],
+    topology: Topology,
+    cost: SoftwareCost,
 ) -> _Part:
-    """Point 3 of the module docstring: every round a barrier, each distinct round replayed once."""
+    """Point 3 of the module docstring: every round a barrier for each job, each distinct round replayed once
+    (all jobs' messages of it at once), each job's time the sum of its rounds' lengths."""
     per_job = [_patterns(r) for r in rounds]
     indices = sorted({i for pattern, _ in per_job for i in pattern})
-    counts: dict[tuple, list[int]] = {}  # combined pattern -> [first index, occurrences]
+    occurs: dict[tuple, list[int]] = {}  # combined pattern -> the round indices it occurs at
     for index in indices:
         key = tuple(pattern.get(index, -1) for pattern, _ in per_job)
-        counts.setdefault(key, [index, 0])[1] += 1
+        occurs.setdefault(key, []).append(index)
     gammas, starts, ends = [], [], []
     for job in jobs:
         placement = list(job.placement)
@@ -243,24 +362,27 @@ def _lock_step(
         start, end = _api_times(job, topology, placement, cost)
         starts.append(start)
         ends.append(end)
-    total = max((t for s in starts for t in s), default=0.0)
+    totals = [max(s, default=0.0) for s in starts]
     links: dict[_Key, list] = {}
-    for index, occurrences in counts.values():
-        round_s, usage = _one_round(jobs, tags, [by_index.get(index, {}) for _, by_index in per_job], gammas,
-                                    index, topology, cost)  # fmt: skip
-        total += occurrences * round_s
-        for u in usage:
-            entry = links.setdefault((u.link.src, u.link.dst), [u.link, 0.0, 0.0])
-            entry[1] += occurrences * u.nbytes
-            entry[2] += occurrences * u.busy_s
-    total += max((t for e in ends for t in e), default=0.0)
-    finish = [[total] * len(job.placement) for job in jobs]
-    return _Part(total, finish, {k: (v[0], v[1], v[2]) for k, v in links.items()})
+    for at in occurs.values():
+        weight = len(at)
+        for index in at[:1]:
+            lengths, usage = _one_round(jobs, tags, [by_index.get(index, {}) for _, by_index in per_job], gammas,
+                                        index, topology, cost)  # fmt: skip
+            for j, length in enumerate(lengths):
+                totals[j] += weight * length
+            for u in usage:
+                entry = links.setdefault((u.link.src, u.link.dst), [u.link, 0.0, 0.0])
+                entry[1] += weight * u.nbytes
+                entry[2] += weight * u.busy_s
+    totals = [t + max(e, default=0.0) for t, e in zip(totals, ends, strict=True)]
+    finish = [[t] * len(job.placement) for t, job in zip(totals, jobs, strict=True)]
+    return _Part(max(totals, default=0.0), finish, {k: (v[0], v[1], v[2]) for k, v in links.items()})
 
 
 def _one_round(jobs, tags, parts, gammas, index: int, topology: Topology, cost: SoftwareCost):
-    """One round of every job at once from a common start: its length (the last rank to finish its messages
-    and reduction) and the links' usage."""
+    """One round of every job at once from a common start: each job's length (its last rank to finish its
+    messages and reduction) and the links' usage."""
     net = FlowNetwork(topology, flow_cap_bytes_per_s=cost.flow_cap_bytes_per_s)
     done: dict[tuple[int, int], float] = {}
     for j, job in enumerate(jobs):
@@ -280,8 +402,7 @@ def _one_round(jobs, tags, parts, gammas, index: int, topology: Topology, cost: 
                 net.at(start, lambda s=src, d=dst, n=nbytes, f=flow_id, cb=finished: net.send(
                     s, d, n, flow_id=f, on_done=cb, cap_bytes_per_s=cost.cap_for(n)))  # fmt: skip
     end = net.run()
-    length = max(
-        (t + parts[j][rank].reduce_bytes * gammas[j][rank] for (j, rank), t in done.items()),
-        default=0.0,
-    )
-    return (length if math.isfinite(length) else end), net.usage(end)
+    lengths = [0.0] * len(jobs)
+    for (j, rank), t in done.items():
+        lengths[j] = max(lengths[j], t + parts[j][rank].reduce_bytes * gammas[j][rank])
+    return [length if math.isfinite(length) else end for length in lengths], net.usage(end)

@@ -10,6 +10,7 @@ stage to stage, between ranks of equal ``tp_rank``) and the data-parallel gradie
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,8 +50,10 @@ class Traffic:
     pp_gather: CollectiveResult | None = None
 
 
+@functools.cache
 def _p2p() -> Schedule:
-    """One message from rank 0 to rank 1: a two-rank broadcast is exactly a point-to-point send."""
+    """One message from rank 0 to rank 1: a two-rank broadcast is exactly a point-to-point send (one object, so
+    replays of its many pairs are recognised as identical)."""
     return make_schedule(Collective.BROADCAST, "p2p", 2, [[Transfer(0, 1, 0, 0)]], root=0)
 
 
@@ -76,15 +79,14 @@ def _padded(nbytes: float, itemsize: int, ranks: int) -> int:
 
 
 def _groups(layout: Layout, axis: str) -> list[list[int]]:
-    seen, out = set(), []
-    for d in range(layout.dp):
-        for p in range(layout.pp):
-            for t in range(layout.tp):
-                g = tuple(group(layout, axis, d, p, t))
-                if g not in seen:
-                    seen.add(g)
-                    out.append(list(g))
-    return out
+    """Every group along ``axis``, each once, in the order of its first rank."""
+    ranges = {"dp": range(1), "pp": range(layout.dp), "tp": range(layout.dp)}
+    out = []
+    for d in ranges[axis]:
+        for p in range(1) if axis == "pp" else range(layout.pp):
+            for t in range(1) if axis == "tp" else range(layout.tp):
+                out.append(group(layout, axis, d, p, t))
+    return sorted(out)
 
 
 #: Replays already made, by (topology, jobs, software costs, item size): what a planner's layouts share.

@@ -50,7 +50,7 @@ def test_parts_replayed_apart_and_once_equal_the_full_replay(topology, layout, h
 
 
 def test_lock_step_rounds_stay_close_to_the_full_replay():
-    topology = preset("4-rack")
+    topology = preset("4-rack", nic_affinity="ecmp")
     layout = Layout(dp=16, tp=8, global_batch=16)
     placement = place(topology, layout)
     exact = simulate_traffic(SMALL, layout, topology, placement, flow_limit=None)
@@ -61,7 +61,7 @@ def test_lock_step_rounds_stay_close_to_the_full_replay():
 
 
 def test_rail_affinity_sends_gpu_k_through_nic_k():
-    ecmp = build(ClusterSpec(server=H100_NODE, racks=2, servers_per_rack=2, fabric="rail"))
+    ecmp = build(ClusterSpec(server=H100_NODE, racks=2, servers_per_rack=2, fabric="rail", nic_affinity="ecmp"))
     rail = build(ClusterSpec(server=H100_NODE, racks=2, servers_per_rack=2, fabric="rail", nic_affinity="rail"))
     for k in range(8):
         for flow in range(6):
