@@ -104,9 +104,28 @@ def errors() -> int:
     """Bad input, then a missing peer twice (the group's timeout, then DTRAIN_COMM_TIMEOUT's), each on a fresh
     group."""
     problems = _bad_input() + _missing_peer("all_reduce", "ring", "group") + _missing_peer("broadcast", "tree", "env")
+    problems += _default_group_is_mpi()
     from dtrain.comm.mpi import world
 
-    return _report(world(), "errors", problems, 3)
+    return _report(world(), "errors", problems, 4)
+
+
+def _default_group_is_mpi() -> list[str]:
+    """``DTRAIN_COMM_TRANSPORT=mpi``: ``group=None`` is MPI_COMM_WORLD (no torch.distributed group exists here)."""
+    from dtrain.comm.mpi import world
+
+    os.environ["DTRAIN_COMM_TRANSPORT"] = "mpi"
+    problems = []
+    try:
+        rank, size = world().rank, world().size
+        for algorithm in ("ring", "native", "auto"):
+            x = torch.full((10,), float(rank + 1))
+            comm.all_reduce(x, algorithm=algorithm)
+            if not bool((x == size * (size + 1) / 2).all()):
+                problems.append(f"DTRAIN_COMM_TRANSPORT=mpi all_reduce/{algorithm}: got {x.tolist()}")
+    finally:
+        os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    return problems
 
 
 def _missing_peer(coll: str, algorithm: str, how: str) -> list[str]:

@@ -75,7 +75,7 @@ SHARED_COUNTER_BARRIER = platform.machine().lower() in ("x86_64", "amd64")
 
 #: Looks at the peers' counters before a waiting rank sleeps between looks, and how long it sleeps: ranks may
 #: outnumber cores, and a rank that spins takes the core from the peer it waits for. With 4 ranks on 2 cores a
-#: 1 KiB tree all-reduce took 1.4 ms so and 57 ms spinning without sleep (Gloo's own: 7.8 ms; docs/collectives.md).
+#: 1 KiB tree all-reduce took 1.4 ms sleeping and 57 ms spinning without sleep (Gloo's own: 7.8 ms).
 BARRIER_SPINS = 16
 BARRIER_SLEEP_S = 20e-6
 _GENERATIONS = itertools.count()
