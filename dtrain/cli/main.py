@@ -44,6 +44,10 @@ def _add_bench_comm(sub) -> None:
     p.add_argument("--iters", type=int, default=10, help="calls back to back per timed run")
     p.add_argument("--trials", type=int, default=3, help="timed runs; the median counts")
     p.add_argument("--graphs", action="store_true", help="on GPUs, also time each algorithm as a CUDA graph")
+    p.add_argument(
+        "--fresh", action="store_true", help="new input and output tensors every call, made before the timed loop"
+    )
+    p.add_argument("--sizes-iters", action="store_true", help="on the CPU, fewer calls a timed run for large sizes")
     p.add_argument("--out", default="runs/bench-comm.jsonl", help="JSON lines; the plot goes beside it as .png")
     p.add_argument(
         "--transport",
@@ -70,6 +74,20 @@ def _add_bench_calibrate(sub) -> None:
         "--out", default=None, help="default $DTRAIN_CALIBRATION or ~/.cache/dtrain/calibration-<device>.json"
     )
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument(
+        "--rules",
+        action="store_true",
+        help="instead: time auto's candidates (native among them) side by side and save the winners as the "
+        "per-machine rules algorithm='auto' follows",
+    )
+    p.add_argument("--collectives", type=_names, default=None, help="with --rules: comma-separated (default: five)")
+    p.add_argument("--min-bytes", type=parse_bytes, default=1 << 10, help="with --rules (default 1K)")
+    p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20, help="with --rules (default 64M)")
+    p.add_argument("--factor", type=int, default=4, help="with --rules: size step")
+    p.add_argument("--rounds", type=int, default=3, help="with --rules: interleaved rounds")
+    p.add_argument("--fresh", action="store_true", help="with --rules: new tensors every call")
+    p.add_argument("--records-out", default=None, help="with --rules: every timing as JSON lines")
+    p.add_argument("--transport", choices=("torch", "mpi"), default="torch", help="with --rules: torch or mpi group")
 
 
 def _add_bench_verify(sub) -> None:
@@ -153,6 +171,7 @@ def _bench_comm(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         rules_out=args.rules_out,
         transport=args.transport,
+        **bench_comm.options(args),
     )
     bench_comm.run(config)
     return 0
@@ -237,5 +256,4 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if failures == 0 else 1
     from dtrain.bench import calibrate as bench_calibrate
 
-    bench_calibrate.run(args.nproc, args.out, args.repeats)
-    return 0
+    return bench_calibrate.run_from_arguments(args)
