@@ -48,7 +48,9 @@ def train(layout: dict) -> dict | None:
     if compiled:
         for module in hybrid.module.modules():
             if isinstance(module, Block):
-                module.compile()
+                # dynamo traces the block and its hooks as in training; aot_eager skips inductor's code generation,
+                # which costs a fresh machine 20 s and is not what the sharding's correctness depends on
+                module.compile(backend="aot_eager")
     scaler = DynamicLossScaler() if fp16 else None
     loss_fn = causal_lm_loss(grid.tp_group) if tp > 1 else jobs._lm_loss
     losses, norms, skipped = [], [], 0
