@@ -172,6 +172,7 @@ def section_collectives() -> str:
         ),
         captured_table(h200),
         "![NCCL's time over ours, captured](figures/collectives-captured.png)",
+        *_defaults_part(),
         "### All-reduce on the defaults (4 x H100)",
         "busbw GB/s, ratio to NCCL in brackets; the `auto` column ran a rule of the ring from 32 MiB and the cost "
         "model below it, while the default `auto` on this machine is `native`, which these figures show faster.",
@@ -196,6 +197,57 @@ def section_collectives() -> str:
         section_port(),
     ]
     return "\n\n".join(parts)
+
+
+DEFAULT_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
+def _ratio_cell(records: list[dict], coll: str, nbytes: int) -> str:
+    got = {r["algorithm"]: r for r in records if r["collective"] == coll and r["nbytes"] == nbytes}
+    if "native" not in got or "auto" not in got:
+        return "-"
+    auto = got["auto"]
+    pick = auto.get("resolved_algorithm") or "?"
+    cell = f"{got['native']['time_us'] / auto['time_us']:.2f}x"
+    return cell if pick == "native" else f"{cell} ({pick})"
+
+
+def _defaults_part() -> list[str]:
+    """Every collective with the defaults (``auto``) beside NCCL's own call, same tensors and fresh ones."""
+    parts = []
+    for gpus in (4, 2):
+        same, fresh = (
+            load(f"collectives_defaults-h100x{gpus}.jsonl"),
+            load(f"collectives_defaults_fresh-h100x{gpus}.jsonl"),
+        )
+        if not same:
+            continue
+        if not parts:
+            parts += [
+                "### The defaults against NCCL, every collective",
+                "`comm.<collective>(x)` with no algorithm named (`auto`) beside torch.distributed's NCCL call, the "
+                "two alternating in 5 rounds of 20 calls between two synchronizations, the slowest rank's time, the "
+                "median round; float32. A cell is NCCL's time over ours (above 1.00x ours is faster), then, where "
+                "`auto` ran one of ours, which. `fresh`: new input and output tensors every call, made before the "
+                "timed loop.",
+            ]
+        sizes = sorted({r["nbytes"] for r in same})
+        header = ["size"] + [f"{c.replace('_', '-')} {kind}" for c in DEFAULT_COLLECTIVES for kind in ("", "fresh")]
+        rows = [
+            [size(n)] + [_ratio_cell(recs, c, n) for c in DEFAULT_COLLECTIVES for recs in (same, fresh)] for n in sizes
+        ]
+        name = f"collectives_defaults-h100x{gpus}.jsonl"
+        parts += [
+            f"#### {gpus} x H100" + (" (two GPUs of the 4-GPU host)" if gpus == 2 else ""),
+            setting(
+                card(same),
+                gpu_software(same),
+                ("NP=2 " if gpus == 2 else "") + "benchmarks/gpu/run.sh OUT defaults",
+                f"`{name}`, `{name.replace('defaults', 'defaults_fresh')}`",
+            ),
+            table([h.strip() for h in header], rows),
+        ]
+    return parts
 
 
 def section_transports() -> str:
@@ -271,13 +323,20 @@ def section_port() -> str:
 
 
 def section_dp() -> str:
+    first = load("dp_vs_ddp-h100x4-b32.jsonl")[0]
+    model = (
+        f"A GPT of {first['parameters'] / 1e6:.1f} M parameters (12 layers, 768 wide, 12 heads, vocabulary "
+        f"{first.get('vocab', 50257)}, {first.get('block', 256)}-token context"
+        + (f", {first['autocast']} autocast" if first.get("autocast") else "")
+        + ")"
+    )
     parts = [
         "## Data parallel against DDP",
-        "A GPT of 85.6 M parameters (12 layers, 768 wide, 12 heads, 256-token context), AdamW, weak scaling; ours "
-        "(`DataParallel` with `auto` and with NCCL's own collectives) and DDP in the same launch, timed in rotating "
-        "turns (median over 5 trials of the slowest rank's time for 5 steps). Scaling efficiency: tokens/s per GPU "
-        "over one GPU's tokens/s (the plain module) in the same launch. Every variant ends with DDP's parameters "
-        "(checked).",
+        f"{model}, AdamW, weak scaling; ours (`DataParallel` with `auto` and with NCCL's own collectives), DDP and "
+        "DDP with `gradient_as_bucket_view=True` (`ddp-view`) in the same launch, timed in rotating turns (median "
+        "over the trials of the slowest rank's time for a run of steps). Scaling efficiency: tokens/s per GPU over "
+        "one GPU's tokens/s (the plain module) in the same launch. Every variant ends with DDP's parameters "
+        "(checked: the largest difference is in the data, under autocast's rounding).",
     ]
     for b in (32, 16):
         records = load(f"dp_vs_ddp-h100x4-b{b}.jsonl")

@@ -14,7 +14,8 @@ docs/configuration.md lists every variable with its default and effect.
 
 Interactions: ``DTRAIN_COMM_TIMEOUT`` set (> 0) makes ``DTRAIN_COMM_TRANSPORT=auto`` pick the point-to-point
 transport and turns captured calls (``DTRAIN_COMM_PERSISTENT``) off; ``DTRAIN_COMM_PEER_MODE``,
-``DTRAIN_COMM_PEER_WINDOW_BYTES`` and ``DTRAIN_COMM_TRITON`` only matter on the peer transport;
+``DTRAIN_COMM_PEER_WINDOW_BYTES``, ``DTRAIN_COMM_TRITON`` and ``DTRAIN_COMM_FUSED`` only matter on the peer
+transport;
 ``DTRAIN_COMM_LANES`` only cuts schedules that reduce.
 """
 
@@ -45,6 +46,7 @@ __all__ = [
     "COMM_RULES",
     "COMM_LANES",
     "COMM_TRITON",
+    "COMM_FUSED",
     "COMM_AUTOTUNE",
     "CALIBRATION",
     "PS_ROLE",
@@ -66,6 +68,7 @@ COMM_TIMEOUT = "DTRAIN_COMM_TIMEOUT"
 COMM_RULES = "DTRAIN_COMM_RULES"
 COMM_LANES = "DTRAIN_COMM_LANES"
 COMM_TRITON = "DTRAIN_COMM_TRITON"
+COMM_FUSED = "DTRAIN_COMM_FUSED"
 COMM_AUTOTUNE = "DTRAIN_COMM_AUTOTUNE"
 CALIBRATION = "DTRAIN_CALIBRATION"
 PS_ROLE = "DTRAIN_PS_ROLE"
@@ -88,6 +91,7 @@ _COMM_NAMES = (
     COMM_RULES,
     COMM_LANES,
     COMM_TRITON,
+    COMM_FUSED,
     COMM_AUTOTUNE,
     CALIBRATION,
 )
@@ -169,6 +173,9 @@ class CommEnv:
     lanes: int = 1
     #: ``DTRAIN_COMM_TRITON``: whether the peer transport may use its fused Triton kernel.
     triton: bool = True
+    #: ``DTRAIN_COMM_FUSED``: whether the one-shot and two-shot (``direct``) all-reduce run as one kernel on CUDA
+    #: symmetric memory (torch's kernels, sums of float32 and bfloat16) rather than a barrier and a pass a round.
+    fused: bool = True
     #: ``DTRAIN_COMM_AUTOTUNE``: "1" makes the first ``auto`` call of a group with no measured rules measure
     #: them (a short calibration, saved to the per-machine cache); "0" (default) leaves such a group ``native``.
     autotune: bool = False
@@ -196,6 +203,7 @@ class CommEnv:
             calibration=_path(environ, CALIBRATION),
             lanes=1 if lanes is None else lanes,
             triton=_choice(environ, COMM_TRITON, ("0", "1"), "1") == "1",
+            fused=_choice(environ, COMM_FUSED, ("0", "1"), "1") == "1",
             autotune=_choice(environ, COMM_AUTOTUNE, ("0", "1"), "0") == "1",
         )
 
@@ -206,13 +214,18 @@ class CommEnv:
         return self.persistent != "0" and self.timeout_s is None
 
 
+# the variables a parse depends on, and LOCAL_WORLD_SIZE (a default group's node size), so that what
+# dtrain.comm keeps per environment (comm_env's identity) is dropped when either changes
+_WATCHED = (*_COMM_NAMES, "LOCAL_WORLD_SIZE")
+_COMM_KEYS = tuple(getattr(os.environ, "encodekey", lambda name: name)(name) for name in _WATCHED)
 _LAST: list = [None, None]  # [raw values, CommEnv]: the last parse of os.environ (one process-wide cache)
 
 
 def comm_env() -> CommEnv:
     """:meth:`CommEnv.from_env` of this process's environment, parsed again only when a variable changed
     (collectives ask for it on every call)."""
-    raw = tuple(os.environ.get(name) for name in _COMM_NAMES)
+    data = getattr(os.environ, "_data", None)  # CPython's mapping behind os.environ: a lookup without encoding
+    raw = tuple(map(data.get, _COMM_KEYS)) if isinstance(data, dict) else tuple(map(os.environ.get, _WATCHED))
     if raw != _LAST[0]:
         parsed = CommEnv.from_env(os.environ)
         _LAST[:] = [raw, parsed]

@@ -11,6 +11,7 @@ mode's own options where it has any):
   pull-kernel     one round's pass by kernel and launch shape: torch add/copy, Triton pull and push kernels
   peer-host       host time per step of the peer transport: kernel launch, barrier, eager and replayed calls
   replay-host     where a replayed peer-transport call spends host time (API call, bare replay, eager)
+  one-shot        torch's one-pass symmetric-memory all-reduce kernels beside NCCL, auto and direct, 8 KiB-16 MiB
   watchdog        host microseconds of the watchdog's per-call work on one GPU (no process group)
 
 Every mode but ``watchdog`` runs under torchrun on the GPUs of one host; the outputs quoted in docs/results.md
@@ -34,6 +35,7 @@ MODES = {
     "peer-host": "peer_host",
     "replay-host": "replay_host",
     "watchdog": "watchdog",
+    "one-shot": "one_shot",
 }
 
 

@@ -42,7 +42,11 @@
 #   probe-port-chain   the chain broadcast's round patterns through the port               -> port-chain.jsonl
 #   probe-chain        the chain broadcast by piece count                                   -> probe-chain.txt
 #   probe-chain-timeline  the chain broadcast's device timeline, pull and push              -> chain-timeline-*/
-#   probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
+#   defaults           every collective with the defaults (auto) beside NCCL, 8 KiB-1 GiB, same tensors and fresh ones
+#                      -> defaults.jsonl, defaults-fresh.jsonl
+#   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, m = 4, 8, 16, beside torch pipelining
+#                      -> bench_pipeline.jsonl
+#   probe-one-shot | probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
 #                      benchmarks/collectives/probe.py MODE                                 -> probe-MODE.txt
 set -uo pipefail
 if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
@@ -139,9 +143,20 @@ for mode in "$@"; do
           --out "$out/p2p_channels-$setting.jsonl" >"$out/p2p_channels-$setting.log" 2>&1
         echo "== $setting"; summ "$out/p2p_channels-$setting.jsonl" --algorithms native,ring,direct
       done ;;
+    defaults)
+      for fresh in "" --fresh; do
+        name=defaults${fresh:+-fresh}
+        LIMIT=${LIMIT:-300} tr -m dtrain bench comm --collectives $sym,broadcast --algorithms native,auto --min-bytes 8K \
+          --max-bytes 1G --factor 4 --iters 20 --trials 5 --warm-s 0.3 $fresh --out "$out/$name.jsonl" >"$out/$name.log"
+        echo "== $name"; for c in all_reduce all_gather reduce_scatter all_to_all broadcast; do
+          summ "$out/$name.jsonl" --collective $c --algorithms native,auto; done
+      done ;;
+    bench-pipeline)
+      LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 4,8,16 \
+        --out "$out/bench_pipeline.jsonl" | grep -vE "^\[|Thread" ;;
     dp)
       for b in 32 16; do
-        LIMIT=${LIMIT:-120} tr benchmarks/training/dp_zero.py --sections dp --sizes 4 1 --batch-per-rank $b --stall-s 110 \
+        LIMIT=${LIMIT:-120} tr benchmarks/training/dp_zero.py --sections dp --sizes 4 1 --batch-per-rank $b --stall-s 110 ${DP_EXTRA:-} \
           --out "$out/dp_vs_ddp-b$b.jsonl" | grep "^timed" | paste -sd' '
       done
       python3 benchmarks/training/dp_summary.py "$out" ;;

@@ -34,9 +34,12 @@ __all__ = [*_API, "capture", "CommTimeoutError", "Collective", "Schedule", "Sche
 
 def __getattr__(name: str):
     if name in _API:
-        return getattr(importlib.import_module("dtrain.comm.api"), name)
-    if name == "capture":
-        return importlib.import_module("dtrain.comm.peer.graphs").capture
-    if name == "CommTimeoutError":
-        return importlib.import_module("dtrain.comm.p2p.runtime").CommTimeoutError
-    raise AttributeError(f"module 'dtrain.comm' has no attribute {name!r}")
+        value = getattr(importlib.import_module("dtrain.comm.api"), name)
+    elif name == "capture":
+        value = importlib.import_module("dtrain.comm.peer.graphs").capture
+    elif name == "CommTimeoutError":
+        value = importlib.import_module("dtrain.comm.p2p.runtime").CommTimeoutError
+    else:
+        raise AttributeError(f"module 'dtrain.comm' has no attribute {name!r}")
+    globals()[name] = value  # loaded once: later lookups find it without this function
+    return value

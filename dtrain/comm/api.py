@@ -25,11 +25,11 @@ from dtrain.comm.ir.schedule import Collective
 from dtrain.comm.mpi.group import is_mpi_group
 from dtrain.comm.p2p.runtime import round_timeout, run_schedule
 from dtrain.comm.p2p.transport import transport_for
+from dtrain.comm.peer import fused, watchdog
 from dtrain.comm.peer import graphs as persistent
 from dtrain.comm.peer import push as peer_push
-from dtrain.comm.peer import watchdog
 from dtrain.comm.peer import window as peer
-from dtrain.comm.state import find_state, group_state
+from dtrain.comm.state import FAST, GENERATION, changed, find_state, group_state
 from dtrain.env import comm_env
 
 __all__ = [
@@ -253,6 +253,7 @@ def _agree_on_choices(group, kind: str, device: torch.device, world: int) -> Non
     state.rules[kind] = rules.Rules.from_dict(decided) if "kind" in decided else None
     state.choices.clear()
     state.agreed.add(kind)
+    changed()
 
 
 def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device) -> int:
@@ -280,8 +281,9 @@ def _via(group, device: torch.device, algorithm: str) -> tuple[str, str]:
     return name, via
 
 
-def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out=None) -> None:
-    """Run ``algorithm`` for ``coll`` on the flat ``work`` buffer, in place.
+def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out=None) -> tuple | None:
+    """Run ``algorithm`` for ``coll`` on the flat ``work`` buffer, in place. Returns (form, schedule, window)
+    where one kernel ran it (:mod:`dtrain.comm.peer.fused`), else None.
 
     ``algorithm`` may name its transport (``"ring@peer"``, see :func:`_via`). ``out`` (a reduce-scatter where
     :func:`_out_of_place` holds): ``work`` is the caller's input and stays as it was; this rank's block of the
@@ -312,6 +314,10 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
                 raise
             _fall_back(group, err)
         else:
+            form = fused.fused_form(schedule, work, op) if out is None and round_timeout() is None else None
+            if form is not None:
+                _run_fused(form, schedule, work, window)
+                return (form, schedule, window)
             if out is None or (push and own):
                 _run_peer(schedule, work, window, op, push, out)
                 return
@@ -358,9 +364,62 @@ def _run_peer(schedule, work: torch.Tensor, window, op: str, push: bool, out: to
         if out is not None:  # the graph writes into out too: it belongs to both storages
             key, owner = (*key, out.data_ptr(), out.numel()), (work, out)
         persistent.run(window.group, key, lambda: run(schedule, work, window, op, **extra), work.device, owner=owner)
+    _watch(schedule, work, window, timeout)
+
+
+def _run_fused(form: str, schedule, work: torch.Tensor, window) -> None:
+    """One kernel with its barriers inside (:mod:`dtrain.comm.peer.fused`), watched as every peer call is."""
+    window.calls += 1
+    fused.run_fused(form, work, window)
+    _watch(schedule, work, window, None)
+
+
+def _keep_fused(group, algorithm: str, op: str, tensor: torch.Tensor, ran: tuple, world: int) -> None:
+    """Keep what a one-kernel all-reduce needs to run again (:data:`dtrain.comm.state.FAST`), for a call with the
+    same group, algorithm, reduction, size, dtype and device while nothing changes (:func:`_fast_all_reduce`)."""
+    form, schedule, window = ran
+    if len(FAST) >= 1024:
+        FAST.clear()
+    what = (schedule.collective.value, schedule.algorithm, tensor.numel() * tensor.element_size(), str(tensor.dtype))
+    place = (window.world_size, window.rank, window.global_rank, str(tensor.device))
+    device, limit, average = tensor.device, window.stall_limit(None), op == "avg"
+
+    def again(t: torch.Tensor) -> None:
+        work = t.view(-1)
+        window.calls += 1
+        fused.run_fused(form, work, window)
+        if average:
+            work.div_(world)
+        if not torch.cuda.is_current_stream_capturing():
+            watchdog.watch(device, limit, _label(what, place, window.calls))
+
+    key = (_group_key(group), algorithm, op, tensor.numel(), tensor.dtype, device)
+    FAST[key] = (comm_env(), GENERATION[0], again)
+
+
+def _fast_all_reduce(tensor, op: str, group, algorithm: str) -> bool:
+    """Run an all-reduce the group already ran as one kernel with the same arguments, skipping the checks and
+    choices that call made (nothing that decides them changed: the environment, :data:`~dtrain.comm.state.
+    GENERATION`); False where there is none. A small all-reduce then costs little more host time than the
+    kernel's launch."""
+    if type(tensor) is not torch.Tensor:
+        return False
+    known = FAST.get((_group_key(group), algorithm, op, tensor.numel(), tensor.dtype, tensor.device))
+    if known is None or known[0] is not comm_env() or known[1] != GENERATION[0] or not tensor.is_contiguous():
+        return False
+    known[2](tensor)
+    return True
+
+
+def _group_key(group):
+    return dist.group.WORLD if group is None else group
+
+
+def _watch(schedule, work: torch.Tensor, window, timeout) -> None:
+    """Hand a CUDA peer call to the watchdog, which reports it should it outlast the group's limit."""
     if not torch.cuda.is_current_stream_capturing():
         what = (schedule.collective.value, schedule.algorithm, work.numel() * work.element_size(), str(work.dtype))
-        place = (window.world_size, window.rank, dist.get_global_rank(window.group, window.rank), str(work.device))
+        place = (window.world_size, window.rank, window.global_rank, str(work.device))
         watchdog.watch(work.device, window.stall_limit(timeout), _label(what, place, window.calls))
 
 
@@ -381,6 +440,7 @@ def _label(what: tuple, place: tuple, call: int):
 def _fall_back(group, err: Exception) -> None:
     """Move ``group`` to the point-to-point transport for good (its peer window was refused)."""
     group_state(group).fell_back = True
+    changed()
     warnings.warn(f"dtrain.comm: this group uses the point-to-point transport from now on: {err}", stacklevel=3)
 
 
@@ -501,13 +561,33 @@ def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: torch.Tensor, what: str):
-    # after every local check of the call: resolving "auto" may talk to the group (once per group)
+    """(rank, world, chosen algorithm, node size) of a call, after every local check of it; resolving "auto"
+    may talk to the group (once per group). A call the group already resolved, under the same environment and
+    with nothing changed since (:data:`dtrain.comm.state.GENERATION`), is answered from the group's
+    :attr:`~dtrain.comm.state.GroupState.calls`: host time is what a small collective costs."""
+    state = find_state(group)
+    key = (coll, algorithm, work_numel * like.element_size(), like.device)
+    stamp = (comm_env(), GENERATION[0])
+    if state is not None:
+        at = state.calls_at
+        if at is not None and at[0] is stamp[0] and at[1] == stamp[1]:
+            known = state.calls.get(key)
+            if known is not None:
+                return known
+        else:
+            state.calls.clear()
+            state.calls_at = stamp
     rank, world = group_info(group, what)
     if is_mpi_group(group) and like.device.type != "cpu":
         raise ValueError(f"{what}: an MPI group moves CPU tensors only, got one on {like.device}")
     local_size = check_algorithm(coll, algorithm, world, group, what)
     chosen = _resolve(coll, algorithm, world, work_numel * like.element_size(), like.device, local_size, group)
-    return rank, world, chosen, local_size
+    resolved = (rank, world, chosen, local_size)
+    state = find_state(group)
+    at = None if state is None else state.calls_at
+    if at is not None and at[0] is stamp[0] and at[1] == GENERATION[0] and len(state.calls) < 4096:
+        state.calls[key] = resolved
+    return resolved
 
 
 # ---------------------------------------------------------------------------------------------- the API
@@ -515,15 +595,22 @@ def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: tor
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` over the group; every rank ends with the result, in place."""
+    if _fast_all_reduce(tensor, op, group, algorithm):
+        return tensor
     group = default_group(group)
     what = "all_reduce"
     check_tensor(tensor, "tensor", what)
     check_op(op, tensor.dtype, what)
     rank, world, chosen, local = _prepare(Collective.ALL_REDUCE, algorithm, group, tensor.numel(), tensor, what)
+    fusable = algorithm != "auto" or chosen not in fused.FORMS or not tensor.is_cuda
+    if not (fusable or fused.supports(chosen, tensor.dtype, op, tensor.device)):
+        chosen = "native"  # measured as one kernel; without it (another dtype or reduction) NCCL's is faster
     if chosen == "native":
         return _native(group).all_reduce(tensor, op, group)
     work, copied = _flat_work(tensor)
-    _run(Collective.ALL_REDUCE, chosen, work, group, op, local_size=local)
+    ran = _run(Collective.ALL_REDUCE, chosen, work, group, op, local_size=local)
+    if ran is not None and not copied:
+        _keep_fused(group, algorithm, op, tensor, ran, world)
     if op == "avg":
         work.div_(world)
     if copied:

@@ -14,7 +14,7 @@ from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import Collective
 from dtrain.comm.mpi.group import is_mpi_group
 from dtrain.comm.p2p.runtime import REDUCE_OPS
-from dtrain.comm.state import DEFAULT_LOCAL_SIZE, find_state, group_state
+from dtrain.comm.state import DEFAULT_LOCAL_SIZE, changed, find_state, group_state
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -44,6 +44,7 @@ def set_local_size(local_size: int | None, group: dist.ProcessGroup | None = Non
         DEFAULT_LOCAL_SIZE[0] = local_size
     else:
         group_state(key).local_size = local_size
+    changed()
 
 
 def _group_key(group: dist.ProcessGroup | None) -> object:

@@ -22,12 +22,40 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 
-__all__ = ["GroupState", "group_state", "find_state", "states", "release", "release_all", "DEFAULT_LOCAL_SIZE"]
+__all__ = [
+    "GroupState",
+    "group_state",
+    "find_state",
+    "states",
+    "release",
+    "release_all",
+    "DEFAULT_LOCAL_SIZE",
+    "GENERATION",
+    "FAST",
+    "changed",
+]
 
 #: The node size declared for the default group (``set_local_size(n)`` without a group). Process-wide: a
 #: launcher declares it before ``init_process_group`` makes the group, and it holds for every default group of
 #: the process (a destroyed and re-made world keeps it). A one-element list so that it can be set in place.
 DEFAULT_LOCAL_SIZE: list[int | None] = [None]
+
+#: Counts the changes that can alter how a call resolves (a node size declared, a group's rules agreed, a group
+#: moved off the peer transport, a state dropped): a group's resolved calls (:attr:`GroupState.calls`) hold only
+#: while it stands where it stood when they were kept. Process-wide, as a node size declared without a group is.
+GENERATION: list[int] = [0]
+
+#: (group, algorithm, reduction, numel, dtype, device) -> (environment, generation, run): the one-kernel
+#: all-reduces already made, run again without their checks and choices while the environment and
+#: :data:`GENERATION` are those they were made under (``dtrain.comm.api._fast_all_reduce``). Process-wide and
+#: dropped at every change, as what they hold (a window) may be replaced.
+FAST: dict = {}
+
+
+def changed() -> None:
+    """Note a change that can alter how calls resolve (see :data:`GENERATION`)."""
+    GENERATION[0] += 1
+    FAST.clear()
 
 
 class GroupState:
@@ -57,11 +85,17 @@ class GroupState:
         self.scratch: dict = {}
         #: the captured graphs of the group's calls (a ``dtrain.comm.peer.graphs.GraphCache``, made on first use)
         self.graphs: object | None = None
+        #: (collective, algorithm, bytes, device) -> (rank, world, chosen algorithm, node size) of calls already
+        #: checked and resolved, so that a repeated call skips both (``dtrain.comm.api._prepare``); they hold for
+        #: the environment and :data:`GENERATION` in :attr:`calls_at`
+        self.calls: dict = {}
+        self.calls_at: tuple | None = None
 
     def release_derived(self) -> None:
         """Drop what was made on the group's windows (prepared steps, graphs, kept work buffers): before a
         window is replaced or forgotten, as they would read its memory."""
         self.prepared.clear()
+        changed()  # the one-kernel calls kept (FAST) hold a window
         if self.graphs is not None:
             self.graphs.release_all()
         self.scratch.clear()
@@ -76,6 +110,8 @@ class GroupState:
         self.choices.clear()
         self.fell_back = False
         self.transport = None
+        self.calls.clear()
+        changed()
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

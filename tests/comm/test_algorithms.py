@@ -55,7 +55,7 @@ def rebuilt(schedule: Schedule, rounds: list[list[Transfer]]) -> Schedule:
 
 def test_every_family_registers_its_algorithms():
     expected = {
-        Collective.ALL_REDUCE: {"ring", "tree", "recursive_doubling", "halving_doubling", "direct", "star"}
+        Collective.ALL_REDUCE: {"ring", "tree", "recursive_doubling", "halving_doubling", "direct", "one_shot", "star"}
         | {"hierarchical"},
         Collective.BROADCAST: {"ring", "tree", "star", "hierarchical"},
         Collective.REDUCE: {"ring", "tree", "star", "hierarchical"},

@@ -150,17 +150,31 @@ MODEL = "model"
 #: The backend's own collective (NCCL's, Gloo's): what ``auto`` runs where no rule covers a call.
 NATIVE = "native"
 
+#: The all-reduce of a CUDA group on the peer transport (one host, NVLink): the one-shot kernel up to 2 MiB, the
+#: two-shot (``direct``) to 8 MiB, NCCL's own above (:mod:`dtrain.comm.peer.fused`). Side by side with NCCL 2.28
+#: on 4 H100s (torch 2.11, NVLink multicast off, bfloat16, calls back to back, rounds interleaved) the one-shot
+#: kernel ran at 2.5-5.3x NCCL's speed from 8 KiB to 1 MiB, the two-shot at 1.2x at 4 MiB and 0.92x at 16 MiB.
+_PEER_ALL_REDUCE = ((0, "one_shot"), ((2 << 20) + 1, "direct"), ((8 << 20) + 1, "native"))
+
 #: Built-in rules, used where no rules file covers a group: measured winners. Side by side with NCCL 2.28
 #: (torch 2.11, NVLink multicast off, calls back to back in one process, rounds interleaved), NCCL was faster
-#: at every size from 8 KiB to 1 GiB for every collective on 4 H100s, and on 2 H100s everywhere but the
-#: reduce-scatter from 64 MiB, where the cost model's pick on the peer transport ran 1.03-1.13x NCCL's speed.
-#: Everything else falls to ``native``, the default.
+#: than every schedule of ours run a round at a time, at every size from 8 KiB to 1 GiB for every collective on
+#: 4 H100s, and on 2 H100s everywhere but the reduce-scatter from 64 MiB, where the cost model's pick on the peer
+#: transport ran 1.03-1.13x NCCL's speed; the one-kernel all-reduce (above) beats it up to 8 MiB. An all-reduce
+#: these rules give to a one-kernel form that the call's dtype or reduction cannot use runs ``native``
+#: (``dtrain.comm.api.all_reduce``). Everything else falls to ``native``, the default.
 BUILT_IN: tuple[Rules, ...] = (
     Rules(
         kind="cuda-peer",
         world_size=2,
-        table={"reduce_scatter": ((0, NATIVE), ((32 << 20) + 1, MODEL))},
-        meta={"from": "reduce-scatter against NCCL on 2 H100s, 8 KiB-1 GiB"},
+        table={"all_reduce": _PEER_ALL_REDUCE, "reduce_scatter": ((0, NATIVE), ((32 << 20) + 1, MODEL))},
+        meta={"from": "all-reduce and reduce-scatter against NCCL on 2 and 4 H100s, 8 KiB-1 GiB"},
+    ),
+    Rules(
+        kind="cuda-peer",
+        world_size=4,
+        table={"all_reduce": _PEER_ALL_REDUCE},
+        meta={"from": "all-reduce against NCCL on 4 H100s, 8 KiB-1 GiB"},
     ),
 )
 

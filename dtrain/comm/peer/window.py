@@ -173,6 +173,9 @@ class PeerWindow:
         self.channels = max(1, SIGNAL_PAD_BYTES // (4 * self.world_size))
         self._handle = None
         self.calls = 0  # collective calls made through this window (the watchdog's reports number them)
+        self.group_name = self.group.group_name
+        self.global_rank = dist.get_global_rank(self.group, self.rank)
+        self._local: dict = {}  # (dtype, numel) -> this rank's window as that many elements (local)
         if device.type == "cuda":
             self.buffers = self._map_cuda()
         else:
@@ -241,6 +244,18 @@ class PeerWindow:
     def _flag_at(self) -> int:
         """Where a CPU window's barrier counter starts: after the data, on a cache line of its own."""
         return -(-self.nbytes // FLAG_BYTES) * FLAG_BYTES
+
+    def local(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """This rank's window as ``numel`` elements of ``dtype``, as the allocation itself (on CUDA, the tensor
+        torch's symmetric-memory kernels know by its address)."""
+        key = (dtype, numel)
+        view = self._local.get(key)
+        if view is None:
+            if len(self._local) >= 64:
+                self._local.clear()
+            mine = self._mine if self._handle is not None else self.buffers[self.rank]
+            view = self._local[key] = mine[: numel * dtype.itemsize].view(dtype)
+        return view
 
     def view(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """Rank ``rank``'s window as ``numel`` elements of ``dtype``."""

@@ -2,9 +2,10 @@
 
 All-to-all sends rank r's block j straight to block r of rank j; reduce-scatter sends block j to rank j as a
 reduce; all-gather sends each rank's block to everyone; all-reduce is a direct reduce-scatter then a direct
-all-gather over W chunks of the one block. Latency-optimal (one or two rounds) at the price of W - 1 messages
-per rank per round, the "pairwise"/"linear" algorithms of MPI libraries (Thakur, Rabenseifner and Gropp,
-"Optimization of Collective Communication Operations in MPICH", 2005).
+all-gather over W chunks of the one block (the "two-shot" all-reduce); the one-shot all-reduce is a single
+round in which every rank reduces every peer's whole buffer into its own. Latency-optimal (one or two rounds) at
+the price of W - 1 messages per rank per round, the "pairwise"/"linear" algorithms of MPI libraries (Thakur,
+Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH", 2005).
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from __future__ import annotations
 from dtrain.comm.ir.algorithms.registry import register
 from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
 
-__all__ = ["direct_all_to_all", "direct_reduce_scatter", "direct_all_gather", "direct_all_reduce"]
+__all__ = [
+    "direct_all_to_all",
+    "direct_reduce_scatter",
+    "direct_all_gather",
+    "direct_all_reduce",
+    "one_shot_all_reduce",
+]
 
 
 def _pairs(world: int) -> list[tuple[int, int]]:
@@ -58,3 +65,13 @@ def direct_all_reduce(
     """Two rounds over W chunks: rank j sums chunk j from everyone, then hands it to everyone."""
     rounds = [_reduce_scatter_round(world_size), _all_gather_round(world_size)]
     return make_schedule(Collective.ALL_REDUCE, "direct", world_size, rounds, chunks_per_block=world_size)
+
+
+@register(Collective.ALL_REDUCE, "one_shot")
+def one_shot_all_reduce(
+    world_size: int, *, root: int | None = None, pipeline: int = 1, local_size: int | None = None
+) -> Schedule:
+    """One round: every rank sums every peer's whole buffer into its own (W - 1 full-size reads a rank, the
+    fewest rounds and barriers; the latency path for small buffers)."""
+    rounds = [[Transfer(src, dst, 0, 0, reduce=True) for src, dst in _pairs(world_size)]]
+    return make_schedule(Collective.ALL_REDUCE, "one_shot", world_size, rounds)

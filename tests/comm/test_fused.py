@@ -1,0 +1,41 @@
+"""Which all-reduce calls run as one kernel on CUDA symmetric memory (dtrain.comm.peer.fused), and what ``auto``
+does with a call the kernel cannot run. The kernels themselves need GPUs (`dtrain bench verify` checks them
+against NCCL's result); the one-shot schedule they run is checked on every transport by test_collectives.py."""
+
+from __future__ import annotations
+
+import torch
+
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.check import check
+from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.peer import fused
+
+
+def test_one_shot_is_one_round_every_rank_reducing_every_peer():
+    for world in (2, 3, 4, 8):
+        schedule = registry.build(Collective.ALL_REDUCE, "one_shot", world)
+        report = check(schedule)
+        assert report.num_rounds == 1 and report.num_transfers == world * (world - 1)
+
+
+def test_only_sums_of_float32_and_bfloat16_on_cuda_run_as_one_kernel(monkeypatch):
+    monkeypatch.setitem(fused._state, "present", True)  # as on a GPU whose torch has the kernels
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert fused.supports("one_shot", torch.bfloat16, "sum", cuda)
+    assert fused.supports("direct", torch.float32, "avg", cuda)
+    assert not fused.supports("one_shot", torch.float16, "sum", cuda)
+    assert not fused.supports("one_shot", torch.float32, "max", cuda)
+    assert not fused.supports("one_shot", torch.float32, "sum", cpu)
+    assert not fused.supports("ring", torch.float32, "sum", cuda)
+    monkeypatch.setenv("DTRAIN_COMM_FUSED", "0")
+    assert not fused.supports("one_shot", torch.float32, "sum", cuda)
+
+
+def test_the_general_plan_runs_where_no_kernel_can(monkeypatch):
+    monkeypatch.setitem(fused._state, "present", False)  # a torch without the kernels
+    work = torch.zeros(8)
+    for algorithm in fused.FORMS:
+        schedule = registry.build(Collective.ALL_REDUCE, algorithm, 4)
+        assert fused.fused_form(schedule, work, "sum") is None
+    assert fused.fused_form(registry.build(Collective.ALL_GATHER, "direct", 4), work, "sum") is None
