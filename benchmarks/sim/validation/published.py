@@ -26,18 +26,29 @@ from pathlib import Path
 from dtrain.cluster.presets import preset
 from dtrain.sim.model import Layout, ModelSpec
 from dtrain.sim.placement import place
+from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
 from dtrain.sim.step import StepConfig, simulate_step
 
 DATA = Path(__file__).resolve().parents[1] / "published.toml"
 SERVERS_PER_UNIT = 20  # DGX SuperPOD (A100) scalable unit
 PRESETS = {"a100-sxm": "dgx-a100", "h100-sxm": "h100-node"}
 MEDIAN_TARGET, WORST_TARGET = 0.10, 0.20
-_FIELDS = ("name", "source", "device", "layers", "hidden", "heads", "sequence", "vocab", "dp", "tp", "pp",
-           "micro_batch", "global_batch", "recompute", "sequence_parallel", "iteration_s", "measure")  # fmt: skip
+SETS = ("validation", "held-out")
+MEASURES = {"time": "iteration_s", "tflops": "tflops_per_gpu"}
+_FIELDS = ("name", "source", "set", "device", "layers", "hidden", "heads", "sequence", "vocab", "dp", "tp", "pp",
+           "micro_batch", "global_batch", "recompute", "sequence_parallel", "measure")  # fmt: skip
+
+
+def iteration_flops(row: dict) -> float:
+    """FLOPs of one iteration with full recomputation, Narayanan et al. 2021, equation 3:
+    ``F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))``."""
+    b, s, layers, h, v = row["global_batch"], row["sequence"], row["layers"], row["hidden"], row["vocab"]
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 def load(path: Path = DATA) -> list[dict]:
-    """The published runs, each checked for its fields."""
+    """The published runs, each checked for its fields; ``iteration_s`` derived from ``tflops_per_gpu`` where a
+    row publishes throughput (:func:`iteration_flops` over ``GPUs x TFLOP/s``)."""
     rows = tomllib.loads(path.read_text())["run"]
     for row in rows:
         missing = [f for f in _FIELDS if f not in row]
@@ -45,6 +56,14 @@ def load(path: Path = DATA) -> list[dict]:
             raise ValueError(f"{path}: run {row.get('name', '?')!r} lacks {', '.join(missing)}")
         if row["device"] not in PRESETS:
             raise ValueError(f"{path}: run {row['name']!r}: device {row['device']!r}; accepted: {', '.join(PRESETS)}")
+        if row["set"] not in SETS:
+            raise ValueError(f"{path}: run {row['name']!r}: set {row['set']!r}; accepted: {', '.join(SETS)}")
+        if row["measure"] not in MEASURES or MEASURES[row["measure"]] not in row:
+            raise ValueError(f"{path}: run {row['name']!r}: measure {row['measure']!r} needs its value; accepted: "
+                             + ", ".join(f"{m} (with {k})" for m, k in MEASURES.items()))  # fmt: skip
+        if row["measure"] == "tflops":
+            gpus = row["dp"] * row["tp"] * row["pp"]
+            row["iteration_s"] = iteration_flops(row) / (gpus * row["tflops_per_gpu"] * 1e12)
     return rows
 
 
@@ -74,13 +93,23 @@ def cluster_of(row: dict):
                   fabric="rail", nic_affinity="rail", spines=8)  # fmt: skip
 
 
+def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepConfig:
+    """How a row's software ran: Megatron-LM's scatter-gather pipeline sends (on by default from 2021-02,
+    Megatron-LM commit 72e4230), and the backward's tensor-parallel collective under the weight gradient only where
+    the row's code had it (``async_tp_allreduce``: Megatron-LM's asynchronous all-reduce, first in commit 16c9044
+    of 2021-09-02). ``flow_limit``: replay collectives of more messages than that in lock-step rounds
+    (:func:`dtrain.sim.classes.replay_jobs`)."""
+    return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
+                      flow_limit=flow_limit)  # fmt: skip
+
+
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
     """Predicted against published seconds of one row."""
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
-    result = simulate_step(model, layout, topo, place(topo, layout), config or StepConfig(split_pipeline=True))
+    result = simulate_step(model, layout, topo, place(topo, layout), config or config_of(row))
     error = result.step_s / row["iteration_s"] - 1
     return {
-        "name": row["name"], "source": row["source"], "layout": layout.describe(), "gpus": layout.world_size,
+        "name": row["name"], "source": row["source"], "set": row["set"], "layout": layout.describe(), "gpus": layout.world_size,
         "published_s": row["iteration_s"], "measure": row["measure"], "predicted_s": result.step_s,
         "error": error, "compute_s": result.compute_s, "tp_s": result.tp_s, "pp_s": result.pp_s,
         "dp_exposed_s": result.dp_exposed_s, "optimizer_s": result.optimizer_s, "bubble": result.bubble,
@@ -89,8 +118,14 @@ def simulate(row: dict, config: StepConfig | None = None) -> dict:
 
 
 def summary(rows: list[dict]) -> dict:
+    """Median and worst |error| of ``rows``, and of each set among them."""
     errors = [abs(r["error"]) for r in rows]
-    return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors), "rows": len(rows)}
+    out = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors), "rows": len(rows)}
+    for name in SETS:
+        part = [abs(r["error"]) for r in rows if r.get("set") == name]
+        if part:
+            out[name] = {"median_abs_error": statistics.median(part), "worst_abs_error": max(part), "rows": len(part)}
+    return out
 
 
 def plan_check(row: dict) -> dict:
@@ -100,8 +135,8 @@ def plan_check(row: dict) -> dict:
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
     plans, _ = plan(model, topo, global_batch=row["global_batch"], devices=layout.world_size, placements=("aware",),
                     micro_batches=(row["micro_batch"],), zero_stages=(0,), max_tp=8,
-                    config=StepConfig(split_pipeline=True))  # fmt: skip
-    published = simulate_step(model, layout, topo, place(topo, layout), StepConfig(split_pipeline=True))
+                    config=config_of(row))  # fmt: skip
+    published = simulate_step(model, layout, topo, place(topo, layout), config_of(row))
     same = [
         i for i, p in enumerate(plans) if (p.layout.dp, p.layout.tp, p.layout.pp) == (layout.dp, layout.tp, layout.pp)
     ]
