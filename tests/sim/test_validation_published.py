@@ -1,7 +1,7 @@
 """The simulator against published iteration times (benchmarks/sim/published.toml): a real check of its error.
 
 The test simulates the rows that take about a second each (collectives of more than 1,000 messages in lock-step
-rounds, within 0.1% of the exact replay on these rows); ``python benchmarks/sim/validate.py published`` runs
+rounds, within 0.5% of the exact replay on every row); ``python benchmarks/sim/validate.py published`` runs
 every row, the held-out set included, with the exact replay."""
 
 from __future__ import annotations

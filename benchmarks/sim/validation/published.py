@@ -132,26 +132,34 @@ def summary(rows: list[dict]) -> dict:
 
 def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
     """Where ``dtrain plan``'s search puts the published layout on the row's cluster and batch: every layout of
-    the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO, recomputation only where memory needs it,
-    sequence parallelism with tp, 1F1B and interleaved 1F1B of 2 chunks and of the row's chunks), ranked by
-    simulated step time. ``published_rank``: 1 + the plans faster than the published layout, as simulated."""
+    the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO, 1F1B and interleaved 1F1B of 2 chunks and of the
+    row's chunks), ranked by simulated step time, searched twice: with every technique (recomputation only where
+    memory needs it, sequence parallelism with tp) and with the row's own (its recomputation, sequence
+    parallelism as it used it). A rank is 1 + the plans faster than the published layout, as simulated."""
     from dtrain.sim.planner import plan
 
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
     config = config_of(row, flow_limit)
-    schedules = {("1f1b", 1), ("interleaved-1f1b", 2), (layout.schedule, layout.chunks)}
-    plans, _ = plan(model, topo, global_batch=row["global_batch"], devices=layout.world_size, placements=("aware",),
-                    micro_batches=(row["micro_batch"],), zero_stages=(0,), max_tp=8, config=config,
-                    schedules=sorted(schedules))  # fmt: skip
+    schedules = sorted({("1f1b", 1), ("interleaved-1f1b", 2), (layout.schedule, layout.chunks)})
     published = simulate_step(model, layout, topo, place(topo, layout), config).step_s
-    best = plans[0] if plans else None
-    return {
-        "name": row["name"], "published_layout": layout.describe(), "published_layout_s": published,
-        "best": best.layout.describe() if best else None, "best_s": best.result.step_s if best else None,
-        "at_least_as_fast": bool(best and best.result.step_s <= published * (1 + 1e-9)),
-        "published_rank": 1 + sum(p.result.step_s < published * (1 - 1e-9) for p in plans), "plans": len(plans),
-        "flow_limit": flow_limit,
-    }  # fmt: skip
+    out = {"name": row["name"], "published_layout": layout.describe(), "published_layout_s": published,
+           "flow_limit": flow_limit}  # fmt: skip
+    for suffix, techniques in (
+        ("", {}),
+        ("_same_techniques", {"recompute": (layout.recompute,), "sequence_parallel": layout.sequence_parallel}),
+    ):
+        plans, _ = plan(model, topo, global_batch=row["global_batch"], devices=layout.world_size,
+                        placements=("aware",), micro_batches=(row["micro_batch"],), zero_stages=(0,), max_tp=8,
+                        config=config, schedules=schedules, **techniques)  # fmt: skip
+        best = plans[0] if plans else None
+        out |= {
+            f"best{suffix}": best.layout.describe() if best else None,
+            f"best{suffix}_s": best.result.step_s if best else None,
+            f"at_least_as_fast{suffix}": bool(best and best.result.step_s <= published * (1 + 1e-9)),
+            f"published_rank{suffix}": 1 + sum(p.result.step_s < published * (1 - 1e-9) for p in plans),
+            f"plans{suffix}": len(plans),
+        }
+    return out
 
 
 class _Late(Exception):
@@ -227,9 +235,11 @@ def main() -> None:
             if "skipped" in c:
                 print(f"plan {c['name']:34} skipped: {c['skipped']}", flush=True)
             else:
-                print(f"plan {c['name']:34} best {c['best']} {c['best_s']:.2f} s; published layout "
-                      f"{c['published_layout_s']:.2f} s, rank {c['published_rank']} of {c['plans']} "
-                      f"({c['search_s']:.0f} s)", flush=True)  # fmt: skip
+                print(f"plan {c['name']:34} published layout {c['published_layout_s']:.2f} s; best {c['best']} "
+                      f"{c['best_s']:.2f} s, rank {c['published_rank']} of {c['plans']}; same techniques: best "
+                      f"{c['best_same_techniques']} {c['best_same_techniques_s']:.2f} s, rank "
+                      f"{c['published_rank_same_techniques']} of {c['plans_same_techniques']} ({c['search_s']:.0f} s)",
+                      flush=True)  # fmt: skip
             if args.plan_out:
                 _write(args.plan_out, checks)
 
