@@ -10,7 +10,8 @@ The simulator (dtrain.sim) against measurements in benchmarks/results/; no GPU n
   peer-h200   the peer-transport model against 4 x H200 eager and replayed sweeps, pull and push forms
   p2p-h200    the point-to-point transport's calibrated and fitted software costs against 4 x H200 eager runs
   published   training steps of large GPT runs on DGX A100 clusters against their published iteration
-              times (benchmarks/sim/published.toml; --out, --plan)
+              times, a validation and a held-out set (benchmarks/sim/published.toml; --out, --rows,
+              --flow-limit, --plan with --plan-out and --plan-limit)
   training-h100  dtrain's own training runs on 4 x H100 (Llama 1B layouts, ZeRO-3, recomputation, the largest
               ZeRO-3 model): the step simulator with compute priced per operation (--out)
   transports  NCCL's own collectives (the NCCL model) and NVLink / host shared memory / sockets on 4 x H200

@@ -11,6 +11,7 @@ Schedules with several chunks a stage (interleaved 1F1B, ZB-V) split each stage'
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from dtrain.parallel.pipeline_schedules import (
@@ -71,41 +72,51 @@ def _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual
     weights = list(weight_s) if weight_s is not None else list(backward_s)
     v = chunks_per_stage(schedule, virtual_stages)
     placement = PLACEMENT.get(schedule, "loop")
-    actions = [make_schedule(schedule, stages, microbatches, s, v) for s in range(stages)]
     last = v * stages - 1
-    cost = {"F": forward_s, "B": backward_s, "W": weights}
+    owner = [stage_of_virtual(u, stages, placement)[0] for u in range(v * stages)]
+    cost = {"F": [c / v for c in forward_s], "B": [c / v for c in backward_s], "W": [c / v for c in weights]}
+    # each stage's actions with what each waits for: (kind, virtual stage, micro-batch, dependency, p2p after it)
+    plans = []
+    for s in range(stages):
+        plan = []
+        for action in make_schedule(schedule, stages, microbatches, s, v):
+            kind, mb = action[0], action[1]
+            u = virtual_stage(s, chunk_of(action), stages, placement)
+            dep, other = None, s
+            if kind == "F" and u > 0:
+                dep, other = ("F", u - 1, mb), owner[u - 1]
+            elif kind == "B":
+                dep, other = (("F", u, mb), s) if u == last else (("B", u + 1, mb), owner[u + 1])
+            plan.append((kind, (kind, u, mb), dep, p2p_s if other != s else 0.0, cost[kind][s]))
+        plans.append(plan)
+    # Each action starts when its stage is free and its input has arrived; a stage runs its actions in order until
+    # one waits for an action not yet timed, and resumes when that action is timed (any such order gives the same
+    # times: each depends only on its stage's previous action and its own input).
     done: dict[tuple[str, int, int], float] = {}
+    waiting: dict[tuple[str, int, int], list[int]] = {}
     position, free = [0] * stages, [0.0] * stages
-    remaining = sum(len(a) for a in actions)
+    ready_stages = deque(range(stages))
     work = 0.0
-    while remaining:
-        progressed = False
-        for s in range(stages):
-            while position[s] < len(actions[s]):
-                action = actions[s][position[s]]
-                kind, mb = action[0], action[1]
-                u = virtual_stage(s, chunk_of(action), stages, placement)
-                ready = 0.0
-                if kind == "F" and u > 0:
-                    dep, other = ("F", u - 1, mb), stage_of_virtual(u - 1, stages, placement)[0]
-                elif kind == "B":
-                    dep, other = (("F", u, mb), s) if u == last else (("B", u + 1, mb), None)
-                    other = stage_of_virtual(u + 1, stages, placement)[0] if other is None else other
-                else:
-                    dep = None
-                if dep is not None:
-                    if dep not in done:
-                        break
-                    ready = done[dep] + (p2p_s if other != s else 0.0)
-                start = max(free[s], ready)
-                took = cost[kind][s] / v
-                work += took
-                free[s] = done[(kind, u, mb)] = start + took
-                position[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ValueError(
-                f"pipeline schedule {schedule!r} deadlocks with {stages} stages and {microbatches} micro-batches"
-            )
+    while ready_stages:
+        s = ready_stages.popleft()
+        plan, i, t = plans[s], position[s], free[s]
+        while i < len(plan):
+            kind, key, dep, p2p, took = plan[i]
+            if dep is not None:
+                arrived = done.get(dep)
+                if arrived is None:
+                    waiting.setdefault(dep, []).append(s)
+                    break
+                t = max(t, arrived + p2p)
+            t += took
+            work += took
+            done[key] = t
+            i += 1
+            if key in waiting:
+                ready_stages.extend(waiting.pop(key))
+        position[s], free[s] = i, t
+    if any(position[s] < len(plans[s]) for s in range(stages)):
+        raise ValueError(
+            f"pipeline schedule {schedule!r} deadlocks with {stages} stages and {microbatches} micro-batches"
+        )
     return max(free), work

@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -24,6 +25,7 @@ import tomllib
 from pathlib import Path
 
 from dtrain.cluster.presets import preset
+from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
 from dtrain.sim.model import Layout, ModelSpec
 from dtrain.sim.placement import place
 from dtrain.sim.step import StepConfig, simulate_step
@@ -32,12 +34,22 @@ DATA = Path(__file__).resolve().parents[1] / "published.toml"
 SERVERS_PER_UNIT = 20  # DGX SuperPOD (A100) scalable unit
 PRESETS = {"a100-sxm": "dgx-a100", "h100-sxm": "h100-node"}
 MEDIAN_TARGET, WORST_TARGET = 0.10, 0.20
-_FIELDS = ("name", "source", "device", "layers", "hidden", "heads", "sequence", "vocab", "dp", "tp", "pp",
-           "micro_batch", "global_batch", "recompute", "sequence_parallel", "iteration_s", "measure")  # fmt: skip
+SETS = ("validation", "held-out")
+MEASURES = {"time": "iteration_s", "tflops": "tflops_per_gpu"}
+_FIELDS = ("name", "source", "set", "device", "layers", "hidden", "heads", "sequence", "vocab", "dp", "tp", "pp",
+           "micro_batch", "global_batch", "recompute", "sequence_parallel", "measure")  # fmt: skip
+
+
+def iteration_flops(row: dict) -> float:
+    """FLOPs of one iteration with full recomputation, Narayanan et al. 2021, equation 3:
+    ``F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))``."""
+    b, s, layers, h, v = row["global_batch"], row["sequence"], row["layers"], row["hidden"], row["vocab"]
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 def load(path: Path = DATA) -> list[dict]:
-    """The published runs, each checked for its fields."""
+    """The published runs, each checked for its fields; ``iteration_s`` derived from ``tflops_per_gpu`` where a
+    row publishes throughput (:func:`iteration_flops` over ``GPUs x TFLOP/s``)."""
     rows = tomllib.loads(path.read_text())["run"]
     for row in rows:
         missing = [f for f in _FIELDS if f not in row]
@@ -45,6 +57,14 @@ def load(path: Path = DATA) -> list[dict]:
             raise ValueError(f"{path}: run {row.get('name', '?')!r} lacks {', '.join(missing)}")
         if row["device"] not in PRESETS:
             raise ValueError(f"{path}: run {row['name']!r}: device {row['device']!r}; accepted: {', '.join(PRESETS)}")
+        if row["set"] not in SETS:
+            raise ValueError(f"{path}: run {row['name']!r}: set {row['set']!r}; accepted: {', '.join(SETS)}")
+        if row["measure"] not in MEASURES or MEASURES[row["measure"]] not in row:
+            raise ValueError(f"{path}: run {row['name']!r}: measure {row['measure']!r} needs its value; accepted: "
+                             + ", ".join(f"{m} (with {k})" for m, k in MEASURES.items()))  # fmt: skip
+        if row["measure"] == "tflops":
+            gpus = row["dp"] * row["tp"] * row["pp"]
+            row["iteration_s"] = iteration_flops(row) / (gpus * row["tflops_per_gpu"] * 1e12)
     return rows
 
 
@@ -74,13 +94,24 @@ def cluster_of(row: dict):
                   fabric="rail", nic_affinity="rail", spines=8)  # fmt: skip
 
 
+def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepConfig:
+    """How a row's software ran: Megatron-LM's scatter-gather pipeline sends (on by default from 2021-02,
+    Megatron-LM commit 72e4230), and the backward's tensor-parallel collective under the weight gradient only where
+    the row's code had it (``async_tp_allreduce``: Megatron-LM's asynchronous all-reduce, first in commit 16c9044
+    of 2021-09-02). ``flow_limit``: replay collectives of more messages than that in lock-step rounds
+    (:func:`dtrain.sim.classes.replay_jobs`)."""
+    return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
+                      flow_limit=flow_limit)  # fmt: skip
+
+
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
     """Predicted against published seconds of one row."""
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
-    result = simulate_step(model, layout, topo, place(topo, layout), config or StepConfig(split_pipeline=True))
+    result = simulate_step(model, layout, topo, place(topo, layout), config or config_of(row))
     error = result.step_s / row["iteration_s"] - 1
     return {
-        "name": row["name"], "source": row["source"], "layout": layout.describe(), "gpus": layout.world_size,
+        "name": row["name"], "source": row["source"], "set": row["set"], "layout": layout.describe(),
+        "gpus": layout.world_size,
         "published_s": row["iteration_s"], "measure": row["measure"], "predicted_s": result.step_s,
         "error": error, "compute_s": result.compute_s, "tp_s": result.tp_s, "pp_s": result.pp_s,
         "dp_exposed_s": result.dp_exposed_s, "optimizer_s": result.optimizer_s, "bubble": result.bubble,
@@ -89,29 +120,70 @@ def simulate(row: dict, config: StepConfig | None = None) -> dict:
 
 
 def summary(rows: list[dict]) -> dict:
+    """Median and worst |error| of ``rows``, and of each set among them."""
     errors = [abs(r["error"]) for r in rows]
-    return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors), "rows": len(rows)}
+    out = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors), "rows": len(rows)}
+    for name in SETS:
+        part = [abs(r["error"]) for r in rows if r.get("set") == name]
+        if part:
+            out[name] = {"median_abs_error": statistics.median(part), "worst_abs_error": max(part), "rows": len(part)}
+    return out
 
 
-def plan_check(row: dict) -> dict:
-    """Where ``dtrain plan``'s search puts the published layout on the row's cluster and batch."""
+def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
+    """Where ``dtrain plan``'s search puts the published layout on the row's cluster and batch: every layout of
+    the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO, 1F1B and interleaved 1F1B of 2 chunks and of the
+    row's chunks), ranked by simulated step time, searched twice: with every technique (recomputation only where
+    memory needs it, sequence parallelism with tp) and with the row's own (its recomputation, sequence
+    parallelism as it used it). A rank is 1 + the plans faster than the published layout, as simulated."""
     from dtrain.sim.planner import plan
 
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
-    plans, _ = plan(model, topo, global_batch=row["global_batch"], devices=layout.world_size, placements=("aware",),
-                    micro_batches=(row["micro_batch"],), zero_stages=(0,), max_tp=8,
-                    config=StepConfig(split_pipeline=True))  # fmt: skip
-    published = simulate_step(model, layout, topo, place(topo, layout), StepConfig(split_pipeline=True))
-    same = [
-        i for i, p in enumerate(plans) if (p.layout.dp, p.layout.tp, p.layout.pp) == (layout.dp, layout.tp, layout.pp)
-    ]
-    best = plans[0] if plans else None
-    return {
-        "name": row["name"], "best": best.layout.describe() if best else None,
-        "best_s": best.result.step_s if best else None, "published_layout_s": published.step_s,
-        "at_least_as_fast": bool(best and best.result.step_s <= published.step_s * (1 + 1e-9)),
-        "published_rank": same[0] + 1 if same else None, "plans": len(plans),
-    }  # fmt: skip
+    config = config_of(row, flow_limit)
+    schedules = sorted({("1f1b", 1), ("interleaved-1f1b", 2), (layout.schedule, layout.chunks)})
+    published = simulate_step(model, layout, topo, place(topo, layout), config).step_s
+    out = {"name": row["name"], "published_layout": layout.describe(), "published_layout_s": published,
+           "flow_limit": flow_limit}  # fmt: skip
+    for suffix, techniques in (
+        ("", {}),
+        ("_same_techniques", {"recompute": (layout.recompute,), "sequence_parallel": layout.sequence_parallel}),
+    ):
+        plans, _ = plan(model, topo, global_batch=row["global_batch"], devices=layout.world_size,
+                        placements=("aware",), micro_batches=(row["micro_batch"],), zero_stages=(0,), max_tp=8,
+                        config=config, schedules=schedules, **techniques)  # fmt: skip
+        best = plans[0] if plans else None
+        out |= {
+            f"best{suffix}": best.layout.describe() if best else None,
+            f"best{suffix}_s": best.result.step_s if best else None,
+            f"at_least_as_fast{suffix}": bool(best and best.result.step_s <= published * (1 + 1e-9)),
+            f"published_rank{suffix}": 1 + sum(p.result.step_s < published * (1 - 1e-9) for p in plans),
+            f"plans{suffix}": len(plans),
+        }
+    return out
+
+
+class _Late(Exception):
+    pass
+
+
+def _timed_plan_check(row: dict, limit_s: int, flow_limit: int | None) -> dict:
+    """:func:`plan_check`, or a record that it ran past ``limit_s`` seconds."""
+
+    def late(signum, frame):
+        raise _Late
+
+    previous = signal.signal(signal.SIGALRM, late)
+    signal.alarm(limit_s)
+    start = time.perf_counter()
+    try:
+        out = plan_check(row, flow_limit)
+    except _Late:
+        out = {"name": row["name"], "skipped": f"planner search over {limit_s} s", "flow_limit": flow_limit}
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    out["search_s"] = time.perf_counter() - start
+    return out
 
 
 def _write(path: str, lines: list[dict]) -> None:
@@ -125,25 +197,51 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON lines: one per row, then the summary")
     parser.add_argument("--plan", action="store_true", help="also check dtrain plan's search on each row")
+    parser.add_argument("--plan-out", default=None, help="JSON lines of the --plan checks, one per row")
+    parser.add_argument("--plan-limit", type=int, default=300, help="seconds a row's search may take (default 300)")
+    parser.add_argument("--rows", default=None, help="comma-separated row names (default: every row)")
+    parser.add_argument(
+        "--flow-limit",
+        type=int,
+        default=DEFAULT_FLOW_LIMIT,
+        help=f"replay collectives of more messages in lock-step rounds (default {DEFAULT_FLOW_LIMIT})",
+    )
     args = parser.parse_args()
     rows = load()
+    if args.rows:
+        names = args.rows.split(",")
+        unknown = sorted(set(names) - {r["name"] for r in rows})
+        if unknown:
+            raise SystemExit(f"validate.py published: --rows names unknown rows {', '.join(unknown)}")
+        rows = [r for r in rows if r["name"] in names]
     start = time.perf_counter()
-    results = [simulate(row) for row in rows]
-    print(f"{'run':34} {'layout':46} {'published':>10} {'predicted':>10} {'error':>7}")
+    results = [simulate(row, config_of(row, args.flow_limit)) for row in rows]
+    print(f"{'run':34} {'set':10} {'layout':50} {'published':>10} {'predicted':>10} {'error':>7}")
     for r in results:
-        print(f"{r['name']:34} {r['layout']:46} {r['published_s']:10.2f} {r['predicted_s']:10.2f} {r['error']:+7.1%}")
+        print(f"{r['name']:34} {r['set']:10} {r['layout']:50} {r['published_s']:10.2f} {r['predicted_s']:10.2f} "
+              f"{r['error']:+7.1%}")  # fmt: skip
     s = summary(results)
-    print(f"median |error| {s['median_abs_error']:.1%} (target {MEDIAN_TARGET:.0%}), worst {s['worst_abs_error']:.1%} "
-          f"(target {WORST_TARGET:.0%}), {time.perf_counter() - start:.1f} s")  # fmt: skip
+    for name, part in [("all", s)] + [(n, s[n]) for n in SETS if n in s]:
+        print(f"{name}: {part['rows']} rows, median |error| {part['median_abs_error']:.1%} (target "
+              f"{MEDIAN_TARGET:.0%}), worst {part['worst_abs_error']:.1%} (target {WORST_TARGET:.0%})")  # fmt: skip
+    print(f"{time.perf_counter() - start:.1f} s")
+    if args.out:
+        _write(args.out, [*results, {"summary": s}])
     checks = []
     if args.plan:
         for row in rows:
-            c = plan_check(row)
+            c = _timed_plan_check(row, args.plan_limit, args.flow_limit)
             checks.append(c)
-            print(f"plan {c['name']:34} best {c['best']} {c['best_s']:.2f} s; published layout "
-                  f"{c['published_layout_s']:.2f} s, rank {c['published_rank']} of {c['plans']}")  # fmt: skip
-    if args.out:
-        _write(args.out, [*results, *({"plan": c} for c in checks), {"summary": s}])
+            if "skipped" in c:
+                print(f"plan {c['name']:34} skipped: {c['skipped']}", flush=True)
+            else:
+                print(f"plan {c['name']:34} published layout {c['published_layout_s']:.2f} s; best {c['best']} "
+                      f"{c['best_s']:.2f} s, rank {c['published_rank']} of {c['plans']}; same techniques: best "
+                      f"{c['best_same_techniques']} {c['best_same_techniques_s']:.2f} s, rank "
+                      f"{c['published_rank_same_techniques']} of {c['plans_same_techniques']} ({c['search_s']:.0f} s)",
+                      flush=True)  # fmt: skip
+            if args.plan_out:
+                _write(args.plan_out, checks)
 
 
 if __name__ == "__main__":
