@@ -12,11 +12,12 @@ recomputation still gets a plan. The search covers these small sets, as in
 Megatron-LM's own sweeps (Narayanan et al. 2021, section 3) rather than a cost-model search like Alpa's.
 
 Asked for the ``top`` plans only, the sweep is a branch and bound (Land and Doig 1960): every layout and
-placement first gets a lower bound on its step (:func:`dtrain.sim.step.step_lower_bound`: compute and the
-pipeline bubble with free messages, no data-parallel time), and they are taken in the order of their bounds; one
-whose bound with compute alone, then with its tensor-parallel all-reduce replayed (cached, and shared with the
-simulations), exceeds the ``top``-th best step simulated so far is not simulated: its step exceeds that bound, so
-it ranks after the ``top`` fastest. The ``top`` fastest plans and their order are those of the exhaustive sweep.
+placement first gets a lower bound on its step (:func:`dtrain.sim.step.step_lower_bound`: compute, the
+tensor-parallel all-reduces and the pipeline bubble with free pipeline messages, no data-parallel time; the
+tensor-parallel replays are few, cached and shared with the simulations), and they are simulated in the order of
+their bounds until the next bound exceeds the ``top``-th best step simulated so far: every pair left has a step
+above that bound, so it ranks after the ``top`` fastest. The ``top`` fastest plans and their order are those of
+the exhaustive sweep.
 """
 
 from __future__ import annotations
@@ -200,8 +201,12 @@ def sweep(
             if devices_used not in seen:  # on one server every placement is the same: simulate it once
                 seen.add(devices_used)
                 work.append((lay, how, devices_used))
-    if top is not None:  # compute-only bounds first, cheapest first; ties in the exhaustive order
-        bounds = [step_lower_bound(model, lay, topology, used, config) for lay, _, used in work]
+    if top is not None:  # bounds with the tensor-parallel replay (a few distinct ones: cached), lowest first
+        bounds = [
+            step_lower_bound(model, lay, topology, used, config,
+                             tp_s=tensor_parallel_s(model, lay, topology, used, config, cache=cache))
+            for lay, _, used in work
+        ]  # fmt: skip
         order = sorted(range(len(work)), key=lambda i: (bounds[i], work[i][0].describe(), work[i][1]))
         work = [work[i] for i in order]
         bounds = [bounds[i] for i in order]
@@ -209,16 +214,9 @@ def sweep(
     best: list[float] = []  # the ``top`` fastest steps so far, sorted
     bounded = 0
     for i, (lay, how, devices_used) in enumerate(work):
-        if top is not None and len(best) == top:
-            if bounds[i] > best[-1]:  # every later pair's compute bound is at least this one's
-                bounded += len(work) - i
-                break
-            tp_s = tensor_parallel_s(model, lay, topology, devices_used, config, cache=cache)
-            if tp_s and step_lower_bound(model, lay, topology, devices_used, config, tp_s=tp_s) > best[-1]:
-                bounded += 1
-                if progress is not None:
-                    progress(i + 1, len(work))
-                continue
+        if top is not None and len(best) == top and bounds[i] > best[-1]:
+            bounded = len(work) - i  # every later pair's bound is at least this one's
+            break
         result = simulate_step(model, lay, topology, devices_used, config, cache=cache)
         flops = flops_per_microbatch(model, lay) * lay.tp * lay.pp * lay.microbatches * lay.dp
         peak = sum(topology.device(d).peak_flops for d in devices_used)

@@ -292,15 +292,22 @@ def _factors(layout: Layout, config: StepConfig) -> list[list[float]]:
 
 def _step_links(parts: list[tuple[CollectiveResult | None, float]], step_s: float) -> list[LinkUsage]:
     """Each link's bytes over the step (each collective's bytes times its calls a step), busiest first."""
-    totals: dict[str, tuple[object, float]] = {}
+    totals: dict[str, list] = {}
     for result, calls in parts:
         if result is None:
             continue
         for u in result.links:
-            link, nbytes = totals.get(u.link.name, (u.link, 0.0))
-            totals[u.link.name] = (link, nbytes + u.nbytes * calls)
-    rows = [LinkUsage(link=link, nbytes=n, busy_s=0.0, total_s=step_s) for link, n in totals.values()]
-    return sorted(rows, key=lambda u: (-u.utilisation, u.link.name))
+            entry = totals.get(u.link.name)
+            if entry is None:
+                totals[u.link.name] = [u.link, 0.0 + u.nbytes * calls]
+            else:
+                entry[1] += u.nbytes * calls
+    # LinkUsage.utilisation, computed once a link for the sort rather than once a comparison
+    keys = sorted(
+        (-(n / (step_s * link.bytes_per_s)) if step_s > 0 else -0.0, name, link, n)
+        for name, (link, n) in totals.items()
+    )
+    return [LinkUsage(link=link, nbytes=n, busy_s=0.0, total_s=step_s) for _, _, link, n in keys]
 
 
 def simulate_step(
