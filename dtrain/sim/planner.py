@@ -194,10 +194,13 @@ def sweep(
                 break
     cache: dict = {}
     work = []
+    placed: dict[tuple[str, int], tuple[str, ...]] = {}  # a placement depends on the ranks' count alone
     for lay in fitting:
         seen: set[tuple[str, ...]] = set()
         for how in placements:
-            devices_used = tuple(place(topology, lay, how))
+            if (how, lay.world_size) not in placed:
+                placed[how, lay.world_size] = tuple(place(topology, lay, how))
+            devices_used = placed[how, lay.world_size]
             if devices_used not in seen:  # on one server every placement is the same: simulate it once
                 seen.add(devices_used)
                 work.append((lay, how, devices_used))
