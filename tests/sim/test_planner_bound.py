@@ -3,8 +3,11 @@ exhaustive sweep does."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from dtrain.cli.main import main
 from dtrain.cluster.presets import preset
 from dtrain.sim.model import ModelSpec
 from dtrain.sim.pipeline import pipeline_makespan
@@ -59,3 +62,16 @@ def test_the_pruned_sweep_ranks_the_top_plans_as_the_exhaustive_one(sweeps) -> N
 def test_top_must_be_positive() -> None:
     with pytest.raises(ValueError, match="top"):
         sweep(MODEL, preset("h100-node"), global_batch=8, top=0)
+
+
+def test_dtrain_plan_shows_the_exhaustive_top_plans(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--topology", "h100-node", "--global-batch", "8", "--micro-batches", "1,2", "--top", "5", "--json"]
+    shown = []
+    for extra in ([], ["--exhaustive"]):
+        assert main([*argv, *extra]) == 0
+        data = json.loads(capsys.readouterr().out)
+        shown.append((data, [(p["layout"], p["placement"], p["step_s"]) for p in data["plans"]]))
+    (pruned, top), (exhaustive, all_top) = shown
+    assert top == all_top and len(top) == 5
+    assert pruned["bounded"] > 0 and exhaustive["bounded"] == 0
+    assert pruned["simulated"] + pruned["bounded"] == exhaustive["simulated"]
