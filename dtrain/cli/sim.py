@@ -149,6 +149,12 @@ def register(commands) -> None:
     )
     _add_step_config(p)
     p.add_argument("--top", type=int, default=10, help="plans to show")
+    p.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="simulate every layout (default: skip those whose lower bound ranks them after the --top fastest, "
+        "at least 5; the plans shown are the same)",
+    )
     p.set_defaults(handler=_plan)
 
     for parser in [*sub.choices.values(), p]:
@@ -369,29 +375,36 @@ def _plan(args: argparse.Namespace) -> int:
         args.zero = [0, 1]
     from rich.progress import Progress
 
-    from dtrain.sim.planner import plan
+    from dtrain.sim.planner import sweep
 
+    if args.top < 1:
+        raise ValueError(f"--top: plans to show must be >= 1, got {args.top}")
     topo, model = _topology(args), _model(args)
     with Progress(transient=True, disable=args.json) as progress:
         task = progress.add_task("simulating layouts", total=None)
-        plans, dropped = plan(
+        found = sweep(
             model, topo, global_batch=args.global_batch, devices=args.devices, placements=args.placements,
             config=_step_config(args), micro_batches=args.micro_batches, zero_stages=args.zero, max_tp=args.max_tp,
-            recompute=args.recompute,
+            recompute=args.recompute, top=None if args.exhaustive else max(args.top, 5),
             progress=lambda done, total: progress.update(task, completed=done, total=total),
         )  # fmt: skip
+    plans, dropped = found.plans, found.too_big
     rows = [
         {"layout": p.layout.describe(), "placement": p.placement, "mfu": p.mfu, **_step_data(p.result),
          "bottleneck_utilisation": p.result.bottleneck.utilisation if p.result.bottleneck else None}
         for p in plans[: args.top]
     ]  # fmt: skip
     if args.json:
-        print(json.dumps({"topology": topo.name, "model": asdict(model), "plans": rows, "too_big": dropped}, indent=2))
+        data = {"topology": topo.name, "model": asdict(model), "plans": rows, "too_big": dropped,
+                "simulated": found.simulated, "bounded": found.bounded}  # fmt: skip
+        print(json.dumps(data, indent=2))
         return 0
     from dtrain.cluster.report import print_table
 
     console = Console(width=max(Console().width, 110))
-    table = Table(title=f"{model.name} on {topo.name}: fastest of {len(plans)} plans ({dropped} layouts too big)")
+    bounded = f", {found.bounded} bounded out" if found.bounded else ""
+    title = f"{model.name} on {topo.name}: fastest of {len(plans)} plans simulated ({dropped} too big{bounded})"
+    table = Table(title=title)
     for column in ("#", "layout", "placement", "step", "tokens/s", "MFU", "GB", "bottleneck", "busy"):
         right = column in ("#", "step", "tokens/s", "MFU", "GB", "busy")
         table.add_column(column, justify="right" if right else "left", no_wrap=column != "bottleneck")

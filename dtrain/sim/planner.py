@@ -8,8 +8,16 @@ replica runs a whole number of micro-batches. Each layout is tried under each pl
 the step is simulated (:mod:`dtrain.sim.step`). A layout that does not fit without activation recomputation
 takes the cheapest recomputation that makes it fit, in the order asked for (by default none, then selective,
 then full: each keeps less and costs more FLOPs; Korthikanti et al. 2022), so a model that fits only with
-recomputation still gets a plan. The search is exhaustive over these small sets, as in
+recomputation still gets a plan. The search covers these small sets, as in
 Megatron-LM's own sweeps (Narayanan et al. 2021, section 3) rather than a cost-model search like Alpa's.
+
+Asked for the ``top`` plans only, the sweep is a branch and bound (Land and Doig 1960): every layout and
+placement first gets a lower bound on its step (:func:`dtrain.sim.step.step_lower_bound`: compute, the
+tensor-parallel all-reduces and the pipeline bubble with free pipeline messages, no data-parallel time; the
+tensor-parallel replays are few, cached and shared with the simulations), and they are simulated in the order of
+their bounds until the next bound exceeds the ``top``-th best step simulated so far: every pair left has a step
+above that bound, so it ranks after the ``top`` fastest. The ``top`` fastest plans and their order are those of
+the exhaustive sweep.
 """
 
 from __future__ import annotations
@@ -21,9 +29,9 @@ from dataclasses import dataclass
 from dtrain.cluster.topology import Topology
 from dtrain.sim.model import RECOMPUTE, Layout, ModelSpec, flops_per_microbatch, memory_per_device
 from dtrain.sim.placement import PLACEMENTS, place
-from dtrain.sim.step import StepConfig, StepResult, simulate_step
+from dtrain.sim.step import StepConfig, StepResult, simulate_step, step_lower_bound, tensor_parallel_s
 
-__all__ = ["Plan", "candidate_layouts", "plan"]
+__all__ = ["Plan", "Sweep", "candidate_layouts", "plan", "sweep"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +104,18 @@ def candidate_layouts(
     return layouts
 
 
+@dataclass(frozen=True, kw_only=True)
+class Sweep:
+    """What a planner sweep found: the plans simulated, fastest first; how many layouts were left out for memory;
+    and how many (layout, placement) pairs were left unsimulated because their lower bound exceeded the
+    ``top``-th best step (0 for an exhaustive sweep)."""
+
+    plans: list[Plan]
+    too_big: int
+    bounded: int
+    simulated: int
+
+
 def plan(
     model: ModelSpec,
     topology: Topology,
@@ -112,11 +132,45 @@ def plan(
     schedules: Sequence[tuple[str, int]] = (("1f1b", 1), ("interleaved-1f1b", 2)),
     attention: str = "unfused",
     sequence_parallel: bool | None = None,
+    top: int | None = None,
 ) -> tuple[list[Plan], int]:
-    """Plans that fit, fastest first, and how many layouts were left out for memory. Each layout takes the first
-    mode of ``recompute`` (activation recomputation, from :data:`~dtrain.sim.model.RECOMPUTE`) under which it
-    fits; ``schedules``: the (pipeline schedule, chunks a stage) pairs tried for layouts with a pipeline;
-    ``attention`` and ``sequence_parallel`` as :func:`candidate_layouts` takes them."""
+    """Plans that fit, fastest first, and how many layouts were left out for memory (:func:`sweep`'s plans and
+    ``too_big``). With ``top`` set, only the ``top`` first plans are sure to be there, in their exhaustive
+    order."""
+    found = sweep(
+        model, topology, global_batch=global_batch, devices=devices, placements=placements, config=config,
+        micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp, recompute=recompute, progress=progress,
+        schedules=schedules, attention=attention, sequence_parallel=sequence_parallel, top=top,
+    )  # fmt: skip
+    return found.plans, found.too_big
+
+
+def sweep(
+    model: ModelSpec,
+    topology: Topology,
+    *,
+    global_batch: int,
+    devices: int | None = None,
+    placements: Sequence[str] = PLACEMENTS,
+    config: StepConfig | None = None,
+    micro_batches: Sequence[int] = (1, 2, 4, 8),
+    zero_stages: Sequence[int] = (0, 1),
+    max_tp: int | None = None,
+    recompute: Sequence[str] = RECOMPUTE,
+    progress: Callable[[int, int], None] | None = None,
+    schedules: Sequence[tuple[str, int]] = (("1f1b", 1), ("interleaved-1f1b", 2)),
+    attention: str = "unfused",
+    sequence_parallel: bool | None = None,
+    top: int | None = None,
+) -> Sweep:
+    """Every layout that fits, under every placement, simulated and ranked fastest first. Each layout takes the
+    first mode of ``recompute`` (activation recomputation, from :data:`~dtrain.sim.model.RECOMPUTE`) under which
+    it fits; ``schedules``: the (pipeline schedule, chunks a stage) pairs tried for layouts with a pipeline;
+    ``attention`` and ``sequence_parallel`` as :func:`candidate_layouts` takes them. ``top``: the plans wanted;
+    pairs whose lower bound shows they rank after the ``top``-th are not simulated (module docstring; None:
+    every pair is). ``progress(done, total)`` after each pair, simulated or bounded."""
+    if top is not None and top < 1:
+        raise ValueError(f"top: plans wanted must be >= 1 or None (every plan), got {top!r}")
     config = config or StepConfig()
     if not recompute or any(mode not in RECOMPUTE for mode in recompute):
         raise ValueError(f"recompute modes {list(recompute)!r}: accepted: {', '.join(RECOMPUTE)} (at least one)")
@@ -138,22 +192,43 @@ def plan(
             if memory_per_device(model, candidate).total <= limit:
                 fitting.append(candidate)
                 break
-    plans: list[Plan] = []
     cache: dict = {}
     work = []
+    placed: dict[tuple[str, int], tuple[str, ...]] = {}  # a placement depends on the ranks' count alone
     for lay in fitting:
         seen: set[tuple[str, ...]] = set()
         for how in placements:
-            devices_used = tuple(place(topology, lay, how))
+            if (how, lay.world_size) not in placed:
+                placed[how, lay.world_size] = tuple(place(topology, lay, how))
+            devices_used = placed[how, lay.world_size]
             if devices_used not in seen:  # on one server every placement is the same: simulate it once
                 seen.add(devices_used)
                 work.append((lay, how, devices_used))
+    if top is not None:  # bounds with the tensor-parallel replay (a few distinct ones: cached), lowest first
+        bounds = [
+            step_lower_bound(model, lay, topology, used, config,
+                             tp_s=tensor_parallel_s(model, lay, topology, used, config, cache=cache))
+            for lay, _, used in work
+        ]  # fmt: skip
+        order = sorted(range(len(work)), key=lambda i: (bounds[i], work[i][0].describe(), work[i][1]))
+        work = [work[i] for i in order]
+        bounds = [bounds[i] for i in order]
+    plans: list[Plan] = []
+    best: list[float] = []  # the ``top`` fastest steps so far, sorted
+    bounded = 0
     for i, (lay, how, devices_used) in enumerate(work):
+        if top is not None and len(best) == top and bounds[i] > best[-1]:
+            bounded = len(work) - i  # every later pair's bound is at least this one's
+            break
         result = simulate_step(model, lay, topology, devices_used, config, cache=cache)
         flops = flops_per_microbatch(model, lay) * lay.tp * lay.pp * lay.microbatches * lay.dp
         peak = sum(topology.device(d).peak_flops for d in devices_used)
         plans.append(Plan(layout=lay, placement=how, result=result, model_flops_per_step=flops, peak_flops=peak))
+        if top is not None:
+            best = sorted([*best, result.step_s])[:top]
         if progress is not None:
             progress(i + 1, len(work))
+    if progress is not None and bounded:
+        progress(len(work), len(work))
     plans.sort(key=lambda p: (p.result.step_s, p.layout.describe(), p.placement))
-    return plans, len(layouts) - len(fitting)
+    return Sweep(plans=plans, too_big=len(layouts) - len(fitting), bounded=bounded, simulated=len(plans))

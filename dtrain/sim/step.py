@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dtrain.cluster.topology import Topology
+from dtrain.comm.ir.schedule import Collective
 from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD
 from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
-from dtrain.sim.collective import CollectiveResult, SoftwareCost
+from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost
 from dtrain.sim.compute import (
     ADAM_BYTES_PER_PARAMETER,
     device_compute,
@@ -57,9 +58,17 @@ from dtrain.sim.model import (
 )
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import group
-from dtrain.sim.traffic import Cache, simulate_traffic
+from dtrain.sim.traffic import Cache, _build, _groups, _padded, _replay, simulate_traffic
 
-__all__ = ["StepConfig", "StepResult", "simulate_step", "stage_seconds", "exposed_bucket_s"]
+__all__ = [
+    "StepConfig",
+    "StepResult",
+    "simulate_step",
+    "stage_seconds",
+    "exposed_bucket_s",
+    "step_lower_bound",
+    "tensor_parallel_s",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,16 +160,25 @@ def _stage_times(
     backward."""
     forward, backward, weight = [], [], []
     costs: dict[tuple, tuple[float, float, float]] = {}
+    kinds = [(dev.peak_flops, dev.memory_bytes_per_s) for dev in map(topo.device, placement)]
+    if len(set(kinds)) == 1 and all(f == 1.0 for f in factors):  # every replica alike: price one, copy it
+        fw, bw, ww = zip(
+            *(stage_seconds(model, layout, p, *kinds[0], config, tp_s) for p in range(layout.pp)), strict=True
+        )
+        return (
+            [list(fw) for _ in range(layout.dp)],
+            [list(bw) for _ in range(layout.dp)],
+            [list(ww) for _ in range(layout.dp)],
+        )
     for d in range(layout.dp):
         fw, bw, ww = [], [], []
         for p in range(layout.pp):
             ranks = group(layout, "tp", d, p, 0)
             worst = None
             for r in ranks:
-                dev = topo.device(placement[r])
-                key = (dev.peak_flops, dev.memory_bytes_per_s, p)
+                key = (*kinds[r], p)
                 if key not in costs:
-                    costs[key] = stage_seconds(model, layout, p, dev.peak_flops, dev.memory_bytes_per_s, config, tp_s)
+                    costs[key] = stage_seconds(model, layout, p, *kinds[r], config, tp_s)
                 f, b, w = (x * factors[r] for x in costs[key])
                 if worst is None or f + b + w > sum(worst):
                     worst = (f, b, w)
@@ -203,18 +221,40 @@ def stage_seconds(
         if split:
             b, w = flops / 3 + extra, flops / 3
         return flops / 3 + 2 * layers * tp_s, b + tp_backward, w
-    device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
-    work = stage_compute(model, layout, stage, device)
+    forward_s, backward_s, weight_s, wgrads = _priced(model, layout, stage, peak_flops, memory_bytes_per_s, config)
     embedding_calls = 1 if stage == 0 and model.vocab and layout.tp > 1 else 0
-    forward = work.forward_s + (2 * layers + embedding_calls) * tp_s
+    forward = forward_s + (2 * layers + embedding_calls) * tp_s
     exposed = tp_s
     if config.overlap_tp_backward and not split and tp_s > 0:
-        wgrads = [price(op, device) for op in layer_ops(model, layout) if op.phase == "W" and op.name in _COLUMN]
         exposed = sum(max(0.0, tp_s - w) for w in wgrads) / max(1, len(wgrads))
-    backward = work.backward_s + (2 * exposed + recompute_calls * tp_s) * layers
+    backward = backward_s + (2 * exposed + recompute_calls * tp_s) * layers
     if split:
-        return forward, backward, work.weight_s
-    return forward, backward + work.weight_s, 0.0
+        return forward, backward, weight_s
+    return forward, backward + weight_s, 0.0
+
+
+#: Priced stages by (model, layout, stage, peak, memory rate, curves' identity): a planner prices each stage of a
+#: layout for its bounds and its simulation alike. Each entry keeps its curves, so an identity is never reused.
+_PRICED: dict[tuple, tuple[object, tuple[float, float, float, tuple[float, ...]]]] = {}
+
+
+def _priced(
+    model: ModelSpec, layout: Layout, stage: int, peak_flops: float, memory_bytes_per_s: float, config: StepConfig
+) -> tuple[float, float, float, tuple[float, ...]]:
+    """Forward, backward and weight-gradient compute seconds of one micro-batch of ``stage``
+    (:func:`dtrain.sim.compute.stage_compute`) and the weight-gradient seconds of the column-parallel products
+    of one layer."""
+    key = (model, layout, stage, peak_flops, memory_bytes_per_s, id(config.curves))
+    found = _PRICED.get(key)
+    if found is not None and found[0] is config.curves:
+        return found[1]
+    device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
+    work = stage_compute(model, layout, stage, device)
+    wgrads = tuple(price(op, device) for op in layer_ops(model, layout) if op.phase == "W" and op.name in _COLUMN)
+    if len(_PRICED) > 65536:
+        _PRICED.clear()
+    _PRICED[key] = (config.curves, (work.forward_s, work.backward_s, work.weight_s, wgrads))
+    return _PRICED[key][1]
 
 
 #: The column-parallel products whose input gradient's collective can run under their weight gradient.
@@ -227,6 +267,15 @@ def _optimizer_s(owned: float, device, config: StepConfig) -> float:
     if config.efficiency is not None:
         return owned * ADAM_BYTES_PER_PARAMETER / device.memory_bytes_per_s
     return optimizer_seconds(owned, device_compute(device.peak_flops, device.memory_bytes_per_s, curves=config.curves))
+
+
+def _optimizer_max(owned: float, topology: Topology, placement: Sequence[str], config: StepConfig) -> float:
+    """The slowest device's optimizer step, each kind of device (peak, memory rate) priced once."""
+    kinds = {}
+    for name in placement:
+        device = topology.device(name)
+        kinds.setdefault((device.peak_flops, device.memory_bytes_per_s), device)
+    return max(_optimizer_s(owned, device, config) for device in kinds.values())
 
 
 def exposed_bucket_s(all_reduce_s: float, backward_s: float, gradient_bytes: float, bucket_bytes: int) -> float:
@@ -252,15 +301,22 @@ def _factors(layout: Layout, config: StepConfig) -> list[list[float]]:
 
 def _step_links(parts: list[tuple[CollectiveResult | None, float]], step_s: float) -> list[LinkUsage]:
     """Each link's bytes over the step (each collective's bytes times its calls a step), busiest first."""
-    totals: dict[str, tuple[object, float]] = {}
+    totals: dict[str, list] = {}
     for result, calls in parts:
         if result is None:
             continue
         for u in result.links:
-            link, nbytes = totals.get(u.link.name, (u.link, 0.0))
-            totals[u.link.name] = (link, nbytes + u.nbytes * calls)
-    rows = [LinkUsage(link=link, nbytes=n, busy_s=0.0, total_s=step_s) for link, n in totals.values()]
-    return sorted(rows, key=lambda u: (-u.utilisation, u.link.name))
+            entry = totals.get(u.link.name)
+            if entry is None:
+                totals[u.link.name] = [u.link, 0.0 + u.nbytes * calls]
+            else:
+                entry[1] += u.nbytes * calls
+    # LinkUsage.utilisation, computed once a link for the sort rather than once a comparison
+    keys = sorted(
+        (-(n / (step_s * link.bytes_per_s)) if step_s > 0 else -0.0, name, link, n)
+        for name, (link, n) in totals.items()
+    )
+    return [LinkUsage(link=link, nbytes=n, busy_s=0.0, total_s=step_s) for _, _, link, n in keys]
 
 
 def simulate_step(
@@ -294,7 +350,7 @@ def simulate_step(
     memory = memory_per_device(model, layout)
     owned = max(stage_parameters(model, layout, 0), stage_parameters(model, layout, layout.pp - 1)) / layout.tp
     owned /= layout.dp if layout.zero_stage else 1
-    optimizer_s = max(_optimizer_s(owned, topology.device(d), config) for d in set(placement))
+    optimizer_s = _optimizer_max(owned, topology, placement, config)
     m = layout.microbatches
     v = layout.chunks
     steps, pipelines, exposed_dp = [], [], []
@@ -337,3 +393,99 @@ def simulate_step(
         tokens_per_s=layout.global_batch * model.sequence / step_s,
         links=_step_links(parts, step_s),
     )
+
+
+#: Schedules whose makespan with equal stages and free messages is ``(m + (p - 1) / v)(f + b)``: GPipe and 1F1B
+#: (``v = 1``; GPipe paper, section 2.3) and interleaved 1F1B with ``m`` a multiple of ``p`` (Narayanan et al.
+#: 2021, section 2.2.2); :func:`dtrain.sim.pipeline.pipeline_makespan` gives exactly this
+#: (tests/sim/test_planner_bound.py).
+_CLOSED_FORM = ("1f1b", "gpipe", "interleaved-1f1b")
+#: A closed form and an event replay may round apart by a few units in the last place: bounds are shaded by this.
+_ROUNDING = 1e-9
+
+
+def _makespan_bound(forward: list[float], backward: list[float], weight: list[float], layout: Layout) -> float:
+    """At most :func:`pipeline_makespan` of these stage times with any message time: the larger of the busiest
+    stage's work (a stage runs its actions one at a time) and the makespan of equal stages at each pass's
+    smallest time with free messages (the replay's times are maxima and sums of the costs, so it can only grow
+    with any of them): in closed form where :data:`_CLOSED_FORM` has it, else replayed (and kept)."""
+    p, m, v = layout.pp, layout.microbatches, layout.chunks
+    split = layout.schedule in SPLIT_BACKWARD
+    busiest = m * max(f + b + (w if split else 0.0) for f, b, w in zip(forward, backward, weight, strict=True))
+    f, b, w = min(forward), min(backward), min(weight)
+    if layout.schedule in _CLOSED_FORM and (layout.schedule != "interleaved-1f1b" or m % p == 0):
+        equal = (m + (p - 1) / v) * (f + b)
+    else:
+        key = (layout.schedule, p, m, v, f, b, w if split else None)
+        if key not in _EQUAL_SPANS:
+            if len(_EQUAL_SPANS) > 4096:
+                _EQUAL_SPANS.clear()
+            weights = [w] * p if split else None
+            _EQUAL_SPANS[key] = pipeline_makespan([f] * p, [b] * p, 0.0, m, layout.schedule, weight_s=weights,
+                                                  virtual_stages=v)  # fmt: skip
+        equal = _EQUAL_SPANS[key]
+    return max(busiest, equal) * (1 - _ROUNDING)
+
+
+_EQUAL_SPANS: dict[tuple, float] = {}
+
+
+def tensor_parallel_s(
+    model: ModelSpec,
+    layout: Layout,
+    topology: Topology,
+    placement: Sequence[str],
+    config: StepConfig | None = None,
+    *,
+    cache: Cache | None = None,
+) -> float:
+    """Seconds of one tensor-parallel all-reduce of a layer's activation, every group at once: the replay
+    :func:`simulate_step` makes (and, with the same ``cache``, shares with it); 0 without tensor parallelism."""
+    config = config or StepConfig()
+    if layout.tp == 1:
+        return 0.0
+    placement = list(placement)
+    item = model.bytes_per_value
+    activation = layout.micro_batch * model.sequence * model.hidden * item
+    jobs = [
+        Job(_build(Collective.ALL_REDUCE, config.tp_algorithm, g, placement, topology),
+            _padded(activation, item, len(g)), tuple(placement[r] for r in g))
+        for g in _groups(layout, "tp")
+    ]  # fmt: skip
+    return _replay(jobs, topology, config.cost, item, cache, config.flow_limit).time_s
+
+
+def step_lower_bound(
+    model: ModelSpec,
+    layout: Layout,
+    topology: Topology,
+    placement: Sequence[str],
+    config: StepConfig | None = None,
+    *,
+    tp_s: float = 0.0,
+) -> float:
+    """A time :func:`simulate_step` cannot beat for this layout and placement, without replaying the pipeline
+    sends or the data-parallel collectives: the pipeline of each replica with free messages (bounded below by
+    :func:`_makespan_bound`), no data-parallel time, and the optimizer step, the median over the same straggler
+    samples. ``tp_s``: the tensor-parallel all-reduce's seconds (:func:`tensor_parallel_s`), or 0 for a bound on
+    compute alone. Exact as a bound: every part of the step grows with the seconds left out (the stage times with
+    ``tp_s``, the pipeline with its stage times and message time, the step with its data-parallel time, which is
+    at least 0), and a median of smaller samples is smaller."""
+    config = config or StepConfig()
+    layout.check(model)
+    placement = list(placement)
+    owned = max(stage_parameters(model, layout, 0), stage_parameters(model, layout, layout.pp - 1)) / layout.tp
+    owned /= layout.dp if layout.zero_stage else 1
+    optimizer_s = _optimizer_max(owned, topology, placement, config)
+    bounds = []
+    spans: dict[tuple, float] = {}
+    for factors in _factors(layout, config):
+        forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s)
+        slowest = 0.0
+        for f, b, w in zip(forward, backward, weight, strict=True):
+            key = (tuple(f), tuple(b), tuple(w))
+            if key not in spans:
+                spans[key] = _makespan_bound(f, b, w, layout)
+            slowest = max(slowest, spans[key])
+        bounds.append(slowest + optimizer_s)
+    return float(np.median(bounds))
