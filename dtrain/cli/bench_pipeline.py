@@ -13,12 +13,18 @@ pipeline_parallel_communications.StageLink.step_report`): ``messages_per_step`` 
 stages), per stage ``recv_waits_per_stage``, ``recv_wait_ms_per_stage`` (``wait_clock`` "device": how long the
 GPU's compute stream stood waiting for receives, from CUDA events; "host": the CPU's blocking waits),
 ``send_post_ms_per_stage`` and ``host_issue_ms_per_stage`` (the host's time to issue the step: near ``step_ms``
-on a GPU, the host sets the pace).
+on a GPU, the host sets the pace), ``actions_per_stage`` and ``host_issue_us_per_action_per_stage`` (the same
+time per F, B or W action).
+
+``--profile DIR`` runs cProfile (host wall clock) around each rank's timed ``train_step`` calls and writes
+``DIR/<schedule>-m<m>-rank<r>.prof`` (read with ``python -m pstats``), to see where the host's time per action
+goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import statistics
@@ -47,6 +53,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     p.add_argument("--out", default=None, help="JSON lines, one row per schedule and m (rank 0 writes)")
+    p.add_argument("--profile", default=None, metavar="DIR", help="one cProfile file a rank, schedule and m")
     return p
 
 
@@ -58,6 +65,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--microbatches {args.microbatches}: each must be positive and divide --batch {args.batch}")
     if min(args.layers, args.width, args.warmup, args.steps, args.nproc) < 1:
         raise ValueError("--layers, --width, --warmup, --steps and --nproc must be at least 1")
+    if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
+        raise ValueError(f"--profile {args.profile}: exists and is not a directory")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,8 +102,8 @@ def _model(args, device):
         return nn.Sequential(*(nn.Sequential(nn.Linear(args.width, args.width), nn.GELU()) for _ in range(args.layers)))
 
 
-def _time(step, device, args) -> float:
-    """The slowest rank's median seconds of ``step()``."""
+def _time(step, device, args, profile: cProfile.Profile | None = None) -> float:
+    """The slowest rank's median seconds of ``step()`` (``profile`` on around the timed ones)."""
     import torch
     import torch.distributed as dist
 
@@ -103,7 +112,11 @@ def _time(step, device, args) -> float:
         dist.barrier()
         _sync(device)
         start = time.perf_counter()
+        if profile is not None and i >= args.warmup:
+            profile.enable()
         step()
+        if profile is not None:
+            profile.disable()
         _sync(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -168,8 +181,9 @@ def _comm_report(pipe, step, device) -> dict:
     pipe.link.measure_device = False
     report = pipe.link.step_report()
     wait = report["device_wait_s"] if report["device_wait_s"] is not None else report["recv_wait_s"]
+    actions = len(pipe.actions)
     mine = torch.tensor(
-        [report["sends"], report["recvs"], wait, report["send_s"], host_s], dtype=torch.float64, device=device
+        [report["sends"], report["recvs"], wait, report["send_s"], host_s, actions], dtype=torch.float64, device=device
     )
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
@@ -181,6 +195,8 @@ def _comm_report(pipe, step, device) -> dict:
         "recv_wait_ms_per_stage": [round(r[2] * 1e3, 3) for r in rows],
         "send_post_ms_per_stage": [round(r[3] * 1e3, 3) for r in rows],
         "host_issue_ms_per_stage": [round(r[4] * 1e3, 3) for r in rows],
+        "actions_per_stage": [int(r[5]) for r in rows],
+        "host_issue_us_per_action_per_stage": [round(r[4] / r[5] * 1e6, 1) for r in rows],
     }
 
 
@@ -240,7 +256,13 @@ def _rank_main(args: argparse.Namespace) -> None:
                 for q in pipe.parameters():
                     q.grad = None
 
-            step_s = _time(step, device, args)
+            profile = cProfile.Profile() if args.profile else None
+            step_s = _time(step, device, args, profile)
+            if profile is not None:
+                os.makedirs(args.profile, exist_ok=True)
+                path = os.path.join(args.profile, f"{name}-m{m}-rank{rank}.prof")
+                profile.dump_stats(path + ".tmp")
+                os.replace(path + ".tmp", path)
             comm_row = _comm_report(pipe, step, device)
             busy = torch.tensor([_busy(pipe, args, m, device)], dtype=torch.float64, device=device)
             dist.all_reduce(busy)

@@ -31,14 +31,16 @@ Chunk ``c`` of rank ``s`` is virtual stage :func:`~dtrain.parallel.pipeline_sche
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from dtrain.parallel.pipeline_schedules import Timeline, TimelineEvent, chunk_of, stage_of_virtual, virtual_stage
 
-__all__ = ["HEADER_NUMEL", "MAX_NDIM", "StageLink", "decode_header", "encode_header", "messages"]
+__all__ = ["HEADER_NUMEL", "MAX_NDIM", "Route", "StageLink", "decode_header", "encode_header", "messages"]
 
 MAX_NDIM = 8
 HEADER_NUMEL = 2 + MAX_NDIM  # ndim, dtype code, dims padded with -1
@@ -102,6 +104,15 @@ def backward_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 Key = tuple[int, int, int]  # (direction, receiving virtual stage, micro-batch)
 
 
+class Route(NamedTuple):
+    """Where the messages of one (direction, receiving virtual stage) go to or come from, resolved once."""
+
+    peer: int  # the other stage (this stage itself for the turn of the V: no message)
+    group: dist.ProcessGroup | None  # the communicator carrying them
+    rank: int  # the peer's rank in ``group``
+    tag: int  # 2 u + direction
+
+
 def messages(
     schedules: Sequence[Sequence[tuple]], placement: str = "loop", *, forward_only: bool = False
 ) -> dict[tuple[int, int], list[Key]]:
@@ -144,6 +155,13 @@ class StageLink:
     afterwards is a ValueError (call :meth:`forget_shapes` on every stage first). Sends are asynchronous and
     waited lazily: polled between actions, waited at the end of the step. Each message is recorded in the current
     :class:`Timeline` when one is set with :meth:`begin_step`. Received tensors land on ``device``.
+
+    What a message costs the host is kept small, as on a GPU the host's time per action sets the pace of a step
+    once micro-batches are small: each (direction, virtual stage)'s peer, communicator and tag are resolved once
+    and cached; the receives each action posts ahead, and the order of each peer's messages, are worked out once
+    per schedule (and forward-only or not), not per step or message; messages go to the process group's own
+    ``send`` / ``recv`` (what ``torch.distributed.isend`` / ``irecv`` call after their argument checks, done here
+    once); polling the sends looks at the oldest ones only, so it costs O(1) an action, not O(sends in flight).
     """
 
     def __init__(
@@ -158,6 +176,7 @@ class StageLink:
         placement: str = "loop",
         lookahead: int = 2,
     ) -> None:
+        group = group if group is not None else dist.group.WORLD
         self.group = group
         self.grad_group = grad_group if grad_group is not None else backward_group(group)
         self.device = device if device is not None else torch.device("cpu")
@@ -167,11 +186,18 @@ class StageLink:
         self.placement = placement
         self.lookahead = lookahead
         self.timeline: Timeline | None = None
-        self._pending: list[tuple[object, list[torch.Tensor], TimelineEvent]] = []
+        self._pending: deque[tuple[object, list[torch.Tensor], TimelineEvent | None]] = deque()
         self._shapes: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # agreed, persistent
         self._agreed: set[tuple[int, int]] = set()  # (direction, virtual stage) whose header has been planned
         self._schedules: list[list[tuple]] = []
         self._plans: dict[bool, dict[tuple[int, int], list[Key]]] = {}
+        # (direction, virtual stage receiving) -> (peer stage, communicator, the peer's rank in it, tag); the peer
+        # is this stage for the turn of the V (no message)
+        self._send_routes: dict[tuple[int, int], Route] = {}
+        self._recv_routes: dict[tuple[int, int], Route] = {}
+        self._steady: dict[bool, dict[int, list[tuple[Key, bool]]]] = {}  # per forward_only, once shapes agreed
+        self._ahead: dict[tuple[bool, int], list[list[tuple[int, Key]]]] = {}  # receives to post after action i
+        self._ahead_now: list[list[tuple[int, Key]]] = []
         self._local: dict[Key, torch.Tensor] = {}
         self._incoming: dict[int, list[tuple[Key, bool]]] = {}  # peer -> [(key, header first)] this step
         self._cursor: dict[int, int] = {}
@@ -190,20 +216,36 @@ class StageLink:
         """Every stage's actions (the same on every rank): what each peer sends, in order."""
         self._schedules = [list(a) for a in schedules]
         self._plans.clear()
+        self._steady.clear()
+        self._ahead.clear()
 
     def begin_step(self, timeline: Timeline | None, *, forward_only: bool = False) -> None:
         """Start a step (``timeline`` None ends one): the receives to post this step, in each peer's send order."""
         self.timeline = timeline
         if timeline is None:
             return
-        self._counts = dict.fromkeys(self._counts, 0)
-        self._counts["send_s"] = self._counts["recv_wait_s"] = 0.0
+        self._counts = {"sends": 0, "recvs": 0, "headers": 0, "send_s": 0.0, "recv_wait_s": 0.0}
         self._wait_events = []
+        self._local = {}
+        mine = self._schedules[self.stage] if self._schedules else []
+        self._actions = [a for a in mine if a[0] == "F"] if forward_only else mine
+        steady = self._steady.get(forward_only)
+        if steady is None:
+            steady = self._plan_incoming(forward_only)
+        self._incoming = steady
+        self._cursor = dict.fromkeys(steady, 0)
+        ahead = self._ahead.get((forward_only, self.lookahead))
+        if ahead is None:
+            ahead = self._ahead[forward_only, self.lookahead] = self._plan_ahead()
+        self._ahead_now = ahead
+
+    def _plan_incoming(self, forward_only: bool) -> dict[int, list[tuple[Key, bool]]]:
+        """Per peer, the messages it sends this rank in its order, each flagged when a header precedes it; kept for
+        every later step once no message of the step needs a header."""
         if forward_only not in self._plans:
             self._plans[forward_only] = messages(self._schedules, self.placement, forward_only=forward_only)
         channels = self._plans[forward_only]
-        self._incoming, self._cursor, self._local = {}, {}, {}
-        headers = {}
+        incoming, headers, any_header = {}, {}, False
         for (src, dst), keys in sorted(channels.items()):
             flagged = []
             for key in keys:
@@ -211,20 +253,63 @@ class StageLink:
                 first = agreed not in self._agreed and agreed not in headers.get((src, dst), set())
                 headers.setdefault((src, dst), set()).update({agreed} if first else set())
                 flagged.append((key, first))
+                any_header |= first
             if dst == self.stage:
-                self._incoming[src] = flagged
-                self._cursor[src] = 0
+                incoming[src] = flagged
             if src == self.stage:
                 self._header_out |= {key for key, first in flagged if first}
         for found in headers.values():
             self._agreed |= found
-        mine = self._schedules[self.stage] if self._schedules else []
-        self._actions = [a for a in mine if a[0] == "F"] if forward_only else mine
+        if not any_header:
+            self._steady[forward_only] = incoming
+        return incoming
+
+    def _plan_ahead(self) -> list[list[tuple[int, Key]]]:
+        """For each action of this step, the (peer, message) receives of the next ``lookahead`` actions."""
+        needed: list[tuple[int, Key] | None] = []
+        for action in self._actions:
+            kind, mb = action[0], action[1]
+            u = virtual_stage(self.stage, chunk_of(action), self.num_stages, self.placement)
+            direction = _FORWARD if kind == "F" else _BACKWARD if kind == "B" else None
+            route = self._recv_route(direction, u) if direction is not None else None
+            remote = route is not None and route.peer != self.stage
+            needed.append((route.peer, (direction, u, mb)) if remote else None)
+        return [[n for n in needed[i + 1 : i + 1 + self.lookahead] if n is not None] for i in range(len(self._actions))]
 
     def forget_shapes(self) -> None:
         """Agree shapes again on the next message of each kind (every stage of the group must call it)."""
         self._shapes.clear()
         self._agreed.clear()
+        self._steady.clear()
+
+    # -- routes, resolved once
+
+    def _send_route(self, direction: int, to: int, kind: str) -> Route:
+        route = self._send_routes.get((direction, to))
+        if route is None:
+            dest = self._peer_stage(to, kind)
+            route = self._send_routes[direction, to] = self._route(dest, to, direction, sending=True)
+        return route
+
+    def _recv_route(self, direction: int, u: int) -> Route | None:
+        """The route of the message ``direction`` into virtual stage ``u``; None where no stage sends it (the
+        first stage's forward input, the last stage's gradient)."""
+        route = self._recv_routes.get((direction, u))
+        if route is None:
+            frm = u - 1 if direction == _FORWARD else u + 1
+            if not 0 <= frm < self.num_stages * self.virtual_stages:
+                return None
+            source = stage_of_virtual(frm, self.num_stages, self.placement)[0]
+            route = self._recv_routes[direction, u] = self._route(source, u, direction, sending=False)
+        return route
+
+    def _route(self, peer: int, u: int, direction: int, *, sending: bool) -> Route:
+        """The :class:`Route` of a message into virtual stage ``u`` to (``sending``) or from ``peer``."""
+        tag = 2 * u + direction
+        if peer == self.stage:
+            return Route(peer, None, -1, tag)
+        comm = self._comm(self.stage, peer) if sending else self._comm(peer, self.stage)
+        return Route(peer, comm, dist.get_group_rank(comm, dist.get_global_rank(self.group, peer)), tag)
 
     # -- sending
 
@@ -258,46 +343,51 @@ class StageLink:
 
     def _send(self, tensor: torch.Tensor, key: Key, kind: str, chunk: int) -> None:
         direction, to, microbatch = key
-        dest = self._peer_stage(to, kind)
+        dest, group, rank, tag = self._send_route(direction, to, kind)
         payload = tensor.detach()
         if dest == self.stage:  # the turn of the V: the next chunk is on this rank
             self._local[key] = payload
             return
         start = time.perf_counter()
-        payload = payload.contiguous()
-        group, peer, tag = self._comm(self.stage, dest), dist.get_global_rank(self.group, dest), 2 * to + direction
-        buffers = [payload]
-        works = []
-        known = self._shapes.get((direction, to))
-        if key in self._header_out:
+        if not payload.is_contiguous():
+            payload = payload.contiguous()
+        if self._header_out and key in self._header_out:
             self._header_out.discard(key)
             header = encode_header(payload).to(payload.device)
             self._shapes[direction, to] = (tuple(payload.shape), payload.dtype)
-            works.append(dist.isend(header, peer, group=group, tag=tag))
-            buffers.append(header)
-        elif known is None or known != (tuple(payload.shape), payload.dtype):
-            raise ValueError(
-                f"stage {self.stage}: micro-batch {microbatch} would {kind} {tuple(payload.shape)} "
-                f"{payload.dtype}, but the pipeline agreed on {known} for these messages; call forget_shapes() "
-                "on every stage before changing the micro-batch shape"
-            )
-        works.append(dist.isend(payload, peer, group=group, tag=tag))
+            self._pending.append((_send(header, group, rank, tag), [header], None))
+            self._counts["headers"] += 1
+        else:
+            known = self._shapes.get((direction, to))
+            if known is None or payload.shape != known[0] or payload.dtype != known[1]:
+                raise ValueError(
+                    f"stage {self.stage}: micro-batch {microbatch} would {kind} {tuple(payload.shape)} "
+                    f"{payload.dtype}, but the pipeline agreed on {known} for these messages; call forget_shapes() "
+                    "on every stage before changing the micro-batch shape"
+                )
+        work = _send(payload, group, rank, tag)
         event = self._record(kind, microbatch, chunk, start)
-        self._counts["sends"] += 1
-        self._counts["headers"] += len(works) - 1
-        self._counts["send_s"] += time.perf_counter() - start
-        self._pending += [(w, buffers, event) for w in works]
+        self._pending.append((work, [payload], event))
+        counts = self._counts
+        counts["sends"] += 1
+        counts["send_s"] += time.perf_counter() - start
 
     # -- receiving
 
     def _recv(self, key: Key, kind: str, chunk: int) -> torch.Tensor:
         direction, u, microbatch = key
-        source = self._peer_stage(u - 1 if direction == _FORWARD else u + 1, kind)
+        route = self._recv_route(direction, u)
+        if route is None:
+            self._peer_stage(u - 1 if direction == _FORWARD else u + 1, kind)  # raises: no such peer
+        source = route.peer
         if source == self.stage:
             return self._local.pop(key)
         start = time.perf_counter()
-        self._post_until(source, key)
-        work, payload = self._posted.pop(key)
+        posted = self._posted.pop(key, None)
+        if posted is None:
+            self._post_until(source, key)
+            posted = self._posted.pop(key)
+        work, payload = posted
         measure = self.measure_device and payload.is_cuda
         if measure:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -309,48 +399,43 @@ class StageLink:
             after.record()
             self._wait_events.append((before, after))
         self._record(kind, microbatch, chunk, start).end_s = end
-        self._counts["recvs"] += 1
-        self._counts["recv_wait_s"] += end - waited
+        counts = self._counts
+        counts["recvs"] += 1
+        counts["recv_wait_s"] += end - waited
         return payload
 
     def _post_until(self, source: int, key: Key) -> None:
         """Post the receives from ``source`` in its send order, up to and including ``key``."""
         if key in self._posted:
             return
-        items = self._incoming.get(source, [])
-        group, peer = self._comm(source, self.stage), dist.get_global_rank(self.group, source)
-        while self._cursor.get(source, 0) < len(items):
-            item, header_first = items[self._cursor[source]]
-            self._cursor[source] += 1
+        items = self._incoming.get(source, ())
+        cursor = self._cursor.get(source, 0)
+        while cursor < len(items):
+            item, header_first = items[cursor]
+            cursor += 1
+            self._cursor[source] = cursor
             direction, u, _ = item
-            tag = 2 * u + direction
+            _, group, rank, tag = self._recv_route(direction, u)
             if header_first:
                 header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
-                self._headers[direction, u] = (dist.irecv(header, peer, group=group, tag=tag), header)
-            if (direction, u) not in self._shapes:  # the first step: read the header (a host wait, once)
+                self._headers[direction, u] = (_recv(header, group, rank, tag), header)
+            agreed = self._shapes.get((direction, u))
+            if agreed is None:  # the first step: read the header (a host wait, once)
                 work, header = self._headers.pop((direction, u))
                 work.wait()
-                self._shapes[direction, u] = decode_header(header)
-            shape, dtype = self._shapes[direction, u]
-            payload = torch.empty(shape, dtype=dtype, device=self.device)
-            self._posted[item] = (dist.irecv(payload, peer, group=group, tag=tag), payload)
+                agreed = self._shapes[direction, u] = decode_header(header)
+            payload = torch.empty(agreed[0], dtype=agreed[1], device=self.device)
+            self._posted[item] = (_recv(payload, group, rank, tag), payload)
             if item == key:
                 return
         raise ValueError(f"stage {self.stage}: no message {key} from stage {source} in this step's schedule")
 
     def prefetch(self, index: int) -> None:
         """Post the receives of the next ``lookahead`` actions after action ``index`` of this step."""
-        p, last = self.num_stages, self.num_stages * self.virtual_stages - 1
-        for action in self._actions[index + 1 : index + 1 + self.lookahead]:
-            kind, mb = action[0], action[1]
-            u = virtual_stage(self.stage, chunk_of(action), p, self.placement)
-            if kind == "F" and u > 0:
-                key, source = (_FORWARD, u, mb), stage_of_virtual(u - 1, p, self.placement)[0]
-            elif kind == "B" and u < last:
-                key, source = (_BACKWARD, u, mb), stage_of_virtual(u + 1, p, self.placement)[0]
-            else:
-                continue
-            if source != self.stage and (key[0], key[1]) in self._shapes:
+        if index >= len(self._ahead_now):
+            return
+        for source, key in self._ahead_now[index]:
+            if key not in self._posted and (key[0], key[1]) in self._shapes:
                 self._post_until(source, key)
 
     def _record(self, kind: str, microbatch: int, chunk: int, start: float) -> TimelineEvent:
@@ -374,18 +459,33 @@ class StageLink:
         return report
 
     def poll_sends(self) -> None:
-        """Stamp and release the sends that have completed (cheap; called between actions)."""
-        still = []
-        for work, buffers, event in self._pending:
-            if work.is_completed():
+        """Stamp and release the oldest sends that have completed, up to the first still in flight (cheap; called
+        between actions: sends complete about in the order posted, so this looks at one or two of them)."""
+        pending = self._pending
+        while pending and pending[0][0].is_completed():
+            event = pending.popleft()[2]
+            if event is not None:
                 event.end_s = max(event.end_s, time.perf_counter())
-            else:
-                still.append((work, buffers, event))
-        self._pending = still
 
     def wait_sends(self) -> None:
         """Block until every send of the step is done; their buffers may be reused after this."""
-        for work, _, event in self._pending:
+        pending = self._pending
+        while pending:
+            work, _, event = pending.popleft()
             work.wait()
-            event.end_s = max(event.end_s, time.perf_counter())
-        self._pending = []
+            if event is not None:  # a header's send has none
+                event.end_s = max(event.end_s, time.perf_counter())
+
+
+def _send(tensor: torch.Tensor, group: dist.ProcessGroup, peer: int, tag: int):  # noqa: ANN202
+    """``dist.isend(tensor, group=group, group_dst=peer, tag=tag)``: the group's own send, for a plain tensor."""
+    if type(tensor) is torch.Tensor and not tensor.is_complex():
+        return group.send([tensor], peer, tag)
+    return dist.isend(tensor, group=group, group_dst=peer, tag=tag)
+
+
+def _recv(tensor: torch.Tensor, group: dist.ProcessGroup, peer: int, tag: int):  # noqa: ANN202
+    """``dist.irecv(tensor, group=group, group_src=peer, tag=tag)``: the group's own recv, for a plain tensor."""
+    if type(tensor) is torch.Tensor and not tensor.is_complex():
+        return group.recv([tensor], peer, tag)
+    return dist.irecv(tensor, group=group, group_src=peer, tag=tag)

@@ -240,3 +240,13 @@ def test_weight_gradients_of_two_microbatches_accumulate_in_place_like_autograd(
     assert net.weight.grad is first
     torch.testing.assert_close(net.weight.grad, reference.weight.grad)
     torch.testing.assert_close(net.bias.grad, reference.bias.grad)
+
+
+def test_bench_pipeline_profile_must_name_a_directory(tmp_path, capsys):
+    from dtrain.cli.main import main
+
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    assert main(["bench", "pipeline", "--profile", str(taken), "--out", str(tmp_path / "rows.jsonl")]) == 2
+    assert f"--profile {taken}: exists and is not a directory" in capsys.readouterr().out
+    assert not (tmp_path / "rows.jsonl").exists()  # refused before any rank starts or any file is written
