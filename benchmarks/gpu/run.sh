@@ -44,8 +44,8 @@
 #   probe-chain-timeline  the chain broadcast's device timeline, pull and push              -> chain-timeline-*/
 #   defaults           every collective with the defaults (auto) beside NCCL, 8 KiB-1 GiB, same tensors and fresh ones
 #                      -> defaults.jsonl, defaults-fresh.jsonl
-#   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, m = 4, 8, 16, beside torch pipelining
-#                      -> bench_pipeline.jsonl
+#   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 4, 8, 16 and batch
+#                      4096 at m = 8, 16, beside torch pipelining -> bench_pipeline.jsonl, bench_pipeline-b4096.jsonl
 #   probe-one-shot | probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
 #                      benchmarks/collectives/probe.py MODE                                 -> probe-MODE.txt
 set -uo pipefail
@@ -153,7 +153,10 @@ for mode in "$@"; do
       done ;;
     bench-pipeline)
       LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 4,8,16 \
-        --out "$out/bench_pipeline.jsonl" | grep -vE "^\[|Thread" ;;
+        --out "$out/bench_pipeline.jsonl" | grep -vE "^\[|Thread"
+      # micro-batches of 256-512 rows: the stages' compute outweighs the host's time per action
+      LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 4096 --microbatches 8,16 \
+        --out "$out/bench_pipeline-b4096.jsonl" | grep -vE "^\[|Thread" ;;
     dp)
       for b in 32 16; do
         LIMIT=${LIMIT:-120} tr benchmarks/training/dp_zero.py --sections dp --sizes 4 1 --batch-per-rank $b --stall-s 110 ${DP_EXTRA:-} \
