@@ -174,8 +174,9 @@ def section_collectives() -> str:
         "![NCCL's time over ours, captured](figures/collectives-captured.png)",
         *_defaults_part(),
         "### All-reduce on the defaults (4 x H100)",
-        "busbw GB/s, ratio to NCCL in brackets; the `auto` column ran a rule of the ring from 32 MiB and the cost "
-        "model below it, while the default `auto` on this machine is `native`, which these figures show faster.",
+        "busbw GB/s, ratio to NCCL in brackets, for our schedules run a round at a time; the `auto` column ran a "
+        "rules file naming the ring from 32 MiB and the cost model below it. The defaults `auto` follows now are in "
+        "the table above.",
         setting(card(ar), gpu_software(ar), "benchmarks/gpu/run.sh OUT all-reduce", "`all_reduce-h100x4.jsonl`"),
         busbw_table(ar, ["native", "ring", "halving_doubling", "auto"]),
         "![all-reduce busbw, 4 x H100](figures/all_reduce-h100x4.png)",
@@ -229,7 +230,9 @@ def _defaults_part() -> list[str]:
                 "two alternating in 5 rounds of 20 calls between two synchronizations, the slowest rank's time, the "
                 "median round; float32. A cell is NCCL's time over ours (above 1.00x ours is faster), then, where "
                 "`auto` ran one of ours, which. `fresh`: new input and output tensors every call, made before the "
-                "timed loop.",
+                "timed loop. Where `auto` is `native` both columns run the same NCCL call, so their spread (0.56x "
+                "to 3.06x in single cells, mostly 0.95-1.05x) is the measurement's noise: a round of 20 calls "
+                "now and then takes several times the others.",
             ]
         sizes = sorted({r["nbytes"] for r in same})
         header = ["size"] + [f"{c.replace('_', '-')} {kind}" for c in DEFAULT_COLLECTIVES for kind in ("", "fresh")]
@@ -815,37 +818,64 @@ def section_bubble() -> str:
 
 def _zero_bubble_part() -> list[str]:
     """`dtrain bench pipeline` on 4 H100s: every schedule, zero-bubble ones included, beside torch's."""
-    records = load("bench_pipeline-h100x4.jsonl")
-    rows = [
-        [
-            r["schedule"],
-            str(r["microbatches"]),
-            f"{r['bubble_theory']:.3f}",
-            f"{r['bubble_measured']:.3f}",
-            f"{r['step_ms']:.2f}",
-            f"{r['torch_step_ms']:.2f}" if r.get("torch_step_ms") else "-",
+    parts = []
+    for name in ("bench_pipeline-h100x4.jsonl", "bench_pipeline-b4096-h100x4.jsonl"):
+        records = load(name)
+        if not records:
+            continue
+        rows = [
+            [
+                r["schedule"],
+                str(r["microbatches"]),
+                str(r["batch"] // r["microbatches"]),
+                f"{r['bubble_theory']:.3f}",
+                f"{r['bubble_measured']:.3f}",
+                f"{r['bubble_measured'] / r['bubble_theory']:.2f}x",
+                f"{r['step_ms']:.2f}",
+                f"{r['torch_step_ms']:.2f}" if r.get("torch_step_ms") else "-",
+                f"{r['torch_step_ms'] / r['step_ms']:.2f}x" if r.get("torch_step_ms") else "-",
+            ]
+            for r in records
         ]
-        for r in records
-    ]
-    first = records[0]
-    return [
-        "### Every schedule on 4 x H100, beside torch.distributed.pipelining",
-        f"{first['layers']} x (Linear({first['width']}, {first['width']}) + GELU) on 4 stages, batch "
-        f"{first['batch']}, float32, one stage a GPU. Theory: (p - 1) / (v m + p - 1) for GPipe and 1F1B (v = 1) "
-        "and interleaved 1F1B (v = 2); for ZB-H1 (p - 1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W) + (p - 1)(T_F + "
-        "T_B - T_W)) with equal pass times (Qi et al. 2024, section 3.1); for ZB-V the idle share of its own "
-        "schedule simulated with free messages. torch: the same model and micro-batches through "
-        "torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and "
-        "ScheduleZBVZeroBubble (it has no single-chunk ZB-H1).",
-        setting(
-            f"4 x {first['device']}, NVLink through NVSwitch",
-            f"torch 2.11.0+cu130, NCCL {NCCL}",
-            f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
-            f"{first['width']} --batch {first['batch']} --microbatches 4,8,16 --warmup 2 --steps 5",
-            "`bench_pipeline-h100x4.jsonl`",
-        ),
-        table(["schedule", "m", "theory", "measured", "step ms", "torch step ms"], rows),
-    ]
+        first = records[0]
+        ms = ",".join(str(m) for m in dict.fromkeys(r["microbatches"] for r in records))
+        if not parts:
+            parts += [
+                "### Every schedule on 4 x H100, beside torch.distributed.pipelining",
+                f"{first['layers']} x (Linear({first['width']}, {first['width']}) + GELU) on 4 stages, float32, one "
+                "stage a GPU. Theory: (p - 1) / (v m + p - 1) for GPipe and 1F1B (v = 1) and interleaved 1F1B "
+                "(v = 2); for ZB-H1 (p - 1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W) + (p - 1)(T_F + T_B - T_W)) with "
+                "equal pass times (Qi et al. 2024, section 3.1); for ZB-V the idle share of its own schedule "
+                "simulated with free messages. torch: the same model and micro-batches through "
+                "torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and "
+                "ScheduleZBVZeroBubble (it has no single-chunk ZB-H1); `torch / ours`: its step time over ours.",
+            ]
+        parts += [
+            f"#### Batch {first['batch']}",
+            setting(
+                f"4 x {first['device']}, NVLink through NVSwitch",
+                f"torch 2.11.0+cu130, NCCL {NCCL}",
+                f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
+                f"{first['width']} --batch {first['batch']} --microbatches {ms} (benchmarks/gpu/run.sh OUT "
+                "bench-pipeline)",
+                f"`{name}`",
+            ),
+            table(
+                [
+                    "schedule",
+                    "m",
+                    "rows a micro-batch",
+                    "theory",
+                    "measured",
+                    "measured / theory",
+                    "step ms",
+                    "torch step ms",
+                    "torch / ours",
+                ],
+                rows,
+            ),
+        ]
+    return parts
 
 
 # -------------------------------------------------------------------------------------------------- parameter server
