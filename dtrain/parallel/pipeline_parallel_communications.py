@@ -140,6 +140,11 @@ def messages(
     return out
 
 
+#: The actions ahead whose receives a CPU stage posts after each action (Gloo sends complete only once the
+#: receiver has posted, so receives posted early let the neighbour's sends go while this stage computes).
+CPU_LOOKAHEAD = 2
+
+
 class StageLink:
     """This rank's links to the neighbouring (virtual) stages: activations in and out, gradients out and in.
 
@@ -148,7 +153,11 @@ class StageLink:
     Messages to a higher stage travel on ``group``, to a lower one on ``grad_group``, so that on each
     communicator every pair of ranks carries one direction only. :meth:`plan` takes every stage's actions; from
     them each rank knows, per peer, the order in which that peer sends, and posts its receives in that order
-    (NCCL ignores tags and matches in order), ahead of the action that needs them (:meth:`prefetch`).
+    (NCCL ignores tags and matches in order), ahead of the action that needs them (:meth:`prefetch`): the next
+    ``lookahead`` actions' receives (default :data:`CPU_LOOKAHEAD` on the CPU; none ahead on CUDA, where a receive
+    posted early holds NCCL's point-to-point stream for the pair and delays the sends queued behind it: on 4 H100s,
+    16 x Linear(4096) with micro-batches of 512 rows, 1F1B's step fell from 65.0 to 55.2 ms and ZB-H1's from 48.9 to
+    44.1 ms with no receive posted ahead).
 
     Shapes are agreed once: the first message of each (direction, virtual stage) the link ever carries is preceded
     by a header (:func:`encode_header`), and later messages reuse it, across steps. A payload of another shape
@@ -174,7 +183,7 @@ class StageLink:
         virtual_stages: int = 1,
         grad_group: dist.ProcessGroup | None = None,
         placement: str = "loop",
-        lookahead: int = 2,
+        lookahead: int | None = None,
     ) -> None:
         group = group if group is not None else dist.group.WORLD
         self.group = group
@@ -184,6 +193,8 @@ class StageLink:
         self.num_stages = num_stages
         self.virtual_stages = virtual_stages
         self.placement = placement
+        if lookahead is None:
+            lookahead = 0 if self.device.type == "cuda" else CPU_LOOKAHEAD
         self.lookahead = lookahead
         self.timeline: Timeline | None = None
         self._pending: deque[tuple[object, list[torch.Tensor], TimelineEvent | None]] = deque()
