@@ -5,10 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -62,17 +59,21 @@ def test_bench_rejects_a_bad_size():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("dtrain.comm.api") is None, reason="dtrain.comm.api not written yet")
-def test_bench_comm_runs_two_ranks_and_writes_json_lines_and_a_plot(tmp_path):
+def _without_rank_variables(monkeypatch) -> None:
+    """The command below starts its own ranks (real processes, spawned with this environment)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_bench_comm_runs_two_ranks_and_writes_json_lines_and_a_plot(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench.jsonl"
-    command = [sys.executable, "-m", "dtrain", "bench", "comm", "--nproc", "2", "--min-bytes", "4096"]
+    command = ["bench", "comm", "--nproc", "2", "--min-bytes", "4096"]
     command += ["--max-bytes", "4096", "--iters", "2", "--warmup", "1", "--out", str(out), "--rules-out"]
     command += ["--warm-s", "0.2"]  # the GPU warm-up, asked for on the CPU: ranks must stay in step through it
-    env = {**os.environ, "DTRAIN_CALIBRATION": str(tmp_path / "none.json")}
-    env["DTRAIN_COMM_RULES"] = str(tmp_path / "rules.json")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    _without_rank_variables(monkeypatch)
+    monkeypatch.setenv("DTRAIN_CALIBRATION", str(tmp_path / "none.json"))
+    monkeypatch.setenv("DTRAIN_COMM_RULES", str(tmp_path / "rules.json"))
+    assert main(command) == 0, capsys.readouterr().out
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert {"auto", "native", "ring"} <= {r["algorithm"] for r in records}
     for r in records:
@@ -87,13 +88,10 @@ def test_bench_comm_runs_two_ranks_and_writes_json_lines_and_a_plot(tmp_path):
     assert made.covers("cpu", 2, None) and made.pick("all_reduce", 4096) == min(paths, key=paths.get)
 
 
-def test_bench_calibrate_saves_parameters_the_cost_model_loads(tmp_path):
+def test_bench_calibrate_saves_parameters_the_cost_model_loads(tmp_path, monkeypatch):
     out = tmp_path / "cal.json"
-    command = [sys.executable, "-m", "dtrain", "bench", "calibrate", "--nproc", "2", "--repeats", "2"]
-    command += ["--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    _without_rank_variables(monkeypatch)
+    assert main(["bench", "calibrate", "--nproc", "2", "--repeats", "2", "--out", str(out)]) == 0
     params = load_params(out)
     assert params.intra.beta_s_per_byte > 0
     assert json.loads(out.read_text())["meta"]["world_size"] == 2

@@ -17,9 +17,11 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import forkserver
 
 __all__ = ["ProcessPool", "JobError", "group_of", "job_target", "world_group_size"]
 
@@ -90,13 +92,36 @@ def _worker(rank: int, world: int, port: int, sizes: Sequence[int], jobs, result
         except BaseException:  # noqa: BLE001  (a job's failure is reported, the worker lives on)
             results.put((job.job_id, rank, ("error", traceback.format_exc())))
     dist.destroy_process_group()
+    # Every answer is handed to the pipe, then the process ends without the interpreter's teardown of torch,
+    # which takes seconds a process and would run for all workers at once on the test machine's few cores.
+    results.close()
+    results.join_thread()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
+
+
+def _context():
+    """Processes forked from a server process that imported torch once, each with one OpenMP thread: the import
+    costs seconds a process, paid once rather than per worker. The server starts with the first pool and serves
+    later ones; ``OMP_NUM_THREADS`` is set for its start only, this process's environment is left as it was."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+    return ctx
 
 
 class ProcessPool:
-    """``world_size`` spawned processes in one Gloo group, running jobs on demand."""
+    """``world_size`` processes in one Gloo group, running jobs on demand."""
 
     def __init__(self, world_size: int, *, sizes: Sequence[int] = (), timeout_s: float = 60.0) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._next_id = 0

@@ -55,10 +55,12 @@ def _metrics(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    """The run with nothing killed: its output directory (checkpoints at steps 2 and 4, metrics)."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    _train(out)
+def uninterrupted(dp2_run) -> Path:
+    """The run with nothing killed, ``RUN`` with a plan's prediction recorded (tests/train/conftest.py, shared with
+    tests/train/test_train.py): its output directory (checkpoints at steps 2 and 4, metrics)."""
+    out, _ = dp2_run
+    assert [r["step"] for r in _metrics(out)] == list(range(1, STEPS + 1))
+    assert complete_steps(out) == [STEPS, 2]
     return out
 
 

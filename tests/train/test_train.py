@@ -82,13 +82,14 @@ def one_rank(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, _run(out, "--nproc", "1", "--steps", str(STEPS), "--eval-every", "2", export=True)
 
 
-PLANNED = ["--plan-step-s", "0.25", "--plan-memory-gib", "2", "--plan-layout", "dp2 tp1 pp1", "--plan-topology", "t"]
-
-
 @pytest.fixture(scope="module")
-def two_ranks_dp(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("dp2")
-    records = _run(out, "--nproc", "2", "--dp", "2", "--steps", str(STEPS), *PLANNED)
+def two_ranks_dp(dp2_run) -> list[dict]:
+    """The metrics of tests/train/conftest.py's run: 2 ranks at dp 2, with a plan's prediction recorded."""
+    out, stdout = dp2_run
+    assert stdout.startswith("dtrain train: training llama (tiny)"), stdout
+    assert "train: step" in stdout, stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert json.loads((out / "plan_score.json").read_text()) == {k: v for k, v in records[-1].items() if "plan_" in k}
     return records
 
@@ -140,7 +141,7 @@ def test_evaluation_runs_at_its_interval_on_the_validation_split(one_rank):
     assert all(math.isfinite(r["eval_loss"]) for r in records if "eval_loss" in r)
 
 
-def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_rank):
+def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_rank, capsys):
     from dtrain.models import hf
 
     out, _ = one_rank
@@ -150,9 +151,10 @@ def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_ran
     for name, tensor in trained.items():  # a tied weight once, under its first name
         assert torch.equal(loaded[name], tensor), name
     assert (out / "model" / "tokenizer.json").exists() and (out / "config.toml").exists()
-    command = [sys.executable, "-m", "dtrain", "generate", "--model", str(out / "model"), "--prompt", "The for"]
-    done = subprocess.run(command + ["--max-new-tokens", "8"], cwd=REPO, env=_env(), capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.startswith("The for"), done.stdout + done.stderr
+    capsys.readouterr()
+    status = main(["generate", "--model", str(out / "model"), "--prompt", "The for", "--max-new-tokens", "8"])
+    printed = capsys.readouterr()
+    assert status == 0 and printed.out.startswith("The for"), printed.out + printed.err
 
 
 @pytest.mark.parametrize(
@@ -238,10 +240,9 @@ def test_ctrl_c_stops_the_ranks_and_exits_130_in_one_line(tmp_path):
     command += ["--steps", "1000000", "--out", str(tmp_path)]
     run = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(1.0)  # some steps in
+        deadline, metrics = time.monotonic() + 120, tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the first step's record is written: training is under way
         run.send_signal(signal.SIGINT)
         stdout, stderr = run.communicate(timeout=60)
     finally:
