@@ -384,12 +384,22 @@ class Heartbeat:
             f"stopped its heartbeat): {type(err).__name__}: {first[:300]}"
         )
 
+    def _learn_peers(self) -> None:
+        """Read who each peer is ahead of any failure, so that naming a dead one then needs no store round trip:
+        a launcher that sees a worker die stops the others within a fraction of a second, and the report must
+        come out first."""
+        if len(self._peers) < self.world - 1:
+            for r in range(self.world):
+                if r != self.rank:
+                    self.peer(r)
+
     def _run(self) -> None:
         watched = (self.rank + 1) % self.world  # each rank watches the next one: every rank is watched once
         last, since = -1, self._clock()
         while not self._stop.wait(self.interval):
             try:
                 self.beat()
+                self._learn_peers()
                 if watched == self.rank or self.reported:
                     continue
                 now, count = self._clock(), self.count(watched)
