@@ -179,9 +179,10 @@ def _bench_comm(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from dtrain.train.config import from_arguments
+
+    config = from_arguments(args)  # bad flags end here, before torch is imported
     from dtrain.train.loop import train
 
-    config = from_arguments(args)
     # CUDA memory in segments that grow rather than fixed blocks: large sharded models otherwise fail on
     # fragmentation with gigabytes reserved but free (torch's CUDA notes, "Optimizing memory usage"); a value the
     # user set wins. Read when the first CUDA tensor is made, so it reaches every rank this process starts too.
