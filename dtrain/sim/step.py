@@ -58,7 +58,7 @@ from dtrain.sim.model import (
 )
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import group
-from dtrain.sim.traffic import Cache, _build, _groups, _padded, _replay, simulate_traffic
+from dtrain.sim.traffic import Cache, _group_jobs, _groups, _replay, group_shape, simulate_traffic
 
 __all__ = [
     "StepConfig",
@@ -162,9 +162,11 @@ def _stage_times(
     costs: dict[tuple, tuple[float, float, float]] = {}
     kinds = [(dev.peak_flops, dev.memory_bytes_per_s) for dev in map(topo.device, placement)]
     if len(set(kinds)) == 1 and all(f == 1.0 for f in factors):  # every replica alike: price one, copy it
-        fw, bw, ww = zip(
-            *(stage_seconds(model, layout, p, *kinds[0], config, tp_s) for p in range(layout.pp)), strict=True
-        )
+        alike = {
+            q: stage_seconds(model, layout, q, *kinds[0], config, tp_s)
+            for q in {_alike(p, layout.pp) for p in range(layout.pp)}
+        }
+        fw, bw, ww = zip(*(alike[_alike(p, layout.pp)] for p in range(layout.pp)), strict=True)
         return (
             [list(fw) for _ in range(layout.dp)],
             [list(bw) for _ in range(layout.dp)],
@@ -176,9 +178,9 @@ def _stage_times(
             ranks = group(layout, "tp", d, p, 0)
             worst = None
             for r in ranks:
-                key = (*kinds[r], p)
+                key = (*kinds[r], _alike(p, layout.pp))
                 if key not in costs:
-                    costs[key] = stage_seconds(model, layout, p, *kinds[r], config, tp_s)
+                    costs[key] = stage_seconds(model, layout, key[2], *kinds[r], config, tp_s)
                 f, b, w = (x * factors[r] for x in costs[key])
                 if worst is None or f + b + w > sum(worst):
                     worst = (f, b, w)
@@ -189,6 +191,12 @@ def _stage_times(
         backward.append(bw)
         weight.append(ww)
     return forward, backward, weight
+
+
+def _alike(stage: int, stages: int) -> int:
+    """The stage priced for ``stage``: the first and last stages are their own (embedding, logits and loss), every
+    stage between runs the same layers as stage 1 (:func:`dtrain.sim.compute.stage_ops`)."""
+    return stage if stage in (0, stages - 1) else 1
 
 
 def stage_seconds(
@@ -444,15 +452,16 @@ def tensor_parallel_s(
     config = config or StepConfig()
     if layout.tp == 1:
         return 0.0
-    placement = list(placement)
+    placement = tuple(placement)
     item = model.bytes_per_value
     activation = layout.micro_batch * model.sequence * model.hidden * item
-    jobs = [
-        Job(_build(Collective.ALL_REDUCE, config.tp_algorithm, g, placement, topology),
-            _padded(activation, item, len(g)), tuple(placement[r] for r in g))
-        for g in _groups(layout, "tp")
-    ]  # fmt: skip
-    return _replay(jobs, topology, config.cost, item, cache, config.flow_limit).time_s
+
+    def jobs() -> list[Job]:
+        return _group_jobs(Collective.ALL_REDUCE, config.tp_algorithm, _groups(layout, "tp"), placement, topology,
+                           activation, item)  # fmt: skip
+
+    shape = group_shape(layout, "tp", placement, Collective.ALL_REDUCE, config.tp_algorithm, activation)
+    return _replay(jobs, topology, config.cost, item, cache, config.flow_limit, shape).time_s
 
 
 def step_lower_bound(
