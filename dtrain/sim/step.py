@@ -36,7 +36,7 @@ from dtrain.cluster.topology import Topology
 from dtrain.comm.ir.schedule import Collective
 from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD
 from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
-from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost
+from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, _rank_rounds_cached
 from dtrain.sim.compute import (
     ADAM_BYTES_PER_PARAMETER,
     device_compute,
@@ -58,7 +58,17 @@ from dtrain.sim.model import (
 )
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import group
-from dtrain.sim.traffic import Cache, _group_jobs, _groups, _replay, group_shape, simulate_traffic
+from dtrain.sim.traffic import (
+    ZERO_PHASES,
+    Cache,
+    _build,
+    _group_jobs,
+    _groups,
+    _padded,
+    _replay,
+    group_shape,
+    simulate_traffic,
+)
 
 __all__ = [
     "StepConfig",
@@ -67,6 +77,7 @@ __all__ = [
     "stage_seconds",
     "exposed_bucket_s",
     "step_lower_bound",
+    "data_parallel_lower_bound",
     "tensor_parallel_s",
 ]
 
@@ -464,6 +475,56 @@ def tensor_parallel_s(
     return _replay(jobs, topology, config.cost, item, cache, config.flow_limit, shape).time_s
 
 
+#: Each server's links out of it (from a node of the server to a node of no server or another), by topology identity.
+_EGRESS: dict[int, tuple[Topology, dict[str, float]]] = {}
+
+
+def _server_egress(topology: Topology) -> dict[str, float]:
+    """Bytes a second each server can send out of itself: the sum of the rates of the links that leave it."""
+    found = _EGRESS.get(id(topology))
+    if found is None or found[0] is not topology:
+        nodes = topology.graph.nodes
+        egress: dict[str, float] = {}
+        for u, v, link in topology.graph.edges(data="link"):
+            server = nodes[u].get("server")
+            if server is not None and nodes[v].get("server") != server:
+                egress[server] = egress.get(server, 0.0) + link.bytes_per_s
+        if len(_EGRESS) > 8:
+            _EGRESS.clear()
+        found = _EGRESS[id(topology)] = (topology, egress)
+    return found[1]
+
+
+def data_parallel_lower_bound(
+    model: ModelSpec, layout: Layout, topology: Topology, placement: Sequence[str], config: StepConfig | None = None
+) -> float:
+    """Seconds the data-parallel collectives of a step (every ZeRO phase, every group at once) cannot beat: in
+    each phase, the bytes the ranks of a server send to ranks on other servers leave it through its links out at
+    their rates at most (max-min fair shares never exceed a link's rate), so the phase lasts at least the largest
+    such total over the server's rate out. At most :func:`simulate_step`'s ``dp_s``."""
+    config = config or StepConfig()
+    if layout.dp == 1:
+        return 0.0
+    placement = list(placement)
+    item = model.bytes_per_value
+    grads = model.parameters / (layout.tp * layout.pp) * item
+    egress = _server_egress(topology)
+    servers = [topology.device(d).server for d in placement]
+    groups = _groups(layout, "dp")
+    total = 0.0
+    for collective in ZERO_PHASES[layout.zero_stage]:
+        out: dict[str, float] = {}
+        for g in groups:
+            schedule = _build(collective, config.dp_algorithm, g, placement, topology)
+            for rank, rounds in enumerate(_rank_rounds_cached(schedule, _padded(grads, item, len(g)), item)):
+                here = servers[g[rank]]
+                sent = sum(n for rr in rounds for peer, n in rr.sends.items() if servers[g[peer]] != here)
+                if sent:
+                    out[here] = out.get(here, 0.0) + sent
+        total += max((n / egress[s] for s, n in out.items() if egress.get(s)), default=0.0)
+    return total * (1 - _ROUNDING)
+
+
 def step_lower_bound(
     model: ModelSpec,
     layout: Layout,
@@ -472,12 +533,16 @@ def step_lower_bound(
     config: StepConfig | None = None,
     *,
     tp_s: float = 0.0,
+    exact_pipeline: bool = False,
 ) -> float:
     """A time :func:`simulate_step` cannot beat for this layout and placement, without replaying the pipeline
     sends or the data-parallel collectives: the pipeline of each replica with free messages (bounded below by
     :func:`_makespan_bound`), no data-parallel time, and the optimizer step, the median over the same straggler
     samples. ``tp_s``: the tensor-parallel all-reduce's seconds (:func:`tensor_parallel_s`), or 0 for a bound on
-    compute alone. Exact as a bound: every part of the step grows with the seconds left out (the stage times with
+    compute alone. ``exact_pipeline``: each replica's pipeline timed as the simulation times it, with free
+    messages (:func:`~dtrain.sim.pipeline.pipeline_makespan`), and the data-parallel time where it is not
+    overlapped bounded by :func:`data_parallel_lower_bound` (tighter; dearer the first time a pipeline of its
+    shape is timed). Exact as a bound: every part of the step grows with the seconds left out (the stage times with
     ``tp_s``, the pipeline with its stage times and message time, the step with its data-parallel time, which is
     at least 0), and a median of smaller samples is smaller."""
     config = config or StepConfig()
@@ -486,6 +551,10 @@ def step_lower_bound(
     owned = max(stage_parameters(model, layout, 0), stage_parameters(model, layout, layout.pp - 1)) / layout.tp
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)
+    m, v = layout.microbatches, layout.chunks
+    overlapped = config.overlap_dp and layout.pp == 1 and layout.zero_stage == 0
+    dp_s = data_parallel_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0
+    exposed = 0.0 if overlapped else dp_s
     bounds = []
     spans: dict[tuple, float] = {}
     for factors in _factors(layout, config):
@@ -493,8 +562,11 @@ def step_lower_bound(
         slowest = 0.0
         for f, b, w in zip(forward, backward, weight, strict=True):
             key = (tuple(f), tuple(b), tuple(w))
-            if key not in spans:
+            if key not in spans and exact_pipeline:
+                weights = w if layout.schedule in SPLIT_BACKWARD else None
+                spans[key] = pipeline_makespan(f, b, 0.0, m, layout.schedule, weight_s=weights, virtual_stages=v)
+            elif key not in spans:
                 spans[key] = _makespan_bound(f, b, w, layout)
             slowest = max(slowest, spans[key])
-        bounds.append(slowest + optimizer_s)
+        bounds.append(slowest + exposed + optimizer_s)
     return float(np.median(bounds))
