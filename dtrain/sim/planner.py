@@ -16,8 +16,10 @@ placement first gets a lower bound on its step (:func:`dtrain.sim.step.step_lowe
 tensor-parallel all-reduces and the pipeline bubble with free pipeline messages, no data-parallel time; the
 tensor-parallel replays are few, cached and shared with the simulations), and they are simulated in the order of
 their bounds until the next bound exceeds the ``top``-th best step simulated so far: every pair left has a step
-above that bound, so it ranks after the ``top`` fastest. The ``top`` fastest plans and their order are those of
-the exhaustive sweep.
+above that bound, so it ranks after the ``top`` fastest. A pair whose bound is the lowest left is first refined
+(``step_lower_bound(..., exact_pipeline=True)``: its pipeline timed exactly with free messages, plus a bound on
+the data-parallel collectives from the servers' links out) and goes back in line; it is simulated once its refined
+bound is still the lowest. The ``top`` fastest plans and their order are those of the exhaustive sweep.
 """
 
 from __future__ import annotations
