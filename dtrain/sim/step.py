@@ -318,24 +318,51 @@ def _factors(layout: Layout, config: StepConfig) -> list[list[float]]:
     return [[f * x for f, x in zip(fixed, row, strict=True)] for row in draws]
 
 
+#: Each replayed collective's links as (names, links, bytes), by the result's identity (the result is kept, so an
+#: identity is never reused): a planner's steps share most replays.
+_ROWS: dict[int, tuple[CollectiveResult, list[str], list, np.ndarray]] = {}
+
+
+def _rows(result: CollectiveResult) -> tuple[list[str], list, np.ndarray]:
+    found = _ROWS.get(id(result))
+    if found is None or found[0] is not result:
+        if len(_ROWS) > 1024:
+            _ROWS.clear()
+        rows = result.links
+        found = _ROWS[id(result)] = (result, [u.link.name for u in rows], [u.link for u in rows],
+                                     np.array([u.nbytes for u in rows], dtype=float))  # fmt: skip
+    return found[1], found[2], found[3]
+
+
 def _step_links(parts: list[tuple[CollectiveResult | None, float]], step_s: float) -> list[LinkUsage]:
-    """Each link's bytes over the step (each collective's bytes times its calls a step), busiest first."""
-    totals: dict[str, list] = {}
+    """Each link's bytes over the step (each collective's bytes times its calls a step), busiest first (then by
+    name), summed over the collectives in the order given."""
+    names: list[str] = []
+    links: list = []
+    weights = []
     for result, calls in parts:
-        if result is None:
+        if result is None or not result.links:
             continue
-        for u in result.links:
-            entry = totals.get(u.link.name)
-            if entry is None:
-                totals[u.link.name] = [u.link, 0.0 + u.nbytes * calls]
-            else:
-                entry[1] += u.nbytes * calls
-    # LinkUsage.utilisation, computed once a link for the sort rather than once a comparison
-    keys = sorted(
-        (-(n / (step_s * link.bytes_per_s)) if step_s > 0 else -0.0, name, link, n)
-        for name, (link, n) in totals.items()
-    )
-    return [LinkUsage(link=link, nbytes=n, busy_s=0.0, total_s=step_s) for _, _, link, n in keys]
+        n, lk, nbytes = _rows(result)
+        names += n
+        links += lk
+        weights.append(nbytes * calls)
+    if not names:
+        return []
+    index: dict[str, int] = {}
+    ids = np.fromiter((index.setdefault(name, len(index)) for name in names), dtype=np.int64, count=len(names))
+    totals = np.bincount(ids, weights=np.concatenate(weights), minlength=len(index))
+    first = np.full(len(index), len(names), dtype=np.int64)
+    np.minimum.at(first, ids, np.arange(len(names)))
+    unique = list(index)
+    rates = np.array([links[i].bytes_per_s for i in first.tolist()])
+    util = totals / (step_s * rates) if step_s > 0 else np.zeros(len(unique))
+    by_name = np.empty(len(unique), dtype=np.int64)
+    by_name[np.argsort(np.array(unique), kind="stable")] = np.arange(len(unique))
+    order = np.lexsort((by_name, -util))
+    return [
+        LinkUsage(link=links[first[i]], nbytes=float(totals[i]), busy_s=0.0, total_s=step_s) for i in order.tolist()
+    ]
 
 
 def simulate_step(
