@@ -57,7 +57,7 @@ from dtrain.sim.model import (
     tp_all_reduces_per_layer,
 )
 from dtrain.sim.pipeline import pipeline_makespan
-from dtrain.sim.placement import group
+from dtrain.sim.placement import grid_rank, group
 from dtrain.sim.traffic import (
     ZERO_PHASES,
     Cache,
@@ -78,6 +78,7 @@ __all__ = [
     "exposed_bucket_s",
     "step_lower_bound",
     "data_parallel_lower_bound",
+    "pipeline_message_lower_bound",
     "tensor_parallel_s",
 ]
 
@@ -552,6 +553,30 @@ def data_parallel_lower_bound(
     return total * (1 - _ROUNDING)
 
 
+def pipeline_message_lower_bound(
+    model: ModelSpec, layout: Layout, topology: Topology, placement: Sequence[str], config: StepConfig | None = None
+) -> float:
+    """Seconds the pipeline's concurrent sends of one micro-batch's activation (every stage boundary of every
+    replica at once, :func:`dtrain.sim.traffic.simulate_traffic`'s ``pp``) cannot beat: the bytes a server sends
+    to other servers leave it through its links out at their rates at most. At most :func:`simulate_step`'s
+    ``pp_s``; 0 without a pipeline or with split sends."""
+    config = config or StepConfig()
+    if layout.pp == 1 or (config.split_pipeline and layout.tp > 1):
+        return 0.0
+    item = model.bytes_per_value
+    message = _padded(layout.micro_batch * model.sequence * model.hidden * item, item, 1)
+    servers = [topology.device(d).server for d in placement]
+    egress = _server_egress(topology)
+    out: dict[str, float] = {}
+    for d in range(layout.dp):
+        for p in range(layout.pp - 1):
+            for t in range(layout.tp):
+                a, b = servers[grid_rank(layout, d, p, t)], servers[grid_rank(layout, d, p + 1, t)]
+                if a != b:
+                    out[a] = out.get(a, 0.0) + message
+    return max((n / egress[s] for s, n in out.items() if egress.get(s)), default=0.0) * (1 - _ROUNDING)
+
+
 def step_lower_bound(
     model: ModelSpec,
     layout: Layout,
@@ -566,9 +591,10 @@ def step_lower_bound(
     sends or the data-parallel collectives: the pipeline of each replica with free messages (bounded below by
     :func:`_makespan_bound`), no data-parallel time, and the optimizer step, the median over the same straggler
     samples. ``tp_s``: the tensor-parallel all-reduce's seconds (:func:`tensor_parallel_s`), or 0 for a bound on
-    compute alone. ``exact_pipeline``: each replica's pipeline timed as the simulation times it, with free
-    messages (:func:`~dtrain.sim.pipeline.pipeline_makespan`), and the data-parallel time where it is not
-    overlapped bounded by :func:`data_parallel_lower_bound` (tighter; dearer the first time a pipeline of its
+    compute alone. ``exact_pipeline``: each replica's pipeline timed as the simulation times it, each message
+    taking :func:`pipeline_message_lower_bound` (:func:`~dtrain.sim.pipeline.pipeline_makespan` only grows with
+    the message time), and the data-parallel time where it is not overlapped bounded by
+    :func:`data_parallel_lower_bound` (tighter; dearer the first time a pipeline of its
     shape is timed). Exact as a bound: every part of the step grows with the seconds left out (the stage times with
     ``tp_s``, the pipeline with its stage times and message time, the step with its data-parallel time, which is
     at least 0), and a median of smaller samples is smaller."""
@@ -582,6 +608,7 @@ def step_lower_bound(
     overlapped = config.overlap_dp and layout.pp == 1 and layout.zero_stage == 0
     dp_s = data_parallel_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0
     exposed = 0.0 if overlapped else dp_s
+    p2p_s = pipeline_message_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0
     bounds = []
     spans: dict[tuple, float] = {}
     for factors in _factors(layout, config):
@@ -591,7 +618,7 @@ def step_lower_bound(
             key = (tuple(f), tuple(b), tuple(w))
             if key not in spans and exact_pipeline:
                 weights = w if layout.schedule in SPLIT_BACKWARD else None
-                spans[key] = pipeline_makespan(f, b, 0.0, m, layout.schedule, weight_s=weights, virtual_stages=v)
+                spans[key] = pipeline_makespan(f, b, p2p_s, m, layout.schedule, weight_s=weights, virtual_stages=v)
             elif key not in spans:
                 spans[key] = _makespan_bound(f, b, w, layout)
             slowest = max(slowest, spans[key])
