@@ -135,7 +135,7 @@ def _graph(schedule: str, stages: int, microbatches: int, v: int) -> _Graph:
     key = (schedule, stages, microbatches, v)
     found = _GRAPHS.get(key)
     if found is None:
-        if len(_GRAPHS) >= 32:
+        if len(_GRAPHS) >= 32 or sum(g.size for g in _GRAPHS.values()) > 2_000_000:  # about 60 MB of arrays
             _GRAPHS.clear()
         found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v)
     return found

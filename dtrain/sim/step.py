@@ -327,7 +327,7 @@ _ROWS: dict[int, tuple[CollectiveResult, list[str], list, np.ndarray]] = {}
 def _rows(result: CollectiveResult) -> tuple[list[str], list, np.ndarray]:
     found = _ROWS.get(id(result))
     if found is None or found[0] is not result:
-        if len(_ROWS) > 1024:
+        if len(_ROWS) > 64:
             _ROWS.clear()
         rows = result.links
         found = _ROWS[id(result)] = (result, [u.link.name for u in rows], [u.link for u in rows],
