@@ -19,6 +19,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dtrain.cluster.topology import Link, Topology
 
 __all__ = ["FlowSpec", "LinkUsage", "FlowNetwork", "max_min_rates", "simulate_flows"]
@@ -112,14 +114,14 @@ def _fair_share(flow_links: list[list[int]], capacity: list[float], caps: list[f
 
 @dataclass
 class _Flow:
+    """A flow in flight; its bytes left and rate live in the network's arrays, at ``slot``."""
+
     links: list[int]
-    nbytes: float
-    remaining: float
     latency_s: float
     cap: float | None
     on_done: Callable[[float], None] | None
-    on_sent: Callable[[float], None] | None = None
-    rate: float = 0.0
+    on_sent: Callable[[float], None] | None
+    slot: int
 
 
 class FlowNetwork:
@@ -139,6 +141,12 @@ class FlowNetwork:
         self._order = itertools.count()
         self._flows: dict[int, _Flow] = {}
         self._ids = itertools.count()
+        # the flows in flight by slot (0 .. len(self._flows) - 1): bytes left, rate, size, id; each event's
+        # arithmetic on them is elementwise, the same floats flow by flow as a loop over the flows would give
+        self._left = np.zeros(64)
+        self._rate = np.zeros(64)
+        self._size = np.zeros(64)
+        self._slot_id: list[int] = []
         # links by index, as they are first used: the link, its rate, bytes carried, busy time, flows on it
         self._index: dict[tuple[str, str], int] = {}
         self._links: list[Link] = []
@@ -183,7 +191,15 @@ class FlowNetwork:
         links = [self._link_id(link) for link in path]
         cap = cap_bytes_per_s if cap_bytes_per_s is not None else self.flow_cap_bytes_per_s
         flow_id = next(self._ids)
-        self._flows[flow_id] = _Flow(links, nbytes, float(nbytes), latency, cap, on_done, on_sent)
+        slot = len(self._slot_id)
+        if slot == len(self._left):
+            self._left, self._rate, self._size = (
+                np.concatenate([a, np.zeros(slot)]) for a in (self._left, self._rate, self._size)
+            )
+        self._left[slot] = self._size[slot] = float(nbytes)
+        self._rate[slot] = 0.0
+        self._slot_id.append(flow_id)
+        self._flows[flow_id] = _Flow(links, latency, cap, on_done, on_sent, slot)
         for k in links:
             self._bytes[k] += nbytes
             users = self._users.setdefault(k, set())
@@ -209,7 +225,8 @@ class FlowNetwork:
             if self._touched:
                 self._reallocate()
             next_event = self._events[0][0] if self._events else math.inf
-            next_drain = min((self.now + f.remaining / f.rate for f in self._flows.values()), default=math.inf)
+            n = len(self._slot_id)
+            next_drain = float((self.now + self._left[:n] / self._rate[:n]).min()) if n else math.inf
             step_to = min(next_event, next_drain)
             self._advance(step_to)
             if next_drain <= next_event:
@@ -231,19 +248,19 @@ class FlowNetwork:
     def _advance(self, time_s: float) -> None:
         dt = time_s - self.now
         if dt > 0 and self._flows:
-            for f in self._flows.values():
-                f.remaining -= f.rate * dt
+            n = len(self._slot_id)
+            self._left[:n] -= self._rate[:n] * dt
         self.now = time_s
 
     def _finish_drained(self) -> None:
         # done: drained to rounding, or so close that the clock cannot advance by its remaining time
-        done = [
-            i
-            for i, f in self._flows.items()
-            if f.remaining <= _DONE * f.nbytes or self.now + f.remaining / f.rate <= self.now
-        ]
+        n = len(self._slot_id)
+        left, now = self._left[:n], self.now
+        drained = np.flatnonzero((left <= _DONE * self._size[:n]) | (now + left / self._rate[:n] <= now))
+        done = sorted(self._slot_id[s] for s in drained.tolist())  # ids rise with the start: the start order
         for i in done:
             flow = self._flows.pop(i)
+            self._free(flow.slot)
             for k in flow.links:
                 self._users[k].discard(i)
                 if not self._users[k]:
@@ -262,7 +279,18 @@ class FlowNetwork:
         flows = [self._flows[i] for i in ids]
         rates = _fair_share([f.links for f in flows], self._capacity, [f.cap for f in flows])
         for flow, rate in zip(flows, rates, strict=True):
-            flow.rate = rate
+            self._rate[flow.slot] = rate
+
+    def _free(self, slot: int) -> None:
+        """Move the last slot's flow into ``slot``, left free by a finished flow."""
+        last = len(self._slot_id) - 1
+        if slot != last:
+            moved = self._slot_id[last]
+            self._slot_id[slot] = moved
+            self._flows[moved].slot = slot
+            for a in (self._left, self._rate, self._size):
+                a[slot] = a[last]
+        self._slot_id.pop()
 
     def _affected(self) -> list[int]:
         """The flows connected to the touched links through shared links (breadth-first); clears the touched."""

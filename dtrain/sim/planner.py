@@ -16,13 +16,16 @@ placement first gets a lower bound on its step (:func:`dtrain.sim.step.step_lowe
 tensor-parallel all-reduces and the pipeline bubble with free pipeline messages, no data-parallel time; the
 tensor-parallel replays are few, cached and shared with the simulations), and they are simulated in the order of
 their bounds until the next bound exceeds the ``top``-th best step simulated so far: every pair left has a step
-above that bound, so it ranks after the ``top`` fastest. The ``top`` fastest plans and their order are those of
-the exhaustive sweep.
+above that bound, so it ranks after the ``top`` fastest. A pair whose bound is the lowest left is first refined
+(``step_lower_bound(..., exact_pipeline=True)``: its pipeline timed exactly with free messages, plus a bound on
+the data-parallel collectives from the servers' links out) and goes back in line; it is simulated once its refined
+bound is still the lowest. The ``top`` fastest plans and their order are those of the exhaustive sweep.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -210,16 +213,26 @@ def sweep(
                              tp_s=tensor_parallel_s(model, lay, topology, used, config, cache=cache))
             for lay, _, used in work
         ]  # fmt: skip
-        order = sorted(range(len(work)), key=lambda i: (bounds[i], work[i][0].describe(), work[i][1]))
-        work = [work[i] for i in order]
-        bounds = [bounds[i] for i in order]
+    else:
+        bounds = [0.0] * len(work)
+    # (bound, name, placement, refined, index): a pair whose bound is the lowest left is first refined (its pipeline
+    # timed exactly with free messages) and goes back in line; once refined and still the lowest, it is simulated
+    queue = [(bounds[i], lay.describe(), how, top is None, i) for i, (lay, how, _) in enumerate(work)]
+    heapq.heapify(queue)
     plans: list[Plan] = []
     best: list[float] = []  # the ``top`` fastest steps so far, sorted
     bounded = 0
-    for i, (lay, how, devices_used) in enumerate(work):
-        if top is not None and len(best) == top and bounds[i] > best[-1]:
-            bounded = len(work) - i  # every later pair's bound is at least this one's
+    while queue:
+        bound, name, how, refined, i = heapq.heappop(queue)
+        lay, _, devices_used = work[i]
+        if top is not None and len(best) == top and bound > best[-1]:
+            bounded = len(queue) + 1  # every pair left has a bound at least this one's
             break
+        if not refined:
+            tp_s = tensor_parallel_s(model, lay, topology, devices_used, config, cache=cache)
+            exact = step_lower_bound(model, lay, topology, devices_used, config, tp_s=tp_s, exact_pipeline=True)
+            heapq.heappush(queue, (max(bound, exact), name, how, True, i))
+            continue
         result = simulate_step(model, lay, topology, devices_used, config, cache=cache)
         flops = flops_per_microbatch(model, lay) * lay.tp * lay.pp * lay.microbatches * lay.dp
         peak = sum(topology.device(d).peak_flops for d in devices_used)
@@ -227,7 +240,7 @@ def sweep(
         if top is not None:
             best = sorted([*best, result.step_s])[:top]
         if progress is not None:
-            progress(i + 1, len(work))
+            progress(len(plans), len(work))
     if progress is not None and bounded:
         progress(len(work), len(work))
     plans.sort(key=lambda p: (p.result.step_s, p.layout.describe(), p.placement))

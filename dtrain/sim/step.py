@@ -36,7 +36,7 @@ from dtrain.cluster.topology import Topology
 from dtrain.comm.ir.schedule import Collective
 from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD
 from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
-from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost
+from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, _rank_rounds_cached
 from dtrain.sim.compute import (
     ADAM_BYTES_PER_PARAMETER,
     device_compute,
@@ -57,8 +57,18 @@ from dtrain.sim.model import (
     tp_all_reduces_per_layer,
 )
 from dtrain.sim.pipeline import pipeline_makespan
-from dtrain.sim.placement import group
-from dtrain.sim.traffic import Cache, _build, _groups, _padded, _replay, simulate_traffic
+from dtrain.sim.placement import grid_rank, group
+from dtrain.sim.traffic import (
+    ZERO_PHASES,
+    Cache,
+    _build,
+    _group_jobs,
+    _groups,
+    _padded,
+    _replay,
+    group_shape,
+    simulate_traffic,
+)
 
 __all__ = [
     "StepConfig",
@@ -67,6 +77,8 @@ __all__ = [
     "stage_seconds",
     "exposed_bucket_s",
     "step_lower_bound",
+    "data_parallel_lower_bound",
+    "pipeline_message_lower_bound",
     "tensor_parallel_s",
 ]
 
@@ -162,9 +174,11 @@ def _stage_times(
     costs: dict[tuple, tuple[float, float, float]] = {}
     kinds = [(dev.peak_flops, dev.memory_bytes_per_s) for dev in map(topo.device, placement)]
     if len(set(kinds)) == 1 and all(f == 1.0 for f in factors):  # every replica alike: price one, copy it
-        fw, bw, ww = zip(
-            *(stage_seconds(model, layout, p, *kinds[0], config, tp_s) for p in range(layout.pp)), strict=True
-        )
+        alike = {
+            q: stage_seconds(model, layout, q, *kinds[0], config, tp_s)
+            for q in {_alike(p, layout.pp) for p in range(layout.pp)}
+        }
+        fw, bw, ww = zip(*(alike[_alike(p, layout.pp)] for p in range(layout.pp)), strict=True)
         return (
             [list(fw) for _ in range(layout.dp)],
             [list(bw) for _ in range(layout.dp)],
@@ -176,9 +190,9 @@ def _stage_times(
             ranks = group(layout, "tp", d, p, 0)
             worst = None
             for r in ranks:
-                key = (*kinds[r], p)
+                key = (*kinds[r], _alike(p, layout.pp))
                 if key not in costs:
-                    costs[key] = stage_seconds(model, layout, p, *kinds[r], config, tp_s)
+                    costs[key] = stage_seconds(model, layout, key[2], *kinds[r], config, tp_s)
                 f, b, w = (x * factors[r] for x in costs[key])
                 if worst is None or f + b + w > sum(worst):
                     worst = (f, b, w)
@@ -189,6 +203,12 @@ def _stage_times(
         backward.append(bw)
         weight.append(ww)
     return forward, backward, weight
+
+
+def _alike(stage: int, stages: int) -> int:
+    """The stage priced for ``stage``: the first and last stages are their own (embedding, logits and loss), every
+    stage between runs the same layers as stage 1 (:func:`dtrain.sim.compute.stage_ops`)."""
+    return stage if stage in (0, stages - 1) else 1
 
 
 def stage_seconds(
@@ -299,24 +319,51 @@ def _factors(layout: Layout, config: StepConfig) -> list[list[float]]:
     return [[f * x for f, x in zip(fixed, row, strict=True)] for row in draws]
 
 
+#: Each replayed collective's links as (names, links, bytes), by the result's identity (the result is kept, so an
+#: identity is never reused): a planner's steps share most replays.
+_ROWS: dict[int, tuple[CollectiveResult, list[str], list, np.ndarray]] = {}
+
+
+def _rows(result: CollectiveResult) -> tuple[list[str], list, np.ndarray]:
+    found = _ROWS.get(id(result))
+    if found is None or found[0] is not result:
+        if len(_ROWS) > 64:
+            _ROWS.clear()
+        rows = result.links
+        found = _ROWS[id(result)] = (result, [u.link.name for u in rows], [u.link for u in rows],
+                                     np.array([u.nbytes for u in rows], dtype=float))  # fmt: skip
+    return found[1], found[2], found[3]
+
+
 def _step_links(parts: list[tuple[CollectiveResult | None, float]], step_s: float) -> list[LinkUsage]:
-    """Each link's bytes over the step (each collective's bytes times its calls a step), busiest first."""
-    totals: dict[str, list] = {}
+    """Each link's bytes over the step (each collective's bytes times its calls a step), busiest first (then by
+    name), summed over the collectives in the order given."""
+    names: list[str] = []
+    links: list = []
+    weights = []
     for result, calls in parts:
-        if result is None:
+        if result is None or not result.links:
             continue
-        for u in result.links:
-            entry = totals.get(u.link.name)
-            if entry is None:
-                totals[u.link.name] = [u.link, 0.0 + u.nbytes * calls]
-            else:
-                entry[1] += u.nbytes * calls
-    # LinkUsage.utilisation, computed once a link for the sort rather than once a comparison
-    keys = sorted(
-        (-(n / (step_s * link.bytes_per_s)) if step_s > 0 else -0.0, name, link, n)
-        for name, (link, n) in totals.items()
-    )
-    return [LinkUsage(link=link, nbytes=n, busy_s=0.0, total_s=step_s) for _, _, link, n in keys]
+        n, lk, nbytes = _rows(result)
+        names += n
+        links += lk
+        weights.append(nbytes * calls)
+    if not names:
+        return []
+    index: dict[str, int] = {}
+    ids = np.fromiter((index.setdefault(name, len(index)) for name in names), dtype=np.int64, count=len(names))
+    totals = np.bincount(ids, weights=np.concatenate(weights), minlength=len(index))
+    first = np.full(len(index), len(names), dtype=np.int64)
+    np.minimum.at(first, ids, np.arange(len(names)))
+    unique = list(index)
+    rates = np.array([links[i].bytes_per_s for i in first.tolist()])
+    util = totals / (step_s * rates) if step_s > 0 else np.zeros(len(unique))
+    by_name = np.empty(len(unique), dtype=np.int64)
+    by_name[np.argsort(np.array(unique), kind="stable")] = np.arange(len(unique))
+    order = np.lexsort((by_name, -util))
+    return [
+        LinkUsage(link=links[first[i]], nbytes=float(totals[i]), busy_s=0.0, total_s=step_s) for i in order.tolist()
+    ]
 
 
 def simulate_step(
@@ -444,15 +491,90 @@ def tensor_parallel_s(
     config = config or StepConfig()
     if layout.tp == 1:
         return 0.0
-    placement = list(placement)
+    placement = tuple(placement)
     item = model.bytes_per_value
     activation = layout.micro_batch * model.sequence * model.hidden * item
-    jobs = [
-        Job(_build(Collective.ALL_REDUCE, config.tp_algorithm, g, placement, topology),
-            _padded(activation, item, len(g)), tuple(placement[r] for r in g))
-        for g in _groups(layout, "tp")
-    ]  # fmt: skip
-    return _replay(jobs, topology, config.cost, item, cache, config.flow_limit).time_s
+
+    def jobs() -> list[Job]:
+        return _group_jobs(Collective.ALL_REDUCE, config.tp_algorithm, _groups(layout, "tp"), placement, topology,
+                           activation, item)  # fmt: skip
+
+    shape = group_shape(layout, "tp", placement, Collective.ALL_REDUCE, config.tp_algorithm, activation)
+    return _replay(jobs, topology, config.cost, item, cache, config.flow_limit, shape).time_s
+
+
+#: Each server's links out of it (from a node of the server to a node of no server or another), by topology identity.
+_EGRESS: dict[int, tuple[Topology, dict[str, float]]] = {}
+
+
+def _server_egress(topology: Topology) -> dict[str, float]:
+    """Bytes a second each server can send out of itself: the sum of the rates of the links that leave it."""
+    found = _EGRESS.get(id(topology))
+    if found is None or found[0] is not topology:
+        nodes = topology.graph.nodes
+        egress: dict[str, float] = {}
+        for u, v, link in topology.graph.edges(data="link"):
+            server = nodes[u].get("server")
+            if server is not None and nodes[v].get("server") != server:
+                egress[server] = egress.get(server, 0.0) + link.bytes_per_s
+        if len(_EGRESS) > 8:
+            _EGRESS.clear()
+        found = _EGRESS[id(topology)] = (topology, egress)
+    return found[1]
+
+
+def data_parallel_lower_bound(
+    model: ModelSpec, layout: Layout, topology: Topology, placement: Sequence[str], config: StepConfig | None = None
+) -> float:
+    """Seconds the data-parallel collectives of a step (every ZeRO phase, every group at once) cannot beat: in
+    each phase, the bytes the ranks of a server send to ranks on other servers leave it through its links out at
+    their rates at most (max-min fair shares never exceed a link's rate), so the phase lasts at least the largest
+    such total over the server's rate out. At most :func:`simulate_step`'s ``dp_s``."""
+    config = config or StepConfig()
+    if layout.dp == 1:
+        return 0.0
+    placement = list(placement)
+    item = model.bytes_per_value
+    grads = model.parameters / (layout.tp * layout.pp) * item
+    egress = _server_egress(topology)
+    servers = [topology.device(d).server for d in placement]
+    groups = _groups(layout, "dp")
+    total = 0.0
+    for collective in ZERO_PHASES[layout.zero_stage]:
+        out: dict[str, float] = {}
+        for g in groups:
+            schedule = _build(collective, config.dp_algorithm, g, placement, topology)
+            for rank, rounds in enumerate(_rank_rounds_cached(schedule, _padded(grads, item, len(g)), item)):
+                here = servers[g[rank]]
+                sent = sum(n for rr in rounds for peer, n in rr.sends.items() if servers[g[peer]] != here)
+                if sent:
+                    out[here] = out.get(here, 0.0) + sent
+        total += max((n / egress[s] for s, n in out.items() if egress.get(s)), default=0.0)
+    return total * (1 - _ROUNDING)
+
+
+def pipeline_message_lower_bound(
+    model: ModelSpec, layout: Layout, topology: Topology, placement: Sequence[str], config: StepConfig | None = None
+) -> float:
+    """Seconds the pipeline's concurrent sends of one micro-batch's activation (every stage boundary of every
+    replica at once, :func:`dtrain.sim.traffic.simulate_traffic`'s ``pp``) cannot beat: the bytes a server sends
+    to other servers leave it through its links out at their rates at most. At most :func:`simulate_step`'s
+    ``pp_s``; 0 without a pipeline or with split sends."""
+    config = config or StepConfig()
+    if layout.pp == 1 or (config.split_pipeline and layout.tp > 1):
+        return 0.0
+    item = model.bytes_per_value
+    message = _padded(layout.micro_batch * model.sequence * model.hidden * item, item, 1)
+    servers = [topology.device(d).server for d in placement]
+    egress = _server_egress(topology)
+    out: dict[str, float] = {}
+    for d in range(layout.dp):
+        for p in range(layout.pp - 1):
+            for t in range(layout.tp):
+                a, b = servers[grid_rank(layout, d, p, t)], servers[grid_rank(layout, d, p + 1, t)]
+                if a != b:
+                    out[a] = out.get(a, 0.0) + message
+    return max((n / egress[s] for s, n in out.items() if egress.get(s)), default=0.0) * (1 - _ROUNDING)
 
 
 def step_lower_bound(
@@ -463,12 +585,17 @@ def step_lower_bound(
     config: StepConfig | None = None,
     *,
     tp_s: float = 0.0,
+    exact_pipeline: bool = False,
 ) -> float:
     """A time :func:`simulate_step` cannot beat for this layout and placement, without replaying the pipeline
     sends or the data-parallel collectives: the pipeline of each replica with free messages (bounded below by
     :func:`_makespan_bound`), no data-parallel time, and the optimizer step, the median over the same straggler
     samples. ``tp_s``: the tensor-parallel all-reduce's seconds (:func:`tensor_parallel_s`), or 0 for a bound on
-    compute alone. Exact as a bound: every part of the step grows with the seconds left out (the stage times with
+    compute alone. ``exact_pipeline``: each replica's pipeline timed as the simulation times it, each message
+    taking :func:`pipeline_message_lower_bound` (:func:`~dtrain.sim.pipeline.pipeline_makespan` only grows with
+    the message time), and the data-parallel time where it is not overlapped bounded by
+    :func:`data_parallel_lower_bound` (tighter; dearer the first time a pipeline of its
+    shape is timed). Exact as a bound: every part of the step grows with the seconds left out (the stage times with
     ``tp_s``, the pipeline with its stage times and message time, the step with its data-parallel time, which is
     at least 0), and a median of smaller samples is smaller."""
     config = config or StepConfig()
@@ -477,6 +604,11 @@ def step_lower_bound(
     owned = max(stage_parameters(model, layout, 0), stage_parameters(model, layout, layout.pp - 1)) / layout.tp
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)
+    m, v = layout.microbatches, layout.chunks
+    overlapped = config.overlap_dp and layout.pp == 1 and layout.zero_stage == 0
+    dp_s = data_parallel_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0
+    exposed = 0.0 if overlapped else dp_s
+    p2p_s = pipeline_message_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0
     bounds = []
     spans: dict[tuple, float] = {}
     for factors in _factors(layout, config):
@@ -484,8 +616,11 @@ def step_lower_bound(
         slowest = 0.0
         for f, b, w in zip(forward, backward, weight, strict=True):
             key = (tuple(f), tuple(b), tuple(w))
-            if key not in spans:
+            if key not in spans and exact_pipeline:
+                weights = w if layout.schedule in SPLIT_BACKWARD else None
+                spans[key] = pipeline_makespan(f, b, p2p_s, m, layout.schedule, weight_s=weights, virtual_stages=v)
+            elif key not in spans:
                 spans[key] = _makespan_bound(f, b, w, layout)
             slowest = max(slowest, spans[key])
-        bounds.append(slowest + optimizer_s)
+        bounds.append(slowest + exposed + optimizer_s)
     return float(np.median(bounds))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dtrain.cluster.topology import Topology
@@ -94,14 +94,54 @@ Cache = dict[tuple, CollectiveResult]
 
 
 def _replay(
-    jobs: list[Job], topo: Topology, cost: SoftwareCost, item: int, cache: Cache | None, flow_limit: int | None
+    jobs: list[Job] | Callable[[], list[Job]],
+    topo: Topology,
+    cost: SoftwareCost,
+    item: int,
+    cache: Cache | None,
+    flow_limit: int | None,
+    shape: tuple | None = None,
 ) -> CollectiveResult:
+    """``jobs`` (or what ``jobs()`` builds) replayed, through ``cache``: keyed by ``shape`` where the caller names
+    what decides the jobs (the same shape, the same jobs: cheaper to hash than the jobs), else by the jobs."""
+    if shape is not None and cache is not None:
+        key = (id(topo), topo.nic_affinity, shape, cost, item, flow_limit)
+        if key in cache:
+            return cache[key]
+    if callable(jobs):
+        jobs = jobs()
     if cache is None:
         return replay_jobs(jobs, topo, cost=cost, itemsize=item, flow_limit=flow_limit)
-    key = (id(topo), topo.nic_affinity, tuple(jobs), cost, item, flow_limit)
+    if shape is None:
+        key = (id(topo), topo.nic_affinity, tuple(jobs), cost, item, flow_limit)
     if key not in cache:
         cache[key] = replay_jobs(jobs, topo, cost=cost, itemsize=item, flow_limit=flow_limit)
     return cache[key]
+
+
+def _group_jobs(
+    collective: Collective,
+    algorithm: str,
+    groups: list[list[int]],
+    placement: Sequence[str],
+    topo: Topology,
+    nbytes: float,
+    item: int,
+) -> list[Job]:
+    """One job of ``collective`` on ``nbytes`` in each group, its ranks on their devices of ``placement``."""
+    return [
+        Job(_build(collective, algorithm, g, placement, topo), _padded(nbytes, item, len(g)),
+            tuple(placement[r] for r in g))
+        for g in groups
+    ]  # fmt: skip
+
+
+def group_shape(layout: Layout, axis: str, placement: Sequence[str], *what) -> tuple:
+    """What decides the jobs of every ``axis`` group of ``layout`` on ``placement`` (with ``what``: the
+    collective, algorithm and bytes): a cache key for :func:`_replay`. Tensor-parallel groups are runs of ``tp``
+    consecutive grid ranks whatever the other degrees."""
+    dims = (layout.tp,) if axis == "tp" else (layout.dp, layout.tp, layout.pp)
+    return (axis, *dims, tuple(placement), *what)
 
 
 def simulate_traffic(
@@ -128,33 +168,38 @@ def simulate_traffic(
     item = model.bytes_per_value
     activation = layout.micro_batch * model.sequence * model.hidden * item
 
-    def run(collective: Collective, algorithm: str, groups: list[list[int]], nbytes: float) -> CollectiveResult:
-        jobs = [
-            Job(_build(collective, algorithm, g, placement, topo), _padded(nbytes, item, len(g)),
-                tuple(placement[r] for r in g))
-            for g in groups
-        ]  # fmt: skip
-        return _replay(jobs, topo, cost, item, cache, flow_limit)
+    placement = tuple(placement)
 
-    tp = run(Collective.ALL_REDUCE, tp_algorithm, _groups(layout, "tp"), activation) if layout.tp > 1 else None
+    def run(collective: Collective, algorithm: str, axis: str, nbytes: float, groups=None) -> CollectiveResult:
+        def jobs() -> list[Job]:
+            ranks = groups() if groups is not None else _groups(layout, axis)
+            return _group_jobs(collective, algorithm, ranks, placement, topo, nbytes, item)
+
+        shape = group_shape(layout, axis, placement, collective, algorithm, nbytes)
+        return _replay(jobs, topo, cost, item, cache, flow_limit, shape)
+
+    tp = run(Collective.ALL_REDUCE, tp_algorithm, "tp", activation) if layout.tp > 1 else None
     pp = pp_gather = None
     if layout.pp > 1:
-        pairs = [
-            (grid_rank(layout, d, p, t), grid_rank(layout, d, p + 1, t))
-            for d in range(layout.dp) for p in range(layout.pp - 1) for t in range(layout.tp)
-        ]  # fmt: skip
         split = split_pipeline and layout.tp > 1
         message = _padded(activation, item, layout.tp) // layout.tp if split else _padded(activation, item, 1)
-        jobs = [Job(_p2p(), message, (placement[a], placement[b])) for a, b in pairs]
-        pp = _replay(jobs, topo, cost, item, cache, flow_limit)
-        if split:
-            receivers = [
-                group(layout, "tp", d, p, 0) for d in range(layout.dp) for p in range(1, layout.pp)
+
+        def sends() -> list[Job]:
+            pairs = [
+                (grid_rank(layout, d, p, t), grid_rank(layout, d, p + 1, t))
+                for d in range(layout.dp) for p in range(layout.pp - 1) for t in range(layout.tp)
             ]  # fmt: skip
-            pp_gather = run(Collective.ALL_GATHER, tp_algorithm, receivers, activation)
+            return [Job(_p2p(), message, (placement[a], placement[b])) for a, b in pairs]
+
+        pp = _replay(sends, topo, cost, item, cache, flow_limit, group_shape(layout, "pp", placement, message))
+        if split:
+
+            def receivers() -> list[list[int]]:
+                return [group(layout, "tp", d, p, 0) for d in range(layout.dp) for p in range(1, layout.pp)]
+
+            pp_gather = run(Collective.ALL_GATHER, tp_algorithm, "pp-gather", activation, receivers)
     dp: list[CollectiveResult] = []
     if layout.dp > 1:
         grads = model.parameters / (layout.tp * layout.pp) * item
-        groups = _groups(layout, "dp")
-        dp = [run(c, dp_algorithm, groups, grads) for c in ZERO_PHASES[layout.zero_stage]]
+        dp = [run(c, dp_algorithm, "dp", grads) for c in ZERO_PHASES[layout.zero_stage]]
     return Traffic(tp=tp, pp=pp, dp=dp, pp_gather=pp_gather)

@@ -13,7 +13,12 @@ from dtrain.sim.model import ModelSpec
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import place
 from dtrain.sim.planner import sweep
-from dtrain.sim.step import step_lower_bound, tensor_parallel_s
+from dtrain.sim.step import (
+    data_parallel_lower_bound,
+    pipeline_message_lower_bound,
+    step_lower_bound,
+    tensor_parallel_s,
+)
 
 MODEL = ModelSpec(name="m", parameters=30e9, layers=32, hidden=6144, heads=48, sequence=2048)
 
@@ -41,15 +46,23 @@ def sweeps():
 def test_lower_bounds_never_exceed_the_simulated_step(sweeps) -> None:
     topology, exhaustive, _ = sweeps
     assert exhaustive.bounded == 0 and exhaustive.simulated == len(exhaustive.plans) > 20
-    loose, cache = [], {}
+    loose, closer, cache, crossing = [], [], {}, 0
     for p in exhaustive.plans:
         used = place(topology, p.layout, p.placement)
         compute = step_lower_bound(MODEL, p.layout, topology, used)
         with_tp = step_lower_bound(MODEL, p.layout, topology, used,
                                    tp_s=tensor_parallel_s(MODEL, p.layout, topology, used, cache=cache))  # fmt: skip
-        assert 0 < compute <= with_tp <= p.result.step_s, p.layout.describe()
+        tp_s = tensor_parallel_s(MODEL, p.layout, topology, used, cache=cache)
+        exact = step_lower_bound(MODEL, p.layout, topology, used, tp_s=tp_s, exact_pipeline=True)
+        assert 0 < compute <= with_tp <= exact <= p.result.step_s, p.layout.describe()
+        dp_bound = data_parallel_lower_bound(MODEL, p.layout, topology, used)
+        pp_bound = pipeline_message_lower_bound(MODEL, p.layout, topology, used)
+        assert dp_bound <= p.result.dp_s and pp_bound <= p.result.pp_s, p.layout.describe()
+        crossing += dp_bound > 0 and pp_bound > 0
         loose.append(p.result.step_s / with_tp)
+        closer.append(p.result.step_s / exact)
     assert min(loose) < 1.2  # tight where communication hides or is small
+    assert max(closer) < max(loose) and crossing > 0  # some groups and stages span servers
 
 
 def test_the_pruned_sweep_ranks_the_top_plans_as_the_exhaustive_one(sweeps) -> None:

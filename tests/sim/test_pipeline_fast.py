@@ -1,0 +1,55 @@
+"""The wave evaluation of a pipeline schedule (dtrain.sim.pipeline) against its event replay."""
+
+import random
+
+import pytest
+
+from dtrain.sim import pipeline
+from dtrain.sim.pipeline import pipeline_bubble, pipeline_makespan
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_waves_give_the_event_replays_makespan_on_random_stages(schedule: str) -> None:
+    rng = random.Random(hash(schedule) & 0xFFFF)
+    for _ in range(40):
+        p = rng.randint(1, 9)
+        v = rng.choice((2, 3))
+        m = p * rng.randint(1, 3) if schedule == "interleaved-1f1b" else rng.randint(1, 14)
+        forward = [rng.uniform(0.2, 2.0) for _ in range(p)]
+        backward = [rng.uniform(0.3, 4.0) for _ in range(p)]
+        weight = [rng.uniform(0.1, 1.5) for _ in range(p)] if rng.random() < 0.5 else None
+        p2p = rng.choice((0.0, rng.uniform(0.0, 1.5)))
+        args = (forward, backward, p2p, m, schedule, weight, v)
+        span, work = pipeline._run(*args)
+        replayed, replayed_work = pipeline._replay(*args)
+        assert span == pytest.approx(replayed, rel=1e-12, abs=0.0)
+        assert work == pytest.approx(replayed_work, rel=1e-12)
+
+
+def test_wide_pipelines_take_the_array_path_and_agree() -> None:
+    # 32 stages, 128 micro-batches: waves of up to 32 actions, timed with array operations
+    rng = random.Random(7)
+    p, m = 32, 128
+    forward = [rng.uniform(0.9, 1.1) for _ in range(p)]
+    backward = [rng.uniform(1.8, 2.2) for _ in range(p)]
+    for schedule in ("1f1b", "interleaved-1f1b"):
+        graph = pipeline._graph(schedule, p, m, 2 if schedule == "interleaved-1f1b" else 1)
+        assert graph.size >= pipeline._WIDE * (len(graph.waves) - 1)
+        for p2p in (0.0, 0.05):
+            span = pipeline_makespan(forward, backward, p2p, m, schedule)
+            assert span == pytest.approx(pipeline._replay(forward, backward, p2p, m, schedule, None, 2)[0], rel=1e-12)
+
+
+def test_equal_stages_keep_the_gpipe_bubble() -> None:
+    # (p - 1) / (m + p - 1) with equal stages and free messages (GPipe paper, section 2.3)
+    for p, m in ((4, 8), (8, 3), (1, 5)):
+        assert pipeline_bubble([1.0] * p, [2.0] * p, 0.0, m, "1f1b") == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_bad_stage_lists_are_refused() -> None:
+    with pytest.raises(ValueError, match="one forward, one backward"):
+        pipeline_makespan([1.0, 1.0], [1.0], 0.0, 4)
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        pipeline_makespan([1.0], [1.0], 0.0, 4, "2f2b")
