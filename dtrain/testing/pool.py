@@ -5,6 +5,11 @@ test would spend its time there. The pool starts ``world_size`` processes once, 
 and builds subgroups of the first 2, 3, ... ranks, then runs jobs (``"module:function"`` plus arguments) on
 the ranks a caller names and hands back each rank's result or traceback.
 
+A job that fails, on any rank, or that some rank does not finish in time, leaves the group in an unknown state
+(a rank still inside a collective, messages in flight that the next job would receive), so the pool reports it
+and starts its processes again: one failing test costs one test, not every later one. A rank that did not
+answer has its Python stack written into the report first.
+
 The jobs travel over multiprocessing pipes between processes of this one test run on one machine; nothing
 here listens on a network beyond the loopback rendezvous of torch.distributed.
 """
@@ -16,8 +21,11 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,7 +73,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, sizes: Sequence[int], jobs, results, timeout_s: float) -> None:
+def _worker(
+    rank: int, world: int, port: int, sizes: Sequence[int], jobs, results, timeout_s: float, stacks: str
+) -> None:
+    import faulthandler
+
+    # SIGUSR1 writes every thread's Python stack to this rank's file: what a job that did not finish was doing
+    stack_file = open(stacks, "w")  # noqa: SIM115  (open for the process's life, for the signal handler)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -121,29 +136,46 @@ class ProcessPool:
     """``world_size`` processes in one Gloo group, running jobs on demand."""
 
     def __init__(self, world_size: int, *, sizes: Sequence[int] = (), timeout_s: float = 60.0) -> None:
-        ctx = _context()
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.sizes = sorted({*sizes, world_size})
+        self.restarts = 0
         self._next_id = 0
-        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        self._stack_dir = tempfile.TemporaryDirectory(prefix="dtrain-pool-")
+        self._start()
+
+    def _start(self) -> None:
+        ctx = _context()
+        self._jobs = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         port = _free_port()
-        all_sizes = sorted({*sizes, world_size})
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, all_sizes, self._jobs[r], self._results, timeout_s),
+                args=(
+                    r,
+                    self.world_size,
+                    port,
+                    self.sizes,
+                    self._jobs[r],
+                    self._results,
+                    self.timeout_s,
+                    self._stack_path(r),
+                ),
                 daemon=True,
             )
-            for r in range(world_size)
+            for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()
         ready = set()
-        while len(ready) < world_size:
-            tag, rank, _ = self._get(timeout_s * 2, "start-up")
+        while len(ready) < self.world_size:
+            tag, rank, _ = self._get(self.timeout_s * 2, "start-up")
             if tag == "ready":
                 ready.add(rank)
+
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._stack_dir.name, f"rank-{rank}.txt")
 
     def _get(self, timeout_s: float, what: str):
         try:
@@ -151,6 +183,34 @@ class ProcessPool:
         except queue.Empty:
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
             raise JobError(f"{what}: no answer within {timeout_s:.0f} s (dead workers: {dead})") from None
+
+    def _stacks(self, ranks: Sequence[int]) -> str:
+        """The Python stacks of ``ranks`` now (through their SIGUSR1 handler), as text."""
+        for r in ranks:
+            p = self._procs[r]
+            if p.is_alive() and p.pid is not None:
+                os.truncate(self._stack_path(r), 0)
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        parts = []
+        for r in ranks:
+            with open(self._stack_path(r)) as f:
+                text = f.read().strip() or "(no stack: the process is gone)"
+            parts.append(f"--- rank {r}, still running ---\n{text}")
+        return "\n".join(parts)
+
+    def restart(self) -> None:
+        """End every worker, whatever it is doing, and start the group again."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        for q in (*self._jobs, self._results):
+            q.cancel_join_thread()
+            q.close()
+        self.restarts += 1
+        self._start()
 
     def run(self, job: Callable, *args, ranks: int | Sequence[int] | None = None, **kwargs) -> list:
         """Run ``job`` (a module-level function, imported by the caller) on ``ranks`` (a count n means 0..n-1).
@@ -169,13 +229,20 @@ class ProcessPool:
         for r in ranks:
             self._jobs[r].put(message)
         answers: dict[int, tuple] = {}
+        deadline = time.monotonic() + self.timeout_s
+        stalled = ""
         while len(answers) < len(ranks):
-            job_id, rank, answer = self._get(self.timeout_s, target)
+            try:
+                job_id, rank, answer = self._get(max(deadline - time.monotonic(), 0.0), target)
+            except JobError as err:
+                stalled = f"{err}\n" + self._stacks([r for r in ranks if r not in answers])
+                break
             if job_id == message.job_id:
                 answers[rank] = answer
         errors = [f"--- rank {r} ---\n{a[1]}" for r, a in sorted(answers.items()) if a[0] == "error"]
-        if errors:
-            raise JobError(f"{target} failed:\n" + "\n".join(errors))
+        if errors or stalled:
+            self.restart()  # the group may hold a rank inside a collective, or messages the next job would take
+            raise JobError(f"{target} failed:\n" + "\n".join([*errors, stalled]).strip())
         return [answers[r][1] for r in ranks]
 
     def close(self) -> None:
@@ -185,6 +252,7 @@ class ProcessPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        self._stack_dir.cleanup()
 
     def __enter__(self) -> ProcessPool:
         return self
