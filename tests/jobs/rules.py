@@ -20,6 +20,8 @@ def _forget_choices() -> None:
         held.agreed.clear()
         held.rules.clear()
         held.choices.clear()
+        held.calls.clear()  # resolved calls would skip the choice that the next call must make again
+    state.changed()
 
 
 def auto_with_rules(world: int, paths: list[str | None], numel: int) -> dict:
