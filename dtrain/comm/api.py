@@ -459,6 +459,8 @@ def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str
     ``numel``: the elements each rank puts in."""
     if not input.is_cuda or round_timeout() is not None or not (output.is_contiguous() and input.is_contiguous()):
         return False
+    if numel == 0:  # nothing to move: the general plan's empty call
+        return False
     name, via = _via(group, input.device, chosen)
     form = fused.one_pass_form(coll, name, input.dtype, op, input.device)
     if form is None or via != "peer":
