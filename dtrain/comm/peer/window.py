@@ -176,6 +176,10 @@ class PeerWindow:
         self.group_name = self.group.group_name
         self.global_rank = dist.get_global_rank(self.group, self.rank)
         self._local: dict = {}  # (dtype, numel) -> this rank's window as that many elements (local)
+        # one-pass calls (dtrain.comm.peer.fused.one_pass): the half the next one uses, and whether peers may
+        # still be reading the last one's (a call of another kind first passes a barrier: fused.settle)
+        self.bank = 0
+        self.pending = False
         if device.type == "cuda":
             self.buffers = self._map_cuda()
         else:
@@ -388,6 +392,9 @@ def window_for(group, device: torch.device, nbytes: int) -> PeerWindow:
                 "the peer transport needs every rank of the group on one host; use DTRAIN_COMM_TRANSPORT=p2p"
             )
         size = nbytes if window is None else max(nbytes, 2 * window.nbytes)
+        if window is not None and window.pending:  # peers may still read the old window: wait for them first
+            window.pending = False
+            window.barrier()
         state.release_derived()  # prepared steps, graphs and kept buffers hold the old window: let it go
         window = state.windows[device] = _setting_up(lambda: PeerWindow(group, device, size), group, "mapping windows")
     return window
