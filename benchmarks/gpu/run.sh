@@ -46,7 +46,8 @@
 #                      -> defaults.jsonl, defaults-fresh.jsonl
 #   one-pass           all-gather, reduce-scatter, all-to-all (direct) and broadcast (star) in one pass over CUDA
 #                      symmetric memory beside NCCL and auto, 8 KiB-64 MiB, same tensors and fresh ones, on every GPU
-#                      and on 2 (NP_SMALL) -> one_pass{,-fresh}-np{N}.jsonl
+#                      and on 2 (NP_SMALL), with DTRAIN_COMM_ONE_PASS=1 and bench verify first
+#                      -> verify-one-pass.txt, one_pass{,-fresh}-np{N}.jsonl
 #   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 4, 8, 16 and batch
 #                      4096 at m = 8, 16, beside torch pipelining -> bench_pipeline.jsonl, bench_pipeline-b4096.jsonl
 #   probe-one-shot | probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
@@ -155,6 +156,8 @@ for mode in "$@"; do
           summ "$out/$name.jsonl" --collective $c --algorithms native,auto; done
       done ;;
     one-pass)
+      export DTRAIN_COMM_ONE_PASS=1
+      LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify-one-pass.txt"; counts "verify, one pass" "$out/verify-one-pass.txt"
       for np_ in "$n" "${NP_SMALL:-2}"; do
         for fresh in "" --fresh; do
           name=one_pass${fresh:+-fresh}-np$np_
@@ -167,7 +170,8 @@ for mode in "$@"; do
           done
           cat "$out/$name"-*.jsonl >"$out/$name.jsonl" && rm -f "$out/$name"-*.jsonl
         done
-      done ;;
+      done
+      unset DTRAIN_COMM_ONE_PASS ;;
     bench-pipeline)
       LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 4,8,16 \
         --out "$out/bench_pipeline.jsonl" | grep -vE "^\[|Thread"

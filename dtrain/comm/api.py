@@ -444,8 +444,8 @@ def _one_pass_or_native(coll: Collective, algorithm: str, chosen: str, dtype: to
     """``auto``'s choice, or ``native`` where it chose a one-pass schedule (:data:`dtrain.comm.peer.fused.ONE_PASS`)
     that this call cannot run in one pass (its dtype or reduction, ``DTRAIN_COMM_FUSED=0``, no kernels): the rules
     measured the one pass, and NCCL's is faster than the same schedule run a round at a time."""
-    if algorithm != "auto" or device.type != "cuda":
-        return chosen
+    if algorithm != "auto" or device.type != "cuda" or not comm_env().one_pass:
+        return chosen  # without DTRAIN_COMM_ONE_PASS the rules measured the round-at-a-time plan, which runs
     name = chosen.partition("@")[0]
     if (coll, name) in fused.ONE_PASS and fused.one_pass_form(coll, name, dtype, op, device) is None:
         return "native"

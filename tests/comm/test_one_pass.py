@@ -32,11 +32,15 @@ def test_the_one_pass_schedules_are_one_round_and_prove_their_collective():
 
 def test_which_calls_run_in_one_pass(monkeypatch):
     monkeypatch.setitem(fused._state, "present", True)  # as on a GPU whose torch has the kernels
+    monkeypatch.delenv("DTRAIN_COMM_ONE_PASS", raising=False)  # off by default: the round-at-a-time plan runs
+    rs = Collective.REDUCE_SCATTER
+    assert all(fused.one_pass_form(c, a, torch.bfloat16, "sum", CUDA) is None for c, a in fused.ONE_PASS)
+    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "max", CUDA) == "direct"
+    monkeypatch.setenv("DTRAIN_COMM_ONE_PASS", "1")
     for (coll, algorithm), form in fused.ONE_PASS.items():
         assert fused.one_pass_form(coll, algorithm, torch.bfloat16, "sum", CUDA) == form
         assert fused.one_pass_form(coll, algorithm, torch.float32, "sum", CPU) is None
         assert fused.one_pass_form(coll, "ring", torch.float32, "sum", CUDA) is None
-    rs = Collective.REDUCE_SCATTER
     assert fused.one_pass_form(rs, "direct", torch.float32, "avg", CUDA) == "scatter"
     assert fused.one_pass_form(rs, "direct", torch.float32, "max", CUDA) is None  # the kernel only sums
     assert fused.one_pass_form(rs, "direct", torch.float16, "sum", CUDA) is None

@@ -110,10 +110,12 @@ ONE_PASS = {
 
 def one_pass_form(collective: Collective, algorithm: str, dtype: torch.dtype, op: str, device: torch.device):
     """The one-pass form that runs ``algorithm`` for ``collective`` of ``dtype`` with ``op`` on ``device``, or None
-    (the general plan runs it): CUDA, kernels present and not turned off; a reduce-scatter only for the sums the
-    one-shot kernel takes (:data:`_DTYPES`, ``sum`` and ``avg``)."""
+    (the general plan runs it): CUDA, ``DTRAIN_COMM_ONE_PASS=1``, kernels present and not turned off
+    (``DTRAIN_COMM_FUSED``); a reduce-scatter only for the sums the one-shot kernel takes (:data:`_DTYPES`,
+    ``sum`` and ``avg``)."""
     form = ONE_PASS.get((collective, algorithm))
-    if form is None or device.type != "cuda" or not comm_env().fused or not _kernels_present():
+    env = comm_env()
+    if form is None or device.type != "cuda" or not env.one_pass or not env.fused or not _kernels_present():
         return None
     if form == "scatter" and (dtype not in _DTYPES or op not in ("sum", "avg")):
         return None
