@@ -48,7 +48,7 @@ from dtrain.comm.peer import kernels as peer_kernels
 from dtrain.comm.peer import watchdog
 from dtrain.comm.peer.pull import compile_pull
 from dtrain.comm.peer.push import compile_push, has_push_form, writes_own_block_only
-from dtrain.comm.state import group_state, states
+from dtrain.comm.state import find_state, group_state, states
 from dtrain.env import comm_env
 
 __all__ = [
@@ -408,9 +408,15 @@ def _forget(window: PeerWindow) -> None:
     state.release_derived()
 
 
-def close_windows() -> None:
-    """Forget every group's windows (before the process group is destroyed)."""
-    for state in states():
+def close_windows(*groups) -> None:
+    """Forget the windows of ``groups`` (None: the default group), or of every group when none is named (before
+    the process group is destroyed). Every rank of a group must do it alike: a rank that still holds the
+    group's window (or its answer to :func:`peer_available`) would skip the collective set-up its peers make."""
+    if groups:
+        held = [state for state in (find_state(_group_key(g)) for g in groups) if state is not None]
+    else:
+        held = states()
+    for state in held:
         state.release_derived()
         state.windows.clear()
         state.available.clear()
