@@ -412,10 +412,8 @@ def close_windows(*groups) -> None:
     """Forget the windows of ``groups`` (None: the default group), or of every group when none is named (before
     the process group is destroyed). Every rank of a group must do it alike: a rank that still holds the
     group's window (or its answer to :func:`peer_available`) would skip the collective set-up its peers make."""
-    if groups:
-        held = [state for state in (find_state(_group_key(g)) for g in groups) if state is not None]
-    else:
-        held = states()
+    named = (find_state(_group_key(g)) for g in groups)
+    held = [state for state in named if state is not None] if groups else states()
     for state in held:
         state.release_derived()
         state.windows.clear()
