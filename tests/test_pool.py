@@ -37,7 +37,7 @@ def test_a_failed_job_is_reported_and_the_next_job_runs_on_fresh_processes():
 
 
 def test_a_rank_that_does_not_finish_is_named_with_its_stack_and_the_pool_starts_again():
-    with ProcessPool(2, timeout_s=3) as pool:
+    with ProcessPool(2, timeout_s=2) as pool:
         started = time.monotonic()
         with pytest.raises(JobError) as caught:
             pool.run(pool_jobs.sleep_on, 1, 60.0)

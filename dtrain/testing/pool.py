@@ -177,7 +177,7 @@ class ProcessPool:
             p.start()
         ready = set()
         while len(ready) < self.world_size:
-            tag, rank, _ = self._get(self.timeout_s * 2, "start-up")
+            tag, rank, _ = self._get(max(self.timeout_s * 2, 120.0), "start-up")  # forks and a rendezvous
             if tag == "ready":
                 ready.add(rank)
 
@@ -198,7 +198,10 @@ class ProcessPool:
             if p.is_alive() and p.pid is not None:
                 os.truncate(self._stack_path(r), 0)
                 os.kill(p.pid, signal.SIGUSR1)
-        time.sleep(1.0)
+        deadline = time.monotonic() + 3.0  # a loaded machine may take a moment to schedule them
+        while time.monotonic() < deadline and not all(os.path.getsize(self._stack_path(r)) for r in ranks):
+            time.sleep(0.05)
+        time.sleep(0.05)  # the last lines of a stack being written
         parts = []
         for r in ranks:
             with open(self._stack_path(r)) as f:
