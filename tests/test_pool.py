@@ -40,8 +40,8 @@ def test_a_rank_that_does_not_finish_is_named_with_its_stack_and_the_pool_starts
     with ProcessPool(2, timeout_s=2) as pool:
         started = time.monotonic()
         with pytest.raises(JobError) as caught:
-            pool.run(pool_jobs.sleep_on, 1, 60.0)
-        assert time.monotonic() - started < 15
+            pool.run(pool_jobs.sleep_on, 1, 600.0)
+        assert time.monotonic() - started < 60  # the timeout, the stacks and a restart, not the sleep
         message = str(caught.value)
         assert "--- rank 1, still running ---" in message and "in sleep_on" in message
         assert "rank 0, still running" not in message
