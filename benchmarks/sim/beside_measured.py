@@ -312,8 +312,8 @@ def _pipeline(args: argparse.Namespace) -> list[dict]:
 # --- data parallel ---------------------------------------------------------------------------------------------
 
 
-def dp_prediction(ranks: int, batch_per_rank: int, parameters: float) -> float:
-    """Seconds of one step of the 136M GPT on ``ranks`` H100s of ``h100-node``."""
+def dp_prediction(ranks: int, batch_per_rank: int, parameters: float):
+    """One simulated step (a ``StepResult``) of the 136M GPT on ``ranks`` H100s of ``h100-node``."""
     from dtrain.cluster.presets import preset
     from dtrain.sim.model import Layout, ModelSpec
     from dtrain.sim.placement import place
@@ -322,17 +322,19 @@ def dp_prediction(ranks: int, batch_per_rank: int, parameters: float) -> float:
     model = ModelSpec(name="gpt-136m", parameters=parameters, bytes_per_value=4, **GPT_136M)
     layout = Layout(dp=ranks, micro_batch=batch_per_rank, global_batch=ranks * batch_per_rank, attention="flash")
     topo = preset("h100-node")
-    return simulate_step(model, layout, topo, place(topo, layout)).step_s
+    return simulate_step(model, layout, topo, place(topo, layout))
 
 
 def dp_rows(files=DP_FILES) -> list[dict]:
     out = []
     for name in files:
         for r in load(name):
-            pred = dp_prediction(r["ranks"], r["batch_per_rank"], float(r["parameters"]))
+            step = dp_prediction(r["ranks"], r["batch_per_rank"], float(r["parameters"]))
             out.append({"record": "row", "source": name, "variant": r["variant"], "ranks": r["ranks"],
-                        "batch_per_rank": r["batch_per_rank"], "measured_s": r["step_s"], "predicted_s": pred,
-                        "error": _error(pred, r["step_s"])})  # fmt: skip
+                        "batch_per_rank": r["batch_per_rank"], "measured_s": r["step_s"], "predicted_s": step.step_s,
+                        "compute_s": step.compute_s, "all_reduce_s": step.dp_s,
+                        "exposed_all_reduce_s": step.dp_exposed_s,
+                        "optimizer_s": step.optimizer_s, "error": _error(step.step_s, r["step_s"])})  # fmt: skip
     return out
 
 
