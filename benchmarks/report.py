@@ -1175,11 +1175,20 @@ def section_sim_beside_measured() -> str:
             "in the protocol NCCL's tuning log gives, Simple below 1 MiB; all-to-all as grouped point-to-point) "
             "with its figures fitted on 4 x H200 graph captures; dtrain's one-shot and direct algorithms by the "
             "peer-memory model with the H100 figures of `sim_validation-peer-h100x4.jsonl`. `device` is the "
-            "kernel alone; `with host` adds the host's time a call (a call costs the larger of the two), the "
-            f"median of NCCL's eager calls of at most 1 MiB in {' and '.join(figures['host_source'])}: {host}. "
-            "Below 32 MiB every NCCL call is the host's; the host time of this sweep's process differs from the "
-            "other launch's by up to 2x (all-to-all, fresh processes), which no figure carried from another "
-            "launch can follow. The last column is the cost model `auto` chose by, as the sweep recorded it.",
+            "kernel alone; `with host` adds the host's time a call (a call costs the larger of the two): for "
+            f"NCCL the median of its eager calls of at most 1 MiB in {' and '.join(figures['host_source'])} "
+            f"({host}); for dtrain's one-kernel all-reduces (one-shot, two-shot `direct`) "
+            f"{figures['fused_host_s'] * 1e6:.1f} us, the median of `auto` back to back at 8 KiB-1 MiB in "
+            f"{figures['fused_source']}. Below 32 MiB every NCCL call is the host's; the host time of this "
+            "sweep's processes differs from the other launch's by up to 2x (all-to-all; all-reduce in fresh "
+            "processes), which no figure carried from another launch can follow, and dtrain's one-shot calls "
+            "of 8-128 KiB took 35-40 us of host time here against the probe's 26.5 us. Above that the kernel "
+            "decides: NCCL's calls of 128 MiB and more come within "
+            f"{errors([r['error'] for r in coll if r['model'] == 'nccl' and r['nbytes'] >= 128 * MIB])} "
+            "(the fresh 4-GPU processes ran 8-14% slower than the model and the other runs, 2-GPU all-to-all "
+            "of 512 MiB 9-20% faster); the peer model prices the two-shot kernel as its pull plan, 16-37% "
+            "slow at 8 MiB on 4 GPUs. The last column is the cost model `auto` chose by, as "
+            "the sweep recorded it.",
             table(
                 [
                     "GPUs",

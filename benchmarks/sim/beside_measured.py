@@ -11,7 +11,8 @@ collectives  ``dtrain bench comm`` with the defaults (collectives_defaults[_fres
              captured as CUDA graphs (``validate.py captured``'s fit: the device's time, no H100 row); dtrain's own
              algorithms (one_shot, direct) priced by dtrain.sim.peer_model with the H100 peer figures of
              sim_validation-peer-h100x4.jsonl (``validate.py peer-h100``: micro-benchmarks, host replay time
-             fitted on all_reduce-h100x4.jsonl). Two predictions a NCCL row: the device alone
+             fitted on all_reduce-h100x4.jsonl; the one-kernel all-reduces' host time a call from
+             probe-one-shot-h100x4.txt, dtrain's ``auto`` back to back). Two predictions a row: the device alone
              (``device_us``, launch and kernel) and with the host's time per call (``predicted_us`` = max(host,
              device), back-to-back calls overlapping the host's enqueue with the previous kernel): the median
              ``host_us`` of NCCL's eager calls of at most 1 MiB per collective in captured-symmetric-h100x4.jsonl
@@ -41,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -59,6 +61,10 @@ COLLECTIVE_FILES = (
 )
 HOST_FILES = ("captured-symmetric-h100x4.jsonl", "captured-rooted-h100x4.jsonl")  # NCCL's eager host time a call
 PEER_FIGURES = "sim_validation-peer-h100x4.jsonl"  # validate.py peer-h100's H100 PeerCost ("two sizes")
+#: benchmarks/collectives/probe.py one-shot on 4 x H100: dtrain's ``auto`` all-reduce back to back, the fused
+#: one-kernel path (one-shot, two-shot), at 8 KiB-16 MiB
+FUSED_PROBE = "probe-one-shot-h100x4.txt"
+FUSED = ("one_shot", "direct")  # all-reduces that run as one kernel (dtrain/comm/peer/fused.py)
 PIPELINE_FILES = ("bench_pipeline-h100x4.jsonl", "bench_pipeline-b4096-h100x4.jsonl")
 DP_FILES = ("dp_vs_ddp-h100x4-b16.jsonl", "dp_vs_ddp-h100x4-b32.jsonl")
 #: benchmarks/training/dp_zero.py's model: 12 layers, width 768, 12 heads, 4x GELU MLP, 32768-token vocabulary,
@@ -144,8 +150,23 @@ def _protocols() -> dict:
     return _PROTOCOLS
 
 
-def collective_rows(params, host: dict[str, float], peer, files=COLLECTIVE_FILES) -> list[dict]:
-    """Every row of ``files`` with its prediction (module docstring)."""
+def fused_host_s() -> float:
+    """The host's time a call of dtrain's one-kernel all-reduce: the median of :data:`FUSED_PROBE`'s ``auto``
+    times of at most 1 MiB (host-bound: the fused kernel itself takes 12-25 us there, the probe's one_shot
+    column)."""
+    times = []
+    for line in (RESULTS / FUSED_PROBE).read_text().splitlines():
+        found = re.search(r"^\s*(\d+) KiB \w+ .*\bauto\s+([\d.]+) us", line)
+        if found and int(found.group(1)) <= 1024:
+            times.append(float(found.group(2)) * 1e-6)
+    if not times:
+        raise ValueError(f"{FUSED_PROBE}: no 'auto' times of at most 1024 KiB")
+    return statistics.median(times)
+
+
+def collective_rows(params, host: dict[str, float], peer, fused_s: float, files=COLLECTIVE_FILES) -> list[dict]:
+    """Every row of ``files`` with its prediction (module docstring); ``fused_s``: the host's time a call of the
+    one-kernel all-reduce (:func:`fused_host_s`)."""
     import captured_base as s6
 
     out = []
@@ -163,7 +184,11 @@ def collective_rows(params, host: dict[str, float], peer, files=COLLECTIVE_FILES
             else:
                 priced = s6._peer_row({**r, "run": name}, peer, graph=False)
                 device, total = priced["gpu_us"] * 1e-6, priced["predicted_us"] * 1e-6
-                row |= {"model": "peer", "protocol": None, "host_us": None}
+                host_s = None
+                if coll == "all_reduce" and resolved in FUSED:  # one kernel: its own host path, not a replay's
+                    host_s = fused_s
+                    total = max(fused_s, device)
+                row |= {"model": "peer", "protocol": None, "host_us": None if host_s is None else host_s * 1e6}
             row |= {"device_us": device * 1e6, "predicted_us": total * 1e6,
                     "device_error": _error(device * 1e6, r["time_us"]),
                     "error": _error(total * 1e6, r["time_us"])}  # fmt: skip
@@ -173,11 +198,12 @@ def collective_rows(params, host: dict[str, float], peer, files=COLLECTIVE_FILES
 
 def _collectives(args: argparse.Namespace) -> list[dict]:
     params = nccl_figures_from(args.nccl_figures) if args.nccl_figures else fit_nccl_figures()
-    host = nccl_host_s()
-    rows = collective_rows(params, host, peer_figures())
+    host, fused = nccl_host_s(), fused_host_s()
+    rows = collective_rows(params, host, peer_figures(), fused)
     print(f"NCCL figures (4 x H200 graph captures): {params}")
     print("host time a call (us), " + ", ".join(f"{c} {s * 1e6:.1f}" for c, s in sorted(host.items()))
-          + f" (median of {' and '.join(HOST_FILES)})")  # fmt: skip
+          + f" (median of {' and '.join(HOST_FILES)}); dtrain's one-kernel all-reduce {fused * 1e6:.1f} us "
+          f"({FUSED_PROBE})")  # fmt: skip
     print(f"{'file':42s} {'collective':15s} {'alg':9s} {'resolved':9s} {'bytes':>10s} {'measured':>9s} "
           f"{'device':>8s} {'+host':>8s} {'error':>7s}")  # fmt: skip
     for r in rows:
@@ -191,7 +217,8 @@ def _collectives(args: argparse.Namespace) -> list[dict]:
                     print(f"{label}, {world} GPUs, {model}: median |error| {_median(group):.1%}, worst "
                           f"{max(map(abs, group)):.1%} over {len(group)}")  # fmt: skip
     figures = {"record": "figures", "nccl": dataclasses.asdict(params), "host_s": host,
-               "host_source": list(HOST_FILES), "peer_source": PEER_FIGURES}  # fmt: skip
+               "host_source": list(HOST_FILES), "peer_source": PEER_FIGURES, "fused_host_s": fused,
+               "fused_source": FUSED_PROBE}  # fmt: skip
     return [figures, *rows]
 
 

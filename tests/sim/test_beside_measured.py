@@ -61,7 +61,10 @@ def test_collectives_file_matches_a_direct_call(beside):
     assert row["predicted_us"] == pytest.approx(max(host, device) * 1e6)
     assert row["error"] == pytest.approx(row["predicted_us"] / row["measured_us"] - 1)
     peer = next(r for r in rows if r["model"] == "peer")
-    again = beside.collective_rows(params, figures["host_s"], beside.peer_figures(), files=[peer["source"]])
+    assert figures["fused_host_s"] == pytest.approx(beside.fused_host_s())
+    again = beside.collective_rows(
+        params, figures["host_s"], beside.peer_figures(), figures["fused_host_s"], files=[peer["source"]]
+    )
     same = next(r for r in again if r["collective"] == peer["collective"] and r["algorithm"] == peer["algorithm"]
                 and r["nbytes"] == peer["nbytes"])  # fmt: skip
     assert same["predicted_us"] == pytest.approx(peer["predicted_us"])
