@@ -47,6 +47,7 @@ __all__ = [
     "COMM_LANES",
     "COMM_TRITON",
     "COMM_FUSED",
+    "COMM_ONE_PASS",
     "COMM_AUTOTUNE",
     "CALIBRATION",
     "PS_ROLE",
@@ -69,6 +70,7 @@ COMM_RULES = "DTRAIN_COMM_RULES"
 COMM_LANES = "DTRAIN_COMM_LANES"
 COMM_TRITON = "DTRAIN_COMM_TRITON"
 COMM_FUSED = "DTRAIN_COMM_FUSED"
+COMM_ONE_PASS = "DTRAIN_COMM_ONE_PASS"
 COMM_AUTOTUNE = "DTRAIN_COMM_AUTOTUNE"
 CALIBRATION = "DTRAIN_CALIBRATION"
 PS_ROLE = "DTRAIN_PS_ROLE"
@@ -92,6 +94,7 @@ _COMM_NAMES = (
     COMM_LANES,
     COMM_TRITON,
     COMM_FUSED,
+    COMM_ONE_PASS,
     COMM_AUTOTUNE,
     CALIBRATION,
 )
@@ -176,6 +179,10 @@ class CommEnv:
     #: ``DTRAIN_COMM_FUSED``: whether the one-shot and two-shot (``direct``) all-reduce run as one kernel on CUDA
     #: symmetric memory (torch's kernels, sums of float32 and bfloat16) rather than a barrier and a pass a round.
     fused: bool = True
+    #: ``DTRAIN_COMM_ONE_PASS``: whether all-gather, reduce-scatter, all-to-all and broadcast named ``direct`` (or
+    #: ``star`` for broadcast) run in one pass over CUDA symmetric memory (one barrier, one kernel) rather than
+    #: the round-at-a-time plan; off until these paths are timed against NCCL on GPUs (docs/collectives.md).
+    one_pass: bool = False
     #: ``DTRAIN_COMM_AUTOTUNE``: "1" makes the first ``auto`` call of a group with no measured rules measure
     #: them (a short calibration, saved to the per-machine cache); "0" (default) leaves such a group ``native``.
     autotune: bool = False
@@ -204,6 +211,7 @@ class CommEnv:
             lanes=1 if lanes is None else lanes,
             triton=_choice(environ, COMM_TRITON, ("0", "1"), "1") == "1",
             fused=_choice(environ, COMM_FUSED, ("0", "1"), "1") == "1",
+            one_pass=_choice(environ, COMM_ONE_PASS, ("0", "1"), "0") == "1",
             autotune=_choice(environ, COMM_AUTOTUNE, ("0", "1"), "0") == "1",
         )
 

@@ -46,3 +46,11 @@ def test_a_rank_that_does_not_finish_is_named_with_its_stack_and_the_pool_starts
         assert "--- rank 1, still running ---" in message and "in sleep_on" in message
         assert "rank 0, still running" not in message
         assert pool.run(pool_jobs.sleep_on, 1, 0.0) == ["ok", "ok"]
+
+
+def test_workers_get_the_environment_the_pool_was_made_in_not_the_fork_servers(monkeypatch):
+    monkeypatch.setenv("DTRAIN_POOL_PROBE", "made")
+    with ProcessPool(2, timeout_s=30) as pool:
+        monkeypatch.setenv("DTRAIN_POOL_PROBE", "later")
+        pool.restart()
+        assert pool.run(pool_jobs.env, "DTRAIN_POOL_PROBE") == ["made", "made"]

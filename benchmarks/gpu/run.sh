@@ -44,6 +44,10 @@
 #   probe-chain-timeline  the chain broadcast's device timeline, pull and push              -> chain-timeline-*/
 #   defaults           every collective with the defaults (auto) beside NCCL, 8 KiB-1 GiB, same tensors and fresh ones
 #                      -> defaults.jsonl, defaults-fresh.jsonl
+#   one-pass           all-gather, reduce-scatter, all-to-all (direct) and broadcast (star) in one pass over CUDA
+#                      symmetric memory beside NCCL and auto, 8 KiB-64 MiB, same tensors and fresh ones, on every GPU
+#                      and on 2 (NP_SMALL), with DTRAIN_COMM_ONE_PASS=1 and bench verify first
+#                      -> verify-one-pass.txt, one_pass{,-fresh}-np{N}.jsonl
 #   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 4, 8, 16 and batch
 #                      4096 at m = 8, 16, beside torch pipelining -> bench_pipeline.jsonl, bench_pipeline-b4096.jsonl
 #   probe-one-shot | probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
@@ -151,6 +155,23 @@ for mode in "$@"; do
         echo "== $name"; for c in all_reduce all_gather reduce_scatter all_to_all broadcast; do
           summ "$out/$name.jsonl" --collective $c --algorithms native,auto; done
       done ;;
+    one-pass)
+      export DTRAIN_COMM_ONE_PASS=1
+      LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify-one-pass.txt"; counts "verify, one pass" "$out/verify-one-pass.txt"
+      for np_ in "$n" "${NP_SMALL:-2}"; do
+        for fresh in "" --fresh; do
+          name=one_pass${fresh:+-fresh}-np$np_
+          for c in all_gather reduce_scatter all_to_all broadcast; do
+            a=direct; [ $c = broadcast ] && a=star
+            NP=$np_ LIMIT=${LIMIT:-120} tr -m dtrain bench comm --collectives $c --algorithms native,$a,auto \
+              --min-bytes 8K --max-bytes 64M --factor 4 --iters 20 --trials 7 --warm-s 0.3 $fresh \
+              --out "$out/$name-$c.jsonl" >"$out/$name-$c.log"
+            echo "== $name"; summ "$out/$name-$c.jsonl" --collective $c --algorithms native,$a,auto
+          done
+          cat "$out/$name"-*.jsonl >"$out/$name.jsonl" && rm -f "$out/$name"-*.jsonl
+        done
+      done
+      unset DTRAIN_COMM_ONE_PASS ;;
     bench-pipeline)
       LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 4,8,16 \
         --out "$out/bench_pipeline.jsonl" | grep -vE "^\[|Thread"

@@ -349,6 +349,7 @@ def _native(group):
 
 
 def _run_peer(schedule, work: torch.Tensor, window, op: str, push: bool, out: torch.Tensor | None) -> None:
+    fused.settle(window)  # before any graph is recorded: a one-pass call's half may still be read
     run = peer.run_push if push else peer.run_pull
     extra = {} if out is None else {"out": out}
     timeout = round_timeout()
@@ -408,6 +409,90 @@ def _fast_all_reduce(tensor, op: str, group, algorithm: str) -> bool:
     if known is None or known[0] is not comm_env() or known[1] != GENERATION[0] or not tensor.is_contiguous():
         return False
     known[2](tensor)
+    return True
+
+
+# ------------------------------------------------------------------------------------- one-pass calls
+
+
+def _fast(coll: Collective, group, algorithm: str, extra, output: torch.Tensor, input: torch.Tensor):
+    """What runs a call the group already made with the same arguments (:data:`dtrain.comm.state.FAST`: the
+    collective, algorithm, reduction or root, sizes, dtypes and device), while nothing that decided it changed
+    (the environment, :data:`~dtrain.comm.state.GENERATION`): a function ``(output, input) -> bool`` (False: it
+    cannot take these tensors, and the call goes the long way), or None. The checks and choices that call made
+    are not made again: a small collective then costs little more host time than its launches."""
+    if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
+        return None
+    key = (_group_key(group), coll, algorithm, extra, output.numel(), input.numel(), input.dtype, output.dtype)
+    known = FAST.get((*key, input.device))
+    if known is None or known[0] is not comm_env() or known[1] != GENERATION[0]:
+        return None
+    return known[2]
+
+
+def _keep(coll: Collective, group, algorithm: str, extra, output: torch.Tensor, input: torch.Tensor, run) -> None:
+    """Keep ``run`` for the next call with these arguments (:func:`_fast`)."""
+    if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
+        return
+    if len(FAST) >= 1024:
+        FAST.clear()
+    key = (_group_key(group), coll, algorithm, extra, output.numel(), input.numel(), input.dtype, output.dtype)
+    FAST[(*key, input.device)] = (comm_env(), GENERATION[0], run)
+
+
+def _one_pass_or_native(coll: Collective, algorithm: str, chosen: str, dtype: torch.dtype, op: str, device) -> str:
+    """``auto``'s choice, or ``native`` where it chose a one-pass schedule (:data:`dtrain.comm.peer.fused.ONE_PASS`)
+    that this call cannot run in one pass (its dtype or reduction, ``DTRAIN_COMM_FUSED=0``, no kernels): the rules
+    measured the one pass, and NCCL's is faster than the same schedule run a round at a time."""
+    if algorithm != "auto" or device.type != "cuda" or not comm_env().one_pass:
+        return chosen  # without DTRAIN_COMM_ONE_PASS the rules measured the round-at-a-time plan, which runs
+    name = chosen.partition("@")[0]
+    if (coll, name) in fused.ONE_PASS and fused.one_pass_form(coll, name, dtype, op, device) is None:
+        return "native"
+    return chosen
+
+
+def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str = "sum", root: int = 0) -> bool:
+    """Run the call in one pass over the peers' windows (:func:`dtrain.comm.peer.fused.one_pass`) where ``chosen``
+    is a one-pass schedule and the call can be (CUDA, the peer transport, contiguous tensors, no
+    ``DTRAIN_COMM_TIMEOUT``), and keep it for the next such call (:func:`_fast`); False where it cannot.
+    ``numel``: the elements each rank puts in."""
+    if not input.is_cuda or round_timeout() is not None or not (output.is_contiguous() and input.is_contiguous()):
+        return False
+    if numel == 0:  # nothing to move: the general plan's empty call
+        return False
+    name, via = _via(group, input.device, chosen)
+    form = fused.one_pass_form(coll, name, input.dtype, op, input.device)
+    if form is None or via != "peer":
+        return False
+    nbytes = numel * input.element_size()
+    try:
+        window = peer.window_for(group, input.device, 2 * (nbytes + fused.ALIGN))
+    except peer.PeerUnavailable as err:  # raised on every rank of the group alike
+        if _transport_setting() != "auto":
+            raise
+        _fall_back(group, err)
+        return False
+    run = fused.one_pass(form, window, input.dtype, numel, root)
+    world, device, limit = window.world_size, input.device, window.stall_limit(None)
+    what = (coll.value, name, nbytes, str(input.dtype))
+    place = (world, window.rank, window.global_rank, str(device))
+    average = op == "avg"
+
+    def again(out: torch.Tensor, inp: torch.Tensor) -> bool:
+        if not (out.is_contiguous() and inp.is_contiguous()):
+            return False
+        flat = out.view(-1)
+        window.calls += 1
+        run(flat, inp.view(-1))
+        if average:
+            flat.div_(world)
+        if not torch.cuda.is_current_stream_capturing():
+            watchdog.watch(device, limit, _label(what, place, window.calls))
+        return True
+
+    again(output, input)
+    _keep(coll, group, algorithm, op if coll is Collective.REDUCE_SCATTER else root, output, input, again)
     return True
 
 
@@ -620,13 +705,22 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank, in place."""
+    coll = Collective.BROADCAST
+    fast = _fast(coll, group, algorithm, src, tensor, tensor)
+    if fast is not None and fast(tensor, tensor):
+        return tensor
     group = default_group(group)
     what = "broadcast"
     check_tensor(tensor, "tensor", what)
     check_root(src, group_info(group, what)[1], "src", what)
-    rank, world, chosen, local = _prepare(Collective.BROADCAST, algorithm, group, tensor.numel(), tensor, what)
+    rank, world, chosen, local = _prepare(coll, algorithm, group, tensor.numel(), tensor, what)
+    chosen = _one_pass_or_native(coll, algorithm, chosen, tensor.dtype, "sum", tensor.device)
     if chosen == "native":
-        return _native(group).broadcast(tensor, src, group)
+        run = _native(group).broadcast
+        _keep(coll, group, algorithm, src, tensor, tensor, lambda t, _t: run(t, src, group) is not None)
+        return run(tensor, src, group)
+    if _one_pass(coll, algorithm, chosen, group, tensor, tensor, tensor.numel(), root=src):
+        return tensor
     work, copied = _flat_work(tensor)
     _run(Collective.BROADCAST, chosen, work, group, root=src, local_size=local)
     if copied:
@@ -680,15 +774,24 @@ def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "au
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Every rank's ``input`` concatenated rank-major into every rank's ``output``."""
+    coll = Collective.ALL_GATHER
+    fast = _fast(coll, group, algorithm, None, output, input)
+    if fast is not None and fast(output, input):
+        return output
     group = default_group(group)
     what = "all_gather"
     check_tensor(input, "input", what)
     check_tensor(output, "output", what)
     rank, world = group_info(group, what)
     check_pair(output, input, world * input.numel(), what)
-    rank, world, chosen, local = _prepare(Collective.ALL_GATHER, algorithm, group, output.numel(), output, what)
+    rank, world, chosen, local = _prepare(coll, algorithm, group, output.numel(), output, what)
+    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, "sum", input.device)
     if chosen == "native":
-        return _native(group).all_gather(output, input, group)
+        run = _native(group).all_gather
+        _keep(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
+        return run(output, input, group)
+    if _one_pass(coll, algorithm, chosen, group, output, input, input.numel()):
+        return output
     work, copied = _flat_work(output)
     m = input.numel()
     work[rank * m : (rank + 1) * m].copy_(input.reshape(-1))
@@ -747,6 +850,10 @@ def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None, algorithm: str = "auto"
 ) -> torch.Tensor:
     """Reduce ``input`` over the group; rank r keeps block r of the result in ``output``."""
+    coll = Collective.REDUCE_SCATTER
+    fast = _fast(coll, group, algorithm, op, output, input)
+    if fast is not None and fast(output, input):
+        return output
     group = default_group(group)
     what = "reduce_scatter"
     check_tensor(input, "input", what)
@@ -754,10 +861,14 @@ def reduce_scatter(
     check_op(op, input.dtype, what)
     rank, world = group_info(group, what)
     check_pair(input, output, world * output.numel(), what)
-    coll = Collective.REDUCE_SCATTER
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
+    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, op, input.device)
     if chosen == "native":
-        return _native(group).reduce_scatter(output, input, op, group)
+        run = _native(group).reduce_scatter
+        _keep(coll, group, algorithm, op, output, input, lambda o, i: run(o, i, op, group) is not None)
+        return run(output, input, op, group)
+    if _one_pass(coll, algorithm, chosen, group, output, input, input.numel(), op=op):
+        return output
     m = output.numel()
     if input.is_contiguous() and output.is_contiguous() and _out_of_place(coll, chosen, group, input, local):
         mine = output.view(-1)
@@ -791,6 +902,10 @@ def _out_of_place(coll: Collective, algorithm: str, group, input: torch.Tensor, 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm: str = "auto") -> torch.Tensor:
     """Block j of rank i's ``input`` lands in block i of rank j's ``output`` (equal blocks, rank-major)."""
+    coll = Collective.ALL_TO_ALL
+    fast = _fast(coll, group, algorithm, None, output, input)
+    if fast is not None and fast(output, input):
+        return output
     group = default_group(group)
     what = "all_to_all"
     check_tensor(input, "input", what)
@@ -799,10 +914,14 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     check_pair(output, input, input.numel(), what)
     if input.numel() % world:
         raise ValueError(f"all_to_all: input has {input.numel()} elements, not a multiple of the group size {world}")
-    coll = Collective.ALL_TO_ALL
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
+    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, "sum", input.device)
     if chosen == "native":
-        return _native(group).all_to_all(output, input, group)
+        run = _native(group).all_to_all
+        _keep(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
+        return run(output, input, group)
+    if _one_pass(coll, algorithm, chosen, group, output, input, input.numel()):
+        return output
     work = _scratch(group, input)
     _run(coll, chosen, work, group, local_size=local)
     output.copy_(work.view(output.shape))

@@ -59,10 +59,10 @@ class DataParallel(nn.Module):
     (``"auto"``, ``"native"``, ``"ring"``, ... see :func:`dtrain.comm.algorithms`); the initial broadcast uses
     the same name where broadcast has it, else ``"auto"`` (:func:`broadcast_algorithm`). Buckets follow the reverse
     registration order in the first synced backward, then are rebuilt in the order gradients became ready on
-    group rank 0, as DDP does after its first iteration; the first bucket holds at most ``first_bucket_bytes``
-    (DDP's 1 MiB ``first_bucket_bytes_cap``: the gradients ready first go out at once, None: no other cap) and
-    the others ``bucket_bytes``. With ``gradient_as_bucket_view`` (the default) each ``param.grad`` is a view into
-    its bucket from the bucket's first launch on (see
+    group rank 0, as DDP does after its first iteration; a bucket closes once it holds ``bucket_bytes``, the
+    first once it holds ``first_bucket_bytes`` (DDP's 1 MiB ``first_bucket_bytes_cap``: the gradients ready first
+    go out at once, None: no other cap), DDP's cut exactly. With ``gradient_as_bucket_view`` (the default) each
+    ``param.grad`` is a view into its bucket from the bucket's first launch on (see
     :class:`~dtrain.parallel.data_parallel_communications.GradientReducer`). Buckets whose algorithm is (or
     ``auto`` resolves to) ``native`` are all-reduced asynchronously, overlapping the rest of backward, and waited
     for (on GPUs by the compute stream, not the host) when backward ends. ``reduce_dtype`` averages the

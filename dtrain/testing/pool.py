@@ -74,9 +74,14 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world: int, port: int, sizes: Sequence[int], jobs, results, timeout_s: float, stacks: str
+    rank: int, world: int, port: int, sizes: Sequence[int], jobs, results, timeout_s: float, stacks: str, env: dict
 ) -> None:
     import faulthandler
+
+    # the environment of the process that made the pool, not the fork server's (started by whichever caller
+    # came first, with whatever variables that caller had set then)
+    os.environ.clear()
+    os.environ.update(env)
 
     # SIGUSR1 writes every thread's Python stack to this rank's file: what a job that did not finish was doing
     stack_file = open(stacks, "w")  # noqa: SIM115  (open for the process's life, for the signal handler)
@@ -139,6 +144,7 @@ class ProcessPool:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.sizes = sorted({*sizes, world_size})
+        self.env = dict(os.environ)  # every start of the workers, restarts too, gets this environment
         self.restarts = 0
         self._next_id = 0
         self._stack_dir = tempfile.TemporaryDirectory(prefix="dtrain-pool-")
@@ -161,6 +167,7 @@ class ProcessPool:
                     self._results,
                     self.timeout_s,
                     self._stack_path(r),
+                    self.env,
                 ),
                 daemon=True,
             )

@@ -134,3 +134,11 @@ def test_auto_puts_cuda_groups_on_the_peer_transport_unless_the_timeout_or_a_fal
 def test_a_group_whose_window_is_refused_falls_back_to_point_to_point_on_every_rank(pool):
     answers = pool.run(jobs.auto_falls_back_when_a_window_is_refused, ranks=3)
     assert answers == [{"before": "peer", "after": "p2p", "right": True, "warned": True}] * 3, answers
+
+
+def test_a_group_forgetting_its_windows_leaves_the_larger_groups_windows_alike_on_their_ranks(pool):
+    """Ranks 0-2 forget their group's windows; the 4-rank group, which also holds rank 3, must keep its window and
+    its answer to peer_available on all four alike, or its next call would set up on three ranks only (a hang)."""
+    assert pool.run(jobs.check_collective, "all_reduce", "ring", 4, [5], ranks=4) == [[]] * 4
+    pool.run(jobs.auto_falls_back_when_a_window_is_refused, ranks=3)
+    assert pool.run(jobs.check_collective, "all_reduce", "ring", 4, [5, 1 << 16], ranks=4) == [[]] * 4

@@ -251,3 +251,44 @@ def world_copy_takes_world_node_size() -> float:
 def rank_and_world() -> tuple[int, int]:
     """This worker's rank and the pool's world size."""
     return dist.get_rank(), dist.get_world_size()
+
+
+def repeated_calls_take_the_kept_path() -> dict:
+    """Each of all-gather, reduce-scatter, all-to-all and broadcast twice with the same arguments and new
+    tensors: the second call runs what the first kept (dtrain.comm.state.FAST) without resolving the call again,
+    and gives the same result."""
+    import torch
+
+    from dtrain import comm
+    from dtrain.comm import api
+    from dtrain.comm.state import FAST
+
+    group = group_of(2)
+    rank, world = dist.get_rank(group), 2
+    resolved = []
+    prepare = api._prepare
+
+    def counting(*args, **kwargs):
+        resolved.append(args[0])
+        return prepare(*args, **kwargs)
+
+    api._prepare = counting
+    right = []
+    try:
+        for _ in range(2):
+            part = torch.arange(4, dtype=torch.float32) + 10 * rank
+            full = torch.empty(4 * world)
+            comm.all_gather(full, part, group=group)
+            right.append(full.tolist() == [10.0 * r + i for r in range(world) for i in range(4)])
+            out = torch.empty(2)
+            comm.reduce_scatter(out, torch.ones(2 * world) * (rank + 1), group=group)
+            right.append(out.tolist() == [world * (world + 1) / 2] * 2)
+            swapped = torch.empty(world)
+            comm.all_to_all(swapped, torch.arange(world, dtype=torch.float32) + 10 * rank, group=group)
+            right.append(swapped.tolist() == [10.0 * r + rank for r in range(world)])
+            sent = torch.full((3,), float(rank))
+            comm.broadcast(sent, 1, group=group)
+            right.append(sent.tolist() == [1.0] * 3)
+    finally:
+        api._prepare = prepare
+    return {"resolved": [str(c) for c in resolved], "right": all(right), "kept": len(FAST) >= 4}

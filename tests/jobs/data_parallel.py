@@ -29,8 +29,8 @@ from dtrain.parallel.zero import ZeroOptimizer
 from dtrain.testing.pool import group_of
 
 GLOBAL_BATCH = 16
-BUCKET_BYTES = 512  # the MLP's 484 float32 parameters (1936 bytes) fall into 4 buckets
-FIRST_BUCKET_BYTES = 64  # in the rebuild job: the first bucket takes the head's bias (16 bytes) alone
+BUCKET_BYTES = 256  # the MLP's 484 float32 parameters (1936 bytes) fall into 3 buckets
+FIRST_BUCKET_BYTES = 16  # in the rebuild job: the first bucket takes the head's bias (16 bytes) alone
 STEPS = 12
 LEARNING_RATES = {"sgd": 0.1, "adam": 0.01, "adamw": 0.01}
 

@@ -108,7 +108,7 @@ def auto_falls_back_when_a_window_is_refused() -> dict:
         raise peer.PeerUnavailable("refused for the test")
 
     peer.PeerWindow._map_shared_files = refused
-    peer.close_windows()  # an earlier test's window for this group would be found instead of made
+    peer.close_windows(group)  # an earlier test's window for this group would be found instead of made
     saved = os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
     try:
         chose = api.transport_name(group, torch.device("cpu"))

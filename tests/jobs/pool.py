@@ -24,3 +24,7 @@ def sleep_on(rank: int, seconds: float) -> str:
     if dist.get_rank() == rank:
         time.sleep(seconds)
     return "ok"
+
+
+def env(name: str) -> str | None:
+    return os.environ.get(name)

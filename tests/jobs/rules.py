@@ -13,13 +13,18 @@ from dtrain.comm.ir import algorithms as registry
 from dtrain.testing.pool import group_of
 
 
-def _forget_choices() -> None:
+def _forget_choices(group) -> None:
+    """Forget what ``auto`` chose and agreed on ``group`` (on every rank of it: a group's state must stay alike on
+    its ranks, and other groups' states are left alone, since their other ranks do not run this job)."""
     for cached in (api._rules, api._params, api._choice_digest, api._auto):
         cached.cache_clear()
-    for held in state.states():
+    held = state.find_state(group)
+    if held is not None:
         held.agreed.clear()
         held.rules.clear()
         held.choices.clear()
+        held.calls.clear()  # resolved calls would skip the choice that the next call must make again
+    state.changed()
 
 
 def auto_with_rules(world: int, paths: list[str | None], numel: int) -> dict:
@@ -30,7 +35,7 @@ def auto_with_rules(world: int, paths: list[str | None], numel: int) -> dict:
     comm.set_local_size(None, group)  # an earlier job may have left a node size on this group
     path = paths[rank]
     os.environ["DTRAIN_COMM_RULES"] = path if path is not None else os.devnull + ".missing"
-    _forget_choices()
+    _forget_choices(group)
     ran = []
     real = registry.build
 
@@ -50,4 +55,4 @@ def auto_with_rules(world: int, paths: list[str | None], numel: int) -> dict:
     finally:
         registry.build = real
         os.environ.pop("DTRAIN_COMM_RULES", None)
-        _forget_choices()
+        _forget_choices(group)

@@ -54,7 +54,7 @@ def autotune_then_follow(world: int, cache: str, empty: str, numel: int) -> dict
     os.environ["DTRAIN_CALIBRATION"] = os.path.join(empty, "no-calibration.json")
     tune.CALIBRATED, tune.AUTOTUNE_SIZES = ("all_reduce",), (4 << 10, 256 << 10)
     tune.AUTOTUNE_ALGORITHMS = ("star", "ring")  # a short candidate list
-    _forget_choices()
+    _forget_choices(group)
     out = {}
     try:
         out["first"] = _auto_all_reduce(group, world, numel)
@@ -66,20 +66,20 @@ def autotune_then_follow(world: int, cache: str, empty: str, numel: int) -> dict
         os.environ["DTRAIN_COMM_AUTOTUNE"] = "0"
         if rank != 0:
             os.environ["XDG_CACHE_HOME"] = empty
-        _forget_choices()
+        _forget_choices(group)
         out["second"] = _auto_all_reduce(group, world, numel)
         dist.barrier(group)
         if rank == 0:
             path.write_text("{ not json")
         dist.barrier(group)
-        _forget_choices()
+        _forget_choices(group)
         out["corrupt"] = _auto_all_reduce(group, world, numel)
         dist.barrier(group)
     finally:
         tune.CALIBRATED, tune.AUTOTUNE_SIZES, tune.AUTOTUNE_ALGORITHMS = saved
         for name in ("XDG_CACHE_HOME", "DTRAIN_COMM_AUTOTUNE", "DTRAIN_CALIBRATION"):
             os.environ.pop(name, None)
-        _forget_choices()
+        _forget_choices(group)
     return out
 
 

@@ -40,7 +40,7 @@ def test_data_parallel_broadcasts_rank_0_weights_and_overlaps_buckets_with_backw
     assert torch.equal(results[0]["after"], results[1]["after"])
     assert torch.equal(results[0]["after"], results[0]["before"])
     for r in results:
-        assert r["bucket_count"] == 4
+        assert r["bucket_count"] == 3
         assert r["launches"] == 2 * r["bucket_count"]
         # When the first layer's output gradient exists, the later layers' buckets have already gone out.
         assert 0 < r["launched_mid_backward"] < r["bucket_count"]
@@ -105,11 +105,25 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def test_buckets_take_parameters_in_reverse_order_and_respect_the_size():
+def test_buckets_take_parameters_in_reverse_order_and_close_at_the_size():
     model = _mlp()
     buckets = build_buckets(model.parameters(), bucket_bytes=300)
-    assert [[tuple(p.shape) for p in b.params] for b in buckets] == [[(4,), (4, 16)], [(16,)], [(16, 8)]]
-    assert [b.nbytes for b in buckets] == [272, 64, 512]  # a parameter over the cap gets a bucket of its own
+    assert [[tuple(p.shape) for p in b.params] for b in buckets] == [[(4,), (4, 16), (16,)], [(16, 8)]]
+    assert [b.nbytes for b in buckets] == [336, 512]  # closed once past the cap; a larger parameter fills its own
+
+
+@pytest.mark.parametrize(("bucket_bytes", "first"), [(300, None), (300, 100), (2000, 300), (64, 64), (1 << 20, None)])
+def test_buckets_are_cut_as_ddp_cuts_them(bucket_bytes, first):
+    from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
+
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 50))
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    ours = [[index[id(p)] for p in b.params] for b in build_buckets(params, bucket_bytes, first)]
+    reverse = list(reversed(params))
+    limits = [bucket_bytes] if first is None else [min(first, bucket_bytes), bucket_bytes]
+    ddp, _ = _compute_bucket_assignment_by_size(reverse, limits, [False] * len(reverse), [])
+    assert ours == [[len(params) - 1 - i for i in bucket] for bucket in ddp]
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, -1, 1.5])

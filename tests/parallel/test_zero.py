@@ -1,6 +1,7 @@
 """ZeRO stages 1 and 2 with several buckets: equal to one process, and stage 2 reduce-scatters during backward.
 
-Jobs in tests/jobs/zero.py (the MLP of tests/jobs/data_parallel.py, 484 parameters, buckets of 512 bytes: 4 buckets).
+Jobs in tests/jobs/zero.py (the MLP of tests/jobs/data_parallel.py, 484 parameters, buckets closing at 256 bytes:
+3 buckets).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def _assert_matches_reference(results: list[dict]) -> None:
     for r in results:
-        assert r["buckets"] == 4
+        assert r["buckets"] == 3
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(r["params"], r["ref_params"], rtol=RTOL, atol=ATOL)
 

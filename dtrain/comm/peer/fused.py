@@ -15,6 +15,17 @@ torch's symmetric-memory kernels (``torch.ops.symm_mem.one_shot_all_reduce_copy_
 for small all-reduces. Other reductions and dtypes, the CPU, and a torch without these kernels run the same
 schedules through the general pull plan (:func:`dtrain.comm.peer.window.run_pull`), with a barrier and a pass a
 round. ``DTRAIN_COMM_FUSED=0`` turns the kernels off.
+
+The one-round schedules of the other collectives run the same way, as one pass over the peers' windows
+(:func:`one_pass`): the ``direct`` all-gather, reduce-scatter and all-to-all and the ``star`` broadcast. Each rank
+copies its input into its window, the ranks pass one device barrier, and each rank reads what it needs from the
+peers' windows into its output in one kernel (``torch.cat`` over the peers' mapped windows; for the reduce-scatter
+the one-shot kernel run on this rank's block of the window, which sums it over the peers in place of a barrier
+and a read). Three launches and no round trip through the host: less host time a call than NCCL's, which is
+what decides a small collective. Calls alternate between the two halves of the window, so the barrier of the
+next call is what tells a rank that its peers have read the previous one; a call of another kind through the
+window first passes one more barrier (:func:`settle`), and a call recorded in a CUDA graph closes with a barrier
+of its own (a graph replays the same half).
 """
 
 from __future__ import annotations
@@ -22,9 +33,10 @@ from __future__ import annotations
 import torch
 
 from dtrain.comm.ir.schedule import Collective, Schedule
+from dtrain.comm.peer import watchdog
 from dtrain.env import comm_env
 
-__all__ = ["FORMS", "fused_form", "run_fused", "supports"]
+__all__ = ["FORMS", "ONE_PASS", "fused_form", "one_pass", "one_pass_form", "run_fused", "settle", "supports"]
 
 #: Our all-reduce schedules that one kernel runs, and the kernel's form.
 FORMS = {"one_shot": "one", "direct": "two"}
@@ -74,6 +86,7 @@ def run_fused(form: str, work: torch.Tensor, window) -> torch.Tensor:
     """Sum the flat contiguous ``work`` over the group in place through ``window`` (its group's CUDA window, at
     least ``work``'s size) in the ``form`` :func:`fused_form` gave (an ``avg`` is divided by the caller, as for
     every schedule)."""
+    settle(window)
     group_name = window.group_name
     mine = window.local(work.dtype, work.numel())
     if form == "one":
@@ -84,3 +97,111 @@ def run_fused(form: str, work: torch.Tensor, window) -> torch.Tensor:
         mine.copy_(work)
         torch.ops.symm_mem.two_shot_all_reduce_out(mine, "sum", group_name, work)
     return work
+
+
+#: The one-round schedules of the other collectives that one pass over the peers' windows runs, and its form.
+ONE_PASS = {
+    (Collective.ALL_GATHER, "direct"): "gather",
+    (Collective.REDUCE_SCATTER, "direct"): "scatter",
+    (Collective.ALL_TO_ALL, "direct"): "exchange",
+    (Collective.BROADCAST, "star"): "broadcast",
+}
+
+
+def one_pass_form(collective: Collective, algorithm: str, dtype: torch.dtype, op: str, device: torch.device):
+    """The one-pass form that runs ``algorithm`` for ``collective`` of ``dtype`` with ``op`` on ``device``, or None
+    (the general plan runs it): CUDA, ``DTRAIN_COMM_ONE_PASS=1``, kernels present and not turned off
+    (``DTRAIN_COMM_FUSED``); a reduce-scatter only for the sums the one-shot kernel takes (:data:`_DTYPES`,
+    ``sum`` and ``avg``)."""
+    form = ONE_PASS.get((collective, algorithm))
+    env = comm_env()
+    if form is None or device.type != "cuda" or not env.one_pass or not env.fused or not _kernels_present():
+        return None
+    if form == "scatter" and (dtype not in _DTYPES or op not in ("sum", "avg")):
+        return None
+    return form
+
+
+def settle(window) -> None:
+    """Before a call that writes into ``window`` with no barrier first: wait, with one barrier, for the peers to
+    finish reading the last one-pass call's half (every rank makes the same calls, so every rank passes it)."""
+    if window.pending:
+        window.pending = False
+        window.barrier()
+
+
+#: Bytes a half of the window is aligned to (the one-shot kernel reads 16-byte vectors).
+ALIGN = 256
+
+
+def reduce_block(block: torch.Tensor, group_name: str, out: torch.Tensor) -> None:
+    """Sum ``block`` of this rank's window (a slice of the allocation) over the same slice of every peer's window
+    into ``out``: torch's one-shot kernel, which reads the peers at the slice's offset and opens and closes with a
+    barrier."""
+    torch.ops.symm_mem.one_shot_all_reduce_out(block, "sum", group_name, out)
+
+
+def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
+    """A function ``run(output, input)`` that runs one call of ``form`` through ``window`` on flat contiguous
+    tensors: ``numel`` elements of ``dtype`` are what each rank puts in (an all-gather's input, a reduce-scatter's
+    or all-to-all's input, the broadcast's tensor, which is ``output`` and ``input`` alike; ``root``: the
+    broadcast's source, a group rank). ``window`` must hold two halves of ``numel`` elements. A reduce-scatter's
+    ``avg`` is divided by the caller."""
+    rank, world = window.rank, window.world_size
+    half = window.nbytes // 2 // ALIGN * ALIGN
+    if numel * dtype.itemsize > half:
+        raise ValueError(f"one_pass: {numel} elements of {dtype} need a window of two halves of that size")
+    block = numel // world
+    handle, channel, cuda = window._handle, 0, window.device.type == "cuda"
+
+    def views(bank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        at = bank * half
+        mine = window._mine[at : at + numel * dtype.itemsize].view(dtype)
+        peers = [b[at : at + numel * dtype.itemsize].view(dtype) for b in window.buffers]
+        if form == "exchange":  # this rank's block of every peer's input
+            peers = [p[rank * block : (rank + 1) * block] for p in peers]
+        elif form == "scatter":  # the one-shot kernel sums this rank's block over the peers' windows
+            peers = [mine[rank * block : (rank + 1) * block]]
+        elif form == "broadcast":
+            peers = [peers[root]]
+        return mine, peers
+
+    banks = (views(0), views(1))
+    group_name = window.group_name
+    limit = window.stall_limit(None) + watchdog.GRACE  # as PeerWindow.barrier: the watchdog reports first
+    barrier_ms = max(1, int(limit.total_seconds() * 1000))
+
+    def barrier() -> None:
+        handle.barrier(channel=channel, timeout_ms=barrier_ms)
+
+    def run(output: torch.Tensor, input: torch.Tensor) -> None:
+        # eager calls alternate halves: this call's barrier is what frees the half the call before last used. A
+        # call recorded in a CUDA graph replays on one half whatever ran before it: it opens and closes with a
+        # barrier of its own and leaves the eager calls' state as it was.
+        recorded = cuda and torch.cuda.is_current_stream_capturing()
+        bank = window.bank
+        if recorded:
+            barrier()
+        else:
+            window.bank = bank ^ 1
+        mine, peers = banks[bank]
+        if form == "scatter":
+            mine.copy_(input)
+            reduce_block(peers[0], group_name, output)  # opens and closes with a barrier
+            if not recorded:
+                window.pending = False
+            return
+        if form != "broadcast" or rank == root:
+            mine.copy_(input)
+        barrier()
+        if form == "broadcast":
+            if rank != root:
+                output.copy_(peers[0])
+        else:
+            torch.cat(peers, out=output)
+        if recorded:
+            barrier()
+        else:
+            window.pending = True
+
+    return run

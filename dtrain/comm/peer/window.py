@@ -48,7 +48,7 @@ from dtrain.comm.peer import kernels as peer_kernels
 from dtrain.comm.peer import watchdog
 from dtrain.comm.peer.pull import compile_pull
 from dtrain.comm.peer.push import compile_push, has_push_form, writes_own_block_only
-from dtrain.comm.state import group_state, states
+from dtrain.comm.state import find_state, group_state, states
 from dtrain.env import comm_env
 
 __all__ = [
@@ -176,6 +176,10 @@ class PeerWindow:
         self.group_name = self.group.group_name
         self.global_rank = dist.get_global_rank(self.group, self.rank)
         self._local: dict = {}  # (dtype, numel) -> this rank's window as that many elements (local)
+        # one-pass calls (dtrain.comm.peer.fused.one_pass): the half the next one uses, and whether peers may
+        # still be reading the last one's (a call of another kind first passes a barrier: fused.settle)
+        self.bank = 0
+        self.pending = False
         if device.type == "cuda":
             self.buffers = self._map_cuda()
         else:
@@ -388,6 +392,9 @@ def window_for(group, device: torch.device, nbytes: int) -> PeerWindow:
                 "the peer transport needs every rank of the group on one host; use DTRAIN_COMM_TRANSPORT=p2p"
             )
         size = nbytes if window is None else max(nbytes, 2 * window.nbytes)
+        if window is not None and window.pending:  # peers may still read the old window: wait for them first
+            window.pending = False
+            window.barrier()
         state.release_derived()  # prepared steps, graphs and kept buffers hold the old window: let it go
         window = state.windows[device] = _setting_up(lambda: PeerWindow(group, device, size), group, "mapping windows")
     return window
@@ -401,9 +408,13 @@ def _forget(window: PeerWindow) -> None:
     state.release_derived()
 
 
-def close_windows() -> None:
-    """Forget every group's windows (before the process group is destroyed)."""
-    for state in states():
+def close_windows(*groups) -> None:
+    """Forget the windows of ``groups`` (None: the default group), or of every group when none is named (before
+    the process group is destroyed). Every rank of a group must do it alike: a rank that still holds the
+    group's window (or its answer to :func:`peer_available`) would skip the collective set-up its peers make."""
+    named = (find_state(_group_key(g)) for g in groups)
+    held = [state for state in named if state is not None] if groups else states()
+    for state in held:
         state.release_derived()
         state.windows.clear()
         state.available.clear()

@@ -1,0 +1,152 @@
+"""The one-pass paths of all-gather, reduce-scatter, all-to-all and broadcast on CUDA symmetric memory
+(dtrain.comm.peer.fused.one_pass): the one-round schedules they run, which calls take them, and the pass itself
+on CPU stand-ins for the windows (one thread a rank, a thread barrier for the device barrier). The CUDA kernels
+need GPUs: `dtrain bench verify` checks them against NCCL's result."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+
+from dtrain.comm import api
+from dtrain.comm.ir import algorithms as registry
+from dtrain.comm.ir.check import check
+from dtrain.comm.ir.schedule import Collective
+from dtrain.comm.peer import fused
+from tests.jobs import comm as jobs
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+def test_the_one_pass_schedules_are_one_round_and_prove_their_collective():
+    for world in (2, 3, 4, 8):
+        for (coll, algorithm), form in fused.ONE_PASS.items():
+            schedule = registry.build(coll, algorithm, world, root=world - 1 if coll is Collective.BROADCAST else None)
+            report = check(schedule)  # raises where a rank ends without what the collective promises
+            transfers = world - 1 if form == "broadcast" else world * (world - 1)
+            assert report.num_rounds == 1 and report.num_transfers == transfers, (coll, world)
+
+
+def test_which_calls_run_in_one_pass(monkeypatch):
+    monkeypatch.setitem(fused._state, "present", True)  # as on a GPU whose torch has the kernels
+    monkeypatch.delenv("DTRAIN_COMM_ONE_PASS", raising=False)  # off by default: the round-at-a-time plan runs
+    rs = Collective.REDUCE_SCATTER
+    assert all(fused.one_pass_form(c, a, torch.bfloat16, "sum", CUDA) is None for c, a in fused.ONE_PASS)
+    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "max", CUDA) == "direct"
+    monkeypatch.setenv("DTRAIN_COMM_ONE_PASS", "1")
+    for (coll, algorithm), form in fused.ONE_PASS.items():
+        assert fused.one_pass_form(coll, algorithm, torch.bfloat16, "sum", CUDA) == form
+        assert fused.one_pass_form(coll, algorithm, torch.float32, "sum", CPU) is None
+        assert fused.one_pass_form(coll, "ring", torch.float32, "sum", CUDA) is None
+    assert fused.one_pass_form(rs, "direct", torch.float32, "avg", CUDA) == "scatter"
+    assert fused.one_pass_form(rs, "direct", torch.float32, "max", CUDA) is None  # the kernel only sums
+    assert fused.one_pass_form(rs, "direct", torch.float16, "sum", CUDA) is None
+    assert fused.one_pass_form(Collective.ALL_GATHER, "direct", torch.int64, "sum", CUDA) == "gather"  # copies
+    # auto falls back to NCCL's where its rule names a one-pass schedule the call cannot run in one pass
+    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "max", CUDA) == "native"
+    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "sum", CUDA) == "direct"
+    assert api._one_pass_or_native(rs, "direct", "direct", torch.float32, "max", CUDA) == "direct"  # as named
+    monkeypatch.setenv("DTRAIN_COMM_FUSED", "0")
+    assert fused.one_pass_form(Collective.ALL_GATHER, "direct", torch.float32, "sum", CUDA) is None
+    assert api._one_pass_or_native(Collective.ALL_GATHER, "auto", "direct", torch.float32, "sum", CUDA) == "native"
+    monkeypatch.delenv("DTRAIN_COMM_FUSED")
+    monkeypatch.setitem(fused._state, "present", False)  # a torch without the kernels
+    assert fused.one_pass_form(Collective.BROADCAST, "star", torch.float32, "sum", CUDA) is None
+
+
+class _Handle:
+    def __init__(self, gate: threading.Barrier) -> None:
+        self.gate = gate
+
+    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
+        self.gate.wait(timeout=10)
+
+
+class _Window:
+    """A CPU stand-in for a CUDA PeerWindow: every rank's buffer in one process, the barrier a thread barrier."""
+
+    def __init__(self, rank: int, buffers: list[torch.Tensor], gate: threading.Barrier) -> None:
+        self.rank, self.world_size, self.buffers = rank, len(buffers), buffers
+        self.nbytes, self._mine, self._handle = buffers[rank].numel(), buffers[rank], _Handle(gate)
+        self.group_name, self.bank, self.pending, self.device = "stand-in", 0, False, torch.device("cpu")
+
+    def stall_limit(self, timeout):
+        return timedelta(seconds=10)
+
+    def barrier(self) -> None:
+        self._handle.barrier()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, world):
+    buffers = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
+    gate = threading.Barrier(world)
+
+    def reduce_block(block, group_name, out):  # the one-shot kernel: a barrier, the sum over peers, a barrier
+        gate.wait(timeout=10)
+        at, n = block.storage_offset(), block.numel()
+        out.copy_(sum(b.view(block.dtype)[at : at + n] for b in buffers))
+        gate.wait(timeout=10)
+
+    monkeypatch.setattr(fused, "reduce_block", reduce_block)
+    m = 6  # elements of a block
+    failures = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            passes(rank)
+        except Exception as err:  # a rank that fails fails the test
+            failures.append((rank, repr(err)))
+            gate.abort()
+
+    def passes(rank: int) -> None:
+        window = _Window(rank, buffers, gate)
+        runs = {
+            form: fused.one_pass(form, window, torch.float32, m * (1 if form == "gather" else world), root=world - 1)
+            for form in ("gather", "scatter", "exchange", "broadcast")
+        }
+        for call in range(3):  # the halves alternate; every call must still see this call's data
+            base = 100 * call + 10 * rank
+            part = torch.arange(m, dtype=torch.float32) + base
+            full = torch.arange(m * world, dtype=torch.float32) + base
+            out = torch.empty(m * world)
+            runs["gather"](out, part)
+            want = torch.cat([torch.arange(m, dtype=torch.float32) + 100 * call + 10 * r for r in range(world)])
+            block = torch.empty(m)
+            runs["scatter"](block, full)
+            summed = sum(torch.arange(m * world, dtype=torch.float32) + 100 * call + 10 * r for r in range(world))
+            swapped = torch.empty(m * world)
+            runs["exchange"](swapped, full)
+            mine = slice(rank * m, (rank + 1) * m)
+            theirs = torch.cat(
+                [(torch.arange(m * world, dtype=torch.float32) + 100 * call + 10 * r)[mine] for r in range(world)]
+            )
+            sent = full.clone()
+            runs["broadcast"](sent, sent)
+            root = torch.arange(m * world, dtype=torch.float32) + 100 * call + 10 * (world - 1)
+            ok = (
+                torch.equal(out, want),
+                torch.equal(block, summed[mine]),
+                torch.equal(swapped, theirs),
+                torch.equal(sent, root),
+            )
+            if not all(ok):
+                failures.append((rank, call, ok))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not failures
+
+
+def test_a_repeated_call_runs_what_the_first_kept(pool):
+    answers = pool.run(jobs.repeated_calls_take_the_kept_path, ranks=2)
+    for answer in answers:
+        assert answer["right"] and answer["kept"]
+        # each collective resolved once: the second call of each went the short way
+        assert sorted(answer["resolved"]) == sorted(["all_gather", "reduce_scatter", "all_to_all", "broadcast"])
