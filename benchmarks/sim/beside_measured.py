@@ -164,14 +164,18 @@ def fused_host_s() -> float:
     return statistics.median(times)
 
 
-def collective_rows(params, host: dict[str, float], peer, fused_s: float, files=COLLECTIVE_FILES) -> list[dict]:
-    """Every row of ``files`` with its prediction (module docstring); ``fused_s``: the host's time a call of the
-    one-kernel all-reduce (:func:`fused_host_s`)."""
+def collective_rows(
+    params, host: dict[str, float], peer, fused_s: float, files=COLLECTIVE_FILES, where=None
+) -> list[dict]:
+    """Every row of ``files`` (those ``where(row)`` accepts, if given) with its prediction (module docstring);
+    ``fused_s``: the host's time a call of the one-kernel all-reduce (:func:`fused_host_s`)."""
     import captured_base as s6
 
     out = []
     for name in files:
         for r in load(name):
+            if where is not None and not where(r):
+                continue
             coll, n, world = r["collective"], r["nbytes"], r["world_size"]
             resolved = r["resolved_algorithm"]
             row = {"record": "row", "source": name, "world_size": world, "collective": coll,
