@@ -403,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.nccl_figures and not Path(args.nccl_figures).is_file():
         print(f"beside_measured.py: --nccl-figures {args.nccl_figures}: no such file", file=sys.stderr)
         return 2
-    records = MODES[args.mode](args)
+    try:
+        records = MODES[args.mode](args)
+    except ValueError as err:
+        print(f"beside_measured.py: {err}", file=sys.stderr)
+        return 2
     if args.out:
         target = Path(args.out).resolve()
         with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False, suffix=".tmp") as f:
