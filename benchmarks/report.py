@@ -1440,7 +1440,8 @@ GPU runs use NVLink multicast off (`NCCL_NVLS_ENABLE=0`) and dtrain's defaults u
 - [Pipeline bubble against theory](#pipeline-bubble-against-theory)
 - [Parameter server](#parameter-server)
 - [Simulator validation](#simulator-validation)
-- [Emulated cluster against the simulator](#emulated-cluster-against-the-simulator)"""
+- [Emulated cluster against the simulator](#emulated-cluster-against-the-simulator)
+- [Simulator beside the measurements](#simulator-beside-the-measurements)"""
 
 SECTIONS = (
     section_collectives,
