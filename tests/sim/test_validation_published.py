@@ -75,3 +75,23 @@ def test_narayanan_rows_are_low_and_within_the_worst_target() -> None:
 )
 def test_narayanan_rows_meet_the_median_target() -> None:
     assert statistics.median(_errors(NARAYANAN)) <= published.MEDIAN_TARGET
+
+
+def test_megatron_step_costs_each_add_time() -> None:
+    # Megatron-LM's synchronous pipeline exchanges, its tied embedding's all-reduce and its mixed-precision
+    # optimizer step (published.config_of) each only add to the step
+    import dataclasses
+
+    from dtrain.sim.compute import ADAM_BYTES_PER_PARAMETER, MEGATRON_FP16_OPTIMIZER_BYTES
+
+    row = _rows()["korthikanti22-175b-full"]
+    config = published.config_of(row, flow_limit=1000)
+    full = _result("korthikanti22-175b-full")
+    for change in ({"synchronous_p2p": False}, {"tied_embedding_allreduce": False},
+                   {"optimizer_bytes": ADAM_BYTES_PER_PARAMETER}):  # fmt: skip
+        lighter = published.simulate(row, dataclasses.replace(config, **change))
+        assert lighter["predicted_s"] < full["predicted_s"], change
+    assert full["dp_exposed_s"] > 0, "dp 1, yet the first and last stages all-reduce the embedding's gradient"
+    assert lighter["optimizer_s"] * MEGATRON_FP16_OPTIMIZER_BYTES == pytest.approx(
+        full["optimizer_s"] * ADAM_BYTES_PER_PARAMETER, rel=0.01
+    )
