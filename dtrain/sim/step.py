@@ -99,8 +99,11 @@ class StepConfig:
     :func:`dtrain.sim.traffic.simulate_traffic`); ``synchronous_p2p``: each pipeline exchange blocks both stages
     and the gather of a split activation runs on the receiver's compute stream (Megatron-LM's ``_communicate``:
     ``batch_isend_irecv``, wait, ``torch.cuda.synchronize()``; :func:`dtrain.sim.pipeline.pipeline_makespan`),
-    otherwise a message only delays its receiver; ``flow_limit``: messages a set of concurrent collectives may
-    start before it is replayed in lock-step rounds (:func:`dtrain.sim.classes.replay_jobs`; None: never);
+    otherwise a message only delays its receiver; ``paired_exchanges``: interleaved 1F1B's steady state sends a
+    forward's output together with the next backward's gradient, after that backward (Megatron-LM's interleaved
+    schedule; :func:`dtrain.sim.pipeline.pipeline_makespan`); ``flow_limit``: messages a set of concurrent
+    collectives may start before it is replayed in lock-step rounds (:func:`dtrain.sim.classes.replay_jobs`;
+    None: never);
     ``tied_embedding_allreduce``: with a pipeline, the first and last stages all-reduce the gradient of the word
     embedding they share with the output layer after the data-parallel all-reduce (Megatron-LM's
     ``allreduce_word_embedding_grads``; the tied input and output embedding of GPT, Press and Wolf 2017), counted
@@ -124,6 +127,7 @@ class StepConfig:
     curves: dict | None = field(default=None, compare=False)
     overlap_tp_backward: bool = True
     synchronous_p2p: bool = False
+    paired_exchanges: bool = False
     tied_embedding_allreduce: bool = False
     optimizer_bytes: int = ADAM_BYTES_PER_PARAMETER
 
@@ -427,7 +431,8 @@ def simulate_step(
             if key not in spans:  # replicas of equal stage times run equal pipelines
                 weights = w if layout.schedule in SPLIT_BACKWARD else None
                 spans[key] = pipeline_makespan(f, b, send_s, m, layout.schedule, weight_s=weights, virtual_stages=v,
-                                               gather_s=gather_s, synchronous=config.synchronous_p2p)  # fmt: skip
+                                               gather_s=gather_s, synchronous=config.synchronous_p2p,
+                                               paired=config.paired_exchanges)  # fmt: skip
             slowest = max(slowest, spans[key])
         pipelines.append(slowest)
         exposed = dp_s
@@ -660,7 +665,8 @@ def step_lower_bound(
             if key not in spans and exact_pipeline:
                 weights = w if layout.schedule in SPLIT_BACKWARD else None
                 spans[key] = pipeline_makespan(f, b, p2p_s, m, layout.schedule, weight_s=weights, virtual_stages=v,
-                                               synchronous=config.synchronous_p2p)  # fmt: skip
+                                               synchronous=config.synchronous_p2p,
+                                               paired=config.paired_exchanges)  # fmt: skip
             elif key not in spans:
                 spans[key] = _makespan_bound(f, b, w, layout)
             slowest = max(slowest, spans[key])

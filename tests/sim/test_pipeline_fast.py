@@ -87,3 +87,23 @@ def test_a_synchronous_exchange_holds_the_sender() -> None:
     assert span == pytest.approx(6 + 3 * d + 3 * g)
     # one stage sends nothing
     assert pipeline_makespan([1.0], [1.0], d, 3, "1f1b", gather_s=0.5, synchronous=True) == pytest.approx(6.0)
+
+
+def test_paired_exchanges_give_the_event_replays_makespan() -> None:
+    # interleaved 1F1B's steady-state forward sends with the next backward (Megatron-LM's interleaved schedule)
+    rng = random.Random(11)
+    for _ in range(20):
+        p, v = rng.randint(2, 6), rng.choice((2, 3))
+        m = p * rng.randint(1, 3)
+        forward = [rng.uniform(0.2, 2.0) for _ in range(p)]
+        backward = [rng.uniform(0.3, 4.0) for _ in range(p)]
+        p2p, gather = rng.uniform(0.0, 1.0), rng.uniform(0.0, 0.5)
+        for synchronous in (False, True):
+            args = (forward, backward, p2p, m, "interleaved-1f1b", None, v, gather, synchronous)
+            span = pipeline._run(*args, True)[0]
+            assert span == pytest.approx(pipeline._replay(*args, True)[0], rel=1e-12, abs=0.0)
+            assert span >= pipeline._run(*args, False)[0] * (1 - 1e-12)
+    # other schedules send after every action either way
+    assert pipeline_makespan([1.0] * 3, [2.0] * 3, 0.3, 6, "1f1b", paired=True) == pipeline_makespan(
+        [1.0] * 3, [2.0] * 3, 0.3, 6, "1f1b"
+    )

@@ -98,14 +98,16 @@ def cluster_of(row: dict):
 def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepConfig:
     """How a row's software ran: Megatron-LM's scatter-gather pipeline sends (on by default from 2021-02,
     Megatron-LM commit 72e4230), each exchange synchronous (``_communicate``: ``batch_isend_irecv``, wait,
-    ``torch.cuda.synchronize()``, then the gather), the tied word embedding's gradient all-reduce between the first
-    and last stage (``allreduce_word_embedding_grads``), Megatron-LM's mixed-precision optimizer step
-    (:data:`dtrain.sim.compute.MEGATRON_FP16_OPTIMIZER_BYTES`), and the backward's tensor-parallel collective under
-    the weight gradient only where the row's code had it (``async_tp_allreduce``: Megatron-LM's asynchronous
-    all-reduce, first in commit 16c9044 of 2021-09-02). ``flow_limit``: replay collectives of more messages than
-    that in lock-step rounds (:func:`dtrain.sim.classes.replay_jobs`)."""
+    ``torch.cuda.synchronize()``, then the gather), interleaved 1F1B's one exchange per forward-backward pair
+    (``send_forward_backward_recv_forward_backward`` after the backward), the tied word embedding's gradient
+    all-reduce between the first and last stage (``allreduce_word_embedding_grads``), Megatron-LM's
+    mixed-precision optimizer step (:data:`dtrain.sim.compute.MEGATRON_FP16_OPTIMIZER_BYTES`), and the backward's
+    tensor-parallel collective under the weight gradient only where the row's code had it
+    (``async_tp_allreduce``: Megatron-LM's asynchronous all-reduce, first in commit 16c9044 of 2021-09-02).
+    ``flow_limit``: replay collectives of more messages than that in lock-step rounds
+    (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
-                      synchronous_p2p=True, tied_embedding_allreduce=True,
+                      synchronous_p2p=True, paired_exchanges=True, tied_embedding_allreduce=True,
                       optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit)  # fmt: skip
 
 
