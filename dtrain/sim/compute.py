@@ -51,7 +51,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtrain.sim.model import Layout, ModelSpec
+from dtrain.sim.model import Layout, ModelSpec, stage_layers
 
 __all__ = [
     "CURVES_PATH",
@@ -348,7 +348,7 @@ class StageCompute:
 def stage_compute(model: ModelSpec, layout: Layout, stage: int, device: DeviceCompute) -> StageCompute:
     """Seconds of one micro-batch of pipeline stage ``stage`` on ``device`` (all its layers; see
     :func:`stage_ops`)."""
-    layers = model.layers // layout.pp
+    layers = stage_layers(model, layout, stage)
     parts = stage_ops(model, layout, stage)
     times = {"F": 0.0, "B": 0.0, "W": 0.0}
     by_name: dict[str, float] = {}

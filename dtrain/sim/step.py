@@ -53,6 +53,7 @@ from dtrain.sim.model import (
     flops_per_microbatch,
     memory_per_device,
     recompute_flops_per_microbatch,
+    stage_layers,
     stage_parameters,
     tp_all_reduces_per_layer,
 )
@@ -248,12 +249,13 @@ def stage_seconds(
     under the weight gradient of QKV or the MLP's first product and only what is longer shows. With
     ``config.efficiency`` set, compute is the FLOPs of :func:`flops_per_microbatch` at that share of peak, split
     1:2 between forward and backward, recomputation's FLOPs added to backward."""
-    layers = model.layers // layout.pp
+    layers = stage_layers(model, layout, stage)
     split = layout.schedule in SPLIT_BACKWARD
     recompute_calls = 2 if layout.recompute == "full" else 0
     if config.efficiency is not None:
-        flops = flops_per_microbatch(model, layout) / config.efficiency / peak_flops
-        extra = recompute_flops_per_microbatch(model, layout) / config.efficiency / peak_flops
+        share = layers * layout.pp / model.layers  # the stage's layers over an even split's
+        flops = share * flops_per_microbatch(model, layout) / config.efficiency / peak_flops
+        extra = share * recompute_flops_per_microbatch(model, layout) / config.efficiency / peak_flops
         tp_backward = (2 + recompute_calls) * layers * tp_s
         b, w = 2 * flops / 3 + extra, 0.0
         if split:
@@ -446,7 +448,8 @@ def simulate_step(
     step_s = float(np.median(steps))
     ideal = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
     compute_s = m * max(f + b + w for f, b, w in zip(ideal[0][0], ideal[1][0], ideal[2][0], strict=True))
-    tp_count = tp_all_reduces_per_layer(layout) * (model.layers // layout.pp) * m
+    most = max(stage_layers(model, layout, s) for s in {0, min(1, layout.pp - 1), layout.pp - 1})
+    tp_count = tp_all_reduces_per_layer(layout) * most * m
     parts = [(tp, tp_count), (pp, 2 * m), (gather, 2 * m)] + [(r, 1) for r in dp]
     return StepResult(
         step_s=step_s,

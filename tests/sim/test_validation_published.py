@@ -95,3 +95,26 @@ def test_megatron_step_costs_each_add_time() -> None:
     assert lighter["optimizer_s"] * MEGATRON_FP16_OPTIMIZER_BYTES == pytest.approx(
         full["optimizer_s"] * ADAM_BYTES_PER_PARAMETER, rel=0.01
     )
+
+
+def test_bloom_counts_its_embeddings_as_layers_of_the_pipeline() -> None:
+    # DeepSpeed's "type:transformer|embedding" split of BLOOM-176B: [embed | 5], 6 x 10, [5 | embed]
+    from dtrain.sim.model import Layout, memory_per_device, stage_layers, stage_parameters
+    from dtrain.sim.planner import candidate_layouts
+
+    row = _rows()["lescao22-bloom-176b"]
+    model, layout = published.model_of(row), published.layout_of(row)
+    assert [stage_layers(model, layout, s) for s in range(layout.pp)] == [5] + [6] * 10 + [5]
+    total = sum(stage_parameters(model, layout, s) for s in range(layout.pp))
+    assert total == pytest.approx(model.parameters + model.vocab * model.hidden)  # the output layer's copy
+    assert memory_per_device(model, layout).total < 80e9
+    with pytest.raises(ValueError, match="do not split"):
+        Layout(dp=1, tp=4, pp=16, global_batch=16, embedding_layers=1).check(model)  # 72 over 16
+    with pytest.raises(ValueError, match="one model chunk"):
+        Layout(pp=12, global_batch=12, schedule="interleaved-1f1b", chunks=2, embedding_layers=1)
+    # the planner tries the split where the layers alone do not divide
+    found = candidate_layouts(model, 384, 2048, micro_batches=(2,), zero_stages=(1,), max_tp=4)
+    assert any(c.pp == 12 and c.tp == 4 and c.embedding_layers == 1 for c in found)
+    assert all(c.embedding_layers == 0 for c in found if model.layers % c.pp == 0)
+    result = published.simulate(row)
+    assert result["fits"] and result["error"] < 0, result

@@ -58,6 +58,10 @@ def load(path: Path = DATA) -> list[dict]:
             raise ValueError(f"{path}: run {row.get('name', '?')!r} lacks {', '.join(missing)}")
         if row["device"] not in PRESETS:
             raise ValueError(f"{path}: run {row['name']!r}: device {row['device']!r}; accepted: {', '.join(PRESETS)}")
+        if row.get("cluster", "selene") not in CLUSTERS:
+            raise ValueError(
+                f"{path}: run {row['name']!r}: cluster {row['cluster']!r}; accepted: {', '.join(CLUSTERS)}"
+            )
         if row["set"] not in SETS:
             raise ValueError(f"{path}: run {row['name']!r}: set {row['set']!r}; accepted: {', '.join(SETS)}")
         if row["measure"] not in MEASURES or MEASURES[row["measure"]] not in row:
@@ -82,12 +86,24 @@ def layout_of(row: dict) -> Layout:
     return Layout(dp=row["dp"], tp=row["tp"], pp=row["pp"], micro_batch=row["micro_batch"],
                   global_batch=row["global_batch"], zero_stage=row.get("zero_stage", 0),
                   schedule=row.get("schedule", "1f1b"), chunks=row.get("chunks", 1), recompute=row["recompute"],
-                  sequence_parallel=row["sequence_parallel"], attention=row.get("attention", "unfused"))  # fmt: skip
+                  sequence_parallel=row["sequence_parallel"], attention=row.get("attention", "unfused"),
+                  embedding_layers=row.get("embedding_layers", 0))  # fmt: skip
+
+
+#: Clusters a row may name (``cluster``; default ``selene``): Selene's DGX SuperPOD (above), or Jean Zay's A100
+#: partition (BLOOM-176B: 8 A100 80 GB a server, 4 Omni-Path 100 Gb/s links a server, a non-blocking fat tree;
+#: BigScience tr11-176B-ml README), built as DGX A100 servers with 4 NICs of 100 Gb/s (the catalogue's EDR
+#: InfiniBand, the same rate) under leaves of 12 servers, 1:1.
+CLUSTERS = ("selene", "jean-zay")
 
 
 def cluster_of(row: dict):
     gpus = row["dp"] * row["tp"] * row["pp"]
     servers = math.ceil(gpus / 8)
+    if row.get("cluster", "selene") == "jean-zay":
+        racks = math.ceil(servers / 12)
+        return preset(PRESETS[row["device"]], nics=4, nic="ib-edr", racks=racks, servers_per_rack=min(servers, 12),
+                      spines=4, nic_affinity="ecmp")  # fmt: skip
     if servers == 1:
         return preset(PRESETS[row["device"]])
     units = math.ceil(servers / SERVERS_PER_UNIT)
