@@ -209,6 +209,70 @@ def _timed_plan_check(row: dict, limit_s: int, flow_limit: int | None) -> dict:
     return out
 
 
+def _read(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _verdict(part: dict) -> str:
+    median_ok = part["median_abs_error"] <= MEDIAN_TARGET
+    worst_ok = part["worst_abs_error"] <= WORST_TARGET
+    if median_ok and worst_ok:
+        return "met"
+    if not median_ok and not worst_ok:
+        return "both missed"
+    return "median missed, worst met" if worst_ok else "median met, worst missed"
+
+
+def tables(results_path: str, plan_path: str | None = None) -> str:
+    """The markdown tables of docs/simulator-validation.md from the JSON lines ``--out`` (and ``--plan-out``)
+    wrote: each row, the summary by set, and the planner's ranks."""
+    results = [r for r in _read(results_path) if "name" in r]
+    rows = load()
+    by_name = {r["name"]: r for r in rows}
+    out = ["| run | set | layout | published (s) | predicted (s) | error |", "| --- | --- | --- | ---: | ---: | ---: |"]
+    for r in results:
+        star = " *" if r["measure"] == "tflops" else ""
+        out.append(f"| {r['name']} | {r['set']} | {r['layout']} | {r['published_s']:.2f}{star} | "
+                   f"{r['predicted_s']:.2f} | {r['error']:+.1%} |")  # fmt: skip
+    out += [
+        "",
+        "| set | rows | median \\|error\\| | worst \\|error\\| | targets |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    s = summary(results)
+    for name in SETS:
+        if name in s:
+            part = s[name]
+            out.append(f"| {name} | {part['rows']} | {part['median_abs_error']:.1%} | {part['worst_abs_error']:.1%} | "
+                       f"{_verdict(part)} |")  # fmt: skip
+    for label, prefix in (("Korthikanti et al. 2022 alone", "korthikanti22-"), ("Narayanan et al. 2021, table 1",
+                                                                                 "narayanan21-")):  # fmt: skip
+        part = [r for r in results if r["name"].startswith(prefix) and r["set"] == "validation"]
+        if part:
+            p = summary(part)
+            out.append(f"| {label} | {p['rows']} | {p['median_abs_error']:.1%} | {p['worst_abs_error']:.1%} | "
+                       f"{_verdict(p)} |")  # fmt: skip
+    if plan_path:
+        checks = [c for c in _read(plan_path) if "best" in c]
+        out += ["", "| run | published layout (s) | best plan, any technique (s) | rank | best plan, the run's "
+                "techniques (s) | rank | search (s) |", "| --- | ---: | --- | ---: | --- | ---: | ---: |"]  # fmt: skip
+        for c in checks:
+            out.append(f"| {c['name']} | {c['published_layout_s']:.2f} | {c['best']} {c['best_s']:.2f} | "
+                       f"{c['published_rank']} | {c['best_same_techniques']} {c['best_same_techniques_s']:.2f} | "
+                       f"{c['published_rank_same_techniques']} | {c['search_s']:.0f} |")  # fmt: skip
+        fast = sum(c["at_least_as_fast"] for c in checks)
+        top = sum(c["published_rank"] <= 5 for c in checks)
+        top_same = sum(c["published_rank_same_techniques"] <= 5 for c in checks)
+        out += ["", f"Searched {len(checks)} of {len(rows)} rows; the best plan is at least as fast as the published "
+                f"layout on {fast}; the published layout ranks in the top 5 on {top} with every technique and on "
+                f"{top_same} with the run's own."]  # fmt: skip
+        missing = sorted(set(by_name) - {c["name"] for c in checks})
+        if missing:
+            out.append(f"Not searched: {', '.join(missing)}.")
+    return "\n".join(out)
+
+
 def _write(path: str, lines: list[dict]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
@@ -222,6 +286,8 @@ def main() -> None:
     parser.add_argument("--plan", action="store_true", help="also check dtrain plan's search on each row")
     parser.add_argument("--plan-out", default=None, help="JSON lines of the --plan checks, one per row")
     parser.add_argument("--plan-limit", type=int, default=300, help="seconds a row's search may take (default 300)")
+    parser.add_argument("--tables", action="store_true",
+                        help="print the markdown tables of --out (and --plan-out) without simulating")  # fmt: skip
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: every row)")
     parser.add_argument(
         "--flow-limit",
@@ -230,6 +296,11 @@ def main() -> None:
         help=f"replay collectives of more messages in lock-step rounds (default {DEFAULT_FLOW_LIMIT})",
     )
     args = parser.parse_args()
+    if args.tables:
+        if not args.out:
+            raise SystemExit("validate.py published: --tables reads the file --out names; give --out")
+        print(tables(args.out, args.plan_out))
+        return
     rows = load()
     if args.rows:
         names = args.rows.split(",")
