@@ -190,6 +190,8 @@ class Layout:
 
     def check(self, model: ModelSpec) -> None:
         """Raise ``ValueError`` if the layout cannot cut ``model``: layers over stages, heads over tp ranks."""
+        if self.embedding_layers and not model.vocab:
+            raise ValueError("embedding_layers counts the embeddings as layers: the model needs a vocabulary")
         if self.embedding_layers and self.pp > 1:
             units = model.layers + 2 * self.embedding_layers
             if units % self.pp or units // self.pp <= self.embedding_layers:

@@ -70,7 +70,7 @@ def test_narayanan_rows_are_low_and_within_the_worst_target() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="Megatron-LM of 2021 ran 13-20% slower than the model predicts on these rows "
+    reason="Megatron-LM of 2021 ran 13-19% slower than the model predicts on these rows "
     "(docs/simulator-validation.md); strict: passing means the model meets the median target here",
 )
 def test_narayanan_rows_meet_the_median_target() -> None:
