@@ -155,10 +155,11 @@ def summary(rows: list[dict]) -> dict:
 
 def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
     """Where ``dtrain plan``'s search puts the published layout on the row's cluster and batch: every layout of
-    the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO, 1F1B and interleaved 1F1B of 2 chunks and of the
-    row's chunks), ranked by simulated step time, searched twice: with every technique (recomputation only where
-    memory needs it, sequence parallelism with tp) and with the row's own (its recomputation, sequence
-    parallelism as it used it). A rank is 1 + the plans faster than the published layout, as simulated."""
+    the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO and the row's ZeRO stage, 1F1B and interleaved
+    1F1B of 2 chunks and of the row's chunks), ranked by simulated step time, searched twice: with every technique
+    (recomputation only where memory needs it, sequence parallelism with tp) and with the row's own (its
+    recomputation, sequence parallelism as it used it). A rank is 1 + the plans faster than the published layout,
+    as simulated."""
     from dtrain.sim.planner import plan
 
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
@@ -172,7 +173,8 @@ def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
         ("_same_techniques", {"recompute": (layout.recompute,), "sequence_parallel": layout.sequence_parallel}),
     ):
         plans, _ = plan(model, topo, global_batch=row["global_batch"], devices=layout.world_size,
-                        placements=("aware",), micro_batches=(row["micro_batch"],), zero_stages=(0,), max_tp=8,
+                        placements=("aware",), micro_batches=(row["micro_batch"],),
+                        zero_stages=tuple(sorted({0, layout.zero_stage})), max_tp=8,
                         config=config, schedules=schedules, **techniques)  # fmt: skip
         best = plans[0] if plans else None
         out |= {
