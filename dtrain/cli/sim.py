@@ -96,8 +96,13 @@ def register(commands) -> None:
         "--recompute", choices=RECOMPUTE, default="none", help="activation recomputation: none, selective or full"
     )
     p.add_argument("--sequence-parallel", action="store_true", help="activations outside tp regions split over tp")
+    p.add_argument("--embedding-layers", type=int, default=0,
+                   help="the pipeline split counts each embedding as this many layers (DeepSpeed's "
+                   "type:transformer|embedding: 1); the first and last stages hold that many fewer")  # fmt: skip
     p.add_argument("--placement", default="aware", help="aware or oblivious")
     _add_step_config(p)
+    p.add_argument("--synchronous-p2p", action="store_true",
+                   help="each pipeline exchange holds both stages (Megatron-LM's synchronous sends)")  # fmt: skip
     p.add_argument(
         "--split-pipeline",
         action="store_true",
@@ -174,6 +179,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int)
     p.add_argument("--heads", type=int)
     p.add_argument("--seq", type=int, help="sequence length in tokens")
+    p.add_argument("--vocab", type=int, help="vocabulary: the embedding, logits and loss are priced (default: none)")
 
 
 def _add_software(p: argparse.ArgumentParser) -> None:
@@ -222,7 +228,7 @@ def _model(args: argparse.Namespace):
     if args.model not in MODELS:
         raise ValueError(f"unknown model {args.model!r}; known: {', '.join(MODELS)} (or change one with --params ...)")
     changes = {"parameters": args.params, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-               "sequence": args.seq}  # fmt: skip
+               "sequence": args.seq, "vocab": args.vocab}  # fmt: skip
     changes = {k: v for k, v in changes.items() if v is not None}
     model = MODELS[args.model]
     return replace(model, name=f"{model.name} (changed)", **changes) if changes else model
@@ -315,9 +321,10 @@ def _simulate_train(args: argparse.Namespace) -> int:
     topo, model = _topology(args), _model(args)
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,
                     zero_stage=args.zero, schedule=args.schedule, recompute=args.recompute,
-                    sequence_parallel=args.sequence_parallel)  # fmt: skip
+                    sequence_parallel=args.sequence_parallel, embedding_layers=args.embedding_layers)  # fmt: skip
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma,
-                          split_pipeline=args.split_pipeline, flow_limit=args.flow_limit)  # fmt: skip
+                          split_pipeline=args.split_pipeline, flow_limit=args.flow_limit,
+                          synchronous_p2p=args.synchronous_p2p)  # fmt: skip
     result = simulate_step(model, layout, topo, place(topo, layout, args.placement), config)
     data = {"topology": topo.name, "model": asdict(model), "layout": asdict(layout), "placement": args.placement,
             "split_pipeline": args.split_pipeline, "flow_limit": args.flow_limit, **_step_data(result),

@@ -8,16 +8,20 @@
 2. **Identical parts once.** Parts that run the same schedules on the same bytes over paths of the same shape
    (links of equal rate and latency in the same pattern, each pair with a single path so no hash picks one)
    give the same times: one is replayed and the others take its result, link by link. The tensor-parallel
-   all-reduce of every server of a cluster is one replay. In lock step (point 3) pairs with several equal-cost
-   paths are allowed too: parts whose every pair has the same set of paths in the same pattern (the data-
-   parallel rings of the rails of a rail-optimised fabric, say) are copies up to which spine an ECMP hash of
-   their device names picks for each message, and one stands for all (an approximation, like the lock step).
+   all-reduce of every server of a cluster is one replay. Parts whose pairs have several equal-cost paths are
+   replayed each on its own: which path a hash picks for each pair decides their collisions.
 3. **Rounds in lock step beyond ``flow_limit``.** When the jobs would start more than ``flow_limit`` messages, each
    part is replayed round by round, every rank waiting for the round's last message before the next (a bulk-
    synchronous approximation; ranks of a real run may run ahead), and rounds that move the same bytes between the
    same ranks are replayed once and counted as often as they occur: a ring all-reduce over ``n`` ranks is two round
    replays (one reduce-scatter round, one all-gather round) instead of ``2 (n - 1)``. Each round's messages still
-   share the links max-min fairly and take their own ECMP paths. This is how flow-level simulators reach tens of
+   share the links max-min fairly and take their own ECMP paths. A pair's path is its connection's, the same in
+   every round (the flow hash names the job and the two ranks, not the round): an InfiniBand subnet manager routes
+   each destination over one fixed path (fat-tree routing, Zahavi et al. 2010, "Optimized InfiniBand fat-tree
+   routing for shift all-to-all communication patterns"), and RoCE v2's ECMP hashes the UDP source port, which is
+   fixed for a queue pair's life (InfiniBand Trade Association, RoCEv2 annex A17); NCCL keeps its connections
+   for the communicator's life. So a repeated round collides where its first occurrence did, and lock step
+   loses nothing there. This is how flow-level simulators reach tens of
    thousands of GPUs (SimAI, Wang et al., NSDI 2025, and ASTRA-sim's analytical backend replay a collective's phases
    rather than its packets).
 
@@ -129,7 +133,7 @@ def _replay_jobs(
     results: dict[int, _Part] = {}  # by part index
     seen: dict[tuple, tuple[int, list[_Key]]] = {}  # signature -> (part replayed, its links in signature order)
     for p, members in enumerate(parts):
-        signature, order = _signature(members, jobs, job_pairs, routes, topology, cost, ecmp=lock_step)
+        signature, order = _signature(members, jobs, job_pairs, routes, topology, cost)
         if signature is not None and signature in seen:
             first, first_order = seen[signature]
             results[p] = _relabel(results[first], first_order, order, topology)
@@ -262,11 +266,9 @@ def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: SoftwareCost, *, ecmp: bool = False):
-    """A part's shape, equal for parts that replay alike, and its links in the order the shape names them. A pair
-    with several equal-cost paths is named by all of them when ``ecmp`` (parts alike up to which path a hash of
-    the device names picks: an approximation, point 3 of the module docstring), else the part has no signature
-    (None)."""
+def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: SoftwareCost):
+    """A part's shape, equal for parts that replay alike, and its links in the order the shape names them; None
+    (no copies) where a pair has several equal-cost paths."""
     label: dict[_Key, int] = {}
     order: list[_Key] = []
     shape = []
@@ -277,7 +279,7 @@ def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: Softw
         api = tuple(map(tuple, _api_times(job, topology, list(job.placement), cost))) if job.api is not None else None
         paths = []
         for paths_of_pair in routes[j]:
-            if len(paths_of_pair) != 1 and not ecmp:
+            if len(paths_of_pair) != 1:
                 return None, order
             for path in paths_of_pair:
                 hops = []
@@ -391,7 +393,7 @@ def _one_round(jobs, tags, parts, gammas, index: int, topology: Topology, cost: 
             done[(j, rank)] = t
         for rank, rr in parts[j].items():
             for peer, nbytes in rr.sends.items():
-                flow_id = hash((tags[j], rank, peer, index)) & 0x7FFFFFFF
+                flow_id = hash((tags[j], rank, peer)) & 0x7FFFFFFF  # the connection's path, every round
 
                 def finished(t: float, j=j, a=rank, b=peer) -> None:
                     done[(j, a)] = max(done[(j, a)], t)

@@ -212,7 +212,7 @@ class _Replay:
                 self._start(peer, rank, rr.index, self.rounds[peer][self.position[peer]].sends[rank])
 
     def _start(self, src: int, dst: int, index: int, nbytes: int) -> None:
-        flow_id = hash((self.tag, src, dst, index)) & 0x7FFFFFFF
+        flow_id = hash((self.tag, src, dst)) & 0x7FFFFFFF  # one path a connection (dtrain.sim.classes, point 3)
         done = lambda _t: (self._done(src, index), self._done(dst, index))  # noqa: E731
         cap = self.cost.cap_for(nbytes)
         self.net.send(

@@ -51,13 +51,14 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtrain.sim.model import Layout, ModelSpec
+from dtrain.sim.model import Layout, ModelSpec, stage_layers
 
 __all__ = [
     "CURVES_PATH",
     "DEVICE_COMPUTE",
     "Curve",
     "DeviceCompute",
+    "MEGATRON_FP16_OPTIMIZER_BYTES",
     "Op",
     "StageCompute",
     "device_compute",
@@ -347,7 +348,7 @@ class StageCompute:
 def stage_compute(model: ModelSpec, layout: Layout, stage: int, device: DeviceCompute) -> StageCompute:
     """Seconds of one micro-batch of pipeline stage ``stage`` on ``device`` (all its layers; see
     :func:`stage_ops`)."""
-    layers = model.layers // layout.pp
+    layers = stage_layers(model, layout, stage)
     parts = stage_ops(model, layout, stage)
     times = {"F": 0.0, "B": 0.0, "W": 0.0}
     by_name: dict[str, float] = {}
@@ -371,6 +372,18 @@ def stage_compute(model: ModelSpec, layout: Layout, stage: int, device: DeviceCo
 ADAM_BYTES_PER_PARAMETER = 28
 
 
-def optimizer_seconds(parameters: float, device: DeviceCompute) -> float:
-    """A fused Adam step over ``parameters`` owned parameters (:data:`ADAM_BYTES_PER_PARAMETER` each)."""
-    return device.memory_s(parameters * ADAM_BYTES_PER_PARAMETER)
+#: Bytes Megatron-LM's mixed-precision optimizer step (``Float16OptimizerWithFloat16Params.step``,
+#: megatron/optimizer/optimizer.py, 2021-2022) reads and writes per parameter it owns, each pass a memory-bound
+#: sweep over the rank's shard: the 16-bit gradients copied into 32-bit main gradients (read 2, write 4), unscaled
+#: with the inf/NaN check (``_amp_foreach_non_finite_check_and_unscale_``: read and write 4), their L2 norm for
+#: clipping (``multi_tensor_l2norm``: read 4), Apex's fused Adam (32-bit weight, gradient, momentum and variance
+#: read, weight, momentum and variance written: 28), the 32-bit weights copied back into the 16-bit model
+#: (``multi_tensor_scale``: read 4, write 2) and the 16-bit gradient buffer zeroed (write 2). The clipping
+#: product (read and write 4 more) runs only when the norm exceeds the threshold and is left out.
+MEGATRON_FP16_OPTIMIZER_BYTES = 6 + 8 + 4 + 28 + 6 + 2
+
+
+def optimizer_seconds(parameters: float, device: DeviceCompute, nbytes: int = ADAM_BYTES_PER_PARAMETER) -> float:
+    """An optimizer step over ``parameters`` owned parameters, ``nbytes`` each (default a fused Adam,
+    :data:`ADAM_BYTES_PER_PARAMETER`)."""
+    return device.memory_s(parameters * nbytes)

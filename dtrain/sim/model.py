@@ -47,6 +47,7 @@ __all__ = [
     "flops_per_microbatch",
     "layers_in_flight",
     "memory_per_device",
+    "stage_layers",
     "stage_parameters",
     "recompute_flops_per_microbatch",
     "tp_all_reduces_per_layer",
@@ -119,7 +120,10 @@ class Layout:
     ``global_batch`` sequences a step (so ``global_batch / (dp x micro_batch)`` micro-batches a replica);
     ``recompute`` (one of :data:`RECOMPUTE`) and ``sequence_parallel`` (Korthikanti et al. 2022, section 4.2.2:
     the activations outside the tensor-parallel regions split along the sequence; the same communication volume)
-    change what each layer keeps for backward."""
+    change what each layer keeps for backward. ``embedding_layers``: the pipeline split counts the input
+    embedding and the output layer as that many transformer layers each, so the first and last stages hold that
+    many fewer (DeepSpeed's ``partition_method="type:transformer|embedding"``: BLOOM-176B's 70 layers and two
+    embeddings on 12 stages are 5, 6 x 10 and 5 layers, BigScience tr11-176B-ml README; :func:`stage_layers`)."""
 
     dp: int = 1
     tp: int = 1
@@ -132,6 +136,7 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     attention: str = "unfused"
+    embedding_layers: int = 0
 
     def __post_init__(self) -> None:
         for field_name in ("dp", "tp", "pp", "micro_batch", "global_batch"):
@@ -167,6 +172,10 @@ class Layout:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if not isinstance(self.embedding_layers, int) or self.embedding_layers < 0:
+            raise ValueError(f"Layout.embedding_layers must be an int >= 0, got {self.embedding_layers!r}")
+        if self.embedding_layers and self.chunks != 1:
+            raise ValueError(f"embedding_layers takes one model chunk a stage, got chunks = {self.chunks}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
 
@@ -181,7 +190,16 @@ class Layout:
 
     def check(self, model: ModelSpec) -> None:
         """Raise ``ValueError`` if the layout cannot cut ``model``: layers over stages, heads over tp ranks."""
-        if model.layers % (self.pp * self.chunks):
+        if self.embedding_layers and not model.vocab:
+            raise ValueError("embedding_layers counts the embeddings as layers: the model needs a vocabulary")
+        if self.embedding_layers and self.pp > 1:
+            units = model.layers + 2 * self.embedding_layers
+            if units % self.pp or units // self.pp <= self.embedding_layers:
+                raise ValueError(
+                    f"{model.layers} layers and 2 embeddings of {self.embedding_layers} layers each do not split "
+                    f"into pp={self.pp} equal stages with a layer on each"
+                )
+        elif model.layers % (self.pp * self.chunks):
             raise ValueError(
                 f"{model.layers} layers do not split into pp={self.pp} equal stages of {self.chunks} equal chunks"
             )
@@ -196,9 +214,10 @@ class Layout:
             "" if self.schedule == "1f1b" else f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
         )
         flash = " flash" if self.attention == "flash" else ""
+        embedding = f" embedding-as-{self.embedding_layers}" if self.embedding_layers else ""
         return (
-            f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}x{self.microbatches}{schedule}{zero}{flash}{sp}"
-            f"{recompute}"
+            f"dp{self.dp} tp{self.tp} pp{self.pp}{embedding} mb{self.micro_batch}x{self.microbatches}{schedule}"
+            f"{zero}{flash}{sp}{recompute}"
         )
 
 
@@ -216,14 +235,25 @@ class MemoryUse:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
+def stage_layers(model: ModelSpec, layout: Layout, stage: int) -> int:
+    """Transformer layers pipeline stage ``stage`` holds: ``L / pp``, or with ``layout.embedding_layers = e`` (and a
+    vocabulary) ``(L + 2 e) / pp`` less ``e`` on the first and last stages."""
+    e = layout.embedding_layers if model.vocab and layout.pp > 1 else 0
+    per = (model.layers + 2 * e) // layout.pp
+    return per - e if stage in (0, layout.pp - 1) else per
+
+
 def memory_per_device(model: ModelSpec, layout: Layout) -> MemoryUse:
-    """Peak bytes per device of ``model`` trained with ``layout``: the larger of the first stage's and the last
-    stage's (see the module docstring for the sources)."""
+    """Peak bytes per device of ``model`` trained with ``layout``: the largest of the first stage's and the last
+    stage's (and the second stage's where the embeddings count as layers: it holds more layers than the first),
+    see the module docstring for the sources."""
     first = _stage_memory(model, layout, 0)
     if layout.pp == 1:
         return first
-    last = _stage_memory(model, layout, layout.pp - 1)
-    return first if first.total >= last.total else last
+    stages = [first, _stage_memory(model, layout, layout.pp - 1)]
+    if layout.embedding_layers and layout.pp > 2:
+        stages.append(_stage_memory(model, layout, 1))
+    return max(stages, key=lambda use: use.total)
 
 
 def stage_parameters(model: ModelSpec, layout: Layout, stage: int) -> float:
@@ -234,7 +264,7 @@ def stage_parameters(model: ModelSpec, layout: Layout, stage: int) -> float:
         return model.parameters / layout.pp
     embedding = model.vocab * model.hidden
     per_layer = max(model.parameters - embedding, 0.0) / model.layers
-    held = per_layer * model.layers / layout.pp
+    held = per_layer * (stage_layers(model, layout, stage) if layout.embedding_layers else model.layers / layout.pp)
     if stage == 0:
         held += embedding
     if stage == layout.pp - 1 and layout.pp > 1:
@@ -248,7 +278,7 @@ def layers_in_flight(model: ModelSpec, layout: Layout) -> float:
     interleaved 1F1B ``min(2 (p - 1) + (v - 1) p + 1, m v)`` chunks of ``L / (p v)`` layers, about
     ``L (1 + (p - 1) / (p v))`` (Narayanan et al. 2021, section 2.2.2; Korthikanti et al. 2022, section 4.2.3)."""
     p, m, v = layout.pp, layout.microbatches, layout.chunks
-    per_stage = model.layers / p
+    per_stage = stage_layers(model, layout, 0) if layout.embedding_layers else model.layers / p
     if layout.schedule == "gpipe":
         return m * per_stage
     if layout.schedule == "interleaved-1f1b":
@@ -262,7 +292,13 @@ def _stage_memory(model: ModelSpec, layout: Layout, stage: int) -> MemoryUse:
     weights = 2 * shard / (layout.dp if zero >= 3 else 1)
     gradients = 2 * shard / (layout.dp if zero >= 2 else 1)
     optimizer = 12 * shard / (layout.dp if zero >= 1 else 1)
-    held = layers_in_flight(model, layout) if stage == 0 else min(1, layout.microbatches) * model.layers / layout.pp
+    if stage == 0:
+        held = layers_in_flight(model, layout)
+    elif layout.embedding_layers:  # a 1F1B stage s holds p - s micro-batches (m all under GPipe)
+        waiting = layout.microbatches if layout.schedule == "gpipe" else min(layout.pp - stage, layout.microbatches)
+        held = waiting * stage_layers(model, layout, stage)
+    else:
+        held = min(1, layout.microbatches) * model.layers / layout.pp
     activations = activation_bytes_per_layer(model, layout) * held
     if layout.recompute != "none":  # what one layer's backward recomputes, held while it runs
         kept = activation_bytes_per_layer(model, layout, "none")

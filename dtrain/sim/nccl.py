@@ -324,7 +324,7 @@ class _Pipeline:
                 free()
 
         for dst in dsts:
-            flow_id = hash((rank, dst, step, p)) & 0x7FFFFFFF
+            flow_id = hash((rank, dst)) & 0x7FFFFFFF  # one path a connection, every step and piece
             # the peers of one send share the sender's kernel, the senders into one rank its receiving kernel
             share = None if cap is None else cap / max(len(dsts), self.fan_in[step][dst])
             self.net.send(self.placement[rank], self.placement[dst], self.piece, flow_id=flow_id,

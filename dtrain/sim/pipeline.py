@@ -13,6 +13,22 @@ path through the schedule's dependency graph. The graph of a (schedule, stages, 
 once and cut into waves (an action's wave is one more than the later of its two predecessors'), so timing it with
 other costs is one array operation a wave, the same floats as an event replay of the actions (:func:`_replay`):
 a 128-stage 1F1B pipeline of 512 micro-batches (131,072 actions) in about 20 ms once its graph is built.
+
+Messages are asynchronous by default: a message delays its receiver's action and nothing else. With
+``synchronous``, each exchange blocks both stages, as Megatron-LM's ``_communicate`` (megatron/p2p_communication.py,
+2021-2022) does: it posts the sends and receives of both directions with ``torch.distributed.batch_isend_irecv``,
+waits for all of them and calls ``torch.cuda.synchronize()``, then all-gathers a split activation over the
+tensor-parallel group on the compute stream (the scatter-gather of Narayanan et al. 2021, section 4.1). An action
+whose output goes to another stage then holds its stage for the message time (the exchange with that stage runs in
+the same call, so its receiver is held as long), and the message is there when the action ends; an action whose
+input comes from another stage runs the gather (``gather_s``) first.
+
+With ``paired``, interleaved 1F1B's steady state exchanges once per forward-backward pair, as Megatron-LM's
+``forward_backward_pipelining_with_interleaving`` (megatron/schedules.py, 2021-2022) does: it runs the forward,
+then the backward, then sends the forward's output and the backward's gradient together
+(``send_forward_backward_recv_forward_backward``), so a forward followed by a backward on its stage releases its
+output only when that backward ends (and, synchronous, the pair holds its stage for both messages). Warm-up and
+cool-down actions send at once. Other schedules send after every action either way.
 """
 
 from __future__ import annotations
@@ -45,13 +61,19 @@ def pipeline_makespan(
     *,
     weight_s: Sequence[float] | None = None,
     virtual_stages: int = 2,
+    gather_s: float = 0.0,
+    synchronous: bool = False,
+    paired: bool = False,
 ) -> float:
     """Seconds from the first forward to the last backward; ``forward_s[s]`` / ``backward_s[s]`` are stage
     ``s``'s time for one micro-batch (all its chunks), ``p2p_s`` the time of one activation (or gradient) between
-    stages. For ZB-H1 and ZB-V, ``backward_s`` is the input-gradient pass B and ``weight_s`` the weight-gradient
-    pass W (none given: W costs as much as B, the paper's T_B = T_W).
-    ``virtual_stages``: interleaved 1F1B's chunks a stage."""
-    return _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages)[0]
+    stages and ``gather_s`` the receiver's all-gather of a split one. For ZB-H1 and ZB-V, ``backward_s`` is the
+    input-gradient pass B and ``weight_s`` the weight-gradient pass W (none given: W costs as much as B, the
+    paper's T_B = T_W). ``virtual_stages``: interleaved 1F1B's chunks a stage. ``synchronous``: messages block
+    both stages (module docstring); otherwise each arrives ``p2p_s + gather_s`` after its sender's action ends.
+    ``paired``: interleaved 1F1B's steady-state forward sends with the next backward (module docstring)."""
+    return _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
+                synchronous, paired)[0]  # fmt: skip
 
 
 def pipeline_bubble(
@@ -63,18 +85,24 @@ def pipeline_bubble(
     *,
     weight_s: Sequence[float] | None = None,
     virtual_stages: int = 2,
+    gather_s: float = 0.0,
+    synchronous: bool = False,
+    paired: bool = False,
 ) -> float:
-    """The idle share of the step :func:`pipeline_makespan` times: 1 - work / (p x makespan)."""
-    span, work = _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages)
+    """The idle share of the step :func:`pipeline_makespan` times: 1 - work / (p x makespan), work being the
+    stages' compute (a synchronous message's time counts as idle)."""
+    span, work = _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
+                      synchronous, paired)  # fmt: skip
     return 1.0 - work / (len(forward_s) * span) if span else 0.0
 
 
-def _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages) -> tuple[float, float]:
+def _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,
+         synchronous=False, paired=False) -> tuple[float, float]:  # fmt: skip
     stages = len(forward_s)
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
-    graph = _graph(schedule, stages, microbatches, chunks_per_stage(schedule, virtual_stages))
-    return graph.times(forward_s, backward_s, weights, p2p_s)
+    graph = _graph(schedule, stages, microbatches, chunks_per_stage(schedule, virtual_stages), paired)
+    return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous)
 
 
 def _check(forward_s, backward_s, weight_s, schedule) -> None:
@@ -96,20 +124,30 @@ class _Graph:
     earlier waves (its stage's previous action and its input), so a wave's end times are a few array operations.
     Arrays in wave order: ``prev`` and ``dep`` index the end times (``size``: none, a 0), ``cross`` is 1 where the
     input comes from another stage (a message), ``slot`` indexes the cost table ``[F / v, B / v, W / v]`` by
-    ``kind * stages + stage``."""
+    ``kind * stages + stage``; ``sends`` counts the messages the action sends to other stages."""
 
     def __init__(self, prev, dep, cross, slot, waves: list[int], v: int) -> None:
         self.prev, self.dep, self.cross, self.slot = prev, dep, cross, slot
         self.waves, self.v, self.size = waves, v, len(slot)
+        sends = np.zeros(self.size + 1)
+        np.add.at(sends, dep[cross > 0], 1.0)  # a pair's backward sends two messages
+        self.sends = sends[: self.size]
 
-    def times(self, forward_s, backward_s, weight_s, p2p_s: float) -> tuple[float, float]:
-        """(makespan, total work) with these per-stage costs (all chunks of a stage) and message time: each
+    def times(self, forward_s, backward_s, weight_s, p2p_s: float, gather_s: float = 0.0,
+              synchronous: bool = False) -> tuple[float, float]:  # fmt: skip
+        """(makespan, compute) with these per-stage costs (all chunks of a stage) and message times: each
         action ends at ``max(previous action's end, input's end + message) + its cost``, the event replay's
-        arithmetic (:func:`_replay`) in the same order, so the same floats."""
+        arithmetic (:func:`_replay`) in the same order, so the same floats; synchronous messages are part of
+        the cost instead (module docstring)."""
         v = self.v
         table = np.array([c / v for c in forward_s] + [c / v for c in backward_s] + [c / v for c in weight_s])
-        cost = table[self.slot]
-        arrive = self.cross * float(p2p_s)
+        work = table[self.slot]
+        if synchronous:
+            cost = work + self.sends * float(p2p_s) + self.cross * float(gather_s)
+            arrive = np.zeros(self.size)
+        else:
+            cost = work
+            arrive = self.cross * (float(p2p_s) + float(gather_s))
         prev, dep, waves = self.prev, self.dep, self.waves
         if self.size < _WIDE * (len(waves) - 1):  # narrow waves: a plain loop costs less than array calls
             out = [0.0] * (self.size + 1)
@@ -122,7 +160,7 @@ class _Graph:
             end = np.zeros(self.size + 1)
             for a, b in zip(waves[:-1], waves[1:], strict=True):
                 end[a:b] = np.maximum(end[prev[a:b]], end[dep[a:b]] + arrive[a:b]) + cost[a:b]
-        return float(end[: self.size].max()), float(math.fsum(cost.tolist()))
+        return float(end[: self.size].max()), float(math.fsum(work.tolist()))
 
 
 #: Wave graphs by (schedule, stages, micro-batches, chunks a stage): a planner times many pipelines of one shape.
@@ -131,32 +169,60 @@ _GRAPHS: dict[tuple[str, int, int, int], _Graph] = {}
 _WIDE = 24
 
 
-def _graph(schedule: str, stages: int, microbatches: int, v: int) -> _Graph:
-    key = (schedule, stages, microbatches, v)
+def _graph(schedule: str, stages: int, microbatches: int, v: int, paired: bool = False) -> _Graph:
+    paired = paired and schedule in _PAIRED
+    key = (schedule, stages, microbatches, v, paired)
     found = _GRAPHS.get(key)
     if found is None:
         if len(_GRAPHS) >= 32 or sum(g.size for g in _GRAPHS.values()) > 2_000_000:  # about 60 MB of arrays
             _GRAPHS.clear()
-        found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v)
+        found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v, paired)
     return found
 
 
-def _build_graph(schedule: str, stages: int, m: int, v: int) -> _Graph:
+#: Schedules whose steady state Megatron-LM runs as forward-backward pairs with one exchange after each pair.
+_PAIRED = ("interleaved-1f1b",)
+
+
+def _released(actions_by_stage: list[list[tuple]], stages: int, v: int) -> dict[tuple, tuple]:
+    """Under paired exchanges, each steady-state forward mapped to the backward it is paired with: its output
+    leaves when that backward ends. ``actions_by_stage``: each stage's actions (keys) in order: its warm-up
+    forwards, then forward-backward pairs, then its cool-down backwards. Stage ``s`` warms up with
+    ``min(2 (p - 1 - s) + (v - 1) p, m v)`` forwards (Megatron-LM's interleaved schedule, as
+    :func:`dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`); the order alone does not tell a last
+    warm-up forward (sent at once) from a first paired one when one pair is all the steady state holds."""
+    out = {}
+    for s, actions in enumerate(actions_by_stage):
+        total = len(actions) // 2
+        warmup = min(2 * (stages - 1 - s) + (v - 1) * stages, total)
+        for i in range(total - warmup):
+            out[actions[warmup + 2 * i]] = actions[warmup + 2 * i + 1]
+    return out
+
+
+def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = False) -> _Graph:
     """Each stage's actions with what each waits for, put in waves: an action's wave is one more than the later
     of its stage's previous action's and its input's (ValueError if the schedule deadlocks)."""
     placement = PLACEMENT.get(schedule, "loop")
     virtual = v * stages
     last = virtual - 1
     owner = [stage_of_virtual(u, stages, placement)[0] for u in range(virtual)]
+    schedules = [make_schedule(schedule, stages, m, s, v) for s in range(stages)]
+    release: dict = {}
+    if paired:
+        release = _released([[(_KINDS[a[0]] * virtual + virtual_stage(s, chunk_of(a), stages, placement)) * m + a[1]
+                              for a in actions] for s, actions in enumerate(schedules)], stages, v)  # fmt: skip
     plans = []  # per stage: (id, dependency id or -1, 1 if the input crosses stages, cost slot)
     for s in range(stages):
         plan = []
-        for action in make_schedule(schedule, stages, m, s, v):
+        for action in schedules[s]:
             kind, mb = _KINDS[action[0]], action[1]
             u = virtual_stage(s, chunk_of(action), stages, placement)
             dep, other = -1, s
             if kind == 0 and u > 0:
                 dep, other = (u - 1) * m + mb, owner[u - 1]
+                if other != s:
+                    dep = release.get(dep, dep)
             elif kind == 1:
                 dep, other = (u * m + mb, s) if u == last else ((virtual + u + 1) * m + mb, owner[u + 1])
             plan.append(((kind * virtual + u) * m + mb, dep, 1.0 if other != s else 0.0, kind * stages + s))
@@ -201,7 +267,8 @@ def _build_graph(schedule: str, stages: int, m: int, v: int) -> _Graph:
                    np.array(slots)[order], bounds, v)  # fmt: skip
 
 
-def _replay(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages) -> tuple[float, float]:
+def _replay(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,
+            synchronous=False, paired=False) -> tuple[float, float]:  # fmt: skip
     """(makespan, total work) by an event replay of the schedule's actions: the definition :class:`_Graph`
     computes faster (tests/sim/test_pipeline_fast.py holds them equal)."""
     stages = len(forward_s)
@@ -212,20 +279,33 @@ def _replay(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virt
     last = v * stages - 1
     owner = [stage_of_virtual(u, stages, placement)[0] for u in range(v * stages)]
     cost = {"F": [c / v for c in forward_s], "B": [c / v for c in backward_s], "W": [c / v for c in weights]}
+    schedules = [make_schedule(schedule, stages, microbatches, s, v) for s in range(stages)]
+    release: dict = {}
+    if paired and schedule in _PAIRED:
+        release = _released([[(a[0], virtual_stage(s, chunk_of(a), stages, placement), a[1]) for a in actions]
+                             for s, actions in enumerate(schedules)], stages, v)  # fmt: skip
     # each stage's actions with what each waits for: (kind, virtual stage, micro-batch, dependency, p2p after it)
     plans = []
     for s in range(stages):
         plan = []
-        for action in make_schedule(schedule, stages, microbatches, s, v):
+        for action in schedules[s]:
             kind, mb = action[0], action[1]
             u = virtual_stage(s, chunk_of(action), stages, placement)
             dep, other = None, s
             if kind == "F" and u > 0:
                 dep, other = ("F", u - 1, mb), owner[u - 1]
+                if other != s:
+                    dep = release.get(dep, dep)
             elif kind == "B":
                 dep, other = (("F", u, mb), s) if u == last else (("B", u + 1, mb), owner[u + 1])
-            plan.append((kind, (kind, u, mb), dep, p2p_s if other != s else 0.0, cost[kind][s]))
+            plan.append((kind, (kind, u, mb), dep, other != s, cost[kind][s]))
         plans.append(plan)
+    # with synchronous messages, the actions whose output another stage waits for hold their stage for the send
+    sending: dict = {}
+    for plan in plans:
+        for _, _, dep, crosses, _ in plan:
+            if crosses and dep is not None:
+                sending[dep] = sending.get(dep, 0) + 1
     # Each action starts when its stage is free and its input has arrived; a stage runs its actions in order until
     # one waits for an action not yet timed, and resumes when that action is timed (any such order gives the same
     # times: each depends only on its stage's previous action and its own input).
@@ -238,15 +318,18 @@ def _replay(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virt
         s = ready_stages.popleft()
         plan, i, t = plans[s], position[s], free[s]
         while i < len(plan):
-            kind, key, dep, p2p, took = plan[i]
+            kind, key, dep, crosses, took = plan[i]
             if dep is not None:
                 arrived = done.get(dep)
                 if arrived is None:
                     waiting.setdefault(dep, []).append(s)
                     break
-                t = max(t, arrived + p2p)
-            t += took
+                delay = 0.0 if synchronous or not crosses else p2p_s + gather_s
+                t = max(t, arrived + delay)
             work += took
+            if synchronous:
+                took = took + sending.get(key, 0) * p2p_s + (gather_s if crosses else 0.0)
+            t += took
             done[key] = t
             i += 1
             if key in waiting:

@@ -71,11 +71,12 @@ def candidate_layouts(
     sequence_parallel: bool | None = None,
 ) -> list[Layout]:
     """Every valid layout on ``devices`` devices: tp divides the heads (and is at most ``max_tp``), pp the
-    layers, and ``global_batch`` splits into whole micro-batches per replica. ``schedules``: (schedule, chunks)
-    pairs to try where the pipeline has more than one stage (default: ``schedule`` alone); sequence parallelism
-    is on wherever ``tp > 1`` (it moves the same bytes as plain tensor parallelism and keeps and computes less,
-    Korthikanti et al. 2022) unless ``sequence_parallel`` says otherwise; ``attention``: the attention core of
-    every layout (:data:`~dtrain.sim.model.ATTENTION`)."""
+    layers (or, counting the input and output embeddings as a layer each, the layers and the two embeddings:
+    ``Layout.embedding_layers = 1``, one chunk a stage), and ``global_batch`` splits into whole micro-batches
+    per replica. ``schedules``: (schedule, chunks) pairs to try where the pipeline has more than one stage
+    (default: ``schedule`` alone); sequence parallelism is on wherever ``tp > 1`` (it moves the same bytes as
+    plain tensor parallelism and keeps and computes less, Korthikanti et al. 2022) unless ``sequence_parallel``
+    says otherwise; ``attention``: the attention core of every layout (:data:`~dtrain.sim.model.ATTENTION`)."""
     pairs = (
         list(schedules)
         if schedules
@@ -87,8 +88,11 @@ def candidate_layouts(
             continue
         for pp in _divisors(devices // tp):
             dp = devices // (tp * pp)
-            if model.layers % pp:
-                continue
+            embedding = 0
+            if model.layers % pp:  # the embeddings counted as layers may even the stages out (Layout.embedding_layers)
+                if not model.vocab or (model.layers + 2) % pp or (model.layers + 2) // pp < 2:
+                    continue
+                embedding = 1
             for mb in micro_batches:
                 if global_batch % (dp * mb):
                     continue
@@ -97,12 +101,15 @@ def candidate_layouts(
                         continue  # nothing to shard over
                     for name, chunks in pairs if pp > 1 else [("1f1b", 1)]:
                         m = global_batch // (dp * mb)
-                        if model.layers % (pp * chunks) or (name == "interleaved-1f1b" and m % pp):
+                        if (chunks > 1 and (embedding or model.layers % (pp * chunks))) or (
+                            name == "interleaved-1f1b" and m % pp
+                        ):
                             continue
                         sp = tp > 1 and sequence_parallel is not False
                         layouts.append(
                             Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch, zero_stage=zero,
-                                   schedule=name, chunks=chunks, attention=attention, sequence_parallel=sp)
+                                   schedule=name, chunks=chunks, attention=attention, sequence_parallel=sp,
+                                   embedding_layers=embedding)
                         )  # fmt: skip
     return layouts
 

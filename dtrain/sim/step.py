@@ -53,6 +53,7 @@ from dtrain.sim.model import (
     flops_per_microbatch,
     memory_per_device,
     recompute_flops_per_microbatch,
+    stage_layers,
     stage_parameters,
     tp_all_reduces_per_layer,
 )
@@ -96,8 +97,20 @@ class StepConfig:
     ``slowdown`` fixes a factor on chosen ranks, ``straggler_sigma`` draws every rank's factor from a lognormal
     (median 1) each of ``samples`` steps. ``split_pipeline``: each tensor-parallel rank sends ``1/tp`` of a
     stage's activation and the next stage all-gathers it (Megatron-LM's scatter-gather; see
-    :func:`dtrain.sim.traffic.simulate_traffic`); ``flow_limit``: messages a set of concurrent collectives may
-    start before it is replayed in lock-step rounds (:func:`dtrain.sim.classes.replay_jobs`; None: never)."""
+    :func:`dtrain.sim.traffic.simulate_traffic`); ``synchronous_p2p``: each pipeline exchange blocks both stages
+    and the gather of a split activation runs on the receiver's compute stream (Megatron-LM's ``_communicate``:
+    ``batch_isend_irecv``, wait, ``torch.cuda.synchronize()``; :func:`dtrain.sim.pipeline.pipeline_makespan`),
+    otherwise a message only delays its receiver; ``paired_exchanges``: interleaved 1F1B's steady state sends a
+    forward's output together with the next backward's gradient, after that backward (Megatron-LM's interleaved
+    schedule; :func:`dtrain.sim.pipeline.pipeline_makespan`); ``flow_limit``: messages a set of concurrent
+    collectives may start before it is replayed in lock-step rounds (:func:`dtrain.sim.classes.replay_jobs`;
+    None: never);
+    ``tied_embedding_allreduce``: with a pipeline, the first and last stages all-reduce the gradient of the word
+    embedding they share with the output layer after the data-parallel all-reduce (Megatron-LM's
+    ``allreduce_word_embedding_grads``; the tied input and output embedding of GPT, Press and Wolf 2017), counted
+    in ``dp_exposed_s``; ``optimizer_bytes``: bytes the optimizer step moves per parameter a rank owns (default
+    :data:`dtrain.sim.compute.ADAM_BYTES_PER_PARAMETER`, a fused Adam; see
+    :data:`dtrain.sim.compute.MEGATRON_FP16_OPTIMIZER_BYTES`)."""
 
     efficiency: float | None = None
     tp_algorithm: str = "ring"
@@ -114,6 +127,10 @@ class StepConfig:
     flow_limit: int | None = DEFAULT_FLOW_LIMIT
     curves: dict | None = field(default=None, compare=False)
     overlap_tp_backward: bool = True
+    synchronous_p2p: bool = False
+    paired_exchanges: bool = False
+    tied_embedding_allreduce: bool = False
+    optimizer_bytes: int = ADAM_BYTES_PER_PARAMETER
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -122,6 +139,8 @@ class StepConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if any(not f >= 1 for f in self.slowdown.values()):
             raise ValueError(f"slowdown factors must be >= 1 (a slower rank), got {self.slowdown!r}")
+        if self.optimizer_bytes < 1:
+            raise ValueError(f"optimizer_bytes must be >= 1 (bytes a parameter), got {self.optimizer_bytes!r}")
         if self.straggler_sigma < 0 or self.samples < 1:
             raise ValueError(
                 f"straggler_sigma must be >= 0 and samples >= 1, got {self.straggler_sigma}, {self.samples}"
@@ -230,12 +249,13 @@ def stage_seconds(
     under the weight gradient of QKV or the MLP's first product and only what is longer shows. With
     ``config.efficiency`` set, compute is the FLOPs of :func:`flops_per_microbatch` at that share of peak, split
     1:2 between forward and backward, recomputation's FLOPs added to backward."""
-    layers = model.layers // layout.pp
+    layers = stage_layers(model, layout, stage)
     split = layout.schedule in SPLIT_BACKWARD
     recompute_calls = 2 if layout.recompute == "full" else 0
     if config.efficiency is not None:
-        flops = flops_per_microbatch(model, layout) / config.efficiency / peak_flops
-        extra = recompute_flops_per_microbatch(model, layout) / config.efficiency / peak_flops
+        share = layers * layout.pp / model.layers  # the stage's layers over an even split's
+        flops = share * flops_per_microbatch(model, layout) / config.efficiency / peak_flops
+        extra = share * recompute_flops_per_microbatch(model, layout) / config.efficiency / peak_flops
         tp_backward = (2 + recompute_calls) * layers * tp_s
         b, w = 2 * flops / 3 + extra, 0.0
         if split:
@@ -285,8 +305,9 @@ def _optimizer_s(owned: float, device, config: StepConfig) -> float:
     """A fused Adam step over ``owned`` parameters: at the memory's full rate under a flat ``efficiency``,
     else at its bandwidth efficiency (:func:`dtrain.sim.compute.optimizer_seconds`)."""
     if config.efficiency is not None:
-        return owned * ADAM_BYTES_PER_PARAMETER / device.memory_bytes_per_s
-    return optimizer_seconds(owned, device_compute(device.peak_flops, device.memory_bytes_per_s, curves=config.curves))
+        return owned * config.optimizer_bytes / device.memory_bytes_per_s
+    compute = device_compute(device.peak_flops, device.memory_bytes_per_s, curves=config.curves)
+    return optimizer_seconds(owned, compute, config.optimizer_bytes)
 
 
 def _optimizer_max(owned: float, topology: Topology, placement: Sequence[str], config: StepConfig) -> float:
@@ -392,8 +413,10 @@ def simulate_step(
     )  # fmt: skip
     tp, pp, dp, gather = traffic.tp, traffic.pp, traffic.dp, traffic.pp_gather
     tp_s = tp.time_s if tp else 0.0
-    pp_s = (pp.time_s if pp else 0.0) + (gather.time_s if gather else 0.0)
+    send_s, gather_s = (pp.time_s if pp else 0.0), (gather.time_s if gather else 0.0)
+    pp_s = send_s + gather_s
     dp_s = sum(r.time_s for r in dp)
+    embedding_s = _embedding_all_reduce_s(model, layout, topology, placement, config, cache)
     memory = memory_per_device(model, layout)
     owned = max(stage_parameters(model, layout, 0), stage_parameters(model, layout, layout.pp - 1)) / layout.tp
     owned /= layout.dp if layout.zero_stage else 1
@@ -409,7 +432,9 @@ def simulate_step(
             key = (tuple(f), tuple(b), tuple(w))
             if key not in spans:  # replicas of equal stage times run equal pipelines
                 weights = w if layout.schedule in SPLIT_BACKWARD else None
-                spans[key] = pipeline_makespan(f, b, pp_s, m, layout.schedule, weight_s=weights, virtual_stages=v)
+                spans[key] = pipeline_makespan(f, b, send_s, m, layout.schedule, weight_s=weights, virtual_stages=v,
+                                               gather_s=gather_s, synchronous=config.synchronous_p2p,
+                                               paired=config.paired_exchanges)  # fmt: skip
             slowest = max(slowest, spans[key])
         pipelines.append(slowest)
         exposed = dp_s
@@ -417,12 +442,14 @@ def simulate_step(
             grads = model.parameters / layout.tp * model.bytes_per_value
             exposed = exposed_bucket_s(dp_s, max(b[0] + w[0] for b, w in zip(backward, weight, strict=True)), grads,
                                        config.bucket_bytes)  # fmt: skip
+        exposed += embedding_s
         exposed_dp.append(exposed)
         steps.append(slowest + exposed + optimizer_s)
     step_s = float(np.median(steps))
     ideal = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
     compute_s = m * max(f + b + w for f, b, w in zip(ideal[0][0], ideal[1][0], ideal[2][0], strict=True))
-    tp_count = tp_all_reduces_per_layer(layout) * (model.layers // layout.pp) * m
+    most = max(stage_layers(model, layout, s) for s in {0, min(1, layout.pp - 1), layout.pp - 1})
+    tp_count = tp_all_reduces_per_layer(layout) * most * m
     parts = [(tp, tp_count), (pp, 2 * m), (gather, 2 * m)] + [(r, 1) for r in dp]
     return StepResult(
         step_s=step_s,
@@ -440,6 +467,28 @@ def simulate_step(
         tokens_per_s=layout.global_batch * model.sequence / step_s,
         links=_step_links(parts, step_s),
     )
+
+
+def _embedding_all_reduce_s(
+    model: ModelSpec, layout: Layout, topology: Topology, placement: Sequence[str], config: StepConfig,
+    cache: Cache | None,
+) -> float:  # fmt: skip
+    """Seconds of the tied word embedding's gradient all-reduce between the first and last stage of every
+    replica and tensor-parallel rank, all at once (``config.tied_embedding_allreduce``; 0 without a pipeline or a
+    vocabulary): ``V h / tp`` values in each group of two."""
+    if not config.tied_embedding_allreduce or layout.pp == 1 or not model.vocab:
+        return 0.0
+    item = model.bytes_per_value
+    nbytes = model.vocab * model.hidden / layout.tp * item
+    placement = tuple(placement)
+    groups = [[grid_rank(layout, d, 0, t), grid_rank(layout, d, layout.pp - 1, t)]
+              for d in range(layout.dp) for t in range(layout.tp)]  # fmt: skip
+
+    def jobs() -> list[Job]:
+        return _group_jobs(Collective.ALL_REDUCE, config.dp_algorithm, groups, placement, topology, nbytes, item)
+
+    shape = ("embedding", layout.dp, layout.tp, layout.pp, placement, config.dp_algorithm, nbytes)
+    return _replay(jobs, topology, config.cost, item, cache, config.flow_limit, shape).time_s
 
 
 #: Schedules whose makespan with equal stages and free messages is ``(m + (p - 1) / v)(f + b)``: GPipe and 1F1B
@@ -618,7 +667,9 @@ def step_lower_bound(
             key = (tuple(f), tuple(b), tuple(w))
             if key not in spans and exact_pipeline:
                 weights = w if layout.schedule in SPLIT_BACKWARD else None
-                spans[key] = pipeline_makespan(f, b, p2p_s, m, layout.schedule, weight_s=weights, virtual_stages=v)
+                spans[key] = pipeline_makespan(f, b, p2p_s, m, layout.schedule, weight_s=weights, virtual_stages=v,
+                                               synchronous=config.synchronous_p2p,
+                                               paired=config.paired_exchanges)  # fmt: skip
             elif key not in spans:
                 spans[key] = _makespan_bound(f, b, w, layout)
             slowest = max(slowest, spans[key])

@@ -53,3 +53,57 @@ def test_bad_stage_lists_are_refused() -> None:
         pipeline_makespan([1.0, 1.0], [1.0], 0.0, 4)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         pipeline_makespan([1.0], [1.0], 0.0, 4, "2f2b")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_synchronous_messages_give_the_event_replays_makespan(schedule: str) -> None:
+    rng = random.Random(hash(schedule) & 0xFFF)
+    for _ in range(20):
+        p = rng.randint(1, 7)
+        v = rng.choice((2, 3))
+        m = p * rng.randint(1, 3) if schedule == "interleaved-1f1b" else rng.randint(1, 10)
+        forward = [rng.uniform(0.2, 2.0) for _ in range(p)]
+        backward = [rng.uniform(0.3, 4.0) for _ in range(p)]
+        p2p, gather = rng.uniform(0.0, 1.0), rng.uniform(0.0, 0.5)
+        args = (forward, backward, p2p, m, schedule, None, v, gather)
+        span, work = pipeline._run(*args, True)
+        assert span == pytest.approx(pipeline._replay(*args, True)[0], rel=1e-12, abs=0.0)
+        assert work == pytest.approx(pipeline._run(*args, False)[1], rel=1e-12)
+        # a blocking exchange holds both stages: never faster than a message that only delays its receiver
+        assert span >= pipeline._run(*args, False)[0] * (1 - 1e-12)
+
+
+def test_a_synchronous_exchange_holds_the_sender() -> None:
+    # 1F1B, 2 stages, 2 micro-batches, f = b = 1, message d: stage 0 runs F0 F1 B0 B1, stage 1 F0 B0 F1 B1.
+    # Delayed messages: 6 + 2d (B1 on stage 0 waits for stage 1's B1, d late). Blocking: stage 0's F1 is held
+    # for its send, and stage 1's B0 for its, so stage 1's F1 starts at 3 + 2d and stage 0's B1 ends at 6 + 3d.
+    d = 0.25
+    assert pipeline_makespan([1.0, 1.0], [1.0, 1.0], d, 2, "1f1b") == pytest.approx(6 + 2 * d)
+    assert pipeline_makespan([1.0, 1.0], [1.0, 1.0], d, 2, "1f1b", synchronous=True) == pytest.approx(6 + 3 * d)
+    # the receiver's gather runs after the blocking exchange: stage 1's F0 and F1 and stage 0's B1, on the critical
+    # path, each pay it
+    g = 0.5
+    span = pipeline_makespan([1.0, 1.0], [1.0, 1.0], d, 2, "1f1b", gather_s=g, synchronous=True)
+    assert span == pytest.approx(6 + 3 * d + 3 * g)
+    # one stage sends nothing
+    assert pipeline_makespan([1.0], [1.0], d, 3, "1f1b", gather_s=0.5, synchronous=True) == pytest.approx(6.0)
+
+
+def test_paired_exchanges_give_the_event_replays_makespan() -> None:
+    # interleaved 1F1B's steady-state forward sends with the next backward (Megatron-LM's interleaved schedule)
+    rng = random.Random(11)
+    for _ in range(20):
+        p, v = rng.randint(2, 6), rng.choice((2, 3))
+        m = p * rng.randint(1, 3)
+        forward = [rng.uniform(0.2, 2.0) for _ in range(p)]
+        backward = [rng.uniform(0.3, 4.0) for _ in range(p)]
+        p2p, gather = rng.uniform(0.0, 1.0), rng.uniform(0.0, 0.5)
+        for synchronous in (False, True):
+            args = (forward, backward, p2p, m, "interleaved-1f1b", None, v, gather, synchronous)
+            span = pipeline._run(*args, True)[0]
+            assert span == pytest.approx(pipeline._replay(*args, True)[0], rel=1e-12, abs=0.0)
+            assert span >= pipeline._run(*args, False)[0] * (1 - 1e-12)
+    # other schedules send after every action either way
+    assert pipeline_makespan([1.0] * 3, [2.0] * 3, 0.3, 6, "1f1b", paired=True) == pipeline_makespan(
+        [1.0] * 3, [2.0] * 3, 0.3, 6, "1f1b"
+    )

@@ -47,6 +47,18 @@ def test_simulate_train_counts_a_straggler(capsys: pytest.CaptureFixture[str]) -
     assert slow["step_s"] - base["step_s"] == pytest.approx(base["compute_s"], rel=1e-6)
 
 
+def test_simulate_train_takes_megatron_exchanges_and_uneven_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    # gpt2-xl's 48 layers and 2 embeddings over 5 stages: 9, 10, 10, 10, 9
+    argv = ["simulate", "train", "--topology", "h100-node", "--model", "gpt2-xl", "--vocab", "50257", "--pp", "5",
+            "--global-batch", "10"]  # fmt: skip
+    uneven = run_json(capsys, *argv, "--embedding-layers", "1")
+    assert uneven["layout"]["embedding_layers"] == 1
+    held = run_json(capsys, *argv, "--embedding-layers", "1", "--synchronous-p2p")
+    assert held["step_s"] > uneven["step_s"]
+    assert main(argv) == 2  # 48 layers do not split into 5 equal stages
+    assert "do not split" in "".join(capsys.readouterr())
+
+
 def test_plan_lists_the_fastest_layouts_that_fit(capsys: pytest.CaptureFixture[str]) -> None:
     data = run_json(capsys, "plan", "--topology", "h100-node", "--global-batch", "16", "--top", "3")
     steps = [p["step_s"] for p in data["plans"]]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dtrain.cluster.presets import preset
 from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
+from dtrain.sim.compute import MEGATRON_FP16_OPTIMIZER_BYTES
 from dtrain.sim.model import Layout, ModelSpec
 from dtrain.sim.placement import place
 from dtrain.sim.step import StepConfig, simulate_step
@@ -57,6 +58,10 @@ def load(path: Path = DATA) -> list[dict]:
             raise ValueError(f"{path}: run {row.get('name', '?')!r} lacks {', '.join(missing)}")
         if row["device"] not in PRESETS:
             raise ValueError(f"{path}: run {row['name']!r}: device {row['device']!r}; accepted: {', '.join(PRESETS)}")
+        if row.get("cluster", "selene") not in CLUSTERS:
+            raise ValueError(
+                f"{path}: run {row['name']!r}: cluster {row['cluster']!r}; accepted: {', '.join(CLUSTERS)}"
+            )
         if row["set"] not in SETS:
             raise ValueError(f"{path}: run {row['name']!r}: set {row['set']!r}; accepted: {', '.join(SETS)}")
         if row["measure"] not in MEASURES or MEASURES[row["measure"]] not in row:
@@ -81,12 +86,24 @@ def layout_of(row: dict) -> Layout:
     return Layout(dp=row["dp"], tp=row["tp"], pp=row["pp"], micro_batch=row["micro_batch"],
                   global_batch=row["global_batch"], zero_stage=row.get("zero_stage", 0),
                   schedule=row.get("schedule", "1f1b"), chunks=row.get("chunks", 1), recompute=row["recompute"],
-                  sequence_parallel=row["sequence_parallel"], attention=row.get("attention", "unfused"))  # fmt: skip
+                  sequence_parallel=row["sequence_parallel"], attention=row.get("attention", "unfused"),
+                  embedding_layers=row.get("embedding_layers", 0))  # fmt: skip
+
+
+#: Clusters a row may name (``cluster``; default ``selene``): Selene's DGX SuperPOD (above), or Jean Zay's A100
+#: partition (BLOOM-176B: 8 A100 80 GB a server, 4 Omni-Path 100 Gb/s links a server, a non-blocking fat tree;
+#: BigScience tr11-176B-ml README), built as DGX A100 servers with 4 NICs of 100 Gb/s (the catalogue's EDR
+#: InfiniBand, the same rate) under leaves of 12 servers, 1:1.
+CLUSTERS = ("selene", "jean-zay")
 
 
 def cluster_of(row: dict):
     gpus = row["dp"] * row["tp"] * row["pp"]
     servers = math.ceil(gpus / 8)
+    if row.get("cluster", "selene") == "jean-zay":
+        racks = math.ceil(servers / 12)
+        return preset(PRESETS[row["device"]], nics=4, nic="ib-edr", racks=racks, servers_per_rack=min(servers, 12),
+                      spines=4, nic_affinity="ecmp")  # fmt: skip
     if servers == 1:
         return preset(PRESETS[row["device"]])
     units = math.ceil(servers / SERVERS_PER_UNIT)
@@ -96,12 +113,18 @@ def cluster_of(row: dict):
 
 def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepConfig:
     """How a row's software ran: Megatron-LM's scatter-gather pipeline sends (on by default from 2021-02,
-    Megatron-LM commit 72e4230), and the backward's tensor-parallel collective under the weight gradient only where
-    the row's code had it (``async_tp_allreduce``: Megatron-LM's asynchronous all-reduce, first in commit 16c9044
-    of 2021-09-02). ``flow_limit``: replay collectives of more messages than that in lock-step rounds
+    Megatron-LM commit 72e4230), each exchange synchronous (``_communicate``: ``batch_isend_irecv``, wait,
+    ``torch.cuda.synchronize()``, then the gather), interleaved 1F1B's one exchange per forward-backward pair
+    (``send_forward_backward_recv_forward_backward`` after the backward), the tied word embedding's gradient
+    all-reduce between the first and last stage (``allreduce_word_embedding_grads``), Megatron-LM's
+    mixed-precision optimizer step (:data:`dtrain.sim.compute.MEGATRON_FP16_OPTIMIZER_BYTES`), and the backward's
+    tensor-parallel collective under the weight gradient only where the row's code had it
+    (``async_tp_allreduce``: Megatron-LM's asynchronous all-reduce, first in commit 16c9044 of 2021-09-02).
+    ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
-                      flow_limit=flow_limit)  # fmt: skip
+                      synchronous_p2p=True, paired_exchanges=True, tied_embedding_allreduce=True,
+                      optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit)  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
@@ -132,10 +155,11 @@ def summary(rows: list[dict]) -> dict:
 
 def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
     """Where ``dtrain plan``'s search puts the published layout on the row's cluster and batch: every layout of
-    the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO, 1F1B and interleaved 1F1B of 2 chunks and of the
-    row's chunks), ranked by simulated step time, searched twice: with every technique (recomputation only where
-    memory needs it, sequence parallelism with tp) and with the row's own (its recomputation, sequence
-    parallelism as it used it). A rank is 1 + the plans faster than the published layout, as simulated."""
+    the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO and the row's ZeRO stage, 1F1B and interleaved
+    1F1B of 2 chunks and of the row's chunks), ranked by simulated step time, searched twice: with every technique
+    (recomputation only where memory needs it, sequence parallelism with tp) and with the row's own (its
+    recomputation, sequence parallelism as it used it). A rank is 1 + the plans faster than the published layout,
+    as simulated."""
     from dtrain.sim.planner import plan
 
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
@@ -149,7 +173,8 @@ def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
         ("_same_techniques", {"recompute": (layout.recompute,), "sequence_parallel": layout.sequence_parallel}),
     ):
         plans, _ = plan(model, topo, global_batch=row["global_batch"], devices=layout.world_size,
-                        placements=("aware",), micro_batches=(row["micro_batch"],), zero_stages=(0,), max_tp=8,
+                        placements=("aware",), micro_batches=(row["micro_batch"],),
+                        zero_stages=tuple(sorted({0, layout.zero_stage})), max_tp=8,
                         config=config, schedules=schedules, **techniques)  # fmt: skip
         best = plans[0] if plans else None
         out |= {
@@ -186,6 +211,70 @@ def _timed_plan_check(row: dict, limit_s: int, flow_limit: int | None) -> dict:
     return out
 
 
+def _read(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _verdict(part: dict) -> str:
+    median_ok = part["median_abs_error"] <= MEDIAN_TARGET
+    worst_ok = part["worst_abs_error"] <= WORST_TARGET
+    if median_ok and worst_ok:
+        return "met"
+    if not median_ok and not worst_ok:
+        return "both missed"
+    return "median missed, worst met" if worst_ok else "median met, worst missed"
+
+
+def tables(results_path: str, plan_path: str | None = None) -> str:
+    """The markdown tables of docs/simulator-validation.md from the JSON lines ``--out`` (and ``--plan-out``)
+    wrote: each row, the summary by set, and the planner's ranks."""
+    results = [r for r in _read(results_path) if "name" in r]
+    rows = load()
+    by_name = {r["name"]: r for r in rows}
+    out = ["| run | set | layout | published (s) | predicted (s) | error |", "| --- | --- | --- | ---: | ---: | ---: |"]
+    for r in results:
+        star = " *" if r["measure"] == "tflops" else ""
+        out.append(f"| {r['name']} | {r['set']} | {r['layout']} | {r['published_s']:.2f}{star} | "
+                   f"{r['predicted_s']:.2f} | {r['error']:+.1%} |")  # fmt: skip
+    out += [
+        "",
+        "| set | rows | median \\|error\\| | worst \\|error\\| | targets |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    s = summary(results)
+    for name in SETS:
+        if name in s:
+            part = s[name]
+            out.append(f"| {name} | {part['rows']} | {part['median_abs_error']:.1%} | {part['worst_abs_error']:.1%} | "
+                       f"{_verdict(part)} |")  # fmt: skip
+    for label, prefix in (("Korthikanti et al. 2022 alone", "korthikanti22-"), ("Narayanan et al. 2021, table 1",
+                                                                                 "narayanan21-")):  # fmt: skip
+        part = [r for r in results if r["name"].startswith(prefix) and r["set"] == "validation"]
+        if part:
+            p = summary(part)
+            out.append(f"| {label} | {p['rows']} | {p['median_abs_error']:.1%} | {p['worst_abs_error']:.1%} | "
+                       f"{_verdict(p)} |")  # fmt: skip
+    if plan_path:
+        checks = [c for c in _read(plan_path) if "best" in c]
+        out += ["", "| run | published layout (s) | best plan, any technique (s) | rank | best plan, the run's "
+                "techniques (s) | rank | search (s) |", "| --- | ---: | --- | ---: | --- | ---: | ---: |"]  # fmt: skip
+        for c in checks:
+            out.append(f"| {c['name']} | {c['published_layout_s']:.2f} | {c['best']} {c['best_s']:.2f} | "
+                       f"{c['published_rank']} | {c['best_same_techniques']} {c['best_same_techniques_s']:.2f} | "
+                       f"{c['published_rank_same_techniques']} | {c['search_s']:.0f} |")  # fmt: skip
+        fast = sum(c["at_least_as_fast"] for c in checks)
+        top = sum(c["published_rank"] <= 5 for c in checks)
+        top_same = sum(c["published_rank_same_techniques"] <= 5 for c in checks)
+        out += ["", f"Searched {len(checks)} of {len(rows)} rows; the best plan is at least as fast as the published "
+                f"layout on {fast}; the published layout ranks in the top 5 on {top} with every technique and on "
+                f"{top_same} with the run's own."]  # fmt: skip
+        missing = sorted(set(by_name) - {c["name"] for c in checks})
+        if missing:
+            out.append(f"Not searched: {', '.join(missing)}.")
+    return "\n".join(out)
+
+
 def _write(path: str, lines: list[dict]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
@@ -199,6 +288,8 @@ def main() -> None:
     parser.add_argument("--plan", action="store_true", help="also check dtrain plan's search on each row")
     parser.add_argument("--plan-out", default=None, help="JSON lines of the --plan checks, one per row")
     parser.add_argument("--plan-limit", type=int, default=300, help="seconds a row's search may take (default 300)")
+    parser.add_argument("--tables", action="store_true",
+                        help="print the markdown tables of --out (and --plan-out) without simulating")  # fmt: skip
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: every row)")
     parser.add_argument(
         "--flow-limit",
@@ -207,6 +298,11 @@ def main() -> None:
         help=f"replay collectives of more messages in lock-step rounds (default {DEFAULT_FLOW_LIMIT})",
     )
     args = parser.parse_args()
+    if args.tables:
+        if not args.out:
+            raise SystemExit("validate.py published: --tables reads the file --out names; give --out")
+        print(tables(args.out, args.plan_out))
+        return
     rows = load()
     if args.rows:
         names = args.rows.split(",")
