@@ -273,7 +273,8 @@ def host_per_action_s(name: str) -> float:
 
 
 def pipeline_prediction(row: dict, host_s: float) -> dict:
-    """The step (ms) and bubble of one bench_pipeline row, device only and with ``host_s`` an action."""
+    """The step (ms) and bubble of one bench_pipeline row, device only and with the host issuing a stage's actions
+    ``host_s`` apart (:func:`dtrain.sim.pipeline.pipeline_makespan`'s ``host_s``)."""
     from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD, chunks_per_stage
     from dtrain.sim.pipeline import pipeline_makespan
 
@@ -292,15 +293,10 @@ def pipeline_prediction(row: dict, host_s: float) -> dict:
     p2p = message_s(rows * row["width"] * 4)
     work = m * sum(forward + backward + (weight if split else []))
 
-    def run(fw, bw, ww) -> float:
-        return pipeline_makespan(fw, bw, p2p, m, schedule, weight_s=ww if split else None)
+    def run(host: float) -> float:  # the host issues a stage's actions host_s apart, ahead of the device
+        return pipeline_makespan(forward, backward, p2p, m, schedule, weight_s=weight if split else None, host_s=host)
 
-    device = run(forward, backward, weight)
-
-    def hosted(costs: list[float]) -> list[float]:  # an action (one chunk) costs at least the host's issue time
-        return [v * max(c / v, host_s) for c in costs]
-
-    total = run(hosted(forward), hosted(backward), hosted(weight))
+    device, total = run(0.0), run(host_s)
     return {"device_ms": device * 1e3, "predicted_ms": total * 1e3, "device_bubble": 1 - work / (p * device),
             "predicted_bubble": 1 - work / (p * total), "message_us": p2p * 1e6, "host_us_per_action": host_s * 1e6,
             "chunks": v}  # fmt: skip

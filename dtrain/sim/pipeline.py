@@ -29,6 +29,12 @@ then the backward, then sends the forward's output and the backward's gradient t
 (``send_forward_backward_recv_forward_backward``), so a forward followed by a backward on its stage releases its
 output only when that backward ends (and, synchronous, the pair holds its stage for both messages). Warm-up and
 cool-down actions send at once. Other schedules send after every action either way.
+
+With ``host_s``, the host's time to issue one action (launch its kernels, post its messages): on a GPU the host
+issues a stage's actions one after another and does not wait for the device (a receive makes the stream wait,
+not the host), so the k-th action of a stage cannot start before ``k host_s`` from the step's start. Where a
+micro-batch's compute takes less than that, the host sets the pace and the bubble grows past the schedule's own:
+the regime of small micro-batches (``dtrain bench pipeline`` reports the measured host time an action).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ def pipeline_makespan(
     gather_s: float = 0.0,
     synchronous: bool = False,
     paired: bool = False,
+    host_s: float = 0.0,
 ) -> float:
     """Seconds from the first forward to the last backward; ``forward_s[s]`` / ``backward_s[s]`` are stage
     ``s``'s time for one micro-batch (all its chunks), ``p2p_s`` the time of one activation (or gradient) between
@@ -71,9 +78,11 @@ def pipeline_makespan(
     input-gradient pass B and ``weight_s`` the weight-gradient pass W (none given: W costs as much as B, the
     paper's T_B = T_W). ``virtual_stages``: interleaved 1F1B's chunks a stage. ``synchronous``: messages block
     both stages (module docstring); otherwise each arrives ``p2p_s + gather_s`` after its sender's action ends.
-    ``paired``: interleaved 1F1B's steady-state forward sends with the next backward (module docstring)."""
+    ``paired``: interleaved 1F1B's steady-state forward sends with the next backward (module docstring).
+    ``host_s``: the host's time to issue one action; a stage's k-th action starts no earlier than ``k host_s``
+    (module docstring)."""
     return _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
-                synchronous, paired)[0]  # fmt: skip
+                synchronous, paired, host_s)[0]  # fmt: skip
 
 
 def pipeline_bubble(
@@ -88,21 +97,24 @@ def pipeline_bubble(
     gather_s: float = 0.0,
     synchronous: bool = False,
     paired: bool = False,
+    host_s: float = 0.0,
 ) -> float:
     """The idle share of the step :func:`pipeline_makespan` times: 1 - work / (p x makespan), work being the
     stages' compute (a synchronous message's time counts as idle)."""
     span, work = _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
-                      synchronous, paired)  # fmt: skip
+                      synchronous, paired, host_s)  # fmt: skip
     return 1.0 - work / (len(forward_s) * span) if span else 0.0
 
 
 def _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,
-         synchronous=False, paired=False) -> tuple[float, float]:  # fmt: skip
+         synchronous=False, paired=False, host_s=0.0) -> tuple[float, float]:  # fmt: skip
     stages = len(forward_s)
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
     graph = _graph(schedule, stages, microbatches, chunks_per_stage(schedule, virtual_stages), paired)
-    return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous)
+    if host_s < 0 or not math.isfinite(host_s):
+        raise ValueError(f"host_s must be a finite number of seconds >= 0, got {host_s!r}")
+    return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, host_s)
 
 
 def _check(forward_s, backward_s, weight_s, schedule) -> None:
@@ -126,15 +138,17 @@ class _Graph:
     input comes from another stage (a message), ``slot`` indexes the cost table ``[F / v, B / v, W / v]`` by
     ``kind * stages + stage``; ``sends`` counts the messages the action sends to other stages."""
 
-    def __init__(self, prev, dep, cross, slot, waves: list[int], v: int) -> None:
+    def __init__(self, prev, dep, cross, slot, waves: list[int], v: int, order=None) -> None:
         self.prev, self.dep, self.cross, self.slot = prev, dep, cross, slot
+        #: each action's place among its stage's actions (0 for the first), for the host's issue times
+        self.order = np.zeros(len(slot)) if order is None else order
         self.waves, self.v, self.size = waves, v, len(slot)
         sends = np.zeros(self.size + 1)
         np.add.at(sends, dep[cross > 0], 1.0)  # a pair's backward sends two messages
         self.sends = sends[: self.size]
 
     def times(self, forward_s, backward_s, weight_s, p2p_s: float, gather_s: float = 0.0,
-              synchronous: bool = False) -> tuple[float, float]:  # fmt: skip
+              synchronous: bool = False, host_s: float = 0.0) -> tuple[float, float]:  # fmt: skip
         """(makespan, compute) with these per-stage costs (all chunks of a stage) and message times: each
         action ends at ``max(previous action's end, input's end + message) + its cost``, the event replay's
         arithmetic (:func:`_replay`) in the same order, so the same floats; synchronous messages are part of
@@ -149,17 +163,26 @@ class _Graph:
             cost = work
             arrive = self.cross * (float(p2p_s) + float(gather_s))
         prev, dep, waves = self.prev, self.dep, self.waves
+        if host_s:
+            issued = (self.order + 1.0) * float(host_s)
         if self.size < _WIDE * (len(waves) - 1):  # narrow waves: a plain loop costs less than array calls
             out = [0.0] * (self.size + 1)
             steps = zip(prev.tolist(), dep.tolist(), arrive.tolist(), cost.tolist(), strict=True)
-            for i, (a, d, x, c) in enumerate(steps):
-                t, r = out[a], out[d] + x
-                out[i] = (t if t >= r else r) + c
+            if host_s:
+                for i, ((a, d, x, c), h) in enumerate(zip(steps, issued.tolist(), strict=True)):
+                    t, r = out[a], out[d] + x
+                    t = t if t >= h else h
+                    out[i] = (t if t >= r else r) + c
+            else:
+                for i, (a, d, x, c) in enumerate(steps):
+                    t, r = out[a], out[d] + x
+                    out[i] = (t if t >= r else r) + c
             end = np.array(out)
         else:
             end = np.zeros(self.size + 1)
             for a, b in zip(waves[:-1], waves[1:], strict=True):
-                end[a:b] = np.maximum(end[prev[a:b]], end[dep[a:b]] + arrive[a:b]) + cost[a:b]
+                free = end[prev[a:b]] if not host_s else np.maximum(end[prev[a:b]], issued[a:b])
+                end[a:b] = np.maximum(free, end[dep[a:b]] + arrive[a:b]) + cost[a:b]
         return float(end[: self.size].max()), float(math.fsum(work.tolist()))
 
 
@@ -231,7 +254,7 @@ def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = Fals
     waiting: dict[int, list[int]] = {}
     position, current = [0] * stages, [0] * stages
     ready = deque(range(stages))
-    ids, prevs, deps, cross, slots, waves = [], [], [], [], [], []
+    ids, prevs, deps, cross, slots, waves, places = [], [], [], [], [], [], []
     while ready:
         s = ready.popleft()
         plan, i, w = plans[s], position[s], current[s]
@@ -251,6 +274,7 @@ def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = Fals
             cross.append(x)
             slots.append(slot)
             waves.append(w)
+            places.append(i)
             i += 1
             if key in waiting:
                 ready.extend(waiting.pop(key))
@@ -264,11 +288,11 @@ def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = Fals
     sorted_waves = np.array(waves)[order]
     bounds = [0, *(np.flatnonzero(np.diff(sorted_waves)) + 1).tolist(), n]
     return _Graph(where[np.array(prevs)[order]], where[np.array(deps)[order]], np.array(cross)[order],
-                   np.array(slots)[order], bounds, v)  # fmt: skip
+                   np.array(slots)[order], bounds, v, np.array(places, dtype=float)[order])  # fmt: skip
 
 
 def _replay(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,
-            synchronous=False, paired=False) -> tuple[float, float]:  # fmt: skip
+            synchronous=False, paired=False, host_s=0.0) -> tuple[float, float]:  # fmt: skip
     """(makespan, total work) by an event replay of the schedule's actions: the definition :class:`_Graph`
     computes faster (tests/sim/test_pipeline_fast.py holds them equal)."""
     stages = len(forward_s)
@@ -319,6 +343,7 @@ def _replay(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virt
         plan, i, t = plans[s], position[s], free[s]
         while i < len(plan):
             kind, key, dep, crosses, took = plan[i]
+            t = max(t, (i + 1) * host_s) if host_s else t
             if dep is not None:
                 arrived = done.get(dep)
                 if arrived is None:

@@ -86,6 +86,10 @@ def test_pipeline_file_matches_a_direct_call(beside):
     span = pipeline_makespan([f] * (p - 1) + [f + loss / 2], [b] * (p - 1) + [b + loss / 2],
                              row["message_us"] * 1e-6, row["microbatches"], "gpipe")  # fmt: skip
     assert row["device_ms"] == pytest.approx(span * 1e3)
+    hosted = pipeline_makespan([f] * (p - 1) + [f + loss / 2], [b] * (p - 1) + [b + loss / 2],
+                               row["message_us"] * 1e-6, row["microbatches"], "gpipe",
+                               host_s=row["host_us_per_action"] * 1e-6)  # fmt: skip
+    assert row["predicted_ms"] == pytest.approx(hosted * 1e3)
     assert 0 < row["device_bubble"] < 1
     assert row["message_us"] * 1e-6 == pytest.approx(beside.message_s(t * w * 4))
     measured = next(

@@ -107,3 +107,34 @@ def test_paired_exchanges_give_the_event_replays_makespan() -> None:
     assert pipeline_makespan([1.0] * 3, [2.0] * 3, 0.3, 6, "1f1b", paired=True) == pipeline_makespan(
         [1.0] * 3, [2.0] * 3, 0.3, 6, "1f1b"
     )
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_hosts_issue_time_gives_the_event_replays_makespan(schedule: str) -> None:
+    rng = random.Random(11 + len(schedule))
+    for _ in range(15):
+        p = rng.randint(2, 6)
+        m = p * rng.randint(1, 3) if schedule == "interleaved-1f1b" else rng.randint(p, 12)
+        forward = [rng.uniform(0.2, 2.0) for _ in range(p)]
+        backward = [rng.uniform(0.3, 4.0) for _ in range(p)]
+        host = rng.uniform(0.1, 3.0)
+        args = (forward, backward, rng.uniform(0.0, 0.5), m, schedule, None, 2)
+        span = pipeline._run(*args, host_s=host)[0]
+        assert span == pytest.approx(pipeline._replay(*args, host_s=host)[0], rel=1e-12, abs=0.0)
+        assert span >= pipeline._run(*args)[0]
+    # wide waves (the array path) agree too
+    forward, backward = [1.0] * 32, [2.0] * 32
+    span = pipeline_makespan(forward, backward, 0.05, 128, "1f1b", host_s=0.7)
+    assert span == pytest.approx(pipeline._replay(forward, backward, 0.05, 128, "1f1b", None, 1, host_s=0.7)[0])
+
+
+def test_a_host_slower_than_the_device_sets_the_pace() -> None:
+    # 1F1B, 4 stages, 8 micro-batches: 16 actions a stage, the last of each the backward of micro-batch 7. With
+    # actions of 0.1 and a host taking 1.0 to issue each, the last stage's starts once issued (16.0), and the
+    # gradient then crosses the other three stages: 16.4. The device alone takes (m + p - 1)(f + b) = 11 * 0.2.
+    ones = [0.1] * 4
+    assert pipeline_makespan(ones, ones, 0.0, 8, "1f1b") == pytest.approx(11 * 0.2)
+    assert pipeline_makespan(ones, ones, 0.0, 8, "1f1b", host_s=1.0) == pytest.approx(16.4)
+    assert pipeline_bubble(ones, ones, 0.0, 8, "1f1b", host_s=1.0) == pytest.approx(1 - 1.6 / 16.4)
+    with pytest.raises(ValueError, match="host_s"):
+        pipeline_makespan(ones, ones, 0.0, 8, "1f1b", host_s=-1.0)
