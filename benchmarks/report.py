@@ -1032,6 +1032,15 @@ def section_sim() -> str:
     )
 
 
+def _span(rows: list[dict], keep) -> str:
+    """The range of |error| over the rows whose layout ``keep`` accepts, as "a-b%"."""
+    picked = [abs(r["error"]) for r in rows if keep(r["layout"].split())]
+    if not picked:
+        return "-"
+    low, high = min(picked), max(picked)
+    return f"{low:.0%}" if round(low * 100) == round(high * 100) else f"{low * 100:.0f}-{high:.0%}"
+
+
 def _training_sim_part() -> list[str]:
     """The step simulator against dtrain's own training runs on 4 x H100, and against published A100 runs."""
     parts = []
@@ -1053,9 +1062,10 @@ def _training_sim_part() -> list[str]:
             "each simulated as dtrain runs it: flash attention, no sequence parallelism, compute priced per "
             "operation on the H100 curves of `dtrain bench compute`. Nothing is fitted to these runs: "
             f"median / worst |error| {errors([r['error'] for r in mine])}. ZeRO-3 (which computes on 16-bit "
-            "weights) comes within 4-17%; plain data parallelism under autocast runs about 25% slower than "
-            "predicted, and tensor parallelism 40-50%: what dtrain's autocast and tensor-parallel code spend "
-            "beyond the operations the model prices.",
+            f"weights) comes within {_span(mine, lambda w: 'zero3' in w)}; plain data parallelism under "
+            f"autocast runs {_span(mine, lambda w: w[1:3] == ['tp1', 'pp1'] and 'zero3' not in w)} slower than "
+            f"predicted, and tensor parallelism {_span(mine, lambda w: w[1] != 'tp1')}: what dtrain's autocast "
+            "and tensor-parallel code spend beyond the operations the model prices.",
             "Command: `python benchmarks/sim/validate.py training-h100 --out "
             "benchmarks/results/sim_vs_measured-h100x4.jsonl`. Data: the files named per row.",
             table(["run", "layout", "measured ms", "predicted ms", "error"], rows),
@@ -1187,15 +1197,14 @@ def section_sim_beside_measured() -> str:
             f"({host}); for dtrain's one-kernel all-reduces (one-shot, two-shot `direct`) "
             f"{figures['fused_host_s'] * 1e6:.1f} us, the median of `auto` back to back at 8 KiB-1 MiB in "
             f"{figures['fused_source']}. Below 32 MiB every NCCL call is the host's; the host time of this "
-            "sweep's processes differs from the other launch's by up to 2x (all-to-all; all-reduce in fresh "
-            "processes), which no figure carried from another launch can follow, and dtrain's one-shot calls "
-            "of 8-128 KiB took 35-40 us of host time here against the probe's 26.5 us. Above that the kernel "
-            "decides: NCCL's calls of 128 MiB and more come within "
+            "sweep's processes differs from the other launch's (all-to-all; all-reduce in fresh processes), "
+            "which no figure carried from another launch can follow, and dtrain's one-shot calls took more host "
+            "time here than in the probe. Above that the kernel decides: NCCL's calls of 128 MiB and more come "
+            "within "
             f"{errors([r['error'] for r in coll if r['model'] == 'nccl' and r['nbytes'] >= 128 * MIB])} "
-            "(the fresh 4-GPU processes ran 8-14% slower than the model and the other runs, 2-GPU all-to-all "
-            "of 512 MiB 9-20% faster); the peer model prices the two-shot kernel as its pull plan, 16-37% "
-            "slow at 8 MiB on 4 GPUs. The last column is the cost model `auto` chose by, as "
-            "the sweep recorded it.",
+            "(the fresh 4-GPU processes ran slower than the model and the other runs); the peer model prices "
+            "the two-shot kernel as its pull plan, too slow at 8 MiB on 4 GPUs. The last column is the cost "
+            "model `auto` chose by, as the sweep recorded it.",
             table(
                 [
                     "GPUs",
@@ -1234,10 +1243,9 @@ def section_sim_beside_measured() -> str:
             f"Step time, median / worst |error|: {by_batch}. The model misses small float32 products: its "
             "wave quantisation (128 x 128 output tiles, one a multiprocessor) prices a 64- or 128-row product "
             "at a tenth to a fifth of the float32 peak, where the measured busy time (the rows' bubble) shows "
-            "cuBLAS running 1.7-2.5 times faster; with 8 and 16 micro-batches of 1024 rows a forward then lasts "
-            "less than the host's time to issue an action (about 0.8 ms), the host sets the pace, and the measured "
-            "bubble grows past theory. With 256 and 512 rows a micro-batch (4096 rows) the model errs both ways "
-            "by 13-32%.",
+            "cuBLAS running them faster; with 8 and 16 micro-batches of 1024 rows a forward then lasts less than "
+            "the host's time to issue an action, the host sets the pace, and the measured bubble grows past "
+            "theory. With 256 and 512 rows a micro-batch (4096 rows) the model errs both ways.",
             table(
                 [
                     "schedule",
