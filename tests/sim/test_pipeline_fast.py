@@ -10,15 +10,21 @@ from dtrain.sim.pipeline import pipeline_bubble, pipeline_makespan
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 
 
+def _random_pipeline(rng: random.Random, schedule: str, most_stages: int, most_microbatches: int):
+    """(stages, chunks a stage, micro-batches, forward times, backward times) drawn at random for ``schedule``."""
+    p = rng.randint(1, most_stages)
+    v = rng.choice((2, 3))
+    m = p * rng.randint(1, 3) if schedule == "interleaved-1f1b" else rng.randint(1, most_microbatches)
+    forward = [rng.uniform(0.2, 2.0) for _ in range(p)]
+    backward = [rng.uniform(0.3, 4.0) for _ in range(p)]
+    return p, v, m, forward, backward
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_waves_give_the_event_replays_makespan_on_random_stages(schedule: str) -> None:
     rng = random.Random(hash(schedule) & 0xFFFF)
     for _ in range(40):
-        p = rng.randint(1, 9)
-        v = rng.choice((2, 3))
-        m = p * rng.randint(1, 3) if schedule == "interleaved-1f1b" else rng.randint(1, 14)
-        forward = [rng.uniform(0.2, 2.0) for _ in range(p)]
-        backward = [rng.uniform(0.3, 4.0) for _ in range(p)]
+        p, v, m, forward, backward = _random_pipeline(rng, schedule, 9, 14)
         weight = [rng.uniform(0.1, 1.5) for _ in range(p)] if rng.random() < 0.5 else None
         p2p = rng.choice((0.0, rng.uniform(0.0, 1.5)))
         args = (forward, backward, p2p, m, schedule, weight, v)
@@ -59,11 +65,7 @@ def test_bad_stage_lists_are_refused() -> None:
 def test_synchronous_messages_give_the_event_replays_makespan(schedule: str) -> None:
     rng = random.Random(hash(schedule) & 0xFFF)
     for _ in range(20):
-        p = rng.randint(1, 7)
-        v = rng.choice((2, 3))
-        m = p * rng.randint(1, 3) if schedule == "interleaved-1f1b" else rng.randint(1, 10)
-        forward = [rng.uniform(0.2, 2.0) for _ in range(p)]
-        backward = [rng.uniform(0.3, 4.0) for _ in range(p)]
+        p, v, m, forward, backward = _random_pipeline(rng, schedule, 7, 10)
         p2p, gather = rng.uniform(0.0, 1.0), rng.uniform(0.0, 0.5)
         args = (forward, backward, p2p, m, schedule, None, v, gather)
         span, work = pipeline._run(*args, True)
@@ -113,12 +115,9 @@ def test_paired_exchanges_give_the_event_replays_makespan() -> None:
 def test_the_hosts_issue_time_gives_the_event_replays_makespan(schedule: str) -> None:
     rng = random.Random(11 + len(schedule))
     for _ in range(15):
-        p = rng.randint(2, 6)
-        m = p * rng.randint(1, 3) if schedule == "interleaved-1f1b" else rng.randint(p, 12)
-        forward = [rng.uniform(0.2, 2.0) for _ in range(p)]
-        backward = [rng.uniform(0.3, 4.0) for _ in range(p)]
+        p, v, m, forward, backward = _random_pipeline(rng, schedule, 6, 12)
         host = rng.uniform(0.1, 3.0)
-        args = (forward, backward, rng.uniform(0.0, 0.5), m, schedule, None, 2)
+        args = (forward, backward, rng.uniform(0.0, 0.5), m, schedule, None, v)
         span = pipeline._run(*args, host_s=host)[0]
         assert span == pytest.approx(pipeline._replay(*args, host_s=host)[0], rel=1e-12, abs=0.0)
         assert span >= pipeline._run(*args)[0]
