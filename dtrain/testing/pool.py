@@ -122,11 +122,13 @@ def _worker(
 
 
 def _context():
-    """Processes forked from a server process that imported torch once, each with one OpenMP thread: the import
-    costs seconds a process, paid once rather than per worker. The server starts with the first pool and serves
-    later ones; ``OMP_NUM_THREADS`` is set for its start only, this process's environment is left as it was."""
+    """Processes forked from a server process that imported torch (and torch._dynamo, which torch.optim loads)
+    once, each with one OpenMP thread: the imports cost seconds a process, paid once rather than per worker.
+    The server starts with the first pool and serves later ones; ``OMP_NUM_THREADS`` is set for its start only,
+    this process's environment is left as it was."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    # torch._dynamo too: torch.optim's optimizers import it when the first one is made (2-3 s of CPU a process)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     before = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
