@@ -238,3 +238,24 @@ def test_heartbeat_ring_watch_reports_the_next_rank_once_when_it_stops():
         assert len(lines) == 1 and lines[0].startswith(f"dtrain.comm heartbeat: {peer.me} has not beaten"), lines
     finally:
         watcher.stop()
+
+
+def test_rendezvous_events_are_named_as_torch_names_them_without_reading_sources():
+    import inspect
+
+    from dtrain.launch import frame_name
+
+    def torch_name(depth: int = 2) -> str:  # torch.distributed.elastic.rendezvous.dynamic_rendezvous's own
+        return inspect.stack()[depth].function if len(inspect.stack()) > depth else "no_method_name"
+
+    def caller(depth: int) -> tuple[str, str]:
+        return frame_name(depth), torch_name(depth)
+
+    def outer(depth: int) -> tuple[str, str]:
+        return caller(depth)
+
+    for depth in (1, 2, 3):
+        ours, torchs = outer(depth)
+        assert ours == torchs, depth
+    assert outer(2) == ("outer", "outer")
+    assert frame_name(100_000) == "no_method_name"
