@@ -109,6 +109,11 @@ class EnvError(ValueError):
     accepted."""
 
 
+def under_torchrun() -> bool:
+    """True when a launcher (torchrun, an elastic agent) already set this process's rank and world size."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def _get(environ: Mapping[str, str], name: str) -> str:
     return (environ.get(name) or "").strip()
 

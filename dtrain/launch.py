@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain import env
+from dtrain.env import under_torchrun
 
 __all__ = [
     "KILL_ENV",
@@ -54,11 +55,6 @@ __all__ = [
 #: process), as a node that goes down with all its workers.
 KILL_ENV = env.KILL_AT
 _RUN_PREFIX = "dtrain-launch-"  # the run id of run_ranks' own launches
-
-
-def under_torchrun() -> bool:
-    """True when a launcher already set this process's rank and world size."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def restart_count() -> int:

@@ -178,9 +178,10 @@ def _bench_comm(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dtrain.train.config import from_arguments
+    from dtrain.train.config import from_arguments, run_world
 
     config = from_arguments(args)  # bad flags end here, before torch is imported
+    run_world(args.nproc)
     from dtrain.train.loop import train
 
     # CUDA memory in segments that grow rather than fixed blocks: large sharded models otherwise fail on

@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from dtrain.parallel.recompute_options import DEFAULT_KEEP, MODES, OP_KINDS, parse_layers
+
 __all__ = [
     "DEFAULT_KEEP",
     "MODES",
@@ -48,9 +50,6 @@ __all__ = [
     "parse_layers",
 ]
 
-MODES = ("none", "full", "selective")
-OP_KINDS = ("attention", "matmul", "norm", "elementwise")
-DEFAULT_KEEP = ("matmul",)  # what "selective" keeps when given neither layers nor ops
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_int_mm"}
 _NORM = {"native_layer_norm", "_fused_rms_norm", "rms_norm", "layer_norm", "native_batch_norm", "group_norm"}
@@ -91,25 +90,6 @@ def _checkpointed_forward(module: nn.Module, keep: frozenset[str] | None, *args,
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     context_fn = functools.partial(create_selective_checkpoint_contexts, _policy(keep))
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
-
-
-def parse_layers(text: str) -> int | list[int] | None:
-    """The ``layers`` of :func:`checkpoint_activations` from their config text: ``""`` every block,
-    ``"every:K"`` every K-th block (0, K, 2K, ...), or comma-separated block indices ``"0,2,5"``; ValueError
-    naming the accepted forms otherwise."""
-    text = text.strip()
-    if not text:
-        return None
-    accepted = "accepted: '' (every block), 'every:K' (K >= 1) or block indices like '0,2,5'"
-    if text.startswith("every:"):
-        k = text.removeprefix("every:").strip()
-        if not k.isdigit() or int(k) < 1:
-            raise ValueError(f"layers {text!r}: {accepted}")
-        return int(k)
-    parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise ValueError(f"layers {text!r}: {accepted}")
-    return [int(p) for p in parts]
 
 
 def from_text(mode: str, layers: str = "", keep: str = "") -> tuple[str, dict]:

@@ -300,7 +300,7 @@ class TrainingSection(_Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from dtrain.parallel.recompute import OP_KINDS, parse_layers
+        from dtrain.parallel.recompute_options import OP_KINDS, parse_layers
 
         try:
             parse_layers(self.recompute_layers)
@@ -709,3 +709,15 @@ def markdown_reference() -> str:
             out.append(f"| `{f.name}` | {flags} | `{_toml_value(f.default)}` | {meaning}. |")
         out.append("")
     return "\n".join(out)
+
+
+def run_world(nproc: int) -> int:
+    """The number of ranks a run has: torchrun's ``WORLD_SIZE`` under torchrun, else ``nproc`` (checked, before
+    torch is imported)."""
+    from dtrain.env import under_torchrun
+
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"--nproc: must be a positive int, got {nproc!r}")
+    return nproc

@@ -47,7 +47,6 @@ from dtrain.launch import (
     rank_device,
     restart_count,
     run_ranks,
-    under_torchrun,
 )
 from dtrain.models import ModelConfig, build, preset, train_flops_per_token
 from dtrain.models.decoder import Block
@@ -64,7 +63,7 @@ from dtrain.train.checkpoint import (
     restore_training_state,
     training_state,
 )
-from dtrain.train.config import TrainConfig
+from dtrain.train.config import TrainConfig, run_world
 from dtrain.train.metrics import MetricsWriter, mfu, peak_memory_bytes, plan_score, reset_peak_memory
 from dtrain.train.optim import adamw, lr_schedule, set_lr
 from dtrain.train.precision import DynamicLossScaler, autocast_dtype
@@ -92,15 +91,6 @@ class RunPlan:
     def done(self) -> bool:
         """True when a resumed run has nothing left to do (its checkpoint is at the last step already)."""
         return self.first_step >= self.steps
-
-
-def run_world(nproc: int) -> int:
-    """The number of ranks a run has: torchrun's ``WORLD_SIZE`` under torchrun, else ``nproc`` (checked)."""
-    if under_torchrun():
-        return int(os.environ["WORLD_SIZE"])
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise ValueError(f"--nproc: must be a positive int, got {nproc!r}")
-    return nproc
 
 
 DEFAULT_DATA_CACHE = Path.home() / ".cache" / "dtrain" / "data"  # where the default dataset is prepared, once
