@@ -1187,7 +1187,8 @@ def section_sim_beside_measured() -> str:
             per_size.append(cells)
         parts += [
             "### Collectives with the defaults (4 and 2 x H100)",
-            "`dtrain bench comm` with the defaults (`collectives_defaults[_fresh]-h100x{4,2}.jsonl`), 8 KiB-512 MiB. "
+            "`dtrain bench comm` with the defaults (`collectives_defaults[_fresh]-h100x{4,2}.jsonl`), "
+            f"{size(min(r['nbytes'] for r in coll))}-{size(max(r['nbytes'] for r in coll))}. "
             "NCCL's calls (`native`, and `auto` where it resolved to NCCL) are priced by the NCCL model (a ring "
             "in the protocol NCCL's tuning log gives, Simple below 1 MiB; all-to-all as grouped point-to-point) "
             "with its figures fitted on 4 x H200 graph captures; dtrain's one-shot and direct algorithms by the "

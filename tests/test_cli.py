@@ -95,3 +95,11 @@ def test_bench_calibrate_saves_parameters_the_cost_model_loads(tmp_path, monkeyp
     params = load_params(out)
     assert params.intra.beta_s_per_byte > 0
     assert json.loads(out.read_text())["meta"]["world_size"] == 2
+
+
+def test_a_size_sweep_ends_at_its_largest_size():
+    from dtrain.bench.comm import BenchConfig
+
+    assert BenchConfig().sizes("cuda") == [8 << 10 << 2 * k for k in range(9)] + [1 << 30]  # 8 KiB .. 512 MiB, 1 GiB
+    assert BenchConfig().sizes("cpu") == [1 << 10 << 2 * k for k in range(9)]  # 1 KiB .. 64 MiB in steps of 4
+    assert BenchConfig(min_bytes=4096, max_bytes=4096).sizes("cpu") == [4096]

@@ -77,8 +77,8 @@ def bus_factor(collective: str, world_size: int) -> float:
 
 @dataclass(kw_only=True)
 class BenchConfig:
-    """What to measure. Sizes are bytes of the work buffer; ``None`` picks the device's default sweep
-    (CPU 1 KiB .. 64 MiB, GPU 8 KiB .. 1 GiB)."""
+    """What to measure. Sizes are bytes of the work buffer, ``min_bytes`` times powers of ``factor`` and then
+    ``max_bytes`` itself; ``None`` picks the device's default sweep (CPU 1 KiB .. 64 MiB, GPU 8 KiB .. 1 GiB)."""
 
     collectives: list[str] = field(default_factory=lambda: ["all_reduce"])
     algorithms: list[str] | None = None  # None: every name comm.algorithms() lists
@@ -121,6 +121,8 @@ class BenchConfig:
         while lo <= hi:
             out.append(lo)
             lo *= self.factor
+        if out[-1] != hi:  # the sweep ends where asked, where the factor's steps fall short of it
+            out.append(hi)
         return out
 
 
