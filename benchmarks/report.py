@@ -173,6 +173,7 @@ def section_collectives() -> str:
         captured_table(h200),
         "![NCCL's time over ours, captured](figures/collectives-captured.png)",
         *_defaults_part(),
+        *_one_pass_part(),
         "### All-reduce on the defaults (4 x H100)",
         "busbw GB/s, ratio to NCCL in brackets, for our schedules run a round at a time; the `auto` column ran a "
         "rules file naming the ring from 32 MiB and the cost model below it. The defaults `auto` follows now are in "
@@ -224,15 +225,17 @@ def _defaults_part() -> list[str]:
         if not same:
             continue
         if not parts:
+            noise = _same_call_spread(
+                [load(f"collectives_defaults{k}-h100x{g}.jsonl") for g in (4, 2) for k in ("", "_fresh")]
+            )
             parts += [
                 "### The defaults against NCCL, every collective",
                 "`comm.<collective>(x)` with no algorithm named (`auto`) beside torch.distributed's NCCL call, the "
                 "two alternating in 5 rounds of 20 calls between two synchronizations, the slowest rank's time, the "
                 "median round; float32. A cell is NCCL's time over ours (above 1.00x ours is faster), then, where "
                 "`auto` ran one of ours, which. `fresh`: new input and output tensors every call, made before the "
-                "timed loop. Where `auto` is `native` both columns run the same NCCL call, so their spread (0.56x "
-                "to 3.06x in single cells, mostly 0.95-1.05x) is the measurement's noise: a round of 20 calls "
-                "now and then takes several times the others.",
+                "timed loop. Where `auto` is `native` both columns run the same NCCL call, so their spread is the "
+                f"measurement's noise: {noise}.",
             ]
         sizes = sorted({r["nbytes"] for r in same})
         header = ["size"] + [f"{c.replace('_', '-')} {kind}" for c in DEFAULT_COLLECTIVES for kind in ("", "fresh")]
@@ -249,6 +252,80 @@ def _defaults_part() -> list[str]:
                 f"`{name}`, `{name.replace('defaults', 'defaults_fresh')}`",
             ),
             table([h.strip() for h in header], rows),
+        ]
+    return parts
+
+
+def _same_call_spread(runs: list[list[dict]]) -> str:
+    """How far apart two timings of the same NCCL call come out: the cells of the defaults tables where ``auto``
+    ran ``native``, as their range and the middle 80 %."""
+    ratios = []
+    for records in runs:
+        got = {(r["collective"], r["nbytes"], r["algorithm"]): r for r in records}
+        for (coll, n, algorithm), r in got.items():
+            native = got.get((coll, n, "native"))
+            if algorithm == "auto" and r.get("resolved_algorithm") == "native" and native:
+                ratios.append(native["time_us"] / r["time_us"])
+    if not ratios:
+        return "no such cells"
+    ratios.sort()
+    low, high = ratios[len(ratios) // 10], ratios[(len(ratios) * 9) // 10]
+    return (
+        f"{ratios[0]:.2f}x to {ratios[-1]:.2f}x over {len(ratios)} cells, {low:.2f}-{high:.2f}x for the middle 80 %, "
+        f"median {statistics.median(ratios):.2f}x"
+    )
+
+
+ONE_PASS_PATHS = (
+    ("all_gather", "direct"),
+    ("reduce_scatter", "direct"),
+    ("all_to_all", "direct"),
+    ("broadcast", "star"),
+)
+
+
+def _one_pass_part() -> list[str]:
+    """The one-pass schedules on CUDA symmetric memory beside NCCL, same and fresh tensors, on 4 and 2 GPUs."""
+    parts = []
+    for gpus in (4, 2):
+        same, fresh = load(f"one_pass-h100x{gpus}.jsonl"), load(f"one_pass_fresh-h100x{gpus}.jsonl")
+        if not parts:
+            parts += [
+                "### One pass over symmetric memory against NCCL",
+                "The one-round schedules run as one pass over the peers' windows (`direct` all-gather, "
+                "reduce-scatter and all-to-all, `star` broadcast; up to 8 MiB a rank, a round at a time above), "
+                "beside NCCL's call, timed as the defaults above. A cell is NCCL's time over the one pass's, then "
+                "`auto`'s in brackets where the built-in rules send it to the one pass. `dtrain bench verify` with "
+                "these paths: `verify_one_pass-h100x4.txt`.",
+            ]
+        sizes = sorted({r["nbytes"] for r in same})
+        header = ["size"] + [
+            f"{c.replace('_', '-')} {kind}".strip() for c, _ in ONE_PASS_PATHS for kind in ("", "fresh")
+        ]
+        rows = []
+        for n in sizes:
+            cells = [size(n)]
+            for coll, path in ONE_PASS_PATHS:
+                for records in (same, fresh):
+                    got = {r["algorithm"]: r for r in records if r["collective"] == coll and r["nbytes"] == n}
+                    if "native" not in got or path not in got:
+                        cells.append("-")
+                        continue
+                    cell = f"{got['native']['time_us'] / got[path]['time_us']:.2f}x"
+                    auto = got.get("auto")
+                    if auto and auto.get("resolved_algorithm") == path:
+                        cell += f" ({got['native']['time_us'] / auto['time_us']:.2f}x)"
+                    cells.append(cell)
+            rows.append(cells)
+        parts += [
+            f"#### {gpus} x H100" + (" (two GPUs of the 4-GPU host)" if gpus == 2 else ""),
+            setting(
+                card(same),
+                gpu_software(same),
+                "benchmarks/gpu/run.sh OUT one-pass",
+                f"`one_pass-h100x{gpus}.jsonl`, `one_pass_fresh-h100x{gpus}.jsonl`",
+            ),
+            table(header, rows),
         ]
     return parts
 

@@ -186,8 +186,8 @@ class CommEnv:
     fused: bool = True
     #: ``DTRAIN_COMM_ONE_PASS``: whether all-gather, reduce-scatter, all-to-all and broadcast named ``direct`` (or
     #: ``star`` for broadcast) run in one pass over CUDA symmetric memory (one barrier, one kernel) rather than
-    #: the round-at-a-time plan; off until these paths are timed against NCCL on GPUs (docs/collectives.md).
-    one_pass: bool = False
+    #: the round-at-a-time plan, up to 8 MiB a rank (docs/collectives.md).
+    one_pass: bool = True
     #: ``DTRAIN_COMM_AUTOTUNE``: "1" makes the first ``auto`` call of a group with no measured rules measure
     #: them (a short calibration, saved to the per-machine cache); "0" (default) leaves such a group ``native``.
     autotune: bool = False
@@ -216,7 +216,7 @@ class CommEnv:
             lanes=1 if lanes is None else lanes,
             triton=_choice(environ, COMM_TRITON, ("0", "1"), "1") == "1",
             fused=_choice(environ, COMM_FUSED, ("0", "1"), "1") == "1",
-            one_pass=_choice(environ, COMM_ONE_PASS, ("0", "1"), "0") == "1",
+            one_pass=_choice(environ, COMM_ONE_PASS, ("0", "1"), "1") == "1",
             autotune=_choice(environ, COMM_AUTOTUNE, ("0", "1"), "0") == "1",
         )
 

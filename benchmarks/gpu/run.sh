@@ -48,6 +48,8 @@
 #                      symmetric memory beside NCCL and auto, 8 KiB-64 MiB, same tensors and fresh ones, on every GPU
 #                      and on 2 (NP_SMALL), with DTRAIN_COMM_ONE_PASS=1 and bench verify first
 #                      -> verify-one-pass.txt, one_pass{,-fresh}-np{N}.jsonl
+#   pipeline-profile   dtrain bench pipeline --profile, 1F1B and interleaved at m = 16 of batch 1024: each rank's
+#                      host time by function                                                  -> pipeline_profile.txt
 #   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 4, 8, 16 and batch
 #                      4096 at m = 8, 16, beside torch pipelining -> bench_pipeline.jsonl, bench_pipeline-b4096.jsonl
 #   probe-one-shot | probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
@@ -161,14 +163,16 @@ for mode in "$@"; do
       for np_ in "$n" "${NP_SMALL:-2}"; do
         for fresh in "" --fresh; do
           name=one_pass${fresh:+-fresh}-np$np_
-          for c in all_gather reduce_scatter all_to_all broadcast; do
-            a=direct; [ $c = broadcast ] && a=star
-            NP=$np_ LIMIT=${LIMIT:-120} tr -m dtrain bench comm --collectives $c --algorithms native,$a,auto \
-              --min-bytes 8K --max-bytes 64M --factor 4 --iters 20 --trials 7 --warm-s 0.3 $fresh \
-              --out "$out/$name-$c.jsonl" >"$out/$name-$c.log"
-            echo "== $name"; summ "$out/$name-$c.jsonl" --collective $c --algorithms native,$a,auto
+          # one launch for the three whose one-pass schedule is direct, one for broadcast's star
+          for part in all_gather,reduce_scatter,all_to_all:direct broadcast:star; do
+            NP=$np_ LIMIT=${LIMIT:-150} tr -m dtrain bench comm --collectives "${part%:*}" --algorithms "native,${part#*:},auto" \
+              --min-bytes 8K --max-bytes 64M --factor 4 --iters 20 --trials 5 --warm-s 0.3 $fresh \
+              --out "$out/$name-${part#*:}.jsonl" >"$out/$name-${part#*:}.log"
           done
-          cat "$out/$name"-*.jsonl >"$out/$name.jsonl" && rm -f "$out/$name"-*.jsonl
+          cat "$out/$name"-direct.jsonl "$out/$name"-star.jsonl >"$out/$name.jsonl" && rm -f "$out/$name"-{direct,star}.jsonl
+          echo "== $name"; for c in all_gather reduce_scatter all_to_all broadcast; do
+            a=direct; [ $c = broadcast ] && a=star
+            summ "$out/$name.jsonl" --collective $c --algorithms native,$a,auto; done
         done
       done
       unset DTRAIN_COMM_ONE_PASS ;;
@@ -178,6 +182,15 @@ for mode in "$@"; do
       # micro-batches of 256-512 rows: the stages' compute outweighs the host's time per action
       LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 4096 --microbatches 8,16 \
         --out "$out/bench_pipeline-b4096.jsonl" | grep -vE "^\[|Thread" ;;
+    pipeline-profile)
+      # where the host's time per action goes with micro-batches of 64 rows: cProfile around each rank's timed steps
+      LIMIT=${LIMIT:-200} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 16 \
+        --schedules 1f1b,interleaved-1f1b --no-torch --profile "$out/pipeline-profile" \
+        --out "$out/pipeline_profile.jsonl" | grep -vE "^\[|Thread"
+      python3 -c 'import glob, pstats, sys
+for f in sorted(glob.glob(sys.argv[1] + "/*.prof")):
+    print("==", f); pstats.Stats(f, stream=sys.stdout).sort_stats("tottime").print_stats(25)' \
+        "$out/pipeline-profile" >"$out/pipeline_profile.txt"; grep -c "==" "$out/pipeline_profile.txt" ;;
     dp)
       for b in 32 16; do
         LIMIT=${LIMIT:-120} tr benchmarks/training/dp_zero.py --sections dp --sizes 4 1 --batch-per-rank $b --stall-s 110 ${DP_EXTRA:-} \

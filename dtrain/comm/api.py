@@ -440,16 +440,34 @@ def _keep(coll: Collective, group, algorithm: str, extra, output: torch.Tensor, 
     FAST[(*key, input.device)] = (comm_env(), GENERATION[0], run)
 
 
-def _one_pass_or_native(coll: Collective, algorithm: str, chosen: str, dtype: torch.dtype, op: str, device) -> str:
+def _one_pass_or_native(
+    coll: Collective, algorithm: str, chosen: str, dtype: torch.dtype, op: str, device, nbytes: int
+) -> str:
     """``auto``'s choice, or ``native`` where it chose a one-pass schedule (:data:`dtrain.comm.peer.fused.ONE_PASS`)
-    that this call cannot run in one pass (its dtype or reduction, ``DTRAIN_COMM_FUSED=0``, no kernels): the rules
-    measured the one pass, and NCCL's is faster than the same schedule run a round at a time."""
-    if algorithm != "auto" or device.type != "cuda" or not comm_env().one_pass:
-        return chosen  # without DTRAIN_COMM_ONE_PASS the rules measured the round-at-a-time plan, which runs
+    at a size the one pass takes (``nbytes`` a rank puts in, at most :data:`~dtrain.comm.peer.fused.
+    ONE_PASS_MAX_BYTES`) that this call cannot run in one pass (its dtype or reduction, ``DTRAIN_COMM_FUSED=0``,
+    ``DTRAIN_COMM_ONE_PASS=0``, no kernels): the rules measured the one pass, and NCCL's is faster than the same
+    schedule run a round at a time."""
+    if algorithm != "auto" or device.type != "cuda" or nbytes > fused.ONE_PASS_MAX_BYTES:
+        return chosen
     name = chosen.partition("@")[0]
-    if (coll, name) in fused.ONE_PASS and fused.one_pass_form(coll, name, dtype, op, device) is None:
+    if (coll, name) in fused.ONE_PASS and fused.one_pass_form(coll, name, dtype, op, device, nbytes) is None:
         return "native"
     return chosen
+
+
+def _declined(coll: Collective, algorithm: str, chosen: str, input: torch.Tensor) -> bool:
+    """Whether ``auto`` chose a one-pass schedule that :func:`_one_pass` then could not run (tensors not
+    contiguous, ``DTRAIN_COMM_TIMEOUT`` set, the group off the peer transport): NCCL's collective runs instead, as
+    in :func:`_one_pass_or_native`. Every rank of the group answers alike for the same call."""
+    nbytes = input.numel() * input.element_size()
+    name = chosen.partition("@")[0]
+    return (
+        algorithm == "auto"
+        and input.is_cuda
+        and (coll, name) in fused.ONE_PASS
+        and 0 < nbytes <= fused.ONE_PASS_MAX_BYTES
+    )
 
 
 def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str = "sum", root: int = 0) -> bool:
@@ -462,10 +480,10 @@ def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str
     if numel == 0:  # nothing to move: the general plan's empty call
         return False
     name, via = _via(group, input.device, chosen)
-    form = fused.one_pass_form(coll, name, input.dtype, op, input.device)
+    nbytes = numel * input.element_size()
+    form = fused.one_pass_form(coll, name, input.dtype, op, input.device, nbytes)
     if form is None or via != "peer":
         return False
-    nbytes = numel * input.element_size()
     try:
         window = peer.window_for(group, input.device, 2 * (nbytes + fused.ALIGN))
     except peer.PeerUnavailable as err:  # raised on every rank of the group alike
@@ -714,13 +732,16 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
     check_tensor(tensor, "tensor", what)
     check_root(src, group_info(group, what)[1], "src", what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, tensor.numel(), tensor, what)
-    chosen = _one_pass_or_native(coll, algorithm, chosen, tensor.dtype, "sum", tensor.device)
+    nbytes = tensor.numel() * tensor.element_size()
+    chosen = _one_pass_or_native(coll, algorithm, chosen, tensor.dtype, "sum", tensor.device, nbytes)
+    if chosen != "native":
+        if _one_pass(coll, algorithm, chosen, group, tensor, tensor, tensor.numel(), root=src):
+            return tensor
+        chosen = "native" if _declined(coll, algorithm, chosen, tensor) else chosen
     if chosen == "native":
         run = _native(group).broadcast
         _keep(coll, group, algorithm, src, tensor, tensor, lambda t, _t: run(t, src, group) is not None)
         return run(tensor, src, group)
-    if _one_pass(coll, algorithm, chosen, group, tensor, tensor, tensor.numel(), root=src):
-        return tensor
     work, copied = _flat_work(tensor)
     _run(Collective.BROADCAST, chosen, work, group, root=src, local_size=local)
     if copied:
@@ -785,13 +806,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     rank, world = group_info(group, what)
     check_pair(output, input, world * input.numel(), what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, output.numel(), output, what)
-    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, "sum", input.device)
+    nbytes = input.numel() * input.element_size()
+    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, "sum", input.device, nbytes)
+    if chosen != "native":
+        if _one_pass(coll, algorithm, chosen, group, output, input, input.numel()):
+            return output
+        chosen = "native" if _declined(coll, algorithm, chosen, input) else chosen
     if chosen == "native":
         run = _native(group).all_gather
         _keep(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
         return run(output, input, group)
-    if _one_pass(coll, algorithm, chosen, group, output, input, input.numel()):
-        return output
     work, copied = _flat_work(output)
     m = input.numel()
     work[rank * m : (rank + 1) * m].copy_(input.reshape(-1))
@@ -862,13 +886,16 @@ def reduce_scatter(
     rank, world = group_info(group, what)
     check_pair(input, output, world * output.numel(), what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
-    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, op, input.device)
+    nbytes = input.numel() * input.element_size()
+    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, op, input.device, nbytes)
+    if chosen != "native":
+        if _one_pass(coll, algorithm, chosen, group, output, input, input.numel(), op=op):
+            return output
+        chosen = "native" if _declined(coll, algorithm, chosen, input) else chosen
     if chosen == "native":
         run = _native(group).reduce_scatter
         _keep(coll, group, algorithm, op, output, input, lambda o, i: run(o, i, op, group) is not None)
         return run(output, input, op, group)
-    if _one_pass(coll, algorithm, chosen, group, output, input, input.numel(), op=op):
-        return output
     m = output.numel()
     if input.is_contiguous() and output.is_contiguous() and _out_of_place(coll, chosen, group, input, local):
         mine = output.view(-1)
@@ -915,13 +942,16 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     if input.numel() % world:
         raise ValueError(f"all_to_all: input has {input.numel()} elements, not a multiple of the group size {world}")
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
-    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, "sum", input.device)
+    nbytes = input.numel() * input.element_size()
+    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, "sum", input.device, nbytes)
+    if chosen != "native":
+        if _one_pass(coll, algorithm, chosen, group, output, input, input.numel()):
+            return output
+        chosen = "native" if _declined(coll, algorithm, chosen, input) else chosen
     if chosen == "native":
         run = _native(group).all_to_all
         _keep(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
         return run(output, input, group)
-    if _one_pass(coll, algorithm, chosen, group, output, input, input.numel()):
-        return output
     work = _scratch(group, input)
     _run(coll, chosen, work, group, local_size=local)
     output.copy_(work.view(output.shape))

@@ -32,29 +32,64 @@ def test_the_one_pass_schedules_are_one_round_and_prove_their_collective():
 
 def test_which_calls_run_in_one_pass(monkeypatch):
     monkeypatch.setitem(fused._state, "present", True)  # as on a GPU whose torch has the kernels
-    monkeypatch.delenv("DTRAIN_COMM_ONE_PASS", raising=False)  # off by default: the round-at-a-time plan runs
-    rs = Collective.REDUCE_SCATTER
-    assert all(fused.one_pass_form(c, a, torch.bfloat16, "sum", CUDA) is None for c, a in fused.ONE_PASS)
-    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "max", CUDA) == "direct"
-    monkeypatch.setenv("DTRAIN_COMM_ONE_PASS", "1")
+    monkeypatch.delenv("DTRAIN_COMM_ONE_PASS", raising=False)  # on by default
+    rs, small, cap = Collective.REDUCE_SCATTER, 1 << 20, fused.ONE_PASS_MAX_BYTES
     for (coll, algorithm), form in fused.ONE_PASS.items():
-        assert fused.one_pass_form(coll, algorithm, torch.bfloat16, "sum", CUDA) == form
-        assert fused.one_pass_form(coll, algorithm, torch.float32, "sum", CPU) is None
-        assert fused.one_pass_form(coll, "ring", torch.float32, "sum", CUDA) is None
-    assert fused.one_pass_form(rs, "direct", torch.float32, "avg", CUDA) == "scatter"
-    assert fused.one_pass_form(rs, "direct", torch.float32, "max", CUDA) is None  # the kernel only sums
-    assert fused.one_pass_form(rs, "direct", torch.float16, "sum", CUDA) is None
-    assert fused.one_pass_form(Collective.ALL_GATHER, "direct", torch.int64, "sum", CUDA) == "gather"  # copies
+        assert fused.one_pass_form(coll, algorithm, torch.bfloat16, "sum", CUDA, small) == form
+        assert fused.one_pass_form(coll, algorithm, torch.bfloat16, "sum", CUDA, cap) == form
+        assert fused.one_pass_form(coll, algorithm, torch.bfloat16, "sum", CUDA, cap + 1) is None  # a round a time
+        assert fused.one_pass_form(coll, algorithm, torch.float32, "sum", CPU, small) is None
+        assert fused.one_pass_form(coll, "ring", torch.float32, "sum", CUDA, small) is None
+    assert fused.one_pass_form(rs, "direct", torch.float32, "avg", CUDA, small) == "scatter"
+    assert fused.one_pass_form(rs, "direct", torch.float32, "max", CUDA, small) is None  # the kernel only sums
+    assert fused.one_pass_form(rs, "direct", torch.float16, "sum", CUDA, small) is None
+    assert fused.one_pass_form(Collective.ALL_GATHER, "direct", torch.int64, "sum", CUDA, small) == "gather"  # copies
     # auto falls back to NCCL's where its rule names a one-pass schedule the call cannot run in one pass
-    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "max", CUDA) == "native"
-    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "sum", CUDA) == "direct"
-    assert api._one_pass_or_native(rs, "direct", "direct", torch.float32, "max", CUDA) == "direct"  # as named
+    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "max", CUDA, small) == "native"
+    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "sum", CUDA, small) == "direct"
+    assert api._one_pass_or_native(rs, "direct", "direct", torch.float32, "max", CUDA, small) == "direct"  # as named
+    # above the one-pass range a rule naming the schedule means the round-at-a-time plan it measured
+    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "max", CUDA, cap + 1) == "direct"
+    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "max", CPU, small) == "direct"
+    monkeypatch.setenv("DTRAIN_COMM_ONE_PASS", "0")  # turned off: the rules measured the one pass, NCCL's runs
+    assert all(fused.one_pass_form(c, a, torch.bfloat16, "sum", CUDA, small) is None for c, a in fused.ONE_PASS)
+    assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "sum", CUDA, small) == "native"
+    monkeypatch.setenv("DTRAIN_COMM_ONE_PASS", "1")
     monkeypatch.setenv("DTRAIN_COMM_FUSED", "0")
-    assert fused.one_pass_form(Collective.ALL_GATHER, "direct", torch.float32, "sum", CUDA) is None
-    assert api._one_pass_or_native(Collective.ALL_GATHER, "auto", "direct", torch.float32, "sum", CUDA) == "native"
+    assert fused.one_pass_form(Collective.ALL_GATHER, "direct", torch.float32, "sum", CUDA, small) is None
+    ag = Collective.ALL_GATHER
+    assert api._one_pass_or_native(ag, "auto", "direct", torch.float32, "sum", CUDA, small) == "native"
     monkeypatch.delenv("DTRAIN_COMM_FUSED")
     monkeypatch.setitem(fused._state, "present", False)  # a torch without the kernels
-    assert fused.one_pass_form(Collective.BROADCAST, "star", torch.float32, "sum", CUDA) is None
+    assert fused.one_pass_form(Collective.BROADCAST, "star", torch.float32, "sum", CUDA, small) is None
+
+
+class _CudaLike:
+    """What :func:`api._declined` reads of a CUDA tensor (none can be made without a GPU)."""
+
+    is_cuda = True
+
+    def __init__(self, numel: int) -> None:
+        self._numel = numel
+
+    def numel(self) -> int:
+        return self._numel
+
+    def element_size(self) -> int:
+        return 4
+
+
+def test_auto_runs_nccl_where_the_one_pass_it_chose_declines():
+    """A call ``auto`` gave a one-pass schedule that :func:`api._one_pass` could not run (non-contiguous tensors,
+    a timeout, the group off the peer transport) runs NCCL's collective; CPU calls and sizes above the one-pass
+    range keep the schedule, which the rules measured a round at a time."""
+    small, big = _CudaLike(256), _CudaLike(fused.ONE_PASS_MAX_BYTES // 4 + 1)
+    assert api._declined(Collective.ALL_GATHER, "auto", "direct", small)
+    assert api._declined(Collective.BROADCAST, "auto", "star@peer", small)
+    assert not api._declined(Collective.BROADCAST, "auto", "ring", small)  # not a one-pass schedule
+    assert not api._declined(Collective.ALL_GATHER, "direct", "direct", small)  # named: the plan runs
+    assert not api._declined(Collective.ALL_GATHER, "auto", "direct", torch.empty(256))  # CPU
+    assert not api._declined(Collective.REDUCE_SCATTER, "auto", "direct", big)
 
 
 class _Handle:

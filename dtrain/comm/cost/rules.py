@@ -156,25 +156,43 @@ NATIVE = "native"
 #: kernel ran at 2.5-5.3x NCCL's speed from 8 KiB to 1 MiB, the two-shot at 1.2x at 4 MiB and 0.92x at 16 MiB.
 _PEER_ALL_REDUCE = ((0, "one_shot"), ((2 << 20) + 1, "direct"), ((8 << 20) + 1, "native"))
 
+#: The one-pass reduce-scatter (``direct``) and broadcast (``star``) of a CUDA group on the peer transport
+#: (:func:`dtrain.comm.peer.fused.one_pass`) where they ran faster than NCCL's, by full buffer size. Side by side
+#: with NCCL 2.28 on 4 and 2 H100s (benchmarks/results/one_pass{,_fresh}-h100x{4,2}.jsonl, same and fresh
+#: tensors): the reduce-scatter at 1.31-1.80x NCCL's speed from 8 KiB to 8 MiB, the broadcast at 1.11-1.63x from
+#: 8 KiB to 2 MiB and 0.73-1.26x at 8 MiB. Above 8 MiB a rank the schedules run a round at a time, at 0.37-0.84x.
+#: A band ends at the geometric midpoint between the last size won and the first lost.
+_PEER_REDUCE_SCATTER = ((0, "direct"), ((16 << 20) + 1, NATIVE))
+_PEER_BROADCAST = ((0, "star"), ((4 << 20) + 1, NATIVE))
+
 #: Built-in rules, used where no rules file covers a group: measured winners. Side by side with NCCL 2.28
-#: (torch 2.11, NVLink multicast off, calls back to back in one process, rounds interleaved), NCCL was faster
-#: than every schedule of ours run a round at a time, at every size from 8 KiB to 1 GiB for every collective on
-#: 4 H100s, and on 2 H100s everywhere but the reduce-scatter from 64 MiB, where the cost model's pick on the peer
-#: transport ran 1.03-1.13x NCCL's speed; the one-kernel all-reduce (above) beats it up to 8 MiB. An all-reduce
-#: these rules give to a one-kernel form that the call's dtype or reduction cannot use runs ``native``
-#: (``dtrain.comm.api.all_reduce``). Everything else falls to ``native``, the default.
+#: (torch 2.11, NVLink multicast off, calls back to back in one process, rounds interleaved) on 2 and 4 H100s,
+#: NCCL was faster than every schedule of ours run a round at a time, at every size from 8 KiB to 1 GiB for every
+#: collective, but for the reduce-scatter from 64 MiB on 2, where the cost model's pick ran at 1.00-1.06x on the
+#: same tensors every call and 0.90-0.94x on fresh ones; the one-kernel all-reduce and the one-pass
+#: reduce-scatter and broadcast (above) beat it on small and medium sizes. A call these rules give to a one-kernel
+#: or one-pass form that it cannot use (its dtype, reduction or layout) runs ``native``
+#: (:mod:`dtrain.comm.api`). Everything else falls to ``native``, the default.
 BUILT_IN: tuple[Rules, ...] = (
     Rules(
         kind="cuda-peer",
         world_size=2,
-        table={"all_reduce": _PEER_ALL_REDUCE, "reduce_scatter": ((0, NATIVE), ((32 << 20) + 1, MODEL))},
-        meta={"from": "all-reduce and reduce-scatter against NCCL on 2 and 4 H100s, 8 KiB-1 GiB"},
+        table={
+            "all_reduce": _PEER_ALL_REDUCE,
+            "reduce_scatter": _PEER_REDUCE_SCATTER,
+            "broadcast": _PEER_BROADCAST,
+        },
+        meta={"from": "all-reduce, reduce-scatter and broadcast against NCCL on 2 and 4 H100s, 8 KiB-1 GiB"},
     ),
     Rules(
         kind="cuda-peer",
         world_size=4,
-        table={"all_reduce": _PEER_ALL_REDUCE},
-        meta={"from": "all-reduce against NCCL on 4 H100s, 8 KiB-1 GiB"},
+        table={
+            "all_reduce": _PEER_ALL_REDUCE,
+            "reduce_scatter": _PEER_REDUCE_SCATTER,
+            "broadcast": _PEER_BROADCAST,
+        },
+        meta={"from": "all-reduce, reduce-scatter and broadcast against NCCL on 4 H100s, 8 KiB-1 GiB"},
     ),
 )
 

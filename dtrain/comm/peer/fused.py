@@ -17,15 +17,18 @@ schedules through the general pull plan (:func:`dtrain.comm.peer.window.run_pull
 round. ``DTRAIN_COMM_FUSED=0`` turns the kernels off.
 
 The one-round schedules of the other collectives run the same way, as one pass over the peers' windows
-(:func:`one_pass`): the ``direct`` all-gather, reduce-scatter and all-to-all and the ``star`` broadcast. Each rank
-copies its input into its window, the ranks pass one device barrier, and each rank reads what it needs from the
-peers' windows into its output in one kernel (``torch.cat`` over the peers' mapped windows; for the reduce-scatter
-the one-shot kernel run on this rank's block of the window, which sums it over the peers in place of a barrier
-and a read). Three launches and no round trip through the host: less host time a call than NCCL's, which is
-what decides a small collective. Calls alternate between the two halves of the window, so the barrier of the
-next call is what tells a rank that its peers have read the previous one; a call of another kind through the
-window first passes one more barrier (:func:`settle`), and a call recorded in a CUDA graph closes with a barrier
-of its own (a graph replays the same half).
+(:func:`one_pass`), up to :data:`ONE_PASS_MAX_BYTES` a rank: the ``direct`` all-gather, reduce-scatter and
+all-to-all and the ``star`` broadcast. Each rank copies its input into its window, the ranks pass one device
+barrier, and each rank reads what it needs from the peers' windows into its output (``torch._foreach_copy_`` from
+the peers' mapped windows; for the reduce-scatter the one-shot kernel run on this rank's block of the window,
+which sums it over the peers in place of a barrier and a read). Three launches and no round trip through the
+host: for the reduce-scatter and broadcast less host time a call than NCCL's, which is what decides a small
+collective (1.3-1.7x NCCL's speed on H100s up to 8 MiB and 2 MiB). The all-gather and all-to-all copy out of every
+peer's window, and each such copy cost 30-50 us of host time on H100s, so they ran at a third of NCCL's speed and
+``auto`` does not pick them (:data:`dtrain.comm.cost.rules.BUILT_IN`). Calls alternate between the two halves of
+the window, so the barrier of the next call is what tells a rank that its peers have read the previous one; a call
+of another kind through the window first passes one more barrier (:func:`settle`), and a call recorded in a CUDA
+graph opens and closes with a barrier of its own (a graph replays the same half).
 """
 
 from __future__ import annotations
@@ -85,8 +88,15 @@ def fused_form(schedule: Schedule, work: torch.Tensor, op: str) -> str | None:
 def run_fused(form: str, work: torch.Tensor, window) -> torch.Tensor:
     """Sum the flat contiguous ``work`` over the group in place through ``window`` (its group's CUDA window, at
     least ``work``'s size) in the ``form`` :func:`fused_form` gave (an ``avg`` is divided by the caller, as for
-    every schedule)."""
-    settle(window)
+    every schedule).
+
+    An eager call first passes the barrier a one-pass call left pending (:func:`settle`). A call recorded in a CUDA
+    graph opens with a barrier of its own instead: its replay cannot see what ran eagerly before it, and the
+    barrier is what keeps its copy into the window from overwriting a half the peers may still be reading."""
+    if work.is_cuda and torch.cuda.is_current_stream_capturing():
+        window.barrier()
+    else:
+        settle(window)
     group_name = window.group_name
     mine = window.local(work.dtype, work.numel())
     if form == "one":
@@ -99,6 +109,11 @@ def run_fused(form: str, work: torch.Tensor, window) -> torch.Tensor:
     return work
 
 
+#: The most bytes a rank puts into a one-pass call (an all-gather's input, a reduce-scatter's, all-to-all's or
+#: broadcast's tensor). Above it the same schedule runs a round at a time: on 4 H100s the one pass read the peers
+#: at 120-215 GB/s bus bandwidth from 32 MiB, below NCCL's 200-300 (benchmarks/results/one_pass-*-h100x4.jsonl).
+ONE_PASS_MAX_BYTES = 8 << 20
+
 #: The one-round schedules of the other collectives that one pass over the peers' windows runs, and its form.
 ONE_PASS = {
     (Collective.ALL_GATHER, "direct"): "gather",
@@ -108,14 +123,18 @@ ONE_PASS = {
 }
 
 
-def one_pass_form(collective: Collective, algorithm: str, dtype: torch.dtype, op: str, device: torch.device):
-    """The one-pass form that runs ``algorithm`` for ``collective`` of ``dtype`` with ``op`` on ``device``, or None
-    (the general plan runs it): CUDA, ``DTRAIN_COMM_ONE_PASS=1``, kernels present and not turned off
-    (``DTRAIN_COMM_FUSED``); a reduce-scatter only for the sums the one-shot kernel takes (:data:`_DTYPES`,
-    ``sum`` and ``avg``)."""
+def one_pass_form(
+    collective: Collective, algorithm: str, dtype: torch.dtype, op: str, device: torch.device, nbytes: int = 0
+):
+    """The one-pass form that runs ``algorithm`` for ``collective`` of ``dtype`` with ``op`` on ``device``, each
+    rank putting in ``nbytes``, or None (the general plan runs it): CUDA, at most :data:`ONE_PASS_MAX_BYTES`,
+    ``DTRAIN_COMM_ONE_PASS`` on (the default), kernels present and not turned off (``DTRAIN_COMM_FUSED``); a
+    reduce-scatter only for the sums the one-shot kernel takes (:data:`_DTYPES`, ``sum`` and ``avg``)."""
     form = ONE_PASS.get((collective, algorithm))
     env = comm_env()
-    if form is None or device.type != "cuda" or not env.one_pass or not env.fused or not _kernels_present():
+    if form is None or device.type != "cuda" or nbytes > ONE_PASS_MAX_BYTES:
+        return None
+    if not env.one_pass or not env.fused or not _kernels_present():
         return None
     if form == "scatter" and (dtype not in _DTYPES or op not in ("sum", "avg")):
         return None
@@ -197,8 +216,8 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
         if form == "broadcast":
             if rank != root:
                 output.copy_(peers[0])
-        else:
-            torch.cat(peers, out=output)
+        else:  # every peer's block into its place in the output: one multi-tensor copy kernel, 16-byte reads
+            torch._foreach_copy_(list(output.view(world, -1).unbind(0)), peers)
         if recorded:
             barrier()
         else:
