@@ -119,12 +119,16 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     all-reduce between the first and last stage (``allreduce_word_embedding_grads``), Megatron-LM's
     mixed-precision optimizer step (:data:`dtrain.sim.compute.MEGATRON_FP16_OPTIMIZER_BYTES`), and the backward's
     tensor-parallel collective under the weight gradient only where the row's code had it
-    (``async_tp_allreduce``: Megatron-LM's asynchronous all-reduce, first in commit 16c9044 of 2021-09-02).
+    (``async_tp_allreduce``: Megatron-LM's asynchronous all-reduce, first in commit 16c9044 of 2021-09-02), and
+    the bytes of a gradient in the data-parallel reduction (``gradient_bytes``, default 2: the 16-bit gradients of
+    Megatron-LM's ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``, as ``examples/sc21/CONFIG.sh``
+    runs it; 4 for DeepSpeed's ``BF16_Optimizer``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
                       synchronous_p2p=True, paired_exchanges=True, tied_embedding_allreduce=True,
-                      optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit)  # fmt: skip
+                      optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit,
+                      gradient_bytes=row.get("gradient_bytes", 2))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
