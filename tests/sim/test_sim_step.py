@@ -120,6 +120,23 @@ def test_32_bit_gradients_double_the_reduction_not_the_weight_gather() -> None:
         StepConfig(gradient_bytes=3)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_sequence_parallel_backward_waits_for_two_all_gathers_a_layer(overlap: bool) -> None:
+    # Korthikanti et al. 2022, 4.2.2: the backward of each reduce-scatter is an all-gather on the critical path;
+    # the all-gather's reduce-scatter runs under the weight gradient, the input's second all-gather under the input
+    # gradient (each half the all-reduce's time, tp_s): with a tp_s small enough to hide, only the two show
+    from dtrain.sim.step import stage_seconds
+
+    tp_s = 1e-7
+    config = StepConfig(overlap_tp_backward=overlap)
+    for sp in (True, False):
+        layout = Layout(tp=2, global_batch=2, recompute="selective", sequence_parallel=sp)
+        args = (MODEL, layout, 0, 312e12, 2039e9, config)
+        grown = stage_seconds(*args, tp_s)[1] - stage_seconds(*args, 0.0)[1]
+        per_layer = {(True, True): tp_s, (False, True): 0.0, (True, False): 3 * tp_s, (False, False): 2 * tp_s}
+        assert grown == pytest.approx(MODEL.layers * per_layer[sp, overlap], rel=1e-6), (sp, overlap)
+
+
 @pytest.mark.parametrize(("all_reduce_s", "exposed_s"), [(4.0, 1.0), (16.0, 10.0)])
 def test_bucketed_all_reduce_hides_behind_backward_but_its_last_bucket(all_reduce_s: float, exposed_s: float) -> None:
     # 4 buckets ready at 2, 4, 6, 8 s of an 8 s backward, each taking a quarter of the all-reduce, in order

@@ -146,6 +146,14 @@ def simulate(row: dict, config: StepConfig | None = None) -> dict:
     }  # fmt: skip
 
 
+def compute_factor(result: dict) -> float:
+    """How much slower each micro-batch's compute would have to be for the prediction to meet the published time,
+    the rest of the step (collectives, bubble, optimizer) held: ``(published - (predicted - compute)) / compute``.
+    The bubble and every collective that waits on compute grow with it too, so this is an upper bound."""
+    rest = result["predicted_s"] - result["compute_s"]
+    return (result["published_s"] - rest) / result["compute_s"]
+
+
 def summary(rows: list[dict]) -> dict:
     """Median and worst |error| of ``rows``, and of each set among them."""
     errors = [abs(r["error"]) for r in rows]
@@ -259,6 +267,13 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
             p = summary(part)
             out.append(f"| {label} | {p['rows']} | {p['median_abs_error']:.1%} | {p['worst_abs_error']:.1%} | "
                        f"{_verdict(p)} |")  # fmt: skip
+    out += ["", "| run | compute (s) | tp, every call (s) | dp exposed (s) | optimizer (s) | bubble | step beyond "
+            "compute (s) | compute x to match |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in results:
+        out.append(f"| {r['name']} | {r['compute_s']:.2f} | {r['tp_s']:.2f} | {r['dp_exposed_s']:.2f} | "
+                   f"{r['optimizer_s']:.3f} | {r['bubble']:.1%} | {r['predicted_s'] - r['compute_s']:.2f} | "
+                   f"{compute_factor(r):.2f} |")  # fmt: skip
     if plan_path:
         checks = [c for c in _read(plan_path) if "best" in c]
         out += ["", "| run | published layout (s) | best plan, any technique (s) | rank | best plan, the run's "
