@@ -60,13 +60,13 @@ from dtrain.sim.model import (
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import grid_rank, group
 from dtrain.sim.traffic import (
-    ZERO_PHASES,
     Cache,
     _build,
     _group_jobs,
     _groups,
     _padded,
     _replay,
+    dp_phase_bytes,
     group_shape,
     simulate_traffic,
 )
@@ -110,7 +110,11 @@ class StepConfig:
     ``allreduce_word_embedding_grads``; the tied input and output embedding of GPT, Press and Wolf 2017), counted
     in ``dp_exposed_s``; ``optimizer_bytes``: bytes the optimizer step moves per parameter a rank owns (default
     :data:`dtrain.sim.compute.ADAM_BYTES_PER_PARAMETER`, a fused Adam; see
-    :data:`dtrain.sim.compute.MEGATRON_FP16_OPTIMIZER_BYTES`)."""
+    :data:`dtrain.sim.compute.MEGATRON_FP16_OPTIMIZER_BYTES`); ``gradient_bytes``: bytes a gradient value takes
+    in the data-parallel reduction and the tied embedding's all-reduce (default None: the model's
+    ``bytes_per_value``; 4 for an optimizer that accumulates and reduces 32-bit gradients, DeepSpeed's
+    ``BF16_Optimizer``, or Megatron-LM's ``--accumulate-allreduce-grads-in-fp32``; see
+    :func:`dtrain.sim.traffic.dp_phase_bytes`)."""
 
     efficiency: float | None = None
     tp_algorithm: str = "ring"
@@ -131,6 +135,7 @@ class StepConfig:
     paired_exchanges: bool = False
     tied_embedding_allreduce: bool = False
     optimizer_bytes: int = ADAM_BYTES_PER_PARAMETER
+    gradient_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -139,6 +144,8 @@ class StepConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if any(not f >= 1 for f in self.slowdown.values()):
             raise ValueError(f"slowdown factors must be >= 1 (a slower rank), got {self.slowdown!r}")
+        if self.gradient_bytes is not None and self.gradient_bytes not in (2, 4):
+            raise ValueError(f"gradient_bytes must be 2, 4 or None (the model's), got {self.gradient_bytes!r}")
         if self.optimizer_bytes < 1:
             raise ValueError(f"optimizer_bytes must be >= 1 (bytes a parameter), got {self.optimizer_bytes!r}")
         if self.straggler_sigma < 0 or self.samples < 1:
@@ -246,7 +253,16 @@ def stage_seconds(
     reduce-scatter pairs under sequence parallelism), two backward, two more under full recomputation, one more
     forward on the first stage (the vocabulary-parallel embedding's all-reduce). They are on the critical path
     (the next product needs their result), except each backward one where ``overlap_tp_backward``: it runs
-    under the weight gradient of QKV or the MLP's first product and only what is longer shows. With
+    under the weight gradient of QKV or the MLP's first product and only what is longer shows. Under sequence
+    parallelism the backward runs other collectives than plain tensor parallelism's (Korthikanti et al. 2022,
+    section 4.2.2; Megatron-LM ``tensor_parallel/mappings.py`` and ``layers.py``,
+    ``LinearWithGradAccumulationAndAsyncCommunication``): the reduce-scatter after attention and after the MLP
+    has an all-gather for its backward, which the row-parallel product's input gradient waits for (on the
+    critical path, twice a layer); the all-gather before QKV and the MLP's first product has a reduce-scatter
+    for its backward, under the weight gradient as above; and the weight gradient needs the all-gathered input
+    again, which is not kept but gathered once more under the input gradient's product (only what is longer
+    shows). Each all-gather and reduce-scatter takes half the all-reduce's ``tp_s`` (a ring all-reduce is a
+    reduce-scatter then an all-gather). With
     ``config.efficiency`` set, compute is the FLOPs of :func:`flops_per_microbatch` at that share of peak, split
     1:2 between forward and backward, recomputation's FLOPs added to backward."""
     layers = stage_layers(model, layout, stage)
@@ -261,12 +277,21 @@ def stage_seconds(
         if split:
             b, w = flops / 3 + extra, flops / 3
         return flops / 3 + 2 * layers * tp_s, b + tp_backward, w
-    forward_s, backward_s, weight_s, wgrads = _priced(model, layout, stage, peak_flops, memory_bytes_per_s, config)
+    forward_s, backward_s, weight_s, wgrads, dgrads = _priced(
+        model, layout, stage, peak_flops, memory_bytes_per_s, config
+    )
     embedding_calls = 1 if stage == 0 and model.vocab and layout.tp > 1 else 0
     forward = forward_s + (2 * layers + embedding_calls) * tp_s
-    exposed = tp_s
-    if config.overlap_tp_backward and not split and tp_s > 0:
-        exposed = sum(max(0.0, tp_s - w) for w in wgrads) / max(1, len(wgrads))
+    overlap = config.overlap_tp_backward and not split and tp_s > 0
+    if layout.sequence_parallel and layout.tp > 1:
+        half = tp_s / 2
+        under_weight = half if not overlap else sum(max(0.0, half - w) for w in wgrads) / max(1, len(wgrads))
+        under_input = half if not overlap else sum(max(0.0, half - d) for d in dgrads) / max(1, len(dgrads))
+        exposed = half + under_weight + under_input
+    else:
+        exposed = tp_s
+        if overlap:
+            exposed = sum(max(0.0, tp_s - w) for w in wgrads) / max(1, len(wgrads))
     backward = backward_s + (2 * exposed + recompute_calls * tp_s) * layers
     if split:
         return forward, backward, weight_s
@@ -275,25 +300,27 @@ def stage_seconds(
 
 #: Priced stages by (model, layout, stage, peak, memory rate, curves' identity): a planner prices each stage of a
 #: layout for its bounds and its simulation alike. Each entry keeps its curves, so an identity is never reused.
-_PRICED: dict[tuple, tuple[object, tuple[float, float, float, tuple[float, ...]]]] = {}
+_PRICED: dict[tuple, tuple[object, tuple[float, float, float, tuple[float, ...], tuple[float, ...]]]] = {}
 
 
 def _priced(
     model: ModelSpec, layout: Layout, stage: int, peak_flops: float, memory_bytes_per_s: float, config: StepConfig
-) -> tuple[float, float, float, tuple[float, ...]]:
+) -> tuple[float, float, float, tuple[float, ...], tuple[float, ...]]:
     """Forward, backward and weight-gradient compute seconds of one micro-batch of ``stage``
-    (:func:`dtrain.sim.compute.stage_compute`) and the weight-gradient seconds of the column-parallel products
-    of one layer."""
+    (:func:`dtrain.sim.compute.stage_compute`), and the weight-gradient and input-gradient seconds of the
+    column-parallel products of one layer."""
     key = (model, layout, stage, peak_flops, memory_bytes_per_s, id(config.curves))
     found = _PRICED.get(key)
     if found is not None and found[0] is config.curves:
         return found[1]
     device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
     work = stage_compute(model, layout, stage, device)
-    wgrads = tuple(price(op, device) for op in layer_ops(model, layout) if op.phase == "W" and op.name in _COLUMN)
+    ops = [op for op in layer_ops(model, layout) if op.name in _COLUMN]
+    wgrads = tuple(price(op, device) for op in ops if op.phase == "W")
+    dgrads = tuple(price(op, device) for op in ops if op.phase == "B")
     if len(_PRICED) > 65536:
         _PRICED.clear()
-    _PRICED[key] = (config.curves, (work.forward_s, work.backward_s, work.weight_s, wgrads))
+    _PRICED[key] = (config.curves, (work.forward_s, work.backward_s, work.weight_s, wgrads, dgrads))
     return _PRICED[key][1]
 
 
@@ -410,6 +437,7 @@ def simulate_step(
     traffic = simulate_traffic(
         model, layout, topology, placement, tp_algorithm=config.tp_algorithm, dp_algorithm=config.dp_algorithm,
         cost=config.cost, cache=cache, split_pipeline=config.split_pipeline, flow_limit=config.flow_limit,
+        gradient_bytes=config.gradient_bytes,
     )  # fmt: skip
     tp, pp, dp, gather = traffic.tp, traffic.pp, traffic.dp, traffic.pp_gather
     tp_s = tp.time_s if tp else 0.0
@@ -439,7 +467,7 @@ def simulate_step(
         pipelines.append(slowest)
         exposed = dp_s
         if config.overlap_dp and layout.pp == 1 and layout.zero_stage == 0 and dp_s > 0:
-            grads = model.parameters / layout.tp * model.bytes_per_value
+            grads = model.parameters / layout.tp * (config.gradient_bytes or model.bytes_per_value)
             exposed = exposed_bucket_s(dp_s, max(b[0] + w[0] for b, w in zip(backward, weight, strict=True)), grads,
                                        config.bucket_bytes)  # fmt: skip
         exposed += embedding_s
@@ -478,7 +506,7 @@ def _embedding_all_reduce_s(
     vocabulary): ``V h / tp`` values in each group of two."""
     if not config.tied_embedding_allreduce or layout.pp == 1 or not model.vocab:
         return 0.0
-    item = model.bytes_per_value
+    item = config.gradient_bytes or model.bytes_per_value
     nbytes = model.vocab * model.hidden / layout.tp * item
     placement = tuple(placement)
     groups = [[grid_rank(layout, d, 0, t), grid_rank(layout, d, layout.pp - 1, t)]
@@ -583,17 +611,15 @@ def data_parallel_lower_bound(
     if layout.dp == 1:
         return 0.0
     placement = list(placement)
-    item = model.bytes_per_value
-    grads = model.parameters / (layout.tp * layout.pp) * item
     egress = _server_egress(topology)
     servers = [topology.device(d).server for d in placement]
     groups = _groups(layout, "dp")
     total = 0.0
-    for collective in ZERO_PHASES[layout.zero_stage]:
+    for collective, nbytes, item in dp_phase_bytes(model, layout, config.gradient_bytes):
         out: dict[str, float] = {}
         for g in groups:
             schedule = _build(collective, config.dp_algorithm, g, placement, topology)
-            for rank, rounds in enumerate(_rank_rounds_cached(schedule, _padded(grads, item, len(g)), item)):
+            for rank, rounds in enumerate(_rank_rounds_cached(schedule, _padded(nbytes, item, len(g)), item)):
                 here = servers[g[rank]]
                 sent = sum(n for rr in rounds for peer, n in rr.sends.items() if servers[g[peer]] != here)
                 if sent:

@@ -24,7 +24,7 @@ from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost
 from dtrain.sim.model import Layout, ModelSpec
 from dtrain.sim.placement import grid_rank, group
 
-__all__ = ["Traffic", "Cache", "ZERO_PHASES", "simulate_traffic"]
+__all__ = ["Traffic", "Cache", "ZERO_PHASES", "dp_phase_bytes", "simulate_traffic"]
 
 #: The data-parallel collectives of a step by ZeRO stage, as dtrain.parallel.zero runs them (stage 1 all-reduces
 #: and all-gathers the updated shards; stage 2 reduce-scatters instead); stage 3 (dtrain.parallel.fsdp) adds the
@@ -35,6 +35,21 @@ ZERO_PHASES = {
     2: (Collective.REDUCE_SCATTER, Collective.ALL_GATHER),
     3: (Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.ALL_GATHER),
 }
+
+
+def dp_phase_bytes(model: ModelSpec, layout: Layout, gradient_bytes: int | None = None) -> list[tuple]:
+    """Each data-parallel phase of a step (:data:`ZERO_PHASES`) as ``(collective, bytes a rank holds, item size)``:
+    the gradient reduction (all-reduce or reduce-scatter) at ``gradient_bytes`` a value (default the model's
+    ``bytes_per_value``; 4 where the optimizer keeps and reduces 32-bit gradients, as DeepSpeed's
+    ``BF16_Optimizer`` does, ``get_grads_for_reduction``), the all-gathers of weights at ``bytes_per_value``."""
+    item = model.bytes_per_value
+    grad_item = gradient_bytes or item
+    values = model.parameters / (layout.tp * layout.pp)
+    out = []
+    for c in ZERO_PHASES[layout.zero_stage]:
+        size = item if c is Collective.ALL_GATHER else grad_item
+        out.append((c, values * size, size))
+    return out
 
 
 @dataclass(frozen=True)
@@ -156,6 +171,7 @@ def simulate_traffic(
     cache: Cache | None = None,
     split_pipeline: bool = False,
     flow_limit: int | None = DEFAULT_FLOW_LIMIT,
+    gradient_bytes: int | None = None,
 ) -> Traffic:
     """Each strategy's collective simulated once, every group of a kind at the same time on the network.
 
@@ -163,20 +179,23 @@ def simulate_traffic(
     ``split_pipeline``: each tensor-parallel rank sends ``1/tp`` of the activation to its peer of the next stage,
     which all-gathers it over its tensor-parallel group (Megatron-LM's scatter-gather optimisation, Narayanan et
     al. 2021, section 4.1); otherwise every tensor-parallel rank sends the whole activation. ``flow_limit``: see
-    :func:`dtrain.sim.classes.replay_jobs` (None: every collective replayed message by message)."""
+    :func:`dtrain.sim.classes.replay_jobs` (None: every collective replayed message by message).
+    ``gradient_bytes``: bytes a gradient value takes in the data-parallel reduction (the all-reduce or
+    reduce-scatter of :data:`ZERO_PHASES`; default the model's ``bytes_per_value``), the all-gather of updated
+    weights keeping the model's; see :func:`dp_phase_bytes`."""
     cost = cost or SoftwareCost()
     item = model.bytes_per_value
     activation = layout.micro_batch * model.sequence * model.hidden * item
 
     placement = tuple(placement)
 
-    def run(collective: Collective, algorithm: str, axis: str, nbytes: float, groups=None) -> CollectiveResult:
+    def run(collective: Collective, algorithm: str, axis: str, nbytes: float, groups=None, size=item):
         def jobs() -> list[Job]:
             ranks = groups() if groups is not None else _groups(layout, axis)
-            return _group_jobs(collective, algorithm, ranks, placement, topo, nbytes, item)
+            return _group_jobs(collective, algorithm, ranks, placement, topo, nbytes, size)
 
         shape = group_shape(layout, axis, placement, collective, algorithm, nbytes)
-        return _replay(jobs, topo, cost, item, cache, flow_limit, shape)
+        return _replay(jobs, topo, cost, size, cache, flow_limit, shape)
 
     tp = run(Collective.ALL_REDUCE, tp_algorithm, "tp", activation) if layout.tp > 1 else None
     pp = pp_gather = None
@@ -200,6 +219,6 @@ def simulate_traffic(
             pp_gather = run(Collective.ALL_GATHER, tp_algorithm, "pp-gather", activation, receivers)
     dp: list[CollectiveResult] = []
     if layout.dp > 1:
-        grads = model.parameters / (layout.tp * layout.pp) * item
-        dp = [run(c, dp_algorithm, "dp", grads) for c in ZERO_PHASES[layout.zero_stage]]
+        dp = [run(c, dp_algorithm, "dp", nbytes, size=size)
+              for c, nbytes, size in dp_phase_bytes(model, layout, gradient_bytes)]  # fmt: skip
     return Traffic(tp=tp, pp=pp, dp=dp, pp_gather=pp_gather)

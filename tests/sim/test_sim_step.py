@@ -100,6 +100,43 @@ def test_data_parallel_adds_the_ring_all_reduce_of_the_gradients() -> None:
     assert result.step_s == pytest.approx(result.compute_s + expected + result.optimizer_s, rel=1e-6)
 
 
+def test_32_bit_gradients_double_the_reduction_not_the_weight_gather() -> None:
+    # DeepSpeed's BF16_Optimizer all-reduces its 32-bit gradients, then ZeRO-1 all-gathers the 16-bit weights
+    from dtrain.sim.step import data_parallel_lower_bound
+
+    topo = star(4, bytes_per_s=10 * GB, memory_bytes_per_s=1e12)
+    layout = Layout(dp=4, global_batch=4, zero_stage=1)
+    placement = place(topo, layout)
+    half = simulate_step(MODEL, layout, topo, placement, StepConfig(overlap_dp=False))
+    full = simulate_step(MODEL, layout, topo, placement, StepConfig(overlap_dp=False, gradient_bytes=4))
+    link = LinkCost(alpha_s=0.0, beta_s_per_byte=1 / (10 * GB), gamma_s_per_byte=3 / 1e12)
+    params = CostParams(intra=link)
+    gather = predict("all_gather", "ring", int(2e9), 4, params)
+    assert half.dp_s == pytest.approx(predict("all_reduce", "ring", int(2e9), 4, params) + gather, rel=1e-3)
+    assert full.dp_s == pytest.approx(predict("all_reduce", "ring", int(4e9), 4, params) + gather, rel=1e-3)
+    config = StepConfig(gradient_bytes=4)
+    assert data_parallel_lower_bound(MODEL, layout, topo, placement, config) <= full.dp_s
+    with pytest.raises(ValueError, match="gradient_bytes"):
+        StepConfig(gradient_bytes=3)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_sequence_parallel_backward_waits_for_two_all_gathers_a_layer(overlap: bool) -> None:
+    # Korthikanti et al. 2022, 4.2.2: the backward of each reduce-scatter is an all-gather on the critical path;
+    # the all-gather's reduce-scatter runs under the weight gradient, the input's second all-gather under the input
+    # gradient (each half the all-reduce's time, tp_s): with a tp_s small enough to hide, only the two show
+    from dtrain.sim.step import stage_seconds
+
+    tp_s = 1e-7
+    config = StepConfig(overlap_tp_backward=overlap)
+    for sp in (True, False):
+        layout = Layout(tp=2, global_batch=2, recompute="selective", sequence_parallel=sp)
+        args = (MODEL, layout, 0, 312e12, 2039e9, config)
+        grown = stage_seconds(*args, tp_s)[1] - stage_seconds(*args, 0.0)[1]
+        per_layer = {(True, True): tp_s, (False, True): 0.0, (True, False): 3 * tp_s, (False, False): 2 * tp_s}
+        assert grown == pytest.approx(MODEL.layers * per_layer[sp, overlap], rel=1e-6), (sp, overlap)
+
+
 @pytest.mark.parametrize(("all_reduce_s", "exposed_s"), [(4.0, 1.0), (16.0, 10.0)])
 def test_bucketed_all_reduce_hides_behind_backward_but_its_last_bucket(all_reduce_s: float, exposed_s: float) -> None:
     # 4 buckets ready at 2, 4, 6, 8 s of an 8 s backward, each taking a quarter of the all-reduce, in order

@@ -118,3 +118,6 @@ def test_bloom_counts_its_embeddings_as_layers_of_the_pipeline() -> None:
     assert all(c.embedding_layers == 0 for c in found if model.layers % c.pp == 0)
     result = published.simulate(row)
     assert result["fits"] and result["error"] < 0, result
+    # DeepSpeed's BF16_Optimizer reduces 32-bit gradients; Megatron-LM's --fp16 runs 16-bit ones
+    assert published.config_of(row).gradient_bytes == 4
+    assert published.config_of(_rows()["narayanan21-39.1b"]).gradient_bytes == 2

@@ -119,12 +119,16 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     all-reduce between the first and last stage (``allreduce_word_embedding_grads``), Megatron-LM's
     mixed-precision optimizer step (:data:`dtrain.sim.compute.MEGATRON_FP16_OPTIMIZER_BYTES`), and the backward's
     tensor-parallel collective under the weight gradient only where the row's code had it
-    (``async_tp_allreduce``: Megatron-LM's asynchronous all-reduce, first in commit 16c9044 of 2021-09-02).
+    (``async_tp_allreduce``: Megatron-LM's asynchronous all-reduce, first in commit 16c9044 of 2021-09-02), and
+    the bytes of a gradient in the data-parallel reduction (``gradient_bytes``, default 2: the 16-bit gradients of
+    Megatron-LM's ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``, as ``examples/sc21/CONFIG.sh``
+    runs it; 4 for DeepSpeed's ``BF16_Optimizer``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
                       synchronous_p2p=True, paired_exchanges=True, tied_embedding_allreduce=True,
-                      optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit)  # fmt: skip
+                      optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit,
+                      gradient_bytes=row.get("gradient_bytes", 2))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
@@ -140,6 +144,14 @@ def simulate(row: dict, config: StepConfig | None = None) -> dict:
         "dp_exposed_s": result.dp_exposed_s, "optimizer_s": result.optimizer_s, "bubble": result.bubble,
         "memory_gb": result.memory.total / 1e9, "fits": result.fits,
     }  # fmt: skip
+
+
+def compute_factor(result: dict) -> float:
+    """How much slower each micro-batch's compute would have to be for the prediction to meet the published time,
+    the rest of the step (collectives, bubble, optimizer) held: ``(published - (predicted - compute)) / compute``.
+    The bubble and every collective that waits on compute grow with it too, so this is an upper bound."""
+    rest = result["predicted_s"] - result["compute_s"]
+    return (result["published_s"] - rest) / result["compute_s"]
 
 
 def summary(rows: list[dict]) -> dict:
@@ -255,6 +267,13 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
             p = summary(part)
             out.append(f"| {label} | {p['rows']} | {p['median_abs_error']:.1%} | {p['worst_abs_error']:.1%} | "
                        f"{_verdict(p)} |")  # fmt: skip
+    out += ["", "| run | compute (s) | tp, every call (s) | dp exposed (s) | optimizer (s) | bubble | step beyond "
+            "compute (s) | compute x to match |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in results:
+        out.append(f"| {r['name']} | {r['compute_s']:.2f} | {r['tp_s']:.2f} | {r['dp_exposed_s']:.2f} | "
+                   f"{r['optimizer_s']:.3f} | {r['bubble']:.1%} | {r['predicted_s'] - r['compute_s']:.2f} | "
+                   f"{compute_factor(r):.2f} |")  # fmt: skip
     if plan_path:
         checks = [c for c in _read(plan_path) if "best" in c]
         out += ["", "| run | published layout (s) | best plan, any technique (s) | rank | best plan, the run's "
