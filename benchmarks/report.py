@@ -1268,28 +1268,25 @@ def section_sim_beside_measured() -> str:
             f"{size(min(r['nbytes'] for r in coll))}-{size(max(r['nbytes'] for r in coll))}. "
             "NCCL's calls (`native`, and `auto` where it resolved to NCCL) are priced by the NCCL model (a ring "
             "in the protocol NCCL's tuning log gives, Simple below 1 MiB; all-to-all as grouped point-to-point) "
-            "with its figures fitted on 4 x H200 graph captures; dtrain's one-shot and direct algorithms by the "
-            "peer-memory model with the H100 figures of `sim_validation-peer-h100x4.jsonl`. `device` is the "
+            "with its figures fitted on 4 x H200 graph captures; dtrain's own (the one-shot and two-shot all-reduce, "
+            "the one-pass reduce-scatter `direct` and broadcast `star`) by the peer-memory model as their pull "
+            "plans, with the H100 figures of `sim_validation-peer-h100x4.jsonl`. `device` is the "
             "kernel alone; `with host` adds the host's time a call (a call costs the larger of the two): for "
             f"NCCL the median of its eager calls of at most 1 MiB in {' and '.join(figures['host_source'])} "
             f"({host}); for dtrain's one-kernel all-reduces (one-shot, two-shot `direct`) "
             f"{figures['fused_host_s'] * 1e6:.1f} us, the median of `auto` back to back at 8 KiB-1 MiB in "
-            f"{figures['fused_source']}. Below 32 MiB every NCCL call is the host's; the host time of this "
-            "sweep's processes differs from the other launch's (all-to-all; all-reduce in fresh processes), "
-            "which no figure carried from another launch can follow, and dtrain's one-shot calls took more host "
-            "time here than in the probe. Above that the kernel decides: NCCL's calls of 128 MiB and more come "
-            "within "
-            f"{errors([r['error'] for r in coll if r['model'] == 'nccl' and r['nbytes'] >= 128 * MIB])} "
-            "(the fresh 4-GPU processes ran slower than the model and the other runs); the peer model prices "
-            "the two-shot kernel as its pull plan, too slow at 8 MiB on 4 GPUs. The last column is the cost "
-            "model `auto` chose by, as the sweep recorded it.",
+            f"{figures['fused_source']}. Below 32 MiB every NCCL call is the host's, and the host time of this "
+            "sweep's processes need not be the other launch's, which no figure carried from another launch can "
+            "follow. Above that the kernel decides: NCCL's calls of 128 MiB and more come within "
+            f"{errors([r['error'] for r in coll if r['model'] == 'nccl' and r['nbytes'] >= 128 * MIB])}. "
+            "The last column is the cost model `auto` chose by, as the sweep recorded it.",
             table(
                 [
                     "GPUs",
                     "collective",
                     "NCCL, device",
                     "NCCL, with host",
-                    "ours (one-shot, direct)",
+                    "ours (one-shot, direct, star)",
                     "ours, auto's cost model",
                 ],
                 rows,
