@@ -470,6 +470,19 @@ def _declined(coll: Collective, algorithm: str, chosen: str, input: torch.Tensor
     )
 
 
+def _one_pass_first(coll, algorithm, chosen, group, output, input, op: str = "sum", root: int = 0) -> str | None:
+    """Run the call in one pass where ``auto``'s choice or the named algorithm is a one-pass schedule the call can
+    run (:func:`_one_pass`): None when it ran; else the algorithm that runs it, ``native`` where ``auto`` chose a
+    one pass that cannot run (:func:`_one_pass_or_native`, :func:`_declined`)."""
+    nbytes = input.numel() * input.element_size()
+    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, op, input.device, nbytes)
+    if chosen == "native":
+        return chosen
+    if _one_pass(coll, algorithm, chosen, group, output, input, input.numel(), op=op, root=root):
+        return None
+    return "native" if _declined(coll, algorithm, chosen, input) else chosen
+
+
 def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str = "sum", root: int = 0) -> bool:
     """Run the call in one pass over the peers' windows (:func:`dtrain.comm.peer.fused.one_pass`) where ``chosen``
     is a one-pass schedule and the call can be (CUDA, the peer transport, contiguous tensors, no
@@ -732,12 +745,9 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
     check_tensor(tensor, "tensor", what)
     check_root(src, group_info(group, what)[1], "src", what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, tensor.numel(), tensor, what)
-    nbytes = tensor.numel() * tensor.element_size()
-    chosen = _one_pass_or_native(coll, algorithm, chosen, tensor.dtype, "sum", tensor.device, nbytes)
-    if chosen != "native":
-        if _one_pass(coll, algorithm, chosen, group, tensor, tensor, tensor.numel(), root=src):
-            return tensor
-        chosen = "native" if _declined(coll, algorithm, chosen, tensor) else chosen
+    chosen = _one_pass_first(coll, algorithm, chosen, group, tensor, tensor, root=src)
+    if chosen is None:
+        return tensor
     if chosen == "native":
         run = _native(group).broadcast
         _keep(coll, group, algorithm, src, tensor, tensor, lambda t, _t: run(t, src, group) is not None)
@@ -806,12 +816,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     rank, world = group_info(group, what)
     check_pair(output, input, world * input.numel(), what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, output.numel(), output, what)
-    nbytes = input.numel() * input.element_size()
-    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, "sum", input.device, nbytes)
-    if chosen != "native":
-        if _one_pass(coll, algorithm, chosen, group, output, input, input.numel()):
-            return output
-        chosen = "native" if _declined(coll, algorithm, chosen, input) else chosen
+    chosen = _one_pass_first(coll, algorithm, chosen, group, output, input)
+    if chosen is None:
+        return output
     if chosen == "native":
         run = _native(group).all_gather
         _keep(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
@@ -886,12 +893,9 @@ def reduce_scatter(
     rank, world = group_info(group, what)
     check_pair(input, output, world * output.numel(), what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
-    nbytes = input.numel() * input.element_size()
-    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, op, input.device, nbytes)
-    if chosen != "native":
-        if _one_pass(coll, algorithm, chosen, group, output, input, input.numel(), op=op):
-            return output
-        chosen = "native" if _declined(coll, algorithm, chosen, input) else chosen
+    chosen = _one_pass_first(coll, algorithm, chosen, group, output, input, op=op)
+    if chosen is None:
+        return output
     if chosen == "native":
         run = _native(group).reduce_scatter
         _keep(coll, group, algorithm, op, output, input, lambda o, i: run(o, i, op, group) is not None)
@@ -942,12 +946,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     if input.numel() % world:
         raise ValueError(f"all_to_all: input has {input.numel()} elements, not a multiple of the group size {world}")
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
-    nbytes = input.numel() * input.element_size()
-    chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, "sum", input.device, nbytes)
-    if chosen != "native":
-        if _one_pass(coll, algorithm, chosen, group, output, input, input.numel()):
-            return output
-        chosen = "native" if _declined(coll, algorithm, chosen, input) else chosen
+    chosen = _one_pass_first(coll, algorithm, chosen, group, output, input)
+    if chosen is None:
+        return output
     if chosen == "native":
         run = _native(group).all_to_all
         _keep(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
