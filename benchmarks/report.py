@@ -902,7 +902,7 @@ def _zero_bubble_part() -> list[str]:
             continue
         rows = [
             [
-                r["schedule"],
+                r["schedule"] + (" (graphs)" if r.get("graphs") else ""),
                 str(r["microbatches"]),
                 str(r["batch"] // r["microbatches"]),
                 f"{r['bubble_theory']:.3f}",
@@ -925,7 +925,12 @@ def _zero_bubble_part() -> list[str]:
                 "equal pass times (Qi et al. 2024, section 3.1); for ZB-V the idle share of its own schedule "
                 "simulated with free messages. torch: the same model and micro-batches through "
                 "torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and "
-                "ScheduleZBVZeroBubble (it has no single-chunk ZB-H1); `torch / ours`: its step time over ours.",
+                "ScheduleZBVZeroBubble (it has no single-chunk ZB-H1); `torch / ours`: its step time over ours. "
+                "`(graphs)`: the same schedule with every forward and backward replayed as CUDA graphs "
+                "(`PipelineParallel(graphs=True)`), the same loss and gradients. The measured bubble counts as "
+                "compute each stage's eager forwards and backwards run back to back, which with micro-batches of "
+                "64 rows include host time, so it reads low there: the graphed 1F1B at m = 16 is nearer 0.25 "
+                "against the device time of a graphed micro-batch (docs/parallel.md).",
             ]
         parts += [
             f"#### Batch {first['batch']}",
@@ -933,7 +938,9 @@ def _zero_bubble_part() -> list[str]:
                 f"4 x {first['device']}, NVLink through NVSwitch",
                 f"torch 2.11.0+cu130, NCCL {NCCL}",
                 f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
-                f"{first['width']} --batch {first['batch']} --microbatches {ms} (benchmarks/gpu/run.sh OUT "
+                f"{first['width']} --batch {first['batch']} --microbatches {ms}"
+                + (" --graphs" if any(r.get("graphs") for r in records) else "")
+                + " (benchmarks/gpu/run.sh OUT "
                 "bench-pipeline)",
                 f"`{name}`",
             ),

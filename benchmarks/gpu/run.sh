@@ -51,7 +51,8 @@
 #   pipeline-profile   dtrain bench pipeline --profile, 1F1B and interleaved at m = 16 of batch 1024: each rank's
 #                      host time by function                                                  -> pipeline_profile.txt
 #   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 4, 8, 16 and batch
-#                      4096 at m = 8, 16, beside torch pipelining -> bench_pipeline.jsonl, bench_pipeline-b4096.jsonl
+#                      4096 at m = 8, 16, eager and with CUDA graphs, beside torch pipelining
+#                      -> bench_pipeline.jsonl, bench_pipeline-b4096.jsonl
 #   probe-one-shot | probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
 #                      benchmarks/collectives/probe.py MODE                                 -> probe-MODE.txt
 set -uo pipefail
@@ -178,10 +179,10 @@ for mode in "$@"; do
       unset DTRAIN_COMM_ONE_PASS ;;
     bench-pipeline)
       LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 4,8,16 \
-        --out "$out/bench_pipeline.jsonl" | grep -vE "^\[|Thread"
+        --graphs --out "$out/bench_pipeline.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread"
       # micro-batches of 256-512 rows: the stages' compute outweighs the host's time per action
-      LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 4096 --microbatches 8,16 \
-        --out "$out/bench_pipeline-b4096.jsonl" | grep -vE "^\[|Thread" ;;
+      LIMIT=${LIMIT:-480} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 4096 --microbatches 8,16 \
+        --graphs --out "$out/bench_pipeline-b4096.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
     pipeline-profile)
       # where the host's time per action goes with micro-batches of 64 rows: cProfile around each rank's timed steps
       LIMIT=${LIMIT:-200} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 16 \

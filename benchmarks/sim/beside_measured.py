@@ -19,8 +19,9 @@ collectives  ``dtrain bench comm`` with the defaults (collectives_defaults[_fres
              and captured-rooted-h100x4.jsonl (another launch on the same node, 4 ranks; used for 2 ranks too).
              ``--nccl-figures FILE`` takes NCCL's fitted figures from an earlier output of this mode (the fit
              takes minutes).
-pipeline     ``dtrain bench pipeline`` (bench_pipeline[-b4096]-h100x4.jsonl: 16 x (Linear(4096, 4096) + GELU)
-             in float32 on 4 stages, MSE loss): each stage's forward, input-gradient and weight-gradient time from
+pipeline     ``dtrain bench pipeline`` (bench_pipeline[-b4096]-h100x4.jsonl, its eager rows: 16 x (Linear(4096,
+             4096) + GELU) in float32 on 4 stages, MSE loss): each stage's forward, input-gradient and
+             weight-gradient time from
              dtrain.sim.compute's H100 model at the float32 peak of the device catalogue (the shipped curves are
              bfloat16 products, so the model's built-in matmul efficiency and wave quantisation price them), the
              activation between stages a flow over NVLink on the ``h100-node`` preset, the step and bubble from
@@ -268,8 +269,9 @@ def message_s(nbytes: float) -> float:
 
 
 def host_per_action_s(name: str) -> float:
-    """The median host time to issue one action over every stage and row of ``name``."""
-    return statistics.median(us for r in load(name) for us in r["host_issue_us_per_action_per_stage"]) * 1e-6
+    """The median host time to issue one action over every stage and eager row of ``name``."""
+    eager = [r for r in load(name) if not r.get("graphs")]
+    return statistics.median(us for r in eager for us in r["host_issue_us_per_action_per_stage"]) * 1e-6
 
 
 def pipeline_prediction(row: dict, host_s: float) -> dict:
@@ -308,6 +310,8 @@ def pipeline_rows(files=PIPELINE_FILES) -> list[dict]:
         other = next(f for f in files if f != name)
         host_s = host_per_action_s(other)
         for r in load(name):
+            if r.get("graphs"):  # the host figure is the eager runtime's; graphed steps are not predicted here
+                continue
             pred = pipeline_prediction(r, host_s)
             out.append({"record": "row", "source": name, "host_source": other, "schedule": r["schedule"],
                         "microbatches": r["microbatches"], "batch": r["batch"], "measured_ms": r["step_ms"],

@@ -54,6 +54,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     p.add_argument("--out", default=None, help="JSON lines, one row per schedule and m (rank 0 writes)")
     p.add_argument("--profile", default=None, metavar="DIR", help="one cProfile file a rank, schedule and m")
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time each schedule with its forwards and backwards replayed as CUDA graphs (GPUs; not zb-*)",
+    )
     return p
 
 
@@ -163,6 +168,22 @@ def _busy(pipe, args, m: int, device) -> float:
     return result
 
 
+def _outcome(pipe, x, y) -> tuple[float, float]:
+    """One more step's loss and the sum of squares of every stage's gradients (summed over the ranks): the same
+    for every schedule and with or without graphs, since the parameters never change between the steps."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, F.mse_loss)
+    grad_sq = sum((q.grad.double() ** 2).sum() for q in pipe.parameters() if q.grad is not None)
+    total = torch.as_tensor(grad_sq, dtype=torch.float64, device=loss.device).reshape(1)
+    dist.all_reduce(total)
+    for q in pipe.parameters():
+        q.grad = None
+    return loss.item(), total.item()
+
+
 def _comm_report(pipe, step, device) -> dict:
     """One more step with the link's device clocks on: per stage, the messages it sent and received, how long
     it waited for receives (on a GPU the compute stream's stall, from CUDA events around each stream wait; on the
@@ -235,7 +256,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
     from dtrain.launch import rank_device
     from dtrain.parallel.pipeline_parallel import PipelineParallel
-    from dtrain.parallel.pipeline_schedules import chunks_per_stage, theoretical_bubble
+    from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD, chunks_per_stage, theoretical_bubble
 
     device = rank_device()
     if device.type == "cpu":
@@ -249,52 +270,72 @@ def _rank_main(args: argparse.Namespace) -> None:
         for m in args.microbatches:
             if (name == "interleaved-1f1b" and m % p) or args.layers < v * p:
                 continue  # interleaved takes micro-batches in groups of p; every chunk needs a layer
-            pipe = PipelineParallel(_model(args, device), dist.group.WORLD, num_microbatches=m, schedule=name)
-
-            def step(pipe=pipe) -> None:
-                pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, F.mse_loss)
-                for q in pipe.parameters():
-                    q.grad = None
-
-            profile = cProfile.Profile() if args.profile else None
-            step_s = _time(step, device, args, profile)
-            if profile is not None:
-                os.makedirs(args.profile, exist_ok=True)
-                path = os.path.join(args.profile, f"{name}-m{m}-rank{rank}.prof")
-                profile.dump_stats(path + ".tmp")
-                os.replace(path + ".tmp", path)
-            comm_row = _comm_report(pipe, step, device)
-            busy = torch.tensor([_busy(pipe, args, m, device)], dtype=torch.float64, device=device)
-            dist.all_reduce(busy)
-            torch_s = None
-            if not args.no_torch:
-                made = _torch_step(name, _model(args, device), args, m, device, x, y)
-                torch_s = _time(made, device, args) if made is not None else None
-            row = {
-                "schedule": name,
-                "stages": p,
-                "microbatches": m,
-                "bubble_theory": round(theoretical_bubble(p, m, v, schedule=name), 4),
-                "bubble_measured": round(1 - busy.item() / (p * step_s), 4),
-                "step_ms": round(step_s * 1e3, 3),
-                "torch_step_ms": None if torch_s is None else round(torch_s * 1e3, 3),
-                **comm_row,
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "layers": args.layers,
-                "width": args.width,
-                "batch": args.batch,
-            }
-            if rank == 0:
-                print(
-                    f"{name:>17} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
-                    f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  torch "
-                    + ("-" if torch_s is None else f"{row['torch_step_ms']:.2f} ms")
-                    + f"  messages {row['messages_per_step']}  {row['wait_clock']} wait ms/stage "
-                    + " ".join(f"{w:.2f}" for w in row["recv_wait_ms_per_stage"])
-                    + "  host issue ms/stage "
-                    + " ".join(f"{h:.2f}" for h in row["host_issue_ms_per_stage"]),
-                    flush=True,
+            busy_s = torch_s = None
+            variants = (
+                [False, True] if args.graphs and device.type == "cuda" and name not in SPLIT_BACKWARD else [False]
+            )
+            for graphs in variants:
+                pipe = PipelineParallel(
+                    _model(args, device), dist.group.WORLD, num_microbatches=m, schedule=name, graphs=graphs
                 )
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+
+                def step(pipe=pipe) -> None:
+                    pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, F.mse_loss)
+                    for q in pipe.parameters():
+                        q.grad = None
+
+                profile = cProfile.Profile() if args.profile else None
+                step_s = _time(step, device, args, profile)
+                if profile is not None:
+                    os.makedirs(args.profile, exist_ok=True)
+                    path = os.path.join(args.profile, f"{name}{'-graphs' if graphs else ''}-m{m}-rank{rank}.prof")
+                    profile.dump_stats(path + ".tmp")
+                    os.replace(path + ".tmp", path)
+                comm_row = _comm_report(pipe, step, device)
+                loss, grad_sq = _outcome(pipe, x, y)
+                if busy_s is None:  # the stages' compute alone, eager: the same work with or without graphs
+                    busy = torch.tensor([_busy(pipe, args, m, device)], dtype=torch.float64, device=device)
+                    dist.all_reduce(busy)
+                    busy_s = busy.item()
+                    if not args.no_torch:
+                        made = _torch_step(name, _model(args, device), args, m, device, x, y)
+                        torch_s = _time(made, device, args) if made is not None else None
+                row = {
+                    "schedule": name,
+                    "graphs": graphs,
+                    "stages": p,
+                    "microbatches": m,
+                    "bubble_theory": round(theoretical_bubble(p, m, v, schedule=name), 4),
+                    "bubble_measured": round(1 - busy_s / (p * step_s), 4),
+                    "step_ms": round(step_s * 1e3, 3),
+                    "loss": loss,
+                    "grad_sq": grad_sq,
+                    "torch_step_ms": None if torch_s is None else round(torch_s * 1e3, 3),
+                    **comm_row,
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "layers": args.layers,
+                    "width": args.width,
+                    "batch": args.batch,
+                }
+                _report(row, rank, args, torch_s)
+
+
+def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | None) -> None:
+    """Rank 0 prints the row and appends it to ``--out``."""
+    if rank != 0:
+        return
+    name, p, m = row["schedule"] + (" graphs" if row["graphs"] else ""), row["stages"], row["microbatches"]
+    print(
+        f"{name:>24} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
+        f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  torch "
+        + ("-" if torch_s is None else f"{row['torch_step_ms']:.2f} ms")
+        + f"  loss {row['loss']:.6g} grad^2 {row['grad_sq']:.6g}"
+        + f"  messages {row['messages_per_step']}  {row['wait_clock']} wait ms/stage "
+        + " ".join(f"{w:.2f}" for w in row["recv_wait_ms_per_stage"])
+        + "  host issue ms/stage "
+        + " ".join(f"{h:.2f}" for h in row["host_issue_ms_per_stage"]),
+        flush=True,
+    )
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")

@@ -16,6 +16,7 @@ averages over the batch, such as ``mse_loss`` or ``cross_entropy`` with their de
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -164,6 +165,13 @@ class PipelineParallel:
     ``group``, another process group) carries the gradients, so that on NCCL the two directions between two
     stages do not queue behind each other (:mod:`~dtrain.parallel.pipeline_parallel_communications`); the rank
     grid makes one (``pp_grad_group``).
+
+    ``graphs=True`` (CUDA, GPipe and the 1F1B schedules, no autocast): the first step runs eagerly and records
+    each (chunk, micro-batch)'s argument shapes; the next captures every (chunk, micro-batch)'s forward and
+    backward as CUDA graphs of its own (:meth:`_capture`) and later steps replay them, so that a forward or
+    backward costs the host one graph launch. Memory: every micro-batch's activations and temporaries are kept
+    in its own graphs' pool, as many as GPipe holds at once whatever the schedule. A step with other shapes runs
+    eagerly.
     """
 
     def __init__(
@@ -176,6 +184,7 @@ class PipelineParallel:
         balance: Balance = "layers",
         virtual_stages: int | None = None,
         grad_group: dist.ProcessGroup | None = None,
+        graphs: bool = False,
     ) -> None:
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
@@ -218,6 +227,14 @@ class PipelineParallel:
         self.group = group
         self._loss_stage = stage_of_virtual(v * p - 1, p, self.placement)[0]
         self.timeline: Timeline | None = None
+        if graphs and schedule in SPLIT_BACKWARD:
+            raise ValueError(f"graphs=True: schedule {schedule!r} splits backward into B and W, which graphs do not")
+        if graphs and device.type != "cuda":
+            raise ValueError(f"graphs=True needs the stage's parameters on a CUDA device, not {device}")
+        #: whether each (chunk, micro-batch)'s forward and backward replay as CUDA graphs (:meth:`train_step`)
+        self.graphs = graphs
+        self._graphed: dict[tuple[int, int], nn.Module] | None = None
+        self._shapes: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> the arguments' shapes of the first step
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.stage.parameters()
@@ -255,6 +272,10 @@ class PipelineParallel:
         along dim 0 into ``num_microbatches`` equal micro-batches. Returns the batch's mean loss (the sum of the
         micro-batch losses / m) on every stage of the group. The caller steps and zeroes the optimizer.
         """
+        if self.graphs and self._graphed is None and self._shapes and not forward_only:
+            # at the start of a step, not the end of the first: no autograd graph of an eager step is alive then,
+            # whose nodes would tie the capture to the stream the eager step ran on
+            self._capture(loss_fn, forward_context)
         m = self.num_microbatches
         inputs = _split(batch, m, "batch") if batch is not None else None
         labels = _split(targets, m, "targets") if targets is not None else None
@@ -284,10 +305,15 @@ class PipelineParallel:
                 if kind == "F":
                     x = inputs[mb] if stage.is_first else self._recv_input(mb, chunk)
                     start = time.perf_counter()
-                    with context():
-                        y = stage(x)
-                        if stage.is_last:
-                            y = loss_fn(y, labels[mb]) / m
+                    args = (x, labels[mb]) if stage.is_last else (x,)
+                    graphed = self._replay(chunk, mb, args) if not forward_only else None
+                    if graphed is not None:
+                        y = graphed(*args)
+                    else:
+                        with context():
+                            y = stage(x)
+                            if stage.is_last:
+                                y = loss_fn(y, labels[mb]) / m
                     if stage.is_last:
                         loss += y.detach().float()
                     timeline.events.append(TimelineEvent("F", mb, start, time.perf_counter(), chunk=chunk))
@@ -318,6 +344,60 @@ class PipelineParallel:
         comm.broadcast(loss, self._loss_stage, group=self.group)
         return loss
 
+    def _replay(self, chunk: int, mb: int, args: tuple[torch.Tensor, ...]) -> nn.Module | None:
+        """The graphed forward of (``chunk``, ``mb``) where one was captured for arguments of these shapes; else
+        None (the first step, which runs eagerly and records the shapes, or a batch of another shape)."""
+        if not self.graphs:
+            return None
+        shapes = tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args)
+        if self._graphed is None:
+            self._shapes[chunk, mb] = shapes
+            return None
+        return self._graphed.get((chunk, mb)) if self._shapes.get((chunk, mb)) == shapes else None
+
+    def _capture(self, loss_fn: LossFn, forward_context) -> None:
+        """Record every (chunk, micro-batch)'s forward and backward as CUDA graphs
+        (``torch.cuda.make_graphed_callables``), from the shapes the first step recorded. Each micro-batch gets
+        graphs of its own, so that the activations of the micro-batches in flight stay apart;
+        the last stage's graphs include the loss. Parameters are shared with the eager modules, and their
+        gradients accumulate into ``.grad`` as in an eager step. Every later step with the same shapes replays
+        them: a forward or backward costs one graph launch of host time instead of one launch per kernel, which
+        sets the pace of a pipeline once micro-batches are small."""
+        if forward_context is not None:
+            raise ValueError("graphs=True: a forward_context (autocast) cannot be recorded; run without one")
+        keys = sorted(self._shapes)
+        modules, samples = [], []
+        for chunk, mb in keys:
+            stage = self.chunks[chunk]
+            modules.append(_Graphable(stage, loss_fn if stage.is_last else None, self.num_microbatches))
+            samples.append(
+                tuple(
+                    torch.zeros(shape, dtype=dtype, device=self.link.device).requires_grad_(grad)
+                    for shape, dtype, grad in self._shapes[chunk, mb]
+                )
+            )
+        if self.link.device.type == "cuda":
+            # the step's sends and collectives are done, but the watchdog threads (ProcessGroupNCCL's, which frees
+            # finished work's tensors, and dtrain.comm's, which queries events) look only every 0.1-0.5 s, and
+            # either doing so during a capture in CUDA's global mode breaks it (pytorch/pytorch#104487)
+            torch.cuda.synchronize(self.link.device)
+            time.sleep(_WATCHDOG_LOOK_S)
+        from dtrain.comm.peer import watchdog
+
+        # garbage collected during a capture, an old CUDA graph (another pipeline's, say) is destroyed while the
+        # capture runs, which CUDA refuses in its global capture mode and which breaks the capture: collect first,
+        # and not during it
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with watchdog.capturing():  # dtrain.comm's watchdog thread queries no event during the capture
+                graphed = _make_graphed(tuple(modules), tuple(samples))
+        finally:
+            if collecting:
+                gc.enable()
+        self._graphed = dict(zip(keys, graphed, strict=True))
+
     def _recv_input(self, mb: int, chunk: int) -> torch.Tensor:
         x = self.link.recv_forward(mb, chunk)
         return x.requires_grad_() if x.is_floating_point() else x
@@ -338,6 +418,33 @@ class PipelineParallel:
         timeline.events.append(TimelineEvent("B", mb, start, time.perf_counter(), chunk=chunk))
         if not stage.is_first and x.is_floating_point():
             self.link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x), mb, chunk)
+
+
+#: Seconds to let the watchdog threads see the last step's work finished before a capture (they look every 0.1-0.5 s).
+_WATCHDOG_LOOK_S = 1.0
+
+
+class _Graphable(nn.Module):
+    """One (chunk, micro-batch)'s forward as a module of its own for ``torch.cuda.make_graphed_callables``, which
+    replaces a module's ``forward`` with its graphed one: the chunk itself is shared, its parameters too; on the
+    model's last chunk the forward includes the micro-batch's loss (divided by ``m``)."""
+
+    def __init__(self, stage: nn.Module, loss_fn: LossFn | None, num_microbatches: int) -> None:
+        super().__init__()
+        self.stage, self.loss_fn, self.m = stage, loss_fn, num_microbatches
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.stage(x)
+        return y if self.loss_fn is None else self.loss_fn(y, target) / self.m
+
+
+def _make_graphed(modules: tuple[nn.Module, ...], samples: tuple[tuple[torch.Tensor, ...], ...]) -> tuple:
+    """``torch.cuda.make_graphed_callables`` on each module with its own memory pool (tests on the CPU put a
+    stand-in here). One pool for all would need the graphs replayed in the order they were captured (every
+    forward, then every backward in reverse), which a pipeline schedule does not do: on an H100, four
+    micro-batches' graphs sharing a pool, replayed forward then backward in micro-batch order, gave gradients off
+    by 170 %; a pool each gave the eager gradients exactly."""
+    return tuple(torch.cuda.make_graphed_callables(module, args) for module, args in zip(modules, samples, strict=True))
 
 
 @contextlib.contextmanager

@@ -201,3 +201,67 @@ def zero_bubble(p: int, m: int, schedule: str, steps: int = 3) -> dict:
         ),
         "stage": float(stage),
     }
+
+
+def graphed(p: int, m: int, schedule: str, v: int = 1, steps: int = 3) -> dict:
+    """``graphs=True`` with a stand-in for ``torch.cuda.make_graphed_callables`` (no GPU here): the first step runs
+    eagerly and records each (chunk, micro-batch)'s argument shapes, then one capture makes a module per (chunk,
+    micro-batch), the last chunk's including the loss, and every later step runs through them. Returns the worst
+    errors against the unsplit reference on this rank, the (chunk, micro-batch) keys captured, how many captures
+    ran and how many forwards went through the captured modules."""
+    from dtrain.parallel import pipeline_parallel
+
+    captures, replays = [], [0]
+
+    class Replayed(nn.Module):
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            replays[0] += 1
+            return self.module(*args)
+
+    def stand_in(modules, samples):
+        for module, args in zip(modules, samples, strict=True):  # a warm-up forward and backward, as torch runs
+            out = module(*args)
+            torch.autograd.grad(out.sum(), [a for a in args if a.requires_grad] + list(module.parameters()))
+        captures.append(len(modules))
+        return tuple(Replayed(module) for module in modules)
+
+    real = pipeline_parallel._make_graphed
+    pipeline_parallel._make_graphed = stand_in
+    try:
+        group = group_of(p)
+        reference = _mlp(seed=7)
+        ref_losses, ref_grads = _reference_steps(reference, "mlp", steps)
+        kwargs = {"virtual_stages": v} if schedule == "interleaved-1f1b" else {}
+        pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule=schedule, **kwargs)
+        pipe.graphs = True  # the constructor asks for a CUDA device
+        losses, grads = _pipeline_steps(pipe, "mlp", steps)
+    finally:
+        pipeline_parallel._make_graphed = real
+    held = [i for chunk in pipe.chunks for i in chunk.layer_range]
+    ref_params = [q.detach() for i in held for q in reference[i].parameters()]
+    ref_stage_grads = [g for s in range(steps) for g in _stage_slice(reference, held, ref_grads[s])]
+    return {
+        "loss": _max_error([torch.tensor(losses)], [torch.tensor(ref_losses)]),
+        "grad": _max_error([g for s in grads for g in s], ref_stage_grads),
+        "param": _max_error(list(pipe.parameters()), ref_params),
+        "keys": sorted(pipe._graphed),
+        "captures": captures,
+        "replays": replays[0],
+    }
+
+
+def graphs_refused() -> list[str]:
+    """``graphs=True`` on a CPU stage and with a schedule that splits backward: the errors, before anything is sent."""
+    errors = []
+    for schedule in ("1f1b", "zb-h1"):
+        try:
+            PipelineParallel(_mlp(seed=1), group_of(2), num_microbatches=2, schedule=schedule, graphs=True)
+        except ValueError as err:
+            errors.append(str(err))
+        else:
+            errors.append("no error")
+    return errors
