@@ -916,6 +916,7 @@ def _zero_bubble_part() -> list[str]:
         ]
         first = records[0]
         ms = ",".join(str(m) for m in dict.fromkeys(r["microbatches"] for r in records))
+        eager_busy = [r for r in records if r.get("graphs") and r.get("busy_from") != "graphs"]
         if not parts:
             parts += [
                 "### Every schedule on 4 x H100, beside torch.distributed.pipelining",
@@ -927,10 +928,14 @@ def _zero_bubble_part() -> list[str]:
                 "torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and "
                 "ScheduleZBVZeroBubble (it has no single-chunk ZB-H1); `torch / ours`: its step time over ours. "
                 "`(graphs)`: the same schedule with every forward and backward replayed as CUDA graphs "
-                "(`PipelineParallel(graphs=True)`), the same loss and gradients. The measured bubble counts as "
-                "compute each stage's eager forwards and backwards run back to back, which with micro-batches of "
-                "64 rows include host time, so it reads low there: the graphed 1F1B at m = 16 is nearer 0.25 "
-                "against the device time of a graphed micro-batch (docs/parallel.md).",
+                "(`PipelineParallel(graphs=True)`), the same loss and gradients; its bubble counts as compute the "
+                "stage's graphed forwards and backwards run back to back.",
+            ]
+        if eager_busy:
+            parts += [
+                f"In `{name}` the graphed rows' bubble counts the eager forwards and backwards as compute, which "
+                "with micro-batches of 64 rows include host time, so it reads low there: the graphed 1F1B at "
+                "m = 16 is nearer 0.25 against the device time of a graphed micro-batch (docs/parallel.md)."
             ]
         parts += [
             f"#### Batch {first['batch']}",

@@ -131,18 +131,29 @@ def _time(step, device, args, profile: cProfile.Profile | None = None) -> float:
 
 
 def _busy(pipe, args, m: int, device) -> float:
-    """This rank's seconds of forward and backward of ``m`` micro-batches through its chunks, alone."""
+    """This rank's seconds of forward and backward of ``m`` micro-batches through its chunks, alone: eagerly, or
+    through the pipeline's captured CUDA graphs where it has them (``graphs=True``), so that a graphed step's
+    bubble is measured against the compute it runs."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     x = torch.randn(args.batch // m, args.width, device=device)
+    graphed = getattr(pipe, "_graphed", None) or {}
 
     def once() -> None:
-        for _ in range(m):
-            for chunk in pipe.chunks:
-                out = chunk(x.detach().requires_grad_())
-                F.mse_loss(out, x).backward() if chunk.is_last else out.backward(x)
+        for mb in range(m):
+            for c, chunk in enumerate(pipe.chunks):
+                run = graphed.get((c, mb))
+                if run is None:
+                    out = chunk(x.detach().requires_grad_())
+                    F.mse_loss(out, x).backward() if chunk.is_last else out.backward(x)
+                    continue
+                inp = x.detach().requires_grad_(not chunk.is_first)  # as the graphs were captured
+                if chunk.is_last:
+                    run(inp, x).backward()  # the graph's forward includes the loss
+                else:
+                    run(inp).backward(x)
 
     def timed() -> float:
         once()
@@ -270,7 +281,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         for m in args.microbatches:
             if (name == "interleaved-1f1b" and m % p) or args.layers < v * p:
                 continue  # interleaved takes micro-batches in groups of p; every chunk needs a layer
-            busy_s = torch_s = None
+            torch_s, torch_done = None, False
             variants = (
                 [False, True] if args.graphs and device.type == "cuda" and name not in SPLIT_BACKWARD else [False]
             )
@@ -293,13 +304,13 @@ def _rank_main(args: argparse.Namespace) -> None:
                     os.replace(path + ".tmp", path)
                 comm_row = _comm_report(pipe, step, device)
                 loss, grad_sq = _outcome(pipe, x, y)
-                if busy_s is None:  # the stages' compute alone, eager: the same work with or without graphs
-                    busy = torch.tensor([_busy(pipe, args, m, device)], dtype=torch.float64, device=device)
-                    dist.all_reduce(busy)
-                    busy_s = busy.item()
-                    if not args.no_torch:
-                        made = _torch_step(name, _model(args, device), args, m, device, x, y)
-                        torch_s = _time(made, device, args) if made is not None else None
+                # the stages' compute alone, as this variant runs it (eager, or the captured graphs)
+                busy = torch.tensor([_busy(pipe, args, m, device)], dtype=torch.float64, device=device)
+                dist.all_reduce(busy)
+                busy_s = busy.item()
+                if not args.no_torch and not torch_done:
+                    made = _torch_step(name, _model(args, device), args, m, device, x, y)
+                    torch_s, torch_done = (_time(made, device, args) if made is not None else None), True
                 row = {
                     "schedule": name,
                     "graphs": graphs,
@@ -308,6 +319,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     "bubble_theory": round(theoretical_bubble(p, m, v, schedule=name), 4),
                     "bubble_measured": round(1 - busy_s / (p * step_s), 4),
                     "step_ms": round(step_s * 1e3, 3),
+                    "busy_from": "graphs" if getattr(pipe, "_graphed", None) else "eager",
                     "loss": loss,
                     "grad_sq": grad_sq,
                     "torch_step_ms": None if torch_s is None else round(torch_s * 1e3, 3),
