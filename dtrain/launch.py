@@ -15,6 +15,13 @@ naming that peer (rank, host and pid). A ``ValueError`` is bad input, which no r
 raises it records it in the store; a rank whose collective fails meanwhile ends with it too (no restart), every
 rank of a later attempt stops with it at once, and the launching process raises it (one line) instead of using
 up the restarts.
+
+Workers start from a fork server that has imported torch, torch.distributed and torch._dynamo (which the first
+optimizer step imports) once, rather than each importing them anew (``start_method="forkserver"``,
+:mod:`dtrain.workers`; 5-6 s of CPU a worker on a 2-core machine). A fork server's children inherit its
+environment, not the launcher's at the call, so each worker takes the launcher's environment from the call's
+arguments, with the agent's own variables (RANK, MASTER_ADDR, TORCHELASTIC_*, ...) over it, as a spawned worker
+would have them.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch.distributed as dist
 
 from dtrain import env
 from dtrain.env import under_torchrun
+from dtrain.workers import start_fork_server
 
 __all__ = [
     "KILL_ENV",
@@ -176,6 +184,31 @@ def _is_collective_failure(err: BaseException) -> bool:
     return isinstance(err, dist.DistError | RuntimeError | ConnectionError | TimeoutError)
 
 
+#: The variables torch's elastic agent sets for each worker (LocalElasticAgent._start_workers), kept over the
+#: launcher's environment in a worker; and every TORCHELASTIC_* one.
+AGENT_VARIABLES = frozenset(
+    {
+        "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+        "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "OMP_NUM_THREADS",
+    }
+)  # fmt: skip
+
+
+def worker_environment(launcher: dict[str, str], worker: dict[str, str]) -> dict[str, str]:
+    """A worker's environment: the launcher's at the call, with the agent's variables of this worker over it."""
+    agent = {k: v for k, v in worker.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
+    return {**launcher, **agent}
+
+
+def _forked_rank_main(launcher: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """:func:`_rank_main` in a worker forked from the fork server, in the launcher's environment."""
+    environment = worker_environment(launcher, dict(os.environ))
+    os.environ.clear()
+    os.environ.update(environment)
+    return _rank_main(fn, *args)
+
+
 def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
     """What every launched rank runs: set up the group and the heartbeat, call ``fn``, tear them down. Under our
     own launcher a ``ValueError`` comes back as :class:`_BadInput`; under torchrun it is raised (recorded)."""
@@ -264,12 +297,7 @@ def run_ranks(
         raise ValueError(f"monitor_interval must be > 0 seconds, got {monitor_interval}")
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if nproc > 1:
-        # As torchrun does: N processes each running a full OpenMP pool oversubscribe the cores, and the
-        # pools' spin-waits then stall every rank's reductions (measured: 1 MiB all-reduce on 4 ranks of a
-        # 2-core machine 7x slower).
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-
+    start_fork_server(nproc)  # OpenMP's threads a process first: the server's environment is its workers'
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -280,6 +308,7 @@ def run_ranks(
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         local_addr="127.0.0.1",
+        start_method="forkserver",
     )
     # the agent's warnings (workers shut down on Ctrl-C, ...) repeat what the caller reports in one line
     for name in list(logging.root.manager.loggerDict):  # each module's logger has its own level set
@@ -288,7 +317,7 @@ def run_ranks(
             logging.getLogger(name).addFilter(_one_line)  # "failed (exitcode: -9) local_rank: 1 (pid: N)"
     env.kill_at()  # a bad DTRAIN_KILL_AT stops here, before any rank starts
     _quick_rendezvous_events()  # 3-4 s less a launch of two ranks on a 2-core machine
-    results = elastic_launch(config, _rank_main)(fn, *args)
+    results = elastic_launch(config, _forked_rank_main)(dict(os.environ), fn, *args)
     bad = next((r for _, r in sorted(results.items()) if isinstance(r, _BadInput)), None)
     if bad is not None:
         raise ValueError(bad.message)

@@ -178,10 +178,15 @@ def _bench_comm(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from dtrain.env import under_torchrun
     from dtrain.train.config import from_arguments, run_world
 
     config = from_arguments(args)  # bad flags end here, before torch is imported
     run_world(args.nproc)
+    if not under_torchrun():  # the workers' fork server imports torch on another core while this process does
+        from dtrain.workers import start_fork_server
+
+        start_fork_server(args.nproc)
     from dtrain.train.loop import train
 
     # CUDA memory in segments that grow rather than fixed blocks: large sharded models otherwise fail on

@@ -19,3 +19,15 @@ def bad_input_on_rank1(log: str) -> float:
     t = torch.ones(2)
     dist.all_reduce(t)
     return t.sum().item()
+
+
+def environment(names: list[str]) -> dict[str, str | None]:
+    """Each rank's values of ``names``, rank 0's returned (the others must agree)."""
+    import os
+
+    mine = {n: os.environ.get(n) for n in names}
+    every: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if any(e != every[0] for e in every):
+        raise RuntimeError(f"the ranks' environments differ: {every}")
+    return mine

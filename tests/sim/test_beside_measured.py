@@ -75,7 +75,8 @@ def test_collectives_file_matches_a_direct_call(beside):
 
 def test_pipeline_file_matches_a_direct_call(beside):
     rows = _rows("sim_beside_pipeline-h100x4.jsonl")
-    assert len(rows) == _measured(beside.PIPELINE_FILES)
+    eager = sum(1 for n in beside.PIPELINE_FILES for r in _rows(n) if not r.get("graphs"))
+    assert len(rows) == eager and eager < _measured(beside.PIPELINE_FILES)  # the graphed rows are not predicted
     row = next(r for r in rows if r["schedule"] == "gpipe" and r["batch"] == 4096)
     device = beside.fp32_device()
     t, w, p, layers = row["batch"] // row["microbatches"], 4096, 4, 4

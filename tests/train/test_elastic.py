@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.comm.peer.watchdog import Heartbeat, Peer, process_ended
-from dtrain.launch import KILL_ENV, run_ranks
+from dtrain.launch import KILL_ENV, run_ranks, worker_environment
 from dtrain.train.checkpoint import checkpoint_dir, complete_steps
 from dtrain.train.config import load_config
 from dtrain.train.loop import resize
@@ -238,6 +238,26 @@ def test_heartbeat_ring_watch_reports_the_next_rank_once_when_it_stops():
         assert len(lines) == 1 and lines[0].startswith(f"dtrain.comm heartbeat: {peer.me} has not beaten"), lines
     finally:
         watcher.stop()
+
+
+def test_workers_run_in_the_launchers_environment_at_the_call_with_the_agents_variables_over_it(monkeypatch):
+    """Workers fork from a fork server whose environment is the one it started in: a variable set after that, or
+    one the launcher dropped, is as the launcher has it at the call; the agent's RANK, TORCHELASTIC_* stay."""
+    launcher = {"A": "now", "RANK": "9", "OMP_NUM_THREADS": "1"}
+    server = {
+        "A": "then",
+        "B": "gone",
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "TORCHELASTIC_RUN_ID": "r",
+        "OMP_NUM_THREADS": "1",
+    }
+    want = {"A": "now", "RANK": "3", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "r", "OMP_NUM_THREADS": "1"}
+    assert worker_environment(launcher, server) == want
+    run_ranks(jobs.environment, 2, ["DTRAIN_TEST_MARK"])  # the fork server runs from here on
+    monkeypatch.setenv("DTRAIN_TEST_MARK", "after the server started")
+    seen = run_ranks(jobs.environment, 2, ["DTRAIN_TEST_MARK", "WORLD_SIZE"])
+    assert seen == {"DTRAIN_TEST_MARK": "after the server started", "WORLD_SIZE": "2"}
 
 
 def test_rendezvous_events_are_named_as_torch_names_them_without_reading_sources():
