@@ -272,10 +272,12 @@ class PipelineParallel:
         along dim 0 into ``num_microbatches`` equal micro-batches. Returns the batch's mean loss (the sum of the
         micro-batch losses / m) on every stage of the group. The caller steps and zeroes the optimizer.
         """
+        if self.graphs and forward_context is not None and not forward_only:
+            raise ValueError("graphs=True: a forward_context (autocast) cannot be recorded; run without one")
         if self.graphs and self._graphed is None and self._shapes and not forward_only:
             # at the start of a step, not the end of the first: no autograd graph of an eager step is alive then,
             # whose nodes would tie the capture to the stream the eager step ran on
-            self._capture(loss_fn, forward_context)
+            self._capture(loss_fn)
         m = self.num_microbatches
         inputs = _split(batch, m, "batch") if batch is not None else None
         labels = _split(targets, m, "targets") if targets is not None else None
@@ -355,7 +357,7 @@ class PipelineParallel:
             return None
         return self._graphed.get((chunk, mb)) if self._shapes.get((chunk, mb)) == shapes else None
 
-    def _capture(self, loss_fn: LossFn, forward_context) -> None:
+    def _capture(self, loss_fn: LossFn) -> None:
         """Record every (chunk, micro-batch)'s forward and backward as CUDA graphs
         (``torch.cuda.make_graphed_callables``), from the shapes the first step recorded. Each micro-batch gets
         graphs of its own, so that the activations of the micro-batches in flight stay apart;
@@ -363,8 +365,6 @@ class PipelineParallel:
         gradients accumulate into ``.grad`` as in an eager step. Every later step with the same shapes replays
         them: a forward or backward costs one graph launch of host time instead of one launch per kernel, which
         sets the pace of a pipeline once micro-batches are small."""
-        if forward_context is not None:
-            raise ValueError("graphs=True: a forward_context (autocast) cannot be recorded; run without one")
         keys = sorted(self._shapes)
         modules, samples = [], []
         for chunk, mb in keys:

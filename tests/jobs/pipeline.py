@@ -255,7 +255,8 @@ def graphed(p: int, m: int, schedule: str, v: int = 1, steps: int = 3) -> dict:
 
 
 def graphs_refused() -> list[str]:
-    """``graphs=True`` on a CPU stage and with a schedule that splits backward: the errors, before anything is sent."""
+    """``graphs=True`` on a CPU stage, with a schedule that splits backward and with autocast: the errors, before
+    anything is sent; then the pipeline still trains."""
     errors = []
     for schedule in ("1f1b", "zb-h1"):
         try:
@@ -264,4 +265,15 @@ def graphs_refused() -> list[str]:
             errors.append(str(err))
         else:
             errors.append("no error")
+    pipe = PipelineParallel(_mlp(seed=1), group_of(2), num_microbatches=2)
+    pipe.graphs = True  # as on a GPU: autocast is refused at the first step, before anything is sent
+    batch, targets = _data("mlp", 0)
+    try:
+        pipe.train_step(batch, targets, F.mse_loss, forward_context=lambda: torch.autocast("cpu"))
+    except ValueError as err:
+        errors.append(str(err))
+    else:
+        errors.append("no error")
+    pipe.graphs = False
+    errors.append(str(torch.isfinite(pipe.train_step(batch, targets, F.mse_loss)).item()))  # nothing was left half sent
     return errors

@@ -191,11 +191,12 @@ def test_graphed_steps_capture_each_microbatch_once_and_train_like_the_unsplit_m
         _assert_equivalent([r])
 
 
-def test_graphs_are_refused_on_the_cpu_and_with_split_backward(pool):
+def test_graphs_are_refused_on_the_cpu_with_split_backward_and_with_autocast(pool):
     errors = pool.run(pipeline_jobs.graphs_refused, ranks=2)
     assert errors[0] == errors[1]
     assert "needs the stage's parameters on a CUDA device" in errors[0][0]
     assert "splits backward into B and W" in errors[0][1]
+    assert "a forward_context (autocast) cannot be recorded" in errors[0][2] and errors[0][3] == "True"
 
 
 def test_interleaved_timeline_records_each_chunk_and_a_bubble(pool):
