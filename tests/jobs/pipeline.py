@@ -145,13 +145,10 @@ def timeline(p: int, m: int, schedule: str, link_report: bool = False) -> Timeli
     return (pipe.timeline, pipe.link.step_report()) if link_report else pipe.timeline
 
 
-def interleaved(p: int, m: int, v: int, steps: int = 3) -> dict:
-    """Interleaved 1F1B with ``v`` chunks a rank against the unsplit reference; the worst errors on this rank."""
-    group = group_of(p)
-    reference = _mlp(seed=7)
-    ref_losses, ref_grads = _reference_steps(reference, "mlp", steps)
-    pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule="interleaved-1f1b", virtual_stages=v)
-    losses, grads = _pipeline_steps(pipe, "mlp", steps)
+def _chunk_errors(pipe: PipelineParallel, reference: nn.Sequential, ref: tuple, got: tuple, steps: int) -> dict:
+    """The worst loss, gradient and parameter errors of ``pipe``'s chunks against the unsplit ``reference``
+    (``ref`` and ``got``: the losses and per-step gradients of each)."""
+    (ref_losses, ref_grads), (losses, grads) = ref, got
     held = [i for chunk in pipe.chunks for i in chunk.layer_range]
     ref_params = [q.detach() for i in held for q in reference[i].parameters()]
     ref_stage_grads = [g for s in range(steps) for g in _stage_slice(reference, held, ref_grads[s])]
@@ -159,6 +156,18 @@ def interleaved(p: int, m: int, v: int, steps: int = 3) -> dict:
         "loss": _max_error([torch.tensor(losses)], [torch.tensor(ref_losses)]),
         "grad": _max_error([g for s in grads for g in s], ref_stage_grads),
         "param": _max_error(list(pipe.parameters()), ref_params),
+    }
+
+
+def interleaved(p: int, m: int, v: int, steps: int = 3) -> dict:
+    """Interleaved 1F1B with ``v`` chunks a rank against the unsplit reference; the worst errors on this rank."""
+    group = group_of(p)
+    reference = _mlp(seed=7)
+    ref = _reference_steps(reference, "mlp", steps)
+    pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule="interleaved-1f1b", virtual_stages=v)
+    got = _pipeline_steps(pipe, "mlp", steps)
+    return {
+        **_chunk_errors(pipe, reference, ref, got, steps),
         "chunks": float(len(pipe.chunks) != v),  # 0.0 when this rank holds v chunks
         "peak_activations": float(pipe.timeline.peak_activations != validate_peak(p, m, v)),
     }
@@ -234,20 +243,15 @@ def graphed(p: int, m: int, schedule: str, v: int = 1, steps: int = 3) -> dict:
     try:
         group = group_of(p)
         reference = _mlp(seed=7)
-        ref_losses, ref_grads = _reference_steps(reference, "mlp", steps)
+        ref = _reference_steps(reference, "mlp", steps)
         kwargs = {"virtual_stages": v} if schedule == "interleaved-1f1b" else {}
         pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule=schedule, **kwargs)
         pipe.graphs = True  # the constructor asks for a CUDA device
-        losses, grads = _pipeline_steps(pipe, "mlp", steps)
+        got = _pipeline_steps(pipe, "mlp", steps)
     finally:
         pipeline_parallel._make_graphed = real
-    held = [i for chunk in pipe.chunks for i in chunk.layer_range]
-    ref_params = [q.detach() for i in held for q in reference[i].parameters()]
-    ref_stage_grads = [g for s in range(steps) for g in _stage_slice(reference, held, ref_grads[s])]
     return {
-        "loss": _max_error([torch.tensor(losses)], [torch.tensor(ref_losses)]),
-        "grad": _max_error([g for s in grads for g in s], ref_stage_grads),
-        "param": _max_error(list(pipe.parameters()), ref_params),
+        **_chunk_errors(pipe, reference, ref, got, steps),
         "keys": sorted(pipe._graphed),
         "captures": captures,
         "replays": replays[0],
