@@ -166,12 +166,13 @@ class PipelineParallel:
     stages do not queue behind each other (:mod:`~dtrain.parallel.pipeline_parallel_communications`); the rank
     grid makes one (``pp_grad_group``).
 
-    ``graphs=True`` (CUDA, GPipe and the 1F1B schedules, no autocast): the first step runs eagerly and records
-    each (chunk, micro-batch)'s argument shapes; the next captures every (chunk, micro-batch)'s forward and
-    backward as CUDA graphs of its own (:meth:`_capture`) and later steps replay them, so that a forward or
-    backward costs the host one graph launch. Memory: every micro-batch's activations and temporaries are kept
-    in its own graphs' pool, as many as GPipe holds at once whatever the schedule. A step with other shapes runs
-    eagerly.
+    ``graphs=True`` (CUDA, every schedule, no autocast): the first step runs eagerly and records each (chunk,
+    micro-batch)'s argument shapes; the next captures every (chunk, micro-batch)'s forward and backward as CUDA
+    graphs of its own (:meth:`_capture`) and later steps replay them, so that a forward or backward costs the host
+    one graph launch. Under ZB-H1 and ZB-V the backward graph is B alone: it leaves each linear layer's input and
+    output gradient in tensors of its pool, and W runs the weight-gradient GEMMs on them. Memory: every
+    micro-batch's activations and temporaries are kept in its own graphs' pool, as many as GPipe holds at once
+    whatever the schedule. A step with other shapes runs eagerly.
     """
 
     def __init__(
@@ -227,14 +228,14 @@ class PipelineParallel:
         self.group = group
         self._loss_stage = stage_of_virtual(v * p - 1, p, self.placement)[0]
         self.timeline: Timeline | None = None
-        if graphs and schedule in SPLIT_BACKWARD:
-            raise ValueError(f"graphs=True: schedule {schedule!r} splits backward into B and W, which graphs do not")
         if graphs and device.type != "cuda":
             raise ValueError(f"graphs=True needs the stage's parameters on a CUDA device, not {device}")
         #: whether each (chunk, micro-batch)'s forward and backward replay as CUDA graphs (:meth:`train_step`)
         self.graphs = graphs
         self._graphed: dict[tuple[int, int], nn.Module] | None = None
         self._shapes: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> the arguments' shapes of the first step
+        # (chunk, mb) -> its B graph's deferred weight gradients: (weight, bias, input, grad_output) in the graph's pool
+        self._recorded_w: dict[tuple[int, int], list] = {}
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.stage.parameters()
@@ -292,6 +293,7 @@ class PipelineParallel:
         self.link.begin_step(timeline, forward_only=forward_only)
         held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output or loss)
         live: set[tuple[int, int]] = set()  # (chunk, mb) whose activations or deferred weight gradients are kept
+        replayed: set[tuple[int, int]] = set()  # (chunk, mb) whose forward and B ran as graphs in this step
         loss = torch.zeros((), device=self.link.device)
         context = forward_context if forward_context is not None else contextlib.nullcontext
         if forward_only:
@@ -311,6 +313,7 @@ class PipelineParallel:
                     graphed = self._replay(chunk, mb, args) if not forward_only else None
                     if graphed is not None:
                         y = graphed(*args)
+                        replayed.add((chunk, mb))
                     else:
                         with context():
                             y = stage(x)
@@ -331,7 +334,10 @@ class PipelineParallel:
                         live.discard((chunk, mb))
                 else:
                     start = time.perf_counter()
-                    store.flush((chunk, mb))
+                    if (chunk, mb) in replayed:  # the B graph left its layers' inputs and output gradients
+                        store.run(self._recorded_w[chunk, mb])
+                    else:
+                        store.flush((chunk, mb))
                     timeline.events.append(TimelineEvent("W", mb, start, time.perf_counter(), chunk=chunk))
                     live.discard((chunk, mb))
                 self.link.prefetch(index)
@@ -387,15 +393,20 @@ class PipelineParallel:
         # garbage collected during a capture, an old CUDA graph (another pipeline's, say) is destroyed while the
         # capture runs, which CUDA refuses in its global capture mode and which breaks the capture: collect first,
         # and not during it
+        store = self.weight_grads
+        deferring = [store.deferring(key) if store else contextlib.nullcontext() for key in keys]
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()
         try:
             with watchdog.capturing():  # dtrain.comm's watchdog thread queries no event during the capture
-                graphed = _make_graphed(tuple(modules), tuple(samples))
+                graphed = _make_graphed(tuple(modules), tuple(samples), tuple(deferring))
         finally:
             if collecting:
                 gc.enable()
+        if store is not None:
+            for key in keys:
+                self._recorded_w[key] = _captured_entries(store.take(key), key)
         self._graphed = dict(zip(keys, graphed, strict=True))
 
     def _recv_input(self, mb: int, chunk: int) -> torch.Tensor:
@@ -438,13 +449,40 @@ class _Graphable(nn.Module):
         return y if self.loss_fn is None else self.loss_fn(y, target) / self.m
 
 
-def _make_graphed(modules: tuple[nn.Module, ...], samples: tuple[tuple[torch.Tensor, ...], ...]) -> tuple:
-    """``torch.cuda.make_graphed_callables`` on each module with its own memory pool (tests on the CPU put a
-    stand-in here). One pool for all would need the graphs replayed in the order they were captured (every
-    forward, then every backward in reverse), which a pipeline schedule does not do: on an H100, four
+#: Eager forwards and backwards ``torch.cuda.make_graphed_callables`` runs before it captures (its default).
+WARMUP_ITERS = 3
+
+
+def _make_graphed(
+    modules: tuple[nn.Module, ...],
+    samples: tuple[tuple[torch.Tensor, ...], ...],
+    contexts: tuple[contextlib.AbstractContextManager, ...],
+) -> tuple:
+    """``torch.cuda.make_graphed_callables`` on each module with its own memory pool, within its context (tests on
+    the CPU put a stand-in here). One pool for all would need the graphs replayed in the order they were captured
+    (every forward, then every backward in reverse), which a pipeline schedule does not do: on an H100, four
     micro-batches' graphs sharing a pool, replayed forward then backward in micro-batch order, gave gradients off
-    by 170 %; a pool each gave the eager gradients exactly."""
-    return tuple(torch.cuda.make_graphed_callables(module, args) for module, args in zip(modules, samples, strict=True))
+    by 170 %; a pool each gave the eager gradients exactly. Unused inputs are allowed: a B graph returns no
+    gradient for the weights whose GEMMs it defers."""
+    graphed = []
+    for module, args, context in zip(modules, samples, contexts, strict=True):
+        with context:
+            graphed.append(
+                torch.cuda.make_graphed_callables(module, args, num_warmup_iters=WARMUP_ITERS, allow_unused_input=True)
+            )
+    return tuple(graphed)
+
+
+def _captured_entries(entries: list, key: tuple[int, int]) -> list:
+    """Of what a (chunk, micro-batch)'s B pushed to the weight-gradient store during its capture (each warm-up
+    backward, then the captured one), the captured backward's entries: the tensors its replays rewrite."""
+    runs = WARMUP_ITERS + 1
+    if len(entries) % runs:
+        raise RuntimeError(
+            f"graphs=True: chunk {key[0]}, micro-batch {key[1]} deferred {len(entries)} weight gradients over "
+            f"{runs} backwards of its capture, not the same number in each"
+        )
+    return entries[len(entries) - len(entries) // runs :]
 
 
 @contextlib.contextmanager

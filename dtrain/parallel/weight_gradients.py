@@ -75,9 +75,20 @@ class WeightGradStore:
             return len(self._pending.get(key, ()))
         return sum(len(v) for v in self._pending.values())
 
+    def take(self, key: Hashable) -> list[tuple[nn.Parameter, nn.Parameter | None, torch.Tensor, torch.Tensor]]:
+        """Remove and return what waits under ``key``: (weight, bias, input, grad_output) per layer, in the order the
+        backward pushed them (a CUDA graph's capture keeps them: its replays rewrite these tensors in place)."""
+        return self._pending.pop(key, [])
+
     def flush(self, key: Hashable) -> None:
         """W: run the deferred weight-gradient GEMMs (and bias sums) of ``key``, accumulating into ``.grad``."""
-        for weight, bias, inp, grad in self._pending.pop(key, ()):
+        self.run(self._pending.pop(key, ()))
+
+    @staticmethod
+    def run(entries) -> None:
+        """The weight-gradient GEMMs (and bias sums) of ``entries`` (as :meth:`take` returns them), accumulating into
+        ``.grad``; the entries are kept."""
+        for weight, bias, inp, grad in entries:
             if _fused_accumulate(weight, inp, grad):
                 if bias is not None:
                     _accumulate(bias, grad.reshape(-1, grad.shape[-1]).sum(0))

@@ -181,22 +181,25 @@ def test_interleaved_1f1b_trains_like_the_unsplit_model(pool, p, m, v):
     _assert_equivalent(pool.run(pipeline_jobs.interleaved, p, m, v, ranks=p))
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)])
 def test_graphed_steps_capture_each_microbatch_once_and_train_like_the_unsplit_model(pool, schedule, v):
     p, m, steps = 2, 4, 3
     for r in pool.run(pipeline_jobs.graphed, p, m, schedule, v, steps, ranks=p):
         keys, captures, replays = r.pop("keys"), r.pop("captures"), r.pop("replays")
+        recorded_w = r.pop("recorded_w")
         assert keys == [(c, mb) for c in range(v) for mb in range(m)] and captures == [m * v]
         assert replays == (steps - 1) * m * v  # every forward after the first step, none of the first
+        # a split backward keeps each graphed B's deferred weight gradients: one per linear layer of the chunk
+        assert [key for key, _, _ in recorded_w] == (keys if schedule.startswith("zb") else [])
+        assert all(count == linears > 0 for _, count, linears in recorded_w)
         _assert_equivalent([r])
 
 
-def test_graphs_are_refused_on_the_cpu_with_split_backward_and_with_autocast(pool):
+def test_graphs_are_refused_on_the_cpu_and_with_autocast(pool):
     errors = pool.run(pipeline_jobs.graphs_refused, ranks=2)
     assert errors[0] == errors[1]
     assert "needs the stage's parameters on a CUDA device" in errors[0][0]
-    assert "splits backward into B and W" in errors[0][1]
-    assert "a forward_context (autocast) cannot be recorded" in errors[0][2] and errors[0][3] == "True"
+    assert "a forward_context (autocast) cannot be recorded" in errors[0][1] and errors[0][2] == "True"
 
 
 def test_interleaved_timeline_records_each_chunk_and_a_bubble(pool):
