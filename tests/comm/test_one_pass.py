@@ -15,7 +15,7 @@ from dtrain.comm import api
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.check import check
 from dtrain.comm.ir.schedule import Collective
-from dtrain.comm.peer import fused
+from dtrain.comm.peer import fused, kernels
 from tests.jobs import comm as jobs
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
@@ -103,8 +103,9 @@ class _Handle:
 class _Window:
     """A CPU stand-in for a CUDA PeerWindow: every rank's buffer in one process, the barrier a thread barrier."""
 
-    def __init__(self, rank: int, buffers: list[torch.Tensor], gate: threading.Barrier) -> None:
+    def __init__(self, rank: int, buffers: list[torch.Tensor], gate: threading.Barrier, by_address: bool) -> None:
         self.rank, self.world_size, self.buffers = rank, len(buffers), buffers
+        self.pointers = torch.tensor([b.data_ptr() for b in buffers]) if by_address else None
         self.nbytes, self._mine, self._handle = buffers[rank].numel(), buffers[rank], _Handle(gate)
         self.group_name, self.bank, self.pending, self.device = "stand-in", 0, False, torch.device("cpu")
 
@@ -115,10 +116,32 @@ class _Window:
         self._handle.barrier()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, world):
+def test_the_gather_kernel_copies_in_the_widest_word_that_divides_offset_size_and_address():
+    assert kernels.word_bytes(0, 24, 1 << 20) == 8
+    assert kernels.word_bytes(20, 40, 256) == 4
+    assert kernels.word_bytes(0, 6, 512) == 2
+    assert kernels.word_bytes(8, 16, 513) == 1
+
+
+@pytest.mark.parametrize(("world", "by_address", "m"), [(2, False, 6), (4, False, 6), (2, True, 6), (4, True, 5)])
+def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, world, by_address, m):
+    """Through the peers' windows as tensors (``by_address`` False: the copies of a torch without Triton) and
+    through their addresses (the gather kernel, here a CPU stand-in that looks the addresses up and copies the
+    bytes the kernel would: the offsets, block sizes and sources one_pass gives it)."""
     buffers = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
     gate = threading.Barrier(world)
+    at_address = {b.data_ptr(): b for b in buffers}
+    copies: list[int] = []
+
+    def gather(out, pointers, offset, nbytes, blocks, root=-1):
+        flat = out.view(-1).view(torch.uint8)
+        for r in range(blocks):
+            source = at_address[int(pointers[root if root >= 0 else r])]
+            flat[r * nbytes : (r + 1) * nbytes].copy_(source[offset : offset + nbytes])
+        copies.append(kernels.word_bytes(offset, nbytes, out.data_ptr()))
+        return True
+
+    monkeypatch.setattr(kernels, "gather", gather)
 
     def reduce_block(block, group_name, out):  # the one-shot kernel: a barrier, the sum over peers, a barrier
         gate.wait(timeout=10)
@@ -127,7 +150,6 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
         gate.wait(timeout=10)
 
     monkeypatch.setattr(fused, "reduce_block", reduce_block)
-    m = 6  # elements of a block
     failures = []
 
     def rank_main(rank: int) -> None:
@@ -138,7 +160,7 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
             gate.abort()
 
     def passes(rank: int) -> None:
-        window = _Window(rank, buffers, gate)
+        window = _Window(rank, buffers, gate, by_address)
         runs = {
             form: fused.one_pass(form, window, torch.float32, m * (1 if form == "gather" else world), root=world - 1)
             for form in ("gather", "scatter", "exchange", "broadcast")
@@ -177,6 +199,10 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
     for t in threads:
         t.join(timeout=30)
     assert not failures
+    # by address: the gather, the exchange and the broadcast (but at its root) of 3 calls on every rank; a block
+    # of 5 float32 elements is copied in 4-byte words
+    assert len(copies) == (3 * (3 * world - 1) if by_address else 0)
+    assert not copies or min(copies) == (8 if m % 2 == 0 else 4)
 
 
 def test_a_repeated_call_runs_what_the_first_kept(pool):

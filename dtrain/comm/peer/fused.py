@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from dtrain.comm.ir.schedule import Collective, Schedule
-from dtrain.comm.peer import watchdog
+from dtrain.comm.peer import kernels, watchdog
 from dtrain.env import comm_env
 
 __all__ = ["FORMS", "ONE_PASS", "fused_form", "one_pass", "one_pass_form", "run_fused", "settle", "supports"]
@@ -186,6 +186,15 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
         return mine, peers
 
     banks = (views(0), views(1))
+    itemsize = dtype.itemsize
+    # the gather kernel's source: where in a window, how many bytes a block, how many blocks, from whom
+    if form == "exchange":
+        source = (rank * block * itemsize, block * itemsize, world, -1)
+    elif form == "gather":
+        source = (0, numel * itemsize, world, -1)
+    else:
+        source = (0, numel * itemsize, 1, root)
+    pointers = window.pointers  # the windows' addresses on the device (CUDA windows)
     group_name = window.group_name
     limit = window.stall_limit(None) + watchdog.GRACE  # as PeerWindow.barrier: the watchdog reports first
     barrier_ms = max(1, int(limit.total_seconds() * 1000))
@@ -213,10 +222,14 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
         if form != "broadcast" or rank == root:
             mine.copy_(input)
         barrier()
-        if form == "broadcast":
-            if rank != root:
-                output.copy_(peers[0])
-        else:  # every peer's block into its place in the output: one multi-tensor copy kernel, 16-byte reads
+        offset, nbytes, blocks, source_rank = source
+        if form == "broadcast" and rank == root:
+            pass
+        elif pointers is not None and kernels.gather(output, pointers, bank * half + offset, nbytes, blocks, source_rank):
+            pass  # one kernel read every block through the peers' addresses
+        elif form == "broadcast":
+            output.copy_(peers[0])
+        else:  # every peer's block into its place in the output: one multi-tensor copy
             torch._foreach_copy_(list(output.view(world, -1).unbind(0)), peers)
         if recorded:
             barrier()

@@ -17,7 +17,7 @@ import torch
 from dtrain.comm.peer.pull import wants_kernel
 from dtrain.env import comm_env
 
-__all__ = ["combine", "triton_ready", "wants_kernel"]
+__all__ = ["combine", "gather", "triton_ready", "wants_kernel"]
 
 _OPS = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
@@ -32,7 +32,7 @@ def _build():
     # Triton resolves the functions a kernel calls from the globals of the kernel's own module
     from dtrain.comm.peer import triton as peer_triton
 
-    return triton, peer_triton.pull_kernel
+    return triton, peer_triton.pull_kernel, peer_triton.gather_kernel
 
 
 def triton_ready() -> bool:
@@ -49,7 +49,7 @@ def triton_ready() -> bool:
 
 
 def _launch(outs, base, sources, op: str) -> None:
-    triton, kernel = _state["kernel"]
+    triton, kernel, _ = _state["kernel"]
     out0 = outs[0]
     n = out0.numel()
     upcast = out0.dtype in (torch.float16, torch.bfloat16)
@@ -104,3 +104,42 @@ def combine(
                 _launch(outs if not rest else outs[:1], outs[0], step, op)
             return
     _torch_combine(outs, base, sources, op)
+
+
+#: Words a program of the gather kernel copies.
+_GATHER_BLOCK = 2048
+#: Word sizes the gather kernel copies in, widest first, and their dtypes.
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def word_bytes(*quantities: int) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that divides every one of ``quantities`` (byte offsets, sizes and
+    addresses): the gather kernel's unit of copy."""
+    for size, _ in _WORDS:
+        if all(q % size == 0 for q in quantities):
+            return size
+    return 1
+
+
+def gather(out: torch.Tensor, pointers: torch.Tensor, offset: int, nbytes: int, blocks: int, root: int = -1) -> bool:
+    """One kernel: byte block ``r`` of the flat contiguous CUDA tensor ``out`` (``nbytes`` each, ``blocks`` of
+    them) = ``nbytes`` at byte ``offset`` of rank ``r``'s window (of rank ``root``'s for every block where
+    ``root >= 0``); ``pointers``: the windows' addresses, an int64 tensor on the device. The kernel reads the
+    peers' addresses on the device, so the host neither asks CUDA about peer memory nor copies from it (a
+    ``copy_`` out of a peer's mapped window cost 30-50 us of host time apiece on H100s). False, with nothing
+    written, where the kernel cannot run (no Triton, turned off, or a first launch that fails to compile)."""
+    if not triton_ready():
+        return False
+    word = word_bytes(offset, nbytes, out.data_ptr())
+    dtype = dict(_WORDS)[word]
+    n = nbytes // word
+    try:
+        triton, _, kernel = _state["kernel"]
+        words = out.view(-1).view(torch.uint8).view(dtype)
+        kernel[(triton.cdiv(n, _GATHER_BLOCK), blocks)](
+            pointers, words, offset // word, n, max(root, 0), ONE_SOURCE=root >= 0, BLOCK=_GATHER_BLOCK
+        )
+    except Exception:  # a Triton that cannot compile here (the first launch): nothing was written
+        _state["kernel"] = None
+        return False
+    return True

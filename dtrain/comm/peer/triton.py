@@ -51,3 +51,15 @@ def pull_kernel(
     tl.store(out0 + i, acc, mask=m)
     if HAS_OUT1:
         tl.store(out1 + i, acc, mask=m)
+
+
+@triton.jit
+def gather_kernel(ptrs, out, offset, n, root, ONE_SOURCE: tl.constexpr, BLOCK: tl.constexpr):
+    """Block ``r`` of ``out`` (``n`` elements) = ``n`` elements at ``offset`` of rank ``r``'s window (of rank
+    ``root``'s for every block, with ``ONE_SOURCE``), the windows' addresses read from ``ptrs`` on the device."""
+    r = tl.program_id(1)
+    source = root if ONE_SOURCE else r
+    base = tl.load(ptrs + source).to(tl.pointer_type(out.dtype.element_ty))
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out + r.to(tl.int64) * n + i, tl.load(base + offset + i, mask=m), mask=m)
