@@ -79,6 +79,7 @@ class ModelSpec:
     ffn_hidden: int = 0  # width of the MLP's inner layer; 0: 4 x hidden
     kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
     gated_mlp: bool = False  # SwiGLU (three MLP matrices) rather than two
+    tied_embeddings: bool = True  # the output layer reuses the word embedding; False: its own V x h matrix
 
     def __post_init__(self) -> None:
         for field_name in ("parameters", "layers", "hidden", "heads", "sequence", "bytes_per_value"):
@@ -259,15 +260,16 @@ def memory_per_device(model: ModelSpec, layout: Layout) -> MemoryUse:
 def stage_parameters(model: ModelSpec, layout: Layout, stage: int) -> float:
     """Parameters pipeline stage ``stage`` holds, before the tensor-parallel split. With a vocabulary the first
     stage holds the embedding and the last one the output matrix (Megatron-LM keeps a copy of the tied embedding
-    there, Narayanan et al. 2021), the layers share the rest; without one every stage holds ``P / pp``."""
+    there, Narayanan et al. 2021), the layers share the rest; without one every stage holds ``P / pp``. With
+    ``tied_embeddings`` off, ``parameters`` counts both matrices and a single stage holds both."""
     if not model.vocab:
         return model.parameters / layout.pp
     embedding = model.vocab * model.hidden
-    per_layer = max(model.parameters - embedding, 0.0) / model.layers
+    per_layer = max(model.parameters - embedding * (1 if model.tied_embeddings else 2), 0.0) / model.layers
     held = per_layer * (stage_layers(model, layout, stage) if layout.embedding_layers else model.layers / layout.pp)
     if stage == 0:
         held += embedding
-    if stage == layout.pp - 1 and layout.pp > 1:
+    if stage == layout.pp - 1 and (layout.pp > 1 or not model.tied_embeddings):
         held += embedding
     return held
 

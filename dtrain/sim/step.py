@@ -114,7 +114,10 @@ class StepConfig:
     in the data-parallel reduction and the tied embedding's all-reduce (default None: the model's
     ``bytes_per_value``; 4 for an optimizer that accumulates and reduces 32-bit gradients, DeepSpeed's
     ``BF16_Optimizer``, or Megatron-LM's ``--accumulate-allreduce-grads-in-fp32``; see
-    :func:`dtrain.sim.traffic.dp_phase_bytes`)."""
+    :func:`dtrain.sim.traffic.dp_phase_bytes`); ``overlap_sharded_dp``: with ZeRO stage 1 and no pipeline, the
+    gradients' reduce-scatter runs under backward in buckets and the weights' all-gather under the next forward
+    (Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``), priced as
+    ``overlap_dp`` prices the all-reduce of the same bytes."""
 
     efficiency: float | None = None
     tp_algorithm: str = "ring"
@@ -136,6 +139,7 @@ class StepConfig:
     tied_embedding_allreduce: bool = False
     optimizer_bytes: int = ADAM_BYTES_PER_PARAMETER
     gradient_bytes: int | None = None
+    overlap_sharded_dp: bool = False
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -466,7 +470,7 @@ def simulate_step(
             slowest = max(slowest, spans[key])
         pipelines.append(slowest)
         exposed = dp_s
-        if config.overlap_dp and layout.pp == 1 and layout.zero_stage == 0 and dp_s > 0:
+        if config.overlap_dp and layout.pp == 1 and _dp_overlaps(layout, config) and dp_s > 0:
             grads = model.parameters / layout.tp * (config.gradient_bytes or model.bytes_per_value)
             exposed = exposed_bucket_s(dp_s, max(b[0] + w[0] for b, w in zip(backward, weight, strict=True)), grads,
                                        config.bucket_bytes)  # fmt: skip
@@ -495,6 +499,12 @@ def simulate_step(
         tokens_per_s=layout.global_batch * model.sequence / step_s,
         links=_step_links(parts, step_s),
     )
+
+
+def _dp_overlaps(layout: Layout, config: StepConfig) -> bool:
+    """Whether the data-parallel reduction may run under backward: plain data parallelism, or ZeRO stage 1 with
+    ``config.overlap_sharded_dp``."""
+    return layout.zero_stage == 0 or (layout.zero_stage == 1 and config.overlap_sharded_dp)
 
 
 def _embedding_all_reduce_s(
@@ -680,7 +690,7 @@ def step_lower_bound(
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)
     m, v = layout.microbatches, layout.chunks
-    overlapped = config.overlap_dp and layout.pp == 1 and layout.zero_stage == 0
+    overlapped = config.overlap_dp and layout.pp == 1 and _dp_overlaps(layout, config)
     dp_s = data_parallel_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0
     exposed = 0.0 if overlapped else dp_s
     p2p_s = pipeline_message_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0

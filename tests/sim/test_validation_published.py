@@ -121,3 +121,27 @@ def test_bloom_counts_its_embeddings_as_layers_of_the_pipeline() -> None:
     # DeepSpeed's BF16_Optimizer reduces 32-bit gradients; Megatron-LM's --fp16 runs 16-bit ones
     assert published.config_of(row).gradient_bytes == 4
     assert published.config_of(_rows()["narayanan21-39.1b"]).gradient_bytes == 2
+
+
+def test_h100_rows_load_and_simulate() -> None:
+    # Megatron-Core r0.8.0's H100 table (Megatron-LM README): GPUs x TFLOP/s is the table's aggregate PFLOP/s,
+    # and the sizes are those of a GPT whose output layer has its own matrix
+    import dataclasses
+
+    rows = _rows()
+    for name, aggregate, size in (("mcore24-h100-1.7b", 19.6, 1.7e9), ("mcore24-h100-462b", 2825.6, 462e9)):
+        row = rows[name]
+        assert published.iteration_flops(row) / row["iteration_s"] / 1e15 == pytest.approx(aggregate, rel=0.005)
+        assert published.model_of(row).parameters == pytest.approx(size, rel=0.03)
+    row = rows["mcore24-h100-1.7b"]
+    from dtrain.sim.model import stage_parameters
+
+    model, layout = published.model_of(row), published.layout_of(row)
+    assert stage_parameters(model, layout, 0) == pytest.approx(model.parameters)  # both matrices on one stage
+    assert not published.config_of(row).tied_embedding_allreduce
+    config = published.config_of(row, flow_limit=1000)
+    result = published.simulate(row, config)
+    assert result["fits"] and result["compute_s"] < result["published_s"], result
+    # the distributed optimizer's reduce-scatter and all-gather run under backward only with overlap_sharded_dp
+    exposed = published.simulate(row, dataclasses.replace(config, overlap_sharded_dp=False))
+    assert result["dp_exposed_s"] < exposed["dp_exposed_s"]

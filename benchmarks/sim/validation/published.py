@@ -41,10 +41,19 @@ _FIELDS = ("name", "source", "set", "device", "layers", "hidden", "heads", "sequ
            "micro_batch", "global_batch", "recompute", "sequence_parallel", "measure")  # fmt: skip
 
 
+#: How a row that publishes throughput counted an iteration's FLOPs (row field ``flops``, default ``narayanan21``).
+FLOP_COUNTS = ("narayanan21", "megatron-core")
+
+
 def iteration_flops(row: dict) -> float:
-    """FLOPs of one iteration with full recomputation, Narayanan et al. 2021, equation 3:
-    ``F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))``."""
+    """FLOPs of one iteration as the row's source counted them (``flops``): ``narayanan21``, with full
+    recomputation, Narayanan et al. 2021, equation 3, ``F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))``;
+    ``megatron-core``, the model's FLOPs without recomputation, Megatron-LM ``num_floating_point_operations``
+    (``megatron/training/training.py``, commit f2e5db4, 2024-07-15) for a GPT of 4h MLP and as many key/value heads
+    as heads: ``F = 72 B s l h^2 (1 + s / (6 h) + V / (12 l h))``."""
     b, s, layers, h, v = row["global_batch"], row["sequence"], row["layers"], row["hidden"], row["vocab"]
+    if row.get("flops", "narayanan21") == "megatron-core":
+        return 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
     return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
@@ -58,10 +67,11 @@ def load(path: Path = DATA) -> list[dict]:
             raise ValueError(f"{path}: run {row.get('name', '?')!r} lacks {', '.join(missing)}")
         if row["device"] not in PRESETS:
             raise ValueError(f"{path}: run {row['name']!r}: device {row['device']!r}; accepted: {', '.join(PRESETS)}")
-        if row.get("cluster", "selene") not in CLUSTERS:
-            raise ValueError(
-                f"{path}: run {row['name']!r}: cluster {row['cluster']!r}; accepted: {', '.join(CLUSTERS)}"
-            )
+        if _cluster_name(row) not in CLUSTERS[row["device"]]:
+            raise ValueError(f"{path}: run {row['name']!r}: cluster {row['cluster']!r}; accepted on {row['device']}: "
+                             f"{', '.join(CLUSTERS[row['device']])}")  # fmt: skip
+        if row.get("flops", "narayanan21") not in FLOP_COUNTS:
+            raise ValueError(f"{path}: run {row['name']!r}: flops {row['flops']!r}; accepted: {', '.join(FLOP_COUNTS)}")
         if row["set"] not in SETS:
             raise ValueError(f"{path}: run {row['name']!r}: set {row['set']!r}; accepted: {', '.join(SETS)}")
         if row["measure"] not in MEASURES or MEASURES[row["measure"]] not in row:
@@ -74,12 +84,15 @@ def load(path: Path = DATA) -> list[dict]:
 
 
 def model_of(row: dict) -> ModelSpec:
-    """The GPT of a row: ``12 L h^2 (1 + 13 / 12 h) + V h`` parameters (Narayanan et al. 2021, appendix)."""
+    """The GPT of a row: ``12 L h^2 (1 + 13 / 12 h) + V h`` parameters (Narayanan et al. 2021, appendix), one
+    more ``V h`` where the output layer has its own matrix (``tied_embeddings = false``)."""
     h, layers, vocab = row["hidden"], row["layers"], row["vocab"]
-    params = 12 * layers * h * h * (1 + 13 / (12 * h)) + vocab * h
+    tied = row.get("tied_embeddings", True)
+    params = 12 * layers * h * h * (1 + 13 / (12 * h)) + vocab * h * (1 if tied else 2)
     return ModelSpec(name=row["name"], parameters=params, layers=layers, hidden=h, heads=row["heads"],
                      sequence=row["sequence"], vocab=vocab, ffn_hidden=row.get("ffn_hidden", 0),
-                     kv_heads=row.get("kv_heads", 0), gated_mlp=row.get("gated_mlp", False))  # fmt: skip
+                     kv_heads=row.get("kv_heads", 0), gated_mlp=row.get("gated_mlp", False),
+                     tied_embeddings=tied)  # fmt: skip
 
 
 def layout_of(row: dict) -> Layout:
@@ -90,17 +103,28 @@ def layout_of(row: dict) -> Layout:
                   embedding_layers=row.get("embedding_layers", 0))  # fmt: skip
 
 
-#: Clusters a row may name (``cluster``; default ``selene``): Selene's DGX SuperPOD (above), or Jean Zay's A100
-#: partition (BLOOM-176B: 8 A100 80 GB a server, 4 Omni-Path 100 Gb/s links a server, a non-blocking fat tree;
-#: BigScience tr11-176B-ml README), built as DGX A100 servers with 4 NICs of 100 Gb/s (the catalogue's EDR
-#: InfiniBand, the same rate) under leaves of 12 servers, 1:1.
-CLUSTERS = ("selene", "jean-zay")
+#: Clusters a row may name (``cluster``), by device, the first the default. A100: Selene's DGX SuperPOD (above), or
+#: Jean Zay's A100 partition (BLOOM-176B: 8 A100 80 GB a server, 4 Omni-Path 100 Gb/s links a server; BigScience
+#: tr11-176B-ml README; the fabric's shape is not published there and is taken as a non-blocking fat tree), built as
+#: DGX A100 servers with 4 NICs of 100 Gb/s (the catalogue's EDR InfiniBand, the same rate) under leaves of 12
+#: servers, 1:1. H100: a DGX SuperPOD of DGX H100 servers (NVIDIA DGX SuperPOD reference architecture, DGX H100:
+#: scalable units of 32 servers, 8 NDR 400 Gb/s NICs a server, rail-optimised), the ``h100-rail`` preset's fabric.
+CLUSTERS = {"a100-sxm": ("selene", "jean-zay"), "h100-sxm": ("dgx-h100-superpod",)}
+SERVERS_PER_H100_UNIT = 32
+
+
+def _cluster_name(row: dict) -> str:
+    return row.get("cluster", CLUSTERS[row["device"]][0])
 
 
 def cluster_of(row: dict):
     gpus = row["dp"] * row["tp"] * row["pp"]
     servers = math.ceil(gpus / 8)
-    if row.get("cluster", "selene") == "jean-zay":
+    if servers > 1 and _cluster_name(row) == "dgx-h100-superpod":
+        units = math.ceil(servers / SERVERS_PER_H100_UNIT)
+        return preset(PRESETS[row["device"]], racks=units, servers_per_rack=min(servers, SERVERS_PER_H100_UNIT),
+                      fabric="rail", nic_affinity="rail", spines=16)  # fmt: skip
+    if _cluster_name(row) == "jean-zay":
         racks = math.ceil(servers / 12)
         return preset(PRESETS[row["device"]], nics=4, nic="ib-edr", racks=racks, servers_per_rack=min(servers, 12),
                       spines=4, nic_affinity="ecmp")  # fmt: skip
@@ -122,13 +146,17 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     (``async_tp_allreduce``: Megatron-LM's asynchronous all-reduce, first in commit 16c9044 of 2021-09-02), and
     the bytes of a gradient in the data-parallel reduction (``gradient_bytes``, default 2: the 16-bit gradients of
     Megatron-LM's ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``, as ``examples/sc21/CONFIG.sh``
-    runs it; 4 for DeepSpeed's ``BF16_Optimizer``).
+    runs it; 4 for DeepSpeed's ``BF16_Optimizer`` and for Megatron-LM's ``--bf16``, which turns on
+    ``--accumulate-allreduce-grads-in-fp32``), and whether a ZeRO-1 reduction runs under backward (``overlap_dp``:
+    Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
-                      synchronous_p2p=True, paired_exchanges=True, tied_embedding_allreduce=True,
+                      synchronous_p2p=True, paired_exchanges=True,
+                      tied_embedding_allreduce=row.get("tied_embeddings", True),
                       optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit,
-                      gradient_bytes=row.get("gradient_bytes", 2))  # fmt: skip
+                      gradient_bytes=row.get("gradient_bytes", 2),
+                      overlap_sharded_dp=row.get("overlap_dp", False))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
@@ -260,9 +288,11 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
             part = s[name]
             out.append(f"| {name} | {part['rows']} | {part['median_abs_error']:.1%} | {part['worst_abs_error']:.1%} | "
                        f"{_verdict(part)} |")  # fmt: skip
-    for label, prefix in (("Korthikanti et al. 2022 alone", "korthikanti22-"), ("Narayanan et al. 2021, table 1",
-                                                                                 "narayanan21-")):  # fmt: skip
-        part = [r for r in results if r["name"].startswith(prefix) and r["set"] == "validation"]
+    out.append(f"| all | {s['rows']} | {s['median_abs_error']:.1%} | {s['worst_abs_error']:.1%} | {_verdict(s)} |")
+    for label, prefix, where in (("Korthikanti et al. 2022 alone", "korthikanti22-", "validation"),
+                                 ("Narayanan et al. 2021, table 1", "narayanan21-", "validation"),
+                                 ("Megatron-Core r0.8.0, H100", "mcore24-", "held-out")):  # fmt: skip
+        part = [r for r in results if r["name"].startswith(prefix) and r["set"] == where]
         if part:
             p = summary(part)
             out.append(f"| {label} | {p['rows']} | {p['median_abs_error']:.1%} | {p['worst_abs_error']:.1%} | "
