@@ -222,10 +222,10 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
         if form != "broadcast" or rank == root:
             mine.copy_(input)
         barrier()
-        offset, nbytes, blocks, source_rank = source
+        offset, nbytes, blocks, src = source
         if form == "broadcast" and rank == root:
             pass
-        elif pointers is not None and kernels.gather(output, pointers, bank * half + offset, nbytes, blocks, source_rank):
+        elif pointers is not None and kernels.gather(output, pointers, bank * half + offset, nbytes, blocks, src):
             pass  # one kernel read every block through the peers' addresses
         elif form == "broadcast":
             output.copy_(peers[0])
