@@ -46,13 +46,14 @@
 #                      -> defaults.jsonl, defaults-fresh.jsonl
 #   one-pass           all-gather, reduce-scatter, all-to-all (direct) and broadcast (star) in one pass over CUDA
 #                      symmetric memory beside NCCL and auto, 8 KiB-64 MiB, same tensors and fresh ones, on every GPU
-#                      and on 2 (NP_SMALL), with DTRAIN_COMM_ONE_PASS=1 and bench verify first
+#                      and on 2 (NP_SMALL; ONE_PASS_NP="4 2" names the counts), with DTRAIN_COMM_ONE_PASS=1 and
+#                      bench verify first
 #                      -> verify-one-pass.txt, one_pass{,-fresh}-np{N}.jsonl
 #   pipeline-profile   dtrain bench pipeline --profile, 1F1B and interleaved at m = 16 of batch 1024: each rank's
 #                      host time by function                                                  -> pipeline_profile.txt
-#   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 4, 8, 16 and batch
-#                      4096 at m = 8, 16, eager and with CUDA graphs, beside torch pipelining
-#                      -> bench_pipeline.jsonl, bench_pipeline-b4096.jsonl
+#   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 4, 8, 16, eager and
+#                      with CUDA graphs, beside torch pipelining                          -> bench_pipeline.jsonl
+#   bench-pipeline-large  the same at batch 4096, m = 8, 16                              -> bench_pipeline-b4096.jsonl
 #   probe-one-shot | probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
 #                      benchmarks/collectives/probe.py MODE                                 -> probe-MODE.txt
 set -uo pipefail
@@ -161,7 +162,7 @@ for mode in "$@"; do
     one-pass)
       export DTRAIN_COMM_ONE_PASS=1
       LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify-one-pass.txt"; counts "verify, one pass" "$out/verify-one-pass.txt"
-      for np_ in "$n" "${NP_SMALL:-2}"; do
+      for np_ in ${ONE_PASS_NP:-$n ${NP_SMALL:-2}}; do
         for fresh in "" --fresh; do
           name=one_pass${fresh:+-fresh}-np$np_
           # one launch for the three whose one-pass schedule is direct, one for broadcast's star
@@ -179,7 +180,8 @@ for mode in "$@"; do
       unset DTRAIN_COMM_ONE_PASS ;;
     bench-pipeline)
       LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 4,8,16 \
-        --graphs --out "$out/bench_pipeline.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread"
+        --graphs --out "$out/bench_pipeline.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
+    bench-pipeline-large)
       # micro-batches of 256-512 rows: the stages' compute outweighs the host's time per action
       LIMIT=${LIMIT:-480} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 4096 --microbatches 8,16 \
         --graphs --out "$out/bench_pipeline-b4096.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
