@@ -36,6 +36,7 @@ MODES = {
     "replay-host": "replay_host",
     "watchdog": "watchdog",
     "one-shot": "one_shot",
+    "one-pass": "one_pass",
 }
 
 

@@ -523,8 +523,16 @@ def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str
         return True
 
     again(output, input)
-    _keep(coll, group, algorithm, op if coll is Collective.REDUCE_SCATTER else root, output, input, again)
+    _keep(coll, group, algorithm, _kept_extra(coll, op, root), output, input, again)
     return True
+
+
+def _kept_extra(coll: Collective, op: str, root: int):
+    """What besides the tensors keys a kept call (:func:`_keep`) of ``coll``, as its public function asks
+    :func:`_fast` for it: the reduction of a reduce-scatter, the root of a broadcast, nothing for the others."""
+    if coll is Collective.REDUCE_SCATTER:
+        return op
+    return root if coll is Collective.BROADCAST else None
 
 
 def _group_key(group):

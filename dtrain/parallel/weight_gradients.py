@@ -85,9 +85,11 @@ class WeightGradStore:
         self.run(self._pending.pop(key, ()))
 
     @staticmethod
+    @torch.no_grad()
     def run(entries) -> None:
         """The weight-gradient GEMMs (and bias sums) of ``entries`` (as :meth:`take` returns them), accumulating into
-        ``.grad``; the entries are kept."""
+        ``.grad``; the entries are kept. Without autograd: a layer's input requires grad, and a GEMM recorded on it
+        would tie ``.grad`` to the step's autograd graph and keep that graph alive."""
         for weight, bias, inp, grad in entries:
             if _fused_accumulate(weight, inp, grad):
                 if bias is not None:

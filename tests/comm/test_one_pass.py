@@ -205,6 +205,15 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
     assert not copies or min(copies) == (8 if m % 2 == 0 else 4)
 
 
+def test_a_one_pass_call_is_kept_under_the_key_its_next_call_asks_for():
+    # all_gather and all_to_all ask _fast with nothing besides the tensors, reduce_scatter with its op,
+    # broadcast with its root: a one-pass call kept under another key would go the long way every time
+    assert api._kept_extra(Collective.ALL_GATHER, "sum", 0) is None
+    assert api._kept_extra(Collective.ALL_TO_ALL, "sum", 0) is None
+    assert api._kept_extra(Collective.REDUCE_SCATTER, "avg", 0) == "avg"
+    assert api._kept_extra(Collective.BROADCAST, "sum", 3) == 3
+
+
 def test_a_repeated_call_runs_what_the_first_kept(pool):
     answers = pool.run(jobs.repeated_calls_take_the_kept_path, ranks=2)
     for answer in answers:

@@ -192,6 +192,9 @@ def zero_bubble(p: int, m: int, schedule: str, steps: int = 3) -> dict:
     original = store.push
     store.push = lambda weight, *rest: pushed.append(weight) or original(weight, *rest)
     losses, grads = _pipeline_steps(pipe, "mlp", steps)
+    batch, targets = _data("mlp", 0)
+    pipe.train_step(batch, targets, F.mse_loss)  # W's GEMMs must not tie the gradients to the step's autograd graph
+    in_graph = any(q.grad is not None and (q.grad.requires_grad or q.grad.grad_fn) for q in pipe.parameters())
     held = [i for chunk in pipe.chunks for i in chunk.layer_range]
     ref_params = [q.detach() for i in held for q in reference[i].parameters()]
     ref_stage_grads = [g for s in range(steps) for g in _stage_slice(reference, held, ref_grads[s])]
@@ -203,6 +206,7 @@ def zero_bubble(p: int, m: int, schedule: str, steps: int = 3) -> dict:
         "grad": _max_error([g for s in grads for g in s], ref_stage_grads),
         "param": _max_error(list(pipe.parameters()), ref_params),
         "left_in_store": float(store.pending()),
+        "grads_in_autograd_graph": float(in_graph),
         "deferred_every_linear": float({id(w) for w in pushed} != weights or linears != len(weights)),
         "w_events": float(sum(e.kind == "W" for e in pipe.timeline.events) != len(pipe.chunks) * m),
         "peak_activations": float(

@@ -132,14 +132,36 @@ def gather(out: torch.Tensor, pointers: torch.Tensor, offset: int, nbytes: int, 
         return False
     word = word_bytes(offset, nbytes, out.data_ptr())
     dtype = dict(_WORDS)[word]
-    n = nbytes // word
+    n, at = nbytes // word, offset // word
+    words = out.view(-1).view(torch.uint8).view(dtype)
+    triton, _, kernel = _state["kernel"]
+    grid = ((n + _GATHER_BLOCK - 1) // _GATHER_BLOCK, blocks, 1)
+    # what Triton compiles a variant for: the word, the constants, the output's 16-byte alignment, 64-bit indices
+    key = (dtype, root >= 0, out.data_ptr() % 16 == 0, max(at + n, n * blocks) >= 1 << 31, out.device)
+    compiled = _GATHER_COMPILED.get(key)
+    if compiled is not None:
+        try:
+            # the compiled kernel's own launcher: Triton's per-call argument binding and cache lookup cost ~20 us
+            # of host time, more than the copy of a small collective
+            stream = torch.cuda.current_stream(out.device).cuda_stream
+            compiled.run(
+                *grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                pointers, words, at, n, max(root, 0), root >= 0, _GATHER_BLOCK,
+            )  # fmt: skip
+            return True
+        except Exception:  # a Triton whose compiled kernels launch another way: bind every call
+            _GATHER_COMPILED.clear()
+            _GATHER_COMPILED["direct"] = None
     try:
-        triton, _, kernel = _state["kernel"]
-        words = out.view(-1).view(torch.uint8).view(dtype)
-        kernel[(triton.cdiv(n, _GATHER_BLOCK), blocks)](
-            pointers, words, offset // word, n, max(root, 0), ONE_SOURCE=root >= 0, BLOCK=_GATHER_BLOCK
-        )
+        compiled = kernel[grid](pointers, words, at, n, max(root, 0), ONE_SOURCE=root >= 0, BLOCK=_GATHER_BLOCK)
     except Exception:  # a Triton that cannot compile here (the first launch): nothing was written
         _state["kernel"] = None
         return False
+    if "direct" not in _GATHER_COMPILED and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        _GATHER_COMPILED[key] = compiled
     return True
+
+
+#: Compiled variants of the gather kernel launched without Triton's binding (:func:`gather`); ``"direct"``: a
+#: direct launch failed once, so every call goes through Triton's binding.
+_GATHER_COMPILED: dict = {}

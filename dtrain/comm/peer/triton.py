@@ -53,7 +53,7 @@ def pull_kernel(
         tl.store(out1 + i, acc, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset", "n", "root"])
 def gather_kernel(ptrs, out, offset, n, root, ONE_SOURCE: tl.constexpr, BLOCK: tl.constexpr):
     """Block ``r`` of ``out`` (``n`` elements) = ``n`` elements at ``offset`` of rank ``r``'s window (of rank
     ``root``'s for every block, with ``ONE_SOURCE``), the windows' addresses read from ``ptrs`` on the device."""
