@@ -63,10 +63,13 @@ class WeightGradStore:
             self._key = previous
 
     def push(self, weight: nn.Parameter, bias: nn.Parameter | None, inp: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Keep one layer's (input, grad_output) for later; False (nothing kept) outside :meth:`deferring`."""
+        """Keep one layer's (input, grad_output) for later; False (nothing kept) outside :meth:`deferring`. The
+        tensors are kept detached: the input's autograd history (the step's graph, with its parameters' gradient
+        accumulators) must not outlive the backward that pushed it, which a CUDA graph's capture would see as a
+        dependency on work outside it."""
         if self._key is None:
             return False
-        self._pending.setdefault(self._key, []).append((weight, bias, inp, grad))
+        self._pending.setdefault(self._key, []).append((weight, bias, inp.detach(), grad.detach()))
         return True
 
     def pending(self, key: Hashable | None = None) -> int:

@@ -190,7 +190,16 @@ def zero_bubble(p: int, m: int, schedule: str, steps: int = 3) -> dict:
     pushed = []
     store = pipe.weight_grads
     original = store.push
-    store.push = lambda weight, *rest: pushed.append(weight) or original(weight, *rest)
+    history = []  # per push: whether what waits for W kept its autograd history
+
+    def push(weight, *rest):
+        pushed.append(weight)
+        kept = original(weight, *rest)
+        if kept:
+            history.append(any(t.requires_grad for t in store._pending[store._key][-1][2:]))
+        return kept
+
+    store.push = push
     losses, grads = _pipeline_steps(pipe, "mlp", steps)
     batch, targets = _data("mlp", 0)
     pipe.train_step(batch, targets, F.mse_loss)  # W's GEMMs must not tie the gradients to the step's autograd graph
@@ -207,6 +216,7 @@ def zero_bubble(p: int, m: int, schedule: str, steps: int = 3) -> dict:
         "param": _max_error(list(pipe.parameters()), ref_params),
         "left_in_store": float(store.pending()),
         "grads_in_autograd_graph": float(in_graph),
+        "kept_with_history": float(any(history) or not history),
         "deferred_every_linear": float({id(w) for w in pushed} != weights or linears != len(weights)),
         "w_events": float(sum(e.kind == "W" for e in pipe.timeline.events) != len(pipe.chunks) * m),
         "peak_activations": float(

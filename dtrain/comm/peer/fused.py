@@ -186,14 +186,9 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
         return mine, peers
 
     banks = (views(0), views(1))
-    itemsize = dtype.itemsize
-    # the gather kernel's source: where in a window, how many bytes a block, how many blocks, from whom
-    if form == "exchange":
-        source = (rank * block * itemsize, block * itemsize, world, -1)
-    elif form == "gather":
-        source = (0, numel * itemsize, world, -1)
-    else:
-        source = (0, numel * itemsize, 1, root)
+    # the gather kernel's source: where in a window, and how many bytes, is each peer's block
+    offset, nbytes = (rank * block, block) if form == "exchange" else (0, numel)
+    offset, nbytes = offset * dtype.itemsize, nbytes * dtype.itemsize
     pointers = window.pointers  # the windows' addresses on the device (CUDA windows)
     group_name = window.group_name
     limit = window.stall_limit(None) + watchdog.GRACE  # as PeerWindow.barrier: the watchdog reports first
@@ -222,14 +217,11 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
         if form != "broadcast" or rank == root:
             mine.copy_(input)
         barrier()
-        offset, nbytes, blocks, src = source
-        if form == "broadcast" and rank == root:
-            pass
-        elif pointers is not None and kernels.gather(output, pointers, bank * half + offset, nbytes, blocks, src):
-            pass  # one kernel read every block through the peers' addresses
-        elif form == "broadcast":
-            output.copy_(peers[0])
-        else:  # every peer's block into its place in the output: one multi-tensor copy
+        if form == "broadcast":  # one copy: less host time than a Triton launch
+            if rank != root:
+                output.copy_(peers[0])
+        elif pointers is None or not kernels.gather(output, pointers, bank * half + offset, nbytes, world):
+            # every peer's block into its place in the output: one multi-tensor copy (no Triton, or turned off)
             torch._foreach_copy_(list(output.view(world, -1).unbind(0)), peers)
         if recorded:
             barrier()
