@@ -400,7 +400,7 @@ class PipelineParallel:
         gc.disable()
         try:
             with watchdog.capturing():  # dtrain.comm's watchdog thread queries no event during the capture
-                graphed = _make_graphed(tuple(modules), tuple(samples), tuple(deferring))
+                graphed = _make_graphed(tuple(modules), tuple(samples), tuple(deferring), store is not None)
         finally:
             if collecting:
                 gc.enable()
@@ -457,20 +457,107 @@ def _make_graphed(
     modules: tuple[nn.Module, ...],
     samples: tuple[tuple[torch.Tensor, ...], ...],
     contexts: tuple[contextlib.AbstractContextManager, ...],
+    split: bool = False,
 ) -> tuple:
-    """``torch.cuda.make_graphed_callables`` on each module with its own memory pool, within its context (tests on
-    the CPU put a stand-in here). One pool for all would need the graphs replayed in the order they were captured
-    (every forward, then every backward in reverse), which a pipeline schedule does not do: on an H100, four
-    micro-batches' graphs sharing a pool, replayed forward then backward in micro-batch order, gave gradients off
-    by 170 %; a pool each gave the eager gradients exactly. Unused inputs are allowed: a B graph returns no
-    gradient for the weights whose GEMMs it defers."""
+    """Each module's forward and backward as CUDA graphs with a memory pool of its own, captured within its
+    context (tests on the CPU put a stand-in here): ``torch.cuda.make_graphed_callables``, or, where the backward
+    is split (``split``: ZB-H1, ZB-V), :class:`_SplitGraphed`. One pool for all would need the graphs replayed in
+    the order they were captured (every forward, then every backward in reverse), which a pipeline schedule does
+    not do: on an H100, four micro-batches' graphs sharing a pool, replayed forward then backward in micro-batch
+    order, gave gradients off by 170 %; a pool each gave the eager gradients exactly."""
     graphed = []
     for module, args, context in zip(modules, samples, contexts, strict=True):
         with context:
-            graphed.append(
-                torch.cuda.make_graphed_callables(module, args, num_warmup_iters=WARMUP_ITERS, allow_unused_input=True)
-            )
+            if split:
+                graphed.append(_SplitGraphed(module, args))
+            else:
+                graphed.append(
+                    torch.cuda.make_graphed_callables(
+                        module, args, num_warmup_iters=WARMUP_ITERS, allow_unused_input=True
+                    )
+                )
     return tuple(graphed)
+
+
+class _SplitGraphed:
+    """A module's forward and its B (the backward without the deferred weight gradients) as two CUDA graphs,
+    replayed through an autograd function as ``torch.cuda.make_graphed_callables`` replays its own; captured within
+    the weight-gradient store's deferral, so that B leaves each linear layer's input and output gradient in tensors
+    of the graphs' pool for W.
+
+    The difference from ``make_graphed_callables``: B's ``autograd.grad`` asks only for the arguments' gradients and
+    the parameters whose gradients B computes, not for the deferred weights. With the deferred weights among its
+    inputs, the second (chunk, micro-batch) captured over the same layers failed on an H100 ("dependency created on
+    uncaptured work in another stream"); without them, every capture ran and the replays gave the eager gradients.
+    ``autograd.backward`` fails there alike (it runs the deferred weights' gradient accumulators), so where nothing
+    B computes is asked for (a first stage of linear layers, whose input needs no gradient) B computes the input's
+    gradient all the same, one product a micro-batch more, and the replay discards it."""
+
+    def __init__(self, module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        params = list(module.parameters())
+        deferred = set()
+        for sub in module.modules():
+            if getattr(sub, "weight_grad_store", None) is not None:
+                deferred.update(
+                    id(q) for q in (getattr(sub, "weight", None), getattr(sub, "bias", None)) if q is not None
+                )
+        self.params = tuple(params)
+        self.kept = tuple(q for q in params if id(q) not in deferred and q.requires_grad)  # their gradients B makes
+        if not any(a.requires_grad for a in args) and not self.kept:
+            args = (args[0].detach().requires_grad_(), *args[1:])
+        self.static_args = args
+        wanted = [a for a in args if a.requires_grad] + list(self.kept)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up, as make_graphed_callables does: lazy initialisation off the graphs
+            for _ in range(WARMUP_ITERS):
+                out = module(*args)
+                self._b(out, torch.ones_like(out), wanted)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool):
+            self.static_out = module(*args)
+        self.static_grad_out = torch.empty_like(self.static_out)
+        with torch.cuda.graph(self.backward_graph, pool=pool):
+            grads = self._b(self.static_out, self.static_grad_out, wanted)
+        grads = list(grads)
+        self.static_arg_grads = tuple(grads.pop(0) if a.requires_grad else None for a in args)
+        self.static_param_grads = tuple(grads.pop(0) if id(q) in {id(k) for k in self.kept} else None for q in params)
+
+    @staticmethod
+    def _b(out: torch.Tensor, grad: torch.Tensor, wanted: list[torch.Tensor]):
+        return torch.autograd.grad(out, wanted, grad, allow_unused=True)
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return _ReplaySplit.apply(self, len(args), *args, *self.params)
+
+
+class _ReplaySplit(torch.autograd.Function):
+    """Replays a :class:`_SplitGraphed`: the forward graph on the new arguments, and in backward the B graph."""
+
+    @staticmethod
+    def forward(ctx, graphed: _SplitGraphed, count: int, *inputs):  # noqa: ANN001
+        for static, new in zip(graphed.static_args, inputs[:count], strict=True):
+            if static.data_ptr() != new.data_ptr():
+                static.copy_(new)
+        graphed.forward_graph.replay()
+        ctx.graphed = graphed
+        return graphed.static_out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001
+        graphed = ctx.graphed
+        if grad.data_ptr() != graphed.static_grad_out.data_ptr():
+            graphed.static_grad_out.copy_(grad)
+        graphed.backward_graph.replay()
+        arg_grads = tuple(
+            g.detach() if g is not None and needed else None
+            for g, needed in zip(graphed.static_arg_grads, ctx.needs_input_grad[2:], strict=False)
+        )
+        param_grads = tuple(g.detach() if g is not None else None for g in graphed.static_param_grads)
+        return (None, None, *arg_grads, *param_grads)
 
 
 def _captured_entries(entries: list, key: tuple[int, int]) -> list:

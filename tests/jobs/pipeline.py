@@ -236,7 +236,7 @@ def graphed(p: int, m: int, schedule: str, v: int = 1, steps: int = 3) -> dict:
     ran and how many forwards went through the captured modules."""
     from dtrain.parallel import pipeline_parallel
 
-    captures, replays = [], [0]
+    captures, replays, splits = [], [0], []
     pipe, store, cursor = None, None, {}
 
     class Replayed(nn.Module):
@@ -250,7 +250,8 @@ def graphed(p: int, m: int, schedule: str, v: int = 1, steps: int = 3) -> dict:
 
     captured: dict = {}  # (chunk, mb) -> what the captured backward (the last of the stand-in's) pushed
 
-    def stand_in(modules, samples, contexts):
+    def stand_in(modules, samples, contexts, split=False):
+        splits.append(split)
         for module, args, context in zip(modules, samples, contexts, strict=True):
             with context:  # the warm-up forwards and backwards, then the one torch captures
                 for _ in range(pipeline_parallel.WARMUP_ITERS + 1):
@@ -297,6 +298,7 @@ def graphed(p: int, m: int, schedule: str, v: int = 1, steps: int = 3) -> dict:
         "keys": sorted(pipe._graphed),
         "captures": captures,
         "replays": replays[0],
+        "split": splits,
         # per (chunk, micro-batch) with deferred weight gradients: how many, and the chunk's linear layers
         "recorded_w": sorted(
             (key, len(entries), sum(isinstance(q, nn.Linear) for q in pipe.chunks[key[0]].modules()))

@@ -187,6 +187,7 @@ def test_graphed_steps_capture_each_microbatch_once_and_train_like_the_unsplit_m
     for r in pool.run(pipeline_jobs.graphed, p, m, schedule, v, steps, ranks=p):
         keys, captures, replays = r.pop("keys"), r.pop("captures"), r.pop("replays")
         recorded_w = r.pop("recorded_w")
+        assert r.pop("split") == [schedule.startswith("zb")]  # B alone is captured where backward is split
         assert keys == [(c, mb) for c in range(v) for mb in range(m)] and captures == [m * v]
         assert replays == (steps - 1) * m * v  # every forward after the first step, none of the first
         # a split backward keeps each graphed B's deferred weight gradients: one per linear layer of the chunk
