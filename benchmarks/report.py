@@ -327,7 +327,38 @@ def _one_pass_part() -> list[str]:
             ),
             table(header, rows),
         ]
-    return parts
+    return parts + _one_pass_gather_part()
+
+
+def _one_pass_gather_part() -> list[str]:
+    """The one-pass all-gather and all-to-all whose copy out of the peers' windows is one Triton kernel."""
+    same, fresh = load("one_pass_gather-h100x4.jsonl"), load("one_pass_gather_fresh-h100x4.jsonl")
+    if not same:
+        return []
+    rows = []
+    for n in sorted({r["nbytes"] for r in same}):
+        cells = [size(n)]
+        for coll in ("all_gather", "all_to_all"):
+            for records in (same, fresh):
+                got = {r["algorithm"]: r for r in records if r["collective"] == coll and r["nbytes"] == n}
+                native, ours = got.get("native"), got.get("direct")
+                cells.append(
+                    f"{native['time_us'] / ours['time_us']:.2f}x ({ours['time_us']:.0f} us)" if native and ours else "-"
+                )
+        rows.append(cells)
+    return [
+        "#### All-gather and all-to-all, the peers read by address (4 x H100)",
+        "The same one pass with its copy out of the peers' windows as one Triton kernel that reads their addresses "
+        "on the device (`dtrain.comm.peer.kernels.gather`), in a later launch: NCCL's time over the one pass's, the "
+        "one pass's time per call in brackets. `auto` keeps NCCL's call for both.",
+        setting(
+            card(same),
+            gpu_software(same),
+            "ONE_PASS_NP=4 benchmarks/gpu/run.sh OUT one-pass",
+            "`one_pass_gather-h100x4.jsonl`, `one_pass_gather_fresh-h100x4.jsonl`",
+        ),
+        table(["size", "all-gather", "all-gather fresh", "all-to-all", "all-to-all fresh"], rows),
+    ]
 
 
 def section_transports() -> str:
@@ -946,7 +977,7 @@ def _zero_bubble_part() -> list[str]:
                 f"{first['width']} --batch {first['batch']} --microbatches {ms}"
                 + (" --graphs" if any(r.get("graphs") for r in records) else "")
                 + " (benchmarks/gpu/run.sh OUT "
-                "bench-pipeline)",
+                + ("bench-pipeline-large)" if "b4096" in name else "bench-pipeline)"),
                 f"`{name}`",
             ),
             table(
