@@ -122,7 +122,8 @@ class HybridParallel:
     stage 3 ``shard_size`` (a divisor of dp; default dp) shards within blocks of that many dp ranks and
     replicates across them (hybrid sharding), and a bf16 ``autocast_dtype`` also makes bf16 the dtype the
     layers are gathered and computed in (float32 shards). ``autocast_dtype`` runs forward and loss under
-    ``torch.autocast`` on the model's device type;
+    ``torch.autocast`` on the model's device type; ``pipeline_graphs`` replays the pipeline's micro-batches as CUDA
+    graphs (:class:`~dtrain.parallel.pipeline_parallel.PipelineParallel` ``graphs=True``);
     ``reduce_dtype`` is the dtype gradients are averaged in. ``accumulation`` splits each replica's rows into that
     many chunks, one forward and backward each (the pipeline runs once per chunk), with one gradient reduction
     and one optimizer step. Where pipeline stages share a parameter (a tied embedding), every process of the
@@ -143,6 +144,7 @@ class HybridParallel:
         tensor_parallel: TensorParallelize | None = None,
         num_microbatches: int = 1,
         schedule: str = "1f1b",
+        pipeline_graphs: bool = False,
         virtual_stages: int = 1,
         algorithm: str = "auto",
         device: torch.device | None = None,
@@ -201,6 +203,7 @@ class HybridParallel:
                 virtual_stages=virtual_stages,
                 grad_group=grid.pp_grad_group,
                 balance=balance,
+                graphs=pipeline_graphs,
             )
             self.module: nn.Module = self.pipeline.stage
         else:

@@ -166,7 +166,7 @@ class PipelineParallel:
     stages do not queue behind each other (:mod:`~dtrain.parallel.pipeline_parallel_communications`); the rank
     grid makes one (``pp_grad_group``).
 
-    ``graphs=True`` (CUDA, every schedule, no autocast): the first step runs eagerly and records each (chunk,
+    ``graphs=True`` (CUDA, every schedule, autocast too): the first step runs eagerly and records each (chunk,
     micro-batch)'s argument shapes; the next captures every (chunk, micro-batch)'s forward and backward as CUDA
     graphs of its own (:meth:`_capture`) and later steps replay them, so that a forward or backward costs the host
     one graph launch. Under ZB-H1 and ZB-V the backward graph is B alone: it leaves each linear layer's input and
@@ -273,12 +273,10 @@ class PipelineParallel:
         along dim 0 into ``num_microbatches`` equal micro-batches. Returns the batch's mean loss (the sum of the
         micro-batch losses / m) on every stage of the group. The caller steps and zeroes the optimizer.
         """
-        if self.graphs and forward_context is not None and not forward_only:
-            raise ValueError("graphs=True: a forward_context (autocast) cannot be recorded; run without one")
         if self.graphs and self._graphed is None and self._shapes and not forward_only:
             # at the start of a step, not the end of the first: no autograd graph of an eager step is alive then,
             # whose nodes would tie the capture to the stream the eager step ran on
-            self._capture(loss_fn)
+            self._capture(loss_fn, forward_context)
         m = self.num_microbatches
         inputs = _split(batch, m, "batch") if batch is not None else None
         labels = _split(targets, m, "targets") if targets is not None else None
@@ -363,7 +361,7 @@ class PipelineParallel:
             return None
         return self._graphed.get((chunk, mb)) if self._shapes.get((chunk, mb)) == shapes else None
 
-    def _capture(self, loss_fn: LossFn) -> None:
+    def _capture(self, loss_fn: LossFn, forward_context=None) -> None:
         """Record every (chunk, micro-batch)'s forward and backward as CUDA graphs
         (``torch.cuda.make_graphed_callables``), from the shapes the first step recorded. Each micro-batch gets
         graphs of its own, so that the activations of the micro-batches in flight stay apart;
@@ -375,7 +373,9 @@ class PipelineParallel:
         modules, samples = [], []
         for chunk, mb in keys:
             stage = self.chunks[chunk]
-            modules.append(_Graphable(stage, loss_fn if stage.is_last else None, self.num_microbatches))
+            modules.append(
+                _Graphable(stage, loss_fn if stage.is_last else None, self.num_microbatches, forward_context)
+            )
             samples.append(
                 tuple(
                     torch.zeros(shape, dtype=dtype, device=self.link.device).requires_grad_(grad)
@@ -438,15 +438,33 @@ _WATCHDOG_LOOK_S = 1.0
 class _Graphable(nn.Module):
     """One (chunk, micro-batch)'s forward as a module of its own for ``torch.cuda.make_graphed_callables``, which
     replaces a module's ``forward`` with its graphed one: the chunk itself is shared, its parameters too; on the
-    model's last chunk the forward includes the micro-batch's loss (divided by ``m``)."""
+    model's last chunk the forward includes the micro-batch's loss (divided by ``m``). ``context`` (the step's
+    ``forward_context``, e.g. autocast) is entered around the recorded forward; an autocast in it is recorded with
+    its cast cache off, as CUDA graphs need (``torch.cuda.make_graphed_callables``' documentation: a cached cast
+    would be made once, in the capture, and then read stale)."""
 
-    def __init__(self, stage: nn.Module, loss_fn: LossFn | None, num_microbatches: int) -> None:
+    def __init__(
+        self,
+        stage: nn.Module,
+        loss_fn: LossFn | None,
+        num_microbatches: int,
+        context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> None:
         super().__init__()
-        self.stage, self.loss_fn, self.m = stage, loss_fn, num_microbatches
+        self.stage, self.loss_fn, self.m, self.context = stage, loss_fn, num_microbatches, context
 
     def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.stage(x)
-        return y if self.loss_fn is None else self.loss_fn(y, target) / self.m
+        with self.context() if self.context is not None else contextlib.nullcontext(), _uncached_autocast(x):
+            y = self.stage(x)
+            return y if self.loss_fn is None else self.loss_fn(y, target) / self.m
+
+
+def _uncached_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The autocast in force on ``x``'s device again, with its cast cache off (a no-op where none is in force)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
 
 
 #: Eager forwards and backwards ``torch.cuda.make_graphed_callables`` runs before it captures (its default).

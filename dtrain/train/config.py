@@ -206,6 +206,11 @@ class ParallelSection(_Section):
         choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"),  # pipeline_schedules.SCHEDULES
     )
     microbatches: int = _option(1, "micro-batches per pipeline step (only used when pp > 1)", minimum=1)
+    pipeline_graphs: bool = _option(
+        False,
+        "replay each micro-batch's forward and backward as CUDA graphs from the second step (pp > 1 on GPUs; not with "
+        "tp > 1, zero = 3, fp16, training.compile or activation checkpointing)",
+    )
     zero: int = _option(
         0,
         "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too, 3 parameters too (fully sharded)",
@@ -488,6 +493,8 @@ class TrainConfig:
                 "training.accumulation",
                 f"each dp rank's {local} sequences do not split into {training.accumulation} accumulation steps",
             )
+        if parallel.pipeline_graphs and parallel.pp == 1:
+            raise ConfigError("parallel.pipeline_graphs", "replays a pipeline's micro-batches; it needs pp > 1")
         if parallel.pp > 1:
             step = local // training.accumulation
             if step % parallel.microbatches:
@@ -502,6 +509,17 @@ class TrainConfig:
                     f"{parallel.schedule} defers weight gradients out of autograd; it does not run with zero = 2 or "
                     "training.compile (use 1f1b or interleaved-1f1b)",
                 )
+            if parallel.pipeline_graphs:
+                refused = [
+                    (parallel.tp > 1, "tp > 1 (its collectives run inside each forward)"),
+                    (parallel.zero == 3, "zero = 3 (its gathers run inside each forward)"),
+                    (training.precision == "fp16", "fp16 (its loss scale changes between steps)"),
+                    (training.compile, "training.compile"),
+                    (training.activation_checkpointing != "none", "activation checkpointing"),
+                ]
+                reason = next((why for bad, why in refused if bad), None)
+                if reason is not None:
+                    raise ConfigError("parallel.pipeline_graphs", f"does not run with {reason}")
             if parallel.schedule == "interleaved-1f1b" and parallel.microbatches % parallel.pp:
                 raise ConfigError(
                     "parallel.microbatches",

@@ -63,7 +63,7 @@ from dtrain.train.checkpoint import (
     restore_training_state,
     training_state,
 )
-from dtrain.train.config import TrainConfig, run_world
+from dtrain.train.config import ConfigError, TrainConfig, run_world
 from dtrain.train.metrics import MetricsWriter, mfu, peak_memory_bytes, plan_score, reset_peak_memory
 from dtrain.train.optim import adamw, lr_schedule, set_lr
 from dtrain.train.precision import DynamicLossScaler, autocast_dtype
@@ -164,6 +164,8 @@ def validate_layout(config: TrainConfig, world_size: int, shape: ModelConfig) ->
 def _check_precision(config: TrainConfig) -> None:
     device = rank_device()
     autocast_dtype(config.training.precision, device)  # ValueError naming the precision where it cannot run
+    if config.parallel.pipeline_graphs and device.type != "cuda":
+        raise ConfigError("parallel.pipeline_graphs", f"records CUDA graphs; the ranks would run on {device.type}")
 
 
 def layout(config: TrainConfig, shape: ModelConfig) -> dict[str, Any]:
@@ -337,6 +339,7 @@ class _Trainer:
             tensor_parallel=functools.partial(tensor_parallelize, algorithm=par.algorithm, loss_parallel=True),
             num_microbatches=par.microbatches,
             schedule=par.schedule,
+            pipeline_graphs=par.pipeline_graphs,
             virtual_stages=INTERLEAVED_CHUNKS if par.schedule == "interleaved-1f1b" else 1,
             algorithm=par.algorithm,
             shard_size=par.zero_shard_size or None,

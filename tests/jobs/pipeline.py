@@ -308,24 +308,52 @@ def graphed(p: int, m: int, schedule: str, v: int = 1, steps: int = 3) -> dict:
 
 
 def graphs_refused() -> list[str]:
-    """``graphs=True`` on a CPU stage and with autocast: the errors, before anything is sent; then the pipeline
-    still trains."""
-    errors = []
+    """``graphs=True`` on a CPU stage: the error, before anything is sent."""
     try:
         PipelineParallel(_mlp(seed=1), group_of(2), num_microbatches=2, graphs=True)
     except ValueError as err:
-        errors.append(str(err))
-    else:
-        errors.append("no error")
-    pipe = PipelineParallel(_mlp(seed=1), group_of(2), num_microbatches=2)
-    pipe.graphs = True  # as on a GPU: autocast is refused at the first step, before anything is sent
-    batch, targets = _data("mlp", 0)
+        return [str(err)]
+    return ["no error"]
+
+
+def graphed_autocast(p: int, m: int, steps: int = 3) -> dict:
+    """1F1B with ``graphs=True`` under bf16 autocast (a stand-in capture, as :func:`graphed`) against the same
+    pipeline run eagerly under the same autocast: the largest difference of losses and gradients, and what the
+    recorded forwards ran under (autocast on, its cast cache off)."""
+    from dtrain.parallel import pipeline_parallel
+
+    seen = []
+
+    def stand_in(modules, samples, contexts, split=False):
+        for module, args in zip(modules, samples, strict=True):
+            hook = module.stage.register_forward_pre_hook(
+                lambda *_: seen.append((torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled()))
+            )
+            for _ in range(pipeline_parallel.WARMUP_ITERS + 1):
+                out = module(*args)
+                wrt = [a for a in args if a.requires_grad] + list(module.parameters())
+                torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+            hook.remove()
+        return modules
+
+    group = group_of(p)
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    real = pipeline_parallel._make_graphed
+    pipeline_parallel._make_graphed = stand_in
     try:
-        pipe.train_step(batch, targets, F.mse_loss, forward_context=lambda: torch.autocast("cpu"))
-    except ValueError as err:
-        errors.append(str(err))
-    else:
-        errors.append("no error")
-    pipe.graphs = False
-    errors.append(str(torch.isfinite(pipe.train_step(batch, targets, F.mse_loss)).item()))  # nothing was left half sent
-    return errors
+        graphed = PipelineParallel(_mlp(seed=7), group, num_microbatches=m)
+        graphed.graphs = True  # the constructor asks for a CUDA device
+        eager = PipelineParallel(_mlp(seed=7), group, num_microbatches=m)
+        worst = 0.0
+        for step in range(steps):
+            batch, targets = _data("mlp", step)
+            a = graphed.train_step(batch, targets, F.mse_loss, forward_context=autocast)
+            b = eager.train_step(batch, targets, F.mse_loss, forward_context=autocast)
+            worst = max(worst, (a - b).abs().item())
+            for x, y in zip(graphed.parameters(), eager.parameters(), strict=True):
+                worst = max(worst, (x.grad - y.grad).abs().max().item())
+            _sgd_step(list(graphed.parameters()))
+            _sgd_step(list(eager.parameters()))
+    finally:
+        pipeline_parallel._make_graphed = real
+    return {"worst": worst, "captured": graphed._graphed is not None, "recorded_under": sorted(set(seen))}

@@ -180,12 +180,27 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
             "train.toml: [parallel] microbatches: interleaved-1f1b takes micro-batches in groups of pp=4",
         ),
         ("[training]\naccumulation = 3\n", "train.toml: [training] accumulation: each dp rank's 16 sequences"),
+        (
+            "[parallel]\npipeline_graphs = true\n",
+            "train.toml: [parallel] pipeline_graphs: replays a pipeline's micro-batches; it needs pp > 1",
+        ),
+        (
+            "[parallel]\npp = 2\ntp = 2\npipeline_graphs = true\n",
+            "train.toml: [parallel] pipeline_graphs: does not run with tp > 1 (its collectives run inside each",
+        ),
+        (
+            '[parallel]\npp = 2\npipeline_graphs = true\n[training]\nprecision = "fp16"\n',
+            "train.toml: [parallel] pipeline_graphs: does not run with fp16 (its loss scale changes between steps)",
+        ),
+        (
+            '[parallel]\npp = 2\npipeline_graphs = true\n[training]\nactivation_checkpointing = "full"\n',
+            "train.toml: [parallel] pipeline_graphs: does not run with activation checkpointing",
+        ),
         ('[logging]\nout = ""\n', "train.toml: [logging] out: must be a directory path"),
         (
             "[parallel]\ntpp = 2\n",
-            "train.toml: [parallel] tpp: unknown key; keys of [parallel]: dp, pp, tp, schedule, microbatches, zero, "
-            "zero_shard_size, "
-            "algorithm, balance",
+            "train.toml: [parallel] tpp: unknown key; keys of [parallel]: dp, pp, tp, schedule, microbatches, "
+            "pipeline_graphs, zero, zero_shard_size, algorithm, balance",
         ),
         ("[modle]\nfamily = 1\n", "train.toml: [modle]: unknown section; sections: model, data, parallel, optimizer"),
         ("steps = 20\n", "train.toml: steps: not a section; sections: model, data"),

@@ -165,6 +165,7 @@ def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_ran
         (["--nproc", "4", "--tp", "4"], "num_key_value_heads=2 does not divide by tp=4"),
         (["--zero", "1"], "--zero: ZeRO stage 1 shards over the dp ranks, but dp is 1"),
         (["--precision", "fp16"], "--precision fp16: float16 training needs a CUDA device"),
+        (["--nproc", "2", "--pp", "2", "--pipeline-graphs"], "pipeline_graphs: records CUDA graphs; the ranks would"),
         (["--seq-len", "4096"], "--seq-len: 4096 is longer than the 256 positions"),
         (["--resume"], "no complete checkpoint"),
         (["--weights", "/nonexistent/model"], "/nonexistent/model"),
