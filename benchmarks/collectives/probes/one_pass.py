@@ -12,26 +12,21 @@ kernels of the same calls.
 from __future__ import annotations
 
 import cProfile
-import os
 import pstats
 
 import torch
 import torch.distributed as dist
-from probes.peer_host import host_and_gpu
 
 import dtrain.comm as comm
 from dtrain.comm.peer import kernels as peer_kernels
 from dtrain.comm.peer import watchdog
 from dtrain.comm.peer import window as peer
+from probes import start_rank
+from probes.peer_host import host_and_gpu
 
 
 def main() -> None:
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    dev, rank, world, say = start_rank()
     n = 2048  # 8 KiB of float32 a rank
     inp, out = torch.randn(n, device=dev), torch.empty(n * world, device=dev)
     full, block = torch.randn(n * world, device=dev), torch.empty(n, device=dev)

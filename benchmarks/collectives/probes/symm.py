@@ -11,7 +11,6 @@ them dtrain's ring and direct over NCCL point-to-point. Used to decide the desig
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
 import dtrain.comm as comm
+from probes import start_rank
 
 
 def timed(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -38,13 +38,8 @@ def timed(fn, iters: int = 20, warmup: int = 3) -> float:
 
 
 def main() -> None:
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    dev, rank, world, say = start_rank()
     group = dist.group.WORLD
-    say = print if rank == 0 else (lambda *a, **k: None)
     maxn = (1 << 30) // 4
     try:
         symm_mem.enable_symm_mem_for_group(group.group_name)
