@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dtrain.cluster.topology import Topology
+from dtrain.comm.ir.algorithms import names as algorithm_names
 from dtrain.comm.ir.schedule import Collective
 from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD
 from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
@@ -60,6 +61,7 @@ from dtrain.sim.model import (
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import grid_rank, group
 from dtrain.sim.traffic import (
+    NCCL_RING,
     Cache,
     _build,
     _group_jobs,
@@ -90,8 +92,9 @@ class StepConfig:
     curves by device key, default the package's file) or, with ``efficiency`` set, the step's FLOPs at that share
     of each device's peak; ``overlap_tp_backward``: the input-gradient tensor-parallel collective of each
     column-parallel product runs under its weight-gradient product (Megatron-LM's asynchronous all-reduce, or
-    reduce-scatter under sequence parallelism); the algorithms of the
-    tensor- and data-parallel collectives, software costs, the usable share of device memory, whether the
+    reduce-scatter under sequence parallelism); the algorithms of the tensor- and data-parallel collectives
+    (``dp_algorithm`` default :data:`dtrain.sim.traffic.NCCL_RING`, NCCL's rail-aligned rings, one a GPU of the
+    group on each server), software costs, the usable share of device memory, whether the
     data-parallel all-reduce overlaps backward where dtrain overlaps it (``overlap_dp``, in buckets of
     ``bucket_bytes``), and stragglers:
     ``slowdown`` fixes a factor on chosen ranks, ``straggler_sigma`` draws every rank's factor from a lognormal
@@ -121,7 +124,7 @@ class StepConfig:
 
     efficiency: float | None = None
     tp_algorithm: str = "ring"
-    dp_algorithm: str = "ring"
+    dp_algorithm: str = NCCL_RING
     cost: SoftwareCost = field(default_factory=SoftwareCost)
     memory_fraction: float = 0.9
     overlap_dp: bool = True
@@ -148,6 +151,9 @@ class StepConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if any(not f >= 1 for f in self.slowdown.values()):
             raise ValueError(f"slowdown factors must be >= 1 (a slower rank), got {self.slowdown!r}")
+        known = (NCCL_RING, *algorithm_names(Collective.ALL_REDUCE))
+        if self.dp_algorithm not in known:
+            raise ValueError(f"dp_algorithm {self.dp_algorithm!r} is not one of {', '.join(known)}")
         if self.gradient_bytes is not None and self.gradient_bytes not in (2, 4):
             raise ValueError(f"gradient_bytes must be 2, 4 or None (the model's), got {self.gradient_bytes!r}")
         if self.optimizer_bytes < 1:

@@ -24,7 +24,7 @@ from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost
 from dtrain.sim.model import Layout, ModelSpec
 from dtrain.sim.placement import grid_rank, group
 
-__all__ = ["Traffic", "Cache", "ZERO_PHASES", "dp_phase_bytes", "simulate_traffic"]
+__all__ = ["Traffic", "Cache", "ZERO_PHASES", "NCCL_RING", "dp_phase_bytes", "nccl_rings", "simulate_traffic"]
 
 #: The data-parallel collectives of a step by ZeRO stage, as dtrain.parallel.zero runs them (stage 1 all-reduces
 #: and all-gathers the updated shards; stage 2 reduce-scatters instead); stage 3 (dtrain.parallel.fsdp) adds the
@@ -72,7 +72,48 @@ def _p2p() -> Schedule:
     return make_schedule(Collective.BROADCAST, "p2p", 2, [[Transfer(0, 1, 0, 0)]], root=0)
 
 
+#: NCCL's rings on a group that spans servers (:func:`nccl_rings`): the default data-parallel algorithm.
+NCCL_RING = "nccl-ring"
+
+
+def nccl_rings(ranks: Sequence[int], placement: Sequence[str], topo: Topology) -> list[tuple[list[int], list]]:
+    """The rings (channels) NCCL runs a collective of the group ``ranks`` over, each as ``(ring order, relay)``:
+    ``relay[i]`` the device through which the ``i``-th rank of the ring sends to the next (None: directly).
+
+    A group with ``L >= 2`` ranks on each of two or more servers gets ``L`` rings, one entering each server at
+    each of the group's GPUs there. Ring ``j`` visits every server in the group's order, on each its ranks from
+    the ``j``-th on (rotated), and leaves a server from its last rank there through the server's ``j``-th GPU:
+    NCCL's ring search sends a ring into and out of a node through one NIC (``NCCL_CROSS_NIC``, default 2: the
+    same NIC where it can, ``src/graph/search.cc``), so on a rail-optimised fabric every hop between servers
+    stays on one rail, the ``j``-th GPU's; the last GPU reaches that NIC over NVLink through the GPU beside it
+    (PXN, NCCL 2.12 and later). The ``L`` rings share the data evenly and run at once, as NCCL's channels do,
+    so a server's ``L`` NICs all carry traffic (Jeaugey, "NCCL 2.0", GTC 2017: rings of every channel in
+    parallel, one per NIC on multi-NIC nodes). The ``j``-th GPU of each server is the group's ``j``-th rank on
+    it, the same local GPU on every server under Megatron's rank order (:mod:`dtrain.sim.placement`).
+
+    Otherwise (one server, one rank a server, or unequal counts) one ring in the group's order: with one GPU a
+    server, GPU ``k`` of each, that ring is already on rail ``k``."""
+    servers: dict[str, list[int]] = {}
+    for r in ranks:
+        servers.setdefault(topo.device(placement[r]).server, []).append(r)
+    runs = list(servers.values())
+    size = len(runs[0])
+    if len(runs) < 2 or size < 2 or any(len(run) != size for run in runs):
+        return [(list(ranks), [None] * len(ranks))]
+    rings = []
+    for j in range(size):
+        order, relay = [], []
+        for run in runs:
+            order += [run[(j + i) % size] for i in range(size)]
+            relay += [None] * (size - 1) + [placement[run[j]]]
+        rings.append((order, relay))
+    return rings
+
+
 def _build(collective: Collective, algorithm: str, ranks: Sequence[int], placement: Sequence[str], topo: Topology):
+    """The schedule of ``algorithm`` on the group ``ranks`` in their order (:data:`NCCL_RING`: the ring)."""
+    if algorithm == NCCL_RING:
+        algorithm = "ring"
     local = None
     if needs_local_size(algorithm):
         local = _local_size([topo.device(placement[r]).server for r in ranks])
@@ -143,7 +184,18 @@ def _group_jobs(
     nbytes: float,
     item: int,
 ) -> list[Job]:
-    """One job of ``collective`` on ``nbytes`` in each group, its ranks on their devices of ``placement``."""
+    """One job of ``collective`` on ``nbytes`` in each group, its ranks on their devices of ``placement``; with
+    :data:`NCCL_RING`, one job a ring of :func:`nccl_rings`, each on its share of the bytes."""
+    if algorithm == NCCL_RING:
+        jobs = []
+        for g in groups:
+            rings = nccl_rings(g, placement, topo)
+            schedule = build_schedule(collective, "ring", len(g))
+            share = _padded(nbytes / len(rings), item, len(g))
+            for order, relay in rings:
+                relays = tuple(relay) if any(relay) else None
+                jobs.append(Job(schedule, share, tuple(placement[r] for r in order), relay=relays))
+        return jobs
     return [
         Job(_build(collective, algorithm, g, placement, topo), _padded(nbytes, item, len(g)),
             tuple(placement[r] for r in g))
@@ -166,7 +218,7 @@ def simulate_traffic(
     placement: Sequence[str],
     *,
     tp_algorithm: str = "ring",
-    dp_algorithm: str = "ring",
+    dp_algorithm: str = NCCL_RING,
     cost: SoftwareCost | None = None,
     cache: Cache | None = None,
     split_pipeline: bool = False,
@@ -174,6 +226,11 @@ def simulate_traffic(
     gradient_bytes: int | None = None,
 ) -> Traffic:
     """Each strategy's collective simulated once, every group of a kind at the same time on the network.
+
+    ``tp_algorithm``, ``dp_algorithm``: a ``dtrain.comm`` algorithm of the tensor-parallel and data-parallel
+    collectives (the pipeline's gather takes ``tp_algorithm``, the data-parallel phases ``dp_algorithm``), or
+    :data:`NCCL_RING`, NCCL's channels of rail-aligned rings (:func:`nccl_rings`), the default of the
+    data-parallel phases.
 
     ``cache`` (a dict the caller keeps) reuses replays between calls on the same, unchanged topology.
     ``split_pipeline``: each tensor-parallel rank sends ``1/tp`` of the activation to its peer of the next stage,
