@@ -120,7 +120,9 @@ class StepConfig:
     :func:`dtrain.sim.traffic.dp_phase_bytes`); ``overlap_sharded_dp``: with ZeRO stage 1 and no pipeline, the
     gradients' reduce-scatter runs under backward in buckets and the weights' all-gather under the next forward
     (Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``), priced as
-    ``overlap_dp`` prices the all-reduce of the same bytes."""
+    ``overlap_dp`` prices the all-reduce of the same bytes; ``distributed_optimizer``: ZeRO stage 1 reduce-scatters
+    the gradients instead of all-reducing them (Megatron-Core's distributed optimizer; see
+    :func:`dtrain.sim.traffic.dp_phase_bytes`)."""
 
     efficiency: float | None = None
     tp_algorithm: str = "ring"
@@ -143,6 +145,7 @@ class StepConfig:
     optimizer_bytes: int = ADAM_BYTES_PER_PARAMETER
     gradient_bytes: int | None = None
     overlap_sharded_dp: bool = False
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -447,7 +450,7 @@ def simulate_step(
     traffic = simulate_traffic(
         model, layout, topology, placement, tp_algorithm=config.tp_algorithm, dp_algorithm=config.dp_algorithm,
         cost=config.cost, cache=cache, split_pipeline=config.split_pipeline, flow_limit=config.flow_limit,
-        gradient_bytes=config.gradient_bytes,
+        gradient_bytes=config.gradient_bytes, distributed_optimizer=config.distributed_optimizer,
     )  # fmt: skip
     tp, pp, dp, gather = traffic.tp, traffic.pp, traffic.dp, traffic.pp_gather
     tp_s = tp.time_s if tp else 0.0
@@ -631,7 +634,8 @@ def data_parallel_lower_bound(
     servers = [topology.device(d).server for d in placement]
     groups = _groups(layout, "dp")
     total = 0.0
-    for collective, nbytes, item in dp_phase_bytes(model, layout, config.gradient_bytes):
+    for collective, nbytes, item in dp_phase_bytes(model, layout, config.gradient_bytes,
+                                                   config.distributed_optimizer):  # fmt: skip
         out: dict[str, float] = {}
         for g in groups:
             schedule = _build(collective, config.dp_algorithm, g, placement, topology)

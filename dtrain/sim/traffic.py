@@ -37,16 +37,25 @@ ZERO_PHASES = {
 }
 
 
-def dp_phase_bytes(model: ModelSpec, layout: Layout, gradient_bytes: int | None = None) -> list[tuple]:
+def dp_phase_bytes(
+    model: ModelSpec, layout: Layout, gradient_bytes: int | None = None, distributed_optimizer: bool = False
+) -> list[tuple]:
     """Each data-parallel phase of a step (:data:`ZERO_PHASES`) as ``(collective, bytes a rank holds, item size)``:
     the gradient reduction (all-reduce or reduce-scatter) at ``gradient_bytes`` a value (default the model's
     ``bytes_per_value``; 4 where the optimizer keeps and reduces 32-bit gradients, as DeepSpeed's
-    ``BF16_Optimizer`` does, ``get_grads_for_reduction``), the all-gathers of weights at ``bytes_per_value``."""
+    ``BF16_Optimizer`` does, ``get_grads_for_reduction``), the all-gathers of weights at ``bytes_per_value``.
+    ``distributed_optimizer``: ZeRO stage 1 reduce-scatters the gradients, each rank receiving only the shard its
+    optimizer updates, as Megatron-Core's distributed optimizer does (``--use-distributed-optimizer``:
+    ``megatron/core/distributed/param_and_grad_buffer.py`` reduce-scatters each bucket when the optimizer is
+    distributed; Megatron-LM's "Distributed Optimizer" documentation), instead of all-reducing them."""
     item = model.bytes_per_value
     grad_item = gradient_bytes or item
     values = model.parameters / (layout.tp * layout.pp)
     out = []
-    for c in ZERO_PHASES[layout.zero_stage]:
+    phases = ZERO_PHASES[layout.zero_stage]
+    if distributed_optimizer and layout.zero_stage == 1:
+        phases = ZERO_PHASES[2]
+    for c in phases:
         size = item if c is Collective.ALL_GATHER else grad_item
         out.append((c, values * size, size))
     return out
@@ -224,6 +233,7 @@ def simulate_traffic(
     split_pipeline: bool = False,
     flow_limit: int | None = DEFAULT_FLOW_LIMIT,
     gradient_bytes: int | None = None,
+    distributed_optimizer: bool = False,
 ) -> Traffic:
     """Each strategy's collective simulated once, every group of a kind at the same time on the network.
 
@@ -239,7 +249,8 @@ def simulate_traffic(
     :func:`dtrain.sim.classes.replay_jobs` (None: every collective replayed message by message).
     ``gradient_bytes``: bytes a gradient value takes in the data-parallel reduction (the all-reduce or
     reduce-scatter of :data:`ZERO_PHASES`; default the model's ``bytes_per_value``), the all-gather of updated
-    weights keeping the model's; see :func:`dp_phase_bytes`."""
+    weights keeping the model's; see :func:`dp_phase_bytes`, which also says what ``distributed_optimizer``
+    changes."""
     cost = cost or SoftwareCost()
     item = model.bytes_per_value
     activation = layout.micro_batch * model.sequence * model.hidden * item
@@ -277,5 +288,5 @@ def simulate_traffic(
     dp: list[CollectiveResult] = []
     if layout.dp > 1:
         dp = [run(c, dp_algorithm, "dp", nbytes, size=size)
-              for c, nbytes, size in dp_phase_bytes(model, layout, gradient_bytes)]  # fmt: skip
+              for c, nbytes, size in dp_phase_bytes(model, layout, gradient_bytes, distributed_optimizer)]  # fmt: skip
     return Traffic(tp=tp, pp=pp, dp=dp, pp_gather=pp_gather)

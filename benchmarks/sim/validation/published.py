@@ -148,7 +148,9 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     Megatron-LM's ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``, as ``examples/sc21/CONFIG.sh``
     runs it; 4 for DeepSpeed's ``BF16_Optimizer`` and for Megatron-LM's ``--bf16``, which turns on
     ``--accumulate-allreduce-grads-in-fp32``), and whether a ZeRO-1 reduction runs under backward (``overlap_dp``:
-    Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``).
+    Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``), and whether
+    ZeRO-1 reduce-scatters the gradients (``distributed_optimizer``: Megatron-Core's distributed optimizer) or
+    all-reduces them (DeepSpeed's ``BF16_Optimizer``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
@@ -156,7 +158,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       tied_embedding_allreduce=row.get("tied_embeddings", True),
                       optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit,
                       gradient_bytes=row.get("gradient_bytes", 2),
-                      overlap_sharded_dp=row.get("overlap_dp", False))  # fmt: skip
+                      overlap_sharded_dp=row.get("overlap_dp", False),
+                      distributed_optimizer=row.get("distributed_optimizer", False))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
