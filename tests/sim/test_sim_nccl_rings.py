@@ -51,3 +51,17 @@ def test_one_gpu_a_server_keeps_the_ring_in_rank_order() -> None:
     ring = simulate_traffic(model, layout, topo, placement, dp_algorithm="ring")
     nccl = simulate_traffic(model, layout, topo, placement, dp_algorithm="nccl-ring")
     assert [r.time_s for r in nccl.dp] == pytest.approx([r.time_s for r in ring.dp], rel=1e-12)
+
+
+def test_distributed_optimizer_reduce_scatters_stage_1_gradients() -> None:
+    from dtrain.sim.traffic import dp_phase_bytes
+
+    model = MODELS["gpt2-xl"]
+    layout = Layout(dp=4, tp=1, pp=1, micro_batch=1, global_batch=4, zero_stage=1)
+    plain = dp_phase_bytes(model, layout, 4)
+    sharded = dp_phase_bytes(model, layout, 4, distributed_optimizer=True)
+    assert [c for c, _, _ in plain] == [Collective.ALL_REDUCE, Collective.ALL_GATHER]
+    assert [c for c, _, _ in sharded] == [Collective.REDUCE_SCATTER, Collective.ALL_GATHER]
+    assert [b for _, b, _ in sharded] == [b for _, b, _ in plain]  # the same buffers: 32-bit gradients, weights
+    no_zero = Layout(dp=4, tp=1, pp=1, micro_batch=1, global_batch=4)
+    assert dp_phase_bytes(model, no_zero, 4, distributed_optimizer=True) == dp_phase_bytes(model, no_zero, 4)
