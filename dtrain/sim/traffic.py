@@ -95,10 +95,12 @@ def nccl_rings(ranks: Sequence[int], placement: Sequence[str], topo: Topology) -
     NCCL's ring search sends a ring into and out of a node through one NIC (``NCCL_CROSS_NIC``, default 2: the
     same NIC where it can, ``src/graph/search.cc``), so on a rail-optimised fabric every hop between servers
     stays on one rail, the ``j``-th GPU's; the last GPU reaches that NIC over NVLink through the GPU beside it
-    (PXN, NCCL 2.12 and later). The ``L`` rings share the data evenly and run at once, as NCCL's channels do,
-    so a server's ``L`` NICs all carry traffic (Jeaugey, "NCCL 2.0", GTC 2017: rings of every channel in
-    parallel, one per NIC on multi-NIC nodes). The ``j``-th GPU of each server is the group's ``j``-th rank on
-    it, the same local GPU on every server under Megatron's rank order (:mod:`dtrain.sim.placement`).
+    (PXN, NCCL 2.12 and later: NVIDIA, "Doubling all2all Performance with NVIDIA Collective Communication
+    Library 2.12", 2022; ``NCCL_PXN_DISABLE``). The ``L`` rings share the data evenly and run at once, as NCCL's
+    channels do (``NCCL_MIN_NCHANNELS``, ``NCCL_MAX_NCHANNELS``; the search puts channels on the NICs nearest
+    the communicator's GPUs), so a server's ``L`` NICs all carry traffic. The ``j``-th GPU of each server is the
+    group's ``j``-th rank on it, the same local GPU on every server under Megatron's rank order
+    (:mod:`dtrain.sim.placement`).
 
     Otherwise (one server, one rank a server, or unequal counts) one ring in the group's order: with one GPU a
     server, GPU ``k`` of each, that ring is already on rail ``k``."""
