@@ -28,6 +28,8 @@ CASES = [
      lambda: preset("dgx-a100-superpod", racks=2, servers_per_rack=8, spines=4, cores=8),
      Layout(dp=16, tp=8, global_batch=16)),
     ("fat-tree-k8 (128 single-GPU servers)", lambda: preset("fat-tree-k8"), Layout(dp=32, pp=4, global_batch=128)),
+    ("h100-rail, 1 unit x 4 servers, NCCL's 8 rail-aligned rings", lambda: preset("h100-rail", racks=1,
+     servers_per_rack=4), Layout(dp=32, global_batch=32)),
 ]  # fmt: skip
 
 

@@ -201,7 +201,12 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         "with dtrain)",
     )
     p.add_argument("--tp-algorithm", default="ring")
-    p.add_argument("--dp-algorithm", default="ring", help="e.g. ring, halving_doubling, hierarchical")
+    p.add_argument(
+        "--dp-algorithm",
+        default="nccl-ring",
+        help="nccl-ring (NCCL's rail-aligned rings, one a GPU of the group on each server), or a dtrain.comm "
+        "algorithm: ring, halving_doubling, hierarchical, ...",
+    )
     p.add_argument("--no-overlap", action="store_true", help="never overlap the dp all-reduce with backward")
     _add_software(p)
 

@@ -46,7 +46,7 @@ from dtrain.sim.collective import (
     _start_jobs,
     check_placement,
 )
-from dtrain.sim.flows import FlowNetwork, LinkUsage
+from dtrain.sim.flows import FlowNetwork, LinkUsage, relayed_routes
 
 __all__ = ["replay_jobs", "DEFAULT_FLOW_LIMIT"]
 
@@ -126,9 +126,10 @@ def _replay_jobs(
         if found is not None:
             return _result(jobs, *found)
     routes = [
-        [topology.equal_cost_routes(job.placement[a], job.placement[b]) for a, b in pairs]
+        [relayed_routes(topology, job.placement[a], job.placement[b], job.relay[a] if job.relay else None)
+         for a, b in pairs]
         for job, pairs in zip(jobs, job_pairs, strict=True)
-    ]
+    ]  # fmt: skip
     parts = _connected(routes)
     results: dict[int, _Part] = {}  # by part index
     seen: dict[tuple, tuple[int, list[_Key]]] = {}  # signature -> (part replayed, its links in signature order)
@@ -172,6 +173,8 @@ def _on_servers(jobs: Sequence[Job], topology: Topology) -> list[str] | None:
         return None
     servers = []
     for job in jobs:
+        if job.relay is not None and any(job.relay):
+            return None
         names = {topology.device(d).server for d in job.placement}
         if len(names) != 1:
             return None
@@ -400,9 +403,10 @@ def _one_round(jobs, tags, parts, gammas, index: int, topology: Topology, cost: 
                     done[(j, b)] = max(done[(j, b)], t)
 
                 src, dst = job.placement[rank], job.placement[peer]
+                via = job.relay[rank] if job.relay else None
                 start = max(posted[rank], posted.get(peer, 0.0))
-                net.at(start, lambda s=src, d=dst, n=nbytes, f=flow_id, cb=finished: net.send(
-                    s, d, n, flow_id=f, on_done=cb, cap_bytes_per_s=cost.cap_for(n)))  # fmt: skip
+                net.at(start, lambda s=src, d=dst, n=nbytes, f=flow_id, cb=finished, v=via: net.send(
+                    s, d, n, flow_id=f, on_done=cb, cap_bytes_per_s=cost.cap_for(n), via=v))  # fmt: skip
     end = net.run()
     lengths = [0.0] * len(jobs)
     for (j, rank), t in done.items():

@@ -177,9 +177,11 @@ class _Replay:
     """The event-driven state of one replay: where each rank is, and which messages are waiting for a peer."""
 
     def __init__(
-        self, net: FlowNetwork, rounds, placement, cost: SoftwareCost, gammas, start_s, end_s, tag: int = 0
-    ) -> None:
+        self, net: FlowNetwork, rounds, placement, cost: SoftwareCost, gammas, start_s, end_s, tag: int = 0,
+        relay=None,
+    ) -> None:  # fmt: skip
         self.net, self.rounds, self.placement, self.cost, self.gammas = net, rounds, placement, cost, gammas
+        self.relay = relay or (None,) * len(placement)  # the node each rank's messages pass through (None: none)
         self.end_s = end_s  # each rank's work after its last round (the API's copies out)
         self.tag = tag  # tells concurrent replays' flows apart for ECMP
         self.position = [0] * len(rounds)
@@ -216,7 +218,13 @@ class _Replay:
         done = lambda _t: (self._done(src, index), self._done(dst, index))  # noqa: E731
         cap = self.cost.cap_for(nbytes)
         self.net.send(
-            self.placement[src], self.placement[dst], nbytes, flow_id=flow_id, on_done=done, cap_bytes_per_s=cap
+            self.placement[src],
+            self.placement[dst],
+            nbytes,
+            flow_id=flow_id,
+            on_done=done,
+            cap_bytes_per_s=cap,
+            via=self.relay[src],
         )
 
     def _done(self, rank: int, index: int) -> None:
@@ -232,12 +240,19 @@ class _Replay:
 @dataclass(frozen=True)
 class Job:
     """One collective call among several that run at the same time: ``schedule`` on ``nbytes`` of work buffer,
-    rank ``i`` on device ``placement[i]``; ``api``: each rank's API operations around it (None: none)."""
+    rank ``i`` on device ``placement[i]``; ``api``: each rank's API operations around it (None: none);
+    ``relay``: for each rank, the node its messages pass through (None: straight to the peer; see
+    :func:`dtrain.sim.flows.relayed_route`), or None for no relays at all."""
 
     schedule: Schedule
     nbytes: int
     placement: tuple[str, ...]
     api: tuple[RankPasses, ...] | None = None
+    relay: tuple[str | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.relay is not None and len(self.relay) != len(self.placement):
+            raise ValueError(f"a job's relay names {len(self.relay)} nodes for {len(self.placement)} ranks")
 
 
 def replay(
@@ -287,7 +302,7 @@ def _start_jobs(
         ]
         rounds = _rank_rounds_cached(job.schedule, job.nbytes, itemsize)
         start, end = _api_times(job, topology, placement, cost)
-        states.append(_Replay(net, rounds, placement, cost, gammas, start, end, tag))
+        states.append(_Replay(net, rounds, placement, cost, gammas, start, end, tag, job.relay))
         states[-1].start()
     return net, states
 

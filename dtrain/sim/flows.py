@@ -23,7 +23,7 @@ import numpy as np
 
 from dtrain.cluster.topology import Link, Topology
 
-__all__ = ["FlowSpec", "LinkUsage", "FlowNetwork", "max_min_rates", "simulate_flows"]
+__all__ = ["FlowSpec", "LinkUsage", "FlowNetwork", "max_min_rates", "simulate_flows", "relayed_route", "relayed_routes"]
 
 #: A flow whose remaining bytes fall below this fraction of its size (float rounding) is done.
 _DONE = 1e-9
@@ -124,6 +124,23 @@ class _Flow:
     slot: int
 
 
+def relayed_route(topology: Topology, src: str, dst: str, flow_id: int = 0, via: str | None = None) -> list[Link]:
+    """The links from ``src`` to ``dst``: :meth:`Topology.route`, or through ``via`` when it is another node (the
+    route to it, then the route from it, each hashed by ``flow_id``), as NCCL's PXN sends a GPU's data over NVLink
+    to the GPU whose NIC is on the destination's rail, which puts it on the network (NCCL 2.12 and later;
+    ``NCCL_PXN_DISABLE`` in NCCL's environment variables)."""
+    if via is None or via in (src, dst):
+        return topology.route(src, dst, flow_id)
+    return topology.route(src, via, flow_id) + topology.route(via, dst, flow_id)
+
+
+def relayed_routes(topology: Topology, src: str, dst: str, via: str | None = None) -> list[list[Link]]:
+    """Every equal-cost path :func:`relayed_route` may take (:meth:`Topology.equal_cost_routes` through ``via``)."""
+    if via is None or via in (src, dst):
+        return topology.equal_cost_routes(src, dst)
+    return [a + b for a in topology.equal_cost_routes(src, via) for b in topology.equal_cost_routes(via, dst)]
+
+
 class FlowNetwork:
     """An event-driven network on a topology: start flows and timers, then :meth:`run` to completion.
 
@@ -174,13 +191,16 @@ class FlowNetwork:
         on_done: Callable[[float], None] | None = None,
         cap_bytes_per_s: float | None = None,
         on_sent: Callable[[float], None] | None = None,
+        via: str | None = None,
     ) -> None:
         """Start a flow now; ``on_done(t)`` is called when its last byte has arrived at ``dst``, ``on_sent(t)``
         when it has left ``src`` (the path's latency earlier: the sender may start its next message then). The
-        flow's rate is capped at ``cap_bytes_per_s`` if given, else at the network's ``flow_cap_bytes_per_s``."""
+        flow's rate is capped at ``cap_bytes_per_s`` if given, else at the network's ``flow_cap_bytes_per_s``.
+        ``via``: a node the flow passes through, its path the route to it followed by the route from it
+        (:func:`relayed_route`)."""
         if cap_bytes_per_s is not None and not cap_bytes_per_s > 0:
             raise ValueError(f"a flow's rate cap must be > 0 bytes/s, got {cap_bytes_per_s!r} ({src} -> {dst})")
-        path = self.topology.route(src, dst, flow_id)
+        path = relayed_route(self.topology, src, dst, flow_id, via)
         latency = sum(link.latency_s for link in path)
         if nbytes <= 0 or not path:
             # nothing to move, or a copy within a node: only the latency

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dtrain.cluster.topology import Topology
+from dtrain.comm.ir.algorithms import names as algorithm_names
 from dtrain.comm.ir.schedule import Collective
 from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD
 from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
@@ -60,6 +61,7 @@ from dtrain.sim.model import (
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import grid_rank, group
 from dtrain.sim.traffic import (
+    NCCL_RING,
     Cache,
     _build,
     _group_jobs,
@@ -90,8 +92,9 @@ class StepConfig:
     curves by device key, default the package's file) or, with ``efficiency`` set, the step's FLOPs at that share
     of each device's peak; ``overlap_tp_backward``: the input-gradient tensor-parallel collective of each
     column-parallel product runs under its weight-gradient product (Megatron-LM's asynchronous all-reduce, or
-    reduce-scatter under sequence parallelism); the algorithms of the
-    tensor- and data-parallel collectives, software costs, the usable share of device memory, whether the
+    reduce-scatter under sequence parallelism); the algorithms of the tensor- and data-parallel collectives
+    (``dp_algorithm`` default :data:`dtrain.sim.traffic.NCCL_RING`, NCCL's rail-aligned rings, one a GPU of the
+    group on each server), software costs, the usable share of device memory, whether the
     data-parallel all-reduce overlaps backward where dtrain overlaps it (``overlap_dp``, in buckets of
     ``bucket_bytes``), and stragglers:
     ``slowdown`` fixes a factor on chosen ranks, ``straggler_sigma`` draws every rank's factor from a lognormal
@@ -117,11 +120,13 @@ class StepConfig:
     :func:`dtrain.sim.traffic.dp_phase_bytes`); ``overlap_sharded_dp``: with ZeRO stage 1 and no pipeline, the
     gradients' reduce-scatter runs under backward in buckets and the weights' all-gather under the next forward
     (Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``), priced as
-    ``overlap_dp`` prices the all-reduce of the same bytes."""
+    ``overlap_dp`` prices the all-reduce of the same bytes; ``distributed_optimizer``: ZeRO stage 1 reduce-scatters
+    the gradients instead of all-reducing them (Megatron-Core's distributed optimizer; see
+    :func:`dtrain.sim.traffic.dp_phase_bytes`)."""
 
     efficiency: float | None = None
     tp_algorithm: str = "ring"
-    dp_algorithm: str = "ring"
+    dp_algorithm: str = NCCL_RING
     cost: SoftwareCost = field(default_factory=SoftwareCost)
     memory_fraction: float = 0.9
     overlap_dp: bool = True
@@ -140,6 +145,7 @@ class StepConfig:
     optimizer_bytes: int = ADAM_BYTES_PER_PARAMETER
     gradient_bytes: int | None = None
     overlap_sharded_dp: bool = False
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -148,6 +154,9 @@ class StepConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if any(not f >= 1 for f in self.slowdown.values()):
             raise ValueError(f"slowdown factors must be >= 1 (a slower rank), got {self.slowdown!r}")
+        known = (NCCL_RING, *algorithm_names(Collective.ALL_REDUCE))
+        if self.dp_algorithm not in known:
+            raise ValueError(f"dp_algorithm {self.dp_algorithm!r} is not one of {', '.join(known)}")
         if self.gradient_bytes is not None and self.gradient_bytes not in (2, 4):
             raise ValueError(f"gradient_bytes must be 2, 4 or None (the model's), got {self.gradient_bytes!r}")
         if self.optimizer_bytes < 1:
@@ -441,7 +450,7 @@ def simulate_step(
     traffic = simulate_traffic(
         model, layout, topology, placement, tp_algorithm=config.tp_algorithm, dp_algorithm=config.dp_algorithm,
         cost=config.cost, cache=cache, split_pipeline=config.split_pipeline, flow_limit=config.flow_limit,
-        gradient_bytes=config.gradient_bytes,
+        gradient_bytes=config.gradient_bytes, distributed_optimizer=config.distributed_optimizer,
     )  # fmt: skip
     tp, pp, dp, gather = traffic.tp, traffic.pp, traffic.dp, traffic.pp_gather
     tp_s = tp.time_s if tp else 0.0
@@ -625,7 +634,8 @@ def data_parallel_lower_bound(
     servers = [topology.device(d).server for d in placement]
     groups = _groups(layout, "dp")
     total = 0.0
-    for collective, nbytes, item in dp_phase_bytes(model, layout, config.gradient_bytes):
+    for collective, nbytes, item in dp_phase_bytes(model, layout, config.gradient_bytes,
+                                                   config.distributed_optimizer):  # fmt: skip
         out: dict[str, float] = {}
         for g in groups:
             schedule = _build(collective, config.dp_algorithm, g, placement, topology)

@@ -24,7 +24,7 @@ from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost
 from dtrain.sim.model import Layout, ModelSpec
 from dtrain.sim.placement import grid_rank, group
 
-__all__ = ["Traffic", "Cache", "ZERO_PHASES", "dp_phase_bytes", "simulate_traffic"]
+__all__ = ["Traffic", "Cache", "ZERO_PHASES", "NCCL_RING", "dp_phase_bytes", "nccl_rings", "simulate_traffic"]
 
 #: The data-parallel collectives of a step by ZeRO stage, as dtrain.parallel.zero runs them (stage 1 all-reduces
 #: and all-gathers the updated shards; stage 2 reduce-scatters instead); stage 3 (dtrain.parallel.fsdp) adds the
@@ -37,16 +37,25 @@ ZERO_PHASES = {
 }
 
 
-def dp_phase_bytes(model: ModelSpec, layout: Layout, gradient_bytes: int | None = None) -> list[tuple]:
+def dp_phase_bytes(
+    model: ModelSpec, layout: Layout, gradient_bytes: int | None = None, distributed_optimizer: bool = False
+) -> list[tuple]:
     """Each data-parallel phase of a step (:data:`ZERO_PHASES`) as ``(collective, bytes a rank holds, item size)``:
     the gradient reduction (all-reduce or reduce-scatter) at ``gradient_bytes`` a value (default the model's
     ``bytes_per_value``; 4 where the optimizer keeps and reduces 32-bit gradients, as DeepSpeed's
-    ``BF16_Optimizer`` does, ``get_grads_for_reduction``), the all-gathers of weights at ``bytes_per_value``."""
+    ``BF16_Optimizer`` does, ``get_grads_for_reduction``), the all-gathers of weights at ``bytes_per_value``.
+    ``distributed_optimizer``: ZeRO stage 1 reduce-scatters the gradients, each rank receiving only the shard its
+    optimizer updates, as Megatron-Core's distributed optimizer does (``--use-distributed-optimizer``:
+    ``megatron/core/distributed/param_and_grad_buffer.py`` reduce-scatters each bucket when the optimizer is
+    distributed; Megatron-LM's "Distributed Optimizer" documentation), instead of all-reducing them."""
     item = model.bytes_per_value
     grad_item = gradient_bytes or item
     values = model.parameters / (layout.tp * layout.pp)
     out = []
-    for c in ZERO_PHASES[layout.zero_stage]:
+    phases = ZERO_PHASES[layout.zero_stage]
+    if distributed_optimizer and layout.zero_stage == 1:
+        phases = ZERO_PHASES[2]
+    for c in phases:
         size = item if c is Collective.ALL_GATHER else grad_item
         out.append((c, values * size, size))
     return out
@@ -72,7 +81,50 @@ def _p2p() -> Schedule:
     return make_schedule(Collective.BROADCAST, "p2p", 2, [[Transfer(0, 1, 0, 0)]], root=0)
 
 
+#: NCCL's rings on a group that spans servers (:func:`nccl_rings`): the default data-parallel algorithm.
+NCCL_RING = "nccl-ring"
+
+
+def nccl_rings(ranks: Sequence[int], placement: Sequence[str], topo: Topology) -> list[tuple[list[int], list]]:
+    """The rings (channels) NCCL runs a collective of the group ``ranks`` over, each as ``(ring order, relay)``:
+    ``relay[i]`` the device through which the ``i``-th rank of the ring sends to the next (None: directly).
+
+    A group with ``L >= 2`` ranks on each of two or more servers gets ``L`` rings, one entering each server at
+    each of the group's GPUs there. Ring ``j`` visits every server in the group's order, on each its ranks from
+    the ``j``-th on (rotated), and leaves a server from its last rank there through the server's ``j``-th GPU:
+    NCCL's ring search sends a ring into and out of a node through one NIC (``NCCL_CROSS_NIC``, default 2: the
+    same NIC where it can, ``src/graph/search.cc``), so on a rail-optimised fabric every hop between servers
+    stays on one rail, the ``j``-th GPU's; the last GPU reaches that NIC over NVLink through the GPU beside it
+    (PXN, NCCL 2.12 and later: NVIDIA, "Doubling all2all Performance with NVIDIA Collective Communication
+    Library 2.12", 2022; ``NCCL_PXN_DISABLE``). The ``L`` rings share the data evenly and run at once, as NCCL's
+    channels do (``NCCL_MIN_NCHANNELS``, ``NCCL_MAX_NCHANNELS``; the search puts channels on the NICs nearest
+    the communicator's GPUs), so a server's ``L`` NICs all carry traffic. The ``j``-th GPU of each server is the
+    group's ``j``-th rank on it, the same local GPU on every server under Megatron's rank order
+    (:mod:`dtrain.sim.placement`).
+
+    Otherwise (one server, one rank a server, or unequal counts) one ring in the group's order: with one GPU a
+    server, GPU ``k`` of each, that ring is already on rail ``k``."""
+    servers: dict[str, list[int]] = {}
+    for r in ranks:
+        servers.setdefault(topo.device(placement[r]).server, []).append(r)
+    runs = list(servers.values())
+    size = len(runs[0])
+    if len(runs) < 2 or size < 2 or any(len(run) != size for run in runs):
+        return [(list(ranks), [None] * len(ranks))]
+    rings = []
+    for j in range(size):
+        order, relay = [], []
+        for run in runs:
+            order += [run[(j + i) % size] for i in range(size)]
+            relay += [None] * (size - 1) + [placement[run[j]]]
+        rings.append((order, relay))
+    return rings
+
+
 def _build(collective: Collective, algorithm: str, ranks: Sequence[int], placement: Sequence[str], topo: Topology):
+    """The schedule of ``algorithm`` on the group ``ranks`` in their order (:data:`NCCL_RING`: the ring)."""
+    if algorithm == NCCL_RING:
+        algorithm = "ring"
     local = None
     if needs_local_size(algorithm):
         local = _local_size([topo.device(placement[r]).server for r in ranks])
@@ -143,7 +195,18 @@ def _group_jobs(
     nbytes: float,
     item: int,
 ) -> list[Job]:
-    """One job of ``collective`` on ``nbytes`` in each group, its ranks on their devices of ``placement``."""
+    """One job of ``collective`` on ``nbytes`` in each group, its ranks on their devices of ``placement``; with
+    :data:`NCCL_RING`, one job a ring of :func:`nccl_rings`, each on its share of the bytes."""
+    if algorithm == NCCL_RING:
+        jobs = []
+        for g in groups:
+            rings = nccl_rings(g, placement, topo)
+            schedule = build_schedule(collective, "ring", len(g))
+            share = _padded(nbytes / len(rings), item, len(g))
+            for order, relay in rings:
+                relays = tuple(relay) if any(relay) else None
+                jobs.append(Job(schedule, share, tuple(placement[r] for r in order), relay=relays))
+        return jobs
     return [
         Job(_build(collective, algorithm, g, placement, topo), _padded(nbytes, item, len(g)),
             tuple(placement[r] for r in g))
@@ -166,14 +229,20 @@ def simulate_traffic(
     placement: Sequence[str],
     *,
     tp_algorithm: str = "ring",
-    dp_algorithm: str = "ring",
+    dp_algorithm: str = NCCL_RING,
     cost: SoftwareCost | None = None,
     cache: Cache | None = None,
     split_pipeline: bool = False,
     flow_limit: int | None = DEFAULT_FLOW_LIMIT,
     gradient_bytes: int | None = None,
+    distributed_optimizer: bool = False,
 ) -> Traffic:
     """Each strategy's collective simulated once, every group of a kind at the same time on the network.
+
+    ``tp_algorithm``, ``dp_algorithm``: a ``dtrain.comm`` algorithm of the tensor-parallel and data-parallel
+    collectives (the pipeline's gather takes ``tp_algorithm``, the data-parallel phases ``dp_algorithm``), or
+    :data:`NCCL_RING`, NCCL's channels of rail-aligned rings (:func:`nccl_rings`), the default of the
+    data-parallel phases.
 
     ``cache`` (a dict the caller keeps) reuses replays between calls on the same, unchanged topology.
     ``split_pipeline``: each tensor-parallel rank sends ``1/tp`` of the activation to its peer of the next stage,
@@ -182,7 +251,8 @@ def simulate_traffic(
     :func:`dtrain.sim.classes.replay_jobs` (None: every collective replayed message by message).
     ``gradient_bytes``: bytes a gradient value takes in the data-parallel reduction (the all-reduce or
     reduce-scatter of :data:`ZERO_PHASES`; default the model's ``bytes_per_value``), the all-gather of updated
-    weights keeping the model's; see :func:`dp_phase_bytes`."""
+    weights keeping the model's; see :func:`dp_phase_bytes`, which also says what ``distributed_optimizer``
+    changes."""
     cost = cost or SoftwareCost()
     item = model.bytes_per_value
     activation = layout.micro_batch * model.sequence * model.hidden * item
@@ -220,5 +290,5 @@ def simulate_traffic(
     dp: list[CollectiveResult] = []
     if layout.dp > 1:
         dp = [run(c, dp_algorithm, "dp", nbytes, size=size)
-              for c, nbytes, size in dp_phase_bytes(model, layout, gradient_bytes)]  # fmt: skip
+              for c, nbytes, size in dp_phase_bytes(model, layout, gradient_bytes, distributed_optimizer)]  # fmt: skip
     return Traffic(tp=tp, pp=pp, dp=dp, pp_gather=pp_gather)

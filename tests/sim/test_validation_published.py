@@ -139,6 +139,7 @@ def test_h100_rows_load_and_simulate() -> None:
     model, layout = published.model_of(row), published.layout_of(row)
     assert stage_parameters(model, layout, 0) == pytest.approx(model.parameters)  # both matrices on one stage
     assert not published.config_of(row).tied_embedding_allreduce
+    assert published.config_of(row).distributed_optimizer  # Megatron-Core's reduce-scatter of the gradients
     config = published.config_of(row, flow_limit=1000)
     result = published.simulate(row, config)
     assert result["fits"] and result["compute_s"] < result["published_s"], result

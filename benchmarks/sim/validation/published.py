@@ -148,7 +148,9 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     Megatron-LM's ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``, as ``examples/sc21/CONFIG.sh``
     runs it; 4 for DeepSpeed's ``BF16_Optimizer`` and for Megatron-LM's ``--bf16``, which turns on
     ``--accumulate-allreduce-grads-in-fp32``), and whether a ZeRO-1 reduction runs under backward (``overlap_dp``:
-    Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``).
+    Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``), and whether
+    ZeRO-1 reduce-scatters the gradients (``distributed_optimizer``: Megatron-Core's distributed optimizer) or
+    all-reduces them (DeepSpeed's ``BF16_Optimizer``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
@@ -156,7 +158,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       tied_embedding_allreduce=row.get("tied_embeddings", True),
                       optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit,
                       gradient_bytes=row.get("gradient_bytes", 2),
-                      overlap_sharded_dp=row.get("overlap_dp", False))  # fmt: skip
+                      overlap_sharded_dp=row.get("overlap_dp", False),
+                      distributed_optimizer=row.get("distributed_optimizer", False))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
@@ -198,8 +201,8 @@ def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
     the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO and the row's ZeRO stage, 1F1B and interleaved
     1F1B of 2 chunks and of the row's chunks), ranked by simulated step time, searched twice: with every technique
     (recomputation only where memory needs it, sequence parallelism with tp) and with the row's own (its
-    recomputation, sequence parallelism as it used it). A rank is 1 + the plans faster than the published layout,
-    as simulated."""
+    recomputation, sequence parallelism as it used it), every layout with the row's attention core. A rank is 1 +
+    the plans faster than the published layout, as simulated."""
     from dtrain.sim.planner import plan
 
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
@@ -215,7 +218,7 @@ def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
         plans, _ = plan(model, topo, global_batch=row["global_batch"], devices=layout.world_size,
                         placements=("aware",), micro_batches=(row["micro_batch"],),
                         zero_stages=tuple(sorted({0, layout.zero_stage})), max_tp=8,
-                        config=config, schedules=schedules, **techniques)  # fmt: skip
+                        config=config, schedules=schedules, attention=layout.attention, **techniques)  # fmt: skip
         best = plans[0] if plans else None
         out |= {
             f"best{suffix}": best.layout.describe() if best else None,
@@ -308,10 +311,15 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
         checks = [c for c in _read(plan_path) if "best" in c]
         out += ["", "| run | published layout (s) | best plan, any technique (s) | rank | best plan, the run's "
                 "techniques (s) | rank | search (s) |", "| --- | ---: | --- | ---: | --- | ---: | ---: |"]  # fmt: skip
+
+        def best(c: dict, suffix: str) -> str:
+            layout = c[f"best{suffix}"]
+            return "none fits" if layout is None else f"{layout} {c[f'best{suffix}_s']:.2f}"
+
         for c in checks:
-            out.append(f"| {c['name']} | {c['published_layout_s']:.2f} | {c['best']} {c['best_s']:.2f} | "
-                       f"{c['published_rank']} | {c['best_same_techniques']} {c['best_same_techniques_s']:.2f} | "
-                       f"{c['published_rank_same_techniques']} | {c['search_s']:.0f} |")  # fmt: skip
+            out.append(f"| {c['name']} | {c['published_layout_s']:.2f} | {best(c, '')} | {c['published_rank']} | "
+                       f"{best(c, '_same_techniques')} | {c['published_rank_same_techniques']} | "
+                       f"{c['search_s']:.0f} |")  # fmt: skip
         fast = sum(c["at_least_as_fast"] for c in checks)
         top = sum(c["published_rank"] <= 5 for c in checks)
         top_same = sum(c["published_rank_same_techniques"] <= 5 for c in checks)
@@ -379,6 +387,10 @@ def main() -> None:
             checks.append(c)
             if "skipped" in c:
                 print(f"plan {c['name']:34} skipped: {c['skipped']}", flush=True)
+            elif c["best"] is None or c["best_same_techniques"] is None:
+                print(f"plan {c['name']:34} published layout {c['published_layout_s']:.2f} s; no layout of the "
+                      f"search fits ({c['plans']} plans, {c['plans_same_techniques']} with the run's techniques)",
+                      flush=True)  # fmt: skip
             else:
                 print(f"plan {c['name']:34} published layout {c['published_layout_s']:.2f} s; best {c['best']} "
                       f"{c['best_s']:.2f} s, rank {c['published_rank']} of {c['plans']}; same techniques: best "
