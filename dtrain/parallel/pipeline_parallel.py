@@ -521,16 +521,18 @@ class _SplitGraphed:
                 )
         self.params = tuple(params)
         self.kept = tuple(q for q in params if id(q) not in deferred and q.requires_grad)  # their gradients B makes
-        if not any(a.requires_grad for a in args) and not self.kept:
+        if not any(a.requires_grad for a in args) and not self.kept and args[0].is_floating_point():
             args = (args[0].detach().requires_grad_(), *args[1:])
         self.static_args = args
         wanted = [a for a in args if a.requires_grad] + list(self.kept)
+        if not wanted:
+            raise ValueError("graphs=True: a zero-bubble chunk with no floating input and only deferred parameters")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up, as make_graphed_callables does: lazy initialisation off the graphs
             for _ in range(WARMUP_ITERS):
                 out = module(*args)
-                self._b(out, torch.ones_like(out), wanted)
+                torch.autograd.grad(out, wanted, torch.ones_like(out), allow_unused=True)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
@@ -539,14 +541,10 @@ class _SplitGraphed:
             self.static_out = module(*args)
         self.static_grad_out = torch.empty_like(self.static_out)
         with torch.cuda.graph(self.backward_graph, pool=pool):
-            grads = self._b(self.static_out, self.static_grad_out, wanted)
-        grads = list(grads)
+            grads = list(torch.autograd.grad(self.static_out, wanted, self.static_grad_out, allow_unused=True))
+        kept = {id(q) for q in self.kept}
         self.static_arg_grads = tuple(grads.pop(0) if a.requires_grad else None for a in args)
-        self.static_param_grads = tuple(grads.pop(0) if id(q) in {id(k) for k in self.kept} else None for q in params)
-
-    @staticmethod
-    def _b(out: torch.Tensor, grad: torch.Tensor, wanted: list[torch.Tensor]):
-        return torch.autograd.grad(out, wanted, grad, allow_unused=True)
+        self.static_param_grads = tuple(grads.pop(0) if id(q) in kept else None for q in params)
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         return _ReplaySplit.apply(self, len(args), *args, *self.params)
