@@ -150,8 +150,11 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     the bytes of a gradient in the data-parallel reduction (``gradient_bytes``, default 2: the 16-bit gradients of
     Megatron-LM's ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``, as ``examples/sc21/CONFIG.sh``
     runs it; 4 for DeepSpeed's ``BF16_Optimizer`` and for Megatron-LM's ``--bf16``, which turns on
-    ``--accumulate-allreduce-grads-in-fp32``), and whether a ZeRO-1 reduction runs under backward (``overlap_dp``:
-    Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``), and whether
+    ``--accumulate-allreduce-grads-in-fp32``), and whether the data-parallel reduction starts under each stage's
+    last backward and the weights' all-gather runs under the next forward (``overlap_dp``: Megatron-Core's
+    ``--overlap-grad-reduce --overlap-param-gather``, ``StepConfig.overlap_grad_reduce`` and
+    ``overlap_param_gather``; the A100 rows' Megatron-LM and DeepSpeed reduce after the pipeline's last
+    backward), and whether
     ZeRO-1 reduce-scatters the gradients (``distributed_optimizer``: Megatron-Core's distributed optimizer) or
     all-reduces them (DeepSpeed's ``BF16_Optimizer``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
@@ -161,7 +164,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       tied_embedding_allreduce=row.get("tied_embeddings", True),
                       optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit,
                       gradient_bytes=row.get("gradient_bytes", 2),
-                      overlap_sharded_dp=row.get("overlap_dp", False),
+                      overlap_grad_reduce=row.get("overlap_dp", False),
+                      overlap_param_gather=row.get("overlap_dp", False),
                       distributed_optimizer=row.get("distributed_optimizer", False))  # fmt: skip
 
 
