@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from dtrain.cluster.catalogue import LINKS, link_spec
 from dtrain.cluster.devices import device_spec, make_device
-from dtrain.cluster.routing import NIC_AFFINITIES
+from dtrain.cluster.routing import NIC_AFFINITIES, ROUTINGS
 from dtrain.cluster.topology import Topology
 
 __all__ = ["ServerSpec", "ClusterSpec", "INTRA_KINDS", "FABRICS", "add_server", "build", "build_server", "fat_tree"]
@@ -120,7 +120,9 @@ class ClusterSpec:
     leaf per NIC index (rail-optimised leaves) instead of one ToR, and ``cores`` must be a multiple of
     ``spines`` (spine ``j`` of each pod reaches cores ``j * cores / spines`` onwards, Al-Fares et al. 2008,
     section 3.2). ``nic_affinity`` (:data:`dtrain.cluster.routing.NIC_AFFINITIES`): ``"rail"`` sends GPU
-    ``k``'s traffic through NIC ``k`` on servers with one NIC per GPU (others hash over their NICs)."""
+    ``k``'s traffic through NIC ``k`` on servers with one NIC per GPU (others hash over their NICs). ``routing``
+    (:data:`dtrain.cluster.routing.ROUTINGS`): how the switches pick among equal-cost paths, ``"ecmp"`` (a hash
+    per flow, Ethernet/RoCE) or ``"d-mod-k"`` (by destination, an InfiniBand subnet manager's fat-tree routing)."""
 
     server: ServerSpec = field(default_factory=ServerSpec)
     racks: int = 1
@@ -134,10 +136,13 @@ class ClusterSpec:
     fabric: str = "leaf-spine"
     nic_affinity: str = "rail"
     rails: bool = False
+    routing: str = "ecmp"
 
     def __post_init__(self) -> None:
         if self.fabric not in FABRICS:
             raise ValueError(f"cluster fabric {self.fabric!r} is not one of {FABRICS}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"cluster routing {self.routing!r} is not one of {ROUTINGS}")
         if self.nic_affinity not in NIC_AFFINITIES:
             raise ValueError(f"cluster nic_affinity {self.nic_affinity!r} is not one of {NIC_AFFINITIES}")
         if self.fabric == "rail" and self.pods > 1:
@@ -238,6 +243,7 @@ def build(spec: ClusterSpec, *, name: str = "cluster") -> Topology:
     """The whole cluster: one server alone, one rack under its ToR, or racks under spines (and cores)."""
     topology = Topology(name)
     topology.nic_affinity = spec.nic_affinity
+    topology.routing = spec.routing
     if spec.racks * spec.servers_per_rack == 1:
         add_server(topology, spec.server, "s0")
         return topology

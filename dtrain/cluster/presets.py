@@ -25,7 +25,10 @@
   one HDR NIC each, 32 edge, 32 aggregation and 16 core switches, 1:1.
 
 Every server with one NIC per GPU sends GPU ``k``'s traffic through NIC ``k`` (``nic_affinity="rail"``), as NCCL
-picks the NIC nearest each GPU.
+picks the NIC nearest each GPU. The two SuperPOD fabrics (``h100-rail``, ``dgx-a100-superpod``) are InfiniBand
+under a subnet manager's fat-tree routing (``routing="d-mod-k"``: every flow to one destination port over one
+path, :mod:`dtrain.cluster.routing`); ``4-rack`` and ``fat-tree-k8`` hash flows over their equal-cost paths
+(``routing="ecmp"``), as an Ethernet/RoCE fabric does.
 
 Every preset takes the parameters of :class:`ClusterSpec` and :class:`ServerSpec` as overrides
 (``gpus_per_server`` is ``gpus``): ``preset("4-rack", racks=2, oversubscription=16)``.
@@ -59,10 +62,10 @@ PRESETS: dict[str, tuple[str, Callable[[], ClusterSpec]]] = {
                lambda: ClusterSpec(server=DGX_A100, racks=4, servers_per_rack=4, spines=2, oversubscription=4)),
     "h100-rail": ("2 scalable units x 32 h100-node servers (512 GPUs), rail-optimised, 16 spines, NIC k for GPU k",
                   lambda: ClusterSpec(server=H100_NODE, racks=2, servers_per_rack=32, spines=16, fabric="rail",
-                                      nic_affinity="rail")),
+                                      nic_affinity="rail", routing="d-mod-k")),
     "dgx-a100-superpod": ("4 units x 20 dgx-a100 (640 GPUs), 8 HDR rails a unit, leaf/spine/core fat-tree, 1:1",
                           lambda: ClusterSpec(server=DGX_A100, racks=4, servers_per_rack=20, fabric="fat-tree",
-                                              rails=True, pods=2, spines=8, cores=16)),
+                                              rails=True, pods=2, spines=8, cores=16, routing="d-mod-k")),
     "fat-tree-k8": ("k=8 fat-tree: 8 pods, 128 servers of one A100 and one HDR NIC, 80 switches, 1:1",
                     lambda: fat_tree(8)),
 }  # fmt: skip

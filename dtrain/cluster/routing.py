@@ -24,6 +24,18 @@ Rail-optimised NIC affinity (``nic_affinity="rail"``): GPU ``k`` of a server wit
 and enters the server through NIC ``k`` only, as NCCL picks the NIC nearest each GPU and a rail-optimised fabric
 cables NIC ``k`` of every server to rail ``k`` (NVIDIA DGX SuperPOD reference architecture).
 
+Fabric routing (:data:`ROUTINGS`): ``"ecmp"``, a switch hashes each flow onto one of the equal-cost paths (an
+Ethernet/RoCE fabric; :meth:`Topology.route`); ``"d-mod-k"``, the switches forward by destination alone, as an
+InfiniBand subnet manager programs their linear forwarding tables. OpenSM's fat-tree engine ("ftree",
+doc/current-routing.txt: routes "optimized for congestion-free shift communication pattern") spreads the
+destinations under each leaf over the leaf's up-ports in port order, so the ``j``-th host port of a leaf is
+reached through up-port ``j mod k``, and one tier up through ``(j / k) mod k'`` (destination-mod-k routing, Gómez
+et al., "Deterministic versus Adaptive Routing in Fat-Trees", IPDPS workshops 2007; Zahavi et al., "Optimized
+InfiniBand fat-tree routing for shift all-to-all communication patterns", CCPE 2010). Every flow to one
+destination port then takes one path whatever its source and connection, and two destinations of one leaf share a
+downlink only when their port indices agree modulo the uplinks (:func:`destination_routed`). Which NIC a GPU sends
+from and which NIC of the peer it addresses stay the hosts' choice (``nic_affinity``).
+
 No torch here.
 """
 
@@ -35,10 +47,12 @@ import re
 from collections import deque
 from typing import Any
 
-__all__ = ["TierRouter", "NIC_AFFINITIES", "natural_key"]
+__all__ = ["TierRouter", "NIC_AFFINITIES", "ROUTINGS", "natural_key", "destination_routed"]
 
 #: How a GPU picks the NIC its traffic leaves by: any on a fewest-hop path (hashed per flow), or its own rail's.
 NIC_AFFINITIES = ("ecmp", "rail")
+#: How the fabric's switches pick among equal-cost paths: a hash per flow, or by destination (module docstring).
+ROUTINGS = ("ecmp", "d-mod-k")
 
 
 def _bfs(succ: dict[str, list[str]], src: str) -> tuple[dict[str, int], dict[str, list[str]]]:
@@ -370,3 +384,37 @@ class TierRouter:
                 found = _paths_to(self.fabric(a)[1], b)
             self._middles[(a, b)] = found
         return found
+
+
+def destination_routed(paths: list[list[str]], server: dict[str, str | None], port_index: Any) -> list[list[str]]:
+    """The paths of ``paths`` (every fewest-hop path from one node to another, in a stable order) that
+    destination-mod-k forwarding leaves (module docstring): one per way in and out of the servers (the hosts'
+    choice), its switch hops picked by the destination port alone. ``server``: node -> its server (None for a
+    fabric switch); ``port_index(switch, node)``: the position of host port ``node`` among ``switch``'s host
+    ports. At the ``i``-th switch hop with a choice of ``n_i`` next switches (in natural order) the path takes
+    ``(j / (n_1 ... n_{i-1})) mod n_i``, ``j`` the destination port's index at its leaf."""
+    groups: dict[tuple, list[tuple[int, int, list[str]]]] = {}
+    for path in paths:
+        fabric = [i for i, node in enumerate(path) if server.get(node) is None]
+        if not fabric:
+            groups.setdefault((tuple(path),), []).append((0, 0, path))
+            continue
+        first, last = fabric[0], fabric[-1]
+        groups.setdefault((tuple(path[:first]), tuple(path[last + 1 :])), []).append((first, last, path))
+    out = []
+    for members in groups.values():
+        if len(members) == 1:
+            out.append(members[0][2])
+            continue
+        first, last, path = members[0]
+        j = port_index(path[last], path[last + 1]) if last + 1 < len(path) else 0
+        remaining, stride, i = [m[2] for m in members], 1, first
+        while len(remaining) > 1:
+            i += 1
+            choices = sorted({p[i] for p in remaining}, key=natural_key)
+            if len(choices) > 1:
+                pick = choices[(j // stride) % len(choices)]
+                stride *= len(choices)
+                remaining = [p for p in remaining if p[i] == pick]
+        out.append(remaining[0])
+    return out

@@ -4,7 +4,9 @@ The contract shared by the cluster builders, the simulator and the emulator (doc
 every :class:`Link` is one direction with its own full rate (a duplex cable is two links), rates are bytes per
 second and latencies seconds. Routing is what a data-centre fabric does: fewest hops, then lowest latency, and
 among the equal-cost paths that remain (ECMP, e.g. across the spines of a leaf-spine fabric) a stable hash of the
-flow picks one, so one flow always takes one path and many flows spread over all of them.
+flow picks one, so one flow always takes one path and many flows spread over all of them. An InfiniBand fabric
+(``routing = "d-mod-k"``) forwards by destination instead: the subnet manager's tables send every flow to one
+destination port over one path (:mod:`dtrain.cluster.routing`).
 
 The shape it is built for: servers with NVLink/PCIe inside, racks under a top-of-rack switch, spines above
 (Al-Fares et al., "A Scalable, Commodity Data Center Network Architecture", SIGCOMM 2008). No torch here.
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from dtrain.cluster.routing import NIC_AFFINITIES, TierRouter
+from dtrain.cluster.routing import NIC_AFFINITIES, ROUTINGS, TierRouter, destination_routed
 from dtrain.cluster.routing import natural_key as _natural_key
 
 __all__ = ["Device", "Link", "Topology", "NODE_KINDS", "SWITCH_KINDS"]
@@ -89,6 +91,8 @@ class Topology:
         self._link_of: dict[tuple[str, str], Link] = {}
         self._router: TierRouter | None = None
         self._nic_affinity = "ecmp"
+        self._routing = "ecmp"
+        self._ports: dict[str, dict[str, int]] = {}
 
     @property
     def nic_affinity(self) -> str:
@@ -104,9 +108,24 @@ class Topology:
         self._nic_affinity = value
         self._forget_routes()
 
+    @property
+    def routing(self) -> str:
+        """How the fabric's switches pick among equal-cost paths (:data:`dtrain.cluster.routing.ROUTINGS`):
+        ``"ecmp"``, a stable hash of each flow (Ethernet/RoCE); ``"d-mod-k"``, by destination port alone, as an
+        InfiniBand subnet manager's fat-tree routing does (:func:`dtrain.cluster.routing.destination_routed`)."""
+        return self._routing
+
+    @routing.setter
+    def routing(self, value: str) -> None:
+        if value not in ROUTINGS:
+            raise ValueError(f"routing {value!r} is not one of {ROUTINGS}")
+        self._routing = value
+        self._forget_routes()
+
     def _forget_routes(self) -> None:
         self._paths.clear()
         self._routes.clear()
+        self._ports.clear()
         self._router = None
 
     def __repr__(self) -> str:
@@ -205,16 +224,29 @@ class Topology:
     # -- routing ----------------------------------------------------------------------------------------------
 
     def route(self, src: str, dst: str, flow: int = 0) -> list[Link]:
-        """The links a flow from ``src`` to ``dst`` crosses: fewest hops, then lowest latency, then ECMP by hash."""
+        """The links a flow from ``src`` to ``dst`` crosses: fewest hops, then lowest latency, then the fabric's
+        :attr:`routing` (ECMP: by hash of the flow; d-mod-k: by destination), the hosts' choice of NIC by hash."""
         if src == dst:
             if src not in self.graph:
                 raise ValueError(f"route: unknown node {src!r} in topology {self.name!r}")
             return []
         routes = self._routes.get((src, dst))
         if routes is None:
-            routes = [self._path_links(path) for path in self.equal_cost_paths(src, dst)]
+            paths = self.equal_cost_paths(src, dst)
+            if self._routing == "d-mod-k" and len(paths) > 1:
+                paths = destination_routed(paths, self.router.server, self._port_index)
+            routes = [self._path_links(path) for path in paths]
             self._routes[(src, dst)] = routes
         return routes[_flow_hash(f"{src}|{dst}|{flow}") % len(routes)] if len(routes) > 1 else routes[0]
+
+    def _port_index(self, switch: str, node: str) -> int:
+        """The position of host port ``node`` among ``switch``'s host ports (nodes of a server), in natural order."""
+        ports = self._ports.get(switch)
+        if ports is None:
+            server = self.router.server
+            hosts = sorted((v for v in self.graph.successors(switch) if server.get(v) is not None), key=_natural_key)
+            ports = self._ports[switch] = {v: i for i, v in enumerate(hosts)}
+        return ports.get(node, 0)
 
     def _path_links(self, path: list[str]) -> list[Link]:
         links = self._link_of
@@ -228,7 +260,8 @@ class Topology:
         return link if link is not None else self.graph.edges[u, v]["link"]
 
     def equal_cost_routes(self, src: str, dst: str) -> list[list[Link]]:
-        """:meth:`equal_cost_paths` as lists of links (cached); ``[[]]`` from a node to itself."""
+        """The paths :meth:`route` may take, as lists of links (cached): :meth:`equal_cost_paths`, only those the
+        switches' tables leave under d-mod-k :attr:`routing`; ``[[]]`` from a node to itself."""
         if src == dst:
             self.route(src, dst)
             return [[]]

@@ -55,7 +55,7 @@ from dtrain.parallel.pipeline_schedules import (
     virtual_stage,
 )
 
-__all__ = ["pipeline_bubble", "pipeline_makespan"]
+__all__ = ["pipeline_bubble", "pipeline_makespan", "pipeline_stage_spans"]
 
 
 def pipeline_makespan(
@@ -83,6 +83,29 @@ def pipeline_makespan(
     (module docstring)."""
     return _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
                 synchronous, paired, host_s)[0]  # fmt: skip
+
+
+def pipeline_stage_spans(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    p2p_s: float,
+    microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    weight_s: Sequence[float] | None = None,
+    virtual_stages: int = 2,
+    gather_s: float = 0.0,
+    synchronous: bool = False,
+    paired: bool = False,
+) -> list[tuple[float, float]]:
+    """Each stage's ``(start of its first action, end of its last action)`` in the pipeline
+    :func:`pipeline_makespan` times (same arguments): when a stage's first forward may begin and when its last
+    backward (or weight-gradient pass) ends, what a data-parallel reduction overlapping the pipeline's edges
+    waits for."""
+    _check(forward_s, backward_s, weight_s, schedule)
+    weights = list(weight_s) if weight_s is not None else list(backward_s)
+    graph = _graph(schedule, len(forward_s), microbatches, chunks_per_stage(schedule, virtual_stages), paired)
+    return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, spans=True)
 
 
 def pipeline_bubble(
@@ -148,11 +171,11 @@ class _Graph:
         self.sends = sends[: self.size]
 
     def times(self, forward_s, backward_s, weight_s, p2p_s: float, gather_s: float = 0.0,
-              synchronous: bool = False, host_s: float = 0.0) -> tuple[float, float]:  # fmt: skip
+              synchronous: bool = False, host_s: float = 0.0, spans: bool = False):  # fmt: skip
         """(makespan, compute) with these per-stage costs (all chunks of a stage) and message times: each
         action ends at ``max(previous action's end, input's end + message) + its cost``, the event replay's
         arithmetic (:func:`_replay`) in the same order, so the same floats; synchronous messages are part of
-        the cost instead (module docstring)."""
+        the cost instead (module docstring). ``spans``: each stage's (first start, last end) instead."""
         v = self.v
         table = np.array([c / v for c in forward_s] + [c / v for c in backward_s] + [c / v for c in weight_s])
         work = table[self.slot]
@@ -183,6 +206,13 @@ class _Graph:
             for a, b in zip(waves[:-1], waves[1:], strict=True):
                 free = end[prev[a:b]] if not host_s else np.maximum(end[prev[a:b]], issued[a:b])
                 end[a:b] = np.maximum(free, end[dep[a:b]] + arrive[a:b]) + cost[a:b]
+        if spans:
+            stages = len(forward_s)
+            stage = self.slot % stages
+            first, last = np.full(stages, np.inf), np.zeros(stages)
+            np.minimum.at(first, stage, end[: self.size] - cost)
+            np.maximum.at(last, stage, end[: self.size])
+            return [(float(a), float(b)) for a, b in zip(first, last, strict=True)]
         return float(end[: self.size].max()), float(math.fsum(work.tolist()))
 
 

@@ -58,7 +58,7 @@ from dtrain.sim.model import (
     stage_parameters,
     tp_all_reduces_per_layer,
 )
-from dtrain.sim.pipeline import pipeline_makespan
+from dtrain.sim.pipeline import pipeline_makespan, pipeline_stage_spans
 from dtrain.sim.placement import grid_rank, group
 from dtrain.sim.traffic import (
     NCCL_RING,
@@ -122,7 +122,23 @@ class StepConfig:
     (Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``), priced as
     ``overlap_dp`` prices the all-reduce of the same bytes; ``distributed_optimizer``: ZeRO stage 1 reduce-scatters
     the gradients instead of all-reducing them (Megatron-Core's distributed optimizer; see
-    :func:`dtrain.sim.traffic.dp_phase_bytes`)."""
+    :func:`dtrain.sim.traffic.dp_phase_bytes`); ``overlap_grad_reduce``: Megatron-Core's ``--overlap-grad-reduce``
+    with any pipeline (takes the place of ``overlap_dp`` and ``overlap_sharded_dp``; stage 0 or 1 of ZeRO): each
+    stage's gradient reduction starts during its last micro-batch's backward, the pipeline schedule keeping it
+    off (``no_sync``) for the others, bucket by bucket on the first stage and in one bucket on the others, so
+    what a stage leaves exposed is what remains after its last backward less the time it waits for the pipeline's
+    end (:func:`overlapped_reduction_s`); ``overlap_param_gather``: Megatron-Core's ``--overlap-param-gather``,
+    the distributed optimizer's all-gather of the updated weights runs under the next step's first forward of
+    each stage, bucket by bucket on the first stage, whole before its first forward on the others; without it the
+    all-gather is exposed.
+
+    Megatron-Core r0.8.0 (``megatron/core/distributed/distributed_data_parallel.py``): buckets of
+    ``max(40,000,000, 1,000,000 x dp)`` parameters, bucketing off on every pipeline stage but the first ("data-
+    parallel communication on these stages is not on the critical path"); a bucket's reduction is launched by
+    ``param_and_grad_buffer.py`` once every gradient of the bucket is ready; ``pipeline_parallel/schedules.py``
+    enables the gradient sync (``config.grad_sync_func``, ``no_sync_func``) only for the last micro-batch's
+    backward.
+    """
 
     efficiency: float | None = None
     tp_algorithm: str = "ring"
@@ -146,6 +162,8 @@ class StepConfig:
     gradient_bytes: int | None = None
     overlap_sharded_dp: bool = False
     distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -466,6 +484,7 @@ def simulate_step(
     v = layout.chunks
     steps, pipelines, exposed_dp = [], [], []
     spans: dict[tuple, float] = {}
+    edges: dict[tuple, list[tuple[float, float]]] = {}
     for factors in _factors(layout, config):
         forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s)
         slowest = 0.0
@@ -479,7 +498,18 @@ def simulate_step(
             slowest = max(slowest, spans[key])
         pipelines.append(slowest)
         exposed = dp_s
-        if config.overlap_dp and layout.pp == 1 and _dp_overlaps(layout, config) and dp_s > 0:
+        if config.overlap_grad_reduce and layout.zero_stage <= 1 and dp_s > 0:
+            exposed = 0.0
+            for f, b, w in zip(forward, backward, weight, strict=True):
+                key = (tuple(f), tuple(b), tuple(w))
+                if key not in edges:
+                    weights = w if layout.schedule in SPLIT_BACKWARD else None
+                    edges[key] = pipeline_stage_spans(f, b, send_s, m, layout.schedule, weight_s=weights,
+                                                      virtual_stages=v, gather_s=gather_s,
+                                                      synchronous=config.synchronous_p2p,
+                                                      paired=config.paired_exchanges)  # fmt: skip
+                exposed = max(exposed, overlapped_reduction_s(model, layout, config, dp, f, b, w, edges[key], slowest))
+        elif config.overlap_dp and layout.pp == 1 and _dp_overlaps(layout, config) and dp_s > 0:
             grads = model.parameters / layout.tp * (config.gradient_bytes or model.bytes_per_value)
             exposed = exposed_bucket_s(dp_s, max(b[0] + w[0] for b, w in zip(backward, weight, strict=True)), grads,
                                        config.bucket_bytes)  # fmt: skip
@@ -508,6 +538,51 @@ def simulate_step(
         tokens_per_s=layout.global_batch * model.sequence / step_s,
         links=_step_links(parts, step_s),
     )
+
+
+#: Megatron-Core's default bucket: ``max(40,000,000, 1,000,000 x dp)`` parameters (StepConfig's docstring).
+MCORE_BUCKET_PARAMETERS, MCORE_BUCKET_PER_RANK = 40_000_000, 1_000_000
+
+
+def overlapped_reduction_s(
+    model: ModelSpec,
+    layout: Layout,
+    config: StepConfig,
+    dp: Sequence[CollectiveResult],
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight: Sequence[float],
+    spans: Sequence[tuple[float, float]],
+    makespan: float,
+) -> float:
+    """Seconds the data-parallel phases ``dp`` (:func:`dtrain.sim.traffic.dp_phase_bytes`' order) add to a
+    step whose slowest pipeline takes ``makespan`` under ``config.overlap_grad_reduce`` (and
+    ``overlap_param_gather``), given a replica's stages' one-micro-batch ``forward``, ``backward`` and ``weight``
+    seconds and each stage's (first start, last end) in its pipeline (:func:`pipeline_stage_spans`): stage
+    ``s``'s reduction ends at the end of its last backward plus what remains of it (:func:`exposed_bucket_s` over
+    that backward on the first stage, all of it on the others, whose one bucket waits for the whole backward); the
+    step waits for the latest. The all-gather of the updated weights (the distributed optimizer's) delays the next
+    step by what remains of it at each stage's first forward: :func:`exposed_bucket_s` over the first stage's
+    forward, and on stage ``s`` all of it less the time before the stage's first forward starts."""
+    phases = dp_phase_bytes(model, layout, config.gradient_bytes, config.distributed_optimizer)
+    reduce_s = sum(r.time_s for r, (c, _, _) in zip(dp, phases, strict=True) if c is not Collective.ALL_GATHER)
+    gather_s = sum(r.time_s for r, (c, _, _) in zip(dp, phases, strict=True) if c is Collective.ALL_GATHER)
+    bucket = max(MCORE_BUCKET_PARAMETERS, MCORE_BUCKET_PER_RANK * layout.dp)
+    grad_item = config.gradient_bytes or model.bytes_per_value
+    first = stage_parameters(model, layout, 0) / layout.tp
+    finish = 0.0
+    for s, (_, end) in enumerate(spans):
+        left = exposed_bucket_s(reduce_s, backward[0] + weight[0], first * grad_item, bucket * grad_item)
+        finish = max(finish, end + (left if s == 0 else reduce_s))
+    exposed = max(0.0, finish - makespan)
+    if gather_s and config.overlap_param_gather:
+        item = model.bytes_per_value
+        wait = exposed_bucket_s(gather_s, forward[0], first * item, bucket * item)
+        wait = max([wait] + [gather_s - start for start, _ in spans[1:]])
+        exposed += max(0.0, wait)
+    else:
+        exposed += gather_s
+    return exposed
 
 
 def _dp_overlaps(layout: Layout, config: StepConfig) -> bool:
@@ -700,7 +775,9 @@ def step_lower_bound(
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)
     m, v = layout.microbatches, layout.chunks
-    overlapped = config.overlap_dp and layout.pp == 1 and _dp_overlaps(layout, config)
+    overlapped = (config.overlap_grad_reduce and layout.zero_stage <= 1) or (
+        config.overlap_dp and layout.pp == 1 and _dp_overlaps(layout, config)
+    )
     dp_s = data_parallel_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0
     exposed = 0.0 if overlapped else dp_s
     p2p_s = pipeline_message_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0

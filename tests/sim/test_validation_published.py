@@ -143,6 +143,7 @@ def test_h100_rows_load_and_simulate() -> None:
     config = published.config_of(row, flow_limit=1000)
     result = published.simulate(row, config)
     assert result["fits"] and result["compute_s"] < result["published_s"], result
-    # the distributed optimizer's reduce-scatter and all-gather run under backward only with overlap_sharded_dp
-    exposed = published.simulate(row, dataclasses.replace(config, overlap_sharded_dp=False))
+    # the distributed optimizer's reduce-scatter and all-gather run under compute only with the overlaps
+    exposed = published.simulate(row, dataclasses.replace(config, overlap_grad_reduce=False,
+                                                          overlap_param_gather=False))  # fmt: skip
     assert result["dp_exposed_s"] < exposed["dp_exposed_s"]

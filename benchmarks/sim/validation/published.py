@@ -109,6 +109,9 @@ def layout_of(row: dict) -> Layout:
 #: DGX A100 servers with 4 NICs of 100 Gb/s (the catalogue's EDR InfiniBand, the same rate) under leaves of 12
 #: servers, 1:1. H100: a DGX SuperPOD of DGX H100 servers (NVIDIA DGX SuperPOD reference architecture, DGX H100:
 #: scalable units of 32 servers, 8 NDR 400 Gb/s NICs a server, rail-optimised), the ``h100-rail`` preset's fabric.
+#: Both SuperPODs are InfiniBand fabrics under a subnet manager's fat-tree routing (``routing="d-mod-k"``, by
+#: destination port: :mod:`dtrain.cluster.routing`); Jean Zay's Omni-Path fabric, its routing not published with
+#: the run, hashes flows over its equal-cost paths.
 CLUSTERS = {"a100-sxm": ("selene", "jean-zay"), "h100-sxm": ("dgx-h100-superpod",)}
 SERVERS_PER_H100_UNIT = 32
 
@@ -123,7 +126,7 @@ def cluster_of(row: dict):
     if servers > 1 and _cluster_name(row) == "dgx-h100-superpod":
         units = math.ceil(servers / SERVERS_PER_H100_UNIT)
         return preset(PRESETS[row["device"]], racks=units, servers_per_rack=min(servers, SERVERS_PER_H100_UNIT),
-                      fabric="rail", nic_affinity="rail", spines=16)  # fmt: skip
+                      fabric="rail", nic_affinity="rail", spines=16, routing="d-mod-k")  # fmt: skip
     if _cluster_name(row) == "jean-zay":
         racks = math.ceil(servers / 12)
         return preset(PRESETS[row["device"]], nics=4, nic="ib-edr", racks=racks, servers_per_rack=min(servers, 12),
@@ -132,7 +135,7 @@ def cluster_of(row: dict):
         return preset(PRESETS[row["device"]])
     units = math.ceil(servers / SERVERS_PER_UNIT)
     return preset(PRESETS[row["device"]], racks=units, servers_per_rack=min(servers, SERVERS_PER_UNIT),
-                  fabric="rail", nic_affinity="rail", spines=8)  # fmt: skip
+                  fabric="rail", nic_affinity="rail", spines=8, routing="d-mod-k")  # fmt: skip
 
 
 def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepConfig:
@@ -147,8 +150,11 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     the bytes of a gradient in the data-parallel reduction (``gradient_bytes``, default 2: the 16-bit gradients of
     Megatron-LM's ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``, as ``examples/sc21/CONFIG.sh``
     runs it; 4 for DeepSpeed's ``BF16_Optimizer`` and for Megatron-LM's ``--bf16``, which turns on
-    ``--accumulate-allreduce-grads-in-fp32``), and whether a ZeRO-1 reduction runs under backward (``overlap_dp``:
-    Megatron-Core's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``), and whether
+    ``--accumulate-allreduce-grads-in-fp32``), and whether the data-parallel reduction starts under each stage's
+    last backward and the weights' all-gather runs under the next forward (``overlap_dp``: Megatron-Core's
+    ``--overlap-grad-reduce --overlap-param-gather``, ``StepConfig.overlap_grad_reduce`` and
+    ``overlap_param_gather``; the A100 rows' Megatron-LM and DeepSpeed reduce after the pipeline's last
+    backward), and whether
     ZeRO-1 reduce-scatters the gradients (``distributed_optimizer``: Megatron-Core's distributed optimizer) or
     all-reduces them (DeepSpeed's ``BF16_Optimizer``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
@@ -158,7 +164,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       tied_embedding_allreduce=row.get("tied_embeddings", True),
                       optimizer_bytes=MEGATRON_FP16_OPTIMIZER_BYTES, flow_limit=flow_limit,
                       gradient_bytes=row.get("gradient_bytes", 2),
-                      overlap_sharded_dp=row.get("overlap_dp", False),
+                      overlap_grad_reduce=row.get("overlap_dp", False),
+                      overlap_param_gather=row.get("overlap_dp", False),
                       distributed_optimizer=row.get("distributed_optimizer", False))  # fmt: skip
 
 
