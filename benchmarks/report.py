@@ -957,7 +957,8 @@ def _zero_bubble_part() -> list[str]:
                 "equal pass times (Qi et al. 2024, section 3.1); for ZB-V the idle share of its own schedule "
                 "simulated with free messages. torch: the same model and micro-batches through "
                 "torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and "
-                "ScheduleZBVZeroBubble (it has no single-chunk ZB-H1); `torch / ours`: its step time over ours. "
+                "ScheduleZBVZeroBubble, and beside ZB-H1, which it has not, its Schedule1F1B where a row names it "
+                "(`torch_schedule`); `torch / ours`: its step time over ours. "
                 "`(graphs)`: the same schedule with every forward and backward replayed as CUDA graphs "
                 "(`PipelineParallel(graphs=True)`), the same loss and gradients; its bubble counts as compute the "
                 "stage's graphed forwards and backwards run back to back.",

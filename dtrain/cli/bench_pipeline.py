@@ -1,5 +1,6 @@
 """``dtrain bench pipeline``: the pipeline bubble of each schedule, measured beside its theory, and
-torch.distributed.pipelining's step time on the same model and micro-batches where it has the schedule.
+torch.distributed.pipelining's step time on the same model and micro-batches: the same schedule where torch has it,
+its 1F1B beside ZB-H1 (which it has not; the row's ``torch_schedule`` names the class).
 
 The model is ``--layers`` x (Linear(width, width) + GELU), MSE loss, one seed on every rank. Per schedule and
 micro-batch count ``m``: ``step_s``, the slowest rank's ``train_step`` (median of ``--steps`` after ``--warmup``);
@@ -33,10 +34,13 @@ import time
 __all__ = ["add_parser", "run"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
-TORCH_SCHEDULES = {  # ours -> torch.distributed.pipelining's class of the same schedule (where torch has one)
+TORCH_SCHEDULES = {  # ours -> the torch.distributed.pipelining class timed beside it (the row's torch_schedule)
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    # torch has no single-chunk ZB-H1: beside it, its 1F1B, the schedule ZB-H1 reorders with the same memory
+    # (Qi et al. 2024, section 3.1)
+    "zb-h1": "Schedule1F1B",
     "zb-v": "ScheduleZBVZeroBubble",
 }
 
@@ -243,12 +247,14 @@ def _torch_step(name: str, model, args, m: int, device, x, y):
     from dtrain.parallel.pipeline_parallel import partition_layers
     from dtrain.parallel.pipeline_schedules import PLACEMENT, chunks_per_stage, virtual_stage
 
-    cls = getattr(pipelining, TORCH_SCHEDULES.get(name, ""), None)
+    torch_name = TORCH_SCHEDULES.get(name, "")
+    cls = getattr(pipelining, torch_name, None)
     if cls is None:
         return None
     p, rank = dist.get_world_size(), dist.get_rank()
-    v = chunks_per_stage(name)
-    placement = PLACEMENT.get(name, "loop")
+    ours = next(k for k, v in TORCH_SCHEDULES.items() if v == torch_name)  # the schedule torch's class runs
+    v = chunks_per_stage(ours)
+    placement = PLACEMENT.get(ours, "loop")
     cuts = partition_layers(model, v * p)
     indices = [virtual_stage(rank, c, p, placement) for c in range(v)]
     stages = [pipelining.PipelineStage(model[cuts[u].start : cuts[u].stop], u, v * p, device) for u in indices]
@@ -323,6 +329,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     "loss": loss,
                     "grad_sq": grad_sq,
                     "torch_step_ms": None if torch_s is None else round(torch_s * 1e3, 3),
+                    "torch_schedule": TORCH_SCHEDULES.get(name) if torch_s is not None else None,
                     **comm_row,
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "layers": args.layers,
@@ -340,7 +347,7 @@ def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | Non
     print(
         f"{name:>24} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
         f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  torch "
-        + ("-" if torch_s is None else f"{row['torch_step_ms']:.2f} ms")
+        + ("-" if torch_s is None else f"{row['torch_step_ms']:.2f} ms ({row['torch_schedule']})")
         + f"  loss {row['loss']:.6g} grad^2 {row['grad_sq']:.6g}"
         + f"  messages {row['messages_per_step']}  {row['wait_clock']} wait ms/stage "
         + " ".join(f"{w:.2f}" for w in row["recv_wait_ms_per_stage"])

@@ -161,6 +161,8 @@ def test_bench_pipeline_prints_measured_beside_theory_and_torchs(tmp_path, capsy
     for r in rows:
         assert r["bubble_theory"] == pytest.approx(theoretical_bubble(2, 2, schedule=r["schedule"]), abs=1e-4)
         assert r["bubble_measured"] < 1 and r["step_ms"] > 0
-    assert rows[0]["torch_step_ms"] > 0 and rows[1]["torch_step_ms"] is None  # torch has no single-chunk ZB-H1
+    # torch has no single-chunk ZB-H1: beside it, its 1F1B, named
+    assert [r["torch_schedule"] for r in rows] == ["Schedule1F1B", "Schedule1F1B", "ScheduleZBVZeroBubble"]
+    assert all(r["torch_step_ms"] > 0 for r in rows)
     assert main(["bench", "pipeline", "--schedules", "zb-h2"]) == 2
     assert "--schedules: unknown zb-h2" in capsys.readouterr().out
