@@ -42,13 +42,17 @@
 #   probe-port-chain   the chain broadcast's round patterns through the port               -> port-chain.jsonl
 #   probe-chain        the chain broadcast by piece count                                   -> probe-chain.txt
 #   probe-chain-timeline  the chain broadcast's device timeline, pull and push              -> chain-timeline-*/
-#   defaults           every collective with the defaults (auto) beside NCCL, 8 KiB-1 GiB, same tensors and fresh ones
+#   defaults           every collective with the defaults (auto) beside NCCL (torch.distributed's own call, and
+#                      native through dtrain), 8 KiB-1 GiB (DEFAULTS_MAX), same tensors and fresh ones
 #                      -> defaults.jsonl, defaults-fresh.jsonl
 #   one-pass           all-gather, reduce-scatter, all-to-all (direct) and broadcast (star) in one pass over CUDA
 #                      symmetric memory beside NCCL and auto, 8 KiB-64 MiB, same tensors and fresh ones, on every GPU
 #                      and on 2 (NP_SMALL; ONE_PASS_NP="4 2" names the counts), with DTRAIN_COMM_ONE_PASS=1 and
 #                      bench verify first
 #                      -> verify-one-pass.txt, one_pass{,-fresh}-np{N}.jsonl
+#   one-pass-gather    the same for the all-gather and all-to-all alone, 8 KiB-16 MiB (ONE_PASS_NP as above), with
+#                      torch.distributed's own call (torch) beside native
+#                      -> verify-one-pass.txt, one_pass_gather{,-fresh}-np{N}.jsonl
 #   pipeline-profile   dtrain bench pipeline --profile, 1F1B and interleaved at m = 16 of batch 1024: each rank's
 #                      host time by function                                                  -> pipeline_profile.txt
 #   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 4, 8, 16, eager and
@@ -154,11 +158,26 @@ for mode in "$@"; do
     defaults)
       for fresh in "" --fresh; do
         name=defaults${fresh:+-fresh}
-        LIMIT=${LIMIT:-300} tr -m dtrain bench comm --collectives $sym,broadcast --algorithms native,auto --min-bytes 8K \
-          --max-bytes 1G --factor 4 --iters 20 --trials 5 --warm-s 0.3 $fresh --out "$out/$name.jsonl" >"$out/$name.log"
+        LIMIT=${LIMIT:-300} tr -m dtrain bench comm --collectives $sym,broadcast --algorithms torch,native,auto \
+          --min-bytes 8K --max-bytes ${DEFAULTS_MAX:-1G} --factor 4 --iters 20 --trials 5 --warm-s 0.3 $fresh \
+          --out "$out/$name.jsonl" >"$out/$name.log"
         echo "== $name"; for c in all_reduce all_gather reduce_scatter all_to_all broadcast; do
-          summ "$out/$name.jsonl" --collective $c --algorithms native,auto; done
+          summ "$out/$name.jsonl" --collective $c --algorithms torch,native,auto; done
       done ;;
+    one-pass-gather)
+      export DTRAIN_COMM_ONE_PASS=1
+      LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify-one-pass.txt"; counts "verify, one pass" "$out/verify-one-pass.txt"
+      for np_ in ${ONE_PASS_NP:-$n ${NP_SMALL:-2}}; do
+        for fresh in "" --fresh; do
+          name=one_pass_gather${fresh:+-fresh}-np$np_
+          NP=$np_ LIMIT=${LIMIT:-150} tr -m dtrain bench comm --collectives all_gather,all_to_all \
+            --algorithms torch,native,direct,auto --min-bytes 8K --max-bytes 16M --factor 4 --iters 20 --trials 5 \
+            --warm-s 0.3 $fresh --out "$out/$name.jsonl" >"$out/$name.log"
+          echo "== $name"; for c in all_gather all_to_all; do
+            summ "$out/$name.jsonl" --collective $c --algorithms torch,native,direct,auto; done
+        done
+      done
+      unset DTRAIN_COMM_ONE_PASS ;;
     one-pass)
       export DTRAIN_COMM_ONE_PASS=1
       LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify-one-pass.txt"; counts "verify, one pass" "$out/verify-one-pass.txt"

@@ -1,6 +1,8 @@
 """``dtrain bench comm``: time every collective algorithm over a size sweep, next to the cost model.
 
-For each collective, message size and algorithm ("auto" and "native" included): ``warmup`` untimed calls,
+For each collective, message size and algorithm ("auto" and "native" included, and with ``--algorithms torch,...``
+torch.distributed's own call with nothing of dtrain between, the peer ``vs_torch`` compares with): ``warmup``
+untimed calls,
 then ``trials`` runs of ``iters`` calls back to back between two synchronizations (as nccl-tests times);
 a rank's time is its median run divided by ``iters``, the reported time the largest over ranks. Each record also
 carries ``host_us``: the host's time to issue one call (the same loop, up to its last call's return, before the
@@ -36,7 +38,7 @@ import torch.distributed as dist
 from dtrain.comm.cost import model as cost
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import Collective
-from dtrain.comm.tune import Sync, iters_for, make_call, time_interleaved
+from dtrain.comm.tune import TORCH, Sync, iters_for, make_call, time_interleaved
 from dtrain.launch import rank_device, run_ranks
 
 __all__ = [
@@ -219,6 +221,8 @@ def _predicted_us(
         algorithm = _choose(collective, nbytes, world, kind, usable, measured)  # what the group's rules choose
         if "@" in algorithm:
             return None, algorithm
+    if algorithm == TORCH:  # the call native makes
+        return None, "native"
     if algorithm not in ours:
         return None, algorithm
     if registry.needs_local_size(algorithm) and local_size is None:
@@ -281,7 +285,8 @@ def _cases(config: BenchConfig, device) -> list[tuple[str, int, list[str]]]:
         else:
             names = comm.algorithms(coll)
         if config.algorithms is not None:
-            names = [a for a in config.algorithms if a.partition("@")[0] in names]
+            peer = coll != "barrier" and config.transport != "mpi"  # torch.distributed's own call, beside ours
+            names = [a for a in config.algorithms if a.partition("@")[0] in names or (a == TORCH and peer)]
         if config.graphs and device.type == "cuda" and coll != "barrier":
             names += [f"{a}+graph" for a in names if a != "auto"]
         sizes = [0] if coll == "barrier" else config.sizes(device.type)
@@ -356,6 +361,7 @@ def bench_on_rank(config: BenchConfig, group=None) -> list[dict]:
                 for replay in captured.values():  # no graph may outlive the process group (see comm.graph)
                     replay.replay.release()
             native = timed.get("native", {}).get("time_us")
+            peer = timed.get(TORCH, {}).get("time_us")
             for name in names:
                 took_us, host_us = timed[name]["time_us"], timed[name]["host_us"]
                 predicted, resolved = _predicted_us(
@@ -371,6 +377,7 @@ def bench_on_rank(config: BenchConfig, group=None) -> list[dict]:
                     iters=iters,
                     fresh=config.fresh,
                     vs_native=None if not native or not took_us else native / took_us,
+                    vs_torch=None if not peer or not took_us else peer / took_us,
                 )
                 records.append(record)
     if rank != 0:

@@ -34,7 +34,8 @@ def _add_bench_comm(sub) -> None:
         "--algorithms",
         type=_names,
         default=None,
-        help="comma-separated subset (default: all, auto and native too)",
+        help="comma-separated subset (default: all, auto and native too); torch: torch.distributed's own call, "
+        "beside ours (each record's vs_torch)",
     )
     p.add_argument("--min-bytes", type=parse_bytes, default=None, help="default 1K on CPU, 8K on GPU")
     p.add_argument("--max-bytes", type=parse_bytes, default=None, help="default 64M on CPU, 1G on GPU")

@@ -408,8 +408,7 @@ def _fast_all_reduce(tensor, op: str, group, algorithm: str) -> bool:
     known = FAST.get((_group_key(group), algorithm, op, tensor.numel(), tensor.dtype, tensor.device))
     if known is None or known[0] is not comm_env() or known[1] != GENERATION[0] or not tensor.is_contiguous():
         return False
-    known[2](tensor)
-    return True
+    return known[2](tensor) is not False  # False: it could not run these (nothing was sent)
 
 
 # ------------------------------------------------------------------------------------- one-pass calls
@@ -438,6 +437,35 @@ def _keep(coll: Collective, group, algorithm: str, extra, output: torch.Tensor, 
         FAST.clear()
     key = (_group_key(group), coll, algorithm, extra, output.numel(), input.numel(), input.dtype, output.dtype)
     FAST[(*key, input.device)] = (comm_env(), GENERATION[0], run)
+
+
+def _keep_native(coll: Collective, group, algorithm: str, extra, output, input, run, root: int = 0, op: str = "sum"):
+    """Keep the backend's own call for the next call with these arguments (:func:`_keep`): straight through the
+    process group's binding (:func:`dtrain.comm.native.direct`) where the tensors are contiguous and not complex
+    and the group is torch.distributed's, else ``run`` (torch.distributed's function)."""
+    if not is_mpi_group(group) and output.is_contiguous() and input.is_contiguous() and not output.is_complex():
+        direct = native.direct(coll.value, group, op=op, root=root)
+        if direct is not None:
+
+            def again(o: torch.Tensor, i: torch.Tensor) -> bool:
+                return o.is_contiguous() and i.is_contiguous() and direct(o, i)
+
+            run = again
+    _keep(coll, group, algorithm, extra, output, input, run)
+
+
+def _keep_native_all_reduce(group, algorithm: str, op: str, tensor: torch.Tensor) -> None:
+    """Keep the backend's own all-reduce, straight through the process group's binding, for the next call with
+    the same group, algorithm, reduction, size, dtype and device (:func:`_fast_all_reduce`)."""
+    if is_mpi_group(group) or type(tensor) is not torch.Tensor or tensor.is_complex() or not tensor.is_contiguous():
+        return
+    direct = native.direct("all_reduce", group, op=op)
+    if direct is None:
+        return
+    if len(FAST) >= 1024:
+        FAST.clear()
+    key = (_group_key(group), algorithm, op, tensor.numel(), tensor.dtype, tensor.device)
+    FAST[key] = (comm_env(), GENERATION[0], lambda t: direct(t, t))
 
 
 def _one_pass_or_native(
@@ -513,11 +541,10 @@ def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str
     def again(out: torch.Tensor, inp: torch.Tensor) -> bool:
         if not (out.is_contiguous() and inp.is_contiguous()):
             return False
-        flat = out.view(-1)
         window.calls += 1
-        run(flat, inp.view(-1))
+        run(out, inp)
         if average:
-            flat.div_(world)
+            out.div_(world)
         if not torch.cuda.is_current_stream_capturing():
             watchdog.watch(device, limit, _label(what, place, window.calls))
         return True
@@ -730,6 +757,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
     if not (fusable or fused.supports(chosen, tensor.dtype, op, tensor.device)):
         chosen = "native"  # measured as one kernel; without it (another dtype or reduction) NCCL's is faster
     if chosen == "native":
+        _keep_native_all_reduce(group, algorithm, op, tensor)
         return _native(group).all_reduce(tensor, op, group)
     work, copied = _flat_work(tensor)
     ran = _run(Collective.ALL_REDUCE, chosen, work, group, op, local_size=local)
@@ -758,7 +786,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
         return tensor
     if chosen == "native":
         run = _native(group).broadcast
-        _keep(coll, group, algorithm, src, tensor, tensor, lambda t, _t: run(t, src, group) is not None)
+        _keep_native(coll, group, algorithm, src, tensor, tensor, lambda t, _t: run(t, src, group) is not None, src)
         return run(tensor, src, group)
     work, copied = _flat_work(tensor)
     _run(Collective.BROADCAST, chosen, work, group, root=src, local_size=local)
@@ -829,7 +857,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
         return output
     if chosen == "native":
         run = _native(group).all_gather
-        _keep(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
+        _keep_native(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
         return run(output, input, group)
     work, copied = _flat_work(output)
     m = input.numel()
@@ -906,7 +934,7 @@ def reduce_scatter(
         return output
     if chosen == "native":
         run = _native(group).reduce_scatter
-        _keep(coll, group, algorithm, op, output, input, lambda o, i: run(o, i, op, group) is not None)
+        _keep_native(coll, group, algorithm, op, output, input, lambda o, i: run(o, i, op, group) is not None, op=op)
         return run(output, input, op, group)
     m = output.numel()
     if input.is_contiguous() and output.is_contiguous() and _out_of_place(coll, chosen, group, input, local):
@@ -959,7 +987,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
         return output
     if chosen == "native":
         run = _native(group).all_to_all
-        _keep(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
+        _keep_native(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
         return run(output, input, group)
     work = _scratch(group, input)
     _run(coll, chosen, work, group, local_size=local)

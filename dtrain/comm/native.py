@@ -124,3 +124,82 @@ def _global(group, group_rank: int) -> int:
     if group is None or group is dist.group.WORLD:
         return group_rank
     return dist.get_global_rank(group, group_rank)
+
+
+def direct(coll: str, group, op: str = "sum", root: int = 0):
+    """A function ``run(output, input) -> bool`` that makes the backend's own call for ``coll`` (all_reduce, whose
+    tensor is ``output``; all_gather, reduce_scatter, all_to_all; broadcast from group rank ``root``, in place in
+    ``output``) straight through the process group's C++ binding, the call torch.distributed's function makes
+    after its checks; None where this torch has no such binding. ``run`` answers False, having made no call,
+    inside torch's coalescing manager (where torch.distributed queues calls instead).
+
+    What it skips: torch.distributed's per-call Python (the argument and membership checks, the complex-number
+    views, the logging and deprecation wrappers), which a group's first call through :mod:`dtrain.comm` has done
+    for these arguments (:func:`dtrain.comm.api._keep` keeps the function for calls with the same group,
+    collective, sizes, dtypes and device). On H100 hosts that Python is 15-25 us of a small collective's
+    host-bound 45-60 us (benchmarks/results/defaults-h100x2.jsonl: ``torch`` against ``native``)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group if group is not None else c10d._get_default_group()
+    coalescing = c10d._world.pg_coalesce_state
+
+    def binding(*names: str):
+        return next((getattr(pg, n) for n in names if hasattr(pg, n)), None)
+
+    def options(kind, **fields):
+        opts = kind()
+        for name, value in fields.items():
+            setattr(opts, name, value)
+        if hasattr(opts, "asyncOp"):  # a call torch would make with async_op=False
+            opts.asyncOp = False
+        return opts
+
+    average = op == "avg" and coll in ("all_reduce", "reduce_scatter")
+    world = pg.size()
+    if coll == "all_reduce":
+        call, opts = binding("allreduce"), options(c10d.AllreduceOptions, reduceOp=_OPS[op])
+
+        def issue(o, i):
+            return call([o], opts)
+    elif coll == "broadcast":
+        call, opts = binding("broadcast"), options(c10d.BroadcastOptions, rootRank=root, rootTensor=0)
+
+        def issue(o, i):
+            return call([o], opts)
+    elif coll == "all_gather":
+        call, opts = binding("all_gather_single", "_allgather_base"), options(c10d.AllgatherOptions)
+
+        def issue(o, i):
+            return call(o, i, opts)
+    elif coll == "reduce_scatter":
+        call = binding("reduce_scatter_single", "_reduce_scatter_base")
+        opts = options(c10d.ReduceScatterOptions, reduceOp=_OPS[op])
+
+        def issue(o, i):
+            return call(o, i, opts)
+    elif coll == "all_to_all":
+        call, opts = binding("all_to_all_single", "alltoall_base"), options(c10d.AllToAllOptions)
+
+        def issue(o, i):
+            return call(o, i, [], [], opts)
+    else:
+        return None
+    if call is None:
+        return None
+
+    flat = coll in ("all_gather", "reduce_scatter", "all_to_all")  # the bindings take flat tensors (Gloo's does)
+
+    def run(output: torch.Tensor, input: torch.Tensor) -> bool:
+        if coalescing and pg in coalescing:
+            return False
+        if flat and (output.dim() != 1 or input.dim() != 1):
+            work = issue(output.view(-1), input.view(-1))
+        else:
+            work = issue(output, input)
+        if work is not None:
+            work.wait()
+        if average:
+            output.div_(world)
+        return True
+
+    return run

@@ -99,6 +99,26 @@ class Sync:
             dist.broadcast(flag, dist.get_global_rank(self.group, 0) if self.group is not None else 0, self.group)
 
 
+#: The name under which a sweep times torch.distributed's own call, with nothing of dtrain between (the peer our
+#: collectives are measured against; ``native`` is the same call made through :mod:`dtrain.comm`).
+TORCH = "torch"
+
+
+def _torch_calls(group, rank: int) -> dict[str, Callable]:
+    """torch.distributed's own calls on flat float32 tensors ``(full, part, out)``, as :func:`make_call` lays
+    them out (a rooted call's root is rank 0 of the group)."""
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+    return {
+        "all_reduce": lambda full, part, out: dist.all_reduce(full, group=group),
+        "broadcast": lambda full, part, out: dist.broadcast(full, root, group=group),
+        "reduce": lambda full, part, out: dist.reduce(full, root, group=group),
+        "all_gather": lambda full, part, out: dist.all_gather_into_tensor(full, part, group=group),
+        "reduce_scatter": lambda full, part, out: dist.reduce_scatter_tensor(part, full, group=group),
+        "all_to_all": lambda full, part, out: dist.all_to_all_single(out, full, group=group),
+        "barrier": lambda full, part, out: dist.barrier(group=group),
+    }
+
+
 def make_call(
     coll: str, nbytes: int, world: int, rank: int, device, group=None, copies: int = 1
 ) -> tuple[Callable[[str, int], object], int]:
@@ -126,9 +146,16 @@ def make_call(
         "barrier": lambda a, full, part, out: comm.barrier(group=g, algorithm="dissemination" if a == "auto" else a),
     }
     one = calls[coll]
+    peer: list = []  # torch.distributed's own call, made on first use (an MPI group has none)
 
     def call(algorithm: str, k: int = 0) -> object:
         i = k % copies
+        if algorithm == TORCH:
+            if not peer:
+                peer.append(_torch_calls(g, rank).get(coll))
+            if peer[0] is None:
+                raise ValueError(f"{TORCH!r}: torch.distributed has no {coll} call to time beside ours")
+            return peer[0](fulls[i], parts[i], outs[i])
         return one(algorithm, fulls[i], parts[i], outs[i])
 
     return call, (0 if coll == "barrier" else numel * 4)

@@ -103,9 +103,12 @@ class _Handle:
 class _Window:
     """A CPU stand-in for a CUDA PeerWindow: every rank's buffer in one process, the barrier a thread barrier."""
 
-    def __init__(self, rank: int, buffers: list[torch.Tensor], gate: threading.Barrier, by_address: bool) -> None:
+    def __init__(self, rank: int, buffers: list[torch.Tensor], gate: threading.Barrier, by_address: str) -> None:
         self.rank, self.world_size, self.buffers = rank, len(buffers), buffers
         self.pointers = torch.tensor([b.data_ptr() for b in buffers]) if by_address else None
+        # the signal pads' addresses: any distinct numbers do for the stand-in, which never reads them
+        self.pads = torch.arange(len(buffers)) + 1 if by_address == "one kernel" else None
+        self.channels = 2048 // (4 * len(buffers))
         self.nbytes, self._mine, self._handle = buffers[rank].numel(), buffers[rank], _Handle(gate)
         self.group_name, self.bank, self.pending, self.device = "stand-in", 0, False, torch.device("cpu")
 
@@ -123,15 +126,40 @@ def test_the_gather_kernel_copies_in_the_widest_word_that_divides_offset_size_an
     assert kernels.word_bytes(8, 16, 513) == 1
 
 
-@pytest.mark.parametrize(("world", "by_address", "m"), [(2, False, 6), (4, False, 6), (2, True, 6), (4, True, 5)])
+@pytest.mark.parametrize(
+    ("world", "by_address", "m"),
+    [(2, "", 6), (4, "", 6), (2, "gather", 6), (4, "gather", 5), (2, "one kernel", 6), (4, "one kernel", 5)],
+)
 def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, world, by_address, m):
-    """Through the peers' windows as tensors (``by_address`` False: the copies of a torch without Triton) and
-    through their addresses (the gather kernel, here a CPU stand-in that looks the addresses up and copies the
-    bytes the kernel would: the offsets, block sizes and sources one_pass gives it)."""
+    """Through the peers' windows as tensors (``by_address`` empty: the copies of a torch without Triton) and
+    through their addresses: the gather kernel after a copy in and a barrier, or the exchange kernel that does all
+    three (here CPU stand-ins that look the addresses up and copy the bytes the kernels would: the offsets, block
+    sizes and sources one_pass gives them, a thread barrier for the signal pads)."""
     buffers = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
     gate = threading.Barrier(world)
     at_address = {b.data_ptr(): b for b in buffers}
     copies: list[int] = []
+    kinds: list[str] = []
+
+    def exchange(pointers, pads, rank, nbytes, world_, blocks, spins, programs=32):
+        assert world_ == world and blocks in (1, world) and len(pads) == world and 0 < programs <= 32
+        assert spins >= 10_000  # the group's limit of 10 s: a microsecond or more a round
+
+        def launch(out, inp, at):
+            mine = at_address[int(pointers[rank])]
+            mine[at : at + blocks * nbytes].copy_(inp.view(-1).view(torch.uint8))
+            gate.wait(timeout=10)
+            source = at + (rank * nbytes if blocks > 1 else 0)
+            flat = out.view(-1).view(torch.uint8)
+            for r in range(world):
+                flat[r * nbytes : (r + 1) * nbytes].copy_(at_address[int(pointers[r])][source : source + nbytes])
+            copies.append(kernels.word_bytes(at, nbytes, out.data_ptr(), inp.data_ptr()))
+            kinds.append("one kernel")
+            return True
+
+        return launch
+
+    monkeypatch.setattr(kernels, "exchange", exchange)
 
     def gather(out, pointers, offset, nbytes, blocks, root=-1):
         flat = out.view(-1).view(torch.uint8)
@@ -139,6 +167,7 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
             source = at_address[int(pointers[root if root >= 0 else r])]
             flat[r * nbytes : (r + 1) * nbytes].copy_(source[offset : offset + nbytes])
         copies.append(kernels.word_bytes(offset, nbytes, out.data_ptr()))
+        kinds.append("gather")
         return True
 
     monkeypatch.setattr(kernels, "gather", gather)
@@ -199,10 +228,11 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
     for t in threads:
         t.join(timeout=30)
     assert not failures
-    # by address: the gather and the exchange of 3 calls on every rank; a block of 5 float32 elements is copied
-    # in 4-byte words
+    # by address: the all-gather and the all-to-all of 3 calls on every rank, through one kernel or the other; a
+    # block of 5 float32 elements is copied in 4-byte words
     assert len(copies) == (3 * 2 * world if by_address else 0)
     assert not copies or min(copies) == (8 if m % 2 == 0 else 4)
+    assert set(kinds) == ({by_address} if by_address else set())
 
 
 def test_a_one_pass_call_is_kept_under_the_key_its_next_call_asks_for():

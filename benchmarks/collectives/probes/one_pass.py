@@ -4,8 +4,9 @@ Probe: where the time of a small one-pass all-gather and all-to-all goes (torchr
 
 Prints host microseconds to enqueue one call (no synchronisation inside the loop) and GPU microseconds per call
 for dtrain's one-pass all-gather, all-to-all, reduce-scatter and broadcast at 8 KiB a rank and NCCL's own, then
-for each piece of the one-pass all-gather alone (the copy into the window, the barrier, the gather kernel, the
-watchdog's bookkeeping); then a cProfile of the one-pass all-gather on rank 0 and torch.profiler's device
+for each piece of the one-pass all-gather alone (the exchange kernel that is the whole call where Triton compiles
+it; the three-step pass it replaces: the copy into the window, the barrier, the gather kernel; the watchdog's
+bookkeeping); then a cProfile of the one-pass all-gather on rank 0 and torch.profiler's device
 kernels of the same calls.
 """
 
@@ -40,13 +41,19 @@ def main() -> None:
         "one-pass broadcast": lambda: comm.broadcast(full, 0, algorithm="star"),
         "nccl broadcast": lambda: dist.broadcast(full, 0),
     }
+    rows["one-pass all_gather"]()
+    torch.cuda.synchronize()
+    error = peer_kernels._state.get("exchange_error")
+    say(f"exchange kernel: {'not compiled: ' + error if error else 'compiled'}")
     for name, fn in rows.items():
         host, gpu = host_and_gpu(fn, 200)
         say(f"{name:28s} host {host:8.1f} us/call   gpu {gpu:8.1f} us/call", flush=True)
     window = peer.window_for(None, dev, 2 * (n * 4 + 256))
     mine = window._mine[: n * 4].view(torch.float32)
     handle = window._handle
+    launch = peer_kernels.exchange(window.pointers, window.pads, rank, n * 4, world, 1, 10**7)
     pieces = {
+        "exchange kernel (all_gather)": lambda: launch(out, inp, 0),
         "copy into the window": lambda: mine.copy_(inp),
         "barrier": lambda: handle.barrier(channel=0, timeout_ms=60_000),
         "gather kernel": lambda: peer_kernels.gather(out, window.pointers, 0, n * 4, world),

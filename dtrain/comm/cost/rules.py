@@ -160,10 +160,20 @@ _PEER_ALL_REDUCE = ((0, "one_shot"), ((2 << 20) + 1, "direct"), ((8 << 20) + 1, 
 #: (:func:`dtrain.comm.peer.fused.one_pass`) where they ran faster than NCCL's, by full buffer size. Side by side
 #: with NCCL 2.28 on 4 and 2 H100s (benchmarks/results/one_pass{,_fresh}-h100x{4,2}.jsonl, same and fresh
 #: tensors): the reduce-scatter at 1.31-1.80x NCCL's speed from 8 KiB to 8 MiB, the broadcast at 1.11-1.63x from
-#: 8 KiB to 2 MiB and 0.73-1.26x at 8 MiB. Above 8 MiB a rank the schedules run a round at a time, at 0.37-0.84x.
-#: A band ends at the geometric midpoint between the last size won and the first lost.
-_PEER_REDUCE_SCATTER = ((0, "direct"), ((16 << 20) + 1, NATIVE))
+#: 8 KiB to 2 MiB and 0.73-1.26x at 8 MiB. Above 8 MiB a rank the schedules run a round at a time, at 0.23-0.84x
+#: (the reduce-scatter of a 16 MiB buffer on 2 H100s: 0.23-0.25x, defaults-h100x2.jsonl), so the reduce-scatter's
+#: band ends there; another band ends at the geometric midpoint between the last size won and the first lost.
+_PEER_REDUCE_SCATTER = ((0, "direct"), ((8 << 20) + 1, NATIVE))
 _PEER_BROADCAST = ((0, "star"), ((4 << 20) + 1, NATIVE))
+
+#: The one-pass all-gather and all-to-all (``direct``) of a CUDA group on the peer transport, each one kernel that
+#: copies in, passes a barrier on the signal pads and reads the peers (:func:`dtrain.comm.peer.kernels.exchange`),
+#: where they ran faster than torch.distributed's own call, by full buffer size (the all-gather's output, the
+#: all-to-all's input). Side by side on 2 H100s (benchmarks/results/one_pass_gather{,_fresh}-h100x2.jsonl): the
+#: all-gather at 1.18-1.91x from 8 KiB to 8 MiB and 0.29-0.88x at 16 MiB, the all-to-all at 1.10-1.93x from 8 KiB to
+#: 8 MiB (above 8 MiB a rank it runs a round at a time).
+_PEER_ALL_GATHER = ((0, "direct"), (math.isqrt((8 << 20) * (16 << 20)) + 1, NATIVE))
+_PEER_ALL_TO_ALL = ((0, "direct"), ((8 << 20) + 1, NATIVE))
 
 #: Built-in rules, used where no rules file covers a group: measured winners. Side by side with NCCL 2.28
 #: (torch 2.11, NVLink multicast off, calls back to back in one process, rounds interleaved) on 2 and 4 H100s,
@@ -181,8 +191,10 @@ BUILT_IN: tuple[Rules, ...] = (
             "all_reduce": _PEER_ALL_REDUCE,
             "reduce_scatter": _PEER_REDUCE_SCATTER,
             "broadcast": _PEER_BROADCAST,
+            "all_gather": _PEER_ALL_GATHER,
+            "all_to_all": _PEER_ALL_TO_ALL,
         },
-        meta={"from": "all-reduce, reduce-scatter and broadcast against NCCL on 2 and 4 H100s, 8 KiB-1 GiB"},
+        meta={"from": "the five collectives against NCCL on 2 H100s, 8 KiB-1 GiB"},
     ),
     Rules(
         kind="cuda-peer",
@@ -220,8 +232,8 @@ def from_records(
     worlds = set()
     for r in records:
         algorithm = str(r["algorithm"])
-        if algorithm == "auto" or "+" in algorithm or r.get("time_us") is None:
-            continue
+        if algorithm in ("auto", "torch") or "+" in algorithm or r.get("time_us") is None:
+            continue  # "torch": torch.distributed's own call timed beside ours, the same path as "native"
         worlds.add(int(r["world_size"]))
         per_size = times.setdefault(str(r["collective"]), {}).setdefault(int(r["nbytes"]), {})
         per_size[algorithm] = min(float(r["time_us"]), per_size.get(algorithm, math.inf))

@@ -164,8 +164,8 @@ def reduce_block(block: torch.Tensor, group_name: str, out: torch.Tensor) -> Non
 
 
 def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
-    """A function ``run(output, input)`` that runs one call of ``form`` through ``window`` on flat contiguous
-    tensors: ``numel`` elements of ``dtype`` are what each rank puts in (an all-gather's input, a reduce-scatter's
+    """A function ``run(output, input)`` that runs one call of ``form`` through ``window`` on contiguous tensors:
+    ``numel`` elements of ``dtype`` are what each rank puts in (an all-gather's input, a reduce-scatter's
     or all-to-all's input, the broadcast's tensor, which is ``output`` and ``input`` alike; ``root``: the
     broadcast's source, a group rank). ``window`` must hold two halves of ``numel`` elements. A reduce-scatter's
     ``avg`` is divided by the caller."""
@@ -196,6 +196,15 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
     group_name = window.group_name
     limit = window.stall_limit(None) + watchdog.GRACE  # as PeerWindow.barrier: the watchdog reports first
     barrier_ms = max(1, int(limit.total_seconds() * 1000))
+    # the exchange kernel: its programs hold ``world`` slots of the pad each, and a wait's round takes at least
+    # a microsecond (one compare-and-swap at system scope)
+    blocks = world if form == "exchange" else 1
+    launch = None
+    if form in ("gather", "exchange") and pointers is not None and getattr(window, "pads", None) is not None:
+        launch = kernels.exchange(
+            pointers, window.pads, rank, numel // blocks * dtype.itemsize, world, blocks, barrier_ms * 1000,
+            min(kernels.EXCHANGE_PROGRAMS, window.channels),
+        )  # fmt: skip
 
     def barrier() -> None:
         handle.barrier(channel=channel, timeout_ms=barrier_ms)
@@ -210,6 +219,13 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
             barrier()
         else:
             window.bank = bank ^ 1
+        if launch is not None and launch(output, input, bank * half):
+            if recorded:
+                barrier()
+            else:
+                window.pending = True
+            return
+        output, input = output.view(-1), input.view(-1)
         mine, peers = banks[bank]
         if form == "scatter":
             mine.copy_(input)

@@ -17,7 +17,7 @@ import torch
 from dtrain.comm.peer.pull import wants_kernel
 from dtrain.env import comm_env
 
-__all__ = ["combine", "gather", "triton_ready", "wants_kernel"]
+__all__ = ["combine", "exchange", "gather", "triton_ready", "wants_kernel"]
 
 _OPS = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
@@ -32,7 +32,7 @@ def _build():
     # Triton resolves the functions a kernel calls from the globals of the kernel's own module
     from dtrain.comm.peer import triton as peer_triton
 
-    return triton, peer_triton.pull_kernel, peer_triton.gather_kernel
+    return triton, peer_triton.pull_kernel, peer_triton.gather_kernel, peer_triton.exchange_kernel
 
 
 def triton_ready() -> bool:
@@ -49,7 +49,7 @@ def triton_ready() -> bool:
 
 
 def _launch(outs, base, sources, op: str) -> None:
-    triton, kernel, _ = _state["kernel"]
+    triton, kernel = _state["kernel"][:2]
     out0 = outs[0]
     n = out0.numel()
     upcast = out0.dtype in (torch.float16, torch.bfloat16)
@@ -134,7 +134,7 @@ def gather(out: torch.Tensor, pointers: torch.Tensor, offset: int, nbytes: int, 
     dtype = dict(_WORDS)[word]
     n, at = nbytes // word, offset // word
     words = out.view(-1).view(torch.uint8).view(dtype)
-    triton, _, kernel = _state["kernel"]
+    triton, _, kernel = _state["kernel"][:3]
     grid = ((n + _GATHER_BLOCK - 1) // _GATHER_BLOCK, blocks, 1)
     # what Triton compiles a variant for: the word, the constants, the output's 16-byte alignment, 64-bit indices
     key = (dtype, root >= 0, out.data_ptr() % 16 == 0, max(at + n, n * blocks) >= 1 << 31, out.device)
@@ -165,3 +165,78 @@ def gather(out: torch.Tensor, pointers: torch.Tensor, offset: int, nbytes: int, 
 #: Compiled variants of the gather kernel launched without Triton's binding (:func:`gather`); ``"direct"``: a
 #: direct launch failed once, so every call goes through Triton's binding.
 _GATHER_COMPILED: dict = {}
+
+
+#: Elements a program of the exchange kernel copies at a time, and the most programs one call runs (each holds
+#: ``world`` slots of the signal pad, which has room for 2048 bytes of them).
+EXCHANGE_BLOCK = 2048
+EXCHANGE_PROGRAMS = 32
+
+
+def exchange(
+    pointers: torch.Tensor,
+    pads: torch.Tensor,
+    rank: int,
+    nbytes: int,
+    world: int,
+    blocks: int,
+    spins: int,
+    programs: int = EXCHANGE_PROGRAMS,
+):
+    """A function ``launch(out, inp, at) -> bool`` that runs a whole one-pass all-gather (``blocks`` = 1) or
+    all-to-all (``blocks`` = ``world``) as one kernel: copy ``inp`` (``blocks`` blocks of ``nbytes``) into this
+    rank's window at byte ``at``, pass one barrier on the signal pads, and read block ``r`` of ``out`` from rank
+    ``r``'s window (at ``at``, or at its block ``rank`` for an all-to-all); ``out`` and ``inp`` contiguous CUDA
+    tensors. ``pointers`` and ``pads``: every rank's window and signal-pad address, int64 tensors on the device;
+    ``spins``: the rounds a wait at the barrier lasts before it gives up; ``programs``: at most this many programs
+    (each copies a strided share of the chunks), within the pad's room. One launch where the three-step pass
+    (:func:`gather`) makes three: the copy in, the barrier and the reads. ``launch`` answers False, with nothing
+    written, where the kernel cannot run (no Triton, turned off, or a first launch that fails to compile); None
+    in place of the function where Triton is missing.
+
+    After a variant's first launch the compiled kernel is launched directly, with the tensors' addresses and the
+    raw stream: binding the arguments through Triton and asking torch for the stream object cost more host time
+    than the copy of a small collective."""
+    if not triton_ready() or "exchange_error" in _state:
+        return None
+    lanes = 1 << max(0, (world - 1).bit_length())
+    device = pointers.device
+    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
+    compiled: dict = {}  # (word, out aligned, inp aligned) -> the compiled kernel
+    grids = {word: (max(1, min(programs, -(-(nbytes // word) // EXCHANGE_BLOCK))), 1, 1) for word, _ in _WORDS}
+
+    def launch(out: torch.Tensor, inp: torch.Tensor, at: int) -> bool:
+        out_at, inp_at = out.data_ptr(), inp.data_ptr()
+        word = word_bytes(at, nbytes, out_at, inp_at)
+        key = (word, out_at % 16 == 0, inp_at % 16 == 0)
+        kernel = compiled.get(key)
+        if kernel is not None:
+            try:
+                kernel.run(
+                    *grids[word], raw_stream(index), kernel.function, kernel.packed_metadata, None, None, None,
+                    pointers, pads, out_at, inp_at, rank, at // word, nbytes // word, spins,
+                    world, lanes, blocks, EXCHANGE_BLOCK,
+                )  # fmt: skip
+                return True
+            except Exception:  # a Triton whose compiled kernels launch another way: bind every call
+                compiled.clear()
+                compiled["bind"] = None
+        if "exchange_error" in _state:
+            return False
+        dtype = dict(_WORDS)[word]
+        outs = out.view(-1).view(torch.uint8).view(dtype)
+        ins = inp.view(-1).view(torch.uint8).view(dtype)
+        try:
+            kernel = _state["kernel"][3][grids[word]](
+                pointers, pads, outs, ins, rank, at // word, nbytes // word, spins,
+                WORLD=world, LANES=lanes, BLOCKS=blocks, BLOCK=EXCHANGE_BLOCK,
+            )  # fmt: skip
+        except Exception as err:  # a Triton that cannot compile it (the first launch): nothing was written
+            _state["exchange_error"] = f"{type(err).__name__}: {err}"
+            return False
+        if "bind" not in compiled and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+            compiled[key] = kernel
+        return True
+
+    return launch

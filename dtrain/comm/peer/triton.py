@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["pull_kernel"]
+__all__ = ["exchange_kernel", "gather_kernel", "pull_kernel"]
 
 
 @triton.jit
@@ -63,3 +63,77 @@ def gather_kernel(ptrs, out, offset, n, root, ONE_SOURCE: tl.constexpr, BLOCK: t
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     tl.store(out + r.to(tl.int64) * n + i, tl.load(base + offset + i, mask=m), mask=m)
+
+
+@triton.jit
+def _barrier(pads, rank, slot, spins, WORLD: tl.constexpr, LANES: tl.constexpr):
+    """Every rank's program ``slot`` has reached this point, and the writes this program made before it are
+    visible to theirs: torch's signal-pad protocol (rank ``r`` of program ``s`` signals slot ``s * WORLD + r`` of
+    every peer's pad by a compare-and-swap 0 -> 1 with release semantics, then takes each peer's signal from its
+    own pad by 1 -> 0 with acquire semantics, at system scope), the peers' signals sent and taken by as many
+    threads at once. A signal a peer has not yet taken is retried; a wait gives up after ``spins`` rounds (the
+    host's watchdog has reported the stall by then)."""
+    lane = tl.arange(0, LANES)
+    live = lane < WORLD
+    peer = tl.where(live, lane, 0)
+    slots = slot.to(tl.int64) * WORLD
+    send = tl.load(pads + peer).to(tl.pointer_type(tl.int32)) + slots + rank
+    own = tl.load(pads + rank).to(tl.pointer_type(tl.int32)) + slots + peer
+    zero = tl.zeros([LANES], tl.int32)
+    one = zero + 1
+    never = zero - 1  # no slot holds -1: a compare-and-swap with it on both sides reads and writes nothing
+    tl.debug_barrier()  # every thread's writes before the signal that releases them
+    old = tl.atomic_cas(send, tl.where(live, zero, never), tl.where(live, one, never), "release", "sys")
+    pending = live & (old != 0)
+    t = 0
+    while (tl.max(pending.to(tl.int32), 0) > 0) & (t < spins):
+        old = tl.atomic_cas(send, tl.where(pending, zero, never), tl.where(pending, one, never), "release", "sys")
+        pending = pending & (old != 0)
+        t += 1
+    old = tl.atomic_cas(own, tl.where(live, one, never), tl.where(live, zero, never), "acquire", "sys")
+    waiting = live & (old != 1)
+    t = 0
+    while (tl.max(waiting.to(tl.int32), 0) > 0) & (t < spins):
+        old = tl.atomic_cas(own, tl.where(waiting, one, never), tl.where(waiting, zero, never), "acquire", "sys")
+        waiting = waiting & (old != 1)
+        t += 1
+    tl.debug_barrier()  # every thread reads after the signals that were taken
+
+
+@triton.jit(do_not_specialize=["rank", "at", "n", "spins"])
+def exchange_kernel(
+    ptrs, pads, out, inp, rank, at, n, spins,
+    WORLD: tl.constexpr, LANES: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """An all-gather (``BLOCKS`` = 1) or all-to-all (``BLOCKS`` = ``WORLD``) in one kernel, through every rank's
+    window (addresses in ``ptrs``) and signal pad (``pads``): ``inp`` (``BLOCKS`` blocks of ``n`` elements) into
+    this rank's window at element ``at``; one barrier; block ``r`` of ``out`` = the ``n`` elements of rank ``r``'s
+    window at ``at`` (all-gather) or at its block ``rank`` (all-to-all).
+
+    Program ``p`` copies in and reads out the same chunks, ``p``, ``p + programs``, ... of every block, and the
+    barrier is between program ``p`` of every rank: what a program reads from a peer is what the peer's program of
+    the same number wrote."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    n64 = n.to(tl.int64)
+    at64 = at.to(tl.int64)
+    chunks = tl.cdiv(n, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    mine = tl.load(ptrs + rank).to(tl.pointer_type(out.dtype.element_ty))
+    c = pid
+    while c < chunks:  # a while loop: Triton's interpreter takes no range with tensor bounds
+        i = c.to(tl.int64) * BLOCK + offs
+        m = i < n64
+        for k in tl.static_range(BLOCKS):
+            tl.store(mine + at64 + k * n64 + i, tl.load(inp + k * n64 + i, mask=m), mask=m)
+        c += programs
+    _barrier(pads, rank, pid, spins, WORLD, LANES)
+    source = at64 + (rank * n64 if BLOCKS > 1 else 0)
+    c = pid
+    while c < chunks:
+        i = c.to(tl.int64) * BLOCK + offs
+        m = i < n64
+        for r in tl.static_range(WORLD):
+            peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
+            tl.store(out + r * n64 + i, tl.load(peer + source + i, mask=m), mask=m)
+        c += programs

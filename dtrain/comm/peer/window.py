@@ -173,6 +173,7 @@ class PeerWindow:
         self.channels = max(1, SIGNAL_PAD_BYTES // (4 * self.world_size))
         self._handle = None
         self.pointers: torch.Tensor | None = None  # every rank's window address on the device (CUDA windows)
+        self.pads: torch.Tensor | None = None  # every rank's signal-pad address on the device (CUDA windows)
         self.calls = 0  # collective calls made through this window (the watchdog's reports number them)
         self.group_name = self.group.group_name
         self.global_rank = dist.get_global_rank(self.group, self.rank)
@@ -202,6 +203,9 @@ class PeerWindow:
             self.channels = max(1, int(pad()) // (4 * self.world_size))
         self._mine = mine
         self.pointers = torch.tensor(list(self._handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        signal_pads = getattr(self._handle, "signal_pad_ptrs", None)
+        if signal_pads is not None:
+            self.pads = torch.tensor(list(signal_pads), dtype=torch.int64, device=self.device)
         return [self._handle.get_buffer(p, (self.nbytes,), torch.uint8) for p in range(self.world_size)]
 
     def _map_shared_files(self) -> list[torch.Tensor]:
