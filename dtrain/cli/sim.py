@@ -208,6 +208,12 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         "algorithm: ring, halving_doubling, hierarchical, ...",
     )
     p.add_argument("--no-overlap", action="store_true", help="never overlap the dp all-reduce with backward")
+    p.add_argument(
+        "--tp-comm-overlap",
+        action="store_true",
+        help="sequence parallelism's all-gathers and reduce-scatters in pieces under the products beside them "
+        "(Megatron-Core's --tp-comm-overlap, Transformer Engine's userbuffers), on layouts with sequence parallelism",
+    )
     _add_software(p)
 
 
@@ -315,7 +321,8 @@ def _step_config(args: argparse.Namespace, **extra):
             raise ValueError(f"--curves: {args.curves}: no such file")
         curves = load_curves(args.curves)
     return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm, dp_algorithm=args.dp_algorithm,
-                      overlap_dp=not args.no_overlap, cost=_software(args), curves=curves, **extra)  # fmt: skip
+                      overlap_dp=not args.no_overlap, cost=_software(args), curves=curves,
+                      tp_comm_overlap=args.tp_comm_overlap, **extra)  # fmt: skip
 
 
 def _simulate_train(args: argparse.Namespace) -> int:
@@ -323,6 +330,8 @@ def _simulate_train(args: argparse.Namespace) -> int:
     from dtrain.sim.placement import place
     from dtrain.sim.step import simulate_step
 
+    if args.tp_comm_overlap and not (args.sequence_parallel and args.tp > 1):
+        raise ValueError("--tp-comm-overlap needs --sequence-parallel and --tp above 1 (Megatron-Core's requirement)")
     topo, model = _topology(args), _model(args)
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,
                     zero_stage=args.zero, schedule=args.schedule, recompute=args.recompute,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -83,6 +83,10 @@ __all__ = [
     "data_parallel_lower_bound",
     "pipeline_message_lower_bound",
     "tensor_parallel_s",
+    "tp_overlap_s",
+    "UB_OVERLAPS",
+    "UB_PIPELINE_SPLITS",
+    "UB_STREAMS",
 ]
 
 
@@ -130,7 +134,10 @@ class StepConfig:
     end (:func:`overlapped_reduction_s`); ``overlap_param_gather``: Megatron-Core's ``--overlap-param-gather``,
     the distributed optimizer's all-gather of the updated weights runs under the next step's first forward of
     each stage, bucket by bucket on the first stage, whole before its first forward on the others; without it the
-    all-gather is exposed.
+    all-gather is exposed. ``tp_comm_overlap``: under sequence parallelism, the tensor-parallel all-gathers and
+    reduce-scatters run in chunks under the products beside them, as Megatron-Core's ``--tp-comm-overlap`` runs
+    them with Transformer Engine's userbuffers (:func:`tp_overlap_s`); ignored for a layout without sequence
+    parallelism, which Megatron-Core requires for it.
 
     Megatron-Core r0.8.0 (``megatron/core/distributed/distributed_data_parallel.py``): buckets of
     ``max(40,000,000, 1,000,000 x dp)`` parameters, bucketing off on every pipeline stage but the first ("data-
@@ -164,6 +171,7 @@ class StepConfig:
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -293,53 +301,161 @@ def stage_seconds(
     for its backward, under the weight gradient as above; and the weight gradient needs the all-gathered input
     again, which is not kept but gathered once more under the input gradient's product (only what is longer
     shows). Each all-gather and reduce-scatter takes half the all-reduce's ``tp_s`` (a ring all-reduce is a
-    reduce-scatter then an all-gather). With
+    reduce-scatter then an all-gather). With ``config.tp_comm_overlap`` under sequence parallelism (Megatron-Core's
+    ``--tp-comm-overlap``, Transformer Engine's userbuffers) the forward's two all-gathers and two reduce-scatters a
+    layer, the recomputed forward's, and the backward's two all-gathers before the row-parallel products' input
+    gradients run in chunks under those products (:data:`UB_OVERLAPS`, :func:`tp_overlap_s`), and the backward's
+    other collectives under the products beside them as with ``overlap_tp_backward``. With
     ``config.efficiency`` set, compute is the FLOPs of :func:`flops_per_microbatch` at that share of peak, split
     1:2 between forward and backward, recomputation's FLOPs added to backward."""
     layers = stage_layers(model, layout, stage)
     split = layout.schedule in SPLIT_BACKWARD
     recompute_calls = 2 if layout.recompute == "full" else 0
+    sequence_parallel = layout.sequence_parallel and layout.tp > 1
+    userbuffers = config.tp_comm_overlap and sequence_parallel and tp_s > 0
     if config.efficiency is not None:
         share = layers * layout.pp / model.layers  # the stage's layers over an even split's
         flops = share * flops_per_microbatch(model, layout) / config.efficiency / peak_flops
         extra = share * recompute_flops_per_microbatch(model, layout) / config.efficiency / peak_flops
-        tp_backward = (2 + recompute_calls) * layers * tp_s
+        forward_tp, backward_tp = 2 * tp_s, (2 + recompute_calls) * tp_s
+        if userbuffers:
+            overlapped = _flat_overlapped(model, layout, config.efficiency * peak_flops)
+            forward_tp, row_tp = _userbuffers_s(overlapped, tp_s)
+            backward_tp = row_tp + tp_s + (forward_tp if recompute_calls else 0.0)
         b, w = 2 * flops / 3 + extra, 0.0
         if split:
             b, w = flops / 3 + extra, flops / 3
-        return flops / 3 + 2 * layers * tp_s, b + tp_backward, w
-    forward_s, backward_s, weight_s, wgrads, dgrads = _priced(
+        return flops / 3 + layers * forward_tp, b + layers * backward_tp, w
+    forward_s, backward_s, weight_s, wgrads, dgrads, overlapped = _priced(
         model, layout, stage, peak_flops, memory_bytes_per_s, config
     )
     embedding_calls = 1 if stage == 0 and model.vocab and layout.tp > 1 else 0
-    forward = forward_s + (2 * layers + embedding_calls) * tp_s
-    overlap = config.overlap_tp_backward and not split and tp_s > 0
-    if layout.sequence_parallel and layout.tp > 1:
+    forward_tp, row_tp = 2 * tp_s, tp_s
+    if userbuffers:
+        forward_tp, row_tp = _userbuffers_s(overlapped, tp_s)
+    forward = forward_s + layers * forward_tp + embedding_calls * tp_s
+    overlap = (config.overlap_tp_backward or userbuffers) and not split and tp_s > 0
+    if sequence_parallel:
         half = tp_s / 2
         under_weight = half if not overlap else sum(max(0.0, half - w) for w in wgrads) / max(1, len(wgrads))
         under_input = half if not overlap else sum(max(0.0, half - d) for d in dgrads) / max(1, len(dgrads))
-        exposed = half + under_weight + under_input
+        layer_tp = row_tp + 2 * (under_weight + under_input)
     else:
         exposed = tp_s
         if overlap:
             exposed = sum(max(0.0, tp_s - w) for w in wgrads) / max(1, len(wgrads))
-    backward = backward_s + (2 * exposed + recompute_calls * tp_s) * layers
+        layer_tp = 2 * exposed
+    recomputed_tp = (forward_tp if userbuffers else recompute_calls * tp_s) if recompute_calls else 0.0
+    backward = backward_s + (layer_tp + recomputed_tp) * layers
     if split:
         return forward, backward, weight_s
     return forward, backward + weight_s, 0.0
 
 
+#: Transformer Engine's userbuffers overlaps under Megatron-Core's ``--tp-comm-overlap``, as ``initialize_ub``
+#: sets them up by default (``transformer_engine/pytorch/module/base.py``, ``methods``; Megatron-Core passes no
+#: configuration of its own unless ``--tp-comm-overlap-cfg``): (product, phase, method). ``"ring"``: the product's
+#: sequence-parallel input (or, in backward, its output gradient) all-gathered as a ring exchange of ``tp``
+#: chunks, each chunk's product running while the next chunk comes from the neighbour (``qkv_fprop``,
+#: ``fc1_fprop``, ``proj_dgrad``, ``fc2_dgrad``); ``"pipeline"``: the product split into
+#: :data:`UB_PIPELINE_SPLITS` chunks, each chunk's output reduce-scattered under the next chunk's product
+#: (``proj_fprop``, ``fc2_fprop``). The ``"bulk"`` overlaps (``qkv_dgrad``, ``qkv_wgrad``, ``fc1_dgrad``,
+#: ``fc1_wgrad``: the input's all-gather under the input gradient, the input gradient's reduce-scatter under the
+#: weight gradient) are the ones Megatron-LM runs without userbuffers too (:func:`stage_seconds`).
+UB_OVERLAPS = (
+    ("qkv", "F", "ring"),
+    ("attention-out", "F", "pipeline"),
+    ("mlp-in", "F", "ring"),
+    ("mlp-out", "F", "pipeline"),
+    ("attention-out", "B", "ring"),
+    ("mlp-out", "B", "ring"),
+)
+#: ``num_splits`` of a ``"pipeline"`` overlap in ``initialize_ub``'s defaults.
+UB_PIPELINE_SPLITS = 4
+#: Compute streams the pieces of an overlapped product take turns on (``_NUM_MAX_UB_STREAMS``).
+UB_STREAMS = 3
+
+
+def tp_overlap_s(
+    whole_s: float, alone_s: float, concurrent_s: float, chunks: int, collective_s: float, method: str
+) -> float:
+    """Seconds a product of ``whole_s`` (unsplit) and its collective of ``collective_s`` (unsplit, on its own) add
+    to the product alone when the product runs as ``chunks`` pieces overlapped as Transformer Engine's userbuffers
+    overlap them (:data:`UB_OVERLAPS`; the decomposition of Wang et al. 2023, "Overlap Communication with
+    Dependent Computation via Decomposition in Large Deep Learning Models", ASPLOS). A piece takes ``alone_s`` on
+    its own and ``concurrent_s`` of the device's time when :data:`UB_STREAMS` pieces run at once (Transformer
+    Engine launches piece ``i`` on compute stream ``i mod 3``, so pieces whose inputs are there share the
+    multiprocessors; the device dispatches their tiles in launch order, so they finish in order).
+
+    - ``"ring"`` (all-gather, ``chunks`` = tp; ``comm_gemm_overlap``'s ``split_overlap_ag``): the first piece is
+      the rank's own and its product starts at once; each of the ``chunks - 1`` exchanges with the neighbours
+      (``collective_s / (chunks - 1)``, a ring step) runs under the products before it, each piece's product
+      waiting for its exchange: at least every piece at the concurrent rate, and at least every exchange then the
+      last piece alone: ``max(chunks x concurrent_s, (chunks - 1) step + alone_s)``;
+    - ``"pipeline"`` (reduce-scatter; ``split_overlap_rs``): the pieces' products need nothing and run at the
+      concurrent rate, piece ``i`` done at ``(i + 1) concurrent_s``; each piece's reduce-scatter
+      (``collective_s / chunks``) starts when its product is done and the one before it ends, and the last one
+      runs after every product.
+
+    With pieces priced in proportion to their rows (``concurrent_s = alone_s = whole_s / chunks``) the result is
+    the collective's exposed part: none for a ring whose steps are shorter than a piece's product, the last
+    piece's reduce-scatter for a pipeline whose pieces are longer than their reduce-scatters."""
+    if chunks < 2:
+        raise ValueError(f"tp_overlap_s: chunks must be >= 2, got {chunks}")
+    if method == "ring":
+        total = max(chunks * concurrent_s, collective_s + alone_s)
+    elif method == "pipeline":
+        step, total = collective_s / chunks, 0.0
+        for i in range(chunks):
+            total = max(total, (i + 1) * concurrent_s) + step
+    else:
+        raise ValueError(f"tp_overlap_s: method must be 'ring' or 'pipeline', got {method!r}")
+    return total - whole_s
+
+
+def _userbuffers_s(overlapped: Sequence[tuple[float, float, float, int]], tp_s: float) -> tuple[float, float]:
+    """A layer's forward seconds beyond its products for its four overlapped collectives, and its backward's for
+    the row-parallel products' all-gathers (:data:`UB_OVERLAPS`, each collective half the all-reduce's
+    ``tp_s``)."""
+    forward = backward = 0.0
+    for (_, phase, method), (whole, alone, concurrent, chunks) in zip(UB_OVERLAPS, overlapped, strict=True):
+        added = tp_overlap_s(whole, alone, concurrent, chunks, tp_s / 2, method)
+        if phase == "F":
+            forward += added
+        else:
+            backward += added
+    return forward, backward
+
+
+def _overlapped_ops(model: ModelSpec, layout: Layout) -> list[tuple[object, int]]:
+    """Each product of :data:`UB_OVERLAPS` of one layer, with its chunk count."""
+    ops = {(op.name, op.phase): op for op in layer_ops(model, layout) if op.kind == "matmul"}
+    return [(ops[name, phase], layout.tp if method == "ring" else UB_PIPELINE_SPLITS)
+            for name, phase, method in UB_OVERLAPS]  # fmt: skip
+
+
+def _flat_overlapped(model: ModelSpec, layout: Layout, flops_per_s: float) -> list[tuple[float, float, float, int]]:
+    """:data:`UB_OVERLAPS`' products priced at ``flops_per_s``: (whole, alone, concurrent, chunks) seconds."""
+    out = []
+    for op, n in _overlapped_ops(model, layout):
+        whole = op.total_flops / flops_per_s
+        out.append((whole, whole / n, whole / n, n))
+    return out
+
+
 #: Priced stages by (model, layout, stage, peak, memory rate, curves' identity): a planner prices each stage of a
 #: layout for its bounds and its simulation alike. Each entry keeps its curves, so an identity is never reused.
-_PRICED: dict[tuple, tuple[object, tuple[float, float, float, tuple[float, ...], tuple[float, ...]]]] = {}
+_PRICED: dict[tuple, tuple[object, tuple]] = {}
 
 
 def _priced(
     model: ModelSpec, layout: Layout, stage: int, peak_flops: float, memory_bytes_per_s: float, config: StepConfig
-) -> tuple[float, float, float, tuple[float, ...], tuple[float, ...]]:
+) -> tuple[float, float, float, tuple[float, ...], tuple[float, ...], tuple[tuple[float, float, int], ...]]:
     """Forward, backward and weight-gradient compute seconds of one micro-batch of ``stage``
-    (:func:`dtrain.sim.compute.stage_compute`), and the weight-gradient and input-gradient seconds of the
-    column-parallel products of one layer."""
+    (:func:`dtrain.sim.compute.stage_compute`), the weight-gradient and input-gradient seconds of the
+    column-parallel products of one layer, and for each product of :data:`UB_OVERLAPS` under sequence
+    parallelism its seconds whole, one piece's alone (the product on ``1 / chunks`` of its rows, rounded up), one
+    piece's share of :data:`UB_STREAMS` pieces at once (priced as one product of their rows), and its pieces."""
     key = (model, layout, stage, peak_flops, memory_bytes_per_s, id(config.curves))
     found = _PRICED.get(key)
     if found is not None and found[0] is config.curves:
@@ -349,9 +465,17 @@ def _priced(
     ops = [op for op in layer_ops(model, layout) if op.name in _COLUMN]
     wgrads = tuple(price(op, device) for op in ops if op.phase == "W")
     dgrads = tuple(price(op, device) for op in ops if op.phase == "B")
+    overlapped = ()
+    if layout.sequence_parallel and layout.tp > 1:
+        pieces = []
+        for op, n in _overlapped_ops(model, layout):
+            rows, streams = -(-op.m // n), min(UB_STREAMS, n)
+            alone = price(replace(op, m=rows), device)
+            pieces.append((price(op, device), alone, price(replace(op, m=streams * rows), device) / streams, n))
+        overlapped = tuple(pieces)
     if len(_PRICED) > 65536:
         _PRICED.clear()
-    _PRICED[key] = (config.curves, (work.forward_s, work.backward_s, work.weight_s, wgrads, dgrads))
+    _PRICED[key] = (config.curves, (work.forward_s, work.backward_s, work.weight_s, wgrads, dgrads, overlapped))
     return _PRICED[key][1]
 
 

@@ -198,3 +198,12 @@ def test_simulate_ps_rejects_bad_flags_before_simulating(capsys: pytest.CaptureF
     with pytest.raises(SystemExit) as exit_:
         main(["simulate", "ps", "--topology", "4-rack", *bad])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_simulate_train_takes_tp_comm_overlap_with_sequence_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "train", "--topology", "h100-node", "--tp", "8", "--global-batch", "2", "--sequence-parallel"]
+    plain = run_json(capsys, *argv)
+    overlapped = run_json(capsys, *argv, "--tp-comm-overlap")
+    assert overlapped["step_s"] < plain["step_s"]
+    assert main(argv[:-1] + ["--tp-comm-overlap"]) == 2
+    assert "--tp-comm-overlap needs --sequence-parallel" in "".join(capsys.readouterr())

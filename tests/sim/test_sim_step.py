@@ -188,3 +188,49 @@ def test_oblivious_placement_deals_ranks_round_robin_over_servers() -> None:
 def test_a_layout_larger_than_the_cluster_is_rejected() -> None:
     with pytest.raises(ValueError, match="needs 16 devices"):
         place(star(4), Layout(dp=16, global_batch=16))
+
+
+def test_tp_comm_overlap_hides_all_but_the_last_reduce_scatter_piece() -> None:
+    # Transformer Engine's userbuffers (Megatron-Core --tp-comm-overlap): with products priced in proportion to
+    # their rows and collectives shorter than a piece's product, each layer's forward shows only the last of the
+    # 4 pieces of its two reduce-scatters (half an all-reduce each), and its backward none of the all-gathers
+    # before the row-parallel input gradients; without it all four forward collectives show
+    from dtrain.sim.step import UB_PIPELINE_SPLITS, stage_seconds
+
+    tp_s = 1e-7
+    layout = Layout(tp=4, global_batch=2, sequence_parallel=True)
+    grown = {}
+    for overlap in (False, True):
+        config = StepConfig(efficiency=0.5, tp_comm_overlap=overlap)
+        args = (MODEL, layout, 0, PEAK, 2e12, config)
+        grown[overlap] = [a - b for a, b in zip(stage_seconds(*args, tp_s), stage_seconds(*args, 0.0), strict=True)]
+    assert grown[False][0] == pytest.approx(MODEL.layers * 2 * tp_s)
+    assert grown[True][0] == pytest.approx(MODEL.layers * 2 * (tp_s / 2) / UB_PIPELINE_SPLITS)
+    assert grown[True][1] == pytest.approx(grown[False][1] - MODEL.layers * tp_s)
+    plain = Layout(tp=4, global_batch=2)  # no sequence parallelism: nothing to overlap, the flag is ignored
+    args = (MODEL, plain, 0, PEAK, 2e12)
+    assert stage_seconds(*args, StepConfig(tp_comm_overlap=True), tp_s) == stage_seconds(*args, StepConfig(), tp_s)
+
+
+@pytest.mark.parametrize(
+    ("method", "collective_s", "added_s"),
+    [("ring", 3.0, 0.0), ("ring", 9.0, 9.0 + 2.0 - 8.0), ("pipeline", 4.0, 1.0), ("pipeline", 16.0, 16.0 - 8.0 + 2.0)],
+)
+def test_overlapped_product_shows_what_its_pieces_cannot_hide(method: str, collective_s: float, added_s: float) -> None:
+    # an 8 s product in 4 pieces of 2 s: a ring's 3 exchanges (collective_s / 3 each) run under the pieces before
+    # them; a pipeline's 4 reduce-scatters (collective_s / 4) each after its piece, the last one after every piece
+    from dtrain.sim.step import tp_overlap_s
+
+    assert tp_overlap_s(8.0, 2.0, 2.0, 4, collective_s, method) == pytest.approx(added_s)
+    with pytest.raises(ValueError, match="method"):
+        tp_overlap_s(8.0, 2.0, 2.0, 4, collective_s, "bulk")
+
+
+def test_tp_comm_overlap_shortens_a_sequence_parallel_step() -> None:
+    topo = two_servers()
+    layout = Layout(tp=4, dp=2, global_batch=4, sequence_parallel=True)
+    placement = place(topo, layout)
+    plain = simulate_step(MODEL, layout, topo, placement)
+    overlapped = simulate_step(MODEL, layout, topo, placement, StepConfig(tp_comm_overlap=True))
+    assert overlapped.step_s < plain.step_s
+    assert overlapped.tp_s == plain.tp_s  # every call counted, overlapped or not

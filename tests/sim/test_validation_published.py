@@ -140,6 +140,10 @@ def test_h100_rows_load_and_simulate() -> None:
     assert stage_parameters(model, layout, 0) == pytest.approx(model.parameters)  # both matrices on one stage
     assert not published.config_of(row).tied_embedding_allreduce
     assert published.config_of(row).distributed_optimizer  # Megatron-Core's reduce-scatter of the gradients
+    # the README's --tp-comm-overlap (Transformer Engine's userbuffers) on every H100 row with tensor parallelism
+    for other in rows.values():
+        used = other["name"].startswith("mcore24-") and other["tp"] > 1
+        assert published.config_of(other).tp_comm_overlap == used, other["name"]
     config = published.config_of(row, flow_limit=1000)
     result = published.simulate(row, config)
     assert result["fits"] and result["compute_s"] < result["published_s"], result

@@ -156,7 +156,9 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     ``overlap_param_gather``; the A100 rows' Megatron-LM and DeepSpeed reduce after the pipeline's last
     backward), and whether
     ZeRO-1 reduce-scatters the gradients (``distributed_optimizer``: Megatron-Core's distributed optimizer) or
-    all-reduces them (DeepSpeed's ``BF16_Optimizer``).
+    all-reduces them (DeepSpeed's ``BF16_Optimizer``), and whether the tensor-parallel all-gathers and
+    reduce-scatters of sequence parallelism run in chunks under the products beside them (``tp_comm_overlap``:
+    Megatron-Core's ``--tp-comm-overlap``, ``StepConfig.tp_comm_overlap``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
@@ -166,7 +168,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       gradient_bytes=row.get("gradient_bytes", 2),
                       overlap_grad_reduce=row.get("overlap_dp", False),
                       overlap_param_gather=row.get("overlap_dp", False),
-                      distributed_optimizer=row.get("distributed_optimizer", False))  # fmt: skip
+                      distributed_optimizer=row.get("distributed_optimizer", False),
+                      tp_comm_overlap=row.get("tp_comm_overlap", False))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
