@@ -46,7 +46,8 @@
 #                      native through dtrain), 8 KiB-1 GiB (DEFAULTS_MAX), same tensors and fresh ones
 #                      -> defaults.jsonl, defaults-fresh.jsonl
 #   one-pass           all-gather, reduce-scatter, all-to-all (direct) and broadcast (star) in one pass over CUDA
-#                      symmetric memory beside NCCL and auto, 8 KiB-64 MiB, same tensors and fresh ones, on every GPU
+#                      symmetric memory beside NCCL (torch, native) and auto, 8 KiB-64 MiB (ONE_PASS_MAX), same
+#                      tensors and fresh ones, on every GPU
 #                      and on 2 (NP_SMALL; ONE_PASS_NP="4 2" names the counts), with DTRAIN_COMM_ONE_PASS=1 and
 #                      bench verify first
 #                      -> verify-one-pass.txt, one_pass{,-fresh}-np{N}.jsonl
@@ -186,14 +187,14 @@ for mode in "$@"; do
           name=one_pass${fresh:+-fresh}-np$np_
           # one launch for the three whose one-pass schedule is direct, one for broadcast's star
           for part in all_gather,reduce_scatter,all_to_all:direct broadcast:star; do
-            NP=$np_ LIMIT=${LIMIT:-150} tr -m dtrain bench comm --collectives "${part%:*}" --algorithms "native,${part#*:},auto" \
-              --min-bytes 8K --max-bytes 64M --factor 4 --iters 20 --trials 5 --warm-s 0.3 $fresh \
-              --out "$out/$name-${part#*:}.jsonl" >"$out/$name-${part#*:}.log"
+            NP=$np_ LIMIT=${LIMIT:-150} tr -m dtrain bench comm --collectives "${part%:*}" \
+              --algorithms "torch,native,${part#*:},auto" --min-bytes 8K --max-bytes ${ONE_PASS_MAX:-64M} --factor 4 \
+              --iters 20 --trials 5 --warm-s 0.3 $fresh --out "$out/$name-${part#*:}.jsonl" >"$out/$name-${part#*:}.log"
           done
           cat "$out/$name"-direct.jsonl "$out/$name"-star.jsonl >"$out/$name.jsonl" && rm -f "$out/$name"-{direct,star}.jsonl
           echo "== $name"; for c in all_gather reduce_scatter all_to_all broadcast; do
             a=direct; [ $c = broadcast ] && a=star
-            summ "$out/$name.jsonl" --collective $c --algorithms native,$a,auto; done
+            summ "$out/$name.jsonl" --collective $c --algorithms torch,native,$a,auto; done
         done
       done
       unset DTRAIN_COMM_ONE_PASS ;;

@@ -141,18 +141,27 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
     copies: list[int] = []
     kinds: list[str] = []
 
-    def exchange(pointers, pads, rank, nbytes, world_, blocks, spins, programs=32):
-        assert world_ == world and blocks in (1, world) and len(pads) == world and 0 < programs <= 32
+    def exchange(pointers, pads, rank, nbytes, world_, form, spins, programs=32, root=0, dtype=None):
+        assert world_ == world and len(pads) == world and 0 < programs <= 32
         assert spins >= 10_000  # the group's limit of 10 s: a microsecond or more a round
+        blocks = world if form in ("exchange", "scatter") else 1
 
         def launch(out, inp, at):
-            mine = at_address[int(pointers[rank])]
-            mine[at : at + blocks * nbytes].copy_(inp.view(-1).view(torch.uint8))
+            window = at_address[int(pointers[rank])]
+            if form != "broadcast" or rank == root:
+                window[at : at + blocks * nbytes].copy_(inp.view(-1).view(torch.uint8))
             gate.wait(timeout=10)
-            source = at + (rank * nbytes if blocks > 1 else 0)
             flat = out.view(-1).view(torch.uint8)
-            for r in range(world):
-                flat[r * nbytes : (r + 1) * nbytes].copy_(at_address[int(pointers[r])][source : source + nbytes])
+            if form == "scatter":
+                source = slice(at + rank * nbytes, at + (rank + 1) * nbytes)
+                out.copy_(sum(at_address[int(p)][source].view(dtype) for p in pointers))
+            elif form == "broadcast":
+                if rank != root:
+                    flat.copy_(at_address[int(pointers[root])][at : at + nbytes])
+            else:
+                source = at + (rank * nbytes if blocks > 1 else 0)
+                for r in range(world):
+                    flat[r * nbytes : (r + 1) * nbytes].copy_(at_address[int(pointers[r])][source : source + nbytes])
             copies.append(kernels.word_bytes(at, nbytes, out.data_ptr(), inp.data_ptr()))
             kinds.append("one kernel")
             return True
@@ -228,9 +237,10 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
     for t in threads:
         t.join(timeout=30)
     assert not failures
-    # by address: the all-gather and the all-to-all of 3 calls on every rank, through one kernel or the other; a
-    # block of 5 float32 elements is copied in 4-byte words
-    assert len(copies) == (3 * 2 * world if by_address else 0)
+    # by address: the all-gather and the all-to-all of 3 calls on every rank through the gather kernel, and the
+    # reduce-scatter and broadcast too through the exchange kernel; a block of 5 float32 elements is copied in
+    # 4-byte words
+    assert len(copies) == {"": 0, "gather": 3 * 2 * world, "one kernel": 3 * 4 * world}[by_address]
     assert not copies or min(copies) == (8 if m % 2 == 0 else 4)
     assert set(kinds) == ({by_address} if by_address else set())
 

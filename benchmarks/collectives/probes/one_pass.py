@@ -51,7 +51,7 @@ def main() -> None:
     window = peer.window_for(None, dev, 2 * (n * 4 + 256))
     mine = window._mine[: n * 4].view(torch.float32)
     handle = window._handle
-    launch = peer_kernels.exchange(window.pointers, window.pads, rank, n * 4, world, 1, 10**7)
+    launch = peer_kernels.exchange(window.pointers, window.pads, rank, n * 4, world, "gather", 10**7)
     pieces = {
         "exchange kernel (all_gather)": lambda: launch(out, inp, 0),
         "copy into the window": lambda: mine.copy_(inp),

@@ -198,12 +198,12 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
     barrier_ms = max(1, int(limit.total_seconds() * 1000))
     # the exchange kernel: its programs hold ``world`` slots of the pad each, and a wait's round takes at least
     # a microsecond (one compare-and-swap at system scope)
-    blocks = world if form == "exchange" else 1
+    blocks = world if form in ("exchange", "scatter") else 1
     launch = None
-    if form in ("gather", "exchange") and pointers is not None and getattr(window, "pads", None) is not None:
+    if pointers is not None and getattr(window, "pads", None) is not None:
         launch = kernels.exchange(
-            pointers, window.pads, rank, numel // blocks * dtype.itemsize, world, blocks, barrier_ms * 1000,
-            min(kernels.EXCHANGE_PROGRAMS, window.channels),
+            pointers, window.pads, rank, numel // blocks * dtype.itemsize, world, form, barrier_ms * 1000,
+            min(kernels.EXCHANGE_PROGRAMS, window.channels), root=root, dtype=dtype,
         )  # fmt: skip
 
     def barrier() -> None:

@@ -173,21 +173,34 @@ EXCHANGE_BLOCK = 2048
 EXCHANGE_PROGRAMS = 32
 
 
+#: The exchange kernel's forms (:func:`exchange`).
+EXCHANGE_FORMS = {"gather": 0, "exchange": 0, "broadcast": 1, "scatter": 2}
+
+
 def exchange(
     pointers: torch.Tensor,
     pads: torch.Tensor,
     rank: int,
     nbytes: int,
     world: int,
-    blocks: int,
+    form: str,
     spins: int,
     programs: int = EXCHANGE_PROGRAMS,
+    root: int = 0,
+    dtype: torch.dtype | None = None,
 ):
-    """A function ``launch(out, inp, at) -> bool`` that runs a whole one-pass all-gather (``blocks`` = 1) or
-    all-to-all (``blocks`` = ``world``) as one kernel: copy ``inp`` (``blocks`` blocks of ``nbytes``) into this
-    rank's window at byte ``at``, pass one barrier on the signal pads, and read block ``r`` of ``out`` from rank
-    ``r``'s window (at ``at``, or at its block ``rank`` for an all-to-all); ``out`` and ``inp`` contiguous CUDA
-    tensors. ``pointers`` and ``pads``: every rank's window and signal-pad address, int64 tensors on the device;
+    """A function ``launch(out, inp, at) -> bool`` that runs a whole one-pass collective as one kernel: copy
+    ``inp`` into this rank's window at byte ``at``, pass one barrier on the signal pads, and read what ``form``
+    takes from the peers' windows into ``out`` (contiguous CUDA tensors):
+
+    - ``gather``: the all-gather of ``nbytes`` a rank (block ``r`` of ``out`` from rank ``r``);
+    - ``exchange``: the all-to-all of ``world`` blocks of ``nbytes`` (block ``r`` of ``out`` from block ``rank``
+      of rank ``r``'s input);
+    - ``broadcast``: ``nbytes`` from rank ``root`` (which alone copies in) into every other rank's ``out``;
+    - ``scatter``: the sum over the ranks of block ``rank`` of ``world`` blocks of ``nbytes`` of ``dtype``
+      (float32 accumulation), the reduce-scatter.
+
+    ``pointers`` and ``pads``: every rank's window and signal-pad address, int64 tensors on the device;
     ``spins``: the rounds a wait at the barrier lasts before it gives up; ``programs``: at most this many programs
     (each copies a strided share of the chunks), within the pad's room. One launch where the three-step pass
     (:func:`gather`) makes three: the copy in, the barrier and the reads. ``launch`` answers False, with nothing
@@ -199,24 +212,28 @@ def exchange(
     than the copy of a small collective."""
     if not triton_ready() or "exchange_error" in _state:
         return None
+    code = EXCHANGE_FORMS[form]
+    blocks = world if form in ("exchange", "scatter") else 1
     lanes = 1 << max(0, (world - 1).bit_length())
     device = pointers.device
     index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
-    compiled: dict = {}  # (word, out aligned, inp aligned) -> the compiled kernel
-    grids = {word: (max(1, min(programs, -(-(nbytes // word) // EXCHANGE_BLOCK))), 1, 1) for word, _ in _WORDS}
+    compiled: dict = {}  # (unit, out aligned, inp aligned) -> the compiled kernel
+    # the unit of copy: the widest word that divides offsets, sizes and addresses; a sum needs the elements
+    units = [(dtype.itemsize, dtype)] if form == "scatter" else list(_WORDS)
+    grids = {size: (max(1, min(programs, -(-(nbytes // size) // EXCHANGE_BLOCK))), 1, 1) for size, _ in units}
 
     def launch(out: torch.Tensor, inp: torch.Tensor, at: int) -> bool:
         out_at, inp_at = out.data_ptr(), inp.data_ptr()
-        word = word_bytes(at, nbytes, out_at, inp_at)
-        key = (word, out_at % 16 == 0, inp_at % 16 == 0)
+        size = units[0][0] if form == "scatter" else word_bytes(at, nbytes, out_at, inp_at)
+        key = (size, out_at % 16 == 0, inp_at % 16 == 0)
         kernel = compiled.get(key)
         if kernel is not None:
             try:
                 kernel.run(
-                    *grids[word], raw_stream(index), kernel.function, kernel.packed_metadata, None, None, None,
-                    pointers, pads, out_at, inp_at, rank, at // word, nbytes // word, spins,
-                    world, lanes, blocks, EXCHANGE_BLOCK,
+                    *grids[size], raw_stream(index), kernel.function, kernel.packed_metadata, None, None, None,
+                    pointers, pads, out_at, inp_at, rank, at // size, nbytes // size, spins, root,
+                    world, lanes, blocks, code, EXCHANGE_BLOCK,
                 )  # fmt: skip
                 return True
             except Exception:  # a Triton whose compiled kernels launch another way: bind every call
@@ -224,13 +241,13 @@ def exchange(
                 compiled["bind"] = None
         if "exchange_error" in _state:
             return False
-        dtype = dict(_WORDS)[word]
-        outs = out.view(-1).view(torch.uint8).view(dtype)
-        ins = inp.view(-1).view(torch.uint8).view(dtype)
+        unit = dict(units)[size]
+        outs = out.view(-1).view(torch.uint8).view(unit)
+        ins = inp.view(-1).view(torch.uint8).view(unit)
         try:
-            kernel = _state["kernel"][3][grids[word]](
-                pointers, pads, outs, ins, rank, at // word, nbytes // word, spins,
-                WORLD=world, LANES=lanes, BLOCKS=blocks, BLOCK=EXCHANGE_BLOCK,
+            kernel = _state["kernel"][3][grids[size]](
+                pointers, pads, outs, ins, rank, at // size, nbytes // size, spins, root,
+                WORLD=world, LANES=lanes, BLOCKS=blocks, FORM=code, BLOCK=EXCHANGE_BLOCK,
             )  # fmt: skip
         except Exception as err:  # a Triton that cannot compile it (the first launch): nothing was written
             _state["exchange_error"] = f"{type(err).__name__}: {err}"

@@ -100,15 +100,33 @@ def _barrier(pads, rank, slot, spins, WORLD: tl.constexpr, LANES: tl.constexpr):
     tl.debug_barrier()  # every thread reads after the signals that were taken
 
 
-@triton.jit(do_not_specialize=["rank", "at", "n", "spins"])
+@triton.jit
+def _copy_in(window, inp, n64, pid, programs, chunks, offs, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's chunks of the ``BLOCKS`` blocks of ``n64`` elements of ``inp`` into ``window``."""
+    c = pid
+    while c < chunks:  # a while loop: Triton's interpreter takes no range with tensor bounds
+        i = c.to(tl.int64) * BLOCK + offs
+        m = i < n64
+        for k in tl.static_range(BLOCKS):
+            tl.store(window + k * n64 + i, tl.load(inp + k * n64 + i, mask=m), mask=m)
+        c += programs
+
+
+@triton.jit(do_not_specialize=["rank", "at", "n", "spins", "root"])
 def exchange_kernel(
-    ptrs, pads, out, inp, rank, at, n, spins,
-    WORLD: tl.constexpr, LANES: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
+    ptrs, pads, out, inp, rank, at, n, spins, root,
+    WORLD: tl.constexpr, LANES: tl.constexpr, BLOCKS: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """An all-gather (``BLOCKS`` = 1) or all-to-all (``BLOCKS`` = ``WORLD``) in one kernel, through every rank's
-    window (addresses in ``ptrs``) and signal pad (``pads``): ``inp`` (``BLOCKS`` blocks of ``n`` elements) into
-    this rank's window at element ``at``; one barrier; block ``r`` of ``out`` = the ``n`` elements of rank ``r``'s
-    window at ``at`` (all-gather) or at its block ``rank`` (all-to-all).
+    """A one-pass collective in one kernel, through every rank's window (addresses in ``ptrs``) and signal pad
+    (``pads``): ``inp`` (``BLOCKS`` blocks of ``n`` elements) into this rank's window at element ``at``; one
+    barrier; then by ``FORM``:
+
+    - 0, all-gather (``BLOCKS`` = 1) or all-to-all (``BLOCKS`` = ``WORLD``): block ``r`` of ``out`` = the ``n``
+      elements of rank ``r``'s window at ``at``, or at its block ``rank``;
+    - 1, broadcast (``BLOCKS`` = 1): only rank ``root`` copies in, and every other rank's ``out`` = the root's
+      ``n`` elements;
+    - 2, reduce-scatter (``BLOCKS`` = ``WORLD``): ``out`` = the sum over the ranks of block ``rank`` of their
+      windows, in rank order, accumulated in float32.
 
     Program ``p`` copies in and reads out the same chunks, ``p``, ``p + programs``, ... of every block, and the
     barrier is between program ``p`` of every rank: what a program reads from a peer is what the peer's program of
@@ -120,20 +138,39 @@ def exchange_kernel(
     chunks = tl.cdiv(n, BLOCK)
     offs = tl.arange(0, BLOCK)
     mine = tl.load(ptrs + rank).to(tl.pointer_type(out.dtype.element_ty))
-    c = pid
-    while c < chunks:  # a while loop: Triton's interpreter takes no range with tensor bounds
-        i = c.to(tl.int64) * BLOCK + offs
-        m = i < n64
-        for k in tl.static_range(BLOCKS):
-            tl.store(mine + at64 + k * n64 + i, tl.load(inp + k * n64 + i, mask=m), mask=m)
-        c += programs
+    if FORM != 1:  # noqa: SIM114 (Triton takes no `or` of a constant and a tensor)
+        _copy_in(mine + at64, inp, n64, pid, programs, chunks, offs, BLOCKS, BLOCK)
+    elif rank == root:
+        _copy_in(mine + at64, inp, n64, pid, programs, chunks, offs, BLOCKS, BLOCK)
     _barrier(pads, rank, pid, spins, WORLD, LANES)
-    source = at64 + (rank * n64 if BLOCKS > 1 else 0)
-    c = pid
-    while c < chunks:
-        i = c.to(tl.int64) * BLOCK + offs
-        m = i < n64
-        for r in tl.static_range(WORLD):
-            peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
-            tl.store(out + r * n64 + i, tl.load(peer + source + i, mask=m), mask=m)
-        c += programs
+    if FORM == 0:
+        source = at64 + (rank * n64 if BLOCKS > 1 else 0)
+        c = pid
+        while c < chunks:
+            i = c.to(tl.int64) * BLOCK + offs
+            m = i < n64
+            for r in tl.static_range(WORLD):
+                peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
+                tl.store(out + r * n64 + i, tl.load(peer + source + i, mask=m), mask=m)
+            c += programs
+    elif FORM == 1:
+        if rank != root:
+            peer = tl.load(ptrs + root).to(tl.pointer_type(out.dtype.element_ty))
+            c = pid
+            while c < chunks:
+                i = c.to(tl.int64) * BLOCK + offs
+                m = i < n64
+                tl.store(out + i, tl.load(peer + at64 + i, mask=m), mask=m)
+                c += programs
+    else:
+        source = at64 + rank * n64
+        c = pid
+        while c < chunks:
+            i = c.to(tl.int64) * BLOCK + offs
+            m = i < n64
+            acc = tl.zeros([BLOCK], tl.float32)
+            for r in tl.static_range(WORLD):
+                peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
+                acc += tl.load(peer + source + i, mask=m, other=0).to(tl.float32)
+            tl.store(out + i, acc.to(out.dtype.element_ty), mask=m)
+            c += programs
