@@ -123,12 +123,11 @@ def test_built_in_rules_cover_only_what_was_measured_and_native_runs_elsewhere(m
     assert peer2.pick("gather", 64 << 20) is None
     peer4 = rules.built_in("cuda-peer", 4, None)
     # the one-pass reduce-scatter, broadcast, all-gather and all-to-all where they measured faster than NCCL's,
-    # NCCL's above (the reduce-scatter and all-to-all up to the one pass's 8 MiB a rank)
+    # NCCL's above
     for table in (peer2, peer4):
-        assert [table.pick("reduce_scatter", n) for n in (8 << 10, 8 << 20, 16 << 20)] == ["direct", "direct", "native"]
+        for coll in ("reduce_scatter", "all_to_all"):
+            assert [table.pick(coll, n) for n in (8 << 10, 4 << 20, 8 << 20)] == ["direct", "direct", "native"]
         assert [table.pick("broadcast", n) for n in (8 << 10, 2 << 20, 8 << 20)] == ["star", "star", "native"]
-    for table in (peer2,):
-        assert [table.pick("all_to_all", n) for n in (8 << 10, 8 << 20, 16 << 20)] == ["direct", "direct", "native"]
         assert [table.pick("all_gather", n) for n in (8 << 10, 8 << 20, 16 << 20)] == ["direct", "direct", "native"]
     for table in (peer2, peer4):  # the one-kernel all-reduce where it was measured faster, NCCL's above
         assert [table.pick("all_reduce", n) for n in (8 << 10, 2 << 20, 4 << 20, 8 << 20, 64 << 20)] == [

@@ -156,24 +156,20 @@ NATIVE = "native"
 #: kernel ran at 2.5-5.3x NCCL's speed from 8 KiB to 1 MiB, the two-shot at 1.2x at 4 MiB and 0.92x at 16 MiB.
 _PEER_ALL_REDUCE = ((0, "one_shot"), ((2 << 20) + 1, "direct"), ((8 << 20) + 1, "native"))
 
-#: The one-pass reduce-scatter (``direct``) and broadcast (``star``) of a CUDA group on the peer transport
-#: (:func:`dtrain.comm.peer.fused.one_pass`) where they ran faster than NCCL's, by full buffer size. Side by side
-#: with NCCL 2.28 on 4 and 2 H100s (benchmarks/results/one_pass{,_fresh}-h100x{4,2}.jsonl, same and fresh
-#: tensors): the reduce-scatter at 1.31-1.80x NCCL's speed from 8 KiB to 8 MiB, the broadcast at 1.11-1.63x from
-#: 8 KiB to 2 MiB and 0.73-1.26x at 8 MiB. Above 8 MiB a rank the schedules run a round at a time, at 0.23-0.84x
-#: (the reduce-scatter of a 16 MiB buffer on 2 H100s: 0.23-0.25x, defaults-h100x2.jsonl), so the reduce-scatter's
-#: band ends there; another band ends at the geometric midpoint between the last size won and the first lost.
-_PEER_REDUCE_SCATTER = ((0, "direct"), ((8 << 20) + 1, NATIVE))
-_PEER_BROADCAST = ((0, "star"), ((4 << 20) + 1, NATIVE))
-
-#: The one-pass all-gather and all-to-all (``direct``) of a CUDA group on the peer transport, each one kernel that
-#: copies in, passes a barrier on the signal pads and reads the peers (:func:`dtrain.comm.peer.kernels.exchange`),
-#: where they ran faster than torch.distributed's own call, by full buffer size (the all-gather's output, the
-#: all-to-all's input). Side by side on 2 H100s (benchmarks/results/one_pass_gather{,_fresh}-h100x2.jsonl): the
-#: all-gather at 1.18-1.91x from 8 KiB to 8 MiB and 0.29-0.88x at 16 MiB, the all-to-all at 1.10-1.93x from 8 KiB to
-#: 8 MiB (above 8 MiB a rank it runs a round at a time).
+#: The one-pass collectives of a CUDA group on the peer transport (:func:`dtrain.comm.peer.fused.one_pass`), each one
+#: kernel that copies this rank's input into its window, passes one barrier on the signal pads and reads the
+#: peers' windows (:func:`dtrain.comm.peer.kernels.exchange`): the all-gather, reduce-scatter and all-to-all
+#: (``direct``) and the broadcast (``star``), where they ran faster than torch.distributed's own NCCL call, by full
+#: buffer size (the all-gather's output, the others' input). Side by side on 2 and 4 H200s and H100s, same and fresh
+#: tensors (benchmarks/results/one_pass{,_fresh}-h200x{4,2}.jsonl, one_pass_gather{,_fresh}-h100x{4,2}.jsonl):
+#: from 8 KiB to 2 MiB every one at 1.4-2.3x NCCL's speed; at 8 MiB the all-gather at 1.12-1.47x, the others at
+#: 0.48-1.21x (the broadcast's peers all read the root's links); at 16 MiB the all-gather at 0.90-1.07x. Above 8 MiB
+#: a rank the schedules run a round at a time, at 0.24-0.49x. A band ends at the geometric midpoint between the
+#: last size won and the first lost.
 _PEER_ALL_GATHER = ((0, "direct"), (math.isqrt((8 << 20) * (16 << 20)) + 1, NATIVE))
-_PEER_ALL_TO_ALL = ((0, "direct"), ((8 << 20) + 1, NATIVE))
+_PEER_REDUCE_SCATTER = ((0, "direct"), ((4 << 20) + 1, NATIVE))
+_PEER_ALL_TO_ALL = ((0, "direct"), ((4 << 20) + 1, NATIVE))
+_PEER_BROADCAST = ((0, "star"), ((4 << 20) + 1, NATIVE))
 
 #: Built-in rules, used where no rules file covers a group: measured winners. Side by side with NCCL 2.28
 #: (torch 2.11, NVLink multicast off, calls back to back in one process, rounds interleaved) on 2 and 4 H100s,
@@ -194,7 +190,7 @@ BUILT_IN: tuple[Rules, ...] = (
             "all_gather": _PEER_ALL_GATHER,
             "all_to_all": _PEER_ALL_TO_ALL,
         },
-        meta={"from": "the five collectives against NCCL on 2 H100s, 8 KiB-1 GiB"},
+        meta={"from": "the five collectives against NCCL on 2 H100s and 2 H200s, 8 KiB-1 GiB"},
     ),
     Rules(
         kind="cuda-peer",
@@ -203,8 +199,10 @@ BUILT_IN: tuple[Rules, ...] = (
             "all_reduce": _PEER_ALL_REDUCE,
             "reduce_scatter": _PEER_REDUCE_SCATTER,
             "broadcast": _PEER_BROADCAST,
+            "all_gather": _PEER_ALL_GATHER,
+            "all_to_all": _PEER_ALL_TO_ALL,
         },
-        meta={"from": "all-reduce, reduce-scatter and broadcast against NCCL on 4 H100s, 8 KiB-1 GiB"},
+        meta={"from": "the five collectives against NCCL on 4 H100s and 4 H200s, 8 KiB-1 GiB"},
     ),
 )
 
