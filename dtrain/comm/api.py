@@ -307,14 +307,16 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
         push = peer.push_mode(
             schedule, nbytes, work.device.type
         )  # push form: two banks of the buffer's size in every window
+        form = fused.fused_form(schedule, work, op) if out is None and round_timeout() is None else None
+        # the one-shot kernel alternates two halves of the window, as a one-pass call does
+        size = 2 * (nbytes + fused.ALIGN) if form == "one" else nbytes * (2 if push else 1)
         try:
-            window = peer.window_for(group, work.device, nbytes * (2 if push else 1))
+            window = peer.window_for(group, work.device, size)
         except peer.PeerUnavailable as err:  # raised on every rank of the group alike
             if _transport_setting() != "auto":
                 raise
             _fall_back(group, err)
         else:
-            form = fused.fused_form(schedule, work, op) if out is None and round_timeout() is None else None
             if form is not None:
                 _run_fused(form, schedule, work, window)
                 return (form, schedule, window)

@@ -260,3 +260,58 @@ def test_a_repeated_call_runs_what_the_first_kept(pool):
         assert answer["right"] and answer["kept"]
         # each collective resolved once: the second call of each went the short way
         assert sorted(answer["resolved"]) == sorted(["all_gather", "reduce_scatter", "all_to_all", "broadcast"])
+
+
+def test_the_one_shot_all_reduce_through_the_exchange_kernel_alternates_halves_and_sums_in_place(monkeypatch):
+    """fused.run_fused's one-shot form through the exchange kernel (here a CPU stand-in: this rank's tensor into
+    its window at the offset given, a thread barrier, the sum of every window there back into the tensor): each
+    call lands in the other half of the window and leaves its peers reading (pending), and every rank ends with
+    the sum, call after call; a window without two halves of room for the tensor declines it."""
+    world, m = 3, 10
+    buffers = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
+    gate = threading.Barrier(world)
+    at_address = {b.data_ptr(): b for b in buffers}
+    offsets: list[int] = []
+
+    def exchange(pointers, pads, rank, nbytes, world_, form, spins, programs=32, root=0, dtype=None):
+        assert form == "reduce" and world_ == world and dtype == torch.float32 and nbytes == m * 4
+
+        def launch(out, inp, at):
+            at_address[int(pointers[rank])][at : at + nbytes].copy_(inp.view(torch.uint8))
+            gate.wait(timeout=10)
+            total = sum(at_address[int(p)][at : at + nbytes].view(dtype) for p in pointers)
+            gate.wait(timeout=10)  # every rank has read before any writes its result over its input
+            out.copy_(total)
+            offsets.append(at)
+            return True
+
+        return launch
+
+    monkeypatch.setattr(kernels, "exchange", exchange)
+    failures, states = [], []
+
+    def rank_main(rank: int) -> None:
+        try:
+            window = _Window(rank, buffers, gate, "one kernel")
+            for call in range(3):
+                work = torch.arange(m, dtype=torch.float32) + 10 * rank + call
+                fused.run_fused("one", work, window)
+                want = sum(torch.arange(m, dtype=torch.float32) + 10 * r + call for r in range(world))
+                if not torch.equal(work, want):
+                    failures.append((rank, call))
+                states.append((window.bank, window.pending))
+            small = _Window(rank, [b[:64] for b in buffers], gate, "one kernel")
+            assert fused._reducer(small, torch.zeros(m)) is None  # 40 bytes do not fit twice in 64
+        except Exception as err:  # a rank that fails fails the test
+            failures.append((rank, repr(err)))
+            gate.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not failures
+    half = 4096 // 2 // fused.ALIGN * fused.ALIGN
+    assert sorted(set(offsets)) == [0, half] and len(offsets) == 3 * world
+    assert all(pending for _, pending in states)

@@ -96,7 +96,22 @@ def run_fused(form: str, work: torch.Tensor, window) -> torch.Tensor:
     An eager call first passes the barrier a one-pass call left pending (:func:`settle`). A call recorded in a CUDA
     graph opens with a barrier of its own instead: its replay cannot see what ran eagerly before it, and the
     barrier is what keeps its copy into the window from overwriting a half the peers may still be reading."""
-    if work.is_cuda and torch.cuda.is_current_stream_capturing():
+    recorded = work.is_cuda and torch.cuda.is_current_stream_capturing()
+    launch = _reducer(window, work) if form == "one" else None
+    if launch is not None:  # one kernel of ours, one barrier inside: the halves alternate as a one-pass call's
+        half = window.nbytes // 2 // ALIGN * ALIGN
+        bank = window.bank
+        if recorded:
+            window.barrier()
+        else:
+            window.bank = bank ^ 1
+        if launch(work, work, bank * half):
+            if recorded:
+                window.barrier()
+            else:
+                window.pending = True
+            return work
+    if recorded:
         window.barrier()
     else:
         settle(window)
@@ -110,6 +125,25 @@ def run_fused(form: str, work: torch.Tensor, window) -> torch.Tensor:
         mine.copy_(work)
         torch.ops.symm_mem.two_shot_all_reduce_out(mine, "sum", group_name, work)
     return work
+
+
+def _reducer(window, work: torch.Tensor):
+    """The exchange kernel's one-shot all-reduce of ``work``'s size and dtype through ``window``
+    (:func:`dtrain.comm.peer.kernels.exchange`, kept on the window), or None: no Triton, a window without the
+    signal pads' addresses, or without two halves of room for ``work``."""
+    launchers = window.__dict__.setdefault("launchers", {})
+    key = ("reduce", work.dtype, work.numel())
+    if key not in launchers:
+        nbytes = work.numel() * work.element_size()
+        half = window.nbytes // 2 // ALIGN * ALIGN
+        room = window.pointers is not None and getattr(window, "pads", None) is not None and nbytes <= half
+        limit = window.stall_limit(None) + watchdog.GRACE
+        spins = max(1, int(limit.total_seconds() * 1000)) * 1000  # a wait's round takes a microsecond or more
+        launchers[key] = None if not room else kernels.exchange(
+            window.pointers, window.pads, window.rank, nbytes, window.world_size, "reduce", spins,
+            min(kernels.EXCHANGE_PROGRAMS, window.channels), dtype=work.dtype,
+        )  # fmt: skip
+    return launchers[key]
 
 
 #: The most bytes a rank puts into a one-pass call (an all-gather's input, a reduce-scatter's, all-to-all's or

@@ -174,7 +174,7 @@ EXCHANGE_PROGRAMS = 32
 
 
 #: The exchange kernel's forms (:func:`exchange`).
-EXCHANGE_FORMS = {"gather": 0, "exchange": 0, "broadcast": 1, "scatter": 2}
+EXCHANGE_FORMS = {"gather": 0, "exchange": 0, "broadcast": 1, "scatter": 2, "reduce": 3}
 
 
 def exchange(
@@ -198,7 +198,9 @@ def exchange(
       of rank ``r``'s input);
     - ``broadcast``: ``nbytes`` from rank ``root`` (which alone copies in) into every other rank's ``out``;
     - ``scatter``: the sum over the ranks of block ``rank`` of ``world`` blocks of ``nbytes`` of ``dtype``
-      (float32 accumulation), the reduce-scatter.
+      (float32 accumulation), the reduce-scatter;
+    - ``reduce``: the sum over the ranks of their ``nbytes`` of ``dtype``, the one-shot all-reduce (``out`` may be
+      ``inp``).
 
     ``pointers`` and ``pads``: every rank's window and signal-pad address, int64 tensors on the device;
     ``spins``: the rounds a wait at the barrier lasts before it gives up; ``programs``: at most this many programs
@@ -220,12 +222,13 @@ def exchange(
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
     compiled: dict = {}  # (unit, out aligned, inp aligned) -> the compiled kernel
     # the unit of copy: the widest word that divides offsets, sizes and addresses; a sum needs the elements
-    units = [(dtype.itemsize, dtype)] if form == "scatter" else list(_WORDS)
+    summed = form in ("scatter", "reduce")
+    units = [(dtype.itemsize, dtype)] if summed else list(_WORDS)
     grids = {size: (max(1, min(programs, -(-(nbytes // size) // EXCHANGE_BLOCK))), 1, 1) for size, _ in units}
 
     def launch(out: torch.Tensor, inp: torch.Tensor, at: int) -> bool:
         out_at, inp_at = out.data_ptr(), inp.data_ptr()
-        size = units[0][0] if form == "scatter" else word_bytes(at, nbytes, out_at, inp_at)
+        size = units[0][0] if summed else word_bytes(at, nbytes, out_at, inp_at)
         key = (size, out_at % 16 == 0, inp_at % 16 == 0)
         kernel = compiled.get(key)
         if kernel is not None:

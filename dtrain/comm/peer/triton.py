@@ -126,7 +126,10 @@ def exchange_kernel(
     - 1, broadcast (``BLOCKS`` = 1): only rank ``root`` copies in, and every other rank's ``out`` = the root's
       ``n`` elements;
     - 2, reduce-scatter (``BLOCKS`` = ``WORLD``): ``out`` = the sum over the ranks of block ``rank`` of their
-      windows, in rank order, accumulated in float32.
+      windows, in rank order, accumulated in float32;
+    - 3, all-reduce (``BLOCKS`` = 1, the one-shot form): ``out`` = the sum over the ranks of their ``n`` elements,
+      in rank order, accumulated in float32 (``out`` may be ``inp``: a program reads its chunks of ``inp`` before
+      the barrier and writes them after).
 
     Program ``p`` copies in and reads out the same chunks, ``p``, ``p + programs``, ... of every block, and the
     barrier is between program ``p`` of every rank: what a program reads from a peer is what the peer's program of
@@ -163,7 +166,7 @@ def exchange_kernel(
                 tl.store(out + i, tl.load(peer + at64 + i, mask=m), mask=m)
                 c += programs
     else:
-        source = at64 + rank * n64
+        source = at64 + (rank * n64 if FORM == 2 else 0)
         c = pid
         while c < chunks:
             i = c.to(tl.int64) * BLOCK + offs
