@@ -51,8 +51,8 @@
 #                      and on 2 (NP_SMALL; ONE_PASS_NP="4 2" names the counts), with DTRAIN_COMM_ONE_PASS=1 and
 #                      bench verify first
 #                      -> verify-one-pass.txt, one_pass{,-fresh}-np{N}.jsonl
-#   all-reduce         bench verify, then the all-reduce's one-shot and two-shot kernels beside NCCL (torch, native)
-#                      and auto, 8 KiB-16 MiB, same and fresh tensors (ONE_PASS_NP)  -> all_reduce{,-fresh}-np{N}.jsonl
+#   one-shot-ar        bench verify, then the all-reduce's one-shot and two-shot kernels beside NCCL (torch, native)
+#                      and auto, 8 KiB-16 MiB, same and fresh tensors (ONE_PASS_NP)  -> one_shot_ar{,-fresh}-np{N}.jsonl
 #   one-pass-gather    the same for the all-gather and all-to-all alone, 8 KiB-16 MiB (ONE_PASS_NP as above), with
 #                      torch.distributed's own call (torch) beside native
 #                      -> verify-one-pass.txt, one_pass_gather{,-fresh}-np{N}.jsonl
@@ -167,11 +167,11 @@ for mode in "$@"; do
         echo "== $name"; for c in all_reduce all_gather reduce_scatter all_to_all broadcast; do
           summ "$out/$name.jsonl" --collective $c --algorithms torch,native,auto; done
       done ;;
-    all-reduce)
+    one-shot-ar)
       LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify.txt"; counts verify "$out/verify.txt"
       for np_ in ${ONE_PASS_NP:-$n ${NP_SMALL:-2}}; do
         for fresh in "" --fresh; do
-          name=all_reduce${fresh:+-fresh}-np$np_
+          name=one_shot_ar${fresh:+-fresh}-np$np_
           NP=$np_ LIMIT=${LIMIT:-150} tr -m dtrain bench comm --collectives all_reduce \
             --algorithms torch,native,one_shot,direct,auto --min-bytes 8K --max-bytes 16M --factor 4 --iters 20 \
             --trials 5 --warm-s 0.3 $fresh --out "$out/$name.jsonl" >"$out/$name.log"

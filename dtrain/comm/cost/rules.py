@@ -161,7 +161,8 @@ _PEER_ALL_REDUCE = ((0, "one_shot"), ((2 << 20) + 1, "direct"), ((8 << 20) + 1, 
 #: peers' windows (:func:`dtrain.comm.peer.kernels.exchange`): the all-gather, reduce-scatter and all-to-all
 #: (``direct``) and the broadcast (``star``), where they ran faster than torch.distributed's own NCCL call, by full
 #: buffer size (the all-gather's output, the others' input). Side by side on 2 and 4 H200s and H100s, same and fresh
-#: tensors (benchmarks/results/one_pass{,_fresh}-h200x{4,2}.jsonl, one_pass_gather{,_fresh}-h100x{4,2}.jsonl):
+#: tensors (benchmarks/results/one_pass{,_fresh}-h200x{4,2}.jsonl, one_pass_gather{,_fresh}-h100x4.jsonl and
+#: one_pass_gather_fresh-h100x2.jsonl):
 #: from 8 KiB to 2 MiB every one at 1.4-2.3x NCCL's speed; at 8 MiB the all-gather at 1.12-1.47x, the others at
 #: 0.48-1.21x (the broadcast's peers all read the root's links); at 16 MiB the all-gather at 0.90-1.07x. Above 8 MiB
 #: a rank the schedules run a round at a time, at 0.24-0.49x. A band ends at the geometric midpoint between the

@@ -127,16 +127,25 @@ def run_fused(form: str, work: torch.Tensor, window) -> torch.Tensor:
     return work
 
 
+#: The largest all-reduce the exchange kernel's one-shot form runs; torch's one-shot kernel runs larger ones. Side
+#: by side on 4 and 2 H100s (benchmarks/results/one_shot_ar{,_fresh}-h100x{4,2}.jsonl, against torch.distributed's
+#: own call): ours at 1.36-2.13x NCCL's speed from 8 KiB to 128 KiB, where torch's kernel ran at 1.26-1.58x
+#: (collectives_defaults*-h100x*.jsonl); at 2 MiB ours at 0.86-1.64x, torch's at 1.40-1.67x (32 programs read
+#: the peers: fewer than torch's kernel runs).
+REDUCE_MAX_BYTES = 256 << 10
+
+
 def _reducer(window, work: torch.Tensor):
     """The exchange kernel's one-shot all-reduce of ``work``'s size and dtype through ``window``
     (:func:`dtrain.comm.peer.kernels.exchange`, kept on the window), or None: no Triton, a window without the
-    signal pads' addresses, or without two halves of room for ``work``."""
+    signal pads' addresses or without two halves of room for ``work``, or more than :data:`REDUCE_MAX_BYTES`."""
     launchers = window.__dict__.setdefault("launchers", {})
     key = ("reduce", work.dtype, work.numel())
     if key not in launchers:
         nbytes = work.numel() * work.element_size()
         half = window.nbytes // 2 // ALIGN * ALIGN
         room = window.pointers is not None and getattr(window, "pads", None) is not None and nbytes <= half
+        room = room and nbytes <= REDUCE_MAX_BYTES
         limit = window.stall_limit(None) + watchdog.GRACE
         spins = max(1, int(limit.total_seconds() * 1000)) * 1000  # a wait's round takes a microsecond or more
         launchers[key] = None if not room else kernels.exchange(
