@@ -21,6 +21,7 @@ import pytest
 
 from dtrain.comm.peer.watchdog import Heartbeat, Peer, process_ended
 from dtrain.launch import KILL_ENV, run_ranks, worker_environment
+from dtrain.testing.command import train_in_process
 from dtrain.train.checkpoint import checkpoint_dir, complete_steps
 from dtrain.train.config import load_config
 from dtrain.train.loop import resize
@@ -70,7 +71,7 @@ def resumed_at_dp1(tmp_path_factory, uninterrupted) -> Path:
     out = tmp_path_factory.mktemp("resumed") / "run"
     shutil.copytree(uninterrupted, out)
     shutil.rmtree(checkpoint_dir(out, STEPS))
-    _train(out, "--nproc", "1", "--dp", "1", *MODEL, "--resume")
+    train_in_process(out, "--nproc", "1", "--dp", "1", *MODEL, "--resume")
     return out
 
 
