@@ -76,16 +76,23 @@ def _targets(pairs: list[tuple[str, str | None]], modules: dict[str, Path]) -> s
 
 
 @functools.cache
+def _import_pairs() -> dict[str, tuple[list[tuple[str, str | None]], list[tuple[str, str | None]]]]:
+    """Module -> (its module-level imports, those inside functions), each file parsed once."""
+    pairs = {}
+    for name, path in _modules().items():
+        tree, is_package = ast.parse(path.read_text(), str(path)), path.name == "__init__.py"
+        pairs[name] = tuple(_imports(tree, name, is_package, deferred=deferred) for deferred in (False, True))
+    return pairs
+
+
+@functools.cache
 def import_graph(*, deferred: bool = True) -> dict[str, set[str]]:
     """Module -> the dtrain modules it imports: module-level imports, and with ``deferred`` those inside
     functions too."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        tree = ast.parse(path.read_text(), str(path))
-        pairs = _imports(tree, name, path.name == "__init__.py", deferred=False)
-        if deferred:
-            pairs += _imports(tree, name, path.name == "__init__.py", deferred=True)
+    for name, (loaded, inside) in _import_pairs().items():
+        pairs = loaded + inside if deferred else loaded
         graph[name] = {n for n in _targets(pairs, modules) if n in modules and n != name}
     return graph
 
@@ -93,9 +100,9 @@ def import_graph(*, deferred: bool = True) -> dict[str, set[str]]:
 @functools.cache
 def external_imports(module: str) -> set[str]:
     """Top-level names of the non-dtrain packages ``module`` imports at module level."""
-    path = _modules()[module]
-    pairs = _imports(ast.parse(path.read_text()), module, path.name == "__init__.py", deferred=False)
-    return {source.split(".")[0] for source, _ in pairs if source and not source.startswith("dtrain")}
+    return {
+        source.split(".")[0] for source, _ in _import_pairs()[module][0] if source and not source.startswith("dtrain")
+    }
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

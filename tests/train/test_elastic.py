@@ -21,6 +21,7 @@ import pytest
 
 from dtrain.comm.peer.watchdog import Heartbeat, Peer, process_ended
 from dtrain.launch import KILL_ENV, run_ranks, worker_environment
+from dtrain.testing.command import train_in_process
 from dtrain.train.checkpoint import checkpoint_dir, complete_steps
 from dtrain.train.config import load_config
 from dtrain.train.loop import resize
@@ -43,11 +44,16 @@ def _env(**env: str) -> dict[str, str]:
     return base | {"PYTHONPATH": str(REPO)} | env
 
 
-def _train(out: Path, *flags: str, **env: str) -> subprocess.CompletedProcess:
+def _train(out: Path, *flags: str, **env: str) -> tuple[str, str]:
+    """``python -m dtrain train --out OUT FLAGS``: its stdout and stderr, read once the process has ended (not
+    when the workers' fork server, which holds them open too, has finished its own teardown)."""
     command = [sys.executable, "-m", "dtrain", "train", "--out", str(out), *(flags or RUN)]
-    done = subprocess.run(command, cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done
+    logs = out.parent / f"{out.name}.stdout", out.parent / f"{out.name}.stderr"
+    with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:
+        done = subprocess.run(command, cwd=REPO, env=_env(**env), stdout=stdout, stderr=stderr, timeout=300)
+    printed = logs[0].read_text(), logs[1].read_text()
+    assert done.returncode == 0, printed
+    return printed
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -70,7 +76,7 @@ def resumed_at_dp1(tmp_path_factory, uninterrupted) -> Path:
     out = tmp_path_factory.mktemp("resumed") / "run"
     shutil.copytree(uninterrupted, out)
     shutil.rmtree(checkpoint_dir(out, STEPS))
-    _train(out, "--nproc", "1", "--dp", "1", *MODEL, "--resume")
+    train_in_process(out, "--nproc", "1", "--dp", "1", *MODEL, "--resume")
     return out
 
 
@@ -79,12 +85,14 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrup
     # rank 1 dies as step 4 starts; checkpoint at 2. The agent looks at its workers every 2 s, not 0.1 s: the
     # survivor names the dead peer within its heartbeat's 1.5 s, and on a loaded machine an agent that looks sooner
     # can stop it first
-    killed = _train(tmp_path / "killed", *RUN, "--monitor-interval", "2", **{KILL_ENV: "1:3"})
-    log = killed.stdout + killed.stderr
+    stdout, stderr = _train(tmp_path / "killed", *RUN, "--monitor-interval", "2", **{KILL_ENV: "1:3"})
+    log = stdout + stderr
     # the survivor's failed collective names the dead peer, with its host and pid
     assert re.search(r"failed because rank 1 \(\S+:\d+\) is gone", log), log
     assert "restart 1: continuing from the checkpoint of step 2 on 2 process(es)" in log, log
-    assert f"dtrain train: {STEPS - 2} steps, final loss" in killed.stdout, killed.stdout
+    assert f"dtrain train: {STEPS - 2} steps, final loss" in stdout, stdout
+    # what starts is said first, and the progress line is the training's (rank 0's, through the fork server)
+    assert stdout.startswith("dtrain train: training llama (tiny)") and "train: step" in stdout, stdout
     metrics = _metrics(tmp_path / "killed")
     # one record a step (the dead attempt's step 3 was dropped and done again), the same numbers as without a kill
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
