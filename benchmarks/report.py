@@ -204,13 +204,19 @@ def section_collectives() -> str:
 DEFAULT_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 
+def _peer(got: dict) -> dict | None:
+    """NCCL's record among one size's records by algorithm: torch.distributed's own call (``torch``) where the
+    sweep timed it, else the same call through dtrain (``native``)."""
+    return got.get("torch") or got.get("native")
+
+
 def _ratio_cell(records: list[dict], coll: str, nbytes: int) -> str:
     got = {r["algorithm"]: r for r in records if r["collective"] == coll and r["nbytes"] == nbytes}
-    if "native" not in got or "auto" not in got:
+    if _peer(got) is None or "auto" not in got:
         return "-"
     auto = got["auto"]
     pick = auto.get("resolved_algorithm") or "?"
-    cell = f"{got['native']['time_us'] / auto['time_us']:.2f}x"
+    cell = f"{_peer(got)['time_us'] / auto['time_us']:.2f}x"
     return cell if pick == "native" else f"{cell} ({pick})"
 
 
@@ -230,12 +236,15 @@ def _defaults_part() -> list[str]:
             )
             parts += [
                 "### The defaults against NCCL, every collective",
-                "`comm.<collective>(x)` with no algorithm named (`auto`) beside torch.distributed's NCCL call, the "
-                "two alternating in 5 rounds of 20 calls between two synchronizations, the slowest rank's time, the "
-                "median round; float32. A cell is NCCL's time over ours (above 1.00x ours is faster), then, where "
-                "`auto` ran one of ours, which. `fresh`: new input and output tensors every call, made before the "
-                "timed loop. Where `auto` is `native` both columns run the same NCCL call, so their spread is the "
-                f"measurement's noise: {noise}.",
+                "`comm.<collective>(x)` with no algorithm named (`auto`) beside torch.distributed's own NCCL call "
+                "(`dist.all_reduce` etc., nothing of dtrain between: `--algorithms torch`), the two alternating in 5 "
+                "rounds of 20 calls between two synchronizations, the slowest rank's time, the median round; "
+                "float32. A cell is NCCL's time over ours (above 1.00x ours is faster), then, where `auto` ran one "
+                "of ours, which. `fresh`: new input and output tensors every call, made before the timed loop. Where "
+                "`auto` is `native` both columns make the same NCCL call (ours through the process group's binding, "
+                f"`dtrain.comm.native.direct`), so their spread is the measurement's noise: {noise}. The all-reduce's "
+                "one-shot cells up to 128 KiB ran torch's one-shot kernel; `auto` now runs the exchange kernel's "
+                "there (the all-reduce table below).",
             ]
         sizes = sorted({r["nbytes"] for r in same})
         header = ["size"] + [f"{c.replace('_', '-')} {kind}" for c in DEFAULT_COLLECTIVES for kind in ("", "fresh")]
@@ -263,7 +272,7 @@ def _same_call_spread(runs: list[list[dict]]) -> str:
     for records in runs:
         got = {(r["collective"], r["nbytes"], r["algorithm"]): r for r in records}
         for (coll, n, algorithm), r in got.items():
-            native = got.get((coll, n, "native"))
+            native = got.get((coll, n, "torch")) or got.get((coll, n, "native"))
             if algorithm == "auto" and r.get("resolved_algorithm") == "native" and native:
                 ratios.append(native["time_us"] / r["time_us"])
     if not ratios:
@@ -285,53 +294,57 @@ ONE_PASS_PATHS = (
 
 
 def _one_pass_part() -> list[str]:
-    """The one-pass schedules on CUDA symmetric memory beside NCCL, same and fresh tensors, on 4 and 2 GPUs."""
+    """The one-pass collectives, each one kernel, beside NCCL, same and fresh tensors, on 4 and 2 GPUs."""
     parts = []
     for gpus in (4, 2):
-        same, fresh = load(f"one_pass-h100x{gpus}.jsonl"), load(f"one_pass_fresh-h100x{gpus}.jsonl")
+        same, fresh = load(f"one_pass-h200x{gpus}.jsonl"), load(f"one_pass_fresh-h200x{gpus}.jsonl")
+        if not same:
+            continue
         if not parts:
             parts += [
                 "### One pass over symmetric memory against NCCL",
-                "The one-round schedules run as one pass over the peers' windows (`direct` all-gather, "
-                "reduce-scatter and all-to-all, `star` broadcast; up to 8 MiB a rank, a round at a time above), "
-                "beside NCCL's call, timed as the defaults above. A cell is NCCL's time over the one pass's, then "
-                "`auto`'s in brackets where the built-in rules send it to the one pass. `dtrain bench verify` with "
-                "these paths: `verify_one_pass-h100x4.txt`.",
+                "The one-round schedules (`direct` all-gather, reduce-scatter and all-to-all, `star` broadcast) run "
+                "as one kernel, `dtrain.comm.peer.kernels.exchange`: each rank copies its input into its window, "
+                "passes one barrier on the signal pads and reads what it needs from the peers' windows (the "
+                "reduce-scatter sums its block in float32), launched straight from the compiled kernel; up to 8 MiB "
+                "a rank, a round at a time above. Timed as the defaults above, beside torch.distributed's own call. "
+                "A cell is NCCL's time over the one pass's, then `auto`'s in brackets where the built-in rules send "
+                "it to the one pass. `dtrain bench verify` with these paths: `verify_one_pass-h200x4.txt`.",
             ]
-        sizes = sorted({r["nbytes"] for r in same})
-        header = ["size"] + [
-            f"{c.replace('_', '-')} {kind}".strip() for c, _ in ONE_PASS_PATHS for kind in ("", "fresh")
-        ]
         rows = []
-        for n in sizes:
+        for n in sorted({r["nbytes"] for r in same}):
             cells = [size(n)]
             for coll, path in ONE_PASS_PATHS:
                 for records in (same, fresh):
                     got = {r["algorithm"]: r for r in records if r["collective"] == coll and r["nbytes"] == n}
-                    if "native" not in got or path not in got:
+                    peer = _peer(got)
+                    if peer is None or path not in got:
                         cells.append("-")
                         continue
-                    cell = f"{got['native']['time_us'] / got[path]['time_us']:.2f}x"
+                    cell = f"{peer['time_us'] / got[path]['time_us']:.2f}x"
                     auto = got.get("auto")
                     if auto and auto.get("resolved_algorithm") == path:
-                        cell += f" ({got['native']['time_us'] / auto['time_us']:.2f}x)"
+                        cell += f" ({peer['time_us'] / auto['time_us']:.2f}x)"
                     cells.append(cell)
             rows.append(cells)
+        header = ["size"] + [
+            f"{c.replace('_', '-')} {kind}".strip() for c, _ in ONE_PASS_PATHS for kind in ("", "fresh")
+        ]
         parts += [
-            f"#### {gpus} x H100" + (" (two GPUs of the 4-GPU host)" if gpus == 2 else ""),
+            f"#### {gpus} x H200" + (" (two GPUs of the 4-GPU host)" if gpus == 2 else ""),
             setting(
                 card(same),
                 gpu_software(same),
-                "benchmarks/gpu/run.sh OUT one-pass",
-                f"`one_pass-h100x{gpus}.jsonl`, `one_pass_fresh-h100x{gpus}.jsonl`",
+                'ONE_PASS_NP="4 2" ONE_PASS_MAX=16M benchmarks/gpu/run.sh OUT one-pass',
+                f"`one_pass-h200x{gpus}.jsonl`, `one_pass_fresh-h200x{gpus}.jsonl`",
             ),
             table(header, rows),
         ]
-    return parts + _one_pass_gather_part()
+    return parts + _one_pass_gather_part() + _one_shot_part()
 
 
 def _one_pass_gather_part() -> list[str]:
-    """The one-pass all-gather and all-to-all whose copy out of the peers' windows is one Triton kernel."""
+    """The one-kernel all-gather and all-to-all on 4 H100s, beside NCCL."""
     same, fresh = load("one_pass_gather-h100x4.jsonl"), load("one_pass_gather_fresh-h100x4.jsonl")
     if not same:
         return []
@@ -341,23 +354,54 @@ def _one_pass_gather_part() -> list[str]:
         for coll in ("all_gather", "all_to_all"):
             for records in (same, fresh):
                 got = {r["algorithm"]: r for r in records if r["collective"] == coll and r["nbytes"] == n}
-                native, ours = got.get("native"), got.get("direct")
+                peer, ours = _peer(got), got.get("direct")
                 cells.append(
-                    f"{native['time_us'] / ours['time_us']:.2f}x ({ours['time_us']:.0f} us)" if native and ours else "-"
+                    f"{peer['time_us'] / ours['time_us']:.2f}x ({ours['time_us']:.0f} us)" if peer and ours else "-"
                 )
         rows.append(cells)
     return [
-        "#### All-gather and all-to-all, the peers read by address (4 x H100)",
-        "The same one pass with its copy out of the peers' windows as one Triton kernel that reads their addresses "
-        "on the device (`dtrain.comm.peer.kernels.gather`), in a later launch: NCCL's time over the one pass's, the "
-        "one pass's time per call in brackets. `auto` keeps NCCL's call for both.",
+        "#### All-gather and all-to-all on 4 x H100",
+        "The same kernel for these two on H100s, in a launch of its own: NCCL's time over the one pass's, the "
+        "one pass's time per call in brackets.",
         setting(
             card(same),
             gpu_software(same),
-            "ONE_PASS_NP=4 benchmarks/gpu/run.sh OUT one-pass",
+            "ONE_PASS_NP=4 benchmarks/gpu/run.sh OUT one-pass-gather",
             "`one_pass_gather-h100x4.jsonl`, `one_pass_gather_fresh-h100x4.jsonl`",
         ),
         table(["size", "all-gather", "all-gather fresh", "all-to-all", "all-to-all fresh"], rows),
+    ]
+
+
+def _one_shot_part() -> list[str]:
+    """The all-reduce's one-shot forms beside NCCL: the exchange kernel's and torch's two-shot kernel."""
+    runs = {g: (load(f"one_shot_ar-h100x{g}.jsonl"), load(f"one_shot_ar_fresh-h100x{g}.jsonl")) for g in (4, 2)}
+    if not runs[4][0]:
+        return []
+    rows = []
+    for n in sorted({r["nbytes"] for r in runs[4][0]}):
+        cells = [size(n)]
+        for g in (4, 2):
+            for records in runs[g]:
+                got = {r["algorithm"]: r for r in records if r["collective"] == "all_reduce" and r["nbytes"] == n}
+                peer = _peer(got)
+                for path in ("one_shot", "direct"):
+                    cells.append(f"{peer['time_us'] / got[path]['time_us']:.2f}x" if peer and path in got else "-")
+        rows.append(cells)
+    header = ["size"] + [f"{g} GPUs{f} {p}" for g in (4, 2) for f in ("", " fresh") for p in ("one-shot", "two-shot")]
+    return [
+        "#### The all-reduce in one kernel (4 and 2 x H100)",
+        "`one_shot` as the exchange kernel's all-reduce form (each rank copies in, one barrier, each sums every "
+        "peer's window in float32; every size in this run, where `auto` runs it up to 256 KiB and torch's "
+        "one-shot kernel above) and `direct` as torch's two-shot kernel, beside torch.distributed's own call: "
+        "NCCL's time over ours.",
+        setting(
+            card(runs[4][0]),
+            gpu_software(runs[4][0]),
+            'ONE_PASS_NP="4 2" benchmarks/gpu/run.sh OUT one-shot-ar',
+            "`one_shot_ar{,_fresh}-h100x{4,2}.jsonl`",
+        ),
+        table(header, rows),
     ]
 
 

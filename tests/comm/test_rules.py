@@ -134,7 +134,7 @@ def test_built_in_rules_cover_only_what_was_measured_and_native_runs_elsewhere(m
             "one_shot",
             "one_shot",
             "direct",
-            "direct",
+            "native",
             "native",
         ]
     assert rules.built_in("cuda-peer", 8, None) is None and rules.built_in("cpu", 2, None) is None

@@ -18,18 +18,15 @@ round. ``DTRAIN_COMM_FUSED=0`` turns the kernels off.
 
 The one-round schedules of the other collectives run the same way, as one pass over the peers' windows
 (:func:`one_pass`), up to :data:`ONE_PASS_MAX_BYTES` a rank: the ``direct`` all-gather, reduce-scatter and
-all-to-all and the ``star`` broadcast. Each rank copies its input into its window, the ranks pass one device
-barrier, and each rank reads what it needs from the peers' windows into its output: the all-gather and all-to-all
-with one Triton kernel that reads the peers' window addresses on the device (:func:`dtrain.comm.peer.kernels.
-gather`; ``torch._foreach_copy_`` over the peers' mapped windows where Triton is missing), the broadcast with one
-copy from the root's window, the reduce-scatter with the one-shot kernel run on this rank's block of the window
-(which sums it over the peers in place of a barrier and a read). Three launches and no round trip through the
-host: for the reduce-scatter and broadcast less host time a call than NCCL's, which is what decides a small
-collective (1.3-1.7x NCCL's speed on H100s up to 8 MiB and 2 MiB). The all-gather and all-to-all cost about 50 us
-of host time a call on H100s against NCCL's 28-35 us (a copy into the window 6 us, the barrier 5 us, the gather
-kernel's launch 18 us), and ran at 0.4-1.0x NCCL's speed, so ``auto`` does not pick them
-(:data:`dtrain.comm.cost.rules.BUILT_IN`). Calls alternate between the two halves of
-the window, so the barrier of the next call is what tells a rank that its peers have read the previous one; a call
+all-to-all and the ``star`` broadcast. Each is one kernel, :func:`dtrain.comm.peer.kernels.exchange`: each rank
+copies its input into its window, the ranks pass one barrier on the signal pads inside the kernel, and each reads
+what it needs from the peers' windows (the reduce-scatter sums its block). The same kernel runs the one-shot
+all-reduce up to :data:`REDUCE_MAX_BYTES`. Launched straight from the compiled kernel, a call costs about 10 us of
+host time on H100 hosts against 25-45 us for torch.distributed's NCCL call, which is what decides a small
+collective: 1.2-2.6x NCCL's speed from 8 KiB to 2 MiB (docs/results.md). Without Triton the pass is three steps:
+the copy in, :meth:`PeerWindow.barrier`, and ``torch._foreach_copy_`` out of the peers' mapped windows (the
+reduce-scatter: torch's one-shot kernel on this rank's block). Calls alternate between the two halves of the
+window, so the barrier of the next call is what tells a rank that its peers have read the previous one; a call
 of another kind through the window first passes one more barrier (:func:`settle`), and a call recorded in a CUDA
 graph opens and closes with a barrier of its own (a graph replays the same half).
 """
