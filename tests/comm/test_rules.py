@@ -133,7 +133,7 @@ def test_built_in_rules_cover_only_what_was_measured_and_native_runs_elsewhere(m
         assert [table.pick("all_reduce", n) for n in (8 << 10, 2 << 20, 4 << 20, 8 << 20, 64 << 20)] == [
             "one_shot",
             "one_shot",
-            "direct",
+            "native",
             "native",
             "native",
         ]
