@@ -13,8 +13,9 @@ import os
 
 __all__ = ["PRELOAD", "start_fork_server"]
 
-#: What the workers' fork server imports before it forks any.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+#: What the workers' fork server imports before it forks any; the last makes the server end without the
+#: interpreter's teardown of the others (:mod:`dtrain.forkserver_exit`).
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "dtrain.forkserver_exit")
 
 
 def start_fork_server(nproc: int) -> None:
