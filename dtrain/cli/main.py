@@ -178,13 +178,24 @@ def _bench_comm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _may_write(out: str) -> bool:
+    """Whether ``out`` is, or could be made, a directory this process writes in: the nearest existing directory on
+    its path is writable (the run's own check makes it and writes a file there)."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
 def _train(args: argparse.Namespace) -> int:
     from dtrain.env import under_torchrun
     from dtrain.train.config import from_arguments, run_world
 
     config = from_arguments(args)  # bad flags end here, before torch is imported
     run_world(args.nproc)
-    if not under_torchrun():  # the workers' fork server imports torch on another core while this process does
+    # the workers' fork server imports torch on another core while this process does; not where --out cannot be
+    # written, where the run's checks end it before any worker starts (and the server's import would be waited for)
+    if not under_torchrun() and _may_write(config.logging.out):
         from dtrain.workers import start_fork_server
 
         start_fork_server(args.nproc)
