@@ -386,11 +386,12 @@ def _keep_fused(group, algorithm: str, op: str, tensor: torch.Tensor, ran: tuple
     what = (schedule.collective.value, schedule.algorithm, tensor.numel() * tensor.element_size(), str(tensor.dtype))
     place = (window.world_size, window.rank, window.global_rank, str(tensor.device))
     device, limit, average = tensor.device, window.stall_limit(None), op == "avg"
+    launch = fused.reducer(window, tensor.view(-1)) if form == "one" else None  # kept: one lookup, not one a call
 
     def again(t: torch.Tensor) -> None:
-        work = t.view(-1)
+        work = t if t.dim() == 1 else t.view(-1)
         window.calls += 1
-        fused.run_fused(form, work, window)
+        fused.run_fused(form, work, window, launch)
         if average:
             work.div_(world)
         if not torch.cuda.is_current_stream_capturing():

@@ -39,7 +39,9 @@ from dtrain.comm.ir.schedule import Collective, Schedule
 from dtrain.comm.peer import kernels, watchdog
 from dtrain.env import comm_env
 
-__all__ = ["FORMS", "ONE_PASS", "fused_form", "one_pass", "one_pass_form", "run_fused", "settle", "supports"]
+__all__ = [
+    "FORMS", "ONE_PASS", "fused_form", "one_pass", "one_pass_form", "reducer", "run_fused", "settle", "supports",
+]  # fmt: skip
 
 #: Our all-reduce schedules that one kernel runs, and the kernel's form.
 FORMS = {"one_shot": "one", "direct": "two"}
@@ -85,16 +87,18 @@ def fused_form(schedule: Schedule, work: torch.Tensor, op: str) -> str | None:
     return FORMS[schedule.algorithm]
 
 
-def run_fused(form: str, work: torch.Tensor, window) -> torch.Tensor:
+def run_fused(form: str, work: torch.Tensor, window, launch=None) -> torch.Tensor:
     """Sum the flat contiguous ``work`` over the group in place through ``window`` (its group's CUDA window, at
     least ``work``'s size) in the ``form`` :func:`fused_form` gave (an ``avg`` is divided by the caller, as for
-    every schedule).
+    every schedule). ``launch``: the exchange kernel's launch for this size and dtype (:func:`reducer`), where the
+    caller keeps it; else it is looked up.
 
     An eager call first passes the barrier a one-pass call left pending (:func:`settle`). A call recorded in a CUDA
     graph opens with a barrier of its own instead: its replay cannot see what ran eagerly before it, and the
     barrier is what keeps its copy into the window from overwriting a half the peers may still be reading."""
     recorded = work.is_cuda and torch.cuda.is_current_stream_capturing()
-    launch = _reducer(window, work) if form == "one" else None
+    if launch is None and form == "one":
+        launch = reducer(window, work)
     if launch is not None:  # one kernel of ours, one barrier inside: the halves alternate as a one-pass call's
         half = window.nbytes // 2 // ALIGN * ALIGN
         bank = window.bank
@@ -132,7 +136,7 @@ def run_fused(form: str, work: torch.Tensor, window) -> torch.Tensor:
 REDUCE_MAX_BYTES = 256 << 10
 
 
-def _reducer(window, work: torch.Tensor):
+def reducer(window, work: torch.Tensor):
     """The exchange kernel's one-shot all-reduce of ``work``'s size and dtype through ``window``
     (:func:`dtrain.comm.peer.kernels.exchange`, kept on the window), or None: no Triton, a window without the
     signal pads' addresses or without two halves of room for ``work``, or more than :data:`REDUCE_MAX_BYTES`."""
