@@ -391,10 +391,10 @@ def _one_shot_part() -> list[str]:
     header = ["size"] + [f"{g} GPUs{f} {p}" for g in (4, 2) for f in ("", " fresh") for p in ("one-shot", "two-shot")]
     return [
         "#### The all-reduce in one kernel (4 and 2 x H100)",
-        "`one_shot` as the exchange kernel's all-reduce form (each rank copies in, one barrier, each sums every "
-        "peer's window in float32; every size in this run, where `auto` runs it up to 256 KiB and torch's "
-        "one-shot kernel above) and `direct` as torch's two-shot kernel, beside torch.distributed's own call: "
-        "NCCL's time over ours.",
+        "`one_shot`: up to 256 KiB the exchange kernel's all-reduce form (each rank copies in, one barrier, each "
+        "sums every peer's window in float32), above it torch's one-shot kernel; `direct`: torch's two-shot "
+        "kernel; beside torch.distributed's own call: NCCL's time over ours. `auto` runs `one_shot` up to 2 MiB and "
+        "NCCL's call above.",
         setting(
             card(runs[4][0]),
             gpu_software(runs[4][0]),

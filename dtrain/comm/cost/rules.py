@@ -154,8 +154,9 @@ NATIVE = "native"
 #: NCCL's own above (:mod:`dtrain.comm.peer.fused`). Side by side with torch.distributed's own NCCL 2.28 call on 4
 #: and 2 H100s (torch 2.11, NVLink multicast off, float32, calls back to back, rounds interleaved;
 #: benchmarks/results/collectives_defaults*-h100x{4,2}.jsonl and one_shot_ar*-h100x{4,2}.jsonl) the one-shot
-#: kernels ran at 1.13-2.21x NCCL's speed from 8 KiB to 2 MiB; the two-shot (``direct``) at 0.82-1.05x at 2 MiB,
-#: 0.91-1.07x at 8 MiB and 0.90-0.93x at 16 MiB, no better than NCCL's.
+#: kernels ran at 1.07-2.32x NCCL's speed from 8 KiB to 2 MiB, and no slower than 1.5x up to 128 KiB in the last
+#: launch; the two-shot (``direct``) at 0.82-1.27x at 2 MiB (two launches), 0.91-1.07x at 8 MiB and 0.90-0.99x at
+#: 16 MiB: no better than NCCL's where the one-shot stops.
 _PEER_ALL_REDUCE = ((0, "one_shot"), ((2 << 20) + 1, "native"))
 
 #: The one-pass collectives of a CUDA group on the peer transport (:func:`dtrain.comm.peer.fused.one_pass`), each one

@@ -129,10 +129,10 @@ def run_fused(form: str, work: torch.Tensor, window, launch=None) -> torch.Tenso
 
 
 #: The largest all-reduce the exchange kernel's one-shot form runs; torch's one-shot kernel runs larger ones. Side
-#: by side on 4 and 2 H100s (benchmarks/results/one_shot_ar{,_fresh}-h100x{4,2}.jsonl, against torch.distributed's
-#: own call): ours at 1.36-2.13x NCCL's speed from 8 KiB to 128 KiB, where torch's kernel ran at 1.26-1.58x
-#: (collectives_defaults*-h100x*.jsonl); at 2 MiB ours at 0.86-1.64x, torch's at 1.40-1.67x (32 programs read
-#: the peers: fewer than torch's kernel runs).
+#: by side on 4 and 2 H100s against torch.distributed's own call: ours at 1.26-2.21x NCCL's speed from 8 KiB to
+#: 128 KiB where torch's kernel ran at 1.26-1.58x (collectives_defaults*-h100x*.jsonl, the launch before), and
+#: at 1.63-2.31x once a kept call kept its launch (benchmarks/results/one_shot_ar{,_fresh}-h100x{4,2}.jsonl); at
+#: 2 MiB ours at 0.86-1.64x, torch's at 1.40-1.67x (32 programs read the peers: fewer than torch's kernel runs).
 REDUCE_MAX_BYTES = 256 << 10
 
 
