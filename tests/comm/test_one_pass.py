@@ -315,3 +315,46 @@ def test_the_one_shot_all_reduce_through_the_exchange_kernel_alternates_halves_a
     half = 4096 // 2 // fused.ALIGN * fused.ALIGN
     assert sorted(set(offsets)) == [0, half] and len(offsets) == 3 * world
     assert all(pending for _, pending in states)
+
+
+@pytest.mark.parametrize(
+    ("world", "form", "numel", "dtype", "programs"),
+    [(2, "gather", 700, "float32", 4), (3, "exchange", 301, "float32", 2), (3, "broadcast", 701, "float32", 3),
+     (4, "scatter", 250, "bfloat16", 4), (3, "reduce", 333, "float32", 2)],
+)  # fmt: skip
+def test_the_exchange_kernel_under_tritons_interpreter_across_processes(tmp_path, world, form, numel, dtype, programs):
+    """The exchange kernel itself, its signal-pad barrier included, run by Triton's interpreter in one process a
+    rank over windows and pads in /dev/shm that every rank maps (where Triton is installed: GPU machines; CUDA's
+    own runs are `dtrain bench verify`'s). A barrier that let a program read before its peers wrote would fail
+    it."""
+    pytest.importorskip("triton")
+    import multiprocessing
+    import os
+    import uuid
+
+    from tests.jobs import exchange
+
+    stem = f"/dev/shm/dtrain-test-{uuid.uuid4().hex[:8]}"
+    for r in range(world):
+        with open(f"{stem}-w{r}", "wb") as f:
+            f.write(b"\0" * 2 * exchange.HALF)
+        with open(f"{stem}-p{r}", "wb") as f:
+            f.write(b"\0" * exchange.PAD)
+    context = multiprocessing.get_context("spawn")
+    os.environ["TRITON_INTERPRET"] = "1"  # read by the children at their first import of triton
+    try:
+        ranks = [
+            context.Process(target=exchange.run_rank, args=(r, world, stem, form, numel, dtype, programs))
+            for r in range(world)
+        ]
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join(timeout=120)
+        assert [p.exitcode for p in ranks] == [0] * world
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+        for r in range(world):
+            for kind in "wp":
+                if os.path.exists(f"{stem}-{kind}{r}"):
+                    os.unlink(f"{stem}-{kind}{r}")
