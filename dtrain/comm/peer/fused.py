@@ -21,9 +21,10 @@ The one-round schedules of the other collectives run the same way, as one pass o
 all-to-all and the ``star`` broadcast. Each is one kernel, :func:`dtrain.comm.peer.kernels.exchange`: each rank
 copies its input into its window, the ranks pass one barrier on the signal pads inside the kernel, and each reads
 what it needs from the peers' windows (the reduce-scatter sums its block). The same kernel runs the one-shot
-all-reduce up to :data:`REDUCE_MAX_BYTES`. Launched straight from the compiled kernel, a call costs about 10 us of
-host time on H100 hosts against 25-45 us for torch.distributed's NCCL call, which is what decides a small
-collective: 1.2-2.6x NCCL's speed from 8 KiB to 2 MiB (docs/results.md). Without Triton the pass is three steps:
+all-reduce up to :data:`REDUCE_MAX_BYTES`. Launched straight from the compiled kernel, a call through
+:mod:`dtrain.comm` costs 13-22 us of host time against 24-56 us for torch.distributed's NCCL call (8 KiB a rank,
+4 H200s, benchmarks/results/probe-one-pass-h200x4.txt), which is what decides a small collective: 1.2-2.6x NCCL's
+speed from 8 KiB to 2 MiB (docs/results.md). Without Triton the pass is three steps:
 the copy in, :meth:`PeerWindow.barrier`, and ``torch._foreach_copy_`` out of the peers' mapped windows (the
 reduce-scatter: torch's one-shot kernel on this rank's block). Calls alternate between the two halves of the
 window, so the barrier of the next call is what tells a rank that its peers have read the previous one; a call
