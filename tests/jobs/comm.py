@@ -254,9 +254,9 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def repeated_calls_take_the_kept_path() -> dict:
-    """Each of all-gather, reduce-scatter, all-to-all and broadcast twice with the same arguments and new
-    tensors: the second call runs what the first kept (dtrain.comm.state.FAST) without resolving the call again,
-    and gives the same result."""
+    """Each of all-reduce, all-gather, reduce-scatter, all-to-all and broadcast twice with the same arguments and
+    new tensors: the second call runs what the first kept (dtrain.comm.state.FAST) without resolving the call
+    again, and gives the same result; which of torch.distributed's functions the calls went through."""
     import torch
 
     from dtrain import comm
@@ -273,9 +273,29 @@ def repeated_calls_take_the_kept_path() -> dict:
         return prepare(*args, **kwargs)
 
     api._prepare = counting
+    # torch.distributed's functions: the first call of each goes through them, the second straight through the
+    # process group's binding (dtrain.comm.native.direct), so the second round makes no call of them
+    through_torch: list[str] = []
+    names = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast", "all_reduce")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            through_torch.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counted(name))
     right = []
     try:
-        for _ in range(2):
+        for second in (False, True):
+            if second:  # what the second calls send through torch.distributed's functions
+                through_torch.clear()
+            summed = torch.full((5,), float(rank + 1))
+            comm.all_reduce(summed, "avg", group=group)
+            right.append(summed.tolist() == [(world + 1) / 2] * 5)
             part = torch.arange(4, dtype=torch.float32) + 10 * rank
             full = torch.empty(4 * world)
             comm.all_gather(full, part, group=group)
@@ -291,4 +311,11 @@ def repeated_calls_take_the_kept_path() -> dict:
             right.append(sent.tolist() == [1.0] * 3)
     finally:
         api._prepare = prepare
-    return {"resolved": [str(c) for c in resolved], "right": all(right), "kept": len(FAST) >= 4}
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {
+        "resolved": [str(c) for c in resolved],
+        "right": all(right),
+        "kept": len(FAST) >= 5,
+        "through_torch": sorted(through_torch),
+    }

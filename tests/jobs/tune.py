@@ -92,7 +92,7 @@ def bench_side_by_side(world: int, out: str) -> list[list[dict]]:
     every = []
     for fresh in (False, True):
         config = BenchConfig(
-            collectives=["all_gather"], algorithms=["native", "ring", "ring@peer"], min_bytes=1 << 10,
+            collectives=["all_gather"], algorithms=["torch", "native", "ring", "ring@peer"], min_bytes=1 << 10,
             max_bytes=1 << 10, iters=3, trials=3, warmup=0, out=out, fresh=fresh,
         )  # fmt: skip
         every.append(bench_on_rank(config, group))
