@@ -214,6 +214,29 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         help="sequence parallelism's all-gathers and reduce-scatters in pieces under the products beside them "
         "(Megatron-Core's --tp-comm-overlap, Transformer Engine's userbuffers), on layouts with sequence parallelism",
     )
+    p.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="ZeRO stage 1 reduce-scatters the gradients (Megatron-Core's distributed optimizer)",
+    )
+    p.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="with a pipeline too, the dp reduction starts under each stage's last backward, per model chunk under "
+        "interleaved 1F1B (Megatron-Core's --overlap-grad-reduce)",
+    )
+    p.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="the distributed optimizer's weight all-gather under the next step's first forwards, per model chunk "
+        "under interleaved 1F1B (Megatron-Core's --overlap-param-gather; needs --overlap-grad-reduce)",
+    )
+    p.add_argument(
+        "--overlap-p2p-comm",
+        action="store_true",
+        help="interleaved 1F1B's pipeline sends and receives posted after each action and waited for before the "
+        "next of its kind, under compute (Megatron-Core's overlap_p2p_comm); other schedules ignore it",
+    )
     _add_software(p)
 
 
@@ -320,9 +343,13 @@ def _step_config(args: argparse.Namespace, **extra):
         if not Path(args.curves).is_file():
             raise ValueError(f"--curves: {args.curves}: no such file")
         curves = load_curves(args.curves)
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-Core's requirement)")
     return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm, dp_algorithm=args.dp_algorithm,
                       overlap_dp=not args.no_overlap, cost=_software(args), curves=curves,
-                      tp_comm_overlap=args.tp_comm_overlap, **extra)  # fmt: skip
+                      tp_comm_overlap=args.tp_comm_overlap, distributed_optimizer=args.distributed_optimizer,
+                      overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+                      overlap_p2p_comm=args.overlap_p2p_comm, **extra)  # fmt: skip
 
 
 def _simulate_train(args: argparse.Namespace) -> int:

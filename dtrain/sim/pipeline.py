@@ -30,6 +30,21 @@ then the backward, then sends the forward's output and the backward's gradient t
 output only when that backward ends (and, synchronous, the pair holds its stage for both messages). Warm-up and
 cool-down actions send at once. Other schedules send after every action either way.
 
+With ``overlapped``, interleaved 1F1B's exchanges run as Megatron-Core's ``overlap_p2p_comm`` runs them
+(``megatron/core/pipeline_parallel/schedules.py``, ``forward_backward_pipelining_with_interleaving``, and
+``p2p_communication.py`` at core_r0.8.0): after each forward a stage posts, without waiting, the send of its output
+and the receive of its next forward's input (``send_forward_recv_forward(..., overlap_p2p_comm=True)``: separate
+``isend`` and ``irecv``, no ``torch.cuda.synchronize()``), after each backward the send of its input gradient and
+the receive of its next backward's output gradient (the first backward's receive is posted after the last
+warm-up forward), and it waits for those handles just before its next action of the same kind. A message leaves
+when its sender's action has ended and its receive has been posted (the receiver's previous action of the same
+kind has ended: NCCL's kernels run after the work queued before them on the stream) and takes the message time;
+an action starts once its input has arrived and the message its stage's previous action of the same kind sent has
+been delivered. The transfers run under the compute between posting and waiting and show only where they are not
+done by then. Other schedules ignore it (Megatron-LM's ``validate_args`` turns ``overlap_p2p_comm`` off without
+an interleaved schedule). Left out: a pair of stages' sends and receives share one NCCL communicator and run in
+the order they were posted.
+
 With ``host_s``, the host's time to issue one action (launch its kernels, post its messages): on a GPU the host
 issues a stage's actions one after another and does not wait for the device (a receive makes the stream wait,
 not the host), so the k-th action of a stage cannot start before ``k host_s`` from the step's start. Where a
@@ -55,7 +70,7 @@ from dtrain.parallel.pipeline_schedules import (
     virtual_stage,
 )
 
-__all__ = ["pipeline_bubble", "pipeline_makespan", "pipeline_stage_spans"]
+__all__ = ["pipeline_bubble", "pipeline_chunk_edges", "pipeline_makespan", "pipeline_stage_spans"]
 
 
 def pipeline_makespan(
@@ -71,6 +86,7 @@ def pipeline_makespan(
     synchronous: bool = False,
     paired: bool = False,
     host_s: float = 0.0,
+    overlapped: bool = False,
 ) -> float:
     """Seconds from the first forward to the last backward; ``forward_s[s]`` / ``backward_s[s]`` are stage
     ``s``'s time for one micro-batch (all its chunks), ``p2p_s`` the time of one activation (or gradient) between
@@ -80,9 +96,11 @@ def pipeline_makespan(
     both stages (module docstring); otherwise each arrives ``p2p_s + gather_s`` after its sender's action ends.
     ``paired``: interleaved 1F1B's steady-state forward sends with the next backward (module docstring).
     ``host_s``: the host's time to issue one action; a stage's k-th action starts no earlier than ``k host_s``
-    (module docstring)."""
+    (module docstring). ``overlapped``: interleaved 1F1B's exchanges posted after each action and waited for
+    before the stage's next action of the same kind (Megatron-Core's ``overlap_p2p_comm``; module docstring);
+    it takes the place of ``synchronous`` and ``paired``."""
     return _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
-                synchronous, paired, host_s)[0]  # fmt: skip
+                synchronous, paired, host_s, overlapped)[0]  # fmt: skip
 
 
 def pipeline_stage_spans(
@@ -97,6 +115,7 @@ def pipeline_stage_spans(
     gather_s: float = 0.0,
     synchronous: bool = False,
     paired: bool = False,
+    overlapped: bool = False,
 ) -> list[tuple[float, float]]:
     """Each stage's ``(start of its first action, end of its last action)`` in the pipeline
     :func:`pipeline_makespan` times (same arguments): when a stage's first forward may begin and when its last
@@ -104,8 +123,35 @@ def pipeline_stage_spans(
     waits for."""
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
-    graph = _graph(schedule, len(forward_s), microbatches, chunks_per_stage(schedule, virtual_stages), paired)
+    graph = _graph(schedule, len(forward_s), microbatches, chunks_per_stage(schedule, virtual_stages), paired,
+                   overlapped)  # fmt: skip
     return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, spans=True)
+
+
+def pipeline_chunk_edges(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    p2p_s: float,
+    microbatches: int,
+    schedule: str = "interleaved-1f1b",
+    *,
+    weight_s: Sequence[float] | None = None,
+    virtual_stages: int = 2,
+    gather_s: float = 0.0,
+    synchronous: bool = False,
+    paired: bool = False,
+    overlapped: bool = False,
+) -> list[tuple[list[float], list[tuple[int, float]]]]:
+    """Each stage's chunks' edges in the pipeline :func:`pipeline_makespan` times (same arguments): the start of
+    each chunk's first forward (by chunk), and each of the stage's backwards (or weight-gradient passes, for the
+    schedules that split backward) in the order the stage runs them, as (chunk, end): what a data-parallel
+    reduction and gather kept per model chunk wait for (Megatron-Core's one ``DistributedDataParallel`` a chunk,
+    :func:`dtrain.sim.step.overlapped_reduction_s`)."""
+    _check(forward_s, backward_s, weight_s, schedule)
+    weights = list(weight_s) if weight_s is not None else list(backward_s)
+    graph = _graph(schedule, len(forward_s), microbatches, chunks_per_stage(schedule, virtual_stages), paired,
+                   overlapped)  # fmt: skip
+    return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, chunks=True)
 
 
 def pipeline_bubble(
@@ -121,20 +167,21 @@ def pipeline_bubble(
     synchronous: bool = False,
     paired: bool = False,
     host_s: float = 0.0,
+    overlapped: bool = False,
 ) -> float:
     """The idle share of the step :func:`pipeline_makespan` times: 1 - work / (p x makespan), work being the
     stages' compute (a synchronous message's time counts as idle)."""
     span, work = _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
-                      synchronous, paired, host_s)  # fmt: skip
+                      synchronous, paired, host_s, overlapped)  # fmt: skip
     return 1.0 - work / (len(forward_s) * span) if span else 0.0
 
 
 def _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,
-         synchronous=False, paired=False, host_s=0.0) -> tuple[float, float]:  # fmt: skip
+         synchronous=False, paired=False, host_s=0.0, overlapped=False) -> tuple[float, float]:  # fmt: skip
     stages = len(forward_s)
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
-    graph = _graph(schedule, stages, microbatches, chunks_per_stage(schedule, virtual_stages), paired)
+    graph = _graph(schedule, stages, microbatches, chunks_per_stage(schedule, virtual_stages), paired, overlapped)
     if host_s < 0 or not math.isfinite(host_s):
         raise ValueError(f"host_s must be a finite number of seconds >= 0, got {host_s!r}")
     return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, host_s)
@@ -159,32 +206,61 @@ class _Graph:
     earlier waves (its stage's previous action and its input), so a wave's end times are a few array operations.
     Arrays in wave order: ``prev`` and ``dep`` index the end times (``size``: none, a 0), ``cross`` is 1 where the
     input comes from another stage (a message), ``slot`` indexes the cost table ``[F / v, B / v, W / v]`` by
-    ``kind * stages + stage``; ``sends`` counts the messages the action sends to other stages."""
+    ``kind * stages + stage``, ``chunk`` is the action's chunk on its stage; ``sends`` counts the messages the action
+    sends to other stages. With overlapped exchanges (module docstring) ``post`` indexes the action after which the
+    action's input is received (its stage's previous action of its kind), ``sent`` the stage's previous action of
+    its kind where that one sent a message to another stage, ``sent_post`` the action after which that message's
+    receiver posted its receive (``size`` where none)."""
 
-    def __init__(self, prev, dep, cross, slot, waves: list[int], v: int, order=None) -> None:
+    def __init__(self, prev, dep, cross, slot, waves: list[int], v: int, order=None, chunk=None,
+                 overlap=None) -> None:  # fmt: skip
         self.prev, self.dep, self.cross, self.slot = prev, dep, cross, slot
         #: each action's place among its stage's actions (0 for the first), for the host's issue times
         self.order = np.zeros(len(slot)) if order is None else order
+        self.chunk = np.zeros(len(slot), dtype=np.int64) if chunk is None else chunk
+        #: (post, sent, sent_post) under overlapped exchanges, else None
+        self.overlap = overlap
         self.waves, self.v, self.size = waves, v, len(slot)
         sends = np.zeros(self.size + 1)
         np.add.at(sends, dep[cross > 0], 1.0)  # a pair's backward sends two messages
         self.sends = sends[: self.size]
 
     def times(self, forward_s, backward_s, weight_s, p2p_s: float, gather_s: float = 0.0,
-              synchronous: bool = False, host_s: float = 0.0, spans: bool = False):  # fmt: skip
+              synchronous: bool = False, host_s: float = 0.0, spans: bool = False, chunks: bool = False):  # fmt: skip
         """(makespan, compute) with these per-stage costs (all chunks of a stage) and message times: each
         action ends at ``max(previous action's end, input's end + message) + its cost``, the event replay's
         arithmetic (:func:`_replay`) in the same order, so the same floats; synchronous messages are part of
-        the cost instead (module docstring). ``spans``: each stage's (first start, last end) instead."""
+        the cost instead (module docstring); overlapped ones (``self.overlap``) leave once their receive is posted
+        and hold the sender's next action of their kind until delivered. ``spans``: each stage's (first start, last
+        end) instead; ``chunks``: each stage's chunks' first forward starts and its backwards' (chunk, end) in
+        order (:func:`pipeline_chunk_edges`)."""
         v = self.v
         table = np.array([c / v for c in forward_s] + [c / v for c in backward_s] + [c / v for c in weight_s])
         work = table[self.slot]
-        if synchronous:
-            cost = work + self.sends * float(p2p_s) + self.cross * float(gather_s)
-            arrive = np.zeros(self.size)
-        else:
+        message = float(p2p_s) + float(gather_s)
+        if self.overlap is not None:
+            end = self._overlapped_ends(work, message, host_s)
             cost = work
-            arrive = self.cross * (float(p2p_s) + float(gather_s))
+        else:
+            if synchronous:
+                cost = work + self.sends * float(p2p_s) + self.cross * float(gather_s)
+                arrive = np.zeros(self.size)
+            else:
+                cost = work
+                arrive = self.cross * (float(p2p_s) + float(gather_s))
+            end = self._ends(cost, arrive, host_s)
+        if spans or chunks:
+            stages = len(forward_s)
+            stage = self.slot % stages
+            if chunks:
+                return self._chunk_edges(end, cost, stages)
+            first, last = np.full(stages, np.inf), np.zeros(stages)
+            np.minimum.at(first, stage, end[: self.size] - cost)
+            np.maximum.at(last, stage, end[: self.size])
+            return [(float(a), float(b)) for a, b in zip(first, last, strict=True)]
+        return float(end[: self.size].max()), float(math.fsum(work.tolist()))
+
+    def _ends(self, cost, arrive, host_s: float):
         prev, dep, waves = self.prev, self.dep, self.waves
         if host_s:
             issued = (self.order + 1.0) * float(host_s)
@@ -200,41 +276,78 @@ class _Graph:
                 for i, (a, d, x, c) in enumerate(steps):
                     t, r = out[a], out[d] + x
                     out[i] = (t if t >= r else r) + c
-            end = np.array(out)
-        else:
-            end = np.zeros(self.size + 1)
-            for a, b in zip(waves[:-1], waves[1:], strict=True):
-                free = end[prev[a:b]] if not host_s else np.maximum(end[prev[a:b]], issued[a:b])
-                end[a:b] = np.maximum(free, end[dep[a:b]] + arrive[a:b]) + cost[a:b]
-        if spans:
-            stages = len(forward_s)
-            stage = self.slot % stages
-            first, last = np.full(stages, np.inf), np.zeros(stages)
-            np.minimum.at(first, stage, end[: self.size] - cost)
-            np.maximum.at(last, stage, end[: self.size])
-            return [(float(a), float(b)) for a, b in zip(first, last, strict=True)]
-        return float(end[: self.size].max()), float(math.fsum(work.tolist()))
+            return np.array(out)
+        end = np.zeros(self.size + 1)
+        for a, b in zip(waves[:-1], waves[1:], strict=True):
+            free = end[prev[a:b]] if not host_s else np.maximum(end[prev[a:b]], issued[a:b])
+            end[a:b] = np.maximum(free, end[dep[a:b]] + arrive[a:b]) + cost[a:b]
+        return end
+
+    def _overlapped_ends(self, cost, message: float, host_s: float):
+        """End times under overlapped exchanges: an action starts at the latest of its stage's previous action's
+        end, its input's delivery (``max(sender's end, receive posted) + message``) and the delivery of the message
+        its stage's previous action of its kind sent."""
+        post, sent, sent_post = self.overlap
+        prev, dep, waves, size = self.prev, self.dep, self.waves, self.size
+        arrive = self.cross * message
+        has_sent = (sent < size) * message
+        issued = (self.order + 1.0) * float(host_s)
+        end = np.zeros(size + 1)
+        for a, b in zip(waves[:-1], waves[1:], strict=True):
+            free = np.maximum(end[prev[a:b]], issued[a:b])
+            came = np.maximum(end[dep[a:b]], end[post[a:b]] * self.cross[a:b]) + arrive[a:b]
+            delivered = np.maximum(end[sent[a:b]], end[sent_post[a:b]]) + has_sent[a:b]
+            end[a:b] = np.maximum(np.maximum(free, came), delivered) + cost[a:b]
+        return end
+
+    def _chunk_edges(self, end, cost, stages: int):
+        stage = self.slot % stages
+        kind = self.slot // stages
+        starts = end[: self.size] - cost
+        last_kind = 2 if (kind == 2).any() else 1  # the weight-gradient pass where backward is split
+        out = []
+        for s in range(stages):
+            firsts = [np.inf] * self.v
+            here = np.flatnonzero((stage == s) & (kind == 0))
+            for i in here.tolist():
+                c = int(self.chunk[i])
+                firsts[c] = min(firsts[c], float(starts[i]))
+            mine = np.flatnonzero((stage == s) & (kind == last_kind))
+            mine = mine[np.argsort(self.order[mine], kind="stable")]
+            out.append(([f if math.isfinite(f) else 0.0 for f in firsts],
+                        [(int(self.chunk[i]), float(end[i])) for i in mine.tolist()]))  # fmt: skip
+        return out
 
 
 #: Wave graphs by (schedule, stages, micro-batches, chunks a stage): a planner times many pipelines of one shape.
-_GRAPHS: dict[tuple[str, int, int, int], _Graph] = {}
+_GRAPHS: dict[tuple, _Graph] = {}
 #: Below this many actions a wave on average, :meth:`_Graph.times` loops in Python rather than over arrays.
 _WIDE = 24
 
 
-def _graph(schedule: str, stages: int, microbatches: int, v: int, paired: bool = False) -> _Graph:
-    paired = paired and schedule in _PAIRED
-    key = (schedule, stages, microbatches, v, paired)
+def _graph(schedule: str, stages: int, microbatches: int, v: int, paired: bool = False,
+           overlapped: bool = False) -> _Graph:  # fmt: skip
+    overlapped = overlapped and schedule in _OVERLAPPED and stages > 1
+    paired = paired and schedule in _PAIRED and not overlapped
+    key = (schedule, stages, microbatches, v, paired, overlapped)
     found = _GRAPHS.get(key)
     if found is None:
         if len(_GRAPHS) >= 32 or sum(g.size for g in _GRAPHS.values()) > 2_000_000:  # about 60 MB of arrays
             _GRAPHS.clear()
-        found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v, paired)
+        found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v, paired, overlapped)
     return found
 
 
 #: Schedules whose steady state Megatron-LM runs as forward-backward pairs with one exchange after each pair.
 _PAIRED = ("interleaved-1f1b",)
+#: Schedules whose exchanges Megatron-Core overlaps with compute (``overlap_p2p_comm``; module docstring).
+_OVERLAPPED = ("interleaved-1f1b",)
+
+
+def _warmup(stages: int, stage: int, v: int, total: int) -> int:
+    """Forwards stage ``stage`` runs before its first backward in Megatron-LM's interleaved schedule, as
+    :func:`dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b` orders them."""
+    return min(2 * (stages - 1 - stage) + (v - 1) * stages, total)
 
 
 def _released(actions_by_stage: list[list[tuple]], stages: int, v: int) -> dict[tuple, tuple]:
@@ -247,13 +360,34 @@ def _released(actions_by_stage: list[list[tuple]], stages: int, v: int) -> dict[
     out = {}
     for s, actions in enumerate(actions_by_stage):
         total = len(actions) // 2
-        warmup = min(2 * (stages - 1 - s) + (v - 1) * stages, total)
+        warmup = _warmup(stages, s, v, total)
         for i in range(total - warmup):
             out[actions[warmup + 2 * i]] = actions[warmup + 2 * i + 1]
     return out
 
 
-def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = False) -> _Graph:
+def _posts(plans: list[list[tuple]], stages: int, v: int) -> dict[int, int]:
+    """Under overlapped exchanges, each action that receives from another stage mapped to the action of its stage
+    after which Megatron-Core posts that receive: the stage's previous action of the same kind, the last warm-up
+    forward for the first backward (none for the first forward, whose receive is posted at the start)."""
+    out = {}
+    for s, plan in enumerate(plans):
+        total = len(plan) // 2
+        warmup = _warmup(stages, s, v, total)
+        last: dict[int, int] = {}
+        for key, _, cross, slot, _ in plan:
+            kind = slot // stages
+            before = last.get(kind)
+            if kind == 1 and before is None and warmup:
+                before = plan[warmup - 1][0]
+            if cross and before is not None:
+                out[key] = before
+            last[kind] = key
+    return out
+
+
+def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = False,
+                 overlapped: bool = False) -> _Graph:  # fmt: skip
     """Each stage's actions with what each waits for, put in waves: an action's wave is one more than the later
     of its stage's previous action's and its input's (ValueError if the schedule deadlocks)."""
     placement = PLACEMENT.get(schedule, "loop")
@@ -265,7 +399,7 @@ def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = Fals
     if paired:
         release = _released([[(_KINDS[a[0]] * virtual + virtual_stage(s, chunk_of(a), stages, placement)) * m + a[1]
                               for a in actions] for s, actions in enumerate(schedules)], stages, v)  # fmt: skip
-    plans = []  # per stage: (id, dependency id or -1, 1 if the input crosses stages, cost slot)
+    plans = []  # per stage: (id, dependency id or -1, 1 if the input crosses stages, cost slot, chunk)
     for s in range(stages):
         plan = []
         for action in schedules[s]:
@@ -278,24 +412,43 @@ def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = Fals
                     dep = release.get(dep, dep)
             elif kind == 1:
                 dep, other = (u * m + mb, s) if u == last else ((virtual + u + 1) * m + mb, owner[u + 1])
-            plan.append(((kind * virtual + u) * m + mb, dep, 1.0 if other != s else 0.0, kind * stages + s))
+            plan.append(((kind * virtual + u) * m + mb, dep, 1.0 if other != s else 0.0, kind * stages + s,
+                         chunk_of(action)))  # fmt: skip
         plans.append(plan)
+    # overlapped exchanges: each action's receive post, and the message its stage's previous action of its kind sent
+    posts: dict[int, int] = _posts(plans, stages, v) if overlapped else {}
+    sent: dict[int, tuple[int, int]] = {}
+    if overlapped:
+        receiver = {dep: key for plan in plans for key, dep, cross, _, _ in plan if cross}
+        for plan in plans:
+            last_of: dict[int, int] = {}
+            for key, _, _, slot, _ in plan:
+                kind = slot // stages
+                before = last_of.get(kind)
+                if before is not None and before in receiver:
+                    sent[key] = (before, posts.get(receiver[before], -1))
+                last_of[kind] = key
     wave = [-1] * (3 * virtual * m)
     waiting: dict[int, list[int]] = {}
     position, current = [0] * stages, [0] * stages
     ready = deque(range(stages))
-    ids, prevs, deps, cross, slots, waves, places = [], [], [], [], [], [], []
+    ids, prevs, deps, cross, slots, waves, places, chunks = [], [], [], [], [], [], [], []
     while ready:
         s = ready.popleft()
         plan, i, w = plans[s], position[s], current[s]
         while i < len(plan):
-            key, dep, x, slot = plan[i]
-            if dep >= 0:
-                arrived = wave[dep]
-                if arrived < 0:
-                    waiting.setdefault(dep, []).append(s)
-                    break
-                w = max(w, arrived)
+            key, dep, x, slot, chunk = plan[i]
+            blocked = False
+            for need in (dep, sent.get(key, (-1, -1))[1]):
+                if need >= 0:
+                    arrived = wave[need]
+                    if arrived < 0:
+                        waiting.setdefault(need, []).append(s)
+                        blocked = True
+                        break
+                    w = max(w, arrived)
+            if blocked:
+                break
             prevs.append(plan[i - 1][0] if i else -1)
             w += 1
             wave[key] = w
@@ -305,6 +458,7 @@ def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = Fals
             slots.append(slot)
             waves.append(w)
             places.append(i)
+            chunks.append(chunk)
             i += 1
             if key in waiting:
                 ready.extend(waiting.pop(key))
@@ -317,8 +471,17 @@ def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = Fals
     where[np.array(ids)[order]] = np.arange(n)
     sorted_waves = np.array(waves)[order]
     bounds = [0, *(np.flatnonzero(np.diff(sorted_waves)) + 1).tolist(), n]
+    overlap = None
+    if overlapped:
+        ordered = np.array(ids)[order].tolist()
+        overlap = tuple(where[np.array(column)] for column in (
+            [posts.get(k, -1) for k in ordered],
+            [sent.get(k, (-1, -1))[0] for k in ordered],
+            [sent.get(k, (-1, -1))[1] for k in ordered],
+        ))  # fmt: skip
     return _Graph(where[np.array(prevs)[order]], where[np.array(deps)[order]], np.array(cross)[order],
-                   np.array(slots)[order], bounds, v, np.array(places, dtype=float)[order])  # fmt: skip
+                   np.array(slots)[order], bounds, v, np.array(places, dtype=float)[order],
+                   np.array(chunks, dtype=np.int64)[order], overlap)  # fmt: skip
 
 
 def _replay(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,

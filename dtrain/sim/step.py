@@ -58,7 +58,7 @@ from dtrain.sim.model import (
     stage_parameters,
     tp_all_reduces_per_layer,
 )
-from dtrain.sim.pipeline import pipeline_makespan, pipeline_stage_spans
+from dtrain.sim.pipeline import pipeline_chunk_edges, pipeline_makespan, pipeline_stage_spans
 from dtrain.sim.placement import grid_rank, group
 from dtrain.sim.traffic import (
     NCCL_RING,
@@ -79,6 +79,7 @@ __all__ = [
     "simulate_step",
     "stage_seconds",
     "exposed_bucket_s",
+    "chunked_reduction_s",
     "step_lower_bound",
     "data_parallel_lower_bound",
     "pipeline_message_lower_bound",
@@ -137,7 +138,14 @@ class StepConfig:
     all-gather is exposed. ``tp_comm_overlap``: under sequence parallelism, the tensor-parallel all-gathers and
     reduce-scatters run in chunks under the products beside them, as Megatron-Core's ``--tp-comm-overlap`` runs
     them with Transformer Engine's userbuffers (:func:`tp_overlap_s`); ignored for a layout without sequence
-    parallelism, which Megatron-Core requires for it.
+    parallelism, which Megatron-Core requires for it. ``overlap_p2p_comm``: interleaved 1F1B's pipeline exchanges
+    posted after each action and waited for before the stage's next action of the same kind, so they run under the
+    compute between (Megatron-Core's ``overlap_p2p_comm``, on by default with an interleaved schedule; it takes the
+    place of ``synchronous_p2p`` and ``paired_exchanges`` there; :func:`dtrain.sim.pipeline.pipeline_makespan`);
+    other schedules ignore it, as Megatron-LM's ``validate_args`` turns it off without one. With interleaved 1F1B,
+    ``overlap_grad_reduce`` and ``overlap_param_gather`` work per model chunk (:func:`chunked_reduction_s`):
+    Megatron-Core keeps one ``DistributedDataParallel`` a chunk, reduces each chunk's gradients once its last
+    backward is done and gathers each chunk's weights before its first forward.
 
     Megatron-Core r0.8.0 (``megatron/core/distributed/distributed_data_parallel.py``): buckets of
     ``max(40,000,000, 1,000,000 x dp)`` parameters, bucketing off on every pipeline stage but the first ("data-
@@ -172,6 +180,7 @@ class StepConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
+    overlap_p2p_comm: bool = False
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -618,11 +627,22 @@ def simulate_step(
                 weights = w if layout.schedule in SPLIT_BACKWARD else None
                 spans[key] = pipeline_makespan(f, b, send_s, m, layout.schedule, weight_s=weights, virtual_stages=v,
                                                gather_s=gather_s, synchronous=config.synchronous_p2p,
-                                               paired=config.paired_exchanges)  # fmt: skip
+                                               paired=config.paired_exchanges,
+                                               overlapped=config.overlap_p2p_comm)  # fmt: skip
             slowest = max(slowest, spans[key])
         pipelines.append(slowest)
         exposed = dp_s
-        if config.overlap_grad_reduce and layout.zero_stage <= 1 and dp_s > 0:
+        if config.overlap_grad_reduce and layout.zero_stage <= 1 and dp_s > 0 and _per_chunk(layout):
+            exposed = 0.0
+            for f, b, w in zip(forward, backward, weight, strict=True):
+                key = (tuple(f), tuple(b), tuple(w), "chunks")
+                if key not in edges:
+                    edges[key] = pipeline_chunk_edges(f, b, send_s, m, layout.schedule, virtual_stages=v,
+                                                      gather_s=gather_s, synchronous=config.synchronous_p2p,
+                                                      paired=config.paired_exchanges,
+                                                      overlapped=config.overlap_p2p_comm)  # fmt: skip
+                exposed = max(exposed, chunked_reduction_s(model, layout, config, dp, f, edges[key], slowest))
+        elif config.overlap_grad_reduce and layout.zero_stage <= 1 and dp_s > 0:
             exposed = 0.0
             for f, b, w in zip(forward, backward, weight, strict=True):
                 key = (tuple(f), tuple(b), tuple(w))
@@ -631,7 +651,8 @@ def simulate_step(
                     edges[key] = pipeline_stage_spans(f, b, send_s, m, layout.schedule, weight_s=weights,
                                                       virtual_stages=v, gather_s=gather_s,
                                                       synchronous=config.synchronous_p2p,
-                                                      paired=config.paired_exchanges)  # fmt: skip
+                                                      paired=config.paired_exchanges,
+                                                      overlapped=config.overlap_p2p_comm)  # fmt: skip
                 exposed = max(exposed, overlapped_reduction_s(model, layout, config, dp, f, b, w, edges[key], slowest))
         elif config.overlap_dp and layout.pp == 1 and _dp_overlaps(layout, config) and dp_s > 0:
             grads = model.parameters / layout.tp * (config.gradient_bytes or model.bytes_per_value)
@@ -704,6 +725,75 @@ def overlapped_reduction_s(
         wait = exposed_bucket_s(gather_s, forward[0], first * item, bucket * item)
         wait = max([wait] + [gather_s - start for start, _ in spans[1:]])
         exposed += max(0.0, wait)
+    else:
+        exposed += gather_s
+    return exposed
+
+
+def _per_chunk(layout: Layout) -> bool:
+    """Whether Megatron-Core keeps a ``DistributedDataParallel`` a model chunk: interleaved 1F1B of 2 or more
+    chunks (``megatron/training/training.py``, ``get_model``: one module a virtual pipeline stage)."""
+    return layout.schedule == "interleaved-1f1b" and layout.chunks > 1 and layout.pp > 1
+
+
+def chunked_reduction_s(
+    model: ModelSpec,
+    layout: Layout,
+    config: StepConfig,
+    dp: Sequence[CollectiveResult],
+    forward: Sequence[float],
+    edges: Sequence[tuple[Sequence[float], Sequence[tuple[int, float]]]],
+    makespan: float,
+) -> float:
+    """Seconds the data-parallel phases ``dp`` add to an interleaved 1F1B step whose slowest pipeline takes
+    ``makespan`` under ``config.overlap_grad_reduce`` (and ``overlap_param_gather``), Megatron-Core r0.8.0's way:
+    one ``DistributedDataParallel`` a model chunk (``megatron/training/training.py``, ``get_model``;
+    ``disable_bucketing`` for every chunk but the first), each chunk's reduction launched by the schedule's
+    ``grad_sync_func`` (``--delay-grad-reduce``, the default: ``start_grad_sync``, every bucket of the chunk at
+    once) after the stage's backward that comes ``s`` backwards after the chunk's last one on stage ``s`` (so that
+    the stages launch together; ``pipeline_parallel/schedules.py``, ``forward_backward_pipelining_with_interleaving``,
+    ``backward_step_helper``), or after the stage's last backward where there is none that late (the chunk of the
+    first layers on every stage). The chunks' reductions run one after another in the order launched, on the one
+    data-parallel communicator, each taking ``1/v`` of the stage's (the collectives' time in proportion to their
+    bytes); the step waits for the latest stage. ``edges``: each stage's chunks' first forward starts and its
+    backwards' (chunk, end) in order (:func:`dtrain.sim.pipeline.pipeline_chunk_edges`); ``forward``: the stages'
+    forward seconds of one micro-batch.
+
+    The distributed optimizer's all-gather of the updated weights (``overlap_param_gather``; ``distrib_optimizer.py``,
+    ``_make_forward_pre_hook`` and ``_finish_param_sync_helper``): the first chunk's bucket is launched at the
+    optimizer step's end, and each bucket's wait in its first forward launches the next, so chunk ``c``'s gather
+    starts when chunk ``c - 1``'s first forward does (or when the gather before it ends) and chunk ``c``'s first
+    forward waits for it; the first stage's first chunk, in buckets, runs under its first forward
+    (:func:`exposed_bucket_s`). The step is delayed by the longest such wait; without ``overlap_param_gather`` the
+    whole gather shows."""
+    phases = dp_phase_bytes(model, layout, config.gradient_bytes, config.distributed_optimizer)
+    reduce_s = sum(r.time_s for r, (c, _, _) in zip(dp, phases, strict=True) if c is not Collective.ALL_GATHER)
+    gather_s = sum(r.time_s for r, (c, _, _) in zip(dp, phases, strict=True) if c is Collective.ALL_GATHER)
+    v = layout.chunks
+    finish = 0.0
+    for s, (_, backwards) in enumerate(edges):
+        last = {chunk: i for i, (chunk, _) in enumerate(backwards)}
+        launches = sorted(backwards[min(last[c] + s, len(backwards) - 1)][1] for c in last)
+        done = 0.0
+        for launch in launches:
+            done = max(done, launch) + reduce_s / v
+        finish = max(finish, done)
+    exposed = max(0.0, finish - makespan)
+    if gather_s and config.overlap_param_gather:
+        bucket = max(MCORE_BUCKET_PARAMETERS, MCORE_BUCKET_PER_RANK * layout.dp)
+        item = model.bytes_per_value
+        first = stage_parameters(model, layout, 0) / layout.tp / v
+        piece = gather_s / v
+        wait = 0.0
+        for s, (firsts, _) in enumerate(edges):
+            done = 0.0
+            for c, start in enumerate(firsts):
+                done = max(done, firsts[c - 1] if c else 0.0) + piece
+                late = done - start
+                if s == 0 and c == 0:
+                    late = exposed_bucket_s(piece, forward[0] / v, first * item, bucket * item)
+                wait = max(wait, late)
+        exposed += wait
     else:
         exposed += gather_s
     return exposed
@@ -916,7 +1006,8 @@ def step_lower_bound(
                 weights = w if layout.schedule in SPLIT_BACKWARD else None
                 spans[key] = pipeline_makespan(f, b, p2p_s, m, layout.schedule, weight_s=weights, virtual_stages=v,
                                                synchronous=config.synchronous_p2p,
-                                               paired=config.paired_exchanges)  # fmt: skip
+                                               paired=config.paired_exchanges,
+                                               overlapped=config.overlap_p2p_comm)  # fmt: skip
             elif key not in spans:
                 spans[key] = _makespan_bound(f, b, w, layout)
             slowest = max(slowest, spans[key])

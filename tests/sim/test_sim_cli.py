@@ -207,3 +207,19 @@ def test_simulate_train_takes_tp_comm_overlap_with_sequence_parallelism(capsys: 
     assert overlapped["step_s"] < plain["step_s"]
     assert main(argv[:-1] + ["--tp-comm-overlap"]) == 2
     assert "--tp-comm-overlap needs --sequence-parallel" in "".join(capsys.readouterr())
+
+
+def test_plan_prices_interleaved_plans_with_megatron_core_overlaps(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--topology", "h100-node", "--params", "1e9", "--layers", "8", "--hidden", "2048", "--heads", "16",
+            "--global-batch", "16", "--micro-batches", "1", "--zero", "0", "--recompute", "none", "--placements",
+            "aware", "--max-tp", "1", "--top", "40", "--exhaustive"]  # fmt: skip
+
+    def interleaved(*extra: str) -> dict:
+        return {p["layout"]: p for p in run_json(capsys, *argv, *extra)["plans"] if "interleaved" in p["layout"]}
+
+    plain, overlapped = interleaved(), interleaved("--overlap-grad-reduce", "--overlap-p2p-comm")
+    assert plain and plain.keys() == overlapped.keys()
+    for name, p in plain.items():  # each chunk's reduction after its own last backward: the first chunk's shows
+        assert 0 < overlapped[name]["dp_exposed_s"] < p["dp_exposed_s"]
+    assert main([*argv, "--overlap-param-gather"]) == 2
+    assert "--overlap-param-gather needs --overlap-grad-reduce" in "".join(capsys.readouterr())

@@ -1,5 +1,7 @@
-"""Megatron-Core's data-parallel overlaps with a pipeline: the reduction under each stage's last backward
-(``StepConfig.overlap_grad_reduce``), the weights' all-gather under the next forward (``overlap_param_gather``)."""
+"""Megatron-Core's overlaps with a pipeline: the reduction under each stage's last backward
+(``StepConfig.overlap_grad_reduce``), the weights' all-gather under the next forward (``overlap_param_gather``), both
+per model chunk under interleaved 1F1B, and the interleaved schedule's exchanges under compute
+(``overlap_p2p_comm``)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,18 @@ from types import SimpleNamespace
 import pytest
 
 from dtrain.sim.model import Layout, ModelSpec
-from dtrain.sim.pipeline import pipeline_makespan, pipeline_stage_spans
+from dtrain.sim.pipeline import pipeline_chunk_edges, pipeline_makespan, pipeline_stage_spans
 from dtrain.sim.placement import place
-from dtrain.sim.step import StepConfig, exposed_bucket_s, overlapped_reduction_s, simulate_step, step_lower_bound
+from dtrain.sim.step import (
+    StepConfig,
+    _stage_times,
+    chunked_reduction_s,
+    exposed_bucket_s,
+    overlapped_reduction_s,
+    simulate_step,
+    step_lower_bound,
+)
+from dtrain.sim.traffic import simulate_traffic
 from tests.sim.test_sim_topologies import GB, star
 
 MODEL = ModelSpec(parameters=1e9, layers=8, hidden=1024, heads=16, sequence=512)
@@ -52,3 +63,58 @@ def test_a_pipelined_step_hides_part_of_its_reduction_only_with_overlap_grad_red
     assert overlapped.step_s == pytest.approx(overlapped.pipeline_s + overlapped.dp_exposed_s + overlapped.optimizer_s)
     # the planner's bound leaves the overlapped reduction out, so it stays below the step
     assert step_lower_bound(MODEL, layout, topo, placement, config, exact_pipeline=True) <= overlapped.step_s
+
+
+def test_overlapped_exchanges_hide_under_compute_until_the_receive_is_late() -> None:
+    f, b, m = [1.0] * 4, [2.0] * 4, 8  # a chunk's forward 0.5 s and backward 1 s
+
+    def span(message: float, schedule: str = "interleaved-1f1b", **how) -> float:
+        return pipeline_makespan(f, b, message, m, schedule, virtual_stages=2, **how)
+
+    # Megatron-Core's overlap_p2p_comm takes the place of the synchronous, paired exchanges
+    overlapped = span(0.1, synchronous=True, paired=True, overlapped=True)
+    assert overlapped < span(0.1, synchronous=True, paired=True)
+    assert overlapped == pytest.approx(span(0.1))  # shorter than the compute between post and wait: only arrival
+    # longer than a backward: the receive, posted after the stage's previous forward, is not done when compute ends
+    assert span(1.5, overlapped=True) > span(1.5) + 1.0
+    assert span(1.5, overlapped=True, schedule="1f1b") == span(1.5, schedule="1f1b")  # interleaved only
+
+
+def test_each_chunk_reduces_after_its_own_last_backward_delayed_by_the_stage_index() -> None:
+    layout = Layout(dp=4, pp=2, global_batch=8, zero_stage=1, schedule="interleaved-1f1b", chunks=2)
+    dp = [SimpleNamespace(time_s=4.0), SimpleNamespace(time_s=1.0)]  # reduce-scatter, all-gather: 2.0, 0.5 a chunk
+    edges = [([0.0, 2.0], [(1, 10.0), (1, 11.0), (0, 12.0), (0, 13.0)]),
+             ([1.0, 3.0], [(1, 9.0), (1, 10.5), (0, 11.5), (0, 12.5)])]  # fmt: skip
+    # stage 0: chunk 1 after its backward at 11, done 13, chunk 0 after 13, done 15; stage 1 launches chunk 1 one
+    # backward late (11.5, done 13.5), then chunk 0 (15.5): 2.5 s past the pipeline's 13 s
+    config = StepConfig(distributed_optimizer=True, overlap_grad_reduce=True)
+    assert chunked_reduction_s(MODEL, layout, config, dp, [1.0, 1.0], edges, 13.0) == pytest.approx(2.5 + 1.0)
+    config = StepConfig(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)
+    first = 0.25e9 * 2  # the first stage's first chunk's weights in bytes
+    gather = exposed_bucket_s(0.5, 0.5, first, 80e6)  # chunk 0's buckets under stage 0's first forward
+    assert chunked_reduction_s(MODEL, layout, config, dp, [1.0, 1.0], edges, 13.0) == pytest.approx(2.5 + gather)
+
+
+def test_an_interleaved_step_reduces_per_chunk() -> None:
+    topo = star(4, bytes_per_s=10 * GB)
+    layout = Layout(dp=2, pp=2, global_batch=8, zero_stage=1, schedule="interleaved-1f1b", chunks=2)
+    placement = place(topo, layout)
+    config = StepConfig(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                        overlap_p2p_comm=True)  # fmt: skip
+    result = simulate_step(MODEL, layout, topo, placement, config)
+    plain = simulate_step(MODEL, layout, topo, placement, StepConfig(distributed_optimizer=True))
+    assert 0 <= result.dp_exposed_s < plain.dp_exposed_s
+    assert result.step_s == pytest.approx(result.pipeline_s + result.dp_exposed_s + result.optimizer_s)
+    assert step_lower_bound(MODEL, layout, topo, placement, config, exact_pipeline=True) <= result.step_s
+    # the step takes the chunks' rule over the pipeline's chunk edges, not the stages' (the 1F1B rule)
+    traffic = simulate_traffic(MODEL, layout, topo, placement, distributed_optimizer=True)
+    (f, *_), (b, *_), _ = _stage_times(MODEL, layout, topo, placement, [1.0] * 4, config, 0.0)
+    send = traffic.pp.time_s
+    edges = pipeline_chunk_edges(f, b, send, 4, virtual_stages=2, overlapped=True)
+    chunked = chunked_reduction_s(MODEL, layout, config, traffic.dp, f, edges, result.pipeline_s)
+    spans = pipeline_stage_spans(f, b, send, 4, "interleaved-1f1b", virtual_stages=2, overlapped=True)
+    staged = overlapped_reduction_s(MODEL, layout, config, traffic.dp, f, b, [0.0, 0.0], spans, result.pipeline_s)
+    assert result.dp_exposed_s == pytest.approx(chunked)
+    assert chunked < staged
+    assert [e[0][0] for e in edges] == [pytest.approx(start) for start, _ in spans]  # chunk 0 first
+    assert [e[1][-1][1] for e in edges] == [pytest.approx(end) for _, end in spans]  # and last backward

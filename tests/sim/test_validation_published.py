@@ -144,6 +144,16 @@ def test_h100_rows_load_and_simulate() -> None:
     for other in rows.values():
         used = other["name"].startswith("mcore24-") and other["tp"] > 1
         assert published.config_of(other).tp_comm_overlap == used, other["name"]
+        # the README's overlapped pipeline exchanges (Megatron-Core's overlap_p2p_comm), kept only with interleaving:
+        # interleaved where a stage's layers leave one chunk count (a prime count of layers, one layer a chunk)
+        mcore = other["name"].startswith("mcore24-")
+        assert published.config_of(other).overlap_p2p_comm == mcore, other["name"]
+        if mcore and other["pp"] > 1:
+            per_stage = other["layers"] // other["pp"]
+            choices = [c for c in range(2, per_stage + 1) if per_stage % c == 0]
+            interleaved = published.layout_of(other).schedule == "interleaved-1f1b"
+            assert interleaved == (len(choices) == 1), other["name"]
+            assert not interleaved or published.layout_of(other).chunks == per_stage, other["name"]
     config = published.config_of(row, flow_limit=1000)
     result = published.simulate(row, config)
     assert result["fits"] and result["compute_s"] < result["published_s"], result
