@@ -171,9 +171,13 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    from dtrain.sim.model import MODELS
-
-    p.add_argument("--model", default="llama-7b", help=f"one of {', '.join(MODELS)}, changed by the flags below")
+    # the presets are named where --model is read (dtrain.sim.model imports numpy and networkx: 0.4 s at every
+    # start of `dtrain`, whatever its command, were they named here)
+    p.add_argument(
+        "--model",
+        default="llama-7b",
+        help="a preset of dtrain.sim.model (an unknown name lists them), changed by the flags below",
+    )
     p.add_argument("--params", type=parse_count, help="parameters, e.g. 7e9 or 7G")
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
