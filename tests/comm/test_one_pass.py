@@ -92,6 +92,15 @@ def test_auto_runs_nccl_where_the_one_pass_it_chose_declines():
     assert not api._declined(Collective.REDUCE_SCATTER, "auto", "direct", big)
 
 
+def _each_rank(rank_main, world: int) -> None:
+    """``rank_main(rank)`` on one thread a rank, until every thread ends (30 s at most each)."""
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+
+
 class _Handle:
     def __init__(self, gate: threading.Barrier) -> None:
         self.gate = gate
@@ -231,11 +240,7 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
             if not all(ok):
                 failures.append((rank, call, ok))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    _each_rank(rank_main, world)
     assert not failures
     # by address: the all-gather and the all-to-all of 3 calls on every rank through the gather kernel, and the
     # reduce-scatter and broadcast too through the exchange kernel; a block of 5 float32 elements is copied in
@@ -311,11 +316,7 @@ def test_the_one_shot_all_reduce_through_the_exchange_kernel_alternates_halves_a
             failures.append((rank, repr(err)))
             gate.abort()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    _each_rank(rank_main, world)
     assert not failures
     half = 4096 // 2 // fused.ALIGN * fused.ALIGN
     assert sorted(set(offsets)) == [0, half] and len(offsets) == 3 * world
