@@ -6,19 +6,24 @@ the simulator's defaults, the H100 compute curves dtrain ships, or a measurement
 where it is used).
 
 collectives  ``dtrain bench comm`` with the defaults (collectives_defaults[_fresh]-h100x{4,2}.jsonl): every
-             NCCL call (``native``, and ``auto`` where it resolved to NCCL) priced by dtrain.sim.nccl in the
-             protocol NCCL's tuning log gives (Simple below 1 MiB), with NCCL's figures fitted on 4 x H200 calls
-             captured as CUDA graphs (``validate.py captured``'s fit: the device's time, no H100 row); dtrain's own
-             algorithms (one_shot, direct) priced by dtrain.sim.peer_model with the H100 peer figures of
+             NCCL call (``native``, ``torch``: torch.distributed's own, and ``auto`` where it resolved to NCCL)
+             priced by dtrain.sim.nccl in the protocol NCCL's tuning log gives (Simple below 1 MiB), with NCCL's
+             figures fitted on 4 x H200 calls captured as CUDA graphs (``validate.py captured``'s fit: the
+             device's time, no H100 row). dtrain's own algorithms with the H100 peer figures of
              sim_validation-peer-h100x4.jsonl (``validate.py peer-h100``: micro-benchmarks, host replay time
-             fitted on all_reduce-h100x4.jsonl; the one-kernel all-reduces' host time a call from
-             probe-one-shot-h100x4.txt, dtrain's ``auto`` back to back). Two predictions a row: the device alone
-             (``device_us``, launch and kernel) and with the host's time per call (``predicted_us`` = max(host,
-             device), back-to-back calls overlapping the host's enqueue with the previous kernel): the median
-             ``host_us`` of NCCL's eager calls of at most 1 MiB per collective in captured-symmetric-h100x4.jsonl
-             and captured-rooted-h100x4.jsonl (another launch on the same node, 4 ranks; used for 2 ranks too).
-             ``--nccl-figures FILE`` takes NCCL's fitted figures from an earlier output of this mode (the fit
-             takes minutes).
+             fitted on all_reduce-h100x4.jsonl): those the exchange kernel runs (all-gather, all-to-all and
+             reduce-scatter ``direct``, broadcast ``star``, one_shot all-reduce up to 256 KiB; 8 MiB a rank at
+             most) by dtrain.sim.peer_model.exchange_time, one kernel, with the host's time a call of
+             probe-one-pass-h200x4.txt (through dtrain.comm, 4 x H200) and, for the all-reduce, of
+             probe-one-shot-h100x4.txt (dtrain's ``auto`` back to back); torch's kernels (one_shot above 256 KiB,
+             the two-shot ``direct`` all-reduce) by dtrain.sim.peer_model.peer_time as their pull plans, with the
+             same all-reduce host time. Each row's ``pricing`` names the function. Two predictions a row: the
+             device alone (``device_us``, launch and kernel) and with the host's time per call (``predicted_us`` =
+             max(host, device), back-to-back calls overlapping the host's enqueue with the previous kernel): for
+             NCCL the median ``host_us`` of NCCL's eager calls of at most 1 MiB per collective in
+             captured-symmetric-h100x4.jsonl and captured-rooted-h100x4.jsonl (another launch on the same node,
+             4 ranks; used for 2 ranks too). ``--nccl-figures FILE`` takes NCCL's fitted figures from an earlier
+             output of this mode (the fit takes minutes).
 pipeline     ``dtrain bench pipeline`` (bench_pipeline[-b4096]-h100x4.jsonl, its eager rows: 16 x (Linear(4096,
              4096) + GELU) in float32 on 4 stages, MSE loss): each stage's forward, input-gradient and
              weight-gradient time from
@@ -66,6 +71,9 @@ PEER_FIGURES = "sim_validation-peer-h100x4.jsonl"  # validate.py peer-h100's H10
 #: one-kernel path (one-shot, two-shot), at 8 KiB-16 MiB
 FUSED_PROBE = "probe-one-shot-h100x4.txt"
 FUSED = ("one_shot", "direct")  # all-reduces that run as one kernel (dtrain/comm/peer/fused.py)
+#: benchmarks/collectives/probe.py one-pass on 4 x H200: the host's time a call of each one-pass collective through
+#: dtrain.comm, 8 KiB a rank
+ONE_PASS_PROBE = "probe-one-pass-h200x4.txt"
 #: torch.distributed.pipelining's class of each of our schedules, where torch runs the same schedule
 TORCH_SAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
               "zb-v": "ScheduleZBVZeroBubble"}  # fmt: skip
@@ -168,13 +176,36 @@ def fused_host_s() -> float:
     return statistics.median(times)
 
 
+def exchange_host_s() -> dict[str, float]:
+    """Per collective, the host's time a call of the exchange kernel through dtrain.comm: :data:`ONE_PASS_PROBE`'s
+    ``one-pass`` lines (all-gather, all-to-all, reduce-scatter, broadcast)."""
+    out = {}
+    for line in (RESULTS / ONE_PASS_PROBE).read_text().splitlines():
+        found = re.search(r"^one-pass (\w+)\s+host\s+([\d.]+) us/call", line)
+        if found:
+            out[found.group(1)] = float(found.group(2)) * 1e-6
+    if not out:
+        raise ValueError(f"{ONE_PASS_PROBE}: no 'one-pass COLLECTIVE host US us/call' lines")
+    return out
+
+
+def rank_bytes(collective: str, nbytes: int, world: int) -> int:
+    """The bytes a rank puts into a ``dtrain bench comm`` call of ``nbytes`` (dtrain.comm.tune.make_call: an
+    all-gather's input is a ``world``-th of its output; every other collective's input is the whole buffer)."""
+    return nbytes // world if collective == "all_gather" else nbytes
+
+
 def collective_rows(
-    params, host: dict[str, float], peer, fused_s: float, files=COLLECTIVE_FILES, where=None
+    params, host: dict[str, float], peer, fused_s: float, files=COLLECTIVE_FILES, where=None, exchange_host=None
 ) -> list[dict]:
     """Every row of ``files`` (those ``where(row)`` accepts, if given) with its prediction (module docstring);
-    ``fused_s``: the host's time a call of the one-kernel all-reduce (:func:`fused_host_s`)."""
+    ``fused_s``: the host's time a call of the one-kernel all-reduce (:func:`fused_host_s`); ``exchange_host``:
+    per collective, the host's time a call of the exchange kernel (None: :func:`exchange_host_s`)."""
     import captured_base as s6
 
+    from dtrain.sim.peer_model import exchange_form, exchange_time
+
+    exchange_host = {**(exchange_host_s() if exchange_host is None else exchange_host), "all_reduce": fused_s}
     out = []
     for name in files:
         for r in load(name):
@@ -186,9 +217,15 @@ def collective_rows(
                    "algorithm": r["algorithm"], "resolved": resolved, "nbytes": n, "fresh": r["fresh"],
                    "measured_us": r["time_us"], "host_measured_us": r.get("host_us"),
                    "cost_model_us": r.get("predicted_us")}  # fmt: skip
+            form = exchange_form(coll, resolved, rank_bytes(coll, n, world))
             if resolved == "native":
                 device, total, protocol = nccl_row_times(coll, n, world, params, host[coll])
-                row |= {"model": "nccl", "protocol": protocol, "host_us": host[coll] * 1e6}
+                row |= {"model": "nccl", "pricing": "simulate_nccl", "protocol": protocol, "host_us": host[coll] * 1e6}
+            elif form is not None:  # one call of the exchange kernel
+                t = exchange_time(form, world, rank_bytes(coll, n, world), peer, host_s=exchange_host[coll])
+                device, total = t.gpu_s, t.time_s
+                row |= {"model": "peer", "pricing": "exchange_time", "form": form, "programs": t.programs,
+                        "protocol": None, "host_us": t.host_s * 1e6}  # fmt: skip
             else:
                 priced = s6._peer_row({**r, "run": name}, peer, graph=False)
                 device, total = priced["gpu_us"] * 1e-6, priced["predicted_us"] * 1e-6
@@ -196,7 +233,8 @@ def collective_rows(
                 if coll == "all_reduce" and resolved in FUSED:  # one kernel: its own host path, not a replay's
                     host_s = fused_s
                     total = max(fused_s, device)
-                row |= {"model": "peer", "protocol": None, "host_us": None if host_s is None else host_s * 1e6}
+                row |= {"model": "peer", "pricing": "peer_time", "protocol": None,
+                        "host_us": None if host_s is None else host_s * 1e6}  # fmt: skip
             row |= {"device_us": device * 1e6, "predicted_us": total * 1e6,
                     "device_error": _error(device * 1e6, r["time_us"]),
                     "error": _error(total * 1e6, r["time_us"])}  # fmt: skip
@@ -206,17 +244,19 @@ def collective_rows(
 
 def _collectives(args: argparse.Namespace) -> list[dict]:
     params = nccl_figures_from(args.nccl_figures) if args.nccl_figures else fit_nccl_figures()
-    host, fused = nccl_host_s(), fused_host_s()
-    rows = collective_rows(params, host, peer_figures(), fused)
+    host, fused, exchange = nccl_host_s(), fused_host_s(), exchange_host_s()
+    rows = collective_rows(params, host, peer_figures(), fused, exchange_host=exchange)
     print(f"NCCL figures (4 x H200 graph captures): {params}")
     print("host time a call (us), " + ", ".join(f"{c} {s * 1e6:.1f}" for c, s in sorted(host.items()))
           + f" (median of {' and '.join(HOST_FILES)}); dtrain's one-kernel all-reduce {fused * 1e6:.1f} us "
-          f"({FUSED_PROBE})")  # fmt: skip
+          f"({FUSED_PROBE}); the exchange kernel, "
+          + ", ".join(f"{c} {v * 1e6:.1f}" for c, v in sorted(exchange.items())) + f" ({ONE_PASS_PROBE})")  # fmt: skip
     print(f"{'file':42s} {'collective':15s} {'alg':9s} {'resolved':9s} {'bytes':>10s} {'measured':>9s} "
-          f"{'device':>8s} {'+host':>8s} {'error':>7s}")  # fmt: skip
+          f"{'device':>8s} {'+host':>8s} {'error':>7s}  pricing")  # fmt: skip
     for r in rows:
         print(f"{r['source']:42s} {r['collective']:15s} {r['algorithm']:9s} {r['resolved']:9s} {r['nbytes']:>10d} "
-              f"{r['measured_us']:9.1f} {r['device_us']:8.1f} {r['predicted_us']:8.1f} {r['error']:+7.1%}")  # fmt: skip
+              f"{r['measured_us']:9.1f} {r['device_us']:8.1f} {r['predicted_us']:8.1f} {r['error']:+7.1%}  "
+              f"{r['pricing']}")  # fmt: skip
     for label, key in (("device only", "device_error"), ("with host", "error")):
         for world in (4, 2):
             for model in ("nccl", "peer"):
@@ -224,9 +264,14 @@ def _collectives(args: argparse.Namespace) -> list[dict]:
                 if group:
                     print(f"{label}, {world} GPUs, {model}: median |error| {_median(group):.1%}, worst "
                           f"{max(map(abs, group)):.1%} over {len(group)}")  # fmt: skip
+            for pricing in ("exchange_time", "peer_time"):
+                group = [r[key] for r in rows if r["world_size"] == world and r["pricing"] == pricing]
+                if group:
+                    print(f"{label}, {world} GPUs, peer by {pricing}: median |error| {_median(group):.1%}, worst "
+                          f"{max(map(abs, group)):.1%} over {len(group)}")  # fmt: skip
     figures = {"record": "figures", "nccl": dataclasses.asdict(params), "host_s": host,
                "host_source": list(HOST_FILES), "peer_source": PEER_FIGURES, "fused_host_s": fused,
-               "fused_source": FUSED_PROBE}  # fmt: skip
+               "fused_source": FUSED_PROBE, "exchange_host_s": exchange, "exchange_source": ONE_PASS_PROBE}  # fmt: skip
     return [figures, *rows]
 
 

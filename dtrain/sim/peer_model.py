@@ -31,6 +31,10 @@ after it behind its last.
 ``push=True`` prices the push form instead (:func:`dtrain.comm.peer.push.compile_push`): a barrier before every
 round and one after the last; a round's sends one after another at the push rate (a pass that reads local
 buffers and stores into a peer), its local folds at the local rate; after the last barrier, the final folds.
+
+**One kernel.** Over NVLink the one-round schedules run as one call of the exchange kernel
+(:func:`dtrain.comm.peer.kernels.exchange`, up to 8 MiB a rank; the one-shot all-reduce up to 256 KiB), not as
+a pull plan: :func:`exchange_time` prices that call (:func:`exchange_form` says which calls run it).
 """
 
 from __future__ import annotations
@@ -45,7 +49,10 @@ from dtrain.comm.peer.pull import PullOp, compile_pull, wants_kernel
 from dtrain.comm.peer.push import PushOp, compile_push
 from dtrain.sim.api_passes import RankPasses
 
-__all__ = ["PeerCost", "PeerTime", "peer_time", "fit_peer_cost"]
+__all__ = [
+    "EXCHANGE_FORMS", "ExchangeTime", "PeerCost", "PeerTime", "exchange_form", "exchange_time", "fit_peer_cost",
+    "peer_time",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -478,3 +485,108 @@ def _golden(loss, low: float, high: float, steps: int = 40) -> float:
             d = a + ratio * (b - a)
             fd = loss(d)
     return (a + b) / 2
+
+
+# --- the exchange kernel ---------------------------------------------------------------------------------------
+
+#: The collective and algorithm that the exchange kernel runs, and its form (:data:`dtrain.comm.peer.fused.ONE_PASS`,
+#: and the one-shot all-reduce of :func:`dtrain.comm.peer.fused.reducer`).
+EXCHANGE_FORMS = {
+    ("all_gather", "direct"): "gather",
+    ("all_to_all", "direct"): "exchange",
+    ("reduce_scatter", "direct"): "scatter",
+    ("broadcast", "star"): "broadcast",
+    ("all_reduce", "one_shot"): "reduce",
+}
+#: The most bytes a rank puts into a one-pass call (:data:`dtrain.comm.peer.fused.ONE_PASS_MAX_BYTES`) and into the
+#: kernel's one-shot all-reduce (:data:`dtrain.comm.peer.fused.REDUCE_MAX_BYTES`; above it torch's one-shot kernel).
+ONE_PASS_MAX_BYTES = 8 << 20
+REDUCE_MAX_BYTES = 256 << 10
+#: The kernel's elements a chunk and most programs (:data:`dtrain.comm.peer.kernels.EXCHANGE_BLOCK`,
+#: ``EXCHANGE_PROGRAMS``), and the words its copy forms copy in, widest first
+#: (:func:`dtrain.comm.peer.kernels.word_bytes`).
+EXCHANGE_BLOCK = 2048
+EXCHANGE_PROGRAMS = 32
+EXCHANGE_WORDS = (8, 4, 2, 1)
+
+
+def exchange_form(collective: str, algorithm: str, nbytes: int) -> str | None:
+    """The exchange kernel's form that runs ``algorithm`` for ``collective`` with ``nbytes`` a rank puts in (an
+    all-gather's input, a reduce-scatter's or all-to-all's whole input, the broadcast's or all-reduce's tensor),
+    or None (a pull plan or torch's kernels run it): the runtime's limits, 8 MiB a rank, 256 KiB an all-reduce."""
+    form = EXCHANGE_FORMS.get((collective, algorithm))
+    limit = REDUCE_MAX_BYTES if form == "reduce" else ONE_PASS_MAX_BYTES
+    return form if form is not None and 0 < nbytes <= limit else None
+
+
+@dataclass(frozen=True)
+class ExchangeTime:
+    """One exchange-kernel call: ``time_s`` = max(``gpu_s``, ``host_s``); ``gpu_s`` = ``launch_s`` + ``copy_in_s``
+    + ``barrier_s`` + ``read_s`` on the slowest rank; ``programs``: the kernel's grid."""
+
+    time_s: float
+    gpu_s: float
+    host_s: float
+    launch_s: float
+    copy_in_s: float
+    barrier_s: float
+    read_s: float
+    programs: int
+
+
+def exchange_time(
+    form: str, world: int, nbytes: int, cost: PeerCost, *, itemsize: int = 4, host_s: float = 0.0
+) -> ExchangeTime:
+    """One call of the exchange kernel in ``form`` (:data:`EXCHANGE_FORMS`'s values) on ``world`` GPUs, each rank
+    putting in ``nbytes`` (as :func:`exchange_form`); ``itemsize``: the element of a sum (the copy forms copy the
+    widest word that divides a block, 8 bytes at most); ``host_s``: the host's time a call.
+
+    The GPU's time, on the slowest rank: one kernel's ``gpu_op_s``; the copy of the rank's input into its window
+    (the broadcast: the root's alone) at ``local_bytes_per_s``; one device barrier, ``barrier_s`` (a signal into
+    every peer's pad and a wait for theirs, the peers in parallel); then the reads: what the rank takes from its
+    peers' windows at ``pair_bytes_per_s`` on 2 GPUs (one peer) and ``fanin_bytes_per_s`` on more (every rank
+    reading every peer at once, as the fan-in micro-benchmark), the broadcast's ``world - 1`` readers sharing the
+    root's port (each at ``fanin_bytes_per_s / (world - 1)``, the fan-in rate being what a GPU's port gave all its
+    readers, at most the pair rate), and its own block out of its own window at the local rate. The kernel runs
+    ``min(32, chunks)`` programs (a chunk: 2048 words of a block), each copying its share of the chunks of every
+    block; 32 programs reach each rate, and a program moves ``1/32`` of it, so the busiest program's share sets
+    each phase's time (a small call runs few programs, each at its 32nd of the rate).
+    """
+    if form not in EXCHANGE_FORMS.values():
+        raise ValueError(f"exchange_time: form {form!r}; accepted: {sorted(set(EXCHANGE_FORMS.values()))}")
+    if world < 2:
+        raise ValueError(f"exchange_time: world {world!r} must be at least 2")
+    if nbytes < 0 or itemsize <= 0:
+        raise ValueError(f"exchange_time: nbytes {nbytes!r} must be >= 0 and itemsize {itemsize!r} > 0")
+    blocks = world if form in ("exchange", "scatter") else 1  # blocks a rank copies in
+    block = nbytes // blocks
+    summed = form in ("scatter", "reduce")
+    word = itemsize if summed else next(w for w in EXCHANGE_WORDS if block % w == 0)
+    chunk = EXCHANGE_BLOCK * word
+    chunks = max(1, -(-block // chunk))
+    programs = min(EXCHANGE_PROGRAMS, chunks)
+    share = min(-(-chunks // programs) * chunk, block)  # the busiest program's bytes of one block
+    per_program = 1 / EXCHANGE_PROGRAMS  # of each rate
+    local = cost.local_bytes_per_s * per_program
+    if form == "broadcast":
+        peer_rate = (
+            cost.pair_bytes_per_s if world == 2 else min(cost.pair_bytes_per_s, cost.fanin_bytes_per_s / (world - 1))
+        )
+        copy_in = share / local  # the root's; the readers wait for it at the barrier
+        read = share / (peer_rate * per_program)  # a reader takes the root's block, nothing of its own
+    else:
+        peer_rate = cost.pair_bytes_per_s if world == 2 else cost.fanin_bytes_per_s
+        copy_in = blocks * share / local
+        # every form reads one block of every rank's window: world - 1 over NVLink, its own locally
+        read = (world - 1) * share / (peer_rate * per_program) + share / local
+    gpu = cost.gpu_op_s + copy_in + cost.barrier_s + read
+    return ExchangeTime(
+        time_s=max(gpu, host_s),
+        gpu_s=gpu,
+        host_s=host_s,
+        launch_s=cost.gpu_op_s,
+        copy_in_s=copy_in,
+        barrier_s=cost.barrier_s,
+        read_s=read,
+        programs=programs,
+    )

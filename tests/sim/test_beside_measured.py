@@ -15,6 +15,7 @@ import pytest
 from dtrain.cluster.presets import preset
 from dtrain.sim.model import Layout, ModelSpec
 from dtrain.sim.nccl import NcclParams, simulate_nccl
+from dtrain.sim.peer_model import exchange_time
 from dtrain.sim.pipeline import pipeline_makespan
 from dtrain.sim.placement import place
 from dtrain.sim.step import simulate_step
@@ -71,6 +72,36 @@ def test_collectives_file_matches_a_direct_call(beside):
     assert len(again) == 1 and again[0]["predicted_us"] == pytest.approx(peer["predicted_us"])
     assert peer["resolved"] in beside.FUSED  # the one-kernel all-reduce: its host time, else its kernel
     assert peer["predicted_us"] == pytest.approx(max(peer["device_us"], figures["fused_host_s"] * 1e6))
+    assert {r["pricing"] for r in rows} == {"simulate_nccl", "exchange_time", "peer_time"}
+
+
+def test_a_one_kernel_row_is_one_call_of_the_exchange_kernel(beside):
+    """A 4-GPU all-gather of 8 MiB (2 MiB a rank in): the exchange kernel's device time, the host's time of a
+    one-pass all-gather from the probe, the larger of the two; the same bytes through the pull plan differ."""
+    records = _rows("sim_beside_collectives-h100x4.jsonl")
+    figures = next(r for r in records if r["record"] == "figures")
+    assert figures["exchange_host_s"] == pytest.approx(beside.exchange_host_s())
+    row = next(r for r in records if r["record"] == "row" and r["collective"] == "all_gather"
+               and r["resolved"] == "direct" and r["world_size"] == 4 and r["nbytes"] == 8 << 20)  # fmt: skip
+    assert row["pricing"] == "exchange_time" and row["form"] == "gather"
+    cost = beside.peer_figures()
+    host = figures["exchange_host_s"]["all_gather"]
+    t = exchange_time("gather", 4, 2 << 20, cost, host_s=host)
+    assert row["device_us"] == pytest.approx(t.gpu_s * 1e6)
+    assert row["predicted_us"] == pytest.approx(t.time_s * 1e6) and row["host_us"] == pytest.approx(host * 1e6)
+    assert row["device_us"] > host * 1e6  # 6 MiB read from 3 peers: the kernel, not the host, sets this one
+    import captured_base
+
+    planned = captured_base._peer_row({**_rows(row["source"])[0], "collective": "all_gather", "nbytes": 8 << 20,
+                                       "resolved_algorithm": "direct", "world_size": 4, "run": row["source"]},
+                                      cost, graph=False)  # fmt: skip
+    assert planned["gpu_us"] != pytest.approx(row["device_us"], rel=0.05)
+    # the one-shot all-reduce up to 256 KiB is the kernel's; above it torch's kernel, priced as its pull plan
+    small = [r for r in records if r["record"] == "row" and r["collective"] == "all_reduce" and r["resolved"] ==
+             "one_shot"]  # fmt: skip
+    assert {r["pricing"] for r in small if r["nbytes"] <= 256 << 10} == {"exchange_time"}
+    assert {r["pricing"] for r in small if r["nbytes"] > 256 << 10} == {"peer_time"}
+    assert all(r["pricing"] == "simulate_nccl" for r in records if r.get("algorithm") == "torch")
 
 
 def test_pipeline_file_matches_a_direct_call(beside):

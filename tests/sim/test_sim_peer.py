@@ -1,13 +1,19 @@
-"""The peer-transport model: a schedule's pull plan priced pass by pass, host against GPU."""
+"""The peer-transport model: a schedule's pull plan priced pass by pass, host against GPU; one call of the
+exchange kernel priced as its copy in, one barrier and its reads."""
 
 from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import Collective
+from dtrain.sim import peer_model
 from dtrain.sim.api_passes import api_passes
-from dtrain.sim.peer_model import PeerCost, fit_peer_cost, peer_time
+from dtrain.sim.peer_model import PeerCost, exchange_form, exchange_time, fit_peer_cost, peer_time
 
 COST = PeerCost(
     pair_bytes_per_s=300e9,
@@ -175,3 +181,64 @@ def test_a_small_replay_its_gpu_time_explains_does_not_raise_the_replay_host_tim
     # the median of the three (44 us) would price the doubling at 44 us; 28 us explains all three best
     points = [(ring, n, ring_gpu * 1.05, True), (ring, n, ring_gpu * 1.05, True), (doubling, n, 28e-6, True)]
     assert fit_peer_cost(points, COST, gpu=False).host_replay_s == pytest.approx(28e-6)
+
+
+MIB = 1 << 20
+
+
+def test_an_exchange_kernel_all_gather_copies_in_passes_one_barrier_and_reads_three_peers_at_the_fan_in_rate():
+    cost = replace(COST, gpu_op_s=4e-6)
+    t = exchange_time("gather", 4, 2 * MIB, cost, host_s=20e-6)
+    # 2 MiB a rank: 128 chunks of 2048 8-byte words, 32 programs of 4 chunks each, together at the full rates
+    copy_in, reads, own = 2 * MIB / 2e12, 3 * 2 * MIB / 200e9, 2 * MIB / 2e12
+    assert t.programs == 32
+    assert t.gpu_s == pytest.approx(4e-6 + copy_in + 6e-6 + reads + own)
+    assert t.time_s == t.gpu_s  # 6 MiB over NVLink: above the host's 20 us
+    two = exchange_time("gather", 2, 2 * MIB, cost)  # one peer: the pair rate
+    assert two.read_s == pytest.approx(2 * MIB / 300e9 + own)
+
+
+def test_a_small_exchange_kernel_call_runs_few_programs_and_is_host_bound():
+    # an 8 KiB one-shot all-reduce of float32: one chunk of 2048 elements, one program at a 32nd of each rate
+    t = exchange_time("reduce", 4, 8192, COST, host_s=26.5e-6)
+    assert t.programs == 1
+    want = 8192 / (2e12 / 32) + 6e-6 + 3 * 8192 / (200e9 / 32) + 8192 / (2e12 / 32)
+    assert t.gpu_s == pytest.approx(want)  # 1.7 us of bytes, 6 us of barrier, no launch time in COST
+    assert t.time_s == 26.5e-6
+
+
+def test_the_broadcast_s_readers_share_the_root_s_port_and_a_reduce_scatter_reads_one_block_of_each():
+    t = exchange_time("broadcast", 4, 2 * MIB, COST)
+    assert t.copy_in_s == pytest.approx(2 * MIB / 2e12)  # the root's copy in
+    assert t.read_s == pytest.approx(2 * MIB / (200e9 / 3))  # three readers of the root at a third of the port
+    assert exchange_time("broadcast", 2, 2 * MIB, COST).read_s == pytest.approx(2 * MIB / 300e9)
+    rs = exchange_time("scatter", 4, 8 * MIB, COST)  # four 2 MiB blocks in, one 2 MiB block of every rank read
+    assert rs.copy_in_s == pytest.approx(8 * MIB / 2e12)
+    assert rs.read_s == pytest.approx(3 * 2 * MIB / 200e9 + 2 * MIB / 2e12)
+
+
+def test_exchange_form_takes_the_runtime_s_collectives_and_limits():
+    assert exchange_form("all_gather", "direct", 8 * MIB) == "gather"
+    assert exchange_form("all_gather", "direct", 8 * MIB + 4) is None
+    assert exchange_form("all_reduce", "one_shot", 256 << 10) == "reduce"
+    assert exchange_form("all_reduce", "one_shot", 512 << 10) is None  # torch's one-shot kernel
+    assert exchange_form("all_reduce", "direct", 8192) is None  # torch's two-shot kernel
+    assert exchange_form("broadcast", "star", 8192) == "broadcast"
+    with pytest.raises(ValueError, match="form 'ring'"):
+        exchange_time("ring", 4, 8192, COST)
+
+
+def test_the_exchange_kernel_s_figures_are_the_runtime_s():
+    """dtrain.sim imports no torch: the runtime's constants are read from its source."""
+    peer = Path(__file__).resolve().parents[2] / "dtrain" / "comm" / "peer"
+    source = (peer / "fused.py").read_text() + (peer / "kernels.py").read_text()
+
+    def value(name: str) -> int:
+        return eval(re.search(rf"^{name} = (.+)$", source, re.M).group(1))  # a constant expression such as 8 << 20
+
+    for name in ("ONE_PASS_MAX_BYTES", "REDUCE_MAX_BYTES", "EXCHANGE_BLOCK", "EXCHANGE_PROGRAMS"):
+        assert getattr(peer_model, name) == value(name), name
+    pattern = r"\(Collective\.(\w+), \"(\w+)\"\): \"(\w+)\""  # fused.ONE_PASS's entries
+    one_pass = {(c.lower(), a): f for c, a, f in re.findall(pattern, source)}
+    assert one_pass and one_pass.items() <= peer_model.EXCHANGE_FORMS.items()
+    assert set(peer_model.EXCHANGE_FORMS) - set(one_pass) == {("all_reduce", "one_shot")}
