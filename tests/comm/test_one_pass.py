@@ -364,3 +364,60 @@ def test_the_exchange_kernel_under_tritons_interpreter_across_processes(tmp_path
             for kind in "wp":
                 if os.path.exists(f"{stem}-{kind}{r}"):
                     os.unlink(f"{stem}-{kind}{r}")
+
+
+def test_the_exchange_kernel_faults_when_a_peer_never_comes(tmp_path):
+    """Under Triton's interpreter (where Triton is installed): a rank alone at the kernel's barrier waits its
+    rounds, then its process ends by a fault, as torch's device barrier traps, instead of reading peers that never
+    wrote and going on with the signal pads out of step."""
+    pytest.importorskip("triton")
+    import multiprocessing
+    import os
+    import uuid
+
+    from tests.jobs import exchange
+
+    stem = f"/dev/shm/dtrain-test-{uuid.uuid4().hex[:8]}"
+    for r in range(2):
+        with open(f"{stem}-w{r}", "wb") as f:
+            f.write(b"\0" * 2 * exchange.HALF)
+        with open(f"{stem}-p{r}", "wb") as f:
+            f.write(b"\0" * exchange.PAD)
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        rank = multiprocessing.get_context("spawn").Process(target=exchange.alone, args=(stem, 2, 50))
+        rank.start()
+        rank.join(timeout=120)
+        assert rank.exitcode is not None and rank.exitcode < 0  # ended by a signal, not returned
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+        for r in range(2):
+            for kind in "wp":
+                if os.path.exists(f"{stem}-{kind}{r}"):
+                    os.unlink(f"{stem}-{kind}{r}")
+
+
+@pytest.mark.parametrize(("form", "blocks"), [(0, 1), (0, 4), (1, 1), (2, 4), (3, 1)])
+def test_the_exchange_kernel_compiles_for_hopper_with_system_scope_signals(form, blocks):
+    """Every form of the exchange kernel compiles to an sm_90 binary (Triton's own ptxas, no GPU needed; where
+    Triton is installed), its signals compare-and-swaps with release and acquire semantics at system scope, and
+    its barrier's fault path (a load far outside any mapping) kept."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dtrain.comm.peer import triton as kernel_source
+
+    words = {"ptrs": "*i64", "pads": "*i64", "out": "*i64", "inp": "*i64"}
+    scalars = {"rank": "i32", "at": "i64", "n": "i64", "spins": "i32", "root": "i32"}
+    constants = {"WORLD": 4, "LANES": 4, "BLOCKS": blocks, "FORM": form, "BLOCK": 2048}
+    source = ASTSource(
+        fn=kernel_source.exchange_kernel,
+        signature={**words, **scalars, **dict.fromkeys(constants, "constexpr")},
+        constexprs=constants,
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"]
+    assert "atom.global.release.sys.cas.b32" in ptx and "atom.global.acquire.sys.cas.b32" in ptx
+    assert str(8 << 40) in ptx  # the fault's byte offset: 2**40 int64 slots past the pads' addresses

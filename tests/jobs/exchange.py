@@ -50,3 +50,16 @@ def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name
         else:
             want = torch.cat([data(r) for r in range(world)])
         assert torch.equal(out, want), (form, rank, call)
+
+
+def alone(stem: str, world: int, spins: int) -> None:
+    """Rank 0 of ``world`` runs an all-gather through the kernel while no peer ever comes: its barrier waits
+    ``spins`` rounds, then faults (the process ends by a signal); returning means it went on."""
+    from dtrain.comm.peer import kernels
+
+    windows = [torch.from_file(f"{stem}-w{r}", True, 2 * HALF, dtype=torch.uint8) for r in range(world)]
+    pads = [torch.from_file(f"{stem}-p{r}", True, PAD, dtype=torch.uint8) for r in range(world)]
+    pointers = torch.tensor([w.data_ptr() for w in windows], dtype=torch.int64)
+    signals = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
+    launch = kernels.exchange(pointers, signals, 0, 64, world, "gather", spins, 1)
+    launch(torch.empty(16 * world), torch.ones(16), 0)

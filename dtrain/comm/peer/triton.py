@@ -71,8 +71,9 @@ def _barrier(pads, rank, slot, spins, WORLD: tl.constexpr, LANES: tl.constexpr):
     visible to theirs: torch's signal-pad protocol (rank ``r`` of program ``s`` signals slot ``s * WORLD + r`` of
     every peer's pad by a compare-and-swap 0 -> 1 with release semantics, then takes each peer's signal from its
     own pad by 1 -> 0 with acquire semantics, at system scope), the peers' signals sent and taken by as many
-    threads at once. A signal a peer has not yet taken is retried; a wait gives up after ``spins`` rounds (the
-    host's watchdog has reported the stall by then)."""
+    threads at once. A signal a peer has not yet taken is retried; after ``spins`` rounds (the host's watchdog has
+    reported the stall by then) the program faults, as torch's device barrier traps: the process fails at its next
+    CUDA call rather than go on with the pads out of step."""
     lane = tl.arange(0, LANES)
     live = lane < WORLD
     peer = tl.where(live, lane, 0)
@@ -97,6 +98,8 @@ def _barrier(pads, rank, slot, spins, WORLD: tl.constexpr, LANES: tl.constexpr):
         old = tl.atomic_cas(own, tl.where(waiting, one, never), tl.where(waiting, zero, never), "acquire", "sys")
         waiting = waiting & (old != 1)
         t += 1
+    if tl.max((pending | waiting).to(tl.int32), 0) > 0:  # a peer never came: read far outside any mapping
+        tl.store(pads + rank, tl.load(pads + (1 << 40)))
     tl.debug_barrier()  # every thread reads after the signals that were taken
 
 
