@@ -487,11 +487,20 @@ def section_dp() -> str:
     )
     parts = [
         "## Data parallel against DDP",
-        f"{model}, AdamW, weak scaling; ours (`DataParallel` with `auto` and with NCCL's own collectives), DDP and "
-        "DDP with `gradient_as_bucket_view=True` (`ddp-view`) in the same launch, timed in rotating turns (median "
+        f"{model}, AdamW, weak scaling; ours (`DataParallel` with `auto`, with NCCL's own collectives, and with "
+        "AdamW stepped inside backward, `ours-overlap`: `DataParallel.overlap_optimizer`), DDP, DDP with "
+        "`gradient_as_bucket_view=True` (`ddp-view`) and the plain module on every GPU with no communication at "
+        "all (`local`: each GPU trains its own copy) in the same launch, timed in rotating turns (median "
         "over the trials of the slowest rank's time for a run of steps). Scaling efficiency: tokens/s per GPU over "
-        "one GPU's tokens/s (the plain module) in the same launch. Every variant ends with DDP's parameters "
-        "(checked: the largest difference is in the data, under autocast's rounding).",
+        "one GPU's tokens/s (the plain module) in the same launch. Every variant but `local` ends with DDP's "
+        "parameters (checked: the largest difference is in the data, under autocast's rounding).",
+        "`local` is what four processes on this host reach with no data parallelism at all, the ceiling for any: "
+        "99% with 32 sequences a GPU, 89-104% over four launches with 16. With 16 the step is bound by the host: "
+        "unprofiled, one GPU's process takes 28.7 ms to enqueue a step that runs 30.9 ms, so whatever a process "
+        "adds on the host (the gradient hooks and launches of DDP and of ours) lengthens the step, and four "
+        "processes drift out of phase at each reduction (`benchmarks/gpu/run.sh OUT dp-profile`: host enqueue "
+        "time, device busy, compute, NCCL and its exposed part, per variant: `dp_profile-h100x4.txt`). "
+        "Limiting NCCL to 4 or 16 CTAs (`NCCL_MAX_CTAS`) did not help: 4 made the 32-sequence step 3.6% slower.",
     ]
     for b in (32, 16):
         records = load(f"dp_vs_ddp-h100x4-b{b}.jsonl")
@@ -502,7 +511,7 @@ def section_dp() -> str:
                 f"{r['step_s'] * 1e3:.1f}",
                 f"{r['tokens_per_s'] / 1e3:.0f} k",
                 f"{r['ratio_vs_ddp']:.3f}x" if r.get("ratio_vs_ddp") else "-",
-                f"{r['scaling_efficiency']:.0%}" if r.get("scaling_efficiency") is not None else "-",
+                f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") is not None else "-",
             ]
             for r in sorted(records, key=lambda r: (r["ranks"], r["variant"]))
         ]

@@ -23,6 +23,8 @@
 #   transports         all-reduce over NVLink, host shared memory (NCCL_P2P_DISABLE=1) and sockets (+NCCL_SHM_DISABLE=1)
 #   p2p-channels       NCCL point-to-point with NCCL_MIN_P2P_NCHANNELS=32 and a 2 MiB NVLink chunk, against default
 #   dp                 data parallel against DDP, 1 and 4 GPUs, 32 and 16 sequences a GPU  -> dp_vs_ddp-b{32,16}.jsonl
+#   dp-profile         the same under torch.profiler (1 GPU and every GPU; DP_BATCHES, default "16 32"): host enqueue
+#                      time, device busy, compute, NCCL and its exposed part, idle, the host's Python functions -> dp_profile.txt
 #   zero               ZeRO-1/2 against DDP and ZeroRedundancyOptimizer: step time, peak memory -> zero.jsonl
 #   tp                 tensor parallel against DTensor's                                     -> tp.jsonl
 #   pp                 pipeline parallel against torch.distributed.pipelining, p = 4           -> pp.jsonl
@@ -233,6 +235,11 @@ for f in sorted(glob.glob(sys.argv[1] + "/*.prof")):
           --out "$out/dp_vs_ddp-b$b.jsonl" | grep "^timed" | paste -sd' '
       done
       python3 benchmarks/training/dp_summary.py "$out" ;;
+    dp-profile)
+      LIMIT=${LIMIT:-240} tr benchmarks/training/dp_zero.py --sections dp --sizes 4 1 --batch-per-rank ${DP_BATCHES:-16 32} \
+        --stall-s 220 --profile "$out/dp-profile" --profile-steps 5 ${DP_EXTRA:-} --out "$out/dp_profile.jsonl" \
+        | grep -E "^timed|enqueues|span"
+      cat "$out"/dp-profile/*.txt >"$out/dp_profile.txt" && rm -r "$out/dp-profile" ;;
     zero) tr benchmarks/training/dp_zero.py --sections zero --stall-s 140 --out "$out/zero.jsonl" | grep "^timed" | paste -sd' ' ;;
     tp) LIMIT=${LIMIT:-120} tr benchmarks/training/tp_pp.py --sections tp --sizes 4 1 --stall-s 110 --out "$out/tp.jsonl" | tail -4 ;;
     pp) tr benchmarks/training/tp_pp.py --sections pp --pp-width 4096 --pp-batch 8192 --microbatches 2 4 8 \

@@ -16,9 +16,13 @@ one ``(B, block + 1)`` draw (a step's speed does not depend on the text).
 
 **Scaling** (``--sizes 1 2 4``): for each k and each of ``--batch-per-rank`` (sequences a rank: weak scaling),
 ranks 0..k-1 train the model with AdamW as :class:`DataParallel` with its defaults (``ours-auto``) and with
-``algorithm="native"`` (``ours-native``), as ``DistributedDataParallel`` with its defaults (``ddp``:
-``gradient_as_bucket_view=False``) and with ``gradient_as_bucket_view=True`` (``ddp-view``), timed in rotating
-turns (:func:`timing.time_variants`). Scaling efficiency: tokens/s per rank over the 1-rank tokens/s of the same
+``algorithm="native"`` (``ours-native``), with its defaults and AdamW stepped inside backward
+(``ours-overlap``: :meth:`DataParallel.overlap_optimizer`, every bucket's parameters but the last's stepped
+while the last bucket is reduced), as ``DistributedDataParallel`` with its defaults (``ddp``:
+``gradient_as_bucket_view=False``) and with ``gradient_as_bucket_view=True`` (``ddp-view``), and as the plain
+module on each rank with no communication at all (``local``: every GPU trains its own copy, so its scaling is
+what the host allows any data parallel with these GPUs and processes), timed in rotating turns
+(:func:`timing.time_variants`). Scaling efficiency: tokens/s per rank over the 1-rank tokens/s of the same
 batch; ``ratio_vs_ddp``: DDP's step time (its defaults) over the variant's.
 
 **ZeRO** (every rank, the first ``--batch-per-rank``): plain data parallel (ours, DDP), ZeRO stage 1 and 2
@@ -26,12 +30,13 @@ batch; ``ratio_vs_ddp``: DDP's step time (its defaults) over the variant's.
 step time and peak GPU memory of a step.
 
 Every variant starts from the same weights and sees the same batches, so all must end with the same
-parameters: the script checks each against DDP (``max_abs_param_diff_vs_ddp``).
+parameters: the script checks each against DDP (``max_abs_param_diff_vs_ddp``), ``local`` aside.
 
-``--profile DIR``: after the scaling section's timing on all ranks, ``--profile-steps`` steps of ``ours-auto``
-and of ``ddp`` run under ``torch.profiler`` on every rank of the largest size, and rank 0 writes
-``DIR/<variant>-b<batch>.trace.json`` (a Chrome trace: kernels, NCCL and the copy into buckets on their
-streams) and ``DIR/<variant>-b<batch>.txt`` (the operators' table, by device time).
+``--profile DIR``: after the scaling section's timing, ``--profile-steps`` steps of ``single`` (1 rank) and of
+``ours-auto`` and ``ddp`` (every rank of the largest size) run under ``torch.profiler``, and rank 0 writes
+``DIR/<variant>-<k>ranks-b<batch>.txt``: the host's time to enqueue a step beside the step's, where the device
+time goes (:mod:`trace_summary`: busy, compute, communication and how much of it is exposed, idle) and the
+operators' table by device time, and the host's Python functions by their own time (cProfile); ``--profile-trace`` keeps the Chrome trace beside it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ import faulthandler
 import gc
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import timing as pt
@@ -126,8 +133,13 @@ def _step_fn(model, optimizer, batch, args):
 def _wrap(variant: str, base, group):
     model = copy.deepcopy(base)
     dev = pt.device()
-    if variant == "single":
+    if variant in ("single", "local"):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if variant == "ours-overlap":
+        dp = DataParallel(model, group)
+        optimizer = torch.optim.AdamW(dp.parameters(), lr=1e-4)
+        dp.overlap_optimizer(optimizer)
+        return dp, optimizer
     if variant.startswith("ours-"):
         dp = DataParallel(model, group, algorithm=variant.removeprefix("ours-"))
         return dp, torch.optim.AdamW(dp.parameters(), lr=1e-4)
@@ -165,17 +177,17 @@ def _scaling(args, groups) -> list[dict]:
             if rank >= k:
                 continue
             base, batch = _model(args), _batch(args, rank, per_rank)
-            variants = ("single",) if k == 1 else ("ours-auto", "ours-native", "ddp", "ddp-view")
+            variants = ("single",) if k == 1 else ("ours-auto", "ours-overlap", "ours-native", "ddp", "ddp-view", "local")
             _arm(args, f"scaling on {k} ranks, {per_rank} sequences a rank")
             built = {v: _wrap(v, base, group) for v in variants}
             steps = {v: _step_fn(*built[v], batch, args) for v in variants}
             seconds = pt.time_variants(steps, warmup=args.warmup, iters=args.iters, trials=args.trials, group=group)
             final = {v: _params(built[v][0]) for v in variants}
-            if args.profile and k == max(groups) and k > 1:
-                for v in ("ours-auto", "ddp"):
-                    _profile(steps[v], args, f"{v}-b{per_rank}", group)
+            if args.profile and (k == 1 or k == max(groups)):
+                for v in ("single",) if k == 1 else ("ours-auto", "ours-overlap", "ddp"):
+                    _profile(steps[v], args, f"{v}-{k}ranks-b{per_rank}", group)
             for v in variants:
-                diff = _max_diff(final[v], final["ddp"]) if k > 1 else None
+                diff = _max_diff(final[v], final["ddp"]) if k > 1 and v != "local" else None
                 tokens = k * per_rank * args.block
                 records.append(
                     {
@@ -197,10 +209,33 @@ def _scaling(args, groups) -> list[dict]:
 
 def _profile(step, args, name: str, group) -> None:
     """Run ``--profile-steps`` calls of ``step`` under torch.profiler on every rank of ``group``; rank 0 writes the
-    Chrome trace and the operators' table under ``--profile`` (each file under a temporary name, then renamed)."""
+    operators' table and the device-time summary (:mod:`trace_summary`) under ``--profile``, with the host's
+    time to enqueue a step (the step's Python returning, with the device still running) beside the step's time
+    (with ``--profile-trace``, the Chrome trace too). Each file is written under a temporary name, then renamed."""
     from torch.profiler import ProfilerActivity, profile
+    from trace_summary import format_summary, summarize
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    host = []
+    pt.sync()
+    dist.barrier(group=group)
+    for _ in range(args.profile_steps):  # unprofiled: the host's enqueue time and the step's time
+        start = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - start)
+        pt.sync()
+        host.append(time.perf_counter() - start)
+    import cProfile
+    import io
+    import pstats
+
+    host_profile = cProfile.Profile()
+    pt.sync()
+    host_profile.enable()
+    for _ in range(args.profile_steps):
+        step()
+    pt.sync()
+    host_profile.disable()
     pt.sync()
     dist.barrier(group=group)
     with profile(activities=activities) as prof:
@@ -210,14 +245,26 @@ def _profile(step, args, name: str, group) -> None:
     if dist.get_rank() != 0:
         return
     args.profile.mkdir(parents=True, exist_ok=True)
-    trace, table = args.profile / f"{name}.trace.json", args.profile / f"{name}.txt"
+    trace = args.profile / f"{name}.trace.json"
     prof.export_chrome_trace(str(trace) + ".tmp")
-    os.replace(str(trace) + ".tmp", trace)
-    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    text = f"{name}: {args.profile_steps} steps on rank 0\n" + prof.key_averages().table(sort_by=sort, row_limit=40)
+    events = json.loads(Path(str(trace) + ".tmp").read_text())["traceEvents"]
+    if args.profile_trace:
+        os.replace(str(trace) + ".tmp", trace)
+    else:
+        os.remove(str(trace) + ".tmp")
+    enqueue, whole = statistics.median(host[0::2]), statistics.median(host[1::2])
+    text = (
+        f"{name}: {args.profile_steps} steps on rank 0; unprofiled, the host enqueues a step in "
+        f"{enqueue * 1e3:.2f} ms of its {whole * 1e3:.2f} ms (median)\n"
+    )
+    functions = io.StringIO()
+    pstats.Stats(host_profile, stream=functions).sort_stats("tottime").print_stats(20)
+    text += "host functions (cProfile, tottime):\n" + functions.getvalue().split("\n\n", 1)[-1].strip() + "\n"
+    if torch.cuda.is_available():
+        text += format_summary(name, summarize(events, args.profile_steps)) + "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
     (args.profile / f"{name}.txt.tmp").write_text(text + "\n")
-    os.replace(args.profile / f"{name}.txt.tmp", table)
-    print(f"profile: {trace} {table}", file=sys.stderr, flush=True)
+    os.replace(args.profile / f"{name}.txt.tmp", args.profile / f"{name}.txt")
+    print(text.split("\n    ")[0], file=sys.stderr, flush=True)
 
 
 def _zero(args) -> list[dict]:
@@ -303,6 +350,7 @@ def main() -> None:
     p.add_argument("--stall-s", type=float, default=0, help="dump every stack and exit after this long (0: never)")
     p.add_argument("--profile", type=Path, default=None, help="write torch.profiler traces of ours and DDP here")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--profile-trace", action="store_true", help="keep the Chrome traces beside the summaries")
     args = p.parse_args()
     small = {k: getattr(args, k) for k in ("layers", "embd", "heads", "block", "vocab", "profile_steps")}
     if min(small.values()) < 1 or min(args.batch_per_rank) < 1 or args.embd % args.heads:

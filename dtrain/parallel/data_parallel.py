@@ -50,6 +50,19 @@ DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket cap (torch.distri
 
 Batch = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
 
+# torch.optim's optimizers whose step updates each parameter from its own gradient and state alone
+_ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+)
+
 
 class DataParallel(nn.Module):
     """Wrap ``module`` so that backward leaves in ``param.grad`` the gradient averaged over ``group``.
@@ -104,6 +117,9 @@ class DataParallel(nn.Module):
         self._sync_enabled = True
         self._sync_this_backward = True
         self._finish_queued = False
+        self._optimizer: torch.optim.Optimizer | None = None  # stepped inside backward (overlap_optimizer)
+        self._optimizer_step: Callable[..., Any] | None = None
+        self._stepped = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -136,9 +152,71 @@ class DataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self.reducer.mark_ready(param)
 
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` inside backward, as soon as the gradients are averaged: the parameters of every
+        bucket but the last are stepped while the last bucket is still being reduced, then the last bucket's.
+
+        The step is the optimizer's own (its hyperparameters, learning-rate schedule and state as usual), run on
+        a subset of its parameters at a time, which gives what one step over all of them gives only for an
+        optimizer that updates each parameter from its own gradient and state alone: ``SGD``, ``Adam``, ``AdamW``,
+        ``Adamax``, ``Adagrad``, ``Adadelta``, ``NAdam``, ``RAdam`` and ``RMSprop`` of ``torch.optim`` (others
+        are refused). Nothing may need every gradient before the step (clipping by the global norm, a loss
+        scaler's inf check): run those without the overlap. The overlap is what PyTorch DDP's
+        ``_register_fused_optim`` and ``torch.distributed.optim._apply_optimizer_in_backward`` offer.
+
+        The training loop stays as it was: ``optimizer.step()`` after a synchronised backward returns at once (the
+        step is done) and raises ``RuntimeError`` when no synchronised backward ran since the last step (after
+        backward passes under :meth:`no_sync` alone); ``optimizer.zero_grad()`` works as before.
+        """
+        if type(optimizer) not in _ELEMENTWISE_OPTIMIZERS:
+            names = ", ".join(sorted(c.__name__ for c in _ELEMENTWISE_OPTIMIZERS))
+            raise ValueError(
+                f"DataParallel.overlap_optimizer: {type(optimizer).__name__} is not an optimizer whose step is "
+                f"per parameter; accepted: torch.optim.{{{names}}}"
+            )
+        if self._optimizer is not None:
+            raise ValueError("DataParallel.overlap_optimizer: an optimizer already steps inside backward")
+        ours = {id(p) for p in self.module.parameters()}
+        if any(id(p) not in ours for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                "DataParallel.overlap_optimizer: the optimizer holds a parameter the wrapped module does not have"
+            )
+        self._optimizer, self._optimizer_step = optimizer, optimizer.step
+        optimizer.step = self._step_after_backward  # type: ignore[method-assign]
+
+    def _step_after_backward(self, closure: Callable[[], float] | None = None) -> None:
+        if closure is not None:
+            raise ValueError(
+                "DataParallel.overlap_optimizer: the optimizer's step takes no closure (it ran in backward)"
+            )
+        if not self._stepped:
+            raise RuntimeError(
+                "optimizer.step(): no synchronised backward ran since the last step, so there is no averaged "
+                "gradient to step with (the step runs inside backward, see DataParallel.overlap_optimizer)"
+            )
+        self._stepped = False
+
+    def _step_some(self, params: list[torch.nn.Parameter]) -> None:
+        """The optimizer's own step on ``params`` alone (its parameter groups narrowed for the call)."""
+        assert self._optimizer is not None and self._optimizer_step is not None
+        keep = {id(p) for p in params}
+        groups = self._optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = [p for p in g["params"] if id(p) in keep]
+            self._optimizer_step()
+        finally:
+            for g, all_params in zip(groups, saved, strict=True):
+                g["params"] = all_params
+
     def _finish_backward(self) -> None:
         self._finish_queued = False
-        self.reducer.finish()
+        if self._optimizer is None:
+            self.reducer.finish()
+            return
+        self.reducer.finish(self._step_some)
+        self._stepped = True
 
 
 class DistributedOptimizer:

@@ -20,7 +20,7 @@ TensorFlow", section 4) is the same idea, reused here by :class:`~dtrain.paralle
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,13 +219,27 @@ class GradientReducer:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
-    def finish(self) -> None:
+    def finish(self, on_reduced: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
         """Reduce every bucket not yet launched (in order), wait for those in flight, then rearm all buckets for
-        the next pass."""
+        the next pass.
+
+        ``on_reduced(params)`` is called with parameters whose gradients are averaged: first with every bucket's
+        but the one launched last, while that one is still on the wire, then with the last one's. The work it
+        queues (an optimizer's step) thus runs while the last reduction, which nothing else could overlap, is in
+        flight."""
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
-        self._wait_all()
+        if on_reduced is None:
+            self._wait_all()
+        else:
+            in_flight, self._in_flight = self._in_flight, []
+            last = {id(bucket) for _, bucket, _, _ in in_flight[-1:]}
+            self._wait(in_flight[:-1])
+            on_reduced([p for b in self.buckets if id(b) not in last for p in b.params])
+            self._wait(in_flight[-1:])
+            if last:
+                on_reduced([p for b in self.buckets if id(b) in last for p in b.params])
         if self._ready_order is not None:
             self._rebuild(self._ready_order)
             self._ready_order = None
@@ -307,6 +321,9 @@ class GradientReducer:
         the sums by the group size where the backend summed (as the synchronous path's ``op="avg"`` does) and
         hand out the gradients."""
         in_flight, self._in_flight = self._in_flight, []
+        self._wait(in_flight)
+
+    def _wait(self, in_flight: list[tuple[Any, Bucket, torch.Tensor, bool]]) -> None:
         size = group_size(self.group)
         with torch.no_grad():
             for work, bucket, wire, averaged in in_flight:

@@ -97,8 +97,11 @@ def _result(losses, model, optimizer: str, steps: int, **extra) -> dict:
     return {"losses": losses, "params": _flat(model), "ref_losses": ref_losses, "ref_params": ref_params, **extra}
 
 
-def data_parallel(world: int, optimizer: str, algorithm: str, micro_batches: int = 1, steps: int = STEPS) -> dict:
-    """DataParallel + a plain optimizer; also records bucket launches seen while backward is still running."""
+def data_parallel(
+    world: int, optimizer: str, algorithm: str, micro_batches: int = 1, steps: int = STEPS, overlap: bool = False
+) -> dict:
+    """DataParallel + a plain optimizer (with ``overlap``, stepped inside backward); also records bucket launches
+    seen while backward is still running."""
     group = group_of(world)
     model = _model(dist.get_rank(group) * 7 + 3 if dist.get_rank(group) else 0)
     before = _flat(model)
@@ -115,12 +118,20 @@ def data_parallel(world: int, optimizer: str, algorithm: str, micro_batches: int
 
     handle = model[0].register_forward_hook(spy)
     opt = _optimizer(optimizer, model.parameters())
+    if overlap:
+        dp.overlap_optimizer(opt)
 
     def step() -> None:
         opt.step()
         opt.zero_grad()
 
     losses = _train(step, dp, group, steps, micro_batches, no_sync=dp.no_sync)
+    refused = ""
+    if overlap:  # a second step with no backward in between has nothing to step with
+        try:
+            opt.step()
+        except RuntimeError as e:
+            refused = str(e)
     handle.remove()
     return _result(
         losses,
@@ -133,6 +144,7 @@ def data_parallel(world: int, optimizer: str, algorithm: str, micro_batches: int
         launches=dp.reducer.launches,
         launched_mid_backward=seen_mid_backward[0],
         in_flight_mid_backward=in_flight_mid_backward[0],
+        refused=refused,
     )
 
 

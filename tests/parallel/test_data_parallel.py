@@ -52,6 +52,29 @@ def test_no_sync_accumulation_equals_one_step_on_the_union(pool):
     assert results[0]["launches"] == results[0]["bucket_count"] * 12  # one reduction per step, not per pass
 
 
+@pytest.mark.parametrize(
+    ("optimizer", "algorithm", "micro_batches"), [("adamw", "native", 2), ("sgd", "ring", 1), ("adam", "auto", 1)]
+)
+def test_optimizer_stepped_inside_backward_equals_one_process(pool, optimizer, algorithm, micro_batches):
+    results = pool.run(
+        jobs.data_parallel, 2, optimizer, algorithm, micro_batches=micro_batches, overlap=True, ranks=2
+    )
+    _assert_matches_reference(results)
+    for r in results:
+        assert "no synchronised backward ran since the last step" in r["refused"]
+
+
+def test_overlap_optimizer_refuses_a_step_that_needs_every_gradient(pool):
+    model = torch.nn.Linear(2, 2)
+    dp = DataParallel.__new__(DataParallel)  # the checks run before anything touches the group
+    torch.nn.Module.__init__(dp)
+    dp.module, dp._optimizer = model, None
+    with pytest.raises(ValueError, match=r"LBFGS is not an optimizer whose step is per parameter; accepted: .*AdamW"):
+        dp.overlap_optimizer(torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(ValueError, match="a parameter the wrapped module does not have"):
+        dp.overlap_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
 @pytest.mark.parametrize(("world", "optimizer", "algorithm"), [(2, "adam", "auto"), (4, "sgd", "ring")])
 def test_distributed_optimizer_equals_one_process(pool, world, optimizer, algorithm):
     results = pool.run(jobs.distributed_optimizer, world, optimizer, algorithm, ranks=world)
