@@ -24,6 +24,33 @@ appendix, for the FLOP counts):
 - recomputation: full runs every layer's forward again before its backward; selective runs the attention core's
   forward again (nothing with flash attention, whose backward recomputes by design).
 
+``kernels = "megatron-lm"`` prices the layer as Megatron-LM of 2021-2022 runs it (commit de7dc40, the code of
+Narayanan et al. 2021, ``examples/sc21``; the same lines in mid-2022, the code of Korthikanti et al. 2022), on top
+of the operations above (:data:`MEGATRON_LM_KERNELS`):
+
+- QKV's bias is added apart from its product (``ColumnParallelLinear`` calls ``F.linear`` on a 3-D input, which
+  PyTorch runs as ``matmul`` and then ``add_``: read and write ``4`` bytes an output value), and its gradient is a
+  sum over the tokens (read ``2``); the backward of ``split_tensor_along_last_dim`` concatenates the query, key
+  and value gradients (read and write ``4``);
+- ``baddbmm``'s ``alpha`` (``1 / norm_factor``) scales the query and key gradients in a separate pass (PyTorch's
+  ``derivatives.yaml``: ``grad.bmm(batch2.transpose(1, 2)) * alpha``; read and write ``4`` bytes a value);
+- the context is copied back to ``[s, b, h]`` (``context_layer.permute(2, 0, 1, 3).contiguous()``: ``4 T h / t``);
+- the fused causal softmax (``ScaledUpperTriangMaskedSoftmax``, for ``16 < s <= 2048``) reads only the lower
+  triangle of the scores, forward (scores) and backward (gradient and probabilities), and writes every score;
+  with attention dropout (``torch.nn.Dropout``: read 2, write 2 and a one-byte mask; backward the same) 8 bytes a
+  score forward and 9 backward; longer sequences take the unfused path (``FusedScaleMaskSoftmax.forward``'s
+  ``else``: cast to 32 bits, scale, ``masked_fill_``, softmax, cast back: 36 bytes forward, 40 backward, with
+  dropout 41 and 45);
+- the fused layer norm's backward reads the output gradient and the input twice (``cuComputePartGradGammaBeta``
+  and ``cuComputeGradInput``): 10 bytes a value, not 8;
+- the word and position lookups, their sum, the embedding dropout and the transpose to ``[s, b, h]``
+  (``Embedding.forward``, ``ParallelTransformer.forward``): 23 bytes a value forward, 17 backward; the final
+  transpose back to ``[b, s, h]`` (4 forward, 4 backward);
+- the cross-entropy on 32-bit logits (``vocab_parallel_cross_entropy(output.float(), labels)`` in
+  ``post_language_model_processing``; ``_VocabParallelCrossEntropy``): the cast (read 2, write 4), max (read 4),
+  ``sub_``, ``exp`` and ``div_`` in place (read and write 4 each) and the sum (read 4): 38 bytes a logit forward;
+  backward ``mul_`` in place (8) and the cast back to 16 bits (read 4, write 2): 14.
+
 Each operation is priced on a :class:`DeviceCompute`: a roofline of peak dense FLOP/s and memory bandwidth with
 efficiencies. A matrix product runs at ``matmul_efficiency`` of peak times its wave efficiency (output tiles of
 128 x 128 or 256 x 128 spread over the streaming multiprocessors, the better of the two, as cuBLAS picks among
@@ -58,7 +85,10 @@ __all__ = [
     "DEVICE_COMPUTE",
     "Curve",
     "DeviceCompute",
+    "KERNELS",
     "MEGATRON_FP16_OPTIMIZER_BYTES",
+    "MEGATRON_LM_KERNELS",
+    "MEGATRON_LM_SOFTMAX_MAX_SEQUENCE",
     "Op",
     "StageCompute",
     "device_compute",
@@ -255,8 +285,39 @@ def _memory(name: str, forward_bytes: float) -> list[Op]:
     return [Op(name, "memory", "F", nbytes=forward_bytes), Op(name, "memory", "B", nbytes=2 * forward_bytes)]
 
 
-def layer_ops(model: ModelSpec, layout: Layout) -> list[Op]:
-    """One transformer layer's operations on one tensor-parallel rank for one micro-batch (module docstring)."""
+#: The kernels a layer may be priced with: ``"fused"`` (the module's operations) or ``"megatron-lm"`` (Megatron-LM's
+#: layer of 2021-2022; module docstring).
+KERNELS = ("fused", "megatron-lm")
+
+#: The operations ``kernels = "megatron-lm"`` adds, with the source line each comes from (Megatron-LM commit
+#: de7dc40; PyTorch 1.8, the NGC 20.12 container of ``examples/sc21/SRUN.sh``).
+MEGATRON_LM_KERNELS = {
+    "qkv-bias": "megatron/mpu/layers.py ColumnParallelLinear.forward: F.linear(input_parallel, self.weight, bias) "
+    "on [s, b, h]: matmul, then add_ of the bias; its gradient a sum over the tokens",
+    "qkv-split": "megatron/model/transformer.py ParallelAttention.forward: split_tensor_along_last_dim(mixed_x_layer, "
+    "3); backward concatenates the three gradients",
+    "scores-scale": "ParallelAttention.forward: torch.baddbmm(..., alpha=1.0 / self.norm_factor); backward scales "
+    "the query and key gradients by alpha apart (PyTorch tools/autograd/derivatives.yaml)",
+    "context-copy": "ParallelAttention.forward: context_layer.permute(2, 0, 1, 3).contiguous()",
+    "output-transpose": "ParallelTransformer.forward: hidden_states.transpose(0, 1).contiguous() before the final "
+    "layer norm",
+}
+
+#: The longest sequence Megatron-LM's fused softmax takes (``FusedScaleMaskSoftmax.forward``,
+#: ``custom_kernel_constraint``: ``16 < key_seq_len <= 2048``, commit de7dc40).
+MEGATRON_LM_SOFTMAX_MAX_SEQUENCE = 2048
+
+
+def _check_kernels(kernels: str) -> None:
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels {kernels!r} is not one of {', '.join(KERNELS)}")
+
+
+def layer_ops(model: ModelSpec, layout: Layout, kernels: str = "fused") -> list[Op]:
+    """One transformer layer's operations on one tensor-parallel rank for one micro-batch (module docstring),
+    priced with ``kernels`` (:data:`KERNELS`)."""
+    _check_kernels(kernels)
+    megatron = kernels == "megatron-lm"
     b, s, h, a, t = layout.micro_batch, model.sequence, model.hidden, model.heads, layout.tp
     tokens, d, f = b * s, h // a, model.ffn
     kv = model.key_value_heads
@@ -266,7 +327,8 @@ def layer_ops(model: ModelSpec, layout: Layout) -> list[Op]:
         *_matmul("attention-out", tokens, h, h // t),
         *_matmul("mlp-in", tokens, (2 if model.gated_mlp else 1) * f // t, h),
         *_matmul("mlp-out", tokens, h, f // t),
-        *_memory("norms", 2 * 4 * outside),
+        Op("norms", "memory", "F", nbytes=2 * 4 * outside),
+        Op("norms", "memory", "B", nbytes=2 * (10 if megatron else 8) * outside),
         *_memory("residual-adds", 2 * 7 * outside),
         *_memory("activation", (6 if model.gated_mlp else 4) * tokens * f / t),
     ]
@@ -282,8 +344,21 @@ def layer_ops(model: ModelSpec, layout: Layout) -> list[Op]:
     else:
         ops += _matmul("scores", s, s, d, heads, weight=False) + _matmul("context", s, d, s, heads, weight=False)
         scores = heads * s * s
-        ops += [Op("softmax-dropout", "memory", "F", nbytes=9 * scores),
-                Op("softmax-dropout", "memory", "B", nbytes=11 * scores)]  # fmt: skip
+        forward, backward = 9, 11
+        if megatron:
+            fused = 16 < s <= MEGATRON_LM_SOFTMAX_MAX_SEQUENCE
+            forward, backward = (8, 9) if fused else (41, 45)
+        ops += [Op("softmax-dropout", "memory", "F", nbytes=forward * scores),
+                Op("softmax-dropout", "memory", "B", nbytes=backward * scores)]  # fmt: skip
+    if megatron:
+        qkv = tokens * (h + 2 * kv * d) / t
+        ops += [
+            Op("qkv-bias", "memory", "F", nbytes=4 * qkv),
+            Op("qkv-bias", "memory", "B", nbytes=2 * qkv),
+            Op("qkv-split", "memory", "B", nbytes=4 * qkv),
+            Op("scores-scale", "memory", "B", nbytes=4 * tokens * (h + kv * d) / t),
+            Op("context-copy", "memory", "F", nbytes=4 * tokens * h / t),
+        ]
     return ops
 
 
@@ -292,29 +367,38 @@ def _recomputed(ops: list[Op], recompute: str, attention: str) -> list[Op]:
     if recompute == "full":
         return [op for op in ops if op.phase == "F"]
     if recompute == "selective" and attention != "flash":
-        return [op for op in ops if op.phase == "F" and op.name in ("scores", "context", "softmax-dropout")]
+        core = ("scores", "context", "softmax-dropout", "context-copy")
+        return [op for op in ops if op.phase == "F" and op.name in core]
     return []
 
 
-def stage_ops(model: ModelSpec, layout: Layout, stage: int) -> dict[str, list[Op]]:
+def stage_ops(model: ModelSpec, layout: Layout, stage: int, kernels: str = "fused") -> dict[str, list[Op]]:
     """The operations of pipeline stage ``stage`` for one micro-batch, by what they are: ``"layer"`` (one
     layer's, to be run ``layers`` times), ``"recompute"`` (one layer's recomputed forward), ``"first"``
-    (embedding) and ``"last"`` (final norm, logits, cross-entropy)."""
+    (embedding) and ``"last"`` (final norm, logits, cross-entropy); ``kernels`` as :func:`layer_ops`."""
     b, s, h, t, v = layout.micro_batch, model.sequence, model.hidden, layout.tp, model.vocab
+    megatron = kernels == "megatron-lm"
     tokens = b * s
-    ops = layer_ops(model, layout)
+    ops = layer_ops(model, layout, kernels)
     out: dict[str, list[Op]] = {"layer": ops, "recompute": _recomputed(ops, layout.recompute, layout.attention)}
-    out["first"] = _memory("embedding", 4 * tokens * h) if stage == 0 and v else []
+    first = []
     if stage == 0 and v:
-        out["first"][-1] = Op("embedding", "memory", "B", nbytes=4 * tokens * h + 4 * v * h / t)
+        forward, backward = (23, 17) if megatron else (4, 4)
+        first = [Op("embedding", "memory", "F", nbytes=forward * tokens * h),
+                 Op("embedding", "memory", "B", nbytes=backward * tokens * h + 4 * v * h / t)]  # fmt: skip
+    out["first"] = first
     last = []
     if stage == layout.pp - 1:
         last += _memory("final-norm", 4 * tokens * h / (t if layout.sequence_parallel else 1))
+        if megatron:
+            last += [Op("output-transpose", "memory", "F", nbytes=4 * tokens * h),
+                     Op("output-transpose", "memory", "B", nbytes=4 * tokens * h)]  # fmt: skip
         if v:
             logits = tokens * v / t
+            forward, backward = (38, 14) if megatron else (10, 6)
             last += _matmul("logits", tokens, -(-v // t), h)
-            last += [Op("cross-entropy", "memory", "F", nbytes=10 * logits),
-                     Op("cross-entropy", "memory", "B", nbytes=6 * logits)]  # fmt: skip
+            last += [Op("cross-entropy", "memory", "F", nbytes=forward * logits),
+                     Op("cross-entropy", "memory", "B", nbytes=backward * logits)]  # fmt: skip
     out["last"] = last
     return out
 
@@ -345,11 +429,13 @@ class StageCompute:
         return self.forward_s + self.backward_s + self.weight_s
 
 
-def stage_compute(model: ModelSpec, layout: Layout, stage: int, device: DeviceCompute) -> StageCompute:
+def stage_compute(
+    model: ModelSpec, layout: Layout, stage: int, device: DeviceCompute, kernels: str = "fused"
+) -> StageCompute:
     """Seconds of one micro-batch of pipeline stage ``stage`` on ``device`` (all its layers; see
-    :func:`stage_ops`)."""
+    :func:`stage_ops`, ``kernels`` as :func:`layer_ops`)."""
     layers = stage_layers(model, layout, stage)
-    parts = stage_ops(model, layout, stage)
+    parts = stage_ops(model, layout, stage, kernels)
     times = {"F": 0.0, "B": 0.0, "W": 0.0}
     by_name: dict[str, float] = {}
     flops = 0.0

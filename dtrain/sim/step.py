@@ -40,6 +40,7 @@ from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
 from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, _rank_rounds_cached
 from dtrain.sim.compute import (
     ADAM_BYTES_PER_PARAMETER,
+    KERNELS,
     device_compute,
     layer_ops,
     optimizer_seconds,
@@ -142,7 +143,10 @@ class StepConfig:
     posted after each action and waited for before the stage's next action of the same kind, so they run under the
     compute between (Megatron-Core's ``overlap_p2p_comm``, on by default with an interleaved schedule; it takes the
     place of ``synchronous_p2p`` and ``paired_exchanges`` there; :func:`dtrain.sim.pipeline.pipeline_makespan`);
-    other schedules ignore it, as Megatron-LM's ``validate_args`` turns it off without one. With interleaved 1F1B,
+    other schedules ignore it, as Megatron-LM's ``validate_args`` turns it off without one. ``kernels``: how the
+    layer's element-wise work runs (:data:`dtrain.sim.compute.KERNELS`): ``"fused"``, or ``"megatron-lm"``, the
+    kernels of Megatron-LM's layer of 2021-2022 (QKV's bias added apart, the fused causal softmax, the 32-bit
+    cross-entropy; :func:`dtrain.sim.compute.layer_ops`). With interleaved 1F1B,
     ``overlap_grad_reduce`` and ``overlap_param_gather`` work per model chunk (:func:`chunked_reduction_s`):
     Megatron-Core keeps one ``DistributedDataParallel`` a chunk, reduces each chunk's gradients once its last
     backward is done and gathers each chunk's weights before its first forward.
@@ -181,6 +185,7 @@ class StepConfig:
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
+    kernels: str = "fused"
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -194,6 +199,8 @@ class StepConfig:
             raise ValueError(f"dp_algorithm {self.dp_algorithm!r} is not one of {', '.join(known)}")
         if self.gradient_bytes is not None and self.gradient_bytes not in (2, 4):
             raise ValueError(f"gradient_bytes must be 2, 4 or None (the model's), got {self.gradient_bytes!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels {self.kernels!r} is not one of {', '.join(KERNELS)}")
         if self.optimizer_bytes < 1:
             raise ValueError(f"optimizer_bytes must be >= 1 (bytes a parameter), got {self.optimizer_bytes!r}")
         if self.straggler_sigma < 0 or self.samples < 1:
@@ -465,12 +472,12 @@ def _priced(
     column-parallel products of one layer, and for each product of :data:`UB_OVERLAPS` under sequence
     parallelism its seconds whole, one piece's alone (the product on ``1 / chunks`` of its rows, rounded up), one
     piece's share of :data:`UB_STREAMS` pieces at once (priced as one product of their rows), and its pieces."""
-    key = (model, layout, stage, peak_flops, memory_bytes_per_s, id(config.curves))
+    key = (model, layout, stage, peak_flops, memory_bytes_per_s, id(config.curves), config.kernels)
     found = _PRICED.get(key)
     if found is not None and found[0] is config.curves:
         return found[1]
     device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
-    work = stage_compute(model, layout, stage, device)
+    work = stage_compute(model, layout, stage, device, config.kernels)
     ops = [op for op in layer_ops(model, layout) if op.name in _COLUMN]
     wgrads = tuple(price(op, device) for op in ops if op.phase == "W")
     dgrads = tuple(price(op, device) for op in ops if op.phase == "B")

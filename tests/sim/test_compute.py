@@ -48,6 +48,51 @@ def test_recompute_and_sequence_parallel_price_what_they_should() -> None:
     assert flash.recompute_s == 0
 
 
+def test_megatron_lm_kernels_price_the_2021_layer_as_it_runs() -> None:
+    layout = Layout(tp=2, micro_batch=2, global_batch=2)
+    tokens, h, heads = 2 * 512, 1024, 2 * 16 // 2
+
+    def nbytes(ops, name: str, phase: str) -> float:
+        return sum(op.nbytes for op in ops if op.name == name and op.phase == phase)
+
+    fused, megatron = layer_ops(GPT, layout), layer_ops(GPT, layout, "megatron-lm")
+    assert [op for op in megatron if op.kind == "matmul"] == [op for op in fused if op.kind == "matmul"]
+    qkv = tokens * 3 * h / 2
+    assert nbytes(megatron, "qkv-bias", "F") == pytest.approx(4 * qkv)  # matmul, then add_ of the bias
+    assert nbytes(megatron, "qkv-bias", "B") == pytest.approx(2 * qkv)  # the bias gradient's sum over tokens
+    assert nbytes(megatron, "qkv-split", "B") == pytest.approx(4 * qkv)
+    assert nbytes(megatron, "scores-scale", "B") == pytest.approx(4 * tokens * 2 * h / 2)
+    assert nbytes(megatron, "context-copy", "F") == pytest.approx(4 * tokens * h / 2)
+    assert not {"qkv-bias", "qkv-split", "scores-scale", "context-copy"} & {op.name for op in fused}
+    # the causal kernel reads the lower triangle only: 8 and 9 bytes a score against the model's 9 and 11
+    scores = heads * 512 * 512
+    assert nbytes(megatron, "softmax-dropout", "F") == pytest.approx(8 * scores)
+    assert nbytes(megatron, "softmax-dropout", "B") == pytest.approx(9 * scores)
+    assert nbytes(fused, "softmax-dropout", "F") == pytest.approx(9 * scores)
+    assert nbytes(megatron, "norms", "B") == pytest.approx(nbytes(fused, "norms", "B") * 10 / 8)
+    # past 2048 the fused softmax is not taken: 32-bit scale, mask, softmax and casts
+    long = ModelSpec(parameters=1e9, layers=4, hidden=1024, heads=16, sequence=4096, vocab=32000)
+    longer = layer_ops(long, layout, "megatron-lm")
+    assert nbytes(longer, "softmax-dropout", "F") == pytest.approx(41 * heads * 4096**2)
+    assert nbytes(longer, "softmax-dropout", "B") == pytest.approx(45 * heads * 4096**2)
+    # the 32-bit cross-entropy on the last stage: 38 and 14 bytes a logit against 10 and 6
+    last = stage_compute(GPT, layout, 0, A100, "megatron-lm")
+    base = stage_compute(GPT, layout, 0, A100)
+    logits = tokens * 32000 / 2
+    assert last.by_name["cross-entropy"] - base.by_name["cross-entropy"] == pytest.approx(
+        A100.memory_s(52 * logits) - A100.memory_s(16 * logits)
+    )
+    assert last.total_s > base.total_s
+    # selective recomputation runs the context copy again with the attention core
+    selective = Layout(tp=2, micro_batch=2, global_batch=2, recompute="selective")
+    sel, sel_fused = stage_compute(GPT, selective, 0, A100, "megatron-lm"), stage_compute(GPT, selective, 0, A100)
+    copy = price(next(op for op in megatron if op.name == "context-copy"), A100)
+    softmax_saving = A100.memory_s(9 * scores) - A100.memory_s(8 * scores)
+    assert sel.recompute_s - sel_fused.recompute_s == pytest.approx(GPT.layers * (copy - softmax_saving))
+    with pytest.raises(ValueError, match="kernels 'apex' is not one of fused, megatron-lm"):
+        layer_ops(GPT, layout, "apex")
+
+
 def test_first_and_last_stages_carry_embedding_and_logits() -> None:
     layout = Layout(pp=2, global_batch=2)
     first, last = stage_compute(GPT, layout, 0, A100), stage_compute(GPT, layout, 1, A100)

@@ -90,6 +90,23 @@ def test_a_single_device_step_is_its_compute_and_optimizer() -> None:
     assert result.tp_s == result.dp_s == 0.0
 
 
+def test_megatron_lm_kernels_price_each_micro_batch_as_the_compute_model_does() -> None:
+    from dtrain.sim.compute import device_compute, stage_compute
+
+    topo = star(1)
+    model = ModelSpec(parameters=1e9, layers=8, hidden=1024, heads=16, sequence=512, vocab=32000)
+    layout = Layout(micro_batch=2, global_batch=8, recompute="full")
+    fused = simulate_step(model, layout, topo, place(topo, layout), StepConfig())
+    megatron = simulate_step(model, layout, topo, place(topo, layout), StepConfig(kernels="megatron-lm"))
+    dev = topo.device(place(topo, layout)[0])
+    compute = device_compute(dev.peak_flops, dev.memory_bytes_per_s)
+    each = (stage_compute(model, layout, 0, compute, "megatron-lm").total_s
+            - stage_compute(model, layout, 0, compute).total_s)  # fmt: skip
+    assert megatron.compute_s - fused.compute_s == pytest.approx(4 * each)
+    with pytest.raises(ValueError, match="kernels 'cudnn' is not one of fused, megatron-lm"):
+        StepConfig(kernels="cudnn")
+
+
 def test_data_parallel_adds_the_ring_all_reduce_of_the_gradients() -> None:
     topo = star(4, bytes_per_s=10 * GB, memory_bytes_per_s=1e12)
     layout = Layout(dp=4, global_batch=4)

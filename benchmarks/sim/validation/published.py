@@ -160,7 +160,9 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     reduce-scatters of sequence parallelism run in chunks under the products beside them (``tp_comm_overlap``:
     Megatron-Core's ``--tp-comm-overlap``, ``StepConfig.tp_comm_overlap``), and whether an interleaved schedule's
     pipeline exchanges run under compute (``overlap_p2p_comm``: Megatron-Core's default, which its argument checks
-    keep only with an interleaved schedule; ``StepConfig.overlap_p2p_comm``).
+    keep only with an interleaved schedule; ``StepConfig.overlap_p2p_comm``), and the kernels of the layer
+    (``kernels``, default ``"fused"``; ``"megatron-lm"`` for Megatron-LM's layer of 2021-2022, whose QKV bias,
+    causal softmax, copies and 32-bit cross-entropy :func:`dtrain.sim.compute.layer_ops` prices as it runs them).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
@@ -172,7 +174,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       overlap_param_gather=row.get("overlap_dp", False),
                       distributed_optimizer=row.get("distributed_optimizer", False),
                       tp_comm_overlap=row.get("tp_comm_overlap", False),
-                      overlap_p2p_comm=row.get("overlap_p2p_comm", False))  # fmt: skip
+                      overlap_p2p_comm=row.get("overlap_p2p_comm", False),
+                      kernels=row.get("kernels", "fused"))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
