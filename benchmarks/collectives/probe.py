@@ -37,6 +37,7 @@ MODES = {
     "watchdog": "watchdog",
     "one-shot": "one_shot",
     "one-pass": "one_pass",
+    "exchange-programs": "exchange_programs",
 }
 
 

@@ -45,7 +45,8 @@
 #   probe-chain        the chain broadcast by piece count                                   -> probe-chain.txt
 #   probe-chain-timeline  the chain broadcast's device timeline, pull and push              -> chain-timeline-*/
 #   defaults           every collective with the defaults (auto) beside NCCL (torch.distributed's own call, and
-#                      native through dtrain), 8 KiB-1 GiB (DEFAULTS_MAX), same tensors and fresh ones
+#                      native through dtrain), 8 KiB-1 GiB (DEFAULTS_MIN, DEFAULTS_MAX, DEFAULTS_FACTOR), same
+#                      tensors and fresh ones
 #                      -> defaults.jsonl, defaults-fresh.jsonl
 #   one-pass           all-gather, reduce-scatter, all-to-all (direct) and broadcast (star) in one pass over CUDA
 #                      symmetric memory beside NCCL (torch, native) and auto, 8 KiB-64 MiB (ONE_PASS_MAX), same
@@ -64,6 +65,7 @@
 #                      with CUDA graphs, beside torch pipelining                          -> bench_pipeline.jsonl
 #   bench-pipeline-large  the same at batch 4096, m = 8, 16                              -> bench_pipeline-b4096.jsonl
 #   probe-one-shot | probe-one-pass | probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
+#                      | probe-exchange-programs
 #                      benchmarks/collectives/probe.py MODE                                 -> probe-MODE.txt
 set -uo pipefail
 if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
@@ -164,7 +166,8 @@ for mode in "$@"; do
       for fresh in "" --fresh; do
         name=defaults${fresh:+-fresh}
         LIMIT=${LIMIT:-300} tr -m dtrain bench comm --collectives $sym,broadcast --algorithms torch,native,auto \
-          --min-bytes 8K --max-bytes ${DEFAULTS_MAX:-1G} --factor 4 --iters 20 --trials 5 --warm-s 0.3 $fresh \
+          --min-bytes ${DEFAULTS_MIN:-8K} --max-bytes ${DEFAULTS_MAX:-1G} --factor ${DEFAULTS_FACTOR:-4} --iters 20 \
+          --trials 5 --warm-s 0.3 $fresh \
           --out "$out/$name.jsonl" >"$out/$name.log"
         echo "== $name"; for c in all_reduce all_gather reduce_scatter all_to_all broadcast; do
           summ "$out/$name.jsonl" --collective $c --algorithms torch,native,auto; done

@@ -502,11 +502,16 @@ EXCHANGE_FORMS = {
 #: kernel's one-shot all-reduce (:data:`dtrain.comm.peer.fused.REDUCE_MAX_BYTES`; above it torch's one-shot kernel).
 ONE_PASS_MAX_BYTES = 8 << 20
 REDUCE_MAX_BYTES = 256 << 10
-#: The kernel's elements a chunk and most programs (:data:`dtrain.comm.peer.kernels.EXCHANGE_BLOCK`,
-#: ``EXCHANGE_PROGRAMS``), and the words its copy forms copy in, widest first
+#: The kernel's elements a chunk, most programs and most (program, peer) pairs
+#: (:data:`dtrain.comm.peer.kernels.EXCHANGE_BLOCK`, ``EXCHANGE_PROGRAMS``, ``EXCHANGE_PAIRS``), and the words its
+#: copy forms copy in, widest first
 #: (:func:`dtrain.comm.peer.kernels.word_bytes`).
 EXCHANGE_BLOCK = 2048
-EXCHANGE_PROGRAMS = 32
+EXCHANGE_PROGRAMS = 128
+EXCHANGE_PAIRS = 256
+#: Programs of the exchange kernel that together reach each of :class:`PeerCost`'s rates (the kernel the rates
+#: were measured beside ran 32)
+RATE_PROGRAMS = 32
 EXCHANGE_WORDS = (8, 4, 2, 1)
 
 
@@ -548,9 +553,11 @@ def exchange_time(
     reading every peer at once, as the fan-in micro-benchmark), the broadcast's ``world - 1`` readers sharing the
     root's port (each at ``fanin_bytes_per_s / (world - 1)``, the fan-in rate being what a GPU's port gave all its
     readers, at most the pair rate), and its own block out of its own window at the local rate. The kernel runs
-    ``min(32, chunks)`` programs (a chunk: 2048 words of a block), each copying its share of the chunks of every
-    block; 32 programs reach each rate, and a program moves ``1/32`` of it, so the busiest program's share sets
-    each phase's time (a small call runs few programs, each at its 32nd of the rate).
+    ``min(grid, chunks)`` programs (a chunk: 2048 words of a block; ``grid``: ``EXCHANGE_PAIRS / world``, at most
+    ``EXCHANGE_PROGRAMS``, as the runtime's ``exchange_programs``), each copying its share of the chunks of every
+    block; a program moves ``1/32`` of each rate (:data:`RATE_PROGRAMS`: 32 programs reach it) and more programs
+    share it, so the busiest program's share sets each phase's time (a small call runs few programs, each at its
+    32nd of the rate).
     """
     if form not in EXCHANGE_FORMS.values():
         raise ValueError(f"exchange_time: form {form!r}; accepted: {sorted(set(EXCHANGE_FORMS.values()))}")
@@ -564,9 +571,10 @@ def exchange_time(
     word = itemsize if summed else next(w for w in EXCHANGE_WORDS if block % w == 0)
     chunk = EXCHANGE_BLOCK * word
     chunks = max(1, -(-block // chunk))
-    programs = min(EXCHANGE_PROGRAMS, chunks)
+    grid = max(1, min(EXCHANGE_PROGRAMS, EXCHANGE_PAIRS // world))
+    programs = min(grid, chunks)
     share = min(-(-chunks // programs) * chunk, block)  # the busiest program's bytes of one block
-    per_program = 1 / EXCHANGE_PROGRAMS  # of each rate
+    per_program = 1 / max(RATE_PROGRAMS, programs)  # of each rate
     local = cost.local_bytes_per_s * per_program
     if form == "broadcast":
         peer_rate = (

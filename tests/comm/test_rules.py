@@ -124,11 +124,15 @@ def test_built_in_rules_cover_only_what_was_measured_and_native_runs_elsewhere(m
     peer4 = rules.built_in("cuda-peer", 4, None)
     # the one-pass reduce-scatter, broadcast, all-gather and all-to-all where they measured faster than NCCL's,
     # NCCL's above
+    sizes = (8 << 10, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20)
     for table in (peer2, peer4):
         for coll in ("reduce_scatter", "all_to_all"):
-            assert [table.pick(coll, n) for n in (8 << 10, 4 << 20, 8 << 20)] == ["direct", "direct", "native"]
-        assert [table.pick("broadcast", n) for n in (8 << 10, 2 << 20, 8 << 20)] == ["star", "star", "native"]
-        assert [table.pick("all_gather", n) for n in (8 << 10, 8 << 20, 16 << 20)] == ["direct", "direct", "native"]
+            assert [table.pick(coll, n) for n in sizes] == ["direct"] * 4 + ["native"] * 2
+    assert [peer2.pick("broadcast", n) for n in sizes] == ["star"] * 4 + ["native"] * 2
+    assert [peer4.pick("broadcast", n) for n in sizes] == ["star"] * 2 + ["native"] * 4  # the root's links bind
+    # the all-gather by its output: up to the one pass's 8 MiB a rank on 2 GPUs, to 16 MiB (of 32) on 4
+    assert [peer2.pick("all_gather", n) for n in sizes] == ["direct"] * 5 + ["native"]
+    assert [peer4.pick("all_gather", n) for n in sizes] == ["direct"] * 5 + ["native"]
     for table in (peer2, peer4):  # the one-kernel all-reduce where it was measured faster, NCCL's above
         assert [table.pick("all_reduce", n) for n in (8 << 10, 2 << 20, 4 << 20, 8 << 20, 64 << 20)] == [
             "one_shot",

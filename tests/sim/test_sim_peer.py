@@ -189,9 +189,9 @@ MIB = 1 << 20
 def test_an_exchange_kernel_all_gather_copies_in_passes_one_barrier_and_reads_three_peers_at_the_fan_in_rate():
     cost = replace(COST, gpu_op_s=4e-6)
     t = exchange_time("gather", 4, 2 * MIB, cost, host_s=20e-6)
-    # 2 MiB a rank: 128 chunks of 2048 8-byte words, 32 programs of 4 chunks each, together at the full rates
+    # 2 MiB a rank: 128 chunks of 2048 8-byte words, 64 programs of 2 chunks each, together at the full rates
     copy_in, reads, own = 2 * MIB / 2e12, 3 * 2 * MIB / 200e9, 2 * MIB / 2e12
-    assert t.programs == 32
+    assert t.programs == 64
     assert t.gpu_s == pytest.approx(4e-6 + copy_in + 6e-6 + reads + own)
     assert t.time_s == t.gpu_s  # 6 MiB over NVLink: above the host's 20 us
     two = exchange_time("gather", 2, 2 * MIB, cost)  # one peer: the pair rate
@@ -236,7 +236,7 @@ def test_the_exchange_kernel_s_figures_are_the_runtime_s():
     def value(name: str) -> int:
         return eval(re.search(rf"^{name} = (.+)$", source, re.M).group(1))  # a constant expression such as 8 << 20
 
-    for name in ("ONE_PASS_MAX_BYTES", "REDUCE_MAX_BYTES", "EXCHANGE_BLOCK", "EXCHANGE_PROGRAMS"):
+    for name in ("ONE_PASS_MAX_BYTES", "REDUCE_MAX_BYTES", "EXCHANGE_BLOCK", "EXCHANGE_PROGRAMS", "EXCHANGE_PAIRS"):
         assert getattr(peer_model, name) == value(name), name
     pattern = r"\(Collective\.(\w+), \"(\w+)\"\): \"(\w+)\""  # fused.ONE_PASS's entries
     one_pass = {(c.lower(), a): f for c, a, f in re.findall(pattern, source)}

@@ -163,17 +163,29 @@ _PEER_ALL_REDUCE = ((0, "one_shot"), ((2 << 20) + 1, "native"))
 #: kernel that copies this rank's input into its window, passes one barrier on the signal pads and reads the
 #: peers' windows (:func:`dtrain.comm.peer.kernels.exchange`): the all-gather, reduce-scatter and all-to-all
 #: (``direct``) and the broadcast (``star``), where they ran faster than torch.distributed's own NCCL call, by full
-#: buffer size (the all-gather's output, the others' input). Side by side on 2 and 4 H200s and H100s, same and fresh
-#: tensors (benchmarks/results/one_pass{,_fresh}-h200x{4,2}.jsonl, one_pass_gather{,_fresh}-h100x4.jsonl and
-#: one_pass_gather_fresh-h100x2.jsonl):
-#: from 8 KiB to 2 MiB every one at 1.4-2.3x NCCL's speed; at 8 MiB the all-gather at 1.12-1.47x, the others at
-#: 0.48-1.21x (the broadcast's peers all read the root's links); at 16 MiB the all-gather at 0.90-1.07x. Above 8 MiB
-#: a rank the schedules run a round at a time, at 0.24-0.49x. A band ends at the geometric midpoint between the
-#: last size won and the first lost.
-_PEER_ALL_GATHER = ((0, "direct"), (math.isqrt((8 << 20) * (16 << 20)) + 1, NATIVE))
-_PEER_REDUCE_SCATTER = ((0, "direct"), ((4 << 20) + 1, NATIVE))
-_PEER_ALL_TO_ALL = ((0, "direct"), ((4 << 20) + 1, NATIVE))
-_PEER_BROADCAST = ((0, "star"), ((4 << 20) + 1, NATIVE))
+#: buffer size (the all-gather's output, the others' input), up to the one pass's limit
+#: (:data:`dtrain.comm.peer.fused.ONE_PASS_MAX_BYTES` a rank). Side by side on 2 and 4 H200s and H100s, same and
+#: fresh tensors (benchmarks/results/one_pass{,_fresh}-h200x{4,2}.jsonl, one_pass_gather{,_fresh}-h100x4.jsonl,
+#: one_pass_gather_fresh-h100x2.jsonl), from 8 KiB to 2 MiB every one at 1.4-2.3x NCCL's speed. The kernel alone
+#: with its program count (64 on 4 GPUs, 128 on 2) beside NCCL's call, 1-32 MiB
+#: (benchmarks/results/probe-exchange-programs-h100x{4,2}.txt): on 4 GPUs the all-gather at 1.22x at 16 MiB and
+#: 1.08x at 32, the all-to-all at 1.15x and the reduce-scatter at 1.07x at 8 MiB (0.79-0.94x at 16), the
+#: broadcast at 1.56x at 2 MiB and 0.92x at 4 (its readers share the root's links); on 2 GPUs every one at
+#: 1.2-1.65x at 8 MiB, the all-gather at 1.46x at 16. A band ends at the geometric midpoint between the last size
+#: won and the first lost, or at the one pass's limit.
+_MIB = 1 << 20
+_PEER_2 = {
+    "all_gather": ((0, "direct"), (2 * 8 * _MIB + 1, NATIVE)),
+    "reduce_scatter": ((0, "direct"), (8 * _MIB + 1, NATIVE)),
+    "all_to_all": ((0, "direct"), (8 * _MIB + 1, NATIVE)),
+    "broadcast": ((0, "star"), (8 * _MIB + 1, NATIVE)),
+}
+_PEER_4 = {
+    "all_gather": ((0, "direct"), (math.isqrt(16 * _MIB * 32 * _MIB) + 1, NATIVE)),
+    "reduce_scatter": ((0, "direct"), (math.isqrt(8 * _MIB * 16 * _MIB) + 1, NATIVE)),
+    "all_to_all": ((0, "direct"), (math.isqrt(8 * _MIB * 16 * _MIB) + 1, NATIVE)),
+    "broadcast": ((0, "star"), (math.isqrt(2 * _MIB * 4 * _MIB) + 1, NATIVE)),
+}
 
 #: Built-in rules, used where no rules file covers a group: measured winners. Side by side with NCCL 2.28
 #: (torch 2.11, NVLink multicast off, calls back to back in one process, rounds interleaved) on 2 and 4 H100s,
@@ -187,25 +199,13 @@ BUILT_IN: tuple[Rules, ...] = (
     Rules(
         kind="cuda-peer",
         world_size=2,
-        table={
-            "all_reduce": _PEER_ALL_REDUCE,
-            "reduce_scatter": _PEER_REDUCE_SCATTER,
-            "broadcast": _PEER_BROADCAST,
-            "all_gather": _PEER_ALL_GATHER,
-            "all_to_all": _PEER_ALL_TO_ALL,
-        },
+        table={"all_reduce": _PEER_ALL_REDUCE, **_PEER_2},
         meta={"from": "the five collectives against NCCL on 2 H100s and 2 H200s, 8 KiB-1 GiB"},
     ),
     Rules(
         kind="cuda-peer",
         world_size=4,
-        table={
-            "all_reduce": _PEER_ALL_REDUCE,
-            "reduce_scatter": _PEER_REDUCE_SCATTER,
-            "broadcast": _PEER_BROADCAST,
-            "all_gather": _PEER_ALL_GATHER,
-            "all_to_all": _PEER_ALL_TO_ALL,
-        },
+        table={"all_reduce": _PEER_ALL_REDUCE, **_PEER_4},
         meta={"from": "the five collectives against NCCL on 4 H100s and 4 H200s, 8 KiB-1 GiB"},
     ),
 )

@@ -133,7 +133,7 @@ def run_fused(form: str, work: torch.Tensor, window, launch=None) -> torch.Tenso
 #: by side on 4 and 2 H100s against torch.distributed's own call: ours at 1.26-2.21x NCCL's speed from 8 KiB to
 #: 128 KiB where torch's kernel ran at 1.26-1.58x (collectives_defaults*-h100x*.jsonl, the launch before), and
 #: at 1.63-2.31x once a kept call kept its launch (benchmarks/results/one_shot_ar{,_fresh}-h100x{4,2}.jsonl); at
-#: 2 MiB ours at 0.86-1.64x, torch's at 1.40-1.67x (32 programs read the peers: fewer than torch's kernel runs).
+#: 2 MiB ours at 0.86-1.64x with 32 programs, torch's at 1.40-1.67x.
 REDUCE_MAX_BYTES = 256 << 10
 
 
@@ -152,7 +152,7 @@ def reducer(window, work: torch.Tensor):
         spins = max(1, int(limit.total_seconds() * 1000)) * 1000  # a wait's round takes a microsecond or more
         launchers[key] = None if not room else kernels.exchange(
             window.pointers, window.pads, window.rank, nbytes, window.world_size, "reduce", spins,
-            min(kernels.EXCHANGE_PROGRAMS, window.channels), dtype=work.dtype,
+            kernels.exchange_programs(window.world_size, window.channels), dtype=work.dtype,
         )  # fmt: skip
     return launchers[key]
 
@@ -248,7 +248,7 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
     if pointers is not None and getattr(window, "pads", None) is not None:
         launch = kernels.exchange(
             pointers, window.pads, rank, numel // blocks * dtype.itemsize, world, form, barrier_ms * 1000,
-            min(kernels.EXCHANGE_PROGRAMS, window.channels), root=root, dtype=dtype,
+            kernels.exchange_programs(window.world_size, window.channels), root=root, dtype=dtype,
         )  # fmt: skip
 
     def barrier() -> None:

@@ -167,10 +167,21 @@ def gather(out: torch.Tensor, pointers: torch.Tensor, offset: int, nbytes: int, 
 _GATHER_COMPILED: dict = {}
 
 
-#: Elements a program of the exchange kernel copies at a time, and the most programs one call runs (each holds
-#: ``world`` slots of the signal pad, which has room for 2048 bytes of them).
+#: Elements a program of the exchange kernel copies at a time, the most programs one call runs, and the most
+#: (program, peer) pairs (:func:`exchange_programs`). Each program holds ``world`` slots of the signal pad. The
+#: kernel alone beside NCCL's call on 4 and 2 H100s, 1-32 MiB (benchmarks/results/probe-exchange-programs-h100x*.txt):
+#: 32 programs read at most 8 MiB faster than NCCL on 4 GPUs and 4 MiB on 2; 64 on 4 GPUs and 128 on 2 read 8 MiB
+#: at 1.07-1.28x and 1.5-1.65x NCCL's speed (the broadcast aside, which its root's links bound on 4), and fewer
+#: programs are no faster at any size; past 256 pairs nothing more was gained.
 EXCHANGE_BLOCK = 2048
-EXCHANGE_PROGRAMS = 32
+EXCHANGE_PROGRAMS = 128
+EXCHANGE_PAIRS = 256
+
+
+def exchange_programs(world: int, channels: int) -> int:
+    """Programs for an exchange kernel on ``world`` GPUs whose signal pad holds ``channels`` barrier channels: at
+    most :data:`EXCHANGE_PROGRAMS` and :data:`EXCHANGE_PAIRS` over ``world`` (64 on 4 GPUs, 128 on 2)."""
+    return max(1, min(EXCHANGE_PROGRAMS, EXCHANGE_PAIRS // world, channels))
 
 
 #: The exchange kernel's forms (:func:`exchange`).
