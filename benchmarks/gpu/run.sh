@@ -55,7 +55,7 @@
 #                      bench verify first
 #                      -> verify-one-pass.txt, one_pass{,-fresh}-np{N}.jsonl
 #   one-shot-ar        bench verify, then the all-reduce's one-shot and two-shot kernels beside NCCL (torch, native)
-#                      and auto, 8 KiB-16 MiB, same and fresh tensors (ONE_PASS_NP)  -> one_shot_ar{,-fresh}-np{N}.jsonl
+#                      and auto, 8 KiB-16 MiB (AR_MIN, AR_FACTOR), same and fresh tensors (ONE_PASS_NP)  -> one_shot_ar{,-fresh}-np{N}.jsonl
 #   one-pass-gather    the same for the all-gather and all-to-all alone, 8 KiB-16 MiB (ONE_PASS_NP as above), with
 #                      torch.distributed's own call (torch) beside native
 #                      -> verify-one-pass.txt, one_pass_gather{,-fresh}-np{N}.jsonl
@@ -178,7 +178,8 @@ for mode in "$@"; do
         for fresh in "" --fresh; do
           name=one_shot_ar${fresh:+-fresh}-np$np_
           NP=$np_ LIMIT=${LIMIT:-150} tr -m dtrain bench comm --collectives all_reduce \
-            --algorithms torch,native,one_shot,direct,auto --min-bytes 8K --max-bytes 16M --factor 4 --iters 20 \
+            --algorithms torch,native,one_shot,direct,auto --min-bytes ${AR_MIN:-8K} --max-bytes 16M \
+            --factor ${AR_FACTOR:-4} --iters 20 \
             --trials 5 --warm-s 0.3 $fresh --out "$out/$name.jsonl" >"$out/$name.log"
           echo "== $name"; summ "$out/$name.jsonl" --collective all_reduce --algorithms torch,native,one_shot,direct,auto
         done
