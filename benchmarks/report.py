@@ -262,6 +262,25 @@ def _defaults_part() -> list[str]:
             ),
             table([h.strip() for h in header], rows),
         ]
+        mid, mid_fresh = load(f"collectives_mid-h100x{gpus}.jsonl"), load(f"collectives_mid_fresh-h100x{gpus}.jsonl")
+        if mid:
+            mids = sorted({r["nbytes"] for r in mid})
+            rows = [
+                [size(n)] + [_ratio_cell(recs, c, n) for c in DEFAULT_COLLECTIVES for recs in (mid, mid_fresh)]
+                for n in mids
+            ]
+            parts += [
+                f"1 MiB to 32 MiB by factors of 2, with the exchange kernel's {256 // gpus} programs "
+                f"(`kernels.exchange_programs`) and the bands they gave (`rules.built_in`):",
+                setting(
+                    card(mid),
+                    gpu_software(mid),
+                    ("NP=2 " if gpus == 2 else "")
+                    + "DEFAULTS_MIN=1M DEFAULTS_MAX=32M DEFAULTS_FACTOR=2 benchmarks/gpu/run.sh OUT defaults",
+                    f"`collectives_mid-h100x{gpus}.jsonl`, `collectives_mid_fresh-h100x{gpus}.jsonl`",
+                ),
+                table([h.strip() for h in header], rows),
+            ]
     return parts
 
 
