@@ -33,10 +33,11 @@ Every variant starts from the same weights and sees the same batches, so all mus
 parameters: the script checks each against DDP (``max_abs_param_diff_vs_ddp``), ``local`` aside.
 
 ``--profile DIR``: after the scaling section's timing, ``--profile-steps`` steps of ``single`` (1 rank) and of
-``ours-auto`` and ``ddp`` (every rank of the largest size) run under ``torch.profiler``, and rank 0 writes
-``DIR/<variant>-<k>ranks-b<batch>.txt``: the host's time to enqueue a step beside the step's, where the device
-time goes (:mod:`trace_summary`: busy, compute, communication and how much of it is exposed, idle) and the
-operators' table by device time, and the host's Python functions by their own time (cProfile); ``--profile-trace`` keeps the Chrome trace beside it.
+``ours-auto``, ``ours-overlap`` and ``ddp`` (every rank of the largest size) run under ``torch.profiler``, and
+rank 0 writes ``DIR/<variant>-<k>ranks-b<batch>.txt``: the host's time to enqueue a step beside the step's, the
+host's Python functions by their own time (cProfile), where the device time goes (:mod:`trace_summary`: busy,
+compute, communication and how much of it is exposed, idle) and the operators' table by device time;
+``--profile-trace`` keeps the Chrome trace beside it.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ def _scaling(args, groups) -> list[dict]:
             if rank >= k:
                 continue
             base, batch = _model(args), _batch(args, rank, per_rank)
-            variants = ("single",) if k == 1 else ("ours-auto", "ours-overlap", "ours-native", "ddp", "ddp-view", "local")
+            multi = ("ours-auto", "ours-overlap", "ours-native", "ddp", "ddp-view", "local")
+            variants = ("single",) if k == 1 else multi
             _arm(args, f"scaling on {k} ranks, {per_rank} sequences a rank")
             built = {v: _wrap(v, base, group) for v in variants}
             steps = {v: _step_fn(*built[v], batch, args) for v in variants}
@@ -261,7 +263,8 @@ def _profile(step, args, name: str, group) -> None:
     pstats.Stats(host_profile, stream=functions).sort_stats("tottime").print_stats(20)
     text += "host functions (cProfile, tottime):\n" + functions.getvalue().split("\n\n", 1)[-1].strip() + "\n"
     if torch.cuda.is_available():
-        text += format_summary(name, summarize(events, args.profile_steps)) + "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+        operators = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+        text += format_summary(name, summarize(events, args.profile_steps)) + "\n" + operators
     (args.profile / f"{name}.txt.tmp").write_text(text + "\n")
     os.replace(args.profile / f"{name}.txt.tmp", args.profile / f"{name}.txt")
     print(text.split("\n    ")[0], file=sys.stderr, flush=True)

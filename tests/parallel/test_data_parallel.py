@@ -56,9 +56,7 @@ def test_no_sync_accumulation_equals_one_step_on_the_union(pool):
     ("optimizer", "algorithm", "micro_batches"), [("adamw", "native", 2), ("sgd", "ring", 1), ("adam", "auto", 1)]
 )
 def test_optimizer_stepped_inside_backward_equals_one_process(pool, optimizer, algorithm, micro_batches):
-    results = pool.run(
-        jobs.data_parallel, 2, optimizer, algorithm, micro_batches=micro_batches, overlap=True, ranks=2
-    )
+    results = pool.run(jobs.data_parallel, 2, optimizer, algorithm, micro_batches=micro_batches, overlap=True, ranks=2)
     _assert_matches_reference(results)
     for r in results:
         assert "no synchronised backward ran since the last step" in r["refused"]
