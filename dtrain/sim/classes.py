@@ -30,14 +30,12 @@ No torch here.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from dtrain.cluster.topology import Link, Topology
+from dtrain.cluster.topology import Link, Topology, collector_paused
 from dtrain.sim.collective import (
     CollectiveResult,
     Job,
@@ -85,23 +83,8 @@ def replay_jobs(
 ) -> CollectiveResult:
     """:func:`~dtrain.sim.collective.replay_concurrent` of ``jobs``, replaying independent parts apart and
     identical parts once; a part of more than ``flow_limit`` messages in lock-step rounds (None: never)."""
-    with _collector_paused():
+    with collector_paused():
         return _replay_jobs(jobs, topology, cost or SoftwareCost(), itemsize, flow_limit)
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off for the replay: a replay at cluster scale allocates millions of
-    short-lived containers, and each full collection walks every route the topology has cached (a third of the
-    time on 10,000 GPUs). Reference counting still frees everything; the few cycles (a network's callbacks)
-    wait for the next collection."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _replay_jobs(
