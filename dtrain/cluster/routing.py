@@ -47,7 +47,7 @@ import re
 from collections import deque
 from typing import Any
 
-__all__ = ["TierRouter", "NIC_AFFINITIES", "ROUTINGS", "natural_key", "destination_routed"]
+__all__ = ["TierRouter", "NIC_AFFINITIES", "ROUTINGS", "natural_key", "destination_routed", "destination_pick"]
 
 #: How a GPU picks the NIC its traffic leaves by: any on a fewest-hop path (hashed per flow), or its own rail's.
 NIC_AFFINITIES = ("ecmp", "rail")
@@ -344,6 +344,28 @@ class TierRouter:
             (b, v, *pieces[v[len(prefix) :]]) for b, v in self.entries.get(server, []) if v[len(prefix) :] in pieces
         ]
 
+    def one_way(self, src: str, dst: str) -> tuple[list[str], str, str, list[str]] | None:
+        """``(head, a, b, tail)`` where every fewest-hop path from ``src`` to ``dst`` (two nodes of two servers)
+        is ``head`` (the one fewest-hop path from ``src`` to the one port it may leave by), a fewest-hop path of
+        the fabric from switch ``a`` to switch ``b``, and ``tail`` (the one path from the one port it may enter
+        by to ``dst``), in the order :meth:`paths` lists them: a GPU of rail affinity; else None."""
+        if not self.exact:
+            return None
+        s_server, d_server = self.server.get(src), self.server.get(dst)
+        if s_server is None or d_server is None or s_server == d_server:
+            return None
+        exits = self._heads(s_server, src)
+        if len(exits) != 1 or len(exits[0][3]) != 1:
+            return None
+        entries = self._tails(d_server, dst)
+        if len(entries) != 1 or len(entries[0][3]) != 1:
+            return None
+        (_, a, _, heads), (b, _, _, tails) = exits[0], entries[0]
+        if self.distance(a, b) is None:
+            return None
+        s_prefix, d_prefix = self._prefix[s_server], self._prefix[d_server]
+        return [s_prefix + n for n in heads[0]], a, b, [d_prefix + n for n in tails[0]]
+
     def _between(self, src: str, dst: str, s_server: str, d_server: str) -> list[list[str]] | None:
         exits = self._heads(s_server, src)
         entries = self._tails(d_server, dst)
@@ -369,6 +391,10 @@ class TierRouter:
             for head, middle, tail in itertools.product(full_heads, middles, full_tails):
                 out.append(head + middle + tail)
         return out
+
+    def middle(self, a: str, b: str) -> list[list[str]]:
+        """Every fewest-hop path of the fabric from switch ``a`` to switch ``b`` (cached)."""
+        return self._middle(a, b)
 
     def _middle(self, a: str, b: str) -> list[list[str]]:
         found = self._middles.get((a, b))
@@ -408,13 +434,19 @@ def destination_routed(paths: list[list[str]], server: dict[str, str | None], po
             continue
         first, last, path = members[0]
         j = port_index(path[last], path[last + 1]) if last + 1 < len(path) else 0
-        remaining, stride, i = [m[2] for m in members], 1, first
-        while len(remaining) > 1:
-            i += 1
-            choices = sorted({p[i] for p in remaining}, key=natural_key)
-            if len(choices) > 1:
-                pick = choices[(j // stride) % len(choices)]
-                stride *= len(choices)
-                remaining = [p for p in remaining if p[i] == pick]
-        out.append(remaining[0])
+        out.append(destination_pick([m[2] for m in members], first, j))
     return out
+
+
+def destination_pick(paths: list[list[str]], first: int, j: int) -> list[str]:
+    """The path of ``paths`` (equal up to position ``first``, the first switch, and from their last switch on)
+    that destination-mod-k forwarding takes to the destination port of index ``j`` (:func:`destination_routed`)."""
+    remaining, stride, i = paths, 1, first
+    while len(remaining) > 1:
+        i += 1
+        choices = sorted({p[i] for p in remaining}, key=natural_key)
+        if len(choices) > 1:
+            pick = choices[(j // stride) % len(choices)]
+            stride *= len(choices)
+            remaining = [p for p in remaining if p[i] == pick]
+    return remaining[0]

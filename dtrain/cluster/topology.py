@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from dtrain.cluster.routing import NIC_AFFINITIES, ROUTINGS, TierRouter, destination_routed
+from dtrain.cluster.routing import NIC_AFFINITIES, ROUTINGS, TierRouter, destination_pick, destination_routed
 from dtrain.cluster.routing import natural_key as _natural_key
 
 __all__ = ["Device", "Link", "Topology", "NODE_KINDS", "SWITCH_KINDS"]
@@ -96,6 +96,8 @@ class Topology:
         self._nic_affinity = "ecmp"
         self._routing = "ecmp"
         self._ports: dict[str, dict[str, int]] = {}
+        self._fabric_ways: dict[tuple[str, str], list[list[str]] | None] = {}  # switch pair -> paths, in order
+        self._picks: dict[tuple[str, str, int], list[list[str]]] = {}  # (switch pair, port index) -> d-mod-k's
 
     @property
     def nic_affinity(self) -> str:
@@ -126,6 +128,8 @@ class Topology:
         self._forget_routes()
 
     def _forget_routes(self) -> None:
+        self._fabric_ways.clear()
+        self._picks.clear()
         self._paths.clear()
         self._routes.clear()
         self._ports.clear()
@@ -287,12 +291,46 @@ class Topology:
             return []
         routes = self._routes.get((src, dst))
         if routes is None:
+            routes = self._routes[(src, dst)] = self._find_routes(src, dst)
+        return routes[_flow_hash(f"{src}|{dst}|{flow}") % len(routes)] if len(routes) > 1 else routes[0]
+
+    def _find_routes(self, src: str, dst: str) -> list[list[Link]]:
+        """The routes of a pair: its equal-cost paths, those the switches' tables leave under d-mod-k, as links.
+
+        A pair with one way out of its source's server and one way into its destination's
+        (:meth:`TierRouter.one_way`, e.g. GPUs of rail affinity) takes them from the paths of the fabric between
+        its two switches, kept per switch pair in the order the whole paths sort in (they share the ends) where
+        those paths' links have equal latencies one by one (the whole paths then tie on latency), and under
+        d-mod-k the one the destination port's index picks, kept per switch pair and index: what
+        :meth:`equal_cost_paths` and :func:`destination_routed` give, without a search or sort a pair."""
+        way = self.router.one_way(src, dst)
+        middles = self._fabric_paths(way[1], way[2]) if way is not None else None
+        if middles is None:
             paths = self.equal_cost_paths(src, dst)
             if self._routing == "d-mod-k" and len(paths) > 1:
                 paths = destination_routed(paths, self.router.server, self._port_index)
-            routes = [self._path_links(path) for path in paths]
-            self._routes[(src, dst)] = routes
-        return routes[_flow_hash(f"{src}|{dst}|{flow}") % len(routes)] if len(routes) > 1 else routes[0]
+            return [self._path_links(path) for path in paths]
+        head, a, b, tail = way
+        if self._routing == "d-mod-k" and len(middles) > 1:
+            j = self._port_index(b, tail[0])
+            pick = self._picks.get((a, b, j))
+            if pick is None:
+                pick = self._picks[(a, b, j)] = [destination_pick(middles, 0, j)]
+            middles = pick
+        return [self._path_links(head + middle + tail) for middle in middles]
+
+    def _fabric_paths(self, a: str, b: str) -> list[list[str]] | None:
+        """The fabric's fewest-hop paths from switch ``a`` to ``b`` in natural order of their nodes, or None where
+        two differ in a link's latency."""
+        found = self._fabric_ways.get((a, b), False)
+        if found is False:
+            paths = self.router.middle(a, b)
+            lat = [[link.latency_s for link in self._path_links(path)] for path in paths]
+            found = None
+            if all(x == lat[0] for x in lat):
+                found = sorted(paths, key=lambda p: [_natural_key(n) for n in p]) if len(paths) > 1 else paths
+            self._fabric_ways[(a, b)] = found
+        return found
 
     def _port_index(self, switch: str, node: str) -> int:
         """The position of host port ``node`` among ``switch``'s host ports (nodes of a server), in natural order."""
