@@ -117,12 +117,12 @@ def _replay_jobs(
     ]  # fmt: skip
     parts = _connected(routes)
     results: dict[int, _Part] = {}  # by part index
-    seen: dict[tuple, tuple[int, list[_Key]]] = {}  # signature -> (part replayed, its links in signature order)
+    seen: dict[tuple, tuple[int, list[Link]]] = {}  # signature -> (part replayed, its links in signature order)
     for p, members in enumerate(parts):
         signature, order = _signature(members, jobs, job_pairs, routes, topology, cost)
         if signature is not None and signature in seen:
             first, first_order = seen[signature]
-            results[p] = _relabel(results[first], first_order, order, topology)
+            results[p] = _relabel(results[first], first_order, order)
             continue
         sub = [jobs[j] for j in members]
         if lock_step:
@@ -253,13 +253,12 @@ def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
             i = parent[i]
         return i
 
-    owner: dict[_Key, int] = {}
+    owner: dict[int, int] = {}  # by the link's identity: a topology has one Link a pair of nodes
     for j, job_routes in enumerate(routes):
         for paths in job_routes:
             for path in paths:
                 for link in path:
-                    key = (link.src, link.dst)
-                    other = owner.setdefault(key, j)
+                    other = owner.setdefault(id(link), j)
                     if other != j:
                         a, b = find(other), find(j)
                         if a != b:
@@ -273,8 +272,8 @@ def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
 def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: SoftwareCost):
     """A part's shape, equal for parts that replay alike, and its links in the order the shape names them; None
     (no copies) where a pair has several equal-cost paths."""
-    label: dict[_Key, int] = {}
-    order: list[_Key] = []
+    label: dict[int, int] = {}  # by the link's identity: a topology has one Link a pair of nodes
+    order: list[Link] = []
     shape = []
     for j in members:
         job = jobs[j]
@@ -288,11 +287,11 @@ def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: Softw
             for path in paths_of_pair:
                 hops = []
                 for link in path:
-                    key = (link.src, link.dst)
-                    if key not in label:
-                        label[key] = len(order)
-                        order.append(key)
-                    hops.append((label[key], link.bytes_per_s, link.latency_s))
+                    at = label.get(id(link))
+                    if at is None:
+                        at = label[id(link)] = len(order)
+                        order.append(link)
+                    hops.append((at, link.bytes_per_s, link.latency_s))
                 paths.append(tuple(hops))
             paths.append(len(paths_of_pair))
         memory = tuple(d.memory_bytes_per_s for d in devices)
@@ -300,12 +299,13 @@ def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: Softw
     return tuple(shape), order
 
 
-def _relabel(part: _Part, first: list[_Key], other: list[_Key], topology: Topology) -> _Part:
-    mapping = dict(zip(first, other, strict=True))
+def _relabel(part: _Part, first: list[Link], other: list[Link]) -> _Part:
+    """``part``, replayed on the links ``first``, moved to the links ``other`` (in the same order)."""
+    mapping = {(a.src, a.dst): b for a, b in zip(first, other, strict=True)}
     links = {}
     for key, (_, nbytes, busy) in part.links.items():
         new = mapping[key]
-        links[new] = (topology.link(*new), nbytes, busy)
+        links[(new.src, new.dst)] = (new, nbytes, busy)
     return _Part(part.end, [list(t) for t in part.finish], links)
 
 
