@@ -100,20 +100,24 @@ class TierRouter:
         self.entries: dict[str, list[tuple[str, str]]] = {}  # server -> (switch, port) links entering it
         self.exact = True
         rates: dict[tuple[str, str], tuple[float, float]] = {}
-        for u, v, link in graph.edges(data="link"):
-            su, sv = self.server[u], self.server[v]
-            if su is not None and sv is not None:
-                if su != sv:
-                    self.exact = False  # a cable between two servers: paths may cross a third
-                inner.setdefault(su, {}).setdefault(u, []).append(v)
-                if link is not None:
-                    rates[(u, v)] = (link.bytes_per_s, link.latency_s)
-            elif su is not None:
-                self.exits.setdefault(su, []).append((u, v))
-            elif sv is not None:
-                self.entries.setdefault(sv, []).append((u, v))
-            else:
-                self._fabric.setdefault(u, []).append(v)
+        server, exits, entries, fabric = self.server, self.exits, self.entries, self._fabric
+        for u, nbrs in graph.adjacency():
+            su = server[u]
+            for v, data in nbrs.items():
+                sv = server[v]
+                if su is not None and sv is not None:
+                    if su != sv:
+                        self.exact = False  # a cable between two servers: paths may cross a third
+                    inner.setdefault(su, {}).setdefault(u, []).append(v)
+                    link = data.get("link")
+                    if link is not None:
+                        rates[(u, v)] = (link.bytes_per_s, link.latency_s)
+                elif su is not None:
+                    exits.setdefault(su, []).append((u, v))
+                elif sv is not None:
+                    entries.setdefault(sv, []).append((u, v))
+                else:
+                    fabric.setdefault(u, []).append(v)
         self._templates(inner, kinds, rates)
         self._fabric_search: dict[str, tuple[dict[str, int], dict[str, list[str]]]] = {}
         self._middles: dict[tuple[str, str], list[list[str]]] = {}
@@ -172,10 +176,17 @@ class TierRouter:
             server = self.server[name]
             if server is not None and kind in ("gpu", "nic"):
                 by_server.setdefault(server, {"gpu": [], "nic": []})[kind].append(name)
-        for parts in by_server.values():
-            gpus, nics = sorted(parts["gpu"], key=natural_key), sorted(parts["nic"], key=natural_key)
-            if len(gpus) == len(nics):
-                self.affinity.update(zip(gpus, nics, strict=True))
+        by_template: dict[int, list[tuple[str, str]]] = {}  # copies of a template pair the same parts
+        for server, parts in by_server.items():
+            template, prefix = self.template(server)
+            pairs = by_template.get(template) if prefix else None
+            if pairs is None:
+                cut = len(prefix)
+                gpus, nics = sorted(parts["gpu"], key=natural_key), sorted(parts["nic"], key=natural_key)
+                pairs = [(g[cut:], n[cut:]) for g, n in zip(gpus, nics, strict=True)] if len(gpus) == len(nics) else []
+                if prefix:
+                    by_template[template] = pairs
+            self.affinity.update((prefix + g, prefix + n) for g, n in pairs)
 
     # -- searches, cached -------------------------------------------------------------------------------------
 
