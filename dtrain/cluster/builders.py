@@ -223,14 +223,13 @@ def add_server(topology: Topology, spec: ServerSpec, name: str, rack: str | None
     """Add server ``name`` to ``topology``; its NIC node names (to cable to a ToR)."""
     runs, links, nics = _server_parts(spec)
     prefix = f"{name}/"
-    for kind, parts in runs:
-        if kind == "gpu":
-            topology.add_devices(
-                make_device(spec.device, name=prefix + gpu, server=name, rack=rack, precision=spec.precision)
-                for gpu in parts
-            )
-        else:
-            topology.add_nodes((prefix + part, kind, name, rack) for part in parts)
+    topology.add_nodes(
+        make_device(spec.device, name=prefix + part, server=name, rack=rack, precision=spec.precision)
+        if kind == "gpu"
+        else (prefix + part, kind, name, rack)
+        for kind, parts in runs
+        for part in parts
+    )
     topology.add_links((prefix + a, prefix + b, rate, latency, kind) for a, b, rate, latency, kind in links)
     return [prefix + nic for nic in nics]
 

@@ -124,6 +124,7 @@ class TierRouter:
         self._succ_sets: dict[str, tuple[set[str], list[str]]] = {}
         self._preds_of: dict[str, set[str]] = {}
         self._pieces: dict[tuple, Any] = {}  # (template, part, ...) -> path pieces named by part
+        self._ways: dict[tuple[str, int], tuple | None] = {}  # (node, 0 out / 1 in) -> its one way (one_way)
         self.affinity: dict[str, str] = {}  # gpu -> its NIC
         if nic_affinity == "rail":
             self._rail_affinity(graph, kinds)
@@ -365,17 +366,23 @@ class TierRouter:
         s_server, d_server = self.server.get(src), self.server.get(dst)
         if s_server is None or d_server is None or s_server == d_server:
             return None
-        exits = self._heads(s_server, src)
-        if len(exits) != 1 or len(exits[0][3]) != 1:
+        out = self._ways.get((src, 0), False)
+        if out is False:
+            exits = self._heads(s_server, src)
+            ok = len(exits) == 1 and len(exits[0][3]) == 1
+            out = self._ways[(src, 0)] = (self._prefixed(s_server, exits[0][3][0]), exits[0][1]) if ok else None
+        into = self._ways.get((dst, 1), False)
+        if into is False:
+            entries = self._tails(d_server, dst)
+            ok = len(entries) == 1 and len(entries[0][3]) == 1
+            into = self._ways[(dst, 1)] = (entries[0][0], self._prefixed(d_server, entries[0][3][0])) if ok else None
+        if out is None or into is None or self.distance(out[1], into[0]) is None:
             return None
-        entries = self._tails(d_server, dst)
-        if len(entries) != 1 or len(entries[0][3]) != 1:
-            return None
-        (_, a, _, heads), (b, _, _, tails) = exits[0], entries[0]
-        if self.distance(a, b) is None:
-            return None
-        s_prefix, d_prefix = self._prefix[s_server], self._prefix[d_server]
-        return [s_prefix + n for n in heads[0]], a, b, [d_prefix + n for n in tails[0]]
+        return out[0], out[1], into[0], into[1]
+
+    def _prefixed(self, server: str, parts: list[str]) -> list[str]:
+        prefix = self._prefix[server]
+        return [prefix + n for n in parts]
 
     def _between(self, src: str, dst: str, s_server: str, d_server: str) -> list[list[str]] | None:
         exits = self._heads(s_server, src)

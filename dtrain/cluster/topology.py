@@ -189,17 +189,17 @@ class Topology:
         """:meth:`add_link` of every ``(a, b, bytes_per_s, latency_s, kind)`` row, in order, all checked before
         any is added (a bad row adds none); what a builder uses for a server's links at once."""
         rows = [(a, b, float(rate), float(latency), kind) for a, b, rate, latency, kind in rows]
-        graph, pairs = self.graph, set()
+        graph, pairs, has_edge = self.graph, set(), self.graph.has_edge
         for a, b, rate, latency, _ in rows:
-            for src, dst in ((a, b), (b, a)) if duplex else ((a, b),):
-                for end in (src, dst):
-                    if end not in graph:
-                        raise ValueError(f"link {src}->{dst}: unknown node {end!r}; add it before linking it")
-                if src == dst:
-                    raise ValueError(f"link {src}->{dst}: a link must join two different nodes")
-                if (src, dst) in pairs or graph.has_edge(src, dst):
-                    raise ValueError(f"duplicate link {src}->{dst} in topology {self.name!r}")
-                pairs.add((src, dst))
+            for end in (a, b):
+                if end not in graph:
+                    raise ValueError(f"link {a}->{b}: unknown node {end!r}; add it before linking it")
+            if a == b:
+                raise ValueError(f"link {a}->{b}: a link must join two different nodes")
+            for pair in ((a, b), (b, a)) if duplex else ((a, b),):
+                if pair in pairs or has_edge(*pair):
+                    raise ValueError(f"duplicate link {pair[0]}->{pair[1]} in topology {self.name!r}")
+                pairs.add(pair)
             if not rate > 0:
                 raise ValueError(f"link {a}->{b}: bytes_per_s must be > 0, got {rate!r}")
             if not latency >= 0:
@@ -213,18 +213,12 @@ class Topology:
         graph.add_edges_from(edges)
         self._forget_routes()
 
-    def add_devices(self, devices: Iterable[Device]) -> None:
-        """:meth:`add_device` of every device, in order, all checked before any is added."""
-        devices = list(devices)
-        self.add_nodes((d.name, "gpu", d.server, d.rack) for d in devices)
-        self._devices.update((d.name, d) for d in devices)
-
-    def add_nodes(self, rows: Iterable[tuple[str, str, str | None, str | None]]) -> None:
-        """:meth:`add_node` of every ``(name, kind, server, rack)`` row (no ``layer``: a server's parts), in
-        order, all checked before any is added."""
-        rows = list(rows)
+    def add_nodes(self, rows: Iterable[tuple[str, str, str | None, str | None] | Device]) -> None:
+        """:meth:`add_node` of every ``(name, kind, server, rack)`` row (no ``layer``: a server's parts), and
+        :meth:`add_device` of every :class:`Device` among them, in order, all checked before any is added."""
+        rows = [(r.name, "gpu", r.server, r.rack, r) if isinstance(r, Device) else (*r, None) for r in rows]
         names = set()
-        for name, kind, _, _ in rows:
+        for name, kind, _, _, _ in rows:
             if not name:
                 raise ValueError("node name must be a non-empty string")
             if name in self.graph or name in names:
@@ -233,8 +227,10 @@ class Topology:
                 raise ValueError(f"node {name!r}: unknown kind {kind!r}; expected one of {sorted(NODE_KINDS)}")
             names.add(name)
         self.graph.add_nodes_from(
-            (name, {"kind": kind, "server": server, "rack": rack, "layer": None}) for name, kind, server, rack in rows
+            (name, {"kind": kind, "server": server, "rack": rack, "layer": None})
+            for name, kind, server, rack, _ in rows
         )
+        self._devices.update((row[0], row[4]) for row in rows if row[4] is not None)
         self._forget_routes()
 
     # -- reading ----------------------------------------------------------------------------------------------
