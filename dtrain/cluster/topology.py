@@ -444,6 +444,11 @@ def collector_paused():
         yield
     finally:
         if enabled:
+            if not gc.get_freeze_count():
+                # what the pause made joins the oldest generation unscanned (gc.unfreeze), as it would after
+                # surviving two young collections, each of which would walk every one of it
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
