@@ -2,12 +2,12 @@
 
 DGX H100 servers (8 GPUs, 8 x 400G NICs) in scalable units of 32 on a rail-optimised fabric (preset
 ``h100-rail``), GPT-3 175B with tp 8, pp 8 and dp growing with the GPU count, split pipeline sends. Each size
-builds its topology, places the layout and times :func:`dtrain.sim.step.simulate_step` once (no cache: every
-route and replay is computed): wall-clock seconds, the process's CPU seconds (what the simulation itself costs on
-a shared machine) and the one-minute load average before and after. One JSON line per size, written
-atomically.
+times building its topology (:func:`dtrain.cluster.presets.preset`) and :func:`dtrain.sim.step.simulate_step`
+once (no cache: every route and replay is computed), the placement between them untimed: wall-clock seconds and
+the process's CPU seconds of each and of both (what the simulation itself costs on a shared machine), and the
+one-minute load average before and after. One JSON line per size, written atomically.
 
-    python benchmarks/sim/scale.py --gpus 64,512,2048,4096,10240 --out benchmarks/results/sim_scale-cpu2.jsonl
+    python benchmarks/sim/scale.py --gpus 64,512,2048,4096,10240,16384 --out benchmarks/results/sim_scale-cpu2.jsonl
 """
 
 from __future__ import annotations
@@ -29,21 +29,22 @@ SERVERS_PER_UNIT = 32
 def run(gpus: int, tp: int, pp: int, flow_limit: int | None) -> dict:
     servers = gpus // 8
     units = max(1, -(-servers // SERVERS_PER_UNIT))
-    start = time.perf_counter()
+    load = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
     topology = preset("h100-rail", racks=units, servers_per_rack=min(servers, SERVERS_PER_UNIT))
-    built = time.perf_counter()
+    build, build_cpu = time.perf_counter() - t0, time.process_time() - c0
     dp = gpus // (tp * pp)
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch=1, global_batch=dp * 16)
     placement = place(topology, layout)
     config = StepConfig(split_pipeline=True, flow_limit=flow_limit)
-    load = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), time.process_time()
     result = simulate_step(MODELS["gpt3-175b"], layout, topology, placement, config)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
         "gpus": layout.world_size, "layout": layout.describe(), "topology": f"h100-rail x{units} units",
-        "flow_limit": flow_limit, "build_s": round(built - start, 3), "simulate_s": round(seconds, 3),
-        "simulate_cpu_s": round(cpu, 3), "load_before": load, "load_after": os.getloadavg()[0],
+        "flow_limit": flow_limit, "build_s": round(build, 3), "build_cpu_s": round(build_cpu, 3),
+        "simulate_s": round(seconds, 3), "simulate_cpu_s": round(cpu, 3), "total_s": round(build + seconds, 3),
+        "total_cpu_s": round(build_cpu + cpu, 3), "load_before": load, "load_after": os.getloadavg()[0],
         "step_s": result.step_s, "tp_s": result.tp_s, "pp_s": result.pp_s, "dp_s": result.dp_s,
         "machine": platform.machine(), "cpus": os.cpu_count(),
     }  # fmt: skip

@@ -188,7 +188,7 @@ class ClusterSpec:
 
 def _row(a: str, b: str, kind: str, count: float = 1) -> tuple[str, str, float, float, str]:
     spec = LINKS[kind]
-    return a, b, count * spec.bytes_per_s, spec.latency_s, kind
+    return a, b, float(count * spec.bytes_per_s), float(spec.latency_s), kind
 
 
 @functools.cache
@@ -216,6 +216,12 @@ def _server_parts(spec: ServerSpec) -> tuple[tuple, tuple, tuple]:
     for k, nic in enumerate(nics):
         parent = switches[k * len(switches) // spec.nics] if spec.gpudirect_rdma else cpus[k % spec.cpus]
         links.append(_row(nic, parent, spec.pcie_kind))
+    # each server's links are added unchecked (_add_checked_links): check the template's once
+    pairs = [pair for a, b, *_ in links for pair in ((a, b), (b, a))]
+    if len(set(pairs)) != len(pairs) or any(
+        a == b or not (rate > 0 and latency >= 0) for a, b, rate, latency, _ in links
+    ):
+        raise ValueError(f"server spec {spec!r} gives duplicate or invalid links")
     return tuple((kind, tuple(parts)) for kind, parts in runs), tuple(links), tuple(nics)
 
 
@@ -230,7 +236,8 @@ def add_server(topology: Topology, spec: ServerSpec, name: str, rack: str | None
         for kind, parts in runs
         for part in parts
     )
-    topology.add_links((prefix + a, prefix + b, rate, latency, kind) for a, b, rate, latency, kind in links)
+    # the server's parts are new nodes (add_nodes checked their names): no link joins them yet
+    topology._add_checked_links([(prefix + a, prefix + b, rate, latency, kind) for a, b, rate, latency, kind in links])
     return [prefix + nic for nic in nics]
 
 

@@ -204,7 +204,13 @@ class Topology:
                 raise ValueError(f"link {a}->{b}: bytes_per_s must be > 0, got {rate!r}")
             if not latency >= 0:
                 raise ValueError(f"link {a}->{b}: latency_s must be >= 0, got {latency!r}")
-        edges, link_of = [], self._link_of
+        self._add_checked_links(rows, duplex)
+
+    def _add_checked_links(self, rows: list[tuple[str, str, float, float, str]], duplex: bool = True) -> None:
+        """:meth:`add_links` of rows known good: float rates > 0 and latencies >= 0 between two different nodes
+        of the graph with no link yet (what :func:`dtrain.cluster.builders.add_server` adds between the parts of
+        a server it has just added)."""
+        graph, edges, link_of = self.graph, [], self._link_of
         for a, b, rate, latency, kind in rows:
             for src, dst in ((a, b), (b, a)) if duplex else ((a, b),):
                 link = _checked_link(src, dst, rate, latency, kind)

@@ -57,9 +57,10 @@ _Key = tuple[str, str]
 
 
 class _Part:
-    """What one replayed part gave: its end, each job's ranks' finish times, each link's bytes and busy time."""
+    """What one replayed part gave: its end, each job's ranks' finish times, each link's bytes and busy time (a
+    link once)."""
 
-    def __init__(self, end: float, finish: list[list[float]], links: dict[_Key, tuple[Link, float, float]]) -> None:
+    def __init__(self, end: float, finish: list[list[float]], links: list[tuple[Link, float, float]]) -> None:
         self.end, self.finish, self.links = end, finish, links
 
 
@@ -117,12 +118,12 @@ def _replay_jobs(
     ]  # fmt: skip
     parts = _connected(routes)
     results: dict[int, _Part] = {}  # by part index
-    seen: dict[tuple, tuple[int, list[Link]]] = {}  # signature -> (part replayed, its links in signature order)
+    seen: dict[tuple, tuple[int, dict[int, int]]] = {}  # signature -> (part replayed, its links' signature order)
     for p, members in enumerate(parts):
         signature, order = _signature(members, jobs, job_pairs, routes, topology, cost)
         if signature is not None and signature in seen:
-            first, first_order = seen[signature]
-            results[p] = _relabel(results[first], first_order, order)
+            first, index = seen[signature]
+            results[p] = _relabel(results[first], index, order)
             continue
         sub = [jobs[j] for j in members]
         if lock_step:
@@ -130,7 +131,7 @@ def _replay_jobs(
         else:
             results[p] = _exact(sub, members, topology, cost, itemsize)
         if signature is not None:
-            seen[signature] = (p, order)
+            seen[signature] = (p, {id(link): i for i, link in enumerate(order)})
     return _result(jobs, parts, results)
 
 
@@ -141,7 +142,7 @@ def _result(jobs: Sequence[Job], parts: list[list[int]], results: dict[int, _Par
             finish_by_job[j] = times
     finish = [t for j in range(len(jobs)) for t in finish_by_job[j]]
     end = max((r.end for r in results.values()), default=0.0)
-    entries = [entry for r in results.values() for entry in r.links.values()]
+    entries = [entry for r in results.values() for entry in r.links]
     return CollectiveResult(time_s=max(finish, default=0.0), rank_finish_s=finish, links=_busiest_first(entries, end))
 
 
@@ -236,11 +237,9 @@ def _swap(part: _Part, first: str, other: str, topology: Topology) -> _Part:
     """``part``, replayed on the server whose names start ``first``, moved to the server whose names start
     ``other``."""
     cut = len(first)
-    links = {}
-    for (src, dst), (_, nbytes, busy) in part.links.items():
-        new = (other + src[cut:], other + dst[cut:])
-        links[new] = (topology.link(*new), nbytes, busy)
-    return _Part(part.end, [list(t) for t in part.finish], links)
+    link = topology.link
+    links = [(link(other + u.src[cut:], other + u.dst[cut:]), nbytes, busy) for u, nbytes, busy in part.links]
+    return _Part(part.end, part.finish, links)
 
 
 def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
@@ -299,20 +298,16 @@ def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: Softw
     return tuple(shape), order
 
 
-def _relabel(part: _Part, first: list[Link], other: list[Link]) -> _Part:
-    """``part``, replayed on the links ``first``, moved to the links ``other`` (in the same order)."""
-    mapping = {(a.src, a.dst): b for a, b in zip(first, other, strict=True)}
-    links = {}
-    for key, (_, nbytes, busy) in part.links.items():
-        new = mapping[key]
-        links[(new.src, new.dst)] = (new, nbytes, busy)
-    return _Part(part.end, [list(t) for t in part.finish], links)
+def _relabel(part: _Part, index: dict[int, int], other: list[Link]) -> _Part:
+    """``part``, replayed on links that ``index`` numbers (by identity), moved to the links ``other`` of the same
+    numbers."""
+    return _Part(part.end, part.finish, [(other[index[id(u)]], nbytes, busy) for u, nbytes, busy in part.links])
 
 
 def _exact(jobs: list[Job], tags: list[int], topology: Topology, cost: SoftwareCost, itemsize: int) -> _Part:
     net, states = _start_jobs(jobs, tags, topology, cost, itemsize)
     end = net.run()
-    links = {(u.link.src, u.link.dst): (u.link, u.nbytes, u.busy_s) for u in net.usage(end)}
+    links = [(u.link, u.nbytes, u.busy_s) for u in net.usage(end)]
     return _Part(end, [state.finish for state in states], links)
 
 
@@ -383,7 +378,7 @@ def _lock_step(
                 entry[2] += weight * u.busy_s
     totals = [t + max(e, default=0.0) for t, e in zip(totals, ends, strict=True)]
     finish = [[t] * len(job.placement) for t, job in zip(totals, jobs, strict=True)]
-    return _Part(max(totals, default=0.0), finish, {k: (v[0], v[1], v[2]) for k, v in links.items()})
+    return _Part(max(totals, default=0.0), finish, [(v[0], v[1], v[2]) for v in links.values()])
 
 
 def _one_round(jobs, tags, parts, gammas, index: int, topology: Topology, cost: SoftwareCost):
