@@ -125,6 +125,7 @@ class TierRouter:
         self._preds_of: dict[str, set[str]] = {}
         self._pieces: dict[tuple, Any] = {}  # (template, part, ...) -> path pieces named by part
         self._ways: dict[tuple[str, int], tuple | None] = {}  # (node, 0 out / 1 in) -> its one way (one_way)
+        self._hops: dict[tuple[str, str], int | None] = {}  # switch pair -> distance, as one_way asks
         self.affinity: dict[str, str] = {}  # gpu -> its NIC
         if nic_affinity == "rail":
             self._rail_affinity(graph, kinds)
@@ -376,7 +377,12 @@ class TierRouter:
             entries = self._tails(d_server, dst)
             ok = len(entries) == 1 and len(entries[0][3]) == 1
             into = self._ways[(dst, 1)] = (entries[0][0], self._prefixed(d_server, entries[0][3][0])) if ok else None
-        if out is None or into is None or self.distance(out[1], into[0]) is None:
+        if out is None or into is None:
+            return None
+        hops = self._hops.get((out[1], into[0]), -1)
+        if hops == -1:
+            hops = self._hops[(out[1], into[0])] = self.distance(out[1], into[0])
+        if hops is None:
             return None
         return out[0], out[1], into[0], into[1]
 

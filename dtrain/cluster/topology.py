@@ -98,7 +98,8 @@ class Topology:
         self._routing = "ecmp"
         self._ports: dict[str, dict[str, int]] = {}
         self._fabric_ways: dict[tuple[str, str], list[list[str]] | None] = {}  # switch pair -> paths, in order
-        self._picks: dict[tuple[str, str, int], list[list[str]]] = {}  # (switch pair, port index) -> d-mod-k's
+        self._picks: dict[tuple[str, str, int], int] = {}  # (switch pair, port index) -> the path d-mod-k takes
+        self._way_links: dict[tuple[str, int], list[Link]] = {}  # (node, 0 out / 1 in) -> its way's links
 
     @property
     def nic_affinity(self) -> str:
@@ -131,6 +132,7 @@ class Topology:
     def _forget_routes(self) -> None:
         self._fabric_ways.clear()
         self._picks.clear()
+        self._way_links.clear()
         self._paths.clear()
         self._routes.clear()
         self._ports.clear()
@@ -310,31 +312,40 @@ class Topology:
         d-mod-k the one the destination port's index picks, kept per switch pair and index: what
         :meth:`equal_cost_paths` and :func:`destination_routed` give, without a search or sort a pair."""
         way = self.router.one_way(src, dst)
-        middles = self._fabric_paths(way[1], way[2]) if way is not None else None
-        if middles is None:
+        fabric = self._fabric_paths(way[1], way[2]) if way is not None else None
+        if fabric is None:
             paths = self.equal_cost_paths(src, dst)
             if self._routing == "d-mod-k" and len(paths) > 1:
                 paths = destination_routed(paths, self.router.server, self._port_index)
             return [self._path_links(path) for path in paths]
         head, a, b, tail = way
+        middles, links = fabric
         if self._routing == "d-mod-k" and len(middles) > 1:
             j = self._port_index(b, tail[0])
             pick = self._picks.get((a, b, j))
             if pick is None:
-                pick = self._picks[(a, b, j)] = [destination_pick(middles, 0, j)]
-            middles = pick
-        return [self._path_links(head + middle + tail) for middle in middles]
+                pick = self._picks[(a, b, j)] = middles.index(destination_pick(middles, 0, j))
+            links = links[pick : pick + 1]
+        # a node's way out (in) is the same for every pair: its links are kept
+        out = self._way_links.get((src, 0))
+        if out is None:
+            out = self._way_links[(src, 0)] = self._path_links([*head, a])
+        into = self._way_links.get((dst, 1))
+        if into is None:
+            into = self._way_links[(dst, 1)] = self._path_links([b, *tail])
+        return [out + middle + into for middle in links]
 
-    def _fabric_paths(self, a: str, b: str) -> list[list[str]] | None:
-        """The fabric's fewest-hop paths from switch ``a`` to ``b`` in natural order of their nodes, or None where
-        two differ in a link's latency."""
+    def _fabric_paths(self, a: str, b: str) -> tuple[list[list[str]], list[list[Link]]] | None:
+        """The fabric's fewest-hop paths from switch ``a`` to ``b`` in natural order of their nodes, and their
+        links; None where two differ in a link's latency."""
         found = self._fabric_ways.get((a, b), False)
         if found is False:
             paths = self.router.middle(a, b)
-            lat = [[link.latency_s for link in self._path_links(path)] for path in paths]
-            found = None
-            if all(x == lat[0] for x in lat):
-                found = sorted(paths, key=lambda p: [_natural_key(n) for n in p]) if len(paths) > 1 else paths
+            if len(paths) > 1:
+                paths = sorted(paths, key=lambda p: [_natural_key(n) for n in p])
+            links = [self._path_links(path) for path in paths]
+            lat = [[link.latency_s for link in path] for path in links]
+            found = (paths, links) if all(x == lat[0] for x in lat) else None
             self._fabric_ways[(a, b)] = found
         return found
 
