@@ -94,12 +94,11 @@ class TierRouter:
             raise ValueError(f"nic_affinity {nic_affinity!r} is not one of {NIC_AFFINITIES}")
         self.server: dict[str, str | None] = dict(graph.nodes(data="server"))
         kinds = dict(graph.nodes(data="kind"))
-        inner: dict[str, dict[str, list[str]]] = {}  # server -> successors inside it
+        inner: dict[str, dict[str, list[tuple]]] = {}  # server -> successors inside it, with rates and latencies
         self._fabric: dict[str, list[str]] = {}  # switch -> successor switches
         self.exits: dict[str, list[tuple[str, str]]] = {}  # server -> (port, switch) links leaving it
         self.entries: dict[str, list[tuple[str, str]]] = {}  # server -> (switch, port) links entering it
         self.exact = True
-        rates: dict[tuple[str, str], tuple[float, float]] = {}
         server, exits, entries, fabric = self.server, self.exits, self.entries, self._fabric
         for u, nbrs in graph.adjacency():
             su = server[u]
@@ -108,17 +107,16 @@ class TierRouter:
                 if su is not None and sv is not None:
                     if su != sv:
                         self.exact = False  # a cable between two servers: paths may cross a third
-                    inner.setdefault(su, {}).setdefault(u, []).append(v)
                     link = data.get("link")
-                    if link is not None:
-                        rates[(u, v)] = (link.bytes_per_s, link.latency_s)
+                    rate = None if link is None else (link.bytes_per_s, link.latency_s)
+                    inner.setdefault(su, {}).setdefault(u, []).append((v, rate))
                 elif su is not None:
                     exits.setdefault(su, []).append((u, v))
                 elif sv is not None:
                     entries.setdefault(sv, []).append((u, v))
                 else:
                     fabric.setdefault(u, []).append(v)
-        self._templates(inner, kinds, rates)
+        self._templates(inner, kinds)
         self._fabric_search: dict[str, tuple[dict[str, int], dict[str, list[str]]]] = {}
         self._middles: dict[tuple[str, str], list[list[str]]] = {}
         self._succ_sets: dict[str, tuple[set[str], list[str]]] = {}
@@ -132,7 +130,7 @@ class TierRouter:
         if self.exact:
             self.exact = self._no_transit()
 
-    def _templates(self, inner: dict[str, dict[str, list[str]]], kinds: dict[str, str], rates: dict) -> None:
+    def _templates(self, inner: dict[str, dict[str, list[tuple]]], kinds: dict[str, str]) -> None:
         """Each server's template (servers of equal parts, inner links of equal rates and latencies and equal
         ports share one) and name prefix."""
         members: dict[str, list[str]] = {}
@@ -148,21 +146,18 @@ class TierRouter:
             if not all(n.startswith(prefix) for n in nodes):
                 prefix = ""  # names of its own: a template of its own
             cut = len(prefix)
-            succ = {u[cut:]: [v[cut:] for v in vs] for u, vs in inner.get(server, {}).items()}
+            links = inner.get(server, {})
             # in insertion order: servers built alike list their parts alike (others only lose the sharing)
             shape = (
                 tuple((n[cut:], kinds.get(n)) for n in nodes),
-                tuple(
-                    (u[cut:], tuple((v[cut:], rates.get((u, v))) for v in vs))
-                    for u, vs in inner.get(server, {}).items()
-                ),
+                tuple((u[cut:], tuple((v[cut:], rate) for v, rate in vs)) for u, vs in links.items()),
                 tuple(u[cut:] for u, _ in self.exits.get(server, [])),
                 tuple(v[cut:] for _, v in self.entries.get(server, [])),
             )
             key = shape if prefix else (server, shape)
             if key not in shapes:
                 shapes[key] = len(self._inner)
-                self._inner.append(succ)
+                self._inner.append({u[cut:]: [v[cut:] for v, _ in vs] for u, vs in links.items()})
             self._prefix[server] = prefix
             self._template[server] = shapes[key]
         self._inner_search: dict[tuple[int, str], tuple[dict[str, int], dict[str, list[str]]]] = {}
