@@ -31,6 +31,7 @@ No torch here.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,7 +47,7 @@ from dtrain.sim.collective import (
     _start_jobs,
     check_placement,
 )
-from dtrain.sim.flows import FlowNetwork, LinkUsage, relayed_routes
+from dtrain.sim.flows import FlowNetwork, LinkUsage, relayed_routes, usage_rows
 
 __all__ = ["replay_jobs", "DEFAULT_FLOW_LIMIT"]
 
@@ -152,19 +153,20 @@ def _busiest_first(entries: list[tuple[Link, float, float]], end: float) -> list
     :attr:`LinkUsage.utilisation` gives; a link is named once)."""
     if not entries:
         return []
-    nbytes = np.fromiter((e[1] for e in entries), dtype=float, count=len(entries))
+    links, nbytes, _ = zip(*entries, strict=True)
+    nbytes = np.array(nbytes, dtype=float)
     if end > 0:
-        rates = np.fromiter((e[0].bytes_per_s for e in entries), dtype=float, count=len(entries))
-        util = nbytes / (end * rates)
+        util = nbytes / (end * np.fromiter(map(_RATE, links), dtype=float, count=len(links)))
     else:
         util = np.zeros(len(entries))
     by_name = np.empty(len(entries), dtype=np.int64)
-    by_name[np.argsort(np.array([e[0].name for e in entries]), kind="stable")] = np.arange(len(entries))
+    by_name[np.argsort(np.array(list(map(_NAME, links))), kind="stable")] = np.arange(len(entries))
     order = np.lexsort((by_name, -util))
-    return [
-        LinkUsage(link=link, nbytes=b, busy_s=busy, total_s=end)
-        for link, b, busy in map(entries.__getitem__, order.tolist())
-    ]
+    return usage_rows(map(entries.__getitem__, order.tolist()), end)
+
+
+_RATE, _NAME = operator.attrgetter("bytes_per_s"), operator.attrgetter("name")
+_RATE_LATENCY = operator.attrgetter("bytes_per_s", "latency_s")
 
 
 def _on_servers(jobs: Sequence[Job], topology: Topology) -> list[str] | None:
@@ -279,22 +281,22 @@ def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: Softw
         devices = [topology.device(d) for d in job.placement]
         # without API operations every rank starts after the call's start-up and ends with its last round
         api = tuple(map(tuple, _api_times(job, topology, list(job.placement), cost))) if job.api is not None else None
-        paths = []
+        labels, hops, lengths = [], [], []  # each path's links: their numbers, rates and latencies
         for paths_of_pair in routes[j]:
             if len(paths_of_pair) != 1:
                 return None, order
-            for path in paths_of_pair:
-                hops = []
-                for link in path:
-                    at = label.get(id(link))
-                    if at is None:
-                        at = label[id(link)] = len(order)
-                        order.append(link)
-                    hops.append((at, link.bytes_per_s, link.latency_s))
-                paths.append(tuple(hops))
-            paths.append(len(paths_of_pair))
+            path = paths_of_pair[0]
+            lengths.append(len(path))
+            for link in path:
+                at = label.get(id(link))
+                if at is None:
+                    at = label[id(link)] = len(order)
+                    order.append(link)
+                labels.append(at)
+            hops += map(_RATE_LATENCY, path)
         memory = tuple(d.memory_bytes_per_s for d in devices)
-        shape.append((id(job.schedule), job.nbytes, tuple(job_pairs[j]), tuple(paths), memory, api))
+        shape.append((id(job.schedule), job.nbytes, tuple(job_pairs[j]), tuple(lengths), tuple(labels), tuple(hops),
+                      memory, api))  # fmt: skip
     return tuple(shape), order
 
 
