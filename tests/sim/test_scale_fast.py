@@ -22,6 +22,7 @@ from dtrain.comm.ir.schedule import Collective
 from dtrain.sim.api_passes import api_passes
 from dtrain.sim.classes import replay_jobs
 from dtrain.sim.collective import Job, SoftwareCost, replay_concurrent
+from dtrain.sim.flows import LinkUsage, usage_rows
 from dtrain.sim.model import MODELS, Layout
 from dtrain.sim.placement import place
 from dtrain.sim.step import StepConfig, simulate_step
@@ -232,6 +233,10 @@ def test_a_replay_s_link_rows_are_busiest_first_then_by_name():
     traffic = simulate_traffic(SMALL, layout, topology, place(topology, layout), split_pipeline=True)
     for result in (traffic.tp, traffic.pp, traffic.pp_gather, *traffic.dp):
         assert result.links == sorted(result.links, key=lambda u: (-u.utilisation, u.link.name))
+    link = topology.link("s0/nic0", "r0/rail0")
+    made = usage_rows([(link, 3.0, 1.0)], 4.0)
+    assert made == [LinkUsage(link=link, nbytes=3.0, busy_s=1.0, total_s=4.0)]
+    assert hash(made[0]) == hash(LinkUsage(link=link, nbytes=3.0, busy_s=1.0, total_s=4.0))
 
 
 def test_the_collector_is_back_as_it_was_after_a_pause():
