@@ -5,7 +5,10 @@ DGX H100 servers (8 GPUs, 8 x 400G NICs) in scalable units of 32 on a rail-optim
 times building its topology (:func:`dtrain.cluster.presets.preset`) and :func:`dtrain.sim.step.simulate_step`
 once (no cache: every route and replay is computed), the placement between them untimed: wall-clock seconds and
 the process's CPU seconds of each and of both (what the simulation itself costs on a shared machine), and the
-one-minute load average before and after. One JSON line per size, written atomically.
+one-minute load average before and after. Each size runs ``--repeat`` times (default 3), each in a fresh
+interpreter, and keeps the run of the median total CPU seconds with every run's CPU seconds beside it: on a
+shared machine one run of the same work can take half as long again as another. One JSON line per size, written
+atomically.
 
     python benchmarks/sim/scale.py --gpus 64,512,2048,4096,10240,16384 --out benchmarks/results/sim_scale-cpu2.jsonl
 """
@@ -16,6 +19,8 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 
 from dtrain.cluster.presets import preset
@@ -50,20 +55,43 @@ def run(gpus: int, tp: int, pp: int, flow_limit: int | None) -> dict:
     }  # fmt: skip
 
 
+def repeated(gpus: int, tp: int, pp: int, flow_limit: int | None, repeat: int) -> dict:
+    """:func:`run` ``repeat`` times, each in a fresh interpreter (nothing cached from another run or size): the
+    run of the median total CPU seconds, with every run's build, simulate and total CPU seconds."""
+    runs = []
+    for _ in range(repeat):
+        command = [sys.executable, __file__, "--one", str(gpus), "--tp", str(tp), "--pp", str(pp),
+                   "--flow-limit", str(flow_limit or 0)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        runs.append(json.loads(done.stdout))
+    runs.sort(key=lambda r: r["total_cpu_s"])
+    row = runs[(len(runs) - 1) // 2]
+    row["repeat"] = repeat
+    row["runs_cpu_s"] = [[r["build_cpu_s"], r["simulate_cpu_s"], r["total_cpu_s"]] for r in runs]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="64,512,2048,4096,10240", help="comma-separated GPU counts")
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=8)
     parser.add_argument("--flow-limit", type=int, default=50_000, help="0: replay every message")
+    parser.add_argument("--repeat", type=int, default=3, help="fresh processes a size; the median's row is kept")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one run of one size, its row on stdout
     parser.add_argument("--out", default="benchmarks/results/sim_scale-cpu2.jsonl")
     args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(run(args.one, args.tp, args.pp, args.flow_limit or None)))
+        return
     sizes = [int(x) for x in args.gpus.split(",") if x.strip()]
     if any(n % (8 * args.tp * args.pp) and n % (args.tp * args.pp) for n in sizes):
         raise ValueError(f"--gpus: each count must be a multiple of tp x pp = {args.tp * args.pp}, got {sizes}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be a whole number >= 1, got {args.repeat}")
     rows = []
     for gpus in sizes:
-        row = run(gpus, args.tp, args.pp, args.flow_limit or None)
+        row = repeated(gpus, args.tp, args.pp, args.flow_limit or None, args.repeat)
         print(json.dumps(row), flush=True)
         rows.append(row)
     tmp = f"{args.out}.tmp"
