@@ -6,9 +6,9 @@ times building its topology (:func:`dtrain.cluster.presets.preset`) and :func:`d
 once (no cache: every route and replay is computed), the placement between them untimed: wall-clock seconds and
 the process's CPU seconds of each and of both (what the simulation itself costs on a shared machine), and the
 one-minute load average before and after. Each size runs ``--repeat`` times (default 3), each in a fresh
-interpreter, and keeps the run of the median total CPU seconds with every run's CPU seconds beside it: on a
-shared machine one run of the same work can take half as long again as another. One JSON line per size, written
-atomically.
+interpreter, in rounds over the sizes, and keeps the run of the median total CPU seconds with every run's CPU
+seconds beside it: on a shared machine one run of the same work can take half as long again as another. One JSON
+line per size, written atomically.
 
     python benchmarks/sim/scale.py --gpus 64,512,2048,4096,10240,16384 --out benchmarks/results/sim_scale-cpu2.jsonl
 """
@@ -55,18 +55,18 @@ def run(gpus: int, tp: int, pp: int, flow_limit: int | None) -> dict:
     }  # fmt: skip
 
 
-def repeated(gpus: int, tp: int, pp: int, flow_limit: int | None, repeat: int) -> dict:
-    """:func:`run` ``repeat`` times, each in a fresh interpreter (nothing cached from another run or size): the
-    run of the median total CPU seconds, with every run's build, simulate and total CPU seconds."""
-    runs = []
-    for _ in range(repeat):
-        command = [sys.executable, __file__, "--one", str(gpus), "--tp", str(tp), "--pp", str(pp),
-                   "--flow-limit", str(flow_limit or 0)]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-        runs.append(json.loads(done.stdout))
-    runs.sort(key=lambda r: r["total_cpu_s"])
-    row = runs[(len(runs) - 1) // 2]
-    row["repeat"] = repeat
+def one(gpus: int, tp: int, pp: int, flow_limit: int | None) -> dict:
+    """:func:`run` in a fresh interpreter: nothing cached from another run or size."""
+    command = [sys.executable, __file__, "--one", str(gpus), "--tp", str(tp), "--pp", str(pp),
+               "--flow-limit", str(flow_limit or 0)]  # fmt: skip
+    return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+
+
+def median_row(runs: list[dict]) -> dict:
+    """The run of the median total CPU seconds, with every run's build, simulate and total CPU seconds."""
+    runs = sorted(runs, key=lambda r: r["total_cpu_s"])
+    row = dict(runs[(len(runs) - 1) // 2])
+    row["repeat"] = len(runs)
     row["runs_cpu_s"] = [[r["build_cpu_s"], r["simulate_cpu_s"], r["total_cpu_s"]] for r in runs]
     return row
 
@@ -89,11 +89,13 @@ def main() -> None:
         raise ValueError(f"--gpus: each count must be a multiple of tp x pp = {args.tp * args.pp}, got {sizes}")
     if args.repeat < 1:
         raise ValueError(f"--repeat must be a whole number >= 1, got {args.repeat}")
-    rows = []
-    for gpus in sizes:
-        row = repeated(gpus, args.tp, args.pp, args.flow_limit or None, args.repeat)
+    runs: dict[int, list[dict]] = {gpus: [] for gpus in sizes}
+    for _ in range(args.repeat):  # in rounds over the sizes: a slow spell of the machine spreads over all of them
+        for gpus in sizes:
+            runs[gpus].append(one(gpus, args.tp, args.pp, args.flow_limit or None))
+    rows = [median_row(runs[gpus]) for gpus in sizes]
+    for row in rows:
         print(json.dumps(row), flush=True)
-        rows.append(row)
     tmp = f"{args.out}.tmp"
     with open(tmp, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
