@@ -17,13 +17,14 @@ Names: servers ``s0, s1, ...`` numbered across the cluster, their parts ``s0/gpu
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 from dtrain.cluster.catalogue import LINKS, link_spec
 from dtrain.cluster.devices import device_spec, make_device
 from dtrain.cluster.routing import NIC_AFFINITIES, ROUTINGS
-from dtrain.cluster.topology import Topology
+from dtrain.cluster.topology import Topology, collector_paused
 
 __all__ = ["ServerSpec", "ClusterSpec", "INTRA_KINDS", "FABRICS", "add_server", "build", "build_server", "fat_tree"]
 
@@ -185,51 +186,59 @@ class ClusterSpec:
         return self.tor_downlink_bytes_per_s / self.oversubscription
 
 
-def _link(topology: Topology, a: str, b: str, kind: str, count: float = 1) -> None:
+def _row(a: str, b: str, kind: str, count: float = 1) -> tuple[str, str, float, float, str]:
     spec = LINKS[kind]
-    topology.add_link(a, b, bytes_per_s=count * spec.bytes_per_s, latency_s=spec.latency_s, kind=kind)
+    return a, b, float(count * spec.bytes_per_s), float(spec.latency_s), kind
+
+
+@functools.cache
+def _server_parts(spec: ServerSpec) -> tuple[tuple, tuple, tuple]:
+    """A server of ``spec`` by part names (``gpu3``, ``nic5``): its nodes as runs of ``(kind, parts)`` in the order
+    they are added (GPUs a run of their own), its links as rows of :meth:`Topology.add_links`, its NICs."""
+    cpus = [f"cpu{c}" for c in range(spec.cpus)]
+    switches = [f"pcie{i}" for i in range(spec.pcie_switches)]
+    gpus = [f"gpu{g}" for g in range(spec.gpus)]
+    nics = [f"nic{k}" for k in range(spec.nics)]
+    links = [_row(cpus[c - 1], cpus[c], spec.cpu_link) for c in range(1, spec.cpus)]
+    # PCIe switches spread over the CPUs; under each, its GPUs and NICs share the switch's one x16 uplink.
+    links += [_row(switch, cpus[i * spec.cpus // len(switches)], spec.pcie_kind) for i, switch in enumerate(switches)]
+    links += [_row(gpu, switches[g // spec.gpus_per_pcie_switch], spec.pcie_kind) for g, gpu in enumerate(gpus)]
+    runs = [("cpu", cpus), ("pcie-switch", switches), ("gpu", gpus)]
+    if spec.intra == "nvswitch" and len(gpus) >= 2:
+        runs.append(("nvswitch", ["nvswitch"]))
+        links += [_row(gpu, "nvswitch", spec.nvlink_kind, spec.links_per_gpu) for gpu in gpus]
+    elif spec.intra != "pcie" and len(gpus) >= 2:
+        per_pair = spec.links_per_gpu // (len(gpus) - 1)  # every GPU's links split evenly over its peers
+        links += [_row(a, b, spec.nvlink_kind, per_pair) for i, a in enumerate(gpus) for b in gpus[i + 1 :]]
+    # GPUDirect RDMA needs the NIC and the GPU under one PCIe root (NVIDIA GPUDirect RDMA documentation); without
+    # it a NIC hangs off a CPU and every byte between servers passes through the host.
+    runs.append(("nic", nics))
+    for k, nic in enumerate(nics):
+        parent = switches[k * len(switches) // spec.nics] if spec.gpudirect_rdma else cpus[k % spec.cpus]
+        links.append(_row(nic, parent, spec.pcie_kind))
+    # each server's links are added unchecked (_add_checked_links): check the template's once
+    pairs = [pair for a, b, *_ in links for pair in ((a, b), (b, a))]
+    if len(set(pairs)) != len(pairs) or any(
+        a == b or not (rate > 0 and latency >= 0) for a, b, rate, latency, _ in links
+    ):
+        raise ValueError(f"server spec {spec!r} gives duplicate or invalid links")
+    return tuple((kind, tuple(parts)) for kind, parts in runs), tuple(links), tuple(nics)
 
 
 def add_server(topology: Topology, spec: ServerSpec, name: str, rack: str | None = None) -> list[str]:
     """Add server ``name`` to ``topology``; its NIC node names (to cable to a ToR)."""
-    topology.add_node(f"{name}/cpu0", kind="cpu", server=name, rack=rack)
-    for c in range(1, spec.cpus):
-        topology.add_node(f"{name}/cpu{c}", kind="cpu", server=name, rack=rack)
-        _link(topology, f"{name}/cpu{c - 1}", f"{name}/cpu{c}", spec.cpu_link)
-    # PCIe switches spread over the CPUs; under each, its GPUs and NICs share the switch's one x16 uplink.
-    switches = [f"{name}/pcie{i}" for i in range(spec.pcie_switches)]
-    for i, switch in enumerate(switches):
-        topology.add_node(switch, kind="pcie-switch", server=name, rack=rack)
-        _link(topology, switch, f"{name}/cpu{i * spec.cpus // len(switches)}", spec.pcie_kind)
-    gpus = [f"{name}/gpu{g}" for g in range(spec.gpus)]
-    for g, gpu in enumerate(gpus):
-        topology.add_device(make_device(spec.device, name=gpu, server=name, rack=rack, precision=spec.precision))
-        _link(topology, gpu, switches[g // spec.gpus_per_pcie_switch], spec.pcie_kind)
-    _add_nvlink(topology, spec, name, gpus, rack)
-    # GPUDirect RDMA needs the NIC and the GPU under one PCIe root (NVIDIA GPUDirect RDMA documentation); without
-    # it a NIC hangs off a CPU
-    # and every byte between servers passes through the host.
-    nics = [f"{name}/nic{k}" for k in range(spec.nics)]
-    for k, nic in enumerate(nics):
-        topology.add_node(nic, kind="nic", server=name, rack=rack)
-        parent = switches[k * len(switches) // spec.nics] if spec.gpudirect_rdma else f"{name}/cpu{k % spec.cpus}"
-        _link(topology, nic, parent, spec.pcie_kind)
-    return nics
-
-
-def _add_nvlink(topology: Topology, spec: ServerSpec, name: str, gpus: list[str], rack: str | None) -> None:
-    if spec.intra == "pcie" or len(gpus) < 2:
-        return
-    if spec.intra == "nvswitch":
-        fabric = f"{name}/nvswitch"
-        topology.add_node(fabric, kind="nvswitch", server=name, rack=rack)
-        for gpu in gpus:
-            _link(topology, gpu, fabric, spec.nvlink_kind, spec.links_per_gpu)
-        return
-    per_pair = spec.links_per_gpu // (len(gpus) - 1)  # every GPU's links split evenly over its peers
-    for i, a in enumerate(gpus):
-        for b in gpus[i + 1 :]:
-            _link(topology, a, b, spec.nvlink_kind, per_pair)
+    runs, links, nics = _server_parts(spec)
+    prefix = f"{name}/"
+    topology.add_nodes(
+        make_device(spec.device, name=prefix + part, server=name, rack=rack, precision=spec.precision)
+        if kind == "gpu"
+        else (prefix + part, kind, name, rack)
+        for kind, parts in runs
+        for part in parts
+    )
+    # the server's parts are new nodes (add_nodes checked their names): no link joins them yet
+    topology._add_checked_links([(prefix + a, prefix + b, rate, latency, kind) for a, b, rate, latency, kind in links])
+    return [prefix + nic for nic in nics]
 
 
 def build_server(spec: ServerSpec | None = None, *, name: str = "server") -> Topology:
@@ -241,6 +250,11 @@ def build_server(spec: ServerSpec | None = None, *, name: str = "server") -> Top
 
 def build(spec: ClusterSpec, *, name: str = "cluster") -> Topology:
     """The whole cluster: one server alone, one rack under its ToR, or racks under spines (and cores)."""
+    with collector_paused():
+        return _build(spec, name)
+
+
+def _build(spec: ClusterSpec, name: str) -> Topology:
     topology = Topology(name)
     topology.nic_affinity = spec.nic_affinity
     topology.routing = spec.routing
@@ -275,20 +289,18 @@ def _add_rails(topology: Topology, spec: ClusterSpec) -> None:
         leaves = [f"{rack}/rail{k}" for k in range(nics)]
         for leaf in leaves:
             topology.add_node(leaf, kind="switch", rack=rack, layer="tor")
-            for spine in spines:
-                topology.add_link(leaf, spine, bytes_per_s=per_spine, latency_s=uplink.latency_s, kind=uplink.key)
+            topology.add_links((leaf, spine, per_spine, uplink.latency_s, uplink.key) for spine in spines)
         for s in range(spec.servers_per_rack):
             ports = add_server(topology, spec.server, f"s{r * spec.servers_per_rack + s}", rack)
-            for nic, leaf in zip(ports, leaves, strict=True):
-                _link(topology, nic, leaf, spec.server.nic)
+            topology.add_links(_row(nic, leaf, spec.server.nic) for nic, leaf in zip(ports, leaves, strict=True))
 
 
 def _add_rack(topology: Topology, spec: ClusterSpec, r: int) -> str:
     rack, tor = f"r{r}", f"r{r}/tor"
     topology.add_node(tor, kind="switch", rack=rack, layer="tor")
     for s in range(spec.servers_per_rack):
-        for nic in add_server(topology, spec.server, f"s{r * spec.servers_per_rack + s}", rack):
-            _link(topology, nic, tor, spec.server.nic)
+        ports = add_server(topology, spec.server, f"s{r * spec.servers_per_rack + s}", rack)
+        topology.add_links(_row(nic, tor, spec.server.nic) for nic in ports)
     return tor
 
 
@@ -346,8 +358,7 @@ def _add_fat_tree(topology: Topology, spec: ClusterSpec) -> None:
                                       kind=uplink.key)  # fmt: skip
             for s in range(spec.servers_per_rack):
                 ports = add_server(topology, server, f"s{r * spec.servers_per_rack + s}", rack)
-                for i, nic in enumerate(ports):
-                    _link(topology, nic, leaves[i if rails else 0], server.nic)
+                topology.add_links(_row(nic, leaves[i if rails else 0], server.nic) for i, nic in enumerate(ports))
 
 
 def fat_tree(k: int, server: ServerSpec | None = None, **changes: object) -> ClusterSpec:

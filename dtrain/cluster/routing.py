@@ -47,7 +47,7 @@ import re
 from collections import deque
 from typing import Any
 
-__all__ = ["TierRouter", "NIC_AFFINITIES", "ROUTINGS", "natural_key", "destination_routed"]
+__all__ = ["TierRouter", "NIC_AFFINITIES", "ROUTINGS", "natural_key", "destination_routed", "destination_pick"]
 
 #: How a GPU picks the NIC its traffic leaves by: any on a fewest-hop path (hashed per flow), or its own rail's.
 NIC_AFFINITIES = ("ecmp", "rail")
@@ -94,39 +94,43 @@ class TierRouter:
             raise ValueError(f"nic_affinity {nic_affinity!r} is not one of {NIC_AFFINITIES}")
         self.server: dict[str, str | None] = dict(graph.nodes(data="server"))
         kinds = dict(graph.nodes(data="kind"))
-        inner: dict[str, dict[str, list[str]]] = {}  # server -> successors inside it
+        inner: dict[str, dict[str, list[tuple]]] = {}  # server -> successors inside it, with rates and latencies
         self._fabric: dict[str, list[str]] = {}  # switch -> successor switches
         self.exits: dict[str, list[tuple[str, str]]] = {}  # server -> (port, switch) links leaving it
         self.entries: dict[str, list[tuple[str, str]]] = {}  # server -> (switch, port) links entering it
         self.exact = True
-        rates: dict[tuple[str, str], tuple[float, float]] = {}
-        for u, v, link in graph.edges(data="link"):
-            su, sv = self.server[u], self.server[v]
-            if su is not None and sv is not None:
-                if su != sv:
-                    self.exact = False  # a cable between two servers: paths may cross a third
-                inner.setdefault(su, {}).setdefault(u, []).append(v)
-                if link is not None:
-                    rates[(u, v)] = (link.bytes_per_s, link.latency_s)
-            elif su is not None:
-                self.exits.setdefault(su, []).append((u, v))
-            elif sv is not None:
-                self.entries.setdefault(sv, []).append((u, v))
-            else:
-                self._fabric.setdefault(u, []).append(v)
-        self._templates(inner, kinds, rates)
+        server, exits, entries, fabric = self.server, self.exits, self.entries, self._fabric
+        for u, nbrs in graph.adjacency():
+            su = server[u]
+            for v, data in nbrs.items():
+                sv = server[v]
+                if su is not None and sv is not None:
+                    if su != sv:
+                        self.exact = False  # a cable between two servers: paths may cross a third
+                    link = data.get("link")
+                    rate = None if link is None else (link.bytes_per_s, link.latency_s)
+                    inner.setdefault(su, {}).setdefault(u, []).append((v, rate))
+                elif su is not None:
+                    exits.setdefault(su, []).append((u, v))
+                elif sv is not None:
+                    entries.setdefault(sv, []).append((u, v))
+                else:
+                    fabric.setdefault(u, []).append(v)
+        self._templates(inner, kinds)
         self._fabric_search: dict[str, tuple[dict[str, int], dict[str, list[str]]]] = {}
         self._middles: dict[tuple[str, str], list[list[str]]] = {}
         self._succ_sets: dict[str, tuple[set[str], list[str]]] = {}
         self._preds_of: dict[str, set[str]] = {}
         self._pieces: dict[tuple, Any] = {}  # (template, part, ...) -> path pieces named by part
+        self._ways: dict[tuple[str, int], tuple | None] = {}  # (node, 0 out / 1 in) -> its one way (one_way)
+        self._hops: dict[tuple[str, str], int | None] = {}  # switch pair -> distance, as one_way asks
         self.affinity: dict[str, str] = {}  # gpu -> its NIC
         if nic_affinity == "rail":
             self._rail_affinity(graph, kinds)
         if self.exact:
             self.exact = self._no_transit()
 
-    def _templates(self, inner: dict[str, dict[str, list[str]]], kinds: dict[str, str], rates: dict) -> None:
+    def _templates(self, inner: dict[str, dict[str, list[tuple]]], kinds: dict[str, str]) -> None:
         """Each server's template (servers of equal parts, inner links of equal rates and latencies and equal
         ports share one) and name prefix."""
         members: dict[str, list[str]] = {}
@@ -142,21 +146,18 @@ class TierRouter:
             if not all(n.startswith(prefix) for n in nodes):
                 prefix = ""  # names of its own: a template of its own
             cut = len(prefix)
-            succ = {u[cut:]: [v[cut:] for v in vs] for u, vs in inner.get(server, {}).items()}
+            links = inner.get(server, {})
             # in insertion order: servers built alike list their parts alike (others only lose the sharing)
             shape = (
                 tuple((n[cut:], kinds.get(n)) for n in nodes),
-                tuple(
-                    (u[cut:], tuple((v[cut:], rates.get((u, v))) for v in vs))
-                    for u, vs in inner.get(server, {}).items()
-                ),
+                tuple((u[cut:], tuple((v[cut:], rate) for v, rate in vs)) for u, vs in links.items()),
                 tuple(u[cut:] for u, _ in self.exits.get(server, [])),
                 tuple(v[cut:] for _, v in self.entries.get(server, [])),
             )
             key = shape if prefix else (server, shape)
             if key not in shapes:
                 shapes[key] = len(self._inner)
-                self._inner.append(succ)
+                self._inner.append({u[cut:]: [v[cut:] for v, _ in vs] for u, vs in links.items()})
             self._prefix[server] = prefix
             self._template[server] = shapes[key]
         self._inner_search: dict[tuple[int, str], tuple[dict[str, int], dict[str, list[str]]]] = {}
@@ -172,10 +173,17 @@ class TierRouter:
             server = self.server[name]
             if server is not None and kind in ("gpu", "nic"):
                 by_server.setdefault(server, {"gpu": [], "nic": []})[kind].append(name)
-        for parts in by_server.values():
-            gpus, nics = sorted(parts["gpu"], key=natural_key), sorted(parts["nic"], key=natural_key)
-            if len(gpus) == len(nics):
-                self.affinity.update(zip(gpus, nics, strict=True))
+        by_template: dict[int, list[tuple[str, str]]] = {}  # copies of a template pair the same parts
+        for server, parts in by_server.items():
+            template, prefix = self.template(server)
+            pairs = by_template.get(template) if prefix else None
+            if pairs is None:
+                cut = len(prefix)
+                gpus, nics = sorted(parts["gpu"], key=natural_key), sorted(parts["nic"], key=natural_key)
+                pairs = [(g[cut:], n[cut:]) for g, n in zip(gpus, nics, strict=True)] if len(gpus) == len(nics) else []
+                if prefix:
+                    by_template[template] = pairs
+            self.affinity.update((prefix + g, prefix + n) for g, n in pairs)
 
     # -- searches, cached -------------------------------------------------------------------------------------
 
@@ -344,6 +352,39 @@ class TierRouter:
             (b, v, *pieces[v[len(prefix) :]]) for b, v in self.entries.get(server, []) if v[len(prefix) :] in pieces
         ]
 
+    def one_way(self, src: str, dst: str) -> tuple[list[str], str, str, list[str]] | None:
+        """``(head, a, b, tail)`` where every fewest-hop path from ``src`` to ``dst`` (two nodes of two servers)
+        is ``head`` (the one fewest-hop path from ``src`` to the one port it may leave by), a fewest-hop path of
+        the fabric from switch ``a`` to switch ``b``, and ``tail`` (the one path from the one port it may enter
+        by to ``dst``), in the order :meth:`paths` lists them: a GPU of rail affinity; else None."""
+        if not self.exact:
+            return None
+        s_server, d_server = self.server.get(src), self.server.get(dst)
+        if s_server is None or d_server is None or s_server == d_server:
+            return None
+        out = self._ways.get((src, 0), False)
+        if out is False:
+            exits = self._heads(s_server, src)
+            ok = len(exits) == 1 and len(exits[0][3]) == 1
+            out = self._ways[(src, 0)] = (self._prefixed(s_server, exits[0][3][0]), exits[0][1]) if ok else None
+        into = self._ways.get((dst, 1), False)
+        if into is False:
+            entries = self._tails(d_server, dst)
+            ok = len(entries) == 1 and len(entries[0][3]) == 1
+            into = self._ways[(dst, 1)] = (entries[0][0], self._prefixed(d_server, entries[0][3][0])) if ok else None
+        if out is None or into is None:
+            return None
+        hops = self._hops.get((out[1], into[0]), -1)
+        if hops == -1:
+            hops = self._hops[(out[1], into[0])] = self.distance(out[1], into[0])
+        if hops is None:
+            return None
+        return out[0], out[1], into[0], into[1]
+
+    def _prefixed(self, server: str, parts: list[str]) -> list[str]:
+        prefix = self._prefix[server]
+        return [prefix + n for n in parts]
+
     def _between(self, src: str, dst: str, s_server: str, d_server: str) -> list[list[str]] | None:
         exits = self._heads(s_server, src)
         entries = self._tails(d_server, dst)
@@ -369,6 +410,10 @@ class TierRouter:
             for head, middle, tail in itertools.product(full_heads, middles, full_tails):
                 out.append(head + middle + tail)
         return out
+
+    def middle(self, a: str, b: str) -> list[list[str]]:
+        """Every fewest-hop path of the fabric from switch ``a`` to switch ``b`` (cached)."""
+        return self._middle(a, b)
 
     def _middle(self, a: str, b: str) -> list[list[str]]:
         found = self._middles.get((a, b))
@@ -408,13 +453,19 @@ def destination_routed(paths: list[list[str]], server: dict[str, str | None], po
             continue
         first, last, path = members[0]
         j = port_index(path[last], path[last + 1]) if last + 1 < len(path) else 0
-        remaining, stride, i = [m[2] for m in members], 1, first
-        while len(remaining) > 1:
-            i += 1
-            choices = sorted({p[i] for p in remaining}, key=natural_key)
-            if len(choices) > 1:
-                pick = choices[(j // stride) % len(choices)]
-                stride *= len(choices)
-                remaining = [p for p in remaining if p[i] == pick]
-        out.append(remaining[0])
+        out.append(destination_pick([m[2] for m in members], first, j))
     return out
+
+
+def destination_pick(paths: list[list[str]], first: int, j: int) -> list[str]:
+    """The path of ``paths`` (equal up to position ``first``, the first switch, and from their last switch on)
+    that destination-mod-k forwarding takes to the destination port of index ``j`` (:func:`destination_routed`)."""
+    remaining, stride, i = paths, 1, first
+    while len(remaining) > 1:
+        i += 1
+        choices = sorted({p[i] for p in remaining}, key=natural_key)
+        if len(choices) > 1:
+            pick = choices[(j // stride) % len(choices)]
+            stride *= len(choices)
+            remaining = [p for p in remaining if p[i] == pick]
+    return remaining[0]

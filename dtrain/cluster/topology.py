@@ -14,13 +14,16 @@ The shape it is built for: servers with NVLink/PCIe inside, racks under a top-of
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import networkx as nx
 
-from dtrain.cluster.routing import NIC_AFFINITIES, ROUTINGS, TierRouter, destination_routed
+from dtrain.cluster.routing import NIC_AFFINITIES, ROUTINGS, TierRouter, destination_pick, destination_routed
 from dtrain.cluster.routing import natural_key as _natural_key
 
 __all__ = ["Device", "Link", "Topology", "NODE_KINDS", "SWITCH_KINDS"]
@@ -68,10 +71,11 @@ class Link:
             raise ValueError(f"link {self.src}->{self.dst}: bytes_per_s must be > 0, got {self.bytes_per_s!r}")
         if not self.latency_s >= 0:
             raise ValueError(f"link {self.src}->{self.dst}: latency_s must be >= 0, got {self.latency_s!r}")
+        self.__dict__["name"] = f"{self.src}->{self.dst}"
 
     @functools.cached_property
     def name(self) -> str:
-        """``"src->dst"``, how reports name the link (made once: reports of large clusters sort by it)."""
+        """``"src->dst"``, how reports name the link (made with the link: reports of large clusters sort by it)."""
         return f"{self.src}->{self.dst}"
 
 
@@ -93,6 +97,9 @@ class Topology:
         self._nic_affinity = "ecmp"
         self._routing = "ecmp"
         self._ports: dict[str, dict[str, int]] = {}
+        self._fabric_ways: dict[tuple[str, str], list[list[str]] | None] = {}  # switch pair -> paths, in order
+        self._picks: dict[tuple[str, str, int], int] = {}  # (switch pair, port index) -> the path d-mod-k takes
+        self._way_links: dict[tuple[str, int], list[Link]] = {}  # (node, 0 out / 1 in) -> its way's links
 
     @property
     def nic_affinity(self) -> str:
@@ -123,6 +130,9 @@ class Topology:
         self._forget_routes()
 
     def _forget_routes(self) -> None:
+        self._fabric_ways.clear()
+        self._picks.clear()
+        self._way_links.clear()
         self._paths.clear()
         self._routes.clear()
         self._ports.clear()
@@ -177,6 +187,60 @@ class Topology:
             self._link_of[(src, dst)] = link
         self._forget_routes()
 
+    def add_links(self, rows: Iterable[tuple[str, str, float, float, str]], *, duplex: bool = True) -> None:
+        """:meth:`add_link` of every ``(a, b, bytes_per_s, latency_s, kind)`` row, in order, all checked before
+        any is added (a bad row adds none); what a builder uses for a server's links at once."""
+        rows = [(a, b, float(rate), float(latency), kind) for a, b, rate, latency, kind in rows]
+        graph, pairs, has_edge = self.graph, set(), self.graph.has_edge
+        for a, b, rate, latency, _ in rows:
+            for end in (a, b):
+                if end not in graph:
+                    raise ValueError(f"link {a}->{b}: unknown node {end!r}; add it before linking it")
+            if a == b:
+                raise ValueError(f"link {a}->{b}: a link must join two different nodes")
+            for pair in ((a, b), (b, a)) if duplex else ((a, b),):
+                if pair in pairs or has_edge(*pair):
+                    raise ValueError(f"duplicate link {pair[0]}->{pair[1]} in topology {self.name!r}")
+                pairs.add(pair)
+            if not rate > 0:
+                raise ValueError(f"link {a}->{b}: bytes_per_s must be > 0, got {rate!r}")
+            if not latency >= 0:
+                raise ValueError(f"link {a}->{b}: latency_s must be >= 0, got {latency!r}")
+        self._add_checked_links(rows, duplex)
+
+    def _add_checked_links(self, rows: list[tuple[str, str, float, float, str]], duplex: bool = True) -> None:
+        """:meth:`add_links` of rows known good: float rates > 0 and latencies >= 0 between two different nodes
+        of the graph with no link yet (what :func:`dtrain.cluster.builders.add_server` adds between the parts of
+        a server it has just added)."""
+        graph, edges, link_of = self.graph, [], self._link_of
+        for a, b, rate, latency, kind in rows:
+            for src, dst in ((a, b), (b, a)) if duplex else ((a, b),):
+                link = _checked_link(src, dst, rate, latency, kind)
+                edges.append((src, dst, {"link": link}))
+                link_of[(src, dst)] = link
+        graph.add_edges_from(edges)
+        self._forget_routes()
+
+    def add_nodes(self, rows: Iterable[tuple[str, str, str | None, str | None] | Device]) -> None:
+        """:meth:`add_node` of every ``(name, kind, server, rack)`` row (no ``layer``: a server's parts), and
+        :meth:`add_device` of every :class:`Device` among them, in order, all checked before any is added."""
+        rows = [(r.name, "gpu", r.server, r.rack, r) if isinstance(r, Device) else (*r, None) for r in rows]
+        names = set()
+        for name, kind, _, _, _ in rows:
+            if not name:
+                raise ValueError("node name must be a non-empty string")
+            if name in self.graph or name in names:
+                raise ValueError(f"duplicate node name {name!r} in topology {self.name!r}")
+            if kind not in NODE_KINDS:
+                raise ValueError(f"node {name!r}: unknown kind {kind!r}; expected one of {sorted(NODE_KINDS)}")
+            names.add(name)
+        self.graph.add_nodes_from(
+            (name, {"kind": kind, "server": server, "rack": rack, "layer": None})
+            for name, kind, server, rack, _ in rows
+        )
+        self._devices.update((row[0], row[4]) for row in rows if row[4] is not None)
+        self._forget_routes()
+
     # -- reading ----------------------------------------------------------------------------------------------
 
     def devices(self) -> list[Device]:
@@ -205,6 +269,9 @@ class Topology:
 
     def link(self, src: str, dst: str) -> Link:
         """The link from ``src`` to ``dst``."""
+        link = self._link_of.get((src, dst))
+        if link is not None:
+            return link
         data = self.graph.get_edge_data(src, dst)
         if data is None:
             raise ValueError(f"no link {src}->{dst} in topology {self.name!r}")
@@ -232,12 +299,55 @@ class Topology:
             return []
         routes = self._routes.get((src, dst))
         if routes is None:
+            routes = self._routes[(src, dst)] = self._find_routes(src, dst)
+        return routes[_flow_hash(f"{src}|{dst}|{flow}") % len(routes)] if len(routes) > 1 else routes[0]
+
+    def _find_routes(self, src: str, dst: str) -> list[list[Link]]:
+        """The routes of a pair: its equal-cost paths, those the switches' tables leave under d-mod-k, as links.
+
+        A pair with one way out of its source's server and one way into its destination's
+        (:meth:`TierRouter.one_way`, e.g. GPUs of rail affinity) takes them from the paths of the fabric between
+        its two switches, kept per switch pair in the order the whole paths sort in (they share the ends) where
+        those paths' links have equal latencies one by one (the whole paths then tie on latency), and under
+        d-mod-k the one the destination port's index picks, kept per switch pair and index: what
+        :meth:`equal_cost_paths` and :func:`destination_routed` give, without a search or sort a pair."""
+        way = self.router.one_way(src, dst)
+        fabric = self._fabric_paths(way[1], way[2]) if way is not None else None
+        if fabric is None:
             paths = self.equal_cost_paths(src, dst)
             if self._routing == "d-mod-k" and len(paths) > 1:
                 paths = destination_routed(paths, self.router.server, self._port_index)
-            routes = [self._path_links(path) for path in paths]
-            self._routes[(src, dst)] = routes
-        return routes[_flow_hash(f"{src}|{dst}|{flow}") % len(routes)] if len(routes) > 1 else routes[0]
+            return [self._path_links(path) for path in paths]
+        head, a, b, tail = way
+        middles, links = fabric
+        if self._routing == "d-mod-k" and len(middles) > 1:
+            j = self._port_index(b, tail[0])
+            pick = self._picks.get((a, b, j))
+            if pick is None:
+                pick = self._picks[(a, b, j)] = middles.index(destination_pick(middles, 0, j))
+            links = links[pick : pick + 1]
+        # a node's way out (in) is the same for every pair: its links are kept
+        out = self._way_links.get((src, 0))
+        if out is None:
+            out = self._way_links[(src, 0)] = self._path_links([*head, a])
+        into = self._way_links.get((dst, 1))
+        if into is None:
+            into = self._way_links[(dst, 1)] = self._path_links([b, *tail])
+        return [out + middle + into for middle in links]
+
+    def _fabric_paths(self, a: str, b: str) -> tuple[list[list[str]], list[list[Link]]] | None:
+        """The fabric's fewest-hop paths from switch ``a`` to ``b`` in natural order of their nodes, and their
+        links; None where two differ in a link's latency."""
+        found = self._fabric_ways.get((a, b), False)
+        if found is False:
+            paths = self.router.middle(a, b)
+            if len(paths) > 1:
+                paths = sorted(paths, key=lambda p: [_natural_key(n) for n in p])
+            links = [self._path_links(path) for path in paths]
+            lat = [[link.latency_s for link in path] for path in links]
+            found = (paths, links) if all(x == lat[0] for x in lat) else None
+            self._fabric_ways[(a, b)] = found
+        return found
 
     def _port_index(self, switch: str, node: str) -> int:
         """The position of host port ``node`` among ``switch``'s host ports (nodes of a server), in natural order."""
@@ -337,6 +447,37 @@ class Topology:
                 raise ValueError(f"device {name!r} cannot be reached from device {first!r}")
             if name not in reaching:
                 raise ValueError(f"device {name!r} cannot reach device {first!r}")
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off inside: building or replaying a cluster of ten thousand GPUs makes
+    millions of containers that live on, and each full collection meanwhile walks every one made so far (a third
+    of the time at that scale). Reference counting still frees everything; the few cycles wait for the next
+    collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            if not gc.get_freeze_count():
+                # what the pause made joins the oldest generation unscanned (gc.unfreeze), as it would after
+                # surviving two young collections, each of which would walk every one of it
+                gc.freeze()
+                gc.unfreeze()
+            gc.enable()
+
+
+def _checked_link(src: str, dst: str, bytes_per_s: float, latency_s: float, kind: str) -> Link:
+    """``Link(src=src, dst=dst, ...)`` of values already checked (floats, a rate > 0, a latency >= 0), without
+    :class:`Link`'s checks: the same frozen object, made in a third of the time (a cluster of ten thousand GPUs has
+    a hundred thousand links)."""
+    link = object.__new__(Link)
+    link.__dict__.update(
+        src=src, dst=dst, bytes_per_s=bytes_per_s, latency_s=latency_s, kind=kind, name=f"{src}->{dst}"
+    )
+    return link
 
 
 def _flow_hash(key: str) -> int:

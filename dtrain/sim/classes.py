@@ -30,12 +30,13 @@ No torch here.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
+import operator
 from collections.abc import Sequence
 
-from dtrain.cluster.topology import Link, Topology
+import numpy as np
+
+from dtrain.cluster.topology import Link, Topology, collector_paused
 from dtrain.sim.collective import (
     CollectiveResult,
     Job,
@@ -46,7 +47,7 @@ from dtrain.sim.collective import (
     _start_jobs,
     check_placement,
 )
-from dtrain.sim.flows import FlowNetwork, LinkUsage, relayed_routes
+from dtrain.sim.flows import FlowNetwork, LinkUsage, relayed_routes, usage_rows
 
 __all__ = ["replay_jobs", "DEFAULT_FLOW_LIMIT"]
 
@@ -57,9 +58,10 @@ _Key = tuple[str, str]
 
 
 class _Part:
-    """What one replayed part gave: its end, each job's ranks' finish times, each link's bytes and busy time."""
+    """What one replayed part gave: its end, each job's ranks' finish times, each link's bytes and busy time (a
+    link once)."""
 
-    def __init__(self, end: float, finish: list[list[float]], links: dict[_Key, tuple[Link, float, float]]) -> None:
+    def __init__(self, end: float, finish: list[list[float]], links: list[tuple[Link, float, float]]) -> None:
         self.end, self.finish, self.links = end, finish, links
 
 
@@ -83,23 +85,8 @@ def replay_jobs(
 ) -> CollectiveResult:
     """:func:`~dtrain.sim.collective.replay_concurrent` of ``jobs``, replaying independent parts apart and
     identical parts once; a part of more than ``flow_limit`` messages in lock-step rounds (None: never)."""
-    with _collector_paused():
+    with collector_paused():
         return _replay_jobs(jobs, topology, cost or SoftwareCost(), itemsize, flow_limit)
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off for the replay: a replay at cluster scale allocates millions of
-    short-lived containers, and each full collection walks every route the topology has cached (a third of the
-    time on 10,000 GPUs). Reference counting still frees everything; the few cycles (a network's callbacks)
-    wait for the next collection."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _replay_jobs(
@@ -132,12 +119,12 @@ def _replay_jobs(
     ]  # fmt: skip
     parts = _connected(routes)
     results: dict[int, _Part] = {}  # by part index
-    seen: dict[tuple, tuple[int, list[_Key]]] = {}  # signature -> (part replayed, its links in signature order)
+    seen: dict[tuple, tuple[int, dict[int, int]]] = {}  # signature -> (part replayed, its links' signature order)
     for p, members in enumerate(parts):
         signature, order = _signature(members, jobs, job_pairs, routes, topology, cost)
         if signature is not None and signature in seen:
-            first, first_order = seen[signature]
-            results[p] = _relabel(results[first], first_order, order, topology)
+            first, index = seen[signature]
+            results[p] = _relabel(results[first], index, order)
             continue
         sub = [jobs[j] for j in members]
         if lock_step:
@@ -145,7 +132,7 @@ def _replay_jobs(
         else:
             results[p] = _exact(sub, members, topology, cost, itemsize)
         if signature is not None:
-            seen[signature] = (p, order)
+            seen[signature] = (p, {id(link): i for i, link in enumerate(order)})
     return _result(jobs, parts, results)
 
 
@@ -156,13 +143,30 @@ def _result(jobs: Sequence[Job], parts: list[list[int]], results: dict[int, _Par
             finish_by_job[j] = times
     finish = [t for j in range(len(jobs)) for t in finish_by_job[j]]
     end = max((r.end for r in results.values()), default=0.0)
-    rows = [
-        LinkUsage(link=link, nbytes=nbytes, busy_s=busy, total_s=end)
-        for r in results.values()
-        for link, nbytes, busy in r.links.values()
-    ]
-    rows.sort(key=lambda u: (-u.utilisation, u.link.name))
-    return CollectiveResult(time_s=max(finish, default=0.0), rank_finish_s=finish, links=rows)
+    entries = [entry for r in results.values() for entry in r.links]
+    return CollectiveResult(time_s=max(finish, default=0.0), rank_finish_s=finish, links=_busiest_first(entries, end))
+
+
+def _busiest_first(entries: list[tuple[Link, float, float]], end: float) -> list[LinkUsage]:
+    """``(link, bytes, busy seconds)`` as link rows of an ``end``-second run, busiest first, then by name: the
+    order of sorting the rows by ``(-utilisation, name)``, found by one array sort (each utilisation the same float
+    :attr:`LinkUsage.utilisation` gives; a link is named once)."""
+    if not entries:
+        return []
+    links, nbytes, _ = zip(*entries, strict=True)
+    nbytes = np.array(nbytes, dtype=float)
+    if end > 0:
+        util = nbytes / (end * np.fromiter(map(_RATE, links), dtype=float, count=len(links)))
+    else:
+        util = np.zeros(len(entries))
+    by_name = np.empty(len(entries), dtype=np.int64)
+    by_name[np.argsort(np.array(list(map(_NAME, links))), kind="stable")] = np.arange(len(entries))
+    order = np.lexsort((by_name, -util))
+    return usage_rows(map(entries.__getitem__, order.tolist()), end)
+
+
+_RATE, _NAME = operator.attrgetter("bytes_per_s"), operator.attrgetter("name")
+_RATE_LATENCY = operator.attrgetter("bytes_per_s", "latency_s")
 
 
 def _on_servers(jobs: Sequence[Job], topology: Topology) -> list[str] | None:
@@ -235,11 +239,9 @@ def _swap(part: _Part, first: str, other: str, topology: Topology) -> _Part:
     """``part``, replayed on the server whose names start ``first``, moved to the server whose names start
     ``other``."""
     cut = len(first)
-    links = {}
-    for (src, dst), (_, nbytes, busy) in part.links.items():
-        new = (other + src[cut:], other + dst[cut:])
-        links[new] = (topology.link(*new), nbytes, busy)
-    return _Part(part.end, [list(t) for t in part.finish], links)
+    link = topology.link
+    links = [(link(other + u.src[cut:], other + u.dst[cut:]), nbytes, busy) for u, nbytes, busy in part.links]
+    return _Part(part.end, part.finish, links)
 
 
 def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
@@ -252,13 +254,12 @@ def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
             i = parent[i]
         return i
 
-    owner: dict[_Key, int] = {}
+    owner: dict[int, int] = {}  # by the link's identity: a topology has one Link a pair of nodes
     for j, job_routes in enumerate(routes):
         for paths in job_routes:
             for path in paths:
                 for link in path:
-                    key = (link.src, link.dst)
-                    other = owner.setdefault(key, j)
+                    other = owner.setdefault(id(link), j)
                     if other != j:
                         a, b = find(other), find(j)
                         if a != b:
@@ -272,46 +273,43 @@ def _connected(routes: list[list[list[list[Link]]]]) -> list[list[int]]:
 def _signature(members, jobs, job_pairs, routes, topology: Topology, cost: SoftwareCost):
     """A part's shape, equal for parts that replay alike, and its links in the order the shape names them; None
     (no copies) where a pair has several equal-cost paths."""
-    label: dict[_Key, int] = {}
-    order: list[_Key] = []
+    label: dict[int, int] = {}  # by the link's identity: a topology has one Link a pair of nodes
+    order: list[Link] = []
     shape = []
     for j in members:
         job = jobs[j]
         devices = [topology.device(d) for d in job.placement]
         # without API operations every rank starts after the call's start-up and ends with its last round
         api = tuple(map(tuple, _api_times(job, topology, list(job.placement), cost))) if job.api is not None else None
-        paths = []
+        labels, hops, lengths = [], [], []  # each path's links: their numbers, rates and latencies
         for paths_of_pair in routes[j]:
             if len(paths_of_pair) != 1:
                 return None, order
-            for path in paths_of_pair:
-                hops = []
-                for link in path:
-                    key = (link.src, link.dst)
-                    if key not in label:
-                        label[key] = len(order)
-                        order.append(key)
-                    hops.append((label[key], link.bytes_per_s, link.latency_s))
-                paths.append(tuple(hops))
-            paths.append(len(paths_of_pair))
+            path = paths_of_pair[0]
+            lengths.append(len(path))
+            for link in path:
+                at = label.get(id(link))
+                if at is None:
+                    at = label[id(link)] = len(order)
+                    order.append(link)
+                labels.append(at)
+            hops += map(_RATE_LATENCY, path)
         memory = tuple(d.memory_bytes_per_s for d in devices)
-        shape.append((id(job.schedule), job.nbytes, tuple(job_pairs[j]), tuple(paths), memory, api))
+        shape.append((id(job.schedule), job.nbytes, tuple(job_pairs[j]), tuple(lengths), tuple(labels), tuple(hops),
+                      memory, api))  # fmt: skip
     return tuple(shape), order
 
 
-def _relabel(part: _Part, first: list[_Key], other: list[_Key], topology: Topology) -> _Part:
-    mapping = dict(zip(first, other, strict=True))
-    links = {}
-    for key, (_, nbytes, busy) in part.links.items():
-        new = mapping[key]
-        links[new] = (topology.link(*new), nbytes, busy)
-    return _Part(part.end, [list(t) for t in part.finish], links)
+def _relabel(part: _Part, index: dict[int, int], other: list[Link]) -> _Part:
+    """``part``, replayed on links that ``index`` numbers (by identity), moved to the links ``other`` of the same
+    numbers."""
+    return _Part(part.end, part.finish, [(other[index[id(u)]], nbytes, busy) for u, nbytes, busy in part.links])
 
 
 def _exact(jobs: list[Job], tags: list[int], topology: Topology, cost: SoftwareCost, itemsize: int) -> _Part:
     net, states = _start_jobs(jobs, tags, topology, cost, itemsize)
     end = net.run()
-    links = {(u.link.src, u.link.dst): (u.link, u.nbytes, u.busy_s) for u in net.usage(end)}
+    links = [(u.link, u.nbytes, u.busy_s) for u in net.usage(end)]
     return _Part(end, [state.finish for state in states], links)
 
 
@@ -382,7 +380,7 @@ def _lock_step(
                 entry[2] += weight * u.busy_s
     totals = [t + max(e, default=0.0) for t, e in zip(totals, ends, strict=True)]
     finish = [[t] * len(job.placement) for t, job in zip(totals, jobs, strict=True)]
-    return _Part(max(totals, default=0.0), finish, {k: (v[0], v[1], v[2]) for k, v in links.items()})
+    return _Part(max(totals, default=0.0), finish, [(v[0], v[1], v[2]) for v in links.values()])
 
 
 def _one_round(jobs, tags, parts, gammas, index: int, topology: Topology, cost: SoftwareCost):

@@ -16,14 +16,23 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from dtrain.cluster.topology import Link, Topology
 
-__all__ = ["FlowSpec", "LinkUsage", "FlowNetwork", "max_min_rates", "simulate_flows", "relayed_route", "relayed_routes"]
+__all__ = [
+    "FlowSpec",
+    "LinkUsage",
+    "FlowNetwork",
+    "max_min_rates",
+    "simulate_flows",
+    "relayed_route",
+    "relayed_routes",
+    "usage_rows",
+]
 
 #: A flow whose remaining bytes fall below this fraction of its size (float rounding) is done.
 _DONE = 1e-9
@@ -60,6 +69,22 @@ class LinkUsage:
     def utilisation(self) -> float:
         """Busy bytes over what the link could have carried in the whole run: ``nbytes / (total_s x rate)``."""
         return self.nbytes / (self.total_s * self.link.bytes_per_s) if self.total_s > 0 else 0.0
+
+
+def usage_rows(rows: Iterable[tuple[Link, float, float]], total_s: float) -> list[LinkUsage]:
+    """``LinkUsage(link=link, nbytes=nbytes, busy_s=busy_s, total_s=total_s)`` of each ``(link, nbytes, busy_s)``
+    row: the same frozen objects, set field by field as the dataclass's ``__init__`` sets them, without a keyword
+    call each (a replay on ten thousand GPUs makes a hundred thousand rows)."""
+    new, put = object.__new__, object.__setattr__
+    out = []
+    for link, nbytes, busy in rows:
+        usage = new(LinkUsage)
+        put(usage, "link", link)
+        put(usage, "nbytes", nbytes)
+        put(usage, "busy_s", busy)
+        put(usage, "total_s", total_s)
+        out.append(usage)
+    return out
 
 
 def max_min_rates(paths: Sequence[Sequence[Link]], caps: Sequence[float | None] | None = None) -> list[float]:

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dtrain.cluster.topology import Topology
+from dtrain.cluster.topology import Topology, collector_paused
 from dtrain.comm.ir.algorithms import build as build_schedule
 from dtrain.comm.ir.algorithms import needs_local_size
 from dtrain.comm.ir.schedule import Collective, Schedule, Transfer, make_schedule
@@ -253,11 +253,18 @@ def simulate_traffic(
     reduce-scatter of :data:`ZERO_PHASES`; default the model's ``bytes_per_value``), the all-gather of updated
     weights keeping the model's; see :func:`dp_phase_bytes`, which also says what ``distributed_optimizer``
     changes."""
-    cost = cost or SoftwareCost()
+    with collector_paused():
+        return _simulate_traffic(model, layout, topo, tuple(placement), tp_algorithm, dp_algorithm,
+                                 cost or SoftwareCost(), cache, split_pipeline, flow_limit, gradient_bytes,
+                                 distributed_optimizer)  # fmt: skip
+
+
+def _simulate_traffic(
+    model, layout, topo, placement, tp_algorithm, dp_algorithm, cost, cache, split_pipeline, flow_limit,
+    gradient_bytes, distributed_optimizer,
+) -> Traffic:  # fmt: skip
     item = model.bytes_per_value
     activation = layout.micro_batch * model.sequence * model.hidden * item
-
-    placement = tuple(placement)
 
     def run(collective: Collective, algorithm: str, axis: str, nbytes: float, groups=None, size=item):
         def jobs() -> list[Job]:

@@ -3,6 +3,7 @@ tier-by-tier routing against a search of the whole graph, the fat-tree builder's
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 
@@ -14,15 +15,18 @@ from dtrain.cli.main import main
 from dtrain.cluster.builders import ClusterSpec, ServerSpec, build, fat_tree
 from dtrain.cluster.files import loads
 from dtrain.cluster.presets import PRESETS, preset
-from dtrain.cluster.routing import TierRouter
+from dtrain.cluster.routing import TierRouter, destination_routed
+from dtrain.cluster.topology import Link, collector_paused
 from dtrain.comm.ir.algorithms import build as build_schedule
 from dtrain.comm.ir.schedule import Collective
 from dtrain.sim.api_passes import api_passes
 from dtrain.sim.classes import replay_jobs
 from dtrain.sim.collective import Job, SoftwareCost, replay_concurrent
+from dtrain.sim.flows import LinkUsage, usage_rows
 from dtrain.sim.model import MODELS, Layout
 from dtrain.sim.placement import place
 from dtrain.sim.step import StepConfig, simulate_step
+from dtrain.sim.traffic import simulate_traffic
 
 SMALL = MODELS["llama-7b"]
 #: How far the fast path's step time may be from the exact replay's (docs/simulator-scale.md): a pair keeps its
@@ -172,3 +176,76 @@ def test_copies_of_a_server_with_api_operations_equal_the_full_replay():
     assert fast.time_s == pytest.approx(full.time_s, rel=1e-9)
     assert fast.rank_finish_s == pytest.approx(full.rank_finish_s, rel=1e-9)
     assert {u.link.name: u.nbytes for u in fast.links} == pytest.approx({u.link.name: u.nbytes for u in full.links})
+
+
+@pytest.mark.parametrize(
+    "topology",
+    [preset("h100-rail", racks=3, servers_per_rack=4), preset("h100-rail", racks=2, servers_per_rack=3, routing="ecmp"),
+     preset("dgx-a100-superpod", racks=2, servers_per_rack=3, spines=4, cores=8),
+     preset("4-rack", racks=2, servers_per_rack=2), preset("4-rack", racks=2, servers_per_rack=2, nic_affinity="ecmp")],
+)  # fmt: skip
+def test_routes_of_one_way_pairs_equal_the_searched_and_sorted_paths(topology):
+    """A pair with one way out and one way in takes the fabric's paths between its switches, sorted and picked once
+    per switch pair: the routes the search, the latency filter, the sort and d-mod-k's tables give."""
+    devices = [d.name for d in topology.devices()]
+    shortened = 0
+    for src, dst in itertools.islice(itertools.permutations(devices, 2), 0, None, 7):
+        got = topology.equal_cost_routes(src, dst)
+        paths = topology.equal_cost_paths(src, dst)
+        if topology.routing == "d-mod-k" and len(paths) > 1:
+            paths = destination_routed(paths, topology.router.server, topology._port_index)
+        assert got == [topology._path_links(p) for p in paths], (src, dst)
+        shortened += topology.router.one_way(src, dst) is not None
+    assert shortened >= (0 if topology.nic_affinity == "ecmp" else 100)
+
+
+def test_links_and_nodes_added_at_once_check_every_row_first():
+    topology = build(ClusterSpec(server=ServerSpec(gpus=2, gpus_per_pcie_switch=1, nics=2), racks=1,
+                                 servers_per_rack=2))  # fmt: skip
+    edges = topology.graph.number_of_edges()
+    cases = [([("s0/gpu0", "s1/gpu0", 1e9, 0.0, "x"), ("s0/gpu0", "nowhere", 1e9, 0.0, "x")], "unknown node"),
+             ([("s0/gpu0", "s0/gpu0", 1e9, 0.0, "nvlink4")], "two different nodes"),
+             ([("s0/gpu0", "s0/pcie0", 1e9, 0.0, "pcie4x16")], "duplicate link s0/gpu0->s0/pcie0"),
+             ([("s0/gpu0", "s1/gpu0", 1e9, 0.0, "x"), ("s1/gpu0", "s0/gpu0", 1e9, 0.0, "x")], "duplicate link"),
+             ([("s0/gpu0", "s1/gpu0", 0.0, 0.0, "x")], "bytes_per_s must be > 0"),
+             ([("s0/gpu0", "s1/gpu0", 1e9, -1.0, "x")], "latency_s must be >= 0")]  # fmt: skip
+    for rows, message in cases:
+        with pytest.raises(ValueError, match=message):
+            topology.add_links(rows)
+        assert topology.graph.number_of_edges() == edges
+    nodes = topology.graph.number_of_nodes()
+    for rows, message in (([("x0", "cpu", None, None), ("x0", "cpu", None, None)], "duplicate node"),
+                          ([("x1", "cpu", None, None), ("x2", "router", None, None)], "unknown kind")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            topology.add_nodes(rows)
+        assert topology.graph.number_of_nodes() == nodes
+    topology.add_nodes([("x3", "switch", None, None)])
+    topology.add_links([("s0/nic0", "x3", 5e9, 1e-6, "ib-ndr")])
+    assert topology.link("x3", "s0/nic0") == Link(
+        src="x3", dst="s0/nic0", bytes_per_s=5e9, latency_s=1e-6, kind="ib-ndr"
+    )
+    assert topology.link("x3", "s0/nic0").name == "x3->s0/nic0"
+
+
+def test_a_replay_s_link_rows_are_busiest_first_then_by_name():
+    topology = preset("h100-rail", racks=2, servers_per_rack=4)
+    layout = Layout(dp=4, tp=8, pp=2, global_batch=8)
+    traffic = simulate_traffic(SMALL, layout, topology, place(topology, layout), split_pipeline=True)
+    for result in (traffic.tp, traffic.pp, traffic.pp_gather, *traffic.dp):
+        assert result.links == sorted(result.links, key=lambda u: (-u.utilisation, u.link.name))
+    link = topology.link("s0/nic0", "r0/rail0")
+    made = usage_rows([(link, 3.0, 1.0)], 4.0)
+    assert made == [LinkUsage(link=link, nbytes=3.0, busy_s=1.0, total_s=4.0)]
+    assert hash(made[0]) == hash(LinkUsage(link=link, nbytes=3.0, busy_s=1.0, total_s=4.0))
+
+
+def test_the_collector_is_back_as_it_was_after_a_pause():
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            with collector_paused():
+                assert not gc.isenabled()
+            assert gc.isenabled() == enabled and gc.get_freeze_count() == 0
+    finally:
+        (gc.enable if was else gc.disable)()
