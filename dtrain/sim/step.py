@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from dtrain.cluster.topology import Topology
+from dtrain.cluster.topology import Topology, collector_paused
 from dtrain.comm.ir.algorithms import names as algorithm_names
 from dtrain.comm.ir.schedule import Collective
 from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD
@@ -47,7 +47,7 @@ from dtrain.sim.compute import (
     price,
     stage_compute,
 )
-from dtrain.sim.flows import LinkUsage
+from dtrain.sim.flows import LinkUsage, usage_rows
 from dtrain.sim.model import (
     Layout,
     MemoryUse,
@@ -580,9 +580,7 @@ def _step_links(parts: list[tuple[CollectiveResult | None, float]], step_s: floa
     by_name = np.empty(len(unique), dtype=np.int64)
     by_name[np.argsort(np.array(unique), kind="stable")] = np.arange(len(unique))
     order = np.lexsort((by_name, -util))
-    return [
-        LinkUsage(link=links[first[i]], nbytes=float(totals[i]), busy_s=0.0, total_s=step_s) for i in order.tolist()
-    ]
+    return usage_rows(((links[first[i]], float(totals[i]), 0.0) for i in order.tolist()), step_s)
 
 
 def simulate_step(
@@ -597,7 +595,22 @@ def simulate_step(
     """Simulate one synchronous training step of ``model`` under ``layout``, grid rank ``r`` on ``placement[r]``.
 
     ``cache`` (a dict kept by the caller) reuses collective replays between calls on the same, unchanged
-    topology, as a planner's layouts share many of them."""
+    topology, as a planner's layouts share many of them. Python's cyclic collector is paused meanwhile
+    (:func:`dtrain.cluster.topology.collector_paused`): a step on ten thousand GPUs makes about a hundred thousand
+    link rows that live on."""
+    with collector_paused():
+        return _simulate_step(model, layout, topology, placement, config, cache=cache)
+
+
+def _simulate_step(
+    model: ModelSpec,
+    layout: Layout,
+    topology: Topology,
+    placement: Sequence[str],
+    config: StepConfig | None,
+    *,
+    cache: Cache | None,
+) -> StepResult:
     config = config or StepConfig()
     layout.check(model)
     placement = list(placement)
