@@ -59,7 +59,8 @@
 #   one-pass-gather    the same for the all-gather and all-to-all alone, 8 KiB-16 MiB (ONE_PASS_NP as above), with
 #                      torch.distributed's own call (torch) beside native
 #                      -> verify-one-pass.txt, one_pass_gather{,-fresh}-np{N}.jsonl
-#   pipeline-profile   dtrain bench pipeline --profile, 1F1B and interleaved at m = 16 of batch 1024: each rank's
+#   pipeline-profile   dtrain bench pipeline --profile, 1F1B and interleaved at m = 16 of batch 1024, eager and as
+#                      CUDA graphs: each rank's
 #                      host time by function                                                  -> pipeline_profile.txt
 #   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 4, 8, 16, eager and
 #                      with CUDA graphs, beside torch pipelining                          -> bench_pipeline.jsonl
@@ -227,12 +228,13 @@ for mode in "$@"; do
     pipeline-profile)
       # where the host's time per action goes with micro-batches of 64 rows: cProfile around each rank's timed steps
       LIMIT=${LIMIT:-200} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 16 \
-        --schedules 1f1b,interleaved-1f1b --no-torch --profile "$out/pipeline-profile" \
+        --schedules 1f1b,interleaved-1f1b --no-torch --graphs --profile "$out/pipeline-profile" \
         --out "$out/pipeline_profile.jsonl" | grep -vE "^\[|Thread"
       python3 -c 'import glob, pstats, sys
 for f in sorted(glob.glob(sys.argv[1] + "/*.prof")):
     print("==", f); pstats.Stats(f, stream=sys.stdout).sort_stats("tottime").print_stats(25)' \
-        "$out/pipeline-profile" >"$out/pipeline_profile.txt"; grep -c "==" "$out/pipeline_profile.txt" ;;
+        "$out/pipeline-profile" >"$out/pipeline_profile.txt"; grep -c "==" "$out/pipeline_profile.txt"
+      rm -r "$out/pipeline-profile" ;;
     dp)
       for b in 32 16; do
         LIMIT=${LIMIT:-120} tr benchmarks/training/dp_zero.py --sections dp --sizes 4 1 --batch-per-rank $b --stall-s 110 ${DP_EXTRA:-} \
