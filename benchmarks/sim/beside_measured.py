@@ -409,7 +409,9 @@ def dp_rows(files=DP_FILES) -> list[dict]:
     out = []
     for name in files:
         for r in load(name):
-            step = dp_prediction(r["ranks"], r["batch_per_rank"], float(r["parameters"]))
+            # ``local``: every GPU trains its own copy, no communication: one GPU's step
+            ranks = 1 if r["variant"] == "local" else r["ranks"]
+            step = dp_prediction(ranks, r["batch_per_rank"], float(r["parameters"]))
             out.append({"record": "row", "source": name, "variant": r["variant"], "ranks": r["ranks"],
                         "batch_per_rank": r["batch_per_rank"], "measured_s": r["step_s"], "predicted_s": step.step_s,
                         "compute_s": step.compute_s, "all_reduce_s": step.dp_s,
