@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -496,6 +497,43 @@ def section_port() -> str:
 # ------------------------------------------------------------------------------------------------------- training
 
 
+def _dp_ceiling() -> str:
+    """What ``local`` (no communication) reached over every 4 x H100 launch on file, the host's enqueue time of one
+    GPU's step from the profile, and the launches with NCCL's CTAs capped."""
+    launches = ["dp_vs_ddp-h100x4-b16.jsonl", "dp_vs_ddp-h100x4-b32.jsonl", "dp_profile-h100x4.jsonl"]
+    launches += [f"dp_vs_ddp-nccl_max_ctas{c}-h100x4-b{b}.jsonl" for c in (4, 16) for b in (16, 32)]
+    local: dict[int, list[float]] = {16: [], 32: []}
+    for name in launches:
+        rows = load(name)
+        one = {r["batch_per_rank"]: r["step_s"] for r in rows if r["variant"] == "single"}
+        for r in rows:
+            if r["variant"] == "local" and r["batch_per_rank"] in one:
+                local[r["batch_per_rank"]].append(one[r["batch_per_rank"]] / r["step_s"])
+    profile = (RESULTS / "dp_profile-h100x4.txt").read_text()
+    found = re.search(r"single-1ranks-b16: .*enqueues a step in ([\d.]+) ms of its ([\d.]+) ms", profile)
+    enqueue = f"{found.group(1)} ms to enqueue a step that runs {found.group(2)} ms" if found else "(no profile)"
+    capped = []
+    for c in (4, 16):
+        rows = load(f"dp_vs_ddp-nccl_max_ctas{c}-h100x4-b32.jsonl")
+        eff = {r["variant"]: r.get("scaling_efficiency") for r in rows}
+        capped.append(f"{c} CTAs: ours {eff['ours-auto']:.1%}, DDP {eff['ddp']:.1%}")
+
+    def span(values: list[float]) -> str:
+        low, high = f"{min(values):.1%}", f"{max(values):.1%}"
+        return low if low == high else f"{low[:-1]}-{high}"
+
+    return (
+        "`local` is what four processes on this host reach with no data parallelism at all, the ceiling for any: "
+        f"{span(local[32])} with 32 sequences a GPU and {span(local[16])} with 16, over {len(local[16])} launches. "
+        f"With 16 the step is bound by the host: unprofiled, one GPU's process takes {enqueue}, so whatever a "
+        "process adds on the host (the gradient hooks and launches of DDP and of ours) lengthens the step, and four "
+        "processes drift out of phase at each reduction (`benchmarks/gpu/run.sh OUT dp-profile`: host enqueue "
+        "time, device busy, compute, NCCL and its exposed part, per variant: `dp_profile-h100x4.txt`). NCCL's CTAs "
+        "capped (`NCCL_MAX_CTAS`, every variant; `dp_vs_ddp-nccl_max_ctas{4,16}-h100x4-b{16,32}.jsonl`) gave no "
+        f"better scaling with 32 sequences: {'; '.join(capped)}."
+    )
+
+
 def section_dp() -> str:
     first = load("dp_vs_ddp-h100x4-b32.jsonl")[0]
     model = (
@@ -513,13 +551,7 @@ def section_dp() -> str:
         "over the trials of the slowest rank's time for a run of steps). Scaling efficiency: tokens/s per GPU over "
         "one GPU's tokens/s (the plain module) in the same launch. Every variant but `local` ends with DDP's "
         "parameters (checked: the largest difference is in the data, under autocast's rounding).",
-        "`local` is what four processes on this host reach with no data parallelism at all, the ceiling for any: "
-        "99% with 32 sequences a GPU, 89-104% over four launches with 16. With 16 the step is bound by the host: "
-        "unprofiled, one GPU's process takes 28.7 ms to enqueue a step that runs 30.9 ms, so whatever a process "
-        "adds on the host (the gradient hooks and launches of DDP and of ours) lengthens the step, and four "
-        "processes drift out of phase at each reduction (`benchmarks/gpu/run.sh OUT dp-profile`: host enqueue "
-        "time, device busy, compute, NCCL and its exposed part, per variant: `dp_profile-h100x4.txt`). "
-        "Limiting NCCL to 4 or 16 CTAs (`NCCL_MAX_CTAS`) did not help: 4 made the 32-sequence step 3.6% slower.",
+        _dp_ceiling(),
     ]
     for b in (32, 16):
         records = load(f"dp_vs_ddp-h100x4-b{b}.jsonl")
