@@ -1099,8 +1099,32 @@ def _zero_bubble_part() -> list[str]:
                 ],
                 rows,
             ),
+            *_zero_bubble_bound(records),
         ]
     return parts + _train_graphs_part()
+
+
+def _zero_bubble_bound(records: list[dict]) -> list[str]:
+    """How far ZB-H1 could go against torch's 1F1B on these rows: torch's step over ZB-H1's compute alone (no
+    bubble at all) and over that compute with the theory's bubble."""
+    torch_1f1b = {r["microbatches"]: r["torch_step_ms"] for r in records if r["schedule"] == "1f1b"}
+    cells = []
+    for r in records:
+        theirs = r.get("torch_step_ms") or torch_1f1b.get(r["microbatches"])
+        if r["schedule"] != "zb-h1" or not theirs:
+            continue
+        compute = (1 - r["bubble_measured"]) * r["step_ms"]  # the stages' compute, as this row ran it
+        at_theory = compute / (1 - r["bubble_theory"])
+        cells.append(
+            f"m {r['microbatches']}{' (graphs)' if r.get('graphs') else ''}: {theirs / r['step_ms']:.2f}x "
+            f"measured, {theirs / at_theory:.2f}x at the theory's bubble, {theirs / compute:.2f}x with none"
+        )
+    if not cells:
+        return []
+    return [
+        "ZB-H1 against torch's Schedule1F1B, and what its compute allows (torch's step over ZB-H1's compute as "
+        "measured, with the theory's bubble and with no bubble at all): " + "; ".join(cells) + "."
+    ]
 
 
 def _train_graphs_part() -> list[str]:
