@@ -169,10 +169,12 @@ _PEER_ALL_REDUCE = ((0, "one_shot"), ((2 << 20) + 1, "native"))
 #: one_pass_gather_fresh-h100x2.jsonl), from 8 KiB to 2 MiB every one at 1.4-2.3x NCCL's speed. The kernel alone
 #: with its program count (64 on 4 GPUs, 128 on 2) beside NCCL's call, 1-32 MiB
 #: (benchmarks/results/probe-exchange-programs-h100x{4,2}.txt): on 4 GPUs the all-gather at 1.22x at 16 MiB and
-#: 1.08x at 32, the all-to-all at 1.15x and the reduce-scatter at 1.07x at 8 MiB (0.79-0.94x at 16), the
+#: 1.08x at 32, the all-to-all at 1.15x and the reduce-scatter at 1.06x at 8 MiB (0.79-0.91x at 16), the
 #: broadcast at 1.56x at 2 MiB and 0.92x at 4 (its readers share the root's links); on 2 GPUs every one at
 #: 1.2-1.65x at 8 MiB, the all-gather at 1.46x at 16. A band ends at the geometric midpoint between the last size
-#: won and the first lost, or at the one pass's limit.
+#: won and the first lost, or at the one pass's limit. With these bands, `auto` beside torch.distributed's own call,
+#: 1-32 MiB, same and fresh tensors (benchmarks/results/collectives_mid{,_fresh}-h100x{4,2}.jsonl): every one-pass
+#: cell at 1.11-3.60x, every other cell NCCL's own call at 0.95-1.05x.
 _MIB = 1 << 20
 _PEER_2 = {
     "all_gather": ((0, "direct"), (2 * 8 * _MIB + 1, NATIVE)),

@@ -169,10 +169,10 @@ _GATHER_COMPILED: dict = {}
 
 #: Elements a program of the exchange kernel copies at a time, the most programs one call runs, and the most
 #: (program, peer) pairs (:func:`exchange_programs`). Each program holds ``world`` slots of the signal pad. The
-#: kernel alone beside NCCL's call on 4 and 2 H100s, 1-32 MiB (benchmarks/results/probe-exchange-programs-h100x*.txt):
-#: 32 programs read at most 8 MiB faster than NCCL on 4 GPUs and 4 MiB on 2; 64 on 4 GPUs and 128 on 2 read 8 MiB
-#: at 1.07-1.28x and 1.5-1.65x NCCL's speed (the broadcast aside, which its root's links bound on 4), and fewer
-#: programs are no faster at any size; past 256 pairs nothing more was gained.
+#: kernel alone beside NCCL's call, 8 MiB, H100s (benchmarks/results/probe-exchange-programs-h100x{4,2}.txt): on 4
+#: GPUs 64 programs ran the all-gather, all-to-all and reduce-scatter at 1.06-1.28x NCCL's speed where 32 ran them
+#: at 0.84-1.21x; on 2 GPUs 128 programs at 1.58-1.65x where 32 ran them at 0.85-1.13x. Fewer programs were never
+#: faster; the broadcast on 4 GPUs is bound by its root's links whatever the count.
 EXCHANGE_BLOCK = 2048
 EXCHANGE_PROGRAMS = 128
 EXCHANGE_PAIRS = 256
