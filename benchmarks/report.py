@@ -1037,7 +1037,7 @@ def _zero_bubble_part() -> list[str]:
             continue
         rows = [
             [
-                r["schedule"] + (" (graphs)" if r.get("graphs") else ""),
+                r["schedule"] + (" (graphs)" if r.get("graphs") else "") + _transport_label(r),
                 str(r["microbatches"]),
                 str(r["batch"] // r["microbatches"]),
                 f"{r['bubble_theory']:.3f}",
@@ -1065,7 +1065,10 @@ def _zero_bubble_part() -> list[str]:
                 "(`torch_schedule`); `torch / ours`: its step time over ours. "
                 "`(graphs)`: the same schedule with every forward and backward replayed as CUDA graphs "
                 "(`PipelineParallel(graphs=True)`), the same loss and gradients; its bubble counts as compute the "
-                "stage's graphed forwards and backwards run back to back.",
+                "stage's graphed forwards and backwards run back to back. "
+                '`(peer)`: the messages over peer channels (`PipelineParallel(transport="peer")`, what the '
+                "default `auto` picks on one host): copies through peer memory signalled by stream memory "
+                'operations; the rows without it go through NCCL\'s send and recv (`transport="group"`).',
             ]
         if eager_busy:
             parts += [
@@ -1081,6 +1084,7 @@ def _zero_bubble_part() -> list[str]:
                 f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
                 f"{first['width']} --batch {first['batch']} --microbatches {ms}"
                 + (" --graphs" if any(r.get("graphs") for r in records) else "")
+                + (" --transport group,peer" if any(r.get("transport") == "peer" for r in records) else "")
                 + " (benchmarks/gpu/run.sh OUT "
                 + ("bench-pipeline-large)" if "b4096" in name else "bench-pipeline)"),
                 f"`{name}`",
@@ -1104,6 +1108,10 @@ def _zero_bubble_part() -> list[str]:
     return parts + _train_graphs_part()
 
 
+def _transport_label(row: dict) -> str:
+    return " (peer)" if row.get("transport") == "peer" else ""
+
+
 def _zero_bubble_bound(records: list[dict]) -> list[str]:
     """How far ZB-H1 could go against torch's 1F1B on these rows: torch's step over ZB-H1's compute alone (no
     bubble at all) and over that compute with the theory's bubble."""
@@ -1116,7 +1124,8 @@ def _zero_bubble_bound(records: list[dict]) -> list[str]:
         compute = (1 - r["bubble_measured"]) * r["step_ms"]  # the stages' compute, as this row ran it
         at_theory = compute / (1 - r["bubble_theory"])
         cells.append(
-            f"m {r['microbatches']}{' (graphs)' if r.get('graphs') else ''}: {theirs / r['step_ms']:.2f}x "
+            f"m {r['microbatches']}{' (graphs)' if r.get('graphs') else ''}{_transport_label(r)}: "
+            f"{theirs / r['step_ms']:.2f}x "
             f"measured, {theirs / at_theory:.2f}x at the theory's bubble, {theirs / compute:.2f}x with none"
         )
     if not cells:

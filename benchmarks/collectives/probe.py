@@ -38,6 +38,7 @@ MODES = {
     "one-shot": "one_shot",
     "one-pass": "one_pass",
     "exchange-programs": "exchange_programs",
+    "channels": "channels",
 }
 
 

@@ -62,11 +62,16 @@
 #   pipeline-profile   dtrain bench pipeline --profile, 1F1B and interleaved at m = 16 of batch 1024, eager and as
 #                      CUDA graphs: each rank's
 #                      host time by function                                                  -> pipeline_profile.txt
-#   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 4, 8, 16, eager and
-#                      with CUDA graphs, beside torch pipelining                          -> bench_pipeline.jsonl
+#   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 8, 16, eager and
+#                      with CUDA graphs, over the process groups and over peer channels, beside torch pipelining
+#                                                                                        -> bench_pipeline.jsonl
 #   bench-pipeline-large  the same at batch 4096, m = 8, 16                              -> bench_pipeline-b4096.jsonl
+#   pipeline-transport 1F1B, interleaved, ZB-H1, ZB-V at batch 4096 (m = 8, 16, eager), 1F1B and interleaved at batch
+#                      1024 (m = 16, eager and with CUDA graphs), over the process groups and over peer channels, with
+#                      receives posted 0 and 2 actions ahead (TRANSPORT_BATCHES, TRANSPORT_SCHEDULES,
+#                      TRANSPORT_LOOKAHEAD narrow it)              -> pipeline_transport-b4096.jsonl, -b1024.jsonl
 #   probe-one-shot | probe-one-pass | probe-symm | probe-p2p | probe-pull-kernel | probe-peer-host | probe-replay-host | probe-watchdog
-#                      | probe-exchange-programs
+#                      | probe-exchange-programs | probe-channels
 #                      benchmarks/collectives/probe.py MODE                                 -> probe-MODE.txt
 set -uo pipefail
 if [ $# -lt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
@@ -219,12 +224,24 @@ for mode in "$@"; do
       done
       unset DTRAIN_COMM_ONE_PASS ;;
     bench-pipeline)
-      LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 4,8,16 \
-        --graphs --out "$out/bench_pipeline.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
+      LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 8,16 \
+        --graphs --transport group,peer --out "$out/bench_pipeline.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
     bench-pipeline-large)
       # micro-batches of 256-512 rows: the stages' compute outweighs the host's time per action
       LIMIT=${LIMIT:-480} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 4096 --microbatches 8,16 \
-        --graphs --out "$out/bench_pipeline-b4096.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
+        --graphs --transport group,peer --out "$out/bench_pipeline-b4096.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
+    pipeline-transport)
+      # batch 4096 (m = 8, 16) eager; batch 1024 (m = 16, 64-row micro-batches, host-bound) eager and as graphs
+      for b in ${TRANSPORT_BATCHES:-4096 1024}; do
+        if [ "$b" = 4096 ]; then
+          extra="--microbatches 8,16 --schedules ${TRANSPORT_SCHEDULES:-1f1b,interleaved-1f1b,zb-h1,zb-v}"
+        else
+          extra="--microbatches 16 --schedules ${TRANSPORT_SCHEDULES:-1f1b,interleaved-1f1b} --graphs"
+        fi
+        LIMIT=${LIMIT:-280} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch "$b" $extra --no-torch \
+          --transport group,peer --lookahead "${TRANSPORT_LOOKAHEAD:-0,2}" --out "$out/pipeline_transport-b$b.jsonl" \
+          | grep -vE "^\[rank[0-9]+\]:\[W|^Thread"
+      done ;;
     pipeline-profile)
       # where the host's time per action goes with micro-batches of 64 rows: cProfile around each rank's timed steps
       LIMIT=${LIMIT:-200} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 16 \

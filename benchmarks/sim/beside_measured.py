@@ -317,8 +317,9 @@ def message_s(nbytes: float) -> float:
 
 
 def host_per_action_s(name: str) -> float:
-    """The median host time to issue one action over every stage and eager row of ``name``."""
-    eager = [r for r in load(name) if not r.get("graphs")]
+    """The median host time to issue one action over every stage and eager row of ``name`` over the process
+    groups (the peer channels' rows are not predicted: :func:`pipeline_rows`)."""
+    eager = [r for r in load(name) if not r.get("graphs") and r.get("transport", "group") == "group"]
     return statistics.median(us for r in eager for us in r["host_issue_us_per_action_per_stage"]) * 1e-6
 
 
@@ -358,7 +359,8 @@ def pipeline_rows(files=PIPELINE_FILES) -> list[dict]:
         other = next(f for f in files if f != name)
         host_s = host_per_action_s(other)
         for r in load(name):
-            if r.get("graphs"):  # the host figure is the eager runtime's; graphed steps are not predicted here
+            # the host figure is the eager runtime's over NCCL; graphed steps and peer channels are not predicted here
+            if r.get("graphs") or r.get("transport", "group") != "group":
                 continue
             pred = pipeline_prediction(r, host_s)
             out.append({"record": "row", "source": name, "host_source": other, "schedule": r["schedule"],

@@ -59,6 +59,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="JSON lines, one row per schedule and m (rank 0 writes)")
     p.add_argument("--profile", default=None, metavar="DIR", help="one cProfile file a rank, schedule and m")
     p.add_argument(
+        "--transport",
+        type=lambda t: t.split(","),
+        default=["auto"],
+        help="comma-separated, each a variant: 'auto' (the default: peer channels between stages of one host), "
+        "'group' (the process groups' send and recv), 'peer' (peer channels)",
+    )
+    p.add_argument(
+        "--lookahead",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=None,
+        help="comma-separated actions ahead whose receives a stage posts; each a variant (default: the link's own)",
+    )
+    p.add_argument(
         "--graphs",
         action="store_true",
         help="also time each schedule with its forwards and backwards replayed as CUDA graphs (GPUs)",
@@ -74,6 +87,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--microbatches {args.microbatches}: each must be positive and divide --batch {args.batch}")
     if min(args.layers, args.width, args.warmup, args.steps, args.nproc) < 1:
         raise ValueError("--layers, --width, --warmup, --steps and --nproc must be at least 1")
+    bad = [x for x in args.transport if x not in ("auto", "group", "peer")]
+    if bad:
+        raise ValueError(f"--transport: unknown {', '.join(bad)}; accepted: auto, group, peer")
+    if args.lookahead is not None and min(args.lookahead) < 0:
+        raise ValueError(f"--lookahead {args.lookahead}: each must be 0 or more")
     if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
         raise ValueError(f"--profile {args.profile}: exists and is not a directory")
 
@@ -290,10 +308,18 @@ def _rank_main(args: argparse.Namespace) -> None:
             if (name == "interleaved-1f1b" and m % p) or args.layers < v * p:
                 continue  # interleaved takes micro-batches in groups of p; every chunk needs a layer
             torch_s, torch_done = None, False
-            variants = [False, True] if args.graphs and device.type == "cuda" else [False]
-            for graphs in variants:
+            modes = [False, True] if args.graphs and device.type == "cuda" else [False]
+            lookaheads = args.lookahead if args.lookahead is not None else [None]
+            variants = [(g, t, a) for g in modes for t in args.transport for a in lookaheads]
+            for graphs, transport, lookahead in variants:
                 pipe = PipelineParallel(
-                    _model(args, device), dist.group.WORLD, num_microbatches=m, schedule=name, graphs=graphs
+                    _model(args, device),
+                    dist.group.WORLD,
+                    num_microbatches=m,
+                    schedule=name,
+                    graphs=graphs,
+                    lookahead=lookahead,
+                    transport=transport,
                 )
 
                 def step(pipe=pipe) -> None:
@@ -305,7 +331,9 @@ def _rank_main(args: argparse.Namespace) -> None:
                 step_s = _time(step, device, args, profile)
                 if profile is not None:
                     os.makedirs(args.profile, exist_ok=True)
-                    path = os.path.join(args.profile, f"{name}{'-graphs' if graphs else ''}-m{m}-rank{rank}.prof")
+                    tail = f"{'-graphs' if graphs else ''}{'-peer' if transport == 'peer' else ''}"
+                    tail += "" if lookahead is None else f"-lookahead{lookahead}"
+                    path = os.path.join(args.profile, f"{name}{tail}-m{m}-rank{rank}.prof")
                     profile.dump_stats(path + ".tmp")
                     os.replace(path + ".tmp", path)
                 comm_row = _comm_report(pipe, step, device)
@@ -320,6 +348,8 @@ def _rank_main(args: argparse.Namespace) -> None:
                 row = {
                     "schedule": name,
                     "graphs": graphs,
+                    "transport": pipe.link.transport_in_use,
+                    "lookahead": pipe.link.lookahead,
                     "stages": p,
                     "microbatches": m,
                     "bubble_theory": round(theoretical_bubble(p, m, v, schedule=name), 4),
@@ -343,7 +373,9 @@ def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | Non
     """Rank 0 prints the row and appends it to ``--out``."""
     if rank != 0:
         return
-    name, p, m = row["schedule"] + (" graphs" if row["graphs"] else ""), row["stages"], row["microbatches"]
+    name = row["schedule"] + (" graphs" if row["graphs"] else "") + (" peer" if row["transport"] == "peer" else "")
+    name += f" la{row['lookahead']}"
+    p, m = row["stages"], row["microbatches"]
     print(
         f"{name:>24} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
         f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  torch "

@@ -164,7 +164,14 @@ class PipelineParallel:
     for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`. ``grad_group`` (the same ranks as
     ``group``, another process group) carries the gradients, so that on NCCL the two directions between two
     stages do not queue behind each other (:mod:`~dtrain.parallel.pipeline_parallel_communications`); the rank
-    grid makes one (``pp_grad_group``).
+    grid makes one (``pp_grad_group``). ``lookahead`` is how many actions ahead a stage posts its receives on the
+    process groups (:class:`~dtrain.parallel.pipeline_parallel_communications.StageLink`). ``transport``: "auto"
+    (the default) moves the messages of stages of one host (on a GPU, messages of
+    :data:`~dtrain.parallel.pipeline_parallel_communications.PEER_FROM_BYTES` or more), from the second step on, to
+    peer channels
+    (:class:`~dtrain.comm.peer.channels.PeerChannels`: copies through peer memory signalled by stream memory
+    operations, which hold no SM while they wait); "peer" insists on them (a ValueError where a stage is on
+    another host); "group" keeps the process groups' send and recv.
 
     ``graphs=True`` (CUDA, every schedule, autocast too): the first step runs eagerly and records each (chunk,
     micro-batch)'s argument shapes; the next captures every (chunk, micro-batch)'s forward and backward as CUDA
@@ -185,6 +192,8 @@ class PipelineParallel:
         balance: Balance = "layers",
         virtual_stages: int | None = None,
         grad_group: dist.ProcessGroup | None = None,
+        lookahead: int | None = None,
+        transport: str = "auto",
         graphs: bool = False,
     ) -> None:
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -223,7 +232,17 @@ class PipelineParallel:
             for chunk in self.chunks:
                 self.weight_grads.attach(chunk)
         device = next((q.device for q in self.stage.parameters()), torch.device("cpu"))
-        self.link = StageLink(group, s, p, device, virtual_stages=v, grad_group=grad_group, placement=self.placement)
+        self.link = StageLink(
+            group,
+            s,
+            p,
+            device,
+            virtual_stages=v,
+            grad_group=grad_group,
+            placement=self.placement,
+            lookahead=lookahead,
+            transport=transport,
+        )
         self.link.plan(schedules)
         self.group = group
         self._loss_stage = stage_of_virtual(v * p - 1, p, self.placement)[0]

@@ -1,26 +1,32 @@
 """Where pipeline parallelism talks to the network: activations forward, gradients backward, to the neighbours.
 
-Point to point with ``torch.distributed.isend`` / ``irecv`` (Gloo on CPU, NCCL on GPU), peers translated from
-group ranks with ``dist.get_global_rank``. The receiver never needs the shape by hand: the first message of
-each (direction, virtual stage) the link ever carries is preceded by a fixed-size int64 header (ndim, dtype
-code, dims, padding), never a pickle; every later message, in this step and the next ones, reuses it, so the
-steady state sends payload only and reads nothing back to the host (Megatron-LM's ``p2p_communication`` exchanges
-shapes the same way, once).
+Two transports (``transport``). The first step of a link always goes through the process groups' point-to-point
+``send`` / ``recv`` (Gloo on CPU, NCCL on GPU), peers translated from group ranks with ``dist.get_global_rank``.
+The receiver never needs the shape by hand: the first message of each (direction, virtual stage) the link ever
+carries is preceded by a fixed-size int64 header (ndim, dtype code, dims, padding), never a pickle; every later
+message, in this step and the next ones, reuses it, so the steady state sends payload only and reads nothing back
+to the host (Megatron-LM's ``p2p_communication`` exchanges shapes the same way, once). From the second step on,
+with every shape agreed, stages of one host move to peer channels (:mod:`dtrain.comm.peer.channels`,
+``transport="auto"`` or ``"peer"``): one ring of slots per (sending stage, receiving stage) pair, sized to a step's
+messages; the sender pushes each payload into the receiver's slot with a copy through peer memory and raises a
+counter, and the receiver's stream waits on that counter where it uses the data. On a GPU those are stream memory
+operations that hold no SM while they wait; an NCCL receive or send posted before its partner holds its CTAs
+spinning, which slows the products it shares the SMs with. On 4 H100s (16 x Linear(4096), float32, batch 4096),
+the peer channels took interleaved 1F1B's step from 51.8 to 46.7 ms at 8 micro-batches and ZB-V's from 49.1 to
+41.3 ms (``bench_pipeline-b4096-h100x4.jsonl``).
 
-Every rank knows every stage's actions (:meth:`StageLink.plan`), so it knows, for each peer, the order in which
-that peer will send to it (:func:`messages`). It posts its receives in that order (NCCL ignores tags and matches
-in order), ahead of the action that needs them: :meth:`StageLink.prefetch` after each action posts the receives
-of the next two, so a transfer overlaps the compute before it. Sends are asynchronous, polled between actions
-and waited at the end of the step only.
-
-Messages to a higher stage travel on ``group``, to a lower one on ``grad_group`` (:func:`backward_group` for the
-whole world, the rank grid's ``pp_grad_group`` otherwise). ProcessGroupNCCL runs a pair's sends and receives of
-one communicator on one stream, in the order posted, and a large send waits for its receive; with both
-directions of a pair on one communicator, two stages that each send before they receive wait on each other (seen
-on 4 H200s with 1F1B, docs/parallel.md). With one direction a communicator, each stream carries a one-way flow,
-and no wait can close a cycle, whatever the schedule: GPipe and 1F1B (activations up, gradients down),
-interleaved 1F1B (whose ring sends the last rank's activations down to rank 0) and ZB-V (whose second chunk runs
-down the stages).
+On the process groups, every rank knows every stage's actions (:meth:`StageLink.plan`), so it knows, for each
+peer, the order in which that peer will send to it (:func:`messages`). It posts its receives in that order (NCCL
+ignores tags and matches in order), ahead of the action that needs them: :meth:`StageLink.prefetch` after each
+action posts the receives of the next ``lookahead`` actions, so a transfer overlaps the compute before it. Sends are
+asynchronous, polled between actions and waited at the end of the step only. ProcessGroupNCCL runs the
+point-to-point operations of one communicator on one stream, in the order posted, and a send waits for its
+receive. Messages to a higher stage travel on ``group``, to a lower one on ``grad_group`` (:func:`backward_group`
+for the whole world, the rank grid's ``pp_grad_group`` otherwise): each stream then carries a one-way flow and no
+wait can close a cycle, whatever the schedule (GPipe and 1F1B, interleaved 1F1B, whose ring sends the last rank's
+activations down to rank 0, and ZB-V, whose second chunk runs down the stages). A communicator for each ordered
+pair of stages was measured as well and changed nothing (``pipeline_pair_links-b4096-h100x4.jsonl``): what costs
+is the spinning kernels, not the sharing of streams.
 
 Chunk ``c`` of rank ``s`` is virtual stage :func:`~dtrain.parallel.pipeline_schedules.virtual_stage` ``(s, c)``:
 ``c p + s`` for interleaved 1F1B, ``s`` and ``2p - 1 - s`` in ZB-V's V, where the turn from virtual stage
@@ -140,9 +146,30 @@ def messages(
     return out
 
 
-#: The actions ahead whose receives a CPU stage posts after each action (Gloo sends complete only once the
-#: receiver has posted, so receives posted early let the neighbour's sends go while this stage computes).
-CPU_LOOKAHEAD = 2
+#: The actions ahead whose receives a stage posts after each action on the CPU's process groups (Gloo sends
+#: complete only once the receiver has posted, so receives posted early let the neighbour's sends go while this
+#: stage computes). On the peer channels a receive is only booked ahead, so the number does not matter there.
+LOOKAHEAD = 2
+
+#: Where a link's messages travel: the process groups' own send and recv ("group"), or, once every message's
+#: shape is agreed, :class:`~dtrain.comm.peer.channels.PeerChannels` between ranks of one host ("peer"); "auto"
+#: takes the peer channels where every stage is on one host (and a GPU has the driver's stream memory
+#: operations and messages of :data:`PEER_FROM_BYTES` or more), the process groups elsewhere.
+TRANSPORTS = ("auto", "group", "peer")
+
+#: With ``transport="auto"`` on a GPU, the least bytes of a pipeline's largest message for peer channels: below
+#: it a stage's compute per action is short enough that the host's time per message sets the pace, and NCCL's
+#: send and recv cost the host less than the channels' stream operations. On 4 H100s, 16 x Linear(4096), every
+#: schedule eager and graphed, NCCL's step over the channels' was 0.76-1.14x with messages of 1 MiB (7 of 10
+#: rows faster over NCCL), 0.95-1.04x with 2 MiB, 0.90-1.07x with 4 MiB and 1.01-1.19x with 8 MiB
+#: (``bench_pipeline[-b4096]-h100x4.jsonl``). On the CPU, where Gloo's messages cross sockets, Gloo's step over
+#: the channels' was 0.91-1.31x with 2 stages and 0.86-1.44x with 4 (on 2 cores; 7 and 5 of 8 rows faster over
+#: the channels; ``pipeline_transport-p{2,4}-cpu2.jsonl``), so ``auto`` takes them there at any size.
+PEER_FROM_BYTES = 2 << 20
+
+#: The most bytes a peer channel's ring of slots takes on a GPU (its slots are one step's messages, fewer where
+#: those would take more): a send then waits, on its channel's stream, for the receiver to free a slot.
+RING_BYTES = 1 << 30
 
 
 class StageLink:
@@ -150,14 +177,15 @@ class StageLink:
 
     ``group`` is the pipeline group, its rank ``i`` is stage ``i``; chunk ``c`` is virtual stage
     :func:`~dtrain.parallel.pipeline_schedules.virtual_stage` ``(i, c)`` under ``placement`` ("loop" or "v").
-    Messages to a higher stage travel on ``group``, to a lower one on ``grad_group``, so that on each
-    communicator every pair of ranks carries one direction only. :meth:`plan` takes every stage's actions; from
-    them each rank knows, per peer, the order in which that peer sends, and posts its receives in that order
-    (NCCL ignores tags and matches in order), ahead of the action that needs them (:meth:`prefetch`): the next
-    ``lookahead`` actions' receives (default :data:`CPU_LOOKAHEAD` on the CPU; none ahead on CUDA, where a receive
-    posted early holds NCCL's point-to-point stream for the pair and delays the sends queued behind it: on 4 H100s,
-    16 x Linear(4096) with micro-batches of 512 rows, 1F1B's step fell from 65.0 to 55.2 ms and ZB-H1's from 48.9 to
-    44.1 ms with no receive posted ahead).
+    On the process groups, messages to a higher stage travel on ``group``, to a lower one on ``grad_group``, so
+    that on each communicator every pair of ranks carries one direction only; from the second step, ``transport``
+    "auto" (stages of one host) or "peer" moves them to peer channels (see the module). :meth:`plan` takes every
+    stage's actions; from them each rank knows, per peer, the order in which that peer sends, and posts its
+    receives in that order (NCCL ignores tags and matches in order), ahead of the action that needs them
+    (:meth:`prefetch`): the next ``lookahead`` actions' receives (default :data:`LOOKAHEAD`, but none ahead on
+    NCCL, where a receive posted early holds its kernel's CTAs spinning and the communicator's stream: on 4
+    H100s, 16 x Linear(4096) with micro-batches of 512 rows, 1F1B's step fell from 65.0 to 55.2 ms and ZB-H1's
+    from 48.9 to 44.1 ms with no receive posted ahead).
 
     Shapes are agreed once: the first message of each (direction, virtual stage) the link ever carries is preceded
     by a header (:func:`encode_header`), and later messages reuse it, across steps. A payload of another shape
@@ -184,9 +212,17 @@ class StageLink:
         grad_group: dist.ProcessGroup | None = None,
         placement: str = "loop",
         lookahead: int | None = None,
+        transport: str = "auto",
     ) -> None:
         group = group if group is not None else dist.group.WORLD
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.group = group
+        #: "group": the process groups' send and recv; "peer": peer channels once shapes are agreed; "auto":
+        #: peer channels where available (decided at the second step, on every stage alike)
+        self.transport = transport
+        self._channels = None  # the PeerChannels of the steady state (transport "peer")
+        self._channel_of: dict[tuple[int, int], int] = {}  # (sending stage, receiving stage) -> channel index
         self.grad_group = grad_group if grad_group is not None else backward_group(group)
         self.device = device if device is not None else torch.device("cpu")
         self.stage = stage
@@ -194,7 +230,10 @@ class StageLink:
         self.virtual_stages = virtual_stages
         self.placement = placement
         if lookahead is None:
-            lookahead = 0 if self.device.type == "cuda" else CPU_LOOKAHEAD
+            nccl = self.device.type == "cuda" and transport != "peer"
+            lookahead = 0 if nccl else LOOKAHEAD
+        if not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"lookahead must be a non-negative int, got {lookahead!r}")
         self.lookahead = lookahead
         self.timeline: Timeline | None = None
         self._pending: deque[tuple[object, list[torch.Tensor], TimelineEvent | None]] = deque()
@@ -221,6 +260,11 @@ class StageLink:
         self._counts = {"sends": 0, "recvs": 0, "headers": 0, "send_s": 0.0, "recv_wait_s": 0.0}
         self._wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
+    @property
+    def transport_in_use(self) -> str:
+        """ "peer" once the peer channels carry the messages, else "group"."""
+        return "peer" if self._channels is not None else "group"
+
     # -- the plan of a step
 
     def plan(self, schedules: Sequence[Sequence[tuple]]) -> None:
@@ -243,12 +287,64 @@ class StageLink:
         steady = self._steady.get(forward_only)
         if steady is None:
             steady = self._plan_incoming(forward_only)
+        if self.transport != "group" and self._channels is None and not forward_only and False in self._steady:
+            self._open_channels()
         self._incoming = steady
         self._cursor = dict.fromkeys(steady, 0)
         ahead = self._ahead.get((forward_only, self.lookahead))
         if ahead is None:
             ahead = self._ahead[forward_only, self.lookahead] = self._plan_ahead()
         self._ahead_now = ahead
+
+    def _open_channels(self) -> None:
+        """Open a peer channel for each (sending stage, receiving stage) pair of the training schedule (every stage
+        does it at the same step: the first whose messages all have agreed shapes): slots of the pair's largest
+        message, as many as one step sends on it (on a GPU at most :data:`RING_BYTES` of them). ``auto`` keeps the
+        process groups instead where the stages are not on one host, or on a GPU where no message reaches
+        :data:`PEER_FROM_BYTES`."""
+        from dtrain.comm.peer.channels import Channel, PeerChannels, channels_available
+        from dtrain.comm.peer.window import PeerUnavailable
+
+        pairs = sorted(self._plans[False])
+        sizes = torch.zeros(max(1, len(pairs)), dtype=torch.int64)
+        for i, (src, dst) in enumerate(pairs):
+            if self.stage in (src, dst):
+                sizes[i] = max(self._message_bytes(key) for key in self._plans[False][src, dst])
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        sizes = sizes.to(device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
+        if self.transport == "auto" and self.device.type == "cuda" and int(sizes.max()) < PEER_FROM_BYTES:
+            self.transport = "group"  # every stage sees the same sizes, so every stage decides alike
+            return
+        if not channels_available(self.group, self.device):
+            if self.transport == "auto":
+                self.transport = "group"
+                return
+            raise ValueError(
+                "transport 'peer' needs every stage on one host (and on a GPU CUDA symmetric memory and stream "
+                "memory operations); use transport 'group'"
+            )
+        channels = []
+        for i, (src, dst) in enumerate(pairs):
+            nbytes, count = int(sizes[i]), len(self._plans[False][src, dst])
+            if self.device.type == "cuda":
+                count = min(count, max(2, RING_BYTES // max(1, nbytes)))
+            channels.append(Channel(src, dst, max(1, nbytes), count))
+        try:
+            self._channels = PeerChannels(self.group, self.device, channels)
+        except PeerUnavailable:  # raised on every stage alike
+            if self.transport != "auto":
+                raise
+            self.transport = "group"
+            return
+        self._channel_of = {pair: i for i, pair in enumerate(pairs)}
+
+    def _message_bytes(self, key: Key) -> int:
+        shape, dtype = self._shapes[key[0], key[1]]
+        numel = 1
+        for d in shape:
+            numel *= d
+        return numel * dtype.itemsize
 
     def _plan_incoming(self, forward_only: bool) -> dict[int, list[tuple[Key, bool]]]:
         """Per peer, the messages it sends this rank in its order, each flagged when a header precedes it; kept for
@@ -292,6 +388,8 @@ class StageLink:
         self._shapes.clear()
         self._agreed.clear()
         self._steady.clear()
+        self._channels = None  # their slots were sized for the old shapes
+        self._channel_of = {}
 
     # -- routes, resolved once
 
@@ -376,7 +474,10 @@ class StageLink:
                     f"{payload.dtype}, but the pipeline agreed on {known} for these messages; call forget_shapes() "
                     "on every stage before changing the micro-batch shape"
                 )
-        work = _send(payload, group, rank, tag)
+        if self._channels is not None:
+            work = self._channels.send(self._channel_of[self.stage, dest], payload)
+        else:
+            work = _send(payload, group, rank, tag)
         event = self._record(kind, microbatch, chunk, start)
         self._pending.append((work, [payload], event))
         counts = self._counts
@@ -435,8 +536,12 @@ class StageLink:
                 work, header = self._headers.pop((direction, u))
                 work.wait()
                 agreed = self._shapes[direction, u] = decode_header(header)
-            payload = torch.empty(agreed[0], dtype=agreed[1], device=self.device)
-            self._posted[item] = (_recv(payload, group, rank, tag), payload)
+            if self._channels is not None:
+                received = self._channels.post(self._channel_of[source, self.stage], agreed[0], agreed[1])
+                self._posted[item] = (received, received.tensor)
+            else:
+                payload = torch.empty(agreed[0], dtype=agreed[1], device=self.device)
+                self._posted[item] = (_recv(payload, group, rank, tag), payload)
             if item == key:
                 return
         raise ValueError(f"stage {self.stage}: no message {key} from stage {source} in this step's schedule")

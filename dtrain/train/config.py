@@ -211,6 +211,13 @@ class ParallelSection(_Section):
         "replay each micro-batch's forward and backward as CUDA graphs from the second step (pp > 1 on GPUs; not with "
         "tp > 1, zero = 3, fp16, training.compile or activation checkpointing)",
     )
+    pipeline_transport: str = _option(
+        "auto",
+        "how activations and gradients cross pipeline stages: group (the process group's send and recv), peer (peer "
+        "channels between GPUs or processes of one host, from the second step), auto (peer on one host, on GPUs "
+        "for messages of 2 MiB and more)",
+        choices=("auto", "group", "peer"),  # pipeline_parallel_communications.TRANSPORTS
+    )
     zero: int = _option(
         0,
         "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too, 3 parameters too (fully sharded)",

@@ -340,6 +340,7 @@ class _Trainer:
             num_microbatches=par.microbatches,
             schedule=par.schedule,
             pipeline_graphs=par.pipeline_graphs,
+            pipeline_transport=par.pipeline_transport,
             virtual_stages=INTERLEAVED_CHUNKS if par.schedule == "interleaved-1f1b" else 1,
             algorithm=par.algorithm,
             shard_size=par.zero_shard_size or None,

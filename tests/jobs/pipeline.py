@@ -357,3 +357,44 @@ def graphed_autocast(p: int, m: int, steps: int = 3) -> dict:
     finally:
         pipeline_parallel._make_graphed = real
     return {"worst": worst, "captured": graphed._graphed is not None, "recorded_under": sorted(set(seen))}
+
+
+def transports_agree(p: int, m: int, schedule: str) -> dict:
+    """The same training over the process groups and over peer channels ("peer", and "auto", which picks them on
+    one host): the same losses and parameters after a forward-only step between two training steps and a change of
+    micro-batch shape (``forget_shapes``, after which the channels open again with new slots)."""
+    group = group_of(p)
+    v = 2 if schedule == "interleaved-1f1b" else None
+    runs, used = {}, {}
+    for transport in ("group", "peer", "auto"):
+        pipe = PipelineParallel(
+            _mlp(seed=7), group, num_microbatches=m, schedule=schedule, virtual_stages=v, transport=transport
+        )
+        losses = []
+        for step in range(5):
+            batch, targets = _data("mlp", step)
+            if step == 3:  # twice the rows a micro-batch from here on
+                pipe.link.forget_shapes()
+            if step >= 3:
+                batch, targets = torch.cat([batch, batch.flip(0)]), torch.cat([targets, targets.flip(0)])
+            if step == 2:
+                losses.append(pipe.train_step(batch, targets, F.mse_loss, forward_only=True).item())
+                continue
+            losses.append(pipe.train_step(batch, targets, F.mse_loss).item())
+            _sgd_step(list(pipe.parameters()))
+        runs[transport] = (losses, [q.detach().clone() for q in pipe.parameters()])
+        used[transport] = pipe.link.transport_in_use
+    out = {"used": used}
+    for transport in ("peer", "auto"):
+        losses, params = runs[transport]
+        out[f"{transport}_loss"] = _max_error([torch.tensor(losses)], [torch.tensor(runs["group"][0])])
+        out[f"{transport}_param"] = _max_error(params, runs["group"][1])
+    return out
+
+
+def bad_transport() -> str:
+    try:
+        PipelineParallel(_mlp(seed=1), group_of(2), num_microbatches=2, transport="nccl")
+    except ValueError as err:
+        return str(err)
+    return "no error"

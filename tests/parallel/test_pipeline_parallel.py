@@ -118,6 +118,18 @@ def test_parameter_balanced_stages_train_like_the_unsplit_model(pool):
     _assert_equivalent(pool.run(pipeline_jobs.equivalence, 3, 2, "mlp", 2, "params", ranks=3))
 
 
+@pytest.mark.parametrize("schedule,p,m", [("1f1b", 3, 4), ("interleaved-1f1b", 2, 4), ("zb-v", 2, 4)])
+def test_peer_channels_train_like_the_process_groups_through_eval_and_a_new_shape(pool, schedule, p, m):
+    for rank, r in enumerate(pool.run(pipeline_jobs.transports_agree, p, m, schedule, ranks=p)):
+        assert r.pop("used") == {"group": "group", "peer": "peer", "auto": "peer"}, f"rank {rank}"
+        assert all(value == 0.0 for value in r.values()), f"rank {rank}: {r}"
+
+
+def test_an_unknown_transport_is_refused(pool):
+    for message in pool.run(pipeline_jobs.bad_transport, ranks=2):
+        assert "transport must be one of auto, group, peer, got 'nccl'" in message
+
+
 def test_more_stages_than_layers_raises_on_every_rank(pool):
     for message in pool.run(pipeline_jobs.too_many_stages, ranks=4):
         assert "3 layers into 4 pipeline stages" in message

@@ -124,7 +124,7 @@ def test_data_parallel_on_two_ranks_matches_one_rank_on_the_global_batch(two_ran
 
 def test_pipeline_run_matches_one_rank_and_writes_a_chrome_trace_and_a_gantt_chart(tmp_path, one_rank):
     flags = ["--nproc", "2", "--pp", "2", "--microbatches", "2", "--steps", "2", "--schedule", "gpipe"]
-    records = _run(tmp_path, *flags)
+    records = _run(tmp_path, *flags, "--pipeline-transport", "peer")  # the second step over peer channels
     assert _losses(records) == pytest.approx(_losses(one_rank[1][:2]), rel=1e-5)
     assert 0 <= records[-1]["bubble_measured"] < 1 and records[-1]["bubble_theory"] == pytest.approx(1 / 3)
     events = json.loads((tmp_path / "pipeline-trace.json").read_text())["traceEvents"]

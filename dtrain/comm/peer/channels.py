@@ -1,0 +1,300 @@
+"""Ordered one-way channels between ranks of one host, through their peer windows: a point-to-point transport
+that holds no SM while it waits.
+
+Each :class:`Channel` carries the messages one rank sends another, in the order sent. Its receiver's window
+holds a ring of ``slots`` slots of ``slot_bytes``; two counters run with it, ``ready`` in the receiver's window
+(messages landed) and ``free`` in the sender's (messages the receiver has copied out). The ``n``-th message goes
+to slot ``n mod slots``: the sender waits until ``free`` reaches ``n - slots + 1``, copies the payload into the
+receiver's slot and raises ``ready`` to ``n + 1``; the receiver waits until ``ready`` reaches ``n + 1``, copies
+the slot out and raises ``free`` to ``n + 1``. The counters are 32-bit and compared cyclically, as CUDA's
+``CU_STREAM_WAIT_VALUE_GEQ`` does, so they never need resetting.
+
+On CUDA every step is a stream operation: the copies are ``cudaMemcpyAsync`` through the peer mapping, the waits
+``cuStreamWaitValue32`` and the raises ``cuStreamWriteValue32`` (CUDA Driver API, "Stream Memory Operations"),
+whose default write follows a memory fence, so a receiver that sees ``ready`` sees the payload. The sender
+pushes: a send runs on a stream of its channel that first waits for the caller's stream, so the payload lands in
+the receiver's slot while both go on computing. The receiver takes a message on its own stream where it uses it
+(:meth:`Receive.wait`): by then it has usually landed, and the wait costs nothing. Nothing spins on the SMs,
+unlike an NCCL receive posted early, whose kernel holds its CTAs until the sender comes, and the host's work per
+message is a few stream operations. Every wait that can block a stream is one the caller's order needs (the
+data it is about to use, or, on a sender's stream, a slot of the step before), and the GPU's hardware queues
+run the streams' operations in the order the host issued them, so a schedule that cannot deadlock with buffered
+sends cannot deadlock here either (a receive posted early, waiting on a stream of its own, could: an operation
+issued after it on a stream sharing its hardware queue would wait behind it).
+On the CPU (windows in /dev/shm) the host copies and waits itself; the ring then never waits within a step when
+``slots`` covers a step's messages.
+
+Limits: all ranks of one host (:func:`~dtrain.comm.peer.window.peer_available`); on the CPU an x86-64 host, whose
+store order makes a counter seen imply the payload before it seen (Intel SDM vol. 3, 8.2.2). A peer that never
+comes leaves the CUDA stream waiting (no timeout on the device); on the CPU a wait past the group's timeout raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dtrain.comm.peer import window as peer_window
+
+__all__ = ["Channel", "PeerChannels", "Receive", "channels_available"]
+
+_ALIGN = 256  # every slot starts on a 256-byte boundary (what cudaMalloc gives)
+_SPINS = 16  # looks at a counter before a CPU wait sleeps between looks (ranks may outnumber cores)
+_SLEEP_S = 20e-6
+
+
+class Channel(NamedTuple):
+    """The messages rank ``src`` sends rank ``dst`` (ranks of the group), at most ``slot_bytes`` each, up to
+    ``slots`` in flight."""
+
+    src: int
+    dst: int
+    slot_bytes: int
+    slots: int
+
+
+def channels_available(group, device: torch.device) -> bool:
+    """Whether :class:`PeerChannels` can serve ``group`` on ``device`` (a collective call): every rank on this
+    host and, on CUDA, symmetric memory and the driver's stream memory operations; on the CPU an x86-64 host."""
+    ok = _driver() is not None if device.type == "cuda" else peer_window.SHARED_COUNTER_BARRIER
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item()) and peer_window.peer_available(group, device)
+
+
+class _Driver(NamedTuple):
+    wait: object
+    write: object
+
+
+_DRIVER: list[_Driver | None] = []
+
+
+def _driver() -> _Driver | None:
+    """``cuStreamWaitValue32`` and ``cuStreamWriteValue32`` from the CUDA driver, or None where it has none."""
+    if not _DRIVER:
+        found = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            pair = []
+            for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
+                fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                pair.append(fn)
+            found = _Driver(*pair)
+        except (OSError, AttributeError):
+            found = None
+        _DRIVER.append(found)
+    return _DRIVER[0]
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"peer channels: {what} failed with CUDA driver error {result}")
+
+
+def _reached(value: int, target: int) -> bool:
+    """``value >= target`` as 32-bit counters compared cyclically."""
+    return ((value - target) & 0xFFFFFFFF) < 0x80000000
+
+
+class Receive:
+    """A message posted for receipt: :meth:`wait` takes it (and any posted before it on its channel) out of the
+    ring and returns it."""
+
+    __slots__ = ("_channels", "_index", "_number", "_done", "tensor")
+
+    def __init__(self, channels: PeerChannels, index: int, number: int, tensor: torch.Tensor) -> None:
+        self._channels, self._index, self._number = channels, index, number
+        self.tensor = tensor
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        """On CUDA the caller's stream waits for the message and copies it out (the host does not wait); on the
+        CPU the host does both."""
+        if not self._done:
+            self._channels._drain(self._index, self._number)
+        return self.tensor
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+class _Sent:
+    """A send's completion: on CUDA an event on the channel's stream; on the CPU the send is done on return."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event=None) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def is_completed(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class PeerChannels:
+    """The channels of ``channels`` this rank sends or receives on, over a window of its own (a collective:
+    every rank of ``group`` makes it with the same list, in the same order)."""
+
+    def __init__(self, group, device: torch.device, channels: Sequence[Channel]) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.device = device
+        self.rank = dist.get_rank(self.group)
+        self.channels = [Channel(*c) for c in channels]
+        for c in self.channels:
+            if c.src == c.dst or c.slots < 1 or c.slot_bytes < 1:
+                raise ValueError(f"peer channels: bad channel {c} (two ranks, at least one slot of one byte)")
+        n = len(self.channels)
+        # each rank's window: its `ready` counters (as receiver), its `free` counters (as sender), then the rings
+        # of the channels it receives on
+        self._ready_at = [4 * i for i in range(n)]
+        self._free_at = [4 * (n + i) for i in range(n)]
+        at = -(-8 * n // _ALIGN) * _ALIGN
+        self._ring_at: list[int] = []
+        ends: dict[int, int] = {}
+        for c in self.channels:
+            start = ends.get(c.dst, at)
+            self._ring_at.append(start)
+            ends[c.dst] = start + c.slots * _round(c.slot_bytes)
+        nbytes = max(ends.values(), default=at)
+        self.window = peer_window.PeerWindow(self.group, device, nbytes)
+        self._sent = [0] * n
+        self._posted = [0] * n
+        self._waiting: list[list[Receive]] = [[] for _ in range(n)]  # CPU: posted, not yet copied out
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._driver = _driver()
+            self._base = [int(p) for p in self.window._handle.buffer_ptrs]
+            self._streams = {i: torch.cuda.Stream(device) for i, c in enumerate(self.channels) if c.src == self.rank}
+            mine = self.window.local(torch.uint8, nbytes)
+            mine.zero_()
+            torch.cuda.synchronize(device)
+        else:
+            self._counters = [buf[: 8 * n].view(torch.int32).numpy() if n else None for buf in self.window.buffers]
+            self._counters[self.rank][:] = 0
+            self._timeout = peer_window._group_timeout(self.group, device)
+        dist.barrier(group=self.group)  # every counter is zero before any message
+
+    # -- sending
+
+    def send(self, index: int, tensor: torch.Tensor) -> _Sent:
+        """Send ``tensor`` (contiguous, at most the channel's ``slot_bytes``) as the channel's next message."""
+        c = self.channels[index]
+        payload = _as_bytes(tensor)
+        if c.src != self.rank or payload.numel() > c.slot_bytes:
+            raise ValueError(
+                f"peer channels: rank {self.rank} cannot send {payload.numel()} bytes on channel {index} {c}"
+            )
+        n = self._sent[index]
+        self._sent[index] = n + 1
+        slot = self._ring_at[index] + (n % c.slots) * _round(c.slot_bytes)
+        if self._cuda:
+            stream = self._streams[index]
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                if n >= c.slots:
+                    self._wait_value(stream, self._base[self.rank] + self._free_at[index], n - c.slots + 1)
+                self.window.buffers[c.dst][slot : slot + payload.numel()].copy_(payload)
+                self._write_value(stream, self._base[c.dst] + self._ready_at[index], n + 1)
+                tensor.record_stream(stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+            return _Sent(event)
+        if n >= c.slots:
+            self._spin(self.rank, self._free_at[index], n - c.slots + 1, f"rank {c.dst} to free a slot")
+        self.window.buffers[c.dst][slot : slot + payload.numel()].copy_(payload)
+        self._counters[c.dst][self._ready_at[index] // 4] = np.int32(_wrap(n + 1))
+        return _Sent()
+
+    # -- receiving
+
+    def post(self, index: int, shape: Sequence[int], dtype: torch.dtype) -> Receive:
+        """Post the channel's next message for receipt as a ``shape`` tensor of ``dtype``; on CUDA its copy out is
+        queued on the channel's stream at once (holding no SM), to run as soon as the message lands."""
+        c = self.channels[index]
+        out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        nbytes = out.numel() * out.element_size()
+        if c.dst != self.rank or nbytes > c.slot_bytes:
+            raise ValueError(f"peer channels: rank {self.rank} cannot receive {nbytes} bytes on channel {index} {c}")
+        n = self._posted[index]
+        self._posted[index] = n + 1
+        received = Receive(self, index, n, out)
+        self._waiting[index].append(received)
+        return received
+
+    def _drain(self, index: int, number: int) -> None:
+        """Take the channel's posted messages up to message ``number`` out of their slots, in order: on CUDA as
+        operations on the caller's stream (wait for ``ready``, copy out, raise the sender's ``free``), on the
+        CPU by the host."""
+        c = self.channels[index]
+        waiting = self._waiting[index]
+        while waiting and waiting[0]._number <= number:
+            received = waiting.pop(0)
+            n = received._number
+            slot = self._ring_at[index] + (n % c.slots) * _round(c.slot_bytes)
+            out = _as_bytes(received.tensor)
+            if self._cuda:
+                stream = torch.cuda.current_stream(self.device)
+                self._wait_value(stream, self._base[self.rank] + self._ready_at[index], n + 1)
+                out.copy_(self.window.buffers[self.rank][slot : slot + out.numel()])
+                self._write_value(stream, self._base[c.src] + self._free_at[index], n + 1)
+            else:
+                self._spin(self.rank, self._ready_at[index], n + 1, f"rank {c.src}'s message {n}")
+                out.copy_(self.window.buffers[self.rank][slot : slot + out.numel()])
+                self._counters[c.src][self._free_at[index] // 4] = np.int32(_wrap(n + 1))
+            received._done = True
+
+    # -- the waits and raises
+
+    def _wait_value(self, stream, address: int, value: int) -> None:
+        _check(self._driver.wait(stream.cuda_stream, address, value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
+
+    def _write_value(self, stream, address: int, value: int) -> None:
+        _check(self._driver.write(stream.cuda_stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+    def _spin(self, rank: int, at: int, target: int, what: str) -> None:
+        counters = self._counters[rank]
+        looks, deadline = 0, None
+        while not _reached(int(counters[at // 4]) & 0xFFFFFFFF, target & 0xFFFFFFFF):
+            looks += 1
+            if looks > _SPINS:
+                time.sleep(_SLEEP_S)
+            if looks % 256 == 0:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + _seconds(self._timeout)
+                elif now > deadline:
+                    raise RuntimeError(f"peer channels: rank {self.rank} waited past the group's timeout for {what}")
+
+
+def _round(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _wrap(value: int) -> int:
+    """``value`` as a signed 32-bit number (what a counter holds)."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _seconds(timeout: timedelta) -> float:
+    return timeout.total_seconds()
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError("peer channels: tensors must be contiguous")
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat

@@ -1,0 +1,68 @@
+"""Jobs for tests/comm/test_peer_channels.py: peer channels between Gloo processes (windows in /dev/shm)."""
+
+from __future__ import annotations
+
+import torch
+
+from dtrain.comm.peer.channels import Channel, PeerChannels
+from dtrain.testing.pool import group_of
+
+# (shape, dtype) of the k-th message, cycling: a scalar, 16-bit floats, 64-bit ints, booleans, bytes
+SHAPES = [
+    ((), torch.float32),
+    ((5, 3), torch.bfloat16),
+    ((100,), torch.int64),
+    ((7,), torch.bool),
+    ((2, 2, 2), torch.uint8),
+]
+
+
+def _message(sender: int, k: int) -> torch.Tensor:
+    shape, dtype = SHAPES[k % len(SHAPES)]
+    g = torch.Generator().manual_seed(100 * sender + k)
+    values = torch.randn(shape, generator=g) * 50
+    return values > 0 if dtype == torch.bool else values.to(dtype)
+
+
+def ring(p: int, messages: int, slots: int) -> list[bool]:
+    """Each rank sends the next ``messages`` messages through a ring of ``slots`` slots, posting all its receives
+    first and taking them last to first (a take brings the ones before it out of the ring too); returns, per
+    message, whether it arrived equal to what was sent."""
+    group = group_of(p)
+    rank = torch.distributed.get_rank(group)
+    prv = (rank - 1) % p
+    chans = PeerChannels(group, torch.device("cpu"), [Channel(r, (r + 1) % p, 1024, slots) for r in range(p)])
+    ok = []
+    done = 0
+    while done < messages:
+        batch = range(done, min(messages, done + slots))  # a full ring at most: the sender never waits on itself
+        for k in batch:
+            chans.send(rank, _message(rank, k))
+        posted = [chans.post(prv, *SHAPES[k % len(SHAPES)]) for k in batch]
+        got = [r.wait() for r in reversed(posted)][::-1]
+        ok += [torch.equal(g, _message(prv, k)) for g, k in zip(got, batch, strict=True)]
+        done += len(batch)
+    torch.distributed.barrier(group)
+    return ok
+
+
+def refusals() -> list[str]:
+    """What a bad channel, a message larger than its slot and a send on another rank's channel say."""
+    group = group_of(2)
+    rank = torch.distributed.get_rank(group)
+    out = []
+    try:
+        PeerChannels(group, torch.device("cpu"), [Channel(0, 0, 8, 1)])
+    except ValueError as err:
+        out.append(str(err))
+    chans = PeerChannels(group, torch.device("cpu"), [Channel(0, 1, 8, 1), Channel(1, 0, 8, 1)])
+    try:
+        chans.send(rank, torch.zeros(3, dtype=torch.float32))  # 12 bytes into 8
+    except ValueError as err:
+        out.append(str(err))
+    try:
+        chans.send(1 - rank, torch.zeros(1))  # the other rank's channel
+    except ValueError as err:
+        out.append(str(err))
+    torch.distributed.barrier(group)
+    return out
