@@ -17,6 +17,12 @@ GPU's compute stream stood waiting for receives, from CUDA events; "host": the C
 on a GPU, the host sets the pace), ``actions_per_stage`` and ``host_issue_us_per_action_per_stage`` (the same
 time per F, B or W action).
 
+``--transport`` and ``--lookahead`` (comma-separated lists) make variants of each schedule and ``m``, timed one
+after another in the same launch: the process groups' send and recv (``group``) against peer channels (``peer``;
+``auto``, the default, is what ``PipelineParallel`` picks), and how many actions ahead a stage posts its receives.
+Each row names the transport that carried its messages (``transport``) and the receives posted ahead
+(``lookahead``).
+
 ``--profile DIR`` runs cProfile (host wall clock) around each rank's timed ``train_step`` calls and writes
 ``DIR/<schedule>-m<m>-rank<r>.prof`` (read with ``python -m pstats``), to see where the host's time per action
 goes.

@@ -289,3 +289,18 @@ def test_bench_pipeline_profile_must_name_a_directory(tmp_path, capsys):
     assert main(["bench", "pipeline", "--profile", str(taken), "--out", str(tmp_path / "rows.jsonl")]) == 2
     assert f"--profile {taken}: exists and is not a directory" in capsys.readouterr().out
     assert not (tmp_path / "rows.jsonl").exists()  # refused before any rank starts or any file is written
+
+
+@pytest.mark.parametrize(
+    "flags,said",
+    [
+        (["--transport", "group,nccl"], "--transport: unknown nccl; accepted: auto, group, peer"),
+        (["--lookahead", "0,-1"], "--lookahead [0, -1]: each must be 0 or more"),
+    ],
+)
+def test_bench_pipeline_refuses_an_unknown_transport_and_a_negative_lookahead(tmp_path, capsys, flags, said):
+    from dtrain.cli.main import main
+
+    assert main(["bench", "pipeline", *flags, "--out", str(tmp_path / "rows.jsonl")]) == 2
+    assert said in capsys.readouterr().out
+    assert not (tmp_path / "rows.jsonl").exists()
