@@ -25,3 +25,9 @@ def test_a_bad_channel_an_oversized_message_and_another_ranks_channel_are_refuse
         assert "bad channel" in said[0]
         assert "cannot send 12 bytes on channel" in said[1]
         assert "cannot send 4 bytes on channel" in said[2]
+
+
+def test_a_message_never_sent_and_a_barrier_reached_late_time_out_naming_what_they_waited_for(pool):
+    waited_for_message, waited_at_barrier = pool.run(jobs.stalls, ranks=2)[::-1]
+    assert waited_for_message == "peer channels: rank 1 waited past the group's timeout for rank 0's message 0"
+    assert waited_at_barrier == "ranks [1] did not reach the barrier"

@@ -66,3 +66,32 @@ def refusals() -> list[str]:
         out.append(str(err))
     torch.distributed.barrier(group)
     return out
+
+
+def stalls() -> str:
+    """Rank 1 waits for a message rank 0 never sends, past a short limit; then rank 0 waits alone at a window
+    barrier that rank 1 reaches late. Returns what each wait said."""
+    import time
+    from datetime import timedelta
+
+    group = group_of(2)
+    rank = torch.distributed.get_rank(group)
+    chans = PeerChannels(group, torch.device("cpu"), [Channel(0, 1, 64, 2)])
+    chans._timeout = timedelta(seconds=0.2)
+    said = ""
+    if rank == 1:
+        try:
+            chans.post(0, (4,), torch.float32).wait()
+        except RuntimeError as err:
+            said = str(err)
+    torch.distributed.barrier(group)
+    if rank == 0:
+        try:
+            chans.window.barrier(timeout=timedelta(seconds=0.2))
+        except RuntimeError as err:
+            said = str(err)
+    else:
+        time.sleep(1.0)
+        chans.window.barrier()  # rank 0's counter is already there: passes
+    torch.distributed.barrier(group)
+    return said

@@ -32,9 +32,7 @@ comes leaves the CUDA stream waiting (no timeout on the device); on the CPU a wa
 from __future__ import annotations
 
 import ctypes
-import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import NamedTuple
 
 import numpy as np
@@ -46,8 +44,6 @@ from dtrain.comm.peer import window as peer_window
 __all__ = ["Channel", "PeerChannels", "Receive", "channels_available"]
 
 _ALIGN = 256  # every slot starts on a 256-byte boundary (what cudaMalloc gives)
-_SPINS = 16  # looks at a counter before a CPU wait sleeps between looks (ranks may outnumber cores)
-_SLEEP_S = 20e-6
 
 
 class Channel(NamedTuple):
@@ -266,17 +262,11 @@ class PeerChannels:
 
     def _spin(self, rank: int, at: int, target: int, what: str) -> None:
         counters = self._counters[rank]
-        looks, deadline = 0, None
-        while not _reached(int(counters[at // 4]) & 0xFFFFFFFF, target & 0xFFFFFFFF):
-            looks += 1
-            if looks > _SPINS:
-                time.sleep(_SLEEP_S)
-            if looks % 256 == 0:
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + _seconds(self._timeout)
-                elif now > deadline:
-                    raise RuntimeError(f"peer channels: rank {self.rank} waited past the group's timeout for {what}")
+        peer_window.spin_until(
+            lambda: _reached(int(counters[at // 4]) & 0xFFFFFFFF, target & 0xFFFFFFFF),
+            lambda: self._timeout,
+            lambda: f"peer channels: rank {self.rank} waited past the group's timeout for {what}",
+        )
 
 
 def _round(nbytes: int) -> int:
@@ -287,10 +277,6 @@ def _wrap(value: int) -> int:
     """``value`` as a signed 32-bit number (what a counter holds)."""
     value &= 0xFFFFFFFF
     return value - (1 << 32) if value >= 1 << 31 else value
-
-
-def _seconds(timeout: timedelta) -> float:
-    return timeout.total_seconds()
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -301,22 +302,33 @@ class PeerWindow:
         epoch = self._epoch
         self._counters[self.rank][0] = epoch
         waiting = [p for p in range(self.world_size) if p != self.rank]
-        deadline = None
-        looks = 0
-        while waiting:
-            waiting = [p for p in waiting if self._counters[p][0] < epoch]
-            if not waiting:
-                return
-            looks += 1
-            if looks > BARRIER_SPINS:
-                time.sleep(BARRIER_SLEEP_S)
-            if looks % 64 == 0:
-                now = time.monotonic()
-                if deadline is None:
-                    limit = timeout if timeout is not None else _group_timeout(self.group, self.device)
-                    deadline = now + limit.total_seconds()
-                elif now > deadline:
-                    raise RuntimeError(f"ranks {waiting} did not reach the barrier")
+
+        def arrived() -> bool:
+            waiting[:] = [p for p in waiting if self._counters[p][0] < epoch]
+            return not waiting
+
+        def limit() -> timedelta:  # read only once a wait lasts (a barrier mostly passes at the first looks)
+            return timeout if timeout is not None else _group_timeout(self.group, self.device)
+
+        spin_until(arrived, limit, lambda: f"ranks {waiting} did not reach the barrier")
+
+
+def spin_until(done: Callable[[], bool], limit: Callable[[], timedelta], failure: Callable[[], str]) -> None:
+    """Look at ``done()`` until it holds: :data:`BARRIER_SPINS` looks, then a sleep of :data:`BARRIER_SLEEP_S`
+    between looks (ranks may outnumber cores, and a rank that spins takes the core from the peer it waits for);
+    ``RuntimeError(failure())`` once ``limit()`` (asked after 64 looks) has passed."""
+    deadline = None
+    looks = 0
+    while not done():
+        looks += 1
+        if looks > BARRIER_SPINS:
+            time.sleep(BARRIER_SLEEP_S)
+        if looks % 64 == 0:
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + limit().total_seconds()
+            elif now > deadline:
+                raise RuntimeError(failure())
 
 
 def _setting_up(step, group, what: str):
