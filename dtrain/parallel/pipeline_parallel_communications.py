@@ -46,7 +46,16 @@ import torch.distributed as dist
 
 from dtrain.parallel.pipeline_schedules import Timeline, TimelineEvent, chunk_of, stage_of_virtual, virtual_stage
 
-__all__ = ["HEADER_NUMEL", "MAX_NDIM", "Route", "StageLink", "decode_header", "encode_header", "messages"]
+__all__ = [
+    "HEADER_NUMEL",
+    "MAX_NDIM",
+    "Route",
+    "StageLink",
+    "auto_takes_channels",
+    "decode_header",
+    "encode_header",
+    "messages",
+]
 
 MAX_NDIM = 8
 HEADER_NUMEL = 2 + MAX_NDIM  # ndim, dtype code, dims padded with -1
@@ -167,9 +176,20 @@ TRANSPORTS = ("auto", "group", "peer")
 #: the channels; ``pipeline_transport-p{2,4}-cpu2.jsonl``), so ``auto`` takes them there at any size.
 PEER_FROM_BYTES = 2 << 20
 
-#: The most bytes a peer channel's ring of slots takes on a GPU (its slots are one step's messages, fewer where
-#: those would take more): a send then waits, on its channel's stream, for the receiver to free a slot.
+#: The most bytes a peer channel's ring of slots takes on a GPU. Its slots are one step's messages, so that a send
+#: never waits for a slot within a step; where they would take more, ``auto`` keeps the process groups (whose
+#: receives take memory only while they are used), and ``peer`` gives the ring fewer slots: a send then waits, on
+#: its channel's stream, for the receiver to free one (not measured on a GPU).
 RING_BYTES = 1 << 30
+
+
+def auto_takes_channels(device_type: str, largest_bytes: int, ring_bytes: int) -> bool:
+    """Whether ``transport="auto"`` moves a pipeline of one host to peer channels, given its largest message and
+    the bytes of one step's messages on its busiest channel: always on the CPU; on a GPU from
+    :data:`PEER_FROM_BYTES` on, while a ring of a step's messages fits in :data:`RING_BYTES`."""
+    if device_type != "cuda":
+        return True
+    return largest_bytes >= PEER_FROM_BYTES and ring_bytes <= RING_BYTES
 
 
 class StageLink:
@@ -301,7 +321,7 @@ class StageLink:
         does it at the same step: the first whose messages all have agreed shapes): slots of the pair's largest
         message, as many as one step sends on it (on a GPU at most :data:`RING_BYTES` of them). ``auto`` keeps the
         process groups instead where the stages are not on one host, or on a GPU where no message reaches
-        :data:`PEER_FROM_BYTES`."""
+        :data:`PEER_FROM_BYTES` or a ring would pass :data:`RING_BYTES`."""
         from dtrain.comm.peer.channels import Channel, PeerChannels, channels_available
         from dtrain.comm.peer.window import PeerUnavailable
 
@@ -313,7 +333,9 @@ class StageLink:
         device = self.device if self.device.type == "cuda" else torch.device("cpu")
         sizes = sizes.to(device)
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
-        if self.transport == "auto" and self.device.type == "cuda" and int(sizes.max()) < PEER_FROM_BYTES:
+        # a step's messages on the busiest channel: what its ring takes with a slot for each
+        ring = max((int(sizes[i]) * len(self._plans[False][pair]) for i, pair in enumerate(pairs)), default=0)
+        if self.transport == "auto" and not auto_takes_channels(self.device.type, int(sizes.max()), ring):
             self.transport = "group"  # every stage sees the same sizes, so every stage decides alike
             return
         if not channels_available(self.group, self.device):
