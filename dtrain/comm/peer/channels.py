@@ -217,8 +217,8 @@ class PeerChannels:
     # -- receiving
 
     def post(self, index: int, shape: Sequence[int], dtype: torch.dtype) -> Receive:
-        """Post the channel's next message for receipt as a ``shape`` tensor of ``dtype``; on CUDA its copy out is
-        queued on the channel's stream at once (holding no SM), to run as soon as the message lands."""
+        """Book the channel's next message as a ``shape`` tensor of ``dtype`` (allocated now, on the caller's
+        stream); it is taken out of its slot by :meth:`Receive.wait`, or by the wait of a message after it."""
         c = self.channels[index]
         out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         nbytes = out.numel() * out.element_size()
