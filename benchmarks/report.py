@@ -184,7 +184,9 @@ def section_collectives() -> str:
         "![all-reduce busbw, 4 x H100](figures/all_reduce-h100x4.png)",
         "### Ours against Gloo on the CPU",
         "4 Gloo ranks on 2 cores: every figure carries the scheduler's noise (10-30% between runs). busbw GB/s, "
-        "ratio to Gloo (`native`) in brackets.",
+        "ratio to Gloo (`native`) in brackets. A named algorithm runs over Gloo's point-to-point messages (the "
+        "CPU's transport for our schedules); `auto` names the algorithm and the transport it took (`@peer`: the "
+        "ranks' windows in /dev/shm).",
         setting(
             CPU,
             f"torch {cpu[0]['torch_version']}",
