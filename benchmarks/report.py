@@ -245,9 +245,10 @@ def _defaults_part() -> list[str]:
                 "float32. A cell is NCCL's time over ours (above 1.00x ours is faster), then, where `auto` ran one "
                 "of ours, which. `fresh`: new input and output tensors every call, made before the timed loop. Where "
                 "`auto` is `native` both columns make the same NCCL call (ours through the process group's binding, "
-                f"`dtrain.comm.native.direct`), so their spread is the measurement's noise: {noise}. The all-reduce's "
-                "one-shot cells up to 128 KiB ran torch's one-shot kernel; `auto` now runs the exchange kernel's "
-                "there (the all-reduce table below).",
+                f"`dtrain.comm.native.direct`), so their spread is the measurement's noise: {noise}. The 1 MiB to "
+                "32 MiB tables below each predate the two-shot all-reduce and the scatter-allgather broadcast "
+                "(`auto`'s all-reduce cells from 1 MiB and broadcast cells at 4 MiB there ran NCCL's own or torch's "
+                "two-shot kernel); the two-shot table after each gives those with today's code.",
             ]
         sizes = sorted({r["nbytes"] for r in same})
         header = ["size"] + [f"{c.replace('_', '-')} {kind}" for c in DEFAULT_COLLECTIVES for kind in ("", "fresh")]
@@ -284,7 +285,62 @@ def _defaults_part() -> list[str]:
                 ),
                 table([h.strip() for h in header], rows),
             ]
+        parts += _two_shot_part(gpus)
     return parts
+
+
+#: The two-shot sweep's columns: (collective, algorithm, fresh), NCCL's time over that algorithm's.
+_TWO_SHOT_COLUMNS = (
+    ("all_reduce", "one_shot", False),
+    ("all_reduce", "direct", False),
+    ("all_reduce", "auto", False),
+    ("all_reduce", "auto", True),
+    ("broadcast", "star", False),
+    ("broadcast", "scatter_allgather", False),
+    ("broadcast", "auto", False),
+    ("broadcast", "auto", True),
+)
+
+
+def _two_shot_part(gpus: int) -> list[str]:
+    """The all-reduce's one-shot and two-shot kernels and the broadcast's star and scatter-allgather, each named,
+    beside ``auto`` and NCCL's own call, 512 KiB-32 MiB (``two_shot{,_fresh}-h100x{gpus}.jsonl``)."""
+    same, fresh = load(f"two_shot-h100x{gpus}.jsonl"), load(f"two_shot_fresh-h100x{gpus}.jsonl")
+    if not same:
+        return []
+
+    def cell(records: list[dict], coll: str, algorithm: str, nbytes: int) -> str:
+        got = {r["algorithm"]: r for r in records if r["collective"] == coll and r["nbytes"] == nbytes}
+        if _peer(got) is None or algorithm not in got:
+            return "-"
+        ours = got[algorithm]
+        text = f"{_peer(got)['time_us'] / ours['time_us']:.2f}x"
+        pick = ours.get("resolved_algorithm") or "?"
+        return f"{text} ({pick})" if algorithm == "auto" and pick != "native" else text
+
+    header = ["size"] + [
+        f"{c.replace('_', '-')} {a.replace('_', '-')}" + (" fresh" if f else "") for c, a, f in _TWO_SHOT_COLUMNS
+    ]
+    rows = [
+        [size(n)] + [cell(fresh if f else same, c, a, n) for c, a, f in _TWO_SHOT_COLUMNS]
+        for n in sorted({r["nbytes"] for r in same})
+    ]
+    name = f"two_shot-h100x{gpus}.jsonl"
+    return [
+        "The all-reduce's exchange-kernel forms (`one_shot`; `direct`, the two-shot: a reduce-scatter, a second "
+        "barrier, an all-gather, one kernel) and the broadcast's (`star`; `scatter_allgather`: the root's buffer "
+        "scattered over the other ranks, a second barrier, a direct all-gather among them), each named, and `auto` "
+        "with today's bands (`rules.built_in`), beside torch.distributed's own call in one launch, 512 KiB to 32 MiB "
+        "by factors of 2 (this table's all-reduce and broadcast cells supersede the tables above where they "
+        "overlap):",
+        setting(
+            card(same),
+            gpu_software(same),
+            f"ONE_PASS_NP={gpus} TWO_SHOT_MIN=512K TWO_SHOT_MAX=32M benchmarks/gpu/run.sh OUT two-shot",
+            f"`{name}`, `{name.replace('two_shot', 'two_shot_fresh')}`",
+        ),
+        table(header, rows),
+    ]
 
 
 def _same_call_spread(runs: list[list[dict]]) -> str:
@@ -415,8 +471,8 @@ def _one_shot_part() -> list[str]:
         "#### The all-reduce in one kernel (4 and 2 x H100)",
         "`one_shot`: up to 256 KiB the exchange kernel's all-reduce form (each rank copies in, one barrier, each "
         "sums every peer's window in float32), above it torch's one-shot kernel; `direct`: torch's two-shot "
-        "kernel; beside torch.distributed's own call: NCCL's time over ours. `auto` runs `one_shot` up to 2 MiB and "
-        "NCCL's call above.",
+        "kernel, measured before the exchange kernel's two-shot form (the two-shot tables above); beside "
+        "torch.distributed's own call: NCCL's time over ours. `auto`'s bands are in the two-shot tables.",
         setting(
             card(runs[4][0]),
             gpu_software(runs[4][0]),

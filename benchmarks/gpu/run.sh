@@ -56,6 +56,9 @@
 #                      -> verify-one-pass.txt, one_pass{,-fresh}-np{N}.jsonl
 #   one-shot-ar        bench verify, then the all-reduce's one-shot and two-shot kernels beside NCCL (torch, native)
 #                      and auto, 8 KiB-16 MiB (AR_MIN, AR_FACTOR), same and fresh tensors (ONE_PASS_NP)  -> one_shot_ar{,-fresh}-np{N}.jsonl
+#   two-shot           bench verify, then the all-reduce (one-shot, two-shot) and the broadcast (star,
+#                      scatter-allgather) beside NCCL (torch, native) and auto, 1-64 MiB by factors of 2 (TWO_SHOT_MIN,
+#                      TWO_SHOT_MAX), same and fresh tensors (ONE_PASS_NP)      -> two_shot{,-fresh}-np{N}.jsonl
 #   one-pass-gather    the same for the all-gather and all-to-all alone, 8 KiB-16 MiB (ONE_PASS_NP as above), with
 #                      torch.distributed's own call (torch) beside native
 #                      -> verify-one-pass.txt, one_pass_gather{,-fresh}-np{N}.jsonl
@@ -188,6 +191,20 @@ for mode in "$@"; do
             --factor ${AR_FACTOR:-4} --iters 20 \
             --trials 5 --warm-s 0.3 $fresh --out "$out/$name.jsonl" >"$out/$name.log"
           echo "== $name"; summ "$out/$name.jsonl" --collective all_reduce --algorithms torch,native,one_shot,direct,auto
+        done
+      done ;;
+    two-shot)
+      LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify.txt"; counts verify "$out/verify.txt"
+      for np_ in ${ONE_PASS_NP:-$n ${NP_SMALL:-2}}; do
+        for fresh in "" --fresh; do
+          name=two_shot${fresh:+-fresh}-np$np_
+          NP=$np_ LIMIT=${LIMIT:-150} tr -m dtrain bench comm --collectives all_reduce,broadcast \
+            --algorithms torch,native,one_shot,direct,star,scatter_allgather,auto --min-bytes ${TWO_SHOT_MIN:-1M} \
+            --max-bytes ${TWO_SHOT_MAX:-64M} --factor 2 --iters 20 --trials 5 --warm-s 0.3 $fresh \
+            --out "$out/$name.jsonl" >"$out/$name.log"
+          echo "== $name"
+          summ "$out/$name.jsonl" --collective all_reduce --algorithms torch,native,one_shot,direct,auto
+          summ "$out/$name.jsonl" --collective broadcast --algorithms torch,native,star,scatter_allgather,auto
         done
       done ;;
     one-pass-gather)

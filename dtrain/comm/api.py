@@ -308,8 +308,9 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
             schedule, nbytes, work.device.type
         )  # push form: two banks of the buffer's size in every window
         form = fused.fused_form(schedule, work, op) if out is None and round_timeout() is None else None
-        # the one-shot kernel alternates two halves of the window, as a one-pass call does
-        size = 2 * (nbytes + fused.ALIGN) if form == "one" else nbytes * (2 if push else 1)
+        # the exchange kernel's all-reduces alternate two halves of the window, as a one-pass call does
+        halves = form == "one" or (form == "two" and nbytes <= fused.TWO_SHOT_MAX_BYTES)
+        size = 2 * (nbytes + fused.ALIGN) if halves else nbytes * (2 if push else 1)
         try:
             window = peer.window_for(group, work.device, size)
         except peer.PeerUnavailable as err:  # raised on every rank of the group alike
@@ -386,7 +387,7 @@ def _keep_fused(group, algorithm: str, op: str, tensor: torch.Tensor, ran: tuple
     what = (schedule.collective.value, schedule.algorithm, tensor.numel() * tensor.element_size(), str(tensor.dtype))
     place = (window.world_size, window.rank, window.global_rank, str(tensor.device))
     device, limit, average = tensor.device, window.stall_limit(None), op == "avg"
-    launch = fused.reducer(window, tensor.view(-1)) if form == "one" else None  # kept: one lookup, not one a call
+    launch = fused.reducer(window, tensor.view(-1), form)  # kept: one lookup, not one a call
 
     def again(t: torch.Tensor) -> None:
         work = t if t.dim() == 1 else t.view(-1)
@@ -757,8 +758,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
     check_op(op, tensor.dtype, what)
     rank, world, chosen, local = _prepare(Collective.ALL_REDUCE, algorithm, group, tensor.numel(), tensor, what)
     fusable = algorithm != "auto" or chosen not in fused.FORMS or not tensor.is_cuda
-    if not (fusable or fused.supports(chosen, tensor.dtype, op, tensor.device)):
-        chosen = "native"  # measured as one kernel; without it (another dtype or reduction) NCCL's is faster
+    if not (
+        fusable or (fused.supports(chosen, tensor.dtype, op, tensor.device) and fused.measured(chosen, tensor, world))
+    ):
+        chosen = "native"  # measured as our kernel; without it (another dtype or reduction) NCCL's is faster
     if chosen == "native":
         _keep_native_all_reduce(group, algorithm, op, tensor)
         return _native(group).all_reduce(tensor, op, group)

@@ -496,12 +496,17 @@ EXCHANGE_FORMS = {
     ("all_to_all", "direct"): "exchange",
     ("reduce_scatter", "direct"): "scatter",
     ("broadcast", "star"): "broadcast",
+    ("broadcast", "scatter_allgather"): "relay",
     ("all_reduce", "one_shot"): "reduce",
+    ("all_reduce", "direct"): "two_shot",
 }
 #: The most bytes a rank puts into a one-pass call (:data:`dtrain.comm.peer.fused.ONE_PASS_MAX_BYTES`) and into the
-#: kernel's one-shot all-reduce (:data:`dtrain.comm.peer.fused.REDUCE_MAX_BYTES`; above it torch's one-shot kernel).
+#: kernel's one-shot and two-shot all-reduces (:data:`dtrain.comm.peer.fused.REDUCE_MAX_BYTES`,
+#: ``TWO_SHOT_MAX_BYTES``; above them torch's kernels).
 ONE_PASS_MAX_BYTES = 8 << 20
 REDUCE_MAX_BYTES = 256 << 10
+TWO_SHOT_MAX_BYTES = 64 << 20
+_LIMITS = {"reduce": REDUCE_MAX_BYTES, "two_shot": TWO_SHOT_MAX_BYTES}
 #: The kernel's elements a chunk, most programs and most (program, peer) pairs
 #: (:data:`dtrain.comm.peer.kernels.EXCHANGE_BLOCK`, ``EXCHANGE_PROGRAMS``, ``EXCHANGE_PAIRS``), and the words its
 #: copy forms copy in, widest first
@@ -518,9 +523,10 @@ EXCHANGE_WORDS = (8, 4, 2, 1)
 def exchange_form(collective: str, algorithm: str, nbytes: int) -> str | None:
     """The exchange kernel's form that runs ``algorithm`` for ``collective`` with ``nbytes`` a rank puts in (an
     all-gather's input, a reduce-scatter's or all-to-all's whole input, the broadcast's or all-reduce's tensor),
-    or None (a pull plan or torch's kernels run it): the runtime's limits, 8 MiB a rank, 256 KiB an all-reduce."""
+    or None (a pull plan or torch's kernels run it): the runtime's limits, 8 MiB a rank, 256 KiB a one-shot
+    all-reduce, 64 MiB a two-shot one."""
     form = EXCHANGE_FORMS.get((collective, algorithm))
-    limit = REDUCE_MAX_BYTES if form == "reduce" else ONE_PASS_MAX_BYTES
+    limit = _LIMITS.get(form, ONE_PASS_MAX_BYTES)
     return form if form is not None and 0 < nbytes <= limit else None
 
 
@@ -565,9 +571,12 @@ def exchange_time(
         raise ValueError(f"exchange_time: world {world!r} must be at least 2")
     if nbytes < 0 or itemsize <= 0:
         raise ValueError(f"exchange_time: nbytes {nbytes!r} must be >= 0 and itemsize {itemsize!r} > 0")
-    blocks = world if form in ("exchange", "scatter") else 1  # blocks a rank copies in
-    block = nbytes // blocks
-    summed = form in ("scatter", "reduce")
+    if form == "relay" and world < 3:  # one reader takes the root's whole buffer: the runtime's broadcast form
+        form = "broadcast"
+    blocks = world if form in ("exchange", "scatter", "two_shot") else 1  # blocks a rank copies in
+    shares = world - 1 if form == "relay" else blocks  # the parts a program's chunks are cut from
+    block = nbytes // shares
+    summed = form in ("scatter", "reduce", "two_shot")
     word = itemsize if summed else next(w for w in EXCHANGE_WORDS if block % w == 0)
     chunk = EXCHANGE_BLOCK * word
     chunks = max(1, -(-block // chunk))
@@ -582,6 +591,19 @@ def exchange_time(
         )
         copy_in = share / local  # the root's; the readers wait for it at the barrier
         read = share / (peer_rate * per_program)  # a reader takes the root's block, nothing of its own
+    elif form == "relay":
+        # the root copies in every share; each other rank takes its share from the root (the root's port shared
+        # by world - 1 readers), stores it twice, passes a second barrier and takes the world - 2 other shares
+        root_rate = min(cost.pair_bytes_per_s, cost.fanin_bytes_per_s / (world - 1))
+        copy_in = shares * share / local
+        first = share / (root_rate * per_program) + 2 * share / local
+        read = first + cost.barrier_s + (world - 2) * share / (cost.fanin_bytes_per_s * per_program)
+    elif form == "two_shot":
+        # the reduce-scatter's reads and two stores, a second barrier, then the all-gather's reads
+        peer_rate = cost.pair_bytes_per_s if world == 2 else cost.fanin_bytes_per_s
+        copy_in = blocks * share / local
+        gathered = (world - 1) * share / (peer_rate * per_program)
+        read = gathered + 3 * share / local + cost.barrier_s + gathered
     else:
         peer_rate = cost.pair_bytes_per_s if world == 2 else cost.fanin_bytes_per_s
         copy_in = blocks * share / local

@@ -22,12 +22,15 @@ CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
 
 def test_the_one_pass_schedules_are_one_round_and_prove_their_collective():
+    """One round each, but the scatter-allgather broadcast's two (one on two ranks), which its kernel runs with a
+    barrier between them."""
     for world in (2, 3, 4, 8):
         for (coll, algorithm), form in fused.ONE_PASS.items():
             schedule = registry.build(coll, algorithm, world, root=world - 1 if coll is Collective.BROADCAST else None)
             report = check(schedule)  # raises where a rank ends without what the collective promises
-            transfers = world - 1 if form == "broadcast" else world * (world - 1)
-            assert report.num_rounds == 1 and report.num_transfers == transfers, (coll, world)
+            transfers = {"broadcast": world - 1, "relay": (world - 1) ** 2}.get(form, world * (world - 1))
+            rounds = 2 if form == "relay" and world > 2 else 1
+            assert report.num_rounds == rounds and report.num_transfers == transfers, (coll, world)
 
 
 def test_which_calls_run_in_one_pass(monkeypatch):
@@ -157,14 +160,17 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
 
         def launch(out, inp, at):
             window = at_address[int(pointers[rank])]
-            if form != "broadcast" or rank == root:
+            assert form != "relay" or world > 2  # two ranks: the broadcast form
+            if form not in ("broadcast", "relay") or rank == root:
                 window[at : at + blocks * nbytes].copy_(inp.view(-1).view(torch.uint8))
             gate.wait(timeout=10)
             flat = out.view(-1).view(torch.uint8)
             if form == "scatter":
                 source = slice(at + rank * nbytes, at + (rank + 1) * nbytes)
                 out.copy_(sum(at_address[int(p)][source].view(dtype) for p in pointers))
-            elif form == "broadcast":
+            elif form in ("broadcast", "relay"):
+                if form == "relay":
+                    gate.wait(timeout=10)  # its second barrier
                 if rank != root:
                     flat.copy_(at_address[int(pointers[root])][at : at + nbytes])
             else:
@@ -172,7 +178,7 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
                 for r in range(world):
                     flat[r * nbytes : (r + 1) * nbytes].copy_(at_address[int(pointers[r])][source : source + nbytes])
             copies.append(kernels.word_bytes(at, nbytes, out.data_ptr(), inp.data_ptr()))
-            kinds.append("one kernel")
+            kinds.append("one kernel" if form != "relay" else "relay kernel")
             return True
 
         return launch
@@ -210,7 +216,7 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
         window = _Window(rank, buffers, gate, by_address)
         runs = {
             form: fused.one_pass(form, window, torch.float32, m * (1 if form == "gather" else world), root=world - 1)
-            for form in ("gather", "scatter", "exchange", "broadcast")
+            for form in ("gather", "scatter", "exchange", "broadcast", "relay")
         }
         for call in range(3):  # the halves alternate; every call must still see this call's data
             base = 100 * call + 10 * rank
@@ -230,12 +236,15 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
             )
             sent = full.clone()
             runs["broadcast"](sent, sent)
+            relayed = full.clone()
+            runs["relay"](relayed, relayed)
             root = torch.arange(m * world, dtype=torch.float32) + 100 * call + 10 * (world - 1)
             ok = (
                 torch.equal(out, want),
                 torch.equal(block, summed[mine]),
                 torch.equal(swapped, theirs),
                 torch.equal(sent, root),
+                torch.equal(relayed, root),
             )
             if not all(ok):
                 failures.append((rank, call, ok))
@@ -243,11 +252,12 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
     _each_rank(rank_main, world)
     assert not failures
     # by address: the all-gather and the all-to-all of 3 calls on every rank through the gather kernel, and the
-    # reduce-scatter and broadcast too through the exchange kernel; a block of 5 float32 elements is copied in
-    # 4-byte words
-    assert len(copies) == {"": 0, "gather": 3 * 2 * world, "one kernel": 3 * 4 * world}[by_address]
+    # reduce-scatter and both broadcasts too through the exchange kernel (two ranks: the relay as the broadcast
+    # form); a block of 5 float32 elements is copied in 4-byte words
+    assert len(copies) == {"": 0, "gather": 3 * 2 * world, "one kernel": 3 * 5 * world}[by_address]
     assert not copies or min(copies) == (8 if m % 2 == 0 else 4)
-    assert set(kinds) == ({by_address} if by_address else set())
+    relay = {"relay kernel"} if by_address == "one kernel" and world > 2 else set()
+    assert set(kinds) == ({by_address} | relay if by_address else set())
 
 
 def test_a_one_pass_call_is_kept_under_the_key_its_next_call_asks_for():
@@ -272,19 +282,23 @@ def test_a_repeated_call_runs_what_the_first_kept(pool):
         assert answer["through_torch"] == []
 
 
-def test_the_one_shot_all_reduce_through_the_exchange_kernel_alternates_halves_and_sums_in_place(monkeypatch):
-    """fused.run_fused's one-shot form through the exchange kernel (here a CPU stand-in: this rank's tensor into
-    its window at the offset given, a thread barrier, the sum of every window there back into the tensor): each
-    call lands in the other half of the window and leaves its peers reading (pending), and every rank ends with
-    the sum, call after call; a window without two halves of room for the tensor declines it."""
-    world, m = 3, 10
+@pytest.mark.parametrize(("form", "kernel_form"), [("one", "reduce"), ("two", "two_shot")])
+def test_the_all_reduces_through_the_exchange_kernel_alternate_halves_and_sum_in_place(monkeypatch, form, kernel_form):
+    """fused.run_fused's one-shot and two-shot forms through the exchange kernel (here a CPU stand-in: this rank's
+    tensor into its window at the offset given, a thread barrier, the sum of every window there back into the
+    tensor; the two-shot kernel is given a rank's block): each call lands in the other half of the window and
+    leaves its peers reading (pending), and every rank ends with the sum, call after call; a window without two
+    halves of room for the tensor declines it, and the two-shot kernel a tensor the ranks' blocks do not divide."""
+    world, m = 3, 12
     buffers = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
     gate = threading.Barrier(world)
     at_address = {b.data_ptr(): b for b in buffers}
     offsets: list[int] = []
+    blocks = world if form == "two" else 1
 
-    def exchange(pointers, pads, rank, nbytes, world_, form, spins, programs=32, root=0, dtype=None):
-        assert form == "reduce" and world_ == world and dtype == torch.float32 and nbytes == m * 4
+    def exchange(pointers, pads, rank, nbytes, world_, kind, spins, programs=32, root=0, dtype=None):
+        assert kind == kernel_form and world_ == world and dtype == torch.float32 and nbytes == m * 4 // blocks
+        nbytes *= blocks
 
         def launch(out, inp, at):
             at_address[int(pointers[rank])][at : at + nbytes].copy_(inp.view(torch.uint8))
@@ -305,13 +319,15 @@ def test_the_one_shot_all_reduce_through_the_exchange_kernel_alternates_halves_a
             window = _Window(rank, buffers, gate, "one kernel")
             for call in range(3):
                 work = torch.arange(m, dtype=torch.float32) + 10 * rank + call
-                fused.run_fused("one", work, window)
+                fused.run_fused(form, work, window)
                 want = sum(torch.arange(m, dtype=torch.float32) + 10 * r + call for r in range(world))
                 if not torch.equal(work, want):
                     failures.append((rank, call))
                 states.append((window.bank, window.pending))
             small = _Window(rank, [b[:64] for b in buffers], gate, "one kernel")
-            assert fused.reducer(small, torch.zeros(m)) is None  # 40 bytes do not fit twice in 64
+            assert fused.reducer(small, torch.zeros(m), form) is None  # 48 bytes do not fit twice in 64
+            if form == "two":
+                assert fused.reducer(window, torch.zeros(m + 1), form) is None  # blocks of 13 / 3 elements
         except Exception as err:  # a rank that fails fails the test
             failures.append((rank, repr(err)))
             gate.abort()
@@ -326,7 +342,9 @@ def test_the_one_shot_all_reduce_through_the_exchange_kernel_alternates_halves_a
 @pytest.mark.parametrize(
     ("world", "form", "numel", "dtype", "programs"),
     [(2, "gather", 700, "float32", 4), (3, "exchange", 301, "float32", 2), (3, "broadcast", 701, "float32", 3),
-     (4, "scatter", 250, "bfloat16", 4), (3, "reduce", 333, "float32", 2)],
+     (4, "scatter", 250, "bfloat16", 4), (3, "reduce", 333, "float32", 2), (3, "two_shot", 301, "float32", 3),
+     (4, "two_shot", 130, "bfloat16", 2), (3, "relay", 701, "float32", 3),
+     (4, "relay", 517, "bfloat16", 2)],
 )  # fmt: skip
 def test_the_exchange_kernel_under_tritons_interpreter_across_processes(tmp_path, world, form, numel, dtype, programs):
     """The exchange kernel itself, its signal-pad barrier included, run by Triton's interpreter in one process a
@@ -348,6 +366,7 @@ def test_the_exchange_kernel_under_tritons_interpreter_across_processes(tmp_path
             f.write(b"\0" * exchange.PAD)
     context = multiprocessing.get_context("spawn")
     os.environ["TRITON_INTERPRET"] = "1"  # read by the children at their first import of triton
+    ranks = []
     try:
         ranks = [
             context.Process(target=exchange.run_rank, args=(r, world, stem, form, numel, dtype, programs))
@@ -359,6 +378,9 @@ def test_the_exchange_kernel_under_tritons_interpreter_across_processes(tmp_path
             p.join(timeout=120)
         assert [p.exitcode for p in ranks] == [0] * world
     finally:
+        for p in ranks:
+            if p.is_alive():  # a rank left waiting at a barrier its peers failed before
+                p.kill()
         del os.environ["TRITON_INTERPRET"]
         for r in range(world):
             for kind in "wp":
@@ -397,7 +419,7 @@ def test_the_exchange_kernel_faults_when_a_peer_never_comes(tmp_path):
                     os.unlink(f"{stem}-{kind}{r}")
 
 
-@pytest.mark.parametrize(("form", "blocks"), [(0, 1), (0, 4), (1, 1), (2, 4), (3, 1)])
+@pytest.mark.parametrize(("form", "blocks"), [(0, 1), (0, 4), (1, 1), (2, 4), (3, 1), (4, 4), (5, 1)])
 def test_the_exchange_kernel_compiles_for_hopper_with_system_scope_signals(form, blocks):
     """Every form of the exchange kernel compiles to an sm_90 binary (Triton's own ptxas, no GPU needed; where
     Triton is installed), its signals compare-and-swaps with release and acquire semantics at system scope, and

@@ -129,18 +129,15 @@ def test_built_in_rules_cover_only_what_was_measured_and_native_runs_elsewhere(m
         for coll in ("reduce_scatter", "all_to_all"):
             assert [table.pick(coll, n) for n in sizes] == ["direct"] * 4 + ["native"] * 2
     assert [peer2.pick("broadcast", n) for n in sizes] == ["star"] * 4 + ["native"] * 2
-    assert [peer4.pick("broadcast", n) for n in sizes] == ["star"] * 2 + ["native"] * 4  # the root's links bind
+    # on 4 GPUs the star's root links bind from 4 MiB: the scatter-allgather sends its buffer once, to 4 MiB
+    assert [peer4.pick("broadcast", n) for n in sizes] == ["star"] * 2 + ["scatter_allgather"] + ["native"] * 3
     # the all-gather by its output: up to the one pass's 8 MiB a rank on 2 GPUs, to 16 MiB (of 32) on 4
     assert [peer2.pick("all_gather", n) for n in sizes] == ["direct"] * 5 + ["native"]
     assert [peer4.pick("all_gather", n) for n in sizes] == ["direct"] * 5 + ["native"]
-    for table in (peer2, peer4):  # the one-kernel all-reduce where it was measured faster, NCCL's above
-        assert [table.pick("all_reduce", n) for n in (8 << 10, 2 << 20, 4 << 20, 8 << 20, 64 << 20)] == [
-            "one_shot",
-            "one_shot",
-            "native",
-            "native",
-            "native",
-        ]
+    # the one-shot all-reduce, then the two-shot from 1 MiB, where each was measured faster; NCCL's above
+    reduces = (8 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20)
+    assert [peer2.pick("all_reduce", n) for n in reduces] == ["one_shot"] * 2 + ["direct"] * 4 + ["native"] * 2
+    assert [peer4.pick("all_reduce", n) for n in reduces] == ["one_shot"] * 2 + ["direct"] * 2 + ["native"] * 4
     assert rules.built_in("cuda-peer", 8, None) is None and rules.built_in("cpu", 2, None) is None
     try:
         assert api._auto(Collective.REDUCE_SCATTER, 64 << 20, 2, "cuda-peer", None) == "native"

@@ -10,8 +10,8 @@ PAD = 2048  # torch's signal pad: 2048 bytes of uint32 slots
 
 
 def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name: str, programs: int) -> None:
-    """Four calls of ``form`` through the kernel, the sizes changing and the halves alternating; an
-    AssertionError where a rank's result differs from the one computed here for every rank."""
+    """Four calls of ``form`` through the kernel, the sizes (and a broadcast's root) changing and the halves
+    alternating; an AssertionError where a rank's result differs from the one computed here for every rank."""
     from dtrain.comm.peer import kernels
 
     kernels.EXCHANGE_BLOCK = 128  # small chunks: several programs, each with several chunks
@@ -20,10 +20,10 @@ def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name
     pads = [torch.from_file(f"{stem}-p{r}", True, PAD, dtype=torch.uint8) for r in range(world)]
     pointers = torch.tensor([w.data_ptr() for w in windows], dtype=torch.int64)
     signals = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
-    blocks = world if form in ("exchange", "scatter") else 1
-    root = world - 1
+    blocks = world if form in ("exchange", "scatter", "two_shot") else 1
     for call in range(4):
         n = numel + call
+        root = (world - 1 + call) % world  # the broadcasts' source moves from call to call
 
         def data(r: int, n: int = n, call: int = call) -> torch.Tensor:
             return (torch.arange(blocks * n) % 97 + 10 * r + 3 * call).to(dtype)
@@ -33,23 +33,25 @@ def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name
         )
         assert launch is not None, kernels._state.get("exchange_error")
         inp = data(rank)
-        if form in ("broadcast", "reduce"):
-            out = inp if form == "reduce" or rank == root else torch.full((n,), -1.0).to(dtype)
+        if form in ("broadcast", "relay", "reduce", "two_shot"):
+            summed = form in ("reduce", "two_shot")
+            out = inp if summed or rank == root else torch.full((n,), -1.0).to(dtype)
             inp = out
         else:
             out = torch.full(((1 if form == "scatter" else world) * n,), -1.0).to(dtype)
         assert launch(out, inp, (call % 2) * HALF), kernels._state.get("exchange_error")
-        if form == "broadcast":
+        if form in ("broadcast", "relay"):
             want = data(root)
         elif form == "scatter":
             want = sum(data(r)[rank * n : (rank + 1) * n].float() for r in range(world)).to(dtype)
-        elif form == "reduce":
+        elif form in ("reduce", "two_shot"):
             want = sum(data(r).float() for r in range(world)).to(dtype)
         elif form == "exchange":
             want = torch.cat([data(r)[rank * n : (rank + 1) * n] for r in range(world)])
         else:
             want = torch.cat([data(r) for r in range(world)])
-        assert torch.equal(out, want), (form, rank, call)
+        wrong = (out != want).nonzero().flatten()  # which elements, for the failure's message
+        assert torch.equal(out, want), (form, rank, call, root, n, wrong[:5].tolist(), wrong.numel())
 
 
 def alone(stem: str, world: int, spins: int) -> None:

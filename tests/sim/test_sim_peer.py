@@ -217,13 +217,31 @@ def test_the_broadcast_s_readers_share_the_root_s_port_and_a_reduce_scatter_read
     assert rs.read_s == pytest.approx(3 * 2 * MIB / 200e9 + 2 * MIB / 2e12)
 
 
+def test_the_two_shot_reads_twice_and_the_relay_sends_the_root_s_buffer_once():
+    """The two-shot all-reduce: a reduce-scatter's reads and two stores, a second barrier, an all-gather's reads;
+    the scatter-allgather broadcast: each reader takes a third of the buffer from the root's port, then the
+    other two thirds from the two other readers, after a second barrier."""
+    two = exchange_time("two_shot", 4, 8 * MIB, COST)
+    assert two.copy_in_s == pytest.approx(8 * MIB / 2e12)
+    assert two.read_s == pytest.approx(2 * 3 * 2 * MIB / 200e9 + 3 * 2 * MIB / 2e12 + 6e-6)
+    relay = exchange_time("relay", 4, 6 * MIB, COST)
+    assert relay.copy_in_s == pytest.approx(6 * MIB / 2e12)  # the root's three shares
+    first = 2 * MIB / (200e9 / 3) + 2 * 2 * MIB / 2e12
+    assert relay.read_s == pytest.approx(first + 6e-6 + 2 * 2 * MIB / 200e9)
+    star = exchange_time("broadcast", 4, 6 * MIB, COST)
+    assert relay.time_s < star.time_s  # the root's port carries the buffer once
+
+
 def test_exchange_form_takes_the_runtime_s_collectives_and_limits():
     assert exchange_form("all_gather", "direct", 8 * MIB) == "gather"
     assert exchange_form("all_gather", "direct", 8 * MIB + 4) is None
     assert exchange_form("all_reduce", "one_shot", 256 << 10) == "reduce"
     assert exchange_form("all_reduce", "one_shot", 512 << 10) is None  # torch's one-shot kernel
-    assert exchange_form("all_reduce", "direct", 8192) is None  # torch's two-shot kernel
+    assert exchange_form("all_reduce", "direct", 64 << 20) == "two_shot"
+    assert exchange_form("all_reduce", "direct", (64 << 20) + 4) is None  # torch's two-shot kernel
     assert exchange_form("broadcast", "star", 8192) == "broadcast"
+    assert exchange_form("broadcast", "scatter_allgather", 8 * MIB) == "relay"
+    assert exchange_time("relay", 2, 8192, COST) == exchange_time("broadcast", 2, 8192, COST)  # as the runtime
     with pytest.raises(ValueError, match="form 'ring'"):
         exchange_time("ring", 4, 8192, COST)
 
@@ -236,9 +254,10 @@ def test_the_exchange_kernel_s_figures_are_the_runtime_s():
     def value(name: str) -> int:
         return eval(re.search(rf"^{name} = (.+)$", source, re.M).group(1))  # a constant expression such as 8 << 20
 
-    for name in ("ONE_PASS_MAX_BYTES", "REDUCE_MAX_BYTES", "EXCHANGE_BLOCK", "EXCHANGE_PROGRAMS", "EXCHANGE_PAIRS"):
+    names = ("ONE_PASS_MAX_BYTES", "REDUCE_MAX_BYTES", "TWO_SHOT_MAX_BYTES", "EXCHANGE_BLOCK", "EXCHANGE_PROGRAMS")
+    for name in (*names, "EXCHANGE_PAIRS"):
         assert getattr(peer_model, name) == value(name), name
     pattern = r"\(Collective\.(\w+), \"(\w+)\"\): \"(\w+)\""  # fused.ONE_PASS's entries
     one_pass = {(c.lower(), a): f for c, a, f in re.findall(pattern, source)}
     assert one_pass and one_pass.items() <= peer_model.EXCHANGE_FORMS.items()
-    assert set(peer_model.EXCHANGE_FORMS) - set(one_pass) == {("all_reduce", "one_shot")}
+    assert set(peer_model.EXCHANGE_FORMS) - set(one_pass) == {("all_reduce", "one_shot"), ("all_reduce", "direct")}

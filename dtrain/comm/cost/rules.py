@@ -150,14 +150,25 @@ MODEL = "model"
 #: The backend's own collective (NCCL's, Gloo's): what ``auto`` runs where no rule covers a call.
 NATIVE = "native"
 
-#: The all-reduce of a CUDA group on the peer transport (one host, NVLink): the one-shot kernels up to 2 MiB,
-#: NCCL's own above (:mod:`dtrain.comm.peer.fused`). Side by side with torch.distributed's own NCCL 2.28 call on 4
-#: and 2 H100s (torch 2.11, NVLink multicast off, float32, calls back to back, rounds interleaved;
-#: benchmarks/results/collectives_defaults*-h100x{4,2}.jsonl and one_shot_ar*-h100x{4,2}.jsonl) the one-shot
-#: kernels ran at 1.07-2.32x NCCL's speed from 8 KiB to 2 MiB, and no slower than 1.5x up to 128 KiB in the last
-#: launch; the two-shot (``direct``) at 0.82-1.27x at 2 MiB (two launches), 0.91-1.07x at 8 MiB and 0.90-0.99x at
-#: 16 MiB: no better than NCCL's where the one-shot stops.
-_PEER_ALL_REDUCE = ((0, "one_shot"), ((2 << 20) + 1, "native"))
+#: The all-reduce of a CUDA group on the peer transport (one host, NVLink): the one-shot kernels, then the exchange
+#: kernel's two-shot form (``direct``), then NCCL's own (:mod:`dtrain.comm.peer.fused`). Side by side with
+#: torch.distributed's own NCCL 2.28 call on 4 and 2 H100s (torch 2.11, NVLink multicast off, float32, calls back
+#: to back, rounds interleaved; benchmarks/results/collectives_defaults*-h100x{4,2}.jsonl,
+#: one_shot_ar*-h100x{4,2}.jsonl, two_shot*-h100x{4,2}.jsonl) the one-shot kernels ran at 1.07-2.32x NCCL's speed
+#: from 8 KiB to 2 MiB and the two-shot kernel at 1.3-1.9x from 1 to 2 MiB, where it passed the one-shot. From 4
+#: MiB on 4 GPUs the two-shot kernel ran at 0.95-1.23x over four launches and at 0.72-0.87x from 8 MiB; on 2 GPUs
+#: at 1.11-1.63x at 4 MiB, 1.08-1.19x at 8 and 0.94-1.07x at 16. A band ends at the geometric midpoint between
+#: the last size won and the first lost.
+_PEER_ALL_REDUCE_2 = (
+    (0, "one_shot"),
+    (math.isqrt((512 << 10) * (1 << 20)) + 1, "direct"),
+    (math.isqrt((8 << 20) * (16 << 20)) + 1, "native"),
+)
+_PEER_ALL_REDUCE_4 = (
+    (0, "one_shot"),
+    (math.isqrt((512 << 10) * (1 << 20)) + 1, "direct"),
+    (math.isqrt((2 << 20) * (4 << 20)) + 1, "native"),
+)
 
 #: The one-pass collectives of a CUDA group on the peer transport (:func:`dtrain.comm.peer.fused.one_pass`), each one
 #: kernel that copies this rank's input into its window, passes one barrier on the signal pads and reads the
@@ -174,7 +185,9 @@ _PEER_ALL_REDUCE = ((0, "one_shot"), ((2 << 20) + 1, "native"))
 #: 1.2-1.65x at 8 MiB, the all-gather at 1.46x at 16. A band ends at the geometric midpoint between the last size
 #: won and the first lost, or at the one pass's limit. With these bands, `auto` beside torch.distributed's own call,
 #: 1-32 MiB, same and fresh tensors (benchmarks/results/collectives_mid{,_fresh}-h100x{4,2}.jsonl): every one-pass
-#: cell at 1.11-3.60x, every other cell NCCL's own call at 0.95-1.05x.
+#: cell at 1.11-3.60x, every other cell NCCL's own call at 0.95-1.05x. On 4 GPUs the broadcast passes from the
+#: star to the scatter-allgather (``scatter_allgather``: the root's links carry the buffer once) at 4 MiB, where it
+#: ran at 1.19-1.39x and the star at 1.04-1.22x; at 8 MiB it ran at 0.77-1.07x (two-shot*-h100x4.jsonl).
 _MIB = 1 << 20
 _PEER_2 = {
     "all_gather": ((0, "direct"), (2 * 8 * _MIB + 1, NATIVE)),
@@ -186,7 +199,11 @@ _PEER_4 = {
     "all_gather": ((0, "direct"), (math.isqrt(16 * _MIB * 32 * _MIB) + 1, NATIVE)),
     "reduce_scatter": ((0, "direct"), (math.isqrt(8 * _MIB * 16 * _MIB) + 1, NATIVE)),
     "all_to_all": ((0, "direct"), (math.isqrt(8 * _MIB * 16 * _MIB) + 1, NATIVE)),
-    "broadcast": ((0, "star"), (math.isqrt(2 * _MIB * 4 * _MIB) + 1, NATIVE)),
+    "broadcast": (
+        (0, "star"),
+        (math.isqrt(2 * _MIB * 4 * _MIB) + 1, "scatter_allgather"),
+        (math.isqrt(4 * _MIB * 8 * _MIB) + 1, NATIVE),
+    ),
 }
 
 #: Built-in rules, used where no rules file covers a group: measured winners. Side by side with NCCL 2.28
@@ -201,13 +218,13 @@ BUILT_IN: tuple[Rules, ...] = (
     Rules(
         kind="cuda-peer",
         world_size=2,
-        table={"all_reduce": _PEER_ALL_REDUCE, **_PEER_2},
+        table={"all_reduce": _PEER_ALL_REDUCE_2, **_PEER_2},
         meta={"from": "the five collectives against NCCL on 2 H100s and 2 H200s, 8 KiB-1 GiB"},
     ),
     Rules(
         kind="cuda-peer",
         world_size=4,
-        table={"all_reduce": _PEER_ALL_REDUCE, **_PEER_4},
+        table={"all_reduce": _PEER_ALL_REDUCE_4, **_PEER_4},
         meta={"from": "the five collectives against NCCL on 4 H100s and 4 H200s, 8 KiB-1 GiB"},
     ),
 )

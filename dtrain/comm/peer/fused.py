@@ -18,15 +18,17 @@ round. ``DTRAIN_COMM_FUSED=0`` turns the kernels off.
 
 The one-round schedules of the other collectives run the same way, as one pass over the peers' windows
 (:func:`one_pass`), up to :data:`ONE_PASS_MAX_BYTES` a rank: the ``direct`` all-gather, reduce-scatter and
-all-to-all and the ``star`` broadcast. Each is one kernel, :func:`dtrain.comm.peer.kernels.exchange`: each rank
-copies its input into its window, the ranks pass one barrier on the signal pads inside the kernel, and each reads
-what it needs from the peers' windows (the reduce-scatter sums its block). The same kernel runs the one-shot
-all-reduce up to :data:`REDUCE_MAX_BYTES`. Launched straight from the compiled kernel, a call through
-:mod:`dtrain.comm` costs 13-22 us of host time against 24-56 us for torch.distributed's NCCL call (8 KiB a rank,
-4 H200s, benchmarks/results/probe-one-pass-h200x4.txt), which is what decides a small collective: 1.2-2.6x NCCL's
-speed from 8 KiB to 2 MiB (docs/results.md). Without Triton the pass is three steps:
-the copy in, :meth:`PeerWindow.barrier`, and ``torch._foreach_copy_`` out of the peers' mapped windows (the
-reduce-scatter: torch's one-shot kernel on this rank's block). Calls alternate between the two halves of the
+all-to-all, the ``star`` broadcast and the ``scatter_allgather`` one. Each is one kernel,
+:func:`dtrain.comm.peer.kernels.exchange`: each rank copies its input into its window, the ranks pass one barrier
+on the signal pads inside the kernel, and each reads what it needs from the peers' windows (the reduce-scatter
+sums its block; the scatter-allgather broadcast passes a second barrier between its two rounds). The same kernel
+runs the one-shot all-reduce up to :data:`REDUCE_MAX_BYTES` and the two-shot one, with a second barrier, up to
+:data:`TWO_SHOT_MAX_BYTES`. Launched straight from the compiled kernel, a call through :mod:`dtrain.comm` costs
+13-22 us of host time against 24-56 us for torch.distributed's NCCL call (8 KiB a rank, 4 H200s,
+benchmarks/results/probe-one-pass-h200x4.txt), which is what decides a small collective: 1.2-2.6x NCCL's speed
+from 8 KiB to 2 MiB (docs/results.md). Without Triton the pass is three steps: the copy in,
+:meth:`PeerWindow.barrier`, and ``torch._foreach_copy_`` out of the peers' mapped windows (the reduce-scatter:
+torch's one-shot kernel on this rank's block). Calls alternate between the two halves of the
 window, so the barrier of the next call is what tells a rank that its peers have read the previous one; a call
 of another kind through the window first passes one more barrier (:func:`settle`), and a call recorded in a CUDA
 graph opens and closes with a barrier of its own (a graph replays the same half).
@@ -41,7 +43,8 @@ from dtrain.comm.peer import kernels, watchdog
 from dtrain.env import comm_env
 
 __all__ = [
-    "FORMS", "ONE_PASS", "fused_form", "one_pass", "one_pass_form", "reducer", "run_fused", "settle", "supports",
+    "FORMS", "ONE_PASS", "fused_form", "measured", "one_pass", "one_pass_form", "reducer", "run_fused", "settle",
+    "supports",
 ]  # fmt: skip
 
 #: Our all-reduce schedules that one kernel runs, and the kernel's form.
@@ -79,6 +82,16 @@ def supports(algorithm: str, dtype: torch.dtype, op: str, device: torch.device) 
     )
 
 
+def measured(algorithm: str, tensor: torch.Tensor, world: int) -> bool:
+    """Whether an all-reduce of ``tensor`` by ``algorithm`` (one of :data:`FORMS`), which :func:`supports`, runs as
+    the kernel ``auto``'s rules measured: the two-shot form as the exchange kernel (Triton present, at most
+    :data:`TWO_SHOT_MAX_BYTES`, blocks of equal size), not torch's two-shot kernel, which was slower than NCCL's."""
+    if algorithm != "direct":
+        return True
+    nbytes = tensor.numel() * tensor.element_size()
+    return tensor.numel() % world == 0 and nbytes <= TWO_SHOT_MAX_BYTES and kernels.triton_ready()
+
+
 def fused_form(schedule: Schedule, work: torch.Tensor, op: str) -> str | None:
     """The kernel form ("one" or "two") that runs ``schedule`` on ``work``, or None (the general plan runs it)."""
     if schedule.collective is not Collective.ALL_REDUCE:
@@ -98,8 +111,8 @@ def run_fused(form: str, work: torch.Tensor, window, launch=None) -> torch.Tenso
     graph opens with a barrier of its own instead: its replay cannot see what ran eagerly before it, and the
     barrier is what keeps its copy into the window from overwriting a half the peers may still be reading."""
     recorded = work.is_cuda and torch.cuda.is_current_stream_capturing()
-    if launch is None and form == "one":
-        launch = reducer(window, work)
+    if launch is None:
+        launch = reducer(window, work, form)
     if launch is not None:  # one kernel of ours, one barrier inside: the halves alternate as a one-pass call's
         half = window.nbytes // 2 // ALIGN * ALIGN
         bank = window.bank
@@ -136,23 +149,35 @@ def run_fused(form: str, work: torch.Tensor, window, launch=None) -> torch.Tenso
 #: 2 MiB ours at 0.86-1.64x with 32 programs, torch's at 1.40-1.67x.
 REDUCE_MAX_BYTES = 256 << 10
 
+#: The largest all-reduce the exchange kernel's two-shot form runs (its window holds two halves of it); torch's
+#: two-shot kernel runs larger ones.
+TWO_SHOT_MAX_BYTES = 64 << 20
 
-def reducer(window, work: torch.Tensor):
-    """The exchange kernel's one-shot all-reduce of ``work``'s size and dtype through ``window``
-    (:func:`dtrain.comm.peer.kernels.exchange`, kept on the window), or None: no Triton, a window without the
-    signal pads' addresses or without two halves of room for ``work``, or more than :data:`REDUCE_MAX_BYTES`."""
+#: The exchange kernel's form for each all-reduce form of this module, and the most bytes it takes.
+_REDUCERS = {"one": ("reduce", REDUCE_MAX_BYTES), "two": ("two_shot", TWO_SHOT_MAX_BYTES)}
+
+
+def reducer(window, work: torch.Tensor, form: str = "one"):
+    """The exchange kernel's all-reduce of ``work``'s size and dtype through ``window`` in ``form`` ("one": the
+    one-shot, "two": the two-shot; :func:`dtrain.comm.peer.kernels.exchange`, kept on the window), or None: no
+    Triton, a window without the signal pads' addresses or without two halves of room for ``work``, more than
+    the form's limit (:data:`REDUCE_MAX_BYTES`, :data:`TWO_SHOT_MAX_BYTES`), or a two-shot of a size the ranks'
+    blocks do not divide (torch's two-shot kernel runs it)."""
     launchers = window.__dict__.setdefault("launchers", {})
-    key = ("reduce", work.dtype, work.numel())
+    kernel_form, most = _REDUCERS[form]
+    world = window.world_size
+    key = (kernel_form, work.dtype, work.numel())
     if key not in launchers:
         nbytes = work.numel() * work.element_size()
         half = window.nbytes // 2 // ALIGN * ALIGN
         room = window.pointers is not None and getattr(window, "pads", None) is not None and nbytes <= half
-        room = room and nbytes <= REDUCE_MAX_BYTES
+        room = room and nbytes <= most and (form == "one" or work.numel() % world == 0)
         limit = window.stall_limit(None) + watchdog.GRACE
         spins = max(1, int(limit.total_seconds() * 1000)) * 1000  # a wait's round takes a microsecond or more
+        blocks = world if form == "two" else 1
         launchers[key] = None if not room else kernels.exchange(
-            window.pointers, window.pads, window.rank, nbytes, window.world_size, "reduce", spins,
-            kernels.exchange_programs(window.world_size, window.channels), dtype=work.dtype,
+            window.pointers, window.pads, window.rank, nbytes // blocks, world, kernel_form, spins,
+            kernels.exchange_programs(world, window.channels), dtype=work.dtype,
         )  # fmt: skip
     return launchers[key]
 
@@ -168,6 +193,7 @@ ONE_PASS = {
     (Collective.REDUCE_SCATTER, "direct"): "scatter",
     (Collective.ALL_TO_ALL, "direct"): "exchange",
     (Collective.BROADCAST, "star"): "broadcast",
+    (Collective.BROADCAST, "scatter_allgather"): "relay",
 }
 
 
@@ -215,6 +241,8 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
     broadcast's source, a group rank). ``window`` must hold two halves of ``numel`` elements. A reduce-scatter's
     ``avg`` is divided by the caller."""
     rank, world = window.rank, window.world_size
+    if form == "relay" and world < 3:  # one rank takes the root's whole buffer: the broadcast form
+        form = "broadcast"
     half = window.nbytes // 2 // ALIGN * ALIGN
     if numel * dtype.itemsize > half:
         raise ValueError(f"one_pass: {numel} elements of {dtype} need a window of two halves of that size")
@@ -229,7 +257,7 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
             peers = [p[rank * block : (rank + 1) * block] for p in peers]
         elif form == "scatter":  # the one-shot kernel sums this rank's block over the peers' windows
             peers = [mine[rank * block : (rank + 1) * block]]
-        elif form == "broadcast":
+        elif form in ("broadcast", "relay"):
             peers = [peers[root]]
         return mine, peers
 
@@ -278,10 +306,11 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
             if not recorded:
                 window.pending = False
             return
-        if form != "broadcast" or rank == root:
+        rooted = form in ("broadcast", "relay")  # without the kernel both copy from the root's window
+        if not rooted or rank == root:
             mine.copy_(input)
         barrier()
-        if form == "broadcast":  # one copy: less host time than a Triton launch
+        if rooted:  # one copy: less host time than a Triton launch
             if rank != root:
                 output.copy_(peers[0])
         elif pointers is None or not kernels.gather(output, pointers, bank * half + offset, nbytes, world):

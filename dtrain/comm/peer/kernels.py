@@ -185,7 +185,11 @@ def exchange_programs(world: int, channels: int) -> int:
 
 
 #: The exchange kernel's forms (:func:`exchange`).
-EXCHANGE_FORMS = {"gather": 0, "exchange": 0, "broadcast": 1, "scatter": 2, "reduce": 3}
+EXCHANGE_FORMS = {"gather": 0, "exchange": 0, "broadcast": 1, "scatter": 2, "reduce": 3, "two_shot": 4, "relay": 5}
+
+#: Forms whose input is ``world`` blocks of ``nbytes``, and forms that sum (in ``dtype``'s elements).
+_BLOCK_FORMS = ("exchange", "scatter", "two_shot")
+_SUM_FORMS = ("scatter", "reduce", "two_shot")
 
 
 def exchange(
@@ -211,7 +215,12 @@ def exchange(
     - ``scatter``: the sum over the ranks of block ``rank`` of ``world`` blocks of ``nbytes`` of ``dtype``
       (float32 accumulation), the reduce-scatter;
     - ``reduce``: the sum over the ranks of their ``nbytes`` of ``dtype``, the one-shot all-reduce (``out`` may be
-      ``inp``).
+      ``inp``);
+    - ``two_shot``: the sum over the ranks of their ``world`` blocks of ``nbytes`` of ``dtype``, each rank summing
+      its own block and reading the others from their owners after a second barrier, the two-shot all-reduce
+      (``out`` may be ``inp``);
+    - ``relay``: ``nbytes`` from rank ``root`` into every other rank's ``out``, each of those taking a share from
+      the root and the rest from the others after a second barrier (three ranks or more).
 
     ``pointers`` and ``pads``: every rank's window and signal-pad address, int64 tensors on the device;
     ``spins``: the rounds a wait at the barrier lasts before it gives up; ``programs``: at most this many programs
@@ -226,14 +235,16 @@ def exchange(
     if not triton_ready() or "exchange_error" in _state:
         return None
     code = EXCHANGE_FORMS[form]
-    blocks = world if form in ("exchange", "scatter") else 1
+    if form == "relay" and world < 3:
+        raise ValueError("exchange: a relayed broadcast needs three ranks or more (two: the broadcast form)")
+    blocks = world if form in _BLOCK_FORMS else 1
     lanes = 1 << max(0, (world - 1).bit_length())
     device = pointers.device
     index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
     compiled: dict = {}  # (unit, out aligned, inp aligned) -> the compiled kernel
     # the unit of copy: the widest word that divides offsets, sizes and addresses; a sum needs the elements
-    summed = form in ("scatter", "reduce")
+    summed = form in _SUM_FORMS
     units = [(dtype.itemsize, dtype)] if summed else list(_WORDS)
     grids = {size: (max(1, min(programs, -(-(nbytes // size) // EXCHANGE_BLOCK))), 1, 1) for size, _ in units}
 

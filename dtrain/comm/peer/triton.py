@@ -132,11 +132,19 @@ def exchange_kernel(
       windows, in rank order, accumulated in float32;
     - 3, all-reduce (``BLOCKS`` = 1, the one-shot form): ``out`` = the sum over the ranks of their ``n`` elements,
       in rank order, accumulated in float32 (``out`` may be ``inp``: a program reads its chunks of ``inp`` before
-      the barrier and writes them after).
+      the barrier and writes them after);
+    - 4, all-reduce (``BLOCKS`` = ``WORLD``, the two-shot form): block ``rank`` of ``out`` = the sum over the ranks
+      of their block ``rank``, as form 2, also written over block ``rank`` of this rank's window (which only
+      this rank reads before the second barrier); a second barrier; then every other block of ``out`` from its
+      owner's window (``out`` may be ``inp``);
+    - 5, broadcast (``BLOCKS`` = 1, relayed): only rank ``root`` copies in; each other rank takes its share of
+      the ``n`` elements (``WORLD - 1`` nearly equal shares, one for each rank but the root, in rank order) from
+      the root into its ``out`` and its window; a second barrier; then the other shares from the ranks that took
+      them. The root's links carry the ``n`` elements once, where form 1's carry them ``WORLD - 1`` times.
 
-    Program ``p`` copies in and reads out the same chunks, ``p``, ``p + programs``, ... of every block, and the
-    barrier is between program ``p`` of every rank: what a program reads from a peer is what the peer's program of
-    the same number wrote."""
+    Program ``p`` copies in and reads out the same chunks, ``p``, ``p + programs``, ... of every block (of every
+    share), and each barrier is between program ``p`` of every rank: what a program reads from a peer is what the
+    peer's program of the same number wrote."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     n64 = n.to(tl.int64)
@@ -144,11 +152,16 @@ def exchange_kernel(
     chunks = tl.cdiv(n, BLOCK)
     offs = tl.arange(0, BLOCK)
     mine = tl.load(ptrs + rank).to(tl.pointer_type(out.dtype.element_ty))
-    if FORM != 1:  # noqa: SIM114 (Triton takes no `or` of a constant and a tensor)
+    if FORM == 5:  # copies in by shares, its own chunks
+        _relay(ptrs, pads, out, inp, mine, rank, root, at64, n64, pid, programs, offs, spins, WORLD, LANES, BLOCK)
+    elif FORM != 1:  # noqa: SIM114 (Triton takes no `or` of a constant and a tensor)
         _copy_in(mine + at64, inp, n64, pid, programs, chunks, offs, BLOCKS, BLOCK)
     elif rank == root:
         _copy_in(mine + at64, inp, n64, pid, programs, chunks, offs, BLOCKS, BLOCK)
-    _barrier(pads, rank, pid, spins, WORLD, LANES)
+    if FORM != 5:
+        _barrier(pads, rank, pid, spins, WORLD, LANES)
+    if FORM == 4:
+        _two_shot(ptrs, pads, out, mine, rank, at64, n64, pid, programs, chunks, offs, spins, WORLD, LANES, BLOCK)
     if FORM == 0:
         source = at64 + (rank * n64 if BLOCKS > 1 else 0)
         c = pid
@@ -168,7 +181,7 @@ def exchange_kernel(
                 m = i < n64
                 tl.store(out + i, tl.load(peer + at64 + i, mask=m), mask=m)
                 c += programs
-    else:
+    elif FORM == 2 or FORM == 3:
         source = at64 + (rank * n64 if FORM == 2 else 0)
         c = pid
         while c < chunks:
@@ -180,3 +193,82 @@ def exchange_kernel(
                 acc += tl.load(peer + source + i, mask=m, other=0).to(tl.float32)
             tl.store(out + i, acc.to(out.dtype.element_ty), mask=m)
             c += programs
+
+
+@triton.jit
+def _two_shot(
+    ptrs, pads, out, mine, rank, at64, n64, pid, programs, chunks, offs, spins,
+    WORLD: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Form 4 of :func:`exchange_kernel` after its first barrier: this rank's block summed over the ranks into
+    ``out`` and over its own block of the window, a second barrier, every other block read from its owner."""
+    own = at64 + rank * n64
+    c = pid
+    while c < chunks:
+        i = c.to(tl.int64) * BLOCK + offs
+        m = i < n64
+        acc = tl.zeros([BLOCK], tl.float32)
+        for r in tl.static_range(WORLD):
+            peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
+            acc += tl.load(peer + own + i, mask=m, other=0).to(tl.float32)
+        total = acc.to(out.dtype.element_ty)
+        tl.store(out + rank * n64 + i, total, mask=m)
+        tl.store(mine + own + i, total, mask=m)
+        c += programs
+    _barrier(pads, rank, pid, spins, WORLD, LANES)
+    c = pid
+    while c < chunks:
+        i = c.to(tl.int64) * BLOCK + offs
+        m = i < n64
+        for r in tl.static_range(WORLD):
+            peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
+            theirs = m & (rank != r)
+            tl.store(out + r * n64 + i, tl.load(peer + at64 + r * n64 + i, mask=theirs), mask=theirs)
+        c += programs
+
+
+@triton.jit
+def _relay(
+    ptrs, pads, out, inp, mine, rank, root, at64, n64, pid, programs, offs, spins,
+    WORLD: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Form 5 of :func:`exchange_kernel`, whole: share ``j`` of the ``n64`` elements (``WORLD - 1`` shares of
+    ``share`` elements, the last shorter) belongs to the ``j``-th rank other than the root. The root copies
+    ``inp`` into its window, chunk ``c`` of every share by program ``c mod programs`` (the program of every rank
+    that reads that chunk, as the barrier needs); a barrier; each other rank copies its share from the root into
+    ``out`` and its window; a second barrier; then every rank but the root reads the other shares from their
+    ranks' windows."""
+    share = (n64 + WORLD - 2) // (WORLD - 1)
+    chunks = tl.cdiv(share, BLOCK)
+    if rank == root:
+        c = pid
+        while c < chunks:
+            j = c.to(tl.int64) * BLOCK + offs
+            for s in tl.static_range(WORLD - 1):
+                i = s * share + j
+                m = (j < share) & (i < n64)
+                tl.store(mine + at64 + i, tl.load(inp + i, mask=m), mask=m)
+            c += programs
+    _barrier(pads, rank, pid, spins, WORLD, LANES)
+    held = rank - (rank > root).to(tl.int32)  # this rank's share; the root's is never read
+    source = tl.load(ptrs + root).to(tl.pointer_type(out.dtype.element_ty))
+    c = pid
+    while c < chunks:
+        j = c.to(tl.int64) * BLOCK + offs
+        i = held.to(tl.int64) * share + j
+        m = (j < share) & (i < n64) & (rank != root)
+        v = tl.load(source + at64 + i, mask=m)
+        tl.store(out + i, v, mask=m)
+        tl.store(mine + at64 + i, v, mask=m)
+        c += programs
+    _barrier(pads, rank, pid, spins, WORLD, LANES)
+    c = pid
+    while c < chunks:
+        j = c.to(tl.int64) * BLOCK + offs
+        for s in tl.static_range(WORLD - 1):
+            owner = s + (s >= root).to(tl.int32)
+            peer = tl.load(ptrs + owner).to(tl.pointer_type(out.dtype.element_ty))
+            i = s * share + j
+            m = (j < share) & (i < n64) & (rank != root) & (owner != rank)
+            tl.store(out + i, tl.load(peer + at64 + i, mask=m), mask=m)
+        c += programs
