@@ -215,7 +215,7 @@ class ParallelSection(_Section):
         "auto",
         "how activations and gradients cross pipeline stages: group (the process group's send and recv), peer (peer "
         "channels between GPUs or processes of one host, from the second step), auto (peer on one host; on GPUs "
-        "for messages of 2 MiB and more while a step's messages on a channel fit in 1 GiB)",
+        "for messages of 64 KiB and more while a step's messages on a channel fit in 1 GiB)",
         choices=("auto", "group", "peer"),  # pipeline_parallel_communications.TRANSPORTS
     )
     zero: int = _option(

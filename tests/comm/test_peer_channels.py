@@ -31,3 +31,67 @@ def test_a_message_never_sent_and_a_barrier_reached_late_time_out_naming_what_th
     waited_for_message, waited_at_barrier = pool.run(jobs.stalls, ranks=2)[::-1]
     assert waited_for_message == "peer channels: rank 1 waited past the group's timeout for rank 0's message 0"
     assert waited_at_barrier == "ranks [1] did not reach the barrier"
+
+
+def test_on_cuda_each_step_is_one_driver_call_at_the_ring_s_addresses():
+    """The CUDA path, driven through a stand-in for the driver (no GPU here): a send orders the channel's stream
+    after the caller's, waits for a free slot once the ring is full, copies the payload into the receiver's slot
+    and raises ``ready``, then records a completion event that goes back to the pool when the send is dropped; a
+    receive waits for ``ready`` on the caller's stream, copies the slot out and raises the sender's ``free``."""
+    import torch
+
+    from dtrain.comm.peer.channels import _ALIGN, Channel, PeerChannels, _Driver
+
+    calls = []
+    events = iter(range(1000, 2000))
+    state = {"ready": 0}
+
+    def op(name):
+        def call(*args):
+            calls.append((name, *args))
+            if name == "create_event":
+                args[0]._obj.value = next(events)
+            return state["ready"] if name == "query" else 0
+
+        return call
+
+    driver = _Driver(*(op(name) for name in _Driver._fields))
+    chans = PeerChannels.__new__(PeerChannels)
+    chans.rank, chans.device, chans._cuda, chans.direct, chans._driver = 0, torch.device("cpu"), True, True, driver
+    chans.channels = [Channel(0, 1, 300, 2), Channel(1, 0, 300, 2)]
+    chans._ready_at, chans._free_at, chans._ring_at = [0, 4], [8, 12], [256, 256]
+    chans._base = [1 << 20, 2 << 20]
+    chans._sent, chans._posted, chans._waiting = [0, 0], [0, 0], [[], []]
+    chans._raw_streams, chans._events = {0: 77}, []
+    chans._raw_current, chans._index = (lambda index: 55), 0
+    chans._hold = lambda tensor, index: None
+    chans._order = {0: chans._new_event()}
+    slot = -(-300 // _ALIGN) * _ALIGN
+    payload = torch.arange(75, dtype=torch.float32)  # 300 bytes
+    calls.clear()
+    sent = [chans.send(0, payload) for _ in range(3)]
+    order = chans._order[0]
+    want = []
+    for n in range(3):
+        want += [("record", order, 55), ("wait_event", 77, order, 0)]
+        if n >= 2:  # the ring of two is full: wait for the receiver to free the first slot
+            want.append(("wait", 77, (1 << 20) + 8, 1, 0))
+        want += [
+            ("copy", (2 << 20) + 256 + (n % 2) * slot, payload.data_ptr(), 300, 77),
+            ("write", 77, (2 << 20) + 0, n + 1, 0),
+            ("record", 1001 + n, 77),  # a new completion event each: none was dropped yet
+        ]
+    assert [c for c in calls if c[0] != "create_event"] == want
+    state["ready"] = 600  # cuEventQuery: not yet done
+    assert not sent[0].is_completed()
+    state["ready"] = 0
+    assert sent[0].is_completed()
+    del sent[0]
+    assert chans._events == [1001]  # the dropped send's event, kept for the next send
+    calls.clear()
+    got = chans.post(1, (75,), torch.float32).wait()
+    assert calls == [
+        ("wait", 55, (1 << 20) + 4, 1, 0),
+        ("copy", got.data_ptr(), (1 << 20) + 256, 300, 55),
+        ("write", 55, (2 << 20) + 12, 1, 0),
+    ]

@@ -125,12 +125,13 @@ def test_peer_channels_train_like_the_process_groups_through_eval_and_a_new_shap
         assert all(value == 0.0 for value in r.values()), f"rank {rank}: {r}"
 
 
-def test_auto_takes_peer_channels_on_the_cpu_and_on_gpus_for_messages_of_2_mib_whose_rings_fit():
+def test_auto_takes_peer_channels_on_the_cpu_and_on_gpus_for_messages_of_64_kib_whose_rings_fit():
     from dtrain.parallel.pipeline_parallel_communications import auto_takes_channels
 
     mib = 1 << 20
     assert auto_takes_channels("cpu", 64, 64) and auto_takes_channels("cpu", 4096 * mib, 1 << 40)
-    assert not auto_takes_channels("cuda", 2 * mib - 1, 32 * mib)  # host-bound: NCCL's send costs the host less
+    assert not auto_takes_channels("cuda", (64 << 10) - 1, 32 * mib)  # smaller than any message measured
+    assert auto_takes_channels("cuda", 64 << 10, 32 * mib) and auto_takes_channels("cuda", mib, 32 * mib)
     assert auto_takes_channels("cuda", 2 * mib, 32 * mib) and auto_takes_channels("cuda", 8 * mib, 1024 * mib)
     assert not auto_takes_channels("cuda", 128 * mib, 4096 * mib)  # a step's messages past RING_BYTES
 

@@ -9,18 +9,19 @@ receiver's slot and raises ``ready`` to ``n + 1``; the receiver waits until ``re
 the slot out and raises ``free`` to ``n + 1``. The counters are 32-bit and compared cyclically, as CUDA's
 ``CU_STREAM_WAIT_VALUE_GEQ`` does, so they never need resetting.
 
-On CUDA every step is a stream operation: the copies are ``cudaMemcpyAsync`` through the peer mapping, the waits
+On CUDA every step is a stream operation: the copies are ``cuMemcpyDtoDAsync`` through the peer mapping, the waits
 ``cuStreamWaitValue32`` and the raises ``cuStreamWriteValue32`` (CUDA Driver API, "Stream Memory Operations"),
-whose default write follows a memory fence, so a receiver that sees ``ready`` sees the payload. The sender
-pushes: a send runs on a stream of its channel that first waits for the caller's stream, so the payload lands in
-the receiver's slot while both go on computing. The receiver takes a message on its own stream where it uses it
-(:meth:`Receive.wait`): by then it has usually landed, and the wait costs nothing. Nothing spins on the SMs,
-unlike an NCCL receive posted early, whose kernel holds its CTAs until the sender comes, and the host's work per
-message is a few stream operations. Every wait that can block a stream is one the caller's order needs (the
-data it is about to use, or, on a sender's stream, a slot of the step before), and the GPU's hardware queues
-run the streams' operations in the order the host issued them, so a schedule that cannot deadlock with buffered
-sends cannot deadlock here either (a receive posted early, waiting on a stream of its own, could: an operation
-issued after it on a stream sharing its hardware queue would wait behind it).
+whose default write follows a memory fence, so a receiver that sees ``ready`` sees the payload. The sender pushes:
+a send runs on a stream of its channel that first waits for the caller's stream, so the payload lands in the
+receiver's slot while both go on computing. The receiver takes a message on its own stream where it uses it
+(:meth:`Receive.wait`): by then it has usually landed, and the wait costs nothing. Nothing spins on the SMs, unlike
+an NCCL receive posted early, whose kernel holds its CTAs until the sender comes, and the host's work per message
+is a few stream operations, each one call into the driver (no torch stream switch, tensor view or event object a
+message; the send's completion events are kept and reused). Every wait that can block a stream is one the caller's
+order needs (the data it is about to use, or, on a sender's stream, a slot of the step before), and the GPU's
+hardware queues run the streams' operations in the order the host issued them, so a schedule that cannot deadlock
+with buffered sends cannot deadlock here either (a receive posted early, waiting on a stream of its own, could: an
+operation issued after it on a stream sharing its hardware queue would wait behind it).
 On the CPU (windows in /dev/shm) the host copies and waits itself; the ring then never waits within a step when
 ``slots`` covers a step's messages.
 
@@ -66,11 +67,36 @@ def channels_available(group, device: torch.device) -> bool:
 
 
 class _Driver(NamedTuple):
+    """The driver's functions the channels call: the stream memory operations, and (None where the driver lacks
+    one) the asynchronous copy and the events that order a channel's stream after the caller's."""
+
     wait: object
     write: object
+    copy: object = None
+    record: object = None
+    wait_event: object = None
+    create_event: object = None
+    query: object = None
+
+    @property
+    def direct(self) -> bool:
+        return None not in (self.copy, self.record, self.wait_event, self.create_event, self.query)
 
 
 _DRIVER: list[_Driver | None] = []
+
+#: ``cuEventCreate``'s flag for an event that records no time, and ``cuEventQuery``'s answer for work not done.
+_EVENT_DISABLE_TIMING = 0x2
+_NOT_READY = 600
+
+#: The driver's functions besides the stream memory operations: name, argument types.
+_DIRECT = (
+    ("cuMemcpyDtoDAsync_v2", [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
+    ("cuEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
+    ("cuStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
+    ("cuEventCreate", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+    ("cuEventQuery", [ctypes.c_void_p]),
+)
 
 
 def _driver() -> _Driver | None:
@@ -85,7 +111,14 @@ def _driver() -> _Driver | None:
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
                 fn.restype = ctypes.c_int
                 pair.append(fn)
-            found = _Driver(*pair)
+            direct = []
+            for name, argtypes in _DIRECT:
+                fn = getattr(lib, name, None)
+                if fn is not None:
+                    fn.argtypes = argtypes
+                    fn.restype = ctypes.c_int
+                direct.append(fn)
+            found = _Driver(*pair, *direct)
         except (OSError, AttributeError):
             found = None
         _DRIVER.append(found)
@@ -125,19 +158,32 @@ class Receive:
 
 
 class _Sent:
-    """A send's completion: on CUDA an event on the channel's stream; on the CPU the send is done on return."""
+    """A send's completion: on CUDA an event on the channel's stream (torch's, or the driver's own, returned to
+    ``channels``' pool when this is dropped); on the CPU the send is done on return."""
 
-    __slots__ = ("event",)
+    __slots__ = ("event", "_raw", "_channels")
 
-    def __init__(self, event=None) -> None:
-        self.event = event
+    def __init__(self, event=None, raw: int | None = None, channels: PeerChannels | None = None) -> None:
+        self.event, self._raw, self._channels = event, raw, channels
 
     def wait(self) -> None:
-        if self.event is not None:
+        if self._raw is not None:
+            channels = self._channels
+            _check(channels._driver.wait_event(channels._current(), self._raw, 0), "cuStreamWaitEvent")
+        elif self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
 
     def is_completed(self) -> bool:
+        if self._raw is not None:
+            result = self._channels._driver.query(self._raw)
+            if result not in (0, _NOT_READY):
+                _check(result, "cuEventQuery")
+            return result == 0
         return self.event is None or self.event.query()
+
+    def __del__(self) -> None:
+        if self._raw is not None:
+            self._channels._events.append(self._raw)
 
 
 class PeerChannels:
@@ -174,6 +220,13 @@ class PeerChannels:
             self._driver = _driver()
             self._base = [int(p) for p in self.window._handle.buffer_ptrs]
             self._streams = {i: torch.cuda.Stream(device) for i, c in enumerate(self.channels) if c.src == self.rank}
+            self._raw_streams = {i: s.cuda_stream for i, s in self._streams.items()}
+            #: driver calls for every step (False: torch's copies, stream switches and events)
+            self.direct = self._driver.direct
+            self._index = device.index if device.index is not None else torch.cuda.current_device()
+            self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            self._events: list[int] = []  # the driver's events no send holds
+            self._order = {i: self._new_event() for i in self._streams} if self.direct else {}
             mine = self.window.local(torch.uint8, nbytes)
             mine.zero_()
             torch.cuda.synchronize(device)
@@ -196,14 +249,30 @@ class PeerChannels:
         n = self._sent[index]
         self._sent[index] = n + 1
         slot = self._ring_at[index] + (n % c.slots) * _round(c.slot_bytes)
+        if self._cuda and self.direct:
+            d, stream = self._driver, self._raw_streams[index]
+            # the channel's stream after the caller's (the payload is made there), then the copy and the raise
+            order = self._order[index]
+            _check(d.record(order, self._current()), "cuEventRecord")
+            _check(d.wait_event(stream, order, 0), "cuStreamWaitEvent")
+            if n >= c.slots:
+                self._wait_value(stream, self._base[self.rank] + self._free_at[index], n - c.slots + 1)
+            nbytes = payload.numel()
+            _check(d.copy(self._base[c.dst] + slot, payload.data_ptr(), nbytes, stream), "cuMemcpyDtoDAsync")
+            self._write_value(stream, self._base[c.dst] + self._ready_at[index], n + 1)
+            self._hold(tensor, index)
+            done = self._events.pop() if self._events else self._new_event()
+            _check(d.record(done, stream), "cuEventRecord")
+            return _Sent(raw=done, channels=self)
         if self._cuda:
             stream = self._streams[index]
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
+                raw = stream.cuda_stream
                 if n >= c.slots:
-                    self._wait_value(stream, self._base[self.rank] + self._free_at[index], n - c.slots + 1)
+                    self._wait_value(raw, self._base[self.rank] + self._free_at[index], n - c.slots + 1)
                 self.window.buffers[c.dst][slot : slot + payload.numel()].copy_(payload)
-                self._write_value(stream, self._base[c.dst] + self._ready_at[index], n + 1)
+                self._write_value(raw, self._base[c.dst] + self._ready_at[index], n + 1)
                 tensor.record_stream(stream)
                 event = torch.cuda.Event()
                 event.record(stream)
@@ -242,9 +311,13 @@ class PeerChannels:
             slot = self._ring_at[index] + (n % c.slots) * _round(c.slot_bytes)
             out = _as_bytes(received.tensor)
             if self._cuda:
-                stream = torch.cuda.current_stream(self.device)
+                stream = self._current()
                 self._wait_value(stream, self._base[self.rank] + self._ready_at[index], n + 1)
-                out.copy_(self.window.buffers[self.rank][slot : slot + out.numel()])
+                if self.direct:
+                    source = self._base[self.rank] + slot
+                    _check(self._driver.copy(out.data_ptr(), source, out.numel(), stream), "cuMemcpyDtoDAsync")
+                else:
+                    out.copy_(self.window.buffers[self.rank][slot : slot + out.numel()])
                 self._write_value(stream, self._base[c.src] + self._free_at[index], n + 1)
             else:
                 self._spin(self.rank, self._ready_at[index], n + 1, f"rank {c.src}'s message {n}")
@@ -254,11 +327,27 @@ class PeerChannels:
 
     # -- the waits and raises
 
-    def _wait_value(self, stream, address: int, value: int) -> None:
-        _check(self._driver.wait(stream.cuda_stream, address, value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
+    def _wait_value(self, stream: int, address: int, value: int) -> None:
+        """``stream`` (a raw handle) waits until the counter at ``address`` reaches ``value`` (cyclically)."""
+        _check(self._driver.wait(stream, address, value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
 
-    def _write_value(self, stream, address: int, value: int) -> None:
-        _check(self._driver.write(stream.cuda_stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+    def _write_value(self, stream: int, address: int, value: int) -> None:
+        _check(self._driver.write(stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+    def _hold(self, tensor: torch.Tensor, index: int) -> None:
+        """Keep ``tensor``'s memory from the allocator until channel ``index``'s stream has copied it."""
+        tensor.record_stream(self._streams[index])
+
+    def _current(self) -> int:
+        """The caller's current stream on this device, as the driver's handle."""
+        if self._raw_current is not None:
+            return self._raw_current(self._index)
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _new_event(self) -> int:
+        handle = ctypes.c_void_p()
+        _check(self._driver.create_event(ctypes.byref(handle), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        return handle.value
 
     def _spin(self, rank: int, at: int, target: int, what: str) -> None:
         counters = self._counters[rank]
