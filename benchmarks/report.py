@@ -332,7 +332,8 @@ def _two_shot_part(gpus: int) -> list[str]:
         "scattered over the other ranks, a second barrier, a direct all-gather among them), each named, and `auto` "
         "with today's bands (`rules.built_in`), beside torch.distributed's own call in one launch, 512 KiB to 32 MiB "
         "by factors of 2 (this table's all-reduce and broadcast cells supersede the tables above where they "
-        "overlap):",
+        "overlap). The two-shot runs 256 programs; a launch with 64 on 4 GPUs and 128 on 2 is in "
+        f"`two_shot_fewer_programs{{,_fresh}}-h100x{gpus}.jsonl`:",
         setting(
             card(same),
             gpu_software(same),

@@ -514,6 +514,8 @@ _LIMITS = {"reduce": REDUCE_MAX_BYTES, "two_shot": TWO_SHOT_MAX_BYTES}
 EXCHANGE_BLOCK = 2048
 EXCHANGE_PROGRAMS = 128
 EXCHANGE_PAIRS = 256
+#: The two-shot all-reduce's programs (:data:`dtrain.comm.peer.kernels.TWO_SHOT_PROGRAMS`).
+TWO_SHOT_PROGRAMS = 256
 #: Programs of the exchange kernel that together reach each of :class:`PeerCost`'s rates (the kernel the rates
 #: were measured beside ran 32)
 RATE_PROGRAMS = 32
@@ -580,7 +582,7 @@ def exchange_time(
     word = itemsize if summed else next(w for w in EXCHANGE_WORDS if block % w == 0)
     chunk = EXCHANGE_BLOCK * word
     chunks = max(1, -(-block // chunk))
-    grid = max(1, min(EXCHANGE_PROGRAMS, EXCHANGE_PAIRS // world))
+    grid = TWO_SHOT_PROGRAMS if form == "two_shot" else max(1, min(EXCHANGE_PROGRAMS, EXCHANGE_PAIRS // world))
     programs = min(grid, chunks)
     share = min(-(-chunks // programs) * chunk, block)  # the busiest program's bytes of one block
     per_program = 1 / max(RATE_PROGRAMS, programs)  # of each rate

@@ -255,7 +255,7 @@ def test_the_exchange_kernel_s_figures_are_the_runtime_s():
         return eval(re.search(rf"^{name} = (.+)$", source, re.M).group(1))  # a constant expression such as 8 << 20
 
     names = ("ONE_PASS_MAX_BYTES", "REDUCE_MAX_BYTES", "TWO_SHOT_MAX_BYTES", "EXCHANGE_BLOCK", "EXCHANGE_PROGRAMS")
-    for name in (*names, "EXCHANGE_PAIRS"):
+    for name in (*names, "EXCHANGE_PAIRS", "TWO_SHOT_PROGRAMS"):
         assert getattr(peer_model, name) == value(name), name
     pattern = r"\(Collective\.(\w+), \"(\w+)\"\): \"(\w+)\""  # fused.ONE_PASS's entries
     one_pass = {(c.lower(), a): f for c, a, f in re.findall(pattern, source)}

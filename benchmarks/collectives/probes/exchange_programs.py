@@ -2,15 +2,17 @@
 
 Probe: the exchange kernel (``dtrain.comm.peer.kernels.exchange``) by its program count, beside NCCL's own call.
 
-For each one-pass form (the all-gather, the all-to-all and the reduce-scatter, ``direct``; the broadcast, ``star``)
-and each full buffer size from 1 MiB to 32 MiB, the kernel alone on a window of its own (alternating halves, so a
-call never overwrites what a slow peer may still read) with 16, 32, 64 and 128 programs (as the signal pad allows:
-``world`` slots a program), and torch.distributed's NCCL call on the same sizes, rounds interleaved: microseconds
-per call (a loop of calls between two synchronisations, the slowest rank's), and NCCL's time over each.
+For each form (the all-gather, the all-to-all and the reduce-scatter, ``direct``; the broadcast, ``star``, and
+``relay``, the scatter-allgather; the two-shot all-reduce; ``EXCHANGE_FORMS`` names some, comma-separated) and each
+full buffer size from 1 MiB to 32 MiB, the kernel alone on a window of its own (alternating halves, so a call never
+overwrites what a slow peer may still read) with 16 to 256 programs (as the signal pad allows: ``world`` slots a
+program), and torch.distributed's NCCL call on the same sizes, rounds interleaved: microseconds per call (a loop of
+calls between two synchronisations, the slowest rank's), and NCCL's time over each.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -21,7 +23,8 @@ from dtrain.comm.peer import window as peer
 from probes import start_rank
 
 SIZES_MIB = (1, 2, 4, 8, 16, 32)
-PROGRAMS = (16, 32, 64, 128)
+PROGRAMS = (16, 32, 64, 128, 256)
+FORMS = ("gather", "exchange", "scatter", "broadcast", "relay", "two_shot")
 ROUNDS, ITERS = 3, 40
 
 
@@ -46,6 +49,8 @@ def _nccl_and_buffers(form: str, out: torch.Tensor, small: torch.Tensor, big: to
         return (lambda: dist.all_to_all_single(out, big)), (out, big)
     if form == "scatter":
         return (lambda: dist.reduce_scatter_tensor(small, big)), (small, big)
+    if form == "two_shot":
+        return (lambda: dist.all_reduce(out)), (out, big)
     return (lambda: dist.broadcast(big, 0)), (out, big)
 
 
@@ -54,11 +59,14 @@ def main() -> None:
     window = peer.window_for(None, dev, 2 * max(SIZES_MIB) * 2**20 + 4096)
     channels = window.channels
     say(f"world {world}, signal-pad channels {channels}; microseconds a call (NCCL over ours in brackets)")
-    for form in ("gather", "exchange", "scatter", "broadcast"):
+    forms = os.environ.get("EXCHANGE_FORMS", ",".join(FORMS)).split(",")
+    for form in forms:
+        if form == "relay" and world < 3:
+            continue
         for mib in SIZES_MIB:
             full = mib * 2**20
             n = full // 4  # float32 elements of the full buffer
-            nbytes = full // world if form in ("gather", "exchange", "scatter") else full
+            nbytes = full // world if form in ("gather", "exchange", "scatter", "two_shot") else full
             big, small = torch.randn(n, device=dev), torch.empty(n // world, device=dev)
             out = torch.empty(n, device=dev)
             nccl, io = _nccl_and_buffers(form, out, small, big)

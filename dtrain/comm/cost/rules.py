@@ -155,10 +155,10 @@ NATIVE = "native"
 #: torch.distributed's own NCCL 2.28 call on 4 and 2 H100s (torch 2.11, NVLink multicast off, float32, calls back
 #: to back, rounds interleaved; benchmarks/results/collectives_defaults*-h100x{4,2}.jsonl,
 #: one_shot_ar*-h100x{4,2}.jsonl, two_shot*-h100x{4,2}.jsonl) the one-shot kernels ran at 1.07-2.32x NCCL's speed
-#: from 8 KiB to 2 MiB and the two-shot kernel at 1.3-1.9x from 1 to 2 MiB, where it passed the one-shot. From 4
-#: MiB on 4 GPUs the two-shot kernel ran at 0.95-1.23x over four launches and at 0.72-0.87x from 8 MiB; on 2 GPUs
-#: at 1.11-1.63x at 4 MiB, 1.08-1.19x at 8 and 0.94-1.07x at 16. A band ends at the geometric midpoint between
-#: the last size won and the first lost.
+#: from 8 KiB to 2 MiB, and over four to six launches the two-shot kernel at 1.28-2.18x at 1 MiB (the one-shot at
+#: 1.21-1.81x) and 1.04-1.89x at 2 MiB on 4 GPUs, 0.95-1.34x at 4 MiB and 0.70-0.99x from 8 MiB; on 2 GPUs at
+#: 1.28-2.13x from 1 to 4 MiB, 1.13-1.25x at 8, 0.95-1.12x at 16 and 0.91-1.01x at 32. A band ends at the
+#: geometric midpoint between the last size won and the first lost or tied.
 _PEER_ALL_REDUCE_2 = (
     (0, "one_shot"),
     (math.isqrt((512 << 10) * (1 << 20)) + 1, "direct"),
@@ -187,7 +187,7 @@ _PEER_ALL_REDUCE_4 = (
 #: 1-32 MiB, same and fresh tensors (benchmarks/results/collectives_mid{,_fresh}-h100x{4,2}.jsonl): every one-pass
 #: cell at 1.11-3.60x, every other cell NCCL's own call at 0.95-1.05x. On 4 GPUs the broadcast passes from the
 #: star to the scatter-allgather (``scatter_allgather``: the root's links carry the buffer once) at 4 MiB, where it
-#: ran at 1.19-1.39x and the star at 1.04-1.22x; at 8 MiB it ran at 0.77-1.07x (two-shot*-h100x4.jsonl).
+#: ran at 0.92-1.57x and the star at 0.78-1.37x over five launches; at 8 MiB at 0.79-1.05x (two_shot*-h100x4.jsonl).
 _MIB = 1 << 20
 _PEER_2 = {
     "all_gather": ((0, "direct"), (2 * 8 * _MIB + 1, NATIVE)),

@@ -175,9 +175,12 @@ def reducer(window, work: torch.Tensor, form: str = "one"):
         limit = window.stall_limit(None) + watchdog.GRACE
         spins = max(1, int(limit.total_seconds() * 1000)) * 1000  # a wait's round takes a microsecond or more
         blocks = world if form == "two" else 1
+        programs = kernels.exchange_programs(world, window.channels)
+        if form == "two":
+            programs = max(1, min(kernels.TWO_SHOT_PROGRAMS, window.channels))
         launchers[key] = None if not room else kernels.exchange(
-            window.pointers, window.pads, window.rank, nbytes // blocks, world, kernel_form, spins,
-            kernels.exchange_programs(world, window.channels), dtype=work.dtype,
+            window.pointers, window.pads, window.rank, nbytes // blocks, world, kernel_form, spins, programs,
+            dtype=work.dtype,
         )  # fmt: skip
     return launchers[key]
 

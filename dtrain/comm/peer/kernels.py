@@ -177,6 +177,13 @@ EXCHANGE_BLOCK = 2048
 EXCHANGE_PROGRAMS = 128
 EXCHANGE_PAIRS = 256
 
+#: Programs of the two-shot all-reduce (within the pad's room): its reduce-scatter round reads more than the
+#: one-pass forms and gains from more programs in flight. The kernel alone beside NCCL's all-reduce
+#: (benchmarks/results/probe-exchange-programs-two-shot-h100x{4,2}.txt): on 4 H100s 256 programs ran it at
+#: 1.00x at 4 MiB and 0.95x at 8 where 64 ran it at 0.95x and 0.88x; on 2 at 1.21x at 8 MiB and 1.02x at 16
+#: where 128 ran it at 1.16x and 0.95x; never slower than 64 or 128 beyond the rounding of a few microseconds.
+TWO_SHOT_PROGRAMS = 256
+
 
 def exchange_programs(world: int, channels: int) -> int:
     """Programs for an exchange kernel on ``world`` GPUs whose signal pad holds ``channels`` barrier channels: at
