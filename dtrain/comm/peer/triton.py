@@ -187,12 +187,19 @@ def exchange_kernel(
         while c < chunks:
             i = c.to(tl.int64) * BLOCK + offs
             m = i < n64
-            acc = tl.zeros([BLOCK], tl.float32)
-            for r in tl.static_range(WORLD):
-                peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
-                acc += tl.load(peer + source + i, mask=m, other=0).to(tl.float32)
-            tl.store(out + i, acc.to(out.dtype.element_ty), mask=m)
+            tl.store(out + i, _summed(ptrs, out, source + i, m, WORLD, BLOCK), mask=m)
             c += programs
+
+
+@triton.jit
+def _summed(ptrs, out, at, m, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """The sum over the ranks' windows (addresses in ``ptrs``) of the elements at ``at`` (offsets, ``m`` their
+    mask), in rank order, accumulated in float32, as ``out``'s dtype."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(WORLD):
+        peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
+        acc += tl.load(peer + at, mask=m, other=0).to(tl.float32)
+    return acc.to(out.dtype.element_ty)
 
 
 @triton.jit
@@ -207,11 +214,7 @@ def _two_shot(
     while c < chunks:
         i = c.to(tl.int64) * BLOCK + offs
         m = i < n64
-        acc = tl.zeros([BLOCK], tl.float32)
-        for r in tl.static_range(WORLD):
-            peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
-            acc += tl.load(peer + own + i, mask=m, other=0).to(tl.float32)
-        total = acc.to(out.dtype.element_ty)
+        total = _summed(ptrs, out, own + i, m, WORLD, BLOCK)
         tl.store(out + rank * n64 + i, total, mask=m)
         tl.store(mine + own + i, total, mask=m)
         c += programs
