@@ -168,10 +168,10 @@ TRANSPORTS = ("auto", "group", "peer")
 
 #: With ``transport="auto"`` on a GPU, the least bytes of a pipeline's largest message for peer channels: below
 #: it no step was measured. With each step of a message one driver call, a message costs the host less over the
-#: channels than over NCCL's send and recv: 66-84 us against 86-100 us, 64 KiB to 16 MiB, on 4 H100s
+#: channels than over NCCL's send and recv: 66-84 us against 86-127 us (two launches), 64 KiB to 16 MiB, on 4 H100s
 #: (``probe-channels-h100x4.txt``); on 16 x Linear(4096), every schedule eager and graphed, NCCL's step over the
 #: channels' was 0.90-1.51x with messages of 1 and 2 MiB (19 of 20 rows faster over the channels;
-#: ``bench_pipeline-h100x4.jsonl``) and 1.01-1.19x with 8 MiB (``bench_pipeline-b4096-h100x4.jsonl``). On the CPU,
+#: ``bench_pipeline-h100x4.jsonl``) and 1.01-1.18x with 4 and 8 MiB (``bench_pipeline-b4096-h100x4.jsonl``). On the CPU,
 #: where Gloo's messages cross sockets, Gloo's step over the channels' was 0.91-1.31x with 2 stages and 0.86-1.44x
 #: with 4 (on 2 cores; 7 and 5 of 8 rows faster over the channels; ``pipeline_transport-p{2,4}-cpu2.jsonl``), so
 #: ``auto`` takes them there at any size.

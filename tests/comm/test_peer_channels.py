@@ -95,3 +95,7 @@ def test_on_cuda_each_step_is_one_driver_call_at_the_ring_s_addresses():
         ("copy", got.data_ptr(), (1 << 20) + 256, 300, 55),
         ("write", 55, (2 << 20) + 12, 1, 0),
     ]
+    calls.clear()
+    del sent
+    chans.__del__()  # the channels go: every event the driver made for them goes too
+    assert sorted(c[1] for c in calls if c[0] == "destroy_event") == [1000, 1001, 1002, 1003]

@@ -77,10 +77,11 @@ class _Driver(NamedTuple):
     wait_event: object = None
     create_event: object = None
     query: object = None
+    destroy_event: object = None
 
     @property
     def direct(self) -> bool:
-        return None not in (self.copy, self.record, self.wait_event, self.create_event, self.query)
+        return None not in (self.copy, self.record, self.wait_event, self.create_event, self.query, self.destroy_event)
 
 
 _DRIVER: list[_Driver | None] = []
@@ -96,6 +97,7 @@ _DIRECT = (
     ("cuStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
     ("cuEventCreate", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
     ("cuEventQuery", [ctypes.c_void_p]),
+    ("cuEventDestroy_v2", [ctypes.c_void_p]),
 )
 
 
@@ -348,6 +350,14 @@ class PeerChannels:
         handle = ctypes.c_void_p()
         _check(self._driver.create_event(ctypes.byref(handle), _EVENT_DISABLE_TIMING), "cuEventCreate")
         return handle.value
+
+    def __del__(self) -> None:
+        """The driver's events go with the channels (a send still held keeps its channels, and so its event)."""
+        events = [*self.__dict__.get("_events", ()), *self.__dict__.get("_order", {}).values()]
+        self.__dict__.get("_events", []).clear()
+        self.__dict__.get("_order", {}).clear()
+        for event in events:
+            self._driver.destroy_event(event)  # at exit the context may be gone: nothing to report then
 
     def _spin(self, rank: int, at: int, target: int, what: str) -> None:
         counters = self._counters[rank]
