@@ -445,3 +445,17 @@ def test_the_exchange_kernel_compiles_for_hopper_with_system_scope_signals(form,
     assert compiled.asm["cubin"]
     assert "atom.global.release.sys.cas.b32" in ptx and "atom.global.acquire.sys.cas.b32" in ptx
     assert str(8 << 40) in ptx  # the fault's byte offset: 2**40 int64 slots past the pads' addresses
+
+
+def test_auto_takes_the_two_shot_only_where_the_exchange_kernel_runs_it(monkeypatch):
+    """The rules measured the two-shot all-reduce as the exchange kernel: a size the ranks' blocks do not divide,
+    one past the kernel's limit, or a process without Triton would run torch's two-shot kernel, slower than NCCL's,
+    so `auto` runs NCCL's there; the one-shot is unaffected."""
+    monkeypatch.setitem(kernels._state, "kernel", object())  # as where Triton compiled the kernel
+    assert fused.measured("direct", torch.zeros(1024), 4)
+    assert not fused.measured("direct", torch.zeros(1026), 4)  # blocks of 256.5 elements
+    big = fused.TWO_SHOT_MAX_BYTES // 4 + 4
+    assert not fused.measured("direct", torch.empty(big), 4)
+    assert fused.measured("one_shot", torch.zeros(1026), 4)
+    monkeypatch.setitem(kernels._state, "kernel", None)  # no Triton
+    assert not fused.measured("direct", torch.zeros(1024), 4)

@@ -113,7 +113,7 @@ def run_fused(form: str, work: torch.Tensor, window, launch=None) -> torch.Tenso
     recorded = work.is_cuda and torch.cuda.is_current_stream_capturing()
     if launch is None:
         launch = reducer(window, work, form)
-    if launch is not None:  # one kernel of ours, one barrier inside: the halves alternate as a one-pass call's
+    if launch is not None:  # one kernel of ours, its barriers inside: the halves alternate as a one-pass call's
         half = window.nbytes // 2 // ALIGN * ALIGN
         bank = window.bank
         if recorded:
