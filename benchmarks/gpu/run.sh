@@ -48,6 +48,8 @@
 #                      native through dtrain), 8 KiB-1 GiB (DEFAULTS_MIN, DEFAULTS_MAX, DEFAULTS_FACTOR), same
 #                      tensors and fresh ones
 #                      -> defaults.jsonl, defaults-fresh.jsonl
+#   defaults-beside    the same in one launch, each name also on fresh tensors in the same rounds (NAME+fresh)
+#                      -> defaults-beside.jsonl
 #   one-pass           all-gather, reduce-scatter, all-to-all (direct) and broadcast (star) in one pass over CUDA
 #                      symmetric memory beside NCCL (torch, native) and auto, 8 KiB-64 MiB (ONE_PASS_MAX), same
 #                      tensors and fresh ones, on every GPU
@@ -181,6 +183,13 @@ for mode in "$@"; do
         echo "== $name"; for c in all_reduce all_gather reduce_scatter all_to_all broadcast; do
           summ "$out/$name.jsonl" --collective $c --algorithms torch,native,auto; done
       done ;;
+    defaults-beside)
+      # the same sweep in one launch, fresh tensors beside the same ones (rows NAME+fresh)
+      LIMIT=${LIMIT:-420} tr -m dtrain bench comm --collectives $sym,broadcast --algorithms torch,native,auto \
+        --min-bytes ${DEFAULTS_MIN:-8K} --max-bytes ${DEFAULTS_MAX:-1G} --factor ${DEFAULTS_FACTOR:-4} --iters 20 \
+        --trials 5 --warm-s 0.3 --fresh-beside --out "$out/defaults-beside.jsonl" >"$out/defaults-beside.log"
+      echo "== defaults-beside"; for c in all_reduce all_gather reduce_scatter all_to_all broadcast; do
+        summ "$out/defaults-beside.jsonl" --collective $c --algorithms torch,auto,torch+fresh,auto+fresh; done ;;
     one-shot-ar)
       LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify.txt"; counts verify "$out/verify.txt"
       for np_ in ${ONE_PASS_NP:-$n ${NP_SMALL:-2}}; do

@@ -53,6 +53,10 @@ __all__ = [
     "time_us",
 ]
 
+#: The suffix of a name timed on new tensors every call beside the same name on the same tensors
+#: (:attr:`BenchConfig.fresh_beside`).
+FRESH = "+fresh"
+
 #: Bytes of fresh tensors one rank may hold for a timed run (``fresh``): fewer calls a run where they exceed it.
 FRESH_BYTES = 1 << 30
 
@@ -97,6 +101,8 @@ class BenchConfig:
     rules_out: str | None = None  # write measured rules for ``auto`` here ("" : the default rules path)
     transport: str = "torch"  # "mpi": an MPIGroup over MPI_COMM_WORLD, in a job mpirun started
     fresh: bool = False  # new input and output tensors every call (made before the timed loop), else the same
+    #: each name also as ``NAME+fresh`` on new tensors every call, in the same rounds as on the same tensors
+    fresh_beside: bool = False
     sizes_iters: bool = False  # fewer calls a run for large sizes (:func:`dtrain.comm.tune.iters_for`)
 
     def __post_init__(self) -> None:
@@ -114,6 +120,8 @@ class BenchConfig:
             )
         if self.min_bytes is not None and self.max_bytes is not None and self.min_bytes > self.max_bytes:
             raise ValueError(f"min_bytes {self.min_bytes} is above max_bytes {self.max_bytes}")
+        if self.fresh and self.fresh_beside:
+            raise ValueError("--fresh and --fresh-beside: --fresh-beside already times fresh tensors, beside the same")
 
     def sizes(self, device_type: str) -> list[int]:
         lo = self.min_bytes if self.min_bytes is not None else (1 << 10 if device_type == "cpu" else 8 << 10)
@@ -340,15 +348,22 @@ def bench_on_rank(config: BenchConfig, group=None) -> list[dict]:
     with Progress(len(cases), enabled=rank == 0) as progress:
         for coll, size, names in cases:
             iters = iters_for(size, device) if config.sizes_iters else config.iters
-            copies = max(1, min(iters, FRESH_BYTES // max(1, 2 * size))) if config.fresh else 1
-            iters = copies if config.fresh else iters
+            fresh = config.fresh or config.fresh_beside
+            copies = max(1, min(iters, FRESH_BYTES // max(1, 2 * size))) if fresh else 1
+            iters = copies if fresh else iters
             call, nbytes = make_call(coll, size, world, rank, device, group, copies=copies)
             progress.step(f"{coll} {nbytes} B")
             names = _usable(call, names, config, device, sync, progress.note)
+            if config.fresh_beside:
+                names += [f"{n}{FRESH}" for n in names if not n.endswith("+graph")]
             captured = {n: _Captured(call, n.removesuffix("+graph")) for n in names if n.endswith("+graph")}
 
             def run_one(name: str, k: int, call=call, captured=captured) -> object:
-                return captured[name](name, k) if name in captured else call(name, k)
+                if name in captured:
+                    return captured[name](name, k)
+                if name.endswith(FRESH):  # call k on the k-th set of tensors
+                    return call(name.removesuffix(FRESH), k)
+                return call(name, 0 if config.fresh_beside else k)  # beside fresh ones: the same tensors
 
             try:
                 if not warmed and names:  # the sweep's first case: warm the devices first
@@ -360,13 +375,13 @@ def bench_on_rank(config: BenchConfig, group=None) -> list[dict]:
             finally:
                 for replay in captured.values():  # no graph may outlive the process group (see comm.graph)
                     replay.replay.release()
-            native = timed.get("native", {}).get("time_us")
-            peer = timed.get(TORCH, {}).get("time_us")
             for name in names:
+                suffix = FRESH if name.endswith(FRESH) else ""  # a fresh call is compared with fresh ones
+                native = timed.get("native" + suffix, {}).get("time_us")
+                peer = timed.get(TORCH + suffix, {}).get("time_us")
                 took_us, host_us = timed[name]["time_us"], timed[name]["host_us"]
-                predicted, resolved = _predicted_us(
-                    coll, name.removesuffix("+graph").partition("@")[0], nbytes, world, params, local_size, kind
-                )
+                base = name.removesuffix(FRESH).removesuffix("+graph").partition("@")[0]
+                predicted, resolved = _predicted_us(coll, base, nbytes, world, params, local_size, kind)
                 if name.endswith("+graph") or "@" in name:  # the model prices eager rounds of the group's transport
                     predicted = None
                 record = _record(coll, name, nbytes, world, took_us, predicted, resolved, config, machine)
@@ -375,7 +390,7 @@ def bench_on_rank(config: BenchConfig, group=None) -> list[dict]:
                     runs_us=timed[name]["runs_us"],
                     rounds=config.trials,
                     iters=iters,
-                    fresh=config.fresh,
+                    fresh=config.fresh or bool(suffix),
                     vs_native=None if not native or not took_us else native / took_us,
                     vs_torch=None if not peer or not took_us else peer / took_us,
                 )
@@ -412,5 +427,6 @@ def _local_size(world: int) -> int | None:
 
 
 def options(args) -> dict:
-    """The :class:`BenchConfig` fields of the ``--fresh`` and ``--sizes-iters`` flags (absent flags: off)."""
-    return {"fresh": bool(getattr(args, "fresh", False)), "sizes_iters": bool(getattr(args, "sizes_iters", False))}
+    """The :class:`BenchConfig` fields of the ``--fresh``, ``--fresh-beside`` and ``--sizes-iters`` flags (absent
+    flags: off)."""
+    return {name: bool(getattr(args, name, False)) for name in ("fresh", "fresh_beside", "sizes_iters")}

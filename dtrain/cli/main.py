@@ -48,6 +48,11 @@ def _add_bench_comm(sub) -> None:
     p.add_argument(
         "--fresh", action="store_true", help="new input and output tensors every call, made before the timed loop"
     )
+    p.add_argument(
+        "--fresh-beside",
+        action="store_true",
+        help="also time each algorithm as NAME+fresh on new tensors every call, in the same rounds",
+    )
     p.add_argument("--sizes-iters", action="store_true", help="on the CPU, fewer calls a timed run for large sizes")
     p.add_argument("--out", default="runs/bench-comm.jsonl", help="JSON lines; the plot goes beside it as .png")
     p.add_argument(

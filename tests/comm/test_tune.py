@@ -79,3 +79,23 @@ def test_bench_comm_times_side_by_side_with_the_same_or_fresh_tensors_and_report
             assert r["vs_native"] == pytest.approx(records[1]["time_us"] / r["time_us"])
             assert r["vs_torch"] == pytest.approx(records[0]["time_us"] / r["time_us"])
     assert len(out.read_text().splitlines()) == 4
+
+
+def test_bench_comm_times_fresh_tensors_beside_the_same_ones_in_one_launch(pool, tmp_path):
+    """``--fresh-beside``: each name again as NAME+fresh, on new tensors every call, in the same rounds; a fresh
+    record is compared with torch's and native's fresh calls, a same-tensor one with their same-tensor calls."""
+    ranks = pool.run(jobs.bench_fresh_beside, 2, str(tmp_path / "bench.jsonl"), ranks=2)
+    assert ranks[1] == []
+    records = {r["algorithm"]: r for r in ranks[0]}
+    assert list(records) == ["torch", "native", "ring", "torch+fresh", "native+fresh", "ring+fresh"]
+    for name, r in records.items():
+        fresh = name.endswith("+fresh")
+        assert r["fresh"] is fresh and r["iters"] == 3 and r["time_us"] > 0
+        suffix = "+fresh" if fresh else ""
+        assert r["vs_torch"] == pytest.approx(records["torch" + suffix]["time_us"] / r["time_us"])
+        assert r["vs_native"] == pytest.approx(records["native" + suffix]["time_us"] / r["time_us"])
+    assert records["ring+fresh"]["resolved_algorithm"] == records["ring"]["resolved_algorithm"] == "ring"
+    with pytest.raises(ValueError, match="--fresh-beside already times fresh tensors"):
+        from dtrain.bench.comm import BenchConfig
+
+        BenchConfig(fresh=True, fresh_beside=True)

@@ -97,3 +97,16 @@ def bench_side_by_side(world: int, out: str) -> list[list[dict]]:
         )  # fmt: skip
         every.append(bench_on_rank(config, group))
     return every
+
+
+def bench_fresh_beside(world: int, out: str) -> list[dict]:
+    """``dtrain bench comm`` with every name timed also on fresh tensors, in the same rounds: every rank's records."""
+    from dtrain.bench.comm import BenchConfig, bench_on_rank
+
+    group = group_of(world)
+    comm.set_local_size(None, group)
+    config = BenchConfig(
+        collectives=["all_reduce"], algorithms=["torch", "native", "ring"], min_bytes=1 << 10, max_bytes=1 << 10,
+        iters=3, trials=3, warmup=0, out=out, fresh_beside=True,
+    )  # fmt: skip
+    return bench_on_rank(config, group)
