@@ -1087,16 +1087,32 @@ def section_bubble() -> str:
     )
 
 
+def _graphs_flag(records: list[dict]) -> str:
+    """The ``--graphs`` flag that made ``records``' graphed rows."""
+    kinds = [k for k, v in (("actions", True), ("step", "step")) if any(r.get("graphs") == v for r in records)]
+    if not kinds:
+        return ""
+    return " --graphs" if kinds == ["actions"] else f" --graphs {','.join(kinds)}"
+
+
 def _zero_bubble_part() -> list[str]:
     """`dtrain bench pipeline` on 4 H100s: every schedule, zero-bubble ones included, beside torch's."""
     parts = []
-    for name in ("bench_pipeline-h100x4.jsonl", "bench_pipeline-b4096-h100x4.jsonl"):
+    names = (
+        "bench_pipeline-h100x4.jsonl",
+        "bench_pipeline-b4096-h100x4.jsonl",
+        "bench_pipeline_step-b1024-h100x4.jsonl",
+        "bench_pipeline_step-b4096-h100x4.jsonl",
+    )
+    for name in names:
         records = load(name)
         if not records:
             continue
+        step_file = name.startswith("bench_pipeline_step")
         rows = [
             [
-                r["schedule"] + (" (graphs)" if r.get("graphs") else "") + _transport_label(r),
+                r["schedule"] + {False: "", True: " (graphs)", "step": " (step graph)"}[r.get("graphs", False)]
+                + _transport_label(r),
                 str(r["microbatches"]),
                 str(r["batch"] // r["microbatches"]),
                 f"{r['bubble_theory']:.3f}",
@@ -1127,7 +1143,10 @@ def _zero_bubble_part() -> list[str]:
                 "stage's graphed forwards and backwards run back to back. "
                 '`(peer)`: the messages over peer channels (`PipelineParallel(transport="peer")`, what the '
                 "default `auto` picks on one host): copies through peer memory signalled by stream memory "
-                'operations; the rows without it go through NCCL\'s send and recv (`transport="group"`).',
+                'operations; the rows without it go through NCCL\'s send and recv (`transport="group"`). '
+                "`(step graph)`: a stage's whole step, messages included, one CUDA graph over the peer channels "
+                '(`PipelineParallel(graphs="step")`); its bubble counts as compute the stage\'s forwards and '
+                "backwards recorded as one graph and replayed.",
             ]
         if eager_busy:
             parts += [
@@ -1136,16 +1155,30 @@ def _zero_bubble_part() -> list[str]:
                 "m = 16 is nearer 0.25 against the device time of a graphed micro-batch (docs/parallel.md)."
             ]
         parts += [
-            f"#### Batch {first['batch']}",
+            f"#### Batch {first['batch']}" + (", the whole step one graph" if step_file else ""),
             setting(
                 f"4 x {first['device']}, NVLink through NVSwitch",
                 f"torch 2.11.0+cu130, NCCL {NCCL}",
                 f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
                 f"{first['width']} --batch {first['batch']} --microbatches {ms}"
-                + (" --graphs" if any(r.get("graphs") for r in records) else "")
-                + (" --transport group,peer" if any(r.get("transport") == "peer" for r in records) else "")
+                + _graphs_flag(records)
+                + (
+                    " --transport auto"
+                    if step_file
+                    else " --transport group,peer"
+                    if any(r.get("transport") == "peer" for r in records)
+                    else ""
+                )
                 + " (benchmarks/gpu/run.sh OUT "
-                + ("bench-pipeline-large)" if "b4096" in name else "bench-pipeline)"),
+                + (
+                    f"bench-pipeline-step with BATCH={first['batch']}"
+                    + ("" if any(r.get("graphs") is True for r in records) else " GRAPHS=step")
+                    + ")"
+                    if step_file
+                    else "bench-pipeline-large)"
+                    if "b4096" in name
+                    else "bench-pipeline)"
+                ),
                 f"`{name}`",
             ),
             table(

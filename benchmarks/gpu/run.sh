@@ -70,6 +70,9 @@
 #   bench-pipeline     dtrain bench pipeline, 16 x Linear(4096) on every GPU, batch 1024 at m = 8, 16, eager and
 #                      with CUDA graphs, over the process groups and over peer channels, beside torch pipelining
 #                                                                                        -> bench_pipeline.jsonl
+#   bench-pipeline-step  the same with the whole step one CUDA graph a stage beside each forward and backward one
+#                      (GRAPHS=actions,step), on the peer channels, batch BATCH (1024)
+#                                                                       -> bench_pipeline_step-bBATCH.jsonl
 #   bench-pipeline-large  the same at batch 4096, m = 8, 16                              -> bench_pipeline-b4096.jsonl
 #   pipeline-transport 1F1B, interleaved, ZB-H1, ZB-V at batch 4096 (m = 8, 16, eager), 1F1B and interleaved at batch
 #                      1024 (m = 16, eager and with CUDA graphs), over the process groups and over peer channels, with
@@ -252,6 +255,10 @@ for mode in "$@"; do
     bench-pipeline)
       LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024 --microbatches 8,16 \
         --graphs --transport group,peer --out "$out/bench_pipeline.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
+    bench-pipeline-step)
+      LIMIT=${LIMIT:-420} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch "${BATCH:-1024}" \
+        --microbatches 8,16 --graphs "${GRAPHS:-actions,step}" --transport auto \
+        --out "$out/bench_pipeline_step-b${BATCH:-1024}.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
     bench-pipeline-large)
       # micro-batches of 256-512 rows: the stages' compute outweighs the host's time per action
       LIMIT=${LIMIT:-480} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 4096 --microbatches 8,16 \

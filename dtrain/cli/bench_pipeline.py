@@ -23,6 +23,11 @@ after another in the same launch: the process groups' send and recv (``group``) 
 Each row names the transport that carried its messages (``transport``) and the receives posted ahead
 (``lookahead``).
 
+``--graphs`` adds variants replayed from CUDA graphs: ``actions`` (each forward and backward one graph, the host
+driving the messages between them) and ``step`` (a stage's whole step one graph, messages included, on the peer
+channels: the host launches one graph a step and the stages wait for each other on the devices alone). A ``step``
+row has no stream waits to time (``wait_clock`` null) and its ``host_issue_ms_per_stage`` is the replay's launch.
+
 ``--profile DIR`` runs cProfile (host wall clock) around each rank's timed ``train_step`` calls and writes
 ``DIR/<schedule>-m<m>-rank<r>.prof`` (read with ``python -m pstats``), to see where the host's time per action
 goes.
@@ -79,8 +84,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--graphs",
-        action="store_true",
-        help="also time each schedule with its forwards and backwards replayed as CUDA graphs (GPUs)",
+        nargs="?",
+        const="actions",
+        default="",
+        type=lambda t: [x for x in t.split(",") if x],
+        help="also time each schedule replayed from CUDA graphs (GPUs), comma-separated variants: 'actions' (each "
+        "forward and backward a graph; what --graphs alone times) and 'step' (the whole step one graph a stage, on "
+        "peer channels)",
     )
     return p
 
@@ -96,6 +106,9 @@ def _check(args: argparse.Namespace) -> None:
     bad = [x for x in args.transport if x not in ("auto", "group", "peer")]
     if bad:
         raise ValueError(f"--transport: unknown {', '.join(bad)}; accepted: auto, group, peer")
+    bad = [x for x in args.graphs if x not in ("actions", "step")]
+    if bad:
+        raise ValueError(f"--graphs: unknown {', '.join(bad)}; accepted: actions, step")
     if args.lookahead is not None and min(args.lookahead) < 0:
         raise ValueError(f"--lookahead {args.lookahead}: each must be 0 or more")
     if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
@@ -159,15 +172,20 @@ def _time(step, device, args, profile: cProfile.Profile | None = None) -> float:
 
 
 def _busy(pipe, args, m: int, device) -> float:
-    """This rank's seconds of forward and backward of ``m`` micro-batches through its chunks, alone: eagerly, or
-    through the pipeline's captured CUDA graphs where it has them (``graphs=True``), so that a graphed step's
-    bubble is measured against the compute it runs."""
+    """This rank's seconds of forward and backward of ``m`` micro-batches through its chunks, alone, as the
+    variant runs them: eagerly, through the pipeline's captured CUDA graphs where it has them (``graphs=True``),
+    or all of them recorded as one graph (``graphs="step"``, whose step is one graph too); under a split backward
+    (ZB-H1, ZB-V) B defers the weight gradients and W runs them, as in the step. So a step's bubble is measured
+    against the compute it runs."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     x = torch.randn(args.batch // m, args.width, device=device)
     graphed = getattr(pipe, "_graphed", None) or {}
+    store = pipe.weight_grads  # a split backward: B defers the weight gradients, W runs them as the step does
 
     def once() -> None:
         for mb in range(m):
@@ -175,7 +193,10 @@ def _busy(pipe, args, m: int, device) -> float:
                 run = graphed.get((c, mb))
                 if run is None:
                     out = chunk(x.detach().requires_grad_())
-                    F.mse_loss(out, x).backward() if chunk.is_last else out.backward(x)
+                    with store.deferring((c, mb)) if store is not None else contextlib.nullcontext():
+                        F.mse_loss(out, x).backward() if chunk.is_last else out.backward(x)
+                    if store is not None:
+                        store.flush((c, mb))
                     continue
                 inp = x.detach().requires_grad_(not chunk.is_first)  # as the graphs were captured
                 if chunk.is_last:
@@ -184,6 +205,9 @@ def _busy(pipe, args, m: int, device) -> float:
                     run(inp).backward(x)
                 if (c, mb) in pipe._recorded_w:  # a B graph: its W, the weight-gradient GEMMs, runs apart
                     pipe.weight_grads.run(pipe._recorded_w[c, mb])
+
+    if getattr(pipe, "_step_graph", None) is not None:  # the whole step is one graph: so is its compute
+        once = _graphed(once, device)
 
     def timed() -> float:
         once()
@@ -207,6 +231,37 @@ def _busy(pipe, args, m: int, device) -> float:
     for q in pipe.parameters():
         q.grad = None
     return result
+
+
+def _graphed(fn, device):  # noqa: ANN001, ANN202
+    """``fn``'s work recorded as one CUDA graph; returns the graph's replay. Recorded as the pipeline records its
+    own: after the watchdog threads have seen the last work finish, and with dtrain's watchdog looking at no event
+    (an event queried by another thread during a capture in CUDA's global mode breaks it, pytorch/pytorch#104487)."""
+    import gc
+
+    import torch
+
+    from dtrain.comm.peer import watchdog
+    from dtrain.parallel.pipeline_parallel import _WATCHDOG_LOOK_S
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()  # warm-up, off the graph
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    time.sleep(_WATCHDOG_LOOK_S)
+    graph = torch.cuda.CUDAGraph()
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with watchdog.capturing(), torch.cuda.graph(graph):
+            fn()
+    finally:
+        if collecting:
+            gc.enable()
+    return graph.replay
 
 
 def _outcome(pipe, x, y) -> tuple[float, float]:
@@ -241,8 +296,9 @@ def _comm_report(pipe, step, device) -> dict:
     host_s = time.perf_counter() - start
     _sync(device)
     pipe.link.measure_device = False
-    report = pipe.link.step_report()
+    report = pipe.link.step_report()  # under graphs="step": what the recorded step sent, received and issued
     wait = report["device_wait_s"] if report["device_wait_s"] is not None else report["recv_wait_s"]
+    whole = getattr(pipe, "_step_graph", None) is not None  # no stream wait of a replayed step can be timed
     actions = len(pipe.actions)
     mine = torch.tensor(
         [report["sends"], report["recvs"], wait, report["send_s"], host_s, actions], dtype=torch.float64, device=device
@@ -252,10 +308,10 @@ def _comm_report(pipe, step, device) -> dict:
     rows = torch.stack(every).cpu().tolist()
     return {
         "messages_per_step": int(sum(r[0] for r in rows)),
-        "wait_clock": "device" if report["device_wait_s"] is not None else "host",
+        "wait_clock": None if whole else "device" if report["device_wait_s"] is not None else "host",
         "recv_waits_per_stage": [int(r[1]) for r in rows],
-        "recv_wait_ms_per_stage": [round(r[2] * 1e3, 3) for r in rows],
-        "send_post_ms_per_stage": [round(r[3] * 1e3, 3) for r in rows],
+        "recv_wait_ms_per_stage": None if whole else [round(r[2] * 1e3, 3) for r in rows],
+        "send_post_ms_per_stage": None if whole else [round(r[3] * 1e3, 3) for r in rows],
         "host_issue_ms_per_stage": [round(r[4] * 1e3, 3) for r in rows],
         "actions_per_stage": [int(r[5]) for r in rows],
         "host_issue_us_per_action_per_stage": [round(r[4] / r[5] * 1e6, 1) for r in rows],
@@ -302,7 +358,8 @@ def _rank_main(args: argparse.Namespace) -> None:
     from dtrain.parallel.pipeline_schedules import chunks_per_stage, theoretical_bubble
 
     device = rank_device()
-    if device.type == "cpu":
+    cuda = device.type == "cuda"
+    if not cuda:
         torch.set_num_threads(1)
     p, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(1)
@@ -314,9 +371,12 @@ def _rank_main(args: argparse.Namespace) -> None:
             if (name == "interleaved-1f1b" and m % p) or args.layers < v * p:
                 continue  # interleaved takes micro-batches in groups of p; every chunk needs a layer
             torch_s, torch_done = None, False
-            modes = [False, True] if args.graphs and device.type == "cuda" else [False]
+            modes = [False] + ([{"actions": True, "step": "step"}[g] for g in args.graphs] if cuda else [])
             lookaheads = args.lookahead if args.lookahead is not None else [None]
-            variants = [(g, t, a) for g in modes for t in args.transport for a in lookaheads]
+            # the whole step as one graph needs the peer channels
+            variants = [
+                (g, t, a) for g in modes for t in args.transport for a in lookaheads if g != "step" or t != "group"
+            ]
             for graphs, transport, lookahead in variants:
                 pipe = PipelineParallel(
                     _model(args, device),
@@ -337,7 +397,8 @@ def _rank_main(args: argparse.Namespace) -> None:
                 step_s = _time(step, device, args, profile)
                 if profile is not None:
                     os.makedirs(args.profile, exist_ok=True)
-                    tail = f"{'-graphs' if graphs else ''}{'-peer' if transport == 'peer' else ''}"
+                    tail = {False: "", True: "-graphs", "step": "-step-graph"}[graphs]
+                    tail += "-peer" if transport == "peer" else ""
                     tail += "" if lookahead is None else f"-lookahead{lookahead}"
                     path = os.path.join(args.profile, f"{name}{tail}-m{m}-rank{rank}.prof")
                     profile.dump_stats(path + ".tmp")
@@ -361,7 +422,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     "bubble_theory": round(theoretical_bubble(p, m, v, schedule=name), 4),
                     "bubble_measured": round(1 - busy_s / (p * step_s), 4),
                     "step_ms": round(step_s * 1e3, 3),
-                    "busy_from": "graphs" if getattr(pipe, "_graphed", None) else "eager",
+                    "busy_from": "graphs" if pipe._graphed or pipe._step_graph is not None else "eager",
                     "loss": loss,
                     "grad_sq": grad_sq,
                     "torch_step_ms": None if torch_s is None else round(torch_s * 1e3, 3),
@@ -379,7 +440,8 @@ def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | Non
     """Rank 0 prints the row and appends it to ``--out``."""
     if rank != 0:
         return
-    name = row["schedule"] + (" graphs" if row["graphs"] else "") + (" peer" if row["transport"] == "peer" else "")
+    name = row["schedule"] + {False: "", True: " graphs", "step": " step-graph"}[row["graphs"]]
+    name += " peer" if row["transport"] == "peer" else ""
     name += f" la{row['lookahead']}"
     p, m = row["stages"], row["microbatches"]
     print(
@@ -388,7 +450,7 @@ def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | Non
         + ("-" if torch_s is None else f"{row['torch_step_ms']:.2f} ms ({row['torch_schedule']})")
         + f"  loss {row['loss']:.6g} grad^2 {row['grad_sq']:.6g}"
         + f"  messages {row['messages_per_step']}  {row['wait_clock']} wait ms/stage "
-        + " ".join(f"{w:.2f}" for w in row["recv_wait_ms_per_stage"])
+        + " ".join(f"{w:.2f}" for w in row["recv_wait_ms_per_stage"] or [])
         + "  host issue ms/stage "
         + " ".join(f"{h:.2f}" for h in row["host_issue_ms_per_stage"]),
         flush=True,

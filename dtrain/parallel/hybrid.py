@@ -123,8 +123,8 @@ class HybridParallel:
     replicates across them (hybrid sharding), and a bf16 ``autocast_dtype`` also makes bf16 the dtype the
     layers are gathered and computed in (float32 shards). ``autocast_dtype`` runs forward and loss under
     ``torch.autocast`` on the model's device type; ``pipeline_graphs`` replays the pipeline's micro-batches as CUDA
-    graphs (:class:`~dtrain.parallel.pipeline_parallel.PipelineParallel` ``graphs=True``) and ``pipeline_transport``
-    is its ``transport``;
+    graphs (:class:`~dtrain.parallel.pipeline_parallel.PipelineParallel` ``graphs=True``), or with "step" each
+    stage's whole step as one, and ``pipeline_transport`` is its ``transport``;
     ``reduce_dtype`` is the dtype gradients are averaged in. ``accumulation`` splits each replica's rows into that
     many chunks, one forward and backward each (the pipeline runs once per chunk), with one gradient reduction
     and one optimizer step. Where pipeline stages share a parameter (a tied embedding), every process of the
@@ -145,7 +145,7 @@ class HybridParallel:
         tensor_parallel: TensorParallelize | None = None,
         num_microbatches: int = 1,
         schedule: str = "1f1b",
-        pipeline_graphs: bool = False,
+        pipeline_graphs: bool | str = False,
         pipeline_transport: str = "auto",
         virtual_stages: int = 1,
         algorithm: str = "auto",

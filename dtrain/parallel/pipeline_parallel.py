@@ -194,8 +194,12 @@ class PipelineParallel:
         grad_group: dist.ProcessGroup | None = None,
         lookahead: int | None = None,
         transport: str = "auto",
-        graphs: bool = False,
+        graphs: bool | str = False,
     ) -> None:
+        if graphs not in (False, True, "step"):
+            raise ValueError(f"graphs must be False, True or 'step', got {graphs!r}")
+        if graphs == "step" and transport == "group":
+            raise ValueError("graphs='step' records the stages' messages on peer channels; transport 'group' has none")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
         if schedule not in SCHEDULES:
@@ -248,9 +252,13 @@ class PipelineParallel:
         self._loss_stage = stage_of_virtual(v * p - 1, p, self.placement)[0]
         self.timeline: Timeline | None = None
         if graphs and device.type != "cuda":
-            raise ValueError(f"graphs=True needs the stage's parameters on a CUDA device, not {device}")
-        #: whether each (chunk, micro-batch)'s forward and backward replay as CUDA graphs (:meth:`train_step`)
+            raise ValueError(f"graphs={graphs!r} needs the stage's parameters on a CUDA device, not {device}")
+        #: False; True: each (chunk, micro-batch)'s forward and backward replay as CUDA graphs; "step": the whole
+        #: step does (:meth:`train_step`)
         self.graphs = graphs
+        self._step_graph: _StepGraph | None = None
+        self._steps_run = 0  # training steps run eagerly
+        self._step_fallback = False  # "step" fell back to True (the stages stayed on the process groups)
         self._graphed: dict[tuple[int, int], nn.Module] | None = None
         self._shapes: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> the arguments' shapes of the first step
         # (chunk, mb) -> its B graph's deferred weight gradients: (weight, bias, input, grad_output) in the graph's pool
@@ -258,6 +266,15 @@ class PipelineParallel:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.stage.parameters()
+
+    def forget_shapes(self) -> None:
+        """Agree the messages' shapes again at the next step, and drop the CUDA graphs recorded for the old ones
+        (every stage of the group must call it, before a batch of another shape)."""
+        self.link.forget_shapes()
+        self._graphed, self._shapes, self._recorded_w = None, {}, {}
+        self._step_graph, self._steps_run = None, 0
+        if self.graphs is True and self._step_fallback:
+            self.graphs = "step"
 
     @property
     def is_first(self) -> bool:
@@ -292,10 +309,32 @@ class PipelineParallel:
         along dim 0 into ``num_microbatches`` equal micro-batches. Returns the batch's mean loss (the sum of the
         micro-batch losses / m) on every stage of the group. The caller steps and zeroes the optimizer.
         """
-        if self.graphs and self._graphed is None and self._shapes and not forward_only:
+        if self.graphs == "step" and not forward_only:
+            loss = self._step_graphed(batch, targets, loss_fn, forward_context)
+            if loss is not None:
+                comm.broadcast(loss, self._loss_stage, group=self.group)
+                return loss
+        if self.graphs is True and self._graphed is None and self._shapes and not forward_only:
             # at the start of a step, not the end of the first: no autograd graph of an eager step is alive then,
             # whose nodes would tie the capture to the stream the eager step ran on
             self._capture(loss_fn, forward_context)
+        loss = self._run_step(batch, targets, loss_fn, forward_context, forward_only)
+        if not forward_only:
+            self._steps_run += 1
+        comm.broadcast(loss, self._loss_stage, group=self.group)
+        return loss
+
+    def _run_step(
+        self,
+        batch: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        loss_fn: LossFn,
+        forward_context: Callable[[], contextlib.AbstractContextManager] | None,
+        forward_only: bool,
+        capturing: bool = False,
+    ) -> torch.Tensor:
+        """The step's actions, eagerly (or as they are recorded into the step's graph, ``capturing``); returns
+        the loss on the last stage (zero elsewhere), before it is broadcast."""
         m = self.num_microbatches
         inputs = _split(batch, m, "batch") if batch is not None else None
         labels = _split(targets, m, "targets") if targets is not None else None
@@ -364,10 +403,76 @@ class PipelineParallel:
                 store.clear()
         timeline.end_s = time.perf_counter()
         self.link.begin_step(None)
-        if not forward_only:
+        if not forward_only and not capturing:
             self.timeline = timeline
-        comm.broadcast(loss, self._loss_stage, group=self.group)
         return loss
+
+    def _step_graphed(
+        self,
+        batch: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        loss_fn: LossFn,
+        forward_context: Callable[[], contextlib.AbstractContextManager] | None,
+    ) -> torch.Tensor | None:
+        """The step as a replay of its graph (recorded first where due); None where it runs eagerly: the first
+        two steps, or all of them where the stages stayed on the process groups (then ``graphs=True`` takes
+        over, from the shapes the eager steps recorded)."""
+        if self._step_graph is None:
+            if self._steps_run < 2:
+                return None
+            if self.link.transport_in_use != "peer":
+                self.graphs, self._step_fallback = True, True
+                return None
+            self._step_graph = self._capture_step(batch, targets, loss_fn, forward_context)
+        return self._step_graph.replay(batch, targets)
+
+    def _capture_step(
+        self,
+        batch: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        loss_fn: LossFn,
+        forward_context: Callable[[], contextlib.AbstractContextManager] | None,
+    ) -> _StepGraph:
+        """Record the whole step (:meth:`_run_step`, every action and message of this stage) as one CUDA graph,
+        on static copies of ``batch`` and ``targets``, with every ``.grad`` None so that the graph makes the
+        gradients afresh; forwards run with autocast's cast cache off (a cast made in the recording would be read
+        stale). Nothing runs: the graph's first replay is this step."""
+        if self.is_first and batch is None:
+            raise ValueError("the first pipeline stage needs the batch")
+        if self.is_last and targets is None:
+            raise ValueError("the last pipeline stage needs the targets")
+        static_batch = batch.detach().clone() if batch is not None and self.is_first else None
+        static_targets = targets.detach().clone() if targets is not None and self.is_last else None
+        params = [q for q in self.parameters() if q.requires_grad]
+        saved = [q.grad for q in params]
+        for q in params:
+            q.grad = None
+        base = forward_context if forward_context is not None else contextlib.nullcontext
+        probe = params[0] if params else None
+        context = lambda: _uncached_within(base, probe)  # noqa: E731
+        if self.link.device.type == "cuda":
+            torch.cuda.synchronize(self.link.device)
+            time.sleep(_WATCHDOG_LOOK_S)  # as in _capture: the watchdog threads look at no event while it records
+        from dtrain.comm.peer import watchdog
+
+        graph = _new_graph()
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        self.link.capturing = True
+        try:
+            with watchdog.capturing():
+                loss = _record(
+                    graph, lambda: self._run_step(static_batch, static_targets, loss_fn, context, False, capturing=True)
+                )
+        finally:
+            self.link.capturing = False
+            if collecting:
+                gc.enable()
+        grads = [q.grad for q in params]
+        for q, g in zip(params, saved, strict=True):
+            q.grad = g
+        return _StepGraph(graph, static_batch, static_targets, loss, params, grads)
 
     def _replay(self, chunk: int, mb: int, args: tuple[torch.Tensor, ...]) -> nn.Module | None:
         """The graphed forward of (``chunk``, ``mb``) where one was captured for arguments of these shapes; else
@@ -478,8 +583,10 @@ class _Graphable(nn.Module):
             return y if self.loss_fn is None else self.loss_fn(y, target) / self.m
 
 
-def _uncached_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager:
+def _uncached_autocast(x: torch.Tensor | None) -> contextlib.AbstractContextManager:
     """The autocast in force on ``x``'s device again, with its cast cache off (a no-op where none is in force)."""
+    if x is None:
+        return contextlib.nullcontext()
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return contextlib.nullcontext()
@@ -608,6 +715,15 @@ def _captured_entries(entries: list, key: tuple[int, int]) -> list:
 
 
 @contextlib.contextmanager
+def _uncached_within(
+    base: Callable[[], contextlib.AbstractContextManager], probe: torch.Tensor | None
+) -> Iterator[None]:
+    """``base()``, and within it the autocast it turned on, again with its cast cache off."""
+    with base(), _uncached_autocast(probe):
+        yield
+
+
+@contextlib.contextmanager
 def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
     with first, second:
         yield
@@ -621,3 +737,54 @@ def _split(tensor: torch.Tensor, num_microbatches: int, name: str) -> tuple[torc
             f"use a batch size that is a multiple of {num_microbatches}"
         )
     return tensor.chunk(num_microbatches)
+
+
+def _new_graph():  # noqa: ANN202
+    """A CUDA graph to record a step into (tests on the CPU put a stand-in here)."""
+    return torch.cuda.CUDAGraph()
+
+
+def _record(graph, fn: Callable[[], torch.Tensor]) -> torch.Tensor:  # noqa: ANN001
+    """Record ``fn``'s work into ``graph`` (``torch.cuda.graph``) and return what it returns (tests on the CPU put a
+    stand-in here)."""
+    with torch.cuda.graph(graph):
+        return fn()
+
+
+class _StepGraph:
+    """One stage's recorded step: its graph, the static batch and targets it reads, the loss and the gradients it
+    writes."""
+
+    def __init__(self, graph, batch, targets, loss, params, grads) -> None:  # noqa: ANN001
+        self.graph, self.batch, self.targets, self.loss = graph, batch, targets, loss
+        self.params, self.grads = params, grads
+
+    def replay(self, batch: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        """Run the step on ``batch`` and ``targets`` (copied into the static ones); returns its loss (before the
+        broadcast), and leaves the gradients in ``.grad`` as an eager step would."""
+        for mine, given, name in ((self.batch, batch, "batch"), (self.targets, targets, "targets")):
+            if mine is None:
+                continue
+            if given is None or given.shape != mine.shape or given.dtype != mine.dtype:
+                got = None if given is None else (tuple(given.shape), given.dtype)
+                raise ValueError(
+                    f"graphs='step': the step was recorded for a {name} of {(tuple(mine.shape), mine.dtype)}, got "
+                    f"{got}; call forget_shapes() on every stage's pipeline first"
+                )
+            mine.copy_(given)
+        before = []
+        for q, g in zip(self.params, self.grads, strict=True):
+            held = q.grad
+            if g is not None and held is g:  # the last replay's gradient is still in use: keep it apart
+                held = g.clone()
+            before.append(held)
+        self.graph.replay()
+        for q, g, held in zip(self.params, self.grads, before, strict=True):
+            if g is None:
+                continue
+            if held is None:
+                q.grad = g
+            else:
+                held.add_(g)
+                q.grad = held
+        return self.loss.clone()

@@ -276,8 +276,11 @@ class StageLink:
         self._headers: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self._header_out: set[Key] = set()
         self._actions: Sequence[tuple] = ()
+        self._last: set[Key] = set()  # the step's last message of each (sending, receiving stage) pair
         #: record a CUDA event pair around each receive's stream wait (see :meth:`step_report`)
         self.measure_device = False
+        #: the step is being recorded into a CUDA graph: no event is queried or timed
+        self.capturing = False
         self._counts = {"sends": 0, "recvs": 0, "headers": 0, "send_s": 0.0, "recv_wait_s": 0.0}
         self._wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -312,6 +315,8 @@ class StageLink:
             self._open_channels()
         self._incoming = steady
         self._cursor = dict.fromkeys(steady, 0)
+        # each pair's last message of the step ends the channel's round (dtrain.comm.peer.channels)
+        self._last = {keys[-1] for keys in self._plans[forward_only].values() if keys}
         ahead = self._ahead.get((forward_only, self.lookahead))
         if ahead is None:
             ahead = self._ahead[forward_only, self.lookahead] = self._plan_ahead()
@@ -498,7 +503,7 @@ class StageLink:
                     "on every stage before changing the micro-batch shape"
                 )
         if self._channels is not None:
-            work = self._channels.send(self._channel_of[self.stage, dest], payload)
+            work = self._channels.send(self._channel_of[self.stage, dest], payload, last=key in self._last)
         else:
             work = _send(payload, group, rank, tag)
         event = self._record(kind, microbatch, chunk, start)
@@ -523,7 +528,7 @@ class StageLink:
             self._post_until(source, key)
             posted = self._posted.pop(key)
         work, payload = posted
-        measure = self.measure_device and payload.is_cuda
+        measure = self.measure_device and payload.is_cuda and not self.capturing
         if measure:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record()
@@ -560,7 +565,8 @@ class StageLink:
                 work.wait()
                 agreed = self._shapes[direction, u] = decode_header(header)
             if self._channels is not None:
-                received = self._channels.post(self._channel_of[source, self.stage], agreed[0], agreed[1])
+                channel = self._channel_of[source, self.stage]
+                received = self._channels.post(channel, agreed[0], agreed[1], last=item in self._last)
                 self._posted[item] = (received, received.tensor)
             else:
                 payload = torch.empty(agreed[0], dtype=agreed[1], device=self.device)
@@ -601,7 +607,7 @@ class StageLink:
         """Stamp and release the oldest sends that have completed, up to the first still in flight (cheap; called
         between actions: sends complete about in the order posted, so this looks at one or two of them)."""
         pending = self._pending
-        while pending and pending[0][0].is_completed():
+        while pending and not self.capturing and pending[0][0].is_completed():
             event = pending.popleft()[2]
             if event is not None:
                 event.end_s = max(event.end_s, time.perf_counter())

@@ -164,8 +164,9 @@ def validate_layout(config: TrainConfig, world_size: int, shape: ModelConfig) ->
 def _check_precision(config: TrainConfig) -> None:
     device = rank_device()
     autocast_dtype(config.training.precision, device)  # ValueError naming the precision where it cannot run
-    if config.parallel.pipeline_graphs and device.type != "cuda":
-        raise ConfigError("parallel.pipeline_graphs", f"records CUDA graphs; the ranks would run on {device.type}")
+    for key in ("pipeline_graphs", "pipeline_step_graph"):
+        if getattr(config.parallel, key) and device.type != "cuda":
+            raise ConfigError(f"parallel.{key}", f"records CUDA graphs; the ranks would run on {device.type}")
 
 
 def layout(config: TrainConfig, shape: ModelConfig) -> dict[str, Any]:
@@ -339,7 +340,7 @@ class _Trainer:
             tensor_parallel=functools.partial(tensor_parallelize, algorithm=par.algorithm, loss_parallel=True),
             num_microbatches=par.microbatches,
             schedule=par.schedule,
-            pipeline_graphs=par.pipeline_graphs,
+            pipeline_graphs="step" if par.pipeline_step_graph else par.pipeline_graphs,
             pipeline_transport=par.pipeline_transport,
             virtual_stages=INTERLEAVED_CHUNKS if par.schedule == "interleaved-1f1b" else 1,
             algorithm=par.algorithm,

@@ -19,6 +19,11 @@ def test_messages_of_every_dtype_go_around_a_ring_of_three_through_two_slots(poo
         assert arrived == [True] * 11, f"rank {rank}: {arrived}"
 
 
+def test_rounds_of_changing_lengths_go_around_a_ring_of_three(pool):
+    for rank, arrived in enumerate(pool.run(jobs.rounds, 3, 7, [3, 1, 2], 3, ranks=3)):
+        assert arrived == [True] * 15, f"rank {rank}: {arrived}"
+
+
 def test_a_bad_channel_an_oversized_message_and_another_ranks_channel_are_refused(pool):
     for said in pool.run(jobs.refusals, ranks=2):
         assert len(said) == 3, said
@@ -62,6 +67,7 @@ def test_on_cuda_each_step_is_one_driver_call_at_the_ring_s_addresses():
     chans._ready_at, chans._free_at, chans._ring_at = [0, 4], [8, 12], [256, 256]
     chans._base = [1 << 20, 2 << 20]
     chans._sent, chans._posted, chans._waiting = [0, 0], [0, 0], [[], []]
+    chans._booked, chans._rounds = [0, 0], [False, False]
     chans._raw_streams, chans._events = {0: 77}, []
     chans._raw_current, chans._index = (lambda index: 55), 0
     chans._hold = lambda tensor, index: None
@@ -99,3 +105,75 @@ def test_on_cuda_each_step_is_one_driver_call_at_the_ring_s_addresses():
     del sent
     chans.__del__()  # the channels go: every event the driver made for them goes too
     assert sorted(c[1] for c in calls if c[0] == "destroy_event") == [1000, 1001, 1002, 1003]
+
+
+def test_rounds_reset_the_counters_so_each_round_repeats_the_same_operations():
+    """Rounds through the stand-in driver: the receiver of a round's last message sets its ``ready`` back to 0 and
+    then its sender's ``free`` to ROUND_DONE; the sender's first message of the next round waits for exactly that
+    and clears it; every round then issues the same waits and writes with the same values (what lets one round
+    recorded in a CUDA graph replay)."""
+    import torch
+
+    from dtrain.comm.peer.channels import _ALIGN, ROUND_DONE, Channel, PeerChannels, _Driver
+
+    calls = []
+    events = iter(range(1000, 2000))
+
+    def op(name):
+        def call(*args):
+            calls.append((name, *args))
+            if name == "create_event":
+                args[0]._obj.value = next(events)
+            return 0
+
+        return call
+
+    driver = _Driver(*(op(name) for name in _Driver._fields))
+
+    def endpoint(rank):
+        chans = PeerChannels.__new__(PeerChannels)
+        chans.rank, chans.device, chans._cuda, chans.direct, chans._driver = (
+            rank,
+            torch.device("cpu"),
+            True,
+            True,
+            driver,
+        )
+        chans.channels = [Channel(0, 1, 300, 2)]
+        chans._ready_at, chans._free_at, chans._ring_at = [0], [4], [256]
+        chans._base = [1 << 20, 2 << 20]
+        chans._sent, chans._posted, chans._waiting, chans._booked, chans._rounds = [0], [0], [[]], [0], [False]
+        chans._raw_streams, chans._events = {0: 77}, []
+        chans._raw_current, chans._index = (lambda index: 55), 0
+        chans._hold = lambda tensor, index: None
+        chans._order = {0: chans._new_event()} if rank == 0 else {}
+        return chans
+
+    sender, receiver = endpoint(0), endpoint(1)
+    slot = -(-300 // _ALIGN) * _ALIGN
+    payload = torch.arange(75, dtype=torch.float32)
+    rounds_sent, rounds_taken = [], []
+    for _ in range(3):
+        calls.clear()
+        held = [sender.send(0, payload), sender.send(0, payload, last=True)]
+        rounds_sent.append([c[:2] + c[2:] for c in calls if c[0] in ("wait", "write", "copy")])
+        calls.clear()
+        posted = [receiver.post(0, (75,), torch.float32), receiver.post(0, (75,), torch.float32, last=True)]
+        posted[1].wait()  # takes the first too
+        rounds_taken.append([(c[0], c[2], c[3]) for c in calls if c[0] in ("wait", "write")])
+        del held
+    ready, free = (2 << 20) + 0, (1 << 20) + 4
+    first = [("copy", (2 << 20) + 256, payload.data_ptr(), 300, 77), ("write", 77, ready, 1, 0)]
+    first += [("copy", (2 << 20) + 256 + slot, payload.data_ptr(), 300, 77), ("write", 77, ready, 2, 0)]
+    assert rounds_sent[0] == first
+    # later rounds: wait for the round before to be taken (an EQ wait), clear free, then the same as the first
+    again = [("wait", 77, free, ROUND_DONE, 1), ("write", 77, free, 0, 0), *first]
+    assert rounds_sent[1] == again and rounds_sent[2] == again
+    taken = [
+        ("wait", ready, 1),
+        ("write", free, 1),
+        ("wait", ready, 2),
+        ("write", ready, 0),
+        ("write", free, ROUND_DONE),
+    ]
+    assert rounds_taken == [taken] * 3

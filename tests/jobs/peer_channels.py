@@ -95,3 +95,26 @@ def stalls() -> str:
         chans.window.barrier()  # rank 0's counter is already there: passes
     torch.distributed.barrier(group)
     return said
+
+
+def rounds(p: int, rounds: int, sizes: list[int], slots: int) -> list[bool]:
+    """Each rank sends its successor ``rounds`` rounds of messages (round ``r`` has ``sizes[r % len(sizes)]``
+    messages, at most ``slots``, the last marked) and then takes its predecessor's round, posted whole and taken
+    from the last message back (a take brings the ones before it out too); a round's first message waits until
+    the round before was taken. Returns per message whether it arrived equal to what was sent."""
+    group = group_of(p)
+    rank = torch.distributed.get_rank(group)
+    prv = (rank - 1) % p
+    chans = PeerChannels(group, torch.device("cpu"), [Channel(r, (r + 1) % p, 1024, slots) for r in range(p)])
+    ok, k = [], 0
+    for r in range(rounds):
+        count = sizes[r % len(sizes)]
+        batch = range(k, k + count)
+        for i, j in enumerate(batch):
+            chans.send(rank, _message(rank, j), last=i == count - 1)
+        posted = [chans.post(prv, *SHAPES[j % len(SHAPES)], last=i == count - 1) for i, j in enumerate(batch)]
+        got = [q.wait() for q in reversed(posted)][::-1]
+        ok += [torch.equal(g, _message(prv, j)) for g, j in zip(got, batch, strict=True)]
+        k += count
+    torch.distributed.barrier(group)
+    return ok

@@ -307,13 +307,94 @@ def graphed(p: int, m: int, schedule: str, v: int = 1, steps: int = 3) -> dict:
     }
 
 
+def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool = False) -> dict:
+    """``graphs="step"`` with a stand-in for the CUDA graph (no GPU here), on peer channels in /dev/shm: two eager
+    steps, then the step recorded once and replayed. The stand-in records by running the step (its messages are
+    real, so every stage runs it alike) and replays by running it again and writing the loss and gradients into
+    the tensors the recording made, as a graph's replay writes into its pool. An eager forward-only step runs
+    between two replays, and ``keep_grads`` leaves ``.grad`` in place between steps (the optimizer steps on the
+    accumulated gradients), so both the replace and the add paths are checked. Returns the worst errors against
+    the unsplit reference, how many recordings and replays ran, and the transport in use."""
+    from dtrain.parallel import pipeline_parallel
+
+    records, replays = [0], [0]
+    pipe = None
+
+    class Graph:
+        fn = None
+
+        def replay(self) -> None:
+            replays[0] += 1
+            graph = pipe._step_graph
+            held = [q.grad for q in graph.params]
+            for q in graph.params:
+                q.grad = None
+            loss = self.fn()
+            for q, g in zip(graph.params, graph.grads, strict=True):
+                if g is not None:
+                    g.copy_(q.grad)
+            graph.loss.copy_(loss)
+            for q, h in zip(graph.params, held, strict=True):
+                q.grad = h
+
+    def record(graph, fn):
+        records[0] += 1
+        graph.fn = fn
+        return fn()
+
+    real = pipeline_parallel._new_graph, pipeline_parallel._record
+    pipeline_parallel._new_graph, pipeline_parallel._record = Graph, record
+    try:
+        group = group_of(p)
+        reference = _mlp(seed=7)
+        losses, grads, evals = [], [], []
+        pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule=schedule, transport="peer")
+        pipe.graphs = "step"  # the constructor asks for a CUDA device
+        ref_losses, ref_grads = [], []
+        for step in range(steps):
+            batch, targets = _data("mlp", step)
+            loss = F.mse_loss(reference(batch), targets)
+            loss.backward()
+            ref_losses.append(loss.item())
+            losses.append(pipe.train_step(batch, targets, F.mse_loss).item())
+            ref_grads.append([q.grad.clone() for q in reference.parameters()])
+            grads.append([q.grad.clone() for q in pipe.parameters()])
+            for params in (list(reference.parameters()), list(pipe.parameters())):
+                if keep_grads:  # SGD, then zero the gradients in place (a replay's own gradient stays .grad)
+                    with torch.no_grad():
+                        for q in params:
+                            q -= LR * q.grad
+                            q.grad.zero_()
+                else:
+                    _sgd_step(params)
+            if step == 3:
+                with torch.no_grad():
+                    evals.append(pipe.train_step(batch, targets, F.mse_loss, forward_only=True).item())
+                    evals.append(F.mse_loss(reference(batch), targets).item())
+        got = (losses, grads)
+    finally:
+        pipeline_parallel._new_graph, pipeline_parallel._record = real
+    return {
+        **_chunk_errors(pipe, reference, (ref_losses, ref_grads), got, steps),
+        "eval": abs(evals[0] - evals[1]),
+        "records": records[0],
+        "replays": replays[0],
+        "transport": pipe.link.transport_in_use,
+    }
+
+
 def graphs_refused() -> list[str]:
     """``graphs=True`` on a CPU stage: the error, before anything is sent."""
     try:
         PipelineParallel(_mlp(seed=1), group_of(2), num_microbatches=2, graphs=True)
     except ValueError as err:
-        return [str(err)]
-    return ["no error"]
+        said = [str(err)]
+    for bad in ({"graphs": "steps"}, {"graphs": "step", "transport": "group"}):
+        try:
+            PipelineParallel(_mlp(seed=1), group_of(2), num_microbatches=2, **bad)
+        except ValueError as err:
+            said.append(str(err))
+    return said
 
 
 def graphed_autocast(p: int, m: int, steps: int = 3) -> dict:

@@ -223,6 +223,24 @@ def test_graphs_are_refused_on_the_cpu(pool):
     errors = pool.run(pipeline_jobs.graphs_refused, ranks=2)
     assert errors[0] == errors[1]
     assert "needs the stage's parameters on a CUDA device" in errors[0][0]
+    assert errors[0][1] == "graphs must be False, True or 'step', got 'steps'"
+    assert "transport 'group' has none" in errors[0][2]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "keep_grads"),
+    [("1f1b", False), ("interleaved-1f1b", True), ("zb-h1", False), ("zb-v", True), ("gpipe", False)],
+)
+def test_a_step_recorded_whole_replays_over_peer_channels_and_trains_like_the_unsplit_model(pool, schedule, keep_grads):
+    """``graphs="step"`` (a stand-in graph): two eager steps, one recording, then replays, with a forward-only
+    step in between; the channels' rounds make every replay issue the same messages. Gradients left in place
+    (zeroed) between steps take the replay's gradient added, not aliased."""
+    p, m, steps = 2, 4, 6
+    for r in pool.run(pipeline_jobs.step_graphed, p, m, schedule, steps, keep_grads, ranks=p):
+        assert r["transport"] == "peer"
+        assert r["records"] == 1 and r["replays"] == steps - 2
+        assert r["loss"] == 0.0 and r["grad"] == 0.0 and r["param"] == 0.0, r
+        assert r["eval"] < 1e-6
 
 
 def test_graphed_steps_record_forwards_under_autocast_without_its_cache_and_train_as_eager_ones(pool):
@@ -307,6 +325,7 @@ def test_bench_pipeline_profile_must_name_a_directory(tmp_path, capsys):
     [
         (["--transport", "group,nccl"], "--transport: unknown nccl; accepted: auto, group, peer"),
         (["--lookahead", "0,-1"], "--lookahead [0, -1]: each must be 0 or more"),
+        (["--graphs", "step,steps"], "--graphs: unknown steps; accepted: actions, step"),
     ],
 )
 def test_bench_pipeline_refuses_an_unknown_transport_and_a_negative_lookahead(tmp_path, capsys, flags, said):

@@ -196,11 +196,23 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
             '[parallel]\npp = 2\npipeline_graphs = true\n[training]\nactivation_checkpointing = "full"\n',
             "train.toml: [parallel] pipeline_graphs: does not run with activation checkpointing",
         ),
+        (
+            "[parallel]\npipeline_step_graph = true\n",
+            "train.toml: [parallel] pipeline_step_graph: replays a pipeline's step; it needs pp > 1",
+        ),
+        (
+            '[parallel]\npp = 2\npipeline_step_graph = true\npipeline_transport = "group"\n',
+            "train.toml: [parallel] pipeline_step_graph: does not run with pipeline_transport = group (no peer",
+        ),
+        (
+            "[parallel]\npp = 2\nzero = 2\npipeline_step_graph = true\n",
+            "train.toml: [parallel] pipeline_step_graph: does not run with zero = 2 (its reductions run inside",
+        ),
         ('[logging]\nout = ""\n', "train.toml: [logging] out: must be a directory path"),
         (
             "[parallel]\ntpp = 2\n",
             "train.toml: [parallel] tpp: unknown key; keys of [parallel]: dp, pp, tp, schedule, microbatches, "
-            "pipeline_graphs, pipeline_transport, zero, zero_shard_size, algorithm, balance",
+            "pipeline_graphs, pipeline_step_graph, pipeline_transport, zero, zero_shard_size, algorithm, balance",
         ),
         ("[modle]\nfamily = 1\n", "train.toml: [modle]: unknown section; sections: model, data, parallel, optimizer"),
         ("steps = 20\n", "train.toml: steps: not a section; sections: model, data"),

@@ -9,6 +9,14 @@ receiver's slot and raises ``ready`` to ``n + 1``; the receiver waits until ``re
 the slot out and raises ``free`` to ``n + 1``. The counters are 32-bit and compared cyclically, as CUDA's
 ``CU_STREAM_WAIT_VALUE_GEQ`` does, so they never need resetting.
 
+Messages may also come in rounds (a training step's, say): the sender marks a round's last message (``send(...,
+last=True)``) and the receiver books it as such (``post(..., last=True)``); the next round numbers its messages
+from 0 again. Having taken a round's last message, the receiver sets its ``ready`` back to 0 and then ``free`` to
+:data:`ROUND_DONE`; the sender's first message of the next round waits for ``free`` to equal ``ROUND_DONE`` (every
+message of the round before taken, ``ready`` reset) and sets it back to 0 before it raises ``ready``. Each round
+then issues the same waits and raises with the same values, so a round recorded once in a CUDA graph replays
+correctly as often as it is launched, between eager rounds too.
+
 On CUDA every step is a stream operation: the copies are ``cuMemcpyDtoDAsync`` through the peer mapping, the waits
 ``cuStreamWaitValue32`` and the raises ``cuStreamWriteValue32`` (CUDA Driver API, "Stream Memory Operations"),
 whose default write follows a memory fence, so a receiver that sees ``ready`` sees the payload. The sender pushes:
@@ -45,6 +53,11 @@ from dtrain.comm.peer import window as peer_window
 __all__ = ["Channel", "PeerChannels", "Receive", "channels_available"]
 
 _ALIGN = 256  # every slot starts on a 256-byte boundary (what cudaMalloc gives)
+
+#: What a receiver writes into its sender's ``free`` once it has taken a round's last message (an EQ wait matches
+#: it; no count within a round reaches it).
+ROUND_DONE = 0x7FFFFFF0
+_WAIT_GEQ, _WAIT_EQ = 0x0, 0x1  # CUstreamWaitValue_flags
 
 
 class Channel(NamedTuple):
@@ -141,10 +154,13 @@ class Receive:
     """A message posted for receipt: :meth:`wait` takes it (and any posted before it on its channel) out of the
     ring and returns it."""
 
-    __slots__ = ("_channels", "_index", "_number", "_done", "tensor")
+    __slots__ = ("_channels", "_index", "_number", "_seq", "_last", "_done", "tensor")
 
-    def __init__(self, channels: PeerChannels, index: int, number: int, tensor: torch.Tensor) -> None:
-        self._channels, self._index, self._number = channels, index, number
+    def __init__(
+        self, channels: PeerChannels, index: int, number: int, tensor: torch.Tensor, last: bool = False, seq: int = 0
+    ) -> None:
+        # ``number`` within the round (the slot and the counters' values), ``seq`` on the channel (the order taken)
+        self._channels, self._index, self._number, self._last, self._seq = channels, index, number, last, seq
         self.tensor = tensor
         self._done = False
 
@@ -152,7 +168,7 @@ class Receive:
         """On CUDA the caller's stream waits for the message and copies it out (the host does not wait); on the
         CPU the host does both."""
         if not self._done:
-            self._channels._drain(self._index, self._number)
+            self._channels._drain(self._index, self._seq)
         return self.tensor
 
     def is_completed(self) -> bool:
@@ -216,6 +232,8 @@ class PeerChannels:
         self.window = peer_window.PeerWindow(self.group, device, nbytes)
         self._sent = [0] * n
         self._posted = [0] * n
+        self._booked = [0] * n  # receives posted on each channel, all rounds
+        self._rounds = [False] * n  # per channel: whether a round has ended (the next one waits for ROUND_DONE)
         self._waiting: list[list[Receive]] = [[] for _ in range(n)]  # CPU: posted, not yet copied out
         self._cuda = device.type == "cuda"
         if self._cuda:
@@ -240,8 +258,9 @@ class PeerChannels:
 
     # -- sending
 
-    def send(self, index: int, tensor: torch.Tensor) -> _Sent:
-        """Send ``tensor`` (contiguous, at most the channel's ``slot_bytes``) as the channel's next message."""
+    def send(self, index: int, tensor: torch.Tensor, *, last: bool = False) -> _Sent:
+        """Send ``tensor`` (contiguous, at most the channel's ``slot_bytes``) as the channel's next message;
+        ``last`` ends its round (see the module)."""
         c = self.channels[index]
         payload = _as_bytes(tensor)
         if c.src != self.rank or payload.numel() > c.slot_bytes:
@@ -249,16 +268,23 @@ class PeerChannels:
                 f"peer channels: rank {self.rank} cannot send {payload.numel()} bytes on channel {index} {c}"
             )
         n = self._sent[index]
-        self._sent[index] = n + 1
+        self._sent[index] = 0 if last else n + 1
+        # the first message of a round after another: wait for every message of that round to be taken
+        new_round = n == 0 and self._rounds[index]
+        self._rounds[index] = self._rounds[index] or last
         slot = self._ring_at[index] + (n % c.slots) * _round(c.slot_bytes)
+        free_at = self._base[self.rank] + self._free_at[index] if self._cuda else 0
         if self._cuda and self.direct:
             d, stream = self._driver, self._raw_streams[index]
             # the channel's stream after the caller's (the payload is made there), then the copy and the raise
             order = self._order[index]
             _check(d.record(order, self._current()), "cuEventRecord")
             _check(d.wait_event(stream, order, 0), "cuStreamWaitEvent")
+            if new_round:
+                self._wait_value(stream, free_at, ROUND_DONE, _WAIT_EQ)
+                self._write_value(stream, free_at, 0)
             if n >= c.slots:
-                self._wait_value(stream, self._base[self.rank] + self._free_at[index], n - c.slots + 1)
+                self._wait_value(stream, free_at, n - c.slots + 1)
             nbytes = payload.numel()
             _check(d.copy(self._base[c.dst] + slot, payload.data_ptr(), nbytes, stream), "cuMemcpyDtoDAsync")
             self._write_value(stream, self._base[c.dst] + self._ready_at[index], n + 1)
@@ -271,14 +297,20 @@ class PeerChannels:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 raw = stream.cuda_stream
+                if new_round:
+                    self._wait_value(raw, free_at, ROUND_DONE, _WAIT_EQ)
+                    self._write_value(raw, free_at, 0)
                 if n >= c.slots:
-                    self._wait_value(raw, self._base[self.rank] + self._free_at[index], n - c.slots + 1)
+                    self._wait_value(raw, free_at, n - c.slots + 1)
                 self.window.buffers[c.dst][slot : slot + payload.numel()].copy_(payload)
                 self._write_value(raw, self._base[c.dst] + self._ready_at[index], n + 1)
                 tensor.record_stream(stream)
                 event = torch.cuda.Event()
                 event.record(stream)
             return _Sent(event)
+        if new_round:
+            self._spin(self.rank, self._free_at[index], ROUND_DONE, f"rank {c.dst} to take the last round", exact=True)
+            self._counters[self.rank][self._free_at[index] // 4] = 0
         if n >= c.slots:
             self._spin(self.rank, self._free_at[index], n - c.slots + 1, f"rank {c.dst} to free a slot")
         self.window.buffers[c.dst][slot : slot + payload.numel()].copy_(payload)
@@ -287,27 +319,30 @@ class PeerChannels:
 
     # -- receiving
 
-    def post(self, index: int, shape: Sequence[int], dtype: torch.dtype) -> Receive:
+    def post(self, index: int, shape: Sequence[int], dtype: torch.dtype, *, last: bool = False) -> Receive:
         """Book the channel's next message as a ``shape`` tensor of ``dtype`` (allocated now, on the caller's
-        stream); it is taken out of its slot by :meth:`Receive.wait`, or by the wait of a message after it."""
+        stream); it is taken out of its slot by :meth:`Receive.wait`, or by the wait of a message after it.
+        ``last``: the message ends its round (as its sender marked it)."""
         c = self.channels[index]
         out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         nbytes = out.numel() * out.element_size()
         if c.dst != self.rank or nbytes > c.slot_bytes:
             raise ValueError(f"peer channels: rank {self.rank} cannot receive {nbytes} bytes on channel {index} {c}")
         n = self._posted[index]
-        self._posted[index] = n + 1
-        received = Receive(self, index, n, out)
+        self._posted[index] = 0 if last else n + 1
+        seq = self._booked[index]
+        self._booked[index] = seq + 1
+        received = Receive(self, index, n, out, last, seq)
         self._waiting[index].append(received)
         return received
 
-    def _drain(self, index: int, number: int) -> None:
-        """Take the channel's posted messages up to message ``number`` out of their slots, in order: on CUDA as
+    def _drain(self, index: int, seq: int) -> None:
+        """Take the channel's posted messages up to the ``seq``-th posted out of their slots, in order: on CUDA as
         operations on the caller's stream (wait for ``ready``, copy out, raise the sender's ``free``), on the
         CPU by the host."""
         c = self.channels[index]
         waiting = self._waiting[index]
-        while waiting and waiting[0]._number <= number:
+        while waiting and waiting[0]._seq <= seq:
             received = waiting.pop(0)
             n = received._number
             slot = self._ring_at[index] + (n % c.slots) * _round(c.slot_bytes)
@@ -320,18 +355,27 @@ class PeerChannels:
                     _check(self._driver.copy(out.data_ptr(), source, out.numel(), stream), "cuMemcpyDtoDAsync")
                 else:
                     out.copy_(self.window.buffers[self.rank][slot : slot + out.numel()])
-                self._write_value(stream, self._base[c.src] + self._free_at[index], n + 1)
+                if received._last:  # the round's end: ready back to 0, then tell the sender
+                    self._write_value(stream, self._base[self.rank] + self._ready_at[index], 0)
+                self._write_value(
+                    stream, self._base[c.src] + self._free_at[index], ROUND_DONE if received._last else n + 1
+                )
             else:
                 self._spin(self.rank, self._ready_at[index], n + 1, f"rank {c.src}'s message {n}")
                 out.copy_(self.window.buffers[self.rank][slot : slot + out.numel()])
-                self._counters[c.src][self._free_at[index] // 4] = np.int32(_wrap(n + 1))
+                if received._last:
+                    self._counters[self.rank][self._ready_at[index] // 4] = 0
+                self._counters[c.src][self._free_at[index] // 4] = np.int32(
+                    ROUND_DONE if received._last else _wrap(n + 1)
+                )
             received._done = True
 
     # -- the waits and raises
 
-    def _wait_value(self, stream: int, address: int, value: int) -> None:
-        """``stream`` (a raw handle) waits until the counter at ``address`` reaches ``value`` (cyclically)."""
-        _check(self._driver.wait(stream, address, value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
+    def _wait_value(self, stream: int, address: int, value: int, flags: int = _WAIT_GEQ) -> None:
+        """``stream`` (a raw handle) waits until the counter at ``address`` reaches ``value`` (cyclically), or
+        with ``_WAIT_EQ`` equals it."""
+        _check(self._driver.wait(stream, address, value & 0xFFFFFFFF, flags), "cuStreamWaitValue32")
 
     def _write_value(self, stream: int, address: int, value: int) -> None:
         _check(self._driver.write(stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
@@ -359,10 +403,14 @@ class PeerChannels:
         for event in events:
             self._driver.destroy_event(event)  # at exit the context may be gone: nothing to report then
 
-    def _spin(self, rank: int, at: int, target: int, what: str) -> None:
+    def _spin(self, rank: int, at: int, target: int, what: str, exact: bool = False) -> None:
         counters = self._counters[rank]
+        if exact:
+            reached = lambda: int(counters[at // 4]) & 0xFFFFFFFF == target  # noqa: E731
+        else:
+            reached = lambda: _reached(int(counters[at // 4]) & 0xFFFFFFFF, target & 0xFFFFFFFF)  # noqa: E731
         peer_window.spin_until(
-            lambda: _reached(int(counters[at // 4]) & 0xFFFFFFFF, target & 0xFFFFFFFF),
+            reached,
             lambda: self._timeout,
             lambda: f"peer channels: rank {self.rank} waited past the group's timeout for {what}",
         )
