@@ -1239,33 +1239,35 @@ def _zero_bubble_bound(records: list[dict]) -> list[str]:
 
 
 def _train_graphs_part() -> list[str]:
-    """`dtrain train` with and without `[parallel] pipeline_graphs`, the same run otherwise."""
-    records = load("train_pipeline_graphs-h200x2.jsonl")
-    if not records:
-        return []
-    rows = [
-        [
-            "yes" if r["pipeline_graphs"] else "no",
-            f"{r['final_loss']:.6f}",
-            f"{r['last_step_s'] * 1e3:.1f}",
-            f"{r['last_compute_s'] * 1e3:.1f}",
-            f"{r['tokens_per_s'] / 1e3:.0f} k",
+    """`dtrain train` with and without `[parallel] pipeline_graphs` (or `pipeline_step_graph`), the same run
+    otherwise."""
+    parts = []
+    for name, key, title in (
+        ("train_pipeline_graphs-h200x2.jsonl", "pipeline_graphs", "pipeline graphs"),
+        ("train_pipeline_step_graph-h100x4.jsonl", "pipeline_step_graph", "the whole step one graph"),
+    ):
+        records = load(name)
+        if not records:
+            continue
+        rows = [
+            [
+                "yes" if r[key] else "no",
+                f"{r['final_loss']:.6f}",
+                f"{r['last_step_s'] * 1e3:.1f}",
+                f"{r['last_compute_s'] * 1e3:.1f}",
+                f"{r['tokens_per_s'] / 1e3:.0f} k",
+            ]
+            for r in records
         ]
-        for r in records
-    ]
-    first = records[0]
-    return [
-        "### `dtrain train` with pipeline graphs",
-        f"{first['what']}; the step and compute times are the last step's. The losses of every step are equal "
-        f"(largest difference {records[-1]['max_loss_diff_over_steps']}).",
-        setting(
-            first["device"] + ", NVLink",
-            f"torch {first['torch_version']}",
-            first["command"],
-            "`train_pipeline_graphs-h200x2.jsonl`",
-        ),  # fmt: skip
-        table(["pipeline_graphs", "final loss", "step ms", "compute ms", "tokens/s"], rows),
-    ]
+        first = records[0]
+        parts += [
+            f"### `dtrain train` with {title}",
+            f"{first['what']}; the step and compute times are the last step's. The losses of every step are equal "
+            f"(largest difference {records[-1]['max_loss_diff_over_steps']}).",
+            setting(first["device"] + ", NVLink", f"torch {first['torch_version']}", first["command"], f"`{name}`"),
+            table([key, "final loss", "step ms", "compute ms", "tokens/s"], rows),
+        ]
+    return parts
 
 
 # -------------------------------------------------------------------------------------------------- parameter server
