@@ -1111,7 +1111,8 @@ def _zero_bubble_part() -> list[str]:
         step_file = name.startswith("bench_pipeline_step")
         rows = [
             [
-                r["schedule"] + {False: "", True: " (graphs)", "step": " (step graph)"}[r.get("graphs", False)]
+                r["schedule"]
+                + {False: "", True: " (graphs)", "step": " (step graph)"}[r.get("graphs", False)]
                 + _transport_label(r),
                 str(r["microbatches"]),
                 str(r["batch"] // r["microbatches"]),

@@ -372,15 +372,27 @@ def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool
                     evals.append(pipe.train_step(batch, targets, F.mse_loss, forward_only=True).item())
                     evals.append(F.mse_loss(reference(batch), targets).item())
         got = (losses, grads)
+        errors = _error_and_recovery(pipe, m, steps) if pipe.is_first and pipe.is_last is False else {}
     finally:
         pipeline_parallel._new_graph, pipeline_parallel._record = real
     return {
         **_chunk_errors(pipe, reference, (ref_losses, ref_grads), got, steps),
+        **errors,
         "eval": abs(evals[0] - evals[1]),
         "records": records[0],
         "replays": replays[0],
         "transport": pipe.link.transport_in_use,
     }
+
+
+def _error_and_recovery(pipe: PipelineParallel, m: int, step: int) -> dict:
+    """On the first stage of a recorded pipeline: what a batch of another shape says (before anything is sent)."""
+    batch, targets = _data("mlp", step)
+    try:
+        pipe.train_step(batch[: m * 2], None, F.mse_loss)
+    except ValueError as err:
+        return {"other_shape": str(err)}
+    return {"other_shape": "no error"}
 
 
 def graphs_refused() -> list[str]:
