@@ -234,10 +234,18 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
             if not under_torchrun_job():
                 return _BadInput(recorded)  # no restart: the job ends with that one line
             raise ValueError(recorded) from None
+        line = None
         if heartbeat is not None and _is_collective_failure(err):
             line = heartbeat.describe_failure(err)
-            if line is not None:
-                print(line, file=sys.stderr, flush=True)
+        if line is None and dist.is_initialized() and dist.get_world_size() > 1:
+            # said now: the teardown below can wait on a peer still inside a collective with this rank (an NCCL
+            # communicator's destruction), and the traceback comes only after it
+            message = str(err).strip().splitlines()
+            line = f"dtrain: rank {dist.get_rank()} stopped: {type(err).__name__}" + (
+                f": {message[0]}" if message else ""
+            )
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
         raise
     finally:
         if heartbeat is not None:

@@ -21,6 +21,15 @@ def bad_input_on_rank1(log: str) -> float:
     return t.sum().item()
 
 
+def error_on_rank1() -> float:
+    """Rank 1 fails with an unexpected error at once; rank 0 waits for it in an all-reduce."""
+    if dist.get_rank() == 1:
+        raise RuntimeError("the step's graph could not be recorded\nsecond line")
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    return t.sum().item()
+
+
 def environment(names: list[str]) -> dict[str, str | None]:
     """Each rank's values of ``names``, rank 0's returned (the others must agree)."""
     import os

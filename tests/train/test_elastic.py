@@ -162,6 +162,18 @@ def test_bad_input_on_a_worker_is_raised_once_not_restarted(tmp_path):
     assert attempts == {"0"}, log.read_text()
 
 
+def test_a_rank_that_fails_says_so_in_one_line_before_its_teardown():
+    """An unexpected error is named, rank and first line, before the rank tears its group down (which can wait on
+    a peer still in a collective with it, and the traceback only follows the teardown)."""
+    code = "from dtrain.launch import run_ranks; from tests.jobs import elastic; run_ranks(elastic.error_on_rank1, 2)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    line = "dtrain: rank 1 stopped: RuntimeError: the step's graph could not be recorded\n"
+    assert line in done.stderr, done.stderr
+
+
 def test_resize_keeps_tp_and_pp_and_takes_dp_from_the_world():
     config = load_config(sets=["parallel.dp=2", "parallel.pp=2", "elastic.resize=true", "training.batch_size=12"])
     assert resize(config, 6).parallel.dp == 3 and resize(config, 6).parallel.pp == 2
