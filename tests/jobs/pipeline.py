@@ -452,6 +452,66 @@ def graphed_autocast(p: int, m: int, steps: int = 3) -> dict:
     return {"worst": worst, "captured": graphed._graphed is not None, "recorded_under": sorted(set(seen))}
 
 
+def step_graphed_autocast(p: int, m: int, steps: int = 5) -> dict:
+    """``graphs="step"`` (the stand-in graph of :func:`step_graphed`) under bf16 autocast against the same
+    pipeline run eagerly under the same autocast, both on peer channels: the largest difference of losses and
+    gradients, and what the recorded step's forwards ran under (autocast on, its cast cache off)."""
+    from dtrain.parallel import pipeline_parallel
+
+    seen, recording = [], [False]
+    pipe = None
+
+    class Graph:
+        fn = None
+
+        def replay(self) -> None:
+            graph = pipe._step_graph
+            held = [q.grad for q in graph.params]
+            for q in graph.params:
+                q.grad = None
+            graph.loss.copy_(self.fn())
+            for q, g in zip(graph.params, graph.grads, strict=True):
+                g.copy_(q.grad)
+            for q, h in zip(graph.params, held, strict=True):
+                q.grad = h
+
+    def record(graph, fn):
+        graph.fn = fn
+        recording[0] = True
+        try:
+            return fn()
+        finally:
+            recording[0] = False
+
+    def look(*_) -> None:
+        if recording[0]:
+            seen.append((torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled()))
+
+    group = group_of(p)
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    real = pipeline_parallel._new_graph, pipeline_parallel._record
+    pipeline_parallel._new_graph, pipeline_parallel._record = Graph, record
+    try:
+        pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, transport="peer")
+        pipe.graphs = "step"  # the constructor asks for a CUDA device
+        for chunk in pipe.chunks:
+            chunk.register_forward_pre_hook(look)
+        eager = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, transport="peer")
+        worst = 0.0
+        for step in range(steps):
+            batch, targets = _data("mlp", step)
+            a = pipe.train_step(batch, targets, F.mse_loss, forward_context=autocast)
+            b = eager.train_step(batch, targets, F.mse_loss, forward_context=autocast)
+            worst = max(worst, (a - b).abs().item())
+            for x, y in zip(pipe.parameters(), eager.parameters(), strict=True):
+                worst = max(worst, (x.grad - y.grad).abs().max().item())
+            _sgd_step(list(pipe.parameters()))
+            _sgd_step(list(eager.parameters()))
+    finally:
+        pipeline_parallel._new_graph, pipeline_parallel._record = real
+    return {"worst": worst, "recorded": pipe._step_graph is not None, "recorded_under": sorted(set(seen))}
+
+
 def transports_agree(p: int, m: int, schedule: str) -> dict:
     """The same training over the process groups and over peer channels ("peer", and "auto", which picks them on
     one host): the same losses and parameters after a forward-only step between two training steps and a change of

@@ -227,6 +227,12 @@ def test_graphs_are_refused_on_the_cpu(pool):
     assert "transport 'group' has none" in errors[0][2]
 
 
+def test_a_step_recorded_whole_runs_its_forwards_under_autocast_without_its_cache_and_trains_as_eager_ones(pool):
+    for r in pool.run(pipeline_jobs.step_graphed_autocast, 2, 2, ranks=2):
+        assert r["recorded"] and r["worst"] == 0.0
+        assert r["recorded_under"] == [(True, False)]  # autocast on, its cast cache off
+
+
 @pytest.mark.parametrize(
     ("schedule", "keep_grads"),
     [("1f1b", False), ("interleaved-1f1b", True), ("zb-h1", False), ("zb-v", True), ("gpipe", False)],
