@@ -174,6 +174,7 @@ def section_collectives() -> str:
         captured_table(h200),
         "![NCCL's time over ours, captured](figures/collectives-captured.png)",
         *_defaults_part(),
+        *_defaults_beside_part(),
         *_one_pass_part(),
         "### All-reduce on the defaults (4 x H100)",
         "busbw GB/s, ratio to NCCL in brackets, for our schedules run a round at a time; the `auto` column ran a "
@@ -287,6 +288,56 @@ def _defaults_part() -> list[str]:
             ]
         parts += _two_shot_part(gpus)
     return parts
+
+
+def _defaults_beside_part() -> list[str]:
+    """The defaults sweep with fresh tensors timed in the same rounds as the same tensors (``--fresh-beside``)."""
+    records = load("collectives_defaults_beside-h100x4.jsonl")
+    if not records:
+        return []
+    by = {(r["collective"], r["nbytes"], r["algorithm"]): r for r in records}
+    sizes = sorted({r["nbytes"] for r in records})
+    rows, apart, below, ours_below = [], [], 0, []
+    for n in sizes:
+        row = [size(n)]
+        for c in DEFAULT_COLLECTIVES:
+            same, fresh = by[c, n, "auto"], by[c, n, "auto+fresh"]
+            ratios = (
+                by[c, n, "torch"]["time_us"] / same["time_us"],
+                by[c, n, "torch+fresh"]["time_us"] / fresh["time_us"],
+            )
+            below += sum(x < 1.0 for x in ratios)
+            if min(ratios) < 1.0 and (same.get("resolved_algorithm") or "?") != "native":
+                ours_below.append(f"{c.replace('_', '-')} at {size(n)}")
+            drift = fresh["time_us"] / same["time_us"]
+            if abs(drift - 1) > 0.10:
+                apart.append(f"{c.replace('_', '-')} at {size(n)} ({drift:.2f})")
+            pick = same.get("resolved_algorithm") or "?"
+            row.append(f"{ratios[0]:.2f}x / {ratios[1]:.2f}x" + ("" if pick == "native" else f" ({pick})"))
+        rows.append(row)
+    cells = 2 * len(sizes) * len(DEFAULT_COLLECTIVES)
+    return [
+        "#### Same and fresh tensors in one launch (4 x H100)",
+        "The sweep above timed same and fresh tensors in separate launches. Here each name also runs on fresh "
+        "tensors (`NAME+fresh`) in the same rounds as on the same ones, so the two differ by the tensors alone. "
+        "A cell is NCCL's time over ours, same tensors / fresh tensors, both against torch.distributed's own call on "
+        f"the same kind of tensors. {below} of {cells} ratios are below 1.00x, "
+        + (
+            "all of them where `auto` makes NCCL's own call (its spread against torch.distributed's identical call)"
+            if not ours_below
+            else "among them where `auto` runs one of ours: " + ", ".join(ours_below)
+        )
+        + ". Ours on fresh tensors is within 10% of ours on the same ones everywhere but "
+        + (", ".join(apart) if apart else "nowhere")
+        + " (fresh time over same).",
+        setting(
+            card(records),
+            gpu_software(records),
+            "benchmarks/gpu/run.sh OUT defaults-beside",
+            "`collectives_defaults_beside-h100x4.jsonl`",
+        ),
+        table(["size", *(c.replace("_", "-") for c in DEFAULT_COLLECTIVES)], rows),
+    ]
 
 
 #: The two-shot sweep's columns: (collective, algorithm, fresh), NCCL's time over that algorithm's.
@@ -561,6 +612,7 @@ def _dp_ceiling() -> str:
     GPU's step from the profile, and the launches with NCCL's CTAs capped."""
     launches = ["dp_vs_ddp-h100x4-b16.jsonl", "dp_vs_ddp-h100x4-b32.jsonl", "dp_profile-h100x4.jsonl"]
     launches += [f"dp_vs_ddp-nccl_max_ctas{c}-h100x4-b{b}.jsonl" for c in (4, 16) for b in (16, 32)]
+    launches += [f"dp_vs_ddp-graphs-h100x4-b{b}.jsonl" for b in (16, 32)]
     local: dict[int, list[float]] = {16: [], 32: []}
     for name in launches:
         rows = load(name)
@@ -593,6 +645,90 @@ def _dp_ceiling() -> str:
     )
 
 
+def _dp_recorded() -> str:
+    """What the recorded step's launches add: the optimizer recorded too, NCCL's CTAs capped, and the profile."""
+
+    def times(name: str) -> dict[str, float]:
+        return {r["variant"]: r["step_s"] * 1e3 for r in load(name)}
+
+    whole = {b: times(f"dp_vs_ddp-graph_whole-h100x4-b{b}.jsonl") for b in (16, 32)}
+    rows = [
+        [
+            f"{b}",
+            *(f"{whole[b][v]:.2f}" for v in ("single-graph", "ours-graph", "single-graph-whole", "ours-graph-whole")),
+        ]
+        for b in (16, 32)
+    ]
+    ctas = []
+    for c in ("default", "16", "8", "4", "2"):
+        t = times(f"dp_vs_ddp-graphs-nccl_max_ctas_{c}-h100x4-b16.jsonl")
+        ctas.append(
+            [c, f"{t['ours-graph']:.2f}", f"{t['single-graph']:.2f}", f"{t['single-graph'] / t['ours-graph']:.1%}"]
+        )
+    profile = (RESULTS / "dp_profile-graphs-h100x4.txt").read_text()
+    spans = {
+        name: re.search(
+            rf"^{name}-\d+ranks-b16: span ([\d.]+) ms, busy [\d.]+, compute ([\d.]+), comm [\d.]+ "
+            rf"\(exposed ([\d.]+)\)",
+            profile,
+            re.M,
+        )
+        for name in ("local-graph", "ours-graph")
+    }
+    if all(spans.values()):
+        local, ours = spans["local-graph"], spans["ours-graph"]
+        where = (
+            f"Under the profiler (`dp_profile-graphs-h100x4.txt`, 16 sequences a GPU) a recorded step of ours spans "
+            f"{ours.group(1)} ms against {local.group(1)} ms with no communication: compute takes {ours.group(2)} ms "
+            f"against {local.group(2)} (the gradient all-reduce runs beside it and slows it), and {ours.group(3)} ms "
+            "of the all-reduce is left exposed after backward."
+        )
+    else:
+        where = "(no profile)"
+    return "\n\n".join(
+        [
+            "### A step recorded whole",
+            "`-graph` variants record forward, loss and backward (with ours, the bucket all-reduces that run inside "
+            "backward) as one CUDA graph at the third step (`dtrain.parallel.step_graph.GraphedStep`; "
+            "`[parallel] step_graph` in `dtrain train`) and replay it; AdamW steps eagerly after each replay. Their "
+            "scaling is taken against one GPU run the same way (`single-graph`), and beside it against the eager "
+            "one. The host then enqueues a step in about 4 ms of its 27-29 ms, and four processes with no "
+            "communication (`local-graph`) reach 99.5-99.8% of one GPU.",
+            where,
+            "With the optimizer recorded too (a capturable AdamW; ours steps it inside backward, every bucket's "
+            "parameters but the last's while the last bucket is reduced) the step is slower on one GPU and the gap "
+            "does not close (`dp_vs_ddp-graph_whole-h100x4-b{16,32}.jsonl`, step ms):",
+            table(["sequences a GPU", "single-graph", "ours-graph", "single-graph-whole", "ours-graph-whole"], rows),
+            "NCCL's CTAs capped (`NCCL_MAX_CTAS`, every variant; `dp_vs_ddp-graphs-nccl_max_ctas_*-h100x4-b16.jsonl`): "
+            "fewer CTAs leave more of the reduction exposed, and no cap gains:",
+            table(["NCCL_MAX_CTAS", "ours-graph ms", "single-graph ms", "scaling"], ctas),
+            _train_recorded(),
+        ]
+    )
+
+
+def _train_recorded() -> str:
+    """`dtrain train` with and without ``step_graph`` at dp 4 and on one GPU: losses and step times."""
+    rows = []
+    for layout, gpus in (("dp4", 4), ("dp1", 1)):
+        runs = {
+            v: [r for r in load(f"train_step_graph-{layout}-{v}-h100x4.jsonl") if "loss" in r and "step" in r]
+            for v in ("eager", "graph")
+        }
+        worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(runs["eager"], runs["graph"], strict=True))
+        last = {v: statistics.median(r["step_s"] for r in runs[v][-10:]) * 1e3 for v in runs}
+        rows.append([str(gpus), str(len(runs["graph"])), f"{worst:g}", f"{last['eager']:.2f}", f"{last['graph']:.2f}"])
+    return "\n\n".join(
+        [
+            "`dtrain train`, the tiny Llama of `configs/tiny-cpu.toml` in bf16, 30 steps, with and without "
+            "`--step-graph` (`python -m dtrain train --nproc N --config configs/tiny-cpu.toml --dp N --pp 1 --steps "
+            "30 --precision bf16 --no-tensorboard --no-export [--step-graph]`; "
+            "`train_step_graph-{dp4,dp1}-{eager,graph}-h100x4.jsonl`): the same loss at every step.",
+            table(["GPUs", "steps", "largest loss difference", "step ms eager (last 10)", "step ms recorded"], rows),
+        ]
+    )
+
+
 def section_dp() -> str:
     first = load("dp_vs_ddp-h100x4-b32.jsonl")[0]
     model = (
@@ -613,7 +749,7 @@ def section_dp() -> str:
         _dp_ceiling(),
     ]
     for b in (32, 16):
-        records = load(f"dp_vs_ddp-h100x4-b{b}.jsonl")
+        records = load(f"dp_vs_ddp-graphs-h100x4-b{b}.jsonl")
         rows = [
             [
                 r["variant"],
@@ -622,6 +758,7 @@ def section_dp() -> str:
                 f"{r['tokens_per_s'] / 1e3:.0f} k",
                 f"{r['ratio_vs_ddp']:.3f}x" if r.get("ratio_vs_ddp") else "-",
                 f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") is not None else "-",
+                f"{r['scaling_vs_eager_single']:.1%}" if "-graph" in r["variant"] else "-",
             ]
             for r in sorted(records, key=lambda r: (r["ranks"], r["variant"]))
         ]
@@ -631,11 +768,16 @@ def section_dp() -> str:
                 card([{"device_name": records[0]["device"]}]),
                 gpu_software(records),
                 f"torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py --sections dp --sizes 4 1 "
-                f"--batch-per-rank {b} --stall-s 110 (benchmarks/gpu/run.sh OUT dp)",
-                f"`dp_vs_ddp-h100x4-b{b}.jsonl`",
+                f"--batch-per-rank {b} --stall-s 110 --graphs (LIMIT=200 DP_EXTRA=--graphs benchmarks/gpu/run.sh "
+                "OUT dp)",
+                f"`dp_vs_ddp-graphs-h100x4-b{b}.jsonl`",
             ),
-            table(["variant", "GPUs", "step ms", "tokens/s", "throughput / DDP", "scaling eff."], rows),
+            table(
+                ["variant", "GPUs", "step ms", "tokens/s", "throughput / DDP", "scaling eff.", "vs one GPU eager"],
+                rows,
+            ),
         ]
+    parts.append(_dp_recorded())
     cpu = load("dp_vs_ddp-cpu2.jsonl")
     rows = []
     for r in cpu:
@@ -1240,8 +1382,8 @@ def _zero_bubble_bound(records: list[dict]) -> list[str]:
 
 
 def _train_graphs_part() -> list[str]:
-    """`dtrain train` with and without `[parallel] pipeline_graphs` (or `pipeline_step_graph`), the same run
-    otherwise."""
+    """`dtrain train` with and without `[parallel] pipeline_graphs` (or `step_graph`, recorded under its earlier
+    name `pipeline_step_graph`), the same run otherwise."""
     parts = []
     for name, key, title in (
         ("train_pipeline_graphs-h200x2.jsonl", "pipeline_graphs", "pipeline graphs"),
@@ -1265,8 +1407,22 @@ def _train_graphs_part() -> list[str]:
             f"### `dtrain train` with {title}",
             f"{first['what']}; the step and compute times are the last step's. The losses of every step are equal "
             f"(largest difference {records[-1]['max_loss_diff_over_steps']}).",
-            setting(first["device"] + ", NVLink", f"torch {first['torch_version']}", first["command"], f"`{name}`"),
-            table([key, "final loss", "step ms", "compute ms", "tokens/s"], rows),
+            setting(
+                first["device"] + ", NVLink",
+                f"torch {first['torch_version']}",
+                first["command"].replace("--pipeline-step-graph", "--step-graph"),  # the flag's name today
+                f"`{name}`",
+            ),
+            table(
+                [
+                    key.removeprefix("pipeline_") if key.endswith("step_graph") else key,
+                    "final loss",
+                    "step ms",
+                    "compute ms",
+                    "tokens/s",
+                ],
+                rows,
+            ),
         ]
     return parts
 

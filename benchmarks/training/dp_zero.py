@@ -29,6 +29,15 @@ batch; ``ratio_vs_ddp``: DDP's step time (its defaults) over the variant's.
 (:class:`ZeroOptimizer`) and DDP with torch's ``ZeroRedundancyOptimizer`` (its stage 1), one after another:
 step time and peak GPU memory of a step.
 
+``--graphs`` (GPUs) adds each way of training with forward, loss and backward recorded as one CUDA graph at the
+third step and replayed (:class:`~dtrain.parallel.step_graph.GraphedStep`; the optimizer steps eagerly after each
+replay): ``ours-graph`` (:class:`DataParallel` with its defaults, whose bucket all-reduces run inside the
+recorded backward), ``local-graph`` and, on one GPU, ``single-graph``, against which the recorded variants'
+scaling is taken (``scaling_vs_eager_single``: against ``single``); and the same with a capturable AdamW stepped
+inside the recording (``-graph-whole``: ``ours-graph-whole`` steps it within backward, every bucket's parameters
+but the last's while the last bucket is reduced, :meth:`DataParallel.overlap_optimizer`), taken against
+``single-graph-whole``.
+
 Every variant starts from the same weights and sees the same batches, so all must end with the same
 parameters: the script checks each against DDP (``max_abs_param_diff_vs_ddp``), ``local`` aside.
 
@@ -62,6 +71,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.launch import run_ranks
+from dtrain.parallel import step_graph
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.zero import ZeroOptimizer
 
@@ -131,18 +141,58 @@ def _step_fn(model, optimizer, batch, args):
     return step
 
 
+def _graphed_step_fn(model, optimizer, batch, args, whole: bool = False):
+    """As :func:`_step_fn`, with forward, loss and backward (and DataParallel's bucket all-reduces, which run
+    inside backward) recorded as one CUDA graph at the third call (:class:`GraphedStep`); the optimizer steps
+    eagerly after each replay, as in every other variant. ``whole``: the optimizer (capturable) steps inside the
+    recording too, within backward where DataParallel overlaps it (:meth:`DataParallel.overlap_optimizer`), after
+    backward otherwise."""
+    x, y = batch
+    dev = pt.device()
+    autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16")  # noqa: E731
+    params = [q for q in model.parameters() if q.requires_grad]
+    inside = whole and not isinstance(model, DataParallel)  # DataParallel steps it inside backward itself
+
+    def forward_backward(x, y, *, recording: bool) -> torch.Tensor:
+        context = (lambda: step_graph.uncached_within(autocast, params[0])) if recording else autocast
+        with context():
+            logits = model(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.reshape(-1, args.vocab).float(), y.reshape(-1))
+        loss.backward()
+        if inside:
+            optimizer.step()
+        return loss.detach()
+
+    graphed = step_graph.GraphedStep(forward_backward, params, dev)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        graphed(x, y)
+        if not whole:
+            optimizer.step()
+
+    return step
+
+
 def _wrap(variant: str, base, group):
     model = copy.deepcopy(base)
     dev = pt.device()
-    if variant in ("single", "local"):
+    if variant in ("single", "local", "single-graph", "local-graph"):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if variant in ("single-graph-whole", "local-graph-whole"):
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True)
+    if variant == "ours-graph-whole":
+        dp = DataParallel(model, group)
+        optimizer = torch.optim.AdamW(dp.parameters(), lr=1e-4, capturable=True)
+        dp.overlap_optimizer(optimizer)
+        return dp, optimizer
     if variant == "ours-overlap":
         dp = DataParallel(model, group)
         optimizer = torch.optim.AdamW(dp.parameters(), lr=1e-4)
         dp.overlap_optimizer(optimizer)
         return dp, optimizer
     if variant.startswith("ours-"):
-        dp = DataParallel(model, group, algorithm=variant.removeprefix("ours-"))
+        dp = DataParallel(model, group, algorithm="auto" if variant == "ours-graph" else variant.removeprefix("ours-"))
         return dp, torch.optim.AdamW(dp.parameters(), lr=1e-4)
     ddp = DistributedDataParallel(
         model,
@@ -179,17 +229,32 @@ def _scaling(args, groups) -> list[dict]:
                 continue
             base, batch = _model(args), _batch(args, rank, per_rank)
             multi = ("ours-auto", "ours-overlap", "ours-native", "ddp", "ddp-view", "local")
-            variants = ("single",) if k == 1 else multi
+            one = ("single",)
+            if args.graphs:
+                multi = (*multi, "ours-graph", "local-graph", "ours-graph-whole", "local-graph-whole")
+                one = (*one, "single-graph", "single-graph-whole")
+            variants = one if k == 1 else multi
+            if args.variants:  # DDP stays: every variant's parameters are checked against it
+                variants = tuple(v for v in variants if v in args.variants or v in ("ddp", "single"))
             _arm(args, f"scaling on {k} ranks, {per_rank} sequences a rank")
             built = {v: _wrap(v, base, group) for v in variants}
-            steps = {v: _step_fn(*built[v], batch, args) for v in variants}
+            steps = {
+                v: _graphed_step_fn(*built[v], batch, args, whole=v.endswith("-whole"))
+                if "-graph" in v
+                else _step_fn(*built[v], batch, args)
+                for v in variants
+            }
             seconds = pt.time_variants(steps, warmup=args.warmup, iters=args.iters, trials=args.trials, group=group)
             final = {v: _params(built[v][0]) for v in variants}
             if args.profile and (k == 1 or k == max(groups)):
-                for v in ("single",) if k == 1 else ("ours-auto", "ours-overlap", "ddp"):
+                for v in (
+                    [v for v in ("single", "single-graph") if v in variants]
+                    if k == 1
+                    else [v for v in ("ours-auto", "ours-overlap", "ddp", "ours-graph", "local-graph") if v in variants]
+                ):
                     _profile(steps[v], args, f"{v}-{k}ranks-b{per_rank}", group)
             for v in variants:
-                diff = _max_diff(final[v], final["ddp"]) if k > 1 and v != "local" else None
+                diff = _max_diff(final[v], final["ddp"]) if k > 1 and not v.startswith("local") else None
                 tokens = k * per_rank * args.block
                 records.append(
                     {
@@ -315,6 +380,11 @@ def _arm(args, what: str) -> None:
     faulthandler.dump_traceback_later(args.stall_s, exit=True)
 
 
+def _kind(variant: str) -> str:
+    """How a variant runs its step: "" eagerly, "-graph" recorded, "-graph-whole" recorded with its optimizer."""
+    return next((k for k in ("-graph-whole", "-graph") if variant.endswith(k)), "")
+
+
 def _rank_main(args) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = True
     groups = pt.subgroups(tuple(args.sizes))
@@ -322,14 +392,23 @@ def _rank_main(args) -> list[dict]:
     records += _zero(args) if "zero" in args.sections else []
     faulthandler.cancel_dump_traceback_later()
     params = sum(p.numel() for p in _model(args).parameters())
-    one = {r["batch_per_rank"]: r["tokens_per_s"] for r in records if r["section"] == "dp" and r["ranks"] == 1}
+    # scaling against one GPU run the same way: a recorded variant against single-graph (single-graph-whole where
+    # the optimizer is recorded too), the others against single
+    one = {
+        (r["batch_per_rank"], _kind(r["variant"])): r["tokens_per_s"]
+        for r in records
+        if r["section"] == "dp" and r["ranks"] == 1
+    }
     ddp = {(r["section"], r["ranks"], r["batch_per_rank"]): r["step_s"] for r in records if r["variant"] == "ddp"}
     for r in records:
         key = (r["section"], r["ranks"], r["batch_per_rank"])
         r |= {"parameters": params, "vocab": args.vocab, "block": args.block, "autocast": args.autocast}
         r["ratio_vs_ddp"] = ddp[key] / r["step_s"] if key in ddp else None
-        if r["section"] == "dp" and r["batch_per_rank"] in one:
-            r["scaling_efficiency"] = r["tokens_per_s"] / r["ranks"] / one[r["batch_per_rank"]]
+        if r["section"] == "dp" and (r["batch_per_rank"], _kind(r["variant"])) in one:
+            per_gpu = r["tokens_per_s"] / r["ranks"]
+            r["scaling_efficiency"] = per_gpu / one[r["batch_per_rank"], _kind(r["variant"])]
+            if (r["batch_per_rank"], "") in one:  # against one GPU run eagerly, the plain loop
+                r["scaling_vs_eager_single"] = per_gpu / one[r["batch_per_rank"], ""]
         r |= pt.machine()
     return records
 
@@ -350,6 +429,12 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--sections", nargs="+", choices=["dp", "zero"], default=["dp", "zero"])
+    p.add_argument("--variants", nargs="+", default=None, help="time only these (ddp and single always)")
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time each step recorded as one CUDA graph (ours-graph, local-graph, single-graph; GPUs only)",
+    )
     p.add_argument("--stall-s", type=float, default=0, help="dump every stack and exit after this long (0: never)")
     p.add_argument("--profile", type=Path, default=None, help="write torch.profiler traces of ours and DDP here")
     p.add_argument("--profile-steps", type=int, default=3)
@@ -361,6 +446,8 @@ def main() -> None:
             f"--layers/--embd/--heads/--block/--vocab/--batch-per-rank/--profile-steps must be >= 1 and --heads "
             f"must divide --embd; got {small} and --batch-per-rank {args.batch_per_rank}"
         )
+    if args.graphs and not torch.cuda.is_available():
+        p.error("--graphs records CUDA graphs; this machine has no GPU")
     if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
         p.error(f"--profile {args.profile}: exists and is not a directory")
     records = run_ranks(_rank_main, args.nproc, args)

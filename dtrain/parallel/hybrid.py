@@ -48,13 +48,14 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain import comm
-from dtrain.parallel import gradients
+from dtrain.parallel import gradients, step_graph
 from dtrain.parallel.data_parallel import DataParallel, broadcast_algorithm, broadcast_parameters, split_batch
 from dtrain.parallel.fsdp import FullyShardedDataParallel, hybrid_shard_groups
 from dtrain.parallel.grid import RankGrid
 from dtrain.parallel.parallelize import tensor_parallelize
 from dtrain.parallel.pipeline_parallel import LossFn, PipelineParallel, partition_layers
 from dtrain.parallel.pipeline_schedules import PLACEMENT, SPLIT_BACKWARD, chunks_per_stage, stage_of_virtual
+from dtrain.parallel.step_graph import GraphedStep
 from dtrain.parallel.tensor_parallel import ParallelMLP
 from dtrain.parallel.zero import ZeroOptimizer
 
@@ -156,6 +157,7 @@ class HybridParallel:
         accumulation: int = 1,
         balance: str = "layers",
         shard_size: int | None = None,
+        step_graph: bool = False,
     ) -> None:
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -165,6 +167,16 @@ class HybridParallel:
             raise ValueError(f"accumulation must be a positive int, got {accumulation!r}")
         if balance not in ("layers", "params", "flops"):
             raise ValueError(f"balance must be 'layers', 'params' or 'flops', got {balance!r}")
+        if step_graph:
+            refused = [
+                (grid.dims.tp > 1, "tp > 1 (its collectives run inside each forward)"),
+                (zero_stage >= 2, f"zero_stage={zero_stage} (its reductions run inside the backward)"),
+                (grid.dims.pp > 1 and pipeline_graphs not in (False, "step"), "pipeline_graphs (one or the other)"),
+            ]
+            reason = next((why for bad, why in refused if bad), None)
+            if reason is not None:
+                raise ValueError(f"step_graph=True does not run with {reason}")
+            pipeline_graphs = "step" if grid.dims.pp > 1 else pipeline_graphs
         if zero_stage == 2 and grid.dims.pp > 1 and schedule in SPLIT_BACKWARD:
             raise ValueError(f"zero_stage=2 reduces gradients during backward; schedule {schedule!r} defers them to W")
         self.grid, self.algorithm, self.device = grid, algorithm, device
@@ -254,6 +266,21 @@ class HybridParallel:
         self.timings: dict[str, float] = {}
         self._last_grad_norm: torch.Tensor | float = float("nan")
         self.step_skipped = False
+        # pp == 1: forward, loss, backward and the overlapped gradient all-reduces recorded as one CUDA graph (the
+        # pipeline records its own step)
+        self.graphed: GraphedStep | None = None
+        self._graphed_loss_fn: LossFn | None = None
+        if step_graph and p == 1:
+            where = torch.device(device) if device is not None else self.params[0].device
+            if where.type != "cuda":
+                raise ValueError(f"step_graph=True records CUDA graphs; the step would run on {where.type}")
+            self.graphed = GraphedStep(
+                self._forward_backward,
+                self.params,
+                where,
+                label="step_graph",
+                hint="call forget_step_graph() on every rank first",
+            )
 
     def _zero_optimizer(self, made: torch.optim.Optimizer) -> ZeroOptimizer:
         """A ZeroOptimizer over the dp group with ``made``'s class and param groups (``made`` is dropped)."""
@@ -366,19 +393,25 @@ class HybridParallel:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float32, device=batch.device)
-        for i, (x, y) in enumerate(zip(batch.chunk(k), targets.chunk(k), strict=True)):
-            if self.pipeline is not None:
+        if self.pipeline is not None:
+            for x, y in zip(batch.chunk(k), targets.chunk(k), strict=True):
                 scaled = self.pipeline.train_step(
                     x, y, lambda out, t: loss_fn(out, t) * factor, forward_context=self._autocast
                 )
                 total += scaled.float() / factor
-                continue
-            sync = i == k - 1 or not isinstance(self._forward, DataParallel)
-            with contextlib.nullcontext() if sync else self._forward.no_sync():
-                with self._autocast():
-                    loss = loss_fn(self._forward(x), y)
-                (loss * factor).backward()  # DataParallel averages over dp here, overlapped with backward
-            total += loss.detach().float()
+        elif self.graphed is not None:
+            if loss_scaler is not None:
+                raise ValueError("step_graph: a loss scaler's scale changes between steps; the recording holds one")
+            if self._graphed_loss_fn is not None and loss_fn is not self._graphed_loss_fn:
+                raise ValueError(
+                    "step_graph: the step was recorded with another loss function; call forget_step_graph() on "
+                    "every rank first"
+                )
+            self.graphed.check(batch, targets)
+            self._graphed_loss_fn = loss_fn
+            total = self.graphed(batch, targets)
+        else:
+            total = self._forward_backward(batch, targets, loss_fn=loss_fn, factor=factor)
         computed = time.perf_counter()
         loss = total / k
         if self.pipeline is not None and dp > 1 and not self.zero_stage:
@@ -413,6 +446,46 @@ class HybridParallel:
             "optimizer_s": end - communicated,
         }
         return loss
+
+    def _forward_backward(
+        self,
+        batch: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        loss_fn: LossFn | None = None,
+        factor: float | None = None,
+        recording: bool = False,
+    ) -> torch.Tensor:
+        """Forward, loss and backward of this replica's rows in ``accumulation`` chunks (``pp == 1``), the gradient
+        all-reduce overlapped with the last backward; returns the sum of the chunks' losses (float32, on the
+        device). ``factor`` multiplies each chunk's loss before its backward (the loss scale over ``accumulation``;
+        None: 1 / accumulation). ``recording``: the step is being recorded as a graph, autocast runs with its cast
+        cache off."""
+        loss_fn = loss_fn if loss_fn is not None else self._graphed_loss_fn
+        k = self.accumulation
+        factor = 1.0 / k if factor is None else factor  # the loss scale over k (no scale: 1 / k)
+        context = self._autocast
+        if recording:
+            probe = self.params[0] if self.params else None
+            context = lambda: step_graph.uncached_within(self._autocast, probe)  # noqa: E731
+        total = torch.zeros((), dtype=torch.float32, device=batch.device)
+        for i, (x, y) in enumerate(zip(batch.chunk(k), targets.chunk(k), strict=True)):
+            sync = i == k - 1 or not isinstance(self._forward, DataParallel)
+            with contextlib.nullcontext() if sync else self._forward.no_sync():
+                with context():
+                    loss = loss_fn(self._forward(x), y)
+                (loss * factor).backward()  # DataParallel averages over dp here, overlapped with backward
+            total += loss.detach().float()
+        return total
+
+    def forget_step_graph(self) -> None:
+        """Drop the recorded step (``step_graph``): the next two steps run eagerly, the third is recorded again
+        (a batch of another shape, another loss function). Every rank must call it at the same step."""
+        if self.graphed is not None:
+            self.graphed.forget()
+            self._graphed_loss_fn = None
+        if self.pipeline is not None:
+            self.pipeline.forget_shapes()
 
     @torch.no_grad()
     def evaluate(

@@ -16,7 +16,6 @@ averages over the batch, such as ``mse_loss`` or ``cross_entropy`` with their de
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain import comm
+from dtrain.parallel import step_graph
 from dtrain.parallel.pipeline_parallel_communications import StageLink
 from dtrain.parallel.pipeline_schedules import (
     PLACEMENT,
@@ -256,7 +256,7 @@ class PipelineParallel:
         #: False; True: each (chunk, micro-batch)'s forward and backward replay as CUDA graphs; "step": the whole
         #: step does (:meth:`train_step`)
         self.graphs = graphs
-        self._step_graph: _StepGraph | None = None
+        self._step_graph: step_graph.RecordedStep | None = None
         self._steps_run = 0  # training steps run eagerly
         self._step_fallback = False  # "step" fell back to True (the stages stayed on the process groups)
         self._graphed: dict[tuple[int, int], nn.Module] | None = None
@@ -424,7 +424,7 @@ class PipelineParallel:
                 self.graphs, self._step_fallback = True, True
                 return None
             self._step_graph = self._capture_step(batch, targets, loss_fn, forward_context)
-        return self._step_graph.replay(batch, targets)
+        return self._step_graph.replay((batch, targets))
 
     def _capture_step(
         self,
@@ -432,7 +432,7 @@ class PipelineParallel:
         targets: torch.Tensor | None,
         loss_fn: LossFn,
         forward_context: Callable[[], contextlib.AbstractContextManager] | None,
-    ) -> _StepGraph:
+    ) -> step_graph.RecordedStep:
         """Record the whole step (:meth:`_run_step`, every action and message of this stage) as one CUDA graph,
         on static copies of ``batch`` and ``targets``, with every ``.grad`` None so that the graph makes the
         gradients afresh; forwards run with autocast's cast cache off (a cast made in the recording would be read
@@ -441,38 +441,23 @@ class PipelineParallel:
             raise ValueError("the first pipeline stage needs the batch")
         if self.is_last and targets is None:
             raise ValueError("the last pipeline stage needs the targets")
-        static_batch = batch.detach().clone() if batch is not None and self.is_first else None
-        static_targets = targets.detach().clone() if targets is not None and self.is_last else None
         params = [q for q in self.parameters() if q.requires_grad]
-        saved = [q.grad for q in params]
-        for q in params:
-            q.grad = None
         base = forward_context if forward_context is not None else contextlib.nullcontext
         probe = params[0] if params else None
-        context = lambda: _uncached_within(base, probe)  # noqa: E731
-        if self.link.device.type == "cuda":
-            torch.cuda.synchronize(self.link.device)
-            time.sleep(_WATCHDOG_LOOK_S)  # as in _capture: the watchdog threads look at no event while it records
-        from dtrain.comm.peer import watchdog
-
-        graph = _new_graph()
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
+        context = lambda: step_graph.uncached_within(base, probe)  # noqa: E731
         self.link.capturing = True
         try:
-            with watchdog.capturing():
-                loss = _record(
-                    graph, lambda: self._run_step(static_batch, static_targets, loss_fn, context, False, capturing=True)
-                )
+            return step_graph.record_step(
+                lambda b, t: self._run_step(b, t, loss_fn, context, False, capturing=True),
+                [batch if self.is_first else None, targets if self.is_last else None],
+                params,
+                self.link.device,
+                names=("batch", "targets"),
+                label="graphs='step'",
+                hint="call forget_shapes() on every stage's pipeline first",
+            )
         finally:
             self.link.capturing = False
-            if collecting:
-                gc.enable()
-        grads = [q.grad for q in params]
-        for q, g in zip(params, saved, strict=True):
-            q.grad = g
-        return _StepGraph(graph, static_batch, static_targets, loss, params, grads)
 
     def _replay(self, chunk: int, mb: int, args: tuple[torch.Tensor, ...]) -> nn.Module | None:
         """The graphed forward of (``chunk``, ``mb``) where one was captured for arguments of these shapes; else
@@ -506,28 +491,11 @@ class PipelineParallel:
                     for shape, dtype, grad in self._shapes[chunk, mb]
                 )
             )
-        if self.link.device.type == "cuda":
-            # the step's sends and collectives are done, but the watchdog threads (ProcessGroupNCCL's, which frees
-            # finished work's tensors, and dtrain.comm's, which queries events) look only every 0.1-0.5 s, and
-            # either doing so during a capture in CUDA's global mode breaks it (pytorch/pytorch#104487)
-            torch.cuda.synchronize(self.link.device)
-            time.sleep(_WATCHDOG_LOOK_S)
-        from dtrain.comm.peer import watchdog
-
-        # garbage collected during a capture, an old CUDA graph (another pipeline's, say) is destroyed while the
-        # capture runs, which CUDA refuses in its global capture mode and which breaks the capture: collect first,
-        # and not during it
+        # the step's sends and collectives are done, the watchdogs have seen them finish, no old graph is collected
         store = self.weight_grads
         deferring = [store.deferring(key) if store else contextlib.nullcontext() for key in keys]
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with watchdog.capturing():  # dtrain.comm's watchdog thread queries no event during the capture
-                graphed = _make_graphed(tuple(modules), tuple(samples), tuple(deferring), store is not None)
-        finally:
-            if collecting:
-                gc.enable()
+        with step_graph.quiet_capture(self.link.device):
+            graphed = _make_graphed(tuple(modules), tuple(samples), tuple(deferring), store is not None)
         if store is not None:
             for key in keys:
                 self._recorded_w[key] = _captured_entries(store.take(key), key)
@@ -555,10 +523,6 @@ class PipelineParallel:
             self.link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x), mb, chunk)
 
 
-#: Seconds to let the watchdog threads see the last step's work finished before a capture (they look every 0.1-0.5 s).
-_WATCHDOG_LOOK_S = 1.0
-
-
 class _Graphable(nn.Module):
     """One (chunk, micro-batch)'s forward as a module of its own for ``torch.cuda.make_graphed_callables``, which
     replaces a module's ``forward`` with its graphed one: the chunk itself is shared, its parameters too; on the
@@ -578,19 +542,9 @@ class _Graphable(nn.Module):
         self.stage, self.loss_fn, self.m, self.context = stage, loss_fn, num_microbatches, context
 
     def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
-        with self.context() if self.context is not None else contextlib.nullcontext(), _uncached_autocast(x):
+        with self.context() if self.context is not None else contextlib.nullcontext(), step_graph.uncached_autocast(x):
             y = self.stage(x)
             return y if self.loss_fn is None else self.loss_fn(y, target) / self.m
-
-
-def _uncached_autocast(x: torch.Tensor | None) -> contextlib.AbstractContextManager:
-    """The autocast in force on ``x``'s device again, with its cast cache off (a no-op where none is in force)."""
-    if x is None:
-        return contextlib.nullcontext()
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return contextlib.nullcontext()
-    return torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
 
 
 #: Eager forwards and backwards ``torch.cuda.make_graphed_callables`` runs before it captures (its default).
@@ -715,15 +669,6 @@ def _captured_entries(entries: list, key: tuple[int, int]) -> list:
 
 
 @contextlib.contextmanager
-def _uncached_within(
-    base: Callable[[], contextlib.AbstractContextManager], probe: torch.Tensor | None
-) -> Iterator[None]:
-    """``base()``, and within it the autocast it turned on, again with its cast cache off."""
-    with base(), _uncached_autocast(probe):
-        yield
-
-
-@contextlib.contextmanager
 def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
     with first, second:
         yield
@@ -737,54 +682,3 @@ def _split(tensor: torch.Tensor, num_microbatches: int, name: str) -> tuple[torc
             f"use a batch size that is a multiple of {num_microbatches}"
         )
     return tensor.chunk(num_microbatches)
-
-
-def _new_graph():  # noqa: ANN202
-    """A CUDA graph to record a step into (tests on the CPU put a stand-in here)."""
-    return torch.cuda.CUDAGraph()
-
-
-def _record(graph, fn: Callable[[], torch.Tensor]) -> torch.Tensor:  # noqa: ANN001
-    """Record ``fn``'s work into ``graph`` (``torch.cuda.graph``) and return what it returns (tests on the CPU put a
-    stand-in here)."""
-    with torch.cuda.graph(graph):
-        return fn()
-
-
-class _StepGraph:
-    """One stage's recorded step: its graph, the static batch and targets it reads, the loss and the gradients it
-    writes."""
-
-    def __init__(self, graph, batch, targets, loss, params, grads) -> None:  # noqa: ANN001
-        self.graph, self.batch, self.targets, self.loss = graph, batch, targets, loss
-        self.params, self.grads = params, grads
-
-    def replay(self, batch: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
-        """Run the step on ``batch`` and ``targets`` (copied into the static ones); returns its loss (before the
-        broadcast), and leaves the gradients in ``.grad`` as an eager step would."""
-        for mine, given, name in ((self.batch, batch, "batch"), (self.targets, targets, "targets")):
-            if mine is None:
-                continue
-            if given is None or given.shape != mine.shape or given.dtype != mine.dtype:
-                got = None if given is None else (tuple(given.shape), given.dtype)
-                raise ValueError(
-                    f"graphs='step': the step was recorded for a {name} of {(tuple(mine.shape), mine.dtype)}, got "
-                    f"{got}; call forget_shapes() on every stage's pipeline first"
-                )
-            mine.copy_(given)
-        before = []
-        for q, g in zip(self.params, self.grads, strict=True):
-            held = q.grad
-            if g is not None and held is g:  # the last replay's gradient is still in use: keep it apart
-                held = g.clone()
-            before.append(held)
-        self.graph.replay()
-        for q, g, held in zip(self.params, self.grads, before, strict=True):
-            if g is None:
-                continue
-            if held is None:
-                q.grad = g
-            else:
-                held.add_(g)
-                q.grad = held
-        return self.loss.clone()

@@ -211,11 +211,12 @@ class ParallelSection(_Section):
         "replay each micro-batch's forward and backward as CUDA graphs from the second step (pp > 1 on GPUs; not with "
         "tp > 1, zero = 3, fp16, training.compile or activation checkpointing)",
     )
-    pipeline_step_graph: bool = _option(
+    step_graph: bool = _option(
         False,
-        "record each stage's whole step, its messages included, as one CUDA graph at the third step and replay it "
-        "(pp > 1 on GPUs of one host, over peer channels; not with pipeline_transport = group, zero = 2 or 3, tp > 1, "
-        "fp16, training.compile or activation checkpointing)",
+        "record the whole training step as one CUDA graph at the third step and replay it: forward, loss, backward "
+        "and the overlapped gradient all-reduces (pp = 1), or each stage's step with its messages (pp > 1, GPUs of "
+        "one host, over peer channels); on GPUs, not with tp > 1, zero = 2 or 3, fp16, training.compile or "
+        "activation checkpointing, nor with pp > 1 and pipeline_transport = group or pipeline_graphs",
     )
     pipeline_transport: str = _option(
         "auto",
@@ -508,8 +509,22 @@ class TrainConfig:
             )
         if parallel.pipeline_graphs and parallel.pp == 1:
             raise ConfigError("parallel.pipeline_graphs", "replays a pipeline's micro-batches; it needs pp > 1")
-        if parallel.pipeline_step_graph and parallel.pp == 1:
-            raise ConfigError("parallel.pipeline_step_graph", "replays a pipeline's step; it needs pp > 1")
+        if parallel.step_graph:
+            refused = [
+                (parallel.tp > 1, "tp > 1 (its collectives run inside each forward)"),
+                (parallel.zero in (2, 3), f"zero = {parallel.zero} (its collectives run inside forward and backward)"),
+                (training.precision == "fp16", "fp16 (its loss scale changes between steps)"),
+                (training.compile, "training.compile"),
+                (training.activation_checkpointing != "none", "activation checkpointing"),
+                (
+                    parallel.pp > 1 and parallel.pipeline_transport == "group",
+                    "pipeline_transport = group (no peer channels)",
+                ),
+                (parallel.pipeline_graphs, "pipeline_graphs (one or the other)"),
+            ]
+            reason = next((why for bad, why in refused if bad), None)
+            if reason is not None:
+                raise ConfigError("parallel.step_graph", f"does not run with {reason}")
         if parallel.pp > 1:
             step = local // training.accumulation
             if step % parallel.microbatches:
@@ -524,9 +539,7 @@ class TrainConfig:
                     f"{parallel.schedule} defers weight gradients out of autograd; it does not run with zero = 2 or "
                     "training.compile (use 1f1b or interleaved-1f1b)",
                 )
-            for key in ("pipeline_graphs", "pipeline_step_graph"):
-                if not getattr(parallel, key):
-                    continue
+            if parallel.pipeline_graphs:
                 refused = [
                     (parallel.tp > 1, "tp > 1 (its collectives run inside each forward)"),
                     (parallel.zero == 3, "zero = 3 (its gathers run inside each forward)"),
@@ -534,15 +547,9 @@ class TrainConfig:
                     (training.compile, "training.compile"),
                     (training.activation_checkpointing != "none", "activation checkpointing"),
                 ]
-                if key == "pipeline_step_graph":
-                    refused += [
-                        (parallel.zero == 2, "zero = 2 (its reductions run inside the backward)"),
-                        (parallel.pipeline_transport == "group", "pipeline_transport = group (no peer channels)"),
-                        (parallel.pipeline_graphs, "pipeline_graphs (one or the other)"),
-                    ]
                 reason = next((why for bad, why in refused if bad), None)
                 if reason is not None:
-                    raise ConfigError(f"parallel.{key}", f"does not run with {reason}")
+                    raise ConfigError("parallel.pipeline_graphs", f"does not run with {reason}")
             if parallel.schedule == "interleaved-1f1b" and parallel.microbatches % parallel.pp:
                 raise ConfigError(
                     "parallel.microbatches",

@@ -164,7 +164,7 @@ def validate_layout(config: TrainConfig, world_size: int, shape: ModelConfig) ->
 def _check_precision(config: TrainConfig) -> None:
     device = rank_device()
     autocast_dtype(config.training.precision, device)  # ValueError naming the precision where it cannot run
-    for key in ("pipeline_graphs", "pipeline_step_graph"):
+    for key in ("pipeline_graphs", "step_graph"):
         if getattr(config.parallel, key) and device.type != "cuda":
             raise ConfigError(f"parallel.{key}", f"records CUDA graphs; the ranks would run on {device.type}")
 
@@ -340,7 +340,8 @@ class _Trainer:
             tensor_parallel=functools.partial(tensor_parallelize, algorithm=par.algorithm, loss_parallel=True),
             num_microbatches=par.microbatches,
             schedule=par.schedule,
-            pipeline_graphs="step" if par.pipeline_step_graph else par.pipeline_graphs,
+            pipeline_graphs=par.pipeline_graphs,
+            step_graph=par.step_graph,
             pipeline_transport=par.pipeline_transport,
             virtual_stages=INTERLEAVED_CHUNKS if par.schedule == "interleaved-1f1b" else 1,
             algorithm=par.algorithm,

@@ -135,3 +135,98 @@ def _initial(hybrid: HybridParallel) -> list[torch.Tensor]:
     start = _blocks(seed=0)
     grid = hybrid.grid
     return [w for i in hybrid.layer_indices for w in _expected_shards(start[i], grid.dims.tp, grid.tp_rank)]
+
+
+def step_graphed(accumulation: int, autocast: bool = False, zero_stage: int = 0, steps: int = 6) -> dict | None:
+    """``dp2`` with ``step_graph`` and a stand-in for the CUDA graph (no GPU here): two eager steps, then the step
+    (forward, loss, backward and DataParallel's bucket all-reduces) recorded once and replayed. The stand-in
+    records by running the step (its all-reduces are real, so both ranks run it alike) and replays by running it
+    again and writing the loss and gradients into the tensors the recording made, as a graph's replay writes
+    into its pool. Against the unsplit model (float32) or, under bf16 autocast, the same layout run eagerly under
+    the same autocast: the worst loss and parameter errors, the recordings and replays, what the recorded
+    forwards ran under, and what a batch of another shape and another loss function say. ``zero_stage`` 1: the
+    gradients are averaged by the ZeRO optimizer's step after the replay, not inside it."""
+    from dtrain.parallel import step_graph
+
+    grid = _grid("dp2")
+    if grid is None:
+        return None
+    records, replays, seen, recording = [0], [0], [], [False]
+    hybrid = None
+
+    class Graph:
+        fn = None
+
+        def replay(self) -> None:
+            replays[0] += 1
+            done = hybrid.graphed.recorded
+            held = [q.grad for q in done.params]
+            for q in done.params:
+                q.grad = None
+            loss = self.fn()
+            for q, g in zip(done.params, done.grads, strict=True):
+                if g is not None and g is not q.grad:
+                    g.copy_(q.grad)
+            done.loss.copy_(loss)
+            for q, h in zip(done.params, held, strict=True):
+                q.grad = h
+
+    def record(graph, fn):
+        records[0] += 1
+        graph.fn = fn
+        recording[0] = True
+        try:
+            return fn()
+        finally:
+            recording[0] = False
+
+    def look(*_) -> None:
+        if recording[0]:
+            seen.append((torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled()))
+
+    dtype = torch.bfloat16 if autocast else None
+
+    def build() -> HybridParallel:
+        return HybridParallel(
+            _blocks(seed=0), grid, _sgd, accumulation=accumulation, autocast_dtype=dtype, zero_stage=zero_stage
+        )
+
+    real = step_graph.new_graph, step_graph.record
+    step_graph.new_graph, step_graph.record = Graph, record
+    try:
+        hybrid = build()
+        # the constructor refuses step_graph off a GPU: the same recording it would make, on the CPU
+        hybrid.graphed = step_graph.GraphedStep(
+            hybrid._forward_backward, hybrid.params, torch.device("cpu"), label="step_graph", hint="forget"
+        )
+        hybrid.module.register_forward_pre_hook(look)
+        if autocast:
+            eager = build()
+            want = [eager.train_step(*_global_batch(step), F.cross_entropy).item() for step in range(steps)]
+            reference = list(eager.parameters())
+        else:
+            want, model = _reference(steps)
+            reference = list(model.parameters())
+        losses = [hybrid.train_step(*_global_batch(step), F.cross_entropy).item() for step in range(steps)]
+        said = []
+        x, y = _global_batch(steps)
+        for bad in ((x[:4], y[:4], F.cross_entropy), (x, y, lambda out, t: F.cross_entropy(out, t))):
+            try:
+                hybrid.train_step(*bad)
+                said.append("no error")
+            except ValueError as err:
+                said.append(str(err))
+    finally:
+        step_graph.new_graph, step_graph.record = real
+    return {
+        "loss": _excess(torch.tensor(losses), torch.tensor(want)),
+        "params": max(_excess(g.detach(), w.detach()) for g, w in zip(hybrid.parameters(), reference, strict=True)),
+        "moved": max(
+            (g.detach() - w.detach()).abs().max().item()
+            for g, w in zip(hybrid.parameters(), _initial(hybrid), strict=True)
+        ),
+        "records": records[0],
+        "replays": replays[0],
+        "recorded_under": sorted(set(seen)),
+        "said": said,
+    }

@@ -315,7 +315,7 @@ def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool
     between two replays, and ``keep_grads`` leaves ``.grad`` in place between steps (the optimizer steps on the
     accumulated gradients), so both the replace and the add paths are checked. Returns the worst errors against
     the unsplit reference, how many recordings and replays ran, and the transport in use."""
-    from dtrain.parallel import pipeline_parallel
+    from dtrain.parallel import step_graph
 
     records, replays = [0], [0]
     pipe = None
@@ -342,8 +342,8 @@ def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool
         graph.fn = fn
         return fn()
 
-    real = pipeline_parallel._new_graph, pipeline_parallel._record
-    pipeline_parallel._new_graph, pipeline_parallel._record = Graph, record
+    real = step_graph.new_graph, step_graph.record
+    step_graph.new_graph, step_graph.record = Graph, record
     try:
         group = group_of(p)
         reference = _mlp(seed=7)
@@ -374,7 +374,7 @@ def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool
         got = (losses, grads)
         errors = _error_and_recovery(pipe, m, steps) if pipe.is_first and pipe.is_last is False else {}
     finally:
-        pipeline_parallel._new_graph, pipeline_parallel._record = real
+        step_graph.new_graph, step_graph.record = real
     return {
         **_chunk_errors(pipe, reference, (ref_losses, ref_grads), got, steps),
         **errors,
@@ -456,7 +456,7 @@ def step_graphed_autocast(p: int, m: int, steps: int = 5) -> dict:
     """``graphs="step"`` (the stand-in graph of :func:`step_graphed`) under bf16 autocast against the same
     pipeline run eagerly under the same autocast, both on peer channels: the largest difference of losses and
     gradients, and what the recorded step's forwards ran under (autocast on, its cast cache off)."""
-    from dtrain.parallel import pipeline_parallel
+    from dtrain.parallel import step_graph
 
     seen, recording = [], [False]
     pipe = None
@@ -489,8 +489,8 @@ def step_graphed_autocast(p: int, m: int, steps: int = 5) -> dict:
 
     group = group_of(p)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
-    real = pipeline_parallel._new_graph, pipeline_parallel._record
-    pipeline_parallel._new_graph, pipeline_parallel._record = Graph, record
+    real = step_graph.new_graph, step_graph.record
+    step_graph.new_graph, step_graph.record = Graph, record
     try:
         pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, transport="peer")
         pipe.graphs = "step"  # the constructor asks for a CUDA device
@@ -508,7 +508,7 @@ def step_graphed_autocast(p: int, m: int, steps: int = 5) -> dict:
             _sgd_step(list(pipe.parameters()))
             _sgd_step(list(eager.parameters()))
     finally:
-        pipeline_parallel._new_graph, pipeline_parallel._record = real
+        step_graph.new_graph, step_graph.record = real
     return {"worst": worst, "recorded": pipe._step_graph is not None, "recorded_under": sorted(set(seen))}
 
 

@@ -91,3 +91,40 @@ def test_blocks_that_are_not_parallel_mlps_are_refused_before_any_communication(
         )
     with pytest.raises(ValueError, match="no blocks given"):
         tensor_parallel_blocks([], tp_group=None)
+
+
+@pytest.mark.parametrize(
+    ("accumulation", "autocast", "zero"), [(1, False, 0), (2, False, 0), (1, True, 0), (2, False, 1)]
+)
+def test_a_step_recorded_whole_trains_like_one_device(pool, accumulation, autocast, zero):
+    """``step_graph`` at dp 2 (pp 1): two eager steps, the third recorded (a stand-in graph on the CPU), then
+    replays; every step's loss and the parameters match one device (under bf16 autocast: the eager layout, exactly),
+    and the recording's forwards ran with autocast's cast cache off. Under ZeRO-1 the recording holds no
+    collective: its optimizer averages the recorded gradients after each replay."""
+    results = pool.run(jobs.step_graphed, accumulation, autocast, zero)
+    assert results[2:] == [None] * (POOL_WORLD - 2)
+    for got in results[:2]:
+        assert got["loss"] == 0.0 and got["params"] == 0.0 and got["moved"] > 1e-4, got
+        assert got["records"] == 1 and got["replays"] == 4, got
+        assert got["recorded_under"] == ([(True, False)] if autocast else [(False, True)]), got
+        assert got["said"][0].startswith("step_graph: the step was recorded for a batch of ((8, 16)"), got
+        assert got["said"][1].startswith("step_graph: the step was recorded with another loss function"), got
+
+
+def _stub_grid(tp: int):
+    class _Grid:
+        class dims:  # noqa: N801
+            dp, pp = 1, 1
+
+        tp_group = None
+
+    _Grid.dims.tp = tp
+    return _Grid()
+
+
+def test_a_step_graph_is_refused_off_a_gpu_and_beside_tensor_parallelism():
+    sgd = lambda named: torch.optim.SGD([q for _, q in named], lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match="step_graph=True records CUDA graphs; the step would run on cpu"):
+        HybridParallel(nn.Sequential(nn.Linear(2, 2)), _stub_grid(1), sgd, step_graph=True)
+    with pytest.raises(ValueError, match=r"step_graph=True does not run with tp > 1 \(its collectives"):
+        HybridParallel(nn.Sequential(nn.Linear(2, 2)), _stub_grid(2), sgd, step_graph=True)

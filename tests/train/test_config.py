@@ -197,22 +197,26 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
             "train.toml: [parallel] pipeline_graphs: does not run with activation checkpointing",
         ),
         (
-            "[parallel]\npipeline_step_graph = true\n",
-            "train.toml: [parallel] pipeline_step_graph: replays a pipeline's step; it needs pp > 1",
+            "[parallel]\ntp = 2\nstep_graph = true\n",
+            "train.toml: [parallel] step_graph: does not run with tp > 1 (its collectives run inside each forward)",
         ),
         (
-            '[parallel]\npp = 2\npipeline_step_graph = true\npipeline_transport = "group"\n',
-            "train.toml: [parallel] pipeline_step_graph: does not run with pipeline_transport = group (no peer",
+            '[parallel]\npp = 2\nstep_graph = true\npipeline_transport = "group"\n',
+            "train.toml: [parallel] step_graph: does not run with pipeline_transport = group (no peer",
         ),
         (
-            "[parallel]\npp = 2\nzero = 2\npipeline_step_graph = true\n",
-            "train.toml: [parallel] pipeline_step_graph: does not run with zero = 2 (its reductions run inside",
+            "[parallel]\nzero = 2\nstep_graph = true\n",
+            "train.toml: [parallel] step_graph: does not run with zero = 2 (its collectives run inside forward and",
+        ),
+        (
+            '[parallel]\nstep_graph = true\n[training]\nprecision = "fp16"\n',
+            "train.toml: [parallel] step_graph: does not run with fp16 (its loss scale changes between steps)",
         ),
         ('[logging]\nout = ""\n', "train.toml: [logging] out: must be a directory path"),
         (
             "[parallel]\ntpp = 2\n",
             "train.toml: [parallel] tpp: unknown key; keys of [parallel]: dp, pp, tp, schedule, microbatches, "
-            "pipeline_graphs, pipeline_step_graph, pipeline_transport, zero, zero_shard_size, algorithm, balance",
+            "pipeline_graphs, step_graph, pipeline_transport, zero, zero_shard_size, algorithm, balance",
         ),
         ("[modle]\nfamily = 1\n", "train.toml: [modle]: unknown section; sections: model, data, parallel, optimizer"),
         ("steps = 20\n", "train.toml: steps: not a section; sections: model, data"),

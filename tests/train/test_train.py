@@ -164,6 +164,7 @@ def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_ran
         (["--zero", "1"], "--zero: ZeRO stage 1 shards over the dp ranks, but dp is 1"),
         (["--precision", "fp16"], "--precision fp16: float16 training needs a CUDA device"),
         (["--nproc", "2", "--pp", "2", "--pipeline-graphs"], "pipeline_graphs: records CUDA graphs; the ranks would"),
+        (["--nproc", "2", "--step-graph"], "step_graph: records CUDA graphs; the ranks would run on cpu"),
         (["--seq-len", "4096"], "--seq-len: 4096 is longer than the 256 positions"),
         (["--resume"], "no complete checkpoint"),
         (["--weights", "/nonexistent/model"], "/nonexistent/model"),
