@@ -33,11 +33,12 @@ pipeline     ``dtrain bench pipeline`` (bench_pipeline[-b4096]-h100x4.jsonl, its
              dtrain.sim.pipeline. ``predicted_ms`` adds the host's time to issue one action (the median
              ``host_issue_us_per_action_per_stage`` of the OTHER batch's file; an action costs the larger of its
              device time and that) to the device-only ``device_ms``.
-dp           data parallel against DDP (dp_vs_ddp-h100x4-b{16,32}.jsonl: the 136M GPT of
+dp           data parallel against DDP (dp_vs_ddp-graphs-h100x4-b{16,32}.jsonl: the 136M GPT of
              benchmarks/training/dp_zero.py under bf16 autocast, float32 gradients, AdamW) by dtrain.sim.step on
              ``h100-node``, 1 and 4 GPUs, as ``validate.py training-h100`` describes a model: flash attention,
              compute priced per operation on the shipped H100 curves, a bucketed ring all-reduce overlapping
-             backward.
+             backward. The ``-graph`` rows, whose steps are recorded as CUDA graphs, run at the devices' pace: the
+             simulator, which prices device time, is compared with them apart from the eager rows.
 
 Each mode prints one row a measurement and the median / worst |error| per group; ``--out`` writes JSON lines.
 """
@@ -78,7 +79,7 @@ ONE_PASS_PROBE = "probe-one-pass-h200x4.txt"
 TORCH_SAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
               "zb-v": "ScheduleZBVZeroBubble"}  # fmt: skip
 PIPELINE_FILES = ("bench_pipeline-h100x4.jsonl", "bench_pipeline-b4096-h100x4.jsonl")
-DP_FILES = ("dp_vs_ddp-h100x4-b16.jsonl", "dp_vs_ddp-h100x4-b32.jsonl")
+DP_FILES = ("dp_vs_ddp-graphs-h100x4-b16.jsonl", "dp_vs_ddp-graphs-h100x4-b32.jsonl")
 #: benchmarks/training/dp_zero.py's model: 12 layers, width 768, 12 heads, 4x GELU MLP, 32768-token vocabulary,
 #: 512-token context, untied head
 GPT_136M = {"layers": 12, "hidden": 768, "heads": 12, "sequence": 512, "vocab": 32768, "ffn_hidden": 3072}
@@ -427,7 +428,7 @@ def dp_rows(files=DP_FILES) -> list[dict]:
     for name in files:
         for r in load(name):
             # ``local``: every GPU trains its own copy, no communication: one GPU's step
-            ranks = 1 if r["variant"] == "local" else r["ranks"]
+            ranks = 1 if r["variant"].startswith("local") else r["ranks"]
             step = dp_prediction(ranks, r["batch_per_rank"], float(r["parameters"]))
             out.append({"record": "row", "source": name, "variant": r["variant"], "ranks": r["ranks"],
                         "batch_per_rank": r["batch_per_rank"], "measured_s": r["step_s"], "predicted_s": step.step_s,
@@ -444,8 +445,11 @@ def _dp(args: argparse.Namespace) -> list[dict]:
               f"measured {r['measured_s'] * 1e3:6.1f} ms, predicted {r['predicted_s'] * 1e3:6.1f} ms, "
               f"{r['error']:+.1%}")  # fmt: skip
     for ranks in (1, 4):
-        group = [r["error"] for r in rows if r["ranks"] == ranks]
-        print(f"{ranks} GPU(s): median |error| {_median(group):.1%}, worst {max(map(abs, group)):.1%}")
+        for recorded in (False, True):
+            group = [r["error"] for r in rows if r["ranks"] == ranks and ("-graph" in r["variant"]) == recorded]
+            if group:
+                what = "recorded" if recorded else "eager"
+                print(f"{ranks} GPU(s), {what}: median |error| {_median(group):.1%}, worst {max(map(abs, group)):.1%}")
     return rows
 
 
