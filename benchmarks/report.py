@@ -702,6 +702,16 @@ def _dp_recorded() -> str:
             "NCCL's CTAs capped (`NCCL_MAX_CTAS`, every variant; `dp_vs_ddp-graphs-nccl_max_ctas_*-h100x4-b16.jsonl`): "
             "fewer CTAs leave more of the reduction exposed, and no cap gains:",
             table(["NCCL_MAX_CTAS", "ours-graph ms", "single-graph ms", "scaling"], ctas),
+            "NCCL's protocol forced (`NCCL_PROTO`, every variant, another launch; "
+            "`dp_vs_ddp-graphs-nccl_proto_*-h100x4-b16.jsonl`): ours-graph "
+            + ", ".join(
+                f"{t['ours-graph']:.2f} ms ({name})"
+                for name, t in (
+                    (name, times(f"dp_vs_ddp-graphs-nccl_proto_{key}-h100x4-b16.jsonl"))
+                    for name, key in (("NCCL's choice", "default"), ("Simple", "simple"), ("LL128", "ll128"))
+                )
+            )
+            + ": the protocol is not what slows the products.",
             _train_recorded(),
         ]
     )

@@ -126,10 +126,15 @@ class HybridParallel:
     ``torch.autocast`` on the model's device type; ``pipeline_graphs`` replays the pipeline's micro-batches as CUDA
     graphs (:class:`~dtrain.parallel.pipeline_parallel.PipelineParallel` ``graphs=True``), or with "step" each
     stage's whole step as one, and ``pipeline_transport`` is its ``transport``;
-    ``reduce_dtype`` is the dtype gradients are averaged in. ``accumulation`` splits each replica's rows into that
-    many chunks, one forward and backward each (the pipeline runs once per chunk), with one gradient reduction
-    and one optimizer step. Where pipeline stages share a parameter (a tied embedding), every process of the
-    world must construct this object (it makes process groups), as :meth:`RankGrid.build` requires.
+    ``reduce_dtype`` is the dtype gradients are averaged in. ``step_graph`` records each step as one CUDA graph
+    from the third on and replays it (:mod:`dtrain.parallel.step_graph`): for ``pp == 1`` the forward, loss and
+    backward of every accumulation chunk with DataParallel's reductions inside (:attr:`graphed`; the norm,
+    clipping, loss average and optimizer step run eagerly after it), for ``pp > 1`` each stage's step
+    (``pipeline_graphs="step"``); refused with ``tp > 1``, ZeRO-2 and 3, and off GPUs. ``accumulation`` splits
+    each replica's rows into that many chunks, one forward and backward each (the pipeline runs once per chunk),
+    with one gradient reduction and one optimizer step. Where pipeline stages share a parameter (a tied
+    embedding), every process of the world must construct this object (it makes process groups), as
+    :meth:`RankGrid.build` requires.
 
     After each :meth:`train_step`: :attr:`last_grad_norm` (the whole model's gradient norm before clipping,
     unscaled), :attr:`step_skipped` (an fp16 overflow skipped the optimizer step) and :attr:`timings`, its phases
