@@ -19,6 +19,7 @@ from dtrain import comm
 from dtrain.comm.ir import algorithms as registry
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel, tensor_parallel_blocks
+from tests.jobs import graphs
 
 WIDTH, HIDDEN, BLOCKS = 16, 32, 4  # the last block's 16 outputs are the logits of 16 classes
 GLOBAL_BATCH = 16
@@ -138,52 +139,19 @@ def _initial(hybrid: HybridParallel) -> list[torch.Tensor]:
 
 
 def step_graphed(accumulation: int, autocast: bool = False, zero_stage: int = 0, steps: int = 6) -> dict | None:
-    """``dp2`` with ``step_graph`` and a stand-in for the CUDA graph (no GPU here): two eager steps, then the step
-    (forward, loss, backward and DataParallel's bucket all-reduces) recorded once and replayed. The stand-in
-    records by running the step (its all-reduces are real, so both ranks run it alike) and replays by running it
-    again and writing the loss and gradients into the tensors the recording made, as a graph's replay writes
-    into its pool. Against the unsplit model (float32) or, under bf16 autocast, the same layout run eagerly under
-    the same autocast: the worst loss and parameter errors, the recordings and replays, what the recorded
-    forwards ran under, and what a batch of another shape and another loss function say. ``zero_stage`` 1: the
-    gradients are averaged by the ZeRO optimizer's step after the replay, not inside it."""
+    """``dp2`` with ``step_graph`` and a stand-in for the CUDA graph (no GPU here;
+    :func:`tests.jobs.graphs.stand_in`): two eager steps, then the step (forward, loss, backward and
+    DataParallel's bucket all-reduces) recorded once and replayed. Against the unsplit model (float32) or, under
+    bf16 autocast, the same layout run eagerly under the same autocast: the worst loss and parameter errors, the
+    recordings and replays, what the recorded forwards ran under, and what a batch of another shape and another
+    loss function say. ``zero_stage`` 1: the gradients are averaged by the ZeRO optimizer's step after the
+    replay, not inside it."""
     from dtrain.parallel import step_graph
 
     grid = _grid("dp2")
     if grid is None:
         return None
-    records, replays, seen, recording = [0], [0], [], [False]
-    hybrid = None
-
-    class Graph:
-        fn = None
-
-        def replay(self) -> None:
-            replays[0] += 1
-            done = hybrid.graphed.recorded
-            held = [q.grad for q in done.params]
-            for q in done.params:
-                q.grad = None
-            loss = self.fn()
-            for q, g in zip(done.params, done.grads, strict=True):
-                if g is not None and g is not q.grad:
-                    g.copy_(q.grad)
-            done.loss.copy_(loss)
-            for q, h in zip(done.params, held, strict=True):
-                q.grad = h
-
-    def record(graph, fn):
-        records[0] += 1
-        graph.fn = fn
-        recording[0] = True
-        try:
-            return fn()
-        finally:
-            recording[0] = False
-
-    def look(*_) -> None:
-        if recording[0]:
-            seen.append((torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled()))
-
+    seen, hybrid = [], None
     dtype = torch.bfloat16 if autocast else None
 
     def build() -> HybridParallel:
@@ -191,15 +159,13 @@ def step_graphed(accumulation: int, autocast: bool = False, zero_stage: int = 0,
             _blocks(seed=0), grid, _sgd, accumulation=accumulation, autocast_dtype=dtype, zero_stage=zero_stage
         )
 
-    real = step_graph.new_graph, step_graph.record
-    step_graph.new_graph, step_graph.record = Graph, record
-    try:
+    with graphs.stand_in(lambda: hybrid.graphed.recorded) as standing:
         hybrid = build()
         # the constructor refuses step_graph off a GPU: the same recording it would make, on the CPU
         hybrid.graphed = step_graph.GraphedStep(
             hybrid._forward_backward, hybrid.params, torch.device("cpu"), label="step_graph", hint="forget"
         )
-        hybrid.module.register_forward_pre_hook(look)
+        hybrid.module.register_forward_pre_hook(standing.autocast_seen(seen))
         if autocast:
             eager = build()
             want = [eager.train_step(*_global_batch(step), F.cross_entropy).item() for step in range(steps)]
@@ -216,8 +182,6 @@ def step_graphed(accumulation: int, autocast: bool = False, zero_stage: int = 0,
                 said.append("no error")
             except ValueError as err:
                 said.append(str(err))
-    finally:
-        step_graph.new_graph, step_graph.record = real
     return {
         "loss": _excess(torch.tensor(losses), torch.tensor(want)),
         "params": max(_excess(g.detach(), w.detach()) for g, w in zip(hybrid.parameters(), reference, strict=True)),
@@ -225,8 +189,8 @@ def step_graphed(accumulation: int, autocast: bool = False, zero_stage: int = 0,
             (g.detach() - w.detach()).abs().max().item()
             for g, w in zip(hybrid.parameters(), _initial(hybrid), strict=True)
         ),
-        "records": records[0],
-        "replays": replays[0],
+        "records": standing.records,
+        "replays": standing.replays,
         "recorded_under": sorted(set(seen)),
         "said": said,
     }

@@ -15,6 +15,7 @@ from torch import nn
 from dtrain.parallel.pipeline_parallel import PipelineParallel, PipelineStage
 from dtrain.parallel.pipeline_schedules import Timeline, interleaved_one_f_one_b, validate_schedule
 from dtrain.testing.pool import group_of
+from tests.jobs import graphs
 
 BATCH = 16
 LR = 0.1
@@ -308,43 +309,14 @@ def graphed(p: int, m: int, schedule: str, v: int = 1, steps: int = 3) -> dict:
 
 
 def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool = False) -> dict:
-    """``graphs="step"`` with a stand-in for the CUDA graph (no GPU here), on peer channels in /dev/shm: two eager
-    steps, then the step recorded once and replayed. The stand-in records by running the step (its messages are
-    real, so every stage runs it alike) and replays by running it again and writing the loss and gradients into
-    the tensors the recording made, as a graph's replay writes into its pool. An eager forward-only step runs
-    between two replays, and ``keep_grads`` leaves ``.grad`` in place between steps (the optimizer steps on the
-    accumulated gradients), so both the replace and the add paths are checked. Returns the worst errors against
-    the unsplit reference, how many recordings and replays ran, and the transport in use."""
-    from dtrain.parallel import step_graph
-
-    records, replays = [0], [0]
+    """``graphs="step"`` with a stand-in for the CUDA graph (no GPU here; :func:`tests.jobs.graphs.stand_in`),
+    on peer channels in /dev/shm: two eager steps, then the step recorded once and replayed. An eager
+    forward-only step runs between two replays, and ``keep_grads`` leaves ``.grad`` in place between steps (the
+    optimizer steps on the accumulated gradients), so both the replace and the add paths are checked. Returns
+    the worst errors against the unsplit reference, how many recordings and replays ran, and the transport in
+    use."""
     pipe = None
-
-    class Graph:
-        fn = None
-
-        def replay(self) -> None:
-            replays[0] += 1
-            graph = pipe._step_graph
-            held = [q.grad for q in graph.params]
-            for q in graph.params:
-                q.grad = None
-            loss = self.fn()
-            for q, g in zip(graph.params, graph.grads, strict=True):
-                if g is not None:
-                    g.copy_(q.grad)
-            graph.loss.copy_(loss)
-            for q, h in zip(graph.params, held, strict=True):
-                q.grad = h
-
-    def record(graph, fn):
-        records[0] += 1
-        graph.fn = fn
-        return fn()
-
-    real = step_graph.new_graph, step_graph.record
-    step_graph.new_graph, step_graph.record = Graph, record
-    try:
+    with graphs.stand_in(lambda: pipe._step_graph) as seen:
         group = group_of(p)
         reference = _mlp(seed=7)
         losses, grads, evals = [], [], []
@@ -373,14 +345,12 @@ def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool
                     evals.append(F.mse_loss(reference(batch), targets).item())
         got = (losses, grads)
         errors = _error_and_recovery(pipe, m, steps) if pipe.is_first and pipe.is_last is False else {}
-    finally:
-        step_graph.new_graph, step_graph.record = real
     return {
         **_chunk_errors(pipe, reference, (ref_losses, ref_grads), got, steps),
         **errors,
         "eval": abs(evals[0] - evals[1]),
-        "records": records[0],
-        "replays": replays[0],
+        "records": seen.records,
+        "replays": seen.replays,
         "transport": pipe.link.transport_in_use,
     }
 
@@ -456,46 +426,14 @@ def step_graphed_autocast(p: int, m: int, steps: int = 5) -> dict:
     """``graphs="step"`` (the stand-in graph of :func:`step_graphed`) under bf16 autocast against the same
     pipeline run eagerly under the same autocast, both on peer channels: the largest difference of losses and
     gradients, and what the recorded step's forwards ran under (autocast on, its cast cache off)."""
-    from dtrain.parallel import step_graph
-
-    seen, recording = [], [False]
-    pipe = None
-
-    class Graph:
-        fn = None
-
-        def replay(self) -> None:
-            graph = pipe._step_graph
-            held = [q.grad for q in graph.params]
-            for q in graph.params:
-                q.grad = None
-            graph.loss.copy_(self.fn())
-            for q, g in zip(graph.params, graph.grads, strict=True):
-                g.copy_(q.grad)
-            for q, h in zip(graph.params, held, strict=True):
-                q.grad = h
-
-    def record(graph, fn):
-        graph.fn = fn
-        recording[0] = True
-        try:
-            return fn()
-        finally:
-            recording[0] = False
-
-    def look(*_) -> None:
-        if recording[0]:
-            seen.append((torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled()))
-
+    seen, pipe = [], None
     group = group_of(p)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
-    real = step_graph.new_graph, step_graph.record
-    step_graph.new_graph, step_graph.record = Graph, record
-    try:
+    with graphs.stand_in(lambda: pipe._step_graph) as standing:
         pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, transport="peer")
         pipe.graphs = "step"  # the constructor asks for a CUDA device
         for chunk in pipe.chunks:
-            chunk.register_forward_pre_hook(look)
+            chunk.register_forward_pre_hook(standing.autocast_seen(seen))
         eager = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, transport="peer")
         worst = 0.0
         for step in range(steps):
@@ -507,8 +445,6 @@ def step_graphed_autocast(p: int, m: int, steps: int = 5) -> dict:
                 worst = max(worst, (x.grad - y.grad).abs().max().item())
             _sgd_step(list(pipe.parameters()))
             _sgd_step(list(eager.parameters()))
-    finally:
-        step_graph.new_graph, step_graph.record = real
     return {"worst": worst, "recorded": pipe._step_graph is not None, "recorded_under": sorted(set(seen))}
 
 

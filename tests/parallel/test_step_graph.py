@@ -1,6 +1,5 @@
-"""A step recorded as one graph (:mod:`dtrain.parallel.step_graph`) on one process, with a stand-in for the CUDA
-graph (no GPU here): the stand-in records by running the step and replays by running it again into the tensors
-the recording made, as a graph's replay writes into its pool."""
+"""A step recorded as one graph (:mod:`dtrain.parallel.step_graph`) on one process, with the stand-in for the
+CUDA graph of :mod:`tests.jobs.graphs` (no GPU here)."""
 
 from __future__ import annotations
 
@@ -10,43 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.parallel import step_graph
-
-
-class _Graph:
-    fn = None
-    replays = 0
-    owner: step_graph.GraphedStep | None = None  # the step under test
-
-    def replay(self) -> None:
-        _Graph.replays += 1
-        done = _Graph.owner.recorded
-        held = [q.grad for q in done.params]
-        for q in done.params:
-            q.grad = None
-        loss = self.fn()
-        for q, g in zip(done.params, done.grads, strict=True):
-            g.copy_(q.grad)
-        done.loss.copy_(loss)
-        for q, h in zip(done.params, held, strict=True):
-            q.grad = h
+from tests.jobs import graphs
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
-    made = []
-
-    def new_graph():
-        made.append(_Graph())
-        return made[-1]
-
-    def record(graph, fn):
-        graph.fn = fn
-        return fn()
-
-    monkeypatch.setattr(step_graph, "new_graph", new_graph)
-    monkeypatch.setattr(step_graph, "record", record)
-    _Graph.replays = 0
-    return made
+def stand_in():
+    """The stand-in graph of :mod:`tests.jobs.graphs`, replaying the step that ``owner[0]`` recorded."""
+    owner: list[step_graph.GraphedStep] = []
+    with graphs.stand_in(lambda: owner[0].recorded) as seen:
+        yield owner, seen
 
 
 def _setup():
@@ -70,7 +41,9 @@ def _batch(i: int):
 def test_the_third_call_records_and_later_calls_replay_with_the_eager_losses_and_gradients(stand_in):
     model, params, step = _setup()
     ref, ref_params, ref_step = _setup()
-    graphed = _Graph.owner = step_graph.GraphedStep(step, params, torch.device("cpu"))
+    owner, seen = stand_in
+    graphed = step_graph.GraphedStep(step, params, torch.device("cpu"))
+    owner.append(graphed)
     for i in range(6):
         for q in (*params, *ref_params):
             q.grad = None
@@ -87,14 +60,14 @@ def test_the_third_call_records_and_later_calls_replay_with_the_eager_losses_and
             ref_step(x, y, recording=False)
             for j, (a, b) in enumerate(zip(params, ref_params, strict=True)):
                 assert torch.equal(a.grad, b.grad) and a.grad is not graphed.recorded.grads[j], i
-    assert len(stand_in) == 1 and graphed.eager_run == 2 and graphed.replays == 5
+    assert seen.records == 1 and seen.replays == 5 and graphed.eager_run == 2 and graphed.replays == 5
 
 
 def test_another_shape_is_refused_until_forget_and_then_recorded_again(stand_in):
     _, params, step = _setup()
-    graphed = _Graph.owner = step_graph.GraphedStep(
-        step, params, torch.device("cpu"), label="demo", hint="forget() first"
-    )
+    owner, seen = stand_in
+    graphed = step_graph.GraphedStep(step, params, torch.device("cpu"), label="demo", hint="forget() first")
+    owner.append(graphed)
     for i in range(3):
         graphed(*_batch(i))
     x, y = _batch(9)
@@ -104,7 +77,7 @@ def test_another_shape_is_refused_until_forget_and_then_recorded_again(stand_in)
     graphed.forget()
     for _ in range(3):
         graphed(x[:3], y[:3])
-    assert len(stand_in) == 2 and graphed.recorded.inputs[0].shape == (3, 4)
+    assert seen.records == 2 and graphed.recorded.inputs[0].shape == (3, 4)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
