@@ -235,32 +235,20 @@ def _busy(pipe, args, m: int, device) -> float:
 
 def _graphed(fn, device):  # noqa: ANN001, ANN202
     """``fn``'s work recorded as one CUDA graph; returns the graph's replay. Recorded as the pipeline records its
-    own: after the watchdog threads have seen the last work finish, and with dtrain's watchdog looking at no event
-    (an event queried by another thread during a capture in CUDA's global mode breaks it, pytorch/pytorch#104487)."""
-    import gc
-
+    own (:func:`dtrain.parallel.step_graph.quiet_capture`: after the watchdog threads have seen the last work
+    finish, with dtrain's watchdog looking at no event and the garbage collector off)."""
     import torch
 
-    from dtrain.comm.peer import watchdog
-    from dtrain.parallel.pipeline_parallel import _WATCHDOG_LOOK_S
+    from dtrain.parallel import step_graph
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         fn()  # warm-up, off the graph
     torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    time.sleep(_WATCHDOG_LOOK_S)
-    graph = torch.cuda.CUDAGraph()
-    gc.collect()
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        with watchdog.capturing(), torch.cuda.graph(graph):
-            fn()
-    finally:
-        if collecting:
-            gc.enable()
+    graph = step_graph.new_graph()
+    with step_graph.quiet_capture(torch.device(device)):
+        step_graph.record(graph, fn)
     return graph.replay
 
 
