@@ -211,3 +211,75 @@ def test_the_pure_layers_import_no_torch_when_loaded():
     code = f"import sys; import {', '.join(PURE)}; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert result.stdout == "[]\n"
+
+
+def _defined(path: Path) -> set[str] | None:
+    """The names ``path`` binds at module level (in ``if`` and ``try`` blocks too), with those of its ``__all__``
+    where a module ``__getattr__`` loads them on first use; None where a star import makes them unknowable from
+    the source."""
+    names: set[str] = set()
+    tree = ast.parse(path.read_text(), str(path))
+
+    def bind(target: ast.AST) -> None:
+        for node in ast.walk(target):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+
+    def visit(body: list[ast.stmt]) -> bool:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    bind(target)
+            elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+                bind(node.target)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                if any(alias.name == "*" for alias in node.names):
+                    return False
+                names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.If | ast.Try | ast.With | ast.For):
+                blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+                blocks += [handler.body for handler in getattr(node, "handlers", [])]
+                if not all(visit(block) for block in blocks):
+                    return False
+        return True
+
+    if not visit(tree.body):
+        return None
+    if "__getattr__" in names:
+        values = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                  if isinstance(t, ast.Name)}  # fmt: skip
+
+        def strings(value: ast.AST | None) -> list[str]:  # a list or tuple of strings, *NAME spliced in
+            out = []
+            for elt in getattr(value, "elts", []):
+                if isinstance(elt, ast.Constant) and isinstance(elt.value, str):
+                    out.append(elt.value)
+                elif isinstance(elt, ast.Starred) and isinstance(elt.value, ast.Name):
+                    out += strings(values.get(elt.value.id))
+            return out
+
+        names.update(strings(values.get("__all__")))
+    return names
+
+
+def test_every_name_imported_from_dtrain_is_defined_there():
+    """``from dtrain.x import name`` anywhere in the package or the benchmarks (inside functions too, where only the
+    path that runs it would find a name that moved) names a module or something ``dtrain.x`` defines."""
+    modules = _modules()
+    missing = []
+    pairs = {module: loaded + inside for module, (loaded, inside) in _import_pairs().items()}
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):  # the benchmarks import from the package too
+        tree = ast.parse(path.read_text(), str(path))
+        pairs[str(path.relative_to(ROOT))] = [
+            pair for deferred in (False, True) for pair in _imports(tree, "benchmarks", True, deferred=deferred)
+        ]
+    for module, imported in pairs.items():
+        for source, name in imported:
+            if name is None or not source.startswith("dtrain") or f"{source}.{name}" in modules:
+                continue
+            defined = _defined(modules[source]) if source in modules else set()
+            if defined is not None and name not in defined:
+                missing.append(f"{module}: from {source} import {name}")
+    assert not missing, "\n".join(missing)
