@@ -734,7 +734,10 @@ def _train_recorded() -> str:
     for layout, name in (("dp4", "dp 4"), ("dp1", "1 GPU"), ("dp2pp2", "dp 2 x pp 2")):
         eager, recorded = (steps(f"train_step_graph-{layout}-{v}-h100x4.jsonl") for v in ("eager", "graph"))
         diff = worst(eager, recorded)
-        rows.append([name, str(len(recorded)), f"{diff:g}", f"{last_ms(eager):.2f}", f"{last_ms(recorded):.2f}"])
+        memory = [f"{runs[-1]['peak_memory_gib']:.3f}" for runs in (eager, recorded)]
+        rows.append(
+            [name, str(len(recorded)), f"{diff:g}", f"{last_ms(eager):.2f}", f"{last_ms(recorded):.2f}", *memory]
+        )
     peer, group = (steps(f"train_tp2pp2-{v}-h100x4.jsonl") for v in ("peer", "group"))
     return "\n\n".join(
         [
@@ -743,7 +746,20 @@ def _train_recorded() -> str:
             "30 --precision bf16 --no-tensorboard --no-export [--step-graph]`; at dp 2 x pp 2 `--dp 2 --pp 2 "
             "--microbatches 4 --pipeline-transport peer`; `train_step_graph-{dp4,dp1,dp2pp2}-{eager,graph}-h100x4"
             ".jsonl`): the same loss at every step.",
-            table(["layout", "steps", "largest loss difference", "step ms eager (last 10)", "step ms recorded"], rows),
+            table(
+                [
+                    "layout",
+                    "steps",
+                    "largest loss difference",
+                    "step ms eager (last 10)",
+                    "step ms recorded",
+                    "peak GiB eager",
+                    "peak GiB recorded",
+                ],
+                rows,
+            ),  # fmt: skip
+            "The recording holds its activations and gradients in a memory pool of its own from the third step on, "
+            "so a step's peak allocated memory (the last step's, rank 0) grows by what the step's tensors take.",
             "Tensor parallel inside pipeline stages (tp 2 x pp 2: `--dp 1 --tp 2 --pp 2 --microbatches 4`, which "
             "`step_graph` refuses), the stages' messages over peer channels and over the process group "
             f"(`train_tp2pp2-{{peer,group}}-h100x4.jsonl`): the same loss at every step (largest difference "
