@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["GraphedStep", "RecordedStep", "quiet_capture", "uncached_autocast", "uncached_within"]
+__all__ = ["GraphedStep", "RecordedStep", "quiet_capture", "record_step", "uncached_autocast", "uncached_within"]
 
 #: Seconds to let the watchdog threads see the last step's work finished before a capture (they look every 0.1-0.5 s).
 WATCHDOG_LOOK_S = 1.0
