@@ -278,10 +278,11 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
     size = parameter_count(plan.model)
     pipeline = f", {par.schedule} x {par.microbatches} micro-batches" if par.pp > 1 else ""
     zero = f", ZeRO-{par.zero}" if par.zero else ""
+    recorded = ", each step a CUDA graph from the third" if par.step_graph else ""
     resumed = f" from step {plan.first_step}" if plan.first_step else ""
     return (
         f"training {name}, {size / 1e6:.1f}M parameters, on {plan.world_size} process(es), dp={par.dp} x pp={par.pp} "
-        f"x tp={par.tp}{pipeline}{zero}: {plan.steps - plan.first_step} steps{resumed}, batch "
+        f"x tp={par.tp}{pipeline}{zero}{recorded}: {plan.steps - plan.first_step} steps{resumed}, batch "
         f"{config.training.batch_size} x {config.data.seq_len} tokens, output in {out}"
     )
 

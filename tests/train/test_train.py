@@ -249,3 +249,16 @@ def test_ctrl_c_stops_the_ranks_and_exits_130_in_one_line(tmp_path):
         run.kill()
     assert run.returncode == 130, stdout + stderr
     assert stderr.splitlines() == ["dtrain: interrupted (signal 2); the ranks were stopped"], stderr
+
+
+def test_the_run_line_says_when_each_step_is_recorded_as_a_graph():
+    from dtrain.models import preset
+    from dtrain.parallel.grid import ParallelDims
+
+    for recorded in (False, True):
+        config = load_config(REPO / "configs" / "tiny-cpu.toml", flags={"parallel.step_graph": recorded})
+        par = config.parallel
+        dims = ParallelDims(world_size=par.dp * par.pp * par.tp, dp=par.dp, pp=par.pp, tp=par.tp)
+        plan = loop.RunPlan(par.dp * par.pp, dims, preset("llama", "tiny"), "data", "tok.json", 0, 250)
+        line = loop.describe(config, plan)
+        assert line.startswith("training ") and ("each step a CUDA graph from the third" in line) == recorded, line
