@@ -156,7 +156,7 @@ def section_collectives() -> str:
         "loop). A cell is NCCL's time over our fastest algorithm's (which one, in brackets), then NCCL's own call "
         "over `auto` on the default path (peer-memory transport, graph replays): above 1.00x ours is faster. These "
         "sweeps predate the one-pass kernels and `auto`'s present rules, which take `native` wherever nothing of ours "
-        "measured faster; what the defaults give today is in \"The defaults against NCCL\" below.",
+        'measured faster; what the defaults give today is in "The defaults against NCCL" below.',
         "#### 4 x H100",
         setting(
             card(h100),
@@ -1382,7 +1382,71 @@ def _zero_bubble_part() -> list[str]:
             ),
             *_zero_bubble_bound(records),
         ]
-    return parts + _train_graphs_part()
+    return parts + _groups_part() + _train_graphs_part()
+
+
+def _groups_part() -> list[str]:
+    """`dtrain bench pipeline --microbatch-group`: interleaved 1F1B with micro-batches in groups of p and 2p beside
+    1F1B, eager and recorded, on 4 H100s."""
+    parts = []
+    for name in ("pipeline_groups-b1024-h100x4.jsonl", "pipeline_groups-b4096-h100x4.jsonl"):
+        records = load(name)
+        if not records:
+            continue
+        first = records[0]
+        if not parts:
+            parts.append(
+                "#### Interleaved 1F1B in micro-batch groups\n\n"
+                "Interleaved 1F1B with its micro-batches through the chunks in groups of `g` (`p` = 4 is "
+                "Megatron-LM's; 8 leaves four forwards of slack before rank 0 needs the last rank's output) beside "
+                "1F1B, over the peer channels, eager, per-action graphs and the step one graph. `held`: the "
+                "(chunk, micro-batch) activations the first stage holds at its peak, by its schedule. The launch's "
+                "time limit ended each sweep before `g` = 16."
+            )
+        ms = ",".join(str(m) for m in dict.fromkeys(r["microbatches"] for r in records))
+        rows = [
+            [
+                r["schedule"] + {False: "", True: " (graphs)", "step": " (step graph)"}[r.get("graphs", False)],
+                str(r["microbatch_group"] or "-"),
+                str(r["microbatches"]),
+                str(r["batch"] // r["microbatches"]),
+                f"{r['bubble_theory']:.3f}",
+                f"{r['bubble_measured']:.3f}",
+                f"{r['bubble_measured'] / r['bubble_theory']:.2f}x",
+                f"{r['step_ms']:.2f}",
+                f"{r['torch_step_ms']:.2f}" if r.get("torch_step_ms") else "-",
+                str(r["held_first_stage"]),
+            ]
+            for r in records
+        ]
+        parts += [
+            f"Batch {first['batch']}:",
+            setting(
+                f"4 x {first['device']}, NVLink through NVSwitch",
+                f"torch 2.11.0+cu130, NCCL {NCCL}",
+                f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
+                f"{first['width']} --batch {first['batch']} --microbatches {ms} --schedules 1f1b,interleaved-1f1b "
+                "--microbatch-group 0,8,16 --graphs actions,step --transport auto (benchmarks/gpu/run.sh OUT "
+                "pipeline-groups)",
+                f"`{name}`",
+            ),
+            table(
+                [
+                    "schedule",
+                    "g",
+                    "m",
+                    "rows a micro-batch",
+                    "theory",
+                    "measured",
+                    "measured / theory",
+                    "step ms",
+                    "torch step ms",
+                    "held",
+                ],
+                rows,
+            ),  # fmt: skip
+        ]
+    return parts
 
 
 def _median_gap(rows: list[dict], batch: int, transport: str, worst: bool = False) -> float:

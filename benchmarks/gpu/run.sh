@@ -74,6 +74,9 @@
 #                      (GRAPHS=actions,step), on the peer channels, batch BATCH (1024)
 #                                                                       -> bench_pipeline_step-bBATCH.jsonl
 #   bench-pipeline-large  the same at batch 4096, m = 8, 16                              -> bench_pipeline-b4096.jsonl
+#   pipeline-groups    1F1B and interleaved 1F1B with micro-batches in groups of p, 2p and 4p (where they divide m),
+#                      m = 8, 16, eager and with CUDA graphs (each action, the whole step), on the peer channels, at
+#                      batch GROUP_BATCHES ("1024 4096")                      -> pipeline_groups-bBATCH.jsonl
 #   pipeline-transport 1F1B, interleaved, ZB-H1, ZB-V at batch 4096 (m = 8, 16, eager), 1F1B and interleaved at batch
 #                      1024 (m = 16, eager and with CUDA graphs), over the process groups and over peer channels, with
 #                      receives posted 0 and 2 actions ahead (TRANSPORT_BATCHES, TRANSPORT_SCHEDULES,
@@ -259,6 +262,12 @@ for mode in "$@"; do
       LIMIT=${LIMIT:-420} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch "${BATCH:-1024}" \
         --microbatches 8,16 --graphs "${GRAPHS:-actions,step}" --transport auto \
         --out "$out/bench_pipeline_step-b${BATCH:-1024}.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
+    pipeline-groups)
+      for b in ${GROUP_BATCHES:-1024 4096}; do
+        LIMIT=${LIMIT:-280} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch "$b" --microbatches 8,16 \
+          --schedules 1f1b,interleaved-1f1b --microbatch-group 0,$((2 * n)),$((4 * n)) --graphs actions,step \
+          --transport auto --out "$out/pipeline_groups-b$b.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread"
+      done ;;
     bench-pipeline-large)
       # micro-batches of 256-512 rows: the stages' compute outweighs the host's time per action
       LIMIT=${LIMIT:-480} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch 4096 --microbatches 8,16 \

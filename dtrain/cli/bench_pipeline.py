@@ -83,6 +83,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="comma-separated actions ahead whose receives a stage posts; each a variant (default: the link's own)",
     )
     p.add_argument(
+        "--microbatch-group",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[0],
+        help="interleaved-1f1b: comma-separated micro-batch groups, each a variant (0: the stages' count, the "
+        "default); a group that is not a multiple of the stages or does not divide the micro-batches is skipped",
+    )
+    p.add_argument(
         "--graphs",
         nargs="?",
         const="actions",
@@ -109,6 +116,8 @@ def _check(args: argparse.Namespace) -> None:
     bad = [x for x in args.graphs if x not in ("actions", "step")]
     if bad:
         raise ValueError(f"--graphs: unknown {', '.join(bad)}; accepted: actions, step")
+    if min(args.microbatch_group) < 0:
+        raise ValueError(f"--microbatch-group {args.microbatch_group}: each must be 0 or more")
     if args.lookahead is not None and min(args.lookahead) < 0:
         raise ValueError(f"--lookahead {args.lookahead}: each must be 0 or more")
     if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
@@ -343,7 +352,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
     from dtrain.launch import rank_device
     from dtrain.parallel.pipeline_parallel import PipelineParallel
-    from dtrain.parallel.pipeline_schedules import chunks_per_stage, theoretical_bubble
+    from dtrain.parallel.pipeline_schedules import chunks_per_stage, theoretical_bubble, validate_schedule
 
     device = rank_device()
     cuda = device.type == "cuda"
@@ -361,11 +370,20 @@ def _rank_main(args: argparse.Namespace) -> None:
             torch_s, torch_done = None, False
             modes = [False] + ([{"actions": True, "step": "step"}[g] for g in args.graphs] if cuda else [])
             lookaheads = args.lookahead if args.lookahead is not None else [None]
+            groups = [None]
+            if name == "interleaved-1f1b":  # the valid groups, each once (0 is the stages' count)
+                groups = sorted({g or p for g in args.microbatch_group if (g or p) % p == 0 and m % (g or p) == 0})
+                groups = [None if g == p else g for g in groups]
             # the whole step as one graph needs the peer channels
             variants = [
-                (g, t, a) for g in modes for t in args.transport for a in lookaheads if g != "step" or t != "group"
+                (g, t, a, k)
+                for k in groups
+                for g in modes
+                for t in args.transport
+                for a in lookaheads
+                if g != "step" or t != "group"
             ]
-            for graphs, transport, lookahead in variants:
+            for graphs, transport, lookahead, group in variants:
                 pipe = PipelineParallel(
                     _model(args, device),
                     dist.group.WORLD,
@@ -374,6 +392,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     graphs=graphs,
                     lookahead=lookahead,
                     transport=transport,
+                    microbatch_group=group,
                 )
 
                 def step(pipe=pipe) -> None:
@@ -388,6 +407,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     tail = {False: "", True: "-graphs", "step": "-step-graph"}[graphs]
                     tail += "-peer" if transport == "peer" else ""
                     tail += "" if lookahead is None else f"-lookahead{lookahead}"
+                    tail += "" if group is None else f"-group{group}"
                     path = os.path.join(args.profile, f"{name}{tail}-m{m}-rank{rank}.prof")
                     profile.dump_stats(path + ".tmp")
                     os.replace(path + ".tmp", path)
@@ -407,6 +427,9 @@ def _rank_main(args: argparse.Namespace) -> None:
                     "lookahead": pipe.link.lookahead,
                     "stages": p,
                     "microbatches": m,
+                    "microbatch_group": group if group is not None else (p if name == "interleaved-1f1b" else None),
+                    # (chunk, micro-batch) activations the first stage holds at its peak, by its schedule
+                    "held_first_stage": validate_schedule(pipe.actions, m, v) if rank == 0 else None,
                     "bubble_theory": round(theoretical_bubble(p, m, v, schedule=name), 4),
                     "bubble_measured": round(1 - busy_s / (p * step_s), 4),
                     "step_ms": round(step_s * 1e3, 3),
@@ -432,6 +455,7 @@ def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | Non
     name += " peer" if row["transport"] == "peer" else ""
     name += f" la{row['lookahead']}"
     p, m = row["stages"], row["microbatches"]
+    name += f" g{row['microbatch_group']}" if row.get("microbatch_group") not in (None, p) else ""
     print(
         f"{name:>24} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
         f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  torch "

@@ -91,7 +91,12 @@ def register(commands) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="sequences a micro-batch")
     p.add_argument("--global-batch", type=int, required=True, help="sequences a step")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v"], default="1f1b")
+    p.add_argument("--chunks", type=int, default=0,
+                   help="model chunks a stage: interleaved-1f1b's (default 2; zb-v has 2, the others 1)")
+    p.add_argument("--microbatch-group", type=int, default=0,
+                   help="interleaved-1f1b: micro-batches through one chunk before the next, a multiple of pp "
+                        "(default pp)")  # fmt: skip
     p.add_argument(
         "--recompute", choices=RECOMPUTE, default="none", help="activation recomputation: none, selective or full"
     )
@@ -364,9 +369,11 @@ def _simulate_train(args: argparse.Namespace) -> int:
     if args.tp_comm_overlap and not (args.sequence_parallel and args.tp > 1):
         raise ValueError("--tp-comm-overlap needs --sequence-parallel and --tp above 1 (Megatron-Core's requirement)")
     topo, model = _topology(args), _model(args)
+    chunks = args.chunks or {"interleaved-1f1b": 2, "zb-v": 2}.get(args.schedule, 1)
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,
-                    zero_stage=args.zero, schedule=args.schedule, recompute=args.recompute,
-                    sequence_parallel=args.sequence_parallel, embedding_layers=args.embedding_layers)  # fmt: skip
+                    zero_stage=args.zero, schedule=args.schedule, chunks=chunks, recompute=args.recompute,
+                    sequence_parallel=args.sequence_parallel, embedding_layers=args.embedding_layers,
+                    microbatch_group=args.microbatch_group)  # fmt: skip
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma,
                           split_pipeline=args.split_pipeline, flow_limit=args.flow_limit,
                           synchronous_p2p=args.synchronous_p2p)  # fmt: skip

@@ -111,8 +111,9 @@ class HybridParallel:
     split by ``tensor_parallel(model, grid.tp_group)``, by default :func:`~dtrain.parallel.parallelize.
     tensor_parallelize` (logits left split by vocabulary: use :func:`~dtrain.parallel.parallelize.causal_lm_loss`).
     ``optimizer`` builds the optimizer from this rank's ``(name, parameter)`` pairs. ``device`` (optional) is
-    where the model and each batch go. ``schedule``, ``num_microbatches``, ``virtual_stages`` and ``balance``
-    ("layers", "params" or "flops") are the pipeline's (``pp > 1`` only). ``algorithm`` is the gradient
+    where the model and each batch go. ``schedule``, ``num_microbatches``, ``virtual_stages``, ``microbatch_group``
+    (interleaved 1F1B's) and ``balance`` ("layers", "params" or "flops") are the pipeline's (``pp > 1`` only).
+    ``algorithm`` is the gradient
     all-reduce's (``dtrain.comm.algorithms("all_reduce")``); the initial parameter broadcast uses the same name
     where broadcast has it, else ``"auto"``. Replicas start from dp rank 0's parameters.
 
@@ -154,6 +155,7 @@ class HybridParallel:
         pipeline_graphs: bool | str = False,
         pipeline_transport: str = "auto",
         virtual_stages: int = 1,
+        microbatch_group: int | None = None,
         algorithm: str = "auto",
         device: torch.device | None = None,
         zero_stage: int = 0,
@@ -182,6 +184,8 @@ class HybridParallel:
             if reason is not None:
                 raise ValueError(f"step_graph=True does not run with {reason}")
             pipeline_graphs = "step" if grid.dims.pp > 1 else pipeline_graphs
+        if microbatch_group is not None and grid.dims.pp == 1:
+            raise ValueError(f"microbatch_group={microbatch_group!r} groups a pipeline's micro-batches; pp is 1")
         if zero_stage == 2 and grid.dims.pp > 1 and schedule in SPLIT_BACKWARD:
             raise ValueError(f"zero_stage=2 reduces gradients during backward; schedule {schedule!r} defers them to W")
         self.grid, self.algorithm, self.device = grid, algorithm, device
@@ -220,6 +224,7 @@ class HybridParallel:
                 num_microbatches=num_microbatches,
                 schedule=schedule,
                 virtual_stages=virtual_stages,
+                microbatch_group=microbatch_group,
                 grad_group=grid.pp_grad_group,
                 balance=balance,
                 graphs=pipeline_graphs,

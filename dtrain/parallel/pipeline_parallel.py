@@ -158,8 +158,12 @@ class PipelineParallel:
     (:data:`~dtrain.parallel.pipeline_schedules.SCHEDULES`). Interleaved 1F1B cuts the model into
     ``virtual_stages * p`` chunks (default ``virtual_stages=2``) and this rank holds chunks ``s, s + p, ...``:
     :attr:`chunks` lists them and :attr:`stage` is an ``nn.ModuleList`` of them (the :class:`PipelineStage`
-    itself for the other schedules). ZB-V holds 2 chunks, virtual stages ``s`` and ``2p - 1 - s``. Under ZB-H1 and
-    ZB-V, :attr:`weight_grads` defers the linear layers' weight gradients from each B to its W action.
+    itself for the other schedules). ``microbatch_group`` (interleaved 1F1B only; default ``p``) is how many
+    micro-batches go through one chunk before the next: a multiple of ``p`` dividing ``num_microbatches``; a larger
+    group hides the messages between the last stage and the first behind compute, for more activations held
+    (:func:`~dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`). ZB-V holds 2 chunks, virtual stages ``s``
+    and ``2p - 1 - s``. Under ZB-H1 and ZB-V, :attr:`weight_grads` defers the linear layers' weight gradients from
+    each B to its W action.
     After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
     for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`. ``grad_group`` (the same ranks as
     ``group``, another process group) carries the gradients, so that on NCCL the two directions between two
@@ -191,6 +195,7 @@ class PipelineParallel:
         schedule: str = "1f1b",
         balance: Balance = "layers",
         virtual_stages: int | None = None,
+        microbatch_group: int | None = None,
         grad_group: dist.ProcessGroup | None = None,
         lookahead: int | None = None,
         transport: str = "auto",
@@ -211,12 +216,16 @@ class PipelineParallel:
                 f"virtual_stages={virtual_stages!r}: schedule {schedule!r} holds {chunks_per_stage(schedule)} model "
                 "chunk(s) a stage; only interleaved-1f1b takes another count (a positive int)"
             )
+        if microbatch_group is not None and not interleaved:
+            raise ValueError(f"microbatch_group is interleaved-1f1b's; schedule {schedule!r} takes none")
         s, p = dist.get_rank(group), dist.get_world_size(group)
         self.num_stages, self.stage_index, self.virtual_stages = p, s, v
+        #: interleaved 1F1B's micro-batch group (None: the stages' count, or another schedule)
+        self.microbatch_group = microbatch_group
         self.num_microbatches = num_microbatches
         self.schedule_name = schedule
         self.placement = PLACEMENT.get(schedule, "loop")
-        schedules = [make_schedule(schedule, p, num_microbatches, q, v) for q in range(p)]
+        schedules = [make_schedule(schedule, p, num_microbatches, q, v, microbatch_group) for q in range(p)]
         self.actions = schedules[s]
         self.chunks = [
             PipelineStage(

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: per stage, the ordered list of forward ("F", mb) and backward ("B", mb) actions.
 
-Two schedules, both synchronous (one optimizer step per batch, gradients exact):
+The schedules, all synchronous (one optimizer step per batch, gradients exact):
 
 - **GPipe** (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism",
   NeurIPS 2019): every stage runs the forwards of all ``m`` micro-batches, then all the backwards. Each stage
@@ -13,8 +13,8 @@ Two schedules, both synchronous (one optimizer step per batch, gradients exact):
 
 - **Interleaved 1F1B** (Megatron-LM paper, section 2.2.2): the model is cut into ``v * p`` chunks (virtual
   stages) and rank ``s`` holds chunks ``s, s + p, ..., s + (v - 1) p``; its actions carry the chunk
-  (:class:`ChunkAction`). Forwards go through the chunks in groups of ``p`` micro-batches, backwards through
-  the chunks in reverse; the warm-up is ``2 (p - 1 - s) + (v - 1) p`` forwards.
+  (:class:`ChunkAction`). Forwards go through the chunks in groups of ``g`` micro-batches (``p`` by default),
+  backwards through the chunks in reverse; the warm-up is ``2 (p - 1 - s) + (v - 1) g`` forwards.
 
 GPipe and 1F1B have the bubble fraction ``(p - 1) / (m + p - 1)`` of idle over total time (GPipe paper section
 2.3, Megatron-LM equation 1 in its ``(p-1)/m`` form relative to ideal); interleaving divides the bubble by ``v``:
@@ -40,10 +40,12 @@ __all__ = [
     "Timeline",
     "TimelineEvent",
     "bubble_fraction",
+    "check_microbatch_group",
     "chunks_per_stage",
     "draw_schedule",
     "gpipe",
     "interleaved_one_f_one_b",
+    "interleaved_warmup",
     "make_schedule",
     "one_f_one_b",
     "simulate",
@@ -113,37 +115,64 @@ def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Acti
 
 
 def interleaved_one_f_one_b(
-    num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 2
+    num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 2, group: int | None = None
 ) -> list[ChunkAction]:
     """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2) with ``virtual_stages`` chunks per rank.
 
-    The k-th forward of every rank is micro-batch ``(k // (p v)) p + k % p`` on chunk ``(k // p) % v``; the k-th
-    backward the same micro-batch on chunk ``v - 1 - (k // p) % v``. Rank ``s`` warms up with
-    ``min(2 (p - 1 - s) + (v - 1) p, m v)`` forwards, then alternates, then cools down. ``m`` must be a multiple
-    of ``p`` (as in Megatron-LM): micro-batches enter in groups of ``p``.
+    Micro-batches go through the chunks in groups of ``group`` (``g``, default ``p``, Megatron-LM's): the k-th
+    forward of every rank is micro-batch ``(k // (g v)) g + k % g`` on chunk ``(k // g) % v``; the k-th backward
+    the same micro-batch on chunk ``v - 1 - (k // g) % v``. Rank ``s`` warms up with
+    ``min(2 (p - 1 - s) + (v - 1) g, m v)`` forwards, then alternates, then cools down. ``m`` must be a multiple
+    of ``g``, and ``g`` a multiple of ``p`` no larger than ``m``.
+
+    With ``g = p`` the first rank's forward of chunk 1 for micro-batch 0 comes right after the last rank's forward
+    of chunk 0 for it: no slack, so every message from the last rank back to the first (and every gradient the
+    other way) lies on the critical path. A larger group leaves ``g - p`` forwards of slack there, which hides the
+    messages' time, for ``(v - 1)(g - p)`` more chunks' activations held in the warm-up (Megatron-Core's
+    ``microbatch_group_size_per_vp_stage``; ``g = m`` is the breadth-first schedule of Lamy-Poirier 2023,
+    "Breadth-First Pipeline Parallelism", MLSys). The bubble with free messages is the same for every ``g``.
     """
     _check_sizes(num_stages, num_microbatches, stage)
     p, m, v = num_stages, num_microbatches, virtual_stages
     if not isinstance(v, int) or v < 1:
         raise ValueError(f"virtual_stages must be a positive int, got {v!r}")
-    if m % p:
-        raise ValueError(
-            f"interleaved 1F1B takes micro-batches in groups of the {p} pipeline stages; "
-            f"{m} micro-batches is not a multiple of {p}"
-        )
+    g = check_microbatch_group(p, m, group)
 
     def at(k: int, kind: str) -> ChunkAction:
-        group, i = divmod(k, p * v)
-        chunk = i // p
-        return ChunkAction(kind, group * p + i % p, chunk if kind == "F" else v - 1 - chunk)
+        batch, i = divmod(k, g * v)
+        chunk = i // g
+        return ChunkAction(kind, batch * g + i % g, chunk if kind == "F" else v - 1 - chunk)
 
     total = m * v
-    warmup = min(2 * (p - 1 - stage) + (v - 1) * p, total)
+    warmup = interleaved_warmup(p, stage, v, total, g)
     actions = [at(k, "F") for k in range(warmup)]
     for i in range(total - warmup):
         actions += [at(warmup + i, "F"), at(i, "B")]
     actions += [at(k, "B") for k in range(total - warmup, total)]
     return actions
+
+
+def check_microbatch_group(num_stages: int, num_microbatches: int, group: int | None) -> int:
+    """Interleaved 1F1B's micro-batch group (``group``, ``num_stages`` when None), checked: a multiple of the stages
+    that divides the micro-batches (ValueError naming what is wrong)."""
+    p, m = num_stages, num_microbatches
+    g = p if group is None else group
+    if not isinstance(g, int) or isinstance(g, bool) or g < p or g % p:
+        raise ValueError(f"microbatch_group must be a multiple of the {p} pipeline stages, got {group!r}")
+    if m % g:
+        raise ValueError(
+            f"interleaved 1F1B takes micro-batches in groups of {g}"
+            + (f" (the {p} pipeline stages)" if group is None else "")
+            + f"; {m} micro-batches is not a multiple of {g}"
+        )
+    return g
+
+
+def interleaved_warmup(num_stages: int, stage: int, virtual_stages: int, total: int, group: int | None = None) -> int:
+    """Forwards stage ``stage`` runs before its first backward under interleaved 1F1B: ``2 (p - 1 - s) + (v - 1) g``
+    (``g`` the micro-batch group, ``p`` when None), at most ``total`` (= m v)."""
+    g = num_stages if group is None else group
+    return min(2 * (num_stages - 1 - stage) + (virtual_stages - 1) * g, total)
 
 
 def zb_h1(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
@@ -289,12 +318,22 @@ def chunks_per_stage(schedule: str, virtual_stages: int = 2) -> int:
     return 2 if schedule == "zb-v" else 1
 
 
-def make_schedule(schedule: str, num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 2) -> list:
-    """Stage ``stage``'s actions under the named schedule (``virtual_stages``: interleaved 1F1B's chunks)."""
+def make_schedule(
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    stage: int,
+    virtual_stages: int = 2,
+    microbatch_group: int | None = None,
+) -> list:
+    """Stage ``stage``'s actions under the named schedule (``virtual_stages``: interleaved 1F1B's chunks;
+    ``microbatch_group``: its micro-batch group, :func:`interleaved_one_f_one_b`; None for the other schedules)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     if schedule == "interleaved-1f1b":
-        return interleaved_one_f_one_b(num_stages, num_microbatches, stage, virtual_stages)
+        return interleaved_one_f_one_b(num_stages, num_microbatches, stage, virtual_stages, microbatch_group)
+    if microbatch_group is not None:
+        raise ValueError(f"microbatch_group is interleaved-1f1b's; schedule {schedule!r} takes none")
     return SCHEDULES[schedule](num_stages, num_microbatches, stage)
 
 

@@ -121,8 +121,10 @@ class Layout:
     ``global_batch`` sequences a step (so ``global_batch / (dp x micro_batch)`` micro-batches a replica);
     ``recompute`` (one of :data:`RECOMPUTE`) and ``sequence_parallel`` (Korthikanti et al. 2022, section 4.2.2:
     the activations outside the tensor-parallel regions split along the sequence; the same communication volume)
-    change what each layer keeps for backward. ``embedding_layers``: the pipeline split counts the input
-    embedding and the output layer as that many transformer layers each, so the first and last stages hold that
+    change what each layer keeps for backward. ``microbatch_group``: interleaved 1F1B's micro-batch group (0: ``pp``;
+    :func:`dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`). ``embedding_layers``: the pipeline split counts
+    the input embedding and the output layer as that many transformer layers each, so the first and last stages hold
+    that
     many fewer (DeepSpeed's ``partition_method="type:transformer|embedding"``: BLOOM-176B's 70 layers and two
     embeddings on 12 stages are 5, 6 x 10 and 5 layers, BigScience tr11-176B-ml README; :func:`stage_layers`)."""
 
@@ -138,6 +140,7 @@ class Layout:
     sequence_parallel: bool = False
     attention: str = "unfused"
     embedding_layers: int = 0
+    microbatch_group: int = 0
 
     def __post_init__(self) -> None:
         for field_name in ("dp", "tp", "pp", "micro_batch", "global_batch"):
@@ -164,10 +167,19 @@ class Layout:
             raise ValueError(
                 f"schedule {self.schedule!r} takes chunks = {need} model chunks a stage, got {self.chunks}"
             )
-        if self.schedule == "interleaved-1f1b" and self.microbatches % self.pp:
+        group = self.microbatch_group
+        if not isinstance(group, int) or group < 0:
+            raise ValueError(f"Layout.microbatch_group must be an int >= 0, got {group!r}")
+        if group and (self.schedule != "interleaved-1f1b" or group % self.pp):
             raise ValueError(
-                f"interleaved-1f1b takes micro-batches in groups of pp={self.pp}; {self.microbatches} micro-batches "
-                f"a replica is not a multiple"
+                f"microbatch_group = {group} groups interleaved-1f1b's micro-batches in a multiple of pp={self.pp}; "
+                f"schedule is {self.schedule}"
+            )
+        if self.schedule == "interleaved-1f1b" and self.microbatches % (group or self.pp):
+            raise ValueError(
+                "interleaved-1f1b takes micro-batches in groups of "
+                + (f"microbatch_group={group}" if group else f"pp={self.pp}")
+                + f"; {self.microbatches} micro-batches a replica is not a multiple"
             )
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
@@ -214,6 +226,8 @@ class Layout:
         schedule = (
             "" if self.schedule == "1f1b" else f" {self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else "")
         )
+        if self.microbatch_group:
+            schedule += f" group{self.microbatch_group}"
         flash = " flash" if self.attention == "flash" else ""
         embedding = f" embedding-as-{self.embedding_layers}" if self.embedding_layers else ""
         return (
@@ -277,14 +291,15 @@ def stage_parameters(model: ModelSpec, layout: Layout, stage: int) -> float:
 def layers_in_flight(model: ModelSpec, layout: Layout) -> float:
     """Layers' activations the first stage holds at its peak, in micro-batch-layers: GPipe all ``m``
     micro-batches of its ``L / p`` layers; 1F1B, ZB-H1 and ZB-V ``min(p, m)`` (Qi et al. 2024 keep 1F1B's peak);
-    interleaved 1F1B ``min(2 (p - 1) + (v - 1) p + 1, m v)`` chunks of ``L / (p v)`` layers, about
-    ``L (1 + (p - 1) / (p v))`` (Narayanan et al. 2021, section 2.2.2; Korthikanti et al. 2022, section 4.2.3)."""
+    interleaved 1F1B ``min(2 (p - 1) + (v - 1) g + 1, m v)`` chunks of ``L / (p v)`` layers (``g`` the micro-batch
+    group, ``p`` by default), about ``L (1 + (p - 1) / (p v))`` with ``g = p`` (Narayanan et al. 2021, section
+    2.2.2; Korthikanti et al. 2022, section 4.2.3)."""
     p, m, v = layout.pp, layout.microbatches, layout.chunks
     per_stage = stage_layers(model, layout, 0) if layout.embedding_layers else model.layers / p
     if layout.schedule == "gpipe":
         return m * per_stage
     if layout.schedule == "interleaved-1f1b":
-        return min(2 * (p - 1) + (v - 1) * p + 1, m * v) * per_stage / v
+        return min(2 * (p - 1) + (v - 1) * (layout.microbatch_group or p) + 1, m * v) * per_stage / v
     return min(p, m) * per_stage
 
 

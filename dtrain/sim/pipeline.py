@@ -65,6 +65,7 @@ from dtrain.parallel.pipeline_schedules import (
     SCHEDULES,
     chunk_of,
     chunks_per_stage,
+    interleaved_warmup,
     make_schedule,
     stage_of_virtual,
     virtual_stage,
@@ -82,6 +83,7 @@ def pipeline_makespan(
     *,
     weight_s: Sequence[float] | None = None,
     virtual_stages: int = 2,
+    microbatch_group: int | None = None,
     gather_s: float = 0.0,
     synchronous: bool = False,
     paired: bool = False,
@@ -92,15 +94,17 @@ def pipeline_makespan(
     ``s``'s time for one micro-batch (all its chunks), ``p2p_s`` the time of one activation (or gradient) between
     stages and ``gather_s`` the receiver's all-gather of a split one. For ZB-H1 and ZB-V, ``backward_s`` is the
     input-gradient pass B and ``weight_s`` the weight-gradient pass W (none given: W costs as much as B, the
-    paper's T_B = T_W). ``virtual_stages``: interleaved 1F1B's chunks a stage. ``synchronous``: messages block
-    both stages (module docstring); otherwise each arrives ``p2p_s + gather_s`` after its sender's action ends.
+    paper's T_B = T_W). ``virtual_stages``: interleaved 1F1B's chunks a stage, ``microbatch_group`` its micro-batch
+    group (:func:`dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`; None: the stages' count).
+    ``synchronous``: messages block both stages (module docstring); otherwise each arrives ``p2p_s + gather_s``
+    after its sender's action ends.
     ``paired``: interleaved 1F1B's steady-state forward sends with the next backward (module docstring).
     ``host_s``: the host's time to issue one action; a stage's k-th action starts no earlier than ``k host_s``
     (module docstring). ``overlapped``: interleaved 1F1B's exchanges posted after each action and waited for
     before the stage's next action of the same kind (Megatron-Core's ``overlap_p2p_comm``; module docstring);
     it takes the place of ``synchronous`` and ``paired``."""
     return _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
-                synchronous, paired, host_s, overlapped)[0]  # fmt: skip
+                synchronous, paired, host_s, overlapped, microbatch_group)[0]  # fmt: skip
 
 
 def pipeline_stage_spans(
@@ -112,6 +116,7 @@ def pipeline_stage_spans(
     *,
     weight_s: Sequence[float] | None = None,
     virtual_stages: int = 2,
+    microbatch_group: int | None = None,
     gather_s: float = 0.0,
     synchronous: bool = False,
     paired: bool = False,
@@ -124,7 +129,7 @@ def pipeline_stage_spans(
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
     graph = _graph(schedule, len(forward_s), microbatches, chunks_per_stage(schedule, virtual_stages), paired,
-                   overlapped)  # fmt: skip
+                   overlapped, microbatch_group)  # fmt: skip
     return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, spans=True)
 
 
@@ -137,6 +142,7 @@ def pipeline_chunk_edges(
     *,
     weight_s: Sequence[float] | None = None,
     virtual_stages: int = 2,
+    microbatch_group: int | None = None,
     gather_s: float = 0.0,
     synchronous: bool = False,
     paired: bool = False,
@@ -150,7 +156,7 @@ def pipeline_chunk_edges(
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
     graph = _graph(schedule, len(forward_s), microbatches, chunks_per_stage(schedule, virtual_stages), paired,
-                   overlapped)  # fmt: skip
+                   overlapped, microbatch_group)  # fmt: skip
     return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, chunks=True)
 
 
@@ -163,6 +169,7 @@ def pipeline_bubble(
     *,
     weight_s: Sequence[float] | None = None,
     virtual_stages: int = 2,
+    microbatch_group: int | None = None,
     gather_s: float = 0.0,
     synchronous: bool = False,
     paired: bool = False,
@@ -172,16 +179,17 @@ def pipeline_bubble(
     """The idle share of the step :func:`pipeline_makespan` times: 1 - work / (p x makespan), work being the
     stages' compute (a synchronous message's time counts as idle)."""
     span, work = _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
-                      synchronous, paired, host_s, overlapped)  # fmt: skip
+                      synchronous, paired, host_s, overlapped, microbatch_group)  # fmt: skip
     return 1.0 - work / (len(forward_s) * span) if span else 0.0
 
 
 def _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,
-         synchronous=False, paired=False, host_s=0.0, overlapped=False) -> tuple[float, float]:  # fmt: skip
+         synchronous=False, paired=False, host_s=0.0, overlapped=False, group=None) -> tuple[float, float]:  # fmt: skip
     stages = len(forward_s)
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
-    graph = _graph(schedule, stages, microbatches, chunks_per_stage(schedule, virtual_stages), paired, overlapped)
+    graph = _graph(schedule, stages, microbatches, chunks_per_stage(schedule, virtual_stages), paired, overlapped,
+                   group)  # fmt: skip
     if host_s < 0 or not math.isfinite(host_s):
         raise ValueError(f"host_s must be a finite number of seconds >= 0, got {host_s!r}")
     return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, host_s)
@@ -326,15 +334,17 @@ _WIDE = 24
 
 
 def _graph(schedule: str, stages: int, microbatches: int, v: int, paired: bool = False,
-           overlapped: bool = False) -> _Graph:  # fmt: skip
+           overlapped: bool = False, group: int | None = None) -> _Graph:  # fmt: skip
     overlapped = overlapped and schedule in _OVERLAPPED and stages > 1
     paired = paired and schedule in _PAIRED and not overlapped
-    key = (schedule, stages, microbatches, v, paired, overlapped)
+    if group == stages and schedule == "interleaved-1f1b":
+        group = None  # the default group: one graph
+    key = (schedule, stages, microbatches, v, paired, overlapped, group)
     found = _GRAPHS.get(key)
     if found is None:
         if len(_GRAPHS) >= 32 or sum(g.size for g in _GRAPHS.values()) > 2_000_000:  # about 60 MB of arrays
             _GRAPHS.clear()
-        found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v, paired, overlapped)
+        found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v, paired, overlapped, group)
     return found
 
 
@@ -344,36 +354,31 @@ _PAIRED = ("interleaved-1f1b",)
 _OVERLAPPED = ("interleaved-1f1b",)
 
 
-def _warmup(stages: int, stage: int, v: int, total: int) -> int:
-    """Forwards stage ``stage`` runs before its first backward in Megatron-LM's interleaved schedule, as
-    :func:`dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b` orders them."""
-    return min(2 * (stages - 1 - stage) + (v - 1) * stages, total)
-
-
-def _released(actions_by_stage: list[list[tuple]], stages: int, v: int) -> dict[tuple, tuple]:
+def _released(actions_by_stage: list[list[tuple]], stages: int, v: int, group: int | None = None) -> dict[tuple, tuple]:
     """Under paired exchanges, each steady-state forward mapped to the backward it is paired with: its output
     leaves when that backward ends. ``actions_by_stage``: each stage's actions (keys) in order: its warm-up
     forwards, then forward-backward pairs, then its cool-down backwards. Stage ``s`` warms up with
-    ``min(2 (p - 1 - s) + (v - 1) p, m v)`` forwards (Megatron-LM's interleaved schedule, as
-    :func:`dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`); the order alone does not tell a last
-    warm-up forward (sent at once) from a first paired one when one pair is all the steady state holds."""
+    ``min(2 (p - 1 - s) + (v - 1) g, m v)`` forwards (Megatron-LM's interleaved schedule, as
+    :func:`dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`, ``g`` the micro-batch group); the order alone
+    does not tell a last warm-up forward (sent at once) from a first paired one when one pair is all the steady state
+    holds."""
     out = {}
     for s, actions in enumerate(actions_by_stage):
         total = len(actions) // 2
-        warmup = _warmup(stages, s, v, total)
+        warmup = interleaved_warmup(stages, s, v, total, group)
         for i in range(total - warmup):
             out[actions[warmup + 2 * i]] = actions[warmup + 2 * i + 1]
     return out
 
 
-def _posts(plans: list[list[tuple]], stages: int, v: int) -> dict[int, int]:
+def _posts(plans: list[list[tuple]], stages: int, v: int, group: int | None = None) -> dict[int, int]:
     """Under overlapped exchanges, each action that receives from another stage mapped to the action of its stage
     after which Megatron-Core posts that receive: the stage's previous action of the same kind, the last warm-up
     forward for the first backward (none for the first forward, whose receive is posted at the start)."""
     out = {}
     for s, plan in enumerate(plans):
         total = len(plan) // 2
-        warmup = _warmup(stages, s, v, total)
+        warmup = interleaved_warmup(stages, s, v, total, group)
         last: dict[int, int] = {}
         for key, _, cross, slot, _ in plan:
             kind = slot // stages
@@ -387,18 +392,18 @@ def _posts(plans: list[list[tuple]], stages: int, v: int) -> dict[int, int]:
 
 
 def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = False,
-                 overlapped: bool = False) -> _Graph:  # fmt: skip
+                 overlapped: bool = False, group: int | None = None) -> _Graph:  # fmt: skip
     """Each stage's actions with what each waits for, put in waves: an action's wave is one more than the later
     of its stage's previous action's and its input's (ValueError if the schedule deadlocks)."""
     placement = PLACEMENT.get(schedule, "loop")
     virtual = v * stages
     last = virtual - 1
     owner = [stage_of_virtual(u, stages, placement)[0] for u in range(virtual)]
-    schedules = [make_schedule(schedule, stages, m, s, v) for s in range(stages)]
+    schedules = [make_schedule(schedule, stages, m, s, v, group) for s in range(stages)]
     release: dict = {}
     if paired:
         release = _released([[(_KINDS[a[0]] * virtual + virtual_stage(s, chunk_of(a), stages, placement)) * m + a[1]
-                              for a in actions] for s, actions in enumerate(schedules)], stages, v)  # fmt: skip
+                              for a in actions] for s, actions in enumerate(schedules)], stages, v, group)  # fmt: skip
     plans = []  # per stage: (id, dependency id or -1, 1 if the input crosses stages, cost slot, chunk)
     for s in range(stages):
         plan = []
@@ -416,7 +421,7 @@ def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = Fals
                          chunk_of(action)))  # fmt: skip
         plans.append(plan)
     # overlapped exchanges: each action's receive post, and the message its stage's previous action of its kind sent
-    posts: dict[int, int] = _posts(plans, stages, v) if overlapped else {}
+    posts: dict[int, int] = _posts(plans, stages, v, group) if overlapped else {}
     sent: dict[int, tuple[int, int]] = {}
     if overlapped:
         receiver = {dep: key for plan in plans for key, dep, cross, _, _ in plan if cross}
@@ -485,7 +490,7 @@ def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = Fals
 
 
 def _replay(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,
-            synchronous=False, paired=False, host_s=0.0) -> tuple[float, float]:  # fmt: skip
+            synchronous=False, paired=False, host_s=0.0, group=None) -> tuple[float, float]:  # fmt: skip
     """(makespan, total work) by an event replay of the schedule's actions: the definition :class:`_Graph`
     computes faster (tests/sim/test_pipeline_fast.py holds them equal)."""
     stages = len(forward_s)
@@ -496,11 +501,11 @@ def _replay(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virt
     last = v * stages - 1
     owner = [stage_of_virtual(u, stages, placement)[0] for u in range(v * stages)]
     cost = {"F": [c / v for c in forward_s], "B": [c / v for c in backward_s], "W": [c / v for c in weights]}
-    schedules = [make_schedule(schedule, stages, microbatches, s, v) for s in range(stages)]
+    schedules = [make_schedule(schedule, stages, microbatches, s, v, group) for s in range(stages)]
     release: dict = {}
     if paired and schedule in _PAIRED:
         release = _released([[(a[0], virtual_stage(s, chunk_of(a), stages, placement), a[1]) for a in actions]
-                             for s, actions in enumerate(schedules)], stages, v)  # fmt: skip
+                             for s, actions in enumerate(schedules)], stages, v, group)  # fmt: skip
     # each stage's actions with what each waits for: (kind, virtual stage, micro-batch, dependency, p2p after it)
     plans = []
     for s in range(stages):

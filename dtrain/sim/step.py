@@ -634,7 +634,7 @@ def _simulate_step(
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)
     m = layout.microbatches
-    v = layout.chunks
+    v, group = layout.chunks, layout.microbatch_group or None
     steps, pipelines, exposed_dp = [], [], []
     spans: dict[tuple, float] = {}
     edges: dict[tuple, list[tuple[float, float]]] = {}
@@ -646,7 +646,8 @@ def _simulate_step(
             if key not in spans:  # replicas of equal stage times run equal pipelines
                 weights = w if layout.schedule in SPLIT_BACKWARD else None
                 spans[key] = pipeline_makespan(f, b, send_s, m, layout.schedule, weight_s=weights, virtual_stages=v,
-                                               gather_s=gather_s, synchronous=config.synchronous_p2p,
+                                               microbatch_group=group, gather_s=gather_s,
+                                               synchronous=config.synchronous_p2p,
                                                paired=config.paired_exchanges,
                                                overlapped=config.overlap_p2p_comm)  # fmt: skip
             slowest = max(slowest, spans[key])
@@ -658,7 +659,8 @@ def _simulate_step(
                 key = (tuple(f), tuple(b), tuple(w), "chunks")
                 if key not in edges:
                     edges[key] = pipeline_chunk_edges(f, b, send_s, m, layout.schedule, virtual_stages=v,
-                                                      gather_s=gather_s, synchronous=config.synchronous_p2p,
+                                                      microbatch_group=group, gather_s=gather_s,
+                                               synchronous=config.synchronous_p2p,
                                                       paired=config.paired_exchanges,
                                                       overlapped=config.overlap_p2p_comm)  # fmt: skip
                 exposed = max(exposed, chunked_reduction_s(model, layout, config, dp, f, edges[key], slowest))
@@ -669,7 +671,7 @@ def _simulate_step(
                 if key not in edges:
                     weights = w if layout.schedule in SPLIT_BACKWARD else None
                     edges[key] = pipeline_stage_spans(f, b, send_s, m, layout.schedule, weight_s=weights,
-                                                      virtual_stages=v, gather_s=gather_s,
+                                                      virtual_stages=v, microbatch_group=group, gather_s=gather_s,
                                                       synchronous=config.synchronous_p2p,
                                                       paired=config.paired_exchanges,
                                                       overlapped=config.overlap_p2p_comm)  # fmt: skip
@@ -1008,7 +1010,7 @@ def step_lower_bound(
     owned = max(stage_parameters(model, layout, 0), stage_parameters(model, layout, layout.pp - 1)) / layout.tp
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)
-    m, v = layout.microbatches, layout.chunks
+    m, v, group = layout.microbatches, layout.chunks, layout.microbatch_group or None
     overlapped = (config.overlap_grad_reduce and layout.zero_stage <= 1) or (
         config.overlap_dp and layout.pp == 1 and _dp_overlaps(layout, config)
     )
@@ -1025,7 +1027,7 @@ def step_lower_bound(
             if key not in spans and exact_pipeline:
                 weights = w if layout.schedule in SPLIT_BACKWARD else None
                 spans[key] = pipeline_makespan(f, b, p2p_s, m, layout.schedule, weight_s=weights, virtual_stages=v,
-                                               synchronous=config.synchronous_p2p,
+                                               microbatch_group=group, synchronous=config.synchronous_p2p,
                                                paired=config.paired_exchanges,
                                                overlapped=config.overlap_p2p_comm)  # fmt: skip
             elif key not in spans:

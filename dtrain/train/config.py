@@ -206,6 +206,13 @@ class ParallelSection(_Section):
         choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"),  # pipeline_schedules.SCHEDULES
     )
     microbatches: int = _option(1, "micro-batches per pipeline step (only used when pp > 1)", minimum=1)
+    microbatch_group: int = _option(
+        0,
+        "interleaved-1f1b: micro-batches that go through one model chunk before the next, a multiple of pp that "
+        "divides microbatches (0: pp, Megatron-LM's); a larger group hides the messages from the last stage to the "
+        "first behind compute and holds (group - pp) more chunks' activations",
+        minimum=0,
+    )
     pipeline_graphs: bool = _option(
         False,
         "replay each micro-batch's forward and backward as CUDA graphs from the second step (pp > 1 on GPUs; not with "
@@ -550,12 +557,23 @@ class TrainConfig:
                 reason = next((why for bad, why in refused if bad), None)
                 if reason is not None:
                     raise ConfigError("parallel.pipeline_graphs", f"does not run with {reason}")
-            if parallel.schedule == "interleaved-1f1b" and parallel.microbatches % parallel.pp:
+            group = parallel.microbatch_group
+            if group and parallel.schedule != "interleaved-1f1b":
+                raise ConfigError(
+                    "parallel.microbatch_group",
+                    f"groups interleaved-1f1b's micro-batches; schedule is {parallel.schedule}",
+                )
+            if group and group % parallel.pp:
+                raise ConfigError("parallel.microbatch_group", f"{group} is not a multiple of pp={parallel.pp}")
+            if parallel.schedule == "interleaved-1f1b" and parallel.microbatches % (group or parallel.pp):
                 raise ConfigError(
                     "parallel.microbatches",
-                    f"interleaved-1f1b takes micro-batches in groups of pp={parallel.pp}; "
-                    f"{parallel.microbatches} is not a multiple",
+                    "interleaved-1f1b takes micro-batches in groups of "
+                    + (f"microbatch_group={group}" if group else f"pp={parallel.pp}")
+                    + f"; {parallel.microbatches} is not a multiple",
                 )
+        elif parallel.microbatch_group:
+            raise ConfigError("parallel.microbatch_group", "groups a pipeline's micro-batches; pp is 1")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The config as ``{section: {field: value}}`` of plain values."""

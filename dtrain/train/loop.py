@@ -277,6 +277,8 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
 
     size = parameter_count(plan.model)
     pipeline = f", {par.schedule} x {par.microbatches} micro-batches" if par.pp > 1 else ""
+    if par.pp > 1 and par.microbatch_group:
+        pipeline += f" in groups of {par.microbatch_group}"
     zero = f", ZeRO-{par.zero}" if par.zero else ""
     recorded = ", each step a CUDA graph from the third" if par.step_graph else ""
     resumed = f" from step {plan.first_step}" if plan.first_step else ""
@@ -345,6 +347,7 @@ class _Trainer:
             step_graph=par.step_graph,
             pipeline_transport=par.pipeline_transport,
             virtual_stages=INTERLEAVED_CHUNKS if par.schedule == "interleaved-1f1b" else 1,
+            microbatch_group=par.microbatch_group or None,
             algorithm=par.algorithm,
             shard_size=par.zero_shard_size or None,
             device=self.device,

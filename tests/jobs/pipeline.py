@@ -160,24 +160,33 @@ def _chunk_errors(pipe: PipelineParallel, reference: nn.Sequential, ref: tuple, 
     }
 
 
-def interleaved(p: int, m: int, v: int, steps: int = 3) -> dict:
-    """Interleaved 1F1B with ``v`` chunks a rank against the unsplit reference; the worst errors on this rank."""
+def interleaved(p: int, m: int, v: int, steps: int = 3, group_size: int | None = None, transport: str = "auto") -> dict:
+    """Interleaved 1F1B with ``v`` chunks a rank (micro-batches in groups of ``group_size``) against the unsplit
+    reference; the worst errors on this rank."""
     group = group_of(p)
     reference = _mlp(seed=7)
     ref = _reference_steps(reference, "mlp", steps)
-    pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule="interleaved-1f1b", virtual_stages=v)
+    pipe = PipelineParallel(
+        _mlp(seed=7),
+        group,
+        num_microbatches=m,
+        schedule="interleaved-1f1b",
+        virtual_stages=v,
+        microbatch_group=group_size,
+        transport=transport,
+    )
     got = _pipeline_steps(pipe, "mlp", steps)
     return {
         **_chunk_errors(pipe, reference, ref, got, steps),
         "chunks": float(len(pipe.chunks) != v),  # 0.0 when this rank holds v chunks
-        "peak_activations": float(pipe.timeline.peak_activations != validate_peak(p, m, v)),
+        "peak_activations": float(pipe.timeline.peak_activations != validate_peak(p, m, v, group_size)),
     }
 
 
-def validate_peak(p: int, m: int, v: int) -> int:
+def validate_peak(p: int, m: int, v: int, group_size: int | None = None) -> int:
     """This rank's schedule's own count of (chunk, micro-batch) activations held at its peak."""
     stage = dist.get_rank(group_of(p))
-    return validate_schedule(interleaved_one_f_one_b(p, m, stage, v), m, v)
+    return validate_schedule(interleaved_one_f_one_b(p, m, stage, v, group_size), m, v)
 
 
 def zero_bubble(p: int, m: int, schedule: str, steps: int = 3) -> dict:

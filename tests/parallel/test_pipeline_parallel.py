@@ -13,8 +13,10 @@ from dtrain.parallel.pipeline_schedules import (
     draw_schedule,
     gpipe,
     interleaved_one_f_one_b,
+    make_schedule,
     one_f_one_b,
     simulate,
+    simulated_bubble,
     theoretical_bubble,
     validate_schedule,
 )
@@ -199,9 +201,75 @@ def test_interleaved_1f1b_needs_microbatches_in_groups_of_p():
         interleaved_one_f_one_b(4, 6, 0, 2)
 
 
+def test_a_larger_microbatch_group_runs_g_microbatches_through_each_chunk_before_the_next():
+    got = [(kind, chunk, mb) for kind, mb, chunk in interleaved_one_f_one_b(2, 4, 1, virtual_stages=2, group=4)]
+    # warm-up 2 (p - 1 - s) + (v - 1) g = 4 forwards: chunk 0 of all four micro-batches, then 1F1B on chunk 1
+    assert got == [
+        ("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("F", 0, 3),
+        ("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2), ("F", 1, 3), ("B", 1, 3),
+        ("B", 0, 0), ("B", 0, 1), ("B", 0, 2), ("B", 0, 3),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("v", (2, 3))
+def test_every_microbatch_group_keeps_the_bubble_and_holds_v_minus_1_chunks_more_a_microbatch_added(p, v):
+    m = 4 * p
+    for g in (p, 2 * p, 4 * p):
+        schedules = [interleaved_one_f_one_b(p, m, s, v, group=g) for s in range(p)]
+        peaks = [validate_schedule(schedules[s], m, virtual_stages=v) for s in range(p)]
+        # the first stage holds its warm-up forwards and one more: 2 (p - 1) + (v - 1) g + 1
+        assert peaks[0] == 2 * (p - 1) + (v - 1) * g + 1
+        assert peaks == sorted(peaks, reverse=True)
+        assert simulated_bubble(simulate(schedules, forward_cost=1, backward_cost=2)) == pytest.approx(
+            theoretical_bubble(p, m, v)
+        )
+        sent, received = _messages(schedules, p, v)
+        # the same messages on every pair of ranks; with g > p not always used in the order sent, so a stage posts
+        # its receives in its peer's send order (StageLink), the order NCCL matches them in
+        assert {k: sorted(x) for k, x in sent.items()} == {k: sorted(x) for k, x in received.items()}
+
+
+def test_a_larger_microbatch_group_hides_the_messages_from_the_last_stage_to_the_first():
+    # each message a fifth of a chunk's forward: with g = p every one back to the first stage waits on the path
+    p, m, v = 4, 16, 2
+    bubbles = {}
+    for g in (4, 8, 16):
+        schedules = [interleaved_one_f_one_b(p, m, s, v, group=g) for s in range(p)]
+        bubbles[g] = simulated_bubble(simulate(schedules, forward_cost=1, backward_cost=2, p2p_cost=0.2))
+    assert bubbles[8] < bubbles[4] - 0.01  # 0.096 against 0.110; 0.086 with free messages
+    assert bubbles[16] <= bubbles[8] + 1e-12
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "group", "message"),
+    [
+        (4, 16, 6, "must be a multiple of the 4 pipeline stages, got 6"),
+        (4, 16, 2, "must be a multiple of the 4 pipeline stages, got 2"),
+        (4, 8, 12, "groups of 12; 8 micro-batches is not a multiple of 12"),
+        (2, 6, 4, "groups of 4; 6 micro-batches is not a multiple of 4"),
+        (2, 4, True, "must be a multiple of the 2 pipeline stages, got True"),
+    ],
+)
+def test_a_microbatch_group_that_does_not_fit_is_refused(p, m, group, message):
+    with pytest.raises(ValueError, match=message):
+        interleaved_one_f_one_b(p, m, 0, 2, group=group)
+
+
+def test_only_interleaved_1f1b_takes_a_microbatch_group():
+    with pytest.raises(ValueError, match="microbatch_group is interleaved-1f1b's; schedule '1f1b' takes none"):
+        make_schedule("1f1b", 2, 4, 0, 1, 4)
+    assert make_schedule("interleaved-1f1b", 2, 4, 0, 2, 4) == interleaved_one_f_one_b(2, 4, 0, 2, group=4)
+
+
 @pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2)])
 def test_interleaved_1f1b_trains_like_the_unsplit_model(pool, p, m, v):
     _assert_equivalent(pool.run(pipeline_jobs.interleaved, p, m, v, ranks=p))
+
+
+@pytest.mark.parametrize(("p", "m", "v", "group", "transport"), [(2, 4, 2, 4, "group"), (2, 8, 3, 4, "peer")])
+def test_interleaved_1f1b_in_larger_microbatch_groups_trains_like_the_unsplit_model(pool, p, m, v, group, transport):
+    _assert_equivalent(pool.run(pipeline_jobs.interleaved, p, m, v, 3, group, transport, ranks=p))
 
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)])

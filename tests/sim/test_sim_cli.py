@@ -59,6 +59,20 @@ def test_simulate_train_takes_megatron_exchanges_and_uneven_stages(capsys: pytes
     assert "do not split" in "".join(capsys.readouterr())
 
 
+def test_simulate_train_takes_every_pipeline_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "train", "--topology", "h100-node", "--pp", "4", "--global-batch", "16"]
+    steps = {}
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"):
+        data = run_json(capsys, *argv, "--schedule", schedule)
+        assert data["layout"]["chunks"] == (2 if schedule in ("interleaved-1f1b", "zb-v") else 1)
+        steps[schedule] = data["step_s"]
+    assert steps["interleaved-1f1b"] < steps["1f1b"] and steps["zb-h1"] < steps["1f1b"]
+    grouped = run_json(capsys, *argv, "--schedule", "interleaved-1f1b", "--microbatch-group", "8", "--chunks", "4")
+    assert grouped["layout"]["microbatch_group"] == 8 and grouped["layout"]["chunks"] == 4
+    assert main([*argv, "--schedule", "interleaved-1f1b", "--microbatch-group", "6"]) == 2
+    assert "in a multiple of pp=4" in "".join(capsys.readouterr())
+
+
 def test_plan_lists_the_fastest_layouts_that_fit(capsys: pytest.CaptureFixture[str]) -> None:
     data = run_json(capsys, "plan", "--topology", "h100-node", "--global-batch", "16", "--top", "3")
     steps = [p["step_s"] for p in data["plans"]]

@@ -52,6 +52,31 @@ def test_activations_follow_korthikanti_per_layer_and_in_flight_micro_batches() 
     assert gpipe.activations == pytest.approx(per_layer * 4 * 8)  # all 8 micro-batches
 
 
+def test_a_larger_microbatch_group_holds_more_chunks_and_hides_the_turn_back_to_the_first_stage() -> None:
+    per_chunk = {}
+    for group in (0, 8, 16):
+        layout = Layout(pp=4, global_batch=16, schedule="interleaved-1f1b", chunks=2, microbatch_group=group)
+        per_chunk[group] = memory_per_device(MODEL, layout).activations
+        assert (" group" in layout.describe()) == bool(group)
+    # the first stage holds 2 (p - 1) + (v - 1) g + 1 chunks: 11, 15, 23
+    assert per_chunk[8] / per_chunk[0] == pytest.approx(15 / 11) and per_chunk[16] / per_chunk[0] == pytest.approx(
+        23 / 11
+    )
+    steps = {}
+    for group in (0, 8):
+        layout = Layout(pp=4, global_batch=16, schedule="interleaved-1f1b", chunks=2, microbatch_group=group)
+        steps[group] = simulate_step(MODEL, layout, two_servers(network=0.05 * GB), place(two_servers(), layout))
+    assert steps[8].step_s < steps[0].step_s
+    for bad, message in (
+        (dict(microbatch_group=6), "in a multiple of pp=4"),
+        (dict(microbatch_group=32), "groups of microbatch_group=32; 16 micro-batches a replica is not a multiple"),
+        (dict(schedule="1f1b", chunks=1, microbatch_group=4), "schedule is 1f1b"),
+    ):
+        fields = dict(pp=4, global_batch=16, schedule="interleaved-1f1b", chunks=2) | bad
+        with pytest.raises(ValueError, match=message):
+            Layout(**fields)
+
+
 def test_layout_rejects_a_batch_that_does_not_split() -> None:
     with pytest.raises(ValueError, match="global_batch 10 is not a multiple of dp x micro_batch"):
         Layout(dp=4, global_batch=10)

@@ -179,6 +179,24 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
             '[parallel]\npp = 4\nschedule = "interleaved-1f1b"\nmicrobatches = 2\n',
             "train.toml: [parallel] microbatches: interleaved-1f1b takes micro-batches in groups of pp=4",
         ),
+        (
+            '[parallel]\npp = 2\nschedule = "interleaved-1f1b"\nmicrobatches = 4\nmicrobatch_group = 8\n',
+            "train.toml: [parallel] microbatches: interleaved-1f1b takes micro-batches in groups of "
+            "microbatch_group=8; 4 is not a multiple",
+        ),
+        (
+            '[parallel]\npp = 2\nschedule = "interleaved-1f1b"\nmicrobatches = 4\nmicrobatch_group = 3\n',
+            "train.toml: [parallel] microbatch_group: 3 is not a multiple of pp=2",
+        ),
+        (
+            "[parallel]\npp = 2\nmicrobatches = 4\nmicrobatch_group = 4\n",
+            "train.toml: [parallel] microbatch_group: groups interleaved-1f1b's micro-batches; schedule is 1f1b",
+        ),
+        (
+            "[parallel]\nmicrobatch_group = 4\n",
+            "train.toml: [parallel] microbatch_group: groups a pipeline's micro-batches; pp is 1",
+        ),
+        ("[parallel]\nmicrobatch_group = -1\n", "train.toml: [parallel] microbatch_group: must be an int >= 0, got -1"),
         ("[training]\naccumulation = 3\n", "train.toml: [training] accumulation: each dp rank's 16 sequences"),
         (
             "[parallel]\npipeline_graphs = true\n",
@@ -216,7 +234,7 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
         (
             "[parallel]\ntpp = 2\n",
             "train.toml: [parallel] tpp: unknown key; keys of [parallel]: dp, pp, tp, schedule, microbatches, "
-            "pipeline_graphs, step_graph, pipeline_transport, zero, zero_shard_size, algorithm, balance",
+            "microbatch_group, pipeline_graphs, step_graph, pipeline_transport, zero, zero_shard_size, algorithm, balance",
         ),
         ("[modle]\nfamily = 1\n", "train.toml: [modle]: unknown section; sections: model, data, parallel, optimizer"),
         ("steps = 20\n", "train.toml: steps: not a section; sections: model, data"),

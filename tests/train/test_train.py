@@ -133,6 +133,13 @@ def test_pipeline_run_matches_one_rank_and_writes_a_chrome_trace_and_a_gantt_cha
     assert (tmp_path / "pipeline-gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_interleaved_pipeline_in_larger_microbatch_groups_matches_one_rank(tmp_path, one_rank):
+    flags = ["--nproc", "2", "--pp", "2", "--microbatches", "4", "--steps", "2", "--schedule", "interleaved-1f1b"]
+    records = _run(tmp_path, *flags, "--microbatch-group", "4")
+    assert _losses(records) == pytest.approx(_losses(one_rank[1][:2]), rel=1e-5)
+    assert records[-1]["bubble_theory"] == pytest.approx(1 / 9)  # (p - 1) / (v m + p - 1), whatever the group
+
+
 def test_evaluation_runs_at_its_interval_on_the_validation_split(one_rank):
     records = one_rank[1]
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
@@ -262,3 +269,7 @@ def test_the_run_line_says_when_each_step_is_recorded_as_a_graph():
         plan = loop.RunPlan(par.dp * par.pp, dims, preset("llama", "tiny"), "data", "tok.json", 0, 250)
         line = loop.describe(config, plan)
         assert line.startswith("training ") and ("each step a CUDA graph from the third" in line) == recorded, line
+    flags = {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "parallel.microbatches": 4}
+    config = load_config(REPO / "configs" / "tiny-cpu.toml", flags={**flags, "parallel.microbatch_group": 4})
+    line = loop.describe(config, plan)
+    assert "interleaved-1f1b x 4 micro-batches in groups of 4" in line, line
