@@ -200,8 +200,8 @@ def _busy(pipe, args, m: int, device) -> float:
         for mb in range(m):
             for c, chunk in enumerate(pipe.chunks):
                 run = graphed.get((c, mb))
-                if run is None:
-                    out = chunk(x.detach().requires_grad_())
+                if run is None:  # the first chunk's input needs no gradient, as in the step
+                    out = chunk(x.detach().requires_grad_(not chunk.is_first))
                     with store.deferring((c, mb)) if store is not None else contextlib.nullcontext():
                         F.mse_loss(out, x).backward() if chunk.is_last else out.backward(x)
                     if store is not None:
