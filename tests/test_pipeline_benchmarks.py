@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "benchmarks" / "pipeline"), str(ROOT / "benchmarks" / "training")]
 
 import bubble as pipeline_bubble  # noqa: E402
+import device_profile  # noqa: E402
 import tp_pp as peers_tp_pp  # noqa: E402
 from bubble import expected_peak  # noqa: E402
 from tp_pp import PP_FAMILIES, _pipeline_order  # noqa: E402
@@ -126,3 +127,18 @@ def test_pipeline_peers_give_torchs_gradients(pp_rows: list[dict]) -> None:
     for r in pp_rows:
         assert r["max_abs_grad_diff_vs_torch"] < 1e-6, r
         assert r["step_s"] > 0 and r["iters"] == 1
+
+
+def test_the_device_profile_sums_kernels_copies_and_idle_by_fifth_of_a_step():
+    # two steps of 100 us each (windows), a kernel and a copy in each, one exchange kernel (a wait, so idle)
+    events = [
+        ("sgemm", 0.0, 40.0), ("Memcpy PtoP (Device -> Device)", 30.0, 50.0), ("exchange_kernel", 80.0, 100.0),
+        ("sgemm", 200.0, 220.0), ("Memset (Unknown)", 260.0, 270.0),
+    ]  # fmt: skip
+    sums = device_profile._sums(events, runs=2)
+    assert sums["compute_ms"] == pytest.approx((40 + 20 + 20) / 2 / 1e3)  # the exchange kernel is a kernel here
+    assert sums["copy_ms"] == pytest.approx((20 + 10) / 2 / 1e3)
+    assert sums["busy_ms"] == pytest.approx((50 + 20 + 20 + 10) / 2 / 1e3)  # the union of the intervals
+    fifths = device_profile._gaps(events, [(0.0, 100.0), (200.0, 300.0)])
+    # step 1 idles 50-100 (10, 20, 20 us in fifths 3-5), step 2 220-260 and 270-300 (20, 20, 10, 20 in fifths 2-5)
+    assert fifths == pytest.approx([0.0, 0.01, 0.015, 0.015, 0.02])
