@@ -92,8 +92,12 @@ def register(commands) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="sequences a step")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v"], default="1f1b")
-    p.add_argument("--chunks", type=int, default=0,
-                   help="model chunks a stage: interleaved-1f1b's (default 2; zb-v has 2, the others 1)")
+    p.add_argument(
+        "--chunks",
+        type=int,
+        default=0,
+        help="model chunks a stage: interleaved-1f1b's (default 2; zb-v has 2, the others 1)",
+    )
     p.add_argument("--microbatch-group", type=int, default=0,
                    help="interleaved-1f1b: micro-batches through one chunk before the next, a multiple of pp "
                         "(default pp)")  # fmt: skip
