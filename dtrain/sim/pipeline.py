@@ -339,6 +339,11 @@ def _graph(schedule: str, stages: int, microbatches: int, v: int, paired: bool =
     paired = paired and schedule in _PAIRED and not overlapped
     if group == stages and schedule == "interleaved-1f1b":
         group = None  # the default group: one graph
+    if overlapped and group is not None:
+        raise ValueError(
+            f"overlapped exchanges (Megatron-Core's overlap_p2p_comm) are modelled with micro-batches in groups of the "
+            f"{stages} stages only, not {group}: with a larger group a stage takes its messages out of their send order"
+        )
     key = (schedule, stages, microbatches, v, paired, overlapped, group)
     found = _GRAPHS.get(key)
     if found is None:

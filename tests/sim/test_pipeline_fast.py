@@ -161,3 +161,5 @@ def test_microbatch_groups_give_the_event_replays_makespan_and_the_step_sees_the
     assert slow[8] < slow[4]
     with pytest.raises(ValueError, match="microbatch_group is interleaved-1f1b's"):
         pipeline_makespan(f, b, 0.0, 16, "1f1b", microbatch_group=8)
+    with pytest.raises(ValueError, match="modelled with micro-batches in groups of the 4 stages only, not 8"):
+        pipeline_makespan(f, b, 0.1, 16, "interleaved-1f1b", microbatch_group=8, overlapped=True)
