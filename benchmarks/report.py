@@ -1295,16 +1295,8 @@ def _zero_bubble_part() -> list[str]:
         step_file = name.startswith("bench_pipeline_step")
         rows = [
             [
-                r["schedule"]
-                + {False: "", True: " (graphs)", "step": " (step graph)"}[r.get("graphs", False)]
-                + _transport_label(r),
-                str(r["microbatches"]),
-                str(r["batch"] // r["microbatches"]),
-                f"{r['bubble_theory']:.3f}",
-                f"{r['bubble_measured']:.3f}",
-                f"{r['bubble_measured'] / r['bubble_theory']:.2f}x",
-                f"{r['step_ms']:.2f}",
-                f"{r['torch_step_ms']:.2f}" if r.get("torch_step_ms") else "-",
+                _graphs_label(r) + _transport_label(r),
+                *_bubble_cells(r),
                 f"{r['torch_step_ms'] / r['step_ms']:.2f}x" if r.get("torch_step_ms") else "-",
             ]
             for r in records
@@ -1385,6 +1377,24 @@ def _zero_bubble_part() -> list[str]:
     return parts + _groups_part() + _train_graphs_part()
 
 
+def _graphs_label(row: dict) -> str:
+    """A bench_pipeline row's schedule and how its steps ran: eagerly, as per-action graphs or as one graph."""
+    return row["schedule"] + {False: "", True: " (graphs)", "step": " (step graph)"}[row.get("graphs", False)]
+
+
+def _bubble_cells(row: dict) -> list[str]:
+    """m, rows a micro-batch, the theory's and the measured bubble, their ratio, the step and torch's step."""
+    return [
+        str(row["microbatches"]),
+        str(row["batch"] // row["microbatches"]),
+        f"{row['bubble_theory']:.3f}",
+        f"{row['bubble_measured']:.3f}",
+        f"{row['bubble_measured'] / row['bubble_theory']:.2f}x",
+        f"{row['step_ms']:.2f}",
+        f"{row['torch_step_ms']:.2f}" if row.get("torch_step_ms") else "-",
+    ]
+
+
 def _groups_part() -> list[str]:
     """`dtrain bench pipeline --microbatch-group`: interleaved 1F1B with micro-batches in groups of p and 2p beside
     1F1B, eager and recorded, on 4 H100s."""
@@ -1405,18 +1415,7 @@ def _groups_part() -> list[str]:
             )
         ms = ",".join(str(m) for m in dict.fromkeys(r["microbatches"] for r in records))
         rows = [
-            [
-                r["schedule"] + {False: "", True: " (graphs)", "step": " (step graph)"}[r.get("graphs", False)],
-                str(r["microbatch_group"] or "-"),
-                str(r["microbatches"]),
-                str(r["batch"] // r["microbatches"]),
-                f"{r['bubble_theory']:.3f}",
-                f"{r['bubble_measured']:.3f}",
-                f"{r['bubble_measured'] / r['bubble_theory']:.2f}x",
-                f"{r['step_ms']:.2f}",
-                f"{r['torch_step_ms']:.2f}" if r.get("torch_step_ms") else "-",
-                str(r["held_first_stage"]),
-            ]
+            [_graphs_label(r), str(r["microbatch_group"] or "-"), *_bubble_cells(r), str(r["held_first_stage"])]
             for r in records
         ]
         parts += [
