@@ -1359,17 +1359,7 @@ def _zero_bubble_part() -> list[str]:
                 f"`{name}`",
             ),
             table(
-                [
-                    "schedule",
-                    "m",
-                    "rows a micro-batch",
-                    "theory",
-                    "measured",
-                    "measured / theory",
-                    "step ms",
-                    "torch step ms",
-                    "torch / ours",
-                ],
+                ["schedule", *_BUBBLE_HEADER, "torch / ours"],
                 rows,
             ),
             *_zero_bubble_bound(records),
@@ -1380,6 +1370,10 @@ def _zero_bubble_part() -> list[str]:
 def _graphs_label(row: dict) -> str:
     """A bench_pipeline row's schedule and how its steps ran: eagerly, as per-action graphs or as one graph."""
     return row["schedule"] + {False: "", True: " (graphs)", "step": " (step graph)"}[row.get("graphs", False)]
+
+
+#: the columns of :func:`_bubble_cells`
+_BUBBLE_HEADER = ["m", "rows a micro-batch", "theory", "measured", "measured / theory", "step ms", "torch step ms"]
 
 
 def _bubble_cells(row: dict) -> list[str]:
@@ -1430,18 +1424,7 @@ def _groups_part() -> list[str]:
                 f"`{name}`",
             ),
             table(
-                [
-                    "schedule",
-                    "g",
-                    "m",
-                    "rows a micro-batch",
-                    "theory",
-                    "measured",
-                    "measured / theory",
-                    "step ms",
-                    "torch step ms",
-                    "held",
-                ],
+                ["schedule", "g", *_BUBBLE_HEADER, "held"],
                 rows,
             ),  # fmt: skip
         ]
