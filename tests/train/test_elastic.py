@@ -140,8 +140,8 @@ def test_a_lost_node_shrinks_the_job_to_the_nodes_left(tmp_path, uninterrupted, 
                 agent.kill()
             log.close()
     logs = [(tmp_path / f"agent{node}.log").read_text() for node in range(2)]
-    survivor = codes.index(0)
     assert sorted(codes) == [-9, 0], (codes, logs)
+    survivor = codes.index(0)
     log = logs[survivor]
     assert re.search(r"failed because rank 1 \(\S+:\d+\) is gone", log), log
     assert "restart 1: continuing from the checkpoint of step 2 on 1 process(es), dp=1 x pp=1 x tp=1" in log, log
