@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -404,6 +406,7 @@ def test_bench_pipeline_profile_must_name_a_directory(tmp_path, capsys):
         (["--transport", "group,nccl"], "--transport: unknown nccl; accepted: auto, group, peer"),
         (["--lookahead", "0,-1"], "--lookahead [0, -1]: each must be 0 or more"),
         (["--graphs", "step,steps"], "--graphs: unknown steps; accepted: actions, step"),
+        (["--microbatch-group", "0,-4"], "--microbatch-group [0, -4]: each must be 0 or more"),
     ],
 )
 def test_bench_pipeline_refuses_an_unknown_transport_and_a_negative_lookahead(tmp_path, capsys, flags, said):
@@ -412,3 +415,18 @@ def test_bench_pipeline_refuses_an_unknown_transport_and_a_negative_lookahead(tm
     assert main(["bench", "pipeline", *flags, "--out", str(tmp_path / "rows.jsonl")]) == 2
     assert said in capsys.readouterr().out
     assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_bench_pipeline_times_interleaved_1f1b_in_each_valid_microbatch_group(tmp_path):
+    from dtrain.cli.main import main
+
+    out = tmp_path / "rows.jsonl"
+    flags = ["--nproc", "2", "--schedules", "interleaved-1f1b", "--microbatches", "2,4", "--layers", "4"]
+    flags += ["--width", "8", "--batch", "8", "--warmup", "1", "--steps", "1", "--no-torch", "--out", str(out)]
+    assert main(["bench", "pipeline", *flags, "--microbatch-group", "0,3,4"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # 3 is no multiple of the 2 stages, 4 does not divide 2 micro-batches: skipped; 0 is the stages' count
+    assert [(r["microbatches"], r["microbatch_group"]) for r in rows] == [(2, 2), (4, 2), (4, 4)]
+    held = {r["microbatch_group"]: r["held_first_stage"] for r in rows if r["microbatches"] == 4}
+    assert held == {2: 2 * (2 - 1) + 2 + 1, 4: 2 * (2 - 1) + 4 + 1}  # 2 (p - 1) + (v - 1) g + 1
+    assert len({r["loss"] for r in rows if r["microbatches"] == 4}) == 1  # the same training either way
