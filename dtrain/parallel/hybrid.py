@@ -113,9 +113,9 @@ class HybridParallel:
     ``optimizer`` builds the optimizer from this rank's ``(name, parameter)`` pairs. ``device`` (optional) is
     where the model and each batch go. ``schedule``, ``num_microbatches``, ``virtual_stages``, ``microbatch_group``
     (interleaved 1F1B's) and ``balance`` ("layers", "params" or "flops") are the pipeline's (``pp > 1`` only).
-    ``algorithm`` is the gradient
-    all-reduce's (``dtrain.comm.algorithms("all_reduce")``); the initial parameter broadcast uses the same name
-    where broadcast has it, else ``"auto"``. Replicas start from dp rank 0's parameters.
+    ``algorithm`` is the gradient all-reduce's (``dtrain.comm.algorithms("all_reduce")``); the initial parameter
+    broadcast uses the same name where broadcast has it, else ``"auto"``. Replicas start from dp rank 0's
+    parameters.
 
     ``zero_stage`` 1 or 2 shards the optimizer state (and with 2 the gradients) over the dp group
     (:class:`~dtrain.parallel.zero.ZeroOptimizer`, built from the optimizer the factory returns: its class and
