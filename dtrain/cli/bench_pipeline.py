@@ -83,6 +83,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="comma-separated actions ahead whose receives a stage posts; each a variant (default: the link's own)",
     )
     p.add_argument(
+        "--in-place",
+        type=lambda t: t.split(","),
+        default=["yes"],
+        help="comma-separated, each a variant: 'yes' (the default: on peer channels whose ring holds the whole step "
+        "a stage computes on each message in its slot), 'no' (on a copy taken out of the slot)",
+    )
+    p.add_argument(
         "--microbatch-group",
         type=lambda t: [int(x) for x in t.split(",")],
         default=[0],
@@ -116,6 +123,9 @@ def _check(args: argparse.Namespace) -> None:
     bad = [x for x in args.graphs if x not in ("actions", "step")]
     if bad:
         raise ValueError(f"--graphs: unknown {', '.join(bad)}; accepted: actions, step")
+    bad = [x for x in args.in_place if x not in ("yes", "no")]
+    if bad:
+        raise ValueError(f"--in-place: unknown {', '.join(bad)}; accepted: yes, no")
     if min(args.microbatch_group) < 0:
         raise ValueError(f"--microbatch-group {args.microbatch_group}: each must be 0 or more")
     if args.lookahead is not None and min(args.lookahead) < 0:
@@ -376,14 +386,15 @@ def _rank_main(args: argparse.Namespace) -> None:
                 groups = [None if g == p else g for g in groups]
             # the whole step as one graph needs the peer channels
             variants = [
-                (g, t, a, k)
+                (g, t, a, k, i == "yes")
                 for k in groups
                 for g in modes
                 for t in args.transport
                 for a in lookaheads
+                for i in args.in_place
                 if g != "step" or t != "group"
             ]
-            for graphs, transport, lookahead, group in variants:
+            for graphs, transport, lookahead, group, in_place in variants:
                 pipe = PipelineParallel(
                     _model(args, device),
                     dist.group.WORLD,
@@ -393,6 +404,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     lookahead=lookahead,
                     transport=transport,
                     microbatch_group=group,
+                    in_place=in_place,
                 )
 
                 def step(pipe=pipe) -> None:
@@ -408,6 +420,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     tail += "-peer" if transport == "peer" else ""
                     tail += "" if lookahead is None else f"-lookahead{lookahead}"
                     tail += "" if group is None else f"-group{group}"
+                    tail += "" if in_place else "-copied"
                     path = os.path.join(args.profile, f"{name}{tail}-m{m}-rank{rank}.prof")
                     profile.dump_stats(path + ".tmp")
                     os.replace(path + ".tmp", path)
@@ -425,6 +438,8 @@ def _rank_main(args: argparse.Namespace) -> None:
                     "graphs": graphs,
                     "transport": pipe.link.transport_in_use,
                     "lookahead": pipe.link.lookahead,
+                    # messages computed on in their peer-channel slots (True), or on copies
+                    "in_place": pipe.link.receives_in_place,
                     "stages": p,
                     "microbatches": m,
                     "microbatch_group": group if group is not None else (p if name == "interleaved-1f1b" else None),
@@ -456,6 +471,7 @@ def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | Non
     name += f" la{row['lookahead']}"
     p, m = row["stages"], row["microbatches"]
     name += f" g{row['microbatch_group']}" if row.get("microbatch_group") not in (None, p) else ""
+    name += " copied" if row["transport"] == "peer" and not row.get("in_place") else ""
     print(
         f"{name:>24} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
         f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  torch "

@@ -175,7 +175,9 @@ class PipelineParallel:
     peer channels
     (:class:`~dtrain.comm.peer.channels.PeerChannels`: copies through peer memory signalled by stream memory
     operations, which hold no SM while they wait); "peer" insists on them (a ValueError where a stage is on
-    another host); "group" keeps the process groups' send and recv.
+    another host); "group" keeps the process groups' send and recv. ``in_place`` (default True): where a peer
+    channel's ring holds the whole step, the stage computes on each message in its slot and gives the slots back at
+    the step's end; False computes on a copy taken out of the slot.
 
     ``graphs=True`` (CUDA, every schedule, autocast too): the first step runs eagerly and records each (chunk,
     micro-batch)'s argument shapes; the next captures every (chunk, micro-batch)'s forward and backward as CUDA
@@ -199,6 +201,7 @@ class PipelineParallel:
         grad_group: dist.ProcessGroup | None = None,
         lookahead: int | None = None,
         transport: str = "auto",
+        in_place: bool = True,
         graphs: bool | str = False,
     ) -> None:
         if graphs not in (False, True, "step"):
@@ -255,6 +258,7 @@ class PipelineParallel:
             placement=self.placement,
             lookahead=lookahead,
             transport=transport,
+            in_place=in_place,
         )
         self.link.plan(schedules)
         self.group = group

@@ -9,11 +9,12 @@ to the host (Megatron-LM's ``p2p_communication`` exchanges shapes the same way, 
 with every shape agreed, stages of one host move to peer channels (:mod:`dtrain.comm.peer.channels`,
 ``transport="auto"`` or ``"peer"``): one ring of slots per (sending stage, receiving stage) pair, sized to a step's
 messages; the sender pushes each payload into the receiver's slot with a copy through peer memory and raises a
-counter, and the receiver's stream waits on that counter where it uses the data. On a GPU those are stream memory
-operations that hold no SM while they wait; an NCCL receive or send posted before its partner holds its CTAs
-spinning, which slows the products it shares the SMs with. On 4 H100s (16 x Linear(4096), float32, batch 4096),
-the peer channels took interleaved 1F1B's step from 51.8 to 46.7 ms at 8 micro-batches and ZB-V's from 49.1 to
-41.3 ms (``bench_pipeline-b4096-h100x4.jsonl``).
+counter, and the receiver's stream waits on that counter where it uses the data. Where a ring holds the whole
+step's messages the receiver computes on each message in its slot (taken lent, no copy out) and gives the slots
+back at the step's end. On a GPU those are stream memory operations that hold no SM while they wait; an NCCL
+receive or send posted before its partner holds its CTAs spinning, which slows the products it shares the SMs
+with. On 4 H100s (16 x Linear(4096), float32, batch 4096), the peer channels took interleaved 1F1B's step from 51.8
+to 46.7 ms at 8 micro-batches and ZB-V's from 49.1 to 41.3 ms (``bench_pipeline-b4096-h100x4.jsonl``).
 
 On the process groups, every rank knows every stage's actions (:meth:`StageLink.plan`), so it knows, for each
 peer, the order in which that peer will send to it (:func:`messages`). It posts its receives in that order (NCCL
@@ -234,6 +235,7 @@ class StageLink:
         placement: str = "loop",
         lookahead: int | None = None,
         transport: str = "auto",
+        in_place: bool = True,
     ) -> None:
         group = group if group is not None else dist.group.WORLD
         if transport not in TRANSPORTS:
@@ -242,6 +244,9 @@ class StageLink:
         #: "group": the process groups' send and recv; "peer": peer channels once shapes are agreed; "auto":
         #: peer channels where available (decided at the second step, on every stage alike)
         self.transport = transport
+        #: on peer channels whose ring holds the whole step, compute on each message in its slot (lent) or on a copy
+        self.in_place = in_place
+        self._lends: list[bool] = []  # per channel: whether its messages are taken lent (computed on in their slots)
         self._channels = None  # the PeerChannels of the steady state (transport "peer")
         self._channel_of: dict[tuple[int, int], int] = {}  # (sending stage, receiving stage) -> channel index
         self.grad_group = grad_group if grad_group is not None else backward_group(group)
@@ -289,6 +294,11 @@ class StageLink:
         """ "peer" once the peer channels carry the messages, else "group"."""
         return "peer" if self._channels is not None else "group"
 
+    @property
+    def receives_in_place(self) -> bool:
+        """Whether this stage computes on messages in their peer-channel slots (taken lent), on one channel or more."""
+        return self._channels is not None and any(self._lends)
+
     # -- the plan of a step
 
     def plan(self, schedules: Sequence[Sequence[tuple]]) -> None:
@@ -302,6 +312,8 @@ class StageLink:
         """Start a step (``timeline`` None ends one): the receives to post this step, in each peer's send order."""
         self.timeline = timeline
         if timeline is None:
+            if self._channels is not None:
+                self._channels.release()  # the step is done with the messages it computed on in their slots
             return
         self._counts = {"sends": 0, "recvs": 0, "headers": 0, "send_s": 0.0, "recv_wait_s": 0.0}
         self._wait_events = []
@@ -353,11 +365,16 @@ class StageLink:
                 "memory operations); use transport 'group'"
             )
         channels = []
+        self._lends = []
         for i, (src, dst) in enumerate(pairs):
             nbytes, count = int(sizes[i]), len(self._plans[False][src, dst])
+            whole = count
             if self.device.type == "cuda":
                 count = min(count, max(2, RING_BYTES // max(1, nbytes)))
             channels.append(Channel(src, dst, max(1, nbytes), count))
+            # a ring that holds the whole step lends its slots: a stage computes on its messages where they
+            # landed, and gives the slots back at the step's end (no copy out, nothing sent back per message)
+            self._lends.append(self.in_place and count >= whole)
         try:
             self._channels = PeerChannels(self.group, self.device, channels)
         except PeerUnavailable:  # raised on every stage alike
@@ -566,7 +583,9 @@ class StageLink:
                 agreed = self._shapes[direction, u] = decode_header(header)
             if self._channels is not None:
                 channel = self._channel_of[source, self.stage]
-                received = self._channels.post(channel, agreed[0], agreed[1], last=item in self._last)
+                received = self._channels.post(
+                    channel, agreed[0], agreed[1], last=item in self._last, lend=self._lends[channel]
+                )
                 self._posted[item] = (received, received.tensor)
             else:
                 payload = torch.empty(agreed[0], dtype=agreed[1], device=self.device)

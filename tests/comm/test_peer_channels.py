@@ -177,3 +177,12 @@ def test_rounds_reset_the_counters_so_each_round_repeats_the_same_operations():
         ("write", free, ROUND_DONE),
     ]
     assert rounds_taken == [taken] * 3
+
+
+def test_messages_taken_lent_are_their_slots_until_released(pool):
+    for rank, r in enumerate(pool.run(jobs.lent_rounds, 3, 5, [3, 1, 2], 3, ranks=3)):
+        assert r["equal"] == r["inside"] == r["kept"] == [True] * 10, f"rank {rank}: {r}"
+        assert r["said"] == (
+            "peer channels: channel " + str((rank - 1) % 3) + " lends its slots within a round of at most 3 "
+            "messages; this is its message 4"
+        )

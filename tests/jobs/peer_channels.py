@@ -118,3 +118,43 @@ def rounds(p: int, rounds: int, sizes: list[int], slots: int) -> list[bool]:
         k += count
     torch.distributed.barrier(group)
     return ok
+
+
+def lent_rounds(p: int, rounds: int, sizes: list[int], slots: int) -> dict:
+    """As :func:`rounds`, every message taken lent (the slot itself, given back by ``release`` at the round's end):
+    per message whether it arrived equal, whether it lay in this rank's window, and whether it still held its
+    value after a pause in which its sender tried to send the next round; and what lending past a round's slots
+    says."""
+    import time
+
+    group = group_of(p)
+    rank = torch.distributed.get_rank(group)
+    prv = (rank - 1) % p
+    chans = PeerChannels(group, torch.device("cpu"), [Channel(r, (r + 1) % p, 1024, slots) for r in range(p)])
+    window = chans.window.local(torch.uint8, chans.window.nbytes)
+    start, end = window.data_ptr(), window.data_ptr() + window.numel()
+    equal, inside, kept, k = [], [], [], 0
+    for r in range(rounds):
+        count = sizes[r % len(sizes)]
+        batch = range(k, k + count)
+        for i, j in enumerate(batch):
+            chans.send(rank, _message(rank, j), last=i == count - 1)
+        posted = [
+            chans.post(prv, *SHAPES[j % len(SHAPES)], last=i == count - 1, lend=True) for i, j in enumerate(batch)
+        ]
+        got = [q.wait() for q in posted]
+        equal += [torch.equal(g, _message(prv, j)) for g, j in zip(got, batch, strict=True)]
+        inside += [start <= g.data_ptr() < end for g in got]
+        time.sleep(0.2)  # the predecessor, done with its round, tries to send the next one meanwhile
+        kept += [torch.equal(g, _message(prv, j)) for g, j in zip(got, batch, strict=True)]
+        chans.release()
+        k += count
+    said = ""
+    for _ in range(slots):
+        chans.post(prv, (1,), torch.float32, lend=True)
+    try:
+        chans.post(prv, (1,), torch.float32, lend=True)
+    except ValueError as err:
+        said = str(err)
+    torch.distributed.barrier(group)
+    return {"equal": equal, "inside": inside, "kept": kept, "said": said}

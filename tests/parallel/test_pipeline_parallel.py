@@ -407,6 +407,7 @@ def test_bench_pipeline_profile_must_name_a_directory(tmp_path, capsys):
         (["--lookahead", "0,-1"], "--lookahead [0, -1]: each must be 0 or more"),
         (["--graphs", "step,steps"], "--graphs: unknown steps; accepted: actions, step"),
         (["--microbatch-group", "0,-4"], "--microbatch-group [0, -4]: each must be 0 or more"),
+        (["--in-place", "yes,maybe"], "--in-place: unknown maybe; accepted: yes, no"),
     ],
 )
 def test_bench_pipeline_refuses_an_unknown_transport_and_a_negative_lookahead(tmp_path, capsys, flags, said):
@@ -430,3 +431,15 @@ def test_bench_pipeline_times_interleaved_1f1b_in_each_valid_microbatch_group(tm
     held = {r["microbatch_group"]: r["held_first_stage"] for r in rows if r["microbatches"] == 4}
     assert held == {2: 2 * (2 - 1) + 2 + 1, 4: 2 * (2 - 1) + 4 + 1}  # 2 (p - 1) + (v - 1) g + 1
     assert len({r["loss"] for r in rows if r["microbatches"] == 4}) == 1  # the same training either way
+
+
+def test_bench_pipeline_computes_on_messages_in_their_slots_or_on_copies_alike(tmp_path):
+    from dtrain.cli.main import main
+
+    out = tmp_path / "rows.jsonl"
+    flags = ["--nproc", "2", "--schedules", "1f1b", "--microbatches", "2", "--layers", "2", "--width", "8"]
+    flags += ["--batch", "4", "--warmup", "1", "--steps", "1", "--no-torch", "--transport", "peer", "--out", str(out)]
+    assert main(["bench", "pipeline", *flags, "--in-place", "yes,no"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["transport"], r["in_place"]) for r in rows] == [("peer", True), ("peer", False)]
+    assert rows[0]["loss"] == rows[1]["loss"] and rows[0]["grad_sq"] == rows[1]["grad_sq"]

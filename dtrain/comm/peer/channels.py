@@ -33,6 +33,11 @@ operation issued after it on a stream sharing its hardware queue would wait behi
 On the CPU (windows in /dev/shm) the host copies and waits itself; the ring then never waits within a step when
 ``slots`` covers a step's messages.
 
+A receiver whose ring holds a whole round can take its messages lent (``post(..., lend=True)``): the tensor is
+the slot itself, so taking a message is the wait alone (no copy out, no counter raised back), and
+:meth:`PeerChannels.release` gives the round's slots back to their senders once the caller is done with them (on
+CUDA after the caller's work on its stream so far); the sender's next round waits for that.
+
 Limits: all ranks of one host (:func:`~dtrain.comm.peer.window.peer_available`); on the CPU an x86-64 host, whose
 store order makes a counter seen imply the payload before it seen (Intel SDM vol. 3, 8.2.2). A peer that never
 comes leaves the CUDA stream waiting (no timeout on the device); on the CPU a wait past the group's timeout raises.
@@ -154,14 +159,22 @@ class Receive:
     """A message posted for receipt: :meth:`wait` takes it (and any posted before it on its channel) out of the
     ring and returns it."""
 
-    __slots__ = ("_channels", "_index", "_number", "_seq", "_last", "_done", "tensor")
+    __slots__ = ("_channels", "_index", "_number", "_seq", "_last", "_done", "_lent", "tensor")
 
     def __init__(
-        self, channels: PeerChannels, index: int, number: int, tensor: torch.Tensor, last: bool = False, seq: int = 0
+        self,
+        channels: PeerChannels,
+        index: int,
+        number: int,
+        tensor: torch.Tensor,
+        last: bool = False,
+        seq: int = 0,
+        lent: bool = False,
     ) -> None:
-        # ``number`` within the round (the slot and the counters' values), ``seq`` on the channel (the order taken)
+        # ``number`` within the round (the slot and the counters' values), ``seq`` on the channel (the order taken);
+        # ``lent``: ``tensor`` is the slot itself (PeerChannels.post)
         self._channels, self._index, self._number, self._last, self._seq = channels, index, number, last, seq
-        self.tensor = tensor
+        self.tensor, self._lent = tensor, lent
         self._done = False
 
     def wait(self) -> torch.Tensor:
@@ -235,6 +248,7 @@ class PeerChannels:
         self._booked = [0] * n  # receives posted on each channel, all rounds
         self._rounds = [False] * n  # per channel: whether a round has ended (the next one waits for ROUND_DONE)
         self._waiting: list[list[Receive]] = [[] for _ in range(n)]  # CPU: posted, not yet copied out
+        self._lent: dict[int, int] = {}  # channel -> what its sender's free counter gets at release()
         self._cuda = device.type == "cuda"
         if self._cuda:
             self._driver = _driver()
@@ -319,20 +333,39 @@ class PeerChannels:
 
     # -- receiving
 
-    def post(self, index: int, shape: Sequence[int], dtype: torch.dtype, *, last: bool = False) -> Receive:
+    def post(
+        self, index: int, shape: Sequence[int], dtype: torch.dtype, *, last: bool = False, lend: bool = False
+    ) -> Receive:
         """Book the channel's next message as a ``shape`` tensor of ``dtype`` (allocated now, on the caller's
         stream); it is taken out of its slot by :meth:`Receive.wait`, or by the wait of a message after it.
-        ``last``: the message ends its round (as its sender marked it)."""
+        ``last``: the message ends its round (as its sender marked it).
+
+        ``lend``: the tensor is the message's slot itself, not a copy: the wait only waits for the message, and
+        the slot stays the caller's until :meth:`release`, which tells the sender (its next round waits for that).
+        A round of a lending channel must fit its slots (ValueError otherwise)."""
         c = self.channels[index]
-        out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        nbytes = out.numel() * out.element_size()
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        nbytes = numel * dtype.itemsize
         if c.dst != self.rank or nbytes > c.slot_bytes:
             raise ValueError(f"peer channels: rank {self.rank} cannot receive {nbytes} bytes on channel {index} {c}")
         n = self._posted[index]
+        if lend:
+            if n >= c.slots:
+                raise ValueError(
+                    f"peer channels: channel {index} lends its slots within a round of at most {c.slots} messages; "
+                    f"this is its message {n + 1}"
+                )
+            slot = self._ring_at[index] + n * _round(c.slot_bytes)
+            out = self.window.local(torch.uint8, self.window.nbytes)[slot : slot + nbytes].view(dtype)
+            out = out.view(tuple(shape)).detach()
+        else:
+            out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         self._posted[index] = 0 if last else n + 1
         seq = self._booked[index]
         self._booked[index] = seq + 1
-        received = Receive(self, index, n, out, last, seq)
+        received = Receive(self, index, n, out, last, seq, lend)
         self._waiting[index].append(received)
         return received
 
@@ -347,7 +380,9 @@ class PeerChannels:
             n = received._number
             slot = self._ring_at[index] + (n % c.slots) * _round(c.slot_bytes)
             out = _as_bytes(received.tensor)
-            if self._cuda:
+            if received._lent:  # the slot is the tensor: wait for it, and tell the sender at release()
+                self._take_lent(index, n, received._last)
+            elif self._cuda:
                 stream = self._current()
                 self._wait_value(stream, self._base[self.rank] + self._ready_at[index], n + 1)
                 if self.direct:
@@ -371,6 +406,34 @@ class PeerChannels:
             received._done = True
 
     # -- the waits and raises
+
+    def _take_lent(self, index: int, n: int, last: bool) -> None:
+        """Wait for a lent message (on CUDA the caller's stream waits; on the CPU the host does); what the sender
+        is told waits for :meth:`release`."""
+        c = self.channels[index]
+        if self._cuda:
+            stream = self._current()
+            self._wait_value(stream, self._base[self.rank] + self._ready_at[index], n + 1)
+            if last:
+                self._write_value(stream, self._base[self.rank] + self._ready_at[index], 0)
+        else:
+            self._spin(self.rank, self._ready_at[index], n + 1, f"rank {c.src}'s message {n}")
+            if last:
+                self._counters[self.rank][self._ready_at[index] // 4] = 0
+        self._lent[index] = ROUND_DONE if last else n + 1
+
+    def release(self) -> None:
+        """Give the slots of the messages taken lent back to their senders (on CUDA as stream operations after the
+        caller's work so far, which may read them until then)."""
+        for index, value in self._lent.items():
+            c = self.channels[index]
+            if self._cuda:
+                self._write_value(self._current(), self._base[c.src] + self._free_at[index], value)
+            else:
+                self._counters[c.src][self._free_at[index] // 4] = np.int32(
+                    value if value == ROUND_DONE else _wrap(value)
+                )
+        self._lent.clear()
 
     def _wait_value(self, stream: int, address: int, value: int, flags: int = _WAIT_GEQ) -> None:
         """``stream`` (a raw handle) waits until the counter at ``address`` reaches ``value`` (cyclically), or
