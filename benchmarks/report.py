@@ -1364,7 +1364,82 @@ def _zero_bubble_part() -> list[str]:
             ),
             *_zero_bubble_bound(records),
         ]
-    return parts + _groups_part() + _train_graphs_part()
+    return parts + _groups_part() + _in_place_part() + _device_profile_part() + _train_graphs_part()
+
+
+def _in_place_part() -> list[str]:
+    """`dtrain bench pipeline` after stages compute on their messages in the peer channels' slots."""
+    name = "pipeline_in_place-b1024-h100x4.jsonl"
+    records = load(name)
+    if not records:
+        return []
+    first = records[0]
+    return [
+        "#### Messages computed on in their slots",
+        "The same model with each stage computing on its messages where they landed in the peer channels' slots "
+        "(`PipelineParallel(in_place=True)`, the default since this launch; every row), eager and the step one "
+        "graph, beside torch's; the launches that took the figures above copied each message out of its slot first.",
+        setting(
+            f"4 x {first['device']}, NVLink through NVSwitch",
+            f"torch 2.11.0+cu130, NCCL {NCCL}",
+            f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
+            f"{first['width']} --batch {first['batch']} --microbatches 16 --schedules 1f1b,interleaved-1f1b,zb-h1 "
+            "--graphs step --transport auto",
+            f"`{name}`",
+        ),
+        table(["schedule", *_BUBBLE_HEADER], [[_graphs_label(r), *_bubble_cells(r)] for r in records]),
+    ]
+
+
+def _device_profile_part() -> list[str]:
+    """`benchmarks/pipeline/device_profile.py`: per GPU, the step's kernels, the same compute alone, and idle."""
+    parts = []
+    for name in (
+        "pipeline_device_profile-b1024-h100x4.jsonl",
+        "pipeline_device_profile_fifths-b1024-h100x4.jsonl",
+        "pipeline_device_profile_in_place-b1024-h100x4.jsonl",
+    ):
+        records = load(name)
+        if not records:
+            continue
+        if not parts:
+            parts += [
+                "#### Where a step's time goes, per GPU",
+                "Each stage's step recorded as one CUDA graph and replayed under torch.profiler (5 steps), batch "
+                "1024, m = 16, float32. Per stage, ms a step: `kernels`: the step's kernels but NCCL's and the "
+                "end-of-step loss broadcast's (whose spin is the stage waiting); `alone`: the same forwards and "
+                "backwards back to back; `idle`: the step less the time any kernel or copy ran, the broadcast's "
+                "spin included; `middle`: idle in the step's second, third and fourth fifths, where the theory has "
+                "none. The in-place file is of the launch after stages computed on their messages in their slots. "
+                "ZB-H1's `alone` runs each backward whole, not split in B and W.",
+            ]
+        rows = []
+        for r in records:
+            spins = [k["step"].get("exchange_kernel", [0.0, 0.0])[0] for k in r["kernels_per_rank"]]
+            fifths = r.get("idle_by_fifth_ms") or [None] * len(spins)
+            for rank, (x, spin, fifth) in enumerate(zip(r["per_rank"], spins, fifths, strict=True)):
+                rows.append(
+                    [
+                        r["schedule"] + (f" g{r['microbatch_group']}" if r.get("microbatch_group") else ""),
+                        f"{r['step_ms']:.2f}",
+                        str(rank),
+                        f"{x['compute_ms'] - spin:.2f}",
+                        f"{x['alone_ms']:.2f}",
+                        f"{x['idle_ms'] + spin:.2f}",
+                        f"{r['bubble_theory'] * r['step_ms']:.2f}",
+                        "-" if fifth is None else f"{sum(fifth[1:4]):.2f}",
+                    ]
+                )
+        parts += [
+            setting(
+                f"4 x {records[0]['device']}, NVLink through NVSwitch",
+                f"torch 2.11.0+cu130, NCCL {NCCL}",
+                "torchrun --nproc-per-node 4 benchmarks/pipeline/device_profile.py --microbatches 16 --batch 1024",
+                f"`{name}`",
+            ),
+            table(["schedule", "step ms", "stage", "kernels", "alone", "idle", "theory's idle", "middle"], rows),
+        ]
+    return parts
 
 
 def _graphs_label(row: dict) -> str:
