@@ -1364,7 +1364,141 @@ def _zero_bubble_part() -> list[str]:
             ),
             *_zero_bubble_bound(records),
         ]
-    return parts + _groups_part() + _in_place_part() + _device_profile_part() + _train_graphs_part()
+    return (
+        parts
+        + _groups_part()
+        + _in_place_part()
+        + _steady_part()
+        + _in_place_ab_part()
+        + _engines_part()
+        + _device_profile_part()
+        + _train_graphs_part()
+    )
+
+
+def _steady_part() -> list[str]:
+    """`dtrain bench pipeline` with each step timed alone and in a run of steps back to back, every schedule."""
+    parts = []
+    for name in ("pipeline_steady-b1024-h100x4.jsonl", "pipeline_steady-b4096-h100x4.jsonl"):
+        records = load(name)
+        if not records:
+            continue
+        first = records[0]
+        if not parts:
+            parts += [
+                "#### Every schedule, each step alone and steps back to back",
+                "`step ms` times each step alone (a barrier and a synchronization before it, a synchronization "
+                "after), `back to back` a run of 8 steps with one synchronization at each end, as a training loop "
+                "runs them; the bubble by each against the same compute alone. torch.distributed.pipelining's step, "
+                "timed both ways in the same launch, on the same model and micro-batches (ZB-H1 beside its 1F1B).",
+            ]
+        rows = []
+        for r in records:
+            torch_ms = r.get("torch_step_ms_steady")
+            rows.append(
+                [
+                    _graphs_label(r),
+                    str(r["microbatches"]),
+                    str(r["batch"] // r["microbatches"]),
+                    f"{r['bubble_theory']:.3f}",
+                    f"{r['step_ms']:.2f}",
+                    f"{r['bubble_measured']:.3f}",
+                    f"{r['step_ms_steady']:.2f}",
+                    f"{r['bubble_steady']:.3f}",
+                    f"{r['bubble_steady'] / r['bubble_theory']:.2f}x",
+                    f"{torch_ms:.2f}" if torch_ms else "-",
+                    f"{torch_ms / r['step_ms_steady']:.2f}x" if torch_ms else "-",
+                ]
+            )
+        parts += [
+            setting(
+                f"4 x {first['device']}, NVLink through NVSwitch",
+                f"torch 2.11.0+cu130, NCCL {NCCL}",
+                f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
+                f"{first['width']} --batch {first['batch']} --microbatches 8,16 --graphs step --transport auto "
+                f"--steps 8 (benchmarks/gpu/run.sh OUT pipeline-steady)",
+                f"`{name}`",
+            ),
+            table(
+                [
+                    "schedule",
+                    "m",
+                    "rows a micro-batch",
+                    "theory",
+                    "step ms",
+                    "bubble",
+                    "back to back ms",
+                    "bubble",
+                    "bubble / theory",
+                    "torch back to back ms",
+                    "torch / ours",
+                ],
+                rows,
+            ),
+        ]
+    return parts
+
+
+def _in_place_ab_part() -> list[str]:
+    """`dtrain bench pipeline --in-place yes,no,yes`: messages computed on in their slots or on copies, one launch."""
+    name = "pipeline_in_place_ab-b1024-h100x4.jsonl"
+    records = load(name)
+    if not records:
+        return []
+    first = records[0]
+    rows = [
+        [_graphs_label(r), "in its slot" if r["in_place"] else "copied out", *_bubble_cells(r)[:6]] for r in records
+    ]
+    return [
+        "#### In place or copied, one launch",
+        "Each stage computing on its messages in their peer-channel slots against copying each out first, in one "
+        "launch, the in-place variant timed before and after the copied one.",
+        setting(
+            f"4 x {first['device']}, NVLink through NVSwitch",
+            f"torch 2.11.0+cu130, NCCL {NCCL}",
+            f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
+            f"{first['width']} --batch {first['batch']} --microbatches 16 --schedules 1f1b,interleaved-1f1b "
+            "--graphs step --transport peer --no-torch --in-place yes,no,yes (benchmarks/gpu/run.sh OUT "
+            "pipeline-engines)",
+            f"`{name}`",
+        ),
+        table(["schedule", "message", *_BUBBLE_HEADER[:6]], rows),
+    ]
+
+
+def _engines_part() -> list[str]:
+    """`dtrain bench pipeline --send-engine`: where a message's copy into the next stage's slot runs, one launch."""
+    name = "pipeline_engines-b1024-h100x4.jsonl"
+    records = load(name)
+    if not records:
+        return []
+    first = records[0]
+    order, steps = [], {}
+    for r in records:
+        key = (_graphs_label(r), r["microbatches"])
+        if key not in steps:
+            order.append(key)
+        steps.setdefault(key, []).append((r["send_engine"], r["step_ms"]))
+    engines = [e for e, _ in steps[order[0]]]
+    rows = [[label, str(m), *(f"{ms:.2f}" for _, ms in steps[label, m])] for label, m in order]
+    return [
+        "#### Where a message is copied",
+        "Step ms with each stage's messages copied into the next stage's slot by a copy engine on a stream of the "
+        "channel's (`stream`, the default), by a copy engine on the compute stream (`inline`), or by an elementwise "
+        "kernel on the compute stream storing over the peer mapping (`kernel`), in one launch, `stream` timed first "
+        "and last (`dtrain bench pipeline --send-engine`). What one message costs in each way, kernel to kernel "
+        "across two GPUs: `probe-channel-latency-h100x2.txt` (`benchmarks/collectives/probe.py channel-latency`).",
+        setting(
+            f"4 x {first['device']}, NVLink through NVSwitch",
+            f"torch 2.11.0+cu130, NCCL {NCCL}",
+            f"torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers {first['layers']} --width "
+            f"{first['width']} --batch {first['batch']} --microbatches 8,16 --schedules 1f1b,interleaved-1f1b "
+            "--graphs step --transport peer --no-torch --send-engine stream,inline,kernel,stream "
+            "(benchmarks/gpu/run.sh OUT pipeline-engines)",
+            f"`{name}`",
+        ),
+        table(["schedule", "m", *engines], rows),
+    ]
 
 
 def _in_place_part() -> list[str]:

@@ -12,6 +12,7 @@ mode's own options where it has any):
   peer-host       host time per step of the peer transport: kernel launch, barrier, eager and replayed calls
   replay-host     where a replayed peer-transport call spends host time (API call, bare replay, eager)
   one-shot        torch's one-pass symmetric-memory all-reduce kernels beside NCCL, auto and direct, 8 KiB-16 MiB
+  channel-latency a message's device latency on a peer channel, each send engine, beside NCCL (recorded)
   watchdog        host microseconds of the watchdog's per-call work on one GPU (no process group)
 
 Every mode but ``watchdog`` runs under torchrun on the GPUs of one host; the outputs quoted in docs/results.md
@@ -39,6 +40,7 @@ MODES = {
     "one-pass": "one_pass",
     "exchange-programs": "exchange_programs",
     "channels": "channels",
+    "channel-latency": "channel_latency",
 }
 
 

@@ -77,6 +77,15 @@
 #   pipeline-groups    1F1B and interleaved 1F1B with micro-batches in groups of p, 2p and 4p (where they divide m),
 #                      m = 8, 16, eager and with CUDA graphs (each action, the whole step), on the peer channels, at
 #                      batch GROUP_BATCHES ("1024 4096")                      -> pipeline_groups-bBATCH.jsonl
+#   pipeline-engines   where a stage's message is copied into the next stage's slot (ENGINES of the peer channels:
+#                      a copy engine on the channel's stream or on the compute stream, or a kernel), A/B in one
+#                      launch with the step one CUDA graph a stage (and eager), 1F1B and interleaved, batch
+#                      ENGINE_BATCH (1024) at m = 8, 16; then the in-place receive against copies, the same launch
+#                      shape; the probe of one message's latency first          -> probe-channel-latency.txt,
+#                                                 pipeline_engines-bBATCH.jsonl, pipeline_in_place_ab-bBATCH.jsonl
+#   pipeline-steady    every schedule at batch STEADY_BATCHES ("1024 4096"), m = 8, 16, eager and the step one CUDA
+#                      graph a stage, beside torch.distributed.pipelining; each step timed alone (synchronized) and
+#                      in a run of steps back to back                                   -> pipeline_steady-bBATCH.jsonl
 #   pipeline-transport 1F1B, interleaved, ZB-H1, ZB-V at batch 4096 (m = 8, 16, eager), 1F1B and interleaved at batch
 #                      1024 (m = 16, eager and with CUDA graphs), over the process groups and over peer channels, with
 #                      receives posted 0 and 2 actions ahead (TRANSPORT_BATCHES, TRANSPORT_SCHEDULES,
@@ -267,6 +276,23 @@ for mode in "$@"; do
         LIMIT=${LIMIT:-280} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch "$b" --microbatches 8,16 \
           --schedules 1f1b,interleaved-1f1b --microbatch-group 0,$((2 * n)),$((4 * n)) --graphs actions,step \
           --transport auto --out "$out/pipeline_groups-b$b.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread"
+      done ;;
+    pipeline-engines)
+      b=${ENGINE_BATCH:-1024}
+      NP=2 LIMIT=${LIMIT:-120} tr benchmarks/collectives/probe.py channel-latency >"$out/probe-channel-latency.txt"
+      cat "$out/probe-channel-latency.txt"
+      LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch "$b" --microbatches 8,16 \
+        --schedules 1f1b,interleaved-1f1b --graphs step --transport peer --no-torch \
+        --send-engine stream,inline,kernel,stream --out "$out/pipeline_engines-b$b.jsonl" \
+        | grep -vE "^\[rank[0-9]+\]:\[W|^Thread"
+      LIMIT=${LIMIT:-200} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch "$b" --microbatches 16 \
+        --schedules 1f1b,interleaved-1f1b --graphs step --transport peer --no-torch --in-place yes,no,yes \
+        --out "$out/pipeline_in_place_ab-b$b.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread" ;;
+    pipeline-steady)
+      for b in ${STEADY_BATCHES:-1024 4096}; do
+        LIMIT=${LIMIT:-280} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch "$b" --microbatches 8,16 \
+          --graphs step --transport auto --steps 8 --out "$out/pipeline_steady-b$b.jsonl" \
+          | grep -vE "^\[rank[0-9]+\]:\[W|^Thread"
       done ;;
     bench-pipeline-large)
       # micro-batches of 256-512 rows: the stages' compute outweighs the host's time per action

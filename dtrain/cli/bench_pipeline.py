@@ -90,6 +90,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "a stage computes on each message in its slot), 'no' (on a copy taken out of the slot)",
     )
     p.add_argument(
+        "--send-engine",
+        type=lambda t: t.split(","),
+        default=["stream"],
+        help="comma-separated, each a variant (repeats allowed): where a message's copy into a peer channel that "
+        "holds the whole step runs: 'stream' (the default: a copy engine, on the channel's stream), 'inline' (a "
+        "copy engine, on the compute stream), 'kernel' (a kernel on the compute stream storing into the peer's slot)",
+    )
+    p.add_argument(
         "--microbatch-group",
         type=lambda t: [int(x) for x in t.split(",")],
         default=[0],
@@ -126,6 +134,9 @@ def _check(args: argparse.Namespace) -> None:
     bad = [x for x in args.in_place if x not in ("yes", "no")]
     if bad:
         raise ValueError(f"--in-place: unknown {', '.join(bad)}; accepted: yes, no")
+    bad = [x for x in args.send_engine if x not in ("stream", "inline", "kernel")]
+    if bad:
+        raise ValueError(f"--send-engine: unknown {', '.join(bad)}; accepted: stream, inline, kernel")
     if min(args.microbatch_group) < 0:
         raise ValueError(f"--microbatch-group {args.microbatch_group}: each must be 0 or more")
     if args.lookahead is not None and min(args.lookahead) < 0:
@@ -188,6 +199,24 @@ def _time(step, device, args, profile: cProfile.Profile | None = None) -> float:
         if i >= args.warmup:
             times.append(elapsed.item())
     return statistics.median(times)
+
+
+def _time_steady(step, device, args) -> float:
+    """The slowest rank's seconds a step over ``args.steps`` steps run back to back, as a training loop runs them
+    (one synchronization before and after the run, none between steps): the period of the steady state, in which
+    a step's host work before its first kernel (a recorded step's launch, say) overlaps the step before it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    _sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / args.steps], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
 
 
 def _busy(pipe, args, m: int, device) -> float:
@@ -377,7 +406,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         for m in args.microbatches:
             if (name == "interleaved-1f1b" and m % p) or args.layers < v * p:
                 continue  # interleaved takes micro-batches in groups of p; every chunk needs a layer
-            torch_s, torch_done = None, False
+            torch_s, torch_steady_s, torch_done = None, None, False
             modes = [False] + ([{"actions": True, "step": "step"}[g] for g in args.graphs] if cuda else [])
             lookaheads = args.lookahead if args.lookahead is not None else [None]
             groups = [None]
@@ -386,15 +415,16 @@ def _rank_main(args: argparse.Namespace) -> None:
                 groups = [None if g == p else g for g in groups]
             # the whole step as one graph needs the peer channels
             variants = [
-                (g, t, a, k, i == "yes")
+                (g, t, a, k, i == "yes", e)
                 for k in groups
                 for g in modes
                 for t in args.transport
                 for a in lookaheads
                 for i in args.in_place
+                for e in args.send_engine
                 if g != "step" or t != "group"
             ]
-            for graphs, transport, lookahead, group, in_place in variants:
+            for graphs, transport, lookahead, group, in_place, engine in variants:
                 pipe = PipelineParallel(
                     _model(args, device),
                     dist.group.WORLD,
@@ -405,6 +435,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     transport=transport,
                     microbatch_group=group,
                     in_place=in_place,
+                    send_engine=engine,
                 )
 
                 def step(pipe=pipe) -> None:
@@ -414,6 +445,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
                 profile = cProfile.Profile() if args.profile else None
                 step_s = _time(step, device, args, profile)
+                steady_s = _time_steady(step, device, args)
                 if profile is not None:
                     os.makedirs(args.profile, exist_ok=True)
                     tail = {False: "", True: "-graphs", "step": "-step-graph"}[graphs]
@@ -421,6 +453,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     tail += "" if lookahead is None else f"-lookahead{lookahead}"
                     tail += "" if group is None else f"-group{group}"
                     tail += "" if in_place else "-copied"
+                    tail += "" if engine == "stream" else f"-{engine}"
                     path = os.path.join(args.profile, f"{name}{tail}-m{m}-rank{rank}.prof")
                     profile.dump_stats(path + ".tmp")
                     os.replace(path + ".tmp", path)
@@ -433,6 +466,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                 if not args.no_torch and not torch_done:
                     made = _torch_step(name, _model(args, device), args, m, device, x, y)
                     torch_s, torch_done = (_time(made, device, args) if made is not None else None), True
+                    torch_steady_s = _time_steady(made, device, args) if made is not None else None
                 row = {
                     "schedule": name,
                     "graphs": graphs,
@@ -440,6 +474,8 @@ def _rank_main(args: argparse.Namespace) -> None:
                     "lookahead": pipe.link.lookahead,
                     # messages computed on in their peer-channel slots (True), or on copies
                     "in_place": pipe.link.receives_in_place,
+                    # where the copies into whole-step peer channels ran (None: no such channel)
+                    "send_engine": _engine_in_use(pipe.link),
                     "stages": p,
                     "microbatches": m,
                     "microbatch_group": group if group is not None else (p if name == "interleaved-1f1b" else None),
@@ -448,10 +484,14 @@ def _rank_main(args: argparse.Namespace) -> None:
                     "bubble_theory": round(theoretical_bubble(p, m, v, schedule=name), 4),
                     "bubble_measured": round(1 - busy_s / (p * step_s), 4),
                     "step_ms": round(step_s * 1e3, 3),
+                    # steps run back to back (the steady state's period) and the bubble by it
+                    "step_ms_steady": round(steady_s * 1e3, 3),
+                    "bubble_steady": round(1 - busy_s / (p * steady_s), 4),
                     "busy_from": "graphs" if pipe._graphed or pipe._step_graph is not None else "eager",
                     "loss": loss,
                     "grad_sq": grad_sq,
                     "torch_step_ms": None if torch_s is None else round(torch_s * 1e3, 3),
+                    "torch_step_ms_steady": None if torch_steady_s is None else round(torch_steady_s * 1e3, 3),
                     "torch_schedule": TORCH_SCHEDULES.get(name) if torch_s is not None else None,
                     **comm_row,
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -460,6 +500,13 @@ def _rank_main(args: argparse.Namespace) -> None:
                     "batch": args.batch,
                 }
                 _report(row, rank, args, torch_s)
+
+
+def _engine_in_use(link) -> str | None:
+    """The engine of the link's sends into peer channels that hold the whole step ("stream" where none does; None
+    off the peer channels)."""
+    engines = link.send_engines_in_use
+    return None if not engines else next((e for e in engines if e != "stream"), "stream")
 
 
 def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | None) -> None:
@@ -472,10 +519,17 @@ def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | Non
     p, m = row["stages"], row["microbatches"]
     name += f" g{row['microbatch_group']}" if row.get("microbatch_group") not in (None, p) else ""
     name += " copied" if row["transport"] == "peer" and not row.get("in_place") else ""
+    name += f" {row['send_engine']}" if row.get("send_engine") not in (None, "stream") else ""
     print(
         f"{name:>24} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
-        f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  torch "
-        + ("-" if torch_s is None else f"{row['torch_step_ms']:.2f} ms ({row['torch_schedule']})")
+        f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  back to back {row['step_ms_steady']:.2f} ms "
+        f"(bubble {row['bubble_steady']:.3f})  torch "
+        + (
+            "-"
+            if torch_s is None
+            else f"{row['torch_step_ms']:.2f} ms, back to back {row['torch_step_ms_steady']:.2f} "
+            f"({row['torch_schedule']})"
+        )
         + f"  loss {row['loss']:.6g} grad^2 {row['grad_sq']:.6g}"
         + f"  messages {row['messages_per_step']}  {row['wait_clock']} wait ms/stage "
         + " ".join(f"{w:.2f}" for w in row["recv_wait_ms_per_stage"] or [])

@@ -177,7 +177,10 @@ class PipelineParallel:
     operations, which hold no SM while they wait); "peer" insists on them (a ValueError where a stage is on
     another host); "group" keeps the process groups' send and recv. ``in_place`` (default True): where a peer
     channel's ring holds the whole step, the stage computes on each message in its slot and gives the slots back at
-    the step's end; False computes on a copy taken out of the slot.
+    the step's end; False computes on a copy taken out of the slot. ``send_engine``: where a message's copy into a
+    peer channel whose ring holds the whole step runs (:data:`~dtrain.comm.peer.channels.ENGINES`): "stream" (a
+    copy engine, on a stream of the channel's), "inline" (a copy engine, on the compute stream), "kernel" (an
+    elementwise kernel on the compute stream storing over the peer mapping).
 
     ``graphs=True`` (CUDA, every schedule, autocast too): the first step runs eagerly and records each (chunk,
     micro-batch)'s argument shapes; the next captures every (chunk, micro-batch)'s forward and backward as CUDA
@@ -202,6 +205,7 @@ class PipelineParallel:
         lookahead: int | None = None,
         transport: str = "auto",
         in_place: bool = True,
+        send_engine: str = "stream",
         graphs: bool | str = False,
     ) -> None:
         if graphs not in (False, True, "step"):
@@ -259,6 +263,7 @@ class PipelineParallel:
             lookahead=lookahead,
             transport=transport,
             in_place=in_place,
+            send_engine=send_engine,
         )
         self.link.plan(schedules)
         self.group = group

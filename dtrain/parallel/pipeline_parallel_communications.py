@@ -236,17 +236,26 @@ class StageLink:
         lookahead: int | None = None,
         transport: str = "auto",
         in_place: bool = True,
+        send_engine: str = "stream",
     ) -> None:
+        from dtrain.comm.peer.channels import ENGINES
+
         group = group if group is not None else dist.group.WORLD
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if send_engine not in ENGINES:
+            raise ValueError(f"send_engine must be one of {', '.join(ENGINES)}, got {send_engine!r}")
         self.group = group
         #: "group": the process groups' send and recv; "peer": peer channels once shapes are agreed; "auto":
         #: peer channels where available (decided at the second step, on every stage alike)
         self.transport = transport
         #: on peer channels whose ring holds the whole step, compute on each message in its slot (lent) or on a copy
         self.in_place = in_place
+        #: where a message's copy runs on a peer channel whose ring holds the whole step (ENGINES of
+        #: dtrain.comm.peer.channels); a smaller ring keeps "stream", whose slot waits hold no caller's stream
+        self.send_engine = send_engine
         self._lends: list[bool] = []  # per channel: whether its messages are taken lent (computed on in their slots)
+        self._engines: list[str] = []  # per channel: the engine of its sends
         self._channels = None  # the PeerChannels of the steady state (transport "peer")
         self._channel_of: dict[tuple[int, int], int] = {}  # (sending stage, receiving stage) -> channel index
         self.grad_group = grad_group if grad_group is not None else backward_group(group)
@@ -298,6 +307,11 @@ class StageLink:
     def receives_in_place(self) -> bool:
         """Whether this stage computes on messages in their peer-channel slots (taken lent), on one channel or more."""
         return self._channels is not None and any(self._lends)
+
+    @property
+    def send_engines_in_use(self) -> tuple[str, ...]:
+        """Where this stage's sends on each peer channel copy (empty off the peer channels)."""
+        return tuple(self._engines) if self._channels is not None else ()
 
     # -- the plan of a step
 
@@ -365,7 +379,7 @@ class StageLink:
                 "memory operations); use transport 'group'"
             )
         channels = []
-        self._lends = []
+        self._lends, self._engines = [], []
         for i, (src, dst) in enumerate(pairs):
             nbytes, count = int(sizes[i]), len(self._plans[False][src, dst])
             whole = count
@@ -375,6 +389,7 @@ class StageLink:
             # a ring that holds the whole step lends its slots: a stage computes on its messages where they
             # landed, and gives the slots back at the step's end (no copy out, nothing sent back per message)
             self._lends.append(self.in_place and count >= whole)
+            self._engines.append(self.send_engine if count >= whole else "stream")
         try:
             self._channels = PeerChannels(self.group, self.device, channels)
         except PeerUnavailable:  # raised on every stage alike
@@ -520,7 +535,8 @@ class StageLink:
                     "on every stage before changing the micro-batch shape"
                 )
         if self._channels is not None:
-            work = self._channels.send(self._channel_of[self.stage, dest], payload, last=key in self._last)
+            index = self._channel_of[self.stage, dest]
+            work = self._channels.send(index, payload, last=key in self._last, engine=self._engines[index])
         else:
             work = _send(payload, group, rank, tag)
         event = self._record(kind, microbatch, chunk, start)

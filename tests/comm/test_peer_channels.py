@@ -186,3 +186,104 @@ def test_messages_taken_lent_are_their_slots_until_released(pool):
             "peer channels: channel " + str((rank - 1) % 3) + " lends its slots within a round of at most 3 "
             "messages; this is its message 4"
         )
+
+
+def _stand_in(rank: int, calls: list):
+    """Rank ``rank``'s end of channels 0 -> 1 and 1 -> 0 on the CUDA path, over a stand-in for the driver that
+    records each call, with windows of CPU memory (so a kernel's stores can be read back)."""
+    import types
+
+    import torch
+
+    from dtrain.comm.peer.channels import Channel, PeerChannels, _Driver
+
+    def op(name):
+        def call(*args):
+            calls.append((name, *args))
+            if name == "create_event":
+                args[0]._obj.value = 1000 + len(calls)
+            return 0
+
+        return call
+
+    chans = PeerChannels.__new__(PeerChannels)
+    chans.rank, chans.device, chans._cuda, chans.direct = rank, torch.device("cpu"), True, True
+    chans._driver = _Driver(*(op(name) for name in _Driver._fields))
+    chans.engine = "stream"
+    chans.channels = [Channel(0, 1, 300, 4), Channel(1, 0, 300, 4)]
+    chans._ready_at, chans._free_at, chans._ring_at = [0, 4], [8, 12], [256, 256]
+    chans.window = types.SimpleNamespace(buffers=[torch.zeros(2048, dtype=torch.uint8) for _ in range(2)])
+    chans._base = [int(b.data_ptr()) for b in chans.window.buffers]
+    chans._sent, chans._posted, chans._waiting = [0, 0], [0, 0], [[], []]
+    chans._booked, chans._rounds, chans._lent = [0, 0], [False, False], {}
+    chans._raw_streams, chans._events = {rank: 77}, []
+    chans._raw_current, chans._index = (lambda index: 55), 0
+    chans._hold = lambda tensor, index: None
+    chans._order = {rank: chans._new_event()}
+    return chans
+
+
+def test_sends_on_the_caller_s_stream_copy_there_with_no_event_or_second_stream():
+    """Engines "inline" and "kernel" (through the stand-in driver): the slot waits, the copy and the raise are all
+    on the caller's stream (55), in that order, with no event recorded and nothing on the channel's stream (77);
+    "inline" copies through the driver's copy, "kernel" stores the payload's bytes into the peer's slot itself
+    (bit for bit, negative zeros and NaNs included), and the round's first message after another waits for that
+    round to be taken, as on the channel's stream."""
+    import torch
+
+    from dtrain.comm.peer.channels import _ALIGN, ROUND_DONE
+
+    calls = []
+    chans = _stand_in(0, calls)
+    slot = -(-300 // _ALIGN) * _ALIGN
+    ready, free = chans._base[1], chans._base[0] + 8
+    payload = torch.tensor([-0.0, float("nan"), 1.5, -2.25] * 18 + [3.0, 4.0, 5.0])  # 75 floats: 300 bytes
+    calls.clear()
+    sent = chans.send(0, payload, engine="inline")
+    assert sent.is_completed()
+    assert calls == [
+        ("copy", chans._base[1] + 256, payload.data_ptr(), 300, 55),
+        ("write", 55, ready, 1, 0),
+    ]
+    calls.clear()
+    chans.send(0, payload, engine="kernel", last=True)
+    assert calls == [("write", 55, ready, 2, 0)]
+    landed = chans.window.buffers[1][256 + slot : 256 + slot + 300]
+    assert torch.equal(landed, payload.view(torch.uint8))  # bits: -0.0 and NaN as they were
+    # the next round: its first message waits (on the caller's stream) for the round before to be taken
+    calls.clear()
+    odd = torch.arange(7, dtype=torch.uint8)  # 7 bytes: stored as bytes
+    chans.engine = "kernel"
+    chans.send(0, odd)
+    assert calls == [("wait", 55, free, ROUND_DONE, 1), ("write", 55, free, 0, 0), ("write", 55, ready, 1, 0)]
+    assert torch.equal(chans.window.buffers[1][256:263], odd)
+
+
+def test_a_send_engine_that_does_not_exist_is_refused_before_anything_is_sent():
+    import pytest
+    import torch
+
+    from dtrain.parallel.pipeline_parallel_communications import StageLink
+
+    calls = []
+    chans = _stand_in(0, calls)
+    calls.clear()
+    with pytest.raises(ValueError, match="engine must be one of stream, inline, kernel, got 'dma'"):
+        chans.send(0, torch.zeros(3), engine="dma")
+    assert calls == [] and chans._sent == [0, 0]
+    with pytest.raises(ValueError, match="send_engine must be one of stream, inline, kernel, got 'dma'"):
+        StageLink(None, 0, 2, send_engine="dma")
+
+
+def test_store_is_a_bitwise_copy_for_every_length_and_offset():
+    import torch
+
+    from dtrain.comm.peer.channels import store
+
+    source = torch.randint(0, 256, (64,), dtype=torch.uint8)
+    for start in (0, 1, 2, 4, 8):
+        for n in (1, 2, 3, 4, 7, 8, 24, 40):
+            out = torch.zeros(64, dtype=torch.uint8)
+            store(out[start : start + n], source[8 : 8 + n])
+            assert torch.equal(out[start : start + n], source[8 : 8 + n])
+            assert not out[:start].any() and not out[start + n :].any()

@@ -408,6 +408,7 @@ def test_bench_pipeline_profile_must_name_a_directory(tmp_path, capsys):
         (["--graphs", "step,steps"], "--graphs: unknown steps; accepted: actions, step"),
         (["--microbatch-group", "0,-4"], "--microbatch-group [0, -4]: each must be 0 or more"),
         (["--in-place", "yes,maybe"], "--in-place: unknown maybe; accepted: yes, no"),
+        (["--send-engine", "kernel,dma"], "--send-engine: unknown dma; accepted: stream, inline, kernel"),
     ],
 )
 def test_bench_pipeline_refuses_an_unknown_transport_and_a_negative_lookahead(tmp_path, capsys, flags, said):
@@ -433,13 +434,16 @@ def test_bench_pipeline_times_interleaved_1f1b_in_each_valid_microbatch_group(tm
     assert len({r["loss"] for r in rows if r["microbatches"] == 4}) == 1  # the same training either way
 
 
-def test_bench_pipeline_computes_on_messages_in_their_slots_or_on_copies_alike(tmp_path):
+def test_bench_pipeline_computes_on_messages_in_their_slots_or_on_copies_sent_by_any_engine_alike(tmp_path):
     from dtrain.cli.main import main
 
     out = tmp_path / "rows.jsonl"
     flags = ["--nproc", "2", "--schedules", "1f1b", "--microbatches", "2", "--layers", "2", "--width", "8"]
     flags += ["--batch", "4", "--warmup", "1", "--steps", "1", "--no-torch", "--transport", "peer", "--out", str(out)]
-    assert main(["bench", "pipeline", *flags, "--in-place", "yes,no"]) == 0
+    assert main(["bench", "pipeline", *flags, "--in-place", "yes,no", "--send-engine", "stream,kernel"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["transport"], r["in_place"]) for r in rows] == [("peer", True), ("peer", False)]
-    assert rows[0]["loss"] == rows[1]["loss"] and rows[0]["grad_sq"] == rows[1]["grad_sq"]
+    got = [(r["transport"], r["in_place"], r["send_engine"]) for r in rows]
+    assert got == [("peer", i, e) for i in (True, False) for e in ("stream", "kernel")]
+    assert len({(r["loss"], r["grad_sq"]) for r in rows}) == 1
+    for r in rows:  # each step timed alone and in a run of steps back to back, and the bubble by each
+        assert r["step_ms"] > 0 and r["step_ms_steady"] > 0 and r["bubble_steady"] < 1

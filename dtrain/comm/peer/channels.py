@@ -33,6 +33,18 @@ operation issued after it on a stream sharing its hardware queue would wait behi
 On the CPU (windows in /dev/shm) the host copies and waits itself; the ring then never waits within a step when
 ``slots`` covers a step's messages.
 
+Where a send's copy runs is the channels' ``engine`` (or the send's own):
+
+- ``"stream"`` (the default): on a stream of the channel's, after an event recorded on the caller's, through a
+  copy engine, as above; the caller's stream goes on at once.
+- ``"inline"``: the same copy-engine copy and raise issued on the caller's stream itself, with no event and no
+  second stream between the payload's kernel and its copy.
+- ``"kernel"``: an elementwise kernel on the caller's stream stores the payload into the receiver's slot over
+  the peer mapping (the SMs move it, as NCCL's own kernels do), then the raise.
+
+The last two put the slot waits on the caller's stream too, so they suit rings that hold a whole round (where a
+sender only waits at a round's first message, for the round before to be taken).
+
 A receiver whose ring holds a whole round can take its messages lent (``post(..., lend=True)``): the tensor is
 the slot itself, so taking a message is the wait alone (no copy out, no counter raised back), and
 :meth:`PeerChannels.release` gives the round's slots back to their senders once the caller is done with them (on
@@ -55,7 +67,7 @@ import torch.distributed as dist
 
 from dtrain.comm.peer import window as peer_window
 
-__all__ = ["Channel", "PeerChannels", "Receive", "channels_available"]
+__all__ = ["ENGINES", "Channel", "PeerChannels", "Receive", "channels_available"]
 
 _ALIGN = 256  # every slot starts on a 256-byte boundary (what cudaMalloc gives)
 
@@ -63,6 +75,9 @@ _ALIGN = 256  # every slot starts on a 256-byte boundary (what cudaMalloc gives)
 #: it; no count within a round reaches it).
 ROUND_DONE = 0x7FFFFFF0
 _WAIT_GEQ, _WAIT_EQ = 0x0, 0x1  # CUstreamWaitValue_flags
+
+#: Where a send's copy runs (see the module): the channel's own stream, the caller's stream, or a kernel there.
+ENGINES = ("stream", "inline", "kernel")
 
 
 class Channel(NamedTuple):
@@ -221,9 +236,15 @@ class PeerChannels:
     """The channels of ``channels`` this rank sends or receives on, over a window of its own (a collective:
     every rank of ``group`` makes it with the same list, in the same order)."""
 
-    def __init__(self, group, device: torch.device, channels: Sequence[Channel]) -> None:
+    #: where sends copy unless a send names its own (:data:`ENGINES`; only CUDA tells them apart)
+    engine = "stream"
+
+    def __init__(self, group, device: torch.device, channels: Sequence[Channel], *, engine: str = "stream") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"peer channels: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.group = group if group is not None else dist.group.WORLD
         self.device = device
+        self.engine = engine
         self.rank = dist.get_rank(self.group)
         self.channels = [Channel(*c) for c in channels]
         for c in self.channels:
@@ -272,9 +293,12 @@ class PeerChannels:
 
     # -- sending
 
-    def send(self, index: int, tensor: torch.Tensor, *, last: bool = False) -> _Sent:
+    def send(self, index: int, tensor: torch.Tensor, *, last: bool = False, engine: str | None = None) -> _Sent:
         """Send ``tensor`` (contiguous, at most the channel's ``slot_bytes``) as the channel's next message;
-        ``last`` ends its round (see the module)."""
+        ``last`` ends its round; ``engine`` (default the channels') where the copy runs (see the module)."""
+        engine = self.engine if engine is None else engine
+        if engine not in ENGINES:
+            raise ValueError(f"peer channels: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         c = self.channels[index]
         payload = _as_bytes(tensor)
         if c.src != self.rank or payload.numel() > c.slot_bytes:
@@ -288,6 +312,22 @@ class PeerChannels:
         self._rounds[index] = self._rounds[index] or last
         slot = self._ring_at[index] + (n % c.slots) * _round(c.slot_bytes)
         free_at = self._base[self.rank] + self._free_at[index] if self._cuda else 0
+        if self._cuda and self.direct and engine != "stream":
+            # on the caller's stream: the slot waits, the copy (a copy engine's, or a kernel's stores), the raise
+            stream = self._current()
+            if new_round:
+                self._wait_value(stream, free_at, ROUND_DONE, _WAIT_EQ)
+                self._write_value(stream, free_at, 0)
+            if n >= c.slots:
+                self._wait_value(stream, free_at, n - c.slots + 1)
+            nbytes = payload.numel()
+            if engine == "inline":
+                copied = self._driver.copy(self._base[c.dst] + slot, payload.data_ptr(), nbytes, stream)
+                _check(copied, "cuMemcpyDtoDAsync")
+            else:
+                store(self.window.buffers[c.dst][slot : slot + nbytes], payload)
+            self._write_value(stream, self._base[c.dst] + self._ready_at[index], n + 1)
+            return _Sent()  # done in the caller's stream order: its memory is reused only after it
         if self._cuda and self.direct:
             d, stream = self._driver, self._raw_streams[index]
             # the channel's stream after the caller's (the payload is made there), then the copy and the raise
@@ -487,6 +527,16 @@ def _wrap(value: int) -> int:
     """``value`` as a signed 32-bit number (what a counter holds)."""
     value &= 0xFFFFFFFF
     return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def store(out: torch.Tensor, payload: torch.Tensor) -> None:
+    """``out[:] = payload`` (byte tensors of one length) by an elementwise kernel, never a copy engine's memcpy
+    (which ``copy_`` between two contiguous tensors of one dtype is): the bytes taken as the widest integers their
+    length and both addresses allow, stored as ``payload | 0``, bit for bit."""
+    n = payload.numel()
+    aligned = (w for w in (8, 4, 2) if n % w == 0 and out.data_ptr() % w == 0 and payload.data_ptr() % w == 0)
+    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[next(aligned, 1)]
+    torch.bitwise_or(payload.view(dtype), 0, out=out.view(dtype))
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
