@@ -19,7 +19,9 @@ ranks 0..k-1 train the model with AdamW as :class:`DataParallel` with its defaul
 ``algorithm="native"`` (``ours-native``), with its defaults and AdamW stepped inside backward
 (``ours-overlap``: :meth:`DataParallel.overlap_optimizer`, every bucket's parameters but the last's stepped
 while the last bucket is reduced), as ``DistributedDataParallel`` with its defaults (``ddp``:
-``gradient_as_bucket_view=False``) and with ``gradient_as_bucket_view=True`` (``ddp-view``), and as the plain
+``gradient_as_bucket_view=False``) and with ``gradient_as_bucket_view=True`` (``ddp-view``), with the buckets
+moved by copy engines through peer channels (``ours-copy-engine``: ``DataParallel(exchange="copy-engine")``),
+and as the plain
 module on each rank with no communication at all (``local``: every GPU trains its own copy, so its scaling is
 what the host allows any data parallel with these GPUs and processes), timed in rotating turns
 (:func:`timing.time_variants`). Scaling efficiency: tokens/s per rank over the 1-rank tokens/s of the same
@@ -31,11 +33,11 @@ step time and peak GPU memory of a step.
 
 ``--graphs`` (GPUs) adds each way of training with forward, loss and backward recorded as one CUDA graph at the
 third step and replayed (:class:`~dtrain.parallel.step_graph.GraphedStep`; the optimizer steps eagerly after each
-replay): ``ours-graph`` (:class:`DataParallel` with its defaults, whose bucket all-reduces run inside the
-recorded backward), ``local-graph`` and, on one GPU, ``single-graph``, against which the recorded variants'
-scaling is taken (``scaling_vs_eager_single``: against ``single``); and the same with a capturable AdamW stepped
-inside the recording (``-graph-whole``: ``ours-graph-whole`` steps it within backward, every bucket's parameters
-but the last's while the last bucket is reduced, :meth:`DataParallel.overlap_optimizer`), taken against
+replay): ``ours-graph`` (:class:`DataParallel` with its defaults, whose bucket all-reduces run inside the recorded
+backward), ``ours-copy-engine-graph``, ``local-graph`` and, on one GPU, ``single-graph``, against which the recorded
+variants' scaling is taken (``scaling_vs_eager_single``: against ``single``); and the same with a capturable AdamW
+stepped inside the recording (``-graph-whole``: ``ours-graph-whole`` steps it within backward, every bucket's
+parameters but the last's while the last bucket is reduced, :meth:`DataParallel.overlap_optimizer`), taken against
 ``single-graph-whole``.
 
 Every variant starts from the same weights and sees the same batches, so all must end with the same
@@ -191,6 +193,9 @@ def _wrap(variant: str, base, group):
         optimizer = torch.optim.AdamW(dp.parameters(), lr=1e-4)
         dp.overlap_optimizer(optimizer)
         return dp, optimizer
+    if variant in ("ours-copy-engine", "ours-copy-engine-graph"):
+        dp = DataParallel(model, group, exchange="copy-engine")
+        return dp, torch.optim.AdamW(dp.parameters(), lr=1e-4)
     if variant.startswith("ours-"):
         dp = DataParallel(model, group, algorithm="auto" if variant == "ours-graph" else variant.removeprefix("ours-"))
         return dp, torch.optim.AdamW(dp.parameters(), lr=1e-4)
@@ -228,10 +233,11 @@ def _scaling(args, groups) -> list[dict]:
             if rank >= k:
                 continue
             base, batch = _model(args), _batch(args, rank, per_rank)
-            multi = ("ours-auto", "ours-overlap", "ours-native", "ddp", "ddp-view", "local")
+            multi = ("ours-auto", "ours-overlap", "ours-native", "ours-copy-engine", "ddp", "ddp-view", "local")
             one = ("single",)
             if args.graphs:
-                multi = (*multi, "ours-graph", "local-graph", "ours-graph-whole", "local-graph-whole")
+                multi = (*multi, "ours-graph", "ours-copy-engine-graph", "local-graph", "ours-graph-whole")
+                multi = (*multi, "local-graph-whole")
                 one = (*one, "single-graph", "single-graph-whole")
             variants = one if k == 1 else multi
             if args.variants:  # DDP stays: every variant's parameters are checked against it
@@ -250,7 +256,18 @@ def _scaling(args, groups) -> list[dict]:
                 for v in (
                     [v for v in ("single", "single-graph") if v in variants]
                     if k == 1
-                    else [v for v in ("ours-auto", "ours-overlap", "ddp", "ours-graph", "local-graph") if v in variants]
+                    else [
+                        v
+                        for v in (
+                            "ours-auto",
+                            "ours-overlap",
+                            "ddp",
+                            "ours-graph",
+                            "ours-copy-engine-graph",
+                            "local-graph",
+                        )
+                        if v in variants
+                    ]
                 ):
                     _profile(steps[v], args, f"{v}-{k}ranks-b{per_rank}", group)
             for v in variants:

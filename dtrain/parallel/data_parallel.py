@@ -80,7 +80,9 @@ class DataParallel(nn.Module):
     ``auto`` resolves to) ``native`` are all-reduced asynchronously, overlapping the rest of backward, and waited
     for (on GPUs by the compute stream, not the host) when backward ends. ``reduce_dtype`` averages the
     gradients in another dtype (``torch.bfloat16``: half the bytes of float32 on the wire), None in the
-    parameters' own.
+    parameters' own. ``exchange="copy-engine"`` (every rank on one host) moves the buckets' bytes by copy engines
+    through peer channels from the second pass on, leaving the SMs to backward but for one summing pass a bucket
+    (:class:`~dtrain.comm.peer.bucket_reduce.BucketReduce`); ``"collective"`` (the default) uses ``algorithm``.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class DataParallel(nn.Module):
         gradient_as_bucket_view: bool = True,
         reduce_dtype: torch.dtype | None = None,
         first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
+        exchange: str = "collective",
     ) -> None:
         super().__init__()
         params = [p for p in module.parameters() if p.requires_grad]
@@ -112,6 +115,7 @@ class DataParallel(nn.Module):
             gradient_as_bucket_view=gradient_as_bucket_view,
             reduce_dtype=reduce_dtype,
             first_bucket_bytes=first_bucket_bytes,
+            exchange=exchange,
         )
         broadcast_tensors([*module.parameters(), *module.buffers()], 0, group, algorithm=broadcast_algorithm(algorithm))
         self._sync_enabled = True

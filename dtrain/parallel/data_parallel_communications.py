@@ -30,7 +30,11 @@ import torch.distributed as dist
 from dtrain import comm
 from dtrain.comm.ir.schedule import Collective
 
+#: How :class:`GradientReducer` averages its buckets: by ``algorithm``'s all-reduce, or moved by copy engines.
+EXCHANGES = ("collective", "copy-engine")
+
 __all__ = [
+    "EXCHANGES",
     "Bucket",
     "GradientReducer",
     "build_buckets",
@@ -147,6 +151,12 @@ class GradientReducer:
     ``reduce_dtype`` (e.g. ``torch.bfloat16`` for float32 gradients) averages each bucket in that dtype: the
     bucket is cast down, all-reduced and cast back, halving the bytes sent at the cost of bf16 rounding in the
     sum (the choice FSDP's ``MixedPrecisionPolicy(reduce_dtype=...)`` offers).
+
+    ``exchange``: ``"collective"`` (the default) averages each bucket with ``algorithm``'s all-reduce;
+    ``"copy-engine"`` (every rank on one host) does, once the buckets are rebuilt, with
+    :class:`~dtrain.comm.peer.bucket_reduce.BucketReduce`: the bytes moved by copy engines through peer
+    channels, one summing pass a bucket on the SMs, asynchronous like ``native`` (the first pass, whose buckets
+    are not final yet, uses ``algorithm``).
     """
 
     def __init__(
@@ -160,8 +170,15 @@ class GradientReducer:
         rebuild_buckets: bool = True,
         reduce_dtype: torch.dtype | None = None,
         first_bucket_bytes: int | None = None,
+        exchange: str = "collective",
     ) -> None:
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
+        if exchange == "copy-engine" and reduce_dtype is not None:
+            raise ValueError("exchange='copy-engine' averages in the gradients' own dtype; it takes no reduce_dtype")
         self.group = group
+        self.exchange = exchange
+        self._bucket_reduce = None  # the copy-engine exchange, made once the buckets are final
         self.reduce_dtype = reduce_dtype
         self.algorithm = algorithm
         self.bucket_bytes = bucket_bytes
@@ -288,6 +305,12 @@ class GradientReducer:
                 for p, view in zip(bucket.params, bucket.views, strict=True):
                     p.grad = view
             wire = bucket.buffer
+            if self.exchange == "copy-engine" and self.rebuilt:
+                index = self._next_launch
+                self._copy_engine().start(index, wire)
+                self._in_flight.append((_Started(self._bucket_reduce, index), bucket, wire, True))
+                self.launches += 1
+                return
             if self.reduce_dtype is not None and self.reduce_dtype != wire.dtype:
                 wire = wire.to(self.reduce_dtype)
             algorithm = self._choose(wire)
@@ -305,6 +328,28 @@ class GradientReducer:
                     bucket.buffer.copy_(wire)
                 self._assign(bucket)
         self.launches += 1
+
+    def _copy_engine(self):
+        """The copy-engine exchange of the buckets as they now are (made at the first launch after the rebuild,
+        on every rank alike)."""
+        if self._bucket_reduce is None:
+            from dtrain.comm.peer.bucket_reduce import BucketReduce
+            from dtrain.comm.peer.channels import channels_available
+
+            kinds = {(b.buffer.dtype, b.buffer.device) for b in self.buckets}
+            if len(kinds) != 1:
+                raise ValueError(
+                    "DataParallel(exchange='copy-engine') averages gradients of one dtype on one device; these are "
+                    + ", ".join(sorted(f"{d} on {v}" for d, v in kinds))
+                )
+            ((dtype, device),) = kinds
+            if not channels_available(self.group, device):
+                raise ValueError(
+                    "DataParallel(exchange='copy-engine') needs every rank on one host (on GPUs, CUDA symmetric memory "
+                    "and stream memory operations); use exchange='collective'"
+                )
+            self._bucket_reduce = BucketReduce(self.group, device, [b.buffer.numel() for b in self.buckets], dtype)
+        return self._bucket_reduce
 
     def _assign(self, bucket: Bucket) -> None:
         """Point (or copy) each parameter's gradient at its averaged slice of ``bucket``."""
@@ -333,6 +378,18 @@ class GradientReducer:
                 if not averaged:
                     bucket.buffer.div_(size)
                 self._assign(bucket)
+
+
+class _Started:
+    """A bucket on the copy-engine exchange: ``wait`` makes the caller's stream wait for it."""
+
+    __slots__ = ("_reduce", "_index")
+
+    def __init__(self, reduce, index: int) -> None:
+        self._reduce, self._index = reduce, index
+
+    def wait(self) -> None:
+        self._reduce.wait(self._index)
 
 
 def reduce_in(buffer: torch.Tensor, dtype: torch.dtype | None, *, group, algorithm: str) -> None:

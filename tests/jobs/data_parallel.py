@@ -98,14 +98,20 @@ def _result(losses, model, optimizer: str, steps: int, **extra) -> dict:
 
 
 def data_parallel(
-    world: int, optimizer: str, algorithm: str, micro_batches: int = 1, steps: int = STEPS, overlap: bool = False
+    world: int,
+    optimizer: str,
+    algorithm: str,
+    micro_batches: int = 1,
+    steps: int = STEPS,
+    overlap: bool = False,
+    exchange: str = "collective",
 ) -> dict:
     """DataParallel + a plain optimizer (with ``overlap``, stepped inside backward); also records bucket launches
     seen while backward is still running."""
     group = group_of(world)
     model = _model(dist.get_rank(group) * 7 + 3 if dist.get_rank(group) else 0)
     before = _flat(model)
-    dp = DataParallel(model, group, bucket_bytes=BUCKET_BYTES, algorithm=algorithm)
+    dp = DataParallel(model, group, bucket_bytes=BUCKET_BYTES, algorithm=algorithm, exchange=exchange)
     after = _flat(model)
     seen_mid_backward = []
 
@@ -145,6 +151,7 @@ def data_parallel(
         launched_mid_backward=seen_mid_backward[0],
         in_flight_mid_backward=in_flight_mid_backward[0],
         refused=refused,
+        copy_engine=dp.reducer._bucket_reduce is not None,
     )
 
 

@@ -34,6 +34,61 @@ def test_data_parallel_equals_one_process_on_the_global_batch(pool, world, optim
         assert (r["in_flight_mid_backward"] > 0) == (algorithm in ("auto", "native"))
 
 
+@pytest.mark.parametrize(
+    ("world", "optimizer", "micro_batches", "overlap"),
+    [(2, "sgd", 1, False), (4, "adam", 2, False), (4, "adamw", 1, True)],
+)
+def test_buckets_moved_through_peer_channels_train_like_one_process(pool, world, optimizer, micro_batches, overlap):
+    """exchange="copy-engine": from the second pass each bucket is scattered in pieces, summed where its piece lives
+    and gathered back through peer channels (on the CPU, windows in /dev/shm), with accumulation and with the
+    optimizer stepped inside backward."""
+    results = pool.run(
+        jobs.data_parallel,
+        world,
+        optimizer,
+        "ring",
+        micro_batches,
+        overlap=overlap,
+        exchange="copy-engine",
+        ranks=world,
+    )
+    _assert_matches_reference(results)
+    for r in results:
+        assert r["copy_engine"]
+    assert all(torch.equal(r["params"], results[0]["params"]) for r in results)  # the same bits on every rank
+
+
+def test_buckets_cut_into_pieces_that_differ_by_at_most_one_element():
+    from dtrain.comm.peer.bucket_reduce import pieces
+
+    assert pieces(10, 4) == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    assert pieces(2, 4) == [(0, 1), (1, 1), (2, 0), (2, 0)]
+    for n in (1, 7, 128, 1001):
+        for world in (2, 3, 4, 8):
+            got = pieces(n, world)
+            assert sum(length for _, length in got) == n and max(g[1] for g in got) - min(g[1] for g in got) <= 1
+            assert all(a[0] + a[1] == b[0] for a, b in zip(got, got[1:]))
+
+
+def test_an_unknown_exchange_and_copy_engines_with_a_reduce_dtype_are_refused():
+    import torch.distributed as dist
+
+    from dtrain.parallel.data_parallel_communications import GradientReducer
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="exchange must be one of collective, copy-engine, got 'dma'"):
+        GradientReducer(model.parameters(), dist.group.WORLD, bucket_bytes=64, algorithm="auto", exchange="dma")
+    with pytest.raises(ValueError, match="exchange='copy-engine' averages in the gradients' own dtype"):
+        GradientReducer(
+            model.parameters(),
+            None,
+            bucket_bytes=64,
+            algorithm="auto",
+            exchange="copy-engine",
+            reduce_dtype=torch.bfloat16,
+        )
+
+
 def test_data_parallel_broadcasts_rank_0_weights_and_overlaps_buckets_with_backward(pool):
     results = pool.run(jobs.data_parallel, 2, "sgd", "ring", steps=2, ranks=2)
     assert not torch.equal(results[0]["before"], results[1]["before"])

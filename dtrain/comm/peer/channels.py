@@ -321,10 +321,10 @@ class PeerChannels:
             if n >= c.slots:
                 self._wait_value(stream, free_at, n - c.slots + 1)
             nbytes = payload.numel()
-            if engine == "inline":
+            if engine == "inline" and nbytes:
                 copied = self._driver.copy(self._base[c.dst] + slot, payload.data_ptr(), nbytes, stream)
                 _check(copied, "cuMemcpyDtoDAsync")
-            else:
+            elif nbytes:
                 store(self.window.buffers[c.dst][slot : slot + nbytes], payload)
             self._write_value(stream, self._base[c.dst] + self._ready_at[index], n + 1)
             return _Sent()  # done in the caller's stream order: its memory is reused only after it
@@ -340,7 +340,8 @@ class PeerChannels:
             if n >= c.slots:
                 self._wait_value(stream, free_at, n - c.slots + 1)
             nbytes = payload.numel()
-            _check(d.copy(self._base[c.dst] + slot, payload.data_ptr(), nbytes, stream), "cuMemcpyDtoDAsync")
+            if nbytes:
+                _check(d.copy(self._base[c.dst] + slot, payload.data_ptr(), nbytes, stream), "cuMemcpyDtoDAsync")
             self._write_value(stream, self._base[c.dst] + self._ready_at[index], n + 1)
             self._hold(tensor, index)
             done = self._events.pop() if self._events else self._new_event()
