@@ -2,8 +2,9 @@
 
 Where a step's device time goes, from a torch.profiler Chrome trace: the span from the first to the last device
 event, the time any kernel or copy runs (their union), the compute kernels, the communication kernels (NCCL's,
-and dtrain's own Triton and CUDA collective kernels), the communication that runs while no compute kernel does
-(exposed), and the device's idle time. Per step: each figure divided by ``--steps``.
+and dtrain's own Triton and CUDA collective kernels, peer-to-peer copies), the communication that runs while no
+compute kernel does (exposed), the copies (every memcpy, peer or local), and the device's idle time. Per step:
+each figure divided by ``--steps``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-COMM_MARKERS = ("nccl", "exchange_kernel", "one_shot", "two_shot", "multimem", "barrier_kernel", "symm")
+COMM_MARKERS = ("nccl", "exchange_kernel", "one_shot", "two_shot", "multimem", "barrier_kernel", "symm", "ptop")
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -56,6 +57,7 @@ def summarize(events: list[dict], steps: int = 1) -> dict:
     spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in device]
     comm = _union([s for s, e in zip(spans, device, strict=True) if is_comm(e.get("name", ""))])
     compute = _union([s for s, e in zip(spans, device, strict=True) if not is_comm(e.get("name", ""))])
+    copies = _union([s for s, e in zip(spans, device, strict=True) if e.get("cat") == "gpu_memcpy"])
     busy = _union(spans)
     span = max(end for _, end in spans) - min(start for start, _ in spans)
     by_name: dict[str, float] = {}
@@ -69,6 +71,7 @@ def summarize(events: list[dict], steps: int = 1) -> dict:
         "compute_ms": _length(compute) * per,
         "comm_ms": _length(comm) * per,
         "comm_exposed_ms": _minus(comm, compute) * per,
+        "copies_ms": _length(copies) * per,
         "idle_ms": (span - _length(busy)) * per,
         "kernels": len(device) / steps,
         "top": [(name[:80], ms * per) for name, ms in top],
@@ -78,7 +81,8 @@ def summarize(events: list[dict], steps: int = 1) -> dict:
 def format_summary(name: str, s: dict) -> str:
     lines = [
         f"{name}: span {s['span_ms']:.2f} ms, busy {s['busy_ms']:.2f}, compute {s['compute_ms']:.2f}, "
-        f"comm {s['comm_ms']:.2f} (exposed {s['comm_exposed_ms']:.2f}), idle {s['idle_ms']:.2f}, "
+        f"comm {s['comm_ms']:.2f} (exposed {s['comm_exposed_ms']:.2f}), copies {s.get('copies_ms', 0.0):.2f}, "
+        f"idle {s['idle_ms']:.2f}, "
         f"{s['kernels']:.0f} device events a step"
     ]
     lines += [f"    {ms:8.3f} ms  {kernel}" for kernel, ms in s["top"]]

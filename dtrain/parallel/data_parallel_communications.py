@@ -153,10 +153,10 @@ class GradientReducer:
     sum (the choice FSDP's ``MixedPrecisionPolicy(reduce_dtype=...)`` offers).
 
     ``exchange``: ``"collective"`` (the default) averages each bucket with ``algorithm``'s all-reduce;
-    ``"copy-engine"`` (every rank on one host) does, once the buckets are rebuilt, with
-    :class:`~dtrain.comm.peer.bucket_reduce.BucketReduce`: the bytes moved by copy engines through peer
-    channels, one summing pass a bucket on the SMs, asynchronous like ``native`` (the first pass, whose buckets
-    are not final yet, uses ``algorithm``).
+    ``"copy-engine"`` (every rank on one host) does, from the second pass on, with
+    :class:`~dtrain.comm.peer.bucket_reduce.BucketReduce`: the buckets move into its peer window after the first
+    pass (and its rebuild), their bytes are moved by copy engines, one summing pass a bucket runs on the SMs,
+    asynchronous like ``native`` (the first pass, whose buckets are not final yet, uses ``algorithm``).
     """
 
     def __init__(
@@ -260,6 +260,8 @@ class GradientReducer:
         if self._ready_order is not None:
             self._rebuild(self._ready_order)
             self._ready_order = None
+        if self.exchange == "copy-engine" and self._bucket_reduce is None:
+            self._home_buckets()
         for bucket in self.buckets:
             bucket.reset()
         self._next_launch = 0
@@ -305,9 +307,9 @@ class GradientReducer:
                 for p, view in zip(bucket.params, bucket.views, strict=True):
                     p.grad = view
             wire = bucket.buffer
-            if self.exchange == "copy-engine" and self.rebuilt:
+            if self._bucket_reduce is not None:
                 index = self._next_launch
-                self._copy_engine().start(index, wire)
+                self._bucket_reduce.start(index, wire)
                 self._in_flight.append((_Started(self._bucket_reduce, index), bucket, wire, True))
                 self.launches += 1
                 return
@@ -329,27 +331,37 @@ class GradientReducer:
                 self._assign(bucket)
         self.launches += 1
 
-    def _copy_engine(self):
-        """The copy-engine exchange of the buckets as they now are (made at the first launch after the rebuild,
-        on every rank alike)."""
-        if self._bucket_reduce is None:
-            from dtrain.comm.peer.bucket_reduce import BucketReduce
-            from dtrain.comm.peer.channels import channels_available
+    def _home_buckets(self) -> None:
+        """Make the copy-engine exchange of the buckets as they now are (after the first pass, on every rank alike)
+        and move the buckets, and the gradients that are views of them, into its peer window."""
+        from dtrain.comm.peer.bucket_reduce import BucketReduce
+        from dtrain.comm.peer.channels import channels_available
 
-            kinds = {(b.buffer.dtype, b.buffer.device) for b in self.buckets}
-            if len(kinds) != 1:
-                raise ValueError(
-                    "DataParallel(exchange='copy-engine') averages gradients of one dtype on one device; these are "
-                    + ", ".join(sorted(f"{d} on {v}" for d, v in kinds))
-                )
-            ((dtype, device),) = kinds
-            if not channels_available(self.group, device):
-                raise ValueError(
-                    "DataParallel(exchange='copy-engine') needs every rank on one host (on GPUs, CUDA symmetric memory "
-                    "and stream memory operations); use exchange='collective'"
-                )
-            self._bucket_reduce = BucketReduce(self.group, device, [b.buffer.numel() for b in self.buckets], dtype)
-        return self._bucket_reduce
+        kinds = {(b.buffer.dtype, b.buffer.device) for b in self.buckets}
+        if len(kinds) != 1:
+            raise ValueError(
+                "DataParallel(exchange='copy-engine') averages gradients of one dtype on one device; these are "
+                + ", ".join(sorted(f"{d} on {v}" for d, v in kinds))
+            )
+        ((dtype, device),) = kinds
+        if not channels_available(self.group, device):
+            raise ValueError(
+                "DataParallel(exchange='copy-engine') needs every rank on one host (on GPUs, CUDA symmetric memory "
+                "and stream memory operations); use exchange='collective'"
+            )
+        reduce = BucketReduce(self.group, device, [b.buffer.numel() for b in self.buckets], dtype)
+        with torch.no_grad():
+            for bucket, home in zip(self.buckets, reduce.buckets, strict=True):
+                home.copy_(bucket.buffer)
+                views, start = [], 0
+                for p, old in zip(bucket.params, bucket.views, strict=True):
+                    view = home[start : start + p.numel()].view_as(p)
+                    start += p.numel()
+                    if p.grad is not None and _is_view(p.grad, old):
+                        p.grad = view
+                    views.append(view)
+                bucket.buffer, bucket.views = home, views
+        self._bucket_reduce = reduce
 
     def _assign(self, bucket: Bucket) -> None:
         """Point (or copy) each parameter's gradient at its averaged slice of ``bucket``."""

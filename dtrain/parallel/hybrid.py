@@ -115,7 +115,8 @@ class HybridParallel:
     (interleaved 1F1B's) and ``balance`` ("layers", "params" or "flops") are the pipeline's (``pp > 1`` only).
     ``algorithm`` is the gradient all-reduce's (``dtrain.comm.algorithms("all_reduce")``); the initial parameter
     broadcast uses the same name where broadcast has it, else ``"auto"``. Replicas start from dp rank 0's
-    parameters.
+    parameters. ``dp_exchange`` is :class:`~dtrain.parallel.data_parallel.DataParallel`'s ``exchange`` (``pp == 1``
+    and ``zero_stage == 0``): "collective", or "copy-engine" on one host.
 
     ``zero_stage`` 1 or 2 shards the optimizer state (and with 2 the gradients) over the dp group
     (:class:`~dtrain.parallel.zero.ZeroOptimizer`, built from the optimizer the factory returns: its class and
@@ -161,6 +162,7 @@ class HybridParallel:
         zero_stage: int = 0,
         autocast_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        dp_exchange: str = "collective",
         accumulation: int = 1,
         balance: str = "layers",
         shard_size: int | None = None,
@@ -184,6 +186,11 @@ class HybridParallel:
             if reason is not None:
                 raise ValueError(f"step_graph=True does not run with {reason}")
             pipeline_graphs = "step" if grid.dims.pp > 1 else pipeline_graphs
+        if dp_exchange != "collective" and (grid.dims.pp > 1 or zero_stage or grid.dims.dp == 1):
+            raise ValueError(
+                f"dp_exchange={dp_exchange!r} is DataParallel's: it needs dp > 1, pp = 1 and zero_stage = 0 (got dp "
+                f"{grid.dims.dp}, pp {grid.dims.pp}, zero_stage {zero_stage})"
+            )
         if microbatch_group is not None and grid.dims.pp == 1:
             raise ValueError(f"microbatch_group={microbatch_group!r} groups a pipeline's micro-batches; pp is 1")
         if zero_stage == 2 and grid.dims.pp > 1 and schedule in SPLIT_BACKWARD:
@@ -260,7 +267,9 @@ class HybridParallel:
         else:
             if p == 1 and dims.dp > 1:
                 extra = {"reduce_dtype": reduce_dtype} if reduce_dtype is not None else {}
-                self._forward = DataParallel(self.module, grid.dp_group, algorithm=algorithm, **extra)
+                self._forward = DataParallel(
+                    self.module, grid.dp_group, algorithm=algorithm, exchange=dp_exchange, **extra
+                )
             elif dims.dp > 1:  # DataParallel does the same for pp == 1
                 broadcast_parameters(
                     [*self.module.parameters(), *self.module.buffers()],

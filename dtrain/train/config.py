@@ -232,6 +232,13 @@ class ParallelSection(_Section):
         "for messages of 64 KiB and more while a step's messages on a channel fit in 1 GiB)",
         choices=("auto", "group", "peer"),  # pipeline_parallel_communications.TRANSPORTS
     )
+    dp_exchange: str = _option(
+        "collective",
+        "how data parallelism averages its gradient buckets (dp > 1, pp = 1, zero = 0): collective (the all-reduce "
+        "[parallel] algorithm names), copy-engine (ranks of one host: each bucket scattered, summed and gathered "
+        "through peer windows by the copy engines, one summing pass on the SMs; float32 reduction)",
+        choices=("collective", "copy-engine"),  # data_parallel_communications.EXCHANGES
+    )
     zero: int = _option(
         0,
         "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too, 3 parameters too (fully sharded)",
@@ -514,6 +521,16 @@ class TrainConfig:
                 "training.accumulation",
                 f"each dp rank's {local} sequences do not split into {training.accumulation} accumulation steps",
             )
+        if parallel.dp_exchange != "collective":
+            refused = [
+                (parallel.dp == 1, "dp = 1 (no gradient to average)"),
+                (parallel.pp > 1, "pp > 1 (the stages average their gradients after the pipeline)"),
+                (parallel.zero > 0, f"zero = {parallel.zero} (ZeRO reduces its own shards)"),
+                (training.grad_reduce_dtype != "float32", "grad_reduce_dtype = bf16 (it averages in float32)"),
+            ]
+            reason = next((why for bad, why in refused if bad), None)
+            if reason is not None:
+                raise ConfigError("parallel.dp_exchange", f"{parallel.dp_exchange} does not run with {reason}")
         if parallel.pipeline_graphs and parallel.pp == 1:
             raise ConfigError("parallel.pipeline_graphs", "replays a pipeline's micro-batches; it needs pp > 1")
         if parallel.step_graph:

@@ -280,6 +280,7 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
     if par.pp > 1 and par.microbatch_group:
         pipeline += f" in groups of {par.microbatch_group}"
     zero = f", ZeRO-{par.zero}" if par.zero else ""
+    zero += ", gradients averaged through copy engines" if par.dp_exchange == "copy-engine" else ""
     recorded = ", each step a CUDA graph from the third" if par.step_graph else ""
     resumed = f" from step {plan.first_step}" if plan.first_step else ""
     return (
@@ -354,6 +355,7 @@ class _Trainer:
             zero_stage=par.zero,
             autocast_dtype=self.precision,
             reduce_dtype=torch.bfloat16 if tr.grad_reduce_dtype == "bf16" else None,
+            dp_exchange=par.dp_exchange,
             accumulation=tr.accumulation,
             balance=par.balance,
         )

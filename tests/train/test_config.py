@@ -197,6 +197,26 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
             "train.toml: [parallel] microbatch_group: groups a pipeline's micro-batches; pp is 1",
         ),
         ("[parallel]\nmicrobatch_group = -1\n", "train.toml: [parallel] microbatch_group: must be an int >= 0, got -1"),
+        (
+            '[parallel]\ndp = 1\ndp_exchange = "copy-engine"\n',
+            "train.toml: [parallel] dp_exchange: copy-engine does not run with dp = 1 (no gradient to average)",
+        ),
+        (
+            '[parallel]\ndp = 1\npp = 2\nmicrobatches = 2\ndp_exchange = "copy-engine"\n',
+            "train.toml: [parallel] dp_exchange: copy-engine does not run with dp = 1",
+        ),
+        (
+            '[parallel]\ndp = 2\nzero = 1\ndp_exchange = "copy-engine"\n',
+            "train.toml: [parallel] dp_exchange: copy-engine does not run with zero = 1 (ZeRO reduces its own shards)",
+        ),
+        (
+            '[parallel]\ndp = 2\ndp_exchange = "copy-engine"\n[training]\ngrad_reduce_dtype = "bf16"\n',
+            "train.toml: [parallel] dp_exchange: copy-engine does not run with grad_reduce_dtype = bf16",
+        ),
+        (
+            '[parallel]\ndp_exchange = "nvlink"\n',
+            "train.toml: [parallel] dp_exchange: must be one of collective, copy-engine, got 'nvlink'",
+        ),
         ("[training]\naccumulation = 3\n", "train.toml: [training] accumulation: each dp rank's 16 sequences"),
         (
             "[parallel]\npipeline_graphs = true\n",
@@ -234,8 +254,8 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
         (
             "[parallel]\ntpp = 2\n",
             "train.toml: [parallel] tpp: unknown key; keys of [parallel]: dp, pp, tp, schedule, microbatches, "
-            "microbatch_group, pipeline_graphs, step_graph, pipeline_transport, zero, zero_shard_size, algorithm, "
-            "balance",
+            "microbatch_group, pipeline_graphs, step_graph, pipeline_transport, dp_exchange, zero, zero_shard_size, "
+            "algorithm, balance",
         ),
         ("[modle]\nfamily = 1\n", "train.toml: [modle]: unknown section; sections: model, data, parallel, optimizer"),
         ("steps = 20\n", "train.toml: steps: not a section; sections: model, data"),

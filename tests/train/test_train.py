@@ -133,6 +133,11 @@ def test_pipeline_run_matches_one_rank_and_writes_a_chrome_trace_and_a_gantt_cha
     assert (tmp_path / "pipeline-gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_gradients_averaged_through_peer_windows_match_one_rank(tmp_path, one_rank):
+    records = _run(tmp_path, "--nproc", "2", "--dp", "2", "--steps", "3", "--dp-exchange", "copy-engine")
+    assert _losses(records) == pytest.approx(_losses(one_rank[1][:3]), rel=1e-5)
+
+
 def test_interleaved_pipeline_in_larger_microbatch_groups_matches_one_rank(tmp_path, one_rank):
     flags = ["--nproc", "2", "--pp", "2", "--microbatches", "4", "--steps", "2", "--schedule", "interleaved-1f1b"]
     records = _run(tmp_path, *flags, "--microbatch-group", "4")
@@ -273,3 +278,5 @@ def test_the_run_line_says_when_each_step_is_recorded_as_a_graph():
     config = load_config(REPO / "configs" / "tiny-cpu.toml", flags={**flags, "parallel.microbatch_group": 4})
     line = loop.describe(config, plan)
     assert "interleaved-1f1b x 4 micro-batches in groups of 4" in line, line
+    config = load_config(REPO / "configs" / "tiny-cpu.toml", flags={"parallel.pp": 1, "parallel.dp_exchange": "copy-engine"})
+    assert "gradients averaged through copy engines" in loop.describe(config, plan)
