@@ -67,7 +67,7 @@ def test_buckets_cut_into_pieces_that_differ_by_at_most_one_element():
         for world in (2, 3, 4, 8):
             got = pieces(n, world)
             assert sum(length for _, length in got) == n and max(g[1] for g in got) - min(g[1] for g in got) <= 1
-            assert all(a[0] + a[1] == b[0] for a, b in zip(got, got[1:]))
+            assert all(a[0] + a[1] == b[0] for a, b in zip(got[:-1], got[1:], strict=True))
 
 
 def test_an_unknown_exchange_and_copy_engines_with_a_reduce_dtype_are_refused():

@@ -278,5 +278,7 @@ def test_the_run_line_says_when_each_step_is_recorded_as_a_graph():
     config = load_config(REPO / "configs" / "tiny-cpu.toml", flags={**flags, "parallel.microbatch_group": 4})
     line = loop.describe(config, plan)
     assert "interleaved-1f1b x 4 micro-batches in groups of 4" in line, line
-    config = load_config(REPO / "configs" / "tiny-cpu.toml", flags={"parallel.pp": 1, "parallel.dp_exchange": "copy-engine"})
+    config = load_config(
+        REPO / "configs" / "tiny-cpu.toml", flags={"parallel.pp": 1, "parallel.dp_exchange": "copy-engine"}
+    )
     assert "gradients averaged through copy engines" in loop.describe(config, plan)

@@ -315,11 +315,7 @@ class PeerChannels:
         if self._cuda and self.direct and engine != "stream":
             # on the caller's stream: the slot waits, the copy (a copy engine's, or a kernel's stores), the raise
             stream = self._current()
-            if new_round:
-                self._wait_value(stream, free_at, ROUND_DONE, _WAIT_EQ)
-                self._write_value(stream, free_at, 0)
-            if n >= c.slots:
-                self._wait_value(stream, free_at, n - c.slots + 1)
+            self._slot_waits(stream, free_at, new_round, n, c.slots)
             nbytes = payload.numel()
             if engine == "inline" and nbytes:
                 copied = self._driver.copy(self._base[c.dst] + slot, payload.data_ptr(), nbytes, stream)
@@ -334,11 +330,7 @@ class PeerChannels:
             order = self._order[index]
             _check(d.record(order, self._current()), "cuEventRecord")
             _check(d.wait_event(stream, order, 0), "cuStreamWaitEvent")
-            if new_round:
-                self._wait_value(stream, free_at, ROUND_DONE, _WAIT_EQ)
-                self._write_value(stream, free_at, 0)
-            if n >= c.slots:
-                self._wait_value(stream, free_at, n - c.slots + 1)
+            self._slot_waits(stream, free_at, new_round, n, c.slots)
             nbytes = payload.numel()
             if nbytes:
                 _check(d.copy(self._base[c.dst] + slot, payload.data_ptr(), nbytes, stream), "cuMemcpyDtoDAsync")
@@ -352,11 +344,7 @@ class PeerChannels:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 raw = stream.cuda_stream
-                if new_round:
-                    self._wait_value(raw, free_at, ROUND_DONE, _WAIT_EQ)
-                    self._write_value(raw, free_at, 0)
-                if n >= c.slots:
-                    self._wait_value(raw, free_at, n - c.slots + 1)
+                self._slot_waits(raw, free_at, new_round, n, c.slots)
                 self.window.buffers[c.dst][slot : slot + payload.numel()].copy_(payload)
                 self._write_value(raw, self._base[c.dst] + self._ready_at[index], n + 1)
                 tensor.record_stream(stream)
@@ -475,6 +463,15 @@ class PeerChannels:
                     value if value == ROUND_DONE else _wrap(value)
                 )
         self._lent.clear()
+
+    def _slot_waits(self, stream: int, free_at: int, new_round: bool, n: int, slots: int) -> None:
+        """``stream`` waits, before message ``n`` of a round goes into its slot, for the round before to have been
+        taken (its first message; then the counter is cleared) and for the slot to be free (a full ring)."""
+        if new_round:
+            self._wait_value(stream, free_at, ROUND_DONE, _WAIT_EQ)
+            self._write_value(stream, free_at, 0)
+        if n >= slots:
+            self._wait_value(stream, free_at, n - slots + 1)
 
     def _wait_value(self, stream: int, address: int, value: int, flags: int = _WAIT_GEQ) -> None:
         """``stream`` (a raw handle) waits until the counter at ``address`` reaches ``value`` (cyclically), or
