@@ -185,6 +185,8 @@ class GradientReducer:
         self.first_bucket_bytes = first_bucket_bytes
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.buckets = build_buckets(params, bucket_bytes, first_bucket_bytes)
+        if exchange == "copy-engine":
+            self._check_copy_engine()
         self._params = [p for b in reversed(self.buckets) for p in reversed(b.params)]  # registration order
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._bucket_of = self._locate()
@@ -331,10 +333,8 @@ class GradientReducer:
                 self._assign(bucket)
         self.launches += 1
 
-    def _home_buckets(self) -> None:
-        """Make the copy-engine exchange of the buckets as they now are (after the first pass, on every rank alike)
-        and move the buckets, and the gradients that are views of them, into its peer window."""
-        from dtrain.comm.peer.bucket_reduce import BucketReduce
+    def _check_copy_engine(self) -> None:
+        """Refuse, before any gradient moves, what the copy-engine exchange cannot average (a collective call)."""
         from dtrain.comm.peer.channels import channels_available
 
         kinds = {(b.buffer.dtype, b.buffer.device) for b in self.buckets}
@@ -343,12 +343,19 @@ class GradientReducer:
                 "DataParallel(exchange='copy-engine') averages gradients of one dtype on one device; these are "
                 + ", ".join(sorted(f"{d} on {v}" for d, v in kinds))
             )
-        ((dtype, device),) = kinds
+        ((_, device),) = kinds
         if not channels_available(self.group, device):
             raise ValueError(
                 "DataParallel(exchange='copy-engine') needs every rank on one host (on GPUs, CUDA symmetric memory "
                 "and stream memory operations); use exchange='collective'"
             )
+
+    def _home_buckets(self) -> None:
+        """Make the copy-engine exchange of the buckets as they now are (after the first pass, on every rank alike)
+        and move the buckets, and the gradients that are views of them, into its peer window."""
+        from dtrain.comm.peer.bucket_reduce import BucketReduce
+
+        ((dtype, device),) = {(b.buffer.dtype, b.buffer.device) for b in self.buckets}  # one kind: see __init__
         reduce = BucketReduce(self.group, device, [b.buffer.numel() for b in self.buckets], dtype)
         with torch.no_grad():
             for bucket, home in zip(self.buckets, reduce.buckets, strict=True):

@@ -78,6 +78,9 @@ def test_an_unknown_exchange_and_copy_engines_with_a_reduce_dtype_are_refused():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="exchange must be one of collective, copy-engine, got 'dma'"):
         GradientReducer(model.parameters(), dist.group.WORLD, bucket_bytes=64, algorithm="auto", exchange="dma")
+    mixed = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))]
+    with pytest.raises(ValueError, match="averages gradients of one dtype on one device; these are torch.float32 on"):
+        GradientReducer(mixed, None, bucket_bytes=8, algorithm="auto", exchange="copy-engine")
     with pytest.raises(ValueError, match="exchange='copy-engine' averages in the gradients' own dtype"):
         GradientReducer(
             model.parameters(),
