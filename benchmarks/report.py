@@ -716,6 +716,7 @@ def _dp_recorded() -> str:
             + ": the protocol is not what slows the products.",
             _train_recorded(),
             *_dp_copy_engine(),
+            *_dp_overlap_whole(),
         ]
     )
 
@@ -795,6 +796,67 @@ def _dp_copy_engine() -> list[str]:
             rows,
         ),
         where,
+    ]
+
+
+def _dp_overlap_whole() -> list[str]:
+    """The recorded step with AdamW inside it, stepped by `overlap_optimizer` while the last bucket moves, beside
+    the recorded step alone, for both of AdamW's implementations; scaling against the faster one-GPU recording."""
+    runs = [(o, b, load(f"dp_overlap_whole-{o}-h100x4-b{b}.jsonl")) for o in ("foreach", "fused") for b in (16, 32)]
+    again = load("dp_overlap_whole-fused-h100x4-b16-run2.jsonl")
+    if not all(r for _, _, r in runs):
+        return []
+    rows = []
+    for optimizer, b, records in [*runs, ("fused (again)", 16, again)] if again else runs:
+        t = {r["variant"]: r["step_s"] for r in records}
+        one = min(t["single-graph"], t["single-graph-whole"])
+        diff = max(r["max_abs_param_diff_vs_ddp"] or 0 for r in records)
+        rows.append(
+            [
+                optimizer,
+                str(b),
+                f"{t['single-graph'] * 1e3:.2f}",
+                f"{t['single-graph-whole'] * 1e3:.2f}",
+                *(
+                    f"{t[v] * 1e3:.2f} ({one / t[v]:.1%})"
+                    for v in ("ours-graph", "ours-copy-engine-graph", "ours-copy-engine-graph-whole")
+                ),
+                f"{t['ddp'] * 1e3:.2f}",
+                f"{t['ddp'] / t['ours-copy-engine-graph-whole']:.2f}x",
+                f"{diff:.1e}",
+            ]
+        )
+    return [
+        "#### The optimizer inside the recorded step, beside the last bucket",
+        "`ours-copy-engine-graph-whole`: the copy-engine exchange, with a capturable AdamW stepped inside the "
+        "recorded step by `DataParallel.overlap_optimizer` (every bucket's parameters but the last's while the last "
+        "bucket, the 100 MB embedding gradient, is still moving, then the last's). `single-graph-whole` is one GPU "
+        "with its AdamW recorded too. Step ms; the percentages are scaling against the faster one-GPU recording of "
+        "the same optimizer; DDP runs eagerly, with the same optimizer. `foreach` is torch's multi-tensor AdamW "
+        "(its default), `fused` its one-kernel AdamW (what `dtrain train` uses on GPUs); each row is one launch.",
+        setting(
+            "4 x NVIDIA H100 80GB HBM3, NVLink through NVSwitch",
+            f"torch 2.11.0+cu130, NCCL {NCCL}, NVLink multicast off",
+            "torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py --sections dp --sizes 4 1 --batch-per-rank "
+            "16|32 --graphs --optimizer foreach|fused --variants single-graph single-graph-whole ours-graph "
+            "ours-copy-engine-graph ours-copy-engine-graph-whole local-graph-whole",
+            "`dp_overlap_whole-{foreach,fused}-h100x4-b{16,32}.jsonl`, `dp_overlap_whole-fused-h100x4-b16-run2.jsonl`",
+        ),
+        table(
+            [
+                "AdamW",
+                "sequences a GPU",
+                "single-graph",
+                "single-graph-whole",
+                "ours-graph (NCCL)",
+                "ours-copy-engine-graph",
+                "ours-copy-engine-graph-whole",
+                "DDP (eager)",
+                "whole vs DDP",
+                "param diff vs DDP",
+            ],
+            rows,
+        ),
     ]
 
 

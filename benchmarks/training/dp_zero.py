@@ -36,9 +36,12 @@ third step and replayed (:class:`~dtrain.parallel.step_graph.GraphedStep`; the o
 replay): ``ours-graph`` (:class:`DataParallel` with its defaults, whose bucket all-reduces run inside the recorded
 backward), ``ours-copy-engine-graph``, ``local-graph`` and, on one GPU, ``single-graph``, against which the recorded
 variants' scaling is taken (``scaling_vs_eager_single``: against ``single``); and the same with a capturable AdamW
-stepped inside the recording (``-graph-whole``: ``ours-graph-whole`` steps it within backward, every bucket's
-parameters but the last's while the last bucket is reduced, :meth:`DataParallel.overlap_optimizer`), taken against
-``single-graph-whole``.
+stepped inside the recording (``-graph-whole``: ``ours-graph-whole`` and ``ours-copy-engine-graph-whole`` step it
+within backward, every bucket's parameters but the last's while the last bucket is reduced,
+:meth:`DataParallel.overlap_optimizer`), taken against ``single-graph-whole``.
+
+``--optimizer fused`` gives every variant (ZeRO's aside) AdamW's one-kernel implementation (``fused=True``)
+instead of torch's multi-tensor default (``foreach``); each record names the one it ran.
 
 Every variant starts from the same weights and sees the same batches, so all must end with the same
 parameters: the script checks each against DDP (``max_abs_param_diff_vs_ddp``), ``local`` aside.
@@ -176,29 +179,37 @@ def _graphed_step_fn(model, optimizer, batch, args, whole: bool = False):
     return step
 
 
-def _wrap(variant: str, base, group):
+def _adamw(params, args, capturable: bool = False) -> torch.optim.AdamW:
+    """AdamW as ``--optimizer`` implements it (torch's multi-tensor ``foreach`` or its single ``fused`` kernel),
+    every variant alike; ``capturable``: steppable inside a CUDA graph recording."""
+    fused = args.optimizer == "fused"
+    return torch.optim.AdamW(params, lr=1e-4, capturable=capturable, fused=fused or None, foreach=not fused or None)
+
+
+def _wrap(variant: str, base, group, args):
     model = copy.deepcopy(base)
     dev = pt.device()
     if variant in ("single", "local", "single-graph", "local-graph"):
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return model, _adamw(model.parameters(), args)
     if variant in ("single-graph-whole", "local-graph-whole"):
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True)
-    if variant == "ours-graph-whole":
-        dp = DataParallel(model, group)
-        optimizer = torch.optim.AdamW(dp.parameters(), lr=1e-4, capturable=True)
+        return model, _adamw(model.parameters(), args, capturable=True)
+    if variant in ("ours-graph-whole", "ours-copy-engine-graph-whole"):
+        exchange = "copy-engine" if "copy-engine" in variant else "collective"
+        dp = DataParallel(model, group, exchange=exchange)
+        optimizer = _adamw(dp.parameters(), args, capturable=True)
         dp.overlap_optimizer(optimizer)
         return dp, optimizer
     if variant == "ours-overlap":
         dp = DataParallel(model, group)
-        optimizer = torch.optim.AdamW(dp.parameters(), lr=1e-4)
+        optimizer = _adamw(dp.parameters(), args)
         dp.overlap_optimizer(optimizer)
         return dp, optimizer
     if variant in ("ours-copy-engine", "ours-copy-engine-graph"):
         dp = DataParallel(model, group, exchange="copy-engine")
-        return dp, torch.optim.AdamW(dp.parameters(), lr=1e-4)
+        return dp, _adamw(dp.parameters(), args)
     if variant.startswith("ours-"):
         dp = DataParallel(model, group, algorithm="auto" if variant == "ours-graph" else variant.removeprefix("ours-"))
-        return dp, torch.optim.AdamW(dp.parameters(), lr=1e-4)
+        return dp, _adamw(dp.parameters(), args)
     ddp = DistributedDataParallel(
         model,
         device_ids=[dev] if dev.type == "cuda" else None,
@@ -210,7 +221,7 @@ def _wrap(variant: str, base, group):
     if variant in ("zero1-ours", "zero2-ours"):
         stage = int(variant[4])
         return model, ZeroOptimizer(model.parameters(), torch.optim.AdamW, group, stage=stage, lr=1e-4)
-    return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    return ddp, _adamw(ddp.parameters(), args)
 
 
 def _params(model) -> list[torch.Tensor]:
@@ -237,13 +248,13 @@ def _scaling(args, groups) -> list[dict]:
             one = ("single",)
             if args.graphs:
                 multi = (*multi, "ours-graph", "ours-copy-engine-graph", "local-graph", "ours-graph-whole")
-                multi = (*multi, "local-graph-whole")
+                multi = (*multi, "ours-copy-engine-graph-whole", "local-graph-whole")
                 one = (*one, "single-graph", "single-graph-whole")
             variants = one if k == 1 else multi
             if args.variants:  # DDP stays: every variant's parameters are checked against it
                 variants = tuple(v for v in variants if v in args.variants or v in ("ddp", "single"))
             _arm(args, f"scaling on {k} ranks, {per_rank} sequences a rank")
-            built = {v: _wrap(v, base, group) for v in variants}
+            built = {v: _wrap(v, base, group, args) for v in variants}
             steps = {
                 v: _graphed_step_fn(*built[v], batch, args, whole=v.endswith("-whole"))
                 if "-graph" in v
@@ -358,7 +369,7 @@ def _zero(args) -> list[dict]:
     records, reference = [], None
     for v in ("ddp", "ours-auto", "zero1-ours", "zero2-ours", "ddp+zero-torch"):
         _arm(args, f"zero section, {v}")
-        model, optimizer = _wrap(v, base, group)
+        model, optimizer = _wrap(v, base, group, args)
         step = _step_fn(model, optimizer, batch, args)
         seconds = pt.time_variants({v: step}, warmup=args.warmup, iters=args.iters, trials=args.trials)[v]
         peak = pt.peak_memory(step)
@@ -419,7 +430,13 @@ def _rank_main(args) -> list[dict]:
     ddp = {(r["section"], r["ranks"], r["batch_per_rank"]): r["step_s"] for r in records if r["variant"] == "ddp"}
     for r in records:
         key = (r["section"], r["ranks"], r["batch_per_rank"])
-        r |= {"parameters": params, "vocab": args.vocab, "block": args.block, "autocast": args.autocast}
+        r |= {
+            "parameters": params,
+            "vocab": args.vocab,
+            "block": args.block,
+            "autocast": args.autocast,
+            "optimizer": args.optimizer,
+        }
         r["ratio_vs_ddp"] = ddp[key] / r["step_s"] if key in ddp else None
         if r["section"] == "dp" and (r["batch_per_rank"], _kind(r["variant"])) in one:
             per_gpu = r["tokens_per_s"] / r["ranks"]
@@ -451,6 +468,12 @@ def main() -> None:
         "--graphs",
         action="store_true",
         help="also time each step recorded as one CUDA graph (ours-graph, local-graph, single-graph; GPUs only)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=["foreach", "fused"],
+        default="foreach",
+        help="AdamW for every variant (ZeRO's aside): multi-tensor (torch's default) or one fused kernel",
     )
     p.add_argument("--stall-s", type=float, default=0, help="dump every stack and exit after this long (0: never)")
     p.add_argument("--profile", type=Path, default=None, help="write torch.profiler traces of ours and DDP here")

@@ -39,3 +39,23 @@ def test_the_general_plan_runs_where_no_kernel_can(monkeypatch):
         schedule = registry.build(Collective.ALL_REDUCE, algorithm, 4)
         assert fused.fused_form(schedule, work, "sum") is None
     assert fused.fused_form(registry.build(Collective.ALL_GATHER, "direct", 4), work, "sum") is None
+
+
+def test_a_combine_with_a_scale_gives_the_bits_of_the_combine_then_the_multiply():
+    """``combine(..., scale=)`` (an average's division in the summing pass) equals the sum followed by ``mul_``,
+    bit for bit, in every float dtype, with one output or two and with more sources than one kernel reads."""
+    from dtrain.comm.peer.kernels import combine
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for count in (1, 3, 5):
+            base = torch.randn(1000, generator=g).to(dtype)
+            sources = [torch.randn(1000, generator=g).to(dtype) for _ in range(count)]
+            want = base.clone()
+            for s in sources:
+                want.add_(s)
+            want.mul_(1.0 / 3)
+            mine, other = base.clone(), torch.empty_like(base)
+            combine([mine, other], mine, sources, "sum", scale=1.0 / 3)
+            assert torch.equal(mine.view(torch.uint8), want.view(torch.uint8)), (dtype, count)
+            assert torch.equal(other, want)

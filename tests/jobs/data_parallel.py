@@ -9,6 +9,7 @@ Jobs return tensors; the tests compare them.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 
 import torch
@@ -151,6 +152,59 @@ def data_parallel(
         launched_mid_backward=seen_mid_backward[0],
         in_flight_mid_backward=in_flight_mid_backward[0],
         refused=refused,
+        copy_engine=dp.reducer._bucket_reduce is not None,
+    )
+
+
+def data_parallel_recorded(world: int, optimizer: str, exchange: str, steps: int = STEPS) -> dict:
+    """DataParallel with the optimizer stepped inside backward (``overlap_optimizer``), the whole step (forward,
+    loss, backward and so the optimizer) recorded by :class:`~dtrain.parallel.step_graph.GraphedStep` with the
+    stand-in graph of :mod:`tests.jobs.graphs`, as on a GPU where the replay runs no Python: the loop calls no
+    ``optimizer.step()``."""
+    from dtrain.parallel import step_graph
+    from tests.jobs import graphs
+
+    group = group_of(world)
+    model = _model(dist.get_rank(group) * 7 + 3 if dist.get_rank(group) else 0)
+    dp = DataParallel(model, group, bucket_bytes=BUCKET_BYTES, algorithm="ring", exchange=exchange)
+    opt = _optimizer(optimizer, model.parameters())
+    dp.overlap_optimizer(opt)
+    params = list(dp.parameters())
+
+    def forward_backward(x, y, *, recording: bool) -> torch.Tensor:
+        loss = F.mse_loss(dp(x), y)
+        loss.backward()
+        return loss.detach()
+
+    def undo():  # the parameters and the optimizer's state as they were before the recording
+        weights = [p.detach().clone() for p in params]
+        state = copy.deepcopy(opt.state_dict())
+
+        def put_back() -> None:
+            with torch.no_grad():
+                for p, w in zip(params, weights, strict=True):
+                    p.copy_(w)
+            opt.load_state_dict(state)
+
+        return put_back
+
+    losses = []
+    owner: list[step_graph.GraphedStep] = []
+    with graphs.stand_in(lambda: owner[0].recorded, undo) as seen:
+        owner.append(step_graph.GraphedStep(forward_backward, params, torch.device("cpu")))
+        for step in range(steps):
+            x, y = split_batch(_global_batch(step), group)
+            opt.zero_grad(set_to_none=True)
+            total = owner[0](x, y).clone()
+            comm.all_reduce(total, op="avg", group=group, algorithm="native")
+            losses.append(total.item())
+    return _result(
+        losses,
+        model,
+        optimizer,
+        steps,
+        records=seen.records,
+        replays=seen.replays,
         copy_engine=dp.reducer._bucket_reduce is not None,
     )
 

@@ -35,9 +35,13 @@ class StandIn:
 
 
 @contextlib.contextmanager
-def stand_in(recorded: Callable[[], step_graph.RecordedStep]) -> Iterator[StandIn]:
+def stand_in(
+    recorded: Callable[[], step_graph.RecordedStep], undo: Callable[[], Callable[[], None]] | None = None
+) -> Iterator[StandIn]:
     """Record and replay steps with the stand-in; ``recorded()`` is the step being replayed (the pipeline's
-    ``_step_graph``, a :class:`~dtrain.parallel.step_graph.GraphedStep`'s ``recorded``)."""
+    ``_step_graph``, a :class:`~dtrain.parallel.step_graph.GraphedStep`'s ``recorded``). ``undo``, for a step that
+    changes state outside its loss and gradients (an optimizer stepped inside backward): called before a recording,
+    it returns what puts that state back after it, as a capture, which runs nothing, leaves it."""
     seen = StandIn(recorded)
 
     class Graph:
@@ -61,10 +65,13 @@ def stand_in(recorded: Callable[[], step_graph.RecordedStep]) -> Iterator[StandI
         seen.records += 1
         graph.fn = fn
         seen.recording = True
+        put_back = undo() if undo is not None else None
         try:
             return fn()
         finally:
             seen.recording = False
+            if put_back is not None:
+                put_back()
 
     real = step_graph.new_graph, step_graph.record
     step_graph.new_graph, step_graph.record = Graph, record

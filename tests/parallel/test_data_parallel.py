@@ -58,6 +58,17 @@ def test_buckets_moved_through_peer_channels_train_like_one_process(pool, world,
     assert all(torch.equal(r["params"], results[0]["params"]) for r in results)  # the same bits on every rank
 
 
+@pytest.mark.parametrize(("world", "optimizer", "exchange"), [(2, "adamw", "copy-engine"), (4, "adam", "collective")])
+def test_a_recorded_step_with_the_optimizer_inside_backward_trains_like_one_process(pool, world, optimizer, exchange):
+    """The whole step recorded (a stand-in graph on the CPU) with the optimizer stepped inside backward by
+    overlap_optimizer: two eager steps, a recording, replays; the same losses and parameters as one process."""
+    results = pool.run(jobs.data_parallel_recorded, world, optimizer, exchange, ranks=world)
+    _assert_matches_reference(results)
+    for r in results:
+        assert r["records"] == 1 and r["replays"] == jobs.STEPS - 2
+        assert r["copy_engine"] == (exchange == "copy-engine")
+
+
 def test_buckets_cut_into_pieces_that_differ_by_at_most_one_element():
     from dtrain.comm.peer.bucket_reduce import pieces
 

@@ -139,8 +139,7 @@ class BucketReduce:
         mine = part[r]
         sources = [got.wait() for got in landed]
         if mine.numel():
-            combine([mine], mine, sources, "sum")
-            mine.mul_(1.0 / self.world)
+            combine([mine], mine, sources, "sum", scale=1.0 / self.world)
         if last:
             ch.release()  # after the sums that read this step's slots, on this stream
         offset = self._offsets[index] + self._pieces[index][r][0] * self.dtype.itemsize

@@ -21,6 +21,7 @@ __all__ = ["combine", "exchange", "gather", "triton_ready", "wants_kernel"]
 
 _OPS = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
+_SCALED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_SOURCES = 3
 _BLOCK = 4096
 _state: dict[str, object] = {}  # the compiled kernel: process-wide, one per process whatever the group
@@ -48,7 +49,7 @@ def triton_ready() -> bool:
     return _state["kernel"] is not None
 
 
-def _launch(outs, base, sources, op: str) -> None:
+def _launch(outs, base, sources, op: str, scale: float | None = None) -> None:
     triton, kernel = _state["kernel"][:2]
     out0 = outs[0]
     n = out0.numel()
@@ -56,12 +57,13 @@ def _launch(outs, base, sources, op: str) -> None:
     pad = list(sources) + [sources[0]] * (_MAX_SOURCES - len(sources))
     kernel[(triton.cdiv(n, _BLOCK),)](
         out0, outs[1] if len(outs) > 1 else out0, base if base is not None else out0, *pad, n,
+        1.0 if scale is None else scale,
         HAS_OUT1=len(outs) > 1, HAS_BASE=base is not None, NSRC=len(sources), OP=_OPS[op],
-        UPCAST=upcast, BLOCK=_BLOCK,
+        UPCAST=upcast, SCALED=scale is not None, BLOCK=_BLOCK,
     )  # fmt: skip
 
 
-def _torch_combine(outs, base, sources, op: str) -> None:
+def _torch_combine(outs, base, sources, op: str, scale: float | None = None) -> None:
     from dtrain.comm.p2p.runtime import REDUCE_OPS
 
     target = outs[0]
@@ -77,33 +79,48 @@ def _torch_combine(outs, base, sources, op: str) -> None:
             rest = sources
         for s in rest:
             REDUCE_OPS[op](target, s)
+    if scale is not None:
+        target.mul_(scale)
     for other in outs[1:]:
         other.copy_(target)
 
 
 def combine(
-    outs: list[torch.Tensor], base: torch.Tensor | None, sources: Sequence[torch.Tensor], op: str, remote: bool = False
+    outs: list[torch.Tensor],
+    base: torch.Tensor | None,
+    sources: Sequence[torch.Tensor],
+    op: str,
+    remote: bool = False,
+    scale: float | None = None,
 ) -> None:
-    """Write ``base (op) sources...`` (or the one source, for a copy) into every tensor of ``outs``. ``remote``:
-    an output is a peer's memory (a push), where the kernel's one pass is what was measured to be fast."""
+    """Write ``base (op) sources...`` (or the one source, for a copy) into every tensor of ``outs``, multiplied by
+    ``scale`` where one is given (in the same pass where the kernel runs: an average's division costs no pass of
+    its own). ``remote``: an output is a peer's memory (a push), where the kernel's one pass is what was measured to
+    be fast."""
     if not outs or not sources:
         return
     nbytes = outs[0].numel() * outs[0].element_size()
     wanted = wants_kernel(len(outs), len(sources), nbytes, has_base=base is not None, remote=remote)
     fused = wanted and outs[0].is_cuda and outs[0].dtype in _KERNEL_DTYPES and triton_ready()
     if fused:
+        # the kernel scales in float32: a float64 or integer output is scaled by torch afterwards, as it would be
+        inside = scale if outs[0].dtype in _SCALED_DTYPES else None
         try:
             first = sources[:_MAX_SOURCES] if len(sources) > _MAX_SOURCES else sources
-            _launch(outs[:1] if len(first) < len(sources) else outs, base, first, op)
+            whole = len(first) == len(sources)
+            _launch(outs if whole else outs[:1], base, first, op, inside if whole else None)
         except Exception:  # a Triton that cannot compile here (the first launch): nothing was written
             _state["kernel"] = None
         else:
             rest = sources[len(first) :]
             while rest:  # more peers than one kernel reads: fold them in, three at a time
                 step, rest = rest[:_MAX_SOURCES], rest[_MAX_SOURCES:]
-                _launch(outs if not rest else outs[:1], outs[0], step, op)
+                _launch(outs if not rest else outs[:1], outs[0], step, op, None if rest else inside)
+            if scale is not None and inside is None:
+                for out in outs:
+                    out.mul_(scale)
             return
-    _torch_combine(outs, base, sources, op)
+    _torch_combine(outs, base, sources, op, scale)
 
 
 #: Words a program of the gather kernel copies.

@@ -22,11 +22,12 @@ def _combine(a, b, OP: tl.constexpr):
 
 @triton.jit
 def pull_kernel(
-    out0, out1, base, s0, s1, s2, n,
+    out0, out1, base, s0, s1, s2, n, scale,
     HAS_OUT1: tl.constexpr, HAS_BASE: tl.constexpr, NSRC: tl.constexpr, OP: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK: tl.constexpr,
+    UPCAST: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """``out0`` (and ``out1``) = base (op) s0 (op) s1 (op) s2 over ``n`` elements; half types in float32."""
+    """``out0`` (and ``out1``) = base (op) s0 (op) s1 (op) s2 over ``n`` elements, times ``scale`` where
+    ``SCALED``; half types in float32."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     acc = tl.load(s0 + i, mask=m)
@@ -47,6 +48,8 @@ def pull_kernel(
         if UPCAST:
             v = v.to(tl.float32)
         acc = _combine(v, acc, OP)
+    if SCALED:
+        acc = acc * scale
     acc = acc.to(out0.dtype.element_ty)
     tl.store(out0 + i, acc, mask=m)
     if HAS_OUT1:
