@@ -134,7 +134,12 @@ class HybridParallel:
     clipping, loss average and optimizer step run eagerly after it), for ``pp > 1`` each stage's step
     (``pipeline_graphs="step"``); refused with ``tp > 1``, ZeRO-2 and 3, and off GPUs. ``accumulation`` splits
     each replica's rows into that many chunks, one forward and backward each (the pipeline runs once per chunk),
-    with one gradient reduction and one optimizer step. Where pipeline stages share a parameter (a tied
+    with one gradient reduction and one optimizer step. ``overlap_optimizer`` (dp > 1, pp = 1, no ZeRO) steps the
+    optimizer inside the last chunk's backward (:meth:`DataParallel.overlap_optimizer`: every bucket's parameters
+    but the last's while the last bucket is averaged), so :meth:`train_step` takes no ``max_grad_norm`` and no
+    ``loss_scaler``; with ``step_graph`` the optimizer's step is recorded too, which needs an optimizer built
+    capturable with a tensor learning rate (torch's schedulers, and :func:`dtrain.train.optim.set_lr`, fill it in
+    place). Where pipeline stages share a parameter (a tied
     embedding), every process of the world must construct this object (it makes process groups), as
     :meth:`RankGrid.build` requires.
 
@@ -167,6 +172,7 @@ class HybridParallel:
         balance: str = "layers",
         shard_size: int | None = None,
         step_graph: bool = False,
+        overlap_optimizer: bool = False,
     ) -> None:
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -190,6 +196,11 @@ class HybridParallel:
             raise ValueError(
                 f"dp_exchange={dp_exchange!r} is DataParallel's: it needs dp > 1, pp = 1 and zero_stage = 0 (got dp "
                 f"{grid.dims.dp}, pp {grid.dims.pp}, zero_stage {zero_stage})"
+            )
+        if overlap_optimizer and (grid.dims.pp > 1 or zero_stage or grid.dims.dp == 1):
+            raise ValueError(
+                "overlap_optimizer=True steps DataParallel's optimizer inside backward: it needs dp > 1, pp = 1 and "
+                f"zero_stage = 0 (got dp {grid.dims.dp}, pp {grid.dims.pp}, zero_stage {zero_stage})"
             )
         if microbatch_group is not None and grid.dims.pp == 1:
             raise ValueError(f"microbatch_group={microbatch_group!r} groups a pipeline's micro-batches; pp is 1")
@@ -278,6 +289,12 @@ class HybridParallel:
                     algorithm=broadcast_algorithm(algorithm),
                 )
             self.optimizer = optimizer(self.named_params)
+        self.overlap_optimizer = overlap_optimizer
+        if overlap_optimizer:
+            if step_graph:
+                _check_capturable(self.optimizer)
+            assert isinstance(self._forward, DataParallel)
+            self._forward.overlap_optimizer(self.optimizer)
         self._autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         if autocast_dtype is not None:
             kind = next((q.device.type for q in self.params), "cpu") if device is None else torch.device(device).type
@@ -407,6 +424,12 @@ class HybridParallel:
             batch, targets = batch.to(self.device), targets.to(self.device)
         if batch.shape[0] % k:
             raise ValueError(f"accumulation={k} does not divide this replica's {batch.shape[0]} rows")
+        if self.overlap_optimizer and (max_grad_norm is not None or loss_scaler is not None):
+            what = "max_grad_norm" if max_grad_norm is not None else "loss_scaler"
+            raise ValueError(
+                f"overlap_optimizer: the optimizer steps inside backward, before the whole gradient is known; "
+                f"{what} needs it first (pass none)"
+            )
         scale = float(loss_scaler.scale) if loss_scaler is not None else 1.0
         factor = scale / k
         start = time.perf_counter()
@@ -455,7 +478,8 @@ class HybridParallel:
                     self.optimizer.scale_grads(coef)
                 else:
                     gradients.scale_grads(self.params, coef)
-            self.optimizer.step()
+            if not (self.overlap_optimizer and self.graphed is not None):  # a replay stepped it, running no Python
+                self.optimizer.step()  # with overlap_optimizer: stepped inside backward, this checks that it was
             if loss_scaler is not None:
                 loss_scaler.update(False)
         end = time.perf_counter()
@@ -617,3 +641,19 @@ def _all_gather_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     flat = torch.empty(world * inp.numel(), dtype=inp.dtype, device=inp.device)
     comm.all_gather(flat, inp, group=group)
     return torch.cat(flat.view(world, *inp.shape).unbind(0), dim=dim)
+
+
+def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """A step recorded in a CUDA graph needs the optimizer built for it: ``capturable`` in every param group, and
+    a tensor learning rate, which a schedule can fill in place between replays (a float is recorded as it was)."""
+    for group in optimizer.param_groups:
+        if not group.get("capturable", False):
+            raise ValueError(
+                "overlap_optimizer with step_graph records the optimizer's step: build the optimizer with "
+                "capturable=True"
+            )
+        if not isinstance(group["lr"], torch.Tensor):
+            raise ValueError(
+                "overlap_optimizer with step_graph records the optimizer's step: give it lr as a tensor on the "
+                "device (a float learning rate would be recorded as it is, and no schedule would reach it)"
+            )

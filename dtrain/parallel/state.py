@@ -286,7 +286,7 @@ def init_optimizer_state(hybrid) -> None:
     for g in inner.param_groups:
         g["lr"] = 0.0
     fresh = [p for p in params if not inner.state.get(p)]
-    inner.step()
+    type(inner).step(inner)  # the class's own step: DataParallel.overlap_optimizer replaces the instance's
     for g, lr in zip(inner.param_groups, lrs, strict=True):
         g["lr"] = lr
     for p, grad in saved:

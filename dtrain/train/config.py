@@ -239,6 +239,12 @@ class ParallelSection(_Section):
         "through peer windows by the copy engines, one summing pass on the SMs; float32 reduction)",
         choices=("collective", "copy-engine"),  # data_parallel_communications.EXCHANGES
     )
+    dp_overlap_optimizer: bool = _option(
+        False,
+        "step the optimizer inside backward, every bucket's parameters but the last's while the last bucket is "
+        "still averaged, then the last's (dp > 1, pp = 1, zero = 0, optimizer.grad_clip = 0, not fp16); with "
+        "step_graph the step is recorded with it",
+    )
     zero: int = _option(
         0,
         "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too, 3 parameters too (fully sharded)",
@@ -500,6 +506,18 @@ class TrainConfig:
             if model.preset not in PRESETS[model.family]:
                 known = ", ".join(PRESETS[model.family])
                 raise ConfigError("model.preset", f"no preset {model.preset!r} for {model.family}; known: {known}")
+        schedule = self.lr_schedule
+        if schedule.warmup_steps > training.steps:
+            raise ConfigError(
+                "lr_schedule.warmup_steps",
+                f"must be at most training.steps ({training.steps}), got {schedule.warmup_steps}",
+            )
+        if schedule.kind == "wsd" and schedule.decay_steps > training.steps - schedule.warmup_steps:
+            raise ConfigError(
+                "lr_schedule.decay_steps",
+                f"must be at most training.steps - warmup_steps ({training.steps - schedule.warmup_steps}), got "
+                f"{schedule.decay_steps}",
+            )
         if training.batch_size % parallel.dp:
             raise ConfigError(
                 "training.batch_size", f"{training.batch_size} sequences do not split over dp={parallel.dp} ranks"
@@ -531,6 +549,17 @@ class TrainConfig:
             reason = next((why for bad, why in refused if bad), None)
             if reason is not None:
                 raise ConfigError("parallel.dp_exchange", f"{parallel.dp_exchange} does not run with {reason}")
+        if parallel.dp_overlap_optimizer:
+            refused = [
+                (parallel.dp == 1, "dp = 1 (no gradient to average)"),
+                (parallel.pp > 1, "pp > 1 (the stages average their gradients after the pipeline)"),
+                (parallel.zero > 0, f"zero = {parallel.zero} (ZeRO steps its own shards)"),
+                (self.optimizer.grad_clip > 0, "optimizer.grad_clip > 0 (clipping needs every gradient first)"),
+                (training.precision == "fp16", "fp16 (its loss scale needs every gradient checked first)"),
+            ]
+            reason = next((why for bad, why in refused if bad), None)
+            if reason is not None:
+                raise ConfigError("parallel.dp_overlap_optimizer", f"does not run with {reason}")
         if parallel.pipeline_graphs and parallel.pp == 1:
             raise ConfigError("parallel.pipeline_graphs", "replays a pipeline's micro-batches; it needs pp > 1")
         if parallel.step_graph:

@@ -281,6 +281,7 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
         pipeline += f" in groups of {par.microbatch_group}"
     zero = f", ZeRO-{par.zero}" if par.zero else ""
     zero += ", gradients averaged through copy engines" if par.dp_exchange == "copy-engine" else ""
+    zero += ", the optimizer stepped inside backward" if par.dp_overlap_optimizer else ""
     recorded = ", each step a CUDA graph from the third" if par.step_graph else ""
     resumed = f" from step {plan.first_step}" if plan.first_step else ""
     return (
@@ -340,6 +341,7 @@ class _Trainer:
                 betas=(opt.beta1, opt.beta2),
                 eps=opt.eps,
                 fused=fused or None,
+                capturable=par.dp_overlap_optimizer and par.step_graph,  # its step is recorded with the rest
             ),
             tensor_parallel=functools.partial(tensor_parallelize, algorithm=par.algorithm, loss_parallel=True),
             num_microbatches=par.microbatches,
@@ -356,6 +358,7 @@ class _Trainer:
             autocast_dtype=self.precision,
             reduce_dtype=torch.bfloat16 if tr.grad_reduce_dtype == "bf16" else None,
             dp_exchange=par.dp_exchange,
+            overlap_optimizer=par.dp_overlap_optimizer,
             accumulation=tr.accumulation,
             balance=par.balance,
         )

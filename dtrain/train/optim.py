@@ -48,21 +48,33 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     fused: bool | None = None,
+    capturable: bool = False,
 ) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups` of ``named_params``. ``fused`` (torch's single-kernel AdamW) defaults to
-    on where every parameter is on a CUDA device."""
+    on where every parameter is on a CUDA device. ``capturable``: a step that a CUDA graph can record, its
+    learning rate a tensor on the parameters' device (which :func:`set_lr` fills in place, so that a schedule
+    reaches the replays)."""
     groups = param_groups(named_params, weight_decay=weight_decay)
     if not groups:
         raise ValueError("adamw: no parameter that requires a gradient was given")
     if fused is None:
         fused = all(p.is_cuda for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+    rate: float | torch.Tensor = lr
+    if capturable:
+        rate = torch.tensor(float(lr), device=groups[0]["params"][0].device)
+        for g in groups:
+            g["lr"] = rate.clone()  # each group's own: a schedule sets each
+    return torch.optim.AdamW(groups, lr=rate, betas=betas, eps=eps, fused=fused or None, capturable=capturable)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set the learning rate of every param group of ``optimizer`` (or of a wrapper with ``param_groups``)."""
+    """Set the learning rate of every param group of ``optimizer`` (or of a wrapper with ``param_groups``); a
+    tensor learning rate (a capturable optimizer's) is filled in place."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def _check(name: str, value: float, low: float, high: float | None = None) -> None:

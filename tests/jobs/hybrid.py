@@ -9,6 +9,7 @@ blocks (pipeline) of the reference, whichever replica (data parallel) it is in.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -97,10 +98,13 @@ def _excess(got: torch.Tensor, want: torch.Tensor) -> float:
     return max(((got - want).abs() - (ATOL + RTOL * want.abs())).max().item(), 0.0)
 
 
-def equivalence(layout: str, schedule: str, num_microbatches: int, algorithm: str = "auto") -> dict | None:
+def equivalence(
+    layout: str, schedule: str, num_microbatches: int, algorithm: str = "auto", overlap_optimizer: bool = False
+) -> dict | None:
     """Train ``STEPS`` steps on ``layout``; this rank's worst loss and parameter errors, or None off the grid.
 
     ``algorithm`` is the gradient all-reduce's; for one that needs the node size, the dp group is one node.
+    ``overlap_optimizer``: the optimizer stepped inside backward.
     """
     grid = _grid(layout)
     if grid is None:
@@ -116,8 +120,15 @@ def equivalence(layout: str, schedule: str, num_microbatches: int, algorithm: st
         num_microbatches=num_microbatches,
         schedule=schedule,
         algorithm=algorithm,
+        overlap_optimizer=overlap_optimizer,
     )
     losses = [hybrid.train_step(*_global_batch(step), F.cross_entropy).item() for step in range(STEPS)]
+    clipping = ""
+    if overlap_optimizer:
+        try:
+            hybrid.train_step(*_global_batch(STEPS), F.cross_entropy, max_grad_norm=1.0)
+        except ValueError as err:
+            clipping = str(err)
     tp = grid.dims.tp
     want = [w for i in hybrid.layer_indices for w in _expected_shards(reference[i], tp, grid.tp_rank)]
     got = list(hybrid.parameters())
@@ -128,6 +139,7 @@ def equivalence(layout: str, schedule: str, num_microbatches: int, algorithm: st
         "params": max(_excess(g.detach(), w.detach()) for g, w in zip(got, want, strict=True)),
         "param_count": len(got),
         "moved": max((g.detach() - w.detach()).abs().max().item() for g, w in zip(got, _initial(hybrid), strict=True)),
+        "clipping": clipping,
     }
 
 
@@ -138,14 +150,17 @@ def _initial(hybrid: HybridParallel) -> list[torch.Tensor]:
     return [w for i in hybrid.layer_indices for w in _expected_shards(start[i], grid.dims.tp, grid.tp_rank)]
 
 
-def step_graphed(accumulation: int, autocast: bool = False, zero_stage: int = 0, steps: int = 6) -> dict | None:
+def step_graphed(
+    accumulation: int, autocast: bool = False, zero_stage: int = 0, steps: int = 6, overlap: bool = False
+) -> dict | None:
     """``dp2`` with ``step_graph`` and a stand-in for the CUDA graph (no GPU here;
     :func:`tests.jobs.graphs.stand_in`): two eager steps, then the step (forward, loss, backward and
     DataParallel's bucket all-reduces) recorded once and replayed. Against the unsplit model (float32) or, under
     bf16 autocast, the same layout run eagerly under the same autocast: the worst loss and parameter errors, the
     recordings and replays, what the recorded forwards ran under, and what a batch of another shape and another
     loss function say. ``zero_stage`` 1: the gradients are averaged by the ZeRO optimizer's step after the
-    replay, not inside it."""
+    replay, not inside it. ``overlap``: the optimizer steps inside the recorded backward (``overlap_optimizer``),
+    the stand-in's recording leaving the parameters and the optimizer's state as they were, as a capture does."""
     from dtrain.parallel import step_graph
 
     grid = _grid("dp2")
@@ -156,10 +171,28 @@ def step_graphed(accumulation: int, autocast: bool = False, zero_stage: int = 0,
 
     def build() -> HybridParallel:
         return HybridParallel(
-            _blocks(seed=0), grid, _sgd, accumulation=accumulation, autocast_dtype=dtype, zero_stage=zero_stage
+            _blocks(seed=0),
+            grid,
+            _sgd,
+            accumulation=accumulation,
+            autocast_dtype=dtype,
+            zero_stage=zero_stage,
+            overlap_optimizer=overlap,
         )
 
-    with graphs.stand_in(lambda: hybrid.graphed.recorded) as standing:
+    def undo():  # what a capture, which runs nothing, leaves: the parameters and the optimizer's state
+        weights = [q.detach().clone() for q in hybrid.params]
+        state = copy.deepcopy(hybrid.optimizer.state_dict())
+
+        def put_back() -> None:
+            with torch.no_grad():
+                for q, w in zip(hybrid.params, weights, strict=True):
+                    q.copy_(w)
+            hybrid.optimizer.load_state_dict(state)
+
+        return put_back
+
+    with graphs.stand_in(lambda: hybrid.graphed.recorded, undo if overlap else None) as standing:
         hybrid = build()
         # the constructor refuses step_graph off a GPU: the same recording it would make, on the CPU
         hybrid.graphed = step_graph.GraphedStep(

@@ -16,7 +16,7 @@ from torch import nn
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import Collective
 from dtrain.parallel.data_parallel import broadcast_algorithm
-from dtrain.parallel.hybrid import HybridParallel, tensor_parallel_blocks
+from dtrain.parallel.hybrid import HybridParallel, _check_capturable, tensor_parallel_blocks
 from tests.jobs import hybrid as jobs
 
 # layout -> (grid ranks, pipeline stages, blocks per stage, tensor-parallel degree)
@@ -109,6 +109,37 @@ def test_a_step_recorded_whole_trains_like_one_device(pool, accumulation, autoca
         assert got["recorded_under"] == ([(True, False)] if autocast else [(False, True)]), got
         assert got["said"][0].startswith("step_graph: the step was recorded for a batch of ((8, 16)"), got
         assert got["said"][1].startswith("step_graph: the step was recorded with another loss function"), got
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp2xtp2"])
+def test_the_optimizer_stepped_inside_backward_trains_like_one_device(pool, layout):
+    """overlap_optimizer: every bucket's parameters but the last's stepped while the last bucket is averaged, with
+    data parallel alone and beside tensor parallelism; the same losses and parameters as one device. Clipping,
+    which needs the whole gradient before the step, is refused."""
+    for got in pool.run(jobs.equivalence, layout, "1f1b", 1, overlap_optimizer=True):
+        if got is not None:
+            assert got["loss"] == 0.0 and got["params"] == 0.0 and got["moved"] > 1e-4, got
+            assert got["clipping"].startswith("overlap_optimizer: the optimizer steps inside backward"), got
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_recorded_step_with_the_optimizer_inside_trains_like_one_device(pool, accumulation):
+    """step_graph with overlap_optimizer (a stand-in graph on the CPU): the replay steps the optimizer, and
+    train_step steps it no more; the losses and parameters of one device."""
+    results = pool.run(jobs.step_graphed, accumulation, overlap=True)
+    for got in results[:2]:
+        assert got["loss"] == 0.0 and got["params"] == 0.0 and got["moved"] > 1e-4, got
+        assert got["records"] == 1 and got["replays"] == 4, got
+
+
+def test_the_optimizer_inside_backward_is_refused_where_it_cannot_step_there():
+    sgd = lambda named: torch.optim.SGD([q for _, q in named], lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match=r"overlap_optimizer=True steps DataParallel's optimizer inside backward: it "):
+        HybridParallel(nn.Sequential(nn.Linear(2, 2)), _stub_grid(1), sgd, overlap_optimizer=True)  # dp = 1
+    with pytest.raises(ValueError, match="build the optimizer with capturable=True"):
+        _check_capturable(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1))
+    with pytest.raises(ValueError, match="give it lr as a tensor on the device"):
+        _check_capturable(torch.optim.Adam([nn.Parameter(torch.zeros(2))], lr=0.1, capturable=True))
 
 
 def _stub_grid(tp: int):

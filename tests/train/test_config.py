@@ -58,7 +58,7 @@ def test_every_value_changed_survives_to_toml_and_back(tmp_path):
         data=dataclasses.replace(TrainConfig().data, dataset='corp"ora\\x', seq_len=64, eval_every=5),
         parallel=ParallelSection(dp=2, pp=2, tp=2, schedule="gpipe", microbatches=4, zero=1, balance="flops"),
         optimizer=dataclasses.replace(TrainConfig().optimizer, lr=1e-4, eps=1e-10, grad_clip=0.0),
-        lr_schedule=dataclasses.replace(TrainConfig().lr_schedule, kind="wsd", warmup_steps=3, decay_steps=7),
+        lr_schedule=dataclasses.replace(TrainConfig().lr_schedule, kind="wsd", warmup_steps=3, decay_steps=6),
         training=TrainingSection(steps=9, batch_size=32, accumulation=2, seed=4, precision="bf16", compile=True),
         checkpoint=dataclasses.replace(TrainConfig().checkpoint, every=3, resume=True, export=False),
         logging=dataclasses.replace(TrainConfig().logging, out="runs/a b", tensorboard=False, log_every=2),
@@ -217,6 +217,35 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
             '[parallel]\ndp_exchange = "nvlink"\n',
             "train.toml: [parallel] dp_exchange: must be one of collective, copy-engine, got 'nvlink'",
         ),
+        (
+            "[parallel]\ndp = 1\ndp_overlap_optimizer = true\n[optimizer]\ngrad_clip = 0\n",
+            "train.toml: [parallel] dp_overlap_optimizer: does not run with dp = 1 (no gradient to average)",
+        ),
+        (
+            "[parallel]\ndp = 2\npp = 2\nmicrobatches = 2\ndp_overlap_optimizer = true\n[optimizer]\ngrad_clip = 0\n",
+            "train.toml: [parallel] dp_overlap_optimizer: does not run with pp > 1",
+        ),
+        (
+            "[parallel]\ndp = 2\nzero = 1\ndp_overlap_optimizer = true\n[optimizer]\ngrad_clip = 0\n",
+            "train.toml: [parallel] dp_overlap_optimizer: does not run with zero = 1 (ZeRO steps its own shards)",
+        ),
+        (
+            "[parallel]\ndp = 2\ndp_overlap_optimizer = true\n",
+            "train.toml: [parallel] dp_overlap_optimizer: does not run with optimizer.grad_clip > 0 (clipping needs",
+        ),
+        (
+            "[parallel]\ndp = 2\ndp_overlap_optimizer = true\n[optimizer]\ngrad_clip = 0\n"
+            '[training]\nprecision = "fp16"\n',
+            "train.toml: [parallel] dp_overlap_optimizer: does not run with fp16 (its loss scale needs",
+        ),
+        (
+            "[lr_schedule]\nwarmup_steps = 30\n",
+            "train.toml: [lr_schedule] warmup_steps: must be at most training.steps (20), got 30",
+        ),
+        (
+            '[lr_schedule]\nkind = "wsd"\nwarmup_steps = 5\ndecay_steps = 16\n',
+            "train.toml: [lr_schedule] decay_steps: must be at most training.steps - warmup_steps (15), got 16",
+        ),
         ("[training]\naccumulation = 3\n", "train.toml: [training] accumulation: each dp rank's 16 sequences"),
         (
             "[parallel]\npipeline_graphs = true\n",
@@ -254,8 +283,8 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
         (
             "[parallel]\ntpp = 2\n",
             "train.toml: [parallel] tpp: unknown key; keys of [parallel]: dp, pp, tp, schedule, microbatches, "
-            "microbatch_group, pipeline_graphs, step_graph, pipeline_transport, dp_exchange, zero, zero_shard_size, "
-            "algorithm, balance",
+            "microbatch_group, pipeline_graphs, step_graph, pipeline_transport, dp_exchange, dp_overlap_optimizer, "
+            "zero, zero_shard_size, algorithm, balance",
         ),
         ("[modle]\nfamily = 1\n", "train.toml: [modle]: unknown section; sections: model, data, parallel, optimizer"),
         ("steps = 20\n", "train.toml: steps: not a section; sections: model, data"),

@@ -138,6 +138,15 @@ def test_gradients_averaged_through_peer_windows_match_one_rank(tmp_path, one_ra
     assert _losses(records) == pytest.approx(_losses(one_rank[1][:3]), rel=1e-5)
 
 
+def test_the_optimizer_stepped_inside_backward_matches_one_rank(tmp_path):
+    """--dp-overlap-optimizer (with copy-engine buckets): the optimizer steps inside backward, beside the last
+    bucket's exchange; without clipping, which it refuses, against one rank without clipping."""
+    one = _run(tmp_path / "one", "--nproc", "1", "--steps", "3", "--grad-clip", "0")
+    flags = ["--nproc", "2", "--dp", "2", "--steps", "3", "--grad-clip", "0", "--dp-exchange", "copy-engine"]
+    records = _run(tmp_path / "two", *flags, "--dp-overlap-optimizer")
+    assert _losses(records) == pytest.approx(_losses(one), rel=1e-5)
+
+
 def test_interleaved_pipeline_in_larger_microbatch_groups_matches_one_rank(tmp_path, one_rank):
     flags = ["--nproc", "2", "--pp", "2", "--microbatches", "4", "--steps", "2", "--schedule", "interleaved-1f1b"]
     records = _run(tmp_path, *flags, "--microbatch-group", "4")
@@ -282,3 +291,6 @@ def test_the_run_line_says_when_each_step_is_recorded_as_a_graph():
         REPO / "configs" / "tiny-cpu.toml", flags={"parallel.pp": 1, "parallel.dp_exchange": "copy-engine"}
     )
     assert "gradients averaged through copy engines" in loop.describe(config, plan)
+    flags = {"parallel.pp": 1, "parallel.dp_overlap_optimizer": True, "optimizer.grad_clip": 0}
+    config = load_config(REPO / "configs" / "tiny-cpu.toml", flags=flags)
+    assert "the optimizer stepped inside backward" in loop.describe(config, plan)
