@@ -177,6 +177,7 @@ def section_collectives() -> str:
         "![NCCL's time over ours, captured](figures/collectives-captured.png)",
         *_defaults_part(),
         *_defaults_beside_part(),
+        *_wide_part(),
         *_one_pass_part(),
         "### All-reduce on the defaults (4 x H100)",
         "busbw GB/s, ratio to NCCL in brackets, for our schedules run a round at a time; the `auto` column ran a "
@@ -339,6 +340,46 @@ def _defaults_beside_part() -> list[str]:
             "`collectives_defaults_beside-h100x4.jsonl`",
         ),
         table(["size", *(c.replace("_", "-") for c in DEFAULT_COLLECTIVES)], rows),
+    ]
+
+
+def _wide_part() -> list[str]:
+    """The defaults from 4 MiB, same and fresh tensors, where ``auto`` runs NCCL's own collective on the group's
+    wide communicator (``native_wide``), on 4 and 2 GPUs (``collectives_wide-h100x{4,2}.jsonl``)."""
+    runs = {g: load(f"collectives_wide-h100x{g}.jsonl") for g in (4, 2)}
+    if not all(runs.values()):
+        return []
+    rows, wide = [], []
+    for g, records in runs.items():
+        by = {(r["collective"], r["nbytes"], r["algorithm"]): r for r in records}
+        for n in sorted({r["nbytes"] for r in records}):
+            row = [f"{g} GPUs", size(n)]
+            for c in DEFAULT_COLLECTIVES:
+                same, fresh = by[c, n, "auto"], by[c, n, "auto+fresh"]
+                ratios = (
+                    by[c, n, "torch"]["time_us"] / same["time_us"],
+                    by[c, n, "torch+fresh"]["time_us"] / fresh["time_us"],
+                )
+                pick = same.get("resolved_algorithm") or "?"
+                if pick == "native_wide":
+                    wide.extend(ratios)
+                row.append(f"{ratios[0]:.2f}x / {ratios[1]:.2f}x" + ("" if pick == "native" else f" ({pick})"))
+            rows.append(row)
+    return [
+        "#### NCCL's own call on its wide communicator (4 and 2 x H100)",
+        "From 16 MiB `auto` runs the all-reduce, all-gather, reduce-scatter and all-to-all as NCCL's own collective "
+        "on the group's wide communicator (`native_wide`: 64 CTAs, docs/collectives.md), the broadcast on the "
+        "group's own. NCCL's time over ours, same tensors / fresh tensors, against torch.distributed's own call on "
+        f"the default communicator, in one launch a GPU count: the `native_wide` cells at {min(wide):.2f}-"
+        f"{max(wide):.2f}x. The wide communicator's NCCL buffers take 3.4 GiB a GPU on 4 GPUs and 1.9 GiB on 2 "
+        "(`probe-nccl-wide-h100x{4,2}.txt`, which also checks the results against torch.distributed's).",
+        setting(
+            card(runs[4]),
+            gpu_software(runs[4]),
+            "NP=4|2 benchmarks/gpu/run.sh OUT large-beside",
+            "`collectives_wide-h100x4.jsonl`, `collectives_wide-h100x2.jsonl`",
+        ),
+        table(["GPUs", "size", *(c.replace("_", "-") for c in DEFAULT_COLLECTIVES)], rows),
     ]
 
 

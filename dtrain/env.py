@@ -48,6 +48,7 @@ __all__ = [
     "COMM_TRITON",
     "COMM_FUSED",
     "COMM_ONE_PASS",
+    "COMM_WIDE",
     "COMM_AUTOTUNE",
     "CALIBRATION",
     "PS_ROLE",
@@ -71,6 +72,7 @@ COMM_LANES = "DTRAIN_COMM_LANES"
 COMM_TRITON = "DTRAIN_COMM_TRITON"
 COMM_FUSED = "DTRAIN_COMM_FUSED"
 COMM_ONE_PASS = "DTRAIN_COMM_ONE_PASS"
+COMM_WIDE = "DTRAIN_COMM_WIDE"
 COMM_AUTOTUNE = "DTRAIN_COMM_AUTOTUNE"
 CALIBRATION = "DTRAIN_CALIBRATION"
 PS_ROLE = "DTRAIN_PS_ROLE"
@@ -95,6 +97,7 @@ _COMM_NAMES = (
     COMM_TRITON,
     COMM_FUSED,
     COMM_ONE_PASS,
+    COMM_WIDE,
     COMM_AUTOTUNE,
     CALIBRATION,
 )
@@ -188,6 +191,9 @@ class CommEnv:
     #: ``star`` for broadcast) run in one pass over CUDA symmetric memory (one barrier, one kernel) rather than
     #: the round-at-a-time plan, up to 8 MiB a rank (docs/collectives.md).
     one_pass: bool = True
+    #: ``DTRAIN_COMM_WIDE``: whether ``auto`` may run a large NCCL collective on the group's wide communicator
+    #: (:func:`dtrain.comm.native.wide_group`: NCCL's own collective on more CTAs), where the rules measured it faster.
+    wide: bool = True
     #: ``DTRAIN_COMM_AUTOTUNE``: "1" makes the first ``auto`` call of a group with no measured rules measure
     #: them (a short calibration, saved to the per-machine cache); "0" (default) leaves such a group ``native``.
     autotune: bool = False
@@ -217,6 +223,7 @@ class CommEnv:
             triton=_choice(environ, COMM_TRITON, ("0", "1"), "1") == "1",
             fused=_choice(environ, COMM_FUSED, ("0", "1"), "1") == "1",
             one_pass=_choice(environ, COMM_ONE_PASS, ("0", "1"), "1") == "1",
+            wide=_choice(environ, COMM_WIDE, ("0", "1"), "1") == "1",
             autotune=_choice(environ, COMM_AUTOTUNE, ("0", "1"), "0") == "1",
         )
 

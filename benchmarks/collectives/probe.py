@@ -13,6 +13,8 @@ mode's own options where it has any):
   replay-host     where a replayed peer-transport call spends host time (API call, bare replay, eager)
   one-shot        torch's one-pass symmetric-memory all-reduce kernels beside NCCL, auto and direct, 8 KiB-16 MiB
   channel-latency a message's device latency on a peer channel, each send engine, beside NCCL (recorded)
+  nccl-ctas       large collectives on NCCL communicators made with more CTAs (minCTAs) than NCCL picks
+  nccl-wide       auto's native_wide beside torch's call: the same bits or not, the wide communicator's memory
   watchdog        host microseconds of the watchdog's per-call work on one GPU (no process group)
 
 Every mode but ``watchdog`` runs under torchrun on the GPUs of one host; the outputs quoted in docs/results.md
@@ -38,6 +40,8 @@ MODES = {
     "watchdog": "watchdog",
     "one-shot": "one_shot",
     "one-pass": "one_pass",
+    "nccl-ctas": "nccl_ctas",
+    "nccl-wide": "nccl_wide",
     "exchange-programs": "exchange_programs",
     "channels": "channels",
     "channel-latency": "channel_latency",

@@ -56,6 +56,7 @@
 #                      and on 2 (NP_SMALL; ONE_PASS_NP="4 2" names the counts), with DTRAIN_COMM_ONE_PASS=1 and
 #                      bench verify first
 #                      -> verify-one-pass.txt, one_pass{,-fresh}-np{N}.jsonl
+#   large-beside       the defaults from 4 MiB to 1 GiB, fresh tensors beside, where auto takes NCCL's wide communicator
 #   one-shot-ar        bench verify, then the all-reduce's one-shot and two-shot kernels beside NCCL (torch, native)
 #                      and auto, 8 KiB-16 MiB (AR_MIN, AR_FACTOR), same and fresh tensors (ONE_PASS_NP)  -> one_shot_ar{,-fresh}-np{N}.jsonl
 #   two-shot           bench verify, then the all-reduce (one-shot, two-shot) and the broadcast (star,
@@ -205,6 +206,14 @@ for mode in "$@"; do
         --trials 5 --warm-s 0.3 --fresh-beside --out "$out/defaults-beside.jsonl" >"$out/defaults-beside.log"
       echo "== defaults-beside"; for c in all_reduce all_gather reduce_scatter all_to_all broadcast; do
         summ "$out/defaults-beside.jsonl" --collective $c --algorithms torch,auto,torch+fresh,auto+fresh; done ;;
+    large-beside)
+      # the defaults from 4 MiB on NP GPUs (default all), fresh tensors beside the same ones: where auto runs NCCL's
+      # own call on the group's wide communicator (native_wide)
+      LIMIT=${LIMIT:-300} tr -m dtrain bench comm --collectives $sym,broadcast --algorithms torch,native,auto \
+        --min-bytes 4M --max-bytes 1G --factor 4 --iters 20 --trials 5 --warm-s 0.3 --fresh-beside \
+        --out "$out/collectives_wide.jsonl" >"$out/collectives_wide.log"
+      for c in all_reduce all_gather reduce_scatter all_to_all broadcast; do
+        summ "$out/collectives_wide.jsonl" --collective $c --algorithms torch,auto,torch+fresh,auto+fresh; done ;;
     one-shot-ar)
       LIMIT=${LIMIT:-150} tr -m dtrain bench verify >"$out/verify.txt"; counts verify "$out/verify.txt"
       for np_ in ${ONE_PASS_NP:-$n ${NP_SMALL:-2}}; do

@@ -110,7 +110,7 @@ def _choose(coll: Collective, nbytes: int, world: int, kind: str, local_size: in
             algorithm, via = rules.split(picked)
             if via is not None and via != own and not (switchable and via in rules.TRANSPORTS):
                 return rules.NATIVE  # measured on a transport this group cannot use
-            if algorithm == rules.NATIVE or algorithm in candidates:
+            if algorithm in (rules.NATIVE, rules.NATIVE_WIDE) or algorithm in candidates:
                 return algorithm if via is None or via == own else picked
             if algorithm == rules.MODEL:
                 return cost.choose(coll, nbytes, world, _params(kind), candidates=candidates, local_size=local_size)
@@ -342,6 +342,21 @@ def _transport(group):
     return transport_for(group)
 
 
+#: ``auto``'s choices that run the backend's own collective: on the group, or on its wide communicator.
+NATIVE_CHOICES = ("native", "native_wide")
+
+
+def _backend_group(group, chosen: str):
+    """The group a backend call of ``chosen`` (one of :data:`NATIVE_CHOICES`) runs on: for ``native_wide`` the
+    group's wide communicator (:func:`dtrain.comm.native.wide_group`) unless ``DTRAIN_COMM_WIDE=0`` or none can be
+    made, else the group itself."""
+    if chosen == "native_wide" and comm_env().wide and not is_mpi_group(group):
+        wide = native.wide_group(group)
+        if wide is not None:
+            return wide
+    return group
+
+
 def _native(group):
     """Where ``algorithm="native"`` goes: MPI's collectives for an MPI group, else torch.distributed's."""
     if is_mpi_group(group):
@@ -443,12 +458,15 @@ def _keep(coll: Collective, group, algorithm: str, extra, output: torch.Tensor, 
     FAST[(*key, input.device)] = (comm_env(), GENERATION[0], run)
 
 
-def _keep_native(coll: Collective, group, algorithm: str, extra, output, input, run, root: int = 0, op: str = "sum"):
+def _keep_native(
+    coll: Collective, group, algorithm: str, extra, output, input, run, root: int = 0, op: str = "sum", on=None
+):
     """Keep the backend's own call for the next call with these arguments (:func:`_keep`): straight through the
-    process group's binding (:func:`dtrain.comm.native.direct`) where the tensors are contiguous and not complex
-    and the group is torch.distributed's, else ``run`` (torch.distributed's function)."""
+    process group's binding (:func:`dtrain.comm.native.direct`; of ``on``, the group the call runs on, where that
+    is not ``group``) where the tensors are contiguous and not complex and the group is torch.distributed's, else
+    ``run`` (torch.distributed's function)."""
     if not is_mpi_group(group) and output.is_contiguous() and input.is_contiguous() and not output.is_complex():
-        direct = native.direct(coll.value, group, op=op, root=root)
+        direct = native.direct(coll.value, group if on is None else on, op=op, root=root)
         if direct is not None:
 
             def again(o: torch.Tensor, i: torch.Tensor) -> bool:
@@ -458,12 +476,13 @@ def _keep_native(coll: Collective, group, algorithm: str, extra, output, input, 
     _keep(coll, group, algorithm, extra, output, input, run)
 
 
-def _keep_native_all_reduce(group, algorithm: str, op: str, tensor: torch.Tensor) -> None:
-    """Keep the backend's own all-reduce, straight through the process group's binding, for the next call with
-    the same group, algorithm, reduction, size, dtype and device (:func:`_fast_all_reduce`)."""
+def _keep_native_all_reduce(group, algorithm: str, op: str, tensor: torch.Tensor, on=None) -> None:
+    """Keep the backend's own all-reduce, straight through the process group's binding (of ``on``, the group the
+    call runs on, where that is not ``group``), for the next call with the same group, algorithm, reduction, size,
+    dtype and device (:func:`_fast_all_reduce`)."""
     if is_mpi_group(group) or type(tensor) is not torch.Tensor or tensor.is_complex() or not tensor.is_contiguous():
         return
-    direct = native.direct("all_reduce", group, op=op)
+    direct = native.direct("all_reduce", group if on is None else on, op=op)
     if direct is None:
         return
     if len(FAST) >= 1024:
@@ -506,6 +525,8 @@ def _one_pass_first(coll, algorithm, chosen, group, output, input, op: str = "su
     """Run the call in one pass where ``auto``'s choice or the named algorithm is a one-pass schedule the call can
     run (:func:`_one_pass`): None when it ran; else the algorithm that runs it, ``native`` where ``auto`` chose a
     one pass that cannot run (:func:`_one_pass_or_native`, :func:`_declined`)."""
+    if chosen in NATIVE_CHOICES:
+        return chosen
     nbytes = input.numel() * input.element_size()
     chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, op, input.device, nbytes)
     if chosen == "native":
@@ -762,9 +783,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
         fusable or (fused.supports(chosen, tensor.dtype, op, tensor.device) and fused.measured(chosen, tensor, world))
     ):
         chosen = "native"  # measured as our kernel; without it (another dtype or reduction) NCCL's is faster
-    if chosen == "native":
-        _keep_native_all_reduce(group, algorithm, op, tensor)
-        return _native(group).all_reduce(tensor, op, group)
+    if chosen in NATIVE_CHOICES:
+        on = _backend_group(group, chosen)
+        _keep_native_all_reduce(group, algorithm, op, tensor, on=on)
+        return _native(on).all_reduce(tensor, op, on)
     work, copied = _flat_work(tensor)
     ran = _run(Collective.ALL_REDUCE, chosen, work, group, op, local_size=local)
     if ran is not None and not copied:
@@ -790,10 +812,11 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
     chosen = _one_pass_first(coll, algorithm, chosen, group, tensor, tensor, root=src)
     if chosen is None:
         return tensor
-    if chosen == "native":
-        run = _native(group).broadcast
-        _keep_native(coll, group, algorithm, src, tensor, tensor, lambda t, _t: run(t, src, group) is not None, src)
-        return run(tensor, src, group)
+    if chosen in NATIVE_CHOICES:
+        on = _backend_group(group, chosen)
+        run = _native(on).broadcast
+        _keep_native(coll, group, algorithm, src, tensor, tensor, lambda t, _t: run(t, src, on) is not None, src, on=on)
+        return run(tensor, src, on)
     work, copied = _flat_work(tensor)
     _run(Collective.BROADCAST, chosen, work, group, root=src, local_size=local)
     if copied:
@@ -809,8 +832,9 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorith
     check_op(op, tensor.dtype, what)
     check_root(dst, group_info(group, what)[1], "dst", what)
     rank, world, chosen, local = _prepare(Collective.REDUCE, algorithm, group, tensor.numel(), tensor, what)
-    if chosen == "native":
-        return _native(group).reduce(tensor, dst, op, group)
+    if chosen in NATIVE_CHOICES:
+        on = _backend_group(group, chosen)
+        return _native(on).reduce(tensor, dst, op, on)
     if rank == dst:
         work, copied = _flat_work(tensor)
     else:  # partial sums pass through non-root ranks: keep the caller's tensor intact
@@ -834,8 +858,9 @@ def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "au
     check_tensor(tensor, "tensor", what)
     check_op(op, tensor.dtype, what)
     rank, world, chosen, local = _prepare(Collective.SCAN, algorithm, group, tensor.numel(), tensor, what)
-    if chosen == "native":
-        return _native(group).scan(tensor, op, group)
+    if chosen in NATIVE_CHOICES:
+        on = _backend_group(group, chosen)
+        return _native(on).scan(tensor, op, on)
     work, copied = _flat_work(tensor)
     _run(Collective.SCAN, chosen, work, group, op, local_size=local)
     if op == "avg":
@@ -861,10 +886,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     chosen = _one_pass_first(coll, algorithm, chosen, group, output, input)
     if chosen is None:
         return output
-    if chosen == "native":
-        run = _native(group).all_gather
-        _keep_native(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
-        return run(output, input, group)
+    if chosen in NATIVE_CHOICES:
+        on = _backend_group(group, chosen)
+        run = _native(on).all_gather
+        _keep_native(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, on) is not None, on=on)
+        return run(output, input, on)
     work, copied = _flat_work(output)
     m = input.numel()
     work[rank * m : (rank + 1) * m].copy_(input.reshape(-1))
@@ -885,8 +911,9 @@ def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=Non
         check_tensor(output, "output", what)
         check_pair(output, input, world * input.numel(), what)
     rank, world, chosen, local = _prepare(Collective.GATHER, algorithm, group, world * input.numel(), input, what)
-    if chosen == "native":
-        return _native(group).gather(output, input, dst, group)
+    if chosen in NATIVE_CHOICES:
+        on = _backend_group(group, chosen)
+        return _native(on).gather(output, input, dst, on)
     m = input.numel()
     if rank == dst:
         work, copied = _flat_work(output)
@@ -911,8 +938,9 @@ def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group=No
         check_pair(input, output, world * output.numel(), what)
     m = output.numel()
     rank, world, chosen, local = _prepare(Collective.SCATTER, algorithm, group, world * m, output, what)
-    if chosen == "native":
-        return _native(group).scatter(output, input, src, group)
+    if chosen in NATIVE_CHOICES:
+        on = _backend_group(group, chosen)
+        return _native(on).scatter(output, input, src, on)
     work = _scratch(group, input) if rank == src else _scratch(group, output, world * m)
     _run(Collective.SCATTER, chosen, work, group, root=src, local_size=local)
     output.copy_(work[rank * m : (rank + 1) * m].view(output.shape))
@@ -938,10 +966,12 @@ def reduce_scatter(
     chosen = _one_pass_first(coll, algorithm, chosen, group, output, input, op=op)
     if chosen is None:
         return output
-    if chosen == "native":
-        run = _native(group).reduce_scatter
-        _keep_native(coll, group, algorithm, op, output, input, lambda o, i: run(o, i, op, group) is not None, op=op)
-        return run(output, input, op, group)
+    if chosen in NATIVE_CHOICES:
+        on = _backend_group(group, chosen)
+        run = _native(on).reduce_scatter
+        keep = lambda o, i: run(o, i, op, on) is not None  # noqa: E731
+        _keep_native(coll, group, algorithm, op, output, input, keep, op=op, on=on)
+        return run(output, input, op, on)
     m = output.numel()
     if input.is_contiguous() and output.is_contiguous() and _out_of_place(coll, chosen, group, input, local):
         mine = output.view(-1)
@@ -991,10 +1021,11 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     chosen = _one_pass_first(coll, algorithm, chosen, group, output, input)
     if chosen is None:
         return output
-    if chosen == "native":
-        run = _native(group).all_to_all
-        _keep_native(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, group) is not None)
-        return run(output, input, group)
+    if chosen in NATIVE_CHOICES:
+        on = _backend_group(group, chosen)
+        run = _native(on).all_to_all
+        _keep_native(coll, group, algorithm, None, output, input, lambda o, i: run(o, i, on) is not None, on=on)
+        return run(output, input, on)
     work = _scratch(group, input)
     _run(coll, chosen, work, group, local_size=local)
     output.copy_(work.view(output.shape))

@@ -2,6 +2,10 @@
 
 torch.distributed has no scan and Gloo has no ``avg``: those are built here from what the backend has
 (an all-gather then a local prefix; a sum then a division), so "native" accepts every call the API does.
+
+A group's *wide* communicator (:func:`wide_group`) runs the same NCCL collectives on more CTAs than NCCL gives
+itself: what ``auto`` picks (``native_wide``, :mod:`dtrain.comm.cost.rules`) for the large sizes where that
+measured faster.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "WIDE_CTAS",
+    "wide_group",
     "all_reduce",
     "broadcast",
     "reduce",
@@ -28,6 +34,50 @@ _OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
+
+
+#: CTAs of a wide communicator's collectives (NCCL's ``ncclConfig_t`` ``minCTAs`` and ``maxCTAs``; NCCL keeps at
+#: most its ``MAXCHANNELS``). On 4 and 2 H100s over NVSwitch (NCCL 2.28, NVLink multicast off), 64 ran all-reduce,
+#: all-gather and reduce-scatter from 16 MiB to 1 GiB at 1.02-1.26x the default communicator's speed, 32 at
+#: 1.01-1.12x and 16 at 0.87-0.95x (benchmarks/results/probe-nccl-ctas-h100x{4,4-run1,2}.txt; 16 in the run1
+#: launch, on 4).
+WIDE_CTAS = 64
+
+_WIDE: dict[object, object] = {}  # a group -> its wide communicator, or None where none can be made
+
+
+def wide_group(group):
+    """``group``'s wide communicator: the same ranks, NCCL's collectives on :data:`WIDE_CTAS` CTAs, made at the
+    first call that asks (collective over ``group``: every rank asks at the same call, as ``auto``'s agreed choices
+    do) and kept. None where none can be made, and the caller runs on ``group``: not an NCCL group, inside a CUDA
+    graph capture (made by the next eager call), or a subgroup where torch cannot split one (``split_group`` needs
+    the default group bound to a device, ``init_process_group(device_id=...)``; the whole world needs no split).
+
+    The extra communicator holds NCCL's own buffers for its channels on every GPU (from NCCL's first collective on
+    it, per algorithm), and its collectives take more SMs from whatever runs beside them: ``DataParallel``'s
+    reductions under backward never use it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group if group is not None else c10d._get_default_group()
+    if pg in _WIDE:
+        return _WIDE[pg]
+    if dist.get_backend(pg) != "nccl":
+        _WIDE[pg] = None
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.min_ctas = WIDE_CTAS
+    options.config.max_ctas = WIDE_CTAS
+    ranks = dist.get_process_group_ranks(pg)
+    default = c10d._get_default_group()
+    wide = None
+    if getattr(default, "bound_device_id", None) is not None and hasattr(dist, "split_group"):
+        wide = dist.split_group(pg, [ranks], pg_options=options, group_desc="dtrain_wide")
+    elif pg is default:
+        wide = dist.new_group(ranks, pg_options=options, group_desc="dtrain_wide")
+    _WIDE[pg] = wide
+    return wide
 
 
 def _in_place(tensor: torch.Tensor, fn) -> torch.Tensor:

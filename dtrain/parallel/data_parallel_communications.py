@@ -211,9 +211,10 @@ class GradientReducer:
         if chosen is None:
             from dtrain.comm.api import _prepare  # the same resolution (rules, cost model) comm.all_reduce makes
 
-            chosen = self._chosen[key] = _prepare(
-                Collective.ALL_REDUCE, "auto", self.group, wire.numel(), wire, "DataParallel"
-            )[2]
+            chosen = _prepare(Collective.ALL_REDUCE, "auto", self.group, wire.numel(), wire, "DataParallel")[2]
+            # NCCL's own call on the group's wide communicator, which takes more SMs from the backward it runs
+            # beside: a bucket keeps the group's own, asynchronous
+            chosen = self._chosen[key] = "native" if chosen == "native_wide" else chosen
         return chosen
 
     def _locate(self) -> dict[int, int]:

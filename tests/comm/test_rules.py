@@ -119,32 +119,44 @@ def test_built_in_rules_cover_only_what_was_measured_and_native_runs_elsewhere(m
     for cached in (api._auto, api._rules, api._params):
         cached.cache_clear()
     peer2 = rules.built_in("cuda-peer", 2, None)
-    assert peer2 is not None and peer2.pick("reduce_scatter", 64 << 20) == "native"
+    assert peer2 is not None and peer2.pick("reduce_scatter", 64 << 20) == "native_wide"
     assert peer2.pick("gather", 64 << 20) is None
     peer4 = rules.built_in("cuda-peer", 4, None)
     # the one-pass reduce-scatter, broadcast, all-gather and all-to-all where they measured faster than NCCL's,
-    # NCCL's above
+    # NCCL's above: on the wide communicator where that measured faster (not the broadcast; the all-to-all on 2
+    # GPUs from 64 MiB, on 4 to 256 MiB)
     sizes = (8 << 10, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20)
     for table in (peer2, peer4):
-        for coll in ("reduce_scatter", "all_to_all"):
-            assert [table.pick(coll, n) for n in sizes] == ["direct"] * 4 + ["native"] * 2
+        assert [table.pick("reduce_scatter", n) for n in sizes] == ["direct"] * 4 + ["native_wide"] * 2
+    assert [peer2.pick("all_to_all", n) for n in sizes] == ["direct"] * 4 + ["native"] * 2
+    assert [peer4.pick("all_to_all", n) for n in sizes] == ["direct"] * 4 + ["native_wide"] * 2
+    assert peer2.pick("all_to_all", 64 << 20) == "native_wide" and peer4.pick("all_to_all", 1 << 30) == "native"
     assert [peer2.pick("broadcast", n) for n in sizes] == ["star"] * 4 + ["native"] * 2
     # on 4 GPUs the star's root links bind from 4 MiB: the scatter-allgather sends its buffer once, to 4 MiB
     assert [peer4.pick("broadcast", n) for n in sizes] == ["star"] * 2 + ["scatter_allgather"] + ["native"] * 3
     # the all-gather by its output: up to the one pass's 8 MiB a rank on 2 GPUs, to 16 MiB (of 32) on 4
-    assert [peer2.pick("all_gather", n) for n in sizes] == ["direct"] * 5 + ["native"]
-    assert [peer4.pick("all_gather", n) for n in sizes] == ["direct"] * 5 + ["native"]
-    # the one-shot all-reduce, then the two-shot from 1 MiB, where each was measured faster; NCCL's above
+    assert [peer2.pick("all_gather", n) for n in sizes] == ["direct"] * 5 + ["native_wide"]
+    assert [peer4.pick("all_gather", n) for n in sizes] == ["direct"] * 5 + ["native_wide"]
+    # the one-shot all-reduce, then the two-shot from 1 MiB, where each was measured faster; NCCL's above, on the
+    # wide communicator from 16 MiB
     reduces = (8 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20)
-    assert [peer2.pick("all_reduce", n) for n in reduces] == ["one_shot"] * 2 + ["direct"] * 4 + ["native"] * 2
-    assert [peer4.pick("all_reduce", n) for n in reduces] == ["one_shot"] * 2 + ["direct"] * 2 + ["native"] * 4
+    want2 = ["one_shot"] * 2 + ["direct"] * 4 + ["native_wide"] * 2
+    assert [peer2.pick("all_reduce", n) for n in reduces] == want2
+    want4 = ["one_shot"] * 2 + ["direct"] * 2 + ["native"] * 2 + ["native_wide"] * 2
+    assert [peer4.pick("all_reduce", n) for n in reduces] == want4
     assert rules.built_in("cuda-peer", 8, None) is None and rules.built_in("cpu", 2, None) is None
     try:
-        assert api._auto(Collective.REDUCE_SCATTER, 64 << 20, 2, "cuda-peer", None) == "native"
+        assert api._auto(Collective.REDUCE_SCATTER, 64 << 20, 2, "cuda-peer", None) == "native_wide"
         assert api._auto(Collective.REDUCE_SCATTER, 1 << 20, 2, "cuda-peer", None) == "direct"
         for coll in Collective:
             for kind in ("cuda", "cuda-peer", "cpu", "cpu-peer"):
-                assert api._auto(coll, 64 << 20, 4, kind, None) == "native"
+                wide = kind == "cuda-peer" and coll.value in (
+                    "all_reduce",
+                    "all_gather",
+                    "reduce_scatter",
+                    "all_to_all",
+                )
+                assert api._auto(coll, 64 << 20, 4, kind, None) == ("native_wide" if wide else "native")
     finally:
         for cached in (api._auto, api._rules, api._params):
             cached.cache_clear()
@@ -162,8 +174,18 @@ def test_a_rules_file_without_a_rule_for_a_collective_leaves_the_built_in_rule_i
         cached.cache_clear()
     try:
         assert api._auto(Collective.ALL_GATHER, 64 << 20, 2, "cuda-peer", None) == "direct"  # the file's
-        assert api._auto(Collective.REDUCE_SCATTER, 64 << 20, 2, "cuda-peer", None) == "native"  # built in
-        assert api._auto(Collective.ALL_REDUCE, 64 << 20, 2, "cuda-peer", None) == "native"  # built in: NCCL's
+        assert api._auto(Collective.REDUCE_SCATTER, 64 << 20, 2, "cuda-peer", None) == "native_wide"  # built in
+        assert api._auto(Collective.ALL_REDUCE, 64 << 20, 2, "cuda-peer", None) == "native_wide"  # built in: NCCL's
     finally:
         for cached in (api._auto, api._rules, api._params):
             cached.cache_clear()
+
+
+def test_native_wide_runs_the_backends_own_call_on_the_group_where_no_wide_communicator_can_be_made(pool, tmp_path):
+    """A rule naming native_wide: on Gloo no wide communicator exists (it is NCCL's), so the backend's call runs on
+    the group itself, right, first call and kept call alike; with DTRAIN_COMM_WIDE=0 none is asked for."""
+    path = str(tmp_path / "wide.json")
+    out = pool.run(jobs.wide_with_rules, 2, path, 64, ranks=2)
+    assert out == [{"right": True, "asked": 3, "got": [False] * 3, "chosen": "native_wide"}] * 2
+    off = pool.run(jobs.wide_with_rules, 2, path, 64, "0", ranks=2)
+    assert off == [{"right": True, "asked": 0, "got": [], "chosen": "native_wide"}] * 2

@@ -56,3 +56,52 @@ def auto_with_rules(world: int, paths: list[str | None], numel: int) -> dict:
         registry.build = real
         os.environ.pop("DTRAIN_COMM_RULES", None)
         _forget_choices(group)
+
+
+def wide_with_rules(world: int, path: str, numel: int, wide: str = "1") -> dict:
+    """A rules file (written at ``path`` by rank 0 for this group's kind) gives the all-reduce, all-gather and
+    reduce-scatter to ``native_wide``; each runs twice (the second through the kept fast path) with
+    ``DTRAIN_COMM_WIDE=wide``. Reports whether every result was right, what ``auto`` chose, how many calls asked for
+    a wide communicator and whether they got one."""
+    from dtrain.comm import native
+    from dtrain.comm.cost import rules
+
+    rank = dist.get_rank()
+    group = group_of(world)
+    comm.set_local_size(None, group)
+    kind = api._kind(group, torch.device("cpu"))
+    if rank == 0:
+        table = {c: ((0, rules.NATIVE_WIDE),) for c in ("all_reduce", "all_gather", "reduce_scatter")}
+        rules.save_rules(rules.Rules(kind=kind, world_size=world, table=table), path)
+    dist.barrier(group=group)
+    os.environ["DTRAIN_COMM_RULES"] = path
+    os.environ["DTRAIN_COMM_WIDE"] = wide
+    _forget_choices(group)
+    asked = []
+    real = native.wide_group
+
+    def spy(g):
+        got = real(g)
+        asked.append(got)
+        return got
+
+    native.wide_group = spy
+    try:
+        right = []
+        for _ in range(2):
+            x = torch.full((numel,), float(rank + 1))
+            comm.all_reduce(x, group=group, algorithm="auto")
+            right.append(bool((x == world * (world + 1) / 2).all()))
+            out = torch.empty(world * numel)
+            comm.all_gather(out, torch.full((numel,), float(rank)), group=group, algorithm="auto")
+            right.append(torch.equal(out, torch.arange(world).float().repeat_interleave(numel)))
+            piece = torch.empty(numel // world)
+            comm.reduce_scatter(piece, torch.ones(numel), group=group, algorithm="auto")
+            right.append(bool((piece == world).all()))
+        chosen = api._auto(api.Collective.ALL_REDUCE, numel * 4, world, kind, None)
+        return {"right": all(right), "asked": len(asked), "got": [g is not None for g in asked], "chosen": chosen}
+    finally:
+        native.wide_group = real
+        os.environ.pop("DTRAIN_COMM_RULES", None)
+        os.environ.pop("DTRAIN_COMM_WIDE", None)
+        _forget_choices(group)

@@ -48,6 +48,7 @@ from dtrain.env import comm_env
 __all__ = [
     "MODEL",
     "NATIVE",
+    "NATIVE_WIDE",
     "BUILT_IN",
     "TRANSPORTS",
     "Rules",
@@ -150,6 +151,11 @@ MODEL = "model"
 #: The backend's own collective (NCCL's, Gloo's): what ``auto`` runs where no rule covers a call.
 NATIVE = "native"
 
+#: The backend's own collective on the group's wide communicator (:func:`dtrain.comm.native.wide_group`: NCCL's
+#: kernels on more CTAs than NCCL picks), where it measured faster than the default communicator's; ``native`` where
+#: no wide communicator can be made or ``DTRAIN_COMM_WIDE=0``.
+NATIVE_WIDE = "native_wide"
+
 #: The all-reduce of a CUDA group on the peer transport (one host, NVLink): the one-shot kernels, then the exchange
 #: kernel's two-shot form (``direct``), then NCCL's own (:mod:`dtrain.comm.peer.fused`). Side by side with
 #: torch.distributed's own NCCL 2.28 call on 4 and 2 H100s (torch 2.11, NVLink multicast off, float32, calls back
@@ -159,15 +165,17 @@ NATIVE = "native"
 #: 1.21-1.81x) and 1.04-1.89x at 2 MiB on 4 GPUs, 0.95-1.34x at 4 MiB and 0.70-0.99x from 8 MiB; on 2 GPUs at
 #: 1.28-2.13x from 1 to 4 MiB, 1.13-1.25x at 8, 0.95-1.12x at 16 and 0.91-1.01x at 32. A band ends at the
 #: geometric midpoint between the last size won and the first lost or tied.
+#: From 16 MiB, NCCL's own all-reduce on the wide communicator (:data:`NATIVE_WIDE`; below).
 _PEER_ALL_REDUCE_2 = (
     (0, "one_shot"),
     (math.isqrt((512 << 10) * (1 << 20)) + 1, "direct"),
-    (math.isqrt((8 << 20) * (16 << 20)) + 1, "native"),
+    (math.isqrt((8 << 20) * (16 << 20)) + 1, NATIVE_WIDE),
 )
 _PEER_ALL_REDUCE_4 = (
     (0, "one_shot"),
     (math.isqrt((512 << 10) * (1 << 20)) + 1, "direct"),
     (math.isqrt((2 << 20) * (4 << 20)) + 1, "native"),
+    (math.isqrt((8 << 20) * (16 << 20)) + 1, NATIVE_WIDE),
 )
 
 #: The one-pass collectives of a CUDA group on the peer transport (:func:`dtrain.comm.peer.fused.one_pass`), each one
@@ -188,17 +196,29 @@ _PEER_ALL_REDUCE_4 = (
 #: cell at 1.11-3.60x, every other cell NCCL's own call at 0.95-1.05x. On 4 GPUs the broadcast passes from the
 #: star to the scatter-allgather (``scatter_allgather``: the root's links carry the buffer once) at 4 MiB, where it
 #: ran at 0.92-1.57x and the star at 0.78-1.37x over five launches; at 8 MiB at 0.79-1.05x (two_shot*-h100x4.jsonl).
+#:
+#: Past the one pass, NCCL's own call, and from where it measured faster, the same call on the group's wide
+#: communicator (:data:`NATIVE_WIDE`, 64 CTAs): side by side with the default communicator on 4 and 2 H100s, rounds
+#: interleaved, two launches on 4 (benchmarks/results/probe-nccl-ctas-h100x{4,4-run1,2}.txt), the all-reduce ran at
+#: 1.02-1.06x from 16 MiB to 1 GiB on 4 (0.99x at 8 MiB) and 1.04-1.11x on 2 (1.01x at 8), the all-gather at
+#: 1.08-1.10x and 1.07-1.26x, the reduce-scatter at 1.02-1.10x and 1.04-1.21x (0.92-0.96x at 8 MiB), the all-to-all
+#: at 1.01-1.11x from 16 to 256 MiB on 4 and 0.98-0.99x at 1 GiB, on 2 at 1.08-1.15x from 64 MiB (0.99x at 32),
+#: the broadcast at 0.99-1.00x (it stays ``native``).
 _MIB = 1 << 20
 _PEER_2 = {
-    "all_gather": ((0, "direct"), (2 * 8 * _MIB + 1, NATIVE)),
-    "reduce_scatter": ((0, "direct"), (8 * _MIB + 1, NATIVE)),
-    "all_to_all": ((0, "direct"), (8 * _MIB + 1, NATIVE)),
+    "all_gather": ((0, "direct"), (2 * 8 * _MIB + 1, NATIVE_WIDE)),
+    "reduce_scatter": ((0, "direct"), (8 * _MIB + 1, NATIVE_WIDE)),
+    "all_to_all": ((0, "direct"), (8 * _MIB + 1, NATIVE), (math.isqrt(32 * _MIB * 64 * _MIB) + 1, NATIVE_WIDE)),
     "broadcast": ((0, "star"), (8 * _MIB + 1, NATIVE)),
 }
 _PEER_4 = {
-    "all_gather": ((0, "direct"), (math.isqrt(16 * _MIB * 32 * _MIB) + 1, NATIVE)),
-    "reduce_scatter": ((0, "direct"), (math.isqrt(8 * _MIB * 16 * _MIB) + 1, NATIVE)),
-    "all_to_all": ((0, "direct"), (math.isqrt(8 * _MIB * 16 * _MIB) + 1, NATIVE)),
+    "all_gather": ((0, "direct"), (math.isqrt(16 * _MIB * 32 * _MIB) + 1, NATIVE_WIDE)),
+    "reduce_scatter": ((0, "direct"), (math.isqrt(8 * _MIB * 16 * _MIB) + 1, NATIVE_WIDE)),
+    "all_to_all": (
+        (0, "direct"),
+        (math.isqrt(8 * _MIB * 16 * _MIB) + 1, NATIVE_WIDE),
+        (math.isqrt(256 * _MIB * 1024 * _MIB) + 1, NATIVE),
+    ),
     "broadcast": (
         (0, "star"),
         (math.isqrt(2 * _MIB * 4 * _MIB) + 1, "scatter_allgather"),
