@@ -1586,11 +1586,68 @@ def _zero_bubble_part() -> list[str]:
         + _groups_part()
         + _in_place_part()
         + _steady_part()
+        + _slowest_part()
         + _in_place_ab_part()
         + _engines_part()
         + _device_profile_part()
         + _train_graphs_part()
     )
+
+
+def _slowest_part() -> list[str]:
+    """1F1B and interleaved 1F1B with each stage's own compute: the bubble by the mean stage and by the slowest."""
+    runs = [load(f"pipeline_slowest-b{b}-h100x4.jsonl") for b in (1024, 4096)]
+    if not all(runs):
+        return []
+    rows = []
+    for records in runs:
+        for r in records:
+            if r["graphs"] != "step":
+                continue
+            theory = r["bubble_theory"]
+            rows.append(
+                [
+                    r["schedule"],
+                    str(r["microbatches"]),
+                    str(r["batch"] // r["microbatches"]),
+                    " / ".join(f"{b:.2f}" for b in r["busy_ms_per_stage"]),
+                    f"{r['step_ms_steady']:.2f}",
+                    f"{theory:.3f}",
+                    f"{r['bubble_steady']:.3f} ({r['bubble_steady'] / theory:.2f}x)",
+                    f"{r['bubble_slowest_steady']:.3f} ({r['bubble_slowest_steady'] / theory:.2f}x)",
+                ]
+            )
+    first = runs[0][0]
+    return [
+        "#### The stages' own compute: the bubble of the slowest stage",
+        "The theory's stages compute alike; these do not. The first stage computes no input gradient for its first "
+        "layer, and the last computes the loss, so the first waits for the others whatever the schedule. Each "
+        "stage's compute alone (`busy_ms_per_stage`, ms a step, stages 0-3), and the bubble by the mean stage "
+        "(as above) and by the slowest one, `1 - max(busy) / step` (`bubble_slowest_steady`), which is what the "
+        "schedule and its messages leave on the stage that sets the pace; steps back to back, each stage's step one "
+        "graph.",
+        setting(
+            f"4 x {first['device']}, NVLink through NVSwitch",
+            f"torch 2.11.0+cu130, NCCL {NCCL}",
+            "torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024|4096 "
+            "--microbatches 8,16 --schedules 1f1b,interleaved-1f1b --graphs step --transport auto --steps 8 "
+            "--no-torch",
+            "`pipeline_slowest-b1024-h100x4.jsonl`, `pipeline_slowest-b4096-h100x4.jsonl`",
+        ),
+        table(
+            [
+                "schedule",
+                "m",
+                "rows a micro-batch",
+                "compute ms a stage",
+                "back to back ms",
+                "theory",
+                "bubble, mean stage",
+                "bubble, slowest stage",
+            ],
+            rows,
+        ),
+    ]
 
 
 def _steady_part() -> list[str]:

@@ -7,7 +7,11 @@ micro-batch count ``m``: ``step_s``, the slowest rank's ``train_step`` (median o
 ``busy_s``, each rank's own forward and backward of its ``m`` micro-batches alone, back to back (on the CPU one
 rank at a time, as ranks share cores); ``bubble`` = 1 - sum(busy_s) / (p x step_s), everything not computing
 (waiting and messages) counting as bubble, as in the theory (:func:`~dtrain.parallel.pipeline_schedules.
-theoretical_bubble`). On the CPU: ``--nproc`` Gloo ranks; under torchrun: one GPU a rank, NCCL.
+theoretical_bubble`). The theory holds stages of equal compute; where they differ (the first stage computes no
+input gradient for its first layer), the lighter stages also wait for the slowest, which no schedule can remove:
+``busy_ms_per_stage`` gives each rank's own, and ``bubble_slowest`` (``bubble_slowest_steady``) = 1 - max(busy_s) /
+step_s, the slowest stage's idle share, is what the schedule leaves on the stage that sets the pace. On the CPU:
+``--nproc`` Gloo ranks; under torchrun: one GPU a rank, NCCL.
 
 Where the bubble goes, from one more step with the stage link's clocks on (:meth:`~dtrain.parallel.
 pipeline_parallel_communications.StageLink.step_report`): ``messages_per_step`` (payload messages between
@@ -460,9 +464,11 @@ def _rank_main(args: argparse.Namespace) -> None:
                 comm_row = _comm_report(pipe, step, device)
                 loss, grad_sq = _outcome(pipe, x, y)
                 # the stages' compute alone, as this variant runs it (eager, or the captured graphs)
-                busy = torch.tensor([_busy(pipe, args, m, device)], dtype=torch.float64, device=device)
-                dist.all_reduce(busy)
-                busy_s = busy.item()
+                mine = torch.tensor([_busy(pipe, args, m, device)], dtype=torch.float64, device=device)
+                every = [torch.zeros_like(mine) for _ in range(p)]
+                dist.all_gather(every, mine)
+                busy_per_stage = [t.item() for t in every]
+                busy_s = sum(busy_per_stage)
                 if not args.no_torch and not torch_done:
                     made = _torch_step(name, _model(args, device), args, m, device, x, y)
                     torch_s, torch_done = (_time(made, device, args) if made is not None else None), True
@@ -487,6 +493,9 @@ def _rank_main(args: argparse.Namespace) -> None:
                     # steps run back to back (the steady state's period) and the bubble by it
                     "step_ms_steady": round(steady_s * 1e3, 3),
                     "bubble_steady": round(1 - busy_s / (p * steady_s), 4),
+                    "busy_ms_per_stage": [round(b * 1e3, 3) for b in busy_per_stage],
+                    "bubble_slowest": round(1 - max(busy_per_stage) / step_s, 4),
+                    "bubble_slowest_steady": round(1 - max(busy_per_stage) / steady_s, 4),
                     "busy_from": "graphs" if pipe._graphed or pipe._step_graph is not None else "eager",
                     "loss": loss,
                     "grad_sq": grad_sq,
@@ -523,7 +532,7 @@ def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | Non
     print(
         f"{name:>24} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
         f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  back to back {row['step_ms_steady']:.2f} ms "
-        f"(bubble {row['bubble_steady']:.3f})  torch "
+        f"(bubble {row['bubble_steady']:.3f}, slowest stage {row['bubble_slowest_steady']:.3f})  torch "
         + (
             "-"
             if torch_s is None

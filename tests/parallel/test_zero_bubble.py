@@ -161,6 +161,11 @@ def test_bench_pipeline_prints_measured_beside_theory_and_torchs(tmp_path, capsy
     for r in rows:
         assert r["bubble_theory"] == pytest.approx(theoretical_bubble(2, 2, schedule=r["schedule"]), abs=1e-4)
         assert r["bubble_measured"] < 1 and r["step_ms"] > 0
+        # the slowest stage's share: at most the mean stage's, computed from each rank's own compute
+        busy = r["busy_ms_per_stage"]
+        assert len(busy) == 2 and min(busy) > 0
+        assert r["bubble_slowest_steady"] == pytest.approx(1 - max(busy) / r["step_ms_steady"], abs=2e-3)
+        assert r["bubble_slowest_steady"] <= r["bubble_steady"] + 1e-4
     # torch has no single-chunk ZB-H1: beside it, its 1F1B, named
     assert [r["torch_schedule"] for r in rows] == ["Schedule1F1B", "Schedule1F1B", "ScheduleZBVZeroBubble"]
     assert all(r["torch_step_ms"] > 0 for r in rows)
