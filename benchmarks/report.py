@@ -1599,15 +1599,19 @@ def _slowest_part() -> list[str]:
     runs = [load(f"pipeline_slowest-b{b}-h100x4.jsonl") for b in (1024, 4096)]
     if not all(runs):
         return []
+    groups = load("pipeline_slowest_groups-b1024-h100x4.jsonl")  # another launch: interleaved, g = 4 and 8
     rows = []
-    for records in runs:
+    for records in [*runs, groups]:
         for r in records:
             if r["graphs"] != "step":
                 continue
             theory = r["bubble_theory"]
+            label = r["schedule"]
+            if records is groups:
+                label += f", g = {r['microbatch_group']} (another launch)"
             rows.append(
                 [
-                    r["schedule"],
+                    label,
                     str(r["microbatches"]),
                     str(r["batch"] // r["microbatches"]),
                     " / ".join(f"{b:.2f}" for b in r["busy_ms_per_stage"]),
@@ -1632,7 +1636,9 @@ def _slowest_part() -> list[str]:
             "torchrun --nproc-per-node 4 -m dtrain bench pipeline --layers 16 --width 4096 --batch 1024|4096 "
             "--microbatches 8,16 --schedules 1f1b,interleaved-1f1b --graphs step --transport auto --steps 8 "
             "--no-torch",
-            "`pipeline_slowest-b1024-h100x4.jsonl`, `pipeline_slowest-b4096-h100x4.jsonl`",
+            "`pipeline_slowest-b1024-h100x4.jsonl`, `pipeline_slowest-b4096-h100x4.jsonl`; the last rows "
+            "`pipeline_slowest_groups-b1024-h100x4.jsonl` (`--batch 1024 --microbatches 16 --schedules "
+            "interleaved-1f1b --microbatch-group 0,8`)",
         ),
         table(
             [
