@@ -7,6 +7,7 @@ export; ``dtrain train --resume`` at another layout.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dtrain.parallel.state import flat_range_boxes
 from dtrain.train.checkpoint import checkpoint_dir, complete_steps, latest_complete_step
@@ -88,3 +89,24 @@ def test_temporary_and_unfinished_directories_are_not_checkpoints(tmp_path):
     (tmp_path / "checkpoints" / ".step-00000004.tmp" / ".metadata").write_text("")
     assert complete_steps(tmp_path) == [1] and latest_complete_step(tmp_path) == 1
     assert latest_complete_step(tmp_path / "elsewhere") is None
+
+
+def test_the_optimizer_state_a_load_fills_is_made_by_the_class_step_where_the_instance_step_is_replaced():
+    """init_optimizer_state (before a load fills the state) runs the optimizer class's own step, on zero gradients
+    at learning rate 0: DataParallel.overlap_optimizer replaces the instance's step with one that refuses to run
+    without a backward, and the parameters must not move."""
+    from types import SimpleNamespace
+
+    from dtrain.parallel.state import init_optimizer_state
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.1)
+
+    def refuse(closure=None):
+        raise RuntimeError("optimizer.step(): no synchronised backward ran since the last step")
+
+    opt.step = refuse
+    init_optimizer_state(SimpleNamespace(optimizer=opt))
+    assert {"exp_avg", "exp_avg_sq", "step"} <= set(opt.state[p])
+    assert float(opt.state[p]["step"]) == 0 and opt.param_groups[0]["lr"] == 0.1
+    assert torch.equal(p.detach(), torch.ones(3)) and p.grad is None
