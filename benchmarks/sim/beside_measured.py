@@ -219,7 +219,7 @@ def collective_rows(
                    "measured_us": r["time_us"], "host_measured_us": r.get("host_us"),
                    "cost_model_us": r.get("predicted_us")}  # fmt: skip
             form = exchange_form(coll, resolved, rank_bytes(coll, n, world))
-            if resolved == "native":
+            if resolved in ("native", "native_wide"):  # NCCL's kernels (the wide communicator priced as the default)
                 device, total, protocol = nccl_row_times(coll, n, world, params, host[coll])
                 row |= {"model": "nccl", "pricing": "simulate_nccl", "protocol": protocol, "host_us": host[coll] * 1e6}
             elif form is not None:  # one call of the exchange kernel
