@@ -252,7 +252,10 @@ def _defaults_part() -> list[str]:
                 f"`dtrain.comm.native.direct`), so their spread is the measurement's noise: {noise}. The 1 MiB to "
                 "32 MiB tables below each predate the two-shot all-reduce and the scatter-allgather broadcast "
                 "(`auto`'s all-reduce cells from 1 MiB and broadcast cells at 4 MiB there ran NCCL's own or torch's "
-                "two-shot kernel); the two-shot table after each gives those with today's code.",
+                "two-shot kernel); the two-shot table after each gives those with today's code. These sweeps also "
+                "predate `native_wide`: from 16 MiB `auto` now runs the all-reduce, all-gather, reduce-scatter and "
+                "all-to-all on NCCL's wide communicator, measured in \"NCCL's own call on its wide communicator\" "
+                "below.",
             ]
         sizes = sorted({r["nbytes"] for r in same})
         header = ["size"] + [f"{c.replace('_', '-')} {kind}" for c in DEFAULT_COLLECTIVES for kind in ("", "fresh")]
