@@ -1590,6 +1590,7 @@ def _zero_bubble_part() -> list[str]:
         + _in_place_part()
         + _steady_part()
         + _slowest_part()
+        + _fusion_part()
         + _in_place_ab_part()
         + _engines_part()
         + _device_profile_part()
@@ -1656,6 +1657,126 @@ def _slowest_part() -> list[str]:
             ],
             rows,
         ),
+    ]
+
+
+def _fusion_part() -> list[str]:
+    """Gradient-accumulation fusion: one layer's accumulation on one GPU, the pipeline benchmark with and without
+    it, and `dtrain train` on GPT-2 124M and Llama 1B over 4 stages."""
+    layer = [load(f"grad_accumulation-h100{tail}.jsonl") for tail in ("", "-run2")]
+    pipes = [load(f"pipeline_fusion-b{b}-h100x4.jsonl") for b in (1024, 4096)]
+    if not all(layer) or not all(pipes):
+        return []
+    layer_rows = [
+        [
+            f"{a['dtype']} into float32",
+            str(a["rows"]),
+            f"{a['autograd_us']:.1f} / {b['autograd_us']:.1f}",
+            f"{a['fused_us']:.1f} / {b['fused_us']:.1f}",
+            f"{a['speedup']:.2f}x / {b['speedup']:.2f}x",
+            f"{a['autograd_max_error']:.1e} / {a['fused_max_error']:.1e}",
+        ]
+        for a, b in zip(*layer, strict=True)
+    ]
+    pipe_rows = []
+    for records in pipes:
+        plain = {
+            (r["schedule"], r["graphs"], r["microbatches"]): r for r in records if not r["grad_accumulation_fusion"]
+        }
+        for r in records:
+            key = (r["schedule"], r["graphs"], r["microbatches"])
+            if r["grad_accumulation_fusion"] is not True or key not in plain:
+                continue
+            off = plain[key]
+            pipe_rows.append(
+                [
+                    r["schedule"],
+                    "step one graph" if r["graphs"] == "step" else "eager",
+                    str(r["batch"]),
+                    str(r["microbatches"]),
+                    f"{off['step_ms_steady']:.2f}",
+                    f"{r['step_ms_steady']:.2f}",
+                    f"{off['step_ms_steady'] / r['step_ms_steady']:.2f}x",
+                    f"{off['bubble_steady']:.3f} / {r['bubble_steady']:.3f} ({r['bubble_theory']:.3f})",
+                    f"{r['torch_step_ms_steady']:.2f}",
+                ]
+            )
+    runs = {}
+    for model in ("gpt2", "llama1b"):
+        for tail in ("off", "on", "auto", "graph-off", "graph-on"):
+            records = [r for r in load(f"train_fusion-{model}-pp4-{tail}-h100x4.jsonl") if "step_s" in r]
+            runs[model, tail] = statistics.median(r["step_s"] for r in records[10:]) * 1e3
+    train_rows = [
+        [
+            label,
+            " / ".join(f"{runs[model, t]:.1f}" for t in ("off", "on", "auto")),
+            " / ".join(f"{runs[model, t]:.1f}" for t in ("graph-off", "graph-on")),
+        ]
+        for model, label in (
+            ("llama1b", "Llama 1B, 8 micro-batches of 2 x 2048 tokens"),
+            ("gpt2", "GPT-2 124M, 16 micro-batches of 1 x 1024 tokens"),
+        )
+    ]
+    machine = "4 x NVIDIA H100 80GB HBM3, NVLink through NVSwitch"
+    return [
+        "#### Gradient-accumulation fusion",
+        "Each micro-batch's weight gradient added into `.grad` by its GEMM (`grad_accumulation_fusion`, "
+        "docs/parallel.md) against autograd's product and second pass. One layer of 4096 x 4096 on one GPU, one "
+        "accumulation, microseconds, two launches (`autograd / fused`), and the largest difference from a float64 "
+        "sum (autograd's / the fused one's, first launch):",
+        setting(
+            "1 x NVIDIA H100 80GB HBM3",
+            "torch 2.11.0+cu130",
+            "python benchmarks/training/grad_accumulation.py",
+            "`grad_accumulation-h100.jsonl`, `grad_accumulation-h100-run2.jsonl`",
+        ),
+        table(["operands", "rows", "autograd us", "fused us", "speedup", "max error"], layer_rows),
+        "The pipeline benchmark (16 x Linear(4096), float32) with it off and on, one launch a batch, steps back to "
+        "back; the bubble by the mean stage (off / on, and the theory), and torch.distributed.pipelining's step in "
+        "the same launch:",
+        setting(
+            machine,
+            f"torch 2.11.0+cu130, NCCL {NCCL}",
+            "benchmarks/gpu/run.sh OUT pipeline-fusion (dtrain bench pipeline --layers 16 --width 4096 --batch "
+            "1024|4096 --microbatches 8,16 --schedules 1f1b,interleaved-1f1b,zb-h1 --graphs step --transport auto "
+            "--steps 8 --grad-fusion no,yes)",
+            "`pipeline_fusion-b1024-h100x4.jsonl`, `pipeline_fusion-b4096-h100x4.jsonl`",
+        ),
+        table(
+            ["schedule", "step", "batch", "m", "off ms", "on ms", "speedup", "bubble off / on (theory)", "torch ms"],
+            pipe_rows,
+        ),
+        "`dtrain train`, 1F1B over 4 stages, bf16 autocast, each run its own launch one after another; the median "
+        "step of steps 11-25 (Llama 1B) and 11-39 (GPT-2), ms (`auto`: every layer of a recorded step, eagerly the "
+        "layers of 2^32 multiply-adds or more):",
+        setting(
+            machine,
+            "torch 2.11.0+cu130",
+            "python -m dtrain train --nproc 4 --config configs/llama-1b-gpu.toml --dp 1 --pp 4 --microbatches 8 "
+            "--batch-size 16 --steps 25 --set training.compile=false [--step-graph] --grad-accumulation-fusion "
+            "off|on|auto; configs/gpt2-125m-gpu.toml --pp 4 --microbatches 16 --steps 40",
+            "`train_fusion-{llama1b,gpt2}-pp4[-graph]-{off,on,auto}-h100x4.jsonl`",
+        ),
+        table(["model", "eager off / on / auto", "step recorded off / on"], train_rows),
+        *_fusion_eager_auto(),
+    ]
+
+
+def _fusion_eager_auto() -> list[str]:
+    """`--grad-fusion no,auto` eagerly at batch 4096, m = 16 (256 rows a micro-batch: 2^32 multiply-adds a layer)."""
+    records = load("pipeline_fusion_eager-b4096-h100x4.jsonl")
+    if not records:
+        return []
+    pairs = []
+    for schedule in ("1f1b", "interleaved-1f1b"):
+        by = {r["grad_accumulation_fusion"]: r for r in records if r["schedule"] == schedule}
+        if False in by and "auto" in by:
+            off, auto = by[False]["step_ms_steady"], by["auto"]["step_ms_steady"]
+            pairs.append(f"{schedule} {off:.2f} ms off, {auto:.2f} ms with `auto` ({off / auto:.2f}x)")
+    return [
+        "Eagerly with `auto` at 256 rows a micro-batch, where every layer's product has 2^32 multiply-adds and fuses "
+        "(`--batch 4096 --microbatches 16 --grad-fusion no,auto`, steps back to back, another launch, "
+        "`pipeline_fusion_eager-b4096-h100x4.jsonl`): " + "; ".join(pairs) + "."
     ]
 
 

@@ -87,6 +87,10 @@
 #   pipeline-steady    every schedule at batch STEADY_BATCHES ("1024 4096"), m = 8, 16, eager and the step one CUDA
 #                      graph a stage, beside torch.distributed.pipelining; each step timed alone (synchronized) and
 #                      in a run of steps back to back                                   -> pipeline_steady-bBATCH.jsonl
+#   pipeline-fusion    one GPU: a linear layer's weight gradient accumulated by autograd and in its GEMM (float32,
+#                      bf16 into float32) -> grad_accumulation.jsonl; then 1F1B, interleaved 1F1B and ZB-H1 at batch
+#                      FUSION_BATCHES ("1024 4096"), m = 8, 16, eager and the step one CUDA graph, with and without
+#                      gradient-accumulation fusion, beside torch pipelining       -> pipeline_fusion-bBATCH.jsonl
 #   pipeline-transport 1F1B, interleaved, ZB-H1, ZB-V at batch 4096 (m = 8, 16, eager), 1F1B and interleaved at batch
 #                      1024 (m = 16, eager and with CUDA graphs), over the process groups and over peer channels, with
 #                      receives posted 0 and 2 actions ahead (TRANSPORT_BATCHES, TRANSPORT_SCHEDULES,
@@ -302,6 +306,13 @@ for mode in "$@"; do
         LIMIT=${LIMIT:-280} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch "$b" --microbatches 8,16 \
           --graphs step --transport auto --steps 8 --out "$out/pipeline_steady-b$b.jsonl" \
           | grep -vE "^\[rank[0-9]+\]:\[W|^Thread"
+      done ;;
+    pipeline-fusion)
+      NP=1 LIMIT=${LIMIT:-120} tr benchmarks/training/grad_accumulation.py --out "$out/grad_accumulation.jsonl"
+      for b in ${FUSION_BATCHES:-1024 4096}; do
+        LIMIT=${LIMIT:-300} tr -m dtrain bench pipeline --layers 16 --width 4096 --batch "$b" --microbatches 8,16 \
+          --schedules 1f1b,interleaved-1f1b,zb-h1 --graphs step --transport auto --steps 8 --grad-fusion no,yes \
+          --out "$out/pipeline_fusion-b$b.jsonl" | grep -vE "^\[rank[0-9]+\]:\[W|^Thread"
       done ;;
     bench-pipeline-large)
       # micro-batches of 256-512 rows: the stages' compute outweighs the host's time per action

@@ -102,6 +102,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "copy engine, on the compute stream), 'kernel' (a kernel on the compute stream storing into the peer's slot)",
     )
     p.add_argument(
+        "--grad-fusion",
+        type=lambda t: t.split(","),
+        default=["auto"],
+        help="comma-separated, each a variant: 'yes' (1F1B's, GPipe's and interleaved 1F1B's weight gradients added "
+        "into .grad by their GEMMs from the second micro-batch on; not with --graphs actions), 'no' (made apart and "
+        "added by autograd), 'auto' (the default, as dtrain train: yes where the step is one graph)",
+    )
+    p.add_argument(
         "--microbatch-group",
         type=lambda t: [int(x) for x in t.split(",")],
         default=[0],
@@ -138,6 +146,9 @@ def _check(args: argparse.Namespace) -> None:
     bad = [x for x in args.in_place if x not in ("yes", "no")]
     if bad:
         raise ValueError(f"--in-place: unknown {', '.join(bad)}; accepted: yes, no")
+    bad = [x for x in args.grad_fusion if x not in ("yes", "no", "auto")]
+    if bad:
+        raise ValueError(f"--grad-fusion: unknown {', '.join(bad)}; accepted: yes, no, auto")
     bad = [x for x in args.send_engine if x not in ("stream", "inline", "kernel")]
     if bad:
         raise ValueError(f"--send-engine: unknown {', '.join(bad)}; accepted: stream, inline, kernel")
@@ -395,7 +406,12 @@ def _rank_main(args: argparse.Namespace) -> None:
 
     from dtrain.launch import rank_device
     from dtrain.parallel.pipeline_parallel import PipelineParallel
-    from dtrain.parallel.pipeline_schedules import chunks_per_stage, theoretical_bubble, validate_schedule
+    from dtrain.parallel.pipeline_schedules import (
+        SPLIT_BACKWARD,
+        chunks_per_stage,
+        theoretical_bubble,
+        validate_schedule,
+    )
 
     device = rank_device()
     cuda = device.type == "cuda"
@@ -417,18 +433,26 @@ def _rank_main(args: argparse.Namespace) -> None:
             if name == "interleaved-1f1b":  # the valid groups, each once (0 is the stages' count)
                 groups = sorted({g or p for g in args.microbatch_group if (g or p) % p == 0 and m % (g or p) == 0})
                 groups = [None if g == p else g for g in groups]
+
             # the whole step as one graph needs the peer channels
+            def fusions(graphs, name=name) -> list[bool | str]:  # noqa: ANN001
+                if name in SPLIT_BACKWARD or graphs is True:  # W fuses already; per-action graphs cannot
+                    return [False]
+                chosen = {"yes": True, "no": False, "auto": True if graphs == "step" else "auto"}
+                return list(dict.fromkeys(chosen[f] for f in args.grad_fusion))
+
             variants = [
-                (g, t, a, k, i == "yes", e)
+                (g, t, a, k, i == "yes", e, f)
                 for k in groups
                 for g in modes
                 for t in args.transport
                 for a in lookaheads
                 for i in args.in_place
                 for e in args.send_engine
+                for f in fusions(g)
                 if g != "step" or t != "group"
             ]
-            for graphs, transport, lookahead, group, in_place, engine in variants:
+            for graphs, transport, lookahead, group, in_place, engine, fusion in variants:
                 pipe = PipelineParallel(
                     _model(args, device),
                     dist.group.WORLD,
@@ -440,6 +464,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     microbatch_group=group,
                     in_place=in_place,
                     send_engine=engine,
+                    grad_accumulation_fusion=fusion,
                 )
 
                 def step(pipe=pipe) -> None:
@@ -458,6 +483,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                     tail += "" if group is None else f"-group{group}"
                     tail += "" if in_place else "-copied"
                     tail += "" if engine == "stream" else f"-{engine}"
+                    tail += {True: "-fused", False: "", "auto": "-fused-auto"}[fusion]
                     path = os.path.join(args.profile, f"{name}{tail}-m{m}-rank{rank}.prof")
                     profile.dump_stats(path + ".tmp")
                     os.replace(path + ".tmp", path)
@@ -482,6 +508,11 @@ def _rank_main(args: argparse.Namespace) -> None:
                     "in_place": pipe.link.receives_in_place,
                     # where the copies into whole-step peer channels ran (None: no such channel)
                     "send_engine": _engine_in_use(pipe.link),
+                    # weight gradients added into .grad by their GEMMs: True, False or "auto" (eagerly, the layers
+                    # of EAGER_FUSION_MACS or more); ZB-H1's and ZB-V's W does so too
+                    "grad_accumulation_fusion": True if name in SPLIT_BACKWARD else fusion,
+                    # weight gradients the variant's runs (timed steps, compute alone) added in place outside W
+                    "fused_weight_gradients": pipe.fused_accumulation.fused if pipe.fused_accumulation else 0,
                     "stages": p,
                     "microbatches": m,
                     "microbatch_group": group if group is not None else (p if name == "interleaved-1f1b" else None),
@@ -529,6 +560,8 @@ def _report(row: dict, rank: int, args: argparse.Namespace, torch_s: float | Non
     name += f" g{row['microbatch_group']}" if row.get("microbatch_group") not in (None, p) else ""
     name += " copied" if row["transport"] == "peer" and not row.get("in_place") else ""
     name += f" {row['send_engine']}" if row.get("send_engine") not in (None, "stream") else ""
+    if row["schedule"] not in ("zb-h1", "zb-v") and row["grad_accumulation_fusion"]:
+        name += " fused" if row["grad_accumulation_fusion"] is True else " fused-auto"
     print(
         f"{name:>24} p={p} m={m:<3} bubble theory {row['bubble_theory']:.3f} measured "
         f"{row['bubble_measured']:.3f}  step {row['step_ms']:.2f} ms  back to back {row['step_ms_steady']:.2f} ms "

@@ -139,8 +139,12 @@ class HybridParallel:
     but the last's while the last bucket is averaged), so :meth:`train_step` takes no ``max_grad_norm`` and no
     ``loss_scaler``; with ``step_graph`` the optimizer's step is recorded too, which needs an optimizer built
     capturable with a tensor learning rate (torch's schedulers, and :func:`dtrain.train.optim.set_lr`, fill it in
-    place). Where pipeline stages share a parameter (a tied
-    embedding), every process of the world must construct this object (it makes process groups), as
+    place). ``grad_accumulation_fusion`` (``pp > 1`` with ZeRO 0 or 1, whose gradients are reduced after the step)
+    adds each linear layer's weight gradient into ``.grad`` inside its GEMM from a stage's second micro-batch on
+    (:class:`~dtrain.parallel.pipeline_parallel.PipelineParallel`'s; "auto", the default: every call where each
+    stage's step is recorded, eagerly where a layer's product is large enough to pay for its Python autograd
+    function's host time); turn it off for a model that ``torch.compile`` traces. Where pipeline stages share a
+    parameter (a tied embedding), every process of the world must construct this object (it makes process groups), as
     :meth:`RankGrid.build` requires.
 
     After each :meth:`train_step`: :attr:`last_grad_norm` (the whole model's gradient norm before clipping,
@@ -173,6 +177,7 @@ class HybridParallel:
         shard_size: int | None = None,
         step_graph: bool = False,
         overlap_optimizer: bool = False,
+        grad_accumulation_fusion: bool | str = "auto",
     ) -> None:
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -247,6 +252,8 @@ class HybridParallel:
                 balance=balance,
                 graphs=pipeline_graphs,
                 transport=pipeline_transport,
+                # ZeRO-2 and 3 reduce gradients from their hooks during backward, which the fusion bypasses
+                grad_accumulation_fusion=grad_accumulation_fusion if zero_stage in (0, 1) else False,
             )
             self.module: nn.Module = self.pipeline.stage
         else:

@@ -40,7 +40,7 @@ from dtrain.parallel.pipeline_schedules import (
     stage_of_virtual,
     virtual_stage,
 )
-from dtrain.parallel.weight_gradients import WeightGradStore
+from dtrain.parallel.weight_gradients import EAGER_FUSION_MACS, WeightGradStore
 
 __all__ = ["PipelineParallel", "PipelineStage", "forward_flops_weight", "partition_layers"]
 
@@ -182,6 +182,15 @@ class PipelineParallel:
     copy engine, on a stream of the channel's), "inline" (a copy engine, on the compute stream), "kernel" (an
     elementwise kernel on the compute stream storing over the peer mapping).
 
+    ``grad_accumulation_fusion`` (GPipe, 1F1B, interleaved 1F1B; ZB-H1's and ZB-V's W already does it): from a
+    stage's second micro-batch on, each linear layer's weight gradient is added into ``.grad`` by its GEMM
+    (:mod:`~dtrain.parallel.weight_gradients`), not made apart and added by a second pass; the gradient's hooks do
+    not run for those micro-batches, so the gradients must be reduced after the step (as
+    :class:`~dtrain.parallel.hybrid.HybridParallel` does with ZeRO 0 and 1). True: every call; "auto": every call
+    under ``graphs="step"``, eagerly the calls whose product has
+    :data:`~dtrain.parallel.weight_gradients.EAGER_FUSION_MACS` multiply-adds or more; never under
+    ``graphs=True``.
+
     ``graphs=True`` (CUDA, every schedule, autocast too): the first step runs eagerly and records each (chunk,
     micro-batch)'s argument shapes; the next captures every (chunk, micro-batch)'s forward and backward as CUDA
     graphs of its own (:meth:`_capture`) and later steps replay them, so that a forward or backward costs the host
@@ -207,7 +216,12 @@ class PipelineParallel:
         in_place: bool = True,
         send_engine: str = "stream",
         graphs: bool | str = False,
+        grad_accumulation_fusion: bool | str = False,
     ) -> None:
+        if grad_accumulation_fusion not in (False, True, "auto"):
+            raise ValueError(
+                f"grad_accumulation_fusion must be False, True or 'auto', got {grad_accumulation_fusion!r}"
+            )
         if graphs not in (False, True, "step"):
             raise ValueError(f"graphs must be False, True or 'step', got {graphs!r}")
         if graphs == "step" and transport == "group":
@@ -251,6 +265,16 @@ class PipelineParallel:
             self.weight_grads = WeightGradStore()
             for chunk in self.chunks:
                 self.weight_grads.attach(chunk)
+        #: the other schedules' store that adds each linear layer's weight gradient into ``.grad`` in its GEMM
+        #: (``grad_accumulation_fusion``; None without it)
+        self.fused_accumulation: WeightGradStore | None = None
+        if grad_accumulation_fusion and self.weight_grads is None:
+            eager = grad_accumulation_fusion == "auto" and graphs != "step"
+            self.fused_accumulation = WeightGradStore(
+                accumulate_in_place=graphs is not True, defers=False, min_macs=EAGER_FUSION_MACS if eager else 0
+            )
+            for chunk in self.chunks:
+                self.fused_accumulation.attach(chunk)
         device = next((q.device for q in self.stage.parameters()), torch.device("cpu"))
         self.link = StageLink(
             group,
@@ -293,6 +317,14 @@ class PipelineParallel:
         self._step_graph, self._steps_run = None, 0
         if self.graphs is True and self._step_fallback:
             self.graphs = "step"
+            self._fuse_accumulation(True)
+
+    def _fuse_accumulation(self, on: bool) -> None:
+        """Gradient-accumulation fusion on or off where it was asked for. Off under ``graphs=True``: a backward
+        graph captured while ``.grad`` exists would add into that tensor at every replay, whatever ``.grad`` is
+        then."""
+        if self.fused_accumulation is not None:
+            self.fused_accumulation.accumulate_in_place = on
 
     @property
     def is_first(self) -> bool:
@@ -440,6 +472,7 @@ class PipelineParallel:
                 return None
             if self.link.transport_in_use != "peer":
                 self.graphs, self._step_fallback = True, True
+                self._fuse_accumulation(False)
                 return None
             self._step_graph = self._capture_step(batch, targets, loss_fn, forward_context)
         return self._step_graph.replay((batch, targets))

@@ -245,6 +245,15 @@ class ParallelSection(_Section):
         "still averaged, then the last's (dp > 1, pp = 1, zero = 0, optimizer.grad_clip = 0, not fp16); with "
         "step_graph the step is recorded with it",
     )
+    grad_accumulation_fusion: str = _option(
+        "auto",
+        "pp > 1: from a stage's second micro-batch on, add each linear layer's weight gradient into its gradient "
+        "inside the product, not in a second pass (Megatron-LM's gradient-accumulation fusion): on, off, or auto "
+        "(every layer where the step is recorded, step_graph; eagerly the layers whose product has 2^32 "
+        "multiply-adds or more, enough to pay for its Python autograd function's host time); never with zero = 2 or "
+        "3 or training.compile",
+        choices=("auto", "on", "off"),
+    )
     zero: int = _option(
         0,
         "ZeRO stage: 0 off, 1 optimizer state sharded over dp, 2 gradients too, 3 parameters too (fully sharded)",

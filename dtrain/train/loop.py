@@ -249,7 +249,14 @@ def check_run(config: TrainConfig, nproc: int) -> RunPlan:
     data = TokenDataset(dataset)
     PackedBatches(data, "train", seq_len=config.data.seq_len, batch_size=config.training.batch_size, seed=0)
     if config.data.eval_every:
-        PackedBatches(data, "val", seq_len=config.data.seq_len, batch_size=config.training.batch_size, seed=0)
+        val = PackedBatches(data, "val", seq_len=config.data.seq_len, batch_size=config.training.batch_size, seed=0)
+        unit = dims.dp * (config.parallel.microbatches if dims.pp > 1 else 1)  # rows one evaluation batch needs
+        if val.windows < unit:
+            raise ConfigError(
+                "data.eval_every",
+                f"the validation split of {dataset} holds {val.windows} sequences of {config.data.seq_len} tokens, "
+                f"fewer than the {unit} (dp x microbatches) one evaluation step needs; set it to 0 or use more data",
+            )
     first = _check_resume(config, world, shape) if config.checkpoint.resume else 0
     plan = RunPlan(
         world_size=world,
@@ -359,6 +366,10 @@ class _Trainer:
             reduce_dtype=torch.bfloat16 if tr.grad_reduce_dtype == "bf16" else None,
             dp_exchange=par.dp_exchange,
             overlap_optimizer=par.dp_overlap_optimizer,
+            # compiled blocks keep autograd's own linear
+            grad_accumulation_fusion=False
+            if tr.compile
+            else {"auto": "auto", "on": True, "off": False}[par.grad_accumulation_fusion],
             accumulation=tr.accumulation,
             balance=par.balance,
         )

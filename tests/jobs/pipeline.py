@@ -86,8 +86,16 @@ def _max_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(worst, 0.0)
 
 
-def equivalence(p: int, m: int, model: str = "mlp", steps: int = 3, balance: str = "layers") -> dict:
-    """GPipe and 1F1B against the unsplit reference and each other; returns the worst errors on this rank."""
+def _fused(pipe: PipelineParallel) -> int:
+    """How many weight gradients the pipeline's gradient-accumulation fusion added in place (0 without it)."""
+    return pipe.fused_accumulation.fused if pipe.fused_accumulation is not None else 0
+
+
+def equivalence(
+    p: int, m: int, model: str = "mlp", steps: int = 3, balance: str = "layers", fused: bool = False
+) -> dict:
+    """GPipe and 1F1B against the unsplit reference and each other; returns the worst errors on this rank (and,
+    with ``fused``, how many weight gradients each schedule added in place)."""
     group = group_of(p)
     build = MODELS[model][0]
     reference = build(seed=7)
@@ -95,8 +103,17 @@ def equivalence(p: int, m: int, model: str = "mlp", steps: int = 3, balance: str
     out: dict = {}
     runs = {}
     for schedule in ("gpipe", "1f1b"):
-        pipe = PipelineParallel(build(seed=7), group, num_microbatches=m, schedule=schedule, balance=balance)
+        pipe = PipelineParallel(
+            build(seed=7),
+            group,
+            num_microbatches=m,
+            schedule=schedule,
+            balance=balance,
+            grad_accumulation_fusion=fused,
+        )
         losses, grads = _pipeline_steps(pipe, model, steps)
+        if fused:
+            out[f"{schedule}_fused"] = _fused(pipe)
         held = pipe.stage.layer_range
         ref_params = [q.detach() for q in reference[held.start : held.stop].parameters()]
         out[f"{schedule}_loss"] = _max_error([torch.tensor(losses)], [torch.tensor(ref_losses)])
@@ -160,9 +177,18 @@ def _chunk_errors(pipe: PipelineParallel, reference: nn.Sequential, ref: tuple, 
     }
 
 
-def interleaved(p: int, m: int, v: int, steps: int = 3, group_size: int | None = None, transport: str = "auto") -> dict:
+def interleaved(
+    p: int,
+    m: int,
+    v: int,
+    steps: int = 3,
+    group_size: int | None = None,
+    transport: str = "auto",
+    fused: bool = False,
+) -> dict:
     """Interleaved 1F1B with ``v`` chunks a rank (micro-batches in groups of ``group_size``) against the unsplit
-    reference; the worst errors on this rank."""
+    reference; the worst errors on this rank (and, with ``fused``, how many weight gradients were added in
+    place)."""
     group = group_of(p)
     reference = _mlp(seed=7)
     ref = _reference_steps(reference, "mlp", steps)
@@ -174,9 +200,11 @@ def interleaved(p: int, m: int, v: int, steps: int = 3, group_size: int | None =
         virtual_stages=v,
         microbatch_group=group_size,
         transport=transport,
+        grad_accumulation_fusion=fused,
     )
     got = _pipeline_steps(pipe, "mlp", steps)
     return {
+        **({"fused": _fused(pipe)} if fused else {}),
         **_chunk_errors(pipe, reference, ref, got, steps),
         "chunks": float(len(pipe.chunks) != v),  # 0.0 when this rank holds v chunks
         "peak_activations": float(pipe.timeline.peak_activations != validate_peak(p, m, v, group_size)),
@@ -317,7 +345,7 @@ def graphed(p: int, m: int, schedule: str, v: int = 1, steps: int = 3) -> dict:
     }
 
 
-def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool = False) -> dict:
+def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool = False, fused: bool = False) -> dict:
     """``graphs="step"`` with a stand-in for the CUDA graph (no GPU here; :func:`tests.jobs.graphs.stand_in`),
     on peer channels in /dev/shm: two eager steps, then the step recorded once and replayed. An eager
     forward-only step runs between two replays, and ``keep_grads`` leaves ``.grad`` in place between steps (the
@@ -329,7 +357,14 @@ def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool
         group = group_of(p)
         reference = _mlp(seed=7)
         losses, grads, evals = [], [], []
-        pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule=schedule, transport="peer")
+        pipe = PipelineParallel(
+            _mlp(seed=7),
+            group,
+            num_microbatches=m,
+            schedule=schedule,
+            transport="peer",
+            grad_accumulation_fusion=fused,
+        )
         pipe.graphs = "step"  # the constructor asks for a CUDA device
         ref_losses, ref_grads = [], []
         for step in range(steps):
@@ -361,6 +396,7 @@ def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool
         "records": seen.records,
         "replays": seen.replays,
         "transport": pipe.link.transport_in_use,
+        "fused": _fused(pipe),
     }
 
 

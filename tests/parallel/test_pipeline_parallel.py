@@ -390,6 +390,74 @@ def test_weight_gradients_of_two_microbatches_accumulate_in_place_like_autograd(
     torch.testing.assert_close(net.bias.grad, reference.bias.grad)
 
 
+def test_accumulating_in_place_adds_each_weight_gradient_into_grad_and_matches_autograd():
+    from dtrain.parallel.weight_gradients import WeightGradStore
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3, bias=False))
+    reference = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3, bias=False))
+    reference.load_state_dict(net.state_dict())
+    store = WeightGradStore(accumulate_in_place=True)
+    assert store.attach(net) == 2
+    first = None
+    for _ in range(3):
+        x = torch.randn(5, 6)
+        reference(x).square().sum().backward()
+        net(x).square().sum().backward()
+        first = first if first is not None else net[0].weight.grad
+    assert net[0].weight.grad is first  # the first backward's gradient, added into by the later GEMMs
+    assert store.fused == 4 and store.pending() == 0  # two layers, from the second backward on
+    for got, want in zip(net.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+    store.accumulate_in_place = False  # autograd's own accumulation again
+    net(torch.randn(5, 6)).sum().backward()
+    assert store.fused == 4
+
+
+def test_a_store_that_only_fuses_leaves_products_below_its_size_to_plain_linear():
+    from dtrain.parallel.weight_gradients import WeightGradStore
+
+    net = nn.Linear(8, 4)
+    store = WeightGradStore(accumulate_in_place=True, defers=False, min_macs=10 * 8 * 4)
+    store.attach(net)
+    for rows in (9, 9, 10, 10):  # 9 x 8 x 4 multiply-adds run as F.linear; 10 x 8 x 4 fuse once .grad exists
+        net(torch.randn(rows, 8)).sum().backward()
+    assert store.fused == 2
+    assert not store.takes(torch.randn(9, 8), net.weight) and store.takes(torch.randn(10, 8), net.weight)
+    store.accumulate_in_place = False
+    assert not store.takes(torch.randn(10, 8), net.weight)
+    with store.deferring(0):  # it never defers
+        net(torch.randn(10, 8)).sum().backward()
+    assert store.pending() == 0
+
+
+@pytest.mark.parametrize(
+    ("job", "args"),
+    [
+        ("equivalence", (2, 4, "mlp", 3, "layers", True)),
+        ("equivalence", (4, 8, "reshaping", 2, "layers", True)),
+        ("interleaved", (2, 4, 2, 3, None, "auto", True)),
+        ("step_graphed", (2, 4, "1f1b", 6, False, True)),
+        ("step_graphed", (2, 4, "interleaved-1f1b", 6, True, True)),
+    ],
+)
+def test_gradient_accumulation_fusion_trains_like_the_unsplit_model(pool, job, args):
+    """Each stage's weight gradients added into ``.grad`` by their GEMMs from the second micro-batch on: GPipe,
+    1F1B and interleaved 1F1B, eagerly and recorded whole (gradients replaced, and added into ones kept)."""
+    p, every_stage_linear = args[0], "reshaping" not in args  # a reshaping stage may hold no linear layer
+    added = 0
+    for rank, r in enumerate(pool.run(getattr(pipeline_jobs, job), *args, ranks=p)):
+        fused = {k: r.pop(k) for k in list(r) if k.endswith("fused")}
+        assert fused, f"rank {rank}: {r}"
+        assert not every_stage_linear or all(n > 0 for n in fused.values()), f"rank {rank}: none in place ({fused})"
+        added += sum(fused.values())
+        assert r.pop("eval", 0.0) < 1e-6
+        for key in ("records", "replays", "transport", "other_shape"):
+            r.pop(key, None)
+        assert all(value == 0.0 for value in r.values()), f"rank {rank}: {r}"
+    assert added > 0
+
+
 def test_bench_pipeline_profile_must_name_a_directory(tmp_path, capsys):
     from dtrain.cli.main import main
 
@@ -408,6 +476,7 @@ def test_bench_pipeline_profile_must_name_a_directory(tmp_path, capsys):
         (["--graphs", "step,steps"], "--graphs: unknown steps; accepted: actions, step"),
         (["--microbatch-group", "0,-4"], "--microbatch-group [0, -4]: each must be 0 or more"),
         (["--in-place", "yes,maybe"], "--in-place: unknown maybe; accepted: yes, no"),
+        (["--grad-fusion", "auto,always"], "--grad-fusion: unknown always; accepted: yes, no, auto"),
         (["--send-engine", "kernel,dma"], "--send-engine: unknown dma; accepted: stream, inline, kernel"),
     ],
 )

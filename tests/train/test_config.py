@@ -284,7 +284,7 @@ def test_load_config_takes_flags_as_typed_keys(tmp_path):
             "[parallel]\ntpp = 2\n",
             "train.toml: [parallel] tpp: unknown key; keys of [parallel]: dp, pp, tp, schedule, microbatches, "
             "microbatch_group, pipeline_graphs, step_graph, pipeline_transport, dp_exchange, dp_overlap_optimizer, "
-            "zero, zero_shard_size, algorithm, balance",
+            "grad_accumulation_fusion, zero, zero_shard_size, algorithm, balance",
         ),
         ("[modle]\nfamily = 1\n", "train.toml: [modle]: unknown section; sections: model, data, parallel, optimizer"),
         ("steps = 20\n", "train.toml: steps: not a section; sections: model, data"),

@@ -187,6 +187,11 @@ def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_ran
         (["--nproc", "2", "--pp", "2", "--pipeline-graphs"], "pipeline_graphs: records CUDA graphs; the ranks would"),
         (["--nproc", "2", "--step-graph"], "step_graph: records CUDA graphs; the ranks would run on cpu"),
         (["--seq-len", "4096"], "--seq-len: 4096 is longer than the 256 positions"),
+        (
+            ["--nproc", "2", "--pp", "2", "--microbatches", "2048", "--batch-size", "2048"]
+            + ["--set", "data.eval_every=5"],
+            "fewer than the 2048 (dp x microbatches) one evaluation step needs; set it to 0 or use more data",
+        ),
         (["--resume"], "no complete checkpoint"),
         (["--weights", "/nonexistent/model"], "/nonexistent/model"),
         (["--dataset", "/nonexistent/data"], "/nonexistent/data"),
