@@ -210,6 +210,8 @@ def train(kind: str, layout: dict) -> dict | None:
         "param_count": len(hybrid.named_params),
         "exported": exported,
         "moved": moved,
+        # weight gradients the pipeline's gradient-accumulation fusion added in place (None without it)
+        "fused": getattr(getattr(hybrid.pipeline, "fused_accumulation", None), "fused", None),
     }
 
 

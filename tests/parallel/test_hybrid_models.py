@@ -46,12 +46,30 @@ LAYOUTS = {
     "dp2xpp4-clip": {"dp": 2, "pp": 4, "num_microbatches": 2, "clip": True},
     "pp2-autocast-bf16": {"pp": 2, "autocast": True},
     "tp2xpp2-fp16-loss-scale": {"pp": 2, "tp": 2, "num_microbatches": 2, "clip": True, "scaler": True},
+    # each stage's weight gradients added into .grad by their GEMMs from the second micro-batch on
+    "dp2xpp2xtp2-fused-accumulation2": {
+        "dp": 2,
+        "pp": 2,
+        "tp": 2,
+        "num_microbatches": 2,
+        "accumulation": 2,
+        "grad_accumulation_fusion": True,
+    },
+    "pp2-interleaved-fused-clip": {
+        "pp": 2,
+        "num_microbatches": 4,
+        "schedule": "interleaved-1f1b",
+        "virtual_stages": 2,
+        "grad_accumulation_fusion": True,
+        "clip": True,
+    },
 }
 ZERO_LAYOUTS = {
     "zero1": {"dp": 2, "zero_stage": 1},
     "zero2": {"dp": 2, "zero_stage": 2},
     "zero2-clip": {"dp": 2, "zero_stage": 2, "clip": True},
     "zero1-dp2xpp2": {"dp": 2, "pp": 2, "num_microbatches": 2, "zero_stage": 1},
+    "zero1-dp2xpp2-fused": {"dp": 2, "pp": 2, "num_microbatches": 4, "zero_stage": 1, "grad_accumulation_fusion": True},
 }
 DP_REDUCE_LAYOUTS = {"dp2-reduce-float64": {"dp": 2, "reduce_dtype": "float64"}}
 
@@ -92,6 +110,8 @@ def _check(results: list, layout: dict) -> None:
             assert got["skipped"] == [False, True, False] and got["scaler_updates"] == [False, True, False]
         else:
             assert got["skipped"] == [False] * jobs.STEPS
+        if layout.get("grad_accumulation_fusion"):
+            assert got["fused"] > 0, (rank, got)  # the GEMMs added into .grad, from the second micro-batch on
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
