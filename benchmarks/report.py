@@ -1758,7 +1758,24 @@ def _fusion_part() -> list[str]:
             "`train_fusion-{llama1b,gpt2}-pp4[-graph]-{off,on,auto}-h100x4.jsonl`",
         ),
         table(["model", "eager off / on / auto", "step recorded off / on"], train_rows),
+        *_fusion_repeats(),
         *_fusion_eager_auto(),
+    ]
+
+
+def _fusion_repeats() -> list[str]:
+    """GPT-2 124M eagerly over 4 stages, five launches one after another with the settings alternating."""
+    names = sorted(p.name for p in RESULTS.glob("train_fusion_repeat-gpt2-pp4-*-h100x4.jsonl"))
+    if not names:
+        return []
+    runs = []
+    for name in sorted(names, key=lambda n: int(n.split("-")[3])):
+        records = [r for r in load(name) if "step_s" in r]
+        runs.append(f"{name.split('-')[4]} {statistics.median(r['step_s'] for r in records[10:]) * 1e3:.1f} ms")
+    return [
+        "The eager GPT-2 step is paced by the host, and its launches differ more than its settings: five more "
+        "launches one after another, 30 steps each, the median of steps 11-30 "
+        "(`train_fusion_repeat-gpt2-pp4-{1..5}-{setting}-h100x4.jsonl`): " + ", ".join(runs) + "."
     ]
 
 

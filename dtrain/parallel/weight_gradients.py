@@ -43,9 +43,9 @@ from torch import nn
 __all__ = ["EAGER_FUSION_MACS", "WeightGradStore", "linear"]
 
 #: Multiply-adds (rows x in x out) from which an eager call fuses its accumulation: 2^32, about 15 us of an H100's
-#: bf16 product. Eager 1F1B pipelines on 4 H100s with every call fused: Llama 1B (4096-row micro-batches, 4.3e9-6.9e10
-#: a layer) 1.13x faster, 16 x Linear(4096) at 256-512 rows (4.3e9-8.6e9) 1.04x; GPT-2 124M (1024 rows, 0.6e9-2.4e9)
-#: and 16 x Linear(4096) at 64 rows (1.1e9), paced by the host, 1.2-1.3x slower.
+#: bf16 product. Eager pipelines on 4 H100s with every call fused: Llama 1B (4096-row micro-batches, 4.3e9-6.9e10 a
+#: layer) 1.13x faster, 16 x Linear(4096) at 256-512 rows (4.3e9-8.6e9) 1.02-1.04x; at 64 rows (1.1e9), where the host
+#: paces the step, 0.61-0.78x at m = 16 (one launch, the host's issue time up by a fifth to a third).
 EAGER_FUSION_MACS = 2**32
 
 
