@@ -286,6 +286,10 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
     pipeline = f", {par.schedule} x {par.microbatches} micro-batches" if par.pp > 1 else ""
     if par.pp > 1 and par.microbatch_group:
         pipeline += f" in groups of {par.microbatch_group}"
+    fusion = par.grad_accumulation_fusion
+    if par.pp > 1 and par.zero < 2 and not config.training.compile and fusion != "off":
+        fused = fusion == "on" or par.step_graph
+        pipeline += ", weight gradients accumulated inside their " + ("products" if fused else "large products")
     zero = f", ZeRO-{par.zero}" if par.zero else ""
     zero += ", gradients averaged through copy engines" if par.dp_exchange == "copy-engine" else ""
     zero += ", the optimizer stepped inside backward" if par.dp_overlap_optimizer else ""

@@ -299,3 +299,14 @@ def test_the_run_line_says_when_each_step_is_recorded_as_a_graph():
     flags = {"parallel.pp": 1, "parallel.dp_overlap_optimizer": True, "optimizer.grad_clip": 0}
     config = load_config(REPO / "configs" / "tiny-cpu.toml", flags=flags)
     assert "the optimizer stepped inside backward" in loop.describe(config, plan)
+    said = {}
+    for fusion, extra in (("auto", {}), ("auto", {"parallel.step_graph": True}), ("on", {}), ("off", {})):
+        flags = {"parallel.grad_accumulation_fusion": fusion, **extra}
+        line = loop.describe(load_config(REPO / "configs" / "tiny-cpu.toml", flags=flags), plan)
+        said[fusion, bool(extra)] = line.split("micro-batches")[1].split(":")[0]
+    assert said == {
+        ("auto", False): ", weight gradients accumulated inside their large products",
+        ("auto", True): ", weight gradients accumulated inside their products, each step a CUDA graph from the third",
+        ("on", False): ", weight gradients accumulated inside their products",
+        ("off", False): "",
+    }
