@@ -434,13 +434,13 @@ def _rank_main(args: argparse.Namespace) -> None:
                 groups = sorted({g or p for g in args.microbatch_group if (g or p) % p == 0 and m % (g or p) == 0})
                 groups = [None if g == p else g for g in groups]
 
-            # the whole step as one graph needs the peer channels
             def fusions(graphs, name=name) -> list[bool | str]:  # noqa: ANN001
                 if name in SPLIT_BACKWARD or graphs is True:  # W fuses already; per-action graphs cannot
                     return [False]
                 chosen = {"yes": True, "no": False, "auto": True if graphs == "step" else "auto"}
                 return list(dict.fromkeys(chosen[f] for f in args.grad_fusion))
 
+            # the whole step as one graph needs the peer channels
             variants = [
                 (g, t, a, k, i == "yes", e, f)
                 for k in groups

@@ -22,12 +22,12 @@ attached layer's backward outside the deferral adds its weight gradient into an 
 itself (beta = 1), as W does: over micro-batches the gradient is not made in a temporary and then added by a second
 pass, which on a thin micro-batch moves more bytes than the product. A 16-bit product under autocast accumulates
 into a float32 ``.grad`` the same way on CUDA (``torch.addmm(..., out_dtype=torch.float32)``), never rounded to 16
-bits on the way. Autograd then never sees that weight's gradient, so hooks on its
-accumulation (a data-parallel bucket's, ZeRO-2's) do not run: set it only where gradients are reduced after the
-backward. A store made with ``defers=False`` only fuses: its layers run plain ``F.linear`` (autograd's own
-accumulation) for a call whose product has fewer than :attr:`WeightGradStore.min_macs` multiply-adds. The autograd
-function is Python, tens of microseconds of host time a layer and micro-batch, which an eager step that the host
-paces pays in full: :data:`EAGER_FUSION_MACS` is where the product's own time covers it.
+bits on the way. Autograd then never sees that weight's gradient, so hooks on its accumulation (a data-parallel
+bucket's, ZeRO-2's) do not run: set it only where gradients are reduced after the backward. A store made with
+``defers=False`` only fuses: its layers run plain ``F.linear`` (autograd's own accumulation) for a call whose product
+has fewer than :attr:`WeightGradStore.min_macs` multiply-adds. The autograd function is Python, tens of microseconds
+of host time a layer and micro-batch, which an eager step that the host paces pays in full:
+:data:`EAGER_FUSION_MACS` is where the product's own time covers it.
 """
 
 from __future__ import annotations
