@@ -5,13 +5,17 @@ Three kinds, each timed with CUDA events on a GPU (wall clock on the CPU) after 
 
 - bf16 matrix products ``(m, n, k)`` of transformer shapes: ``m`` the tokens of a micro-batch, ``n`` and ``k``
   the hidden width, the MLP width, QKV and a vocabulary slice, each split over tensor-parallel degrees 1-8;
+- the same products in 8-bit floating point where the device has it (compute capability 8.9 and up, and the
+  CPU): ``torch._scaled_mm`` of E4M3 operands with per-tensor scales into bf16, the product Transformer Engine
+  runs for a linear layer's FP8 GEMMs (kind ``matmul-fp8``);
 - scaled-dot-product attention (causal; flash where torch has it) over sequence lengths and heads, forward and
   backward, its FLOPs ``4 b s^2 h`` forward halved for the mask, backward 2.5 times that;
 - memory-bound operations over flat tensors: layer norm, RMS norm, GELU, SiLU, add, cross-entropy, a fused
   AdamW step; bytes are what each reads and writes once.
 
 Each row: achieved FLOP/s or bytes/s and the efficiency against the device's datasheet peak
-(:data:`dtrain.cluster.devices.DEVICES`; on the CPU against its own best matrix product, there being no sheet).
+(:data:`dtrain.cluster.devices.DEVICES`, FP8 products against its FP8 peak; on the CPU against its own best
+matrix product of the same kind, there being no sheet).
 ``--write-curves`` merges the device's curves (efficiency by size: the median of each power-of-two bin) into
 the simulator's file.
 """
@@ -27,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["device_key", "grid", "run", "curves_from_rows", "write_curves"]
+__all__ = ["device_key", "grid", "has_fp8", "run", "curves_from_rows", "write_curves"]
 
 HIDDEN = (4096, 8192, 12288, 16384)
 TOKENS = (2048, 4096, 8192)
@@ -82,8 +86,24 @@ def _timer(torch, device) -> Callable[[Callable[[], object], int, int], float]:
     return timed
 
 
-def run(*, device_name: str | None = None, quick: bool = False, repeats: int = 5, warmup: int = 2) -> list[dict]:
-    """Time every operation on ``device_name`` (default: cuda if there is one, else cpu); one dict a row."""
+#: The kinds of operation timed, each a curve of the simulator's file.
+KINDS = ("matmul", "matmul-fp8", "attention", "memory")
+
+
+def run(
+    *,
+    device_name: str | None = None,
+    quick: bool = False,
+    repeats: int = 5,
+    warmup: int = 2,
+    kinds: tuple[str, ...] = KINDS,
+) -> list[dict]:
+    """Time every operation of ``kinds`` (:data:`KINDS`) on ``device_name`` (default: cuda if there is one, else
+    cpu); one dict a row. FP8 products' efficiency is against the device's FP8 peak (on the CPU, its best FP8
+    product)."""
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"--kinds: {', '.join(unknown) or 'none given'}; choose from {', '.join(KINDS)}")
     import torch
     import torch.nn.functional as F
 
@@ -95,14 +115,26 @@ def run(*, device_name: str | None = None, quick: bool = False, repeats: int = 5
     dtype = torch.bfloat16
     timed = _timer(torch, device)
     rows: list[dict] = []
-    for what, m, n, k in grid(quick):
+    for what, m, n, k in grid(quick) if "matmul" in kinds else ():
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
         seconds = timed(lambda a=a, b=b: a @ b, warmup, repeats)
         rows.append(
             {"kind": "matmul", "op": what, "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k, "seconds": seconds}
         )
-    for seq in (32, 64) if quick else (1024, 2048, 4096, 8192):
+    if "matmul-fp8" in kinds and has_fp8(torch, device):
+        fp8 = torch.float8_e4m3fn
+        one = torch.ones((), device=device, dtype=torch.float32)
+        for what, m, n, k in grid(quick):
+            a = torch.randn(m, k, device=device).to(fp8)
+            b = torch.randn(n, k, device=device).to(fp8).t()  # column-major, as the FP8 GEMM takes it
+
+            def product(a=a, b=b):
+                return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=dtype)
+
+            rows.append({"kind": "matmul-fp8", "op": what, "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k,
+                         "seconds": timed(product, warmup, repeats)})  # fmt: skip
+    for seq in ((32, 64) if quick else (1024, 2048, 4096, 8192)) if "attention" in kinds else ():
         for heads in (1,) if quick else (8, 16, 32):
             d = 16 if quick else 128
             q, kk, v = (torch.randn(1, heads, seq, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -114,7 +146,8 @@ def run(*, device_name: str | None = None, quick: bool = False, repeats: int = 5
             flops = 4.0 * seq * seq * heads * d * 0.5 * 3.5  # forward, and backward at 2.5 times it
             rows.append({"kind": "attention", "op": "sdpa-causal", "seq": seq, "heads": heads, "head_dim": d,
                          "flops": flops, "seconds": timed(attention, warmup, repeats)})  # fmt: skip
-    for elements in (1 << 12, 1 << 14) if quick else (1 << 22, 1 << 24, 1 << 26, 1 << 28):
+    sizes = (1 << 12, 1 << 14) if quick else (1 << 22, 1 << 24, 1 << 26, 1 << 28)
+    for elements in sizes if "memory" in kinds else ():
         width = 64 if quick else 8192
         x = torch.randn(elements // width, width, device=device, dtype=dtype)
         y = torch.randn_like(x)
@@ -130,17 +163,33 @@ def run(*, device_name: str | None = None, quick: bool = False, repeats: int = 5
         adam = torch.optim.AdamW(params, lr=1e-4, **fused)
         rows.append({"kind": "memory", "op": "adamw", "elements": elements, "bytes": 28.0 * elements,
                      "seconds": timed(adam.step, warmup, repeats)})  # fmt: skip
-    peak = spec.flops("bf16") if spec else max(r["flops"] / r["seconds"] for r in rows if r["kind"] == "matmul")
-    bandwidth = spec.memory_bytes_per_s if spec else max(r["bytes"] / r["seconds"] for r in rows if "bytes" in r)
+    peaks = {}
+    for kind, precision in (("matmul", "bf16"), ("matmul-fp8", "fp8")):
+        if spec and spec.has(precision):
+            peaks[kind] = spec.flops(precision)
+        elif any(r["kind"] == kind for r in rows):
+            peaks[kind] = max(r["flops"] / r["seconds"] for r in rows if r["kind"] == kind)
+    if any(r["kind"] == "attention" for r in rows) and "matmul" not in peaks:
+        peaks["matmul"] = max(r["flops"] / r["seconds"] for r in rows if r["kind"] == "attention")
+    bytes_rows = [r["bytes"] / r["seconds"] for r in rows if "bytes" in r]
+    bandwidth = spec.memory_bytes_per_s if spec else max(bytes_rows, default=1.0)
     for r in rows:
         r["device"] = key
         if "flops" in r:
             r["flops_per_s"] = r["flops"] / r["seconds"]
-            r["efficiency"] = r["flops_per_s"] / peak
+            r["efficiency"] = r["flops_per_s"] / peaks.get(r["kind"], peaks.get("matmul", 1.0))
         else:
             r["bytes_per_s"] = r["bytes"] / r["seconds"]
             r["efficiency"] = r["bytes_per_s"] / bandwidth
     return rows
+
+
+def has_fp8(torch, device) -> bool:
+    """Whether ``device`` runs 8-bit floating-point products: the CPU, or a GPU of compute capability 8.9 and up
+    (Ada, Hopper and later)."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 def _memory_ops(F, x, y, weight, target, elements: int) -> dict[str, tuple[Callable[[], object], int]]:
@@ -158,27 +207,36 @@ def _memory_ops(F, x, y, weight, target, elements: int) -> dict[str, tuple[Calla
 
 def curves_from_rows(rows: list[dict]) -> dict[str, list[list[float]]]:
     """Efficiency by size for each kind: the median efficiency of each power-of-two size bin, at the bin's
-    median size (``matmul`` and ``attention`` by FLOPs, ``memory`` by bytes)."""
+    median size (``matmul``, ``matmul-fp8`` and ``attention`` by FLOPs, ``memory`` by bytes); a kind with no rows
+    has no curve."""
     curves = {}
-    for kind, size in (("matmul", "flops"), ("attention", "flops"), ("memory", "bytes")):
+    for kind, size in (("matmul", "flops"), ("matmul-fp8", "flops"), ("attention", "flops"), ("memory", "bytes")):
         bins: dict[int, list[tuple[float, float]]] = {}
         for r in rows:
             if r["kind"] == kind and r["efficiency"] > 0:
                 bins.setdefault(int(math.log2(r[size])), []).append((r[size], r["efficiency"]))
-        curves[kind] = [
-            [statistics.median(s for s, _ in b), min(1.5, statistics.median(e for _, e in b))]
-            for _, b in sorted(bins.items())
-        ]
+        if bins:
+            curves[kind] = [
+                [statistics.median(s for s, _ in b), min(1.5, statistics.median(e for _, e in b))]
+                for _, b in sorted(bins.items())
+            ]
     return curves
 
 
 def write_curves(path: str | os.PathLike, key: str, curves: dict, note: str) -> None:
-    """Merge ``key``'s curves into the curve file at ``path`` (created if absent), atomically."""
+    """Merge ``key``'s curves into the curve file at ``path`` (created if absent), atomically: each kind in
+    ``curves`` replaces that kind's curve, the device's other curves stay; ``measured`` names, by kind, what
+    measured each curve."""
     path = Path(path)
     data = json.loads(path.read_text()) if path.exists() else {"devices": {}}
     if not isinstance(data.get("devices"), dict):
         raise ValueError(f"{path}: not a compute-curve file (no 'devices' table)")
-    data["devices"][key] = {**curves, "measured": note}
+    entry = dict(data["devices"].get(key, {}))
+    measured = entry.pop("measured", {})
+    if isinstance(measured, str):  # one note for every curve already there
+        measured = {kind: measured for kind in entry}
+    entry.update(curves)
+    data["devices"][key] = {**entry, "measured": {**measured, **{kind: note for kind in curves}}}
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
         json.dump(data, f, indent=1, sort_keys=True)
         f.write("\n")

@@ -17,6 +17,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny shapes (seconds on a CPU)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each operation (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
+    p.add_argument("--kinds", default=",".join(("matmul", "matmul-fp8", "attention", "memory")),
+                   help="comma-separated kinds to time: matmul, matmul-fp8 (where the device has FP8), attention, "
+                        "memory (default: all)")  # fmt: skip
     p.add_argument("--out", default=None, help="JSON lines, one row per operation and shape")
     p.add_argument("--write-curves", default=None, metavar="PATH",
                    help="merge this device's efficiency curves into PATH (the simulator's: "
@@ -33,10 +36,16 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--out", args.out), ("--write-curves", args.write_curves)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"{flag} {path}: its directory does not exist")
-    rows = compute.run(device_name=args.device, quick=args.quick, repeats=args.repeats, warmup=args.warmup)
-    for kind in ("matmul", "attention", "memory"):
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    rows = compute.run(device_name=args.device, quick=args.quick, repeats=args.repeats, warmup=args.warmup,
+                       kinds=kinds)  # fmt: skip
+    if not rows:
+        raise ValueError(f"--kinds {args.kinds}: this device runs none of them (FP8 needs compute capability 8.9)")
+    for kind in compute.KINDS:
+        if not any(r["kind"] == kind for r in rows):
+            continue
         best = max((r for r in rows if r["kind"] == kind), key=lambda r: r["efficiency"])
-        print(f"{kind:9} best {best['op']:14} efficiency {best['efficiency']:.2f}")
+        print(f"{kind:10} best {best['op']:14} efficiency {best['efficiency']:.2f}")
     if args.out:
         with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(args.out)), delete=False) as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

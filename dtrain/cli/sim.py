@@ -105,6 +105,11 @@ def register(commands) -> None:
         "--recompute", choices=RECOMPUTE, default="none", help="activation recomputation: none, selective or full"
     )
     p.add_argument("--sequence-parallel", action="store_true", help="activations outside tp regions split over tp")
+    p.add_argument(
+        "--fp8", action="store_true", help="linear layers' products in 8-bit floating point (Transformer Engine's FP8)"
+    )
+    p.add_argument("--fp8-params", action="store_true",
+                   help="with --fp8: the weights in 8 bits only (Transformer Engine's fp8_model_init)")  # fmt: skip
     p.add_argument("--embedding-layers", type=int, default=0,
                    help="the pipeline split counts each embedding as this many layers (DeepSpeed's "
                    "type:transformer|embedding: 1); the first and last stages hold that many fewer")  # fmt: skip
@@ -162,6 +167,11 @@ def register(commands) -> None:
         "(default none,selective,full)",
     )
     _add_step_config(p)
+    p.add_argument("--fp8", action="store_true",
+                   help="every layout's linear layers in 8-bit floating point (Transformer Engine's FP8; Hopper and "
+                        "later; not with --config: dtrain train has no FP8 layers)")  # fmt: skip
+    p.add_argument("--fp8-params", action="store_true",
+                   help="with --fp8: every layout's weights kept in 8 bits only")  # fmt: skip
     p.add_argument("--top", type=int, default=10, help="plans to show")
     p.add_argument(
         "--exhaustive",
@@ -243,6 +253,12 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the distributed optimizer's weight all-gather under the next step's first forwards, per model chunk "
         "under interleaved 1F1B (Megatron-Core's --overlap-param-gather; needs --overlap-grad-reduce)",
+    )
+    p.add_argument(
+        "--grad-accumulation-fusion",
+        action="store_true",
+        help="each weight-gradient product adds into the 32-bit gradient itself, no pass of its own (Megatron-LM's "
+        "--gradient-accumulation-fusion)",
     )
     p.add_argument(
         "--overlap-p2p-comm",
@@ -362,7 +378,8 @@ def _step_config(args: argparse.Namespace, **extra):
                       overlap_dp=not args.no_overlap, cost=_software(args), curves=curves,
                       tp_comm_overlap=args.tp_comm_overlap, distributed_optimizer=args.distributed_optimizer,
                       overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-                      overlap_p2p_comm=args.overlap_p2p_comm, **extra)  # fmt: skip
+                      overlap_p2p_comm=args.overlap_p2p_comm,
+                      grad_accumulation_fusion=args.grad_accumulation_fusion, **extra)  # fmt: skip
 
 
 def _simulate_train(args: argparse.Namespace) -> int:
@@ -372,12 +389,14 @@ def _simulate_train(args: argparse.Namespace) -> int:
 
     if args.tp_comm_overlap and not (args.sequence_parallel and args.tp > 1):
         raise ValueError("--tp-comm-overlap needs --sequence-parallel and --tp above 1 (Megatron-Core's requirement)")
+    if args.fp8_params and not args.fp8:
+        raise ValueError("--fp8-params: needs --fp8 (the weights in 8 bits are for FP8 linear layers)")
     topo, model = _topology(args), _model(args)
     chunks = args.chunks or {"interleaved-1f1b": 2, "zb-v": 2}.get(args.schedule, 1)
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,
                     zero_stage=args.zero, schedule=args.schedule, chunks=chunks, recompute=args.recompute,
                     sequence_parallel=args.sequence_parallel, embedding_layers=args.embedding_layers,
-                    microbatch_group=args.microbatch_group)  # fmt: skip
+                    microbatch_group=args.microbatch_group, fp8=args.fp8, fp8_params=args.fp8_params)  # fmt: skip
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma,
                           split_pipeline=args.split_pipeline, flow_limit=args.flow_limit,
                           synchronous_p2p=args.synchronous_p2p)  # fmt: skip
@@ -430,6 +449,10 @@ def _format(key: str, value) -> str:
 def _plan(args: argparse.Namespace) -> int:
     if args.write and not args.config:
         raise ValueError("--write: needs --config, the run config to write the chosen layout into")
+    if args.fp8 and args.config:
+        raise ValueError("--fp8: not with --config (dtrain train runs no FP8 layers)")
+    if args.fp8_params and not args.fp8:
+        raise ValueError("--fp8-params: needs --fp8 (the weights in 8 bits are for FP8 linear layers)")
     if args.config:
         return _plan_run(args)
     if args.global_batch is None:
@@ -448,7 +471,8 @@ def _plan(args: argparse.Namespace) -> int:
         found = sweep(
             model, topo, global_batch=args.global_batch, devices=args.devices, placements=args.placements,
             config=_step_config(args), micro_batches=args.micro_batches, zero_stages=args.zero, max_tp=args.max_tp,
-            recompute=args.recompute, top=None if args.exhaustive else max(args.top, 5),
+            recompute=args.recompute, fp8=args.fp8, fp8_params=args.fp8_params,
+            top=None if args.exhaustive else max(args.top, 5),
             progress=lambda done, total: progress.update(task, completed=done, total=total),
         )  # fmt: skip
     plans, dropped = found.plans, found.too_big

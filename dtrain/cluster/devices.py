@@ -12,14 +12,17 @@ from dataclasses import dataclass
 from dtrain.cluster.catalogue import LINKS
 from dtrain.cluster.topology import Device
 
-__all__ = ["DeviceSpec", "DEVICES", "device_spec", "make_device", "PRECISIONS"]
+__all__ = ["DeviceSpec", "DEVICES", "device_spec", "make_device", "PRECISIONS", "REQUIRED_PRECISIONS"]
 
-PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
+PRECISIONS = ("bf16", "fp16", "tf32", "fp32", "fp8")
+#: The precisions every device runs; ``fp8`` (8-bit floating point, Hopper and later) only some.
+REQUIRED_PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
-    """One accelerator model. ``peak_flops`` maps a precision in :data:`PRECISIONS` to dense FLOP/s."""
+    """One accelerator model. ``peak_flops`` maps a precision in :data:`PRECISIONS` to dense FLOP/s (every one of
+    :data:`REQUIRED_PRECISIONS`; ``fp8`` where the device has it)."""
 
     key: str
     name: str
@@ -31,9 +34,12 @@ class DeviceSpec:
     source: str
 
     def __post_init__(self) -> None:
-        missing = [p for p in PRECISIONS if p not in self.peak_flops]
+        missing = [p for p in REQUIRED_PRECISIONS if p not in self.peak_flops]
         if missing:
             raise ValueError(f"device {self.key!r}: peak_flops lacks {missing}")
+        unknown = [p for p in self.peak_flops if p not in PRECISIONS]
+        if unknown:
+            raise ValueError(f"device {self.key!r}: peak_flops names unknown precisions {unknown}")
         for key in (self.hbm, self.nvlink, self.pcie):
             if key is not None and key not in LINKS:
                 raise ValueError(f"device {self.key!r}: {key!r} is not a catalogue link")
@@ -43,16 +49,25 @@ class DeviceSpec:
         """HBM bandwidth."""
         return LINKS[self.hbm].bytes_per_s
 
+    def has(self, precision: str) -> bool:
+        """Whether the device runs products at ``precision``."""
+        return precision in self.peak_flops
+
     def flops(self, precision: str) -> float:
         """Peak dense FLOP/s at ``precision``."""
-        if precision not in self.peak_flops:
+        if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+        if precision not in self.peak_flops:
+            raise ValueError(f"{self.name} has no {precision} products; it runs {', '.join(self.peak_flops)}")
         return self.peak_flops[precision]
 
 
-def _flops(bf16_tflops: float, tf32_tflops: float, fp32_tflops: float) -> dict[str, float]:
-    return {"bf16": bf16_tflops * 1e12, "fp16": bf16_tflops * 1e12, "tf32": tf32_tflops * 1e12,
-            "fp32": fp32_tflops * 1e12}  # fmt: skip
+def _flops(bf16_tflops: float, tf32_tflops: float, fp32_tflops: float, fp8_tflops: float = 0.0) -> dict[str, float]:
+    out = {"bf16": bf16_tflops * 1e12, "fp16": bf16_tflops * 1e12, "tf32": tf32_tflops * 1e12,
+           "fp32": fp32_tflops * 1e12}  # fmt: skip
+    if fp8_tflops:
+        out["fp8"] = fp8_tflops * 1e12
+    return out
 
 
 DEVICES: dict[str, DeviceSpec] = {
@@ -65,10 +80,11 @@ DEVICES: dict[str, DeviceSpec] = {
         hbm="hbm2e-a100", nvlink="nvlink3", pcie="pcie4x16",
         source="NVIDIA A100 datasheet (HBM 1935 GB/s, PCIe 4.0)"),
     "h100-sxm": DeviceSpec(
-        key="h100-sxm", name="NVIDIA H100 SXM5 80GB", peak_flops=_flops(989.4, 494.7, 66.9), memory_bytes=80 * 10**9,
-        hbm="hbm3-h100", nvlink="nvlink4", pcie="pcie5x16", source="NVIDIA H100 datasheet (NVLink 4)"),
+        key="h100-sxm", name="NVIDIA H100 SXM5 80GB", peak_flops=_flops(989.4, 494.7, 66.9, 1978.9),
+        memory_bytes=80 * 10**9, hbm="hbm3-h100", nvlink="nvlink4", pcie="pcie5x16",
+        source="NVIDIA H100 datasheet (NVLink 4; 1978.9 TFLOPS dense FP8)"),
     "h200-sxm": DeviceSpec(
-        key="h200-sxm", name="NVIDIA H200 SXM 141GB", peak_flops=_flops(989.4, 494.7, 66.9),
+        key="h200-sxm", name="NVIDIA H200 SXM 141GB", peak_flops=_flops(989.4, 494.7, 66.9, 1978.9),
         memory_bytes=141 * 10**9, hbm="hbm3e-h200", nvlink="nvlink4", pcie="pcie5x16",
         source="NVIDIA H200 datasheet (same compute as H100 SXM, 141 GB at 4.8 TB/s)"),
 }  # fmt: skip
@@ -83,7 +99,12 @@ def device_spec(key: str) -> DeviceSpec:
 
 
 def make_device(key: str, *, name: str, server: str, rack: str | None = None, precision: str = "bf16") -> Device:
-    """A topology :class:`Device` of model ``key``, its ``peak_flops`` at the training ``precision``."""
+    """A topology :class:`Device` of model ``key``, its ``peak_flops`` at the training ``precision`` (one of
+    :data:`REQUIRED_PRECISIONS`: a device's ``peak_flops`` prices every operation, and FP8 runs only the linear
+    layers' products, which the simulator's layout says, ``Layout.fp8``)."""
+    if precision == "fp8":
+        raise ValueError("precision 'fp8': a device trains at a 16- or 32-bit precision; FP8 linear layers are a "
+                         "layout's choice (dtrain simulate train --fp8)")  # fmt: skip
     spec = device_spec(key)
     return Device(
         name=name,

@@ -17,12 +17,29 @@ appendix, for the FLOP counts):
   (``7 T h``: input, residual, output and a one-byte mask), the activation (``4 T f / t``, ``6 T f / t``
   gated); split over ``t`` only with sequence parallelism (Korthikanti et al. 2022, section 4.2.2), otherwise
   each rank repeats them; backward moves twice the forward's bytes; each micro-batch's weight gradients are
-  added into 32-bit gradients (Megatron-LM's ``main_grad``: 8 bytes a weight, read and written);
+  added into 32-bit gradients (Megatron-LM's ``main_grad``: 8 bytes a weight, read and written), unless the
+  weight-gradient product adds them itself (``fused_accumulation``: Megatron-LM's
+  ``--gradient-accumulation-fusion``, the product's output accumulated into ``main_grad`` with beta = 1, no pass
+  of its own);
 - the first stage looks up the embedding (``4 T h`` bytes forward, and backward touches the ``V / t`` rows of
   its gradient); the last stage runs the final norm, the logits ``(T, V / t, h)`` and the vocabulary-parallel
   cross-entropy (10 bytes a logit forward, 6 backward);
 - recomputation: full runs every layer's forward again before its backward; selective runs the attention core's
   forward again (nothing with flash attention, whose backward recomputes by design).
+
+FP8 linear layers (``Layout.fp8``; Transformer Engine's ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP``
+under ``fp8_autocast``): the QKV, attention-output and both MLP products, forward and backward, run in 8-bit
+floating point at the device's FP8 rate; the attention core, the logits and the memory-bound work stay 16-bit.
+The products need their operands in 8 bits and, for Hopper's FP8 tensor cores, the backward's operands
+transposed, so each micro-batch also moves (Transformer Engine's ``cast_transpose`` kernels):
+
+- forward, the 8-bit transpose of each product's input, kept for the weight gradient (read 1, write 1 a value;
+  the norms and the activation write their outputs in 8 bits, fused), and the attention output cast to 8 bits
+  (read 2, write 1);
+- backward, each product's output gradient cast to 8 bits with its transpose (read 2, write 2 a value);
+- the weights cast to 8 bits with their transpose once a step, on the first micro-batch (read 2, write 2 a
+  weight; with 8-bit weights, ``Layout.fp8_params``, only the transpose: read 1, write 1), priced here as that
+  step's share a micro-batch.
 
 ``kernels = "megatron-lm"`` prices the layer as Megatron-LM of 2021-2022 runs it (commit de7dc40, the code of
 Narayanan et al. 2021, ``examples/sc21``; the same lines in mid-2022, the code of Korthikanti et al. 2022), on top
@@ -143,20 +160,27 @@ class DeviceCompute:
     bandwidth_efficiency: float
     sms: int  # streaming multiprocessors: one output tile each at a time
     kernel_s: float = 3e-6  # fixed cost of a kernel: launch, fill and drain
+    fp8_peak_flops: float = 0.0  # dense FP8 FLOP/s; 0: the device has no FP8 products
     matmul_curve: Curve | None = None
+    fp8_matmul_curve: Curve | None = None
     attention_curve: Curve | None = None
     bandwidth_curve: Curve | None = None
     source: str = ""
 
-    def matmul_s(self, m: int, n: int, k: int, batch: int = 1, itemsize: int = 2) -> float:
-        """Seconds of ``batch`` products ``(m x k) @ (k x n)``."""
+    def matmul_s(self, m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, *, fp8: bool = False) -> float:
+        """Seconds of ``batch`` products ``(m x k) @ (k x n)``; ``fp8``: 8-bit operands, a 16-bit output, at the
+        FP8 rate (its measured curve, else the 16-bit efficiency at the FP8 peak)."""
         flops = 2.0 * m * n * k * batch
-        if self.matmul_curve is not None:
-            eff = self.matmul_curve(flops)
+        if fp8:
+            if not self.fp8_peak_flops:
+                raise ValueError(f"device {self.key!r} has no FP8 products (fp8 needs Hopper or later)")
+            curve, peak = self.fp8_matmul_curve, self.fp8_peak_flops
+            moved = batch * (m * k + k * n + 2 * m * n)
         else:
-            eff = self.matmul_efficiency * _wave_efficiency(m, n, batch, self.sms)
-        moved = itemsize * batch * (m * k + k * n + m * n)
-        return max(flops / (self.peak_flops * eff), self.memory_s(moved, fixed=False)) + self.kernel_s
+            curve, peak = self.matmul_curve, self.peak_flops
+            moved = itemsize * batch * (m * k + k * n + m * n)
+        eff = curve(flops) if curve is not None else self.matmul_efficiency * _wave_efficiency(m, n, batch, self.sms)
+        return max(flops / (peak * eff), self.memory_s(moved, fixed=False)) + self.kernel_s
 
     def attention_s(self, flops: float) -> float:
         """Seconds of a flash-attention kernel of ``flops``."""
@@ -198,10 +222,12 @@ DEVICE_COMPUTE: dict[str, DeviceCompute] = {
                                bandwidth_efficiency=0.85, sms=108, source=f"{_DATASHEETS}; {_MAMF}; {_FA2}"),
     "h100-sxm": DeviceCompute(key="h100-sxm", peak_flops=989.4e12, memory_bytes_per_s=3350e9,
                               matmul_efficiency=794.5 / 989, attention_efficiency=335 / 989,
-                              bandwidth_efficiency=0.85, sms=132, source=f"{_DATASHEETS}; {_MAMF}; {_FA2}"),
+                              bandwidth_efficiency=0.85, sms=132, fp8_peak_flops=1978.9e12,
+                              source=f"{_DATASHEETS}; {_MAMF}; {_FA2}"),
     "h200-sxm": DeviceCompute(key="h200-sxm", peak_flops=989.4e12, memory_bytes_per_s=4800e9,
                               matmul_efficiency=794.5 / 989, attention_efficiency=335 / 989,
-                              bandwidth_efficiency=0.85, sms=132, source=f"{_DATASHEETS}; {_MAMF} (H100's); {_FA2}"),
+                              bandwidth_efficiency=0.85, sms=132, fp8_peak_flops=1978.9e12,
+                              source=f"{_DATASHEETS}; {_MAMF} (H100's); {_FA2}"),
 }  # fmt: skip
 
 
@@ -217,7 +243,7 @@ def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Cu
         for key, entry in data["devices"].items():
             out[key] = {
                 kind: Curve(tuple(float(s) for s, _ in entry[kind]), tuple(float(e) for _, e in entry[kind]))
-                for kind in ("matmul", "attention", "memory")
+                for kind in ("matmul", "matmul-fp8", "attention", "memory")
                 if entry.get(kind)
             }
         return out
@@ -247,6 +273,7 @@ def device_compute(
             return replace(
                 spec,
                 matmul_curve=measured.get("matmul"),
+                fp8_matmul_curve=measured.get("matmul-fp8"),
                 attention_curve=measured.get("attention"),
                 bandwidth_curve=measured.get("memory"),
             )
@@ -268,16 +295,17 @@ class Op:
     batch: int = 1
     flops: float = 0.0
     nbytes: float = 0.0
+    fp8: bool = False  # a matrix product in 8-bit floating point
 
     @property
     def total_flops(self) -> float:
         return 2.0 * self.m * self.n * self.k * self.batch if self.kind == "matmul" else self.flops
 
 
-def _matmul(name: str, m: int, n: int, k: int, batch: int = 1, *, weight: bool = True) -> list[Op]:
+def _matmul(name: str, m: int, n: int, k: int, batch: int = 1, *, weight: bool = True, fp8: bool = False) -> list[Op]:
     """A product's forward and its two backward products (no weight gradient for activations x activations)."""
-    ops = [Op(name, "matmul", "F", m, n, k, batch), Op(name, "matmul", "B", m, k, n, batch)]
-    ops.append(Op(name, "matmul", "W" if weight else "B", k, n, m, batch))
+    ops = [Op(name, "matmul", "F", m, n, k, batch, fp8=fp8), Op(name, "matmul", "B", m, k, n, batch, fp8=fp8)]
+    ops.append(Op(name, "matmul", "W" if weight else "B", k, n, m, batch, fp8=fp8))
     return ops
 
 
@@ -313,27 +341,41 @@ def _check_kernels(kernels: str) -> None:
         raise ValueError(f"kernels {kernels!r} is not one of {', '.join(KERNELS)}")
 
 
-def layer_ops(model: ModelSpec, layout: Layout, kernels: str = "fused") -> list[Op]:
+def layer_ops(
+    model: ModelSpec, layout: Layout, kernels: str = "fused", *, fused_accumulation: bool = False
+) -> list[Op]:
     """One transformer layer's operations on one tensor-parallel rank for one micro-batch (module docstring),
-    priced with ``kernels`` (:data:`KERNELS`)."""
+    priced with ``kernels`` (:data:`KERNELS`); ``fused_accumulation``: the weight-gradient products accumulate
+    into the 32-bit gradients themselves (no separate pass)."""
     _check_kernels(kernels)
     megatron = kernels == "megatron-lm"
     b, s, h, a, t = layout.micro_batch, model.sequence, model.hidden, model.heads, layout.tp
     tokens, d, f = b * s, h // a, model.ffn
     kv = model.key_value_heads
     outside = tokens * h / (t if layout.sequence_parallel else 1)
+    fp8 = layout.fp8
+    mlp_in = (2 if model.gated_mlp else 1) * f // t
     ops = [
-        *_matmul("qkv", tokens, (h + 2 * kv * d) // t, h),
-        *_matmul("attention-out", tokens, h, h // t),
-        *_matmul("mlp-in", tokens, (2 if model.gated_mlp else 1) * f // t, h),
-        *_matmul("mlp-out", tokens, h, f // t),
+        *_matmul("qkv", tokens, (h + 2 * kv * d) // t, h, fp8=fp8),
+        *_matmul("attention-out", tokens, h, h // t, fp8=fp8),
+        *_matmul("mlp-in", tokens, mlp_in, h, fp8=fp8),
+        *_matmul("mlp-out", tokens, h, f // t, fp8=fp8),
         Op("norms", "memory", "F", nbytes=2 * 4 * outside),
         Op("norms", "memory", "B", nbytes=2 * (10 if megatron else 8) * outside),
         *_memory("residual-adds", 2 * 7 * outside),
         *_memory("activation", (6 if model.gated_mlp else 4) * tokens * f / t),
     ]
     weights = (h * (h + 2 * kv * d) + h * h + (3 if model.gated_mlp else 2) * h * f) / t
-    ops.append(Op("grad-accumulate", "memory", "W", nbytes=8 * weights))
+    if not fused_accumulation:
+        ops.append(Op("grad-accumulate", "memory", "W", nbytes=8 * weights))
+    if fp8:  # Transformer Engine's casts and transposes (module docstring)
+        inputs = tokens * (2 * h + h / t + f / t)  # QKV and MLP-in (gathered), attention-out, MLP-out
+        outputs = tokens * ((h + 2 * kv * d) / t + h + mlp_in + h)  # each product's output gradient
+        weight_casts = (2 if layout.fp8_params else 4) * weights / layout.microbatches
+        ops += [
+            Op("fp8-cast", "memory", "F", nbytes=2 * inputs + 3 * tokens * h / t + weight_casts),
+            Op("fp8-cast", "memory", "B", nbytes=4 * outputs),
+        ]
     heads = b * a // t
     if layout.attention == "flash":
         forward = 4.0 * b * s * s * h / t * 0.5
@@ -372,14 +414,17 @@ def _recomputed(ops: list[Op], recompute: str, attention: str) -> list[Op]:
     return []
 
 
-def stage_ops(model: ModelSpec, layout: Layout, stage: int, kernels: str = "fused") -> dict[str, list[Op]]:
+def stage_ops(
+    model: ModelSpec, layout: Layout, stage: int, kernels: str = "fused", *, fused_accumulation: bool = False
+) -> dict[str, list[Op]]:
     """The operations of pipeline stage ``stage`` for one micro-batch, by what they are: ``"layer"`` (one
     layer's, to be run ``layers`` times), ``"recompute"`` (one layer's recomputed forward), ``"first"``
-    (embedding) and ``"last"`` (final norm, logits, cross-entropy); ``kernels`` as :func:`layer_ops`."""
+    (embedding) and ``"last"`` (final norm, logits, cross-entropy); ``kernels`` and ``fused_accumulation`` as
+    :func:`layer_ops`."""
     b, s, h, t, v = layout.micro_batch, model.sequence, model.hidden, layout.tp, model.vocab
     megatron = kernels == "megatron-lm"
     tokens = b * s
-    ops = layer_ops(model, layout, kernels)
+    ops = layer_ops(model, layout, kernels, fused_accumulation=fused_accumulation)
     out: dict[str, list[Op]] = {"layer": ops, "recompute": _recomputed(ops, layout.recompute, layout.attention)}
     first = []
     if stage == 0 and v:
@@ -406,7 +451,7 @@ def stage_ops(model: ModelSpec, layout: Layout, stage: int, kernels: str = "fuse
 def price(op: Op, device: DeviceCompute) -> float:
     """Seconds of ``op`` on ``device``."""
     if op.kind == "matmul":
-        return device.matmul_s(op.m, op.n, op.k, op.batch)
+        return device.matmul_s(op.m, op.n, op.k, op.batch, fp8=op.fp8)
     if op.kind == "attention":
         return device.attention_s(op.flops)
     return device.memory_s(op.nbytes)
@@ -430,12 +475,18 @@ class StageCompute:
 
 
 def stage_compute(
-    model: ModelSpec, layout: Layout, stage: int, device: DeviceCompute, kernels: str = "fused"
+    model: ModelSpec,
+    layout: Layout,
+    stage: int,
+    device: DeviceCompute,
+    kernels: str = "fused",
+    *,
+    fused_accumulation: bool = False,
 ) -> StageCompute:
     """Seconds of one micro-batch of pipeline stage ``stage`` on ``device`` (all its layers; see
-    :func:`stage_ops`, ``kernels`` as :func:`layer_ops`)."""
+    :func:`stage_ops`, ``kernels`` and ``fused_accumulation`` as :func:`layer_ops`)."""
     layers = stage_layers(model, layout, stage)
-    parts = stage_ops(model, layout, stage, kernels)
+    parts = stage_ops(model, layout, stage, kernels, fused_accumulation=fused_accumulation)
     times = {"F": 0.0, "B": 0.0, "W": 0.0}
     by_name: dict[str, float] = {}
     flops = 0.0

@@ -22,6 +22,15 @@ degree):
 A layout with fused (flash) attention (``Layout.attention``) keeps none of the ``5 a s / h`` terms: the kernel
 stores the output and the softmax statistics only (Dao et al. 2022).
 
+FP8 linear layers (``Layout.fp8``, Transformer Engine's ``fp8_autocast``; Micikevicius et al. 2022, "FP8 Formats
+for Deep Learning"): each linear layer keeps its input for the weight gradient in 8 bits, not 16, which saves
+``s b h`` bytes at the QKV and first MLP products (after their norms), ``s b h / t`` at the attention output's
+and ``4 s b h / t`` at the second MLP product's (``7 s b h / t`` in all with sequence parallelism, where every
+one is split); and each device holds an 8-bit copy of its weights and of their transpose beside the 16-bit ones
+(2 bytes a weight). With 8-bit weights (``Layout.fp8_params``: Transformer Engine's ``fp8_model_init``, the
+optimizer writing its 32-bit master weights straight into 8-bit ones) the 16-bit weights are not kept: 2 bytes a
+weight in all, the 8-bit weights and their transpose.
+
 With recomputation the backward of one layer of one micro-batch also holds what it recomputes (the whole
 layer, or its attention core ``5 a s^2 b / t``) for a moment; that is added once. A 1F1B stage holds at most
 ``pp`` micro-batches in flight (GPipe holds all ``m``).
@@ -121,12 +130,16 @@ class Layout:
     ``global_batch`` sequences a step (so ``global_batch / (dp x micro_batch)`` micro-batches a replica);
     ``recompute`` (one of :data:`RECOMPUTE`) and ``sequence_parallel`` (Korthikanti et al. 2022, section 4.2.2:
     the activations outside the tensor-parallel regions split along the sequence; the same communication volume)
-    change what each layer keeps for backward. ``microbatch_group``: interleaved 1F1B's micro-batch group (0: ``pp``;
-    :func:`dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`). ``embedding_layers``: the pipeline split counts
-    the input embedding and the output layer as that many transformer layers each, so the first and last stages hold
-    that
-    many fewer (DeepSpeed's ``partition_method="type:transformer|embedding"``: BLOOM-176B's 70 layers and two
-    embeddings on 12 stages are 5, 6 x 10 and 5 layers, BigScience tr11-176B-ml README; :func:`stage_layers`)."""
+    change what each layer keeps for backward; ``fp8``: the linear layers' products run in 8-bit floating point
+    (Transformer Engine's FP8 recipe: E4M3 forward, E5M2 gradients, per-tensor scales), their inputs kept in 8 bits
+    (module docstring; :func:`dtrain.sim.compute.layer_ops`); ``fp8_params``: the weights themselves kept in 8 bits
+    (no 16-bit copy; the data-parallel all-gather of weights moves a byte a weight). ``microbatch_group``:
+    interleaved 1F1B's micro-batch group (0: ``pp``;
+    :func:`dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`). ``embedding_layers``: the pipeline split
+    counts the input embedding and the output layer as that many transformer layers each, so the first and last
+    stages hold that many fewer (DeepSpeed's ``partition_method="type:transformer|embedding"``: BLOOM-176B's 70
+    layers and two embeddings on 12 stages are 5, 6 x 10 and 5 layers, BigScience tr11-176B-ml README;
+    :func:`stage_layers`)."""
 
     dp: int = 1
     tp: int = 1
@@ -141,6 +154,8 @@ class Layout:
     attention: str = "unfused"
     embedding_layers: int = 0
     microbatch_group: int = 0
+    fp8: bool = False
+    fp8_params: bool = False
 
     def __post_init__(self) -> None:
         for field_name in ("dp", "tp", "pp", "micro_batch", "global_batch"):
@@ -191,6 +206,10 @@ class Layout:
             raise ValueError(f"embedding_layers takes one model chunk a stage, got chunks = {self.chunks}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        if not isinstance(self.fp8, bool) or not isinstance(self.fp8_params, bool):
+            raise ValueError(f"fp8 and fp8_params must be true or false, got {self.fp8!r} and {self.fp8_params!r}")
+        if self.fp8_params and not self.fp8:
+            raise ValueError("fp8_params keeps the weights in 8 bits for FP8 linear layers: it needs fp8")
 
     @property
     def world_size(self) -> int:
@@ -229,6 +248,7 @@ class Layout:
         if self.microbatch_group:
             schedule += f" group{self.microbatch_group}"
         flash = " flash" if self.attention == "flash" else ""
+        flash += (" fp8-params" if self.fp8_params else " fp8") if self.fp8 else ""
         embedding = f" embedding-as-{self.embedding_layers}" if self.embedding_layers else ""
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp}{embedding} mb{self.micro_batch}x{self.microbatches}{schedule}"
@@ -307,6 +327,8 @@ def _stage_memory(model: ModelSpec, layout: Layout, stage: int) -> MemoryUse:
     shard = stage_parameters(model, layout, stage) / layout.tp
     zero = layout.zero_stage
     weights = 2 * shard / (layout.dp if zero >= 3 else 1)
+    if layout.fp8 and not layout.fp8_params:  # the 8-bit weights and their transpose beside the 16-bit ones
+        weights += 2 * shard / (layout.dp if zero >= 3 else 1)
     gradients = 2 * shard / (layout.dp if zero >= 2 else 1)
     optimizer = 12 * shard / (layout.dp if zero >= 1 else 1)
     if stage == 0:
@@ -335,6 +357,8 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, recompute: str 
         return 2 * s * b * h / (t if sp else 1)
     attention_core = 0.0 if layout.attention == "flash" else 5 * a * s / (h * t)
     outside = 34 / t if sp else 10 + 24 / t  # the norms and dropouts are split over t only with sequence parallelism
+    if layout.fp8:  # the linear layers' inputs in 8 bits (module docstring)
+        outside -= 7 / t if sp else 2 + 5 / t
     return s * b * h * (outside + (attention_core if recompute == "none" else 0.0))
 
 

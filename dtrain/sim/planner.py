@@ -69,6 +69,8 @@ def candidate_layouts(
     schedules: Sequence[tuple[str, int]] | None = None,
     attention: str = "unfused",
     sequence_parallel: bool | None = None,
+    fp8: bool = False,
+    fp8_params: bool = False,
 ) -> list[Layout]:
     """Every valid layout on ``devices`` devices: tp divides the heads (and is at most ``max_tp``), pp the
     layers (or, counting the input and output embeddings as a layer each, the layers and the two embeddings:
@@ -76,7 +78,9 @@ def candidate_layouts(
     per replica. ``schedules``: (schedule, chunks) pairs to try where the pipeline has more than one stage
     (default: ``schedule`` alone); sequence parallelism is on wherever ``tp > 1`` (it moves the same bytes as
     plain tensor parallelism and keeps and computes less, Korthikanti et al. 2022) unless ``sequence_parallel``
-    says otherwise; ``attention``: the attention core of every layout (:data:`~dtrain.sim.model.ATTENTION`)."""
+    says otherwise; ``attention``: the attention core of every layout (:data:`~dtrain.sim.model.ATTENTION`);
+    ``fp8``: every layout's linear layers in 8-bit floating point (``Layout.fp8``; a choice of numerics the search
+    does not make on its own), ``fp8_params`` their weights kept in 8 bits too."""
     pairs = (
         list(schedules)
         if schedules
@@ -109,7 +113,7 @@ def candidate_layouts(
                         layouts.append(
                             Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch, zero_stage=zero,
                                    schedule=name, chunks=chunks, attention=attention, sequence_parallel=sp,
-                                   embedding_layers=embedding)
+                                   embedding_layers=embedding, fp8=fp8, fp8_params=fp8_params)
                         )  # fmt: skip
     return layouts
 
@@ -142,6 +146,8 @@ def plan(
     schedules: Sequence[tuple[str, int]] = (("1f1b", 1), ("interleaved-1f1b", 2)),
     attention: str = "unfused",
     sequence_parallel: bool | None = None,
+    fp8: bool = False,
+    fp8_params: bool = False,
     top: int | None = None,
 ) -> tuple[list[Plan], int]:
     """Plans that fit, fastest first, and how many layouts were left out for memory (:func:`sweep`'s plans and
@@ -150,7 +156,8 @@ def plan(
     found = sweep(
         model, topology, global_batch=global_batch, devices=devices, placements=placements, config=config,
         micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp, recompute=recompute, progress=progress,
-        schedules=schedules, attention=attention, sequence_parallel=sequence_parallel, top=top,
+        schedules=schedules, attention=attention, sequence_parallel=sequence_parallel, fp8=fp8,
+        fp8_params=fp8_params, top=top,
     )  # fmt: skip
     return found.plans, found.too_big
 
@@ -171,14 +178,16 @@ def sweep(
     schedules: Sequence[tuple[str, int]] = (("1f1b", 1), ("interleaved-1f1b", 2)),
     attention: str = "unfused",
     sequence_parallel: bool | None = None,
+    fp8: bool = False,
+    fp8_params: bool = False,
     top: int | None = None,
 ) -> Sweep:
     """Every layout that fits, under every placement, simulated and ranked fastest first. Each layout takes the
     first mode of ``recompute`` (activation recomputation, from :data:`~dtrain.sim.model.RECOMPUTE`) under which
     it fits; ``schedules``: the (pipeline schedule, chunks a stage) pairs tried for layouts with a pipeline;
-    ``attention`` and ``sequence_parallel`` as :func:`candidate_layouts` takes them. ``top``: the plans wanted;
-    pairs whose lower bound shows they rank after the ``top``-th are not simulated (module docstring; None:
-    every pair is). ``progress(done, total)`` after each pair, simulated or bounded."""
+    ``attention``, ``sequence_parallel``, ``fp8`` and ``fp8_params`` as :func:`candidate_layouts` takes them.
+    ``top``: the plans wanted; pairs whose lower bound shows they rank after the ``top``-th are not simulated
+    (module docstring; None: every pair is). ``progress(done, total)`` after each pair, simulated or bounded."""
     if top is not None and top < 1:
         raise ValueError(f"top: plans wanted must be >= 1 or None (every plan), got {top!r}")
     config = config or StepConfig()
@@ -187,7 +196,8 @@ def sweep(
     devices = devices or len(topology.devices())
     layouts = candidate_layouts(
         model, devices, global_batch, micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp,
-        schedules=schedules, attention=attention, sequence_parallel=sequence_parallel,
+        schedules=schedules, attention=attention, sequence_parallel=sequence_parallel, fp8=fp8,
+        fp8_params=fp8_params,
     )  # fmt: skip
     if not layouts:
         raise ValueError(

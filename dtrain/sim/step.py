@@ -146,7 +146,10 @@ class StepConfig:
     other schedules ignore it, as Megatron-LM's ``validate_args`` turns it off without one. ``kernels``: how the
     layer's element-wise work runs (:data:`dtrain.sim.compute.KERNELS`): ``"fused"``, or ``"megatron-lm"``, the
     kernels of Megatron-LM's layer of 2021-2022 (QKV's bias added apart, the fused causal softmax, the 32-bit
-    cross-entropy; :func:`dtrain.sim.compute.layer_ops`). With interleaved 1F1B,
+    cross-entropy; :func:`dtrain.sim.compute.layer_ops`). ``grad_accumulation_fusion``: each weight-gradient
+    product adds into the 32-bit gradient itself, with no pass of its own (Megatron-LM's
+    ``--gradient-accumulation-fusion``, on by default where gradients accumulate in 32 bits: Megatron-Core, and
+    Megatron-LM with ``--bf16``). With interleaved 1F1B,
     ``overlap_grad_reduce`` and ``overlap_param_gather`` work per model chunk (:func:`chunked_reduction_s`):
     Megatron-Core keeps one ``DistributedDataParallel`` a chunk, reduces each chunk's gradients once its last
     backward is done and gathers each chunk's weights before its first forward.
@@ -186,6 +189,7 @@ class StepConfig:
     tp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
     kernels: str = "fused"
+    grad_accumulation_fusion: bool = False
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -472,12 +476,14 @@ def _priced(
     column-parallel products of one layer, and for each product of :data:`UB_OVERLAPS` under sequence
     parallelism its seconds whole, one piece's alone (the product on ``1 / chunks`` of its rows, rounded up), one
     piece's share of :data:`UB_STREAMS` pieces at once (priced as one product of their rows), and its pieces."""
-    key = (model, layout, stage, peak_flops, memory_bytes_per_s, id(config.curves), config.kernels)
+    key = (model, layout, stage, peak_flops, memory_bytes_per_s, id(config.curves), config.kernels,
+           config.grad_accumulation_fusion)  # fmt: skip
     found = _PRICED.get(key)
     if found is not None and found[0] is config.curves:
         return found[1]
     device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
-    work = stage_compute(model, layout, stage, device, config.kernels)
+    fused = config.grad_accumulation_fusion
+    work = stage_compute(model, layout, stage, device, config.kernels, fused_accumulation=fused)
     ops = [op for op in layer_ops(model, layout) if op.name in _COLUMN]
     wgrads = tuple(price(op, device) for op in ops if op.phase == "W")
     dgrads = tuple(price(op, device) for op in ops if op.phase == "B")
@@ -583,6 +589,19 @@ def _step_links(parts: list[tuple[CollectiveResult | None, float]], step_s: floa
     return usage_rows(((links[first[i]], float(totals[i]), 0.0) for i in order.tolist()), step_s)
 
 
+def _check_fp8(topology: Topology, placement: Sequence[str], config: StepConfig) -> None:
+    """Raise ``ValueError`` unless every placed device runs FP8 products and compute is priced per operation."""
+    if config.efficiency is not None:
+        raise ValueError("fp8: each product priced at the FP8 rate needs compute priced per operation (no efficiency)")
+    kinds = {}
+    for name in placement:
+        device = topology.device(name)
+        kinds.setdefault((device.peak_flops, device.memory_bytes_per_s), name)
+    for (peak, rate), name in kinds.items():
+        if not device_compute(peak, rate, curves=config.curves).fp8_peak_flops:
+            raise ValueError(f"fp8: device {name} has no FP8 products (FP8 needs Hopper or later)")
+
+
 def simulate_step(
     model: ModelSpec,
     layout: Layout,
@@ -618,6 +637,8 @@ def _simulate_step(
         raise ValueError(f"placement names {len(placement)} devices for a layout of {layout.world_size} ranks")
     if any(r >= layout.world_size for r in config.slowdown):
         raise ValueError(f"slowdown names ranks {sorted(config.slowdown)} outside the {layout.world_size} ranks")
+    if layout.fp8:
+        _check_fp8(topology, placement, config)
     traffic = simulate_traffic(
         model, layout, topology, placement, tp_algorithm=config.tp_algorithm, dp_algorithm=config.dp_algorithm,
         cost=config.cost, cache=cache, split_pipeline=config.split_pipeline, flow_limit=config.flow_limit,

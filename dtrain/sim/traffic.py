@@ -43,7 +43,8 @@ def dp_phase_bytes(
     """Each data-parallel phase of a step (:data:`ZERO_PHASES`) as ``(collective, bytes a rank holds, item size)``:
     the gradient reduction (all-reduce or reduce-scatter) at ``gradient_bytes`` a value (default the model's
     ``bytes_per_value``; 4 where the optimizer keeps and reduces 32-bit gradients, as DeepSpeed's
-    ``BF16_Optimizer`` does, ``get_grads_for_reduction``), the all-gathers of weights at ``bytes_per_value``.
+    ``BF16_Optimizer`` does, ``get_grads_for_reduction``), the all-gathers of weights at ``bytes_per_value`` (1
+    where the weights are kept in 8 bits, ``Layout.fp8_params``).
     ``distributed_optimizer``: ZeRO stage 1 reduce-scatters the gradients, each rank receiving only the shard its
     optimizer updates, as Megatron-Core's distributed optimizer does (``--use-distributed-optimizer``:
     ``megatron/core/distributed/param_and_grad_buffer.py`` reduce-scatters each bucket when the optimizer is
@@ -56,7 +57,7 @@ def dp_phase_bytes(
     if distributed_optimizer and layout.zero_stage == 1:
         phases = ZERO_PHASES[2]
     for c in phases:
-        size = item if c is Collective.ALL_GATHER else grad_item
+        size = (1 if layout.fp8_params else item) if c is Collective.ALL_GATHER else grad_item
         out.append((c, values * size, size))
     return out
 

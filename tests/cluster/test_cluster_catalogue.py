@@ -124,8 +124,13 @@ def test_device_specs_carry_the_datasheet_figures():
 def test_make_device_uses_the_training_precision():
     device = make_device("h100-sxm", name="s0/gpu0", server="s0", precision="fp32")
     assert device.peak_flops == pytest.approx(66.9e12)
-    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+    with pytest.raises(ValueError, match="FP8 linear layers are a layout's choice"):
         make_device("h100-sxm", name="s0/gpu0", server="s0", precision="fp8")
+    with pytest.raises(ValueError, match="unknown precision 'int4'"):
+        make_device("h100-sxm", name="s0/gpu0", server="s0", precision="int4")
+    assert device_spec("h100-sxm").flops("fp8") == 1978.9e12 and not device_spec("a100-sxm").has("fp8")
+    with pytest.raises(ValueError, match="has no fp8 products"):
+        device_spec("a100-sxm").flops("fp8")
 
 
 def test_gpudirect_paths_skip_host_memory_and_the_others_do_not():

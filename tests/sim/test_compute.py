@@ -133,7 +133,89 @@ def test_bench_compute_quick_on_the_cpu_writes_rows_and_curves(tmp_path) -> None
     assert main(["bench", "compute", "--quick", "--repeats", "1", "--warmup", "0", "--out", str(out),
                  "--write-curves", str(curves)]) == 0  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {r["kind"] for r in rows} == {"matmul", "attention", "memory"}
+    assert {r["kind"] for r in rows} == {"matmul", "matmul-fp8", "attention", "memory"}
     assert all(r["seconds"] > 0 and r["efficiency"] > 0 for r in rows)
     loaded = load_curves(curves)["cpu"]
-    assert set(loaded) == {"matmul", "attention", "memory"}
+    assert set(loaded) == {"matmul", "matmul-fp8", "attention", "memory"}
+
+
+def test_fp8_runs_the_linear_products_at_the_fp8_rate_with_their_casts() -> None:
+    h100 = DEVICE_COMPUTE["h100-sxm"]
+    layout = Layout(tp=2, micro_batch=2, global_batch=4, sequence_parallel=True, attention="flash")
+    fp8 = Layout(tp=2, micro_batch=2, global_batch=4, sequence_parallel=True, attention="flash", fp8=True)
+    ops = layer_ops(GPT, fp8)
+    linear = {"qkv", "attention-out", "mlp-in", "mlp-out"}
+    assert {op.name for op in ops if op.fp8} == linear  # every phase of the four linear products, nothing else
+    assert all(op.fp8 for op in ops if op.name in linear)
+    assert not any(op.fp8 for op in stage_compute_ops(fp8) if op.name == "logits")
+    tokens, h, t, f = 2 * 512, 1024, 2, 4096
+    casts = {op.phase: op.nbytes for op in ops if op.name == "fp8-cast"}
+    weights = (4 * h * h + 2 * h * f) / t
+    assert casts["F"] == pytest.approx(2 * tokens * (2 * h + h / t + f / t) + 3 * tokens * h / t + 4 * weights / 2)
+    assert casts["B"] == pytest.approx(4 * tokens * (3 * h / t + h + f / t + h))
+    product = next(op for op in ops if op.name == "mlp-in" and op.phase == "F")
+    assert h100.matmul_s(product.m, product.n, product.k, fp8=True) < h100.matmul_s(product.m, product.n, product.k)
+    assert stage_compute(GPT, fp8, 0, h100).total_s < stage_compute(GPT, layout, 0, h100).total_s
+    with pytest.raises(ValueError, match="no FP8"):
+        A100.matmul_s(1024, 1024, 1024, fp8=True)
+
+
+def stage_compute_ops(layout: Layout) -> list:
+    from dtrain.sim.compute import stage_ops
+
+    return [op for part in stage_ops(GPT, layout, 0).values() for op in part]
+
+
+def test_fp8_keeps_8_bit_inputs_and_8_bit_weights() -> None:
+    from dtrain.sim.model import activation_bytes_per_layer, memory_per_device
+
+    s, b, h, t = 512, 2, 1024, 2
+    for sp, saved in ((True, 7 / t), (False, 2 + 5 / t)):
+        plain = Layout(tp=t, micro_batch=b, global_batch=b, sequence_parallel=sp)
+        fp8 = Layout(tp=t, micro_batch=b, global_batch=b, sequence_parallel=sp, fp8=True)
+        difference = activation_bytes_per_layer(GPT, plain) - activation_bytes_per_layer(GPT, fp8)
+        assert difference == pytest.approx(saved * s * b * h)
+        assert memory_per_device(GPT, fp8).weights == pytest.approx(2 * memory_per_device(GPT, plain).weights)
+    assert "fp8" in Layout(fp8=True).describe()
+    with pytest.raises(ValueError, match="fp8 and fp8_params must be"):
+        Layout(fp8="yes")
+    fp8_weights = Layout(tp=t, micro_batch=b, global_batch=b, fp8=True, fp8_params=True)
+    assert memory_per_device(GPT, fp8_weights).weights == pytest.approx(memory_per_device(GPT, Layout(tp=t,
+        micro_batch=b, global_batch=b)).weights)  # fmt: skip
+    assert "fp8-params" in fp8_weights.describe()
+
+
+def test_fused_accumulation_leaves_out_the_accumulating_pass() -> None:
+    plain = {op.name for op in layer_ops(GPT, Layout())}
+    fused = layer_ops(GPT, Layout(), fused_accumulation=True)
+    assert "grad-accumulate" in plain and plain - {op.name for op in fused} == {"grad-accumulate"}
+    assert (
+        stage_compute(GPT, Layout(), 0, A100, fused_accumulation=True).weight_s
+        < stage_compute(GPT, Layout(), 0, A100).weight_s
+    )
+
+
+def test_fp8_curve_loads_and_is_used() -> None:
+    curves = {"h100-sxm": {"matmul-fp8": Curve((1e9, 1e12), (0.25, 0.5))}}
+    h100 = device_compute(989.4e12, 3350e9, curves=curves)
+    assert h100.fp8_matmul_curve is not None and h100.matmul_curve is None
+    m = n = k = 8192
+    assert h100.matmul_s(m, n, k, fp8=True) == pytest.approx(2 * m * n * k / (1978.9e12 * 0.5) + h100.kernel_s)
+
+
+def test_bench_compute_times_fp8_products_and_merges_curves_by_kind(tmp_path) -> None:
+    pytest.importorskip("torch")
+    from dtrain.bench.compute import curves_from_rows, run, write_curves
+
+    rows = run(quick=True, repeats=1, warmup=0, kinds=("matmul-fp8",))
+    assert rows and {r["kind"] for r in rows} == {"matmul-fp8"}
+    assert max(r["efficiency"] for r in rows) == pytest.approx(1.0)  # the CPU's best FP8 product is its peak
+    path = tmp_path / "curves.json"
+    path.write_text(json.dumps({"devices": {"cpu": {"matmul": [[1e9, 0.5]], "measured": "an older run"}}}))
+    write_curves(path, "cpu", curves_from_rows(rows), "this run")
+    entry = json.loads(path.read_text())["devices"]["cpu"]
+    assert entry["matmul"] == [[1e9, 0.5]] and entry["matmul-fp8"]
+    assert entry["measured"] == {"matmul": "an older run", "matmul-fp8": "this run"}
+    assert set(load_curves(path)["cpu"]) == {"matmul", "matmul-fp8"}
+    with pytest.raises(ValueError, match="--kinds"):
+        run(quick=True, kinds=("tensor",))

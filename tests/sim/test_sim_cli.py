@@ -237,3 +237,28 @@ def test_plan_prices_interleaved_plans_with_megatron_core_overlaps(capsys: pytes
         assert 0 < overlapped[name]["dp_exposed_s"] < p["dp_exposed_s"]
     assert main([*argv, "--overlap-param-gather"]) == 2
     assert "--overlap-param-gather needs --overlap-grad-reduce" in "".join(capsys.readouterr())
+
+
+def test_fp8_and_fused_accumulation_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "train", "--topology", "h100-node", "--model", "llama-7b", "--tp", "8", "--global-batch", "2",
+            "--sequence-parallel"]  # fmt: skip
+    plain = run_json(capsys, *argv)
+    fp8 = run_json(capsys, *argv, "--fp8")
+    fused = run_json(capsys, *argv, "--grad-accumulation-fusion")
+    assert fp8["layout"]["fp8"] and fp8["compute_s"] < plain["compute_s"]
+    assert fused["compute_s"] < plain["compute_s"]
+    assert fp8["memory_gb"] != plain["memory_gb"]
+    fp8_weights = run_json(capsys, *argv, "--fp8", "--fp8-params")
+    assert fp8_weights["layout"]["fp8_params"] and fp8_weights["memory_gb"] < fp8["memory_gb"]
+    assert main([*argv, "--fp8-params"]) == 2
+    assert "--fp8-params: needs --fp8" in "".join(capsys.readouterr())
+    a100 = ["simulate", "train", "--topology", "dgx-a100", "--tp", "8", "--global-batch", "2", "--fp8"]
+    assert main(a100) == 2
+    assert "fp8: device s0/gpu0 has no FP8 products" in "".join(capsys.readouterr())
+    plan = ["plan", "--topology", "h100-node", "--params", "1e9", "--layers", "8", "--hidden", "2048", "--heads",
+            "16", "--global-batch", "16", "--micro-batches", "1", "--zero", "0", "--placements", "aware",
+            "--fp8"]  # fmt: skip
+    plans = run_json(capsys, *plan)["plans"]
+    assert plans and all(p["layout"].endswith("fp8") or " fp8" in p["layout"] for p in plans)
+    assert main(["plan", "--topology", "h100-node", "--config", "configs/tiny-cpu.toml", "--fp8"]) == 2
+    assert "--fp8: not with --config" in "".join(capsys.readouterr())
