@@ -2351,8 +2351,9 @@ def _training_sim_part() -> list[str]:
         ]
         if rows:
             parts += [
-                "### Published large-scale runs (DGX A100)",
-                "See [simulator-validation.md](simulator-validation.md) for the rows and their sources.",
+                "### Published large-scale runs (A100 and H100 clusters, 8 to 11,616 GPUs)",
+                "See [simulator-validation.md](simulator-validation.md) for the rows, their sources and the "
+                "median and worst error of each set.",
                 table(["run", "published s", "predicted s", "error"], rows),
             ]
     return parts

@@ -9,7 +9,7 @@ The simulator (dtrain.sim) against measurements in benchmarks/results/; no GPU n
               from 64 MiB), every GPU figure from the H100's micro-benchmarks
   peer-h200   the peer-transport model against 4 x H200 eager and replayed sweeps, pull and push forms
   p2p-h200    the point-to-point transport's calibrated and fitted software costs against 4 x H200 eager runs
-  published   training steps of large GPT runs on DGX A100 clusters against their published iteration
+  published   training steps of large GPT runs on A100 and H100 clusters against their published iteration
               times, a validation and a held-out set (benchmarks/sim/published.toml; --out, --rows,
               --flow-limit, --plan with --plan-out and --plan-limit)
   training-h100  dtrain's own training runs on 4 x H100 (Llama 1B layouts, ZeRO-3, recomputation, the largest

@@ -146,12 +146,14 @@ def test_h100_rows_load_and_simulate() -> None:
     assert published.config_of(row).distributed_optimizer  # Megatron-Core's reduce-scatter of the gradients
     # the README's --tp-comm-overlap (Transformer Engine's userbuffers) on every H100 row with tensor parallelism
     for other in rows.values():
-        used = other["name"].startswith("mcore24-") and other["tp"] > 1
+        transformer_engine = other["name"].startswith(("mcore24-", "mlperf"))
+        used = transformer_engine and other["tp"] > 1
         assert published.config_of(other).tp_comm_overlap == used, other["name"]
         # the README's overlapped pipeline exchanges (Megatron-Core's overlap_p2p_comm), kept only with interleaving:
         # interleaved where a stage's layers leave one chunk count (a prime count of layers, one layer a chunk)
         mcore = other["name"].startswith("mcore24-")
-        assert published.config_of(other).overlap_p2p_comm == mcore, other["name"]
+        assert published.config_of(other).overlap_p2p_comm == transformer_engine, other["name"]
+        assert published.config_of(other).grad_accumulation_fusion == transformer_engine, other["name"]
         if mcore and other["pp"] > 1:
             per_stage = other["layers"] // other["pp"]
             choices = [c for c in range(2, per_stage + 1) if per_stage % c == 0]
@@ -165,3 +167,39 @@ def test_h100_rows_load_and_simulate() -> None:
     exposed = published.simulate(row, dataclasses.replace(config, overlap_grad_reduce=False,
                                                           overlap_param_gather=False))  # fmt: skip
     assert result["dp_exposed_s"] < exposed["dp_exposed_s"]
+
+
+MLPERF_41 = ["mlperf41-nvidia-256", "mlperf41-nvidia-512"]
+
+
+def test_mlperf_rows_are_the_logged_layouts_in_fp8() -> None:
+    rows = [row for row in _rows().values() if row["name"].startswith("mlperf")]
+    assert len(rows) == 16 and {row["set"] for row in rows} == {"validation"}
+    for row in rows:
+        layout = published.layout_of(row)
+        assert layout.fp8 and layout.sequence_parallel and layout.schedule == "interleaved-1f1b", row["name"]
+        assert layout.world_size in {256, 512, 768, 1536, 3584, 4096, 6144, 8192, 10240, 10752, 11616}
+        assert (row["layers"], row["hidden"], row["heads"], row["sequence"]) == (96, 12288, 96, 2048)
+        # FP8 weights (FP8_PARAMS) from v4.0 on
+        assert layout.fp8_params == row["name"].startswith(("mlperf40", "mlperf41")), row["name"]
+    # 2 layers a chunk and micro-batches of 2 (v4.1): within the targets, and the layouts that ran fit
+    results = [_result(n) for n in MLPERF_41]
+    assert all(r["fits"] for r in results), results
+    assert max(_errors(MLPERF_41)) <= published.MEDIAN_TARGET, results
+
+
+def test_fp8_weights_halve_the_gather_and_drop_the_16_bit_copy() -> None:
+    import dataclasses
+
+    from dtrain.sim.model import memory_per_device
+    from dtrain.sim.traffic import dp_phase_bytes
+
+    row = _rows()["mlperf41-nvidia-512"]
+    model, layout = published.model_of(row), published.layout_of(row)
+    plain = dataclasses.replace(layout, fp8_params=False)
+    gathers = [(n, item) for lay in (layout, plain) for c, n, item in dp_phase_bytes(model, lay, 2, True)
+               if c.name == "ALL_GATHER"]  # fmt: skip
+    assert gathers[0][1] == 1 and gathers[1][1] == 2 and gathers[0][0] * 2 == pytest.approx(gathers[1][0])
+    assert memory_per_device(model, plain).weights == pytest.approx(2 * memory_per_device(model, layout).weights)
+    with pytest.raises(ValueError, match="needs fp8"):
+        dataclasses.replace(layout, fp8=False)

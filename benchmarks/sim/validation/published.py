@@ -1,9 +1,10 @@
 """The training-step simulator against published iteration times of large GPT runs (benchmarks/sim/published.toml).
 
-Each row is simulated with the techniques it used (recomputation, sequence parallelism, schedule) on a DGX A100
-SuperPOD like the papers' Selene: scalable units of 20 DGX A100 servers (8 A100 80 GB on NVSwitch, 8 HDR NICs),
-rail-optimised (NVIDIA DGX SuperPOD reference architecture), compute priced per operation from device specs and
-published microbenchmarks (dtrain.sim.compute). Nothing is fitted to these rows.
+Each row is simulated with the techniques it used (recomputation, sequence parallelism, schedule, FP8) on a
+cluster like its own (``cluster_of``): the A100 rows on a DGX A100 SuperPOD like the papers' Selene (scalable units
+of 20 DGX A100 servers, 8 A100 80 GB on NVSwitch, 8 HDR NICs, rail-optimised; NVIDIA DGX SuperPOD reference
+architecture), the H100 rows on a DGX H100 SuperPOD; compute priced per operation from device specs, published
+microbenchmarks and dtrain bench compute's H100 curves (dtrain.sim.compute). Nothing is fitted to these rows.
 
     python benchmarks/sim/validate.py published [--out benchmarks/results/sim_validation-cpu2.jsonl] [--plan]
 
@@ -100,7 +101,8 @@ def layout_of(row: dict) -> Layout:
                   global_batch=row["global_batch"], zero_stage=row.get("zero_stage", 0),
                   schedule=row.get("schedule", "1f1b"), chunks=row.get("chunks", 1), recompute=row["recompute"],
                   sequence_parallel=row["sequence_parallel"], attention=row.get("attention", "unfused"),
-                  embedding_layers=row.get("embedding_layers", 0))  # fmt: skip
+                  embedding_layers=row.get("embedding_layers", 0), fp8=row.get("fp8", False),
+                  fp8_params=row.get("fp8_params", False))  # fmt: skip
 
 
 #: Clusters a row may name (``cluster``), by device, the first the default. A100: Selene's DGX SuperPOD (above), or
@@ -162,7 +164,10 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     pipeline exchanges run under compute (``overlap_p2p_comm``: Megatron-Core's default, which its argument checks
     keep only with an interleaved schedule; ``StepConfig.overlap_p2p_comm``), and the kernels of the layer
     (``kernels``, default ``"fused"``; ``"megatron-lm"`` for Megatron-LM's layer of 2021-2022, whose QKV bias,
-    causal softmax, copies and 32-bit cross-entropy :func:`dtrain.sim.compute.layer_ops` prices as it runs them).
+    causal softmax, copies and 32-bit cross-entropy :func:`dtrain.sim.compute.layer_ops` prices as it runs them),
+    and whether the weight-gradient products add into the 32-bit gradients themselves
+    (``grad_accumulation_fusion``: Megatron-LM's ``--gradient-accumulation-fusion``, on by default, which its
+    argument checks keep only where gradients accumulate in 32 bits; ``StepConfig.grad_accumulation_fusion``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
@@ -175,7 +180,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       distributed_optimizer=row.get("distributed_optimizer", False),
                       tp_comm_overlap=row.get("tp_comm_overlap", False),
                       overlap_p2p_comm=row.get("overlap_p2p_comm", False),
-                      kernels=row.get("kernels", "fused"))  # fmt: skip
+                      kernels=row.get("kernels", "fused"),
+                      grad_accumulation_fusion=row.get("grad_accumulation_fusion", False))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
@@ -217,7 +223,8 @@ def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
     the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO and the row's ZeRO stage, 1F1B and interleaved
     1F1B of 2 chunks and of the row's chunks), ranked by simulated step time, searched twice: with every technique
     (recomputation only where memory needs it, sequence parallelism with tp) and with the row's own (its
-    recomputation, sequence parallelism as it used it), every layout with the row's attention core. A rank is 1 +
+    recomputation, sequence parallelism as it used it), every layout with the row's attention core and the row's
+    FP8 linear layers and weights. A rank is 1 +
     the plans faster than the published layout, as simulated."""
     from dtrain.sim.planner import plan
 
@@ -234,7 +241,8 @@ def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
         plans, _ = plan(model, topo, global_batch=row["global_batch"], devices=layout.world_size,
                         placements=("aware",), micro_batches=(row["micro_batch"],),
                         zero_stages=tuple(sorted({0, layout.zero_stage})), max_tp=8,
-                        config=config, schedules=schedules, attention=layout.attention, **techniques)  # fmt: skip
+                        config=config, schedules=schedules, attention=layout.attention, fp8=layout.fp8,
+                        fp8_params=layout.fp8_params, **techniques)  # fmt: skip
         best = plans[0] if plans else None
         out |= {
             f"best{suffix}": best.layout.describe() if best else None,
@@ -310,6 +318,7 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
     out.append(f"| all | {s['rows']} | {s['median_abs_error']:.1%} | {s['worst_abs_error']:.1%} | {_verdict(s)} |")
     for label, prefix, where in (("Korthikanti et al. 2022 alone", "korthikanti22-", "validation"),
                                  ("Narayanan et al. 2021, table 1", "narayanan21-", "validation"),
+                                 ("MLPerf Training v3.0-v4.1, H100", "mlperf", "validation"),
                                  ("Megatron-Core r0.8.0, H100", "mcore24-", "held-out")):  # fmt: skip
         part = [r for r in results if r["name"].startswith(prefix) and r["set"] == where]
         if part:
