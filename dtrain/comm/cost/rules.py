@@ -203,7 +203,9 @@ _PEER_ALL_REDUCE_4 = (
 #: 1.02-1.06x from 16 MiB to 1 GiB on 4 (0.99x at 8 MiB) and 1.04-1.11x on 2 (1.01x at 8), the all-gather at
 #: 1.08-1.10x and 1.07-1.26x, the reduce-scatter at 1.02-1.10x and 1.04-1.21x (0.92-0.96x at 8 MiB), the all-to-all
 #: at 1.01-1.11x from 16 to 256 MiB on 4 and 0.98-0.99x at 1 GiB, on 2 at 1.08-1.15x from 64 MiB (0.99x at 32),
-#: the broadcast at 0.99-1.00x (it stays ``native``).
+#: the broadcast at 0.99-1.00x (it stays ``native``). Below 16 MiB the all-reduce keeps the default communicator:
+#: one H100 launch ran the 64-CTA one at 1.22x at 4 MiB and 0.99x at 8, but two launches on 4 H200s ran it at
+#: 0.90-0.96x from 2 to 5 MiB and 0.96-1.03x from 6 to 12 MiB (probe-nccl-ctas-ar-mid-h200x4-run{1,2}.txt).
 _MIB = 1 << 20
 _PEER_2 = {
     "all_gather": ((0, "direct"), (2 * 8 * _MIB + 1, NATIVE_WIDE)),
