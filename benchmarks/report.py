@@ -2751,7 +2751,54 @@ GPU runs use NVLink multicast off (`NCCL_NVLS_ENABLE=0`) and dtrain's defaults u
 - [Parameter server](#parameter-server)
 - [Simulator validation](#simulator-validation)
 - [Emulated cluster against the simulator](#emulated-cluster-against-the-simulator)
-- [Simulator beside the measurements](#simulator-beside-the-measurements)"""
+- [Simulator beside the measurements](#simulator-beside-the-measurements)
+- [Compute beside communication](#compute-beside-communication)"""
+
+
+def section_overlap() -> str:
+    """A transformer layer's matrix products beside an NCCL collective on the same GPU, and each alone
+    (``dtrain bench overlap``): the slowdowns the simulator prices overlapped communication with."""
+    rows = []
+    for path in ("nvlink", "network"):
+        first = {(r["product"], r["collective"]): r for r in load(f"bench_overlap-{path}-h200x2-run2.jsonl")}
+        for r in load(f"bench_overlap-{path}-h200x2.jsonl"):
+            again = first.get((r["product"], r["collective"]))
+            repeat = "-" if again is None else f"{again['product_slowdown']:.3f} / {again['collective_slowdown']:.3f}"
+            rows.append([path, r["product"], NAMES.get(r["collective"].replace("-", "_"), r["collective"]),
+                         f"{r['product_tflops']:.0f}", f"{r['collective_gbps']:.1f}", f"{r['product_slowdown']:.3f}",
+                         f"{r['collective_slowdown']:.3f}", repeat])  # fmt: skip
+    if not rows:
+        return ""
+    return "\n\n".join(
+        [
+            "## Compute beside communication",
+            "`dtrain bench overlap` on 2 x NVIDIA H200 (torch 2.11.0+cu130, NCCL 2.28.9 as the repeat records): the "
+            "products of one layer of a "
+            "hidden-12288 transformer on 4 tensor-parallel ranks, 2,048 tokens (forward, input and weight gradients), "
+            "in a loop beside a loop of 128 MiB collectives on another stream, and each alone; the median of 3 rounds, "
+            "the slower rank. `product x`: the products' time beside the collectives over alone; `collective x`: the "
+            "collectives' time beside the products over alone. `network`: `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`, so "
+            "NCCL goes through its proxy and network transport (sockets here) as between servers. The simulator "
+            "prices overlapped communication from the medians by path and precision (`dtrain/sim/compute_curves.json`, "
+            "`StepConfig.contention`). Commands: `dtrain bench overlap --out "
+            "benchmarks/results/bench_overlap-nvlink-h200x2.jsonl --write-curves dtrain/sim/compute_curves.json`, and "
+            "the same under the two variables into `bench_overlap-network-h200x2.jsonl`. The last column is the same "
+            "two commands on another lease of 2 x H200 (`-run2`), not used by the simulator.",
+            table(
+                [
+                    "path",
+                    "product",
+                    "collective",
+                    "products alone (TFLOP/s)",
+                    "collective alone (GB/s)",
+                    "product x",
+                    "collective x",
+                ],
+                rows,
+            ),  # fmt: skip
+        ]
+    )
+
 
 SECTIONS = (
     section_collectives,
@@ -2764,6 +2811,7 @@ SECTIONS = (
     section_sim,
     section_emulation,
     section_sim_beside_measured,
+    section_overlap,
 )
 
 

@@ -1,4 +1,4 @@
-"""The ``dtrain`` command: ``dtrain check``, ``dtrain bench comm|calibrate|verify|compute``, ``dtrain train``.
+"""The ``dtrain`` command: ``dtrain check``, ``dtrain bench comm|calibrate|verify|compute|overlap``, ``dtrain train``.
 
 Multi-rank commands take ``--nproc N`` and start N local ranks through torch's launcher API; under torchrun
 (``torchrun --nproc-per-node 4 -m dtrain bench comm``) they join the job torchrun started instead.
@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dtrain.cli import bench_compute
 
     bench_compute.add_parser(bench_commands)
+    from dtrain.cli import bench_overlap
+
+    bench_overlap.add_parser(bench_commands)
     _add_train(commands)
     for module in _feature_modules():
         module.register(commands)

@@ -261,6 +261,12 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         "--gradient-accumulation-fusion)",
     )
     p.add_argument(
+        "--no-contention",
+        action="store_true",
+        help="overlapped communication costs the compute beside it nothing (default: priced from dtrain bench "
+        "overlap's measurement where the device has one)",
+    )
+    p.add_argument(
         "--overlap-p2p-comm",
         action="store_true",
         help="interleaved 1F1B's pipeline sends and receives posted after each action and waited for before the "
@@ -379,7 +385,8 @@ def _step_config(args: argparse.Namespace, **extra):
                       tp_comm_overlap=args.tp_comm_overlap, distributed_optimizer=args.distributed_optimizer,
                       overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
                       overlap_p2p_comm=args.overlap_p2p_comm,
-                      grad_accumulation_fusion=args.grad_accumulation_fusion, **extra)  # fmt: skip
+                      grad_accumulation_fusion=args.grad_accumulation_fusion, contention=not args.no_contention,
+                      **extra)  # fmt: skip
 
 
 def _simulate_train(args: argparse.Namespace) -> int:
@@ -430,7 +437,7 @@ def _step_data(r) -> dict:
     return {
         "step_s": r.step_s, "step_p95_s": r.step_p95_s, "tokens_per_s": r.tokens_per_s, "compute_s": r.compute_s,
         "tp_comm_s": r.tp_s, "pp_message_s": r.pp_s, "dp_comm_s": r.dp_s,
-        "dp_exposed_s": r.dp_exposed_s, "optimizer_s": r.optimizer_s,
+        "dp_exposed_s": r.dp_exposed_s, "contention_s": r.contention_s, "optimizer_s": r.optimizer_s,
         "bubble": r.bubble, "memory_gb": r.memory.total / 1e9, "memory_limit_gb": r.memory_limit / 1e9,
         "fits": r.fits, "bottleneck": r.bottleneck.link.name if r.bottleneck else None,
     }  # fmt: skip

@@ -78,6 +78,17 @@ tile shapes; NVIDIA's "Matrix Multiplication Background User's Guide", wave quan
 the constants: matrix-product efficiency by FLOPs, attention efficiency by FLOPs, bandwidth efficiency by bytes,
 each interpolated in the logarithm of the size.
 
+Communication overlapped with compute shares the device with it: a collective's kernels hold multiprocessors
+and, on a power-capped GPU, draw watts the products would run on. ``dtrain bench overlap`` measures, for each way
+a collective goes (``nvlink`` within a server, ``network`` through NCCL's proxy as between servers) and each
+product precision, how much slower a transformer layer's products run while a collective runs beside them
+(``product``, x) and how much slower the collective runs (``collective``, y); :class:`Beside` holds them and
+:meth:`DeviceCompute.beside_s` prices a collective of ``c`` seconds alone, run under compute, at ``c y (1 - 1/x)``
+seconds more compute (the products lose ``1 - 1/x`` of their rate for the ``c y`` seconds the collective takes
+beside them). H100 SXM takes H200 SXM's measurement where it has none of its own (the same chip: 132
+multiprocessors, a 700 W cap, NVLink 4; NVIDIA H100 and H200 datasheets). A device without a measurement
+prices overlapped communication as free.
+
 Built-in constants (no measurement on file): the matrix-product ceiling is the Maximum Achievable Matmul FLOPS
 of Bekman's table (S. Bekman, "Machine Learning Engineering", compute/accelerator, bf16: A100 SXM 271.2 of 312
 TFLOP/s, H100 SXM 794.5 of 989); H200 SXM takes H100's (same chip and clocks, NVIDIA H200 datasheet). Flash
@@ -100,6 +111,7 @@ from dtrain.sim.model import Layout, ModelSpec, stage_layers
 __all__ = [
     "CURVES_PATH",
     "DEVICE_COMPUTE",
+    "Beside",
     "Curve",
     "DeviceCompute",
     "KERNELS",
@@ -148,6 +160,25 @@ class Curve:
         return self.efficiencies[i - 1] + w * (self.efficiencies[i] - self.efficiencies[i - 1])
 
 
+@dataclass(frozen=True)
+class Beside:
+    """Slowdowns measured by ``dtrain bench overlap``: ``factors`` rows of (path, product precision, product
+    slowdown x, collective slowdown y); paths "nvlink", "network" (and "host" on the CPU), precisions "bf16",
+    "fp8"."""
+
+    factors: tuple[tuple[str, str, float, float], ...]
+
+    def __post_init__(self) -> None:
+        for path, precision, x, y in self.factors:
+            if not (x >= 1.0 or math.isclose(x, 1.0, abs_tol=0.05)) or not y > 0:
+                raise ValueError(f"beside[{path}][{precision}]: slowdowns must be near or above 1, got {x}, {y}")
+
+    def get(self, path: str, precision: str) -> tuple[float, float] | None:
+        """(x, y) for ``path`` and ``precision`` (bf16's where that precision was not measured)."""
+        found = {(p, k): (x, y) for p, k, x, y in self.factors}
+        return found.get((path, precision)) or found.get((path, "bf16"))
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceCompute:
     """How fast one accelerator runs each kind of operation (see the module docstring)."""
@@ -165,7 +196,18 @@ class DeviceCompute:
     fp8_matmul_curve: Curve | None = None
     attention_curve: Curve | None = None
     bandwidth_curve: Curve | None = None
+    beside: Beside | None = None
     source: str = ""
+
+    def beside_s(self, seconds: float, path: str, *, fp8: bool = False) -> float:
+        """Compute seconds lost to a collective that takes ``seconds`` alone and runs beside this device's products
+        over ``path`` ("nvlink" or "network"): ``seconds y (1 - 1/x)`` with the measured slowdowns (module
+        docstring); 0 with no measurement."""
+        factors = self.beside.get(path, "fp8" if fp8 else "bf16") if self.beside is not None else None
+        if factors is None or seconds <= 0:
+            return 0.0
+        x, y = factors
+        return seconds * y * max(0.0, 1.0 - 1.0 / x)
 
     def matmul_s(self, m: int, n: int, k: int, batch: int = 1, itemsize: int = 2, *, fp8: bool = False) -> float:
         """Seconds of ``batch`` products ``(m x k) @ (k x n)``; ``fp8``: 8-bit operands, a 16-bit output, at the
@@ -231,9 +273,10 @@ DEVICE_COMPUTE: dict[str, DeviceCompute] = {
 }  # fmt: skip
 
 
-def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Curve]]:
+def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Curve | Beside]]:
     """Measured efficiency curves by device key (``{"h100-sxm": {"matmul": Curve, ...}}``) from ``path``
-    (default :data:`CURVES_PATH`); an empty dict where the file does not exist."""
+    (default :data:`CURVES_PATH`), and under ``"beside"`` the device's :class:`Beside` slowdowns where measured; an
+    empty dict where the file does not exist."""
     path = Path(path) if path is not None else CURVES_PATH
     if not path.exists():
         return {}
@@ -246,16 +289,25 @@ def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Cu
                 for kind in ("matmul", "matmul-fp8", "attention", "memory")
                 if entry.get(kind)
             }
+            if entry.get("beside"):
+                out[key]["beside"] = Beside(tuple(
+                    (path, precision, float(f["product"]), float(f["collective"]))
+                    for path, by_precision in sorted(entry["beside"].items())
+                    for precision, f in sorted(by_precision.items())
+                ))  # fmt: skip
         return out
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: not a compute-curve file ({err}); expected {{'devices': {{KEY: {{...}}}}}}") from err
 
 
-_LOADED: dict[str, dict[str, dict[str, Curve]]] = {}
+_LOADED: dict[str, dict[str, dict[str, Curve | Beside]]] = {}
+
+#: A device that takes another's :class:`Beside` measurement where it has none (module docstring).
+BESIDE_FROM = {"h100-sxm": "h200-sxm"}
 
 
 def device_compute(
-    peak_flops: float, memory_bytes_per_s: float, *, curves: dict[str, dict[str, Curve]] | None = None
+    peak_flops: float, memory_bytes_per_s: float, *, curves: dict[str, dict[str, Curve | Beside]] | None = None
 ) -> DeviceCompute:
     """The compute model of a topology device: the catalogue device of the same peak and memory rate (with its
     measured curves from :func:`load_curves` where there are some), else an unnamed device with A100's
@@ -270,12 +322,14 @@ def device_compute(
             spec.memory_bytes_per_s, memory_bytes_per_s, rel_tol=0.01
         ):
             measured = curves.get(spec.key, {})
+            beside = measured.get("beside") or curves.get(BESIDE_FROM.get(spec.key, ""), {}).get("beside")
             return replace(
                 spec,
                 matmul_curve=measured.get("matmul"),
                 fp8_matmul_curve=measured.get("matmul-fp8"),
                 attention_curve=measured.get("attention"),
                 bandwidth_curve=measured.get("memory"),
+                beside=beside,
             )
     base = DEVICE_COMPUTE["a100-sxm"]
     return replace(base, key="generic", peak_flops=peak_flops, memory_bytes_per_s=memory_bytes_per_s)

@@ -152,7 +152,14 @@ class StepConfig:
     Megatron-LM with ``--bf16``). With interleaved 1F1B,
     ``overlap_grad_reduce`` and ``overlap_param_gather`` work per model chunk (:func:`chunked_reduction_s`):
     Megatron-Core keeps one ``DistributedDataParallel`` a chunk, reduces each chunk's gradients once its last
-    backward is done and gathers each chunk's weights before its first forward.
+    backward is done and gathers each chunk's weights before its first forward. ``contention``: communication
+    overlapped with compute slows the products it runs beside, by what ``dtrain bench overlap`` measured on the
+    device (:meth:`dtrain.sim.compute.DeviceCompute.beside_s`; "network" for a data-parallel group spread over
+    servers, else "nvlink"): the data-parallel reduction and gather where they run while the stage computes, and
+    the tensor-parallel collectives NCCL runs under the weight and input gradients (not Transformer Engine's
+    userbuffers pieces, whose kernels are not NCCL's and are not measured). The tensor-parallel part lengthens
+    each backward; the data-parallel part, the largest over stages, is added to the step as ``contention_s``.
+    False, or a device without a measurement: overlapped communication costs the compute nothing.
 
     Megatron-Core r0.8.0 (``megatron/core/distributed/distributed_data_parallel.py``): buckets of
     ``max(40,000,000, 1,000,000 x dp)`` parameters, bucketing off on every pipeline stage but the first ("data-
@@ -190,6 +197,7 @@ class StepConfig:
     overlap_p2p_comm: bool = False
     kernels: str = "fused"
     grad_accumulation_fusion: bool = False
+    contention: bool = True
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -232,6 +240,7 @@ class StepResult:
     memory_limit: float
     tokens_per_s: float
     links: list[LinkUsage] = field(repr=False)
+    contention_s: float = 0.0  # compute a step loses to data-parallel communication beside it (StepConfig)
 
     @property
     def fits(self) -> bool:
@@ -355,16 +364,22 @@ def stage_seconds(
         forward_tp, row_tp = _userbuffers_s(overlapped, tp_s)
     forward = forward_s + layers * forward_tp + embedding_calls * tp_s
     overlap = (config.overlap_tp_backward or userbuffers) and not split and tp_s > 0
+    hidden = 0.0  # a layer's NCCL collectives that run under its products
     if sequence_parallel:
         half = tp_s / 2
         under_weight = half if not overlap else sum(max(0.0, half - w) for w in wgrads) / max(1, len(wgrads))
         under_input = half if not overlap else sum(max(0.0, half - d) for d in dgrads) / max(1, len(dgrads))
         layer_tp = row_tp + 2 * (under_weight + under_input)
+        hidden = 2 * (tp_s - under_weight - under_input)
     else:
         exposed = tp_s
         if overlap:
             exposed = sum(max(0.0, tp_s - w) for w in wgrads) / max(1, len(wgrads))
         layer_tp = 2 * exposed
+        hidden = 2 * (tp_s - exposed)
+    if config.contention and not userbuffers and hidden > 0:
+        device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
+        layer_tp += device.beside_s(hidden, "nvlink", fp8=layout.fp8)
     recomputed_tp = (forward_tp if userbuffers else recompute_calls * tp_s) if recompute_calls else 0.0
     backward = backward_s + (layer_tp + recomputed_tp) * layers
     if split:
@@ -656,7 +671,8 @@ def _simulate_step(
     optimizer_s = _optimizer_max(owned, topology, placement, config)
     m = layout.microbatches
     v, group = layout.chunks, layout.microbatch_group or None
-    steps, pipelines, exposed_dp = [], [], []
+    steps, pipelines, exposed_dp, contention = [], [], [], []
+    dp_path, beside_compute = _beside(topology, placement, layout, config)
     spans: dict[tuple, float] = {}
     edges: dict[tuple, list[tuple[float, float]]] = {}
     for factors in _factors(layout, config):
@@ -674,6 +690,7 @@ def _simulate_step(
             slowest = max(slowest, spans[key])
         pipelines.append(slowest)
         exposed = dp_s
+        under: list[float] = []  # each stage's data-parallel seconds under its compute
         if config.overlap_grad_reduce and layout.zero_stage <= 1 and dp_s > 0 and _per_chunk(layout):
             exposed = 0.0
             for f, b, w in zip(forward, backward, weight, strict=True):
@@ -684,7 +701,7 @@ def _simulate_step(
                                                synchronous=config.synchronous_p2p,
                                                       paired=config.paired_exchanges,
                                                       overlapped=config.overlap_p2p_comm)  # fmt: skip
-                exposed = max(exposed, chunked_reduction_s(model, layout, config, dp, f, edges[key], slowest))
+                exposed = max(exposed, chunked_reduction_s(model, layout, config, dp, f, edges[key], slowest, under))
         elif config.overlap_grad_reduce and layout.zero_stage <= 1 and dp_s > 0:
             exposed = 0.0
             for f, b, w in zip(forward, backward, weight, strict=True):
@@ -696,14 +713,19 @@ def _simulate_step(
                                                       synchronous=config.synchronous_p2p,
                                                       paired=config.paired_exchanges,
                                                       overlapped=config.overlap_p2p_comm)  # fmt: skip
-                exposed = max(exposed, overlapped_reduction_s(model, layout, config, dp, f, b, w, edges[key], slowest))
+                exposed = max(
+                    exposed, overlapped_reduction_s(model, layout, config, dp, f, b, w, edges[key], slowest, under)
+                )
         elif config.overlap_dp and layout.pp == 1 and _dp_overlaps(layout, config) and dp_s > 0:
             grads = model.parameters / layout.tp * (config.gradient_bytes or model.bytes_per_value)
             exposed = exposed_bucket_s(dp_s, max(b[0] + w[0] for b, w in zip(backward, weight, strict=True)), grads,
                                        config.bucket_bytes)  # fmt: skip
+            under = [dp_s - exposed]
+        lost = max((beside_compute.beside_s(u, dp_path, fp8=layout.fp8) for u in under), default=0.0)
         exposed += embedding_s
         exposed_dp.append(exposed)
-        steps.append(slowest + exposed + optimizer_s)
+        contention.append(lost)
+        steps.append(slowest + exposed + lost + optimizer_s)
     step_s = float(np.median(steps))
     ideal = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
     compute_s = m * max(f + b + w for f, b, w in zip(ideal[0][0], ideal[1][0], ideal[2][0], strict=True))
@@ -725,7 +747,28 @@ def _simulate_step(
         memory_limit=config.memory_fraction * min(topology.device(d).memory_bytes for d in placement),
         tokens_per_s=layout.global_batch * model.sequence / step_s,
         links=_step_links(parts, step_s),
+        contention_s=float(np.median(contention)),
     )
+
+
+class _Free:
+    """A device whose overlapped communication costs its compute nothing."""
+
+    @staticmethod
+    def beside_s(seconds: float, path: str, *, fp8: bool = False) -> float:
+        return 0.0
+
+
+def _beside(topology: Topology, placement: Sequence[str], layout: Layout, config: StepConfig) -> tuple[str, object]:
+    """The way the data-parallel group's collectives go ("network" where the group spans servers, else
+    "nvlink") and the device model that prices them beside compute (the first rank's device; one that prices
+    nothing without ``config.contention`` or under a flat ``efficiency``)."""
+    ranks = group(layout, "dp", 0, 0, 0)
+    path = "network" if len({topology.device(placement[r]).server for r in ranks}) > 1 else "nvlink"
+    if not config.contention or config.efficiency is not None:
+        return path, _Free()
+    device = topology.device(placement[0])
+    return path, device_compute(device.peak_flops, device.memory_bytes_per_s, curves=config.curves)
 
 
 #: Megatron-Core's default bucket: ``max(40,000,000, 1,000,000 x dp)`` parameters (StepConfig's docstring).
@@ -742,6 +785,7 @@ def overlapped_reduction_s(
     weight: Sequence[float],
     spans: Sequence[tuple[float, float]],
     makespan: float,
+    beside: list[float] | None = None,
 ) -> float:
     """Seconds the data-parallel phases ``dp`` (:func:`dtrain.sim.traffic.dp_phase_bytes`' order) add to a
     step whose slowest pipeline takes ``makespan`` under ``config.overlap_grad_reduce`` (and
@@ -751,7 +795,10 @@ def overlapped_reduction_s(
     that backward on the first stage, all of it on the others, whose one bucket waits for the whole backward); the
     step waits for the latest. The all-gather of the updated weights (the distributed optimizer's) delays the next
     step by what remains of it at each stage's first forward: :func:`exposed_bucket_s` over the first stage's
-    forward, and on stage ``s`` all of it less the time before the stage's first forward starts."""
+    forward, and on stage ``s`` all of it less the time before the stage's first forward starts. ``beside``, where
+    given, receives each stage's seconds of these collectives that run while the stage computes: the first
+    stage's buckets under its last backward and its gather under its first forward, and on the other stages the
+    gather once their first forward has started (their reduction starts after their last backward)."""
     phases = dp_phase_bytes(model, layout, config.gradient_bytes, config.distributed_optimizer)
     reduce_s = sum(r.time_s for r, (c, _, _) in zip(dp, phases, strict=True) if c is not Collective.ALL_GATHER)
     gather_s = sum(r.time_s for r, (c, _, _) in zip(dp, phases, strict=True) if c is Collective.ALL_GATHER)
@@ -759,17 +806,23 @@ def overlapped_reduction_s(
     grad_item = config.gradient_bytes or model.bytes_per_value
     first = stage_parameters(model, layout, 0) / layout.tp
     finish = 0.0
+    left = exposed_bucket_s(reduce_s, backward[0] + weight[0], first * grad_item, bucket * grad_item)
     for s, (_, end) in enumerate(spans):
-        left = exposed_bucket_s(reduce_s, backward[0] + weight[0], first * grad_item, bucket * grad_item)
         finish = max(finish, end + (left if s == 0 else reduce_s))
     exposed = max(0.0, finish - makespan)
+    under = [reduce_s - left] + [0.0] * (len(spans) - 1)
     if gather_s and config.overlap_param_gather:
         item = model.bytes_per_value
-        wait = exposed_bucket_s(gather_s, forward[0], first * item, bucket * item)
-        wait = max([wait] + [gather_s - start for start, _ in spans[1:]])
+        first_wait = exposed_bucket_s(gather_s, forward[0], first * item, bucket * item)
+        wait = max([first_wait] + [gather_s - start for start, _ in spans[1:]])
         exposed += max(0.0, wait)
+        under[0] += gather_s - first_wait
+        for s, (start, _) in enumerate(spans[1:], 1):
+            under[s] += max(0.0, gather_s - start)
     else:
         exposed += gather_s
+    if beside is not None:
+        beside.extend(under)
     return exposed
 
 
@@ -787,6 +840,7 @@ def chunked_reduction_s(
     forward: Sequence[float],
     edges: Sequence[tuple[Sequence[float], Sequence[tuple[int, float]]]],
     makespan: float,
+    beside: list[float] | None = None,
 ) -> float:
     """Seconds the data-parallel phases ``dp`` add to an interleaved 1F1B step whose slowest pipeline takes
     ``makespan`` under ``config.overlap_grad_reduce`` (and ``overlap_param_gather``), Megatron-Core r0.8.0's way:
@@ -808,18 +862,24 @@ def chunked_reduction_s(
     starts when chunk ``c - 1``'s first forward does (or when the gather before it ends) and chunk ``c``'s first
     forward waits for it; the first stage's first chunk, in buckets, runs under its first forward
     (:func:`exposed_bucket_s`). The step is delayed by the longest such wait; without ``overlap_param_gather`` the
-    whole gather shows."""
+    whole gather shows. ``beside``, where given, receives each stage's seconds of these collectives that run
+    while the stage computes: the reductions before its last backward ends, the gathers after its first forward
+    starts."""
     phases = dp_phase_bytes(model, layout, config.gradient_bytes, config.distributed_optimizer)
     reduce_s = sum(r.time_s for r, (c, _, _) in zip(dp, phases, strict=True) if c is not Collective.ALL_GATHER)
     gather_s = sum(r.time_s for r, (c, _, _) in zip(dp, phases, strict=True) if c is Collective.ALL_GATHER)
     v = layout.chunks
     finish = 0.0
+    under = [0.0] * len(edges)
     for s, (_, backwards) in enumerate(edges):
         last = {chunk: i for i, (chunk, _) in enumerate(backwards)}
         launches = sorted(backwards[min(last[c] + s, len(backwards) - 1)][1] for c in last)
+        busy_until = backwards[-1][1] if backwards else 0.0
         done = 0.0
         for launch in launches:
-            done = max(done, launch) + reduce_s / v
+            start = max(done, launch)
+            done = start + reduce_s / v
+            under[s] += max(0.0, min(done, busy_until) - start)
         finish = max(finish, done)
     exposed = max(0.0, finish - makespan)
     if gather_s and config.overlap_param_gather:
@@ -835,10 +895,15 @@ def chunked_reduction_s(
                 late = done - start
                 if s == 0 and c == 0:
                     late = exposed_bucket_s(piece, forward[0] / v, first * item, bucket * item)
+                    under[s] += piece - late
+                else:
+                    under[s] += max(0.0, done - max(done - piece, firsts[0]))
                 wait = max(wait, late)
         exposed += wait
     else:
         exposed += gather_s
+    if beside is not None:
+        beside.extend(under)
     return exposed
 
 

@@ -262,3 +262,11 @@ def test_fp8_and_fused_accumulation_on_the_command_line(capsys: pytest.CaptureFi
     assert plans and all(p["layout"].endswith("fp8") or " fp8" in p["layout"] for p in plans)
     assert main(["plan", "--topology", "h100-node", "--config", "configs/tiny-cpu.toml", "--fp8"]) == 2
     assert "--fp8: not with --config" in "".join(capsys.readouterr())
+
+
+def test_contention_is_priced_unless_turned_off(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "train", "--topology", "h100-node", "--dp", "8", "--global-batch", "8"]
+    paid = run_json(capsys, *argv)
+    free = run_json(capsys, *argv, "--no-contention")
+    assert paid["contention_s"] > 0 and free["contention_s"] == 0
+    assert paid["step_s"] == pytest.approx(free["step_s"] + paid["contention_s"])

@@ -194,7 +194,8 @@ def simulate(row: dict, config: StepConfig | None = None) -> dict:
         "gpus": layout.world_size,
         "published_s": row["iteration_s"], "measure": row["measure"], "predicted_s": result.step_s,
         "error": error, "compute_s": result.compute_s, "tp_s": result.tp_s, "pp_s": result.pp_s,
-        "dp_exposed_s": result.dp_exposed_s, "optimizer_s": result.optimizer_s, "bubble": result.bubble,
+        "dp_exposed_s": result.dp_exposed_s, "contention_s": result.contention_s, "optimizer_s": result.optimizer_s,
+        "bubble": result.bubble,
         "memory_gb": result.memory.total / 1e9, "fits": result.fits,
     }  # fmt: skip
 
@@ -325,11 +326,12 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
             p = summary(part)
             out.append(f"| {label} | {p['rows']} | {p['median_abs_error']:.1%} | {p['worst_abs_error']:.1%} | "
                        f"{_verdict(p)} |")  # fmt: skip
-    out += ["", "| run | compute (s) | tp, every call (s) | dp exposed (s) | optimizer (s) | bubble | step beyond "
-            "compute (s) | compute x to match |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    out += ["", "| run | compute (s) | tp, every call (s) | dp exposed (s) | compute lost to dp (s) | optimizer (s) "
+            "| bubble | step beyond compute (s) | compute x to match |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in results:
         out.append(f"| {r['name']} | {r['compute_s']:.2f} | {r['tp_s']:.2f} | {r['dp_exposed_s']:.2f} | "
+                   f"{r.get('contention_s', 0.0):.3f} | "
                    f"{r['optimizer_s']:.3f} | {r['bubble']:.1%} | {r['predicted_s'] - r['compute_s']:.2f} | "
                    f"{compute_factor(r):.2f} |")  # fmt: skip
     if plan_path:
