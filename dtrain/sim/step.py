@@ -41,6 +41,7 @@ from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, _rank_rou
 from dtrain.sim.compute import (
     ADAM_BYTES_PER_PARAMETER,
     KERNELS,
+    DeviceCompute,
     device_compute,
     layer_ops,
     optimizer_seconds,
@@ -721,7 +722,9 @@ def _simulate_step(
             exposed = exposed_bucket_s(dp_s, max(b[0] + w[0] for b, w in zip(backward, weight, strict=True)), grads,
                                        config.bucket_bytes)  # fmt: skip
             under = [dp_s - exposed]
-        lost = max((beside_compute.beside_s(u, dp_path, fp8=layout.fp8) for u in under), default=0.0)
+        lost = 0.0
+        if beside_compute is not None:
+            lost = max((beside_compute.beside_s(u, dp_path, fp8=layout.fp8) for u in under), default=0.0)
         exposed += embedding_s
         exposed_dp.append(exposed)
         contention.append(lost)
@@ -751,22 +754,16 @@ def _simulate_step(
     )
 
 
-class _Free:
-    """A device whose overlapped communication costs its compute nothing."""
-
-    @staticmethod
-    def beside_s(seconds: float, path: str, *, fp8: bool = False) -> float:
-        return 0.0
-
-
-def _beside(topology: Topology, placement: Sequence[str], layout: Layout, config: StepConfig) -> tuple[str, object]:
+def _beside(
+    topology: Topology, placement: Sequence[str], layout: Layout, config: StepConfig
+) -> tuple[str, DeviceCompute | None]:
     """The way the data-parallel group's collectives go ("network" where the group spans servers, else
-    "nvlink") and the device model that prices them beside compute (the first rank's device; one that prices
-    nothing without ``config.contention`` or under a flat ``efficiency``)."""
+    "nvlink") and the device model that prices them beside compute (the first rank's device; None without
+    ``config.contention`` or under a flat ``efficiency``: they cost the compute nothing)."""
     ranks = group(layout, "dp", 0, 0, 0)
     path = "network" if len({topology.device(placement[r]).server for r in ranks}) > 1 else "nvlink"
     if not config.contention or config.efficiency is not None:
-        return path, _Free()
+        return path, None
     device = topology.device(placement[0])
     return path, device_compute(device.peak_flops, device.memory_bytes_per_s, curves=config.curves)
 
