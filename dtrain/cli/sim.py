@@ -261,6 +261,13 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         "--gradient-accumulation-fusion)",
     )
     p.add_argument(
+        "--ub-sm-margin",
+        default="",
+        metavar="NAME=SMS,...",
+        help="with --tp-comm-overlap, userbuffers overlaps whose product leaves SMS multiprocessors to its "
+        "communication kernel (a --tp-comm-overlap-cfg file's set_sm_margin: 1 entries, e.g. proj_fprop=24)",
+    )
+    p.add_argument(
         "--no-contention",
         action="store_true",
         help="overlapped communication costs the compute beside it nothing (default: priced from dtrain bench "
@@ -378,6 +385,14 @@ def _step_config(args: argparse.Namespace, **extra):
         if not Path(args.curves).is_file():
             raise ValueError(f"--curves: {args.curves}: no such file")
         curves = load_curves(args.curves)
+    margins = []
+    for item in filter(None, (part.strip() for part in args.ub_sm_margin.split(","))):
+        name, _, sms = item.partition("=")
+        if not sms.isdigit():
+            raise ValueError(f"--ub-sm-margin: {item!r} is not NAME=SMS (e.g. proj_fprop=24)")
+        margins.append((name, int(sms)))
+    if margins and not args.tp_comm_overlap:
+        raise ValueError("--ub-sm-margin: needs --tp-comm-overlap (the margins are userbuffers overlaps')")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-Core's requirement)")
     return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm, dp_algorithm=args.dp_algorithm,
@@ -386,6 +401,7 @@ def _step_config(args: argparse.Namespace, **extra):
                       overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
                       overlap_p2p_comm=args.overlap_p2p_comm,
                       grad_accumulation_fusion=args.grad_accumulation_fusion, contention=not args.no_contention,
+                      ub_sm_margin=tuple(margins),
                       **extra)  # fmt: skip
 
 

@@ -87,6 +87,7 @@ __all__ = [
     "pipeline_message_lower_bound",
     "tensor_parallel_s",
     "tp_overlap_s",
+    "UB_NAMES",
     "UB_OVERLAPS",
     "UB_PIPELINE_SPLITS",
     "UB_STREAMS",
@@ -161,6 +162,10 @@ class StepConfig:
     userbuffers pieces, whose kernels are not NCCL's and are not measured). The tensor-parallel part lengthens
     each backward; the data-parallel part, the largest over stages, is added to the step as ``contention_s``.
     False, or a device without a measurement: overlapped communication costs the compute nothing.
+    ``ub_sm_margin``: (overlap, multiprocessors) pairs of a ``--tp-comm-overlap-cfg`` file's ``set_sm_margin: 1``
+    entries (Transformer Engine's names, :data:`UB_NAMES`): that product runs on the device's multiprocessors less
+    the overlap's ``num_sm``, which its communication kernel holds (``transformer_engine/pytorch/module/base.py``,
+    ``initialize_ub``; the GEMM's ``sm_count`` target); none by default, as ``initialize_ub``'s own settings.
 
     Megatron-Core r0.8.0 (``megatron/core/distributed/distributed_data_parallel.py``): buckets of
     ``max(40,000,000, 1,000,000 x dp)`` parameters, bucketing off on every pipeline stage but the first ("data-
@@ -199,6 +204,7 @@ class StepConfig:
     kernels: str = "fused"
     grad_accumulation_fusion: bool = False
     contention: bool = True
+    ub_sm_margin: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -214,6 +220,12 @@ class StepConfig:
             raise ValueError(f"gradient_bytes must be 2, 4 or None (the model's), got {self.gradient_bytes!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels {self.kernels!r} is not one of {', '.join(KERNELS)}")
+        bad = [name for name, sms in self.ub_sm_margin if name not in UB_NAMES or sms < 0]
+        if bad:
+            raise ValueError(
+                f"ub_sm_margin: {', '.join(map(str, bad))}: each entry is a userbuffers overlap of "
+                f"{', '.join(UB_NAMES)} and a count of multiprocessors, 0 or more"
+            )
         if self.optimizer_bytes < 1:
             raise ValueError(f"optimizer_bytes must be >= 1 (bytes a parameter), got {self.optimizer_bytes!r}")
         if self.straggler_sigma < 0 or self.samples < 1:
@@ -350,7 +362,8 @@ def stage_seconds(
         forward_tp, backward_tp = 2 * tp_s, (2 + recompute_calls) * tp_s
         if userbuffers:
             overlapped = _flat_overlapped(model, layout, config.efficiency * peak_flops)
-            forward_tp, row_tp = _userbuffers_s(overlapped, tp_s)
+            sms = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves).sms
+            forward_tp, row_tp = _userbuffers_s(overlapped, tp_s, config, sms)
             backward_tp = row_tp + tp_s + (forward_tp if recompute_calls else 0.0)
         b, w = 2 * flops / 3 + extra, 0.0
         if split:
@@ -362,7 +375,8 @@ def stage_seconds(
     embedding_calls = 1 if stage == 0 and model.vocab and layout.tp > 1 else 0
     forward_tp, row_tp = 2 * tp_s, tp_s
     if userbuffers:
-        forward_tp, row_tp = _userbuffers_s(overlapped, tp_s)
+        sms = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves).sms
+        forward_tp, row_tp = _userbuffers_s(overlapped, tp_s, config, sms)
     forward = forward_s + layers * forward_tp + embedding_calls * tp_s
     overlap = (config.overlap_tp_backward or userbuffers) and not split and tp_s > 0
     hidden = 0.0  # a layer's NCCL collectives that run under its products
@@ -406,6 +420,9 @@ UB_OVERLAPS = (
     ("attention-out", "B", "ring"),
     ("mlp-out", "B", "ring"),
 )
+#: Transformer Engine's name of each overlap of :data:`UB_OVERLAPS`, in its order (the keys of a
+#: ``--tp-comm-overlap-cfg`` file and of :attr:`StepConfig.ub_sm_margin`).
+UB_NAMES = ("qkv_fprop", "proj_fprop", "fc1_fprop", "fc2_fprop", "proj_dgrad", "fc2_dgrad")
 #: ``num_splits`` of a ``"pipeline"`` overlap in ``initialize_ub``'s defaults.
 UB_PIPELINE_SPLITS = 4
 #: Compute streams the pieces of an overlapped product take turns on (``_NUM_MAX_UB_STREAMS``).
@@ -449,13 +466,20 @@ def tp_overlap_s(
     return total - whole_s
 
 
-def _userbuffers_s(overlapped: Sequence[tuple[float, float, float, int]], tp_s: float) -> tuple[float, float]:
+def _userbuffers_s(
+    overlapped: Sequence[tuple[float, float, float, int]], tp_s: float, config: StepConfig, sms: int
+) -> tuple[float, float]:
     """A layer's forward seconds beyond its products for its four overlapped collectives, and its backward's for
     the row-parallel products' all-gathers (:data:`UB_OVERLAPS`, each collective half the all-reduce's
-    ``tp_s``)."""
+    ``tp_s``). A product that ``config.ub_sm_margin`` keeps off some of the device's ``sms`` multiprocessors runs
+    its pieces ``sms / (sms - margin)`` times longer; the difference shows as the overlap's."""
     forward = backward = 0.0
-    for (_, phase, method), (whole, alone, concurrent, chunks) in zip(UB_OVERLAPS, overlapped, strict=True):
-        added = tp_overlap_s(whole, alone, concurrent, chunks, tp_s / 2, method)
+    margins = dict(config.ub_sm_margin)
+    for name, (_, phase, method), (whole, alone, concurrent, chunks) in zip(
+        UB_NAMES, UB_OVERLAPS, overlapped, strict=True
+    ):
+        slower = sms / max(1, sms - margins.get(name, 0))
+        added = tp_overlap_s(whole, slower * alone, slower * concurrent, chunks, tp_s / 2, method)
         if phase == "F":
             forward += added
         else:

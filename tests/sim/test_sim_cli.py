@@ -221,6 +221,15 @@ def test_simulate_train_takes_tp_comm_overlap_with_sequence_parallelism(capsys: 
     assert overlapped["step_s"] < plain["step_s"]
     assert main(argv[:-1] + ["--tp-comm-overlap"]) == 2
     assert "--tp-comm-overlap needs --sequence-parallel" in "".join(capsys.readouterr())
+    margin = run_json(capsys, *argv, "--tp-comm-overlap", "--ub-sm-margin", "proj_fprop=24,fc2_fprop=20")
+    assert margin["step_s"] > overlapped["step_s"]  # two forward products on 108 of the 132 multiprocessors or so
+    for bad, message in (
+        (["--tp-comm-overlap", "--ub-sm-margin", "proj_fprop"], "is not NAME=SMS"),
+        (["--ub-sm-margin", "proj_fprop=24"], "needs --tp-comm-overlap"),
+        (["--tp-comm-overlap", "--ub-sm-margin", "qkv_wgrad=4"], "ub_sm_margin: qkv_wgrad"),
+    ):
+        assert main([*argv, *bad]) == 2
+        assert message in "".join(capsys.readouterr())
 
 
 def test_plan_prices_interleaved_plans_with_megatron_core_overlaps(capsys: pytest.CaptureFixture[str]) -> None:

@@ -254,6 +254,27 @@ def test_tp_comm_overlap_hides_all_but_the_last_reduce_scatter_piece() -> None:
     assert stage_seconds(*args, StepConfig(tp_comm_overlap=True), tp_s) == stage_seconds(*args, StepConfig(), tp_s)
 
 
+def test_a_product_kept_off_some_multiprocessors_runs_its_pieces_that_much_longer() -> None:
+    # a --tp-comm-overlap-cfg entry with set_sm_margin: 1 leaves the product the device's multiprocessors less the
+    # communication kernel's num_sm: the attention-output product's forward pieces take sms / (sms - 27) as long
+    from dtrain.sim.compute import device_compute
+    from dtrain.sim.step import UB_NAMES, _flat_overlapped, stage_seconds
+
+    tp_s = 1e-7
+    layout = Layout(tp=4, global_batch=2, sequence_parallel=True)
+    margin = StepConfig(efficiency=0.5, tp_comm_overlap=True, ub_sm_margin=(("proj_fprop", 27),))
+    args = (MODEL, layout, 0, PEAK, 2e12)
+    forward = (
+        stage_seconds(*args, margin, tp_s)[0]
+        - stage_seconds(*args, StepConfig(efficiency=0.5, tp_comm_overlap=True), tp_s)[0]
+    )
+    sms = device_compute(PEAK, 2e12).sms
+    whole = _flat_overlapped(MODEL, layout, 0.5 * PEAK)[UB_NAMES.index("proj_fprop")][0]
+    assert forward == pytest.approx(MODEL.layers * whole * (sms / (sms - 27) - 1), rel=1e-6)
+    with pytest.raises(ValueError, match="ub_sm_margin: qkv_wgrad"):
+        StepConfig(ub_sm_margin=(("qkv_wgrad", 4),))  # a bulk overlap: its product keeps every multiprocessor
+
+
 @pytest.mark.parametrize(
     ("method", "collective_s", "added_s"),
     [("ring", 3.0, 0.0), ("ring", 9.0, 9.0 + 2.0 - 8.0), ("pipeline", 4.0, 1.0), ("pipeline", 16.0, 16.0 - 8.0 + 2.0)],

@@ -167,7 +167,9 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     causal softmax, copies and 32-bit cross-entropy :func:`dtrain.sim.compute.layer_ops` prices as it runs them),
     and whether the weight-gradient products add into the 32-bit gradients themselves
     (``grad_accumulation_fusion``: Megatron-LM's ``--gradient-accumulation-fusion``, on by default, which its
-    argument checks keep only where gradients accumulate in 32 bits; ``StepConfig.grad_accumulation_fusion``).
+    argument checks keep only where gradients accumulate in 32 bits; ``StepConfig.grad_accumulation_fusion``),
+    and which userbuffers overlaps run their product on fewer multiprocessors (``ub_sm_margin``, the run's
+    ``tp_overlap`` file; ``StepConfig.ub_sm_margin``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
@@ -181,7 +183,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       tp_comm_overlap=row.get("tp_comm_overlap", False),
                       overlap_p2p_comm=row.get("overlap_p2p_comm", False),
                       kernels=row.get("kernels", "fused"),
-                      grad_accumulation_fusion=row.get("grad_accumulation_fusion", False))  # fmt: skip
+                      grad_accumulation_fusion=row.get("grad_accumulation_fusion", False),
+                      ub_sm_margin=tuple(sorted(row.get("ub_sm_margin", {}).items())))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
