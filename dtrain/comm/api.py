@@ -25,6 +25,8 @@ from dtrain.comm.ir.schedule import Collective
 from dtrain.comm.mpi.group import is_mpi_group
 from dtrain.comm.p2p.runtime import round_timeout, run_schedule
 from dtrain.comm.p2p.transport import transport_for
+from dtrain.comm.peer import chain as peer_chain
+from dtrain.comm.peer import channels as peer_channels
 from dtrain.comm.peer import fused, watchdog
 from dtrain.comm.peer import graphs as persistent
 from dtrain.comm.peer import push as peer_push
@@ -293,6 +295,9 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
     algorithm, via = _via(group, work.device, algorithm)
     world = group.size if is_mpi_group(group) else dist.get_world_size(group)
     nbytes = work.numel() * work.element_size()
+    chained = via == "peer" and coll is Collective.BROADCAST and algorithm == "ring" and out is None
+    if chained and nbytes >= peer_chain.CHAIN_FROM_BYTES and _run_chain(work, group, root, world, nbytes):
+        return
     pipeline = _pipeline(coll, algorithm, world, nbytes, work.device)
     schedule = registry.build(
         coll,
@@ -331,6 +336,33 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
         out.copy_(work[rank * m : (rank + 1) * m])
         return
     run_schedule(schedule, work, _transport(group), op, lanes=_lanes(schedule, work))
+
+
+def _run_chain(work: torch.Tensor, group, root: int, world: int, nbytes: int) -> bool:
+    """The ring broadcast on the peer transport (from :data:`~dtrain.comm.peer.chain.CHAIN_FROM_BYTES`), run as a
+    pipelined chain through copy engines and counters (:mod:`dtrain.comm.peer.chain`) where it can be (a CUDA
+    driver with stream memory operations, or CPU windows on x86-64); False where it cannot (every rank of a host
+    alike), or where the group was moved off the peer transport, and the schedule then runs a round at a time."""
+    if nbytes == 0:
+        return False
+    if work.is_cuda and peer_channels._driver() is None:
+        return False
+    if not work.is_cuda and not peer.SHARED_COUNTER_BARRIER:
+        return False
+    piece = peer_chain.pieces(nbytes, world)
+    try:
+        chain = peer_chain.chain_for(group, work.device, piece)
+    except peer.PeerUnavailable as err:  # raised on every rank of the group alike
+        if _transport_setting() != "auto":
+            raise
+        _fall_back(group, err)
+        return False
+    chain(work, root, piece, round_timeout())
+    if work.is_cuda and not torch.cuda.is_current_stream_capturing():
+        what = ("broadcast", "ring", nbytes, str(work.dtype))
+        place = (world, chain.rank, chain.window.global_rank, str(work.device))
+        watchdog.watch(work.device, chain.window.stall_limit(round_timeout()), _label(what, place, chain.window.calls))
+    return True
 
 
 def _transport(group):

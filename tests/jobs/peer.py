@@ -160,3 +160,51 @@ def reduce_scatter_without_a_copy(algorithm: str) -> dict:
     finally:
         peer.run_push = real
         os.environ.pop("DTRAIN_COMM_PEER_MODE", None)
+
+
+def chain_broadcasts(world: int) -> list[str]:
+    """The chain broadcast (dtrain.comm.peer.chain) on the group of ranks 0..world-1: in small pieces through
+    rings of two slots (slots reused within a call), roots changing from call to call, each result against
+    torch.distributed's broadcast of the same tensor; then through ``comm.broadcast(algorithm="ring")`` on the
+    peer transport, which runs it in its own pieces (its size band moved down to these sizes). Returns the
+    mismatches."""
+    import torch
+    import torch.distributed as dist
+
+    from dtrain import comm
+    from dtrain.comm.peer import chain
+    from dtrain.comm.peer.chain import ChainBroadcast
+    from dtrain.comm.state import group_state
+    from dtrain.testing.pool import group_of
+
+    group = group_of(world)
+    rank = dist.get_rank(group)
+    device = torch.device("cpu")
+    runner = ChainBroadcast(group, device, slot_bytes=256, slots=2)
+    problems = []
+    cases = [(0, 5000, 256), (world - 1, 777, 256), (1 % world, 1, 256), (0, 4096, 200), (world // 2, 3000, 128)]
+    for call, (root, numel, piece) in enumerate(cases):
+        g = torch.Generator().manual_seed(1000 * call + rank)
+        mine = torch.randint(-(2**30), 2**30, (numel,), generator=g, dtype=torch.int32)
+        want = mine.clone()
+        dist.broadcast(want, dist.get_global_rank(group, root), group=group)
+        got = mine.clone()
+        runner(got.view(torch.uint8), root, piece)
+        if not torch.equal(got, want):
+            problems.append(f"chain world={world} call={call} root={root} bytes={4 * numel}: differs from torch's")
+    os.environ["DTRAIN_COMM_TRANSPORT"] = "peer"
+    saved, chain.CHAIN_FROM_BYTES = chain.CHAIN_FROM_BYTES, 1024  # the chain's band, moved down to these sizes
+    try:
+        for root, dtype in ((0, torch.float32), (world - 1, torch.bfloat16)):
+            x = torch.arange(3 * 1024 + 5, dtype=dtype) * (rank + 1)
+            want = x.clone()
+            dist.broadcast(want, dist.get_global_rank(group, root), group=group)
+            comm.broadcast(x, root, group=group, algorithm="ring")
+            if not torch.equal(x, want):
+                problems.append(f"comm.broadcast ring world={world} root={root} {dtype}: differs from torch's")
+        if ("chain", device) not in group_state(group).windows:
+            problems.append("comm.broadcast ring on the peer transport did not run the chain")
+    finally:
+        chain.CHAIN_FROM_BYTES = saved
+        os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    return problems
