@@ -991,6 +991,45 @@ def _train_overlap_optimizer() -> list[str]:
     ]
 
 
+def _dp_two_h200() -> list[str]:
+    """The same comparison on 2 H200s, eager (no recorded steps)."""
+    parts = []
+    for b in (32, 16):
+        records = load(f"dp_vs_ddp-h200x2-b{b}.jsonl")
+        if not records:
+            continue
+        rows = [
+            [
+                r["variant"],
+                str(r["ranks"]),
+                f"{r['step_s'] * 1e3:.1f}",
+                f"{r['tokens_per_s'] / 1e3:.0f} k",
+                f"{r['ratio_vs_ddp']:.3f}x" if r.get("ratio_vs_ddp") else "-",
+                f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") is not None else "-",
+            ]
+            for r in sorted(records, key=lambda r: (r["ranks"], r["variant"]))
+        ]
+        local = next((r for r in records if r["variant"] == "local"), None)
+        parts += [
+            f"### 2 x H200, {b} sequences a GPU, eager",
+            setting(
+                f"2 x {records[0]['device']} (one host)",
+                gpu_software(records),
+                f"torchrun --nproc-per-node 2 benchmarks/training/dp_zero.py --sections dp --sizes 2 1 "
+                f"--batch-per-rank {b} --stall-s 100",
+                f"`dp_vs_ddp-h200x2-b{b}.jsonl`",
+            ),
+            table(["variant", "GPUs", "step ms", "tokens/s", "throughput / DDP", "scaling eff."], rows),
+        ]
+        if local is not None and local.get("scaling_efficiency") is not None and local["scaling_efficiency"] < 0.9:
+            parts.append(
+                f"`local` (no communication at all) reaches {local['scaling_efficiency']:.1%} of one GPU here: two "
+                "processes stepping at once slow each other on this host whatever the communication, so the "
+                "scaling column measures the host as much as the data-parallel wrapper."
+            )
+    return parts
+
+
 def section_dp() -> str:
     first = load("dp_vs_ddp-h100x4-b32.jsonl")[0]
     model = (
@@ -1040,6 +1079,7 @@ def section_dp() -> str:
             ),
         ]
     parts.append(_dp_recorded())
+    parts += _dp_two_h200()
     cpu = load("dp_vs_ddp-cpu2.jsonl")
     rows = []
     for r in cpu:
@@ -1586,6 +1626,7 @@ def _zero_bubble_part() -> list[str]:
         ]
     return (
         parts
+        + _two_stage_part()
         + _groups_part()
         + _in_place_part()
         + _steady_part()
@@ -2073,6 +2114,50 @@ def _median_gap(rows: list[dict], batch: int, transport: str, worst: bool = Fals
 
 def _transport_label(row: dict) -> str:
     return " (peer)" if row.get("transport") == "peer" else ""
+
+
+def _two_stage_part() -> list[str]:
+    """`dtrain bench pipeline` on 2 H200s (p = 2): every schedule, eager and the step one graph, beside torch's."""
+    parts = []
+    for batch in (1024, 4096):
+        name = f"bench_pipeline_step-b{batch}-h200x2.jsonl"
+        records = load(name)
+        if not records:
+            continue
+        first = records[0]
+        if not parts:
+            parts += [
+                f"### Every schedule on 2 x {first['device'].removeprefix('NVIDIA ')}, beside "
+                "torch.distributed.pipelining",
+                f"The model above on {first['stages']} stages, one a GPU, every message over the peer channels "
+                "(`--transport auto`), eager and the step one graph. With two stages the theory's bubble is small "
+                "(0.01-0.11) and the first stage's lighter compute (no input gradient for its first layer) is a "
+                "larger share of what is measured above it: `slowest stage` is the bubble by the stage that sets "
+                "the pace, `1 - max(busy) / step` (steps back to back), beside the mean stage's.",
+            ]
+        ms = ",".join(str(m) for m in dict.fromkeys(r["microbatches"] for r in records))
+        rows = [
+            [
+                _graphs_label(r) + _transport_label(r),
+                *_bubble_cells(r),
+                f"{r['torch_step_ms'] / r['step_ms']:.2f}x" if r.get("torch_step_ms") else "-",
+                f"{r['bubble_slowest_steady']:.3f}" if r.get("bubble_slowest_steady") is not None else "-",
+            ]
+            for r in records
+        ]
+        parts += [
+            f"#### 2 stages, batch {batch}",
+            setting(
+                f"2 x {first['device']} (one host)",
+                f"torch 2.11.0+cu130, NCCL {NCCL}",
+                f"torchrun --nproc-per-node 2 -m dtrain bench pipeline --layers {first['layers']} --width "
+                f"{first['width']} --batch {batch} --microbatches {ms}{_graphs_flag(records)} --transport auto",
+                f"`{name}`",
+            ),
+            table(["schedule", *_BUBBLE_HEADER, "torch / ours", "slowest stage"], rows),
+            *_zero_bubble_bound(records),
+        ]
+    return parts
 
 
 def _zero_bubble_bound(records: list[dict]) -> list[str]:

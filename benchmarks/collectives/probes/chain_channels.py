@@ -11,7 +11,9 @@ peer transport's general executor, a barrier and a pull pass a round (``api ring
 the same tensors, and a copy engine's bare push of the whole tensor from rank 0 into rank 1's window (no flags,
 no copy out: the link's rate through one copy engine). Each round times ``iters`` calls between two
 synchronizations, the slowest rank's time a call; the median of the rounds. Each chain result is checked against
-the root's tensor. ``--fresh``: a new output tensor every call.
+the root's tensor. ``--fresh``: a new output tensor every call. ``--diagnose``: also the chain with its pieces
+copied out of the ring by a kernel (``kernel out``), and with no copy out at all (``no copy out``: a wrong
+result, timed only to show what the copies out cost).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--channels", action="store_true", help="also the chain over peer channels")
+    ap.add_argument("--diagnose", action="store_true", help="also copy-out by kernel, and no copy-out at all")
     ap.add_argument(
         "--lanes", default="1,2", help="the chain's lanes (streams a pushing rank copies on), each a variant"
     )
@@ -71,6 +74,16 @@ def main() -> None:
     runners = {
         int(n): peer_chain.ChainBroadcast(None, device, big, args.slots, lanes=int(n)) for n in args.lanes.split(",")
     }
+    # diagnostics, the most lanes: the pieces copied out by a kernel; and not copied out at all (a wrong result,
+    # what the chain costs without its copies out)
+    lanes_most = max(runners)
+    by_kernel = peer_chain.ChainBroadcast(None, device, big, args.slots, lanes=lanes_most, copy_out="kernel")
+    no_copy = peer_chain.ChainBroadcast(None, device, big, args.slots, lanes=lanes_most)
+    real_plan = peer_chain.plan
+
+    def plan_without_copy_out(*a, **k):
+        return [op for op in real_plan(*a, **k) if not (op.kind == "copy" and op.dst[0] == "tensor")]
+
     bare = PeerChannels(None, device, [Channel(r, (r + 1) % world, max(sizes), 1) for r in range(world)])
     if rank == 0:
         print(
@@ -105,6 +118,22 @@ def main() -> None:
 
             return run
 
+        def kernel(chunk: int):
+            def run() -> None:
+                by_kernel(src if rank == 0 else out(), 0, chunk)
+
+            return run
+
+        def uncopied(chunk: int):
+            def run() -> None:
+                peer_chain.plan = plan_without_copy_out
+                try:
+                    no_copy(src if rank == 0 else out(), 0, chunk)
+                finally:
+                    peer_chain.plan = real_plan
+
+            return run
+
         def api() -> None:
             comm.broadcast(src if rank == 0 else out(), 0, algorithm="ring")
 
@@ -126,6 +155,10 @@ def main() -> None:
         variants.update(
             {f"chain {c >> 20} MiB x{lanes}": chain(c, lanes) for c in chunks if c <= nbytes for lanes in runners}
         )
+        for c in chunks:
+            if c <= nbytes and args.diagnose:
+                variants[f"chain {c >> 20} MiB x{lanes_most} kernel out"] = kernel(c)
+                variants[f"chain {c >> 20} MiB x{lanes_most} no copy out"] = uncopied(c)
         if args.channels:
             variants.update({f"channels {c >> 20} MiB": channels(c) for c in chunks if c <= nbytes})
         times: dict[str, list[float]] = {k: [] for k in variants}
@@ -143,7 +176,10 @@ def main() -> None:
                 times[name].append(dt.item())
         ok = {}
         for c in chunks:
-            for lanes, runner in runners.items():
+            checked = {f"chain {c >> 20} MiB x{lanes}": runner for lanes, runner in runners.items()}
+            if args.diagnose:
+                checked[f"chain {c >> 20} MiB x{lanes_most} kernel out"] = by_kernel
+            for name, runner in checked.items():
                 if c > nbytes:
                     continue
                 t = torch.zeros_like(src)
@@ -151,7 +187,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 good = torch.tensor([1 if (rank == 0 or torch.equal(t, src)) else 0], device=device)
                 dist.all_reduce(good, op=dist.ReduceOp.MIN)
-                ok[f"chain {c >> 20} MiB x{lanes}"] = bool(good.item())
+                ok[name] = bool(good.item())
         base = statistics.median(times["nccl"])
         for name, ts in times.items():
             m = statistics.median(ts)

@@ -80,6 +80,10 @@ TARGET_PIECES = 4
 #: 0.55x against 0.36x (``probe-chain-copy-engines{,-fresh}-h200x2.txt``). A band starts at the geometric midpoint.
 CHAIN_FROM_BYTES = 128 << 20
 
+#: how a rank copies a piece out of its ring into the caller's tensor: a copy engine's memcpy, or an elementwise
+#: kernel on the SMs (leaving the copy engines to the pushes)
+COPY_OUT = ("engine", "kernel")
+
 CALLER = 0  # the caller's stream; 1 + l: lane l's
 
 
@@ -165,9 +169,20 @@ def plan(rank: int, root: int, world: int, nbytes: int, piece: int, slots: int =
 class ChainBroadcast:
     """The pipelined chain broadcast of a group on one device, over a window of its own with rings of
     ``slots`` slots of ``slot_bytes``, a pushing rank's pieces dealt over ``lanes`` streams (a collective to make:
-    every rank of the group, the same sizes)."""
+    every rank of the group, the same sizes); ``copy_out`` (:data:`COPY_OUT`) how pieces leave the ring on CUDA."""
 
-    def __init__(self, group, device: torch.device, slot_bytes: int, slots: int = SLOTS, lanes: int = LANES) -> None:
+    def __init__(
+        self,
+        group,
+        device: torch.device,
+        slot_bytes: int,
+        slots: int = SLOTS,
+        lanes: int = LANES,
+        copy_out: str = "engine",
+    ) -> None:
+        if copy_out not in COPY_OUT:
+            raise ValueError(f"chain broadcast: copy_out must be one of {', '.join(COPY_OUT)}, got {copy_out!r}")
+        self.copy_out = copy_out
         if device.type == "cuda" and peer_channels._driver() is None:
             raise ValueError("the chain broadcast needs the CUDA driver's stream memory operations")
         self.slot_bytes = -(-int(slot_bytes) // RING_AT) * RING_AT
@@ -219,6 +234,7 @@ class ChainBroadcast:
         d, base, tensor_at = self._driver, self._base, data.data_ptr()
         caller = torch.cuda.current_stream(self.device)
         streams = (caller.cuda_stream, *(lane.cuda_stream for lane in self._lanes))
+        kernel, mine = self.copy_out == "kernel", self.window.buffers[self.rank]
 
         def address(where: tuple) -> int:
             return tensor_at + where[1] if where[0] == "tensor" else base[where[1]] + where[2]
@@ -226,6 +242,10 @@ class ChainBroadcast:
         for op in ops:
             kind = op.kind
             if kind == "copy":
+                if kernel and op.dst[0] == "tensor":  # on the caller's stream, torch's current one
+                    at, slot = op.dst[1], op.src[2]
+                    peer_channels.store(data[at : at + op.nbytes], mine[slot : slot + op.nbytes])
+                    continue
                 copied = d.copy(address(op.dst), address(op.src), op.nbytes, streams[op.stream])
                 peer_channels._check(copied, "cuMemcpyDtoDAsync")
             elif kind == "wait":
