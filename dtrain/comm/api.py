@@ -23,7 +23,7 @@ from dtrain.comm.arguments import check_algorithm, check_op, check_pair, check_r
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import Collective
 from dtrain.comm.mpi.group import is_mpi_group
-from dtrain.comm.p2p.runtime import round_timeout, run_schedule
+from dtrain.comm.p2p.runtime import CommTimeoutError, round_timeout, run_schedule
 from dtrain.comm.p2p.transport import transport_for
 from dtrain.comm.peer import chain as peer_chain
 from dtrain.comm.peer import channels as peer_channels
@@ -357,7 +357,14 @@ def _run_chain(work: torch.Tensor, group, root: int, world: int, nbytes: int) ->
             raise
         _fall_back(group, err)
         return False
-    chain(work, root, piece, round_timeout())
+    try:
+        chain(work, root, piece, round_timeout())
+    except peer_chain.ChainStalled as err:  # the CPU's waits: the ranks now stand at different pieces
+        group_state(_group_key(group)).windows.pop(("chain", work.device), None)
+        raise CommTimeoutError(
+            f"broadcast/ring: rank {chain.rank} (global {chain.window.global_rank}) timed out in the chain "
+            f"broadcast: {err}"
+        ) from err
     if work.is_cuda and not torch.cuda.is_current_stream_capturing():
         what = ("broadcast", "ring", nbytes, str(work.dtype))
         place = (world, chain.rank, chain.window.global_rank, str(work.device))

@@ -136,3 +136,12 @@ def test_pieces_aim_at_four_between_the_bounds_on_256_byte_boundaries(nbytes, wa
 def test_the_chain_on_real_processes_matches_torch_distributed(pool, world):
     problems = pool.run(jobs.chain_broadcasts, world, ranks=world)
     assert [p for per_rank in problems for p in per_rank] == []
+
+
+def test_a_missing_peer_stops_the_chain_within_the_groups_timeout_and_is_named(pool):
+    answer, _ = pool.run(jobs.chain_missing_peer, 2.0, ranks=2)
+    seconds, message, dropped = answer.split("|")
+    assert float(seconds) < 15
+    assert "broadcast/ring: rank 0 (global 0) timed out in the chain broadcast" in message
+    assert "for rank 1 to push a piece" in message
+    assert dropped == "dropped=True"  # its counters cannot be trusted again: the next call makes it afresh

@@ -208,3 +208,37 @@ def chain_broadcasts(world: int) -> list[str]:
         chain.CHAIN_FROM_BYTES = saved
         os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
     return problems
+
+
+def chain_missing_peer(timeout_s: float) -> str:
+    """Ranks 0 and 1, a fresh group with a ``timeout_s`` timeout, on the peer transport: one chain broadcast
+    together (the chain's windows made), then rank 0 broadcasts from rank 1, which never calls. Returns
+    "seconds|message" of the CommTimeoutError on rank 0, and whether the next call made the chain afresh."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from dtrain import comm
+    from dtrain.comm.peer import chain
+    from dtrain.comm.state import group_state
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
+    os.environ["DTRAIN_COMM_TRANSPORT"] = "peer"
+    saved, chain.CHAIN_FROM_BYTES = chain.CHAIN_FROM_BYTES, 1024
+    try:
+        comm.broadcast(torch.ones(1024), 0, group=group, algorithm="ring")
+        if rank == 1:
+            return ""
+        start = time.monotonic()
+        try:
+            comm.broadcast(torch.ones(1024), 1, group=group, algorithm="ring")
+        except comm.CommTimeoutError as err:
+            dropped = ("chain", torch.device("cpu")) not in group_state(group).windows
+            return f"{time.monotonic() - start:.1f}|{err}|dropped={dropped}"
+        return "no error"
+    finally:
+        chain.CHAIN_FROM_BYTES = saved
+        os.environ.pop("DTRAIN_COMM_TRANSPORT", None)

@@ -46,6 +46,7 @@ from dtrain.comm.peer import window as peer_window
 
 __all__ = [
     "ChainBroadcast",
+    "ChainStalled",
     "Op",
     "plan",
     "pieces",
@@ -164,6 +165,10 @@ def plan(rank: int, root: int, world: int, nbytes: int, piece: int, slots: int =
     if sends:
         ops.append(Op("join"))
     return ops
+
+
+class ChainStalled(RuntimeError):
+    """A CPU chain's wait outlasted its timeout: a peer did not push, or did not take, a piece."""
 
 
 class ChainBroadcast:
@@ -285,16 +290,18 @@ class ChainBroadcast:
                     done = lambda c=cell, i=op.counter, t=target: peer_channels._reached(  # noqa: E731
                         int(c[i]) & 0xFFFFFFFF, t
                     )
-                who = "rank" if op.counter != FREE else "the successor of rank"
-                name = "free" if op.counter == FREE else "ready" if op.counter < FREE else "forwarded"
-                peer_window.spin_until(
-                    done,
-                    lambda: timeout,
-                    lambda o=op, w=who, n=name: (
-                        f"chain broadcast: rank {self.rank} waited past the group's timeout for {w} {o.rank} "
-                        f"(counter {n} to reach {o.value})"
-                    ),
-                )
+                if op.counter == FREE:  # raised by the successor as it takes this rank's pieces
+                    what = f"rank {(self.rank + 1) % self.world} to take its pieces (free {op.value:#x})"
+                else:  # raised by the predecessor as it pushes
+                    what = f"rank {(self.rank - 1) % self.world} to push a piece (ready {op.value})"
+                try:
+                    peer_window.spin_until(
+                        done,
+                        lambda: timeout,
+                        lambda w=what: f"chain broadcast: rank {self.rank} waited past its timeout for {w}",
+                    )
+                except RuntimeError as err:
+                    raise ChainStalled(str(err)) from err
             else:
                 counters[op.rank][op.counter] = peer_channels._wrap(op.value)
 
