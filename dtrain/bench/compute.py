@@ -201,7 +201,8 @@ def _memory_ops(F, x, y, weight, target, elements: int) -> dict[str, tuple[Calla
         "gelu": (lambda: F.gelu(x), 2 * item * elements),
         "silu": (lambda: F.silu(x), 2 * item * elements),
         "add": (lambda: x + y, 3 * item * elements),
-        "cross-entropy": (lambda: F.cross_entropy(x, target), item * elements),
+        # the log-softmax reads the logits and writes their log-probabilities; the loss reads one a row
+        "cross-entropy": (lambda: F.cross_entropy(x, target), 2 * item * elements),
     }
 
 

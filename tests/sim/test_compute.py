@@ -137,6 +137,12 @@ def test_bench_compute_quick_on_the_cpu_writes_rows_and_curves(tmp_path) -> None
     assert all(r["seconds"] > 0 and r["efficiency"] > 0 for r in rows)
     loaded = load_curves(curves)["cpu"]
     assert set(loaded) == {"matmul", "matmul-fp8", "attention", "memory"}
+    # bytes read and written once: the unary ops and the cross-entropy's log-softmax read and write the tensor,
+    # the add reads two and writes one
+    reads_writes = {r["op"]: r["bytes"] / r["elements"] for r in rows if r["kind"] == "memory" and r["op"] != "adamw"}
+    item = reads_writes["layer-norm"] / 2
+    assert reads_writes == {op: n * item for op, n in (("layer-norm", 2), ("rms-norm", 2), ("gelu", 2), ("silu", 2),
+                                                        ("add", 3), ("cross-entropy", 2))}  # fmt: skip
 
 
 def test_fp8_runs_the_linear_products_at_the_fp8_rate_with_their_casts() -> None:
