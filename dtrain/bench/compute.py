@@ -1,7 +1,10 @@
 """``dtrain bench compute``: how fast this device runs the operations a transformer layer is made of, and the
 efficiency curves :mod:`dtrain.sim.compute` prices them with.
 
-Three kinds, each timed with CUDA events on a GPU (wall clock on the CPU) after warm-up, the median of repeats:
+Four kinds, each timed with CUDA events on a GPU (wall clock on the CPU) after warm-up, the median of repeats.
+On a GPU each call is issued while a sleep kernel (``torch.cuda._sleep``) holds the stream for twice as long as
+the host took to issue it, so the events measure the device running the call's kernels back to back, not the
+host's launches (the simulator prices a kernel's launch apart, ``DeviceCompute.kernel_s``):
 
 - bf16 matrix products ``(m, n, k)`` of transformer shapes: ``m`` the tokens of a micro-batch, ``n`` and ``k``
   the hidden width, the MLP width, QKV and a vocabulary slice, each split over tensor-parallel degrees 1-8;
@@ -64,14 +67,27 @@ def grid(quick: bool = False) -> list[tuple[str, int, int, int]]:
     return sorted(shapes, key=lambda s: (s[1] * s[2] * s[3], s))
 
 
+#: Cycles a second the GPU's sleep kernel is reckoned at when it is sized (a high clock: on a slower one the sleep
+#: only lasts longer, which is safe).
+SLEEP_CYCLES_PER_S = 2.0e9
+
+
 def _timer(torch, device) -> Callable[[Callable[[], object], int, int], float]:
     def timed(fn, warmup: int, repeats: int) -> float:
-        for _ in range(warmup):
+        host = 0.0  # the host's time to issue one call: the last warm-up's (the first may set up libraries)
+        for _ in range(max(warmup, 1) if device.type == "cuda" else warmup):
+            t0 = time.perf_counter()
             fn()
+            host = time.perf_counter() - t0
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         samples = []
         for _ in range(repeats):
             if device.type == "cuda":
+                # the device's time, not the host's: the call is issued while a sleep kernel holds the stream (twice
+                # as long as issuing it took), so the events around it see the device run it back to back
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(int(min(0.05, 2 * host + 20e-6) * SLEEP_CYCLES_PER_S))
                 start.record()
                 fn()
                 end.record()
