@@ -72,7 +72,12 @@ def grid(quick: bool = False) -> list[tuple[str, int, int, int]]:
 SLEEP_CYCLES_PER_S = 2.0e9
 
 
-def _timer(torch, device) -> Callable[[Callable[[], object], int, int], float]:
+#: How a GPU call is timed: ``device`` (issued behind a sleep kernel: the device's pace) or ``launch`` (events
+#: around a call the host launches while the GPU waits: its launches counted, for comparison)
+TIMINGS = ("device", "launch")
+
+
+def _timer(torch, device, timing: str = "device") -> Callable[[Callable[[], object], int, int], float]:
     def timed(fn, warmup: int, repeats: int) -> float:
         host = 0.0  # the host's time to issue one call: the last warm-up's (the first may set up libraries)
         for _ in range(max(warmup, 1) if device.type == "cuda" else warmup):
@@ -87,7 +92,8 @@ def _timer(torch, device) -> Callable[[Callable[[], object], int, int], float]:
                 # the device's time, not the host's: the call is issued while a sleep kernel holds the stream (twice
                 # as long as issuing it took), so the events around it see the device run it back to back
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(int(min(0.05, 2 * host + 20e-6) * SLEEP_CYCLES_PER_S))
+                if timing == "device":
+                    torch.cuda._sleep(int(min(0.05, 2 * host + 20e-6) * SLEEP_CYCLES_PER_S))
                 start.record()
                 fn()
                 end.record()
@@ -113,13 +119,16 @@ def run(
     repeats: int = 5,
     warmup: int = 2,
     kinds: tuple[str, ...] = KINDS,
+    timing: str = "device",
 ) -> list[dict]:
     """Time every operation of ``kinds`` (:data:`KINDS`) on ``device_name`` (default: cuda if there is one, else
-    cpu); one dict a row. FP8 products' efficiency is against the device's FP8 peak (on the CPU, its best FP8
-    product)."""
+    cpu), a GPU's calls as ``timing`` says (:data:`TIMINGS`); one dict a row. FP8 products' efficiency is against
+    the device's FP8 peak (on the CPU, its best FP8 product)."""
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"--kinds: {', '.join(unknown) or 'none given'}; choose from {', '.join(KINDS)}")
+    if timing not in TIMINGS:
+        raise ValueError(f"--timing {timing}: choose from {', '.join(TIMINGS)}")
     import torch
     import torch.nn.functional as F
 
@@ -129,7 +138,7 @@ def run(
     key = device_key(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     spec = DEVICES.get(key)
     dtype = torch.bfloat16
-    timed = _timer(torch, device)
+    timed = _timer(torch, device, timing)
     rows: list[dict] = []
     for what, m, n, k in grid(quick) if "matmul" in kinds else ():
         a = torch.randn(m, k, device=device, dtype=dtype)
@@ -191,6 +200,8 @@ def run(
     bandwidth = spec.memory_bytes_per_s if spec else max(bytes_rows, default=1.0)
     for r in rows:
         r["device"] = key
+        if device.type == "cuda":
+            r["timing"] = timing
         if "flops" in r:
             r["flops_per_s"] = r["flops"] / r["seconds"]
             r["efficiency"] = r["flops_per_s"] / peaks.get(r["kind"], peaks.get("matmul", 1.0))

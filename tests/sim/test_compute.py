@@ -225,3 +225,5 @@ def test_bench_compute_times_fp8_products_and_merges_curves_by_kind(tmp_path) ->
     assert set(load_curves(path)["cpu"]) == {"matmul", "matmul-fp8"}
     with pytest.raises(ValueError, match="--kinds"):
         run(quick=True, kinds=("tensor",))
+    with pytest.raises(ValueError, match="--timing wall"):
+        run(quick=True, timing="wall")
