@@ -15,8 +15,9 @@ pieces its predecessor pushes, and 32-bit counters:
   both its copy out and its push are done).
 
 A pushing rank deals its pieces round-robin over :data:`LANES` streams of its own (lanes), each with its own
-``READY`` and ``FORWARDED`` counters, so that a copy is always queued behind the one running: on one stream the
-next copy waits for the raise after the last, a gap of about 8 us a piece on H200s
+``READY`` and ``FORWARDED`` counters: on one stream the next copy waits for the raise after the last. On 2 H200s
+the pushes still lost 5-7 us a piece against one bare copy of the whole buffer
+(``probe-chain-diagnose-h200x2.txt``); the second lane shortened that at 8-16 MiB pieces, not at 32 MiB
 (``probe-chain-copy-engines-h200x2.txt``).
 
 A call is a *round*: every rank's ``FREE`` holds :data:`ROUND_DONE` between rounds (set at start-up, and by the
@@ -59,8 +60,8 @@ __all__ = [
 ]
 
 ROUND_DONE = peer_channels.ROUND_DONE
-#: copies a pushing rank keeps in flight, one stream each, pieces dealt round-robin: on one stream a piece's copy
-#: starts only once the raise after the one before has run (about 8 us a piece on H200s), on two they overlap
+#: streams a pushing rank deals its pieces over, round-robin (on one a piece's copy starts only once the raise
+#: after the one before has run)
 LANES = 2
 #: counter indexes, 4 bytes each at the start of every window: ``READY`` and ``FORWARDED`` one a lane
 READY, FREE, FORWARDED = 0, LANES, LANES + 1
@@ -76,7 +77,7 @@ MIN_PIECE_BYTES = 8 << 20
 TARGET_PIECES = 4
 
 #: the size from which ``comm.broadcast(algorithm="ring")`` on the peer transport runs as this chain rather than
-#: a round at a time: on 2 H200s the chain ran at 0.92-0.94x NCCL's broadcast at 256 MiB and 0.98-0.99x at 1 GiB,
+#: a round at a time: on 2 H200s the chain ran at 0.92-0.96x NCCL's broadcast at 256 MiB and 0.97-0.99x at 1 GiB,
 #: the rounds at 0.88x and 0.81-0.88x; at 64 MiB the rounds were ahead, 0.87-0.88x against 0.83x, and at 16 MiB
 #: 0.55x against 0.36x (``probe-chain-copy-engines{,-fresh}-h200x2.txt``). A band starts at the geometric midpoint.
 CHAIN_FROM_BYTES = 128 << 20
@@ -111,7 +112,7 @@ class Op:
 def pieces(nbytes: int, world: int) -> int:
     """The piece size for a broadcast of ``nbytes`` on ``world`` ranks: :data:`TARGET_PIECES` pieces, each
     between :data:`MIN_PIECE_BYTES` and :data:`MAX_SLOT_BYTES`, 256-byte aligned."""
-    del world  # the same aim on every chain: fill is p - 2 pieces of TARGET_PIECES + p - 2
+    del world  # the same pieces on any chain (measured on 2 ranks only)
     size = max(MIN_PIECE_BYTES, min(MAX_SLOT_BYTES, math.ceil(nbytes / TARGET_PIECES)))
     return -(-size // RING_AT) * RING_AT
 
