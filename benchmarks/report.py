@@ -991,6 +991,18 @@ def _train_overlap_optimizer() -> list[str]:
     ]
 
 
+def _dp_cells(r: dict) -> list[str]:
+    """A data-parallel row's variant, GPUs, step, throughput, ratio to DDP and scaling efficiency."""
+    return [
+        r["variant"],
+        str(r["ranks"]),
+        f"{r['step_s'] * 1e3:.1f}",
+        f"{r['tokens_per_s'] / 1e3:.0f} k",
+        f"{r['ratio_vs_ddp']:.3f}x" if r.get("ratio_vs_ddp") else "-",
+        f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") is not None else "-",
+    ]
+
+
 def _dp_two_h200() -> list[str]:
     """The same comparison on 2 H200s, eager (no recorded steps)."""
     parts = []
@@ -998,17 +1010,7 @@ def _dp_two_h200() -> list[str]:
         records = load(f"dp_vs_ddp-h200x2-b{b}.jsonl")
         if not records:
             continue
-        rows = [
-            [
-                r["variant"],
-                str(r["ranks"]),
-                f"{r['step_s'] * 1e3:.1f}",
-                f"{r['tokens_per_s'] / 1e3:.0f} k",
-                f"{r['ratio_vs_ddp']:.3f}x" if r.get("ratio_vs_ddp") else "-",
-                f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") is not None else "-",
-            ]
-            for r in sorted(records, key=lambda r: (r["ranks"], r["variant"]))
-        ]
+        rows = [_dp_cells(r) for r in sorted(records, key=lambda r: (r["ranks"], r["variant"]))]
         local = next((r for r in records if r["variant"] == "local"), None)
         parts += [
             f"### 2 x H200, {b} sequences a GPU, eager",
@@ -1052,15 +1054,7 @@ def section_dp() -> str:
     for b in (32, 16):
         records = load(f"dp_vs_ddp-graphs-h100x4-b{b}.jsonl")
         rows = [
-            [
-                r["variant"],
-                str(r["ranks"]),
-                f"{r['step_s'] * 1e3:.1f}",
-                f"{r['tokens_per_s'] / 1e3:.0f} k",
-                f"{r['ratio_vs_ddp']:.3f}x" if r.get("ratio_vs_ddp") else "-",
-                f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") is not None else "-",
-                f"{r['scaling_vs_eager_single']:.1%}" if "-graph" in r["variant"] else "-",
-            ]
+            [*_dp_cells(r), f"{r['scaling_vs_eager_single']:.1%}" if "-graph" in r["variant"] else "-"]
             for r in sorted(records, key=lambda r: (r["ranks"], r["variant"]))
         ]
         parts += [
