@@ -1,0 +1,130 @@
+"""Usage: python benchmarks/training/sustained_products.py [--seconds 3] [--out FILE]
+
+Does a GPU run a transformer layer's matrix products as fast for seconds on end as for one call? For the
+products of one GPT-3 175B layer on tensor-parallel 4 with micro-batch 1 and sequence 2048 (the MLPerf Training
+layout; forward, input and weight gradients), in bf16 and, where the device has it, FP8 (``torch._scaled_mm`` on
+E4M3 operands), three timings side by side:
+
+- ``device``: one call issued behind a sleep kernel, CUDA events around it (``dtrain bench compute``'s way);
+- ``launch``: one call with events around it, issued while the GPU waits (the host's launch counted);
+- ``sustained``: the layer's products one after another for ``--seconds`` (after as long again to warm up), the
+  GPU never idle, the mean per product over the last window: what a training step's back-to-back products get
+  once the clocks have settled under the power cap.
+
+Each row: the product, its FLOPs, the three times and the sustained time over the device one, and the SM clock
+and power ``nvidia-smi`` reports at the end of the sustained window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+
+from dtrain.bench.compute import SLEEP_CYCLES_PER_S, has_fp8
+
+HIDDEN, FFN, TOKENS, TP = 12288, 49152, 2048, 4
+
+
+def _shapes() -> list[tuple[str, int, int, int]]:
+    products = (("qkv", 3 * HIDDEN // TP, HIDDEN), ("out", HIDDEN, HIDDEN // TP), ("mlp-in", FFN // TP, HIDDEN),
+                ("mlp-out", HIDDEN, FFN // TP))  # fmt: skip
+    shapes = []
+    for what, n, k in products:
+        shapes += [(what, TOKENS, n, k), (what + "-dgrad", TOKENS, k, n), (what + "-wgrad", k, n, TOKENS)]
+    return shapes
+
+
+def _product(m: int, n: int, k: int, fp8: bool):
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    if not fp8:
+        return lambda: torch.mm(a, b.t())
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    return lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def _single(fn, device_pace: bool, repeats: int = 7) -> float:
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if device_pace:
+            torch.cuda._sleep(int(min(0.05, 2 * host + 20e-6) * SLEEP_CYCLES_PER_S))
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def _sustained(fns: list, seconds: float) -> tuple[list[float], str]:
+    """Every product of ``fns`` in turn, back to back, for ``seconds`` after as long of warm-up: the mean time of
+    each over the last window, timed with events around whole passes; and nvidia-smi's clock and power then."""
+    passes, t_end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:  # warm up to the steady clock
+        for fn in fns:
+            fn()
+        passes += 1
+        if passes % 20 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    times = [0.0] * len(fns)
+    counted, t_end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(fns) + 1)]
+        events[0].record()
+        for i, fn in enumerate(fns):
+            fn()
+            events[i + 1].record()
+        events[-1].synchronize()
+        for i in range(len(fns)):
+            times[i] += events[i].elapsed_time(events[i + 1]) / 1e3
+        counted += 1
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"], capture_output=True, text=True
+    ).stdout.strip()
+    return [t / counted for t in times], smi
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    name = torch.cuda.get_device_name()
+    rows = []
+    for fp8 in (False, True) if has_fp8(torch, torch.device("cuda")) else (False,):
+        shapes = _shapes()
+        fns = [_product(m, n, k, fp8) for _, m, n, k in shapes]
+        single = [(_single(fn, True), _single(fn, False)) for fn in fns]
+        sustained, smi = _sustained(fns, args.seconds)
+        for (what, m, n, k), (device, launch), kept in zip(shapes, single, sustained, strict=True):
+            rows.append({"device": name, "precision": "fp8" if fp8 else "bf16", "op": what, "m": m, "n": n, "k": k,
+                         "flops": 2.0 * m * n * k, "device_s": device, "launch_s": launch, "sustained_s": kept,
+                         "sustained_over_device": kept / device, "smi_after_sustained": smi})  # fmt: skip
+        total = [sum(r[key] for r in rows[-len(shapes) :]) for key in ("device_s", "launch_s", "sustained_s")]
+        print(
+            f"{'fp8' if fp8 else 'bf16'}: one layer's products {total[0] * 1e3:.3f} ms at the device's pace, "
+            f"{total[1] * 1e3:.3f} launch-timed, {total[2] * 1e3:.3f} sustained for {args.seconds:.0f} s "
+            f"(x{total[2] / total[0]:.3f}; clock, power then: {smi})",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
