@@ -1,4 +1,4 @@
-"""Usage: python benchmarks/training/sustained_products.py [--seconds 3] [--out FILE]
+"""Usage: python benchmarks/training/sustained_products.py [--seconds 3] [--out FILE] [--write-curves PATH]
 
 Does a GPU run a transformer layer's matrix products as fast for seconds on end as for one call? For the
 products of one GPT-3 175B layer on tensor-parallel 4 with micro-batch 1 and sequence 2048 (the MLPerf Training
@@ -12,7 +12,10 @@ E4M3 operands), three timings side by side:
   once the clocks have settled under the power cap.
 
 Each row: the product, its FLOPs, the three times and the sustained time over the device one, and the SM clock
-and power ``nvidia-smi`` reports at the end of the sustained window.
+and power ``nvidia-smi`` reports at the end of the sustained window. ``--write-curves PATH`` (the simulator's
+``dtrain/sim/compute_curves.json``) stores under the device's ``"sustained"`` entry, for each precision, the
+layer's sustained time over what the device's curves in that file price the same products at
+(:func:`sustained_factors`), which the simulator then multiplies its products' compute by.
 """
 
 from __future__ import annotations
@@ -97,10 +100,30 @@ def _sustained(fns: list, seconds: float) -> tuple[list[float], str]:
     return [t / counted for t in times], smi
 
 
+def sustained_factors(rows: list[dict], device_key: str, curves_path: str) -> dict[str, float]:
+    """By curve (``matmul``, ``matmul-fp8``): the summed sustained time of ``rows``' products over what
+    ``device_key``'s curves in ``curves_path`` price them at (with no sustained factor)."""
+    from dataclasses import replace
+
+    from dtrain.sim.compute import DEVICE_COMPUTE, device_compute, load_curves
+
+    spec = DEVICE_COMPUTE[device_key]
+    device = device_compute(spec.peak_flops, spec.memory_bytes_per_s, curves=load_curves(curves_path))
+    device = replace(device, sustained=1.0, fp8_sustained=1.0)
+    factors = {}
+    for precision, kind in (("bf16", "matmul"), ("fp8", "matmul-fp8")):
+        mine = [r for r in rows if r["precision"] == precision]
+        if mine:
+            priced = sum(device.matmul_s(r["m"], r["n"], r["k"], fp8=precision == "fp8") for r in mine)
+            factors[kind] = sum(r["sustained_s"] for r in mine) / priced
+    return factors
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--write-curves", default=None, metavar="PATH", help="store the sustained factors in PATH")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
     rows = []
@@ -124,6 +147,14 @@ def main() -> None:
         with open(args.out, "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
+    if args.write_curves:
+        from dtrain.bench.compute import device_key, write_curves
+
+        key = device_key(name)
+        factors = sustained_factors(rows, key, args.write_curves)
+        note = f"benchmarks/training/sustained_products.py --seconds {args.seconds:g} on {name}"
+        write_curves(args.write_curves, key, {"sustained": factors}, note)
+        print("sustained factors: " + ", ".join(f"{k} x{v:.3f}" for k, v in factors.items()))
 
 
 if __name__ == "__main__":

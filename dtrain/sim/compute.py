@@ -89,6 +89,13 @@ beside them). H100 SXM takes H200 SXM's measurement where it has none of its own
 multiprocessors, a 700 W cap, NVLink 4; NVIDIA H100 and H200 datasheets). A device without a measurement
 prices overlapped communication as free.
 
+A training step runs its products back to back for seconds, and a power-capped GPU lowers its clock under them.
+Where ``benchmarks/training/sustained_products.py`` measured it (the file's ``"sustained"`` entry, by curve), a
+device's matrix products are priced at the sustained rate: their compute time times the measured ratio of a
+layer's products run back to back for seconds to what the device's curves price them at (one call each at the
+device's pace). It belongs with curves timed at the device's pace: the H200 SXM has it; the H100 SXM, whose
+curves are launch-timed, has none. A device without the measurement prices products at its curves' rate.
+
 Built-in constants (no measurement on file): the matrix-product ceiling is the Maximum Achievable Matmul FLOPS
 of Bekman's table (S. Bekman, "Machine Learning Engineering", compute/accelerator, bf16: A100 SXM 271.2 of 312
 TFLOP/s, H100 SXM 794.5 of 989); H200 SXM takes H100's (same chip and clocks, NVIDIA H200 datasheet). Flash
@@ -197,6 +204,9 @@ class DeviceCompute:
     attention_curve: Curve | None = None
     bandwidth_curve: Curve | None = None
     beside: Beside | None = None
+    #: the products' compute time under a sustained load over the curves' price, 16-bit and FP8 (module docstring)
+    sustained: float = 1.0
+    fp8_sustained: float = 1.0
     source: str = ""
 
     def beside_s(self, seconds: float, path: str, *, fp8: bool = False) -> float:
@@ -222,7 +232,8 @@ class DeviceCompute:
             curve, peak = self.matmul_curve, self.peak_flops
             moved = itemsize * batch * (m * k + k * n + m * n)
         eff = curve(flops) if curve is not None else self.matmul_efficiency * _wave_efficiency(m, n, batch, self.sms)
-        return max(flops / (peak * eff), self.memory_s(moved, fixed=False)) + self.kernel_s
+        held = self.fp8_sustained if fp8 else self.sustained
+        return max(flops / (peak * eff) * held, self.memory_s(moved, fixed=False)) + self.kernel_s
 
     def attention_s(self, flops: float) -> float:
         """Seconds of a flash-attention kernel of ``flops``."""
@@ -275,8 +286,9 @@ DEVICE_COMPUTE: dict[str, DeviceCompute] = {
 
 def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Curve | Beside]]:
     """Measured efficiency curves by device key (``{"h100-sxm": {"matmul": Curve, ...}}``) from ``path``
-    (default :data:`CURVES_PATH`), and under ``"beside"`` the device's :class:`Beside` slowdowns where measured; an
-    empty dict where the file does not exist."""
+    (default :data:`CURVES_PATH`), under ``"beside"`` the device's :class:`Beside` slowdowns and under
+    ``"sustained"`` its products' sustained factors by curve (``{"matmul": 1.08}``) where measured; an empty dict
+    where the file does not exist."""
     path = Path(path) if path is not None else CURVES_PATH
     if not path.exists():
         return {}
@@ -289,6 +301,10 @@ def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Cu
                 for kind in ("matmul", "matmul-fp8", "attention", "memory")
                 if entry.get(kind)
             }
+            for kind, factor in (entry.get("sustained") or {}).items():
+                if kind not in ("matmul", "matmul-fp8") or not float(factor) > 0:
+                    raise ValueError(f"sustained[{kind}]: a positive factor for matmul or matmul-fp8, got {factor}")
+                out[key].setdefault("sustained", {})[kind] = float(factor)
             if entry.get("beside"):
                 out[key]["beside"] = Beside(tuple(
                     (path, precision, float(f["product"]), float(f["collective"]))
@@ -323,8 +339,11 @@ def device_compute(
         ):
             measured = curves.get(spec.key, {})
             beside = measured.get("beside") or curves.get(BESIDE_FROM.get(spec.key, ""), {}).get("beside")
+            sustained = measured.get("sustained", {})
             return replace(
                 spec,
+                sustained=sustained.get("matmul", 1.0),
+                fp8_sustained=sustained.get("matmul-fp8", 1.0),
                 matmul_curve=measured.get("matmul"),
                 fp8_matmul_curve=measured.get("matmul-fp8"),
                 attention_curve=measured.get("attention"),

@@ -227,3 +227,45 @@ def test_bench_compute_times_fp8_products_and_merges_curves_by_kind(tmp_path) ->
         run(quick=True, kinds=("tensor",))
     with pytest.raises(ValueError, match="--timing wall"):
         run(quick=True, timing="wall")
+
+
+def test_a_measured_sustained_factor_slows_the_devices_products_and_nothing_else(tmp_path) -> None:
+    from dtrain.sim.compute import device_compute
+
+    h200 = DEVICE_COMPUTE["h200-sxm"]
+    path = tmp_path / "curves.json"
+    curves = {"matmul": [[1e9, 0.5], [1e13, 0.7]], "matmul-fp8": [[1e9, 0.4], [1e13, 0.6]], "memory": [[1e6, 0.8]]}
+    path.write_text(json.dumps({"devices": {"h200-sxm": {**curves, "sustained": {"matmul": 1.1, "matmul-fp8": 1.2}}}}))
+    held = device_compute(h200.peak_flops, h200.memory_bytes_per_s, curves=load_curves(path))
+    path.write_text(json.dumps({"devices": {"h200-sxm": curves}}))
+    burst = device_compute(h200.peak_flops, h200.memory_bytes_per_s, curves=load_curves(path))
+    big = (8192, 12288, 12288)
+    for fp8, factor in ((False, 1.1), (True, 1.2)):
+        grown = (held.matmul_s(*big, fp8=fp8) - held.kernel_s) / (burst.matmul_s(*big, fp8=fp8) - burst.kernel_s)
+        assert grown == pytest.approx(factor)
+    assert held.memory_s(1e9) == burst.memory_s(1e9) and held.attention_s(1e12) == burst.attention_s(1e12)
+    h100 = DEVICE_COMPUTE["h100-sxm"]  # another device's factor is not taken
+    assert device_compute(h100.peak_flops, h100.memory_bytes_per_s, curves=load_curves(path)).sustained == 1.0
+    path.write_text(json.dumps({"devices": {"h200-sxm": {"sustained": {"attention": 1.1}}}}))
+    with pytest.raises(ValueError, match="sustained"):
+        load_curves(path)
+
+
+def test_the_sustained_factor_is_the_layers_sustained_time_over_what_the_curves_price(tmp_path) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "training"))
+    pytest.importorskip("torch")
+    from sustained_products import sustained_factors
+
+    from dtrain.sim.compute import device_compute
+
+    path = tmp_path / "curves.json"
+    path.write_text(json.dumps({"devices": {"h200-sxm": {"matmul": [[1e9, 0.5], [1e13, 0.7]]}}}))
+    h200 = DEVICE_COMPUTE["h200-sxm"]
+    device = device_compute(h200.peak_flops, h200.memory_bytes_per_s, curves=load_curves(path))
+    shapes = [(2048, 9216, 12288), (12288, 3072, 2048)]
+    rows = [{"precision": "bf16", "m": m, "n": n, "k": k, "sustained_s": 1.25 * device.matmul_s(m, n, k)}
+            for m, n, k in shapes]  # fmt: skip
+    assert sustained_factors(rows, "h200-sxm", str(path)) == {"matmul": pytest.approx(1.25)}
