@@ -317,6 +317,8 @@ def chain_for(group, device: torch.device, piece: int) -> ChainBroadcast:
     chain = state.windows.get(key)
     if chain is None or not chain.fits(piece):
         slot = piece if chain is None else max(piece, chain.slot_bytes)
+        if chain is not None and device.type == "cuda":  # its copies may still be queued: let them finish first
+            torch.cuda.synchronize(device)
         chain = state.windows[key] = peer_window._setting_up(
             lambda: ChainBroadcast(group, device, slot), group, "mapping the chain broadcast's windows"
         )
