@@ -2166,7 +2166,7 @@ def _zero_bubble_bound(records: list[dict]) -> list[str]:
         compute = (1 - r["bubble_measured"]) * r["step_ms"]  # the stages' compute, as this row ran it
         at_theory = compute / (1 - r["bubble_theory"])
         cells.append(
-            f"m {r['microbatches']}{' (graphs)' if r.get('graphs') else ''}{_transport_label(r)}: "
+            f"m {r['microbatches']}{_graphs_label(r).removeprefix(r['schedule'])}{_transport_label(r)}: "
             f"{theirs / r['step_ms']:.2f}x "
             f"measured, {theirs / at_theory:.2f}x at the theory's bubble, {theirs / compute:.2f}x with none"
         )
