@@ -1,9 +1,10 @@
-"""Usage: python benchmarks/training/sustained_products.py [--seconds 3] [--out FILE] [--write-curves PATH]
+"""Usage: python benchmarks/training/sustained_products.py [--seconds 3] [--hidden H --ffn F --tokens T --tp P]
+[--out FILE] [--write-curves PATH]
 
 Does a GPU run a transformer layer's matrix products as fast for seconds on end as for one call? For the
-products of one GPT-3 175B layer on tensor-parallel 4 with micro-batch 1 and sequence 2048 (the MLPerf Training
-layout; forward, input and weight gradients), in bf16 and, where the device has it, FP8 (``torch._scaled_mm`` on
-E4M3 operands), three timings side by side:
+products of one layer (by default GPT-3 175B's on tensor-parallel 4 with micro-batch 1 and sequence 2048, the
+MLPerf Training layout; forward, input and weight gradients), in bf16 and, where the device has it, FP8
+(``torch._scaled_mm`` on E4M3 operands), three timings side by side:
 
 - ``device``: one call issued behind a sleep kernel, CUDA events around it (``dtrain bench compute``'s way);
 - ``launch``: one call with events around it, issued while the GPU waits (the host's launch counted);
@@ -25,20 +26,19 @@ import json
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
 from dtrain.bench.compute import SLEEP_CYCLES_PER_S, has_fp8
 
-HIDDEN, FFN, TOKENS, TP = 12288, 49152, 2048, 4
 
-
-def _shapes() -> list[tuple[str, int, int, int]]:
-    products = (("qkv", 3 * HIDDEN // TP, HIDDEN), ("out", HIDDEN, HIDDEN // TP), ("mlp-in", FFN // TP, HIDDEN),
-                ("mlp-out", HIDDEN, FFN // TP))  # fmt: skip
+def _shapes(hidden: int, ffn: int, tokens: int, tp: int) -> list[tuple[str, int, int, int]]:
+    products = (("qkv", 3 * hidden // tp, hidden), ("out", hidden, hidden // tp), ("mlp-in", ffn // tp, hidden),
+                ("mlp-out", hidden, ffn // tp))  # fmt: skip
     shapes = []
     for what, n, k in products:
-        shapes += [(what, TOKENS, n, k), (what + "-dgrad", TOKENS, k, n), (what + "-wgrad", k, n, TOKENS)]
+        shapes += [(what, tokens, n, k), (what + "-dgrad", tokens, k, n), (what + "-wgrad", k, n, tokens)]
     return shapes
 
 
@@ -119,21 +119,52 @@ def sustained_factors(rows: list[dict], device_key: str, curves_path: str) -> di
     return factors
 
 
+def _store_mean(paths: list[str], curves_path: str | None) -> None:
+    """Store in ``curves_path`` each precision's mean over the factors of the ``--out`` files ``paths`` (one
+    layer each), for the device they name."""
+    from dtrain.bench.compute import device_key, write_curves
+
+    if not curves_path:
+        raise SystemExit("sustained_products.py: --factors needs --write-curves PATH")
+    runs = [[json.loads(line) for line in Path(path).read_text().splitlines()] for path in paths]
+    keys = {device_key(rows[0]["device"]) for rows in runs}
+    if len(keys) != 1:
+        raise SystemExit(f"sustained_products.py: --factors files name several devices {sorted(keys)}")
+    key = keys.pop()
+    per = [sustained_factors(rows, key, curves_path) for rows in runs]
+    factors = {kind: statistics.mean(f[kind] for f in per) for kind in per[0]}
+    names = ", ".join(path.rsplit("/", 1)[-1] for path in paths)
+    note = f"benchmarks/training/sustained_products.py, the mean over {len(paths)} layers ({names})"
+    write_curves(curves_path, key, {"sustained": factors}, note)
+    for path, f in zip(paths, per, strict=True):
+        print(f"{path}: " + ", ".join(f"{k} x{v:.3f}" for k, v in f.items()))
+    print("stored the mean: " + ", ".join(f"{k} x{v:.3f}" for k, v in factors.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--hidden", type=int, default=12288, help="the layer's width (default GPT-3 175B's)")
+    ap.add_argument("--ffn", type=int, default=49152, help="the MLP's width")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens a micro-batch (micro-batch x sequence)")
+    ap.add_argument("--tp", type=int, default=4, help="tensor-parallel ranks the layer is split over")
     ap.add_argument("--out", default=None)
     ap.add_argument("--write-curves", default=None, metavar="PATH", help="store the sustained factors in PATH")
+    ap.add_argument("--factors", nargs="+", default=None, metavar="FILE",
+                    help="measure nothing: store in --write-curves the mean of these --out files' factors")  # fmt: skip
     args = ap.parse_args()
+    if args.factors:
+        return _store_mean(args.factors, args.write_curves)
     name = torch.cuda.get_device_name()
     rows = []
     for fp8 in (False, True) if has_fp8(torch, torch.device("cuda")) else (False,):
-        shapes = _shapes()
+        shapes = _shapes(args.hidden, args.ffn, args.tokens, args.tp)
         fns = [_product(m, n, k, fp8) for _, m, n, k in shapes]
         single = [(_single(fn, True), _single(fn, False)) for fn in fns]
         sustained, smi = _sustained(fns, args.seconds)
         for (what, m, n, k), (device, launch), kept in zip(shapes, single, sustained, strict=True):
             rows.append({"device": name, "precision": "fp8" if fp8 else "bf16", "op": what, "m": m, "n": n, "k": k,
+                         "layer": {"hidden": args.hidden, "ffn": args.ffn, "tokens": args.tokens, "tp": args.tp},
                          "flops": 2.0 * m * n * k, "device_s": device, "launch_s": launch, "sustained_s": kept,
                          "sustained_over_device": kept / device, "smi_after_sustained": smi})  # fmt: skip
         total = [sum(r[key] for r in rows[-len(shapes) :]) for key in ("device_s", "launch_s", "sustained_s")]

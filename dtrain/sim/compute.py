@@ -93,8 +93,9 @@ A training step runs its products back to back for seconds, and a power-capped G
 Where ``benchmarks/training/sustained_products.py`` measured it (the file's ``"sustained"`` entry, by curve), a
 device's matrix products are priced at the sustained rate: their compute time times the measured ratio of a
 layer's products run back to back for seconds to what the device's curves price them at (one call each at the
-device's pace). It belongs with curves timed at the device's pace: the H200 SXM has it; the H100 SXM, whose
-curves are launch-timed, has none. A device without the measurement prices products at its curves' rate.
+device's pace), the mean over the layers measured. It belongs with curves timed at the device's pace: the H200
+SXM has it; the H100 SXM, whose curves are launch-timed, has none. A device without the measurement prices
+products at its curves' rate.
 
 Built-in constants (no measurement on file): the matrix-product ceiling is the Maximum Achievable Matmul FLOPS
 of Bekman's table (S. Bekman, "Machine Learning Engineering", compute/accelerator, bf16: A100 SXM 271.2 of 312

@@ -269,3 +269,27 @@ def test_the_sustained_factor_is_the_layers_sustained_time_over_what_the_curves_
     rows = [{"precision": "bf16", "m": m, "n": n, "k": k, "sustained_s": 1.25 * device.matmul_s(m, n, k)}
             for m, n, k in shapes]  # fmt: skip
     assert sustained_factors(rows, "h200-sxm", str(path)) == {"matmul": pytest.approx(1.25)}
+
+
+def test_the_stored_sustained_factor_is_the_mean_over_the_layers_measured(tmp_path) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "training"))
+    pytest.importorskip("torch")
+    from sustained_products import _store_mean
+
+    from dtrain.sim.compute import device_compute
+
+    path = tmp_path / "curves.json"
+    path.write_text(json.dumps({"devices": {"h200-sxm": {"matmul": [[1e9, 0.5], [1e13, 0.7]]}}}))
+    h200 = DEVICE_COMPUTE["h200-sxm"]
+    device = device_compute(h200.peak_flops, h200.memory_bytes_per_s, curves=load_curves(path))
+    files = []
+    for i, (factor, (m, n, k)) in enumerate(((1.1, (2048, 9216, 12288)), (1.3, (4096, 2048, 6144)))):
+        row = {"device": "NVIDIA H200", "precision": "bf16", "m": m, "n": n, "k": k,
+               "sustained_s": factor * device.matmul_s(m, n, k)}  # fmt: skip
+        files.append(tmp_path / f"layer{i}.jsonl")
+        files[-1].write_text(json.dumps(row) + "\n")
+    _store_mean([str(f) for f in files], str(path))
+    assert load_curves(path)["h200-sxm"]["sustained"] == {"matmul": pytest.approx(1.2)}
