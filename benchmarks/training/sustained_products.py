@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dtrain.bench.compute import SLEEP_CYCLES_PER_S, has_fp8
+from dtrain.bench.compute import _timer, has_fp8
 
 
 def _shapes(hidden: int, ffn: int, tokens: int, tp: int) -> list[tuple[str, int, int, int]]:
@@ -53,22 +53,9 @@ def _product(m: int, n: int, k: int, fp8: bool):
 
 
 def _single(fn, device_pace: bool, repeats: int = 7) -> float:
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if device_pace:
-            torch.cuda._sleep(int(min(0.05, 2 * host + 20e-6) * SLEEP_CYCLES_PER_S))
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
+    """One call's time, the median of ``repeats``: at the device's pace or launch-timed (``dtrain bench
+    compute``'s timer)."""
+    return _timer(torch, torch.device("cuda"), "device" if device_pace else "launch")(fn, 1, repeats)
 
 
 def _sustained(fns: list, seconds: float) -> tuple[list[float], str]:
