@@ -176,7 +176,9 @@ def section_collectives() -> str:
         captured_table(h200),
         "![NCCL's time over ours, captured](figures/collectives-captured.png)",
         *_defaults_part(),
-        *_defaults_beside_part(),
+        *_defaults_beside_part("h100x4"),
+        *_defaults_beside_part("h200x2"),
+        *_direct_broadcast_part(),
         *_wide_part(),
         *_one_pass_part(),
         "### All-reduce on the defaults (4 x H100)",
@@ -296,11 +298,16 @@ def _defaults_part() -> list[str]:
     return parts
 
 
-def _defaults_beside_part() -> list[str]:
-    """The defaults sweep with fresh tensors timed in the same rounds as the same tensors (``--fresh-beside``)."""
-    records = load("collectives_defaults_beside-h100x4.jsonl")
+def _defaults_beside_part(machine: str) -> list[str]:
+    """The defaults sweep with fresh tensors timed in the same rounds as the same tensors (``--fresh-beside``), on
+    ``machine`` (``h100x4``: 4 GPUs of a 4-GPU host; ``h200x2``: a 2-GPU host)."""
+    records = load(f"collectives_defaults_beside-{machine}.jsonl")
     if not records:
         return []
+    gpus = records[0]["world_size"]
+    name = next(r.get("device_name") for r in records if r.get("device_name"))
+    where = card(records) if gpus == 4 else f"{gpus} x {name} (one host)"
+    title = f"{gpus} x {name.replace('NVIDIA ', '').split()[0]}"
     by = {(r["collective"], r["nbytes"], r["algorithm"]): r for r in records}
     sizes = sorted({r["nbytes"] for r in records})
     rows, apart, below, ours_below = [], [], 0, []
@@ -323,8 +330,8 @@ def _defaults_beside_part() -> list[str]:
         rows.append(row)
     cells = 2 * len(sizes) * len(DEFAULT_COLLECTIVES)
     return [
-        "#### Same and fresh tensors in one launch (4 x H100)",
-        "The sweep above timed same and fresh tensors in separate launches. Here each name also runs on fresh "
+        f"#### Same and fresh tensors in one launch ({title})",
+        "The sweeps above timed same and fresh tensors in separate launches. Here each name also runs on fresh "
         "tensors (`NAME+fresh`) in the same rounds as on the same ones, so the two differ by the tensors alone. "
         "A cell is NCCL's time over ours, same tensors / fresh tensors, both against torch.distributed's own call on "
         f"the same kind of tensors. {below} of {cells} ratios are below 1.00x, "
@@ -337,12 +344,118 @@ def _defaults_beside_part() -> list[str]:
         + (", ".join(apart) if apart else "nowhere")
         + " (fresh time over same).",
         setting(
-            card(records),
+            where,
             gpu_software(records),
             "benchmarks/gpu/run.sh OUT defaults-beside",
-            "`collectives_defaults_beside-h100x4.jsonl`",
+            f"`collectives_defaults_beside-{machine}.jsonl`",
         ),
         table(["size", *(c.replace("_", "-") for c in DEFAULT_COLLECTIVES)], rows),
+    ]
+
+
+def _probe_rows(path: str) -> dict[tuple[bool, int, str], tuple[float, float]]:
+    """A direct-broadcast probe's figures: (fresh, MiB, variant) -> (ratio to NCCL back to back, one call)."""
+    text = (RESULTS / path).read_text() if (RESULTS / path).exists() else ""
+    found, fresh = {}, False
+    for line in text.splitlines():
+        if line.startswith("# direct-broadcast"):
+            fresh = "fresh True" in line
+            continue
+        m = re.match(
+            r"\s*(\d+) MiB\s+(api ring|api auto|direct|bare|nccl)\s.*?([\d.]+)x nccl\s+one call\s+"
+            r"[\d.]+ us\s+([\d.]+)x",
+            line,
+        )
+        if m:
+            found[fresh, int(m.group(1)), m.group(2)] = (float(m.group(3)), float(m.group(4)))
+    return found
+
+
+def _direct_broadcast_part() -> list[str]:
+    """The ring broadcast as the direct chain (dtrain.comm.peer.direct) on 2 H200s: the probe's calls back to back
+    and alone, and the sweep harness's few calls a run."""
+    found = _probe_rows("probe-direct-broadcast-h200x2.txt")
+    beside = load("broadcast_ring_beside-h200x2.jsonl")
+    if not found or not beside:
+        return []
+    sizes = sorted({n for _, n, _ in found})
+    rows = []
+    for variant in ("api ring", "direct", "bare"):
+        for fresh in (False, True):
+            if not any((fresh, n, variant) in found for n in sizes):
+                continue
+            cells = [
+                f"{found[fresh, n, variant][0]:.2f}x / {found[fresh, n, variant][1]:.2f}x"
+                if (fresh, n, variant) in found
+                else "-"
+                for n in sizes
+            ]
+            rows.append([variant + (" fresh" if fresh else ""), *cells])
+    by = {(r["nbytes"], r["algorithm"]): r for r in beside}
+    harness = [
+        f"{size(n)}: {by[n, 'ring']['vs_torch']:.2f}x / {by[n, 'ring+fresh']['vs_torch']:.2f}x fresh "
+        f"({by[n, 'ring']['iters']} call{'s' if by[n, 'ring']['iters'] > 1 else ''} a run)"
+        for n in sorted({r["nbytes"] for r in beside})
+        if (n, "ring") in by and (n, "ring+fresh") in by
+    ]
+    return [
+        "#### The ring broadcast as one copy between the callers' tensors (2 x H200)",
+        '`comm.broadcast(x, root, algorithm="ring")` on the peer transport of CUDA tensors runs as the direct chain '
+        "(`dtrain.comm.peer.direct`, docs/collectives.md): each rank copies the pieces straight out of its "
+        "predecessor's tensor by a copy engine, the tensor's allocation named to it through a host mailbox and mapped "
+        "once. A cell is NCCL's time over ours: calls back to back between two synchronizations / one call alone "
+        "between two synchronizations; `api ring` through `comm.broadcast`, `direct` the chain without the API, "
+        "`bare` one copy-engine copy into a tensor mapped once (no counters, no mailbox: the ceiling). Every result "
+        "was checked from every root, and a recorded CUDA graph replayed on new data. Back to back the chain passes "
+        "NCCL from 64 MiB; alone it starts later (the receiving rank waits on the host for its predecessor's post, "
+        "then on the device for its counter), and loses below 256 MiB. On 2 GPUs `auto` runs it from 512 MiB "
+        "(`rules.built_in`; the sweep's cells above), NCCL's broadcast below.",
+        setting(
+            f"2 x {beside[0].get('device_name', 'NVIDIA H200')} (one host)",
+            gpu_software(beside),
+            "torchrun --nproc-per-node 2 benchmarks/collectives/probe.py direct-broadcast [--fresh]",
+            "`probe-direct-broadcast-h200x2.txt`",
+        ),
+        table(["path", *(f"{n} MiB" for n in sizes)], rows),
+        "In the sweep's harness (`dtrain bench comm --collectives broadcast --algorithms torch,native,ring "
+        "--min-bytes 64M --max-bytes 1G --factor 4 --iters 20 --trials 5 --warm-s 0.3 --fresh-beside`; "
+        "`broadcast_ring_beside-h200x2.jsonl`), where fresh tensors beside the same ones cut a run to the calls "
+        "whose tensors fit in 1 GiB, the ring against torch.distributed's call: " + "; ".join(harness) + ".",
+        *_lone_part(),
+    ]
+
+
+def _lone_part() -> list[str]:
+    """Where one broadcast alone between two synchronizations spends its time (the probe's ``--lone``)."""
+    path = RESULTS / "probe-direct-broadcast-lone-h200x2.txt"
+    if not path.exists():
+        return []
+    found: dict[str, dict[int, tuple[float, float]]] = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"\s*(\d+) MiB\s+lone\s+(.+?)\s+([\d.]+) us\s+([\d.]+)x nccl", line)
+        if m:
+            found.setdefault(m.group(2), {})[int(m.group(1))] = (float(m.group(3)), float(m.group(4)))
+    if not found:
+        return []
+    sizes = sorted({n for cells in found.values() for n in cells})
+    rows = [
+        [name, *(f"{cells[n][0]:.0f} us ({cells[n][1]:.2f}x)" if n in cells else "-" for n in sizes)]
+        for name, cells in found.items()
+    ]
+    return [
+        "Where a lone call's time goes (`--lone`, one call between two synchronizations, the median of 15, NCCL's "
+        "time over each in brackets): the bare copy pushed or pulled; the pull behind the chain's device handshake "
+        "alone (the root raises a counter the receiver's stream waits on, the receiver raises one the root's waits "
+        "on; no mailbox); the chain with its host mailbox; and `comm.broadcast`. The counters cost 15-20 us; the "
+        "host's post and take about 30 us more, and the API's path another 20-30 us.",
+        setting(
+            "2 x NVIDIA H200 (one host)",
+            gpu_software(load("broadcast_ring_beside-h200x2.jsonl")),
+            "torchrun --nproc-per-node 2 benchmarks/collectives/probe.py direct-broadcast --lone "
+            "--sizes 16,64,256,1024",
+            "`probe-direct-broadcast-lone-h200x2.txt`",
+        ),
+        table(["path", *(f"{n} MiB" for n in sizes)], rows),
     ]
 
 
@@ -1029,6 +1142,64 @@ def _dp_two_h200() -> list[str]:
                 "processes stepping at once slow each other on this host whatever the communication, so the "
                 "scaling column measures the host as much as the data-parallel wrapper."
             )
+    parts += _dp_two_h200_recorded()
+    return parts
+
+
+def _dp_two_h200_recorded() -> list[str]:
+    """The recorded steps on 2 H200s: fused AdamW, the copy-engine exchange and the optimizer inside the step."""
+    runs = [(b, load(f"dp_vs_ddp-graphs-fused-h200x2-b{b}.jsonl")) for b in (16, 32)]
+    runs = [(b, records) for b, records in runs if records]
+    if not runs:
+        return []
+    order = (
+        "single",
+        "single-graph",
+        "single-graph-whole",
+        "ddp",
+        "local",
+        "local-graph",
+        "local-graph-whole",
+        "ours-auto",
+        "ours-graph",
+        "ours-copy-engine-graph",
+        "ours-copy-engine-graph-whole",
+    )
+    parts = [
+        "### 2 x H200, steps recorded, fused AdamW",
+        'The recorded variants of "A step recorded whole" below, with torch\'s one-kernel AdamW for every variant '
+        "(eager ones too): `-graph` records forward, loss and backward; `ours-copy-engine-graph-whole` also moves "
+        "the buckets by copy engines and steps AdamW inside the recording beside the last bucket. A recorded "
+        "variant's scaling is against one GPU recorded the same way, the last column against one GPU eager; DDP "
+        "runs eagerly. Each row's parameters end within bf16 autocast's rounding of DDP's (largest difference "
+        + ", ".join(
+            f"{max(r['max_abs_param_diff_vs_ddp'] or 0 for r in records):.1e} with {b} sequences" for b, records in runs
+        )
+        + ").",
+    ]
+    for b, records in runs:
+        by = {r["variant"]: r for r in records}
+        rows = [
+            [*_dp_cells(by[v]), f"{by[v]['scaling_vs_eager_single']:.1%}" if "-graph" in v else "-"]
+            for v in order
+            if v in by
+        ]
+        parts += [
+            f"#### {b} sequences a GPU",
+            setting(
+                f"2 x {records[0]['device']} (one host)",
+                gpu_software(records),
+                f"torchrun --nproc-per-node 2 benchmarks/training/dp_zero.py --sections dp --sizes 2 1 "
+                f"--batch-per-rank {b} --graphs --optimizer fused --stall-s 240 --variants single-graph "
+                "single-graph-whole ours-auto ours-graph ours-copy-engine-graph ours-copy-engine-graph-whole local "
+                "local-graph local-graph-whole",
+                f"`dp_vs_ddp-graphs-fused-h200x2-b{b}.jsonl`",
+            ),
+            table(
+                ["variant", "GPUs", "step ms", "tokens/s", "throughput / DDP", "scaling eff.", "vs one GPU eager"],
+                rows,
+            ),
+        ]
     return parts
 
 

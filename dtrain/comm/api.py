@@ -27,6 +27,7 @@ from dtrain.comm.p2p.runtime import CommTimeoutError, round_timeout, run_schedul
 from dtrain.comm.p2p.transport import transport_for
 from dtrain.comm.peer import chain as peer_chain
 from dtrain.comm.peer import channels as peer_channels
+from dtrain.comm.peer import direct as peer_direct
 from dtrain.comm.peer import fused, watchdog
 from dtrain.comm.peer import graphs as persistent
 from dtrain.comm.peer import push as peer_push
@@ -296,6 +297,8 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
     world = group.size if is_mpi_group(group) else dist.get_world_size(group)
     nbytes = work.numel() * work.element_size()
     chained = via == "peer" and coll is Collective.BROADCAST and algorithm == "ring" and out is None
+    if chained and _run_direct(work, group, root, world, nbytes):
+        return
     if chained and nbytes >= peer_chain.CHAIN_FROM_BYTES and _run_chain(work, group, root, world, nbytes):
         return
     pipeline = _pipeline(coll, algorithm, world, nbytes, work.device)
@@ -336,6 +339,66 @@ def _run(coll, algorithm, work, group, op="sum", root=None, local_size=None, out
         out.copy_(work[rank * m : (rank + 1) * m])
         return
     run_schedule(schedule, work, _transport(group), op, lanes=_lanes(schedule, work))
+
+
+def _run_direct(work: torch.Tensor, group, root: int, world: int, nbytes: int) -> bool:
+    """The ring broadcast on the peer transport of CUDA tensors CUDA IPC can export, run as a chain of copies
+    between the callers' own tensors (:mod:`dtrain.comm.peer.direct`); False where it cannot be (every rank of a
+    host alike), or where the group was moved off the peer transport."""
+    if nbytes == 0 or not peer_direct.exportable(work.device):
+        return False
+    try:
+        chain = peer_direct.direct_for(group, work.device)
+    except peer.PeerUnavailable as err:  # raised on every rank of the group alike
+        if _transport_setting() != "auto":
+            raise
+        _fall_back(group, err)
+        return False
+    try:
+        chain(work, root, round_timeout())
+    except peer_chain.ChainStalled as err:  # a predecessor never posted its tensor, or a successor never took it
+        group_state(_group_key(group)).windows.pop(("direct", work.device), None)
+        raise CommTimeoutError(
+            f"broadcast/ring: rank {chain.rank} (global {chain.window.global_rank}) timed out in the direct "
+            f"broadcast: {err}"
+        ) from err
+    except peer_direct.DirectRefused as err:
+        raise RuntimeError(f"broadcast/ring: rank {chain.rank} (global {chain.window.global_rank}): {err}") from err
+    if not torch.cuda.is_current_stream_capturing():
+        what = ("broadcast", "ring", nbytes, str(work.dtype))
+        place = (world, chain.rank, chain.window.global_rank, str(work.device))
+        watchdog.watch(work.device, chain.window.stall_limit(round_timeout()), _label(what, place, chain.window.calls))
+    return True
+
+
+def _broadcast_direct(tensor: torch.Tensor, src: int, group, algorithm: str, chosen: str, world: int) -> bool:
+    """Run a ring broadcast of a contiguous CUDA tensor on the peer transport as the direct chain
+    (:func:`_run_direct`), and keep that for the next call with the same arguments (:func:`_fast`); False where
+    it cannot run so (the call then goes the long way)."""
+    if chosen.partition("@")[0] != "ring" or not tensor.is_cuda or not tensor.is_contiguous():
+        return False
+    if _via(group, tensor.device, chosen)[1] != "peer":
+        return False
+
+    def run(t: torch.Tensor, _t: torch.Tensor) -> bool:
+        return t.is_contiguous() and _run_direct(t.view(-1), group, src, world, t.numel() * t.element_size())
+
+    if not run(tensor, tensor):
+        return False
+    _keep(Collective.BROADCAST, group, algorithm, src, tensor, tensor, run)
+    return True
+
+
+def _direct_declined(algorithm: str, chosen: str, tensor: torch.Tensor) -> bool:
+    """Whether ``auto`` chose the ring broadcast (measured as the direct chain, :mod:`dtrain.comm.peer.direct`) for
+    a CUDA tensor this process cannot export: NCCL's broadcast runs instead, faster than the slot chain. Every rank
+    of a host answers alike."""
+    return (
+        algorithm == "auto"
+        and tensor.is_cuda
+        and chosen.partition("@")[0] == "ring"
+        and not peer_direct.exportable(tensor.device)
+    )
 
 
 def _run_chain(work: torch.Tensor, group, root: int, world: int, nbytes: int) -> bool:
@@ -850,6 +913,10 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
     rank, world, chosen, local = _prepare(coll, algorithm, group, tensor.numel(), tensor, what)
     chosen = _one_pass_first(coll, algorithm, chosen, group, tensor, tensor, root=src)
     if chosen is None:
+        return tensor
+    if _direct_declined(algorithm, chosen, tensor):
+        chosen = "native"
+    if _broadcast_direct(tensor, src, group, algorithm, chosen, world):
         return tensor
     if chosen in NATIVE_CHOICES:
         on = _backend_group(group, chosen)

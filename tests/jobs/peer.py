@@ -242,3 +242,55 @@ def chain_missing_peer(timeout_s: float) -> str:
     finally:
         chain.CHAIN_FROM_BYTES = saved
         os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+
+
+def direct_mailbox(world: int) -> list[str]:
+    """The direct broadcast's host mailbox (dtrain.comm.peer.direct.Mailbox) on ranks 0..world-1 as one chain
+    passes it (from rank 0): rank 0 posts three rings' worth, a rank in the middle takes each post and posts its
+    own, the last takes slowly, so the posters run a full ring ahead and wait. Every post must arrive whole and in
+    order. Returns the mismatches."""
+    import datetime
+    import time
+
+    import torch
+
+    from dtrain.comm.peer.direct import MAIL_SLOTS, Mailbox
+    from dtrain.testing.pool import group_of
+
+    group = group_of(world)
+    box = Mailbox(group, torch.device("cpu"))
+    rank, prev = box.rank, box.rank - 1
+    timeout = datetime.timedelta(seconds=30)
+    problems = []
+    for k in range(3 * MAIL_SLOTS):
+        if rank > 0:
+            if rank == world - 1 and k % 16 == 0:
+                time.sleep(0.002)
+            handle, offset, nbytes = box.take(timeout)
+            if (handle, offset, nbytes) != (bytes([prev, k % 256]) * 32, 1000 * prev + k, 7 * k + 1):
+                problems.append(f"rank {rank} post {k}: got offset {offset}, bytes {nbytes}")
+        if rank < world - 1:
+            box.post(bytes([rank, k % 256]) * 32, 1000 * rank + k, 7 * k + 1, timeout)
+    return problems
+
+
+def direct_mailbox_missing_post(timeout_s: float) -> str:
+    """Ranks 0 and 1: rank 1 takes a post rank 0 never makes. Returns "seconds|message" on rank 1."""
+    import datetime
+    import time
+
+    import torch
+
+    from dtrain.comm.peer.chain import ChainStalled
+    from dtrain.comm.peer.direct import Mailbox
+    from dtrain.testing.pool import group_of
+
+    box = Mailbox(group_of(2), torch.device("cpu"))
+    if box.rank == 0:
+        return ""
+    start = time.monotonic()
+    try:
+        box.take(datetime.timedelta(seconds=timeout_s))
+    except ChainStalled as err:
+        return f"{time.monotonic() - start:.1f}|{err}"
+    return "no error"

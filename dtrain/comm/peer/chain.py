@@ -77,9 +77,11 @@ MIN_PIECE_BYTES = 8 << 20
 TARGET_PIECES = 4
 
 #: the size from which ``comm.broadcast(algorithm="ring")`` on the peer transport runs as this chain rather than
-#: a round at a time: on 2 H200s the chain ran at 0.92-0.96x NCCL's broadcast at 256 MiB and 0.97-0.99x at 1 GiB,
-#: the rounds at 0.88x and 0.81-0.88x; at 64 MiB the rounds were ahead, 0.87-0.88x against 0.83x, and at 16 MiB
-#: 0.55x against 0.36x (``probe-chain-copy-engines{,-fresh}-h200x2.txt``). A band starts at the geometric midpoint.
+#: a round at a time, where the direct chain of :mod:`dtrain.comm.peer.direct` cannot run (CPU windows, CUDA
+#: memory that CUDA IPC cannot export): on 2 H200s the chain ran at 0.92-0.96x NCCL's broadcast at 256 MiB and
+#: 0.97-0.99x at 1 GiB, the rounds at 0.88x and 0.81-0.88x; at 64 MiB the rounds were ahead, 0.87-0.88x against
+#: 0.83x, and at 16 MiB 0.55x against 0.36x (``probe-chain-copy-engines{,-fresh}-h200x2.txt``). A band starts at
+#: the geometric midpoint.
 CHAIN_FROM_BYTES = 128 << 20
 
 #: how a rank copies a piece out of its ring into the caller's tensor: a copy engine's memcpy, or an elementwise

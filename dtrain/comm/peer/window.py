@@ -88,10 +88,10 @@ def _group_key(group) -> object:
     return dist.group.WORLD if group is None else group
 
 
-def _agree(ok: bool, problem: str, group, what: str) -> None:
+def _agree(ok: bool, problem: str, group, what: str, device: torch.device | None = None) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless every rank is ``ok`` (a collective check, so one
-    rank's failure cannot leave the others waiting at the next step)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    rank's failure cannot leave the others waiting at the next step; the flag on ``device``, default the CPU)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     if not flag.item():
         mine = f": on this rank, {problem}" if problem else " (this rank was fine)"
@@ -161,11 +161,13 @@ def _same_rendezvous_count(group, device: torch.device) -> None:
 
 
 class PeerWindow:
-    """This rank's window and its peers', ``nbytes`` each, for one process group and device."""
+    """This rank's window and its peers', ``nbytes`` each, for one process group and device. ``via``: the device
+    the group's own collectives take tensors on, where that is not ``device`` (a host window of a CUDA group)."""
 
-    def __init__(self, group, device: torch.device, nbytes: int) -> None:
+    def __init__(self, group, device: torch.device, nbytes: int, via: torch.device | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.device = device
+        self._via = via if via is not None else device
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.nbytes = max(int(nbytes), 64)
@@ -215,8 +217,9 @@ class PeerWindow:
         if self.rank == 0:
             text = f"dtrain-{os.getpid()}-{next(_COUNTER)}-{os.urandom(6).hex()}".encode()
             tag[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        tag = tag.to(self._via)
         dist.broadcast(tag, dist.get_global_rank(self.group, 0), group=self.group)
-        stem = bytes(tag.tolist()).rstrip(b"\0").decode()
+        stem = bytes(tag.cpu().tolist()).rstrip(b"\0").decode()
         path = f"/dev/shm/{stem}-{{}}"
         own = path.format(self.rank)
         problem = ""
@@ -229,7 +232,7 @@ class PeerWindow:
         except OSError as err:
             problem = f"cannot make a {self.nbytes}-byte window in /dev/shm ({err}; see `df /dev/shm`)"
         try:
-            _agree(not problem, problem, self.group, "making windows")
+            _agree(not problem, problem, self.group, "making windows", self._via)
             total = self._flag_at() + FLAG_BYTES
             mine = torch.from_file(own, shared=True, size=total, dtype=torch.uint8)
             # a peer's file must already exist with its size: if it does not, this rank does not share the
@@ -237,7 +240,7 @@ class PeerWindow:
             # empty file of its own and read zeros
             missing = [p for p in range(self.world_size) if not _has_size(path.format(p), total)]
             problem = f"the windows of ranks {missing} are not in this rank's /dev/shm" if missing else ""
-            _agree(not missing, problem, self.group, "mapping the peers' windows")
+            _agree(not missing, problem, self.group, "mapping the peers' windows", self._via)
             buffers = [
                 mine if p == self.rank else torch.from_file(path.format(p), True, total, dtype=torch.uint8)
                 for p in range(self.world_size)

@@ -1,0 +1,374 @@
+"""The ring broadcast as a chain of copies between the callers' own tensors: no staging slots, no copy out.
+
+The chain broadcast of :mod:`dtrain.comm.peer.chain` passes every piece through a ring of slots in the next rank's
+window and copies it out from there: two copies a piece on every receiving rank, and flow control on the slots.
+Here each rank instead copies the pieces straight out of its predecessor's tensor into its own (a copy engine's
+``cuMemcpyDtoDAsync`` over the peer mapping), so on 2 GPUs a broadcast is one copy, at the link's rate. What it
+takes is the predecessor's tensor mapped in this process: each call, every rank that passes the buffer on names
+its tensor's allocation (``cuMemGetAddressRange``, ``cuIpcGetMemHandle``: the CUDA IPC handle of the allocation
+and the tensor's offset in it, about 3 us) in a host mailbox its successor reads (:class:`Mailbox`, a ring of
+posts in /dev/shm); the successor maps an allocation once (``cuIpcOpenMemHandle``) and keeps the mapping, by
+handle, for the calls after it (:data:`MAPPED_MAX` of them). torch's caching allocator hands the same allocations
+out again, so fresh tensors each call cost what the same tensor does.
+
+Each rank's window holds two counters, each written by a peer and waited on by the rank itself (a stream polls
+its own memory): ``READY``, the pieces of the predecessor's tensor there to read (the root raises its successor's
+to all of them at once, after the stream's earlier work on its tensor; a rank in the middle raises its successor's
+as each piece lands in its own), and ``DONE``, set by the successor once it read the last piece. A round leaves
+both at 0: a rank clears its own ``READY`` before it sets its predecessor's ``DONE``, and the predecessor's stream
+waits for ``DONE`` and clears it; so every round issues the same waits and writes with the same values, and a
+rank's role may change from one call to the next. A rank's stream leaves the
+call once its successor read its tensor, so the caller may reuse it at once, as with NCCL's broadcast.
+
+The plan (:func:`plan`) is pure (waits, writes and copies per rank, checked with every interleaving of the ranks'
+streams in the tests); :class:`DirectBroadcast` runs it with the CUDA driver. The host's only wait is a receiving
+rank's, for its predecessor's post (the root never waits on the host), bounded by the group's timeout.
+
+Limits: CUDA, ranks of one host on an x86-64 CPU (the mailbox's posts rely on its store order, as the CPU windows'
+counters do), tensors from allocations CUDA IPC can export (torch's caching allocator without expandable
+segments: :func:`exportable`); elsewhere the broadcast runs as the slot chain or a round at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from dtrain.comm.peer import chain as peer_chain
+from dtrain.comm.peer import channels as peer_channels
+from dtrain.comm.peer import window as peer_window
+
+__all__ = [
+    "DirectBroadcast",
+    "DirectRefused",
+    "Mailbox",
+    "Op",
+    "plan",
+    "pieces",
+    "direct_for",
+    "exportable",
+    "MAPPED_MAX",
+]
+
+#: counter indexes, 4 bytes each at the start of every rank's window
+READY, DONE = 0, 1
+COUNTER_BYTES = 256
+#: mappings of peers' allocations a rank keeps (least recently used closed first)
+MAPPED_MAX = 32
+#: posts a mailbox holds before a rank that passes buffers on waits for its successor to take one
+MAIL_SLOTS = 64
+_POST = 96  # a post: sequence number, offset, bytes, the 64-byte handle (8-byte words)
+_HEADER = 64  # a mailbox's header: the posts its owner's successor has taken
+
+
+@dataclass(frozen=True)
+class Op:
+    """One step of a rank's plan on the caller's stream. ``wait``: until counter ``counter`` of rank ``rank``'s
+    window reaches ``value`` (``exact``: equals it). ``write``: set that counter to ``value``. ``copy``: bytes
+    ``[at, at + nbytes)`` of the predecessor's tensor into the same bytes of this rank's."""
+
+    kind: str
+    rank: int = 0
+    counter: int = 0
+    value: int = 0
+    exact: bool = False
+    at: int = 0
+    nbytes: int = 0
+
+
+def pieces(nbytes: int, world: int) -> int:
+    """The piece size of a broadcast of ``nbytes`` on ``world`` ranks: the whole buffer on 2 (nothing to pipeline:
+    one copy at the link's rate); on more, the chain broadcast's pieces (:func:`dtrain.comm.peer.chain.pieces`), so
+    that a rank passes a piece on while the next one comes."""
+    return max(1, nbytes) if world <= 2 else peer_chain.pieces(nbytes, world)
+
+
+def plan(rank: int, root: int, world: int, nbytes: int, piece: int) -> list[Op]:
+    """Rank ``rank``'s operations for one broadcast of ``nbytes`` from ``root`` in pieces of ``piece`` bytes, along
+    the chain ``root, root + 1, ...``. Every wait is on a counter of the waiting rank's own window (a stream polls
+    its own memory; the peers write into it)."""
+    if world < 2 or nbytes <= 0:
+        return []
+    pos = (rank - root) % world
+    prev, succ = (rank - 1) % world, (rank + 1) % world
+    count = -(-nbytes // piece)
+    sends, receives = pos < world - 1, pos > 0
+    ops: list[Op] = []
+    if not receives:  # the root: its whole tensor is there once the stream's earlier work is
+        ops.append(Op("write", succ, READY, count))
+    for k in range(count if receives else 0):
+        at = k * piece
+        ops.append(Op("wait", rank, READY, k + 1))
+        ops.append(Op("copy", at=at, nbytes=min(piece, nbytes - at)))
+        if sends:
+            ops.append(Op("write", succ, READY, k + 1))
+    if receives:  # the predecessor's tensor is read: this rank's count cleared, then the predecessor told
+        ops.append(Op("write", rank, READY, 0))
+        ops.append(Op("write", prev, DONE, 1))
+    if sends:  # this rank's tensor stays the caller's to reuse only once the successor has read it
+        ops.append(Op("wait", rank, DONE, 1, exact=True))
+        ops.append(Op("write", rank, DONE, 0))
+    return ops
+
+
+class DirectRefused(RuntimeError):
+    """A rank could not name its tensor's allocation to its successor (memory CUDA IPC cannot export)."""
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+_IPC: list = []
+
+
+def _ipc():
+    """The CUDA driver's IPC and address-range functions, or None where it has none."""
+    if not _IPC:
+        found = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            rng = lib.cuMemGetAddressRange_v2
+            rng.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+            get = lib.cuIpcGetMemHandle
+            get.argtypes = [ctypes.POINTER(_Handle), ctypes.c_uint64]
+            opened = getattr(lib, "cuIpcOpenMemHandle_v2", None) or lib.cuIpcOpenMemHandle
+            opened.argtypes = [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint]
+            close = lib.cuIpcCloseMemHandle
+            close.argtypes = [ctypes.c_uint64]
+            for fn in (rng, get, opened, close):
+                fn.restype = ctypes.c_int
+            found = (rng, get, opened, close)
+        except (OSError, AttributeError):
+            found = None
+        _IPC.append(found)
+    return _IPC[0]
+
+
+#: ``cuIpcOpenMemHandle``'s flag that enables peer access to the exporting device where it is not yet
+_LAZY_PEER_ACCESS = 1
+
+
+def _expandable_segments() -> bool:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def exportable(device: torch.device) -> bool:
+    """Whether this process's tensors on ``device`` can be named to a peer: CUDA, a driver with IPC, stream memory
+    operations and asynchronous copies, an x86-64 host (:data:`dtrain.comm.peer.window.SHARED_COUNTER_BARRIER`),
+    and torch's caching allocator without expandable segments (their memory is not CUDA IPC's to export). Every
+    rank of a launch answers alike, as they share the environment."""
+    if device.type != "cuda" or not peer_window.SHARED_COUNTER_BARRIER or _expandable_segments():
+        return False
+    driver = peer_channels._driver()
+    return _ipc() is not None and driver is not None and driver.copy is not None
+
+
+def name_of(address: int) -> tuple[bytes, int]:
+    """The CUDA IPC handle of the allocation holding device address ``address``, and the offset in it."""
+    rng, get, _, _ = _ipc()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    if rng(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)) != 0:
+        raise DirectRefused(f"the CUDA driver knows no allocation at {address:#x}")
+    handle = _Handle()
+    result = get(ctypes.byref(handle), base.value)
+    if result != 0:
+        raise DirectRefused(f"CUDA IPC cannot export the allocation at {base.value:#x} (driver error {result})")
+    return ctypes.string_at(ctypes.addressof(handle), 64), address - base.value
+
+
+class Mailbox:
+    """Each rank's ring of :data:`MAIL_SLOTS` posts in a /dev/shm file every rank of the group maps (a CPU
+    :class:`~dtrain.comm.peer.window.PeerWindow`): a post is a 64-byte handle, an offset and a byte count under a
+    sequence number, written last. A rank posts into its own ring and takes its predecessor's posts in order; it
+    writes how many it took into its predecessor's header, so a poster waits only once its successor is a full ring
+    behind."""
+
+    def __init__(self, group, via: torch.device) -> None:
+        size = _HEADER + MAIL_SLOTS * _POST
+        self.window = peer_window.PeerWindow(group, torch.device("cpu"), size, via=via)
+        self.rank, self.world = self.window.rank, self.window.world_size
+        self._words = [b.numpy().view(np.uint64) for b in self.window.buffers]
+        self._bytes = [b.numpy() for b in self.window.buffers]
+        self._words[self.rank][:] = 0
+        self.posted = 0  # posts this rank made
+        self.taken = 0  # posts this rank took from its predecessor
+        self.window.barrier()
+
+    def _slot(self, seq: int) -> int:
+        return _HEADER + (seq % MAIL_SLOTS) * _POST
+
+    def post(self, handle: bytes, offset: int, nbytes: int, timeout: timedelta) -> None:
+        seq = self.posted + 1
+        words = self._words[self.rank]
+        succ = (self.rank + 1) % self.world
+        _spin(
+            lambda: seq - int(words[0]) <= MAIL_SLOTS,
+            timeout,
+            lambda: f"rank {succ} to take rank {self.rank}'s post {seq - MAIL_SLOTS}",
+        )
+        at = self._slot(seq)
+        words[at // 8 + 1] = offset
+        words[at // 8 + 2] = nbytes
+        self._bytes[self.rank][at + 24 : at + 88] = np.frombuffer(handle, dtype=np.uint8)
+        words[at // 8] = seq  # last: a peer that sees it sees the rest (x86-64's store order)
+        self.posted = seq
+
+    def take(self, timeout: timedelta) -> tuple[bytes, int, int]:
+        """The predecessor's next post: (handle, offset, bytes)."""
+        prev = (self.rank - 1) % self.world
+        seq = self.taken + 1
+        words = self._words[prev]
+        at = self._slot(seq)
+        _spin(lambda: int(words[at // 8]) == seq, timeout, lambda: f"rank {prev} to post its tensor (post {seq})")
+        offset, nbytes = int(words[at // 8 + 1]), int(words[at // 8 + 2])
+        handle = self._bytes[prev][at + 24 : at + 88].tobytes()
+        words[0] = seq  # taken, in the predecessor's header
+        self.taken = seq
+        return handle, offset, nbytes
+
+
+#: looks a host wait spins before it sleeps between looks: a post mostly comes within microseconds, and the
+#: ranks of a GPU host do not outnumber its cores
+_SPINS = 20_000
+_SLEEP_S = 20e-6
+
+
+def _spin(done, timeout: timedelta, what) -> None:
+    looks = 0
+    deadline = None
+    while not done():
+        looks += 1
+        if looks > _SPINS:
+            time.sleep(_SLEEP_S)
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout.total_seconds()
+            elif now > deadline:
+                raise peer_chain.ChainStalled(f"waited past its timeout ({timeout}) for {what()}")
+
+
+class DirectBroadcast:
+    """The direct chain broadcast of a group on one CUDA device (a collective to make: every rank of the group):
+    a window of counters, a host mailbox, and the mappings of the predecessor's allocations."""
+
+    def __init__(self, group, device: torch.device) -> None:
+        if not exportable(device):
+            raise ValueError("the direct broadcast needs CUDA IPC, the driver's stream memory operations and x86-64")
+        self.window = peer_window.PeerWindow(group, device, COUNTER_BYTES)
+        self.rank, self.world = self.window.rank, self.window.world_size
+        self.device = device
+        self._driver = peer_channels._driver()
+        self._base = [int(p) for p in self.window._handle.buffer_ptrs]
+        self.window.local(torch.int32, COUNTER_BYTES // 4).zero_()
+        torch.cuda.synchronize(device)
+        self.mailbox = Mailbox(self.window.group, device)
+        self._timeout = peer_window._group_timeout(self.window.group, device)
+        self._mapped: OrderedDict[bytes, int] = OrderedDict()
+        self._pinned: set[bytes] = set()
+        self._plans: dict = {}
+        self.window.barrier()  # every counter is clear before any call
+
+    def _map(self, handle: bytes) -> int:
+        """The address of the predecessor's allocation ``handle`` in this process: mapped at its first call and
+        kept; a mapping a CUDA graph recorded a copy from is kept for good (its replays read it)."""
+        at = self._mapped.get(handle)
+        if torch.cuda.is_current_stream_capturing():
+            self._pinned.add(handle)
+        if at is not None:
+            self._mapped.move_to_end(handle)
+            return at
+        _, _, opened, close = _ipc()
+        unpinned = [h for h in self._mapped if h not in self._pinned]
+        if len(unpinned) >= MAPPED_MAX:  # the queued copies out of the oldest mapping finish first
+            torch.cuda.synchronize(self.device)
+            close(ctypes.c_uint64(self._mapped.pop(unpinned[0])))
+        raw = _Handle()
+        ctypes.memmove(ctypes.addressof(raw), handle, 64)
+        address = ctypes.c_uint64()
+        result = opened(ctypes.byref(address), raw, _LAZY_PEER_ACCESS)
+        if result != 0:
+            raise DirectRefused(f"cuIpcOpenMemHandle failed with CUDA driver error {result}")
+        self._mapped[handle] = address.value
+        return address.value
+
+    def close(self) -> None:
+        """Unmap every peer allocation this rank mapped."""
+        if self._mapped:
+            torch.cuda.synchronize(self.device)
+            close = _ipc()[3]
+            for address in self._mapped.values():
+                close(ctypes.c_uint64(address))
+            self._mapped.clear()
+
+    def __call__(self, flat: torch.Tensor, root: int, timeout: timedelta | None = None) -> None:
+        """Broadcast the contiguous ``flat`` of rank ``root`` into ``flat`` of every rank. ``timeout``: the host's
+        wait for the predecessor's post (default the group's)."""
+        nbytes = flat.numel() * flat.element_size()
+        if nbytes == 0:
+            return
+        timeout = timeout or self._timeout
+        pos = (self.rank - root) % self.world
+        address = flat.data_ptr()
+        if pos < self.world - 1:
+            try:
+                handle, offset = name_of(address)
+            except DirectRefused:
+                self.mailbox.post(b"\0" * 64, 0, 0, timeout)  # the successor raises too, naming this rank
+                raise
+            self.mailbox.post(handle, offset, nbytes, timeout)
+        source = 0
+        if pos > 0:
+            handle, offset, sent = self.mailbox.take(timeout)
+            prev = (self.rank - 1) % self.world
+            if sent == 0:
+                raise DirectRefused(f"rank {prev} could not name its tensor's allocation to this rank")
+            if sent != nbytes:
+                raise ValueError(
+                    f"broadcast: rank {self.rank} passed {nbytes} bytes and rank {prev} {sent}: every rank passes "
+                    "a tensor of the same size"
+                )
+            source = self._map(handle) + offset
+        key = (root, nbytes)
+        ops = self._plans.get(key)
+        if ops is None:
+            if len(self._plans) >= 256:
+                self._plans.clear()
+            ops = self._plans[key] = plan(self.rank, root, self.world, nbytes, pieces(nbytes, self.world))
+        self.window.calls += 1
+        d, base = self._driver, self._base
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        for op in ops:
+            if op.kind == "copy":
+                peer_channels._check(d.copy(address + op.at, source + op.at, op.nbytes, stream), "cuMemcpyDtoDAsync")
+            elif op.kind == "wait":
+                flag = peer_channels._WAIT_EQ if op.exact else peer_channels._WAIT_GEQ
+                peer_channels._check(
+                    d.wait(stream, base[op.rank] + 4 * op.counter, op.value & 0xFFFFFFFF, flag), "cuStreamWaitValue32"
+                )
+            else:
+                peer_channels._check(
+                    d.write(stream, base[op.rank] + 4 * op.counter, op.value & 0xFFFFFFFF, 0), "cuStreamWriteValue32"
+                )
+
+
+def direct_for(group, device: torch.device) -> DirectBroadcast:
+    """The group's direct broadcast on ``device`` (made by every rank alike at its first call)."""
+    from dtrain.comm.state import group_state
+
+    state = group_state(peer_window._group_key(group))
+    key = ("direct", device)
+    made = state.windows.get(key)
+    if made is None:
+        made = state.windows[key] = peer_window._setting_up(
+            lambda: DirectBroadcast(group, device), group, "mapping the direct broadcast's windows"
+        )
+    return made

@@ -1,0 +1,125 @@
+"""The direct chain broadcast (dtrain.comm.peer.direct): its plans, run by a checker that interleaves every
+rank's stream at random and scribbles over a rank's tensor as soon as its stream leaves the call, deliver the
+root's buffer and leave every counter at 0 whatever the order and whichever roots follow each other; its host
+mailbox on real processes passes every post in order, holds a poster a full ring ahead, and names a predecessor
+that never posts; and where a process cannot export its tensors the broadcast is not taken this way."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtrain.comm.peer import chain, direct
+from dtrain.comm.peer.direct import DONE, READY, plan
+from tests.jobs import peer as jobs
+
+
+def _reached(value: int, target: int) -> bool:
+    return ((value - target) & 0xFFFFFFFF) < 0x80000000
+
+
+def _simulate(world: int, roots: list[int], nbytes: int, piece: int, seed: int) -> None:
+    """Run the broadcasts from ``roots`` one after another on every rank, each rank's plan a queue of
+    operations on its stream, the next operation picked at random among the ranks whose next one can run; a rank
+    starts a call once it finished the one before, and its tensor of a call is overwritten the moment it leaves
+    the call (the caller reusing it), so a successor that read it later would copy the scribble."""
+    rng = random.Random(seed)
+    counters = [[0, 0] for _ in range(world)]
+    tensors = [[[("empty", c, r)] * nbytes for r in range(world)] for c in range(len(roots))]
+    for call, root in enumerate(roots):
+        tensors[call][root] = [(call, i) for i in range(nbytes)]
+    results = [[None] * world for _ in roots]
+    queues = [[list(plan(r, root, world, nbytes, piece)) for r in range(world)] for root in roots]
+    at = [0] * world
+
+    def runnable(op) -> bool:
+        if op.kind != "wait":
+            return True
+        value = counters[op.rank][op.counter]
+        return value == op.value if op.exact else _reached(value, op.value)
+
+    while True:
+        for r in range(world):
+            while at[r] < len(roots) and not queues[at[r]][r]:
+                results[at[r]][r] = list(tensors[at[r]][r])
+                tensors[at[r]][r] = [("scribbled", at[r], r)] * nbytes  # the caller reuses its tensor
+                at[r] += 1
+        ready = [r for r in range(world) if at[r] < len(roots) and runnable(queues[at[r]][r][0])]
+        if not ready:
+            assert all(a == len(roots) for a in at), f"deadlock: ranks at calls {at}"
+            break
+        r = rng.choice(ready)
+        call = at[r]
+        op = queues[call][r].pop(0)
+        if op.kind == "copy":
+            prev = (r - 1) % world
+            tensors[call][r][op.at : op.at + op.nbytes] = tensors[call][prev][op.at : op.at + op.nbytes]
+        elif op.kind == "write":
+            counters[op.rank][op.counter] = op.value
+    for call, root in enumerate(roots):
+        want = [(call, i) for i in range(nbytes)]
+        for r in range(world):
+            assert results[call][r] == want, (call, root, r)
+    assert counters == [[0, 0]] * world
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    world=st.integers(2, 5),
+    roots=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+    nbytes=st.integers(1, 40),
+    piece=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_a_direct_chain_delivers_the_roots_buffer_and_clears_its_counters_in_any_interleaving(
+    world, roots, nbytes, piece, seed
+):
+    _simulate(world, [r % world for r in roots], nbytes, piece, seed)
+
+
+def test_the_root_raises_its_successors_count_at_once_and_every_wait_is_on_the_waiters_own_window():
+    root = plan(rank=0, root=0, world=3, nbytes=10, piece=4)
+    assert [(op.kind, op.rank, op.counter, op.value) for op in root] == [
+        ("write", 1, READY, 3),
+        ("wait", 0, DONE, 1),
+        ("write", 0, DONE, 0),
+    ]
+    last = plan(rank=2, root=0, world=3, nbytes=10, piece=4)
+    tail = [(op.kind, op.rank, op.counter, op.value) for op in last[-2:]]
+    assert tail == [("write", 2, READY, 0), ("write", 1, DONE, 1)]  # its own count cleared, then the predecessor told
+    middle = plan(rank=1, root=0, world=3, nbytes=10, piece=4)
+    copies = [(op.at, op.nbytes) for op in middle if op.kind == "copy"]
+    assert copies == [(0, 4), (4, 4), (8, 2)]
+    assert [op.value for op in middle if op.kind == "write" and op.rank == 2 and op.counter == READY] == [1, 2, 3]
+    for rank, ops in enumerate((root, middle, last)):
+        assert all(op.rank == rank for op in ops if op.kind == "wait")
+
+
+def test_two_ranks_copy_the_whole_buffer_at_once_and_more_pipeline_in_the_chains_pieces():
+    assert direct.pieces(1 << 30, 2) == 1 << 30
+    assert direct.pieces(1 << 30, 4) == chain.pieces(1 << 30, 4)
+
+
+def test_tensors_are_not_exported_off_cuda_or_from_expandable_segments(monkeypatch):
+    assert not direct.exportable(torch.device("cpu"))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert not direct.exportable(torch.device("cuda", 0))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    if direct._ipc() is None:  # no CUDA driver here: nothing to export with
+        assert not direct.exportable(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_mailbox_on_real_processes_passes_every_post_in_order_around_its_ring(pool, world):
+    problems = pool.run(jobs.direct_mailbox, world, ranks=world)
+    assert [p for per_rank in problems for p in per_rank] == []
+
+
+def test_a_predecessor_that_never_posts_is_named_within_the_timeout(pool):
+    got = pool.run(jobs.direct_mailbox_missing_post, 0.5, ranks=2)
+    seconds, message = got[1].split("|", 1)
+    assert float(seconds) < 5 and "rank 0 to post its tensor" in message
