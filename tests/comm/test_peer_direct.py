@@ -2,7 +2,9 @@
 rank's stream at random and scribbles over a rank's tensor as soon as its stream leaves the call, deliver the
 root's buffer and leave every counter at 0 whatever the order and whichever roots follow each other; its host
 mailbox on real processes passes every post in order, holds a poster a full ring ahead, and names a predecessor
-that never posts; and where a process cannot export its tensors the broadcast is not taken this way."""
+that never posts; its executor on real processes, over host memory standing in for the GPU's (tensors in
+/dev/shm files, named by path), matches torch.distributed's broadcast; and where a process cannot export its
+tensors the broadcast is not taken this way."""
 
 from __future__ import annotations
 
@@ -123,3 +125,15 @@ def test_a_predecessor_that_never_posts_is_named_within_the_timeout(pool):
     got = pool.run(jobs.direct_mailbox_missing_post, 0.5, ranks=2)
     seconds, message = got[1].split("|", 1)
     assert float(seconds) < 5 and "rank 0 to post its tensor" in message
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_executor_on_real_processes_matches_torch_distributed_and_keeps_its_mappings(pool, world):
+    problems = pool.run(jobs.direct_broadcasts, world, ranks=world)
+    assert [p for per_rank in problems for p in per_rank] == []
+
+
+def test_a_tensor_that_cannot_be_named_fails_on_both_ranks_naming_the_one_at_fault(pool):
+    got = pool.run(jobs.direct_refused, ranks=2)
+    assert got[0].startswith("DirectRefused: no shared file holds")
+    assert got[1] == "DirectRefused: rank 0 could not name its tensor's allocation to this rank"

@@ -3,7 +3,10 @@ DTRAIN_COMM_TRANSPORT=peer (windows in /dev/shm, Gloo's monitored barrier betwee
 
 from __future__ import annotations
 
+import itertools
 import os
+
+import torch
 
 from tests.jobs import comm as comm_jobs
 
@@ -293,4 +296,171 @@ def direct_mailbox_missing_post(timeout_s: float) -> str:
         box.take(datetime.timedelta(seconds=timeout_s))
     except ChainStalled as err:
         return f"{time.monotonic() - start:.1f}|{err}"
+    return "no error"
+
+
+class SharedFileMemory:
+    """Host memory standing in for a GPU's under the direct broadcast (dtrain.comm.peer.direct.CudaMemory's
+    methods): tensors in /dev/shm files, an allocation named by its file's path and mapped by opening the file; a
+    plan's copies done by the host, its waits spinning on the counters in the CPU windows."""
+
+    def __init__(self) -> None:
+        self.files: list[tuple[int, int, str]] = []  # (address, bytes, path) of this rank's tensors
+        self.kept: list[torch.Tensor] = []  # each alive to the end, so no address is used twice
+        self.held: dict[int, torch.Tensor] = {}  # mapped address -> the mapping
+        self.opened = 0
+        self.closed = 0
+
+    def tensor(self, numel: int, dtype) -> torch.Tensor:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        path = f"/dev/shm/dtrain-test-direct-{os.getpid()}-{next(_FILES)}"
+        with open(path, "wb") as f:
+            f.truncate(max(nbytes, 1))
+        t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        self.files.append((t.data_ptr(), nbytes, path))
+        self.kept.append(t)
+        return t
+
+    def unlink(self) -> None:
+        for _, _, path in self.files:
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def counters(self, window) -> list[int]:
+        from dtrain.comm.peer.direct import COUNTER_BYTES
+
+        window.buffers[window.rank][:COUNTER_BYTES].zero_()
+        return [b.data_ptr() for b in window.buffers]
+
+    def name(self, address: int) -> tuple[bytes, int]:
+        from dtrain.comm.peer.direct import DirectRefused
+
+        for start, nbytes, path in self.files:
+            if start <= address < start + max(nbytes, 1):
+                return path.encode().ljust(64, b"\0"), address - start
+        raise DirectRefused(f"no shared file holds {address:#x}")
+
+    def open(self, handle: bytes) -> int:
+        path = handle.rstrip(b"\0").decode()
+        t = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+        self.held[t.data_ptr()] = t
+        self.opened += 1
+        return t.data_ptr()
+
+    def close(self, address: int) -> None:
+        del self.held[address]
+        self.closed += 1
+
+    def capturing(self) -> bool:
+        return False
+
+    def run(self, ops, address: int, source: int, base: list[int], timeout) -> None:
+        import ctypes
+
+        from dtrain.comm.peer.chain import ChainStalled
+        from dtrain.comm.peer.window import spin_until
+
+        for op in ops:
+            if op.kind == "copy":
+                ctypes.memmove(address + op.at, source + op.at, op.nbytes)
+                continue
+            cell = ctypes.c_uint32.from_address(base[op.rank] + 4 * op.counter)
+            if op.kind == "write":
+                cell.value = op.value
+                continue
+
+            def done(c=cell, v=op.value, exact=op.exact) -> bool:
+                return c.value == v if exact else ((c.value - v) & 0xFFFFFFFF) < 0x80000000
+
+            try:
+                spin_until(done, lambda: timeout, lambda o=op: f"counter {o.counter} of rank {o.rank} at {o.value}")
+            except RuntimeError as err:
+                raise ChainStalled(str(err)) from err
+
+
+_FILES = itertools.count()
+
+
+def direct_broadcasts(world: int) -> list[str]:
+    """The direct broadcast's executor (dtrain.comm.peer.direct.DirectBroadcast) on ranks 0..world-1 over host
+    memory (:class:`SharedFileMemory`), pieces of 256 bytes: roots changing from call to call, sizes within a piece
+    and across several, the same tensors again and fresh ones, each result against torch.distributed's broadcast
+    of the same data; the same tensors map nothing new, fresh ones past the cap evict the oldest mappings. Returns
+    the mismatches."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dtrain.comm.peer import direct
+    from dtrain.comm.peer.direct import MAPPED_MAX, DirectBroadcast
+    from dtrain.testing.pool import group_of
+
+    group = group_of(world)
+    rank = dist.get_rank(group)
+    memory = SharedFileMemory()
+    saved, direct.pieces = direct.pieces, lambda nbytes, world: 256
+    problems: list[str] = []
+    try:
+        chain = DirectBroadcast(group, torch.device("cpu"), memory=memory)
+        timeout = datetime.timedelta(seconds=60)
+        same = memory.tensor(700, torch.int32)
+        cases = [(0, 700, True), (world - 1, 700, True), (1 % world, 1, False), (0, 700, True)]
+        cases.append((world // 2, 999, False))
+        for call, (root, numel, reuse) in enumerate(cases):
+            g = torch.Generator().manual_seed(100 * call + rank)
+            data = torch.randint(-(2**30), 2**30, (numel,), generator=g, dtype=torch.int32)
+            want = data.clone()
+            dist.broadcast(want, dist.get_global_rank(group, root), group=group)
+            t = same if reuse else memory.tensor(numel, torch.int32)
+            t.copy_(data)
+            dist.barrier(group=group)  # every tensor filled before any rank reads a peer's
+            chain(t, root, timeout)
+            dist.barrier(group=group)
+            if not torch.equal(t, want):
+                problems.append(f"world={world} call={call} root={root} numel={numel}: differs from torch's")
+        before = chain.mapped
+        for _ in range(3):  # the same tensor again: nothing new to map
+            dist.barrier(group=group)
+            chain(same, 0, timeout)
+        if chain.mapped != before:
+            problems.append(f"rank {rank}: the same tensors mapped {chain.mapped - before} more allocations")
+        for k in range(MAPPED_MAX + 3):  # fresh tensors: a new allocation each call
+            t = memory.tensor(64, torch.int32)
+            t.fill_(k if rank == 0 else -1)
+            dist.barrier(group=group)
+            chain(t, 0, timeout)
+            if not torch.equal(t, torch.full((64,), k, dtype=torch.int32)):
+                problems.append(f"rank {rank}: fresh tensor {k} differs")
+        if rank != 0 and (chain.mapped != MAPPED_MAX or memory.closed < 3):
+            problems.append(f"rank {rank}: {chain.mapped} mappings kept, {memory.closed} closed")
+        dist.barrier(group=group)
+        chain.close()
+    finally:
+        direct.pieces = saved
+        dist.barrier(group=group)
+        memory.unlink()
+    return problems
+
+
+def direct_refused() -> str:
+    """Ranks 0 and 1: rank 0 broadcasts a tensor it cannot name (private memory, not a shared file). Returns the
+    error each rank raised."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dtrain.comm.peer.direct import DirectBroadcast, DirectRefused
+    from dtrain.testing.pool import group_of
+
+    group = group_of(2)
+    memory = SharedFileMemory()
+    chain = DirectBroadcast(group, torch.device("cpu"), memory=memory)
+    t = torch.zeros(16) if dist.get_rank(group) == 0 else memory.tensor(16, torch.float32)
+    try:
+        chain(t, 0, datetime.timedelta(seconds=10))
+    except DirectRefused as err:
+        return f"DirectRefused: {err}"
+    finally:
+        dist.barrier(group=group)
+        memory.unlink()
     return "no error"

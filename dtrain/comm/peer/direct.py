@@ -46,6 +46,7 @@ from dtrain.comm.peer import channels as peer_channels
 from dtrain.comm.peer import window as peer_window
 
 __all__ = [
+    "CudaMemory",
     "DirectBroadcast",
     "DirectRefused",
     "Mailbox",
@@ -256,20 +257,78 @@ def _spin(done, timeout: timedelta, what) -> None:
                 raise peer_chain.ChainStalled(f"waited past its timeout ({timeout}) for {what()}")
 
 
-class DirectBroadcast:
-    """The direct chain broadcast of a group on one CUDA device (a collective to make: every rank of the group):
-    a window of counters, a host mailbox, and the mappings of the predecessor's allocations."""
+class CudaMemory:
+    """How :class:`DirectBroadcast` reaches memory on a CUDA device: the driver's IPC to name and map allocations,
+    and a plan's operations as driver calls on the caller's current stream (the copies by a copy engine, the waits
+    and writes as stream memory operations). Another backend (the tests' host memory in /dev/shm files) provides
+    the same methods."""
 
-    def __init__(self, group, device: torch.device) -> None:
-        if not exportable(device):
-            raise ValueError("the direct broadcast needs CUDA IPC, the driver's stream memory operations and x86-64")
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._driver = peer_channels._driver()
+
+    def counters(self, window: peer_window.PeerWindow) -> list[int]:
+        """Every rank's window address, where its counters are."""
+        window.local(torch.int32, COUNTER_BYTES // 4).zero_()
+        torch.cuda.synchronize(self.device)
+        return [int(p) for p in window._handle.buffer_ptrs]
+
+    def name(self, address: int) -> tuple[bytes, int]:
+        return name_of(address)
+
+    def open(self, handle: bytes) -> int:
+        raw = _Handle()
+        ctypes.memmove(ctypes.addressof(raw), handle, 64)
+        address = ctypes.c_uint64()
+        result = _ipc()[2](ctypes.byref(address), raw, _LAZY_PEER_ACCESS)
+        if result != 0:
+            raise DirectRefused(f"cuIpcOpenMemHandle failed with CUDA driver error {result}")
+        return address.value
+
+    def close(self, address: int) -> None:
+        """Unmap ``address`` once the copies queued out of it are done."""
+        torch.cuda.synchronize(self.device)
+        _ipc()[3](ctypes.c_uint64(address))
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def run(self, ops: list[Op], address: int, source: int, base: list[int], timeout: timedelta) -> None:
+        """Issue ``ops`` on the current stream: copies from ``source`` into ``address``, counters at ``base``."""
+        del timeout  # the device waits without limit; the watchdog reports a stalled call
+        d = self._driver
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        for op in ops:
+            if op.kind == "copy":
+                peer_channels._check(d.copy(address + op.at, source + op.at, op.nbytes, stream), "cuMemcpyDtoDAsync")
+            elif op.kind == "wait":
+                flag = peer_channels._WAIT_EQ if op.exact else peer_channels._WAIT_GEQ
+                peer_channels._check(
+                    d.wait(stream, base[op.rank] + 4 * op.counter, op.value & 0xFFFFFFFF, flag), "cuStreamWaitValue32"
+                )
+            else:
+                peer_channels._check(
+                    d.write(stream, base[op.rank] + 4 * op.counter, op.value & 0xFFFFFFFF, 0), "cuStreamWriteValue32"
+                )
+
+
+class DirectBroadcast:
+    """The direct chain broadcast of a group on one device (a collective to make: every rank of the group): a
+    window of counters, a host mailbox, and the mappings of the predecessor's allocations. ``memory``: how the
+    device's memory is named, mapped and moved (default :class:`CudaMemory`, which needs :func:`exportable`)."""
+
+    def __init__(self, group, device: torch.device, memory=None) -> None:
+        if memory is None:
+            if not exportable(device):
+                raise ValueError(
+                    "the direct broadcast needs CUDA IPC, the driver's stream memory operations and x86-64"
+                )
+            memory = CudaMemory(device)
+        self.memory = memory
         self.window = peer_window.PeerWindow(group, device, COUNTER_BYTES)
         self.rank, self.world = self.window.rank, self.window.world_size
         self.device = device
-        self._driver = peer_channels._driver()
-        self._base = [int(p) for p in self.window._handle.buffer_ptrs]
-        self.window.local(torch.int32, COUNTER_BYTES // 4).zero_()
-        torch.cuda.synchronize(device)
+        self._base = memory.counters(self.window)
         self.mailbox = Mailbox(self.window.group, device)
         self._timeout = peer_window._group_timeout(self.window.group, device)
         self._mapped: OrderedDict[bytes, int] = OrderedDict()
@@ -279,35 +338,30 @@ class DirectBroadcast:
 
     def _map(self, handle: bytes) -> int:
         """The address of the predecessor's allocation ``handle`` in this process: mapped at its first call and
-        kept; a mapping a CUDA graph recorded a copy from is kept for good (its replays read it)."""
+        kept (the :data:`MAPPED_MAX` most recently used); a mapping a CUDA graph recorded a copy from is kept for
+        good (its replays read it)."""
         at = self._mapped.get(handle)
-        if torch.cuda.is_current_stream_capturing():
+        if self.memory.capturing():
             self._pinned.add(handle)
         if at is not None:
             self._mapped.move_to_end(handle)
             return at
-        _, _, opened, close = _ipc()
         unpinned = [h for h in self._mapped if h not in self._pinned]
-        if len(unpinned) >= MAPPED_MAX:  # the queued copies out of the oldest mapping finish first
-            torch.cuda.synchronize(self.device)
-            close(ctypes.c_uint64(self._mapped.pop(unpinned[0])))
-        raw = _Handle()
-        ctypes.memmove(ctypes.addressof(raw), handle, 64)
-        address = ctypes.c_uint64()
-        result = opened(ctypes.byref(address), raw, _LAZY_PEER_ACCESS)
-        if result != 0:
-            raise DirectRefused(f"cuIpcOpenMemHandle failed with CUDA driver error {result}")
-        self._mapped[handle] = address.value
-        return address.value
+        if len(unpinned) >= MAPPED_MAX:
+            self.memory.close(self._mapped.pop(unpinned[0]))
+        at = self._mapped[handle] = self.memory.open(handle)
+        return at
+
+    @property
+    def mapped(self) -> int:
+        """How many of the predecessors' allocations this rank holds mapped."""
+        return len(self._mapped)
 
     def close(self) -> None:
         """Unmap every peer allocation this rank mapped."""
-        if self._mapped:
-            torch.cuda.synchronize(self.device)
-            close = _ipc()[3]
-            for address in self._mapped.values():
-                close(ctypes.c_uint64(address))
-            self._mapped.clear()
+        while self._mapped:
+            self.memory.close(self._mapped.popitem()[1])
+        self._pinned.clear()
 
     def __call__(self, flat: torch.Tensor, root: int, timeout: timedelta | None = None) -> None:
         """Broadcast the contiguous ``flat`` of rank ``root`` into ``flat`` of every rank. ``timeout``: the host's
@@ -320,7 +374,7 @@ class DirectBroadcast:
         address = flat.data_ptr()
         if pos < self.world - 1:
             try:
-                handle, offset = name_of(address)
+                handle, offset = self.memory.name(address)
             except DirectRefused:
                 self.mailbox.post(b"\0" * 64, 0, 0, timeout)  # the successor raises too, naming this rank
                 raise
@@ -344,24 +398,11 @@ class DirectBroadcast:
                 self._plans.clear()
             ops = self._plans[key] = plan(self.rank, root, self.world, nbytes, pieces(nbytes, self.world))
         self.window.calls += 1
-        d, base = self._driver, self._base
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        for op in ops:
-            if op.kind == "copy":
-                peer_channels._check(d.copy(address + op.at, source + op.at, op.nbytes, stream), "cuMemcpyDtoDAsync")
-            elif op.kind == "wait":
-                flag = peer_channels._WAIT_EQ if op.exact else peer_channels._WAIT_GEQ
-                peer_channels._check(
-                    d.wait(stream, base[op.rank] + 4 * op.counter, op.value & 0xFFFFFFFF, flag), "cuStreamWaitValue32"
-                )
-            else:
-                peer_channels._check(
-                    d.write(stream, base[op.rank] + 4 * op.counter, op.value & 0xFFFFFFFF, 0), "cuStreamWriteValue32"
-                )
+        self.memory.run(ops, address, source, self._base, timeout)
 
 
 def direct_for(group, device: torch.device) -> DirectBroadcast:
-    """The group's direct broadcast on ``device`` (made by every rank alike at its first call)."""
+    """The group's direct broadcast on CUDA ``device`` (made by every rank alike at its first call)."""
     from dtrain.comm.state import group_state
 
     state = group_state(peer_window._group_key(group))
