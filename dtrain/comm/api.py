@@ -347,24 +347,39 @@ def _run_direct(work: torch.Tensor, group, root: int, world: int, nbytes: int) -
     host alike), or where the group was moved off the peer transport."""
     if nbytes == 0 or not peer_direct.exportable(work.device):
         return False
+    return _run_chained(
+        "direct",
+        lambda: peer_direct.direct_for(group, work.device),
+        lambda chain: chain(work, root, round_timeout()),
+        work,
+        group,
+        world,
+    )
+
+
+def _run_chained(kind: str, make, call, work: torch.Tensor, group, world: int) -> bool:
+    """Make or find a group's chain broadcast of ``kind`` (``"direct"``, ``"chain"``: its key in the group's
+    windows) with ``make()`` and run ``call(chain)``; False where the group's peer windows were refused (and
+    ``DTRAIN_COMM_TRANSPORT=auto`` moves it to point-to-point). A chain that stalls on the host is dropped, and
+    the stall raised as a :class:`CommTimeoutError`; on CUDA the call is watched (:mod:`.peer.watchdog`)."""
     try:
-        chain = peer_direct.direct_for(group, work.device)
+        chain = make()
     except peer.PeerUnavailable as err:  # raised on every rank of the group alike
         if _transport_setting() != "auto":
             raise
         _fall_back(group, err)
         return False
+    where = f"broadcast/ring: rank {chain.rank} (global {chain.window.global_rank})"
+    name = "direct" if kind == "direct" else "chain"
     try:
-        chain(work, root, round_timeout())
-    except peer_chain.ChainStalled as err:  # a predecessor never posted its tensor, or a successor never took it
-        group_state(_group_key(group)).windows.pop(("direct", work.device), None)
-        raise CommTimeoutError(
-            f"broadcast/ring: rank {chain.rank} (global {chain.window.global_rank}) timed out in the direct "
-            f"broadcast: {err}"
-        ) from err
+        call(chain)
+    except peer_chain.ChainStalled as err:  # the host's waits: the ranks now stand at different points
+        group_state(_group_key(group)).windows.pop((kind, work.device), None)
+        raise CommTimeoutError(f"{where} timed out in the {name} broadcast: {err}") from err
     except peer_direct.DirectRefused as err:
-        raise RuntimeError(f"broadcast/ring: rank {chain.rank} (global {chain.window.global_rank}): {err}") from err
-    if not torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{where}: {err}") from err
+    if work.is_cuda and not torch.cuda.is_current_stream_capturing():
+        nbytes = work.numel() * work.element_size()
         what = ("broadcast", "ring", nbytes, str(work.dtype))
         place = (world, chain.rank, chain.window.global_rank, str(work.device))
         watchdog.watch(work.device, chain.window.stall_limit(round_timeout()), _label(what, place, chain.window.calls))
@@ -413,26 +428,14 @@ def _run_chain(work: torch.Tensor, group, root: int, world: int, nbytes: int) ->
     if not work.is_cuda and not peer.SHARED_COUNTER_BARRIER:
         return False
     piece = peer_chain.pieces(nbytes, world)
-    try:
-        chain = peer_chain.chain_for(group, work.device, piece)
-    except peer.PeerUnavailable as err:  # raised on every rank of the group alike
-        if _transport_setting() != "auto":
-            raise
-        _fall_back(group, err)
-        return False
-    try:
-        chain(work, root, piece, round_timeout())
-    except peer_chain.ChainStalled as err:  # the CPU's waits: the ranks now stand at different pieces
-        group_state(_group_key(group)).windows.pop(("chain", work.device), None)
-        raise CommTimeoutError(
-            f"broadcast/ring: rank {chain.rank} (global {chain.window.global_rank}) timed out in the chain "
-            f"broadcast: {err}"
-        ) from err
-    if work.is_cuda and not torch.cuda.is_current_stream_capturing():
-        what = ("broadcast", "ring", nbytes, str(work.dtype))
-        place = (world, chain.rank, chain.window.global_rank, str(work.device))
-        watchdog.watch(work.device, chain.window.stall_limit(round_timeout()), _label(what, place, chain.window.calls))
-    return True
+    return _run_chained(
+        "chain",
+        lambda: peer_chain.chain_for(group, work.device, piece),
+        lambda chain: chain(work, root, piece, round_timeout()),
+        work,
+        group,
+        world,
+    )
 
 
 def _transport(group):

@@ -15,3 +15,43 @@ def start_rank():
     dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     return device, rank, world, (print if rank == 0 else (lambda *a, **k: None))
+
+
+def interleaved(variants: dict, iters: int, rounds: int, device, lone: bool = False):
+    """Time ``variants`` (name -> a function making one call) in ``rounds`` rounds, interleaved: each round times
+    ``iters`` calls of each between two synchronizations (``iters`` 0: none), and with ``lone`` one call alone
+    between two synchronizations too. Returns ``(back_to_back, host, alone)``, name -> a list a round: the slowest
+    rank's seconds a call back to back, this rank's host seconds a call, the slowest rank's seconds for the lone
+    call (lists left empty where not timed)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    def slowest(seconds: float) -> float:
+        dt = torch.tensor([seconds], device=device)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        return dt.item()
+
+    back, host, alone = ({k: [] for k in variants} for _ in range(3))
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            if iters:
+                fn()
+                torch.cuda.synchronize()
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                host[name].append((time.perf_counter() - t0) / iters)
+                torch.cuda.synchronize()
+                back[name].append(slowest((time.perf_counter() - t0) / iters))
+            if lone:
+                torch.cuda.synchronize()
+                dist.barrier()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                alone[name].append(slowest(time.perf_counter() - t0))
+    return back, host, alone

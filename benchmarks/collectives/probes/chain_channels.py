@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from dtrain import comm
 from dtrain.comm import api as comm_api
 from dtrain.comm.peer import chain as peer_chain
 from dtrain.comm.peer.channels import Channel, PeerChannels
+from probes import interleaved
 
 
 def _chain(chans: PeerChannels, flat: torch.Tensor, root: int, chunk: int, world: int, rank: int) -> None:
@@ -161,19 +161,7 @@ def main() -> None:
                 variants[f"chain {c >> 20} MiB x{lanes_most} no copy out"] = uncopied(c)
         if args.channels:
             variants.update({f"channels {c >> 20} MiB": channels(c) for c in chunks if c <= nbytes})
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                fn()
-                torch.cuda.synchronize()
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                torch.cuda.synchronize()
-                dt = torch.tensor([(time.perf_counter() - t0) / iters], device=device)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                times[name].append(dt.item())
+        times, _, _ = interleaved(variants, iters, args.rounds, device)
         ok = {}
         for c in chunks:
             checked = {f"chain {c >> 20} MiB x{lanes}": runner for lanes, runner in runners.items()}

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from dtrain import comm
 from dtrain.comm.peer import channels as peer_channels
 from dtrain.comm.peer import direct as peer_direct
+from probes import interleaved
 
 
 def main() -> None:
@@ -136,29 +137,7 @@ def main() -> None:
                     peer_channels._check(d.copy(fixed_at, src.data_ptr(), nbytes, s), "copy")
 
             variants["bare"] = bare
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        host: dict[str, list[float]] = {k: [] for k in variants}
-        single: dict[str, list[float]] = {k: [] for k in variants}
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                fn()
-                torch.cuda.synchronize()
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                host[name].append((time.perf_counter() - t0) / iters)
-                torch.cuda.synchronize()
-                dt = torch.tensor([(time.perf_counter() - t0) / iters], device=device)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                times[name].append(dt.item())
-                dist.barrier()  # one call alone between two synchronizations: what it takes to start and end
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                dt = torch.tensor([time.perf_counter() - t0], device=device)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                single[name].append(dt.item())
+        times, host, single = interleaved(variants, iters, args.rounds, device, lone=True)
         base_t, base_one = statistics.median(times["nccl"]), statistics.median(single["nccl"])
         if rank == 0:
             print(
@@ -238,18 +217,7 @@ def _lone(args, device: torch.device, rank: int, world: int) -> None:
             fn()
             fn()
         torch.cuda.synchronize()
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        for _ in range(15):
-            for name, fn in variants.items():
-                torch.cuda.synchronize()
-                dist.barrier()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                dt = torch.tensor([time.perf_counter() - t0], device=device)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                times[name].append(dt.item())
+        _, _, times = interleaved(variants, 0, 15, device, lone=True)
         if rank == 0:
             base_t = statistics.median(times["nccl"])
             for name, ts in times.items():
