@@ -408,8 +408,9 @@ def _direct_broadcast_part() -> list[str]:
         "`bare` one copy-engine copy into a tensor mapped once (no counters, no mailbox: the ceiling). Every result "
         "was checked from every root, and a recorded CUDA graph replayed on new data. Back to back the chain passes "
         "NCCL from 64 MiB; alone it starts later (the receiving rank waits on the host for its predecessor's post, "
-        "then on the device for its counter), and loses below 256 MiB. On 2 GPUs `auto` runs it from 512 MiB "
-        "(`rules.built_in`; the sweep's cells above), NCCL's broadcast below.",
+        "then on the device for its counter), so it catches up only at the largest sizes, and how far depends on "
+        "the host's speed at Python (these launches ran on one slower at it than the sweep's above). On 2 GPUs "
+        "`auto` runs it from 512 MiB (`rules.built_in`; the sweep's cells above), NCCL's broadcast below.",
         setting(
             f"2 x {beside[0].get('device_name', 'NVIDIA H200')} (one host)",
             gpu_software(beside),
@@ -423,6 +424,12 @@ def _direct_broadcast_part() -> list[str]:
         "whose tensors fit in 1 GiB, the ring against torch.distributed's call: " + "; ".join(harness) + ".",
         *_lone_part(),
     ]
+
+
+def _spread(found: dict, name: str, base: str) -> str:
+    """The range over sizes of what ``name`` adds to ``base``'s lone call, in microseconds."""
+    added = [found[name][n][0] - found[base][n][0] for n in found[name] if n in found[base]]
+    return f"{min(added):.0f}-{max(added):.0f} us"
 
 
 def _lone_part() -> list[str]:
@@ -446,8 +453,9 @@ def _lone_part() -> list[str]:
         "Where a lone call's time goes (`--lone`, one call between two synchronizations, the median of 15, NCCL's "
         "time over each in brackets): the bare copy pushed or pulled; the pull behind the chain's device handshake "
         "alone (the root raises a counter the receiver's stream waits on, the receiver raises one the root's waits "
-        "on; no mailbox); the chain with its host mailbox; and `comm.broadcast`. The counters cost 15-20 us; the "
-        "host's post and take about 30 us more, and the API's path another 20-30 us.",
+        "on; no mailbox); the chain with its host mailbox; and `comm.broadcast`. Added by each, from 16 MiB to 1 "
+        f"GiB: the counters {_spread(found, 'pull + counters', 'bare pull')}, the host's post and take "
+        f"{_spread(found, 'chain', 'pull + counters')}, the API's path {_spread(found, 'api ring', 'chain')}.",
         setting(
             "2 x NVIDIA H200 (one host)",
             gpu_software(load("broadcast_ring_beside-h200x2.jsonl")),

@@ -205,10 +205,11 @@ _PEER_ALL_REDUCE_4 = (
 #: at 1.01-1.11x from 16 to 256 MiB on 4 and 0.98-0.99x at 1 GiB, on 2 at 1.08-1.15x from 64 MiB (0.99x at 32),
 #: the broadcast at 0.99-1.00x (it stays ``native``). On 2 GPUs from 512 MiB the broadcast is the ring, run as
 #: the direct chain of :mod:`dtrain.comm.peer.direct` (one copy-engine copy between the callers' tensors): on 2
-#: H200s it ran at 1.03-1.06x NCCL's broadcast from 64 MiB to 1 GiB in runs of calls back to back, same and fresh
-#: tensors, but one call alone pays its host handshake (a post through the host mailbox, 30 us, and the API's
-#: 30 us): 0.90x at 64 MiB, 1.00x at 256 MiB and 1.05x at 1 GiB (probe-direct-broadcast{,-lone}-h200x2.txt,
-#: broadcast_ring_beside-h200x2.jsonl); the band starts at the midpoint between the tie and the win.
+#: H200s it ran at 1.01-1.04x NCCL's broadcast from 64 MiB to 1 GiB in runs of calls back to back, same and fresh
+#: tensors, but one call alone pays its host handshake (the post through the host mailbox and the API's path,
+#: 65-125 us): 0.73-0.78x at 64 MiB, 0.86-0.94x at 256 MiB and 0.98-1.01x at 1 GiB on one host, 1.01-1.04x from
+#: 256 MiB on another (probe-direct-broadcast{,-lone}-h200x2.txt, broadcast_ring_beside-h200x2.jsonl); the band
+#: starts at the midpoint between 256 MiB, lost or tied, and 1 GiB.
 #: Below 16 MiB the all-reduce keeps the default communicator: one H100 launch ran the 64-CTA one at 1.22x at 4 MiB
 #: and 0.99x at 8, but two launches on 4 H200s ran it at 0.90-0.96x from 2 to 5 MiB and 0.96-1.03x from 6 to
 #: 12 MiB (probe-nccl-ctas-ar-mid-h200x4-run{1,2}.txt).
