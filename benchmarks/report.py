@@ -409,8 +409,8 @@ def _direct_broadcast_part() -> list[str]:
         "was checked from every root, and a recorded CUDA graph replayed on new data. Back to back the chain passes "
         "NCCL from 64 MiB; alone it starts later (the receiving rank waits on the host for its predecessor's post, "
         "then on the device for its counter), so it catches up only at the largest sizes, and how far depends on "
-        "the host's speed at Python (these launches ran on one slower at it than the sweep's above). On 2 GPUs "
-        "`auto` runs it from 512 MiB (`rules.built_in`; the sweep's cells above), NCCL's broadcast below.",
+        "the host's speed at Python (these launches ran on one slower at it than the sweep's below). `auto` keeps "
+        "NCCL's broadcast (docs/collectives.md says why); the chain runs where a caller names the ring.",
         setting(
             f"2 x {beside[0].get('device_name', 'NVIDIA H200')} (one host)",
             gpu_software(beside),

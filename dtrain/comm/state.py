@@ -100,10 +100,19 @@ class GroupState:
             self.graphs.release_all()
         self.scratch.clear()
 
+    def drop_windows(self) -> None:
+        """Forget the group's windows, first unmapping what any of them mapped of its peers' memory (the direct
+        broadcast's mappings of their tensors' allocations, :mod:`dtrain.comm.peer.direct`)."""
+        for held in list(self.windows.values()):
+            unmap = getattr(held, "close", None)
+            if unmap is not None:
+                unmap()
+        self.windows.clear()
+
     def release(self) -> None:
         """Drop everything held for the group (its windows too); the group starts afresh at its next call."""
         self.release_derived()
-        self.windows.clear()
+        self.drop_windows()
         self.available.clear()
         self.agreed.clear()
         self.rules.clear()

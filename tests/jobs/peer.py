@@ -434,7 +434,14 @@ def direct_broadcasts(world: int) -> list[str]:
         if rank != 0 and (chain.mapped != MAPPED_MAX or memory.closed < 3):
             problems.append(f"rank {rank}: {chain.mapped} mappings kept, {memory.closed} closed")
         dist.barrier(group=group)
-        chain.close()
+        from dtrain.comm.peer.window import close_windows
+        from dtrain.comm.state import group_state
+
+        group_state(group).windows[("direct", torch.device("cpu"))] = chain
+        held, closed = chain.mapped, memory.closed
+        close_windows(group)  # forgetting the group's windows unmaps what the chain mapped
+        if chain.mapped or memory.closed != closed + held:
+            problems.append(f"rank {rank}: close_windows left {chain.mapped} of {held} mappings")
     finally:
         direct.pieces = saved
         dist.barrier(group=group)

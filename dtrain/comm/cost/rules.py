@@ -203,13 +203,12 @@ _PEER_ALL_REDUCE_4 = (
 #: 1.02-1.06x from 16 MiB to 1 GiB on 4 (0.99x at 8 MiB) and 1.04-1.11x on 2 (1.01x at 8), the all-gather at
 #: 1.08-1.10x and 1.07-1.26x, the reduce-scatter at 1.02-1.10x and 1.04-1.21x (0.92-0.96x at 8 MiB), the all-to-all
 #: at 1.01-1.11x from 16 to 256 MiB on 4 and 0.98-0.99x at 1 GiB, on 2 at 1.08-1.15x from 64 MiB (0.99x at 32),
-#: the broadcast at 0.99-1.00x (it stays ``native``). On 2 GPUs from 512 MiB the broadcast is the ring, run as
-#: the direct chain of :mod:`dtrain.comm.peer.direct` (one copy-engine copy between the callers' tensors): on 2
-#: H200s it ran at 1.01-1.04x NCCL's broadcast from 64 MiB to 1 GiB in runs of calls back to back, same and fresh
-#: tensors, but one call alone pays its host handshake (the post through the host mailbox and the API's path,
-#: 65-125 us): 0.73-0.78x at 64 MiB, 0.86-0.94x at 256 MiB and 0.98-1.01x at 1 GiB on one host, 1.01-1.04x from
-#: 256 MiB on another (probe-direct-broadcast{,-lone}-h200x2.txt, broadcast_ring_beside-h200x2.jsonl); the band
-#: starts at the midpoint between 256 MiB, lost or tied, and 1 GiB.
+#: the broadcast at 0.99-1.00x (it stays ``native``). The ring broadcast as the direct chain of
+#: :mod:`dtrain.comm.peer.direct` (one copy-engine copy between the callers' tensors) ran on 2 H200s at 1.01-1.04x
+#: NCCL's broadcast from 64 MiB to 1 GiB in runs of calls back to back, but one call alone pays its host handshake
+#: (65-125 us): 0.73-0.78x at 64 MiB, 0.86-0.94x at 256 MiB, 0.98-1.01x at 1 GiB on one host and 1.01-1.04x from
+#: 256 MiB on another (probe-direct-broadcast{,-lone}-h200x2.txt, broadcast_ring_beside-h200x2.jsonl); and it keeps
+#: its peers' allocations mapped, which CUDA leaves undefined should the peer free them. ``auto`` does not take it.
 #: Below 16 MiB the all-reduce keeps the default communicator: one H100 launch ran the 64-CTA one at 1.22x at 4 MiB
 #: and 0.99x at 8, but two launches on 4 H200s ran it at 0.90-0.96x from 2 to 5 MiB and 0.96-1.03x from 6 to
 #: 12 MiB (probe-nccl-ctas-ar-mid-h200x4-run{1,2}.txt).
@@ -218,7 +217,7 @@ _PEER_2 = {
     "all_gather": ((0, "direct"), (2 * 8 * _MIB + 1, NATIVE_WIDE)),
     "reduce_scatter": ((0, "direct"), (8 * _MIB + 1, NATIVE_WIDE)),
     "all_to_all": ((0, "direct"), (8 * _MIB + 1, NATIVE), (math.isqrt(32 * _MIB * 64 * _MIB) + 1, NATIVE_WIDE)),
-    "broadcast": ((0, "star"), (8 * _MIB + 1, NATIVE), (512 * _MIB, "ring")),
+    "broadcast": ((0, "star"), (8 * _MIB + 1, NATIVE)),
 }
 _PEER_4 = {
     "all_gather": ((0, "direct"), (math.isqrt(16 * _MIB * 32 * _MIB) + 1, NATIVE_WIDE)),

@@ -437,7 +437,7 @@ def close_windows(*groups) -> None:
     held = [state for state in named if state is not None] if groups else states()
     for state in held:
         state.release_derived()
-        state.windows.clear()
+        state.drop_windows()
         state.available.clear()
 
 
