@@ -17,12 +17,13 @@ to all of them at once, after the stream's earlier work on its tensor; a rank in
 as each piece lands in its own), and ``DONE``, set by the successor once it read the last piece. A round leaves
 both at 0: a rank clears its own ``READY`` before it sets its predecessor's ``DONE``, and the predecessor's stream
 waits for ``DONE`` and clears it; so every round issues the same waits and writes with the same values, and a
-rank's role may change from one call to the next. A rank's stream leaves the
-call once its successor read its tensor, so the caller may reuse it at once, as with NCCL's broadcast.
+rank's role may change from one call to the next. A rank's stream leaves the call once its successor read its
+tensor, so the caller may reuse it at once, as with NCCL's broadcast.
 
 The plan (:func:`plan`) is pure (waits, writes and copies per rank, checked with every interleaving of the ranks'
-streams in the tests); :class:`DirectBroadcast` runs it with the CUDA driver. The host's only wait is a receiving
-rank's, for its predecessor's post (the root never waits on the host), bounded by the group's timeout.
+streams in the tests); :class:`DirectBroadcast` names, posts, maps and runs it through a memory backend,
+:class:`CudaMemory` (the CUDA driver) here, host memory in /dev/shm files in the tests. The host's only wait is a
+receiving rank's, for its predecessor's post (the root never waits on the host), bounded by the group's timeout.
 
 Limits: CUDA, ranks of one host on an x86-64 CPU (the mailbox's posts rely on its store order, as the CPU windows'
 counters do), tensors from allocations CUDA IPC can export (torch's caching allocator without expandable
