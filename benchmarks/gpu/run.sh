@@ -44,6 +44,10 @@
 #   probe-port-chain   the chain broadcast's round patterns through the port               -> port-chain.jsonl
 #   probe-chain        the chain broadcast by piece count                                   -> probe-chain.txt
 #   probe-chain-timeline  the chain broadcast's device timeline, pull and push              -> chain-timeline-*/
+#   probe-chain-channels  the slot chain broadcast by piece size and lanes, same and fresh tensors, beside NCCL
+#                      -> probe-chain-channels{,-fresh}.txt
+#   probe-direct-broadcast  the ring broadcast as copies between the callers' tensors, same and fresh tensors,
+#                      beside NCCL; on 2 GPUs also where a lone call's time goes -> probe-direct-broadcast{,-lone}.txt
 #   defaults           every collective with the defaults (auto) beside NCCL (torch.distributed's own call, and
 #                      native through dtrain), 8 KiB-1 GiB (DEFAULTS_MIN, DEFAULTS_MAX, DEFAULTS_FACTOR), same
 #                      tensors and fresh ones
@@ -422,6 +426,18 @@ for f in sorted(glob.glob(sys.argv[1] + "/*.prof")):
       LIMIT=${LIMIT:-240} tr benchmarks/collectives/probe.py port --patterns "chain read,chain read 2 outs,read 1 ring,read 1 ring 2 outs" \
         --sizes-mib 16,64,256 --out "$out/port-chain.jsonl" | grep -E "MiB|barrier" ;;
     probe-chain) tr benchmarks/collectives/probe.py chain | tee "$out/probe-chain.txt" ;;
+    probe-chain-channels)
+      for fresh in "" --fresh; do
+        LIMIT=${LIMIT:-200} tr benchmarks/collectives/probe.py chain-channels $fresh \
+          | tee "$out/probe-chain-channels${fresh:+-fresh}.txt" | grep -E "api ring|ce-push" ; done ;;
+    probe-direct-broadcast)
+      LIMIT=${LIMIT:-200} tr benchmarks/collectives/probe.py direct-broadcast >"$out/probe-direct-broadcast.txt"
+      LIMIT=${LIMIT:-200} tr benchmarks/collectives/probe.py direct-broadcast --fresh >>"$out/probe-direct-broadcast.txt"
+      grep -E "api ring|WRONG" "$out/probe-direct-broadcast.txt"
+      if [ "${NP:-$n}" = 2 ]; then
+        LIMIT=${LIMIT:-100} tr benchmarks/collectives/probe.py direct-broadcast --lone --sizes 16,64,256,1024 \
+          | tee "$out/probe-direct-broadcast-lone.txt"
+      fi ;;
     probe-chain-timeline)
       for form in pull push; do
         flag=""; [ $form = push ] && flag=--push
