@@ -26,15 +26,15 @@ streams in the tests); :class:`DirectBroadcast` names, posts, maps and runs it t
 receiving rank's, for its predecessor's post (the root never waits on the host), bounded by the group's timeout.
 
 Limits: CUDA, ranks of one host on an x86-64 CPU (the mailbox's posts rely on its store order, as the CPU windows'
-counters do), tensors from allocations CUDA IPC can export (torch's caching allocator without expandable
-segments: :func:`exportable`); elsewhere the broadcast runs as the slot chain or a round at a time. A rank keeps
-up to :data:`MAPPED_MAX` of its predecessor's allocations mapped, and CUDA leaves undefined what happens when a
-process frees memory another still has mapped (``cuIpcOpenMemHandle``): torch's caching allocator frees cached
-segments on ``torch.cuda.empty_cache()`` and when an allocation fails. A rank only ever reads through a mapping,
-and only an allocation its predecessor posted for the call at hand (a freed one's successor has another handle),
-so no tensor is written through a stale one; ``dtrain.comm.close_windows()`` (every rank alike) unmaps them all.
-For this, and for the start of a lone call (a host handshake, 65-125 us on 2 H200s), ``auto`` does not take this
-path; ``algorithm="ring"`` does.
+counters do), tensors from allocations CUDA IPC can export (torch's caching allocator without expandable segments:
+:func:`exportable`); elsewhere the broadcast runs as the slot chain or a round at a time. A rank keeps up to
+:data:`MAPPED_MAX` of its predecessor's allocations mapped, and CUDA leaves undefined what happens when a process
+frees memory another still has mapped (``cuIpcOpenMemHandle``): torch's caching allocator frees cached segments on
+``torch.cuda.empty_cache()`` and when an allocation fails. A rank only ever reads through a mapping, and only an
+allocation its predecessor posted for the call at hand (an allocation made after a free has a handle of its own), so
+no tensor is written through a stale one; ``dtrain.comm.peer.window.close_windows()`` (every rank alike; the
+launcher calls it before the process group goes) unmaps them all. For this, and for the start of a lone call (a host
+handshake, 65-125 us on 2 H200s), ``auto`` does not take this path; ``algorithm="ring"`` does.
 """
 
 from __future__ import annotations
