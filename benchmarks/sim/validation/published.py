@@ -337,6 +337,7 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
                    f"{r.get('contention_s', 0.0):.3f} | "
                    f"{r['optimizer_s']:.3f} | {r['bubble']:.1%} | {r['predicted_s'] - r['compute_s']:.2f} | "
                    f"{compute_factor(r):.2f} |")  # fmt: skip
+    out += ["", *per_action(results, by_name)]
     if plan_path:
         checks = [c for c in _read(plan_path) if "best" in c]
         out += ["", "| run | published layout (s) | best plan, any technique (s) | rank | best plan, the run's "
@@ -360,6 +361,28 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
         if missing:
             out.append(f"Not searched: {', '.join(missing)}.")
     return "\n".join(out)
+
+
+def per_action(results: list[dict], by_name: dict) -> list[str]:
+    """What each pipelined H100 row's prediction misses, per action of a stage: a (chunk, micro-batch) forward or
+    backward, ``2 m v`` of them a step (``m`` micro-batches, ``v`` chunks a stage), beside the compute the model
+    gives an action and the layers in a chunk. A table, no model: the residual laid out by how finely the
+    schedule cuts the work."""
+    out = ["| run | stages | chunks | layers a chunk | micro-batch | micro-batches | compute an action (ms) | "
+           "missing an action (ms) | missing / compute |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in results:
+        row = by_name.get(r["name"])
+        if row is None or row.get("device") != "h100-sxm" or row["pp"] == 1:
+            continue
+        layout = layout_of(row)
+        actions = 2 * layout.microbatches * layout.chunks
+        compute = r["compute_s"] / actions
+        missing = (r["published_s"] - r["predicted_s"]) / actions
+        out.append(f"| {r['name']} | {layout.pp} | {layout.chunks} | {row['layers'] / (layout.pp * layout.chunks):g} | "
+                   f"{layout.micro_batch} | {layout.microbatches} | {compute * 1e3:.2f} | {missing * 1e3:+.2f} | "
+                   f"{missing / compute:+.0%} |")  # fmt: skip
+    return out
 
 
 def _write(path: str, lines: list[dict]) -> None:
