@@ -179,6 +179,7 @@ def section_collectives() -> str:
         *_defaults_beside_part("h100x4"),
         *_defaults_beside_part("h200x2"),
         *_direct_broadcast_part(),
+        *_direct_reduce_part(),
         *_wide_part(),
         *_one_pass_part(),
         "### All-reduce on the defaults (4 x H100)",
@@ -354,15 +355,17 @@ def _defaults_beside_part(machine: str) -> list[str]:
 
 
 def _probe_rows(path: str) -> dict[tuple[bool, int, str], tuple[float, float]]:
-    """A direct-broadcast probe's figures: (fresh, MiB, variant) -> (ratio to NCCL back to back, one call)."""
+    """A direct-broadcast or direct-reduce probe's figures: (fresh, MiB, variant) -> (ratio to NCCL back to back,
+    one call)."""
     text = (RESULTS / path).read_text() if (RESULTS / path).exists() else ""
     found, fresh = {}, False
     for line in text.splitlines():
-        if line.startswith("# direct-broadcast"):
+        if line.startswith(("# direct-broadcast", "# direct-reduce")):
             fresh = "fresh True" in line
             continue
         m = re.match(
-            r"\s*(\d+) MiB\s+(api ring|api auto|direct|bare|nccl)\s.*?([\d.]+)x nccl\s+one call\s+"
+            r"\s*(\d+) MiB\s+(api ring|api auto|direct|bare copy\+add|bare piped|bare add|bare|nccl)\s.*?"
+            r"([\d.]+)x nccl\s+one call\s+"
             r"[\d.]+ us\s+([\d.]+)x",
             line,
         )
@@ -423,6 +426,68 @@ def _direct_broadcast_part() -> list[str]:
         "`broadcast_ring_beside-h200x2.jsonl`), where fresh tensors beside the same ones cut a run to the calls "
         "whose tensors fit in 1 GiB, the ring against torch.distributed's call: " + "; ".join(harness) + ".",
         *_lone_part(),
+    ]
+
+
+def _direct_reduce_part() -> list[str]:
+    """The ring reduce as the direct chain (dtrain.comm.peer.direct) on 2 H200s beside NCCL's reduce, and the
+    defaults' reduce in the sweep's harness."""
+    found = _probe_rows("probe-direct-reduce-h200x2.txt")
+    beside = load("reduce_beside-h200x2.jsonl")
+    if not found or not beside:
+        return []
+    sizes = sorted({n for _, n, _ in found})
+    rows = []
+    for variant in ("api ring", "direct", "api auto", "bare add", "bare copy+add", "bare piped"):
+        for fresh in (False, True):
+            if not any((fresh, n, variant) in found for n in sizes) or (fresh and variant.startswith("bare")):
+                continue  # the bare paths' tensors are the same whatever --fresh says
+            cells = [
+                f"{found[fresh, n, variant][0]:.2f}x / {found[fresh, n, variant][1]:.2f}x"
+                if (fresh, n, variant) in found
+                else "-"
+                for n in sizes
+            ]
+            rows.append([variant + (" fresh" if fresh else ""), *cells])
+    launches = [
+        {(r["nbytes"], r["algorithm"]): r for r in rows}
+        for rows in (load("reduce_beside-h200x2-run1.jsonl"), beside)
+        if rows
+    ]
+    names = ("auto", "auto+fresh", "ring", "ring+fresh")
+    sweep = [
+        [
+            size(n),
+            *(" / ".join(f"{by[n, a]['vs_torch']:.2f}x" if (n, a) in by else "-" for by in launches) for a in names),
+        ]
+        for n in sorted({r["nbytes"] for r in beside})
+    ]
+    return [
+        "#### The ring reduce between the callers' tensors (2 x H200)",
+        '`comm.reduce(x, root, algorithm="ring")` on the peer transport of CUDA tensors runs as the direct chain '
+        "the other way (docs/collectives.md): the root's one elementwise kernel reads the other rank's tensor "
+        "through a CUDA IPC mapping and adds it into its own. A cell is NCCL's time over ours, bf16: calls back to "
+        "back / one call alone between two synchronizations; `api ring` through `comm.reduce`, `direct` the chain "
+        "without the API, `api auto` the defaults (NCCL's reduce on the caller's tensor), and the root's bare ways "
+        "to combine a tensor mapped once, without counters: `bare add` (the kernel reading the peer), `bare "
+        "copy+add` (a copy-engine copy into a local buffer, then the add) and `bare piped` (the same in 8 pieces, "
+        "copies and adds overlapped on two streams). Every result was checked from every root, the other rank's "
+        "tensor as it was, and a recorded CUDA graph replayed on new data. The chain trails the bare add by its "
+        "counters (about 24 us a call from 64 MiB), so it stays under NCCL's reduce, and `auto` keeps NCCL's.",
+        setting(
+            f"2 x {beside[0].get('device_name', 'NVIDIA H200')} (one host)",
+            gpu_software(beside),
+            "torchrun --nproc-per-node 2 benchmarks/collectives/probe.py direct-reduce [--fresh]",
+            "`probe-direct-reduce-h200x2.txt`",
+        ),
+        table(["path", *(f"{n} MiB" for n in sizes)], rows),
+        "In the sweep's harness (`dtrain bench comm --collectives reduce --algorithms torch,native,auto,ring "
+        "--min-bytes 8K --max-bytes 1G --factor 4 --iters 20 --trials 5 --warm-s 0.3 --fresh-beside`; "
+        "`reduce_beside-h200x2{-run1,}.jsonl`, two launches, a cell `first / second`), torch.distributed's reduce "
+        "over each (`+fresh`: a new tensor every call). `auto` is NCCL's reduce through dtrain, so where it strays "
+        "from 1.00x the harness's noise shows (its small sizes are host-bound); the first launch ran the ring's "
+        "calls through a longer host path than today's (the probe above is today's):",
+        table(["size", *names], sweep),
     ]
 
 

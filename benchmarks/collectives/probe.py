@@ -15,6 +15,7 @@ mode's own options where it has any):
   channel-latency a message's device latency on a peer channel, each send engine, beside NCCL (recorded)
   chain-channels  the broadcast as a pipelined chain over peer channels (copy engines), beside NCCL
   direct-broadcast the ring broadcast as copies between the callers' own tensors (CUDA IPC), beside NCCL
+  direct-reduce   the ring reduce as a chain combining the callers' own tensors (CUDA IPC), beside NCCL
   nccl-ctas       large collectives on NCCL communicators made with more CTAs (minCTAs) than NCCL picks
   nccl-wide       auto's native_wide beside torch's call: the same bits or not, the wide communicator's memory
   watchdog        host microseconds of the watchdog's per-call work on one GPU (no process group)
@@ -49,6 +50,7 @@ MODES = {
     "channel-latency": "channel_latency",
     "chain-channels": "chain_channels",
     "direct-broadcast": "direct_broadcast",
+    "direct-reduce": "direct_reduce",
 }
 
 

@@ -48,6 +48,8 @@
 #                      -> probe-chain-channels{,-fresh}.txt
 #   probe-direct-broadcast  the ring broadcast as copies between the callers' tensors, same and fresh tensors,
 #                      beside NCCL; on 2 GPUs also where a lone call's time goes -> probe-direct-broadcast{,-lone}.txt
+#   probe-direct-reduce  the ring reduce as a chain combining the callers' tensors, same and fresh tensors, beside
+#                      NCCL; on 2 GPUs also the root's bare ways to combine -> probe-direct-reduce.txt
 #   defaults           every collective with the defaults (auto) beside NCCL (torch.distributed's own call, and
 #                      native through dtrain), 8 KiB-1 GiB (DEFAULTS_MIN, DEFAULTS_MAX, DEFAULTS_FACTOR), same
 #                      tensors and fresh ones
@@ -438,6 +440,10 @@ for f in sorted(glob.glob(sys.argv[1] + "/*.prof")):
         LIMIT=${LIMIT:-100} tr benchmarks/collectives/probe.py direct-broadcast --lone --sizes 16,64,256,1024 \
           | tee "$out/probe-direct-broadcast-lone.txt"
       fi ;;
+    probe-direct-reduce)
+      LIMIT=${LIMIT:-200} tr benchmarks/collectives/probe.py direct-reduce >"$out/probe-direct-reduce.txt"
+      LIMIT=${LIMIT:-200} tr benchmarks/collectives/probe.py direct-reduce --fresh >>"$out/probe-direct-reduce.txt"
+      grep -E "api ring|bare|WRONG" "$out/probe-direct-reduce.txt" ;;
     probe-chain-timeline)
       for form in pull push; do
         flag=""; [ $form = push ] && flag=--push

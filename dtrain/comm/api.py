@@ -350,18 +350,46 @@ def _run_direct(work: torch.Tensor, group, root: int, world: int, nbytes: int) -
     return _run_chained(
         "direct",
         lambda: peer_direct.direct_for(group, work.device),
-        lambda chain: chain(work, root, round_timeout()),
+        lambda chain: chain.broadcast(work, root, round_timeout()),
         work,
         group,
         world,
     )
 
 
-def _run_chained(kind: str, make, call, work: torch.Tensor, group, world: int) -> bool:
-    """Make or find a group's chain broadcast of ``kind`` (``"direct"``, ``"chain"``: its key in the group's
-    windows) with ``make()`` and run ``call(chain)``; False where the group's peer windows were refused (and
-    ``DTRAIN_COMM_TRANSPORT=auto`` moves it to point-to-point). A chain that stalls on the host is dropped, and
-    the stall raised as a :class:`CommTimeoutError`; on CUDA the call is watched (:mod:`.peer.watchdog`)."""
+def _reduce_direct(tensor: torch.Tensor, dst: int, op: str, group, chosen: str, world: int) -> bool:
+    """Run a ring reduce of a contiguous CUDA tensor on the peer transport as the direct chain
+    (:meth:`dtrain.comm.peer.direct.DirectChain.reduce`: each rank combines its predecessor's partial into its own,
+    the root into its tensor; no other rank's tensor written, no copy of it); False where it cannot run so (every
+    rank of a host alike), and the call goes the long way."""
+    if chosen.partition("@")[0] != "ring" or not tensor.is_cuda or not tensor.is_contiguous():
+        return False
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0 or not peer_direct.exportable(tensor.device) or _via(group, tensor.device, chosen)[1] != "peer":
+        return False
+    return _run_direct_reduce(tensor, dst, op, group, world)
+
+
+def _run_direct_reduce(tensor: torch.Tensor, dst: int, op: str, group, world: int) -> bool:
+    """:func:`_reduce_direct` once its checks passed (a repeated call's were made by its first)."""
+    work = tensor.view(-1)
+    return _run_chained(
+        "direct",
+        lambda: peer_direct.direct_for(group, work.device),
+        lambda chain: chain.reduce(work, dst, op, round_timeout()),
+        work,
+        group,
+        world,
+        what="reduce",
+    )
+
+
+def _run_chained(kind: str, make, call, work: torch.Tensor, group, world: int, what: str = "broadcast") -> bool:
+    """Make or find a group's chain of ``kind`` (``"direct"``, ``"chain"``: its key in the group's windows) with
+    ``make()`` and run ``call(chain)``, a ``what`` (``"broadcast"``, ``"reduce"``); False where the group's peer
+    windows were refused (and ``DTRAIN_COMM_TRANSPORT=auto`` moves it to point-to-point). A chain that stalls on
+    the host is dropped, and the stall raised as a :class:`CommTimeoutError`; on CUDA the call is watched
+    (:mod:`.peer.watchdog`)."""
     try:
         chain = make()
     except peer.PeerUnavailable as err:  # raised on every rank of the group alike
@@ -369,20 +397,22 @@ def _run_chained(kind: str, make, call, work: torch.Tensor, group, world: int) -
             raise
         _fall_back(group, err)
         return False
-    where = f"broadcast/ring: rank {chain.rank} (global {chain.window.global_rank})"
+    where = f"{what}/ring: rank {chain.rank} (global {chain.window.global_rank})"
     name = "direct" if kind == "direct" else "chain"
     try:
         call(chain)
     except peer_chain.ChainStalled as err:  # the host's waits: the ranks now stand at different points
         group_state(_group_key(group)).windows.pop((kind, work.device), None)
-        raise CommTimeoutError(f"{where} timed out in the {name} broadcast: {err}") from err
+        raise CommTimeoutError(f"{where} timed out in the {name} {what}: {err}") from err
     except peer_direct.DirectRefused as err:
         raise RuntimeError(f"{where}: {err}") from err
     if work.is_cuda and not torch.cuda.is_current_stream_capturing():
         nbytes = work.numel() * work.element_size()
-        what = ("broadcast", "ring", nbytes, str(work.dtype))
+        call_of = (what, "ring", nbytes, str(work.dtype))
         place = (world, chain.rank, chain.window.global_rank, str(work.device))
-        watchdog.watch(work.device, chain.window.stall_limit(round_timeout()), _label(what, place, chain.window.calls))
+        watchdog.watch(
+            work.device, chain.window.stall_limit(round_timeout()), _label(call_of, place, chain.window.calls)
+        )
     return True
 
 
@@ -935,15 +965,41 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
 
 def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` over the group into ``tensor`` of rank ``dst``; other ranks' tensors are untouched."""
+    coll = Collective.REDUCE
+    fast = _fast(coll, group, algorithm, (dst, op), tensor, tensor)
+    if fast is not None and fast(tensor, tensor):
+        return tensor
     group = default_group(group)
     what = "reduce"
     check_tensor(tensor, "tensor", what)
     check_op(op, tensor.dtype, what)
     check_root(dst, group_info(group, what)[1], "dst", what)
-    rank, world, chosen, local = _prepare(Collective.REDUCE, algorithm, group, tensor.numel(), tensor, what)
+    rank, world, chosen, local = _prepare(coll, algorithm, group, tensor.numel(), tensor, what)
     if chosen in NATIVE_CHOICES:
         on = _backend_group(group, chosen)
-        return _native(on).reduce(tensor, dst, op, on)
+        run = _native(on).reduce
+
+        def ran(t: torch.Tensor, _t: torch.Tensor) -> bool:
+            return run(t, dst, op, on) is not None
+
+        if is_mpi_group(on) or not native.keeps_inputs(tensor, on):  # a non-root's tensor is copied first
+            _keep(coll, group, algorithm, (dst, op), tensor, tensor, ran)
+        else:  # straight through the binding, in place on every rank
+            _keep_native(coll, group, algorithm, (dst, op), tensor, tensor, ran, dst, op, on=on)
+        return run(tensor, dst, op, on)
+    if _reduce_direct(tensor, dst, op, group, chosen, world):
+
+        def again(t: torch.Tensor, _t: torch.Tensor) -> bool:
+            if not (t.is_contiguous() and _run_direct_reduce(t, dst, op, group, world)):
+                return False
+            if rank == dst and op == "avg":
+                t.div_(world)
+            return True
+
+        if rank == dst and op == "avg":
+            tensor.div_(world)
+        _keep(coll, group, algorithm, (dst, op), tensor, tensor, again)
+        return tensor
     if rank == dst:
         work, copied = _flat_work(tensor)
     else:  # partial sums pass through non-root ranks: keep the caller's tensor intact

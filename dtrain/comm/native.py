@@ -102,9 +102,21 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     return _in_place(tensor, lambda t: dist.broadcast(t, _global(group, src), group=group))
 
 
+def keeps_inputs(tensor: torch.Tensor, group) -> bool:
+    """Whether the backend's reduce leaves a non-root rank's tensor as it was, so that it may run on the caller's
+    tensor itself: NCCL's does (``ncclReduce`` reads the send buffer and writes the receive buffer on the root
+    alone); Gloo's and MPI's may use it as their scratch."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not tensor.is_cuda:
+        return False
+    backend = str(dist.get_backend(group if group is not None else c10d._get_default_group()))
+    return backend == "nccl" or "cuda:nccl" in backend
+
+
 def reduce(tensor: torch.Tensor, dst: int, op: str, group) -> torch.Tensor:
     rank = dist.get_rank(group)
-    work = tensor.contiguous().clone() if rank != dst else tensor
+    work = tensor.contiguous().clone() if rank != dst and not keeps_inputs(tensor, group) else tensor
 
     def run(t: torch.Tensor) -> None:
         dist.reduce(t, _global(group, dst), _OPS[op], group=group)
@@ -178,10 +190,11 @@ def _global(group, group_rank: int) -> int:
 
 def direct(coll: str, group, op: str = "sum", root: int = 0):
     """A function ``run(output, input) -> bool`` that makes the backend's own call for ``coll`` (all_reduce, whose
-    tensor is ``output``; all_gather, reduce_scatter, all_to_all; broadcast from group rank ``root``, in place in
-    ``output``) straight through the process group's C++ binding, the call torch.distributed's function makes
-    after its checks; None where this torch has no such binding. ``run`` answers False, having made no call,
-    inside torch's coalescing manager (where torch.distributed queues calls instead).
+    tensor is ``output``; all_gather, reduce_scatter, all_to_all; broadcast from group rank ``root``, and reduce into
+    it, in place in ``output``: a reduce only where :func:`keeps_inputs` holds) straight through the process
+    group's C++ binding, the call torch.distributed's function makes after its checks; None where this torch has
+    no such binding. ``run`` answers False, having made no call, inside torch's coalescing manager (where
+    torch.distributed queues calls instead).
 
     What it skips: torch.distributed's per-call Python (the argument and membership checks, the complex-number
     views, the logging and deprecation wrappers), which a group's first call through :mod:`dtrain.comm` has done
@@ -204,8 +217,8 @@ def direct(coll: str, group, op: str = "sum", root: int = 0):
             opts.asyncOp = False
         return opts
 
-    average = op == "avg" and coll in ("all_reduce", "reduce_scatter")
     world = pg.size()
+    average = op == "avg" and (coll in ("all_reduce", "reduce_scatter") or (coll == "reduce" and pg.rank() == root))
     if coll == "all_reduce":
         call, opts = binding("allreduce"), options(c10d.AllreduceOptions, reduceOp=_OPS[op])
 
@@ -213,6 +226,12 @@ def direct(coll: str, group, op: str = "sum", root: int = 0):
             return call([o], opts)
     elif coll == "broadcast":
         call, opts = binding("broadcast"), options(c10d.BroadcastOptions, rootRank=root, rootTensor=0)
+
+        def issue(o, i):
+            return call([o], opts)
+    elif coll == "reduce":
+        call = binding("reduce")
+        opts = options(c10d.ReduceOptions, reduceOp=_OPS[op], rootRank=root, rootTensor=0)
 
         def issue(o, i):
             return call([o], opts)

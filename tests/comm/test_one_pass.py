@@ -275,7 +275,7 @@ def test_a_repeated_call_runs_what_the_first_kept(pool):
         assert answer["right"] and answer["kept"]
         # each collective resolved once: the second call of each went the short way
         assert sorted(answer["resolved"]) == sorted(
-            ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+            ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"]
         )
         # Gloo's own calls (auto is native here): the second of each through the process group's binding, not
         # torch.distributed's functions

@@ -1,6 +1,7 @@
-"""The direct chain broadcast (dtrain.comm.peer.direct): its plans, run by a checker that interleaves every
-rank's stream at random and scribbles over a rank's tensor as soon as its stream leaves the call, deliver the
-root's buffer and leave every counter at 0 whatever the order and whichever roots follow each other; its host
+"""The direct chain broadcast and reduce (dtrain.comm.peer.direct): their plans, run by a checker that interleaves
+every rank's stream at random and scribbles over a rank's tensor as soon as its stream leaves the call, deliver the
+root's buffer (reduce into the root every rank's input, no other rank's tensor written) and leave every counter at
+0 whatever the order, whichever roots follow each other and however broadcasts and reduces mix; its host
 mailbox on real processes passes every post in order, holds a poster a full ring ahead, and names a predecessor
 that never posts; its executor on real processes, over host memory standing in for the GPU's (tensors in
 /dev/shm files, named by path), matches torch.distributed's broadcast; and where a process cannot export its
@@ -24,18 +25,29 @@ def _reached(value: int, target: int) -> bool:
     return ((value - target) & 0xFFFFFFFF) < 0x80000000
 
 
-def _simulate(world: int, roots: list[int], nbytes: int, piece: int, seed: int) -> None:
-    """Run the broadcasts from ``roots`` one after another on every rank, each rank's plan a queue of
-    operations on its stream, the next operation picked at random among the ranks whose next one can run; a rank
-    starts a call once it finished the one before, and its tensor of a call is overwritten the moment it leaves
-    the call (the caller reusing it), so a successor that read it later would copy the scribble."""
+def _simulate(world: int, calls: list[tuple[str, int]], nbytes: int, piece: int, seed: int) -> None:
+    """Run the calls (``("broadcast" | "reduce", root)``) one after another on every rank, each rank's plan a
+    queue of operations on its stream, the next operation picked at random among the ranks whose next one can run;
+    a rank starts a call once it finished the one before, and its tensor of a call is overwritten the moment it
+    leaves the call (the caller reusing it), so a successor that read it later would copy the scribble. A reduce's
+    element is the set of (call, rank) inputs combined into it; a rank in the middle of its chain keeps its partial
+    in one buffer of its own for every call, so a successor reading it late would read another call's."""
     rng = random.Random(seed)
     counters = [[0, 0] for _ in range(world)]
-    tensors = [[[("empty", c, r)] * nbytes for r in range(world)] for c in range(len(roots))]
-    for call, root in enumerate(roots):
-        tensors[call][root] = [(call, i) for i in range(nbytes)]
-    results = [[None] * world for _ in roots]
-    queues = [[list(plan(r, root, world, nbytes, piece)) for r in range(world)] for root in roots]
+    tensors = []
+    for c, (kind, root) in enumerate(calls):
+        if kind == "broadcast":
+            row = [[("empty", c, r)] * nbytes for r in range(world)]
+            row[root] = [(c, i) for i in range(nbytes)]
+        else:
+            row = [[frozenset({(c, r, i)}) for i in range(nbytes)] for r in range(world)]
+        tensors.append(row)
+    inputs = [[list(t) for t in row] for row in tensors]
+    partial = [[None] * nbytes for _ in range(world)]
+    results = [[None] * world for _ in calls]
+    queues = [
+        [list(plan(r, root, world, nbytes, piece, kind == "reduce")) for r in range(world)] for kind, root in calls
+    ]
     at = [0] * world
 
     def runnable(op) -> bool:
@@ -44,28 +56,44 @@ def _simulate(world: int, roots: list[int], nbytes: int, piece: int, seed: int) 
         value = counters[op.rank][op.counter]
         return value == op.value if op.exact else _reached(value, op.value)
 
+    def partial_of(call: int, r: int):
+        """What rank ``r`` of a reduce exposes to its successor: its input (the chain's first), else its partial."""
+        root = calls[call][1]
+        return tensors[call][r] if r == (root + 1) % world else partial[r]
+
     while True:
         for r in range(world):
-            while at[r] < len(roots) and not queues[at[r]][r]:
+            while at[r] < len(calls) and not queues[at[r]][r]:
                 results[at[r]][r] = list(tensors[at[r]][r])
                 tensors[at[r]][r] = [("scribbled", at[r], r)] * nbytes  # the caller reuses its tensor
                 at[r] += 1
-        ready = [r for r in range(world) if at[r] < len(roots) and runnable(queues[at[r]][r][0])]
+        ready = [r for r in range(world) if at[r] < len(calls) and runnable(queues[at[r]][r][0])]
         if not ready:
-            assert all(a == len(roots) for a in at), f"deadlock: ranks at calls {at}"
+            assert all(a == len(calls) for a in at), f"deadlock: ranks at calls {at}"
             break
         r = rng.choice(ready)
         call = at[r]
         op = queues[call][r].pop(0)
+        prev = (r - 1) % world
         if op.kind == "copy":
-            prev = (r - 1) % world
             tensors[call][r][op.at : op.at + op.nbytes] = tensors[call][prev][op.at : op.at + op.nbytes]
+        elif op.kind == "combine":
+            out = tensors[call][r] if r == calls[call][1] else partial[r]
+            peer = partial_of(call, prev)
+            for i in range(op.at, op.at + op.nbytes):
+                assert isinstance(peer[i], frozenset), (call, r, i, peer[i])
+                out[i] = tensors[call][r][i] | peer[i]
         elif op.kind == "write":
             counters[op.rank][op.counter] = op.value
-    for call, root in enumerate(roots):
-        want = [(call, i) for i in range(nbytes)]
+    for call, (kind, root) in enumerate(calls):
         for r in range(world):
-            assert results[call][r] == want, (call, root, r)
+            if kind == "broadcast":
+                want = [(call, i) for i in range(nbytes)]
+            elif r == root:
+                want = [frozenset((call, q, i) for q in range(world)) for i in range(nbytes)]
+            else:
+                want = inputs[call][r]  # read, never written
+            assert results[call][r] == want, (call, kind, root, r)
     assert counters == [[0, 0]] * world
 
 
@@ -80,7 +108,34 @@ def _simulate(world: int, roots: list[int], nbytes: int, piece: int, seed: int) 
 def test_a_direct_chain_delivers_the_roots_buffer_and_clears_its_counters_in_any_interleaving(
     world, roots, nbytes, piece, seed
 ):
-    _simulate(world, [r % world for r in roots], nbytes, piece, seed)
+    _simulate(world, [("broadcast", r % world) for r in roots], nbytes, piece, seed)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    world=st.integers(2, 5),
+    calls=st.lists(st.tuples(st.sampled_from(["broadcast", "reduce"]), st.integers(0, 4)), min_size=1, max_size=5),
+    nbytes=st.integers(1, 24),
+    piece=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_a_direct_reduce_combines_every_input_into_the_root_only_in_any_interleaving_and_mix(
+    world, calls, nbytes, piece, seed
+):
+    _simulate(world, [(kind, r % world) for kind, r in calls], nbytes, piece, seed)
+
+
+def test_a_reduce_chain_starts_after_its_root_and_ends_at_it():
+    first = plan(rank=2, root=1, world=4, nbytes=10, piece=4, reduce=True)
+    assert [(op.kind, op.rank, op.counter, op.value) for op in first] == [
+        ("write", 3, READY, 3),
+        ("wait", 2, DONE, 1),
+        ("write", 2, DONE, 0),
+    ]
+    root = plan(rank=1, root=1, world=4, nbytes=10, piece=4, reduce=True)
+    assert [(op.at, op.nbytes) for op in root if op.kind == "combine"] == [(0, 4), (4, 4), (8, 2)]
+    assert not [op for op in root if op.kind == "write" and op.counter == READY and op.rank != 1]  # passes none on
+    assert [op.kind for op in plan(rank=3, root=1, world=4, nbytes=10, piece=4, reduce=True)].count("combine") == 3
 
 
 def test_the_root_raises_its_successors_count_at_once_and_every_wait_is_on_the_waiters_own_window():
@@ -130,6 +185,12 @@ def test_a_predecessor_that_never_posts_is_named_within_the_timeout(pool):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_the_executor_on_real_processes_matches_torch_distributed_and_keeps_its_mappings(pool, world):
     problems = pool.run(jobs.direct_broadcasts, world, ranks=world)
+    assert [p for per_rank in problems for p in per_rank] == []
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_reduce_on_real_processes_matches_torch_distributed_and_writes_only_the_roots_tensor(pool, world):
+    problems = pool.run(jobs.direct_reduces, world, ranks=world)
     assert [p for per_rank in problems for p in per_rank] == []
 
 

@@ -300,9 +300,9 @@ def direct_mailbox_missing_post(timeout_s: float) -> str:
 
 
 class SharedFileMemory:
-    """Host memory standing in for a GPU's under the direct broadcast (dtrain.comm.peer.direct.CudaMemory's
-    methods): tensors in /dev/shm files, an allocation named by its file's path and mapped by opening the file; a
-    plan's copies done by the host, its waits spinning on the counters in the CPU windows."""
+    """Host memory standing in for a GPU's under the direct chain (dtrain.comm.peer.direct.CudaMemory's methods):
+    tensors in /dev/shm files, an allocation named by its file's path and mapped by opening the file; a plan's
+    copies and combining done by the host, its waits spinning on the counters in the CPU windows."""
 
     def __init__(self) -> None:
         self.files: list[tuple[int, int, str]] = []  # (address, bytes, path) of this rank's tensors
@@ -320,6 +320,9 @@ class SharedFileMemory:
         self.files.append((t.data_ptr(), nbytes, path))
         self.kept.append(t)
         return t
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return self.tensor(nbytes, torch.uint8)
 
     def unlink(self) -> None:
         for _, _, path in self.files:
@@ -354,15 +357,22 @@ class SharedFileMemory:
     def capturing(self) -> bool:
         return False
 
-    def run(self, ops, address: int, source: int, base: list[int], timeout) -> None:
+    def run(self, ops, address: int, source: int, base: list[int], timeout, combine=None) -> None:
         import ctypes
 
         from dtrain.comm.peer.chain import ChainStalled
+        from dtrain.comm.peer.direct import combine_into, piece_of
         from dtrain.comm.peer.window import spin_until
 
         for op in ops:
             if op.kind == "copy":
                 ctypes.memmove(address + op.at, source + op.at, op.nbytes)
+                continue
+            if op.kind == "combine":
+                raw = (ctypes.c_char * op.nbytes).from_address(source + op.at)
+                peer = torch.frombuffer(raw, dtype=combine.out.dtype)
+                out, own = piece_of(combine.out, op.at, op.nbytes), piece_of(combine.own, op.at, op.nbytes)
+                combine_into(out, own, peer, combine.op)
                 continue
             cell = ctypes.c_uint32.from_address(base[op.rank] + 4 * op.counter)
             if op.kind == "write":
@@ -382,7 +392,7 @@ _FILES = itertools.count()
 
 
 def direct_broadcasts(world: int) -> list[str]:
-    """The direct broadcast's executor (dtrain.comm.peer.direct.DirectBroadcast) on ranks 0..world-1 over host
+    """The direct broadcast's executor (dtrain.comm.peer.direct.DirectChain) on ranks 0..world-1 over host
     memory (:class:`SharedFileMemory`), pieces of 256 bytes: roots changing from call to call, sizes within a piece
     and across several, the same tensors again and fresh ones, each result against torch.distributed's broadcast
     of the same data; the same tensors map nothing new, fresh ones past the cap evict the oldest mappings. Returns
@@ -392,7 +402,7 @@ def direct_broadcasts(world: int) -> list[str]:
     import torch.distributed as dist
 
     from dtrain.comm.peer import direct
-    from dtrain.comm.peer.direct import MAPPED_MAX, DirectBroadcast
+    from dtrain.comm.peer.direct import MAPPED_MAX, DirectChain
     from dtrain.testing.pool import group_of
 
     group = group_of(world)
@@ -401,7 +411,7 @@ def direct_broadcasts(world: int) -> list[str]:
     saved, direct.pieces = direct.pieces, lambda nbytes, world: 256
     problems: list[str] = []
     try:
-        chain = DirectBroadcast(group, torch.device("cpu"), memory=memory)
+        chain = DirectChain(group, torch.device("cpu"), memory=memory)
         timeout = datetime.timedelta(seconds=60)
         same = memory.tensor(700, torch.int32)
         cases = [(0, 700, True), (world - 1, 700, True), (1 % world, 1, False), (0, 700, True)]
@@ -414,21 +424,21 @@ def direct_broadcasts(world: int) -> list[str]:
             t = same if reuse else memory.tensor(numel, torch.int32)
             t.copy_(data)
             dist.barrier(group=group)  # every tensor filled before any rank reads a peer's
-            chain(t, root, timeout)
+            chain.broadcast(t, root, timeout)
             dist.barrier(group=group)
             if not torch.equal(t, want):
                 problems.append(f"world={world} call={call} root={root} numel={numel}: differs from torch's")
         before = chain.mapped
         for _ in range(3):  # the same tensor again: nothing new to map
             dist.barrier(group=group)
-            chain(same, 0, timeout)
+            chain.broadcast(same, 0, timeout)
         if chain.mapped != before:
             problems.append(f"rank {rank}: the same tensors mapped {chain.mapped - before} more allocations")
         for k in range(MAPPED_MAX + 3):  # fresh tensors: a new allocation each call
             t = memory.tensor(64, torch.int32)
             t.fill_(k if rank == 0 else -1)
             dist.barrier(group=group)
-            chain(t, 0, timeout)
+            chain.broadcast(t, 0, timeout)
             if not torch.equal(t, torch.full((64,), k, dtype=torch.int32)):
                 problems.append(f"rank {rank}: fresh tensor {k} differs")
         if rank != 0 and (chain.mapped != MAPPED_MAX or memory.closed < 3):
@@ -449,6 +459,79 @@ def direct_broadcasts(world: int) -> list[str]:
     return problems
 
 
+def direct_reduces(world: int) -> list[str]:
+    """The direct chain's reduce (dtrain.comm.peer.direct.DirectChain.reduce) on ranks 0..world-1 over host memory
+    (:class:`SharedFileMemory`), pieces of 256 bytes: roots changing from call to call, every reduction, sizes
+    within a piece and across several, the same tensors and fresh ones, broadcasts between the reduces on the same
+    chain; each root's result against torch.distributed's reduce of the same data, every other rank's tensor as it
+    was. Returns the mismatches."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dtrain.comm.peer import direct
+    from dtrain.comm.peer.direct import DirectChain
+    from dtrain.testing.pool import group_of
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
+    group = group_of(world)
+    rank = dist.get_rank(group)
+    memory = SharedFileMemory()
+    saved, direct.pieces = direct.pieces, lambda nbytes, world: 256
+    problems: list[str] = []
+    try:
+        chain = DirectChain(group, torch.device("cpu"), memory=memory)
+        timeout = datetime.timedelta(seconds=60)
+        same = memory.tensor(700, torch.int32)
+        cases = [(0, "sum", 700, True), (world - 1, "max", 700, True), (1 % world, "sum", 1, False)]
+        cases += [(world // 2, "min", 999, False), (0, "prod", 700, True), (world - 1, "sum", 700, False)]
+        for call, (root, op, numel, reuse) in enumerate(cases):
+            g = torch.Generator().manual_seed(100 * call + rank)
+            low, high = (-3, 4) if op == "prod" else (-(2**20), 2**20)
+            data = torch.randint(low, high, (numel,), generator=g, dtype=torch.int32)
+            want = data.clone()
+            dist.reduce(want, dist.get_global_rank(group, root), op=ops[op], group=group)
+            t = same if reuse else memory.tensor(numel, torch.int32)
+            t.copy_(data)
+            dist.barrier(group=group)  # every tensor filled before any rank reads a peer's
+            chain.reduce(t, root, op, timeout)
+            dist.barrier(group=group)
+            expect = want if rank == root else data
+            if not torch.equal(t, expect):
+                what = "differs from torch's" if rank == root else "was written"
+                problems.append(f"world={world} call={call} root={root} op={op} numel={numel}: rank {rank} {what}")
+            if call == 2:  # a broadcast between reduces, on the same chain and mailbox
+                b = memory.tensor(300, torch.int32)
+                b.fill_(7 if rank == 0 else -1)
+                dist.barrier(group=group)
+                chain.broadcast(b, 0, timeout)
+                if not torch.equal(b, torch.full((300,), 7, dtype=torch.int32)):
+                    problems.append(f"world={world}: rank {rank}'s broadcast between reduces differs")
+        x = memory.tensor(2000, torch.float32)
+        g = torch.Generator().manual_seed(rank)
+        data = torch.randn(2000, generator=g)
+        want = data.clone()
+        dist.reduce(want, dist.get_global_rank(group, 0), group=group)
+        x.copy_(data)
+        dist.barrier(group=group)
+        chain.reduce(x, 0, "sum", timeout)
+        dist.barrier(group=group)
+        if rank == 0 and not torch.allclose(x, want, rtol=1e-5, atol=1e-5):
+            problems.append(f"world={world}: float32 sum differs from torch's")
+        before = chain.mapped
+        for _ in range(3):  # the same tensors again: nothing new to map, the middle ranks' partials reused
+            dist.barrier(group=group)
+            chain.reduce(same, 0, "sum", timeout)
+        if chain.mapped != before:
+            problems.append(f"rank {rank}: the same tensors mapped {chain.mapped - before} more allocations")
+        dist.barrier(group=group)
+    finally:
+        direct.pieces = saved
+        dist.barrier(group=group)
+        memory.unlink()
+    return problems
+
+
 def direct_refused() -> str:
     """Ranks 0 and 1: rank 0 broadcasts a tensor it cannot name (private memory, not a shared file). Returns the
     error each rank raised."""
@@ -456,15 +539,15 @@ def direct_refused() -> str:
 
     import torch.distributed as dist
 
-    from dtrain.comm.peer.direct import DirectBroadcast, DirectRefused
+    from dtrain.comm.peer.direct import DirectChain, DirectRefused
     from dtrain.testing.pool import group_of
 
     group = group_of(2)
     memory = SharedFileMemory()
-    chain = DirectBroadcast(group, torch.device("cpu"), memory=memory)
+    chain = DirectChain(group, torch.device("cpu"), memory=memory)
     t = torch.zeros(16) if dist.get_rank(group) == 0 else memory.tensor(16, torch.float32)
     try:
-        chain(t, 0, datetime.timedelta(seconds=10))
+        chain.broadcast(t, 0, datetime.timedelta(seconds=10))
     except DirectRefused as err:
         return f"DirectRefused: {err}"
     finally:

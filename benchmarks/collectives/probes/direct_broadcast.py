@@ -121,7 +121,7 @@ def main() -> None:
         chained = peer_direct.direct_for(None, device)
 
         def direct() -> None:  # the chain itself, without the API around it
-            chained(src if rank == 0 else out(), 0)
+            chained.broadcast(src if rank == 0 else out(), 0)
 
         variants = {"nccl": nccl, "api ring": api("ring"), "api auto": api("auto"), "direct": direct}
         if world == 2:
@@ -210,7 +210,7 @@ def _lone(args, device: torch.device, rank: int, world: int) -> None:
             "bare push": push,
             "bare pull": pull,
             "pull + counters": handshake,
-            "chain": lambda: chain(src if rank == 0 else dst, 0),
+            "chain": lambda: chain.broadcast(src if rank == 0 else dst, 0),
             "api ring": lambda: comm.broadcast(src if rank == 0 else dst, 0, algorithm="ring"),
         }
         for fn in variants.values():

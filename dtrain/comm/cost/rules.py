@@ -209,6 +209,8 @@ _PEER_ALL_REDUCE_4 = (
 #: (65-125 us): 0.73-0.78x at 64 MiB, 0.86-0.94x at 256 MiB, 0.98-1.01x at 1 GiB on one host and 1.01-1.04x from
 #: 256 MiB on another (probe-direct-broadcast{,-lone}-h200x2.txt, broadcast_ring_beside-h200x2.jsonl); and it keeps
 #: its peers' allocations mapped, which CUDA leaves undefined should the peer free them. ``auto`` does not take it.
+#: The ring reduce as the same chain (the root's kernel adding the peer's tensor read over NVLink) ran at
+#: 0.95-1.00x NCCL's reduce from 64 MiB on 2 H200s (probe-direct-reduce-h200x2.txt); the reduce stays ``native``.
 #: Below 16 MiB the all-reduce keeps the default communicator: one H100 launch ran the 64-CTA one at 1.22x at 4 MiB
 #: and 0.99x at 8, but two launches on 4 H200s ran it at 0.90-0.96x from 2 to 5 MiB and 0.96-1.03x from 6 to
 #: 12 MiB (probe-nccl-ctas-ar-mid-h200x4-run{1,2}.txt).

@@ -1,4 +1,4 @@
-"""The ring broadcast as a chain of copies between the callers' own tensors: no staging slots, no copy out.
+"""The ring broadcast and reduce as chains between the callers' own tensors: no staging slots, no copy out.
 
 The chain broadcast of :mod:`dtrain.comm.peer.chain` passes every piece through a ring of slots in the next rank's
 window and copies it out from there: two copies a piece on every receiving rank, and flow control on the slots.
@@ -20,21 +20,32 @@ waits for ``DONE`` and clears it; so every round issues the same waits and write
 rank's role may change from one call to the next. A rank's stream leaves the call once its successor read its
 tensor, so the caller may reuse it at once, as with NCCL's broadcast.
 
+The reduce runs the same chain the other way round: it starts at the rank after the root and ends at the root,
+and where the broadcast copies a piece, a rank combines it: it reads the piece of its predecessor's partial result
+and writes its own input combined with it (one elementwise kernel reading the peer's memory over the link) into
+its own partial, which its successor reads in turn; the root combines into its own tensor. The first rank's
+partial is its input as the caller passed it, so on 2 GPUs a reduce is one kernel on the root and nothing moves on
+the other rank; a rank in the middle writes its partial into a buffer of its own (the chain's, kept and mapped
+once), so no caller's tensor but the root's is written.
+
 The plan (:func:`plan`) is pure (waits, writes and copies per rank, checked with every interleaving of the ranks'
-streams in the tests); :class:`DirectBroadcast` names, posts, maps and runs it through a memory backend,
+streams in the tests); :class:`DirectChain` names, posts, maps and runs it through a memory backend,
 :class:`CudaMemory` (the CUDA driver) here, host memory in /dev/shm files in the tests. The host's only wait is a
-receiving rank's, for its predecessor's post (the root never waits on the host), bounded by the group's timeout.
+receiving rank's, for its predecessor's post (the chain's first rank never waits on the host), bounded by the
+group's timeout.
 
 Limits: CUDA, ranks of one host on an x86-64 CPU (the mailbox's posts rely on its store order, as the CPU windows'
 counters do), tensors from allocations CUDA IPC can export (torch's caching allocator without expandable segments:
-:func:`exportable`); elsewhere the broadcast runs as the slot chain or a round at a time. A rank keeps up to
+:func:`exportable`); elsewhere the broadcast runs as the slot chain or a round at a time, the reduce a round at a
+time. A rank keeps up to
 :data:`MAPPED_MAX` of its predecessor's allocations mapped, and CUDA leaves undefined what happens when a process
 frees memory another still has mapped (``cuIpcOpenMemHandle``): torch's caching allocator frees cached segments on
 ``torch.cuda.empty_cache()`` and when an allocation fails. A rank only ever reads through a mapping, and only an
 allocation its predecessor posted for the call at hand (an allocation made after a free has a handle of its own), so
 no tensor is written through a stale one; ``dtrain.comm.peer.window.close_windows()`` (every rank alike; the
 launcher calls it before the process group goes) unmaps them all. For this, and for the start of a lone call (a host
-handshake, 65-125 us on 2 H200s), ``auto`` does not take this path; ``algorithm="ring"`` does.
+handshake, 65-125 us on 2 H200s; and for a reduce, counters on the device that NCCL's kernels do without),
+``auto`` does not take this path; ``algorithm="ring"`` does.
 """
 
 from __future__ import annotations
@@ -55,7 +66,7 @@ from dtrain.comm.peer import window as peer_window
 
 __all__ = [
     "CudaMemory",
-    "DirectBroadcast",
+    "DirectChain",
     "DirectRefused",
     "Mailbox",
     "Op",
@@ -81,7 +92,8 @@ _HEADER = 64  # a mailbox's header: the posts its owner's successor has taken
 class Op:
     """One step of a rank's plan on the caller's stream. ``wait``: until counter ``counter`` of rank ``rank``'s
     window reaches ``value`` (``exact``: equals it). ``write``: set that counter to ``value``. ``copy``: bytes
-    ``[at, at + nbytes)`` of the predecessor's tensor into the same bytes of this rank's."""
+    ``[at, at + nbytes)`` of the predecessor's tensor into the same bytes of this rank's. ``combine``: those bytes
+    of the predecessor's partial combined with the same bytes of this rank's input, into its partial."""
 
     kind: str
     rank: int = 0
@@ -99,23 +111,26 @@ def pieces(nbytes: int, world: int) -> int:
     return max(1, nbytes) if world <= 2 else peer_chain.pieces(nbytes, world)
 
 
-def plan(rank: int, root: int, world: int, nbytes: int, piece: int) -> list[Op]:
+def plan(rank: int, root: int, world: int, nbytes: int, piece: int, reduce: bool = False) -> list[Op]:
     """Rank ``rank``'s operations for one broadcast of ``nbytes`` from ``root`` in pieces of ``piece`` bytes, along
-    the chain ``root, root + 1, ...``. Every wait is on a counter of the waiting rank's own window (a stream polls
-    its own memory; the peers write into it)."""
+    the chain ``root, root + 1, ...``; with ``reduce``, for one reduce into ``root`` along the chain ``root + 1,
+    root + 2, ..., root``, each ``copy`` a ``combine`` (the piece of the predecessor's partial combined with this
+    rank's input into this rank's partial). Every wait is on a counter of the waiting rank's own window (a stream
+    polls its own memory; the peers write into it)."""
     if world < 2 or nbytes <= 0:
         return []
-    pos = (rank - root) % world
+    pos = (rank - root - (1 if reduce else 0)) % world
+    move = "combine" if reduce else "copy"
     prev, succ = (rank - 1) % world, (rank + 1) % world
     count = -(-nbytes // piece)
     sends, receives = pos < world - 1, pos > 0
     ops: list[Op] = []
-    if not receives:  # the root: its whole tensor is there once the stream's earlier work is
+    if not receives:  # the chain's first rank: its whole tensor is there once the stream's earlier work is
         ops.append(Op("write", succ, READY, count))
     for k in range(count if receives else 0):
         at = k * piece
         ops.append(Op("wait", rank, READY, k + 1))
-        ops.append(Op("copy", at=at, nbytes=min(piece, nbytes - at)))
+        ops.append(Op(move, at=at, nbytes=min(piece, nbytes - at)))
         if sends:
             ops.append(Op("write", succ, READY, k + 1))
     if receives:  # the predecessor's tensor is read: this rank's count cleared, then the predecessor told
@@ -265,21 +280,64 @@ def _spin(done, timeout: timedelta, what) -> None:
                 raise peer_chain.ChainStalled(f"waited past its timeout ({timeout}) for {what()}")
 
 
+@dataclass(frozen=True)
+class Combine:
+    """What a plan's ``combine`` operations compute: ``out = own (op) peer`` piece by piece, ``out`` and ``own``
+    this rank's flat tensors of one dtype (the same tensor on the root), ``peer`` the predecessor's partial."""
+
+    op: str
+    out: torch.Tensor
+    own: torch.Tensor
+
+
+def combine_into(out: torch.Tensor, own: torch.Tensor, peer: torch.Tensor, op: str) -> None:
+    """``out = own (op) peer``, elementwise (``avg`` sums: the caller divides once at the end)."""
+    if op in ("sum", "avg"):
+        torch.add(own, peer, out=out)
+    elif op == "prod":
+        torch.mul(own, peer, out=out)
+    elif op == "max":
+        torch.maximum(own, peer, out=out)
+    elif op == "min":
+        torch.minimum(own, peer, out=out)
+    else:
+        raise ValueError(f"reduce: unknown op {op!r}")
+
+
+def piece_of(t: torch.Tensor, at: int, nbytes: int) -> torch.Tensor:
+    """Bytes ``[at, at + nbytes)`` of the flat ``t``, in its dtype (pieces are whole elements)."""
+    size = t.element_size()
+    return t[at // size : (at + nbytes) // size]
+
+
+class _Raw:
+    """A device address as an array (``__cuda_array_interface__``, version 3, no stream to wait on), for
+    ``torch.as_tensor``: how a peer's mapped memory becomes a tensor the combining kernel reads."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+
 class CudaMemory:
-    """How :class:`DirectBroadcast` reaches memory on a CUDA device: the driver's IPC to name and map allocations,
+    """How :class:`DirectChain` reaches memory on a CUDA device: the driver's IPC to name and map allocations,
     and a plan's operations as driver calls on the caller's current stream (the copies by a copy engine, the waits
-    and writes as stream memory operations). Another backend (the tests' host memory in /dev/shm files) provides
-    the same methods."""
+    and writes as stream memory operations, the combining as one elementwise kernel reading the peer's memory).
+    Another backend (the tests' host memory in /dev/shm files) provides the same methods."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._driver = peer_channels._driver()
+        self._views: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def counters(self, window: peer_window.PeerWindow) -> list[int]:
         """Every rank's window address, where its counters are."""
         window.local(torch.int32, COUNTER_BYTES // 4).zero_()
         torch.cuda.synchronize(self.device)
         return [int(p) for p in window._handle.buffer_ptrs]
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A flat byte buffer of this process's that a peer can map (a partial result in a reduce's chain)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def name(self, address: int) -> tuple[bytes, int]:
         return name_of(address)
@@ -296,19 +354,44 @@ class CudaMemory:
     def close(self, address: int) -> None:
         """Unmap ``address`` once the copies queued out of it are done."""
         torch.cuda.synchronize(self.device)
+        self._views.clear()
         _ipc()[3](ctypes.c_uint64(address))
 
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
-    def run(self, ops: list[Op], address: int, source: int, base: list[int], timeout: timedelta) -> None:
-        """Issue ``ops`` on the current stream: copies from ``source`` into ``address``, counters at ``base``."""
+    def view(self, address: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """``nbytes`` of device memory at ``address`` (a peer's, mapped) as a flat tensor of ``dtype``."""
+        key = (address, nbytes, dtype)
+        t = self._views.get(key)
+        if t is None:
+            if len(self._views) >= 4 * MAPPED_MAX:
+                self._views.popitem(last=False)
+            t = self._views[key] = torch.as_tensor(_Raw(address, nbytes), device=self.device).view(dtype)
+        else:
+            self._views.move_to_end(key)
+        return t
+
+    def run(self, ops: list[Op], address: int, source: int, base: list[int], timeout: timedelta, combine=None) -> None:
+        """Issue ``ops`` on the current stream: copies from ``source`` into ``address``, counters at ``base``;
+        ``combine`` (a :class:`Combine`) what a ``combine`` operation computes, ``source`` the peer's partial."""
         del timeout  # the device waits without limit; the watchdog reports a stalled call
         d = self._driver
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        peer = None
         for op in ops:
             if op.kind == "copy":
                 peer_channels._check(d.copy(address + op.at, source + op.at, op.nbytes, stream), "cuMemcpyDtoDAsync")
+            elif op.kind == "combine":
+                if peer is None:
+                    total = combine.out.numel() * combine.out.element_size()
+                    peer = self.view(source, total, combine.out.dtype)
+                combine_into(
+                    piece_of(combine.out, op.at, op.nbytes),
+                    piece_of(combine.own, op.at, op.nbytes),
+                    piece_of(peer, op.at, op.nbytes),
+                    combine.op,
+                )
             elif op.kind == "wait":
                 flag = peer_channels._WAIT_EQ if op.exact else peer_channels._WAIT_GEQ
                 peer_channels._check(
@@ -320,17 +403,16 @@ class CudaMemory:
                 )
 
 
-class DirectBroadcast:
-    """The direct chain broadcast of a group on one device (a collective to make: every rank of the group): a
-    window of counters, a host mailbox, and the mappings of the predecessor's allocations. ``memory``: how the
-    device's memory is named, mapped and moved (default :class:`CudaMemory`, which needs :func:`exportable`)."""
+class DirectChain:
+    """The direct chain broadcast and reduce of a group on one device (a collective to make: every rank of the
+    group): a window of counters, a host mailbox, the mappings of the predecessor's allocations, and for a reduce
+    the buffer a rank in the middle of the chain writes its partial result into. ``memory``: how the device's
+    memory is named, mapped and moved (default :class:`CudaMemory`, which needs :func:`exportable`)."""
 
     def __init__(self, group, device: torch.device, memory=None) -> None:
         if memory is None:
             if not exportable(device):
-                raise ValueError(
-                    "the direct broadcast needs CUDA IPC, the driver's stream memory operations and x86-64"
-                )
+                raise ValueError("the direct chain needs CUDA IPC, the driver's stream memory operations and x86-64")
             memory = CudaMemory(device)
         self.memory = memory
         self.window = peer_window.PeerWindow(group, device, COUNTER_BYTES)
@@ -342,6 +424,7 @@ class DirectBroadcast:
         self._mapped: OrderedDict[bytes, int] = OrderedDict()
         self._pinned: set[bytes] = set()
         self._plans: dict = {}
+        self._partials: list[torch.Tensor] = []  # every partial buffer made, the newest last: a peer may map any
         self.window.barrier()  # every counter is clear before any call
 
     def _map(self, handle: bytes) -> int:
@@ -366,12 +449,52 @@ class DirectBroadcast:
         return len(self._mapped)
 
     def close(self) -> None:
-        """Unmap every peer allocation this rank mapped."""
+        """Unmap every peer allocation this rank mapped (the partial buffers go once every rank closed)."""
         while self._mapped:
             self.memory.close(self._mapped.popitem()[1])
         self._pinned.clear()
 
-    def __call__(self, flat: torch.Tensor, root: int, timeout: timedelta | None = None) -> None:
+    def _partial(self, nbytes: int) -> torch.Tensor:
+        """This rank's buffer for a partial result of ``nbytes``: the newest if it is large enough, else a new one
+        of the next power of two (the old ones stay: the successor may hold them mapped, and a CUDA graph may have
+        recorded a write into one)."""
+        if not self._partials or self._partials[-1].numel() < nbytes:
+            self._partials.append(self.memory.buffer(max(1 << 20, 1 << (nbytes - 1).bit_length())))
+        return self._partials[-1]
+
+    def _plan(self, root: int, nbytes: int, reduce: bool) -> list[Op]:
+        key = (root, nbytes, reduce)
+        ops = self._plans.get(key)
+        if ops is None:
+            if len(self._plans) >= 256:
+                self._plans.clear()
+            ops = self._plans[key] = plan(self.rank, root, self.world, nbytes, pieces(nbytes, self.world), reduce)
+        return ops
+
+    def _pass(self, exposed: int | None, nbytes: int, what: str, timeout: timedelta) -> int:
+        """Post ``exposed`` (the address this rank's successor reads; None: it reads nothing of this rank's) and
+        take the predecessor's post (where ``what`` reads one): the predecessor's address mapped here, or 0."""
+        if exposed is not None:
+            try:
+                handle, offset = self.memory.name(exposed)
+            except DirectRefused:
+                self.mailbox.post(b"\0" * 64, 0, 0, timeout)  # the successor raises too, naming this rank
+                raise
+            self.mailbox.post(handle, offset, nbytes, timeout)
+        if what is None:
+            return 0
+        handle, offset, sent = self.mailbox.take(timeout)
+        prev = (self.rank - 1) % self.world
+        if sent == 0:
+            raise DirectRefused(f"rank {prev} could not name its tensor's allocation to this rank")
+        if sent != nbytes:
+            raise ValueError(
+                f"{what}: rank {self.rank} passed {nbytes} bytes and rank {prev} {sent}: every rank passes a "
+                "tensor of the same size"
+            )
+        return self._map(handle) + offset
+
+    def broadcast(self, flat: torch.Tensor, root: int, timeout: timedelta | None = None) -> None:
         """Broadcast the contiguous ``flat`` of rank ``root`` into ``flat`` of every rank. ``timeout``: the host's
         wait for the predecessor's post (default the group's)."""
         nbytes = flat.numel() * flat.element_size()
@@ -380,37 +503,30 @@ class DirectBroadcast:
         timeout = timeout or self._timeout
         pos = (self.rank - root) % self.world
         address = flat.data_ptr()
-        if pos < self.world - 1:
-            try:
-                handle, offset = self.memory.name(address)
-            except DirectRefused:
-                self.mailbox.post(b"\0" * 64, 0, 0, timeout)  # the successor raises too, naming this rank
-                raise
-            self.mailbox.post(handle, offset, nbytes, timeout)
-        source = 0
-        if pos > 0:
-            handle, offset, sent = self.mailbox.take(timeout)
-            prev = (self.rank - 1) % self.world
-            if sent == 0:
-                raise DirectRefused(f"rank {prev} could not name its tensor's allocation to this rank")
-            if sent != nbytes:
-                raise ValueError(
-                    f"broadcast: rank {self.rank} passed {nbytes} bytes and rank {prev} {sent}: every rank passes "
-                    "a tensor of the same size"
-                )
-            source = self._map(handle) + offset
-        key = (root, nbytes)
-        ops = self._plans.get(key)
-        if ops is None:
-            if len(self._plans) >= 256:
-                self._plans.clear()
-            ops = self._plans[key] = plan(self.rank, root, self.world, nbytes, pieces(nbytes, self.world))
+        exposed = address if pos < self.world - 1 else None
+        source = self._pass(exposed, nbytes, "broadcast" if pos > 0 else None, timeout)
         self.window.calls += 1
-        self.memory.run(ops, address, source, self._base, timeout)
+        self.memory.run(self._plan(root, nbytes, False), address, source, self._base, timeout)
+
+    def reduce(self, flat: torch.Tensor, root: int, op: str = "sum", timeout: timedelta | None = None) -> None:
+        """Reduce the contiguous ``flat`` of every rank into ``flat`` of rank ``root`` (``avg`` sums: the caller
+        divides); the other ranks' tensors are read, not written. ``timeout`` as :meth:`broadcast`'s."""
+        nbytes = flat.numel() * flat.element_size()
+        if nbytes == 0:
+            return
+        timeout = timeout or self._timeout
+        pos = (self.rank - root - 1) % self.world  # the chain starts after the root and ends at it
+        first, last = pos == 0, pos == self.world - 1
+        out = flat if last or first else piece_of(self._partial(nbytes), 0, nbytes).view(flat.dtype)
+        exposed = None if last else out.data_ptr()
+        source = self._pass(exposed, nbytes, None if first else "reduce", timeout)
+        self.window.calls += 1
+        combine = None if first else Combine(op, out, flat)
+        self.memory.run(self._plan(root, nbytes, True), out.data_ptr(), source, self._base, timeout, combine)
 
 
-def direct_for(group, device: torch.device) -> DirectBroadcast:
-    """The group's direct broadcast on CUDA ``device`` (made by every rank alike at its first call)."""
+def direct_for(group, device: torch.device) -> DirectChain:
+    """The group's direct chain on CUDA ``device`` (made by every rank alike at its first call)."""
     from dtrain.comm.state import group_state
 
     state = group_state(peer_window._group_key(group))
@@ -418,6 +534,6 @@ def direct_for(group, device: torch.device) -> DirectBroadcast:
     made = state.windows.get(key)
     if made is None:
         made = state.windows[key] = peer_window._setting_up(
-            lambda: DirectBroadcast(group, device), group, "mapping the direct broadcast's windows"
+            lambda: DirectChain(group, device), group, "mapping the direct chain's windows"
         )
     return made
