@@ -179,6 +179,7 @@ def section_collectives() -> str:
         *_defaults_beside_part("h100x4"),
         *_defaults_beside_part("h200x2"),
         *_direct_broadcast_part(),
+        *_reduce_one_pass_part(),
         *_direct_reduce_part(),
         *_wide_part(),
         *_one_pass_part(),
@@ -426,6 +427,46 @@ def _direct_broadcast_part() -> list[str]:
         "`broadcast_ring_beside-h200x2.jsonl`), where fresh tensors beside the same ones cut a run to the calls "
         "whose tensors fit in 1 GiB, the ring against torch.distributed's call: " + "; ".join(harness) + ".",
         *_lone_part(),
+    ]
+
+
+def _reduce_one_pass_part() -> list[str]:
+    """The reduce in one pass (the exchange kernel's rooted form) and the reduce's defaults on 2 H200s."""
+    one = load("reduce_one_pass-h200x2.jsonl")
+    defaults = load("reduce_defaults-h200x2.jsonl")
+    if not one or not defaults:
+        return []
+
+    def cells(rows, names):
+        by = {(r["nbytes"], r["algorithm"]): r for r in rows}
+        return [
+            [size(n), *(f"{by[n, a]['vs_torch']:.2f}x" if (n, a) in by else "-" for a in names)]
+            for n in sorted({r["nbytes"] for r in rows})
+        ]
+
+    return [
+        "#### The reduce in one pass, and the reduce's defaults (2 x H200)",
+        '`comm.reduce(x, root, algorithm="star")` on the peer transport of CUDA tensors, up to 8 MiB, runs as one '
+        "kernel (`dtrain.comm.peer.kernels.exchange`, its rooted form): every rank copies its tensor into its "
+        "window, the ranks pass one barrier on the signal pads, and the root sums the windows into its tensor "
+        "(float32 accumulation); no other rank's tensor is written. Above 8 MiB the star runs a round at a time. "
+        "A cell is torch.distributed's reduce over ours (`+fresh`: a new tensor every call); every result, a "
+        "second call through the kept path and a CUDA graph replay were checked against torch.distributed's reduce "
+        "on both ranks (sums, averages and maxima of float32 and bfloat16, every root), in a launch before each "
+        "timed one. `auto` follows the built-in rule this table gave: the star to 8 MiB, NCCL's reduce above "
+        "(the second table, another launch).",
+        setting(
+            f"2 x {one[0].get('device_name', 'NVIDIA H200')} (one host)",
+            gpu_software(one),
+            "torchrun --nproc-per-node 2 -m dtrain bench comm --collectives reduce --algorithms "
+            "torch,native,star,auto --min-bytes 8K --max-bytes 32M --factor 2 --iters 20 --trials 5 --warm-s 0.3 "
+            "--fresh-beside",
+            "`reduce_one_pass-h200x2.jsonl`",
+        ),
+        table(["size", "star", "star+fresh"], cells(one, ("star", "star+fresh"))),
+        "The defaults (`--algorithms torch,native,auto --min-bytes 8K --max-bytes 1G --factor 4`; "
+        "`reduce_defaults-h200x2.jsonl`):",
+        table(["size", "auto", "auto+fresh"], cells(defaults, ("auto", "auto+fresh"))),
     ]
 
 

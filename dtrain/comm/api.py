@@ -696,7 +696,7 @@ def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str
     world, device, limit = window.world_size, input.device, window.stall_limit(None)
     what = (coll.value, name, nbytes, str(input.dtype))
     place = (world, window.rank, window.global_rank, str(device))
-    average = op == "avg"
+    average = op == "avg" and (coll is not Collective.REDUCE or window.rank == root)  # a reduce writes the root's
 
     def again(out: torch.Tensor, inp: torch.Tensor) -> bool:
         if not (out.is_contiguous() and inp.is_contiguous()):
@@ -716,9 +716,12 @@ def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str
 
 def _kept_extra(coll: Collective, op: str, root: int):
     """What besides the tensors keys a kept call (:func:`_keep`) of ``coll``, as its public function asks
-    :func:`_fast` for it: the reduction of a reduce-scatter, the root of a broadcast, nothing for the others."""
+    :func:`_fast` for it: the reduction of a reduce-scatter, the root of a broadcast, the root and the reduction
+    of a reduce, nothing for the others."""
     if coll is Collective.REDUCE_SCATTER:
         return op
+    if coll is Collective.REDUCE:
+        return (root, op)
     return root if coll is Collective.BROADCAST else None
 
 
@@ -975,6 +978,9 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorith
     check_op(op, tensor.dtype, what)
     check_root(dst, group_info(group, what)[1], "dst", what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, tensor.numel(), tensor, what)
+    chosen = _one_pass_first(coll, algorithm, chosen, group, tensor, tensor, op=op, root=dst)
+    if chosen is None:
+        return tensor
     if chosen in NATIVE_CHOICES:
         on = _backend_group(group, chosen)
         run = _native(on).reduce

@@ -26,9 +26,12 @@ def test_the_one_pass_schedules_are_one_round_and_prove_their_collective():
     barrier between them."""
     for world in (2, 3, 4, 8):
         for (coll, algorithm), form in fused.ONE_PASS.items():
-            schedule = registry.build(coll, algorithm, world, root=world - 1 if coll is Collective.BROADCAST else None)
+            rooted = coll in (Collective.BROADCAST, Collective.REDUCE)
+            schedule = registry.build(coll, algorithm, world, root=world - 1 if rooted else None)
             report = check(schedule)  # raises where a rank ends without what the collective promises
-            transfers = {"broadcast": world - 1, "relay": (world - 1) ** 2}.get(form, world * (world - 1))
+            transfers = {"broadcast": world - 1, "relay": (world - 1) ** 2, "rooted": world - 1}.get(
+                form, world * (world - 1)
+            )
             rounds = 2 if form == "relay" and world > 2 else 1
             assert report.num_rounds == rounds and report.num_transfers == transfers, (coll, world)
 
@@ -46,6 +49,11 @@ def test_which_calls_run_in_one_pass(monkeypatch):
     assert fused.one_pass_form(rs, "direct", torch.float32, "avg", CUDA, small) == "scatter"
     assert fused.one_pass_form(rs, "direct", torch.float32, "max", CUDA, small) is None  # the kernel only sums
     assert fused.one_pass_form(rs, "direct", torch.float16, "sum", CUDA, small) is None
+    rd = Collective.REDUCE  # the reduce's root sums with the same kernel, the same sums
+    assert fused.one_pass_form(rd, "star", torch.float32, "avg", CUDA, small) == "rooted"
+    assert fused.one_pass_form(rd, "star", torch.float32, "max", CUDA, small) is None
+    assert fused.one_pass_form(rd, "star", torch.int32, "sum", CUDA, small) is None
+    assert api._one_pass_or_native(rd, "auto", "star", torch.float32, "prod", CUDA, small) == "native"
     assert fused.one_pass_form(Collective.ALL_GATHER, "direct", torch.int64, "sum", CUDA, small) == "gather"  # copies
     # auto falls back to NCCL's where its rule names a one-pass schedule the call cannot run in one pass
     assert api._one_pass_or_native(rs, "auto", "direct", torch.float32, "max", CUDA, small) == "native"
@@ -168,6 +176,9 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
             if form == "scatter":
                 source = slice(at + rank * nbytes, at + (rank + 1) * nbytes)
                 out.copy_(sum(at_address[int(p)][source].view(dtype) for p in pointers))
+            elif form == "rooted":
+                if rank == root:
+                    out.copy_(sum(at_address[int(p)][at : at + nbytes].view(dtype) for p in pointers))
             elif form in ("broadcast", "relay"):
                 if form == "relay":
                     gate.wait(timeout=10)  # its second barrier
@@ -216,7 +227,7 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
         window = _Window(rank, buffers, gate, by_address)
         runs = {
             form: fused.one_pass(form, window, torch.float32, m * (1 if form == "gather" else world), root=world - 1)
-            for form in ("gather", "scatter", "exchange", "broadcast", "relay")
+            for form in ("gather", "scatter", "exchange", "broadcast", "relay", "rooted")
         }
         for call in range(3):  # the halves alternate; every call must still see this call's data
             base = 100 * call + 10 * rank
@@ -238,6 +249,8 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
             runs["broadcast"](sent, sent)
             relayed = full.clone()
             runs["relay"](relayed, relayed)
+            reduced = full.clone()
+            runs["rooted"](reduced, reduced)
             root = torch.arange(m * world, dtype=torch.float32) + 100 * call + 10 * (world - 1)
             ok = (
                 torch.equal(out, want),
@@ -245,6 +258,7 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
                 torch.equal(swapped, theirs),
                 torch.equal(sent, root),
                 torch.equal(relayed, root),
+                torch.equal(reduced, summed if rank == world - 1 else full),  # written on the root alone
             )
             if not all(ok):
                 failures.append((rank, call, ok))
@@ -252,9 +266,9 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
     _each_rank(rank_main, world)
     assert not failures
     # by address: the all-gather and the all-to-all of 3 calls on every rank through the gather kernel, and the
-    # reduce-scatter and both broadcasts too through the exchange kernel (two ranks: the relay as the broadcast
-    # form); a block of 5 float32 elements is copied in 4-byte words
-    assert len(copies) == {"": 0, "gather": 3 * 2 * world, "one kernel": 3 * 5 * world}[by_address]
+    # reduce-scatter, both broadcasts and the reduce too through the exchange kernel (two ranks: the relay as the
+    # broadcast form); a block of 5 float32 elements is copied in 4-byte words
+    assert len(copies) == {"": 0, "gather": 3 * 2 * world, "one kernel": 3 * 6 * world}[by_address]
     assert not copies or min(copies) == (8 if m % 2 == 0 else 4)
     relay = {"relay kernel"} if by_address == "one kernel" and world > 2 else set()
     assert set(kinds) == ({by_address} | relay if by_address else set())
@@ -267,6 +281,7 @@ def test_a_one_pass_call_is_kept_under_the_key_its_next_call_asks_for():
     assert api._kept_extra(Collective.ALL_TO_ALL, "sum", 0) is None
     assert api._kept_extra(Collective.REDUCE_SCATTER, "avg", 0) == "avg"
     assert api._kept_extra(Collective.BROADCAST, "sum", 3) == 3
+    assert api._kept_extra(Collective.REDUCE, "avg", 1) == (1, "avg")  # as comm.reduce asks _fast
 
 
 def test_a_repeated_call_runs_what_the_first_kept(pool):
@@ -346,7 +361,7 @@ def test_the_all_reduces_through_the_exchange_kernel_alternate_halves_and_sum_in
     [(2, "gather", 700, "float32", 4), (3, "exchange", 301, "float32", 2), (3, "broadcast", 701, "float32", 3),
      (4, "scatter", 250, "bfloat16", 4), (3, "reduce", 333, "float32", 2), (3, "two_shot", 301, "float32", 3),
      (4, "two_shot", 130, "bfloat16", 2), (3, "relay", 701, "float32", 3),
-     (4, "relay", 517, "bfloat16", 2)],
+     (4, "relay", 517, "bfloat16", 2), (3, "rooted", 333, "float32", 2), (2, "rooted", 130, "bfloat16", 3)],
 )  # fmt: skip
 def test_the_exchange_kernel_under_tritons_interpreter_across_processes(tmp_path, world, form, numel, dtype, programs):
     """The exchange kernel itself, its signal-pad barrier included, run by Triton's interpreter in one process a
@@ -421,7 +436,7 @@ def test_the_exchange_kernel_faults_when_a_peer_never_comes(tmp_path):
                     os.unlink(f"{stem}-{kind}{r}")
 
 
-@pytest.mark.parametrize(("form", "blocks"), [(0, 1), (0, 4), (1, 1), (2, 4), (3, 1), (4, 4), (5, 1)])
+@pytest.mark.parametrize(("form", "blocks"), [(0, 1), (0, 4), (1, 1), (2, 4), (3, 1), (4, 4), (5, 1), (6, 1)])
 def test_the_exchange_kernel_compiles_for_hopper_with_system_scope_signals(form, blocks):
     """Every form of the exchange kernel compiles to an sm_90 binary (Triton's own ptxas, no GPU needed; where
     Triton is installed), its signals compare-and-swaps with release and acquire semantics at system scope, and

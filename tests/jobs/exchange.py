@@ -23,7 +23,7 @@ def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name
     blocks = world if form in ("exchange", "scatter", "two_shot") else 1
     for call in range(4):
         n = numel + call
-        root = (world - 1 + call) % world  # the broadcasts' source moves from call to call
+        root = (world - 1 + call) % world  # the broadcasts' source and the reduce's root move from call to call
 
         def data(r: int, n: int = n, call: int = call) -> torch.Tensor:
             return (torch.arange(blocks * n) % 97 + 10 * r + 3 * call).to(dtype)
@@ -33,8 +33,8 @@ def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name
         )
         assert launch is not None, kernels._state.get("exchange_error")
         inp = data(rank)
-        if form in ("broadcast", "relay", "reduce", "two_shot"):
-            summed = form in ("reduce", "two_shot")
+        if form in ("broadcast", "relay", "reduce", "two_shot", "rooted"):
+            summed = form in ("reduce", "two_shot", "rooted")
             out = inp if summed or rank == root else torch.full((n,), -1.0).to(dtype)
             inp = out
         else:
@@ -44,8 +44,10 @@ def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name
             want = data(root)
         elif form == "scatter":
             want = sum(data(r)[rank * n : (rank + 1) * n].float() for r in range(world)).to(dtype)
-        elif form in ("reduce", "two_shot"):
+        elif form in ("reduce", "two_shot") or (form == "rooted" and rank == root):
             want = sum(data(r).float() for r in range(world)).to(dtype)
+        elif form == "rooted":  # a rank but the reduce's root only puts its tensor in
+            want = data(rank)
         elif form == "exchange":
             want = torch.cat([data(r)[rank * n : (rank + 1) * n] for r in range(world)])
         else:

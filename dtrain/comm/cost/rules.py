@@ -210,7 +210,11 @@ _PEER_ALL_REDUCE_4 = (
 #: 256 MiB on another (probe-direct-broadcast{,-lone}-h200x2.txt, broadcast_ring_beside-h200x2.jsonl); and it keeps
 #: its peers' allocations mapped, which CUDA leaves undefined should the peer free them. ``auto`` does not take it.
 #: The ring reduce as the same chain (the root's kernel adding the peer's tensor read over NVLink) ran at
-#: 0.95-1.00x NCCL's reduce from 64 MiB on 2 H200s (probe-direct-reduce-h200x2.txt); the reduce stays ``native``.
+#: 0.95-1.00x NCCL's reduce from 64 MiB on 2 H200s (probe-direct-reduce-h200x2.txt): past the one pass, the
+#: reduce is ``native``. The one-pass reduce (``star``: every rank's tensor into its window, one barrier, the
+#: root's sum of the windows) ran on 2 H200s at 1.54-2.08x torch.distributed's NCCL call from 8 KiB to 4 MiB and
+#: 1.19-1.25x at 8 MiB, same and fresh tensors (reduce_one_pass-h200x2.jsonl); on 4 GPUs it is not measured, and
+#: the reduce stays ``native``.
 #: Below 16 MiB the all-reduce keeps the default communicator: one H100 launch ran the 64-CTA one at 1.22x at 4 MiB
 #: and 0.99x at 8, but two launches on 4 H200s ran it at 0.90-0.96x from 2 to 5 MiB and 0.96-1.03x from 6 to
 #: 12 MiB (probe-nccl-ctas-ar-mid-h200x4-run{1,2}.txt).
@@ -220,6 +224,7 @@ _PEER_2 = {
     "reduce_scatter": ((0, "direct"), (8 * _MIB + 1, NATIVE_WIDE)),
     "all_to_all": ((0, "direct"), (8 * _MIB + 1, NATIVE), (math.isqrt(32 * _MIB * 64 * _MIB) + 1, NATIVE_WIDE)),
     "broadcast": ((0, "star"), (8 * _MIB + 1, NATIVE)),
+    "reduce": ((0, "star"), (8 * _MIB + 1, NATIVE)),
 }
 _PEER_4 = {
     "all_gather": ((0, "direct"), (math.isqrt(16 * _MIB * 32 * _MIB) + 1, NATIVE_WIDE)),

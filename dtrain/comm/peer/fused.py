@@ -18,20 +18,20 @@ round. ``DTRAIN_COMM_FUSED=0`` turns the kernels off.
 
 The one-round schedules of the other collectives run the same way, as one pass over the peers' windows
 (:func:`one_pass`), up to :data:`ONE_PASS_MAX_BYTES` a rank: the ``direct`` all-gather, reduce-scatter and
-all-to-all, the ``star`` broadcast and the ``scatter_allgather`` one. Each is one kernel,
+all-to-all, the ``star`` broadcast and the ``scatter_allgather`` one, and the ``star`` reduce. Each is one kernel,
 :func:`dtrain.comm.peer.kernels.exchange`: each rank copies its input into its window, the ranks pass one barrier
-on the signal pads inside the kernel, and each reads what it needs from the peers' windows (the reduce-scatter
-sums its block; the scatter-allgather broadcast passes a second barrier between its two rounds). The same kernel
-runs the one-shot all-reduce up to :data:`REDUCE_MAX_BYTES` and the two-shot one, with a second barrier, up to
-:data:`TWO_SHOT_MAX_BYTES`. Launched straight from the compiled kernel, a call through :mod:`dtrain.comm` costs
-13-22 us of host time against 24-56 us for torch.distributed's NCCL call (8 KiB a rank, 4 H200s,
-benchmarks/results/probe-one-pass-h200x4.txt), which is what decides a small collective: 1.2-2.6x NCCL's speed
-from 8 KiB to 2 MiB (docs/results.md). Without Triton the pass is three steps: the copy in,
+on the signal pads inside the kernel, and each reads what it needs from the peers' windows (the reduce-scatter sums
+its block, the reduce's root the whole buffer; the scatter-allgather broadcast passes a second barrier between its
+two rounds). The same kernel runs the one-shot all-reduce up to :data:`REDUCE_MAX_BYTES` and the two-shot one, with
+a second barrier, up to :data:`TWO_SHOT_MAX_BYTES`. Launched straight from the compiled kernel, a call through
+:mod:`dtrain.comm` costs 13-22 us of host time against 24-56 us for torch.distributed's NCCL call (8 KiB a rank, 4
+H200s, benchmarks/results/probe-one-pass-h200x4.txt), which is what decides a small collective: 1.2-2.6x NCCL's
+speed from 8 KiB to 2 MiB (docs/results.md). Without Triton the pass is three steps: the copy in,
 :meth:`PeerWindow.barrier`, and ``torch._foreach_copy_`` out of the peers' mapped windows (the reduce-scatter:
-torch's one-shot kernel on this rank's block). Calls alternate between the two halves of the
-window, so the barrier of the next call is what tells a rank that its peers have read the previous one; a call
-of another kind through the window first passes one more barrier (:func:`settle`), and a call recorded in a CUDA
-graph opens and closes with a barrier of its own (a graph replays the same half).
+torch's one-shot kernel on this rank's block; the reduce: the root's sum of the windows). Calls alternate between
+the two halves of the window, so the barrier of the next call is what tells a rank that its peers have read the
+previous one; a call of another kind through the window first passes one more barrier (:func:`settle`), and a call
+recorded in a CUDA graph opens and closes with a barrier of its own (a graph replays the same half).
 """
 
 from __future__ import annotations
@@ -197,6 +197,7 @@ ONE_PASS = {
     (Collective.ALL_TO_ALL, "direct"): "exchange",
     (Collective.BROADCAST, "star"): "broadcast",
     (Collective.BROADCAST, "scatter_allgather"): "relay",
+    (Collective.REDUCE, "star"): "rooted",
 }
 
 
@@ -206,14 +207,15 @@ def one_pass_form(
     """The one-pass form that runs ``algorithm`` for ``collective`` of ``dtype`` with ``op`` on ``device``, each
     rank putting in ``nbytes``, or None (the general plan runs it): CUDA, at most :data:`ONE_PASS_MAX_BYTES`,
     ``DTRAIN_COMM_ONE_PASS`` on (the default), kernels present and not turned off (``DTRAIN_COMM_FUSED``); a
-    reduce-scatter only for the sums the one-shot kernel takes (:data:`_DTYPES`, ``sum`` and ``avg``)."""
+    reduce-scatter and a reduce only for the sums the one-shot kernel takes (:data:`_DTYPES`, ``sum`` and
+    ``avg``)."""
     form = ONE_PASS.get((collective, algorithm))
     env = comm_env()
     if form is None or device.type != "cuda" or nbytes > ONE_PASS_MAX_BYTES:
         return None
     if not env.one_pass or not env.fused or not _kernels_present():
         return None
-    if form == "scatter" and (dtype not in _DTYPES or op not in ("sum", "avg")):
+    if form in ("scatter", "rooted") and (dtype not in _DTYPES or op not in ("sum", "avg")):
         return None
     return form
 
@@ -240,8 +242,9 @@ def reduce_block(block: torch.Tensor, group_name: str, out: torch.Tensor) -> Non
 def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
     """A function ``run(output, input)`` that runs one call of ``form`` through ``window`` on contiguous tensors:
     ``numel`` elements of ``dtype`` are what each rank puts in (an all-gather's input, a reduce-scatter's
-    or all-to-all's input, the broadcast's tensor, which is ``output`` and ``input`` alike; ``root``: the
-    broadcast's source, a group rank). ``window`` must hold two halves of ``numel`` elements. A reduce-scatter's
+    or all-to-all's input, the broadcast's or the reduce's tensor, which is ``output`` and ``input`` alike;
+    ``root``: the broadcast's source or the reduce's destination, a group rank; the reduce writes the root's
+    ``output`` alone). ``window`` must hold two halves of ``numel`` elements. A reduce-scatter's or reduce's
     ``avg`` is divided by the caller."""
     rank, world = window.rank, window.world_size
     if form == "relay" and world < 3:  # one rank takes the root's whole buffer: the broadcast form
@@ -313,7 +316,10 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
         if not rooted or rank == root:
             mine.copy_(input)
         barrier()
-        if rooted:  # one copy: less host time than a Triton launch
+        if form == "rooted":  # the root sums every window, in rank order, accumulated in float32
+            if rank == root:
+                output.copy_(torch.stack(peers).sum(0, dtype=torch.float32))
+        elif rooted:  # one copy: less host time than a Triton launch
             if rank != root:
                 output.copy_(peers[0])
         elif pointers is None or not kernels.gather(output, pointers, bank * half + offset, nbytes, world):

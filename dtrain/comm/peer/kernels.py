@@ -209,11 +209,13 @@ def exchange_programs(world: int, channels: int) -> int:
 
 
 #: The exchange kernel's forms (:func:`exchange`).
-EXCHANGE_FORMS = {"gather": 0, "exchange": 0, "broadcast": 1, "scatter": 2, "reduce": 3, "two_shot": 4, "relay": 5}
+EXCHANGE_FORMS = {
+    "gather": 0, "exchange": 0, "broadcast": 1, "scatter": 2, "reduce": 3, "two_shot": 4, "relay": 5, "rooted": 6,
+}  # fmt: skip
 
 #: Forms whose input is ``world`` blocks of ``nbytes``, and forms that sum (in ``dtype``'s elements).
 _BLOCK_FORMS = ("exchange", "scatter", "two_shot")
-_SUM_FORMS = ("scatter", "reduce", "two_shot")
+_SUM_FORMS = ("scatter", "reduce", "two_shot", "rooted")
 
 
 def exchange(
@@ -245,6 +247,8 @@ def exchange(
       (``out`` may be ``inp``);
     - ``relay``: ``nbytes`` from rank ``root`` into every other rank's ``out``, each of those taking a share from
       the root and the rest from the others after a second barrier (three ranks or more).
+    - ``rooted``: the sum over the ranks of their ``nbytes`` of ``dtype`` into rank ``root``'s ``out`` (``out`` may
+      be ``inp``), the reduce; every other rank only puts its input in.
 
     ``pointers`` and ``pads``: every rank's window and signal-pad address, int64 tensors on the device;
     ``spins``: the rounds a wait at the barrier lasts before it gives up; ``programs``: at most this many programs

@@ -143,7 +143,9 @@ def exchange_kernel(
     - 5, broadcast (``BLOCKS`` = 1, relayed): only rank ``root`` copies in; each other rank takes its share of
       the ``n`` elements (``WORLD - 1`` nearly equal shares, one for each rank but the root, in rank order) from
       the root into its ``out`` and its window; a second barrier; then the other shares from the ranks that took
-      them. The root's links carry the ``n`` elements once, where form 1's carry them ``WORLD - 1`` times.
+      them. The root's links carry the ``n`` elements once, where form 1's carry them ``WORLD - 1`` times;
+    - 6, reduce (``BLOCKS`` = 1): rank ``root``'s ``out`` = the sum over the ranks of their ``n`` elements, as form 3;
+      every other rank only copies in (its ``out`` is not written).
 
     Program ``p`` copies in and reads out the same chunks, ``p``, ``p + programs``, ... of every block (of every
     share), and each barrier is between program ``p`` of every rank: what a program reads from a peer is what the
@@ -192,6 +194,14 @@ def exchange_kernel(
             m = i < n64
             tl.store(out + i, _summed(ptrs, out, source + i, m, WORLD, BLOCK), mask=m)
             c += programs
+    elif FORM == 6:  # noqa: SIM102 (Triton takes no `and` of a constant and a tensor)
+        if rank == root:
+            c = pid
+            while c < chunks:
+                i = c.to(tl.int64) * BLOCK + offs
+                m = i < n64
+                tl.store(out + i, _summed(ptrs, out, at64 + i, m, WORLD, BLOCK), mask=m)
+                c += programs
 
 
 @triton.jit
