@@ -238,7 +238,7 @@ def _two_shot(
         m = i < n64
         for r in tl.static_range(WORLD):
             peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
-            theirs = m & (rank != r)
+            theirs = m & (offs * 0 + rank != r)  # a block of the scalar test: Triton's interpreter masks by blocks
             tl.store(out + r * n64 + i, tl.load(peer + at64 + r * n64 + i, mask=theirs), mask=theirs)
         c += programs
 
@@ -272,7 +272,7 @@ def _relay(
     while c < chunks:
         j = c.to(tl.int64) * BLOCK + offs
         i = held.to(tl.int64) * share + j
-        m = (j < share) & (i < n64) & (rank != root)
+        m = (j < share) & (i < n64) & (offs * 0 + rank != root)  # as in _two_shot: a block, not a scalar
         v = tl.load(source + at64 + i, mask=m)
         tl.store(out + i, v, mask=m)
         tl.store(mine + at64 + i, v, mask=m)
@@ -285,6 +285,6 @@ def _relay(
             owner = s + (s >= root).to(tl.int32)
             peer = tl.load(ptrs + owner).to(tl.pointer_type(out.dtype.element_ty))
             i = s * share + j
-            m = (j < share) & (i < n64) & (rank != root) & (owner != rank)
+            m = (j < share) & (i < n64) & (offs * 0 + rank != root) & (offs * 0 + owner != rank)
             tl.store(out + i, tl.load(peer + at64 + i, mask=m), mask=m)
         c += programs
