@@ -331,6 +331,30 @@ def _defaults_beside_part(machine: str) -> list[str]:
             row.append(f"{ratios[0]:.2f}x / {ratios[1]:.2f}x" + ("" if pick == "native" else f" ({pick})"))
         rows.append(row)
     cells = 2 * len(sizes) * len(DEFAULT_COLLECTIVES)
+    earlier_path = f"collectives_defaults_beside-{machine}-run1.jsonl"
+    earlier = load(earlier_path) if (RESULTS / earlier_path).exists() else []
+    other = ""
+    if earlier:
+        was = {(r["collective"], r["nbytes"], r["algorithm"]): r for r in earlier}
+        drifts = {
+            (c, n): was[c, n, "auto+fresh"]["time_us"] / was[c, n, "auto"]["time_us"]
+            for n in sorted({r["nbytes"] for r in earlier})
+            for c in DEFAULT_COLLECTIVES
+            if (c, n, "auto") in was and (c, n, "auto+fresh") in was
+        }
+        spread = [f"{c.replace('_', '-')} at {size(n)} ({d:.2f})" for (c, n), d in drifts.items() if abs(d - 1) > 0.10]
+        low = min(
+            was[c, n, "torch"]["time_us"] / was[c, n, "auto"]["time_us"]
+            for (c, n, a) in was
+            if a == "auto" and (c, n, "torch") in was
+        )
+        other = (
+            f" An earlier launch on another lend of the same kind of machine "
+            f"(`collectives_defaults_beside-{machine}-run1.jsonl`, the same sweep) had its lowest `auto` cell at "
+            f"{low:.2f}x torch.distributed's call on the same tensors, and fresh apart from same by more than 10% at "
+            + (", ".join(spread) if spread else "no size")
+            + ": cells that agree in the launch above, so a spread of that launch's, not of the tensors."
+        )
     return [
         f"#### Same and fresh tensors in one launch ({title})",
         "The sweeps above timed same and fresh tensors in separate launches. Here each name also runs on fresh "
@@ -342,9 +366,9 @@ def _defaults_beside_part(machine: str) -> list[str]:
             if not ours_below
             else "among them where `auto` runs one of ours: " + ", ".join(ours_below)
         )
-        + ". Ours on fresh tensors is within 10% of ours on the same ones everywhere but "
-        + (", ".join(apart) if apart else "nowhere")
-        + " (fresh time over same).",
+        + ". Ours on fresh tensors is within 10% of ours on the same ones everywhere"
+        + (" but " + ", ".join(apart) + " (fresh time over same)." if apart else ".")
+        + other,
         setting(
             where,
             gpu_software(records),
