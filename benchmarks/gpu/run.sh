@@ -56,6 +56,8 @@
 #                      -> defaults.jsonl, defaults-fresh.jsonl
 #   defaults-beside    the same in one launch, each name also on fresh tensors in the same rounds (NAME+fresh)
 #                      -> defaults-beside.jsonl
+#   reduce-beside      the reduce: the one pass (star) to 32 MiB, then the defaults to 1 GiB, each beside
+#                      torch.distributed's, same and fresh tensors    -> reduce_one_pass.jsonl, reduce_defaults.jsonl
 #   one-pass           all-gather, reduce-scatter, all-to-all (direct) and broadcast (star) in one pass over CUDA
 #                      symmetric memory beside NCCL (torch, native) and auto, 8 KiB-64 MiB (ONE_PASS_MAX), same
 #                      tensors and fresh ones, on every GPU
@@ -216,6 +218,15 @@ for mode in "$@"; do
         --trials 5 --warm-s 0.3 --fresh-beside --out "$out/defaults-beside.jsonl" >"$out/defaults-beside.log"
       echo "== defaults-beside"; for c in all_reduce all_gather reduce_scatter all_to_all broadcast; do
         summ "$out/defaults-beside.jsonl" --collective $c --algorithms torch,auto,torch+fresh,auto+fresh; done ;;
+    reduce-beside)
+      LIMIT=${LIMIT:-200} tr -m dtrain bench comm --collectives reduce --algorithms torch,native,star,auto \
+        --min-bytes 8K --max-bytes 32M --factor 2 --iters 20 --trials 5 --warm-s 0.3 --fresh-beside \
+        --out "$out/reduce_one_pass.jsonl" >"$out/reduce_one_pass.log"
+      LIMIT=${LIMIT:-300} tr -m dtrain bench comm --collectives reduce --algorithms torch,native,auto \
+        --min-bytes 8K --max-bytes 1G --factor 4 --iters 20 --trials 5 --warm-s 0.3 --fresh-beside \
+        --out "$out/reduce_defaults.jsonl" >"$out/reduce_defaults.log"
+      summ "$out/reduce_one_pass.jsonl" --collective reduce --algorithms torch,star,star+fresh
+      summ "$out/reduce_defaults.jsonl" --collective reduce --algorithms torch,auto,auto+fresh ;;
     large-beside)
       # the defaults from 4 MiB on NP GPUs (default all), fresh tensors beside the same ones: where auto runs NCCL's
       # own call on the group's wide communicator (native_wide)
