@@ -1281,6 +1281,7 @@ def _dp_two_h200() -> list[str]:
                 "scaling column measures the host as much as the data-parallel wrapper."
             )
     parts += _dp_two_h200_recorded()
+    parts += _dp_two_h200_eager()
     return parts
 
 
@@ -1336,6 +1337,46 @@ def _dp_two_h200_recorded() -> list[str]:
             table(
                 ["variant", "GPUs", "step ms", "tokens/s", "throughput / DDP", "scaling eff.", "vs one GPU eager"],
                 rows,
+            ),
+        ]
+    return parts
+
+
+def _dp_two_h200_eager() -> list[str]:
+    """The eager variants on 2 H200s in one launch a batch: the defaults, the optimizer inside backward and the
+    copy-engine exchange, beside DDP and two processes without communication."""
+    runs = [(b, load(f"dp_eager-fused-h200x2-b{b}.jsonl")) for b in (16, 32)]
+    runs = [(b, records) for b, records in runs if records]
+    if not runs:
+        return []
+    order = ("single", "ddp", "local", "ours-auto", "ours-overlap", "ours-copy-engine")
+    parts = [
+        "### 2 x H200, eager, fused AdamW",
+        "Every variant eager, in one launch a batch size on another lend of the machine: `ours-auto` "
+        "(`DataParallel`'s defaults), `ours-overlap` (AdamW stepped inside backward beside the last bucket, "
+        "`overlap_optimizer`) and `ours-copy-engine` (the buckets moved by copy engines). `local` is two processes "
+        "training at once with no communication at all: where it falls short of one GPU, the host's two processes "
+        "slow each other, whatever the wrapper does (with 16 sequences a GPU the step is bound by the host's "
+        "launches). Parameters end within bf16 autocast's rounding of DDP's (largest difference "
+        + ", ".join(
+            f"{max(r['max_abs_param_diff_vs_ddp'] or 0 for r in records):.1e} with {b} sequences" for b, records in runs
+        )
+        + ").",
+    ]
+    for b, records in runs:
+        by = {r["variant"]: r for r in records}
+        parts += [
+            f"#### {b} sequences a GPU, eager",
+            setting(
+                f"2 x {records[0]['device']} (one host)",
+                gpu_software(records),
+                f"torchrun --nproc-per-node 2 benchmarks/training/dp_zero.py --sections dp --sizes 2 1 "
+                f"--batch-per-rank {b} --optimizer fused --variants ours-auto ours-overlap ours-copy-engine local",
+                f"`dp_eager-fused-h200x2-b{b}.jsonl`",
+            ),
+            table(
+                ["variant", "GPUs", "step ms", "tokens/s", "throughput / DDP", "scaling eff."],
+                [_dp_cells(by[v]) for v in order if v in by],
             ),
         ]
     return parts
