@@ -180,6 +180,7 @@ def section_collectives() -> str:
         *_defaults_beside_part("h200x2"),
         *_direct_broadcast_part(),
         *_reduce_one_pass_part(),
+        *_gather_scatter_part(),
         *_direct_reduce_part(),
         *_wide_part(),
         *_one_pass_part(),
@@ -492,6 +493,59 @@ def _reduce_one_pass_part() -> list[str]:
         "`reduce_defaults-h200x2.jsonl`):",
         table(["size", "auto", "auto+fresh"], cells(defaults, ("auto", "auto+fresh"))),
     ]
+
+
+def _gather_scatter_part() -> list[str]:
+    """The gather and the scatter in one pass (the exchange kernel's rooted forms), and their defaults, on 2
+    H200s."""
+    one = load("gather_scatter_one_pass-h200x2.jsonl")
+    defaults = load("gather_scatter_defaults-h200x2.jsonl")
+    if not one or not defaults:
+        return []
+
+    def cells(rows, coll, names):
+        by = {(r["nbytes"], r["algorithm"]): r for r in rows if r["collective"] == coll}
+        return [
+            [size(n), *(f"{by[n, a]['vs_native']:.2f}x" if (n, a) in by else "-" for a in names)]
+            for n in sorted({n for n, _ in by})
+        ]
+
+    parts = [
+        "#### The gather and the scatter in one pass (2 x H200)",
+        "torch.distributed's gather and scatter on NCCL are point-to-point messages in a group, about 60-130 us a "
+        'call whatever the size up to 32 MiB here. `comm.gather(out, x, root, algorithm="star")` runs up to 8 MiB a '
+        "rank as one kernel: every rank copies its input into its window, one barrier, the root reads every window "
+        'into its output; `comm.scatter(out, x, root, algorithm="star")` up to 8 MiB of the root\'s input: the root '
+        "copies its input into its window, one barrier, every rank reads its block. A cell is `native` (NCCL's call "
+        "through dtrain: torch.distributed's, then the gather's blocks copied into one output) over ours, sizes the "
+        "gather's output and the scatter's input, same and fresh tensors. Every result, every root and dtype "
+        "(float32, bfloat16, int64) and a second call through the kept path were checked against the expected "
+        "blocks in a launch before the timed one. `auto` follows the rules these gave (the second table, another "
+        "launch): the star to the one pass's 8 MiB a rank put in (the gather's output to 16 MiB, the scatter's "
+        "input to 8 MiB; above, the star runs a round at a time: the first table's last rows), NCCL's above.",
+        setting(
+            f"2 x {one[0].get('device_name', 'NVIDIA H200')} (one host)",
+            gpu_software(one),
+            "torchrun --nproc-per-node 2 -m dtrain bench comm --collectives gather,scatter --algorithms native,star "
+            "--min-bytes 8K --max-bytes 32M --factor 2 --iters 20 --trials 5 --warm-s 0.3 --fresh-beside",
+            "`gather_scatter_one_pass-h200x2.jsonl`",
+        ),
+    ]
+    for coll in ("gather", "scatter"):
+        parts += [
+            f"{coll.capitalize()}:",
+            table(["size", "star", "star+fresh"], cells(one, coll, ("star", "star+fresh"))),
+        ]
+    parts.append(
+        "The defaults (`--algorithms native,auto --min-bytes 8K --max-bytes 1G --factor 4`; "
+        "`gather_scatter_defaults-h200x2.jsonl`):"
+    )
+    for coll in ("gather", "scatter"):
+        parts += [
+            f"{coll.capitalize()}:",
+            table(["size", "auto", "auto+fresh"], cells(defaults, coll, ("auto", "auto+fresh"))),
+        ]
+    return parts
 
 
 def _direct_reduce_part() -> list[str]:

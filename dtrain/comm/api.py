@@ -642,11 +642,12 @@ def _one_pass_or_native(
     return chosen
 
 
-def _declined(coll: Collective, algorithm: str, chosen: str, input: torch.Tensor) -> bool:
+def _declined(coll: Collective, algorithm: str, chosen: str, input: torch.Tensor, nbytes: int | None = None) -> bool:
     """Whether ``auto`` chose a one-pass schedule that :func:`_one_pass` then could not run (tensors not
     contiguous, ``DTRAIN_COMM_TIMEOUT`` set, the group off the peer transport): NCCL's collective runs instead, as
-    in :func:`_one_pass_or_native`. Every rank of the group answers alike for the same call."""
-    nbytes = input.numel() * input.element_size()
+    in :func:`_one_pass_or_native`. Every rank of the group answers alike for the same call. ``nbytes``: what each
+    rank puts in, default ``input``'s bytes."""
+    nbytes = input.numel() * input.element_size() if nbytes is None else nbytes
     name = chosen.partition("@")[0]
     return (
         algorithm == "auto"
@@ -656,19 +657,23 @@ def _declined(coll: Collective, algorithm: str, chosen: str, input: torch.Tensor
     )
 
 
-def _one_pass_first(coll, algorithm, chosen, group, output, input, op: str = "sum", root: int = 0) -> str | None:
+def _one_pass_first(
+    coll, algorithm, chosen, group, output, input, op: str = "sum", root: int = 0, numel: int | None = None
+) -> str | None:
     """Run the call in one pass where ``auto``'s choice or the named algorithm is a one-pass schedule the call can
     run (:func:`_one_pass`): None when it ran; else the algorithm that runs it, ``native`` where ``auto`` chose a
-    one pass that cannot run (:func:`_one_pass_or_native`, :func:`_declined`)."""
+    one pass that cannot run (:func:`_one_pass_or_native`, :func:`_declined`). ``numel``: the elements each rank
+    puts in (the scatter's root puts in them all), default ``input``'s."""
     if chosen in NATIVE_CHOICES:
         return chosen
-    nbytes = input.numel() * input.element_size()
+    numel = input.numel() if numel is None else numel
+    nbytes = numel * input.element_size()
     chosen = _one_pass_or_native(coll, algorithm, chosen, input.dtype, op, input.device, nbytes)
     if chosen == "native":
         return chosen
-    if _one_pass(coll, algorithm, chosen, group, output, input, input.numel(), op=op, root=root):
+    if _one_pass(coll, algorithm, chosen, group, output, input, numel, op=op, root=root):
         return None
-    return "native" if _declined(coll, algorithm, chosen, input) else chosen
+    return "native" if _declined(coll, algorithm, chosen, input, nbytes) else chosen
 
 
 def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str = "sum", root: int = 0) -> bool:
@@ -716,13 +721,13 @@ def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str
 
 def _kept_extra(coll: Collective, op: str, root: int):
     """What besides the tensors keys a kept call (:func:`_keep`) of ``coll``, as its public function asks
-    :func:`_fast` for it: the reduction of a reduce-scatter, the root of a broadcast, the root and the reduction
-    of a reduce, nothing for the others."""
+    :func:`_fast` for it: the reduction of a reduce-scatter, the root of a broadcast, gather or scatter, the root
+    and the reduction of a reduce, nothing for the others."""
     if coll is Collective.REDUCE_SCATTER:
         return op
     if coll is Collective.REDUCE:
         return (root, op)
-    return root if coll is Collective.BROADCAST else None
+    return root if coll in (Collective.BROADCAST, Collective.GATHER, Collective.SCATTER) else None
 
 
 def _group_key(group):
@@ -1073,6 +1078,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
 
 def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=None, algorithm: str = "auto"):
     """Every rank's ``input`` concatenated rank-major into ``output`` of rank ``dst`` (None elsewhere)."""
+    coll = Collective.GATHER
+    fast = _fast(coll, group, algorithm, dst, input if output is None else output, input)
+    if fast is not None and fast(input if output is None else output, input):
+        return output
     group = default_group(group)
     what = "gather"
     check_tensor(input, "input", what)
@@ -1081,7 +1090,11 @@ def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=Non
     if rank == dst:
         check_tensor(output, "output", what)
         check_pair(output, input, world * input.numel(), what)
-    rank, world, chosen, local = _prepare(Collective.GATHER, algorithm, group, world * input.numel(), input, what)
+    rank, world, chosen, local = _prepare(coll, algorithm, group, world * input.numel(), input, what)
+    # in one pass a rank but the root writes nothing: its input stands in for the output it has not
+    chosen = _one_pass_first(coll, algorithm, chosen, group, output if rank == dst else input, input, root=dst)
+    if chosen is None:
+        return output
     if chosen in NATIVE_CHOICES:
         on = _backend_group(group, chosen)
         return _native(on).gather(output, input, dst, on)
@@ -1099,6 +1112,10 @@ def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=Non
 
 def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group=None, algorithm: str = "auto"):
     """Block r of ``input`` on rank ``src`` (rank-major, ``world`` equal blocks) into ``output`` of rank r."""
+    coll = Collective.SCATTER
+    fast = _fast(coll, group, algorithm, src, output, output if input is None else input)
+    if fast is not None and fast(output, output if input is None else input):
+        return output
     group = default_group(group)
     what = "scatter"
     check_tensor(output, "output", what)
@@ -1108,7 +1125,13 @@ def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group=No
         check_tensor(input, "input", what)
         check_pair(input, output, world * output.numel(), what)
     m = output.numel()
-    rank, world, chosen, local = _prepare(Collective.SCATTER, algorithm, group, world * m, output, what)
+    rank, world, chosen, local = _prepare(coll, algorithm, group, world * m, output, what)
+    # in one pass a rank but the root puts nothing in: its output stands in for the input it has not
+    chosen = _one_pass_first(
+        coll, algorithm, chosen, group, output, input if rank == src else output, root=src, numel=world * m
+    )
+    if chosen is None:
+        return output
     if chosen in NATIVE_CHOICES:
         on = _backend_group(group, chosen)
         return _native(on).scatter(output, input, src, on)

@@ -26,12 +26,11 @@ def test_the_one_pass_schedules_are_one_round_and_prove_their_collective():
     barrier between them."""
     for world in (2, 3, 4, 8):
         for (coll, algorithm), form in fused.ONE_PASS.items():
-            rooted = coll in (Collective.BROADCAST, Collective.REDUCE)
+            rooted = coll in (Collective.BROADCAST, Collective.REDUCE, Collective.GATHER, Collective.SCATTER)
             schedule = registry.build(coll, algorithm, world, root=world - 1 if rooted else None)
             report = check(schedule)  # raises where a rank ends without what the collective promises
-            transfers = {"broadcast": world - 1, "relay": (world - 1) ** 2, "rooted": world - 1}.get(
-                form, world * (world - 1)
-            )
+            one_way = ("broadcast", "rooted", "gather_to", "scatter_from")
+            transfers = world - 1 if form in one_way else {"relay": (world - 1) ** 2}.get(form, world * (world - 1))
             rounds = 2 if form == "relay" and world > 2 else 1
             assert report.num_rounds == rounds and report.num_transfers == transfers, (coll, world)
 
@@ -164,12 +163,12 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
     def exchange(pointers, pads, rank, nbytes, world_, form, spins, programs=32, root=0, dtype=None):
         assert world_ == world and len(pads) == world and programs == min(256 // world, 128)
         assert spins >= 10_000  # the group's limit of 10 s: a microsecond or more a round
-        blocks = world if form in ("exchange", "scatter") else 1
+        blocks = world if form in ("exchange", "scatter", "scatter_from") else 1
 
         def launch(out, inp, at):
             window = at_address[int(pointers[rank])]
             assert form != "relay" or world > 2  # two ranks: the broadcast form
-            if form not in ("broadcast", "relay") or rank == root:
+            if form not in ("broadcast", "relay", "scatter_from") or rank == root:
                 window[at : at + blocks * nbytes].copy_(inp.view(-1).view(torch.uint8))
             gate.wait(timeout=10)
             flat = out.view(-1).view(torch.uint8)
@@ -179,6 +178,13 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
             elif form == "rooted":
                 if rank == root:
                     out.copy_(sum(at_address[int(p)][at : at + nbytes].view(dtype) for p in pointers))
+            elif form == "scatter_from":
+                source = at + rank * nbytes
+                flat.copy_(at_address[int(pointers[root])][source : source + nbytes])
+            elif form == "gather_to":
+                if rank == root:
+                    for r in range(world):
+                        flat[r * nbytes : (r + 1) * nbytes].copy_(at_address[int(pointers[r])][at : at + nbytes])
             elif form in ("broadcast", "relay"):
                 if form == "relay":
                     gate.wait(timeout=10)  # its second barrier
@@ -227,8 +233,9 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
         window = _Window(rank, buffers, gate, by_address)
         runs = {
             form: fused.one_pass(form, window, torch.float32, m * (1 if form == "gather" else world), root=world - 1)
-            for form in ("gather", "scatter", "exchange", "broadcast", "relay", "rooted")
+            for form in ("gather", "scatter", "exchange", "broadcast", "relay", "rooted", "gather_to")
         }
+        runs["scatter_from"] = fused.one_pass("scatter_from", window, torch.float32, m * world, root=world - 1)
         for call in range(3):  # the halves alternate; every call must still see this call's data
             base = 100 * call + 10 * rank
             part = torch.arange(m, dtype=torch.float32) + base
@@ -251,6 +258,13 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
             runs["relay"](relayed, relayed)
             reduced = full.clone()
             runs["rooted"](reduced, reduced)
+            collected = torch.full((m * world * world,), -1.0) if rank == world - 1 else full.clone()
+            runs["gather_to"](collected, full)  # a rank but the root: its input stands in for the output
+            dealt = torch.full((m,), -1.0)
+            runs["scatter_from"](dealt, full if rank == world - 1 else dealt)
+            everyone = torch.cat(
+                [torch.arange(m * world, dtype=torch.float32) + 100 * call + 10 * r for r in range(world)]
+            )
             root = torch.arange(m * world, dtype=torch.float32) + 100 * call + 10 * (world - 1)
             ok = (
                 torch.equal(out, want),
@@ -259,6 +273,8 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
                 torch.equal(sent, root),
                 torch.equal(relayed, root),
                 torch.equal(reduced, summed if rank == world - 1 else full),  # written on the root alone
+                torch.equal(collected, everyone if rank == world - 1 else full),
+                torch.equal(dealt, root[mine]),
             )
             if not all(ok):
                 failures.append((rank, call, ok))
@@ -266,9 +282,9 @@ def test_one_pass_gives_each_collectives_result_call_after_call(monkeypatch, wor
     _each_rank(rank_main, world)
     assert not failures
     # by address: the all-gather and the all-to-all of 3 calls on every rank through the gather kernel, and the
-    # reduce-scatter, both broadcasts and the reduce too through the exchange kernel (two ranks: the relay as the
-    # broadcast form); a block of 5 float32 elements is copied in 4-byte words
-    assert len(copies) == {"": 0, "gather": 3 * 2 * world, "one kernel": 3 * 6 * world}[by_address]
+    # reduce-scatter, both broadcasts, the reduce, the gather and the scatter too through the exchange kernel (two
+    # ranks: the relay as the broadcast form); a block of 5 float32 elements is copied in 4-byte words
+    assert len(copies) == {"": 0, "gather": 3 * 2 * world, "one kernel": 3 * 8 * world}[by_address]
     assert not copies or min(copies) == (8 if m % 2 == 0 else 4)
     relay = {"relay kernel"} if by_address == "one kernel" and world > 2 else set()
     assert set(kinds) == ({by_address} | relay if by_address else set())
@@ -282,6 +298,7 @@ def test_a_one_pass_call_is_kept_under_the_key_its_next_call_asks_for():
     assert api._kept_extra(Collective.REDUCE_SCATTER, "avg", 0) == "avg"
     assert api._kept_extra(Collective.BROADCAST, "sum", 3) == 3
     assert api._kept_extra(Collective.REDUCE, "avg", 1) == (1, "avg")  # as comm.reduce asks _fast
+    assert api._kept_extra(Collective.GATHER, "sum", 2) == 2 and api._kept_extra(Collective.SCATTER, "sum", 0) == 0
 
 
 def test_a_repeated_call_runs_what_the_first_kept(pool):
@@ -361,7 +378,8 @@ def test_the_all_reduces_through_the_exchange_kernel_alternate_halves_and_sum_in
     [(2, "gather", 700, "float32", 4), (3, "exchange", 301, "float32", 2), (3, "broadcast", 701, "float32", 3),
      (4, "scatter", 250, "bfloat16", 4), (3, "reduce", 333, "float32", 2), (3, "two_shot", 301, "float32", 3),
      (4, "two_shot", 130, "bfloat16", 2), (3, "relay", 701, "float32", 3),
-     (4, "relay", 517, "bfloat16", 2), (3, "rooted", 333, "float32", 2), (2, "rooted", 130, "bfloat16", 3)],
+     (4, "relay", 517, "bfloat16", 2), (3, "rooted", 333, "float32", 2), (2, "rooted", 130, "bfloat16", 3),
+     (3, "gather_to", 301, "float32", 2), (4, "scatter_from", 257, "bfloat16", 3)],
 )  # fmt: skip
 def test_the_exchange_kernel_under_tritons_interpreter_across_processes(tmp_path, world, form, numel, dtype, programs):
     """The exchange kernel itself, its signal-pad barrier included, run by Triton's interpreter in one process a
@@ -436,7 +454,9 @@ def test_the_exchange_kernel_faults_when_a_peer_never_comes(tmp_path):
                     os.unlink(f"{stem}-{kind}{r}")
 
 
-@pytest.mark.parametrize(("form", "blocks"), [(0, 1), (0, 4), (1, 1), (2, 4), (3, 1), (4, 4), (5, 1), (6, 1)])
+@pytest.mark.parametrize(
+    ("form", "blocks"), [(0, 1), (0, 4), (1, 1), (2, 4), (3, 1), (4, 4), (5, 1), (6, 1), (7, 1), (8, 4)]
+)
 def test_the_exchange_kernel_compiles_for_hopper_with_system_scope_signals(form, blocks):
     """Every form of the exchange kernel compiles to an sm_90 binary (Triton's own ptxas, no GPU needed; where
     Triton is installed), its signals compare-and-swaps with release and acquire semantics at system scope, and

@@ -120,7 +120,7 @@ def test_built_in_rules_cover_only_what_was_measured_and_native_runs_elsewhere(m
         cached.cache_clear()
     peer2 = rules.built_in("cuda-peer", 2, None)
     assert peer2 is not None and peer2.pick("reduce_scatter", 64 << 20) == "native_wide"
-    assert peer2.pick("gather", 64 << 20) is None
+    assert peer2.pick("gather", 64 << 20) == "native" and peer2.pick("scan", 64 << 20) is None  # no rule: native
     peer4 = rules.built_in("cuda-peer", 4, None)
     # the one-pass reduce-scatter, broadcast, all-gather and all-to-all where they measured faster than NCCL's,
     # NCCL's above: on the wide communicator where that measured faster (not the broadcast; the all-to-all on 2
@@ -136,6 +136,9 @@ def test_built_in_rules_cover_only_what_was_measured_and_native_runs_elsewhere(m
     # the one-pass reduce on 2 GPUs up to its 8 MiB, NCCL's above; on 4 (not measured) NCCL's throughout
     assert [peer2.pick("reduce", n) for n in sizes] == ["star"] * 4 + ["native"] * 2
     assert peer4.pick("reduce", 8 << 10) is None
+    # the gather (by its output) and the scatter (by its input) in one pass on 2 GPUs, to 8 MiB a rank put in
+    assert [peer2.pick("gather", n) for n in sizes] == ["star"] * 5 + ["native"]
+    assert [peer2.pick("scatter", n) for n in sizes] == ["star"] * 4 + ["native"] * 2
     # on 4 GPUs the star's root links bind from 4 MiB: the scatter-allgather sends its buffer once, to 4 MiB
     assert [peer4.pick("broadcast", n) for n in sizes] == ["star"] * 2 + ["scatter_allgather"] + ["native"] * 3
     # the all-gather by its output: up to the one pass's 8 MiB a rank on 2 GPUs, to 16 MiB (of 32) on 4

@@ -20,7 +20,7 @@ def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name
     pads = [torch.from_file(f"{stem}-p{r}", True, PAD, dtype=torch.uint8) for r in range(world)]
     pointers = torch.tensor([w.data_ptr() for w in windows], dtype=torch.int64)
     signals = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
-    blocks = world if form in ("exchange", "scatter", "two_shot") else 1
+    blocks = world if form in ("exchange", "scatter", "two_shot", "scatter_from") else 1
     for call in range(4):
         n = numel + call
         root = (world - 1 + call) % world  # the broadcasts' source and the reduce's root move from call to call
@@ -37,6 +37,11 @@ def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name
             summed = form in ("reduce", "two_shot", "rooted")
             out = inp if summed or rank == root else torch.full((n,), -1.0).to(dtype)
             inp = out
+        elif form == "gather_to":  # a rank but the root has no output: its input stands in, unwritten
+            out = torch.full((world * n,), -1.0).to(dtype) if rank == root else inp
+        elif form == "scatter_from":  # a rank but the root puts nothing in: its output stands in
+            out = torch.full((n,), -1.0).to(dtype)
+            inp = data(root) if rank == root else out
         else:
             out = torch.full(((1 if form == "scatter" else world) * n,), -1.0).to(dtype)
         assert launch(out, inp, (call % 2) * HALF), kernels._state.get("exchange_error")
@@ -48,6 +53,10 @@ def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name
             want = sum(data(r).float() for r in range(world)).to(dtype)
         elif form == "rooted":  # a rank but the reduce's root only puts its tensor in
             want = data(rank)
+        elif form == "gather_to":
+            want = torch.cat([data(r) for r in range(world)]) if rank == root else data(rank)
+        elif form == "scatter_from":
+            want = data(root)[rank * n : (rank + 1) * n]
         elif form == "exchange":
             want = torch.cat([data(r)[rank * n : (rank + 1) * n] for r in range(world)])
         else:

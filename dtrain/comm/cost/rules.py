@@ -214,7 +214,12 @@ _PEER_ALL_REDUCE_4 = (
 #: reduce is ``native``. The one-pass reduce (``star``: every rank's tensor into its window, one barrier, the
 #: root's sum of the windows) ran on 2 H200s at 1.54-2.08x torch.distributed's NCCL call from 8 KiB to 4 MiB and
 #: 1.19-1.25x at 8 MiB, same and fresh tensors (reduce_one_pass-h200x2.jsonl); on 4 GPUs it is not measured, and
-#: the reduce stays ``native``.
+#: the reduce stays ``native``. So do the gather and the scatter in one pass (``star``: every rank's input into its
+#: window and the root reading them all; the root's input into its window and every rank reading its block), where
+#: torch.distributed's NCCL calls are point-to-point messages: on 2 H200s the gather at 4.1-6.6x its speed from
+#: 8 KiB to 8 MiB and 2.7-3.0x at 16 MiB (its output; 8 MiB a rank), the scatter at 3.5-5.0x to 8 MiB, same and
+#: fresh tensors (gather_scatter_one_pass-h200x2.jsonl); past the one pass the star a round at a time ran the
+#: scatter at 0.66-0.69x, so NCCL's runs there.
 #: Below 16 MiB the all-reduce keeps the default communicator: one H100 launch ran the 64-CTA one at 1.22x at 4 MiB
 #: and 0.99x at 8, but two launches on 4 H200s ran it at 0.90-0.96x from 2 to 5 MiB and 0.96-1.03x from 6 to
 #: 12 MiB (probe-nccl-ctas-ar-mid-h200x4-run{1,2}.txt).
@@ -225,6 +230,8 @@ _PEER_2 = {
     "all_to_all": ((0, "direct"), (8 * _MIB + 1, NATIVE), (math.isqrt(32 * _MIB * 64 * _MIB) + 1, NATIVE_WIDE)),
     "broadcast": ((0, "star"), (8 * _MIB + 1, NATIVE)),
     "reduce": ((0, "star"), (8 * _MIB + 1, NATIVE)),
+    "gather": ((0, "star"), (2 * 8 * _MIB + 1, NATIVE)),
+    "scatter": ((0, "star"), (8 * _MIB + 1, NATIVE)),
 }
 _PEER_4 = {
     "all_gather": ((0, "direct"), (math.isqrt(16 * _MIB * 32 * _MIB) + 1, NATIVE_WIDE)),

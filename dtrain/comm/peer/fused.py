@@ -18,20 +18,21 @@ round. ``DTRAIN_COMM_FUSED=0`` turns the kernels off.
 
 The one-round schedules of the other collectives run the same way, as one pass over the peers' windows
 (:func:`one_pass`), up to :data:`ONE_PASS_MAX_BYTES` a rank: the ``direct`` all-gather, reduce-scatter and
-all-to-all, the ``star`` broadcast and the ``scatter_allgather`` one, and the ``star`` reduce. Each is one kernel,
-:func:`dtrain.comm.peer.kernels.exchange`: each rank copies its input into its window, the ranks pass one barrier
-on the signal pads inside the kernel, and each reads what it needs from the peers' windows (the reduce-scatter sums
-its block, the reduce's root the whole buffer; the scatter-allgather broadcast passes a second barrier between its
-two rounds). The same kernel runs the one-shot all-reduce up to :data:`REDUCE_MAX_BYTES` and the two-shot one, with
-a second barrier, up to :data:`TWO_SHOT_MAX_BYTES`. Launched straight from the compiled kernel, a call through
-:mod:`dtrain.comm` costs 13-22 us of host time against 24-56 us for torch.distributed's NCCL call (8 KiB a rank, 4
-H200s, benchmarks/results/probe-one-pass-h200x4.txt), which is what decides a small collective: 1.2-2.6x NCCL's
-speed from 8 KiB to 2 MiB (docs/results.md). Without Triton the pass is three steps: the copy in,
-:meth:`PeerWindow.barrier`, and ``torch._foreach_copy_`` out of the peers' mapped windows (the reduce-scatter:
-torch's one-shot kernel on this rank's block; the reduce: the root's sum of the windows). Calls alternate between
-the two halves of the window, so the barrier of the next call is what tells a rank that its peers have read the
-previous one; a call of another kind through the window first passes one more barrier (:func:`settle`), and a call
-recorded in a CUDA graph opens and closes with a barrier of its own (a graph replays the same half).
+all-to-all, the ``star`` broadcast and the ``scatter_allgather`` one, and the ``star`` reduce, gather and scatter.
+Each is one kernel, :func:`dtrain.comm.peer.kernels.exchange`: each rank copies its input into its window, the
+ranks pass one barrier on the signal pads inside the kernel, and each reads what it needs from the peers' windows
+(the reduce-scatter sums its block, the reduce's root the whole buffer; the scatter-allgather broadcast passes a
+second barrier between its two rounds). The same kernel runs the one-shot all-reduce up to :data:`REDUCE_MAX_BYTES`
+and the two-shot one, with a second barrier, up to :data:`TWO_SHOT_MAX_BYTES`. Launched straight from the compiled
+kernel, a call through :mod:`dtrain.comm` costs 13-22 us of host time against 24-56 us for torch.distributed's NCCL
+call (8 KiB a rank, 4 H200s, benchmarks/results/probe-one-pass-h200x4.txt), which is what decides a small
+collective: 1.2-2.6x NCCL's speed from 8 KiB to 2 MiB (docs/results.md). Without Triton the pass is three steps:
+the copy in, :meth:`PeerWindow.barrier`, and ``torch._foreach_copy_`` out of the peers' mapped windows (the
+reduce-scatter: torch's one-shot kernel on this rank's block; the reduce: the root's sum of the windows). Calls
+alternate between the two halves of the window, so the barrier of the next call is what tells a rank that its peers
+have read the previous one; a call of another kind through the window first passes one more barrier
+(:func:`settle`), and a call recorded in a CUDA graph opens and closes with a barrier of its own (a graph replays
+the same half).
 """
 
 from __future__ import annotations
@@ -198,6 +199,8 @@ ONE_PASS = {
     (Collective.BROADCAST, "star"): "broadcast",
     (Collective.BROADCAST, "scatter_allgather"): "relay",
     (Collective.REDUCE, "star"): "rooted",
+    (Collective.GATHER, "star"): "gather_to",
+    (Collective.SCATTER, "star"): "scatter_from",
 }
 
 
@@ -243,8 +246,9 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
     """A function ``run(output, input)`` that runs one call of ``form`` through ``window`` on contiguous tensors:
     ``numel`` elements of ``dtype`` are what each rank puts in (an all-gather's input, a reduce-scatter's
     or all-to-all's input, the broadcast's or the reduce's tensor, which is ``output`` and ``input`` alike;
-    ``root``: the broadcast's source or the reduce's destination, a group rank; the reduce writes the root's
-    ``output`` alone). ``window`` must hold two halves of ``numel`` elements. A reduce-scatter's or reduce's
+    ``root``: the broadcast's or scatter's source, the reduce's or gather's destination, a group rank; the reduce
+    and the gather write the root's ``output`` alone; the scatter's root puts in ``numel``, ``world`` blocks,
+    every other rank nothing). ``window`` must hold two halves of ``numel`` elements. A reduce-scatter's or reduce's
     ``avg`` is divided by the caller."""
     rank, world = window.rank, window.world_size
     if form == "relay" and world < 3:  # one rank takes the root's whole buffer: the broadcast form
@@ -265,6 +269,8 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
             peers = [mine[rank * block : (rank + 1) * block]]
         elif form in ("broadcast", "relay"):
             peers = [peers[root]]
+        elif form == "scatter_from":  # this rank's block of the root's input
+            peers = [peers[root][rank * block : (rank + 1) * block]]
         return mine, peers
 
     banks = (views(0), views(1))
@@ -277,7 +283,7 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
     barrier_ms = max(1, int(limit.total_seconds() * 1000))
     # the exchange kernel: its programs hold ``world`` slots of the pad each, and a wait's round takes at least
     # a microsecond (one compare-and-swap at system scope)
-    blocks = world if form in ("exchange", "scatter") else 1
+    blocks = world if form in ("exchange", "scatter", "scatter_from") else 1
     launch = None
     if pointers is not None and getattr(window, "pads", None) is not None:
         launch = kernels.exchange(
@@ -312,15 +318,18 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
             if not recorded:
                 window.pending = False
             return
-        rooted = form in ("broadcast", "relay")  # without the kernel both copy from the root's window
+        rooted = form in ("broadcast", "relay", "scatter_from")  # without the kernel: copies from the root's window
         if not rooted or rank == root:
             mine.copy_(input)
         barrier()
         if form == "rooted":  # the root sums every window, in rank order, accumulated in float32
             if rank == root:
                 output.copy_(torch.stack(peers).sum(0, dtype=torch.float32))
+        elif form == "gather_to":  # the root alone takes every peer's block
+            if rank == root:
+                torch._foreach_copy_(list(output.view(world, -1).unbind(0)), peers)
         elif rooted:  # one copy: less host time than a Triton launch
-            if rank != root:
+            if rank != root or form == "scatter_from":
                 output.copy_(peers[0])
         elif pointers is None or not kernels.gather(output, pointers, bank * half + offset, nbytes, world):
             # every peer's block into its place in the output: one multi-tensor copy (no Triton, or turned off)

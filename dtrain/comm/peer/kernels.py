@@ -211,10 +211,11 @@ def exchange_programs(world: int, channels: int) -> int:
 #: The exchange kernel's forms (:func:`exchange`).
 EXCHANGE_FORMS = {
     "gather": 0, "exchange": 0, "broadcast": 1, "scatter": 2, "reduce": 3, "two_shot": 4, "relay": 5, "rooted": 6,
+    "gather_to": 7, "scatter_from": 8,
 }  # fmt: skip
 
 #: Forms whose input is ``world`` blocks of ``nbytes``, and forms that sum (in ``dtype``'s elements).
-_BLOCK_FORMS = ("exchange", "scatter", "two_shot")
+_BLOCK_FORMS = ("exchange", "scatter", "two_shot", "scatter_from")
 _SUM_FORMS = ("scatter", "reduce", "two_shot", "rooted")
 
 
@@ -249,6 +250,10 @@ def exchange(
       the root and the rest from the others after a second barrier (three ranks or more).
     - ``rooted``: the sum over the ranks of their ``nbytes`` of ``dtype`` into rank ``root``'s ``out`` (``out`` may
       be ``inp``), the reduce; every other rank only puts its input in.
+    - ``gather_to``: the gather of ``nbytes`` a rank into rank ``root``'s ``out`` (block ``r`` from rank ``r``);
+      every other rank only puts its input in;
+    - ``scatter_from``: block ``rank`` of rank ``root``'s ``world`` blocks of ``nbytes`` into every rank's ``out``,
+      the scatter (only the root puts its input in).
 
     ``pointers`` and ``pads``: every rank's window and signal-pad address, int64 tensors on the device;
     ``spins``: the rounds a wait at the barrier lasts before it gives up; ``programs``: at most this many programs

@@ -145,7 +145,10 @@ def exchange_kernel(
       the root into its ``out`` and its window; a second barrier; then the other shares from the ranks that took
       them. The root's links carry the ``n`` elements once, where form 1's carry them ``WORLD - 1`` times;
     - 6, reduce (``BLOCKS`` = 1): rank ``root``'s ``out`` = the sum over the ranks of their ``n`` elements, as form 3;
-      every other rank only copies in (its ``out`` is not written).
+      every other rank only copies in (its ``out`` is not written);
+    - 7, gather (``BLOCKS`` = 1): rank ``root``'s ``out`` as form 0's all-gather; every other rank only copies in;
+    - 8, scatter (``BLOCKS`` = ``WORLD``): only rank ``root`` copies in, and every rank's ``out`` = block ``rank`` of
+      the root's window.
 
     Program ``p`` copies in and reads out the same chunks, ``p``, ``p + programs``, ... of every block (of every
     share), and each barrier is between program ``p`` of every rank: what a program reads from a peer is what the
@@ -159,9 +162,9 @@ def exchange_kernel(
     mine = tl.load(ptrs + rank).to(tl.pointer_type(out.dtype.element_ty))
     if FORM == 5:  # copies in by shares, its own chunks
         _relay(ptrs, pads, out, inp, mine, rank, root, at64, n64, pid, programs, offs, spins, WORLD, LANES, BLOCK)
-    elif FORM != 1:  # noqa: SIM114 (Triton takes no `or` of a constant and a tensor)
+    elif FORM != 1 and FORM != 8:  # noqa: SIM114 (Triton takes no `or` of a constant and a tensor)
         _copy_in(mine + at64, inp, n64, pid, programs, chunks, offs, BLOCKS, BLOCK)
-    elif rank == root:
+    elif rank == root:  # the broadcast and the scatter: the root alone puts its input in
         _copy_in(mine + at64, inp, n64, pid, programs, chunks, offs, BLOCKS, BLOCK)
     if FORM != 5:
         _barrier(pads, rank, pid, spins, WORLD, LANES)
@@ -202,6 +205,25 @@ def exchange_kernel(
                 m = i < n64
                 tl.store(out + i, _summed(ptrs, out, at64 + i, m, WORLD, BLOCK), mask=m)
                 c += programs
+    elif FORM == 7:  # noqa: SIM102 (as form 6)
+        if rank == root:
+            c = pid
+            while c < chunks:
+                i = c.to(tl.int64) * BLOCK + offs
+                m = i < n64
+                for r in tl.static_range(WORLD):
+                    peer = tl.load(ptrs + r).to(tl.pointer_type(out.dtype.element_ty))
+                    tl.store(out + r * n64 + i, tl.load(peer + at64 + i, mask=m), mask=m)
+                c += programs
+    elif FORM == 8:
+        peer = tl.load(ptrs + root).to(tl.pointer_type(out.dtype.element_ty))
+        source = at64 + rank * n64
+        c = pid
+        while c < chunks:
+            i = c.to(tl.int64) * BLOCK + offs
+            m = i < n64
+            tl.store(out + i, tl.load(peer + source + i, mask=m), mask=m)
+            c += programs
 
 
 @triton.jit
