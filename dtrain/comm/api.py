@@ -358,11 +358,11 @@ def _run_direct(work: torch.Tensor, group, root: int, world: int, nbytes: int) -
 
 
 def _reduce_direct(tensor: torch.Tensor, dst: int, op: str, group, chosen: str, world: int) -> bool:
-    """Run a ring reduce of a contiguous CUDA tensor on the peer transport as the direct chain
+    """Run a ring reduce of a CUDA tensor on the peer transport as the direct chain
     (:meth:`dtrain.comm.peer.direct.DirectChain.reduce`: each rank combines its predecessor's partial into its own,
-    the root into its tensor; no other rank's tensor written, no copy of it); False where it cannot run so (every
-    rank of a host alike), and the call goes the long way."""
-    if chosen.partition("@")[0] != "ring" or not tensor.is_cuda or not tensor.is_contiguous():
+    the root into its tensor; no other rank's tensor written); False where it cannot run so (every rank of a host
+    alike: nothing here depends on a rank's own tensor but its size), and the call goes the long way."""
+    if chosen.partition("@")[0] != "ring" or not tensor.is_cuda:
         return False
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0 or not peer_direct.exportable(tensor.device) or _via(group, tensor.device, chosen)[1] != "peer":
@@ -371,9 +371,11 @@ def _reduce_direct(tensor: torch.Tensor, dst: int, op: str, group, chosen: str, 
 
 
 def _run_direct_reduce(tensor: torch.Tensor, dst: int, op: str, group, world: int) -> bool:
-    """:func:`_reduce_direct` once its checks passed (a repeated call's were made by its first)."""
-    work = tensor.view(-1)
-    return _run_chained(
+    """:func:`_reduce_direct` once its checks passed (a repeated call's were made by its first). A tensor that is
+    not contiguous goes in as a contiguous copy (the root's result copied back), as every rank takes this path
+    whatever its own tensor's layout."""
+    work = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    ran = _run_chained(
         "direct",
         lambda: peer_direct.direct_for(group, work.device),
         lambda chain: chain.reduce(work, dst, op, round_timeout()),
@@ -382,6 +384,9 @@ def _run_direct_reduce(tensor: torch.Tensor, dst: int, op: str, group, world: in
         world,
         what="reduce",
     )
+    if ran and work.data_ptr() != tensor.data_ptr() and group_info(group, "reduce")[0] == dst:
+        tensor.copy_(work.view(tensor.shape))
+    return ran
 
 
 def _run_chained(kind: str, make, call, work: torch.Tensor, group, world: int, what: str = "broadcast") -> bool:
@@ -643,8 +648,8 @@ def _one_pass_or_native(
 
 
 def _declined(coll: Collective, algorithm: str, chosen: str, input: torch.Tensor, nbytes: int | None = None) -> bool:
-    """Whether ``auto`` chose a one-pass schedule that :func:`_one_pass` then could not run (tensors not
-    contiguous, ``DTRAIN_COMM_TIMEOUT`` set, the group off the peer transport): NCCL's collective runs instead, as
+    """Whether ``auto`` chose a one-pass schedule that :func:`_one_pass` then could not run (``DTRAIN_COMM_TIMEOUT``
+    set, the group off the peer transport): NCCL's collective runs instead, as
     in :func:`_one_pass_or_native`. Every rank of the group answers alike for the same call. ``nbytes``: what each
     rank puts in, default ``input``'s bytes."""
     nbytes = input.numel() * input.element_size() if nbytes is None else nbytes
@@ -678,10 +683,11 @@ def _one_pass_first(
 
 def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str = "sum", root: int = 0) -> bool:
     """Run the call in one pass over the peers' windows (:func:`dtrain.comm.peer.fused.one_pass`) where ``chosen``
-    is a one-pass schedule and the call can be (CUDA, the peer transport, contiguous tensors, no
-    ``DTRAIN_COMM_TIMEOUT``), and keep it for the next such call (:func:`_fast`); False where it cannot.
+    is a one-pass schedule and the call can be (CUDA, the peer transport, no ``DTRAIN_COMM_TIMEOUT``: the same on
+    every rank; tensors that are not contiguous go in as contiguous copies), and keep it for the next such call
+    (:func:`_fast`); False where it cannot.
     ``numel``: the elements each rank puts in."""
-    if not input.is_cuda or round_timeout() is not None or not (output.is_contiguous() and input.is_contiguous()):
+    if not input.is_cuda or round_timeout() is not None:
         return False
     if numel == 0:  # nothing to move: the general plan's empty call
         return False
@@ -714,7 +720,17 @@ def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str
             watchdog.watch(device, limit, _label(what, place, window.calls))
         return True
 
-    again(output, input)
+    if output.is_contiguous() and input.is_contiguous():
+        again(output, input)
+    else:  # contiguous stand-ins: every rank runs the one pass whatever its own tensors' layout
+        inp = input.contiguous()
+        out = inp if output is input else torch.empty(output.shape, dtype=output.dtype, device=output.device)
+        again(out, inp)
+        unwritten = (form in ("rooted", "gather_to") and window.rank != root) or (
+            form in ("broadcast", "relay") and window.rank == root
+        )
+        if not unwritten:
+            output.copy_(out.view(output.shape))
     _keep(coll, group, algorithm, _kept_extra(coll, op, root), output, input, again)
     return True
 
@@ -1001,7 +1017,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorith
     if _reduce_direct(tensor, dst, op, group, chosen, world):
 
         def again(t: torch.Tensor, _t: torch.Tensor) -> bool:
-            if not (t.is_contiguous() and _run_direct_reduce(t, dst, op, group, world)):
+            if not _run_direct_reduce(t, dst, op, group, world):
                 return False
             if rank == dst and op == "avg":
                 t.div_(world)

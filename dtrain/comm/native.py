@@ -108,7 +108,7 @@ def keeps_inputs(tensor: torch.Tensor, group) -> bool:
     alone); Gloo's and MPI's may use it as their scratch."""
     from torch.distributed import distributed_c10d as c10d
 
-    if not tensor.is_cuda:
+    if not tensor.is_cuda or not tensor.is_contiguous():  # a stand-in would be copied back over the caller's
         return False
     backend = str(dist.get_backend(group if group is not None else c10d._get_default_group()))
     return backend == "nccl" or "cuda:nccl" in backend

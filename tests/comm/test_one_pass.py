@@ -90,8 +90,8 @@ class _CudaLike:
 
 
 def test_auto_runs_nccl_where_the_one_pass_it_chose_declines():
-    """A call ``auto`` gave a one-pass schedule that :func:`api._one_pass` could not run (non-contiguous tensors,
-    a timeout, the group off the peer transport) runs NCCL's collective; CPU calls and sizes above the one-pass
+    """A call ``auto`` gave a one-pass schedule that :func:`api._one_pass` could not run (a timeout, the group off
+    the peer transport: the same on every rank) runs NCCL's collective; CPU calls and sizes above the one-pass
     range keep the schedule, which the rules measured a round at a time."""
     small, big = _CudaLike(256), _CudaLike(fused.ONE_PASS_MAX_BYTES // 4 + 1)
     assert api._declined(Collective.ALL_GATHER, "auto", "direct", small)

@@ -198,3 +198,17 @@ def test_a_tensor_that_cannot_be_named_fails_on_both_ranks_naming_the_one_at_fau
     got = pool.run(jobs.direct_refused, ranks=2)
     assert got[0].startswith("DirectRefused: no shared file holds")
     assert got[1] == "DirectRefused: rank 0 could not name its tensor's allocation to this rank"
+
+
+def test_a_rank_mid_chain_that_cannot_name_its_memory_fails_every_rank_after_it_and_wedges_none(pool):
+    got = pool.run(jobs.direct_refused_mid_chain, 3, ranks=3)
+    refused = "DirectRefused: rank {} could not name its tensor's allocation to this rank"
+    private = "DirectRefused: no shared file holds"
+    # the broadcast from 0: rank 1 at fault, rank 2 after it; rank 0 before it finishes its round
+    assert got[0][0] == "ok" and got[1][0].startswith(private) and got[2][0] == refused.format(1)
+    # the reduce into 0 along 1, 2, 0: rank 1 at fault, then 2 and 0
+    assert got[0][2] == refused.format(2) and got[1][2].startswith(private) and got[2][2] == refused.format(1)
+    # rank 2 cannot name its partial after a good post from rank 1: it closes rank 1's round, 0 fails after it
+    assert [g[4] for g in got] == [refused.format(2), "ok", "DirectRefused: the partial buffer is private"]
+    for g in got:  # and every call after each runs on every rank
+        assert [x.split()[-1] for x in g[1::2]] == ["good"] * 3

@@ -357,6 +357,11 @@ class SharedFileMemory:
     def capturing(self) -> bool:
         return False
 
+    def view(self, address: int, nbytes: int, dtype) -> torch.Tensor:
+        import ctypes
+
+        return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=dtype)
+
     def run(self, ops, address: int, source: int, base: list[int], timeout, combine=None) -> None:
         import ctypes
 
@@ -369,8 +374,7 @@ class SharedFileMemory:
                 ctypes.memmove(address + op.at, source + op.at, op.nbytes)
                 continue
             if op.kind == "combine":
-                raw = (ctypes.c_char * op.nbytes).from_address(source + op.at)
-                peer = torch.frombuffer(raw, dtype=combine.out.dtype)
+                peer = self.view(source + op.at, op.nbytes, combine.out.dtype)
                 out, own = piece_of(combine.out, op.at, op.nbytes), piece_of(combine.own, op.at, op.nbytes)
                 combine_into(out, own, peer, combine.op)
                 continue
@@ -530,6 +534,74 @@ def direct_reduces(world: int) -> list[str]:
         dist.barrier(group=group)
         memory.unlink()
     return problems
+
+
+def direct_refused_mid_chain(world: int) -> list[str]:
+    """Ranks 0..world-1 (three or more) over host memory: calls in which one rank cannot name its memory, each
+    followed by a good call on the same chain. A broadcast from rank 0 where rank 1's tensor is private; a reduce
+    into rank 0 whose first rank (1) passes a private tensor; a reduce into rank 0 where rank 2 (in the middle of
+    the chain 1, 2, ..., 0) cannot name its partial buffer. Returns, per call, what this rank raised ("ok" where it
+    raised nothing), and "good" or what differed for the calls after them: every rank after the one at fault along
+    the chain raises, none waits for ever, and the next call runs."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dtrain.comm.peer import direct
+    from dtrain.comm.peer.direct import DirectChain, DirectRefused
+    from dtrain.testing.pool import group_of
+
+    group = group_of(world)
+    rank = dist.get_rank(group)
+    memory = SharedFileMemory()
+    saved, direct.pieces = direct.pieces, lambda nbytes, world: 64
+    timeout = datetime.timedelta(seconds=20)
+    got: list[str] = []
+
+    def attempt(fn) -> None:
+        try:
+            fn()
+            got.append("ok")
+        except DirectRefused as err:
+            got.append(f"DirectRefused: {err}")
+
+    def good_calls(tag: str) -> None:
+        b = memory.tensor(100, torch.int32)
+        b.fill_(5 if rank == 0 else -1)
+        r = memory.tensor(100, torch.int32)
+        r.fill_(rank + 1)
+        dist.barrier(group=group)
+        chain.broadcast(b, 0, timeout)
+        chain.reduce(r, 0, "sum", timeout)
+        dist.barrier(group=group)
+        right = torch.equal(b, torch.full((100,), 5, dtype=torch.int32)) and torch.equal(
+            r, torch.full((100,), world * (world + 1) // 2 if rank == 0 else rank + 1, dtype=torch.int32)
+        )
+        got.append(f"{tag} good" if right else f"{tag} differs")
+
+    try:
+        chain = DirectChain(group, torch.device("cpu"), memory=memory)
+        t = torch.zeros(100, dtype=torch.int32) if rank == 1 else memory.tensor(100, torch.int32)
+        dist.barrier(group=group)
+        attempt(lambda: chain.broadcast(t, 0, timeout))
+        good_calls("after the broadcast")
+        t = torch.ones(100, dtype=torch.int32) if rank == 1 else memory.tensor(100, torch.int32).fill_(1)
+        dist.barrier(group=group)
+        attempt(lambda: chain.reduce(t, 0, "sum", timeout))
+        good_calls("after the first rank's refusal")
+        t = memory.tensor(100, torch.int32).fill_(1)
+        named = memory.name
+        if rank == 2:  # its partial buffer cannot be named; its own input is never exposed in a reduce
+            memory.name = lambda address: (_ for _ in ()).throw(DirectRefused("the partial buffer is private"))
+        dist.barrier(group=group)
+        attempt(lambda: chain.reduce(t, 0, "sum", timeout))
+        memory.name = named
+        good_calls("after the middle rank's refusal")
+    finally:
+        direct.pieces = saved
+        dist.barrier(group=group)
+        memory.unlink()
+    return got
 
 
 def direct_refused() -> str:

@@ -32,7 +32,8 @@ The plan (:func:`plan`) is pure (waits, writes and copies per rank, checked with
 streams in the tests); :class:`DirectChain` names, posts, maps and runs it through a memory backend,
 :class:`CudaMemory` (the CUDA driver) here, host memory in /dev/shm files in the tests. The host's only wait is a
 receiving rank's, for its predecessor's post (the chain's first rank never waits on the host), bounded by the
-group's timeout.
+group's timeout; it takes that post before it posts its own, so a rank that cannot name or map its memory fails
+the call on every rank after it and leaves no stream waiting (:meth:`DirectChain._pass`).
 
 Limits: CUDA, ranks of one host on an x86-64 CPU (the mailbox's posts rely on its store order, as the CPU windows'
 counters do), tensors from allocations CUDA IPC can export (torch's caching allocator without expandable segments:
@@ -361,13 +362,24 @@ class CudaMemory:
         return torch.cuda.is_current_stream_capturing()
 
     def view(self, address: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """``nbytes`` of device memory at ``address`` (a peer's, mapped) as a flat tensor of ``dtype``."""
+        """``nbytes`` of device memory at ``address`` (a peer's, mapped) as a flat tensor of ``dtype`` on this
+        device; :class:`DirectRefused` where torch will not alias it there (a torch that places memory by the
+        pointer's own device, or copies it)."""
         key = (address, nbytes, dtype)
         t = self._views.get(key)
         if t is None:
+            try:
+                t = torch.as_tensor(_Raw(address, nbytes), device=self.device).view(dtype)
+            except (RuntimeError, TypeError, ValueError) as err:
+                raise DirectRefused(f"torch cannot take the peer's memory at {address:#x} as a tensor: {err}") from err
+            if t.data_ptr() != address or t.device != self.device:
+                raise DirectRefused(
+                    f"torch took the peer's memory at {address:#x} as {t.device} at {t.data_ptr():#x}, not in place on "
+                    f"{self.device}"
+                )
             if len(self._views) >= 4 * MAPPED_MAX:
                 self._views.popitem(last=False)
-            t = self._views[key] = torch.as_tensor(_Raw(address, nbytes), device=self.device).view(dtype)
+            self._views[key] = t
         else:
             self._views.move_to_end(key)
         return t
@@ -471,28 +483,60 @@ class DirectChain:
             ops = self._plans[key] = plan(self.rank, root, self.world, nbytes, pieces(nbytes, self.world), reduce)
         return ops
 
-    def _pass(self, exposed: int | None, nbytes: int, what: str, timeout: timedelta) -> int:
-        """Post ``exposed`` (the address this rank's successor reads; None: it reads nothing of this rank's) and
-        take the predecessor's post (where ``what`` reads one): the predecessor's address mapped here, or 0."""
+    def _pass(self, exposed: int | None, nbytes: int, what: str | None, timeout: timedelta, check=None) -> int:
+        """The host's part of a call. Where ``what`` names the call of a rank that reads its predecessor's memory:
+        take the predecessor's post, map it and ``check(address)`` it. Then, where ``exposed`` is an address (what
+        this rank's successor reads; None: nothing), name it and post it. Returns the predecessor's address mapped
+        here, or 0.
+
+        A failure anywhere fails every rank after this one along the chain and leaves no stream waiting: a rank
+        that cannot use a good post, or cannot name its own memory after taking one, drains its predecessor's
+        round on the device (:meth:`_drain`) before it raises, and a rank that raises posts a refusal, which the
+        next rank passes on. Taking before posting is what lets a refusal travel the whole chain."""
+        source = 0
+        if what is not None:
+            handle, offset, sent = self.mailbox.take(timeout)
+            prev = (self.rank - 1) % self.world
+            if sent == 0:
+                self._refuse(exposed, timeout)
+                raise DirectRefused(f"rank {prev} could not name its tensor's allocation to this rank")
+            try:
+                if sent != nbytes:
+                    raise ValueError(
+                        f"{what}: rank {self.rank} passed {nbytes} bytes and rank {prev} {sent}: every rank passes "
+                        "a tensor of the same size"
+                    )
+                source = self._map(handle) + offset
+                if check is not None:
+                    check(source)
+            except Exception:
+                self._drain(sent, timeout)
+                self._refuse(exposed, timeout)
+                raise
         if exposed is not None:
             try:
                 handle, offset = self.memory.name(exposed)
             except DirectRefused:
-                self.mailbox.post(b"\0" * 64, 0, 0, timeout)  # the successor raises too, naming this rank
+                if what is not None:
+                    self._drain(nbytes, timeout)
+                self._refuse(exposed, timeout)
                 raise
             self.mailbox.post(handle, offset, nbytes, timeout)
-        if what is None:
-            return 0
-        handle, offset, sent = self.mailbox.take(timeout)
+        return source
+
+    def _refuse(self, exposed: int | None, timeout: timedelta) -> None:
+        """Post a refusal where this rank's successor expects a post: it raises too, naming this rank."""
+        if exposed is not None:
+            self.mailbox.post(b"\0" * 64, 0, 0, timeout)
+
+    def _drain(self, sent: int, timeout: timedelta) -> None:
+        """Close the predecessor's round of ``sent`` bytes without reading it, on this rank's stream: wait for its
+        last piece, clear this rank's count and tell the predecessor its memory was read, so that its stream
+        goes on and every counter is back at 0 for the next call."""
+        count = -(-sent // pieces(sent, self.world))
         prev = (self.rank - 1) % self.world
-        if sent == 0:
-            raise DirectRefused(f"rank {prev} could not name its tensor's allocation to this rank")
-        if sent != nbytes:
-            raise ValueError(
-                f"{what}: rank {self.rank} passed {nbytes} bytes and rank {prev} {sent}: every rank passes a "
-                "tensor of the same size"
-            )
-        return self._map(handle) + offset
+        ops = [Op("wait", self.rank, READY, count), Op("write", self.rank, READY, 0), Op("write", prev, DONE, 1)]
+        self.memory.run(ops, 0, 0, self._base, timeout)
 
     def broadcast(self, flat: torch.Tensor, root: int, timeout: timedelta | None = None) -> None:
         """Broadcast the contiguous ``flat`` of rank ``root`` into ``flat`` of every rank. ``timeout``: the host's
@@ -519,7 +563,11 @@ class DirectChain:
         first, last = pos == 0, pos == self.world - 1
         out = flat if last or first else piece_of(self._partial(nbytes), 0, nbytes).view(flat.dtype)
         exposed = None if last else out.data_ptr()
-        source = self._pass(exposed, nbytes, None if first else "reduce", timeout)
+
+        def readable(address: int) -> None:  # the predecessor's partial as a tensor this rank's kernel reads
+            self.memory.view(address, nbytes, flat.dtype)
+
+        source = self._pass(exposed, nbytes, None if first else "reduce", timeout, readable)
         self.window.calls += 1
         combine = None if first else Combine(op, out, flat)
         self.memory.run(self._plan(root, nbytes, True), out.data_ptr(), source, self._base, timeout, combine)
