@@ -110,8 +110,12 @@ def keeps_inputs(tensor: torch.Tensor, group) -> bool:
 
     if not tensor.is_cuda or not tensor.is_contiguous():  # a stand-in would be copied back over the caller's
         return False
-    backend = str(dist.get_backend(group if group is not None else c10d._get_default_group()))
-    return backend == "nccl" or "cuda:nccl" in backend
+    pg = group if group is not None else c10d._get_default_group()
+    try:  # the backend this group runs CUDA tensors on, however the group was made
+        return type(pg._get_backend(tensor.device)).__name__ == "ProcessGroupNCCL"
+    except (AttributeError, RuntimeError):
+        backend = str(dist.get_backend(pg))
+        return backend == "nccl" or "cuda:nccl" in backend
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: str, group) -> torch.Tensor:
