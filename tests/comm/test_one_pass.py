@@ -385,7 +385,8 @@ def test_the_exchange_kernel_under_tritons_interpreter_across_processes(tmp_path
     """The exchange kernel itself, its signal-pad barrier included, run by Triton's interpreter in one process a
     rank over windows and pads in /dev/shm that every rank maps (where Triton is installed: GPU machines; CUDA's
     own runs are `dtrain bench verify`'s). A barrier that let a program read before its peers wrote would fail
-    it."""
+    it. Rank 1's tensors sit one element into their buffers where the form copies words wider than an element,
+    so every rank must copy in the same word whatever its own tensors' addresses."""
     pytest.importorskip("triton")
     import multiprocessing
     import os
@@ -404,7 +405,7 @@ def test_the_exchange_kernel_under_tritons_interpreter_across_processes(tmp_path
     ranks = []
     try:
         ranks = [
-            context.Process(target=exchange.run_rank, args=(r, world, stem, form, numel, dtype, programs))
+            context.Process(target=exchange.run_rank, args=(r, world, stem, form, numel, dtype, programs, True))
             for r in range(world)
         ]
         for p in ranks:

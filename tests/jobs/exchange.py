@@ -9,9 +9,20 @@ HALF = 1 << 16  # each window holds two halves of this many bytes
 PAD = 2048  # torch's signal pad: 2048 bytes of uint32 slots
 
 
-def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name: str, programs: int) -> None:
+def _skewed(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view one element into a new buffer: contiguous, but off every word wider than an
+    element (a slice of a bigger tensor)."""
+    held = torch.empty(t.numel() + 1, dtype=t.dtype)
+    held[1:].copy_(t)
+    return held[1:]
+
+
+def run_rank(
+    rank: int, world: int, stem: str, form: str, numel: int, dtype_name: str, programs: int, skew: bool = False
+) -> None:
     """Four calls of ``form`` through the kernel, the sizes (and a broadcast's root) changing and the halves
-    alternating; an AssertionError where a rank's result differs from the one computed here for every rank."""
+    alternating; an AssertionError where a rank's result differs from the one computed here for every rank.
+    ``skew``: rank 1's tensors sit one element into their buffers, the other ranks' on wide words."""
     from dtrain.comm.peer import kernels
 
     kernels.EXCHANGE_BLOCK = 128  # small chunks: several programs, each with several chunks
@@ -44,6 +55,10 @@ def run_rank(rank: int, world: int, stem: str, form: str, numel: int, dtype_name
             inp = data(root) if rank == root else out
         else:
             out = torch.full(((1 if form == "scatter" else world) * n,), -1.0).to(dtype)
+        if skew and rank == 1:
+            same = out.data_ptr() == inp.data_ptr()
+            out = _skewed(out)
+            inp = out if same else _skewed(inp)
         assert launch(out, inp, (call % 2) * HALF), kernels._state.get("exchange_error")
         if form in ("broadcast", "relay"):
             want = data(root)

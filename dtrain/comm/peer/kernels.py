@@ -276,14 +276,25 @@ def exchange(
     index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
     compiled: dict = {}  # (unit, out aligned, inp aligned) -> the compiled kernel
-    # the unit of copy: the widest word that divides offsets, sizes and addresses; a sum needs the elements
+    # the unit of copy: the widest word that divides the offset and the size, which every rank shares (its grid and
+    # each program's chunks follow from it, and the barrier pairs program p of every rank); a sum needs the elements
     summed = form in _SUM_FORMS
     units = [(dtype.itemsize, dtype)] if summed else list(_WORDS)
     grids = {size: (max(1, min(programs, -(-(nbytes // size) // EXCHANGE_BLOCK))), 1, 1) for size, _ in units}
+    # whether this rank's ``out`` is written (not: the reduce's and the gather's other ranks, the broadcasts' root)
+    writes = not (form in ("rooted", "gather_to") and rank != root or form in ("broadcast", "relay") and rank == root)
 
     def launch(out: torch.Tensor, inp: torch.Tensor, at: int) -> bool:
         out_at, inp_at = out.data_ptr(), inp.data_ptr()
-        size = units[0][0] if summed else word_bytes(at, nbytes, out_at, inp_at)
+        size = units[0][0] if summed else word_bytes(at, nbytes)
+        if out_at % size or inp_at % size:  # this rank's tensors sit off that word: aligned stand-ins
+            ins = inp.clone() if inp_at % size else inp
+            outs = ins if out_at == inp_at else (torch.empty_like(out) if out_at % size else out)
+            if not launch(outs, ins, at):
+                return False
+            if writes and outs is not out:
+                out.copy_(outs)
+            return True
         key = (size, out_at % 16 == 0, inp_at % 16 == 0)
         kernel = compiled.get(key)
         if kernel is not None:
