@@ -350,8 +350,8 @@ def _defaults_beside_part(machine: str) -> list[str]:
             if a == "auto" and (c, n, "torch") in was
         )
         other = (
-            f" An earlier launch on another lend of the same kind of machine "
-            f"(`collectives_defaults_beside-{machine}-run1.jsonl`, the same sweep) had its lowest `auto` cell at "
+            f" Another launch of the same sweep on another lend of the same kind of machine "
+            f"(`collectives_defaults_beside-{machine}-run1.jsonl`) had its lowest `auto` cell at "
             f"{low:.2f}x torch.distributed's call on the same tensors, and fresh apart from same by more than 10% at "
             + (", ".join(spread) if spread else "no size")
             + ": cells that agree in the launch above, so a spread of that launch's, not of the tensors."
@@ -568,17 +568,10 @@ def _direct_reduce_part() -> list[str]:
                 for n in sizes
             ]
             rows.append([variant + (" fresh" if fresh else ""), *cells])
-    launches = [
-        {(r["nbytes"], r["algorithm"]): r for r in rows}
-        for rows in (load("reduce_beside-h200x2-run1.jsonl"), beside)
-        if rows
-    ]
-    names = ("auto", "auto+fresh", "ring", "ring+fresh")
+    by = {(r["nbytes"], r["algorithm"]): r for r in beside}
+    names = ("ring", "ring+fresh")
     sweep = [
-        [
-            size(n),
-            *(" / ".join(f"{by[n, a]['vs_torch']:.2f}x" if (n, a) in by else "-" for by in launches) for a in names),
-        ]
+        [size(n), *(f"{by[n, a]['vs_torch']:.2f}x" if (n, a) in by else "-" for a in names)]
         for n in sorted({r["nbytes"] for r in beside})
     ]
     return [
@@ -602,10 +595,8 @@ def _direct_reduce_part() -> list[str]:
         table(["path", *(f"{n} MiB" for n in sizes)], rows),
         "In the sweep's harness (`dtrain bench comm --collectives reduce --algorithms torch,native,auto,ring "
         "--min-bytes 8K --max-bytes 1G --factor 4 --iters 20 --trials 5 --warm-s 0.3 --fresh-beside`; "
-        "`reduce_beside-h200x2{-run1,}.jsonl`, two launches, a cell `first / second`), torch.distributed's reduce "
-        "over each (`+fresh`: a new tensor every call). `auto` is NCCL's reduce through dtrain, so where it strays "
-        "from 1.00x the harness's noise shows (its small sizes are host-bound); the first launch ran the ring's "
-        "calls through a longer host path than today's (the probe above is today's):",
+        "`reduce_beside-h200x2.jsonl`), torch.distributed's reduce over the ring's (`+fresh`: a new tensor every "
+        "call); below 16 MiB the chain's host path (a post and a take on the host, every call) sets its pace:",
         table(["size", *names], sweep),
     ]
 

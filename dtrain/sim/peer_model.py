@@ -499,6 +499,9 @@ EXCHANGE_FORMS = {
     ("broadcast", "scatter_allgather"): "relay",
     ("all_reduce", "one_shot"): "reduce",
     ("all_reduce", "direct"): "two_shot",
+    ("reduce", "star"): "rooted",
+    ("gather", "star"): "gather_to",
+    ("scatter", "star"): "scatter_from",
 }
 #: The most bytes a rank puts into a one-pass call (:data:`dtrain.comm.peer.fused.ONE_PASS_MAX_BYTES`) and into the
 #: kernel's one-shot and two-shot all-reduces (:data:`dtrain.comm.peer.fused.REDUCE_MAX_BYTES`,
@@ -524,7 +527,8 @@ EXCHANGE_WORDS = (8, 4, 2, 1)
 
 def exchange_form(collective: str, algorithm: str, nbytes: int) -> str | None:
     """The exchange kernel's form that runs ``algorithm`` for ``collective`` with ``nbytes`` a rank puts in (an
-    all-gather's input, a reduce-scatter's or all-to-all's whole input, the broadcast's or all-reduce's tensor),
+    all-gather's or gather's input, a reduce-scatter's or all-to-all's whole input, the scatter's root's input, the
+    broadcast's, reduce's or all-reduce's tensor),
     or None (a pull plan or torch's kernels run it): the runtime's limits, 8 MiB a rank, 256 KiB a one-shot
     all-reduce, 64 MiB a two-shot one."""
     form = EXCHANGE_FORMS.get((collective, algorithm))
@@ -551,8 +555,11 @@ def exchange_time(
     form: str, world: int, nbytes: int, cost: PeerCost, *, itemsize: int = 4, host_s: float = 0.0
 ) -> ExchangeTime:
     """One call of the exchange kernel in ``form`` (:data:`EXCHANGE_FORMS`'s values) on ``world`` GPUs, each rank
-    putting in ``nbytes`` (as :func:`exchange_form`); ``itemsize``: the element of a sum (the copy forms copy the
-    widest word that divides a block, 8 bytes at most); ``host_s``: the host's time a call.
+    putting in ``nbytes`` (as :func:`exchange_form`; the scatter's root puts in every block, the others nothing);
+    ``itemsize``: the element of a sum (the copy forms copy the widest word that divides a block, 8 bytes at most);
+    ``host_s``: the host's time a call. The reduce's and the gather's root, which reads every peer, is the slowest
+    rank: they are priced as the one-shot all-reduce and the all-gather; the scatter as the broadcast, its readers
+    each taking one block of the root's.
 
     The GPU's time, on the slowest rank: one kernel's ``gpu_op_s``; the copy of the rank's input into its window
     (the broadcast: the root's alone) at ``local_bytes_per_s``; one device barrier, ``barrier_s`` (a signal into
@@ -575,10 +582,10 @@ def exchange_time(
         raise ValueError(f"exchange_time: nbytes {nbytes!r} must be >= 0 and itemsize {itemsize!r} > 0")
     if form == "relay" and world < 3:  # one reader takes the root's whole buffer: the runtime's broadcast form
         form = "broadcast"
-    blocks = world if form in ("exchange", "scatter", "two_shot") else 1  # blocks a rank copies in
+    blocks = world if form in ("exchange", "scatter", "two_shot", "scatter_from") else 1  # blocks a rank copies in
     shares = world - 1 if form == "relay" else blocks  # the parts a program's chunks are cut from
     block = nbytes // shares
-    summed = form in ("scatter", "reduce", "two_shot")
+    summed = form in ("scatter", "reduce", "two_shot", "rooted")
     word = itemsize if summed else next(w for w in EXCHANGE_WORDS if block % w == 0)
     chunk = EXCHANGE_BLOCK * word
     chunks = max(1, -(-block // chunk))
@@ -587,12 +594,12 @@ def exchange_time(
     share = min(-(-chunks // programs) * chunk, block)  # the busiest program's bytes of one block
     per_program = 1 / max(RATE_PROGRAMS, programs)  # of each rate
     local = cost.local_bytes_per_s * per_program
-    if form == "broadcast":
+    if form in ("broadcast", "scatter_from"):
         peer_rate = (
             cost.pair_bytes_per_s if world == 2 else min(cost.pair_bytes_per_s, cost.fanin_bytes_per_s / (world - 1))
         )
-        copy_in = share / local  # the root's; the readers wait for it at the barrier
-        read = share / (peer_rate * per_program)  # a reader takes the root's block, nothing of its own
+        copy_in = blocks * share / local  # the root's; the readers wait for it at the barrier
+        read = share / (peer_rate * per_program)  # a reader takes one block of the root's, nothing of its own
     elif form == "relay":
         # the root copies in every share; each other rank takes its share from the root (the root's port shared
         # by world - 1 readers), stores it twice, passes a second barrier and takes the world - 2 other shares

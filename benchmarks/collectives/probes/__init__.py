@@ -55,3 +55,32 @@ def interleaved(variants: dict, iters: int, rounds: int, device, lone: bool = Fa
                 torch.cuda.synchronize()
                 alone[name].append(slowest(time.perf_counter() - t0))
     return back, host, alone
+
+
+def print_beside_nccl(nbytes: int, checks: dict, times: dict, host: dict, alone: dict, device, width: int) -> None:
+    """On rank 0, one line of ``checks`` (name -> agreed on every rank) and one line a variant of what
+    :func:`interleaved` timed, against its ``"nccl"`` variant: the median round's time a call, GB/s, NCCL's time
+    over it back to back and alone, and every rank's host microseconds a call (``width``: the names' column)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base_t, base_one = statistics.median(times["nccl"]), statistics.median(alone["nccl"])
+    if rank == 0:
+        print(
+            f"{nbytes >> 20:6d} MiB  checks: " + ", ".join(f"{k} {'ok' if v else 'WRONG'}" for k, v in checks.items())
+        )
+    for name, ts in times.items():
+        m, one = statistics.median(ts), statistics.median(alone[name])
+        h = torch.tensor([statistics.median(host[name])], device=device)
+        every = [torch.zeros_like(h) for _ in range(world)]
+        dist.all_gather(every, h)
+        if rank == 0:
+            print(
+                f"{nbytes >> 20:6d} MiB  {name:{width}s} {m * 1e6:9.1f} us  {nbytes / m / 1e9:6.1f} GB/s  "
+                f"{base_t / m:5.2f}x nccl  one call {one * 1e6:8.1f} us {base_one / one:5.2f}x  host us a call by "
+                "rank: " + " ".join(f"{e.item() * 1e6:.1f}" for e in every),
+                flush=True,
+            )

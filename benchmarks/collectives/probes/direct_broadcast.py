@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dtrain import comm
 from dtrain.comm.peer import channels as peer_channels
 from dtrain.comm.peer import direct as peer_direct
-from probes import interleaved
+from probes import interleaved, print_beside_nccl
 
 
 def main() -> None:
@@ -138,25 +138,7 @@ def main() -> None:
 
             variants["bare"] = bare
         times, host, single = interleaved(variants, iters, args.rounds, device, lone=True)
-        base_t, base_one = statistics.median(times["nccl"]), statistics.median(single["nccl"])
-        if rank == 0:
-            print(
-                f"{nbytes >> 20:6d} MiB  checks: "
-                + ", ".join(f"{k} {'ok' if v else 'WRONG'}" for k, v in checks.items())
-            )
-        for name, ts in times.items():
-            m = statistics.median(ts)
-            h = torch.tensor([statistics.median(host[name])], device=device)
-            every = [torch.zeros_like(h) for _ in range(world)]
-            dist.all_gather(every, h)
-            if rank == 0:
-                print(
-                    f"{nbytes >> 20:6d} MiB  {name:9s} {m * 1e6:9.1f} us  {nbytes / m / 1e9:6.1f} GB/s  "
-                    f"{base_t / m:5.2f}x nccl  one call {statistics.median(single[name]) * 1e6:8.1f} us "
-                    f"{base_one / statistics.median(single[name]):5.2f}x  host us a call by rank: "
-                    + " ".join(f"{e.item() * 1e6:.1f}" for e in every),
-                    flush=True,
-                )
+        print_beside_nccl(nbytes, checks, times, host, single, device, 9)
     dist.barrier()
 
 
