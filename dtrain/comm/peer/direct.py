@@ -510,16 +510,20 @@ class DirectChain:
                 if check is not None:
                     check(source)
             except Exception:
-                self._drain(sent, timeout)
-                self._refuse(exposed, timeout)
+                try:
+                    self._drain(sent, timeout)
+                finally:  # the next rank hears of it whatever the drain did
+                    self._refuse(exposed, timeout)
                 raise
         if exposed is not None:
             try:
                 handle, offset = self.memory.name(exposed)
             except DirectRefused:
-                if what is not None:
-                    self._drain(nbytes, timeout)
-                self._refuse(exposed, timeout)
+                try:
+                    if what is not None:
+                        self._drain(nbytes, timeout)
+                finally:
+                    self._refuse(exposed, timeout)
                 raise
             self.mailbox.post(handle, offset, nbytes, timeout)
         return source
