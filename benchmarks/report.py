@@ -332,14 +332,14 @@ def _defaults_beside_part(machine: str) -> list[str]:
             row.append(f"{ratios[0]:.2f}x / {ratios[1]:.2f}x" + ("" if pick == "native" else f" ({pick})"))
         rows.append(row)
     cells = 2 * len(sizes) * len(DEFAULT_COLLECTIVES)
-    earlier_path = f"collectives_defaults_beside-{machine}-run1.jsonl"
-    earlier = load(earlier_path) if (RESULTS / earlier_path).exists() else []
+    other_path = f"collectives_defaults_beside-{machine}-run1.jsonl"
+    other_launch = load(other_path) if (RESULTS / other_path).exists() else []
     other = ""
-    if earlier:
-        was = {(r["collective"], r["nbytes"], r["algorithm"]): r for r in earlier}
+    if other_launch:
+        was = {(r["collective"], r["nbytes"], r["algorithm"]): r for r in other_launch}
         drifts = {
             (c, n): was[c, n, "auto+fresh"]["time_us"] / was[c, n, "auto"]["time_us"]
-            for n in sorted({r["nbytes"] for r in earlier})
+            for n in sorted({r["nbytes"] for r in other_launch})
             for c in DEFAULT_COLLECTIVES
             if (c, n, "auto") in was and (c, n, "auto+fresh") in was
         }
