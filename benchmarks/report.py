@@ -311,27 +311,7 @@ def _defaults_beside_part(machine: str) -> list[str]:
     name = next(r.get("device_name") for r in records if r.get("device_name"))
     where = card(records) if gpus == 4 else f"{gpus} x {name} (one host)"
     title = f"{gpus} x {name.replace('NVIDIA ', '').split()[0]}"
-    by = {(r["collective"], r["nbytes"], r["algorithm"]): r for r in records}
-    sizes = sorted({r["nbytes"] for r in records})
-    rows, apart, below, ours_below = [], [], 0, []
-    for n in sizes:
-        row = [size(n)]
-        for c in DEFAULT_COLLECTIVES:
-            same, fresh = by[c, n, "auto"], by[c, n, "auto+fresh"]
-            ratios = (
-                by[c, n, "torch"]["time_us"] / same["time_us"],
-                by[c, n, "torch+fresh"]["time_us"] / fresh["time_us"],
-            )
-            below += sum(x < 1.0 for x in ratios)
-            if min(ratios) < 1.0 and (same.get("resolved_algorithm") or "?") != "native":
-                ours_below.append(f"{c.replace('_', '-')} at {size(n)}")
-            drift = fresh["time_us"] / same["time_us"]
-            if abs(drift - 1) > 0.10:
-                apart.append(f"{c.replace('_', '-')} at {size(n)} ({drift:.2f})")
-            pick = same.get("resolved_algorithm") or "?"
-            row.append(f"{ratios[0]:.2f}x / {ratios[1]:.2f}x" + ("" if pick == "native" else f" ({pick})"))
-        rows.append(row)
-    cells = 2 * len(sizes) * len(DEFAULT_COLLECTIVES)
+    rows, apart, below, ours_below, cells = _beside_rows(records)
     other_path = f"collectives_defaults_beside-{machine}-run1.jsonl"
     other_launch = load(other_path) if (RESULTS / other_path).exists() else []
     other = ""
@@ -377,7 +357,77 @@ def _defaults_beside_part(machine: str) -> list[str]:
             f"`collectives_defaults_beside-{machine}.jsonl`",
         ),
         table(["size", *(c.replace("_", "-") for c in DEFAULT_COLLECTIVES)], rows),
+        *_between_part(machine, records),
     ]
+
+
+def _beside_rows(records: list[dict]) -> tuple[list[list[str]], list[str], int, list[str], int]:
+    """A fresh-beside sweep's table rows (NCCL's time over ours, same / fresh tensors, and what `auto` ran), the
+    cells where fresh is apart from same by more than 10%, how many ratios are below 1.00x, those among them where
+    `auto` ran one of ours, and the number of ratios."""
+    by = {(r["collective"], r["nbytes"], r["algorithm"]): r for r in records}
+    sizes = sorted({r["nbytes"] for r in records})
+    rows, apart, below, ours_below = [], [], 0, []
+    for n in sizes:
+        row = [size(n)]
+        for c in DEFAULT_COLLECTIVES:
+            same, fresh = by[c, n, "auto"], by[c, n, "auto+fresh"]
+            ratios = (
+                by[c, n, "torch"]["time_us"] / same["time_us"],
+                by[c, n, "torch+fresh"]["time_us"] / fresh["time_us"],
+            )
+            below += sum(x < 1.0 for x in ratios)
+            if min(ratios) < 1.0 and (same.get("resolved_algorithm") or "?") != "native":
+                ours_below.append(f"{c.replace('_', '-')} at {size(n)}")
+            drift = fresh["time_us"] / same["time_us"]
+            if abs(drift - 1) > 0.10:
+                apart.append(f"{c.replace('_', '-')} at {size(n)} ({drift:.2f})")
+            pick = same.get("resolved_algorithm") or "?"
+            row.append(f"{ratios[0]:.2f}x / {ratios[1]:.2f}x" + ("" if pick == "native" else f" ({pick})"))
+        rows.append(row)
+    return rows, apart, below, ours_below, 2 * len(sizes) * len(DEFAULT_COLLECTIVES)
+
+
+def _between_part(machine: str, grid: list[dict]) -> list[str]:
+    """The same sweep at the sizes between the grid's (``collectives_defaults_beside_between-{machine}.jsonl``:
+    every other power of two), so that every power of two from the grid's smallest size to its largest is timed."""
+    path = f"collectives_defaults_beside_between-{machine}.jsonl"
+    records = load(path) if (RESULTS / path).exists() else []
+    if not records:
+        return []
+    rows, apart, below, ours_below, cells = _beside_rows(records)
+    sizes = sorted({r["nbytes"] for r in records})
+    low_ar = min(
+        (r["vs_torch"], r["nbytes"])
+        for r in records
+        if r["collective"] == "all_reduce" and r["algorithm"] == "auto" and r["nbytes"] <= 256 * 1024
+    )
+    return [
+        f"The sizes between, {size(sizes[0])} to {size(sizes[-1])} by factors of 4, in another launch on another "
+        f"lend of the same kind of machine (`DEFAULTS_MIN={size(sizes[0]).replace(' KiB', 'K')} "
+        f"DEFAULTS_MAX={size(sizes[-1]).replace(' MiB', 'M')} benchmarks/gpu/run.sh OUT defaults-beside`; `{path}`): "
+        f"{below} of {cells} ratios below 1.00x"
+        + (
+            ", all where `auto` makes NCCL's own call"
+            if below and not ours_below
+            else (": " + ", ".join(ours_below) if ours_below else "")
+        )
+        + "; fresh apart from same by more than 10% at "
+        + (", ".join(apart) if apart else "no size")
+        + f". The all-reduce's lowest cell up to 256 KiB is {low_ar[0]:.2f}x at {size(low_ar[1])}, on the same "
+        f"tensors (torch.distributed's call {_time_us(records, 'torch', low_ar[1]):.0f} us, ours "
+        f"{_time_us(records, 'auto', low_ar[1]):.0f} us).",
+        table(["size", *(c.replace("_", "-") for c in DEFAULT_COLLECTIVES)], rows),
+    ]
+
+
+def _time_us(records: list[dict], algorithm: str, nbytes: int) -> float:
+    """The all-reduce's time of ``algorithm`` at ``nbytes`` in a sweep's records."""
+    return next(
+        r["time_us"]
+        for r in records
+        if (r["collective"], r["nbytes"], r["algorithm"]) == ("all_reduce", nbytes, algorithm)
+    )
 
 
 def _probe_rows(path: str) -> dict[tuple[bool, int, str], tuple[float, float]]:
