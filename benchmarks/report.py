@@ -178,9 +178,11 @@ def section_collectives() -> str:
         *_defaults_part(),
         *_defaults_beside_part("h100x4"),
         *_defaults_beside_part("h200x2"),
+        *_defaults_beside_part("h200x4"),
         *_direct_broadcast_part(),
         *_reduce_one_pass_part(),
         *_gather_scatter_part(),
+        *_rooted_one_pass_4_part(),
         *_direct_reduce_part(),
         *_wide_part(),
         *_one_pass_part(),
@@ -345,7 +347,7 @@ def _defaults_beside_part(machine: str) -> list[str]:
         + (
             "all of them where `auto` makes NCCL's own call (its spread against torch.distributed's identical call)"
             if not ours_below
-            else "among them where `auto` runs one of ours: " + ", ".join(ours_below)
+            else "among them where `auto` runs one of ours or NCCL's wide communicator: " + ", ".join(ours_below)
         )
         + ". Ours on fresh tensors is within 10% of ours on the same ones everywhere"
         + (" but " + ", ".join(apart) + " (fresh time over same)." if apart else ".")
@@ -403,14 +405,15 @@ def _between_part(machine: str, grid: list[dict]) -> list[str]:
         if r["collective"] == "all_reduce" and r["algorithm"] == "auto" and r["nbytes"] <= 256 * 1024
     )
     return [
-        f"The sizes between, {size(sizes[0])} to {size(sizes[-1])} by factors of 4, in another launch on another "
-        f"lend of the same kind of machine (`DEFAULTS_MIN={size(sizes[0]).replace(' KiB', 'K')} "
-        f"DEFAULTS_MAX={size(sizes[-1]).replace(' MiB', 'M')} benchmarks/gpu/run.sh OUT defaults-beside`; `{path}`): "
-        f"{below} of {cells} ratios below 1.00x"
+        f"The sizes between, {size(sizes[0])} to {size(sizes[-1])} by factors of 4, in another launch "
+        f"(`DEFAULTS_MIN={size(sizes[0]).replace(' KiB', 'K')} DEFAULTS_MAX={size(sizes[-1]).replace(' MiB', 'M')} "
+        f"benchmarks/gpu/run.sh OUT defaults-beside`; `{path}`): {below} of {cells} ratios below 1.00x"
         + (
-            ", all where `auto` makes NCCL's own call"
-            if below and not ours_below
-            else (": " + ", ".join(ours_below) if ours_below else "")
+            f", {len(ours_below)} of them where `auto` runs one of ours or NCCL's wide communicator ("
+            + ", ".join(ours_below)
+            + ")"
+            if ours_below
+            else (", all where `auto` makes NCCL's own call" if below else "")
         )
         + "; fresh apart from same by more than 10% at "
         + (", ".join(apart) if apart else "no size")
@@ -502,6 +505,38 @@ def _direct_broadcast_part() -> list[str]:
         "`broadcast_ring_beside-h200x2.jsonl`), where fresh tensors beside the same ones cut a run to the calls "
         "whose tensors fit in 1 GiB, the ring against torch.distributed's call: " + "; ".join(harness) + ".",
         *_lone_part(),
+        *_direct_broadcast_4_part(),
+    ]
+
+
+def _direct_broadcast_4_part() -> list[str]:
+    """The same probe on 4 H200s, where the chain passes the buffer on three times."""
+    found = _probe_rows("probe-direct-broadcast-h200x4.txt")
+    if not found:
+        return []
+    sizes = sorted({n for _, n, _ in found})
+    rows = [
+        [
+            variant + (" fresh" if fresh else ""),
+            *(f"{found[fresh, n, variant][0]:.2f}x / {found[fresh, n, variant][1]:.2f}x" for n in sizes),
+        ]
+        for variant in ("api ring", "direct", "api auto")
+        for fresh in (False, True)
+        if all((fresh, n, variant) in found for n in sizes)
+    ]
+    ring = [found[f, n, "api ring"][0] for f in (False, True) for n in sizes if (f, n, "api ring") in found]
+    return [
+        "On 4 x H200 the chain passes the buffer on three times, each rank copying from its predecessor as the pieces "
+        f"arrive, and NCCL's broadcast ran at 250-356 GB/s: back to back the chain reached {min(ring):.2f}-"
+        f"{max(ring):.2f}x NCCL's speed from {sizes[0]} MiB to {sizes[-1]} MiB, so on 4 GPUs too `auto` keeps "
+        "NCCL's broadcast (`api auto`).",
+        setting(
+            "4 x NVIDIA H200 (one host, NVLink through NVSwitch)",
+            "torch 2.11.0+cu130, NCCL 2.28.9, NVLink multicast off",
+            "torchrun --nproc-per-node 4 benchmarks/collectives/probe.py direct-broadcast [--fresh]",
+            "`probe-direct-broadcast-h200x4.txt`",
+        ),
+        table(["path", *(f"{n} MiB" for n in sizes)], rows),
     ]
 
 
@@ -596,6 +631,59 @@ def _gather_scatter_part() -> list[str]:
             table(["size", "auto", "auto+fresh"], cells(defaults, coll, ("auto", "auto+fresh"))),
         ]
     return parts
+
+
+def _rooted_one_pass_4_part() -> list[str]:
+    """The reduce, the gather and the scatter in one pass on 4 H200s, beside NCCL's (the band `auto` takes)."""
+    reduce = load("reduce_one_pass-h200x4.jsonl")
+    rooted = load("gather_scatter_one_pass-h200x4.jsonl")
+    if not reduce or not rooted:
+        return []
+    sizes = sorted({r["nbytes"] for r in reduce} | {r["nbytes"] for r in rooted})
+
+    def cell(rows, coll, base, n):
+        by = {(r["nbytes"], r["algorithm"]): r for r in rows if r["collective"] == coll}
+        if (n, "star") not in by:
+            return "-"
+        same = by[n, base]["time_us"] / by[n, "star"]["time_us"]
+        fresh = by[n, base + "+fresh"]["time_us"] / by[n, "star+fresh"]["time_us"]
+        return f"{same:.2f}x / {fresh:.2f}x"
+
+    rows = [
+        [
+            size(n),
+            cell(reduce, "reduce", "torch", n),
+            cell(rooted, "gather", "native", n),
+            cell(rooted, "scatter", "native", n),
+        ]
+        for n in sizes
+    ]
+    return [
+        "#### The reduce, the gather and the scatter in one pass (4 x H200)",
+        "The rooted forms of the exchange kernel above on 4 GPUs. A cell is NCCL's time over the star's, same tensors "
+        "/ fresh tensors: for the reduce torch.distributed's call, for the gather and the scatter `native` (NCCL's "
+        "point-to-point messages through dtrain, as above); sizes the reduce's tensor, the gather's output and the "
+        "scatter's input. The reduce's root reads three windows through its one NVLink port, which binds from 4 MiB; "
+        "the built-in rules give `auto` the star where it led here (the reduce to 2 MiB, the gather to 32 MiB of "
+        "output, the scatter to 8 MiB) and NCCL's call above. `dtrain bench verify` on the same machine checked "
+        f"every form against NCCL's result (`verify-h200x4.txt`: {_verified('verify-h200x4.txt')}).",
+        setting(
+            "4 x NVIDIA H200 (one host, NVLink through NVSwitch)",
+            gpu_software(reduce),
+            "torchrun --nproc-per-node 4 -m dtrain bench comm --collectives reduce --algorithms torch,native,star,auto "
+            "(and --collectives gather,scatter --algorithms native,star,auto) --min-bytes 8K --max-bytes 32M "
+            "--factor 2 --iters 20 --trials 5 --warm-s 0.3 --fresh-beside",
+            "`reduce_one_pass-h200x4.jsonl`, `gather_scatter_one_pass-h200x4.jsonl`",
+        ),
+        table(["size", "reduce", "gather", "scatter"], rows),
+    ]
+
+
+def _verified(path: str) -> str:
+    """How many of a `dtrain bench verify` output's checks passed: "N of M ok"."""
+    lines = (RESULTS / path).read_text().splitlines() if (RESULTS / path).exists() else []
+    checks = [line for line in lines if re.match(r"(ok|fail|mismatch)\b", line, re.IGNORECASE)]
+    return f"{sum(line.startswith('ok') for line in checks)} of {len(checks)} ok"
 
 
 def _direct_reduce_part() -> list[str]:

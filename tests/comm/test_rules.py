@@ -133,12 +133,15 @@ def test_built_in_rules_cover_only_what_was_measured_and_native_runs_elsewhere(m
     assert peer2.pick("all_to_all", 64 << 20) == "native_wide" and peer4.pick("all_to_all", 1 << 30) == "native"
     assert [peer2.pick("broadcast", n) for n in sizes] == ["star"] * 4 + ["native"] * 2
     assert peer2.pick("broadcast", 1 << 30) == "native" and peer4.pick("broadcast", 1 << 30) == "native"
-    # the one-pass reduce on 2 GPUs up to its 8 MiB, NCCL's above; on 4 (not measured) NCCL's throughout
+    # the one-pass reduce on 2 GPUs up to its 8 MiB, NCCL's above; on 4 to 2 MiB, where the root's port carrying
+    # three windows binds from 4 MiB
     assert [peer2.pick("reduce", n) for n in sizes] == ["star"] * 4 + ["native"] * 2
-    assert peer4.pick("reduce", 8 << 10) is None
-    # the gather (by its output) and the scatter (by its input) in one pass on 2 GPUs, to 8 MiB a rank put in
+    assert [peer4.pick("reduce", n) for n in sizes] == ["star"] * 2 + ["native"] * 4
+    # the gather (by its output) and the scatter (by its input) in one pass, to 8 MiB a rank put in
     assert [peer2.pick("gather", n) for n in sizes] == ["star"] * 5 + ["native"]
     assert [peer2.pick("scatter", n) for n in sizes] == ["star"] * 4 + ["native"] * 2
+    assert [peer4.pick("gather", n) for n in sizes] == ["star"] * 6 and peer4.pick("gather", 64 << 20) == "native"
+    assert [peer4.pick("scatter", n) for n in sizes] == ["star"] * 4 + ["native"] * 2
     # on 4 GPUs the star's root links bind from 4 MiB: the scatter-allgather sends its buffer once, to 4 MiB
     assert [peer4.pick("broadcast", n) for n in sizes] == ["star"] * 2 + ["scatter_allgather"] + ["native"] * 3
     # the all-gather by its output: up to the one pass's 8 MiB a rank on 2 GPUs, to 16 MiB (of 32) on 4

@@ -213,13 +213,15 @@ _PEER_ALL_REDUCE_4 = (
 #: 0.95-1.00x NCCL's reduce from 64 MiB on 2 H200s (probe-direct-reduce-h200x2.txt): past the one pass, the
 #: reduce is ``native``. The one-pass reduce (``star``: every rank's tensor into its window, one barrier, the
 #: root's sum of the windows) ran on 2 H200s at 1.54-2.08x torch.distributed's NCCL call from 8 KiB to 4 MiB and
-#: 1.19-1.25x at 8 MiB, same and fresh tensors (reduce_one_pass-h200x2.jsonl); on 4 GPUs it is not measured, and
-#: the reduce stays ``native``. So do the gather and the scatter in one pass (``star``: every rank's input into its
-#: window and the root reading them all; the root's input into its window and every rank reading its block), where
-#: torch.distributed's NCCL calls are point-to-point messages: on 2 H200s the gather at 4.1-6.6x its speed from
-#: 8 KiB to 8 MiB and 2.7-3.0x at 16 MiB (its output; 8 MiB a rank), the scatter at 3.5-5.0x to 8 MiB, same and
-#: fresh tensors (gather_scatter_one_pass-h200x2.jsonl); past the one pass the star a round at a time ran the
-#: scatter at 0.66-0.69x, so NCCL's runs there.
+#: 1.19-1.25x at 8 MiB, same and fresh tensors (reduce_one_pass-h200x2.jsonl); on 4 H200s at 1.56-2.07x to 2 MiB,
+#: 1.01x at 4 MiB and 0.55-0.60x at 8 MiB, where the root's port carries three windows (reduce_one_pass-h200x4.jsonl).
+#: So do the gather and the scatter in one pass (``star``: every rank's input into its window and the root reading
+#: them all; the root's input into its window and every rank reading its block), where torch.distributed's NCCL
+#: calls are point-to-point messages: on 2 H200s the gather at 4.1-6.6x its speed from 8 KiB to 8 MiB and 2.7-3.0x
+#: at 16 MiB (its output; 8 MiB a rank), the scatter at 3.5-5.0x to 8 MiB, same and fresh tensors
+#: (gather_scatter_one_pass-h200x2.jsonl); past the one pass the star a round at a time ran the scatter at
+#: 0.66-0.69x, so NCCL's runs there. On 4 H200s the gather ran at 2.3-6.7x to 32 MiB of output (8 MiB a rank), the
+#: scatter at 4.0-5.3x to 8 MiB and 0.67-0.78x from 16 MiB (gather_scatter_one_pass-h200x4.jsonl).
 #: Below 16 MiB the all-reduce keeps the default communicator: one H100 launch ran the 64-CTA one at 1.22x at 4 MiB
 #: and 0.99x at 8, but two launches on 4 H200s ran it at 0.90-0.96x from 2 to 5 MiB and 0.96-1.03x from 6 to
 #: 12 MiB (probe-nccl-ctas-ar-mid-h200x4-run{1,2}.txt).
@@ -246,6 +248,9 @@ _PEER_4 = {
         (math.isqrt(2 * _MIB * 4 * _MIB) + 1, "scatter_allgather"),
         (math.isqrt(4 * _MIB * 8 * _MIB) + 1, NATIVE),
     ),
+    "reduce": ((0, "star"), (math.isqrt(2 * _MIB * 4 * _MIB) + 1, NATIVE)),
+    "gather": ((0, "star"), (4 * 8 * _MIB + 1, NATIVE)),
+    "scatter": ((0, "star"), (8 * _MIB + 1, NATIVE)),
 }
 
 #: Built-in rules, used where no rules file covers a group: measured winners. Side by side with NCCL 2.28
