@@ -103,3 +103,20 @@ def test_a_size_sweep_ends_at_its_largest_size():
     assert BenchConfig().sizes("cuda") == [8 << 10 << 2 * k for k in range(9)] + [1 << 30]  # 8 KiB .. 512 MiB, 1 GiB
     assert BenchConfig().sizes("cpu") == [1 << 10 << 2 * k for k in range(9)]  # 1 KiB .. 64 MiB in steps of 4
     assert BenchConfig(min_bytes=4096, max_bytes=4096).sizes("cpu") == [4096]
+
+
+@pytest.mark.parametrize(
+    ("config", "problem"),
+    [
+        ({"min_bytes": 0, "max_bytes": 1024}, "min_bytes must be a whole number of bytes >= 1"),  # else no end
+        ({"max_bytes": -1}, "max_bytes must be"),
+        ({"algorithms": ["butterfly", "ring"]}, "algorithms ['butterfly'] run none of all_reduce"),
+        ({"collectives": ["broadcast"], "algorithms": ["one_shot"]}, "run none of broadcast"),
+    ],
+)
+def test_a_sweep_refuses_sizes_without_an_end_and_names_that_run_nothing(config, problem):
+    from dtrain.bench.comm import BenchConfig
+
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        BenchConfig(**config)
+    assert BenchConfig(collectives=["all_reduce", "broadcast"], algorithms=["torch", "one_shot", "star@peer"])

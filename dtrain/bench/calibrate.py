@@ -22,6 +22,8 @@ __all__ = ["run", "calibrate_on_rank", "run_rules", "rules_on_rank", "run_from_a
 
 def run(nproc: int, out: str | None = None, repeats: int = 10, sizes: tuple[int, ...] | None = None) -> dict:
     """Calibrate on ``nproc`` local ranks (or the torchrun job this process is in); the saved params."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"--repeats must be a whole number >= 1 (timed calls a size), got {repeats!r}")
     return run_ranks(calibrate_on_rank, nproc, out, repeats, sizes)
 
 

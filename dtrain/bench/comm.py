@@ -118,10 +118,31 @@ class BenchConfig:
                 f"need iters >= 1, trials >= 1, warmup >= 0, warm_s >= 0; got {self.iters}, {self.trials}, "
                 f"{self.warmup}, {self.warm_s}"
             )
+        for name in ("min_bytes", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a whole number of bytes >= 1, got {value!r}")
         if self.min_bytes is not None and self.max_bytes is not None and self.min_bytes > self.max_bytes:
             raise ValueError(f"min_bytes {self.min_bytes} is above max_bytes {self.max_bytes}")
+        if self.algorithms is not None:
+            self._check_algorithms()
         if self.fresh and self.fresh_beside:
             raise ValueError("--fresh and --fresh-beside: --fresh-beside already times fresh tensors, beside the same")
+
+    def _check_algorithms(self) -> None:
+        """Every name of ``algorithms`` runs at least one of ``collectives`` (a name another collective has, or a
+        typo, would be dropped from every case without a word)."""
+        from dtrain import comm
+
+        known = {TORCH}
+        for coll in self.collectives:
+            known |= {"auto", "dissemination", "native"} if coll == "barrier" else set(comm.algorithms(coll))
+        unknown = [a for a in self.algorithms if a.partition("@")[0] not in known]
+        if unknown:
+            raise ValueError(
+                f"algorithms {unknown} run none of {', '.join(self.collectives)}; known: {', '.join(sorted(known))} "
+                "(ours may end in @p2p or @peer)"
+            )
 
     def sizes(self, device_type: str) -> list[int]:
         lo = self.min_bytes if self.min_bytes is not None else (1 << 10 if device_type == "cpu" else 8 << 10)

@@ -67,6 +67,12 @@ def algorithms(collective: str) -> list[str]:
 
 def _resolve(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device, local_size, group):
     if algorithm != "auto":
+        if world > 1 and _pipelines(coll, algorithm):  # its pieces come from the cost parameters: alike on every rank
+            key = dist.group.WORLD if group is None else group
+            state = find_state(key)
+            if state is None or device.type not in state.params_agreed:
+                _agree_on_params(key, (device.type,), device, "algorithm=" + repr(algorithm))
+                group_state(key).params_agreed.add(device.type)
         return algorithm
     usable = local_size if local_size and world % local_size == 0 and 1 < local_size < world else None
     kind = _kind(group, device)
@@ -154,12 +160,41 @@ def _own_rules(kind: str, world: int):
 
 
 @lru_cache(maxsize=4)
-def _choice_digest(kind: str) -> int:
-    """A digest of the cost parameters ``auto`` and the pipelining choose with on this rank, of this kind and of
-    its device type, as loaded (the rules come from rank 0)."""
-    device_type = kind.removesuffix("-peer").removesuffix("-mpi")
-    seen = (kind, repr(_params(kind)), repr(_params(device_type)))
+def _choice_digest(kinds: tuple[str, ...]) -> int:
+    """A digest of the cost parameters this rank chooses with for ``kinds`` (a kind of group and its device type:
+    what ``auto`` and the pipelining read), as loaded (the rules come from rank 0)."""
+    seen = tuple((kind, repr(_params(kind))) for kind in kinds)
     return int.from_bytes(hashlib.sha256(repr(seen).encode()).digest()[:8], "little", signed=True)
+
+
+#: What a rank puts into the digests' all-gather when it cannot read its calibration file.
+_UNREADABLE = -(1 << 63)
+
+
+def _agree_on_params(group, kinds: tuple[str, ...], device: torch.device, what: str) -> None:
+    """Check, with one all-gather, that every rank of ``group`` prices with the same cost parameters for ``kinds``
+    (:func:`_choice_digest`); ranks that differ, or a rank that cannot read its calibration file, make every rank
+    raise the same ``ValueError`` rather than choose apart."""
+    from dtrain.comm.cost import model as cost
+
+    try:
+        digest, problem = _choice_digest(kinds), None
+    except ValueError as err:
+        digest, problem = _UNREADABLE, str(err).splitlines()[0]
+    every = _all_gather_int64(group, digest, device)
+    unreadable = sorted(r for r, t in enumerate(every) if t == _UNREADABLE)
+    if unreadable:
+        raise ValueError(
+            f"{what}: "
+            + (problem or f"group ranks {unreadable} cannot read their calibration file (DTRAIN_CALIBRATION)")
+        )
+    differ = sorted({r for r, t in enumerate(every) if t != every[0]})
+    if differ:
+        raise ValueError(
+            f"{what}: the ranks of this group price with different calibration files (group ranks "
+            f"{differ} differ from rank 0; this rank reads {cost.params_path(kinds[0])}); give every rank the same "
+            "file (DTRAIN_CALIBRATION) or name the algorithm"
+        )
 
 
 def _kind(group, device: torch.device) -> str:
@@ -227,23 +262,14 @@ def _agree_on_choices(group, kind: str, device: torch.device, world: int) -> Non
     if _group_rank(group) == 0:
         try:
             mine = _own_rules(kind, world)
-        except ValueError as err:  # a named file that is not rules: every rank hears of it
-            mine = {"error": str(err)}
+        except Exception as err:  # a named file that is not rules, or cannot be read: every rank hears of it
+            mine = {"error": str(err).splitlines()[0] if str(err) else type(err).__name__}
     missing = mine is None and comm_env().autotune
     text = json.dumps(mine.to_dict() if isinstance(mine, rules.Rules) else mine or {"missing": missing})
     decided = json.loads(_from_rank0(group, text.encode(), device).decode())
     if "error" in decided:
         raise ValueError(f"algorithm='auto' (rank 0's rules): {decided['error']}")
-    every = _all_gather_int64(group, _choice_digest(kind), device)
-    differ = sorted({r for r, t in enumerate(every) if t != every[0]})
-    if differ:
-        from dtrain.comm.cost import model as cost
-
-        raise ValueError(
-            f"algorithm='auto': the ranks of this group price with different calibration files (group ranks "
-            f"{differ} differ from rank 0; this rank reads {cost.params_path(kind)}); give every rank the same "
-            "file (DTRAIN_CALIBRATION) or name the algorithm"
-        )
+    _agree_on_params(group, (kind, kind.removesuffix("-peer").removesuffix("-mpi")), device, "algorithm='auto'")
     state = group_state(group)
     if decided.get("missing"):
         import importlib
@@ -259,9 +285,19 @@ def _agree_on_choices(group, kind: str, device: torch.device, world: int) -> Non
     changed()
 
 
+def _pipelines(coll: Collective, algorithm: str) -> bool:
+    """Whether ``algorithm`` (a name as given, with or without its transport) runs ``coll`` in pieces whose count
+    the cost parameters decide (:func:`_pipeline`)."""
+    name = algorithm.partition("@")[0]
+    return (name == "ring" and coll in (Collective.BROADCAST, Collective.REDUCE)) or (
+        name == "linear" and coll is Collective.SCAN
+    )
+
+
 def _pipeline(coll: Collective, algorithm: str, world: int, nbytes: int, device: torch.device) -> int:
-    """Pieces for a pipelined chain (ring broadcast and reduce), from the cost model's optimum."""
-    if algorithm != "ring" or coll not in (Collective.BROADCAST, Collective.REDUCE):
+    """Pieces for a pipelined chain (ring broadcast and reduce, linear scan), from the cost model's optimum: the
+    pieces the cost model prices it with (:data:`dtrain.comm.cost.forms.CLOSED_FORMS`' ``pipelined``)."""
+    if not _pipelines(coll, algorithm):
         return 1
     from dtrain.comm.cost import model as cost
 
@@ -939,7 +975,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
     rank, world, chosen, local = _prepare(Collective.ALL_REDUCE, algorithm, group, tensor.numel(), tensor, what)
     fusable = algorithm != "auto" or chosen not in fused.FORMS or not tensor.is_cuda
     if not (
-        fusable or (fused.supports(chosen, tensor.dtype, op, tensor.device) and fused.measured(chosen, tensor, world))
+        fusable
+        or (
+            fused.supports(chosen, tensor.dtype, op, tensor.device, tensor.numel(), world)
+            and fused.measured(chosen, tensor, world)
+        )
     ):
         chosen = "native"  # measured as our kernel; without it (another dtype or reduction) NCCL's is faster
     if chosen in NATIVE_CHOICES:
@@ -1139,7 +1179,7 @@ def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group=No
     check_root(src, world, "src", what)
     if rank == src:
         check_tensor(input, "input", what)
-        check_pair(input, output, world * output.numel(), what)
+        check_pair(input, output, world * output.numel(), what, names=("input", "output"))
     m = output.numel()
     rank, world, chosen, local = _prepare(coll, algorithm, group, world * m, output, what)
     # in one pass a rank but the root puts nothing in: its output stands in for the input it has not
@@ -1171,7 +1211,7 @@ def reduce_scatter(
     check_tensor(output, "output", what)
     check_op(op, input.dtype, what)
     rank, world = group_info(group, what)
-    check_pair(input, output, world * output.numel(), what)
+    check_pair(input, output, world * output.numel(), what, names=("input", "output"))
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
     chosen = _one_pass_first(coll, algorithm, chosen, group, output, input, op=op)
     if chosen is None:
@@ -1255,7 +1295,7 @@ def barrier(group=None, algorithm: str = "dissemination") -> None:
             dist.barrier(group=group)
         return
     token = torch.ones(1, dtype=torch.int32, device=_barrier_device(group))
-    _run(Collective.BARRIER, "dissemination", token, group, "max")
+    _run(Collective.BARRIER, "dissemination" if algorithm == "auto" else algorithm, token, group, "max")
     if token.is_cuda:
         torch.cuda.current_stream().synchronize()
 

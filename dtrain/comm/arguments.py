@@ -87,13 +87,18 @@ def check_root(root: int, world: int, name: str, what: str) -> None:
         raise ValueError(f"{what}: {name}={root!r} is outside the group's ranks 0..{world - 1}")
 
 
-def check_pair(out: torch.Tensor, inp: torch.Tensor, out_numel: int, what: str) -> None:
+def check_pair(
+    out: torch.Tensor, inp: torch.Tensor, out_numel: int, what: str, names: tuple[str, str] = ("output", "input")
+) -> None:
+    """``out`` and ``inp`` share a dtype and a device, and ``out`` has ``out_numel`` elements; ``names``: what the
+    call calls them (the scatter and the reduce-scatter check their input's size against their output's)."""
+    first, second = names
     if out.dtype != inp.dtype:
-        raise ValueError(f"{what}: output dtype {out.dtype} differs from input dtype {inp.dtype}")
+        raise ValueError(f"{what}: {first} dtype {out.dtype} differs from {second} dtype {inp.dtype}")
     if out.device != inp.device:
-        raise ValueError(f"{what}: output is on {out.device} but input is on {inp.device}")
+        raise ValueError(f"{what}: {first} is on {out.device} but {second} is on {inp.device}")
     if out.numel() != out_numel:
-        raise ValueError(f"{what}: output has {out.numel()} elements, expected {out_numel}")
+        raise ValueError(f"{what}: {first} has {out.numel()} elements, expected {out_numel}")
 
 
 def check_algorithm(coll: Collective, algorithm: str, world: int, group, what: str) -> int | None:

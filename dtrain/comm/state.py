@@ -67,6 +67,8 @@ class GroupState:
         self.local_size: int | None = None
         #: the kinds ("cpu", "cuda-peer", ...) whose ``auto`` choices the group's ranks checked alike
         self.agreed: set[str] = set()
+        #: the device types whose cost parameters (the pipelining's) the group's ranks checked alike
+        self.params_agreed: set[str] = set()
         #: kind -> the measured rules rank 0 sent (``None``: none), which every rank's ``auto`` follows
         self.rules: dict = {}
         #: (collective, bytes, world, kind, node size) -> what ``auto`` chose, kept
@@ -115,6 +117,7 @@ class GroupState:
         self.drop_windows()
         self.available.clear()
         self.agreed.clear()
+        self.params_agreed.clear()
         self.rules.clear()
         self.choices.clear()
         self.fell_back = False

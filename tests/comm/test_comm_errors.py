@@ -14,12 +14,12 @@ BAD_INPUT = {
     "dst": "dst=-1 is outside",
     "all_gather_size": "output has 7 elements, expected 8",
     "dtype_mismatch": "differs from input dtype",
-    "reduce_scatter_size": "has 4 elements, expected 6",
+    "reduce_scatter_size": "reduce_scatter: input has 4 elements, expected 6",
     "all_to_all_size": "not a multiple of the group size 2",
     "dtype": "complex64",
     "not_tensor": "must be a torch.Tensor",
     "hierarchical_no_nodes": "needs the node size",
-    "scatter_input": "has 5 elements, expected 4",
+    "scatter_input": "scatter: input has 5 elements, expected 4",
 }
 
 
@@ -49,6 +49,13 @@ def test_barrier_waits_for_the_last_rank(pool):
     waited = pool.run(jobs.run_barrier, 4, 3, 0.5, ranks=4)
     assert min(waited[:3]) > 0.4
     assert waited[3] < 0.4
+    waited = pool.run(jobs.run_barrier, 2, 1, 0.5, "dissemination@peer", ranks=2)
+    assert waited[0] > 0.4 and waited[1] < 0.4
+
+
+def test_a_barrier_named_with_a_transport_runs_on_it(pool):
+    assert pool.run(jobs.barrier_transport, 2, "dissemination@peer", ranks=2) == ["peer", "peer"]
+    assert pool.run(jobs.barrier_transport, 2, "dissemination@p2p", ranks=2) == ["p2p", "p2p"]
 
 
 def test_a_round_timeout_overrides_a_long_group_timeout(pool):

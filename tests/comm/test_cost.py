@@ -361,3 +361,14 @@ def test_fit_line_recovers_alpha_and_beta_from_exact_timings(alpha, beta):
 
     fitted = fit_line(DEFAULT_SIZES, [alpha + beta * n for n in DEFAULT_SIZES])
     assert fitted == pytest.approx((alpha, beta), rel=1e-6, abs=1e-15)
+
+
+def test_the_runtime_pipelines_exactly_the_forms_the_model_prices_as_pipelined():
+    """A form priced in pieces must run in pieces (and with the same piece count), or the model's choice among
+    algorithms compares a pipelined price with an unpipelined run."""
+    from dtrain.comm import api
+    from dtrain.comm.cost.forms import CLOSED_FORMS
+
+    for (coll, algorithm), form in CLOSED_FORMS.items():
+        assert api._pipelines(coll, algorithm) is form.pipelined, (coll, algorithm)
+        assert api._pipelines(coll, algorithm + "@peer") is form.pipelined, (coll, algorithm)

@@ -59,11 +59,24 @@ def test_rules_round_trip_through_a_file(tmp_path):
         (json.dumps({"kind": "cpu", "world_size": 0, "rules": {}}), "world_size"),
         (json.dumps({"kind": "cpu", "world_size": 2, "rules": {"all_reduce": [[5, "ring"]]}}), "start at 0"),
         (json.dumps({"kind": "cpu", "world_size": 2, "rules": {"all_reduce": [[0, "a"], [0, "b"]]}}), "rise"),
+        ('{"kind": "cpu", "world_size": 2, "rules": {"all_reduce": [[0, "ring"], [Infinity, "native"]]}}', "malformed"),
+        (json.dumps({"kind": "cpu", "world_size": 2, "rules": {"all_reduce": [[0, "rnig"]]}}), "'rnig', not one"),
+        (json.dumps({"kind": "cpu", "world_size": 2, "rules": {"allreduce": [[0, "ring"]]}}), "unknown collective"),
+        (json.dumps({"kind": "cpu", "world_size": 2, "rules": {"all_reduce": [[0, "ring@nvlink"]]}}), "not one"),
+        (json.dumps({"kind": "cpu", "world_size": 2, "rules": {"all_reduce": [[0, "native@peer"]]}}), "not one"),
+        (json.dumps({"kind": "cpu", "world_size": 2, "rules": {"broadcast": [[0, "one_shot"]]}}), "not one"),
+        (b"\xff\xfe", "not a dtrain rules file"),
+        (None, "not a dtrain rules file"),  # a directory
     ],
 )
 def test_a_bad_rules_file_is_an_error_naming_it(tmp_path, text, problem):
     path = tmp_path / "rules.json"
-    path.write_text(text)
+    if text is None:
+        path.mkdir()
+    elif isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
     with pytest.raises(ValueError, match=problem) as err:
         rules.load_rules("cpu", path)
     assert str(path) in str(err.value)
@@ -199,3 +212,62 @@ def test_native_wide_runs_the_backends_own_call_on_the_group_where_no_wide_commu
     assert out == [{"right": True, "asked": 3, "got": [False] * 3, "chosen": "native_wide"}] * 2
     off = pool.run(jobs.wide_with_rules, 2, path, 64, "0", ranks=2)
     assert off == [{"right": True, "asked": 0, "got": [], "chosen": "native_wide"}] * 2
+
+
+def test_every_known_name_passes_the_rules_check():
+    """Ours (with a transport or without), native, native_wide and model, for every collective."""
+    from dtrain.comm.ir.algorithms import registry
+    from dtrain.comm.ir.schedule import Collective
+
+    for coll in Collective:
+        names = [*registry.names(coll), rules.NATIVE, rules.NATIVE_WIDE, rules.MODEL]
+        names += [f"{n}@{t}" for n in registry.names(coll) for t in rules.TRANSPORTS]
+        Rules(kind="cpu", world_size=2, table={coll.value: tuple((i, n) for i, n in enumerate(names))})
+
+
+@pytest.mark.parametrize(
+    ("contents", "expect"),
+    [
+        ((None, None), ("right", "right")),
+        # a bad file on one rank: every rank raises, none waits; that rank names its file, the others the rank
+        (
+            (None, "null"),
+            ("group ranks [1] cannot read their calibration file", "cal-1.json: not a dtrain calibration"),
+        ),
+        (("truncated", "truncated"), ("cal-0.json: not a dtrain calibration", "cal-1.json: not a dtrain calibration")),
+        (("valid-a", "valid-b"), ("different calibration files", "different calibration files")),
+        (("valid-a", "valid-a"), ("right", "right")),
+    ],
+)
+def test_ranks_check_their_calibration_alike_before_auto_or_a_pipelined_ring(pool, tmp_path, contents, expect):
+    """``auto`` and the ring broadcast (its pieces come from the calibration) run only where every rank prices
+    with the same readable calibration; otherwise every rank raises a one-line ``ValueError`` naming it."""
+    from dtrain.comm.cost.model import LinkCost
+    from dtrain.comm.cost.params import CostParams
+
+    def params(alpha: float) -> str:
+        link = LinkCost(alpha_s=alpha, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-10)
+        return json.dumps(CostParams(intra=link).to_dict())
+
+    files = {
+        "null": "null",
+        "truncated": '{"intra": {"alpha_s": 1e-5,',
+        "valid-a": params(1e-5),
+        "valid-b": params(2e-5),
+    }
+    paths = []
+    for rank, name in enumerate(contents):
+        if name is None:
+            paths.append(None)
+            continue
+        path = tmp_path / f"cal-{rank}.json"
+        path.write_text(files[name])
+        paths.append(str(path))
+    out = pool.run(jobs.calibrated_calls, 2, paths, ranks=2)
+    for rank, result in enumerate(out):
+        for call in ("auto", "ring"):
+            if expect[rank] == "right":
+                assert result[call] is True, out
+            else:
+                assert isinstance(result[call], str) and expect[rank] in result[call], out
+                assert "\n" not in result[call]

@@ -165,14 +165,37 @@ def check_against_native(coll: str, algorithm: str, world: int, size: int, seed:
     return (results[0] - results[1]).abs().max().item() / max(scale, 1e-30) if results[0].numel() else 0.0
 
 
-def run_barrier(world: int, late_rank: int, delay_s: float) -> float:
+def run_barrier(world: int, late_rank: int, delay_s: float, algorithm: str = "dissemination") -> float:
     """Rank ``late_rank`` enters the barrier ``delay_s`` late; returns when this rank got out."""
     group = group_of(world)
     if dist.get_rank(group) == late_rank:
         time.sleep(delay_s)
     start = time.monotonic()
-    comm.barrier(group=group)
+    comm.barrier(group=group, algorithm=algorithm)
     return time.monotonic() - start
+
+
+def barrier_transport(world: int, algorithm: str) -> str:
+    """The transport a barrier named ``algorithm`` ran on (``DTRAIN_COMM_TRANSPORT=auto``: a name may choose)."""
+    from dtrain.comm import api
+
+    group = group_of(world)
+    seen = []
+    real = api._via
+
+    def spy(group, device, name):
+        picked = real(group, device, name)
+        seen.append(picked[1])
+        return picked
+
+    os.environ["DTRAIN_COMM_TRANSPORT"] = "auto"
+    api._via = spy
+    try:
+        comm.barrier(group=group, algorithm=algorithm)
+    finally:
+        api._via = real
+        os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    return seen[-1]
 
 
 def missing_peer(coll: str, algorithm: str, timeout_s: float, round_timeout_s: float = 0.0) -> str:

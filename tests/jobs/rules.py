@@ -21,6 +21,7 @@ def _forget_choices(group) -> None:
     held = state.find_state(group)
     if held is not None:
         held.agreed.clear()
+        held.params_agreed.clear()
         held.rules.clear()
         held.choices.clear()
         held.calls.clear()  # resolved calls would skip the choice that the next call must make again
@@ -104,4 +105,35 @@ def wide_with_rules(world: int, path: str, numel: int, wide: str = "1") -> dict:
         native.wide_group = real
         os.environ.pop("DTRAIN_COMM_RULES", None)
         os.environ.pop("DTRAIN_COMM_WIDE", None)
+        _forget_choices(group)
+
+
+def calibrated_calls(world: int, paths: list[str | None]) -> dict:
+    """Every rank reads ``paths[rank]`` as its calibration file (None: none there), then makes an ``auto``
+    all-reduce and a ``ring`` broadcast (whose pieces the calibration decides); reports, for each, the error it
+    raised or whether its result was right."""
+    rank = dist.get_rank()
+    group = group_of(world)
+    path = paths[rank]
+    os.environ["DTRAIN_CALIBRATION"] = path if path is not None else os.devnull + ".missing"
+    os.environ["DTRAIN_COMM_RULES"] = os.devnull + ".missing"
+    _forget_choices(group)
+    out = {}
+    try:
+        x = torch.full((64,), float(rank + 1))
+        try:
+            comm.all_reduce(x, group=group, algorithm="auto")
+            out["auto"] = bool((x == world * (world + 1) / 2).all())
+        except ValueError as err:
+            out["auto"] = str(err)
+        y = torch.full((4096,), float(rank))
+        try:
+            comm.broadcast(y, 0, group=group, algorithm="ring")
+            out["ring"] = bool((y == 0).all())
+        except ValueError as err:
+            out["ring"] = str(err)
+        return out
+    finally:
+        os.environ.pop("DTRAIN_CALIBRATION", None)
+        os.environ.pop("DTRAIN_COMM_RULES", None)
         _forget_choices(group)

@@ -256,6 +256,8 @@ def calibrate(
     Call it on every rank of an initialized process group of at least two ranks. ``device`` defaults to the
     current CUDA device on NCCL, else the CPU.
     """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"calibrate: repeats must be a whole number >= 1, got {repeats!r}")
     world = dist.get_world_size(group)
     device = torch.device(device) if device is not None else _default_device(group)
     if sizes is None:

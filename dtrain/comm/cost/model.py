@@ -302,13 +302,22 @@ def params_path(device: str = "cpu") -> Path:
 
 def load_params(path: str | Path | None = None, *, device: str = "cpu") -> CostParams:
     """Calibrated parameters from ``path`` (default :func:`params_path`); with no path given and no file
-    there, :func:`default_params`. A named file that is missing raises ``FileNotFoundError``."""
+    there, :func:`default_params`. A named file that is missing raises ``FileNotFoundError``; a file that cannot
+    be read or is not calibration data raises ``ValueError`` naming it."""
     if path is None:
         path = params_path(device)
         if not path.exists():
             return default_params(device)
-    data = json.loads(Path(path).read_text())
-    return CostParams.from_dict(data)
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such calibration file")
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        return CostParams.from_dict(data)
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: not a dtrain calibration file: {str(err).splitlines()[0]}") from None
 
 
 def save_params(

@@ -68,6 +68,31 @@ __all__ = [
 TRANSPORTS = ("p2p", "peer")
 
 
+def _check_names(table: Mapping[str, tuple[tuple[int, str], ...]]) -> None:
+    """Every collective a rule names is one, and every algorithm it names is one of that collective's (ours,
+    ``native``, :data:`NATIVE_WIDE` or :data:`MODEL`, ours with a transport of :data:`TRANSPORTS`): a typo in a
+    rules file would otherwise leave ``auto`` silently on ``native``."""
+    from dtrain.comm.ir.algorithms import registry
+    from dtrain.comm.ir.schedule import Collective
+
+    for coll, steps in table.items():
+        try:
+            collective = Collective(coll)
+        except ValueError:
+            known = ", ".join(c.value for c in Collective)
+            raise ValueError(f"rules: unknown collective {coll!r}; known: {known}") from None
+        ours = registry.names(collective)
+        for _, named in steps:
+            name, via = split(named)
+            plain = name in (NATIVE, NATIVE_WIDE, MODEL) and via is None
+            if not (plain or (name in ours and (via is None or via in TRANSPORTS))):
+                choices = ", ".join([NATIVE, NATIVE_WIDE, MODEL, *ours])
+                raise ValueError(
+                    f"rules: {coll} names {named!r}, not one of its algorithms ({choices}; ours may end in "
+                    f"{' or '.join('@' + t for t in TRANSPORTS)})"
+                )
+
+
 def split(name: str) -> tuple[str, str | None]:
     """``"ring@peer"`` -> ("ring", "peer"); ``"ring"`` -> ("ring", None)."""
     algorithm, at, transport = str(name).partition("@")
@@ -101,6 +126,7 @@ class Rules:
                 raise ValueError(f"rules: {coll}'s sizes must start at 0 and rise, got {starts}")
             if not all(isinstance(a, str) and a for _, a in steps):
                 raise ValueError(f"rules: {coll} names an algorithm that is not a string: {steps}")
+        _check_names(self.table)
 
     def covers(self, kind: str, world_size: int, local_size: int | None) -> bool:
         return (kind, world_size, local_size) == (self.kind, self.world_size, self.local_size)
@@ -139,7 +165,7 @@ class Rules:
                 table=table,
                 meta=dict(data.get("meta", {})),
             )
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, OverflowError) as err:  # OverflowError: int() of Infinity
             if isinstance(err, ValueError) and str(err).startswith("rules:"):
                 raise
             raise ValueError(f"rules: malformed rules data ({type(err).__name__}: {err})") from None
@@ -394,7 +420,7 @@ def load_rules(kind: str, path: str | Path | None = None) -> Rules | None:
         return None
     try:
         return Rules.from_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, ValueError, AttributeError) as err:
+    except (OSError, ValueError, AttributeError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{path}: not a dtrain rules file: {err}") from None
 
 

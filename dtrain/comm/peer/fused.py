@@ -44,8 +44,8 @@ from dtrain.comm.peer import kernels, watchdog
 from dtrain.env import comm_env
 
 __all__ = [
-    "FORMS", "ONE_PASS", "fused_form", "measured", "one_pass", "one_pass_form", "reducer", "run_fused", "settle",
-    "supports",
+    "FORMS", "ONE_PASS", "exchange_takes", "fused_form", "measured", "one_pass", "one_pass_form", "reducer",
+    "run_fused", "settle", "supports",
 ]  # fmt: skip
 
 #: Our all-reduce schedules that one kernel runs, and the kernel's form.
@@ -71,16 +71,32 @@ def _kernels_present() -> bool:
     return _state["present"]
 
 
-def supports(algorithm: str, dtype: torch.dtype, op: str, device: torch.device) -> bool:
-    """Whether an all-reduce by ``algorithm`` of ``dtype`` with ``op`` on ``device`` runs as one kernel."""
-    return (
+def supports(
+    algorithm: str, dtype: torch.dtype, op: str, device: torch.device, numel: int | None = None, world: int = 1
+) -> bool:
+    """Whether an all-reduce by ``algorithm`` of ``dtype`` with ``op`` on ``device`` runs as one kernel; given
+    ``numel`` (and the group's ``world``), whether one of ``numel`` elements does: torch's kernels take whole
+    4-byte words only, so a bfloat16 buffer of an odd length runs as one kernel only where the exchange kernel takes
+    it (:func:`exchange_takes`)."""
+    if not (
         algorithm in FORMS
         and device.type == "cuda"
         and dtype in _DTYPES
         and op in ("sum", "avg")
         and comm_env().fused
         and _kernels_present()
-    )
+    ):
+        return False
+    return numel is None or numel * dtype.itemsize % 4 == 0 or exchange_takes(FORMS[algorithm], numel, dtype, world)
+
+
+def exchange_takes(form: str, numel: int, dtype: torch.dtype, world: int) -> bool:
+    """Whether the exchange kernel runs an all-reduce of ``numel`` elements of ``dtype`` over ``world`` ranks in
+    ``form`` ("one" or "two"), a window with room for it given (:func:`reducer`'s other conditions)."""
+    nbytes = numel * dtype.itemsize
+    if form == "one":
+        return nbytes <= REDUCE_MAX_BYTES and kernels.triton_ready()
+    return numel % world == 0 and nbytes <= TWO_SHOT_MAX_BYTES and kernels.triton_ready()
 
 
 def measured(algorithm: str, tensor: torch.Tensor, world: int) -> bool:
@@ -97,7 +113,7 @@ def fused_form(schedule: Schedule, work: torch.Tensor, op: str) -> str | None:
     """The kernel form ("one" or "two") that runs ``schedule`` on ``work``, or None (the general plan runs it)."""
     if schedule.collective is not Collective.ALL_REDUCE:
         return None
-    if not supports(schedule.algorithm, work.dtype, op, work.device):
+    if not supports(schedule.algorithm, work.dtype, op, work.device, work.numel(), schedule.world_size):
         return None
     return FORMS[schedule.algorithm]
 
@@ -127,6 +143,11 @@ def run_fused(form: str, work: torch.Tensor, window, launch=None) -> torch.Tenso
             else:
                 window.pending = True
             return work
+    if work.numel() * work.element_size() % 4:
+        raise RuntimeError(
+            f"all_reduce of {work.numel()} {work.dtype} elements: the exchange kernel could not take it (the "
+            "window has no signal pads) and torch's kernels take whole 4-byte words only"
+        )  # fused_form checked what it could on every rank alike; a window without pads is one on every rank too
     if recorded:
         window.barrier()
     else:
@@ -211,7 +232,7 @@ def one_pass_form(
     rank putting in ``nbytes``, or None (the general plan runs it): CUDA, at most :data:`ONE_PASS_MAX_BYTES`,
     ``DTRAIN_COMM_ONE_PASS`` on (the default), kernels present and not turned off (``DTRAIN_COMM_FUSED``); a
     reduce-scatter and a reduce only for the sums the one-shot kernel takes (:data:`_DTYPES`, ``sum`` and
-    ``avg``)."""
+    ``avg``), a bfloat16 reduce-scatter only where Triton runs the exchange kernel."""
     form = ONE_PASS.get((collective, algorithm))
     env = comm_env()
     if form is None or device.type != "cuda" or nbytes > ONE_PASS_MAX_BYTES:
@@ -220,6 +241,8 @@ def one_pass_form(
         return None
     if form in ("scatter", "rooted") and (dtype not in _DTYPES or op not in ("sum", "avg")):
         return None
+    if form == "scatter" and dtype.itemsize < 4 and not kernels.triton_ready():
+        return None  # torch's one-shot kernel, the pass without Triton, takes blocks of whole 4-byte words only
     return form
 
 

@@ -138,6 +138,14 @@ def word_bytes(*quantities: int) -> int:
     return 1
 
 
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of the contiguous ``tensor`` as one flat uint8 tensor. A tensor of one element is contiguous
+    whatever its stride (``x[:, 0]`` of a (1, 2) tensor: stride 2), which a view to bytes refuses; its element is
+    where its storage offset says, so the flat view is taken with stride 1."""
+    flat = tensor.as_strided((tensor.numel(),), (1,)) if tensor.numel() <= 1 else tensor.view(-1)
+    return flat.view(torch.uint8)
+
+
 def gather(out: torch.Tensor, pointers: torch.Tensor, offset: int, nbytes: int, blocks: int, root: int = -1) -> bool:
     """One kernel: byte block ``r`` of the flat contiguous CUDA tensor ``out`` (``nbytes`` each, ``blocks`` of
     them) = ``nbytes`` at byte ``offset`` of rank ``r``'s window (of rank ``root``'s for every block where
@@ -150,7 +158,7 @@ def gather(out: torch.Tensor, pointers: torch.Tensor, offset: int, nbytes: int, 
     word = word_bytes(offset, nbytes, out.data_ptr())
     dtype = dict(_WORDS)[word]
     n, at = nbytes // word, offset // word
-    words = out.view(-1).view(torch.uint8).view(dtype)
+    words = flat_bytes(out).view(dtype)
     triton, _, kernel = _state["kernel"][:3]
     grid = ((n + _GATHER_BLOCK - 1) // _GATHER_BLOCK, blocks, 1)
     # what Triton compiles a variant for: the word, the constants, the output's 16-byte alignment, 64-bit indices
@@ -311,8 +319,8 @@ def exchange(
         if "exchange_error" in _state:
             return False
         unit = dict(units)[size]
-        outs = out.view(-1).view(torch.uint8).view(unit)
-        ins = inp.view(-1).view(torch.uint8).view(unit)
+        outs = flat_bytes(out).view(unit)
+        ins = flat_bytes(inp).view(unit)
         try:
             kernel = _state["kernel"][3][grids[size]](
                 pointers, pads, outs, ins, rank, at // size, nbytes // size, spins, root,
