@@ -321,8 +321,17 @@ def _topology(args: argparse.Namespace):
 def _simulate_collective(args: argparse.Namespace) -> int:
     from dtrain.sim.api import algorithms_for, simulate_collective
 
+    if not args.bytes >= 1:
+        raise ValueError(f"--bytes must be at least 1, got {args.bytes}")
+    if args.ranks is not None and args.ranks < 2:
+        raise ValueError(f"--ranks must be at least 2 (a collective of one rank moves nothing), got {args.ranks}")
     topo = _topology(args)
     placement = _collective_placement(args, topo, [d.name for d in topo.devices()])
+    if len(placement) < 2:
+        raise ValueError(f"a collective needs at least 2 ranks; the placement has {len(placement)}")
+    twice = sorted({d for d in placement if placement.count(d) > 1})
+    if twice:
+        raise ValueError(f"--placement names {', '.join(twice)} more than once: one rank a device")
     chosen = algorithms_for(args.collective) if args.algorithm == "all" else [args.algorithm]
     runs = []
     for algorithm in chosen:
@@ -469,7 +478,23 @@ def _format(key: str, value) -> str:
     return str(value)
 
 
+def _check_plan_flags(args: argparse.Namespace) -> None:
+    """The planner's search flags, each named where it cannot be searched (before any layout is simulated)."""
+    if args.devices is not None and args.devices < 1:
+        raise ValueError(f"--devices: must be >= 1 (leave it out for every device), got {args.devices}")
+    if not args.micro_batches or min(args.micro_batches) < 1:
+        raise ValueError(f"--micro-batches: sizes must be >= 1, got {args.micro_batches}")
+    if args.max_tp is not None and args.max_tp < 1:
+        raise ValueError(f"--max-tp: must be >= 1, got {args.max_tp}")
+    unknown = [p for p in args.placements if p not in ("aware", "oblivious")]
+    if not args.placements or unknown:
+        raise ValueError(f"--placements: aware and/or oblivious, got {','.join(args.placements) or 'nothing'}")
+    if args.zero is not None and (not args.zero or any(z not in (0, 1, 2, 3) for z in args.zero)):
+        raise ValueError(f"--zero: stages among 0, 1, 2 and 3, got {args.zero}")
+
+
 def _plan(args: argparse.Namespace) -> int:
+    _check_plan_flags(args)
     if args.write and not args.config:
         raise ValueError("--write: needs --config, the run config to write the chosen layout into")
     if args.fp8 and args.config:
@@ -489,6 +514,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ValueError(f"--top: plans to show must be >= 1, got {args.top}")
     topo, model = _topology(args), _model(args)
+    if args.devices is not None and args.devices > len(topo.devices()):
+        raise ValueError(f"--devices: {args.devices} but {topo.name} has {len(topo.devices())}")
     with Progress(transient=True, disable=args.json) as progress:
         task = progress.add_task("simulating layouts", total=None)
         found = sweep(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 
 from rich.console import Console
@@ -114,9 +115,13 @@ def _step(args: argparse.Namespace, topology):
 
     workers, servers = place_ps(topology, _parse_nodes(args.workers), _parse_nodes(args.servers),
                                 args.server_placement)  # fmt: skip
-    if args.params is not None and not args.params >= 0:
-        raise ValueError(f"--params must be >= 0, got {args.params}")
+    if args.params is not None and not 0 <= args.params < math.inf:
+        raise ValueError(f"--params must be a finite count >= 0, got {args.params}")
     dense = args.params * args.bytes_per_param if args.params is not None else float(args.dense_bytes)
+    if not 0 <= dense < math.inf:
+        raise ValueError(
+            f"the dense model must be a finite size >= 0 (--dense-bytes, --params x --bytes-per-param), got {dense}"
+        )
     rows = args.rows_per_worker or 0
     if args.batch is not None:
         if args.batch < len(workers) or args.ids_per_example < 1:

@@ -66,6 +66,13 @@ def software_cost_from_calibration(path: str | Path) -> SoftwareCost:
     and ``gamma``; its bandwidths describe links, which the topology holds."""
     from dtrain.comm.cost.model import CostParams
 
-    data = json.loads(Path(path).read_text())
-    link = CostParams.from_dict(data).intra
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        link = CostParams.from_dict(data).intra
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        reason = "no such file" if isinstance(err, FileNotFoundError) else str(err).splitlines()[0]
+        raise ValueError(f"--calibration {path}: not a dtrain calibration file ({reason})") from None
     return SoftwareCost(alpha_s=link.alpha_s, alpha_peer_s=link.alpha_peer_s, gamma_s_per_byte=link.gamma_s_per_byte)

@@ -566,11 +566,13 @@ def _optimizer_max(owned: float, topology: Topology, placement: Sequence[str], c
 def exposed_bucket_s(all_reduce_s: float, backward_s: float, gradient_bytes: float, bucket_bytes: int) -> float:
     """Seconds of a bucketed all-reduce left after backward ends: ``B`` equal buckets, bucket ``i`` ready
     ``(i + 1) / B`` of the way through backward, each all-reduced in ``all_reduce_s / B``, one after another
-    in order (DataParallel launches them strictly in index order)."""
+    in order (DataParallel launches them strictly in index order).
+
+    The last bucket ends at ``max_i ((i + 1) backward / B + (B - i) all_reduce / B)``, bucket ``i`` being the one
+    whose readiness the queue behind it waits on; the term is linear in ``i``, so the first or the last bucket
+    gives it, which prices any number of buckets at once."""
     buckets = max(1, math.ceil(gradient_bytes / bucket_bytes))
-    done = 0.0
-    for i in range(buckets):
-        done = max(done, (i + 1) / buckets * backward_s) + all_reduce_s / buckets
+    done = max(backward_s + all_reduce_s / buckets, backward_s / buckets + all_reduce_s)
     return max(0.0, done - backward_s)
 
 

@@ -118,3 +118,23 @@ def test_an_interleaved_step_reduces_per_chunk() -> None:
     assert chunked < staged
     assert [e[0][0] for e in edges] == [pytest.approx(start) for start, _ in spans]  # chunk 0 first
     assert [e[1][-1][1] for e in edges] == [pytest.approx(end) for _, end in spans]  # and last backward
+
+
+def test_the_exposed_bucket_time_is_the_bucket_queue_s_in_closed_form():
+    """Bucket by bucket (each ready at (i + 1) / B of backward, reduced in order, one at a time) against the
+    closed form, which prices a gradient of any size at once."""
+    import math
+    import random
+
+    def queue(all_reduce_s, backward_s, gradient_bytes, bucket_bytes):
+        buckets = max(1, math.ceil(gradient_bytes / bucket_bytes))
+        done = 0.0
+        for i in range(buckets):
+            done = max(done, (i + 1) / buckets * backward_s) + all_reduce_s / buckets
+        return max(0.0, done - backward_s)
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        case = (rng.uniform(0, 5), rng.uniform(0, 5), rng.uniform(1, 1e9), rng.choice([1e5, 25 << 20, 1e9]))
+        assert exposed_bucket_s(*case) == pytest.approx(queue(*case), abs=1e-9), case
+    assert exposed_bucket_s(1.0, 2.0, 1e30, 25 << 20) == pytest.approx(0.0, abs=1e-12)  # 4e22 buckets, at once
