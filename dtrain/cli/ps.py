@@ -7,6 +7,7 @@ the shared secret in the environment (:mod:`dtrain.ps.launch`).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 __all__ = ["register"]
@@ -66,14 +67,14 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.workers >= 1 and args.model != "synthetic" and args.batch_size % args.workers:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over --workers {args.workers}")
-    if args.compute_s < 0:
-        raise ValueError(f"--compute-s must be >= 0, got {args.compute_s}")
+    if not 0 <= args.compute_s < math.inf:
+        raise ValueError(f"--compute-s must be a finite number of seconds >= 0, got {args.compute_s}")
     if args.straggler:
         worker, factor = args.straggler
         if not 0 <= worker < args.workers:
             raise ValueError(f"--straggler names worker {worker}; workers are 0..{args.workers - 1}")
-        if factor < 1:
-            raise ValueError(f"--straggler {worker}:{factor}: the slowdown factor must be at least 1")
+        if not 1 <= factor < math.inf:
+            raise ValueError(f"--straggler {worker}:{factor}: the slowdown factor must be a finite number >= 1")
     if args.fault:
         server, step = args.fault
         if not 0 <= server < args.servers:

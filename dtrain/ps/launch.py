@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from dtrain.env import PS_COORDINATOR, PS_JOB, PS_RANK, PS_ROLE, PS_SECRET, PS_TASK, PsEnv
+from dtrain.env import PS_COORDINATOR, PS_JOB, PS_RANK, PS_ROLE, PS_SECRET, PS_TASK, EnvError, PsEnv
 from dtrain.ps import wire
 from dtrain.ps.config import JobConfig
 from dtrain.ps.transport import Endpoint, await_message
@@ -53,7 +53,8 @@ def main() -> int:
 
         address = ps.coordinator or "tcp://127.0.0.1:0"
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
-        coordinator = Coordinator(JobConfig.from_dict(json.loads(ps.need("job"))), secret, host, int(port))
+        job = _parsed(ps.need("job"), JobConfig.from_dict, PS_JOB)
+        coordinator = Coordinator(job, secret, host, int(port))
         print(f"{PS_COORDINATOR}={coordinator.endpoint}", flush=True)
         coordinator.serve()
         return 0
@@ -65,7 +66,19 @@ def main() -> int:
         return 0
     from dtrain.ps.train import TaskConfig, run_task  # the one role left: PsEnv accepts no other
 
-    return run_task(coordinator_address, secret, rank, TaskConfig.from_dict(json.loads(ps.need("task"))))
+    return run_task(coordinator_address, secret, rank, _parsed(ps.need("task"), TaskConfig.from_dict, PS_TASK))
+
+
+def _parsed(text: str, make, variable: str):
+    """``make`` of the JSON object ``text`` holds; anything else is an :class:`EnvError` naming ``variable``."""
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        return make(data)
+    except (ValueError, TypeError, KeyError) as err:  # JSONDecodeError is a ValueError
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise EnvError(f"{variable}: not a valid configuration ({reason})") from None
 
 
 def request(address: str, secret: bytes, header: dict, timeout_s: float = 10.0, name: str = "peer") -> wire.Message:

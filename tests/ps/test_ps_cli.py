@@ -83,6 +83,8 @@ def test_run_job_refuses_a_fault_without_replication_before_any_process_starts(m
          "--batch-size 64 does not split evenly over --workers 3"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--fault", "2:1", "--replicas", "2"], "--fault names server 2; servers are 0..1"),
+        (["--compute-s", "nan"], "--compute-s must be a finite number of seconds >= 0, got nan"),
+        (["--straggler", "0:nan"], "the slowdown factor must be a finite number >= 1"),
     ],
 )  # fmt: skip
 def test_bad_flags_are_named_as_the_user_typed_them(monkeypatch, capsys, argv, expected):
@@ -118,3 +120,22 @@ def test_ctrl_c_stops_every_process_and_exits_130_with_one_line(tmp_path):
     ]
     for pid in children:
         assert not Path(f"/proc/{pid}").exists(), f"process {pid} outlived dtrain ps"
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ({"DTRAIN_PS_ROLE": "coordinator", "DTRAIN_PS_JOB": "{bad"}, "DTRAIN_PS_JOB: not a valid configuration"),
+        ({"DTRAIN_PS_ROLE": "coordinator", "DTRAIN_PS_JOB": '{"num_keys": 10}'}, "DTRAIN_PS_JOB: not a valid"),
+        ({"DTRAIN_PS_ROLE": "coordinator", "DTRAIN_PS_JOB": "[1]"}, "a JSON list, not an object"),
+        ({"DTRAIN_PS_ROLE": "worker", "DTRAIN_PS_RANK": "0", "DTRAIN_PS_COORDINATOR": "tcp://127.0.0.1:1",
+          "DTRAIN_PS_TASK": '{"steps": "x"}'}, "DTRAIN_PS_TASK: not a valid configuration"),
+    ],
+)  # fmt: skip
+def test_a_role_with_a_malformed_configuration_variable_exits_2_with_one_line(variables, expected):
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "DTRAIN_PS_SECRET": "00112233445566778899aabbccddeeff", **variables}
+    done = subprocess.run([sys.executable, "-m", "dtrain.ps"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert expected in done.stderr, done.stderr

@@ -279,3 +279,26 @@ def test_contention_is_priced_unless_turned_off(capsys: pytest.CaptureFixture[st
     free = run_json(capsys, *argv, "--no-contention")
     assert paid["contention_s"] > 0 and free["contention_s"] == 0
     assert paid["step_s"] == pytest.approx(free["step_s"] + paid["contention_s"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "collective", "--topology", "h200-4gpu", "--bytes", "0"], "--bytes must be at least 1"),
+        (["simulate", "collective", "--topology", "h200-4gpu", "--bytes", "1M", "--ranks", "1"], "--ranks must be"),
+        (["simulate", "collective", "--topology", "h200-4gpu", "--bytes", "1M", "--placement", "s0/gpu0,s0/gpu0"],
+         "names s0/gpu0 more than once"),
+        (["simulate", "collective", "--topology", "h200-4gpu", "--bytes", "1M", "--calibration", "/no/such.json"],
+         "--calibration /no/such.json: not a dtrain calibration file (no such file)"),
+        (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--micro-batches", "0"], "--micro-batches"),
+        (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--devices", "99"], "--devices: 99 but"),
+        (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--devices", "0"], "--devices: must be >= 1"),
+        (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--max-tp", "0"], "--max-tp: must be >= 1"),
+        (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--placements", ""], "--placements"),
+        (["simulate", "ps", "--topology", "h200-4gpu", "--params", "inf"], "--params must be a finite count"),
+    ],
+)  # fmt: skip
+def test_bad_sizes_ranks_and_plan_flags_are_one_line_naming_the_flag(capsys, argv, message) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert message in captured.out + captured.err and "Traceback" not in captured.out + captured.err
