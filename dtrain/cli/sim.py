@@ -307,7 +307,21 @@ def _model(args: argparse.Namespace):
                "sequence": args.seq, "vocab": args.vocab}  # fmt: skip
     changes = {k: v for k, v in changes.items() if v is not None}
     model = MODELS[args.model]
-    return replace(model, name=f"{model.name} (changed)", **changes) if changes else model
+    if not changes:
+        return model
+    changed = replace(model, name=f"{model.name} (changed)", **changes)
+    if args.params is None:  # a new shape holds what it holds: compute is priced from it, memory and MFU from P
+        if changed.shape_parameters != model.shape_parameters:
+            changed = replace(changed, parameters=model.parameters * changed.shape_parameters / model.shape_parameters)
+        return changed
+    ratio = args.params / changed.shape_parameters
+    if not 2 / 3 <= ratio <= 3 / 2:
+        raise ValueError(
+            f"--params {args.params:.3g}: the shape (--layers {changed.layers}, --hidden {changed.hidden}, ffn "
+            f"{changed.ffn}, vocabulary {changed.vocab}) holds {changed.shape_parameters:.3g}, and the simulator "
+            "prices compute from the shape; give a shape that holds them (--layers, --hidden) or leave --params out"
+        )
+    return changed
 
 
 def _topology(args: argparse.Namespace):
@@ -461,9 +475,11 @@ def _simulate_train(args: argparse.Namespace) -> int:
 def _step_data(r) -> dict:
     return {
         "step_s": r.step_s, "step_p95_s": r.step_p95_s, "tokens_per_s": r.tokens_per_s, "compute_s": r.compute_s,
+        "pipeline_s": r.pipeline_s,
         "tp_comm_s": r.tp_s, "pp_message_s": r.pp_s, "dp_comm_s": r.dp_s,
         "dp_exposed_s": r.dp_exposed_s, "contention_s": r.contention_s, "optimizer_s": r.optimizer_s,
-        "bubble": r.bubble, "memory_gb": r.memory.total / 1e9, "memory_limit_gb": r.memory_limit / 1e9,
+        "bubble": r.bubble, "bubble_theory": r.bubble_theory, "memory_gb": r.memory.total / 1e9,
+        "memory_limit_gb": r.memory_limit / 1e9,
         "fits": r.fits, "bottleneck": r.bottleneck.link.name if r.bottleneck else None,
     }  # fmt: skip
 
@@ -471,7 +487,7 @@ def _step_data(r) -> dict:
 def _format(key: str, value) -> str:
     if isinstance(value, float) and key.endswith("_s") and not key.endswith("per_s"):
         return f"{value * 1e3:.3f} ms" if value < 1 else f"{value:.3f} s"
-    if key == "bubble":
+    if key in ("bubble", "bubble_theory"):
         return f"{value:.1%}"
     if isinstance(value, float):
         return f"{value:,.1f}"

@@ -114,6 +114,15 @@ class ModelSpec:
         """Key/value heads: ``kv_heads``, or ``heads`` where it is 0."""
         return self.kv_heads or self.heads
 
+    @property
+    def shape_parameters(self) -> float:
+        """The parameters the shape holds: each layer's attention (queries and output ``2 h^2``, keys and values
+        ``2 h x kv``) and MLP (two or, gated, three ``h x ffn`` matrices), and the embeddings (the vocabulary's
+        ``V x h``, twice where untied); norms and biases aside."""
+        kv = self.hidden // self.heads * self.key_value_heads
+        layer = 2 * self.hidden**2 + 2 * self.hidden * kv + (3 if self.gated_mlp else 2) * self.hidden * self.ffn
+        return float(self.layers * layer + self.vocab * self.hidden * (1 if self.tied_embeddings else 2))
+
 
 #: Models people plan for (sizes from the papers that introduced them).
 MODELS: dict[str, ModelSpec] = {

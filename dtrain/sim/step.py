@@ -248,12 +248,15 @@ class StepResult:
     dp_s: float
     dp_exposed_s: float
     optimizer_s: float
+    #: the share of the pipeline's span the slowest stage spends idle, as simulated: ``1 - compute_s / pipeline_s``
     bubble: float
     memory: MemoryUse
     memory_limit: float
     tokens_per_s: float
     links: list[LinkUsage] = field(repr=False)
     contention_s: float = 0.0  # compute a step loses to data-parallel communication beside it (StepConfig)
+    #: the theory's bubble for this schedule's shape, ``(p - 1) / (v m + p - 1)`` (equal stages, free messages)
+    bubble_theory: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -756,6 +759,7 @@ def _simulate_step(
         contention.append(lost)
         steps.append(slowest + exposed + lost + optimizer_s)
     step_s = float(np.median(steps))
+    pipeline_s = float(np.median(pipelines))
     ideal = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
     compute_s = m * max(f + b + w for f, b, w in zip(ideal[0][0], ideal[1][0], ideal[2][0], strict=True))
     most = max(stage_layers(model, layout, s) for s in {0, min(1, layout.pp - 1), layout.pp - 1})
@@ -764,14 +768,15 @@ def _simulate_step(
     return StepResult(
         step_s=step_s,
         step_p95_s=float(np.percentile(steps, 95)),
-        pipeline_s=float(np.median(pipelines)),
+        pipeline_s=pipeline_s,
         compute_s=compute_s,
         tp_s=tp_count * tp_s,
         pp_s=pp_s,
         dp_s=dp_s,
         dp_exposed_s=float(np.median(exposed_dp)),
         optimizer_s=optimizer_s,
-        bubble=(layout.pp - 1) / (v * m + layout.pp - 1),
+        bubble=max(0.0, 1.0 - compute_s / pipeline_s) if pipeline_s > 0 else 0.0,
+        bubble_theory=(layout.pp - 1) / (v * m + layout.pp - 1),
         memory=memory,
         memory_limit=config.memory_fraction * min(topology.device(d).memory_bytes for d in placement),
         tokens_per_s=layout.global_batch * model.sequence / step_s,

@@ -59,14 +59,30 @@ def test_simulate_train_takes_megatron_exchanges_and_uneven_stages(capsys: pytes
     assert "do not split" in "".join(capsys.readouterr())
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="ZB-V's order (dtrain.parallel.pipeline_schedules) is built for equal F, B and W costs; with a "
+    "transformer's unequal ones the simulated V idles more than 1F1B on 4 stages",
+)
+def test_simulate_train_prices_zb_v_below_1f1b(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "train", "--topology", "h100-node", "--pp", "4", "--global-batch", "16", "--json"]
+    v, one = (run_json(capsys, *argv[:-1], "--schedule", s) for s in ("zb-v", "1f1b"))
+    assert v["step_s"] < one["step_s"] and v["bubble"] < one["bubble"]
+
+
 def test_simulate_train_takes_every_pipeline_schedule(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["simulate", "train", "--topology", "h100-node", "--pp", "4", "--global-batch", "16"]
-    steps = {}
+    steps, bubbles = {}, {}
     for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"):
         data = run_json(capsys, *argv, "--schedule", schedule)
         assert data["layout"]["chunks"] == (2 if schedule in ("interleaved-1f1b", "zb-v") else 1)
         steps[schedule] = data["step_s"]
+        bubbles[schedule] = data["bubble"]
+        # the bubble is the simulated one: the slowest stage's idle share of the pipeline's span
+        assert data["bubble"] == pytest.approx(1 - data["compute_s"] / data["pipeline_s"], abs=1e-9)
+        assert 0 < data["bubble_theory"] < 1
     assert steps["interleaved-1f1b"] < steps["1f1b"] and steps["zb-h1"] < steps["1f1b"]
+    assert bubbles["interleaved-1f1b"] < bubbles["1f1b"] and bubbles["zb-h1"] < bubbles["1f1b"]
     grouped = run_json(capsys, *argv, "--schedule", "interleaved-1f1b", "--microbatch-group", "8", "--chunks", "4")
     assert grouped["layout"]["microbatch_group"] == 8 and grouped["layout"]["chunks"] == 4
     assert main([*argv, "--schedule", "interleaved-1f1b", "--microbatch-group", "6"]) == 2
@@ -233,7 +249,7 @@ def test_simulate_train_takes_tp_comm_overlap_with_sequence_parallelism(capsys: 
 
 
 def test_plan_prices_interleaved_plans_with_megatron_core_overlaps(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", "--topology", "h100-node", "--params", "1e9", "--layers", "8", "--hidden", "2048", "--heads", "16",
+    argv = ["plan", "--topology", "h100-node", "--params", "4e8", "--layers", "8", "--hidden", "2048", "--heads", "16",
             "--global-batch", "16", "--micro-batches", "1", "--zero", "0", "--recompute", "none", "--placements",
             "aware", "--max-tp", "1", "--top", "40", "--exhaustive"]  # fmt: skip
 
@@ -264,7 +280,7 @@ def test_fp8_and_fused_accumulation_on_the_command_line(capsys: pytest.CaptureFi
     a100 = ["simulate", "train", "--topology", "dgx-a100", "--tp", "8", "--global-batch", "2", "--fp8"]
     assert main(a100) == 2
     assert "fp8: device s0/gpu0 has no FP8 products" in "".join(capsys.readouterr())
-    plan = ["plan", "--topology", "h100-node", "--params", "1e9", "--layers", "8", "--hidden", "2048", "--heads",
+    plan = ["plan", "--topology", "h100-node", "--params", "4e8", "--layers", "8", "--hidden", "2048", "--heads",
             "16", "--global-batch", "16", "--micro-batches", "1", "--zero", "0", "--placements", "aware",
             "--fp8"]  # fmt: skip
     plans = run_json(capsys, *plan)["plans"]
@@ -302,3 +318,14 @@ def test_bad_sizes_ranks_and_plan_flags_are_one_line_naming_the_flag(capsys, arg
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert message in captured.out + captured.err and "Traceback" not in captured.out + captured.err
+
+
+def test_a_parameter_count_follows_the_shape_the_simulator_prices(capsys: pytest.CaptureFixture[str]) -> None:
+    """Compute is priced from the shape, memory and MFU from the parameter count: a count the shape does not hold
+    is refused, and a new shape without one holds what it holds (so no plan passes 100% MFU)."""
+    argv = ["plan", "--topology", "h100-node", "--model", "llama-7b", "--global-batch", "64", "--zero", "3"]
+    assert main([*argv, "--params", "28e9"]) == 2
+    assert "the shape (--layers 32, --hidden 4096" in "".join(capsys.readouterr())
+    deeper = run_json(capsys, *argv, "--layers", "64", "--top", "3")
+    assert deeper["model"]["parameters"] == pytest.approx(2 * 6.7e9)
+    assert all(0 < p["mfu"] < 1 for p in deeper["plans"])

@@ -198,7 +198,7 @@ def simulate(row: dict, config: StepConfig | None = None) -> dict:
         "published_s": row["iteration_s"], "measure": row["measure"], "predicted_s": result.step_s,
         "error": error, "compute_s": result.compute_s, "tp_s": result.tp_s, "pp_s": result.pp_s,
         "dp_exposed_s": result.dp_exposed_s, "contention_s": result.contention_s, "optimizer_s": result.optimizer_s,
-        "bubble": result.bubble,
+        "bubble_theory": result.bubble_theory,
         "memory_gb": result.memory.total / 1e9, "fits": result.fits,
     }  # fmt: skip
 
@@ -330,12 +330,12 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
             out.append(f"| {label} | {p['rows']} | {p['median_abs_error']:.1%} | {p['worst_abs_error']:.1%} | "
                        f"{_verdict(p)} |")  # fmt: skip
     out += ["", "| run | compute (s) | tp, every call (s) | dp exposed (s) | compute lost to dp (s) | optimizer (s) "
-            "| bubble | step beyond compute (s) | compute x to match |",
+            "| bubble, theory | step beyond compute (s) | compute x to match |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in results:
         out.append(f"| {r['name']} | {r['compute_s']:.2f} | {r['tp_s']:.2f} | {r['dp_exposed_s']:.2f} | "
                    f"{r.get('contention_s', 0.0):.3f} | "
-                   f"{r['optimizer_s']:.3f} | {r['bubble']:.1%} | {r['predicted_s'] - r['compute_s']:.2f} | "
+                   f"{r['optimizer_s']:.3f} | {r['bubble_theory']:.1%} | {r['predicted_s'] - r['compute_s']:.2f} | "
                    f"{compute_factor(r):.2f} |")  # fmt: skip
     out += ["", *per_action(results, by_name)]
     if plan_path:
