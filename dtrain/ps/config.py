@@ -105,6 +105,18 @@ class JobConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise JobConfigError(f"<{name}> must be in [0, 1), got {getattr(self, name)}")
 
+        # a shard travels whole in one message (init, a replica's catch-up): it must fit the wire's message limit
+        from dtrain.ps.wire import Limits
+
+        shard_bytes = -(-self.num_keys // self.num_servers) * self.width * 4 + (1 << 16)
+        limit = Limits().max_message_bytes
+        if shard_bytes > limit:
+            raise JobConfigError(
+                f"a shard of <num_keys>={self.num_keys} over <num_servers>={self.num_servers} in rows of "
+                f"<width>={self.width} floats is {shard_bytes / 2**20:,.0f} MiB, above the {limit >> 20} MiB a "
+                "message may carry: use more <num_servers> or a smaller <width>"
+            )
+
     @property
     def round_size(self) -> int:
         """Pushes that close a round: all workers in sync mode, ``quorum`` in quorum mode."""

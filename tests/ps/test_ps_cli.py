@@ -83,6 +83,7 @@ def test_run_job_refuses_a_fault_without_replication_before_any_process_starts(m
          "--batch-size 64 does not split evenly over --workers 3"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--fault", "2:1", "--replicas", "2"], "--fault names server 2; servers are 0..1"),
+        (["--model", "ctr", "--width", "100000"], "above the 256 MiB a message may carry: use more --servers"),
         (["--compute-s", "nan"], "--compute-s must be a finite number of seconds >= 0, got nan"),
         (["--straggler", "0:nan"], "the slowdown factor must be a finite number >= 1"),
     ],
