@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dtrain.cli.cluster_common import link_rows, link_table
+from dtrain.cli.cluster_common import link_rows, link_table, parse_setting
 from dtrain.cli.units import parse_bytes, parse_count
 
 __all__ = ["register"]
@@ -187,6 +187,7 @@ def register(commands) -> None:
 
 def _add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", required=True, help="a preset (dtrain topology show --help lists them) or a file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="preset parameter, e.g. racks=2")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -327,7 +328,7 @@ def _model(args: argparse.Namespace):
 def _topology(args: argparse.Namespace):
     from dtrain.cluster.files import resolve
 
-    topo = resolve(args.topology)
+    topo = resolve(args.topology, **dict(parse_setting(s) for s in args.set))
     topo.validate()
     return topo
 

@@ -329,3 +329,17 @@ def test_a_parameter_count_follows_the_shape_the_simulator_prices(capsys: pytest
     deeper = run_json(capsys, *argv, "--layers", "64", "--top", "3")
     assert deeper["model"]["parameters"] == pytest.approx(2 * 6.7e9)
     assert all(0 < p["mfu"] < 1 for p in deeper["plans"])
+
+
+def test_every_simulate_command_takes_preset_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--set KEY=VALUE` changes a preset for `simulate collective`, `simulate train` and `plan` as for
+    `simulate ps`; an unknown key is one line naming the preset's keys."""
+    base = ["simulate", "collective", "--topology", "4-rack", "--bytes", "1M"]
+    assert run_json(capsys, *base, "--set", "racks=2")["ranks"] * 2 == run_json(capsys, *base)["ranks"]
+    one_rack = run_json(capsys, *base, "--set", "racks=1")["ranks"]
+    train = ["simulate", "train", "--topology", "4-rack", "--set", "racks=1", "--global-batch", str(2 * one_rack)]
+    assert run_json(capsys, *train, "--dp", str(one_rack))["layout"]["dp"] == one_rack
+    assert main([*train, "--dp", str(2 * one_rack)]) == 2  # more ranks than one rack has
+    capsys.readouterr()
+    assert main([*base, "--set", "bogus=2"]) == 2
+    assert "unknown parameter 'bogus'" in "".join(capsys.readouterr())
