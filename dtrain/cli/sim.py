@@ -438,6 +438,10 @@ def _simulate_train(args: argparse.Namespace) -> int:
         raise ValueError("--tp-comm-overlap needs --sequence-parallel and --tp above 1 (Megatron-Core's requirement)")
     if args.fp8_params and not args.fp8:
         raise ValueError("--fp8-params: needs --fp8 (the weights in 8 bits are for FP8 linear layers)")
+    if args.distributed_optimizer and args.zero != 1:
+        raise ValueError(f"--distributed-optimizer: ZeRO stage 1's way to reduce (--zero 1), got --zero {args.zero}")
+    if args.overlap_param_gather and not args.zero:
+        raise ValueError("--overlap-param-gather: needs sharded weights to gather (--zero 1, 2 or 3)")
     topo, model = _topology(args), _model(args)
     chunks = args.chunks or {"interleaved-1f1b": 2, "zb-v": 2}.get(args.schedule, 1)
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,

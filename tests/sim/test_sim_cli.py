@@ -312,6 +312,10 @@ def test_contention_is_priced_unless_turned_off(capsys: pytest.CaptureFixture[st
         (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--max-tp", "0"], "--max-tp: must be >= 1"),
         (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--placements", ""], "--placements"),
         (["simulate", "ps", "--topology", "h200-4gpu", "--params", "inf"], "--params must be a finite count"),
+        (["simulate", "train", "--topology", "h100-node", "--dp", "8", "--global-batch", "8",
+          "--distributed-optimizer"], "--distributed-optimizer: ZeRO stage 1's way to reduce (--zero 1), got --zero 0"),
+        (["simulate", "train", "--topology", "h100-node", "--dp", "8", "--global-batch", "8", "--overlap-grad-reduce",
+          "--overlap-param-gather"], "--overlap-param-gather: needs sharded weights"),
     ],
 )  # fmt: skip
 def test_bad_sizes_ranks_and_plan_flags_are_one_line_naming_the_flag(capsys, argv, message) -> None:
