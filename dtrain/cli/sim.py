@@ -340,6 +340,19 @@ def _simulate_collective(args: argparse.Namespace) -> int:
         raise ValueError(f"--bytes must be at least 1, got {args.bytes}")
     if args.ranks is not None and args.ranks < 2:
         raise ValueError(f"--ranks must be at least 2 (a collective of one rank moves nothing), got {args.ranks}")
+    given = [
+        flag
+        for flag, value in (
+            ("--alpha-us", args.alpha_us),
+            ("--alpha-peer-us", args.alpha_peer_us),
+            ("--flow-cap-gbyte-per-s", args.flow_cap_gbyte_per_s),
+            ("--calibration", args.calibration),
+        )
+        if value
+    ]
+    if args.algorithm == "native" and given:
+        raise ValueError(f"{', '.join(given)}: the software costs of our algorithms; native is NCCL's own collective, "
+                         "priced by its own model (dtrain.sim.nccl)")  # fmt: skip
     topo = _topology(args)
     placement = _collective_placement(args, topo, [d.name for d in topo.devices()])
     if len(placement) < 2:

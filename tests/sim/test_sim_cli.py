@@ -312,6 +312,8 @@ def test_contention_is_priced_unless_turned_off(capsys: pytest.CaptureFixture[st
         (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--max-tp", "0"], "--max-tp: must be >= 1"),
         (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--placements", ""], "--placements"),
         (["simulate", "ps", "--topology", "h200-4gpu", "--params", "inf"], "--params must be a finite count"),
+        (["simulate", "collective", "--topology", "h100-node", "--bytes", "64M", "--algorithm", "native",
+          "--alpha-us", "1000"], "--alpha-us: the software costs of our algorithms; native is NCCL's own"),
         (["simulate", "train", "--topology", "h100-node", "--dp", "8", "--global-batch", "8",
           "--distributed-optimizer"], "--distributed-optimizer: ZeRO stage 1's way to reduce (--zero 1), got --zero 0"),
         (["simulate", "train", "--topology", "h100-node", "--dp", "8", "--global-batch", "8", "--overlap-grad-reduce",
