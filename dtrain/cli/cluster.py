@@ -229,6 +229,8 @@ def _topology(args: argparse.Namespace) -> int:
         save(topology, args.save)
     data = topology_summary(topology)
     if args.route:
+        if args.route[0] == args.route[1]:
+            raise ValueError(f"--route {args.route[0]} {args.route[1]}: a route joins two different nodes")
         data["route"] = route_summary(topology, *args.route)
     return _emit(args, data, render_topology)
 

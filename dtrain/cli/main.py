@@ -253,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"dtrain: error: {exc}")
         return 2
+    except OSError as exc:  # a path that cannot be read or written (a file where a folder should be, no room): named
+        print(f"dtrain: error: {exc}")
+        return 2
     except BaseException as exc:
         status = _interrupted(exc)
         if status is None:

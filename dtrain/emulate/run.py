@@ -10,6 +10,7 @@ limit) stops all of them, and the error names the node and the tail of its log.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -50,6 +51,9 @@ class JobConfig:
             raise ValueError(f"local_size must be >= 1 or None, got {self.local_size}")
         if not 1024 <= self.port < 65536:
             raise ValueError(f"port must be in [1024, 65536), got {self.port}")
+        for name in ("timeout_s", "join_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {getattr(self, name)}")
 
 
 def torchrun_argv(plan: EmulationPlan, job: JobConfig, node: int) -> list[str]:
