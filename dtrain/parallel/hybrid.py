@@ -209,8 +209,11 @@ class HybridParallel:
             )
         if microbatch_group is not None and grid.dims.pp == 1:
             raise ValueError(f"microbatch_group={microbatch_group!r} groups a pipeline's micro-batches; pp is 1")
-        if zero_stage == 2 and grid.dims.pp > 1 and schedule in SPLIT_BACKWARD:
-            raise ValueError(f"zero_stage=2 reduces gradients during backward; schedule {schedule!r} defers them to W")
+        if zero_stage in (2, 3) and grid.dims.pp > 1 and schedule in SPLIT_BACKWARD:
+            raise ValueError(
+                f"zero_stage={zero_stage} reduces gradients during backward; schedule {schedule!r} defers the weight "
+                "gradients to W, after the reduction"
+            )
         self.grid, self.algorithm, self.device = grid, algorithm, device
         self.zero_stage, self.accumulation, self.reduce_dtype = zero_stage, accumulation, reduce_dtype
         self.autocast_dtype, self.shard_size = autocast_dtype, shard_size

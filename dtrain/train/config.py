@@ -281,6 +281,17 @@ class ParallelSection(_Section):
         known = accepted("all_reduce")
         if self.algorithm not in known:
             raise ConfigError("parallel.algorithm", f"must be one of {', '.join(known)}, got {self.algorithm!r}")
+        if self.zero:  # ZeRO gathers weights and reduce-scatters gradients with the same algorithm
+            for collective in ("all_gather", "reduce_scatter"):
+                if self.algorithm not in accepted(collective):
+                    raise ConfigError(
+                        "parallel.algorithm",
+                        f"zero = {self.zero} runs {collective.replace('_', '-')}s with it too, which have no "
+                        f"{self.algorithm!r}; one that all three have: "
+                        + ", ".join(
+                            a for a in known if a in accepted("all_gather") and a in accepted("reduce_scatter")
+                        ),
+                    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,7 +332,7 @@ class TrainingSection(_Section):
         minimum=1,
     )
     accumulation: int = _option(1, "gradient-accumulation steps per optimizer step", minimum=1)
-    seed: int = _option(0, "model initialisation and data order", minimum=0)
+    seed: int = _option(0, "model initialisation and data order", minimum=0, maximum=2**32 - 1)
     precision: str = _option(
         "auto",
         "compute precision (auto: bf16 on CUDA, float32 on CPU; fp16 uses a dynamic loss scale)",
@@ -595,11 +606,11 @@ class TrainConfig:
                     f"each accumulation step's {step} sequences (batch_size / dp / accumulation) do not split into "
                     f"{parallel.microbatches} micro-batches",
                 )
-            if parallel.schedule in ("zb-h1", "zb-v") and (parallel.zero == 2 or training.compile):
+            if parallel.schedule in ("zb-h1", "zb-v") and (parallel.zero in (2, 3) or training.compile):
                 raise ConfigError(
                     "parallel.schedule",
-                    f"{parallel.schedule} defers weight gradients out of autograd; it does not run with zero = 2 or "
-                    "training.compile (use 1f1b or interleaved-1f1b)",
+                    f"{parallel.schedule} defers weight gradients out of autograd, after zero = 2 and 3 reduce them; "
+                    "it does not run with zero = 2, zero = 3 or training.compile (use 1f1b or interleaved-1f1b)",
                 )
             if parallel.pipeline_graphs:
                 refused = [

@@ -153,6 +153,11 @@ def validate_layout(config: TrainConfig, world_size: int, shape: ModelConfig) ->
         )
     if par.zero and par.dp == 1:
         raise ValueError(f"--zero: ZeRO stage {par.zero} shards over the dp ranks, but dp is 1")
+    if par.zero == 2 and par.pp > 1 and getattr(shape, "tie_word_embeddings", False):
+        raise ValueError(
+            "--zero 2: with --pp above 1 the tied embedding's two copies (first and last stage) are summed after "
+            "backward, but ZeRO stage 2 reduces gradients during it; use --zero 1 or 3, or --pp 1"
+        )
     tr = config.training
     try:  # the recomputed blocks exist in this model
         chosen_blocks(from_text(tr.activation_checkpointing, tr.recompute_layers)[1].get("layers"), shape.num_layers)
@@ -250,12 +255,14 @@ def check_run(config: TrainConfig, nproc: int) -> RunPlan:
     PackedBatches(data, "train", seq_len=config.data.seq_len, batch_size=config.training.batch_size, seed=0)
     if config.data.eval_every:
         val = PackedBatches(data, "val", seq_len=config.data.seq_len, batch_size=config.training.batch_size, seed=0)
-        unit = dims.dp * (config.parallel.microbatches if dims.pp > 1 else 1)  # rows one evaluation batch needs
+        # rows one evaluation step needs: a row a replica, or a pipeline's training micro-step on every replica
+        tr = config.training
+        unit, what = (tr.batch_size // tr.accumulation, "batch_size / accumulation") if dims.pp > 1 else (dims.dp, "dp")
         if val.windows < unit:
             raise ConfigError(
                 "data.eval_every",
                 f"the validation split of {dataset} holds {val.windows} sequences of {config.data.seq_len} tokens, "
-                f"fewer than the {unit} (dp x microbatches) one evaluation step needs; set it to 0 or use more data",
+                f"fewer than the {unit} ({what}) one evaluation step needs; set it to 0 or use more data",
             )
     first = _check_resume(config, world, shape) if config.checkpoint.resume else 0
     plan = RunPlan(
@@ -434,18 +441,23 @@ class _Trainer:
 
     def evaluate(self) -> float:
         """The mean loss over the validation split's first ``eval_batches`` batches (the same every time); each
-        batch is cut to a multiple of the rows every replica and micro-batch needs."""
+        batch is cut to a multiple of the rows every replica needs. A pipeline evaluates in pieces of a training
+        micro-step's rows (``batch_size / dp / accumulation``, cut into its micro-batches): its stages agreed the
+        messages' shapes at the first step, and a batch's rows that do not fill a piece are left out."""
         cfg, grid = self.config, self.grid
         par = cfg.parallel
-        unit = par.dp * (par.microbatches if par.pp > 1 else 1)
+        piece = cfg.training.batch_size // par.dp // cfg.training.accumulation if par.pp > 1 else None
         losses, weights = [], []
         for x, y in self.data.eval_batches(cfg.data.eval_batches, cfg.training.batch_size, split="val"):
-            rows = (x.shape[0] // unit) * unit // par.dp
+            rows = x.shape[0] // par.dp if piece is None else x.shape[0] // (par.dp * piece) * piece
             if rows == 0:
                 continue
             mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
-            losses.append(self.hybrid.evaluate(x[mine], y[mine], self.loss_fn, local=True).item())
-            weights.append(rows)
+            xs, ys = x[mine], y[mine]
+            for start in range(0, rows, piece or rows):
+                end = start + (piece or rows)
+                losses.append(self.hybrid.evaluate(xs[start:end], ys[start:end], self.loss_fn, local=True).item())
+                weights.append(end - start)
         return sum(w * v for w, v in zip(weights, losses, strict=True)) / sum(weights)
 
     def meta(self) -> dict[str, Any]:

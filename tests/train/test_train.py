@@ -154,6 +154,14 @@ def test_interleaved_pipeline_in_larger_microbatch_groups_matches_one_rank(tmp_p
     assert records[-1]["bubble_theory"] == pytest.approx(1 / 9)  # (p - 1) / (v m + p - 1), whatever the group
 
 
+def test_a_pipeline_with_accumulation_evaluates_as_one_rank_does(tmp_path, one_rank):
+    """Its stages agreed the messages' shapes on a training micro-step; evaluation runs in pieces of that shape."""
+    flags = ["--nproc", "2", "--pp", "2", "--microbatches", "2", "--accumulation", "2", "--steps", "2"]
+    records = _run(tmp_path, *flags, "--eval-every", "2")
+    want = [r["eval_loss"] for r in one_rank[1][:2] if "eval_loss" in r]
+    assert [r["eval_loss"] for r in records if "eval_loss" in r] == pytest.approx(want, rel=1e-5)
+
+
 def test_evaluation_runs_at_its_interval_on_the_validation_split(one_rank):
     records = one_rank[1]
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
@@ -190,9 +198,13 @@ def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_ran
         (
             ["--nproc", "2", "--pp", "2", "--microbatches", "2048", "--batch-size", "2048"]
             + ["--set", "data.eval_every=5"],
-            "fewer than the 2048 (dp x microbatches) one evaluation step needs; set it to 0 or use more data",
+            "fewer than the 2048 (batch_size / accumulation) one evaluation step needs; set it to 0 or use more data",
         ),
         (["--resume"], "no complete checkpoint"),
+        (["--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "3", "--schedule", "zb-h1"], "zero = 2, zero = 3 or"),
+        (["--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "2"], "--zero 2: with --pp above 1 the tied embedding"),
+        (["--nproc", "2", "--dp", "2", "--zero", "1", "--algorithm", "tree"], "runs all-gathers with it too"),
+        (["--seed", str(2**64)], "--seed: must be an int in"),
         (["--weights", "/nonexistent/model"], "/nonexistent/model"),
         (["--dataset", "/nonexistent/data"], "/nonexistent/data"),
     ],
