@@ -100,16 +100,20 @@ def _bounds_text(f: dataclasses.Field, kind: type) -> str:
     """What a bounded number must be, e.g. ``a positive int``, ``a number in [0, 1)``."""
     lo, hi = f.metadata.get("minimum", f.metadata.get("above")), f.metadata.get("maximum", f.metadata.get("below"))
     noun = "an int" if kind is int else "a number"
+
+    def shown(bound) -> str:  # whole bounds in full (4294967295, not 4.29497e+09)
+        return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
     if kind is int and f.metadata.get("minimum") == 1 and hi is None:
         return "a positive int"
     if lo is not None and hi is not None:
         left = "[" if "minimum" in f.metadata else "("
         right = "]" if "maximum" in f.metadata else ")"
-        return f"{noun} in {left}{lo:g}, {hi:g}{right}"
+        return f"{noun} in {left}{shown(lo)}, {shown(hi)}{right}"
     if lo is not None:
-        return f"{noun} {'>=' if 'minimum' in f.metadata else '>'} {lo:g}"
+        return f"{noun} {'>=' if 'minimum' in f.metadata else '>'} {shown(lo)}"
     if hi is not None:
-        return f"{noun} {'<=' if 'maximum' in f.metadata else '<'} {hi:g}"
+        return f"{noun} {'<=' if 'maximum' in f.metadata else '<'} {shown(hi)}"
     return noun
 
 
