@@ -100,7 +100,7 @@ def test_only_layouts_dtrain_train_runs_as_priced_are_kept():
         return dataclasses.replace(config, parallel=dataclasses.replace(staged, **changes))
 
     assert refusal(layout(zero=1), shape) is None
-    assert "ZeRO-2 does not run with the embedding tied" in refusal(layout(zero=2), shape)
+    assert "--zero 2: with --pp above 1 the tied embedding" in refusal(layout(zero=2), shape)
     assert "the oblivious placement" in refusal(layout(zero=1), shape, "oblivious")
     assert "does not divide by tp=4" in refusal(layout(dp=1, pp=1, tp=4, microbatches=1), shape)
     planned = plan_run(config, resolve("h100-node"), devices=4, shape=shape, zero_stages=[2], recompute=["none"])
