@@ -36,9 +36,16 @@ def test_the_one_pass_schedules_are_one_round_and_prove_their_collective():
 
 
 def test_which_calls_run_in_one_pass(monkeypatch):
+    from dtrain.comm.peer import kernels
+
     monkeypatch.setitem(fused._state, "present", True)  # as on a GPU whose torch has the kernels
     monkeypatch.delenv("DTRAIN_COMM_ONE_PASS", raising=False)  # on by default
     rs, small, cap = Collective.REDUCE_SCATTER, 1 << 20, fused.ONE_PASS_MAX_BYTES
+    # without Triton a reduce-scatter's pass is torch's one-shot kernel, which takes whole 4-byte words only
+    monkeypatch.setattr(kernels, "triton_ready", lambda: False)
+    assert fused.one_pass_form(rs, "direct", torch.bfloat16, "sum", CUDA, small) is None
+    assert fused.one_pass_form(rs, "direct", torch.float32, "sum", CUDA, small) == "scatter"
+    monkeypatch.setattr(kernels, "triton_ready", lambda: True)  # as on a GPU with Triton
     for (coll, algorithm), form in fused.ONE_PASS.items():
         assert fused.one_pass_form(coll, algorithm, torch.bfloat16, "sum", CUDA, small) == form
         assert fused.one_pass_form(coll, algorithm, torch.bfloat16, "sum", CUDA, cap) == form
