@@ -1437,6 +1437,48 @@ def _dp_cells(r: dict) -> list[str]:
     ]
 
 
+def _dp_four_h200() -> list[str]:
+    """The comparison on 4 H200s: every variant eager with torch's multi-tensor AdamW, then a launch with the
+    one-kernel AdamW and the recorded steps."""
+    parts = []
+    for b in (32, 16):
+        for name, extra, title in (
+            (f"dp_vs_ddp-h200x4-b{b}.jsonl", "", "eager, multi-tensor AdamW"),
+            (f"dp_vs_ddp-graphs-fused-h200x4-b{b}.jsonl", " --graphs --optimizer fused", "fused AdamW, steps recorded"),
+        ):
+            records = load(name)
+            if not records:
+                continue
+            rows = [
+                [*_dp_cells(r), f"{r['scaling_vs_eager_single']:.1%}" if "-graph" in r["variant"] else "-"]
+                for r in sorted(records, key=lambda r: (r["ranks"], r["variant"]))
+            ]
+            local = next((r for r in records if r["variant"] == "local"), None)
+            parts += [
+                f"### 4 x H200, {b} sequences a GPU, {title}",
+                setting(
+                    f"4 x {records[0]['device']} (one host, NVLink)",
+                    gpu_software(records),
+                    f"torchrun --nproc-per-node 4 benchmarks/training/dp_zero.py --sections dp --sizes 4 1 "
+                    f"--batch-per-rank {b} --stall-s 110{extra} (DP_EXTRA='{extra.strip()}' benchmarks/gpu/run.sh "
+                    "OUT dp)",
+                    f"`{name}`",
+                ),
+                table(
+                    ["variant", "GPUs", "step ms", "tokens/s", "throughput / DDP", "scaling eff.", "vs one GPU eager"],
+                    rows,
+                ),
+            ]
+            if local is not None and local.get("scaling_efficiency") is not None and local["scaling_efficiency"] < 0.9:
+                parts.append(
+                    f"`local` (no communication at all) reaches {local['scaling_efficiency']:.1%} of one GPU here: "
+                    "four processes launching this step's kernels at once slow each other on this host whatever the "
+                    "communication, so the eager scaling column measures the host; the recorded steps, which the "
+                    "host launches once, show the wrapper's own."
+                )
+    return parts
+
+
 def _dp_two_h200() -> list[str]:
     """The same comparison on 2 H200s, eager (no recorded steps)."""
     parts = []
@@ -1606,6 +1648,7 @@ def section_dp() -> str:
             ),
         ]
     parts.append(_dp_recorded())
+    parts += _dp_four_h200()
     parts += _dp_two_h200()
     cpu = load("dp_vs_ddp-cpu2.jsonl")
     rows = []
@@ -2153,7 +2196,8 @@ def _zero_bubble_part() -> list[str]:
         ]
     return (
         parts
-        + _two_stage_part()
+        + _h200_host_part("h200x4")
+        + _h200_host_part("h200x2")
         + _groups_part()
         + _in_place_part()
         + _steady_part()
@@ -2643,24 +2687,31 @@ def _transport_label(row: dict) -> str:
     return " (peer)" if row.get("transport") == "peer" else ""
 
 
-def _two_stage_part() -> list[str]:
-    """`dtrain bench pipeline` on 2 H200s (p = 2): every schedule, eager and the step one graph, beside torch's."""
+def _h200_host_part(machine: str) -> list[str]:
+    """`dtrain bench pipeline` on every GPU of one H200 host (``machine``: ``h200x2``, ``h200x4``): every schedule,
+    eager and the step one graph, beside torch's."""
     parts = []
     for batch in (1024, 4096):
-        name = f"bench_pipeline_step-b{batch}-h200x2.jsonl"
+        name = f"bench_pipeline_step-b{batch}-{machine}.jsonl"
         records = load(name)
         if not records:
             continue
         first = records[0]
+        p = first["stages"]
         if not parts:
             parts += [
-                f"### Every schedule on 2 x {first['device'].removeprefix('NVIDIA ')}, beside "
+                f"### Every schedule on {p} x {first['device'].removeprefix('NVIDIA ')}, beside "
                 "torch.distributed.pipelining",
-                f"The model above on {first['stages']} stages, one a GPU, every message over the peer channels "
-                "(`--transport auto`), eager and the step one graph. With two stages the theory's bubble is small "
-                "(0.01-0.11) and the first stage's lighter compute (no input gradient for its first layer) is a "
-                "larger share of what is measured above it: `slowest stage` is the bubble by the stage that sets "
-                "the pace, `1 - max(busy) / step` (steps back to back), beside the mean stage's.",
+                f"The model above on {p} stages, one a GPU, every message over the peer channels "
+                "(`--transport auto`), eager and the step one graph, in one launch a batch. `slowest stage` is the "
+                "bubble by the stage that sets the pace, `1 - max(busy) / step` (steps back to back), beside the "
+                "mean stage's."
+                + (
+                    " With two stages the theory's bubble is small (0.01-0.11) and the first stage's lighter compute "
+                    "(no input gradient for its first layer) is a larger share of what is measured above it."
+                    if p == 2
+                    else ""
+                ),
             ]
         ms = ",".join(str(m) for m in dict.fromkeys(r["microbatches"] for r in records))
         rows = [
@@ -2673,11 +2724,11 @@ def _two_stage_part() -> list[str]:
             for r in records
         ]
         parts += [
-            f"#### 2 stages, batch {batch}",
+            f"#### {p} stages, batch {batch}",
             setting(
-                f"2 x {first['device']} (one host)",
+                f"{p} x {first['device']} (one host)",
                 f"torch 2.11.0+cu130, NCCL {NCCL}",
-                f"torchrun --nproc-per-node 2 -m dtrain bench pipeline --layers {first['layers']} --width "
+                f"torchrun --nproc-per-node {p} -m dtrain bench pipeline --layers {first['layers']} --width "
                 f"{first['width']} --batch {batch} --microbatches {ms}{_graphs_flag(records)} --transport auto",
                 f"`{name}`",
             ),
