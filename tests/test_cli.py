@@ -6,6 +6,8 @@ import importlib.util
 import io
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,7 +52,14 @@ def test_parse_bytes_reads_binary_units(text, nbytes):
 
 def test_bench_rejects_an_unknown_collective_before_starting_ranks(capsys):
     assert main(["bench", "comm", "--collectives", "all_reduce,nope"]) == 2
-    assert "nope" in capsys.readouterr().out
+    assert "nope" in capsys.readouterr().err
+
+
+def test_an_error_is_one_line_on_stderr_and_leaves_json_output_clean():
+    command = [sys.executable, "-m", "dtrain", "calc", "transfer", "--bytes", "1TB", "--json"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr == "dtrain: error: give --link KIND, --gbit-per-s or --gbyte-per-s\n", done.stderr
 
 
 def test_bench_rejects_a_bad_size():

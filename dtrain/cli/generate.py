@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 __all__ = ["add_parser", "register", "run"]
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         text = _generate(args)
     except ValueError as exc:
-        print(f"{_PREFIX}: {exc}")
+        print(f"{_PREFIX}: {exc}", file=sys.stderr)
         return 2
     print(text)
     return 0

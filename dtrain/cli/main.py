@@ -250,11 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         CommEnv.from_env()  # a bad DTRAIN_COMM_* value stops here, before any rank starts
         return _run(build_parser().parse_args(argv))
-    except ValueError as exc:
-        print(f"dtrain: error: {exc}")
+    except ValueError as exc:  # bad input: one line on stderr, where it never mixes with --json output
+        print(f"dtrain: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path that cannot be read or written (a file where a folder should be, no room): named
-        print(f"dtrain: error: {exc}")
+        print(f"dtrain: error: {exc}", file=sys.stderr)
         return 2
     except BaseException as exc:
         status = _interrupted(exc)

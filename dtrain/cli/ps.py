@@ -134,5 +134,5 @@ def _train(args: argparse.Namespace) -> int:
         print(f"dtrain ps: server {fault.server} killed after step {fault.step}; {went_on}")
     if not ok:
         failed = sorted(r for r, v in s["worker_exit"].items() if v != 0)
-        print(f"dtrain ps: workers {failed} failed (exit statuses {s['worker_exit']})")
+        print(f"dtrain ps: workers {failed} failed (exit statuses {s['worker_exit']})", file=sys.stderr)
     return 0 if ok else 1

@@ -45,6 +45,7 @@ __all__ = [
     "INDEX_NAME",
     "TOKENIZER_NAME",
     "WEIGHTS_NAME",
+    "check_pretrained",
     "dtrain_shapes",
     "from_hf_state_dict",
     "hf_shapes",
@@ -572,19 +573,9 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
     return model
 
 
-def load_pretrained(
-    directory: str | os.PathLike,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> CausalLM:
-    """The model of a Hugging Face directory: ``config.json`` and ``model.safetensors`` (or the shards of
-    ``model.safetensors.index.json``), on ``device`` (default CPU) in ``dtype`` (default float32), in eval mode.
-
-    Every stored tensor is checked before any is loaded: one-line ValueError naming the file and the tensor for
-    a missing, unexpected or misshapen one, and naming the file for a missing or unreadable one.
-    """
-    directory = Path(directory)
+def _checked_weights(directory: Path) -> tuple[ModelConfig, dict[str, Path], list[str]]:
+    """(config, each stored tensor's file, the names to load) of a Hugging Face directory, every safetensors
+    header read and every tensor's name and shape checked against the config; no tensor data read."""
     if not directory.is_dir():
         raise ValueError(f"{directory}: not a directory")
     config = load_config(directory)
@@ -606,6 +597,32 @@ def load_pretrained(
     for key in expected:
         if key not in present:
             raise ValueError(f"{default_file}: {key}: missing tensor")
+    return config, files, wanted
+
+
+def check_pretrained(directory: str | os.PathLike) -> ModelConfig:
+    """The config of a Hugging Face directory whose weights :func:`load_pretrained` would load: ``config.json``
+    read, every safetensors header parsed (the JSON header, the data it describes all there) and every tensor's
+    name and shape checked against the config, without reading a tensor. The same one-line ValueErrors as
+    :func:`load_pretrained`."""
+    return _checked_weights(Path(directory))[0]
+
+
+def load_pretrained(
+    directory: str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> CausalLM:
+    """The model of a Hugging Face directory: ``config.json`` and ``model.safetensors`` (or the shards of
+    ``model.safetensors.index.json``), on ``device`` (default CPU) in ``dtype`` (default float32), in eval mode.
+
+    Every stored tensor is checked before any is loaded: one-line ValueError naming the file and the tensor for
+    a missing, unexpected or misshapen one, and naming the file for a missing or unreadable one.
+    """
+    directory = Path(directory)
+    config, files, wanted = _checked_weights(directory)
+    default_file = directory / (WEIGHTS_NAME if (directory / WEIGHTS_NAME).is_file() else INDEX_NAME)
     dtype = dtype or torch.float32
     state = from_hf_state_dict(_read_tensors(files, wanted), config, source=str(default_file))
     model = _empty_model(config, torch.device(device or "cpu"), dtype)

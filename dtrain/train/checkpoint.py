@@ -3,8 +3,8 @@ written at one layout and loaded at any other (dp x tp x pp x ZeRO stage, any wo
 
 A checkpoint of step ``s`` is the directory ``<out>/checkpoints/step-<s>/`` (eight digits) holding DCP's files
 (one ``.distcp`` file per writing rank and ``.metadata``) and ``meta.json`` (the step, the layout that wrote it,
-the model's ``config.json`` contents, the sequence length and the tokenizer). The state
-(:func:`training_state`) is the model and the optimizer state sharded in canonical names
+the model's ``config.json`` contents, the sequence length, the tokenizer, and the dataset with its fingerprint).
+The state (:func:`training_state`) is the model and the optimizer state sharded in canonical names
 (:func:`dtrain.parallel.state.sharded_state_dict`), the data position, the torch RNG state (rank 0's), the step
 and the fp16 loss scale.
 
@@ -15,6 +15,11 @@ next save of that step removes; the previous checkpoints stay whole. With ``asyn
 background thread (``dcp.async_save``) on a process group of its own, after copying the state, so training goes
 on; the rename happens when the next save (or :meth:`Checkpointer.wait`) collects it. ``keep`` > 0 deletes all
 but the newest ``keep`` complete checkpoints after each save.
+
+Reading checks before it loads (:func:`check_files`): ``.metadata`` must unpickle, and every file it lists must be
+there with at least the bytes it lists, so a deleted or truncated shard is one line naming the file. A file that
+is there but cannot be read (damaged in place) is a ``ValueError`` naming the directory too: bad input, which no
+restart of the ranks mends (:mod:`dtrain.launch`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +37,7 @@ import torch.distributed as dist
 
 __all__ = [
     "Checkpointer",
+    "check_files",
     "checkpoint_dir",
     "complete_steps",
     "export_checkpoint",
@@ -38,6 +45,7 @@ __all__ = [
     "load_model_state",
     "read_meta",
     "restore_training_state",
+    "saved_data_fingerprint",
     "training_state",
 ]
 
@@ -80,6 +88,79 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         return json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{file}: not a readable checkpoint description ({type(exc).__name__})") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception in a few words: an OSError's file and reason, else its type and first sentence (cut short)."""
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.filename}: {exc.strerror or type(exc).__name__}"
+    lines = str(exc).strip().splitlines()
+    text = lines[0].split(". ")[0].rstrip(".") if lines else ""
+    if len(text) > 120:
+        text = text[:117] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def check_files(directory: str | Path):
+    """The DCP metadata of checkpoint ``directory`` (``.metadata``), once every file it lists is there and holds
+    at least the bytes it lists; ValueError naming the file otherwise (an unreadable ``.metadata``, a deleted or
+    truncated ``.distcp`` file). Reads no tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    index = directory / ".metadata"
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+        ends: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    except Exception as exc:  # pickle's errors, an EOF, a foreign object: the index is damaged
+        raise ValueError(f"{index}: not a readable checkpoint index ({_reason(exc)})") from None
+    for name, end in sorted(ends.items()):
+        file = directory / name
+        if not file.is_file():
+            raise ValueError(f"{file}: missing (listed in {index})")
+        size = file.stat().st_size
+        if size < end:
+            raise ValueError(f"{file}: {size} bytes, but {index} lists {end}: the file is truncated")
+    return metadata
+
+
+def _unreadable(directory: Path, exc: BaseException) -> ValueError:
+    """The one line for a checkpoint DCP failed to read: its ``CheckpointException`` holds each rank's failure, a
+    local one (a read or a plan; a peer lost in between fails the collective itself, not this)."""
+    failures = getattr(exc, "failures", None) or {}
+    first = failures[min(failures)][0] if failures else exc
+    return ValueError(f"{directory}: a file of the checkpoint cannot be read, it is damaged ({_reason(first)})")
+
+
+#: DCP's warning that a load without a process group runs in one process: what the loads that pass no_dist want.
+_ONE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"
+#: DCP's planner's deprecation note for every ShardedTensor it loads into.
+_SHARDED_TENSOR_NOTE = "Please use DTensor instead and we are deprecating ShardedTensor"
+
+
+def saved_data_fingerprint(directory: str | Path) -> str | None:
+    """The fingerprint of the dataset checkpoint ``directory`` was trained on: its ``meta.json``'s, or (a
+    checkpoint that does not record it there) the one saved with the data position; None where neither is."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    directory = Path(directory)
+    recorded = read_meta(directory).get("data_fingerprint")
+    if isinstance(recorded, str):
+        return recorded
+    metadata = check_files(directory)
+    if "data.fingerprint" not in metadata.state_dict_metadata:
+        return None
+    state: dict[str, Any] = {"data": {"fingerprint": ""}}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _ONE_PROCESS_NOTE)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    except CheckpointException as exc:
+        raise _unreadable(directory, exc) from None
+    return str(state["data"]["fingerprint"])
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -217,15 +298,21 @@ class Checkpointer:
         """Fill ``state`` (a DCP state dict for loading, e.g. ``training_state(..., for_load=True)``) from the
         checkpoint of ``step``, in place; top-level entries the checkpoint lacks are dropped from ``state``."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         directory = checkpoint_dir(self.out, step)
         if not _is_complete(directory):
             raise ValueError(f"{directory}: not a complete checkpoint")
-        reader = dcp.FileSystemReader(directory)
-        saved = {fqn.split(".", 1)[0] for fqn in reader.read_metadata().state_dict_metadata}
+        metadata = check_files(directory)  # the same answer on every rank: they read the same files
+        saved = {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
         for key in [k for k in state if k not in saved]:
             del state[key]
-        dcp.load(state, storage_reader=reader, process_group=self.group)
+        try:
+            with warnings.catch_warnings():  # the state is ShardedTensors by design (dtrain.parallel.state)
+                warnings.filterwarnings("ignore", _SHARDED_TENSOR_NOTE, FutureWarning)
+                dcp.load(state, storage_reader=dcp.FileSystemReader(directory), process_group=self.group)
+        except CheckpointException as exc:  # gathered from every rank: each raises it, and the same line
+            raise _unreadable(directory, exc) from None
 
 
 def training_state(hybrid, *, step: int = 0, data=None, scaler=None, process_group=None, for_load: bool = False):
@@ -260,18 +347,28 @@ def load_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
     """The whole model of a checkpoint directory in canonical names (the unparallelized model's state dict, a
     tied weight once), read in this one process (no process group needed)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     directory = Path(directory)
     if not _is_complete(directory):
         raise ValueError(f"{directory}: not a complete checkpoint (no .metadata or {META})")
-    reader = dcp.FileSystemReader(directory)
-    metadata = reader.read_metadata().state_dict_metadata
-    model = {
-        fqn.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        for fqn, m in metadata.items()
-        if fqn.startswith("model.")
-    }
-    dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    metadata = check_files(directory).state_dict_metadata
+    try:
+        model = {
+            fqn.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for fqn, m in metadata.items()
+            if fqn.startswith("model.")
+        }
+    except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{directory / '.metadata'}: not a checkpoint of a model ({_reason(exc)})") from None
+    if not model:
+        raise ValueError(f"{directory / '.metadata'}: holds no model tensors")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _ONE_PROCESS_NOTE)
+            dcp.load({"model": model}, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    except CheckpointException as exc:
+        raise _unreadable(directory, exc) from None
     return model
 
 

@@ -130,12 +130,12 @@ def test_cli_prints_a_table_without_json(capsys):
 
 def test_cli_without_a_link_is_an_error_naming_the_flags(capsys):
     assert main(["calc", "transfer", "--bytes", "1TB"]) == 2
-    assert "give --link KIND, --gbit-per-s or --gbyte-per-s" in capsys.readouterr().out
+    assert "give --link KIND, --gbit-per-s or --gbyte-per-s" in capsys.readouterr().err
 
 
 def test_cli_unknown_link_kind_is_an_error(capsys):
     assert main(["calc", "transfer", "--bytes", "1TB", "--link", "ethernet300"]) == 2
-    assert "unknown link kind 'ethernet300'" in capsys.readouterr().out
+    assert "unknown link kind 'ethernet300'" in capsys.readouterr().err
 
 
 def test_cli_links_lists_the_catalogue(capsys):

@@ -70,14 +70,14 @@ def test_without_iproute2_it_says_so_and_exits_2(monkeypatch, capsys):
 
 def test_a_bad_placement_is_an_error_before_anything_is_built(capsys):
     assert main([*RUN, "--placement", "s0,s9", "--", "bench", "comm"]) == 2
-    assert "placement must be" in capsys.readouterr().out
+    assert "placement must be" in capsys.readouterr().err
 
 
 def test_a_run_without_a_command_is_an_error(capsys):
     assert main([*RUN]) == 2
-    assert "no dtrain command" in capsys.readouterr().out
+    assert "no dtrain command" in capsys.readouterr().err
 
 
 def test_a_rack_hierarchy_needs_racks_kept_together(capsys):
     assert main([*RUN, "--placement", "interleaved", "--hierarchy", "rack", "--", "bench", "comm"]) == 2
-    assert "rack-level hierarchy" in capsys.readouterr().out
+    assert "rack-level hierarchy" in capsys.readouterr().err

@@ -152,7 +152,7 @@ def test_dtrain_generate_bad_input_is_one_line_and_status_2(saved, tmp_path, cap
     ]:
         args = _parser().parse_args(["generate", "--model", str(directory), "--prompt", "hi"])
         assert cli.run(args) == 2
-        out = capsys.readouterr().out
+        out = capsys.readouterr().err
         assert out.count("\n") == 1 and out.startswith("dtrain generate: ") and words in out, out
 
 
@@ -169,5 +169,5 @@ def test_dtrain_generate_in_a_fresh_process(tmp_path):
         text=True,
         timeout=60,
     )
-    assert result.returncode == 2 and result.stderr == ""
-    assert result.stdout == f"dtrain generate: --model: {missing}: no such directory\n"
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"dtrain generate: --model: {missing}: no such directory\n"

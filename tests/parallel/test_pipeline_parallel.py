@@ -464,7 +464,7 @@ def test_bench_pipeline_profile_must_name_a_directory(tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.write_text("")
     assert main(["bench", "pipeline", "--profile", str(taken), "--out", str(tmp_path / "rows.jsonl")]) == 2
-    assert f"--profile {taken}: exists and is not a directory" in capsys.readouterr().out
+    assert f"--profile {taken}: exists and is not a directory" in capsys.readouterr().err
     assert not (tmp_path / "rows.jsonl").exists()  # refused before any rank starts or any file is written
 
 
@@ -484,7 +484,7 @@ def test_bench_pipeline_refuses_an_unknown_transport_and_a_negative_lookahead(tm
     from dtrain.cli.main import main
 
     assert main(["bench", "pipeline", *flags, "--out", str(tmp_path / "rows.jsonl")]) == 2
-    assert said in capsys.readouterr().out
+    assert said in capsys.readouterr().err
     assert not (tmp_path / "rows.jsonl").exists()
 
 

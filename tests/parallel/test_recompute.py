@@ -209,5 +209,5 @@ def test_bad_options_fail_before_any_rank_starts(tmp_path, capsys, monkeypatch, 
 
     monkeypatch.setattr(loop, "run_ranks", refuse)
     assert main(["train", "--out", str(tmp_path / "run"), *flags]) == 2
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err
     assert message in printed and printed.count("\n") == 1, printed

@@ -30,7 +30,7 @@ def test_dtrain_ps_trains_through_a_server_kill_and_writes_json_lines(tmp_path, 
 
 def test_dtrain_ps_refuses_a_straggler_that_does_not_exist(capsys):
     assert main(["ps", "--workers", "2", "--straggler", "5:2", "--no-progress"]) == 2
-    assert "workers are 0..1" in capsys.readouterr().out
+    assert "workers are 0..1" in capsys.readouterr().err
 
 
 def _refused(monkeypatch, capsys, argv: list[str]) -> str:
@@ -44,7 +44,7 @@ def _refused(monkeypatch, capsys, argv: list[str]) -> str:
     assert main(["ps", *argv, "--no-progress"]) == 2
     out = capsys.readouterr()
     assert "Traceback" not in out.out + out.err
-    lines = [line for line in out.out.splitlines() if line.strip()]
+    lines = [line for line in out.err.splitlines() if line.strip()]
     assert len(lines) == 1, lines
     return lines[0]
 

@@ -362,7 +362,7 @@ def test_the_command_prints_a_config_error_on_one_line(tmp_path, capsys):
     from dtrain.cli.main import main
 
     assert main(["train", "--config", str(_write(tmp_path, "[parallel]\ntp = 0\n"))]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out == f"dtrain: error: {tmp_path}/train.toml: [parallel] tp: must be a positive int, got 0\n"
 
 

@@ -69,7 +69,7 @@ def test_plan_run_skips_layouts_dtrain_train_cannot_run_and_predicts_the_memory_
 def test_plan_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, named):
     assert main(["plan", "--topology", "h100-node", *argv]) == 2
     said = capsys.readouterr()
-    assert len(said.out.splitlines()) == 1 and named in said.out and not said.err
+    assert len(said.err.splitlines()) == 1 and named in said.err and not said.out
     assert not list(tmp_path.iterdir()) and not Path("x.toml").exists()
 
 
@@ -78,7 +78,7 @@ def test_plan_says_so_when_no_layout_fits(tmp_path, capsys):
     big.write_text(TINY.read_text().replace('preset = "tiny"', 'preset = "8b"'))
     out = tmp_path / "planned.toml"
     assert main(["plan", "--config", str(big), "--topology", "h100-node", "--devices", "1", "--write", str(out)]) == 2
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err
     assert said.startswith("dtrain: error: --config: no layout of the model trains on 1 device(s)") and not out.exists()
 
 

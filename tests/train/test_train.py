@@ -47,16 +47,21 @@ def _run(out: Path, *flags: str, export: bool = False) -> list[dict]:
 
 
 def _fake_checkpoint(out: Path, step: int, world: int, config_flags: list[str]) -> None:
-    """A checkpoint directory at ``step`` holding only what the launching process reads (meta.json, and an
-    empty DCP .metadata) for a run with ``config_flags``."""
+    """A checkpoint directory at ``step`` holding what the launching process reads for a run with
+    ``config_flags``: meta.json, and DCP's files of a state of the step alone."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
     from dtrain.models import hf
 
     args = build_parser().parse_args(["train", "--out", str(out), *config_flags])
     config = from_arguments(args)
     plan = loop.check_run(config, world)
     directory = checkpoint_dir(out, step)
-    directory.mkdir(parents=True)
-    (directory / ".metadata").write_bytes(b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's note that it saves in one process
+        dcp.save({"step": step}, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
     meta = {"step": step, "model": hf.config_to_dict(plan.model), "seq_len": config.data.seq_len}
     (directory / "meta.json").write_text(json.dumps(meta))
 
@@ -187,9 +192,9 @@ def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_ran
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--nproc", "4", "--dp", "2"], "must multiply to the world size"),
+        (["--nproc", "4", "--dp", "2"], "--dp/--pp/--tp: dp x pp x tp = 2 x 1 x 1 = 2, but --nproc starts 4 processes"),
         (["--nproc", "8", "--pp", "8"], "--pp: 8 stages of 1 chunk(s) need 8 layers, but the model has only 6"),
-        (["--nproc", "4", "--tp", "4"], "num_key_value_heads=2 does not divide by tp=4"),
+        (["--nproc", "4", "--tp", "4"], "--tp: num_key_value_heads=2 does not divide by tp=4"),
         (["--zero", "1"], "--zero: ZeRO stage 1 shards over the dp ranks, but dp is 1"),
         (["--precision", "fp16"], "--precision fp16: float16 training needs a CUDA device"),
         (["--nproc", "2", "--pp", "2", "--pipeline-graphs"], "pipeline_graphs: records CUDA graphs; the ranks would"),
@@ -205,14 +210,14 @@ def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_ran
         (["--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "2"], "--zero 2: with --pp above 1 the tied embedding"),
         (["--nproc", "2", "--dp", "2", "--zero", "1", "--algorithm", "tree"], "runs all-gathers with it too"),
         (["--seed", str(2**64)], "--seed: must be an int in"),
-        (["--weights", "/nonexistent/model"], "/nonexistent/model"),
+        (["--weights", "/nonexistent/model"], "--weights: /nonexistent/model"),
         (["--dataset", "/nonexistent/data"], "/nonexistent/data"),
     ],
 )
 def test_bad_layouts_and_inputs_fail_before_any_rank_starts(tmp_path, capsys, no_ranks, flags, message):
     assert main(["train", "--out", str(tmp_path / "run"), *flags]) == 2
-    printed = capsys.readouterr().out
-    assert message in printed and printed.count("\n") == 1, printed
+    printed = capsys.readouterr()
+    assert message in printed.err and printed.err.count("\n") == 1 and not printed.out, printed
     assert not (tmp_path / "run").exists() or flags == ["--resume"]
 
 
@@ -223,21 +228,21 @@ def test_a_model_config_with_a_smaller_vocabulary_than_the_tokenizer_is_refused(
                         num_attention_heads=2, max_position_embeddings=64)  # fmt: skip
     hf.save_config(shape, tmp_path / "shape")
     assert main(["train", "--out", str(tmp_path / "run"), "--model-config", str(tmp_path / "shape")]) == 2
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err
     assert "the model's vocabulary of 100 is smaller than the tokenizer's 512" in printed, printed
 
 
 def test_an_unknown_key_in_the_model_config_names_the_file_and_key(tmp_path, capsys, no_ranks):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_sizes": 8}))
     assert main(["train", "--out", str(tmp_path / "run"), "--model-config", str(tmp_path / "config.json")]) == 2
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err
     assert str(tmp_path / "config.json") in printed and "hidden_sizes" in printed and printed.count("\n") == 1
 
 
 def test_resume_with_another_sequence_length_fails_before_any_rank_starts(tmp_path, capsys, no_ranks):
     _fake_checkpoint(tmp_path, 4, 4, ["--nproc", "4", "--dp", "2", "--pp", "2", "--microbatches", "2"])
     assert main(["train", "--out", str(tmp_path), "--steps", "8", "--resume", "--dp", "1", "--seq-len", "64"]) == 2
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err
     assert f"--seq-len: 64, but the checkpoint under {tmp_path}/checkpoints has 128" in printed
     assert printed.count("\n") == 1
 
@@ -258,8 +263,8 @@ def test_the_command_prints_one_line_and_no_traceback_on_bad_input(flags):
     command = [sys.executable, "-m", "dtrain", "train", "--steps", "1", *flags]
     done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert len((done.stdout + done.stderr).splitlines()) == 1, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr and flags[0] in done.stdout + done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stdout + done.stderr  # on stderr
+    assert "Traceback" not in done.stderr and flags[0] in done.stderr
 
 
 @pytest.mark.parametrize("algorithm", ["auto", "native", *registry.names(Collective.ALL_REDUCE)])
@@ -287,6 +292,57 @@ def test_ctrl_c_stops_the_ranks_and_exits_130_in_one_line(tmp_path):
         run.kill()
     assert run.returncode == 130, stdout + stderr
     assert stderr.splitlines() == ["dtrain: interrupted (signal 2); the ranks were stopped"], stderr
+
+
+def _fork_server(parent: int) -> int | None:
+    """The pid of the workers' fork server ``parent`` started, once it exists (Linux's /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            continue
+        if ppid == parent and b"multiprocessing.forkserver" in command:
+            return int(entry.name)
+    return None
+
+
+def _imports_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library mapped: its import of torch is under way or done."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the fork server through /proc")
+@pytest.mark.parametrize("when", ["as it starts", "as it imports torch"])
+def test_ctrl_c_while_the_workers_fork_server_starts_exits_130_in_one_line(tmp_path, when):
+    # Ctrl-C reaches every process of the terminal's process group: the launching process and the fork server the
+    # workers are to come from, here before the server has imported torch
+    command = [sys.executable, "-m", "dtrain", "train", "--nproc", "2", "--dp", "2", *BASE]
+    command += ["--steps", "1000000", "--out", str(tmp_path)]
+    run = subprocess.Popen(
+        command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline, server = time.monotonic() + 120, None
+        while time.monotonic() < deadline and run.poll() is None:
+            server = server or _fork_server(run.pid)
+            if server is not None and (when == "as it starts" or _imports_torch(server)):
+                break
+            time.sleep(0.005)
+        assert server is not None and run.poll() is None, "no fork server was started"
+        os.killpg(run.pid, signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 130, stdout + stderr
+    assert stderr.splitlines() == ["dtrain: interrupted (signal 2); the ranks were stopped"], stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_the_run_line_says_when_each_step_is_recorded_as_a_graph():
