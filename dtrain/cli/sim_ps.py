@@ -62,16 +62,33 @@ def add_ps_parser(sub, parse_bytes) -> argparse.ArgumentParser:
     return p
 
 
-def _parse_nodes(text: str | None) -> int | list[str] | None:
+def _parse_nodes(text: str | None, flag: str) -> int | list[str] | None:
+    """``--workers`` or ``--servers`` (``flag``): a count (a whole number >= 1) or comma-separated node names."""
     if text is None:
         return None
     text = text.strip()
-    if text.isdigit():
+    if text.lstrip("+-").isdigit():
+        if int(text) < 1:
+            raise ValueError(f"{flag} {text}: a count must be at least 1")
         return int(text)
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
-        raise ValueError(f"expected a count or comma-separated node names, got {text!r}")
+        raise ValueError(f"{flag}: expected a count or comma-separated node names, got {text!r}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{flag} names {', '.join(twice)} more than once: one {flag[2:-1]} a node")
     return names
+
+
+def _check_nodes(topology, names: list[str], flag: str) -> None:
+    """Every name of ``--workers`` or ``--servers`` (``flag``) a node of ``topology``; the error shows the range
+    of its accelerators (workers) or CPUs (servers)."""
+    unknown = [n for n in names if n not in topology.graph]
+    if unknown:
+        kind = "gpu" if flag == "--workers" else "cpu"
+        nodes = [n for n, k in topology.graph.nodes(data="kind") if k == kind]
+        hint = f" (its {kind.upper()}s: {nodes[0]} to {nodes[-1]})" if nodes else ""
+        raise ValueError(f"{flag}: {', '.join(map(repr, unknown))}: not a node of topology {topology.name!r}{hint}")
 
 
 def _cpus(topology, machine: str) -> list[str]:
@@ -88,10 +105,13 @@ def place_ps(topology, workers: int | list[str] | None, servers: int | list[str]
         if not 1 <= workers <= len(devices):
             raise ValueError(f"--workers {workers}: topology {topology.name!r} has {len(devices)} accelerators")
         workers = devices[:workers]
+    else:
+        _check_nodes(topology, workers, "--workers")
     if isinstance(servers, list):
+        _check_nodes(topology, servers, "--servers")
         return workers, servers
     if servers < 1:
-        raise ValueError(f"--servers must be at least 1, got {servers}")
+        raise ValueError(f"--servers {servers}: a count must be at least 1")
     if placement not in PLACEMENTS:
         raise ValueError(f"server placement must be one of {PLACEMENTS}, got {placement!r}")
     used = {topology.graph.nodes[w].get("server") for w in workers if w in topology.graph}
@@ -113,8 +133,14 @@ def place_ps(topology, workers: int | list[str] | None, servers: int | list[str]
 def _step(args: argparse.Namespace, topology):
     from dtrain.sim.ps import PSStep
 
-    workers, servers = place_ps(topology, _parse_nodes(args.workers), _parse_nodes(args.servers),
-                                args.server_placement)  # fmt: skip
+    workers, servers = place_ps(topology, _parse_nodes(args.workers, "--workers"),
+                                _parse_nodes(args.servers, "--servers"), args.server_placement)  # fmt: skip
+    if not 1 <= args.replicas <= len(servers):
+        raise ValueError(f"--replicas {args.replicas}: servers in each shard's chain, at least 1 and at most the "
+                         f"{len(servers)} server(s)")  # fmt: skip
+    if not 0 <= args.hot_replicas < len(servers):
+        raise ValueError(f"--hot-replicas {args.hot_replicas}: other servers a hot row is copied to, at least 0 and "
+                         f"at most {len(servers) - 1} with {len(servers)} server(s)")  # fmt: skip
     if args.params is not None and not 0 <= args.params < math.inf:
         raise ValueError(f"--params must be a finite count >= 0, got {args.params}")
     dense = args.params * args.bytes_per_param if args.params is not None else float(args.dense_bytes)
@@ -133,9 +159,6 @@ def _step(args: argparse.Namespace, topology):
     if not dense and not rows:
         raise ValueError("nothing to move: give --dense-bytes / --params, or embedding ids (--rows-per-worker or "
                          "--batch with --key-space)")  # fmt: skip
-    for flag in ("apply_gbyte_per_s", "host_gbyte_per_s"):
-        if getattr(args, flag) is not None and not getattr(args, flag) > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     return PSStep(
         workers=workers, servers=servers, dense_bytes=dense, rows_per_worker=rows, key_space=args.key_space,
         row_bytes=args.row_bytes, zipf=args.zipf, permute=args.permute, seed=args.seed, mode=args.mode,
@@ -145,11 +168,31 @@ def _step(args: argparse.Namespace, topology):
     )  # fmt: skip
 
 
+#: The whole-number flags of ``dtrain simulate ps`` and the least each takes (one left out is not checked).
+_AT_LEAST = {"bytes_per_param": 1, "rows_per_worker": 0, "batch": 1, "ids_per_example": 1, "key_space": 0,
+             "row_bytes": 1, "seed": 0, "hot_keys": 0, "links": 0}  # fmt: skip
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Each numeric flag of ``dtrain simulate ps`` that needs no topology, named where it is out of range."""
+    for name, least in _AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be a whole number >= {least}")
+    if not 0 <= args.zipf < math.inf:
+        raise ValueError(f"--zipf {args.zipf}: the Zipf exponent must be a finite number >= 0 (0: uniform)")
+    for name in ("apply_gbyte_per_s", "host_gbyte_per_s"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0 (and finite), got {value}")
+
+
 def simulate_ps_command(args: argparse.Namespace) -> int:
     """``dtrain simulate ps``: the step, its servers' loads and its busiest links."""
     from dtrain.cluster.files import resolve
     from dtrain.sim.ps import simulate_ps
 
+    _check_flags(args)
     topology = resolve(args.topology, **dict(parse_setting(s) for s in args.set))
     topology.validate()
     step = _step(args, topology)

@@ -8,7 +8,8 @@ A builder spec::
     racks = 2
     oversubscription = 8
 
-Explicit nodes and links (a GPU names a catalogue device, or gives its three figures)::
+Explicit nodes and links (a GPU names a catalogue device, any of whose figures a figure beside it replaces, or
+gives all three figures; a file needs at least one GPU)::
 
     name = "pair"
     [[node]]
@@ -27,12 +28,14 @@ Explicit nodes and links (a GPU names a catalogue device, or gives its three fig
     count = 18                 # links used together; or a rate: gbit_per_s, gbyte_per_s or bytes_per_s
     duplex = true              # default: both directions at the full rate
 
-Every mistake is reported as ``<file>: <key>: <what is wrong>`` before a topology is returned. Reading uses the
-standard library's tomllib; writing formats TOML by hand (no extra dependency).
+Every mistake is reported as ``<file>: <key>: <what is wrong>`` before a topology is returned (a file that is
+not UTF-8 text as ``<file>: not UTF-8 text ...``). Reading uses the standard library's tomllib; writing formats
+TOML by hand (no extra dependency).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tomllib
 from pathlib import Path
@@ -66,9 +69,17 @@ def load(path: str | Path) -> Topology:
     """Read the topology file at ``path``."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as exc:
         raise TopologyFileError(f"{path}: cannot read topology file ({exc.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise TopologyFileError(
+            f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); a topology file is TOML, "
+            "which is UTF-8"
+        ) from None
     return loads(text, source=str(path), default_name=path.stem)
 
 
@@ -110,6 +121,8 @@ def loads(text: str, *, source: str = "<string>", default_name: str = "topology"
         reader.node(topology, node, f"node[{i}]")
     for i, link in enumerate(reader.tables(data, "link")):
         reader.link(topology, link, f"link[{i}]")
+    if not topology.devices():
+        raise TopologyFileError(f'{source}: node: no GPU; a topology needs at least one [[node]] with kind = "gpu"')
     try:
         topology.validate()
     except ValueError as exc:
@@ -186,21 +199,38 @@ class _Reader:
         topology.add_device(self._device(node, name, server, rack, where))
 
     def _device(self, node: dict, name: str, server: str, rack: str | None, where: str) -> Device:
+        """A gpu's device: the catalogue's ``device`` (at ``precision``), any of its figures replaced by one the
+        node gives, or without ``device`` all three figures. Every figure given must be a number > 0 (a byte
+        count >= 1): a 0 is refused, never read as "the catalogue's"."""
         figures = ("peak_flops", "memory_bytes", "memory_bytes_per_s")
-        if "device" in node:
-            if node["device"] not in DEVICES:
-                self.fail(f"{where}.device", node["device"], f"unknown device; known: {', '.join(DEVICES)}")
-            precision = node.get("precision", "bf16")
-            try:
-                return make_device(node["device"], name=name, server=server, rack=rack, precision=precision)
-            except ValueError as exc:
-                self.fail(f"{where}.precision", precision, str(exc))
-        for key in figures:
-            if not _is_number(node.get(key)) or node[key] <= 0:
-                self.fail(f"{where}.{key}", node.get(key), "a gpu needs device = <catalogue key> or this figure > 0")
-        peak, memory, memory_rate = (node[key] for key in figures)
-        return Device(name=name, server=server, rack=rack, peak_flops=float(peak), memory_bytes=int(memory),
-                      memory_bytes_per_s=float(memory_rate))  # fmt: skip
+        given = {key: self._figure(node[key], f"{where}.{key}", key) for key in figures if key in node}
+        if "device" not in node:
+            if "precision" in node:
+                self.fail(f"{where}.precision", node["precision"], "picks a catalogue device's peak; needs device = "
+                          "<catalogue key> (without one, give peak_flops at the training precision)")  # fmt: skip
+            for key in figures:
+                if key not in given:
+                    self.fail(f"{where}.{key}", None, "a gpu needs device = <catalogue key> or this figure > 0")
+            return Device(name=name, server=server, rack=rack, **given)
+        if node["device"] not in DEVICES:
+            self.fail(f"{where}.device", node["device"], f"unknown device; known: {', '.join(DEVICES)}")
+        if "precision" in node and "peak_flops" in given:
+            self.fail(f"{where}.peak_flops", node["peak_flops"], "give precision or peak_flops, not both")
+        precision = node.get("precision", "bf16")
+        try:
+            device = make_device(node["device"], name=name, server=server, rack=rack, precision=precision)
+        except ValueError as exc:
+            self.fail(f"{where}.precision", precision, str(exc))
+        return dataclasses.replace(device, **given)
+
+    def _figure(self, value: Any, where: str, key: str) -> float | int:
+        if key == "memory_bytes":
+            if not _is_number(value) or value < 1:
+                self.fail(where, value, "device memory must be a number of bytes >= 1")
+            return int(value)
+        if not _is_number(value) or value <= 0:
+            self.fail(where, value, "must be a number > 0")
+        return float(value)
 
     def link(self, topology: Topology, link: dict, where: str) -> None:
         self._keys(link, _LINK_KEYS, where)

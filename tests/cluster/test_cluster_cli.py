@@ -73,3 +73,63 @@ def test_a_table_too_wide_for_the_terminal_gives_way_in_its_widest_columns_first
     out = console.file.getvalue()
     assert "gpudirect-rdma" in out and "utilisation" in out and "…" not in out
     assert max(len(line) for line in out.splitlines()) <= 50
+
+
+GPU_PAIR = """
+name = "pair"
+[[node]]
+name = "s0/gpu0"
+kind = "gpu"
+server = "s0"
+device = "h100-sxm"{extra}
+[[node]]
+name = "s0/gpu1"
+kind = "gpu"
+server = "s0"
+device = "h100-sxm"
+[[link]]
+a = "s0/gpu0"
+b = "s0/gpu1"
+kind = "nvlink4"
+count = 18
+"""
+NO_GPU = """
+[[node]]
+name = "s0/cpu0"
+kind = "cpu"
+server = "s0"
+[[node]]
+name = "s0/nic0"
+kind = "nic"
+server = "s0"
+[[link]]
+a = "s0/cpu0"
+b = "s0/nic0"
+kind = "pcie4x16"
+"""
+_FILES = {
+    "memory-zero": (GPU_PAIR.format(extra="\nmemory_bytes = 0").encode(),
+                    "node[0].memory_bytes = 0: device memory must be a number of bytes >= 1"),
+    "not-utf8": ('name = "caf\u00e9"\n[build]\npreset = "h100-node"\n'.encode("latin-1"), "not UTF-8 text"),
+    "no-gpu": (NO_GPU.encode(), 'node: no GPU; a topology needs at least one [[node]] with kind = "gpu"'),
+}  # fmt: skip
+_COMMANDS = [
+    ["topology", "{path}"],
+    ["simulate", "collective", "--topology", "{path}", "--bytes", "1M"],
+    ["simulate", "train", "--topology", "{path}", "--global-batch", "8"],
+    ["simulate", "ps", "--topology", "{path}", "--dense-bytes", "1M"],
+    ["plan", "--topology", "{path}", "--global-batch", "8"],
+]
+
+
+@pytest.mark.parametrize("case", sorted(_FILES))
+@pytest.mark.parametrize("command", _COMMANDS, ids=["topology", "collective", "train", "ps", "plan"])
+def test_a_bad_topology_file_is_one_line_naming_the_file_and_key(case, command, tmp_path, capsys):
+    content, problem = _FILES[case]
+    path = tmp_path / f"{case}.toml"
+    path.write_bytes(content)
+    assert main([part.format(path=path) for part in command]) == 2
+    captured = capsys.readouterr()
+    said = captured.out + captured.err
+    assert said.startswith(f"dtrain: error: {path}: ") and problem in said
+    assert said.count("\n") == 1 and "Traceback" not in said

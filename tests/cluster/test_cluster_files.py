@@ -102,7 +102,20 @@ BAD = [
     (PAIR.replace('kind = "gpu"\nserver = "s0"\ndevice', 'kind = "tpu"\nserver = "s0"\ndevice'),
      r"node\[0\]\.kind = 'tpu': unknown node kind"),
     (PAIR.replace('"h100-sxm"', '"h900"'), r"node\[0\]\.device = 'h900': unknown device"),
-    (PAIR.replace("memory_bytes = 1000", "memory_bytes = -1"), r"node\[1\]\.memory_bytes = -1: a gpu needs"),
+    (PAIR.replace("memory_bytes = 1000", "memory_bytes = -1"),
+     r"node\[1\]\.memory_bytes = -1: device memory must be a number of bytes >= 1"),
+    (PAIR.replace("memory_bytes = 1000\n", ""), r"node\[1\]\.memory_bytes = None: a gpu needs"),
+    (PAIR.replace('device = "h100-sxm"', 'device = "h100-sxm"\nmemory_bytes = 0'),
+     r"node\[0\]\.memory_bytes = 0: device memory must be a number of bytes >= 1"),
+    (PAIR.replace('device = "h100-sxm"', 'device = "h100-sxm"\nmemory_bytes_per_s = -1.0'),
+     r"node\[0\]\.memory_bytes_per_s = -1\.0: must be a number > 0"),
+    (PAIR.replace('device = "h100-sxm"', 'device = "h100-sxm"\nprecision = "fp32"\npeak_flops = 1e12'),
+     r"node\[0\]\.peak_flops = .*: give precision or peak_flops, not both"),
+    (PAIR.replace("peak_flops = 1e12", 'peak_flops = 1e12\nprecision = "fp32"'),
+     r"node\[1\]\.precision = 'fp32': picks a catalogue device's peak; needs device"),
+    (PAIR.split("[[node]]")[0] + '[[node]]\nname = "s0/cpu0"\nkind = "cpu"\nserver = "s0"\n',
+     r'node: no GPU; a topology needs at least one \[\[node\]\] with kind = "gpu"'),
+    ("node = []\n", r"node: no GPU"),
     (PAIR.replace('name = "s0/gpu1"', 'name = "s0/gpu0"'), r"node\[1\]\.name = 's0/gpu0': duplicate node name"),
     (PAIR + '[[link]]\na = "s0/gpu0"\nb = "s0/gpu1"\nkind = "pcie4x16"\n', r"link\[1\] = .*duplicate link"),
     (PAIR.replace('kind = "gpu"\nserver = "s0"\ndevice', 'kind = "cpu"\nserver = "s0"\ndevice'),
@@ -139,6 +152,20 @@ def test_devices_that_cannot_reach_each_other_are_inconsistent():
     text = PAIR.replace("[[link]]", "[[nope]]").split("[[nope]]")[0]
     with pytest.raises(TopologyFileError, match="inconsistent topology: device 's0/gpu1' cannot be reached"):
         files.loads(text, source="lonely.toml")
+
+
+def test_a_figure_beside_a_catalogue_device_replaces_the_catalogue_s():
+    t = files.loads(PAIR.replace('device = "h100-sxm"', 'device = "h100-sxm"\nmemory_bytes = 40e9'))
+    h100 = t.device("s0/gpu0")
+    assert h100.memory_bytes == 40 * 10**9 and h100.memory_bytes_per_s == 3350e9  # the rest stays the catalogue's
+
+
+def test_a_file_that_is_not_utf8_is_named_in_one_line(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('name = "caf\u00e9"\n[build]\npreset = "h100-node"\n'.encode("latin-1"))
+    with pytest.raises(TopologyFileError) as caught:
+        files.load(path)
+    assert str(caught.value) == f"{path}: not UTF-8 text (byte 0xe9 on line 1); a topology file is TOML, which is UTF-8"
 
 
 def test_a_missing_file_is_named(tmp_path):

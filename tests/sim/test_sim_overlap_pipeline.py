@@ -5,6 +5,7 @@ per model chunk under interleaved 1F1B, and the interleaved schedule's exchanges
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -63,6 +64,37 @@ def test_a_pipelined_step_hides_part_of_its_reduction_only_with_overlap_grad_red
     assert overlapped.step_s == pytest.approx(overlapped.pipeline_s + overlapped.dp_exposed_s + overlapped.optimizer_s)
     # the planner's bound leaves the overlapped reduction out, so it stays below the step
     assert step_lower_bound(MODEL, layout, topo, placement, config, exact_pipeline=True) <= overlapped.step_s
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_zero2_reduce_scatters_in_buckets_under_backward_only_with_overlap_grad_reduce(pp: int) -> None:
+    topo = star(4, bytes_per_s=10 * GB)
+    layout = Layout(dp=4 // pp, pp=pp, global_batch=8, zero_stage=2)
+    placement = place(topo, layout)
+    after = simulate_step(MODEL, layout, topo, placement, StepConfig())
+    assert after.dp_exposed_s == pytest.approx(after.dp_s)  # reduce-scatter and all-gather after backward
+    config = StepConfig(overlap_grad_reduce=True)
+    under = simulate_step(MODEL, layout, topo, placement, config)
+    assert under.dp_s == pytest.approx(after.dp_s)  # the same bytes, at another time
+    assert 0 <= under.dp_exposed_s < after.dp_exposed_s
+    # the stages' rule, the same as the distributed optimizer's reduce-scatter and all-gather
+    traffic = simulate_traffic(MODEL, layout, topo, placement)
+    (f, *_), (b, *_), (w, *_) = _stage_times(MODEL, layout, topo, placement, [1.0] * 4, config, 0.0)
+    spans = pipeline_stage_spans(f, b, traffic.pp.time_s if traffic.pp else 0.0, layout.microbatches)
+    expected = overlapped_reduction_s(MODEL, layout, config, traffic.dp, f, b, w, spans, under.pipeline_s)
+    assert under.dp_exposed_s == pytest.approx(expected)
+    gathered = simulate_step(MODEL, layout, topo, placement, replace(config, overlap_param_gather=True))
+    assert gathered.dp_exposed_s < under.dp_exposed_s  # the all-gather under the next step's first forward
+    assert step_lower_bound(MODEL, layout, topo, placement, config, exact_pipeline=True) <= under.step_s
+
+
+def test_zero3_keeps_its_collectives_after_backward_whatever_overlap_grad_reduce_says() -> None:
+    topo = star(4, bytes_per_s=10 * GB)
+    layout = Layout(dp=4, global_batch=8, zero_stage=3)
+    placement = place(topo, layout)
+    plain = simulate_step(MODEL, layout, topo, placement, StepConfig())
+    flagged = simulate_step(MODEL, layout, topo, placement, StepConfig(overlap_grad_reduce=True))
+    assert flagged.dp_exposed_s == pytest.approx(plain.dp_s) and flagged.step_s == pytest.approx(plain.step_s)
 
 
 def test_overlapped_exchanges_hide_under_compute_until_the_receive_is_late() -> None:
