@@ -346,7 +346,9 @@ def pipeline_prediction(row: dict, host_s: float) -> dict:
     work = m * sum(forward + backward + (weight if split else []))
 
     def run(host: float) -> float:  # the host issues a stage's actions host_s apart, ahead of the device
-        return pipeline_makespan(forward, backward, p2p, m, schedule, weight_s=weight if split else None, host_s=host)
+        # dtrain bench pipeline builds ZB-V's order for equal costs (PipelineParallel's default)
+        return pipeline_makespan(forward, backward, p2p, m, schedule, weight_s=weight if split else None, host_s=host,
+                                 order_costs=(1.0, 1.0, 1.0))  # fmt: skip
 
     device, total = run(0.0), run(host_s)
     return {"device_ms": device * 1e3, "predicted_ms": total * 1e3, "device_bubble": 1 - work / (p * device),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -33,11 +34,39 @@ def _ints(text: str) -> list[int]:
 RECOMPUTE = ("none", "selective", "full")  # dtrain.sim.model.RECOMPUTE, without importing the simulator here
 
 
+def _whole(least: int):
+    """An argparse type: a whole number ``>= least`` (argparse names the flag in its one-line error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _recompute_modes(text: str) -> list[str]:
     modes = _names(text)
     if not modes or any(m not in RECOMPUTE for m in modes):
         raise argparse.ArgumentTypeError(f"expected comma-separated modes of {', '.join(RECOMPUTE)}, got {text!r}")
     return modes
+
+
+_PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v")  # dtrain.sim.model.SCHEDULES
+
+
+def _schedules(text: str) -> list[tuple[str, int]]:
+    """``plan --schedules``: comma-separated schedule names, as (schedule, chunks a stage) pairs."""
+    names = _names(text)
+    if not names or any(n not in _PIPELINE_SCHEDULES for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated schedules of {', '.join(_PIPELINE_SCHEDULES)}, each once, got {text!r}"
+        )
+    return [(n, 2 if n in ("interleaved-1f1b", "zb-v") else 1) for n in names]
 
 
 def _slow_rank(text: str) -> tuple[int, float]:
@@ -77,28 +106,29 @@ def register(commands) -> None:
     p.add_argument("--bytes", type=parse_bytes, required=True, help="work buffer per rank, e.g. 1G (binary units)")
     p.add_argument("--ranks", type=int, help="ranks (default: every device of the topology)")
     p.add_argument("--placement", default="aware", help="aware, oblivious, or comma-separated device names")
-    p.add_argument("--local-size", type=int, help="ranks a node for hierarchical algorithms (default: per server)")
-    p.add_argument("--pipeline", type=int, default=1, help="pieces a chain algorithm cuts the buffer into")
+    p.add_argument("--local-size", type=_whole(1),
+                   help="ranks a node for hierarchical algorithms (default: per server)")  # fmt: skip
+    p.add_argument("--pipeline", type=_whole(1), default=1, help="pieces a chain algorithm cuts the buffer into")
     _add_software(p)
-    p.add_argument("--links", type=int, default=8, help="busiest links to show")
+    p.add_argument("--links", type=_whole(0), default=8, help="busiest links to show")
     p.set_defaults(handler=_simulate_collective)
 
     p = sub.add_parser("train", help="one training step of a dp x tp x pp layout")
     _add_topology(p)
     _add_model(p)
     for axis in ("dp", "tp", "pp"):
-        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences a micro-batch")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences a step")
+        p.add_argument(f"--{axis}", type=_whole(1), default=1, help=f"{axis} degree")
+    p.add_argument("--micro-batch", type=_whole(1), default=1, help="sequences a micro-batch")
+    p.add_argument("--global-batch", type=_whole(1), required=True, help="sequences a step")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v"], default="1f1b")
     p.add_argument(
         "--chunks",
-        type=int,
+        type=_whole(0),
         default=0,
         help="model chunks a stage: interleaved-1f1b's (default 2; zb-v has 2, the others 1)",
     )
-    p.add_argument("--microbatch-group", type=int, default=0,
+    p.add_argument("--microbatch-group", type=_whole(0), default=0,
                    help="interleaved-1f1b: micro-batches through one chunk before the next, a multiple of pp "
                         "(default pp)")  # fmt: skip
     p.add_argument(
@@ -110,7 +140,7 @@ def register(commands) -> None:
     )
     p.add_argument("--fp8-params", action="store_true",
                    help="with --fp8: the weights in 8 bits only (Transformer Engine's fp8_model_init)")  # fmt: skip
-    p.add_argument("--embedding-layers", type=int, default=0,
+    p.add_argument("--embedding-layers", type=_whole(0), default=0,
                    help="the pipeline split counts each embedding as this many layers (DeepSpeed's "
                    "type:transformer|embedding: 1); the first and last stages hold that many fewer")  # fmt: skip
     p.add_argument("--placement", default="aware", help="aware or oblivious")
@@ -131,7 +161,7 @@ def register(commands) -> None:
     )
     p.add_argument("--slow-rank", type=_slow_rank, action="append", default=[], help="RANK:FACTOR, a straggler")
     p.add_argument("--straggler-sigma", type=float, default=0.0, help="lognormal sigma of every rank's slowdown")
-    p.add_argument("--links", type=int, default=8, help="busiest links to show")
+    p.add_argument("--links", type=_whole(0), default=8, help="busiest links to show")
     p.set_defaults(handler=_simulate_train)
     add_ps_parser(sub, parse_bytes)
 
@@ -148,7 +178,8 @@ def register(commands) -> None:
         metavar="TOML",
         help="with --config: write it with the fastest layout dtrain train runs, and the prediction in [plan]",
     )
-    p.add_argument("--global-batch", type=int, help="sequences a step (with --config: its [training] batch_size)")
+    p.add_argument("--global-batch", type=_whole(1),
+                   help="sequences a step (with --config: its [training] batch_size)")  # fmt: skip
     p.add_argument("--devices", type=int, help="devices to use (default: all; with --config: dp x tp x pp of it)")
     p.add_argument("--micro-batches", type=_ints, default=[1, 2, 4], help="micro-batch sizes to try, e.g. 1,2,4")
     p.add_argument("--zero", type=_ints, help="ZeRO stages to try, e.g. 0,1,2 (default 0,1; with --config 0,1,2,3)")
@@ -159,6 +190,13 @@ def register(commands) -> None:
         help="aware,oblivious (with --config: aware, the order in which dtrain train places its ranks)",
     )
     p.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to try")
+    p.add_argument(
+        "--schedules",
+        type=_schedules,
+        default=None,
+        help="pipeline schedules to try, e.g. 1f1b,zb-v (default 1f1b,interleaved-1f1b,zb-h1,zb-v; "
+        "interleaved-1f1b and zb-v with 2 chunks a stage)",
+    )
     p.add_argument(
         "--recompute",
         type=_recompute_modes,
@@ -199,11 +237,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
         help="a preset of dtrain.sim.model (an unknown name lists them), changed by the flags below",
     )
     p.add_argument("--params", type=parse_count, help="parameters, e.g. 7e9 or 7G")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--seq", type=int, help="sequence length in tokens")
-    p.add_argument("--vocab", type=int, help="vocabulary: the embedding, logits and loss are priced (default: none)")
+    p.add_argument("--layers", type=_whole(1))
+    p.add_argument("--hidden", type=_whole(1))
+    p.add_argument("--heads", type=_whole(1))
+    p.add_argument("--seq", type=_whole(1), help="sequence length in tokens")
+    p.add_argument("--vocab", type=_whole(0),
+                   help="vocabulary: the embedding, logits and loss are priced (default: none)")  # fmt: skip
 
 
 def _add_software(p: argparse.ArgumentParser) -> None:
@@ -246,8 +285,9 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overlap-grad-reduce",
         action="store_true",
-        help="with a pipeline too, the dp reduction starts under each stage's last backward, per model chunk under "
-        "interleaved 1F1B (Megatron-Core's --overlap-grad-reduce)",
+        help="the dp reduction (ZeRO 0 to 2's all-reduce or reduce-scatter) in buckets under the last backward, with "
+        "a pipeline under each stage's last, per model chunk under interleaved 1F1B (Megatron-Core's "
+        "--overlap-grad-reduce); ZeRO 3's collectives stay after backward",
     )
     p.add_argument(
         "--overlap-param-gather",
@@ -432,6 +472,8 @@ def _step_config(args: argparse.Namespace, **extra):
         raise ValueError("--ub-sm-margin: needs --tp-comm-overlap (the margins are userbuffers overlaps')")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-Core's requirement)")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency {args.efficiency}: a share of peak, above 0 and at most 1")
     return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm, dp_algorithm=args.dp_algorithm,
                       overlap_dp=not args.no_overlap, cost=_software(args), curves=curves,
                       tp_comm_overlap=args.tp_comm_overlap, distributed_optimizer=args.distributed_optimizer,
@@ -445,7 +487,7 @@ def _step_config(args: argparse.Namespace, **extra):
 def _simulate_train(args: argparse.Namespace) -> int:
     from dtrain.sim.model import Layout
     from dtrain.sim.placement import place
-    from dtrain.sim.step import simulate_step
+    from dtrain.sim.step import OVERLAP_GRAD_REDUCE_STAGES, simulate_step
 
     if args.tp_comm_overlap and not (args.sequence_parallel and args.tp > 1):
         raise ValueError("--tp-comm-overlap needs --sequence-parallel and --tp above 1 (Megatron-Core's requirement)")
@@ -454,7 +496,15 @@ def _simulate_train(args: argparse.Namespace) -> int:
     if args.distributed_optimizer and args.zero != 1:
         raise ValueError(f"--distributed-optimizer: ZeRO stage 1's way to reduce (--zero 1), got --zero {args.zero}")
     if args.overlap_param_gather and not args.zero:
-        raise ValueError("--overlap-param-gather: needs sharded weights to gather (--zero 1, 2 or 3)")
+        raise ValueError("--overlap-param-gather: needs sharded weights to gather (--zero 1 or 2)")
+    if args.overlap_grad_reduce and args.zero not in OVERLAP_GRAD_REDUCE_STAGES:
+        raise ValueError("--overlap-grad-reduce: not with --zero 3, whose reduce-scatter and weight all-gathers the "
+                         "simulator prices after backward (use --zero 0, 1 or 2)")  # fmt: skip
+    if not 0 <= args.straggler_sigma < math.inf:
+        raise ValueError(f"--straggler-sigma {args.straggler_sigma}: must be a finite number >= 0")
+    for rank, factor in args.slow_rank:
+        if rank < 0 or not 1 <= factor < math.inf:
+            raise ValueError(f"--slow-rank {rank}:{factor:g}: a rank >= 0 and a finite factor >= 1 (a slower rank)")
     topo, model = _topology(args), _model(args)
     chunks = args.chunks or {"interleaved-1f1b": 2, "zb-v": 2}.get(args.schedule, 1)
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,
@@ -464,6 +514,9 @@ def _simulate_train(args: argparse.Namespace) -> int:
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma,
                           split_pipeline=args.split_pipeline, flow_limit=args.flow_limit,
                           synchronous_p2p=args.synchronous_p2p)  # fmt: skip
+    outside = sorted(rank for rank, _ in args.slow_rank if rank >= layout.world_size)
+    if outside:
+        raise ValueError(f"--slow-rank: rank {outside[0]} outside the layout's {layout.world_size} ranks")
     result = simulate_step(model, layout, topo, place(topo, layout, args.placement), config)
     data = {"topology": topo.name, "model": asdict(model), "layout": asdict(layout), "placement": args.placement,
             "split_pipeline": args.split_pipeline, "flow_limit": args.flow_limit, **_step_data(result),
@@ -556,6 +609,7 @@ def _plan(args: argparse.Namespace) -> int:
             model, topo, global_batch=args.global_batch, devices=args.devices, placements=args.placements,
             config=_step_config(args), micro_batches=args.micro_batches, zero_stages=args.zero, max_tp=args.max_tp,
             recompute=args.recompute, fp8=args.fp8, fp8_params=args.fp8_params,
+            **({"schedules": args.schedules} if args.schedules else {}),
             top=None if args.exhaustive else max(args.top, 5),
             progress=lambda done, total: progress.update(task, completed=done, total=total),
         )  # fmt: skip
@@ -610,7 +664,7 @@ def _plan_run(args: argparse.Namespace) -> int:
     planned = plan_run(
         config, topo, devices=devices, step_config=_step_config(args), micro_batches=args.micro_batches,
         zero_stages=args.zero or [0, 1, 2, 3], placements=[RUN_PLACEMENT], recompute=args.recompute,
-        max_tp=args.max_tp,
+        max_tp=args.max_tp, schedules=args.schedules,
     )  # fmt: skip
     p, predicted = planned.plan, planned.config.plan
     if args.write:

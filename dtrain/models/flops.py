@@ -66,3 +66,14 @@ def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Model FLOPs of one token's forward and backward at sequence length ``seq_len`` (PaLM's ``6N + 12LHQT``)."""
     dim, layers, heads, kv, q, hidden, vocab = shape_dims(config)
     return 6.0 * matmul_parameters(config) + 12.0 * layers * heads * q * seq_len
+
+
+def pass_flops_per_token(config: ModelConfig, seq_len: int) -> tuple[float, float, float]:
+    """One token's FLOPs in the forward, the input-gradient pass and the weight-gradient pass (the split
+    zero-bubble schedules make): every product ``2N`` in each, and attention's score and value products, which hold
+    no weights, ``4LHQT`` forward and twice that in the input gradient (their sum is
+    :func:`train_flops_per_token`)."""
+    dim, layers, heads, kv, q, hidden, vocab = shape_dims(config)
+    products = 2.0 * matmul_parameters(config)
+    attention = 4.0 * layers * heads * q * seq_len
+    return products + attention, products + 2 * attention, products

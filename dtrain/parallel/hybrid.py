@@ -112,7 +112,9 @@ class HybridParallel:
     tensor_parallelize` (logits left split by vocabulary: use :func:`~dtrain.parallel.parallelize.causal_lm_loss`).
     ``optimizer`` builds the optimizer from this rank's ``(name, parameter)`` pairs. ``device`` (optional) is
     where the model and each batch go. ``schedule``, ``num_microbatches``, ``virtual_stages``, ``microbatch_group``
-    (interleaved 1F1B's) and ``balance`` ("layers", "params" or "flops") are the pipeline's (``pp > 1`` only).
+    (interleaved 1F1B's), ``schedule_costs`` (one micro-batch's forward, input-gradient and weight-gradient cost that
+    ZB-V's order is built for, :class:`~dtrain.parallel.pipeline_parallel.PipelineParallel`) and ``balance``
+    ("layers", "params" or "flops") are the pipeline's (``pp > 1`` only).
     ``algorithm`` is the gradient all-reduce's (``dtrain.comm.algorithms("all_reduce")``); the initial parameter
     broadcast uses the same name where broadcast has it, else ``"auto"``. Replicas start from dp rank 0's
     parameters. ``dp_exchange`` is :class:`~dtrain.parallel.data_parallel.DataParallel`'s ``exchange`` (``pp == 1``
@@ -178,6 +180,7 @@ class HybridParallel:
         step_graph: bool = False,
         overlap_optimizer: bool = False,
         grad_accumulation_fusion: bool | str = "auto",
+        schedule_costs: tuple[float, float, float] | None = None,
     ) -> None:
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -251,6 +254,7 @@ class HybridParallel:
                 schedule=schedule,
                 virtual_stages=virtual_stages,
                 microbatch_group=microbatch_group,
+                schedule_costs=schedule_costs,
                 grad_group=grid.pp_grad_group,
                 balance=balance,
                 graphs=pipeline_graphs,

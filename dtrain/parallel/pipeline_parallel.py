@@ -39,6 +39,7 @@ from dtrain.parallel.pipeline_schedules import (
     make_schedule,
     stage_of_virtual,
     virtual_stage,
+    zb_v_costs,
 )
 from dtrain.parallel.weight_gradients import EAGER_FUSION_MACS, WeightGradStore
 
@@ -162,8 +163,9 @@ class PipelineParallel:
     micro-batches go through one chunk before the next: a multiple of ``p`` dividing ``num_microbatches``; a larger
     group hides the messages between the last stage and the first behind compute, for more activations held
     (:func:`~dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`). ZB-V holds 2 chunks, virtual stages ``s``
-    and ``2p - 1 - s``. Under ZB-H1 and ZB-V, :attr:`weight_grads` defers the linear layers' weight gradients from
-    each B to its W action.
+    and ``2p - 1 - s``; its order is built for ``schedule_costs``, one micro-batch's (T_F, T_B, T_W) on a stage in
+    any unit (:func:`~dtrain.parallel.pipeline_schedules.zb_v`; None: equal costs), the same on every stage. Under
+    ZB-H1 and ZB-V, :attr:`weight_grads` defers the linear layers' weight gradients from each B to its W action.
     After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
     for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`. ``grad_group`` (the same ranks as
     ``group``, another process group) carries the gradients, so that on NCCL the two directions between two
@@ -217,6 +219,7 @@ class PipelineParallel:
         send_engine: str = "stream",
         graphs: bool | str = False,
         grad_accumulation_fusion: bool | str = False,
+        schedule_costs: tuple[float, float, float] | None = None,
     ) -> None:
         if grad_accumulation_fusion not in (False, True, "auto"):
             raise ValueError(
@@ -246,7 +249,8 @@ class PipelineParallel:
         self.num_microbatches = num_microbatches
         self.schedule_name = schedule
         self.placement = PLACEMENT.get(schedule, "loop")
-        schedules = [make_schedule(schedule, p, num_microbatches, q, v, microbatch_group) for q in range(p)]
+        costs = zb_v_costs(schedule_costs)  # checked whatever the schedule
+        schedules = [make_schedule(schedule, p, num_microbatches, q, v, microbatch_group, costs) for q in range(p)]
         self.actions = schedules[s]
         self.chunks = [
             PipelineStage(

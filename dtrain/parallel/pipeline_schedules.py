@@ -25,7 +25,10 @@ schedules with unit costs and :func:`draw_schedule` draws them; :func:`bubble_fr
 
 from __future__ import annotations
 
+import bisect
 import functools
+import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -225,12 +228,16 @@ def _list_schedule(
     out: list[list[ChunkAction]] = [[] for _ in range(p)]
     remaining = [6 * m] * p
     waiting: set[int] = set()  # stages with nothing to do until another stage acts
-    while any(remaining):
-        active = [s for s in range(p) if remaining[s] and s not in waiting]
-        if not active:
+    ends: list[float] = []  # every action's end so far, sorted
+    queue = [(0.0, s) for s in range(p)]  # (free, stage) of the stages with work and not waiting; stale entries too
+    left = 6 * m * p
+    while left:
+        if not queue:
             raise ValueError(f"zb-v list scheduling is stuck (p={p}, m={m}, limit={limit})")
-        s = min(active, key=lambda s: (free[s], s))
-        t = free[s]
+        t, s = heapq.heappop(queue)
+        if t != free[s] or not remaining[s] or s in waiting:
+            continue  # the stage moved on since this entry was pushed
+
         chunks = (s, last - s)  # virtual stages of chunks 0 and 1
         choice = None
         ready_b = []
@@ -254,18 +261,25 @@ def _list_schedule(
             c, mb = pending[s].pop(0)
             choice = ("W", mb, c, chunks[c])
         if choice is None:
-            later = [e for e in done.values() if e > t]
-            if later:
-                free[s] = min(later)
+            later = bisect.bisect_right(ends, t)  # the first action to end after t, when something may be ready
+            if later < len(ends):
+                free[s] = ends[later]
+                heapq.heappush(queue, (free[s], s))
             else:
                 waiting.add(s)
             continue
+        for w in waiting:
+            heapq.heappush(queue, (free[w], w))
         waiting.clear()
         kind, mb, c, u = choice
         end = t + cost[kind]
         done[kind, u, mb] = free[s] = end
+        bisect.insort(ends, end)
         out[s].append(ChunkAction(kind, mb, c))
         remaining[s] -= 1
+        left -= 1
+        if remaining[s]:
+            heapq.heappush(queue, (end, s))
         if kind == "F":
             next_f[u] += 1
             held[s] += 1
@@ -277,24 +291,74 @@ def _list_schedule(
     return out
 
 
+def zb_v_costs(costs: Sequence[float] | None) -> tuple[float, float, float]:
+    """ZB-V's (T_F, T_B, T_W) as its order is built with: relative to T_F, each ratio rounded to a tenth (at least
+    a tenth), so that costs a little apart give one order; None gives the paper's equal costs. ValueError unless
+    three finite numbers, T_F and T_B above 0 and T_W at least 0."""
+    if costs is None:
+        return (1.0, 1.0, 1.0)
+    values = tuple(costs)
+    if (
+        len(values) != 3
+        or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in values)
+        or values[0] <= 0
+        or values[1] <= 0
+        or values[2] < 0
+    ):
+        raise ValueError(
+            f"zb-v costs must be three finite numbers (forward, input gradient, weight gradient), the first two "
+            f"above 0, got {costs!r}"
+        )
+    f, b, w = values
+    return (1.0, max(round(b / f, 1), 0.1), max(round(w / f, 1), 0.1))
+
+
 @functools.lru_cache(maxsize=64)
-def _zb_v_all(num_stages: int, num_microbatches: int) -> tuple[tuple[ChunkAction, ...], ...]:
-    return tuple(tuple(a) for a in _list_schedule(num_stages, num_microbatches, 2 * num_stages, (1.0, 1.0, 1.0)))
+def _zb_v_all(
+    num_stages: int, num_microbatches: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
+) -> tuple[tuple[ChunkAction, ...], ...]:
+    """Every stage's ZB-V actions for ``costs``: of the list schedules built with these costs and with equal ones,
+    the one whose replay under these costs (:func:`simulate`, free communication) ends first; greedy list
+    scheduling is a heuristic, and for some costs the order built for others ends sooner, or the greedy choice
+    runs out of activation budget."""
+    p, m = num_stages, num_microbatches
+    best, best_end = None, math.inf
+    for built_for in dict.fromkeys([costs, (1.0, 1.0, 1.0)]):
+        try:
+            order = _list_schedule(p, m, 2 * p, built_for)
+        except ValueError:
+            continue
+        times = simulate(order, forward_cost=costs[0], backward_cost=costs[1], weight_cost=costs[2], placement="v")
+        end = max(e for stage in times for _, e in stage)
+        if end < best_end - 1e-12:
+            best, best_end = order, end
+    if best is None:
+        raise ValueError(f"zb-v list scheduling is stuck (p={p}, m={m}, costs={costs})")
+    return tuple(tuple(a) for a in best)
 
 
-def zb_v(num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 2) -> list[ChunkAction]:
+def zb_v(
+    num_stages: int,
+    num_microbatches: int,
+    stage: int,
+    virtual_stages: int = 2,
+    costs: Sequence[float] | None = None,
+) -> list[ChunkAction]:
     """ZB-V (Qi et al. 2024, section 6): two model chunks a stage placed in a V, stage ``s`` holding virtual stages
     ``s`` and ``2p - 1 - s`` (so the first stage computes the loss, and the turn at the last stage is local), with
     backward split into B and W as in :func:`zb_h1`.
 
-    The actions come from :func:`_list_schedule` with the paper's equal costs T_F = T_B = T_W a chunk and its
-    activation budget, 1F1B's peak: ``2p`` (chunk, micro-batch) pairs of half a stage each. ``virtual_stages``
-    must be 2 (the V).
+    The actions come from :func:`_list_schedule` with the activation budget of the paper, 1F1B's peak: ``2p``
+    (chunk, micro-batch) pairs of half a stage each. ``costs``: one micro-batch's (T_F, T_B, T_W), in any unit
+    (:func:`zb_v_costs`); the order is built for them, as the paper's automatic scheduler builds its order from
+    profiled times. None: the paper's equal costs T_F = T_B = T_W, which a transformer's are not (its attention
+    has no weight gradient, so T_B exceeds T_F and T_W falls below both), and with unequal costs the equal-cost
+    order idles longer. ``virtual_stages`` must be 2 (the V).
     """
     _check_sizes(num_stages, num_microbatches, stage)
     if virtual_stages != 2:
         raise ValueError(f"zb-v places exactly 2 model chunks on each stage, got virtual_stages={virtual_stages!r}")
-    return list(_zb_v_all(num_stages, num_microbatches)[stage])
+    return list(_zb_v_all(num_stages, num_microbatches, zb_v_costs(costs))[stage])
 
 
 SCHEDULES: dict[str, ScheduleFn] = {
@@ -325,15 +389,20 @@ def make_schedule(
     stage: int,
     virtual_stages: int = 2,
     microbatch_group: int | None = None,
+    costs: Sequence[float] | None = None,
 ) -> list:
     """Stage ``stage``'s actions under the named schedule (``virtual_stages``: interleaved 1F1B's chunks;
-    ``microbatch_group``: its micro-batch group, :func:`interleaved_one_f_one_b`; None for the other schedules)."""
+    ``microbatch_group``: its micro-batch group, :func:`interleaved_one_f_one_b`; None for the other schedules;
+    ``costs``: one micro-batch's (T_F, T_B, T_W) that ZB-V's order is built for, :func:`zb_v`; the other schedules'
+    orders do not depend on costs and ignore them)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     if schedule == "interleaved-1f1b":
         return interleaved_one_f_one_b(num_stages, num_microbatches, stage, virtual_stages, microbatch_group)
     if microbatch_group is not None:
         raise ValueError(f"microbatch_group is interleaved-1f1b's; schedule {schedule!r} takes none")
+    if schedule == "zb-v":
+        return zb_v(num_stages, num_microbatches, stage, costs=costs)
     return SCHEDULES[schedule](num_stages, num_microbatches, stage)
 
 
@@ -492,7 +561,7 @@ def theoretical_bubble(
         idle = (p - 1) * max(f + b - w, 0.0)
         return idle / (m * (f + b + w) + idle)
     if schedule == "zb-v":
-        schedules = [zb_v(p, m, s) for s in range(p)]
+        schedules = [zb_v(p, m, s, costs=(f, b, w)) for s in range(p)]
         times = simulate(schedules, forward_cost=f / 2, backward_cost=b / 2, weight_cost=w / 2, placement="v")
         return simulated_bubble(times)
     return (p - 1) / (virtual_stages * m + p - 1)

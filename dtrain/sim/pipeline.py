@@ -69,6 +69,7 @@ from dtrain.parallel.pipeline_schedules import (
     make_schedule,
     stage_of_virtual,
     virtual_stage,
+    zb_v_costs,
 )
 
 __all__ = ["pipeline_bubble", "pipeline_chunk_edges", "pipeline_makespan", "pipeline_stage_spans"]
@@ -89,6 +90,7 @@ def pipeline_makespan(
     paired: bool = False,
     host_s: float = 0.0,
     overlapped: bool = False,
+    order_costs: Sequence[float] | None = None,
 ) -> float:
     """Seconds from the first forward to the last backward; ``forward_s[s]`` / ``backward_s[s]`` are stage
     ``s``'s time for one micro-batch (all its chunks), ``p2p_s`` the time of one activation (or gradient) between
@@ -102,9 +104,11 @@ def pipeline_makespan(
     ``host_s``: the host's time to issue one action; a stage's k-th action starts no earlier than ``k host_s``
     (module docstring). ``overlapped``: interleaved 1F1B's exchanges posted after each action and waited for
     before the stage's next action of the same kind (Megatron-Core's ``overlap_p2p_comm``; module docstring);
-    it takes the place of ``synchronous`` and ``paired``."""
+    it takes the place of ``synchronous`` and ``paired``. ``order_costs``: the (T_F, T_B, T_W) ZB-V's order is built
+    for (:func:`dtrain.parallel.pipeline_schedules.zb_v`), as the run being replayed built it; None: the stages' mean
+    times, the order a run that measured them would build."""
     return _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
-                synchronous, paired, host_s, overlapped, microbatch_group)[0]  # fmt: skip
+                synchronous, paired, host_s, overlapped, microbatch_group, order_costs)[0]  # fmt: skip
 
 
 def pipeline_stage_spans(
@@ -129,7 +133,7 @@ def pipeline_stage_spans(
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
     graph = _graph(schedule, len(forward_s), microbatches, chunks_per_stage(schedule, virtual_stages), paired,
-                   overlapped, microbatch_group)  # fmt: skip
+                   overlapped, microbatch_group, _order_costs(schedule, forward_s, backward_s, weights))  # fmt: skip
     return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, spans=True)
 
 
@@ -156,7 +160,7 @@ def pipeline_chunk_edges(
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
     graph = _graph(schedule, len(forward_s), microbatches, chunks_per_stage(schedule, virtual_stages), paired,
-                   overlapped, microbatch_group)  # fmt: skip
+                   overlapped, microbatch_group, _order_costs(schedule, forward_s, backward_s, weights))  # fmt: skip
     return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, chunks=True)
 
 
@@ -184,15 +188,29 @@ def pipeline_bubble(
 
 
 def _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,
-         synchronous=False, paired=False, host_s=0.0, overlapped=False, group=None) -> tuple[float, float]:  # fmt: skip
+         synchronous=False, paired=False, host_s=0.0, overlapped=False, group=None,
+         order_costs=None) -> tuple[float, float]:  # fmt: skip
     stages = len(forward_s)
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
+    costs = _order_costs(schedule, forward_s, backward_s, weights, order_costs)
     graph = _graph(schedule, stages, microbatches, chunks_per_stage(schedule, virtual_stages), paired, overlapped,
-                   group)  # fmt: skip
+                   group, costs)  # fmt: skip
     if host_s < 0 or not math.isfinite(host_s):
         raise ValueError(f"host_s must be a finite number of seconds >= 0, got {host_s!r}")
     return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, host_s)
+
+
+def _order_costs(schedule: str, forward_s, backward_s, weights, given=None) -> tuple[float, float, float] | None:
+    """The (T_F, T_B, T_W) a schedule's order is built for: ZB-V's, ``given`` or else the stages' mean times
+    (:func:`dtrain.parallel.pipeline_schedules.zb_v_costs`, rounded so that near costs share one order); None for
+    the schedules whose order is fixed."""
+    if schedule != "zb-v":
+        return None
+    if given is not None:
+        return zb_v_costs(given)
+    p = len(forward_s)
+    return zb_v_costs((sum(forward_s) / p, sum(backward_s) / p, sum(weights) / p))
 
 
 def _check(forward_s, backward_s, weight_s, schedule) -> None:
@@ -334,7 +352,8 @@ _WIDE = 24
 
 
 def _graph(schedule: str, stages: int, microbatches: int, v: int, paired: bool = False,
-           overlapped: bool = False, group: int | None = None) -> _Graph:  # fmt: skip
+           overlapped: bool = False, group: int | None = None,
+           costs: tuple[float, float, float] | None = None) -> _Graph:  # fmt: skip
     overlapped = overlapped and schedule in _OVERLAPPED and stages > 1
     paired = paired and schedule in _PAIRED and not overlapped
     if group == stages and schedule == "interleaved-1f1b":
@@ -344,12 +363,12 @@ def _graph(schedule: str, stages: int, microbatches: int, v: int, paired: bool =
             f"overlapped exchanges (Megatron-Core's overlap_p2p_comm) are modelled with micro-batches in groups of the "
             f"{stages} stages only, not {group}: with a larger group a stage takes its messages out of their send order"
         )
-    key = (schedule, stages, microbatches, v, paired, overlapped, group)
+    key = (schedule, stages, microbatches, v, paired, overlapped, group, costs)
     found = _GRAPHS.get(key)
     if found is None:
         if len(_GRAPHS) >= 32 or sum(g.size for g in _GRAPHS.values()) > 2_000_000:  # about 60 MB of arrays
             _GRAPHS.clear()
-        found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v, paired, overlapped, group)
+        found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v, paired, overlapped, group, costs)
     return found
 
 
@@ -397,14 +416,15 @@ def _posts(plans: list[list[tuple]], stages: int, v: int, group: int | None = No
 
 
 def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = False,
-                 overlapped: bool = False, group: int | None = None) -> _Graph:  # fmt: skip
+                 overlapped: bool = False, group: int | None = None,
+                 costs: tuple[float, float, float] | None = None) -> _Graph:  # fmt: skip
     """Each stage's actions with what each waits for, put in waves: an action's wave is one more than the later
     of its stage's previous action's and its input's (ValueError if the schedule deadlocks)."""
     placement = PLACEMENT.get(schedule, "loop")
     virtual = v * stages
     last = virtual - 1
     owner = [stage_of_virtual(u, stages, placement)[0] for u in range(virtual)]
-    schedules = [make_schedule(schedule, stages, m, s, v, group) for s in range(stages)]
+    schedules = [make_schedule(schedule, stages, m, s, v, group, costs) for s in range(stages)]
     release: dict = {}
     if paired:
         release = _released([[(_KINDS[a[0]] * virtual + virtual_stage(s, chunk_of(a), stages, placement)) * m + a[1]
@@ -506,7 +526,8 @@ def _replay(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virt
     last = v * stages - 1
     owner = [stage_of_virtual(u, stages, placement)[0] for u in range(v * stages)]
     cost = {"F": [c / v for c in forward_s], "B": [c / v for c in backward_s], "W": [c / v for c in weights]}
-    schedules = [make_schedule(schedule, stages, microbatches, s, v, group) for s in range(stages)]
+    costs = _order_costs(schedule, forward_s, backward_s, weights)
+    schedules = [make_schedule(schedule, stages, microbatches, s, v, group, costs) for s in range(stages)]
     release: dict = {}
     if paired and schedule in _PAIRED:
         release = _released([[(a[0], virtual_stage(s, chunk_of(a), stages, placement), a[1]) for a in actions]

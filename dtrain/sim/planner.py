@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dtrain.cluster.topology import Topology
+from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD
 from dtrain.sim.model import RECOMPUTE, Layout, ModelSpec, flops_per_microbatch, memory_per_device
 from dtrain.sim.placement import PLACEMENTS, place
 from dtrain.sim.step import StepConfig, StepResult, simulate_step, step_lower_bound, tensor_parallel_s
@@ -55,6 +56,11 @@ class Plan:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+#: The (pipeline schedule, chunks a stage) pairs a sweep tries by default: 1F1B, interleaved 1F1B with two chunks,
+#: and the zero-bubble ZB-H1 and ZB-V (not with ZeRO-2 or 3, whose reductions would miss their deferred W).
+SCHEDULES: tuple[tuple[str, int], ...] = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))
 
 
 def candidate_layouts(
@@ -105,8 +111,10 @@ def candidate_layouts(
                         continue  # nothing to shard over
                     for name, chunks in pairs if pp > 1 else [("1f1b", 1)]:
                         m = global_batch // (dp * mb)
-                        if (chunks > 1 and (embedding or model.layers % (pp * chunks))) or (
-                            name == "interleaved-1f1b" and m % pp
+                        if (
+                            (chunks > 1 and (embedding or model.layers % (pp * chunks)))
+                            or (name == "interleaved-1f1b" and m % pp)
+                            or (name in SPLIT_BACKWARD and zero >= 2)  # its reduction would miss the deferred W
                         ):
                             continue
                         sp = tp > 1 and sequence_parallel is not False
@@ -143,7 +151,7 @@ def plan(
     max_tp: int | None = None,
     recompute: Sequence[str] = RECOMPUTE,
     progress: Callable[[int, int], None] | None = None,
-    schedules: Sequence[tuple[str, int]] = (("1f1b", 1), ("interleaved-1f1b", 2)),
+    schedules: Sequence[tuple[str, int]] = SCHEDULES,
     attention: str = "unfused",
     sequence_parallel: bool | None = None,
     fp8: bool = False,
@@ -175,7 +183,7 @@ def sweep(
     max_tp: int | None = None,
     recompute: Sequence[str] = RECOMPUTE,
     progress: Callable[[int, int], None] | None = None,
-    schedules: Sequence[tuple[str, int]] = (("1f1b", 1), ("interleaved-1f1b", 2)),
+    schedules: Sequence[tuple[str, int]] = SCHEDULES,
     attention: str = "unfused",
     sequence_parallel: bool | None = None,
     fp8: bool = False,

@@ -12,9 +12,10 @@ What each strategy sends mirrors :mod:`dtrain.parallel`:
   (``pp == 1``, dtrain.train's DataParallel) it is bucketed and launched from backward hooks, so the buckets
   of the last micro-batch's backward overlap it (DDP's overlap, Li et al. 2020, section 3.2.3); with a
   pipeline (the hybrid's one all-reduce after the ``m`` micro-batches) it is not. With ZeRO (zero.py, which
-  flattens the gradients at the step, so never overlapped) stage 1 all-reduces and all-gathers the updated
+  flattens the gradients at the step, so not overlapped) stage 1 all-reduces and all-gathers the updated
   shards, stage 2 reduce-scatters and all-gathers, stage 3 (dtrain.parallel.fsdp; the ZeRO paper's 1.5x
-  volume) reduce-scatters and all-gathers the weights twice.
+  volume) reduce-scatters and all-gathers the weights twice. ``StepConfig.overlap_grad_reduce`` instead
+  reduces in buckets under the last backward, with or without a pipeline, for ZeRO stages 0 to 2.
 
 Every collective is a ``dtrain.comm`` schedule replayed on the placement (:mod:`dtrain.sim.traffic`).
 Activation recomputation (``Layout.recompute``) adds its FLOPs to each backward, and under full recomputation
@@ -35,7 +36,7 @@ import numpy as np
 from dtrain.cluster.topology import Topology, collector_paused
 from dtrain.comm.ir.algorithms import names as algorithm_names
 from dtrain.comm.ir.schedule import Collective
-from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD
+from dtrain.parallel.pipeline_schedules import SPLIT_BACKWARD, theoretical_bubble
 from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
 from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, _rank_rounds_cached
 from dtrain.sim.compute import (
@@ -81,6 +82,7 @@ __all__ = [
     "simulate_step",
     "stage_seconds",
     "exposed_bucket_s",
+    "OVERLAP_GRAD_REDUCE_STAGES",
     "chunked_reduction_s",
     "step_lower_bound",
     "data_parallel_lower_bound",
@@ -131,7 +133,8 @@ class StepConfig:
     ``overlap_dp`` prices the all-reduce of the same bytes; ``distributed_optimizer``: ZeRO stage 1 reduce-scatters
     the gradients instead of all-reducing them (Megatron-Core's distributed optimizer; see
     :func:`dtrain.sim.traffic.dp_phase_bytes`); ``overlap_grad_reduce``: Megatron-Core's ``--overlap-grad-reduce``
-    with any pipeline (takes the place of ``overlap_dp`` and ``overlap_sharded_dp``; stage 0 or 1 of ZeRO): each
+    with any pipeline (takes the place of ``overlap_dp`` and ``overlap_sharded_dp``; stage 0, 1 or 2 of ZeRO, whose
+    reduction is an all-reduce or a reduce-scatter; stage 3's collectives stay after the pipeline): each
     stage's gradient reduction starts during its last micro-batch's backward, the pipeline schedule keeping it
     off (``no_sync``) for the others, bucket by bucket on the first stage and in one bucket on the others, so
     what a stage leaves exposed is what remains after its last backward less the time it waits for the pipeline's
@@ -255,7 +258,8 @@ class StepResult:
     tokens_per_s: float
     links: list[LinkUsage] = field(repr=False)
     contention_s: float = 0.0  # compute a step loses to data-parallel communication beside it (StepConfig)
-    #: the theory's bubble for this schedule's shape, ``(p - 1) / (v m + p - 1)`` (equal stages, free messages)
+    #: the theory's bubble for this schedule's shape (equal stages, free messages): ``(p - 1) / (v m + p - 1)``, and
+    #: for ZB-H1 and ZB-V Qi et al.'s with the stages' mean forward, input- and weight-gradient times
     bubble_theory: float = 0.0
 
     @property
@@ -721,7 +725,7 @@ def _simulate_step(
         pipelines.append(slowest)
         exposed = dp_s
         under: list[float] = []  # each stage's data-parallel seconds under its compute
-        if config.overlap_grad_reduce and layout.zero_stage <= 1 and dp_s > 0 and _per_chunk(layout):
+        if _grad_reduce_overlaps(layout, config) and dp_s > 0 and _per_chunk(layout):
             exposed = 0.0
             for f, b, w in zip(forward, backward, weight, strict=True):
                 key = (tuple(f), tuple(b), tuple(w), "chunks")
@@ -732,7 +736,7 @@ def _simulate_step(
                                                       paired=config.paired_exchanges,
                                                       overlapped=config.overlap_p2p_comm)  # fmt: skip
                 exposed = max(exposed, chunked_reduction_s(model, layout, config, dp, f, edges[key], slowest, under))
-        elif config.overlap_grad_reduce and layout.zero_stage <= 1 and dp_s > 0:
+        elif _grad_reduce_overlaps(layout, config) and dp_s > 0:
             exposed = 0.0
             for f, b, w in zip(forward, backward, weight, strict=True):
                 key = (tuple(f), tuple(b), tuple(w))
@@ -776,13 +780,31 @@ def _simulate_step(
         dp_exposed_s=float(np.median(exposed_dp)),
         optimizer_s=optimizer_s,
         bubble=max(0.0, 1.0 - compute_s / pipeline_s) if pipeline_s > 0 else 0.0,
-        bubble_theory=(layout.pp - 1) / (v * m + layout.pp - 1),
+        bubble_theory=_bubble_theory(layout, ideal),
         memory=memory,
         memory_limit=config.memory_fraction * min(topology.device(d).memory_bytes for d in placement),
         tokens_per_s=layout.global_batch * model.sequence / step_s,
         links=_step_links(parts, step_s),
         contention_s=float(np.median(contention)),
     )
+
+
+def _bubble_theory(layout: Layout, ideal: tuple) -> float:
+    """The theory's bubble for the layout's schedule with its stages' mean compute times (``ideal``:
+    :func:`_stage_times` with no slowdown) as the costs: ``(p - 1) / (v m + p - 1)`` for GPipe, 1F1B and
+    interleaved 1F1B, Qi et al.'s for ZB-H1 and ZB-V (:func:`~dtrain.parallel.pipeline_schedules.theoretical_bubble`:
+    ZB-H1's closed form; ZB-V's order replayed with equal stages and free messages, here by the dependency graph
+    :func:`~dtrain.sim.pipeline.pipeline_makespan` times, the same floats faster)."""
+    p, m = layout.pp, layout.microbatches
+    if p == 1:
+        return 0.0
+    if layout.schedule not in SPLIT_BACKWARD:
+        return (p - 1) / (layout.chunks * m + p - 1)
+    f, b, w = (sum(times[0]) / p for times in ideal)
+    if layout.schedule == "zb-h1":
+        return theoretical_bubble(p, m, schedule="zb-h1", forward_cost=f, backward_cost=b, weight_cost=w)
+    span = pipeline_makespan([f] * p, [b] * p, 0.0, m, "zb-v", weight_s=[w] * p, order_costs=(f, b, w))
+    return 1.0 - m * (f + b + w) / span
 
 
 def _beside(
@@ -798,6 +820,10 @@ def _beside(
     device = topology.device(placement[0])
     return path, device_compute(device.peak_flops, device.memory_bytes_per_s, curves=config.curves)
 
+
+#: The ZeRO stages whose gradient reduction ``StepConfig.overlap_grad_reduce`` runs under backward (and whose
+#: weights' all-gather ``overlap_param_gather`` runs under the next forward).
+OVERLAP_GRAD_REDUCE_STAGES = (0, 1, 2)
 
 #: Megatron-Core's default bucket: ``max(40,000,000, 1,000,000 x dp)`` parameters (StepConfig's docstring).
 MCORE_BUCKET_PARAMETERS, MCORE_BUCKET_PER_RANK = 40_000_000, 1_000_000
@@ -935,6 +961,14 @@ def chunked_reduction_s(
     return exposed
 
 
+def _grad_reduce_overlaps(layout: Layout, config: StepConfig) -> bool:
+    """Whether ``config.overlap_grad_reduce`` starts the layout's gradient reduction under backward: ZeRO stage 0
+    or 1 (an all-reduce, or the distributed optimizer's reduce-scatter) and stage 2 (a reduce-scatter), bucket by
+    bucket as Megatron-Core reduces a bucket once its gradients are ready. Stage 3's weight all-gathers of forward
+    and backward are priced after the pipeline, its reduce-scatter with them (:data:`OVERLAP_GRAD_REDUCE_STAGES`)."""
+    return config.overlap_grad_reduce and layout.zero_stage in OVERLAP_GRAD_REDUCE_STAGES
+
+
 def _dp_overlaps(layout: Layout, config: StepConfig) -> bool:
     """Whether the data-parallel reduction may run under backward: plain data parallelism, or ZeRO stage 1 with
     ``config.overlap_sharded_dp``."""
@@ -983,6 +1017,11 @@ def _makespan_bound(forward: list[float], backward: list[float], weight: list[fl
     f, b, w = min(forward), min(backward), min(weight)
     if layout.schedule in _CLOSED_FORM and (layout.schedule != "interleaved-1f1b" or m % p == 0):
         equal = (m + (p - 1) / v) * (f + b)
+    elif layout.schedule == "zb-v":
+        # ZB-V's order is built for the stage times, so a replay at other times may run another order: bound it by
+        # what any order must do, stage s's work after its first forward, which waits for s chunks' forwards
+        stages = enumerate(zip(forward, backward, weight, strict=True))
+        equal = max(s * f / 2 + m * (fs + bs + ws) for s, (fs, bs, ws) in stages)
     else:
         key = (layout.schedule, p, m, v, f, b, w if split else None)
         if key not in _EQUAL_SPANS:
@@ -1125,7 +1164,7 @@ def step_lower_bound(
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)
     m, v, group = layout.microbatches, layout.chunks, layout.microbatch_group or None
-    overlapped = (config.overlap_grad_reduce and layout.zero_stage <= 1) or (
+    overlapped = _grad_reduce_overlaps(layout, config) or (
         config.overlap_dp and layout.pp == 1 and _dp_overlaps(layout, config)
     )
     dp_s = data_parallel_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0

@@ -50,6 +50,7 @@ from dtrain.launch import (
 )
 from dtrain.models import ModelConfig, build, preset, train_flops_per_token
 from dtrain.models.decoder import Block
+from dtrain.models.flops import pass_flops_per_token
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
 from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize, validate_tensor_parallel
@@ -57,10 +58,12 @@ from dtrain.parallel.pipeline_schedules import bubble_fraction, chunks_per_stage
 from dtrain.parallel.recompute import checkpoint_activations, chosen_blocks, from_text
 from dtrain.train.checkpoint import (
     Checkpointer,
+    check_files,
     checkpoint_dir,
     latest_complete_step,
     read_meta,
     restore_training_state,
+    saved_data_fingerprint,
     training_state,
 )
 from dtrain.train.config import ConfigError, TrainConfig, run_world
@@ -110,12 +113,17 @@ def resolve_data(config: TrainConfig) -> tuple[str, str]:
 
 def resolve_model(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
     """The model's shape: the weights' config.json, ``[model] config``, or the preset (its vocabulary grown to
-    the tokenizer's where that is larger); checked against the tokenizer and the sequence length."""
+    the tokenizer's where that is larger); checked against the tokenizer and the sequence length. Weights are
+    checked whole short of their data (:func:`~dtrain.models.hf.check_pretrained`: every safetensors header,
+    every tensor's name and shape against the config)."""
     from dtrain.models import hf
 
     m = config.model
     if m.weights:
-        shape, source = hf.load_config(m.weights), f"--weights {m.weights}"
+        try:
+            shape, source = hf.check_pretrained(m.weights), f"--weights {m.weights}"
+        except ValueError as exc:
+            raise ValueError(f"--weights: {exc}") from None
     elif m.config:
         shape, source = hf.load_config(m.config), f"--model-config {m.config}"
     else:
@@ -136,9 +144,20 @@ def resolve_model(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
 def validate_layout(config: TrainConfig, world_size: int, shape: ModelConfig) -> ParallelDims:
     """Check the layout against the world and the model before any rank does work."""
     par = config.parallel
+    if par.dp * par.pp * par.tp != world_size:
+        from dtrain.env import under_torchrun
+
+        started = f"torchrun started {world_size}" if under_torchrun() else f"--nproc starts {world_size}"
+        raise ValueError(
+            f"--dp/--pp/--tp: dp x pp x tp = {par.dp} x {par.pp} x {par.tp} = {par.dp * par.pp * par.tp}, but "
+            f"{started} processes; the degrees must multiply to the number of processes"
+        )
     dims = ParallelDims(world_size=world_size, dp=par.dp, pp=par.pp, tp=par.tp)
     if par.tp > 1:
-        validate_tensor_parallel(shape, par.tp)
+        try:
+            validate_tensor_parallel(shape, par.tp)
+        except ValueError as exc:
+            raise ValueError(f"--tp: {exc}") from None
     if comm_registry.needs_local_size(par.algorithm) and par.dp != world_size:
         raise ValueError(
             f"--algorithm {par.algorithm}: needs the node size, known only for a dp group of every rank; "
@@ -190,9 +209,10 @@ def layout(config: TrainConfig, shape: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _check_resume(config: TrainConfig, world_size: int, shape: ModelConfig) -> int:
+def _check_resume(config: TrainConfig, world_size: int, shape: ModelConfig, data: TokenDataset) -> int:
     """The step a resumed run continues from (at whatever layout this run has); ValueError if there is no
-    complete checkpoint or it is of another model shape or sequence length."""
+    complete checkpoint, a file of it is missing, truncated or unreadable (:func:`check_files`), or it is of
+    another model shape, sequence length or dataset (``data``: this run's)."""
     from dtrain.models import hf
 
     out = config.logging.out
@@ -200,12 +220,28 @@ def _check_resume(config: TrainConfig, world_size: int, shape: ModelConfig) -> i
     step = latest_complete_step(out)
     if step is None:
         raise ValueError(f"--resume: no complete checkpoint under {where}")
-    meta = read_meta(checkpoint_dir(out, step))
+    directory = checkpoint_dir(out, step)
+    meta = read_meta(directory)
+    try:
+        check_files(directory)
+    except ValueError as exc:
+        raise ValueError(f"--resume: {exc}") from None
     if meta.get("model") != json.loads(json.dumps(hf.config_to_dict(shape))):
         raise ValueError(f"--resume: the checkpoint under {where} is of another model shape than this run's")
     if meta.get("seq_len") != config.data.seq_len:
         raise ValueError(
             f"--seq-len: {config.data.seq_len}, but the checkpoint under {where} has {meta.get('seq_len')}"
+        )
+    try:
+        saved = saved_data_fingerprint(directory)
+    except ValueError as exc:
+        raise ValueError(f"--resume: {exc}") from None
+    if saved is not None and saved != data.fingerprint:
+        trained_on = f" ({meta['dataset']})" if isinstance(meta.get("dataset"), str) else ""
+        this = data.path if config.data.dataset else f"the default dataset, {data.path}"
+        raise ValueError(
+            f"--dataset: the checkpoint under {where} was trained on another dataset{trained_on} than this run's "
+            f"({this}); resume with the dataset it was trained on"
         )
     return step
 
@@ -264,7 +300,7 @@ def check_run(config: TrainConfig, nproc: int) -> RunPlan:
                 f"the validation split of {dataset} holds {val.windows} sequences of {config.data.seq_len} tokens, "
                 f"fewer than the {unit} ({what}) one evaluation step needs; set it to 0 or use more data",
             )
-    first = _check_resume(config, world, shape) if config.checkpoint.resume else 0
+    first = _check_resume(config, world, shape, data) if config.checkpoint.resume else 0
     plan = RunPlan(
         world_size=world,
         dims=dims,
@@ -369,6 +405,7 @@ class _Trainer:
             pipeline_transport=par.pipeline_transport,
             virtual_stages=INTERLEAVED_CHUNKS if par.schedule == "interleaved-1f1b" else 1,
             microbatch_group=par.microbatch_group or None,
+            schedule_costs=pass_flops_per_token(plan.model, config.data.seq_len),
             algorithm=par.algorithm,
             shard_size=par.zero_shard_size or None,
             device=self.device,
@@ -461,7 +498,8 @@ class _Trainer:
         return sum(w * v for w, v in zip(weights, losses, strict=True)) / sum(weights)
 
     def meta(self) -> dict[str, Any]:
-        """What a checkpoint's meta.json records: the layout that wrote it, the model, the data shape."""
+        """What a checkpoint's meta.json records: the layout that wrote it, the model, the data shape, the
+        dataset and its fingerprint (which a resumed run's dataset must match)."""
         from dtrain.models import hf
 
         return {
@@ -469,6 +507,8 @@ class _Trainer:
             "model": hf.config_to_dict(self.plan.model),
             "seq_len": self.config.data.seq_len,
             "tokenizer": str(Path(self.plan.tokenizer).resolve()),
+            "dataset": str(Path(self.plan.dataset).resolve()),
+            "data_fingerprint": self.data.dataset.fingerprint,
         }
 
     def save(self, step: int) -> None:

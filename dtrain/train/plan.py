@@ -133,9 +133,12 @@ def plan_run(
     placements: Sequence[str] = (RUN_PLACEMENT,),
     recompute: Sequence[str] | None = None,
     max_tp: int | None = None,
+    schedules: Sequence[tuple[str, int]] | None = None,
 ) -> PlannedRun:
     """The fastest simulated layout of ``config``'s model and global batch on ``devices`` devices of
-    ``topology`` that ``dtrain train`` runs, as a run config. ValueError (one line) where no layout fits."""
+    ``topology`` that ``dtrain train`` runs, as a run config. ``schedules``: the (pipeline schedule, chunks a
+    stage) pairs to try (default: every schedule dtrain train runs but GPipe, interleaved 1F1B with its chunks).
+    ValueError (one line) where no layout fits."""
     from dtrain.sim.model import RECOMPUTE
     from dtrain.sim.planner import plan
     from dtrain.train.loop import INTERLEAVED_CHUNKS
@@ -155,7 +158,7 @@ def plan_run(
         recompute=recompute or RECOMPUTE,
         attention="flash",  # dtrain.models' attention is torch's scaled_dot_product_attention
         sequence_parallel=False,  # dtrain's tensor parallelism keeps whole activations outside its regions
-        schedules=(("1f1b", 1), ("interleaved-1f1b", INTERLEAVED_CHUNKS)),
+        schedules=schedules or (("1f1b", 1), ("interleaved-1f1b", INTERLEAVED_CHUNKS), ("zb-h1", 1), ("zb-v", 2)),
     )
     skipped, reason = 0, None
     for p in plans:

@@ -217,14 +217,14 @@ def validate_peak(p: int, m: int, v: int, group_size: int | None = None) -> int:
     return validate_schedule(interleaved_one_f_one_b(p, m, stage, v, group_size), m, v)
 
 
-def zero_bubble(p: int, m: int, schedule: str, steps: int = 3) -> dict:
-    """A zero-bubble schedule (B and W split) against the unsplit reference; the worst errors on this rank, and
-    whether its W actions ran the deferred weight gradients (none left in the store, every linear's weight among
-    them)."""
+def zero_bubble(p: int, m: int, schedule: str, steps: int = 3, costs: tuple | None = None) -> dict:
+    """A zero-bubble schedule (B and W split; ``costs``: the (T_F, T_B, T_W) its order is built for) against the
+    unsplit reference; the worst errors on this rank, and whether its W actions ran the deferred weight gradients
+    (none left in the store, every linear's weight among them)."""
     group = group_of(p)
     reference = _mlp(seed=7)
     ref_losses, ref_grads = _reference_steps(reference, "mlp", steps)
-    pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule=schedule)
+    pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule=schedule, schedule_costs=costs)
     pushed = []
     store = pipe.weight_grads
     original = store.push

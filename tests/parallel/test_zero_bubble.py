@@ -21,6 +21,7 @@ from dtrain.parallel.pipeline_schedules import (
     validate_schedule,
     zb_h1,
     zb_v,
+    zb_v_costs,
 )
 from dtrain.parallel.weight_gradients import WeightGradStore
 from dtrain.sim.pipeline import pipeline_bubble, pipeline_makespan
@@ -95,6 +96,36 @@ def test_zb_v_is_valid_within_1f1bs_activations_and_beats_zb_h1(p, m):
     assert len(keys) == len(set(keys)) == 2 * m * (2 * p - 2)  # every hop but the turn, once each way
 
 
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 8), (3, 4), (4, 8), (4, 16), (6, 12), (8, 8)])
+def test_zb_v_is_built_for_its_costs_and_never_loses_to_the_equal_cost_order(p, m):
+    equal = [zb_v(p, m, s) for s in range(p)]
+    for f, b, w in ((1, 1, 1), (45, 58, 24.5), (1, 2, 1), (1, 0.8, 0.3), (1, 1.6, 0.1), (2, 3, 2.5)):
+        built = [zb_v(p, m, s, costs=(f, b, w)) for s in range(p)]
+        assert max(validate_schedule(a, m, virtual_stages=2) for a in built) <= 2 * p
+        rf, rb, rw = zb_v_costs((f, b, w))  # the costs as the order is built for them: a tenth's precision
+        ends = [
+            max(end for stage in simulate(x, forward_cost=rf, backward_cost=rb, weight_cost=rw, placement="v")
+                for _, end in stage)
+            for x in (built, equal)
+        ]  # fmt: skip
+        assert ends[0] <= ends[1] + 1e-9
+        assert simulated_bubble(
+            simulate(built, forward_cost=f / 2, backward_cost=b / 2, weight_cost=w / 2, placement="v")
+        ) == pytest.approx(theoretical_bubble(p, m, schedule="zb-v", forward_cost=f, backward_cost=b, weight_cost=w))
+    # a transformer's costs (T_B above T_F, T_W below both): the order built for them idles less than the paper's
+    f, b, w = 45, 58, 24.5
+    built = [zb_v(4, 16, s, costs=(f, b, w)) for s in range(4)]
+    idle = [simulated_bubble(simulate(x, forward_cost=f, backward_cost=b, weight_cost=w, placement="v"))
+            for x in (built, [zb_v(4, 16, s) for s in range(4)])]  # fmt: skip
+    assert idle[0] < 0.6 * idle[1]
+
+
+@pytest.mark.parametrize("costs", [(0, 1, 1), (1, -1, 1), (1, 1, -0.5), (1, 1), (1, float("nan"), 1), (1, True, 1)])
+def test_zb_v_refuses_costs_it_cannot_build_for(costs):
+    with pytest.raises(ValueError, match="zb-v costs must be three finite numbers"):
+        zb_v(2, 4, 0, costs=costs)
+
+
 def test_zb_v_is_drawn_with_chunk_letters():
     chart = draw_schedule([zb_v(2, 2, s) for s in range(2)], backward_cost=1, placement="v")
     assert chart.splitlines()[0].startswith("stage 0 | F0a F1a ") and "W1b" in chart
@@ -105,9 +136,20 @@ def _assert_zero(results):
         assert all(v == 0.0 for k, v in r.items() if k != "stage"), (rank, r)
 
 
-@pytest.mark.parametrize(("p", "m", "schedule"), [(2, 2, "zb-h1"), (4, 8, "zb-h1"), (3, 4, "zb-v"), (4, 8, "zb-v")])
-def test_zero_bubble_trains_like_the_unsplit_model(pool, p, m, schedule):
-    _assert_zero(pool.run(pipeline_jobs.zero_bubble, p, m, schedule, ranks=p))
+@pytest.mark.parametrize(
+    ("p", "m", "schedule", "costs"),
+    [
+        (2, 2, "zb-h1", None),
+        (4, 8, "zb-h1", None),
+        (3, 4, "zb-v", None),
+        (4, 8, "zb-v", None),
+        (4, 8, "zb-v", (2, 3, 1)),
+    ],
+)
+def test_zero_bubble_trains_like_the_unsplit_model(pool, p, m, schedule, costs):
+    if costs is not None:  # an order built for a transformer's costs is another order, with the same result
+        assert [zb_v(p, m, s, costs=costs) for s in range(p)] != [zb_v(p, m, s) for s in range(p)]
+    _assert_zero(pool.run(pipeline_jobs.zero_bubble, p, m, schedule, 3, costs, ranks=p))
 
 
 LAYOUTS = {
@@ -170,4 +212,4 @@ def test_bench_pipeline_prints_measured_beside_theory_and_torchs(tmp_path, capsy
     assert [r["torch_schedule"] for r in rows] == ["Schedule1F1B", "Schedule1F1B", "ScheduleZBVZeroBubble"]
     assert all(r["torch_step_ms"] > 0 for r in rows)
     assert main(["bench", "pipeline", "--schedules", "zb-h2"]) == 2
-    assert "--schedules: unknown zb-h2" in capsys.readouterr().out
+    assert "--schedules: unknown zb-h2" in capsys.readouterr().err

@@ -88,3 +88,17 @@ def test_dtrain_plan_shows_the_exhaustive_top_plans(capsys: pytest.CaptureFixtur
     assert top == all_top and len(top) == 5
     assert pruned["bounded"] > 0 and exhaustive["bounded"] == 0
     assert pruned["simulated"] + pruned["bounded"] == exhaustive["simulated"]
+
+
+def test_zero_bubble_bounds_never_exceed_the_simulated_step() -> None:
+    # ZB-V's order is built for each replica's stage times: its bound holds whatever order a replay runs
+    topology = preset("h100-rail", racks=1, servers_per_rack=2)
+    args = dict(global_batch=16, micro_batches=(1,), zero_stages=(0,), schedules=(("zb-h1", 1), ("zb-v", 2)))
+    found = sweep(MODEL, topology, **args)
+    piped = [p for p in found.plans if p.layout.pp > 1]
+    assert {p.layout.schedule for p in piped} == {"zb-h1", "zb-v"}
+    for p in piped:
+        used = place(topology, p.layout, p.placement)
+        tp_s = tensor_parallel_s(MODEL, p.layout, topology, used)
+        bound = step_lower_bound(MODEL, p.layout, topology, used, tp_s=tp_s)
+        assert 0 < bound <= p.result.step_s, p.layout.describe()

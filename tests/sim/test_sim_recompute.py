@@ -20,7 +20,7 @@ from dtrain.sim.model import (
     recompute_flops_per_microbatch,
 )
 from dtrain.sim.placement import place
-from dtrain.sim.planner import candidate_layouts, plan
+from dtrain.sim.planner import SCHEDULES, candidate_layouts, plan
 from dtrain.sim.step import StepConfig, simulate_step
 from tests.sim.test_sim_step import MODEL, two_servers
 
@@ -93,9 +93,7 @@ LONG = ModelSpec(name="long", parameters=1e9, layers=8, hidden=4096, heads=32, s
 
 def test_a_model_that_fits_only_with_recomputation_gets_a_plan() -> None:
     common = {"global_batch": 8, "micro_batches": (1,), "zero_stages": (0,), "max_tp": 1}
-    layouts = candidate_layouts(
-        LONG, 8, 8, micro_batches=(1,), zero_stages=(0,), max_tp=1, schedules=(("1f1b", 1), ("interleaved-1f1b", 2))
-    )  # the planner's default
+    layouts = candidate_layouts(LONG, 8, 8, micro_batches=(1,), zero_stages=(0,), max_tp=1, schedules=SCHEDULES)
     plans, dropped = plan(LONG, two_servers(), recompute=("none",), **common)
     assert plans == [] and dropped == len(layouts)
     plans, dropped = plan(LONG, two_servers(), **common)
