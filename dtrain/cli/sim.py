@@ -586,6 +586,16 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("--write: needs --config, the run config to write the chosen layout into")
     if args.fp8 and args.config:
         raise ValueError("--fp8: not with --config (dtrain train runs no FP8 layers)")
+    if args.config:  # Megatron-Core's techniques dtrain train does not run: a plan priced with them would not hold
+        for flag, given in (
+            ("--tp-comm-overlap", args.tp_comm_overlap),
+            ("--ub-sm-margin", args.ub_sm_margin),
+            ("--distributed-optimizer", args.distributed_optimizer),
+            ("--overlap-param-gather", args.overlap_param_gather),
+            ("--overlap-p2p-comm", args.overlap_p2p_comm),
+        ):
+            if given:
+                raise ValueError(f"{flag}: not with --config (dtrain train does not run it; its plan would not hold)")
     if args.fp8_params and not args.fp8:
         raise ValueError("--fp8-params: needs --fp8 (the weights in 8 bits are for FP8 linear layers)")
     if args.config:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,6 +95,15 @@ def test_plan_lists_the_fastest_layouts_that_fit(capsys: pytest.CaptureFixture[s
     steps = [p["step_s"] for p in data["plans"]]
     assert len(steps) == 3 and steps == sorted(steps)
     assert all(p["fits"] for p in data["plans"]) and data["too_big"] > 0
+
+
+def test_plan_of_a_run_config_refuses_what_dtrain_train_does_not_run(capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml")
+    for flag in ("--tp-comm-overlap", "--distributed-optimizer", "--overlap-p2p-comm"):
+        assert main(["plan", "--topology", "h100-node", "--config", config, flag]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.strip().splitlines() == [f"dtrain: error: {flag}: not with --config (dtrain train "
+                                                     "does not run it; its plan would not hold)"]  # fmt: skip
 
 
 def test_plan_searches_the_zero_bubble_schedules(capsys: pytest.CaptureFixture[str]) -> None:
