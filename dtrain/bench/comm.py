@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -435,7 +436,7 @@ def _write_rules(records: list[dict], config: BenchConfig, kind: str, local_size
     try:
         made = rules.from_records(records, kind=kind, local_size=usable, meta={**meta, "from": config.out})
     except ValueError as err:
-        print(f"no rules written: {err}")
+        print(f"dtrain bench comm: no rules written: {err}", file=sys.stderr)
         return
     path = rules.save_rules(made, config.rules_out or None)
     print(f"rules for algorithm='auto' ({kind}, {world} ranks) written to {path}")

@@ -143,6 +143,9 @@ def register(commands) -> None:
     p.add_argument("--embedding-layers", type=_whole(0), default=0,
                    help="the pipeline split counts each embedding as this many layers (DeepSpeed's "
                    "type:transformer|embedding: 1); the first and last stages hold that many fewer")  # fmt: skip
+    p.add_argument("--balance", choices=["layers", "flops"], default=None,
+                   help="the pipeline cut dtrain train makes (its --balance) of the embedding, blocks and head; "
+                   "default: Megatron-LM's, L / pp blocks a stage")  # fmt: skip
     p.add_argument("--placement", default="aware", help="aware or oblivious")
     _add_step_config(p)
     p.add_argument("--synchronous-p2p", action="store_true",
@@ -510,7 +513,8 @@ def _simulate_train(args: argparse.Namespace) -> int:
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,
                     zero_stage=args.zero, schedule=args.schedule, chunks=chunks, recompute=args.recompute,
                     sequence_parallel=args.sequence_parallel, embedding_layers=args.embedding_layers,
-                    microbatch_group=args.microbatch_group, fp8=args.fp8, fp8_params=args.fp8_params)  # fmt: skip
+                    microbatch_group=args.microbatch_group, fp8=args.fp8, fp8_params=args.fp8_params,
+                    balance=args.balance)  # fmt: skip
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma,
                           split_pipeline=args.split_pipeline, flow_limit=args.flow_limit,
                           synchronous_p2p=args.synchronous_p2p)  # fmt: skip

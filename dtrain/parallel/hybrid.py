@@ -241,7 +241,8 @@ class HybridParallel:
             model = model.to(device)
         p = dims.pp
         v, placement = chunks_per_stage(schedule, virtual_stages), PLACEMENT.get(schedule, "loop")
-        cuts = partition_layers(model, v * p, balance=balance) if p > 1 else [range(len(model))]
+        stage_of = [stage_of_virtual(u, p, placement)[0] for u in range(v * p)]
+        cuts = partition_layers(model, v * p, balance=balance, stage_of=stage_of) if p > 1 else [range(len(model))]
         self._stage_of_layer = {
             layer: stage_of_virtual(u, p, placement)[0] for u, cut in enumerate(cuts) for layer in cut
         }

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -27,7 +27,7 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.parallel import step_graph
-from dtrain.parallel.pipeline_parallel_communications import StageLink
+from dtrain.parallel.pipeline_parallel_communications import DeviceClock, StageLink
 from dtrain.parallel.pipeline_schedules import (
     PLACEMENT,
     SCHEDULES,
@@ -36,6 +36,7 @@ from dtrain.parallel.pipeline_schedules import (
     TimelineEvent,
     chunk_of,
     chunks_per_stage,
+    cut_sizes,
     make_schedule,
     stage_of_virtual,
     virtual_stage,
@@ -49,7 +50,13 @@ Balance = Literal["layers", "params", "flops"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def partition_layers(sequential: nn.Sequential, num_stages: int, *, balance: Balance = "layers") -> list[range]:
+def partition_layers(
+    sequential: nn.Sequential,
+    num_stages: int,
+    *,
+    balance: Balance = "layers",
+    stage_of: Sequence[int] | None = None,
+) -> list[range]:
     """Cut ``sequential``'s layers into ``num_stages`` contiguous, non-empty ranges.
 
     ``balance="layers"``: layer counts differ by at most one (the first stages take the extra ones).
@@ -57,6 +64,11 @@ def partition_layers(sequential: nn.Sequential, num_stages: int, *, balance: Bal
     largest layer count), the contiguous min-max partition GPipe's partitioner approximates.
     ``balance="flops"``: the same partition of each layer's forward FLOPs per token,
     :func:`forward_flops_weight` (a vocabulary head counts its matmul, an embedding table nothing).
+
+    ``stage_of`` names the pipeline stage that runs each range, where a stage runs several (the chunks of
+    interleaved 1F1B, ``u mod p``, and of the V, ``u`` and ``2p - 1 - u``): ``params`` and ``flops`` then balance
+    what each *stage* holds, the sum of its ranges (:func:`_balance_stages`), since a stage runs its chunks one
+    after another. Under the V the first stage holds both ends of the model, embedding and head.
     """
     n = len(sequential)
     if num_stages < 1:
@@ -64,14 +76,14 @@ def partition_layers(sequential: nn.Sequential, num_stages: int, *, balance: Bal
     if num_stages > n:
         raise ValueError(f"cannot cut {n} layers into {num_stages} pipeline stages: more stages than layers")
     if balance == "layers":
-        base, extra = divmod(n, num_stages)
-        sizes = [base + (s < extra) for s in range(num_stages)]
+        costs = None
     elif balance == "params":
-        sizes = _balance_by_cost([sum(p.numel() for p in layer.parameters()) for layer in sequential], num_stages)
+        costs = [sum(p.numel() for p in layer.parameters()) for layer in sequential]
     elif balance == "flops":
-        sizes = _balance_by_cost([forward_flops_weight(layer) for layer in sequential], num_stages)
+        costs = [forward_flops_weight(layer) for layer in sequential]
     else:
         raise ValueError(f"balance must be 'layers', 'params' or 'flops', got {balance!r}")
+    sizes = cut_sizes(n, num_stages, costs, stage_of)
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size)
@@ -92,33 +104,11 @@ def forward_flops_weight(layer: nn.Module) -> int:
     return total
 
 
-def _balance_by_cost(costs: list[int], num_stages: int) -> list[int]:
-    """Stage sizes minimising the (largest cost, largest layer count) over contiguous partitions (dynamic program)."""
-    n = len(costs)
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    # best[k][i]: (worst stage, cut) for the first i layers in k stages
-    best: list[dict[int, tuple[tuple[int, int], int]]] = [{0: ((0, 0), 0)}]
-    for k in range(1, num_stages + 1):
-        row = {}
-        for i in range(k, n - (num_stages - k) + 1):
-            row[i] = min(
-                (max(best[k - 1][j][0], (prefix[i] - prefix[j], i - j)), j) for j in range(k - 1, i) if j in best[k - 1]
-            )
-        best.append(row)
-    sizes, i = [], n
-    for k in range(num_stages, 0, -1):
-        j = best[k][i][1]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
-
-
 class PipelineStage(nn.Module):
     """The layers of one pipeline stage: stage ``stage_index`` (this rank's rank in ``group`` by default) of
     ``num_stages`` (``group``'s size by default; ``v`` times it for the chunks of interleaved 1F1B), cut from
-    ``sequential`` by :func:`partition_layers`. The layers are shared, not copied."""
+    ``sequential`` by :func:`partition_layers` (``stage_of``: the pipeline stage of each of the ``num_stages``
+    ranges, for a balance of what each stage holds). The layers are shared, not copied."""
 
     def __init__(
         self,
@@ -128,6 +118,7 @@ class PipelineStage(nn.Module):
         stage_index: int | None = None,
         num_stages: int | None = None,
         balance: Balance = "layers",
+        stage_of: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.group = group
@@ -135,7 +126,8 @@ class PipelineStage(nn.Module):
         self.stage_index = dist.get_rank(group) if stage_index is None else stage_index
         if not 0 <= self.stage_index < self.num_stages:
             raise ValueError(f"stage_index {self.stage_index} is outside 0..{self.num_stages - 1}")
-        self.layer_range = partition_layers(sequential, self.num_stages, balance=balance)[self.stage_index]
+        cuts = partition_layers(sequential, self.num_stages, balance=balance, stage_of=stage_of)
+        self.layer_range = cuts[self.stage_index]
         # a plain Sequential of the layers, keeping their keys (a subclass such as CausalLM may not slice)
         kept = list(sequential._modules.items())[self.layer_range.start : self.layer_range.stop]
         self.layers = nn.Sequential(OrderedDict(kept))
@@ -167,7 +159,8 @@ class PipelineParallel:
     any unit (:func:`~dtrain.parallel.pipeline_schedules.zb_v`; None: equal costs), the same on every stage. Under
     ZB-H1 and ZB-V, :attr:`weight_grads` defers the linear layers' weight gradients from each B to its W action.
     After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
-    for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`. ``grad_group`` (the same ranks as
+    for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`, on the host clock, or on the device clock
+    where :attr:`device_clock` is set on a GPU. ``grad_group`` (the same ranks as
     ``group``, another process group) carries the gradients, so that on NCCL the two directions between two
     stages do not queue behind each other (:mod:`~dtrain.parallel.pipeline_parallel_communications`); the rank
     grid makes one (``pp_grad_group``). ``lookahead`` is how many actions ahead a stage posts its receives on the
@@ -252,6 +245,7 @@ class PipelineParallel:
         costs = zb_v_costs(schedule_costs)  # checked whatever the schedule
         schedules = [make_schedule(schedule, p, num_microbatches, q, v, microbatch_group, costs) for q in range(p)]
         self.actions = schedules[s]
+        stage_of = [stage_of_virtual(u, p, self.placement)[0] for u in range(v * p)]
         self.chunks = [
             PipelineStage(
                 sequential,
@@ -259,6 +253,7 @@ class PipelineParallel:
                 stage_index=virtual_stage(s, c, p, self.placement),
                 num_stages=v * p,
                 balance=balance,
+                stage_of=stage_of,
             )
             for c in range(v)
         ]
@@ -296,7 +291,14 @@ class PipelineParallel:
         self.link.plan(schedules)
         self.group = group
         self._loss_stage = stage_of_virtual(v * p - 1, p, self.placement)[0]
-        self.timeline: Timeline | None = None
+        #: on a GPU, time the training steps' actions and messages on the device (CUDA events on the compute
+        #: stream, :class:`~dtrain.parallel.pipeline_parallel_communications.DeviceClock`): :attr:`timeline` then
+        #: holds device times (``clock`` "device"). A step so timed starts on a drained stream and pays an event
+        #: pair an action; its events are read when :attr:`timeline` is. Set it for the steps whose timeline is
+        #: read. On the CPU the timeline is on the host clock either way.
+        self.device_clock = False
+        self._timeline: Timeline | None = None
+        self._clock: DeviceClock | None = None  # the last step's device clock, until its timeline is read
         if graphs and device.type != "cuda":
             raise ValueError(f"graphs={graphs!r} needs the stage's parameters on a CUDA device, not {device}")
         #: False; True: each (chunk, micro-batch)'s forward and backward replay as CUDA graphs; "step": the whole
@@ -309,6 +311,17 @@ class PipelineParallel:
         self._shapes: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> the arguments' shapes of the first step
         # (chunk, mb) -> its B graph's deferred weight gradients: (weight, bias, input, grad_output) in the graph's pool
         self._recorded_w: dict[tuple[int, int], list] = {}
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """What this rank did in the last training step (None before the first). Where that step was timed on the
+        device (:attr:`device_clock`), the first read waits for the step's end on the device and puts the device
+        times in. A step replayed as one CUDA graph (``graphs="step"``) leaves a timeline of clock "none": no
+        events, no bubble."""
+        if self._clock is not None:
+            clock, self._clock = self._clock, None
+            clock.finish(self._timeline)
+        return self._timeline
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.stage.parameters()
@@ -364,8 +377,19 @@ class PipelineParallel:
         micro-batch losses / m) on every stage of the group. The caller steps and zeroes the optimizer.
         """
         if self.graphs == "step" and not forward_only:
+            start = time.perf_counter()
             loss = self._step_graphed(batch, targets, loss_fn, forward_context)
             if loss is not None:
+                self._timeline = Timeline(
+                    stage=self.stage_index,
+                    num_stages=self.num_stages,
+                    num_microbatches=self.num_microbatches,
+                    virtual_stages=self.virtual_stages,
+                    start_s=start,
+                    end_s=time.perf_counter(),
+                    clock="none",
+                )
+                self._clock = None
                 comm.broadcast(loss, self._loss_stage, group=self.group)
                 return loss
         if self.graphs is True and self._graphed is None and self._shapes and not forward_only:
@@ -399,8 +423,10 @@ class PipelineParallel:
         timeline = Timeline(
             stage=self.stage_index, num_stages=self.num_stages, num_microbatches=m, virtual_stages=self.virtual_stages
         )
-        timeline.start_s = time.perf_counter()
-        self.link.begin_step(timeline, forward_only=forward_only)
+        timed = self.device_clock and not (forward_only or capturing) and DeviceClock.available(self.link.device)
+        clock = DeviceClock(self.link.device) if timed else None
+        timeline.start_s = clock.start_s if clock is not None else time.perf_counter()
+        self.link.begin_step(timeline, forward_only=forward_only, clock=clock)
         held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, mb) -> (input, output or loss)
         live: set[tuple[int, int]] = set()  # (chunk, mb) whose activations or deferred weight gradients are kept
         replayed: set[tuple[int, int]] = set()  # (chunk, mb) whose forward and B ran as graphs in this step
@@ -419,6 +445,7 @@ class PipelineParallel:
                 if kind == "F":
                     x = inputs[mb] if stage.is_first else self._recv_input(mb, chunk)
                     start = time.perf_counter()
+                    marked = clock.mark() if clock is not None else None  # after the stream's wait for x
                     args = (x, labels[mb]) if stage.is_last else (x,)
                     graphed = self._replay(chunk, mb, args) if not forward_only else None
                     if graphed is not None:
@@ -431,7 +458,10 @@ class PipelineParallel:
                                 y = loss_fn(y, labels[mb]) / m
                     if stage.is_last:
                         loss += y.detach().float()
-                    timeline.events.append(TimelineEvent("F", mb, start, time.perf_counter(), chunk=chunk))
+                    event = TimelineEvent("F", mb, start, time.perf_counter(), chunk=chunk)
+                    timeline.events.append(event)
+                    if clock is not None:
+                        clock.add(event, marked)
                     if not forward_only:
                         held[chunk, mb] = (x, y)
                         live.add((chunk, mb))
@@ -439,26 +469,32 @@ class PipelineParallel:
                     if not stage.is_last:
                         self.link.send_forward(y, mb, chunk)
                 elif kind == "B":
-                    self._backward(stage, chunk, mb, *held.pop((chunk, mb)), timeline)
+                    self._backward(stage, chunk, mb, *held.pop((chunk, mb)), timeline, clock)
                     if store is None:
                         live.discard((chunk, mb))
                 else:
                     start = time.perf_counter()
+                    marked = clock.mark() if clock is not None else None
                     if (chunk, mb) in replayed:  # the B graph left its layers' inputs and output gradients
                         store.run(self._recorded_w[chunk, mb])
                     else:
                         store.flush((chunk, mb))
-                    timeline.events.append(TimelineEvent("W", mb, start, time.perf_counter(), chunk=chunk))
+                    event = TimelineEvent("W", mb, start, time.perf_counter(), chunk=chunk)
+                    timeline.events.append(event)
+                    if clock is not None:
+                        clock.add(event, marked)
                     live.discard((chunk, mb))
                 self.link.prefetch(index)
             self.link.wait_sends()
+            if clock is not None:
+                clock.stop()  # the stream has waited for the sends
         finally:
             if store is not None:
                 store.clear()
         timeline.end_s = time.perf_counter()
         self.link.begin_step(None)
         if not forward_only and not capturing:
-            self.timeline = timeline
+            self._timeline, self._clock = timeline, clock
         return loss
 
     def _step_graphed(
@@ -561,7 +597,14 @@ class PipelineParallel:
         return x.requires_grad_() if x.is_floating_point() else x
 
     def _backward(
-        self, stage: PipelineStage, chunk: int, mb: int, x: torch.Tensor, y: torch.Tensor, timeline: Timeline
+        self,
+        stage: PipelineStage,
+        chunk: int,
+        mb: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        timeline: Timeline,
+        clock: DeviceClock | None = None,
     ) -> None:
         # a stage receives a gradient for every floating output it sent, and sends one for every floating input
         # it received, so both ends agree on the messages whether or not autograd needs them
@@ -569,11 +612,15 @@ class PipelineParallel:
         if not stage.is_last and y.is_floating_point():
             grad = self.link.recv_backward(mb, chunk)
         start = time.perf_counter()
+        marked = clock.mark() if clock is not None else None  # after the stream's wait for grad
         if y.requires_grad:
             deferring = self.weight_grads.deferring((chunk, mb)) if self.weight_grads else contextlib.nullcontext()
             with deferring:
                 torch.autograd.backward(y, grad)
-        timeline.events.append(TimelineEvent("B", mb, start, time.perf_counter(), chunk=chunk))
+        event = TimelineEvent("B", mb, start, time.perf_counter(), chunk=chunk)
+        timeline.events.append(event)
+        if clock is not None:
+            clock.add(event, marked)
         if not stage.is_first and x.is_floating_point():
             self.link.send_backward(x.grad if x.grad is not None else torch.zeros_like(x), mb, chunk)
 

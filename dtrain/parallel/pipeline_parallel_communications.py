@@ -45,9 +45,17 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from dtrain.parallel.pipeline_schedules import Timeline, TimelineEvent, chunk_of, stage_of_virtual, virtual_stage
+from dtrain.parallel.pipeline_schedules import (
+    Timeline,
+    TimelineEvent,
+    apply_device_times,
+    chunk_of,
+    stage_of_virtual,
+    virtual_stage,
+)
 
 __all__ = [
+    "DeviceClock",
     "HEADER_NUMEL",
     "MAX_NDIM",
     "Route",
@@ -74,6 +82,54 @@ _DTYPES = (
 )
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _FORWARD, _BACKWARD = 0, 1  # the direction bit of a message's tag
+
+
+class DeviceClock:
+    """One pipeline step's times on a GPU: CUDA events with timing on, recorded on the compute stream (the stream
+    current on ``device`` where each interval is marked), read once after the step by :meth:`finish`.
+
+    Made as the step begins: the host waits for the stream to drain the work of earlier steps, so that the start
+    event runs as it is recorded and the host clock read then (``start_s``) is when the device began the step;
+    the timelines of ranks on one host then line up as their host clocks do. Between the actions nothing waits:
+    marking is one ``cudaEventRecord``. An action's start marker is recorded after the stream's wait for its
+    received inputs, so a stage waiting for its peer is idle, not busy. Not for a step being recorded into a CUDA
+    graph: events recorded in a capture are not timed at the replay.
+    """
+
+    @staticmethod
+    def available(device: torch.device) -> bool:
+        """Whether ``device`` has a clock to read (a CUDA device)."""
+        return device.type == "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        torch.cuda.current_stream(device).synchronize()
+        self.start = self.mark()
+        self.start_s = time.perf_counter()
+        self.end: torch.cuda.Event | None = None
+        self.intervals: list[tuple[TimelineEvent, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def mark(self) -> torch.cuda.Event:
+        """A timing event recorded now on the compute stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def add(self, event: TimelineEvent, start: torch.cuda.Event) -> None:
+        """``event`` ran on the compute stream from marker ``start`` to now (its end marker is recorded here)."""
+        self.intervals.append((event, start, self.mark()))
+
+    def stop(self) -> None:
+        """Mark the step's end on the compute stream."""
+        self.end = self.mark()
+
+    def finish(self, timeline: Timeline) -> Timeline:
+        """Wait for the step's end marker and put the device times into ``timeline``
+        (:func:`~dtrain.parallel.pipeline_schedules.apply_device_times`)."""
+        if self.end is None:
+            self.stop()
+        self.end.synchronize()
+        return apply_device_times(timeline, self.start, self.end, self.intervals)
 
 
 def encode_header(tensor: torch.Tensor) -> torch.Tensor:
@@ -271,6 +327,9 @@ class StageLink:
             raise ValueError(f"lookahead must be a non-negative int, got {lookahead!r}")
         self.lookahead = lookahead
         self.timeline: Timeline | None = None
+        #: the step's device clock (None: the host clock alone): each message's interval on the compute stream is
+        #: marked on it as well (:meth:`begin_step`)
+        self.clock: DeviceClock | None = None
         self._pending: deque[tuple[object, list[torch.Tensor], TimelineEvent | None]] = deque()
         self._shapes: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # agreed, persistent
         self._agreed: set[tuple[int, int]] = set()  # (direction, virtual stage) whose header has been planned
@@ -322,9 +381,16 @@ class StageLink:
         self._steady.clear()
         self._ahead.clear()
 
-    def begin_step(self, timeline: Timeline | None, *, forward_only: bool = False) -> None:
-        """Start a step (``timeline`` None ends one): the receives to post this step, in each peer's send order."""
+    def begin_step(
+        self, timeline: Timeline | None, *, forward_only: bool = False, clock: DeviceClock | None = None
+    ) -> None:
+        """Start a step (``timeline`` None ends one): the receives to post this step, in each peer's send order.
+        With ``clock``, each message is also marked on the compute stream: a receive from before to after the
+        stream's wait for it (and, on the peer channels, its copy out), a send around what posting it puts on the
+        stream (the copy of the "inline" and "kernel" engines; next to nothing where the copy runs on another
+        stream)."""
         self.timeline = timeline
+        self.clock = clock if timeline is not None else None
         if timeline is None:
             if self._channels is not None:
                 self._channels.release()  # the step is done with the messages it computed on in their slots
@@ -518,6 +584,8 @@ class StageLink:
             self._local[key] = payload
             return
         start = time.perf_counter()
+        clock = self.clock if not self.capturing else None
+        marked = clock.mark() if clock is not None else None
         if not payload.is_contiguous():
             payload = payload.contiguous()
         if self._header_out and key in self._header_out:
@@ -540,6 +608,8 @@ class StageLink:
         else:
             work = _send(payload, group, rank, tag)
         event = self._record(kind, microbatch, chunk, start)
+        if clock is not None:
+            clock.add(event, marked)
         self._pending.append((work, [payload], event))
         counts = self._counts
         counts["sends"] += 1
@@ -562,16 +632,21 @@ class StageLink:
             posted = self._posted.pop(key)
         work, payload = posted
         measure = self.measure_device and payload.is_cuda and not self.capturing
+        clock = self.clock if not self.capturing else None
         if measure:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record()
+        marked = clock.mark() if clock is not None else None
         waited = time.perf_counter()
         work.wait()  # on NCCL the compute stream waits for the receive, the host does not
         end = time.perf_counter()
         if measure:
             after.record()
             self._wait_events.append((before, after))
-        self._record(kind, microbatch, chunk, start).end_s = end
+        event = self._record(kind, microbatch, chunk, start)
+        event.end_s = end
+        if clock is not None:
+            clock.add(event, marked)
         counts = self._counts
         counts["recvs"] += 1
         counts["recv_wait_s"] += end - waited

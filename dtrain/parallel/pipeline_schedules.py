@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,9 +43,11 @@ __all__ = [
     "SPLIT_BACKWARD",
     "Timeline",
     "TimelineEvent",
+    "apply_device_times",
     "bubble_fraction",
     "check_microbatch_group",
     "chunks_per_stage",
+    "cut_sizes",
     "draw_schedule",
     "gpipe",
     "interleaved_one_f_one_b",
@@ -55,6 +58,7 @@ __all__ = [
     "simulated_bubble",
     "stage_of_virtual",
     "theoretical_bubble",
+    "timelines_clock",
     "validate_schedule",
     "virtual_stage",
     "zb_h1",
@@ -598,7 +602,9 @@ def draw_schedule(
 class TimelineEvent:
     """One recorded interval of a rank: an "F"/"B"/"W" action or a "send_forward"/"recv_forward"/... message.
 
-    Times are ``time.perf_counter()`` seconds; a send's end is when its completion was observed.
+    Times are seconds on the clock of the :class:`Timeline` that holds the event (:attr:`Timeline.clock`). On the
+    host clock they are ``time.perf_counter()`` readings around the call, and a send's end is when its completion
+    was observed; on the device clock they are when the compute stream began and finished the interval.
     """
 
     kind: str
@@ -610,7 +616,16 @@ class TimelineEvent:
 
 @dataclass
 class Timeline:
-    """What one rank did in one pipeline step, for measuring the bubble."""
+    """What one rank did in one pipeline step, for measuring the bubble.
+
+    ``clock`` names what the times are. "host": ``time.perf_counter()`` readings around each call, the compute
+    itself on the CPU, but only the kernels' launches on a GPU, where the host runs ahead of the device. "device":
+    CUDA events on the compute stream (:func:`apply_device_times`), each action from the moment the stream starts
+    it (after its wait for the action's received inputs) to the moment it finishes, messages as the compute
+    stream's share of them; ``start_s`` is the host clock reading when the stream began the step, so that the
+    timelines of ranks on one host line up as on the host clock. "none": the step was replayed as one CUDA graph,
+    which leaves no time of its actions; the timeline has no events and no bubble.
+    """
 
     stage: int
     num_stages: int
@@ -620,6 +635,7 @@ class Timeline:
     end_s: float = 0.0
     peak_activations: int = 0  # most micro-batches whose activations were held at once
     events: list[TimelineEvent] = field(default_factory=list)
+    clock: str = "host"  # "host", "device" or "none" (see above)
 
     def busy_s(self) -> float:
         return sum(e.end_s - e.start_s for e in self.events if e.kind in ("F", "B", "W"))
@@ -639,16 +655,163 @@ class Timeline:
         ]
 
 
+def timelines_clock(timelines: Sequence[Timeline]) -> str:
+    """The clock the timelines share (:attr:`Timeline.clock`), or "none" where one of them has no times or
+    they were read on different clocks (no bubble can be measured from them)."""
+    clocks = {t.clock for t in timelines}
+    return clocks.pop() if len(clocks) == 1 else "none"
+
+
 def bubble_fraction(timeline: Timeline | Sequence[Timeline]) -> float:
     """Idle time over total time: 1 - (time in F/B/W actions) / (span of the step x number of timelines).
 
     Given the timelines of all stages (clocks comparable: ranks on one host), the span is common to them all,
-    from the earliest start to the latest end, which is what (p - 1) / (m + p - 1) predicts.
+    from the earliest start to the latest end, which is what (p - 1) / (m + p - 1) predicts. The timelines must
+    share a clock, "host" or "device" (:func:`timelines_clock`); on a GPU only the device clock measures the
+    bubble.
     """
     timelines = [timeline] if isinstance(timeline, Timeline) else list(timeline)
     if not timelines:
         raise ValueError("bubble_fraction needs at least one timeline")
+    clock = timelines_clock(timelines)
+    if clock == "none":
+        raise ValueError(
+            f"bubble_fraction needs timelines on one clock with their actions' times, got clocks "
+            f"{sorted({t.clock for t in timelines})}"
+        )
     span = max(t.end_s for t in timelines) - min(t.start_s for t in timelines)
     if span <= 0:
         return 0.0
     return 1.0 - sum(t.busy_s() for t in timelines) / (span * len(timelines))
+
+
+def apply_device_times(
+    timeline: Timeline,
+    step_start: object,
+    step_end: object,
+    intervals: Sequence[tuple[TimelineEvent, object, object]],
+) -> Timeline:
+    """Put device times into ``timeline`` (in place; returns it) and set its clock to "device".
+
+    ``step_start``, ``step_end`` and the two markers of each ``(event, start, end)`` of ``intervals`` are
+    completed events of ``torch.cuda.Event(enable_timing=True)`` (or anything with the same
+    ``elapsed_time(other)``, the milliseconds from one to the other), recorded on the stream the rank computes
+    on. Each event of
+    ``intervals`` gets ``timeline.start_s`` plus the seconds from ``step_start`` to its markers, the timeline's
+    end that of ``step_end``; ``timeline.start_s`` stays, the host clock reading taken as the stream reached
+    ``step_start``. Events of the timeline without markers are dropped, so that it holds device times only.
+    """
+    origin = timeline.start_s
+    timed = []
+    for event, start, end in intervals:
+        event.start_s = origin + step_start.elapsed_time(start) / 1e3
+        event.end_s = origin + step_start.elapsed_time(end) / 1e3
+        timed.append(event)
+    kept = {id(event) for event in timed}
+    timeline.events = [e for e in timeline.events if id(e) in kept]
+    timeline.end_s = origin + step_start.elapsed_time(step_end) / 1e3
+    timeline.clock = "device"
+    return timeline
+
+
+# ------------------------------------------------------------------------------------- cutting a model
+
+
+#: the most cuts :func:`cut_sizes` tries one by one to balance stages that hold several ranges; above it, a descent
+EXHAUSTIVE_CUTS = 50_000
+
+
+def cut_sizes(
+    n: int, parts: int, costs: Sequence[float] | None = None, stage_of: Sequence[int] | None = None
+) -> list[int]:
+    """The sizes of ``parts`` contiguous, non-empty ranges that cut ``n`` layers, in order.
+
+    Without ``costs``: sizes differ by at most one, the first ranges taking the extra layers. With ``costs`` (one
+    a layer): the largest range's cost is as small as possible, ties broken by the largest size (a dynamic
+    program over contiguous partitions, the min-max partition GPipe's partitioner approximates). With
+    ``stage_of`` too, naming the pipeline stage that runs each range where a stage runs several (the chunks of
+    interleaved 1F1B, ``u mod p``, and of the V, ``u`` and ``2p - 1 - u``), what is balanced is each *stage*'s
+    sum, since a stage runs its ranges one after another (:func:`_balance_stages`). Torch-free, so that the
+    simulator prices the cut :func:`dtrain.parallel.pipeline_parallel.partition_layers` makes."""
+    if parts < 1 or parts > n:
+        raise ValueError(f"cannot cut {n} layers into {parts} ranges: 1 to {n} ranges")
+    if costs is None:
+        base, extra = divmod(n, parts)
+        return [base + (s < extra) for s in range(parts)]
+    if len(costs) != n:
+        raise ValueError(f"costs name {len(costs)} layers for {n}")
+    sizes = _balance_by_cost(list(costs), parts)
+    if stage_of is not None:
+        if len(stage_of) != parts:
+            raise ValueError(f"stage_of names {len(stage_of)} stages for {parts} ranges")
+        if len(set(stage_of)) < parts:
+            sizes = _balance_stages(list(costs), sizes, list(stage_of))
+    return sizes
+
+
+def _balance_by_cost(costs: list[int], num_stages: int) -> list[int]:
+    """Stage sizes minimising the (largest cost, largest layer count) over contiguous partitions (dynamic program)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: (worst stage, cut) for the first i layers in k stages
+    best: list[dict[int, tuple[tuple[int, int], int]]] = [{0: ((0, 0), 0)}]
+    for k in range(1, num_stages + 1):
+        row = {}
+        for i in range(k, n - (num_stages - k) + 1):
+            row[i] = min(
+                (max(best[k - 1][j][0], (prefix[i] - prefix[j], i - j)), j) for j in range(k - 1, i) if j in best[k - 1]
+            )
+        best.append(row)
+    sizes, i = [], n
+    for k in range(num_stages, 0, -1):
+        j = best[k][i][1]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def _balance_stages(costs: list[int], sizes: list[int], stage_of: list[int]) -> list[int]:
+    """Range sizes (contiguous, non-empty, in order) whose largest *stage* sum of ``costs`` is as small as
+    possible, stage ``stage_of[k]`` running range ``k``; ties go to the smaller sum of squared stage sums, then of
+    squared range sums (a micro-batch crosses a stage's ranges one after another: even ones keep the schedule's
+    slots even), then to the first cut found. Every cut is tried where there are at most
+    :data:`EXHAUSTIVE_CUTS`; otherwise a steepest descent from ``sizes`` (each range balanced alone) shifts a run
+    of adjacent boundaries by one layer at a time, never ending worse than it started."""
+    n, k = len(costs), len(sizes)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    stages = max(stage_of) + 1
+
+    def score(bounds: Sequence[int]) -> tuple[int, int, int]:
+        load, squares = [0] * stages, 0
+        for u in range(k):
+            chunk = prefix[bounds[u + 1]] - prefix[bounds[u]]
+            load[stage_of[u]] += chunk
+            squares += chunk * chunk
+        return max(load), sum(x * x for x in load), squares
+
+    if math.comb(n - 1, k - 1) <= EXHAUSTIVE_CUTS:
+        best = min(((0, *inner, n) for inner in itertools.combinations(range(1, n), k - 1)), key=score)
+        return [b - a for a, b in zip(best, best[1:], strict=False)]
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    current = score(bounds)
+    while True:
+        moves = []  # boundaries i..j shifted by a layer: one range gives a layer to another, those between slide
+        for i in range(1, k):
+            for j in range(i, k):
+                for step in (-1, 1):
+                    if bounds[i - 1] < bounds[i] + step and bounds[j] + step < bounds[j + 1]:
+                        moved = [*bounds[:i], *(b + step for b in bounds[i : j + 1]), *bounds[j + 1 :]]
+                        moves.append((score(moved), moved))
+        if not moves:
+            break
+        best_score, best_bounds = min(moves, key=lambda m: m[0])
+        if best_score >= current:
+            break
+        current, bounds = best_score, best_bounds
+    return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]

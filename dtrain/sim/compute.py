@@ -114,7 +114,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtrain.sim.model import Layout, ModelSpec, stage_layers
+from dtrain.sim.model import Layout, ModelSpec, head_stage, stage_layers
 
 __all__ = [
     "CURVES_PATH",
@@ -507,7 +507,7 @@ def stage_ops(
                  Op("embedding", "memory", "B", nbytes=backward * tokens * h + 4 * v * h / t)]  # fmt: skip
     out["first"] = first
     last = []
-    if stage == layout.pp - 1:
+    if stage == head_stage(layout):
         last += _memory("final-norm", 4 * tokens * h / (t if layout.sequence_parallel else 1))
         if megatron:
             last += [Op("output-transpose", "memory", "F", nbytes=4 * tokens * h),

@@ -42,10 +42,14 @@ attention core's forward again, ``4 L h s`` a token (Korthikanti et al. 2022, se
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+from dtrain.parallel.pipeline_schedules import PLACEMENT, cut_sizes, stage_of_virtual
 
 __all__ = [
     "ATTENTION",
+    "BALANCE",
     "MODELS",
     "RECOMPUTE",
     "SCHEDULES",
@@ -53,6 +57,9 @@ __all__ = [
     "MemoryUse",
     "ModelSpec",
     "activation_bytes_per_layer",
+    "block_flops_weight",
+    "head_stage",
+    "stage_blocks",
     "flops_per_microbatch",
     "layers_in_flight",
     "memory_per_device",
@@ -70,6 +77,9 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v")
 #: The attention core: Megatron-LM's unfused kernels (the ``s x s`` scores kept for backward) or flash attention
 #: (Dao et al. 2022: nothing of size ``s x s`` kept; its backward recomputes the scores).
 ATTENTION = ("unfused", "flash")
+#: How the pipeline cuts the model (:attr:`Layout.balance`): Megatron-LM's even split (None), dtrain's equal layer
+#: counts or equal FLOPs.
+BALANCE = (None, "layers", "flops")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +158,11 @@ class Layout:
     counts the input embedding and the output layer as that many transformer layers each, so the first and last
     stages hold that many fewer (DeepSpeed's ``partition_method="type:transformer|embedding"``: BLOOM-176B's 70
     layers and two embeddings on 12 stages are 5, 6 x 10 and 5 layers, BigScience tr11-176B-ml README;
-    :func:`stage_layers`)."""
+    :func:`stage_layers`). ``balance``: the cut ``dtrain train`` makes (its ``--balance``,
+    :func:`dtrain.parallel.pipeline_parallel.partition_layers` over the model's embedding, blocks and head as
+    layers, the head costing its ``2 V h`` FLOPs a token): ``"layers"`` (equal layer counts) or ``"flops"`` (equal
+    forward FLOPs a stage, its chunks together); None, the default, is Megatron-LM's cut (``L / (p v)`` blocks a
+    chunk, the embedding and head beside them), that of the published runs (:func:`stage_blocks`)."""
 
     dp: int = 1
     tp: int = 1
@@ -165,6 +179,7 @@ class Layout:
     microbatch_group: int = 0
     fp8: bool = False
     fp8_params: bool = False
+    balance: str | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("dp", "tp", "pp", "micro_batch", "global_batch"):
@@ -219,6 +234,10 @@ class Layout:
             raise ValueError(f"fp8 and fp8_params must be true or false, got {self.fp8!r} and {self.fp8_params!r}")
         if self.fp8_params and not self.fp8:
             raise ValueError("fp8_params keeps the weights in 8 bits for FP8 linear layers: it needs fp8")
+        if self.balance not in BALANCE:
+            raise ValueError(f"balance must be one of {', '.join(map(str, BALANCE))}, got {self.balance!r}")
+        if self.balance and self.embedding_layers:
+            raise ValueError("balance cuts dtrain's layers; embedding_layers is DeepSpeed's cut: one or the other")
 
     @property
     def world_size(self) -> int:
@@ -240,6 +259,10 @@ class Layout:
                     f"{model.layers} layers and 2 embeddings of {self.embedding_layers} layers each do not split "
                     f"into pp={self.pp} equal stages with a layer on each"
                 )
+        elif self.balance is not None:
+            units = model.layers + (2 if model.vocab else 0)
+            if units < self.pp * self.chunks:
+                raise ValueError(f"{units} layers do not cut into pp={self.pp} stages of {self.chunks} chunk(s)")
         elif model.layers % (self.pp * self.chunks):
             raise ValueError(
                 f"{model.layers} layers do not split into pp={self.pp} equal stages of {self.chunks} equal chunks"
@@ -259,6 +282,7 @@ class Layout:
         flash = " flash" if self.attention == "flash" else ""
         flash += (" fp8-params" if self.fp8_params else " fp8") if self.fp8 else ""
         embedding = f" embedding-as-{self.embedding_layers}" if self.embedding_layers else ""
+        embedding += f" balance-{self.balance}" if self.balance else ""
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp}{embedding} mb{self.micro_batch}x{self.microbatches}{schedule}"
             f"{zero}{flash}{sp}{recompute}"
@@ -279,9 +303,51 @@ class MemoryUse:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
+def head_stage(layout: Layout) -> int:
+    """The pipeline stage that runs the output layer (the last chunk): the last stage, or the first under the V
+    of ZB-V (:data:`dtrain.parallel.pipeline_schedules.PLACEMENT`)."""
+    return stage_of_virtual(layout.pp * layout.chunks - 1, layout.pp, PLACEMENT.get(layout.schedule, "loop"))[0]
+
+
+def stage_blocks(model: ModelSpec, layout: Layout) -> tuple[int, ...]:
+    """Transformer blocks each pipeline stage holds, all its chunks together: ``L / pp`` each for Megatron-LM's cut
+    (``layout.balance`` None, embedding layers aside), or the cut ``dtrain train`` makes of its layers (the
+    embedding, the ``L`` blocks, the head: :func:`dtrain.parallel.pipeline_schedules.cut_sizes`, as
+    :func:`dtrain.parallel.pipeline_parallel.partition_layers` calls it), less the embedding and head."""
+    if layout.balance is None or layout.pp == 1:
+        return tuple(stage_layers(model, layout, s) for s in range(layout.pp))
+    return _dtrain_blocks(model, layout.pp, layout.chunks, PLACEMENT.get(layout.schedule, "loop"), layout.balance)
+
+
+def block_flops_weight(model: ModelSpec) -> float:
+    """Twice a block's matrix weights: its forward FLOPs a token as ``dtrain.parallel.pipeline_parallel.
+    forward_flops_weight`` counts them (attention's scores aside)."""
+    kv = model.hidden // model.heads * model.key_value_heads
+    mlp = (3 if model.gated_mlp else 2) * model.hidden * model.ffn
+    return 2.0 * (2 * model.hidden**2 + 2 * model.hidden * kv + mlp)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtrain_blocks(model: ModelSpec, p: int, v: int, placement: str, balance: str) -> tuple[int, ...]:
+    head = [2.0 * model.vocab * model.hidden] if model.vocab else []
+    costs = [0.0] * bool(model.vocab) + [block_flops_weight(model)] * model.layers + head
+    stage_of = [stage_of_virtual(u, p, placement)[0] for u in range(p * v)]
+    sizes = cut_sizes(len(costs), p * v, costs if balance == "flops" else None, stage_of)
+    blocks = [0] * p
+    start = 0
+    for u, size in enumerate(sizes):
+        kinds = range(start, start + size)
+        blocks[stage_of[u]] += sum(1 for i in kinds if not (model.vocab and i in (0, len(costs) - 1)))
+        start += size
+    return tuple(blocks)
+
+
 def stage_layers(model: ModelSpec, layout: Layout, stage: int) -> int:
     """Transformer layers pipeline stage ``stage`` holds: ``L / pp``, or with ``layout.embedding_layers = e`` (and a
-    vocabulary) ``(L + 2 e) / pp`` less ``e`` on the first and last stages."""
+    vocabulary) ``(L + 2 e) / pp`` less ``e`` on the first and last stages, or with ``layout.balance`` the
+    blocks of ``dtrain train``'s cut (:func:`stage_blocks`)."""
+    if layout.balance is not None and layout.pp > 1:
+        return stage_blocks(model, layout)[stage]
     e = layout.embedding_layers if model.vocab and layout.pp > 1 else 0
     per = (model.layers + 2 * e) // layout.pp
     return per - e if stage in (0, layout.pp - 1) else per
@@ -294,7 +360,10 @@ def memory_per_device(model: ModelSpec, layout: Layout) -> MemoryUse:
     first = _stage_memory(model, layout, 0)
     if layout.pp == 1:
         return first
-    stages = [first, _stage_memory(model, layout, layout.pp - 1)]
+    if layout.balance is not None:
+        stages = [_stage_memory(model, layout, s) for s in range(layout.pp)]
+    else:
+        stages = [first, _stage_memory(model, layout, layout.pp - 1)]
     if layout.embedding_layers and layout.pp > 2:
         stages.append(_stage_memory(model, layout, 1))
     return max(stages, key=lambda use: use.total)
@@ -309,10 +378,11 @@ def stage_parameters(model: ModelSpec, layout: Layout, stage: int) -> float:
         return model.parameters / layout.pp
     embedding = model.vocab * model.hidden
     per_layer = max(model.parameters - embedding * (1 if model.tied_embeddings else 2), 0.0) / model.layers
-    held = per_layer * (stage_layers(model, layout, stage) if layout.embedding_layers else model.layers / layout.pp)
+    whole = layout.embedding_layers or layout.balance is not None
+    held = per_layer * (stage_layers(model, layout, stage) if whole else model.layers / layout.pp)
     if stage == 0:
         held += embedding
-    if stage == layout.pp - 1 and (layout.pp > 1 or not model.tied_embeddings):
+    if stage == head_stage(layout) and (stage != 0 or not model.tied_embeddings):
         held += embedding
     return held
 
@@ -324,7 +394,8 @@ def layers_in_flight(model: ModelSpec, layout: Layout) -> float:
     group, ``p`` by default), about ``L (1 + (p - 1) / (p v))`` with ``g = p`` (Narayanan et al. 2021, section
     2.2.2; Korthikanti et al. 2022, section 4.2.3)."""
     p, m, v = layout.pp, layout.microbatches, layout.chunks
-    per_stage = stage_layers(model, layout, 0) if layout.embedding_layers else model.layers / p
+    whole = layout.embedding_layers or layout.balance is not None
+    per_stage = stage_layers(model, layout, 0) if whole else model.layers / p
     if layout.schedule == "gpipe":
         return m * per_stage
     if layout.schedule == "interleaved-1f1b":
@@ -342,7 +413,7 @@ def _stage_memory(model: ModelSpec, layout: Layout, stage: int) -> MemoryUse:
     optimizer = 12 * shard / (layout.dp if zero >= 1 else 1)
     if stage == 0:
         held = layers_in_flight(model, layout)
-    elif layout.embedding_layers:  # a 1F1B stage s holds p - s micro-batches (m all under GPipe)
+    elif layout.embedding_layers or layout.balance is not None:  # a 1F1B stage s holds p - s (m under GPipe)
         waiting = layout.microbatches if layout.schedule == "gpipe" else min(layout.pp - stage, layout.microbatches)
         held = waiting * stage_layers(model, layout, stage)
     else:
@@ -351,7 +422,7 @@ def _stage_memory(model: ModelSpec, layout: Layout, stage: int) -> MemoryUse:
     if layout.recompute != "none":  # what one layer's backward recomputes, held while it runs
         kept = activation_bytes_per_layer(model, layout, "none")
         activations += kept if layout.recompute == "full" else kept - activation_bytes_per_layer(model, layout)
-    if stage == layout.pp - 1 and model.vocab:  # the logits (16-bit) and the cross-entropy's 32-bit softmax
+    if stage == head_stage(layout) and model.vocab:  # the logits (16-bit) and the cross-entropy's 32-bit softmax
         activations += 6 * layout.micro_batch * model.sequence * model.vocab / layout.tp
     return MemoryUse(weights=weights, gradients=gradients, optimizer=optimizer, activations=activations)
 

@@ -77,6 +77,7 @@ def candidate_layouts(
     sequence_parallel: bool | None = None,
     fp8: bool = False,
     fp8_params: bool = False,
+    balances: Sequence[str | None] = (None,),
 ) -> list[Layout]:
     """Every valid layout on ``devices`` devices: tp divides the heads (and is at most ``max_tp``), pp the
     layers (or, counting the input and output embeddings as a layer each, the layers and the two embeddings:
@@ -86,7 +87,9 @@ def candidate_layouts(
     plain tensor parallelism and keeps and computes less, Korthikanti et al. 2022) unless ``sequence_parallel``
     says otherwise; ``attention``: the attention core of every layout (:data:`~dtrain.sim.model.ATTENTION`);
     ``fp8``: every layout's linear layers in 8-bit floating point (``Layout.fp8``; a choice of numerics the search
-    does not make on its own), ``fp8_params`` their weights kept in 8 bits too."""
+    does not make on its own), ``fp8_params`` their weights kept in 8 bits too. ``balances``: the pipeline cuts to
+    try (:attr:`~dtrain.sim.model.Layout.balance`; None, Megatron-LM's even split, the default; ``"layers"`` and
+    ``"flops"``, ``dtrain train``'s cuts, which any layer count allows)."""
     pairs = (
         list(schedules)
         if schedules
@@ -96,10 +99,15 @@ def candidate_layouts(
     for tp in _divisors(devices):
         if model.heads % tp or (max_tp is not None and tp > max_tp):
             continue
-        for pp in _divisors(devices // tp):
+        cuts = [(pp, b) for pp in _divisors(devices // tp) for b in (balances if pp > 1 else [None])]
+        for pp, balance in cuts:
             dp = devices // (tp * pp)
             embedding = 0
-            if model.layers % pp:  # the embeddings counted as layers may even the stages out (Layout.embedding_layers)
+            units = model.layers + (2 if model.vocab else 0)  # dtrain's layers: embedding, blocks, head
+            if balance is not None:
+                if units < pp:
+                    continue
+            elif model.layers % pp:  # the embeddings counted as layers may even the stages out (embedding_layers)
                 if not model.vocab or (model.layers + 2) % pp or (model.layers + 2) // pp < 2:
                     continue
                 embedding = 1
@@ -111,8 +119,9 @@ def candidate_layouts(
                         continue  # nothing to shard over
                     for name, chunks in pairs if pp > 1 else [("1f1b", 1)]:
                         m = global_batch // (dp * mb)
+                        uneven = units < pp * chunks if balance is not None else model.layers % (pp * chunks)
                         if (
-                            (chunks > 1 and (embedding or model.layers % (pp * chunks)))
+                            (chunks > 1 and (embedding or uneven))
                             or (name == "interleaved-1f1b" and m % pp)
                             or (name in SPLIT_BACKWARD and zero >= 2)  # its reduction would miss the deferred W
                         ):
@@ -121,7 +130,7 @@ def candidate_layouts(
                         layouts.append(
                             Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch, zero_stage=zero,
                                    schedule=name, chunks=chunks, attention=attention, sequence_parallel=sp,
-                                   embedding_layers=embedding, fp8=fp8, fp8_params=fp8_params)
+                                   embedding_layers=embedding, fp8=fp8, fp8_params=fp8_params, balance=balance)
                         )  # fmt: skip
     return layouts
 
@@ -157,6 +166,7 @@ def plan(
     fp8: bool = False,
     fp8_params: bool = False,
     top: int | None = None,
+    balances: Sequence[str | None] = (None,),
 ) -> tuple[list[Plan], int]:
     """Plans that fit, fastest first, and how many layouts were left out for memory (:func:`sweep`'s plans and
     ``too_big``). With ``top`` set, only the ``top`` first plans are sure to be there, in their exhaustive
@@ -165,7 +175,7 @@ def plan(
         model, topology, global_batch=global_batch, devices=devices, placements=placements, config=config,
         micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp, recompute=recompute, progress=progress,
         schedules=schedules, attention=attention, sequence_parallel=sequence_parallel, fp8=fp8,
-        fp8_params=fp8_params, top=top,
+        fp8_params=fp8_params, top=top, balances=balances,
     )  # fmt: skip
     return found.plans, found.too_big
 
@@ -189,11 +199,13 @@ def sweep(
     fp8: bool = False,
     fp8_params: bool = False,
     top: int | None = None,
+    balances: Sequence[str | None] = (None,),
 ) -> Sweep:
     """Every layout that fits, under every placement, simulated and ranked fastest first. Each layout takes the
     first mode of ``recompute`` (activation recomputation, from :data:`~dtrain.sim.model.RECOMPUTE`) under which
     it fits; ``schedules``: the (pipeline schedule, chunks a stage) pairs tried for layouts with a pipeline;
-    ``attention``, ``sequence_parallel``, ``fp8`` and ``fp8_params`` as :func:`candidate_layouts` takes them.
+    ``attention``, ``sequence_parallel``, ``fp8``, ``fp8_params`` and ``balances`` as :func:`candidate_layouts`
+    takes them.
     ``top``: the plans wanted; pairs whose lower bound shows they rank after the ``top``-th are not simulated
     (module docstring; None: every pair is). ``progress(done, total)`` after each pair, simulated or bounded."""
     if top is not None and top < 1:
@@ -205,7 +217,7 @@ def sweep(
     layouts = candidate_layouts(
         model, devices, global_batch, micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp,
         schedules=schedules, attention=attention, sequence_parallel=sequence_parallel, fp8=fp8,
-        fp8_params=fp8_params,
+        fp8_params=fp8_params, balances=balances,
     )  # fmt: skip
     if not layouts:
         raise ValueError(

@@ -55,6 +55,7 @@ from dtrain.sim.model import (
     MemoryUse,
     ModelSpec,
     flops_per_microbatch,
+    head_stage,
     memory_per_device,
     recompute_flops_per_microbatch,
     stage_layers,
@@ -700,7 +701,7 @@ def _simulate_step(
     dp_s = sum(r.time_s for r in dp)
     embedding_s = _embedding_all_reduce_s(model, layout, topology, placement, config, cache)
     memory = memory_per_device(model, layout)
-    owned = max(stage_parameters(model, layout, 0), stage_parameters(model, layout, layout.pp - 1)) / layout.tp
+    owned = max(stage_parameters(model, layout, s) for s in _edge_stages(layout)) / layout.tp
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)
     m = layout.microbatches
@@ -766,7 +767,7 @@ def _simulate_step(
     pipeline_s = float(np.median(pipelines))
     ideal = _stage_times(model, layout, topology, placement, [1.0] * layout.world_size, config, 0.0)
     compute_s = m * max(f + b + w for f, b, w in zip(ideal[0][0], ideal[1][0], ideal[2][0], strict=True))
-    most = max(stage_layers(model, layout, s) for s in {0, min(1, layout.pp - 1), layout.pp - 1})
+    most = max(stage_layers(model, layout, s) for s in _edge_stages(layout) | {min(1, layout.pp - 1)})
     tp_count = tp_all_reduces_per_layer(layout) * most * m
     parts = [(tp, tp_count), (pp, 2 * m), (gather, 2 * m)] + [(r, 1) for r in dp]
     return StepResult(
@@ -975,6 +976,14 @@ def _dp_overlaps(layout: Layout, config: StepConfig) -> bool:
     return layout.zero_stage == 0 or (layout.zero_stage == 1 and config.overlap_sharded_dp)
 
 
+def _edge_stages(layout: Layout) -> set[int]:
+    """The stages that may hold the most: the first and the last (the embedding and the output layer), every
+    stage where ``dtrain train``'s cut (``layout.balance``) puts blocks unevenly."""
+    if layout.balance is not None:
+        return set(range(layout.pp))
+    return {0, layout.pp - 1, head_stage(layout)}
+
+
 def _embedding_all_reduce_s(
     model: ModelSpec, layout: Layout, topology: Topology, placement: Sequence[str], config: StepConfig,
     cache: Cache | None,
@@ -982,7 +991,7 @@ def _embedding_all_reduce_s(
     """Seconds of the tied word embedding's gradient all-reduce between the first and last stage of every
     replica and tensor-parallel rank, all at once (``config.tied_embedding_allreduce``; 0 without a pipeline or a
     vocabulary): ``V h / tp`` values in each group of two."""
-    if not config.tied_embedding_allreduce or layout.pp == 1 or not model.vocab:
+    if not config.tied_embedding_allreduce or layout.pp == 1 or not model.vocab or head_stage(layout) == 0:
         return 0.0
     item = config.gradient_bytes or model.bytes_per_value
     nbytes = model.vocab * model.hidden / layout.tp * item
@@ -1160,7 +1169,7 @@ def step_lower_bound(
     config = config or StepConfig()
     layout.check(model)
     placement = list(placement)
-    owned = max(stage_parameters(model, layout, 0), stage_parameters(model, layout, layout.pp - 1)) / layout.tp
+    owned = max(stage_parameters(model, layout, s) for s in _edge_stages(layout)) / layout.tp
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)
     m, v, group = layout.microbatches, layout.chunks, layout.microbatch_group or None

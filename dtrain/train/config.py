@@ -275,7 +275,9 @@ class ParallelSection(_Section):
         "choice) or one of dtrain.comm.algorithms",
     )
     balance: str = _option(
-        "layers", "how pipeline stages are cut: equal layer counts or equal FLOPs", choices=("layers", "flops")
+        "layers",
+        "how pipeline stages are cut: equal layer counts, or equal forward FLOPs a rank (its chunks together)",
+        choices=("layers", "flops"),
     )
 
     def __post_init__(self) -> None:

@@ -54,7 +54,7 @@ from dtrain.models.flops import pass_flops_per_token
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
 from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize, validate_tensor_parallel
-from dtrain.parallel.pipeline_schedules import bubble_fraction, chunks_per_stage, theoretical_bubble
+from dtrain.parallel.pipeline_schedules import bubble_fraction, chunks_per_stage, theoretical_bubble, timelines_clock
 from dtrain.parallel.recompute import checkpoint_activations, chosen_blocks, from_text
 from dtrain.train.checkpoint import (
     Checkpointer,
@@ -579,11 +579,16 @@ def _progress_text(record: dict[str, Any], steps: int) -> str:
 
 
 def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
-    """Gather the last step's timelines of this pp group; dp rank 0 writes the trace and the Gantt chart."""
+    """Gather the last step's timelines of this pp group; dp rank 0 writes the trace and the Gantt chart.
+    ``bubble_clock`` says what ``bubble_measured`` was read on: "device" on a GPU (the step was timed with CUDA
+    events, :attr:`~dtrain.parallel.pipeline_parallel.PipelineParallel.device_clock`), "host" on the CPU, "none"
+    where the step was replayed as one CUDA graph, which has no action times (``bubble_measured`` None)."""
     grid, par = trainer.grid, trainer.config.parallel
     timelines: list[Any] = [None] * par.pp
     dist.all_gather_object(timelines, trainer.pipeline.timeline, group=grid.pp_group)
-    record["bubble_measured"] = bubble_fraction(timelines)
+    clock = timelines_clock(timelines)
+    record["bubble_clock"] = clock
+    record["bubble_measured"] = bubble_fraction(timelines) if clock != "none" else None
     record["bubble_theory"] = theoretical_bubble(
         par.pp, par.microbatches, trainer.pipeline.virtual_stages, schedule=par.schedule
     )
@@ -660,6 +665,8 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
         with writer if writer is not None else contextlib.nullcontext():
             for step in range(first, plan.steps):
                 maybe_kill(step)
+                if trainer.pipeline is not None:  # the last step's timeline is traced: on a GPU, time it there
+                    trainer.pipeline.device_clock = step + 1 == plan.steps
                 record = trainer.step(step)
                 done = step + 1
                 if trainer.pipeline is not None and done == plan.steps:

@@ -9,7 +9,9 @@ the measured ones (:func:`dtrain.train.metrics.plan_score`), so every planned ru
 How a simulated layout maps onto the run config: dp, tp, pp and the ZeRO stage are the same; a replica's ``m``
 micro-batches become the pipeline's micro-batches where pp > 1 and gradient-accumulation steps where pp = 1
 (both run ``m`` forward and backward passes of ``micro_batch`` sequences); recomputation ``selective`` and
-``full`` become ``[training] activation_checkpointing`` of the same name.
+``full`` become ``[training] activation_checkpointing`` of the same name; a pipeline is priced as
+``partition_layers`` cuts it, by equal layer counts and by equal FLOPs (``[parallel] balance``), the faster
+written.
 
 A layout is kept only where ``dtrain train`` runs it as it was priced (:func:`refusal`): the config expresses it,
 the launching process's checks pass (:func:`dtrain.train.loop.validate_layout`), the ranks can build it
@@ -105,6 +107,7 @@ def _run_config(config: TrainConfig, layout, plan, topology: str, devices: int) 
         "zero_shard_size": 0,
         "microbatches": m if pipelined else 1,
         "schedule": layout.schedule if pipelined else "1f1b",
+        "balance": layout.balance if pipelined and layout.balance else data["parallel"].get("balance", "layers"),
     }
     data["training"] |= {
         "accumulation": 1 if pipelined else m,
@@ -159,6 +162,7 @@ def plan_run(
         attention="flash",  # dtrain.models' attention is torch's scaled_dot_product_attention
         sequence_parallel=False,  # dtrain's tensor parallelism keeps whole activations outside its regions
         schedules=schedules or (("1f1b", 1), ("interleaved-1f1b", INTERLEAVED_CHUNKS), ("zb-h1", 1), ("zb-v", 2)),
+        balances=("layers", "flops"),  # the cuts partition_layers makes of the model's layers
     )
     skipped, reason = 0, None
     for p in plans:

@@ -7,12 +7,16 @@ the same loss, gradients and parameters as the reference's layers it holds.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.parallel import pipeline_parallel
 from dtrain.parallel.pipeline_parallel import PipelineParallel, PipelineStage
+from dtrain.parallel.pipeline_parallel_communications import DeviceClock
 from dtrain.parallel.pipeline_schedules import Timeline, interleaved_one_f_one_b, validate_schedule
 from dtrain.testing.pool import group_of
 from tests.jobs import graphs
@@ -163,6 +167,63 @@ def timeline(p: int, m: int, schedule: str, link_report: bool = False) -> Timeli
     return (pipe.timeline, pipe.link.step_report()) if link_report else pipe.timeline
 
 
+class _Mark:
+    """A stand-in for a recorded ``torch.cuda.Event`` with timing on: a time in milliseconds on a clock of its own."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, end: _Mark) -> float:
+        return end.ms - self.ms
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _StandInClock(DeviceClock):
+    """:class:`DeviceClock` on the CPU: each marker reads the host clock, shifted to an epoch of its own (a
+    device's clock starts elsewhere); counts its reads (:meth:`finish`)."""
+
+    finished = 0
+
+    @staticmethod
+    def available(device: torch.device) -> bool:
+        return True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.end, self.intervals = device, None, []
+        self.start = self.mark()
+        self.start_s = time.perf_counter()
+
+    def mark(self) -> _Mark:
+        return _Mark(time.perf_counter() * 1e3 + 5e6)
+
+    def finish(self, timeline: Timeline) -> Timeline:
+        _StandInClock.finished += 1
+        return super().finish(timeline)
+
+
+def device_timeline(p: int, m: int, schedule: str) -> tuple[Timeline, Timeline, int]:
+    """A step on the host clock, then one with :attr:`PipelineParallel.device_clock` set, its clock a stand-in
+    (:class:`_StandInClock`; no GPU here): this rank's two timelines (the second read twice) and how many times
+    the stand-in's times were read."""
+    pipe = PipelineParallel(_mlp(seed=3), group_of(p), num_microbatches=m, schedule=schedule)
+    batch, targets = _data("mlp", 0)
+    pipe.train_step(batch, targets, F.mse_loss)
+    host = pipe.timeline
+    _StandInClock.finished = 0
+    pipeline_parallel.DeviceClock = _StandInClock
+    try:
+        pipe.device_clock = True
+        pipe.train_step(batch, targets, F.mse_loss)
+        pipe.train_step(batch, targets, F.mse_loss, forward_only=True)  # leaves the training step's timeline
+    finally:
+        pipeline_parallel.DeviceClock = DeviceClock
+    device = pipe.timeline
+    assert pipe.timeline is device
+    return host, device, _StandInClock.finished
+
+
 def _chunk_errors(pipe: PipelineParallel, reference: nn.Sequential, ref: tuple, got: tuple, steps: int) -> dict:
     """The worst loss, gradient and parameter errors of ``pipe``'s chunks against the unsplit ``reference``
     (``ref`` and ``got``: the losses and per-step gradients of each)."""
@@ -217,14 +278,18 @@ def validate_peak(p: int, m: int, v: int, group_size: int | None = None) -> int:
     return validate_schedule(interleaved_one_f_one_b(p, m, stage, v, group_size), m, v)
 
 
-def zero_bubble(p: int, m: int, schedule: str, steps: int = 3, costs: tuple | None = None) -> dict:
-    """A zero-bubble schedule (B and W split; ``costs``: the (T_F, T_B, T_W) its order is built for) against the
-    unsplit reference; the worst errors on this rank, and whether its W actions ran the deferred weight gradients
-    (none left in the store, every linear's weight among them)."""
+def zero_bubble(
+    p: int, m: int, schedule: str, steps: int = 3, costs: tuple | None = None, balance: str = "layers"
+) -> dict:
+    """A zero-bubble schedule (B and W split; ``costs``: the (T_F, T_B, T_W) its order is built for; ``balance``
+    how the chunks are cut) against the unsplit reference; the worst errors on this rank, and whether its W actions
+    ran the deferred weight gradients (none left in the store, every linear's weight among them)."""
     group = group_of(p)
     reference = _mlp(seed=7)
     ref_losses, ref_grads = _reference_steps(reference, "mlp", steps)
-    pipe = PipelineParallel(_mlp(seed=7), group, num_microbatches=m, schedule=schedule, schedule_costs=costs)
+    pipe = PipelineParallel(
+        _mlp(seed=7), group, num_microbatches=m, schedule=schedule, schedule_costs=costs, balance=balance
+    )
     pushed = []
     store = pipe.weight_grads
     original = store.push
@@ -397,6 +462,7 @@ def step_graphed(p: int, m: int, schedule: str, steps: int = 6, keep_grads: bool
         "replays": seen.replays,
         "transport": pipe.link.transport_in_use,
         "fused": _fused(pipe),
+        "clock": pipe.timeline.clock,
     }
 
 

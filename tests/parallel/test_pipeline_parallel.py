@@ -317,6 +317,7 @@ def test_a_step_recorded_whole_replays_over_peer_channels_and_trains_like_the_un
     for r in results:
         assert r["transport"] == "peer"
         assert r["records"] == 1 and r["replays"] == steps - 2
+        assert r["clock"] == "none"  # a replayed step has no action times
         assert r["loss"] == 0.0 and r["grad"] == 0.0 and r["param"] == 0.0, r
         assert r["eval"] < 1e-6
         if "other_shape" in r:  # the first stage, where it is not also the last: a batch of another shape
@@ -452,7 +453,7 @@ def test_gradient_accumulation_fusion_trains_like_the_unsplit_model(pool, job, a
         assert not every_stage_linear or all(n > 0 for n in fused.values()), f"rank {rank}: none in place ({fused})"
         added += sum(fused.values())
         assert r.pop("eval", 0.0) < 1e-6
-        for key in ("records", "replays", "transport", "other_shape"):
+        for key in ("records", "replays", "transport", "other_shape", "clock"):
             r.pop(key, None)
         assert all(value == 0.0 for value in r.values()), f"rank {rank}: {r}"
     assert added > 0

@@ -11,12 +11,15 @@ import torch
 from torch import nn
 
 from dtrain.cli.main import main
+from dtrain.parallel import pipeline_schedules
+from dtrain.parallel.pipeline_parallel import partition_layers
 from dtrain.parallel.pipeline_parallel_communications import messages
 from dtrain.parallel.pipeline_schedules import (
     draw_schedule,
     one_f_one_b,
     simulate,
     simulated_bubble,
+    stage_of_virtual,
     theoretical_bubble,
     validate_schedule,
     zb_h1,
@@ -137,19 +140,56 @@ def _assert_zero(results):
 
 
 @pytest.mark.parametrize(
-    ("p", "m", "schedule", "costs"),
+    ("p", "m", "schedule", "costs", "balance"),
     [
-        (2, 2, "zb-h1", None),
-        (4, 8, "zb-h1", None),
-        (3, 4, "zb-v", None),
-        (4, 8, "zb-v", None),
-        (4, 8, "zb-v", (2, 3, 1)),
+        (2, 2, "zb-h1", None, "layers"),
+        (4, 8, "zb-h1", None, "layers"),
+        (3, 4, "zb-v", None, "layers"),
+        (4, 8, "zb-v", None, "layers"),
+        (4, 8, "zb-v", (2, 3, 1), "layers"),
+        (2, 4, "zb-v", None, "flops"),
     ],
 )
-def test_zero_bubble_trains_like_the_unsplit_model(pool, p, m, schedule, costs):
+def test_zero_bubble_trains_like_the_unsplit_model(pool, p, m, schedule, costs, balance):
     if costs is not None:  # an order built for a transformer's costs is another order, with the same result
         assert [zb_v(p, m, s, costs=costs) for s in range(p)] != [zb_v(p, m, s) for s in range(p)]
-    _assert_zero(pool.run(pipeline_jobs.zero_bubble, p, m, schedule, 3, costs, ranks=p))
+    if balance == "flops":  # the V's stages balanced as stages: another cut from the chunks balanced alone
+        model, stage_of = pipeline_jobs._mlp(seed=7), [stage_of_virtual(u, p, "v")[0] for u in range(2 * p)]
+        alone = partition_layers(model, 2 * p, balance="flops")
+        assert partition_layers(model, 2 * p, balance="flops", stage_of=stage_of) != alone
+    _assert_zero(pool.run(pipeline_jobs.zero_bubble, p, m, schedule, 3, costs, balance, ranks=p))
+
+
+def _stage_loads(costs, sizes, stage_of):
+    loads, start = [0] * (max(stage_of) + 1), 0
+    for u, size in enumerate(sizes):
+        loads[stage_of[u]] += sum(costs[start : start + size])
+        start += size
+    return loads
+
+
+@pytest.mark.parametrize(("placement", "v"), [("v", 2), ("loop", 2), ("loop", 3)])
+def test_flops_balance_evens_the_stages_that_hold_several_chunks(monkeypatch, placement, v):
+    # a Llama-like model of 4 stages: embedding (no FLOPs), 16 equal blocks, a head of 4.3 blocks
+    p, costs = 4, [0] + [10] * 16 + [43]
+    stage_of = [stage_of_virtual(u, p, placement)[0] for u in range(v * p)]
+    alone = pipeline_schedules._balance_by_cost(costs, v * p)  # each chunk balanced by itself
+    best = pipeline_schedules._balance_stages(costs, alone, stage_of)
+    assert sum(best) == len(costs) and min(best) >= 1
+    # the head's stage holds a block in each of its other chunks: 43 + 10 (v - 1) at least
+    optimum = 43 + 10 * (v - 1)
+    assert max(_stage_loads(costs, best, stage_of)) == optimum < max(_stage_loads(costs, alone, stage_of))
+    # the descent used where every cut is too many to try: here as good as trying them all
+    monkeypatch.setattr(pipeline_schedules, "EXHAUSTIVE_CUTS", 0)
+    descended = pipeline_schedules._balance_stages(costs, alone, stage_of)
+    assert max(_stage_loads(costs, descended, stage_of)) == optimum
+    if placement == "v":  # the first stage holds the embedding and the head: one block beside the head
+        assert best[0] + best[-1] == 3
+
+
+def test_stage_of_must_name_a_stage_for_every_range():
+    with pytest.raises(ValueError, match="stage_of names 3 stages for 4 ranges"):
+        partition_layers(nn.Sequential(*[nn.Linear(2, 2)] * 4), 4, balance="flops", stage_of=[0, 1, 1])
 
 
 LAYOUTS = {

@@ -125,3 +125,53 @@ def test_the_scored_peak_memory_is_the_most_of_any_rank(pool):
     per_rank = [[1.0, 3.0], [2.0], [0.5, 7.25], [4.0], [1.0], [6.0], [2.0], [3.0]]
     assert pool.run(jobs.peak_over_ranks, per_rank) == [7.25] * 8
     assert pool.run(jobs.peak_over_ranks, [[None]] * 8) == [None] * 8  # a CPU measures none: no collective
+
+
+@pytest.mark.parametrize("preset", ["1b", "tiny"])
+def test_the_simulator_prices_the_cut_partition_layers_makes(preset):
+    """``Layout.balance``'s blocks a stage (torch-free, from the model's shape) are those of
+    ``partition_layers`` on the model ``dtrain train`` builds, for each schedule's chunks and both balances."""
+    from dtrain.models.decoder import build
+    from dtrain.models.presets import preset as model_preset
+    from dtrain.parallel.pipeline_parallel import partition_layers
+    from dtrain.parallel.pipeline_schedules import PLACEMENT, stage_of_virtual
+    from dtrain.sim.model import stage_blocks
+
+    shape = model_preset("llama", preset)
+    model = build(shape, device="meta")
+    spec = model_spec(shape, 64)
+    for pp in (2, 3, 4):
+        for schedule, chunks in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2)):
+            if len(model) < pp * chunks:
+                continue
+            stage_of = [stage_of_virtual(u, pp, PLACEMENT.get(schedule, "loop"))[0] for u in range(pp * chunks)]
+            for balance in ("layers", "flops"):
+                cuts = partition_layers(model, pp * chunks, balance=balance, stage_of=stage_of)
+                blocks = [0] * pp
+                for u, cut in enumerate(cuts):
+                    blocks[stage_of[u]] += sum(1 for i in cut if 0 < i < len(model) - 1)  # not embedding nor head
+                layout = Layout(pp=pp, micro_batch=1, global_batch=pp, schedule=schedule, chunks=chunks,
+                                balance=balance)  # fmt: skip
+                assert stage_blocks(spec, layout) == tuple(blocks), (pp, schedule, balance)
+
+
+def test_plan_run_writes_the_cut_it_priced():
+    from dtrain.train.plan import _run_config
+
+    config = load_config(TINY)
+    shape = run_shape(config)
+    planned = plan_run(config, resolve("h100-node"), devices=4, shape=shape, zero_stages=[0], recompute=["none"])
+    for balance in ("layers", "flops"):
+        staged = dataclasses.replace(
+            planned.plan.layout,
+            dp=1,
+            tp=1,
+            pp=4,
+            schedule="1f1b",
+            chunks=1,
+            micro_batch=1,
+            global_batch=config.training.batch_size,
+            balance=balance,
+        )
+        run = _run_config(config, staged, planned.plan, "h100-node", 4)  # fmt: skip
+        assert (run.parallel.pp, run.parallel.balance) == (4, balance)

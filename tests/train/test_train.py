@@ -132,6 +132,7 @@ def test_pipeline_run_matches_one_rank_and_writes_a_chrome_trace_and_a_gantt_cha
     records = _run(tmp_path, *flags, "--pipeline-transport", "peer")  # the second step over peer channels
     assert _losses(records) == pytest.approx(_losses(one_rank[1][:2]), rel=1e-5)
     assert 0 <= records[-1]["bubble_measured"] < 1 and records[-1]["bubble_theory"] == pytest.approx(1 / 3)
+    assert records[-1]["bubble_clock"] == "host"  # the CPU's
     events = json.loads((tmp_path / "pipeline-trace.json").read_text())["traceEvents"]
     compute = [e for e in events if e["ph"] == "X" and e["tid"] == 0]
     assert sorted(e["name"] for e in compute) == ["B0", "B0", "B1", "B1", "F0", "F0", "F1", "F1"]

@@ -222,6 +222,10 @@ _PEER_ALL_REDUCE_4 = (
 #: cell at 1.11-3.60x, every other cell NCCL's own call at 0.95-1.05x. On 4 GPUs the broadcast passes from the
 #: star to the scatter-allgather (``scatter_allgather``: the root's links carry the buffer once) at 4 MiB, where it
 #: ran at 0.92-1.57x and the star at 0.78-1.37x over five launches; at 8 MiB at 0.79-1.05x (two_shot*-h100x4.jsonl).
+#: On 4 H200s in two leases the scatter-allgather took 37-41 us at 4 MiB and 46-47 at 6 MiB in both, while NCCL's
+#: own broadcast took 31 us at 4 MiB in one lease and 52-61 in the other, 49-56 at 8 MiB in both
+#: (broadcast_mid-lease1-h200x4.jsonl, broadcast_bands-*-lease2-h200x4.jsonl): 0.84x to 1.63x at 4 MiB by lease,
+#: 1.08-1.17x at 6 MiB and 0.87-0.96x at 8; the bands stand.
 #:
 #: Past the one pass, NCCL's own call, and from where it measured faster, the same call on the group's wide
 #: communicator (:data:`NATIVE_WIDE`, 64 CTAs): side by side with the default communicator on 4 and 2 H100s, rounds
