@@ -23,6 +23,8 @@
 #   transports         all-reduce over NVLink, host shared memory (NCCL_P2P_DISABLE=1) and sockets (+NCCL_SHM_DISABLE=1)
 #   p2p-channels       NCCL point-to-point with NCCL_MIN_P2P_NCHANNELS=32 and a 2 MiB NVLink chunk, against default
 #   dp                 data parallel against DDP, 1 and 4 GPUs, 32 and 16 sequences a GPU  -> dp_vs_ddp-b{32,16}.jsonl
+#   dp-bind            dp at 16 sequences a GPU, unbound and each rank bound to its own cores, alternating
+#                      -> dp_vs_ddp-bind_{plain,bound}-launch{1..4}-b16.jsonl
 #   dp-profile         the same under torch.profiler (1 GPU and every GPU; DP_BATCHES, default "16 32"): host enqueue
 #                      time, device busy, compute, NCCL and its exposed part, idle, the host's Python functions -> dp_profile.txt
 #   zero               ZeRO-1/2 against DDP and ZeroRedundancyOptimizer: step time, peak memory -> zero.jsonl
@@ -363,6 +365,13 @@ for f in sorted(glob.glob(sys.argv[1] + "/*.prof")):
           --out "$out/dp_vs_ddp-b$b.jsonl" | grep "^timed" | paste -sd' '
       done
       python3 benchmarks/training/dp_summary.py "$out" ;;
+    dp-bind)
+      # 16 sequences a GPU, twice unbound and twice with each rank bound to its own cores (benchmarks/gpu/bind.py)
+      for launch in 1 2 3 4; do
+        how=plain pre=(); [ $((launch % 2)) = 0 ] && how=bound pre=(--no-python python3 benchmarks/gpu/bind.py python3)
+        LIMIT=${LIMIT:-150} tr "${pre[@]}" benchmarks/training/dp_zero.py --sections dp --sizes 4 1 --batch-per-rank 16 \
+          --variants ours-auto local --stall-s 140 --out "$out/dp_vs_ddp-bind_$how-launch$launch-b16.jsonl" | grep "^timed"
+      done ;;
     dp-profile)
       LIMIT=${LIMIT:-240} tr benchmarks/training/dp_zero.py --sections dp --sizes 4 1 --batch-per-rank ${DP_BATCHES:-16 32} \
         --stall-s 220 --profile "$out/dp-profile" --profile-steps 5 ${DP_EXTRA:-} --out "$out/dp_profile.jsonl" \
