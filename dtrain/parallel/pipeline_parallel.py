@@ -156,7 +156,8 @@ class PipelineParallel:
     group hides the messages between the last stage and the first behind compute, for more activations held
     (:func:`~dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`). ZB-V holds 2 chunks, virtual stages ``s``
     and ``2p - 1 - s``; its order is built for ``schedule_costs``, one micro-batch's (T_F, T_B, T_W) on a stage in
-    any unit (:func:`~dtrain.parallel.pipeline_schedules.zb_v`; None: equal costs), the same on every stage. Under
+    any unit (:func:`~dtrain.parallel.pipeline_schedules.zb_v`; None: equal costs), shared among the chunks by
+    their forward FLOPs (:func:`forward_flops_weight`: a chunk that holds the output layer costs more). Under
     ZB-H1 and ZB-V, :attr:`weight_grads` defers the linear layers' weight gradients from each B to its W action.
     After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
     for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`, on the host clock, or on the device clock
@@ -243,9 +244,16 @@ class PipelineParallel:
         self.schedule_name = schedule
         self.placement = PLACEMENT.get(schedule, "loop")
         costs = zb_v_costs(schedule_costs)  # checked whatever the schedule
-        schedules = [make_schedule(schedule, p, num_microbatches, q, v, microbatch_group, costs) for q in range(p)]
-        self.actions = schedules[s]
         stage_of = [stage_of_virtual(u, p, self.placement)[0] for u in range(v * p)]
+        weights = None
+        if schedule == "zb-v" and schedule_costs is not None:  # each chunk's share of the costs, by its FLOPs
+            cuts = partition_layers(sequential, v * p, balance=balance, stage_of=stage_of)
+            weights = [sum(forward_flops_weight(sequential[i]) for i in cut) for cut in cuts]
+            weights = weights if max(weights) > 0 else None
+        schedules = [
+            make_schedule(schedule, p, num_microbatches, q, v, microbatch_group, costs, weights) for q in range(p)
+        ]
+        self.actions = schedules[s]
         self.chunks = [
             PipelineStage(
                 sequential,

@@ -63,6 +63,7 @@ __all__ = [
     "virtual_stage",
     "zb_h1",
     "zb_v",
+    "zb_v_weights",
 ]
 
 
@@ -213,14 +214,19 @@ def zb_h1(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
 
 
 def _list_schedule(
-    num_stages: int, num_microbatches: int, limit: int, costs: tuple[float, float, float]
+    num_stages: int,
+    num_microbatches: int,
+    limit: int,
+    costs: tuple[float, float, float],
+    weights: tuple[float, ...] | None = None,
 ) -> list[list[ChunkAction]]:
     """Every stage's actions on the V placement, from a greedy list-scheduling simulation.
 
     Time runs forward; a stage that falls idle takes, of the actions whose inputs have arrived, a B (the
     critical path; the oldest micro-batch first), else an F (the chunk nearer the loss first) while fewer than
     ``limit`` (chunk, micro-batch) pairs are held (forwarded, W not yet run), else the W of its oldest pending B.
-    Each chunk runs its F's, B's and W's in micro-batch order. Communication is free.
+    Each chunk runs its F's, B's and W's in micro-batch order. An action of virtual stage ``u`` costs its kind's
+    cost times ``weights[u]`` (None: 1). Communication is free.
     """
     p, m = num_stages, num_microbatches
     cost = {"F": costs[0], "B": costs[1], "W": costs[2]}
@@ -276,7 +282,7 @@ def _list_schedule(
             heapq.heappush(queue, (free[w], w))
         waiting.clear()
         kind, mb, c, u = choice
-        end = t + cost[kind]
+        end = t + cost[kind] * (weights[u] if weights else 1.0)
         done[kind, u, mb] = free[s] = end
         bisect.insort(ends, end)
         out[s].append(ChunkAction(kind, mb, c))
@@ -317,27 +323,63 @@ def zb_v_costs(costs: Sequence[float] | None) -> tuple[float, float, float]:
     return (1.0, max(round(b / f, 1), 0.1), max(round(w / f, 1), 0.1))
 
 
+def zb_v_weights(weights: Sequence[float] | None, num_stages: int) -> tuple[float, ...] | None:
+    """ZB-V's cost of each virtual stage's actions (``2p`` of them, in model order) as its order is built with:
+    relative to their mean, each rounded to a tenth (at least a tenth); None, or weights all alike, give None
+    (equal). ValueError unless ``2p`` finite numbers, none below 0, some above."""
+    if weights is None:
+        return None
+    values = tuple(weights)
+    if (
+        len(values) != 2 * num_stages
+        or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in values)
+        or min(values) < 0
+        or max(values) <= 0
+    ):
+        raise ValueError(
+            f"zb-v weights must be {2 * num_stages} finite numbers, one a virtual stage, none below 0 and some "
+            f"above, got {weights!r}"
+        )
+    mean = sum(values) / len(values)
+    rounded = tuple(max(round(w / mean, 1), 0.1) for w in values)
+    return None if len(set(rounded)) == 1 else rounded
+
+
 @functools.lru_cache(maxsize=64)
 def _zb_v_all(
-    num_stages: int, num_microbatches: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    num_stages: int,
+    num_microbatches: int,
+    costs: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    weights: tuple[float, ...] | None = None,
 ) -> tuple[tuple[ChunkAction, ...], ...]:
-    """Every stage's ZB-V actions for ``costs``: of the list schedules built with these costs and with equal ones,
-    the one whose replay under these costs (:func:`simulate`, free communication) ends first; greedy list
-    scheduling is a heuristic, and for some costs the order built for others ends sooner, or the greedy choice
-    runs out of activation budget."""
+    """Every stage's ZB-V actions for ``costs`` and virtual-stage ``weights``: of the list schedules built with
+    them, with these costs and equal weights, and with equal costs, the one whose replay under these costs and
+    weights (:func:`simulate`, free communication) ends first; greedy list scheduling is a heuristic, and for some
+    costs the order built for others ends sooner, or the greedy choice runs out of activation budget. The order
+    built for unequal weights may hold more than 1F1B's ``2p`` (chunk, micro-batch) pairs where the greedy choice
+    stalls at ``2p`` (at most ``3p``); it is taken only if it ends sooner."""
     p, m = num_stages, num_microbatches
     best, best_end = None, math.inf
-    for built_for in dict.fromkeys([costs, (1.0, 1.0, 1.0)]):
-        try:
-            order = _list_schedule(p, m, 2 * p, built_for)
-        except ValueError:
+    equal = (1.0, 1.0, 1.0)
+    for built_for, built_weights in dict.fromkeys([(costs, weights), (costs, None), (equal, None)]):
+        # chunks of unequal weight may stall the greedy order at 1F1B's budget: one pair more at a time, to 3p
+        order = None
+        for limit in range(2 * p, (3 * p if built_weights else 2 * p) + 1):
+            try:
+                order = _list_schedule(p, m, limit, built_for, built_weights)
+                break
+            except ValueError:
+                continue
+        if order is None:
             continue
-        times = simulate(order, forward_cost=costs[0], backward_cost=costs[1], weight_cost=costs[2], placement="v")
+        times = simulate(
+            order, forward_cost=costs[0], backward_cost=costs[1], weight_cost=costs[2], placement="v", weights=weights
+        )
         end = max(e for stage in times for _, e in stage)
         if end < best_end - 1e-12:
             best, best_end = order, end
     if best is None:
-        raise ValueError(f"zb-v list scheduling is stuck (p={p}, m={m}, costs={costs})")
+        raise ValueError(f"zb-v list scheduling is stuck (p={p}, m={m}, costs={costs}, weights={weights})")
     return tuple(tuple(a) for a in best)
 
 
@@ -347,6 +389,7 @@ def zb_v(
     stage: int,
     virtual_stages: int = 2,
     costs: Sequence[float] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> list[ChunkAction]:
     """ZB-V (Qi et al. 2024, section 6): two model chunks a stage placed in a V, stage ``s`` holding virtual stages
     ``s`` and ``2p - 1 - s`` (so the first stage computes the loss, and the turn at the last stage is local), with
@@ -357,12 +400,15 @@ def zb_v(
     (:func:`zb_v_costs`); the order is built for them, as the paper's automatic scheduler builds its order from
     profiled times. None: the paper's equal costs T_F = T_B = T_W, which a transformer's are not (its attention
     has no weight gradient, so T_B exceeds T_F and T_W falls below both), and with unequal costs the equal-cost
-    order idles longer. ``virtual_stages`` must be 2 (the V).
+    order idles longer. ``weights``: each virtual stage's share of those costs, ``2p`` of them in model order
+    (:func:`zb_v_weights`; None: equal), for chunks that differ, as the V's first stage does when it holds the
+    embedding's chunk and the output layer's. ``virtual_stages`` must be 2 (the V).
     """
     _check_sizes(num_stages, num_microbatches, stage)
     if virtual_stages != 2:
         raise ValueError(f"zb-v places exactly 2 model chunks on each stage, got virtual_stages={virtual_stages!r}")
-    return list(_zb_v_all(num_stages, num_microbatches, zb_v_costs(costs))[stage])
+    order = _zb_v_all(num_stages, num_microbatches, zb_v_costs(costs), zb_v_weights(weights, num_stages))
+    return list(order[stage])
 
 
 SCHEDULES: dict[str, ScheduleFn] = {
@@ -394,11 +440,12 @@ def make_schedule(
     virtual_stages: int = 2,
     microbatch_group: int | None = None,
     costs: Sequence[float] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> list:
     """Stage ``stage``'s actions under the named schedule (``virtual_stages``: interleaved 1F1B's chunks;
     ``microbatch_group``: its micro-batch group, :func:`interleaved_one_f_one_b`; None for the other schedules;
-    ``costs``: one micro-batch's (T_F, T_B, T_W) that ZB-V's order is built for, :func:`zb_v`; the other schedules'
-    orders do not depend on costs and ignore them)."""
+    ``costs``: one micro-batch's (T_F, T_B, T_W) that ZB-V's order is built for and ``weights`` each virtual
+    stage's share of them, :func:`zb_v`; the other schedules' orders do not depend on costs and ignore them)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     if schedule == "interleaved-1f1b":
@@ -406,7 +453,7 @@ def make_schedule(
     if microbatch_group is not None:
         raise ValueError(f"microbatch_group is interleaved-1f1b's; schedule {schedule!r} takes none")
     if schedule == "zb-v":
-        return zb_v(num_stages, num_microbatches, stage, costs=costs)
+        return zb_v(num_stages, num_microbatches, stage, costs=costs, weights=weights)
     return SCHEDULES[schedule](num_stages, num_microbatches, stage)
 
 
@@ -478,6 +525,7 @@ def simulate(
     weight_cost: float = 1,
     p2p_cost: float = 0,
     placement: str = "loop",
+    weights: Sequence[float] | None = None,
 ) -> list[list[tuple[float, float]]]:
     """Replay one schedule per stage with fixed action costs (per chunk) and a fixed time per message.
 
@@ -485,7 +533,8 @@ def simulate(
     F(u - 1, mb); B(u, mb) waits for B(u + 1, mb) (the last virtual stage's B follows its own F); W follows its
     B in the stage's order. ``backward_cost`` is a B's cost (the whole backward for schedules without W, the
     input gradient alone for those with), ``weight_cost`` a W's. A dependency on another stage adds ``p2p_cost``
-    (one activation or gradient between stages; none between two chunks of one stage). Returns, per stage, the
+    (one activation or gradient between stages; none between two chunks of one stage); ``weights[u]`` scales the
+    actions of virtual stage ``u`` (None: 1). Returns, per stage, the
     (start, end) of each action in schedule order. Raises ValueError on a deadlock.
     """
     p = len(schedules)
@@ -514,7 +563,7 @@ def simulate(
                     break
                 ready = ends[dep] + (p2p_cost if other != s else 0) if dep is not None else 0
                 start = max(free[s], ready)
-                end = start + cost[kind]
+                end = start + cost[kind] * (weights[u] if weights else 1)
                 ends[(kind, u, mb)] = free[s] = end
                 times[s].append((start, end))
                 progress = True

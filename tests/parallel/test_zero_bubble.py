@@ -12,7 +12,7 @@ from torch import nn
 
 from dtrain.cli.main import main
 from dtrain.parallel import pipeline_schedules
-from dtrain.parallel.pipeline_parallel import partition_layers
+from dtrain.parallel.pipeline_parallel import forward_flops_weight, partition_layers
 from dtrain.parallel.pipeline_parallel_communications import messages
 from dtrain.parallel.pipeline_schedules import (
     draw_schedule,
@@ -25,6 +25,7 @@ from dtrain.parallel.pipeline_schedules import (
     zb_h1,
     zb_v,
     zb_v_costs,
+    zb_v_weights,
 )
 from dtrain.parallel.weight_gradients import WeightGradStore
 from dtrain.sim.pipeline import pipeline_bubble, pipeline_makespan
@@ -123,6 +124,29 @@ def test_zb_v_is_built_for_its_costs_and_never_loses_to_the_equal_cost_order(p, 
     assert idle[0] < 0.6 * idle[1]
 
 
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 8), (4, 16), (8, 16)])
+def test_zb_v_built_for_its_chunks_weights_ends_sooner_within_a_pair_more(p, m):
+    # the V's first stage holds the embedding's chunk (a block) and the output layer's (4.3 blocks)
+    weights = [1.0] + [2.0] * (2 * p - 2) + [4.32]
+    costs = (1, 1.1, 0.9)
+    rounded = zb_v_weights(weights, p)
+    assert rounded[0] < 1 < rounded[-1] and zb_v_weights([3] * (2 * p), p) is None
+    ends, peaks = [], []
+    for built_for in (None, weights):
+        order = [zb_v(p, m, s, costs=costs, weights=built_for) for s in range(p)]
+        peaks.append(max(validate_schedule(a, m, virtual_stages=2) for a in order))
+        times = simulate(order, forward_cost=1, backward_cost=1.1, weight_cost=0.9, placement="v", weights=rounded)
+        ends.append(max(end for stage in times for _, end in stage))
+    assert ends[1] < 0.97 * ends[0]  # 4-12% sooner on these
+    assert peaks[0] == 2 * p and peaks[1] <= 2 * p + 1
+
+
+@pytest.mark.parametrize("weights", [[1, 2, 3], [1, -1, 1, 1], [0, 0, 0, 0], [1, float("inf"), 1, 1]])
+def test_zb_v_refuses_weights_it_cannot_build_for(weights):
+    with pytest.raises(ValueError, match="zb-v weights must be 4 finite numbers"):
+        zb_v(2, 4, 0, weights=weights)
+
+
 @pytest.mark.parametrize("costs", [(0, 1, 1), (1, -1, 1), (1, 1, -0.5), (1, 1), (1, float("nan"), 1), (1, True, 1)])
 def test_zb_v_refuses_costs_it_cannot_build_for(costs):
     with pytest.raises(ValueError, match="zb-v costs must be three finite numbers"):
@@ -148,15 +172,21 @@ def _assert_zero(results):
         (4, 8, "zb-v", None, "layers"),
         (4, 8, "zb-v", (2, 3, 1), "layers"),
         (2, 4, "zb-v", None, "flops"),
+        (4, 8, "zb-v", (2, 3, 1), "flops"),  # the order built for each chunk's FLOPs too
     ],
 )
 def test_zero_bubble_trains_like_the_unsplit_model(pool, p, m, schedule, costs, balance):
     if costs is not None:  # an order built for a transformer's costs is another order, with the same result
         assert [zb_v(p, m, s, costs=costs) for s in range(p)] != [zb_v(p, m, s) for s in range(p)]
-    if balance == "flops":  # the V's stages balanced as stages: another cut from the chunks balanced alone
+    if balance == "flops":
         model, stage_of = pipeline_jobs._mlp(seed=7), [stage_of_virtual(u, p, "v")[0] for u in range(2 * p)]
-        alone = partition_layers(model, 2 * p, balance="flops")
-        assert partition_layers(model, 2 * p, balance="flops", stage_of=stage_of) != alone
+        cuts = partition_layers(model, 2 * p, balance="flops", stage_of=stage_of)
+        if p == 2:  # the V's stages balanced as stages: another cut from the chunks balanced alone
+            assert cuts != partition_layers(model, 2 * p, balance="flops")
+        if costs is not None:  # the order built for each chunk's FLOPs, as PipelineParallel builds it: another one
+            weights = [sum(forward_flops_weight(model[i]) for i in cut) for cut in cuts]
+            weighted = [zb_v(p, m, s, costs=costs, weights=weights) for s in range(p)]
+            assert weighted != [zb_v(p, m, s, costs=costs) for s in range(p)]
     _assert_zero(pool.run(pipeline_jobs.zero_bubble, p, m, schedule, 3, costs, balance, ranks=p))
 
 
