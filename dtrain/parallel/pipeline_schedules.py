@@ -229,7 +229,8 @@ def _list_schedule(
     cost times ``weights[u]`` (None: 1). Communication is free.
     """
     p, m = num_stages, num_microbatches
-    cost = {"F": costs[0], "B": costs[1], "W": costs[2]}
+    scale = weights or (1.0,) * (2 * p)
+    cost = {kind: [c * w for w in scale] for kind, c in zip("FBW", costs, strict=True)}  # by virtual stage
     last = 2 * p - 1
     next_f, next_b = [0] * (2 * p), [0] * (2 * p)
     pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (chunk, mb) with B done, W not yet
@@ -282,7 +283,7 @@ def _list_schedule(
             heapq.heappush(queue, (free[w], w))
         waiting.clear()
         kind, mb, c, u = choice
-        end = t + cost[kind] * (weights[u] if weights else 1.0)
+        end = t + cost[kind][u]
         done[kind, u, mb] = free[s] = end
         bisect.insort(ends, end)
         out[s].append(ChunkAction(kind, mb, c))
@@ -539,7 +540,9 @@ def simulate(
     """
     p = len(schedules)
     last = p * (1 + max((chunk_of(a) for stage in schedules for a in stage), default=0)) - 1
-    cost = {"F": forward_cost, "B": backward_cost, "W": weight_cost}
+    scale = weights or (1,) * (last + 1)
+    priced = zip("FBW", (forward_cost, backward_cost, weight_cost), strict=True)
+    cost = {kind: [c * w for w in scale] for kind, c in priced}
     ends: dict[tuple[str, int, int], float] = {}
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     free = [0.0] * p
@@ -563,7 +566,7 @@ def simulate(
                     break
                 ready = ends[dep] + (p2p_cost if other != s else 0) if dep is not None else 0
                 start = max(free[s], ready)
-                end = start + cost[kind] * (weights[u] if weights else 1)
+                end = start + cost[kind][u]
                 ends[(kind, u, mb)] = free[s] = end
                 times[s].append((start, end))
                 progress = True
