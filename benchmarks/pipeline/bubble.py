@@ -23,8 +23,8 @@ row as a JSON line the moment it is measured and appends it to ``--out``. Per ro
   the ranks share cores), the median of ``--steps`` runs. Communication and waiting both count as bubble, as
   they do in the theory's (p - 1) / (v m + p - 1) (GPipe paper section 2.3; Megatron-LM paper section 2.2).
 - ``bubble_timeline``: :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction` of the stages' timelines of
-  the last timed step. Those are host clock readings around each action, true compute times on the CPU only:
-  on a GPU the kernels run after their launch returns, so there it is None.
+  the last timed step: host clock readings around each action on the CPU, the devices' own times on a GPU
+  (``PipelineParallel.device_clock``; the timed step's CUDA events, ``timeline_clock``).
 - ``peak_activations_per_stage``: the most micro-batches a stage held at once (``Timeline.peak_activations``),
   against ``peak_expected_per_stage`` (GPipe m; 1F1B min(p - s, m); interleaved min(2 (p - 1 - s) +
   (v - 1) p + 1, v m), the warm-up of Megatron-LM plus the first steady forward).
@@ -198,6 +198,7 @@ def _measure(args: argparse.Namespace, schedule: str, m: int, device: torch.devi
         if device.type == "cuda":
             base_bytes = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
+            pipe.device_clock = step == args.warmup + args.steps - 1  # the last step's actions timed on the GPU
         start = time.perf_counter()
         pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, F.mse_loss)
         _sync(device)
@@ -235,7 +236,8 @@ def _record(args, schedule: str, m: int, v: int, step: float, step_all: list, st
         "width": args.width,
         "bubble_theory": theoretical_bubble(p, m, v),
         "bubble_measured": 1 - sum(busy) / (p * step),
-        "bubble_timeline": None if on_gpu else 1 - sum(timeline_busy) / (p * span),
+        "bubble_timeline": 1 - sum(timeline_busy) / (p * span),
+        "timeline_clock": "device" if on_gpu else "host",
         "step_s": step,
         "step_s_all": step_all,
         "busy_s_per_stage": busy,
