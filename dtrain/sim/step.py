@@ -291,9 +291,9 @@ def _stage_times(
     if len(set(kinds)) == 1 and all(f == 1.0 for f in factors):  # every replica alike: price one, copy it
         alike = {
             q: stage_seconds(model, layout, q, *kinds[0], config, tp_s)
-            for q in {_alike(p, layout.pp) for p in range(layout.pp)}
+            for q in {_alike(p, layout) for p in range(layout.pp)}
         }
-        fw, bw, ww = zip(*(alike[_alike(p, layout.pp)] for p in range(layout.pp)), strict=True)
+        fw, bw, ww = zip(*(alike[_alike(p, layout)] for p in range(layout.pp)), strict=True)
         return (
             [list(fw) for _ in range(layout.dp)],
             [list(bw) for _ in range(layout.dp)],
@@ -305,7 +305,7 @@ def _stage_times(
             ranks = group(layout, "tp", d, p, 0)
             worst = None
             for r in ranks:
-                key = (*kinds[r], _alike(p, layout.pp))
+                key = (*kinds[r], _alike(p, layout))
                 if key not in costs:
                     costs[key] = stage_seconds(model, layout, key[2], *kinds[r], config, tp_s)
                 f, b, w = (x * factors[r] for x in costs[key])
@@ -320,10 +320,13 @@ def _stage_times(
     return forward, backward, weight
 
 
-def _alike(stage: int, stages: int) -> int:
+def _alike(stage: int, layout: Layout) -> int:
     """The stage priced for ``stage``: the first and last stages are their own (embedding, logits and loss), every
-    stage between runs the same layers as stage 1 (:func:`dtrain.sim.compute.stage_ops`)."""
-    return stage if stage in (0, stages - 1) else 1
+    stage between runs the same layers as stage 1 (:func:`dtrain.sim.compute.stage_ops`), but under ``dtrain
+    train``'s cut (``layout.balance``), whose stages hold their own block counts."""
+    if layout.balance is not None:
+        return stage
+    return stage if stage in (0, layout.pp - 1) else 1
 
 
 def stage_seconds(

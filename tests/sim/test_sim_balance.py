@@ -68,3 +68,14 @@ def test_any_layer_count_cuts_where_dtrain_train_cuts_it():
     assert all(x.balance is None for x in found if x.pp == 1)
     megatron = candidate_layouts(LLAMA_1B, 6, 12, micro_batches=(2,), zero_stages=(0,))
     assert {x.embedding_layers for x in megatron if x.pp == 3} == {1}  # there DeepSpeed's cut evens 18 layers
+
+
+def test_each_stage_of_the_cut_is_priced_with_its_own_blocks():
+    from dtrain.sim.step import _stage_times
+
+    topology = preset("h200-4gpu")
+    layout = _layout("1f1b", "layers")  # 4 / 5 / 4 / 3 blocks
+    forward, backward, _ = _stage_times(LLAMA_1B, layout, topology, place(topology, layout, "aware"), [1.0] * 4,
+                                        StepConfig(), 0.0)  # fmt: skip
+    per_block = (forward[0][1] + backward[0][1]) / 5
+    assert forward[0][2] + backward[0][2] == pytest.approx(4 * per_block)  # not stage 1's five
