@@ -58,6 +58,7 @@ __all__ = [
     "ModelSpec",
     "activation_bytes_per_layer",
     "block_flops_weight",
+    "chunk_shares",
     "head_stage",
     "stage_blocks",
     "flops_per_microbatch",
@@ -316,7 +317,33 @@ def stage_blocks(model: ModelSpec, layout: Layout) -> tuple[int, ...]:
     :func:`dtrain.parallel.pipeline_parallel.partition_layers` calls it), less the embedding and head."""
     if layout.balance is None or layout.pp == 1:
         return tuple(stage_layers(model, layout, s) for s in range(layout.pp))
-    return _dtrain_blocks(model, layout.pp, layout.chunks, PLACEMENT.get(layout.schedule, "loop"), layout.balance)
+    placement = PLACEMENT.get(layout.schedule, "loop")
+    blocks = [0] * layout.pp
+    for u, held in enumerate(_dtrain_blocks(model, layout.pp, layout.chunks, placement, layout.balance)):
+        blocks[stage_of_virtual(u, layout.pp, placement)[0]] += held
+    return tuple(blocks)
+
+
+def chunk_shares(model: ModelSpec, layout: Layout) -> tuple[tuple[float, float], ...] | None:
+    """ZB-V's share of each stage's work in each of its two chunks (chunk 0 the V's way down, chunk 1 its way
+    back), by forward FLOPs: a chunk's blocks (:func:`block_flops_weight`) and, on the last virtual stage, the
+    output layer's ``2 V h`` a token, the weights ``dtrain.parallel.PipelineParallel`` builds its order with. None
+    for the other schedules, and where every stage's chunks are alike."""
+    if layout.schedule != "zb-v" or layout.pp == 1:
+        return None
+    p, v = layout.pp, layout.chunks
+    if layout.balance is None:
+        blocks = (model.layers // (p * v),) * (p * v)
+    else:
+        blocks = _dtrain_blocks(model, p, v, "v", layout.balance)
+    work = [held * block_flops_weight(model) for held in blocks]
+    work[-1] += 2.0 * model.vocab * model.hidden
+    shares = []
+    for s in range(p):
+        pair = (work[s], work[2 * p - 1 - s])  # virtual stages s and 2p - 1 - s
+        total = pair[0] + pair[1]
+        shares.append((0.5, 0.5) if total <= 0 else (pair[0] / total, pair[1] / total))
+    return None if all(pair == (0.5, 0.5) for pair in shares) else tuple(shares)
 
 
 def block_flops_weight(model: ModelSpec) -> float:
@@ -329,15 +356,16 @@ def block_flops_weight(model: ModelSpec) -> float:
 
 @functools.lru_cache(maxsize=256)
 def _dtrain_blocks(model: ModelSpec, p: int, v: int, placement: str, balance: str) -> tuple[int, ...]:
+    """The blocks of each virtual stage (model order) in ``dtrain train``'s cut of its layers."""
     head = [2.0 * model.vocab * model.hidden] if model.vocab else []
     costs = [0.0] * bool(model.vocab) + [block_flops_weight(model)] * model.layers + head
     stage_of = [stage_of_virtual(u, p, placement)[0] for u in range(p * v)]
     sizes = cut_sizes(len(costs), p * v, costs if balance == "flops" else None, stage_of)
-    blocks = [0] * p
+    blocks = []
     start = 0
-    for u, size in enumerate(sizes):
+    for size in sizes:
         kinds = range(start, start + size)
-        blocks[stage_of[u]] += sum(1 for i in kinds if not (model.vocab and i in (0, len(costs) - 1)))
+        blocks.append(sum(1 for i in kinds if not (model.vocab and i in (0, len(costs) - 1))))
         start += size
     return tuple(blocks)
 

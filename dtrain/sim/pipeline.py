@@ -70,6 +70,7 @@ from dtrain.parallel.pipeline_schedules import (
     stage_of_virtual,
     virtual_stage,
     zb_v_costs,
+    zb_v_weights,
 )
 
 __all__ = ["pipeline_bubble", "pipeline_chunk_edges", "pipeline_makespan", "pipeline_stage_spans"]
@@ -91,6 +92,7 @@ def pipeline_makespan(
     host_s: float = 0.0,
     overlapped: bool = False,
     order_costs: Sequence[float] | None = None,
+    chunk_shares: Sequence[Sequence[float]] | None = None,
 ) -> float:
     """Seconds from the first forward to the last backward; ``forward_s[s]`` / ``backward_s[s]`` are stage
     ``s``'s time for one micro-batch (all its chunks), ``p2p_s`` the time of one activation (or gradient) between
@@ -106,9 +108,11 @@ def pipeline_makespan(
     before the stage's next action of the same kind (Megatron-Core's ``overlap_p2p_comm``; module docstring);
     it takes the place of ``synchronous`` and ``paired``. ``order_costs``: the (T_F, T_B, T_W) ZB-V's order is built
     for (:func:`dtrain.parallel.pipeline_schedules.zb_v`), as the run being replayed built it; None: the stages' mean
-    times, the order a run that measured them would build."""
+    times, the order a run that measured them would build. ``chunk_shares``: ZB-V's, each stage's share of its
+    times in each of its two chunks (None: halves), the order then built for each virtual stage's own times
+    (``zb_v(..., weights=)``), as ``dtrain.parallel.PipelineParallel`` builds it."""
     return _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
-                synchronous, paired, host_s, overlapped, microbatch_group, order_costs)[0]  # fmt: skip
+                synchronous, paired, host_s, overlapped, microbatch_group, order_costs, chunk_shares)[0]  # fmt: skip
 
 
 def pipeline_stage_spans(
@@ -125,6 +129,7 @@ def pipeline_stage_spans(
     synchronous: bool = False,
     paired: bool = False,
     overlapped: bool = False,
+    chunk_shares: Sequence[Sequence[float]] | None = None,
 ) -> list[tuple[float, float]]:
     """Each stage's ``(start of its first action, end of its last action)`` in the pipeline
     :func:`pipeline_makespan` times (same arguments): when a stage's first forward may begin and when its last
@@ -132,9 +137,11 @@ def pipeline_stage_spans(
     waits for."""
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
+    shares = _shares(schedule, len(forward_s), chunk_shares)
     graph = _graph(schedule, len(forward_s), microbatches, chunks_per_stage(schedule, virtual_stages), paired,
-                   overlapped, microbatch_group, _order_costs(schedule, forward_s, backward_s, weights))  # fmt: skip
-    return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, spans=True)
+                   overlapped, microbatch_group, _order_costs(schedule, forward_s, backward_s, weights),
+                   _order_weights(forward_s, backward_s, weights, shares))  # fmt: skip
+    return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, spans=True, shares=shares)
 
 
 def pipeline_chunk_edges(
@@ -189,16 +196,44 @@ def pipeline_bubble(
 
 def _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,
          synchronous=False, paired=False, host_s=0.0, overlapped=False, group=None,
-         order_costs=None) -> tuple[float, float]:  # fmt: skip
+         order_costs=None, chunk_shares=None) -> tuple[float, float]:  # fmt: skip
     stages = len(forward_s)
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
     costs = _order_costs(schedule, forward_s, backward_s, weights, order_costs)
+    shares = _shares(schedule, stages, chunk_shares)
     graph = _graph(schedule, stages, microbatches, chunks_per_stage(schedule, virtual_stages), paired, overlapped,
-                   group, costs)  # fmt: skip
+                   group, costs, _order_weights(forward_s, backward_s, weights, shares))  # fmt: skip
     if host_s < 0 or not math.isfinite(host_s):
         raise ValueError(f"host_s must be a finite number of seconds >= 0, got {host_s!r}")
-    return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, host_s)
+    return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, host_s, shares=shares)
+
+
+def _shares(schedule: str, stages: int, chunk_shares) -> tuple[tuple[float, ...], ...] | None:
+    """ZB-V's chunk shares, checked (``stages`` pairs of numbers >= 0 summing to 1); None where they are halves
+    or the schedule is another."""
+    if chunk_shares is None or schedule != "zb-v":
+        return None
+    shares = tuple(tuple(float(x) for x in pair) for pair in chunk_shares)
+    if len(shares) != stages or any(
+        len(pair) != 2 or min(pair) < 0 or not math.isclose(sum(pair), 1.0, abs_tol=1e-9) for pair in shares
+    ):
+        raise ValueError(f"chunk_shares: {stages} pairs of shares >= 0 summing to 1, got {chunk_shares!r}")
+    return None if all(pair == (0.5, 0.5) for pair in shares) else shares
+
+
+def _order_weights(forward_s, backward_s, weights, shares) -> tuple[float, ...] | None:
+    """ZB-V's virtual-stage weights for its order (:func:`dtrain.parallel.pipeline_schedules.zb_v_weights`): each
+    virtual stage's time, its stage's times times its chunk's share; None without shares."""
+    if shares is None:
+        return None
+    stages = len(forward_s)
+    totals = [f + b + w for f, b, w in zip(forward_s, backward_s, weights, strict=True)]
+    by_virtual = [0.0] * (2 * stages)
+    for s, pair in enumerate(shares):
+        for c, share in enumerate(pair):
+            by_virtual[virtual_stage(s, c, stages, "v")] = totals[s] * share
+    return zb_v_weights(by_virtual, stages)
 
 
 def _order_costs(schedule: str, forward_s, backward_s, weights, given=None) -> tuple[float, float, float] | None:
@@ -252,17 +287,21 @@ class _Graph:
         self.sends = sends[: self.size]
 
     def times(self, forward_s, backward_s, weight_s, p2p_s: float, gather_s: float = 0.0,
-              synchronous: bool = False, host_s: float = 0.0, spans: bool = False, chunks: bool = False):  # fmt: skip
+              synchronous: bool = False, host_s: float = 0.0, spans: bool = False, chunks: bool = False,
+              shares=None):  # fmt: skip
         """(makespan, compute) with these per-stage costs (all chunks of a stage) and message times: each
         action ends at ``max(previous action's end, input's end + message) + its cost``, the event replay's
         arithmetic (:func:`_replay`) in the same order, so the same floats; synchronous messages are part of
         the cost instead (module docstring); overlapped ones (``self.overlap``) leave once their receive is posted
         and hold the sender's next action of their kind until delivered. ``spans``: each stage's (first start, last
         end) instead; ``chunks``: each stage's chunks' first forward starts and its backwards' (chunk, end) in
-        order (:func:`pipeline_chunk_edges`)."""
+        order (:func:`pipeline_chunk_edges`); ``shares``: each stage's share of its times in each chunk (None:
+        ``1 / v`` each)."""
         v = self.v
         table = np.array([c / v for c in forward_s] + [c / v for c in backward_s] + [c / v for c in weight_s])
         work = table[self.slot]
+        if shares is not None:
+            work = work * (v * np.asarray(shares, dtype=float))[self.slot % len(forward_s), self.chunk]
         message = float(p2p_s) + float(gather_s)
         if self.overlap is not None:
             end = self._overlapped_ends(work, message, host_s)
@@ -353,7 +392,8 @@ _WIDE = 24
 
 def _graph(schedule: str, stages: int, microbatches: int, v: int, paired: bool = False,
            overlapped: bool = False, group: int | None = None,
-           costs: tuple[float, float, float] | None = None) -> _Graph:  # fmt: skip
+           costs: tuple[float, float, float] | None = None,
+           weights: tuple[float, ...] | None = None) -> _Graph:  # fmt: skip
     overlapped = overlapped and schedule in _OVERLAPPED and stages > 1
     paired = paired and schedule in _PAIRED and not overlapped
     if group == stages and schedule == "interleaved-1f1b":
@@ -363,12 +403,13 @@ def _graph(schedule: str, stages: int, microbatches: int, v: int, paired: bool =
             f"overlapped exchanges (Megatron-Core's overlap_p2p_comm) are modelled with micro-batches in groups of the "
             f"{stages} stages only, not {group}: with a larger group a stage takes its messages out of their send order"
         )
-    key = (schedule, stages, microbatches, v, paired, overlapped, group, costs)
+    key = (schedule, stages, microbatches, v, paired, overlapped, group, costs, weights)
     found = _GRAPHS.get(key)
     if found is None:
         if len(_GRAPHS) >= 32 or sum(g.size for g in _GRAPHS.values()) > 2_000_000:  # about 60 MB of arrays
             _GRAPHS.clear()
-        found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v, paired, overlapped, group, costs)
+        found = _GRAPHS[key] = _build_graph(schedule, stages, microbatches, v, paired, overlapped, group, costs,
+                                            weights)  # fmt: skip
     return found
 
 
@@ -417,14 +458,15 @@ def _posts(plans: list[list[tuple]], stages: int, v: int, group: int | None = No
 
 def _build_graph(schedule: str, stages: int, m: int, v: int, paired: bool = False,
                  overlapped: bool = False, group: int | None = None,
-                 costs: tuple[float, float, float] | None = None) -> _Graph:  # fmt: skip
+                 costs: tuple[float, float, float] | None = None,
+                 weights: tuple[float, ...] | None = None) -> _Graph:  # fmt: skip
     """Each stage's actions with what each waits for, put in waves: an action's wave is one more than the later
     of its stage's previous action's and its input's (ValueError if the schedule deadlocks)."""
     placement = PLACEMENT.get(schedule, "loop")
     virtual = v * stages
     last = virtual - 1
     owner = [stage_of_virtual(u, stages, placement)[0] for u in range(virtual)]
-    schedules = [make_schedule(schedule, stages, m, s, v, group, costs) for s in range(stages)]
+    schedules = [make_schedule(schedule, stages, m, s, v, group, costs, weights) for s in range(stages)]
     release: dict = {}
     if paired:
         release = _released([[(_KINDS[a[0]] * virtual + virtual_stage(s, chunk_of(a), stages, placement)) * m + a[1]

@@ -54,6 +54,7 @@ from dtrain.sim.model import (
     Layout,
     MemoryUse,
     ModelSpec,
+    chunk_shares,
     flops_per_microbatch,
     head_stage,
     memory_per_device,
@@ -713,6 +714,7 @@ def _simulate_step(
     dp_path, beside_compute = _beside(topology, placement, layout, config)
     spans: dict[tuple, float] = {}
     edges: dict[tuple, list[tuple[float, float]]] = {}
+    shares = chunk_shares(model, layout)  # ZB-V's chunks of a stage priced each at its own share
     for factors in _factors(layout, config):
         forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s)
         slowest = 0.0
@@ -724,7 +726,7 @@ def _simulate_step(
                                                microbatch_group=group, gather_s=gather_s,
                                                synchronous=config.synchronous_p2p,
                                                paired=config.paired_exchanges,
-                                               overlapped=config.overlap_p2p_comm)  # fmt: skip
+                                               overlapped=config.overlap_p2p_comm, chunk_shares=shares)  # fmt: skip
             slowest = max(slowest, spans[key])
         pipelines.append(slowest)
         exposed = dp_s
@@ -750,7 +752,8 @@ def _simulate_step(
                                                       virtual_stages=v, microbatch_group=group, gather_s=gather_s,
                                                       synchronous=config.synchronous_p2p,
                                                       paired=config.paired_exchanges,
-                                                      overlapped=config.overlap_p2p_comm)  # fmt: skip
+                                                      overlapped=config.overlap_p2p_comm,
+                                                      chunk_shares=shares)  # fmt: skip
                 exposed = max(
                     exposed, overlapped_reduction_s(model, layout, config, dp, f, b, w, edges[key], slowest, under)
                 )
@@ -1018,7 +1021,9 @@ _CLOSED_FORM = ("1f1b", "gpipe", "interleaved-1f1b")
 _ROUNDING = 1e-9
 
 
-def _makespan_bound(forward: list[float], backward: list[float], weight: list[float], layout: Layout) -> float:
+def _makespan_bound(
+    forward: list[float], backward: list[float], weight: list[float], layout: Layout, shares=None
+) -> float:
     """At most :func:`pipeline_makespan` of these stage times with any message time: the larger of the busiest
     stage's work (a stage runs its actions one at a time) and the makespan of equal stages at each pass's
     smallest time with free messages (the replay's times are maxima and sums of the costs, so it can only grow
@@ -1032,8 +1037,10 @@ def _makespan_bound(forward: list[float], backward: list[float], weight: list[fl
     elif layout.schedule == "zb-v":
         # ZB-V's order is built for the stage times, so a replay at other times may run another order: bound it by
         # what any order must do, stage s's work after its first forward, which waits for s chunks' forwards
+        # (the first chunk's forward: half a stage's, or its share of it under ``shares``)
+        first = min(fq * pair[0] for fq, pair in zip(forward, shares, strict=True)) if shares else f / 2
         stages = enumerate(zip(forward, backward, weight, strict=True))
-        equal = max(s * f / 2 + m * (fs + bs + ws) for s, (fs, bs, ws) in stages)
+        equal = max(s * first + m * (fs + bs + ws) for s, (fs, bs, ws) in stages)
     else:
         key = (layout.schedule, p, m, v, f, b, w if split else None)
         if key not in _EQUAL_SPANS:
@@ -1183,6 +1190,7 @@ def step_lower_bound(
     exposed = 0.0 if overlapped else dp_s
     p2p_s = pipeline_message_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0
     bounds = []
+    shares = chunk_shares(model, layout)
     spans: dict[tuple, float] = {}
     for factors in _factors(layout, config):
         forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s)
@@ -1194,9 +1202,9 @@ def step_lower_bound(
                 spans[key] = pipeline_makespan(f, b, p2p_s, m, layout.schedule, weight_s=weights, virtual_stages=v,
                                                microbatch_group=group, synchronous=config.synchronous_p2p,
                                                paired=config.paired_exchanges,
-                                               overlapped=config.overlap_p2p_comm)  # fmt: skip
+                                               overlapped=config.overlap_p2p_comm, chunk_shares=shares)  # fmt: skip
             elif key not in spans:
-                spans[key] = _makespan_bound(f, b, w, layout)
+                spans[key] = _makespan_bound(f, b, w, layout, shares)
             slowest = max(slowest, spans[key])
         bounds.append(slowest + exposed + optimizer_s)
     return float(np.median(bounds))

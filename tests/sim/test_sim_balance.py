@@ -79,3 +79,25 @@ def test_each_stage_of_the_cut_is_priced_with_its_own_blocks():
                                         StepConfig(), 0.0)  # fmt: skip
     per_block = (forward[0][1] + backward[0][1]) / 5
     assert forward[0][2] + backward[0][2] == pytest.approx(4 * per_block)  # not stage 1's five
+
+
+def test_zb_v_prices_each_chunk_at_its_share_and_builds_its_order_for_them():
+    from dtrain.sim.model import chunk_shares
+    from dtrain.sim.pipeline import pipeline_makespan
+    from dtrain.sim.step import _makespan_bound
+
+    v = _layout("zb-v", "flops")  # the first stage: a block's chunk beside the output layer's
+    shares = chunk_shares(LLAMA_1B, v)
+    assert shares[0][1] > 0.8 and shares[1] == pytest.approx((0.4, 0.6))
+    assert chunk_shares(LLAMA_1B, _layout("1f1b", "flops")) is None
+    headless = ModelSpec(name="headless", parameters=1e9, layers=16, hidden=2048, heads=32, sequence=2048)
+    assert chunk_shares(headless, _layout("zb-v")) is None  # equal blocks, no output layer: halves
+    f, b, w = [5.3, 5.0, 5.0, 5.0], [5.8, 5.5, 5.5, 5.5], [4.8, 4.5, 4.5, 4.5]
+    halves = pipeline_makespan(f, b, 0.0, 8, "zb-v", weight_s=w, chunk_shares=[(0.5, 0.5)] * 4)
+    assert halves == pipeline_makespan(f, b, 0.0, 8, "zb-v", weight_s=w)
+    for p2p in (0.0, 0.3):
+        shared = pipeline_makespan(f, b, p2p, 8, "zb-v", weight_s=w, chunk_shares=shares)
+        assert shared >= 8 * (5.3 + 5.8 + 4.8)  # the busiest stage's work
+        assert _makespan_bound(f, b, w, v, shares) <= shared
+    with pytest.raises(ValueError, match="chunk_shares: 4 pairs of shares"):
+        pipeline_makespan(f, b, 0.0, 8, "zb-v", weight_s=w, chunk_shares=[(0.7, 0.7)] * 4)
