@@ -360,6 +360,7 @@ def _defaults_beside_part(machine: str) -> list[str]:
         ),
         table(["size", *(c.replace("_", "-") for c in DEFAULT_COLLECTIVES)], rows),
         *_between_part(machine, records),
+        *_small_all_reduce_part(machine),
     ]
 
 
@@ -421,6 +422,34 @@ def _between_part(machine: str, grid: list[dict]) -> list[str]:
         f"tensors (torch.distributed's call {_time_us(records, 'torch', low_ar[1]):.0f} us, ours "
         f"{_time_us(records, 'auto', low_ar[1]):.0f} us).",
         table(["size", *(c.replace("_", "-") for c in DEFAULT_COLLECTIVES)], rows),
+    ]
+
+
+def _small_all_reduce_part(machine: str) -> list[str]:
+    """The all-reduce from 8 to 256 KiB by factors of 2 in two more launches on another lease
+    (``all_reduce_small-run{1,2}-{machine}.jsonl``): the defaults against torch.distributed's call, same and fresh
+    tensors."""
+    names = [f"all_reduce_small-run{r}-{machine}.jsonl" for r in (1, 2)]
+    runs = [load(name) for name in names if (RESULTS / name).exists()]
+    if not runs:
+        return []
+    sizes = sorted({r["nbytes"] for r in runs[0]})
+    rows = []
+    for n in sizes:
+        cells = []
+        for records in runs:
+            ratio = {r["algorithm"]: r["vs_torch"] for r in records if r["nbytes"] == n}
+            cells.append(f"{ratio['auto']:.2f}x / {ratio['auto+fresh']:.2f}x")
+        torch_us = [next(r["time_us"] for r in rec if (r["nbytes"], r["algorithm"]) == (n, "torch")) for rec in runs]
+        rows.append([size(n), *cells, " / ".join(f"{t:.0f}" for t in torch_us)])
+    low = min(r["vs_torch"] for rec in runs for r in rec if r["algorithm"] in ("auto", "auto+fresh"))
+    return [
+        f"The all-reduce from {size(sizes[0])} to {size(sizes[-1])} by factors of 2 on another lease, two launches "
+        f"(`dtrain bench comm --collectives all_reduce --algorithms torch,native,auto --min-bytes 8K --max-bytes "
+        f"256K --factor 2 --iters 20 --trials 9 --warm-s 0.3 --fresh-beside`; `all_reduce_small-run{{1,2}}-"
+        f"{machine}.jsonl`): ours over torch.distributed's call, same / fresh tensors, every cell at {low:.2f}x or "
+        "more; the host was twice as slow in the second launch for both.",
+        table(["size", "launch 1", "launch 2", "torch.distributed's call us, launch 1 / 2"], rows),
     ]
 
 
