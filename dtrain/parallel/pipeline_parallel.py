@@ -156,10 +156,10 @@ class PipelineParallel:
     group hides the messages between the last stage and the first behind compute, for more activations held
     (:func:`~dtrain.parallel.pipeline_schedules.interleaved_one_f_one_b`). ZB-V holds 2 chunks, virtual stages ``s``
     and ``2p - 1 - s``; its order is built for ``schedule_costs``, one micro-batch's (T_F, T_B, T_W) on a stage in
-    any unit (:func:`~dtrain.parallel.pipeline_schedules.zb_v`; None: equal costs), shared among the chunks by
-    their forward FLOPs (:func:`forward_flops_weight`: a chunk that holds the output layer costs more). Under
-    ZB-H1 and ZB-V, :attr:`weight_grads` defers the linear layers' weight gradients from each B to its W action.
-    After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
+    any unit (:func:`~dtrain.parallel.pipeline_schedules.zb_v`), shared among the chunks by their forward FLOPs
+    (:func:`forward_flops_weight`: a chunk that holds the output layer costs more); None: equal costs, every chunk
+    alike. Under ZB-H1 and ZB-V, :attr:`weight_grads` defers the linear layers' weight gradients from each B to its
+    W action. After each :meth:`train_step`, :attr:`timeline` holds what this rank did,
     for :func:`~dtrain.parallel.pipeline_schedules.bubble_fraction`, on the host clock, or on the device clock
     where :attr:`device_clock` is set on a GPU. ``grad_group`` (the same ranks as
     ``group``, another process group) carries the gradients, so that on NCCL the two directions between two

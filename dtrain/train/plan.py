@@ -59,7 +59,7 @@ def run_shape(config: TrainConfig):
 
 def model_spec(shape, seq_len: int, name: str = "model"):
     """The simulator's :class:`~dtrain.sim.model.ModelSpec` of a model config (Llama or GPT-2) trained on
-    ``seq_len``-token sequences."""
+    ``seq_len``-token sequences; an untied output layer a matrix of its own, on the stage that runs it."""
     from dtrain.sim.model import ModelSpec
 
     dim, layers, heads, kv, _, ffn, vocab = shape_dims(shape)
@@ -74,6 +74,7 @@ def model_spec(shape, seq_len: int, name: str = "model"):
         ffn_hidden=ffn,
         kv_heads=kv,
         gated_mlp=not isinstance(shape, GPT2Config),
+        tied_embeddings=shape.tie_word_embeddings,
     )
 
 

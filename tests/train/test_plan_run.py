@@ -175,3 +175,33 @@ def test_plan_run_writes_the_cut_it_priced():
         )
         run = _run_config(config, staged, planned.plan, "h100-node", 4)  # fmt: skip
         assert (run.parallel.pp, run.parallel.balance) == (4, balance)
+
+
+@pytest.mark.parametrize("preset", ["8b", "1b"])
+def test_the_simulator_holds_each_stage_s_parameters_tied_or_not(preset):
+    """Each stage's parameters as the simulator counts them are those of the stage ``partition_layers`` cuts from
+    the model ``dtrain train`` builds: Llama 3.1 8B's untied output layer a matrix of its own, beside the
+    embedding on the V's first stage and on 1F1B's last, Llama 3.2 1B's tied one held once on the V's first."""
+    from dtrain.models.decoder import build
+    from dtrain.models.presets import preset as model_preset
+    from dtrain.parallel.pipeline_parallel import partition_layers
+    from dtrain.parallel.pipeline_schedules import PLACEMENT, stage_of_virtual
+    from dtrain.sim.model import stage_parameters
+
+    shape = model_preset("llama", preset)
+    model = build(shape, device="meta")
+    spec = model_spec(shape, 64)
+    assert spec.tied_embeddings == shape.tie_word_embeddings
+    pp = 4
+    for schedule, chunks in (("1f1b", 1), ("zb-v", 2)):
+        stage_of = [stage_of_virtual(u, pp, PLACEMENT.get(schedule, "loop"))[0] for u in range(pp * chunks)]
+        for balance in ("layers", "flops"):
+            held = [{} for _ in range(pp)]  # a tied matrix counted once on its stage
+            for u, cut in enumerate(partition_layers(model, pp * chunks, balance=balance, stage_of=stage_of)):
+                for i in cut:
+                    held[stage_of[u]].update({id(q): q.numel() for q in model[i].parameters()})
+            layout = Layout(pp=pp, micro_batch=1, global_batch=pp, schedule=schedule, chunks=chunks,
+                            balance=balance)  # fmt: skip
+            for stage in range(pp):
+                want = sum(held[stage].values())
+                assert stage_parameters(spec, layout, stage) == pytest.approx(want, rel=1e-4), (schedule, balance)
