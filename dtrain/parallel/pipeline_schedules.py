@@ -540,6 +540,8 @@ def simulate(
     """
     p = len(schedules)
     last = p * (1 + max((chunk_of(a) for stage in schedules for a in stage), default=0)) - 1
+    if weights is not None and len(weights) != last + 1:
+        raise ValueError(f"weights: one a virtual stage, {last + 1} of them, got {len(weights)}")
     scale = weights or (1,) * (last + 1)
     priced = zip("FBW", (forward_cost, backward_cost, weight_cost), strict=True)
     cost = {kind: [c * w for w in scale] for kind, c in priced}
@@ -794,8 +796,8 @@ def cut_sizes(
         raise ValueError(f"costs name {len(costs)} layers for {n}")
     sizes = _balance_by_cost(list(costs), parts)
     if stage_of is not None:
-        if len(stage_of) != parts:
-            raise ValueError(f"stage_of names {len(stage_of)} stages for {parts} ranges")
+        if len(stage_of) != parts or min(stage_of) < 0:
+            raise ValueError(f"stage_of names {len(stage_of)} stages for {parts} ranges, each >= 0: {list(stage_of)}")
         if len(set(stage_of)) < parts:
             sizes = _balance_stages(list(costs), sizes, list(stage_of))
     return sizes
@@ -828,7 +830,8 @@ def _balance_stages(costs: list[int], sizes: list[int], stage_of: list[int]) -> 
     """Range sizes (contiguous, non-empty, in order) whose largest *stage* sum of ``costs`` is as small as
     possible, stage ``stage_of[k]`` running range ``k``; ties go to the smaller sum of squared stage sums, then of
     squared range sums (a micro-batch crosses a stage's ranges one after another: even ones keep the schedule's
-    slots even), then to the first cut found. Every cut is tried where there are at most
+    slots even), then of squared range sizes (layers that cost nothing spread evenly), then to the first cut
+    found. Every cut is tried where there are at most
     :data:`EXHAUSTIVE_CUTS`; otherwise a steepest descent from ``sizes`` (each range balanced alone) shifts a run
     of adjacent boundaries by one layer at a time, never ending worse than it started."""
     n, k = len(costs), len(sizes)
@@ -837,13 +840,14 @@ def _balance_stages(costs: list[int], sizes: list[int], stage_of: list[int]) -> 
         prefix.append(prefix[-1] + c)
     stages = max(stage_of) + 1
 
-    def score(bounds: Sequence[int]) -> tuple[int, int, int]:
-        load, squares = [0] * stages, 0
+    def score(bounds: Sequence[int]) -> tuple[int, int, int, int]:
+        load, squares, sizes = [0] * stages, 0, 0
         for u in range(k):
             chunk = prefix[bounds[u + 1]] - prefix[bounds[u]]
             load[stage_of[u]] += chunk
             squares += chunk * chunk
-        return max(load), sum(x * x for x in load), squares
+            sizes += (bounds[u + 1] - bounds[u]) ** 2
+        return max(load), sum(x * x for x in load), squares, sizes
 
     if math.comb(n - 1, k - 1) <= EXHAUSTIVE_CUTS:
         best = min(((0, *inner, n) for inner in itertools.combinations(range(1, n), k - 1)), key=score)

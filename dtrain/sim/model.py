@@ -58,6 +58,7 @@ __all__ = [
     "ModelSpec",
     "activation_bytes_per_layer",
     "block_flops_weight",
+    "chunk_flops",
     "chunk_shares",
     "head_stage",
     "stage_blocks",
@@ -263,7 +264,11 @@ class Layout:
         elif self.balance is not None:
             units = model.layers + (2 if model.vocab else 0)
             if units < self.pp * self.chunks:
-                raise ValueError(f"{units} layers do not cut into pp={self.pp} stages of {self.chunks} chunk(s)")
+                held = f"{model.layers} blocks" + (", the embedding and the head" if model.vocab else "")
+                raise ValueError(
+                    f"{held} ({units} layers) do not cut into pp={self.pp} stages of {self.chunks} chunk(s): "
+                    f"{self.pp * self.chunks} non-empty ranges"
+                )
         elif model.layers % (self.pp * self.chunks):
             raise ValueError(
                 f"{model.layers} layers do not split into pp={self.pp} equal stages of {self.chunks} equal chunks"
@@ -324,11 +329,10 @@ def stage_blocks(model: ModelSpec, layout: Layout) -> tuple[int, ...]:
     return tuple(blocks)
 
 
-def chunk_shares(model: ModelSpec, layout: Layout) -> tuple[tuple[float, float], ...] | None:
-    """ZB-V's share of each stage's work in each of its two chunks (chunk 0 the V's way down, chunk 1 its way
-    back), by forward FLOPs: a chunk's blocks (:func:`block_flops_weight`) and, on the last virtual stage, the
-    output layer's ``2 V h`` a token, the weights ``dtrain.parallel.PipelineParallel`` builds its order with. None
-    for the other schedules, and where every stage's chunks are alike."""
+def chunk_flops(model: ModelSpec, layout: Layout) -> tuple[float, ...] | None:
+    """ZB-V's forward FLOPs a token of each virtual stage (model order): its blocks' (:func:`block_flops_weight`)
+    and, on the last, the output layer's ``2 V h``: the weights ``dtrain.parallel.PipelineParallel`` builds its
+    order with. None for the other schedules."""
     if layout.schedule != "zb-v" or layout.pp == 1:
         return None
     p, v = layout.pp, layout.chunks
@@ -338,6 +342,18 @@ def chunk_shares(model: ModelSpec, layout: Layout) -> tuple[tuple[float, float],
         blocks = _dtrain_blocks(model, p, v, "v", layout.balance)
     work = [held * block_flops_weight(model) for held in blocks]
     work[-1] += 2.0 * model.vocab * model.hidden
+    return tuple(work)
+
+
+def chunk_shares(model: ModelSpec, layout: Layout) -> tuple[tuple[float, float], ...] | None:
+    """ZB-V's share of each stage's work in each of its two chunks (chunk 0 the V's way down, chunk 1 its way
+    back), by forward FLOPs: a chunk's blocks (:func:`block_flops_weight`) and, on the last virtual stage, the
+    output layer's ``2 V h`` a token, the weights ``dtrain.parallel.PipelineParallel`` builds its order with. None
+    for the other schedules, and where every stage's chunks are alike."""
+    work = chunk_flops(model, layout)
+    if work is None:
+        return None
+    p = layout.pp
     shares = []
     for s in range(p):
         pair = (work[s], work[2 * p - 1 - s])  # virtual stages s and 2p - 1 - s

@@ -93,6 +93,7 @@ def pipeline_makespan(
     overlapped: bool = False,
     order_costs: Sequence[float] | None = None,
     chunk_shares: Sequence[Sequence[float]] | None = None,
+    order_weights: Sequence[float] | None = None,
 ) -> float:
     """Seconds from the first forward to the last backward; ``forward_s[s]`` / ``backward_s[s]`` are stage
     ``s``'s time for one micro-batch (all its chunks), ``p2p_s`` the time of one activation (or gradient) between
@@ -109,10 +110,12 @@ def pipeline_makespan(
     it takes the place of ``synchronous`` and ``paired``. ``order_costs``: the (T_F, T_B, T_W) ZB-V's order is built
     for (:func:`dtrain.parallel.pipeline_schedules.zb_v`), as the run being replayed built it; None: the stages' mean
     times, the order a run that measured them would build. ``chunk_shares``: ZB-V's, each stage's share of its
-    times in each of its two chunks (None: halves), the order then built for each virtual stage's own times
-    (``zb_v(..., weights=)``), as ``dtrain.parallel.PipelineParallel`` builds it."""
+    times in each of its two chunks (None: halves), the order then built for each virtual stage's weight
+    (``zb_v(..., weights=)``): ``order_weights``, one a virtual stage, as the run being replayed built it
+    (``dtrain.parallel.PipelineParallel``: each chunk's forward FLOPs), or else each virtual stage's time."""
     return _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s,
-                synchronous, paired, host_s, overlapped, microbatch_group, order_costs, chunk_shares)[0]  # fmt: skip
+                synchronous, paired, host_s, overlapped, microbatch_group, order_costs, chunk_shares,
+                order_weights)[0]  # fmt: skip
 
 
 def pipeline_stage_spans(
@@ -130,6 +133,7 @@ def pipeline_stage_spans(
     paired: bool = False,
     overlapped: bool = False,
     chunk_shares: Sequence[Sequence[float]] | None = None,
+    order_weights: Sequence[float] | None = None,
 ) -> list[tuple[float, float]]:
     """Each stage's ``(start of its first action, end of its last action)`` in the pipeline
     :func:`pipeline_makespan` times (same arguments): when a stage's first forward may begin and when its last
@@ -140,7 +144,7 @@ def pipeline_stage_spans(
     shares = _shares(schedule, len(forward_s), chunk_shares)
     graph = _graph(schedule, len(forward_s), microbatches, chunks_per_stage(schedule, virtual_stages), paired,
                    overlapped, microbatch_group, _order_costs(schedule, forward_s, backward_s, weights),
-                   _order_weights(forward_s, backward_s, weights, shares))  # fmt: skip
+                   _order_weights(forward_s, backward_s, weights, shares, order_weights))  # fmt: skip
     return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, spans=True, shares=shares)
 
 
@@ -196,14 +200,14 @@ def pipeline_bubble(
 
 def _run(forward_s, backward_s, p2p_s, microbatches, schedule, weight_s, virtual_stages, gather_s=0.0,
          synchronous=False, paired=False, host_s=0.0, overlapped=False, group=None,
-         order_costs=None, chunk_shares=None) -> tuple[float, float]:  # fmt: skip
+         order_costs=None, chunk_shares=None, order_weights=None) -> tuple[float, float]:  # fmt: skip
     stages = len(forward_s)
     _check(forward_s, backward_s, weight_s, schedule)
     weights = list(weight_s) if weight_s is not None else list(backward_s)
     costs = _order_costs(schedule, forward_s, backward_s, weights, order_costs)
     shares = _shares(schedule, stages, chunk_shares)
     graph = _graph(schedule, stages, microbatches, chunks_per_stage(schedule, virtual_stages), paired, overlapped,
-                   group, costs, _order_weights(forward_s, backward_s, weights, shares))  # fmt: skip
+                   group, costs, _order_weights(forward_s, backward_s, weights, shares, order_weights))  # fmt: skip
     if host_s < 0 or not math.isfinite(host_s):
         raise ValueError(f"host_s must be a finite number of seconds >= 0, got {host_s!r}")
     return graph.times(forward_s, backward_s, weights, p2p_s, gather_s, synchronous, host_s, shares=shares)
@@ -222,12 +226,14 @@ def _shares(schedule: str, stages: int, chunk_shares) -> tuple[tuple[float, ...]
     return None if all(pair == (0.5, 0.5) for pair in shares) else shares
 
 
-def _order_weights(forward_s, backward_s, weights, shares) -> tuple[float, ...] | None:
-    """ZB-V's virtual-stage weights for its order (:func:`dtrain.parallel.pipeline_schedules.zb_v_weights`): each
-    virtual stage's time, its stage's times times its chunk's share; None without shares."""
+def _order_weights(forward_s, backward_s, weights, shares, given=None) -> tuple[float, ...] | None:
+    """ZB-V's virtual-stage weights for its order (:func:`dtrain.parallel.pipeline_schedules.zb_v_weights`):
+    ``given``, or each virtual stage's time, its stage's times times its chunk's share; None without shares."""
     if shares is None:
         return None
     stages = len(forward_s)
+    if given is not None:
+        return zb_v_weights(given, stages)
     totals = [f + b + w for f, b, w in zip(forward_s, backward_s, weights, strict=True)]
     by_virtual = [0.0] * (2 * stages)
     for s, pair in enumerate(shares):

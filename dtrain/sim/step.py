@@ -54,6 +54,7 @@ from dtrain.sim.model import (
     Layout,
     MemoryUse,
     ModelSpec,
+    chunk_flops,
     chunk_shares,
     flops_per_microbatch,
     head_stage,
@@ -715,6 +716,7 @@ def _simulate_step(
     spans: dict[tuple, float] = {}
     edges: dict[tuple, list[tuple[float, float]]] = {}
     shares = chunk_shares(model, layout)  # ZB-V's chunks of a stage priced each at its own share
+    flops = chunk_flops(model, layout)  # and its order built for their FLOPs, as dtrain train builds it
     for factors in _factors(layout, config):
         forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s)
         slowest = 0.0
@@ -726,7 +728,8 @@ def _simulate_step(
                                                microbatch_group=group, gather_s=gather_s,
                                                synchronous=config.synchronous_p2p,
                                                paired=config.paired_exchanges,
-                                               overlapped=config.overlap_p2p_comm, chunk_shares=shares)  # fmt: skip
+                                               overlapped=config.overlap_p2p_comm, chunk_shares=shares,
+                                               order_weights=flops)  # fmt: skip
             slowest = max(slowest, spans[key])
         pipelines.append(slowest)
         exposed = dp_s
@@ -753,7 +756,7 @@ def _simulate_step(
                                                       synchronous=config.synchronous_p2p,
                                                       paired=config.paired_exchanges,
                                                       overlapped=config.overlap_p2p_comm,
-                                                      chunk_shares=shares)  # fmt: skip
+                                                      chunk_shares=shares, order_weights=flops)  # fmt: skip
                 exposed = max(
                     exposed, overlapped_reduction_s(model, layout, config, dp, f, b, w, edges[key], slowest, under)
                 )
@@ -1190,7 +1193,7 @@ def step_lower_bound(
     exposed = 0.0 if overlapped else dp_s
     p2p_s = pipeline_message_lower_bound(model, layout, topology, placement, config) if exact_pipeline else 0.0
     bounds = []
-    shares = chunk_shares(model, layout)
+    shares, flops = chunk_shares(model, layout), chunk_flops(model, layout)
     spans: dict[tuple, float] = {}
     for factors in _factors(layout, config):
         forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s)
@@ -1202,7 +1205,8 @@ def step_lower_bound(
                 spans[key] = pipeline_makespan(f, b, p2p_s, m, layout.schedule, weight_s=weights, virtual_stages=v,
                                                microbatch_group=group, synchronous=config.synchronous_p2p,
                                                paired=config.paired_exchanges,
-                                               overlapped=config.overlap_p2p_comm, chunk_shares=shares)  # fmt: skip
+                                               overlapped=config.overlap_p2p_comm, chunk_shares=shares,
+                                               order_weights=flops)  # fmt: skip
             elif key not in spans:
                 spans[key] = _makespan_bound(f, b, w, layout, shares)
             slowest = max(slowest, spans[key])

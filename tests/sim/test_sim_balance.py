@@ -101,3 +101,17 @@ def test_zb_v_prices_each_chunk_at_its_share_and_builds_its_order_for_them():
         assert _makespan_bound(f, b, w, v, shares) <= shared
     with pytest.raises(ValueError, match="chunk_shares: 4 pairs of shares"):
         pipeline_makespan(f, b, 0.0, 8, "zb-v", weight_s=w, chunk_shares=[(0.7, 0.7)] * 4)
+
+
+def test_layers_that_cost_nothing_spread_evenly_and_bad_stage_ids_are_refused():
+    from dtrain.parallel.pipeline_schedules import cut_sizes, one_f_one_b, simulate
+
+    assert cut_sizes(12, 4, [0] * 12, [0, 1, 0, 1]) == cut_sizes(12, 4, [0] * 12) == [3, 3, 3, 3]
+    with pytest.raises(ValueError, match="each >= 0"):
+        cut_sizes(4, 2, [1, 1, 1, 1], [0, -1])
+    with pytest.raises(ValueError, match="weights: one a virtual stage, 2 of them, got 1"):
+        simulate([one_f_one_b(2, 2, s) for s in range(2)], weights=[1.0])
+    with pytest.raises(ValueError, match=r"6 blocks, the embedding and the head \(8 layers\) do not cut"):
+        Layout(pp=8, micro_batch=1, global_batch=8, schedule="zb-v", chunks=2, balance="layers").check(
+            ModelSpec(parameters=1e8, layers=6, hidden=256, heads=4, sequence=128, vocab=1000)
+        )

@@ -205,3 +205,21 @@ def test_the_simulator_holds_each_stage_s_parameters_tied_or_not(preset):
             for stage in range(pp):
                 want = sum(held[stage].values())
                 assert stage_parameters(spec, layout, stage) == pytest.approx(want, rel=1e-4), (schedule, balance)
+
+
+def test_the_simulator_builds_zb_v_s_order_for_the_chunk_weights_pipeline_parallel_uses():
+    from dtrain.models.decoder import build
+    from dtrain.models.presets import preset as model_preset
+    from dtrain.parallel.pipeline_parallel import forward_flops_weight, partition_layers
+    from dtrain.parallel.pipeline_schedules import stage_of_virtual, zb_v_weights
+    from dtrain.sim.model import chunk_flops
+
+    shape = model_preset("llama", "1b")
+    model, spec = build(shape, device="meta"), model_spec(shape, 64)
+    for pp in (2, 4):
+        stage_of = [stage_of_virtual(u, pp, "v")[0] for u in range(2 * pp)]
+        for balance in ("layers", "flops"):
+            cuts = partition_layers(model, 2 * pp, balance=balance, stage_of=stage_of)
+            runtime = [sum(forward_flops_weight(model[i]) for i in cut) for cut in cuts]  # as PipelineParallel
+            layout = Layout(pp=pp, micro_batch=1, global_batch=pp, schedule="zb-v", chunks=2, balance=balance)
+            assert zb_v_weights(chunk_flops(spec, layout), pp) == zb_v_weights(runtime, pp), (pp, balance)
