@@ -34,9 +34,11 @@ MODEL = [
     *("--precision", "float32", "--warmup-steps", "1", "--no-tensorboard", "--no-export"),
 ]
 RUN = ["--nproc", "2", "--dp", "2", *MODEL, "--max-restarts", "2"]
-# torchelastic's c10d rendezvous, kept short (seconds): a node that stops beating is dropped after
-# keep_alive_interval x keep_alive_max_attempt, and a round completes last_call_timeout after its first node
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=30,close_timeout=1"
+# torchelastic's c10d rendezvous (seconds): a node that stops beating is dropped after keep_alive_interval x
+# keep_alive_max_attempt, and a round of fewer than 2 nodes completes last_call_timeout after its first one. That
+# wait covers the second agent's start on a loaded machine: a first round of one node, joined late by the other,
+# runs without the kill this test makes and ends in a rendezvous timeout
+RDZV_CONF = "last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=30,close_timeout=1"
 
 
 def _env(**env: str) -> dict[str, str]:
