@@ -256,6 +256,8 @@ def _add_software(p: argparse.ArgumentParser) -> None:
 
 
 def _add_step_config(p: argparse.ArgumentParser) -> None:
+    from dtrain.sim.compute import KERNELS
+
     p.add_argument(
         "--efficiency",
         type=float,
@@ -297,6 +299,14 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the distributed optimizer's weight all-gather under the next step's first forwards, per model chunk "
         "under interleaved 1F1B (Megatron-Core's --overlap-param-gather; needs --overlap-grad-reduce)",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        default=None,
+        help="how a layer's element-wise work runs: fused (the default), megatron-lm (Megatron-LM's layer of "
+        "2021-2022) or dtrain (dtrain.models' eager decoder under bf16 autocast: 32-bit residual stream and norms, "
+        "casts, unfused RoPE and SwiGLU, 32-bit loss; the default of dtrain plan --config for a run not compiled)",
     )
     p.add_argument(
         "--grad-accumulation-fusion",
@@ -483,7 +493,7 @@ def _step_config(args: argparse.Namespace, **extra):
                       overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
                       overlap_p2p_comm=args.overlap_p2p_comm,
                       grad_accumulation_fusion=args.grad_accumulation_fusion, contention=not args.no_contention,
-                      ub_sm_margin=tuple(margins),
+                      ub_sm_margin=tuple(margins), kernels=args.kernels or "fused",
                       **extra)  # fmt: skip
 
 
@@ -514,7 +524,10 @@ def _simulate_train(args: argparse.Namespace) -> int:
                     zero_stage=args.zero, schedule=args.schedule, chunks=chunks, recompute=args.recompute,
                     sequence_parallel=args.sequence_parallel, embedding_layers=args.embedding_layers,
                     microbatch_group=args.microbatch_group, fp8=args.fp8, fp8_params=args.fp8_params,
-                    balance=args.balance)  # fmt: skip
+                    balance=args.balance, attention="flash" if args.kernels == "dtrain" else "unfused")  # fmt: skip
+    if args.kernels == "dtrain" and (args.fp8 or args.sequence_parallel):
+        raise ValueError("--kernels dtrain: dtrain.models runs neither FP8 (--fp8) nor sequence parallelism "
+                         "(--sequence-parallel)")  # fmt: skip
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma,
                           split_pipeline=args.split_pipeline, flow_limit=args.flow_limit,
                           synchronous_p2p=args.synchronous_p2p)  # fmt: skip
@@ -602,6 +615,8 @@ def _plan(args: argparse.Namespace) -> int:
                 raise ValueError(f"{flag}: not with --config (dtrain train does not run it; its plan would not hold)")
     if args.fp8_params and not args.fp8:
         raise ValueError("--fp8-params: needs --fp8 (the weights in 8 bits are for FP8 linear layers)")
+    if args.kernels == "dtrain" and args.fp8:
+        raise ValueError("--kernels dtrain: dtrain.models runs no FP8 (--fp8)")
     if args.config:
         return _plan_run(args)
     if args.global_batch is None:
@@ -624,6 +639,7 @@ def _plan(args: argparse.Namespace) -> int:
             config=_step_config(args), micro_batches=args.micro_batches, zero_stages=args.zero, max_tp=args.max_tp,
             recompute=args.recompute, fp8=args.fp8, fp8_params=args.fp8_params,
             **({"schedules": args.schedules} if args.schedules else {}),
+            **({"attention": "flash", "sequence_parallel": False} if args.kernels == "dtrain" else {}),
             top=None if args.exhaustive else max(args.top, 5),
             progress=lambda done, total: progress.update(task, completed=done, total=total),
         )  # fmt: skip
@@ -662,7 +678,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_run(args: argparse.Namespace) -> int:
     """``dtrain plan --config RUN.toml [--write OUT.toml]``: the fastest layout of the run that dtrain train runs."""
     from dtrain.train.config import load_config
-    from dtrain.train.plan import RUN_PLACEMENT, plan_run
+    from dtrain.train.plan import RUN_PLACEMENT, plan_run, run_kernels
 
     config = load_config(args.config)
     par = config.parallel
@@ -675,8 +691,11 @@ def _plan_run(args: argparse.Namespace) -> int:
     topo = _topology(args)
     if devices > len(topo.devices()):
         raise ValueError(f"--devices: {devices} but {topo.name} has {len(topo.devices())}")
+    step_config = _step_config(args)
+    if args.kernels is None:  # the run's own layer: dtrain.models' eager decoder, or compiled
+        step_config = replace(step_config, kernels=run_kernels(config))
     planned = plan_run(
-        config, topo, devices=devices, step_config=_step_config(args), micro_batches=args.micro_batches,
+        config, topo, devices=devices, step_config=step_config, micro_batches=args.micro_batches,
         zero_stages=args.zero or [0, 1, 2, 3], placements=[RUN_PLACEMENT], recompute=args.recompute,
         max_tp=args.max_tp, schedules=args.schedules,
     )  # fmt: skip

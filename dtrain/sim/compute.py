@@ -68,6 +68,30 @@ of the operations above (:data:`MEGATRON_LM_KERNELS`):
   ``sub_``, ``exp`` and ``div_`` in place (read and write 4 each) and the sum (read 4): 38 bytes a logit forward;
   backward ``mul_`` in place (8) and the cast back to 16 bits (read 4, write 2): 14.
 
+``kernels = "dtrain"`` prices the layer as ``dtrain.models`` runs it eagerly under bf16 autocast with 32-bit
+weights (``dtrain train --precision bf16``), one operation a kernel, each counted from the aten operations the
+block dispatches (``benchmarks/gpu/eager_ops.py``; a test holds the bytes to that recording on an H200):
+
+- the residual stream and the norms stay 32-bit (fused RMS norm: read and write 4 bytes a value, backward 12);
+  each product's 32-bit input is cast to 16 bits apart (q, k, v, gate, up: read 4, write 2), every weight is
+  cast anew each forward (6 bytes a weight), and the residual adds take the block's 16-bit output into the
+  32-bit stream (10 bytes a value);
+- RoPE unfused (the angles' seven small kernels; per value of q and k: times cos, the negated half, cat, times
+  sin, the sum: 20 bytes), grouped-query keys and values repeated to every head (``repeat_interleave``), SiLU and
+  its product with up apart;
+- backward casts the 32-bit gradients for the down and attention-output products and each cast input's
+  gradient back to 32 bits, adds the gradients of one input and of the residual in 32 bits, copies the head
+  gradients contiguous for their products, and runs each forward kernel's backward; each weight gradient is cast
+  to 32 bits and added into ``.grad`` (AccumulateGrad: 12 bytes a weight), or with ``fused_accumulation`` (what
+  ``dtrain train``'s ``grad_accumulation_fusion = "auto"`` does in a pipeline with ZeRO 0 or 1, and ZB-H1's and
+  ZB-V's weight passes always) added by the product itself, no pass of its own;
+- the output layer casts its weight and input, ``F.cross_entropy`` casts the logits to 32 bits (6 bytes a
+  logit) and runs PyTorch's log-softmax (:data:`LOG_SOFTMAX_BYTES`); backward zeroes the log-probabilities'
+  gradient (4), runs the log-softmax's backward and casts the result to 16 bits (6);
+- the embedding gathers 32-bit rows; backward zeroes the table's gradient and adds the rows into it.
+
+No FP8, no sequence parallelism, and the attention core is SDPA's (priced as flash attention).
+
 Each operation is priced on a :class:`DeviceCompute`: a roofline of peak dense FLOP/s and memory bandwidth with
 efficiencies. A matrix product runs at ``matmul_efficiency`` of peak times its wave efficiency (output tiles of
 128 x 128 or 256 x 128 spread over the streaming multiprocessors, the better of the two, as cuBLAS picks among
@@ -123,6 +147,7 @@ __all__ = [
     "Curve",
     "DeviceCompute",
     "KERNELS",
+    "LOG_SOFTMAX_BYTES",
     "MEGATRON_FP16_OPTIMIZER_BYTES",
     "MEGATRON_LM_KERNELS",
     "MEGATRON_LM_SOFTMAX_MAX_SEQUENCE",
@@ -387,9 +412,75 @@ def _memory(name: str, forward_bytes: float) -> list[Op]:
     return [Op(name, "memory", "F", nbytes=forward_bytes), Op(name, "memory", "B", nbytes=2 * forward_bytes)]
 
 
-#: The kernels a layer may be priced with: ``"fused"`` (the module's operations) or ``"megatron-lm"`` (Megatron-LM's
-#: layer of 2021-2022; module docstring).
-KERNELS = ("fused", "megatron-lm")
+#: The kernels a layer may be priced with: ``"fused"`` (the module's operations), ``"megatron-lm"`` (Megatron-LM's
+#: layer of 2021-2022) or ``"dtrain"`` (``dtrain.models``' eager decoder under bf16 autocast; module docstring).
+KERNELS = ("fused", "megatron-lm", "dtrain")
+
+#: Bytes a logit of PyTorch's 32-bit log-softmax moves over a row too long for shared memory
+#: (``aten/src/ATen/native/cuda/SoftMax.cu``, ``cunn_SoftMaxForward``: the maximum, the sum of exponentials and
+#: the output, each a pass reading the row, the last writing it; ``cunn_SoftMaxBackward``: the gradient's sum, then
+#: the gradient and the output read and the input gradient written). Measured on an H200 for Llama 3.2 1B's
+#: 128,256 logits a token: 15.6 and 16.5 (``benchmarks/results/eager_ops-llama1b-h200.jsonl``).
+LOG_SOFTMAX_BYTES = (16, 16)
+
+
+def _dtrain_layer_ops(model: ModelSpec, layout: Layout, fused_accumulation: bool) -> list[Op]:
+    """The memory-bound operations of one ``dtrain.models`` block and one micro-batch under bf16 autocast with
+    32-bit weights (``dtrain train --precision bf16``), each one kernel as eager PyTorch runs it (module
+    docstring); ``model.gated_mlp`` picks Llama's block (RMS norm, RoPE, grouped-query heads, SwiGLU), otherwise
+    GPT-2's (layer norm, GELU). Under ZeRO-3 the units gather 16-bit weights (``FullyShardedDataParallel``'s
+    ``param_dtype``), so the block runs in 16 bits: no casts, a 16-bit residual stream and norms, and the
+    gradients go to the shards by ZeRO-3's own reduction."""
+    b, s, h, a, t = layout.micro_batch, model.sequence, model.hidden, model.heads, layout.tp
+    tokens, d, f = b * s, h // a, model.ffn // t
+    query, key = tokens * a * d / t, tokens * model.key_value_heads * d / t  # values of q, and of k (and v)
+    th = tokens * h
+    llama = model.gated_mlp
+    matrices = [h * a * d / t, h * model.key_value_heads * d / t, h * model.key_value_heads * d / t, a * d * h / t]
+    matrices += [h * f, h * f, f * h] if llama else [h * f, f * h]
+    inputs = 5 if llama else 4  # the 32-bit inputs autocast casts for a product: q, k, v, and gate and up (or up)
+    word = 2 if layout.zero_stage == 3 else 4  # bytes a value of the residual stream
+    if word == 2:
+        inputs, matrices_cast = 0, []
+    else:
+        matrices_cast = matrices
+    ops: list[Op] = []
+
+    def add(name: str, phase: str, *sizes: float) -> None:
+        ops.extend(Op(name, "memory", phase, nbytes=n) for n in sizes)
+
+    add("norms", "F", 2 * word * th, 2 * word * th)  # fused RMS norm (or layer norm), stream in and out
+    add("input-casts", "F", *[6 * th] * inputs)  # read 4, write 2
+    add("weight-casts", "F", *(6 * w for w in matrices_cast))  # each forward casts every weight anew
+    add("residual-adds", "F", *[(2 * word + 2) * th] * 2)  # the stream plus the block's 16-bit output
+    if llama:
+        angles = tokens // b * d * 4
+        # the angles (arange, outer product, cat, cos, sin, two casts), then per q and k: x cos, the negated half,
+        # cat, x sin, the sum
+        add("rope", "F", *[angles] * 7, *(n * e for e in (query, key) for n in (4, 2, 4, 4, 6)))
+        if model.key_value_heads != a:
+            add("gqa-repeat", "F", 2 * (key + query), 2 * (key + query))  # repeat_interleave of k and v
+        add("activation", "F", 4 * tokens * f, 6 * tokens * f)  # silu, then its product with up
+    else:
+        add("activation", "F", 4 * tokens * f)  # gelu
+    # backward: the 32-bit gradients cast for the products (down, attention-out) and each cast input's gradient
+    # cast back to 32 bits; the sums of the gradients of one input, the norms, the residual
+    add("grad-casts", "B", *[6 * th] * ((2 + inputs) if word == 4 else 0))
+    add("grad-adds", "B", *[3 * word * th] * ((3 if llama else 2) + 2))
+    add("norms", "B", 3 * word * th, 3 * word * th)
+    add("head-copies", "B", 4 * query, 4 * key, 4 * key)  # q, k, v gradients made contiguous for their products
+    if llama:
+        add("rope", "B", *(n * e for e in (query, key) for n in (4, 2, 4, 4, 6)))
+        if model.key_value_heads != a:
+            add("gqa-repeat", "B", 2 * (key + query), 2 * (key + query))  # the sums over the repeated heads
+        add("activation", "B", 6 * tokens * f, 6 * tokens * f, 6 * tokens * f)  # two products, silu_backward
+    else:
+        add("activation", "B", 6 * tokens * f)
+    if matrices_cast and not fused_accumulation:  # the weight gradients cast to 32 bits, added into .grad
+        add("weight-grad-casts", "W", *(6 * w for w in matrices))
+        add("grad-accumulate", "W", 12 * sum(matrices))
+    return ops
+
 
 #: The operations ``kernels = "megatron-lm"`` adds, with the source line each comes from (Megatron-LM commit
 #: de7dc40; PyTorch 1.8, the NGC 20.12 container of ``examples/sc21/SRUN.sh``).
@@ -422,26 +513,33 @@ def layer_ops(
     priced with ``kernels`` (:data:`KERNELS`); ``fused_accumulation``: the weight-gradient products accumulate
     into the 32-bit gradients themselves (no separate pass)."""
     _check_kernels(kernels)
-    megatron = kernels == "megatron-lm"
+    megatron, eager = kernels == "megatron-lm", kernels == "dtrain"
     b, s, h, a, t = layout.micro_batch, model.sequence, model.hidden, model.heads, layout.tp
     tokens, d, f = b * s, h // a, model.ffn
     kv = model.key_value_heads
     outside = tokens * h / (t if layout.sequence_parallel else 1)
     fp8 = layout.fp8
+    if eager and (fp8 or layout.sequence_parallel or layout.attention != "flash"):
+        raise ValueError("kernels 'dtrain': dtrain.models runs no FP8, no sequence parallelism, and SDPA attention")
     mlp_in = (2 if model.gated_mlp else 1) * f // t
     ops = [
         *_matmul("qkv", tokens, (h + 2 * kv * d) // t, h, fp8=fp8),
         *_matmul("attention-out", tokens, h, h // t, fp8=fp8),
         *_matmul("mlp-in", tokens, mlp_in, h, fp8=fp8),
         *_matmul("mlp-out", tokens, h, f // t, fp8=fp8),
-        Op("norms", "memory", "F", nbytes=2 * 4 * outside),
-        Op("norms", "memory", "B", nbytes=2 * (10 if megatron else 8) * outside),
-        *_memory("residual-adds", 2 * 7 * outside),
-        *_memory("activation", (6 if model.gated_mlp else 4) * tokens * f / t),
     ]
     weights = (h * (h + 2 * kv * d) + h * h + (3 if model.gated_mlp else 2) * h * f) / t
-    if not fused_accumulation:
-        ops.append(Op("grad-accumulate", "memory", "W", nbytes=8 * weights))
+    if eager:
+        ops += _dtrain_layer_ops(model, layout, fused_accumulation)
+    else:
+        ops += [
+            Op("norms", "memory", "F", nbytes=2 * 4 * outside),
+            Op("norms", "memory", "B", nbytes=2 * (10 if megatron else 8) * outside),
+            *_memory("residual-adds", 2 * 7 * outside),
+            *_memory("activation", (6 if model.gated_mlp else 4) * tokens * f / t),
+        ]
+        if not fused_accumulation:
+            ops.append(Op("grad-accumulate", "memory", "W", nbytes=8 * weights))
     if fp8:  # Transformer Engine's casts and transposes (module docstring)
         inputs = tokens * (2 * h + h / t + f / t)  # QKV and MLP-in (gathered), attention-out, MLP-out
         outputs = tokens * ((h + 2 * kv * d) / t + h + mlp_in + h)  # each product's output gradient
@@ -505,8 +603,16 @@ def stage_ops(
         forward, backward = (23, 17) if megatron else (4, 4)
         first = [Op("embedding", "memory", "F", nbytes=forward * tokens * h),
                  Op("embedding", "memory", "B", nbytes=backward * tokens * h + 4 * v * h / t)]  # fmt: skip
+        if kernels == "dtrain":  # 32-bit rows gathered; backward zeroes the table's gradient, adds rows, accumulates
+            first = [Op("embedding", "memory", "F", nbytes=8 * tokens * h),
+                     Op("embedding", "memory", "B", nbytes=4 * v * h / t),
+                     Op("embedding", "memory", "B", nbytes=8 * tokens * h),
+                     Op("grad-accumulate", "memory", "W", nbytes=12 * v * h / t)]  # fmt: skip
     out["first"] = first
     last = []
+    if stage == head_stage(layout) and kernels == "dtrain":
+        out["last"] = _dtrain_head_ops(model, layout, fused_accumulation)
+        return out
     if stage == head_stage(layout):
         last += _memory("final-norm", 4 * tokens * h / (t if layout.sequence_parallel else 1))
         if megatron:
@@ -520,6 +626,43 @@ def stage_ops(
                      Op("cross-entropy", "memory", "B", nbytes=backward * logits)]  # fmt: skip
     out["last"] = last
     return out
+
+
+def _dtrain_head_ops(model: ModelSpec, layout: Layout, fused_accumulation: bool) -> list[Op]:
+    """``dtrain.models``' final norm, output layer and loss for one micro-batch under bf16 autocast: the norm in 32
+    bits, the weight and input cast, the logits cast to 32 bits for ``F.cross_entropy`` (log-softmax, then the
+    loss's gather); backward zeroes the log-probabilities' gradient, runs the log-softmax's, casts it to 16 bits for
+    the products, and casts and accumulates the weight's gradient. Under ZeRO-3, 16-bit weights and stream as
+    :func:`_dtrain_layer_ops`: no casts but the logits'."""
+    tokens, h, t, v = layout.micro_batch * model.sequence, model.hidden, layout.tp, model.vocab
+    th, cast = tokens * h, layout.zero_stage != 3
+    word = 4 if cast else 2
+    ops = [
+        Op("final-norm", "memory", "F", nbytes=2 * word * th),
+        Op("final-norm", "memory", "B", nbytes=3 * word * th),
+    ]
+    if not v:
+        return ops
+    logits, weight = tokens * v / t, v * h / t
+    forward, backward = LOG_SOFTMAX_BYTES
+    if cast:
+        ops += [Op("weight-casts", "memory", "F", nbytes=6 * weight), Op("input-casts", "memory", "F", nbytes=6 * th)]
+    ops += [
+        *_matmul("logits", tokens, -(-v // t), h),
+        Op("cross-entropy", "memory", "F", nbytes=6 * logits),  # the cast to 32 bits
+        Op("cross-entropy", "memory", "F", nbytes=forward * logits),
+        Op("cross-entropy", "memory", "B", nbytes=4 * logits),  # nll_loss_backward's zeroed gradient
+        Op("cross-entropy", "memory", "B", nbytes=backward * logits),
+        Op("cross-entropy", "memory", "B", nbytes=6 * logits),  # the cast back to 16 bits
+    ]
+    if cast:
+        ops.append(Op("grad-casts", "memory", "B", nbytes=6 * th))
+    if cast and not fused_accumulation:
+        ops += [
+            Op("weight-grad-casts", "memory", "W", nbytes=6 * weight),
+            Op("grad-accumulate", "memory", "W", nbytes=12 * weight),
+        ]
+    return ops
 
 
 def price(op: Op, device: DeviceCompute) -> float:

@@ -535,7 +535,11 @@ def _priced(
     if found is not None and found[0] is config.curves:
         return found[1]
     device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
-    fused = config.grad_accumulation_fusion
+    # dtrain train's default (grad_accumulation_fusion "auto") adds a pipeline's weight gradients inside the
+    # products from the second micro-batch on, with ZeRO 0 or 1
+    fused = config.grad_accumulation_fusion or (
+        config.kernels == "dtrain" and layout.pp > 1 and layout.zero_stage in (0, 1)
+    )
     work = stage_compute(model, layout, stage, device, config.kernels, fused_accumulation=fused)
     ops = [op for op in layer_ops(model, layout) if op.name in _COLUMN]
     wgrads = tuple(price(op, device) for op in ops if op.phase == "W")

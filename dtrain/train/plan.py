@@ -30,7 +30,7 @@ from dtrain.models.config import GPT2Config
 from dtrain.models.flops import parameter_count, shape_dims
 from dtrain.train.config import TrainConfig
 
-__all__ = ["RUN_PLACEMENT", "PlannedRun", "model_spec", "plan_run", "refusal", "run_shape"]
+__all__ = ["RUN_PLACEMENT", "PlannedRun", "model_spec", "plan_run", "refusal", "run_kernels", "run_shape"]
 
 #: the placement dtrain train's ranks have: grid rank r on the r-th device (dtrain.sim.placement's "aware")
 RUN_PLACEMENT = "aware"
@@ -55,6 +55,12 @@ def run_shape(config: TrainConfig):
 
     _, tokenizer = resolve_data(config)
     return resolve_model(config, Tokenizer.load(tokenizer))
+
+
+def run_kernels(config: TrainConfig) -> str:
+    """The simulator's kernel set (:data:`dtrain.sim.compute.KERNELS`) of a run: ``"dtrain"``, dtrain.models' own
+    eager operations, or ``"fused"`` where ``training.compile`` has them fused."""
+    return "fused" if config.training.compile else "dtrain"
 
 
 def model_spec(shape, seq_len: int, name: str = "model"):
@@ -141,11 +147,16 @@ def plan_run(
 ) -> PlannedRun:
     """The fastest simulated layout of ``config``'s model and global batch on ``devices`` devices of
     ``topology`` that ``dtrain train`` runs, as a run config. ``schedules``: the (pipeline schedule, chunks a
-    stage) pairs to try (default: every schedule dtrain train runs but GPipe, interleaved 1F1B with its chunks).
+    stage) pairs to try (default: every schedule dtrain train runs but GPipe, interleaved 1F1B with its chunks);
+    ``step_config`` defaults to the simulator's defaults with the run's own kernels (:func:`run_kernels`).
     ValueError (one line) where no layout fits."""
     from dtrain.sim.model import RECOMPUTE
     from dtrain.sim.planner import plan
+    from dtrain.sim.step import StepConfig
     from dtrain.train.loop import INTERLEAVED_CHUNKS
+
+    if step_config is None:
+        step_config = StepConfig(kernels=run_kernels(config))
 
     shape = run_shape(config) if shape is None else shape
     spec = model_spec(shape, config.data.seq_len, name=config.model.preset if not config.model.config else "model")

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from dtrain.sim.compute import DEVICE_COMPUTE, Curve, device_compute, layer_ops, load_curves, price, stage_compute
+from dtrain.sim.compute import (
+    DEVICE_COMPUTE,
+    LOG_SOFTMAX_BYTES,
+    Curve,
+    device_compute,
+    layer_ops,
+    load_curves,
+    price,
+    stage_compute,
+    stage_ops,
+)
 from dtrain.sim.model import Layout, ModelSpec
 
 GPT = ModelSpec(parameters=1e9, layers=4, hidden=1024, heads=16, sequence=512, vocab=32000)
@@ -293,3 +304,66 @@ def test_the_stored_sustained_factor_is_the_mean_over_the_layers_measured(tmp_pa
         files[-1].write_text(json.dumps(row) + "\n")
     _store_mean([str(f) for f in files], str(path))
     assert load_curves(path)["h200-sxm"]["sustained"] == {"matmul": pytest.approx(1.2)}
+
+
+LLAMA_1B = ModelSpec(parameters=1.24e9, layers=16, hidden=2048, heads=32, sequence=2048, vocab=128256,
+                     ffn_hidden=8192, kv_heads=8, gated_mlp=True)  # fmt: skip
+EAGER_OPS = Path(__file__).resolve().parents[2] / "benchmarks/results/eager_ops-llama1b-h200x1-run2.jsonl"
+_MATRIX_OR_ATTENTION = ("mm", "_cudnn_attention", "_scaled_dot_product", "_flash_attention", "_efficient_attention")
+_NO_KERNEL = {"unsqueeze", "squeeze", "slice", "select", "as_strided", "_reshape_alias", "unbind", "empty"}
+
+
+def _recorded_bytes(op: dict, logits: int) -> float | None:
+    """Bytes one recorded aten operation reads and writes (None: a product, attention, a view, or the test's own
+    seed gradient); the recording counts each input's elements, so an expanded view, a loss that gathers and a
+    zero-fill are counted as what they touch, and the log-softmax as the passes PyTorch's kernels make."""
+    name = op["op"].split(".")[1]
+    if name.startswith(_MATRIX_OR_ATTENTION) or name in _NO_KERNEL or name == "ones_like":
+        return None
+    if name in ("_log_softmax", "_log_softmax_backward_data"):
+        return LOG_SOFTMAX_BYTES[name != "_log_softmax"] * logits
+    reads = [n for _, _, n in op["inputs"]]
+    if name == "clone" and len(op["inputs"][0][0]) == 5:  # repeat_interleave: (b, kv, repeat, s, d) read once
+        reads = [reads[0] / op["inputs"][0][0][2]]
+    if name in ("nll_loss_forward", "nll_loss_backward", "fill_"):  # a gather of b s values; a fill writes only
+        reads = []
+    return sum(reads) + sum(n for _, _, n in op["outputs"])
+
+
+def test_dtrain_kernels_move_the_bytes_the_eager_decoder_dispatched_on_an_h200() -> None:
+    """``kernels="dtrain"`` against every aten operation a Llama 3.2 1B block and its head dispatched under bf16
+    autocast on an H200 (``benchmarks/gpu/eager_ops.py``, a TorchDispatchMode): the same number of memory-bound
+    kernels a pass and the same bytes, to 0.5%."""
+    record = next(r for r in map(json.loads, EAGER_OPS.read_text().splitlines()) if r["record"] == "ops")
+    layout = Layout(micro_batch=record["micro_batch"], global_batch=record["micro_batch"], attention="flash")
+    assert record["seq_len"] == LLAMA_1B.sequence
+    logits = layout.micro_batch * LLAMA_1B.sequence * LLAMA_1B.vocab
+    recorded: dict[tuple[str, str], list[float]] = {}
+    for op in record["ops"]:
+        if op["part"] == "head" and op["op"].startswith("aten.add_"):
+            continue  # the recording's block and head share one leaf input, whose gradient the head's adds to
+        if (n := _recorded_bytes(op, logits)) is not None and not op["op"].startswith("aten.nll_loss_forward"):
+            recorded.setdefault((op["part"], op["pass"]), []).append(n)
+    parts = stage_ops(LLAMA_1B, layout, 0, "dtrain")
+    for part, key in (("block", "layer"), ("head", "last")):
+        for phase in ("F", "B"):
+            priced = [op.nbytes for op in parts[key] if op.kind == "memory" and (op.phase == "F") == (phase == "F")
+                      and op.name != "grad-accumulate"]  # fmt: skip
+            assert len(priced) == len(recorded[part, phase]), (part, phase)
+            assert sum(priced) == pytest.approx(sum(recorded[part, phase]), rel=5e-3), (part, phase)
+
+
+def test_dtrain_kernels_cast_every_weight_each_micro_batch_and_run_no_fp8_or_sequence_parallelism() -> None:
+    def casts(micro_batch: int) -> float:
+        ops = layer_ops(LLAMA_1B, Layout(micro_batch=micro_batch, global_batch=8, attention="flash"), "dtrain")
+        return sum(op.nbytes for op in ops if op.name == "weight-casts")
+
+    weights = 2048 * (2048 + 2 * 512) + 2048 * 2048 + 3 * 2048 * 8192
+    assert casts(1) == casts(4) == 6 * weights  # read 4, write 2 a weight, whatever the micro-batch
+    flash = Layout(micro_batch=2, global_batch=2, attention="flash")
+    eager, fused = (stage_compute(LLAMA_1B, flash, 0, DEVICE_COMPUTE["h200-sxm"], k) for k in ("dtrain", "fused"))
+    assert eager.forward_s > fused.forward_s and eager.flops == fused.flops  # the same products, more bytes
+    for layout in (Layout(attention="flash", fp8=True), Layout(attention="flash", sequence_parallel=True, tp=2),
+                   Layout()):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^kernels 'dtrain': dtrain.models runs no FP8"):
+            layer_ops(LLAMA_1B, layout, "dtrain")

@@ -420,6 +420,10 @@ def test_contention_is_priced_unless_turned_off(capsys: pytest.CaptureFixture[st
         (["simulate", "train", "--topology", "h100-node", "--dp", "8", "--global-batch", "8", "--efficiency", "1.5"],
          "--efficiency 1.5: a share of peak"),
         (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--efficiency", "0"], "--efficiency 0.0"),
+        (["simulate", "train", "--topology", "h100-node", "--tp", "2", "--global-batch", "8", "--kernels", "dtrain",
+          "--sequence-parallel"], "--kernels dtrain: dtrain.models runs neither FP8 (--fp8) nor sequence parallelism"),
+        (["plan", "--topology", "h100-node", "--global-batch", "8", "--kernels", "dtrain", "--fp8"],
+         "--kernels dtrain: dtrain.models runs no FP8 (--fp8)"),
     ],
 )  # fmt: skip
 def test_bad_sizes_ranks_and_plan_flags_are_one_line_naming_the_flag(capsys, argv, message) -> None:

@@ -4,7 +4,8 @@ Every row is a measured run: the Llama 1B benchmark's variants (dtrain, ZeRO-3, 
 checkpointing, eager), the deepest Llama of 8B width that ZeRO-3 trained, the seven ``dtrain train`` layouts over
 100 steps, and the planned run. Each is simulated as dtrain runs it (flash attention, no sequence parallelism,
 1F1B) on the ``h100-node`` preset with compute priced per operation on the H100 curves of ``dtrain bench compute``
-(dtrain/sim/compute_curves.json). Nothing is fitted to these rows.
+(dtrain/sim/compute_curves.json), the element-wise work as dtrain.models runs it (``kernels = "dtrain"``; each
+row also records the fused layer's prediction). Nothing is fitted to these rows.
 
     python benchmarks/sim/validate.py training-h100 [--out benchmarks/results/sim_vs_measured-h100x4.jsonl]
 """
@@ -20,7 +21,7 @@ from dtrain.cluster.presets import preset
 from dtrain.models import preset as model_preset
 from dtrain.sim.model import Layout
 from dtrain.sim.placement import place
-from dtrain.sim.step import simulate_step
+from dtrain.sim.step import StepConfig, simulate_step
 from dtrain.train.plan import model_spec
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
@@ -79,17 +80,20 @@ def rows() -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="validate.py training-h100", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="JSON lines, one per run")
+    parser.add_argument("--kernels", default="dtrain", help="the simulator's kernel set (default: dtrain.models')")
     args = parser.parse_args(argv)
     topo = preset("h100-node")
     records, errors = [], []
     for row in rows():
         layout = row["layout"]
-        result = simulate_step(row["model"], layout, topo, place(topo, layout))
+        result = simulate_step(row["model"], layout, topo, place(topo, layout), StepConfig(kernels=args.kernels))
+        fused = simulate_step(row["model"], layout, topo, place(topo, layout), StepConfig(kernels="fused"))
         error = result.step_s / row["measured_s"] - 1
         errors.append(abs(error))
         records.append({"run": row["run"], "layout": layout.describe(), "measured_s": row["measured_s"],
                         "predicted_s": result.step_s, "error": error, "source": row["source"],
-                        "predicted_memory_gib": result.memory.total / 2**30})  # fmt: skip
+                        "predicted_memory_gib": result.memory.total / 2**30, "kernels": args.kernels,
+                        "predicted_fused_s": fused.step_s})  # fmt: skip
         print(f"{row['run']:48s} {layout.describe():40s} measured {row['measured_s'] * 1e3:8.1f} ms  predicted "
               f"{result.step_s * 1e3:8.1f} ms  {error:+.1%}")  # fmt: skip
     print(f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} runs")
