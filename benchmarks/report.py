@@ -2964,21 +2964,25 @@ def _eager_decoder_part() -> list[str]:
     pipeline = []
     for schedule, chunks in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)):
         for balance in ("layers", "flops"):
-            measured = []
+            measured, peaks = [], []
             for lease in (1, 2):
                 name = f"train_balance-llama1b-pp4-{schedule}-{balance}-h200x4-lease{lease}.jsonl"
                 if (RESULTS / name).exists():
                     records = load(name)
                     measured.append(1e3 * statistics.median(r["step_s"] for r in records if r["step"] > 10))
+                    peaks.append(max(r["peak_memory_gib"] for r in records))
             if not measured:
                 continue
             layout = Layout(pp=4, micro_batch=2, global_batch=16, schedule=schedule, chunks=chunks,
                             attention="flash", balance=balance)  # fmt: skip
-            sims = [1e3 * simulate_step(spec, layout, topo, place(topo, layout), StepConfig(kernels=k)).step_s
+            sims = [simulate_step(spec, layout, topo, place(topo, layout), StepConfig(kernels=k))
                     for k in ("fused", "dtrain")]  # fmt: skip
+            steps = [1e3 * r.step_s for r in sims]
             pipeline.append([schedule, balance, " / ".join(f"{m:.1f}" for m in measured),
-                             f"{sims[0]:.1f}", " / ".join(f"{sims[0] / m - 1:+.0%}" for m in measured),
-                             f"{sims[1]:.1f}", " / ".join(f"{sims[1] / m - 1:+.0%}" for m in measured)])  # fmt: skip
+                             f"{steps[0]:.1f}", " / ".join(f"{steps[0] / m - 1:+.0%}" for m in measured),
+                             f"{steps[1]:.1f}", " / ".join(f"{steps[1] / m - 1:+.0%}" for m in measured),
+                             f"{max(peaks):.1f}",
+                             " / ".join(f"{r.memory.total / 2**30:.1f}" for r in sims)])  # fmt: skip
     errors = {k: [abs(float(e.strip("%+")) / 100) for row in pipeline for e in row[i].split(" / ")]
               for k, i in (("fused", 4), ("dtrain", 6))}  # fmt: skip
     return [
@@ -3003,10 +3007,25 @@ def _eager_decoder_part() -> list[str]:
             rows,
         ),
         "The 4-stage runs of the section above (median step, lease 1 / lease 2) against `simulate_step` on "
-        "`h200-4gpu` with each kernel set (`dtrain plan --config` prices with `dtrain`). Median / worst |error|: "
+        "`h200-4gpu` with each kernel set (`dtrain plan --config` prices with `dtrain`), and the peak memory "
+        "(`torch.cuda.max_memory_allocated`, as `dtrain train` records it) beside the memory model's with each "
+        "set. Step time, median / worst |error|: "
         f"fused {statistics.median(errors['fused']):.0%} / {max(errors['fused']):.0%}, dtrain "
         f"{statistics.median(errors['dtrain']):.0%} / {max(errors['dtrain']):.0%}.",
-        table(["schedule", "balance", "measured ms", "fused ms", "error", "dtrain ms", "error"], pipeline),
+        table(
+            [
+                "schedule",
+                "balance",
+                "measured ms",
+                "fused ms",
+                "error",
+                "dtrain ms",
+                "error",
+                "peak GiB",
+                "priced GiB, fused / dtrain",
+            ],
+            pipeline,
+        ),  # fmt: skip
     ]
 
 

@@ -213,7 +213,8 @@ def test_the_pure_layers_import_no_torch_when_loaded():
     assert result.stdout == "[]\n"
 
 
-def _defined(path: Path) -> set[str] | None:
+@functools.cache
+def _defined(path: Path) -> frozenset[str] | None:
     """The names ``path`` binds at module level (in ``if`` and ``try`` blocks too), with those of its ``__all__``
     where a module ``__getattr__`` loads them on first use; None where a star import makes them unknowable from
     the source."""
@@ -261,7 +262,7 @@ def _defined(path: Path) -> set[str] | None:
             return out
 
         names.update(strings(values.get("__all__")))
-    return names
+    return frozenset(names)
 
 
 def test_every_name_imported_from_dtrain_is_defined_there():

@@ -80,9 +80,12 @@ def job_keys(task: TaskConfig, synthetic_keys: int = 0) -> int:
     """Keys the task needs (``synthetic_keys`` for the synthetic task)."""
     if task.task == "synthetic":
         return synthetic_keys
+    import torch
+
     from dtrain.ps.module import key_space
 
-    model, sparse = build_task_model(task)
+    with torch.device("meta"):  # shapes alone: no memory for a width the job's checks may yet refuse
+        model, sparse = build_task_model(task)
     return key_space(model, task.width, sparse)[2]
 
 

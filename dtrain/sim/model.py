@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from dtrain.parallel.pipeline_schedules import PLACEMENT, cut_sizes, stage_of_virtual
+from dtrain.parallel.pipeline_schedules import PLACEMENT, cut_sizes, stage_of_virtual, zb_v
 
 __all__ = [
     "ATTENTION",
@@ -371,6 +371,34 @@ def block_flops_weight(model: ModelSpec) -> float:
 
 
 @functools.lru_cache(maxsize=256)
+def zb_v_blocks_in_flight(model: ModelSpec, layout: Layout) -> tuple[int, ...]:
+    """Under ZB-V with ``dtrain train``'s cut: each stage's peak of blocks' activations held (micro-batch-blocks),
+    from the order ``dtrain train`` runs (:func:`dtrain.parallel.pipeline_schedules.zb_v`, built for its passes'
+    FLOPs, ``dtrain.models.flops.pass_flops_per_token``, and each chunk's FLOPs, :func:`chunk_flops`): a chunk's
+    blocks held from a micro-batch's forward until its weight-gradient pass. The V's two chunks of a stage are
+    unequal under the cut, and its order may hold a pair more than 1F1B's ``2p``; the ``min(p, m)`` stage's worth
+    of 1F1B misses both."""
+    p, m = layout.pp, layout.microbatches
+    blocks = _dtrain_blocks(model, p, 2, "v", layout.balance)
+    products = model.layers * block_flops_weight(model) + 2.0 * model.vocab * model.hidden
+    attention = 4.0 * model.layers * model.hidden * model.sequence
+    costs = (products + attention, products + 2 * attention, products)
+    out = []
+    for stage in range(p):
+        chunk_blocks = {stage_of_virtual(u, p, "v")[1]: blocks[u] for u in range(2 * p)
+                        if stage_of_virtual(u, p, "v")[0] == stage}  # fmt: skip
+        held = peak = 0
+        for action in zb_v(p, m, stage, 2, costs=costs, weights=chunk_flops(model, layout)):
+            if action.kind == "F":
+                held += chunk_blocks[action.chunk]
+            elif action.kind == "W":
+                held -= chunk_blocks[action.chunk]
+            peak = max(peak, held)
+        out.append(peak)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
 def _dtrain_blocks(model: ModelSpec, p: int, v: int, placement: str, balance: str) -> tuple[int, ...]:
     """The blocks of each virtual stage (model order) in ``dtrain train``'s cut of its layers."""
     head = [2.0 * model.vocab * model.hidden] if model.vocab else []
@@ -397,19 +425,20 @@ def stage_layers(model: ModelSpec, layout: Layout, stage: int) -> int:
     return per - e if stage in (0, layout.pp - 1) else per
 
 
-def memory_per_device(model: ModelSpec, layout: Layout) -> MemoryUse:
+def memory_per_device(model: ModelSpec, layout: Layout, kernels: str = "fused") -> MemoryUse:
     """Peak bytes per device of ``model`` trained with ``layout``: the largest of the first stage's and the last
     stage's (and the second stage's where the embeddings count as layers: it holds more layers than the first),
-    see the module docstring for the sources."""
-    first = _stage_memory(model, layout, 0)
+    see the module docstring for the sources. ``kernels = "dtrain"``: as ``dtrain.models`` holds them under bf16
+    autocast (:func:`activation_bytes_per_layer`, 32-bit weights and gradients)."""
+    first = _stage_memory(model, layout, 0, kernels)
     if layout.pp == 1:
         return first
     if layout.balance is not None:
-        stages = [_stage_memory(model, layout, s) for s in range(layout.pp)]
+        stages = [_stage_memory(model, layout, s, kernels) for s in range(layout.pp)]
     else:
-        stages = [first, _stage_memory(model, layout, layout.pp - 1)]
+        stages = [first, _stage_memory(model, layout, layout.pp - 1, kernels)]
     if layout.embedding_layers and layout.pp > 2:
-        stages.append(_stage_memory(model, layout, 1))
+        stages.append(_stage_memory(model, layout, 1, kernels))
     return max(stages, key=lambda use: use.total)
 
 
@@ -447,35 +476,51 @@ def layers_in_flight(model: ModelSpec, layout: Layout) -> float:
     return min(p, m) * per_stage
 
 
-def _stage_memory(model: ModelSpec, layout: Layout, stage: int) -> MemoryUse:
+def _stage_memory(model: ModelSpec, layout: Layout, stage: int, kernels: str = "fused") -> MemoryUse:
     shard = stage_parameters(model, layout, stage) / layout.tp
     zero = layout.zero_stage
-    weights = 2 * shard / (layout.dp if zero >= 3 else 1)
+    eager = kernels == "dtrain"  # 32-bit weights and gradients, Adam's two 32-bit moments
+    weights = (4 if eager else 2) * shard / (layout.dp if zero >= 3 else 1)
     if layout.fp8 and not layout.fp8_params:  # the 8-bit weights and their transpose beside the 16-bit ones
         weights += 2 * shard / (layout.dp if zero >= 3 else 1)
-    gradients = 2 * shard / (layout.dp if zero >= 2 else 1)
-    optimizer = 12 * shard / (layout.dp if zero >= 1 else 1)
-    if stage == 0:
+    gradients = (4 if eager else 2) * shard / (layout.dp if zero >= 2 else 1)
+    optimizer = (8 if eager else 12) * shard / (layout.dp if zero >= 1 else 1)
+    if layout.schedule == "zb-v" and layout.balance is not None and layout.pp > 1:
+        held = zb_v_blocks_in_flight(model, layout)[stage]
+    elif stage == 0:
         held = layers_in_flight(model, layout)
     elif layout.embedding_layers or layout.balance is not None:  # a 1F1B stage s holds p - s (m under GPipe)
         waiting = layout.microbatches if layout.schedule == "gpipe" else min(layout.pp - stage, layout.microbatches)
         held = waiting * stage_layers(model, layout, stage)
     else:
         held = min(1, layout.microbatches) * model.layers / layout.pp
-    activations = activation_bytes_per_layer(model, layout) * held
+    activations = activation_bytes_per_layer(model, layout, kernels=kernels) * held
     if layout.recompute != "none":  # what one layer's backward recomputes, held while it runs
-        kept = activation_bytes_per_layer(model, layout, "none")
-        activations += kept if layout.recompute == "full" else kept - activation_bytes_per_layer(model, layout)
-    if stage == head_stage(layout) and model.vocab:  # the logits (16-bit) and the cross-entropy's 32-bit softmax
-        activations += 6 * layout.micro_batch * model.sequence * model.vocab / layout.tp
+        kept = activation_bytes_per_layer(model, layout, "none", kernels)
+        activations += (
+            kept if layout.recompute == "full" else kept - activation_bytes_per_layer(model, layout, kernels=kernels)
+        )
+    tokens = layout.micro_batch * model.sequence
+    if stage == head_stage(layout) and model.vocab and eager:
+        # the final norm's 32-bit input, the output layer's 16-bit input and weight (cast for each micro-batch) and
+        # the log-softmax's 32-bit output, for the one micro-batch the last stage holds
+        cast = 0 if zero >= 3 else 2 * model.vocab * model.hidden / layout.tp
+        activations += 6 * tokens * model.hidden + cast + 4 * tokens * model.vocab / layout.tp
+    elif stage == head_stage(layout) and model.vocab:  # the logits (16-bit) and the cross-entropy's 32-bit softmax
+        activations += 6 * tokens * model.vocab / layout.tp
     return MemoryUse(weights=weights, gradients=gradients, optimizer=optimizer, activations=activations)
 
 
-def activation_bytes_per_layer(model: ModelSpec, layout: Layout, recompute: str | None = None) -> float:
+def activation_bytes_per_layer(
+    model: ModelSpec, layout: Layout, recompute: str | None = None, kernels: str = "fused"
+) -> float:
     """Bytes one transformer layer keeps for backward of one micro-batch on one device, under ``recompute``
-    (default: the layout's) and the layout's sequence parallelism (Korthikanti et al. 2022, table 2)."""
+    (default: the layout's) and the layout's sequence parallelism (Korthikanti et al. 2022, table 2); with
+    ``kernels = "dtrain"``, what ``dtrain.models``' block saves under bf16 autocast (:func:`_dtrain_activations`)."""
     recompute = layout.recompute if recompute is None else recompute
     s, b, h, a, t = model.sequence, layout.micro_batch, model.hidden, model.heads, layout.tp
+    if kernels == "dtrain":
+        return _dtrain_activations(model, layout, recompute)
     sp = layout.sequence_parallel
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
@@ -484,6 +529,30 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, recompute: str 
     if layout.fp8:  # the linear layers' inputs in 8 bits (module docstring)
         outside -= 7 / t if sp else 2 + 5 / t
     return s * b * h * (outside + (attention_core if recompute == "none" else 0.0))
+
+
+def _dtrain_activations(model: ModelSpec, layout: Layout, recompute: str) -> float:
+    """Bytes a ``dtrain.models`` block saves for backward of one micro-batch of ``T`` tokens under bf16 autocast
+    with 32-bit weights, as autograd holds them (counted with ``torch.autograd.graph.saved_tensors_hooks``): the
+    block's 32-bit input and the stream after attention (the norms' inputs, 4 bytes a value each), the 16-bit
+    input each product casts for itself (q, k, v, gate and up: 2 bytes a value each), the attention's q, keys and
+    values repeated to every head, and output (2 bytes each), the MLP's gate, SiLU, up and product outputs (2 bytes
+    each, ``f`` wide), the attention's 32-bit log-sum-exp, and every weight's 16-bit cast (2 bytes a weight, each
+    micro-batch its own). Under ZeRO-3 the block runs on gathered 16-bit weights: a 16-bit stream, one norm output
+    for q, k and v and one for gate and up, no casts kept. Full recomputation (``activation_checkpointing``) keeps
+    the block's input alone."""
+    tokens, h, a, t = layout.micro_batch * model.sequence, model.hidden, model.heads, layout.tp
+    sixteen = layout.zero_stage >= 3
+    if recompute == "full":
+        return (2 if sixteen else 4) * tokens * h
+    d, f, kv = h // a, model.ffn / t, model.key_value_heads
+    query = tokens * a * d / t
+    weights = (h * (h + 2 * kv * d) + h * h + (3 if model.gated_mlp else 2) * h * model.ffn) / t
+    stream = 2 * (2 if sixteen else 4) * tokens * h
+    inputs = (2 if sixteen else (5 if model.gated_mlp else 4)) * 2 * tokens * h
+    attention = 4 * 2 * query + 4 * tokens * a / t
+    mlp = (4 if model.gated_mlp else 2) * 2 * tokens * f
+    return stream + inputs + attention + mlp + (0 if sixteen else 2 * weights)
 
 
 def tp_all_reduces_per_layer(layout: Layout) -> int:

@@ -709,7 +709,7 @@ def _simulate_step(
     pp_s = send_s + gather_s
     dp_s = sum(r.time_s for r in dp)
     embedding_s = _embedding_all_reduce_s(model, layout, topology, placement, config, cache)
-    memory = memory_per_device(model, layout)
+    memory = memory_per_device(model, layout, config.kernels)
     owned = max(stage_parameters(model, layout, s) for s in _edge_stages(layout)) / layout.tp
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)

@@ -367,3 +367,55 @@ def test_dtrain_kernels_cast_every_weight_each_micro_batch_and_run_no_fp8_or_seq
                    Layout()):  # fmt: skip
         with pytest.raises(ValueError, match=r"^kernels 'dtrain': dtrain.models runs no FP8"):
             layer_ops(LLAMA_1B, layout, "dtrain")
+
+
+@pytest.mark.parametrize("preset_name", ["tiny", "1b"])
+def test_dtrain_activation_bytes_are_what_autograd_saves_for_a_block(preset_name: str) -> None:
+    """``activation_bytes_per_layer(..., kernels="dtrain")`` against the tensors autograd keeps for a
+    ``dtrain.models`` block under bf16 autocast (``saved_tensors_hooks``, each storage once), on the CPU. The CPU's
+    RMS norm is the composite one, which also keeps its 32-bit normalized input and its weight; CUDA's fused kernel
+    keeps the input and the reciprocal root mean square alone. RoPE's cos and sin are a few kilobytes."""
+    import torch
+
+    from dtrain.models.decoder import Block
+    from dtrain.models.presets import preset
+    from dtrain.sim.model import activation_bytes_per_layer
+    from dtrain.train.plan import model_spec
+
+    config = preset("llama", preset_name)
+    b, s = 2, 64
+    torch.manual_seed(0)
+    block = Block(config)
+    x = torch.randn(b, s, config.hidden_size, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        saved.setdefault(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        return tensor
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        block(x)
+    h, d = config.hidden_size, config.head_dim
+    cpu_norms = 2 * (4 * b * s * h + 4 * h)  # the composite norm's normalized input and weight, twice
+    rope = 2 * 2 * s * d  # cos and sin, 16 bits
+    spec = model_spec(config, s)
+    priced = activation_bytes_per_layer(
+        spec, Layout(micro_batch=b, global_batch=b, attention="flash"), "none", "dtrain"
+    )
+    rstd = 2 * 4 * b * s  # the norms' 32-bit reciprocal root mean squares, not priced
+    assert sum(saved.values()) == priced + cpu_norms + rope + rstd
+
+
+def test_zb_v_memory_follows_the_order_dtrain_train_runs() -> None:
+    """Under ZB-V with ``dtrain train``'s cut each stage holds its chunks' blocks from a micro-batch's forward to its
+    weight-gradient pass, as the order built for the chunks' FLOPs schedules them: at least one micro-batch of
+    every block it holds, at most all ``m``, and on Llama 1B (pp 4, m 8, equal layer counts) more than 1F1B's ``p``
+    micro-batches of the stage's blocks on some stage."""
+    from dtrain.sim.model import stage_blocks, zb_v_blocks_in_flight
+
+    layout = Layout(pp=4, micro_batch=2, global_batch=16, schedule="zb-v", chunks=2, attention="flash",
+                    balance="layers")  # fmt: skip
+    held, blocks = zb_v_blocks_in_flight(LLAMA_1B, layout), stage_blocks(LLAMA_1B, layout)
+    assert all(b <= h <= 8 * b for h, b in zip(held, blocks, strict=True))
+    assert any(h > 4 * b for h, b in zip(held, blocks, strict=True))

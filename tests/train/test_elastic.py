@@ -38,7 +38,7 @@ RUN = ["--nproc", "2", "--dp", "2", *MODEL, "--max-restarts", "2"]
 # keep_alive_max_attempt, and a round of fewer than 2 nodes completes last_call_timeout after its first one. That
 # wait covers the second agent's start on a loaded machine: a first round of one node, joined late by the other,
 # runs without the kill this test makes and ends in a rendezvous timeout
-RDZV_CONF = "last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=30,close_timeout=1"
+RDZV_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=30,close_timeout=1"
 
 
 def _env(**env: str) -> dict[str, str]:

@@ -54,7 +54,7 @@ def test_plan_run_skips_layouts_dtrain_train_cannot_run_and_predicts_the_memory_
     assert isinstance(layout, Layout) and layout.world_size == 2
     spec = model_spec(shape, config.data.seq_len)
     assert spec.vocab == shape.vocab_size and spec.layers == shape.num_hidden_layers and spec.gated_mlp
-    assert planned.config.plan.memory_gib == pytest.approx(memory_per_device(spec, layout).total / 2**30)
+    assert planned.config.plan.memory_gib == pytest.approx(memory_per_device(spec, layout, "dtrain").total / 2**30)
 
 
 @pytest.mark.parametrize(
