@@ -3250,9 +3250,12 @@ def _training_sim_part() -> list[str]:
                 f"{r['measured_s'] * 1e3:.1f}",
                 f"{r['predicted_s'] * 1e3:.1f}",
                 f"{r['error']:+.1%}",
+                f"{r['measured_memory_gib']:.1f}" if r.get("measured_memory_gib") else "-",
+                f"{r['fused_memory_gib']:.1f} / {r['predicted_memory_gib']:.1f}",
             ]
             for r in mine
         ]
+        held = [r for r in mine if r.get("measured_memory_gib")]
         parts += [
             "### Training steps on 4 x H100",
             "dtrain's own runs (the Llama 1B benchmark, `dtrain train` in seven layouts, the largest ZeRO-3 model), "
@@ -3270,7 +3273,14 @@ def _training_sim_part() -> list[str]:
             f"{errors([r['predicted_fused_s'] / r['measured_s'] - 1 for r in mine])}.",
             "Command: `python benchmarks/sim/validate.py training-h100 --out "
             "benchmarks/results/sim_vs_measured-h100x4.jsonl`. Data: the files named per row.",
-            table(["run", "layout", "measured ms", "predicted ms", "error"], rows),
+            "Peak memory (`torch.cuda.max_memory_allocated`) beside the memory model's with the fused layer "
+            "and with dtrain's own: median / worst |error| "
+            f"{errors([r['fused_memory_gib'] / r['measured_memory_gib'] - 1 for r in held])} fused, "
+            f"{errors([r['predicted_memory_gib'] / r['measured_memory_gib'] - 1 for r in held])} dtrain.",
+            table(
+                ["run", "layout", "measured ms", "predicted ms", "error", "peak GiB", "priced GiB, fused / dtrain"],
+                rows,
+            ),  # fmt: skip
         ]
     published = load("sim_validation-cpu2.jsonl")
     if published:

@@ -502,10 +502,11 @@ def _stage_memory(model: ModelSpec, layout: Layout, stage: int, kernels: str = "
         )
     tokens = layout.micro_batch * model.sequence
     if stage == head_stage(layout) and model.vocab and eager:
-        # the final norm's 32-bit input, the output layer's 16-bit input and weight (cast for each micro-batch) and
-        # the log-softmax's 32-bit output, for the one micro-batch the last stage holds
+        # the final norm's 32-bit input and the output layer's 16-bit input and weight (cast for each micro-batch);
+        # the loss's backward holds three 32-bit tensors of logits at once: the saved log-probabilities, their
+        # gradient (nll_loss_backward's) and the logits' gradient (log-softmax's backward)
         cast = 0 if zero >= 3 else 2 * model.vocab * model.hidden / layout.tp
-        activations += 6 * tokens * model.hidden + cast + 4 * tokens * model.vocab / layout.tp
+        activations += 6 * tokens * model.hidden + cast + 12 * tokens * model.vocab / layout.tp
     elif stage == head_stage(layout) and model.vocab:  # the logits (16-bit) and the cross-entropy's 32-bit softmax
         activations += 6 * tokens * model.vocab / layout.tp
     return MemoryUse(weights=weights, gradients=gradients, optimizer=optimizer, activations=activations)

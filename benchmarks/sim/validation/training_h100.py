@@ -52,14 +52,16 @@ def rows() -> list[dict]:
         r = bench[(variant, recompute)]
         layout = Layout(dp=4, micro_batch=4, global_batch=16, zero_stage=zero, recompute=recompute, attention="flash")
         out.append({"run": f"benchmark {variant}, recompute {recompute}", "model": one_b, "layout": layout,
-                    "measured_s": r["step_s"], "source": "llama_1b_*-h100x4.jsonl"})  # fmt: skip
+                    "measured_s": r["step_s"], "measured_gib": r.get("peak_memory_gib"),
+                    "source": "llama_1b_*-h100x4.jsonl"})  # fmt: skip
     for r in _load("largest_zero3-h100x4.jsonl"):
         if "failed" in r or r["variant"] != "dtrain-zero3":
             continue
         model = model_spec(model_preset("llama", "8b", num_hidden_layers=r["layers"]), 2048, name=f"8b-{r['layers']}")
         layout = Layout(dp=4, micro_batch=1, global_batch=4, zero_stage=3, recompute="full", attention="flash")
         out.append({"run": f"ZeRO-3 + full recompute, {r['layers']} blocks of 8B width", "model": model,
-                    "layout": layout, "measured_s": r["step_s"], "source": "largest_zero3-h100x4.jsonl"})  # fmt: skip
+                    "layout": layout, "measured_s": r["step_s"], "measured_gib": r.get("peak_memory_gib"),
+                    "source": "largest_zero3-h100x4.jsonl"})  # fmt: skip
     layouts = {
         "dp4": dict(dp=4, micro_batch=4),
         "tp4": dict(tp=4, micro_batch=16),
@@ -71,9 +73,10 @@ def rows() -> list[dict]:
     }
     for name, fields in layouts.items():
         layout = Layout(global_batch=16, attention="flash", **fields)
+        source = f"llama_1b_train_{name}-h100x4.jsonl"
+        peak = max(r["peak_memory_gib"] for r in _load(source) if r.get("peak_memory_gib"))
         out.append({"run": f"dtrain train {name}, 100 steps", "model": one_b, "layout": layout,
-                    "measured_s": _median_step(f"llama_1b_train_{name}-h100x4.jsonl"),
-                    "source": f"llama_1b_train_{name}-h100x4.jsonl"})  # fmt: skip
+                    "measured_s": _median_step(source), "source": source, "measured_gib": peak})  # fmt: skip
     return out
 
 
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         records.append({"run": row["run"], "layout": layout.describe(), "measured_s": row["measured_s"],
                         "predicted_s": result.step_s, "error": error, "source": row["source"],
                         "predicted_memory_gib": result.memory.total / 2**30, "kernels": args.kernels,
+                        "measured_memory_gib": row["measured_gib"], "fused_memory_gib": fused.memory.total / 2**30,
                         "predicted_fused_s": fused.step_s})  # fmt: skip
         print(f"{row['run']:48s} {layout.describe():40s} measured {row['measured_s'] * 1e3:8.1f} ms  predicted "
               f"{result.step_s * 1e3:8.1f} ms  {error:+.1%}")  # fmt: skip
