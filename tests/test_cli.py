@@ -129,3 +129,27 @@ def test_a_sweep_refuses_sizes_without_an_end_and_names_that_run_nothing(config,
     with pytest.raises(ValueError, match=re.escape(problem)):
         BenchConfig(**config)
     assert BenchConfig(collectives=["all_reduce", "broadcast"], algorithms=["torch", "one_shot", "star@peer"])
+
+
+def test_a_ctrl_c_wrapped_by_a_class_definition_still_exits_130_in_one_line(monkeypatch, capsys):
+    """Python 3.11 turns a ``KeyboardInterrupt`` raised inside a class body's ``__set_name__`` (a dataclass field,
+    as a module loads) into a ``RuntimeError`` raised from it; the command still ends as interrupted. Any other
+    error is not taken for one."""
+    from dtrain.cli import main as cli_main
+
+    def interrupted_while_importing(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance") from exc
+
+    monkeypatch.setattr(cli_main, "_run", interrupted_while_importing)
+    assert main(["check"]) == 130
+    assert capsys.readouterr().err == "dtrain: interrupted (signal 2); the ranks were stopped\n"
+
+    def failed(args):
+        raise RuntimeError("not an interrupt")
+
+    monkeypatch.setattr(cli_main, "_run", failed)
+    with pytest.raises(RuntimeError, match="not an interrupt"):
+        main(["check"])

@@ -236,12 +236,17 @@ def _interrupted(exc: BaseException) -> int | None:
     """The exit status for a Ctrl-C or a termination signal (128 + its number), None for anything else.
 
     torch's elastic launcher turns SIGINT/SIGTERM in the launching process into ``SignalException`` after
-    stopping the ranks; a process without it gets ``KeyboardInterrupt``.
+    stopping the ranks; a process without it gets ``KeyboardInterrupt``. An exception raised *from* one counts too:
+    Python 3.11 wraps what a class body's ``__set_name__`` raises in a ``RuntimeError``, so a Ctrl-C that lands
+    while a module defines a dataclass arrives as that ``RuntimeError``.
     """
-    if isinstance(exc, KeyboardInterrupt):
-        return 130
-    if type(exc).__name__ == "SignalException" and hasattr(exc, "sigval"):
-        return 128 + int(exc.sigval)
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, KeyboardInterrupt):
+            return 130
+        if type(exc).__name__ == "SignalException" and hasattr(exc, "sigval"):
+            return 128 + int(exc.sigval)
+        exc, seen = exc.__cause__, seen + 1
     return None
 
 
