@@ -3263,7 +3263,9 @@ def _training_sim_part() -> list[str]:
             "operation on the H100 curves of `dtrain bench compute`, the element-wise work as dtrain.models runs "
             'it eagerly (`kernels = "dtrain"`: the casts autocast makes of 32-bit weights and activations, the '
             "32-bit residual stream, norms and loss, unfused RoPE and SwiGLU; 16-bit under ZeRO-3; the weight "
-            'gradients added inside the products in a pipeline, as `grad_accumulation_fusion = "auto"` does). '
+            'gradients added inside the products in a pipeline, as `grad_accumulation_fusion = "auto"` does; '
+            "under tensor parallelism one 32-bit all-reduce of its input's gradient per column-parallel "
+            "projection). "
             f"Nothing is fitted to these runs: median / worst |error| {errors([r['error'] for r in mine])}. "
             f"ZeRO-3 comes within {_span(mine, lambda w: 'zero3' in w)}, plain data parallelism within "
             f"{_span(mine, lambda w: w[1:3] == ['tp1', 'pp1'] and 'zero3' not in w)}; tensor parallelism runs "

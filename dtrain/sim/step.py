@@ -403,8 +403,14 @@ def stage_seconds(
         exposed = tp_s
         if overlap:
             exposed = sum(max(0.0, tp_s - w) for w in wgrads) / max(1, len(wgrads))
-        layer_tp = 2 * exposed
-        hidden = 2 * (tp_s - exposed)
+        calls = 2
+        if config.kernels == "dtrain":
+            # dtrain.models' column-parallel projections each sum their own input's gradient over the group, in 32
+            # bits (the norm's output, before autocast's cast): q, k, v, and gate and up (up alone for GPT-2), each
+            # twice the 16-bit all-reduce's bytes
+            calls = 2 * (5 if model.gated_mlp else 4)
+        layer_tp = calls * exposed
+        hidden = calls * (tp_s - exposed)
     if config.contention and not userbuffers and hidden > 0:
         device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
         layer_tp += device.beside_s(hidden, "nvlink", fp8=layout.fp8)
