@@ -16,9 +16,11 @@ the parts themselves are ordinary modules.
   ``Parameter`` object).
 
 Each part names, as data, how tensor parallelism splits it: ``tensor_parallel_plan`` maps a child linear or
-embedding to ``"colwise"``, ``"rowwise"``, ``"vocab_embedding"`` or ``"vocab_head"``, and
-``tensor_parallel_heads`` lists the head counts that each tensor-parallel rank holds a share of. The parallel
-layer reads these (``dtrain.parallel.tensor_parallel``); a model built from these parts needs no parallel code.
+embedding to ``"colwise"``, ``"rowwise"``, ``"vocab_embedding"`` or ``"vocab_head"``,
+``tensor_parallel_heads`` lists the head counts that each tensor-parallel rank holds a share of, and
+``tensor_parallel_shared_input`` says that every column-parallel child reads the part's input unchanged. The
+parallel layer reads these (``dtrain.parallel.parallelize``); a model built from these parts needs no parallel
+code.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Attention(nn.Module):
     """Causal self-attention with ``n_heads`` query heads and ``n_kv_heads`` key-value heads."""
 
     tensor_parallel_plan = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+    tensor_parallel_shared_input = True  # q, k and v read the input unchanged
     tensor_parallel_heads = ("n_heads", "n_kv_heads")
 
     def __init__(self, config: ModelConfig) -> None:
@@ -137,6 +140,7 @@ class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` (Shazeer 2020), Llama's MLP."""
 
     tensor_parallel_plan = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+    tensor_parallel_shared_input = True  # gate and up read the input unchanged
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -153,6 +157,7 @@ class GeluMLP(nn.Module):
     """``down(gelu(up(x)))``, GPT-2's MLP (the tanh GELU of ``gelu_new``)."""
 
     tensor_parallel_plan = {"up_proj": "colwise", "down_proj": "rowwise"}
+    tensor_parallel_shared_input = True
 
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()

@@ -18,6 +18,12 @@ building: every rank builds the whole model from one seed, then keeps its shard.
   :func:`~dtrain.parallel.tensor_parallel.vocab_parallel_cross_entropy` (:func:`causal_lm_loss`); else they are
   gathered to (B, T, V).
 
+A part whose column-parallel children all read its own input unchanged says so with
+``tensor_parallel_shared_input = True`` (attention's q, k and v; the MLP's gate and up): its children then leave
+the input's gradient to the part, which puts its input through one ``f`` (identity forward, all-reduce of the
+gradient backward): backward sums q's, k's and v's input gradients on the rank and all-reduces them once, where a
+``f`` a child would all-reduce each (Megatron-LM's fused QKV and MLP input, one all-reduce each).
+
 Attention splits by heads: the q, k and v projections are column-parallel with the heads contiguous, so rank r
 holds query heads [r H / tp, (r + 1) H / tp) and key-value heads [r H_kv / tp, (r + 1) H_kv / tp): under
 grouped-query attention (Ainslie et al. 2023) exactly the key-value heads its query heads use. A tied embedding
@@ -33,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.parallel import tensor_parallel_communications as tpc
 from dtrain.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -106,6 +113,9 @@ def tensor_parallelize(
     _check(model, tp)
     converted: dict[int, nn.Parameter] = {}  # id of a full vocabulary table -> this rank's shard of it
     for _, module, plan in _plans(model):
+        shared = bool(getattr(module, "tensor_parallel_shared_input", False)) and "colwise" in plan.values()
+        if shared:
+            module.register_forward_pre_hook(_SharedInput(tp_group, algorithm))
         for child_name, kind in plan.items():
             child = getattr(module, child_name)
             if kind == "colwise":
@@ -114,6 +124,7 @@ def tensor_parallelize(
                     child.out_features,
                     tp_group,
                     bias=child.bias is not None,
+                    reduce_input_grad=not shared,
                     algorithm=algorithm,
                     init_from=child,
                 )
@@ -136,6 +147,17 @@ def tensor_parallelize(
         for attribute in getattr(module, "tensor_parallel_heads", ()):
             setattr(module, attribute, getattr(module, attribute) // tp)
     return model
+
+
+class _SharedInput:
+    """A forward pre-hook: the part's first input through ``f``, whose backward all-reduces the gradient its
+    column-parallel children summed on the rank."""
+
+    def __init__(self, group, algorithm: str) -> None:
+        self.group, self.algorithm = group, algorithm
+
+    def __call__(self, _module: nn.Module, args: tuple) -> tuple:
+        return (tpc.copy_to_tensor_parallel_region(args[0], self.group, self.algorithm), *args[1:])
 
 
 def _vocabulary_part(

@@ -114,7 +114,9 @@ class ColumnParallelLinear(_ParallelLinear):
     """``Y = X A + b`` with ``A``'s columns (the weight's rows) split over ``group`` (Megatron eq. 3).
 
     The input passes through ``f`` (gradient all-reduced); each rank computes its (..., out / tp) slice of
-    ``Y``, which is all-gathered to (..., out) when ``gather_output``.
+    ``Y``, which is all-gathered to (..., out) when ``gather_output``. With ``reduce_input_grad=False`` the
+    layer leaves ``f`` to its caller: several column-parallel layers reading one input (q, k and v; gate and
+    up) then share one ``f`` on that input, one all-reduce of the summed gradient instead of one a layer.
     """
 
     def __init__(
@@ -125,17 +127,19 @@ class ColumnParallelLinear(_ParallelLinear):
         *,
         bias: bool = True,
         gather_output: bool = False,
+        reduce_input_grad: bool = True,
         algorithm: str = "auto",
         init_from: nn.Linear | None = None,
     ) -> None:
         super().__init__(in_features, out_features, group, algorithm, 0, init_from)
-        self.gather_output = gather_output
+        self.gather_output, self.reduce_input_grad = gather_output, reduce_input_grad
         self.bias = _mark(nn.Parameter(torch.zeros(self.weight.shape[0], **_like(init_from))), 0) if bias else None
         if init_from is not None:
             self._load(init_from, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = tpc.copy_to_tensor_parallel_region(x, self.group, self.algorithm)
+        if self.reduce_input_grad:
+            x = tpc.copy_to_tensor_parallel_region(x, self.group, self.algorithm)
         y = linear(x, self.weight, self.bias, self.weight_grad_store)  # (..., out / tp)
         if self.gather_output:
             y = tpc.gather_from_tensor_parallel_region(y, self.group, self.algorithm)  # (..., out)

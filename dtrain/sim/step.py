@@ -154,7 +154,12 @@ class StepConfig:
     other schedules ignore it, as Megatron-LM's ``validate_args`` turns it off without one. ``kernels``: how the
     layer's element-wise work runs (:data:`dtrain.sim.compute.KERNELS`): ``"fused"``, or ``"megatron-lm"``, the
     kernels of Megatron-LM's layer of 2021-2022 (QKV's bias added apart, the fused causal softmax, the 32-bit
-    cross-entropy; :func:`dtrain.sim.compute.layer_ops`). ``grad_accumulation_fusion``: each weight-gradient
+    cross-entropy; :func:`dtrain.sim.compute.layer_ops`), or ``"dtrain"``, dtrain.models' eager layer.
+    ``tp_shared_input`` (``"dtrain"`` kernels only): attention's q, k and v, and the MLP's gate and up, sum their
+    input's gradient over the tensor-parallel group once a part, as dtrain.models' parts declare
+    (``tensor_parallel_shared_input``); False prices one all-reduce a column-parallel projection, as
+    :func:`dtrain.parallel.parallelize.tensor_parallelize` runs a model whose parts do not declare it.
+    ``grad_accumulation_fusion``: each weight-gradient
     product adds into the 32-bit gradient itself, with no pass of its own (Megatron-LM's
     ``--gradient-accumulation-fusion``, on by default where gradients accumulate in 32 bits: Megatron-Core, and
     Megatron-LM with ``--bf16``). With interleaved 1F1B,
@@ -208,6 +213,7 @@ class StepConfig:
     tp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
     kernels: str = "fused"
+    tp_shared_input: bool = True
     grad_accumulation_fusion: bool = False
     contention: bool = True
     ub_sm_margin: tuple[tuple[str, int], ...] = ()
@@ -405,10 +411,10 @@ def stage_seconds(
             exposed = sum(max(0.0, tp_s - w) for w in wgrads) / max(1, len(wgrads))
         calls = 2
         if config.kernels == "dtrain":
-            # dtrain.models' column-parallel projections each sum their own input's gradient over the group, in 32
-            # bits (the norm's output, before autocast's cast): q, k, v, and gate and up (up alone for GPT-2), each
-            # twice the 16-bit all-reduce's bytes
-            calls = 2 * (5 if model.gated_mlp else 4)
+            # dtrain.models' attention and MLP each sum their column-parallel projections' input gradient over the
+            # group once (tensor_parallel_shared_input), else each projection its own (q, k, v, and gate and up, or
+            # up alone for GPT-2), in 32 bits (the norm's output, before autocast's cast): twice the 16-bit bytes
+            calls = 2 * (2 if config.tp_shared_input else 5 if model.gated_mlp else 4)
         layer_tp = calls * exposed
         hidden = calls * (tp_s - exposed)
     if config.contention and not userbuffers and hidden > 0:

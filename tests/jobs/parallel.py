@@ -20,6 +20,7 @@ from torch import nn
 
 from dtrain.models.config import GPT2Config, LlamaConfig
 from dtrain.models.decoder import build
+from dtrain.parallel import tensor_parallel_communications as tpc
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
 from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize
@@ -259,8 +260,18 @@ def model_equivalence(kind: str, tp: int, vocab: int, loss_parallel: bool) -> li
     loss.backward()
     tp_logits = parallel(x)
     tp_loss = causal_lm_loss(group)(tp_logits, y) if loss_parallel else _lm_loss(tp_logits, y)
-    tp_loss.backward()
+    reductions = []
+    unpatched = tpc.all_reduce
+    tpc.all_reduce = lambda t, *a, **k: reductions.append(tuple(t.shape)) or unpatched(t, *a, **k)
+    try:
+        tp_loss.backward()
+    finally:
+        tpc.all_reduce = unpatched
     problems: list[str] = []
+    # one all-reduce of the summed input gradient for q, k and v, one for the MLP's input, one for the head's
+    blocks = len(parallel) - 2
+    if len(reductions) != 2 * blocks + 1:
+        problems.append(f"backward all-reduces {len(reductions)}, expected {2 * blocks + 1}: {reductions}")
     if loss_parallel:
         rows = tp_logits.shape[-1]
         real = max(0, min(rows, vocab - rank * rows))

@@ -442,18 +442,19 @@ def test_dtrain_memory_prices_the_peaks_of_dtrains_own_runs_on_4_h100s() -> None
     assert memory_per_device(dp["model"], dp["layout"]).total / 2**30 < 0.7 * dp["measured_gib"]
 
 
-def test_dtrain_tensor_parallelism_sums_each_projections_input_gradient_in_32_bits() -> None:
-    """With ``kernels="dtrain"`` a layer's backward runs one all-reduce per column-parallel projection (q, k, v,
-    gate, up: ``dtrain.parallel.ColumnParallelLinear`` each sums its own input's gradient) of the 32-bit
-    gradient, twice the 16-bit all-reduce: ten of ``tp_s``, where the fused layer's runs two."""
+def test_dtrain_tensor_parallelism_sums_each_parts_input_gradient_once_in_32_bits() -> None:
+    """With ``kernels="dtrain"`` a layer's backward runs one all-reduce of the 32-bit input gradient for attention
+    and one for the MLP (dtrain.models' parts declare ``tensor_parallel_shared_input``), each twice the 16-bit
+    all-reduce: four of ``tp_s``, where the fused layer's runs two; without the shared input (``tp_shared_input =
+    False``) one a column-parallel projection, q, k, v, gate and up: ten."""
     from dtrain.sim.model import stage_layers
     from dtrain.sim.step import StepConfig, stage_seconds
 
     layout = Layout(tp=2, micro_batch=2, global_batch=2, attention="flash")
     h200 = DEVICE_COMPUTE["h200-sxm"]
     layers = stage_layers(LLAMA_1B, layout, 0)
-    for kernels, calls in (("dtrain", 10), ("fused", 2)):
-        config = StepConfig(kernels=kernels, contention=False, overlap_tp_backward=False)
+    for kernels, shared, calls in (("dtrain", True, 4), ("dtrain", False, 10), ("fused", True, 2)):
+        config = StepConfig(kernels=kernels, contention=False, overlap_tp_backward=False, tp_shared_input=shared)
         none, some = (stage_seconds(LLAMA_1B, layout, 0, h200.peak_flops, h200.memory_bytes_per_s, config, tp)
                       for tp in (0.0, 1e-3))  # fmt: skip
         assert some[1] - none[1] == pytest.approx(layers * calls * 1e-3)

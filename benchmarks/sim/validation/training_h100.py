@@ -5,7 +5,10 @@ checkpointing, eager), the deepest Llama of 8B width that ZeRO-3 trained, the se
 100 steps, and the planned run. Each is simulated as dtrain runs it (flash attention, no sequence parallelism,
 1F1B) on the ``h100-node`` preset with compute priced per operation on the H100 curves of ``dtrain bench compute``
 (dtrain/sim/compute_curves.json), the element-wise work as dtrain.models runs it (``kernels = "dtrain"``; each
-row also records the fused layer's prediction). Nothing is fitted to these rows.
+row also records the fused layer's prediction). The tensor-parallel runs' code summed each column-parallel
+projection's input gradient over the group apart (five 32-bit all-reduces a layer's backward), and they are priced
+so (``tp_shared_input = False``); ``predicted_shared_s`` records the price with one all-reduce for q, k and v and
+one for gate and up, as dtrain.models' parts now declare. Nothing is fitted to these rows.
 
     python benchmarks/sim/validate.py training-h100 [--out benchmarks/results/sim_vs_measured-h100x4.jsonl]
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from dtrain.cluster.presets import preset
@@ -89,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     records, errors = [], []
     for row in rows():
         layout = row["layout"]
-        result = simulate_step(row["model"], layout, topo, place(topo, layout), StepConfig(kernels=args.kernels))
+        config = StepConfig(kernels=args.kernels, tp_shared_input=False)
+        result = simulate_step(row["model"], layout, topo, place(topo, layout), config)
+        shared = simulate_step(row["model"], layout, topo, place(topo, layout), replace(config, tp_shared_input=True))
         fused = simulate_step(row["model"], layout, topo, place(topo, layout), StepConfig(kernels="fused"))
         error = result.step_s / row["measured_s"] - 1
         errors.append(abs(error))
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                         "predicted_s": result.step_s, "error": error, "source": row["source"],
                         "predicted_memory_gib": result.memory.total / 2**30, "kernels": args.kernels,
                         "measured_memory_gib": row["measured_gib"], "fused_memory_gib": fused.memory.total / 2**30,
-                        "predicted_fused_s": fused.step_s})  # fmt: skip
+                        "predicted_fused_s": fused.step_s, "predicted_shared_s": shared.step_s})  # fmt: skip
         print(f"{row['run']:48s} {layout.describe():40s} measured {row['measured_s'] * 1e3:8.1f} ms  predicted "
               f"{result.step_s * 1e3:8.1f} ms  {error:+.1%}")  # fmt: skip
     print(f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} runs")
