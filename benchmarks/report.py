@@ -2239,6 +2239,7 @@ def _zero_bubble_part() -> list[str]:
         + _train_zero_bubble_part()
         + _train_balance_part()
         + _eager_decoder_part()
+        + _attention_forms_part()
     )
 
 
@@ -2925,6 +2926,68 @@ def _train_balance_part() -> list[str]:
     ]
 
 
+def _attention_forms_part() -> list[str]:
+    """Two choices in dtrain.models' attention, each form of one Llama 1B block side by side on one H200."""
+    name = "attention_forms-llama1b-h200x1.jsonl"
+    if not (RESULTS / name).exists():
+        return []
+    records = [r for r in load(name) if r["form"] != "model"]  # the explicit forms; "model" is the code of the run
+    forms = list(dict.fromkeys(r["form"] for r in records))
+    rounds = sorted({r["round"] for r in records})
+    built = "each-call+grouped"  # dtrain.models' form
+    rows, ratios = [], {}
+    for b in sorted({r["micro_batch"] for r in records}):
+        by = {(r["form"], r["round"]): r for r in records if r["micro_batch"] == b}
+        for form in forms:
+            mine = [by[form, k] for k in rounds]
+            ratio = [m["graph_F_ms"] / by[built, k]["graph_F_ms"] for m, k in zip(mine, rounds, strict=True)]
+            ratios.setdefault(form, []).extend(ratio)
+            rows.append([b, form, " / ".join(f"{m['graph_F_ms']:.3f}" for m in mine),
+                         " / ".join(f"{m['graph_B_ms']:.3f}" for m in mine),
+                         " / ".join(f"{m['host_F_ms']:.2f}" for m in mine),
+                         " / ".join(f"{x:.3f}x" for x in ratio), f"{mine[0]['saved_bytes'] / 2**20:.0f}",
+                         mine[0]["attention_kernel"].removeprefix("aten::")])  # fmt: skip
+    saved = {r["micro_batch"]: r["saved_bytes"] for r in records if r["form"] == "each-call+repeated"}
+    grouped = {r["micro_batch"]: r["saved_bytes"] for r in records if r["form"] == built}
+    more = [saved[b] / grouped[b] - 1 for b in saved]
+    span = lambda v: f"{min(v):.3f}-{max(v):.3f}x"  # noqa: E731
+    return [
+        "### Attention forms on one H200",
+        setting(
+            "1 x NVIDIA H200",
+            f"torch {records[0]['torch']}",
+            "python benchmarks/gpu/attention_forms.py --rounds 2",
+            f"`{name}`",
+        ),
+        "One Llama 3.2 1B block (32 query heads, 8 key-value heads, sequence 2,048), forward and backward under "
+        "bf16 autocast with 32-bit weights, with its attention in four forms run side by side in one process: the "
+        "rotary cos and sin tables computed in every forward (`each-call`, seven kernels) or once and kept "
+        "(`kept`), and the key-value heads repeated to every query head before `scaled_dot_product_attention` "
+        f"(`repeated`) or read in place (`grouped`, `enable_gqa`). dtrain.models runs `{built}`. Forward and "
+        "backward replayed as CUDA graphs (the device alone), the host's time to issue the eager forward (round "
+        f"1 / round 2), the forward against `{built}`'s, the bytes the forward leaves for backward, and the "
+        "attention kernel. Every form gives the same output and input gradient, bit for bit. Repeating the heads "
+        f"runs the forward {span(ratios['each-call+repeated'])} as long on the device and keeps "
+        f"{min(more):.1%}-{max(more):.1%} more bytes for backward; the backwards are within 1% of each other. "
+        f"Keeping the tables runs the forward at {span(ratios['kept+grouped'])}; dtrain.models does not keep them, "
+        "as a value made in one forward and kept for the next makes a selective checkpoint's recomputation run "
+        "other operations than its forward did (torch's selective checkpointing replays operations by count).",
+        table(
+            [
+                "micro-batch",
+                "form",
+                "graph forward ms",
+                "graph backward ms",
+                "host forward ms",
+                f"forward vs {built}",
+                "saved MiB",
+                "attention kernel",
+            ],
+            rows,
+        ),  # fmt: skip
+    ]
+
+
 def _eager_decoder_part() -> list[str]:
     """dtrain.models' Llama 1B block and head, one micro-batch at a time on one H200, beside the simulator's prices
     with the fused layer and with `kernels="dtrain"`; then the 4-stage runs above, simulated both ways."""
@@ -2934,11 +2997,12 @@ def _eager_decoder_part() -> list[str]:
     from dtrain.cluster.presets import preset as topology_preset
     from dtrain.models.presets import preset as model_preset
     from dtrain.sim.compute import DEVICE_COMPUTE, device_compute, price, stage_ops
-    from dtrain.sim.model import Layout
+    from dtrain.sim.model import EagerForm, Layout
     from dtrain.sim.placement import place
     from dtrain.sim.step import StepConfig, simulate_step
     from dtrain.train.plan import model_spec
 
+    RUNS_FORM = EagerForm(shared_inputs=False, repeat_kv=True)  # noqa: N806 (the runs' layer)
     spec = model_spec(model_preset("llama", "1b"), 2048, name="1b")
     topo = topology_preset("h200-4gpu")
     h200 = DEVICE_COMPUTE["h200-sxm"]
@@ -2975,7 +3039,8 @@ def _eager_decoder_part() -> list[str]:
                 continue
             layout = Layout(pp=4, micro_batch=2, global_batch=16, schedule=schedule, chunks=chunks,
                             attention="flash", balance=balance)  # fmt: skip
-            sims = [simulate_step(spec, layout, topo, place(topo, layout), StepConfig(kernels=k))
+            # priced as the runs' attention ran: grouped-query keys and values repeated to every head
+            sims = [simulate_step(spec, layout, topo, place(topo, layout), StepConfig(kernels=k, eager=RUNS_FORM))
                     for k in ("fused", "dtrain")]  # fmt: skip
             steps = [1e3 * r.step_s for r in sims]
             pipeline.append([schedule, balance, " / ".join(f"{m:.1f}" for m in measured),
@@ -3006,7 +3071,10 @@ def _eager_decoder_part() -> list[str]:
             ["micro-batch", "part", "pass", "eager ms", "host ms", "graph ms", "fused ms", "dtrain ms", "error"],
             rows,
         ),
-        "The 4-stage runs of the section above (median step, lease 1 / lease 2) against `simulate_step` on "
+        "The 4-stage runs of the section above (median step, lease 1 / lease 2; their layer cast each "
+        "projection's input apart and repeated the grouped-query keys and values to every head, and is priced so: "
+        "`EagerForm(shared_inputs=False, repeat_kv=True)`) against "
+        "`simulate_step` on "
         "`h200-4gpu` with each kernel set (`dtrain plan --config` prices with `dtrain`), and the peak memory "
         "(`torch.cuda.max_memory_allocated`, as `dtrain train` records it) beside the memory model's with each "
         "set. Step time, median / worst |error|: "
@@ -3273,9 +3341,11 @@ def _training_sim_part() -> list[str]:
             "32-bit residual stream, norms and loss, unfused RoPE and SwiGLU; 16-bit under ZeRO-3; the weight "
             'gradients added inside the products in a pipeline, as `grad_accumulation_fusion = "auto"` does; '
             "under tensor parallelism one 32-bit all-reduce of its input's gradient per column-parallel "
-            "projection, q, k, v, gate and up, as the code these runs measured did: `tp_shared_input = False`; "
-            "dtrain.models' attention and MLP declare their input shared and reduce its gradient once a part, "
-            f"which the model prices {_span_shared(mine)} faster on the tensor-parallel rows, not yet measured). "
+            "projection, q, k, v, gate and up, each casting its own input, and the grouped-query keys and values "
+            "repeated to every head, as the code these runs measured did: `EagerForm(shared_inputs=False, "
+            "repeat_kv=True)`; dtrain.models' attention and MLP cast their input once and reduce its gradient "
+            f"once a part in 16 bits, which the model prices {_span_shared(mine)} faster on the tensor-parallel "
+            "rows, not yet measured). "
             f"Nothing is fitted to these runs: median / worst |error| {errors([r['error'] for r in mine])}. "
             f"ZeRO-3 comes within {_span(mine, lambda w: 'zero3' in w)}, plain data parallelism within "
             f"{_span(mine, lambda w: w[1:3] == ['tp1', 'pp1'] and 'zero3' not in w)}; tensor parallelism runs "

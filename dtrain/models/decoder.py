@@ -34,7 +34,18 @@ from torch import nn
 
 from dtrain.models.config import GPT2Config, LlamaConfig, ModelConfig
 
-__all__ = ["Attention", "Block", "CausalLM", "Embedding", "GeluMLP", "Head", "SwiGLU", "build", "rope_frequencies"]
+__all__ = [
+    "Attention",
+    "Block",
+    "CausalLM",
+    "Embedding",
+    "GeluMLP",
+    "Head",
+    "SwiGLU",
+    "autocast_input",
+    "build",
+    "rope_frequencies",
+]
 
 
 def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
@@ -53,6 +64,18 @@ def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
     medium = (wavelen >= old / high) & (wavelen <= old / low)
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     return torch.where(medium, blended, scaled).float()
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in autocast's dtype where autocast is on for its device, else ``x``: a part casts its input once for
+    all its products (q, k and v; gate and up), where autocast would cast it once a product, and the products keep
+    that one 16-bit copy for backward, whose gradients meet in it."""
+    kind = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        if x.dtype != dtype:
+            return x.to(dtype)
+    return x
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +138,8 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the tables are made anew each forward: a value kept from one forward to the next would make a
+        # selective checkpoint's recomputation run other operations than its forward did
         t = q.shape[2]
         angles = torch.outer(torch.arange(t, device=q.device, dtype=torch.float32), self.inv_freq)  # (T, D/2)
         angles = torch.cat((angles, angles), dim=-1)  # (T, D)
@@ -123,16 +148,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
+        x = autocast_input(x)
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         if self.inv_freq is not None:
             q, k = self._rope(q, k)
-        if k.shape[1] != q.shape[1]:  # grouped-query: each key-value head serves H / H_kv query heads
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
+        # grouped-query: each key-value head serves H / H_kv query heads, read in place (no repeated copies)
+        grouped = k.shape[1] != q.shape[1]
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped)  # (B, H, T, D)
         return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(b, t, -1)))  # (B, T, C)
 
 
@@ -150,6 +175,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = autocast_input(x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -22,7 +22,9 @@ A part whose column-parallel children all read its own input unchanged says so w
 ``tensor_parallel_shared_input = True`` (attention's q, k and v; the MLP's gate and up): its children then leave
 the input's gradient to the part, which puts its input through one ``f`` (identity forward, all-reduce of the
 gradient backward): backward sums q's, k's and v's input gradients on the rank and all-reduces them once, where a
-``f`` a child would all-reduce each (Megatron-LM's fused QKV and MLP input, one all-reduce each).
+``f`` a child would all-reduce each (Megatron-LM's fused QKV and MLP input, one all-reduce each). Under autocast
+the input is cast to its 16-bit dtype before ``f``, as the part itself casts it once for all its products, so
+the all-reduce moves 16-bit gradients.
 
 Attention splits by heads: the q, k and v projections are column-parallel with the heads contiguous, so rank r
 holds query heads [r H / tp, (r + 1) H / tp) and key-value heads [r H_kv / tp, (r + 1) H_kv / tp): under
@@ -39,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.models.decoder import autocast_input
 from dtrain.parallel import tensor_parallel_communications as tpc
 from dtrain.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -150,14 +153,16 @@ def tensor_parallelize(
 
 
 class _SharedInput:
-    """A forward pre-hook: the part's first input through ``f``, whose backward all-reduces the gradient its
-    column-parallel children summed on the rank."""
+    """A forward pre-hook: the part's first input cast for autocast (as the part casts it, once) and put through
+    ``f``, whose backward all-reduces the gradient its column-parallel children summed on the rank, in the 16 bits
+    of the cast under autocast."""
 
     def __init__(self, group, algorithm: str) -> None:
         self.group, self.algorithm = group, algorithm
 
     def __call__(self, _module: nn.Module, args: tuple) -> tuple:
-        return (tpc.copy_to_tensor_parallel_region(args[0], self.group, self.algorithm), *args[1:])
+        x = autocast_input(args[0])
+        return (tpc.copy_to_tensor_parallel_region(x, self.group, self.algorithm), *args[1:])
 
 
 def _vocabulary_part(

@@ -73,14 +73,16 @@ weights (``dtrain train --precision bf16``), one operation a kernel, each counte
 block dispatches (``benchmarks/gpu/eager_ops.py``; a test holds the bytes to that recording on an H200):
 
 - the residual stream and the norms stay 32-bit (fused RMS norm: read and write 4 bytes a value, backward 12);
-  each product's 32-bit input is cast to 16 bits apart (q, k, v, gate, up: read 4, write 2), every weight is
-  cast anew each forward (6 bytes a weight), and the residual adds take the block's 16-bit output into the
-  32-bit stream (10 bytes a value);
+  attention's and the MLP's 32-bit inputs are each cast to 16 bits once for all their products (read 4, write
+  2; with :class:`EagerForm` ``shared_inputs`` off, once a product: q, k, v, gate, up), every weight is cast
+  anew each forward (6 bytes a weight), and the residual adds take the block's 16-bit output into the 32-bit
+  stream (10 bytes a value);
 - RoPE unfused (the angles' seven small kernels; per value of q and k: times cos, the negated half, cat, times
-  sin, the sum: 20 bytes), grouped-query keys and values repeated to every head (``repeat_interleave``), SiLU and
-  its product with up apart;
+  sin, the sum: 20 bytes), grouped-query keys and values read in place by the attention (``enable_gqa``), SiLU
+  and its product with up apart;
 - backward casts the 32-bit gradients for the down and attention-output products and each cast input's
-  gradient back to 32 bits, adds the gradients of one input and of the residual in 32 bits, copies the head
+  gradient back to 32 bits, adds the gradients of one input (16-bit where the input is shared) and of the
+  residual (32-bit), copies the head
   gradients contiguous for their products, and runs each forward kernel's backward; each weight gradient is cast
   to 32 bits and added into ``.grad`` (AccumulateGrad: 12 bytes a weight), or with ``fused_accumulation`` (what
   ``dtrain train``'s ``grad_accumulation_fusion = "auto"`` does in a pipeline with ZeRO 0 or 1, and ZB-H1's and
@@ -138,7 +140,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtrain.sim.model import Layout, ModelSpec, head_stage, stage_layers
+from dtrain.sim.model import EAGER, EagerForm, Layout, ModelSpec, head_stage, stage_layers
 
 __all__ = [
     "CURVES_PATH",
@@ -424,13 +426,14 @@ KERNELS = ("fused", "megatron-lm", "dtrain")
 LOG_SOFTMAX_BYTES = (16, 16)
 
 
-def _dtrain_layer_ops(model: ModelSpec, layout: Layout, fused_accumulation: bool) -> list[Op]:
+def _dtrain_layer_ops(model: ModelSpec, layout: Layout, fused_accumulation: bool, eager: EagerForm) -> list[Op]:
     """The memory-bound operations of one ``dtrain.models`` block and one micro-batch under bf16 autocast with
     32-bit weights (``dtrain train --precision bf16``), each one kernel as eager PyTorch runs it (module
     docstring); ``model.gated_mlp`` picks Llama's block (RMS norm, RoPE, grouped-query heads, SwiGLU), otherwise
     GPT-2's (layer norm, GELU). Under ZeRO-3 the units gather 16-bit weights (``FullyShardedDataParallel``'s
     ``param_dtype``), so the block runs in 16 bits: no casts, a 16-bit residual stream and norms, and the
-    gradients go to the shards by ZeRO-3's own reduction."""
+    gradients go to the shards by ZeRO-3's own reduction. ``eager``: the form of the inputs' casts and of the
+    grouped-query heads (:class:`EagerForm`)."""
     b, s, h, a, t = layout.micro_batch, model.sequence, model.hidden, model.heads, layout.tp
     tokens, d, f = b * s, h // a, model.ffn // t
     query, key = tokens * a * d / t, tokens * model.key_value_heads * d / t  # values of q, and of k (and v)
@@ -438,8 +441,12 @@ def _dtrain_layer_ops(model: ModelSpec, layout: Layout, fused_accumulation: bool
     llama = model.gated_mlp
     matrices = [h * a * d / t, h * model.key_value_heads * d / t, h * model.key_value_heads * d / t, a * d * h / t]
     matrices += [h * f, h * f, f * h] if llama else [h * f, f * h]
-    inputs = 5 if llama else 4  # the 32-bit inputs autocast casts for a product: q, k, v, and gate and up (or up)
+    # the 32-bit inputs cast to 16 bits: attention's and the MLP's once each, or one a product (q, k, v, and gate
+    # and up, or up alone)
+    inputs = 2 if eager.shared_inputs else 5 if llama else 4
     word = 2 if layout.zero_stage == 3 else 4  # bytes a value of the residual stream
+    # the sums of the gradients of one input (q's, k's and v's; gate's and up's): 16-bit where the input is shared
+    shared_sums = (3 if llama else 2) * [(6 if eager.shared_inputs and word == 4 else 3 * word) * th]
     if word == 2:
         inputs, matrices_cast = 0, []
     else:
@@ -456,9 +463,9 @@ def _dtrain_layer_ops(model: ModelSpec, layout: Layout, fused_accumulation: bool
     if llama:
         angles = tokens // b * d * 4
         # the angles (arange, outer product, cat, cos, sin, two casts), then per q and k: x cos, the negated half,
-        # cat, x sin, the sum
+        # cat, x sin, the sum (grouped-query attention reads the key-value heads in place)
         add("rope", "F", *[angles] * 7, *(n * e for e in (query, key) for n in (4, 2, 4, 4, 6)))
-        if model.key_value_heads != a:
+        if eager.repeat_kv and model.key_value_heads != a:
             add("gqa-repeat", "F", 2 * (key + query), 2 * (key + query))  # repeat_interleave of k and v
         add("activation", "F", 4 * tokens * f, 6 * tokens * f)  # silu, then its product with up
     else:
@@ -466,12 +473,14 @@ def _dtrain_layer_ops(model: ModelSpec, layout: Layout, fused_accumulation: bool
     # backward: the 32-bit gradients cast for the products (down, attention-out) and each cast input's gradient
     # cast back to 32 bits; the sums of the gradients of one input, the norms, the residual
     add("grad-casts", "B", *[6 * th] * ((2 + inputs) if word == 4 else 0))
-    add("grad-adds", "B", *[3 * word * th] * ((3 if llama else 2) + 2))
+    add("grad-adds", "B", *shared_sums, *[3 * word * th] * 2)
     add("norms", "B", 3 * word * th, 3 * word * th)
-    add("head-copies", "B", 4 * query, 4 * key, 4 * key)  # q, k, v gradients made contiguous for their products
+    # the q gradient and one of the key-value heads' made contiguous for their products (the recording's two;
+    # with the heads repeated, q's, k's and v's)
+    add("head-copies", "B", 4 * query, *[4 * key] * (2 if eager.repeat_kv and model.key_value_heads != a else 1))
     if llama:
         add("rope", "B", *(n * e for e in (query, key) for n in (4, 2, 4, 4, 6)))
-        if model.key_value_heads != a:
+        if eager.repeat_kv and model.key_value_heads != a:
             add("gqa-repeat", "B", 2 * (key + query), 2 * (key + query))  # the sums over the repeated heads
         add("activation", "B", 6 * tokens * f, 6 * tokens * f, 6 * tokens * f)  # two products, silu_backward
     else:
@@ -507,19 +516,25 @@ def _check_kernels(kernels: str) -> None:
 
 
 def layer_ops(
-    model: ModelSpec, layout: Layout, kernels: str = "fused", *, fused_accumulation: bool = False
+    model: ModelSpec,
+    layout: Layout,
+    kernels: str = "fused",
+    *,
+    fused_accumulation: bool = False,
+    eager: EagerForm = EAGER,
 ) -> list[Op]:
     """One transformer layer's operations on one tensor-parallel rank for one micro-batch (module docstring),
     priced with ``kernels`` (:data:`KERNELS`); ``fused_accumulation``: the weight-gradient products accumulate
-    into the 32-bit gradients themselves (no separate pass)."""
+    into the 32-bit gradients themselves (no separate pass); ``eager`` (``"dtrain"`` only): the layer's form
+    (:class:`EagerForm`)."""
     _check_kernels(kernels)
-    megatron, eager = kernels == "megatron-lm", kernels == "dtrain"
+    megatron, dtrain = kernels == "megatron-lm", kernels == "dtrain"
     b, s, h, a, t = layout.micro_batch, model.sequence, model.hidden, model.heads, layout.tp
     tokens, d, f = b * s, h // a, model.ffn
     kv = model.key_value_heads
     outside = tokens * h / (t if layout.sequence_parallel else 1)
     fp8 = layout.fp8
-    if eager and (fp8 or layout.sequence_parallel or layout.attention != "flash"):
+    if dtrain and (fp8 or layout.sequence_parallel or layout.attention != "flash"):
         raise ValueError("kernels 'dtrain': dtrain.models runs no FP8, no sequence parallelism, and SDPA attention")
     mlp_in = (2 if model.gated_mlp else 1) * f // t
     ops = [
@@ -529,8 +544,8 @@ def layer_ops(
         *_matmul("mlp-out", tokens, h, f // t, fp8=fp8),
     ]
     weights = (h * (h + 2 * kv * d) + h * h + (3 if model.gated_mlp else 2) * h * f) / t
-    if eager:
-        ops += _dtrain_layer_ops(model, layout, fused_accumulation)
+    if dtrain:
+        ops += _dtrain_layer_ops(model, layout, fused_accumulation, eager)
     else:
         ops += [
             Op("norms", "memory", "F", nbytes=2 * 4 * outside),
@@ -587,7 +602,13 @@ def _recomputed(ops: list[Op], recompute: str, attention: str) -> list[Op]:
 
 
 def stage_ops(
-    model: ModelSpec, layout: Layout, stage: int, kernels: str = "fused", *, fused_accumulation: bool = False
+    model: ModelSpec,
+    layout: Layout,
+    stage: int,
+    kernels: str = "fused",
+    *,
+    fused_accumulation: bool = False,
+    eager: EagerForm = EAGER,
 ) -> dict[str, list[Op]]:
     """The operations of pipeline stage ``stage`` for one micro-batch, by what they are: ``"layer"`` (one
     layer's, to be run ``layers`` times), ``"recompute"`` (one layer's recomputed forward), ``"first"``
@@ -596,7 +617,7 @@ def stage_ops(
     b, s, h, t, v = layout.micro_batch, model.sequence, model.hidden, layout.tp, model.vocab
     megatron = kernels == "megatron-lm"
     tokens = b * s
-    ops = layer_ops(model, layout, kernels, fused_accumulation=fused_accumulation)
+    ops = layer_ops(model, layout, kernels, fused_accumulation=fused_accumulation, eager=eager)
     out: dict[str, list[Op]] = {"layer": ops, "recompute": _recomputed(ops, layout.recompute, layout.attention)}
     first = []
     if stage == 0 and v:
@@ -699,11 +720,12 @@ def stage_compute(
     kernels: str = "fused",
     *,
     fused_accumulation: bool = False,
+    eager: EagerForm = EAGER,
 ) -> StageCompute:
     """Seconds of one micro-batch of pipeline stage ``stage`` on ``device`` (all its layers; see
-    :func:`stage_ops`, ``kernels`` and ``fused_accumulation`` as :func:`layer_ops`)."""
+    :func:`stage_ops`, ``kernels``, ``fused_accumulation`` and ``eager`` as :func:`layer_ops`)."""
     layers = stage_layers(model, layout, stage)
-    parts = stage_ops(model, layout, stage, kernels, fused_accumulation=fused_accumulation)
+    parts = stage_ops(model, layout, stage, kernels, fused_accumulation=fused_accumulation, eager=eager)
     times = {"F": 0.0, "B": 0.0, "W": 0.0}
     by_name: dict[str, float] = {}
     flops = 0.0

@@ -309,6 +309,24 @@ class MemoryUse:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
+@dataclass(frozen=True)
+class EagerForm:
+    """What the ``"dtrain"`` kernels' layer does with its inputs and grouped-query heads. ``shared_inputs``:
+    attention and the MLP cast their 32-bit input to 16 bits once for all their products, and under tensor
+    parallelism sum that input's gradient over the group once a part, in 16 bits (dtrain.models' parts:
+    ``tensor_parallel_shared_input``); False: each product casts its own input and, column-parallel, sums its own
+    input's gradient, in 32 bits. ``repeat_kv``: grouped-query keys and values repeated to every head before the
+    attention (``repeat_interleave``, as an SDPA call without ``enable_gqa`` needs them), kept so for backward,
+    and their gradients summed back; dtrain.models' attention reads them in place."""
+
+    shared_inputs: bool = True
+    repeat_kv: bool = False
+
+
+#: dtrain.models' layer as it runs.
+EAGER = EagerForm()
+
+
 def head_stage(layout: Layout) -> int:
     """The pipeline stage that runs the output layer (the last chunk): the last stage, or the first under the V
     of ZB-V (:data:`dtrain.parallel.pipeline_schedules.PLACEMENT`)."""
@@ -425,20 +443,22 @@ def stage_layers(model: ModelSpec, layout: Layout, stage: int) -> int:
     return per - e if stage in (0, layout.pp - 1) else per
 
 
-def memory_per_device(model: ModelSpec, layout: Layout, kernels: str = "fused") -> MemoryUse:
+def memory_per_device(
+    model: ModelSpec, layout: Layout, kernels: str = "fused", *, eager: EagerForm = EAGER
+) -> MemoryUse:
     """Peak bytes per device of ``model`` trained with ``layout``: the largest of the first stage's and the last
     stage's (and the second stage's where the embeddings count as layers: it holds more layers than the first),
     see the module docstring for the sources. ``kernels = "dtrain"``: as ``dtrain.models`` holds them under bf16
-    autocast (:func:`activation_bytes_per_layer`, 32-bit weights and gradients)."""
-    first = _stage_memory(model, layout, 0, kernels)
+    autocast (:func:`activation_bytes_per_layer`, 32-bit weights and gradients; ``eager`` as there)."""
+    first = _stage_memory(model, layout, 0, kernels, eager)
     if layout.pp == 1:
         return first
     if layout.balance is not None:
-        stages = [_stage_memory(model, layout, s, kernels) for s in range(layout.pp)]
+        stages = [_stage_memory(model, layout, s, kernels, eager) for s in range(layout.pp)]
     else:
-        stages = [first, _stage_memory(model, layout, layout.pp - 1, kernels)]
+        stages = [first, _stage_memory(model, layout, layout.pp - 1, kernels, eager)]
     if layout.embedding_layers and layout.pp > 2:
-        stages.append(_stage_memory(model, layout, 1, kernels))
+        stages.append(_stage_memory(model, layout, 1, kernels, eager))
     return max(stages, key=lambda use: use.total)
 
 
@@ -476,15 +496,17 @@ def layers_in_flight(model: ModelSpec, layout: Layout) -> float:
     return min(p, m) * per_stage
 
 
-def _stage_memory(model: ModelSpec, layout: Layout, stage: int, kernels: str = "fused") -> MemoryUse:
+def _stage_memory(
+    model: ModelSpec, layout: Layout, stage: int, kernels: str = "fused", eager: EagerForm = EAGER
+) -> MemoryUse:
     shard = stage_parameters(model, layout, stage) / layout.tp
     zero = layout.zero_stage
-    eager = kernels == "dtrain"  # 32-bit weights and gradients, Adam's two 32-bit moments
-    weights = (4 if eager else 2) * shard / (layout.dp if zero >= 3 else 1)
+    dtrain = kernels == "dtrain"  # 32-bit weights and gradients, Adam's two 32-bit moments
+    weights = (4 if dtrain else 2) * shard / (layout.dp if zero >= 3 else 1)
     if layout.fp8 and not layout.fp8_params:  # the 8-bit weights and their transpose beside the 16-bit ones
         weights += 2 * shard / (layout.dp if zero >= 3 else 1)
-    gradients = (4 if eager else 2) * shard / (layout.dp if zero >= 2 else 1)
-    optimizer = (8 if eager else 12) * shard / (layout.dp if zero >= 1 else 1)
+    gradients = (4 if dtrain else 2) * shard / (layout.dp if zero >= 2 else 1)
+    optimizer = (8 if dtrain else 12) * shard / (layout.dp if zero >= 1 else 1)
     if layout.schedule == "zb-v" and layout.balance is not None and layout.pp > 1:
         held = zb_v_blocks_in_flight(model, layout)[stage]
     elif stage == 0:
@@ -494,14 +516,13 @@ def _stage_memory(model: ModelSpec, layout: Layout, stage: int, kernels: str = "
         held = waiting * stage_layers(model, layout, stage)
     else:
         held = min(1, layout.microbatches) * model.layers / layout.pp
-    activations = activation_bytes_per_layer(model, layout, kernels=kernels) * held
+    per_layer = activation_bytes_per_layer(model, layout, kernels=kernels, eager=eager)
+    activations = per_layer * held
     if layout.recompute != "none":  # what one layer's backward recomputes, held while it runs
-        kept = activation_bytes_per_layer(model, layout, "none", kernels)
-        activations += (
-            kept if layout.recompute == "full" else kept - activation_bytes_per_layer(model, layout, kernels=kernels)
-        )
+        kept = activation_bytes_per_layer(model, layout, "none", kernels, eager=eager)
+        activations += kept if layout.recompute == "full" else kept - per_layer
     tokens = layout.micro_batch * model.sequence
-    if stage == head_stage(layout) and model.vocab and eager:
+    if stage == head_stage(layout) and model.vocab and dtrain:
         # the final norm's 32-bit input and the output layer's 16-bit input and weight (cast for each micro-batch);
         # the loss's backward holds three 32-bit tensors of logits at once: the saved log-probabilities, their
         # gradient (nll_loss_backward's) and the logits' gradient (log-softmax's backward)
@@ -513,7 +534,7 @@ def _stage_memory(model: ModelSpec, layout: Layout, stage: int, kernels: str = "
 
 
 def activation_bytes_per_layer(
-    model: ModelSpec, layout: Layout, recompute: str | None = None, kernels: str = "fused"
+    model: ModelSpec, layout: Layout, recompute: str | None = None, kernels: str = "fused", *, eager: EagerForm = EAGER
 ) -> float:
     """Bytes one transformer layer keeps for backward of one micro-batch on one device, under ``recompute``
     (default: the layout's) and the layout's sequence parallelism (Korthikanti et al. 2022, table 2); with
@@ -521,7 +542,7 @@ def activation_bytes_per_layer(
     recompute = layout.recompute if recompute is None else recompute
     s, b, h, a, t = model.sequence, layout.micro_batch, model.hidden, model.heads, layout.tp
     if kernels == "dtrain":
-        return _dtrain_activations(model, layout, recompute)
+        return _dtrain_activations(model, layout, recompute, eager)
     sp = layout.sequence_parallel
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
@@ -532,16 +553,18 @@ def activation_bytes_per_layer(
     return s * b * h * (outside + (attention_core if recompute == "none" else 0.0))
 
 
-def _dtrain_activations(model: ModelSpec, layout: Layout, recompute: str) -> float:
+def _dtrain_activations(model: ModelSpec, layout: Layout, recompute: str, eager: EagerForm = EAGER) -> float:
     """Bytes a ``dtrain.models`` block saves for backward of one micro-batch of ``T`` tokens under bf16 autocast
     with 32-bit weights, as autograd holds them (counted with ``torch.autograd.graph.saved_tensors_hooks``): the
     block's 32-bit input and the stream after attention (the norms' inputs, 4 bytes a value each), the 16-bit
-    input each product casts for itself (q, k, v, gate and up: 2 bytes a value each), the attention's q, keys and
-    values repeated to every head, and output (2 bytes each), the MLP's gate, SiLU, up and product outputs (2 bytes
-    each, ``f`` wide), the attention's 32-bit log-sum-exp, and every weight's 16-bit cast (2 bytes a weight, each
-    micro-batch its own). Under ZeRO-3 the block runs on gathered 16-bit weights: a 16-bit stream, one norm output
-    for q, k and v and one for gate and up, no casts kept. Full recomputation (``activation_checkpointing``) keeps
-    the block's input alone."""
+    inputs of the products (attention's and the MLP's, each cast once; or, without ``eager.shared_inputs``, one a
+    product, q, k, v, gate and up: 2 bytes a value each), the attention's q, its keys and values (one a key-value
+    head: grouped-query attention reads them in place) and output (2 bytes each), the MLP's gate, SiLU, up and
+    product outputs (2 bytes each, ``f`` wide), the attention's 32-bit log-sum-exp, and every weight's 16-bit cast
+    (2 bytes a weight, each micro-batch its own). Under ZeRO-3 the block runs on gathered 16-bit weights: a 16-bit
+    stream, one norm output for q, k and v and one for gate and up, no casts kept. Full recomputation
+    (``activation_checkpointing``) keeps the block's input alone. ``eager`` (:class:`EagerForm`): the inputs'
+    casts, and the keys and values kept repeated to every head where the attention repeats them."""
     tokens, h, a, t = layout.micro_batch * model.sequence, model.hidden, model.heads, layout.tp
     sixteen = layout.zero_stage >= 3
     if recompute == "full":
@@ -550,8 +573,8 @@ def _dtrain_activations(model: ModelSpec, layout: Layout, recompute: str) -> flo
     query = tokens * a * d / t
     weights = (h * (h + 2 * kv * d) + h * h + (3 if model.gated_mlp else 2) * h * model.ffn) / t
     stream = 2 * (2 if sixteen else 4) * tokens * h
-    inputs = (2 if sixteen else (5 if model.gated_mlp else 4)) * 2 * tokens * h
-    attention = 4 * 2 * query + 4 * tokens * a / t
+    inputs = (2 if sixteen or eager.shared_inputs else 5 if model.gated_mlp else 4) * 2 * tokens * h
+    attention = 2 * 2 * query + 2 * 2 * (query if eager.repeat_kv else tokens * kv * d / t) + 4 * tokens * a / t
     mlp = (4 if model.gated_mlp else 2) * 2 * tokens * f
     return stream + inputs + attention + mlp + (0 if sixteen else 2 * weights)
 

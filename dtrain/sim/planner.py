@@ -229,7 +229,7 @@ def sweep(
     for lay in layouts:
         for mode in recompute:
             candidate = dataclasses.replace(lay, recompute=mode)
-            if memory_per_device(model, candidate, config.kernels).total <= limit:
+            if memory_per_device(model, candidate, config.kernels, eager=config.eager).total <= limit:
                 fitting.append(candidate)
                 break
     cache: dict = {}

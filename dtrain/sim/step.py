@@ -51,6 +51,8 @@ from dtrain.sim.compute import (
 )
 from dtrain.sim.flows import LinkUsage, usage_rows
 from dtrain.sim.model import (
+    EAGER,
+    EagerForm,
     Layout,
     MemoryUse,
     ModelSpec,
@@ -155,10 +157,11 @@ class StepConfig:
     layer's element-wise work runs (:data:`dtrain.sim.compute.KERNELS`): ``"fused"``, or ``"megatron-lm"``, the
     kernels of Megatron-LM's layer of 2021-2022 (QKV's bias added apart, the fused causal softmax, the 32-bit
     cross-entropy; :func:`dtrain.sim.compute.layer_ops`), or ``"dtrain"``, dtrain.models' eager layer.
-    ``tp_shared_input`` (``"dtrain"`` kernels only): attention's q, k and v, and the MLP's gate and up, sum their
-    input's gradient over the tensor-parallel group once a part, as dtrain.models' parts declare
-    (``tensor_parallel_shared_input``); False prices one all-reduce a column-parallel projection, as
-    :func:`dtrain.parallel.parallelize.tensor_parallelize` runs a model whose parts do not declare it.
+    ``eager`` (``"dtrain"`` kernels only, :class:`dtrain.sim.model.EagerForm`): whether attention and the MLP cast
+    their input once and, under tensor parallelism, sum its gradient over the group once a part in 16 bits, as
+    dtrain.models' parts do (``tensor_parallel_shared_input``), or each projection its own in 32 bits, as
+    :func:`dtrain.parallel.parallelize.tensor_parallelize` runs a model whose parts do not declare it; and whether
+    the attention repeats grouped-query keys and values to every head.
     ``grad_accumulation_fusion``: each weight-gradient
     product adds into the 32-bit gradient itself, with no pass of its own (Megatron-LM's
     ``--gradient-accumulation-fusion``, on by default where gradients accumulate in 32 bits: Megatron-Core, and
@@ -213,7 +216,7 @@ class StepConfig:
     tp_comm_overlap: bool = False
     overlap_p2p_comm: bool = False
     kernels: str = "fused"
-    tp_shared_input: bool = True
+    eager: EagerForm = EAGER
     grad_accumulation_fusion: bool = False
     contention: bool = True
     ub_sm_margin: tuple[tuple[str, int], ...] = ()
@@ -412,9 +415,9 @@ def stage_seconds(
         calls = 2
         if config.kernels == "dtrain":
             # dtrain.models' attention and MLP each sum their column-parallel projections' input gradient over the
-            # group once (tensor_parallel_shared_input), else each projection its own (q, k, v, and gate and up, or
-            # up alone for GPT-2), in 32 bits (the norm's output, before autocast's cast): twice the 16-bit bytes
-            calls = 2 * (2 if config.tp_shared_input else 5 if model.gated_mlp else 4)
+            # group once (tensor_parallel_shared_input), in 16 bits (the input cast once); else each projection its
+            # own (q, k, v, and gate and up, or up alone for GPT-2), in 32 bits: twice the 16-bit bytes
+            calls = 2 if config.eager.shared_inputs else 2 * (5 if model.gated_mlp else 4)
         layer_tp = calls * exposed
         hidden = calls * (tp_s - exposed)
     if config.contention and not userbuffers and hidden > 0:
@@ -542,7 +545,7 @@ def _priced(
     parallelism its seconds whole, one piece's alone (the product on ``1 / chunks`` of its rows, rounded up), one
     piece's share of :data:`UB_STREAMS` pieces at once (priced as one product of their rows), and its pieces."""
     key = (model, layout, stage, peak_flops, memory_bytes_per_s, id(config.curves), config.kernels,
-           config.grad_accumulation_fusion)  # fmt: skip
+           config.grad_accumulation_fusion, config.eager)  # fmt: skip
     found = _PRICED.get(key)
     if found is not None and found[0] is config.curves:
         return found[1]
@@ -552,7 +555,8 @@ def _priced(
     fused = config.grad_accumulation_fusion or (
         config.kernels == "dtrain" and layout.pp > 1 and layout.zero_stage in (0, 1)
     )
-    work = stage_compute(model, layout, stage, device, config.kernels, fused_accumulation=fused)
+    work = stage_compute(model, layout, stage, device, config.kernels, fused_accumulation=fused,
+                         eager=config.eager)  # fmt: skip
     ops = [op for op in layer_ops(model, layout) if op.name in _COLUMN]
     wgrads = tuple(price(op, device) for op in ops if op.phase == "W")
     dgrads = tuple(price(op, device) for op in ops if op.phase == "B")
@@ -721,7 +725,7 @@ def _simulate_step(
     pp_s = send_s + gather_s
     dp_s = sum(r.time_s for r in dp)
     embedding_s = _embedding_all_reduce_s(model, layout, topology, placement, config, cache)
-    memory = memory_per_device(model, layout, config.kernels)
+    memory = memory_per_device(model, layout, config.kernels, eager=config.eager)
     owned = max(stage_parameters(model, layout, s) for s in _edge_stages(layout)) / layout.tp
     owned /= layout.dp if layout.zero_stage else 1
     optimizer_s = _optimizer_max(owned, topology, placement, config)

@@ -5,10 +5,13 @@ checkpointing, eager), the deepest Llama of 8B width that ZeRO-3 trained, the se
 100 steps, and the planned run. Each is simulated as dtrain runs it (flash attention, no sequence parallelism,
 1F1B) on the ``h100-node`` preset with compute priced per operation on the H100 curves of ``dtrain bench compute``
 (dtrain/sim/compute_curves.json), the element-wise work as dtrain.models runs it (``kernels = "dtrain"``; each
-row also records the fused layer's prediction). The tensor-parallel runs' code summed each column-parallel
-projection's input gradient over the group apart (five 32-bit all-reduces a layer's backward), and they are priced
-so (``tp_shared_input = False``); ``predicted_shared_s`` records the price with one all-reduce for q, k and v and
-one for gate and up, as dtrain.models' parts now declare. Nothing is fitted to these rows.
+row also records the fused layer's prediction). The runs' code differs from dtrain.models' in two ways, and
+they are priced as they ran: tensor parallelism summed each column-parallel projection's input gradient over the
+group apart, in 32 bits (five all-reduces a layer's backward), as each projection cast its own input, and the
+attention repeated the grouped-query keys and values to every head: ``EagerForm(shared_inputs=False,
+repeat_kv=True)``. ``predicted_shared_s`` and ``predicted_shared_memory_gib`` record the prices with dtrain.models'
+form: each part's input cast once, one 16-bit all-reduce for q, k and v and one for gate and up, the key-value
+heads read in place. Nothing is fitted to these rows.
 
     python benchmarks/sim/validate.py training-h100 [--out benchmarks/results/sim_vs_measured-h100x4.jsonl]
 """
@@ -23,12 +26,14 @@ from pathlib import Path
 
 from dtrain.cluster.presets import preset
 from dtrain.models import preset as model_preset
-from dtrain.sim.model import Layout
+from dtrain.sim.model import EAGER, EagerForm, Layout
 from dtrain.sim.placement import place
 from dtrain.sim.step import StepConfig, simulate_step
 from dtrain.train.plan import model_spec
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
+#: the layer the runs' code ran: each projection its own input cast and gradient sum, the key-value heads repeated
+RUNS_FORM = EagerForm(shared_inputs=False, repeat_kv=True)
 
 
 def _load(name: str) -> list[dict]:
@@ -93,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     records, errors = [], []
     for row in rows():
         layout = row["layout"]
-        config = StepConfig(kernels=args.kernels, tp_shared_input=False)
+        config = StepConfig(kernels=args.kernels, eager=RUNS_FORM)
         result = simulate_step(row["model"], layout, topo, place(topo, layout), config)
-        shared = simulate_step(row["model"], layout, topo, place(topo, layout), replace(config, tp_shared_input=True))
+        current = replace(config, eager=EAGER)
+        shared = simulate_step(row["model"], layout, topo, place(topo, layout), current)
         fused = simulate_step(row["model"], layout, topo, place(topo, layout), StepConfig(kernels="fused"))
         error = result.step_s / row["measured_s"] - 1
         errors.append(abs(error))
@@ -103,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                         "predicted_s": result.step_s, "error": error, "source": row["source"],
                         "predicted_memory_gib": result.memory.total / 2**30, "kernels": args.kernels,
                         "measured_memory_gib": row["measured_gib"], "fused_memory_gib": fused.memory.total / 2**30,
-                        "predicted_fused_s": fused.step_s, "predicted_shared_s": shared.step_s})  # fmt: skip
+                        "predicted_fused_s": fused.step_s, "predicted_shared_s": shared.step_s,
+                        "predicted_shared_memory_gib": shared.memory.total / 2**30})  # fmt: skip
         print(f"{row['run']:48s} {layout.describe():40s} measured {row['measured_s'] * 1e3:8.1f} ms  predicted "
               f"{result.step_s * 1e3:8.1f} ms  {error:+.1%}")  # fmt: skip
     print(f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} runs")
