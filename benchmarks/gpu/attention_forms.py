@@ -1,6 +1,6 @@
 """Usage: python benchmarks/gpu/attention_forms.py [--preset 1b] [--seq-len 2048] [--timed 1,2,4] [--out FILE]
 
-What two choices in dtrain.models' attention cost on one device, for one decoder block of a preset (Llama 3.2 1B
+What three choices in dtrain.models' block cost on one device, for one decoder block of a preset (Llama 3.2 1B
 by default: 32 query heads sharing 8 key-value heads), forward and backward under bf16 autocast with float32
 weights, as ``dtrain train --precision bf16`` runs it:
 
@@ -8,7 +8,10 @@ weights, as ``dtrain train --precision bf16`` runs it:
   (``tables="each-call"``: seven kernels a layer), or once a sequence length and kept (``"kept"``);
 - grouped-query attention: the key-value heads repeated to every query head before the attention
   (``groups="repeated"``: two copies of keys and values each forward, kept for backward, and their gradients
-  summed back), or handed to ``scaled_dot_product_attention`` as they are (``"grouped"``, ``enable_gqa``).
+  summed back), or handed to ``scaled_dot_product_attention`` as they are (``"grouped"``, ``enable_gqa``);
+- the inputs' casts: autocast casting the 32-bit input of each product apart (``casts="each"``: q, k, v, gate
+  and up, each keeping its own 16-bit copy for backward), or attention and the MLP casting theirs once
+  (``"shared"``, ``dtrain.models.decoder.autocast_input``).
 
 Each form against the block as dtrain.models builds it (``form: "model"``), in the same process: CUDA-event times
 of the forward and backward (median of ``--repeat``), the host's time to issue each, the same passes replayed as a
@@ -28,20 +31,23 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from dtrain.models.decoder import Attention, Block, _rotate_half
+from dtrain.models.decoder import Attention, Block, _rotate_half, autocast_input
 from dtrain.models.presets import preset
 
-FORMS = {  # name: (tables, groups); "model" is Attention.forward as built
+FORMS = {  # name: (tables, groups, casts); "model" is the block as built
     "model": None,
-    "each-call+repeated": ("each-call", "repeated"),
-    "kept+repeated": ("kept", "repeated"),
-    "each-call+grouped": ("each-call", "grouped"),
-    "kept+grouped": ("kept", "grouped"),
+    "each-call+repeated+each": ("each-call", "repeated", "each"),
+    "each-call+grouped+each": ("each-call", "grouped", "each"),
+    "each-call+repeated+shared": ("each-call", "repeated", "shared"),
+    "each-call+grouped+shared": ("each-call", "grouped", "shared"),
+    "kept+grouped+shared": ("kept", "grouped", "shared"),
 }
 
 
-def _forward(attention: Attention, x: torch.Tensor, tables: str, groups: str, kept: dict) -> torch.Tensor:
+def _forward(attention: Attention, x: torch.Tensor, tables: str, groups: str, casts: str, kept: dict) -> torch.Tensor:
     b, t, _ = x.shape
+    if casts == "shared":
+        x = autocast_input(x)
     q = attention.q_proj(x).view(b, t, -1, attention.head_dim).transpose(1, 2)
     k = attention.k_proj(x).view(b, t, -1, attention.head_dim).transpose(1, 2)
     v = attention.v_proj(x).view(b, t, -1, attention.head_dim).transpose(1, 2)
@@ -65,9 +71,12 @@ def block_of(config, form: str, device: torch.device) -> Block:
     torch.manual_seed(0)
     block = Block(config).to(device)
     if FORMS[form] is not None:
-        tables, groups = FORMS[form]
+        tables, groups, casts = FORMS[form]
         kept: dict = {}
-        block.attn.forward = lambda x: _forward(block.attn, x, tables, groups, kept)
+        block.attn.forward = lambda x: _forward(block.attn, x, tables, groups, casts, kept)
+        mlp = block.mlp
+        if casts == "each":  # autocast casts the input for gate and for up apart
+            mlp.forward = lambda x: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
     return block
 
 
