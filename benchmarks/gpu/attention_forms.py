@@ -27,12 +27,16 @@ import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from dtrain.models.decoder import Attention, Block, _rotate_half, autocast_input
 from dtrain.models.presets import preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eager_ops import _graph_timings  # noqa: E402 (this directory's script)
 
 FORMS = {  # name: (tables, groups, casts); "model" is the block as built
     "model": None,
@@ -144,7 +148,8 @@ def measure(config, form: str, micro_batch: int, seq_len: int, repeat: int, refe
     out |= {"eager_F_ms": med(fwd), "eager_B_ms": med(bwd), "host_F_ms": med(host_f), "host_B_ms": med(host_b)}
     for attempt in range(2):  # a process's first capture can fail on a library's lazy set-up
         try:
-            out |= _graph_ms(forward, backward, repeat)
+            graph = _graph_timings("block", forward, backward, repeat)
+            out |= {"graph_F_ms": graph["block-graph-F-ms"], "graph_B_ms": graph["block-graph-B-ms"]}
             break
         except RuntimeError as e:
             traceback.print_exc()
@@ -152,33 +157,6 @@ def measure(config, form: str, micro_batch: int, seq_len: int, repeat: int, refe
     if reference is None:
         out["_reference"] = {"y": y, "dx": dx}
     return out
-
-
-def _graph_ms(forward, backward, repeat: int) -> dict:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward()
-        backward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graphs = []
-    for fn in (forward, backward):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graphs.append(graph)
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-    fwd, bwd = [], []
-    for _ in range(repeat):
-        marks[0].record()
-        graphs[0].replay()
-        marks[1].record()
-        graphs[1].replay()
-        marks[2].record()
-        torch.cuda.synchronize()
-        fwd.append(marks[0].elapsed_time(marks[1]))
-        bwd.append(marks[1].elapsed_time(marks[2]))
-    return {"graph_F_ms": sorted(fwd)[repeat // 2], "graph_B_ms": sorted(bwd)[repeat // 2]}
 
 
 def main() -> None:

@@ -46,3 +46,34 @@ def test_grouped_heads_read_in_place_compute_what_repeated_copies_compute():
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
     for (name, p), p_ref in zip(attention.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_every_form_the_attention_benchmark_times_computes_the_block_as_built():
+    """benchmarks/gpu/attention_forms.py times a block in forms other than dtrain.models' (the heads repeated, the
+    inputs cast a product apart, the rotary tables kept): each gives the block's output under autocast, and its
+    forms with the inputs cast apart keep more tensors for backward."""
+    import importlib.util
+    from dataclasses import replace
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "attention_forms.py"
+    spec = importlib.util.spec_from_file_location("attention_forms", path)
+    forms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(forms)
+    config = replace(preset("llama", "tiny"), num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    x = torch.randn(2, 16, config.hidden_size, requires_grad=True)
+    outputs, kept = {}, {}
+    for form in forms.FORMS:
+        block = forms.block_of(config, form, torch.device("cpu"))
+        storages: set[int] = set()
+
+        def keep(t: torch.Tensor, storages: set[int] = storages) -> torch.Tensor:
+            storages.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            outputs[form] = block(x).float()
+        kept[form] = len(storages)
+    for form, y in outputs.items():
+        torch.testing.assert_close(y, outputs["model"], rtol=0, atol=0, msg=form)
+    assert kept["each-call+grouped+each"] > kept["each-call+grouped+shared"] == kept["model"]
