@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from dtrain import env
 from dtrain.env import under_torchrun
+from dtrain.interrupts import raise_noted_interrupt
 from dtrain.workers import start_fork_server
 
 __all__ = [
@@ -325,6 +326,7 @@ def run_ranks(
             logging.getLogger(name).addFilter(_one_line)  # "failed (exitcode: -9) local_rank: 1 (pid: N)"
     env.kill_at()  # a bad DTRAIN_KILL_AT stops here, before any rank starts
     _quick_rendezvous_events()  # 3-4 s less a launch of two ranks on a 2-core machine
+    raise_noted_interrupt()  # a Ctrl-C that an import callback dropped: no worker starts
     results = elastic_launch(config, _forked_rank_main)(dict(os.environ), fn, *args)
     bad = next((r for _, r in sorted(results.items()) if isinstance(r, _BadInput)), None)
     if bad is not None:

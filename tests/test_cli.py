@@ -131,6 +131,34 @@ def test_a_sweep_refuses_sizes_without_an_end_and_names_that_run_nothing(config,
     assert BenchConfig(collectives=["all_reduce", "broadcast"], algorithms=["torch", "one_shot", "star@peer"])
 
 
+DROPPED_CTRL_C = """
+import signal, sys, weakref
+from dtrain.interrupts import note_interrupts, raise_noted_interrupt
+if sys.argv[1] == "noted":
+    note_interrupts()
+class Box: ...
+box = Box()
+ref = weakref.ref(box, lambda _: [signal.raise_signal(signal.SIGINT), sum(range(3))])
+del box  # the SIGINT's KeyboardInterrupt is raised in the weakref callback, which Python prints and drops
+print("went on", flush=True)
+raise_noted_interrupt()
+"""
+
+
+@pytest.mark.parametrize("mode", ["noted", "plain"])
+def test_a_ctrl_c_that_python_drops_in_a_callback_still_stops_the_launch(mode):
+    """A KeyboardInterrupt raised in a callback (importlib's module-lock weakrefs, as torch imports) is printed
+    and dropped by Python; with the interrupts noted (``dtrain`` does so first), the launch raises it before any
+    worker starts, where without they would go on."""
+    done = subprocess.run([sys.executable, "-c", DROPPED_CTRL_C, mode], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.stdout == "went on\n" and "Exception ignored" in done.stderr, done.stderr
+    if mode == "noted":
+        assert done.returncode != 0 and done.stderr.rstrip().endswith("KeyboardInterrupt"), done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+
+
 def test_a_ctrl_c_wrapped_by_a_class_definition_still_exits_130_in_one_line(monkeypatch, capsys):
     """Python 3.11 turns a ``KeyboardInterrupt`` raised inside a class body's ``__set_name__`` (a dataclass field,
     as a module loads) into a ``RuntimeError`` raised from it; the command still ends as interrupted. Any other

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from dtrain.cli.units import parse_bytes
 from dtrain.env import CommEnv
+from dtrain.interrupts import note_interrupts
 
 __all__ = ["main", "build_parser", "parse_bytes"]
 
@@ -252,6 +253,7 @@ def _interrupted(exc: BaseException) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dtrain`` command line; the process exit status."""
+    note_interrupts()  # a Ctrl-C dropped during an import still stops the launch (dtrain.interrupts)
     try:
         CommEnv.from_env()  # a bad DTRAIN_COMM_* value stops here, before any rank starts
         return _run(build_parser().parse_args(argv))
