@@ -38,6 +38,7 @@ __all__ = [
     "KILL_AT",
     "kill_at",
     "kill_node",
+    "kill_delay",
     "COMM_TRANSPORT",
     "COMM_PERSISTENT",
     "COMM_PEER_MODE",
@@ -333,22 +334,50 @@ class EmulateEnv:
         )
 
 
-def kill_at(environ: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
-    """``DTRAIN_KILL_AT=RANK:STEP[:node]`` (fault injection for resilience tests: that rank of ``dtrain train``
-    kills itself with SIGKILL as step STEP starts, in the first attempt only; with ``:node`` it first kills the
-    elastic agent that started it, as a whole node going down), or None when unset."""
+def _kill_parts(environ: Mapping[str, str]) -> tuple[int, int, bool, float] | None:
+    """``DTRAIN_KILL_AT`` as (rank, step, node, delay in seconds), or None when unset."""
     value = _get(environ, KILL_AT)
     if not value:
         return None
-    rank, sep, rest = value.partition(":")
-    step, _, scope = rest.partition(":")
-    if not sep or not rank.isdigit() or not step.isdigit() or scope not in ("", "node") or rest.endswith(":"):
+    parts = value.split(":")
+    node, delay, ok = False, 0.0, len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit()
+    for extra in parts[2:] if ok else ():
+        if extra == "node" and not node:
+            node = True
+        elif extra.startswith("+") and delay == 0.0:
+            try:
+                delay = float(extra[1:])
+            except ValueError:
+                ok = False
+            ok = ok and math.isfinite(delay) and delay > 0
+        else:
+            ok = False
+    if not ok:
         raise EnvError(
-            f"{KILL_AT}={value!r}: must be RANK:STEP or RANK:STEP:node, RANK and STEP whole numbers >= 0 (e.g. 1:3)"
+            f"{KILL_AT}={value!r}: must be RANK:STEP, then optionally :node and :+SECONDS, RANK and STEP whole "
+            f"numbers >= 0 and SECONDS > 0 (e.g. 1:3 or 1:3:+2)"
         )
-    return int(rank), int(step)
+    return int(parts[0]), int(parts[1]), node, delay
+
+
+def kill_at(environ: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+    """``DTRAIN_KILL_AT=RANK:STEP[:node][:+SECONDS]`` (fault injection for resilience tests: that rank of ``dtrain
+    train`` kills itself with SIGKILL as step STEP starts, in the first attempt only; with ``:node`` it first kills
+    the elastic agent that started it, as a whole node going down; with ``:+SECONDS`` it waits that long into the
+    step first, so that its peers are waiting for it inside the step's collectives when it dies), or None when
+    unset."""
+    parts = _kill_parts(environ)
+    return None if parts is None else parts[:2]
 
 
 def kill_node(environ: Mapping[str, str] = os.environ) -> bool:
-    """True when ``DTRAIN_KILL_AT`` ends in ``:node``: the rank kills its elastic agent before itself."""
-    return kill_at(environ) is not None and _get(environ, KILL_AT).endswith(":node")
+    """True when ``DTRAIN_KILL_AT`` has ``:node``: the rank kills its elastic agent before itself."""
+    parts = _kill_parts(environ)
+    return parts is not None and parts[2]
+
+
+def kill_delay(environ: Mapping[str, str] = os.environ) -> float:
+    """The seconds ``DTRAIN_KILL_AT``'s ``:+SECONDS`` makes the rank wait into its step before it dies (0 if
+    none)."""
+    parts = _kill_parts(environ)
+    return 0.0 if parts is None else parts[3]

@@ -33,6 +33,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ __all__ = [
 #: Fault injection for resilience tests (:func:`dtrain.env.kill_at`): ``RANK:STEP`` makes that rank kill itself
 #: with SIGKILL when :func:`maybe_kill` is called at that step, in the first attempt only; ``RANK:STEP:node`` kills
 #: the elastic agent that started it first (its parent process: torchrun's agent, or :func:`run_ranks`' launching
-#: process), as a node that goes down with all its workers.
+#: process), as a node that goes down with all its workers; ``:+SECONDS`` after either waits that long first.
 KILL_ENV = env.KILL_AT
 _RUN_PREFIX = "dtrain-launch-"  # the run id of run_ranks' own launches
 
@@ -73,11 +74,14 @@ def restart_count() -> int:
 
 def maybe_kill(step: int) -> None:
     """Kill this process with SIGKILL if :data:`KILL_ENV` names this rank and ``step`` (first attempt only); with
-    ``:node``, its agent first."""
+    ``:node``, its agent first; with ``:+SECONDS``, that long into the step."""
     target = env.kill_at()
     if target is None or restart_count() > 0:
         return
     if target == (dist.get_rank(), step):
+        delay = env.kill_delay()
+        if delay:  # its peers go on into the step and wait for it in the step's collectives
+            time.sleep(delay)
         sys.stdout.flush()
         sys.stderr.flush()
         if env.kill_node():  # the agent first, so that it cannot restart this node's workers

@@ -219,3 +219,24 @@ def test_a_parameter_server_process_stops_on_a_bad_variable_with_one_line():
     assert run.stderr.strip().splitlines() == [
         "dtrain.ps: error: DTRAIN_PS_ROLE='boss' is not accepted; use coordinator, server or worker"
     ]
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"),
+    [
+        ("", (None, False, 0.0)),
+        ("1:3", ((1, 3), False, 0.0)),
+        ("1:2:node", ((1, 2), True, 0.0)),
+        ("1:3:+2", ((1, 3), False, 2.0)),
+        ("0:5:node:+0.5", ((0, 5), True, 0.5)),
+    ],
+)
+def test_the_fault_injection_variable_parses(value, parsed):
+    environ = {env.KILL_AT: value}
+    assert (env.kill_at(environ), env.kill_node(environ), env.kill_delay(environ)) == parsed
+
+
+@pytest.mark.parametrize("value", ["1", "1:", "a:3", "1:3:", "1:3:rack", "1:3:+0", "1:3:+x", "1:3:+inf", "1:3:+1:+2"])
+def test_a_bad_fault_injection_value_names_the_variable(value):
+    with pytest.raises(env.EnvError, match=rf"^{env.KILL_AT}='{re.escape(value)}': must be RANK:STEP"):
+        env.kill_at({env.KILL_AT: value})

@@ -1,7 +1,8 @@
 """Every (collective, algorithm) on real Gloo processes, against a one-process reference and torch.distributed.
 
-World sizes 2, 3, 4 and 8; sizes 0, 1, a prime and a large one; every supported dtype; every op; a
-non-contiguous input; both ends as root.
+World sizes 2, 3, 4 and 8; sizes 0, 1, a prime and a large one; every op; a non-contiguous input; both ends
+as root; every supported dtype on 2 and 3 ranks, one of each element width on 4 and 8 (the reduction kernels
+do not depend on the group; the rounds, their blocks and byte offsets do).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _pairs():
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize(("coll", "algorithm"), list(_pairs()))
 def test_matches_reference(pool, coll, algorithm, world):
-    problems = pool.run(jobs.check_collective, coll, algorithm, world, SIZES, ranks=world)
+    problems = pool.run(jobs.check_collective, coll, algorithm, world, SIZES, every_dtype=world < 4, ranks=world)
     assert [p for per_rank in problems for p in per_rank] == []
 
 

@@ -84,11 +84,10 @@ def resumed_at_dp1(tmp_path_factory, uninterrupted) -> Path:
 
 def test_killed_rank_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path, uninterrupted):
     reference = _metrics(uninterrupted)
-    # rank 1 dies as step 4 starts; checkpoint at 2. The agent looks at its workers every 5 s, not 0.1 s: the
-    # survivor names the dead peer once its own step reaches the gradients' collective, and an agent that looks in
-    # between stops it first (the first look after the death comes anywhere in the interval, so a longer one makes
-    # that rarer on a loaded machine)
-    stdout, stderr = _train(tmp_path / "killed", *RUN, "--monitor-interval", "5", **{KILL_ENV: "1:3"})
+    # rank 1 dies 2 s into step 4, while rank 0 waits for it in the step's gradient collective; checkpoint at 2.
+    # That collective fails as the process ends, and rank 0 names the dead peer within milliseconds; the agent,
+    # looking at its workers every 5 s, stops it first only if it looks within them
+    stdout, stderr = _train(tmp_path / "killed", *RUN, "--monitor-interval", "5", **{KILL_ENV: "1:3:+2"})
     log = stdout + stderr
     # the survivor's failed collective names the dead peer, with its host and pid
     assert re.search(r"failed because rank 1 \(\S+:\d+\) is gone", log), log
