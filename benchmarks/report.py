@@ -3069,7 +3069,7 @@ def _eager_decoder_part() -> list[str]:
         "One Llama 3.2 1B block, and the final norm, output layer (128,256 x 2,048) and loss, forward and backward "
         "under bf16 autocast with 32-bit weights, as `dtrain train --precision bf16` runs them: CUDA-event times of "
         "each pass (median of 20, the backward including the gradients' accumulation), eager and replayed as a CUDA "
-        "graph (the device alone; the micro-batch of one sequence did not capture), and the host's time to issue "
+        "graph (the device alone), and the host's time to issue "
         "the eager pass (run 1 / run 2). Priced: the simulator's per-operation prices on the H200's curves "
         'with the fused layer (`kernels = "fused"`) and with dtrain.models\' own operations (`kernels = '
         '"dtrain"`: 32-bit residual stream and norms, the casts autocast makes, unfused RoPE and SwiGLU, the '

@@ -81,7 +81,12 @@ def passes(config, micro_batch: int, seq_len: int, device: torch.device):
             state["y"] = block(x)
 
     def block_backward():
-        state["y"].backward(torch.ones_like(state["y"]))
+        # the autograd graph ends with its pass, as in training: one kept alive into the next forward keeps its
+        # gradient accumulators, which remember the stream they were made on, and a backward recorded as a CUDA
+        # graph on another stream then has to wait on that one (torch's AccumulateGrad stream check), which the
+        # capture refuses ("operation would make the legacy stream depend on a capturing blocking stream")
+        y = state.pop("y")
+        y.backward(torch.ones_like(y))
 
     def head_forward():
         with torch.autocast(device.type, dtype=dtype, cache_enabled=False):
@@ -89,7 +94,7 @@ def passes(config, micro_batch: int, seq_len: int, device: torch.device):
             state["loss"] = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
     def head_backward():
-        state["loss"].backward()
+        state.pop("loss").backward()
 
     return {"block": (block_forward, block_backward), "head": (head_forward, head_backward)}
 
@@ -186,13 +191,11 @@ def timings(parts, device: torch.device, repeat: int) -> dict:
         # the host's time to issue each pass (the device may finish later): past the device's, the host sets the pace
         out[f"{part}-host-F-ms"] = sorted(host_f)[repeat // 2]
         out[f"{part}-host-B-ms"] = sorted(host_b)[repeat // 2]
-        for attempt in range(2):  # a process's first capture can fail on a library's lazy set-up; the next runs
-            try:
-                out |= _graph_timings(part, forward, backward, repeat)
-                break
-            except RuntimeError as e:  # recorded, so that the eager figures still come back
-                traceback.print_exc()
-                out[f"{part}-graph-error-{attempt}"] = str(e).splitlines()[0]
+        try:
+            out |= _graph_timings(part, forward, backward, repeat)
+        except RuntimeError as e:  # recorded, so that the eager figures still come back
+            traceback.print_exc()
+            out[f"{part}-graph-error"] = str(e).splitlines()[0]
     return out
 
 
