@@ -126,7 +126,8 @@ def _pairs():
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize(("coll", "algorithm"), list(_pairs()))
 def test_every_collective_through_peer_memory_matches_the_reference(pool, coll, algorithm, world):
-    problems = pool.run(jobs.check_collective, coll, algorithm, world, SIZES, ranks=world)
+    # every dtype on 2 and 3 ranks, one of each element width on 4 (tests/comm/test_collectives.py says why)
+    problems = pool.run(jobs.check_collective, coll, algorithm, world, SIZES, every_dtype=world < 4, ranks=world)
     assert [p for per_rank in problems for p in per_rank] == []
 
 
