@@ -257,6 +257,7 @@ def _add_software(p: argparse.ArgumentParser) -> None:
 
 def _add_step_config(p: argparse.ArgumentParser) -> None:
     from dtrain.sim.compute import KERNELS
+    from dtrain.sim.step import AMAX_REDUCTIONS
 
     p.add_argument(
         "--efficiency",
@@ -332,6 +333,14 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="interleaved 1F1B's pipeline sends and receives posted after each action and waited for before the "
         "next of its kind, under compute (Megatron-Core's overlap_p2p_comm); other schedules ignore it",
+    )
+    p.add_argument(
+        "--amax-reduction",
+        choices=AMAX_REDUCTIONS,
+        default="none",
+        help="with --fp8: synchronous prices Transformer Engine's amax all-reduce over each stage's tensor- and "
+        "data-parallel ranks after every model chunk's forward and backward, on the compute stream (its default "
+        "before NVTE_DP_AMAX_REDUCE_INTERVAL=0 NVTE_ASYNC_AMAX_REDUCTION=1); none (the default) leaves it out",
     )
     _add_software(p)
 
@@ -483,6 +492,8 @@ def _step_config(args: argparse.Namespace, **extra):
         margins.append((name, int(sms)))
     if margins and not args.tp_comm_overlap:
         raise ValueError("--ub-sm-margin: needs --tp-comm-overlap (the margins are userbuffers overlaps')")
+    if args.amax_reduction != "none" and not args.fp8:
+        raise ValueError("--amax-reduction: needs --fp8 (the amaxes are FP8 layers')")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-Core's requirement)")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
@@ -494,7 +505,7 @@ def _step_config(args: argparse.Namespace, **extra):
                       overlap_p2p_comm=args.overlap_p2p_comm,
                       grad_accumulation_fusion=args.grad_accumulation_fusion, contention=not args.no_contention,
                       ub_sm_margin=tuple(margins), kernels=args.kernels or "fused",
-                      **extra)  # fmt: skip
+                      amax_reduction=args.amax_reduction, **extra)  # fmt: skip
 
 
 def _simulate_train(args: argparse.Namespace) -> int:
@@ -566,6 +577,7 @@ def _step_data(r) -> dict:
         "pipeline_s": r.pipeline_s,
         "tp_comm_s": r.tp_s, "pp_message_s": r.pp_s, "dp_comm_s": r.dp_s,
         "dp_exposed_s": r.dp_exposed_s, "contention_s": r.contention_s, "optimizer_s": r.optimizer_s,
+        "amax_s": r.amax_s,
         "bubble": r.bubble, "bubble_theory": r.bubble_theory, "memory_gb": r.memory.total / 1e9,
         "memory_limit_gb": r.memory_limit / 1e9,
         "fits": r.fits, "bottleneck": r.bottleneck.link.name if r.bottleneck else None,

@@ -69,6 +69,9 @@ __all__ = [
     "pieces",
     "simulate_nccl",
     "ring_closed_form",
+    "LL_BASE_US",
+    "LL_HOP_US",
+    "small_all_reduce_s",
 ]
 
 #: Collectives the model knows, and how many sequential steps each has on ``n`` ranks.
@@ -388,3 +391,37 @@ def ring_closed_form(
     if not chain:
         copies = max(count * (t + copy), copies)
     return max(params.host_s, params.launch_s + (steps - 1) * cycle + copies)
+
+
+#: NCCL's tuning model for a call of a few bytes, which latency alone prices (``src/graph/tuning.cc`` at
+#: v2.17.1-1, microseconds; NCCL picks the algorithm and protocol its model prices fastest, the LL protocol at
+#: this size): the base latency of the tree and the ring with LL (``baseLat``), and a hop's latency over NVLink
+#: within a server and over the network between servers (``hwLat``), which NCCL multiplies by 1.8 for an NVLink
+#: hop when the group spans servers.
+LL_BASE_US = {"tree": 4.4, "ring": 3.6}
+LL_HOP_US = {("tree", "nvlink"): 0.52, ("ring", "nvlink"): 0.47, ("tree", "net"): 5.0, ("ring", "net"): 2.7}
+
+
+def small_all_reduce_s(ranks: int, nodes: int) -> float:
+    """Seconds of an all-reduce of a few bytes over ``ranks`` GPUs on ``nodes`` servers (as many on each, linked
+    by NVLink within a server) as NCCL's tuning model prices it: the faster of the tree, ``base + 2 ((ranks /
+    nodes - 1) intra + floor(log2 nodes) inter)``, and the ring, ``base + (2 (ranks - 1) - inter_steps) intra +
+    inter_steps inter`` with ``2 nodes`` steps between servers (none on one server). Its bytes cost nothing at
+    this size: what such a call takes is its steps' latency (an FP8 amax reduction, a loss's or a norm's
+    all-reduce)."""
+    if ranks < 1 or not 1 <= nodes <= ranks:
+        raise ValueError(f"an all-reduce needs ranks >= 1 on 1 to ranks nodes, got {ranks} ranks on {nodes}")
+    if ranks == 1:
+        return 0.0
+    spans = nodes > 1
+    times = []
+    for algorithm in ("tree", "ring"):
+        intra = LL_HOP_US[algorithm, "nvlink"] * (1.8 if spans else 1.0)
+        inter = LL_HOP_US[algorithm, "net"] if spans else intra
+        if algorithm == "tree":
+            hops = (ranks // nodes - 1) * intra + int(math.log2(nodes)) * inter
+            times.append(LL_BASE_US[algorithm] + 2 * hops)
+        else:
+            steps, inter_steps = 2 * (ranks - 1), 2 * nodes if spans else 0
+            times.append(LL_BASE_US[algorithm] + (steps - inter_steps) * intra + inter_steps * inter)
+    return min(times) * 1e-6

@@ -66,6 +66,7 @@ from dtrain.sim.model import (
     stage_parameters,
     tp_all_reduces_per_layer,
 )
+from dtrain.sim.nccl import small_all_reduce_s
 from dtrain.sim.pipeline import pipeline_chunk_edges, pipeline_makespan, pipeline_stage_spans
 from dtrain.sim.placement import grid_rank, group
 from dtrain.sim.traffic import (
@@ -82,6 +83,7 @@ from dtrain.sim.traffic import (
 )
 
 __all__ = [
+    "AMAX_REDUCTIONS",
     "StepConfig",
     "StepResult",
     "simulate_step",
@@ -99,6 +101,10 @@ __all__ = [
     "UB_PIPELINE_SPLITS",
     "UB_STREAMS",
 ]
+
+
+#: How Transformer Engine's FP8 amax reduction runs (:attr:`StepConfig.amax_reduction`).
+AMAX_REDUCTIONS = ("none", "synchronous")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +186,16 @@ class StepConfig:
     entries (Transformer Engine's names, :data:`UB_NAMES`): that product runs on the device's multiprocessors less
     the overlap's ``num_sm``, which its communication kernel holds (``transformer_engine/pytorch/module/base.py``,
     ``initialize_ub``; the GEMM's ``sm_count`` target); none by default, as ``initialize_ub``'s own settings.
+    ``amax_reduction`` (FP8 layouts, :data:`AMAX_REDUCTIONS`): ``"synchronous"``, Transformer Engine's all-reduce
+    of the FP8 tensors' amaxes over the stage's tensor- and data-parallel ranks (Megatron's amax reduction group)
+    as each model chunk's forward ends and as its backward ends, waited for on the compute stream: the recipe's
+    ``reduce_amax`` with ``NVTE_DP_AMAX_REDUCE_INTERVAL`` at its default of 1 and ``NVTE_ASYNC_AMAX_REDUCTION``
+    unset (Transformer Engine release_v0.8: ``fp8_autocast``'s exit and ``_prepare_backward`` call
+    ``global_amax_reduction``, ``all_reduce(async_op=False)``), each priced at NCCL's latency for a call of a few
+    bytes (:func:`dtrain.sim.nccl.small_all_reduce_s`); ``"none"``, the default: not priced, as where the
+    reduction runs over the tensor-parallel ranks alone and asynchronously (``NVTE_DP_AMAX_REDUCE_INTERVAL=0``,
+    ``NVTE_ASYNC_AMAX_REDUCTION=1``) or the layers are not FP8. The amax bookkeeping's own small kernels are
+    not priced either way.
 
     Megatron-Core r0.8.0 (``megatron/core/distributed/distributed_data_parallel.py``): buckets of
     ``max(40,000,000, 1,000,000 x dp)`` parameters, bucketing off on every pipeline stage but the first ("data-
@@ -220,6 +236,7 @@ class StepConfig:
     grad_accumulation_fusion: bool = False
     contention: bool = True
     ub_sm_margin: tuple[tuple[str, int], ...] = ()
+    amax_reduction: str = "none"
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -235,6 +252,8 @@ class StepConfig:
             raise ValueError(f"gradient_bytes must be 2, 4 or None (the model's), got {self.gradient_bytes!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels {self.kernels!r} is not one of {', '.join(KERNELS)}")
+        if self.amax_reduction not in AMAX_REDUCTIONS:
+            raise ValueError(f"amax_reduction {self.amax_reduction!r} is not one of {', '.join(AMAX_REDUCTIONS)}")
         bad = [name for name, sms in self.ub_sm_margin if name not in UB_NAMES or sms < 0]
         if bad:
             raise ValueError(
@@ -273,6 +292,9 @@ class StepResult:
     #: the theory's bubble for this schedule's shape (equal stages, free messages): ``(p - 1) / (v m + p - 1)``, and
     #: for ZB-H1 and ZB-V Qi et al.'s with the stages' mean forward, input- and weight-gradient times
     bubble_theory: float = 0.0
+    #: seconds a step's slowest stage waits for FP8 amax reductions (:attr:`StepConfig.amax_reduction`): one after
+    #: each model chunk's forward and one after its backward, ``2 m v`` a step
+    amax_s: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -737,8 +759,10 @@ def _simulate_step(
     edges: dict[tuple, list[tuple[float, float]]] = {}
     shares = chunk_shares(model, layout)  # ZB-V's chunks of a stage priced each at its own share
     flops = chunk_flops(model, layout)  # and its order built for their FLOPs, as dtrain train builds it
+    amax_s = _amax_s(layout, topology, placement, config)
     for factors in _factors(layout, config):
         forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s)
+        forward, backward = _with_amax(forward, v, amax_s), _with_amax(backward, v, amax_s)
         slowest = 0.0
         for f, b, w in zip(forward, backward, weight, strict=True):
             key = (tuple(f), tuple(b), tuple(w))
@@ -816,7 +840,25 @@ def _simulate_step(
         tokens_per_s=layout.global_batch * model.sequence / step_s,
         links=_step_links(parts, step_s),
         contention_s=float(np.median(contention)),
+        amax_s=2 * m * v * amax_s,
     )
+
+
+def _amax_s(layout: Layout, topology: Topology, placement: Sequence[str], config: StepConfig) -> float:
+    """Seconds of one FP8 amax reduction on the compute stream (:attr:`StepConfig.amax_reduction`), 0 where none
+    is priced: NCCL's latency for a few bytes over the tensor- and data-parallel ranks of a stage, on the servers
+    that hold them."""
+    if config.amax_reduction != "synchronous" or not layout.fp8:
+        return 0.0
+    ranks = [grid_rank(layout, d, 0, t) for d in range(layout.dp) for t in range(layout.tp)]
+    nodes = len({topology.device(placement[r]).server for r in ranks})
+    return small_all_reduce_s(len(ranks), nodes)
+
+
+def _with_amax(times: list[list[float]], chunks: int, amax_s: float) -> list[list[float]]:
+    """Per replica and stage, a micro-batch's forward or backward seconds with the FP8 amax reduction that ends
+    each of its ``chunks`` model chunks' passes."""
+    return [[t + chunks * amax_s for t in row] for row in times] if amax_s else times
 
 
 def _bubble_theory(layout: Layout, ideal: tuple) -> float:
@@ -1215,8 +1257,10 @@ def step_lower_bound(
     bounds = []
     shares, flops = chunk_shares(model, layout), chunk_flops(model, layout)
     spans: dict[tuple, float] = {}
+    amax_s = _amax_s(layout, topology, placement, config)
     for factors in _factors(layout, config):
         forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s)
+        forward, backward = _with_amax(forward, v, amax_s), _with_amax(backward, v, amax_s)
         slowest = 0.0
         for f, b, w in zip(forward, backward, weight, strict=True):
             key = (tuple(f), tuple(b), tuple(w))

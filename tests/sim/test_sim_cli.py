@@ -294,6 +294,16 @@ def test_simulate_train_takes_tp_comm_overlap_with_sequence_parallelism(capsys: 
         assert message in "".join(capsys.readouterr())
 
 
+def test_simulate_train_prices_a_synchronous_amax_reduction_of_fp8_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "train", "--topology", "h100-rail", "--dp", "4", "--tp", "2", "--pp", "2", "--global-batch",
+            "16", "--micro-batch", "1", "--sequence-parallel", "--fp8"]  # fmt: skip
+    plain = run_json(capsys, *argv)
+    synchronous = run_json(capsys, *argv, "--amax-reduction", "synchronous")
+    assert plain["amax_s"] == 0.0 < synchronous["amax_s"] <= synchronous["step_s"] - plain["step_s"] + 1e-12
+    assert main([*argv[:-1], "--amax-reduction", "synchronous"]) == 2
+    assert "--amax-reduction: needs --fp8" in "".join(capsys.readouterr())
+
+
 def test_plan_prices_interleaved_plans_with_megatron_core_overlaps(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--topology", "h100-node", "--params", "4e8", "--layers", "8", "--hidden", "2048", "--heads", "16",
             "--global-batch", "16", "--micro-batches", "1", "--zero", "0", "--recompute", "none", "--placements",

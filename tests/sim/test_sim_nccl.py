@@ -309,3 +309,17 @@ def test_simulate_collective_hands_native_to_the_nccl_model():
 @pytest.mark.parametrize("name", ["nvlink", "shm", "socket"])
 def test_every_transport_node_is_a_valid_topology_with_every_gpu_reachable(name):
     Transport(name=name).topology(4).validate()
+
+
+def test_a_few_bytes_all_reduced_cost_nccls_tree_or_ring_latency():
+    from dtrain.sim.nccl import small_all_reduce_s
+
+    # NCCL 2.17's model by hand: the tree over 56 servers of 8 GPUs, 4.4 + 2 (7 x 0.52 x 1.8 + 5 x 5.0) us, beats
+    # the ring's 894 steps; on one server of 4 the ring, 3.6 + 6 x 0.47 us, beats the tree's 4.4 + 2 x 3 x 0.52
+    assert small_all_reduce_s(448, 56) == pytest.approx((4.4 + 2 * (7 * 0.52 * 1.8 + 5 * 5.0)) * 1e-6)
+    assert small_all_reduce_s(4, 1) == pytest.approx((3.6 + 6 * 0.47) * 1e-6)
+    assert small_all_reduce_s(1, 1) == 0.0
+    # the tree grows with the logarithm of the servers: 8 and 12 servers alike, 16 one level more
+    assert small_all_reduce_s(64, 8) == small_all_reduce_s(96, 12) < small_all_reduce_s(128, 16)
+    with pytest.raises(ValueError, match="ranks >= 1 on 1 to ranks nodes"):
+        small_all_reduce_s(8, 9)

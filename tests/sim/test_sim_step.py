@@ -8,7 +8,7 @@ from dtrain.cluster.topology import Topology
 from dtrain.comm.cost.model import CostParams, LinkCost, predict
 from dtrain.sim.model import Layout, ModelSpec, flops_per_microbatch, memory_per_device
 from dtrain.sim.pipeline import pipeline_makespan
-from dtrain.sim.placement import place
+from dtrain.sim.placement import grid_rank, place
 from dtrain.sim.step import StepConfig, exposed_bucket_s, simulate_step
 from tests.sim.test_sim_topologies import GB, device, star
 
@@ -297,3 +297,30 @@ def test_tp_comm_overlap_shortens_a_sequence_parallel_step() -> None:
     overlapped = simulate_step(MODEL, layout, topo, placement, StepConfig(tp_comm_overlap=True))
     assert overlapped.step_s < plain.step_s
     assert overlapped.tp_s == plain.tp_s  # every call counted, overlapped or not
+
+
+def test_a_synchronous_amax_reduction_ends_each_chunks_forward_and_backward():
+    from dtrain.cluster.presets import preset
+    from dtrain.sim.nccl import small_all_reduce_s
+
+    topo = preset("h100-rail", racks=1, servers_per_rack=4)
+    model = ModelSpec(parameters=1e9, layers=8, hidden=1024, heads=16, sequence=512, vocab=32000)
+    layout = Layout(dp=4, tp=2, pp=4, micro_batch=1, global_batch=16, schedule="interleaved-1f1b", chunks=2,
+                    sequence_parallel=True, attention="flash", fp8=True)  # fmt: skip
+    placement = place(topo, layout)
+    none = simulate_step(model, layout, topo, placement, StepConfig())
+    synchronous = simulate_step(model, layout, topo, placement, StepConfig(amax_reduction="synchronous"))
+    stage = [grid_rank(layout, d, 0, t) for d in range(layout.dp) for t in range(layout.tp)]
+    servers = len({topo.device(placement[r]).server for r in stage})
+    each = small_all_reduce_s(layout.dp * layout.tp, servers)
+    m, v = layout.microbatches, layout.chunks
+    assert none.amax_s == 0.0 and synchronous.amax_s == pytest.approx(2 * m * v * each)
+    # every action of the pipeline's critical stage is longer by one reduction, and the step by at least that
+    assert synchronous.step_s - none.step_s >= 2 * m * v * each * (1 - 1e-9)
+    # 16-bit layers have no amaxes: the setting changes nothing
+    bf16 = Layout(dp=4, tp=2, pp=4, micro_batch=1, global_batch=16, sequence_parallel=True, attention="flash")
+    assert simulate_step(model, bf16, topo, placement, StepConfig(amax_reduction="synchronous")).step_s == (
+        simulate_step(model, bf16, topo, placement, StepConfig()).step_s
+    )
+    with pytest.raises(ValueError, match="amax_reduction 'async' is not one of none, synchronous"):
+        StepConfig(amax_reduction="async")

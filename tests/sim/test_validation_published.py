@@ -6,6 +6,7 @@ every row, the held-out set included, with the exact replay."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import sys
@@ -16,6 +17,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "sim" / "validation"))
 
 import published  # noqa: E402
+
+from dtrain.sim.nccl import small_all_reduce_s  # noqa: E402
+from dtrain.sim.placement import grid_rank, place  # noqa: E402
 
 KORTHIKANTI = [f"korthikanti22-{size}-{how}" for size in ("22b", "175b", "530b") for how in ("full", "selective-sp")]
 NARAYANAN = [f"narayanan21-{size}" for size in ("1.7b", "3.6b", "7.5b", "18.4b", "39.1b")]
@@ -80,7 +84,6 @@ def test_narayanan_rows_meet_the_median_target() -> None:
 def test_megatron_step_costs_each_add_time() -> None:
     # Megatron-LM's synchronous pipeline exchanges, its tied embedding's all-reduce and its mixed-precision
     # optimizer step (published.config_of) each only add to the step
-    import dataclasses
 
     from dtrain.sim.compute import ADAM_BYTES_PER_PARAMETER, MEGATRON_FP16_OPTIMIZER_BYTES
 
@@ -130,7 +133,6 @@ def test_bloom_counts_its_embeddings_as_layers_of_the_pipeline() -> None:
 def test_h100_rows_load_and_simulate() -> None:
     # Megatron-Core r0.8.0's H100 table (Megatron-LM README): GPUs x TFLOP/s is the table's aggregate PFLOP/s,
     # and the sizes are those of a GPT whose output layer has its own matrix
-    import dataclasses
 
     rows = _rows()
     for name, aggregate, size in (("mcore24-h100-1.7b", 19.6, 1.7e9), ("mcore24-h100-462b", 2825.6, 462e9)):
@@ -188,8 +190,28 @@ def test_mlperf_rows_are_the_logged_layouts_in_fp8() -> None:
     assert max(_errors(MLPERF_41)) <= published.MEDIAN_TARGET, results
 
 
+def test_mlperf_v30_rows_wait_for_their_amax_reduction_after_every_action() -> None:
+    """v3.0's Transformer Engine all-reduces the FP8 amaxes over a stage's tensor- and data-parallel ranks on the
+    compute stream after each chunk's forward and backward; v3.1 on, asynchronously over the tensor-parallel ranks
+    alone (benchmarks/sim/published.toml)."""
+    rows = [row for row in _rows().values() if row["name"].startswith("mlperf")]
+    for row in rows:
+        expected = "synchronous" if row["name"].startswith("mlperf30") else "none"
+        assert published.config_of(row).amax_reduction == expected, row["name"]
+    row = _rows()["mlperf30-coreweave-3584"]  # 448 GPUs a stage, 2 x 24 x 12 actions a step
+    priced = _result(row["name"])
+    layout = published.layout_of(row)
+    topology = published.cluster_of(row)
+    placement = place(topology, layout)
+    stage = {placement[grid_rank(layout, d, 0, t)] for d in range(layout.dp) for t in range(layout.tp)}
+    servers = len({topology.device(name).server for name in stage})
+    assert priced["amax_s"] == pytest.approx(2 * 24 * 12 * small_all_reduce_s(448, servers))
+    left_out = published.simulate(row, dataclasses.replace(published.config_of(row, 1000), amax_reduction="none"))
+    assert priced["predicted_s"] - left_out["predicted_s"] > 0 and priced["error"] > left_out["error"]
+    assert abs(priced["error"]) <= published.WORST_TARGET, priced
+
+
 def test_fp8_weights_halve_the_gather_and_drop_the_16_bit_copy() -> None:
-    import dataclasses
 
     from dtrain.sim.model import memory_per_device
     from dtrain.sim.traffic import dp_phase_bytes

@@ -169,7 +169,9 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     (``grad_accumulation_fusion``: Megatron-LM's ``--gradient-accumulation-fusion``, on by default, which its
     argument checks keep only where gradients accumulate in 32 bits; ``StepConfig.grad_accumulation_fusion``),
     and which userbuffers overlaps run their product on fewer multiprocessors (``ub_sm_margin``, the run's
-    ``tp_overlap`` file; ``StepConfig.ub_sm_margin``).
+    ``tp_overlap`` file; ``StepConfig.ub_sm_margin``), and whether Transformer Engine's FP8 amax reduction waits
+    on the compute stream after each chunk's forward and backward (``amax_reduction``,
+    ``StepConfig.amax_reduction``).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
@@ -184,7 +186,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       overlap_p2p_comm=row.get("overlap_p2p_comm", False),
                       kernels=row.get("kernels", "fused"),
                       grad_accumulation_fusion=row.get("grad_accumulation_fusion", False),
-                      ub_sm_margin=tuple(sorted(row.get("ub_sm_margin", {}).items())))  # fmt: skip
+                      ub_sm_margin=tuple(sorted(row.get("ub_sm_margin", {}).items())),
+                      amax_reduction=row.get("amax_reduction", "none"))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None) -> dict:
@@ -198,6 +201,7 @@ def simulate(row: dict, config: StepConfig | None = None) -> dict:
         "published_s": row["iteration_s"], "measure": row["measure"], "predicted_s": result.step_s,
         "error": error, "compute_s": result.compute_s, "tp_s": result.tp_s, "pp_s": result.pp_s,
         "dp_exposed_s": result.dp_exposed_s, "contention_s": result.contention_s, "optimizer_s": result.optimizer_s,
+        "amax_s": result.amax_s,
         "bubble_theory": result.bubble_theory,
         "memory_gb": result.memory.total / 1e9, "fits": result.fits,
     }  # fmt: skip
@@ -329,12 +333,12 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
             p = summary(part)
             out.append(f"| {label} | {p['rows']} | {p['median_abs_error']:.1%} | {p['worst_abs_error']:.1%} | "
                        f"{_verdict(p)} |")  # fmt: skip
-    out += ["", "| run | compute (s) | tp, every call (s) | dp exposed (s) | compute lost to dp (s) | optimizer (s) "
-            "| bubble, theory | step beyond compute (s) | compute x to match |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    out += ["", "| run | compute (s) | tp, every call (s) | dp exposed (s) | compute lost to dp (s) | FP8 amax (s) "
+            "| optimizer (s) | bubble, theory | step beyond compute (s) | compute x to match |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in results:
         out.append(f"| {r['name']} | {r['compute_s']:.2f} | {r['tp_s']:.2f} | {r['dp_exposed_s']:.2f} | "
-                   f"{r.get('contention_s', 0.0):.3f} | "
+                   f"{r.get('contention_s', 0.0):.3f} | {r.get('amax_s', 0.0):.3f} | "
                    f"{r['optimizer_s']:.3f} | {r['bubble_theory']:.1%} | {r['predicted_s'] - r['compute_s']:.2f} | "
                    f"{compute_factor(r):.2f} |")  # fmt: skip
     out += ["", *per_action(results, by_name)]
