@@ -149,7 +149,8 @@ def section_collectives() -> str:
         "## Collectives",
         "Times are nccl-tests style: `iters` calls back to back between two synchronizations, the median of "
         "`trials` runs, the slowest rank. busbw = size / time x (2(n-1)/n for all-reduce, (n-1)/n for all-gather, "
-        "reduce-scatter and all-to-all, 1 for the rooted collectives); sizes are a rank's whole buffer. Ours and "
+        "reduce-scatter, all-to-all, gather and scatter, 1 for broadcast, reduce and scan); sizes are a rank's whole "
+        "buffer. Ours and "
         "NCCL (or Gloo) run in the same command on the same machine.",
         "### Ours against NCCL, every collective (4 x H100 and 4 x H200)",
         "Each call captured whole as a CUDA graph and replayed (the devices' time, the API's Python out of the "
@@ -1734,7 +1735,7 @@ def section_zero() -> str:
             "(benchmarks/gpu/run.sh OUT zero)",
             "`zero-h100x4.jsonl`",
         ),
-        table(["variant", "step ms", "step time / DDP", "peak GiB", "max param diff vs DDP"], rows),
+        table(["variant", "step ms", "DDP's step time / this", "peak GiB", "max param diff vs DDP"], rows),
         "### CPU",
         "Peak resident set of a rank (`ru_maxrss`) and its growth once the model is built (gradients, optimizer "
         "moments, communication buffers, activations), GPT of 12.9 M parameters, AdamW, each variant in its own "
@@ -1786,7 +1787,7 @@ def section_tp_pp() -> str:
                 f"torchrun --nproc-per-node 4 benchmarks/training/tp_pp.py {extra}",
                 f"`{name}`",
             ),
-            table(["variant", "GPUs", "step ms", "ours / torch (time)", "parameter MiB a rank", "peak GiB"], rows),
+            table(["variant", "GPUs", "step ms", "torch's step time / this", "parameter MiB a rank", "peak GiB"], rows),
         ]
     pp = load("pp-h200x4.jsonl")
     rows = [
@@ -1812,7 +1813,7 @@ def section_tp_pp() -> str:
             "(benchmarks/gpu/run.sh OUT pp)",
             "`pp-h200x4.jsonl`",
         ),
-        table(["variant", "micro-batches", "step ms", "step time / torch", "peak GiB"], rows),
+        table(["variant", "micro-batches", "step ms", "torch's step time / this", "peak GiB"], rows),
     ]
     return "\n\n".join(parts)
 
@@ -2086,21 +2087,40 @@ def bubble_rows(records: list[dict]) -> list[list[str]]:
                 "-" if r.get("bubble_timeline") is None else f"{r['bubble_timeline']:.2f}",
                 f"{r['step_s'] * 1e3:.1f}",
                 ",".join(str(a) for a in r["peak_activations_per_stage"]),
+                ",".join(str(a) for a in r.get("peak_expected_per_stage") or []) or "-",
             ]
         )
     return rows
+
+
+def stalled_line(records: list[dict]) -> str:
+    """The configurations of ``records`` that stalled (ended by ``--stall-s``, nothing measured), or ""."""
+    stalled = [r for r in records if "stalled_after_s" in r and "bubble_theory" not in r]
+    if not stalled:
+        return ""
+    order = sorted(stalled, key=lambda r: (r["stages"], r["schedule"], r["microbatches"]))
+    named = "; ".join(
+        f"p = {r['stages']} {r['schedule']} m = {r['microbatches']} (after {r['stalled_after_s']:.0f} s)" for r in order
+    )
+    return (
+        "Stalled, ended by `--stall-s` with nothing measured (nor the configurations after it in that launch): "
+        f"{named}."
+    )
 
 
 def section_bubble() -> str:
     gpu = load("bubble-h200x4.jsonl")
     gpu4 = load("bubble-p4-h200x4.jsonl")
     cpu = load("bubble-cpu2.jsonl")
-    header = ["p", "schedule", "m", "theory", "measured", "timeline", "step ms", "peak activations a stage"]
+    header = ["p", "schedule", "m", "theory", "measured", "timeline", "step ms", "peak activations a stage",
+              "expected"]  # fmt: skip
     return "\n\n".join(
-        [
+        part
+        for part in [
             "## Pipeline bubble against theory",
             "The measured bubble beside (p - 1) / (v m + p - 1) for GPipe, 1F1B and interleaved 1F1B, and the "
-            "micro-batches each stage held at once (GPipe m, 1F1B min(p - s, m): asserted by the script). "
+            "micro-batches each stage held at once beside the count the schedule should hold (GPipe m, 1F1B "
+            "min(p - s, m), interleaved min(2 (p - 1 - s) + (v - 1) p + 1, v m)), both as the script records them. "
             "`measured`: 1 - (the stages' busy time) / (p x the step time), the idle share of the step; `timeline`: "
             "the same from the stages' recorded timelines (CPU runs).",
             "### 4 x H200",
@@ -2112,8 +2132,10 @@ def section_bubble() -> str:
                 "`bubble-h200x4.jsonl` (p = 2 and 4), `bubble-p4-h200x4.jsonl` (p = 4, 1F1B and interleaved)",
             ),
             table(header, bubble_rows(gpu)),
+            stalled_line(gpu),
             "p = 4, 1F1B and interleaved 1F1B:",
             table(header, bubble_rows(gpu4)),
+            stalled_line(gpu4),
             "### CPU",
             "8 x (Linear(512, 512) + GELU), batch 128, one Gloo rank a stage. p = 4 puts four stages on two cores, "
             "so its bubble shows the scheduler, not the pipeline.",
@@ -2127,6 +2149,7 @@ def section_bubble() -> str:
             "![bubble against theory](figures/pipeline-bubble.png)",
             *_zero_bubble_part(),
         ]
+        if part
     )
 
 
@@ -3811,7 +3834,9 @@ def section_overlap() -> str:
             "products of one layer of a "
             "hidden-12288 transformer on 4 tensor-parallel ranks, 2,048 tokens (forward, input and weight gradients), "
             "in a loop beside a loop of 128 MiB collectives on another stream, and each alone; the median of 3 rounds, "
-            "the slower rank. `product x`: the products' time beside the collectives over alone; `collective x`: the "
+            "the slower rank. `collective alone`: bytes of the buffer over the time of one call (algorithm "
+            "bandwidth, not nccl-tests' bus bandwidth). `product x`: the products' time beside the collectives over "
+            "alone; `collective x`: the "
             "collectives' time beside the products over alone. `network`: `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`, so "
             "NCCL goes through its proxy and network transport (sockets here) as between servers. The simulator "
             "prices overlapped communication from the medians by path and precision (`dtrain/sim/compute_curves.json`, "
@@ -3825,9 +3850,10 @@ def section_overlap() -> str:
                     "product",
                     "collective",
                     "products alone (TFLOP/s)",
-                    "collective alone (GB/s)",
+                    "collective alone (algorithm GB/s)",
                     "product x",
                     "collective x",
+                    "repeat: product x / collective x",
                 ],
                 rows,
             ),  # fmt: skip

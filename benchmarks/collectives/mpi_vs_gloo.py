@@ -9,8 +9,9 @@ Every rank joins two groups of the same processes: torch.distributed's Gloo grou
 ranks (rank 0 picks a port and broadcasts it over MPI), and an :class:`~dtrain.comm.mpi.MPIGroup` over
 ``MPI_COMM_WORLD``. For each collective and size it then times, one after the other (interleaved, so that both
 see the same machine): Gloo's own collective, MPI's own collective, and each of our algorithms over Gloo
-point-to-point and over MPI point-to-point, as ``dtrain bench comm`` times (``iters`` calls between two
-barriers, median of ``trials`` runs, largest over ranks; fewer calls a run for large sizes). Records: the
+point-to-point and over MPI point-to-point, with :func:`dtrain.bench.comm.time_us` (``iters`` calls between two
+barriers, each rank's median of ``trials`` runs, then the largest over ranks; fewer calls a run for large sizes;
+``dtrain bench comm`` itself takes each round's slowest rank, then the median over rounds). Records: the
 ``dtrain bench comm`` fields, ``transport`` "gloo" or "mpi" (what carried the bytes: the backend's own
 collective for ``native``, its point-to-point messages for ours), ``backend`` and ``machine`` (host, cores,
 ranks). Rank 0 prints a table and writes ``--out`` (default benchmarks/results/mpi_vs_gloo-cpu<ranks>.jsonl).

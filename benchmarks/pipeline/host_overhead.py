@@ -66,7 +66,8 @@ def _rank(args: argparse.Namespace, schedule: str, m: int) -> dict | None:
     def compute() -> None:
         for _ in range(m):
             for chunk in pipe.chunks:
-                out = chunk(one.detach().requires_grad_())
+                # the first chunk's input is data: no gradient flows into it in the step either
+                out = chunk(one.detach().requires_grad_(not chunk.is_first))
                 F.mse_loss(out, one).backward() if chunk.is_last else out.backward(one)
         for q in pipe.parameters():
             q.grad = None

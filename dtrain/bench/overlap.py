@@ -22,8 +22,9 @@ weight gradients) of ``hidden`` on ``tp`` tensor-parallel ranks, ``tokens`` a mi
 collectives run on Gloo's own thread, the products on the caller's, timed by the wall clock.
 
 Where the collectives go through the network path (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``: NCCL's proxy and
-its network transport, as between servers) each record's ``path`` says ``network``; else ``nvlink`` on GPUs and
-``host`` on the CPU. ``--write-curves`` stores the median factors by path in the simulator's curve file.
+its network transport, as between servers) each record's ``path`` says ``network``; with ``NCCL_P2P_DISABLE=1``
+alone, ``shm`` (NCCL's shared-memory transport); else ``nvlink`` on GPUs and ``host`` on the CPU.
+``--write-curves`` stores the median factors by path in the simulator's curve file.
 """
 
 from __future__ import annotations
@@ -83,11 +84,13 @@ def layer_shapes(hidden: int, tp: int, tokens: int) -> list[tuple[int, int, int]
 
 def path_name(device: torch.device) -> str:
     """Which way this job's collectives go: "host" (CPU), "network" (NCCL's peer and shared-memory transports
-    off), "nvlink"."""
+    off), "shm" (the peer transport alone off: NCCL's shared-memory transport), "nvlink"."""
     if device.type != "cuda":
         return "host"
-    off = {os.environ.get("NCCL_P2P_DISABLE"), os.environ.get("NCCL_SHM_DISABLE")}
-    return "network" if off == {"1"} else "nvlink"
+    p2p_off, shm_off = (os.environ.get(name) == "1" for name in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"))
+    if p2p_off:
+        return "network" if shm_off else "shm"
+    return "nvlink"
 
 
 def _products(kind: str, shapes, device) -> Callable[[], None]:

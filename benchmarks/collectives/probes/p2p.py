@@ -88,7 +88,7 @@ def main() -> None:
                 moved = nbytes * (len(peers) if "all peers" in name else 1)
                 print(
                     f"{nbytes >> 10:8d} KiB {name:30s} {total * 1e6:9.1f} us  cpu {enqueue * 1e6:8.1f} us"
-                    f"  {moved / total / 1e9:7.1f} GB/s per rank out",
+                    f"  {moved / total / 1e9:7.1f} GB/s of the buffer",
                     flush=True,
                 )
     dist.destroy_process_group()

@@ -22,14 +22,20 @@ import dtrain.comm as comm
 from dtrain.comm.peer import kernels as peer_kernels
 from dtrain.comm.peer import window as peer
 
+#: Cycles of the sleep kernel queued ahead of a timed loop: longer than the host takes to enqueue the loop (about
+#: 50 ms at the GPUs' clock), so the events time the device's work alone, not the host's pace.
+SLEEP_CYCLES = int(0.05 * 2.0e9)
+
 
 def host_and_gpu(fn, iters=200, warmup=5):
-    """Host microseconds to enqueue one call (no synchronisation in the loop) and GPU microseconds per call."""
+    """Host microseconds to enqueue one call (no synchronisation in the loop) and the device's microseconds per
+    call: the loop is queued behind a sleep kernel, so the device runs it after the host has issued all of it."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
     t0 = time.perf_counter()
     start.record()
     for _ in range(iters):
