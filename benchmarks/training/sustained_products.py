@@ -9,8 +9,8 @@ MLPerf Training layout; forward, input and weight gradients), in bf16 and, where
 - ``device``: one call issued behind a sleep kernel, CUDA events around it (``dtrain bench compute``'s way);
 - ``launch``: one call with events around it, issued while the GPU waits (the host's launch counted);
 - ``sustained``: the layer's products one after another for ``--seconds`` (after as long again to warm up), the
-  GPU never idle, the mean per product over the last window: what a training step's back-to-back products get
-  once the clocks have settled under the power cap.
+  GPU never idle (each pass queued before the one before it is waited for), the mean per product over the last
+  window: what a training step's back-to-back products get once the clocks have settled under the power cap.
 
 Each row: the product, its FLOPs, the three times and the sustained time over the device one, and the SM clock
 and power ``nvidia-smi`` reports at the end of the sustained window. ``--write-curves PATH`` (the simulator's
@@ -69,18 +69,24 @@ def _sustained(fns: list, seconds: float) -> tuple[list[float], str]:
         if passes % 20 == 0:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
+    for fn in fns:  # an untimed pass first: the first timed product starts behind work, not on an idle GPU
+        fn()
     times = [0.0] * len(fns)
-    counted, t_end = 0, time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(fns) + 1)]
-        events[0].record()
-        for i, fn in enumerate(fns):
-            fn()
-            events[i + 1].record()
-        events[-1].synchronize()
-        for i in range(len(fns)):
-            times[i] += events[i].elapsed_time(events[i + 1]) / 1e3
-        counted += 1
+    counted, t_end, pending = 0, time.perf_counter() + seconds, None
+    while time.perf_counter() < t_end or pending is not None:
+        events = None
+        if time.perf_counter() < t_end:  # the next pass is queued before the last one is waited for: no gap
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(fns) + 1)]
+            events[0].record()
+            for i, fn in enumerate(fns):
+                fn()
+                events[i + 1].record()
+        if pending is not None:
+            pending[-1].synchronize()
+            for i in range(len(fns)):
+                times[i] += pending[i].elapsed_time(pending[i + 1]) / 1e3
+            counted += 1
+        pending = events
     smi = subprocess.run(
         ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"], capture_output=True, text=True
     ).stdout.strip()
@@ -153,7 +159,8 @@ def main() -> None:
             rows.append({"device": name, "precision": "fp8" if fp8 else "bf16", "op": what, "m": m, "n": n, "k": k,
                          "layer": {"hidden": args.hidden, "ffn": args.ffn, "tokens": args.tokens, "tp": args.tp},
                          "flops": 2.0 * m * n * k, "device_s": device, "launch_s": launch, "sustained_s": kept,
-                         "sustained_over_device": kept / device, "smi_after_sustained": smi})  # fmt: skip
+                         "sustained_over_device": kept / device, "smi_after_sustained": smi,
+                         "sustained_seconds": args.seconds})  # fmt: skip
         total = [sum(r[key] for r in rows[-len(shapes) :]) for key in ("device_s", "launch_s", "sustained_s")]
         print(
             f"{'fp8' if fp8 else 'bf16'}: one layer's products {total[0] * 1e3:.3f} ms at the device's pace, "

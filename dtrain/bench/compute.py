@@ -163,10 +163,13 @@ def run(
         for heads in (1,) if quick else (8, 16, 32):
             d = 16 if quick else 128
             q, kk, v = (torch.randn(1, heads, seq, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            grad_out = torch.ones(1, heads, seq, d, device=device, dtype=dtype)
 
-            def attention(q=q, kk=kk, v=v):
+            def attention(q=q, kk=kk, v=v, grad_out=grad_out):
+                # the gradients returned, not accumulated into .grad: the kernels of attention's forward and
+                # backward alone
                 out = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
-                out.backward(torch.ones_like(out))
+                torch.autograd.grad(out, (q, kk, v), grad_out)
 
             flops = 4.0 * seq * seq * heads * d * 0.5 * 3.5  # forward, and backward at 2.5 times it
             rows.append({"kind": "attention", "op": "sdpa-causal", "seq": seq, "heads": heads, "head_dim": d,
