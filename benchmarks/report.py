@@ -1711,6 +1711,17 @@ def section_dp() -> str:
     return "\n\n".join(parts)
 
 
+def _peak_scope(records: list[dict], others: str) -> str:
+    """What a table's peak memory counts: the variant alone, or, as recorded without ``peak_memory_scope``, every
+    tensor alive on the device, ``others`` among them."""
+    if all(r.get("peak_memory_scope") == "variant" for r in records if r.get("peak_memory_bytes")):
+        return " Peak memory: the variant's weights and gradients and what its step allocates."
+    return (
+        f" Peak memory as recorded: every tensor on the device during the step, {others} included, so the column "
+        "compares the variants only by their differences."
+    )
+
+
 def section_zero() -> str:
     gpu = load("zero-h100x4.jsonl")
     rows = [
@@ -1727,7 +1738,13 @@ def section_zero() -> str:
         "## ZeRO memory",
         "### 4 x H100",
         "The GPT of the data-parallel table, 16 sequences a GPU, on 4 GPUs: plain data parallel (ours, DDP), ZeRO "
-        "stage 1 and 2 (`ZeroOptimizer`) and DDP with torch's `ZeroRedundancyOptimizer`. Peak GPU memory of a step.",
+        "stage 1 and 2 (`ZeroOptimizer`) and DDP with torch's `ZeroRedundancyOptimizer`. Peak GPU memory of a step"
+        + (
+            "."
+            if all(r.get("peak_memory_scope") == "variant" for r in gpu)
+            else " as recorded, which also counts the model every variant is copied from, held on the device while "
+            "it ran (its 32-bit weights, the same in every row): the rows differ by what each variant holds."
+        ),
         setting(
             card([{"device_name": gpu[0]["device"]}]),
             gpu_software(gpu),
@@ -1780,7 +1797,8 @@ def section_tp_pp() -> str:
         parts += [
             f"### Tensor parallel against DTensor (4 x {records[0]['device']})",
             "The Megatron MLP `GeLU(X A) B` as `ParallelMLP`, one training step a call, against torch's "
-            "`parallelize_module` with `ColwiseParallel` / `RowwiseParallel` on the same weights.",
+            "`parallelize_module` with `ColwiseParallel` / `RowwiseParallel` on the same weights."
+            + _peak_scope(records, "the full reference MLP, its output, and the other variants' weights and gradients"),
             setting(
                 card([{"device_name": records[0]["device"]}]),
                 gpu_software(records),
@@ -1804,7 +1822,10 @@ def section_tp_pp() -> str:
         "### Pipeline parallel against torch.distributed.pipelining (4 x H200)",
         "16 x (Linear(4096, 4096) + GeLU), one stage a GPU (two chunks a GPU interleaved), 8192 rows a step, SGD; "
         "ours (`PipelineParallel`) against `ScheduleGPipe`, `Schedule1F1B` and `ScheduleInterleaved1F1B` on the "
-        "same cut of the same weights; gradients equal torch's.",
+        "same cut of the same weights; gradients equal torch's."
+        + _peak_scope(
+            pp, "the whole 16-layer model the stages are copied from and the other variant's weights and gradients"
+        ),
         setting(
             card([{"device_name": pp[0]["device"]}]),
             gpu_software(pp),

@@ -64,16 +64,37 @@ def time_variants(
     return result
 
 
-def peak_memory(fn: Callable[[], None]) -> int | None:
-    """Peak bytes allocated on this GPU while ``fn`` runs (None on the CPU)."""
+def peak_memory(fn: Callable[[], None], own: Callable[[], int] | None = None) -> int | None:
+    """Peak bytes allocated on this GPU while ``fn`` runs (None on the CPU). With ``own`` (the bytes of the
+    variant's own state, :func:`state_bytes`, read before ``fn``): that plus the most ``fn`` allocated above what
+    the device held before it, so what other variants keep on the device is not counted."""
     if not torch.cuda.is_available():
         fn()
         return None
     sync()
+    held = own() if own is not None else 0
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     sync()
-    return torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated()
+    return peak if own is None else held + peak - before
+
+
+def state_bytes(parameters, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Device bytes of ``parameters`` (each DTensor's local shard), their gradients and ``optimizer``'s state
+    tensors, each storage once."""
+    tensors = []
+    for q in parameters:
+        tensors += [q, q.grad] if q.grad is not None else [q]
+    if optimizer is not None:
+        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_cuda:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def subgroups(sizes: tuple[int, ...]) -> dict[int, object]:
