@@ -343,6 +343,9 @@ def _defaults_beside_part(machine: str) -> list[str]:
         f"#### Same and fresh tensors in one launch ({title})",
         "The sweeps above timed same and fresh tensors in separate launches. Here each name also runs on fresh "
         "tensors (`NAME+fresh`) in the same rounds as on the same ones, so the two differ by the tensors alone. "
+        "A fresh run takes a set of tensors for each of its calls, within 1 GiB a rank (two sets at 256 MiB, one "
+        "from 512 MiB), the same sets in its warm-up and in every round: only a set's first use is new to the "
+        "process, and from 256 MiB every fresh call is on tensors the warm-up used. "
         "A cell is NCCL's time over ours, same tensors / fresh tensors, both against torch.distributed's own call on "
         f"the same kind of tensors. {below} of {cells} ratios are below 1.00x, "
         + (

@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                     "resolved_algorithm": resolved if algorithm == "auto" else algorithm,
                     "time_us": t["time_us"], "host_us": t["host_us"], "runs_us": t["runs_us"],
                     "vs_gloo": g / t["time_us"], "vs_mpi": m / t["time_us"], "iters": iters, "rounds": args.rounds,
-                    "fresh": args.fresh, "world_size": world, "dtype": "float32", **machine,
+                    "fresh": args.fresh, "fresh_sets": copies if args.fresh else None, "world_size": world,
+                    "dtype": "float32", **machine,
                 })  # fmt: skip
             if rank == 0:
                 best = min((n for n in names if not n.endswith(("native", "auto"))), key=lambda n: timed[n]["time_us"])

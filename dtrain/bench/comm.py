@@ -101,8 +101,12 @@ class BenchConfig:
     nproc: int = 2
     rules_out: str | None = None  # write measured rules for ``auto`` here ("" : the default rules path)
     transport: str = "torch"  # "mpi": an MPIGroup over MPI_COMM_WORLD, in a job mpirun started
-    fresh: bool = False  # new input and output tensors every call (made before the timed loop), else the same
-    #: each name also as ``NAME+fresh`` on new tensors every call, in the same rounds as on the same tensors
+    #: each call of a run on its own set of input and output tensors (made before the timed loop; as many sets as
+    #: a run has calls, up to :data:`FRESH_BYTES` a rank, fewer calls a run past that; the same sets in warm-up
+    #: and in every round, ``fresh_sets`` in each record), else the same tensors every call
+    fresh: bool = False
+    #: each name also as ``NAME+fresh`` on its own sets as ``fresh`` makes them, in the same rounds as on the same
+    #: tensors
     fresh_beside: bool = False
     sizes_iters: bool = False  # fewer calls a run for large sizes (:func:`dtrain.comm.tune.iters_for`)
 
@@ -413,6 +417,8 @@ def bench_on_rank(config: BenchConfig, group=None) -> list[dict]:
                     rounds=config.trials,
                     iters=iters,
                     fresh=config.fresh or bool(suffix),
+                    # the sets of tensors a fresh run's calls take in turn, the same sets in warm-up and every round
+                    fresh_sets=copies if config.fresh or suffix else None,
                     vs_native=None if not native or not took_us else native / took_us,
                     vs_torch=None if not peer or not took_us else peer / took_us,
                 )

@@ -47,7 +47,10 @@ def _add_bench_comm(sub) -> None:
     p.add_argument("--trials", type=int, default=3, help="timed runs; the median counts")
     p.add_argument("--graphs", action="store_true", help="on GPUs, also time each algorithm as a CUDA graph")
     p.add_argument(
-        "--fresh", action="store_true", help="new input and output tensors every call, made before the timed loop"
+        "--fresh",
+        action="store_true",
+        help="each call of a run on its own set of input and output tensors, made before the timed loop (the same "
+        "sets every round; fewer calls a run past 1 GiB of sets a rank)",
     )
     p.add_argument(
         "--fresh-beside",
