@@ -228,15 +228,18 @@ def _beside(lead, lead_reps, follow, follow_reps, *, lead_is_collective, clock, 
     else:
         # the CPU: the host runs the products, so the collectives are issued first, all of them, on Gloo's thread
         works = [follow() for _ in range(follow_reps)]
+        ended: list[float] = []  # each collective's end, stamped by Gloo's thread as it completes
+        for w in works:
+            w.get_future().add_done_callback(lambda _: ended.append(time.perf_counter()))
         start = time.perf_counter()
-        done_at = None
         for _ in range(lead_reps):
             lead()
-            if done_at is None and all(w.is_completed() for w in works):
-                done_at = time.perf_counter()
         for w in works:
             w.wait()
-        span = (done_at or time.perf_counter()) - start
+        settle = time.perf_counter() + 1.0  # a callback may run just after its wait() returns
+        while len(ended) < len(works) and time.perf_counter() < settle:
+            time.sleep(1e-4)
+        span = max(0.0, max(ended, default=time.perf_counter()) - start)
     if cuda:
         torch.cuda.synchronize(device)
     return _largest(span, device, group)
