@@ -3,9 +3,12 @@
 Grid ranks follow :class:`dtrain.parallel.grid.ParallelDims`: ``((dp_rank * pp) + pp_rank) * tp + tp_rank``,
 tensor parallel innermost. The topology-aware placement puts consecutive grid ranks on consecutive devices of
 :meth:`Topology.devices` (server by server), so a tensor-parallel group shares a server's NVLink, pipeline
-neighbours come next and data-parallel replicas span servers and racks (Megatron-LM's rank order, Narayanan
-et al. 2021, section 3.2). The oblivious one deals the ranks round-robin over the servers, as a scheduler that
-knows nothing of the job would, so neighbours in every group land on different servers.
+neighbours come next and data-parallel replicas span servers and racks (``dtrain train``'s order; Narayanan et
+al. 2021, section 3.2, keep tensor parallelism within a server as well). Megatron-LM and DeepSpeed order the
+ranks with pipeline stages outermost (tensor, then data, then pipeline), which puts a stage's replicas, not a
+replica's stages, on neighbouring devices; that order is not offered here. The oblivious one deals the ranks
+round-robin over the servers, as a scheduler that knows nothing of the job would, so neighbours in every group
+land on different servers.
 """
 
 from __future__ import annotations
