@@ -239,7 +239,8 @@ def _beside(lead, lead_reps, follow, follow_reps, *, lead_is_collective, clock, 
         settle = time.perf_counter() + 1.0  # a callback may run just after its wait() returns
         while len(ended) < len(works) and time.perf_counter() < settle:
             time.sleep(1e-4)
-        span = max(0.0, max(ended, default=time.perf_counter()) - start)
+        last = max(ended) if len(ended) == len(works) else time.perf_counter()  # a callback missing: the wait's end
+        span = max(0.0, last - start)
     if cuda:
         torch.cuda.synchronize(device)
     return _largest(span, device, group)

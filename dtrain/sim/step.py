@@ -293,7 +293,7 @@ class StepResult:
     #: for ZB-H1 and ZB-V Qi et al.'s with the stages' mean forward, input- and weight-gradient times
     bubble_theory: float = 0.0
     #: seconds a step's slowest stage waits for FP8 amax reductions (:attr:`StepConfig.amax_reduction`): one after
-    #: each model chunk's forward and one after its backward, ``2 m v`` a step
+    #: each model chunk's forward and one after its backward, ``2 m v`` a step; ``bubble`` counts them as idle time
     amax_s: float = 0.0
 
     @property
