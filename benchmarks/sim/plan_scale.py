@@ -2,7 +2,7 @@
 
 A 1T-parameter decoder (128 layers, hidden 25,600, 160 heads, sequence 2048) with global batch 1,536 on DGX H100
 servers in scalable units of 32 on a rail-optimised fabric (preset ``h100-rail``), ``dtrain plan``'s defaults:
-micro-batches 1, 2 and 4, ZeRO 0 and 1, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V, both placements, the cheapest
+micro-batches 1, 2 and 4, ZeRO 0 and 1, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V, the three placements, the cheapest
 recomputation that fits. Each size builds its topology and runs :func:`dtrain.sim.planner.sweep` for the ``--top`` plans
 (branch and bound), and with ``--exhaustive`` the whole sweep too: wall-clock seconds, the process's CPU seconds
 (what the sweep itself costs on a shared machine), the one-minute load average before and after, how many

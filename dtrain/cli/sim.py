@@ -32,6 +32,7 @@ def _ints(text: str) -> list[int]:
 
 
 RECOMPUTE = ("none", "selective", "full")  # dtrain.sim.model.RECOMPUTE, without importing the simulator here
+PLACEMENTS = ("aware", "megatron", "oblivious")  # dtrain.sim.placement.PLACEMENTS, likewise
 
 
 def _whole(least: int):
@@ -146,7 +147,12 @@ def register(commands) -> None:
     p.add_argument("--balance", choices=["layers", "flops"], default=None,
                    help="the pipeline cut dtrain train makes (its --balance) of the embedding, blocks and head; "
                    "default: Megatron-LM's, L / pp blocks a stage")  # fmt: skip
-    p.add_argument("--placement", default="aware", help="aware or oblivious")
+    p.add_argument(
+        "--placement",
+        default="aware",
+        choices=PLACEMENTS,
+        help="aware (dtrain train's rank order), megatron (Megatron-LM's and DeepSpeed's) or oblivious",
+    )
     _add_step_config(p)
     p.add_argument("--synchronous-p2p", action="store_true",
                    help="each pipeline exchange holds both stages (Megatron-LM's synchronous sends)")  # fmt: skip
@@ -189,8 +195,9 @@ def register(commands) -> None:
     p.add_argument(
         "--placements",
         type=_names,
-        default=["aware", "oblivious"],
-        help="aware,oblivious (with --config: aware, the order in which dtrain train places its ranks)",
+        default=list(PLACEMENTS),
+        help="rank orders to try among aware,megatron,oblivious (default all; with --config: aware, the order in "
+        "which dtrain train places its ranks)",
     )
     p.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to try")
     p.add_argument(
@@ -602,9 +609,9 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--micro-batches: sizes must be >= 1, got {args.micro_batches}")
     if args.max_tp is not None and args.max_tp < 1:
         raise ValueError(f"--max-tp: must be >= 1, got {args.max_tp}")
-    unknown = [p for p in args.placements if p not in ("aware", "oblivious")]
+    unknown = [p for p in args.placements if p not in PLACEMENTS]
     if not args.placements or unknown:
-        raise ValueError(f"--placements: aware and/or oblivious, got {','.join(args.placements) or 'nothing'}")
+        raise ValueError(f"--placements: among {','.join(PLACEMENTS)}, got {','.join(args.placements) or 'nothing'}")
     if args.zero is not None and (not args.zero or any(z not in (0, 1, 2, 3) for z in args.zero)):
         raise ValueError(f"--zero: stages among 0, 1, 2 and 3, got {args.zero}")
 

@@ -3,8 +3,9 @@
 Ranks are laid out with tensor parallelism innermost, then pipeline, then data: global rank
 ``((dp_rank * pp) + pp_rank) * tp + tp_rank``. Consecutive ranks share a server, so the chattiest groups
 (tensor parallel, a collective in every layer) stay on the fastest links, pipeline neighbours next, and data
-parallel (one gradient all-reduce a step) spans the slowest (after torchtitan's ParallelDims and Megatron's
-rank order). A :class:`RankGrid` is built once and passed to each strategy: there are no process-group
+parallel (one gradient all-reduce a step) spans the slowest. Megatron-LM, DeepSpeed and torchtitan put the
+pipeline outermost instead (tensor, then data, then pipeline), so a server holds replicas of one stage;
+``dtrain simulate train --placement megatron`` prices that order. A :class:`RankGrid` is built once and passed to each strategy: there are no process-group
 globals.
 """
 

@@ -1,14 +1,21 @@
 """Rank placements for a ``dp x pp x tp`` layout: which device each grid rank runs on.
 
 Grid ranks follow :class:`dtrain.parallel.grid.ParallelDims`: ``((dp_rank * pp) + pp_rank) * tp + tp_rank``,
-tensor parallel innermost. The topology-aware placement puts consecutive grid ranks on consecutive devices of
-:meth:`Topology.devices` (server by server), so a tensor-parallel group shares a server's NVLink, pipeline
-neighbours come next and data-parallel replicas span servers and racks (``dtrain train``'s order; Narayanan et
-al. 2021, section 3.2, keep tensor parallelism within a server as well). Megatron-LM and DeepSpeed order the
-ranks with pipeline stages outermost (tensor, then data, then pipeline), which puts a stage's replicas, not a
-replica's stages, on neighbouring devices; that order is not offered here. The oblivious one deals the ranks
-round-robin over the servers, as a scheduler that knows nothing of the job would, so neighbours in every group
-land on different servers.
+tensor parallel innermost. Three placements:
+
+- ``aware``: consecutive grid ranks on consecutive devices of :meth:`Topology.devices` (server by server), so a
+  tensor-parallel group shares a server's NVLink, pipeline neighbours come next and data-parallel replicas span
+  servers and racks: ``dtrain train``'s order under torchrun, which numbers a node's processes consecutively.
+- ``megatron``: devices taken in Megatron-LM's and DeepSpeed's rank order, tensor parallel innermost, then data,
+  then pipeline (Megatron-LM ``parallel_state.initialize_model_parallel``, whose pipeline groups are every
+  ``world / pp``-th rank; DeepSpeed ``PipeModelDataParallelTopology``, axes ``pipe, data, model``). A server then
+  holds replicas of one stage rather than stages of one replica (with tensor parallelism below a server's
+  width), a stage's data-parallel group occupies consecutive servers, and every pipeline message between
+  servers crosses the network.
+- ``oblivious``: the ranks dealt round-robin over the servers, as a scheduler that knows nothing of the job
+  would, so neighbours in every group land on different servers.
+
+Narayanan et al. 2021, section 3.2, keep tensor parallelism within a server, as the first two do.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dtrain.sim.model import Layout
 
 __all__ = ["PLACEMENTS", "place", "grid_rank", "group"]
 
-PLACEMENTS = ("aware", "oblivious")
+PLACEMENTS = ("aware", "megatron", "oblivious")
 
 
 def grid_rank(layout: Layout, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
@@ -38,7 +45,7 @@ def group(layout: Layout, axis: str, dp_rank: int, pp_rank: int, tp_rank: int) -
 
 
 def place(topology: Topology, layout: Layout, how: str = "aware") -> list[str]:
-    """The device of each grid rank under placement ``how`` ("aware" or "oblivious")."""
+    """The device of each grid rank under placement ``how`` ("aware", "megatron" or "oblivious")."""
     devices = topology.devices()
     if layout.world_size > len(devices):
         raise ValueError(
@@ -47,6 +54,14 @@ def place(topology: Topology, layout: Layout, how: str = "aware") -> list[str]:
         )
     if how == "aware":
         return [d.name for d in devices[: layout.world_size]]
+    if how == "megatron":
+        names = [d.name for d in devices]
+        return [
+            names[(p * layout.dp + d) * layout.tp + t]
+            for d in range(layout.dp)
+            for p in range(layout.pp)
+            for t in range(layout.tp)
+        ]
     if how == "oblivious":
         by_server: dict[str, list[str]] = {}
         for d in devices:

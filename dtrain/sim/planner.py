@@ -234,13 +234,14 @@ def sweep(
                 break
     cache: dict = {}
     work = []
-    placed: dict[tuple[str, int], tuple[str, ...]] = {}  # a placement depends on the ranks' count alone
+    placed: dict[tuple, tuple[str, ...]] = {}  # a placement depends on the degrees alone
     for lay in fitting:
         seen: set[tuple[str, ...]] = set()
         for how in placements:
-            if (how, lay.world_size) not in placed:
-                placed[how, lay.world_size] = tuple(place(topology, lay, how))
-            devices_used = placed[how, lay.world_size]
+            key = (how, lay.dp, lay.pp, lay.tp)
+            if key not in placed:
+                placed[key] = tuple(place(topology, lay, how))
+            devices_used = placed[key]
             if devices_used not in seen:  # on one server every placement is the same: simulate it once
                 seen.add(devices_used)
                 work.append((lay, how, devices_used))

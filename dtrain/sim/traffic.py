@@ -100,8 +100,8 @@ def nccl_rings(ranks: Sequence[int], placement: Sequence[str], topo: Topology) -
     Library 2.12", 2022; ``NCCL_PXN_DISABLE``). The ``L`` rings share the data evenly and run at once, as NCCL's
     channels do (``NCCL_MIN_NCHANNELS``, ``NCCL_MAX_NCHANNELS``; the search puts channels on the NICs nearest
     the communicator's GPUs), so a server's ``L`` NICs all carry traffic. The ``j``-th GPU of each server is the
-    group's ``j``-th rank on it, the same local GPU on every server under Megatron's rank order
-    (:mod:`dtrain.sim.placement`).
+    group's ``j``-th rank on it, the same local GPU on every server under the ``aware`` and ``megatron``
+    placements (:mod:`dtrain.sim.placement`).
 
     Otherwise (one server, one rank a server, or unequal counts) one ring in the group's order: with one GPU a
     server, GPU ``k`` of each, that ring is already on rail ``k``."""

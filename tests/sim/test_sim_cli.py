@@ -97,6 +97,28 @@ def test_plan_lists_the_fastest_layouts_that_fit(capsys: pytest.CaptureFixture[s
     assert all(p["fits"] for p in data["plans"]) and data["too_big"] > 0
 
 
+def test_simulate_and_plan_take_megatron_lms_rank_order(capsys: pytest.CaptureFixture[str]) -> None:
+    from dtrain.cli import sim as sim_cli
+    from dtrain.sim.placement import PLACEMENTS
+
+    assert sim_cli.PLACEMENTS == PLACEMENTS
+    rail = ["--topology", "h100-rail", "--set", "racks=1", "--set", "servers_per_rack=2"]
+    argv = ["simulate", "train", *rail, "--tp", "4", "--pp", "2", "--dp", "2", "--global-batch", "8"]
+    ours, theirs = run_json(capsys, *argv), run_json(capsys, *argv, "--placement", "megatron")
+    assert ours["placement"] == "aware" and theirs["placement"] == "megatron"
+    # dp 2 on two servers: the replicas share a server (NVLink) instead of crossing the network; the stages don't
+    assert theirs["dp_comm_s"] < ours["dp_comm_s"] / 4 and theirs["pp_message_s"] > ours["pp_message_s"]
+    plans = run_json(capsys, "plan", *rail, "--global-batch", "8", "--micro-batches", "1", "--top", "50",
+                     "--exhaustive", "--placements", "megatron")["plans"]  # fmt: skip
+    assert plans and {p["placement"] for p in plans} <= {"aware", "megatron"}
+    assert any(p["placement"] == "megatron" for p in plans)
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--placement", "rows"])
+    assert stopped.value.code == 2 and "argument --placement: invalid choice: 'rows'" in capsys.readouterr().err
+    assert main(["plan", *rail, "--global-batch", "8", "--placements", "aware,rows"]) == 2
+    assert "--placements: among aware,megatron,oblivious, got aware,rows" in "".join(capsys.readouterr())
+
+
 def test_plan_of_a_run_config_refuses_what_dtrain_train_does_not_run(capsys: pytest.CaptureFixture[str]) -> None:
     config = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml")
     for flag in ("--tp-comm-overlap", "--distributed-optimizer", "--overlap-p2p-comm"):

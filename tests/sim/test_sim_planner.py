@@ -45,6 +45,23 @@ def test_with_long_sequences_tensor_parallel_belongs_inside_a_server() -> None:
     assert by_key[("dp2 tp4 pp1 mb1x4 sp", "aware")] < by_key[("dp2 tp4 pp1 mb1x4 sp", "oblivious")]
 
 
+def test_each_plan_is_its_layout_simulated_under_its_placement() -> None:
+    # the megatron order depends on the degrees, not only on the ranks' count: each layout gets its own devices
+    from dtrain.sim.placement import place
+    from dtrain.sim.step import simulate_step
+
+    topo = two_servers()
+    plans, _ = plan(MODEL, topo, global_batch=8, micro_batches=(1,), zero_stages=(0,),
+                    placements=("aware", "megatron"))  # fmt: skip
+    assert {p.placement for p in plans} == {"aware", "megatron"}
+    for p in plans:
+        alone = simulate_step(MODEL, p.layout, topo, place(topo, p.layout, p.placement))
+        assert p.result.step_s == pytest.approx(alone.step_s), (p.layout.describe(), p.placement)
+    # where both orders give the same devices (no pipeline, or no data parallelism) the layout is simulated once
+    flat = [(p.layout.describe(), p.placement) for p in plans if p.layout.pp == 1 or p.layout.dp == 1]
+    assert flat and all(how == "aware" for _, how in flat)
+
+
 def test_an_impossible_batch_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="global batch 3"):
         plan(MODEL, two_servers(), global_batch=3, micro_batches=(2,))

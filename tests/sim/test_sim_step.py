@@ -227,6 +227,27 @@ def test_oblivious_placement_deals_ranks_round_robin_over_servers() -> None:
     assert place(topo, layout, "aware")[:4] == ["s0/g0", "s0/g1", "s0/g2", "s0/g3"]
 
 
+def test_megatron_placement_puts_a_stages_replicas_on_a_server() -> None:
+    # tensor, then data, then pipeline: dp2 pp2 tp2 on two servers of four holds stage 0's two replicas on s0
+    topo = two_servers()
+    layout = Layout(dp=2, pp=2, tp=2, global_batch=4)
+    megatron, aware = place(topo, layout, "megatron"), place(topo, layout, "aware")
+    assert sorted(megatron) == sorted(aware) == [d.name for d in topo.devices()]
+    for d in range(2):
+        for p in range(2):
+            for t in range(2):
+                assert megatron[grid_rank(layout, d, p, t)] == f"s{p}/g{2 * d + t}"
+                assert aware[grid_rank(layout, d, p, t)] == f"s{d}/g{2 * p + t}"
+    # without a pipeline or without data parallelism the two orders agree
+    for flat in (Layout(dp=4, tp=2, global_batch=4), Layout(pp=4, tp=2, global_batch=4)):
+        assert place(topo, flat, "megatron") == place(topo, flat, "aware")
+    # the gradients' all-reduce stays inside a server, the pipeline's messages cross the slow link
+    shallow = Layout(dp=2, pp=2, tp=2, global_batch=4)
+    apart = simulate_step(MODEL, shallow, topo, megatron, StepConfig(overlap_dp=False))
+    together = simulate_step(MODEL, shallow, topo, aware, StepConfig(overlap_dp=False))
+    assert apart.dp_s < together.dp_s / 10 and apart.pp_s > together.pp_s
+
+
 def test_a_layout_larger_than_the_cluster_is_rejected() -> None:
     with pytest.raises(ValueError, match="needs 16 devices"):
         place(star(4), Layout(dp=16, global_batch=16))

@@ -4,12 +4,16 @@ Each row is simulated with the techniques it used (recomputation, sequence paral
 cluster like its own (``cluster_of``): the A100 rows on a DGX A100 SuperPOD like the papers' Selene (scalable units
 of 20 DGX A100 servers, 8 A100 80 GB on NVSwitch, 8 HDR NICs, rail-optimised; NVIDIA DGX SuperPOD reference
 architecture), the H100 rows on a DGX H100 SuperPOD; compute priced per operation from device specs, published
-microbenchmarks and dtrain bench compute's H100 curves (dtrain.sim.compute). Nothing is fitted to these rows.
+microbenchmarks and dtrain bench compute's H100 curves (dtrain.sim.compute). Every row's ranks are placed in
+Megatron-LM's and DeepSpeed's order, tensor parallelism innermost, then data, then pipeline (``PLACEMENT``, the
+``megatron`` placement of dtrain.sim.placement), as the codes of all these runs number them. Nothing is fitted to
+these rows.
 
     python benchmarks/sim/validate.py published [--out benchmarks/results/sim_validation-cpu2.jsonl] [--plan]
 
 ``--plan``: also run ``dtrain plan``'s search on each row's cluster and batch, and report where the published
-layout ranks and whether the best plan is at least as fast.
+layout ranks and whether the best plan is at least as fast (``--jobs N``: N rows' searches at once).
+``--placement aware`` places every row in ``dtrain train``'s order instead, to see what the order moves.
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ from dtrain.cluster.presets import preset
 from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
 from dtrain.sim.compute import MEGATRON_FP16_OPTIMIZER_BYTES
 from dtrain.sim.model import Layout, ModelSpec
-from dtrain.sim.placement import place
+from dtrain.sim.placement import PLACEMENTS, place
 from dtrain.sim.step import StepConfig, simulate_step
 
 DATA = Path(__file__).resolve().parents[1] / "published.toml"
 SERVERS_PER_UNIT = 20  # DGX SuperPOD (A100) scalable unit
 PRESETS = {"a100-sxm": "dgx-a100", "h100-sxm": "h100-node"}
 MEDIAN_TARGET, WORST_TARGET = 0.10, 0.20
+#: The rank order of every row: Megatron-LM's ``initialize_model_parallel`` and DeepSpeed's
+#: ``PipeModelDataParallelTopology`` (axes pipe, data, model) both put pipeline stages outermost.
+PLACEMENT = "megatron"
 SETS = ("validation", "held-out")
 MEASURES = {"time": "iteration_s", "tflops": "tflops_per_gpu"}
 _FIELDS = ("name", "source", "set", "device", "layers", "hidden", "heads", "sequence", "vocab", "dp", "tp", "pp",
@@ -190,14 +197,14 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       amax_reduction=row.get("amax_reduction", "none"))  # fmt: skip
 
 
-def simulate(row: dict, config: StepConfig | None = None) -> dict:
-    """Predicted against published seconds of one row."""
+def simulate(row: dict, config: StepConfig | None = None, placement: str = PLACEMENT) -> dict:
+    """Predicted against published seconds of one row, its ranks placed by ``placement``."""
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
-    result = simulate_step(model, layout, topo, place(topo, layout), config or config_of(row))
+    result = simulate_step(model, layout, topo, place(topo, layout, placement), config or config_of(row))
     error = result.step_s / row["iteration_s"] - 1
     return {
         "name": row["name"], "source": row["source"], "set": row["set"], "layout": layout.describe(),
-        "gpus": layout.world_size,
+        "gpus": layout.world_size, "placement": placement,
         "published_s": row["iteration_s"], "measure": row["measure"], "predicted_s": result.step_s,
         "error": error, "compute_s": result.compute_s, "tp_s": result.tp_s, "pp_s": result.pp_s,
         "dp_exposed_s": result.dp_exposed_s, "contention_s": result.contention_s, "optimizer_s": result.optimizer_s,
@@ -226,28 +233,28 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> dict:
+def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT, placement: str = PLACEMENT) -> dict:
     """Where ``dtrain plan``'s search puts the published layout on the row's cluster and batch: every layout of
     the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO and the row's ZeRO stage, 1F1B and interleaved
     1F1B of 2 chunks and of the row's chunks), ranked by simulated step time, searched twice: with every technique
     (recomputation only where memory needs it, sequence parallelism with tp) and with the row's own (its
     recomputation, sequence parallelism as it used it), every layout with the row's attention core and the row's
-    FP8 linear layers and weights. A rank is 1 +
+    FP8 linear layers and weights, every layout's ranks placed by ``placement``. A rank is 1 +
     the plans faster than the published layout, as simulated."""
     from dtrain.sim.planner import plan
 
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
     config = config_of(row, flow_limit)
     schedules = sorted({("1f1b", 1), ("interleaved-1f1b", 2), (layout.schedule, layout.chunks)})
-    published = simulate_step(model, layout, topo, place(topo, layout), config).step_s
+    published = simulate_step(model, layout, topo, place(topo, layout, placement), config).step_s
     out = {"name": row["name"], "published_layout": layout.describe(), "published_layout_s": published,
-           "flow_limit": flow_limit}  # fmt: skip
+           "flow_limit": flow_limit, "placement": placement}  # fmt: skip
     for suffix, techniques in (
         ("", {}),
         ("_same_techniques", {"recompute": (layout.recompute,), "sequence_parallel": layout.sequence_parallel}),
     ):
         plans, _ = plan(model, topo, global_batch=row["global_batch"], devices=layout.world_size,
-                        placements=("aware",), micro_batches=(row["micro_batch"],),
+                        placements=(placement,), micro_batches=(row["micro_batch"],),
                         zero_stages=tuple(sorted({0, layout.zero_stage})), max_tp=8,
                         config=config, schedules=schedules, attention=layout.attention, fp8=layout.fp8,
                         fp8_params=layout.fp8_params, **techniques)  # fmt: skip
@@ -266,7 +273,7 @@ class _Late(Exception):
     pass
 
 
-def _timed_plan_check(row: dict, limit_s: int, flow_limit: int | None) -> dict:
+def _timed_plan_check(row: dict, limit_s: int, flow_limit: int | None, placement: str = PLACEMENT) -> dict:
     """:func:`plan_check`, or a record that it ran past ``limit_s`` seconds."""
 
     def late(signum, frame):
@@ -276,14 +283,29 @@ def _timed_plan_check(row: dict, limit_s: int, flow_limit: int | None) -> dict:
     signal.alarm(limit_s)
     start = time.perf_counter()
     try:
-        out = plan_check(row, flow_limit)
+        out = plan_check(row, flow_limit, placement)
     except _Late:
-        out = {"name": row["name"], "skipped": f"planner search over {limit_s} s", "flow_limit": flow_limit}
+        out = {"name": row["name"], "skipped": f"planner search over {limit_s} s", "flow_limit": flow_limit,
+               "placement": placement}  # fmt: skip
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     out["search_s"] = time.perf_counter() - start
     return out
+
+
+def _plan_checks(rows: list[dict], limit_s: int, flow_limit: int | None, placement: str, jobs: int):
+    """:func:`_timed_plan_check` of each row, in the rows' order, ``jobs`` of them at once in worker processes."""
+    if jobs == 1:
+        for row in rows:
+            yield _timed_plan_check(row, limit_s, flow_limit, placement)
+        return
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(_timed_plan_check, row, limit_s, flow_limit, placement) for row in rows]
+        for future in futures:
+            yield future.result()
 
 
 def _read(path: str) -> list[dict]:
@@ -405,6 +427,9 @@ def main() -> None:
     parser.add_argument("--tables", action="store_true",
                         help="print the markdown tables of --out (and --plan-out) without simulating")  # fmt: skip
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: every row)")
+    parser.add_argument("--placement", default=PLACEMENT, choices=PLACEMENTS,
+                        help=f"the rank order of every row (default {PLACEMENT}, the runs' own)")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=1, help="rows' --plan searches run at once (default 1)")
     parser.add_argument(
         "--flow-limit",
         type=int,
@@ -412,6 +437,8 @@ def main() -> None:
         help=f"replay collectives of more messages in lock-step rounds (default {DEFAULT_FLOW_LIMIT})",
     )
     args = parser.parse_args()
+    if args.jobs < 1:
+        raise SystemExit(f"validate.py published: --jobs must be at least 1, got {args.jobs}")
     if args.tables:
         if not args.out:
             raise SystemExit("validate.py published: --tables reads the file --out names; give --out")
@@ -425,7 +452,7 @@ def main() -> None:
             raise SystemExit(f"validate.py published: --rows names unknown rows {', '.join(unknown)}")
         rows = [r for r in rows if r["name"] in names]
     start = time.perf_counter()
-    results = [simulate(row, config_of(row, args.flow_limit)) for row in rows]
+    results = [simulate(row, config_of(row, args.flow_limit), args.placement) for row in rows]
     print(f"{'run':34} {'set':10} {'layout':50} {'published':>10} {'predicted':>10} {'error':>7}")
     for r in results:
         print(f"{r['name']:34} {r['set']:10} {r['layout']:50} {r['published_s']:10.2f} {r['predicted_s']:10.2f} "
@@ -439,8 +466,7 @@ def main() -> None:
         _write(args.out, [*results, {"summary": s}])
     checks = []
     if args.plan:
-        for row in rows:
-            c = _timed_plan_check(row, args.plan_limit, args.flow_limit)
+        for c in _plan_checks(rows, args.plan_limit, args.flow_limit, args.placement, args.jobs):
             checks.append(c)
             if "skipped" in c:
                 print(f"plan {c['name']:34} skipped: {c['skipped']}", flush=True)
