@@ -196,8 +196,8 @@ def register(commands) -> None:
         "--placements",
         type=_names,
         default=list(PLACEMENTS),
-        help="rank orders to try among aware,megatron,oblivious (default all; with --config: aware, the order in "
-        "which dtrain train places its ranks)",
+        help="rank orders to try among aware,megatron,oblivious (default all; with --config: aware and megatron, "
+        "the two orders dtrain train's [parallel] rank_order places its ranks in)",
     )
     p.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to try")
     p.add_argument(
@@ -697,7 +697,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_run(args: argparse.Namespace) -> int:
     """``dtrain plan --config RUN.toml [--write OUT.toml]``: the fastest layout of the run that dtrain train runs."""
     from dtrain.train.config import load_config
-    from dtrain.train.plan import RUN_PLACEMENT, plan_run, run_kernels
+    from dtrain.train.plan import RUN_PLACEMENTS, plan_run, run_kernels
 
     config = load_config(args.config)
     par = config.parallel
@@ -715,7 +715,7 @@ def _plan_run(args: argparse.Namespace) -> int:
         step_config = replace(step_config, kernels=run_kernels(config))
     planned = plan_run(
         config, topo, devices=devices, step_config=step_config, micro_batches=args.micro_batches,
-        zero_stages=args.zero or [0, 1, 2, 3], placements=[RUN_PLACEMENT], recompute=args.recompute,
+        zero_stages=args.zero or [0, 1, 2, 3], placements=list(RUN_PLACEMENTS), recompute=args.recompute,
         max_tp=args.max_tp, schedules=args.schedules,
     )  # fmt: skip
     p, predicted = planned.plan, planned.config.plan

@@ -1,12 +1,19 @@
 """The rank grid: ``dp x pp x tp`` over a world of ranks, validated once, holding every group a rank is in.
 
-Ranks are laid out with tensor parallelism innermost, then pipeline, then data: global rank
-``((dp_rank * pp) + pp_rank) * tp + tp_rank``. Consecutive ranks share a server, so the chattiest groups
-(tensor parallel, a collective in every layer) stay on the fastest links, pipeline neighbours next, and data
-parallel (one gradient all-reduce a step) spans the slowest. Megatron-LM, DeepSpeed and torchtitan put the
-pipeline outermost instead (tensor, then data, then pipeline), so a server holds replicas of one stage;
-``dtrain simulate train --placement megatron`` prices that order. A :class:`RankGrid` is built once and passed to each strategy: there are no process-group
-globals.
+Tensor parallelism is innermost: a tensor-parallel group is ``tp`` consecutive ranks, on one server, where its
+collective in every layer runs over the fastest links. The next two axes come in one of two orders
+(``ParallelDims.order``, ``[parallel] rank_order``):
+
+- ``tp-pp-dp`` (the default): pipeline next, data outermost, global rank ``((dp_rank * pp) + pp_rank) * tp +
+  tp_rank``. A replica's stages are neighbours, so pipeline messages between them may stay inside a server,
+  and each data-parallel group spans the servers.
+- ``tp-dp-pp``: data next, pipeline outermost, global rank ``((pp_rank * dp) + dp_rank) * tp + tp_rank``, the
+  order of Megatron-LM (``initialize_model_parallel``), DeepSpeed (``PipeModelDataParallelTopology``) and
+  torchtitan (its device mesh ``pp, dp, tp``). A stage's replicas are neighbours: with ``tp`` below a server's
+  width, part of each gradient reduction stays inside a server and every pipeline message crosses servers.
+
+``dtrain simulate train --placement aware`` and ``--placement megatron`` price the two. A :class:`RankGrid` is
+built once and passed to each strategy: there are no process-group globals.
 """
 
 from __future__ import annotations
@@ -16,23 +23,30 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["ParallelDims", "RankGrid"]
+__all__ = ["RANK_ORDERS", "ParallelDims", "RankGrid"]
+
+#: the grid's rank orders, innermost axis first
+RANK_ORDERS = ("tp-pp-dp", "tp-dp-pp")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """Degrees of data (``dp``), pipeline (``pp``) and tensor (``tp``) parallelism over ``world_size`` ranks."""
+    """Degrees of data (``dp``), pipeline (``pp``) and tensor (``tp``) parallelism over ``world_size`` ranks, laid
+    out in rank order ``order`` (one of :data:`RANK_ORDERS`, innermost first)."""
 
     world_size: int
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    order: str = RANK_ORDERS[0]
 
     def __post_init__(self) -> None:
         for name in ("world_size", "dp", "pp", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.order not in RANK_ORDERS:
+            raise ValueError(f"order must be one of {', '.join(RANK_ORDERS)}, got {self.order!r}")
         if self.dp * self.pp * self.tp != self.world_size:
             raise ValueError(
                 f"dp x pp x tp = {self.dp} x {self.pp} x {self.tp} = {self.dp * self.pp * self.tp}, "
@@ -44,11 +58,16 @@ class ParallelDims:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the grid of {self.world_size} ranks")
         rest, tp_rank = divmod(rank, self.tp)
-        dp_rank, pp_rank = divmod(rest, self.pp)
+        if self.order == "tp-dp-pp":
+            pp_rank, dp_rank = divmod(rest, self.dp)
+        else:
+            dp_rank, pp_rank = divmod(rest, self.pp)
         return dp_rank, pp_rank, tp_rank
 
     def rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         """Grid rank at the given coordinates."""
+        if self.order == "tp-dp-pp":
+            return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
         return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
 
     def group_ranks(self, axis: str, rank: int) -> list[int]:

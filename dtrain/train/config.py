@@ -279,6 +279,14 @@ class ParallelSection(_Section):
         "how pipeline stages are cut: equal layer counts, or equal forward FLOPs a rank (its chunks together)",
         choices=("layers", "flops"),
     )
+    rank_order: str = _option(
+        "tp-pp-dp",
+        "how the grid numbers its ranks, innermost axis first: tp-pp-dp (a replica's pipeline stages on "
+        "neighbouring ranks, on one server where they fit) or tp-dp-pp (a stage's replicas on neighbouring ranks: "
+        "Megatron-LM's, DeepSpeed's and torchtitan's order; part of each gradient reduction stays inside a server, "
+        "every pipeline message crosses servers)",
+        choices=("tp-pp-dp", "tp-dp-pp"),  # grid.RANK_ORDERS
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -152,7 +152,7 @@ def validate_layout(config: TrainConfig, world_size: int, shape: ModelConfig) ->
             f"--dp/--pp/--tp: dp x pp x tp = {par.dp} x {par.pp} x {par.tp} = {par.dp * par.pp * par.tp}, but "
             f"{started} processes; the degrees must multiply to the number of processes"
         )
-    dims = ParallelDims(world_size=world_size, dp=par.dp, pp=par.pp, tp=par.tp)
+    dims = ParallelDims(world_size=world_size, dp=par.dp, pp=par.pp, tp=par.tp, order=par.rank_order)
     if par.tp > 1:
         try:
             validate_tensor_parallel(shape, par.tp)
@@ -337,10 +337,11 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
     zero += ", gradients averaged through copy engines" if par.dp_exchange == "copy-engine" else ""
     zero += ", the optimizer stepped inside backward" if par.dp_overlap_optimizer else ""
     recorded = ", each step a CUDA graph from the third" if par.step_graph else ""
+    order = f" (ranks {par.rank_order})" if par.rank_order != "tp-pp-dp" and par.dp > 1 and par.pp > 1 else ""
     resumed = f" from step {plan.first_step}" if plan.first_step else ""
     return (
         f"training {name}, {size / 1e6:.1f}M parameters, on {plan.world_size} process(es), dp={par.dp} x pp={par.pp} "
-        f"x tp={par.tp}{pipeline}{zero}{recorded}: {plan.steps - plan.first_step} steps{resumed}, batch "
+        f"x tp={par.tp}{order}{pipeline}{zero}{recorded}: {plan.steps - plan.first_step} steps{resumed}, batch "
         f"{config.training.batch_size} x {config.data.seq_len} tokens, output in {out}"
     )
 

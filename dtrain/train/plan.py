@@ -16,8 +16,9 @@ written.
 A layout is kept only where ``dtrain train`` runs it as it was priced (:func:`refusal`): the config expresses it,
 the launching process's checks pass (:func:`dtrain.train.loop.validate_layout`), the ranks can build it
 (:class:`~dtrain.parallel.hybrid.HybridParallel` refuses ZeRO-2 with a parameter tied across pipeline stages, as
-the embedding and head of a tied model are), and its placement is the ``aware`` one: ``dtrain train`` puts
-consecutive grid ranks on consecutive devices (:mod:`dtrain.sim.placement`).
+the embedding and head of a tied model are), and its placement is one ``dtrain train`` makes: it puts global
+rank ``r`` on the ``r``-th device, so the ``aware`` placement (:mod:`dtrain.sim.placement`) is its rank order
+``tp-pp-dp`` and the ``megatron`` one its ``tp-dp-pp``; the chosen order is written as ``[parallel] rank_order``.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from dtrain.models.config import GPT2Config
 from dtrain.models.flops import parameter_count, shape_dims
 from dtrain.train.config import TrainConfig
 
-__all__ = ["RUN_PLACEMENT", "PlannedRun", "model_spec", "plan_run", "refusal", "run_kernels", "run_shape"]
+__all__ = ["RUN_PLACEMENTS", "PlannedRun", "model_spec", "plan_run", "refusal", "run_kernels", "run_shape"]
 
-#: the placement dtrain train's ranks have: grid rank r on the r-th device (dtrain.sim.placement's "aware")
-RUN_PLACEMENT = "aware"
+#: the placements dtrain train's ranks take (global rank r on the r-th device), by its [parallel] rank_order:
+#: dtrain.sim.placement's "aware" is tp-pp-dp, its "megatron" tp-dp-pp
+RUN_PLACEMENTS = {"aware": "tp-pp-dp", "megatron": "tp-dp-pp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +86,17 @@ def model_spec(shape, seq_len: int, name: str = "model"):
     )
 
 
-def refusal(run: TrainConfig, shape, placement: str = RUN_PLACEMENT) -> str | None:
+def refusal(run: TrainConfig, shape, placement: str | None = None) -> str | None:
     """Why ``dtrain train`` would not run ``run`` (a config of ``shape``'s model) as the simulator priced it under
-    ``placement``, or None where it would: another placement, a check of the launching process
-    (:func:`~dtrain.train.loop.validate_layout`), or ZeRO-2 across pipeline stages of a tied embedding."""
+    ``placement`` (None: its own rank order's), or None where it would: a placement other than its rank order's,
+    a check of the launching process (:func:`~dtrain.train.loop.validate_layout`), or ZeRO-2 across pipeline
+    stages of a tied embedding."""
     from dtrain.train.loop import validate_layout
 
     par = run.parallel
-    if placement != RUN_PLACEMENT:
-        return f"the {placement} placement: dtrain train puts grid rank r on the r-th device ({RUN_PLACEMENT})"
+    if placement is not None and RUN_PLACEMENTS.get(placement) != par.rank_order:
+        known = ", ".join(f"{how} ({order})" for how, order in RUN_PLACEMENTS.items())
+        return f"the {placement} placement: dtrain train places rank r on the r-th device in its rank order: {known}"
     try:  # ZeRO-2 across the stages of a tied embedding among them
         validate_layout(run, par.dp * par.pp * par.tp, shape)
     except ValueError as exc:
@@ -115,6 +119,7 @@ def _run_config(config: TrainConfig, layout, plan, topology: str, devices: int) 
         "microbatches": m if pipelined else 1,
         "schedule": layout.schedule if pipelined else "1f1b",
         "balance": layout.balance if pipelined and layout.balance else data["parallel"].get("balance", "layers"),
+        "rank_order": RUN_PLACEMENTS.get(plan.placement, data["parallel"].get("rank_order", "tp-pp-dp")),
     }
     data["training"] |= {
         "accumulation": 1 if pipelined else m,
@@ -140,7 +145,7 @@ def plan_run(
     step_config=None,
     micro_batches: Sequence[int] = (1, 2, 4, 8),
     zero_stages: Sequence[int] = (0, 1, 2, 3),
-    placements: Sequence[str] = (RUN_PLACEMENT,),
+    placements: Sequence[str] = tuple(RUN_PLACEMENTS),
     recompute: Sequence[str] | None = None,
     max_tp: int | None = None,
     schedules: Sequence[tuple[str, int]] | None = None,

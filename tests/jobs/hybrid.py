@@ -33,6 +33,7 @@ LAYOUTS = {  # name -> (dp, pp, tp); the grid lives on global ranks 0..dp*pp*tp-
     "dp2xtp2": (2, 1, 2),
     "tp2xpp2": (1, 2, 2),
     "dp2xpp2xtp2": (2, 2, 2),
+    "dp2xpp2xtp2, tp-dp-pp": (2, 2, 2, "tp-dp-pp"),  # Megatron-LM's rank order: a stage's replicas neighbours
 }
 
 _GRIDS: dict[str, RankGrid | None] = {}  # building groups is slow and collective: once per layout per pool
@@ -40,8 +41,8 @@ _GRIDS: dict[str, RankGrid | None] = {}  # building groups is slow and collectiv
 
 def _grid(layout: str) -> RankGrid | None:
     if layout not in _GRIDS:
-        dp, pp, tp = LAYOUTS[layout]
-        dims = ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp)
+        dp, pp, tp, *order = LAYOUTS[layout]
+        dims = ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp, order=order[0] if order else "tp-pp-dp")
         _GRIDS[layout] = RankGrid.build(dims, range(dims.world_size))
     return _GRIDS[layout]
 

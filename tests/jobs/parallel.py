@@ -112,17 +112,18 @@ def reference(
     return _REFERENCES[key]
 
 
-_GRIDS: dict[tuple[int, int, int], RankGrid | None] = {}  # building groups is collective: once per layout per pool
+_GRIDS: dict[tuple, RankGrid | None] = {}  # building groups is collective: once per layout per pool
 
 
-def _grid(dp: int, pp: int, tp: int) -> RankGrid | None:
+def _grid(dp: int, pp: int, tp: int, order: str = "tp-pp-dp") -> RankGrid | None:
+    key = (dp, pp, tp) if order == "tp-pp-dp" else (dp, pp, tp, order)
     shared = {dims: name for name, dims in hybrid_jobs.LAYOUTS.items()}
-    if (dp, pp, tp) in shared:  # the grids of tests/jobs/hybrid.py, built once for both
-        return hybrid_jobs._grid(shared[dp, pp, tp])
-    if (dp, pp, tp) not in _GRIDS:
-        dims = ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp)
-        _GRIDS[dp, pp, tp] = RankGrid.build(dims, range(dims.world_size))
-    return _GRIDS[dp, pp, tp]
+    if key in shared:  # the grids of tests/jobs/hybrid.py, built once for both
+        return hybrid_jobs._grid(shared[key])
+    if key not in _GRIDS:
+        dims = ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp, order=order)
+        _GRIDS[key] = RankGrid.build(dims, range(dims.world_size))
+    return _GRIDS[key]
 
 
 def _excess(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL, atol: float = ATOL) -> float:

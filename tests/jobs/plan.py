@@ -18,7 +18,7 @@ def trainer(config, plan, steps: int) -> dict | None:
 
     dims = plan.dims
     shard_size = config.parallel.zero_shard_size
-    grid = jobs._grid(dims.dp, dims.pp, dims.tp)
+    grid = jobs._grid(dims.dp, dims.pp, dims.tp, dims.order)
     if grid is None:
         if shard_size and shard_size != dims.dp:
             hybrid_shard_groups(ParallelDims(world_size=dims.world_size, dp=dims.dp, pp=dims.pp, tp=dims.tp),
@@ -26,7 +26,8 @@ def trainer(config, plan, steps: int) -> dict | None:
         return None
     run = loop._Trainer(config, plan, grid)
     records = [run.step(step) for step in range(steps)]
-    got = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records]}
+    got = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
+           "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank)}  # fmt: skip
     if config.parallel.zero == 3:
         fsdp = run.hybrid.optimizer
         got |= {"shard": dist.get_world_size(fsdp.group), "replicas": fsdp.replicas}

@@ -24,6 +24,19 @@ def test_tensor_parallel_is_innermost_then_pipeline_then_data():
     assert all(dims.rank(*dims.coords(r)) == r for r in range(8))
 
 
+def test_megatron_lms_order_puts_the_pipeline_outermost():
+    dims = ParallelDims(world_size=8, dp=2, pp=2, tp=2, order="tp-dp-pp")
+    assert [dims.coords(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
+    assert dims.group_ranks("tp", 5) == [4, 5]
+    assert dims.group_ranks("dp", 5) == [5, 7]
+    assert dims.group_ranks("pp", 5) == [1, 5]
+    assert all(dims.rank(*dims.coords(r)) == r for r in range(8))
+    assert sorted(dims.coords(r) for r in range(8)) == sorted(ParallelDims(world_size=8, dp=2, pp=2, tp=2).coords(r)
+                                                             for r in range(8))  # fmt: skip
+    with pytest.raises(ValueError, match="order must be one of tp-pp-dp, tp-dp-pp, got 'dp-tp-pp'"):
+        ParallelDims(world_size=8, dp=2, pp=2, tp=2, order="dp-tp-pp")
+
+
 def test_grid_groups_on_real_processes(pool):
     got = pool.run(grid_jobs.grid_sizes, 2, 1, 2)  # every process builds the groups
     assert got == [[2, 1, 2, r] for r in range(4)] + [None] * 4

@@ -25,6 +25,7 @@ LAYOUTS = {
     "dp2xtp2": (4, 1, 4, 2),
     "tp2xpp2": (4, 2, 2, 2),
     "dp2xpp2xtp2": (8, 2, 2, 2),
+    "dp2xpp2xtp2, tp-dp-pp": (8, 2, 2, 2),
 }
 POOL_WORLD = 8
 
@@ -42,6 +43,8 @@ def test_layout_trains_like_one_device(pool, layout, schedule):
         assert len(got["blocks"]) == blocks_per_stage and got["param_count"] == 4 * blocks_per_stage
     held = {(got["coords"][1], tuple(got["blocks"])) for got in results[:world]}
     assert held == {(s, tuple(range(s * blocks_per_stage, (s + 1) * blocks_per_stage))) for s in range(stages)}
+    if layout.endswith("tp-dp-pp"):  # pipeline outermost: the first half of the ranks holds the first stage
+        assert [got["coords"] for got in results[:4]] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
 
 
 def test_more_microbatches_than_stages_change_nothing_in_three_dimensions(pool):

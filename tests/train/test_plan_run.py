@@ -106,6 +106,13 @@ def test_only_layouts_dtrain_train_runs_as_priced_are_kept():
     planned = plan_run(config, resolve("h100-node"), devices=4, shape=shape, zero_stages=[2], recompute=["none"])
     assert refusal(planned.config, shape) is None and planned.config.parallel.pp == 1
     assert planned.plan.placement == "aware" and planned.config.plan.devices == 4
+    # Megatron-LM's order is dtrain train's rank_order tp-dp-pp: a plan placed so is written with it
+    assert "the megatron placement" in refusal(layout(zero=1), shape, "megatron")
+    megatron = dataclasses.replace(config, parallel=dataclasses.replace(staged, zero=1, rank_order="tp-dp-pp"))
+    assert refusal(megatron, shape, "megatron") is None and "the aware placement" in refusal(megatron, shape, "aware")
+    ordered = plan_run(config, resolve("h100-node"), devices=4, shape=shape, placements=("megatron",))
+    assert ordered.plan.placement == "megatron" and ordered.config.parallel.rank_order == "tp-dp-pp"
+    assert refusal(ordered.config, shape, "megatron") is None
 
 
 def test_zero_shard_size_reaches_the_trainer_sharding_within_blocks(pool, tmp_path):
@@ -119,6 +126,25 @@ def test_zero_shard_size_reaches_the_trainer_sharding_within_blocks(pool, tmp_pa
     for rank in got[:4]:
         assert (rank["shard"], rank["replicas"]) == (2, 2)
         assert rank["losses"] == pytest.approx(got[0]["losses"], rel=1e-6) and all(map(math.isfinite, rank["norms"]))
+
+
+def test_the_trainer_trains_alike_in_either_rank_order(pool, tmp_path):
+    """``dtrain train --dp 2 --pp 2 --rank-order tp-dp-pp``'s trainer: the pipeline outermost (rank 1 is the
+    second replica of stage 0), the same losses and gradient norms as the default order."""
+    flags = ["--seq-len", "32", "--batch-size", "8", "--precision", "float32", "--warmup-steps", "1", "--dp", "2"]
+    flags += ["--pp", "2", "--microbatches", "2"]
+    got = {}
+    for order in ("tp-pp-dp", "tp-dp-pp"):
+        argv = ["train", "--out", str(tmp_path / order), *flags, "--rank-order", order]
+        config = from_arguments(build_parser().parse_args(argv))
+        plan = loop.check_run(config, 4)
+        assert plan.dims.order == order
+        got[order] = pool.run(jobs.trainer, config, plan, 2)
+    ours, megatron = got["tp-pp-dp"], got["tp-dp-pp"]
+    assert [r["coords"] for r in ours[:4]] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    assert [r["coords"] for r in megatron[:4]] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    for a, b in zip(ours[:4], sorted(megatron[:4], key=lambda r: (r["coords"][0], r["coords"][1])), strict=True):
+        assert b["losses"] == pytest.approx(a["losses"], rel=1e-6) and b["norms"] == pytest.approx(a["norms"], rel=1e-6)
 
 
 def test_the_scored_peak_memory_is_the_most_of_any_rank(pool):
