@@ -1,4 +1,4 @@
-"""The matrix products of one GPT-3 175B layer on tensor-parallel rank 4 as Transformer Engine's userbuffers cut
+"""The matrix products of one GPT-3 175B layer at tensor-parallel degree 4 as Transformer Engine's userbuffers cut
 them, timed on this GPU beside what the simulator prices them at.
 
 MLPerf's GPT-3 175B (hidden 12,288, MLP 49,152, sequence 2,048, tp 4, sequence parallelism) runs each product

@@ -106,7 +106,9 @@ def register(commands) -> None:
     p.add_argument("--algorithm", default="ring", help="a dtrain.comm algorithm, or 'all' to compare every one")
     p.add_argument("--bytes", type=parse_bytes, required=True, help="work buffer per rank, e.g. 1G (binary units)")
     p.add_argument("--ranks", type=int, help="ranks (default: every device of the topology)")
-    p.add_argument("--placement", default="aware", help="aware, oblivious, or comma-separated device names")
+    p.add_argument("--placement", default="aware",
+                   help="aware, megatron (the same as aware for one group), oblivious, or comma-separated device "
+                   "names")  # fmt: skip
     p.add_argument("--local-size", type=_whole(1),
                    help="ranks a node for hierarchical algorithms (default: per server)")  # fmt: skip
     p.add_argument("--pipeline", type=_whole(1), default=1, help="pieces a chain algorithm cuts the buffer into")
@@ -151,7 +153,8 @@ def register(commands) -> None:
         "--placement",
         default="aware",
         choices=PLACEMENTS,
-        help="aware (dtrain train's rank order), megatron (Megatron-LM's and DeepSpeed's) or oblivious",
+        help="aware (dtrain train's default rank order, tp-pp-dp), megatron (Megatron-LM's and DeepSpeed's, "
+        "dtrain train's tp-dp-pp) or oblivious",
     )
     _add_step_config(p)
     p.add_argument("--synchronous-p2p", action="store_true",
@@ -470,7 +473,7 @@ def _simulate_collective(args: argparse.Namespace) -> int:
 
 def _collective_placement(args: argparse.Namespace, topo, devices: list[str]) -> list[str]:
     ranks = args.ranks or len(devices)
-    if args.placement in ("aware", "oblivious"):
+    if args.placement in PLACEMENTS:
         from dtrain.sim.model import Layout
         from dtrain.sim.placement import place
 

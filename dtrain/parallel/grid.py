@@ -10,7 +10,8 @@ collective in every layer runs over the fastest links. The next two axes come in
 - ``tp-dp-pp``: data next, pipeline outermost, global rank ``((pp_rank * dp) + dp_rank) * tp + tp_rank``, the
   order of Megatron-LM (``initialize_model_parallel``), DeepSpeed (``PipeModelDataParallelTopology``) and
   torchtitan (its device mesh ``pp, dp, tp``). A stage's replicas are neighbours: with ``tp`` below a server's
-  width, part of each gradient reduction stays inside a server and every pipeline message crosses servers.
+  width, part of each gradient reduction stays inside a server and, where a stage fills whole servers, every pipeline
+  message crosses servers.
 
 ``dtrain simulate train --placement aware`` and ``--placement megatron`` price the two. A :class:`RankGrid` is
 built once and passed to each strategy: there are no process-group globals.

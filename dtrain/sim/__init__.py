@@ -10,7 +10,7 @@
 - :mod:`dtrain.sim.nccl_fit`: that model's figures fitted to measured calls;
 - :mod:`dtrain.sim.transports`: NVLink, host shared memory and sockets between a server's GPUs, as topologies;
 - :mod:`dtrain.sim.model`: a transformer's FLOPs and memory per device under a ``dp x tp x pp`` layout;
-- :mod:`dtrain.sim.placement`: rank placements: dtrain train's order, Megatron-LM's, and oblivious;
+- :mod:`dtrain.sim.placement`: rank placements: dtrain train's two rank orders (its own, Megatron-LM's), oblivious;
 - :mod:`dtrain.sim.pipeline`: a pipeline step's timing from its GPipe / 1F1B order;
 - :mod:`dtrain.sim.traffic`: each strategy's collectives on the placement, every group at once;
 - :mod:`dtrain.sim.ps`: one parameter-server step (pushes, chain replication, hot-row copies, pulls);

@@ -1,17 +1,18 @@
 """Rank placements for a ``dp x pp x tp`` layout: which device each grid rank runs on.
 
-Grid ranks follow :class:`dtrain.parallel.grid.ParallelDims`: ``((dp_rank * pp) + pp_rank) * tp + tp_rank``,
-tensor parallel innermost. Three placements:
+Grid ranks follow :class:`dtrain.parallel.grid.ParallelDims`' default order ``tp-pp-dp``: ``((dp_rank * pp) +
+pp_rank) * tp + tp_rank``, tensor parallel innermost. Three placements:
 
 - ``aware``: consecutive grid ranks on consecutive devices of :meth:`Topology.devices` (server by server), so a
   tensor-parallel group shares a server's NVLink, pipeline neighbours come next and data-parallel replicas span
-  servers and racks: ``dtrain train``'s order under torchrun, which numbers a node's processes consecutively.
+  servers and racks: ``dtrain train``'s default rank order (``tp-pp-dp``) under torchrun, which numbers a node's
+  processes consecutively.
 - ``megatron``: devices taken in Megatron-LM's and DeepSpeed's rank order, tensor parallel innermost, then data,
   then pipeline (Megatron-LM ``parallel_state.initialize_model_parallel``, whose pipeline groups are every
   ``world / pp``-th rank; DeepSpeed ``PipeModelDataParallelTopology``, axes ``pipe, data, model``). A server then
   holds replicas of one stage rather than stages of one replica (with tensor parallelism below a server's
-  width), a stage's data-parallel group occupies consecutive servers, and every pipeline message between
-  servers crosses the network.
+  width), a stage's data-parallel group occupies consecutive servers, and, where a stage fills whole servers,
+  every pipeline message crosses the network.
 - ``oblivious``: the ranks dealt round-robin over the servers, as a scheduler that knows nothing of the job
   would, so neighbours in every group land on different servers.
 
@@ -29,7 +30,7 @@ PLACEMENTS = ("aware", "megatron", "oblivious")
 
 
 def grid_rank(layout: Layout, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-    """The grid rank at these coordinates (``ParallelDims.rank``'s order)."""
+    """The grid rank at these coordinates (``ParallelDims.rank``'s default order, ``tp-pp-dp``)."""
     return (dp_rank * layout.pp + pp_rank) * layout.tp + tp_rank
 
 

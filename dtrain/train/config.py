@@ -283,8 +283,8 @@ class ParallelSection(_Section):
         "tp-pp-dp",
         "how the grid numbers its ranks, innermost axis first: tp-pp-dp (a replica's pipeline stages on "
         "neighbouring ranks, on one server where they fit) or tp-dp-pp (a stage's replicas on neighbouring ranks: "
-        "Megatron-LM's, DeepSpeed's and torchtitan's order; part of each gradient reduction stays inside a server, "
-        "every pipeline message crosses servers)",
+        "Megatron-LM's, DeepSpeed's and torchtitan's order; part of each gradient reduction stays inside a server "
+        "and, where a stage fills whole servers, every pipeline message crosses servers)",
         choices=("tp-pp-dp", "tp-dp-pp"),  # grid.RANK_ORDERS
     )
 

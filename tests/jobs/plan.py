@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 from dtrain.parallel.fsdp import hybrid_shard_groups
-from dtrain.parallel.grid import ParallelDims
 from tests.jobs import parallel as jobs
 
 
@@ -21,8 +20,7 @@ def trainer(config, plan, steps: int) -> dict | None:
     grid = jobs._grid(dims.dp, dims.pp, dims.tp, dims.order)
     if grid is None:
         if shard_size and shard_size != dims.dp:
-            hybrid_shard_groups(ParallelDims(world_size=dims.world_size, dp=dims.dp, pp=dims.pp, tp=dims.tp),
-                                shard_size, range(dims.world_size))  # fmt: skip
+            hybrid_shard_groups(dims, shard_size, range(dims.world_size))
         return None
     run = loop._Trainer(config, plan, grid)
     records = [run.step(step) for step in range(steps)]

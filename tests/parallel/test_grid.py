@@ -31,8 +31,7 @@ def test_megatron_lms_order_puts_the_pipeline_outermost():
     assert dims.group_ranks("dp", 5) == [5, 7]
     assert dims.group_ranks("pp", 5) == [1, 5]
     assert all(dims.rank(*dims.coords(r)) == r for r in range(8))
-    assert sorted(dims.coords(r) for r in range(8)) == sorted(ParallelDims(world_size=8, dp=2, pp=2, tp=2).coords(r)
-                                                             for r in range(8))  # fmt: skip
+    assert [dims.coords(r) for r in range(4, 8)] == [(0, 1, 0), (0, 1, 1), (1, 1, 0), (1, 1, 1)]
     with pytest.raises(ValueError, match="order must be one of tp-pp-dp, tp-dp-pp, got 'dp-tp-pp'"):
         ParallelDims(world_size=8, dp=2, pp=2, tp=2, order="dp-tp-pp")
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import statistics
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "sim" / "validation"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "sim" / "validation"))
 
 import published  # noqa: E402
 
@@ -205,10 +207,20 @@ def test_mlperf_v30_rows_wait_for_their_amax_reduction_after_every_action() -> N
     placement = place(topology, layout, published.PLACEMENT)
     stage = {placement[grid_rank(layout, d, 0, t)] for d in range(layout.dp) for t in range(layout.tp)}
     servers = len({topology.device(name).server for name in stage})
+    assert servers == 56, "two replicas of a stage a server: 112 replicas x tp 4 on 56 servers"
     assert priced["amax_s"] == pytest.approx(2 * 24 * 12 * small_all_reduce_s(448, servers))
     left_out = published.simulate(row, dataclasses.replace(published.config_of(row, 1000), amax_reduction="none"))
     assert priced["predicted_s"] - left_out["predicted_s"] > 0 and priced["error"] > left_out["error"]
     assert priced["error"] < 0, "the prediction stays low: the reduction closes part of the gap"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="MLPerf v3.0 on 3,584 GPUs is predicted 20.8% low in the runs' rank order (docs/simulator-validation.md, "
+    "one sequence a chunk of one layer); strict: passing means the row meets the worst target",
+)
+def test_mlperf_v30_on_3584_gpus_meets_the_worst_target() -> None:
+    assert abs(_result("mlperf30-coreweave-3584")["error"]) <= published.WORST_TARGET
 
 
 def test_rows_run_in_megatron_lms_rank_order() -> None:
@@ -222,9 +234,9 @@ def test_rows_run_in_megatron_lms_rank_order() -> None:
     on_first = {(d, p) for d in range(layout.dp) for p in range(layout.pp) for t in range(layout.tp)
                 if topology.device(placement[grid_rank(layout, d, p, t)]).server == first}  # fmt: skip
     assert on_first == {(0, 0), (1, 0)}, "two replicas of the first stage"
+    assert published.PLACEMENT == "megatron"
     ours = _result(row["name"])
     theirs_in_ours = published.simulate(row, published.config_of(row, 1000), "aware")
-    assert ours["placement"] == "megatron" and theirs_in_ours["placement"] == "aware"
     assert ours["dp_exposed_s"] < theirs_in_ours["dp_exposed_s"]
     assert ours["contention_s"] == pytest.approx(theirs_in_ours["contention_s"] / 2, rel=0.1)
 
@@ -243,3 +255,15 @@ def test_fp8_weights_halve_the_gather_and_drop_the_16_bit_copy() -> None:
     assert memory_per_device(model, plain).weights == pytest.approx(2 * memory_per_device(model, layout).weights)
     with pytest.raises(ValueError, match="needs fp8"):
         dataclasses.replace(layout, fp8=False)
+
+
+def test_plan_checks_run_in_worker_processes_alike() -> None:
+    rows = [_rows()[n] for n in ("korthikanti22-22b-full", "korthikanti22-22b-selective-sp")]
+    alone = list(published._plan_checks(rows, 120, 1000, published.PLACEMENT, 1))
+    pooled = list(published._plan_checks(rows, 120, 1000, published.PLACEMENT, 2))
+    lines = (ROOT / "benchmarks" / "results" / "sim_validation_plan-cpu16.jsonl").read_text().splitlines()
+    recorded = {r["name"]: r for r in map(json.loads, lines)}
+    for a, b in zip(alone, pooled, strict=True):
+        a.pop("search_s"), b.pop("search_s")
+        assert a == b and a["placement"] == "megatron"
+        assert {k: v for k, v in recorded[a["name"]].items() if k != "search_s"} == pytest.approx(a)

@@ -115,6 +115,32 @@ def test_only_layouts_dtrain_train_runs_as_priced_are_kept():
     assert refusal(ordered.config, shape, "megatron") is None
 
 
+def test_across_servers_the_plan_takes_the_faster_rank_order_and_writes_it():
+    # two servers of 8: a pipeline of 2 stages with 8 replicas each is faster with a stage's replicas on one
+    # server (their gradients reduced over NVLink) than with a replica's stages on one server
+    from dtrain.cluster.presets import preset
+    from dtrain.sim.placement import place
+    from dtrain.sim.step import StepConfig, simulate_step
+    from dtrain.train.plan import run_kernels
+
+    config = load_config(TINY)
+    shape = run_shape(config)
+    topology = preset("h100-rail", racks=1, servers_per_rack=2)
+    planned = plan_run(config, topology, devices=16, shape=shape)
+    lay = planned.plan.layout
+    assert planned.plan.placement == "megatron" and planned.config.parallel.rank_order == "tp-dp-pp"
+    assert lay.dp > 1 and lay.pp > 1 and refusal(planned.config, shape) is None
+    spec = model_spec(shape, config.data.seq_len, name=config.model.preset)
+    step_config = StepConfig(kernels=run_kernels(config))
+    assert simulate_step(spec, lay, topology, place(topology, lay, "megatron"), step_config).step_s == pytest.approx(
+        planned.plan.result.step_s
+    )
+    assert (
+        planned.plan.result.step_s
+        < simulate_step(spec, lay, topology, place(topology, lay, "aware"), step_config).step_s
+    )
+
+
 def test_zero_shard_size_reaches_the_trainer_sharding_within_blocks(pool, tmp_path):
     """``dtrain train --dp 4 --zero 3 --zero-shard-size 2``'s trainer: parameters sharded over 2 ranks and
     replicated twice (tests/parallel/test_fsdp.py checks that layout's numerics against one process)."""

@@ -13,7 +13,7 @@ these rows.
 
 ``--plan``: also run ``dtrain plan``'s search on each row's cluster and batch, and report where the published
 layout ranks and whether the best plan is at least as fast (``--jobs N``: N rows' searches at once).
-``--placement aware`` places every row in ``dtrain train``'s order instead, to see what the order moves.
+``--placement aware`` places every row in ``dtrain train``'s default order instead, to see what the order moves.
 """
 
 from __future__ import annotations
