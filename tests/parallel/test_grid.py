@@ -36,6 +36,23 @@ def test_megatron_lms_order_puts_the_pipeline_outermost():
         ParallelDims(world_size=8, dp=2, pp=2, tp=2, order="dp-tp-pp")
 
 
+def test_the_simulators_placements_are_dtrain_trains_two_orders():
+    # dtrain.sim imports no torch, so it writes the two orders out again: they must agree with the grid's
+    from dtrain.cluster.presets import preset
+    from dtrain.sim.model import Layout
+    from dtrain.sim.placement import grid_rank, place
+    from dtrain.train.plan import RUN_PLACEMENTS
+
+    topology = preset("h100-rail", racks=1, servers_per_rack=4)
+    devices = [d.name for d in topology.devices()]
+    for dp, pp, tp in ((2, 2, 8), (4, 2, 4), (8, 4, 1), (2, 8, 2)):
+        layout = Layout(dp=dp, pp=pp, tp=tp, global_batch=dp)
+        for how, order in RUN_PLACEMENTS.items():
+            dims = ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp, order=order)
+            placed = place(topology, layout, how)
+            assert all(placed[grid_rank(layout, *dims.coords(r))] == devices[r] for r in range(dims.world_size))
+
+
 def test_grid_groups_on_real_processes(pool):
     got = pool.run(grid_jobs.grid_sizes, 2, 1, 2)  # every process builds the groups
     assert got == [[2, 1, 2, r] for r in range(4)] + [None] * 4
