@@ -3348,6 +3348,7 @@ def section_sim() -> str:
             "Command: `sudo python benchmarks/sim/ps_validate.py`. Data: `sim_validation-ps-emulated.jsonl`.",
             table(["case", "measured step s", "error, network", "error, network + host", "bottleneck"], psrows),
             *_training_sim_part(),
+            *_ring_attention_part(),
         ]
     )
 
@@ -3367,6 +3368,65 @@ def _span_shared(rows: list[dict]) -> str:
     picked = [1 - r["predicted_shared_s"] / r["predicted_s"] for r in rows if r["layout"].split()[1] != "tp1"]
     low, high = min(picked), max(picked)
     return f"{low * 100:.0f}-{high:.0%}"
+
+
+def _ring_attention_part() -> list[str]:
+    """A context-parallel rank's attention kernels on one H200 against the simulator's price (two runs)."""
+    names = ["ring_attention-h200x1.jsonl", "ring_attention-h200x1-run2.jsonl"]
+    if not all((RESULTS / n).exists() for n in names):
+        return []
+    runs = [load(n) for n in names]
+    key = lambda r: (r["shape"], r["sequence"], r["cp"])  # noqa: E731
+    second = {key(r): r for r in runs[1]}
+    rows, ratios = [], {}
+    for r in runs[0]:
+        other = second[key(r)]
+        pair = [r, other]
+        for m in pair:
+            ratios.setdefault(r["cp"], []).extend([m["first_over_priced"], m["last_over_priced"]])
+        kernels = " / ".join(
+            f"{m.get(k, 0.0) * 1e3:.3f}" for m in (r,) for k in ("own_s", "later_s", "earlier_s") if k in m
+        )
+        over = " / ".join(f"{m['first_over_priced']:.2f}, {m['last_over_priced']:.2f}" for m in pair)
+        rows.append([r["shape"], f"{r['sequence']:,}", r["cp"], kernels,
+                     " / ".join(f"{m['first_rank_s'] * 1e3:.2f}" for m in pair),
+                     " / ".join(f"{m['last_rank_s'] * 1e3:.2f}" for m in pair), f"{r['priced_s'] * 1e3:.2f}",
+                     over])  # fmt: skip
+    spans = "; ".join(
+        f"cp {cp} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for cp, v in sorted(ratios.items())
+    )
+    return [
+        "### A context-parallel rank's attention kernels on one H200",
+        setting(
+            "1 x NVIDIA H200",
+            f"torch {runs[0][0]['torch']}",
+            "python benchmarks/training/ring_attention.py --out benchmarks/results/ring_attention-h200x1.jsonl",
+            f"`{names[0]}`, `{names[1]}` (a second run in the same launch)",
+        ),
+        "The kernels one rank of a context-parallel ring runs for one layer and one sequence (Transformer Engine's "
+        "ring attention: a rank holds a piece from each end of the sequence), forward and backward as one call "
+        "each, every call issued while a sleep kernel holds the stream (the device's pace): its own causal kernel "
+        "and, on another rank's keys, its second query piece over both key pieces (a later rank's, `later`) or "
+        "all its queries over the first key piece (an earlier rank's, `earlier`), neither masked. A pass of the "
+        "first rank is its own kernel and `cp - 1` of the `later` kind, of the last its own and `cp - 1` "
+        "`earlier`. `priced` is the simulator's price of the pass (`dtrain.sim.compute.layer_ops` with "
+        "`Layout.cp`: each kernel at its forward-and-backward call's efficiency, the causal one on the attention "
+        "curve and the others on the unmasked one of `dtrain bench compute --kinds attention-full`, without the "
+        f"sustained-clock factor). Measured / priced by cp, median (range): {spans}.",
+        table(
+            [
+                "shape",
+                "sequence",
+                "cp",
+                "kernels ms: own / later / earlier",
+                "first rank ms, run 1 / 2",
+                "last rank ms",
+                "priced ms",
+                "measured / priced, first, last",
+            ],
+            rows,
+        ),  # fmt: skip
+    ]
 
 
 def _training_sim_part() -> list[str]:

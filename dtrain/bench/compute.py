@@ -12,7 +12,9 @@ host's launches (the simulator prices a kernel's launch apart, ``DeviceCompute.k
   CPU): ``torch._scaled_mm`` of E4M3 operands with per-tensor scales into bf16, the product Transformer Engine
   runs for a linear layer's FP8 GEMMs (kind ``matmul-fp8``);
 - scaled-dot-product attention (causal; flash where torch has it) over sequence lengths and heads, forward and
-  backward, its FLOPs ``4 b s^2 h`` forward halved for the mask, backward 2.5 times that;
+  backward as one call, its FLOPs ``4 b s^2 h`` forward halved for the mask, backward 2.5 times that; and the
+  same without a mask (kind ``attention-full``, ``4 b s^2 h`` forward), as a context-parallel ring runs its
+  kernels on other ranks' keys;
 - memory-bound operations over flat tensors: layer norm, RMS norm, GELU, SiLU, add, cross-entropy, a fused
   AdamW step; bytes are what each reads and writes once.
 
@@ -109,7 +111,7 @@ def _timer(torch, device, timing: str = "device") -> Callable[[Callable[[], obje
 
 
 #: The kinds of operation timed, each a curve of the simulator's file.
-KINDS = ("matmul", "matmul-fp8", "attention", "memory")
+KINDS = ("matmul", "matmul-fp8", "attention", "attention-full", "memory")
 
 
 def run(
@@ -159,21 +161,23 @@ def run(
 
             rows.append({"kind": "matmul-fp8", "op": what, "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k,
                          "seconds": timed(product, warmup, repeats)})  # fmt: skip
-    for seq in ((32, 64) if quick else (1024, 2048, 4096, 8192)) if "attention" in kinds else ():
+    masks = [(kind, kind == "attention") for kind in ("attention", "attention-full") if kind in kinds]
+    for (kind, causal), seq in ((m, s) for m in masks for s in ((32, 64) if quick else (1024, 2048, 4096, 8192))):
         for heads in (1,) if quick else (8, 16, 32):
             d = 16 if quick else 128
             q, kk, v = (torch.randn(1, heads, seq, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
             grad_out = torch.ones(1, heads, seq, d, device=device, dtype=dtype)
 
-            def attention(q=q, kk=kk, v=v, grad_out=grad_out):
+            def attention(q=q, kk=kk, v=v, grad_out=grad_out, causal=causal):
                 # the gradients returned, not accumulated into .grad: the kernels of attention's forward and
                 # backward alone
-                out = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
+                out = F.scaled_dot_product_attention(q, kk, v, is_causal=causal)
                 torch.autograd.grad(out, (q, kk, v), grad_out)
 
-            flops = 4.0 * seq * seq * heads * d * 0.5 * 3.5  # forward, and backward at 2.5 times it
-            rows.append({"kind": "attention", "op": "sdpa-causal", "seq": seq, "heads": heads, "head_dim": d,
-                         "flops": flops, "seconds": timed(attention, warmup, repeats)})  # fmt: skip
+            # forward (halved under the mask), and backward at 2.5 times it
+            flops = 4.0 * seq * seq * heads * d * (0.5 if causal else 1.0) * 3.5
+            rows.append({"kind": kind, "op": "sdpa-causal" if causal else "sdpa", "seq": seq, "heads": heads,
+                         "head_dim": d, "flops": flops, "seconds": timed(attention, warmup, repeats)})  # fmt: skip
     sizes = (1 << 12, 1 << 14) if quick else (1 << 22, 1 << 24, 1 << 26, 1 << 28)
     for elements in sizes if "memory" in kinds else ():
         width = 64 if quick else 8192
@@ -238,10 +242,12 @@ def _memory_ops(F, x, y, weight, target, elements: int) -> dict[str, tuple[Calla
 
 def curves_from_rows(rows: list[dict]) -> dict[str, list[list[float]]]:
     """Efficiency by size for each kind: the median efficiency of each power-of-two size bin, at the bin's
-    median size (``matmul``, ``matmul-fp8`` and ``attention`` by FLOPs, ``memory`` by bytes); a kind with no rows
-    has no curve."""
+    median size (``matmul``, ``matmul-fp8``, ``attention`` and ``attention-full`` by FLOPs, ``memory`` by bytes); a
+    kind with no rows has no curve."""
     curves = {}
-    for kind, size in (("matmul", "flops"), ("matmul-fp8", "flops"), ("attention", "flops"), ("memory", "bytes")):
+    sizes = (("matmul", "flops"), ("matmul-fp8", "flops"), ("attention", "flops"), ("attention-full", "flops"),
+             ("memory", "bytes"))  # fmt: skip
+    for kind, size in sizes:
         bins: dict[int, list[tuple[float, float]]] = {}
         for r in rows:
             if r["kind"] == kind and r["efficiency"] > 0:

@@ -17,9 +17,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny shapes (seconds on a CPU)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each operation (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
-    p.add_argument("--kinds", default=",".join(("matmul", "matmul-fp8", "attention", "memory")),
-                   help="comma-separated kinds to time: matmul, matmul-fp8 (where the device has FP8), attention, "
-                        "memory (default: all)")  # fmt: skip
+    p.add_argument("--kinds", default=",".join(("matmul", "matmul-fp8", "attention", "attention-full", "memory")),
+                   help="comma-separated kinds to time: matmul, matmul-fp8 (where the device has FP8), attention "
+                        "(causal), attention-full (no mask), memory (default: all)")  # fmt: skip
     p.add_argument("--timing", default="device", choices=("device", "launch"),
                    help="a GPU call's time: the device's pace, issued behind a sleep kernel (default), or with the "
                         "host's launch counted, events around a call the GPU waits for")  # fmt: skip

@@ -121,6 +121,9 @@ def register(commands) -> None:
     _add_model(p)
     for axis in ("dp", "tp", "pp"):
         p.add_argument(f"--{axis}", type=_whole(1), default=1, help=f"{axis} degree")
+    p.add_argument("--cp", type=_whole(1), default=1,
+                   help="context-parallel degree: each sequence cut over cp ranks, its keys and values passed round a "
+                   "ring (flash attention); the ranks number tp, cp, dp, pp (Megatron-Core's order)")  # fmt: skip
     p.add_argument("--micro-batch", type=_whole(1), default=1, help="sequences a micro-batch")
     p.add_argument("--global-batch", type=_whole(1), required=True, help="sequences a step")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
@@ -203,6 +206,9 @@ def register(commands) -> None:
         "the two orders dtrain train's [parallel] rank_order places its ranks in)",
     )
     p.add_argument("--max-tp", type=int, help="largest tensor-parallel degree to try")
+    p.add_argument("--cp", type=_ints, default=[1],
+                   help="context-parallel degrees to try, e.g. 1,2,4 (default 1; with one above 1 every layout runs "
+                   "flash attention; not with --config: dtrain train has no context parallelism)")  # fmt: skip
     p.add_argument(
         "--schedules",
         type=_schedules,
@@ -541,14 +547,20 @@ def _simulate_train(args: argparse.Namespace) -> int:
             raise ValueError(f"--slow-rank {rank}:{factor:g}: a rank >= 0 and a finite factor >= 1 (a slower rank)")
     topo, model = _topology(args), _model(args)
     chunks = args.chunks or {"interleaved-1f1b": 2, "zb-v": 2}.get(args.schedule, 1)
-    layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, global_batch=args.global_batch,
-                    zero_stage=args.zero, schedule=args.schedule, chunks=chunks, recompute=args.recompute,
-                    sequence_parallel=args.sequence_parallel, embedding_layers=args.embedding_layers,
-                    microbatch_group=args.microbatch_group, fp8=args.fp8, fp8_params=args.fp8_params,
-                    balance=args.balance, attention="flash" if args.kernels == "dtrain" else "unfused")  # fmt: skip
-    if args.kernels == "dtrain" and (args.fp8 or args.sequence_parallel):
-        raise ValueError("--kernels dtrain: dtrain.models runs neither FP8 (--fp8) nor sequence parallelism "
-                         "(--sequence-parallel)")  # fmt: skip
+    if args.kernels == "dtrain" and (args.fp8 or args.sequence_parallel or args.cp > 1):
+        raise ValueError("--kernels dtrain: dtrain.models runs neither FP8 (--fp8), sequence parallelism "
+                         "(--sequence-parallel) nor context parallelism (--cp)")  # fmt: skip
+    if args.cp > 1 and model.sequence % (2 * args.cp):
+        raise ValueError(f"--cp {args.cp}: a sequence of {model.sequence} tokens does not cut into 2 x cp = "
+                         f"{2 * args.cp} equal pieces (a context-parallel rank takes one from each end)")  # fmt: skip
+    flash = args.kernels == "dtrain" or args.cp > 1
+    layout = Layout(dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch,
+                    global_batch=args.global_batch, zero_stage=args.zero, schedule=args.schedule, chunks=chunks,
+                    recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                    embedding_layers=args.embedding_layers, microbatch_group=args.microbatch_group, fp8=args.fp8,
+                    fp8_params=args.fp8_params, balance=args.balance,
+                    attention="flash" if flash else "unfused")  # fmt: skip
+    layout.check(model)
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma,
                           split_pipeline=args.split_pipeline, flow_limit=args.flow_limit,
                           synchronous_p2p=args.synchronous_p2p)  # fmt: skip
@@ -587,7 +599,7 @@ def _step_data(r) -> dict:
         "pipeline_s": r.pipeline_s,
         "tp_comm_s": r.tp_s, "pp_message_s": r.pp_s, "dp_comm_s": r.dp_s,
         "dp_exposed_s": r.dp_exposed_s, "contention_s": r.contention_s, "optimizer_s": r.optimizer_s,
-        "amax_s": r.amax_s,
+        "amax_s": r.amax_s, "cp_ring_s": r.cp_s,
         "bubble": r.bubble, "bubble_theory": r.bubble_theory, "memory_gb": r.memory.total / 1e9,
         "memory_limit_gb": r.memory_limit / 1e9,
         "fits": r.fits, "bottleneck": r.bottleneck.link.name if r.bottleneck else None,
@@ -617,6 +629,8 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--placements: among {','.join(PLACEMENTS)}, got {','.join(args.placements) or 'nothing'}")
     if args.zero is not None and (not args.zero or any(z not in (0, 1, 2, 3) for z in args.zero)):
         raise ValueError(f"--zero: stages among 0, 1, 2 and 3, got {args.zero}")
+    if not args.cp or min(args.cp) < 1:
+        raise ValueError(f"--cp: context-parallel degrees must be >= 1, got {args.cp}")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -625,6 +639,10 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("--write: needs --config, the run config to write the chosen layout into")
     if args.fp8 and args.config:
         raise ValueError("--fp8: not with --config (dtrain train runs no FP8 layers)")
+    if max(args.cp) > 1 and args.config:
+        raise ValueError("--cp: not with --config (dtrain train runs no context parallelism)")
+    if max(args.cp) > 1 and args.kernels == "dtrain":
+        raise ValueError("--cp: not with --kernels dtrain (dtrain.models runs no context parallelism)")
     if args.config:  # Megatron-Core's techniques dtrain train does not run: a plan priced with them would not hold
         for flag, given in (
             ("--tp-comm-overlap", args.tp_comm_overlap),
@@ -662,6 +680,7 @@ def _plan(args: argparse.Namespace) -> int:
             recompute=args.recompute, fp8=args.fp8, fp8_params=args.fp8_params,
             **({"schedules": args.schedules} if args.schedules else {}),
             **({"attention": "flash", "sequence_parallel": False} if args.kernels == "dtrain" else {}),
+            **({"attention": "flash", "context_parallel": args.cp} if max(args.cp) > 1 else {}),
             top=None if args.exhaustive else max(args.top, 5),
             progress=lambda done, total: progress.update(task, completed=done, total=total),
         )  # fmt: skip

@@ -10,7 +10,10 @@ appendix, for the FLOP counts):
   ``(T, h, f / t)``; backward runs each twice, the input gradient ``(m, k, n)`` and the weight gradient
   ``(k, n, m)``;
 - the attention core: flash attention (Dao 2023, "FlashAttention-2") ``4 b s^2 h / t`` FLOPs forward halved
-  for the causal mask, backward 2.5 times the forward (it recomputes the scores); or Megatron's unfused core,
+  for the causal mask, backward 2.5 times the forward (it recomputes the scores), on a context-parallel rank
+  (``ModelSpec.context_shards`` = ``cp``, :func:`dtrain.sim.model.context_view`) ``4 b (s / cp) s h / t`` halved,
+  as ``cp`` kernels, one on each shard's keys (Transformer Engine's ring: the queries' two pieces, one from each
+  end of the sequence, even out the causal mask's work over the ranks); or Megatron's unfused core,
   two batched products ``(s, s, d)`` and ``(s, d, s)`` over ``b a / t`` heads and the fused
   scale-mask-softmax and dropout over ``b a s^2 / t`` scores (9 bytes each forward, 11 backward);
 - memory-bound work in bytes: two layer norms (read and write ``2 T h`` each), two bias-dropout-residual adds
@@ -101,8 +104,10 @@ tile shapes; NVIDIA's "Matrix Multiplication Background User's Guide", wave quan
 ``kernel_s``, and no faster than its bytes allow; a memory-bound operation moves its bytes at
 ``bandwidth_efficiency`` of the memory's rate. Where ``dtrain bench compute`` measured the device
 (:func:`load_curves`, the file ``compute_curves.json`` beside this module), the measured efficiency curves replace
-the constants: matrix-product efficiency by FLOPs, attention efficiency by FLOPs, bandwidth efficiency by bytes,
-each interpolated in the logarithm of the size.
+the constants: matrix-product efficiency by FLOPs, attention efficiency by the FLOPs of a forward-and-backward
+call (the size the curve was measured at: each pass is priced at its call's efficiency, :data:`ATTENTION_CALL`;
+kernels without a mask, a context-parallel ring's on other ranks' keys, on the unmasked curve where measured),
+bandwidth efficiency by bytes, each interpolated in the logarithm of the size.
 
 Communication overlapped with compute shares the device with it: a collective's kernels hold multiprocessors
 and, on a power-capped GPU, draw watts the products would run on. ``dtrain bench overlap`` measures, for each way
@@ -140,9 +145,10 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtrain.sim.model import EAGER, EagerForm, Layout, ModelSpec, head_stage, stage_layers
+from dtrain.sim.model import EAGER, EagerForm, Layout, ModelSpec, context_view, head_stage, stage_layers
 
 __all__ = [
+    "ATTENTION_CALL",
     "CURVES_PATH",
     "DEVICE_COMPUTE",
     "Beside",
@@ -230,6 +236,8 @@ class DeviceCompute:
     matmul_curve: Curve | None = None
     fp8_matmul_curve: Curve | None = None
     attention_curve: Curve | None = None
+    #: flash attention without a mask (a context-parallel ring's kernels on other ranks' keys); None: the causal curve
+    attention_full_curve: Curve | None = None
     bandwidth_curve: Curve | None = None
     beside: Beside | None = None
     #: the products' compute time under a sustained load over the curves' price, 16-bit and FP8 (module docstring)
@@ -263,9 +271,13 @@ class DeviceCompute:
         held = self.fp8_sustained if fp8 else self.sustained
         return max(flops / (peak * eff) * held, self.memory_s(moved, fixed=False)) + self.kernel_s
 
-    def attention_s(self, flops: float) -> float:
-        """Seconds of a flash-attention kernel of ``flops``."""
-        eff = self.attention_curve(flops) if self.attention_curve is not None else self.attention_efficiency
+    def attention_s(self, flops: float, *, call_flops: float | None = None, causal: bool = True) -> float:
+        """Seconds of a flash-attention kernel of ``flops``, at the efficiency the curve gives a call of
+        ``call_flops`` (default ``flops``): the curves time a forward with its backward as one call, so each
+        pass is priced at the efficiency of the whole call it belongs to. ``causal`` False: a kernel without a
+        mask, on the unmasked curve where the device has one."""
+        curve = self.attention_curve if causal else (self.attention_full_curve or self.attention_curve)
+        eff = curve(call_flops or flops) if curve is not None else self.attention_efficiency
         return flops / (self.peak_flops * eff) + self.kernel_s
 
     def memory_s(self, nbytes: float, *, fixed: bool = True) -> float:
@@ -326,7 +338,7 @@ def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Cu
         for key, entry in data["devices"].items():
             out[key] = {
                 kind: Curve(tuple(float(s) for s, _ in entry[kind]), tuple(float(e) for _, e in entry[kind]))
-                for kind in ("matmul", "matmul-fp8", "attention", "memory")
+                for kind in ("matmul", "matmul-fp8", "attention", "attention-full", "memory")
                 if entry.get(kind)
             }
             for kind, factor in (entry.get("sustained") or {}).items():
@@ -375,6 +387,7 @@ def device_compute(
                 matmul_curve=measured.get("matmul"),
                 fp8_matmul_curve=measured.get("matmul-fp8"),
                 attention_curve=measured.get("attention"),
+                attention_full_curve=measured.get("attention-full"),
                 bandwidth_curve=measured.get("memory"),
                 beside=beside,
             )
@@ -385,7 +398,8 @@ def device_compute(
 @dataclass(frozen=True)
 class Op:
     """One operation: a matrix product ``(m, n, k)`` ``batch`` times, a flash-attention kernel of ``flops``, or
-    memory-bound work of ``nbytes``; ``phase`` is "F" (forward), "B" (input gradient) or "W" (weight gradient)."""
+    memory-bound work of ``nbytes``; ``phase`` is "F" (forward), "B" (input gradient) or "W" (weight gradient);
+    ``causal`` False: an attention kernel without a mask."""
 
     name: str
     kind: str  # "matmul", "attention" or "memory"
@@ -397,6 +411,7 @@ class Op:
     flops: float = 0.0
     nbytes: float = 0.0
     fp8: bool = False  # a matrix product in 8-bit floating point
+    causal: bool = True  # an attention kernel under the causal mask
 
     @property
     def total_flops(self) -> float:
@@ -528,6 +543,7 @@ def layer_ops(
     into the 32-bit gradients themselves (no separate pass); ``eager`` (``"dtrain"`` only): the layer's form
     (:class:`EagerForm`)."""
     _check_kernels(kernels)
+    model, layout = context_view(model, layout)
     megatron, dtrain = kernels == "megatron-lm", kernels == "dtrain"
     b, s, h, a, t = layout.micro_batch, model.sequence, model.hidden, model.heads, layout.tp
     tokens, d, f = b * s, h // a, model.ffn
@@ -565,11 +581,14 @@ def layer_ops(
         ]
     heads = b * a // t
     if layout.attention == "flash":
-        forward = 4.0 * b * s * s * h / t * 0.5
-        ops += [
-            Op("attention", "attention", "F", flops=forward),
-            Op("attention", "attention", "B", flops=2.5 * forward),
-        ]
+        # a context-parallel rank (model.context_shards = cp) runs cp kernels a pass, one on each shard's keys
+        # as they come round the ring, each a cp-th of its queries' work over all the keys: under the causal mask
+        # on its own keys, unmasked on the others' (the pieces that the mask would hide are left out)
+        forward = 4.0 * b * s * model.keys * h / t * 0.5
+        ring = model.context_shards
+        for phase, work in (("F", forward / ring), ("B", 2.5 * forward / ring)):
+            ops.append(Op("attention", "attention", phase, flops=work))
+            ops += [Op("attention", "attention", phase, flops=work, causal=False)] * (ring - 1)
     else:
         ops += _matmul("scores", s, s, d, heads, weight=False) + _matmul("context", s, d, s, heads, weight=False)
         scores = heads * s * s
@@ -614,6 +633,7 @@ def stage_ops(
     layer's, to be run ``layers`` times), ``"recompute"`` (one layer's recomputed forward), ``"first"``
     (embedding) and ``"last"`` (final norm, logits, cross-entropy); ``kernels`` and ``fused_accumulation`` as
     :func:`layer_ops`."""
+    model, layout = context_view(model, layout)
     b, s, h, t, v = layout.micro_batch, model.sequence, model.hidden, layout.tp, model.vocab
     megatron = kernels == "megatron-lm"
     tokens = b * s
@@ -686,12 +706,17 @@ def _dtrain_head_ops(model: ModelSpec, layout: Layout, fused_accumulation: bool)
     return ops
 
 
+#: An attention pass's FLOPs times this is its forward-and-backward call's (the backward 2.5 times the forward), the
+#: size the attention curves are measured by (``dtrain bench compute``)
+ATTENTION_CALL = {"F": 3.5, "B": 3.5 / 2.5}
+
+
 def price(op: Op, device: DeviceCompute) -> float:
     """Seconds of ``op`` on ``device``."""
     if op.kind == "matmul":
         return device.matmul_s(op.m, op.n, op.k, op.batch, fp8=op.fp8)
-    if op.kind == "attention":
-        return device.attention_s(op.flops)
+    if op.kind == "attention":  # at the efficiency of its forward-and-backward call (ATTENTION_CALL)
+        return device.attention_s(op.flops, call_flops=op.flops * ATTENTION_CALL[op.phase], causal=op.causal)
     return device.memory_s(op.nbytes)
 
 
@@ -724,6 +749,7 @@ def stage_compute(
 ) -> StageCompute:
     """Seconds of one micro-batch of pipeline stage ``stage`` on ``device`` (all its layers; see
     :func:`stage_ops`, ``kernels``, ``fused_accumulation`` and ``eager`` as :func:`layer_ops`)."""
+    model, layout = context_view(model, layout)
     layers = stage_layers(model, layout, stage)
     parts = stage_ops(model, layout, stage, kernels, fused_accumulation=fused_accumulation, eager=eager)
     times = {"F": 0.0, "B": 0.0, "W": 0.0}

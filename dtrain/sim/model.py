@@ -43,7 +43,7 @@ attention core's forward again, ``4 L h s`` a token (Korthikanti et al. 2022, se
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtrain.parallel.pipeline_schedules import PLACEMENT, cut_sizes, stage_of_virtual, zb_v
 
@@ -60,6 +60,7 @@ __all__ = [
     "block_flops_weight",
     "chunk_flops",
     "chunk_shares",
+    "context_view",
     "head_stage",
     "stage_blocks",
     "flops_per_microbatch",
@@ -101,9 +102,12 @@ class ModelSpec:
     kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
     gated_mlp: bool = False  # SwiGLU (three MLP matrices) rather than two
     tied_embeddings: bool = True  # the output layer reuses the word embedding; False: its own V x h matrix
+    #: this spec's ``sequence`` is one of this many equal shards of each training sequence, a context-parallel
+    #: rank's share, whose attention reads every shard's keys (:func:`context_view` makes such specs; 1: whole)
+    context_shards: int = 1
 
     def __post_init__(self) -> None:
-        for field_name in ("parameters", "layers", "hidden", "heads", "sequence", "bytes_per_value"):
+        for field_name in ("parameters", "layers", "hidden", "heads", "sequence", "bytes_per_value", "context_shards"):
             value = getattr(self, field_name)
             if not value > 0:
                 raise ValueError(f"ModelSpec.{field_name} must be > 0, got {value!r}")
@@ -115,6 +119,14 @@ class ModelSpec:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
         if self.kv_heads and self.heads % self.kv_heads:
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        if not isinstance(self.context_shards, int):
+            raise ValueError(f"ModelSpec.context_shards must be a positive int, got {self.context_shards!r}")
+
+    @property
+    def keys(self) -> int:
+        """Tokens of a whole training sequence, whose keys a query's attention reads: ``sequence`` times
+        ``context_shards``."""
+        return self.sequence * self.context_shards
 
     @property
     def ffn(self) -> int:
@@ -160,7 +172,13 @@ class Layout:
     counts the input embedding and the output layer as that many transformer layers each, so the first and last
     stages hold that many fewer (DeepSpeed's ``partition_method="type:transformer|embedding"``: BLOOM-176B's 70
     layers and two embeddings on 12 stages are 5, 6 x 10 and 5 layers, BigScience tr11-176B-ml README;
-    :func:`stage_layers`). ``balance``: the cut ``dtrain train`` makes (its ``--balance``,
+    :func:`stage_layers`). ``cp``: context parallelism, each sequence cut into ``cp`` shards over as many ranks,
+    which share every replica's weights (Megatron-Core's ``--context-parallel-size``; Liu et al. 2023, "Ring
+    Attention with Blockwise Transformers for Near-Infinite Context"): ``dp x cp x tp x pp`` ranks, the
+    gradients reduced and the optimizer's state sharded over the ``dp x cp`` ranks of a stage and tensor-parallel
+    rank, each rank's attention reading the keys and values of its whole sequence as they pass round the ``cp``
+    ranks (:func:`context_view`; flash attention only, as Transformer Engine's is the kernel that runs it).
+    ``balance``: the cut ``dtrain train`` makes (its ``--balance``,
     :func:`dtrain.parallel.pipeline_parallel.partition_layers` over the model's embedding, blocks and head as
     layers, the head costing its ``2 V h`` FLOPs a token): ``"layers"`` (equal layer counts) or ``"flops"`` (equal
     forward FLOPs a stage, its chunks together); None, the default, is Megatron-LM's cut (``L / (p v)`` blocks a
@@ -169,6 +187,7 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     micro_batch: int = 1
     global_batch: int = 1
     zero_stage: int = 0
@@ -184,7 +203,7 @@ class Layout:
     balance: str | None = None
 
     def __post_init__(self) -> None:
-        for field_name in ("dp", "tp", "pp", "micro_batch", "global_batch"):
+        for field_name in ("dp", "tp", "pp", "cp", "micro_batch", "global_batch"):
             value = getattr(self, field_name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Layout.{field_name} must be a positive int, got {value!r}")
@@ -240,10 +259,15 @@ class Layout:
             raise ValueError(f"balance must be one of {', '.join(map(str, BALANCE))}, got {self.balance!r}")
         if self.balance and self.embedding_layers:
             raise ValueError("balance cuts dtrain's layers; embedding_layers is DeepSpeed's cut: one or the other")
+        if self.cp > 1 and self.attention != "flash":
+            raise ValueError(
+                f"cp = {self.cp} runs the attention as flash attention over the ring: it needs attention "
+                f"'flash', got {self.attention!r}"
+            )
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def microbatches(self) -> int:
@@ -275,6 +299,11 @@ class Layout:
             )
         if model.heads % self.tp:
             raise ValueError(f"{model.heads} heads do not split over tp={self.tp} ranks")
+        if self.cp > 1 and model.sequence % (2 * self.cp):
+            raise ValueError(
+                f"a sequence of {model.sequence} tokens does not cut into 2 x cp = {2 * self.cp} equal pieces (each "
+                f"context-parallel rank takes two, one from each end, to share the causal mask's work evenly)"
+            )
 
     def describe(self) -> str:
         zero = f" zero{self.zero_stage}" if self.zero_stage else ""
@@ -289,8 +318,9 @@ class Layout:
         flash += (" fp8-params" if self.fp8_params else " fp8") if self.fp8 else ""
         embedding = f" embedding-as-{self.embedding_layers}" if self.embedding_layers else ""
         embedding += f" balance-{self.balance}" if self.balance else ""
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (
-            f"dp{self.dp} tp{self.tp} pp{self.pp}{embedding} mb{self.micro_batch}x{self.microbatches}{schedule}"
+            f"dp{self.dp}{cp} tp{self.tp} pp{self.pp}{embedding} mb{self.micro_batch}x{self.microbatches}{schedule}"
             f"{zero}{flash}{sp}{recompute}"
         )
 
@@ -443,13 +473,35 @@ def stage_layers(model: ModelSpec, layout: Layout, stage: int) -> int:
     return per - e if stage in (0, layout.pp - 1) else per
 
 
+def context_view(model: ModelSpec, layout: Layout) -> tuple[ModelSpec, Layout]:
+    """``model`` and ``layout`` as one context-parallel rank sees them, in a layout without context parallelism
+    (``layout`` itself where ``cp`` is 1). Each of the ``cp`` ranks of a context-parallel group runs the whole
+    pipeline schedule on its shard of every sequence, in step with the others, and shares its replica's weights
+    with them; so the simulator prices it as a replica of ``dp x cp`` whose sequences are ``s / cp`` tokens
+    long (the model's ``context_shards`` recording the cut: its attention reads the keys of all ``cp`` shards,
+    :func:`dtrain.sim.compute.layer_ops`), ``cp`` times as many of them a step. The gradients are then reduced,
+    and ZeRO's shards cut, over the ``dp x cp`` ranks, as Megatron-Core does (its data-parallel group "with
+    context parallel"); the view's data-parallel rank ``d cp + c`` is replica ``d``'s ``c``-th context-parallel
+    rank, the order in which Megatron-Core numbers them (tensor, context, data, pipeline)."""
+    if layout.cp == 1:
+        return model, layout
+    if model.context_shards != 1:
+        raise ValueError(f"{model.name} is already one of {model.context_shards} context-parallel shards")
+    layout.check(model)
+    view_model = replace(model, sequence=model.sequence // layout.cp, context_shards=layout.cp)
+    view = replace(layout, dp=layout.dp * layout.cp, cp=1, global_batch=layout.global_batch * layout.cp)
+    return view_model, view
+
+
 def memory_per_device(
     model: ModelSpec, layout: Layout, kernels: str = "fused", *, eager: EagerForm = EAGER
 ) -> MemoryUse:
     """Peak bytes per device of ``model`` trained with ``layout``: the largest of the first stage's and the last
     stage's (and the second stage's where the embeddings count as layers: it holds more layers than the first),
     see the module docstring for the sources. ``kernels = "dtrain"``: as ``dtrain.models`` holds them under bf16
-    autocast (:func:`activation_bytes_per_layer`, 32-bit weights and gradients; ``eager`` as there)."""
+    autocast (:func:`activation_bytes_per_layer`, 32-bit weights and gradients; ``eager`` as there). With context
+    parallelism, a context-parallel rank's (:func:`context_view`): a sequence's ``1 / cp`` of the activations."""
+    model, layout = context_view(model, layout)
     first = _stage_memory(model, layout, 0, kernels, eager)
     if layout.pp == 1:
         return first
@@ -588,15 +640,18 @@ def tp_all_reduces_per_layer(layout: Layout) -> int:
 def recompute_flops_per_microbatch(model: ModelSpec, layout: Layout) -> float:
     """FLOPs of one micro-batch on one device spent recomputing activations in backward: one more forward
     ``(2 P + 4 L h s)`` a token (full), the attention core's forward ``4 L h s`` a token (selective), or 0."""
+    model, layout = context_view(model, layout)
     tokens = layout.micro_batch * model.sequence
-    attention = 4 * model.layers * model.hidden * model.sequence
+    attention = 4 * model.layers * model.hidden * model.keys
     per_token = {"none": 0.0, "selective": attention, "full": 2 * model.parameters + attention}[layout.recompute]
     return per_token * tokens / (layout.tp * layout.pp)
 
 
 def flops_per_microbatch(model: ModelSpec, layout: Layout) -> float:
     """Training FLOPs (forward and backward) of one micro-batch on one device: ``(6 P + 12 L h s)`` a token,
-    shared by the ``tp x pp`` devices of a replica."""
+    shared by the ``tp x pp`` devices of a replica (and its ``cp`` context-parallel ranks: each runs ``s / cp``
+    tokens, their attention over all ``s`` keys)."""
+    model, layout = context_view(model, layout)
     tokens = layout.micro_batch * model.sequence
-    per_token = 6 * model.parameters + 12 * model.layers * model.hidden * model.sequence
+    per_token = 6 * model.parameters + 12 * model.layers * model.hidden * model.keys
     return per_token * tokens / (layout.tp * layout.pp)

@@ -17,6 +17,11 @@ pp_rank) * tp + tp_rank``, tensor parallel innermost. Three placements:
   would, so neighbours in every group land on different servers.
 
 Narayanan et al. 2021, section 3.2, keep tensor parallelism within a server, as the first two do.
+
+With context parallelism (``Layout.cp``) the data-parallel axis holds ``dp x cp`` ranks, replica ``d``'s
+context-parallel rank ``c`` at ``d cp + c`` (:func:`dtrain.sim.model.context_view`): Megatron-Core's order,
+tensor, context, data, pipeline, so that under ``megatron`` a context-parallel group takes the next ``cp x tp``
+devices, one server's NVLink where they fit.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ def grid_rank(layout: Layout, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
 
 
 def group(layout: Layout, axis: str, dp_rank: int, pp_rank: int, tp_rank: int) -> list[int]:
-    """Grid ranks sharing every coordinate but ``axis`` ("dp", "pp" or "tp"), in axis order."""
+    """Grid ranks sharing every coordinate but ``axis`` ("dp", "pp" or "tp"), in axis order ("dp": the ``dp x
+    cp`` ranks that reduce a gradient together)."""
     if axis == "dp":
-        return [grid_rank(layout, d, pp_rank, tp_rank) for d in range(layout.dp)]
+        return [grid_rank(layout, d, pp_rank, tp_rank) for d in range(layout.dp * layout.cp)]
     if axis == "pp":
         return [grid_rank(layout, dp_rank, p, tp_rank) for p in range(layout.pp)]
     if axis == "tp":
@@ -57,9 +63,10 @@ def place(topology: Topology, layout: Layout, how: str = "aware") -> list[str]:
         return [d.name for d in devices[: layout.world_size]]
     if how == "megatron":
         names = [d.name for d in devices]
+        data = layout.dp * layout.cp
         return [
-            names[(p * layout.dp + d) * layout.tp + t]
-            for d in range(layout.dp)
+            names[(p * data + d) * layout.tp + t]
+            for d in range(data)
             for p in range(layout.pp)
             for t in range(layout.tp)
         ]

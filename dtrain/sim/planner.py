@@ -1,5 +1,5 @@
-"""The planner: every ``dp x tp x pp x micro-batch`` layout and rank placement of a model on a cluster,
-those that fit device memory, ranked by simulated step time.
+"""The planner: every ``dp x tp x pp x micro-batch`` layout (and ``cp``, context parallelism, where asked for) and
+rank placement of a model on a cluster, those that fit device memory, ranked by simulated step time.
 
 Layouts follow the rules the strategies impose (:mod:`dtrain.parallel`): the degrees multiply to the number
 of devices used, tensor parallelism divides the attention heads, pipeline parallelism the layers, and every
@@ -78,6 +78,7 @@ def candidate_layouts(
     fp8: bool = False,
     fp8_params: bool = False,
     balances: Sequence[str | None] = (None,),
+    context_parallel: Sequence[int] = (1,),
 ) -> list[Layout]:
     """Every valid layout on ``devices`` devices: tp divides the heads (and is at most ``max_tp``), pp the
     layers (or, counting the input and output embeddings as a layer each, the layers and the two embeddings:
@@ -89,7 +90,14 @@ def candidate_layouts(
     ``fp8``: every layout's linear layers in 8-bit floating point (``Layout.fp8``; a choice of numerics the search
     does not make on its own), ``fp8_params`` their weights kept in 8 bits too. ``balances``: the pipeline cuts to
     try (:attr:`~dtrain.sim.model.Layout.balance`; None, Megatron-LM's even split, the default; ``"layers"`` and
-    ``"flops"``, ``dtrain train``'s cuts, which any layer count allows)."""
+    ``"flops"``, ``dtrain train``'s cuts, which any layer count allows). ``context_parallel``: the
+    context-parallel degrees to try (:attr:`~dtrain.sim.model.Layout.cp`; each above 1 divides the devices a
+    stage's tensor-parallel rank has and cuts a sequence into ``2 cp`` equal pieces, and needs ``attention``
+    "flash")."""
+    if any(cp < 1 for cp in context_parallel) or not context_parallel:
+        raise ValueError(f"context_parallel: degrees of 1 or more, got {list(context_parallel)!r}")
+    if attention != "flash" and any(cp > 1 for cp in context_parallel):
+        raise ValueError("context_parallel above 1 runs flash attention over a ring: it needs attention 'flash'")
     pairs = (
         list(schedules)
         if schedules
@@ -99,9 +107,15 @@ def candidate_layouts(
     for tp in _divisors(devices):
         if model.heads % tp or (max_tp is not None and tp > max_tp):
             continue
-        cuts = [(pp, b) for pp in _divisors(devices // tp) for b in (balances if pp > 1 else [None])]
-        for pp, balance in cuts:
-            dp = devices // (tp * pp)
+        cuts = [
+            (pp, b, cp)
+            for pp in _divisors(devices // tp)
+            for b in (balances if pp > 1 else [None])
+            for cp in sorted(set(context_parallel))
+            if (devices // (tp * pp)) % cp == 0 and model.sequence % (2 * cp) == 0
+        ]
+        for pp, balance, cp in cuts:
+            dp = devices // (tp * pp * cp)
             embedding = 0
             units = model.layers + (2 if model.vocab else 0)  # dtrain's layers: embedding, blocks, head
             if balance is not None:
@@ -115,7 +129,7 @@ def candidate_layouts(
                 if global_batch % (dp * mb):
                     continue
                 for zero in zero_stages:
-                    if zero and dp == 1:
+                    if zero and dp * cp == 1:
                         continue  # nothing to shard over
                     for name, chunks in pairs if pp > 1 else [("1f1b", 1)]:
                         m = global_batch // (dp * mb)
@@ -128,9 +142,10 @@ def candidate_layouts(
                             continue
                         sp = tp > 1 and sequence_parallel is not False
                         layouts.append(
-                            Layout(dp=dp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch, zero_stage=zero,
-                                   schedule=name, chunks=chunks, attention=attention, sequence_parallel=sp,
-                                   embedding_layers=embedding, fp8=fp8, fp8_params=fp8_params, balance=balance)
+                            Layout(dp=dp, cp=cp, tp=tp, pp=pp, micro_batch=mb, global_batch=global_batch,
+                                   zero_stage=zero, schedule=name, chunks=chunks, attention=attention,
+                                   sequence_parallel=sp, embedding_layers=embedding, fp8=fp8, fp8_params=fp8_params,
+                                   balance=balance)
                         )  # fmt: skip
     return layouts
 
@@ -167,6 +182,7 @@ def plan(
     fp8_params: bool = False,
     top: int | None = None,
     balances: Sequence[str | None] = (None,),
+    context_parallel: Sequence[int] = (1,),
 ) -> tuple[list[Plan], int]:
     """Plans that fit, fastest first, and how many layouts were left out for memory (:func:`sweep`'s plans and
     ``too_big``). With ``top`` set, only the ``top`` first plans are sure to be there, in their exhaustive
@@ -175,7 +191,7 @@ def plan(
         model, topology, global_batch=global_batch, devices=devices, placements=placements, config=config,
         micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp, recompute=recompute, progress=progress,
         schedules=schedules, attention=attention, sequence_parallel=sequence_parallel, fp8=fp8,
-        fp8_params=fp8_params, top=top, balances=balances,
+        fp8_params=fp8_params, top=top, balances=balances, context_parallel=context_parallel,
     )  # fmt: skip
     return found.plans, found.too_big
 
@@ -200,12 +216,13 @@ def sweep(
     fp8_params: bool = False,
     top: int | None = None,
     balances: Sequence[str | None] = (None,),
+    context_parallel: Sequence[int] = (1,),
 ) -> Sweep:
     """Every layout that fits, under every placement, simulated and ranked fastest first. Each layout takes the
     first mode of ``recompute`` (activation recomputation, from :data:`~dtrain.sim.model.RECOMPUTE`) under which
     it fits; ``schedules``: the (pipeline schedule, chunks a stage) pairs tried for layouts with a pipeline;
-    ``attention``, ``sequence_parallel``, ``fp8``, ``fp8_params`` and ``balances`` as :func:`candidate_layouts`
-    takes them.
+    ``attention``, ``sequence_parallel``, ``fp8``, ``fp8_params``, ``balances`` and ``context_parallel`` as
+    :func:`candidate_layouts` takes them.
     ``top``: the plans wanted; pairs whose lower bound shows they rank after the ``top``-th are not simulated
     (module docstring; None: every pair is). ``progress(done, total)`` after each pair, simulated or bounded."""
     if top is not None and top < 1:
@@ -217,7 +234,7 @@ def sweep(
     layouts = candidate_layouts(
         model, devices, global_batch, micro_batches=micro_batches, zero_stages=zero_stages, max_tp=max_tp,
         schedules=schedules, attention=attention, sequence_parallel=sequence_parallel, fp8=fp8,
-        fp8_params=fp8_params, balances=balances,
+        fp8_params=fp8_params, balances=balances, context_parallel=context_parallel,
     )  # fmt: skip
     if not layouts:
         raise ValueError(
@@ -238,7 +255,7 @@ def sweep(
     for lay in fitting:
         seen: set[tuple[str, ...]] = set()
         for how in placements:
-            key = (how, lay.dp, lay.pp, lay.tp)
+            key = (how, lay.dp, lay.cp, lay.pp, lay.tp)
             if key not in placed:
                 placed[key] = tuple(place(topology, lay, how))
             devices_used = placed[key]
@@ -272,7 +289,7 @@ def sweep(
             heapq.heappush(queue, (max(bound, exact), name, how, True, i))
             continue
         result = simulate_step(model, lay, topology, devices_used, config, cache=cache)
-        flops = flops_per_microbatch(model, lay) * lay.tp * lay.pp * lay.microbatches * lay.dp
+        flops = flops_per_microbatch(model, lay) * lay.tp * lay.pp * lay.microbatches * lay.dp * lay.cp
         peak = sum(topology.device(d).peak_flops for d in devices_used)
         plans.append(Plan(layout=lay, placement=how, result=result, model_flops_per_step=flops, peak_flops=peak))
         if top is not None:

@@ -58,6 +58,7 @@ from dtrain.sim.model import (
     ModelSpec,
     chunk_flops,
     chunk_shares,
+    context_view,
     flops_per_microbatch,
     head_stage,
     memory_per_device,
@@ -95,6 +96,7 @@ __all__ = [
     "data_parallel_lower_bound",
     "pipeline_message_lower_bound",
     "tensor_parallel_s",
+    "context_parallel_s",
     "tp_overlap_s",
     "UB_NAMES",
     "UB_OVERLAPS",
@@ -295,6 +297,9 @@ class StepResult:
     #: seconds a step's slowest stage waits for FP8 amax reductions (:attr:`StepConfig.amax_reduction`): one after
     #: each model chunk's forward and one after its backward, ``2 m v`` a step; ``bubble`` counts them as idle time
     amax_s: float = 0.0
+    #: seconds of one context-parallel ring pass: a micro-batch's keys and values of one layer round every
+    #: context-parallel group at once (:func:`context_parallel_s`; 0 without context parallelism)
+    cp_s: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -313,17 +318,18 @@ def _stage_times(
     factors: Sequence[float],
     config: StepConfig,
     tp_s: float,
+    cp_s: float = 0.0,
 ) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
     """Per replica and stage, forward, backward and weight-gradient seconds of one micro-batch at the stage's
-    slowest tensor-parallel rank, its tensor-parallel collectives included (:func:`stage_seconds`). The weight
-    gradient is apart only for the schedules that split backward (ZB-H1, ZB-V); otherwise it is 0 and inside
-    backward."""
+    slowest tensor-parallel rank, its tensor- and context-parallel exchanges included (:func:`stage_seconds`). The
+    weight gradient is apart only for the schedules that split backward (ZB-H1, ZB-V); otherwise it is 0 and
+    inside backward."""
     forward, backward, weight = [], [], []
     costs: dict[tuple, tuple[float, float, float]] = {}
     kinds = [(dev.peak_flops, dev.memory_bytes_per_s) for dev in map(topo.device, placement)]
     if len(set(kinds)) == 1 and all(f == 1.0 for f in factors):  # every replica alike: price one, copy it
         alike = {
-            q: stage_seconds(model, layout, q, *kinds[0], config, tp_s)
+            q: stage_seconds(model, layout, q, *kinds[0], config, tp_s, cp_s)
             for q in {_alike(p, layout) for p in range(layout.pp)}
         }
         fw, bw, ww = zip(*(alike[_alike(p, layout)] for p in range(layout.pp)), strict=True)
@@ -340,7 +346,7 @@ def _stage_times(
             for r in ranks:
                 key = (*kinds[r], _alike(p, layout))
                 if key not in costs:
-                    costs[key] = stage_seconds(model, layout, key[2], *kinds[r], config, tp_s)
+                    costs[key] = stage_seconds(model, layout, key[2], *kinds[r], config, tp_s, cp_s)
                 f, b, w = (x * factors[r] for x in costs[key])
                 if worst is None or f + b + w > sum(worst):
                     worst = (f, b, w)
@@ -370,9 +376,17 @@ def stage_seconds(
     memory_bytes_per_s: float,
     config: StepConfig,
     tp_s: float,
+    cp_s: float = 0.0,
 ) -> tuple[float, float, float]:
     """Forward, backward and weight-gradient seconds of one micro-batch on ``stage`` of a device of
-    ``peak_flops`` and ``memory_bytes_per_s``, each with its tensor-parallel collectives of ``tp_s`` a call.
+    ``peak_flops`` and ``memory_bytes_per_s``, each with its tensor-parallel collectives of ``tp_s`` a call and,
+    for a context-parallel rank's view (:func:`dtrain.sim.model.context_view`), its ring passes of ``cp_s`` a
+    layer (:func:`context_parallel_s`): the forward's attention waits at each of the ring's ``cp - 1`` steps for
+    the next shard's keys and values, which come while it works on the shard in hand, so a step shows only what
+    its share of the pass takes beyond its kernel (``cp_s / (cp - 1)`` against a ``cp``-th of the layer's
+    attention); the backward passes keys and values and their gradients, twice the bytes, beside its attention
+    kernels the same way; full recomputation runs the forward's pass again (Transformer Engine's
+    ``AttnFuncWithCPAndKVP2P``, Megatron-Core's ``cp_comm_type`` "p2p").
 
     Collectives a layer: two forward (the all-reduces after attention and MLP, or their all-gather and
     reduce-scatter pairs under sequence parallelism), two backward, two more under full recomputation, one more
@@ -412,7 +426,8 @@ def stage_seconds(
         b, w = 2 * flops / 3 + extra, 0.0
         if split:
             b, w = flops / 3 + extra, flops / 3
-        return flops / 3 + layers * forward_tp, b + layers * backward_tp, w
+        ring_f, ring_b = _ring_exposed(model, layout, cp_s, lambda op: op.flops / (config.efficiency * peak_flops))
+        return flops / 3 + layers * (forward_tp + ring_f), b + layers * (backward_tp + ring_b), w
     forward_s, backward_s, weight_s, wgrads, dgrads, overlapped = _priced(
         model, layout, stage, peak_flops, memory_bytes_per_s, config
     )
@@ -446,10 +461,30 @@ def stage_seconds(
         device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
         layer_tp += device.beside_s(hidden, "nvlink", fp8=layout.fp8)
     recomputed_tp = (forward_tp if userbuffers else recompute_calls * tp_s) if recompute_calls else 0.0
+    device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
+    ring_f, ring_b = _ring_exposed(model, layout, cp_s, lambda op: price(op, device))
+    forward += layers * ring_f
+    backward_s += layers * ring_b
     backward = backward_s + (layer_tp + recomputed_tp) * layers
     if split:
         return forward, backward, weight_s
     return forward, backward + weight_s, 0.0
+
+
+def _ring_exposed(model: ModelSpec, layout: Layout, cp_s: float, seconds) -> tuple[float, float]:
+    """Seconds of a layer's forward and backward a context-parallel rank waits for its ring (:func:`stage_seconds`;
+    the forward's again in backward under full recomputation): each of the ring's ``cp - 1`` steps shows what its
+    share of the pass takes beyond one of the layer's ``cp`` attention kernels (``seconds(op)`` prices one)."""
+    ring = model.context_shards
+    if ring == 1 or cp_s <= 0:
+        return 0.0, 0.0
+    kernels = [op for op in layer_ops(model, layout) if op.kind == "attention"]
+    forward = next(seconds(op) for op in kernels if op.phase == "F")
+    backward = next(seconds(op) for op in kernels if op.phase == "B")
+    step = cp_s / (ring - 1)
+    exposed_f = (ring - 1) * max(0.0, step - forward)
+    exposed_b = (ring - 1) * max(0.0, 2 * step - backward)
+    return exposed_f, exposed_b + (exposed_f if layout.recompute == "full" else 0.0)
 
 
 #: Transformer Engine's userbuffers overlaps under Megatron-Core's ``--tp-comm-overlap``, as ``initialize_ub``
@@ -729,6 +764,7 @@ def _simulate_step(
 ) -> StepResult:
     config = config or StepConfig()
     layout.check(model)
+    model, layout = context_view(model, layout)
     placement = list(placement)
     if len(placement) != layout.world_size:
         raise ValueError(f"placement names {len(placement)} devices for a layout of {layout.world_size} ranks")
@@ -746,6 +782,8 @@ def _simulate_step(
     send_s, gather_s = (pp.time_s if pp else 0.0), (gather.time_s if gather else 0.0)
     pp_s = send_s + gather_s
     dp_s = sum(r.time_s for r in dp)
+    ring = _context_parallel(model, layout, topology, placement, config, cache)
+    cp_s = ring.time_s if ring is not None else 0.0
     embedding_s = _embedding_all_reduce_s(model, layout, topology, placement, config, cache)
     memory = memory_per_device(model, layout, config.kernels, eager=config.eager)
     owned = max(stage_parameters(model, layout, s) for s in _edge_stages(layout)) / layout.tp
@@ -761,7 +799,7 @@ def _simulate_step(
     flops = chunk_flops(model, layout)  # and its order built for their FLOPs, as dtrain train builds it
     amax_s = _amax_s(layout, topology, placement, config)
     for factors in _factors(layout, config):
-        forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s)
+        forward, backward, weight = _stage_times(model, layout, topology, placement, factors, config, tp_s, cp_s)
         forward, backward = _with_amax(forward, v, amax_s), _with_amax(backward, v, amax_s)
         slowest = 0.0
         for f, b, w in zip(forward, backward, weight, strict=True):
@@ -822,7 +860,8 @@ def _simulate_step(
     compute_s = m * max(f + b + w for f, b, w in zip(ideal[0][0], ideal[1][0], ideal[2][0], strict=True))
     most = max(stage_layers(model, layout, s) for s in _edge_stages(layout) | {min(1, layout.pp - 1)})
     tp_count = tp_all_reduces_per_layer(layout) * most * m
-    parts = [(tp, tp_count), (pp, 2 * m), (gather, 2 * m)] + [(r, 1) for r in dp]
+    ring_count = (3 + (layout.recompute == "full")) * most * m  # forward, backward (twice the bytes), recomputed
+    parts = [(tp, tp_count), (pp, 2 * m), (gather, 2 * m), (ring, ring_count)] + [(r, 1) for r in dp]
     return StepResult(
         step_s=step_s,
         step_p95_s=float(np.percentile(steps, 95)),
@@ -841,6 +880,7 @@ def _simulate_step(
         links=_step_links(parts, step_s),
         contention_s=float(np.median(contention)),
         amax_s=2 * m * v * amax_s,
+        cp_s=cp_s,
     )
 
 
@@ -1133,6 +1173,7 @@ def tensor_parallel_s(
     """Seconds of one tensor-parallel all-reduce of a layer's activation, every group at once: the replay
     :func:`simulate_step` makes (and, with the same ``cache``, shares with it); 0 without tensor parallelism."""
     config = config or StepConfig()
+    model, layout = context_view(model, layout)
     if layout.tp == 1:
         return 0.0
     placement = tuple(placement)
@@ -1145,6 +1186,58 @@ def tensor_parallel_s(
 
     shape = group_shape(layout, "tp", placement, Collective.ALL_REDUCE, config.tp_algorithm, activation)
     return _replay(jobs, topology, config.cost, item, cache, config.flow_limit, shape).time_s
+
+
+def context_parallel_s(
+    model: ModelSpec,
+    layout: Layout,
+    topology: Topology,
+    placement: Sequence[str],
+    config: StepConfig | None = None,
+    *,
+    cache: Cache | None = None,
+) -> float:
+    """Seconds of one context-parallel ring pass, every group at once: each rank's keys and values of one layer
+    and one micro-batch (``2 b (s / cp) kv d / t`` values) sent round its ``cp`` ranks in ``cp - 1`` steps, as a
+    ring all-gather moves them (Liu et al. 2023; Transformer Engine's ``AttnFuncWithCPAndKVP2P``); the replay
+    :func:`simulate_step` makes (and, with the same ``cache``, shares with it). 0 without context parallelism."""
+    config = config or StepConfig()
+    layout.check(model)
+    if len(placement) != layout.world_size:
+        raise ValueError(f"placement names {len(placement)} devices for a layout of {layout.world_size} ranks")
+    model, layout = context_view(model, layout)
+    found = _context_parallel(model, layout, topology, tuple(placement), config, cache)
+    return found.time_s if found is not None else 0.0
+
+
+def _context_parallel(
+    model: ModelSpec,
+    layout: Layout,
+    topology: Topology,
+    placement: Sequence[str],
+    config: StepConfig,
+    cache: Cache | None,
+) -> CollectiveResult | None:
+    """The ring pass of :func:`context_parallel_s` replayed, for a context-parallel rank's ``model`` and
+    ``layout`` (:func:`dtrain.sim.model.context_view`): the groups are runs of ``cp`` consecutive data-parallel
+    ranks of the view."""
+    ring = model.context_shards
+    if ring == 1:
+        return None
+    placement = tuple(placement)
+    item = model.bytes_per_value
+    head = model.hidden // model.heads
+    shard = 2 * layout.micro_batch * model.sequence * model.key_value_heads * head / layout.tp * item
+    groups = [
+        [grid_rank(layout, d + c, p, t) for c in range(ring)]
+        for d in range(0, layout.dp, ring) for p in range(layout.pp) for t in range(layout.tp)
+    ]  # fmt: skip
+
+    def jobs() -> list[Job]:
+        return _group_jobs(Collective.ALL_GATHER, "ring", groups, placement, topology, ring * shard, item)
+
+    shape = group_shape(layout, "cp", placement, Collective.ALL_GATHER, "ring", ring, ring * shard)
+    return _replay(jobs, topology, config.cost, item, cache, config.flow_limit, shape)
 
 
 #: Each server's links out of it (from a node of the server to a node of no server or another), by topology identity.
@@ -1175,6 +1268,7 @@ def data_parallel_lower_bound(
     their rates at most (max-min fair shares never exceed a link's rate), so the phase lasts at least the largest
     such total over the server's rate out. At most :func:`simulate_step`'s ``dp_s``."""
     config = config or StepConfig()
+    model, layout = context_view(model, layout)
     if layout.dp == 1:
         return 0.0
     placement = list(placement)
@@ -1204,6 +1298,7 @@ def pipeline_message_lower_bound(
     to other servers leave it through its links out at their rates at most. At most :func:`simulate_step`'s
     ``pp_s``; 0 without a pipeline or with split sends."""
     config = config or StepConfig()
+    model, layout = context_view(model, layout)
     if layout.pp == 1 or (config.split_pipeline and layout.tp > 1):
         return 0.0
     item = model.bytes_per_value
@@ -1243,6 +1338,7 @@ def step_lower_bound(
     at least 0), and a median of smaller samples is smaller."""
     config = config or StepConfig()
     layout.check(model)
+    model, layout = context_view(model, layout)
     placement = list(placement)
     owned = max(stage_parameters(model, layout, s) for s in _edge_stages(layout)) / layout.tp
     owned /= layout.dp if layout.zero_stage else 1

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from dtrain.sim.compute import (
+    ATTENTION_CALL,
     DEVICE_COMPUTE,
     LOG_SOFTMAX_BYTES,
     Curve,
@@ -144,10 +146,18 @@ def test_bench_compute_quick_on_the_cpu_writes_rows_and_curves(tmp_path) -> None
     assert main(["bench", "compute", "--quick", "--repeats", "1", "--warmup", "0", "--out", str(out),
                  "--write-curves", str(curves)]) == 0  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {r["kind"] for r in rows} == {"matmul", "matmul-fp8", "attention", "memory"}
+    assert {r["kind"] for r in rows} == {"matmul", "matmul-fp8", "attention", "attention-full", "memory"}
     assert all(r["seconds"] > 0 and r["efficiency"] > 0 for r in rows)
+    # the unmasked kernel does twice the causal one's work on the same shape
+    for causal in (r for r in rows if r["kind"] == "attention"):
+        full = next(
+            r
+            for r in rows
+            if r["kind"] == "attention-full" and (r["seq"], r["heads"]) == (causal["seq"], causal["heads"])
+        )
+        assert full["flops"] == 2 * causal["flops"] and full["op"] == "sdpa"
     loaded = load_curves(curves)["cpu"]
-    assert set(loaded) == {"matmul", "matmul-fp8", "attention", "memory"}
+    assert set(loaded) == {"matmul", "matmul-fp8", "attention", "attention-full", "memory"}
     # bytes read and written once: the unary ops and the cross-entropy's log-softmax read and write the tensor,
     # the add reads two and writes one
     reads_writes = {r["op"]: r["bytes"] / r["elements"] for r in rows if r["kind"] == "memory" and r["op"] != "adamw"}
@@ -460,3 +470,24 @@ def test_dtrain_tensor_parallelism_sums_each_parts_input_gradient_once_in_16_bit
                       for tp in (0.0, 1e-3))  # fmt: skip
         assert some[1] - none[1] == pytest.approx(layers * calls * 1e-3)
         assert some[0] - none[0] == pytest.approx(layers * 2 * 1e-3 + 1e-3)  # two forward, the embedding's one
+
+
+def test_each_attention_pass_is_priced_at_the_efficiency_of_its_call() -> None:
+    # the curves time a forward with its backward as one call, by the call's FLOPs: the two passes together cost
+    # what the curve gives that call, not each pass at the (lower) efficiency of its own smaller size
+    curve = Curve((1e10, 1e12), (0.2, 0.6))
+    device = replace(DEVICE_COMPUTE["h200-sxm"], attention_curve=curve, kernel_s=0.0)
+    ops = [op for op in layer_ops(GPT, Layout(attention="flash")) if op.kind == "attention"]
+    forward = next(op.flops for op in ops if op.phase == "F")
+    call = 3.5 * forward
+    assert sum(price(op, device) for op in ops) == pytest.approx(call / (device.peak_flops * curve(call)))
+    # a context-parallel rank's kernels on other ranks' keys are unmasked: priced on the unmasked curve
+    full = Curve((1e10, 1e12), (0.3, 0.7))
+    ring = [op for op in layer_ops(GPT, Layout(attention="flash", cp=4)) if op.kind == "attention"]
+    assert [op.causal for op in ring if op.phase == "F"] == [True, False, False, False]
+    unmasked = replace(device, attention_full_curve=full)
+    for op in ring:
+        size = op.flops * ATTENTION_CALL[op.phase]
+        expected = op.flops / (device.peak_flops * (curve if op.causal else full)(size))
+        assert price(op, unmasked) == pytest.approx(expected)
+        assert price(op, device) == pytest.approx(op.flops / (device.peak_flops * curve(size)))  # no unmasked curve

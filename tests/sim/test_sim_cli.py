@@ -459,7 +459,7 @@ def test_contention_is_priced_unless_turned_off(capsys: pytest.CaptureFixture[st
          "--efficiency 1.5: a share of peak"),
         (["plan", "--topology", "h200-4gpu", "--global-batch", "8", "--efficiency", "0"], "--efficiency 0.0"),
         (["simulate", "train", "--topology", "h100-node", "--tp", "2", "--global-batch", "8", "--kernels", "dtrain",
-          "--sequence-parallel"], "--kernels dtrain: dtrain.models runs neither FP8 (--fp8) nor sequence parallelism"),
+          "--sequence-parallel"], "--kernels dtrain: dtrain.models runs neither FP8 (--fp8), sequence parallelism"),
         (["plan", "--topology", "h100-node", "--global-batch", "8", "--kernels", "dtrain", "--fp8"],
          "--kernels dtrain: dtrain.models runs no FP8 (--fp8)"),
     ],
