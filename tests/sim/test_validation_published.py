@@ -150,7 +150,7 @@ def test_h100_rows_load_and_simulate() -> None:
     assert published.config_of(row).distributed_optimizer  # Megatron-Core's reduce-scatter of the gradients
     # the README's --tp-comm-overlap (Transformer Engine's userbuffers) on every H100 row with tensor parallelism
     for other in rows.values():
-        transformer_engine = other["name"].startswith(("mcore24-", "mlperf"))
+        transformer_engine = other["name"].startswith(("mcore24-", "mlperf", "nemo24-"))
         used = transformer_engine and other["tp"] > 1
         assert published.config_of(other).tp_comm_overlap == used, other["name"]
         # the README's overlapped pipeline exchanges (Megatron-Core's overlap_p2p_comm), kept only with interleaving:
@@ -267,3 +267,22 @@ def test_plan_checks_run_in_worker_processes_alike() -> None:
         a.pop("search_s"), b.pop("search_s")
         assert a == b and a["placement"] == "megatron"
         assert {k: v for k, v in recorded[a["name"]].items() if k != "search_s"} == pytest.approx(a)
+
+
+def test_nemo_long_sequence_rows_run_context_parallelism_under_nemos_flop_count() -> None:
+    rows = {name: row for name, row in _rows().items() if name.startswith("nemo24-")}
+    assert len(rows) == 9
+    for row in rows.values():
+        layout = published.layout_of(row)
+        assert layout.world_size == row["sequence"] // 1024  # as many GPUs as thousands of tokens
+        assert (layout.cp > 1) == (row["sequence"] >= 32768) and layout.attention == "flash" and layout.fp8
+    model = published.model_of(rows["nemo24-llama2-7b-4k"])
+    assert model.parameters == pytest.approx(6.74e9, rel=0.005)  # Llama 2 7B
+    # NeMo's llama2 formula (nemo/utils/flops_formulas.py), the attention over the whole square
+    row = rows["nemo24-llama2-7b-1024k"]
+    b, s, layers, h, f, v = row["global_batch"], row["sequence"], 32, 4096, 11008, 32000
+    nemo = b * s * layers * h * h * (12 + 12 + 18 * f / h + 12 * s / h + 6 * v / (layers * h))
+    assert published.iteration_flops(row) == pytest.approx(nemo)
+    assert row["iteration_s"] == pytest.approx(nemo / (1024 * 536e12))
+    result = _result("nemo24-llama2-7b-32k")
+    assert result["cp_ring_s"] > 0 and result["fits"] and result["layout"].startswith("dp8 cp2 tp2 pp1")

@@ -19,6 +19,7 @@ layout ranks and whether the best plan is at least as fast (``--jobs N``: N rows
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -57,11 +58,17 @@ def iteration_flops(row: dict) -> float:
     """FLOPs of one iteration as the row's source counted them (``flops``): ``narayanan21``, with full
     recomputation, Narayanan et al. 2021, equation 3, ``F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))``;
     ``megatron-core``, the model's FLOPs without recomputation, Megatron-LM ``num_floating_point_operations``
-    (``megatron/training/training.py``, commit f2e5db4, 2024-07-15) for a GPT of 4h MLP and as many key/value heads
-    as heads: ``F = 72 B s l h^2 (1 + s / (6 h) + V / (12 l h))``."""
+    (``megatron/training/training.py``, commit f2e5db4, 2024-07-15): ``F = 12 B s l h^2 ((1 + g / a + s / h) +
+    f / h x m + V / (2 l h))``, ``g / a`` the key/value heads over the heads, ``f`` the MLP's width and ``m`` 3/2
+    for a gated MLP (1 otherwise), the attention counted over the whole ``s x s`` square; for a GPT of 4h MLP and
+    as many key/value heads as heads ``F = 72 B s l h^2 (1 + s / (6 h) + V / (12 l h))``."""
     b, s, layers, h, v = row["global_batch"], row["sequence"], row["layers"], row["hidden"], row["vocab"]
     if row.get("flops", "narayanan21") == "megatron-core":
-        return 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+        heads = row["heads"]
+        groups = row.get("kv_heads", 0) or heads
+        ffn = row.get("ffn_hidden", 0) or 4 * h
+        gated = 1.5 if row.get("gated_mlp", False) else 1.0
+        return 12 * b * s * layers * h * h * ((1 + groups / heads + s / h) + ffn / h * gated + v / (2 * layers * h))
     return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
@@ -86,25 +93,29 @@ def load(path: Path = DATA) -> list[dict]:
             raise ValueError(f"{path}: run {row['name']!r}: measure {row['measure']!r} needs its value; accepted: "
                              + ", ".join(f"{m} (with {k})" for m, k in MEASURES.items()))  # fmt: skip
         if row["measure"] == "tflops":
-            gpus = row["dp"] * row["tp"] * row["pp"]
+            gpus = row["dp"] * row.get("cp", 1) * row["tp"] * row["pp"]
             row["iteration_s"] = iteration_flops(row) / (gpus * row["tflops_per_gpu"] * 1e12)
     return rows
 
 
 def model_of(row: dict) -> ModelSpec:
-    """The GPT of a row: ``12 L h^2 (1 + 13 / 12 h) + V h`` parameters (Narayanan et al. 2021, appendix), one
-    more ``V h`` where the output layer has its own matrix (``tied_embeddings = false``)."""
+    """The model of a row. A GPT: ``12 L h^2 (1 + 13 / 12 h) + V h`` parameters (Narayanan et al. 2021, appendix),
+    one more ``V h`` where the output layer has its own matrix (``tied_embeddings = false``); a Llama (``gated_mlp``,
+    its ``ffn_hidden`` and ``kv_heads``): the matrices its shape holds (``ModelSpec.shape_parameters``)."""
     h, layers, vocab = row["hidden"], row["layers"], row["vocab"]
     tied = row.get("tied_embeddings", True)
     params = 12 * layers * h * h * (1 + 13 / (12 * h)) + vocab * h * (1 if tied else 2)
-    return ModelSpec(name=row["name"], parameters=params, layers=layers, hidden=h, heads=row["heads"],
-                     sequence=row["sequence"], vocab=vocab, ffn_hidden=row.get("ffn_hidden", 0),
-                     kv_heads=row.get("kv_heads", 0), gated_mlp=row.get("gated_mlp", False),
-                     tied_embeddings=tied)  # fmt: skip
+    model = ModelSpec(name=row["name"], parameters=params, layers=layers, hidden=h, heads=row["heads"],
+                      sequence=row["sequence"], vocab=vocab, ffn_hidden=row.get("ffn_hidden", 0),
+                      kv_heads=row.get("kv_heads", 0), gated_mlp=row.get("gated_mlp", False),
+                      tied_embeddings=tied)  # fmt: skip
+    if row.get("gated_mlp", False):
+        return dataclasses.replace(model, parameters=model.shape_parameters)
+    return model
 
 
 def layout_of(row: dict) -> Layout:
-    return Layout(dp=row["dp"], tp=row["tp"], pp=row["pp"], micro_batch=row["micro_batch"],
+    return Layout(dp=row["dp"], cp=row.get("cp", 1), tp=row["tp"], pp=row["pp"], micro_batch=row["micro_batch"],
                   global_batch=row["global_batch"], zero_stage=row.get("zero_stage", 0),
                   schedule=row.get("schedule", "1f1b"), chunks=row.get("chunks", 1), recompute=row["recompute"],
                   sequence_parallel=row["sequence_parallel"], attention=row.get("attention", "unfused"),
@@ -130,7 +141,7 @@ def _cluster_name(row: dict) -> str:
 
 
 def cluster_of(row: dict):
-    gpus = row["dp"] * row["tp"] * row["pp"]
+    gpus = row["dp"] * row.get("cp", 1) * row["tp"] * row["pp"]
     servers = math.ceil(gpus / 8)
     if servers > 1 and _cluster_name(row) == "dgx-h100-superpod":
         units = math.ceil(servers / SERVERS_PER_H100_UNIT)
@@ -208,7 +219,7 @@ def simulate(row: dict, config: StepConfig | None = None, placement: str = PLACE
         "published_s": row["iteration_s"], "measure": row["measure"], "predicted_s": result.step_s,
         "error": error, "compute_s": result.compute_s, "tp_s": result.tp_s, "pp_s": result.pp_s,
         "dp_exposed_s": result.dp_exposed_s, "contention_s": result.contention_s, "optimizer_s": result.optimizer_s,
-        "amax_s": result.amax_s,
+        "amax_s": result.amax_s, "cp_ring_s": result.cp_s,
         "bubble_theory": result.bubble_theory,
         "memory_gb": result.memory.total / 1e9, "fits": result.fits,
     }  # fmt: skip
@@ -236,7 +247,8 @@ def summary(rows: list[dict]) -> dict:
 def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT, placement: str = PLACEMENT) -> dict:
     """Where ``dtrain plan``'s search puts the published layout on the row's cluster and batch: every layout of
     the row's GPUs (tp up to 8, the row's micro-batch, no ZeRO and the row's ZeRO stage, 1F1B and interleaved
-    1F1B of 2 chunks and of the row's chunks), ranked by simulated step time, searched twice: with every technique
+    1F1B of 2 chunks and of the row's chunks; context parallelism of 1 up to twice the row's degree, in powers of
+    two, where the row runs it), ranked by simulated step time, searched twice: with every technique
     (recomputation only where memory needs it, sequence parallelism with tp) and with the row's own (its
     recomputation, sequence parallelism as it used it), every layout with the row's attention core and the row's
     FP8 linear layers and weights, every layout's ranks placed by ``placement``. A rank is 1 +
@@ -246,6 +258,7 @@ def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT, placement
     model, layout, topo = model_of(row), layout_of(row), cluster_of(row)
     config = config_of(row, flow_limit)
     schedules = sorted({("1f1b", 1), ("interleaved-1f1b", 2), (layout.schedule, layout.chunks)})
+    degrees = tuple(2**i for i in range(layout.cp.bit_length() + 1)) if layout.cp > 1 else (1,)
     published = simulate_step(model, layout, topo, place(topo, layout, placement), config).step_s
     out = {"name": row["name"], "published_layout": layout.describe(), "published_layout_s": published,
            "flow_limit": flow_limit, "placement": placement}  # fmt: skip
@@ -257,7 +270,7 @@ def plan_check(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT, placement
                         placements=(placement,), micro_batches=(row["micro_batch"],),
                         zero_stages=tuple(sorted({0, layout.zero_stage})), max_tp=8,
                         config=config, schedules=schedules, attention=layout.attention, fp8=layout.fp8,
-                        fp8_params=layout.fp8_params, **techniques)  # fmt: skip
+                        fp8_params=layout.fp8_params, context_parallel=degrees, **techniques)  # fmt: skip
         best = plans[0] if plans else None
         out |= {
             f"best{suffix}": best.layout.describe() if best else None,
@@ -349,7 +362,8 @@ def tables(results_path: str, plan_path: str | None = None) -> str:
     for label, prefix, where in (("Korthikanti et al. 2022 alone", "korthikanti22-", "validation"),
                                  ("Narayanan et al. 2021, table 1", "narayanan21-", "validation"),
                                  ("MLPerf Training v3.0-v4.1, H100", "mlperf", "validation"),
-                                 ("Megatron-Core r0.8.0, H100", "mcore24-", "held-out")):  # fmt: skip
+                                 ("Megatron-Core r0.8.0, H100", "mcore24-", "held-out"),
+                                 ("NeMo 24.03 long sequences, H100", "nemo24-", "held-out")):  # fmt: skip
         part = [r for r in results if r["name"].startswith(prefix) and r["set"] == where]
         if part:
             p = summary(part)
