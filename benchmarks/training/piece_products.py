@@ -24,14 +24,11 @@ measured / priced.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import platform
 import statistics
-import tempfile
 import time
-from pathlib import Path
+
+import gpu_rows
 
 HIDDEN, FFN, TP = 12288, 49152, 4
 TOKENS = (512, 1024, 2048, 4096)
@@ -161,24 +158,7 @@ def report(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="JSON lines, one a row (written atomically)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls a row (default 20)")
-    args = parser.parse_args()
-    if args.repeats < 1:
-        raise SystemExit(f"piece_products.py: --repeats must be at least 1, got {args.repeats}")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit("piece_products.py: needs a CUDA GPU")
-    rows = run(args.repeats)
-    print(report(rows))
-    if args.out:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(f.name, path)
+    gpu_rows.main("piece_products.py", __doc__, run, report, repeats=20, counted="a row")
 
 
 if __name__ == "__main__":

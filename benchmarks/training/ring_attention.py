@@ -20,14 +20,11 @@ simulator's price of the pass (its curve's price, the sustained-clock factor asi
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import platform
 import statistics
-import tempfile
 import time
-from pathlib import Path
+
+import gpu_rows
 
 HEAD_DIM = 128
 #: (name, attention heads a rank): Llama 3 8B's 32 heads on one rank, Llama 3 70B's 64 on tp 8
@@ -129,24 +126,7 @@ def report(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="JSON lines, one a row (written atomically)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls a kernel (default 10)")
-    args = parser.parse_args()
-    if args.repeats < 1:
-        raise SystemExit(f"ring_attention.py: --repeats must be at least 1, got {args.repeats}")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit("ring_attention.py: needs a CUDA GPU")
-    rows = run(args.repeats)
-    print(report(rows))
-    if args.out:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(f.name, path)
+    gpu_rows.main("ring_attention.py", __doc__, run, report, repeats=10, counted="a kernel")
 
 
 if __name__ == "__main__":
