@@ -473,18 +473,19 @@ def stage_seconds(
 
 def _ring_exposed(model: ModelSpec, layout: Layout, cp_s: float, seconds) -> tuple[float, float]:
     """Seconds of a layer's forward and backward a context-parallel rank waits for its ring (:func:`stage_seconds`;
-    the forward's again in backward under full recomputation): each of the ring's ``cp - 1`` steps shows what its
-    share of the pass takes beyond one of the layer's ``cp`` attention kernels (``seconds(op)`` prices one)."""
+    the forward's again in backward under full recomputation): the ring's step ``i`` (``cp_s / (cp - 1)``, twice
+    that in backward) runs beside the pass's kernel ``i`` on the shard in hand, the rank's own first, and shows what
+    it takes beyond it, for ``i`` from 0 to ``cp - 2`` (``seconds(op)`` prices a kernel)."""
     ring = model.context_shards
     if ring == 1 or cp_s <= 0:
         return 0.0, 0.0
-    kernels = [op for op in layer_ops(model, layout) if op.kind == "attention"]
-    forward = next(seconds(op) for op in kernels if op.phase == "F")
-    backward = next(seconds(op) for op in kernels if op.phase == "B")
     step = cp_s / (ring - 1)
-    exposed_f = (ring - 1) * max(0.0, step - forward)
-    exposed_b = (ring - 1) * max(0.0, 2 * step - backward)
-    return exposed_f, exposed_b + (exposed_f if layout.recompute == "full" else 0.0)
+    kernels = [op for op in layer_ops(model, layout) if op.kind == "attention"]
+    exposed = {
+        phase: sum(max(0.0, bytes_ * step - seconds(op)) for op in [k for k in kernels if k.phase == phase][:-1])
+        for phase, bytes_ in (("F", 1), ("B", 2))
+    }
+    return exposed["F"], exposed["B"] + (exposed["F"] if layout.recompute == "full" else 0.0)
 
 
 #: Transformer Engine's userbuffers overlaps under Megatron-Core's ``--tp-comm-overlap``, as ``initialize_ub``
