@@ -5,7 +5,7 @@ whose exceptions Python only prints (a weakref callback of ``importlib``'s modul
 interrupt is printed as "Exception ignored" with its traceback and lost: the launch then goes on, and its workers'
 fork server, which the same Ctrl-C ended, is started again. :func:`note_interrupts` keeps a record of every SIGINT
 beside raising, and takes such a dropped interrupt from Python's hook for what callbacks raise
-(``sys.unraisablehook``) before it is printed, so the command still ends in one line; and
+(``sys.unraisablehook``) before it is printed, so the command ends in one line; and
 :func:`raise_noted_interrupt`, called where the launch is about to start its workers, raises the one that was
 dropped.
 """
