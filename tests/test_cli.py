@@ -161,6 +161,44 @@ def test_a_ctrl_c_that_python_drops_in_a_callback_still_stops_the_launch(mode):
         assert done.returncode == 0 and done.stderr.count("Exception ignored") == 2, done.stderr
 
 
+SECOND_CTRL_C = """
+import os, signal, sys
+from dtrain.cli import main as cli_main
+def interrupted(args):
+    raise KeyboardInterrupt
+cli_main._run = interrupted
+sys.argv = ["dtrain", "check"]
+status = cli_main.main()
+os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C as the command ends
+sys.exit(status)
+"""
+
+
+def test_a_second_ctrl_c_as_the_interrupted_command_ends_changes_nothing():
+    done = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "dtrain: interrupted (signal 2); the ranks were stopped\n"
+
+
+def test_the_command_line_is_built_and_bad_flags_refused_without_importing_torch():
+    """Flag checks and ``--help`` stay fast: torch (seconds to import) waits for a command that runs."""
+    code = (
+        "import sys\nfrom dtrain.cli.main import main\nstatus = main(['train', '--nproc', '0'])\n"
+        "sys.exit(status if 'torch' not in sys.modules else 99)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == "dtrain: error: --nproc: must be a positive int, got 0\n"
+
+
+def test_bench_overlaps_default_is_every_collective_it_times():
+    from dtrain.bench.overlap import COLLECTIVES
+    from dtrain.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "overlap"])
+    assert tuple(args.collectives.split(",")) == COLLECTIVES
+
+
 def test_a_ctrl_c_wrapped_by_a_class_definition_still_exits_130_in_one_line(monkeypatch, capsys):
     """Python 3.11 turns a ``KeyboardInterrupt`` raised inside a class body's ``__set_name__`` (a dataclass field,
     as a module loads) into a ``RuntimeError`` raised from it; the command still ends as interrupted. Any other

