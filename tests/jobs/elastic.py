@@ -21,8 +21,12 @@ def bad_input_on_rank1(log: str) -> float:
     return t.sum().item()
 
 
-def error_on_rank1() -> float:
-    """Rank 1 fails with an unexpected error at once; rank 0 waits for it in an all-reduce."""
+def error_on_rank1(stderr: str) -> float:
+    """Rank 1 fails with an unexpected error at once; rank 0 waits for it in an all-reduce. Each rank's stderr
+    goes to ``STDERR.RANK``."""
+    import sys
+
+    sys.stderr = open(f"{stderr}.{dist.get_rank()}", "w", buffering=1)  # noqa: SIM115 (the rank's, to its end)
     if dist.get_rank() == 1:
         raise RuntimeError("the step's graph could not be recorded\nsecond line")
     t = torch.ones(2)

@@ -15,25 +15,19 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dtrain.cli.main import build_parser, main
+from dtrain.testing.command import run_command
 from dtrain.train import loop
 from dtrain.train.checkpoint import checkpoint_dir
 from dtrain.train.config import from_arguments
 
-REPO = Path(__file__).resolve().parents[2]
 # the checkpointed run's shape: float32, sequences of 32 tokens, the tiny Llama on the default dataset
 RUN = ["--seq-len", "32", "--batch-size", "8", "--precision", "float32", "--no-tensorboard", "--no-export"]
 LAST = 4  # the run's last checkpoint, the one --resume and export read
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
 
 
 @pytest.fixture
@@ -85,18 +79,18 @@ def test_resume_from_a_checkpoint_with_a_missing_truncated_or_unreadable_file_fa
     assert said.startswith(f"dtrain: error: --resume: {named}"), said
 
 
-def test_a_checkpoint_file_damaged_in_place_stops_the_ranks_in_one_line_without_a_restart(run_copy):
+def test_a_checkpoint_file_damaged_in_place_stops_the_ranks_in_one_line_without_a_restart(run_copy, capsys):
     directory = checkpoint_dir(run_copy, LAST)
     shard = directory / "__0_0.distcp"
     shard.write_bytes(bytes(shard.stat().st_size))  # zeros: every size still as .metadata lists it
-    command = [sys.executable, "-m", "dtrain", "train", "--out", str(run_copy), "--nproc", "2", "--dp", "2", *RUN]
-    command += ["--steps", "6", "--resume", "--max-restarts", "2"]
-    done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2, done.stdout + done.stderr
-    lines = done.stderr.splitlines()
+    argv = ["train", "--out", str(run_copy), "--nproc", "2", "--dp", "2", *RUN, "--steps", "6", "--resume"]
+    status, stdout = run_command([*argv, "--max-restarts", "2"])
+    stderr = capsys.readouterr().err
+    assert status == 2, stdout + stderr
+    lines = stderr.splitlines()
     said = f"dtrain: error: {directory}: a file of the checkpoint cannot be read"
-    assert len(lines) == 1 and lines[0].startswith(said), done.stderr
-    assert "restart" not in done.stdout + done.stderr  # bad input: the agent did not start the ranks again
+    assert len(lines) == 1 and lines[0].startswith(said), stderr
+    assert "restart" not in stdout + stderr  # bad input: the agent did not start the ranks again
 
 
 @pytest.mark.parametrize("how", ["truncated", "deleted", "index", "in place"])
