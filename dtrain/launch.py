@@ -174,13 +174,20 @@ def _recorded_bad_input(store) -> str | None:
         return None
 
 
+def _token(value: object) -> str:
+    """Rank 0's heartbeat namespace: twelve hexadecimal digits."""
+    if not (isinstance(value, str) and len(value) == 12 and all(c in "0123456789abcdef" for c in value)):
+        raise ValueError(f"a heartbeat token of twelve hexadecimal digits, not {value!r}"[:200])
+    return value
+
+
 def _start_heartbeat():
     """This rank's heartbeat in a namespace of its own for this attempt (rank 0 draws it)."""
     from dtrain.comm.peer.watchdog import Heartbeat
+    from dtrain.comm.values import broadcast_json
 
-    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    store = dist.PrefixStore(f"dtrain/heartbeat/{token[0]}/", _root_store())
+    token = broadcast_json(uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None, _token, src=0)
+    store = dist.PrefixStore(f"dtrain/heartbeat/{token}/", _root_store())
     return Heartbeat(store, dist.get_rank(), dist.get_world_size()).start()
 
 

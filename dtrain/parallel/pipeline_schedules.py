@@ -694,6 +694,53 @@ class Timeline:
     def busy_s(self) -> float:
         return sum(e.end_s - e.start_s for e in self.events if e.kind in ("F", "B", "W"))
 
+    def to_json(self) -> dict:
+        """The whole timeline as a JSON value (:meth:`from_json` reads it back): how it crosses between ranks."""
+        return {
+            "stage": self.stage,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "virtual_stages": self.virtual_stages,
+            "start_s": self.start_s,
+            "end_s": self.end_s,
+            "peak_activations": self.peak_activations,
+            "clock": self.clock,
+            "events": [[e.kind, e.microbatch, e.start_s, e.end_s, e.chunk] for e in self.events],
+        }
+
+    @classmethod
+    def from_json(cls, value: object) -> Timeline:
+        """The timeline :meth:`to_json` gave, every field checked; ``ValueError`` naming the first that is not
+        what a timeline holds."""
+        if not isinstance(value, dict) or set(value) != _TIMELINE_FIELDS:
+            raise ValueError(f"a timeline, not one with the fields {sorted(_TIMELINE_FIELDS)}")
+        for key in ("stage", "num_stages", "num_microbatches", "virtual_stages", "peak_activations"):
+            if not _is_int(value[key]) or value[key] < 0:
+                raise ValueError(f"a timeline whose {key} is not a count: {value[key]!r}")
+        for key in ("start_s", "end_s"):
+            if not _is_number(value[key]):
+                raise ValueError(f"a timeline whose {key} is not a number: {value[key]!r}")
+        if value["clock"] not in ("host", "device", "none"):
+            raise ValueError(f"a timeline of an unknown clock: {value['clock']!r}")
+        if not isinstance(value["events"], list):
+            raise ValueError("a timeline whose events are not a list")
+        events = []
+        for event in value["events"]:
+            if not (
+                isinstance(event, list)
+                and len(event) == 5
+                and isinstance(event[0], str)
+                and _is_int(event[1])
+                and _is_number(event[2])
+                and _is_number(event[3])
+                and _is_int(event[4])
+            ):
+                raise ValueError(f"a timeline event that is not [kind, microbatch, start_s, end_s, chunk]: {event!r}")
+            events.append(TimelineEvent(event[0], event[1], float(event[2]), float(event[3]), event[4]))
+        fields = {k: value[k] for k in _TIMELINE_FIELDS if k != "events"}
+        fields["start_s"], fields["end_s"] = float(fields["start_s"]), float(fields["end_s"])
+        return cls(**fields, events=events)
+
     def as_records(self) -> list[dict]:
         """Events as dicts with times relative to the step's start (for JSON lines and plots)."""
         return [
@@ -707,6 +754,20 @@ class Timeline:
             }
             for e in self.events
         ]
+
+
+_TIMELINE_FIELDS = frozenset(
+    {"stage", "num_stages", "num_microbatches", "virtual_stages", "start_s", "end_s", "peak_activations", "clock"}
+    | {"events"}
+)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def timelines_clock(timelines: Sequence[Timeline]) -> str:

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.comm.values import all_gather_json
+
 __all__ = [
     "SOURCES",
     "Piece",
@@ -123,6 +125,13 @@ def _layer_of(name: str) -> int:
     return int(name.split(".", 1)[0])
 
 
+def _names(value: object) -> list[str]:
+    """A rank's list of parameter names, as :func:`canonical_names` gathers them."""
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise ValueError(f"a list of parameter names, not {value!r}"[:200])
+    return value
+
+
 def canonical_names(hybrid) -> dict[str, str]:
     """This rank's parameter and buffer names -> their canonical names (a tied weight's second name -> its first).
 
@@ -140,8 +149,7 @@ def canonical_names(hybrid) -> dict[str, str]:
                 names[n] = known[0]
     for param, group, _ in hybrid._tied:  # copies whose first name lives on another stage
         mine = [n for n in by_id.get(id(param), []) if n in export]
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
+        gathered = all_gather_json(mine, _names, group=group)
         first = sorted((n for got in gathered for n in got), key=_layer_of)
         if not first:
             raise ValueError("canonical_names: a tied parameter has no stage holding its first name")

@@ -38,6 +38,7 @@ from rich.progress import Progress as RichProgress
 
 from dtrain import comm
 from dtrain.comm.ir import algorithms as comm_registry
+from dtrain.comm.values import all_gather_json
 from dtrain.data.loader import PackedBatches, TokenDataset
 from dtrain.data.tokenizer import Tokenizer
 from dtrain.launch import (
@@ -54,7 +55,13 @@ from dtrain.models.flops import pass_flops_per_token
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
 from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize, validate_tensor_parallel
-from dtrain.parallel.pipeline_schedules import bubble_fraction, chunks_per_stage, theoretical_bubble, timelines_clock
+from dtrain.parallel.pipeline_schedules import (
+    Timeline,
+    bubble_fraction,
+    chunks_per_stage,
+    theoretical_bubble,
+    timelines_clock,
+)
 from dtrain.parallel.recompute import checkpoint_activations, chosen_blocks, from_text
 from dtrain.train.checkpoint import (
     Checkpointer,
@@ -585,8 +592,7 @@ def _write_pipeline_trace(trainer: _Trainer, record: dict[str, Any]) -> None:
     events, :attr:`~dtrain.parallel.pipeline_parallel.PipelineParallel.device_clock`), "host" on the CPU, "none"
     where the step was replayed as one CUDA graph, which has no action times (``bubble_measured`` None)."""
     grid, par = trainer.grid, trainer.config.parallel
-    timelines: list[Any] = [None] * par.pp
-    dist.all_gather_object(timelines, trainer.pipeline.timeline, group=grid.pp_group)
+    timelines = all_gather_json(trainer.pipeline.timeline.to_json(), Timeline.from_json, group=grid.pp_group)
     clock = timelines_clock(timelines)
     record["bubble_clock"] = clock
     record["bubble_measured"] = bubble_fraction(timelines) if clock != "none" else None
