@@ -425,6 +425,55 @@ def per_action(results: list[dict], by_name: dict) -> list[str]:
     return out
 
 
+def _blocks(lines: list[str]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` line ranges of the markdown tables in ``lines``."""
+    found, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("|"):
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            found.append((i, j))
+            i = j
+        else:
+            i += 1
+    return found
+
+
+def _key(header: str) -> str:
+    """A table's name: its first two header cells."""
+    return "|".join(cell.strip() for cell in header.split("|")[1:3])
+
+
+def sync_doc(printed: str, doc: str | os.PathLike, *, check: bool = False) -> list[str]:
+    """Put :func:`tables`' output into ``doc``: each table in place of the doc's table of the same first two
+    header cells, the planner's summary line in place of the doc's line that begins as it does. What differed (or,
+    with ``check``, differs and is left alone), by table name; a table or line the doc lacks raises
+    ``ValueError``."""
+    new, path = printed.splitlines(), Path(doc)
+    lines = path.read_text().splitlines()
+    have = {_key(lines[i]): (i, j) for i, j in _blocks(lines)}
+    changes: list[tuple[int, int, list[str], str]] = []
+    for i, j in _blocks(new):
+        name = _key(new[i])
+        if name not in have:
+            raise ValueError(f"{doc}: no table headed {new[i]}")
+        start, end = have[name]
+        changes.append((start, end, new[i:j], name))
+    for line in new:
+        if line.startswith("Searched "):
+            where = [n for n, old in enumerate(lines) if old.startswith("Searched ")]
+            if len(where) != 1:
+                raise ValueError(f"{doc}: needs one line beginning 'Searched ' for the planner's summary")
+            changes.append((where[0], where[0] + 1, [line], "the planner's summary"))
+    stale = [name for start, end, block, name in changes if lines[start:end] != block]
+    if not check:
+        for start, end, block, _ in sorted(changes, reverse=True):
+            lines[start:end] = block
+        path.write_text("\n".join(lines) + "\n")
+    return stale
+
+
 def _write(path: str, lines: list[dict]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
@@ -440,6 +489,10 @@ def main() -> None:
     parser.add_argument("--plan-limit", type=int, default=300, help="seconds a row's search may take (default 300)")
     parser.add_argument("--tables", action="store_true",
                         help="print the markdown tables of --out (and --plan-out) without simulating")  # fmt: skip
+    parser.add_argument("--doc", default=None,
+                        help="with --tables: write them into this page over its own tables")  # fmt: skip
+    parser.add_argument("--check", action="store_true",
+                        help="with --doc: change nothing; exit 1 naming each stale table")  # fmt: skip
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: every row)")
     parser.add_argument("--placement", default=PLACEMENT, choices=PLACEMENTS,
                         help=f"the rank order of every row (default {PLACEMENT}, the runs' own)")  # fmt: skip
@@ -456,7 +509,14 @@ def main() -> None:
     if args.tables:
         if not args.out:
             raise SystemExit("validate.py published: --tables reads the file --out names; give --out")
-        print(tables(args.out, args.plan_out))
+        printed = tables(args.out, args.plan_out)
+        if not args.doc:
+            print(printed)
+            return
+        stale = sync_doc(printed, args.doc, check=args.check)
+        if args.check and stale:
+            raise SystemExit(f"validate.py published: {args.doc} differs from the data in: {'; '.join(stale)}")
+        print(f"validate.py published: {args.doc}: {len(stale)} table(s) {'stale' if args.check else 'rewritten'}")
         return
     rows = load()
     if args.rows:
