@@ -757,9 +757,9 @@ class Timeline:
 
 
 _TIMELINE_FIELDS = frozenset(
-    {"stage", "num_stages", "num_microbatches", "virtual_stages", "start_s", "end_s", "peak_activations", "clock"}
-    | {"events"}
-)
+    ("stage", "num_stages", "num_microbatches", "virtual_stages", "start_s", "end_s", "peak_activations", "clock",
+     "events")
+)  # fmt: skip
 
 
 def _is_int(x: object) -> bool:
