@@ -181,14 +181,23 @@ def test_a_second_ctrl_c_as_the_interrupted_command_ends_changes_nothing():
     assert done.stderr == "dtrain: interrupted (signal 2); the ranks were stopped\n"
 
 
-def test_the_command_line_is_built_and_bad_flags_refused_without_importing_torch():
-    """Flag checks and ``--help`` stay fast: torch (seconds to import) waits for a command that runs."""
+@pytest.mark.parametrize("bad", ["nproc", "out"])
+def test_the_command_line_is_built_and_bad_flags_refused_without_importing_torch(tmp_path, bad):
+    """Flag checks stay fast: torch (seconds to import) waits for a command that runs. An --out under a file cannot
+    be written, and is refused without anything made."""
+    (tmp_path / "file").write_text("")
+    flags = ["--nproc", "0"] if bad == "nproc" else ["--out", str(tmp_path / "file" / "run")]
     code = (
-        "import sys\nfrom dtrain.cli.main import main\nstatus = main(['train', '--nproc', '0'])\n"
+        f"import sys\nfrom dtrain.cli.main import main\nstatus = main(['train', *{flags!r}])\n"
         "sys.exit(status if 'torch' not in sys.modules else 99)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and done.stderr == "dtrain: error: --nproc: must be a positive int, got 0\n"
+    said = {
+        "nproc": "--nproc: must be a positive int, got 0",
+        "out": f"--out {tmp_path}/file/run: cannot create or write the output directory (Not a directory)",
+    }[bad]
+    assert done.returncode == 2 and done.stderr == f"dtrain: error: {said}\n", done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_bench_overlaps_default_is_every_collective_it_times():

@@ -202,10 +202,12 @@ def _may_write(out: str) -> bool:
 
 def _train(args: argparse.Namespace) -> int:
     from dtrain.env import under_torchrun
-    from dtrain.train.config import from_arguments, run_world
+    from dtrain.train.config import check_out, from_arguments, run_world
 
     config = from_arguments(args)  # bad flags end here, before torch is imported
     run_world(args.nproc)
+    if not under_torchrun() and not config.checkpoint.resume:
+        check_out(config.logging.out, create=False)  # the run's check, before torch (nothing made on bad input)
     # the workers' fork server imports torch on another core while this process does; not where --out cannot be
     # written, where the run's checks end it before any worker starts (and the server's import would be waited for)
     if not under_torchrun() and _may_write(config.logging.out):

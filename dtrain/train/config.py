@@ -28,12 +28,14 @@ import json
 import math
 import os
 import tomllib
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "check_out",
     "SECTIONS",
     "CheckpointSection",
     "ConfigError",
@@ -855,6 +857,24 @@ def markdown_reference() -> str:
             out.append(f"| `{f.name}` | {flags} | `{_toml_value(f.default)}` | {meaning}. |")
         out.append("")
     return "\n".join(out)
+
+
+def check_out(out: str, *, create: bool = True) -> None:
+    """Create ``out`` (and its parents) and check a file can be written there; ValueError naming --out if not.
+    Without ``create`` nothing is made: a file is written and removed in ``out`` or, where it does not exist yet,
+    in the nearest directory above it that does."""
+    path = Path(out)
+    if not create:
+        path = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    probe = path / f".dtrain-write-check-{uuid.uuid4().hex[:8]}"
+    try:
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(f"--out {out}: cannot create or write the output directory ({reason})") from None
 
 
 def run_world(nproc: int) -> int:

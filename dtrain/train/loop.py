@@ -25,7 +25,6 @@ import json
 import os
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +72,7 @@ from dtrain.train.checkpoint import (
     saved_data_fingerprint,
     training_state,
 )
-from dtrain.train.config import ConfigError, TrainConfig, run_world
+from dtrain.train.config import ConfigError, TrainConfig, check_out, run_world
 from dtrain.train.metrics import MetricsWriter, mfu, peak_memory_bytes, plan_score, reset_peak_memory
 from dtrain.train.optim import adamw, lr_schedule, set_lr
 from dtrain.train.precision import DynamicLossScaler, autocast_dtype
@@ -253,19 +252,6 @@ def _check_resume(config: TrainConfig, world_size: int, shape: ModelConfig, data
     return step
 
 
-def _check_out(out: str) -> None:
-    """Create ``out`` (and its parents) and check a file can be written there; ValueError naming --out if not."""
-    path = Path(out)
-    probe = path / f".dtrain-write-check-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ValueError(f"--out {out}: cannot create or write the output directory ({reason})") from None
-
-
 def resize(config: TrainConfig, world_size: int) -> TrainConfig:
     """With ``[elastic] resize`` (``--elastic``): the config at ``world_size`` ranks, tp and pp kept and
     ``dp = world / (tp * pp)``; the config itself otherwise. ValueError naming --elastic if the world does not
@@ -318,7 +304,7 @@ def check_run(config: TrainConfig, nproc: int) -> RunPlan:
         steps=config.training.steps,
     )
     if not plan.done:
-        _check_out(config.logging.out)
+        check_out(config.logging.out)
     return plan
 
 
