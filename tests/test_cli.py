@@ -200,12 +200,17 @@ def test_the_command_line_is_built_and_bad_flags_refused_without_importing_torch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-def test_bench_overlaps_default_is_every_collective_it_times():
+def test_bench_overlaps_default_is_every_collective_it_times_and_the_attention_backends_those_it_runs():
     from dtrain.bench.overlap import COLLECTIVES
     from dtrain.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "overlap"])
     assert tuple(args.collectives.split(",")) == COLLECTIVES
+    from dtrain.bench.compute import ATTENTION_BACKENDS
+
+    compute = build_parser()._subparsers._group_actions[0].choices["bench"]._subparsers._group_actions[0]
+    choices = next(a.choices for a in compute.choices["compute"]._actions if a.dest == "attention_backend")
+    assert tuple(choices) == tuple(ATTENTION_BACKENDS)
 
 
 def test_a_ctrl_c_wrapped_by_a_class_definition_still_exits_130_in_one_line(monkeypatch, capsys):

@@ -11,10 +11,12 @@ host's launches (the simulator prices a kernel's launch apart, ``DeviceCompute.k
 - the same products in 8-bit floating point where the device has it (compute capability 8.9 and up, and the
   CPU): ``torch._scaled_mm`` of E4M3 operands with per-tensor scales into bf16, the product Transformer Engine
   runs for a linear layer's FP8 GEMMs (kind ``matmul-fp8``);
-- scaled-dot-product attention (causal; flash where torch has it) over sequence lengths and heads, forward and
-  backward as one call, its FLOPs ``4 b s^2 h`` forward halved for the mask, backward 2.5 times that; and the
-  same without a mask (kind ``attention-full``, ``4 b s^2 h`` forward), as a context-parallel ring runs its
-  kernels on other ranks' keys;
+- scaled-dot-product attention (causal) over sequence lengths and heads, forward and backward as one call, its
+  FLOPs ``4 b s^2 h`` forward halved for the mask, backward 2.5 times that; and the same without a mask (kind
+  ``attention-full``, ``4 b s^2 h`` forward), as a context-parallel ring runs its kernels on other ranks' keys.
+  Each row names the kernel family that ran (``backend``: torch's own choice, ``torch._fused_sdp_choice``, or the
+  one ``attention_backend`` forces: ``flash`` is FlashAttention-2 as torch carries it, ``cudnn`` cuDNN's fused
+  attention, ``efficient`` the memory-efficient kernel, ``math`` the unfused one);
 - memory-bound operations over flat tensors: layer norm, RMS norm, GELU, SiLU, add, cross-entropy, a fused
   AdamW step; bytes are what each reads and writes once.
 
@@ -27,6 +29,8 @@ the simulator's file.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
@@ -36,7 +40,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["device_key", "grid", "has_fp8", "run", "curves_from_rows", "write_curves"]
+__all__ = ["ATTENTION_BACKENDS", "device_key", "grid", "has_fp8", "run", "curves_from_rows", "write_curves"]
 
 HIDDEN = (4096, 8192, 12288, 16384)
 TOKENS = (2048, 4096, 8192)
@@ -113,6 +117,21 @@ def _timer(torch, device, timing: str = "device") -> Callable[[Callable[[], obje
 #: The kinds of operation timed, each a curve of the simulator's file.
 KINDS = ("matmul", "matmul-fp8", "attention", "attention-full", "memory")
 
+#: Attention kernel families ``run`` can force, by torch's ``SDPBackend`` member; ``default`` lets torch choose.
+ATTENTION_BACKENDS = {"default": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                      "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}  # fmt: skip
+
+
+def _attention_backend(torch, backend: str, q, causal: bool) -> str:
+    """The name (a key of :data:`ATTENTION_BACKENDS`) of the kernel family scaled-dot-product attention runs on
+    ``q`` as its keys and values: ``backend`` where one is forced, else the one torch picks."""
+    if backend != "default":
+        return backend
+    from torch.nn.attention import SDPBackend
+
+    chosen = SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=causal)).name
+    return next((k for k, v in ATTENTION_BACKENDS.items() if v == chosen), chosen.lower())
+
 
 def run(
     *,
@@ -122,15 +141,19 @@ def run(
     warmup: int = 2,
     kinds: tuple[str, ...] = KINDS,
     timing: str = "device",
+    attention_backend: str = "default",
 ) -> list[dict]:
     """Time every operation of ``kinds`` (:data:`KINDS`) on ``device_name`` (default: cuda if there is one, else
-    cpu), a GPU's calls as ``timing`` says (:data:`TIMINGS`); one dict a row. FP8 products' efficiency is against
-    the device's FP8 peak (on the CPU, its best FP8 product)."""
+    cpu), a GPU's calls as ``timing`` says (:data:`TIMINGS`), attention on ``attention_backend``
+    (:data:`ATTENTION_BACKENDS`); one dict a row. FP8 products' efficiency is against the device's FP8 peak (on the
+    CPU, its best FP8 product)."""
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"--kinds: {', '.join(unknown) or 'none given'}; choose from {', '.join(KINDS)}")
     if timing not in TIMINGS:
         raise ValueError(f"--timing {timing}: choose from {', '.join(TIMINGS)}")
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {attention_backend}: choose from {', '.join(ATTENTION_BACKENDS)}")
     import torch
     import torch.nn.functional as F
 
@@ -162,6 +185,11 @@ def run(
             rows.append({"kind": "matmul-fp8", "op": what, "m": m, "n": n, "k": k, "flops": 2.0 * m * n * k,
                          "seconds": timed(product, warmup, repeats)})  # fmt: skip
     masks = [(kind, kind == "attention") for kind in ("attention", "attention-full") if kind in kinds]
+    forced = contextlib.nullcontext
+    if ATTENTION_BACKENDS[attention_backend] is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        forced = functools.partial(sdpa_kernel, getattr(SDPBackend, ATTENTION_BACKENDS[attention_backend]))
     for (kind, causal), seq in ((m, s) for m in masks for s in ((32, 64) if quick else (1024, 2048, 4096, 8192))):
         for heads in (1,) if quick else (8, 16, 32):
             d = 16 if quick else 128
@@ -171,13 +199,21 @@ def run(
             def attention(q=q, kk=kk, v=v, grad_out=grad_out, causal=causal):
                 # the gradients returned, not accumulated into .grad: the kernels of attention's forward and
                 # backward alone
-                out = F.scaled_dot_product_attention(q, kk, v, is_causal=causal)
-                torch.autograd.grad(out, (q, kk, v), grad_out)
+                with forced():
+                    out = F.scaled_dot_product_attention(q, kk, v, is_causal=causal)
+                    torch.autograd.grad(out, (q, kk, v), grad_out)
 
+            try:
+                seconds = timed(attention, warmup, repeats)
+            except RuntimeError as e:
+                why = str(e).splitlines()[0]
+                raise ValueError(f"--attention-backend {attention_backend}: torch cannot run it here for "
+                                 f"{seq} tokens of {heads} heads of {d} ({why})") from None  # fmt: skip
             # forward (halved under the mask), and backward at 2.5 times it
             flops = 4.0 * seq * seq * heads * d * (0.5 if causal else 1.0) * 3.5
             rows.append({"kind": kind, "op": "sdpa-causal" if causal else "sdpa", "seq": seq, "heads": heads,
-                         "head_dim": d, "flops": flops, "seconds": timed(attention, warmup, repeats)})  # fmt: skip
+                         "head_dim": d, "backend": _attention_backend(torch, attention_backend, q, causal),
+                         "flops": flops, "seconds": seconds})  # fmt: skip
     sizes = (1 << 12, 1 << 14) if quick else (1 << 22, 1 << 24, 1 << 26, 1 << 28)
     for elements in sizes if "memory" in kinds else ():
         width = 64 if quick else 8192
@@ -240,23 +276,45 @@ def _memory_ops(F, x, y, weight, target, elements: int) -> dict[str, tuple[Calla
     }
 
 
-def curves_from_rows(rows: list[dict]) -> dict[str, list[list[float]]]:
+#: The simulator's attention kernel family (:data:`dtrain.sim.compute.ATTENTION_KERNELS`) of each torch backend
+#: that has one.
+FAMILY_OF_BACKEND = {"cudnn": "cudnn", "flash": "fa2"}
+
+
+def curves_from_rows(rows: list[dict]) -> dict[str, list[list[float]] | str]:
     """Efficiency by size for each kind: the median efficiency of each power-of-two size bin, at the bin's
     median size (``matmul``, ``matmul-fp8``, ``attention`` and ``attention-full`` by FLOPs, ``memory`` by bytes); a
-    kind with no rows has no curve."""
-    curves = {}
-    sizes = (("matmul", "flops"), ("matmul-fp8", "flops"), ("attention", "flops"), ("attention-full", "flops"),
-             ("memory", "bytes"))  # fmt: skip
+    kind with no rows has no curve. Attention rows that name their backend go by kernel family
+    (:data:`FAMILY_OF_BACKEND`; the memory-efficient and math kernels have none and make no curve): the device's own
+    family, cuDNN's where it was timed, else the one family timed, makes ``attention`` and ``attention-full`` and is
+    named under ``attention_kernel``; another makes ``attention-FAMILY`` and ``attention-full-FAMILY``. The CPU's
+    kernels are no GPU family: its rows make its own curves whatever their backend."""
+    rows = [{k: v for k, v in r.items() if k != "backend"} if r.get("device") == "cpu" else r for r in rows]
+    families = {FAMILY_OF_BACKEND.get(r["backend"]) for r in rows if "backend" in r} - {None}
+    own = "cudnn" if "cudnn" in families else min(families, default=None)
+
+    def kind_of(r: dict) -> str | None:
+        if "backend" not in r:
+            return r["kind"]
+        family = FAMILY_OF_BACKEND.get(r["backend"])
+        return None if family is None else r["kind"] if family == own else f"{r['kind']}-{family}"
+
+    curves: dict[str, list[list[float]] | str] = {}
+    sizes = [("matmul", "flops"), ("matmul-fp8", "flops"), ("memory", "bytes")]
+    sizes += [(f"{kind}{f'-{family}' if family != own else ''}", "flops") for kind in ("attention", "attention-full")
+              for family in sorted(families | {own})]  # fmt: skip
     for kind, size in sizes:
         bins: dict[int, list[tuple[float, float]]] = {}
         for r in rows:
-            if r["kind"] == kind and r["efficiency"] > 0:
+            if kind_of(r) == kind and r["efficiency"] > 0:
                 bins.setdefault(int(math.log2(r[size])), []).append((r[size], r["efficiency"]))
         if bins:
             curves[kind] = [
                 [statistics.median(s for s, _ in b), min(1.5, statistics.median(e for _, e in b))]
                 for _, b in sorted(bins.items())
             ]
+    if own is not None and any(kind.startswith("attention") for kind in curves):
+        curves["attention_kernel"] = own
     return curves
 
 

@@ -23,6 +23,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--timing", default="device", choices=("device", "launch"),
                    help="a GPU call's time: the device's pace, issued behind a sleep kernel (default), or with the "
                         "host's launch counted, events around a call the GPU waits for")  # fmt: skip
+    p.add_argument("--attention-backend", default="default",
+                   choices=("default", "flash", "cudnn", "efficient", "math"),
+                   help="attention's kernels: torch's choice (default), or forced: flash (FlashAttention-2), cudnn, "
+                        "efficient, math; each row names the one that ran")  # fmt: skip
     p.add_argument("--out", default=None, help="JSON lines, one row per operation and shape")
     p.add_argument("--write-curves", default=None, metavar="PATH",
                    help="merge this device's efficiency curves into PATH (the simulator's: "
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} {path}: its directory does not exist")
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     rows = compute.run(device_name=args.device, quick=args.quick, repeats=args.repeats, warmup=args.warmup,
-                       kinds=kinds, timing=args.timing)  # fmt: skip
+                       kinds=kinds, timing=args.timing, attention_backend=args.attention_backend)  # fmt: skip
     if not rows:
         raise ValueError(f"--kinds {args.kinds}: this device runs none of them (FP8 needs compute capability 8.9)")
     for kind in compute.KINDS:

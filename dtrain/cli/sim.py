@@ -33,6 +33,7 @@ def _ints(text: str) -> list[int]:
 
 RECOMPUTE = ("none", "selective", "full")  # dtrain.sim.model.RECOMPUTE, without importing the simulator here
 PLACEMENTS = ("aware", "megatron", "oblivious")  # dtrain.sim.placement.PLACEMENTS, likewise
+ATTENTION_KERNELS = ("cudnn", "fa2")  # dtrain.sim.compute.ATTENTION_KERNELS, likewise
 
 
 def _whole(least: int):
@@ -326,6 +327,13 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         "casts, unfused RoPE and SwiGLU, 32-bit loss; the default of dtrain plan --config for a run not compiled)",
     )
     p.add_argument(
+        "--attention-kernel",
+        default=None,
+        choices=ATTENTION_KERNELS,
+        help="the fused attention kernel's family: cudnn (cuDNN's, Transformer Engine's choice on Hopper from v1.4, "
+        "torch's own there) or fa2 (FlashAttention-2); default: the family the device's curves measured",
+    )
+    p.add_argument(
         "--grad-accumulation-fusion",
         action="store_true",
         help="each weight-gradient product adds into the 32-bit gradient itself, no pass of its own (Megatron-LM's "
@@ -521,7 +529,8 @@ def _step_config(args: argparse.Namespace, **extra):
                       overlap_p2p_comm=args.overlap_p2p_comm,
                       grad_accumulation_fusion=args.grad_accumulation_fusion, contention=not args.no_contention,
                       ub_sm_margin=tuple(margins), kernels=args.kernels or "fused",
-                      amax_reduction=args.amax_reduction, **extra)  # fmt: skip
+                      amax_reduction=args.amax_reduction, attention_kernel=args.attention_kernel,
+                      **extra)  # fmt: skip
 
 
 def _simulate_train(args: argparse.Namespace) -> int:

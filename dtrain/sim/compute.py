@@ -120,6 +120,16 @@ beside them). H100 SXM takes H200 SXM's measurement where it has none of its own
 multiprocessors, a 700 W cap, NVLink 4; NVIDIA H100 and H200 datasheets). A device without a measurement
 prices overlapped communication as free.
 
+Attention kernels differ by more than a model's error budget: on one H200 under torch 2.11 (cuDNN 9.19),
+FlashAttention-2 as torch carries it takes 1.7-2.0 times as long as cuDNN's fused attention at the same shapes
+(``benchmarks/results/bench_compute_attention_{default,flash,cudnn}-h200x1.jsonl``; torch's own choice there is
+cuDNN's). A device's attention curves name the kernel that measured them (``attention_kernel``: ``"cudnn"`` for
+the measured H100 and H200 curves, ``"fa2"`` for the built-in FlashAttention-2 constants); an attention kernel of
+another family (:data:`ATTENTION_KERNELS`, chosen by ``DeviceCompute.kernel``, ``StepConfig.attention_kernel``)
+is priced at the device's own price plus the difference between that family's and the device's own family's
+device-paced time on a chip that measured both (:data:`ATTENTION_FROM`: the H100 takes the H200's, the same
+chip), so a launch-timed curve keeps its launches and gains only the slower kernel's extra device time.
+
 A training step runs its products back to back for seconds, and a power-capped GPU lowers its clock under them.
 Where ``benchmarks/training/sustained_products.py`` measured it (the file's ``"sustained"`` entry, by curve), a
 device's matrix products are priced at the sustained rate: their compute time times the measured ratio of a
@@ -149,6 +159,8 @@ from dtrain.sim.model import EAGER, EagerForm, Layout, ModelSpec, context_view, 
 
 __all__ = [
     "ATTENTION_CALL",
+    "ATTENTION_FROM",
+    "ATTENTION_KERNELS",
     "CURVES_PATH",
     "DEVICE_COMPUTE",
     "Beside",
@@ -172,6 +184,11 @@ __all__ = [
 
 #: Where ``dtrain bench compute --write-curves`` results live for the simulator to load.
 CURVES_PATH = Path(__file__).with_name("compute_curves.json")
+
+#: Families of fused attention kernels the curves can name: cuDNN's fused attention (Transformer Engine's
+#: ``FusedAttention`` on Hopper, torch's ``CUDNN_ATTENTION``) and FlashAttention-2 (the ``flash-attn`` package 2.x,
+#: torch's ``FLASH_ATTENTION``).
+ATTENTION_KERNELS = ("cudnn", "fa2")
 
 
 @dataclass(frozen=True)
@@ -243,7 +260,19 @@ class DeviceCompute:
     #: the products' compute time under a sustained load over the curves' price, 16-bit and FP8 (module docstring)
     sustained: float = 1.0
     fp8_sustained: float = 1.0
+    #: the attention kernel family (:data:`ATTENTION_KERNELS`) the attention curves (or constant) measured
+    attention_kernel: str = "fa2"
+    #: the family priced; None: ``attention_kernel``'s own
+    kernel: str | None = None
+    #: other families' device-paced curves beside the same chip's own family's, measured in one run: (family,
+    #: its causal curve, its unmasked curve, the own family's causal curve, its unmasked curve)
+    attention_alternates: tuple[tuple[str, Curve, Curve | None, Curve, Curve | None], ...] = ()
     source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in (self.attention_kernel, self.kernel):
+            if name is not None and name not in ATTENTION_KERNELS:
+                raise ValueError(f"attention kernel {name!r} is not one of {', '.join(ATTENTION_KERNELS)}")
 
     def beside_s(self, seconds: float, path: str, *, fp8: bool = False) -> float:
         """Compute seconds lost to a collective that takes ``seconds`` alone and runs beside this device's products
@@ -278,7 +307,19 @@ class DeviceCompute:
         mask, on the unmasked curve where the device has one."""
         curve = self.attention_curve if causal else (self.attention_full_curve or self.attention_curve)
         eff = curve(call_flops or flops) if curve is not None else self.attention_efficiency
-        return flops / (self.peak_flops * eff) + self.kernel_s
+        seconds = flops / (self.peak_flops * eff) + self.kernel_s
+        if self.kernel is None or self.kernel == self.attention_kernel:
+            return seconds
+        for family, other, other_full, own, own_full in self.attention_alternates:
+            if family == self.kernel:
+                theirs, ours = (other, own) if causal else (other_full or other, own_full or own)
+                size = call_flops or flops
+                # the other family's extra device time on the chip that measured both
+                return seconds + flops / self.peak_flops * (1.0 / theirs(size) - 1.0 / ours(size))
+        raise ValueError(
+            f"device {self.key!r}: no measurement of attention kernel {self.kernel!r} beside its "
+            f"{self.attention_kernel!r} curves (dtrain bench compute --attention-backend)"
+        )
 
     def memory_s(self, nbytes: float, *, fixed: bool = True) -> float:
         """Seconds to move ``nbytes`` through memory (read plus written)."""
@@ -338,9 +379,14 @@ def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Cu
         for key, entry in data["devices"].items():
             out[key] = {
                 kind: Curve(tuple(float(s) for s, _ in entry[kind]), tuple(float(e) for _, e in entry[kind]))
-                for kind in ("matmul", "matmul-fp8", "attention", "attention-full", "memory")
+                for kind in CURVE_KINDS
                 if entry.get(kind)
             }
+            kernel = entry.get("attention_kernel")
+            if kernel is not None:
+                if kernel not in ATTENTION_KERNELS:
+                    raise ValueError(f"attention_kernel {kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+                out[key]["attention_kernel"] = kernel
             for kind, factor in (entry.get("sustained") or {}).items():
                 if kind not in ("matmul", "matmul-fp8") or not float(factor) > 0:
                     raise ValueError(f"sustained[{kind}]: a positive factor for matmul or matmul-fp8, got {factor}")
@@ -356,18 +402,43 @@ def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Cu
         raise ValueError(f"{path}: not a compute-curve file ({err}); expected {{'devices': {{KEY: {{...}}}}}}") from err
 
 
+#: The curves a curve file may hold for a device: the device's own attention family's (``attention``,
+#: ``attention-full``) and another family's beside them (``attention-fa2``, ``attention-full-fa2``, ...).
+CURVE_KINDS = ("matmul", "matmul-fp8", "attention", "attention-full", "memory",
+               *(f"attention{full}-{k}" for k in ATTENTION_KERNELS for full in ("", "-full")))  # fmt: skip
+
 _LOADED: dict[str, dict[str, dict[str, Curve | Beside]]] = {}
 
 #: A device that takes another's :class:`Beside` measurement where it has none (module docstring).
 BESIDE_FROM = {"h100-sxm": "h200-sxm"}
 
+#: A device that takes another's attention-kernel differences (module docstring): the same chip.
+ATTENTION_FROM = {"h100-sxm": "h200-sxm"}
+
+
+def _alternates(measured: dict) -> tuple[tuple[str, Curve, Curve | None, Curve, Curve | None], ...]:
+    """The other attention families a device's curves hold beside its own family's."""
+    own, own_full = measured.get("attention"), measured.get("attention-full")
+    if own is None:
+        return ()
+    return tuple(
+        (k, measured[f"attention-{k}"], measured.get(f"attention-full-{k}"), own, own_full)
+        for k in ATTENTION_KERNELS
+        if f"attention-{k}" in measured and k != measured.get("attention_kernel")
+    )
+
 
 def device_compute(
-    peak_flops: float, memory_bytes_per_s: float, *, curves: dict[str, dict[str, Curve | Beside]] | None = None
+    peak_flops: float,
+    memory_bytes_per_s: float,
+    *,
+    curves: dict[str, dict[str, Curve | Beside]] | None = None,
+    attention_kernel: str | None = None,
 ) -> DeviceCompute:
     """The compute model of a topology device: the catalogue device of the same peak and memory rate (with its
     measured curves from :func:`load_curves` where there are some), else an unnamed device with A100's
-    efficiencies at the given peak and rate."""
+    efficiencies at the given peak and rate; its attention priced as ``attention_kernel``'s family (None: the
+    family its curves measured)."""
     if curves is None:
         key = str(CURVES_PATH)
         if key not in _LOADED:
@@ -380,8 +451,13 @@ def device_compute(
             measured = curves.get(spec.key, {})
             beside = measured.get("beside") or curves.get(BESIDE_FROM.get(spec.key, ""), {}).get("beside")
             sustained = measured.get("sustained", {})
+            alternates = _alternates(measured) or _alternates(curves.get(ATTENTION_FROM.get(spec.key, ""), {}))
+            own = measured.get("attention_kernel", spec.attention_kernel) if "attention" in measured else None
             return replace(
                 spec,
+                attention_kernel=own or spec.attention_kernel,
+                kernel=attention_kernel,
+                attention_alternates=alternates if own else (),
                 sustained=sustained.get("matmul", 1.0),
                 fp8_sustained=sustained.get("matmul-fp8", 1.0),
                 matmul_curve=measured.get("matmul"),
@@ -392,7 +468,8 @@ def device_compute(
                 beside=beside,
             )
     base = DEVICE_COMPUTE["a100-sxm"]
-    return replace(base, key="generic", peak_flops=peak_flops, memory_bytes_per_s=memory_bytes_per_s)
+    return replace(base, key="generic", peak_flops=peak_flops, memory_bytes_per_s=memory_bytes_per_s,
+                   kernel=attention_kernel)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from dtrain.sim.classes import DEFAULT_FLOW_LIMIT
 from dtrain.sim.collective import CollectiveResult, Job, SoftwareCost, _rank_rounds_cached
 from dtrain.sim.compute import (
     ADAM_BYTES_PER_PARAMETER,
+    ATTENTION_KERNELS,
     KERNELS,
     DeviceCompute,
     device_compute,
@@ -197,7 +198,9 @@ class StepConfig:
     bytes (:func:`dtrain.sim.nccl.small_all_reduce_s`); ``"none"``, the default: not priced, as where the
     reduction runs over the tensor-parallel ranks alone and asynchronously (``NVTE_DP_AMAX_REDUCE_INTERVAL=0``,
     ``NVTE_ASYNC_AMAX_REDUCTION=1``) or the layers are not FP8. The amax bookkeeping's own small kernels are
-    not priced either way.
+    not priced either way. ``attention_kernel``: the fused attention kernel's family
+    (:data:`dtrain.sim.compute.ATTENTION_KERNELS`: ``"cudnn"``, ``"fa2"``), priced beside the family the device's
+    curves measured (:class:`dtrain.sim.compute.DeviceCompute`); None, the default: that family.
 
     Megatron-Core r0.8.0 (``megatron/core/distributed/distributed_data_parallel.py``): buckets of
     ``max(40,000,000, 1,000,000 x dp)`` parameters, bucketing off on every pipeline stage but the first ("data-
@@ -239,6 +242,7 @@ class StepConfig:
     contention: bool = True
     ub_sm_margin: tuple[tuple[str, int], ...] = ()
     amax_reduction: str = "none"
+    attention_kernel: str | None = None
 
     def __post_init__(self) -> None:
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
@@ -254,6 +258,10 @@ class StepConfig:
             raise ValueError(f"gradient_bytes must be 2, 4 or None (the model's), got {self.gradient_bytes!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels {self.kernels!r} is not one of {', '.join(KERNELS)}")
+        if self.attention_kernel is not None and self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)} or None"
+            )
         if self.amax_reduction not in AMAX_REDUCTIONS:
             raise ValueError(f"amax_reduction {self.amax_reduction!r} is not one of {', '.join(AMAX_REDUCTIONS)}")
         bad = [name for name, sms in self.ub_sm_margin if name not in UB_NAMES or sms < 0]
@@ -268,6 +276,13 @@ class StepConfig:
             raise ValueError(
                 f"straggler_sigma must be >= 0 and samples >= 1, got {self.straggler_sigma}, {self.samples}"
             )
+
+
+def _compute(peak_flops: float, memory_bytes_per_s: float, config: StepConfig) -> DeviceCompute:
+    """The compute model of a device of that peak and memory rate under ``config``'s curves and attention kernel."""
+    return device_compute(
+        peak_flops, memory_bytes_per_s, curves=config.curves, attention_kernel=config.attention_kernel
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -420,7 +435,7 @@ def stage_seconds(
         forward_tp, backward_tp = 2 * tp_s, (2 + recompute_calls) * tp_s
         if userbuffers:
             overlapped = _flat_overlapped(model, layout, config.efficiency * peak_flops)
-            sms = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves).sms
+            sms = _compute(peak_flops, memory_bytes_per_s, config).sms
             forward_tp, row_tp = _userbuffers_s(overlapped, tp_s, config, sms)
             backward_tp = row_tp + tp_s + (forward_tp if recompute_calls else 0.0)
         b, w = 2 * flops / 3 + extra, 0.0
@@ -434,7 +449,7 @@ def stage_seconds(
     embedding_calls = 1 if stage == 0 and model.vocab and layout.tp > 1 else 0
     forward_tp, row_tp = 2 * tp_s, tp_s
     if userbuffers:
-        sms = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves).sms
+        sms = _compute(peak_flops, memory_bytes_per_s, config).sms
         forward_tp, row_tp = _userbuffers_s(overlapped, tp_s, config, sms)
     forward = forward_s + layers * forward_tp + embedding_calls * tp_s
     overlap = (config.overlap_tp_backward or userbuffers) and not split and tp_s > 0
@@ -458,10 +473,10 @@ def stage_seconds(
         layer_tp = calls * exposed
         hidden = calls * (tp_s - exposed)
     if config.contention and not userbuffers and hidden > 0:
-        device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
+        device = _compute(peak_flops, memory_bytes_per_s, config)
         layer_tp += device.beside_s(hidden, "nvlink", fp8=layout.fp8)
     recomputed_tp = (forward_tp if userbuffers else recompute_calls * tp_s) if recompute_calls else 0.0
-    device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
+    device = _compute(peak_flops, memory_bytes_per_s, config)
     ring_f, ring_b = _ring_exposed(model, layout, cp_s, lambda op: price(op, device))
     forward += layers * ring_f
     backward_s += layers * ring_b
@@ -603,11 +618,11 @@ def _priced(
     parallelism its seconds whole, one piece's alone (the product on ``1 / chunks`` of its rows, rounded up), one
     piece's share of :data:`UB_STREAMS` pieces at once (priced as one product of their rows), and its pieces."""
     key = (model, layout, stage, peak_flops, memory_bytes_per_s, id(config.curves), config.kernels,
-           config.grad_accumulation_fusion, config.eager)  # fmt: skip
+           config.grad_accumulation_fusion, config.eager, config.attention_kernel)  # fmt: skip
     found = _PRICED.get(key)
     if found is not None and found[0] is config.curves:
         return found[1]
-    device = device_compute(peak_flops, memory_bytes_per_s, curves=config.curves)
+    device = _compute(peak_flops, memory_bytes_per_s, config)
     # dtrain train's default (grad_accumulation_fusion "auto") adds a pipeline's weight gradients inside the
     # products from the second micro-batch on, with ZeRO 0 or 1
     fused = config.grad_accumulation_fusion or (
@@ -641,7 +656,7 @@ def _optimizer_s(owned: float, device, config: StepConfig) -> float:
     else at its bandwidth efficiency (:func:`dtrain.sim.compute.optimizer_seconds`)."""
     if config.efficiency is not None:
         return owned * config.optimizer_bytes / device.memory_bytes_per_s
-    compute = device_compute(device.peak_flops, device.memory_bytes_per_s, curves=config.curves)
+    compute = _compute(device.peak_flops, device.memory_bytes_per_s, config)
     return optimizer_seconds(owned, compute, config.optimizer_bytes)
 
 
@@ -731,7 +746,7 @@ def _check_fp8(topology: Topology, placement: Sequence[str], config: StepConfig)
         device = topology.device(name)
         kinds.setdefault((device.peak_flops, device.memory_bytes_per_s), name)
     for (peak, rate), name in kinds.items():
-        if not device_compute(peak, rate, curves=config.curves).fp8_peak_flops:
+        if not _compute(peak, rate, config).fp8_peak_flops:
             raise ValueError(f"fp8: device {name} has no FP8 products (FP8 needs Hopper or later)")
 
 
@@ -931,7 +946,7 @@ def _beside(
     if not config.contention or config.efficiency is not None:
         return path, None
     device = topology.device(placement[0])
-    return path, device_compute(device.peak_flops, device.memory_bytes_per_s, curves=config.curves)
+    return path, _compute(device.peak_flops, device.memory_bytes_per_s, config)
 
 
 #: The ZeRO stages whose gradient reduction ``StepConfig.overlap_grad_reduce`` runs under backward (and whose

@@ -157,7 +157,7 @@ def test_bench_compute_quick_on_the_cpu_writes_rows_and_curves(tmp_path) -> None
         )
         assert full["flops"] == 2 * causal["flops"] and full["op"] == "sdpa"
     loaded = load_curves(curves)["cpu"]
-    assert set(loaded) == {"matmul", "matmul-fp8", "attention", "attention-full", "memory"}
+    assert set(loaded) == {"matmul", "matmul-fp8", "attention", "attention-full", "memory"}  # no GPU family
     # bytes read and written once: the unary ops and the cross-entropy's log-softmax read and write the tensor,
     # the add reads two and writes one
     reads_writes = {r["op"]: r["bytes"] / r["elements"] for r in rows if r["kind"] == "memory" and r["op"] != "adamw"}
@@ -491,3 +491,59 @@ def test_each_attention_pass_is_priced_at_the_efficiency_of_its_call() -> None:
         expected = op.flops / (device.peak_flops * (curve if op.causal else full)(size))
         assert price(op, unmasked) == pytest.approx(expected)
         assert price(op, device) == pytest.approx(op.flops / (device.peak_flops * curve(size)))  # no unmasked curve
+
+
+def test_attention_rows_make_curves_by_kernel_family_and_the_other_family_is_priced_beside_the_own() -> None:
+    from dtrain.bench.compute import curves_from_rows
+
+    def rows(backend: str, efficiency: float, kind: str = "attention") -> list[dict]:
+        return [{"kind": kind, "backend": backend, "device": "h200-sxm", "flops": f, "efficiency": efficiency}
+                for f in (1e10, 1e11, 1e12)]  # fmt: skip
+
+    full = rows("cudnn", 0.6, "attention-full") + rows("flash", 0.3, "attention-full")
+    curves = curves_from_rows(rows("cudnn", 0.5) + rows("flash", 0.25) + rows("efficient", 0.1) + full)
+    assert curves["attention_kernel"] == "cudnn"
+    assert {k for k in curves if k != "attention_kernel"} == {"attention", "attention-full", "attention-fa2",
+                                                               "attention-full-fa2"}  # fmt: skip
+    assert [e for _, e in curves["attention"]] == [0.5] * 3 and [e for _, e in curves["attention-fa2"]] == [0.25] * 3
+    # one family timed alone is the device's own; the CPU's kernels are nobody's family
+    assert curves_from_rows(rows("flash", 0.25))["attention_kernel"] == "fa2"
+    assert "attention_kernel" not in curves_from_rows([{**r, "device": "cpu"} for r in rows("flash", 0.25)])
+
+    flat = Curve((1e9, 1e13), (0.5, 0.5))
+    half, slow_full = Curve((1e9, 1e13), (0.25, 0.25)), Curve((1e9, 1e13), (0.2, 0.2))
+    h200 = replace(DEVICE_COMPUTE["h200-sxm"], attention_curve=flat, attention_full_curve=flat,
+                   attention_kernel="cudnn", attention_alternates=(("fa2", half, slow_full, flat, flat),))  # fmt: skip
+    flops, peak, k = 1e11, h200.peak_flops, h200.kernel_s
+    assert h200.attention_s(flops) == pytest.approx(flops / (peak * 0.5) + k)
+    fa2 = replace(h200, kernel="fa2")
+    assert fa2.attention_s(flops) == pytest.approx(flops / (peak * 0.25) + k)  # its own curve where the chip is its
+    assert fa2.attention_s(flops, causal=False) == pytest.approx(flops / (peak * 0.2) + k)
+    # a launch-timed device of the same chip keeps its own price and gains the other family's extra device time
+    launch = Curve((1e9, 1e13), (0.1, 0.1))
+    h100 = replace(fa2, key="h100-sxm", attention_curve=launch)
+    assert h100.attention_s(flops) == pytest.approx(flops / (peak * 0.1) + k + flops / peak * (1 / 0.25 - 1 / 0.5))
+    with pytest.raises(ValueError, match="no measurement of attention kernel 'cudnn'"):
+        replace(DEVICE_COMPUTE["a100-sxm"], kernel="cudnn").attention_s(flops)
+    with pytest.raises(ValueError, match="attention kernel 'fa3'"):
+        replace(h200, kernel="fa3")
+
+
+def test_the_shipped_curves_price_flashattention_2_at_its_measured_h200_rate_and_the_h100_beside_its_own() -> None:
+    from dtrain.sim.compute import ATTENTION_KERNELS, device_compute
+    from dtrain.sim.step import StepConfig
+
+    curves = load_curves()
+    h200, h100 = curves["h200-sxm"], curves["h100-sxm"]
+    assert h200["attention_kernel"] == h100["attention_kernel"] == "cudnn"
+    flops = 9e10  # one 175B layer's attention on tp 4, 2,048 tokens
+    own, fa2 = (device_compute(989.4e12, 4800e9, attention_kernel=k) for k in (None, "fa2"))
+    assert fa2.attention_s(flops) == pytest.approx(flops / (989.4e12 * h200["attention-fa2"](flops)) + fa2.kernel_s)
+    assert 1.6 < fa2.attention_s(flops) / own.attention_s(flops) < 2.1  # FlashAttention-2 at about half cuDNN's rate
+    h100_own, h100_fa2 = (device_compute(989.4e12, 3350e9, attention_kernel=k) for k in (None, "fa2"))
+    extra = flops / 989.4e12 * (1 / h200["attention-fa2"](flops) - 1 / h200["attention"](flops))
+    assert h100_fa2.attention_s(flops) - h100_own.attention_s(flops) == pytest.approx(extra)
+    assert device_compute(989.4e12, 3350e9, attention_kernel="cudnn").attention_s(flops) == h100_own.attention_s(flops)
+    assert ATTENTION_KERNELS == ("cudnn", "fa2")
+    with pytest.raises(ValueError, match="attention_kernel 'flash'"):
+        StepConfig(attention_kernel="flash")

@@ -493,3 +493,20 @@ def test_every_simulate_command_takes_preset_settings(capsys: pytest.CaptureFixt
     capsys.readouterr()
     assert main([*base, "--set", "bogus=2"]) == 2
     assert "unknown parameter 'bogus'" in "".join(capsys.readouterr())
+
+
+def test_simulate_train_prices_flashattention_2_dearer_than_cudnns_attention_on_h100(capsys) -> None:
+    from dtrain.cli import sim as sim_cli
+    from dtrain.sim.compute import ATTENTION_KERNELS
+
+    assert sim_cli.ATTENTION_KERNELS == ATTENTION_KERNELS
+    # context parallelism runs flash attention (the ring's kernels)
+    argv = ["simulate", "train", "--topology", "h100-node", "--model", "llama-7b", "--tp", "4", "--cp", "2",
+            "--global-batch", "4", "--seq", "8192"]  # fmt: skip
+    own, cudnn, fa2 = (run_json(capsys, *argv, *extra) for extra in ((), ("--attention-kernel", "cudnn"),
+                                                                     ("--attention-kernel", "fa2")))  # fmt: skip
+    assert own["step_s"] == cudnn["step_s"] < fa2["step_s"]
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--attention-kernel", "fa3"])
+    assert refused.value.code == 2
+    assert "--attention-kernel" in capsys.readouterr().err

@@ -189,7 +189,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
     and which userbuffers overlaps run their product on fewer multiprocessors (``ub_sm_margin``, the run's
     ``tp_overlap`` file; ``StepConfig.ub_sm_margin``), and whether Transformer Engine's FP8 amax reduction waits
     on the compute stream after each chunk's forward and backward (``amax_reduction``,
-    ``StepConfig.amax_reduction``).
+    ``StepConfig.amax_reduction``), and which family of fused attention kernel ran (``attention_kernel``,
+    ``StepConfig.attention_kernel``; None: the one the device's curves measured).
     ``flow_limit``: replay collectives of more messages than that in lock-step rounds
     (:func:`dtrain.sim.classes.replay_jobs`)."""
     return StepConfig(split_pipeline=True, overlap_tp_backward=row.get("async_tp_allreduce", True),
@@ -205,7 +206,8 @@ def config_of(row: dict, flow_limit: int | None = DEFAULT_FLOW_LIMIT) -> StepCon
                       kernels=row.get("kernels", "fused"),
                       grad_accumulation_fusion=row.get("grad_accumulation_fusion", False),
                       ub_sm_margin=tuple(sorted(row.get("ub_sm_margin", {}).items())),
-                      amax_reduction=row.get("amax_reduction", "none"))  # fmt: skip
+                      amax_reduction=row.get("amax_reduction", "none"),
+                      attention_kernel=row.get("attention_kernel"))  # fmt: skip
 
 
 def simulate(row: dict, config: StepConfig | None = None, placement: str = PLACEMENT) -> dict:
