@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import re
@@ -67,7 +66,6 @@ def test_bench_rejects_a_bad_size():
         main(["bench", "comm", "--max-bytes", "lots"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("dtrain.comm.api") is None, reason="dtrain.comm.api not written yet")
 def _without_rank_variables(monkeypatch) -> None:
     """The command below starts its own ranks (real processes, spawned with this environment)."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -198,6 +196,20 @@ def test_the_command_line_is_built_and_bad_flags_refused_without_importing_torch
     }[bad]
     assert done.returncode == 2 and done.stderr == f"dtrain: error: {said}\n", done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_bus_bandwidth_factors_are_nccl_tests_definitions():
+    """nccl-tests' doc/PERFORMANCE.md: busbw = algbw x 2(n-1)/n for all-reduce, (n-1)/n for all-gather,
+    reduce-scatter and all-to-all, 1 for broadcast and reduce; gather and scatter move (n-1)/n of the buffer
+    through the root."""
+    from dtrain.bench.comm import BUS_FACTORS, bus_factor
+
+    want = {4: {"all_reduce": 1.5, "all_gather": 0.75, "reduce_scatter": 0.75, "all_to_all": 0.75, "gather": 0.75,
+                "scatter": 0.75, "broadcast": 1.0, "reduce": 1.0, "scan": 1.0},
+            8: {"all_reduce": 1.75, "all_gather": 0.875, "reduce_scatter": 0.875, "all_to_all": 0.875,
+                "gather": 0.875, "scatter": 0.875, "broadcast": 1.0, "reduce": 1.0, "scan": 1.0}}  # fmt: skip
+    for world, factors in want.items():
+        assert {c: bus_factor(c, world) for c in BUS_FACTORS} == factors
 
 
 def test_bench_overlaps_default_is_every_collective_it_times_and_the_attention_backends_those_it_runs():

@@ -46,11 +46,11 @@ def test_missing_peer_times_out_naming_collective_round_and_peer(pool, coll, alg
 
 
 def test_barrier_waits_for_the_last_rank(pool):
+    # the ranks that came first wait out the late rank's 0.5 s; the late rank waits less than any of them
     waited = pool.run(jobs.run_barrier, 4, 3, 0.5, ranks=4)
-    assert min(waited[:3]) > 0.4
-    assert waited[3] < 0.4
+    assert min(waited[:3]) > 0.4 and waited[3] < min(waited[:3])
     waited = pool.run(jobs.run_barrier, 2, 1, 0.5, "dissemination@peer", ranks=2)
-    assert waited[0] > 0.4 and waited[1] < 0.4
+    assert waited[0] > 0.4 and waited[1] < waited[0]
 
 
 def test_a_barrier_named_with_a_transport_runs_on_it(pool):

@@ -96,3 +96,11 @@ def test_bench_comm_under_mpirun_times_mpi_native_and_ours_over_mpi(tmp_path):
     }
     assert all(r["transport"] == "mpi" and "Open MPI" in r["backend"] and r["world_size"] == 2 for r in records)
     assert all(r["time_us"] > 0 for r in records)
+
+
+def test_collectives_over_mpi_on_4_ranks_as_two_nodes_of_two_and_on_split_halves():
+    """Four ranks: native and our first algorithm of each collective, the hierarchical all-reduce over two nodes of
+    two ranks, and the collectives on a split communicator of two ranks a half."""
+    output = _run(4, "collectives")
+    lines = _summaries(output, "collectives", 4)
+    assert all(int(calls) > 50 for _, _, calls in lines)

@@ -9,6 +9,8 @@ tensor-parallel slice), and the exported whole model must equal the reference's.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -32,7 +34,14 @@ def train(layout: dict) -> dict | None:
     bf16 = layout.pop("bf16", False)  # gathered and computed in bf16 over the float32 shards
     fp16 = layout.pop("fp16", False)  # computed in fp16 (autocast) over float32 parameters, the loss scaled
     compiled = layout.pop("compile", False)  # every block torch.compile'd after sharding, as dtrain train does
-    rtol, atol = (2e-2, 1e-2) if bf16 or fp16 else (jobs.RTOL, jobs.ATOL)
+    # 16-bit compute: against one process under the same autocast, at a rate ten times the float32 runs' so that
+    # each step moves the losses well past their tolerance (``trains``: one that did not train lies outside it);
+    # the parameters only within 2 lr a step, AdamW's first steps being about lr x the sign of each gradient,
+    # which 16-bit rounding flips where the gradient is near 0
+    half = bf16 or fp16
+    lr = 10 * jobs.LR if half else jobs.LR
+    rtol, atol = (3e-3, 3e-4) if half else (jobs.RTOL, jobs.ATOL)
+    shard_rtol, shard_atol = (2e-2, 2 * jobs.STEPS * lr) if half else (rtol, atol)
     grid = jobs._grid(dp, pp, tp)
     shard_size = layout.get("shard_size")
     if grid is None:
@@ -41,10 +50,12 @@ def train(layout: dict) -> dict | None:
                 ParallelDims(world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp), shard_size, range(dp * pp * tp)
             )
         return None
-    ref_losses, ref_norms, ref_state = jobs.reference(KIND, clip=True, groups=True)
+    autocast = torch.bfloat16 if bf16 else torch.float16 if fp16 else False
+    ref_losses, ref_norms, ref_state = jobs.reference(KIND, clip=True, autocast=autocast, groups=True, lr=lr)
+    untrained = jobs.reference(KIND, clip=True, autocast=autocast, groups=True, lr=0.0)[0]
     if bf16 or fp16:
         layout["autocast_dtype"] = torch.bfloat16 if bf16 else torch.float16
-    hybrid = HybridParallel(jobs.model(KIND), grid, jobs._adamw, zero_stage=3, **layout)
+    hybrid = HybridParallel(jobs.model(KIND), grid, functools.partial(jobs._adamw, lr=lr), zero_stage=3, **layout)
     if compiled:
         for module in hybrid.module.modules():
             if isinstance(module, Block):
@@ -73,7 +84,8 @@ def train(layout: dict) -> dict | None:
             continue
         held += piece.end - piece.start
         if piece.end > piece.start:  # AdamW's moments over the same elements, in the parameter's group
-            shards = max(shards, jobs._excess(piece.shard, want.reshape(-1)[piece.start : piece.end], rtol, atol))
+            shards = max(shards, jobs._excess(piece.shard, want.reshape(-1)[piece.start : piece.end], shard_rtol,
+                                              shard_atol))
             if piece.optimizer_state["exp_avg"].shape != piece.shard.shape:
                 problems.append(f"{piece.name}: exp_avg {piece.optimizer_state['exp_avg'].shape}")
             decay = fsdp.param_groups[piece.param_group]["weight_decay"]
@@ -83,7 +95,7 @@ def train(layout: dict) -> dict | None:
     exported = None
     if full is not None:
         missing = set(ref_state) - set(full)
-        exported = max(jobs._excess(full[k], ref_state[k], rtol, atol) for k in full)
+        exported = max(jobs._excess(full[k], ref_state[k], shard_rtol, shard_atol) for k in full)
         exported = exported if sorted(missing) == jobs._tied_duplicates(KIND) else float("inf")
     return {
         "coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank),
@@ -94,6 +106,7 @@ def train(layout: dict) -> dict | None:
         "held": held,
         "local_numel": sum(p.numel() for _, p in hybrid.named_params),
         "exported": exported,
+        "trains": jobs._excess(torch.tensor(untrained), torch.tensor(ref_losses), rtol, atol) > 0,
         "launches": fsdp.launches,
         "loss_scale": None if scaler is None else scaler.scale,
         "skipped": skipped,

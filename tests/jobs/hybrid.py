@@ -66,13 +66,15 @@ def _sgd(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
     return torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9)
 
 
-def _reference(steps: int) -> tuple[list[float], nn.Sequential]:
+def _reference(steps: int, autocast: bool = False) -> tuple[list[float], nn.Sequential]:
+    """One device training the unsplit blocks on the global batch (``autocast``: under CPU bf16 autocast)."""
     model = _blocks(seed=0)
     opt = _sgd(list(model.named_parameters()))
     losses = []
     for step in range(steps):
         x, y = _global_batch(step)
-        loss = F.cross_entropy(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -92,11 +94,12 @@ def _expected_shards(block: nn.Sequential, tp: int, tp_rank: int) -> list[torch.
     ]
 
 
-def _excess(got: torch.Tensor, want: torch.Tensor) -> float:
-    """How far ``got`` lies beyond rtol 1e-5, atol 1e-6 of ``want`` (0 within it; inf on a shape mismatch)."""
+def _excess(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL, atol: float = ATOL) -> float:
+    """How far ``got`` lies beyond rtol, atol (default 1e-5, 1e-6) of ``want`` (0 within it; inf on a shape
+    mismatch)."""
     if got.shape != want.shape:
         return float("inf")
-    return max(((got - want).abs() - (ATOL + RTOL * want.abs())).max().item(), 0.0)
+    return max(((got - want).abs() - (atol + rtol * want.abs())).max().item(), 0.0)
 
 
 def equivalence(
@@ -200,10 +203,20 @@ def step_graphed(
             hybrid._forward_backward, hybrid.params, torch.device("cpu"), label="step_graph", hint="forget"
         )
         hybrid.module.register_forward_pre_hook(standing.autocast_seen(seen))
+        one_device = None
         if autocast:
             eager = build()
             want = [eager.train_step(*_global_batch(step), F.cross_entropy).item() for step in range(steps)]
             reference = list(eager.parameters())
+            # the eager layout itself against one device under the same autocast, within bf16's rounding
+            alone, model = _reference(steps, autocast=True)
+            one_device = max(
+                _excess(torch.tensor(want), torch.tensor(alone), 1e-3, 1e-4),
+                *(
+                    _excess(e.detach(), w.detach(), 1e-3, 1e-4)
+                    for e, w in zip(reference, model.parameters(), strict=True)
+                ),
+            )
         else:
             want, model = _reference(steps)
             reference = list(model.parameters())
@@ -218,6 +231,7 @@ def step_graphed(
                 said.append(str(err))
     return {
         "loss": _excess(torch.tensor(losses), torch.tensor(want)),
+        "one_device": one_device,
         "params": max(_excess(g.detach(), w.detach()) for g, w in zip(hybrid.parameters(), reference, strict=True)),
         "moved": max(
             (g.detach() - w.detach()).abs().max().item()

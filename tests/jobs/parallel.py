@@ -67,17 +67,17 @@ def _global_batch(step: int, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Te
     return tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs, (B, T) next tokens
 
 
-def _adamw(named: list[tuple[str, nn.Parameter]], groups: bool = True) -> torch.optim.Optimizer:
-    """AdamW; with ``groups``, no weight decay on 1-d parameters (norms, biases), chosen by dimension.
+def _adamw(named: list[tuple[str, nn.Parameter]], groups: bool = True, lr: float = LR) -> torch.optim.Optimizer:
+    """AdamW at ``lr``; with ``groups``, no weight decay on 1-d parameters (norms, biases), chosen by dimension.
 
     ``eps`` 1e-5: a smaller one lets the rounding noise of gradients that nearly cancel (GPT-2's key weights)
     decide AdamW's first steps."""
     if not groups:
-        return torch.optim.AdamW([p for _, p in named], lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+        return torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=WEIGHT_DECAY, eps=EPS)
     decay = [p for _, p in named if p.dim() >= 2]
     rest = [p for _, p in named if p.dim() < 2]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}], lr=LR, eps=EPS
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}], lr=lr, eps=EPS
     )
 
 
@@ -89,18 +89,24 @@ _REFERENCES: dict[tuple, tuple[list[float], list[float], dict[str, torch.Tensor]
 
 
 def reference(
-    kind: str, clip: bool, autocast: bool = False, groups: bool = True, skip: int | None = None
+    kind: str,
+    clip: bool,
+    autocast: bool | torch.dtype = False,
+    groups: bool = True,
+    skip: int | None = None,
+    lr: float = LR,
 ) -> tuple[list, list, dict]:
     """Losses, gradient norms and final state dict of one process training the whole model on the global batch
-    (leaving out step ``skip``)."""
-    key = (kind, clip, autocast, groups, skip)
+    (leaving out step ``skip``) at ``lr``; ``autocast``: under CPU autocast to that dtype (True: bf16)."""
+    key = (kind, clip, autocast, groups, skip, lr)
     if key not in _REFERENCES:
         net = model(kind)
-        opt = _adamw([(n, p) for n, p in net.named_parameters() if p.requires_grad], groups)
+        opt = _adamw([(n, p) for n, p in net.named_parameters() if p.requires_grad], groups, lr)
         losses, norms = [], []
         for step in (s for s in range(STEPS) if s != skip):
             x, y = _global_batch(step)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            dtype = autocast if isinstance(autocast, torch.dtype) else torch.bfloat16
+            with torch.autocast("cpu", dtype=dtype, enabled=autocast is not False):
                 loss = _lm_loss(net(x), y)
             opt.zero_grad()
             loss.backward()

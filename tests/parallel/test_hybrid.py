@@ -101,13 +101,15 @@ def test_blocks_that_are_not_parallel_mlps_are_refused_before_any_communication(
 )
 def test_a_step_recorded_whole_trains_like_one_device(pool, accumulation, autocast, zero):
     """``step_graph`` at dp 2 (pp 1): two eager steps, the third recorded (a stand-in graph on the CPU), then
-    replays; every step's loss and the parameters match one device (under bf16 autocast: the eager layout, exactly),
-    and the recording's forwards ran with autocast's cast cache off. Under ZeRO-1 the recording holds no
-    collective: its optimizer averages the recorded gradients after each replay."""
+    replays; every step's loss and the parameters match one device (under bf16 autocast: the eager layout, exactly,
+    and that layout one device under the same autocast, within 1e-3 / 1e-4), and the recording's forwards ran with
+    autocast's cast cache off. Under ZeRO-1 the recording holds no collective: its optimizer averages the recorded
+    gradients after each replay."""
     results = pool.run(jobs.step_graphed, accumulation, autocast, zero)
     assert results[2:] == [None] * (POOL_WORLD - 2)
     for got in results[:2]:
         assert got["loss"] == 0.0 and got["params"] == 0.0 and got["moved"] > 1e-4, got
+        assert got["one_device"] == (0.0 if autocast else None), got
         assert got["records"] == 1 and got["replays"] == 4, got
         assert got["recorded_under"] == ([(True, False)] if autocast else [(False, True)]), got
         assert got["said"][0].startswith("step_graph: the step was recorded for a batch of ((8, 16)"), got

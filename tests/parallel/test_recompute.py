@@ -74,19 +74,26 @@ def test_marks_the_chosen_blocks_with_the_kept_kinds():
 
 
 def test_dropout_draws_the_same_masks_when_recomputed():
+    from dataclasses import replace
+
     from dtrain.models import build, preset
 
-    def run(mode):
+    config = replace(preset("gpt2", "tiny"), resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+
+    def run(mode, seed=1):
         torch.manual_seed(0)
-        model = checkpoint_activations(build(preset("gpt2", "tiny")), mode)
+        model = checkpoint_activations(build(config), mode)
         model.train()
-        torch.manual_seed(1)
+        torch.manual_seed(seed)
         return _grads(model)
 
     (want_loss, want), (loss, got) = run("none"), run("full")
     assert loss == pytest.approx(want_loss, rel=1e-6)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    # the masks are drawn: other draws give other gradients
+    other_loss, _ = run("none", seed=2)
+    assert other_loss != pytest.approx(want_loss, rel=1e-3)
 
 
 def test_evaluation_without_grad_runs_the_plain_forward():
