@@ -430,7 +430,7 @@ def _between_part(machine: str, grid: list[dict]) -> list[str]:
 
 
 def _small_all_reduce_part(machine: str) -> list[str]:
-    """The all-reduce from 8 to 256 KiB by factors of 2 in two more launches on another lease
+    """The all-reduce from 8 to 256 KiB by factors of 2 in two more launches on another allocation of the machine
     (``all_reduce_small-run{1,2}-{machine}.jsonl``): the defaults against torch.distributed's call, same and fresh
     tensors."""
     names = [f"all_reduce_small-run{r}-{machine}.jsonl" for r in (1, 2)]
@@ -448,7 +448,8 @@ def _small_all_reduce_part(machine: str) -> list[str]:
         rows.append([size(n), *cells, " / ".join(f"{t:.0f}" for t in torch_us)])
     low = min(r["vs_torch"] for rec in runs for r in rec if r["algorithm"] in ("auto", "auto+fresh"))
     return [
-        f"The all-reduce from {size(sizes[0])} to {size(sizes[-1])} by factors of 2 on another lease, two launches "
+        f"The all-reduce from {size(sizes[0])} to {size(sizes[-1])} by factors of 2 on another allocation of the "
+        "machine, two launches "
         f"(`dtrain bench comm --collectives all_reduce --algorithms torch,native,auto --min-bytes 8K --max-bytes "
         f"256K --factor 2 --iters 20 --trials 9 --warm-s 0.3 --fresh-beside`; `all_reduce_small-run{{1,2}}-"
         f"{machine}.jsonl`): ours over torch.distributed's call, same / fresh tensors, every cell at {low:.2f}x or "
@@ -1882,7 +1883,10 @@ def section_llama() -> str:
         "`dtrain` is `HybridParallel` as `dtrain train` runs it (gradient buckets averaged by NCCL's own all-reduce "
         "while backward runs), `dtrain-bf16-reduce` the same with the gradients averaged in bf16. Compiled: every "
         "block and the loss through `torch.compile` (each block on its own, before any wrapper; the compiled loss "
-        "reads the bf16 logits without a float32 copy), the ratio taken against DDP compiled alike.",
+        "reads the bf16 logits without a float32 copy), the ratio taken against DDP compiled alike. The variants "
+        "ran one after another, not in turns within one launch, and the same step differs from one launch to the "
+        "next on these hosts by as much as `dtrain` differs from DDP here (docs/parallel.md, one GPU's step on 4 x "
+        "H200); FSDP2's lead is larger than that spread.",
         setting(
             f"4 x {first['device']}, NVLink through NVSwitch",
             f"torch {first['torch']}, NCCL {NCCL}, NVLink multicast off",
@@ -2898,7 +2902,8 @@ def _train_zero_bubble_part() -> list[str]:
 
 def _train_balance_part() -> list[str]:
     """`dtrain train` of Llama 1B on 4 stages, each schedule with stages of equal layer counts and of equal FLOPs,
-    in two leases; the second's metrics carry the bubble on the devices' clock."""
+    in two allocations of the machine (`lease1`, `lease2`); the second's metrics carry the bubble on the devices'
+    clock."""
     schedules = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
     runs: dict[tuple[str, str, int], list[dict]] = {}
     for schedule in schedules:
@@ -2947,21 +2952,29 @@ def _train_balance_part() -> list[str]:
             "torchrun --nproc-per-node 4 -m dtrain train --preset 1b --pp 4 --microbatches 8 --schedule SCHEDULE "
             "--balance {layers,flops} --seq-len 2048 --batch-size 16 --steps 30 --lr 3e-4 --warmup-steps 5 --set "
             "data.tokenizer_vocab=8192 --precision bf16 --no-export --no-tensorboard",
-            "`train_balance-llama1b-pp4-{1f1b,interleaved-1f1b,zb-h1,zb-v}-{layers,flops}-h200x4-lease{1,2}.jsonl`",
+            "`train_balance-llama1b-pp4-{1f1b,interleaved-1f1b,zb-h1,zb-v}-{layers,flops}-h200x4-lease{1,2}.jsonl`"
+            + "".join(
+                f", but for {s} with equal {b} in allocation {n}"
+                for s in schedules
+                for b in ("layers", "flops")
+                for n in (1, 2)
+                if (s, b, n) not in runs
+            ),  # fmt: skip
         ),
-        "Each run its own launch, one after another, in two leases of the machine; the median step of steps "
+        "Each run its own launch, one after another, in two allocations of the machine (`-lease1`, `-lease2`); the "
+        "median step of steps "
         "11-30. Llama 3.2 1B's head (128,256 x 2,048, tied to the embedding) costs 4.3 blocks' forward FLOPs. "
         "Equal layer counts (18 layers: embedding, 16 blocks, head) leave the head's stage 1.44x the mean stage's "
         "FLOPs; `--balance flops` cuts 6 / 5 / 5 / 2 layers (the head beside one block) and, under interleaving "
         "and the V, balances each rank's chunks together (1.05x the mean; `dtrain.parallel.pipeline_parallel."
-        "partition_layers`). Ratios and the bubble are the second lease's; the bubble is the last step's on the "
+        "partition_layers`). Ratios and the bubble are the second allocation's; the bubble is the last step's on the "
         "devices' clock (`bubble_clock` \"device\"), the stages' mean idle share, beside the theory for equal "
         "stages.",
         table(
             [
                 "schedule",
                 "balance",
-                "step ms, lease 1 / 2",
+                "step ms, allocation 1 / 2",
                 "vs equal layers",
                 "vs 1F1B, equal layers",
                 "bubble / theory",
@@ -3108,7 +3121,7 @@ def _eager_decoder_part() -> list[str]:
     return [
         "### dtrain's eager decoder, operation by operation, beside the simulator (Llama 1B, 1 x H200)",
         setting(
-            "1 x NVIDIA H200 (two leases)",
+            "1 x NVIDIA H200 (two allocations of the machine)",
             f"torch {runs[1][0]['torch']}",
             "python benchmarks/gpu/eager_ops.py --repeat 20 --timed 1,2,4",
             "`eager_ops-llama1b-h200x1-run{1,2}.jsonl`; the 4-stage runs of the section above",
@@ -3126,7 +3139,7 @@ def _eager_decoder_part() -> list[str]:
             ["micro-batch", "part", "pass", "eager ms", "host ms", "graph ms", "fused ms", "dtrain ms", "error"],
             rows,
         ),
-        "The 4-stage runs of the section above (median step, lease 1 / lease 2; their layer cast each "
+        "The 4-stage runs of the section above (median step, allocation 1 / 2; their layer cast each "
         "projection's input apart and repeated the grouped-query keys and values to every head, and is priced so: "
         "`EagerForm(shared_inputs=False, repeat_kv=True)`) against "
         "`simulate_step` on "
@@ -3927,7 +3940,7 @@ def section_overlap() -> str:
             "`StepConfig.contention`). Commands: `dtrain bench overlap --out "
             "benchmarks/results/bench_overlap-nvlink-h200x2.jsonl --write-curves dtrain/sim/compute_curves.json`, and "
             "the same under the two variables into `bench_overlap-network-h200x2.jsonl`. The last column is the same "
-            "two commands on another lease of 2 x H200 (`-run2`), not used by the simulator.",
+            "two commands on another allocation of 2 x H200 (`-run2`), not used by the simulator.",
             table(
                 [
                     "path",
@@ -3965,7 +3978,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1].splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[1].split()))
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--figures", type=Path, default=ROOT / "docs" / "figures")
     ap.add_argument("--check", action="store_true", help="exit 1 if --out differs from what would be written")

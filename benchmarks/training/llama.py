@@ -3,7 +3,8 @@
 
 A Llama-family model in bf16 trained data parallel over every GPU: dtrain's
 :class:`~dtrain.parallel.hybrid.HybridParallel` against torch's ``DistributedDataParallel`` and FSDP2
-(``torch.distributed.fsdp.fully_shard``), the same model, batch and optimizer, in one launch.
+(``torch.distributed.fsdp.fully_shard``), the same model, batch and optimizer, each variant in a launch of its
+own (below).
 
     torchrun --nproc-per-node 2 benchmarks/training/llama.py --out benchmarks/results/llama_1b_dp-h100x2.jsonl
 
@@ -278,7 +279,8 @@ def main() -> None:
         everything = [json.loads(line) for line in path.read_text().splitlines()]
         for compiled in (False, True):
             same = [r for r in everything if r.get("compile", False) == compiled]
-            base = next((r["tokens_per_s"] for r in same if r["variant"] == "ddp"), None)
+            # the latest DDP launch in the file: the one nearest in time to the launches it is compared with
+            base = next((r["tokens_per_s"] for r in reversed(same) if r["variant"] == "ddp"), None)
             for r in same if base else ():
                 label = r["variant"] + (" compiled" if compiled else "")
                 print(f"{label:28s} {r['tokens_per_s'] / base:.3f}x DDP")

@@ -3,13 +3,14 @@
 For each collective, message size and algorithm ("auto" and "native" included, and with ``--algorithms torch,...``
 torch.distributed's own call with nothing of dtrain between, the peer ``vs_torch`` compares with): ``warmup``
 untimed calls,
-then ``trials`` runs of ``iters`` calls back to back between two synchronizations (as nccl-tests times);
-a rank's time is its median run divided by ``iters``, the reported time the largest over ranks. Each record also
-carries ``host_us``: the host's time to issue one call (the same loop, up to its last call's return, before the
-synchronization), median over runs, largest over ranks; where it is close to ``time_us`` the call is bound by the
-host, not the devices. On GPUs the sweep starts with ``warm_s`` seconds (default 1) of its first case, untimed,
-so that the first sizes are not timed on idle clocks and cold caches (without it the first size timed 1.5-2.5x
-slow on 4 H100s).
+then ``trials`` rounds in which every algorithm runs ``iters`` calls back to back between two synchronizations (as
+nccl-tests times), the algorithms taking turns, their order turning by one each round
+(:func:`dtrain.comm.tune.time_interleaved`); a round's time is the slowest rank's run, the reported time the median
+round divided by ``iters``. Each record also carries ``host_us``: the host's time to issue one call (the same loop,
+up to its last call's return, before the synchronization), likewise the slowest rank's, median over rounds;
+where it is close to ``time_us`` the call is bound by the host, not the devices. On GPUs the sweep starts with
+``warm_s`` seconds (default 1) of its first case, untimed, so that the first sizes are not timed on idle clocks
+and cold caches (without it the first size timed 1.5-2.5x slow on 4 H100s).
 Bandwidths follow nccl-tests (doc/PERFORMANCE.md): ``algbw = size /
 time`` and ``busbw = algbw * factor`` with the factor of :data:`BUS_FACTORS`; ``size`` is the work buffer of
 :mod:`dtrain.comm.cost.model` (all-gather: output, reduce-scatter / gather / scatter / all-to-all: the full W-block

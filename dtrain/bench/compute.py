@@ -1,7 +1,7 @@
 """``dtrain bench compute``: how fast this device runs the operations a transformer layer is made of, and the
 efficiency curves :mod:`dtrain.sim.compute` prices them with.
 
-Four kinds, each timed with CUDA events on a GPU (wall clock on the CPU) after warm-up, the median of repeats.
+Five kinds, each timed with CUDA events on a GPU (wall clock on the CPU) after warm-up, the median of repeats.
 On a GPU each call is issued while a sleep kernel (``torch.cuda._sleep``) holds the stream for twice as long as
 the host took to issue it, so the events measure the device running the call's kernels back to back, not the
 host's launches (the simulator prices a kernel's launch apart, ``DeviceCompute.kernel_s``):

@@ -1,4 +1,4 @@
-"""Named clusters: plain functions of their parameters, as torchtitan's presets are (STYLE.md).
+"""Named clusters: plain functions of their parameters, as torchtitan's presets are.
 
 - ``dgx-a100``: 8 A100 SXM on an NVSwitch fabric (12 NVLink 3 links each, 300 GB/s a direction), four PCIe 4.0
   switches each holding 2 GPUs and 2 HDR NICs (8 x 200 Gb/s), two CPUs. The real DGX A100 has AMD EPYC CPUs
