@@ -8,6 +8,11 @@
 - ``async``: every push is a step on its own; pulls never wait (Hogwild-style staleness, Recht et al. 2011).
 - ``ssp``: every push is a step on its own; a worker at clock ``c`` gets its pull answered only once every
   worker has pushed ``c - s`` times (Ho et al., NIPS 2013, the stale synchronous parallel model).
+
+A pull that must wait is kept until it can be answered, so how long it may wait is bounded: a pull or push
+whose clock is more than :data:`MAX_AHEAD` rounds (clocks) past what the shard could answer is refused
+(:meth:`Policy.refusal`). An honest worker is at most one round (``s + 1`` clocks) ahead, plus what a failover
+lost; a clock far past that is a malformed request, not one to wait for.
 """
 
 from __future__ import annotations
@@ -19,7 +24,28 @@ import numpy as np
 from dtrain.ps.config import JobConfig
 from dtrain.ps.shard import ShardState
 
-__all__ = ["Push", "Step", "Policy"]
+__all__ = ["MAX_AHEAD", "MAX_WAITING", "Push", "Step", "Policy", "ahead_refusal"]
+
+MAX_AHEAD = 1 << 16
+"""Rounds (sync, quorum) or clocks (ssp) past the shard's that a push or a waiting pull may be."""
+
+MAX_WAITING = 16
+"""Pulls of one worker that a shard (or a server's copy of its hot rows) keeps waiting at once; a worker waits
+for each of its pulls, so an honest one has one or two waiting."""
+
+
+def ahead_refusal(mode: str, clock: int, round_: int, slowest: int, staleness: int) -> str:
+    """Why a clock is too far ahead of a shard at round ``round_`` whose slowest worker is at ``slowest``, or
+    ``""``. Async never waits, so any clock is taken there."""
+    if mode in ("sync", "quorum"):
+        reachable, what = round_ + MAX_AHEAD, f"round {round_}"
+    elif mode == "ssp":
+        reachable, what = slowest + staleness + MAX_AHEAD, f"slowest clock {slowest}, staleness {staleness}"
+    else:
+        return ""
+    if clock > reachable:
+        return f"clock {clock} is more than {MAX_AHEAD} past what the shard can answer ({what})"
+    return ""
 
 
 @dataclass
@@ -140,6 +166,11 @@ class Policy:
             steps.append(Step(*self._mean(pushes), pushes, r + 1))
             r += 1
         return steps
+
+    def refusal(self, clock: int) -> str:
+        """Why a push or pull at ``clock`` is refused as too far ahead of the shard, or ``""``."""
+        c = self.config
+        return ahead_refusal(c.mode, clock, self.state.round, int(self.state.clocks.min()), c.staleness)
 
     def pull_ready(self, worker: int, clock: int) -> bool:
         """Whether a pull by ``worker`` at ``clock`` may be answered now (and, for ssp, log the staleness)."""

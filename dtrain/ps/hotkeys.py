@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dtrain.ps.config import JobConfig
+from dtrain.ps.consistency import MAX_WAITING, ahead_refusal
 from dtrain.ps.keys import KeyRange
 from dtrain.ps.replication import Replica
 
@@ -86,10 +87,18 @@ class HotCopies:
         self.serve(shard, serve)
 
     def pull(self, shard: int, request: tuple, serve: Callable) -> None:
-        """A pull of rows copied here; ``request`` is ``(reply, worker, clock, keys)``."""
-        keys = request[3]
-        if not np.isin(keys, self.copies[shard]["keys"]).all():
+        """A pull of rows copied here; ``request`` is ``(reply, worker, clock, keys)``. ``ValueError`` (and nothing
+        kept) for keys not copied here, a clock too far ahead of the copy, or a worker with too many waiting."""
+        _, worker, clock, keys = request
+        copy = self.copies[shard]
+        if not np.isin(keys, copy["keys"]).all():
             raise ValueError(f"server {self.rank} holds copies of shard {shard}'s hot rows only")
+        c = self.config
+        reason = ahead_refusal(c.mode, clock, copy["round"], copy["slowest"], c.staleness)
+        if reason:
+            raise ValueError(f"pull of shard {shard}'s hot rows: {reason}")
+        if sum(r[1] == worker for r in self.waiting.get(shard, [])) >= MAX_WAITING:
+            raise ValueError(f"worker {worker} has {MAX_WAITING} pulls of shard {shard}'s hot rows waiting already")
         self.waiting.setdefault(shard, []).append(request)
         self.serve(shard, serve)
 

@@ -6,7 +6,9 @@ Environment of a role (ps-lite's ``DMLC_ROLE`` / ``DMLC_PS_ROOT_URI`` convention
 - ``DTRAIN_PS_ROLE``: ``coordinator``, ``server`` or ``worker``;
 - ``DTRAIN_PS_COORDINATOR``: the coordinator's address, e.g. ``tcp://10.0.0.1:9100`` (the coordinator binds it;
   locally it binds a free loopback port and prints ``DTRAIN_PS_COORDINATOR=<address>`` as its first line);
-- ``DTRAIN_PS_SECRET``: the shared HMAC secret, hex; ``DTRAIN_PS_RANK``: the server's or worker's rank;
+- ``DTRAIN_PS_SECRET``: the shared HMAC secret, hex (for a worker, :func:`~dtrain.ps.wire.worker_key` of it,
+  which lets it talk to servers and the coordinator but not sign what servers send each other; a worker given
+  the secret itself works too, without that separation); ``DTRAIN_PS_RANK``: the server's or worker's rank;
 - ``DTRAIN_PS_HOST``: the address a server binds (default loopback ``127.0.0.1``);
 - ``DTRAIN_PS_JOB``: the coordinator's :class:`~dtrain.ps.config.JobConfig` as JSON;
 - ``DTRAIN_PS_TASK``: the worker's :class:`~dtrain.ps.train.TaskConfig` as JSON.
@@ -52,9 +54,12 @@ def main() -> int:
         from dtrain.ps.coordinator import Coordinator
 
         address = ps.coordinator or "tcp://127.0.0.1:0"
-        host, port = address.removeprefix("tcp://").rsplit(":", 1)
         job = _parsed(ps.need("job"), JobConfig.from_dict, PS_JOB)
-        coordinator = Coordinator(job, secret, host, int(port))
+        try:
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
+            coordinator = Coordinator(job, secret, host, int(port))
+        except (ValueError, zmq.ZMQError) as exc:
+            raise EnvError(f"{PS_COORDINATOR}: the coordinator cannot listen at {address!r}: {exc}") from None
         print(f"{PS_COORDINATOR}={coordinator.endpoint}", flush=True)
         coordinator.serve()
         return 0
@@ -102,12 +107,14 @@ class LocalCluster:
     def __init__(self, config: JobConfig, secret: bytes | None = None, start_timeout_s: float = 60.0) -> None:
         self.config = config
         self.secret = secret or wire.local_secret()
+        self.worker_secret = wire.worker_key(self.secret)  # what its workers are given
         self.start_timeout_s = start_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
         self.coordinator = ""
 
     def _spawn(self, name: str, role: str, extra: dict[str, str], stdout: Any = None) -> subprocess.Popen:
-        env = {**os.environ, PS_ROLE: role, PS_SECRET: self.secret.hex(), **extra}
+        secret = self.worker_secret if role == "worker" else self.secret
+        env = {**os.environ, PS_ROLE: role, PS_SECRET: secret.hex(), **extra}
         env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.Popen([sys.executable, "-m", "dtrain.ps"], env=env, stdout=stdout, start_new_session=True,
                                 preexec_fn=_die_with_parent)  # fmt: skip

@@ -5,10 +5,13 @@ shapes); :func:`check` then checks what the message says, in one way for every k
 message kind (``op``) to :class:`Schema`: the header's fields (type, range, allowed values; fields not in the
 schema are refused too) and the tensors, with shapes in terms of the job (``"width"``, the shard's ``"rows"``,
 ``"n"`` keys). Bounds come from the :class:`~dtrain.ps.config.JobConfig`: a shard id is in ``[0, num_servers)``,
-a worker in ``[0, num_workers)``, keys lie inside the named shard's key range, rows are ``width`` wide, and a
-kind the job does not use (hot-key copies with ``hot_keys=0``, replication entries with ``replicas=1``) is
-refused whatever it carries. A message that fails is a :class:`MessageError`; the receiving role answers a
-request with an error reply, drops anything else, and goes on serving.
+a worker in ``[0, num_workers)``, every other int (clocks, rounds, push ids, sequence numbers) in
+``[0, 2**62)`` so that no counter it sets can overflow, keys lie inside the named shard's key range (and are
+distinct where a reply is sized by them), rows are ``width`` wide and every float a server is sent is finite,
+and a kind the job does not use (hot-key copies with ``hot_keys=0``, replication entries with ``replicas=1``,
+chain acknowledgements without chain replication) is refused whatever it carries. Each field's type is checked
+before its value is used, so a message that fails is a :class:`MessageError`, never another exception; the
+receiving role answers a request with an error reply, drops anything else, and goes on serving.
 
 Tables: :data:`SERVER` (requests from workers and tools, and what peer servers send), :data:`SERVER_CONTROL`
 (what the coordinator sends a server), :data:`COORDINATOR`, :data:`WORKER_CONTROL` (what the coordinator sends
@@ -39,10 +42,14 @@ __all__ = [
     "Schema",
     "Tensor",
     "check",
+    "job_config",
 ]
 
 # set by wire.encode on every message, checked by wire.ReplayGuard
 _ENVELOPE = frozenset({"op", "ts", "nonce"})
+
+MAX_COUNT = 1 << 62
+"""Bound of every int field without a job-given one: a counter set from it (``clock + 1``) still fits int64."""
 
 
 class MessageError(ValueError):
@@ -52,9 +59,9 @@ class MessageError(ValueError):
 @dataclass(frozen=True)
 class Field:
     """A header field. ``kind``: ``int`` (``low <= v < high``; ``high`` a number or ``"shards"``, ``"servers"``,
-    ``"workers"``, or ``"role"`` for a rank of the role the header names), ``str`` (one of ``choices`` if given),
-    ``pushes`` (``[worker, push_id, clock]`` triples), ``ranks`` (server ranks), ``layout`` (the coordinator's
-    layout), ``map`` or ``list`` (taken as they are)."""
+    ``"workers"``, or ``"role"`` for a rank of the role the header names; without one, ``2**62``), ``str`` (one
+    of ``choices`` if given), ``pushes`` (``[worker, push_id, clock]`` triples), ``ranks`` (server ranks),
+    ``layout`` (the coordinator's layout), ``map`` or ``list`` (taken as they are)."""
 
     kind: str
     high: int | str | None = None
@@ -68,15 +75,18 @@ class Tensor:
     """A tensor frame: ``dtype`` a :data:`~dtrain.ps.wire.DTYPES` name, ``shape`` of ints and the names ``"n"``
     (the same count in every tensor of the message), ``"width"``, ``"rows"`` (the shard's row count) and ``"*"``
     (any size). ``keys``:
-    int64 keys inside the shard's range, strictly ``increasing`` if asked, at most ``most`` of them (a
-    :class:`JobConfig` field's value). ``optional``: may be left off (trailing tensors only)."""
+    int64 keys inside the shard's range, strictly ``increasing`` or ``distinct`` if asked, at most ``most`` of
+    them (a :class:`JobConfig` field's value). ``finite``: no NaN or infinity. ``optional``: may be left off
+    (trailing tensors only)."""
 
     name: str
     dtype: str
     shape: tuple[int | str, ...]
     keys: bool = False
     increasing: bool = False
+    distinct: bool = False
     most: str | None = None
+    finite: bool = False
     optional: bool = False
 
 
@@ -119,25 +129,25 @@ def _is_int(value: object) -> bool:
 def _check_field(name: str, spec: Field, value: Any, config: JobConfig, header: Mapping[str, Any]) -> None:
     s = config.num_servers
     if spec.kind == "int":
-        high = _bound(spec.high, config, header) if spec.high is not None else None
-        if not _is_int(value) or value < spec.low or (high is not None and value >= high):
-            span = f"[{spec.low}, {high})" if high is not None else f">= {spec.low}"
-            raise MessageError(f"{name} must be an int {span}, got {value!r}" if high is None
-                               else f"{name} must be in {span}, got {value!r}")  # fmt: skip
+        high = _bound(spec.high, config, header) if spec.high is not None else MAX_COUNT
+        if not _is_int(value) or value < spec.low or value >= high:
+            if spec.high is None:
+                raise MessageError(f"{name} must be an int in [{spec.low}, 2**62), got {_short(value)}")
+            raise MessageError(f"{name} must be in [{spec.low}, {high}), got {_short(value)}")
     elif spec.kind == "str":
         if not isinstance(value, str) or (spec.choices and value not in spec.choices):
             allowed = f"one of {', '.join(spec.choices)}" if spec.choices else "a str"
-            raise MessageError(f"{name} must be {allowed}, got {value!r}")
+            raise MessageError(f"{name} must be {allowed}, got {_short(value)}")
     elif spec.kind == "pushes":
         ok = isinstance(value, list) and all(
-            isinstance(p, list) and len(p) == 3 and all(_is_int(v) and v >= 0 for v in p) for p in value
+            isinstance(p, list) and len(p) == 3 and all(_is_int(v) and 0 <= v < MAX_COUNT for v in p) for p in value
         )
         if not ok or any(p[0] >= config.num_workers for p in value):
-            raise MessageError(f"{name} must be [worker < {config.num_workers}, push_id, clock] ints >= 0, "
-                               f"got {value!r}")  # fmt: skip
+            raise MessageError(f"{name} must be [worker < {config.num_workers}, push_id, clock] ints in [0, 2**62), "
+                               f"got {_short(value)}")  # fmt: skip
     elif spec.kind == "ranks":
         if not (isinstance(value, list) and all(_is_int(r) and 0 <= r < s for r in value)):
-            raise MessageError(f"{name} must be a list of server ranks in [0, {s}), got {value!r}")
+            raise MessageError(f"{name} must be a list of server ranks in [0, {s}), got {_short(value)}")
     elif spec.kind == "layout":
         _check_layout(name, value, config)
     elif spec.kind == "map":
@@ -150,20 +160,25 @@ def _check_field(name: str, spec: Field, value: Any, config: JobConfig, header: 
         raise TypeError(f"unknown field kind {spec.kind!r}")
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _check_layout(name: str, layout: Any, config: JobConfig) -> None:
     s = config.num_servers
     ok = (
         isinstance(layout, dict)
         and set(layout) == {"epoch", "chains", "endpoints"}
         and _is_int(layout["epoch"])
-        and layout["epoch"] >= 0
+        and 0 <= layout["epoch"] < MAX_COUNT
         and isinstance(layout["chains"], list)
         and len(layout["chains"]) == s
         and all(
             isinstance(c, list)
             and len(c) <= config.replicas
-            and len(set(c)) == len(c)
             and all(_is_int(r) and 0 <= r < s for r in c)
+            and len(set(c)) == len(c)  # ints by now: set() of a list inside would raise
             for c in layout["chains"]
         )
         and isinstance(layout["endpoints"], list)
@@ -212,8 +227,13 @@ def _check_tensors(specs: tuple[Tensor, ...], tensors: list[np.ndarray], config:
                 raise MessageError(f"{spec.name} outside shard {shard}'s range [{key_range.lo}, {key_range.hi})")
             if spec.increasing and tensor.size > 1 and not bool((tensor[1:] > tensor[:-1]).all()):
                 raise MessageError(f"{spec.name} must be strictly increasing")
+            if spec.distinct and tensor.size > 1 and np.unique(tensor).size != tensor.size:
+                raise MessageError(f"{spec.name} must be distinct: a key is asked for once (at most the shard's "
+                                   "rows, so that the answer fits a message)")  # fmt: skip
             if spec.most is not None and tensor.size > getattr(config, spec.most):
                 raise MessageError(f"{spec.name}: {tensor.size} of them, over {spec.most}={getattr(config, spec.most)}")
+        if spec.finite and tensor.size and not bool(np.isfinite(tensor).all()):
+            raise MessageError(f"{spec.name} must be finite, got NaN or infinity")
 
 
 def check(
@@ -260,11 +280,18 @@ _SHARD = Field("int", high="shards")
 _WORKER = Field("int", high="workers")
 _COUNT = Field("int")
 _KEYS = Tensor("keys", "i8", ("n",), keys=True)
-_VALUES = Tensor("values", "f4", ("n", "width"))
+_VALUES = Tensor("values", "f4", ("n", "width"), finite=True)
+_ROWS = Tensor("rows", "f4", ("rows", "width"), finite=True)
 
 
 def _replication_off(config: JobConfig, header: Mapping[str, Any], rank: int | None) -> str:
     return "" if config.replicas > 1 else "replication is off in this job (replicas=1)"
+
+
+def _chain_off(config: JobConfig, header: Mapping[str, Any], rank: int | None) -> str:
+    if config.replicas > 1 and config.replication != "chain":
+        return f"chain acknowledgements are not used with replication={config.replication}"
+    return _replication_off(config, header, rank)
 
 
 def _no_hot_copy(config: JobConfig, header: Mapping[str, Any], rank: int | None) -> str:
@@ -285,12 +312,12 @@ SERVER: dict[str, Schema] = {
             "clock": _COUNT,
             "hot_seen": Field("int", high=2, optional=True),
         },
-        (_KEYS,),
+        (Tensor("keys", "i8", ("n",), keys=True, distinct=True),),
     ),
     "push": Schema(
         {"req": _REQ, "shard": _SHARD, "worker": _WORKER, "push_id": _COUNT, "clock": _COUNT}, (_KEYS, _VALUES)
     ),
-    "init": Schema({"req": _REQ, "shard": _SHARD}, (Tensor("rows", "f4", ("rows", "width")),)),
+    "init": Schema({"req": _REQ, "shard": _SHARD}, (_ROWS,)),
     "leave": Schema({"req": _REQ, "shard": _SHARD, "worker": _WORKER}),
     "stats": Schema({"req": _REQ}),
     "dump": Schema({"req": _REQ, "shard": _SHARD}),
@@ -306,13 +333,13 @@ SERVER: dict[str, Schema] = {
         variants=(
             "kind",
             {
-                "init": Schema({}, (Tensor("keys", "i8", (0,)), Tensor("rows", "f4", ("rows", "width")))),
+                "init": Schema({}, (Tensor("keys", "i8", (0,)), _ROWS)),
                 "step": Schema({}, (Tensor("keys", "i8", ("n",), keys=True, increasing=True), _VALUES)),
             },
         ),
         refuse=_replication_off,
     ),
-    "chain_ack": Schema({"shard": _SHARD, "seq": _COUNT}, refuse=_replication_off),
+    "chain_ack": Schema({"shard": _SHARD, "seq": _COUNT}, refuse=_chain_off),
     # an owner's hot rows for the servers that hold copies of them (dtrain.ps.hotkeys)
     "hot_update": Schema(
         {"shard": _SHARD, "round": _COUNT, "slowest": _COUNT},
@@ -324,7 +351,8 @@ SERVER: dict[str, Schema] = {
 peers' messages (:data:`PEER`)."""
 
 PEER = frozenset({"rep", "chain_ack", "hot_update"})
-"""The kinds in :data:`SERVER` that peer servers send: never answered, also when they fail."""
+"""The kinds in :data:`SERVER` that peer servers send: taken only when signed with the job's secret (never with
+the key workers hold, :func:`dtrain.ps.wire.worker_key`); never answered, also when they fail."""
 
 _ROLE = Field("str", choices=("server", "worker"))
 
@@ -336,6 +364,18 @@ SERVER_CONTROL: dict[str, Schema] = {"welcome": _WELCOME, "layout": _LAYOUT, "st
 
 WORKER_CONTROL: dict[str, Schema] = {"welcome": _WELCOME, "layout": _LAYOUT}
 """What the coordinator sends a worker."""
+
+
+def job_config(header: Mapping[str, Any]) -> JobConfig:
+    """The job a ``welcome`` hands over, checked before anything else of the welcome is read (its other fields
+    are checked against it); :class:`MessageError` if it is not a valid :class:`JobConfig` map."""
+    config = header.get("config")
+    if not isinstance(config, dict):
+        raise MessageError(f"welcome: config must be a map, got {type(config).__name__}")
+    try:
+        return JobConfig.from_dict(config)
+    except (ValueError, TypeError) as exc:
+        raise MessageError(f"welcome: config is not a valid job ({_short(str(exc))})") from None
 
 
 def _needs_endpoint(config: JobConfig, header: Mapping[str, Any], rank: int | None) -> str:

@@ -13,6 +13,11 @@ Each shard lives on the servers of its *chain*, head first, replicated in one of
 
 Pushes are numbered per worker and shard, so a push resent to a new head after a failover is recognised as one
 that an entry already holds and is acknowledged, not applied twice.
+
+Entries and acknowledgements travel only between servers (signed with the job's secret, which workers do not
+hold). Every replica checks an entry whole before applying it (:meth:`~dtrain.ps.shard.ShardState.refusal`),
+the head too, before it applies or forwards one, so no replica takes what another would refuse; and a
+``chain_ack`` for an entry this replica never applied (so never sent on) is refused, not taken as durable.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 from dtrain.ps.config import JobConfig
 from dtrain.ps.consistency import Policy, Push, Step
 from dtrain.ps.keys import KeyRange
-from dtrain.ps.shard import Entry, ShardState
+from dtrain.ps.shard import Entry, EntryError, ShardState
 
 __all__ = ["Replica"]
 
@@ -109,7 +114,12 @@ class Replica:
         return Entry(self.state.seq + 1, "step", step.round, step.keys, step.grads, pushes)
 
     def _commit(self, entry: Entry, pushes: list[Push]) -> None:
-        self.state.apply(entry)
+        try:
+            self.state.apply(entry)
+        except EntryError as exc:  # e.g. a mean of finite gradients that overflows float32: applied nowhere
+            for p in pushes:
+                self.ack(p.reply, {"status": "error", "code": "bad_request", "error": str(exc)})
+            return
         successor = self._successor()
         if successor is None:
             for p in pushes:
@@ -161,6 +171,16 @@ class Replica:
         for member in self.chain:
             if member != self.me:
                 self.send(member, {"op": "chain_ack", "shard": self.index, "seq": seq}, [])
+        self.chain_ack(seq)
+
+    def take_ack(self, seq: int) -> None:
+        """A ``chain_ack`` from the tail: refused (:class:`~dtrain.ps.shard.EntryError`) unless this replica is in
+        a chain and has applied entry ``seq``, as every replica before the tail has applied what the tail has."""
+        if self.me not in self.chain or not self.chain_mode:
+            raise EntryError(f"chain_ack for shard {self.index}: server {self.me} is not in its chain")
+        if seq > self.state.seq:
+            raise EntryError(f"chain_ack for shard {self.index} up to entry {seq}: server {self.me} has applied and "
+                             f"sent on only {self.state.seq}")  # fmt: skip
         self.chain_ack(seq)
 
     def chain_ack(self, seq: int) -> None:

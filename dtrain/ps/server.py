@@ -2,12 +2,17 @@
 
 One thread, one ZeroMQ ROUTER socket that workers and peer servers send to, one DEALER to the coordinator
 (registration, heartbeats, membership changes) and one DEALER per peer it replicates to. Every message is
-checked by :func:`dtrain.ps.wire.decode` (envelope, HMAC, freshness), then against its kind's schema and the job's
-configuration (:mod:`dtrain.ps.messages`: shard ids in range, keys int64 inside the shard's range, rows float32
-``(n, width)``, hot-key copies and replication entries only where the job has them), then against this server's
-state (the shard is here and, for pushes and pulls, led by this server). A bad request gets an error reply
-(``not_leader`` or ``bad_request``); any other bad message, or one not authenticated, is dropped and counted;
-the server keeps serving either way.
+checked by :func:`dtrain.ps.wire.decode` (envelope, HMAC, freshness), then by who signed it (replication
+entries, chain acknowledgements and hot-row copies only with the job's secret, which workers are not given),
+then against its kind's schema and the job's configuration (:mod:`dtrain.ps.messages`: shard ids in range, ints
+bounded, keys int64 inside the shard's range, a pull's keys distinct, rows float32 ``(n, width)`` and finite,
+hot-key copies and replication entries only where the job has them), then against this server's state (the
+shard is here, initialised where it must be, and for pushes and pulls led by this server; clocks not too far
+ahead; an entry whole, :meth:`~dtrain.ps.shard.ShardState.refusal`; a ``chain_ack`` only for an entry applied
+here), all before anything changes. A bad request gets an error reply (``not_leader`` or ``bad_request``), and
+so does one whose handling fails in any other way (logged too), and one whose answer would be over the size a
+message may carry; any other bad message, or one not authenticated, is dropped, logged and counted; the
+server keeps serving either way.
 """
 
 from __future__ import annotations
@@ -18,14 +23,14 @@ import time
 import numpy as np
 import zmq
 
+from dtrain.env import PS_HOST, EnvError
 from dtrain.ps import messages, wire
-from dtrain.ps.config import JobConfig
-from dtrain.ps.consistency import Push
+from dtrain.ps.consistency import MAX_AHEAD, MAX_WAITING, Push
 from dtrain.ps.hotkeys import HotCopies
 from dtrain.ps.keys import partition
 from dtrain.ps.replication import Replica
-from dtrain.ps.shard import Entry
-from dtrain.ps.transport import Endpoint, await_message
+from dtrain.ps.shard import Entry, EntryError
+from dtrain.ps.transport import Endpoint, PSError, await_message
 
 __all__ = ["Server", "RequestError", "NotLeaderError"]
 
@@ -43,15 +48,26 @@ class Server:
 
     def __init__(self, coordinator: str, secret: bytes, rank: int, host: str = "127.0.0.1") -> None:
         self.secret, self.rank = secret, rank
+        self.worker_key = wire.worker_key(secret)
+        self.keys = (self.worker_key, secret)  # what a request may be signed with; peers use the secret
+        self.limits = wire.Limits()
         self.ctx = zmq.Context()
         self.router = wire.configure_socket(self.ctx.socket(zmq.ROUTER))
-        self.router.bind(f"tcp://{host}:0" if ":" not in host else f"tcp://{host}")
+        address = f"tcp://{host}:0" if ":" not in host else f"tcp://{host}"
+        try:
+            self.router.bind(address)
+        except zmq.ZMQError as exc:
+            self.ctx.destroy(linger=0)
+            raise EnvError(f"{PS_HOST}: server {rank} cannot listen at {address}: {exc}") from None
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.coord = Endpoint(self.ctx, coordinator, secret, "coordinator")
         self.coord.send({"op": "register", "role": "server", "rank": rank, "endpoint": self.endpoint})
         welcome = await_message(self.coord, "welcome", 60.0)
-        self.config = JobConfig.from_dict(welcome.header["config"])
-        messages.check(messages.SERVER_CONTROL, "welcome", welcome.header, welcome.tensors, self.config)
+        try:  # the job first (the welcome's other fields are checked against it), then the whole welcome
+            self.config = messages.job_config(welcome.header)
+            messages.check(messages.SERVER_CONTROL, "welcome", welcome.header, welcome.tensors, self.config)
+        except messages.MessageError as exc:
+            raise PSError(f"server {rank}: a malformed welcome from the coordinator at {coordinator}: {exc}") from None
         self.ranges = partition(self.config.num_keys, self.config.num_servers)
         self.replicas: dict[int, Replica] = {}
         self.peers: dict[int, Endpoint] = {}
@@ -84,9 +100,17 @@ class Server:
         self.peers[rank].send(header, tensors)
 
     def _reply(self, reply: tuple, header: dict, tensors: list = ()) -> None:
-        ident, req = reply
-        self.router.send_multipart([ident, *wire.encode(self.secret, {"op": "reply", "req": req, **header}, tensors)],
-                                   copy=False)  # fmt: skip
+        """Answer a request, signed with the key it was signed with. An answer too large for a message to carry
+        becomes an error answer saying so: the asker would otherwise only see its request time out."""
+        ident, req, key = reply
+        frames = wire.encode(key, {"op": "reply", "req": req, **header}, tensors)
+        too_big = wire.oversize(frames, self.limits)
+        if too_big:
+            error = f"server {self.rank}: the answer is {too_big}"
+            print(f"server {self.rank}: answered request {req} with an error: {error}", file=sys.stderr)
+            frames = wire.encode(key, {"op": "reply", "req": req, "status": "error", "code": "bad_request",
+                                       "error": error})  # fmt: skip
+        self.router.send_multipart([ident, *frames], copy=False)
 
     def _ack(self, reply: tuple, header: dict) -> None:
         if reply:
@@ -101,22 +125,32 @@ class Server:
         return replica
 
     def handle(self, ident: bytes, msg: wire.Message) -> None:
-        """Check one authenticated message from a worker, a tool or a peer against its schema and the job
-        (:mod:`dtrain.ps.messages`), then act on it. A request that fails gets an error reply; anything else that
-        fails is counted and dropped."""
+        """Check one authenticated message from a worker, a tool or a peer against who may send it, its schema
+        and the job (:mod:`dtrain.ps.messages`), then act on it. A request that fails, in any way, gets an error
+        reply; anything else that fails is counted, logged and dropped."""
         op, h = msg.op, msg.header
         req = h.get("req")
-        reply = (ident, req) if op not in messages.PEER and type(req) is int and req >= 0 else None
+        peer = op in messages.PEER
+        reply = (ident, req, msg.key) if not peer and type(req) is int and 0 <= req < messages.MAX_COUNT else None
         try:
+            if peer and msg.key != self.secret:
+                raise messages.MessageError(f"{op}: servers send it to each other, and this one is signed with the "
+                                            "key workers hold")  # fmt: skip
             messages.check(messages.SERVER, op, h, msg.tensors, self.config, rank=self.rank)
             self._dispatch(op, h, msg.tensors, reply)
-        except (messages.MessageError, RequestError) as exc:
-            self.counts["errors"] += 1
-            if reply is None:
-                print(f"server {self.rank}: dropped a {op!r} message: {exc}", file=sys.stderr)
-                return
-            code = "not_leader" if isinstance(exc, NotLeaderError) else "bad_request"
-            self._reply(reply, {"status": "error", "code": code, "error": str(exc)})
+        except (messages.MessageError, RequestError, EntryError) as exc:
+            self._failed(op, reply, "not_leader" if isinstance(exc, NotLeaderError) else "bad_request", str(exc))
+        except Exception as exc:  # not the message's fault as far as the checks tell: still answered, and logged
+            self._failed(op, reply, "bad_request", f"server {self.rank} failed on it: {type(exc).__name__}: {exc}",
+                         log=True)  # fmt: skip
+
+    def _failed(self, op: str, reply: tuple | None, code: str, error: str, log: bool = False) -> None:
+        self.counts["errors"] += 1
+        if reply is None or log:
+            what = "dropped a" if reply is None else "answered with an error a"
+            print(f"server {self.rank}: {what} {op!r} message: {error}", file=sys.stderr)
+        if reply is not None:
+            self._reply(reply, {"status": "error", "code": code, "error": error})
 
     def _dispatch(self, op: str, h: dict, tensors: list, reply: tuple | None) -> None:
         """Act on a message that passed its schema: fields, shapes, dtypes and key ranges are as the job says."""
@@ -126,13 +160,15 @@ class Server:
             replica.receive(Entry(h["seq"], h["kind"], h["round"], keys, values, h["pushes"]))
             return self._serve_deferred(h["shard"])
         if op == "chain_ack":
-            return self._replica(h, head=False).chain_ack(h["seq"])
+            return self._replica(h, head=False).take_ack(h["seq"])
         if op == "hot_update":
             return self.hot.update(h["shard"], h["round"], h["slowest"], *tensors, self._serve)
         if op == "stats":
             return self._reply(reply, {"status": "ok", "stats": self.stats()})
         if op == "dump":
             replica = self._replica(h, head=False)
+            if not replica.state.ready:
+                raise RequestError(f"dump of shard {replica.index}: it is not initialised yet on server {self.rank}")
             names, arrays = zip(*replica.state.arrays().items(), strict=True)
             return self._reply(reply, {"status": "ok", "names": list(names), "seq": replica.state.seq}, arrays)
         if op == "pull" and self.hot.holds(h["shard"]) and not self._leads(h["shard"]):
@@ -143,6 +179,12 @@ class Server:
         replica = self._replica(h)
         if op == "pull":
             keys = tensors[0]
+            reason = replica.policy.refusal(h["clock"])
+            if reason:
+                raise RequestError(f"pull of shard {replica.index}: {reason}")
+            if sum(r[1] == h["worker"] for r in self.deferred.get(replica.index, [])) >= MAX_WAITING:
+                raise RequestError(f"pull of shard {replica.index}: worker {h['worker']} has {MAX_WAITING} pulls "
+                                   "waiting already")  # fmt: skip
             self.hot.count(replica, keys)
             request = (reply, h["worker"], h["clock"], keys, h.get("hot_seen", 0))
             self.deferred.setdefault(replica.index, []).append(request)
@@ -160,6 +202,13 @@ class Server:
             keys, grads = tensors
             if not replica.state.ready:
                 raise RequestError(f"shard {replica.index} is not initialised yet")
+            reason = replica.policy.refusal(h["clock"])
+            if reason:
+                raise RequestError(f"push to shard {replica.index}: {reason}")
+            held = int(replica.state.last_push[h["worker"]])
+            if h["push_id"] > held + MAX_AHEAD:
+                raise RequestError(f"push to shard {replica.index}: push_id {h['push_id']} is more than {MAX_AHEAD} "
+                                   f"past worker {h['worker']}'s pushes held ({held})")  # fmt: skip
             self.counts["pushes"] += 1
             replica.push(Push(h["worker"], h["push_id"], h["clock"], keys, grads, reply))
             self.hot.after_update(replica)
@@ -233,7 +282,7 @@ class Server:
             except zmq.Again:
                 return
             try:
-                msg = wire.decode(self.secret, frames[1:], guard=self.guard)
+                msg = wire.decode(self.keys, frames[1:], self.limits, guard=self.guard)
             except wire.WireError:
                 self.counts["rejected"] += 1
                 continue

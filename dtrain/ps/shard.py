@@ -5,6 +5,11 @@ replicas that applied the same prefix hold bit-identical weights and optimizer s
 approach of chain replication (van Renesse and Schneider, "Chain Replication for Supporting High Throughput
 and Availability", OSDI 2004). An entry is either the initial values or one optimizer step on some rows,
 together with the pushes it accounts for, so each replica also knows which pushes it holds.
+
+An entry is checked whole before it changes anything (:meth:`ShardState.refusal`): a step needs the initial
+values first, values are finite and of the shard's shape, keys distinct and in the shard, every push's worker,
+id and clock in range. A refused entry leaves the state as it was (its sequence number too), so the same entry
+is refused, or taken, alike on every replica.
 """
 
 from __future__ import annotations
@@ -15,9 +20,14 @@ import numpy as np
 
 from dtrain.ps.config import JobConfig
 from dtrain.ps.keys import KeyRange
+from dtrain.ps.messages import MAX_COUNT
 from dtrain.ps.optimizers import make_optimizer, rows_index
 
-__all__ = ["Entry", "ShardState"]
+__all__ = ["Entry", "EntryError", "ShardState"]
+
+
+class EntryError(ValueError):
+    """A log entry that the shard's state refuses: it is not applied and changes nothing."""
 
 
 @dataclass
@@ -63,10 +73,45 @@ class ShardState:
     def ready(self) -> bool:
         return self.weights is not None
 
+    def refusal(self, entry: Entry) -> str:
+        """Why ``entry``, the next one, cannot be applied to this state, or ``""``: every check comes before any
+        change, so a refused entry changes nothing."""
+        if entry.kind == "init":
+            if self.ready:
+                return "the shard is initialised already"
+            want = self.weights_shape
+            if entry.keys.size or entry.values.shape != want or entry.values.dtype != np.float32:
+                return f"an init entry holds no keys and float32 rows {want}, got {entry.values.shape}"
+        elif entry.kind == "step":
+            if not self.ready:
+                return "a step before the shard's initial values"
+            keys, values = entry.keys, entry.values
+            if keys.ndim != 1 or keys.dtype != np.int64 or not self.key_range.holds(keys):
+                return f"keys must be int64 inside [{self.key_range.lo}, {self.key_range.hi})"
+            if keys.size > 1 and not bool((keys[1:] > keys[:-1]).all()):
+                return "keys must be strictly increasing"
+            if values.shape != (keys.size, self.config.width) or values.dtype != np.float32:
+                return f"values must be float32 ({keys.size}, {self.config.width}), got {values.shape}"
+        else:
+            return f"unknown kind {entry.kind!r}"
+        if entry.values.size and not bool(np.isfinite(entry.values).all()):
+            return "its values are not all finite (NaN or infinity)"
+        if not (type(entry.round) is int and 0 <= entry.round < MAX_COUNT):
+            return f"round {entry.round!r} out of [0, 2**62)"
+        for push in entry.pushes:
+            if not (len(push) == 3 and all(type(v) is int and 0 <= v < MAX_COUNT for v in push)
+                    and push[0] < self.config.num_workers):  # fmt: skip
+                return f"push {push!r} is not [worker < {self.config.num_workers}, push_id, clock] in [0, 2**62)"
+        return ""
+
     def apply(self, entry: Entry) -> bool:
-        """Apply ``entry`` if it is the next one; ``False`` (and nothing changes) if it is old or out of order."""
+        """Apply ``entry`` if it is the next one; ``False`` (and nothing changes) if it is old or out of order;
+        :class:`EntryError` (and nothing changes) if it is the next one but refused (:meth:`refusal`)."""
         if entry.seq != self.seq + 1:
             return False
+        reason = self.refusal(entry)
+        if reason:
+            raise EntryError(f"shard {self.index}: {entry.kind} entry {entry.seq} refused: {reason}")
         if entry.kind == "init":
             self.weights = np.array(entry.values, dtype=np.float32, copy=True)
         elif entry.keys.size:

@@ -14,7 +14,11 @@ import zmq
 
 from dtrain.ps import wire
 
-__all__ = ["Endpoint", "PSTimeoutError", "await_message"]
+__all__ = ["Endpoint", "PSError", "PSTimeoutError", "await_message"]
+
+
+class PSError(RuntimeError):
+    """A peer refused a request or sent something malformed (the message names the peer and the problem)."""
 
 
 class PSTimeoutError(TimeoutError):
@@ -35,7 +39,8 @@ class Endpoint:
         self.sock.send_multipart(wire.encode(self.secret, header, tensors), copy=False)
 
     def try_recv(self) -> wire.Message | None:
-        """The next authenticated message, or ``None`` when none is waiting (bad ones are counted, skipped)."""
+        """The next authenticated message, or ``None`` when none is waiting (bad ones are counted, skipped:
+        :func:`~dtrain.ps.wire.decode` raises nothing but :class:`~dtrain.ps.wire.WireError`)."""
         while True:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)

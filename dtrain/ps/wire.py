@@ -6,24 +6,32 @@ A message is a ZeroMQ multipart message ``[header, tensor_0, ..., tensor_{n-1}, 
   tensor frames that follow (msgpack, like ps-lite's small meta header beside its raw ``SArray`` data);
 - each tensor frame is the tensor's raw little-endian bytes, nothing else: it is turned into a NumPy array with
   ``np.frombuffer`` and never unpickled;
-- ``mac`` is HMAC-SHA256 (RFC 2104) over every frame, each prefixed by its length, keyed by the job's shared
-  secret (:func:`local_secret` for one machine, ``DTRAIN_PS_SECRET`` on a cluster).
+- ``mac`` is the signing key's 8-byte id (:func:`key_id`, a hash of the key that says which key to check
+  with and nothing about the key) followed by HMAC-SHA256 (RFC 2104) over every frame, each prefixed by its
+  length, keyed by that key.
+
+Keys: the job's secret (:func:`local_secret` for one machine, ``DTRAIN_PS_SECRET`` on a cluster) signs what
+the coordinator, the servers and tools send; workers are given only :func:`worker_key` of it, from which the
+secret cannot be recovered. A receiver that holds both learns from :attr:`Message.key` which one signed a
+message, so a server takes replication traffic only from holders of the job's secret, never from a worker.
 
 Every header also carries a send time ``"ts"`` and a random ``"nonce"``; a receiver with a :class:`ReplayGuard`
 refuses a message whose time is more than ``window_s`` off its own clock or whose nonce it has already seen in
 that window, so a captured message cannot be played again (hosts' clocks must agree to well within the window).
 
 :func:`decode` checks, in this order and before any payload is interpreted: the frame count, the header and
-total sizes, the MAC, the header's schema (op name, dtype names from a fixed list, shapes of non-negative
-ints), and that each frame holds exactly ``prod(shape) * itemsize`` bytes. Any failure is a :class:`WireError`;
-a server drops that message and goes on serving. What a decoded message says is checked next, against its kind's
-schema and the job's configuration (:mod:`dtrain.ps.messages`). Sockets also carry ZeroMQ's ``MAXMSGSIZE``,
-which bounds each *frame*: a peer that sends a larger frame is disconnected by the transport before the bytes
-reach Python. The number of frames is checked only once ZeroMQ has received the whole multipart message, and
-the receive queue holds at most ``RCVHWM`` messages a peer, so a process that can reach the port but lacks the
-secret can still make a server buffer up to ``RCVHWM x frames x MAXMSGSIZE`` bytes before the MAC rejects them.
-Keep the servers on loopback or a private network (the default binds loopback); ZeroMQ's CURVE would
-authenticate connections before any message is buffered, and is not used here.
+total sizes, the MAC, the header's schema (op name, send time and nonce, ``[dtype, shape]`` entries with each
+part's type checked before it is used, dtype names from a fixed list, shapes of at most ``max_ndim``
+non-negative ints), and that each frame holds exactly ``prod(shape) * itemsize`` bytes. Any failure, whatever
+the header holds, is a :class:`WireError`; a server drops that message and goes on serving. What a decoded
+message says is checked next, against its kind's schema and the job's configuration (:mod:`dtrain.ps.messages`).
+:func:`oversize` lets a sender see that a message would be refused for its size before sending it. Sockets
+also carry ZeroMQ's ``MAXMSGSIZE``, which bounds each *frame*: a peer that sends a larger frame is disconnected
+by the transport before the bytes reach Python. The number of frames is checked only once ZeroMQ has received
+the whole multipart message, and the receive queue holds at most ``RCVHWM`` messages a peer, so a process that
+can reach the port but lacks the secret can still make a server buffer up to ``RCVHWM x frames x MAXMSGSIZE``
+bytes before the MAC rejects them. Keep the servers on loopback or a private network (the default binds
+loopback); ZeroMQ's CURVE would authenticate connections before any message is buffered, and is not used here.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import msgpack
@@ -52,7 +61,10 @@ __all__ = [
     "decode",
     "encode",
     "local_secret",
+    "key_id",
+    "oversize",
     "secret_from_env",
+    "worker_key",
     "configure_socket",
 ]
 
@@ -60,6 +72,7 @@ __all__ = [
 DTYPES = {"f4": np.float32, "f8": np.float64, "i8": np.int64, "i4": np.int32, "u8": np.uint64, "f2": np.float16}
 _NAMES = {np.dtype(t): name for name, t in DTYPES.items()}
 MAC_BYTES = hashlib.sha256().digest_size
+KEY_ID_BYTES = 8
 SECRET_ENV = PS_SECRET
 
 
@@ -79,10 +92,12 @@ class Limits:
 
 @dataclass
 class Message:
-    """A decoded message: its header (a dict, ``"t"`` removed) and its tensors (read-only NumPy views)."""
+    """A decoded message: its header (a dict, ``"t"`` removed), its tensors (read-only NumPy views) and the key
+    that signed it (one of those :func:`decode` was given; an answer is signed with the same key)."""
 
     header: dict[str, Any]
     tensors: list[np.ndarray] = field(default_factory=list)
+    key: bytes = field(default=b"", repr=False)
 
     @property
     def op(self) -> str:
@@ -99,9 +114,9 @@ class ReplayGuard:
 
     def check(self, header: dict[str, Any]) -> None:
         ts, nonce, now = header.get("ts"), header.get("nonce"), time.time()
-        if not isinstance(ts, float) or not isinstance(nonce, int):
+        if type(ts) is not float or type(nonce) is not int:
             raise WireError("header lacks its send time 'ts' (float) and 'nonce' (int)")
-        if abs(now - ts) > self.window_s:
+        if not abs(now - ts) <= self.window_s:  # also a NaN time
             raise WireError(f"message sent {now - ts:.1f} s from now, outside the {self.window_s} s replay window")
         if nonce in self.seen:
             raise WireError("message replayed: its nonce was already seen")
@@ -114,6 +129,18 @@ class ReplayGuard:
 def local_secret() -> bytes:
     """A fresh 32-byte secret for a job on one machine (its processes get it through the environment)."""
     return secrets.token_bytes(32)
+
+
+def worker_key(secret: bytes) -> bytes:
+    """The key a worker is given: HMAC-SHA256 of the job's ``secret`` over a fixed label. It signs requests to
+    servers and the coordinator; it cannot sign what servers send each other, and it does not give the secret."""
+    return hmac.new(secret, b"dtrain.ps worker key", hashlib.sha256).digest()
+
+
+@lru_cache(maxsize=64)
+def key_id(key: bytes) -> bytes:
+    """The 8 bytes in front of a message's MAC that say which key signed it (a hash: it does not reveal the key)."""
+    return hashlib.sha256(b"dtrain.ps key id\0" + key).digest()[:KEY_ID_BYTES]
 
 
 def secret_from_env() -> bytes:
@@ -135,12 +162,28 @@ def configure_socket(sock: zmq.Socket, limits: Limits = Limits()) -> zmq.Socket:
     return sock
 
 
-def _mac(secret: bytes, frames: Sequence[bytes | memoryview]) -> bytes:
+def _hmac(secret: bytes, frames: Sequence[bytes | memoryview]) -> bytes:
     h = hmac.new(secret, digestmod=hashlib.sha256)
     for frame in frames:
         h.update(len(frame).to_bytes(8, "little"))
         h.update(frame)
     return h.digest()
+
+
+def _mac(secret: bytes, frames: Sequence[bytes | memoryview]) -> bytes:
+    """The last frame of a message signed by ``secret``: its key id, then the HMAC."""
+    return key_id(secret) + _hmac(secret, frames)
+
+
+def oversize(frames: Sequence, limits: Limits = Limits()) -> str:
+    """Why a receiver with ``limits`` would refuse these encoded frames for their size, or ``""`` if they fit:
+    a sender checks its answer with this, so that an answer too large becomes an error, not a silence."""
+    header, total = len(frames[0]), sum(len(f) for f in frames)
+    if header > limits.max_header_bytes:
+        return f"its header of {header} bytes is over the {limits.max_header_bytes} bytes a header may take"
+    if total > limits.max_message_bytes:
+        return f"{total} bytes, over the {limits.max_message_bytes} bytes a message may carry"
+    return ""
 
 
 def encode(secret: bytes, header: dict[str, Any], tensors: Sequence[np.ndarray] = ()) -> list:
@@ -159,16 +202,24 @@ def encode(secret: bytes, header: dict[str, Any], tensors: Sequence[np.ndarray] 
     return [*frames, _mac(secret, frames)]
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _check_meta(meta: Any, payload: Sequence[memoryview], limits: Limits) -> list[tuple[np.dtype, tuple]]:
     if not isinstance(meta, list) or len(meta) != len(payload):
-        raise WireError(f"header lists {len(meta) if isinstance(meta, list) else meta!r} tensors, got {len(payload)}")
+        listed = len(meta) if isinstance(meta, list) else _short(meta)
+        raise WireError(f"header lists {listed} tensors, got {len(payload)}")
     out = []
     for i, (entry, frame) in enumerate(zip(meta, payload, strict=True)):
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in DTYPES and isinstance(entry[1], list)):
-            raise WireError(f"tensor {i}: bad [dtype, shape] entry {entry!r}")
+        # each part's type first: a list where a name goes is unhashable, and must be refused, not raise
+        if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is str and entry[0] in DTYPES
+                and isinstance(entry[1], list)):  # fmt: skip
+            raise WireError(f"tensor {i}: bad [dtype, shape] entry {_short(entry)}")
         shape = entry[1]
         if len(shape) > limits.max_ndim or not all(type(d) is int and d >= 0 for d in shape):
-            raise WireError(f"tensor {i}: bad shape {shape!r} (at most {limits.max_ndim} non-negative ints)")
+            raise WireError(f"tensor {i}: bad shape {_short(shape)} (at most {limits.max_ndim} non-negative ints)")
         dtype = np.dtype(DTYPES[entry[0]])
         expected = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot wrap around to a match
         if expected != len(frame):
@@ -177,9 +228,20 @@ def _check_meta(meta: Any, payload: Sequence[memoryview], limits: Limits) -> lis
     return out
 
 
-def decode(secret: bytes, frames: Sequence, limits: Limits = Limits(), guard: ReplayGuard | None = None) -> Message:
-    """Check and decode a received multipart message (bytes or ``zmq.Frame`` parts); :class:`WireError` if bad
-    (with ``guard``, also if it is stale or a replay)."""
+def decode(keys: bytes | Sequence[bytes], frames: Sequence, limits: Limits = Limits(),
+           guard: ReplayGuard | None = None) -> Message:  # fmt: skip
+    """Check and decode a received multipart message (bytes or ``zmq.Frame`` parts) signed by one of ``keys`` (a
+    key or several); :class:`WireError` if bad (with ``guard``, also if it is stale or a replay), and never any
+    other exception."""
+    try:
+        return _decode([keys] if isinstance(keys, bytes) else keys, frames, limits, guard)
+    except WireError:
+        raise
+    except Exception as exc:  # every check above should have caught it; still a bad message, never a crash
+        raise WireError(f"malformed message ({type(exc).__name__}: {_short(str(exc))})") from None
+
+
+def _decode(keys: Sequence[bytes], frames: Sequence, limits: Limits, guard: ReplayGuard | None) -> Message:
     views = [f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames]
     if not 2 <= len(views) <= limits.max_tensors + 2:
         raise WireError(f"a message has 2 to {limits.max_tensors + 2} frames, got {len(views)}")
@@ -188,8 +250,10 @@ def decode(secret: bytes, frames: Sequence, limits: Limits = Limits(), guard: Re
     total = sum(len(v) for v in views)
     if total > limits.max_message_bytes:
         raise WireError(f"message of {total} bytes is over the limit of {limits.max_message_bytes}")
-    if not hmac.compare_digest(bytes(views[-1]), _mac(secret, views[:-1])):
-        raise WireError("message not authenticated: its HMAC does not match the job's secret")
+    trailer = bytes(views[-1])
+    key = next((k for k in keys if key_id(k) == trailer[:KEY_ID_BYTES]), None)
+    if key is None or not hmac.compare_digest(trailer[KEY_ID_BYTES:], _hmac(key, views[:-1])):
+        raise WireError("message not authenticated: its HMAC does not match a key of this job that it may use")
     try:
         header = msgpack.unpackb(views[0], raw=False, strict_map_key=True)  # size already bounded above
     except Exception as exc:  # msgpack raises several types on bad input; all mean the same here
@@ -204,4 +268,4 @@ def decode(secret: bytes, frames: Sequence, limits: Limits = Limits(), guard: Re
         tensors = [np.frombuffer(v, dtype=d).reshape(s) for v, (d, s) in zip(payload, meta, strict=True)]
     except ValueError as exc:  # sizes were checked above; anything numpy still refuses is a bad message too
         raise WireError(f"tensor frames do not match their header: {exc}") from None
-    return Message(header=header, tensors=tensors)
+    return Message(header=header, tensors=tensors, key=key)

@@ -27,13 +27,9 @@ from dtrain.ps.config import JobConfig
 from dtrain.ps.hotkeys import HotRouter
 from dtrain.ps.keys import partition, split_by_range
 from dtrain.ps.optimizers import rows_index
-from dtrain.ps.transport import Endpoint, PSTimeoutError, await_message
+from dtrain.ps.transport import Endpoint, PSError, PSTimeoutError, await_message
 
 __all__ = ["Worker", "PSError", "PSTimeoutError"]
-
-
-class PSError(RuntimeError):
-    """A server refused a request (the message is the server's reason)."""
 
 
 @dataclass
@@ -44,6 +40,7 @@ class _Request:
     header: dict
     tensors: list
     positions: np.ndarray | None  # pull: where its rows go in the handle's result
+    inverse: np.ndarray | None = None  # pull: for each of those places, which of the distinct keys sent
     copy: bool = False  # pull from a hot-row copy rather than the shard's head
     sent_at: float = 0.0
     first_sent: float = 0.0
@@ -66,9 +63,17 @@ class Worker:
         self.ctx = zmq.Context()
         self.coord = Endpoint(self.ctx, coordinator, secret, "coordinator")
         self.coord.send({"op": "register", "role": "worker", "rank": rank})
-        welcome = await_message(self.coord, "welcome", register_timeout_s)
-        self.config = JobConfig.from_dict(welcome.header["config"])
-        messages.check(messages.WORKER_CONTROL, "welcome", welcome.header, welcome.tensors, self.config)
+        try:
+            welcome = await_message(self.coord, "welcome", register_timeout_s)
+            # the job first (the welcome's other fields are checked against it), then the whole welcome
+            self.config: JobConfig = messages.job_config(welcome.header)
+            messages.check(messages.WORKER_CONTROL, "welcome", welcome.header, welcome.tensors, self.config)
+        except messages.MessageError as exc:
+            self.ctx.destroy(linger=0)
+            raise PSError(f"worker {rank}: a malformed welcome from the coordinator at {coordinator}: {exc}") from None
+        except BaseException:
+            self.ctx.destroy(linger=0)
+            raise
         self.layout = welcome.header["layout"]
         self.ranges = partition(self.config.num_keys, self.config.num_servers)
         self.servers: dict[int, Endpoint] = {}
@@ -119,7 +124,8 @@ class Worker:
 
     def pull(self, keys: np.ndarray) -> int:
         """Ask for the rows of ``keys`` (any order, repeats allowed); ``wait`` returns them ``(n, width)`` in the
-        order of ``keys``, a repeated key's row at each of its places."""
+        order of ``keys``, a repeated key's row at each of its places. Each server is asked for a key once (it
+        refuses repeats), so an answer is never larger than the shard."""
         keys = self._check(keys)
         parts = self._parts(keys, every_shard=self.config.mode != "async")
         handle = self._handle("pull", 0)
@@ -137,7 +143,10 @@ class Worker:
                 header = {"op": "pull", "shard": shard, "worker": self.rank, "clock": clock,
                           "hot_seen": self.hot.seen(shard)}  # fmt: skip
                 self.handles[handle].left += 1
-                self._send(_Request(handle, shard, server, header, [keys[pos][mask]], pos[mask], copy=copy))
+                part, inverse = keys[pos][mask], None
+                if part.size > 1 and not bool((part[1:] > part[:-1]).all()):  # repeats or out of order: send each once
+                    part, inverse = np.unique(part, return_inverse=True)
+                self._send(_Request(handle, shard, server, header, [part], pos[mask], inverse, copy=copy))
         return handle
 
     def tick(self) -> None:
@@ -235,7 +244,8 @@ class Worker:
         if h.get("status") == "error":
             raise PSError(f"server {req.server} refused {req.header['op']} of shard {req.shard}: {h.get('error')}")
         if req.header["op"] == "pull":
-            handle.result[rows_index(req.positions)] = msg.tensors[0]
+            rows = msg.tensors[0] if req.inverse is None else msg.tensors[0][req.inverse.reshape(-1)]
+            handle.result[rows_index(req.positions)] = rows
             self.round_of[req.shard] = max(self.round_of[req.shard], h["round"])
             if not req.copy:
                 self.hot.learn(req.shard, h, msg.tensors)

@@ -140,3 +140,74 @@ def test_a_role_with_a_malformed_configuration_variable_exits_2_with_one_line(va
     assert done.returncode == 2, done
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert expected in done.stderr, done.stderr
+
+
+GOOD_JOB = {"num_keys": 4, "width": 2, "num_servers": 1, "num_workers": 1, "mode": "async", "timeout_s": 0.5}
+
+
+def _role_against_fakes(role: str, job: dict, server_answer: dict | None) -> subprocess.CompletedProcess:
+    """Run ``python -m dtrain.ps`` as ``role`` against a fake coordinator, which welcomes it with ``job``, and a
+    fake server, which answers every request with ``server_answer`` (or never, when None)."""
+    import zmq
+
+    from dtrain.ps import wire
+
+    repo = Path(__file__).resolve().parents[2]
+    secret = wire.local_secret()
+    keys = (secret, wire.worker_key(secret))
+    ctx = zmq.Context()
+    try:
+        coordinator, server = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+        coordinator.bind("tcp://127.0.0.1:*")
+        server.bind("tcp://127.0.0.1:*")
+        env = {**os.environ, "PYTHONPATH": str(repo), "DTRAIN_PS_ROLE": role, "DTRAIN_PS_RANK": "0",
+               "DTRAIN_PS_COORDINATOR": coordinator.getsockopt_string(zmq.LAST_ENDPOINT),
+               "DTRAIN_PS_SECRET": (keys[1] if role == "worker" else secret).hex(),
+               "DTRAIN_PS_TASK": json.dumps({"task": "synthetic", "steps": 1, "width": 2})}  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", "dtrain.ps"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        layout = {"epoch": 0, "chains": [[0]], "endpoints": [server.getsockopt_string(zmq.LAST_ENDPOINT)]}
+        deadline = time.monotonic() + 60
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                for sock in (coordinator, server):
+                    if not sock.poll(10):
+                        continue
+                    ident, *frames = sock.recv_multipart()
+                    msg = wire.decode(keys, frames)
+                    if msg.op == "register":
+                        welcome = {"op": "welcome", "role": role, "rank": 0, "config": job, "layout": layout}
+                        sock.send_multipart([ident, *wire.encode(msg.key, welcome)])
+                    elif sock is server and server_answer is not None:
+                        answer = {"op": "reply", "req": msg.header["req"], **server_answer}
+                        sock.send_multipart([ident, *wire.encode(msg.key, answer)])
+            out, err = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(
+    ("role", "job", "server_answer", "expected"),
+    [
+        ("worker", {"num_keys": "x", "width": 2}, None,
+         "worker 0: a malformed welcome from the coordinator at tcp://127.0.0.1:"),
+        ("server", {**GOOD_JOB, "lr": "fast"}, None, "server 0: a malformed welcome from the coordinator at tcp://"),
+        ("worker", GOOD_JOB, None, "worker 0: no answer from server 0 at tcp://127.0.0.1:"),
+        ("worker", GOOD_JOB, {"status": "ok"}, "server 0 answered init of shard 0 with a malformed reply"),
+        ("worker", GOOD_JOB, {"status": "error", "code": "bad_request", "error": "no"},
+         "server 0 refused init of shard 0: no"),
+    ],
+    ids=["bad-job-to-worker", "bad-job-to-server", "silent-server", "malformed-reply", "refusal"],
+)  # fmt: skip
+def test_a_role_that_gets_a_malformed_or_no_answer_exits_1_with_one_line(role, job, server_answer, expected):
+    done = _role_against_fakes(role, job, server_answer)
+    assert done.returncode == 1, done
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dtrain.ps: error: "), lines
+    assert expected in lines[0], lines[0]

@@ -54,7 +54,8 @@ def test_a_well_formed_hot_update_to_a_copy_holder_passes():
         (HOT, 1, {"shard": 0, "round": 0, "slowest": 0}, [_keys(1, 2, 3, 4, 5), _rows(5)], "over hot_keys=4"),
         (HOT, 2, {"shard": 0, "round": 0, "slowest": 0}, [_keys(1), _rows(1)], "server 2 holds no copies of shard 0"),
         (HOT, 0, {"shard": 0, "round": 0, "slowest": 0}, [_keys(1), _rows(1)], "server 0 holds no copies of shard 0"),
-        (HOT, 1, {"shard": 0, "round": -1, "slowest": 0}, [_keys(1), _rows(1)], "round must be an int >= 0"),
+        (HOT, 1, {"shard": 0, "round": -1, "slowest": 0}, [_keys(1), _rows(1)],
+         r"round must be an int in \[0, 2\*\*62\)"),
         (HOT, 1, {"shard": 0, "round": 0}, [_keys(1), _rows(1)], "slowest is missing"),
         (HOT, 1, {"shard": 0, "round": 0, "slowest": 0, "extra": 1}, [_keys(1), _rows(1)], "not in the schema: extra"),
         (HOT, 1, {"shard": 0, "round": 0, "slowest": 0}, [_keys(1)], "carries 1 tensors"),
@@ -174,3 +175,118 @@ def test_a_forged_hot_update_installs_nothing_and_the_server_still_answers_not_l
         assert (after["errors"], after["rejected"]) == (before["errors"] + 1, before["rejected"] + 1)
     own = _ask(c, sock, {"op": "pull", "shard": 0, "worker": 0, "clock": 0, "req": 6}, [_keys(3, 0)])
     assert own.header["status"] == "ok" and own.tensors[0][:, 0].tolist() == [3.0, 0.0]
+
+
+# --- bounds on every int, types before values, finite floats ---------------------------------------------------
+
+PUSH = {"req": 1, "shard": 0, "worker": 0, "push_id": 0, "clock": 0}
+
+
+@pytest.mark.parametrize(
+    ("table", "op", "header", "tensors", "config", "reason"),
+    [
+        (messages.SERVER, "push", {**PUSH, "clock": 2**63 - 1}, [_keys(1), _rows(1)], HOT, r"clock must be an int in"),
+        (messages.SERVER, "push", {**PUSH, "clock": 2**62}, [_keys(1), _rows(1)], HOT, r"\[0, 2\*\*62\), got"),
+        (messages.SERVER, "push", {**PUSH, "push_id": 2**64 - 1}, [_keys(1), _rows(1)], HOT, "push_id must be"),
+        (messages.SERVER, "pull", {"req": 2**62, "shard": 0, "worker": 0, "clock": 0}, [_keys(1)], HOT, "req must"),
+        (messages.SERVER, "rep", {"shard": 0, "seq": 1, "round": 2**63, "kind": "step", "pushes": []},
+         [_keys(1), _rows(1)], REPLICATED, "round must be"),
+        (messages.SERVER, "rep", {"shard": 0, "seq": 1, "round": 1, "kind": "step", "pushes": [[0, 0, 2**63 - 1]]},
+         [_keys(1), _rows(1)], REPLICATED, "pushes must be"),
+        (messages.SERVER, "chain_ack", {"shard": 0, "seq": 2**62}, [], REPLICATED, "seq must be"),
+        (messages.WORKER_CONTROL, "layout", {"layout": {"epoch": 1, "chains": [[[0]], [1], [2]],
+                                                        "endpoints": [None] * 3}}, [], HOT, "layout must be"),
+        (messages.WORKER_CONTROL, "layout", {"layout": {"epoch": 2**62, "chains": [[0], [1], [2]],
+                                                        "endpoints": [None] * 3}}, [], HOT, "layout must be"),
+        (messages.SERVER, "pull", {"req": 1, "shard": 0, "worker": 0, "clock": 0}, [_keys(1, 2, 1)], HOT,
+         "keys must be distinct"),
+        (messages.SERVER, "push", PUSH, [_keys(1), np.array([[np.nan, 0]], np.float32)], HOT,
+         "values must be finite"),
+        (messages.SERVER, "init", {"req": 1, "shard": 0}, [np.full((10, 2), np.inf, np.float32)], HOT,
+         "rows must be finite"),
+        (messages.SERVER, "rep", {"shard": 0, "seq": 1, "round": 1, "kind": "step", "pushes": []},
+         [_keys(1), np.array([[0, -np.inf]], np.float32)], REPLICATED, "values must be finite"),
+        (messages.SERVER, "rep", {"shard": 0, "seq": 1, "round": 0, "kind": "init", "pushes": []},
+         [_keys(), np.full((10, 2), np.nan, np.float32)], REPLICATED, "rows must be finite"),
+        (messages.SERVER, "hot_update", {"shard": 0, "round": 0, "slowest": 0},
+         [_keys(1), np.array([[np.nan, 1]], np.float32)], HOT, "values must be finite"),
+        (messages.SERVER, "chain_ack", {"shard": 0, "seq": 1}, [],
+         JobConfig(num_keys=30, width=2, num_servers=3, replicas=2, replication="primary_backup"),
+         "not used with replication=primary_backup"),
+    ],
+)  # fmt: skip
+def test_out_of_range_ints_wrong_types_repeats_and_non_finite_values_are_refused(table, op, header, tensors, config,
+                                                                                 reason):  # fmt: skip
+    with pytest.raises(messages.MessageError, match=reason):
+        _check(table, op, header, tensors, config, rank=1)
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        ([1, 2], "config must be a map"),
+        ({"num_keys": "x", "width": 2}, "config is not a valid job"),
+        ({"num_keys": 8, "width": 2, "lr": "fast"}, "config is not a valid job"),
+        ({"num_keys": 8, "width": 2, "surprise": 1}, "config is not a valid job"),
+    ],
+)
+def test_a_welcome_with_a_malformed_job_is_a_message_error(config, reason):
+    with pytest.raises(messages.MessageError, match=reason):
+        messages.job_config({"op": "welcome", "config": config})
+
+
+def test_a_hot_copy_refuses_a_pull_too_far_ahead_and_too_many_waiting_pulls():
+    from dtrain.ps.consistency import MAX_AHEAD, MAX_WAITING
+    from dtrain.ps.hotkeys import HotCopies
+    from dtrain.ps.keys import partition
+
+    config = JobConfig(num_keys=30, width=2, num_servers=3, num_workers=2, mode="sync", hot_keys=4)
+    copies = HotCopies(config, 1, partition(30, 3), lambda *a: None)
+    copies.update(0, 3, 0, _keys(1, 4), _rows(2), lambda *a: None)
+    with pytest.raises(ValueError, match=f"more than {MAX_AHEAD} past"):
+        copies.pull(0, (None, 0, 3 + MAX_AHEAD + 1, _keys(1)), lambda *a: None)
+    for _ in range(MAX_WAITING):  # round 4 is not there yet: they wait
+        copies.pull(0, (None, 1, 4, _keys(4)), lambda *a: None)
+    with pytest.raises(ValueError, match=f"worker 1 has {MAX_WAITING} pulls"):
+        copies.pull(0, (None, 1, 4, _keys(4)), lambda *a: None)
+    assert len(copies.waiting[0]) == MAX_WAITING
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys", "values", "pushes", "reason"),
+    [
+        ("step", _keys(1), _rows(1), [[0, 0, 2**63 - 1]], "push"),  # the clock that overflowed clocks[worker] + 1
+        ("step", _keys(1, 2), np.array([[1, 1], [np.nan, 1]], np.float32), [[0, 0, 0]], "not all finite"),
+        ("step", _keys(2, 1), _rows(2), [[0, 0, 0]], "strictly increasing"),
+        ("step", _keys(12), _rows(1), [[0, 0, 0]], "inside"),
+        ("init", _keys(), _rows(10), [], "initialised already"),
+        ("drop", _keys(), _rows(0), [], "unknown kind"),
+    ],
+)  # fmt: skip
+def test_a_refused_entry_changes_nothing_in_the_shard(kind, keys, values, pushes, reason):
+    from dtrain.ps.keys import KeyRange
+    from dtrain.ps.shard import Entry, EntryError, ShardState
+
+    config = JobConfig(num_keys=30, width=2, num_servers=3, num_workers=2, optimizer="adam")
+    state = ShardState(config, 0, KeyRange(0, 10))
+    state.apply(Entry(1, "init", 0, _keys(), np.ones((10, 2), np.float32), []))
+    state.apply(Entry(2, "step", 1, _keys(3), np.ones((1, 2), np.float32), [[1, 0, 0]]))
+    before = {name: np.array(a, copy=True) for name, a in state.arrays().items()}
+    with pytest.raises(EntryError, match=reason):
+        state.apply(Entry(3, kind, 2, keys, values, pushes))
+    assert (state.seq, state.round, state.last_push.tolist()) == (2, 1, [-1, 0])
+    for name, a in state.arrays().items():
+        np.testing.assert_array_equal(a, before[name], err_msg=name)
+
+
+def test_a_step_entry_before_init_is_refused_and_leaves_the_sequence_where_it_was():
+    from dtrain.ps.keys import KeyRange
+    from dtrain.ps.shard import Entry, EntryError, ShardState
+
+    config = JobConfig(num_keys=30, width=2, num_servers=3, num_workers=2, momentum=0.9)
+    state = ShardState(config, 0, KeyRange(0, 10))
+    with pytest.raises(EntryError, match="a step before the shard's initial values"):
+        state.apply(Entry(1, "step", 1, _keys(1), np.ones((1, 2), np.float32), [[0, 0, 0]]))
+    assert state.seq == 0 and not state.optimizer.state["started"].any()
+    assert state.apply(Entry(1, "init", 0, _keys(), np.ones((10, 2), np.float32), []))
+    assert state.ready and state.seq == 1

@@ -221,3 +221,146 @@ def test_a_malformed_replication_entry_changes_nothing_and_the_server_keeps_serv
     _pull_works(cluster, sock)  # still serving, and the weights are still the initial ones
     after = cluster.ask_server(0, {"op": "stats"}).header["stats"]
     assert after["errors"] == before["errors"] + 1
+
+
+# --- every header field is type-checked before use ------------------------------------------------------------
+
+
+def _signed(header: dict, payload: list[bytes], secret: bytes = SECRET) -> list[bytes]:
+    """Frames signed by ``secret`` whose header is exactly ``header`` (with a fresh send time and nonce unless it
+    sets them), for headers that ``wire.encode`` would never write."""
+    head = wire.msgpack.packb({"ts": time.time(), "nonce": int(time.time_ns()), **header}, use_bin_type=True)
+    frames = [head, *payload]
+    return [*frames, wire._mac(secret, frames)]
+
+
+BAD_HEADERS = [
+    ({"op": "pull", "t": [[["f4"], [1]]]}, [b"\0" * 4], "bad \\[dtype, shape\\]"),  # a list where the name goes
+    ({"op": "pull", "t": [[{"f4": 1}, [1]]]}, [b"\0" * 4], "bad \\[dtype, shape\\]"),
+    ({"op": "pull", "t": [["f4", [[1]]]]}, [b"\0" * 4], "bad shape"),
+    ({"op": "pull", "t": [["f4", [1.0]]]}, [b"\0" * 4], "bad shape"),
+    ({"op": "pull", "t": [["f4", [True]]]}, [b"\0" * 4], "bad shape"),
+    ({"op": "pull", "t": [["f4", {"1": 1}]]}, [b"\0" * 4], "bad \\[dtype, shape\\]"),
+    ({"op": "pull", "t": {"f4": [1]}}, [b"\0" * 4], "tensors"),
+    ({"op": ["pull"], "t": []}, [], "str 'op'"),
+    ({"op": "pull", "t": [], "ts": float("nan")}, [], "replay window"),
+    ({"op": "pull", "t": [], "ts": [1.0]}, [], "send time"),
+    ({"op": "pull", "t": [], "nonce": [1]}, [], "nonce"),
+]
+
+
+@pytest.mark.parametrize(("header", "payload", "reason"), BAD_HEADERS)
+def test_a_header_field_of_the_wrong_type_is_a_wire_error(header, payload, reason):
+    with pytest.raises(wire.WireError, match=reason):
+        wire.decode(SECRET, _signed(header, payload), guard=wire.ReplayGuard())
+
+
+@pytest.mark.parametrize(("header", "payload", "reason"), BAD_HEADERS[:7])
+def test_a_signed_wrongly_typed_header_is_dropped_and_the_server_keeps_serving(server, header, payload, reason):
+    cluster, sock = server
+    before = _rejected(cluster)
+    sock.send_multipart(_signed(header, payload, cluster.secret))
+    _pull_works(cluster, sock)
+    assert cluster.procs["server0"].poll() is None
+    assert _rejected(cluster) == before + 1
+
+
+def test_an_endpoint_skips_a_wrongly_typed_message_and_takes_the_next():
+    from dtrain.ps.transport import Endpoint
+
+    ctx = zmq.Context()
+    try:
+        router = ctx.socket(zmq.ROUTER)
+        router.bind("inproc://peer")
+        ep = Endpoint(ctx, "inproc://peer", SECRET, "peer")
+        ep.send({"op": "hello"})
+        ident = router.recv_multipart()[0]
+        router.send_multipart([ident, *_signed({"op": "reply", "t": [[["f4"], [1]]]}, [b"\0" * 4])])
+        router.send_multipart([ident, *wire.encode(SECRET, {"op": "reply", "req": 3})])
+        assert ep.sock.poll(5_000)
+        time.sleep(0.05)  # both are in
+        assert ep.try_recv().header["req"] == 3
+        assert ep.rejected == 1
+    finally:
+        ctx.destroy(linger=0)
+
+
+# --- values, key counts and answer sizes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("header", "tensors", "reason"),
+    [
+        ({"op": "push", "shard": 0, "worker": 0, "push_id": 0, "clock": 0},
+         [np.array([1], np.int64), np.array([[np.nan, 0.0]], np.float32)], "values must be finite"),
+        ({"op": "push", "shard": 0, "worker": 0, "push_id": 0, "clock": 0},
+         [np.array([1, 2], np.int64), np.array([[1.0, 0.0], [0.0, -np.inf]], np.float32)], "values must be finite"),
+        ({"op": "init", "shard": 0}, [np.full((8, 2), np.inf, np.float32)], "rows must be finite"),
+        ({"op": "pull", "shard": 0, "worker": 0, "clock": 0}, [np.array([1, 3, 1], np.int64)], "must be distinct"),
+        ({"op": "pull", "shard": 0, "worker": 0, "clock": 0}, [np.zeros(1000, np.int64)], "must be distinct"),
+    ],
+)  # fmt: skip
+def test_non_finite_values_and_repeated_pull_keys_are_refused_and_nothing_changes(server, header, tensors, reason):
+    cluster, sock = server
+    sock.send_multipart(wire.encode(cluster.worker_secret, {**header, "req": 31}, tensors))
+    assert sock.poll(10_000)
+    reply = wire.decode(cluster.worker_secret, sock.recv_multipart())
+    assert reply.header["status"] == "error" and reply.header["req"] == 31
+    assert reason in reply.header["error"], reply.header["error"]
+    _pull_works(cluster, sock)  # the rows are still the initial ones
+
+
+def _bare_server(limits: wire.Limits | None = None):
+    """A Server's message handling without its process: a ROUTER on inproc and a DEALER talking to it."""
+    from dtrain.ps.hotkeys import HotCopies
+    from dtrain.ps.server import Server
+
+    server = Server.__new__(Server)
+    server.secret, server.rank, server.limits = SECRET, 0, limits or wire.Limits()
+    server.worker_key = wire.worker_key(SECRET)
+    server.config = JobConfig(num_keys=8, width=2, num_servers=1, num_workers=1, mode="async")
+    server.replicas, server.deferred, server.guard = {}, {}, wire.ReplayGuard()
+    server.hot = HotCopies(server.config, 0, [], lambda *a: None)
+    server.counts = {"rejected": 0, "errors": 0, "pulls": 0, "rows_served": 0, "pushes": 0}
+    ctx = zmq.Context()
+    server.router = ctx.socket(zmq.ROUTER)
+    server.router.bind("inproc://server")
+    client = ctx.socket(zmq.DEALER)
+    client.connect("inproc://server")
+    return ctx, server, client
+
+
+def _handled(server, client, header: dict) -> wire.Message:
+    client.send_multipart(wire.encode(server.worker_key, header))
+    frames = server.router.recv_multipart()
+    server.handle(frames[0], wire.decode((server.worker_key, SECRET), frames[1:]))
+    assert client.poll(5_000), "no answer"
+    return wire.decode(server.worker_key, client.recv_multipart())
+
+
+def test_an_answer_over_the_message_size_is_an_error_answer_not_a_silence():
+    ctx, server, client = _bare_server(wire.Limits(max_message_bytes=2000))
+    try:
+        server._dispatch = lambda op, h, tensors, reply: server._reply(reply, {"status": "ok"},
+                                                                       [np.zeros((300, 2), np.float32)])  # fmt: skip
+        reply = _handled(server, client, {"op": "stats", "req": 4})
+        assert reply.header["req"] == 4 and reply.header["status"] == "error"
+        assert "over the 2000 bytes a message may carry" in reply.header["error"]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_an_unexpected_failure_in_handling_a_request_is_answered_and_logged(capsys):
+    ctx, server, client = _bare_server()
+    try:
+
+        def fails(op, h, tensors, reply):
+            raise KeyError("something the checks did not foresee")
+
+        server._dispatch = fails
+        reply = _handled(server, client, {"op": "stats", "req": 5})
+        assert reply.header["req"] == 5 and reply.header["status"] == "error"
+        assert "KeyError" in reply.header["error"] and server.counts["errors"] == 1
+        assert "server 0: answered with an error a 'stats' message: " in capsys.readouterr().err
+    finally:
+        ctx.destroy(linger=0)
