@@ -218,6 +218,15 @@ def _all_gather_int64(group, value: int, device: torch.device) -> list[int]:
     return [int(t) for t in every]
 
 
+def _bounded(n: int) -> int:
+    """A length announced by rank 0, refused before anything is allocated when out of range."""
+    from dtrain.comm.values import MAX_BYTES
+
+    if not 0 <= n <= MAX_BYTES:
+        raise ValueError(f"rank 0 announced {n} bytes; what it sends takes 0 to {MAX_BYTES} bytes")
+    return n
+
+
 def _from_rank0(group, data: bytes, device: torch.device) -> bytes:
     """Rank 0's ``data`` on every rank of ``group`` (its length, then its bytes; nothing is unpickled)."""
     if is_mpi_group(group):
@@ -225,6 +234,7 @@ def _from_rank0(group, data: bytes, device: torch.device) -> bytes:
 
         size = torch.tensor([len(data)], dtype=torch.int64)
         mpi_native.broadcast(size, 0, group)
+        _bounded(int(size))
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if group.rank == 0 else None
         payload = payload if payload is not None else torch.zeros(int(size), dtype=torch.uint8)
         if int(size):
@@ -233,7 +243,7 @@ def _from_rank0(group, data: bytes, device: torch.device) -> bytes:
     root = dist.get_global_rank(group, 0)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, root, group=group)
-    n = int(size.item())
+    n = _bounded(int(size.item()))
     if dist.get_rank(group) == 0:
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if n else None
     else:

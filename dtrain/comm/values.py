@@ -17,9 +17,18 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_json", "broadcast_json"]
+__all__ = ["MAX_BYTES", "all_gather_json", "broadcast_json"]
 
 T = TypeVar("T")
+
+#: The most bytes a value may take: a length beyond it (or below 0) is refused before anything is allocated.
+MAX_BYTES = 1 << 26
+
+
+def _checked(n: int, rank: int) -> int:
+    if not 0 <= n <= MAX_BYTES:
+        raise ValueError(f"rank {rank} announced a value of {n} bytes; a value takes 0 to {MAX_BYTES} bytes")
+    return n
 
 
 def _device(group) -> torch.device:
@@ -32,9 +41,12 @@ def _device(group) -> torch.device:
 
 def _encode(value: Any) -> bytes:
     try:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+        data = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         raise ValueError(f"a value sent between ranks must be JSON: {exc}") from None
+    if len(data) > MAX_BYTES:
+        raise ValueError(f"a value sent between ranks takes at most {MAX_BYTES} bytes, this one {len(data)}")
+    return data
 
 
 def _decode(data: bytes, rank: int, check: Callable[[Any], T]) -> T:
@@ -56,7 +68,7 @@ def all_gather_json(value: Any, check: Callable[[Any], T], group=None) -> list[T
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
-    lengths = [int(s.item()) for s in sizes]
+    lengths = [_checked(int(s.item()), rank) for rank, s in enumerate(sizes)]  # every rank sees the same
     longest = max(lengths)
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     if data:
@@ -74,7 +86,7 @@ def broadcast_json(value: Any, check: Callable[[Any], T], src: int = 0, group=No
     data = _encode(value) if dist.get_rank() == src else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, src, group=group)
-    n = int(size.item())
+    n = _checked(int(size.item()), src)
     payload = torch.zeros(n, dtype=torch.uint8, device=device)
     if dist.get_rank() == src and n:
         payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))

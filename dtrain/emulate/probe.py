@@ -138,7 +138,15 @@ def _ping_client(host: str, count: int, timeout_s: float) -> dict:
             conn.sendall(b"x" * 64)
             got = 0
             while got < 64:
-                got += len(conn.recv(64 - got))
+                try:
+                    chunk = conn.recv(64 - got)
+                except OSError as exc:
+                    chunk, why = b"", f" ({exc})"
+                else:
+                    why = ""
+                if not chunk:
+                    raise EmulationError(f"{host} closed the connection during ping {len(rtts) + 1} of {count}{why}")
+                got += len(chunk)
             rtts.append(time.perf_counter() - start)
     return {"rtt_s": rtts, "median_rtt_s": statistics.median(rtts)}
 

@@ -37,6 +37,7 @@ Chunk ``c`` of rank ``s`` is virtual stage :func:`~dtrain.parallel.pipeline_sche
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -67,6 +68,8 @@ __all__ = [
 ]
 
 MAX_NDIM = 8
+#: The most elements an activation crossing a stage may have (a header asking for more is corrupt).
+MAX_NUMEL = 1 << 40
 HEADER_NUMEL = 2 + MAX_NDIM  # ndim, dtype code, dims padded with -1
 _DTYPES = (
     torch.float32,
@@ -151,7 +154,10 @@ def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     ndim, code = values[0], values[1]
     if not 0 <= ndim <= MAX_NDIM or not 0 <= code < len(_DTYPES):
         raise ValueError(f"corrupt pipeline header {values}")
-    return tuple(values[2 : 2 + ndim]), _DTYPES[code]
+    shape = tuple(values[2 : 2 + ndim])
+    if any(d < 0 for d in shape) or any(v != -1 for v in values[2 + ndim :]) or math.prod(shape) > MAX_NUMEL:
+        raise ValueError(f"corrupt pipeline header {values}: a shape of at most {MAX_NUMEL} elements, -1 after it")
+    return shape, _DTYPES[code]
 
 
 _BACKWARD_GROUPS: dict[object, dist.ProcessGroup] = {}

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -611,13 +612,24 @@ def _after_restart(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True))
 
 
+def _record_step(line: str) -> float:
+    """The step of one metrics line; a line the dead attempt left half written (not a JSON record) sorts after
+    every step, so it is dropped with the records past the checkpoint."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return math.inf
+    step = record.get("step", 0) if isinstance(record, dict) else math.inf
+    return step if isinstance(step, int) else math.inf
+
+
 def _trim_metrics(out: Path, step: int) -> None:
     """Drop the metrics records past ``step`` (an attempt that died after its last checkpoint wrote them)."""
     path = out / "metrics.jsonl"
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = [line for line in lines if line.strip() and _record_step(line) <= step]
     if len(kept) != len(lines):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))

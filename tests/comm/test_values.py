@@ -26,6 +26,11 @@ def test_a_value_the_check_refuses_raises_on_every_rank_naming_the_sender(pool):
     assert said == ["rank 1 sent a record with a rank, not ['not', 'a', 'record']"] * 3
 
 
+def test_a_length_beyond_the_limit_is_refused_on_every_rank_before_anything_is_received(pool):
+    said = pool.run(jobs.gather_one_overlong, 3, ranks=3)
+    assert said == ["rank 1 announced a value of 42 bytes; a value takes 0 to 8 bytes"] * 3
+
+
 def test_rank_0s_value_reaches_every_rank(pool):
     assert pool.run(jobs.broadcast_from_rank0, 2, ranks=2) == [{"token": "0123456789ab", "n": [1, 2, 3]}] * 2
 

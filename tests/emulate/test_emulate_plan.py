@@ -146,3 +146,32 @@ def test_a_subset_of_servers_keeps_every_tor_a_tor():
     plan = plan_emulation(_leaf_spine(), scale=1e-3, tag="t", placement=["s0", "s1"])
     assert [s.server for s in plan.servers] == ["s0", "s1"]
     assert sorted(plan.bridges.values()) == ["r0/tor", "r1/tor", "spine0,spine1"]
+
+
+def test_a_ping_whose_peer_closes_ends_with_an_error_naming_it(monkeypatch):
+    """The probe's ping client against a server on loopback that takes the first echo and closes: one clear error,
+    not a loop on an empty read."""
+    import socket
+    import threading
+
+    from dtrain.emulate import probe
+    from dtrain.emulate.netns import EmulationError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setattr(probe, "_PORT", listener.getsockname()[1])
+
+    def serve_and_close():
+        conn, _ = listener.accept()
+        with conn:
+            got = b""
+            while len(got) < 1 + 64:  # the mode byte and the first echo, all of it: then a clean close
+                got += conn.recv(1 + 64 - len(got))
+
+    server = threading.Thread(target=serve_and_close, daemon=True)
+    server.start()
+    try:
+        with pytest.raises(EmulationError, match="127.0.0.1 closed the connection during ping 1 of 3"):
+            probe._ping_client("127.0.0.1", 3, timeout_s=5.0)
+    finally:
+        listener.close()
+        server.join(timeout=5)

@@ -46,3 +46,24 @@ def gather_timelines(world: int) -> list[bool]:
 
 def _same(timeline: Timeline) -> Timeline:
     return Timeline.from_json(timeline.to_json())
+
+
+def gather_one_overlong(world: int) -> str:
+    """Every rank takes values of at most 8 bytes; rank 1 sends one longer without checking it: every rank refuses
+    the announced length before receiving any of it."""
+    import json
+
+    from dtrain.comm import values
+
+    limit, encode = values.MAX_BYTES, values._encode
+    values.MAX_BYTES = 8
+    if dist.get_rank() == 1:
+        values._encode = lambda value: json.dumps(value).encode()
+    try:
+        mine = {"rank": 1, "pad": "x" * 20} if dist.get_rank() == 1 else [dist.get_rank()]
+        all_gather_json(mine, _record, group=group_of(world))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        values.MAX_BYTES, values._encode = limit, encode
+    return "accepted"

@@ -87,6 +87,14 @@ def test_header_carries_shape_and_dtype():
         assert decode_header(encode_header(t)) == (tuple(t.shape), t.dtype)
     with pytest.raises(ValueError, match="at most 8 dims"):
         encode_header(torch.zeros([1] * 9))
+    # a header that would size a receive buffer wrongly is refused before anything is allocated
+    good = encode_header(torch.zeros(3, 4))
+    for change in ({2: -3}, {2: 1 << 30, 3: 1 << 30}, {4: 7}, {0: 9}, {1: 99}):
+        bad = good.clone()
+        for i, v in change.items():
+            bad[i] = v
+        with pytest.raises(ValueError, match="corrupt pipeline header"):
+            decode_header(bad)
 
 
 def test_layers_balance_by_count_and_by_parameters():

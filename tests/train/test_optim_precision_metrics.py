@@ -122,3 +122,12 @@ def test_metrics_go_to_json_lines_and_tensorboard(tmp_path):
     with MetricsWriter(tmp_path, tensorboard=False, resume=True) as writer:
         writer.write({"step": 3, "loss": 2.5})
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_restarted_run_drops_the_metrics_past_its_checkpoint_and_a_half_written_line(tmp_path):
+    from dtrain.train.loop import _trim_metrics
+
+    records = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(records) + '{"step": 5, "lo')  # the dead attempt's last write
+    _trim_metrics(tmp_path, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(records[:2])
