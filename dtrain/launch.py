@@ -301,6 +301,27 @@ def _quick_rendezvous_events() -> None:
         dynamic_rendezvous.get_method_name = frame_name
 
 
+def _stop_orphans(before: set[int]) -> None:
+    """Kill and reap the workers this launch started that the agent left behind (SIGKILL: nothing printed): the
+    children of this process not among the pids in ``before`` (its others, a test's process pool, are left alone).
+
+    A signal that reaches the agent while it starts its workers (Ctrl-C, 5-8 s into a launch of two ranks on 2
+    cores) leaves it without their handles: the workers already forked are neither stopped nor waited for. Each
+    one reads its arguments from the fork server after its fork, among them named semaphores of the launch (the
+    workers' return queues and their finished event), and this process unlinks those as it exits: left alone, a
+    worker still reading its arguments then prints multiprocessing's traceback ending ``FileNotFoundError``. The
+    workers are killed and waited for here, while the semaphores are still there."""
+    import multiprocessing
+
+    launched = [child for child in multiprocessing.active_children() if child.pid not in before]
+    for child in launched:
+        with contextlib.suppress(OSError, ValueError):
+            child.kill()
+    for child in launched:
+        with contextlib.suppress(OSError, ValueError):
+            child.join(timeout=10)
+
+
 def run_ranks(
     fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0, monitor_interval: float = 0.1
 ) -> Any:
@@ -338,7 +359,14 @@ def run_ranks(
     env.kill_at()  # a bad DTRAIN_KILL_AT stops here, before any rank starts
     _quick_rendezvous_events()  # 3-4 s less a launch of two ranks on a 2-core machine
     raise_noted_interrupt()  # a Ctrl-C that an import callback dropped: no worker starts
-    results = elastic_launch(config, _forked_rank_main)(dict(os.environ), fn, *args)
+    import multiprocessing
+
+    before = {child.pid for child in multiprocessing.active_children()}
+    try:
+        results = elastic_launch(config, _forked_rank_main)(dict(os.environ), fn, *args)
+    except BaseException:
+        _stop_orphans(before)
+        raise
     bad = next((r for _, r in sorted(results.items()) if isinstance(r, _BadInput)), None)
     if bad is not None:
         raise ValueError(bad.message)

@@ -99,13 +99,14 @@ def print_table(records: Sequence[dict], console: Console | None = None) -> None
 
 
 def write_json_lines(records: Sequence[dict], path: Path) -> None:
-    """Replace ``path`` with one JSON object a line."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    """Replace ``path`` with one JSON object a line (whole, or left as it was on a failure)."""
+    from dtrain.cli.paths import write_atomic
+
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def plot_busbw(records: Sequence[dict], path: Path) -> None:
-    """busbw against size, log-log, one panel a collective and one line an algorithm."""
+    """busbw against size, log-log, one panel a collective and one line an algorithm; ``path`` is replaced whole."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,9 +140,13 @@ def plot_busbw(records: Sequence[dict], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    from dtrain.cli.paths import atomic_path
+
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
 
 
 def write_outputs(records: Sequence[dict], out: Path, console: Console | None = None) -> None:

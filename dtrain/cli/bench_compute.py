@@ -13,7 +13,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("compute", help="time matmuls, attention and memory-bound ops; write the simulator's curves")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (seconds on a CPU)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each operation (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
@@ -35,14 +35,38 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _check_device(name: str | None) -> None:
+    """``--device``: the CPU or a CUDA device this machine has (ValueError naming the flag if not)."""
+    if name is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {name}: not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: bench compute times the CPU or CUDA devices; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+
+
 def run(args: argparse.Namespace) -> int:
     from dtrain.bench import compute
+    from dtrain.cli.paths import check_file_out
 
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     for flag, path in (("--out", args.out), ("--write-curves", args.write_curves)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"{flag} {path}: its directory does not exist")
+        if path:
+            check_file_out(flag, path)
+    _check_device(args.device)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     rows = compute.run(device_name=args.device, quick=args.quick, repeats=args.repeats, warmup=args.warmup,
                        kinds=kinds, timing=args.timing, attention_backend=args.attention_backend)  # fmt: skip

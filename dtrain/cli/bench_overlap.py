@@ -35,11 +35,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dtrain.bench import overlap
+    from dtrain.cli.paths import check_file_out
 
     for flag, path in (("--out", args.out), ("--write-curves", args.write_curves)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"{flag} {path}: its directory does not exist")
+        if path:
+            check_file_out(flag, path)
+    from dtrain.bench import overlap  # torch, after the flags are checked
+
     config = overlap.OverlapConfig(
         nproc=args.nproc, nbytes=args.bytes, hidden=args.hidden, tp=args.tp, tokens=args.tokens,
         seconds=args.seconds, rounds=args.rounds,

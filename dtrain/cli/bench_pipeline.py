@@ -130,6 +130,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.batch < 1:
+        raise ValueError(f"--batch: must be at least 1, got {args.batch}")
     bad = [s for s in args.schedules if s not in SCHEDULES]
     if bad:
         raise ValueError(f"--schedules: unknown {', '.join(bad)}; accepted: {', '.join(SCHEDULES)}")
@@ -156,14 +158,18 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--microbatch-group {args.microbatch_group}: each must be 0 or more")
     if args.lookahead is not None and min(args.lookahead) < 0:
         raise ValueError(f"--lookahead {args.lookahead}: each must be 0 or more")
-    if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
-        raise ValueError(f"--profile {args.profile}: exists and is not a directory")
+    from dtrain.cli.paths import check_dir_out, check_file_out
+
+    if args.profile:
+        check_dir_out("--profile", args.profile)
+    if args.out:
+        check_file_out("--out", args.out)
 
 
 def run(args: argparse.Namespace) -> int:
+    _check(args)  # before torch is imported and any rank starts
     from dtrain.launch import run_ranks, under_torchrun
 
-    _check(args)
     if args.out and int(os.environ.get("RANK", "0")) == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out + ".tmp", "w"):

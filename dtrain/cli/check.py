@@ -52,6 +52,8 @@ def check_all(max_world: int, pipeline: int = 1, console: Console | None = None)
     """Check everything registered on 1..``max_world`` ranks, print the table; True if all passed."""
     if max_world < 1:
         raise ValueError(f"max_world must be >= 1, got {max_world}")
+    if pipeline < 1:
+        raise ValueError(f"pipeline must be >= 1 (pieces a pipelined algorithm cuts the buffer into), got {pipeline}")
     table = Table(title=f"dtrain check: rounds/transfers, worlds 1..{max_world}, pipeline={pipeline}")
     table.add_column("collective", no_wrap=True)
     table.add_column("algorithm", no_wrap=True)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
+from pathlib import Path
 from typing import Any
 
-from dtrain.cli.cluster_common import parse_setting
 from dtrain.cli.units import parse_count, parse_quantity
 
-__all__ = ["register", "parse_quantity", "parse_count"]
+__all__ = ["register", "parse_quantity", "parse_count", "check_finite"]
 
 #: dtrain.cluster.presets.PRESETS by name, without importing the cluster model here (a test keeps them equal)
 PRESET_NAMES = ("dgx-a100", "h100-node", "h200-4gpu", "4-rack", "h100-rail", "dgx-a100-superpod", "fat-tree-k8")
@@ -74,7 +75,7 @@ def _add_calc_arithmetic(sub) -> None:
     """Arithmetic by first principles: gradients, a transfer, a ToR's oversubscription."""
     p = sub.add_parser("gradients", help="gradient bytes per replica and what averaging N replicas moves")
     p.add_argument("--params", type=parse_count, required=True, help="model parameters, e.g. 175e9 or 175G")
-    p.add_argument("--bytes-per-param", type=float, default=4, help="4 for fp32 gradients, 2 for bf16")
+    p.add_argument("--bytes-per-param", type=float, default=4, help="4 for fp32 gradients, 2 for bf16 (at most 64)")
     p.add_argument("--replicas", type=int, default=3, help="data-parallel replicas to average")
     _add_link_args(p, what="the link each replica has")
     p.set_defaults(handler=_gradients)
@@ -116,8 +117,22 @@ def _add_calc_models(sub) -> None:
     p.set_defaults(handler=_paths)
 
 
+def check_finite(data: Any, where: str = "") -> None:
+    """ValueError naming the first value of ``data`` (dicts and lists within) that is infinite or NaN, which JSON
+    cannot hold: inputs out of range."""
+    if isinstance(data, float) and not math.isfinite(data):
+        raise ValueError(f"{where or 'the result'} comes out as {data}: the inputs are out of range")
+    if isinstance(data, dict):
+        for key, value in data.items():
+            check_finite(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(data, list | tuple):
+        for i, value in enumerate(data):
+            check_finite(value, f"{where}[{i}]")
+
+
 def _emit(args: argparse.Namespace, data: dict, render) -> int:
     if args.json:
+        check_finite(data)  # JSON has no infinity: never print one
         print(json.dumps(data, indent=2))
     else:
         from rich.console import Console
@@ -126,10 +141,16 @@ def _emit(args: argparse.Namespace, data: dict, render) -> int:
     return 0
 
 
+def _check_bytes_per_param(args: argparse.Namespace) -> None:
+    if not 0 < args.bytes_per_param <= 64:
+        raise ValueError(f"--bytes-per-param: a number above 0 and at most 64, got {args.bytes_per_param}")
+
+
 def _gradients(args: argparse.Namespace) -> int:
     from dtrain.cluster.calc import averaging, gradient_bytes
     from dtrain.cluster.report import render_gradients
 
+    _check_bytes_per_param(args)
     link = _link(args)
     nbytes = gradient_bytes(args.params, args.bytes_per_param)
     methods = [vars(a) for a in averaging(nbytes, args.replicas, link)]
@@ -170,6 +191,9 @@ def _oversubscription(args: argparse.Namespace) -> int:
         return _emit(args, data, render_oversubscription)
     if args.servers is None:
         raise ValueError("give --servers with --link and --uplink-link (or rates), or --topology")
+    for flag, value in (("--servers", args.servers), ("--nics", args.nics), ("--uplinks", args.uplinks)):
+        if value < 1:
+            raise ValueError(f"{flag}: must be at least 1, got {value}")
     nic, uplink = _link(args), _link(args, "uplink")
     down, up = args.servers * args.nics * nic.bytes_per_s, args.uplinks * uplink.bytes_per_s
     ratio = oversubscription_ratio(args.servers, args.nics * nic.bytes_per_s, up)
@@ -185,6 +209,7 @@ def _allreduce(args: argparse.Namespace) -> int:
 
     if (args.bytes is None) == (args.params is None):
         raise ValueError("give exactly one of --bytes or --params")
+    _check_bytes_per_param(args)
     nbytes = args.bytes if args.bytes is not None else gradient_bytes(args.params, args.bytes_per_param)
     link = _link(args)
     intra = _link(args, "intra") if args.local_size is not None else None
@@ -208,30 +233,59 @@ def _register_topology(commands) -> None:
     p = commands.add_parser("topology", help="summarise a preset or topology file; draw it, save it as TOML")
     p.add_argument("topology", help=f"a preset ({', '.join(PRESET_NAMES)}) or a .toml file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="preset parameter, e.g. --set racks=2 --set oversubscription=8")  # fmt: skip
-    p.add_argument("--draw", metavar="PNG", help="write a drawing of the topology")
+                   help="preset parameter, e.g. --set racks=2 --set oversubscription=8 (at most 131072 devices, NICs, "
+                        "CPUs and switch links)")  # fmt: skip
+    p.add_argument("--draw", metavar="PNG", help="write a drawing of the topology (.png, .svg, .pdf, ...)")
     p.add_argument("--save", metavar="TOML", help="write the topology as explicit nodes and links")
     p.add_argument("--route", nargs=2, metavar=("SRC", "DST"), help="the equal-cost paths between two nodes")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=_topology)
 
 
-def _topology(args: argparse.Namespace) -> int:
-    from dtrain.cluster.files import resolve, save
-    from dtrain.cluster.report import render_topology, route_summary, topology_summary
+def _check_topology_outputs(args: argparse.Namespace) -> None:
+    """``--draw`` and ``--save``, refused before anything is built or written: a path that is a directory or
+    cannot be written, a drawing format matplotlib does not write, the same file for both."""
+    from dtrain.cli.paths import check_file_out
 
-    topology = resolve(args.topology, **dict(parse_setting(s) for s in args.set))
+    if args.draw:
+        check_file_out("--draw", args.draw)
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = sorted(FigureCanvasBase.get_supported_filetypes())
+        suffix = Path(args.draw).suffix.lstrip(".").lower()
+        if suffix not in formats:
+            got = f"format {suffix!r} is not one matplotlib writes" if suffix else "the name has no format suffix"
+            raise ValueError(f"--draw {args.draw}: {got}; end it in one of .{', .'.join(formats)}")
+    if args.save:
+        check_file_out("--save", args.save)
+    if args.draw and args.save and Path(args.draw).absolute() == Path(args.save).absolute():
+        raise ValueError(f"--draw and --save: both name {args.save}")
+
+
+def _topology(args: argparse.Namespace) -> int:
+    from dtrain.cli.cluster_common import resolve_topology
+    from dtrain.cli.paths import atomic_path, write_atomic
+    from dtrain.cluster.report import render_topology, route_summary, topology_summary
+    from dtrain.cluster.toml_writer import dumps
+
+    if args.route and args.route[0] == args.route[1]:
+        raise ValueError(f"--route {args.route[0]} {args.route[1]}: a route joins two different nodes")
+    _check_topology_outputs(args)
+    topology = resolve_topology(args.topology, args.set)
+    data = topology_summary(topology)
+    if args.route:
+        missing = [node for node in args.route if node not in topology.graph]
+        if missing:
+            raise ValueError(f"--route: {topology.name} has no node {missing[0]!r}")
+        data["route"] = route_summary(topology, *args.route)
+    text = dumps(topology) if args.save else None  # everything computed before the first file is written
     if args.draw:
         from dtrain.cluster.draw import draw
 
-        draw(topology, args.draw)
+        with atomic_path(args.draw) as tmp:
+            draw(topology, tmp)
     if args.save:
-        save(topology, args.save)
-    data = topology_summary(topology)
-    if args.route:
-        if args.route[0] == args.route[1]:
-            raise ValueError(f"--route {args.route[0]} {args.route[1]}: a route joins two different nodes")
-        data["route"] = route_summary(topology, *args.route)
+        write_atomic(args.save, text)
     return _emit(args, data, render_topology)
 
 

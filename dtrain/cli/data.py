@@ -23,6 +23,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+#: The largest vocabulary --train-tokenizer trains (the trainer allocates by it; the largest in use are ~256K).
+MAX_VOCAB = 1 << 24
+#: The smallest: the 256 bytes and the end-of-text token.
+MIN_VOCAB = 257
+#: The largest --seed (numpy's generators take any, the dataset's meta.json keeps it as a 64-bit integer).
+MAX_SEED = 2**63 - 1
+
+
+def _bounded_int(least: int, most: int, what: str):
+    """An argparse type: a whole number in ``least..most`` (argparse names the flag in its one-line error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"expected {what} from {least} to {most}, got {text!r}")
+        return value
+
+    return parse
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``dtrain data`` (subcommand ``prepare``) to the ``dtrain`` command's subparsers."""
     data = subparsers.add_parser("data", help="prepare token datasets for language models")
@@ -39,14 +62,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json")
     source.add_argument(
-        "--train-tokenizer", type=_positive_int, metavar="VOCAB_SIZE", help="train a byte-level BPE on the inputs"
+        "--train-tokenizer",
+        type=_bounded_int(1, MAX_VOCAB, "a vocabulary size"),
+        metavar="VOCAB_SIZE",
+        help=f"train a byte-level BPE on the inputs, of {MIN_VOCAB} to {MAX_VOCAB} (2**24) tokens",
     )
     p.add_argument("--text-key", default="text", help="JSONL key / Parquet column of the text (default: text)")
     p.add_argument("--val-fraction", type=float, default=0.005, help="documents held out (default: 0.005)")
     p.add_argument(
         "--shard-tokens", type=_positive_int, default=100_000_000, help="tokens per shard file (default: 100M)"
     )
-    p.add_argument("--seed", type=int, default=0, help="seeds the choice of validation documents (default: 0)")
+    p.add_argument("--seed", type=_bounded_int(0, MAX_SEED, "a whole number"), default=0,
+                   help="seeds the choice of validation documents, 0 to 2**63 - 1 (default: 0)")  # fmt: skip
     p.set_defaults(handler=run)
     return data
 
@@ -57,11 +84,18 @@ register = add_parser  # the name dtrain.cli.main's feature modules use
 def _prepare(args: argparse.Namespace) -> str:
     from pathlib import Path
 
+    from dtrain.cli.paths import check_dir_out
     from dtrain.data.prepare import check_out_dir, prepare, sources_from_paths
     from dtrain.data.tokenizer import Tokenizer
 
     if not 0 <= args.val_fraction < 1:
         raise ValueError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    if args.train_tokenizer is not None and args.train_tokenizer < MIN_VOCAB:
+        raise ValueError(
+            f"--train-tokenizer {args.train_tokenizer}: vocab_size must be an integer of at least {MIN_VOCAB} "
+            "(256 bytes + 1 special token)"
+        )
+    check_dir_out("--out", args.out)
     check_out_dir(Path(args.out))
     if args.tokenizer is not None:
         tokenizer = Tokenizer.load(args.tokenizer)

@@ -135,6 +135,10 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     job = JobConfig(command=command, procs_per_server=args.gpus_per_server, local_size=local_size, port=args.port,
                     timeout_s=args.timeout, log_dir=out)  # fmt: skip
+    _check_command(command)
+    from dtrain.cli.paths import check_dir_out
+
+    check_dir_out("--out", out)
     require_root()
     record = {**plan.describe(), "command": command, "gpus_per_server": args.gpus_per_server,
               "hierarchy": args.hierarchy, "local_size": local_size}  # fmt: skip
@@ -146,6 +150,25 @@ def _run(args: argparse.Namespace) -> int:
         record["exit_status"] = run_job(plan, job)
     _write(out, record)
     return record["exit_status"]
+
+
+def _check_command(command: list[str]) -> None:
+    """The words after ``--`` make a ``dtrain`` command line its parser takes (ValueError with the parser's one
+    line if not): checked here, before any namespace is built, rather than on every emulated server."""
+    import contextlib
+    import io
+
+    from dtrain.cli.main import build_parser
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+            build_parser().parse_args(command)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            reason = said.getvalue().strip().splitlines()[-1:] or [f"exit status {exc.code}"]
+            reason = reason[0].partition(": error: ")[2] or reason[0]
+            raise ValueError(f"the command after -- ({' '.join(command)}): {reason}") from None
 
 
 def _write(out: Path, record: dict) -> None:

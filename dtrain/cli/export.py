@@ -32,11 +32,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 register = add_parser  # the name dtrain.cli.main's feature modules use
 
 
+def _check_tokenizer(path: str) -> None:
+    """``--tokenizer``: a file the ``tokenizers`` library reads as a tokenizer (ValueError naming the flag if not)."""
+    import os
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--tokenizer {path}: no such file")
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(path)
+    except Exception as exc:  # tokenizers raises its own Exception subclass
+        reason = " ".join(str(exc).split())[:200]
+        raise ValueError(f"--tokenizer {path}: not a tokenizers tokenizer.json ({reason})") from None
+
+
 def _export(args: argparse.Namespace) -> str:
     from pathlib import Path
 
+    from dtrain.cli.paths import check_dir_out
     from dtrain.train.checkpoint import checkpoint_dir, export_checkpoint, latest_complete_step
 
+    check_dir_out("--out", args.out)
+    if args.tokenizer is not None:
+        _check_tokenizer(args.tokenizer)
     path = Path(args.checkpoint)
     if (path / ".metadata").is_file():
         if args.step is not None:

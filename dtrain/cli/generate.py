@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 __all__ = ["add_parser", "register", "run"]
 
 _PREFIX = "dtrain generate"
+
+#: The largest --seed (dtrain.models.generate.MAX_SEED, without importing torch here).
+MAX_SEED = 2**63 - 1
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -25,9 +29,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a directory with config.json, model.safetensors, tokenizer.json")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
-    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy; default 1.0")
+    p.add_argument("--temperature", type=float, default=1.0, help="a finite number >= 0; 0: greedy; default 1.0")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
-    p.add_argument("--seed", type=int, default=None, help="for repeatable sampling")
+    p.add_argument("--seed", type=int, default=None, help="for repeatable sampling: 0 to 2**63 - 1")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available, else cpu")
     p.set_defaults(handler=run)
     return p
@@ -46,6 +50,19 @@ def _eos_id(config_file: Path) -> int | None:
     return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
 
 
+def _check_finite(model, directory: Path) -> None:
+    """ValueError naming the weights file where a loaded parameter holds NaN or an infinity (sampling from it
+    would fail, or print noise)."""
+    import torch
+
+    from dtrain.models.hf import INDEX_NAME, WEIGHTS_NAME
+
+    for name, param in model.named_parameters():
+        if not bool(torch.isfinite(param).all()):
+            weights = directory / (WEIGHTS_NAME if (directory / WEIGHTS_NAME).is_file() else INDEX_NAME)
+            raise ValueError(f"{weights}: the weights hold NaN or infinite values ({name})")
+
+
 def _generate(args: argparse.Namespace) -> str:
     """The printed text; ValueError for bad input."""
     directory = Path(args.model)
@@ -56,10 +73,12 @@ def _generate(args: argparse.Namespace) -> str:
         raise ValueError(f"{tokenizer_file}: no such file (the tokenizer the model was trained with)")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens: must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature: must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 <= args.temperature < math.inf:
+        raise ValueError(f"--temperature: must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         raise ValueError(f"--top-k: must be >= 1, got {args.top_k}")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed: must be a whole number from 0 to 2**63 - 1, got {args.seed}")
 
     import torch
     from tokenizers import Tokenizer
@@ -84,6 +103,7 @@ def _generate(args: argparse.Namespace) -> str:
         )
     eos_id = _eos_id(directory / "config.json")
     model = load_pretrained(directory, device=device)
+    _check_finite(model, directory)
     out = generate(
         model,
         torch.tensor(ids, dtype=torch.long, device=device)[None],

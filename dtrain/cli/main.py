@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from dtrain.cli.units import parse_bytes
 from dtrain.env import CommEnv
@@ -114,6 +115,26 @@ def _add_train(commands) -> None:
     add_arguments(p)  # one flag per dtrain.train.config.TrainConfig field
 
 
+#: ``dtrain check``'s largest --max-world and --pipeline: the proofs of every algorithm take seconds up to these.
+MAX_CHECK_WORLD = 32
+MAX_CHECK_PIPELINE = 64
+
+
+def _whole(least: int, most: int):
+    """An argparse type: a whole number in ``least..most`` (argparse names the flag in its one-line error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {least} to {most}, got {text!r}")
+        return value
+
+    return parse
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (the usage is one ``--help`` away)."""
 
@@ -125,8 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dtrain", description="distributed training, from the collectives up")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="prove every registered algorithm on symbolic chunks")
-    check.add_argument("--max-world", type=int, default=8)
-    check.add_argument("--pipeline", type=int, default=1, help="pieces for the pipelined algorithms")
+    check.add_argument("--max-world", type=_whole(1, MAX_CHECK_WORLD), default=8,
+                       help=f"largest world size proved, 1 to {MAX_CHECK_WORLD} (32 takes about 15 s on 2 cores; the "
+                            "time grows with the cube of it) (default: 8)")  # fmt: skip
+    check.add_argument("--pipeline", type=_whole(1, MAX_CHECK_PIPELINE), default=1,
+                       help=f"pieces for the pipelined algorithms, 1 to {MAX_CHECK_PIPELINE} (default: 1)")  # fmt: skip
     bench = commands.add_parser("bench", help="measure the machine")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     _add_bench_comm(bench_commands)
@@ -167,7 +191,62 @@ def _feature_modules() -> list:
 _FEATURE_COMMANDS = ("data", "generate", "ps", "cluster", "emulate", "export")
 
 
+#: Where ``bench comm --rules-out`` and ``bench calibrate`` write by default (dtrain.comm.cost.rules.rules_path and
+#: dtrain.comm.cost.model.params_path); ``calibrate --rules`` writes in dtrain.comm.cost.rules.cache_dir().
+_HOME_CACHE = os.path.join("~", ".cache", "dtrain")
+
+
+def _check_bench_outputs(args: argparse.Namespace) -> None:
+    """The files ``bench comm`` and ``bench calibrate`` write, refused before torch is imported and any rank starts
+    where they cannot be written (nothing is made)."""
+    from dtrain.cli.paths import check_dir_out, check_file_out
+
+    env = CommEnv.from_env()
+    if args.bench_command == "comm":
+        check_file_out("--out", args.out)
+        check_file_out("--out (its plot)", Path(args.out).with_suffix(".png"))
+        if args.rules_out is not None:
+            rules = args.rules_out or env.rules
+            if rules:
+                check_file_out("--rules-out", rules)
+            else:
+                check_dir_out("--rules-out (default)", os.path.expanduser(_HOME_CACHE))
+        return
+    if args.rules:
+        if args.out:
+            check_file_out("--out", args.out)
+        else:
+            from dtrain.comm.cost.rules import cache_dir
+
+            check_dir_out("--out (default)", cache_dir())
+        if args.records_out:
+            check_file_out("--records-out", args.records_out)
+        return
+    if args.records_out:
+        raise ValueError("--records-out: needs --rules (the records are the rules calibration's timings)")
+    out = args.out or env.calibration
+    if out:
+        check_file_out("--out", out)
+    else:
+        check_dir_out("--out (default)", os.path.expanduser(_HOME_CACHE))
+
+
+def _check_mpi_world(command: str) -> None:
+    """``--transport mpi`` in a process mpirun started with others; ValueError saying how to start it if not."""
+    from dtrain.comm.mpi.group import mpi
+
+    size = mpi().COMM_WORLD.Get_size()
+    if size < 2:
+        raise ValueError(
+            f"--transport mpi: this process is an MPI world of {size} rank; start it with mpirun, e.g. "
+            f"mpirun -n 4 dtrain bench {command} --transport mpi"
+        )
+
+
 def _bench_comm(args: argparse.Namespace) -> int:
+    _check_bench_outputs(args)
+    if args.transport == "mpi":
+        _check_mpi_world("comm")
     from dtrain.bench import comm as bench_comm
 
     config = bench_comm.BenchConfig(
@@ -259,28 +338,38 @@ def _interrupted(exc: BaseException) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dtrain`` command line; the process exit status. Called without ``argv``, as the ``dtrain`` command
-    is, an interrupted command ignores SIGINT and SIGTERM from then on: a second Ctrl-C as it ends would otherwise
-    raise outside this function, or kill the process once the interpreter's teardown has given SIGINT its default
-    action back, and the command would not exit 130 in one line."""
+    is, a command that has ended (done, refused or interrupted) ignores SIGINT and SIGTERM from then on: a Ctrl-C as
+    it ends would otherwise raise outside this function, or kill the process without a word once the interpreter's
+    teardown (a second or more after torch) has given SIGINT its default action back; the command's own status and
+    lines stay the last."""
     note_interrupts()  # a Ctrl-C dropped during an import still stops the launch (dtrain.interrupts)
     try:
         CommEnv.from_env()  # a bad DTRAIN_COMM_* value stops here, before any rank starts
-        return _run(build_parser().parse_args(argv))
+        status = _run(build_parser().parse_args(argv))
     except ValueError as exc:  # bad input: one line on stderr, where it never mixes with --json output
+        _ended(argv)
         print(f"dtrain: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path that cannot be read or written (a file where a folder should be, no room): named
+        _ended(argv)
         print(f"dtrain: error: {exc}", file=sys.stderr)
         return 2
     except BaseException as exc:
         status = _interrupted(exc)
         if status is None:
             raise
-        if argv is None:
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(signum, signal.SIG_IGN)
+        _ended(argv)
         print(f"dtrain: interrupted (signal {status - 128}); the ranks were stopped", file=sys.stderr)
         return status
+    _ended(argv)
+    return status
+
+
+def _ended(argv: Sequence[str] | None) -> None:
+    """The ``dtrain`` command (``argv`` None) has ended: SIGINT and SIGTERM are ignored from here to its exit."""
+    if argv is None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -303,6 +392,9 @@ def _run(args: argparse.Namespace) -> int:
 
         failures = run_ranks(_verify_rank, args.nproc)
         return 0 if failures == 0 else 1
+    _check_bench_outputs(args)
+    if args.rules and args.transport == "mpi":
+        _check_mpi_world("calibrate --rules")
     from dtrain.bench import calibrate as bench_calibrate
 
     return bench_calibrate.run_from_arguments(args)

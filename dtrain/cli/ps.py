@@ -26,8 +26,8 @@ def register(commands) -> None:
     p = commands.add_parser("ps", help="train through the parameter server (coordinator, servers, workers)")
     p.add_argument("--model", choices=["mlp", "ctr", "synthetic"], default="mlp",
                    help="mlp: dense MLP; ctr: embeddings on power-law click data; synthetic: no torch")  # fmt: skip
-    p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--servers", type=int, default=2, help="server processes, 1 to 256 (default: 2)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes, 1 to 256 (default: 2)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=64, help="global batch, split over the workers")
     p.add_argument("--seed", type=int, default=0)
@@ -36,8 +36,8 @@ def register(commands) -> None:
     p.add_argument("--late", choices=["drop", "fold"], default="drop", help="quorum mode: what a late push becomes")
     p.add_argument("--staleness", type=int, default=2, help="ssp mode: clocks a worker may run ahead")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-    p.add_argument("--lr", type=float, default=None, help="default 0.1 (sgd) or 0.01 (adam)")
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--lr", type=float, default=None, help="a finite number > 0; default 0.1 (sgd) or 0.01 (adam)")
+    p.add_argument("--momentum", type=float, default=0.9, help="sgd's, at least 0 and below 1 (default: 0.9)")
     p.add_argument("--replicas", type=int, default=1, help="servers holding each shard")
     p.add_argument("--replication", choices=["chain", "primary_backup"], default="chain")
     p.add_argument("--hot-keys", type=int, default=0, help="hottest rows per server copied to other servers")
@@ -60,6 +60,10 @@ FLAGS = {"num_keys": "the model's key count (--model)", "width": "--width", "num
          "hot_replicas": "--hot-replicas", "dead_after_s": "--dead-after-s"}  # fmt: skip
 
 
+#: The most servers, and the most workers, ``dtrain ps`` starts (each a process on this machine).
+MAX_PROCESSES = 256
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """Flags the job's own validation cannot name, refused before any process starts."""
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--width", args.width)):
@@ -69,6 +73,16 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over --workers {args.workers}")
     if not 0 <= args.compute_s < math.inf:
         raise ValueError(f"--compute-s must be a finite number of seconds >= 0, got {args.compute_s}")
+    # the job's own checks refuse NaN, zero and negative values, naming the flag (FLAGS); not infinity
+    if args.lr is not None and args.lr == math.inf:
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+    if args.momentum >= 1:
+        raise ValueError(f"--momentum must be below 1 (0.9 keeps nine tenths of the last update), got {args.momentum}")
+    if args.dead_after_s == math.inf:
+        raise ValueError(f"--dead-after-s must be a finite number of seconds > 0, got {args.dead_after_s}")
+    for flag, value in (("--servers", args.servers), ("--workers", args.workers)):
+        if value > MAX_PROCESSES:
+            raise ValueError(f"{flag} {value}: each is a local process; at most {MAX_PROCESSES}")
     if args.straggler:
         worker, factor = args.straggler
         if not 0 <= worker < args.workers:
@@ -84,6 +98,9 @@ def _check_flags(args: argparse.Namespace) -> None:
         if args.replicas < 2:
             raise ValueError(f"--fault kills a server, and with --replicas {args.replicas} its shard dies with it: "
                              "add --replicas 2 (or more) to run with a fault")  # fmt: skip
+    from dtrain.cli.paths import check_dir_out
+
+    check_dir_out("--out", args.out)
 
 
 def _run(args: argparse.Namespace) -> int:

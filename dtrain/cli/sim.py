@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dtrain.cli.cluster_common import link_rows, link_table, parse_setting
+from dtrain.cli.cluster_common import link_rows, link_table
 from dtrain.cli.units import parse_bytes, parse_count
 
 __all__ = ["register"]
@@ -412,16 +412,20 @@ def _model(args: argparse.Namespace):
 
 
 def _topology(args: argparse.Namespace):
-    from dtrain.cluster.files import resolve
+    from dtrain.cli.cluster_common import resolve_topology
 
-    topo = resolve(args.topology, **dict(parse_setting(s) for s in args.set))
+    topo = resolve_topology(args.topology, args.set)
     topo.validate()
     return topo
 
 
 def _simulate_collective(args: argparse.Namespace) -> int:
+    from dtrain.comm.ir.schedule import Collective
     from dtrain.sim.api import algorithms_for, simulate_collective
 
+    collectives = [c.value for c in Collective]
+    if args.collective not in collectives:
+        raise ValueError(f"--collective {args.collective}: unknown; accepted: {', '.join(collectives)}")
     if not args.bytes >= 1:
         raise ValueError(f"--bytes must be at least 1, got {args.bytes}")
     if args.ranks is not None and args.ranks < 2:
@@ -442,7 +446,9 @@ def _simulate_collective(args: argparse.Namespace) -> int:
     topo = _topology(args)
     placement = _collective_placement(args, topo, [d.name for d in topo.devices()])
     if len(placement) < 2:
-        raise ValueError(f"a collective needs at least 2 ranks; the placement has {len(placement)}")
+        raise ValueError(
+            f"--placement {args.placement}: a collective needs at least 2 ranks; it places {len(placement)}"
+        )
     twice = sorted({d for d in placement if placement.count(d) > 1})
     if twice:
         raise ValueError(f"--placement names {', '.join(twice)} more than once: one rank a device")
@@ -493,6 +499,12 @@ def _collective_placement(args: argparse.Namespace, topo, devices: list[str]) ->
 
         return place(topo, Layout(dp=ranks, global_batch=ranks), args.placement)
     placement = _names(args.placement)
+    unknown = [d for d in placement if d not in devices]
+    if unknown:
+        raise ValueError(
+            f"--placement {args.placement}: {unknown[0]!r} is neither {', '.join(PLACEMENTS)} nor a device of "
+            f"{topo.name} (such as {devices[0]})"
+        )
     if args.ranks and len(placement) != args.ranks:
         raise ValueError(f"--placement names {len(placement)} devices but --ranks is {args.ranks}")
     return placement
@@ -646,6 +658,10 @@ def _plan(args: argparse.Namespace) -> int:
     _check_plan_flags(args)
     if args.write and not args.config:
         raise ValueError("--write: needs --config, the run config to write the chosen layout into")
+    if args.write:
+        from dtrain.cli.paths import check_file_out
+
+        check_file_out("--write", args.write)
     if args.fp8 and args.config:
         raise ValueError("--fp8: not with --config (dtrain train runs no FP8 layers)")
     if max(args.cp) > 1 and args.config:
@@ -751,7 +767,9 @@ def _plan_run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     p, predicted = planned.plan, planned.config.plan
     if args.write:
-        planned.config.to_toml(args.write)
+        from dtrain.cli.paths import write_atomic
+
+        write_atomic(args.write, planned.config.to_toml())
     data = {
         "topology": topo.name, "devices": devices, "layout": p.layout.describe(), "placement": p.placement,
         "mfu": p.mfu, **_step_data(p.result), "skipped": planned.skipped, "written": args.write,

@@ -19,7 +19,7 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from dtrain.cli.cluster_common import link_rows, link_table, parse_setting
+from dtrain.cli.cluster_common import link_rows, link_table, resolve_topology
 
 __all__ = ["add_ps_parser", "place_ps"]
 
@@ -189,11 +189,10 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def simulate_ps_command(args: argparse.Namespace) -> int:
     """``dtrain simulate ps``: the step, its servers' loads and its busiest links."""
-    from dtrain.cluster.files import resolve
     from dtrain.sim.ps import simulate_ps
 
     _check_flags(args)
-    topology = resolve(args.topology, **dict(parse_setting(s) for s in args.set))
+    topology = resolve_topology(args.topology, args.set)
     topology.validate()
     step = _step(args, topology)
     result = simulate_ps(topology, step)

@@ -4,6 +4,9 @@
 - :func:`parse_quantity`: ``"700GB"``, ``"1TB"``, ``"64KiB"`` -> bytes, decimal prefixes as datasheets write
   sizes and rates (G is 10^9), ``Ki``/``Mi``/... binary;
 - :func:`parse_count`: ``"175e9"``, ``"175G"``, ``"1.3T"`` -> a count, such as a model's parameters.
+
+Each refuses, in argparse's one line naming the flag, what no machine holds: byte sizes above :data:`MAX_BYTES`
+(1 EiB), quantities and counts above :data:`MAX_QUANTITY` (10^24), and anything that overflows to infinity.
 """
 
 from __future__ import annotations
@@ -11,7 +14,13 @@ from __future__ import annotations
 import argparse
 import re
 
-__all__ = ["parse_bytes", "parse_quantity", "parse_count"]
+__all__ = ["MAX_BYTES", "MAX_QUANTITY", "parse_bytes", "parse_quantity", "parse_count"]
+
+#: The largest size :func:`parse_bytes` takes: 1 EiB.
+MAX_BYTES = 1 << 60
+#: The largest value :func:`parse_quantity` and :func:`parse_count` take: 10^24 (a yottabyte; a count far past any
+#: model's).
+MAX_QUANTITY = 1e24
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20}
 _UNITS |= {"MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -26,7 +35,16 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).upper() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 4096, 64K, 1MiB, 1G)")
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+    value = int(match.group(1)) * _UNITS[match.group(2).upper()]
+    if value > MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is above the largest size taken, 1 EiB (2**60 bytes)")
+    return value
+
+
+def _bounded(value: float, text: str) -> float:
+    if value > MAX_QUANTITY:  # infinity too (1e400)
+        raise argparse.ArgumentTypeError(f"{text!r} is above the largest value taken, 1e24")
+    return value
 
 
 def _scaled(match: re.Match) -> float:
@@ -45,7 +63,7 @@ def parse_quantity(text: str) -> float:
     value = _scaled(match) if match else float("nan")
     if value != value:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 700GB, 1TB, 1e12, 64KiB)")
-    return value
+    return _bounded(value, text)
 
 
 def parse_count(text: str) -> float:
@@ -59,4 +77,4 @@ def parse_count(text: str) -> float:
     value = _scaled(match) if match else float("nan")
     if value != value:
         raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 175e9, 175G, 1.3T)")
-    return value
+    return _bounded(value, text)

@@ -9,10 +9,12 @@ key-value cache): the cost is ``max_new_tokens`` forward passes over at most ``m
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-__all__ = ["generate", "max_positions"]
+__all__ = ["MAX_SEED", "generate", "max_positions"]
 
 
 def max_positions(model: nn.Module) -> int | None:
@@ -24,17 +26,23 @@ def max_positions(model: nn.Module) -> int | None:
     return None
 
 
-def _check(ids: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+#: The largest ``seed``: torch's generators take a signed 64-bit seed.
+MAX_SEED = 2**63 - 1
+
+
+def _check(ids: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None, seed: int | None) -> None:
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         raise ValueError("ids: expected an int64 tensor of token ids (T,) or (B, T)")
     if ids.dim() not in (1, 2) or ids.shape[-1] == 0:
         raise ValueError(f"ids: expected a non-empty (T,) or (B, T) tensor, got shape {tuple(ids.shape)}")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: must be an int >= 0, got {max_new_tokens!r}")
-    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0:
-        raise ValueError(f"temperature: must be a number >= 0 (0: greedy), got {temperature!r}")
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature: must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ValueError(f"top_k: must be a positive int or None, got {top_k!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+        raise ValueError(f"seed: must be an int from 0 to 2**63 - 1, got {seed!r}")
 
 
 def _next_token(
@@ -44,7 +52,11 @@ def _next_token(
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # in 64 bits (a temperature float32 rounds to 0 stays above it) and shifted so that the largest is 0 (the same
+    # softmax): a small temperature then sends the others to -inf rather than every logit to +-inf, whose softmax
+    # is NaN
+    logits = logits.double()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1): the k-th largest logit
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -66,7 +78,7 @@ def generate(
     (B, T)). ``temperature`` 0 is greedy; ``seed`` makes sampling repeatable (a generator of its own, the global
     RNG untouched). A row that produced ``eos_id`` is padded with it after, and generation stops once every row
     has. The model runs in eval mode under ``torch.inference_mode`` (its mode is restored after)."""
-    _check(ids, max_new_tokens, temperature, top_k)
+    _check(ids, max_new_tokens, temperature, top_k, seed)
     squeeze = ids.dim() == 1
     out = (ids.unsqueeze(0) if squeeze else ids).long()
     param = next(model.parameters(), None)

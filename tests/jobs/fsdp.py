@@ -84,8 +84,9 @@ def train(layout: dict) -> dict | None:
             continue
         held += piece.end - piece.start
         if piece.end > piece.start:  # AdamW's moments over the same elements, in the parameter's group
-            shards = max(shards, jobs._excess(piece.shard, want.reshape(-1)[piece.start : piece.end], shard_rtol,
-                                              shard_atol))
+            shards = max(
+                shards, jobs._excess(piece.shard, want.reshape(-1)[piece.start : piece.end], shard_rtol, shard_atol)
+            )
             if piece.optimizer_state["exp_avg"].shape != piece.shard.shape:
                 problems.append(f"{piece.name}: exp_avg {piece.optimizer_state['exp_avg'].shape}")
             decay = fsdp.param_groups[piece.param_group]["weight_decay"]
