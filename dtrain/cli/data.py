@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dtrain.cli.units import whole
+
 __all__ = ["add_parser", "register", "run"]
 
 
@@ -31,21 +33,6 @@ MIN_VOCAB = 257
 MAX_SEED = 2**63 - 1
 
 
-def _bounded_int(least: int, most: int, what: str):
-    """An argparse type: a whole number in ``least..most`` (argparse names the flag in its one-line error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or not least <= value <= most:
-            raise argparse.ArgumentTypeError(f"expected {what} from {least} to {most}, got {text!r}")
-        return value
-
-    return parse
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``dtrain data`` (subcommand ``prepare``) to the ``dtrain`` command's subparsers."""
     data = subparsers.add_parser("data", help="prepare token datasets for language models")
@@ -63,7 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     source.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json")
     source.add_argument(
         "--train-tokenizer",
-        type=_bounded_int(1, MAX_VOCAB, "a vocabulary size"),
+        type=whole(1, MAX_VOCAB, "a vocabulary size"),
         metavar="VOCAB_SIZE",
         help=f"train a byte-level BPE on the inputs, of {MIN_VOCAB} to {MAX_VOCAB} (2**24) tokens",
     )
@@ -72,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--shard-tokens", type=_positive_int, default=100_000_000, help="tokens per shard file (default: 100M)"
     )
-    p.add_argument("--seed", type=_bounded_int(0, MAX_SEED, "a whole number"), default=0,
+    p.add_argument("--seed", type=whole(0, MAX_SEED), default=0,
                    help="seeds the choice of validation documents, 0 to 2**63 - 1 (default: 0)")  # fmt: skip
     p.set_defaults(handler=run)
     return data

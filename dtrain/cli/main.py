@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtrain.cli.units import parse_bytes
+from dtrain.cli.units import parse_bytes, whole
 from dtrain.env import CommEnv
 from dtrain.interrupts import note_interrupts
 
@@ -120,21 +120,6 @@ MAX_CHECK_WORLD = 32
 MAX_CHECK_PIPELINE = 64
 
 
-def _whole(least: int, most: int):
-    """An argparse type: a whole number in ``least..most`` (argparse names the flag in its one-line error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or not least <= value <= most:
-            raise argparse.ArgumentTypeError(f"expected a whole number from {least} to {most}, got {text!r}")
-        return value
-
-    return parse
-
-
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (the usage is one ``--help`` away)."""
 
@@ -146,10 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dtrain", description="distributed training, from the collectives up")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="prove every registered algorithm on symbolic chunks")
-    check.add_argument("--max-world", type=_whole(1, MAX_CHECK_WORLD), default=8,
+    check.add_argument("--max-world", type=whole(1, MAX_CHECK_WORLD), default=8,
                        help=f"largest world size proved, 1 to {MAX_CHECK_WORLD} (32 takes about 15 s on 2 cores; the "
                             "time grows with the cube of it) (default: 8)")  # fmt: skip
-    check.add_argument("--pipeline", type=_whole(1, MAX_CHECK_PIPELINE), default=1,
+    check.add_argument("--pipeline", type=whole(1, MAX_CHECK_PIPELINE), default=1,
                        help=f"pieces for the pipelined algorithms, 1 to {MAX_CHECK_PIPELINE} (default: 1)")  # fmt: skip
     bench = commands.add_parser("bench", help="measure the machine")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dtrain.cli.cluster_common import link_rows, link_table
-from dtrain.cli.units import parse_bytes, parse_count
+from dtrain.cli.units import parse_bytes, parse_count, whole
 
 __all__ = ["register"]
 
@@ -36,19 +36,7 @@ PLACEMENTS = ("aware", "megatron", "oblivious")  # dtrain.sim.placement.PLACEMEN
 ATTENTION_KERNELS = ("cudnn", "fa2")  # dtrain.sim.compute.ATTENTION_KERNELS, likewise
 
 
-def _whole(least: int):
-    """An argparse type: a whole number ``>= least`` (argparse names the flag in its one-line error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = least - 1
-        if value < least:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
-        return value
-
-    return parse
+_whole = whole
 
 
 def _recompute_modes(text: str) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 
-__all__ = ["MAX_BYTES", "MAX_QUANTITY", "parse_bytes", "parse_quantity", "parse_count"]
+__all__ = ["MAX_BYTES", "MAX_QUANTITY", "parse_bytes", "parse_quantity", "parse_count", "whole"]
 
 #: The largest size :func:`parse_bytes` takes: 1 EiB.
 MAX_BYTES = 1 << 60
@@ -78,3 +78,20 @@ def parse_count(text: str) -> float:
     if value != value:
         raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 175e9, 175G, 1.3T)")
     return _bounded(value, text)
+
+
+def whole(least: int, most: int | None = None, what: str = "a whole number"):
+    """An argparse type: a whole number ``>= least`` (and ``<= most`` where given); argparse names the flag in its
+    one-line error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least or (most is not None and value > most):
+            bounds = f">= {least}" if most is None else f"from {least} to {most}"
+            raise argparse.ArgumentTypeError(f"expected {what} {bounds}, got {text!r}")
+        return value
+
+    return parse
