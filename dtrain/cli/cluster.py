@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from dtrain.cli.units import parse_count, parse_quantity
+from dtrain.cli.units import check_finite, parse_count, parse_quantity
 
 __all__ = ["register", "parse_quantity", "parse_count", "check_finite"]
 
@@ -115,19 +114,6 @@ def _add_calc_models(sub) -> None:
     p.add_argument("--nvlinks", type=int, default=12, help="NVLink links a GPU")
     p.add_argument("--network", default="ib-hdr", help="the NIC's link kind")
     p.set_defaults(handler=_paths)
-
-
-def check_finite(data: Any, where: str = "") -> None:
-    """ValueError naming the first value of ``data`` (dicts and lists within) that is infinite or NaN, which JSON
-    cannot hold: inputs out of range."""
-    if isinstance(data, float) and not math.isfinite(data):
-        raise ValueError(f"{where or 'the result'} comes out as {data}: the inputs are out of range")
-    if isinstance(data, dict):
-        for key, value in data.items():
-            check_finite(value, f"{where}.{key}" if where else str(key))
-    elif isinstance(data, list | tuple):
-        for i, value in enumerate(data):
-            check_finite(value, f"{where}[{i}]")
 
 
 def _emit(args: argparse.Namespace, data: dict, render) -> int:

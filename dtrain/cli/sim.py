@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dtrain.cli.cluster_common import link_rows, link_table
-from dtrain.cli.units import parse_bytes, parse_count, whole
+from dtrain.cli.units import check_finite, parse_bytes, parse_count, whole
 
 __all__ = ["register"]
 
@@ -37,6 +37,12 @@ ATTENTION_KERNELS = ("cudnn", "fa2")  # dtrain.sim.compute.ATTENTION_KERNELS, li
 
 
 _whole = whole
+
+
+def _print_json(data: dict) -> None:
+    """``data`` as JSON on stdout; a ValueError naming the first infinite or NaN value instead (JSON holds none)."""
+    check_finite(data)
+    print(json.dumps(data, indent=2))
 
 
 def _recompute_modes(text: str) -> list[str]:
@@ -455,7 +461,8 @@ def _simulate_collective(args: argparse.Namespace) -> int:
     runs.sort(key=lambda r: r["time_s"])
     head = {"topology": topo.name, "collective": args.collective, "ranks": len(placement), "bytes": args.bytes}
     if args.json:
-        print(json.dumps({**head, **runs[0]} if len(runs) == 1 else {**head, "algorithms": runs}, indent=2))
+        data = {**head, **runs[0]} if len(runs) == 1 else {**head, "algorithms": runs}
+        _print_json(data)
         return 0
     from dtrain.cluster.report import print_table
 
@@ -581,7 +588,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
             "split_pipeline": args.split_pipeline, "flow_limit": args.flow_limit, **_step_data(result),
             "links": link_rows(result.links, args.links)}  # fmt: skip
     if args.json:
-        print(json.dumps(data, indent=2))
+        _print_json(data)
         return 0
     from dtrain.cluster.report import print_table
 
@@ -706,7 +713,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         data = {"topology": topo.name, "model": asdict(model), "plans": rows, "too_big": dropped,
                 "simulated": found.simulated, "bounded": found.bounded}  # fmt: skip
-        print(json.dumps(data, indent=2))
+        _print_json(data)
         return 0
     from dtrain.cluster.report import print_table
 
@@ -763,7 +770,7 @@ def _plan_run(args: argparse.Namespace) -> int:
         "mfu": p.mfu, **_step_data(p.result), "skipped": planned.skipped, "written": args.write,
     }  # fmt: skip
     if args.json:
-        print(json.dumps(data, indent=2))
+        _print_json(data)
         return 0
     where = f"; written to {args.write}" if args.write else ""
     skipped = f" ({planned.skipped} faster plans dtrain train cannot run)" if planned.skipped else ""

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dtrain.cli.cluster_common import link_rows, link_table, resolve_topology
+from dtrain.cli.units import check_finite
 
 __all__ = ["add_ps_parser", "place_ps"]
 
@@ -212,6 +213,7 @@ def simulate_ps_command(args: argparse.Namespace) -> int:
         "links": link_rows(result.links, args.links),
     }  # fmt: skip
     if args.json:
+        check_finite(data)  # JSON holds no infinity
         print(json.dumps(data, indent=2))
         return 0
     _print(data)

@@ -12,9 +12,11 @@ Each refuses, in argparse's one line naming the flag, what no machine holds: byt
 from __future__ import annotations
 
 import argparse
+import math
 import re
+from typing import Any
 
-__all__ = ["MAX_BYTES", "MAX_QUANTITY", "parse_bytes", "parse_quantity", "parse_count", "whole"]
+__all__ = ["MAX_BYTES", "MAX_QUANTITY", "check_finite", "parse_bytes", "parse_quantity", "parse_count", "whole"]
 
 #: The largest size :func:`parse_bytes` takes: 1 EiB.
 MAX_BYTES = 1 << 60
@@ -95,3 +97,16 @@ def whole(least: int, most: int | None = None, what: str = "a whole number"):
         return value
 
     return parse
+
+
+def check_finite(data: Any, where: str = "") -> None:
+    """ValueError naming the first value of ``data`` (dicts and lists within) that is infinite or NaN, which JSON
+    cannot hold: inputs out of range."""
+    if isinstance(data, float) and not math.isfinite(data):
+        raise ValueError(f"{where or 'the result'} comes out as {data}: the inputs are out of range")
+    if isinstance(data, dict):
+        for key, value in data.items():
+            check_finite(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(data, list | tuple):
+        for i, value in enumerate(data):
+            check_finite(value, f"{where}[{i}]")

@@ -510,3 +510,14 @@ def test_simulate_train_prices_flashattention_2_dearer_than_cudnns_attention_on_
         main([*argv, "--attention-kernel", "fa3"])
     assert refused.value.code == 2
     assert "--attention-kernel" in capsys.readouterr().err
+
+
+def test_simulate_json_never_prints_infinity(capsys, monkeypatch) -> None:
+    from dtrain.cli import sim as sim_cli
+
+    real = sim_cli._step_data
+    monkeypatch.setattr(sim_cli, "_step_data", lambda result: {**real(result), "tokens_per_s": float("inf")})
+    argv = ["simulate", "train", "--topology", "h100-node", "--model", "llama-7b", "--tp", "8", "--global-batch", "4"]
+    assert main([*argv, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "dtrain: error: tokens_per_s comes out as inf: the inputs are out of range\n"
