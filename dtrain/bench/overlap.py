@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtrain.comm import native
 from dtrain.launch import rank_device, run_ranks
 
 __all__ = ["COLLECTIVES", "OverlapConfig", "layer_shapes", "path_name", "run", "overlap_on_rank", "factors"]
@@ -127,9 +128,7 @@ def _collective(name: str, nbytes: int, device, group) -> Callable[[], object]:
     return lambda: _all_gather_single(full, shard, group=group, async_op=True)
 
 
-# torch.distributed's single-tensor collectives (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in older torch)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single, _reduce_scatter_single = native.all_gather_single, native.reduce_scatter_single
 
 
 class _Clock:

@@ -131,15 +131,20 @@ def reduce(tensor: torch.Tensor, dst: int, op: str, group) -> torch.Tensor:
     return tensor
 
 
+#: torch.distributed's single-tensor all-gather and reduce-scatter (``all_gather_single`` /
+#: ``reduce_scatter_single``; ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, deprecated since, in torch
+#: before 2.13)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
-    return _in_place(
-        output, lambda o: dist.all_gather_into_tensor(o.view(-1), input.contiguous().view(-1), group=group)
-    )
+    return _in_place(output, lambda o: all_gather_single(o.view(-1), input.contiguous().view(-1), group=group))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group) -> torch.Tensor:
     def run(o: torch.Tensor) -> None:
-        dist.reduce_scatter_tensor(o.view(-1), input.contiguous().view(-1), _OPS[op], group=group)
+        reduce_scatter_single(o.view(-1), input.contiguous().view(-1), _OPS[op], group=group)
         if op == "avg":
             o.div_(dist.get_world_size(group))
 
@@ -170,7 +175,7 @@ def scan(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.contiguous().view(-1)
     everyone = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(everyone, flat, group=group)
+    all_gather_single(everyone, flat, group=group)
     rows = everyone.view(world, -1)[: rank + 1]
     if op in ("sum", "avg"):
         result = rows.sum(0, dtype=flat.dtype)

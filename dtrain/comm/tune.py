@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from dtrain.comm import native
 from dtrain.comm.ir.schedule import BLOCK_COLLECTIVES, Collective
 
 __all__ = [
@@ -112,8 +113,8 @@ def _torch_calls(group, rank: int) -> dict[str, Callable]:
         "all_reduce": lambda full, part, out: dist.all_reduce(full, group=group),
         "broadcast": lambda full, part, out: dist.broadcast(full, root, group=group),
         "reduce": lambda full, part, out: dist.reduce(full, root, group=group),
-        "all_gather": lambda full, part, out: dist.all_gather_into_tensor(full, part, group=group),
-        "reduce_scatter": lambda full, part, out: dist.reduce_scatter_tensor(part, full, group=group),
+        "all_gather": lambda full, part, out: native.all_gather_single(full, part, group=group),
+        "reduce_scatter": lambda full, part, out: native.reduce_scatter_single(part, full, group=group),
         "all_to_all": lambda full, part, out: dist.all_to_all_single(out, full, group=group),
         "barrier": lambda full, part, out: dist.barrier(group=group),
     }

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain import comm
+from dtrain.comm import native
 from dtrain.parallel.data_parallel_communications import group_size
 from dtrain.parallel.zero import MemoryReport, ZeroMemoryReport
 
@@ -650,9 +651,7 @@ class FullyShardedDataParallel:
         )
 
 
-# torch.distributed's single-tensor collectives (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in older torch)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single, _reduce_scatter_single = native.all_gather_single, native.reduce_scatter_single
 
 
 _MAX_REDUCTIONS_IN_FLIGHT = 2
