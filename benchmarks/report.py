@@ -3330,6 +3330,16 @@ def section_sim() -> str:
         [r["case"], f"{r['measured_step_s']:.3f}", f"{r['error']:+.1%}", f"{r['error_host']:+.1%}", r["bottleneck"]]
         for r in ps
     ]
+    ps_other = []  # the same cases at another NIC rate or queue depth: median / worst |error| over the cases
+    for name, setting in (
+        ("sim_validation-ps-emulated.jsonl", "100 Mbit/s, the emulator's queue"),
+        ("sim_validation-ps-emulated-400mbit.jsonl", "400 Mbit/s, the emulator's queue"),
+        ("sim_validation-ps-emulated-queue100ms.jsonl", "100 Mbit/s, a 100 ms queue"),
+    ):
+        summary = [r for r in load(name) if r["bench"] == "ps_summary"]
+        ps_other.append(
+            [setting, f"`{name}`", errors([r["error"] for r in summary]), errors([r["error_host"] for r in summary])]
+        )
     return "\n\n".join(
         [
             "## Simulator validation",
@@ -3360,6 +3370,9 @@ def section_sim() -> str:
             "(fitted once on loopback); 3 runs a case.",
             "Command: `sudo python benchmarks/sim/ps_validate.py`. Data: `sim_validation-ps-emulated.jsonl`.",
             table(["case", "measured step s", "error, network", "error, network + host", "bottleneck"], psrows),
+            "The same cases at four times the rate (`--mbit 400`) and with a deeper shaped queue (`--queue-ms 100`), "
+            "each its own run of the command:",
+            table(["setting", "data", "error, network (cases)", "error, network + host (cases)"], ps_other),
             *_training_sim_part(),
             *_ring_attention_part(),
         ]
@@ -3940,7 +3953,8 @@ def section_overlap() -> str:
             "`StepConfig.contention`). Commands: `dtrain bench overlap --out "
             "benchmarks/results/bench_overlap-nvlink-h200x2.jsonl --write-curves dtrain/sim/compute_curves.json`, and "
             "the same under the two variables into `bench_overlap-network-h200x2.jsonl`. The last column is the same "
-            "two commands on another allocation of 2 x H200 (`-run2`), not used by the simulator.",
+            "two commands on another allocation of 2 x H200 (`bench_overlap-{nvlink,network}-h200x2-run2.jsonl`), not "
+            "used by the simulator.",
             table(
                 [
                     "path",
