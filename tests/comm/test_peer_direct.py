@@ -10,6 +10,7 @@ tensors the broadcast is not taken this way."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -212,3 +213,31 @@ def test_a_rank_mid_chain_that_cannot_name_its_memory_fails_every_rank_after_it_
     assert [g[4] for g in got] == [refused.format(2), "ok", "DirectRefused: the partial buffer is private"]
     for g in got:  # and every call after each runs on every rank
         assert [x.split()[-1] for x in g[1::2]] == ["good"] * 3
+
+
+def test_a_post_is_checked_against_the_mapping_before_anything_reads_through_it():
+    assert direct.checked_post(0, 64, 64, 4, 0, "broadcast") == 0
+    assert direct.checked_post(32, 32, 64, 4, 0, "broadcast") == 32
+    for offset, nbytes, why in (
+        (4, 64, "bytes [4, 68) of an allocation of 64 bytes"),
+        (68, 0, "bytes [68, 68) of an allocation of 64 bytes"),
+        (2**64 - 8, 16, f"bytes [{2**64 - 8}, {2**64 + 8})"),
+        (6, 4, "an offset of 6 bytes into its allocation, not a multiple of the element size 4"),
+    ):
+        with pytest.raises(ValueError, match=r"^reduce: rank 3 posted " + re.escape(why)):
+            direct.checked_post(offset, nbytes, 64, 4, 3, "reduce")
+
+
+def test_a_post_past_the_predecessors_allocation_fails_the_reader_and_wedges_neither_rank(pool):
+    got = pool.run(jobs.direct_bad_posts, ranks=2)
+    past = "ValueError: {}: rank 0 posted bytes [64, 128) of an allocation of 64 bytes"
+    odd = "ValueError: {}: rank 0 posted an offset of 2 bytes into its allocation, not a multiple of the element size 4"
+    # rank 0 finishes its part (its reader drains its round), rank 1 reads nothing through the post
+    assert got[0] == ["ok", "ok", "ok", "ok", "good"]
+    assert [g.split(";")[0] for g in got[1][:4]] == [
+        past.format("broadcast"),
+        odd.format("broadcast"),
+        past.format("reduce"),
+        odd.format("reduce"),
+    ]
+    assert got[1][4] == "good"

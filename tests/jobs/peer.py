@@ -350,6 +350,9 @@ class SharedFileMemory:
         self.opened += 1
         return t.data_ptr()
 
+    def extent(self, address: int) -> int:
+        return self.held[address].numel()
+
     def close(self, address: int) -> None:
         del self.held[address]
         self.closed += 1
@@ -626,3 +629,48 @@ def direct_refused() -> str:
         dist.barrier(group=group)
         memory.unlink()
     return "no error"
+
+
+def direct_bad_posts() -> list[str]:
+    """Ranks 0 and 1 over host memory: rank 0 posts its tensor's allocation with the offset moved past its end,
+    then off the element size, then as it is, broadcasting and reducing 16 float32. Returns, per call, what this
+    rank raised ("ok" where it raised nothing), then whether a good broadcast and reduce after them came out
+    right."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dtrain.comm.peer.direct import DirectChain
+    from dtrain.testing.pool import group_of
+
+    group = group_of(2)
+    rank = dist.get_rank(group)
+    memory = SharedFileMemory()
+    timeout = datetime.timedelta(seconds=20)
+    got: list[str] = []
+    named = memory.name
+    try:
+        chain = DirectChain(group, torch.device("cpu"), memory=memory)
+        for kind, root, shift in (("broadcast", 0, 64), ("broadcast", 0, 2), ("reduce", 1, 64), ("reduce", 1, 2)):
+            t = memory.tensor(16, torch.float32).fill_(rank + 1)
+            if rank == 0:
+                memory.name = lambda address, s=shift: (named(address)[0], named(address)[1] + s)
+            dist.barrier(group=group)
+            try:
+                chain.broadcast(t, root, timeout) if kind == "broadcast" else chain.reduce(t, root, "sum", timeout)
+                got.append("ok")
+            except ValueError as err:
+                got.append(f"ValueError: {err}")
+            memory.name = named
+        b = memory.tensor(16, torch.float32).fill_(rank + 1)
+        r = memory.tensor(16, torch.float32).fill_(rank + 1)
+        dist.barrier(group=group)
+        chain.broadcast(b, 0, timeout)
+        chain.reduce(r, 1, "sum", timeout)
+        right = torch.equal(b, torch.ones(16)) and torch.equal(r, torch.full((16,), 3.0 if rank == 1 else 1.0))
+        got.append("good" if right else f"differs: {b.tolist()} {r.tolist()}")
+    finally:
+        memory.name = named
+        dist.barrier(group=group)
+        memory.unlink()
+    return got

@@ -75,6 +75,7 @@ __all__ = [
     "pieces",
     "direct_for",
     "exportable",
+    "checked_post",
     "MAPPED_MAX",
 ]
 
@@ -195,6 +196,34 @@ def exportable(device: torch.device) -> bool:
         return False
     driver = peer_channels._driver()
     return _ipc() is not None and driver is not None and driver.copy is not None
+
+
+def checked_post(offset: int, nbytes: int, extent: int, align: int, prev: int, what: str) -> int:
+    """``offset``, checked: a predecessor's post names bytes ``[offset, offset + nbytes)`` of its allocation, which
+    this process has mapped as ``extent`` bytes; they must lie inside it, from a multiple of ``align`` (the
+    tensors' element size: a kernel reads the peer's memory as elements). ``ValueError`` naming rank ``prev``'s
+    post otherwise: a copy or a kernel would read past the mapping (a fault, or another allocation's bytes)."""
+    if offset % align:
+        raise ValueError(
+            f"{what}: rank {prev} posted an offset of {offset} bytes into its allocation, not a multiple of the "
+            f"element size {align}"
+        )
+    if offset > extent or nbytes > extent - offset:
+        raise ValueError(
+            f"{what}: rank {prev} posted bytes [{offset}, {offset + nbytes}) of an allocation of {extent} bytes; "
+            "a post names bytes inside the allocation it maps"
+        )
+    return offset
+
+
+def extent_of(address: int) -> int:
+    """The bytes from device address ``address`` to the end of the allocation holding it, as this process's
+    driver knows it (a peer's allocation mapped here: its size as mapped, whatever the peer posts)."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    result = _ipc()[0](ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address))
+    if result != 0:
+        raise DirectRefused(f"the CUDA driver knows no allocation at {address:#x} (driver error {result})")
+    return base.value + size.value - address
 
 
 def name_of(address: int) -> tuple[bytes, int]:
@@ -352,6 +381,10 @@ class CudaMemory:
             raise DirectRefused(f"cuIpcOpenMemHandle failed with CUDA driver error {result}")
         return address.value
 
+    def extent(self, address: int) -> int:
+        """The bytes of the mapping at ``address`` (:meth:`open`'s), from the driver."""
+        return extent_of(address)
+
     def close(self, address: int) -> None:
         """Unmap ``address`` once the copies queued out of it are done."""
         torch.cuda.synchronize(self.device)
@@ -434,6 +467,7 @@ class DirectChain:
         self.mailbox = Mailbox(self.window.group, device)
         self._timeout = peer_window._group_timeout(self.window.group, device)
         self._mapped: OrderedDict[bytes, int] = OrderedDict()
+        self._extents: dict[bytes, int] = {}  # the bytes of each mapping, as this process mapped them
         self._pinned: set[bytes] = set()
         self._plans: dict = {}
         self._partials: list[torch.Tensor] = []  # every partial buffer made, the newest last: a peer may map any
@@ -451,8 +485,15 @@ class DirectChain:
             return at
         unpinned = [h for h in self._mapped if h not in self._pinned]
         if len(unpinned) >= MAPPED_MAX:
+            self._extents.pop(unpinned[0], None)
             self.memory.close(self._mapped.pop(unpinned[0]))
-        at = self._mapped[handle] = self.memory.open(handle)
+        at = self.memory.open(handle)
+        try:
+            self._extents[handle] = self.memory.extent(at)
+        except Exception:
+            self.memory.close(at)
+            raise
+        self._mapped[handle] = at
         return at
 
     @property
@@ -464,6 +505,7 @@ class DirectChain:
         """Unmap every peer allocation this rank mapped (the partial buffers go once every rank closed)."""
         while self._mapped:
             self.memory.close(self._mapped.popitem()[1])
+        self._extents.clear()
         self._pinned.clear()
 
     def _partial(self, nbytes: int) -> torch.Tensor:
@@ -483,11 +525,14 @@ class DirectChain:
             ops = self._plans[key] = plan(self.rank, root, self.world, nbytes, pieces(nbytes, self.world), reduce)
         return ops
 
-    def _pass(self, exposed: int | None, nbytes: int, what: str | None, timeout: timedelta, check=None) -> int:
+    def _pass(
+        self, exposed: int | None, nbytes: int, what: str | None, timeout: timedelta, align: int, check=None
+    ) -> int:
         """The host's part of a call. Where ``what`` names the call of a rank that reads its predecessor's memory:
-        take the predecessor's post, map it and ``check(address)`` it. Then, where ``exposed`` is an address (what
-        this rank's successor reads; None: nothing), name it and post it. Returns the predecessor's address mapped
-        here, or 0.
+        take the predecessor's post, map it, check that the ``nbytes`` it names lie inside the mapping from a
+        multiple of ``align`` (:func:`checked_post`) and ``check(address)`` it. Then, where ``exposed`` is an
+        address (what this rank's successor reads; None: nothing), name it and post it. Returns the predecessor's
+        address mapped here, or 0.
 
         A failure anywhere fails every rank after this one along the chain and leaves no stream waiting: a rank
         that cannot use a good post, or cannot name its own memory after taking one, drains its predecessor's
@@ -506,7 +551,8 @@ class DirectChain:
                         f"{what}: rank {self.rank} passed {nbytes} bytes and rank {prev} {sent}: every rank passes "
                         "a tensor of the same size"
                     )
-                source = self._map(handle) + offset
+                at = self._map(handle)
+                source = at + checked_post(offset, nbytes, self._extents[handle], align, prev, what)
                 if check is not None:
                     check(source)
             except Exception:
@@ -552,7 +598,8 @@ class DirectChain:
         pos = (self.rank - root) % self.world
         address = flat.data_ptr()
         exposed = address if pos < self.world - 1 else None
-        source = self._pass(exposed, nbytes, "broadcast" if pos > 0 else None, timeout)
+        what = "broadcast" if pos > 0 else None
+        source = self._pass(exposed, nbytes, what, timeout, flat.element_size())
         self.window.calls += 1
         self.memory.run(self._plan(root, nbytes, False), address, source, self._base, timeout)
 
@@ -571,7 +618,7 @@ class DirectChain:
         def readable(address: int) -> None:  # the predecessor's partial as a tensor this rank's kernel reads
             self.memory.view(address, nbytes, flat.dtype)
 
-        source = self._pass(exposed, nbytes, None if first else "reduce", timeout, readable)
+        source = self._pass(exposed, nbytes, None if first else "reduce", timeout, flat.element_size(), readable)
         self.window.calls += 1
         combine = None if first else Combine(op, out, flat)
         self.memory.run(self._plan(root, nbytes, True), out.data_ptr(), source, self._base, timeout, combine)
