@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from dtrain.comm import Collective, algorithms
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Schedule, chunk_bounds
+from dtrain.comm.peer import window as peer_window
 from dtrain.comm.peer.pull import PullPlan, _compile_all, races
 from tests.jobs import peer as jobs
 
@@ -283,3 +284,20 @@ def test_a_window_size_that_is_not_a_size_is_refused(monkeypatch):
     monkeypatch.setenv("DTRAIN_COMM_PEER_WINDOW_BYTES", "lots")
     with pytest.raises(ValueError, match="DTRAIN_COMM_PEER_WINDOW_BYTES"):
         peer._presize()
+
+
+def test_a_window_name_from_rank_0_is_checked_before_any_file_is_opened():
+    good = b"dtrain-123-4-" + b"0123456789ab"
+    assert peer_window.window_stem(good.ljust(64, b"\0")) == good.decode()
+    for bad in (b"../../tmp/dtrain-123-4-0123456789ab", good + b"/x", b"dtrain-1-2-\xff\xfe", good + b"\0junk", b""):
+        with pytest.raises(ValueError, match="^peer transport: rank 0 named the window files"):
+            peer_window.window_stem(bad.ljust(64, b"\0"))
+    with pytest.raises(ValueError, match="rank 0 named"):
+        peer_window.window_stem(good)  # not 64 bytes
+
+
+@pytest.mark.parametrize("tag", [b"../../tmp/dtrain-1-2-0123456789ab", b"dtrain-\xff\xfe-0"])
+def test_every_rank_refuses_window_files_named_outside_dev_shm_alike(pool, tag):
+    got = pool.run(jobs.window_named_by, tag.ljust(64, b"\0"), ranks=2)
+    assert got[0] == got[1] and got[0].startswith("ValueError: peer transport: rank 0 named the window files b")
+    assert glob.glob("/tmp/dtrain-1-2-*") == []

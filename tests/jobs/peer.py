@@ -674,3 +674,35 @@ def direct_bad_posts() -> list[str]:
         dist.barrier(group=group)
         memory.unlink()
     return got
+
+
+def window_named_by(tag: bytes) -> str:
+    """Ranks 0 and 1 make a CPU window whose file name rank 0 sends as ``tag`` (its broadcast of the name carries
+    those bytes instead of the name it made). Returns what this rank raised, or "ok" and where the files were."""
+    import torch.distributed as dist
+
+    from dtrain.comm.peer import window as peer_window
+    from dtrain.testing.pool import group_of
+
+    group = group_of(2)
+    real = peer_window.dist
+
+    class _Dist:  # rank 0's broadcast of the name sends ``tag``
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def broadcast(self, t, src, group=None):
+            if dist.get_rank() == src and t.dtype == torch.uint8 and t.numel() == 64:
+                t.copy_(torch.frombuffer(bytearray(tag), dtype=torch.uint8))
+            return real.broadcast(t, src, group=group)
+
+    peer_window.dist = _Dist()
+    try:
+        made = peer_window.PeerWindow(group, torch.device("cpu"), 256)
+        made.barrier()
+        return "ok"
+    except ValueError as err:
+        return f"ValueError: {err}"
+    finally:
+        peer_window.dist = real
+        dist.barrier(group=group)

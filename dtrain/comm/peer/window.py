@@ -34,6 +34,7 @@ import hashlib
 import itertools
 import os
 import platform
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -219,7 +220,7 @@ class PeerWindow:
             tag[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
         tag = tag.to(self._via)
         dist.broadcast(tag, dist.get_global_rank(self.group, 0), group=self.group)
-        stem = bytes(tag.cpu().tolist()).rstrip(b"\0").decode()
+        stem = window_stem(bytes(tag.cpu().tolist()))  # every rank checks the same bytes: all raise, or none
         path = f"/dev/shm/{stem}-{{}}"
         own = path.format(self.rank)
         problem = ""
@@ -354,6 +355,24 @@ def _presize() -> int:
     """``DTRAIN_COMM_PEER_WINDOW_BYTES``: the least size a window is made with (bytes, or with K, M, G), so that
     a run whose buffers grow (a size sweep) maps its windows once instead of at every new size."""
     return comm_env().peer_window_bytes
+
+
+#: The name rank 0 gives a group's window files (``dtrain-<pid>-<count>-<12 hex digits>``), each rank's file that
+#: name and ``-<rank>`` in /dev/shm.
+_STEM = re.compile(r"dtrain-[0-9]{1,10}-[0-9]{1,19}-[0-9a-f]{12}")
+
+
+def window_stem(tag: bytes) -> str:
+    """The stem of the window files' names in ``tag`` (rank 0's 64 bytes: the name, then zeros), checked: a name
+    rank 0 makes and nothing else, so that no path outside /dev/shm or into another file is ever opened;
+    ``ValueError`` naming what arrived otherwise."""
+    stem, _, rest = tag.partition(b"\0")
+    if len(tag) != 64 or rest.strip(b"\0") or _STEM.fullmatch(stem.decode("ascii", "replace")) is None:
+        raise ValueError(
+            f"peer transport: rank 0 named the window files {tag.rstrip(bytes(1))!r}; a name is "
+            "dtrain-<pid>-<count>-<12 hex digits> padded with zeros to 64 bytes"
+        )
+    return stem.decode("ascii")
 
 
 def _has_size(path: str, nbytes: int) -> bool:
