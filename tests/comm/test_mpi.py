@@ -69,6 +69,12 @@ def test_bad_input_raises_before_sending_and_a_missing_peer_times_out_naming_it(
     assert "broadcast/tree: rank 0 (global 0) timed out in round 0 of 1 waiting for a message from rank 1" in two_ranks
 
 
+def test_a_message_of_another_length_than_posted_raises_on_the_receiver_naming_the_peer(two_ranks):
+    assert "rank 0 (mismatched sizes): raised after" in two_ranks
+    assert "rank 1 sent a message longer than the 16 bytes this rank expected" in two_ranks
+    assert "rank 0 sent a message of 16 bytes where this rank expected 32" in two_ranks
+
+
 def test_bench_comm_under_mpirun_times_mpi_native_and_ours_over_mpi(tmp_path):
     out = tmp_path / "bench.jsonl"
     command = [_mpirun(), "-n", "2", "--oversubscribe", sys.executable, "-m", "mpi4py", "-m", "dtrain", "bench"]

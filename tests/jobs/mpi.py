@@ -104,10 +104,10 @@ def errors() -> int:
     """Bad input, then a missing peer twice (the group's timeout, then DTRAIN_COMM_TIMEOUT's), each on a fresh
     group."""
     problems = _bad_input() + _missing_peer("all_reduce", "ring", "group") + _missing_peer("broadcast", "tree", "env")
-    problems += _default_group_is_mpi()
+    problems += _default_group_is_mpi() + _mismatched_sizes()
     from dtrain.comm.mpi import world
 
-    return _report(world(), "errors", problems, 4)
+    return _report(world(), "errors", problems, 5)
 
 
 def _default_group_is_mpi() -> list[str]:
@@ -125,6 +125,35 @@ def _default_group_is_mpi() -> list[str]:
                 problems.append(f"DTRAIN_COMM_TRANSPORT=mpi all_reduce/{algorithm}: got {x.tolist()}")
     finally:
         os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    return problems
+
+
+def _mismatched_sizes() -> list[str]:
+    """A ring all-reduce of 8 float32 on rank 0 and 16 on rank 1: rank 0's first message is shorter than rank 1
+    posted for it, rank 1's longer than rank 0 posted. Each rank raises ValueError naming the peer and both lengths
+    at once (no timeout), and a call on the group after it runs."""
+    from mpi4py import MPI
+
+    group = MPIGroup(timeout=30.0)
+    problems = []
+    if group.rank < 2:
+        want = {
+            0: "rank 1 sent a message longer than the 16 bytes this rank expected",
+            1: "rank 0 sent a message of 16 bytes where this rank expected 32",
+        }[group.rank]
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(8 if group.rank == 0 else 16), group=group, algorithm="ring")
+            problems.append("mismatched sizes: no error")
+        except ValueError as err:
+            text, took = str(err), time.monotonic() - start
+            print(f"rank {group.rank} (mismatched sizes): raised after {took:.2f} s: {text}", flush=True)
+            for words in ("all_reduce/ring", "round 0", f"rank {1 - group.rank} (global {1 - group.rank})", want):
+                if words not in text:
+                    problems.append(f"the error does not say {words!r}: {text}")
+            if took > 10:
+                problems.append(f"mismatched sizes: raised after {took:.2f} s")
+    MPI.COMM_WORLD.Barrier()
     return problems
 
 

@@ -49,26 +49,68 @@ class _Round:
     def cancel_receives(self) -> None:
         MPI = mpi()
         for req in self.requests[: self.receives]:
-            if req != MPI.REQUEST_NULL and not req.Test():
-                req.Cancel()
-                req.Wait()  # a cancelled receive completes at once and writes nothing more
+            try:
+                if req == MPI.REQUEST_NULL or req.Test():
+                    continue
+            except MPI.Exception:  # a receive that failed (a message too long) is complete: nothing to cancel
+                continue
+            req.Cancel()
+            req.Wait()  # a cancelled receive completes at once and writes nothing more
 
 
 class _Request:
-    """One message's request, waited on with a deadline (``Pending.work``)."""
+    """One message's request, waited on with a deadline (``Pending.work``). A receive (``expect``: the bytes this
+    rank posted for it) is checked on completion: a message of another length (a peer whose tensor has another
+    size: MPI truncates a longer one and leaves the rest of the buffer as it was after a shorter one) raises
+    ``ValueError`` naming the peer and both lengths, after cancelling the round's open receives, so nothing is
+    written into this rank's memory once the call has raised."""
 
-    def __init__(self, round_: _Round, index: int, default_timeout: timedelta) -> None:
+    def __init__(
+        self, round_: _Round, index: int, default_timeout: timedelta, peer: int = -1, expect: int | None = None
+    ) -> None:
         self.round = round_
         self.index = index
         self.default_timeout = default_timeout
+        self.peer = peer
+        self.expect = expect
+        self.done = False
+
+    def _test(self, req) -> bool:
+        if self.done:
+            return True
+        if self.expect is None:
+            self.done = req.Test()
+            return self.done
+        MPI = mpi()
+        status = MPI.Status()
+        try:
+            done = req.Test(status)
+        except MPI.Exception as err:
+            if err.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise
+            self.round.cancel_receives()
+            raise ValueError(
+                f"rank {self.peer} sent a message longer than the {self.expect} bytes this rank expected "
+                "(every rank passes tensors of the same size)"
+            ) from None
+        if done:
+            got = status.Get_count(MPI.BYTE)
+            if got != self.expect:
+                self.round.cancel_receives()
+                raise ValueError(
+                    f"rank {self.peer} sent a message of {got} bytes where this rank expected {self.expect} "
+                    "(every rank passes tensors of the same size)"
+                )
+            self.done = True
+        return done
 
     def wait(self, timeout: timedelta | None = None) -> None:
         limit = (timeout or self.default_timeout).total_seconds()
         req = self.round.requests[self.index]
-        if req.Test():
+        if self._test(req):
             return
         start = time.perf_counter()
-        while not req.Test():
+        while not self._test(req):
             waited = time.perf_counter() - start
             if waited > limit:
                 self.round.cancel_receives()
@@ -105,7 +147,7 @@ class MPITransport:
                 peer=p,
                 is_send=is_send,
                 nbytes=t.numel() * t.element_size(),
-                work=_Request(round_, i, self.group.timeout),
+                work=_Request(round_, i, self.group.timeout, p, None if is_send else t.numel() * t.element_size()),
             )
             for i, (p, is_send, t) in enumerate(messages)
         ]

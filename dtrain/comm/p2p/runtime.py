@@ -136,6 +136,8 @@ def _wait(pending: list[Pending], schedule: Schedule, index: int, transport: Tra
         seen.add(id(p.work))
         try:
             p.wait(timeout)
+        except ValueError as err:  # a message that does not fit what this rank posted (the transport says how)
+            raise ValueError(f"{_describe(p, schedule, index, transport, 'received a bad message')}: {err}") from None
         except RuntimeError as err:
             text = str(err)
             if "imed out" not in text and "timeout" not in text.lower():
@@ -143,12 +145,12 @@ def _wait(pending: list[Pending], schedule: Schedule, index: int, transport: Tra
             raise CommTimeoutError(f"{_describe(p, schedule, index, transport)}: {err}") from err
 
 
-def _describe(p: Pending, schedule: Schedule, index: int, transport: Transport) -> str:
+def _describe(p: Pending, schedule: Schedule, index: int, transport: Transport, what: str = "timed out") -> str:
     verb = "sending to" if p.is_send else "waiting for a message from"
     rank, peer = transport.rank, p.peer
     return (
         f"{schedule.collective.value}/{schedule.algorithm}: rank {rank} (global {transport.global_rank(rank)}) "
-        f"timed out in round {index} of {schedule.num_rounds} {verb} rank {peer} "
+        f"{what} in round {index} of {schedule.num_rounds} {verb} rank {peer} "
         f"(global {transport.global_rank(peer)}), {p.nbytes} bytes"
     )
 
