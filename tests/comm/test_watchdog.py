@@ -3,6 +3,9 @@ the choice of transport that puts CUDA groups on the peer transport by default."
 
 from __future__ import annotations
 
+import os
+import socket
+
 import pytest
 import torch
 
@@ -142,3 +145,33 @@ def test_a_group_forgetting_its_windows_leaves_the_larger_groups_windows_alike_o
     assert pool.run(jobs.check_collective, "all_reduce", "ring", 4, [5], ranks=4) == [[]] * 4
     pool.run(jobs.auto_falls_back_when_a_window_is_refused, ranks=3)
     assert pool.run(jobs.check_collective, "all_reduce", "ring", 4, [5, 1 << 16], ranks=4) == [[]] * 4
+
+
+class _WhoStore:
+    """The store calls a heartbeat's peer lookup makes, in memory."""
+
+    def __init__(self, who: dict[int, bytes]) -> None:
+        self.data = {f"dtrain/heartbeat/who/{r}": v for r, v in who.items()}
+
+    def check(self, keys) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key) -> bytes:
+        return self.data[key]
+
+    def add(self, key, n) -> int:
+        self.data[key] = int(self.data.get(key, 0)) + n
+        return self.data[key]
+
+
+def test_a_peers_registration_is_used_only_as_a_host_name_and_a_process_id():
+    from dtrain.comm.peer.watchdog import Heartbeat, Peer, parse_who
+
+    assert parse_who(b"node-7.cluster:4242") == ("node-7.cluster", 4242)
+    for bad in (b"vm:-12", b"vm:0", b"vm:99999999", b"vm:+12", b"vm: 12", b"v m:12", b"vm\n:12", b":12", b"vm:", b"vm"):
+        assert parse_who(bad) is None, bad
+    host = socket.gethostname()
+    store = _WhoStore({1: f"{host}:-{os.getpid()}".encode(), 2: b"evil\nrank 7 is gone:12", 3: f"{host}:7".encode()})
+    beat = Heartbeat(store, 0, 4)
+    assert [beat.peer(r) for r in (1, 2, 3)] == [Peer(1), Peer(2), Peer(3, host, 7)]
+    assert [p.rank for p in beat.gone(wait=0.01)] in ([3], [1, 2, 3])  # pid 7 may run here; nothing else is looked up

@@ -28,6 +28,7 @@ kept in the store so every backend gets it.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import threading
@@ -295,6 +296,22 @@ def process_ended(pid: int) -> bool:
         return False
 
 
+#: What a rank registers in the store as who it is: ``host:pid``, a host name of printable ASCII without spaces and
+#: a process id Linux can give (at most 2**22).
+_WHO = re.compile(rb"([\x21-\x7e]{1,255}):([1-9][0-9]{0,6})")
+PID_MAX = 1 << 22
+
+
+def parse_who(value: bytes) -> tuple[str, int] | None:
+    """``(host, pid)`` from a peer's ``host:pid`` entry in the store, or None where it is not one (a pid that is
+    not a positive whole number up to :data:`PID_MAX`, a host with spaces, control or non-ASCII characters), so
+    that no process of this host is looked up, nor anything printed, on another's word beyond that."""
+    found = _WHO.fullmatch(value) if isinstance(value, bytes) else None
+    if found is None or int(found[2]) > PID_MAX:
+        return None
+    return found[1].decode("ascii"), int(found[2])
+
+
 class Heartbeat:
     """This rank's sign of life in ``store`` (a c10d store: ``set``, ``get``, ``add``, ``check``), and which
     peers stopped theirs. ``start()`` registers ``host:pid`` and starts the beating thread; ``stop()`` ends it.
@@ -350,10 +367,12 @@ class Heartbeat:
         try:
             if not self.store.check([key]):
                 return Peer(rank)
-            host, _, pid = self.store.get(key).decode().rpartition(":")
-            known = self._peers[rank] = Peer(rank, host, int(pid))
+            who = parse_who(self.store.get(key))
         except Exception:  # the store itself may be gone with its host: the rank alone still says something
             return Peer(rank)
+        if who is None:  # not what a rank registers: the rank alone, never a pid looked up or a host printed
+            return Peer(rank)
+        known = self._peers[rank] = Peer(rank, *who)
         return known
 
     def gone(self, wait: float | None = None) -> list[Peer]:
