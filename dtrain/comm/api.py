@@ -253,6 +253,25 @@ def _from_rank0(group, data: bytes, device: torch.device) -> bytes:
     return bytes(payload.cpu().tolist()) if n else b""
 
 
+def _decision(data: bytes) -> dict:
+    """What rank 0 sent :func:`_agree_on_choices`, checked: a JSON object, its ``error`` (rank 0 could not read its
+    rules) text and its ``missing`` (no rules: measure them) true or false; rules themselves are checked as a
+    rules file is (:meth:`dtrain.comm.cost.rules.Rules.from_dict`). ``ValueError`` naming rank 0 otherwise."""
+    from dtrain.comm.values import _decode
+
+    def check(value):
+        if not isinstance(value, dict):
+            raise ValueError(f"{type(value).__name__} where the rules agreement is a JSON object")
+        if not isinstance(value.get("error", ""), str) or not isinstance(value.get("missing", False), bool):
+            raise ValueError(f"a rules agreement whose error is not text or missing not true or false: {value!r:.200}")
+        return value
+
+    try:
+        return _decode(data, 0, check)
+    except ValueError as err:
+        raise ValueError(f"algorithm='auto': {err}") from None
+
+
 def _group_rank(group) -> int:
     return group.rank if is_mpi_group(group) else dist.get_rank(group)
 
@@ -276,7 +295,7 @@ def _agree_on_choices(group, kind: str, device: torch.device, world: int) -> Non
             mine = {"error": str(err).splitlines()[0] if str(err) else type(err).__name__}
     missing = mine is None and comm_env().autotune
     text = json.dumps(mine.to_dict() if isinstance(mine, rules.Rules) else mine or {"missing": missing})
-    decided = json.loads(_from_rank0(group, text.encode(), device).decode())
+    decided = _decision(_from_rank0(group, text.encode(), device))
     if "error" in decided:
         raise ValueError(f"algorithm='auto' (rank 0's rules): {decided['error']}")
     _agree_on_params(group, (kind, kind.removesuffix("-peer").removesuffix("-mpi")), device, "algorithm='auto'")
@@ -288,8 +307,11 @@ def _agree_on_choices(group, kind: str, device: torch.device, world: int) -> Non
         tune = importlib.import_module("dtrain.comm.tune")
         made = tune.autotune(group, device, kind)  # collective: rank 0 saves and returns the rules
         text = json.dumps(made.to_dict() if made is not None else {})
-        decided = json.loads(_from_rank0(group, text.encode(), device).decode())
-    state.rules[kind] = rules.Rules.from_dict(decided) if "kind" in decided else None
+        decided = _decision(_from_rank0(group, text.encode(), device))
+    try:
+        state.rules[kind] = rules.Rules.from_dict(decided) if "kind" in decided else None
+    except ValueError as err:
+        raise ValueError(f"algorithm='auto': rank 0 sent {err}") from None
     state.choices.clear()
     state.agreed.add(kind)
     changed()

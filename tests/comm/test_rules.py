@@ -271,3 +271,17 @@ def test_ranks_check_their_calibration_alike_before_auto_or_a_pipelined_ring(poo
             else:
                 assert isinstance(result[call], str) and expect[rank] in result[call], out
                 assert "\n" not in result[call]
+
+
+@pytest.mark.parametrize(
+    "data, problem",
+    [
+        (b"[1]", "rank 0 sent list where the rules agreement is a JSON object"),
+        (b"\xff{}", "rank 0 sent a value that is not JSON"),
+        (b'{"error": 7}', "rank 0 sent a rules agreement whose error is not text"),
+        (b'{"kind": "cpu", "world_size": "two"}', "rank 0 sent rules: world_size must be a positive int"),
+    ],
+)
+def test_rank_0s_rules_agreement_is_checked_before_any_rank_follows_it(pool, data, problem):
+    got = pool.run(jobs.auto_with_rank0_sending, data, ranks=2)
+    assert got[0] == got[1] and got[0].startswith(f"ValueError: algorithm='auto': {problem}"), got

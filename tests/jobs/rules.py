@@ -137,3 +137,20 @@ def calibrated_calls(world: int, paths: list[str | None]) -> dict:
         os.environ.pop("DTRAIN_CALIBRATION", None)
         os.environ.pop("DTRAIN_COMM_RULES", None)
         _forget_choices(group)
+
+
+def auto_with_rank0_sending(data: bytes) -> str:
+    """Ranks 0 and 1: rank 0's rules agreement arrives as ``data`` on every rank, then an ``auto`` all-reduce.
+    Returns what the call raised, as "Type: message", or "no error"."""
+    group = group_of(2)
+    _forget_choices(group)
+    real = api._from_rank0
+    api._from_rank0 = lambda group, mine, device: data
+    try:
+        comm.all_reduce(torch.ones(4), group=group, algorithm="auto")
+        return "no error"
+    except Exception as err:  # noqa: BLE001  (what the caller sees is the point)
+        return f"{type(err).__name__}: {err}"
+    finally:
+        api._from_rank0 = real
+        _forget_choices(group)
