@@ -3,7 +3,9 @@
 Every topic of ``pydoc_data.topics`` (the texts behind ``help("FOR")``, part of CPython's standard library:
 79 topics, about 460 KB of English and Python in 3.11) is one document, in sorted topic order; a byte-level
 BPE (:meth:`dtrain.data.tokenizer.Tokenizer.train_bpe`) is trained on them and the documents are prepared
-(:func:`dtrain.data.prepare.build`) once into ``<cache_dir>/pydoc-bpe-<vocab_size>``, reused afterwards.
+(:func:`dtrain.data.prepare.build`) once into ``<cache_dir>/pydoc-bpe-<vocab_size>``, reused afterwards. Given a
+tokenizer (a pretrained model's), the documents are prepared with it instead, into
+``<cache_dir>/pydoc-<its fingerprint>``.
 """
 
 from __future__ import annotations
@@ -40,14 +42,19 @@ def _valid(path: Path) -> bool:
         return False
 
 
-def default_dataset(cache_dir: str | os.PathLike, vocab_size: int = 512) -> tuple[Path, Path]:
-    """``(dataset folder, tokenizer.json path)`` of the pydoc dataset with a ``vocab_size`` BPE, built on first
-    use (about a second). Safe when several processes ask at once: each builds in its own temporary folder and
-    renames it into place; the first rename wins and the others discard their copy."""
-    target = Path(cache_dir) / f"pydoc-bpe-{vocab_size}"
+def default_dataset(
+    cache_dir: str | os.PathLike, vocab_size: int = 512, *, tokenizer: Tokenizer | None = None
+) -> tuple[Path, Path]:
+    """``(dataset folder, tokenizer.json path)`` of the pydoc dataset with a ``vocab_size`` BPE, or tokenized by
+    ``tokenizer`` where given, built on first use (about a second). Safe when several processes ask at once: each
+    builds in its own temporary folder and renames it into place; the first rename wins and the others discard
+    their copy."""
+    name = f"pydoc-bpe-{vocab_size}" if tokenizer is None else f"pydoc-{tokenizer.fingerprint[:16]}"
+    target = Path(cache_dir) / name
     if not _valid(target):
         documents = pydoc_documents()
-        tokenizer = Tokenizer.train_bpe(documents, vocab_size)
+        if tokenizer is None:
+            tokenizer = Tokenizer.train_bpe(documents, vocab_size)
 
         def texts() -> Iterator[str]:
             yield from documents

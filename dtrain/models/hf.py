@@ -683,9 +683,12 @@ def save_pretrained(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tokenizer: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
+    eos_token_id: int | None = None,
 ) -> Path:
     """Write ``directory`` as transformers does: ``config.json``, ``model.safetensors`` or shards of at most
     ``max_shard_bytes`` with ``model.safetensors.index.json``, and ``tokenizer.json`` copied from ``tokenizer``.
+    ``eos_token_id`` (the end-of-text id the model was trained with) goes into ``config.json``, where
+    ``dtrain generate`` and ``transformers``' ``generate`` stop.
 
     ``model_or_state_dict`` is a :class:`CausalLM` or a full state dict in dtrain's names; tensors are stored in
     ``dtype`` (default: as they are). The directory is built beside ``directory`` under a temporary name and
@@ -699,6 +702,8 @@ def save_pretrained(
         raise ValueError(f"{tokenizer}: no such tokenizer file")
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{directory}: exists and is not a directory")
+    if eos_token_id is not None and (not _is_int(eos_token_id) or not 0 <= eos_token_id < config.vocab_size):
+        raise ValueError(f"eos_token_id: must be a token id below vocab_size {config.vocab_size}, got {eos_token_id!r}")
     if isinstance(model_or_state_dict, nn.Module):
         state_dict = model_or_state_dict.state_dict()
         source = f"{type(model_or_state_dict).__name__} state dict"
@@ -711,6 +716,8 @@ def save_pretrained(
         tensors[name] = tensor.contiguous()
     raw = config_to_dict(config)
     raw["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")  # the weights' (as transformers)
+    if eos_token_id is not None:
+        raw["eos_token_id"] = eos_token_id
     config_bytes = (json.dumps(raw, indent=2, sort_keys=True) + "\n").encode()
     parent = directory.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)

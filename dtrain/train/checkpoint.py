@@ -3,7 +3,8 @@ written at one layout and loaded at any other (dp x tp x pp x ZeRO stage, any wo
 
 A checkpoint of step ``s`` is the directory ``<out>/checkpoints/step-<s>/`` (eight digits) holding DCP's files
 (one ``.distcp`` file per writing rank and ``.metadata``) and ``meta.json`` (the step, the layout that wrote it,
-the model's ``config.json`` contents, the sequence length, the tokenizer, and the dataset with its fingerprint).
+the model's ``config.json`` contents, the sequence length, the tokenizer, and the dataset with its fingerprint and
+end-of-text id).
 The state (:func:`training_state`) is the model and the optimizer state sharded in canonical names
 (:func:`dtrain.parallel.state.sharded_state_dict`), the data position, the torch RNG state (rank 0's), the step
 and the fp16 loss scale.
@@ -29,6 +30,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -220,15 +222,25 @@ class Checkpointer:
 
     ``async_save``: :meth:`save` returns once the state is copied; the files are written in the background and
     the checkpoint completed by the next :meth:`save` or :meth:`wait`. ``keep``: how many complete checkpoints
-    to keep (0: all)."""
+    to keep (0: all). ``on_complete``: called on every rank with the step of each checkpoint once it is complete
+    (renamed into place; for an asynchronous save, at the next :meth:`save` or :meth:`wait`)."""
 
-    def __init__(self, out: str | Path, *, process_group=None, async_save: bool = False, keep: int = 0) -> None:
+    def __init__(
+        self,
+        out: str | Path,
+        *,
+        process_group=None,
+        async_save: bool = False,
+        keep: int = 0,
+        on_complete: Callable[[int], None] | None = None,
+    ) -> None:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
             raise ValueError(f"checkpoint.keep: must be an int >= 0, got {keep!r}")
         self.out = Path(out)
         self._group = process_group
         self.async_save = async_save
         self.keep = keep
+        self.on_complete = on_complete
         self._pending: tuple[Any, int, dict] | None = None
 
     @property
@@ -293,6 +305,8 @@ class Checkpointer:
                 for old_step in complete_steps(self.out)[self.keep :]:
                     shutil.rmtree(checkpoint_dir(self.out, old_step))
         dist.barrier(group=self.group)
+        if self.on_complete is not None:
+            self.on_complete(step)
 
     def load(self, step: int, state: dict[str, Any]) -> None:
         """Fill ``state`` (a DCP state dict for loading, e.g. ``training_state(..., for_load=True)``) from the
@@ -374,11 +388,19 @@ def load_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
 
 def export_checkpoint(directory: str | Path, dest: str | Path, *, tokenizer: str | Path | None = None) -> Path:
     """Write the model of checkpoint ``directory`` as a Hugging Face directory ``dest`` (config.json,
-    safetensors, tokenizer.json: ``tokenizer`` or the one the run trained with, where it still exists)."""
+    safetensors, tokenizer.json: ``tokenizer`` or the one the run trained with, where it still exists). The
+    config's ``eos_token_id`` is the end-of-text id the run's data was packed with (``meta.json``'s), or that of
+    ``tokenizer`` where one is given."""
+    from dtrain.data.tokenizer import Tokenizer
     from dtrain.models import hf
 
     meta = read_meta(directory)
     config = hf.config_from_dict(meta.get("model"), Path(directory) / META)
+    eos = meta.get("eos_id") if tokenizer is None else None
     if tokenizer is None and meta.get("tokenizer") and Path(meta["tokenizer"]).is_file():
         tokenizer = meta["tokenizer"]
-    return hf.save_pretrained(load_model_state(directory), config, dest, tokenizer=tokenizer)
+    if eos is None and tokenizer is not None:
+        eos = Tokenizer.load(tokenizer).eos_id
+    if not (isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < config.vocab_size):
+        eos = None
+    return hf.save_pretrained(load_model_state(directory), config, dest, tokenizer=tokenizer, eos_token_id=eos)

@@ -188,8 +188,9 @@ class DataSection(_Section):
     name = "data"
     dataset: str = _option(
         "",
-        "a directory made by `dtrain data prepare`; empty: Python's own help texts (pydoc_data) with a BPE "
-        "tokenizer trained on them",
+        "a directory made by `dtrain data prepare` (with `--weights`, by the weights' tokenizer.json where they "
+        "have one); empty: Python's own help texts (pydoc_data) with a BPE tokenizer trained on them, or tokenized "
+        "by the weights' tokenizer.json",
     )
     tokenizer_vocab: int = _option(512, "vocabulary of the BPE tokenizer trained for the default dataset", minimum=1)
     seq_len: int = _option(128, "tokens per training sequence", minimum=1)

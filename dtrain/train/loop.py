@@ -106,15 +106,43 @@ class RunPlan:
 DEFAULT_DATA_CACHE = Path.home() / ".cache" / "dtrain" / "data"  # where the default dataset is prepared, once
 
 
+def _weights_tokenizer(config: TrainConfig) -> tuple[Path, Tokenizer] | None:
+    """The ``tokenizer.json`` of the ``--weights`` directory and the tokenizer it holds, where it has one: the ids
+    the pretrained weights know."""
+    if not config.model.weights:
+        return None
+    file = Path(config.model.weights) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        return file, Tokenizer.load(file)
+    except ValueError as exc:
+        raise ValueError(f"--weights: {exc}") from None
+
+
 def resolve_data(config: TrainConfig) -> tuple[str, str]:
     """(dataset directory, tokenizer.json) of the run: ``[data] dataset``, or the default dataset (Python's help
-    texts with a BPE tokenizer trained on them), prepared once under :data:`DEFAULT_DATA_CACHE`."""
+    texts with a BPE tokenizer trained on them, or tokenized by the ``--weights`` directory's tokenizer.json where
+    it has one), prepared once under :data:`DEFAULT_DATA_CACHE`. A dataset must have been tokenized by the
+    weights' tokenizer.json where there is one."""
+    weights = _weights_tokenizer(config)
     if config.data.dataset:
         dataset = TokenDataset(config.data.dataset)  # ValueError naming the directory or file at fault
+        if weights is not None and dataset.tokenizer_fingerprint != weights[1].fingerprint:
+            raise ValueError(
+                f"--dataset: {config.data.dataset} was tokenized by another tokenizer than {weights[0]}, whose ids "
+                f"the weights were trained on; prepare it with dtrain data prepare ... --tokenizer {weights[0]}"
+            )
         return str(config.data.dataset), str(dataset.tokenizer_path)
     from dtrain.data.default import default_dataset
 
-    directory, tokenizer = default_dataset(DEFAULT_DATA_CACHE, config.data.tokenizer_vocab)
+    if weights is None:
+        directory, tokenizer = default_dataset(DEFAULT_DATA_CACHE, config.data.tokenizer_vocab)
+    else:
+        try:
+            directory, tokenizer = default_dataset(DEFAULT_DATA_CACHE, tokenizer=weights[1])
+        except ValueError as exc:  # a tokenizer with no end-of-text token
+            raise ValueError(f"--weights: {exc}") from None
     return str(directory), str(tokenizer)
 
 
@@ -434,7 +462,10 @@ class _Trainer:
         )
         self.flops_per_token = train_flops_per_token(plan.model, config.data.seq_len)
         ck = config.checkpoint
-        self.checkpointer = Checkpointer(config.logging.out, async_save=ck.async_save, keep=ck.keep)
+        # the job's store records each checkpoint once it is complete, for a restarted attempt to continue from
+        self.checkpointer = Checkpointer(
+            config.logging.out, async_save=ck.async_save, keep=ck.keep, on_complete=mark_saved
+        )
 
     def step(self, step: int) -> dict[str, Any]:
         cfg, grid = self.config, self.grid
@@ -494,7 +525,7 @@ class _Trainer:
 
     def meta(self) -> dict[str, Any]:
         """What a checkpoint's meta.json records: the layout that wrote it, the model, the data shape, the
-        dataset and its fingerprint (which a resumed run's dataset must match)."""
+        dataset and its fingerprint (which a resumed run's dataset must match), and its end-of-text id."""
         from dtrain.models import hf
 
         return {
@@ -504,6 +535,7 @@ class _Trainer:
             "tokenizer": str(Path(self.plan.tokenizer).resolve()),
             "dataset": str(Path(self.plan.dataset).resolve()),
             "data_fingerprint": self.data.dataset.fingerprint,
+            "eos_id": self.data.dataset.eos_id,
         }
 
     def save(self, step: int) -> None:
@@ -512,9 +544,10 @@ class _Trainer:
         self.checkpointer.save(step, state, self.meta())
 
     def restore(self) -> int:
-        """Load the last complete checkpoint, whatever layout wrote it; the step to continue from."""
+        """Load the last complete checkpoint (after a restart, this job's last), whatever layout wrote it; the step to
+        continue from."""
         out = self.config.logging.out
-        found = latest_complete_step(out)
+        found = _step_to_resume(out)
         agreed = torch.tensor([-1 if found is None else found], dtype=torch.int64)
         comm.all_reduce(agreed, op="min")
         if agreed.item() < 0:
@@ -531,7 +564,11 @@ class _Trainer:
         state = self.hybrid.full_state_dict()
         if dist.get_rank() == 0:
             hf.save_pretrained(
-                state, self.plan.model, Path(self.config.logging.out) / "model", tokenizer=self.plan.tokenizer
+                state,
+                self.plan.model,
+                Path(self.config.logging.out) / "model",
+                tokenizer=self.plan.tokenizer,
+                eos_token_id=self.data.dataset.eos_id,
             )
 
 
@@ -612,6 +649,17 @@ def _after_restart(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=True))
 
 
+def _step_to_resume(out: str | Path) -> int | None:
+    """The checkpoint a resuming rank loads: after a restart, the last one this job completed (recorded in its
+    store; a checkpoint an earlier run left in the directory, at a later step, is not this run's), else the last
+    complete one under ``out``."""
+    if restart_count() > 0:
+        saved = last_saved_step()
+        if saved is not None:
+            return saved
+    return latest_complete_step(out)
+
+
 def _record_step(line: str) -> float:
     """The step of one metrics line; a line the dead attempt left half written (not a JSON record) sorts after
     every step, so it is dropped with the records past the checkpoint."""
@@ -666,7 +714,11 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
             config.to_toml(out / "config.toml")
         progress.describe(f"step {first}/{plan.steps}")
         records = []
-        writer = MetricsWriter(out, tensorboard=log.tensorboard, resume=config.checkpoint.resume) if is_main else None
+        writer = (
+            MetricsWriter(out, tensorboard=log.tensorboard, resume=config.checkpoint.resume, first_step=first)
+            if is_main
+            else None
+        )
         with writer if writer is not None else contextlib.nullcontext():
             for step in range(first, plan.steps):
                 maybe_kill(step)
@@ -680,7 +732,6 @@ def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
                     record["eval_loss"] = trainer.evaluate()
                 if done == plan.steps or (config.checkpoint.every and done % config.checkpoint.every == 0):
                     trainer.save(done)
-                    mark_saved(done)
                 if config.plan.step_s:  # the plan's prediction beside each step, scored on the last
                     record["plan_step_s"] = config.plan.step_s
                     if done == plan.steps:

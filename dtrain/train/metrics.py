@@ -71,9 +71,13 @@ def reset_peak_memory(device: torch.device | str) -> None:
 class MetricsWriter:
     """Appends each record to ``<out_dir>/metrics.jsonl`` (flushed per record) and, with ``tensorboard``, writes
     its numeric fields as TensorBoard scalars under ``<out_dir>/tensorboard/``: ``train/<key>``, and a record's
-    ``eval_loss`` as ``eval/loss``, at ``record["step"]``. ``resume`` appends to an existing metrics file."""
+    ``eval_loss`` as ``eval/loss``, at ``record["step"]``. ``resume`` appends to an existing metrics file.
 
-    def __init__(self, out_dir: str | Path, *, tensorboard: bool, resume: bool = False) -> None:
+    ``first_step`` is the step the run continues from (0 for a fresh run): TensorBoard hides the scalars that
+    earlier event files in the directory hold past it (a run that died after its last checkpoint, or an earlier
+    run in the same directory), so each step shows the values of the run that continued."""
+
+    def __init__(self, out_dir: str | Path, *, tensorboard: bool, resume: bool = False, first_step: int = 0) -> None:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self._file = open(self.out / "metrics.jsonl", "a" if resume else "w")  # noqa: SIM115 (closed in close())
@@ -81,7 +85,7 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._board = SummaryWriter(log_dir=str(self.out / "tensorboard"))
+            self._board = SummaryWriter(log_dir=str(self.out / "tensorboard"), purge_step=first_step + 1)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -361,6 +361,19 @@ def test_save_replaces_an_existing_directory_and_copies_the_tokenizer(llama_dir,
         assert torch.equal(a, b), name
 
 
+def test_save_records_the_end_of_text_id_generation_stops_at(llama_dir, tmp_path):
+    model = load_pretrained(llama_dir)
+    save_pretrained(model, model.config, tmp_path / "eos", eos_token_id=5)
+    assert json.loads((tmp_path / "eos" / "config.json").read_text())["eos_token_id"] == 5
+    assert load_config(tmp_path / "eos") == model.config
+    save_pretrained(model, model.config, tmp_path / "none")
+    assert "eos_token_id" not in json.loads((tmp_path / "none" / "config.json").read_text())
+    with pytest.raises(ValueError) as exc_info:
+        save_pretrained(model, model.config, tmp_path / "bad", eos_token_id=LLAMA["vocab_size"])
+    _one_line_naming(exc_info, "eos_token_id", LLAMA["vocab_size"])
+    assert not (tmp_path / "bad").exists()
+
+
 def test_save_in_another_dtype_records_it(llama_dir, tmp_path):
     model = load_pretrained(llama_dir)
     save_pretrained(model, model.config, tmp_path / "bf16", dtype=torch.bfloat16)

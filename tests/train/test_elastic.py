@@ -85,10 +85,15 @@ def resumed_at_dp1(tmp_path_factory, uninterrupted) -> Path:
 
 def test_killed_rank_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path, uninterrupted):
     reference = _metrics(uninterrupted)
-    # rank 1 dies 2 s into step 4, while rank 0 waits for it in the step's gradient collective; checkpoint at 2.
-    # That collective fails as the process ends, and rank 0 names the dead peer within milliseconds; the agent,
-    # looking at its workers every 5 s, stops it first only if it looks within them
-    stdout, stderr = _train(tmp_path / "killed", *RUN, "--monitor-interval", "5", **{KILL_ENV: "1:3:+2"})
+    # rank 1 dies 2 s into step 4, while rank 0 waits for it in the step's gradient collective. That collective
+    # fails as the process ends, and rank 0 names the dead peer within milliseconds; the agent, looking at its
+    # workers every 5 s, stops it first only if it looks within them. Checkpoints are written in the background
+    # after every step, each completed by the next save: those of steps 1 and 2 are complete, step 3's is not
+    # and the restart continues from step 2's. The directory also holds an earlier run's checkpoint of a later
+    # step, which is not this job's
+    shutil.copytree(checkpoint_dir(uninterrupted, STEPS), checkpoint_dir(tmp_path / "killed", STEPS + 2))
+    flags = [*RUN, "--checkpoint-every", "1", "--async-checkpoint", "--monitor-interval", "5"]
+    stdout, stderr = _train(tmp_path / "killed", *flags, **{KILL_ENV: "1:3:+2"})
     log = stdout + stderr
     # the survivor's failed collective names the dead peer, with its host and pid
     assert re.search(r"failed because rank 1 \(\S+:\d+\) is gone", log), log

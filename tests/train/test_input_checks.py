@@ -179,3 +179,20 @@ def test_whole_weights_pass_the_check_before_the_ranks_start(weights, tmp_path):
     flags = ["--out", str(tmp_path / "run"), *RUN, "--steps", "2", "--weights", str(weights)]
     plan = loop.check_run(from_arguments(build_parser().parse_args(["train", *flags])), 1)
     assert plan.model.vocab_size == 512 and plan.first_step == 0
+
+
+def test_weights_train_on_text_their_own_tokenizer_tokenized(weights, tmp_path, capsys, no_ranks, monkeypatch):
+    from dtrain.data.default import default_dataset, pydoc_documents
+    from dtrain.data.tokenizer import Tokenizer
+
+    other, _ = default_dataset(loop.DEFAULT_DATA_CACHE)  # the default dataset, of a BPE trained for it
+    monkeypatch.setattr(loop, "DEFAULT_DATA_CACHE", tmp_path / "cache")
+    own = Tokenizer.train_bpe(pydoc_documents()[:4], 400)
+    own.save(weights / "tokenizer.json")
+    flags = ["--out", str(tmp_path / "run"), *RUN, "--steps", "2", "--weights", str(weights)]
+    plan = loop.check_run(from_arguments(build_parser().parse_args(["train", *flags])), 1)
+    assert Tokenizer.load(plan.tokenizer).fingerprint == own.fingerprint  # the ids the weights were trained on
+    said = _refused(capsys, ["train", *flags, "--dataset", str(other)])
+    assert said.startswith(
+        f"dtrain: error: --dataset: {other} was tokenized by another tokenizer than {weights}/tokenizer.json"
+    ), said

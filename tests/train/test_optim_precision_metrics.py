@@ -124,6 +124,26 @@ def test_metrics_go_to_json_lines_and_tensorboard(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_tensorboard_shows_each_step_once_after_a_resume_and_a_fresh_run_hides_an_earlier_one(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars() -> list[tuple[int, float]]:
+        events = EventAccumulator(str(tmp_path / "tensorboard"))
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars("train/loss")]
+
+    with MetricsWriter(tmp_path, tensorboard=True) as writer:  # an attempt that died after its checkpoint of step 2
+        for step in (1, 2, 3, 4):
+            writer.write({"step": step, "loss": float(step)})
+    with MetricsWriter(tmp_path, tensorboard=True, resume=True, first_step=2) as writer:
+        for step in (3, 4):
+            writer.write({"step": step, "loss": 10.0 + step})
+    assert scalars() == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+    with MetricsWriter(tmp_path, tensorboard=True) as writer:  # a new run in the same directory
+        writer.write({"step": 1, "loss": 0.5})
+    assert scalars() == [(1, 0.5)]
+
+
 def test_a_restarted_run_drops_the_metrics_past_its_checkpoint_and_a_half_written_line(tmp_path):
     from dtrain.train.loop import _trim_metrics
 

@@ -174,7 +174,8 @@ def test_evaluation_runs_at_its_interval_on_the_validation_split(one_rank):
     assert all(math.isfinite(r["eval_loss"]) for r in records if "eval_loss" in r)
 
 
-def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_rank, capsys):
+def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_rank, capsys, tmp_path):
+    from dtrain.data.loader import TokenDataset
     from dtrain.models import hf
 
     out, _ = one_rank
@@ -184,6 +185,12 @@ def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_ran
     for name, tensor in trained.items():  # a tied weight once, under its first name
         assert torch.equal(loaded[name], tensor), name
     assert (out / "model" / "tokenizer.json").exists() and (out / "config.toml").exists()
+    # the end-of-text id the documents were packed with, where generate (dtrain's, transformers') stops
+    dataset = TokenDataset(json.loads((checkpoint_dir(out, STEPS) / "meta.json").read_text())["dataset"])
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["eos_token_id"] == dataset.eos_id, config
+    assert main(["export", str(out), "--out", str(tmp_path / "hf")]) == 0  # dtrain export writes the same
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == config
     capsys.readouterr()
     status = main(["generate", "--model", str(out / "model"), "--prompt", "The for", "--max-new-tokens", "8"])
     printed = capsys.readouterr()
