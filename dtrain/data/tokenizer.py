@@ -109,8 +109,11 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """The number of ids, added (special) tokens included."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        """One more than the largest id, added (special) tokens included: the rows of an embedding these ids
+        index, and more than the number of tokens where a tokenizer.json leaves ids unused."""
+        count = self.backend.get_vocab_size(with_added_tokens=True)
+        largest = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+        return max(count, largest + 1)
 
     @property
     def eos_id(self) -> int | None:

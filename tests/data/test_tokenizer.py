@@ -85,3 +85,29 @@ def test_load_names_a_missing_or_corrupt_file(tmp_path):
         with pytest.raises(ValueError, match=r"bad\.json is not a valid tokenizer\.json") as info:
             Tokenizer.load(bad)
         assert "\n" not in str(info.value)
+
+
+def test_the_vocabulary_covers_the_largest_id_where_ids_leave_gaps(bpe, tmp_path):
+    """A tokenizer.json whose end-of-text token has an id past its token count: the vocabulary (and so the shards'
+    dtype and the model's embedding) reaches that id, and the id is stored as it is."""
+    import numpy as np
+
+    from dtrain.data.loader import TokenDataset
+    from dtrain.data.prepare import prepare
+
+    raw = json.loads(bpe.backend.to_str())
+    eos = bpe.eos_id
+    far = 70_000  # past uint16
+    raw["model"]["vocab"]["<|endoftext|>"] = far
+    for token in raw["added_tokens"]:
+        if token["id"] == eos:
+            token["id"] = far
+    (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
+    gapped = Tokenizer.load(tmp_path / "tokenizer.json")
+    assert gapped.eos_id == far and gapped.vocab_size == far + 1
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXTS))
+    prepare([tmp_path / "docs.jsonl"], gapped, tmp_path / "data", val_fraction=0.0)
+    data = TokenDataset(tmp_path / "data")
+    assert data.vocab_size == far + 1 and data.dtype == np.dtype("<u4")
+    tokens = data.tokens("train", 0, data.num_tokens("train"))
+    assert (tokens == far).sum() == len(TEXTS) and tokens.max() == far
