@@ -287,3 +287,13 @@ def test_store_is_a_bitwise_copy_for_every_length_and_offset():
             store(out[start : start + n], source[8 : 8 + n])
             assert torch.equal(out[start : start + n], source[8 : 8 + n])
             assert not out[:start].any() and not out[start + n :].any()
+
+
+def test_ranks_that_would_lay_out_their_windows_apart_are_refused_alike_before_any_message(pool):
+    got = pool.run(jobs.windows_laid_out_apart, ranks=2)
+    sizes = "ValueError: peer transport: the ranks of this group make windows of different sizes ([4096, 8192] bytes"
+    assert got[0][0].startswith(sizes) and got[1][0].startswith(sizes)
+    apart = "ValueError: peer transport: group ranks [1] lay out their windows otherwise than rank 0 (on this rank: "
+    assert got[0][1].startswith(apart + "peer channels [(0, 1, 64, 4)]")
+    assert got[1][1].startswith(apart + "peer channels [(0, 1, 512, 2)]")
+    assert got[0][2] == "[]" and got[1][2] == "[0.0, 1.0, 2.0]"  # channels the ranks agree on carry every message

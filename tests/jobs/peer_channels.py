@@ -158,3 +158,36 @@ def lent_rounds(p: int, rounds: int, sizes: list[int], slots: int) -> dict:
         said = str(err)
     torch.distributed.barrier(group)
     return {"equal": equal, "inside": inside, "kept": kept, "said": said}
+
+
+def windows_laid_out_apart() -> list[str]:
+    """Ranks 0 and 1 on the CPU: windows of different sizes, then channels over which the two ranks disagree (rank 0
+    four slots of 64 bytes, rank 1 two of 512: windows of one size), then channels they agree on, three messages.
+    Returns what each attempt raised, or what the last one received."""
+    import torch.distributed as dist
+
+    from dtrain.comm.peer.window import PeerWindow
+
+    group = group_of(2)
+    rank = dist.get_rank(group)
+    got = []
+    for make in (
+        lambda: PeerWindow(group, torch.device("cpu"), 4096 if rank == 0 else 8192),
+        lambda: PeerChannels(
+            group, torch.device("cpu"), [Channel(0, 1, 64, 4) if rank == 0 else Channel(0, 1, 512, 2)]
+        ),
+    ):
+        try:
+            make()
+            got.append("ok")
+        except ValueError as err:
+            got.append(f"ValueError: {err}")
+    channels = PeerChannels(group, torch.device("cpu"), [Channel(0, 1, 64, 4)])
+    taken = []
+    for k in range(3):
+        if rank == 0:
+            channels.send(0, torch.full((16,), float(k)))
+        else:
+            taken.append(channels.post(0, (16,), torch.float32).wait()[0].item())
+    got.append(str(taken))
+    return got

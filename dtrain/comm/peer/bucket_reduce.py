@@ -82,7 +82,7 @@ class BucketReduce:
         for n in self.numels:
             self._offsets.append(at)
             at += _round(n * dtype.itemsize)
-        self.window = PeerWindow(self.group, device, at)
+        self.window = PeerWindow(self.group, device, at, layout=f"bucket reduce of {self.numels} {dtype} elements")
         whole = self.window.local(torch.uint8, at)
         whole.zero_()
         #: this rank's buckets, in its window (peers gather into them)

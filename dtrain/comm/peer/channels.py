@@ -263,7 +263,8 @@ class PeerChannels:
             self._ring_at.append(start)
             ends[c.dst] = start + c.slots * _round(c.slot_bytes)
         nbytes = max(ends.values(), default=at)
-        self.window = peer_window.PeerWindow(self.group, device, nbytes)
+        layout = f"peer channels {[tuple(c) for c in self.channels]} (the same channels in the same order)"
+        self.window = peer_window.PeerWindow(self.group, device, nbytes, layout=layout)
         self._sent = [0] * n
         self._posted = [0] * n
         self._booked = [0] * n  # receives posted on each channel, all rounds

@@ -161,11 +161,38 @@ def _same_rendezvous_count(group, device: torch.device) -> None:
         )
 
 
+def _same_shape(group, nbytes: int, layout: str, via: torch.device) -> None:
+    """Refuse, on every rank of ``group`` alike, windows that the ranks would lay out apart: every rank must make
+    one of the same size and, where the caller names a ``layout`` (what lies where in it: a channel list, bucket
+    sizes), the same layout, or one rank's stores land in what its peer keeps elsewhere (or past its window). One
+    all-gather of the size and a digest of the layout, before anything is mapped."""
+    digest = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:8], "little", signed=True)
+    mine = torch.tensor([nbytes, digest], dtype=torch.int64, device=via)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    sizes = [int(t[0]) for t in every]
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"peer transport: the ranks of this group make windows of different sizes ({sizes} bytes, by group "
+            "rank); every rank makes its window alike (the same collective on tensors of the same size)"
+        )
+    differ = [r for r, t in enumerate(every) if int(t[1]) != int(every[0][1])]
+    if differ:
+        raise ValueError(
+            f"peer transport: group ranks {differ} lay out their windows otherwise than rank 0 (on this rank: "
+            f"{layout[:200]}); every rank makes its window with the same layout"
+        )
+
+
 class PeerWindow:
     """This rank's window and its peers', ``nbytes`` each, for one process group and device. ``via``: the device
-    the group's own collectives take tensors on, where that is not ``device`` (a host window of a CUDA group)."""
+    the group's own collectives take tensors on, where that is not ``device`` (a host window of a CUDA group).
+    ``layout``: what lies where in the window, in words, where the caller lays it out from arguments every rank
+    must pass alike (checked with the size on every rank before anything is mapped: :func:`_same_shape`)."""
 
-    def __init__(self, group, device: torch.device, nbytes: int, via: torch.device | None = None) -> None:
+    def __init__(
+        self, group, device: torch.device, nbytes: int, via: torch.device | None = None, layout: str = ""
+    ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.device = device
         self._via = via if via is not None else device
@@ -186,6 +213,7 @@ class PeerWindow:
         # still be reading the last one's (a call of another kind first passes a barrier: fused.settle)
         self.bank = 0
         self.pending = False
+        _same_shape(self.group, self.nbytes, layout, self._via)
         if device.type == "cuda":
             self.buffers = self._map_cuda()
         else:
