@@ -3,8 +3,9 @@
 The directory is one :func:`dtrain.models.hf.save_pretrained` or ``transformers``' ``save_pretrained`` wrote:
 ``config.json``, ``model.safetensors`` (or shards) and a ``tokenizer.json`` (read with the ``tokenizers``
 library). The prompt and its continuation are printed as one text. Generation stops after ``--max-new-tokens``
-tokens or at the config's ``eos_token_id``. Bad input (a missing directory or tokenizer, a bad config or
-weights, an unavailable device) is one line ``dtrain generate: ...`` and exit status 2.
+tokens or at the config's ``eos_token_id`` (any of them where it lists several). Bad input (a missing directory
+or tokenizer, a bad config or weights, an unavailable device) is one line ``dtrain generate: ...`` and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ def register(commands) -> None:
     add_parser(commands)
 
 
-def _eos_id(config_file: Path) -> int | None:
+def _eos_ids(config_file: Path, vocab_size: int) -> tuple[int, ...]:
+    """The config's end-of-text ids inside the vocabulary: ``eos_token_id`` is one id or a list of them (Llama 3's
+    configs name several, any of which ends the text)."""
     raw = json.loads(config_file.read_text(encoding="utf-8"))
     eos = raw.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if len(eos) == 1 else None  # several end tokens: generate takes one
-    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size)
 
 
 def _check_finite(model, directory: Path) -> None:
@@ -101,7 +103,7 @@ def _generate(args: argparse.Namespace) -> str:
         raise ValueError(
             f"{tokenizer_file}: token id {max(ids)} is outside the model's vocabulary of {config.vocab_size}"
         )
-    eos_id = _eos_id(directory / "config.json")
+    eos_ids = _eos_ids(directory / "config.json", config.vocab_size)
     model = load_pretrained(directory, device=device)
     _check_finite(model, directory)
     out = generate(
@@ -111,7 +113,7 @@ def _generate(args: argparse.Namespace) -> str:
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
-        eos_id=eos_id if eos_id is not None and eos_id < config.vocab_size else None,
+        eos_id=eos_ids or None,
     )
     return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
 

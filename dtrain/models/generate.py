@@ -10,6 +10,7 @@ key-value cache): the cost is ``max_new_tokens`` forward passes over at most ``m
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -45,6 +46,14 @@ def _check(ids: torch.Tensor, max_new_tokens: int, temperature: float, top_k: in
         raise ValueError(f"seed: must be an int from 0 to 2**63 - 1, got {seed!r}")
 
 
+def _end_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """``eos_id`` as a tuple of ids (empty: none); ValueError for anything but non-negative ints."""
+    ids = () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_id: must be a token id, a sequence of them or None, got {eos_id!r}")
+    return ids
+
+
 def _next_token(
     logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> torch.Tensor:
@@ -72,13 +81,16 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     seed: int | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``ids`` followed by up to ``max_new_tokens`` generated tokens, as one LongTensor of ``ids``' rank ((T,) or
     (B, T)). ``temperature`` 0 is greedy; ``seed`` makes sampling repeatable (a generator of its own, the global
-    RNG untouched). A row that produced ``eos_id`` is padded with it after, and generation stops once every row
-    has. The model runs in eval mode under ``torch.inference_mode`` (its mode is restored after)."""
+    RNG untouched). ``eos_id``: the end-of-text id, or several (Llama 3's configs name three, any of which ends a
+    row, as ``transformers``' ``generate`` takes them); a row that produced one is padded with the first after,
+    and generation stops once every row has. The model runs in eval mode under ``torch.inference_mode`` (its mode
+    is restored after)."""
     _check(ids, max_new_tokens, temperature, top_k, seed)
+    ends = _end_ids(eos_id)
     squeeze = ids.dim() == 1
     out = (ids.unsqueeze(0) if squeeze else ids).long()
     param = next(model.parameters(), None)
@@ -97,11 +109,11 @@ def generate(
             for _ in range(max_new_tokens):
                 context = out if window is None else out[:, -window:]
                 token = _next_token(model(context)[:, -1, :], temperature, top_k, generator)  # (B,)
-                if eos_id is not None:
-                    token = torch.where(done, torch.full_like(token, eos_id), token)
-                    done |= token == eos_id
+                if ends:
+                    token = torch.where(done, torch.full_like(token, ends[0]), token)
+                    done |= torch.isin(token, torch.tensor(ends, device=device))
                 out = torch.cat([out, token[:, None]], dim=1)
-                if eos_id is not None and bool(done.all()):
+                if ends and bool(done.all()):
                     break
     finally:
         model.train(training)

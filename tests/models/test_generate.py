@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import subprocess
 import sys
 
@@ -81,6 +83,28 @@ def test_rows_stop_at_eos(model):
     assert one.tolist() == [free[0, :6].tolist()]  # a lone row stops at its eos
 
 
+def test_any_of_several_end_ids_ends_a_row(model):
+    """Llama 3's configs name several end-of-text ids: any of them ends a row, which is then padded with the
+    first."""
+    prompt = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(2))
+    free = generate(model, prompt, max_new_tokens=5, temperature=0)
+    second, fourth = int(free[0, 5]), int(free[0, 7])  # row 0's second and fourth generated tokens
+    absent = next(i for i in range(60) if i not in free.tolist()[0])
+    first_of_row0 = free[0, 4:].tolist().index(second)
+    out = generate(model, prompt[:1], max_new_tokens=5, temperature=0, eos_id=[absent, second])
+    assert out.tolist() == [free[0, : 4 + first_of_row0 + 1].tolist()]  # stopped at the second id listed
+    padded = generate(model, prompt, max_new_tokens=5, temperature=0, eos_id=(absent, fourth, second))
+    for row in range(3):
+        tokens, expected = padded[row, 4:].tolist(), free[row, 4:].tolist()
+        hits = [j for j, t in enumerate(expected) if t in (fourth, second)]
+        if hits:  # the free run up to its first end id, then the first id listed
+            assert tokens[: hits[0] + 1] == expected[: hits[0] + 1] and set(tokens[hits[0] + 1 :]) <= {absent}
+        else:
+            assert tokens == expected
+    with pytest.raises(ValueError, match="eos_id"):
+        generate(model, prompt, max_new_tokens=1, eos_id=[1, -2])
+
+
 def test_bad_arguments(model):
     ids = torch.zeros(1, 3, dtype=torch.long)
     for kwargs, key in [
@@ -135,6 +159,25 @@ def test_dtrain_generate_prints_the_prompt_and_its_continuation(saved, capsys):
     first = capsys.readouterr().out
     assert cli.run(_parser().parse_args(greedy)) == 0
     assert capsys.readouterr().out == first
+
+
+def test_dtrain_generate_stops_at_any_end_id_its_config_lists(saved, tmp_path, capsys):
+    """A config whose ``eos_token_id`` is a list (Llama 3's) stops generation at any of its ids inside the
+    vocabulary; ids outside it are left out."""
+    greedy = ["generate", "--prompt", "the fox", "--temperature", "0", "--device", "cpu", "--max-new-tokens", "8"]
+    assert cli.run(_parser().parse_args([*greedy, "--model", str(saved)])) == 0
+    free = capsys.readouterr().out.removesuffix("\n")
+    tokenizer = Tokenizer.from_file(str(saved / "tokenizer.json"))
+    prompt, ids = tokenizer.encode("the fox").ids, tokenizer.encode(free).ids
+    end = ids[len(prompt) + 1]  # the second generated token
+    listed = tmp_path / "listed"
+    shutil.copytree(saved, listed)
+    raw = json.loads((listed / "config.json").read_text())
+    raw["eos_token_id"] = [10**9, end]
+    (listed / "config.json").write_text(json.dumps(raw))
+    assert cli.run(_parser().parse_args([*greedy, "--model", str(listed)])) == 0
+    stopped = capsys.readouterr().out.removesuffix("\n")
+    assert tokenizer.encode(stopped).ids == ids[: ids.index(end, len(prompt)) + 1]
 
 
 def test_dtrain_generate_bad_input_is_one_line_and_status_2(saved, tmp_path, capsys):
