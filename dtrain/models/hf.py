@@ -41,10 +41,12 @@ from dtrain.models.decoder import Attention, CausalLM, rope_frequencies
 from dtrain.models.flops import parameter_count
 
 __all__ = [
+    "CARRIED_FILES",
     "CONFIG_NAME",
     "INDEX_NAME",
     "TOKENIZER_NAME",
     "WEIGHTS_NAME",
+    "carried_settings",
     "check_pretrained",
     "dtrain_shapes",
     "from_hf_state_dict",
@@ -63,6 +65,12 @@ TOKENIZER_NAME = "tokenizer.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+#: The files of a model directory about its tokenizer and generation (transformers' ``GenerationConfig``, the
+#: special tokens and a chat template) that a model trained on from it keeps: :func:`save_pretrained`'s ``carry_from``.
+CARRIED_FILES = ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
+#: The token ids of ``config.json`` a model trained on from another directory keeps.
+CARRIED_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 # Keys of transformers' config.json files that do not change the computation (metadata, generation and
 # fine-tuning settings); so do the output_* flags (what transformers' forward returns).
@@ -675,6 +683,42 @@ def _write_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
+def carried_settings(directory: str | os.PathLike, vocab_size: int) -> tuple[dict[str, Any], list[Path]]:
+    """What a model trained on from ``directory`` keeps of it (:data:`CARRIED_IDS` of its ``config.json``, each an
+    id or a list of ids below ``vocab_size``; the :data:`CARRIED_FILES` it has, each a JSON object): the ids and
+    the files' paths. ValueError naming the file and key at fault."""
+    directory = Path(directory)
+    file = directory / CONFIG_NAME
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    ids: dict[str, Any] = {}
+    for key in CARRIED_IDS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        listed = value if isinstance(value, list) else [value]
+        if not listed or not all(_is_int(i) and 0 <= i < vocab_size for i in listed):
+            raise ValueError(f"{file}: {key} must be a token id below {vocab_size} or a list of them, got {value!r}")
+        ids[key] = value
+    files = []
+    for name in CARRIED_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            content = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        if not isinstance(content, dict):
+            raise ValueError(f"{path}: not a JSON object")
+        files.append(path)
+    return ids, files
+
+
 def save_pretrained(
     model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
     config: ModelConfig,
@@ -684,11 +728,15 @@ def save_pretrained(
     tokenizer: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
     eos_token_id: int | None = None,
+    carry_from: str | os.PathLike | None = None,
 ) -> Path:
     """Write ``directory`` as transformers does: ``config.json``, ``model.safetensors`` or shards of at most
     ``max_shard_bytes`` with ``model.safetensors.index.json``, and ``tokenizer.json`` copied from ``tokenizer``.
     ``eos_token_id`` (the end-of-text id the model was trained with) goes into ``config.json``, where
-    ``dtrain generate`` and ``transformers``' ``generate`` stop.
+    ``dtrain generate`` and ``transformers``' ``generate`` stop. ``carry_from``: the directory of the weights a
+    fine-tune started from, whose tokenizer it trained with: its :data:`CARRIED_FILES` are copied and its
+    ``config.json``'s :data:`CARRIED_IDS` kept (:func:`carried_settings`), ``eos_token_id`` first among its end
+    ids, so the model generates and chats as the one it came from.
 
     ``model_or_state_dict`` is a :class:`CausalLM` or a full state dict in dtrain's names; tensors are stored in
     ``dtype`` (default: as they are). The directory is built beside ``directory`` under a temporary name and
@@ -704,6 +752,7 @@ def save_pretrained(
         raise ValueError(f"{directory}: exists and is not a directory")
     if eos_token_id is not None and (not _is_int(eos_token_id) or not 0 <= eos_token_id < config.vocab_size):
         raise ValueError(f"eos_token_id: must be a token id below vocab_size {config.vocab_size}, got {eos_token_id!r}")
+    carried_ids, carried_files = carried_settings(carry_from, config.vocab_size) if carry_from else ({}, [])
     if isinstance(model_or_state_dict, nn.Module):
         state_dict = model_or_state_dict.state_dict()
         source = f"{type(model_or_state_dict).__name__} state dict"
@@ -716,8 +765,11 @@ def save_pretrained(
         tensors[name] = tensor.contiguous()
     raw = config_to_dict(config)
     raw["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")  # the weights' (as transformers)
+    raw.update(carried_ids)
     if eos_token_id is not None:
-        raw["eos_token_id"] = eos_token_id
+        ends = carried_ids.get("eos_token_id", [])
+        ends = [e for e in (ends if isinstance(ends, list) else [ends]) if e != eos_token_id]
+        raw["eos_token_id"] = [eos_token_id, *ends] if ends else eos_token_id
     config_bytes = (json.dumps(raw, indent=2, sort_keys=True) + "\n").encode()
     parent = directory.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -728,6 +780,8 @@ def save_pretrained(
         (tmp / CONFIG_NAME).write_bytes(config_bytes)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
+        for path in carried_files:
+            shutil.copyfile(path, tmp / path.name)
         if directory.exists():
             old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{directory.name}.", suffix=".old"))
             os.replace(directory, old / "previous")

@@ -120,6 +120,14 @@ def _weights_tokenizer(config: TrainConfig) -> tuple[Path, Tokenizer] | None:
         raise ValueError(f"--weights: {exc}") from None
 
 
+def _carried_from(config: TrainConfig) -> Path | None:
+    """The ``--weights`` directory whose tokenizer the run trained with, whose generation and tokenizer settings
+    its exported model keeps (:func:`dtrain.models.hf.save_pretrained`'s ``carry_from``); None without one."""
+    if not config.model.weights or not (Path(config.model.weights) / "tokenizer.json").is_file():
+        return None
+    return Path(config.model.weights)
+
+
 def resolve_data(config: TrainConfig) -> tuple[str, str]:
     """(dataset directory, tokenizer.json) of the run: ``[data] dataset``, or the default dataset (Python's help
     texts with a BPE tokenizer trained on them, or tokenized by the ``--weights`` directory's tokenizer.json where
@@ -157,6 +165,8 @@ def resolve_model(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
     if m.weights:
         try:
             shape, source = hf.check_pretrained(m.weights), f"--weights {m.weights}"
+            if _carried_from(config) is not None:  # what the exported model will keep, checked before any rank
+                hf.carried_settings(m.weights, shape.vocab_size)
         except ValueError as exc:
             raise ValueError(f"--weights: {exc}") from None
     elif m.config:
@@ -569,6 +579,7 @@ class _Trainer:
                 Path(self.config.logging.out) / "model",
                 tokenizer=self.plan.tokenizer,
                 eos_token_id=self.data.dataset.eos_id,
+                carry_from=_carried_from(self.config),
             )
 
 

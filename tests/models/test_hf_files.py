@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -372,6 +373,41 @@ def test_save_records_the_end_of_text_id_generation_stops_at(llama_dir, tmp_path
         save_pretrained(model, model.config, tmp_path / "bad", eos_token_id=LLAMA["vocab_size"])
     _one_line_naming(exc_info, "eos_token_id", LLAMA["vocab_size"])
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_fine_tune_keeps_the_generation_and_tokenizer_settings_of_its_source(llama_dir, tmp_path):
+    """``carry_from``: the source's generation_config.json, tokenizer_config.json (a chat template) and
+    special_tokens_map.json are copied, its config's token ids kept, the trained end-of-text id first among its
+    end ids; a source whose ids lie outside the vocabulary is refused naming the file and key, nothing written."""
+    source = tmp_path / "source"
+    shutil.copytree(llama_dir, source)
+    raw = json.loads((source / "config.json").read_text())
+    raw.update(bos_token_id=1, eos_token_id=[2, 7], pad_token_id=0)
+    (source / "config.json").write_text(json.dumps(raw))
+    carried = {
+        "generation_config.json": {"bos_token_id": 1, "eos_token_id": [2, 7], "temperature": 0.6},
+        "tokenizer_config.json": {"chat_template": "{{ messages }}", "model_max_length": 64},
+        "special_tokens_map.json": {"eos_token": "<eos>"},
+    }
+    for name, content in carried.items():
+        (source / name).write_text(json.dumps(content))
+    model = load_pretrained(llama_dir)
+    save_pretrained(model, model.config, tmp_path / "tuned", eos_token_id=7, carry_from=source)
+    config = json.loads((tmp_path / "tuned" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, [7, 2], 0)
+    for name, content in carried.items():
+        assert json.loads((tmp_path / "tuned" / name).read_text()) == content, name
+    assert load_config(tmp_path / "tuned") == model.config
+    raw["bos_token_id"] = LLAMA["vocab_size"]
+    (source / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as exc_info:
+        save_pretrained(model, model.config, tmp_path / "bad", carry_from=source)
+    _one_line_naming(exc_info, source / "config.json", "bos_token_id")
+    assert not (tmp_path / "bad").exists()
+    (source / "config.json").write_text(json.dumps({**raw, "bos_token_id": 1}))
+    (source / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json: not a JSON object"):
+        save_pretrained(model, model.config, tmp_path / "bad", carry_from=source)
 
 
 def test_save_in_another_dtype_records_it(llama_dir, tmp_path):

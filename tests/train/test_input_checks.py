@@ -175,6 +175,21 @@ def test_weights_with_a_bad_header_or_shape_fail_before_any_rank_starts(weights,
     assert not (tmp_path / "run").exists()
 
 
+def test_weights_whose_token_ids_the_export_would_keep_are_checked_before_any_rank_starts(
+    weights, tmp_path, capsys, no_ranks
+):
+    from dtrain.data.default import pydoc_documents
+    from dtrain.data.tokenizer import Tokenizer
+
+    Tokenizer.train_bpe(pydoc_documents()[:4], 400).save(weights / "tokenizer.json")
+    config = json.loads((weights / "config.json").read_text())
+    (weights / "config.json").write_text(json.dumps({**config, "pad_token_id": [3, 512]}))
+    flags = ["--out", str(tmp_path / "run"), *RUN, "--steps", "2", "--weights", str(weights)]
+    said = _refused(capsys, ["train", *flags])
+    assert said.startswith(f"dtrain: error: --weights: {weights}/config.json: pad_token_id must be a token id"), said
+    assert not (tmp_path / "run").exists()
+
+
 def test_whole_weights_pass_the_check_before_the_ranks_start(weights, tmp_path):
     flags = ["--out", str(tmp_path / "run"), *RUN, "--steps", "2", "--weights", str(weights)]
     plan = loop.check_run(from_arguments(build_parser().parse_args(["train", *flags])), 1)
