@@ -683,18 +683,24 @@ def _write_weights(tensors: dict[str, torch.Tensor], directory: Path, max_shard_
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
+def _json_object(file: Path) -> dict[str, Any]:
+    """The JSON object ``file`` holds; ValueError naming the file otherwise."""
+    try:
+        content = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: {exc}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return content
+
+
 def carried_settings(directory: str | os.PathLike, vocab_size: int) -> tuple[dict[str, Any], list[Path]]:
     """What a model trained on from ``directory`` keeps of it (:data:`CARRIED_IDS` of its ``config.json``, each an
     id or a list of ids below ``vocab_size``; the :data:`CARRIED_FILES` it has, each a JSON object): the ids and
     the files' paths. ValueError naming the file and key at fault."""
     directory = Path(directory)
     file = directory / CONFIG_NAME
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file}: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file}: not a JSON object")
+    raw = _json_object(file)
     ids: dict[str, Any] = {}
     for key in CARRIED_IDS:
         value = raw.get(key)
@@ -704,18 +710,9 @@ def carried_settings(directory: str | os.PathLike, vocab_size: int) -> tuple[dic
         if not listed or not all(_is_int(i) and 0 <= i < vocab_size for i in listed):
             raise ValueError(f"{file}: {key} must be a token id below {vocab_size} or a list of them, got {value!r}")
         ids[key] = value
-    files = []
-    for name in CARRIED_FILES:
-        path = directory / name
-        if not path.is_file():
-            continue
-        try:
-            content = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: {exc}") from None
-        if not isinstance(content, dict):
-            raise ValueError(f"{path}: not a JSON object")
-        files.append(path)
+    files = [directory / name for name in CARRIED_FILES if (directory / name).is_file()]
+    for path in files:
+        _json_object(path)
     return ids, files
 
 
