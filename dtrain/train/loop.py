@@ -254,6 +254,21 @@ def layout(config: TrainConfig, shape: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _check_fresh(config: TrainConfig) -> int:
+    """0, the step a run that does not resume starts from; ValueError naming --out where its checkpoints directory
+    holds an earlier run's complete checkpoint, which the new run's would mix with (``--resume`` would then take
+    whichever is later, and ``--checkpoint-keep`` remove by step). A rank the elastic agent restarted before its job
+    saved a checkpoint starts over in its own directory, whatever an earlier job left."""
+    out = config.logging.out
+    step = latest_complete_step(out) if restart_count() == 0 else None
+    if step is not None:
+        raise ValueError(
+            f"--out {out}: holds an earlier run's checkpoints (the last complete at step {step}); --resume "
+            f"continues it; to start over, remove {out}/checkpoints or choose another --out"
+        )
+    return 0
+
+
 def _check_resume(config: TrainConfig, world_size: int, shape: ModelConfig, data: TokenDataset) -> int:
     """The step a resumed run continues from (at whatever layout this run has); ValueError if there is no
     complete checkpoint, a file of it is missing, truncated or unreadable (:func:`check_files`), or it is of
@@ -332,7 +347,7 @@ def check_run(config: TrainConfig, nproc: int) -> RunPlan:
                 f"the validation split of {dataset} holds {val.windows} sequences of {config.data.seq_len} tokens, "
                 f"fewer than the {unit} ({what}) one evaluation step needs; set it to 0 or use more data",
             )
-    first = _check_resume(config, world, shape, data) if config.checkpoint.resume else 0
+    first = _check_resume(config, world, shape, data) if config.checkpoint.resume else _check_fresh(config)
     plan = RunPlan(
         world_size=world,
         dims=dims,

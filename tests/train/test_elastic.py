@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from dtrain.comm.peer.watchdog import Heartbeat, Peer, process_ended
 from dtrain.launch import KILL_ENV, run_ranks, worker_environment
-from dtrain.testing.command import train_in_process
+from dtrain.testing.command import run_command, train_in_process
 from dtrain.train.checkpoint import checkpoint_dir, complete_steps
 from dtrain.train.config import load_config
 from dtrain.train.loop import resize
@@ -89,11 +89,21 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrup
     # fails as the process ends, and rank 0 names the dead peer within milliseconds; the agent, looking at its
     # workers every 5 s, stops it first only if it looks within them. Checkpoints are written in the background
     # after every step, each completed by the next save: those of steps 1 and 2 are complete, step 3's is not
-    # and the restart continues from step 2's. The directory also holds an earlier run's checkpoint of a later
-    # step, which is not this job's
-    shutil.copytree(checkpoint_dir(uninterrupted, STEPS), checkpoint_dir(tmp_path / "killed", STEPS + 2))
+    # and the restart continues from step 2's. Once the job has saved its first, the directory also gets another
+    # run's checkpoint of a later step, which is not this job's
+    out, started = tmp_path / "killed", time.monotonic()
+
+    def plant() -> None:
+        while not checkpoint_dir(out, 1).exists() and time.monotonic() - started < 120:
+            time.sleep(0.02)
+        shutil.copytree(checkpoint_dir(uninterrupted, STEPS), checkpoint_dir(out, STEPS + 2))
+
+    planter = threading.Thread(target=plant, daemon=True)
+    planter.start()
     flags = [*RUN, "--checkpoint-every", "1", "--async-checkpoint", "--monitor-interval", "5"]
-    stdout, stderr = _train(tmp_path / "killed", *flags, **{KILL_ENV: "1:3:+2"})
+    stdout, stderr = _train(out, *flags, **{KILL_ENV: "1:3:+2"})
+    planter.join(timeout=5)
+    assert checkpoint_dir(out, STEPS + 2).exists()
     log = stdout + stderr
     # the survivor's failed collective names the dead peer, with its host and pid
     assert re.search(r"failed because rank 1 \(\S+:\d+\) is gone", log), log
@@ -101,11 +111,23 @@ def test_killed_rank_restarts_from_the_last_checkpoint_and_ends_as_an_uninterrup
     assert f"dtrain train: {STEPS - 2} steps, final loss" in stdout, stdout
     # what starts is said first, and the progress line is the training's (rank 0's, through the fork server)
     assert stdout.startswith("dtrain train: training llama (tiny)") and "train: step" in stdout, stdout
-    metrics = _metrics(tmp_path / "killed")
+    metrics = _metrics(out)
     # one record a step (the dead attempt's step 3 was dropped and done again), the same numbers as without a kill
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in metrics] == [r["loss"] for r in reference]
     assert [r["grad_norm"] for r in metrics] == [r["grad_norm"] for r in reference]
+
+
+def test_a_run_that_does_not_resume_refuses_a_directory_with_an_earlier_runs_checkpoints(uninterrupted, capsys):
+    """Started again in a directory whose checkpoints an earlier run left, a run would mix its own with them: it is
+    refused in one line naming --out before any rank starts, and the directory is left as it was."""
+    before = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
+    status, _ = run_command(["train", "--out", str(uninterrupted), *RUN])
+    said = capsys.readouterr().err
+    assert status == 2 and said.count("\n") == 1, said
+    assert said.startswith(f"dtrain: error: --out {uninterrupted}: holds an earlier run's checkpoints (the last "
+                           f"complete at step {STEPS}); --resume continues it"), said  # fmt: skip
+    assert sorted(p.name for p in (uninterrupted / "checkpoints").iterdir()) == before
 
 
 def test_resume_at_another_layout_continues_as_if_never_stopped(uninterrupted, resumed_at_dp1):
