@@ -757,7 +757,9 @@ def _direct_reduce_part() -> list[str]:
         "copy+add` (a copy-engine copy into a local buffer, then the add) and `bare piped` (the same in 8 pieces, "
         "copies and adds overlapped on two streams). Every result was checked from every root, the other rank's "
         "tensor as it was, and a recorded CUDA graph replayed on new data. The chain trails the bare add by its "
-        "counters (about 24 us a call from 64 MiB), so it stays under NCCL's reduce, and `auto` keeps NCCL's.",
+        "counters (about 24 us a call from 64 MiB), so it stays under NCCL's reduce, and `auto` keeps NCCL's. "
+        "With each post's offset and size checked against the mapping the driver reports, `dtrain bench verify` on "
+        f"2 x H200 checked every form against NCCL's result (`verify-h200x2.txt`: {_verified('verify-h200x2.txt')}).",
         setting(
             f"2 x {beside[0].get('device_name', 'NVIDIA H200')} (one host)",
             gpu_software(beside),
@@ -1895,6 +1897,7 @@ def section_llama() -> str:
             "`llama_1b_dp-h100x4.jsonl`",
         ),
         table(["variant", "compiled", "step ms", "tokens/s", "/ DDP", "MFU", "peak GiB"], rows),
+        *_llama_turns_part(),
         "### The same model trained by `dtrain train` in seven layouts",
         "100 steps on Python's help texts (a BPE of 8,192 tokens; the model keeps its 128,256-token vocabulary), "
         "global batch 16 x 2048 tokens, learning rate 3e-4 after 10 warmup steps, cosine decay, bf16; the same seed "
@@ -1931,6 +1934,65 @@ def section_llama() -> str:
     parts += _plan_score_part()
     parts += _torchtitan_part()
     return "\n\n".join(parts)
+
+
+def _llama_turns_part() -> list[str]:
+    """dtrain, DDP and FSDP2 on 2 x H200 in turns within one command: each round launches the three one after
+    another, twice, eager and compiled; each variant's ratio to DDP within its round."""
+    names = ["llama_1b_turns-h200x2.jsonl", "llama_1b_turns_compiled-h200x2.jsonl"]
+    if not all((RESULTS / n).exists() for n in names):
+        return []
+    rows, ratios, steps = [], {}, {}
+    for name in names:
+        records = load(name)
+        rounds = [records[i : i + 3] for i in range(0, len(records), 3)]  # each round: dtrain, ddp, fsdp2
+        for variant in ("dtrain", "ddp", "fsdp2"):
+            runs = [next(r for r in rnd if r["variant"] == variant) for rnd in rounds]
+            over = [
+                next(r for r in rnd if r["variant"] == variant)["tokens_per_s"]
+                / next(r for r in rnd if r["variant"] == "ddp")["tokens_per_s"]
+                for rnd in rounds
+            ]
+            ratios[(variant, runs[0]["compile"])] = over
+            steps[(variant, runs[0]["compile"])] = [r["step_s"] for r in runs]
+            rows.append(
+                [
+                    variant,
+                    "yes" if runs[0]["compile"] else "no",
+                    " / ".join(f"{r['step_s'] * 1e3:.1f}" for r in runs),
+                    " / ".join(f"{r['tokens_per_s']:,.0f}" for r in runs),
+                    " / ".join(f"{x:.3f}" for x in over),
+                    " / ".join(f"{r['mfu']:.1%}" for r in runs),
+                    f"{max(r['peak_memory_gib'] for r in runs):.1f}",
+                ]
+            )
+    first = load(names[0])[0]
+
+    def span(values: list[float]) -> str:
+        low, high = f"{min(values):.3f}", f"{max(values):.3f}"
+        return low if low == high else f"{low}-{high}"
+
+    eager, compiled = ratios[("dtrain", False)], ratios[("dtrain", True)]
+    fsdp = [[f / d for f, d in zip(ratios[("fsdp2", c)], ratios[("dtrain", c)], strict=True)] for c in (False, True)]
+    spread = max(max(s) / min(s) - 1 for s in steps.values())
+    return [
+        "### In turns, on 2 x H200",
+        "The same benchmark, model, batch a GPU and variants on 2 GPUs, the three variants launched in turn within "
+        "one command (dtrain, DDP, FSDP2, then again), eager and compiled: the rounds give each variant's spread "
+        "beside the others' on the same allocation. MFU over the H200's dense bf16 peak (989.4 TFLOP/s, the same "
+        f"chip as the H100). dtrain's tokens/s over DDP's in the same round: {span(eager)} eager, {span(compiled)} "
+        f"compiled; FSDP2's over dtrain's: {span(fsdp[0])} and {span(fsdp[1])}. A variant's step differs between "
+        f"its two rounds by {spread:.1%} at most.",
+        setting(
+            f"2 x {first['device']}, NVLink",
+            f"torch {first['torch']}, NCCL {NCCL}, NVLink multicast off",
+            "for round in 1 2; do for V in dtrain ddp fsdp2; do torchrun --nproc-per-node 2 "
+            "benchmarks/training/llama.py --preset 1b --seq-len 2048 --batch-per-gpu 4 --steps 20 --warmup 5 "
+            "--variants $V [--compile] --out FILE; done; done",
+            "`llama_1b_turns-h200x2.jsonl`, `llama_1b_turns_compiled-h200x2.jsonl`",
+        ),
+        table(["variant", "compiled", "step ms, round 1 / 2", "tokens/s", "/ DDP", "MFU", "peak GiB"], rows),
+    ]
 
 
 def _zero_recompute_part(ddp: dict[bool, dict]) -> list[str]:
