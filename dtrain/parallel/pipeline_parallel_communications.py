@@ -273,7 +273,9 @@ class StageLink:
 
     Shapes are agreed once: the first message of each (direction, virtual stage) the link ever carries is preceded
     by a header (:func:`encode_header`), and later messages reuse it, across steps. A payload of another shape
-    afterwards is a ValueError (call :meth:`forget_shapes` on every stage first). Sends are asynchronous and
+    afterwards is a ValueError (call :meth:`forget_shapes` on every stage first). A forward-only step (evaluation)
+    agrees its own shapes, each step, over the process groups, and leaves training's as they were: an evaluation
+    batch may have any number of rows. Sends are asynchronous and
     waited lazily: polled between actions, waited at the end of the step. Each message is recorded in the current
     :class:`Timeline` when one is set with :meth:`begin_step`. Received tensors land on ``device``.
 
@@ -354,6 +356,8 @@ class StageLink:
         self._posted: dict[Key, tuple[object, torch.Tensor]] = {}
         self._headers: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self._header_out: set[Key] = set()
+        # during a forward-only step: training's agreed shapes, plans, channels and headers to send, put back after it
+        self._training_state: tuple | None = None
         self._actions: Sequence[tuple] = ()
         self._last: set[Key] = set()  # the step's last message of each (sending, receiving stage) pair
         #: record a CUDA event pair around each receive's stream wait (see :meth:`step_report`)
@@ -397,10 +401,20 @@ class StageLink:
         stream)."""
         self.timeline = timeline
         self.clock = clock if timeline is not None else None
+        if self._training_state is not None:  # a forward-only step ends (or failed): training's state comes back
+            (self._shapes, self._agreed, self._steady, self._channels, self._header_out) = self._training_state
+            self._training_state = None
+            if timeline is None:
+                return
         if timeline is None:
             if self._channels is not None:
                 self._channels.release()  # the step is done with the messages it computed on in their slots
             return
+        if forward_only:
+            # an evaluation agrees its own shapes, afresh each step (its batch may differ from training's and from
+            # the last evaluation's), over the process groups (the peer channels' slots are sized for training's)
+            self._training_state = (self._shapes, self._agreed, self._steady, self._channels, self._header_out)
+            self._shapes, self._agreed, self._steady, self._channels, self._header_out = {}, set(), {}, None, set()
         self._counts = {"sends": 0, "recvs": 0, "headers": 0, "send_s": 0.0, "recv_wait_s": 0.0}
         self._wait_events = []
         self._local = {}

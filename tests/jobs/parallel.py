@@ -344,3 +344,44 @@ def tied_after_split() -> bool:
     net = tensor_parallelize(model("llama"), group_of(2))
     weight = net[0].embed_tokens.weight
     return net[-1].lm_head.weight is weight and weight.tensor_parallel_dim == 0 and net.tied
+
+
+def evaluate_between_steps(kind: str, names: list[str], table: dict[str, dict], rows: int) -> dict[str, dict | None]:
+    """Each named layout of ``table``: before every training step and after the last, :meth:`HybridParallel.evaluate`
+    on the first ``rows`` rows of the step's global batch (a batch of another size than training's), against one
+    process's loss on those rows at that point; then the training losses and parameters against the reference."""
+    out: dict[str, dict | None] = {}
+    for name in names:
+        layout = dict(table[name])
+        dp, pp, tp = layout.pop("dp", 1), layout.pop("pp", 1), layout.pop("tp", 1)
+        grid = _grid(dp, pp, tp)
+        if grid is None:
+            out[name] = None
+            continue
+        hybrid = HybridParallel(model(kind), grid, _adamw, **layout)
+        loss_fn = causal_lm_loss(grid.tp_group) if tp > 1 else _lm_loss
+        ref = model(kind)
+        ref_opt = _adamw([(n, p) for n, p in ref.named_parameters() if p.requires_grad])
+        evals, ref_evals, losses, ref_losses = [], [], [], []
+        for step in range(STEPS + 1):
+            x, y = _global_batch(min(step, STEPS - 1))
+            evals.append(hybrid.evaluate(x[:rows], y[:rows], loss_fn).item())
+            with torch.no_grad():
+                ref_evals.append(_lm_loss(ref(x[:rows]), y[:rows]).item())
+            if step == STEPS:
+                break
+            losses.append(hybrid.train_step(x, y, loss_fn).item())
+            loss = _lm_loss(ref(x), y)
+            ref_opt.zero_grad()
+            loss.backward()
+            ref_opt.step()
+            ref_losses.append(loss.item())
+        want = ref.state_dict()
+        params = max(_excess(p.detach(), expected_shard(want[n], p, tp, grid.tp_rank)) for n, p in hybrid.named_params)
+        out[name] = {
+            "evals": _excess(torch.tensor(evals), torch.tensor(ref_evals)),
+            "loss": _excess(torch.tensor(losses), torch.tensor(ref_losses)),
+            "params": params,
+            "moved": max((want[k] - v).abs().max().item() for k, v in model(kind).state_dict().items()),
+        }
+    return out

@@ -128,3 +128,22 @@ def test_zero_layout_trains_like_one_process(trained, name):
 @pytest.mark.skipif(not DP_REDUCE_DTYPE, reason="DataParallel takes no reduce_dtype")
 def test_data_parallel_reduces_in_the_given_dtype(trained):
     _check(trained["dp2-reduce-float64"], DP_REDUCE_LAYOUTS["dp2-reduce-float64"])
+
+
+EVALUATION_LAYOUTS = {
+    "dp2xpp2": {"dp": 2, "pp": 2, "num_microbatches": 2},
+    "tp2xpp2-interleaved": {"pp": 2, "tp": 2, "num_microbatches": 2, "schedule": "interleaved-1f1b"},
+}
+
+
+def test_pipelines_evaluate_batches_of_another_size_between_training_steps(pool):
+    """An evaluation of 4 rows before each step of 8 (2 rows a micro-batch, not 1) and after the last: each loss is
+    one process's on those rows, and training goes on as one process's, over every stage."""
+    per_rank = pool.run(jobs.evaluate_between_steps, "llama", list(EVALUATION_LAYOUTS), EVALUATION_LAYOUTS, 4)
+    for name, layout in EVALUATION_LAYOUTS.items():
+        world = _world(layout)
+        results = [r[name] for r in per_rank]
+        assert results[world:] == [None] * (POOL_WORLD - world)
+        for rank, got in enumerate(results[:world]):
+            assert (got["evals"], got["loss"], got["params"]) == (0.0, 0.0, 0.0), (name, rank, got)
+            assert got["moved"] > 1e-3, (name, rank, got)
