@@ -52,17 +52,26 @@ class Bucket:
     """Parameters whose gradients travel together, and the flat buffer they travel in.
 
     ``views[i]`` is ``params[i]``'s slice of ``buffer``, shaped like the parameter; ``pending`` holds the
-    parameters whose gradient has not been accumulated yet in this backward pass.
+    parameters whose gradient has not been accumulated yet in this backward pass. The buffer ends in one *flag* a
+    parameter (``flags``): 1 where this rank holds a gradient for it, 0 where it holds none; averaged with the
+    gradients, a flag is 0 only where no rank of the group has a gradient for the parameter, which then keeps no
+    gradient, as on one process (``missing``: the parameters this rank had no gradient for, in this pass).
     """
 
     params: list[torch.nn.Parameter]
-    buffer: torch.Tensor = field(repr=False)  # (numel,) one dtype, one device
+    buffer: torch.Tensor = field(repr=False)  # (numel + len(params),) one dtype, one device
     views: list[torch.Tensor] = field(repr=False)  # views[i]: buffer slice shaped like params[i]
     pending: set[int] = field(default_factory=set, repr=False)  # id() of parameters not ready yet
+    missing: list[int] = field(default_factory=list, repr=False)  # indices of params without a gradient here
+
+    @property
+    def flags(self) -> torch.Tensor:
+        return self.buffer[self.buffer.numel() - len(self.params) :]
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        """The gradients' bytes (the flags left out)."""
+        return (self.buffer.numel() - len(self.params)) * self.buffer.element_size()
 
     def reset(self) -> None:
         self.pending = {id(p) for p in self.params}
@@ -117,7 +126,8 @@ def cut_buckets(
 
 
 def _make_bucket(params: list[torch.nn.Parameter]) -> Bucket:
-    buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    numel = sum(p.numel() for p in params)
+    buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)  # gradients, flags
     views, start = [], 0
     for p in params:
         views.append(buffer[start : start + p.numel()].view_as(p))
@@ -294,16 +304,21 @@ class GradientReducer:
     def _launch(self, bucket: Bucket) -> None:
         with torch.no_grad():
             targets, sources, missing = [], [], []
-            for p, view in zip(bucket.params, bucket.views, strict=True):
+            bucket.missing = []
+            for i, (p, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
                 if p.grad is None:
                     missing.append(view)
+                    bucket.missing.append(i)
                 elif not _is_view(p.grad, view):
                     targets.append(view)
                     sources.append(p.grad)
             if targets:
                 torch._foreach_copy_(targets, sources)
+            flags = bucket.flags
+            flags.fill_(1.0)
             if missing:
                 torch._foreach_zero_(missing)
+                flags[bucket.missing] = 0.0
             if self.gradient_as_bucket_view:
                 # the gradients autograd made are copied in: let them go now (the copy is queued ahead of any
                 # reuse of their memory on this stream), the bucket holds the values from here on
@@ -372,9 +387,16 @@ class GradientReducer:
         self._bucket_reduce = reduce
 
     def _assign(self, bucket: Bucket) -> None:
-        """Point (or copy) each parameter's gradient at its averaged slice of ``bucket``."""
-        for p, view in zip(bucket.params, bucket.views, strict=True):
-            if self.gradient_as_bucket_view:
+        """Point (or copy) each parameter's gradient at its averaged slice of ``bucket``; a parameter that no rank
+        had a gradient for keeps none (read back only where this rank had none: the other ranks had them all)."""
+        unused = set()
+        if bucket.missing and not _capturing(bucket.buffer):
+            flags = bucket.flags[bucket.missing].tolist()
+            unused = {i for i, flag in zip(bucket.missing, flags, strict=True) if flag == 0}
+        for i, (p, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
+            if i in unused:
+                p.grad = None
+            elif self.gradient_as_bucket_view:
                 p.grad = view
             elif p.grad is None:
                 p.grad = view.clone()
@@ -398,6 +420,11 @@ class GradientReducer:
                 if not averaged:
                     bucket.buffer.div_(size)
                 self._assign(bucket)
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s device is recording a CUDA graph (nothing may be read back then)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class _Started:

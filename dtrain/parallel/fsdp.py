@@ -288,6 +288,7 @@ class FullyShardedDataParallel:
         self.gathered_nbytes = 0
         self.gathered_peak_nbytes = 0
         self.launches = 0
+        self._used: set[int] = set()  # id() of the parameters that had a gradient on this rank since zero_grad
         for flat in self.flats:
             flat.pending = {id(p) for p in flat.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._mark_ready) for f in self.flats for p in f.params]
@@ -432,6 +433,7 @@ class FullyShardedDataParallel:
             (missing if p.grad is None else views).append(view)
             if p.grad is not None:
                 grads.append(p.grad)
+                self._used.add(id(p))
         if grads:
             torch._foreach_copy_(views, grads)
         if missing:
@@ -524,9 +526,27 @@ class FullyShardedDataParallel:
         """Step the float32 shards with their averaged gradients; the next forward gathers the new values."""
         self.reduce_gradients()
         self.reshard()
-        for _, piece, grad in self.pieces:
-            piece.grad = grad
+        unused = self._globally_unused()
+        for p, piece, grad in self.pieces:  # a parameter no rank had a gradient for is left alone, as on one process
+            piece.grad = None if id(p) in unused else grad
         self.optimizer.step()
+
+    @torch.no_grad()
+    def _globally_unused(self) -> set[int]:
+        """id() of the parameters that no rank of the shard and replicate groups had a gradient for since
+        :meth:`zero_grad`: one flag a parameter, maximised over the groups, read back only where this rank missed
+        one (the other ranks had them all)."""
+        params = [p for flat in self.flats for p in flat.params]
+        missing = [i for i, p in enumerate(params) if id(p) not in self._used]
+        flags = torch.ones(len(params), dtype=torch.float32, device=self.device)
+        if missing:
+            flags[missing] = 0.0
+        for group in (self.group, self.replicate_group):
+            if group is not None:
+                comm.all_reduce(flags, op="max", group=group, algorithm=self.algorithm)
+        if not missing:
+            return set()
+        return {id(params[i]) for i, flag in zip(missing, flags[missing].tolist(), strict=True) if flag == 0}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation: the gradient shards are zeroed (they are kept, whatever ``set_to_none``)."""
@@ -535,6 +555,7 @@ class FullyShardedDataParallel:
             for p in flat.params:
                 p.grad = None
         self.flat_grad.zero_()
+        self._used.clear()
         self._replicated = True
 
     def state_dict(self) -> dict[str, Any]:

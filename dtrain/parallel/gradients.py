@@ -62,16 +62,26 @@ def average_flat(
     params: Sequence[nn.Parameter], group, *, algorithm: str = "auto", reduce_dtype: torch.dtype | None = None
 ) -> None:
     """One all-reduce of ``params``' flattened gradients (a missing one counts as zero) averaged over ``group``,
-    in ``reduce_dtype`` where given (else the gradients' dtype); each ``p.grad`` becomes its slice of the result."""
+    in ``reduce_dtype`` where given (else the gradients' dtype); each ``p.grad`` becomes its slice of the result.
+    A parameter that has no gradient on any rank of the group keeps none, as on one process: the message ends in
+    one flag a parameter (1 where this rank has its gradient), read back only by a rank that missed one."""
+    missing = [i for i, p in enumerate(params) if p.grad is None]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flags = torch.ones(len(grads), dtype=grads[0].dtype, device=grads[0].device)
+    if missing:
+        flags[missing] = 0.0
+    flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
     wire = flat.to(reduce_dtype) if reduce_dtype is not None and reduce_dtype != flat.dtype else flat
     comm.all_reduce(wire, op="avg", group=group, algorithm=algorithm)
     if wire is not flat:
         flat.copy_(wire)
+    unused = set()
+    if missing and not (flat.is_cuda and torch.cuda.is_current_stream_capturing()):
+        seen = flat[flat.numel() - len(grads) :][missing].tolist()
+        unused = {i for i, flag in zip(missing, seen, strict=True) if flag == 0}
     offset = 0
-    for p, g in zip(params, grads, strict=True):
-        p.grad = flat[offset : offset + g.numel()].view_as(g)
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        p.grad = None if i in unused else flat[offset : offset + g.numel()].view_as(g)
         offset += g.numel()

@@ -125,8 +125,9 @@ class ZeroOptimizer:
         comm.broadcast(self.flat, 0, group=group, algorithm=algorithm)
         # This rank's chunk of each bucket (a view of self.flat): the steps land there, the all-gather sends it.
         self.shards = [self._mine(self.flat, b) for b in self.buckets]
-        # Stage 1 keeps the averaged gradient of every element (laid out like self.flat), stage 2 only its chunks.
-        kept = self.flat.numel() if stage == 1 else self.shard_numel
+        # Stage 1 keeps the averaged gradient of every element (laid out like self.flat) and one flag a parameter
+        # after them (1 where this rank has its gradient, averaged with the gradients); stage 2 only its chunks.
+        kept = self.flat.numel() + len(self.params) if stage == 1 else self.shard_numel
         self._grad = torch.zeros(kept, dtype=like.dtype, device=like.device)
         if stage == 1:
             self._grad_shards = [self._mine(self._grad, b) for b in self.buckets]
@@ -153,6 +154,7 @@ class ZeroOptimizer:
         ]
         self.optimizer = optimizer_cls(torch_groups, **optimizer_kwargs)
         self._reduced = False
+        self._unused: set[int] = set()  # id() of the parameters no rank had a gradient for since zero_grad
 
     def _mine(self, laid_out: torch.Tensor, bucket: ShardedBucket) -> torch.Tensor:
         begin = bucket.start + self.rank * bucket.chunk
@@ -176,7 +178,8 @@ class ZeroOptimizer:
         return self.optimizer.state
 
     def _all_reduce_gradients(self) -> None:
-        """Stage 1: this rank's gradients laid out like ``self.flat`` (a missing one counts as zero), averaged."""
+        """Stage 1: this rank's gradients laid out like ``self.flat`` (a missing one counts as zero), averaged, with
+        a flag a parameter (1 where this rank has its gradient) after them."""
         self._grad.zero_()
         views, grads = [], []
         for bucket in self.buckets:
@@ -186,7 +189,21 @@ class ZeroOptimizer:
                     grads.append(p.grad)
         if grads:
             torch._foreach_copy_(views, grads)
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        flags = self._grad[self.flat.numel() :]
+        flags.fill_(1.0)
+        if missing:
+            flags[missing] = 0.0
         reduce_in(self._grad, self.reduce_dtype, group=self.group, algorithm=self.algorithm)
+        self._unused = self._globally_unused(missing, flags)
+
+    def _globally_unused(self, missing: list[int], flags: torch.Tensor) -> set[int]:
+        """Of the parameters this rank had no gradient for (``missing``, indices), those no rank had one for (their
+        reduced ``flags`` are 0): read back only where this rank missed one, the other ranks having them all."""
+        if not missing or (flags.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return set()
+        seen = flags[missing].tolist()
+        return {id(self.params[i]) for i, flag in zip(missing, seen, strict=True) if flag == 0}
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -194,6 +211,14 @@ class ZeroOptimizer:
         backward). Called by :meth:`step`, :meth:`grad_square_sum` and :meth:`scale_grads`; once a step."""
         if self.stage == 1 and not self._reduced:
             self._all_reduce_gradients()
+        elif self.stage == 2 and not self._reduced:  # one flag a parameter: 1 where it had a gradient in a pass
+            used = self.reducer.used
+            missing = [i for i, p in enumerate(self.params) if id(p) not in used]
+            flags = torch.ones(len(self.params), dtype=torch.float32, device=self.flat.device)
+            if missing:
+                flags[missing] = 0.0
+            comm.all_reduce(flags, op="max", group=self.group, algorithm=self.algorithm)
+            self._unused = self._globally_unused(missing, flags)
         self._reduced = True
 
     @torch.no_grad()
@@ -222,8 +247,8 @@ class ZeroOptimizer:
     def step(self) -> None:
         """Average gradients (stage 1 here; stage 2 did it during backward), step the shards, all-gather them."""
         self.reduce_gradients()
-        for _, piece, grad in self.pieces:
-            piece.grad = grad
+        for p, piece, grad in self.pieces:  # a parameter no rank had a gradient for is left alone, as on one process
+            piece.grad = None if id(p) in self._unused else grad
         self.optimizer.step()
         all_gather_buckets(self.flat, self.shards, self.buckets, self.group, algorithm=self.algorithm)
         self._reduced = False
@@ -273,7 +298,7 @@ class ZeroOptimizer:
         dp_state_nbytes = per_element_nbytes * self.numel // held + other_nbytes
         zero = MemoryReport(
             parameter_nbytes=self.flat.numel() * element,
-            gradient_nbytes=self._grad.numel() * element,
+            gradient_nbytes=(self.flat.numel() if self.stage == 1 else self.shard_numel) * element,  # no flags
             optimizer_state_nbytes=state_nbytes,
         )
         data_parallel = MemoryReport(

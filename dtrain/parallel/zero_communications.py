@@ -100,6 +100,7 @@ class ShardedGradientReducer:
         self._next_launch = 0
         self._finish_queued = False
         self._written: set[int] = set()  # buckets reduced since zero(): later passes add into their shard
+        self.used: set[int] = set()  # id() of the parameters that had a gradient on this rank since zero()
         self.launches = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self.mark_ready) for b in buckets for p in b.params]
 
@@ -129,6 +130,7 @@ class ShardedGradientReducer:
     def zero(self) -> None:
         """Forget the accumulated gradient shards: the next pass writes them afresh."""
         self._written.clear()
+        self.used.clear()
         for shard in self.grad_shards:
             shard.zero_()
 
@@ -144,6 +146,7 @@ class ShardedGradientReducer:
             else:
                 views.append(view)
                 grads.append(p.grad)
+                self.used.add(id(p))
         if grads:
             torch._foreach_copy_(views, grads)
         if missing:

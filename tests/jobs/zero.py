@@ -105,7 +105,8 @@ def _skipping_forward(model: torch.nn.Module, x: torch.Tensor, step: int) -> tor
 
 
 def unused_parameters(world: int, stage: int, steps: int = 6) -> dict:
-    """A layer unused in some steps counts as a zero gradient (as under DDP); the reference zero-fills it too."""
+    """A layer unused in some steps gets no gradient in them, on every rank, and is not stepped (SGD's momentum
+    leaves it alone), as on one process."""
     model, opt = _zero(world, stage, "sgd", "auto")
     group = group_of(world)
     losses = []
@@ -125,9 +126,6 @@ def unused_parameters(world: int, stage: int, steps: int = 6) -> dict:
         x, y = _global_batch(step)
         loss = F.mse_loss(_skipping_forward(ref, x, step), y)
         loss.backward()
-        for p in ref.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
@@ -140,3 +138,61 @@ def unused_parameters(world: int, stage: int, steps: int = 6) -> dict:
         "ref_params": ref_flat,
         "buckets": len(opt.buckets),
     }
+
+
+class _Unused(torch.nn.Module):
+    """Linear(16, 16) and Tanh, beside a parameter its forward never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.spare = torch.nn.Parameter(torch.ones(5))  # 5 elements: not a multiple of 2 or 4 ranks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+def _unused_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), _Unused(), torch.nn.Linear(16, 4))
+
+
+def unused_in_hybrid(layouts: dict[str, dict]) -> dict[str, float | None]:
+    """Each layout (dp, pp and HybridParallel's keywords) trains 3 steps of a model holding a parameter no
+    forward reads, with AdamW (weight decay 0.5) and SGD with momentum: the largest difference of any parameter
+    from one process on the global batch, where that parameter gets no gradient and is never stepped (None off
+    the grid)."""
+    from dtrain.parallel.hybrid import HybridParallel
+    from tests.jobs.parallel import _grid
+
+    optimizers = {
+        "adamw": lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.5),
+        "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1),
+    }
+    out: dict[str, float | None] = {}
+    for name, layout in layouts.items():
+        layout = dict(layout)
+        dp, pp = layout.pop("dp"), layout.pop("pp", 1)
+        grid = _grid(dp, pp, 1)  # every process of the pool: groups are made collectively
+        for kind, make in optimizers.items():
+            if grid is None:
+                out[f"{name} {kind}"] = None
+                continue
+            factory = lambda named, make=make: make([q for _, q in named])  # noqa: E731
+            hybrid = HybridParallel(_unused_model(), grid, factory, **layout)
+            ref = _unused_model()
+            ref_opt = make(ref.parameters())
+            for step in range(3):
+                x, y = _global_batch(step)
+                hybrid.train_step(x, y, F.mse_loss)
+                ref_opt.zero_grad()
+                F.mse_loss(ref(x), y).backward()
+                ref_opt.step()
+            want = dict(ref.named_parameters())
+            params = hybrid.optimizer.full_parameters() if layout.get("zero_stage") == 3 else None
+            errors = []
+            for n, q in hybrid.named_params:
+                got = params[n] if params is not None else q.detach()
+                errors.append((got - want[n].detach()).abs().max().item())
+            out[f"{name} {kind}"] = max(errors)
+    return out

@@ -61,5 +61,29 @@ def test_stage_2_allocates_no_full_size_gradient_buffer_at_the_step(allocated):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_parameter_without_a_gradient_counts_as_a_zero_gradient(pool, stage):
+def test_a_layer_without_a_gradient_on_any_rank_is_not_stepped(pool, stage):
     _assert_matches_reference(pool.run(jobs.unused_parameters, 4, stage, ranks=4))
+
+
+UNUSED_LAYOUTS = {
+    "dp2": {"dp": 2},  # DataParallel's buckets
+    "dp2xpp2": {"dp": 2, "pp": 2, "num_microbatches": 2},  # the pipeline's flat all-reduce
+    "zero1": {"dp": 2, "zero_stage": 1},
+    "zero2": {"dp": 4, "zero_stage": 2},
+    "zero3": {"dp": 2, "zero_stage": 3},
+}
+
+
+def test_a_parameter_no_forward_reads_is_left_alone_in_every_layout(pool):
+    """A parameter with no gradient on any rank is neither decayed by AdamW nor moved by momentum: one process's
+    parameters after 3 steps, in data parallel, a pipeline's data parallel and ZeRO 1, 2 and 3."""
+    results = pool.run(jobs.unused_in_hybrid, UNUSED_LAYOUTS)
+    off = []
+    for name, layout in UNUSED_LAYOUTS.items():
+        world = layout["dp"] * layout.get("pp", 1)
+        for kind in ("adamw", "sgd"):
+            got = [r[f"{name} {kind}"] for r in results]
+            assert got[world:] == [None] * (len(results) - world), (name, kind)
+            if max(got[:world]) >= 1e-6:
+                off.append((name, kind, max(got[:world])))
+    assert off == []
