@@ -2198,6 +2198,74 @@ def stalled_line(records: list[dict]) -> str:
     )
 
 
+def section_dropout() -> str:
+    """dtrain's layout-independent dropout beside torch's on one H200, and a GPU run resumed and recomputed."""
+    records = load("dropout_cost-h200x1.jsonl")
+    resumed = load("dropout_resume-h200x1.jsonl")
+    if not records:
+        return ""
+    check = next(r for r in records if r["kind"] == "check")
+    steps = [r for r in records if r["kind"] == "step"]
+    rows = [
+        [
+            r["mode"],
+            r["variant"],
+            f"{r['step_ms']:.1f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['over_torch']:.2f}",
+            f"{r['peak_gib']:.1f}",
+        ]
+        for r in steps
+    ]
+    parts = [
+        "## Dropout drawn alike on every layout",
+        "`dtrain.models.dropout` keeps a value where a hash of the step, the dropout's site and the value's place in "
+        "the global batch is above p, so every layout, a recomputed forward and a resumed run draw one process's "
+        "masks (docs/parallel.md, Dropout). Its cost beside torch's own dropout: GPT-2 small (124 M, the `124m` "
+        f"preset), {check['batch']} sequences of {check['seq_len']} tokens, bf16 autocast, fused AdamW, one optimizer "
+        "step a call, variants timed in turns (median of 5 runs of 10 steps). `none`: no dropout; `torch`: 0.1 on "
+        "the embedding, the attention probabilities and both residual branches by torch's generator (the fused "
+        "attention kernel drops inside); `dtrain`: the same probabilities by the hash, the attention written out "
+        "(its probabilities materialised, (B, H, T, T)); `dtrain-no-attention`: the hash on the embedding and "
+        "residual branches, none on the attention probabilities, so the fused attention kernel runs. `/ torch`: the "
+        "step's time over `torch`'s. Compiled: each block through `torch.compile`, as `dtrain train --compile` runs "
+        "it.",
+        setting(
+            f"1 x {check['device']}",
+            f"torch {check['torch_version']}",
+            "python benchmarks/training/dropout_cost.py --out benchmarks/results/dropout_cost-h200x1.jsonl",
+            "`dropout_cost-h200x1.jsonl`",
+        ),
+        table(["mode", "variant", "step ms", "tokens/s", "/ torch", "peak GiB"], rows),
+        f"Checked in the same launch: the GPU kernel's masks equal the CPU's tensor form bit for bit "
+        f"({'yes' if check['masks_equal_cpu'] else 'no'}; {check['kept']:.4f} of the values kept at p = 0.1), and "
+        f"the model on the whole batch and on four pieces, each under its rows, gives logits "
+        f"{check['pieces_max_abs_diff']:.1g} apart.",
+    ]
+    if resumed:
+        runs: dict[str, dict[int, float]] = {}
+        for r in resumed:
+            runs.setdefault(r["run"], {})[r["step"]] = r["loss"]
+        straight = runs["straight"]
+        gap = max(abs(runs["resumed"][s] - straight[s]) for s in runs["resumed"] if s > 4)
+        recomputed = max(abs(runs["recomputed"][s] - straight[s]) for s in straight)
+        recorded = max(abs(runs["recorded"][s] - straight[s]) for s in straight) if "recorded" in runs else None
+        graph = "" if recorded is None else f"; recorded as one CUDA graph a step (`--step-graph`), by {recorded:.1g}"
+        parts += [
+            "`dtrain train` of a small GPT-2 (4 layers of 256, every dropout 0.1, bf16, 8 steps, a checkpoint every "
+            f"4) on the same GPU: resumed from its checkpoint of step 4, steps 5-8 differ from the straight run's "
+            f"by {gap:.1g} in loss; with full recomputation, every step by {recomputed:.1g}{graph}. No generator "
+            "state is saved for it.",
+            setting(
+                f"1 x {resumed[0]['device']}",
+                f"torch {resumed[0]['torch_version']}",
+                "python benchmarks/training/dropout_resume.py --out benchmarks/results/dropout_resume-h200x1.jsonl",
+                "`dropout_resume-h200x1.jsonl`",
+            ),
+        ]
+    return "\n\n".join(parts)
+
+
 def section_bubble() -> str:
     gpu = load("bubble-h200x4.jsonl")
     gpu4 = load("bubble-p4-h200x4.jsonl")
@@ -4090,6 +4158,7 @@ SECTIONS = (
     section_zero,
     section_tp_pp,
     section_llama,
+    section_dropout,
     section_bubble,
     section_ps,
     section_sim,

@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.models import dropout as dropouts
 from dtrain.models.config import GPT2Config, LlamaConfig, ModelConfig
+from dtrain.models.dropout import Dropout
 
 __all__ = [
     "Attention",
@@ -94,7 +96,7 @@ class Embedding(nn.Module):
         dim = config.n_embd if gpt2 else config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, dim)
         self.embed_positions = nn.Embedding(config.n_positions, dim) if gpt2 else None
-        self.dropout = nn.Dropout(config.embd_pdrop if gpt2 else 0.0)
+        self.dropout = Dropout(config.embd_pdrop if gpt2 else 0.0)
         self.max_positions = config.n_positions if gpt2 else config.max_position_embeddings
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -119,7 +121,7 @@ class Attention(nn.Module):
         if isinstance(config, GPT2Config):
             dim, self.n_heads, self.n_kv_heads = config.n_embd, config.n_head, config.n_head
             self.head_dim, bias, out_bias = config.n_embd // config.n_head, True, True
-            self.dropout, self.resid_dropout = config.attn_pdrop, nn.Dropout(config.resid_pdrop)
+            self.attn_dropout, self.resid_dropout = Dropout(config.attn_pdrop), Dropout(config.resid_pdrop)
             inv_freq = None
         else:
             dim, self.n_heads, self.n_kv_heads = (
@@ -129,13 +131,14 @@ class Attention(nn.Module):
             )
             self.head_dim, bias = config.head_dim, config.attention_bias
             out_bias = bias
-            self.dropout, self.resid_dropout = config.attention_dropout, nn.Dropout(0.0)
+            self.attn_dropout, self.resid_dropout = Dropout(config.attention_dropout), Dropout(0.0)
             inv_freq = rope_frequencies(config)
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=out_bias)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_offset = 0  # the model's index of this module's first query head (tensor parallelism sets it)
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # the tables are made anew each forward: a value kept from one forward to the next would make a
@@ -154,11 +157,27 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         if self.inv_freq is not None:
             q, k = self._rope(q, k)
-        p = self.dropout if self.training else 0.0
+        p = self.attn_dropout.p if self.training else 0.0
         # grouped-query: each key-value head serves H / H_kv query heads, read in place (no repeated copies)
         grouped = k.shape[1] != q.shape[1]
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped)  # (B, H, T, D)
+        if p > 0.0 and dropouts.tracked():
+            y = self._dropped_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped)  # (B, H, T, D)
         return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(b, t, -1)))  # (B, T, C)
+
+    def _dropped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention with the probabilities written out and dropped by :class:`Dropout` (each head's
+        mask from its index among the model's heads), as the fused kernels cannot take a mask: ``(B, H, T, T)``
+        scores in the inputs' dtype, the softmax computed in float32."""
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        t = q.shape[2]
+        scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)  # (B, H, T, T), in q's dtype
+        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1, dtype=torch.float32)
+        return self.attn_dropout(probs.to(v.dtype), offsets=(0, self.head_offset)) @ v  # (B, H, T, D)
 
 
 class SwiGLU(nn.Module):
@@ -190,7 +209,7 @@ class GeluMLP(nn.Module):
         self.up_proj = nn.Linear(config.n_embd, config.n_inner)
         self.down_proj = nn.Linear(config.n_inner, config.n_embd)
         self.approximate = "none" if config.activation_function == "gelu" else "tanh"
-        self.dropout = nn.Dropout(config.resid_pdrop)
+        self.dropout = Dropout(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate)))
@@ -239,6 +258,7 @@ class CausalLM(nn.Sequential):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(Embedding(config), *(Block(config) for _ in range(config.num_layers)), Head(config))
         self.config = config
+        dropouts.number_sites(self)
         if config.tie_word_embeddings:
             self[-1].lm_head.weight = self[0].embed_tokens.weight
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from dtrain.models.config import CONFIGS, GPT2Config, LlamaConfig, ModelConfig, ModelConfigError, config_fields
 from dtrain.models.decoder import Attention, CausalLM, rope_frequencies
+from dtrain.models.dropout import number_sites
 from dtrain.models.flops import parameter_count
 
 __all__ = [
@@ -578,7 +579,7 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
     for module in model.modules():  # the rotary frequencies are computed in float32, not stored
         if isinstance(module, Attention) and module.inv_freq is not None:
             module.inv_freq = rope_frequencies(config).to(device)
-    return model
+    return number_sites(model)  # the dropouts' salts, left unset by the meta device
 
 
 def _checked_weights(directory: Path) -> tuple[ModelConfig, dict[str, Path], list[str]]:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain import comm
+from dtrain.models import dropout as dropouts
 from dtrain.parallel import gradients, step_graph
 from dtrain.parallel.data_parallel import DataParallel, broadcast_algorithm, broadcast_parameters, split_batch
 from dtrain.parallel.fsdp import FullyShardedDataParallel, hybrid_shard_groups
@@ -451,10 +452,12 @@ class HybridParallel:
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float32, device=batch.device)
         if self.pipeline is not None:
-            for x, y in zip(batch.chunk(k), targets.chunk(k), strict=True):
-                scaled = self.pipeline.train_step(
-                    x, y, lambda out, t: loss_fn(out, t) * factor, forward_context=self._autocast
-                )
+            replica = self.grid.dp_rank * batch.shape[0]  # this replica's first row in the global batch
+            for i, (x, y) in enumerate(zip(batch.chunk(k), targets.chunk(k), strict=True)):
+                with dropouts.rows(replica + i * x.shape[0]):
+                    scaled = self.pipeline.train_step(
+                        x, y, lambda out, t: loss_fn(out, t) * factor, forward_context=self._autocast
+                    )
                 total += scaled.float() / factor
         elif self.graphed is not None:
             if loss_scaler is not None:
@@ -527,9 +530,10 @@ class HybridParallel:
             probe = self.params[0] if self.params else None
             context = lambda: step_graph.uncached_within(self._autocast, probe)  # noqa: E731
         total = torch.zeros((), dtype=torch.float32, device=batch.device)
+        replica = self.grid.dp_rank * batch.shape[0]  # this replica's first row in the global batch
         for i, (x, y) in enumerate(zip(batch.chunk(k), targets.chunk(k), strict=True)):
             sync = i == k - 1 or not isinstance(self._forward, DataParallel)
-            with contextlib.nullcontext() if sync else self._forward.no_sync():
+            with contextlib.nullcontext() if sync else self._forward.no_sync(), dropouts.rows(replica + i * x.shape[0]):
                 with context():
                     loss = loss_fn(self._forward(x), y)
                 (loss * factor).backward()  # DataParallel averages over dp here, overlapped with backward
@@ -550,8 +554,16 @@ class HybridParallel:
         self, batch: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, *, local: bool = False
     ) -> torch.Tensor:
         """The loss of the global ``batch`` without training (as :meth:`train_step` computes it, in the same
-        precision and through the same pipeline, without autograd); ``local`` as in :meth:`train_step`.
-        Returns the loss of the whole global batch on every rank."""
+        precision and through the same pipeline, without autograd, every module in eval mode: no dropout);
+        ``local`` as in :meth:`train_step`. Returns the loss of the whole global batch on every rank."""
+        with _eval_mode(self._modules()):
+            return self._evaluate(batch, targets, loss_fn, local=local)
+
+    def _modules(self) -> list[nn.Module]:
+        """The modules this rank runs: its pipeline stage's chunks, or its model."""
+        return list(self.pipeline.chunks) if self.pipeline is not None else [self.module]
+
+    def _evaluate(self, batch: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, *, local: bool) -> torch.Tensor:
         dp = self.grid.dims.dp
         if dp > 1 and not local:
             batch, targets = split_batch((batch, targets), self.grid.dp_group)
@@ -642,6 +654,19 @@ class HybridParallel:
                 dist.recv(received, owner)
                 out[name] = received.cpu()
         return out
+
+
+@contextlib.contextmanager
+def _eval_mode(roots: Sequence[nn.Module]) -> Iterator[None]:
+    """Every module under ``roots`` in eval mode within the block, then each back in the mode it had."""
+    modes = [(m, m.training) for root in roots for m in root.modules()]
+    for module, _ in modes:
+        module.training = False
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _layer_of(name: str) -> int:

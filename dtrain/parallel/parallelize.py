@@ -146,9 +146,13 @@ def tensor_parallelize(
             for name, param in new.named_parameters(recurse=False):
                 param.requires_grad_(getattr(child, name).requires_grad)  # a frozen part stays frozen
             setattr(module, child_name, new)
+    rank = dist.get_rank(tp_group)
     for module in model.modules():
-        for attribute in getattr(module, "tensor_parallel_heads", ()):
+        heads = getattr(module, "tensor_parallel_heads", ())
+        for attribute in heads:
             setattr(module, attribute, getattr(module, attribute) // tp)
+        if heads and hasattr(module, "head_offset"):  # where its heads sit among the model's, for dropout's masks
+            module.head_offset = rank * getattr(module, heads[0])
     return model
 
 

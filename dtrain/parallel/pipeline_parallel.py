@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain import comm
+from dtrain.models import dropout as dropouts
 from dtrain.parallel import step_graph
 from dtrain.parallel.pipeline_parallel_communications import DeviceClock, StageLink
 from dtrain.parallel.pipeline_schedules import (
@@ -456,14 +457,15 @@ class PipelineParallel:
                     marked = clock.mark() if clock is not None else None  # after the stream's wait for x
                     args = (x, labels[mb]) if stage.is_last else (x,)
                     graphed = self._replay(chunk, mb, args) if not forward_only else None
-                    if graphed is not None:
-                        y = graphed(*args)
-                        replayed.add((chunk, mb))
-                    else:
-                        with context():
-                            y = stage(x)
-                            if stage.is_last:
-                                y = loss_fn(y, labels[mb]) / m
+                    with dropouts.rows(mb * x.shape[0]):  # the micro-batch's first row in the batch
+                        if graphed is not None:
+                            y = graphed(*args)
+                            replayed.add((chunk, mb))
+                        else:
+                            with context():
+                                y = stage(x)
+                                if stage.is_last:
+                                    y = loss_fn(y, labels[mb]) / m
                     if stage.is_last:
                         loss += y.detach().float()
                     event = TimelineEvent("F", mb, start, time.perf_counter(), chunk=chunk)

@@ -4,8 +4,9 @@
 ``nn.Sequential`` of ``[Embedding, Block x L, Head]``) before it is parallelised:
 
 - ``"full"``: each block keeps only its input; backward runs its forward again
-  (:func:`torch.utils.checkpoint.checkpoint`, non-reentrant, the RNG state restored so dropout draws the same
-  masks; Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost");
+  (:func:`torch.utils.checkpoint.checkpoint`, non-reentrant, the RNG state restored, and the dropout key and
+  first row of :mod:`dtrain.models.dropout`, so dropout draws the same masks; Chen et al. 2016, "Training Deep
+  Nets with Sublinear Memory Cost");
 - ``"selective"``: recomputation of the chosen blocks only (``layers``), and/or, inside them, of every operation
   but the kinds whose outputs are kept (``ops``; torch's selective activation checkpointing,
   :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`). The default, ``ops=("matmul",)``, keeps
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from dtrain.models import dropout as dropouts
 from dtrain.parallel.recompute_options import DEFAULT_KEEP, MODES, OP_KINDS, parse_layers
 
 __all__ = [
@@ -86,10 +88,18 @@ def _checkpointed_forward(module: nn.Module, keep: frozenset[str] | None, *args,
     forward = type(module).forward.__get__(module)
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if dropouts.tracked() and args and isinstance(args[0], torch.Tensor):
+        # backward recomputes under the key and first row of this forward, not those current then
+        forward = functools.partial(_with_dropout_state, forward, dropouts.snapshot(args[0].device))
     if keep is None:
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     context_fn = functools.partial(create_selective_checkpoint_contexts, _policy(keep))
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
+
+
+def _with_dropout_state(forward: Callable, saved: dict, *args, **kwargs):
+    with dropouts.restored(saved):
+        return forward(*args, **kwargs)
 
 
 def from_text(mode: str, layers: str = "", keep: str = "") -> tuple[str, dict]:

@@ -50,6 +50,7 @@ from dtrain.launch import (
     run_ranks,
 )
 from dtrain.models import ModelConfig, build, preset, train_flops_per_token
+from dtrain.models import dropout as dropouts
 from dtrain.models.decoder import Block
 from dtrain.models.flops import pass_flops_per_token
 from dtrain.parallel.grid import ParallelDims, RankGrid
@@ -423,7 +424,7 @@ class _Trainer:
         if config.model.weights:
             from dtrain.models import hf
 
-            model = hf.load_pretrained(config.model.weights, device=self.device)
+            model = hf.load_pretrained(config.model.weights, device=self.device).train()  # its dropout, as it trains
         else:
             model = build(plan.model, device=self.device)
         mode, options = from_text(tr.activation_checkpointing, tr.recompute_layers, tr.recompute_keep)
@@ -497,6 +498,7 @@ class _Trainer:
         lr = self.lr(step)
         set_lr(self.optimizer, lr)
         x, y = self.data.next_batch(rank=grid.dp_rank, world=cfg.parallel.dp)  # this replica's rows
+        dropouts.set_step(cfg.training.seed, step)  # the masks of this step, on any layout and after a resume
         reset_peak_memory(self.device)
         start = time.perf_counter()
         loss = self.hybrid.train_step(
@@ -573,7 +575,8 @@ class _Trainer:
         continue from."""
         out = self.config.logging.out
         found = _step_to_resume(out)
-        agreed = torch.tensor([-1 if found is None else found], dtype=torch.int64)
+        # on the rank's device: a GPU job's group has no backend for CPU tensors
+        agreed = torch.tensor([-1 if found is None else found], dtype=torch.int64, device=self.device)
         comm.all_reduce(agreed, op="min")
         if agreed.item() < 0:
             raise ValueError(f"--resume: no complete checkpoint under {out}/checkpoints")

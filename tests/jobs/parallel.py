@@ -18,22 +18,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.models import dropout as dropouts
 from dtrain.models.config import GPT2Config, LlamaConfig
 from dtrain.models.decoder import build
 from dtrain.parallel import tensor_parallel_communications as tpc
 from dtrain.parallel.grid import ParallelDims, RankGrid
 from dtrain.parallel.hybrid import HybridParallel
 from dtrain.parallel.parallelize import causal_lm_loss, tensor_parallelize
+from dtrain.parallel.recompute import checkpoint_activations
 from dtrain.testing.pool import group_of
 from tests.jobs import hybrid as hybrid_jobs
 
 RTOL, ATOL = 1e-5, 1e-6
 VOCAB, SEQ, GLOBAL_BATCH, STEPS = 97, 8, 8, 3  # 97 does not divide by 2 or 4: the vocabulary is padded
 LR, WEIGHT_DECAY, EPS, MAX_NORM = 1e-3, 0.1, 1e-5, 1.0
+DROPOUT_SEED = 5
 INIT = 0.2  # wide enough that attention is not uniform: no gradient so small that Adam's rescaling amplifies noise
 
 
-def config(kind: str, vocab: int = VOCAB, init: float = INIT):
+def config(kind: str, vocab: int = VOCAB, init: float = INIT, dropout: float = 0.0):
+    """The tiny model's shape; ``dropout``: every dropout probability the model has (Llama: attention's)."""
     if kind == "llama":  # grouped-query attention (4 heads, 2 key-value heads), tied embeddings
         return LlamaConfig(
             vocab_size=vocab,
@@ -45,16 +49,27 @@ def config(kind: str, vocab: int = VOCAB, init: float = INIT):
             max_position_embeddings=SEQ,
             tie_word_embeddings=True,
             initializer_range=init,
+            attention_dropout=dropout,
         )
-    return GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, initializer_range=init)
+    return GPT2Config(
+        vocab_size=vocab,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        initializer_range=init,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
 
 
-def model(kind: str, vocab: int = VOCAB, init: float = INIT) -> nn.Sequential:
+def model(kind: str, vocab: int = VOCAB, init: float = INIT, dropout: float = 0.0) -> nn.Sequential:
     """The tiny model from seed 0. GPT-2's key biases are frozen: their gradient is zero in exact arithmetic (a
     softmax row does not change when all its scores move by q . b_k), so AdamW would turn its rounding noise,
     which differs with the summation order, into steps of the learning rate's size."""
     torch.manual_seed(0)
-    net = build(config(kind, vocab, init))
+    net = build(config(kind, vocab, init, dropout))
     for block in list(net)[1:-1]:
         if block.attn.k_proj.bias is not None:
             block.attn.k_proj.bias.requires_grad_(False)
@@ -95,16 +110,20 @@ def reference(
     groups: bool = True,
     skip: int | None = None,
     lr: float = LR,
+    dropout: float = 0.0,
 ) -> tuple[list, list, dict]:
     """Losses, gradient norms and final state dict of one process training the whole model on the global batch
-    (leaving out step ``skip``) at ``lr``; ``autocast``: under CPU autocast to that dtype (True: bf16)."""
-    key = (kind, clip, autocast, groups, skip, lr)
+    (leaving out step ``skip``) at ``lr``; ``autocast``: under CPU autocast to that dtype (True: bf16);
+    ``dropout``: the model's dropout probabilities, each step's masks drawn as step ``step`` of seed
+    ``DROPOUT_SEED``."""
+    key = (kind, clip, autocast, groups, skip, lr, dropout)
     if key not in _REFERENCES:
-        net = model(kind)
+        net = model(kind, dropout=dropout)
         opt = _adamw([(n, p) for n, p in net.named_parameters() if p.requires_grad], groups, lr)
         losses, norms = [], []
         for step in (s for s in range(STEPS) if s != skip):
             x, y = _global_batch(step)
+            dropouts.set_step(DROPOUT_SEED, step)
             dtype = autocast if isinstance(autocast, torch.dtype) else torch.bfloat16
             with torch.autocast("cpu", dtype=dtype, enabled=autocast is not False):
                 loss = _lm_loss(net(x), y)
@@ -114,6 +133,7 @@ def reference(
             opt.step()
             losses.append(loss.item())
             norms.append(norm.item())
+        dropouts.untracked()
         _REFERENCES[key] = (losses, norms, {k: v.detach().clone() for k, v in net.state_dict().items()})
     return _REFERENCES[key]
 
@@ -162,6 +182,8 @@ def train(kind: str, layout: dict) -> dict | None:
     dp, pp, tp = layout.pop("dp", 1), layout.pop("pp", 1), layout.pop("tp", 1)
     clip, autocast = layout.pop("clip", False), layout.pop("autocast", False)
     local = layout.pop("local", False)  # hand each replica its own rows
+    dropout = layout.pop("dropout", 0.0)  # every dropout of the model at this probability
+    recompute = layout.pop("recompute", None)  # checkpoint_activations' mode and keywords
     if "reduce_dtype" in layout:
         layout["reduce_dtype"] = getattr(torch, layout["reduce_dtype"])
     grid = _grid(dp, pp, tp)
@@ -170,9 +192,12 @@ def train(kind: str, layout: dict) -> dict | None:
     scaler = _LossScaler() if layout.pop("scaler", False) else None
     overflow = 1 if scaler is not None else None  # the step whose loss is made infinite
     groups = not layout.get("zero_stage")  # ZeRO: one parameter group
-    ref_losses, ref_norms, ref_state = reference(kind, clip, autocast, groups, overflow)
+    ref_losses, ref_norms, ref_state = reference(kind, clip, autocast, groups, overflow, dropout=dropout)
+    net = model(kind, dropout=dropout)
+    if recompute is not None:
+        checkpoint_activations(net, recompute[0], **recompute[1])
     hybrid = HybridParallel(
-        model(kind),
+        net,
         grid,
         lambda named: _adamw(named, groups),
         autocast_dtype=torch.bfloat16 if autocast else None,
@@ -185,7 +210,13 @@ def train(kind: str, layout: dict) -> dict | None:
         if local:
             x, y = x.chunk(dp)[grid.dp_rank], y.chunk(dp)[grid.dp_rank]
         fn = (lambda o, t: loss_fn(o, t) * float("inf")) if step == overflow else loss_fn
-        loss = hybrid.train_step(x, y, fn, max_grad_norm=MAX_NORM if clip else None, loss_scaler=scaler, local=local)
+        dropouts.set_step(DROPOUT_SEED, step)
+        try:
+            loss = hybrid.train_step(
+                x, y, fn, max_grad_norm=MAX_NORM if clip else None, loss_scaler=scaler, local=local
+            )
+        finally:
+            dropouts.untracked()
         loss = loss.item()
         skipped.append(hybrid.step_skipped)
         if step != overflow:
@@ -195,7 +226,8 @@ def train(kind: str, layout: dict) -> dict | None:
             norms.append(hybrid.last_grad_norm)  # an overflow that the norm missed: fails the comparison
     rtol, atol = (1e-3, 1e-4) if autocast else (RTOL, ATOL)
     params = 0.0
-    for name, param in hybrid.named_params:
+    # ZeRO-3's parameters hold no storage between steps: its gathered state dict (exported) is compared instead
+    for name, param in hybrid.named_params if layout.get("zero_stage") != 3 else ():
         want = expected_shard(ref_state[name], param, tp, grid.tp_rank)
         params = max(params, _excess(param.detach(), want, rtol, atol))
     full = hybrid.full_state_dict()
@@ -349,29 +381,37 @@ def tied_after_split() -> bool:
 def evaluate_between_steps(kind: str, names: list[str], table: dict[str, dict], rows: int) -> dict[str, dict | None]:
     """Each named layout of ``table``: before every training step and after the last, :meth:`HybridParallel.evaluate`
     on the first ``rows`` rows of the step's global batch (a batch of another size than training's), against one
-    process's loss on those rows at that point; then the training losses and parameters against the reference."""
+    process's loss on those rows at that point; then the training losses and parameters against the reference.
+    A layout's ``dropout`` gives the model's dropouts that probability: the reference evaluates in eval mode, and
+    the models stay in training mode throughout."""
     out: dict[str, dict | None] = {}
     for name in names:
         layout = dict(table[name])
         dp, pp, tp = layout.pop("dp", 1), layout.pop("pp", 1), layout.pop("tp", 1)
+        dropout = layout.pop("dropout", 0.0)
         grid = _grid(dp, pp, tp)
         if grid is None:
             out[name] = None
             continue
-        hybrid = HybridParallel(model(kind), grid, _adamw, **layout)
+        hybrid = HybridParallel(model(kind, dropout=dropout), grid, _adamw, **layout)
         loss_fn = causal_lm_loss(grid.tp_group) if tp > 1 else _lm_loss
-        ref = model(kind)
+        ref = model(kind, dropout=dropout)
         ref_opt = _adamw([(n, p) for n, p in ref.named_parameters() if p.requires_grad])
         evals, ref_evals, losses, ref_losses = [], [], [], []
         for step in range(STEPS + 1):
             x, y = _global_batch(min(step, STEPS - 1))
-            evals.append(hybrid.evaluate(x[:rows], y[:rows], loss_fn).item())
-            with torch.no_grad():
-                ref_evals.append(_lm_loss(ref(x[:rows]), y[:rows]).item())
-            if step == STEPS:
-                break
-            losses.append(hybrid.train_step(x, y, loss_fn).item())
-            loss = _lm_loss(ref(x), y)
+            dropouts.set_step(DROPOUT_SEED, step)
+            try:
+                evals.append(hybrid.evaluate(x[:rows], y[:rows], loss_fn).item())
+                with torch.no_grad():
+                    ref_evals.append(_lm_loss(ref.eval()(x[:rows]), y[:rows]).item())
+                ref.train()
+                if step == STEPS:
+                    break
+                losses.append(hybrid.train_step(x, y, loss_fn).item())
+                loss = _lm_loss(ref(x), y)
+            finally:
+                dropouts.untracked()
             ref_opt.zero_grad()
             loss.backward()
             ref_opt.step()

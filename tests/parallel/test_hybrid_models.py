@@ -72,6 +72,41 @@ ZERO_LAYOUTS = {
     "zero1-dp2xpp2-fused": {"dp": 2, "pp": 2, "num_microbatches": 4, "zero_stage": 1, "grad_accumulation_fusion": True},
 }
 DP_REDUCE_LAYOUTS = {"dp2-reduce-float64": {"dp": 2, "reduce_dtype": "float64"}}
+# every dropout of the model at 0.1 (Llama: attention's), each step's masks drawn as the reference draws them
+DROPOUT_LAYOUTS = {
+    "dropout-dp2xtp2": {"dp": 2, "tp": 2, "dropout": 0.1},
+    "dropout-dp2xpp2xtp2-accumulation2-local": {
+        "dp": 2,
+        "pp": 2,
+        "tp": 2,
+        "num_microbatches": 2,
+        "accumulation": 2,
+        "local": True,
+        "dropout": 0.1,
+    },
+    "dropout-pp2-interleaved": {
+        "pp": 2,
+        "num_microbatches": 4,
+        "schedule": "interleaved-1f1b",
+        "virtual_stages": 2,
+        "dropout": 0.1,
+    },
+    # backward recomputes each block under the rows of its micro-batch's forward, not those set when it runs
+    "dropout-tp2xpp2-recompute-full": {
+        "pp": 2,
+        "tp": 2,
+        "num_microbatches": 2,
+        "recompute": ("full", {}),
+        "dropout": 0.1,
+    },
+    "dropout-dp2-accumulation2-recompute-selective": {
+        "dp": 2,
+        "accumulation": 2,
+        "recompute": ("selective", {}),
+        "dropout": 0.1,
+    },
+    "dropout-zero3-dp2": {"dp": 2, "zero_stage": 3, "dropout": 0.1},
+}
 
 
 def _table() -> dict[str, dict]:
@@ -80,6 +115,7 @@ def _table() -> dict[str, dict]:
         table.update(ZERO_LAYOUTS)
     if DP_REDUCE_DTYPE:
         table.update(DP_REDUCE_LAYOUTS)
+    table.update(DROPOUT_LAYOUTS)
     return table
 
 
@@ -125,6 +161,11 @@ def test_zero_layout_trains_like_one_process(trained, name):
     _check(trained[name], ZERO_LAYOUTS[name])
 
 
+@pytest.mark.parametrize("name", list(DROPOUT_LAYOUTS))
+def test_dropout_draws_one_process_masks_on_every_layout(trained, name):
+    _check(trained[name], DROPOUT_LAYOUTS[name])
+
+
 @pytest.mark.skipif(not DP_REDUCE_DTYPE, reason="DataParallel takes no reduce_dtype")
 def test_data_parallel_reduces_in_the_given_dtype(trained):
     _check(trained["dp2-reduce-float64"], DP_REDUCE_LAYOUTS["dp2-reduce-float64"])
@@ -134,6 +175,24 @@ EVALUATION_LAYOUTS = {
     "dp2xpp2": {"dp": 2, "pp": 2, "num_microbatches": 2},
     "tp2xpp2-interleaved": {"pp": 2, "tp": 2, "num_microbatches": 2, "schedule": "interleaved-1f1b"},
 }
+
+
+DROPOUT_EVALUATION_LAYOUTS = {
+    "dp2xtp2-dropout": {"dp": 2, "tp": 2, "dropout": 0.1},
+    "dp2xpp2-dropout": {"dp": 2, "pp": 2, "num_microbatches": 2, "dropout": 0.1},
+}
+
+
+def test_evaluation_drops_nothing_and_leaves_training_as_it_was(pool):
+    """A GPT-2 whose every dropout is 0.1, evaluated between training steps: each evaluation is one process's in
+    eval mode, and the training around them stays one process's (its modules back in training mode)."""
+    table = DROPOUT_EVALUATION_LAYOUTS
+    per_rank = pool.run(jobs.evaluate_between_steps, "gpt2", list(table), table, 4)
+    for name, layout in table.items():
+        results = [r[name] for r in per_rank][: _world(layout)]
+        for rank, got in enumerate(results):
+            assert (got["evals"], got["loss"], got["params"]) == (0.0, 0.0, 0.0), (name, rank, got)
+            assert got["moved"] > 1e-3, (name, rank, got)
 
 
 def test_pipelines_evaluate_batches_of_another_size_between_training_steps(pool):
