@@ -54,7 +54,8 @@ _M = 0xFFFFFFFF
 _C1, _C2, _C3 = 0x7FEB352D, 0x68E31DA5, 0x1B873593  # odd, under 2**31: a product of a 32-bit value fits int64
 _SITE = 0x9E3779B1 & 0x7FFFFFFF  # the golden ratio's odd multiplier, set apart sites of neighbouring numbers
 
-_key: int | None = None  # None: untracked, torch's own dropout
+_tracked = False  # False: torch's own dropout
+_key = 0  # the step's key, written into every device's state
 _rows = [0, 0]  # the first row: an outer level (a replica's chunk) plus an inner one (a micro-batch)
 _depth = 0
 _states: dict[torch.device, torch.Tensor] = {}  # device -> int64 [key, outer first row, inner first row]
@@ -86,22 +87,26 @@ def step_key(seed: int, step: int) -> int:
 
 def set_step(seed: int, step: int) -> None:
     """Draw every :class:`Dropout`'s masks from now on as step ``step`` of a run seeded ``seed`` (on every rank:
-    the same key for the same step)."""
-    global _key
-    _key = step_key(seed, step)
-    for state in _states.values():
-        state[0].fill_(_key)
+    the same key for the same step). The current GPU's state is made here, if not yet, so that no state is first
+    made inside a CUDA graph's recording."""
+    global _key, _tracked
+    _key, _tracked = step_key(seed, step), True
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state(torch.device("cuda", torch.cuda.current_device()))
+    for st in _states.values():
+        st[0].fill_(_key)
 
 
 def untracked() -> None:
     """Back to torch's own dropout (the device's generator) until the next :func:`set_step`."""
-    global _key
-    _key = None
+    global _tracked
+    _tracked = False
 
 
 def tracked() -> bool:
-    """Whether masks are drawn from the step's key (a :func:`set_step` is in force)."""
-    return _key is not None
+    """Whether masks are drawn from the step's key (a :func:`set_step` is in force). Compiled code guards on this
+    flag, which changes when a run starts and ends, not on the key, which changes every step."""
+    return _tracked
 
 
 @contextlib.contextmanager
@@ -138,28 +143,35 @@ def state(device: torch.device) -> torch.Tensor:
     device = torch.device(device)
     found = _states.get(device)
     if found is None:
-        found = torch.tensor([_key or 0, *_rows], dtype=torch.int64, device=device)
+        found = torch.empty(3, dtype=torch.int64, device=device)  # written by kernels: no copy from the host
+        for i, value in enumerate((_key, *_rows)):
+            found[i].fill_(value)
         _states[device] = found
     return found
 
 
-def snapshot(device: torch.device) -> dict[torch.device, torch.Tensor]:
-    """Copies of every device's state (``device``'s made first), for a recomputed forward to draw
-    its forward's masks (:func:`restored`)."""
+def snapshot(device: torch.device) -> tuple[bool, dict[torch.device, torch.Tensor]]:
+    """Whether masks are tracked, and copies of every device's state (``device``'s made first), for a recomputed
+    forward to draw its forward's masks (:func:`restored`)."""
     state(device)
-    return {d: tensor.clone() for d, tensor in _states.items()}
+    return _tracked, {d: tensor.clone() for d, tensor in _states.items()}
 
 
 @contextlib.contextmanager
-def restored(saved: dict[torch.device, torch.Tensor]) -> Iterator[None]:
-    """Within the block, the key and first row are ``saved``'s (:func:`snapshot`); afterwards as they were."""
-    before = {device: _states[device].clone() for device in saved if device in _states}
-    for device, tensor in saved.items():
+def restored(saved: tuple[bool, dict[torch.device, torch.Tensor]]) -> Iterator[None]:
+    """Within the block, tracking, the key and the first rows are as ``saved`` (:func:`snapshot`) holds them;
+    afterwards as they were."""
+    global _tracked
+    was, states = saved
+    before = {device: _states[device].clone() for device in states if device in _states}
+    tracked_before, _tracked = _tracked, was
+    for device, tensor in states.items():
         if device in _states:
             _states[device].copy_(tensor)
     try:
         yield
     finally:
+        _tracked = tracked_before
         for device, tensor in before.items():
             _states[device].copy_(tensor)
 
@@ -206,12 +218,13 @@ def dropout(x: torch.Tensor, p: float, salt: torch.Tensor, training: bool, offse
     under ``torch.compile``)."""
     if not training or p == 0.0:
         return x
-    if _key is None:
+    if not _tracked:
         return F.dropout(x, p, training=True)
     if p == 1.0:
         return torch.zeros_like(x)
     st = state(x.device)
-    if x.is_cuda and not torch.compiler.is_compiling() and len(offsets) <= x.dim() <= 4:
+    kernel = x.is_cuda and x.dtype != torch.float64 and 1 <= x.dim() <= 4 and len(offsets) <= x.dim()
+    if kernel and not torch.compiler.is_compiling():
         from dtrain.models import dropout_kernel
 
         if dropout_kernel.available():

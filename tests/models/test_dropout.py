@@ -181,3 +181,39 @@ def test_the_gpu_kernel_draws_the_tensor_forms_bits_forward_and_backward(shape, 
     (grad,) = torch.autograd.grad(got, x, g)  # after the rows are back at 0: drawn from the forward's
     (want_grad,) = torch.autograd.grad(want, x, g)
     assert torch.equal(grad, want_grad)
+
+
+def test_compiled_blocks_compile_once_for_every_step_and_site():
+    """The blocks of a GPT-2 with dropout 0.1, each through ``torch.compile`` (dynamo, no code generation), over
+    four steps: no block compiles again for a new step's key or another site's salt, and every step's logits are
+    the uncompiled model's."""
+    torch._dynamo.reset()
+    model = _gpt2()
+    compiled = copy.deepcopy(model)
+    for block in list(compiled)[1:-1]:
+        block.compile(backend="eager")
+    x = torch.randint(0, 97, (4, 16))
+    for step in range(4):
+        dropouts.set_step(2, step)
+        with dropouts.rows(4):
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # both blocks, every step: one graph
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not GPU_KERNEL, reason="needs a CUDA GPU and Triton")
+def test_on_a_gpu_float64_and_scalars_take_the_tensor_form_and_a_recording_reads_each_steps_key():
+    drop = dropouts.Dropout(0.45, site=3).cuda()
+    dropouts._states.clear()  # as in a fresh process: set_step makes the GPU's state before any recording
+    dropouts.set_step(9, 2)
+    for x in (torch.randn(5, 7, device="cuda", dtype=torch.float64), torch.tensor(1.5, device="cuda")):
+        keep = dropouts._keep(x.shape, 0.45, drop.salt, dropouts.state(x.device), ())
+        assert torch.equal(drop(x), torch.where(keep, x * (1.0 / 0.55), torch.zeros_like(x)))
+    x = torch.randn(8, 64, device="cuda")
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = drop(x)
+    for step in (3, 4):
+        dropouts.set_step(9, step)
+        graph.replay()
+        assert torch.equal(out, drop(x))  # the replay drew this step's mask, as an eager call does
