@@ -51,6 +51,7 @@ __all__ = [
     "COMM_ONE_PASS",
     "COMM_WIDE",
     "COMM_AUTOTUNE",
+    "COMM_CHECK",
     "CALIBRATION",
     "PS_ROLE",
     "PS_COORDINATOR",
@@ -75,6 +76,7 @@ COMM_FUSED = "DTRAIN_COMM_FUSED"
 COMM_ONE_PASS = "DTRAIN_COMM_ONE_PASS"
 COMM_WIDE = "DTRAIN_COMM_WIDE"
 COMM_AUTOTUNE = "DTRAIN_COMM_AUTOTUNE"
+COMM_CHECK = "DTRAIN_COMM_CHECK"
 CALIBRATION = "DTRAIN_CALIBRATION"
 PS_ROLE = "DTRAIN_PS_ROLE"
 PS_COORDINATOR = "DTRAIN_PS_COORDINATOR"
@@ -100,6 +102,7 @@ _COMM_NAMES = (
     COMM_ONE_PASS,
     COMM_WIDE,
     COMM_AUTOTUNE,
+    COMM_CHECK,
     CALIBRATION,
 )
 _PS_NAMES = (PS_ROLE, PS_COORDINATOR, PS_SECRET, PS_RANK, PS_HOST, PS_JOB, PS_TASK)
@@ -198,6 +201,10 @@ class CommEnv:
     #: ``DTRAIN_COMM_AUTOTUNE``: "1" makes the first ``auto`` call of a group with no measured rules measure
     #: them (a short calibration, saved to the per-machine cache); "0" (default) leaves such a group ``native``.
     autotune: bool = False
+    #: ``DTRAIN_COMM_CHECK``: "1" makes every rank compare each collective call's signature (the collective, the
+    #: algorithm, the element count and dtype) with the group's before it moves a byte, and raise the same
+    #: one-line error on every rank where they differ (a debugging mode: one small all-gather a call).
+    check: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> CommEnv:
@@ -226,6 +233,7 @@ class CommEnv:
             one_pass=_choice(environ, COMM_ONE_PASS, ("0", "1"), "1") == "1",
             wide=_choice(environ, COMM_WIDE, ("0", "1"), "1") == "1",
             autotune=_choice(environ, COMM_AUTOTUNE, ("0", "1"), "0") == "1",
+            check=_choice(environ, COMM_CHECK, ("0", "1"), "0") == "1",
         )
 
     @property

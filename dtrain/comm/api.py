@@ -605,6 +605,8 @@ def _keep_fused(group, algorithm: str, op: str, tensor: torch.Tensor, ran: tuple
     """Keep what a one-kernel all-reduce needs to run again (:data:`dtrain.comm.state.FAST`), for a call with the
     same group, algorithm, reduction, size, dtype and device while nothing changes (:func:`_fast_all_reduce`)."""
     form, schedule, window = ran
+    if comm_env().check:  # every call goes through its signature check
+        return
     if len(FAST) >= 1024:
         FAST.clear()
     what = (schedule.collective.value, schedule.algorithm, tensor.numel() * tensor.element_size(), str(tensor.dtype))
@@ -658,7 +660,7 @@ def _fast(coll: Collective, group, algorithm: str, extra, output: torch.Tensor, 
 
 def _keep(coll: Collective, group, algorithm: str, extra, output: torch.Tensor, input: torch.Tensor, run) -> None:
     """Keep ``run`` for the next call with these arguments (:func:`_fast`)."""
-    if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
+    if type(output) is not torch.Tensor or type(input) is not torch.Tensor or comm_env().check:
         return
     if len(FAST) >= 1024:
         FAST.clear()
@@ -691,7 +693,7 @@ def _keep_native_all_reduce(group, algorithm: str, op: str, tensor: torch.Tensor
     if is_mpi_group(group) or type(tensor) is not torch.Tensor or tensor.is_complex() or not tensor.is_contiguous():
         return
     direct = native.direct("all_reduce", group if on is None else on, op=op)
-    if direct is None:
+    if direct is None or comm_env().check:
         return
     if len(FAST) >= 1024:
         FAST.clear()
@@ -963,11 +965,55 @@ def _flat_work(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return t.contiguous().view(-1), True
 
 
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)  # fmt: skip
+
+
+def _check_call(coll: Collective, algorithm: str, group, work_numel: int, like: torch.Tensor, what: str) -> None:
+    """``DTRAIN_COMM_CHECK=1``: this call's collective, algorithm, element count and dtype against every other
+    rank's, by one all-gather of four int64 a rank (the backend's own, or MPI's), before anything else is sent.
+    Where any rank differs, every rank raises the same one-line ``ValueError`` naming the first two that differ:
+    a rank that called another collective, or the same with other sizes, would otherwise meet the others'
+    messages (Gloo's point-to-point takes a shorter message than it expects without a word)."""
+    import zlib
+
+    codes = list(Collective)
+    dtype = _DTYPES.index(like.dtype) if like.dtype in _DTYPES else len(_DTYPES) + zlib.crc32(str(like.dtype).encode())
+    mine = [codes.index(coll), zlib.crc32(algorithm.encode()), work_numel, dtype]
+    if is_mpi_group(group):
+        from dtrain.comm.mpi import native as mpi_native
+
+        out = torch.empty(group.size * 4, dtype=torch.int64)
+        mpi_native.all_gather(out, torch.tensor(mine, dtype=torch.int64), group)
+    else:
+        device = like.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        rows = [torch.empty(4, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
+        out = torch.cat(rows)
+    calls = [tuple(row) for row in out.view(-1, 4).tolist()]
+    if all(call == calls[0] for call in calls):
+        return
+
+    def said(call: tuple) -> str:
+        name = codes[call[0]].value if 0 <= call[0] < len(codes) else "?"
+        kind = _DTYPES[call[3]] if 0 <= call[3] < len(_DTYPES) else "another dtype"
+        return f"{name} of {call[2]} elements of {kind}".replace("torch.", "")
+
+    other = next(r for r, call in enumerate(calls) if call != calls[0])
+    algorithms = "" if calls[other][1] == calls[0][1] else " (and another algorithm)"
+    raise ValueError(
+        f"{what}: DTRAIN_COMM_CHECK: the group's ranks made different calls: rank 0 (of the group) {said(calls[0])}, "
+        f"rank {other} {said(calls[other])}{algorithms}"
+    )
+
+
 def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: torch.Tensor, what: str):
     """(rank, world, chosen algorithm, node size) of a call, after every local check of it; resolving "auto"
     may talk to the group (once per group). A call the group already resolved, under the same environment and
     with nothing changed since (:data:`dtrain.comm.state.GENERATION`), is answered from the group's
     :attr:`~dtrain.comm.state.GroupState.calls`: host time is what a small collective costs."""
+    if comm_env().check:
+        _check_call(coll, algorithm, group, work_numel, like, what)
     state = find_state(group)
     key = (coll, algorithm, work_numel * like.element_size(), like.device)
     stamp = (comm_env(), GENERATION[0])

@@ -63,3 +63,22 @@ def test_a_round_timeout_overrides_a_long_group_timeout(pool):
     seconds, message = answer.split("|", 1)
     assert float(seconds) < 10
     assert "all_reduce/direct" in message and "rank 1 (global 1)" in message
+
+
+def test_a_checked_call_that_differs_on_one_rank_fails_on_every_rank_before_a_byte_is_sent(pool):
+    """DTRAIN_COMM_CHECK=1: an all-reduce of 6 elements beside one of 8, or a broadcast beside an all-reduce, is one
+    ValueError on both ranks naming both calls, and the group then runs a matching all-reduce correctly; matching
+    calls run as without the check."""
+    sizes = pool.run(jobs.checked_calls, "sizes", ranks=2)
+    want = ("all_reduce: DTRAIN_COMM_CHECK: the group's ranks made different calls: rank 0 (of the group) "
+            "all_reduce of 8 elements of float32, rank 1 all_reduce of 6 elements of float32")  # fmt: skip
+    assert [r["error"] for r in sizes] == [want, want]
+    kinds = pool.run(jobs.checked_calls, "collective", ranks=2)
+    assert (
+        kinds[0]["error"].startswith("all_reduce: DTRAIN_COMM_CHECK:") and "rank 1 broadcast of 8" in kinds[0]["error"]
+    )
+    assert kinds[1]["error"].startswith("broadcast: DTRAIN_COMM_CHECK:")
+    matching = pool.run(jobs.checked_calls, "matching", ranks=2)
+    assert [r["error"] for r in matching] == [None, None]
+    assert [r["sum"] for r in matching] == [3.0, 3.0] and matching[0]["gathered"] == [0.0] * 3 + [1.0] * 3
+    assert [r["after"] for r in (*sizes, *kinds, *matching)] == [3.0] * 6

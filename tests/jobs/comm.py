@@ -272,6 +272,39 @@ def after_bad_input_still_works() -> float:
     return t[0].item()
 
 
+def checked_calls(case: str) -> dict:
+    """Under ``DTRAIN_COMM_CHECK=1``, on 2 ranks: ``case`` "sizes" (rank 1 all-reduces 6 elements where rank 0
+    all-reduces 8), "collective" (rank 1 broadcasts where rank 0 all-reduces) or "matching" (both all-reduce 8, then
+    all-gather 3 each, ring and auto); each rank's error message (None where it raised none), and what a matching
+    ring all-reduce returns afterwards on the same group."""
+    group = group_of(2)
+    rank = dist.get_rank(group)
+    before = os.environ.get("DTRAIN_COMM_CHECK")
+    os.environ["DTRAIN_COMM_CHECK"] = "1"
+    error, gathered = None, None
+    try:
+        t = torch.full((8 if rank == 0 or case != "sizes" else 6,), float(rank + 1))
+        try:
+            if case == "collective" and rank == 1:
+                comm.broadcast(t, 0, group=group, algorithm="ring")
+            else:
+                comm.all_reduce(t, group=group, algorithm="ring")
+            if case == "matching":
+                out = torch.empty(6)
+                comm.all_gather(out, torch.full((3,), float(rank)), group=group)
+                gathered = out.tolist()
+        except ValueError as err:
+            error = str(err)
+        after = torch.full((5,), float(rank + 1))
+        comm.all_reduce(after, group=group, algorithm="ring")
+    finally:
+        if before is None:
+            os.environ.pop("DTRAIN_COMM_CHECK", None)
+        else:
+            os.environ["DTRAIN_COMM_CHECK"] = before
+    return {"error": error, "sum": t[0].item(), "gathered": gathered, "after": after[0].item()}
+
+
 def world_copy_takes_world_node_size() -> float:
     """On a new group of every rank in world order, hierarchical all-reduce uses the world's node size."""
     copy = dist.new_group(list(range(dist.get_world_size())))  # every rank creates it, in the same order
