@@ -427,6 +427,8 @@ class _Trainer:
             model = hf.load_pretrained(config.model.weights, device=self.device).train()  # its dropout, as it trains
         else:
             model = build(plan.model, device=self.device)
+        # a model without dropout leaves the masks' state alone: nothing is written to the device a micro-batch
+        self.dropout = any(isinstance(m, dropouts.Dropout) and m.p > 0 for m in model.modules())
         mode, options = from_text(tr.activation_checkpointing, tr.recompute_layers, tr.recompute_keep)
         checkpoint_activations(model, mode, **options)  # on the plain model's blocks, before it is split
         # with tp > 1 the logits stay split over the vocabulary: the head never sits whole on one device
@@ -498,7 +500,8 @@ class _Trainer:
         lr = self.lr(step)
         set_lr(self.optimizer, lr)
         x, y = self.data.next_batch(rank=grid.dp_rank, world=cfg.parallel.dp)  # this replica's rows
-        dropouts.set_step(cfg.training.seed, step)  # the masks of this step, on any layout and after a resume
+        if self.dropout:
+            dropouts.set_step(cfg.training.seed, step)  # the masks of this step, on any layout and after a resume
         reset_peak_memory(self.device)
         start = time.perf_counter()
         loss = self.hybrid.train_step(
