@@ -403,8 +403,23 @@ COORDINATOR: dict[str, Schema] = {
 _ERROR = Schema({"code": Field("str", choices=("not_leader", "bad_request")), "error": Field("str")})
 
 
-def _reply(statuses: dict[str, Schema]) -> Schema:
-    return Schema({"req": _REQ, "status": Field("str", choices=tuple(statuses))}, variants=("status", statuses))
+def _reply(statuses: dict[str, Schema], refuse: Refusal | None = None) -> Schema:
+    return Schema({"req": _REQ, "status": Field("str", choices=tuple(statuses))}, variants=("status", statuses),
+                  refuse=refuse)  # fmt: skip
+
+
+def _hot_advert(config: JobConfig, header: Mapping[str, Any], rank: int | None) -> str:
+    """A pull reply names a shard's hot rows with ``hot_version`` and ``hot_servers`` together, in a job with
+    hot-key copies only (a worker routes its pulls by them)."""
+    fields = [f for f in ("hot_version", "hot_servers") if f in header]
+    if not fields:
+        return ""
+    if not config.hot_keys:
+        return f"{fields[0]}: hot-key copies are off in this job (hot_keys=0)"
+    if len(fields) == 1:
+        return f"{fields[0]} without {'hot_servers' if fields[0] == 'hot_version' else 'hot_version'}: a reply " \
+               "names hot rows with both"  # fmt: skip
+    return ""
 
 
 WORKER_REPLIES: dict[str, Schema] = {
@@ -418,11 +433,12 @@ WORKER_REPLIES: dict[str, Schema] = {
                 },
                 (
                     Tensor("rows", "f4", ("n", "width")),
-                    Tensor("hot keys", "i8", ("*",), keys=True, increasing=True, optional=True),
+                    Tensor("hot keys", "i8", ("*",), keys=True, increasing=True, most="hot_keys", optional=True),
                 ),
             ),
             "error": _ERROR,
-        }
+        },
+        refuse=_hot_advert,
     ),
     "push": _reply({"applied": Schema({}), "dropped": Schema({}), "folded": Schema({}), "error": _ERROR}),
     "init": _reply({"applied": Schema({}), "error": _ERROR}),

@@ -118,6 +118,26 @@ def test_every_kind_is_checked_by_the_same_tables(table, op, header, tensors, kw
         _check(table, op, header, tensors, HOT, **kw)
 
 
+@pytest.mark.parametrize(
+    ("config", "header", "tensors", "reason"),
+    [
+        (HOT, {"hot_version": 1}, [_rows(1), _keys(1, 2)], "hot_version without hot_servers"),
+        (HOT, {"hot_servers": [1]}, [_rows(1), _keys(1, 2)], "hot_servers without hot_version"),
+        (HOT, {"hot_version": 1, "hot_servers": [1]}, [_rows(1), _keys(0, 1, 2, 3, 4)], "over hot_keys=4"),
+        (REPLICATED, {"hot_version": 1, "hot_servers": [1]}, [_rows(1), _keys(1)], r"off in this job \(hot_keys=0\)"),
+        (REPLICATED, {}, [_rows(1), _keys(1)], "over hot_keys=0"),
+    ],
+)  # fmt: skip
+def test_a_pull_reply_names_hot_rows_whole_and_only_where_the_job_has_them(config, header, tensors, reason):
+    """A worker routes its pulls by what a reply says of hot rows: a half or unwanted advertisement is a
+    MessageError (which the worker reports as a malformed reply), never a KeyError in the worker."""
+    with pytest.raises(messages.MessageError, match=reason):
+        _check(messages.WORKER_REPLIES, "pull", {"req": 1, "status": "ok", "round": 0, **header}, tensors, config,
+               shard=0, n=1)  # fmt: skip
+    whole = {"req": 1, "status": "ok", "round": 0, "hot_version": 1, "hot_servers": [1]}
+    _check(messages.WORKER_REPLIES, "pull", whole, [_rows(1), _keys(1, 2)], HOT, shard=0, n=1)
+
+
 # --- a live server --------------------------------------------------------------------------------------------
 
 
