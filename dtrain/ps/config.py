@@ -11,6 +11,7 @@ Parameter Server", NIPS 2013).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -36,6 +37,13 @@ class JobConfigError(ValueError):
         """The message with each field ``<f>`` shown as ``names.get(f, f)``."""
         known = {f.name for f in fields(JobConfig)}
         return re.sub(r"<(\w+)>", lambda m: names.get(m[1], m[1]) if m[1] in known else m[0], self.template)
+
+
+MAX_INT = 1 << 62
+"""Bound of every int field: the job travels to every role as msgpack, and counters derived from it stay int64."""
+_INTS = ("num_keys", "width", "num_servers", "num_workers", "replicas", "hot_replicas", "hot_after")
+_FLOATS = ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "propagate_interval_s", "hot_min_share",
+           "heartbeat_s", "dead_after_s", "timeout_s")  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -69,7 +77,7 @@ class JobConfig:
     timeout_s: float = 30.0  # a request with no answer this long is an error naming the server
 
     def __post_init__(self) -> None:
-        for name in ("num_keys", "width", "num_servers", "num_workers", "replicas", "hot_replicas", "hot_after"):
+        for name in _INTS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise JobConfigError(f"<{name}> must be a positive int, got {value!r}")
@@ -80,6 +88,13 @@ class JobConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise JobConfigError(f"<{name}> must be an int >= 0, got {value!r}")
+        for name in (*_INTS, "quorum", "staleness", "hot_keys"):
+            if getattr(self, name) >= MAX_INT:  # every role gets the job as msgpack, whose ints end at 2**64
+                raise JobConfigError(f"<{name}> must be below 2**62, got {getattr(self, name)}")
+        for name in _FLOATS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise JobConfigError(f"<{name}> must be a finite number, got {value!r}")
         if self.quorum > self.num_workers:
             raise JobConfigError(f"<quorum> must be in [0, <num_workers>={self.num_workers}], got {self.quorum}")
         if self.num_keys < self.num_servers:

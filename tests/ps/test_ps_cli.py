@@ -86,6 +86,9 @@ def test_run_job_refuses_a_fault_without_replication_before_any_process_starts(m
         (["--model", "ctr", "--width", "100000"], "above the 256 MiB a message may carry: use more --servers"),
         (["--compute-s", "nan"], "--compute-s must be a finite number of seconds >= 0, got nan"),
         (["--straggler", "0:nan"], "the slowdown factor must be a finite number >= 1"),
+        (["--hot-keys", "100000000000000000000", "--servers", "3"], "--hot-keys must be below 2**62"),
+        (["--staleness", str(2**62), "--mode", "ssp"], "--staleness must be below 2**62"),
+        (["--width", str(2**64)], "--width must be below 2**62"),
     ],
 )  # fmt: skip
 def test_bad_flags_are_named_as_the_user_typed_them(monkeypatch, capsys, argv, expected):

@@ -8,6 +8,7 @@ import signal
 import numpy as np
 import pytest
 
+from dtrain.ps import messages
 from dtrain.ps.config import JobConfig
 from dtrain.ps.launch import LocalCluster
 from dtrain.ps.worker import PSTimeoutError, Worker
@@ -54,3 +55,24 @@ def test_the_job_config_names_bad_values():
         JobConfig(num_keys=8, width=2, num_servers=2, replicas=3)
     with pytest.raises(ValueError, match="mode must be one of"):
         JobConfig(num_keys=8, width=2, mode="eventual")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("staleness", 2**70, r"staleness must be below 2\*\*62, got 1180591620717411303424"),
+        ("hot_after", 2**62, r"hot_after must be below 2\*\*62"),
+        ("heartbeat_s", float("inf"), "heartbeat_s must be a finite number, got inf"),
+        ("momentum", float("inf"), "momentum must be a finite number, got inf"),
+        ("timeout_s", float("nan"), "timeout_s must be a finite number, got nan"),
+        ("lr", True, "lr must be a finite number, got True"),
+    ],
+)
+def test_the_job_config_refuses_ints_msgpack_cannot_carry_and_numbers_that_are_not_finite(field, value, reason):
+    """Every role gets the job as msgpack: an int past its range would leave the coordinator unable to send the
+    welcome (every role waiting on it), so the job refuses it, and a welcome that carries one is malformed."""
+    with pytest.raises(ValueError, match=reason):
+        JobConfig(num_keys=8, width=2, **{field: value})
+    config = {**JobConfig(num_keys=8, width=2).to_dict(), field: value}
+    with pytest.raises(messages.MessageError, match=reason):
+        messages.job_config({"op": "welcome", "config": config})
