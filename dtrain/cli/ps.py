@@ -93,7 +93,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         server, step = args.fault
         if not 0 <= server < args.servers:
             raise ValueError(f"--fault names server {server}; servers are 0..{args.servers - 1}")
-        if step != int(step) or not 0 <= step < args.steps:
+        if not math.isfinite(step) or step != int(step) or not 0 <= step < args.steps:
             raise ValueError(f"--fault {server}:{step}: the step must be a whole number in 0..{args.steps - 1}")
         if args.replicas < 2:
             raise ValueError(f"--fault kills a server, and with --replicas {args.replicas} its shard dies with it: "
