@@ -130,6 +130,38 @@ def test_ctrl_c_stops_every_process_and_exits_130_with_one_line(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "variables",
+    [
+        {"DTRAIN_PS_ROLE": "coordinator", "DTRAIN_PS_JOB": '{"num_keys": 8, "width": 2}'},
+        {"DTRAIN_PS_ROLE": "server", "DTRAIN_PS_RANK": "0", "DTRAIN_PS_COORDINATOR": "tcp://127.0.0.1:1"},
+        {"DTRAIN_PS_ROLE": "worker", "DTRAIN_PS_RANK": "0", "DTRAIN_PS_COORDINATOR": "tcp://127.0.0.1:1",
+         "DTRAIN_PS_TASK": "{}"},
+    ],
+    ids=["coordinator", "server", "worker"],
+)  # fmt: skip
+def test_ctrl_c_ends_a_role_with_one_line_and_status_130(variables):
+    """A role started by hand (``python -m dtrain.ps`` on a cluster node) and stopped with Ctrl-C: one line, no
+    traceback; a server or worker is interrupted while it waits for its welcome, the coordinator while serving."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "DTRAIN_PS_SECRET": "00112233445566778899aabbccddeeff", **variables}
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain.ps"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    try:
+        time.sleep(3.0)  # imported and waiting (a server or worker waits 60 s for its welcome)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if line.strip()] == ["dtrain.ps: interrupted"], err
+
+
+@pytest.mark.parametrize(
     ("variables", "expected"),
     [
         ({"DTRAIN_PS_ROLE": "coordinator", "DTRAIN_PS_JOB": "{bad"}, "DTRAIN_PS_JOB: not a valid configuration"),
