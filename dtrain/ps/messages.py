@@ -188,6 +188,10 @@ def _check_layout(name: str, layout: Any, config: JobConfig) -> None:
     if not ok:
         raise MessageError(f"{name} must be {{epoch, chains: {s} lists of at most {config.replicas} distinct server "
                            f"ranks, endpoints: {s} addresses or None}}")  # fmt: skip
+    # a chain's servers are where requests go: each needs an address (None marks a server that is gone)
+    gone = sorted({r for c in layout["chains"] for r in c if layout["endpoints"][r] is None})
+    if gone:
+        raise MessageError(f"{name}: chains name servers {gone}, which have no endpoint")
 
 
 def _check_fields(fields: Mapping[str, Field], header: Mapping[str, Any], config: JobConfig) -> None:
