@@ -62,6 +62,10 @@ FLAGS = {"num_keys": "the model's key count (--model)", "width": "--width", "num
 
 #: The most servers, and the most workers, ``dtrain ps`` starts (each a process on this machine).
 MAX_PROCESSES = 256
+#: The longest simulated compute a step (``--compute-s``) and the largest straggler slowdown: a sleep beyond
+#: what the platform's timer takes would end every worker with an OverflowError.
+MAX_DELAY_S = 86400.0
+MAX_SLOWDOWN = 1000.0
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -71,8 +75,9 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.workers >= 1 and args.model != "synthetic" and args.batch_size % args.workers:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over --workers {args.workers}")
-    if not 0 <= args.compute_s < math.inf:
-        raise ValueError(f"--compute-s must be a finite number of seconds >= 0, got {args.compute_s}")
+    if not 0 <= args.compute_s <= MAX_DELAY_S:
+        raise ValueError(f"--compute-s must be a finite number of seconds >= 0, got {args.compute_s} (at most "
+                         f"{MAX_DELAY_S:.0f})")  # fmt: skip
     # the job's own checks refuse NaN, zero and negative values, naming the flag (FLAGS); not infinity
     if args.lr is not None and args.lr == math.inf:
         raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
@@ -87,8 +92,9 @@ def _check_flags(args: argparse.Namespace) -> None:
         worker, factor = args.straggler
         if not 0 <= worker < args.workers:
             raise ValueError(f"--straggler names worker {worker}; workers are 0..{args.workers - 1}")
-        if not 1 <= factor < math.inf:
-            raise ValueError(f"--straggler {worker}:{factor}: the slowdown factor must be a finite number >= 1")
+        if not 1 <= factor <= MAX_SLOWDOWN:
+            raise ValueError(f"--straggler {worker}:{factor}: the slowdown factor must be a finite number >= 1 (at "
+                             f"most {MAX_SLOWDOWN:.0f})")  # fmt: skip
     if args.fault:
         server, step = args.fault
         if not 0 <= server < args.servers:

@@ -86,6 +86,8 @@ def test_run_job_refuses_a_fault_without_replication_before_any_process_starts(m
         (["--model", "ctr", "--width", "100000"], "above the 256 MiB a message may carry: use more --servers"),
         (["--compute-s", "nan"], "--compute-s must be a finite number of seconds >= 0, got nan"),
         (["--straggler", "0:nan"], "the slowdown factor must be a finite number >= 1"),
+        (["--compute-s", "1e300"], "--compute-s must be a finite number of seconds >= 0, got 1e+300 (at most 86400)"),
+        (["--straggler", "0:1e300"], "the slowdown factor must be a finite number >= 1 (at most 1000)"),
         (["--fault", "1:inf", "--replicas", "2"], "--fault 1:inf: the step must be a whole number in 0..49"),
         (["--fault", "1:nan", "--replicas", "2"], "--fault 1:nan: the step must be a whole number in 0..49"),
         (["--fault", "1:2.5", "--replicas", "2"], "--fault 1:2.5: the step must be a whole number in 0..49"),
