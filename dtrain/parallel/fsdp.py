@@ -11,7 +11,9 @@ Sharded Data Parallel", VLDB, sections 3 and 4):
 - the module's own parameters stay registered (names, shapes, ``tensor_parallel_dim``) but are views of the
   unit's full buffer, in ``param_dtype``, whose storage exists only while the unit computes (FSDP's
   ``FlatParameter`` trick: the storage is resized to zero and back, so the tensors autograd saved see the
-  regathered values);
+  regathered values). While a unit is freed its parameters' data are a placeholder of their shape, dtype and
+  device whose every element reads as NaN and which refuses writes (one element broadcast), never the freed
+  storage, which a kernel would read out of bounds;
 - a unit's forward pre-hook all-gathers its parameters and issues the next unit's all-gather (prefetch); its
   forward hook frees them and hooks the unit's outputs, whose gradient hook regathers the unit before its
   backward and prefetches the previous unit (FSDP's backward prefetch, section 3.3.2);
@@ -96,6 +98,8 @@ class _Flat:
     full: torch.Tensor  # (numel,) param_dtype; its storage is allocated only while gathered
     shard: torch.Tensor = field(repr=False)  # (chunk,) float32: this rank's shard
     grad: torch.Tensor = field(repr=False)  # (chunk,) float32 view of the rank's flat gradient shard
+    views: list[torch.Tensor] = field(default_factory=list, repr=False)  # each parameter's view of ``full``
+    placeholders: list[torch.Tensor] = field(default_factory=list, repr=False)  # each one's data while freed
     users: list[int] = field(default_factory=list)  # units that compute with it, in order
     gathered: bool = False
     work: Any = None  # an all-gather in flight: (work, source)
@@ -227,6 +231,7 @@ class FullyShardedDataParallel:
         # each unit's shard is taken (and its full parameters freed) before the next unit's is allocated, so a
         # model built whole on the device never needs its full size and all the shards at once
         empty = torch.empty(0, dtype=torch.float32, device=self.device)
+        self._freed_value = torch.full((), float("nan"), dtype=self.param_dtype, device=self.device)
         self.flats: list[_Flat] = []
         for ps, chunk in zip(layout, sizes, strict=True):
             offsets, total = [], 0
@@ -315,9 +320,20 @@ class FullyShardedDataParallel:
         if self.replicate_group is not None:
             comm.broadcast(whole, 0, group=self.replicate_group, algorithm=_broadcast_algorithm(self.algorithm))
         flat.shard.copy_(whole[self.rank * flat.chunk : (self.rank + 1) * flat.chunk])
-        for p, offset in zip(flat.params, flat.offsets, strict=True):
-            p.data = flat.full[offset : offset + p.numel()].view(p.shape)
+        flat.views = [
+            flat.full[o : o + p.numel()].view(p.shape) for p, o in zip(flat.params, flat.offsets, strict=True)
+        ]
+        flat.placeholders = [self._freed_value.expand(p.shape) for p in flat.params]
         _free(flat.full)
+        self._point(flat, flat.placeholders)
+
+    @staticmethod
+    def _point(flat: _Flat, tensors: list[torch.Tensor]) -> None:
+        """Make each parameter of ``flat`` hold ``tensors`` (its view of the full buffer, or its placeholder).
+        ``.data`` keeps the parameter's identity and version counter: autograd's saved parameters see the values
+        regathered before their backward."""
+        for p, t in zip(flat.params, tensors, strict=True):
+            p.data = t
 
     # ------------------------------------------------------------------------------------------ gathering
 
@@ -325,6 +341,7 @@ class FullyShardedDataParallel:
         """All-gather ``flat``'s full parameters (asynchronously where the algorithm is native and not ``wait``)."""
         if not flat.gathered:
             _alloc(flat.full)
+            self._point(flat, flat.views)
             source = flat.shard.to(self.param_dtype)
             target = flat.full.data  # its own version counter: the parameters' saved views stay valid
             if self.algorithm == "native":
@@ -344,6 +361,7 @@ class FullyShardedDataParallel:
             if flat.work is not None:
                 flat.work[0].wait()
                 flat.work = None
+            self._point(flat, flat.placeholders)
             _free(flat.full)
             flat.gathered = False
             self.gathered_nbytes -= flat.nbytes

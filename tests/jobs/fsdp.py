@@ -92,6 +92,7 @@ def train(layout: dict) -> dict | None:
             decay = fsdp.param_groups[piece.param_group]["weight_decay"]
             if decay != (jobs.WEIGHT_DECAY if param.dim() > 1 else 0.0):
                 problems.append(f"{piece.name}: weight decay {decay}")
+    problems += _read_between_steps(hybrid)
     full = hybrid.full_state_dict()
     exported = None
     if full is not None:
@@ -113,6 +114,28 @@ def train(layout: dict) -> dict | None:
         "skipped": skipped,
         "problems": problems,
     }
+
+
+def _read_between_steps(hybrid: HybridParallel) -> list[str]:
+    """Between steps every parameter read through the module is its placeholder: its shape, dtype and device, NaN
+    everywhere (no freed storage read), writes refused; inside ``gathered()`` each holds its shard group's values."""
+    fsdp, problems = hybrid.optimizer, []
+    for name, param in hybrid.module.named_parameters():
+        if not bool(param.detach().isnan().all()) or param.device != fsdp.device or param.dtype != fsdp.param_dtype:
+            problems.append(f"{name}: reads {param.detach().flatten()[:3].tolist()} on {param.device} between steps")
+        if param.numel() > 1:
+            try:
+                with torch.no_grad():
+                    param.add_(1.0)
+                problems.append(f"{name}: a write between steps was accepted")
+            except RuntimeError:
+                pass
+    whole = fsdp.full_parameters()
+    with fsdp.gathered():
+        for name, param in hybrid.module.named_parameters():
+            if name in whole and not torch.equal(param.detach(), whole[name].to(param.dtype)):
+                problems.append(f"{name}: gathered() differs from full_parameters()")
+    return problems
 
 
 def _deep_model(blocks: int) -> nn.Sequential:
@@ -144,8 +167,16 @@ def memory(dp: int, blocks: int) -> dict | None:
     hybrid.optimizer.reset_peak()
     hybrid.train_step(*jobs._global_batch(0), jobs._lm_loss)
     report = hybrid.optimizer.memory_report()
-    resident = [p.untyped_storage().nbytes() for p in hybrid.parameters()]
-    return {"report": report, "model_nbytes": model_nbytes, "units": units, "resident_after_step": sum(resident)}
+    # the full buffers' storages, and the distinct storages the parameters read (their one placeholder element)
+    resident = sum(flat.full.untyped_storage().nbytes() for flat in hybrid.optimizer.flats)
+    distinct = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in hybrid.parameters()}
+    return {
+        "report": report,
+        "model_nbytes": model_nbytes,
+        "units": units,
+        "resident_after_step": resident,
+        "parameter_storage_nbytes": sum(distinct.values()),
+    }
 
 
 def trainer(config, plan, steps: int) -> dict | None:

@@ -82,6 +82,7 @@ def test_memory_report_shows_parameters_gradients_and_state_sharded(pool):
         assert max(r["units"]) <= report.gathered_peak_nbytes <= 3 * report.largest_unit_nbytes
         assert report.gathered_peak_nbytes < 0.6 * model_nbytes
         assert r["resident_after_step"] == 0  # between steps no full parameter is allocated
+        assert r["parameter_storage_nbytes"] == 4  # and the parameters read one placeholder element
 
 
 def test_dtrain_train_zero3_trains_like_one_process(pool, tmp_path):
