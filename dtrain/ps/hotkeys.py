@@ -47,7 +47,8 @@ class HotCopies:
             self.pulls[replica.index] = self.pulls.get(replica.index, 0) + 1
 
     def after_update(self, replica: Replica) -> None:
-        """After a push at the owner: pick the hot rows once, then keep every copy current."""
+        """After a push or a ``leave`` at the owner (either may close rounds): pick the hot rows once, then keep every
+        copy current."""
         shard = replica.index
         if not self.enabled or not replica.is_head:
             return

@@ -191,6 +191,7 @@ class Server:
             return self._serve_deferred(replica.index)
         if op == "leave":
             replica.leave(h["worker"])
+            self.hot.after_update(replica)  # a round the leave closed reaches the hot-row copies, as a push's does
             self._reply(reply, {"status": "ok"})
             return self._serve_deferred(replica.index)
         if op == "init":
