@@ -7,11 +7,12 @@ schema are refused too) and the tensors, with shapes in terms of the job (``"wid
 ``"n"`` keys). Bounds come from the :class:`~dtrain.ps.config.JobConfig`: a shard id is in ``[0, num_servers)``,
 a worker in ``[0, num_workers)``, every other int (clocks, rounds, push ids, sequence numbers) in
 ``[0, 2**62)`` so that no counter it sets can overflow, keys lie inside the named shard's key range (and are
-distinct where a reply is sized by them), rows are ``width`` wide and every float a server is sent is finite,
-and a kind the job does not use (hot-key copies with ``hot_keys=0``, replication entries with ``replicas=1``,
-chain acknowledgements without chain replication) is refused whatever it carries. Each field's type is checked
-before its value is used, so a message that fails is a :class:`MessageError`, never another exception; the
-receiving role answers a request with an error reply, drops anything else, and goes on serving.
+distinct where a reply is sized by them), rows are ``width`` wide, every float a server is sent and every row a pull
+reply carries is finite (the error names the first key that is not), and a kind the job does not use (hot-key copies
+with ``hot_keys=0``, replication entries with ``replicas=1``, chain acknowledgements without chain replication) is
+refused whatever it carries. Each field's type is checked before its value is used, so a message that fails is a
+:class:`MessageError`, never another exception; the receiving role answers a request with an error reply, drops
+anything else, and goes on serving.
 
 Tables: :data:`SERVER` (requests from workers and tools, and what peer servers send), :data:`SERVER_CONTROL`
 (what the coordinator sends a server), :data:`COORDINATOR`, :data:`WORKER_CONTROL` (what the coordinator sends
@@ -207,8 +208,20 @@ def _shape_text(shape: tuple) -> str:
     return f"({shape[0]},)" if len(shape) == 1 else f"({', '.join(str(d) for d in shape)})"
 
 
+def _first_not_finite(tensor: np.ndarray, keys: np.ndarray | None, key_range: KeyRange | None,
+                      spec: Tensor) -> str:  # fmt: skip
+    """Where ``tensor`` first holds NaN or infinity: ``" at key k"`` from the keys its rows are of (the message's own
+    keys, a reply's request's, or the shard's rows), else ``" in row r"``."""
+    row = int(np.argwhere(~np.isfinite(tensor.reshape(tensor.shape[0], -1)))[0, 0]) if tensor.ndim else 0
+    if keys is not None and keys.shape[:1] == tensor.shape[:1]:
+        return f" at key {int(keys[row])}"
+    if spec.shape[:1] == ("rows",) and key_range is not None:
+        return f" at key {key_range.lo + row}"
+    return f" in row {row}" if tensor.ndim else ""
+
+
 def _check_tensors(specs: tuple[Tensor, ...], tensors: list[np.ndarray], config: JobConfig, shard: int | None,
-                   n: int | None) -> None:  # fmt: skip
+                   n: int | None, keys: np.ndarray | None = None) -> None:  # fmt: skip
     required = sum(not t.optional for t in specs)
     if not required <= len(tensors) <= len(specs):
         wanted = ", ".join(f"{t.name}{' (optional)' if t.optional else ''}" for t in specs) or "none"
@@ -227,6 +240,7 @@ def _check_tensors(specs: tuple[Tensor, ...], tensors: list[np.ndarray], config:
             raise MessageError(f"{spec.name} must be {word} {_shape_text(want)}, got {tensor.dtype} "
                                f"{_shape_text(tensor.shape)}")  # fmt: skip
         if spec.keys:
+            keys = tensor if keys is None else keys
             if key_range is not None and not key_range.holds(tensor):
                 raise MessageError(f"{spec.name} outside shard {shard}'s range [{key_range.lo}, {key_range.hi})")
             if spec.increasing and tensor.size > 1 and not bool((tensor[1:] > tensor[:-1]).all()):
@@ -237,7 +251,8 @@ def _check_tensors(specs: tuple[Tensor, ...], tensors: list[np.ndarray], config:
             if spec.most is not None and tensor.size > getattr(config, spec.most):
                 raise MessageError(f"{spec.name}: {tensor.size} of them, over {spec.most}={getattr(config, spec.most)}")
         if spec.finite and tensor.size and not bool(np.isfinite(tensor).all()):
-            raise MessageError(f"{spec.name} must be finite, got NaN or infinity")
+            where = _first_not_finite(tensor, keys, key_range, spec)
+            raise MessageError(f"{spec.name} must be finite, got NaN or infinity{where}")
 
 
 def check(
@@ -250,11 +265,13 @@ def check(
     rank: int | None = None,
     shard: int | None = None,
     n: int | None = None,
+    keys: np.ndarray | None = None,
 ) -> None:
     """Check a message of kind ``op`` against ``table[op]`` and ``config``; :class:`MessageError` if it fails.
 
-    ``rank``: the receiving server's; ``shard`` and ``n``: for a reply, the request's shard and key count (a
-    request names its shard in its header and its count is its keys')."""
+    ``rank``: the receiving server's; ``shard``, ``n`` and ``keys``: for a reply, the request's shard, key count
+    and keys (a request names its shard in its header and carries its keys; a value that is not finite is named
+    by its key)."""
     schema = table.get(op)
     if schema is None:
         raise MessageError(f"unknown op {op!r}; expected one of {', '.join(sorted(table))}")
@@ -272,7 +289,7 @@ def check(
             raise MessageError(f"fields not in the schema: {', '.join(sorted(map(str, unknown)))}")
         if schema.refuse is not None and (reason := schema.refuse(config, header, rank)):
             raise MessageError(reason)
-        _check_tensors(tensor_specs, tensors, config, header.get("shard", shard), n)
+        _check_tensors(tensor_specs, tensors, config, header.get("shard", shard), n, keys)
     except MessageError as exc:
         raise MessageError(f"{op}: {exc}") from None
 
@@ -436,7 +453,7 @@ WORKER_REPLIES: dict[str, Schema] = {
                     "hot_servers": Field("ranks", optional=True),
                 },
                 (
-                    Tensor("rows", "f4", ("n", "width")),
+                    Tensor("rows", "f4", ("n", "width"), finite=True),
                     Tensor("hot keys", "i8", ("*",), keys=True, increasing=True, most="hot_keys", optional=True),
                 ),
             ),

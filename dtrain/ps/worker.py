@@ -233,8 +233,10 @@ class Worker:
         try:
             if msg.op != "reply":
                 raise messages.MessageError(f"a server sends a worker replies only, got {msg.op!r}")
-            n = req.tensors[0].shape[0] if req.header["op"] == "pull" else None
-            messages.check(messages.WORKER_REPLIES, req.header["op"], h, msg.tensors, self.config, shard=req.shard, n=n)
+            keys = req.tensors[0] if req.header["op"] == "pull" else None
+            n = None if keys is None else keys.shape[0]
+            messages.check(messages.WORKER_REPLIES, req.header["op"], h, msg.tensors, self.config, shard=req.shard, n=n,
+                           keys=keys)  # fmt: skip
         except messages.MessageError as exc:
             raise PSError(f"server {req.server} answered {req.header['op']} of shard {req.shard} with a malformed "
                           f"reply: {exc}") from None  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 from dtrain.ps import messages
 from dtrain.ps.config import JobConfig
 from dtrain.ps.launch import LocalCluster
-from dtrain.ps.worker import PSTimeoutError, Worker
+from dtrain.ps.worker import PSError, PSTimeoutError, Worker
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,15 @@ def test_bad_keys_and_values_are_refused_before_sending(cluster):
     with pytest.raises(ValueError, match="init needs float32"):
         worker.init(np.zeros((10, 2), np.float64))
     assert not worker.requests  # nothing went out
+
+
+def test_a_gradient_that_is_not_finite_is_refused_naming_its_key(cluster):
+    _, worker = cluster
+    grads = np.zeros((2, 2), np.float32)
+    grads[1, 1] = np.nan
+    with pytest.raises(PSError, match=r"refused push of shard 1: push: values must be finite, got NaN or infinity at "
+                                      r"key 7$"):  # fmt: skip
+        worker.wait(worker.push(np.array([9, 7]), grads))
 
 
 def test_a_server_that_stops_answering_is_named_with_its_address(cluster):
@@ -76,3 +85,19 @@ def test_the_job_config_refuses_ints_msgpack_cannot_carry_and_numbers_that_are_n
     config = {**JobConfig(num_keys=8, width=2).to_dict(), field: value}
     with pytest.raises(messages.MessageError, match=reason):
         messages.job_config({"op": "welcome", "config": config})
+
+
+def test_a_pull_reply_whose_rows_are_not_finite_is_refused_naming_the_key():
+    """Finite gradients can still carry a row past float32's range (here 3e38 + 3e38): a worker takes no such row
+    for training, and says which key it is."""
+    config = JobConfig(num_keys=4, width=2, num_servers=1, num_workers=1, mode="async", lr=1.0, timeout_s=5.0)
+    with LocalCluster(config) as c:
+        worker = Worker(c.coordinator, c.worker_secret, 0)
+        try:
+            worker.wait(worker.init(np.full((4, 2), 3e38, np.float32)))
+            worker.wait(worker.push(np.array([2]), np.full((1, 2), -3e38, np.float32)))
+            with pytest.raises(PSError, match=r"answered pull of shard 0 with a malformed reply: pull: rows must be "
+                                              r"finite, got NaN or infinity at key 2$"):  # fmt: skip
+                worker.wait(worker.pull(np.array([3, 0, 2])))
+        finally:
+            worker.close()
