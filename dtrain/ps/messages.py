@@ -303,6 +303,8 @@ _COUNT = Field("int")
 _KEYS = Tensor("keys", "i8", ("n",), keys=True)
 _VALUES = Tensor("values", "f4", ("n", "width"), finite=True)
 _ROWS = Tensor("rows", "f4", ("rows", "width"), finite=True)
+# what every message between servers carries: the sender's view (layout epoch) and rank
+_VIEW = {"epoch": _COUNT, "from": Field("int", high="servers")}
 
 
 def _replication_off(config: JobConfig, header: Mapping[str, Any], rank: int | None) -> str:
@@ -350,6 +352,7 @@ SERVER: dict[str, Schema] = {
             "kind": Field("str", choices=("init", "step")),
             "round": _COUNT,
             "pushes": Field("pushes"),
+            **_VIEW,
         },
         variants=(
             "kind",
@@ -360,10 +363,10 @@ SERVER: dict[str, Schema] = {
         ),
         refuse=_replication_off,
     ),
-    "chain_ack": Schema({"shard": _SHARD, "seq": _COUNT}, refuse=_chain_off),
+    "chain_ack": Schema({"shard": _SHARD, "seq": _COUNT, **_VIEW}, refuse=_chain_off),
     # an owner's hot rows for the servers that hold copies of them (dtrain.ps.hotkeys)
     "hot_update": Schema(
-        {"shard": _SHARD, "round": _COUNT, "slowest": _COUNT},
+        {"shard": _SHARD, "round": _COUNT, "slowest": _COUNT, **_VIEW},
         (Tensor("keys", "i8", ("n",), keys=True, increasing=True, most="hot_keys"), _VALUES),
         refuse=_no_hot_copy,
     ),
@@ -373,7 +376,9 @@ peers' messages (:data:`PEER`)."""
 
 PEER = frozenset({"rep", "chain_ack", "hot_update"})
 """The kinds in :data:`SERVER` that peer servers send: taken only when signed with the job's secret (never with
-the key workers hold, :func:`dtrain.ps.wire.worker_key`); never answered, also when they fail."""
+the key workers hold, :func:`dtrain.ps.wire.worker_key`); never answered, also when they fail. Each carries its
+sender's view (``epoch``, the layout it acted in) and rank (``from``), which the receiver checks against its own
+view of the shard (:meth:`dtrain.ps.server.Server.handle`)."""
 
 _ROLE = Field("str", choices=("server", "worker"))
 

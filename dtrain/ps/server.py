@@ -32,7 +32,11 @@ from dtrain.ps.replication import Replica
 from dtrain.ps.shard import Entry, EntryError
 from dtrain.ps.transport import Endpoint, PSError, await_message
 
-__all__ = ["Server", "RequestError", "NotLeaderError"]
+__all__ = ["Server", "RequestError", "NotLeaderError", "MAX_EARLY"]
+
+MAX_EARLY = 4096
+"""Peer messages from a view this server has not reached yet that it keeps until the coordinator's layout of that
+view arrives (a peer may act on a new layout before this server has it); more are refused."""
 
 
 class RequestError(ValueError):
@@ -72,6 +76,9 @@ class Server:
         self.replicas: dict[int, Replica] = {}
         self.peers: dict[int, Endpoint] = {}
         self.endpoints: list[str | None] = []
+        self.chains: list[list[int]] = []
+        self.epoch = -1  # the view (layout epoch) this server acts in
+        self.early: list[wire.Message] = []  # peer messages of a later view, kept until its layout arrives
         self.deferred: dict[int, list[tuple]] = {}
         self.hot = HotCopies(self.config, rank, self.ranges, self._send_peer)
         self.counts = {"rejected": 0, "errors": 0, "pulls": 0, "rows_served": 0, "pushes": 0}
@@ -81,7 +88,9 @@ class Server:
 
     # membership ------------------------------------------------------------------------------------------
     def _layout(self, layout: dict) -> None:
-        self.endpoints = layout["endpoints"]
+        if layout["epoch"] < self.epoch:  # an older view than this server's: nothing to act on
+            return
+        self.epoch, self.chains, self.endpoints = layout["epoch"], layout["chains"], layout["endpoints"]
         for peer in [p for p in self.peers if self.endpoints[p] is None]:
             self.peers.pop(peer).close()
         for shard, chain in enumerate(layout["chains"]):
@@ -91,13 +100,40 @@ class Server:
             if shard in self.replicas:
                 self.replicas[shard].set_chain(chain)
                 self._serve_deferred(shard)
+        early, self.early = self.early, []
+        for msg in early:  # peers' messages of this view that came before its layout (later ones wait on)
+            self.handle(b"", msg)
 
     def _send_peer(self, rank: int, header: dict, tensors: list) -> None:
+        """Send to a peer server, stamped with this server's view and rank (see :meth:`_sender_refusal`)."""
         if self.endpoints[rank] is None:
             return
         if rank not in self.peers:
             self.peers[rank] = Endpoint(self.ctx, self.endpoints[rank], self.secret, f"server {rank}")
-        self.peers[rank].send(header, tensors)
+        self.peers[rank].send({**header, "epoch": self.epoch, "from": self.rank}, tensors)
+
+    def _sender_refusal(self, op: str, h: dict) -> str:
+        """Why a peer message (of this server's view or an earlier one) is not taken from its sender, or ``""``:
+        in this server's view, entries come only from the shard's predecessor (chain) or leader (primary_backup),
+        a ``chain_ack`` only from the tail, hot rows only from their owner. A server no longer in the view
+        (declared dead while it was only slow) is none of these, so what it still sends changes nothing here."""
+        shard, sender = h["shard"], h["from"]
+        chain = self.chains[shard]
+        if op == "hot_update":
+            senders, role = chain[:1], "the owner"
+        elif self.rank not in chain:
+            senders, role = [], "a member"
+        elif op == "chain_ack":
+            senders, role = chain[-1:], "the tail"
+        elif self.config.replication == "chain":
+            at = chain.index(self.rank)
+            senders, role = chain[at - 1 : at] if at else [], "the predecessor"
+        else:
+            senders, role = [s for s in chain[:1] if s != self.rank], "the leader"
+        if sender in senders:
+            return ""
+        return (f"{op} of shard {shard} from server {sender} (view {h['epoch']}): in view {self.epoch} (chain "
+                f"{chain}) server {self.rank} takes it from {role} only")  # fmt: skip
 
     def _reply(self, reply: tuple, header: dict, tensors: list = ()) -> None:
         """Answer a request, signed with the key it was signed with. An answer too large for a message to carry
@@ -137,6 +173,14 @@ class Server:
                 raise messages.MessageError(f"{op}: servers send it to each other, and this one is signed with the "
                                             "key workers hold")  # fmt: skip
             messages.check(messages.SERVER, op, h, msg.tensors, self.config, rank=self.rank)
+            if peer and h["epoch"] > self.epoch:  # sent in a view whose layout has not reached this server yet
+                if len(self.early) >= MAX_EARLY:
+                    raise RequestError(f"{op} of view {h['epoch']}: {MAX_EARLY} messages of views after {self.epoch} "
+                                       "wait already")  # fmt: skip
+                self.early.append(msg)
+                return
+            if peer and (reason := self._sender_refusal(op, h)):
+                raise RequestError(reason)
             self._dispatch(op, h, msg.tensors, reply)
         except (messages.MessageError, RequestError, EntryError) as exc:
             self._failed(op, reply, "not_leader" if isinstance(exc, NotLeaderError) else "bad_request", str(exc))

@@ -26,14 +26,18 @@ def _rows(n: int, width: int = 2) -> np.ndarray:
     return np.zeros((n, width), np.float32)
 
 
+# what every message between servers carries: the sender's view and rank (server 0, in the first view)
+VIEW = {"epoch": 0, "from": 0}
+
+
 def _check(table, op, header, tensors, config, **kw) -> None:
     messages.check(table, op, header, tensors, config, **kw)
 
 
 def test_a_well_formed_hot_update_to_a_copy_holder_passes():
     # shard 0's owner is server 0; its hot rows are copied to server 1
-    _check(messages.SERVER, "hot_update", {"shard": 0, "round": 3, "slowest": 2}, [_keys(1, 4, 9), _rows(3)], HOT,
-           rank=1)  # fmt: skip
+    _check(messages.SERVER, "hot_update", {"shard": 0, "round": 3, "slowest": 2, **VIEW}, [_keys(1, 4, 9), _rows(3)],
+           HOT, rank=1)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -65,7 +69,7 @@ def test_a_well_formed_hot_update_to_a_copy_holder_passes():
 )  # fmt: skip
 def test_a_malformed_or_unwanted_hot_update_is_refused(config, rank, header, tensors, reason):
     with pytest.raises(messages.MessageError, match=reason) as info:
-        _check(messages.SERVER, "hot_update", header, tensors, config, rank=rank)
+        _check(messages.SERVER, "hot_update", {**VIEW, **header}, tensors, config, rank=rank)
     assert str(info.value).startswith("hot_update: ")
 
 
@@ -83,8 +87,8 @@ def test_a_malformed_or_unwanted_hot_update_is_refused(config, rank, header, ten
 )  # fmt: skip
 def test_a_malformed_replication_entry_is_refused(config, header, tensors, reason):
     with pytest.raises(messages.MessageError, match=reason):
-        _check(messages.SERVER, "rep", {"shard": 0, "seq": 1, "round": 1, **header}, tensors, config, rank=1)
-    _check(messages.SERVER, "rep", {"shard": 0, "seq": 1, "round": 1, "kind": "step", "pushes": [[1, 0, 0]]},
+        _check(messages.SERVER, "rep", {"shard": 0, "seq": 1, "round": 1, **VIEW, **header}, tensors, config, rank=1)
+    _check(messages.SERVER, "rep", {"shard": 0, "seq": 1, "round": 1, "kind": "step", "pushes": [[1, 0, 0]], **VIEW},
            [_keys(1, 5), _rows(2)], REPLICATED, rank=1)  # fmt: skip
 
 
@@ -191,7 +195,7 @@ def test_a_forged_hot_update_installs_nothing_and_the_server_still_answers_not_l
     c, sock = cluster
     before = c.ask_server(0, {"op": "stats"}).header["stats"]
     secret = c.secret if signed else b"w" * 32
-    sock.send_multipart(wire.encode(secret, {"op": "hot_update", **header}, tensors))
+    sock.send_multipart(wire.encode(secret, {"op": "hot_update", **VIEW, **header}, tensors))
     _pull_shard_1_is_not_led_here(c, sock)
     after = c.ask_server(0, {"op": "stats"}).header["stats"]
     assert after["hot"]["copies"] == 0
@@ -220,6 +224,10 @@ PUSH = {"req": 1, "shard": 0, "worker": 0, "push_id": 0, "clock": 0}
         (messages.SERVER, "rep", {"shard": 0, "seq": 1, "round": 1, "kind": "step", "pushes": [[0, 0, 2**63 - 1]]},
          [_keys(1), _rows(1)], REPLICATED, "pushes must be"),
         (messages.SERVER, "chain_ack", {"shard": 0, "seq": 2**62}, [], REPLICATED, "seq must be"),
+        (messages.SERVER, "chain_ack", {"shard": 0, "seq": 1, "epoch": -1}, [], REPLICATED,
+         r"epoch must be an int in \[0, 2\*\*62\)"),
+        (messages.SERVER, "rep", {"shard": 0, "seq": 1, "round": 1, "kind": "step", "pushes": [], "from": 3},
+         [_keys(1), _rows(1)], REPLICATED, r"from must be in \[0, 3\), got 3"),
         (messages.WORKER_CONTROL, "layout", {"layout": {"epoch": 1, "chains": [[[0]], [1], [2]],
                                                         "endpoints": [None] * 3}}, [], HOT, "layout must be"),
         (messages.WORKER_CONTROL, "layout", {"layout": {"epoch": 2**62, "chains": [[0], [1], [2]],
@@ -243,6 +251,8 @@ PUSH = {"req": 1, "shard": 0, "worker": 0, "push_id": 0, "clock": 0}
 )  # fmt: skip
 def test_out_of_range_ints_wrong_types_repeats_and_non_finite_values_are_refused(table, op, header, tensors, config,
                                                                                  reason):  # fmt: skip
+    if table is messages.SERVER and op in messages.PEER:
+        header = {**VIEW, **header}
     with pytest.raises(messages.MessageError, match=reason):
         _check(table, op, header, tensors, config, rank=1)
 

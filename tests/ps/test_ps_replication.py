@@ -107,8 +107,8 @@ def test_a_step_entry_before_init_is_refused_and_the_shard_still_initialises_on_
     p = peers
     errors = p.errors(0)
     # server 0 follows shard 1; the entry is signed with the job's secret, as a server's would be
-    p.send(0, {"op": "rep", "shard": 1, "seq": 1, "kind": "step", "round": 1, "pushes": [[0, 0, 0]]},
-           [_keys(4, 6), _grads(2)])  # fmt: skip
+    p.send(0, {"op": "rep", "shard": 1, "seq": 1, "kind": "step", "round": 1, "pushes": [[0, 0, 0]], "epoch": 0,
+               "from": 1}, [_keys(4, 6), _grads(2)])  # fmt: skip
     assert p.errors(0) == errors + 1
     reply = p.ask(0, {"op": "dump", "shard": 1}, key=p.cluster.secret)
     assert reply["status"] == "error" and "not initialised yet" in reply["error"]
@@ -132,7 +132,7 @@ def test_a_replication_entry_from_a_worker_or_with_non_finite_values_changes_no_
     errors = p.errors(1)
     # server 1 follows shard 0: an entry that it would apply next, were it from a server and well formed
     key = p.cluster.worker_secret if not np.isnan(tensors[1]).any() else p.cluster.secret
-    p.send(1, {"op": op, "seq": seq + 1, **header}, tensors, key=key)
+    p.send(1, {"op": op, "seq": seq + 1, "epoch": 0, "from": 0, **header}, tensors, key=key)
     assert p.errors(1) == errors + 1
     assert p.assert_replicas_equal(0) == seq
 
@@ -148,8 +148,8 @@ def test_a_chain_ack_from_a_worker_or_for_an_entry_never_sent_acknowledges_nothi
         assert not p.socks[0].poll(300), "acknowledged before the tail had it"
         errors = p.errors(0)
         # from a worker, even for the entry the head did send; from a server, for one it never sent
-        p.send(0, {"op": "chain_ack", "shard": 0, "seq": seq + 1}, key=p.cluster.worker_secret)
-        p.send(0, {"op": "chain_ack", "shard": 0, "seq": 10**9})
+        p.send(0, {"op": "chain_ack", "shard": 0, "seq": seq + 1, "epoch": 0, "from": 1}, key=p.cluster.worker_secret)
+        p.send(0, {"op": "chain_ack", "shard": 0, "seq": 10**9, "epoch": 0, "from": 1})
         assert not p.socks[0].poll(300), "a forged chain_ack released the acknowledgement"
         assert p.errors(0) == errors + 2
     finally:

@@ -217,7 +217,9 @@ def test_a_shape_whose_size_overflows_int64_is_rejected_not_wrapped():
 def test_a_malformed_replication_entry_changes_nothing_and_the_server_keeps_serving(server, header, tensors):
     cluster, sock = server
     before = cluster.ask_server(0, {"op": "stats"}).header["stats"]
-    sock.send_multipart(wire.encode(cluster.secret, {"op": "rep", "shard": 0, "seq": 2, **header}, tensors))
+    sock.send_multipart(
+        wire.encode(cluster.secret, {"op": "rep", "shard": 0, "seq": 2, "epoch": 0, "from": 0, **header}, tensors)
+    )
     _pull_works(cluster, sock)  # still serving, and the weights are still the initial ones
     after = cluster.ask_server(0, {"op": "stats"}).header["stats"]
     assert after["errors"] == before["errors"] + 1
