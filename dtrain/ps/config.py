@@ -131,6 +131,17 @@ class JobConfig:
                 f"<width>={self.width} floats is {shard_bytes / 2**20:,.0f} MiB, above the {limit >> 20} MiB a "
                 "message may carry: use more <num_servers> or a smaller <width>"
             )
+        if self.replicas > 1 and self.replication == "primary_backup":  # a new leader sends its whole state at once
+            from dtrain.ps.optimizers import make_optimizer
+
+            row_bytes = self.width * 4 + sum(a.nbytes for a in make_optimizer(self, 1, self.width).arrays().values())
+            state_bytes = -(-self.num_keys // self.num_servers) * row_bytes + 24 * self.num_workers + (1 << 16)
+            if state_bytes > limit:
+                raise JobConfigError(
+                    f"a shard's rows and {self.optimizer} state under <replication>=primary_backup are "
+                    f"{state_bytes / 2**20:,.0f} MiB, above the {limit >> 20} MiB a message may carry (a new leader "
+                    "sends them whole to its followers): use more <num_servers> or a smaller <width>"
+                )
 
     @property
     def round_size(self) -> int:

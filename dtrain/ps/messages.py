@@ -231,7 +231,7 @@ def _check_tensors(specs: tuple[Tensor, ...], tensors: list[np.ndarray], config:
         if n is None and spec.shape[:1] == ("n",) and tensor.ndim >= 1:
             n = tensor.shape[0]
         rows = len(key_range) if key_range is not None else "rows"
-        sizes = {"n": "n" if n is None else n, "width": config.width, "rows": rows}
+        sizes = {"n": "n" if n is None else n, "width": config.width, "rows": rows, "workers": config.num_workers}
         want = tuple(sizes.get(d, d) for d in spec.shape)
         if "*" in want and len(want) == tensor.ndim:  # any size there
             want = tuple(got if d == "*" else d for d, got in zip(want, tensor.shape, strict=True))
@@ -317,6 +317,12 @@ def _chain_off(config: JobConfig, header: Mapping[str, Any], rank: int | None) -
     return _replication_off(config, header, rank)
 
 
+def _not_primary_backup(config: JobConfig, header: Mapping[str, Any], rank: int | None) -> str:
+    if config.replicas > 1 and config.replication != "primary_backup":
+        return f"a leader's whole state is sent only with replication=primary_backup, not {config.replication}"
+    return _replication_off(config, header, rank)
+
+
 def _no_hot_copy(config: JobConfig, header: Mapping[str, Any], rank: int | None) -> str:
     if not config.hot_keys:
         return "hot-key copies are off in this job (hot_keys=0)"
@@ -364,6 +370,18 @@ SERVER: dict[str, Schema] = {
         refuse=_replication_off,
     ),
     "chain_ack": Schema({"shard": _SHARD, "seq": _COUNT, **_VIEW}, refuse=_chain_off),
+    # primary_backup: a new leader's whole state for its followers (dtrain.ps.shard.Snapshot)
+    "state": Schema(
+        {"shard": _SHARD, "seq": _COUNT, "round": _COUNT, **_VIEW},
+        (
+            Tensor("weights", "f4", ("*", "width"), finite=True),
+            Tensor("optimizer rows", "f4", ("*", "*", "width"), finite=True),
+            Tensor("optimizer counts", "i8", ("*", "*")),
+            Tensor("progress", "i8", (3, "workers")),
+            Tensor("pushes above", "i8", ("*", 2)),
+        ),
+        refuse=_not_primary_backup,
+    ),
     # an owner's hot rows for the servers that hold copies of them (dtrain.ps.hotkeys)
     "hot_update": Schema(
         {"shard": _SHARD, "round": _COUNT, "slowest": _COUNT, **_VIEW},
@@ -374,7 +392,7 @@ SERVER: dict[str, Schema] = {
 """What a server takes on its ROUTER socket: requests from workers and tools (with ``req``, answered) and
 peers' messages (:data:`PEER`)."""
 
-PEER = frozenset({"rep", "chain_ack", "hot_update"})
+PEER = frozenset({"rep", "chain_ack", "state", "hot_update"})
 """The kinds in :data:`SERVER` that peer servers send: taken only when signed with the job's secret (never with
 the key workers hold, :func:`dtrain.ps.wire.worker_key`); never answered, also when they fail. Each carries its
 sender's view (``epoch``, the layout it acted in) and rank (``from``), which the receiver checks against its own

@@ -9,7 +9,10 @@ Each shard lives on the servers of its *chain*, head first, replicated in one of
   survives any failure that leaves one. When the chain changes, each node resends to its (new) successor every
   entry not yet known to be at the tail; replicas skip entries they have.
 - ``primary_backup``: the head applies and acknowledges at once and ships entries to its followers every
-  ``propagate_interval_s``; a leader's death loses what it had not shipped, which workers count.
+  ``propagate_interval_s``; a leader's death loses what it had not shipped to the follower that takes over,
+  which workers count. A leader may die between its sends to two followers (or with entries still queued for
+  one), so followers may differ: the new leader sends every other follower its whole state
+  (:class:`~dtrain.ps.shard.Snapshot`), which replaces theirs, before any entry of its own.
 
 Pushes are numbered per worker and shard, so a push resent to a new head after a failover is recognised as one
 that an entry already holds and is acknowledged, not applied twice.
@@ -29,7 +32,7 @@ import numpy as np
 from dtrain.ps.config import JobConfig
 from dtrain.ps.consistency import Policy, Push, Step
 from dtrain.ps.keys import KeyRange
-from dtrain.ps.shard import Entry, EntryError, ShardState
+from dtrain.ps.shard import Entry, EntryError, ShardState, Snapshot
 
 __all__ = ["Replica"]
 
@@ -68,6 +71,7 @@ class Replica:
     def set_chain(self, chain: list[int]) -> None:
         """A new membership for this shard (from the coordinator): take up the role it gives."""
         old_successor = self._successor() if self.me in self.chain else None
+        old_head = self.chain[0] if self.chain else None
         self.chain = list(chain)
         if self.me not in self.chain:  # declared dead while alive (a long pause): stop acting for the shard
             self.policy, self.log, self.waiting, self.outbox = None, [], {}, []
@@ -76,6 +80,8 @@ class Replica:
             self.policy = Policy(self.config, self.state)
         successor = self._successor()
         if not self.chain_mode:
+            if self.is_head and old_head not in (None, self.me):
+                self._send_state()
             return
         if successor is None:
             self._durable(self.state.seq)
@@ -138,6 +144,20 @@ class Replica:
             self.waiting.setdefault(self.log[-1].seq, []).append(push)
         else:
             self.ack(push.reply, {"status": "applied"})
+
+    def _send_state(self) -> None:
+        """primary_backup, on taking the lead: make every follower equal to this replica. The old leader may have
+        died between its sends to two followers, or with entries still queued for one: a follower may lack
+        entries this one holds, or hold some it lacks, and entries from here on would never fit it."""
+        snap = self.state.snapshot()
+        for follower in self.chain[1:]:
+            self.send(follower, snap.header(self.index), snap.tensors())
+
+    def take_state(self, snap: Snapshot) -> None:
+        """primary_backup follower: the leader's whole state (:meth:`_send_state`) replaces this replica's."""
+        if self.chain_mode or self.is_head or self.me not in self.chain:
+            raise EntryError(f"state of shard {self.index}: server {self.me} does not follow it under primary_backup")
+        self.state.restore(snap)
 
     def ship(self) -> None:
         """primary_backup: send the entries applied since the last call to every follower."""

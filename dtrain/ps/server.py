@@ -29,7 +29,7 @@ from dtrain.ps.consistency import MAX_AHEAD, MAX_WAITING, Push
 from dtrain.ps.hotkeys import HotCopies
 from dtrain.ps.keys import partition
 from dtrain.ps.replication import Replica
-from dtrain.ps.shard import Entry, EntryError
+from dtrain.ps.shard import Entry, EntryError, Snapshot
 from dtrain.ps.transport import Endpoint, PSError, await_message
 
 __all__ = ["Server", "RequestError", "NotLeaderError", "MAX_EARLY"]
@@ -125,7 +125,7 @@ class Server:
             senders, role = [], "a member"
         elif op == "chain_ack":
             senders, role = chain[-1:], "the tail"
-        elif self.config.replication == "chain":
+        elif self.config.replication == "chain" and op == "rep":
             at = chain.index(self.rank)
             senders, role = chain[at - 1 : at] if at else [], "the predecessor"
         else:
@@ -205,6 +205,8 @@ class Server:
             return self._serve_deferred(h["shard"])
         if op == "chain_ack":
             return self._replica(h, head=False).take_ack(h["seq"])
+        if op == "state":
+            return self._replica(h, head=False).take_state(Snapshot(h["seq"], h["round"], *tensors))
         if op == "hot_update":
             return self.hot.update(h["shard"], h["round"], h["slowest"], *tensors, self._serve)
         if op == "stats":

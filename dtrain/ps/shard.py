@@ -23,7 +23,7 @@ from dtrain.ps.keys import KeyRange
 from dtrain.ps.messages import MAX_COUNT
 from dtrain.ps.optimizers import make_optimizer, rows_index
 
-__all__ = ["Entry", "EntryError", "ShardState"]
+__all__ = ["Entry", "EntryError", "ShardState", "Snapshot"]
 
 
 class EntryError(ValueError):
@@ -46,6 +46,28 @@ class Entry:
     def header(self, shard: int) -> dict:
         return {"op": "rep", "shard": shard, "seq": self.seq, "kind": self.kind, "round": self.round,
                 "pushes": self.pushes}  # fmt: skip
+
+
+@dataclass
+class Snapshot:
+    """A replica's whole state, as a new ``primary_backup`` leader sends it to its followers: the sequence number and
+    round, the ``weights`` (no rows before the initial values), the optimizer's float arrays stacked ``(k, rows,
+    width)`` and its count arrays stacked ``(j, rows)`` (in name order), the workers' ``clocks``, ``applied`` and
+    ``last_push`` stacked ``(3, workers)``, and the ids held above ``last_push`` as ``(worker, push_id)`` pairs."""
+
+    seq: int
+    round: int
+    weights: np.ndarray
+    optimizer_rows: np.ndarray
+    optimizer_counts: np.ndarray
+    progress: np.ndarray
+    pushes_above: np.ndarray
+
+    def header(self, shard: int) -> dict:
+        return {"op": "state", "shard": shard, "seq": self.seq, "round": self.round}
+
+    def tensors(self) -> list[np.ndarray]:
+        return [self.weights, self.optimizer_rows, self.optimizer_counts, self.progress, self.pushes_above]
 
 
 class ShardState:
@@ -138,6 +160,69 @@ class ShardState:
         while self.last_push[worker] + 1 in above:
             above.discard(int(self.last_push[worker]) + 1)
             self.last_push[worker] += 1
+
+    # a whole state, for a follower that has to be made equal to a new leader ---------------------------------
+    def _optimizer_arrays(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The optimizer's float32 arrays ``(rows, width)`` and its int64 count arrays ``(rows,)``, in name order."""
+        arrays = [a for _, a in sorted(self.optimizer.arrays().items())]
+        return [a for a in arrays if a.dtype == np.float32], [a for a in arrays if a.dtype == np.int64]
+
+    def snapshot(self) -> Snapshot:
+        """This replica's whole state (copies: it is sent later)."""
+        (rows, width), (floats, counts) = self.weights_shape, self._optimizer_arrays()
+        weights = self.weights.copy() if self.ready else np.zeros((0, width), np.float32)
+        pairs = [(w, i) for w, ids in enumerate(self.pushes_above) for i in sorted(ids)]
+        return Snapshot(self.seq, self.round, weights,
+                        np.stack(floats) if floats else np.zeros((0, rows, width), np.float32),
+                        np.stack(counts) if counts else np.zeros((0, rows), np.int64),
+                        np.stack([self.clocks, self.applied, self.last_push]),
+                        np.array(pairs, np.int64).reshape(-1, 2))  # fmt: skip
+
+    def snapshot_refusal(self, snap: Snapshot) -> str:
+        """Why ``snap`` cannot replace this state, or ``""``: every array of this shard's shape and dtype (the
+        weights without rows at entry 0, before the initial values), floats finite, counts and push ids in range,
+        each id held above ``last_push`` once. Checked whole, before any change."""
+        (rows, width), (floats, counts) = self.weights_shape, self._optimizer_arrays()
+        wanted = (("weights", snap.weights, np.float32, (rows if snap.seq else 0, width)),
+                  ("optimizer rows", snap.optimizer_rows, np.float32, (len(floats), rows, width)),
+                  ("optimizer counts", snap.optimizer_counts, np.int64, (len(counts), rows)),
+                  ("progress", snap.progress, np.int64, (3, self.config.num_workers)))  # fmt: skip
+        for name, got, dtype, shape in wanted:
+            if got.dtype != dtype or got.shape != shape:
+                return f"{name} must be {np.dtype(dtype)} {shape} at entry {snap.seq}, got {got.dtype} {got.shape}"
+            if dtype == np.float32 and got.size and not bool(np.isfinite(got).all()):
+                return f"its {name} are not all finite (NaN or infinity)"
+        low = np.array([[0], [0], [-1]], np.int64)  # clocks and applied from 0, last_push from -1
+        if (snap.optimizer_counts.size and (snap.optimizer_counts.min() < 0 or snap.optimizer_counts.max() >= MAX_COUNT)
+                or bool((snap.progress < low).any()) or bool((snap.progress >= MAX_COUNT).any())):  # fmt: skip
+            return "its counts, clocks or push ids are out of [0, 2**62)"
+        pairs = snap.pushes_above
+        if pairs.dtype != np.int64 or pairs.ndim != 2 or pairs.shape[1] != 2:
+            return f"pushes above must be int64 (n, 2), got {pairs.dtype} {pairs.shape}"
+        if pairs.size:
+            workers, ids = pairs[:, 0], pairs[:, 1]
+            if workers.min() < 0 or workers.max() >= self.config.num_workers or ids.max() >= MAX_COUNT:
+                return "pushes above name a worker or push id out of range"
+            if not bool((ids > snap.progress[2][workers]).all()):
+                return "pushes above must lie above their worker's last push"
+            if np.unique(pairs, axis=0).shape[0] != pairs.shape[0]:
+                return "pushes above must be distinct"
+        return ""
+
+    def restore(self, snap: Snapshot) -> None:
+        """Become ``snap``: :class:`EntryError` (and nothing changes) if it does not fit this shard."""
+        reason = self.snapshot_refusal(snap)
+        if reason:
+            raise EntryError(f"shard {self.index}: state at entry {snap.seq} refused: {reason}")
+        self.weights = np.array(snap.weights, np.float32, copy=True) if snap.seq else None
+        floats, counts = self._optimizer_arrays()
+        for mine, theirs in zip([*floats, *counts], [*snap.optimizer_rows, *snap.optimizer_counts], strict=True):
+            mine[...] = theirs
+        self.clocks[...], self.applied[...], self.last_push[...] = snap.progress
+        self.pushes_above = [set() for _ in range(self.config.num_workers)]
+        for worker, push_id in snap.pushes_above.tolist():
+            self.pushes_above[worker].add(push_id)
+        self.seq, self.round = snap.seq, snap.round
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Everything a replica holds, for comparing replicas."""
