@@ -20,7 +20,10 @@ that an entry already holds and is acknowledged, not applied twice.
 Entries and acknowledgements travel only between servers (signed with the job's secret, which workers do not
 hold). Every replica checks an entry whole before applying it (:meth:`~dtrain.ps.shard.ShardState.refusal`),
 the head too, before it applies or forwards one, so no replica takes what another would refuse; and a
-``chain_ack`` for an entry this replica never applied (so never sent on) is refused, not taken as durable.
+``chain_ack`` for an entry this replica never applied (so never sent on) is refused, not taken as durable. Each
+carries its sender's view and rank, and a server takes it only from the shard's predecessor, leader or tail in its
+own view (:meth:`dtrain.ps.server.Server._sender_refusal`), so a server declared dead while it was only slow
+changes no replica of the new view.
 """
 
 from __future__ import annotations

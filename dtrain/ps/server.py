@@ -1,18 +1,18 @@
 """The server role: holds replicas of some shards, answers workers' push / pull / init, replicates, heartbeats.
 
-One thread, one ZeroMQ ROUTER socket that workers and peer servers send to, one DEALER to the coordinator
-(registration, heartbeats, membership changes) and one DEALER per peer it replicates to. Every message is
-checked by :func:`dtrain.ps.wire.decode` (envelope, HMAC, freshness), then by who signed it (replication
-entries, chain acknowledgements and hot-row copies only with the job's secret, which workers are not given),
-then against its kind's schema and the job's configuration (:mod:`dtrain.ps.messages`: shard ids in range, ints
-bounded, keys int64 inside the shard's range, a pull's keys distinct, rows float32 ``(n, width)`` and finite,
-hot-key copies and replication entries only where the job has them), then against this server's state (the
-shard is here, initialised where it must be, and for pushes and pulls led by this server; clocks not too far
-ahead; an entry whole, :meth:`~dtrain.ps.shard.ShardState.refusal`; a ``chain_ack`` only for an entry applied
-here), all before anything changes. A bad request gets an error reply (``not_leader`` or ``bad_request``), and
-so does one whose handling fails in any other way (logged too), and one whose answer would be over the size a
-message may carry; any other bad message, or one not authenticated, is dropped, logged and counted; the
-server keeps serving either way.
+One thread, one ZeroMQ ROUTER socket that workers and peer servers send to, one DEALER to the coordinator (registration,
+heartbeats, membership changes) and one DEALER per peer it replicates to. Every message is checked by
+:func:`dtrain.ps.wire.decode` (envelope, HMAC, freshness), then by who signed it (replication entries, chain
+acknowledgements, a leader's whole state and hot-row copies only with the job's secret, which workers are not given),
+then against its kind's schema and the job's configuration (:mod:`dtrain.ps.messages`: shard ids in range, ints bounded,
+keys int64 inside the shard's range, a pull's keys distinct, rows float32 ``(n, width)`` and finite, hot-key copies and
+replication entries only where the job has them), then, for a peer's message, against this server's view
+(:meth:`Server._sender_refusal`; one sent in a view whose layout has not arrived here waits for it), then against this
+server's state (the shard is here, initialised where it must be, and for pushes and pulls led by this server; clocks not
+too far ahead; an entry whole, :meth:`~dtrain.ps.shard.ShardState.refusal`; a ``chain_ack`` only for an entry applied
+here), all before anything changes. A bad request gets an error reply (``not_leader`` or ``bad_request``), and so does
+one whose handling fails in any other way (logged too), and one whose answer would be over the size a message may carry;
+any other bad message, or one not authenticated, is dropped, logged and counted; the server keeps serving either way.
 """
 
 from __future__ import annotations
