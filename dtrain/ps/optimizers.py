@@ -9,9 +9,12 @@ embedding training uses), which equals dense Adam when every row is pushed every
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from dtrain.ps.config import JobConfig
+if TYPE_CHECKING:  # the job's config validates its size with these optimizers' state
+    from dtrain.ps.config import JobConfig
 
 __all__ = ["RowOptimizer", "make_optimizer"]
 
