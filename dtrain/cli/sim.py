@@ -33,7 +33,7 @@ def _ints(text: str) -> list[int]:
 
 RECOMPUTE = ("none", "selective", "full")  # dtrain.sim.model.RECOMPUTE, without importing the simulator here
 PLACEMENTS = ("aware", "megatron", "oblivious")  # dtrain.sim.placement.PLACEMENTS, likewise
-ATTENTION_KERNELS = ("cudnn", "fa2")  # dtrain.sim.compute.ATTENTION_KERNELS, likewise
+ATTENTION_KERNELS = ("cudnn", "fa2", "fa1")  # dtrain.sim.compute.ATTENTION_KERNELS, likewise
 
 
 _whole = whole
@@ -325,7 +325,8 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=ATTENTION_KERNELS,
         help="the fused attention kernel's family: cudnn (cuDNN's, Transformer Engine's choice on Hopper from v1.4, "
-        "torch's own there) or fa2 (FlashAttention-2); default: the family the device's curves measured",
+        "torch's own there), fa2 (FlashAttention-2) or fa1 (FlashAttention 1.x, priced from the FlashAttention-2 "
+        "paper's figures); default: the family the device's curves measured",
     )
     p.add_argument(
         "--grad-accumulation-fusion",

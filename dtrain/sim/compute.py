@@ -166,14 +166,18 @@ __all__ = [
     "Beside",
     "Curve",
     "DeviceCompute",
+    "FA1_FROM",
+    "FA1_SPEEDS",
     "KERNELS",
     "LOG_SOFTMAX_BYTES",
     "MEGATRON_FP16_OPTIMIZER_BYTES",
     "MEGATRON_LM_KERNELS",
     "MEGATRON_LM_SOFTMAX_MAX_SEQUENCE",
+    "MEASURED_ATTENTION_KERNELS",
     "Op",
     "StageCompute",
     "device_compute",
+    "fa1_slowdown",
     "layer_ops",
     "load_curves",
     "optimizer_seconds",
@@ -188,7 +192,47 @@ CURVES_PATH = Path(__file__).with_name("compute_curves.json")
 #: Families of fused attention kernels the curves can name: cuDNN's fused attention (Transformer Engine's
 #: ``FusedAttention`` on Hopper, torch's ``CUDNN_ATTENTION``) and FlashAttention-2 (the ``flash-attn`` package 2.x,
 #: torch's ``FLASH_ATTENTION``).
-ATTENTION_KERNELS = ("cudnn", "fa2")
+MEASURED_ATTENTION_KERNELS = ("cudnn", "fa2")
+
+#: Every family a step may be priced with: the measured ones and FlashAttention 1.x (the ``flash-attn`` package
+#: 1.x, which no torch carries), priced as FlashAttention-2 slowed by :data:`FA1_SPEEDS`' ratio.
+ATTENTION_KERNELS = (*MEASURED_ATTENTION_KERNELS, "fa1")
+
+#: FlashAttention's (1.x) and FlashAttention-2's forward-and-backward speed in TFLOP/s, head width 128, by
+#: sequence length (the keys a query reads), with and without the causal mask: Dao 2023, "FlashAttention-2",
+#: figure 4 (b, d; A100 80GB SXM4) and figure 7 (b, d; H100 80GB SXM5), both kernels timed in one run on one
+#: GPU, 16 heads and 16k tokens a call (the figures are the flash-attention repository's
+#: ``assets/flash2_{a100,h100}_fwd_bwd_benchmark.png``). The A100's unmasked FlashAttention-2 bar at 512 is hidden
+#: under the figure's legend and is left out. A device not here takes :data:`FA1_FROM`'s.
+FA1_SPEEDS: dict[str, dict[bool, tuple[tuple[int, float, float], ...]]] = {
+    "a100-sxm": {
+        True: ((512, 55, 99), (1024, 62, 133), (2048, 69, 155), (4096, 76, 173), (8192, 80, 182), (16384, 83, 189)),
+        False: ((1024, 72, 173), (2048, 76, 187), (4096, 80, 196), (8192, 82, 201), (16384, 83, 203)),
+    },
+    "h100-sxm": {
+        True: ((512, 98, 163), (1024, 109, 221), (2048, 108, 265), (4096, 126, 294), (8192, 135, 308),
+               (16384, 137, 328)),
+        False: ((512, 127, 248), (1024, 127, 294), (2048, 128, 320), (4096, 131, 326), (8192, 137, 335),
+                (16384, 139, 338)),
+    },
+}  # fmt: skip
+
+#: A device that takes another's FlashAttention 1.x figures: the H200 the H100's (the same chip).
+FA1_FROM = {"h200-sxm": "h100-sxm"}
+
+
+def fa1_slowdown(device: str, keys: int, causal: bool = True) -> float:
+    """How many times as long a FlashAttention 1.x kernel takes as FlashAttention-2's on ``device`` for attention
+    over ``keys`` keys a query: FlashAttention-2's speed over FlashAttention 1.x's (:data:`FA1_SPEEDS`), their
+    speeds' ratio interpolated in ``log(keys)`` between the figures' sequence lengths and held at the ends."""
+    figures = FA1_SPEEDS.get(device) or FA1_SPEEDS.get(FA1_FROM.get(device, ""))
+    if figures is None:
+        raise ValueError(f"device {device!r}: no published FlashAttention 1.x speed (dtrain.sim.compute.FA1_SPEEDS)")
+    if keys <= 0:
+        raise ValueError("pricing FlashAttention 1.x needs the keys a query reads (Op.keys)")
+    points = figures[causal]
+    relative = Curve(tuple(float(n) for n, _, _ in points), tuple(fa1 / fa2 for _, fa1, fa2 in points))
+    return 1.0 / relative(float(keys))
 
 
 @dataclass(frozen=True)
@@ -270,9 +314,13 @@ class DeviceCompute:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in (self.attention_kernel, self.kernel):
-            if name is not None and name not in ATTENTION_KERNELS:
-                raise ValueError(f"attention kernel {name!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+        if self.attention_kernel not in MEASURED_ATTENTION_KERNELS:
+            raise ValueError(
+                f"measured attention kernel {self.attention_kernel!r} is not one of "
+                f"{', '.join(MEASURED_ATTENTION_KERNELS)}"
+            )
+        if self.kernel is not None and self.kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel {self.kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
 
     def beside_s(self, seconds: float, path: str, *, fp8: bool = False) -> float:
         """Compute seconds lost to a collective that takes ``seconds`` alone and runs beside this device's products
@@ -300,11 +348,17 @@ class DeviceCompute:
         held = self.fp8_sustained if fp8 else self.sustained
         return max(flops / (peak * eff) * held, self.memory_s(moved, fixed=False)) + self.kernel_s
 
-    def attention_s(self, flops: float, *, call_flops: float | None = None, causal: bool = True) -> float:
+    def attention_s(
+        self, flops: float, *, call_flops: float | None = None, causal: bool = True, keys: int = 0
+    ) -> float:
         """Seconds of a flash-attention kernel of ``flops``, at the efficiency the curve gives a call of
         ``call_flops`` (default ``flops``): the curves time a forward with its backward as one call, so each
         pass is priced at the efficiency of the whole call it belongs to. ``causal`` False: a kernel without a
-        mask, on the unmasked curve where the device has one."""
+        mask, on the unmasked curve where the device has one. ``keys``: the keys a query reads (FlashAttention
+        1.x's price, :func:`fa1_slowdown`, depends on it)."""
+        if self.kernel == "fa1":
+            fa2 = replace(self, kernel="fa2").attention_s(flops, call_flops=call_flops, causal=causal)
+            return (fa2 - self.kernel_s) * fa1_slowdown(self.key, keys, causal) + self.kernel_s
         curve = self.attention_curve if causal else (self.attention_full_curve or self.attention_curve)
         eff = curve(call_flops or flops) if curve is not None else self.attention_efficiency
         seconds = flops / (self.peak_flops * eff) + self.kernel_s
@@ -384,8 +438,10 @@ def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Cu
             }
             kernel = entry.get("attention_kernel")
             if kernel is not None:
-                if kernel not in ATTENTION_KERNELS:
-                    raise ValueError(f"attention_kernel {kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+                if kernel not in MEASURED_ATTENTION_KERNELS:
+                    raise ValueError(
+                        f"attention_kernel {kernel!r} is not one of {', '.join(MEASURED_ATTENTION_KERNELS)}"
+                    )
                 out[key]["attention_kernel"] = kernel
             for kind, factor in (entry.get("sustained") or {}).items():
                 if kind not in ("matmul", "matmul-fp8") or not float(factor) > 0:
@@ -405,7 +461,7 @@ def load_curves(path: str | os.PathLike | None = None) -> dict[str, dict[str, Cu
 #: The curves a curve file may hold for a device: the device's own attention family's (``attention``,
 #: ``attention-full``) and another family's beside them (``attention-fa2``, ``attention-full-fa2``, ...).
 CURVE_KINDS = ("matmul", "matmul-fp8", "attention", "attention-full", "memory",
-               *(f"attention{full}-{k}" for k in ATTENTION_KERNELS for full in ("", "-full")))  # fmt: skip
+               *(f"attention{full}-{k}" for k in MEASURED_ATTENTION_KERNELS for full in ("", "-full")))  # fmt: skip
 
 _LOADED: dict[str, dict[str, dict[str, Curve | Beside]]] = {}
 
@@ -423,7 +479,7 @@ def _alternates(measured: dict) -> tuple[tuple[str, Curve, Curve | None, Curve, 
         return ()
     return tuple(
         (k, measured[f"attention-{k}"], measured.get(f"attention-full-{k}"), own, own_full)
-        for k in ATTENTION_KERNELS
+        for k in MEASURED_ATTENTION_KERNELS
         if f"attention-{k}" in measured and k != measured.get("attention_kernel")
     )
 
@@ -489,6 +545,7 @@ class Op:
     nbytes: float = 0.0
     fp8: bool = False  # a matrix product in 8-bit floating point
     causal: bool = True  # an attention kernel under the causal mask
+    keys: int = 0  # the keys a query of an attention kernel reads
 
     @property
     def total_flops(self) -> float:
@@ -663,9 +720,10 @@ def layer_ops(
         # on its own keys, unmasked on the others' (the pieces that the mask would hide are left out)
         forward = 4.0 * b * s * model.keys * h / t * 0.5
         ring = model.context_shards
+        keys = model.keys // ring  # each kernel's: one shard's
         for phase, work in (("F", forward / ring), ("B", 2.5 * forward / ring)):
-            ops.append(Op("attention", "attention", phase, flops=work))
-            ops += [Op("attention", "attention", phase, flops=work, causal=False)] * (ring - 1)
+            ops.append(Op("attention", "attention", phase, flops=work, keys=keys))
+            ops += [Op("attention", "attention", phase, flops=work, causal=False, keys=keys)] * (ring - 1)
     else:
         ops += _matmul("scores", s, s, d, heads, weight=False) + _matmul("context", s, d, s, heads, weight=False)
         scores = heads * s * s
@@ -793,7 +851,9 @@ def price(op: Op, device: DeviceCompute) -> float:
     if op.kind == "matmul":
         return device.matmul_s(op.m, op.n, op.k, op.batch, fp8=op.fp8)
     if op.kind == "attention":  # at the efficiency of its forward-and-backward call (ATTENTION_CALL)
-        return device.attention_s(op.flops, call_flops=op.flops * ATTENTION_CALL[op.phase], causal=op.causal)
+        return device.attention_s(
+            op.flops, call_flops=op.flops * ATTENTION_CALL[op.phase], causal=op.causal, keys=op.keys
+        )
     return device.memory_s(op.nbytes)
 
 

@@ -199,8 +199,8 @@ class StepConfig:
     reduction runs over the tensor-parallel ranks alone and asynchronously (``NVTE_DP_AMAX_REDUCE_INTERVAL=0``,
     ``NVTE_ASYNC_AMAX_REDUCTION=1``) or the layers are not FP8. The amax bookkeeping's own small kernels are
     not priced either way. ``attention_kernel``: the fused attention kernel's family
-    (:data:`dtrain.sim.compute.ATTENTION_KERNELS`: ``"cudnn"``, ``"fa2"``), priced beside the family the device's
-    curves measured (:class:`dtrain.sim.compute.DeviceCompute`); None, the default: that family.
+    (:data:`dtrain.sim.compute.ATTENTION_KERNELS`: ``"cudnn"``, ``"fa2"``, ``"fa1"``), priced beside the family
+    the device's curves measured (:class:`dtrain.sim.compute.DeviceCompute`); None, the default: that family.
 
     Megatron-Core r0.8.0 (``megatron/core/distributed/distributed_data_parallel.py``): buckets of
     ``max(40,000,000, 1,000,000 x dp)`` parameters, bucketing off on every pipeline stage but the first ("data-

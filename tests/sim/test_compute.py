@@ -544,6 +544,43 @@ def test_the_shipped_curves_price_flashattention_2_at_its_measured_h200_rate_and
     extra = flops / 989.4e12 * (1 / h200["attention-fa2"](flops) - 1 / h200["attention"](flops))
     assert h100_fa2.attention_s(flops) - h100_own.attention_s(flops) == pytest.approx(extra)
     assert device_compute(989.4e12, 3350e9, attention_kernel="cudnn").attention_s(flops) == h100_own.attention_s(flops)
-    assert ATTENTION_KERNELS == ("cudnn", "fa2")
+    assert ATTENTION_KERNELS == ("cudnn", "fa2", "fa1")
     with pytest.raises(ValueError, match="attention_kernel 'flash'"):
         StepConfig(attention_kernel="flash")
+
+
+def test_flashattention_1_is_flashattention_2_slowed_by_the_papers_ratio_at_the_sequence_length() -> None:
+    """FlashAttention 1.x has no curve of its own: its kernel takes FlashAttention-2's time (the device's own
+    FlashAttention-2 price) times FlashAttention-2's speed over its own in the FlashAttention-2 paper's figures at
+    the same sequence length, causal or not; the H200 takes the H100's figures, and a device with none, or an
+    operation without its key count, is refused."""
+    from dtrain.sim.compute import FA1_SPEEDS, device_compute, fa1_slowdown, layer_ops, price
+    from dtrain.sim.model import Layout, ModelSpec
+
+    flops, k = 9e10, 3e-6
+    h100_fa2, h100_fa1 = (device_compute(989.4e12, 3350e9, attention_kernel=f) for f in ("fa2", "fa1"))
+    assert fa1_slowdown("h100-sxm", 2048) == pytest.approx(265 / 108)  # figure 7 (d): causal, head width 128
+    assert fa1_slowdown("h100-sxm", 2048, causal=False) == pytest.approx(320 / 128)  # figure 7 (b)
+    assert fa1_slowdown("h200-sxm", 2048) == fa1_slowdown("h100-sxm", 2048)
+    assert fa1_slowdown("a100-sxm", 4096) == pytest.approx(173 / 76)  # figure 4 (d)
+    between = fa1_slowdown("h100-sxm", 2896)  # 2048 * 2 ** 0.5: halfway in log(keys)
+    assert between == pytest.approx(2 / (108 / 265 + 126 / 294), rel=1e-4)  # the speeds' ratio interpolated
+    assert fa1_slowdown("h100-sxm", 128) == pytest.approx(163 / 98)  # held at the ends
+    assert fa1_slowdown("h100-sxm", 1 << 20) == pytest.approx(328 / 137)
+    assert all(fa2 > fa1 for points in FA1_SPEEDS.values() for row in points.values() for _, fa1, fa2 in row)
+    for causal in (True, False):
+        fa2_s = h100_fa2.attention_s(flops, causal=causal)
+        want = (fa2_s - k) * fa1_slowdown("h100-sxm", 2048, causal) + k
+        assert h100_fa1.attention_s(flops, causal=causal, keys=2048) == pytest.approx(want)
+    with pytest.raises(ValueError, match="needs the keys"):
+        h100_fa1.attention_s(flops)
+    with pytest.raises(ValueError, match="no published FlashAttention 1.x speed"):
+        device_compute(500e12, 1000e9, attention_kernel="fa1").attention_s(flops, keys=2048)
+    # a layer's attention kernels carry their key count: one GPT-3 175B layer on tp 4, FP8, sequence 2048
+    model = ModelSpec(parameters=175e9, layers=96, hidden=12288, heads=96, sequence=2048, vocab=50688)
+    layout = Layout(tp=4, micro_batch=1, global_batch=1, attention="flash", sequence_parallel=True)
+    kernels = [op for op in layer_ops(model, layout) if op.kind == "attention"]
+    assert kernels and {op.keys for op in kernels} == {2048}
+    assert sum(price(op, h100_fa1) for op in kernels) / sum(price(op, h100_fa2) for op in kernels) == pytest.approx(
+        265 / 108, rel=0.01
+    )
