@@ -2225,11 +2225,15 @@ def section_dropout() -> str:
         f"preset), {check['batch']} sequences of {check['seq_len']} tokens, bf16 autocast, fused AdamW, one optimizer "
         "step a call, variants timed in turns (median of 5 runs of 10 steps). `none`: no dropout; `torch`: 0.1 on "
         "the embedding, the attention probabilities and both residual branches by torch's generator (the fused "
-        "attention kernel drops inside); `dtrain`: the same probabilities by the hash, the attention written out "
-        "(its probabilities materialised, (B, H, T, T)); `dtrain-no-attention`: the hash on the embedding and "
-        "residual branches, none on the attention probabilities, so the fused attention kernel runs. `/ torch`: the "
-        "step's time over `torch`'s. Compiled: each block through `torch.compile`, as `dtrain train --compile` runs "
-        "it.",
+        "attention kernel drops inside); `dtrain`: the same probabilities by the hash, the attention probabilities "
+        "dropped inside dtrain's flash-attention kernel (`dtrain/models/attention_kernel.py`), as a model on a GPU "
+        "runs; "
+        "`dtrain-written-out`: the same masks with the attention written out (its probabilities materialised, "
+        "(B, H, T, T)), the CPU's path and the kernel's reference; `dtrain-no-attention`: the hash on the embedding "
+        "and residual branches, none on the attention probabilities, so torch's fused attention kernel runs. "
+        "`/ torch`: the step's time over `torch`'s. Compiled: each block through `torch.compile`, as "
+        "`dtrain train --compile` runs it. Peak memory counts every variant's model and optimizer state, all held "
+        "at once.",
         setting(
             f"1 x {check['device']}",
             f"torch {check['torch_version']}",
@@ -2238,9 +2242,11 @@ def section_dropout() -> str:
         ),
         table(["mode", "variant", "step ms", "tokens/s", "/ torch", "peak GiB"], rows),
         f"Checked in the same launch: the GPU kernel's masks equal the CPU's tensor form bit for bit "
-        f"({'yes' if check['masks_equal_cpu'] else 'no'}; {check['kept']:.4f} of the values kept at p = 0.1), and "
+        f"({'yes' if check['masks_equal_cpu'] else 'no'}; {check['kept']:.4f} of the values kept at p = 0.1); "
         f"the model on the whole batch and on four pieces, each under its rows, gives logits "
-        f"{check['pieces_max_abs_diff']:.1g} apart.",
+        f"{check['pieces_max_abs_diff']:.1g} apart; and in float32 the flash-attention kernel's logits are "
+        f"{check['written_out_max_abs_diff']:.1g} from the written-out attention's (logits up to "
+        f"{check['logits_max_abs']:.1f} in size).",
     ]
     if resumed:
         runs: dict[str, dict[int, float]] = {}

@@ -8,12 +8,17 @@ bf16 autocast, fused AdamW, one optimizer step a call, on this GPU, eager and wi
 - ``torch``: 0.1 everywhere (embedding, attention probabilities, both residual branches) drawn by torch's
   generator (``nn.Dropout``, and the fused attention kernel's own dropout);
 - ``dtrain``: 0.1 everywhere drawn by :mod:`dtrain.models.dropout` (a hash of the step, the site and each value's
-  place in the global batch; the attention written out, since the fused kernels take no mask);
+  place in the global batch), the attention probabilities dropped inside dtrain's flash-attention kernel
+  (:mod:`dtrain.models.attention_kernel`), as the model runs on a GPU;
+- ``dtrain-written-out``: the same masks, the attention written out (``Attention.flash_dropout`` False: scores,
+  softmax, the ``Dropout`` module, the product with the values), the path the kernel replaces and is checked
+  against;
 - ``dtrain-no-attention``: 0.1 on the embedding and residual branches, 0 on the attention probabilities, so the
   fused attention kernel runs.
 
-Before timing it checks on this device that the CUDA masks are the CPU's, bit for bit, and that the model on the
-whole batch and on four pieces (each under its rows) gives the same logits. Rows: ms a step (median of
+Before timing it checks on this device that the CUDA masks are the CPU's, bit for bit, that the model on the
+whole batch and on four pieces (each under its rows) gives the same logits, and how far the logits of the model
+in float32 through the kernel are from those through the written-out attention. Rows: ms a step (median of
 ``--trials`` runs of ``--iters`` steps), tokens/s, peak memory, and each variant's time over ``torch``'s.
 
     python benchmarks/training/dropout_cost.py --out benchmarks/results/dropout_cost-h200x1.jsonl
@@ -33,17 +38,20 @@ import torch
 
 from dtrain.models import dropout as dropouts
 from dtrain.models import preset
-from dtrain.models.decoder import Block, build
+from dtrain.models.decoder import Attention, Block, build
 
 SEQ = 1024
 
 
-def _model(p: float, attention: bool, device: torch.device, compiled: bool) -> torch.nn.Module:
+def _model(p: float, attention: bool, device: torch.device, compiled: bool, flash: bool = True) -> torch.nn.Module:
     config = dataclasses.replace(
         preset("gpt2", "124m"), resid_pdrop=p, embd_pdrop=p, attn_pdrop=p if attention else 0.0, n_positions=SEQ
     )
     torch.manual_seed(0)
     model = build(config, device=device)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.flash_dropout = flash
     if compiled:
         for module in model.modules():
             if isinstance(module, Block):
@@ -64,11 +72,14 @@ def _checks(device: torch.device) -> dict:
         for i, piece in enumerate(x.chunk(4)):
             with dropouts.rows(2 * i):
                 pieces.append(model(piece))
+        written = _model(0.1, True, device, False, flash=False)(x)
     dropouts.untracked()
     return {
         "masks_equal_cpu": bool(torch.equal(on_device, on_cpu)),
         "kept": on_cpu.float().mean().item(),
         "pieces_max_abs_diff": (torch.cat(pieces) - whole).abs().max().item(),
+        "written_out_max_abs_diff": (written - whole).abs().max().item(),
+        "logits_max_abs": whole.abs().max().item(),
     }
 
 
@@ -110,15 +121,20 @@ def main() -> None:
     }
     rows = [{"kind": "check", **machine, **_checks(device)}]
     print(json.dumps(rows[0]), file=sys.stderr, flush=True)
-    variants = {"none": (0.0, True, False), "torch": (0.1, True, False), "dtrain": (0.1, True, True)}
-    variants["dtrain-no-attention"] = (0.1, False, True)
+    variants = {  # p, attention dropout, tracked, flash kernel
+        "none": (0.0, True, False, True),
+        "torch": (0.1, True, False, True),
+        "dtrain": (0.1, True, True, True),
+        "dtrain-written-out": (0.1, True, True, False),
+        "dtrain-no-attention": (0.1, False, True, True),
+    }
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 50257, (args.batch, SEQ + 1), generator=gen).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     for mode in args.modes.split(","):
         steps, models = {}, {}
-        for name, (p, attention, tracked) in variants.items():
-            model = _model(p, attention, device, mode == "compiled")
+        for name, (p, attention, tracked, flash) in variants.items():
+            model = _model(p, attention, device, mode == "compiled", flash)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             models[name] = model
             steps[name] = _step_fn(model, opt, x, y, tracked, [0])

@@ -11,7 +11,8 @@ the parts themselves are ordinary modules.
 - :class:`Attention`: separate ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``; ``n_kv_heads`` key-value heads
   shared by groups of query heads (grouped-query attention, Ainslie et al. 2023); rotary position embeddings
   (Su et al. 2021) in the rotate-half layout of Hugging Face's Llama for Llama; causal
-  ``scaled_dot_product_attention`` (flash kernels on GPUs).
+  ``scaled_dot_product_attention`` (flash kernels on GPUs); with tracked attention dropout, the flash kernel of
+  :mod:`dtrain.models.attention_kernel` on GPUs, the attention written out elsewhere.
 - :class:`Head`: the final norm and ``lm_head``, tied to ``embed_tokens`` when the config says so (the same
   ``Parameter`` object).
 
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.models import attention_kernel
 from dtrain.models import dropout as dropouts
 from dtrain.models.config import GPT2Config, LlamaConfig, ModelConfig
 from dtrain.models.dropout import Dropout
@@ -110,7 +112,12 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with ``n_heads`` query heads and ``n_kv_heads`` key-value heads."""
+    """Causal self-attention with ``n_heads`` query heads and ``n_kv_heads`` key-value heads.
+
+    With attention dropout above 0 and tracked (:func:`dtrain.models.dropout.tracked`), the probabilities are
+    dropped by the hash of :class:`Dropout`: on a CUDA device with Triton, inside a flash-attention kernel
+    (:func:`dtrain.models.attention_kernel.attention`); elsewhere, or with ``flash_dropout`` False, by the
+    attention written out (:meth:`_dropped_attention`), whose mask the kernel's equals bit for bit."""
 
     tensor_parallel_plan = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
     tensor_parallel_shared_input = True  # q, k and v read the input unchanged
@@ -139,6 +146,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=out_bias)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.head_offset = 0  # the model's index of this module's first query head (tensor parallelism sets it)
+        self.flash_dropout = True  # tracked attention dropout in the flash kernel where it takes the inputs
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # the tables are made anew each forward: a value kept from one forward to the next would make a
@@ -161,15 +169,19 @@ class Attention(nn.Module):
         # grouped-query: each key-value head serves H / H_kv query heads, read in place (no repeated copies)
         grouped = k.shape[1] != q.shape[1]
         if p > 0.0 and dropouts.tracked():
-            y = self._dropped_attention(q, k, v)
+            if p < 1.0 and self.flash_dropout and attention_kernel.supports(q, k, v):
+                y = attention_kernel.attention(q, k, v, p, self.attn_dropout.salt, self.head_offset)
+            else:
+                y = self._dropped_attention(q, k, v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped)  # (B, H, T, D)
         return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(b, t, -1)))  # (B, T, C)
 
     def _dropped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention with the probabilities written out and dropped by :class:`Dropout` (each head's
-        mask from its index among the model's heads), as the fused kernels cannot take a mask: ``(B, H, T, T)``
-        scores in the inputs' dtype, the softmax computed in float32."""
+        mask from its index among the model's heads), as torch's fused kernels cannot take a mask: ``(B, H, T, T)``
+        scores in the inputs' dtype, the softmax computed in float32. The CPU's path, and the reference of the
+        GPU's flash kernel."""
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
