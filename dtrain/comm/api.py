@@ -19,7 +19,17 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm import arguments, native
-from dtrain.comm.arguments import check_algorithm, check_op, check_pair, check_root, check_tensor, group_info
+from dtrain.comm.arguments import (
+    check_algorithm,
+    check_op,
+    check_overlap,
+    check_pair,
+    check_root,
+    check_tensor,
+    check_written,
+    group_info,
+    writable,
+)
 from dtrain.comm.ir import algorithms as registry
 from dtrain.comm.ir.schedule import Collective
 from dtrain.comm.mpi.group import is_mpi_group
@@ -619,7 +629,7 @@ def _keep_fused(group, algorithm: str, op: str, tensor: torch.Tensor, ran: tuple
         window.calls += 1
         fused.run_fused(form, work, window, launch)
         if average:
-            work.div_(world)
+            native.divide(work, world)
         if not torch.cuda.is_current_stream_capturing():
             watchdog.watch(device, limit, _label(what, place, window.calls))
 
@@ -677,7 +687,22 @@ def _keep_native(
     ``run`` (torch.distributed's function)."""
     if not is_mpi_group(group) and output.is_contiguous() and input.is_contiguous() and not output.is_complex():
         direct = native.direct(coll.value, group if on is None else on, op=op, root=root)
-        if direct is not None:
+        if direct is not None and coll is Collective.ALL_TO_ALL:
+
+            def again(o: torch.Tensor, i: torch.Tensor) -> bool:
+                # in place, the backend's own would read blocks it has already written: the long way copies
+                return o.is_contiguous() and i.is_contiguous() and o.data_ptr() != i.data_ptr() and direct(o, i)
+
+            run = again
+        elif direct is not None and coll in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+
+            def again(o: torch.Tensor, i: torch.Tensor) -> bool:
+                # Gloo's own writes o through autograd's guards: the long way writes where they let it (writable)
+                guarded = o.requires_grad or o.is_inference()
+                return o.is_contiguous() and i.is_contiguous() and not guarded and direct(o, i)
+
+            run = again
+        elif direct is not None:
 
             def again(o: torch.Tensor, i: torch.Tensor) -> bool:
                 return o.is_contiguous() and i.is_contiguous() and direct(o, i)
@@ -785,7 +810,7 @@ def _one_pass(coll, algorithm, chosen, group, output, input, numel: int, op: str
         window.calls += 1
         run(out, inp)
         if average:
-            out.div_(world)
+            native.divide(out, world)
         if not torch.cuda.is_current_stream_capturing():
             watchdog.watch(device, limit, _label(what, place, window.calls))
         return True
@@ -949,7 +974,8 @@ def _scratch(group, like: torch.Tensor, numel: int | None = None) -> torch.Tenso
     key = (like.device, like.dtype, size, stream, threading.get_ident())
     work = kept.pop(key, None)
     if work is None:
-        work = torch.empty(size, dtype=like.dtype, device=like.device)
+        with torch.inference_mode(False):  # kept for calls outside inference mode too
+            work = torch.empty(size, dtype=like.dtype, device=like.device)
         while len(kept) >= SCRATCH_KEPT:
             kept.pop(next(iter(kept)), None)
     kept[key] = work  # most recently used last
@@ -1046,9 +1072,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
     """Reduce ``tensor`` over the group; every rank ends with the result, in place."""
     if _fast_all_reduce(tensor, op, group, algorithm):
         return tensor
+    with writable(tensor):
+        return _all_reduce(tensor, op, group, algorithm)
+
+
+def _all_reduce(tensor: torch.Tensor, op: str, group, algorithm: str) -> torch.Tensor:
+    """:func:`all_reduce` past its kept path, in the context :func:`~dtrain.comm.arguments.writable` gives."""
     group = default_group(group)
     what = "all_reduce"
     check_tensor(tensor, "tensor", what)
+    check_written(tensor, "tensor", what)
     check_op(op, tensor.dtype, what)
     rank, world, chosen, local = _prepare(Collective.ALL_REDUCE, algorithm, group, tensor.numel(), tensor, what)
     fusable = algorithm != "auto" or chosen not in fused.FORMS or not tensor.is_cuda
@@ -1081,10 +1114,18 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, algorithm: str = "auto
     fast = _fast(coll, group, algorithm, src, tensor, tensor)
     if fast is not None and fast(tensor, tensor):
         return tensor
+    with writable(tensor):
+        return _broadcast(tensor, src, group, algorithm)
+
+
+def _broadcast(tensor: torch.Tensor, src: int, group, algorithm: str) -> torch.Tensor:
+    """:func:`broadcast` past its kept path, in the context :func:`~dtrain.comm.arguments.writable` gives."""
+    coll = Collective.BROADCAST
     group = default_group(group)
     what = "broadcast"
     check_tensor(tensor, "tensor", what)
-    check_root(src, group_info(group, what)[1], "src", what)
+    check_written(tensor, "tensor", what)
+    src = check_root(src, group_info(group, what)[1], "src", what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, tensor.numel(), tensor, what)
     chosen = _one_pass_first(coll, algorithm, chosen, group, tensor, tensor, root=src)
     if chosen is None:
@@ -1111,11 +1152,21 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorith
     fast = _fast(coll, group, algorithm, (dst, op), tensor, tensor)
     if fast is not None and fast(tensor, tensor):
         return tensor
+    with writable(tensor):
+        return _reduce(tensor, dst, op, group, algorithm)
+
+
+def _reduce(tensor: torch.Tensor, dst: int, op: str, group, algorithm: str) -> torch.Tensor:
+    """:func:`reduce` past its kept path, in the context :func:`~dtrain.comm.arguments.writable` gives."""
+    coll = Collective.REDUCE
     group = default_group(group)
     what = "reduce"
     check_tensor(tensor, "tensor", what)
     check_op(op, tensor.dtype, what)
-    check_root(dst, group_info(group, what)[1], "dst", what)
+    rank, world = group_info(group, what)
+    dst = check_root(dst, world, "dst", what)
+    if rank == dst:  # the other ranks' tensors are only read
+        check_written(tensor, "tensor", what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, tensor.numel(), tensor, what)
     chosen = _one_pass_first(coll, algorithm, chosen, group, tensor, tensor, op=op, root=dst)
     if chosen is None:
@@ -1138,7 +1189,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorith
             if not _run_direct_reduce(t, dst, op, group, world):
                 return False
             if rank == dst and op == "avg":
-                t.div_(world)
+                native.divide(t, world)
             return True
 
         if rank == dst and op == "avg":
@@ -1163,9 +1214,16 @@ def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "au
 
     ``avg`` gives the mean of the prefix, op(x_0..x_r) / (r + 1).
     """
+    with writable(tensor):
+        return _scan(tensor, op, group, algorithm)
+
+
+def _scan(tensor: torch.Tensor, op: str, group, algorithm: str) -> torch.Tensor:
+    """:func:`scan`, in the context :func:`~dtrain.comm.arguments.writable` gives."""
     group = default_group(group)
     what = "scan"
     check_tensor(tensor, "tensor", what)
+    check_written(tensor, "tensor", what)
     check_op(op, tensor.dtype, what)
     rank, world, chosen, local = _prepare(Collective.SCAN, algorithm, group, tensor.numel(), tensor, what)
     if chosen in NATIVE_CHOICES:
@@ -1186,12 +1244,21 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     fast = _fast(coll, group, algorithm, None, output, input)
     if fast is not None and fast(output, input):
         return output
+    with writable(output, input):
+        return _all_gather(output, input, group, algorithm)
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group, algorithm: str) -> torch.Tensor:
+    """:func:`all_gather` past its kept path, in the context :func:`~dtrain.comm.arguments.writable` gives."""
+    coll = Collective.ALL_GATHER
     group = default_group(group)
     what = "all_gather"
     check_tensor(input, "input", what)
     check_tensor(output, "output", what)
     rank, world = group_info(group, what)
     check_pair(output, input, world * input.numel(), what)
+    check_written(output, "output", what)
+    check_overlap(output, input, rank, what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, output.numel(), output, what)
     chosen = _one_pass_first(coll, algorithm, chosen, group, output, input)
     if chosen is None:
@@ -1216,14 +1283,23 @@ def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group=Non
     fast = _fast(coll, group, algorithm, dst, input if output is None else output, input)
     if fast is not None and fast(input if output is None else output, input):
         return output
+    with writable(output, input):
+        return _gather(output, input, dst, group, algorithm)
+
+
+def _gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group, algorithm: str):
+    """:func:`gather` past its kept path, in the context :func:`~dtrain.comm.arguments.writable` gives."""
+    coll = Collective.GATHER
     group = default_group(group)
     what = "gather"
     check_tensor(input, "input", what)
     rank, world = group_info(group, what)
-    check_root(dst, world, "dst", what)
+    dst = check_root(dst, world, "dst", what)
     if rank == dst:
         check_tensor(output, "output", what)
         check_pair(output, input, world * input.numel(), what)
+        check_written(output, "output", what)
+        check_overlap(output, input, rank, what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, world * input.numel(), input, what)
     # in one pass a rank but the root writes nothing: its input stands in for the output it has not
     chosen = _one_pass_first(coll, algorithm, chosen, group, output if rank == dst else input, input, root=dst)
@@ -1250,14 +1326,23 @@ def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group=No
     fast = _fast(coll, group, algorithm, src, output, output if input is None else input)
     if fast is not None and fast(output, output if input is None else input):
         return output
+    with writable(output, input):
+        return _scatter(output, input, src, group, algorithm)
+
+
+def _scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group, algorithm: str):
+    """:func:`scatter` past its kept path, in the context :func:`~dtrain.comm.arguments.writable` gives."""
+    coll = Collective.SCATTER
     group = default_group(group)
     what = "scatter"
     check_tensor(output, "output", what)
+    check_written(output, "output", what)
     rank, world = group_info(group, what)
-    check_root(src, world, "src", what)
+    src = check_root(src, world, "src", what)
     if rank == src:
         check_tensor(input, "input", what)
         check_pair(input, output, world * output.numel(), what, names=("input", "output"))
+        check_overlap(input, output, rank, what, names=("input", "output"))
     m = output.numel()
     rank, world, chosen, local = _prepare(coll, algorithm, group, world * m, output, what)
     # in one pass a rank but the root puts nothing in: its output stands in for the input it has not
@@ -1283,6 +1368,13 @@ def reduce_scatter(
     fast = _fast(coll, group, algorithm, op, output, input)
     if fast is not None and fast(output, input):
         return output
+    with writable(output, input):
+        return _reduce_scatter(output, input, op, group, algorithm)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group, algorithm: str) -> torch.Tensor:
+    """:func:`reduce_scatter` past its kept path, in the context :func:`~dtrain.comm.arguments.writable` gives."""
+    coll = Collective.REDUCE_SCATTER
     group = default_group(group)
     what = "reduce_scatter"
     check_tensor(input, "input", what)
@@ -1290,6 +1382,8 @@ def reduce_scatter(
     check_op(op, input.dtype, what)
     rank, world = group_info(group, what)
     check_pair(input, output, world * output.numel(), what, names=("input", "output"))
+    check_written(output, "output", what)
+    in_place = check_overlap(input, output, rank, what, names=("input", "output"))
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
     chosen = _one_pass_first(coll, algorithm, chosen, group, output, input, op=op)
     if chosen is None:
@@ -1301,7 +1395,8 @@ def reduce_scatter(
         _keep_native(coll, group, algorithm, op, output, input, keep, op=op, on=on)
         return run(output, input, op, on)
     m = output.numel()
-    if input.is_contiguous() and output.is_contiguous() and _out_of_place(coll, chosen, group, input, local):
+    contiguous = input.is_contiguous() and output.is_contiguous()
+    if contiguous and not in_place and _out_of_place(coll, chosen, group, input, local):
         mine = output.view(-1)
         _run(coll, chosen, input.view(-1), group, op, local_size=local, out=mine)  # reads input, writes mine
     else:
@@ -1337,6 +1432,13 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     fast = _fast(coll, group, algorithm, None, output, input)
     if fast is not None and fast(output, input):
         return output
+    with writable(output, input):
+        return _all_to_all(output, input, group, algorithm)
+
+
+def _all_to_all(output: torch.Tensor, input: torch.Tensor, group, algorithm: str) -> torch.Tensor:
+    """:func:`all_to_all` past its kept path, in the context :func:`~dtrain.comm.arguments.writable` gives."""
+    coll = Collective.ALL_TO_ALL
     group = default_group(group)
     what = "all_to_all"
     check_tensor(input, "input", what)
@@ -1345,6 +1447,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, algorithm:
     check_pair(output, input, input.numel(), what)
     if input.numel() % world:
         raise ValueError(f"all_to_all: input has {input.numel()} elements, not a multiple of the group size {world}")
+    check_written(output, "output", what)
+    check_overlap(output, input, 0, what)
     rank, world, chosen, local = _prepare(coll, algorithm, group, input.numel(), input, what)
     chosen = _one_pass_first(coll, algorithm, chosen, group, output, input)
     if chosen is None:

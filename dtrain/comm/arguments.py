@@ -5,6 +5,8 @@ Each check raises ``ValueError`` that names the call, the argument, the value an
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import os
 
 import torch
@@ -25,7 +27,10 @@ __all__ = [
     "check_op",
     "check_root",
     "check_pair",
+    "check_written",
+    "check_overlap",
     "check_algorithm",
+    "writable",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
@@ -82,9 +87,18 @@ def check_op(op: str, dtype: torch.dtype, what: str) -> None:
         raise ValueError(f"{what}: op 'avg' needs a floating dtype, got {dtype}")
 
 
-def check_root(root: int, world: int, name: str, what: str) -> None:
-    if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < world:
+def check_root(root: int, world: int, name: str, what: str) -> int:
+    """``root`` as the int it names: an int, or any integer that says so (a NumPy integer, a one-element integer
+    tensor), as torch.distributed takes them; never a bool, a float or text."""
+    try:
+        index = operator.index(root) if not isinstance(root, bool) else None
+    except TypeError:
+        index = None
+    if index is None:
+        raise ValueError(f"{what}: {name}={root!r} is not a rank of the group: an int in 0..{world - 1}")
+    if not 0 <= index < world:
         raise ValueError(f"{what}: {name}={root!r} is outside the group's ranks 0..{world - 1}")
+    return index
 
 
 def check_pair(
@@ -99,6 +113,62 @@ def check_pair(
         raise ValueError(f"{what}: {first} is on {out.device} but {second} is on {inp.device}")
     if out.numel() != out_numel:
         raise ValueError(f"{what}: {first} has {out.numel()} elements, expected {out_numel}")
+
+
+def check_written(t: torch.Tensor, name: str, what: str) -> None:
+    """``t``, which the call writes, has no two elements in one place: a stride of 0 over more than one element (an
+    expanded view) would take several results in one element; refused before a byte is sent, where a copy into it
+    after the exchange would fail. Other layouts that overlap themselves are left to torch, as its own ``copy_``
+    leaves them (``as_strided`` views: telling takes more than the strides)."""
+    if not t.is_contiguous() and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride(), strict=True)):
+        raise ValueError(
+            f"{what}: {name} has elements that share memory (a stride of 0 over {tuple(t.shape)}, an expanded view); "
+            "the result needs a tensor with memory of its own (clone() it)"
+        )
+
+
+def check_overlap(
+    whole: torch.Tensor, part: torch.Tensor, block: int, what: str, names: tuple[str, str] = ("output", "input")
+) -> bool:
+    """Whether ``part`` is block ``block`` of ``whole`` (blocks of ``part``'s size) in memory, an in-place call: an
+    all-gather's or a gather's input in its output, a reduce-scatter's or a scatter's output in its input, an
+    all-to-all's output its input (block 0 of the same size). ``ValueError`` where the two overlap otherwise, as
+    the exchange would read what it has already written. ``names``: what the call calls ``whole`` and ``part``.
+    Decided where both are contiguous, from their addresses; overlaps between other layouts are left to the copies
+    the calls make of such tensors (torch's own ``copy_`` cannot tell them apart either)."""
+    if not (whole.is_contiguous() and part.is_contiguous()) or whole.numel() == 0 or part.numel() == 0:
+        return False
+    size = whole.element_size()
+    start, end = whole.data_ptr(), whole.data_ptr() + whole.numel() * size
+    at = part.data_ptr()
+    if at >= end or at + part.numel() * size <= start:
+        return False
+    if at == start + block * part.numel() * size:
+        return True
+    first, second = names
+    alias = f"{first} itself" if whole.numel() == part.numel() else f"{first}'s block {block}"
+    raise ValueError(
+        f"{what}: {first} and {second} overlap in memory; they may share it only in an in-place call, {second} being "
+        f"{alias} (on this rank)"
+    )
+
+
+def writable(*tensors) -> contextlib.AbstractContextManager:
+    """Where a call writes into its tensors in place: a context in which autograd lets it, as torch.distributed's
+    own calls write such tensors (in C++, where autograd does not look). ``torch.inference_mode()`` where one is an
+    inference tensor and inference mode is off; ``torch.no_grad()`` where one requires grad and grad mode is on (a
+    parameter, or a view of one: an in-place write would raise, after the exchange began, and a copy from an input
+    that requires grad would give the output autograd history); else nothing."""
+    grad = inference = False
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            grad = grad or t.requires_grad
+            inference = inference or t.is_inference()
+    if inference and not torch.is_inference_mode_enabled():
+        return torch.inference_mode()
+    if grad and torch.is_grad_enabled():
+        return torch.no_grad()
+    return contextlib.nullcontext()
 
 
 def check_algorithm(coll: Collective, algorithm: str, world: int, group, what: str) -> int | None:

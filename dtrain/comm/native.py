@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dtrain.comm.arguments import writable
+
 __all__ = [
     "WIDE_CTAS",
     "wide_group",
@@ -25,6 +27,7 @@ __all__ = [
     "scatter",
     "all_to_all",
     "scan",
+    "divide",
 ]
 
 _OPS = {
@@ -85,15 +88,27 @@ def _in_place(tensor: torch.Tensor, fn) -> torch.Tensor:
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     fn(work)
     if work is not tensor:
-        tensor.copy_(work)
+        with writable(tensor):
+            tensor.copy_(work)
     return tensor
+
+
+def divide(tensor: torch.Tensor, n: int) -> None:
+    """``tensor /= n`` in place (an average, after the sum), also where autograd guards ``tensor`` against writes
+    in place (it requires grad, or is an inference tensor outside inference mode), as the collective before it
+    wrote it: see :func:`dtrain.comm.arguments.writable`."""
+    if tensor.requires_grad or tensor.is_inference():
+        with writable(tensor):
+            tensor.div_(n)
+    else:
+        tensor.div_(n)
 
 
 def all_reduce(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
     def run(t: torch.Tensor) -> None:
         dist.all_reduce(t, _OPS[op], group=group)
         if op == "avg":
-            t.div_(dist.get_world_size(group))
+            divide(t, dist.get_world_size(group))
 
     return _in_place(tensor, run)
 
@@ -125,7 +140,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: str, group) -> torch.Tensor:
     def run(t: torch.Tensor) -> None:
         dist.reduce(t, _global(group, dst), _OPS[op], group=group)
         if op == "avg" and rank == dst:
-            t.div_(dist.get_world_size(group))
+            divide(t, dist.get_world_size(group))
 
     _in_place(work, run)
     return tensor
@@ -146,7 +161,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group) ->
     def run(o: torch.Tensor) -> None:
         reduce_scatter_single(o.view(-1), input.contiguous().view(-1), _OPS[op], group=group)
         if op == "avg":
-            o.div_(dist.get_world_size(group))
+            divide(o, dist.get_world_size(group))
 
     return _in_place(output, run)
 
@@ -157,7 +172,8 @@ def gather(output: torch.Tensor | None, input: torch.Tensor, dst: int, group):
     parts = [torch.empty_like(flat) for _ in range(world)] if rank == dst else None
     dist.gather(flat, parts, dst=_global(group, dst), group=group)
     if rank == dst:
-        output.copy_(torch.cat(parts).view(output.shape))
+        with writable(output):
+            output.copy_(torch.cat(parts).view(output.shape))
     return output
 
 
@@ -168,7 +184,9 @@ def scatter(output: torch.Tensor, input: torch.Tensor | None, src: int, group) -
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
-    return _in_place(output, lambda o: dist.all_to_all_single(o.view(-1), input.contiguous().view(-1), group=group))
+    # in place (output is input), Gloo's and NCCL's own would read blocks they have already written: a copy
+    flat = input.clone().view(-1) if output.data_ptr() == input.data_ptr() else input.contiguous().view(-1)
+    return _in_place(output, lambda o: dist.all_to_all_single(o.view(-1), flat, group=group))
 
 
 def scan(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
@@ -187,7 +205,8 @@ def scan(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
         result = rows.amin(0)
     if op == "avg":
         result = result / (rank + 1)
-    tensor.copy_(result.view(tensor.shape))
+    with writable(tensor):
+        tensor.copy_(result.view(tensor.shape))
     return tensor
 
 
@@ -277,7 +296,7 @@ def direct(coll: str, group, op: str = "sum", root: int = 0):
         if work is not None:
             work.wait()
         if average:
-            output.div_(world)
+            divide(output, world)
         return True
 
     return run

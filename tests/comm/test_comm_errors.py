@@ -20,6 +20,15 @@ BAD_INPUT = {
     "not_tensor": "must be a torch.Tensor",
     "hierarchical_no_nodes": "needs the node size",
     "scatter_input": "scatter: input has 5 elements, expected 4",
+    "all_gather_overlap": "all_gather: output and input overlap in memory",
+    "reduce_scatter_overlap": "reduce_scatter: input and output overlap in memory",
+    "all_to_all_overlap": "all_to_all: output and input overlap in memory",
+    "gather_overlap": "gather: output and input overlap in memory",
+    "scatter_overlap": "scatter: input and output overlap in memory",
+    "expanded": "all_reduce: tensor has elements that share memory",
+    "expanded_output": "all_gather: output has elements that share memory",
+    "src_float": "broadcast: src=1.0 is not a rank of the group",
+    "dst_text": "gather: dst='0' is not a rank of the group",
 }
 
 
@@ -28,6 +37,13 @@ def test_bad_input_raises_value_error_naming_the_problem(pool, case, words):
     # Only rank 0 calls: had anything been sent, the next collective on the group would go wrong.
     (message,) = pool.run(jobs.bad_input, case, ranks=[0])
     assert words in message
+
+
+def test_a_root_given_as_a_numpy_integer_or_an_integer_tensor_is_that_rank(pool):
+    # broadcast from rank 1, reduce into it, gather to it, scatter from it: once with np.int64(1), once with tensor(1)
+    rank0 = [[1.0] * 3, [1.0] * 3, [], [0.0, 1.0]]
+    rank1 = [[1.0] * 3, [3.0] * 3, [0.0, 0.0, 1.0, 1.0], [2.0, 3.0]]
+    assert pool.run(jobs.integer_roots, ranks=2) == [rank0 * 2, rank1 * 2]
 
 
 def test_group_still_works_after_bad_input(pool):

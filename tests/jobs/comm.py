@@ -72,9 +72,11 @@ def _expected(coll: str, inputs: list[torch.Tensor], rank: int, op: str, root: i
     return None
 
 
-def _call(coll: str, inp: torch.Tensor, rank: int, world: int, op: str, root: int, group, algorithm: str):
-    """Run one collective; return the tensor that holds this rank's result."""
+def _call(coll: str, inp: torch.Tensor, rank: int, world: int, op: str, root: int, group, algorithm: str, made=None):
+    """Run one collective; return the tensor that holds this rank's result. ``made``: what becomes of each output
+    tensor the call writes besides its input (default: it stays a plain tensor)."""
     m = inp.numel()
+    made = made or (lambda t: t)
     if coll in ("all_reduce", "scan"):
         getattr(comm, coll)(inp, op=op, group=group, algorithm=algorithm)
         return inp
@@ -85,23 +87,23 @@ def _call(coll: str, inp: torch.Tensor, rank: int, world: int, op: str, root: in
         comm.broadcast(inp, root, group=group, algorithm=algorithm)
         return inp
     if coll == "all_gather":
-        out = torch.full((world * m,), -7, dtype=inp.dtype)
+        out = made(torch.full((world * m,), -7, dtype=inp.dtype))
         comm.all_gather(out, inp, group=group, algorithm=algorithm)
         return out
     if coll == "gather":
-        out = torch.full((world * m,), -7, dtype=inp.dtype) if rank == root else None
+        out = made(torch.full((world * m,), -7, dtype=inp.dtype)) if rank == root else None
         comm.gather(out, inp, root, group=group, algorithm=algorithm)
         return out
     if coll == "reduce_scatter":
-        out = torch.full((m // world,), -7, dtype=inp.dtype)
+        out = made(torch.full((m // world,), -7, dtype=inp.dtype))
         comm.reduce_scatter(out, inp, op=op, group=group, algorithm=algorithm)
         return out
     if coll == "scatter":
-        out = torch.full((m // world,), -7, dtype=inp.dtype)
+        out = made(torch.full((m // world,), -7, dtype=inp.dtype))
         comm.scatter(out, inp if rank == root else None, root, group=group, algorithm=algorithm)
         return out
     if coll == "all_to_all":
-        out = torch.full((m,), -7, dtype=inp.dtype)
+        out = made(torch.full((m,), -7, dtype=inp.dtype))
         comm.all_to_all(out, inp, group=group, algorithm=algorithm)
         return out
     raise ValueError(coll)
@@ -240,6 +242,7 @@ def missing_peer(coll: str, algorithm: str, timeout_s: float, round_timeout_s: f
 def bad_input(case: str) -> str:
     """Call with bad local input on one rank alone (nothing may be sent); return the error text."""
     group = group_of(2)
+    spare = torch.arange(8.0)  # what the overlapping calls slice
     calls = {
         "op": lambda: comm.all_reduce(torch.ones(4), op="mean", group=group),
         "avg_int": lambda: comm.all_reduce(torch.ones(4, dtype=torch.int32), op="avg", group=group),
@@ -254,6 +257,16 @@ def bad_input(case: str) -> str:
         "not_tensor": lambda: comm.all_reduce([1.0, 2.0], group=group),
         "hierarchical_no_nodes": lambda: comm.all_reduce(torch.ones(4), group=group, algorithm="hierarchical"),
         "scatter_input": lambda: comm.scatter(torch.empty(2), torch.ones(5), 0, group=group),
+        # (algorithms named: a call the group already made with the same sizes would skip its checks)
+        "all_gather_overlap": lambda: comm.all_gather(spare, spare[1:5], group=group, algorithm="ring"),
+        "reduce_scatter_overlap": lambda: comm.reduce_scatter(spare[1:5], spare, group=group, algorithm="ring"),
+        "all_to_all_overlap": lambda: comm.all_to_all(spare[2:6], spare[:4], group=group, algorithm="direct"),
+        "gather_overlap": lambda: comm.gather(spare, spare[2:6], 0, group=group, algorithm="star"),
+        "scatter_overlap": lambda: comm.scatter(spare[3:7], spare, 0, group=group, algorithm="star"),
+        "expanded": lambda: comm.all_reduce(torch.ones(1).expand(4), group=group, algorithm="ring"),
+        "expanded_output": lambda: comm.all_gather(torch.zeros(1).expand(8), torch.ones(4), group=group),
+        "src_float": lambda: comm.broadcast(torch.ones(4), 1.0, group=group, algorithm="tree"),
+        "dst_text": lambda: comm.gather(torch.empty(8), torch.ones(4), "0", group=group, algorithm="star"),
     }
     before = torch.ones(4)
     try:
@@ -392,3 +405,138 @@ def repeated_calls_take_the_kept_path() -> dict:
         "kept": len(FAST) >= 6,
         "through_torch": sorted(through_torch),
     }
+
+
+def _guarded(kind: str, values: torch.Tensor, call: int) -> torch.Tensor:
+    """``values`` in a tensor autograd guards against writes in place: ``kind`` "grad", a parameter on the first
+    ``call`` and a plain tensor that requires grad after (which the kept path of a repeated call takes), or
+    "inference", a tensor made under ``torch.inference_mode()`` (and written outside it)."""
+    if kind == "grad":
+        return torch.nn.Parameter(values.clone()) if call == 0 else values.clone().requires_grad_()
+    with torch.inference_mode():
+        return values.clone()
+
+
+def guarded_tensors(kind: str, transport: str = "p2p") -> list[str]:
+    """Every collective and algorithm on 2 ranks with every tensor of the call one autograd guards
+    (:func:`_guarded`), three times with the same sizes (the last on the kept path), sums and averages; the
+    mismatches with the reference, results that took autograd history, and inputs that changed."""
+    group = group_of(2)
+    rank, world = dist.get_rank(group), 2
+    os.environ["DTRAIN_COMM_TRANSPORT"] = transport
+    problems, seed = [], 0
+    try:
+        for coll in (*REDUCING, "broadcast", *BLOCKED):
+            for algorithm in (a for a in comm.algorithms(coll) if a != "hierarchical"):
+                for op in ("sum", "avg") if coll in REDUCING else ("sum",):
+                    for call in range(3):
+                        seed += 1
+                        inputs = [_input(r, 3 * world, torch.float32, seed, op) for r in range(world)]
+                        mine = _guarded(kind, inputs[rank], call)
+                        made = lambda t, call=call: _guarded(kind, t, call)  # noqa: E731
+                        got = _call(coll, mine, rank, world, op, 1, group, algorithm, made=made)
+                        where = f"{coll}/{algorithm} op={op} call {call}"
+                        if coll in BLOCKED and not torch.equal(mine.detach(), inputs[rank]):
+                            problems.append(f"{where}: the input was changed")
+                        want = _expected(coll, inputs, rank, op, 1)
+                        if want is None:
+                            continue
+                        if got.grad_fn is not None:
+                            problems.append(f"{where}: the result took autograd history ({got.grad_fn})")
+                        if not torch.allclose(got.detach().double().reshape(-1), want.reshape(-1)):
+                            problems.append(f"{where}: {got.detach().tolist()} not {want.tolist()}")
+    finally:
+        os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    return problems
+
+
+def inference_mode_first(transport: str) -> list[list[float]]:
+    """On 3 ranks, from a fresh start (the group's state dropped, no work buffers kept): an all-gather (star: rank 0
+    packs messages in a work buffer) and an all-reduce called under ``torch.inference_mode()``, then the same calls
+    outside it; what each returned. What a call keeps for the next (work buffers, peer windows) must serve calls
+    outside inference mode too."""
+    from dtrain.comm import state
+    from dtrain.comm.p2p import runtime
+
+    group = group_of(3)
+    rank = dist.get_rank(group)
+    state.release(group)
+    runtime._SCRATCH.buffers.clear()
+    os.environ["DTRAIN_COMM_TRANSPORT"] = transport
+    results = []
+    try:
+        for inside in (True, False):
+            with torch.inference_mode(inside):
+                gathered = torch.empty(6)
+                comm.all_gather(gathered, torch.full((2,), float(rank)), group=group, algorithm="star")
+                summed = torch.full((5,), float(rank + 1))
+                comm.all_reduce(summed, group=group, algorithm="ring")
+            results += [gathered.tolist(), summed.tolist()]
+    finally:
+        os.environ.pop("DTRAIN_COMM_TRANSPORT", None)
+    return results
+
+
+def in_place_calls(world: int) -> list[str]:
+    """Every algorithm of the collectives that write an output besides their input, called in place: the
+    all-gather's input this rank's block of its output, the reduce-scatter's output this rank's block of its
+    input, the all-to-all's output its input, the gather's input the root's own block of its output, the
+    scatter's output the root's own block of its input. Each after an out-of-place call with the same sizes (which
+    the kept path remembers); the mismatches with the reference."""
+    group = group_of(world)
+    rank = dist.get_rank(group)
+    m, root, problems = 3, world - 1, []
+    for coll in BLOCKED:
+        for algorithm in comm.algorithms(coll):
+            if algorithm == "hierarchical":
+                continue
+            for in_place in (False, True):
+                n = m * world if coll in ("reduce_scatter", "scatter", "all_to_all") else m
+                inputs = [_input(r, n, torch.float32, 7 + world, "sum") for r in range(world)]
+                want = _expected(coll, inputs, rank, "sum", root)
+                if not in_place:
+                    got = _call(coll, inputs[rank].clone(), rank, world, "sum", root, group, algorithm)
+                elif coll == "all_gather":
+                    got = torch.full((world * m,), -7.0)
+                    got[rank * m : (rank + 1) * m] = inputs[rank]
+                    comm.all_gather(got, got[rank * m : (rank + 1) * m], group=group, algorithm=algorithm)
+                elif coll == "reduce_scatter":
+                    x = inputs[rank].clone()
+                    comm.reduce_scatter(x[rank * m : (rank + 1) * m], x, group=group, algorithm=algorithm)
+                    got = x[rank * m : (rank + 1) * m]
+                elif coll == "all_to_all":
+                    got = inputs[rank].clone()
+                    comm.all_to_all(got, got, group=group, algorithm=algorithm)
+                elif coll == "gather":
+                    got = torch.full((world * m,), -7.0) if rank == root else None
+                    mine = got[rank * m : (rank + 1) * m] if rank == root else inputs[rank].clone()
+                    mine.copy_(inputs[rank])
+                    comm.gather(got, mine, root, group=group, algorithm=algorithm)
+                else:
+                    whole = inputs[rank].clone() if rank == root else None
+                    got = whole[rank * m : (rank + 1) * m] if rank == root else torch.full((m,), -7.0)
+                    comm.scatter(got, whole, root, group=group, algorithm=algorithm)
+                if want is not None and not torch.equal(got.double(), want):
+                    problems.append(f"{coll}/{algorithm} in_place={in_place}: {got.tolist()} not {want.tolist()}")
+    return problems
+
+
+def integer_roots() -> list[list[float]]:
+    """A broadcast, reduce, gather and scatter on 2 ranks with the root given as a NumPy integer and as a
+    one-element integer tensor (what rank arithmetic often yields; torch.distributed takes them): the results."""
+    import numpy as np
+
+    group = group_of(2)
+    rank = dist.get_rank(group)
+    results = []
+    for root in (np.int64(1), torch.tensor(1)):
+        t = torch.full((3,), float(rank))
+        comm.broadcast(t, root, group=group, algorithm="tree")
+        s = torch.full((3,), float(rank + 1))
+        comm.reduce(s, root, group=group, algorithm="ring")
+        g = torch.empty(4) if rank == 1 else None
+        comm.gather(g, torch.full((2,), float(rank)), root, group=group, algorithm="star")
+        o = torch.empty(2)
+        comm.scatter(o, torch.arange(4.0) if rank == 1 else None, root, group=group, algorithm="tree")
+        results += [t.tolist(), s.tolist(), [] if g is None else g.tolist(), o.tolist()]
+    return results

@@ -60,7 +60,9 @@ REDUCE_OPS: dict[str, ReduceFn] = {"sum": _sum, "avg": _sum, "prod": _prod, "max
 
 
 class _Scratch(threading.local):
-    """One growing flat buffer per (device, dtype) and thread, reused across calls."""
+    """One growing flat buffer per (device, dtype) and thread, reused across calls (made outside inference mode
+    whatever the call's: a buffer made under ``torch.inference_mode()`` would refuse the writes of later calls
+    outside it)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -69,7 +71,8 @@ class _Scratch(threading.local):
         key = (like.device, like.dtype)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
+            with torch.inference_mode(False):
+                buf = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
             self.buffers[key] = buf
         return buf
 

@@ -296,7 +296,8 @@ def one_pass(form: str, window, dtype: torch.dtype, numel: int, root: int = 0):
             peers = [peers[root][rank * block : (rank + 1) * block]]
         return mine, peers
 
-    banks = (views(0), views(1))
+    with torch.inference_mode(False):  # kept for later calls, in inference mode or not
+        banks = (views(0), views(1))
     # the gather kernel's source: where in a window, and how many bytes, is each peer's block
     offset, nbytes = (rank * block, block) if form == "exchange" else (0, numel)
     offset, nbytes = offset * dtype.itemsize, nbytes * dtype.itemsize

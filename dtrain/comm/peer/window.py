@@ -214,10 +214,8 @@ class PeerWindow:
         self.bank = 0
         self.pending = False
         _same_shape(self.group, self.nbytes, layout, self._via)
-        if device.type == "cuda":
-            self.buffers = self._map_cuda()
-        else:
-            self.buffers = self._map_shared_files()
+        with torch.inference_mode(False):  # a window made under inference mode serves the calls outside it too
+            self.buffers = self._map_cuda() if device.type == "cuda" else self._map_shared_files()
 
     def _map_cuda(self) -> list[torch.Tensor]:
         import torch.distributed._symmetric_memory as symm_mem
@@ -297,12 +295,15 @@ class PeerWindow:
             if len(self._local) >= 64:
                 self._local.clear()
             mine = self._mine if self._handle is not None else self.buffers[self.rank]
-            view = self._local[key] = mine[: numel * dtype.itemsize].view(dtype)
+            with torch.inference_mode(False):  # kept: under inference mode it would refuse later calls' writes
+                view = self._local[key] = mine[: numel * dtype.itemsize].view(dtype)
         return view
 
     def view(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """Rank ``rank``'s window as ``numel`` elements of ``dtype``."""
-        return self.buffers[rank][: numel * dtype.itemsize].view(dtype)
+        """Rank ``rank``'s window as ``numel`` elements of ``dtype`` (never an inference tensor: what is made of it
+        is kept for later calls, in inference mode or not)."""
+        with torch.inference_mode(False):
+            return self.buffers[rank][: numel * dtype.itemsize].view(dtype)
 
     def stall_limit(self, timeout: timedelta | None) -> timedelta:
         """How long a CUDA call may run before the watchdog reports it: ``timeout`` or the group's own."""
