@@ -155,6 +155,17 @@ def resolve_data(config: TrainConfig) -> tuple[str, str]:
     return str(directory), str(tokenizer)
 
 
+def _model_source(config: TrainConfig) -> str:
+    """Where the run's model shape comes from, as the flag that gives it: ``--weights DIR``, ``--model-config
+    FILE`` or the preset."""
+    m = config.model
+    if m.weights:
+        return f"--weights {m.weights}"
+    if m.config:
+        return f"--model-config {m.config}"
+    return f"preset {m.family}/{m.preset}"
+
+
 def resolve_model(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
     """The model's shape: the weights' config.json, ``[model] config``, or the preset (its vocabulary grown to
     the tokenizer's where that is larger); checked against the tokenizer and the sequence length. Weights are
@@ -165,15 +176,15 @@ def resolve_model(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
     m = config.model
     if m.weights:
         try:
-            shape, source = hf.check_pretrained(m.weights), f"--weights {m.weights}"
+            shape, source = hf.check_pretrained(m.weights), _model_source(config)
             if _carried_from(config) is not None:  # what the exported model will keep, checked before any rank
                 hf.carried_settings(m.weights, shape.vocab_size)
         except ValueError as exc:
             raise ValueError(f"--weights: {exc}") from None
     elif m.config:
-        shape, source = hf.load_config(m.config), f"--model-config {m.config}"
+        shape, source = hf.load_config(m.config), _model_source(config)
     else:
-        shape, source = preset(m.family, m.preset), f"preset {m.family}/{m.preset}"
+        shape, source = preset(m.family, m.preset), _model_source(config)
         if shape.vocab_size < tokenizer.vocab_size:  # a preset trained from scratch takes the tokenizer's size
             shape = preset(m.family, m.preset, vocab_size=tokenizer.vocab_size)
     if tokenizer.vocab_size > shape.vocab_size:
@@ -287,8 +298,21 @@ def _check_resume(config: TrainConfig, world_size: int, shape: ModelConfig, data
         check_files(directory)
     except ValueError as exc:
         raise ValueError(f"--resume: {exc}") from None
-    if meta.get("model") != json.loads(json.dumps(hf.config_to_dict(shape))):
-        raise ValueError(f"--resume: the checkpoint under {where} is of another model shape than this run's")
+    saved_model, this_model = meta.get("model"), json.loads(json.dumps(hf.config_to_dict(shape)))
+    if saved_model != this_model:
+        if not isinstance(saved_model, dict):
+            raise ValueError(f"--resume: {directory / 'meta.json'}: model: not a model config, got {saved_model!r}")
+        absent = object()
+        keys = sorted(set(saved_model) | set(this_model))
+        key = next(k for k in keys if saved_model.get(k, absent) != this_model.get(k, absent))
+
+        def shown(table: dict[str, Any]) -> str:
+            return json.dumps(table[key]) if key in table else "absent"
+
+        raise ValueError(
+            f"--resume: the checkpoint under {where} is of another model than this run's ({_model_source(config)}): "
+            f"{key} is {shown(saved_model)} there, {shown(this_model)} here"
+        )
     if meta.get("seq_len") != config.data.seq_len:
         raise ValueError(
             f"--seq-len: {config.data.seq_len}, but the checkpoint under {where} has {meta.get('seq_len')}"

@@ -255,6 +255,27 @@ def test_resume_with_another_sequence_length_fails_before_any_rank_starts(tmp_pa
     assert printed.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"tie_word_embeddings": False}, "tie_word_embeddings is true there, false here"),
+        ({"vocab_size": 1024}, "vocab_size is 512 there, 1024 here"),
+        ({"num_key_value_heads": 4}, "num_key_value_heads is 2 there, 4 here"),
+    ],
+)
+def test_resume_of_another_model_names_the_key_that_differs(tmp_path, capsys, no_ranks, changes, said):
+    from dtrain.models import hf, preset
+
+    _fake_checkpoint(tmp_path, 4, 1, [])
+    shape = hf.config_to_dict(preset("llama", "tiny")) | changes
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    config = str(tmp_path / "config.json")
+    assert main(["train", "--out", str(tmp_path), "--steps", "8", "--resume", "--model-config", config]) == 2
+    printed = capsys.readouterr().err
+    assert f"another model than this run's (--model-config {config}): {said}" in printed, printed
+    assert printed.count("\n") == 1
+
+
 def test_resume_when_the_steps_are_done_says_so_without_starting_ranks(tmp_path, capsys, no_ranks):
     _fake_checkpoint(tmp_path, 4, 1, [])
     assert main(["train", "--out", str(tmp_path), "--steps", "4", "--resume"]) == 0
