@@ -192,7 +192,13 @@ class DataSection(_Section):
         "have one); empty: Python's own help texts (pydoc_data) with a BPE tokenizer trained on them, or tokenized "
         "by the weights' tokenizer.json",
     )
-    tokenizer_vocab: int = _option(512, "vocabulary of the BPE tokenizer trained for the default dataset", minimum=1)
+    tokenizer_vocab: int = _option(
+        512,
+        "vocabulary of the BPE tokenizer trained for the default dataset (the 256 bytes, the end-of-text token and "
+        "merges)",
+        minimum=257,
+        maximum=2**24,
+    )
     seq_len: int = _option(128, "tokens per training sequence", minimum=1)
     eval_every: int = _option(0, "steps between validation-loss evaluations (0: never)", minimum=0)
     eval_batches: int = _option(4, "batches per validation-loss evaluation", minimum=1)

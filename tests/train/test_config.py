@@ -335,6 +335,8 @@ def test_an_unreadable_file_is_one_line(tmp_path):
         (["--algorithm", "bogus"], "--algorithm: must be one of auto, native, "),
         (["--dp", "3"], "[training] batch_size: 16 sequences do not split over dp=3 ranks"),
         (["--dp", "3", "--batch-size", "10"], "--batch-size: 10 sequences do not split over dp=3 ranks"),
+        (["--tokenizer-vocab", "10"], "--tokenizer-vocab: must be an int in [257, 16777216], got 10"),
+        (["--tokenizer-vocab", str(2**25)], "--tokenizer-vocab: must be an int in [257, 16777216], got 33554432"),
     ],
 )
 def test_a_bad_set_or_flag_is_one_line_naming_it(argv, expected):
