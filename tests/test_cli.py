@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -174,6 +175,28 @@ sys.exit(status)
 
 def test_a_second_ctrl_c_as_the_interrupted_command_ends_changes_nothing():
     done = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "dtrain: interrupted (signal 2); the ranks were stopped\n"
+
+
+CTRL_C_IN_GENERATED_CODE = """
+import sys
+from dtrain.cli import main as cli_main
+def interrupted(args):
+    exec("raise KeyboardInterrupt")  # where a Ctrl-C lands in code made from text: a dataclass's __init__ as it is made
+cli_main._run = interrupted
+sys.argv = ["dtrain", "check"]
+raise SystemExit(cli_main.main())
+"""
+
+
+def test_a_ctrl_c_in_code_made_from_text_still_exits_130_under_python_m(tmp_path):
+    """``python -m`` ends the process by SIGINT, whatever status it returned, once a KeyboardInterrupt has left code
+    Python compiled from text (exec, eval: the methods dataclasses and namedtuples make as torch imports)."""
+    (tmp_path / "ctrl_c_module.py").write_text(CTRL_C_IN_GENERATED_CODE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    done = subprocess.run([sys.executable, "-m", "ctrl_c_module"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert done.returncode == 130, done.stderr
     assert done.stderr == "dtrain: interrupted (signal 2); the ranks were stopped\n"

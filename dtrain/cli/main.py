@@ -351,10 +351,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _ended(argv: Sequence[str] | None) -> None:
-    """The ``dtrain`` command (``argv`` None) has ended: SIGINT and SIGTERM are ignored from here to its exit."""
+    """The ``dtrain`` command (``argv`` None) has ended: SIGINT and SIGTERM are ignored from here to its exit.
+
+    Its status is the process's too: a ``KeyboardInterrupt`` that left code Python compiled from text (``exec`` and
+    ``eval`` of a string, as dataclasses and namedtuples make their methods while torch imports) is marked unhandled
+    by the interpreter, even once caught here, and ``python -m`` then ends the process by SIGINT after its teardown
+    in place of the status returned. Running text again clears that mark."""
     if argv is None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
+        exec("")  # clears the interpreter's mark of an unhandled KeyboardInterrupt (see above)
 
 
 def _run(args: argparse.Namespace) -> int:
