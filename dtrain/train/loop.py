@@ -362,7 +362,15 @@ def check_run(config: TrainConfig, nproc: int) -> RunPlan:
     data = TokenDataset(dataset)
     PackedBatches(data, "train", seq_len=config.data.seq_len, batch_size=config.training.batch_size, seed=0)
     if config.data.eval_every:
-        val = PackedBatches(data, "val", seq_len=config.data.seq_len, batch_size=config.training.batch_size, seed=0)
+        try:
+            val = PackedBatches(data, "val", seq_len=config.data.seq_len, batch_size=config.training.batch_size)
+        except ValueError:  # not one window
+            val_tokens = data.num_tokens("val")
+            raise ConfigError(
+                "data.eval_every",
+                f"the validation split of {dataset} holds {val_tokens} val tokens, too few for one sequence of "
+                f"{config.data.seq_len} tokens (and its next token); set it to 0 or use more data",
+            ) from None
         # rows one evaluation step needs: a row a replica, or a pipeline's training micro-step on every replica
         tr = config.training
         unit, what = (tr.batch_size // tr.accumulation, "batch_size / accumulation") if dims.pp > 1 else (dims.dp, "dp")

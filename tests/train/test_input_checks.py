@@ -211,3 +211,18 @@ def test_weights_train_on_text_their_own_tokenizer_tokenized(weights, tmp_path, 
     assert said.startswith(
         f"dtrain: error: --dataset: {other} was tokenized by another tokenizer than {weights}/tokenizer.json"
     ), said
+
+
+def test_evaluation_on_a_dataset_without_a_validation_window_names_eval_every(tmp_path, capsys, no_ranks):
+    from dtrain.data.prepare import prepare
+    from dtrain.data.tokenizer import Tokenizer
+
+    docs = [f"document {i}: the quick brown fox jumps over {i} lazy dogs." * 4 for i in range(20)]
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    tokenizer = Tokenizer.train_bpe(docs, 300)
+    prepare([tmp_path / "docs.jsonl"], tokenizer, tmp_path / "data", val_fraction=0.0)  # no validation documents
+    flags = ["train", "--out", str(tmp_path / "run"), *RUN, "--dataset", str(tmp_path / "data")]
+    said = _refused(capsys, [*flags, "--eval-every", "2"])
+    assert said.startswith("dtrain: error: [data] eval_every: the validation split of "), said
+    assert "0 val tokens" in said and said.endswith("set it to 0 or use more data"), said
+    assert not (tmp_path / "run").exists()
