@@ -136,7 +136,10 @@ def resolve_data(config: TrainConfig) -> tuple[str, str]:
     weights' tokenizer.json where there is one."""
     weights = _weights_tokenizer(config)
     if config.data.dataset:
-        dataset = TokenDataset(config.data.dataset)  # ValueError naming the directory or file at fault
+        try:
+            dataset = TokenDataset(config.data.dataset)  # ValueError naming the directory or file at fault
+        except ValueError as exc:
+            raise ValueError(f"--dataset: {exc}") from None
         if weights is not None and dataset.tokenizer_fingerprint != weights[1].fingerprint:
             raise ValueError(
                 f"--dataset: {config.data.dataset} was tokenized by another tokenizer than {weights[0]}, whose ids "
@@ -182,7 +185,10 @@ def resolve_model(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
         except ValueError as exc:
             raise ValueError(f"--weights: {exc}") from None
     elif m.config:
-        shape, source = hf.load_config(m.config), _model_source(config)
+        try:
+            shape, source = hf.load_config(m.config), _model_source(config)
+        except ValueError as exc:
+            raise ValueError(f"--model-config: {exc}") from None
     else:
         shape, source = preset(m.family, m.preset), _model_source(config)
         if shape.vocab_size < tokenizer.vocab_size:  # a preset trained from scratch takes the tokenizer's size

@@ -219,7 +219,8 @@ def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_ran
         (["--nproc", "2", "--dp", "2", "--zero", "1", "--algorithm", "tree"], "runs all-gathers with it too"),
         (["--seed", str(2**64)], "--seed: must be an int in"),
         (["--weights", "/nonexistent/model"], "--weights: /nonexistent/model"),
-        (["--dataset", "/nonexistent/data"], "/nonexistent/data"),
+        (["--dataset", "/nonexistent/data"], "--dataset: /nonexistent/data is not a prepared dataset"),
+        (["--model-config", "/nonexistent/config.json"], "--model-config: /nonexistent/config.json: no such file"),
     ],
 )
 def test_bad_layouts_and_inputs_fail_before_any_rank_starts(tmp_path, capsys, no_ranks, flags, message):
