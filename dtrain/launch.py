@@ -49,10 +49,12 @@ from dtrain.workers import start_fork_server
 
 __all__ = [
     "KILL_ENV",
+    "OUT_OF_MEMORY",
     "init_rank",
     "last_saved_step",
     "mark_saved",
     "maybe_kill",
+    "out_of_memory_line",
     "rank_device",
     "restart_count",
     "run_ranks",
@@ -233,7 +235,10 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
             raise ValueError(recorded)
         if dist.get_world_size() > 1:
             heartbeat = _start_heartbeat()
-        return fn(*args)
+        try:
+            return fn(*args)
+        except OUT_OF_MEMORY as err:  # what runs does not fit the device: no restart mends it either
+            raise ValueError(out_of_memory_line(err)) from None
     except ValueError as err:
         with contextlib.suppress(Exception):  # a store that is gone cannot carry it to a later attempt
             store.set(_FATAL_KEY, str(err))
@@ -268,6 +273,18 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
             peer.close_windows()  # the peer transport's windows and the graphs recorded on them go first
             gc.collect()  # CUDA graphs still holding NCCL kernels would stall the teardown
             dist.destroy_process_group()
+
+
+#: The allocator's error when a device runs out of memory (``torch.cuda.OutOfMemoryError`` before torch 2.5). A
+#: rank that raises it stops the job in one line, as on bad input: a restart would run out of memory again.
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def out_of_memory_line(err: BaseException) -> str:
+    """One line for a rank that ran out of device memory: the rank and the allocator's first line."""
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    rank = f"rank {dist.get_rank()}" if dist.is_initialized() else "a rank"
+    return f"{rank} ran out of device memory ({first.rstrip('.')})"
 
 
 def under_torchrun_job() -> bool:

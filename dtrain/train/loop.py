@@ -42,9 +42,11 @@ from dtrain.comm.values import all_gather_json
 from dtrain.data.loader import PackedBatches, TokenDataset
 from dtrain.data.tokenizer import Tokenizer
 from dtrain.launch import (
+    OUT_OF_MEMORY,
     last_saved_step,
     mark_saved,
     maybe_kill,
+    out_of_memory_line,
     rank_device,
     restart_count,
     run_ranks,
@@ -756,7 +758,18 @@ def _trim_metrics(out: Path, step: int) -> None:
 
 def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
     """Train on this rank (the default process group must be up); the metrics records (rank 0 writes them).
-    After the elastic agent restarted the workers it continues from the job's last complete checkpoint."""
+    After the elastic agent restarted the workers it continues from the job's last complete checkpoint. A rank
+    that runs out of device memory stops the job in one line saying what needs less."""
+    try:
+        return _train_rank(config, plan)
+    except OUT_OF_MEMORY as err:
+        raise ValueError(
+            f"{out_of_memory_line(err)}; a smaller --batch-size, more --accumulation (or "
+            "--microbatches with pp), --zero 3, --activation-checkpointing full or more --tp / --pp need less"
+        ) from None
+
+
+def _train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
     is_main = dist.get_rank() == 0
     config = _after_restart(config)
     log = config.logging

@@ -21,6 +21,25 @@ def bad_input_on_rank1(log: str) -> float:
     return t.sum().item()
 
 
+#: What the CUDA caching allocator raises, as torch words it
+OUT_OF_MEMORY = (
+    "CUDA out of memory. Tried to allocate 48.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which 3.10 GiB is "
+    "free.\nOf the allocated memory 70.02 GiB is allocated by PyTorch."
+)
+
+
+def out_of_memory_on_rank1(log: str) -> float:
+    """Rank 1 runs out of device memory at once (the allocator's error); rank 0 waits for it in an all-reduce.
+    Each attempt is logged."""
+    with open(Path(log), "a") as f:
+        f.write(f"attempt {restart_count()} rank {dist.get_rank()}\n")
+    if dist.get_rank() == 1:
+        raise torch.OutOfMemoryError(OUT_OF_MEMORY)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    return t.sum().item()
+
+
 def error_on_rank1(stderr: str) -> float:
     """Rank 1 fails with an unexpected error at once; rank 0 waits for it in an all-reduce. Each rank's stderr
     goes to ``STDERR.RANK``."""

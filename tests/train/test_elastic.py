@@ -192,6 +192,31 @@ def test_bad_input_on_a_worker_is_raised_once_not_restarted(tmp_path):
     assert attempts == {"0"}, log.read_text()
 
 
+def test_a_rank_out_of_device_memory_ends_the_job_in_one_line_not_restarted(tmp_path):
+    """Running out of device memory is not mended by a restart: the job ends with one line naming the rank and the
+    allocator's first line, as on bad input."""
+    log = tmp_path / "attempts.txt"
+    first = jobs.OUT_OF_MEMORY.splitlines()[0].rstrip(".")
+    with pytest.raises(ValueError) as raised:
+        run_ranks(jobs.out_of_memory_on_rank1, 2, str(log), max_restarts=3)
+    assert str(raised.value) == f"rank 1 ran out of device memory ({first})"
+    assert {line.split()[1] for line in log.read_text().splitlines()} == {"0"}, log.read_text()
+
+
+def test_dtrain_train_says_what_needs_less_memory(monkeypatch):
+    import torch
+
+    from dtrain.train import loop
+
+    def runs_out(config, plan):
+        raise torch.OutOfMemoryError(jobs.OUT_OF_MEMORY)
+
+    monkeypatch.setattr(loop, "_train_rank", runs_out)
+    with pytest.raises(ValueError, match=r"^a rank ran out of device memory \(CUDA out of memory\. Tried .*free\); "
+                       r"a smaller --batch-size, more --accumulation .*need less$"):  # fmt: skip
+        loop.train_rank(None, None)
+
+
 def test_a_rank_that_fails_says_so_in_one_line_before_its_teardown(tmp_path):
     """An unexpected error is named, rank and first line, before the rank tears its group down (which can wait on
     a peer still in a collective with it, and the traceback only follows the teardown)."""
