@@ -281,10 +281,11 @@ OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemo
 
 
 def out_of_memory_line(err: BaseException) -> str:
-    """One line for a rank that ran out of device memory: the rank and the allocator's first line."""
+    """One line for a rank that ran out of device memory: the rank and the allocator's first three sentences
+    (CUDA's: what ran out, how much was asked for, how much the device has free)."""
     first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
     rank = f"rank {dist.get_rank()}" if dist.is_initialized() else "a rank"
-    return f"{rank} ran out of device memory ({first.rstrip('.')})"
+    return f"{rank} ran out of device memory ({'. '.join(first.split('. ')[:3]).rstrip('.')})"
 
 
 def under_torchrun_job() -> bool:

@@ -24,7 +24,8 @@ def bad_input_on_rank1(log: str) -> float:
 #: What the CUDA caching allocator raises, as torch words it
 OUT_OF_MEMORY = (
     "CUDA out of memory. Tried to allocate 48.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which 3.10 GiB is "
-    "free.\nOf the allocated memory 70.02 GiB is allocated by PyTorch."
+    "free. Including non-PyTorch memory, this process has 76.09 GiB memory in use.\nOf the allocated memory 70.02 "
+    "GiB is allocated by PyTorch."
 )
 
 
