@@ -565,6 +565,21 @@ class TrainConfig:
             raise ConfigError(
                 "training.batch_size", f"{training.batch_size} sequences do not split over dp={parallel.dp} ranks"
             )
+        if parallel.grad_accumulation_fusion == "on":
+            cannot = (
+                "pp = 1 (no micro-batches a stage accumulates)"
+                if parallel.pp == 1
+                else f"zero = {parallel.zero} (its gradients are reduced as they are made)"
+                if parallel.zero >= 2
+                else "training.compile (compiled blocks keep autograd's own linear)"
+                if training.compile
+                else None
+            )
+            if cannot is not None:
+                raise ConfigError(
+                    "parallel.grad_accumulation_fusion",
+                    f"'on' needs pp > 1, zero 0 or 1 and no training.compile; it cannot apply with {cannot}",
+                )
         if parallel.zero_shard_size:
             if parallel.zero != 3:
                 raise ConfigError(

@@ -91,6 +91,22 @@ def test_hybrid_sharding_key_needs_zero_3_and_a_divisor_of_dp():
         TrainConfig.from_dict({**base, "parallel": {**base["parallel"], "zero_shard_size": 3}})
 
 
+def test_grad_accumulation_fusion_on_is_refused_where_it_cannot_apply():
+    on = {"grad_accumulation_fusion": "on"}
+    pipelined = {"parallel": {"pp": 2, **on}, "training": {"batch_size": 8}}
+    assert TrainConfig.from_dict(pipelined).parallel.grad_accumulation_fusion == "on"
+    for change, why in (
+        ({"parallel": {"pp": 1, **on}}, r"pp = 1"),
+        ({"parallel": {"pp": 2, "dp": 2, "zero": 2, **on}}, r"zero = 2"),
+        ({"training": {"batch_size": 8, "compile": True}}, r"training.compile"),
+    ):
+        config = {**pipelined, **change}
+        with pytest.raises(ConfigError, match=rf"^\[parallel\] grad_accumulation_fusion: 'on' needs pp > 1.*{why}"):
+            TrainConfig.from_dict(config)
+    # auto and off apply or not by themselves
+    assert TrainConfig.from_dict({"parallel": {"grad_accumulation_fusion": "auto"}}).parallel.pp == 1
+
+
 def test_only_layouts_dtrain_train_runs_as_priced_are_kept():
     config = load_config(TINY)  # the tiny Llama ties its embedding to its head: stage 0 and the last stage share it
     shape = run_shape(config)
