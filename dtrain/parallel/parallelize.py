@@ -193,10 +193,21 @@ def _vocabulary_part(
     return new
 
 
-def causal_lm_loss(tp_group=None, *, algorithm: str = "auto") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def causal_lm_loss(
+    tp_group=None, *, algorithm: str = "auto", reduction: str = "mean"
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The mean next-token cross-entropy of logits (B, T, V) against targets (B, T); with a ``tp_group`` of
     more than one rank, of the vocabulary-split logits (B, T, V_pad / tp) of a ``loss_parallel`` model, never
-    gathered (:func:`~dtrain.parallel.tensor_parallel.vocab_parallel_cross_entropy`)."""
+    gathered (:func:`~dtrain.parallel.tensor_parallel.vocab_parallel_cross_entropy`). ``reduction="none"``
+    gives the per-token losses (B, T) instead."""
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp_group, algorithm=algorithm)
+        return lambda logits, targets: vocab_parallel_cross_entropy(
+            logits, targets, tp_group, algorithm=algorithm, reduction=reduction
+        )
+    if reduction == "none":
+        return lambda logits, targets: F.cross_entropy(
+            logits.flatten(0, -2).float(), targets.flatten(), reduction="none"
+        ).view(targets.shape)
     return lambda logits, targets: F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())

@@ -371,7 +371,7 @@ def check_run(config: TrainConfig, nproc: int) -> RunPlan:
     PackedBatches(data, "train", seq_len=config.data.seq_len, batch_size=config.training.batch_size, seed=0)
     if config.data.eval_every:
         try:
-            val = PackedBatches(data, "val", seq_len=config.data.seq_len, batch_size=config.training.batch_size)
+            PackedBatches(data, "val", seq_len=config.data.seq_len, batch_size=config.training.batch_size)
         except ValueError:  # not one window
             val_tokens = data.num_tokens("val")
             raise ConfigError(
@@ -379,15 +379,6 @@ def check_run(config: TrainConfig, nproc: int) -> RunPlan:
                 f"the validation split of {dataset} holds {val_tokens} val tokens, too few for one sequence of "
                 f"{config.data.seq_len} tokens (and its next token); set it to 0 or use more data",
             ) from None
-        # rows one evaluation step needs: a row a replica, or a pipeline's training micro-step on every replica
-        tr = config.training
-        unit, what = (tr.batch_size // tr.accumulation, "batch_size / accumulation") if dims.pp > 1 else (dims.dp, "dp")
-        if val.windows < unit:
-            raise ConfigError(
-                "data.eval_every",
-                f"the validation split of {dataset} holds {val.windows} sequences of {config.data.seq_len} tokens, "
-                f"fewer than the {unit} ({what}) one evaluation step needs; set it to 0 or use more data",
-            )
     first = _check_resume(config, world, shape, data) if config.checkpoint.resume else _check_fresh(config)
     plan = RunPlan(
         world_size=world,
@@ -473,6 +464,7 @@ class _Trainer:
         checkpoint_activations(model, mode, **options)  # on the plain model's blocks, before it is split
         # with tp > 1 the logits stay split over the vocabulary: the head never sits whole on one device
         self.loss_fn = causal_lm_loss(grid.tp_group, algorithm=par.algorithm)
+        self._eval_loss_fn = causal_lm_loss(grid.tp_group, algorithm=par.algorithm, reduction="none")
         self.precision = autocast_dtype(tr.precision, self.device)
         self.scaler = DynamicLossScaler() if self.precision == torch.float16 else None
         fused = self.device.type == "cuda"
@@ -573,25 +565,40 @@ class _Trainer:
         return record
 
     def evaluate(self) -> float:
-        """The mean loss over the validation split's first ``eval_batches`` batches (the same every time); each
-        batch is cut to a multiple of the rows every replica needs. A pipeline evaluates in pieces of a training
-        micro-step's rows (``batch_size / dp / accumulation``, cut into its micro-batches): its stages agreed the
-        messages' shapes at the first step, and a batch's rows that do not fill a piece are left out."""
+        """The mean next-token loss over every token of the validation split's first ``eval_batches`` batches (the
+        same every time), whatever the layout: as one process computes it. Each replica takes an equal share of a
+        batch's rows, and a pipeline evaluates in pieces of a training micro-step's rows (``batch_size / dp /
+        accumulation``, cut into its micro-batches), as its stages agreed the messages' shapes at the first step;
+        where a batch's rows do not fill the replicas' shares or the pieces evenly, rows of padding whose targets
+        count for nothing fill them."""
         cfg, grid = self.config, self.grid
-        par = cfg.parallel
-        piece = cfg.training.batch_size // par.dp // cfg.training.accumulation if par.pp > 1 else None
-        losses, weights = [], []
+        dp = cfg.parallel.dp
+        pipeline = self.hybrid.pipeline
+        piece = cfg.training.batch_size // dp // cfg.training.accumulation if pipeline is not None else None
+        unit = dp * (piece or 1)  # rows every batch is padded to a multiple of
+        # hybrid.evaluate averages the loss function's value over the micro-batches and the replicas: undone, the
+        # values summed over pieces are the summed token losses
+        undo = dp * (pipeline.num_microbatches if pipeline is not None else 1)
+        per_token = self._eval_loss_fn
+
+        def summed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            counted = targets >= 0
+            return (per_token(logits, targets.clamp(min=0)) * counted).sum() * undo
+
+        total, tokens = 0.0, 0
         for x, y in self.data.eval_batches(cfg.data.eval_batches, cfg.training.batch_size, split="val"):
-            rows = x.shape[0] // par.dp if piece is None else x.shape[0] // (par.dp * piece) * piece
-            if rows == 0:
-                continue
+            tokens += y.numel()
+            short = -x.shape[0] % unit
+            if short:
+                x = torch.cat([x, x.new_zeros((short, x.shape[1]))])
+                y = torch.cat([y, y.new_full((short, y.shape[1]), -1)])
+            rows = x.shape[0] // dp
             mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
             xs, ys = x[mine], y[mine]
             for start in range(0, rows, piece or rows):
                 end = start + (piece or rows)
-                losses.append(self.hybrid.evaluate(xs[start:end], ys[start:end], self.loss_fn, local=True).item())
-                weights.append(end - start)
-        return sum(w * v for w, v in zip(weights, losses, strict=True)) / sum(weights)
+                total += self.hybrid.evaluate(xs[start:end], ys[start:end], summed, local=True).item()
+        return total / tokens
 
     def meta(self) -> dict[str, Any]:
         """What a checkpoint's meta.json records: the layout that wrote it, the model, the data shape, the
