@@ -121,6 +121,17 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+class SameOnEveryRank(ValueError):
+    """Bad input found before any rank-specific work, from what every rank of a torchrun job reads alike (flags,
+    configuration, files): each rank raises it, and the command line says it once a node (:func:`says_refusals`)."""
+
+
+def says_refusals() -> bool:
+    """Whether this process prints a :class:`SameOnEveryRank` refusal: every process but a torchrun job's ranks
+    other than a node's first (``LOCAL_RANK`` 0), which exit with the same status without a word."""
+    return not under_torchrun() or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def _get(environ: Mapping[str, str], name: str) -> str:
     return (environ.get(name) or "").strip()
 

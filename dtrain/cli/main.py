@@ -265,11 +265,14 @@ def _may_write(out: str) -> bool:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dtrain.env import under_torchrun
+    from dtrain.env import SameOnEveryRank, under_torchrun
     from dtrain.train.config import check_out, from_arguments, run_world
 
-    config = from_arguments(args)  # bad flags end here, before torch is imported
-    run_world(args.nproc)
+    try:
+        config = from_arguments(args)  # bad flags end here, before torch is imported
+        run_world(args.nproc)
+    except ValueError as exc:
+        raise SameOnEveryRank(str(exc)) from None
     if not under_torchrun() and not config.checkpoint.resume:
         check_out(config.logging.out, create=False)  # the run's check, before torch (nothing made on bad input)
     # the workers' fork server imports torch on another core while this process does; not where --out cannot be
@@ -333,7 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = _run(build_parser().parse_args(argv))
     except ValueError as exc:  # bad input: one line on stderr, where it never mixes with --json output
         _ended(argv)
-        print(f"dtrain: error: {exc}", file=sys.stderr)
+        from dtrain.env import SameOnEveryRank, says_refusals
+
+        if not isinstance(exc, SameOnEveryRank) or says_refusals():  # under torchrun, once a node
+            print(f"dtrain: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path that cannot be read or written (a file where a folder should be, no room): named
         _ended(argv)

@@ -41,6 +41,7 @@ from dtrain.comm.ir import algorithms as comm_registry
 from dtrain.comm.values import all_gather_json
 from dtrain.data.loader import PackedBatches, TokenDataset
 from dtrain.data.tokenizer import Tokenizer
+from dtrain.env import SameOnEveryRank
 from dtrain.launch import (
     OUT_OF_MEMORY,
     last_saved_step,
@@ -428,8 +429,11 @@ def describe(config: TrainConfig, plan: RunPlan) -> str:
 def train(config: TrainConfig, nproc: int, *, announce: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Check (:func:`check_run`), then run :func:`train_rank` on ``nproc`` local ranks (or this torchrun job);
     rank 0's metrics ([] when a resumed run is already complete). ``announce`` gets one line saying what starts."""
-    config = resize(config, run_world(nproc))
-    plan = check_run(config, nproc)
+    try:
+        config = resize(config, run_world(nproc))
+        plan = check_run(config, nproc)
+    except ValueError as exc:  # before any rank-specific work: under torchrun, every rank finds it alike
+        raise SameOnEveryRank(str(exc)) from None
     if announce is not None and int(os.environ.get("RANK", "0")) == 0 and restart_count() == 0:  # once
         announce(describe(config, plan))
     if plan.done:

@@ -246,6 +246,27 @@ def test_bad_layouts_and_inputs_fail_before_any_rank_starts(tmp_path, capsys, no
     assert not (tmp_path / "run").exists() or flags == ["--resume"]
 
 
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_a_refusal_under_torchrun_is_said_by_a_nodes_first_rank_alone(tmp_path, capsys, monkeypatch, local_rank):
+    """Every rank of a torchrun job reads the same flags and files and refuses alike; the first of a node says it."""
+    for name, value in (("RANK", local_rank), ("WORLD_SIZE", "2"), ("LOCAL_RANK", local_rank)):
+        monkeypatch.setenv(name, value)
+    for flags in (["--seed", str(2**64)], ["--seq-len", "4096"]):  # a flag's check, then the run's
+        assert main(["train", "--out", str(tmp_path / "run"), *flags]) == 2
+        printed = capsys.readouterr()
+        assert printed.err.count("dtrain: error: --s") == (local_rank == "0") and not printed.out, printed
+
+
+def test_torchrun_prints_a_refusal_once(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "dtrain", "train", "--out", str(tmp_path / "run"), "--seq-len", "4096"]
+    done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    said = (done.stdout + done.stderr).count("dtrain: error: --seq-len: 4096 is longer than the 256 positions")
+    assert said == 1, done.stderr
+
+
+
 def test_a_model_config_with_a_smaller_vocabulary_than_the_tokenizer_is_refused(tmp_path, capsys, no_ranks):
     from dtrain.models import LlamaConfig, hf
 
