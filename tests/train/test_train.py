@@ -266,7 +266,6 @@ def test_torchrun_prints_a_refusal_once(tmp_path):
     assert said == 1, done.stderr
 
 
-
 def test_a_model_config_with_a_smaller_vocabulary_than_the_tokenizer_is_refused(tmp_path, capsys, no_ranks):
     from dtrain.models import LlamaConfig, hf
 
