@@ -28,6 +28,7 @@ from dtrain.comm.arguments import (
     check_tensor,
     check_written,
     group_info,
+    op_name,
     writable,
 )
 from dtrain.comm.ir import algorithms as registry
@@ -1069,7 +1070,9 @@ def _prepare(coll: Collective, algorithm: str, group, work_numel: int, like: tor
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
-    """Reduce ``tensor`` over the group; every rank ends with the result, in place."""
+    """Reduce ``tensor`` over the group; every rank ends with the result, in place. ``op``: "sum", "avg",
+    "prod", "max" or "min", or torch.distributed's ``ReduceOp`` of the same name."""
+    op = op_name(op)
     if _fast_all_reduce(tensor, op, group, algorithm):
         return tensor
     with writable(tensor):
@@ -1148,6 +1151,7 @@ def _broadcast(tensor: torch.Tensor, src: int, group, algorithm: str) -> torch.T
 
 def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, algorithm: str = "auto") -> torch.Tensor:
     """Reduce ``tensor`` over the group into ``tensor`` of rank ``dst``; other ranks' tensors are untouched."""
+    op = op_name(op)
     coll = Collective.REDUCE
     fast = _fast(coll, group, algorithm, (dst, op), tensor, tensor)
     if fast is not None and fast(tensor, tensor):
@@ -1214,6 +1218,7 @@ def scan(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "au
 
     ``avg`` gives the mean of the prefix, op(x_0..x_r) / (r + 1).
     """
+    op = op_name(op)
     with writable(tensor):
         return _scan(tensor, op, group, algorithm)
 
@@ -1364,6 +1369,7 @@ def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None, algorithm: str = "auto"
 ) -> torch.Tensor:
     """Reduce ``input`` over the group; rank r keeps block r of the result in ``output``."""
+    op = op_name(op)
     coll = Collective.REDUCE_SCATTER
     fast = _fast(coll, group, algorithm, op, output, input)
     if fast is not None and fast(output, input):

@@ -25,6 +25,7 @@ __all__ = [
     "group_info",
     "check_tensor",
     "check_op",
+    "op_name",
     "check_root",
     "check_pair",
     "check_written",
@@ -80,9 +81,29 @@ def check_tensor(t: object, name: str, what: str) -> torch.Tensor:
     return t
 
 
+_TORCH_OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MAX": "max", "MIN": "min"}
+
+
+def op_name(op: object) -> object:
+    """``op`` as this package names it: torch.distributed's ``ReduceOp.SUM``, ``AVG``, ``PRODUCT``, ``MAX`` and
+    ``MIN`` (or their ``RedOpType`` members) become "sum", "avg", "prod", "max" and "min"; anything else is
+    returned as it is, for :func:`check_op` to judge."""
+    if isinstance(op, str):
+        return op
+    if isinstance(op, dist.ReduceOp):  # a ReduceOp instance, as ReduceOp.SUM is where pybind makes it one
+        op = getattr(op, "op", op)
+    name = getattr(op, "name", None)
+    if isinstance(op, dist.ReduceOp.RedOpType) and name in _TORCH_OPS:
+        return _TORCH_OPS[name]
+    return op
+
+
 def check_op(op: str, dtype: torch.dtype, what: str) -> None:
     if op not in REDUCE_OPS:
-        raise ValueError(f"{what}: unknown op {op!r}; known: {', '.join(OPS)}")
+        name = getattr(op, "name", None)
+        shown = f"ReduceOp.{name}" if isinstance(op, dist.ReduceOp.RedOpType) else repr(op)
+        known = f"{', '.join(OPS)} (or ReduceOp.SUM, AVG, PRODUCT, MAX, MIN)"
+        raise ValueError(f"{what}: unknown op {shown}; known: {known}")
     if op == "avg" and not dtype.is_floating_point:
         raise ValueError(f"{what}: op 'avg' needs a floating dtype, got {dtype}")
 

@@ -8,6 +8,7 @@ from tests.jobs import comm as jobs
 
 BAD_INPUT = {
     "op": "unknown op 'mean'",
+    "torch_op": "all_reduce: unknown op ReduceOp.BAND; known: sum, avg, prod, max, min (or ReduceOp.SUM",
     "avg_int": "needs a floating dtype",
     "algorithm": "unknown algorithm 'butterfly'",
     "src": "src=5 is outside",
@@ -44,6 +45,14 @@ def test_a_root_given_as_a_numpy_integer_or_an_integer_tensor_is_that_rank(pool)
     rank0 = [[1.0] * 3, [1.0] * 3, [], [0.0, 1.0]]
     rank1 = [[1.0] * 3, [3.0] * 3, [0.0, 0.0, 1.0, 1.0], [2.0, 3.0]]
     assert pool.run(jobs.integer_roots, ranks=2) == [rank0 * 2, rank1 * 2]
+
+
+def test_torch_reduce_ops_name_the_same_reductions(pool):
+    ranks = pool.run(jobs.torch_reduce_ops, ranks=2)
+    for results in ranks:
+        pairs = list(zip(results[::2], results[1::2], strict=True))
+        assert all(given == named for given, named in pairs), pairs
+    assert ranks[0][0] == [3.0, 7.0, 5.0, 2.0, 3.0, 5.0]  # ReduceOp.SUM on rank 0
 
 
 def test_group_still_works_after_bad_input(pool):

@@ -245,6 +245,7 @@ def bad_input(case: str) -> str:
     spare = torch.arange(8.0)  # what the overlapping calls slice
     calls = {
         "op": lambda: comm.all_reduce(torch.ones(4), op="mean", group=group),
+        "torch_op": lambda: comm.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND, group=group),
         "avg_int": lambda: comm.all_reduce(torch.ones(4, dtype=torch.int32), op="avg", group=group),
         "algorithm": lambda: comm.all_reduce(torch.ones(4), group=group, algorithm="butterfly"),
         "src": lambda: comm.broadcast(torch.ones(4), 5, group=group),
@@ -540,3 +541,29 @@ def integer_roots() -> list[list[float]]:
         comm.scatter(o, torch.arange(4.0) if rank == 1 else None, root, group=group, algorithm="tree")
         results += [t.tolist(), s.tolist(), [] if g is None else g.tolist(), o.tolist()]
     return results
+
+
+def torch_reduce_ops() -> list[list[float]]:
+    """all_reduce, reduce, reduce_scatter and scan on 2 ranks with torch.distributed's ReduceOp for ``op``, each
+    op against the same call with its name: the pairs of results."""
+    group = group_of(2)
+    rank = dist.get_rank(group)
+    out = []
+    for op, name in (
+        (dist.ReduceOp.SUM, "sum"),
+        (dist.ReduceOp.AVG, "avg"),
+        (dist.ReduceOp.PRODUCT, "prod"),
+        (dist.ReduceOp.MAX, "max"),
+        (dist.ReduceOp.MIN, "min"),
+    ):
+        for given in (op, name):
+            a = torch.tensor([1.0 + rank, 4.0 - rank])
+            comm.all_reduce(a, op=given, group=group, algorithm="ring")
+            r = torch.tensor([2.0 + rank, 1.0])
+            comm.reduce(r, 0, op=given, group=group, algorithm="tree")
+            rs = torch.empty(1)
+            comm.reduce_scatter(rs, torch.tensor([1.0 + rank, 3.0 * rank]), op=given, group=group)
+            sc = torch.tensor([5.0 - rank])
+            comm.scan(sc, op=given, group=group)
+            out.append(a.tolist() + r.tolist() + rs.tolist() + sc.tolist())
+    return out
