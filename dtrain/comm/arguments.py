@@ -34,7 +34,8 @@ __all__ = [
     "writable",
 ]
 
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8,
+                    torch.uint8, torch.bool)  # fmt: skip
 OPS = tuple(REDUCE_OPS)
 
 

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from dtrain import comm
 from dtrain.testing.pool import group_of
 
-ALL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+ALL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8,
+              torch.uint8, torch.bool)  # fmt: skip
 REDUCING = ("all_reduce", "reduce", "reduce_scatter", "scan")
 BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all")
 
@@ -29,6 +30,8 @@ def _input(rank: int, numel: int, dtype: torch.dtype, seed: int, op: str) -> tor
         values = torch.tensor([-1, 1, 2])[torch.randint(0, 3, (numel,), generator=g)]
     else:
         values = torch.randint(-4, 5, (numel,), generator=g)
+    if dtype == torch.uint8:  # sums of up to 8 ranks stay under 256
+        values = values.abs()
     return values.to(dtype)
 
 
@@ -110,7 +113,7 @@ def _call(coll: str, inp: torch.Tensor, rank: int, world: int, op: str, root: in
 
 
 #: One dtype of each element width: what a schedule's byte offsets and chunk boundaries depend on.
-WIDTH_DTYPES = (torch.float16, torch.float32, torch.int64)
+WIDTH_DTYPES = (torch.bool, torch.float16, torch.float32, torch.int64)
 
 
 def _cases(coll: str, world: int, every: bool = True):
@@ -156,6 +159,8 @@ def check_collective(
             want = _expected(coll, inputs, rank, op, root)
             if want is None:
                 continue
+            if dtype == torch.bool:  # a sum is true where any is, a product where all are: torch's booleans
+                want = want.to(torch.bool).double()
             tol = 1e-2 if op == "avg" and dtype in (torch.float16, torch.bfloat16) else 1e-6
             if not torch.allclose(got.double().reshape(-1), want.reshape(-1), rtol=tol, atol=tol):
                 bad = (got.double().reshape(-1) - want.reshape(-1)).abs().argmax().item()

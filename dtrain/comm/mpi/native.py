@@ -30,15 +30,20 @@ __all__ = [
 _WIDENED = (torch.float16, torch.bfloat16)
 
 
-def _op(op: str):
+def _op(op: str, dtype: torch.dtype):
+    """MPI's reduction for ``op`` on tensors of ``dtype``; on booleans (reduced as 0/1 bytes) as torch computes
+    it: a sum is true where any is (the maximum), a product where all are (the minimum)."""
     MPI = mpi()
+    if dtype == torch.bool:
+        op = {"sum": "max", "prod": "min"}.get(op, op)
     return {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}[op]
 
 
 def _typed(t: torch.Tensor):
-    """A contiguous CPU tensor as a typed mpi4py buffer (float32 / float64 / int32 / int64)."""
+    """A contiguous CPU tensor as a typed mpi4py buffer (float32 / float64 / int8 / uint8 / int32 / int64)."""
     MPI = mpi()
     kinds = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T}
+    kinds |= {torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T}
     return [dense(t).numpy(), kinds[t.dtype]]
 
 
@@ -52,12 +57,12 @@ def _contiguous(tensor: torch.Tensor, fn) -> torch.Tensor:
 
 
 def _reducible(fn, *tensors: torch.Tensor) -> None:
-    """Call ``fn`` on tensors MPI can reduce: float16 / bfloat16 widened to float32, and narrowed back into the
-    originals (the last tensor is the result)."""
-    if tensors[0].dtype not in _WIDENED:
+    """Call ``fn`` on tensors MPI can reduce: float16 / bfloat16 widened to float32, booleans as 0/1 bytes (whose
+    reduction :func:`_bool_op` gives), and narrowed back into the originals (the last tensor is the result)."""
+    if tensors[0].dtype not in (*_WIDENED, torch.bool):
         fn(*tensors)
         return
-    wide = [t.float() for t in tensors]
+    wide = [t.to(torch.uint8 if t.dtype == torch.bool else torch.float32) for t in tensors]
     fn(*wide)
     tensors[-1].copy_(wide[-1])
 
@@ -72,7 +77,7 @@ def _alone(input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
 
 def all_reduce(tensor: torch.Tensor, op: str, group: MPIGroup) -> torch.Tensor:
     def run(t: torch.Tensor) -> None:
-        _reducible(lambda x: group.comm.Allreduce(mpi().IN_PLACE, _typed(x), _op(op)), t)
+        _reducible(lambda x: group.comm.Allreduce(mpi().IN_PLACE, _typed(x), _op(op, tensor.dtype)), t)
         if op == "avg":
             t.div_(group.size)
 
@@ -85,11 +90,11 @@ def broadcast(tensor: torch.Tensor, src: int, group: MPIGroup) -> torch.Tensor:
 
 def reduce(tensor: torch.Tensor, dst: int, op: str, group: MPIGroup) -> torch.Tensor:
     if group.rank != dst:  # sends only: the caller's tensor stays as it was
-        _reducible(lambda x: group.comm.Reduce(_typed(x), None, _op(op), root=dst), tensor.contiguous())
+        _reducible(lambda x: group.comm.Reduce(_typed(x), None, _op(op, tensor.dtype), root=dst), tensor.contiguous())
         return tensor
 
     def run(t: torch.Tensor) -> None:
-        _reducible(lambda x: group.comm.Reduce(mpi().IN_PLACE, _typed(x), _op(op), root=dst), t)
+        _reducible(lambda x: group.comm.Reduce(mpi().IN_PLACE, _typed(x), _op(op, tensor.dtype), root=dst), t)
         if op == "avg":
             t.div_(group.size)
 
@@ -105,7 +110,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group: MP
     source = _alone(input, output)
 
     def run(o: torch.Tensor) -> None:
-        _reducible(lambda i, x: group.comm.Reduce_scatter_block(_typed(i), _typed(x), _op(op)), source, o)
+        _reducible(lambda i, x: group.comm.Reduce_scatter_block(_typed(i), _typed(x), _op(op, output.dtype)), source, o)
         if op == "avg":
             o.div_(group.size)
 
@@ -134,7 +139,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: MPIGroup) -> to
 
 def scan(tensor: torch.Tensor, op: str, group: MPIGroup) -> torch.Tensor:
     def run(t: torch.Tensor) -> None:
-        _reducible(lambda x: group.comm.Scan(mpi().IN_PLACE, _typed(x), _op(op)), t)
+        _reducible(lambda x: group.comm.Scan(mpi().IN_PLACE, _typed(x), _op(op, tensor.dtype)), t)
         if op == "avg":
             t.div_(group.rank + 1)
 
