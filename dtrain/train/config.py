@@ -857,7 +857,44 @@ def from_arguments(args: argparse.Namespace) -> TrainConfig:
     ``--config``, then each ``--set`` in order, then the explicit flags."""
     given = vars(args)
     flags = {key: given[key] for key, _ in keys() if key in given}
-    return load_config(given.get("config_file"), given.get("config_sets") or (), flags)
+    config = load_config(given.get("config_file"), given.get("config_sets") or (), flags)
+    _check_flags_used(config, flags)
+    return config
+
+
+def _check_flags_used(config: TrainConfig, flags: dict[str, Any]) -> None:
+    """Refuse a flag given explicitly that the run would ignore: ``--preset`` or a ``--model`` of another family
+    beside the shape of ``--weights`` / ``--model-config``, ``--tokenizer-vocab`` beside the tokenizer of
+    ``--dataset`` or of the ``--weights`` directory."""
+    m, data = config.model, config.data
+    source = ("--weights", m.weights) if m.weights else ("--model-config", m.config) if m.config else None
+    if source is not None and "model.preset" in flags:
+        raise ConfigError(
+            "model.preset", f"{source[0]} {source[1]} gives the model's shape; drop the preset", where="--preset"
+        )
+    if source is not None and "model.family" in flags:
+        file = Path(source[1]) / "config.json" if m.weights else Path(source[1])
+        try:
+            kind = json.loads(file.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            kind = None  # the run's own check names what is wrong with the file
+        if isinstance(kind, str) and kind != m.family:
+            raise ConfigError(
+                "model.family", f"{m.family}, but {source[0]} {source[1]} is a {kind} model", where="--model"
+            )
+    if "data.tokenizer_vocab" in flags:
+        given = f"{data.tokenizer_vocab}"
+        if data.dataset:
+            why = f"--dataset {data.dataset} was tokenized already"
+        elif m.weights and (Path(m.weights) / "tokenizer.json").is_file():
+            why = f"the run takes the tokenizer of --weights {m.weights}"
+        else:
+            return
+        raise ConfigError(
+            "data.tokenizer_vocab",
+            f"{given}: trains a tokenizer for the default dataset, but {why}; drop the flag",
+            where="--tokenizer-vocab",
+        )
 
 
 def markdown_reference() -> str:

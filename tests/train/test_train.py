@@ -237,6 +237,14 @@ def test_the_exported_model_loads_with_the_trained_weights_and_generates(one_ran
         (["--weights", "/nonexistent/model"], "--weights: /nonexistent/model"),
         (["--dataset", "/nonexistent/data"], "--dataset: /nonexistent/data is not a prepared dataset"),
         (["--model-config", "/nonexistent/config.json"], "--model-config: /nonexistent/config.json: no such file"),
+        (
+            ["--model-config", "/nonexistent/config.json", "--preset", "1b"],
+            "--preset: --model-config /nonexistent/config.json gives the model's shape; drop the preset",
+        ),
+        (
+            ["--dataset", "/nonexistent/data", "--tokenizer-vocab", "600"],
+            "--tokenizer-vocab: 600: trains a tokenizer for the default dataset, but --dataset /nonexistent/data was",
+        ),
     ],
 )
 def test_bad_layouts_and_inputs_fail_before_any_rank_starts(tmp_path, capsys, no_ranks, flags, message):
@@ -244,6 +252,18 @@ def test_bad_layouts_and_inputs_fail_before_any_rank_starts(tmp_path, capsys, no
     printed = capsys.readouterr()
     assert message in printed.err and printed.err.count("\n") == 1 and not printed.out, printed
     assert not (tmp_path / "run").exists() or flags == ["--resume"]
+
+
+def test_flags_the_weights_would_override_are_refused(one_rank, tmp_path, capsys, no_ranks):
+    """The exported model is a llama with its tokenizer.json: another family, or a tokenizer size, is refused."""
+    weights = str(one_rank[0] / "model")
+    for flags, message in (
+        (["--model", "gpt2"], f"--model: gpt2, but --weights {weights} is a llama model"),
+        (["--tokenizer-vocab", "600"], f"but the run takes the tokenizer of --weights {weights}; drop the flag"),
+    ):
+        assert main(["train", "--out", str(tmp_path / "run"), "--weights", weights, *flags]) == 2
+        printed = capsys.readouterr()
+        assert message in printed.err and printed.err.count("\n") == 1 and not printed.out, printed
 
 
 @pytest.mark.parametrize("local_rank", ["0", "1"])
