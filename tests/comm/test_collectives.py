@@ -69,3 +69,10 @@ def test_matches_torch_distributed_on_a_large_buffer(pool, coll, algorithm):
 def test_a_group_of_the_whole_world_in_order_takes_the_world_node_size(pool):
     # dtrain train's data-parallel group of a 1-D layout is such a group: --algorithm hierarchical must work there
     assert max(pool.run(jobs.world_copy_takes_world_node_size)) == 0.0
+
+
+def test_bench_verify_finds_every_pair_equal_to_torch_distributed_and_a_wrong_one_not(pool):
+    """The check people run on a new backend, on Gloo: float32 within its tolerance, integers and booleans exactly;
+    an all-reduce made wrong is a failure."""
+    assert pool.run(jobs.bench_verify, 4, [1, 13], ranks=4) == [0] * 4
+    assert pool.run(jobs.bench_verify, 4, [13], "ring", ranks=4) == [1] * 4

@@ -572,3 +572,23 @@ def torch_reduce_ops() -> list[list[float]]:
             comm.scan(sc, op=given, group=group)
             out.append(a.tolist() + r.tolist() + rs.tolist() + sc.tolist())
     return out
+
+
+def bench_verify(world: int, sizes: list[int], broken: str | None = None) -> int:
+    """``dtrain bench verify``'s check on the group of ranks 0..world-1: its failure count. ``broken`` names an
+    all-reduce algorithm made to add 1 to its result (to negate a boolean one), for the check to find."""
+    from dtrain.bench.verify import verify_on_rank
+
+    right = comm.all_reduce
+
+    def wrong(tensor, op="sum", group=None, algorithm="auto"):
+        right(tensor, op, group, algorithm)
+        if algorithm != broken:
+            return tensor
+        return tensor.logical_not_() if tensor.dtype == torch.bool else tensor.add_(1)
+
+    comm.all_reduce = wrong
+    try:
+        return verify_on_rank(torch.device("cpu"), sizes, group=group_of(world))
+    finally:
+        comm.all_reduce = right
