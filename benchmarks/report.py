@@ -759,7 +759,8 @@ def _direct_reduce_part() -> list[str]:
         "tensor as it was, and a recorded CUDA graph replayed on new data. The chain trails the bare add by its "
         "counters (about 24 us a call from 64 MiB), so it stays under NCCL's reduce, and `auto` keeps NCCL's. "
         "With each post's offset and size checked against the mapping the driver reports, `dtrain bench verify` on "
-        f"2 x H200 checked every form against NCCL's result (`verify-h200x2.txt`: {_verified('verify-h200x2.txt')}).",
+        f"2 x H200 checked every form against NCCL's result (`verify-h200x2.txt`: {_verified('verify-h200x2.txt')}; "
+        "float32 data within a relative 1e-5, int32, int8, uint8 and bool data exactly).",
         setting(
             f"2 x {beside[0].get('device_name', 'NVIDIA H200')} (one host)",
             gpu_software(beside),
