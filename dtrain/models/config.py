@@ -9,6 +9,7 @@ file or flag it came from.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,11 +31,33 @@ def _positive_ints(config: object, *names: str) -> None:
             raise ModelConfigError(name, f"must be a positive int, got {value!r}")
 
 
+def _positive_numbers(config: object, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0.0 < value < math.inf:
+            raise ModelConfigError(name, f"must be a finite number > 0, got {value!r}")
+
+
 def _probability(config: object, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
         if not isinstance(value, int | float) or isinstance(value, bool) or not 0.0 <= value < 1.0:
             raise ModelConfigError(name, f"must be a number in [0, 1), got {value!r}")
+
+
+def _llama3_scaling(scaling: dict[str, Any]) -> None:
+    """Llama 3's scaling divides by ``factor``, by each frequency factor and by their difference: each a finite number,
+    ``0 < low_freq_factor < high_freq_factor``, and a positive ``original_max_position_embeddings``."""
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        value = scaling[key]
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0.0 < value < math.inf:
+            raise ModelConfigError("rope_scaling", f"{key} must be a finite number > 0, got {value!r}")
+    if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ModelConfigError(
+            "rope_scaling",
+            f"high_freq_factor {scaling['high_freq_factor']!r} must be greater than low_freq_factor "
+            f"{scaling['low_freq_factor']!r}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -94,8 +117,7 @@ class LlamaConfig:
         if self.hidden_act != "silu":
             raise ModelConfigError("hidden_act", f"the SwiGLU MLP takes 'silu', got {self.hidden_act!r}")
         _probability(self, "attention_dropout")
-        if not self.rms_norm_eps > 0 or not self.rope_theta > 0 or not self.initializer_range > 0:
-            raise ModelConfigError("rms_norm_eps", "rms_norm_eps, rope_theta and initializer_range must be > 0")
+        _positive_numbers(self, "rms_norm_eps", "rope_theta", "initializer_range")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "default"):
@@ -105,6 +127,8 @@ class LlamaConfig:
             )
             if kind == "llama3" and missing:
                 raise ModelConfigError("rope_scaling", f"llama3 scaling needs {', '.join(sorted(missing))}")
+            if kind == "llama3":
+                _llama3_scaling(self.rope_scaling)
 
     @property
     def num_layers(self) -> int:
@@ -145,6 +169,7 @@ class GPT2Config:
                 f"must be gelu_new, gelu_pytorch_tanh or gelu, got {self.activation_function!r}",
             )
         _probability(self, "resid_pdrop", "embd_pdrop", "attn_pdrop")
+        _positive_numbers(self, "layer_norm_epsilon", "initializer_range")
         if not self.scale_attn_weights:
             raise ModelConfigError("scale_attn_weights", "only the scaled attention (true) is supported")
         if not self.tie_word_embeddings:

@@ -185,7 +185,7 @@ def config_from_dict(raw: Any, file: str | os.PathLike = "config.json") -> Model
     if not isinstance(raw, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
-    if model_type not in CONFIGS:
+    if not isinstance(model_type, str) or model_type not in CONFIGS:
         raise ValueError(f"{file}: model_type: {model_type!r} is not one of {', '.join(map(repr, CONFIGS))}")
     kind = CONFIGS[model_type]
     known = set(config_fields(kind))

@@ -113,6 +113,11 @@ def test_gpt2_config_keys_that_must_keep_their_value(tmp_path):
     with pytest.raises(ValueError) as e:
         load_config(file)
     _one_line_naming(e, file, "scale_attn_by_inverse_layer_idx")
+    for epsilon in (-1e-5, float("inf")):
+        _edit_config(tmp_path, scale_attn_by_inverse_layer_idx=False, layer_norm_epsilon=epsilon)
+        with pytest.raises(ValueError) as e:
+            load_config(file)
+        _one_line_naming(e, file, "layer_norm_epsilon")
 
 
 @pytest.mark.parametrize(
@@ -139,6 +144,35 @@ def test_gpt2_config_keys_that_must_keep_their_value(tmp_path):
                 }
             },
             "rope_scaling",
+        ),
+        ({"model_type": ["llama"]}, "model_type"),
+        ({"rope_theta": float("inf")}, "rope_theta"),
+        ({"rope_theta": float("nan")}, "rope_theta"),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps"),
+        ({"initializer_range": -1.0}, "initializer_range"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 0,
+                    "high_freq_factor": 4,
+                    "original_max_position_embeddings": 8,
+                }
+            },
+            "low_freq_factor",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 0,
+                    "low_freq_factor": 1,
+                    "high_freq_factor": 4,
+                    "original_max_position_embeddings": 8,
+                }
+            },
+            "factor",
         ),
     ],
 )
