@@ -3,9 +3,10 @@
 The directory is one :func:`dtrain.models.hf.save_pretrained` or ``transformers``' ``save_pretrained`` wrote:
 ``config.json``, ``model.safetensors`` (or shards) and a ``tokenizer.json`` (read with the ``tokenizers``
 library). The prompt and its continuation are printed as one text. Generation stops after ``--max-new-tokens``
-tokens or at the config's ``eos_token_id`` (any of them where it lists several). Bad input (a missing directory
-or tokenizer, a bad config or weights, an unavailable device) is one line ``dtrain generate: ...`` and exit
-status 2.
+tokens or at the ``eos_token_id`` of ``generation_config.json``, where the directory has one, else of
+``config.json`` (any of them where it lists several), as ``transformers``' ``generate`` stops. Bad input (a missing
+directory or tokenizer, a bad config or weights, an unavailable device) is one line ``dtrain generate: ...`` and
+exit status 2.
 """
 
 from __future__ import annotations
@@ -43,11 +44,23 @@ def register(commands) -> None:
     add_parser(commands)
 
 
-def _eos_ids(config_file: Path, vocab_size: int) -> tuple[int, ...]:
-    """The config's end-of-text ids inside the vocabulary: ``eos_token_id`` is one id or a list of them (Llama 3's
-    configs name several, any of which ends the text)."""
-    raw = json.loads(config_file.read_text(encoding="utf-8"))
+def _eos_ids(directory: Path, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-text ids inside the vocabulary: ``generation_config.json``'s ``eos_token_id`` where the directory
+    has one that sets it (what ``transformers``' ``generate`` stops at), else ``config.json``'s; one id or a list
+    of them (Llama 3's configs name several, any of which ends the text). ValueError naming a
+    ``generation_config.json`` that is not a JSON object."""
+    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     eos = raw.get("eos_token_id")
+    generation = directory / "generation_config.json"
+    if generation.is_file():
+        try:
+            settings = json.loads(generation.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"{generation}: cannot be read ({' '.join(str(exc).split())})") from None
+        if not isinstance(settings, dict):
+            raise ValueError(f"{generation}: not a JSON object")
+        if settings.get("eos_token_id") is not None:
+            eos = settings["eos_token_id"]
     ids = eos if isinstance(eos, list) else [eos]
     return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size)
 
@@ -103,7 +116,7 @@ def _generate(args: argparse.Namespace) -> str:
         raise ValueError(
             f"{tokenizer_file}: token id {max(ids)} is outside the model's vocabulary of {config.vocab_size}"
         )
-    eos_ids = _eos_ids(directory / "config.json", config.vocab_size)
+    eos_ids = _eos_ids(directory, config.vocab_size)
     model = load_pretrained(directory, device=device)
     _check_finite(model, directory)
     out = generate(

@@ -717,6 +717,13 @@ def carried_settings(directory: str | os.PathLike, vocab_size: int) -> tuple[dic
     return ids, files
 
 
+def _ends_with(eos_token_id: int, ends: Any) -> int | list[int]:
+    """``eos_token_id`` first, then the other ids of ``ends`` (an id, a list of them or None): one id alone as an int,
+    as transformers writes it."""
+    others = [e for e in (ends if isinstance(ends, list) else [] if ends is None else [ends]) if e != eos_token_id]
+    return [eos_token_id, *others] if others else eos_token_id
+
+
 def save_pretrained(
     model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
     config: ModelConfig,
@@ -734,7 +741,8 @@ def save_pretrained(
     ``dtrain generate`` and ``transformers``' ``generate`` stop. ``carry_from``: the directory of the weights a
     fine-tune started from, whose tokenizer it trained with: its :data:`CARRIED_FILES` are copied and its
     ``config.json``'s :data:`CARRIED_IDS` kept (:func:`carried_settings`), ``eos_token_id`` first among its end
-    ids, so the model generates and chats as the one it came from.
+    ids, in ``config.json`` and in ``generation_config.json`` alike, so the model generates and chats as the one it
+    came from.
 
     ``model_or_state_dict`` is a :class:`CausalLM` or a full state dict in dtrain's names; tensors are stored in
     ``dtype`` (default: as they are). The directory is built beside ``directory`` under a temporary name and
@@ -765,10 +773,14 @@ def save_pretrained(
     raw["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")  # the weights' (as transformers)
     raw.update(carried_ids)
     if eos_token_id is not None:
-        ends = carried_ids.get("eos_token_id", [])
-        ends = [e for e in (ends if isinstance(ends, list) else [ends]) if e != eos_token_id]
-        raw["eos_token_id"] = [eos_token_id, *ends] if ends else eos_token_id
+        raw["eos_token_id"] = _ends_with(eos_token_id, carried_ids.get("eos_token_id"))
     config_bytes = (json.dumps(raw, indent=2, sort_keys=True) + "\n").encode()
+    carried = {path.name: path.read_bytes() for path in carried_files}
+    if eos_token_id is not None and "generation_config.json" in carried:
+        # transformers' generate stops at generation_config.json's end ids rather than config.json's
+        settings = json.loads(carried["generation_config.json"])
+        settings["eos_token_id"] = _ends_with(eos_token_id, settings.get("eos_token_id"))
+        carried["generation_config.json"] = (json.dumps(settings, indent=2) + "\n").encode()
     parent = directory.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{directory.name}.", suffix=".tmp"))
@@ -778,8 +790,8 @@ def save_pretrained(
         (tmp / CONFIG_NAME).write_bytes(config_bytes)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
-        for path in carried_files:
-            shutil.copyfile(path, tmp / path.name)
+        for name, data in carried.items():
+            (tmp / name).write_bytes(data)
         if directory.exists():
             old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{directory.name}.", suffix=".old"))
             os.replace(directory, old / "previous")

@@ -180,6 +180,31 @@ def test_dtrain_generate_stops_at_any_end_id_its_config_lists(saved, tmp_path, c
     assert tokenizer.encode(stopped).ids == ids[: ids.index(end, len(prompt)) + 1]
 
 
+def test_dtrain_generate_stops_at_the_end_ids_of_generation_config_json(saved, tmp_path, capsys):
+    """Where the directory has a ``generation_config.json`` with an ``eos_token_id``, those ids end the text, as
+    ``transformers``' ``generate`` takes them over ``config.json``'s; a damaged one is one line naming it."""
+    greedy = ["generate", "--prompt", "the fox", "--temperature", "0", "--device", "cpu", "--max-new-tokens", "8"]
+    assert cli.run(_parser().parse_args([*greedy, "--model", str(saved)])) == 0
+    free = capsys.readouterr().out.removesuffix("\n")
+    tokenizer = Tokenizer.from_file(str(saved / "tokenizer.json"))
+    prompt, ids = tokenizer.encode("the fox").ids, tokenizer.encode(free).ids
+    end = ids[len(prompt) + 1]  # the second generated token
+    other = next(i for i in range(len(tokenizer.get_vocab())) if i not in ids)
+    directory = tmp_path / "generation-config"
+    shutil.copytree(saved, directory)
+    raw = json.loads((directory / "config.json").read_text())
+    raw["eos_token_id"] = other
+    (directory / "config.json").write_text(json.dumps(raw))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [other, end], "bos_token_id": 0}))
+    assert cli.run(_parser().parse_args([*greedy, "--model", str(directory)])) == 0
+    stopped = capsys.readouterr().out.removesuffix("\n")
+    assert tokenizer.encode(stopped).ids == ids[: ids.index(end, len(prompt)) + 1]
+    (directory / "generation_config.json").write_text("{not json")
+    assert cli.run(_parser().parse_args([*greedy, "--model", str(directory)])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "generation_config.json" in err, err
+
+
 def test_dtrain_generate_bad_input_is_one_line_and_status_2(saved, tmp_path, capsys):
     no_tokenizer = tmp_path / "no-tokenizer"
     no_tokenizer.mkdir()

@@ -430,8 +430,17 @@ def test_a_fine_tune_keeps_the_generation_and_tokenizer_settings_of_its_source(l
     config = json.loads((tmp_path / "tuned" / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, [7, 2], 0)
     for name, content in carried.items():
+        if name == "generation_config.json":  # where transformers' generate reads its end ids: the trained one first
+            content = {**content, "eos_token_id": [7, 2]}
         assert json.loads((tmp_path / "tuned" / name).read_text()) == content, name
     assert load_config(tmp_path / "tuned") == model.config
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "do_sample": True}))
+    save_pretrained(model, model.config, tmp_path / "tuned", eos_token_id=7, carry_from=source)
+    settings = json.loads((tmp_path / "tuned" / "generation_config.json").read_text())
+    assert settings == {"eos_token_id": [7, 2], "do_sample": True}
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    save_pretrained(model, model.config, tmp_path / "tuned", eos_token_id=7, carry_from=source)
+    assert json.loads((tmp_path / "tuned" / "generation_config.json").read_text()) == {"eos_token_id": 7}
     raw["bos_token_id"] = LLAMA["vocab_size"]
     (source / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError) as exc_info:
