@@ -22,7 +22,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--step; or a checkpoints/step-N directory) and write config.json, model.safetensors and tokenizer.json.",
     )
     p.add_argument("checkpoint", metavar="PATH", help="a run's output directory or a checkpoint directory")
-    p.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face directory to write")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="the Hugging Face directory to write: new, empty, or a model directory (replaced)")  # fmt: skip
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the last complete one)")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: the run's)")
     p.set_defaults(handler=run)
@@ -47,6 +48,21 @@ def _check_tokenizer(path: str) -> None:
         raise ValueError(f"--tokenizer {path}: not a tokenizers tokenizer.json ({reason})") from None
 
 
+def _check_out(out: str, checkpoint: str) -> None:
+    """``--out`` is replaced whole by the export: it must be new, an empty directory or a Hugging Face model
+    directory (one with a ``config.json``), and neither the checkpoint read nor a directory holding it."""
+    from pathlib import Path
+
+    target, source = Path(out).resolve(), Path(checkpoint).resolve()
+    if target == source or target in source.parents:
+        raise ValueError(f"--out {out}: holds the checkpoint {checkpoint} (choose another --out)")
+    if target.is_dir() and any(target.iterdir()) and not (target / "config.json").is_file():
+        raise ValueError(
+            f"--out {out}: exists and is not a Hugging Face model directory, which the export would replace "
+            "(choose a new --out or remove it)"
+        )
+
+
 def _export(args: argparse.Namespace) -> str:
     from pathlib import Path
 
@@ -54,6 +70,7 @@ def _export(args: argparse.Namespace) -> str:
     from dtrain.train.checkpoint import checkpoint_dir, export_checkpoint, latest_complete_step
 
     check_dir_out("--out", args.out)
+    _check_out(args.out, args.checkpoint)
     if args.tokenizer is not None:
         _check_tokenizer(args.tokenizer)
     path = Path(args.checkpoint)
