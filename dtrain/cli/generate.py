@@ -32,8 +32,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="a finite number >= 0; 0: greedy; default 1.0")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
-    p.add_argument("--seed", type=int, default=None, help="for repeatable sampling: 0 to 2**63 - 1")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens (default: all; not with --temperature 0)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None,
+                   help="for repeatable sampling: 0 to 2**63 - 1 (not with --temperature 0)")  # fmt: skip
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available, else cpu")
     p.set_defaults(handler=run)
     return p
@@ -94,6 +96,9 @@ def _generate(args: argparse.Namespace) -> str:
         raise ValueError(f"--top-k: must be >= 1, got {args.top_k}")
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed: must be a whole number from 0 to 2**63 - 1, got {args.seed}")
+    for flag, value in (("--top-k", args.top_k), ("--seed", args.seed)):
+        if value is not None and args.temperature == 0:
+            raise ValueError(f"{flag}: greedy decoding (--temperature 0) samples nothing, leave {flag} out")
 
     import torch
     from tokenizers import Tokenizer

@@ -224,6 +224,14 @@ def test_dtrain_generate_bad_input_is_one_line_and_status_2(saved, tmp_path, cap
         assert out.count("\n") == 1 and out.startswith("dtrain generate: ") and words in out, out
 
 
+def test_dtrain_generate_refuses_sampling_flags_that_greedy_decoding_ignores(saved, capsys):
+    for flag in (["--top-k", "3"], ["--seed", "1"]):
+        argv = ["generate", "--model", str(saved), "--prompt", "hi", "--temperature", "0", *flag]
+        assert cli.run(_parser().parse_args(argv)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"dtrain generate: {flag[0]}: ") and "--temperature 0" in err
+
+
 def test_dtrain_generate_in_a_fresh_process(tmp_path):
     code = (
         "import argparse, sys; from dtrain.cli import generate as g; p = argparse.ArgumentParser(prog='dtrain'); "
