@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -145,15 +145,16 @@ class Tokenizer:
         return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write ``tokenizer.json`` atomically (a temporary file in the same folder, then ``os.replace``)."""
+        """Write ``tokenizer.json`` atomically (a temporary file in the same folder, then ``os.replace``), of the
+        mode the umask gives new files."""
         path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            with open(tmp, "x", encoding="utf-8") as f:
                 f.write(self.backend.to_str(pretty=True))
             os.replace(tmp, path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -237,14 +238,27 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
 
 
 def _write_atomically(file: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+    """``data`` into a new file beside ``file`` (of the mode the umask gives new files), renamed over it."""
+    tmp = file.with_name(f".{file.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
         os.replace(tmp, file)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def _new_directory(parent: Path, prefix: str, suffix: str) -> Path:
+    """A new empty directory in ``parent`` under a name no other has, of the mode the umask gives new directories
+    (``tempfile.mkdtemp`` makes them private to the owner, which the directory renamed into place would stay)."""
+    while True:
+        path = parent / f"{prefix}{uuid.uuid4().hex[:12]}{suffix}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
 
 
 def save_config(config: ModelConfig, directory: str | os.PathLike) -> Path:
@@ -783,7 +797,7 @@ def save_pretrained(
         carried["generation_config.json"] = (json.dumps(settings, indent=2) + "\n").encode()
     parent = directory.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{directory.name}.", suffix=".tmp"))
+    tmp = _new_directory(parent, f".{directory.name}.", ".tmp")
     old = None
     try:
         _write_weights(tensors, tmp, max_shard_bytes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -176,3 +177,18 @@ def test_an_existing_folder_that_is_not_a_dataset_is_refused(tokenizer, tmp_path
     with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\), got 1.5"):
         prepare([tmp_path / "ok.txt"], tokenizer, tmp_path / "ds", val_fraction=1.5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.txt", "taken"]
+
+
+def test_the_dataset_is_written_with_the_modes_of_the_umask(tokenizer, tmp_path):
+    """Others may read a dataset as the umask lets them read any new file: the folder and its tokenizer.json are
+    not left private to the owner as temporary files are made."""
+    (tmp_path / "doc.txt").write_text(_document(1))
+    old = os.umask(0o022)
+    try:
+        prepare([tmp_path / "doc.txt"], tokenizer, tmp_path / "ds", val_fraction=0)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ds").stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "ds").iterdir()} == dict.fromkeys(
+        ["meta.json", "tokenizer.json", "train-00000.bin"], 0o644
+    )

@@ -460,3 +460,18 @@ def test_save_in_another_dtype_records_it(llama_dir, tmp_path):
     assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
     loaded = load_pretrained(tmp_path / "bf16")  # float32 unless asked
     assert torch.equal(loaded[0].embed_tokens.weight, model[0].embed_tokens.weight.bfloat16().float())
+
+
+def test_a_saved_directory_has_the_mode_of_the_umask(llama_dir, tmp_path):
+    """The directory and its config.json are readable as the umask lets any new file be (as transformers writes
+    them), not private to the owner as temporary ones are made."""
+    model = load_pretrained(llama_dir)
+    old = os.umask(0o022)
+    try:
+        save_pretrained(model, model.config, tmp_path / "out")
+        save_config(model.config, tmp_path / "config")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "out" / "config.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "config" / "config.json").stat().st_mode & 0o777 == 0o644
