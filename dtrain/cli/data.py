@@ -54,7 +54,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="VOCAB_SIZE",
         help=f"train a byte-level BPE on the inputs, of {MIN_VOCAB} to {MAX_VOCAB} (2**24) tokens",
     )
-    p.add_argument("--text-key", default="text", help="JSONL key / Parquet column of the text (default: text)")
+    p.add_argument(
+        "--text-key",
+        default=None,
+        help="JSONL key / Parquet column of the text (default: text); other files are read whole",
+    )
     p.add_argument("--val-fraction", type=float, default=0.005, help="documents held out (default: 0.005)")
     p.add_argument(
         "--shard-tokens", type=_positive_int, default=100_000_000, help="tokens per shard file (default: 100M)"
@@ -72,7 +76,7 @@ def _prepare(args: argparse.Namespace) -> str:
     from pathlib import Path
 
     from dtrain.cli.paths import check_dir_out
-    from dtrain.data.prepare import check_out_dir, prepare, sources_from_paths
+    from dtrain.data.prepare import check_out_dir, has_records, input_files, prepare, sources_from_paths
     from dtrain.data.tokenizer import Tokenizer
 
     if not 0 <= args.val_fraction < 1:
@@ -84,13 +88,19 @@ def _prepare(args: argparse.Namespace) -> str:
         )
     check_dir_out("--out", args.out)
     check_out_dir(Path(args.out))
+    if args.text_key is not None and not any(has_records(path) for path in input_files(args.inputs)):
+        raise ValueError(
+            f"--text-key {args.text_key}: no input is JSONL (.jsonl, .jsonl.gz) or Parquet (.parquet), the files it "
+            "picks the text of; every other file is one document read whole"
+        )
+    text_key = "text" if args.text_key is None else args.text_key
     if args.tokenizer is not None:
         tokenizer = Tokenizer.load(args.tokenizer)
     else:
-        sources = sources_from_paths(args.inputs, text_key=args.text_key)
+        sources = sources_from_paths(args.inputs, text_key=text_key)
         tokenizer = Tokenizer.train_bpe((text for s in sources for text in s.documents()), args.train_tokenizer)
     info = prepare(
-        args.inputs, tokenizer, args.out, text_key=args.text_key, val_fraction=args.val_fraction,
+        args.inputs, tokenizer, args.out, text_key=text_key, val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens, seed=args.seed,
     )  # fmt: skip
     return info.summary()

@@ -42,6 +42,8 @@ __all__ = [
     "PreparedInfo",
     "Source",
     "check_out_dir",
+    "has_records",
+    "input_files",
     "prepare",
     "shard_dtype",
     "sources_from_paths",
@@ -201,6 +203,17 @@ def _files(inputs: Sequence[str | os.PathLike]) -> list[Path]:
     if not files:
         raise ValueError("no input files given")
     return files
+
+
+def input_files(inputs: Sequence[str | os.PathLike]) -> list[Path]:
+    """Every input file, directories expanded (sorted, hidden files left out); ValueError naming a missing input or
+    an empty directory."""
+    return _files(inputs)
+
+
+def has_records(path: Path) -> bool:
+    """Whether ``path`` is read as records with a text key or column (JSONL, Parquet) rather than as one text."""
+    return path.name.lower().endswith((".jsonl", ".jsonl.gz", ".parquet"))
 
 
 def sources_from_paths(inputs: Sequence[str | os.PathLike], *, text_key: str = "text") -> list[Source]:

@@ -72,3 +72,17 @@ def test_an_occupied_out_dir_is_refused_before_any_tokenizer_is_trained(corpus, 
     (tmp_path / "notes" / "a.txt").write_text("mine")
     assert _run(["data", "prepare", str(corpus), "--out", str(tmp_path / "notes"), "--train-tokenizer", "300"]) == 2
     assert "notes exists and is not a prepared dataset" in capsys.readouterr().err
+
+
+def test_a_text_key_with_no_jsonl_or_parquet_input_is_refused(tmp_path, capsys):
+    """Text files are read whole: a --text-key beside only them would be ignored (a JSON-lines file named .json
+    among them, read as one document)."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("plain text")
+    (tmp_path / "in" / "b.json").write_text('{"body": "one"}\n{"body": "two"}\n')
+    argv = ["data", "prepare", str(tmp_path / "in"), "--out", str(tmp_path / "ds"), "--train-tokenizer", "260"]
+    assert _run([*argv, "--text-key", "body"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dtrain data prepare: --text-key body: "), err
+    assert ".jsonl" in err and not (tmp_path / "ds").exists()
+    assert _run(argv) == 0
