@@ -25,6 +25,48 @@ __all__ = ["PackedBatches", "TokenDataset"]
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_file_name(name) -> bool:
+    """A file of the dataset's own folder: a name, not a path."""
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+
+
+def _check_meta(meta: dict, meta_path: Path) -> None:
+    """ValueError naming ``meta_path`` and the key where what training reads of it is missing or of a wrong kind:
+    the vocabulary, the end-of-text id, the fingerprints (a resume is held against them), each split's documents and
+    each shard's file (a name in the dataset's folder) and tokens."""
+    vocab = meta.get("vocab_size")
+    if not _is_count(vocab) or vocab < 1:
+        raise ValueError(f"{meta_path}: vocab_size: must be a positive integer, got {vocab!r}")
+    eos = meta.get("eos_id")
+    if not _is_count(eos) or eos >= vocab:
+        raise ValueError(f"{meta_path}: eos_id: must be a token id below vocab_size {vocab}, got {eos!r}")
+    for key in ("fingerprint", "tokenizer_fingerprint"):
+        if not isinstance(meta.get(key), str):
+            raise ValueError(f"{meta_path}: {key}: must be a string, got {meta.get(key)!r}")
+    if not _is_file_name(meta.get("tokenizer", "tokenizer.json")):
+        raise ValueError(f"{meta_path}: tokenizer: must be a file name, got {meta['tokenizer']!r}")
+    splits = meta.get("splits")
+    for split in SPLITS:
+        entry = splits.get(split) if isinstance(splits, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list):
+            raise ValueError(f"{meta_path}: splits: {split}: must be an object with a list of shards")
+        if not _is_count(entry.get("documents")):
+            documents = entry.get("documents")
+            raise ValueError(f"{meta_path}: splits: {split}: documents: must be a count, got {documents!r}")
+        for shard in entry["shards"]:
+            name = shard.get("file") if isinstance(shard, dict) else None
+            if not _is_file_name(name):
+                raise ValueError(f"{meta_path}: splits: {split}: shards: file must be a file name, got {name!r}")
+            if not _is_count(shard.get("tokens")):
+                raise ValueError(
+                    f"{meta_path}: splits: {split}: {name}: tokens: must be a count, got {shard.get('tokens')!r}"
+                )
+
+
 class TokenDataset:
     """A prepared dataset folder, its shards opened read-only as ``numpy.memmap``.
 
@@ -47,6 +89,7 @@ class TokenDataset:
             raise ValueError(f"{meta_path}: format version {meta.get('version')!r}, this dtrain reads {VERSION}")
         if meta.get("dtype") not in _DTYPES:
             raise ValueError(f"{meta_path}: dtype {meta.get('dtype')!r}, expected one of {', '.join(_DTYPES)}")
+        _check_meta(meta, meta_path)
         self.meta = meta
         self.dtype = _DTYPES[meta["dtype"]]
         self._shards: dict[str, list[np.memmap]] = {}

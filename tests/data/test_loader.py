@@ -174,3 +174,36 @@ def test_too_few_tokens_and_damaged_datasets_are_named(dataset, tmp_path):
     (copy / "meta.json").unlink()
     with pytest.raises(ValueError, match=r"copy is not a prepared dataset: no meta\.json"):
         TokenDataset(copy)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("vocab_size", None),
+        ("vocab_size", "512"),
+        ("eos_id", None),
+        ("eos_id", -1),
+        ("fingerprint", None),
+        ("tokenizer_fingerprint", 7),
+        ("tokens", "many"),
+    ],
+)
+def test_a_meta_json_missing_a_key_or_of_a_wrong_type_is_named(dataset, tmp_path, key, value):
+    """What training reads of meta.json (the vocabulary, the end-of-text id, the fingerprints that guard a resume,
+    each shard's tokens) is checked when the dataset is opened, not where a rank first reads it."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in dataset.path.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    meta = json.loads((copy / "meta.json").read_text())
+    if key == "tokens":
+        meta["splits"]["train"]["shards"][0]["tokens"] = value
+    elif value is None:
+        del meta[key]
+    else:
+        meta[key] = value
+    (copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError) as e:
+        TokenDataset(copy)
+    message = str(e.value)
+    assert str(copy / "meta.json") in message and key in message and "\n" not in message, message
