@@ -84,12 +84,16 @@ def latest_complete_step(out: str | Path) -> int | None:
 
 
 def read_meta(directory: str | Path) -> dict[str, Any]:
-    """A checkpoint directory's ``meta.json``; ValueError naming the file if it is missing or unreadable."""
+    """A checkpoint directory's ``meta.json``; ValueError naming the file if it is missing, unreadable or not a JSON
+    object."""
     file = Path(directory) / META
     try:
-        return json.loads(file.read_text())
+        meta = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{file}: not a readable checkpoint description ({type(exc).__name__})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file}: not a checkpoint description (a JSON object), holds a {type(meta).__name__}")
+    return meta
 
 
 def _reason(exc: BaseException) -> str:
@@ -395,6 +399,8 @@ def export_checkpoint(directory: str | Path, dest: str | Path, *, tokenizer: str
     from dtrain.models import hf
 
     meta = read_meta(directory)
+    if not isinstance(meta.get("tokenizer"), str | None):
+        raise ValueError(f"{Path(directory) / META}: tokenizer: must be a path, got {meta['tokenizer']!r}")
     config = hf.config_from_dict(meta.get("model"), Path(directory) / META)
     eos = meta.get("eos_id") if tokenizer is None else None
     if tokenizer is None and meta.get("tokenizer") and Path(meta["tokenizer"]).is_file():

@@ -40,3 +40,14 @@ def test_an_out_that_is_not_a_model_directory_is_refused_before_anything_is_writ
         assert not printed.out and printed.err.count("\n") == 1, printed
         assert printed.err.startswith(f"dtrain export: --out {out}: "), printed.err
         assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize("meta", ["[1, 2]", '{"model": {"model_type": "llama"}, "tokenizer": 5}'])
+def test_a_checkpoint_description_of_the_wrong_kind_is_one_line(run, tmp_path, capsys, meta):
+    step = run / "checkpoints" / "step-00000003"
+    (step / "meta.json").write_text(meta)
+    assert main(["export", str(step), "--out", str(tmp_path / "hf")]) == 2
+    printed = capsys.readouterr()
+    assert not printed.out and printed.err.count("\n") == 1, printed
+    assert printed.err.startswith(f"dtrain export: {step / 'meta.json'}: "), printed.err
+    assert not (tmp_path / "hf").exists()
