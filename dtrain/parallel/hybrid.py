@@ -91,17 +91,22 @@ def tensor_parallel_blocks(blocks: Sequence[nn.Module], tp_group, *, algorithm: 
     """Each single-device MLP block as a :class:`ParallelMLP` over ``tp_group`` holding this rank's shard of it.
 
     Nothing is communicated: every rank copies its slice of the weights (``init_from``), so the blocks must be
-    the same on every rank (built from one seed).
+    the same on every rank (built from one seed). A frozen weight or bias (``requires_grad=False``) stays frozen in
+    its shard.
     """
     pairs = [_mlp_pair(block, i) for i, block in enumerate(blocks)]
     if not pairs:
         raise ValueError("tensor_parallel_blocks: no blocks given; a model needs at least one block")
-    return nn.Sequential(
-        *(
-            ParallelMLP(fc_in.in_features, fc_in.out_features, tp_group, algorithm=algorithm, init_from=(fc_in, fc_out))
-            for fc_in, fc_out in pairs
+    parallel = []
+    for fc_in, fc_out in pairs:
+        mlp = ParallelMLP(
+            fc_in.in_features, fc_in.out_features, tp_group, algorithm=algorithm, init_from=(fc_in, fc_out)
         )
-    )
+        for shard, full in ((mlp.fc_in, fc_in), (mlp.fc_out, fc_out)):
+            for name, param in shard.named_parameters(recurse=False):
+                param.requires_grad_(getattr(full, name).requires_grad)
+        parallel.append(mlp)
+    return nn.Sequential(*parallel)
 
 
 class HybridParallel:

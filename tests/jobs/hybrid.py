@@ -47,11 +47,15 @@ def _grid(layout: str) -> RankGrid | None:
     return _GRIDS[layout]
 
 
-def _blocks(seed: int) -> nn.Sequential:
+def _blocks(seed: int, frozen: tuple[int, ...] = ()) -> nn.Sequential:
+    """The four MLP blocks; those in ``frozen`` with ``requires_grad=False``."""
     torch.manual_seed(seed)
-    return nn.Sequential(
+    model = nn.Sequential(
         *(nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH)) for _ in range(BLOCKS))
     )
+    for i in frozen:
+        model[i].requires_grad_(False)
+    return model
 
 
 def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,10 +70,11 @@ def _sgd(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
     return torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9)
 
 
-def _reference(steps: int, autocast: bool = False) -> tuple[list[float], nn.Sequential]:
-    """One device training the unsplit blocks on the global batch (``autocast``: under CPU bf16 autocast)."""
-    model = _blocks(seed=0)
-    opt = _sgd(list(model.named_parameters()))
+def _reference(steps: int, autocast: bool = False, frozen: tuple[int, ...] = ()) -> tuple[list[float], nn.Sequential]:
+    """One device training the unsplit blocks on the global batch (``autocast``: under CPU bf16 autocast;
+    ``frozen``: those blocks left untrained)."""
+    model = _blocks(seed=0, frozen=frozen)
+    opt = _sgd([(n, q) for n, q in model.named_parameters() if q.requires_grad])
     losses = []
     for step in range(steps):
         x, y = _global_batch(step)
@@ -144,6 +149,31 @@ def equivalence(
         "param_count": len(got),
         "moved": max((g.detach() - w.detach()).abs().max().item() for g, w in zip(got, _initial(hybrid), strict=True)),
         "clipping": clipping,
+    }
+
+
+def frozen_blocks(layout: str, frozen: tuple[int, ...], steps: int = 2) -> dict | None:
+    """Train ``steps`` steps on ``layout`` (tensor parallel through :func:`tensor_parallel_blocks`) with the blocks
+    in ``frozen`` untrainable: this rank's worst parameter error against one device, and how far its shards of the
+    frozen blocks moved; None off the grid."""
+    grid = _grid(layout)
+    if grid is None:
+        return None
+    _, reference = _reference(steps, frozen=frozen)
+    hybrid = HybridParallel(_blocks(seed=0, frozen=frozen), grid, _sgd, tensor_parallel=tensor_parallel_blocks)
+    for step in range(steps):
+        hybrid.train_step(*_global_batch(step), F.cross_entropy)
+    tp = grid.dims.tp
+    want = [w for i in hybrid.layer_indices for w in _expected_shards(reference[i], tp, grid.tp_rank)]
+    got = list(hybrid.parameters())
+    start = _initial(hybrid)
+    return {
+        "params": max(_excess(g.detach(), w.detach()) for g, w in zip(got, want, strict=True)),
+        "trainable": sum(q.requires_grad for q in got),
+        "frozen_moved": max(
+            ((g.detach() - w).abs().max().item() for g, w in zip(got, start, strict=True) if not g.requires_grad),
+            default=None,  # no frozen shard
+        ),
     }
 
 

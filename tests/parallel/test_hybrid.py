@@ -164,3 +164,12 @@ def test_a_step_graph_is_refused_off_a_gpu_and_beside_tensor_parallelism():
         HybridParallel(nn.Sequential(nn.Linear(2, 2)), _stub_grid(1), sgd, step_graph=True)
     with pytest.raises(ValueError, match=r"step_graph=True does not run with tp > 1 \(its collectives"):
         HybridParallel(nn.Sequential(nn.Linear(2, 2)), _stub_grid(2), sgd, step_graph=True)
+
+
+def test_a_frozen_block_stays_frozen_in_its_tensor_parallel_shards(pool):
+    """tensor_parallel_blocks keeps requires_grad=False on the shards of a frozen block: dp 2 x tp 2 leaves it
+    where it started and trains the others as one device does."""
+    results = pool.run(jobs.frozen_blocks, "dp2xtp2", (1,))
+    assert results[4:] == [None] * (POOL_WORLD - 4)
+    for got in results[:4]:
+        assert got == {"params": 0.0, "trainable": 12, "frozen_moved": 0.0}, got
