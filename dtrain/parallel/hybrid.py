@@ -123,7 +123,7 @@ class HybridParallel:
     ("layers", "params" or "flops") are the pipeline's (``pp > 1`` only).
     ``algorithm`` is the gradient all-reduce's (``dtrain.comm.algorithms("all_reduce")``); the initial parameter
     broadcast uses the same name where broadcast has it, else ``"auto"``. Replicas start from dp rank 0's
-    parameters. ``dp_exchange`` is :class:`~dtrain.parallel.data_parallel.DataParallel`'s ``exchange`` (``pp == 1``
+    parameters and buffers, frozen parameters included, under every ZeRO stage. ``dp_exchange`` is :class:`~dtrain.parallel.data_parallel.DataParallel`'s ``exchange`` (``pp == 1``
     and ``zero_stage == 0``): "collective", or "copy-engine" on one host.
 
     ``zero_stage`` 1 or 2 shards the optimizer state (and with 2 the gradients) over the dp group
@@ -292,6 +292,11 @@ class HybridParallel:
             )
         del model
         self._forward: nn.Module = self.module
+        if zero_stage and dims.dp > 1:
+            # ZeRO starts the parameters it shards from dp rank 0's; the stage's frozen parameters and buffers too
+            rest = [q for q in self.module.parameters() if not q.requires_grad] + list(self.module.buffers())
+            if rest:
+                broadcast_parameters(rest, 0, grid.dp_group, algorithm=broadcast_algorithm(algorithm))
         if zero_stage == 3:
             self.optimizer = self._fully_sharded(optimizer(self.named_params))
         elif zero_stage:

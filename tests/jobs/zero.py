@@ -196,3 +196,52 @@ def unused_in_hybrid(layouts: dict[str, dict]) -> dict[str, float | None]:
                 errors.append((got - want[n].detach()).abs().max().item())
             out[f"{name} {kind}"] = max(errors)
     return out
+
+
+class _Scaled(torch.nn.Module):
+    """Linear(16, 4) whose output is multiplied by a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 4)
+        self.register_buffer("scale", torch.rand(4) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def _frozen_model(seed: int) -> torch.nn.Sequential:
+    """A frozen Linear(8, 16), Tanh, then :class:`_Scaled`: weights and buffer drawn from ``seed``."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), _Scaled())
+    model[0].requires_grad_(False)
+    return model
+
+
+def frozen_and_buffers_from_rank_0(stages: list[int]) -> dict[int, float] | None:
+    """dp 2 under each ZeRO stage, the replicas built from different seeds: after 2 steps, the largest difference
+    of any parameter or buffer from one process training dp rank 0's model (None off the grid)."""
+    from dtrain.parallel.hybrid import HybridParallel
+    from tests.jobs.parallel import _grid
+
+    grid = _grid(2, 1, 1)  # every process of the pool: groups are made collectively
+    if grid is None:
+        return None
+    make = lambda named: torch.optim.SGD([q for _, q in named], lr=0.1)  # noqa: E731
+    out = {}
+    for stage in stages:
+        hybrid = HybridParallel(_frozen_model(grid.dp_rank), grid, make, zero_stage=stage)
+        ref = _frozen_model(0)
+        ref_opt = make(ref.named_parameters())
+        for step in range(2):
+            x, y = _global_batch(step)
+            hybrid.train_step(x, y, F.mse_loss)
+            ref_opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+        got = hybrid.full_state_dict() if stage == 3 else hybrid.module.state_dict()
+        got = got if got is not None else {}
+        out[stage] = max(
+            ((got[n] - t).abs().max().item() for n, t in ref.state_dict().items() if n in got), default=0.0
+        )
+    return out

@@ -87,3 +87,12 @@ def test_a_parameter_no_forward_reads_is_left_alone_in_every_layout(pool):
             if max(got[:world]) >= 1e-6:
                 off.append((name, kind, max(got[:world])))
     assert off == []
+
+
+def test_replicas_start_from_dp_rank_0s_frozen_parameters_and_buffers_under_every_zero_stage(pool):
+    """HybridParallel's replicas start from dp rank 0's model under ZeRO too: its frozen weights and its buffers,
+    which no ZeRO stage shards, as well as the parameters it does."""
+    results = pool.run(jobs.frozen_and_buffers_from_rank_0, [1, 2, 3])
+    assert results[2:] == [None] * (len(results) - 2)
+    for got in results[:2]:
+        assert all(error < 1e-6 for error in got.values()), got
