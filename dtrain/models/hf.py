@@ -14,7 +14,8 @@ Tensor names follow ``transformers``' ``LlamaForCausalLM`` and ``GPT2LMHeadModel
   ``transformer.h.{i}.attn.c_attn`` (the fused query-key-value projection), ``attn.c_proj``, ``mlp.c_fc``,
   ``mlp.c_proj``, ``transformer.ln_f``; the names are also accepted without the ``transformer.`` prefix. GPT-2's
   projections are ``Conv1D`` layers whose weight is ``(in, out)``, the transpose of ``nn.Linear``'s. The
-  attention-mask buffers ``attn.bias`` / ``attn.masked_bias`` of older checkpoints are skipped.
+  attention-mask buffers ``attn.bias`` / ``attn.masked_bias`` of older checkpoints are skipped, as are the
+  ``rotary_emb.inv_freq`` buffers of older Llama ones.
 
 Weights are written as ``transformers`` writes them (``huggingface_hub``'s state-dict splitting): one
 ``model.safetensors``, or ``model-00001-of-0000N.safetensors`` shards filled in tensor order up to
@@ -397,7 +398,10 @@ def to_hf_state_dict(
 
 
 def _canonical(name: str, config: ModelConfig) -> str | None:
-    """transformers' name in the form this module writes it; None for a buffer that is not a weight."""
+    """transformers' name in the form this module writes it; None for a buffer that is not a weight (GPT-2's
+    attention masks, the rotary frequencies older Llama checkpoints store, which transformers skips too)."""
+    if isinstance(config, LlamaConfig) and name.endswith("rotary_emb.inv_freq"):
+        return None
     if isinstance(config, GPT2Config):
         if name.endswith((".attn.bias", ".attn.masked_bias")):
             return None

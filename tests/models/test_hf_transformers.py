@@ -147,3 +147,22 @@ def test_greedy_generation_matches_transformers_generate(kind, saved):
     ours = generate(model, prompt, max_new_tokens=8, temperature=0)
     assert ours.shape == (1, 14)
     assert ours.tolist() == expected.tolist()
+
+
+def test_rotary_frequencies_stored_by_older_llama_checkpoints_are_skipped_as_transformers_skips_them(saved, tmp_path):
+    """Older Llama conversions store each layer's ``rotary_emb.inv_freq`` buffer; transformers leaves it unloaded
+    (it computes the frequencies from the config) and so does dtrain."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    reference, directory = saved("llama")
+    old = tmp_path / "old"
+    shutil.copytree(directory, old)
+    tensors = load_file(old / WEIGHTS_NAME)
+    for i in range(LLAMA["num_hidden_layers"]):
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.zeros(4)
+    save_file(tensors, old / WEIGHTS_NAME, metadata={"format": "pt"})
+    _from_pretrained(old)
+    ids = _ids()
+    torch.testing.assert_close(_logits(load_pretrained(old), ids), _hf_logits(reference, ids), atol=1e-5, rtol=0)
