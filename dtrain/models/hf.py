@@ -106,6 +106,10 @@ _IGNORED_KEYS = frozenset(
         "summary_first_dropout",
         "initializer_factor",
         "_attn_implementation_autoset",
+        "_num_labels",  # distilgpt2's: the labels of a classification head
+        "gradient_checkpointing",  # older transformers' training setting, saved with the config
+        "n_special",  # OpenAI GPT's, left in GPT-2's released configs (gpt2-medium, -large, -xl); GPT-2 never reads it
+        "predict_special_tokens",  # likewise
     }
 )
 # Keys accepted only with the value that dtrain's decoder computes.

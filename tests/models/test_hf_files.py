@@ -101,6 +101,16 @@ def test_config_round_trip_and_transformers_metadata(tmp_path):
     assert config.rope_theta == 1234.0 and config.rope_scaling is None
 
 
+def test_keys_of_released_gpt2_configs_that_change_nothing_are_accepted(tmp_path):
+    """gpt2-medium's config.json (and gpt2-large's, gpt2-xl's) carries OpenAI GPT's n_special and
+    predict_special_tokens, distilgpt2's _num_labels, older saves output_past and gradient_checkpointing: keys
+    GPT-2's computation never reads, which transformers loads past."""
+    save_config(preset("gpt2", "tiny"), tmp_path)
+    released = dict(n_special=0, predict_special_tokens=True, _num_labels=1, output_past=True)
+    file = _edit_config(tmp_path, **released, gradient_checkpointing=False)
+    assert load_config(file) == preset("gpt2", "tiny")
+
+
 def test_gpt2_config_keys_that_must_keep_their_value(tmp_path):
     save_config(preset("gpt2", "tiny"), tmp_path)
     file = _edit_config(tmp_path, n_ctx=256, reorder_and_upcast_attn=False, summary_type="cls_index")
