@@ -123,8 +123,9 @@ class HybridParallel:
     ("layers", "params" or "flops") are the pipeline's (``pp > 1`` only).
     ``algorithm`` is the gradient all-reduce's (``dtrain.comm.algorithms("all_reduce")``); the initial parameter
     broadcast uses the same name where broadcast has it, else ``"auto"``. Replicas start from dp rank 0's
-    parameters and buffers, frozen parameters included, under every ZeRO stage. ``dp_exchange`` is :class:`~dtrain.parallel.data_parallel.DataParallel`'s ``exchange`` (``pp == 1``
-    and ``zero_stage == 0``): "collective", or "copy-engine" on one host.
+    parameters and buffers, frozen parameters included, under every ZeRO stage. ``dp_exchange`` is
+    :class:`~dtrain.parallel.data_parallel.DataParallel`'s ``exchange`` (``pp == 1`` and ``zero_stage == 0``):
+    "collective", or "copy-engine" on one host.
 
     ``zero_stage`` 1 or 2 shards the optimizer state (and with 2 the gradients) over the dp group
     (:class:`~dtrain.parallel.zero.ZeroOptimizer`, built from the optimizer the factory returns: its class and
@@ -196,6 +197,20 @@ class HybridParallel:
             raise ValueError(f"accumulation must be a positive int, got {accumulation!r}")
         if balance not in ("layers", "params", "flops"):
             raise ValueError(f"balance must be 'layers', 'params' or 'flops', got {balance!r}")
+        if grad_accumulation_fusion not in (False, True, "auto"):
+            raise ValueError(
+                f"grad_accumulation_fusion must be False, True or 'auto', got {grad_accumulation_fusion!r}"
+            )
+        if grad_accumulation_fusion is True and (grid.dims.pp == 1 or zero_stage >= 2):
+            raise ValueError(
+                "grad_accumulation_fusion=True adds a pipeline stage's micro-batch weight gradients inside their "
+                f"products: it needs pp > 1 and zero_stage 0 or 1 (got pp {grid.dims.pp}, zero_stage {zero_stage})"
+            )
+        if pipeline_graphs and grid.dims.pp == 1:
+            raise ValueError(
+                f"pipeline_graphs={pipeline_graphs!r} replays a pipeline's micro-batches; pp is 1 (step_graph=True "
+                "records the step of pp = 1)"
+            )
         if step_graph:
             refused = [
                 (grid.dims.tp > 1, "tp > 1 (its collectives run inside each forward)"),

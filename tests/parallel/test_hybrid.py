@@ -173,3 +173,26 @@ def test_a_frozen_block_stays_frozen_in_its_tensor_parallel_shards(pool):
     assert results[4:] == [None] * (POOL_WORLD - 4)
     for got in results[:4]:
         assert got == {"params": 0.0, "trainable": 12, "frozen_moved": 0.0}, got
+
+
+@pytest.mark.parametrize(
+    ("dims", "keywords", "message"),
+    [
+        ((1, 1, 1), {"grad_accumulation_fusion": True}, r"grad_accumulation_fusion=True .* needs pp > 1 .*got pp 1"),
+        ((2, 2, 1), {"grad_accumulation_fusion": True, "zero_stage": 2}, r"needs pp > 1 and zero_stage 0 or 1"),
+        ((1, 2, 1), {"grad_accumulation_fusion": "yes"}, r"grad_accumulation_fusion must be False, True or 'auto'"),
+        ((2, 1, 1), {"pipeline_graphs": True}, r"pipeline_graphs=True replays a pipeline's micro-batches; pp is 1"),
+    ],
+)
+def test_pipeline_options_that_would_not_apply_are_refused_before_any_communication(dims, keywords, message):
+    """An option HybridParallel would drop (gradient-accumulation fusion without a pipeline or under ZeRO-2 and 3,
+    pipeline graphs with pp 1) is one ValueError naming it, raised before any group is used."""
+
+    class _Grid:
+        class dims:  # noqa: N801
+            dp, pp, tp = dims
+
+    with pytest.raises(ValueError, match=message):
+        HybridParallel(
+            nn.Sequential(nn.Linear(2, 2)), _Grid(), lambda named: torch.optim.SGD(named, lr=0.1), **keywords
+        )
