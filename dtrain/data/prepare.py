@@ -138,6 +138,14 @@ def _jsonl_source(path: Path, text_key: str) -> Source:
                         continue
                     if not isinstance(text, str):
                         raise ValueError(f"{path} line {number}: {text_key!r} is a {type(text).__name__}, not a string")
+                    if not text.isascii():
+                        try:
+                            text.encode("utf-8")
+                        except UnicodeEncodeError as exc:  # JSON's \ud800 escapes: half a pair, no character
+                            raise ValueError(
+                                f"{path} line {number}: {text_key!r} is not text: {exc.object[exc.start]!r} at "
+                                f"{exc.start} is half of a surrogate pair"
+                            ) from None
                     if text:
                         yield text
         except UnicodeDecodeError as exc:

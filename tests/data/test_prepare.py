@@ -135,6 +135,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list, str]]:
     (tmp_path / "notjson.jsonl").write_text('{"text": "a"}\n{"text": "b"\n')
     (tmp_path / "nokey.jsonl").write_text('{"text": "a"}\n\n{"body": "b"}\n')
     (tmp_path / "notstr.jsonl").write_text('{"text": 5}\n')
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "a"}\n{"text": "half \\ud800 a pair"}\n')
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not really")
     (tmp_path / "empty.txt").write_text("")
@@ -145,6 +146,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list, str]]:
         "not json": ([tmp_path / "ok.txt", tmp_path / "notjson.jsonl"], r"notjson\.jsonl line 2: not JSON"),
         "no key": ([tmp_path / "nokey.jsonl"], r"nokey\.jsonl line 3: no 'text' key"),
         "not a string": ([tmp_path / "notstr.jsonl"], r"notstr\.jsonl line 1: 'text' is a int, not a string"),
+        "surrogate": ([tmp_path / "surrogate.jsonl"], r"surrogate\.jsonl line 2: 'text' is not text: .*\\ud800"),
         "no column": ([tmp_path / "nocol.parquet"], r"nocol\.parquet: no column 'text' \(columns: body;"),
         "corrupt parquet": ([tmp_path / "corrupt.parquet"], r"corrupt\.parquet: not a readable Parquet file"),
         "empty": ([tmp_path / "empty.txt"], r"^empty dataset: no text in .*empty\.txt$"),
