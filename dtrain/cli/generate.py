@@ -96,6 +96,12 @@ def _generate(args: argparse.Namespace) -> str:
         raise ValueError(f"--top-k: must be >= 1, got {args.top_k}")
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed: must be a whole number from 0 to 2**63 - 1, got {args.seed}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a byte that is not UTF-8 arrives from argv as a lone surrogate
+        code = ord(exc.object[exc.start])
+        what = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"{chr(code)!r}"
+        raise ValueError(f"--prompt: not UTF-8 text ({what} at character {exc.start})") from None
     for flag, value in (("--top-k", args.top_k), ("--seed", args.seed)):
         if value is not None and args.temperature == 0:
             raise ValueError(f"{flag}: greedy decoding (--temperature 0) samples nothing, leave {flag} out")

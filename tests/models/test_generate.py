@@ -224,6 +224,14 @@ def test_dtrain_generate_bad_input_is_one_line_and_status_2(saved, tmp_path, cap
         assert out.count("\n") == 1 and out.startswith("dtrain generate: ") and words in out, out
 
 
+def test_dtrain_generate_names_a_prompt_that_is_not_utf8(saved, capsys):
+    """A byte that is not UTF-8 on the command line reaches Python as a lone surrogate (surrogateescape)."""
+    argv = ["generate", "--model", str(saved), "--prompt", "ab\udcff", "--max-new-tokens", "1"]
+    assert cli.run(_parser().parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dtrain generate: --prompt: not UTF-8 text"), err
+
+
 def test_dtrain_generate_refuses_sampling_flags_that_greedy_decoding_ignores(saved, capsys):
     for flag in (["--top-k", "3"], ["--seed", "1"]):
         argv = ["generate", "--model", str(saved), "--prompt", "hi", "--temperature", "0", *flag]
