@@ -276,32 +276,39 @@ SOURCES: list[Callable[[Any, dict[str, str]], list[Piece]]] = [model_pieces, opt
 @torch.no_grad()
 def init_optimizer_state(hybrid) -> None:
     """Create the optimizer's state where it does not exist yet (torch builds it at the first step), so that a
-    load has tensors to fill: one step on zero gradients at learning rate 0, its step count reset to 0 (as
-    ``torch.distributed.checkpoint.state_dict`` does). Parameters do not move (decoupled weight decay is
-    ``lr * wd``)."""
+    load has tensors to fill: one step of the parameters without state alone (their param groups narrowed for the
+    call), on zero gradients at learning rate 0 (as ``torch.distributed.checkpoint.state_dict`` does), then every
+    tensor of their new state set to 0: the step count, and buffers such as SGD's momentum, which weight decay
+    would have started at ``wd * p``. A state so made steps as no state does (Adam's and AdamW's exactly). The
+    parameters already stepped keep their state untouched (a parameter no step has had a gradient for has none),
+    and no parameter moves."""
     from dtrain.parallel.fsdp import FullyShardedDataParallel
     from dtrain.parallel.zero import ZeroOptimizer
 
     opt = hybrid.optimizer
     inner = opt.optimizer if isinstance(opt, ZeroOptimizer | FullyShardedDataParallel) else opt
-    params = [p for g in inner.param_groups for p in g["params"]]
-    if all(p in inner.state and inner.state[p] for p in params):
+    fresh = [p for g in inner.param_groups for p in g["params"] if not inner.state.get(p)]
+    if not fresh:
         return
-    saved = [(p, p.grad) for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    lrs = [g["lr"] for g in inner.param_groups]
-    for g in inner.param_groups:
-        g["lr"] = 0.0
-    fresh = [p for p in params if not inner.state.get(p)]
-    type(inner).step(inner)  # the class's own step: DataParallel.overlap_optimizer replaces the instance's
-    for g, lr in zip(inner.param_groups, lrs, strict=True):
-        g["lr"] = lr
-    for p, grad in saved:
-        p.grad = grad
+    keep = {id(p) for p in fresh}
+    groups = inner.param_groups
+    saved = [(g["params"], g["lr"]) for g in groups]
+    grads = [(p, p.grad) for p in fresh]
+    try:
+        for g in groups:
+            g["params"] = [p for p in g["params"] if id(p) in keep]
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        for p in fresh:
+            p.grad = torch.zeros_like(p)
+        type(inner).step(inner)  # the class's own step: DataParallel.overlap_optimizer replaces the instance's
+    finally:
+        for g, (params, lr) in zip(groups, saved, strict=True):
+            g["params"], g["lr"] = params, lr
+        for p, grad in grads:
+            p.grad = grad
     for p in fresh:
         for value in inner.state[p].values():
-            if isinstance(value, torch.Tensor) and value.dim() == 0:
+            if isinstance(value, torch.Tensor):
                 value.zero_()
 
 
