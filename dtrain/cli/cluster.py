@@ -165,10 +165,10 @@ def _oversubscription(args: argparse.Namespace) -> int:
     from dtrain.cluster.report import render_oversubscription
 
     if args.topology:
+        from dtrain.cli.cluster_common import resolve_topology
         from dtrain.cluster.capacity import switch_capacity
-        from dtrain.cluster.files import resolve
 
-        topology = resolve(args.topology)
+        topology = resolve_topology(args.topology, [])
         tors = [n for n, layer in topology.graph.nodes(data="layer") if layer == "tor"]
         if not tors:
             raise ValueError(f"topology {topology.name!r} has no top-of-rack switch")

@@ -3,14 +3,16 @@ parameters and the table of a simulation's busiest links."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
 __all__ = ["MAX_PARTS", "parse_setting", "resolve_topology", "link_rows", "link_table"]
 
-#: The most parts a preset is built with here: devices, NICs and CPUs, and the links between switches (about 7 s
-#: to build and summarise on 2 cores; 32768 GPUs of 4-rack's servers fit).
+#: The most parts a preset or a file's ``[build]`` is built with here: devices, NICs and CPUs, and the links between
+#: switches (:func:`dtrain.cluster.builders.spec_parts`; about 7 s to build and summarise on 2 cores; 32768 GPUs of
+#: 4-rack's servers fit).
 MAX_PARTS = 1 << 17
 
 
@@ -51,21 +53,22 @@ def link_table(rows: list[dict], title: str) -> Table:
 
 def resolve_topology(name_or_path: str, settings: list[str], flag: str = "--set"):
     """The topology of a preset with ``settings`` (``KEY=VALUE`` each) or of a file, as
-    :func:`dtrain.cluster.files.resolve` builds it; a preset whose parameters make more than :data:`MAX_PARTS`
-    parts is refused first, naming ``flag``."""
-    from dtrain.cluster.files import resolve
+    :func:`dtrain.cluster.files.resolve` builds it; a preset or a file's ``[build]`` whose parameters make more
+    than :data:`MAX_PARTS` parts is refused first, naming ``flag`` or the file."""
+    from dtrain.cluster.builders import spec_parts
+    from dtrain.cluster.files import load, resolve
     from dtrain.cluster.presets import PRESETS, preset_spec
 
     overrides = dict(parse_setting(s) for s in settings)
     if name_or_path in PRESETS:
         spec = preset_spec(name_or_path, **overrides)
-        servers = spec.racks * spec.servers_per_rack
-        parts = servers * (spec.server.gpus + spec.server.nics + spec.server.cpus)
-        parts += spec.racks * spec.spines + spec.pods * spec.spines * spec.cores
+        parts = spec_parts(spec)
         if parts > MAX_PARTS:
             given = " ".join(f"{k}={v}" for k, v in overrides.items())
             raise ValueError(
                 f"{flag} {given}: {name_or_path} would have {parts:,} devices, NICs, CPUs and switch links; at most "
-                f"{MAX_PARTS:,} are built ({servers * spec.server.gpus:,} devices here)"
+                f"{MAX_PARTS:,} are built ({spec.racks * spec.servers_per_rack * spec.server.gpus:,} devices here)"
             )
+    elif not overrides and Path(name_or_path).exists():
+        return load(name_or_path, max_parts=MAX_PARTS)
     return resolve(name_or_path, **overrides)

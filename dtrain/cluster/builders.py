@@ -26,7 +26,17 @@ from dtrain.cluster.devices import device_spec, make_device
 from dtrain.cluster.routing import NIC_AFFINITIES, ROUTINGS
 from dtrain.cluster.topology import Topology, collector_paused
 
-__all__ = ["ServerSpec", "ClusterSpec", "INTRA_KINDS", "FABRICS", "add_server", "build", "build_server", "fat_tree"]
+__all__ = [
+    "ServerSpec",
+    "ClusterSpec",
+    "INTRA_KINDS",
+    "FABRICS",
+    "add_server",
+    "build",
+    "build_server",
+    "fat_tree",
+    "spec_parts",
+]
 
 #: How a server's GPUs talk to each other: an NVSwitch fabric, NVLink between every pair, or only PCIe.
 INTRA_KINDS = ("nvswitch", "nvlink-mesh", "pcie")
@@ -70,6 +80,8 @@ class ServerSpec:
             _whole(f"server {name}", getattr(self, name), least)
         if self.nvlinks_per_gpu is not None:
             _whole("server nvlinks_per_gpu", self.nvlinks_per_gpu, 1)
+        if not isinstance(self.gpudirect_rdma, bool):
+            raise ValueError(f"server gpudirect_rdma must be true or false, got {self.gpudirect_rdma!r}")
         if self.intra not in INTRA_KINDS:
             raise ValueError(f"server intra {self.intra!r} is not one of {INTRA_KINDS}")
         _expect_family("nvlink", self.nvlink_kind, ("nvlink",))
@@ -246,6 +258,14 @@ def build_server(spec: ServerSpec | None = None, *, name: str = "server") -> Top
     topology = Topology(name)
     add_server(topology, spec or ServerSpec(), "s0")
     return topology
+
+
+def spec_parts(spec: ClusterSpec) -> int:
+    """How many parts ``spec`` builds, as the command line bounds them (``dtrain.cli.cluster_common.MAX_PARTS``):
+    every server's devices, NICs and CPUs, and the links between switches (ToR to spine, spine to core)."""
+    servers = spec.racks * spec.servers_per_rack
+    parts = servers * (spec.server.gpus + spec.server.nics + spec.server.cpus)
+    return parts + spec.racks * spec.spines + spec.pods * spec.spines * spec.cores
 
 
 def build(spec: ClusterSpec, *, name: str = "cluster") -> Topology:

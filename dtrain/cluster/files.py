@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dtrain.cluster import units
-from dtrain.cluster.builders import ClusterSpec, build
+from dtrain.cluster.builders import ClusterSpec, build, spec_parts
 from dtrain.cluster.catalogue import LINKS
 from dtrain.cluster.devices import DEVICES, make_device
 from dtrain.cluster.presets import _ALIASES, PARAMETERS, PRESETS, preset_spec, with_overrides
@@ -65,8 +65,8 @@ class TopologyFileError(ValueError):
     """A topology file that cannot be read; the message names the file, the key and the value."""
 
 
-def load(path: str | Path) -> Topology:
-    """Read the topology file at ``path``."""
+def load(path: str | Path, *, max_parts: int | None = None) -> Topology:
+    """Read the topology file at ``path``; ``max_parts`` as :func:`loads` takes it."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -80,7 +80,7 @@ def load(path: str | Path) -> Topology:
             f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); a topology file is TOML, "
             "which is UTF-8"
         ) from None
-    return loads(text, source=str(path), default_name=path.stem)
+    return loads(text, source=str(path), default_name=path.stem, max_parts=max_parts)
 
 
 def resolve(name_or_path: str, **overrides: Any) -> Topology:
@@ -96,13 +96,16 @@ def resolve(name_or_path: str, **overrides: Any) -> Topology:
     return load(name_or_path)
 
 
-def loads(text: str, *, source: str = "<string>", default_name: str = "topology") -> Topology:
-    """Parse topology TOML ``text``; ``source`` names it in errors."""
+def loads(
+    text: str, *, source: str = "<string>", default_name: str = "topology", max_parts: int | None = None
+) -> Topology:
+    """Parse topology TOML ``text``; ``source`` names it in errors. ``max_parts``: a ``[build]`` that would make
+    more parts (:func:`dtrain.cluster.builders.spec_parts`) is refused before it is built (None: any size)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise TopologyFileError(f"{source}: not valid TOML: {exc}") from None
-    reader = _Reader(source)
+    reader = _Reader(source, max_parts)
     unknown = sorted(set(data) - {"name", "build", "node", "link"})
     if unknown:
         reader.fail(unknown[0], data[unknown[0]], "unknown key; expected name, [build], [[node]] or [[link]]")
@@ -133,8 +136,9 @@ def loads(text: str, *, source: str = "<string>", default_name: str = "topology"
 class _Reader:
     """Turns parsed TOML into a topology, naming ``source`` and the key in every error."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, max_parts: int | None = None) -> None:
         self.source = source
+        self.max_parts = max_parts
 
     def fail(self, key: str, value: Any, problem: str) -> NoReturn:
         raise TopologyFileError(f"{self.source}: {key} = {value!r}: {problem}")
@@ -150,12 +154,21 @@ class _Reader:
             self.fail("build", table, "must be a table, written [build]")
         params = dict(table)
         preset = params.pop("preset", None)
-        if preset is not None and preset not in PRESETS:
+        if preset is not None and (not isinstance(preset, str) or preset not in PRESETS):
             self.fail("build.preset", preset, f"unknown preset; known: {', '.join(PRESETS)}")
         for key, value in params.items():
             self._check_param(key, value)
         try:
             spec = preset_spec(preset, **params) if preset else with_overrides(ClusterSpec(), **params)
+        except ValueError as exc:
+            raise TopologyFileError(f"{self.source}: [build]: {exc}") from None
+        parts = spec_parts(spec)
+        if self.max_parts is not None and parts > self.max_parts:
+            raise TopologyFileError(
+                f"{self.source}: [build]: would have {parts:,} devices, NICs, CPUs and switch links; at most "
+                f"{self.max_parts:,} are built ({spec.racks * spec.servers_per_rack * spec.server.gpus:,} devices here)"
+            )
+        try:
             return build(spec, name=name)
         except ValueError as exc:
             raise TopologyFileError(f"{self.source}: [build]: {exc}") from None
