@@ -73,6 +73,10 @@ def _slow_rank(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"--slow-rank takes RANK:FACTOR, e.g. 3:1.5; got {text!r}") from None
 
 
+#: The most micro-batches a replica runs in a step that ``simulate train`` simulates, and the largest global batch
+#: ``plan`` searches: each micro-batch is an event of the pipeline's replay (about 5 s at pp 8 for this many).
+MAX_MICROBATCHES = 1 << 16
+
 #: dtrain.sim.classes.DEFAULT_FLOW_LIMIT, without importing the simulator here
 DEFAULT_FLOW_LIMIT = 50_000
 
@@ -364,9 +368,23 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
     _add_software(p)
 
 
+def _check_software(args: argparse.Namespace) -> None:
+    """``--alpha-us``, ``--alpha-peer-us`` and ``--flow-cap-gbyte-per-s``, each named where it is out of range."""
+    for flag, value in (("--alpha-us", args.alpha_us), ("--alpha-peer-us", args.alpha_peer_us)):
+        if value is not None and not 0 <= value < math.inf:
+            raise ValueError(f"{flag} {value}: host time in microseconds, a finite number >= 0")
+    cap = args.flow_cap_gbyte_per_s
+    if cap is not None and not 0 < cap < math.inf:
+        raise ValueError(f"--flow-cap-gbyte-per-s {cap}: a rate in GB/s, a finite number above 0")
+    beside = [flag for flag, value in (("--alpha-us", args.alpha_us), ("--alpha-peer-us", args.alpha_peer_us)) if value]
+    if args.calibration and beside:
+        raise ValueError(f"{', '.join(beside)}: not with --calibration, whose alpha and alpha_peer are taken")
+
+
 def _software(args: argparse.Namespace):
     from dtrain.sim.collective import SoftwareCost
 
+    _check_software(args)
     cap = args.flow_cap_gbyte_per_s
     if args.calibration:
         from dtrain.sim.api import software_cost_from_calibration
@@ -388,6 +406,8 @@ def _model(args: argparse.Namespace):
     changes = {"parameters": args.params, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                "sequence": args.seq, "vocab": args.vocab}  # fmt: skip
     changes = {k: v for k, v in changes.items() if v is not None}
+    if args.params is not None and not args.params > 0:
+        raise ValueError(f"--params {args.params:g}: a model holds more than 0 parameters")
     model = MODELS[args.model]
     if not changes:
         return model
@@ -438,6 +458,8 @@ def _simulate_collective(args: argparse.Namespace) -> int:
     if args.algorithm == "native" and given:
         raise ValueError(f"{', '.join(given)}: the software costs of our algorithms; native is NCCL's own collective, "
                          "priced by its own model (dtrain.sim.nccl)")  # fmt: skip
+    _check_software(args)
+    _check_schedule_flags(args)
     topo = _topology(args)
     placement = _collective_placement(args, topo, [d.name for d in topo.devices()])
     if len(placement) < 2:
@@ -461,6 +483,7 @@ def _simulate_collective(args: argparse.Namespace) -> int:
         })  # fmt: skip
     runs.sort(key=lambda r: r["time_s"])
     head = {"topology": topo.name, "collective": args.collective, "ranks": len(placement), "bytes": args.bytes}
+    check_finite(runs, "algorithms")  # a table shows no infinity either: the inputs are out of range
     if args.json:
         data = {**head, **runs[0]} if len(runs) == 1 else {**head, "algorithms": runs}
         _print_json(data)
@@ -487,8 +510,37 @@ def _simulate_collective(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_schedule_flags(args: argparse.Namespace) -> None:
+    """``--local-size`` and ``--pipeline`` where the algorithm (one, not ``all``) would not use them: refused."""
+    if args.algorithm == "all":
+        return
+    from dtrain.comm.ir.algorithms import build, needs_local_size
+
+    if args.local_size is not None and (args.algorithm == "native" or not needs_local_size(args.algorithm)):
+        raise ValueError(f"--local-size {args.local_size}: {args.algorithm} has no nodes to size (the hierarchical "
+                         "algorithms take it)")  # fmt: skip
+    if args.pipeline > 1:
+        from dtrain.comm.ir.schedule import ROOTED_COLLECTIVES, Collective
+
+        collective, pipelined = Collective(args.collective), False
+        if args.algorithm != "native":
+            shape = {"root": 0 if collective in ROOTED_COLLECTIVES else None,
+                     "local_size": 2 if needs_local_size(args.algorithm) else None}  # fmt: skip
+            try:  # schedules of 4 ranks in nodes of 2, cut in 1 and in 2 pieces, say whether the algorithm cuts
+                pipelined = build(collective, args.algorithm, 4, pipeline=2, **shape) != build(
+                    collective, args.algorithm, 4, pipeline=1, **shape
+                )
+            except ValueError:
+                return  # the algorithm itself is refused where the schedule is built, by name
+        if not pipelined:
+            raise ValueError(f"--pipeline {args.pipeline}: {args.collective}/{args.algorithm} does not cut its "
+                             "buffer into pieces (ring broadcast and reduce, and linear scan, do)")  # fmt: skip
+
+
 def _collective_placement(args: argparse.Namespace, topo, devices: list[str]) -> list[str]:
     ranks = args.ranks or len(devices)
+    if ranks > len(devices) and args.placement in PLACEMENTS:
+        raise ValueError(f"--ranks {ranks}: {topo.name} has {len(devices)} devices, one rank a device")
     if args.placement in PLACEMENTS:
         from dtrain.sim.model import Layout
         from dtrain.sim.placement import place
@@ -530,6 +582,11 @@ def _step_config(args: argparse.Namespace, **extra):
         raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-Core's requirement)")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency}: a share of peak, above 0 and at most 1")
+    from dtrain.sim.step import GROUP_ALGORITHMS
+
+    for flag, algorithm in (("--tp-algorithm", args.tp_algorithm), ("--dp-algorithm", args.dp_algorithm)):
+        if algorithm not in GROUP_ALGORITHMS:
+            raise ValueError(f"{flag} {algorithm}: unknown; known: {', '.join(GROUP_ALGORITHMS)}")
     return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm, dp_algorithm=args.dp_algorithm,
                       overlap_dp=not args.no_overlap, cost=_software(args), curves=curves,
                       tp_comm_overlap=args.tp_comm_overlap, distributed_optimizer=args.distributed_optimizer,
@@ -578,6 +635,11 @@ def _simulate_train(args: argparse.Namespace) -> int:
                     fp8_params=args.fp8_params, balance=args.balance,
                     attention="flash" if flash else "unfused")  # fmt: skip
     layout.check(model)
+    if layout.microbatches > MAX_MICROBATCHES:
+        raise ValueError(
+            f"--global-batch {args.global_batch}: {layout.microbatches:,} micro-batches a replica (global batch / "
+            f"(dp x micro-batch)); at most {MAX_MICROBATCHES:,} are simulated (raise --micro-batch or --dp)"
+        )
     config = _step_config(args, slowdown=dict(args.slow_rank), straggler_sigma=args.straggler_sigma,
                           split_pipeline=args.split_pipeline, flow_limit=args.flow_limit,
                           synchronous_p2p=args.synchronous_p2p)  # fmt: skip
@@ -588,6 +650,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
     data = {"topology": topo.name, "model": asdict(model), "layout": asdict(layout), "placement": args.placement,
             "split_pipeline": args.split_pipeline, "flow_limit": args.flow_limit, **_step_data(result),
             "links": link_rows(result.links, args.links)}  # fmt: skip
+    check_finite(data)  # a table shows no infinity either: the inputs are out of range
     if args.json:
         _print_json(data)
         return 0
@@ -682,6 +745,9 @@ def _plan(args: argparse.Namespace) -> int:
         return _plan_run(args)
     if args.global_batch is None:
         raise ValueError("--global-batch: required (or --config, a run config that has the batch)")
+    if args.global_batch > MAX_MICROBATCHES:
+        raise ValueError(f"--global-batch {args.global_batch}: at most {MAX_MICROBATCHES:,} sequences a step are "
+                         "searched (a replica runs up to that many micro-batches)")  # fmt: skip
     if args.zero is None:
         args.zero = [0, 1]
     from rich.progress import Progress
@@ -711,6 +777,7 @@ def _plan(args: argparse.Namespace) -> int:
          "bottleneck_utilisation": p.result.bottleneck.utilisation if p.result.bottleneck else None}
         for p in plans[: args.top]
     ]  # fmt: skip
+    check_finite(rows, "plans")  # a table shows no infinity either: the inputs are out of range
     if args.json:
         data = {"topology": topo.name, "model": asdict(model), "plans": rows, "too_big": dropped,
                 "simulated": found.simulated, "bounded": found.bounded}  # fmt: skip

@@ -142,6 +142,10 @@ def _step(args: argparse.Namespace, topology):
     if not 0 <= args.hot_replicas < len(servers):
         raise ValueError(f"--hot-replicas {args.hot_replicas}: other servers a hot row is copied to, at least 0 and "
                          f"at most {len(servers) - 1} with {len(servers)} server(s)")  # fmt: skip
+    if args.hot_keys and not args.hot_replicas:
+        raise ValueError(f"--hot-keys {args.hot_keys}: needs --hot-replicas, the other servers the rows are copied to")
+    if args.hot_replicas and not args.hot_keys:
+        raise ValueError(f"--hot-replicas {args.hot_replicas}: needs --hot-keys, the rows of each server to copy")
     if args.params is not None and not 0 <= args.params < math.inf:
         raise ValueError(f"--params must be a finite count >= 0, got {args.params}")
     dense = args.params * args.bytes_per_param if args.params is not None else float(args.dense_bytes)
@@ -155,6 +159,10 @@ def _step(args: argparse.Namespace, topology):
             raise ValueError(f"--batch {args.batch} x --ids-per-example {args.ids_per_example}: need at least one "
                              f"example for each of the {len(workers)} workers and one id an example")  # fmt: skip
         rows = args.batch // len(workers) * args.ids_per_example
+    if rows * len(workers) > MAX_ROWS:
+        given = "--rows-per-worker" if args.batch is None else "--batch x --ids-per-example"
+        raise ValueError(f"{given}: {rows:,} ids for each of {len(workers)} workers; at most {MAX_ROWS:,} ids a step "
+                         "are simulated")  # fmt: skip
     if rows and not args.key_space:
         raise ValueError(f"{rows} embedding ids a worker need --key-space (rows in the embedding table)")
     if not dense and not rows:
@@ -174,12 +182,24 @@ _AT_LEAST = {"bytes_per_param": 1, "rows_per_worker": 0, "batch": 1, "ids_per_ex
              "row_bytes": 1, "seed": 0, "hot_keys": 0, "links": 0}  # fmt: skip
 
 
+#: The most rows an embedding table holds (``--key-space``) and the most ids drawn a step over all workers
+#: (``--rows-per-worker`` x workers, or ``--batch`` x ``--ids-per-example``) that are simulated: the draws are arrays
+#: of that many numbers, 512 MiB each at this size (a larger step is minutes of drawing, a much larger one more
+#: memory than a machine has).
+MAX_ROWS = 1 << 26
+_AT_MOST = {"rows_per_worker": MAX_ROWS, "key_space": MAX_ROWS}
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """Each numeric flag of ``dtrain simulate ps`` that needs no topology, named where it is out of range."""
     for name, least in _AT_LEAST.items():
         value = getattr(args, name)
         if value is not None and value < least:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be a whole number >= {least}")
+    for name, most in _AT_MOST.items():
+        value = getattr(args, name)
+        if value is not None and value > most:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: at most {most:,} are simulated")
     if not 0 <= args.zipf < math.inf:
         raise ValueError(f"--zipf {args.zipf}: the Zipf exponent must be a finite number >= 0 (0: uniform)")
     for name in ("apply_gbyte_per_s", "host_gbyte_per_s"):
@@ -212,8 +232,8 @@ def simulate_ps_command(args: argparse.Namespace) -> int:
         "bottleneck": result.bottleneck.link.name if result.bottleneck else None,
         "links": link_rows(result.links, args.links),
     }  # fmt: skip
+    check_finite(data)  # neither JSON nor a table shows an infinity: the inputs are out of range
     if args.json:
-        check_finite(data)  # JSON holds no infinity
         print(json.dumps(data, indent=2))
         return 0
     _print(data)

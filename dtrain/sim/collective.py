@@ -21,6 +21,7 @@ device's copy rate, one after the other like everything else on the rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -73,8 +74,8 @@ class SoftwareCost:
             )
         for name in ("call_s", "alpha_s", "alpha_peer_s", "gamma_s_per_byte", "launch_s", "copy_s_per_byte"):
             value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ValueError(f"SoftwareCost.{name} must be >= 0, got {value!r}")
+            if value is not None and not 0 <= value < math.inf:
+                raise ValueError(f"SoftwareCost.{name} must be a finite number >= 0, got {value!r}")
         if self.flow_cap_bytes_per_s is not None and not self.flow_cap_bytes_per_s > 0:
             raise ValueError(f"SoftwareCost.flow_cap_bytes_per_s must be > 0, got {self.flow_cap_bytes_per_s!r}")
 

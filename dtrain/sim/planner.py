@@ -99,10 +99,12 @@ def candidate_layouts(
     if attention != "flash" and any(cp > 1 for cp in context_parallel):
         raise ValueError("context_parallel above 1 runs flash attention over a ring: it needs attention 'flash'")
     pairs = (
-        list(schedules)
+        list(dict.fromkeys(schedules))
         if schedules
         else [(schedule, 2 if schedule == "zb-v" else (2 if "interleaved" in schedule else 1))]
     )
+    # a value asked for twice is one choice: every layout once
+    micro_batches, zero_stages, balances = (list(dict.fromkeys(c)) for c in (micro_batches, zero_stages, balances))
     layouts = []
     for tp in _divisors(devices):
         if model.heads % tp or (max_tp is not None and tp > max_tp):

@@ -86,6 +86,7 @@ from dtrain.sim.traffic import (
 
 __all__ = [
     "AMAX_REDUCTIONS",
+    "GROUP_ALGORITHMS",
     "StepConfig",
     "StepResult",
     "simulate_step",
@@ -106,6 +107,9 @@ __all__ = [
 ]
 
 
+#: What a group's collectives may run (:attr:`StepConfig.tp_algorithm`, :attr:`StepConfig.dp_algorithm`): NCCL's
+#: rail-aligned rings or a ``dtrain.comm`` all-reduce algorithm.
+GROUP_ALGORITHMS = (NCCL_RING, *algorithm_names(Collective.ALL_REDUCE))
 #: How Transformer Engine's FP8 amax reduction runs (:attr:`StepConfig.amax_reduction`).
 AMAX_REDUCTIONS = ("none", "synchronous")
 
@@ -251,9 +255,9 @@ class StepConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if any(not f >= 1 for f in self.slowdown.values()):
             raise ValueError(f"slowdown factors must be >= 1 (a slower rank), got {self.slowdown!r}")
-        known = (NCCL_RING, *algorithm_names(Collective.ALL_REDUCE))
-        if self.dp_algorithm not in known:
-            raise ValueError(f"dp_algorithm {self.dp_algorithm!r} is not one of {', '.join(known)}")
+        for name in ("tp_algorithm", "dp_algorithm"):
+            if getattr(self, name) not in GROUP_ALGORITHMS:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of {', '.join(GROUP_ALGORITHMS)}")
         if self.gradient_bytes is not None and self.gradient_bytes not in (2, 4):
             raise ValueError(f"gradient_bytes must be 2, 4 or None (the model's), got {self.gradient_bytes!r}")
         if self.kernels not in KERNELS:
@@ -878,9 +882,11 @@ def _simulate_step(
     tp_count = tp_all_reduces_per_layer(layout) * most * m
     ring_count = (3 + (layout.recompute == "full")) * most * m  # forward, backward (twice the bytes), recomputed
     parts = [(tp, tp_count), (pp, 2 * m), (gather, 2 * m), (ring, ring_count)] + [(r, 1) for r in dp]
+    with np.errstate(invalid="ignore"):  # steps out of range (infinite) give NaN, quietly: callers check the result
+        step_p95_s = float(np.percentile(steps, 95))
     return StepResult(
         step_s=step_s,
-        step_p95_s=float(np.percentile(steps, 95)),
+        step_p95_s=step_p95_s,
         pipeline_s=pipeline_s,
         compute_s=compute_s,
         tp_s=tp_count * tp_s,
