@@ -535,17 +535,19 @@ if triton is not None:
         )
 
 
-# Block shapes (queries, keys, warps, pipeline stages) by kernel, element size and head dimension, the fastest of
-# a few on an H200 for 16 bits (GPT-2 small's attention at D = 64, 8 x 12 heads x 1,024 tokens; Llama's at
-# D = 128, 2 x 32 heads x 2,048 tokens). The forward's and dQ's query blocks are multiples of their key blocks,
-# dK/dV's key blocks of their query blocks, so that the blocks before (after) the diagonal need no mask.
+# Block shapes (queries, keys, warps, pipeline stages) by kernel, element size and head dimension. For 16 bits, the
+# fastest on an H200 of the sweep of benchmarks/gpu/attention_kernel_configs.py (blocks of 16 to 128, 4 or 8 warps,
+# 2 or 3 stages; GPT-2 small's attention at D = 64, 8 x 12 heads x 1,024 tokens, and a Llama's at D = 128,
+# 2 x 32 heads x 2,048 tokens; benchmarks/results/attention_kernel_configs-{gpt2,llama}-h200x1.jsonl), where it
+# beat the shape kept by more than the runs' spread. The forward's and dQ's query blocks are multiples of their key
+# blocks, dK/dV's key blocks of their query blocks, so that the blocks before (after) the diagonal need no mask.
 _CONFIGS = {
     ("forward", 2, 64): (64, 64, 4, 3),
     ("forward", 2, 128): (64, 64, 4, 3),
     ("forward", 4, 64): (64, 32, 4, 2),
     ("forward", 4, 128): (64, 32, 4, 2),
-    ("kv", 2, 64): (32, 128, 4, 3),
-    ("kv", 2, 128): (32, 64, 4, 3),
+    ("kv", 2, 64): (32, 64, 4, 2),
+    ("kv", 2, 128): (32, 64, 4, 2),
     ("kv", 4, 64): (32, 64, 4, 2),
     ("kv", 4, 128): (16, 32, 4, 2),
     ("q", 2, 64): (64, 64, 4, 3),
