@@ -267,6 +267,14 @@ class HybridParallel:
         self._stage_of_layer = {
             layer: stage_of_virtual(u, p, placement)[0] for u, cut in enumerate(cuts) for layer in cut
         }
+        if p > 1:  # every rank holds the whole model here: each finds a stage with nothing to train alike
+            trained = {self._stage_of_layer[_layer_of(n)] for n, q in model.named_parameters() if q.requires_grad}
+            idle = [stage for stage in range(p) if stage not in trained]
+            if idle:
+                raise ValueError(
+                    f"HybridParallel: pipeline stage(s) {idle} of {p} hold no parameter that requires grad, so their "
+                    "optimizer would have nothing to step; freeze fewer layers there, or use fewer stages"
+                )
         self.pipeline: PipelineParallel | None = None
         if p > 1:
             self.pipeline = PipelineParallel(

@@ -196,3 +196,18 @@ def test_pipeline_options_that_would_not_apply_are_refused_before_any_communicat
         HybridParallel(
             nn.Sequential(nn.Linear(2, 2)), _Grid(), lambda named: torch.optim.SGD(named, lr=0.1), **keywords
         )
+
+
+def test_a_pipeline_stage_with_nothing_to_train_is_refused_on_every_rank_before_any_communication():
+    """Every rank holds the whole model when the stages are cut, so each refuses a stage whose layers are all frozen
+    alike (the stage's optimizer would raise alone, its peers waiting on it for good)."""
+
+    class _Grid:
+        class dims:  # noqa: N801
+            dp, pp, tp = 1, 2, 1
+
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(4)))
+    for layer in model[2:]:
+        layer.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"pipeline stage\(s\) \[1\] of 2 hold no parameter that requires grad"):
+        HybridParallel(model, _Grid(), lambda named: torch.optim.SGD(named, lr=0.1))
