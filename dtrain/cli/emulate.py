@@ -177,18 +177,18 @@ def _write(out: Path, record: dict) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from dtrain.emulate.build import build, teardown
+    from dtrain.emulate.build import Emulation
     from dtrain.emulate.netns import require_root
     from dtrain.emulate.verify import verify
 
     plan = _plan(args)
     require_root()
-    try:
-        build(plan)
+    # Built as `run` builds (a tag in use refused before anything is touched; a failure, Ctrl-C or SIGTERM
+    # removes what was built), and left up once the check has passed.
+    emulation = Emulation(plan)
+    with emulation:
         check = verify(plan)
-    except BaseException:
-        teardown(plan)
-        raise
+        emulation.keep()
     print(json.dumps({**plan.describe(), "check": check}, indent=1))
     print(f"up: run commands with `ip netns exec {plan.servers[0].namespace} ...`; remove with "
           f"`dtrain emulate down --tag {plan.tag}`")  # fmt: skip

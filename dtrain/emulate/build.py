@@ -109,11 +109,17 @@ class Terminated(BaseException):
 
 
 class Emulation:
-    """``with Emulation(plan) as plan: ...``: the plan built on entry, removed on any exit."""
+    """``with Emulation(plan) as plan: ...``: the plan built on entry, removed on any exit, unless :meth:`keep` was
+    called inside and the block ends normally (``dtrain emulate up``: built, checked and left up)."""
 
     def __init__(self, plan: EmulationPlan) -> None:
         self.plan = plan
         self._previous: object = None
+        self._kept = False
+
+    def keep(self) -> None:
+        """Leave the emulation up when the block ends without an exception."""
+        self._kept = True
 
     def __enter__(self) -> EmulationPlan:
         netns.require_root()
@@ -129,16 +135,20 @@ class Emulation:
 
     def __exit__(self, kind: type | None, error: BaseException | None, tb: types.TracebackType | None) -> None:
         if not _main_thread():
-            teardown(self.plan)
+            if not (self._kept and kind is None):
+                teardown(self.plan)
             return
-        # Ctrl-C during the teardown must not leave half of it behind: ignore it until done.
+        # Ctrl-C or SIGTERM during the teardown must not leave half of it behind: both are ignored until it is done.
         previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous_term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            teardown(self.plan)
+            if not (self._kept and kind is None):
+                teardown(self.plan)
         finally:
             signal.signal(signal.SIGINT, previous_int)
-            if self._previous is not None:
-                signal.signal(signal.SIGTERM, self._previous)
+            if previous_term is _raise_terminated:  # ours, from __enter__: give back what was there before
+                previous_term = self._previous
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_term is None else previous_term)
 
 
 def _main_thread() -> bool:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.cli.main import main
 from dtrain.cluster.presets import preset
-from dtrain.emulate import netns
+from dtrain.emulate import links, netns
 from dtrain.emulate.build import Emulation, build, teardown_leftovers
 from dtrain.emulate.plan import plan_emulation
 from dtrain.emulate.probe import ping, throughput_bit_per_s
@@ -231,3 +232,59 @@ def test_a_failure_half_way_through_a_routed_build_removes_every_router_and_serv
     with pytest.raises(netns.EmulationError, match="injected"), Emulation(plan):
         pass
     assert netns.list_namespaces(f"dte-{plan.tag}-") == []
+
+
+def test_up_with_a_tag_in_use_is_refused_and_leaves_the_first_emulation_up(built, monkeypatch, capsys):
+    monkeypatch.setattr("dtrain.cli.emulate._plan", lambda args: built)
+    assert main(["emulate", "up", "--topology", "4-rack", "--tag", built.tag]) == 2
+    assert "exist already" in capsys.readouterr().err
+    assert set(netns.list_namespaces(f"dte-{built.tag}-")) == set(built.namespaces)
+
+
+class _Signalled(BaseException):
+    """SIGTERM that reached a handler the test set, not the emulator's (the test process must survive it)."""
+
+
+@pytest.fixture
+def sigterm_guard():
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(_Signalled()))
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm_on_call(monkeypatch, module, name: str, call: int) -> None:
+    """``module.name`` sends this process SIGTERM on its ``call``-th call, then does its work."""
+    real, calls = getattr(module, name), []
+
+    def signalled(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, signalled)
+
+
+def test_sigterm_during_up_removes_what_was_built(sigterm_guard, monkeypatch, capsys):
+    plan = _plan(_tag("us"))
+    monkeypatch.setattr("dtrain.cli.emulate._plan", lambda args: plan)
+    _sigterm_on_call(monkeypatch, links, "limit_rate", 2)
+    try:
+        status = main(["emulate", "up", "--topology", "4-rack", "--tag", plan.tag])
+        left = netns.list_namespaces(f"dte-{plan.tag}-")
+    finally:
+        teardown_leftovers(f"dte-{plan.tag}-")
+    assert (status, left) == (128 + signal.SIGTERM, [])
+    assert "stopped by signal 15" in capsys.readouterr().err
+
+
+def test_sigterm_during_the_teardown_does_not_cut_it_short(sigterm_guard, monkeypatch):
+    plan = _plan(_tag("ts"))
+    _sigterm_on_call(monkeypatch, netns, "delete", 1)
+    try:
+        with Emulation(plan):
+            pass
+        left = netns.list_namespaces(f"dte-{plan.tag}-")
+    finally:
+        teardown_leftovers(f"dte-{plan.tag}-")
+    assert left == []
