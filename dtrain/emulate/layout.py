@@ -11,15 +11,20 @@ from dataclasses import dataclass, field
 from dtrain.cluster.topology import Topology
 
 __all__ = [
-    "PREFIX", "MIN_BIT_PER_S", "SPINE_BRIDGE", "SERVER_INTERFACE", "FABRICS", "ROUTER_SYSCTLS", "SERVER_NETWORK",
-    "server_ip", "server_port", "ServerPort", "SwitchLink", "Router", "RouterLink", "Nexthop", "Route",
-    "EmulationPlan",
+    "PREFIX", "MIN_BIT_PER_S", "MAX_BIT_PER_S", "MAX_SERVERS", "SPINE_BRIDGE", "SERVER_INTERFACE", "FABRICS",
+    "ROUTER_SYSCTLS", "SERVER_NETWORK", "server_ip", "server_port", "ServerPort", "SwitchLink", "Router", "RouterLink",
+    "Nexthop", "Route", "EmulationPlan",
 ]  # fmt: skip
 
 #: Every namespace and interface the emulator creates starts with this; ``dtrain emulate down`` removes them.
 PREFIX = "dte-"
 #: The lowest rate tc can hold steadily with the burst sizes used here (bits per second).
 MIN_BIT_PER_S = 100_000.0
+#: The highest: tbf's bucket (4 ms of traffic) and queue are 32-bit byte counts; past about 2.4 Tbit/s tc sets a
+#: queue other than the one asked for, past 8.6 Tbit/s it refuses the bucket.
+MAX_BIT_PER_S = 1e12
+#: Servers that get an address (:func:`server_ip`).
+MAX_SERVERS = 15_600
 SPINE_BRIDGE = "spines"
 #: The interface every server namespace talks through (GLOO_SOCKET_IFNAME).
 SERVER_INTERFACE = f"{PREFIX}eth"
@@ -32,8 +37,8 @@ def server_ip(index: int) -> str:
     """The address of the ``index``-th server (in rank order). Every octet has three digits, so the string
     order of the addresses is the rank order: torch's c10d rendezvous numbers the nodes by sorting their
     addresses as strings (``dynamic_rendezvous._assign_ranks``), and this keeps its numbering ours."""
-    if not 0 <= index < 15_600:
-        raise ValueError(f"server index must be in [0, 15600), got {index}")
+    if not 0 <= index < MAX_SERVERS:
+        raise ValueError(f"server index must be in [0, {MAX_SERVERS}), got {index}")
     return f"10.177.{100 + index // 100}.{100 + index % 100}"
 
 
@@ -194,10 +199,10 @@ class Route:
 
 
 def server_port(topology: Topology, server: str, i: int, attach: dict, scale: float, **where) -> ServerPort:
-    """The ``i``-th server's port: its address, scaled rates (``attach``: server -> (ToR, up, down bytes/s))
-    and devices; ``where`` names its namespace, bridge and the namespace that holds that bridge."""
-    _, up, down = attach[server]
+    """The ``i``-th server's port: its address, scaled rates and devices (``attach``: server -> (ToR, up, down
+    bytes/s, devices)); ``where`` names its namespace, bridge and the namespace that holds that bridge."""
+    _, up, down, devices = attach[server]
     return ServerPort(
         server=server, ip=server_ip(i), up_bit_per_s=up * 8 * scale, down_bit_per_s=down * 8 * scale,
-        port=f"{PREFIX}h{i}", devices=sum(1 for d in topology.devices() if d.server == server), **where,
+        port=f"{PREFIX}h{i}", devices=devices, **where,
     )  # fmt: skip

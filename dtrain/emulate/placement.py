@@ -22,9 +22,13 @@ def placement_order(topology: Topology, how: str) -> list[str]:
     if how == "packed":
         return servers
     if how == "interleaved":
+        rack_of: dict[str, str | None] = {}
+        for _, attrs in topology.graph.nodes(data=True):  # one pass, not one per server
+            if attrs.get("server") is not None:
+                rack_of.setdefault(attrs["server"], attrs.get("rack"))
         racks: dict[str | None, list[str]] = {}
         for server in servers:
-            racks.setdefault(server_rack(topology, server), []).append(server)
+            racks.setdefault(rack_of[server], []).append(server)
         columns = list(racks.values())
         return [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]
     listed = [s.strip() for s in how.split(",") if s.strip()]

@@ -24,11 +24,15 @@ them; latencies are not emulated (tc netem is not available), the veths add some
 
 from __future__ import annotations
 
+import math
+
 import networkx as nx
 
 from dtrain.cluster.topology import Topology
 from dtrain.emulate.layout import (
     FABRICS,
+    MAX_BIT_PER_S,
+    MAX_SERVERS,
     MIN_BIT_PER_S,
     PREFIX,
     SERVER_INTERFACE,
@@ -43,7 +47,7 @@ from dtrain.emulate.routed import plan_routed
 
 __all__ = [
     "PREFIX", "ServerPort", "SwitchLink", "EmulationPlan", "plan_emulation", "server_ip", "MIN_BIT_PER_S",
-    "path_bit_per_s", "FABRICS", "SERVER_INTERFACE", "server_port",
+    "MAX_BIT_PER_S", "path_bit_per_s", "FABRICS", "SERVER_INTERFACE", "server_port",
 ]  # fmt: skip
 
 
@@ -51,14 +55,26 @@ def _network_switches(topology: Topology) -> list[str]:
     return [n for n, a in topology.graph.nodes(data=True) if a["kind"] == "switch" and a.get("server") is None]
 
 
-def _server_uplinks(topology: Topology, server: str, switches: set[str]) -> tuple[str, float, float]:
-    """The one switch ``server`` hangs from and its summed up / down rates in bytes per second."""
+def _server_attachments(topology: Topology, switches: set[str]) -> dict[str, tuple[str, float, float, int]]:
+    """Every server's ToR, summed up / down rates (bytes per second) and accelerator count, in one pass over the
+    nodes (a pass per server would take minutes on a few thousand servers)."""
+    nodes: dict[str, list[str]] = {server: [] for server in topology.servers()}
+    for node, server in topology.graph.nodes(data="server"):
+        if server is not None:
+            nodes[server].append(node)
+    devices = dict.fromkeys(nodes, 0)
+    for device in topology.devices():
+        devices[device.server] += 1
+    return {server: (*_server_uplinks(topology, server, members, switches), devices[server])
+            for server, members in nodes.items()}  # fmt: skip
+
+
+def _server_uplinks(topology: Topology, server: str, nodes: list[str], switches: set[str]) -> tuple[str, float, float]:
+    """The one switch ``server`` (its ``nodes``) hangs from and its summed up / down rates in bytes per second."""
     graph = topology.graph
     up: dict[str, float] = {}
     down: dict[str, float] = {}
-    for node, attrs in graph.nodes(data=True):
-        if attrs.get("server") != server:
-            continue
+    for node in nodes:
         for _, switch, data in graph.out_edges(node, data=True):
             if switch in switches:
                 up[switch] = up.get(switch, 0.0) + data["link"].bytes_per_s
@@ -93,19 +109,22 @@ def plan_emulation(
     ``"bridged"`` (switches as bridges, a leaf-spine's spines merged) or ``"routed"`` (a leaf-spine as routers
     with per-flow ECMP; see :mod:`dtrain.emulate.routed`).
     """
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0 (e.g. 1e-3 turns 100 Gb/s into 100 Mb/s), got {scale!r}")
+    if not 0 < scale < math.inf:
+        raise ValueError(f"scale must be > 0 and finite (e.g. 1e-3 turns 100 Gb/s into 100 Mb/s), got {scale!r}")
     if not tag or not tag.isalnum() or len(tag) > 8:
         raise ValueError(f"tag must be 1-8 letters or digits, got {tag!r}")
     if fabric not in FABRICS:
         raise ValueError(f"fabric must be one of {FABRICS}, got {fabric!r}")
     servers = _ordered_servers(topology, placement)
+    if len(servers) > MAX_SERVERS:
+        raise ValueError(f"topology {topology.name!r}: {len(servers)} servers, more than the {MAX_SERVERS} emulated")
     switches = _network_switches(topology)
     if not switches:
         raise ValueError(f"topology {topology.name!r} has no network switch (kind 'switch'); nothing to emulate")
     # every server's ToR, placed or not: a ToR is a ToR even when this run leaves its rack empty
-    attach = {s: _server_uplinks(topology, s, set(switches)) for s in topology.servers()}
-    tors = sorted({switch for switch, _, _ in attach.values()}, key=switches.index)
+    attach = _server_attachments(topology, set(switches))
+    order = {switch: i for i, switch in enumerate(switches)}
+    tors = sorted({switch for switch, *_ in attach.values()}, key=order.__getitem__)
     graph = _switch_graph(topology, switches)
     if fabric == "routed":
         plan = plan_routed(topology, graph, tors, servers, attach, scale, tag)
@@ -134,7 +153,8 @@ def _ordered_servers(topology: Topology, placement: list[str] | None) -> list[st
     known = topology.servers()
     if placement is None:
         return known
-    unknown = [s for s in placement if s not in known]
+    names = set(known)
+    unknown = [s for s in placement if s not in names]
     if unknown or len(set(placement)) != len(placement):
         raise ValueError(f"placement must list distinct servers of {known}, got {placement}")
     return list(placement)
@@ -184,6 +204,11 @@ def _check_rates(plan: EmulationPlan) -> None:
             raise ValueError(
                 f"{where}: scaled rate {rate:.0f} bit/s is below {MIN_BIT_PER_S:.0f} bit/s; raise --scale "
                 f"(now {plan.scale})"
+            )
+        if rate > MAX_BIT_PER_S:
+            raise ValueError(
+                f"{where}: scaled rate {rate:.4g} bit/s is above {MAX_BIT_PER_S:.0e} bit/s, more than tc's token "
+                f"bucket holds; lower --scale (now {plan.scale})"
             )
 
 

@@ -75,12 +75,23 @@ def test_placement_orders_servers_and_addresses_sort_in_rank_order():
         ({"scale": 0}, "scale must be > 0"),
         ({"scale": 1e-3, "tag": "a-b"}, "tag must be"),
         ({"scale": 1e-9}, "below"),
+        ({"scale": float("inf")}, "scale must be > 0 and finite"),
+        ({"scale": 1e3}, "above 1e\\+12 bit/s.*lower --scale"),
         ({"scale": 1e-3, "placement": ["s0", "s0"]}, "distinct servers"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_emulation(_tree(), **{"tag": "t", **kwargs})
+
+
+def test_planning_reads_the_devices_once_not_once_per_server(monkeypatch):
+    calls = []
+    real = Topology.devices
+    monkeypatch.setattr(Topology, "devices", lambda self: calls.append(self) or real(self))
+    topology = preset("4-rack", racks=2, servers_per_rack=4, gpus=1, nics=1)
+    plan_emulation(topology, scale=1e-3, tag="t", placement=placement_order(topology, "interleaved"))
+    assert len(calls) == 1
 
 
 def test_a_server_on_two_switches_is_refused():
