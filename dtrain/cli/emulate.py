@@ -80,23 +80,28 @@ def register(commands) -> None:
     run.add_argument("--timeout", type=float, default=900.0, help="seconds before the job is stopped")
     run.add_argument("--out", default="runs/emulate", help="emulation.json and the other nodes' logs")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- then the dtrain command, e.g. -- bench comm")
-    run.set_defaults(handler=_guarded(_run))
+    run.set_defaults(handler=_guarded(_run, on_sigterm=True))
     up = sub.add_parser("up", help="build and check the emulated cluster and leave it up (see: down)")
     _add_topology_args(up)
-    up.set_defaults(handler=_guarded(_up))
+    up.set_defaults(handler=_guarded(_up, on_sigterm=True))
     down = sub.add_parser("down", help="remove every dte-* namespace (with its veths, bridges and processes)")
     down.add_argument("--tag", default=None, help="only this emulation's namespaces")
     down.set_defaults(handler=_guarded(_down))
 
 
-def _guarded(handler):
+def _guarded(handler, *, on_sigterm: bool = False):
     """Not root / no iproute2 / a failed ip or tc command: one clear line and exit status 2. Ctrl-C or SIGTERM
-    (after the emulation has torn itself down): one line and the shell's 128 + signal."""
+    (after the emulation has torn itself down): one line and the shell's 128 + signal. ``on_sigterm``: SIGTERM
+    unwinds as Ctrl-C does from the start, while the plan is made too (the emulation takes it over while it
+    is up)."""
 
     def guarded(args: argparse.Namespace) -> int:
-        from dtrain.emulate.build import Terminated
+        from dtrain.emulate.build import Terminated, _main_thread, _raise_terminated
         from dtrain.emulate.netns import EmulationError
 
+        previous = None
+        if on_sigterm and _main_thread():
+            previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             return handler(args)
         except (PermissionError, EmulationError) as exc:
@@ -107,6 +112,9 @@ def _guarded(handler):
             print(f"dtrain emulate: stopped by signal {signum}; namespaces, bridges and processes removed",
                   file=sys.stderr)  # fmt: skip
             return 128 + signum
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
     return guarded
 
@@ -199,6 +207,8 @@ def _down(args: argparse.Namespace) -> int:
     from dtrain.emulate.build import teardown_leftovers
     from dtrain.emulate.plan import PREFIX
 
-    removed = teardown_leftovers(f"{PREFIX}{args.tag}-" if args.tag else PREFIX)
+    if args.tag is not None and not (args.tag.isalnum() and len(args.tag) <= 8):  # "" would mean every emulation
+        raise ValueError(f"--tag must be 1-8 letters or digits (an emulation's tag), got {args.tag!r}")
+    removed = teardown_leftovers(f"{PREFIX}{args.tag}-" if args.tag is not None else PREFIX)
     print(f"removed {len(removed)} namespaces{': ' + ', '.join(removed) if removed else ''}")
     return 0

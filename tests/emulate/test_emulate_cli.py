@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 import pytest
 
@@ -81,3 +82,35 @@ def test_a_run_without_a_command_is_an_error(capsys):
 def test_a_rack_hierarchy_needs_racks_kept_together(capsys):
     assert main([*RUN, "--placement", "interleaved", "--hierarchy", "rack", "--", "bench", "comm"]) == 2
     assert "rack-level hierarchy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tag", ["", "a-b", "dte-x"])
+def test_down_with_a_tag_no_emulation_can_have_is_refused_and_removes_nothing(monkeypatch, capsys, tag):
+    removed = []
+    monkeypatch.setattr("dtrain.emulate.build.teardown_leftovers", lambda prefix="dte-": removed.append(prefix) or [])
+    assert main(["emulate", "down", "--tag", tag]) == 2
+    assert "--tag must be 1-8 letters or digits" in capsys.readouterr().err
+    assert removed == []
+
+
+class _Signalled(BaseException):
+    """SIGTERM that reached the handler the test set, not the command's (the test process must survive it)."""
+
+
+def _signalled(signum, frame):
+    raise _Signalled()
+
+
+def test_sigterm_while_the_plan_is_made_ends_in_one_line_and_its_status(monkeypatch, capsys):
+    def planning(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the command")
+
+    monkeypatch.setattr("dtrain.cli.emulate._plan", planning)
+    previous = signal.signal(signal.SIGTERM, _signalled)
+    try:
+        assert main([*RUN, "--", "bench", "comm"]) == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is _signalled  # given back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "stopped by signal 15" in capsys.readouterr().err
