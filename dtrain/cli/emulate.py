@@ -171,12 +171,25 @@ def _check_command(command: list[str]) -> None:
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
-            build_parser().parse_args(command)
+            parsed = build_parser().parse_args(command)
     except SystemExit as exc:
         if exc.code not in (0, None):
             reason = said.getvalue().strip().splitlines()[-1:] or [f"exit status {exc.code}"]
             reason = reason[0].partition(": error: ")[2] or reason[0]
             raise ValueError(f"the command after -- ({' '.join(command)}): {reason}") from None
+        return
+    # Under torchrun a command's --nproc is ignored: every emulated server starts --gpus-per-server ranks.
+    if hasattr(parsed, "nproc") and any(_is_nproc(word) for word in command):
+        raise ValueError(
+            f"the command after -- ({' '.join(command)}): --nproc is ignored on emulated servers; give "
+            f"--gpus-per-server N before the -- for N ranks a server"
+        )
+
+
+def _is_nproc(word: str) -> bool:
+    """``--nproc``, ``--nproc=4`` or an abbreviation argparse takes for it (``--npr``)."""
+    flag = word.partition("=")[0]
+    return len(flag) >= 4 and "--nproc".startswith(flag)
 
 
 def _write(out: Path, record: dict) -> None:

@@ -79,6 +79,12 @@ def test_a_run_without_a_command_is_an_error(capsys):
     assert "no dtrain command" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("words", [["--nproc", "4"], ["--nproc=4"], ["--npr", "4"]])
+def test_a_commands_nproc_is_refused_for_gpus_per_server(capsys, words):
+    assert main([*RUN, "--", "bench", "comm", *words]) == 2
+    assert "--gpus-per-server" in capsys.readouterr().err
+
+
 def test_a_rack_hierarchy_needs_racks_kept_together(capsys):
     assert main([*RUN, "--placement", "interleaved", "--hierarchy", "rack", "--", "bench", "comm"]) == 2
     assert "rack-level hierarchy" in capsys.readouterr().err
