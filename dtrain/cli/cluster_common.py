@@ -3,6 +3,9 @@ parameters and the table of a simulation's busiest links."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +64,8 @@ def resolve_topology(name_or_path: str, settings: list[str], flag: str = "--set"
 
     overrides = dict(parse_setting(s) for s in settings)
     if name_or_path in PRESETS:
-        spec = preset_spec(name_or_path, **overrides)
+        with _naming(flag, overrides):
+            spec = preset_spec(name_or_path, **overrides)
         parts = spec_parts(spec)
         if parts > MAX_PARTS:
             given = " ".join(f"{k}={v}" for k, v in overrides.items())
@@ -71,4 +75,20 @@ def resolve_topology(name_or_path: str, settings: list[str], flag: str = "--set"
             )
     elif not overrides and Path(name_or_path).exists():
         return load(name_or_path, max_parts=MAX_PARTS)
-    return resolve(name_or_path, **overrides)
+    with _naming(flag, overrides):
+        return resolve(name_or_path, **overrides)
+
+
+@contextmanager
+def _naming(flag: str, overrides: dict[str, Any]) -> Iterator[None]:
+    """A ValueError raised inside, about ``overrides`` given with ``flag``, raised again naming ``flag`` and the
+    settings its message names (every one where it names none)."""
+    try:
+        yield
+    except ValueError as exc:
+        if not overrides:
+            raise
+        text = str(exc)
+        named = [k for k in overrides if re.search(rf"(?<![\w]){re.escape(k)}(?![\w])", text)] or list(overrides)
+        given = " ".join(f"{flag} {k}={overrides[k]}" for k in named)
+        raise ValueError(f"{given}: {text}") from None

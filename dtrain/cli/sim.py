@@ -31,6 +31,10 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
 
 
+DEFAULT_MODEL = "llama-7b"  # --model's default
+#: the model flags (dest, flag) that change --model's preset
+MODEL_FLAGS = (("model", "--model"), ("params", "--params"), ("layers", "--layers"), ("hidden", "--hidden"),
+               ("heads", "--heads"), ("seq", "--seq"), ("vocab", "--vocab"))  # fmt: skip
 RECOMPUTE = ("none", "selective", "full")  # dtrain.sim.model.RECOMPUTE, without importing the simulator here
 PLACEMENTS = ("aware", "megatron", "oblivious")  # dtrain.sim.placement.PLACEMENTS, likewise
 ATTENTION_KERNELS = ("cudnn", "fa2", "fa1")  # dtrain.sim.compute.ATTENTION_KERNELS, likewise
@@ -76,6 +80,9 @@ def _slow_rank(text: str) -> tuple[int, float]:
 #: The most micro-batches a replica runs in a step that ``simulate train`` simulates, and the largest global batch
 #: ``plan`` searches: each micro-batch is an event of the pipeline's replay (about 5 s at pp 8 for this many).
 MAX_MICROBATCHES = 1 << 16
+
+#: plans ``dtrain plan`` shows without ``--top``
+DEFAULT_TOP = 10
 
 #: dtrain.sim.classes.DEFAULT_FLOW_LIMIT, without importing the simulator here
 DEFAULT_FLOW_LIMIT = 50_000
@@ -228,12 +235,13 @@ def register(commands) -> None:
                         "later; not with --config: dtrain train has no FP8 layers)")  # fmt: skip
     p.add_argument("--fp8-params", action="store_true",
                    help="with --fp8: every layout's weights kept in 8 bits only")  # fmt: skip
-    p.add_argument("--top", type=int, default=10, help="plans to show")
+    p.add_argument("--top", type=int, default=None, help=f"plans to show (default {DEFAULT_TOP}; not with --config, "
+                   "which plans the fastest layout dtrain train runs)")  # fmt: skip
     p.add_argument(
         "--exhaustive",
         action="store_true",
         help="simulate every layout (default: skip those whose lower bound ranks them after the --top fastest, "
-        "at least 5; the plans shown are the same)",
+        "at least 5; the plans shown are the same; not with --config, which simulates every layout)",
     )
     p.set_defaults(handler=_plan)
 
@@ -251,8 +259,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     # start of `dtrain`, whatever its command, were they named here)
     p.add_argument(
         "--model",
-        default="llama-7b",
-        help="a preset of dtrain.sim.model (an unknown name lists them), changed by the flags below",
+        default=None,
+        help=f"a preset of dtrain.sim.model (an unknown name lists them; default {DEFAULT_MODEL}), changed by the "
+        "flags below",
     )
     p.add_argument("--params", type=parse_count, help="parameters, e.g. 7e9 or 7G")
     p.add_argument("--layers", type=_whole(1))
@@ -284,12 +293,17 @@ def _add_step_config(p: argparse.ArgumentParser) -> None:
         help="a `dtrain bench compute --write-curves` file of measured efficiency curves (default: the one shipped "
         "with dtrain)",
     )
-    p.add_argument("--tp-algorithm", default="ring")
+    p.add_argument(
+        "--tp-algorithm",
+        default=None,
+        help="the tensor-parallel all-reduce's algorithm (and, with --split-pipeline, the pipeline's all-gather's): "
+        "ring (the default), nccl-ring or another dtrain.comm algorithm",
+    )
     p.add_argument(
         "--dp-algorithm",
-        default="nccl-ring",
-        help="nccl-ring (NCCL's rail-aligned rings, one a GPU of the group on each server), or a dtrain.comm "
-        "algorithm: ring, halving_doubling, hierarchical, ...",
+        default=None,
+        help="nccl-ring (NCCL's rail-aligned rings, one a GPU of the group on each server; the default), or a "
+        "dtrain.comm algorithm: ring, halving_doubling, hierarchical, ...",
     )
     p.add_argument("--no-overlap", action="store_true", help="never overlap the dp all-reduce with backward")
     p.add_argument(
@@ -401,14 +415,15 @@ def _software(args: argparse.Namespace):
 def _model(args: argparse.Namespace):
     from dtrain.sim.model import MODELS
 
-    if args.model not in MODELS:
-        raise ValueError(f"unknown model {args.model!r}; known: {', '.join(MODELS)} (or change one with --params ...)")
+    name = args.model or DEFAULT_MODEL
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)} (or change one with --params ...)")
     changes = {"parameters": args.params, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                "sequence": args.seq, "vocab": args.vocab}  # fmt: skip
     changes = {k: v for k, v in changes.items() if v is not None}
     if args.params is not None and not args.params > 0:
         raise ValueError(f"--params {args.params:g}: a model holds more than 0 parameters")
-    model = MODELS[args.model]
+    model = MODELS[name]
     if not changes:
         return model
     changed = replace(model, name=f"{model.name} (changed)", **changes)
@@ -558,6 +573,80 @@ def _collective_placement(args: argparse.Namespace, topo, devices: list[str]) ->
     return placement
 
 
+TP_ALGORITHM = "ring"  # StepConfig.tp_algorithm's default
+DP_ALGORITHM = "nccl-ring"  # StepConfig.dp_algorithm's default (dtrain.sim.traffic.NCCL_RING)
+
+
+def _check_group_algorithms(args: argparse.Namespace) -> None:
+    """``--tp-algorithm`` and ``--dp-algorithm``, each named where it is not an all-reduce algorithm."""
+    from dtrain.sim.step import GROUP_ALGORITHMS
+
+    for flag, algorithm in (("--tp-algorithm", args.tp_algorithm), ("--dp-algorithm", args.dp_algorithm)):
+        if algorithm is not None and algorithm not in GROUP_ALGORITHMS:
+            raise ValueError(f"{flag} {algorithm}: unknown; known: {', '.join(GROUP_ALGORITHMS)}")
+
+
+def _check_runs(flag: str, algorithm: str | None, collectives, why: str) -> None:
+    """``flag``'s ``algorithm`` (None: the default, which runs every collective) named where it has no schedule
+    for one of ``collectives`` (:class:`dtrain.comm.ir.schedule.Collective` members) that ``why`` runs."""
+    if algorithm is None or algorithm == DP_ALGORITHM:  # NCCL's rings run every collective
+        return
+    from dtrain.comm.ir.algorithms import names
+
+    for collective in collectives:
+        if algorithm not in names(collective):
+            raise ValueError(f"{flag} {algorithm}: has no {collective.value}, which {why} runs; algorithms with one: "
+                             f"{', '.join([DP_ALGORITHM, *names(collective)])}")  # fmt: skip
+
+
+def _dp_collectives(zero: int, distributed_optimizer: bool):
+    """The data-parallel collectives of ZeRO stage ``zero`` (:data:`dtrain.sim.traffic.ZERO_PHASES`)."""
+    from dtrain.sim.traffic import ZERO_PHASES
+
+    return ZERO_PHASES[2 if distributed_optimizer and zero == 1 else zero]
+
+
+def _check_train_flags(args: argparse.Namespace) -> None:
+    """The flags of ``simulate train`` that its layout would ignore, each refused by name before any simulation."""
+    from dtrain.comm.ir.schedule import Collective
+
+    if args.pp == 1:
+        for flag, given in (("--split-pipeline", args.split_pipeline), ("--synchronous-p2p", args.synchronous_p2p),
+                            ("--overlap-p2p-comm", args.overlap_p2p_comm), ("--balance", args.balance),
+                            ("--embedding-layers", args.embedding_layers)):  # fmt: skip
+            if given:
+                raise ValueError(f"{flag}: needs a pipeline (--pp above 1); --pp 1 has no stages")
+    if args.split_pipeline and args.tp == 1:
+        raise ValueError("--split-pipeline: needs --tp above 1 (each tensor-parallel rank sends 1/tp of the "
+                         "activation)")  # fmt: skip
+    if args.synchronous_p2p and args.overlap_p2p_comm and args.schedule == "interleaved-1f1b":
+        raise ValueError("--synchronous-p2p: not with --overlap-p2p-comm, whose overlapped exchanges take its place "
+                         "under interleaved-1f1b")  # fmt: skip
+    if args.tp_algorithm is not None and args.tp == 1:
+        raise ValueError(f"--tp-algorithm {args.tp_algorithm}: no tensor-parallel group to run it (--tp 1)")
+    if args.split_pipeline:
+        _check_runs("--tp-algorithm", args.tp_algorithm, (Collective.ALL_GATHER,), "--split-pipeline")
+    replicas = args.dp * args.cp  # the data-parallel group: dp x cp ranks (dtrain.sim.model.context_view)
+    if replicas == 1:
+        for flag, given in (("--dp-algorithm", args.dp_algorithm), ("--zero", args.zero),
+                            ("--no-overlap", args.no_overlap), ("--overlap-grad-reduce", args.overlap_grad_reduce),
+                            ("--distributed-optimizer", args.distributed_optimizer),
+                            ("--overlap-param-gather", args.overlap_param_gather)):  # fmt: skip
+            if given:
+                raise ValueError(f"{flag}: no data-parallel group (--dp x --cp is 1) to reduce or shard over")
+    else:
+        optimizer = " with --distributed-optimizer" if args.distributed_optimizer else ""
+        stages = f"ZeRO stage {args.zero}{optimizer}"
+        _check_runs("--dp-algorithm", args.dp_algorithm, _dp_collectives(args.zero, args.distributed_optimizer),
+                    stages)  # fmt: skip
+    if args.no_overlap and (args.pp > 1 or args.zero or args.overlap_grad_reduce):
+        raise ValueError("--no-overlap: the all-reduce overlaps backward only with --pp 1, --zero 0 and no "
+                         "--overlap-grad-reduce; this layout does not overlap it")  # fmt: skip
+    if args.attention_kernel is not None and not (args.kernels == "dtrain" or args.cp > 1):
+        raise ValueError(f"--attention-kernel {args.attention_kernel}: the layout's attention is unfused "
+                         "(Megatron-LM's); flash attention runs with --cp above 1 or --kernels dtrain")  # fmt: skip
+
+
 def _step_config(args: argparse.Namespace, **extra):
     from dtrain.sim.step import StepConfig
 
@@ -582,12 +671,9 @@ def _step_config(args: argparse.Namespace, **extra):
         raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-Core's requirement)")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency}: a share of peak, above 0 and at most 1")
-    from dtrain.sim.step import GROUP_ALGORITHMS
-
-    for flag, algorithm in (("--tp-algorithm", args.tp_algorithm), ("--dp-algorithm", args.dp_algorithm)):
-        if algorithm not in GROUP_ALGORITHMS:
-            raise ValueError(f"{flag} {algorithm}: unknown; known: {', '.join(GROUP_ALGORITHMS)}")
-    return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm, dp_algorithm=args.dp_algorithm,
+    _check_group_algorithms(args)
+    return StepConfig(efficiency=args.efficiency, tp_algorithm=args.tp_algorithm or TP_ALGORITHM,
+                      dp_algorithm=args.dp_algorithm or DP_ALGORITHM,
                       overlap_dp=not args.no_overlap, cost=_software(args), curves=curves,
                       tp_comm_overlap=args.tp_comm_overlap, distributed_optimizer=args.distributed_optimizer,
                       overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
@@ -614,6 +700,8 @@ def _simulate_train(args: argparse.Namespace) -> int:
     if args.overlap_grad_reduce and args.zero not in OVERLAP_GRAD_REDUCE_STAGES:
         raise ValueError("--overlap-grad-reduce: not with --zero 3, whose reduce-scatter and weight all-gathers the "
                          "simulator prices after backward (use --zero 0, 1 or 2)")  # fmt: skip
+    _check_group_algorithms(args)
+    _check_train_flags(args)
     if not 0 <= args.straggler_sigma < math.inf:
         raise ValueError(f"--straggler-sigma {args.straggler_sigma}: must be a finite number >= 0")
     for rank, factor in args.slow_rank:
@@ -713,6 +801,28 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--cp: context-parallel degrees must be >= 1, got {args.cp}")
 
 
+def _check_plan_ignored(args: argparse.Namespace) -> None:
+    """The step flags of ``plan`` that no layout of its search would use, each refused by name."""
+    _check_group_algorithms(args)
+    flash = args.config or args.kernels == "dtrain" or max(args.cp) > 1  # a run config's layouts: flash attention
+    if args.attention_kernel is not None and not flash:
+        raise ValueError(f"--attention-kernel {args.attention_kernel}: the layouts' attention is unfused "
+                         "(Megatron-LM's); flash attention runs with --cp above 1, --kernels dtrain or "
+                         "--config")  # fmt: skip
+    schedules = [name for name, _ in args.schedules or []]
+    if args.overlap_p2p_comm and schedules and "interleaved-1f1b" not in schedules:
+        raise ValueError(f"--overlap-p2p-comm: interleaved-1f1b's exchanges, and --schedules {','.join(schedules)} "
+                         "leaves it out")  # fmt: skip
+    if args.tp_algorithm is not None and (args.max_tp == 1 or args.devices == 1):
+        raise ValueError(f"--tp-algorithm {args.tp_algorithm}: no layout has a tensor-parallel group to run it "
+                         f"({'--max-tp' if args.max_tp == 1 else '--devices'} 1)")  # fmt: skip
+    zero = args.zero or ([0, 1, 2, 3] if args.config else [0, 1])
+    for stage in sorted(set(zero)):
+        stages = f"ZeRO stage {stage}" + (" with --distributed-optimizer" if args.distributed_optimizer else "")
+        _check_runs("--dp-algorithm", args.dp_algorithm, _dp_collectives(stage, args.distributed_optimizer),
+                    f"{stages} (--zero)")  # fmt: skip
+
+
 def _plan(args: argparse.Namespace) -> int:
     _check_plan_flags(args)
     if args.write and not args.config:
@@ -737,10 +847,16 @@ def _plan(args: argparse.Namespace) -> int:
         ):
             if given:
                 raise ValueError(f"{flag}: not with --config (dtrain train does not run it; its plan would not hold)")
+        given = [flag for dest, flag in (*MODEL_FLAGS, ("top", "--top"), ("exhaustive", "--exhaustive"))
+                 if getattr(args, dest) not in (None, False)]  # fmt: skip
+        if given:
+            raise ValueError(f"{', '.join(given)}: not with --config, which plans its own model and the fastest "
+                             "layout dtrain train runs, every layout simulated")  # fmt: skip
     if args.fp8_params and not args.fp8:
         raise ValueError("--fp8-params: needs --fp8 (the weights in 8 bits are for FP8 linear layers)")
     if args.kernels == "dtrain" and args.fp8:
         raise ValueError("--kernels dtrain: dtrain.models runs no FP8 (--fp8)")
+    _check_plan_ignored(args)
     if args.config:
         return _plan_run(args)
     if args.global_batch is None:
@@ -754,6 +870,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     from dtrain.sim.planner import sweep
 
+    if args.top is None:
+        args.top = DEFAULT_TOP
     if args.top < 1:
         raise ValueError(f"--top: plans to show must be >= 1, got {args.top}")
     topo, model = _topology(args), _model(args)

@@ -25,6 +25,12 @@ from dtrain.cli.units import check_finite
 __all__ = ["add_ps_parser", "place_ps"]
 
 PLACEMENTS = ("beside", "apart")
+ROW_BYTES = 256  # --row-bytes' default
+ZIPF = 1.1  # --zipf's default
+
+#: The flags that shape the embedding ids a step draws (dest, flag): refused where it draws none.
+_ID_FLAGS = (("key_space", "--key-space"), ("row_bytes", "--row-bytes"), ("zipf", "--zipf"), ("permute", "--permute"),
+             ("seed", "--seed"), ("hot_keys", "--hot-keys"), ("hot_replicas", "--hot-replicas"))  # fmt: skip
 
 
 def add_ps_parser(sub, parse_bytes) -> argparse.ArgumentParser:
@@ -34,26 +40,29 @@ def add_ps_parser(sub, parse_bytes) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="preset parameter, e.g. racks=2")
     p.add_argument("--workers", help="a count (the first N accelerators) or comma-separated nodes (default: all)")
     p.add_argument("--servers", default="1", help="a count (placed by --server-placement) or comma-separated nodes")
-    p.add_argument("--server-placement", choices=PLACEMENTS, default="beside",
-                   help="beside: CPU 0 of machines spread over the workers'; apart: free machines")  # fmt: skip
+    p.add_argument("--server-placement", choices=PLACEMENTS, default=None,
+                   help="with a count of --servers: beside (the default), CPU 0 of machines spread over the workers'; "
+                        "apart: free machines")  # fmt: skip
     size = p.add_mutually_exclusive_group()
     size.add_argument("--dense-bytes", type=parse_bytes, default=0, help="dense parameters a step, e.g. 20M")
     size.add_argument("--params", type=float, help="dense parameters, e.g. 5e6 (times --bytes-per-param)")
-    p.add_argument("--bytes-per-param", type=int, default=4, help="4 for float32 (the default), 2 for bf16")
+    p.add_argument("--bytes-per-param", type=int, default=None,
+                   help="with --params: 4 for float32 (the default), 2 for bf16")  # fmt: skip
     rows = p.add_mutually_exclusive_group()
     rows.add_argument("--rows-per-worker", type=int, help="embedding ids each worker draws a step")
     rows.add_argument("--batch", type=int, help="examples a step over all workers (with --ids-per-example)")
-    p.add_argument("--ids-per-example", type=int, default=1, help="embedding ids an example looks up")
-    p.add_argument("--key-space", type=int, default=0, help="embedding rows in the table")
-    p.add_argument("--row-bytes", type=int, default=256, help="bytes a row (64 float32: 256)")
-    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids (0: uniform)")
+    p.add_argument("--ids-per-example", type=int, default=None,
+                   help="with --batch: embedding ids an example looks up (default 1)")  # fmt: skip
+    p.add_argument("--key-space", type=int, default=None, help="embedding rows in the table")
+    p.add_argument("--row-bytes", type=int, default=None, help=f"bytes a row (default {ROW_BYTES}: 64 float32)")
+    p.add_argument("--zipf", type=float, default=None, help=f"Zipf exponent of the ids (0: uniform; default {ZIPF})")
     p.add_argument("--permute", action="store_true", help="hash ids over the key space (else popular ids first)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the Zipf draws")
+    p.add_argument("--seed", type=int, default=None, help="seed of the Zipf draws (default 0)")
     p.add_argument("--mode", choices=["sync", "async"], default="sync",
                    help="sync: one step of every worker's push; async: each push a step of its own")  # fmt: skip
     p.add_argument("--replicas", type=int, default=1, help="servers in each shard's chain")
-    p.add_argument("--hot-keys", type=int, default=0, help="most-pulled rows of each server to copy")
-    p.add_argument("--hot-replicas", type=int, default=0, help="other servers each hot row is copied to")
+    p.add_argument("--hot-keys", type=int, default=None, help="most-pulled rows of each server to copy")
+    p.add_argument("--hot-replicas", type=int, default=None, help="other servers each hot row is copied to")
     p.add_argument("--apply-gbyte-per-s", type=float, help="a server's optimizer speed, GB/s (default: free)")
     p.add_argument("--host-gbyte-per-s", type=float,
                    help="a process's speed at sending or receiving a message (serialise, authenticate, copy), GB/s "
@@ -134,12 +143,16 @@ def place_ps(topology, workers: int | list[str] | None, servers: int | list[str]
 def _step(args: argparse.Namespace, topology):
     from dtrain.sim.ps import PSStep
 
-    workers, servers = place_ps(topology, _parse_nodes(args.workers, "--workers"),
-                                _parse_nodes(args.servers, "--servers"), args.server_placement)  # fmt: skip
+    servers = _parse_nodes(args.servers, "--servers")
+    if args.server_placement is not None and isinstance(servers, list):
+        raise ValueError(f"--server-placement {args.server_placement}: places a count of --servers, not the nodes "
+                         "named")  # fmt: skip
+    workers, servers = place_ps(topology, _parse_nodes(args.workers, "--workers"), servers,
+                                args.server_placement or "beside")  # fmt: skip
     if not 1 <= args.replicas <= len(servers):
         raise ValueError(f"--replicas {args.replicas}: servers in each shard's chain, at least 1 and at most the "
                          f"{len(servers)} server(s)")  # fmt: skip
-    if not 0 <= args.hot_replicas < len(servers):
+    if args.hot_replicas is not None and not 0 <= args.hot_replicas < len(servers):
         raise ValueError(f"--hot-replicas {args.hot_replicas}: other servers a hot row is copied to, at least 0 and "
                          f"at most {len(servers) - 1} with {len(servers)} server(s)")  # fmt: skip
     if args.hot_keys and not args.hot_replicas:
@@ -148,30 +161,46 @@ def _step(args: argparse.Namespace, topology):
         raise ValueError(f"--hot-replicas {args.hot_replicas}: needs --hot-keys, the rows of each server to copy")
     if args.params is not None and not 0 <= args.params < math.inf:
         raise ValueError(f"--params must be a finite count >= 0, got {args.params}")
-    dense = args.params * args.bytes_per_param if args.params is not None else float(args.dense_bytes)
+    if args.bytes_per_param is not None and args.params is None:
+        raise ValueError(f"--bytes-per-param {args.bytes_per_param}: sizes --params, not given")
+    bytes_per_param = 4 if args.bytes_per_param is None else args.bytes_per_param
+    dense = args.params * bytes_per_param if args.params is not None else float(args.dense_bytes)
     if not 0 <= dense < math.inf:
         raise ValueError(
             f"the dense model must be a finite size >= 0 (--dense-bytes, --params x --bytes-per-param), got {dense}"
         )
     rows = args.rows_per_worker or 0
+    if args.ids_per_example is not None and args.batch is None:
+        raise ValueError(f"--ids-per-example {args.ids_per_example}: ids an example of --batch looks up; needs "
+                         "--batch")  # fmt: skip
+    ids_per_example = args.ids_per_example or 1
     if args.batch is not None:
-        if args.batch < len(workers) or args.ids_per_example < 1:
-            raise ValueError(f"--batch {args.batch} x --ids-per-example {args.ids_per_example}: need at least one "
+        if args.batch < len(workers) or ids_per_example < 1:
+            raise ValueError(f"--batch {args.batch} x --ids-per-example {ids_per_example}: need at least one "
                              f"example for each of the {len(workers)} workers and one id an example")  # fmt: skip
-        rows = args.batch // len(workers) * args.ids_per_example
+        if args.batch % len(workers):
+            raise ValueError(f"--batch {args.batch}: not a multiple of the {len(workers)} workers (each worker takes "
+                             "an equal share of the examples)")  # fmt: skip
+        rows = args.batch // len(workers) * ids_per_example
     if rows * len(workers) > MAX_ROWS:
         given = "--rows-per-worker" if args.batch is None else "--batch x --ids-per-example"
         raise ValueError(f"{given}: {rows:,} ids for each of {len(workers)} workers; at most {MAX_ROWS:,} ids a step "
                          "are simulated")  # fmt: skip
     if rows and not args.key_space:
         raise ValueError(f"{rows} embedding ids a worker need --key-space (rows in the embedding table)")
+    if not rows:
+        given = [flag for dest, flag in _ID_FLAGS if getattr(args, dest) not in (None, False)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: for embedding ids, and the step draws none (give "
+                             "--rows-per-worker, or --batch, with --key-space)")  # fmt: skip
     if not dense and not rows:
         raise ValueError("nothing to move: give --dense-bytes / --params, or embedding ids (--rows-per-worker or "
                          "--batch with --key-space)")  # fmt: skip
     return PSStep(
-        workers=workers, servers=servers, dense_bytes=dense, rows_per_worker=rows, key_space=args.key_space,
-        row_bytes=args.row_bytes, zipf=args.zipf, permute=args.permute, seed=args.seed, mode=args.mode,
-        replicas=args.replicas, hot_keys=args.hot_keys, hot_replicas=args.hot_replicas,
+        workers=workers, servers=servers, dense_bytes=dense, rows_per_worker=rows, key_space=args.key_space or 0,
+        row_bytes=ROW_BYTES if args.row_bytes is None else args.row_bytes,
+        zipf=ZIPF if args.zipf is None else args.zipf, permute=args.permute, seed=args.seed or 0, mode=args.mode,
+        replicas=args.replicas, hot_keys=args.hot_keys or 0, hot_replicas=args.hot_replicas or 0,
         apply_s_per_byte=1 / (args.apply_gbyte_per_s * 1e9) if args.apply_gbyte_per_s else 0.0,
         host_s_per_byte=1 / (args.host_gbyte_per_s * 1e9) if args.host_gbyte_per_s else 0.0,
     )  # fmt: skip
@@ -200,7 +229,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value > most:
             raise ValueError(f"--{name.replace('_', '-')} {value}: at most {most:,} are simulated")
-    if not 0 <= args.zipf < math.inf:
+    if args.zipf is not None and not 0 <= args.zipf < math.inf:
         raise ValueError(f"--zipf {args.zipf}: the Zipf exponent must be a finite number >= 0 (0: uniform)")
     for name in ("apply_gbyte_per_s", "host_gbyte_per_s"):
         value = getattr(args, name)

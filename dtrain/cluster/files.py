@@ -58,6 +58,8 @@ _LINK_KEYS = {"a", "b", "kind", "count", "gbit_per_s", "gbyte_per_s", "bytes_per
 _RATE_KEYS = ("gbit_per_s", "gbyte_per_s", "bytes_per_s")
 _INT_PARAMS = {"gpus", "gpus_per_server", "gpus_per_pcie_switch", "cpus", "nics", "racks", "servers_per_rack",
                "spines", "pods", "cores", "nvlinks_per_gpu"}  # fmt: skip
+#: The least an integer parameter of [build] takes where it is not 1 (a server may have no NIC)
+_INT_LEAST = {"nics": 0}
 _FLOAT_PARAMS = {"oversubscription", "pod_oversubscription"}
 
 
@@ -178,8 +180,9 @@ class _Reader:
         if key not in PARAMETERS:
             self.fail(where, value, f"unknown parameter; known: preset, {', '.join(PARAMETERS)}")
         field = _ALIASES.get(key, key)
-        if field in _INT_PARAMS and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            self.fail(where, value, "must be a whole number >= 0")
+        least = _INT_LEAST.get(field, 1)
+        if field in _INT_PARAMS and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            self.fail(where, value, f"must be a whole number >= {least}")
         if field in _FLOAT_PARAMS and (not _is_number(value) or value < 1):
             self.fail(where, value, "must be a ratio >= 1 (1 is 1:1, 4 is 1:4)")
         if field in ("nic", "uplink", "pcie", "nvlink", "cpu_link") and value not in LINKS:

@@ -117,3 +117,95 @@ def test_host_times_beside_a_calibration_are_refused(capsys: pytest.CaptureFixtu
 
 def test_more_ranks_than_devices_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--ranks 1000" in refused(capsys, *COLLECTIVE, "--ranks", "1000")
+
+
+TRAIN = ("simulate", "train", "--topology", "h200-4gpu", "--model", "gpt2-xl", "--heads", "32", "--global-batch", "4")
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(("--dp", "4", "--split-pipeline"), "--split-pipeline"),
+     (("--dp", "4", "--synchronous-p2p"), "--synchronous-p2p"),
+     (("--dp", "4", "--overlap-p2p-comm"), "--overlap-p2p-comm"),
+     (("--dp", "4", "--balance", "flops"), "--balance"),
+     (("--dp", "4", "--vocab", "1000", "--embedding-layers", "1"), "--embedding-layers"),
+     (("--pp", "2", "--dp", "2", "--split-pipeline"), "--split-pipeline"),
+     (("--pp", "2", "--dp", "2", "--schedule", "interleaved-1f1b", "--overlap-p2p-comm", "--synchronous-p2p"),
+      "--synchronous-p2p"),
+     (("--dp", "4", "--tp-algorithm", "ring"), "--tp-algorithm"),
+     (("--tp", "2", "--pp", "2", "--split-pipeline", "--tp-algorithm", "one_shot"), "--tp-algorithm one_shot"),
+     (("--tp", "4", "--dp-algorithm", "ring"), "--dp-algorithm"),
+     (("--tp", "4", "--zero", "1"), "--zero"),
+     (("--tp", "4", "--no-overlap"), "--no-overlap"),
+     (("--dp", "2", "--pp", "2", "--no-overlap"), "--no-overlap"),
+     (("--dp", "4", "--zero", "1", "--no-overlap"), "--no-overlap"),
+     (("--dp", "4", "--zero", "1", "--dp-algorithm", "one_shot"), "--dp-algorithm one_shot"),
+     (("--dp", "4", "--attention-kernel", "fa1"), "--attention-kernel"),
+     (("--dp", "4", "--kernels", "megatron-lm", "--attention-kernel", "cudnn"), "--attention-kernel")],
+)  # fmt: skip
+def test_train_flags_the_layout_ignores_are_named(
+    capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], named: str
+) -> None:
+    assert named in refused(capsys, *TRAIN, *flags)
+
+
+def test_plan_flags_no_layout_uses_are_named(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = ("plan", "--topology", "h200-4gpu", "--model", "gpt2-xl", "--global-batch", "8")
+    assert "--attention-kernel" in refused(capsys, *plan, "--attention-kernel", "fa2")
+    assert "--overlap-p2p-comm" in refused(capsys, *plan, "--schedules", "1f1b", "--overlap-p2p-comm")
+    assert "--tp-algorithm" in refused(capsys, *plan, "--max-tp", "1", "--tp-algorithm", "direct")
+    assert "--dp-algorithm one_shot" in refused(capsys, *plan, "--dp-algorithm", "one_shot")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--top", "3"), ("--exhaustive",), ("--model", "gpt2-xl"), ("--layers", "4"), ("--seq", "128"),
+     ("--vocab", "1000"), ("--params", "1e6")],
+)  # fmt: skip
+def test_plan_of_a_run_config_names_the_model_and_search_flags_it_ignores(
+    capsys: pytest.CaptureFixture[str], flags: tuple[str, ...]
+) -> None:
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml")
+    err = refused(capsys, "plan", "--topology", "h100-node", "--config", config, *flags)
+    assert flags[0] in err and "--config" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(("--dense-bytes", "1M", "--key-space", "100"), "--key-space"),
+     (("--dense-bytes", "1M", "--zipf", "1.2"), "--zipf"),
+     (("--dense-bytes", "1M", "--row-bytes", "64"), "--row-bytes"),
+     (("--dense-bytes", "1M", "--permute"), "--permute"),
+     (("--dense-bytes", "1M", "--seed", "3"), "--seed"),
+     (("--dense-bytes", "1M", "--hot-keys", "4", "--hot-replicas", "1"), "--hot-keys"),
+     (("--dense-bytes", "1M", "--ids-per-example", "4"), "--ids-per-example"),
+     (("--rows-per-worker", "8", "--key-space", "100", "--ids-per-example", "4"), "--ids-per-example"),
+     (("--batch", "10", "--key-space", "100"), "--batch 10"),
+     (("--dense-bytes", "1M", "--bytes-per-param", "2"), "--bytes-per-param"),
+     (("--dense-bytes", "1M", "--servers", "s0/cpu0", "--server-placement", "apart"), "--server-placement")],
+)  # fmt: skip
+def test_a_parameter_server_flag_the_step_ignores_is_named(
+    capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], named: str
+) -> None:
+    assert named in refused(capsys, *PS, *flags)  # a second --servers takes the place of PS's
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [("racks=two", "--set racks=two"), ("servers_per_rack=0", "--set servers_per_rack=0"),
+     ("bogus=1", "--set bogus=1"), ("gpudirect_rdma=maybe", "--set gpudirect_rdma=maybe")],
+)  # fmt: skip
+def test_a_preset_setting_out_of_range_names_set(capsys: pytest.CaptureFixture[str], setting: str, named: str) -> None:
+    assert named in refused(capsys, "simulate", "collective", "--topology", "4-rack", "--set", setting, "--bytes", "1M")
+
+
+def test_a_topology_files_racks_are_at_least_one(tmp_path) -> None:
+    from dtrain.cluster.files import loads
+
+    for value in ("'two'", "0"):
+        with pytest.raises(ValueError, match=r"build\.racks = .*whole number >= 1"):
+            loads(f'[build]\npreset = "4-rack"\nracks = {value}\n')
+    with pytest.raises(ValueError, match="servers with no NICs"):  # a server may have no NIC: the builder says why
+        loads('[build]\npreset = "4-rack"\nnics = 0\n')
