@@ -12,6 +12,9 @@ mode's own options where it has any):
   peer-host       host time per step of the peer transport: kernel launch, barrier, eager and replayed calls
   replay-host     where a replayed peer-transport call spends host time (API call, bare replay, eager)
   one-shot        torch's one-pass symmetric-memory all-reduce kernels beside NCCL, auto and direct, 8 KiB-16 MiB
+  one-pass        where the time of a small one-pass all-gather and all-to-all goes
+  exchange-programs the exchange kernel by its program count, beside NCCL's own call
+  channels        peer channels step by step (stream memory operations, a ring of messages), then beside NCCL
   channel-latency a message's device latency on a peer channel, each send engine, beside NCCL (recorded)
   chain-channels  the broadcast as a pipelined chain over peer channels (copy engines), beside NCCL
   direct-broadcast the ring broadcast as copies between the callers' own tensors (CUDA IPC), beside NCCL

@@ -75,7 +75,7 @@ def _add_bench_comm(sub) -> None:
         const="",
         default=None,
         help="also write the measured winners as rules for algorithm='auto' (default path: $DTRAIN_COMM_RULES "
-        "or ~/.cache/dtrain/rules-<device>[-peer].json)",
+        "or ~/.cache/dtrain/rules-<kind>.json, the kind such as cpu, cuda or cuda-peer)",
     )
 
 
