@@ -74,5 +74,5 @@ def test_a_group_of_the_whole_world_in_order_takes_the_world_node_size(pool):
 def test_bench_verify_finds_every_pair_equal_to_torch_distributed_and_a_wrong_one_not(pool):
     """The check people run on a new backend, on Gloo: float32 within its tolerance, integers and booleans exactly;
     an all-reduce made wrong is a failure."""
-    assert pool.run(jobs.bench_verify, 4, [1, 13], ranks=4) == [0] * 4
+    assert pool.run(jobs.bench_verify, 4, [13], ranks=4) == [0] * 4
     assert pool.run(jobs.bench_verify, 4, [13], "ring", ranks=4) == [1] * 4
