@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from dtrain.data.tokenizer import Tokenizer
+from dtrain.files import new_directory
 
 __all__ = [
     "FORMAT",
@@ -251,18 +251,6 @@ def check_out_dir(out: Path) -> None:
         raise ValueError(f"output {out} exists and is not a prepared dataset (choose a new --out or remove it)")
 
 
-def _new_directory(parent: Path, prefix: str, suffix: str = "") -> Path:
-    """A new empty directory in ``parent`` under a name no other has, of the mode the umask gives new directories
-    (``tempfile.mkdtemp`` makes them private to the owner, which the folder renamed into place would stay)."""
-    while True:
-        path = parent / f"{prefix}{uuid.uuid4().hex[:12]}{suffix}"
-        try:
-            path.mkdir()
-        except FileExistsError:
-            continue
-        return path
-
-
 def _val_choice(documents: int, val_fraction: float, seed: int) -> np.ndarray:
     """A boolean mask over the documents: True for the validation split."""
     mask = np.zeros(documents, dtype=bool)
@@ -351,7 +339,7 @@ def build(
     is_val = _val_choice(total, val_fraction, seed)
 
     parent.mkdir(parents=True, exist_ok=True)
-    folder = _new_directory(parent, ".prepare-")
+    folder = new_directory(parent, ".prepare-")
     try:
         writers = {split: _ShardWriter(folder, split, dtype, shard_tokens, hashlib.sha256()) for split in SPLITS}
         index = 0

@@ -14,9 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from dtrain.files import write_atomically
 
 __all__ = ["EOS_TOKENS", "Tokenizer"]
 
@@ -147,15 +148,7 @@ class Tokenizer:
     def save(self, path: str | os.PathLike) -> None:
         """Write ``tokenizer.json`` atomically (a temporary file in the same folder, then ``os.replace``), of the
         mode the umask gives new files."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-        try:
-            with open(tmp, "x", encoding="utf-8") as f:
-                f.write(self.backend.to_str(pretty=True))
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_atomically(path, self.backend.to_str(pretty=True))
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"

@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtrain.files import new_directory, write_atomically
 from dtrain.models.config import CONFIGS, GPT2Config, LlamaConfig, ModelConfig, ModelConfigError, config_fields
 from dtrain.models.decoder import Attention, CausalLM, rope_frequencies
 from dtrain.models.dropout import number_sites
@@ -242,37 +242,13 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def _write_atomically(file: Path, data: bytes) -> None:
-    """``data`` into a new file beside ``file`` (of the mode the umask gives new files), renamed over it."""
-    tmp = file.with_name(f".{file.name}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, file)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _new_directory(parent: Path, prefix: str, suffix: str) -> Path:
-    """A new empty directory in ``parent`` under a name no other has, of the mode the umask gives new directories
-    (``tempfile.mkdtemp`` makes them private to the owner, which the directory renamed into place would stay)."""
-    while True:
-        path = parent / f"{prefix}{uuid.uuid4().hex[:12]}{suffix}"
-        try:
-            path.mkdir()
-        except FileExistsError:
-            continue
-        return path
-
-
 def save_config(config: ModelConfig, directory: str | os.PathLike) -> Path:
     """Write ``directory/config.json`` (atomically) in the form transformers reads; returns its path."""
     directory = Path(directory)
     data = (json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n").encode()
     directory.mkdir(parents=True, exist_ok=True)
     file = directory / CONFIG_NAME
-    _write_atomically(file, data)
+    write_atomically(file, data)
     return file
 
 
@@ -805,7 +781,7 @@ def save_pretrained(
         carried["generation_config.json"] = (json.dumps(settings, indent=2) + "\n").encode()
     parent = directory.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_directory(parent, f".{directory.name}.", ".tmp")
+    tmp = new_directory(parent, f".{directory.name}.", ".tmp")
     old = None
     try:
         _write_weights(tensors, tmp, max_shard_bytes)

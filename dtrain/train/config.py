@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtrain.files import write_atomically
+
 __all__ = [
     "check_out",
     "SECTIONS",
@@ -693,9 +695,7 @@ class TrainConfig:
         if path is not None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, path)
+            write_atomically(path, text)
         return text
 
     @classmethod

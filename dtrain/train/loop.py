@@ -42,6 +42,7 @@ from dtrain.comm.values import all_gather_json
 from dtrain.data.loader import PackedBatches, TokenDataset
 from dtrain.data.tokenizer import Tokenizer
 from dtrain.env import SameOnEveryRank
+from dtrain.files import write_atomically
 from dtrain.launch import (
     OUT_OF_MEMORY,
     last_saved_step,
@@ -762,9 +763,7 @@ def _trim_metrics(out: Path, step: int) -> None:
     lines = path.read_text().splitlines(keepends=True)
     kept = [line for line in lines if line.strip() and _record_step(line) <= step]
     if len(kept) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        write_atomically(path, "".join(kept))
 
 
 def train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
@@ -833,9 +832,7 @@ def _train_rank(config: TrainConfig, plan: RunPlan) -> list[dict[str, Any]]:
                         scored = plan_score([*records, record], config, peak_memory_gib=peak)
                         record |= scored
                         if is_main:
-                            tmp = out / "plan_score.json.tmp"
-                            tmp.write_text(json.dumps(scored, indent=2) + "\n")
-                            os.replace(tmp, out / "plan_score.json")
+                            write_atomically(out / "plan_score.json", json.dumps(scored, indent=2) + "\n")
                 if writer is not None and (done % log.log_every == 0 or done == plan.steps or "eval_loss" in record):
                     writer.write(record)
                 records.append(record)
