@@ -268,8 +268,7 @@ class HybridParallel:
             layer: stage_of_virtual(u, p, placement)[0] for u, cut in enumerate(cuts) for layer in cut
         }
         if p > 1:  # every rank holds the whole model here: each finds a stage with nothing to train alike
-            trained = {self._stage_of_layer[_layer_of(n)] for n, q in model.named_parameters() if q.requires_grad}
-            idle = [stage for stage in range(p) if stage not in trained]
+            idle = _idle_stages(model, self._stage_of_layer, p)
             if idle:
                 raise ValueError(
                     f"HybridParallel: pipeline stage(s) {idle} of {p} hold no parameter that requires grad, so their "
@@ -700,6 +699,17 @@ def _eval_mode(roots: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
+
+
+def _idle_stages(model: nn.Module, stage_of_layer: dict[int, int], stages: int) -> list[int]:
+    """The pipeline stages whose layers hold no parameter that requires grad; a tied parameter counts on every
+    stage holding a copy of it (the head's copy of a tied embedding trains on the last stage)."""
+    trained = {
+        stage_of_layer[_layer_of(name)]
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if param.requires_grad
+    }
+    return [stage for stage in range(stages) if stage not in trained]
 
 
 def _layer_of(name: str) -> int:

@@ -515,6 +515,7 @@ class _Trainer:
                     module.compile()
             if par.tp == 1:  # one fused kernel reads the bf16 logits: no float32 copy of (B, T, V)
                 self.loss_fn = torch.compile(self.loss_fn)
+                self._eval_loss_fn = torch.compile(self._eval_loss_fn)
         self.pipeline, self.optimizer = self.hybrid.pipeline, self.hybrid.optimizer
         sched = config.lr_schedule
         self.lr = lr_schedule(

@@ -211,3 +211,17 @@ def test_a_pipeline_stage_with_nothing_to_train_is_refused_on_every_rank_before_
         layer.requires_grad_(False)
     with pytest.raises(ValueError, match=r"pipeline stage\(s\) \[1\] of 2 hold no parameter that requires grad"):
         HybridParallel(model, _Grid(), lambda named: torch.optim.SGD(named, lr=0.1))
+
+
+def test_the_stage_holding_a_tied_copy_has_something_to_train():
+    """A last stage of frozen blocks still trains the head's copy of a tied embedding."""
+    from dtrain.parallel.hybrid import _idle_stages
+
+    embedding, head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
+    head.weight = embedding.weight
+    model = nn.Sequential(embedding, nn.Linear(2, 2), nn.Linear(2, 2), head)
+    model[1].requires_grad_(False)
+    model[2].requires_grad_(False)
+    assert _idle_stages(model, {0: 0, 1: 0, 2: 1, 3: 1}, 2) == []
+    embedding.weight.requires_grad_(False)
+    assert _idle_stages(model, {0: 0, 1: 0, 2: 1, 3: 1}, 2) == [0, 1]
