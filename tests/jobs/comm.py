@@ -32,6 +32,8 @@ def _input(rank: int, numel: int, dtype: torch.dtype, seed: int, op: str) -> tor
         values = torch.randint(-4, 5, (numel,), generator=g)
     if dtype == torch.uint8:  # sums of up to 8 ranks stay under 256
         values = values.abs()
+    if dtype == torch.bool:  # as many false as true, so that a product (all) and a minimum are not always true
+        values = torch.randint(0, 2, (numel,), generator=g)
     return values.to(dtype)
 
 
@@ -117,13 +119,13 @@ WIDTH_DTYPES = (torch.bool, torch.float16, torch.float32, torch.int64)
 
 
 def _cases(coll: str, world: int, every: bool = True):
-    """(dtype, op, contiguous, root) to try: every dtype with one op, every op with float32 and int64; with
-    ``every`` false, one dtype of each width with one op and every op with float32 (the element-wise kernels are
-    the same on any group, so a larger group checks what its own rounds change)."""
+    """(dtype, op, contiguous, root) to try: every dtype with one op, every op with float32 and int64 (and bool on
+    2 ranks); with ``every`` false, one dtype of each width with one op and every op with float32 (the element-wise
+    kernels are the same on any group, so a larger group checks what its own rounds change)."""
     ops = ("sum", "avg", "prod", "max", "min") if coll in REDUCING else ("sum",)
     roots = sorted({0, world - 1}) if coll in ("broadcast", "reduce", "gather", "scatter") else [0]
     cases = [(dtype, "sum", True, roots[-1]) for dtype in (ALL_DTYPES if every else WIDTH_DTYPES)]
-    op_dtypes = (torch.float32, torch.int64) if every else (torch.float32,)
+    op_dtypes = (torch.float32, torch.int64, *([torch.bool] if world == 2 else [])) if every else (torch.float32,)
     cases += [(dtype, op, True, roots[0]) for op in ops[1:] for dtype in op_dtypes]
     cases += [(torch.float32, ops[-1], False, root) for root in roots]
     return [c for c in cases if not (c[1] == "avg" and not c[0].is_floating_point)]
