@@ -116,9 +116,9 @@ def test_a_size_sweep_ends_at_its_largest_size():
 @pytest.mark.parametrize(
     ("config", "problem"),
     [
-        ({"min_bytes": 0, "max_bytes": 1024}, "min_bytes must be a whole number of bytes >= 1"),  # else no end
-        ({"max_bytes": -1}, "max_bytes must be"),
-        ({"algorithms": ["butterfly", "ring"]}, "algorithms ['butterfly'] run none of all_reduce"),
+        ({"min_bytes": 0, "max_bytes": 1024}, "--min-bytes must be a whole number of bytes >= 1"),  # else no end
+        ({"max_bytes": -1}, "--max-bytes must be"),
+        ({"algorithms": ["butterfly", "ring"]}, "--algorithms ['butterfly'] run none of all_reduce"),
         ({"collectives": ["broadcast"], "algorithms": ["one_shot"]}, "run none of broadcast"),
     ],
 )

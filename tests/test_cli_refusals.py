@@ -317,3 +317,65 @@ def test_emulate_run_checks_the_command_and_out_before_building_anything(area, c
     err = _refused(capsys, [*topology, "--out", str(area / "file"), "--", "bench", "comm"])
     assert err == f"dtrain: error: --out {area / 'file'}: exists and is not a directory\n", err
     assert _contents(area) == UNTOUCHED
+
+
+# -- bench: each refusal names its flag, before any rank starts ------------------------------------------------------
+
+NO_CURVES = "[1, 2]"  # JSON, but no curve file
+
+
+def test_bench_flags_are_named_and_refused_before_any_rank_starts(area, capsys, monkeypatch):
+    import torch
+
+    from dtrain import launch
+
+    monkeypatch.setattr(launch, "start_fork_server", lambda nproc: pytest.fail("a rank was started"))
+    monkeypatch.chdir(area)
+    (area / "list.json").write_text(NO_CURVES)
+    (area / "text.json").write_text("not json")
+    cpu = not torch.cuda.is_available()
+    comm, rules = ["bench", "comm", "--out", "b.jsonl"], ["bench", "calibrate", "--rules", "--out", "r.json"]
+    overlap = ["bench", "overlap", "--out", "o.jsonl"]
+    cases = [
+        ([*comm, "--min-bytes", "8K", "--max-bytes", "1K"], "--min-bytes 8192 is above --max-bytes 1024"),
+        ([*comm, "--min-bytes", "0"], "--min-bytes must be"),
+        ([*comm, "--factor", "1"], "--factor must be"),
+        ([*comm, "--iters", "0"], "--iters must be"),
+        ([*comm, "--trials", "0"], "--trials must be"),
+        ([*comm, "--warmup", "-1"], "--warmup must be"),
+        ([*comm, "--warm-s", "inf"], "--warm-s must be"),
+        ([*comm, "--nproc", "0"], "argument --nproc: expected a whole number >= 1"),
+        ([*comm, "--collectives", ","], "--collectives: none given"),
+        ([*comm, "--algorithms", ""], "--algorithms: none given"),
+        ([*comm, "--collectives", "all_reduce,broadcast,all_reduce"], "--collectives: all_reduce given twice"),
+        ([*comm, "--algorithms", "ring,native,ring"], "--algorithms: ring given twice"),
+        ([*comm, "--iters", "5", "--sizes-iters"], "--iters and --sizes-iters"),
+        (["bench", "verify", "--nproc", "0"], "argument --nproc: expected a whole number >= 1"),
+        (["bench", "calibrate", "--out", "c.json", "--min-bytes", "4K"], "--min-bytes: needs --rules"),
+        (["bench", "calibrate", "--out", "c.json", "--fresh"], "--fresh: needs --rules"),
+        ([*rules, "--repeats", "3"], "--repeats: not with --rules"),
+        ([*rules, "--min-bytes", "8K", "--max-bytes", "1K"], "--min-bytes 8192 is above --max-bytes 1024"),
+        ([*rules, "--rounds", "0"], "--rounds must be"),
+        ([*rules, "--collectives", "all_reduce,all_reduce"], "--collectives: all_reduce given twice"),
+        ([*rules, "--collectives", ","], "--collectives: none given"),
+        ([*overlap, "--seconds", "inf"], "--seconds must be"),
+        ([*overlap, "--collectives", "all-reduce,all-reduce"], "--collectives: all-reduce given twice"),
+        ([*overlap, "--write-curves", "list.json"], "--write-curves list.json: not a compute-curve file"),
+        ([*overlap, "--write-curves", "text.json"], "--write-curves text.json: not JSON"),
+        (["bench", "compute", "--quick", "--write-curves", "text.json"], "--write-curves text.json: not JSON"),
+        (["bench", "pipeline", "--microbatches", "4,x"], "--microbatches: not a whole number: 'x'"),
+        (["bench", "pipeline", "--warmup", "0"], "--warmup must be"),
+        (["bench", "pipeline", "--layers", "1"], "--layers 1"),
+    ]
+    if cpu:  # the CPU's own limits: no CUDA graphs, and the machine's memory
+        cases += [
+            ([*comm, "--graphs"], "--graphs: CUDA graphs need GPUs"),
+            (["bench", "pipeline", "--graphs"], "--graphs: CUDA graphs need GPUs"),
+            ([*comm, "--max-bytes", "1048576G"], "--max-bytes 1125899906842624: "),
+            ([*rules, "--max-bytes", "1048576G"], "--max-bytes 1125899906842624: "),
+            ([*overlap, "--bytes", "1048576G"], "--bytes 1125899906842624: "),
+        ]
+    for argv, said in cases:
+        err = _refused(capsys, argv)
+        assert said in err, (argv, err)
+    assert _contents(area) == ["dir", "file", "list.json", "text.json"]

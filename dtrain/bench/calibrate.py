@@ -15,6 +15,7 @@ from rich.table import Table
 
 from dtrain.comm.cost import model as cost
 from dtrain.comm.cost.calibrate import calibrate
+from dtrain.env import under_torchrun
 from dtrain.launch import rank_device, run_ranks
 
 __all__ = ["run", "calibrate_on_rank", "run_rules", "rules_on_rank", "run_from_arguments"]
@@ -109,19 +110,27 @@ def run_rules(
     rules as a dict (rank 0's)."""
     from dtrain.comm.tune import CALIBRATED
 
-    collectives = tuple(collectives or CALIBRATED)
+    collectives = tuple(CALIBRATED if collectives is None else collectives)
     if transport not in ("torch", "mpi"):
         raise ValueError(f"--transport {transport!r} is not known; use torch or mpi")
-    if factor < 2 or min_bytes < 1 or min_bytes > max_bytes or rounds < 1:
-        raise ValueError(
-            f"need factor >= 2, 1 <= min_bytes <= max_bytes, rounds >= 1; got {factor}, {min_bytes}, {max_bytes}, "
-            f"{rounds}"
-        )
-    from dtrain.bench.comm import BUS_FACTORS
+    if factor < 2:
+        raise ValueError(f"--factor must be >= 2, got {factor}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    if min_bytes < 1:
+        raise ValueError(f"--min-bytes must be a whole number of bytes >= 1, got {min_bytes}")
+    if min_bytes > max_bytes:
+        raise ValueError(f"--min-bytes {min_bytes} is above --max-bytes {max_bytes}")
+    from dtrain.bench.comm import BUS_FACTORS, check_fits, local_ranks, names_given
 
+    names_given("--collectives", collectives)
     unknown = [c for c in collectives if c not in BUS_FACTORS]
     if unknown:
         raise ValueError(f"--collectives: unknown {unknown}; known: {', '.join(BUS_FACTORS)}")
+    if transport != "mpi" and nproc < 1 and not under_torchrun():
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    cpu = transport == "mpi" or not torch.cuda.is_available()
+    check_fits("--max-bytes", max_bytes, 1 if transport == "mpi" else local_ranks(nproc), cpu)
     sizes = []
     size = min_bytes
     while size <= max_bytes:
@@ -180,8 +189,8 @@ def run_from_arguments(args) -> int:
     if not getattr(args, "rules", False):
         run(args.nproc, args.out, args.repeats)
         return 0
-    names = args.collectives.split(",") if isinstance(args.collectives, str) else args.collectives or []
-    collectives = tuple(c.strip() for c in names if c.strip()) or None
+    names = args.collectives.split(",") if isinstance(args.collectives, str) else args.collectives
+    collectives = None if names is None else tuple(c.strip() for c in names if c.strip())
     run_rules(
         args.nproc,
         collectives=collectives,

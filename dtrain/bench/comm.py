@@ -25,6 +25,7 @@ say so. benchmarks/collectives/mpi_vs_gloo.py puts Gloo and MPI side by side in 
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -45,6 +46,8 @@ from dtrain.launch import rank_device, run_ranks
 
 __all__ = [
     "BUS_FACTORS",
+    "check_fits",
+    "names_given",
     "TRANSPORTS",
     "BenchConfig",
     "Sync",
@@ -77,6 +80,43 @@ BUS_FACTORS: dict[str, Callable[[int], float]] = {
     "reduce": lambda w: 1.0,
     "scan": lambda w: 1.0,
 }
+
+
+def names_given(flag: str, names: list[str] | tuple[str, ...]) -> None:
+    """ValueError naming ``flag`` where its list of names is empty or names one twice (a repeat would time the
+    same thing twice, as two rows)."""
+    if not names:
+        raise ValueError(f"{flag}: none given")
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{flag}: {twice} given twice")
+
+
+def memory_bytes() -> int | None:
+    """This machine's memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits(flag: str, nbytes: int, ranks: int, cpu: bool) -> None:
+    """ValueError naming ``flag`` where ``ranks`` ranks on this machine's CPU, each holding a buffer of ``nbytes``,
+    need more than the machine's memory (on GPUs a rank out of device memory stops the run in one line)."""
+    total = memory_bytes() if cpu else None
+    if total is not None and nbytes * ranks > total:
+        raise ValueError(
+            f"{flag} {nbytes}: {ranks} rank(s) on this machine hold a buffer of that many bytes each, more than its "
+            f"{total / 2**30:.1f} GiB of memory"
+        )
+
+
+def local_ranks(nproc: int) -> int:
+    """The ranks a run has on this machine: torchrun's LOCAL_WORLD_SIZE under torchrun, else ``nproc``."""
+    from dtrain.env import under_torchrun
+
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return (int(env) if env.isdigit() else 1) if under_torchrun() else nproc
 
 
 def bus_factor(collective: str, world_size: int) -> float:
@@ -113,24 +153,26 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport {self.transport!r} is not known; use {' or '.join(TRANSPORTS)}")
+            raise ValueError(f"--transport {self.transport!r} is not known; use {' or '.join(TRANSPORTS)}")
+        names_given("--collectives", self.collectives)
         unknown = [c for c in self.collectives if c not in BUS_FACTORS and c != "barrier"]
         if unknown:
-            raise ValueError(f"unknown collectives {unknown}; known: {', '.join([*BUS_FACTORS, 'barrier'])}")
+            raise ValueError(f"--collectives: unknown {unknown}; known: {', '.join([*BUS_FACTORS, 'barrier'])}")
         if self.factor < 2:
-            raise ValueError(f"factor must be >= 2, got {self.factor}")
-        if self.iters < 1 or self.warmup < 0 or self.trials < 1 or not (self.warm_s is None or self.warm_s >= 0):
-            raise ValueError(
-                f"need iters >= 1, trials >= 1, warmup >= 0, warm_s >= 0; got {self.iters}, {self.trials}, "
-                f"{self.warmup}, {self.warm_s}"
-            )
-        for name in ("min_bytes", "max_bytes"):
-            value = getattr(self, name)
+            raise ValueError(f"--factor must be >= 2, got {self.factor}")
+        for flag, value, least in (("--nproc", self.nproc, 1), ("--iters", self.iters, 1),
+                                   ("--trials", self.trials, 1), ("--warmup", self.warmup, 0)):  # fmt: skip
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
+        if not (self.warm_s is None or 0 <= self.warm_s < math.inf):
+            raise ValueError(f"--warm-s must be a finite number of seconds >= 0, got {self.warm_s}")
+        for flag, value in (("--min-bytes", self.min_bytes), ("--max-bytes", self.max_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a whole number of bytes >= 1, got {value!r}")
+                raise ValueError(f"{flag} must be a whole number of bytes >= 1, got {value!r}")
         if self.min_bytes is not None and self.max_bytes is not None and self.min_bytes > self.max_bytes:
-            raise ValueError(f"min_bytes {self.min_bytes} is above max_bytes {self.max_bytes}")
+            raise ValueError(f"--min-bytes {self.min_bytes} is above --max-bytes {self.max_bytes}")
         if self.algorithms is not None:
+            names_given("--algorithms", self.algorithms)
             self._check_algorithms()
         if self.fresh and self.fresh_beside:
             raise ValueError("--fresh and --fresh-beside: --fresh-beside already times fresh tensors, beside the same")
@@ -146,7 +188,7 @@ class BenchConfig:
         unknown = [a for a in self.algorithms if a.partition("@")[0] not in known]
         if unknown:
             raise ValueError(
-                f"algorithms {unknown} run none of {', '.join(self.collectives)}; known: {', '.join(sorted(known))} "
+                f"--algorithms {unknown} run none of {', '.join(self.collectives)}; known: {', '.join(sorted(known))} "
                 "(ours may end in @p2p or @peer)"
             )
 
@@ -166,6 +208,12 @@ class BenchConfig:
 def run(config: BenchConfig) -> list[dict]:
     """Measure on ``config.nproc`` local ranks (or the torchrun job this process is in; with
     ``transport="mpi"``, the mpirun job this process is in); the records."""
+    cpu = config.transport == "mpi" or not torch.cuda.is_available()
+    if config.graphs and cpu:
+        raise ValueError("--graphs: CUDA graphs need GPUs; this run measures on the CPU")
+    ranks = 1 if config.transport == "mpi" else local_ranks(config.nproc)
+    largest = max(config.sizes("cpu" if cpu else "cuda"))
+    check_fits("--max-bytes", largest, ranks, cpu)
     if config.transport == "mpi":
         return bench_on_rank(config)
     return run_ranks(bench_on_rank, config.nproc, config)

@@ -40,7 +40,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["ATTENTION_BACKENDS", "device_key", "grid", "has_fp8", "run", "curves_from_rows", "write_curves"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "device_key",
+    "grid",
+    "has_fp8",
+    "run",
+    "curves_from_rows",
+    "read_curves",
+    "write_curves",
+]
 
 HIDDEN = (4096, 8192, 12288, 16384)
 TOKENS = (2048, 4096, 8192)
@@ -318,14 +327,31 @@ def curves_from_rows(rows: list[dict]) -> dict[str, list[list[float]] | str]:
     return curves
 
 
+def read_curves(path: str | os.PathLike, flag: str = "") -> dict:
+    """The curve file at ``path`` (an empty one where there is none); ValueError, naming ``flag`` and ``path``, where
+    it is not JSON or not a curve file (an object with a ``devices`` table of objects)."""
+    where = f"{flag} {path}" if flag else str(path)
+    path = Path(path)
+    if not path.exists():
+        return {"devices": {}}
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{where}: not JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("devices"), dict):
+        raise ValueError(f"{where}: not a compute-curve file (no 'devices' table)")
+    bad = next((key for key, entry in data["devices"].items() if not isinstance(entry, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{where}: not a compute-curve file (devices.{bad} is not a table)")
+    return data
+
+
 def write_curves(path: str | os.PathLike, key: str, curves: dict, note: str) -> None:
     """Merge ``key``'s curves into the curve file at ``path`` (created if absent), atomically: each kind in
     ``curves`` replaces that kind's curve, the device's other curves stay; ``measured`` names, by kind, what
     measured each curve."""
     path = Path(path)
-    data = json.loads(path.read_text()) if path.exists() else {"devices": {}}
-    if not isinstance(data.get("devices"), dict):
-        raise ValueError(f"{path}: not a compute-curve file (no 'devices' table)")
+    data = read_curves(path)
     entry = dict(data["devices"].get(key, {}))
     measured = entry.pop("measured", {})
     if isinstance(measured, str):  # one note for every curve already there

@@ -29,6 +29,7 @@ alone, ``shm`` (NCCL's shared-memory transport); else ``nvlink`` on GPUs and ``h
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -61,6 +62,9 @@ class OverlapConfig:
         bad = [c for c in self.collectives if c not in COLLECTIVES]
         if bad or not self.collectives:
             raise ValueError(f"--collectives: {', '.join(bad) or 'none given'}; choose from {', '.join(COLLECTIVES)}")
+        twice = next((c for i, c in enumerate(self.collectives) if c in self.collectives[:i]), None)
+        if twice is not None:
+            raise ValueError(f"--collectives: {twice} given twice")
         for flag, value in (("--nproc", self.nproc), ("--bytes", self.nbytes), ("--hidden", self.hidden),
                             ("--tp", self.tp), ("--tokens", self.tokens), ("--rounds", self.rounds)):  # fmt: skip
             if value < 1:
@@ -69,8 +73,8 @@ class OverlapConfig:
             raise ValueError(f"--nproc must be >= 2 (a collective needs a peer), got {self.nproc}")
         if self.hidden % self.tp:
             raise ValueError(f"--hidden {self.hidden} must divide by --tp {self.tp}")
-        if not self.seconds > 0:
-            raise ValueError(f"--seconds must be > 0, got {self.seconds}")
+        if not 0 < self.seconds < math.inf:
+            raise ValueError(f"--seconds must be a finite number > 0, got {self.seconds}")
 
 
 def layer_shapes(hidden: int, tp: int, tokens: int) -> list[tuple[int, int, int]]:
@@ -298,6 +302,9 @@ def overlap_on_rank(config: OverlapConfig, group=None) -> list[dict]:
 
 def run(config: OverlapConfig) -> list[dict]:
     """Measure on ``config.nproc`` local ranks (or the torchrun job this process is in); rank 0's records."""
+    from dtrain.bench.comm import check_fits, local_ranks
+
+    check_fits("--bytes", config.nbytes, local_ranks(config.nproc), cpu=not torch.cuda.is_available())
     return run_ranks(overlap_on_rank, config.nproc, config)
 
 

@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} {path}: its directory does not exist")
         if path:
             check_file_out(flag, path)
+    if args.write_curves:
+        compute.read_curves(args.write_curves, "--write-curves")  # one the run would merge into is a curve file
     _check_device(args.device)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     rows = compute.run(device_name=args.device, quick=args.quick, repeats=args.repeats, warmup=args.warmup,

@@ -7,7 +7,8 @@ import argparse
 import json
 import os
 import tempfile
-from pathlib import Path
+
+from dtrain.cli.units import parse_bytes
 
 __all__ = ["add_parser", "run"]
 
@@ -17,7 +18,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
     p.add_argument("--collectives", default="all-reduce,reduce-scatter,all-gather",
                    help="comma-separated, from all-reduce, reduce-scatter, all-gather (default: all)")  # fmt: skip
-    p.add_argument("--bytes", type=int, default=128 << 20, help="each collective's buffer (default 128 MiB)")
+    p.add_argument("--bytes", type=parse_bytes, default=128 << 20,
+                   help="each collective's buffer, e.g. 4096, 64K, 1M (default 128M)")  # fmt: skip
     p.add_argument("--hidden", type=int, default=12288, help="the layer's hidden width (default 12288)")
     p.add_argument("--tp", type=int, default=4, help="tensor-parallel ranks the layer is split over (default 4)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of a micro-batch (default 2048)")
@@ -42,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} {path}: its directory does not exist")
         if path:
             check_file_out(flag, path)
+    if args.write_curves:
+        from dtrain.bench.compute import read_curves
+
+        read_curves(args.write_curves, "--write-curves")  # one the run would merge into is a curve file
     from dtrain.bench import overlap  # torch, after the flags are checked
 
     config = overlap.OverlapConfig(
@@ -66,12 +72,11 @@ def run(args: argparse.Namespace) -> int:
     if args.write_curves:
         import torch
 
-        from dtrain.bench.compute import device_key, write_curves
+        from dtrain.bench.compute import device_key, read_curves, write_curves
 
         key = device_key(rows[0]["device"])
-        beside = {}  # the other paths' factors stay
-        if os.path.exists(args.write_curves):
-            beside = json.loads(Path(args.write_curves).read_text()).get("devices", {}).get(key, {}).get("beside", {})
+        # the other paths' factors stay
+        beside = read_curves(args.write_curves, "--write-curves")["devices"].get(key, {}).get("beside", {})
         paths = ", ".join(sorted({r["path"] for r in rows}))
         note = f"dtrain bench overlap, {rows[0]['world']} ranks, {paths}, torch {torch.__version__}"
         write_curves(args.write_curves, key, {"beside": {**beside, **overlap.factors(rows)}}, note)

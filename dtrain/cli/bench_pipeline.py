@@ -60,11 +60,22 @@ TORCH_SCHEDULES = {  # ours -> the torch.distributed.pipelining class timed besi
 }
 
 
+def _whole_numbers(text: str) -> list[int]:
+    """A comma-separated list of whole numbers (argparse names the flag where one is not)."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        bad = next(x for x in text.split(",") if not x.strip().lstrip("+-").isdigit())
+        raise argparse.ArgumentTypeError(f"not a whole number: {bad!r} (give them comma-separated, e.g. 4,8)") from None
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("pipeline", help="measure each pipeline schedule's bubble against its theory (and torch's)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
-    p.add_argument("--schedules", type=lambda t: t.split(","), default=list(SCHEDULES), help="comma-separated")
-    p.add_argument("--microbatches", type=lambda t: [int(x) for x in t.split(",")], default=[4, 8])
+    p.add_argument("--schedules", type=lambda t: t.split(","), default=None,
+                   help=f"comma-separated, from {', '.join(SCHEDULES)} (default: each that runs on the stages and "
+                        "--layers)")  # fmt: skip
+    p.add_argument("--microbatches", type=_whole_numbers, default=[4, 8])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
@@ -82,7 +93,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lookahead",
-        type=lambda t: [int(x) for x in t.split(",")],
+        type=_whole_numbers,
         default=None,
         help="comma-separated actions ahead whose receives a stage posts; each a variant (default: the link's own)",
     )
@@ -111,7 +122,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--microbatch-group",
-        type=lambda t: [int(x) for x in t.split(",")],
+        type=_whole_numbers,
         default=[0],
         help="interleaved-1f1b: comma-separated micro-batch groups, each a variant (0: the stages' count, the "
         "default); a group that is not a multiple of the stages or does not divide the micro-batches is skipped",
@@ -132,13 +143,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     if args.batch < 1:
         raise ValueError(f"--batch: must be at least 1, got {args.batch}")
-    bad = [s for s in args.schedules if s not in SCHEDULES]
+    bad = [s for s in args.schedules or () if s not in SCHEDULES]
     if bad:
         raise ValueError(f"--schedules: unknown {', '.join(bad)}; accepted: {', '.join(SCHEDULES)}")
     if any(m < 1 or args.batch % m for m in args.microbatches):
         raise ValueError(f"--microbatches {args.microbatches}: each must be positive and divide --batch {args.batch}")
-    if min(args.layers, args.width, args.warmup, args.steps, args.nproc) < 1:
-        raise ValueError("--layers, --width, --warmup, --steps and --nproc must be at least 1")
+    for flag in ("--layers", "--width", "--warmup", "--steps", "--nproc"):
+        value = getattr(args, flag[2:])
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     bad = [x for x in args.transport if x not in ("auto", "group", "peer")]
     if bad:
         raise ValueError(f"--transport: unknown {', '.join(bad)}; accepted: auto, group, peer")
@@ -158,6 +171,38 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--microbatch-group {args.microbatch_group}: each must be 0 or more")
     if args.lookahead is not None and min(args.lookahead) < 0:
         raise ValueError(f"--lookahead {args.lookahead}: each must be 0 or more")
+    from dtrain.env import under_torchrun
+
+    if not under_torchrun():  # the stages are --nproc ranks: a schedule named that has no case to run is refused
+        from dtrain.parallel.pipeline_schedules import chunks_per_stage
+
+        p = args.nproc
+
+        def runs(name: str) -> str | None:
+            """Why ``name`` runs no case on ``p`` stages (None: it runs)."""
+            chunks = chunks_per_stage(name) * p
+            if args.layers < chunks:
+                return f"--layers {args.layers}: {name} on {p} stages needs at least {chunks} (a layer a chunk)"
+            if name == "interleaved-1f1b" and all(m % p for m in args.microbatches):
+                listed = ",".join(map(str, args.microbatches))
+                return (f"--microbatches {listed}: interleaved-1f1b on {p} stages takes micro-batches in groups of "
+                        f"{p}; none is a multiple of {p}")  # fmt: skip
+            return None
+
+        named = args.schedules is not None
+        reasons = {name: runs(name) for name in (args.schedules if named else SCHEDULES)}
+        if named or all(reasons.values()):
+            why = next((why for why in reasons.values() if why), None)
+            if why:
+                raise ValueError(why)
+        args.schedules = [name for name, why in reasons.items() if not why]
+    elif args.schedules is None:
+        args.schedules = list(SCHEDULES)
+    if args.graphs:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--graphs: CUDA graphs need GPUs; this run measures on the CPU")
     from dtrain.cli.paths import check_dir_out, check_file_out
 
     if args.profile:

@@ -26,7 +26,7 @@ def _names(text: str) -> list[str]:
 
 def _add_bench_comm(sub) -> None:
     p = sub.add_parser("comm", help="time every collective algorithm over a size sweep, next to the cost model")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
+    p.add_argument("--nproc", type=whole(1), default=2, help="local ranks to start (ignored under torchrun)")
     p.add_argument(
         "--collectives",
         type=_names,
@@ -45,7 +45,7 @@ def _add_bench_comm(sub) -> None:
     p.add_argument("--factor", type=int, default=4, help="size step (2 or 4)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--warm-s", type=float, default=None, help="seconds of untimed calls first (default: 1 on GPUs)")
-    p.add_argument("--iters", type=int, default=10, help="calls back to back per timed run")
+    p.add_argument("--iters", type=int, default=None, help="calls back to back per timed run (default 10)")
     p.add_argument("--trials", type=int, default=3, help="timed runs; the median counts")
     p.add_argument("--graphs", action="store_true", help="on GPUs, also time each algorithm as a CUDA graph")
     p.add_argument(
@@ -59,7 +59,12 @@ def _add_bench_comm(sub) -> None:
         action="store_true",
         help="also time each algorithm as NAME+fresh on new tensors every call, in the same rounds",
     )
-    p.add_argument("--sizes-iters", action="store_true", help="on the CPU, fewer calls a timed run for large sizes")
+    p.add_argument(
+        "--sizes-iters",
+        action="store_true",
+        help="instead of --iters: on the CPU fewer calls a timed run for large sizes (10 up to 1 MiB, down to 1 from "
+        "16 MiB), on GPUs 20",
+    )
     p.add_argument("--out", default="runs/bench-comm.jsonl", help="JSON lines; the plot goes beside it as .png")
     p.add_argument(
         "--transport",
@@ -81,11 +86,11 @@ def _add_bench_comm(sub) -> None:
 
 def _add_bench_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="measure alpha, beta, gamma and save them for algorithm='auto'")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
+    p.add_argument("--nproc", type=whole(1), default=2, help="local ranks to start (ignored under torchrun)")
     p.add_argument(
         "--out", default=None, help="default $DTRAIN_CALIBRATION or ~/.cache/dtrain/calibration-<device>.json"
     )
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=whole(1), default=None, help="without --rules: timed calls a size (default 10)")
     p.add_argument(
         "--rules",
         action="store_true",
@@ -93,18 +98,43 @@ def _add_bench_calibrate(sub) -> None:
         "per-machine rules algorithm='auto' follows",
     )
     p.add_argument("--collectives", type=_names, default=None, help="with --rules: comma-separated (default: five)")
-    p.add_argument("--min-bytes", type=parse_bytes, default=1 << 10, help="with --rules (default 1K)")
-    p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20, help="with --rules (default 64M)")
-    p.add_argument("--factor", type=int, default=4, help="with --rules: size step")
-    p.add_argument("--rounds", type=int, default=3, help="with --rules: interleaved rounds")
+    p.add_argument("--min-bytes", type=parse_bytes, default=None, help="with --rules (default 1K)")
+    p.add_argument("--max-bytes", type=parse_bytes, default=None, help="with --rules (default 64M)")
+    p.add_argument("--factor", type=int, default=None, help="with --rules: size step (default 4)")
+    p.add_argument("--rounds", type=int, default=None, help="with --rules: interleaved rounds (default 3)")
     p.add_argument("--fresh", action="store_true", help="with --rules: new tensors every call")
     p.add_argument("--records-out", default=None, help="with --rules: every timing as JSON lines")
-    p.add_argument("--transport", choices=("torch", "mpi"), default="torch", help="with --rules: torch or mpi group")
+    p.add_argument(
+        "--transport", choices=("torch", "mpi"), default=None, help="with --rules: torch (the default) or mpi group"
+    )
+
+
+#: ``dtrain bench calibrate``'s flags that only ``--rules`` reads, and the values they stand for when not given.
+RULES_FLAGS = {"collectives": None, "min_bytes": 1 << 10, "max_bytes": 64 << 20, "factor": 4, "rounds": 3,
+               "fresh": False, "records_out": None, "transport": "torch"}  # fmt: skip
+
+
+def _check_calibrate_flags(args: argparse.Namespace) -> None:
+    """``bench calibrate``'s flags for one mode given to the other are refused (not ignored); those not given take
+    their defaults."""
+    if not args.rules:
+        given = [name for name in RULES_FLAGS if getattr(args, name) not in (None, False)]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            what = " (the records are the rules calibration's timings)" if given[0] == "records_out" else ""
+            raise ValueError(f"{flag}: needs --rules{what}")
+        args.repeats = 10 if args.repeats is None else args.repeats
+        return
+    if args.repeats is not None:
+        raise ValueError("--repeats: not with --rules (its rounds are --rounds)")
+    for name, default in RULES_FLAGS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def _add_bench_verify(sub) -> None:
     p = sub.add_parser("verify", help="check every collective algorithm against torch.distributed on this group")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
+    p.add_argument("--nproc", type=whole(1), default=2, help="local ranks to start (ignored under torchrun)")
 
 
 def _add_train(commands) -> None:
@@ -207,8 +237,6 @@ def _check_bench_outputs(args: argparse.Namespace) -> None:
         if args.records_out:
             check_file_out("--records-out", args.records_out)
         return
-    if args.records_out:
-        raise ValueError("--records-out: needs --rules (the records are the rules calibration's timings)")
     out = args.out or env.calibration
     if out:
         check_file_out("--out", out)
@@ -229,6 +257,8 @@ def _check_mpi_world(command: str) -> None:
 
 
 def _bench_comm(args: argparse.Namespace) -> int:
+    if args.iters is not None and args.sizes_iters:
+        raise ValueError("--iters and --sizes-iters: --sizes-iters sets the calls a timed run by size; give one")
     _check_bench_outputs(args)
     if args.transport == "mpi":
         _check_mpi_world("comm")
@@ -242,7 +272,7 @@ def _bench_comm(args: argparse.Namespace) -> int:
         factor=args.factor,
         warmup=args.warmup,
         warm_s=args.warm_s,
-        iters=args.iters,
+        iters=10 if args.iters is None else args.iters,
         trials=args.trials,
         graphs=args.graphs,
         out=args.out,
@@ -389,6 +419,7 @@ def _run(args: argparse.Namespace) -> int:
 
         failures = run_ranks(_verify_rank, args.nproc)
         return 0 if failures == 0 else 1
+    _check_calibrate_flags(args)
     _check_bench_outputs(args)
     if args.rules and args.transport == "mpi":
         _check_mpi_world("calibrate --rules")
