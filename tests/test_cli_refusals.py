@@ -379,3 +379,14 @@ def test_bench_flags_are_named_and_refused_before_any_rank_starts(area, capsys, 
         err = _refused(capsys, argv)
         assert said in err, (argv, err)
     assert _contents(area) == ["dir", "file", "list.json", "text.json"]
+
+
+def test_bench_comm_names_a_rules_file_auto_cannot_read_before_any_rank_starts(area, capsys, monkeypatch):
+    from dtrain import launch
+
+    monkeypatch.setattr(launch, "start_fork_server", lambda nproc: pytest.fail("a rank was started"))
+    (area / "rules.json").write_text("not json")
+    monkeypatch.setenv("DTRAIN_COMM_RULES", str(area / "rules.json"))
+    err = _refused(capsys, ["bench", "comm", "--algorithms", "auto", "--out", str(area / "b.jsonl")])
+    assert err.startswith(f"dtrain: error: DTRAIN_COMM_RULES: {area / 'rules.json'}: not a dtrain rules file"), err
+    assert _contents(area) == ["dir", "file", "rules.json"]

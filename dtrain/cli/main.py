@@ -262,6 +262,15 @@ def _bench_comm(args: argparse.Namespace) -> int:
     _check_bench_outputs(args)
     if args.transport == "mpi":
         _check_mpi_world("comm")
+    rules = CommEnv.from_env().rules
+    timed = args.algorithms is None or any(a.partition("@")[0] == "auto" for a in args.algorithms)
+    if rules is not None and timed:  # the file auto follows, read before any rank starts (ranks would skip auto)
+        from dtrain.comm.cost.rules import load_rules
+
+        try:
+            load_rules("", rules)
+        except ValueError as err:
+            raise ValueError(f"DTRAIN_COMM_RULES: {err}") from None
     from dtrain.bench import comm as bench_comm
 
     config = bench_comm.BenchConfig(
