@@ -126,6 +126,11 @@ class SameOnEveryRank(ValueError):
     configuration, files): each rank raises it, and the command line says it once a node (:func:`says_refusals`)."""
 
 
+#: Seconds a torchrun rank that leaves a :class:`SameOnEveryRank` refusal to its node's first rank waits before it
+#: exits: torchrun stops every rank once one has ended, which could cut the first rank short of its line.
+QUIET_REFUSAL_WAIT_S = 5.0
+
+
 def says_refusals() -> bool:
     """Whether this process prints a :class:`SameOnEveryRank` refusal: every process but a torchrun job's ranks
     other than a node's first (``LOCAL_RANK`` 0), which exit with the same status without a word."""

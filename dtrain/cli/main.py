@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -375,10 +376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = _run(build_parser().parse_args(argv))
     except ValueError as exc:  # bad input: one line on stderr, where it never mixes with --json output
         _ended(argv)
-        from dtrain.env import SameOnEveryRank, says_refusals
+        from dtrain import env
 
-        if not isinstance(exc, SameOnEveryRank) or says_refusals():  # under torchrun, once a node
+        if not isinstance(exc, env.SameOnEveryRank) or env.says_refusals():  # under torchrun, once a node
             print(f"dtrain: error: {exc}", file=sys.stderr)
+        else:  # the node's first rank says it; torchrun stops the job as soon as this rank ends, so this one waits
+            if argv is None:  # the dtrain command: torchrun's SIGTERM, once that rank has ended, ends this one too
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(env.QUIET_REFUSAL_WAIT_S)
         return 2
     except OSError as exc:  # a path that cannot be read or written (a file where a folder should be, no room): named
         _ended(argv)

@@ -263,6 +263,7 @@ def test_a_refusal_under_torchrun_is_said_by_a_nodes_first_rank_alone(tmp_path, 
     """Every rank of a torchrun job reads the same flags and files and refuses alike; the first of a node says it."""
     for name, value in (("RANK", local_rank), ("WORLD_SIZE", "2"), ("LOCAL_RANK", local_rank)):
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr("dtrain.env.QUIET_REFUSAL_WAIT_S", 0.0)
     for flags in (["--seed", str(2**64)], ["--seq-len", "4096"]):  # a flag's check, then the run's
         assert main(["train", "--out", str(tmp_path / "run"), *flags]) == 2
         printed = capsys.readouterr()
