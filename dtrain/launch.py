@@ -50,6 +50,7 @@ from dtrain.workers import start_fork_server
 __all__ = [
     "KILL_ENV",
     "OUT_OF_MEMORY",
+    "HOST_OUT_OF_MEMORY",
     "init_rank",
     "last_saved_step",
     "mark_saved",
@@ -239,6 +240,10 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
             return fn(*args)
         except OUT_OF_MEMORY as err:  # what runs does not fit the device: no restart mends it either
             raise ValueError(out_of_memory_line(err)) from None
+        except RuntimeError as err:
+            if HOST_OUT_OF_MEMORY not in str(err):
+                raise
+            raise ValueError(out_of_memory_line(err)) from None  # nor the host's memory
     except ValueError as err:
         with contextlib.suppress(Exception):  # a store that is gone cannot carry it to a later attempt
             store.set(_FATAL_KEY, str(err))
@@ -280,11 +285,18 @@ def _rank_main(fn: Callable[..., Any], *args: Any) -> Any:
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
+#: What torch's CPU allocator says where the host has no memory left for a tensor (a ``RuntimeError``).
+HOST_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
+
+
 def out_of_memory_line(err: BaseException) -> str:
     """One line for a rank that ran out of device memory: the rank and the allocator's first three sentences
-    (CUDA's: what ran out, how much was asked for, how much the device has free)."""
+    (CUDA's: what ran out, how much was asked for, how much the device has free); for host memory, the CPU
+    allocator's words from what it could not allocate."""
     first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
     rank = f"rank {dist.get_rank()}" if dist.is_initialized() else "a rank"
+    if HOST_OUT_OF_MEMORY in first:
+        return f"{rank} ran out of host memory ({first[first.index(HOST_OUT_OF_MEMORY) :]})"
     return f"{rank} ran out of device memory ({'. '.join(first.split('. ')[:3]).rstrip('.')})"
 
 

@@ -29,13 +29,20 @@ OUT_OF_MEMORY = (
 )
 
 
-def out_of_memory_on_rank1(log: str) -> float:
-    """Rank 1 runs out of device memory at once (the allocator's error); rank 0 waits for it in an all-reduce.
-    Each attempt is logged."""
+#: What torch's CPU allocator raises (a RuntimeError), as torch words it
+HOST_OUT_OF_MEMORY = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    "281474976710656 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
+def out_of_memory_on_rank1(log: str, host: bool = False) -> float:
+    """Rank 1 runs out of device memory (``host``: of host memory) at once, the allocator's error; rank 0 waits for
+    it in an all-reduce. Each attempt is logged."""
     with open(Path(log), "a") as f:
         f.write(f"attempt {restart_count()} rank {dist.get_rank()}\n")
     if dist.get_rank() == 1:
-        raise torch.OutOfMemoryError(OUT_OF_MEMORY)
+        raise RuntimeError(HOST_OUT_OF_MEMORY) if host else torch.OutOfMemoryError(OUT_OF_MEMORY)
     t = torch.ones(2)
     dist.all_reduce(t)
     return t.sum().item()

@@ -204,6 +204,15 @@ def test_a_rank_out_of_device_memory_ends_the_job_in_one_line_not_restarted(tmp_
     assert {line.split()[1] for line in log.read_text().splitlines()} == {"0"}, log.read_text()
 
 
+def test_a_rank_out_of_host_memory_ends_the_job_in_one_line_not_restarted(tmp_path):
+    log = tmp_path / "attempts.txt"
+    with pytest.raises(ValueError) as raised:
+        run_ranks(jobs.out_of_memory_on_rank1, 2, str(log), True, max_restarts=3)
+    said = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 281474976710656 bytes. Error code 12"
+    assert str(raised.value) == f"rank 1 ran out of host memory ({said} (Cannot allocate memory))"
+    assert {line.split()[1] for line in log.read_text().splitlines()} == {"0"}, log.read_text()
+
+
 def test_dtrain_train_says_what_needs_less_memory(monkeypatch):
     import torch
 
